@@ -1,0 +1,64 @@
+# raychat: the two front-door commands are `make speedrun` and `make test`.
+# Each creates (or refreshes) .venv inside the repo, installs torch and the project, then runs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+# CPU default. On a CUDA machine: make speedrun TORCH_SPEC=torch==2.13.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+PRESET ?= cpu
+EXTRAS ?= test
+PIP := $(VENV)/bin/pip
+RUN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(EXTRAS)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: venv speedrun test test-fast lint format corpus-deps test-deps lock clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=24"
+	$(PIP) install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	touch $@
+
+venv: $(STAMP)
+
+# Debian packages that hold the default corpus and task data (real text, see README "Data").
+CORPUS_DEBS := python3.11-doc wordnet-base wamerican
+# ... and what the tests drive: headless Chromium for the chat page test.
+TEST_DEBS := $(CORPUS_DEBS) chromium chromium-driver
+
+corpus-deps:
+	@dpkg -s $(CORPUS_DEBS) >/dev/null 2>&1 || \
+	  ( $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(CORPUS_DEBS) )
+
+test-deps:
+	@dpkg -s $(TEST_DEBS) >/dev/null 2>&1 || \
+	  ( $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(TEST_DEBS) )
+
+speedrun: $(STAMP) corpus-deps
+	$(RUN)/raychat speedrun --preset $(PRESET)
+
+lint: $(STAMP)
+	$(RUN)/ruff check .
+	$(RUN)/ruff format --check .
+
+format: $(STAMP)
+	$(RUN)/ruff format .
+	$(RUN)/ruff check --fix .
+
+# Full suite: lint, fast tier, Ray integration tier.
+test: lint test-deps
+	$(RUN)/pytest -q
+
+# Fast tier only (a few minutes): no Ray cluster, no slow tests.
+test-fast: lint
+	$(RUN)/pytest -q -m "not ray and not slow"
+
+# Regenerate constraints.txt from the current venv (after a tested upgrade).
+lock: $(STAMP)
+	$(PIP) freeze --exclude-editable | grep -v '^torch==' > constraints.txt
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,218 @@
+"""`raychat inspect-batch`: print canary samples token by token, exactly as the trainer would see them.
+
+For each canary (short text, empty fields, multi-turn tool use, Unicode, code, an over-long conversation
+and a packed multi-sample row) the conversation is rendered by the chat template, truncated to the row
+length, packed (one per row; the "packed" canary puts several samples in one row by best fit) and passed
+through raychat.masks.make_batch. One line per row position:
+
+    pos  id  text  role  seg  position  visible  label
+
+text/label are the decoded token and target (repr); role comes from the template; seg/position are
+segment_ids/position_ids; visible is the range of keys the position may attend to (from the
+document mask: causal AND same segment); label is "-" where loss_mask is False. The row's last token is
+only a label (rows hold T+1 tokens).
+
+Tokenizer: --tokenizer PATH (a tokenizer.json or its directory). Without it, a small BPE tokenizer
+(vocabulary up to --vocab-size) is trained on the fly on the canary texts, so the command runs anywhere;
+its token boundaries then differ from a real run's, the masks and rules do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from raychat.chat_template import TEMPLATE_VERSION, messages_of, render_conversation
+from raychat.data.sample_packing import PackItem, SamplePacker, rows_to_batch, stack_rows
+from raychat.masks import document_causal_mask
+from raychat.tokenizer import Tokenizer
+
+PACKED_MEMBERS = ("short", "unicode", "code")
+
+
+def canary_conversations() -> dict[str, dict]:
+    """The canary conversations by name (the "packed" canary reuses short, unicode and code)."""
+    turn = [
+        {"role": "user", "content": "Tell me about turn {k} of this long chat, with some detail please."},
+        {"role": "assistant", "content": "Turn {k}: nothing much happened, but thank you for asking twice."},
+    ]
+    long_messages = [{"role": "system", "content": "You are terse."}]
+    for k in range(12):
+        long_messages += [{"role": m["role"], "content": m["content"].format(k=k)} for m in turn]
+    return {
+        "short": {
+            "id": "canary/short",
+            "messages": [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."}],
+        },
+        "empty": {
+            "id": "canary/empty",
+            "messages": [
+                {"role": "system", "content": ""},
+                {"role": "user", "content": ""},
+                {"role": "assistant", "content": ""},
+            ],
+        },
+        "tool_use": {
+            "id": "canary/tool_use",
+            "messages": [
+                {"role": "system", "content": "Use the calculator."},
+                {"role": "user", "content": "What is 12 * 34?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "Computing. "},
+                        {"type": "python", "text": "12 * 34"},
+                    ],
+                },
+                {"role": "tool", "content": "408"},
+                {"role": "assistant", "content": "#### 408"},
+                {"role": "user", "content": "And plus 2?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "python", "text": "408 + 2"},
+                        {"type": "python_output", "text": "410"},
+                        {"type": "text", "text": "#### 410"},
+                    ],
+                },
+            ],
+        },
+        "unicode": {
+            "id": "canary/unicode",
+            "messages": [
+                {"role": "user", "content": "Ça va? 日本語 🙂 naïve"},
+                {"role": "assistant", "content": "Très bien 👍 — ありがとう"},
+            ],
+        },
+        "code": {
+            "id": "canary/code",
+            "messages": [
+                {"role": "user", "content": "Fix: def f(x):\n\treturn x  # <|assistant_end|>"},
+                {"role": "assistant", "content": "def f(x):\n    return x + 1\n"},
+            ],
+        },
+        "overlong": {"id": "canary/overlong", "messages": long_messages},
+        "overlong_turn": {
+            "id": "canary/overlong_turn",
+            "messages": [
+                {"role": "user", "content": "Repeat after me. " * 200},
+                {"role": "assistant", "content": "No."},
+            ],
+        },
+    }
+
+
+def canary_texts() -> list[str]:
+    texts = []
+    for conv in canary_conversations().values():
+        for m in messages_of(conv):
+            c = m["content"]
+            texts.append(c if isinstance(c, str) else "".join(p["text"] for p in c))
+    return texts
+
+
+def inspect_canaries(tokenizer: Tokenizer, row_len: int, names: list[str] | None = None) -> str:
+    """The full report as text (see the module docstring)."""
+    convs = canary_conversations()
+    names = names or [*convs, "packed"]
+    out = [f"template {TEMPLATE_VERSION}  tokenizer {tokenizer.version}  row_len {row_len} (T={row_len - 1})"]
+    for name in names:
+        members = PACKED_MEMBERS if name == "packed" else (name,)
+        rendered = {
+            convs[m]["id"]: render_conversation(tokenizer, convs[m], max_tokens=row_len) for m in members
+        }
+        out.append(f"\n=== canary {name} ===")
+        for sid, r in rendered.items():
+            out.append(
+                f"{sid}: {len(r)} tokens, {r.num_targets} targets, truncation {r.truncation.to_dict()}"
+            )
+        items = [PackItem.from_rendered(sid, r) for sid, r in rendered.items() if not r.dropped]
+        if not items:
+            out.append("dropped: not trained on")
+            continue
+        packer = SamplePacker.from_items(
+            items, row_len, tokenizer.bos_id, mode="bestfit" if name == "packed" else "pad"
+        )
+        for row in packer:
+            out.append(format_row(tokenizer, row, rendered))
+    return "\n".join(out)
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """repr of the token's text; bytes that are not whole UTF-8 characters are shown as a bytes literal."""
+    raw = tokenizer.decode_bytes([token_id])
+    try:
+        return repr(raw.decode("utf-8"))[:22]
+    except UnicodeDecodeError:
+        return repr(raw)[:22]
+
+
+def format_row(tokenizer: Tokenizer, row: dict, rendered: dict) -> str:
+    """Table of one packed row; `rendered` maps sample id -> RenderedConversation (for the roles)."""
+    L = len(row["input_ids"])
+    roles = ["pad"] * L
+    for sid, off in zip(row["sample_ids"], row["segment_offsets"]):
+        r = rendered[sid]
+        roles[off : off + len(r)] = r.roles
+    batch = rows_to_batch(stack_rows([row]), tokenizer.bos_id)
+    mask = document_causal_mask(batch["segment_ids"])[0, 0]
+    ids = row["input_ids"].tolist()
+    lines = [
+        f"row: samples {row['sample_ids']} at offsets {row['segment_offsets'].tolist()}, "
+        f"{row['num_targets']} targets",
+        f"{'pos':>4} {'id':>5}  {'text':<22} {'role':<9} {'seg':>3} {'position':>8} {'visible':>9}  label",
+    ]
+    n_pad = roles.count("pad")
+    for i in range(L):
+        text = token_text(tokenizer, ids[i])
+        if roles[i] == "pad" and 0 < i < L - 1 and roles[i - 1] == "pad":
+            if roles[i - 2] != "pad":
+                lines.append(f"   ... {n_pad - 2} more padding positions (same segment, label -)")
+            continue
+        if i == L - 1:
+            lines.append(
+                f"{i:>4} {ids[i]:>5}  {text:<22} {roles[i]:<9} {int(row['segment_ids'][i]):>3} {'':>8} {'':>9}  (label only)"
+            )
+            continue
+        keys = torch.nonzero(mask[i]).flatten().tolist()
+        visible = (
+            f"{keys[0]}..{keys[-1]}" if keys == list(range(keys[0], keys[-1] + 1)) else f"{len(keys)} keys"
+        )
+        label = token_text(tokenizer, int(batch["labels"][0, i])) if batch["loss_mask"][0, i] else "-"
+        lines.append(
+            f"{i:>4} {ids[i]:>5}  {text:<22} {roles[i]:<9} {int(batch['segment_ids'][0, i]):>3} "
+            f"{int(batch['position_ids'][0, i]):>8} {visible:>9}  {label}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tokenizer:
+        tokenizer = Tokenizer.load(args.tokenizer)
+    else:
+        tokenizer = Tokenizer.train(canary_texts() * 4, vocab_size=args.vocab_size)
+        print(f"(no --tokenizer: trained a {tokenizer.vocab_size}-token BPE on the canary texts)")
+    print(inspect_canaries(tokenizer, args.row_len, args.canary))
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "inspect-batch",
+        help="print canary SFT samples per token: text, role, segment, position, attention span, label",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--tokenizer", default="", help="tokenizer.json or its directory (default: train a small one)"
+    )
+    p.add_argument("--row-len", type=int, default=128, help="row length T+1 in tokens (default 128)")
+    p.add_argument("--vocab-size", type=int, default=512, help="vocabulary of the on-the-fly tokenizer")
+    p.add_argument(
+        "--canary",
+        action="append",
+        choices=[*canary_conversations(), "packed"],
+        help="canary to print (repeatable; default: all)",
+    )
+    p.set_defaults(func=run)

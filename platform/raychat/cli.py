@@ -1,0 +1,65 @@
+"""The `raychat` console command. Each subcommand lives beside the code it runs.
+
+A command module exposes `add_cli(subparsers)`, which adds its subcommand(s) and sets `func` (a callable
+taking the parsed args and returning an exit code or None).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (module, short description shown when the module cannot be imported)
+COMMAND_MODULES = [
+    "raychat.speedrun",
+    "raychat.data.prepare",
+    "raychat.tokenizer_cli",
+    "raychat.train.pretrain",
+    "raychat.train.sft",
+    "raychat.rl.loop",
+    "raychat.eval.cli",
+    "raychat.engine.cli",
+    "raychat.serve.cli",
+    "raychat.export.hf",
+    "raychat.chat.inspect_batch",
+    "raychat.ops.submit",
+    "raychat.ops.k8s",
+    "raychat.ops.grafana",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="raychat",
+        description="raychat: text -> tokens -> rows -> model -> checkpoint -> engine -> endpoint, on Ray.",
+        epilog="Run `raychat <command> --help` for the flags of one command.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:  # not built yet
+                continue
+            raise
+        module.add_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        rc = args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

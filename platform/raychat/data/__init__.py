@@ -1,0 +1,1 @@
+"""Data: corpora -> parquet shards -> tokens -> packed rows."""

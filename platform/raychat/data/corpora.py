@@ -1,0 +1,277 @@
+"""Where the documents come from: the default Debian corpus, or a local folder of text files.
+
+A corpus is a list of documents (str) in a deterministic order, plus what was skipped and why. Nothing is
+dropped silently: every document that is not kept is counted under a reason in `Skips`.
+
+Default corpus ("debian-docs"), real human-written English installable on Debian/Ubuntu:
+  - python3.11-doc: the reST sources of the Python 3.11 documentation (PSF-2.0), cleaned of markup by
+    `rst_clean` and split at section titles (sections shorter than MIN_SECTION_CHARS are joined to the next).
+  - wordnet-base: the WordNet 3.0 glosses (WordNet 3.0 license, Princeton), one line per synset
+    ("lemma, lemma (pos): gloss"), GLOSSES_PER_DOCUMENT consecutive synsets per document.
+  Install: `sudo apt-get install -y python3.11-doc wordnet-base` (or `make corpus-deps`).
+
+Local folder: every *.txt, *.md, *.rst file is one document (kept verbatim); every line of a *.jsonl file
+is one document (its "text" field); every row of a *.parquet file is one document (its `text` column).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raychat.data.rst_clean import clean_rst, split_sections
+from raychat.data.shards import DataError
+
+PYTHON_DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
+WORDNET_DIR = Path("/usr/share/wordnet")
+APT_INSTALL = "sudo apt-get install -y python3.11-doc wordnet-base"
+MIN_SECTION_CHARS = 500
+GLOSSES_PER_DOCUMENT = 50
+TEXT_SUFFIXES = (".txt", ".md", ".rst")
+WORDNET_FILES = ("noun", "verb", "adj", "adv")  # /usr/share/wordnet/data.<name>
+EXAMPLES_PER_REASON = 5
+
+
+class CorpusNotInstalled(DataError):
+    """A Debian package of the default corpus is missing (the message gives the apt-get command)."""
+
+
+class Skips:
+    """Counts of skipped documents by reason, with the first few places (file, line/row) of each reason."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.examples: dict[str, list[str]] = {}
+
+    def add(self, reason: str, where: str, n: int = 1) -> None:
+        self.counts[reason] += n
+        examples = self.examples.setdefault(reason, [])
+        if len(examples) < EXAMPLES_PER_REASON:
+            examples.append(where)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+@dataclass
+class Corpus:
+    """Documents in a deterministic order (not yet shuffled) and where they came from.
+
+    components: one dict per sub-source (name, license, path, package version, documents, bytes).
+    """
+
+    source: str
+    license: str
+    documents: list[str]
+    skips: Skips = field(default_factory=Skips)
+    components: list[dict] = field(default_factory=list)
+
+
+def keep(text: str, where: str, documents: list[str], skips: Skips) -> None:
+    """Append `text` to documents unless it is empty or whitespace only (then count a skip)."""
+    if text.strip():
+        documents.append(text)
+    else:
+        skips.add("empty", where)
+
+
+def debian_version(package: str) -> str | None:
+    """The installed version of a Debian package (dpkg-query), or None where dpkg is not available."""
+    try:
+        out = subprocess.run(
+            ["dpkg-query", "-W", "-f", "${Version}", package], capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def require(path: Path, package: str) -> None:
+    if not path.is_dir():
+        raise CorpusNotInstalled(
+            f"the default corpus needs the Debian package {package} ({path} is missing); "
+            f"install it with: {APT_INSTALL}   (or: make corpus-deps)"
+        )
+
+
+def python_docs(root: Path = PYTHON_DOCS_DIR, skips: Skips | None = None) -> list[str]:
+    """Cleaned sections of the Python documentation reST sources under `root` (files sorted by path).
+
+    Raises:
+        CorpusNotInstalled: `root` does not exist.
+    """
+    require(root, "python3.11-doc")
+    skips = skips if skips is not None else Skips()
+    documents: list[str] = []
+    for path in sorted(root.rglob("*.txt")):
+        name = str(path.relative_to(root))
+        try:
+            source = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            skips.add("invalid_utf8", name)
+            continue
+        file_docs, pending = [], ""
+        for section in split_sections(source):
+            pending = (pending + "\n\n" + clean_rst(section)).strip()
+            if len(pending) >= MIN_SECTION_CHARS:
+                file_docs.append(pending)
+                pending = ""
+        if pending and file_docs:  # a short last section joins the one before it
+            file_docs[-1] += "\n\n" + pending
+        elif pending:
+            file_docs.append(pending)
+        if not file_docs:  # e.g. a page that is only a table of contents
+            skips.add("empty", name)
+        documents += file_docs
+    return documents
+
+
+def wordnet_entry(line: str) -> str | None:
+    """One data.<pos> line -> "lemma, lemma (pos): gloss", or None for the license header lines.
+
+    Line format (wndb(5WN)): offset lex_filenum ss_type w_cnt(hex) [word lex_id]... p_cnt ... | gloss
+    """
+    if line.startswith("  ") or " | " not in line:
+        return None
+    fields, gloss = line.split(" | ", 1)
+    parts = fields.split()
+    count = int(parts[3], 16)
+    words = [w.split("(")[0].replace("_", " ") for w in parts[4 : 4 + 2 * count : 2]]  # "(a)", "(p)" markers
+    pos = {"n": "noun", "v": "verb", "a": "adjective", "s": "adjective", "r": "adverb"}[parts[2]]
+    return f"{', '.join(words)} ({pos}): {gloss.strip()}"
+
+
+def wordnet_glosses(root: Path = WORDNET_DIR, per_document: int = GLOSSES_PER_DOCUMENT) -> list[str]:
+    """WordNet glosses from root/data.{noun,verb,adj,adv}, `per_document` synsets (in file order) a document.
+
+    Raises:
+        CorpusNotInstalled: `root` does not exist.
+    """
+    require(root, "wordnet-base")
+    documents: list[str] = []
+    for pos in WORDNET_FILES:
+        path = root / f"data.{pos}"
+        if not path.is_file():
+            raise CorpusNotInstalled(
+                f"{path} is missing: the wordnet-base package looks broken; reinstall: {APT_INSTALL}"
+            )
+        with open(path, encoding="utf-8") as f:
+            entries = [e for e in map(wordnet_entry, f) if e]
+        documents += ["\n".join(entries[i : i + per_document]) for i in range(0, len(entries), per_document)]
+    return documents
+
+
+def debian_docs(python_root: Path = PYTHON_DOCS_DIR, wordnet_root: Path = WORDNET_DIR) -> Corpus:
+    """The default corpus: cleaned Python 3.11 docs, then WordNet glosses (both orders deterministic)."""
+    skips = Skips()
+    docs = python_docs(python_root, skips)
+    glosses = wordnet_glosses(wordnet_root)
+    components = [
+        component("python3.11-doc", "PSF-2.0", python_root, docs),
+        component("wordnet-base", "WordNet-3.0 (Princeton)", wordnet_root, glosses),
+    ]
+    return Corpus("debian-docs", "PSF-2.0 AND WordNet-3.0", docs + glosses, skips, components)
+
+
+def component(package: str, license: str, path: Path, docs: list[str]) -> dict:
+    return {
+        "package": package,
+        "version": debian_version(package),
+        "license": license,
+        "path": str(path),
+        "documents": len(docs),
+        "bytes": sum(len(d.encode()) for d in docs),
+    }
+
+
+def parquet_documents(path: Path, name: str, documents: list[str], skips: Skips) -> None:
+    """Rows of a parquet file's `text` column, row group by row group.
+
+    Raises:
+        DataError: not a readable parquet file, no `text` column, or a row group that cannot be read.
+    """
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise DataError(f"{name}: not a readable parquet file ({e})") from e
+    if "text" not in pf.schema_arrow.names:
+        raise DataError(f"{name}: no `text` column (columns: {pf.schema_arrow.names})")
+    for g in range(pf.num_row_groups):
+        try:
+            column = pf.read_row_group(g, columns=["text"]).column("text").cast(pa.binary())
+        except Exception as e:
+            raise DataError(
+                f"{name}: row group {g} of {pf.num_row_groups} cannot be read ({str(e).strip()})"
+            ) from e
+        for row, value in enumerate(column.to_pylist()):
+            where = f"{name}:row_group={g}:row={row}"
+            if value is None:
+                skips.add("null_text", where)
+                continue
+            try:
+                keep(value.decode("utf-8"), where, documents, skips)
+            except UnicodeDecodeError:
+                skips.add("invalid_utf8", where)
+
+
+def jsonl_documents(path: Path, name: str, documents: list[str], skips: Skips) -> None:
+    """The "text" field of each JSON line; bad lines are counted skips (invalid_utf8, invalid_json, no_text_field)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{name}:line={number}"
+            try:
+                record = json.loads(raw.decode("utf-8")) if raw.strip() else {"text": ""}
+            except UnicodeDecodeError:
+                skips.add("invalid_utf8", where)
+                continue
+            except json.JSONDecodeError:
+                skips.add("invalid_json", where)
+                continue
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                skips.add("no_text_field", where)
+                continue
+            keep(text, where, documents, skips)
+
+
+def local_folder(folder: str | Path) -> Corpus:
+    """All documents in the files under `folder` (recursively, files sorted by relative path).
+
+    Files with other suffixes are counted as skips ("unsupported_file"); so are text files that are not
+    valid UTF-8 ("invalid_utf8") and empty documents ("empty").
+
+    Raises:
+        DataError: `folder` is not a directory; a parquet file is corrupt or lacks a `text` column.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise DataError(f"--source {folder!s}: not a directory (and not one of the named sources)")
+    documents: list[str] = []
+    skips = Skips()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        name = str(path.relative_to(root))
+        suffix = path.suffix.lower()
+        if suffix in TEXT_SUFFIXES:
+            try:
+                keep(path.read_bytes().decode("utf-8"), name, documents, skips)
+            except UnicodeDecodeError:
+                skips.add("invalid_utf8", name)
+        elif suffix == ".jsonl":
+            jsonl_documents(path, name, documents, skips)
+        elif suffix == ".parquet":
+            parquet_documents(path, name, documents, skips)
+        else:
+            skips.add("unsupported_file", name)
+    comp = {
+        "path": str(root.resolve()),
+        "documents": len(documents),
+        "bytes": sum(len(d.encode()) for d in documents),
+    }
+    return Corpus(str(root), "as licensed by the files' owners (local folder)", documents, skips, [comp])

@@ -1,0 +1,206 @@
+"""Download pre-shuffled text shards from the Hugging Face hub (or any mirror with the same URL pattern).
+
+Sources (parquet shards with a `text` column, named shard_{index:05d}.parquet; the last one is pinned as the
+validation shard, as nanochat does):
+  fineweb-edu  karpathy/fineweb-edu-100b-shuffle: shards 0..1822, ~94 MB each; FineWeb-Edu, ODC-By 1.0
+  climbmix     karpathy/climbmix-400b-shuffle:    shards 0..6542;             NVIDIA ClimbMix, CC BY-NC 4.0
+
+Each file is fetched into a hidden temporary file beside its destination, checked (complete body, readable
+parquet, `text` column, every row group decodes), and only then renamed into place with os.replace, so a
+shard under its final name is always complete. Failed attempts (connection errors, HTTP 429/5xx, truncated
+or corrupt bodies) are retried with exponential backoff: attempt k waits backoff_s * 2**(k-1) seconds
+before attempt k+1. HTTP 400/401/403/404/410 are not retried: asking again cannot help.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from raychat.data.shards import DataError, inspect_shard, sha256_file, shard_name
+
+ATTEMPTS = 5
+BACKOFF_S = 1.0
+TIMEOUT_S = 60.0
+CHUNK_BYTES = 1 << 20
+NOT_RETRIED = {400, 401, 403, 404, 410}
+
+
+@dataclass(frozen=True)
+class HubSource:
+    name: str
+    url_pattern: str  # str.format pattern with an `index` field
+    val_index: int  # the last shard of the dataset, pinned as the validation shard
+    license: str
+    card: str  # where the dataset and its license are described
+
+
+HF = "https://huggingface.co/datasets"
+HUB_SOURCES = {
+    "fineweb-edu": HubSource(
+        "fineweb-edu",
+        f"{HF}/karpathy/fineweb-edu-100b-shuffle/resolve/main/shard_{{index:05d}}.parquet",
+        1822,
+        "ODC-By-1.0",
+        f"{HF}/HuggingFaceFW/fineweb-edu",
+    ),
+    "climbmix": HubSource(
+        "climbmix",
+        f"{HF}/karpathy/climbmix-400b-shuffle/resolve/main/shard_{{index:05d}}.parquet",
+        6542,
+        "CC-BY-NC-4.0",
+        f"{HF}/nvidia/ClimbMix",
+    ),
+}
+
+
+class DownloadError(RuntimeError):
+    """A shard could not be downloaded (the message names the URL, the attempts and the last error)."""
+
+
+class NotRetried(DownloadError):
+    """The server refused the URL in a way that retrying cannot fix (HTTP 4xx other than 429)."""
+
+
+def shard_indices(num_train: int, val_index: int) -> list[int]:
+    """[0, 1, ..., num_train-1, val_index]: the first num_train shards, then the pinned validation shard.
+
+    Raises:
+        ValueError: num_train < 1 or num_train > val_index (the train shards would reach the validation one).
+    """
+    if not 1 <= num_train <= val_index:
+        raise ValueError(f"num_shards must be in [1, {val_index}] for this source, got {num_train}")
+    return list(range(num_train)) + [val_index]
+
+
+def fetch(url: str, tmp: str, timeout_s: float) -> int:
+    """Stream url into tmp; returns the byte count. Raises on HTTP errors and on a body shorter than
+    its Content-Length."""
+    with requests.get(url, stream=True, timeout=timeout_s) as r:
+        if r.status_code in NOT_RETRIED:
+            raise NotRetried(f"{url}: HTTP {r.status_code} {r.reason} (not retried)")
+        r.raise_for_status()
+        size = 0
+        with open(tmp, "wb") as f:
+            for chunk in r.iter_content(CHUNK_BYTES):
+                f.write(chunk)
+                size += len(chunk)
+        expected = r.headers.get("Content-Length")
+        if expected is not None and size != int(expected):
+            raise OSError(f"truncated body: {size} of {expected} bytes")
+    return size
+
+
+def download_file(
+    url: str,
+    dest: str | Path,
+    attempts: int = ATTEMPTS,
+    backoff_s: float = BACKOFF_S,
+    timeout_s: float = TIMEOUT_S,
+    verify: Callable[[str], object] = inspect_shard,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Download `url` to `dest` atomically, retrying failures; returns dest.
+
+    Args:
+        attempts: tries in all (>= 1); backoff_s: wait after the first failure, doubled after each further one.
+        verify: called on the complete temporary file; raising DataError/OSError rejects it (and retries).
+    Raises:
+        DownloadError: every attempt failed, or the server answered 400/401/403/404/410 (no retry).
+    """
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    last: Exception | None = None
+    for attempt in range(1, attempts + 1):
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+        os.close(fd)
+        try:
+            fetch(url, tmp, timeout_s)
+            verify(tmp)
+            os.replace(tmp, dest)
+            return dest
+        except NotRetried:
+            raise
+        except (requests.RequestException, OSError, DataError) as e:
+            last = e
+            if attempt < attempts:
+                delay = backoff_s * 2 ** (attempt - 1)
+                log(f"  {dest.name}: attempt {attempt}/{attempts} failed ({e}); retrying in {delay:.2f} s")
+                time.sleep(delay)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise DownloadError(f"{url}: failed after {attempts} attempts; last error: {last}")
+
+
+def download_shards(
+    url_pattern: str,
+    indices: list[int],
+    out_dir: str | Path,
+    workers: int = 4,
+    attempts: int = ATTEMPTS,
+    backoff_s: float = BACKOFF_S,
+    timeout_s: float = TIMEOUT_S,
+    known_sha256: dict[str, str] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[Path]:
+    """Download shard_{index:05d}.parquet for every index, `workers` at a time; returns their paths in order.
+
+    Args:
+        url_pattern: e.g. HUB_SOURCES["fineweb-edu"].url_pattern; `{index}` is filled with each index.
+        known_sha256: file name -> sha256 of shards already downloaded from this same pattern (from a
+            previous manifest); a present file with that hash is reused, not fetched again.
+    Raises:
+        ValueError: url_pattern has no {index} field, or workers < 1.
+        DownloadError: one or more shards failed (all failures are listed; the other shards are kept).
+    """
+    if "{index" not in url_pattern:
+        raise ValueError(
+            f"url pattern must contain an {{index}} field, e.g. .../shard_{{index:05d}}.parquet: {url_pattern}"
+        )
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    known = known_sha256 or {}
+    todo = []
+    for index in indices:
+        dest = out / shard_name(index)
+        if dest.name in known and dest.is_file() and sha256_file(dest) == known[dest.name]:
+            log(f"  {dest.name}: already downloaded (sha256 matches the previous manifest)")
+        else:
+            todo.append(index)
+    errors = []
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
+        futures = {
+            pool.submit(
+                download_file,
+                url_pattern.format(index=i),
+                out / shard_name(i),
+                attempts,
+                backoff_s,
+                timeout_s,
+                log=log,
+            ): i
+            for i in todo
+        }
+        for done, future in enumerate(as_completed(futures), start=1):
+            try:
+                path = future.result()
+                log(f"  downloaded {path.name} ({path.stat().st_size / 1e6:.1f} MB) [{done}/{len(todo)}]")
+            except DownloadError as e:
+                errors.append(str(e))
+    if errors:
+        raise DownloadError(
+            f"{len(errors)} of {len(indices)} shards failed:\n  " + "\n  ".join(sorted(errors))
+        )
+    return [out / shard_name(i) for i in indices]

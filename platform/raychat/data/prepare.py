@@ -1,0 +1,331 @@
+"""`raychat data prepare`: a corpus -> parquet text shards + manifest.json (the first stage of the data flow).
+
+  debian-docs | DIR   load documents (corpora) -> shuffle (random.Random(seed)) -> cut into K near-equal
+                      shards, the last one validation (shards.write_shards) -> manifest.json
+  fineweb-edu | climbmix
+                      download the first N hub shards + the pinned validation shard (download) -> check
+                      each -> manifest.json (hub shards are kept byte for byte: already shuffled upstream)
+
+The manifest is written last and the previous one is removed first, so `shards.list_shards(out)` only ever
+sees a finished directory. Shards listed by a previous manifest but not by the new one are deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+from raychat.data import corpora
+from raychat.data.download import HUB_SOURCES, DownloadError, download_shards, shard_indices
+from raychat.data.shards import (
+    COMPRESSION,
+    MANIFEST,
+    ROW_GROUP_SIZE,
+    inspect_shard,
+    sha256_file,
+    write_manifest,
+    write_shards,
+)
+
+FORMAT = "raychat-text-shards/1"
+DEFAULT_SOURCE = "debian-docs"
+DEFAULT_ROWS_PER_SHARD = 1024
+DEFAULT_HUB_SHARDS = 1
+
+
+def previous_manifest(out: Path) -> dict | None:
+    try:
+        return json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def count_shards(documents: int, num_shards: int | None, rows_per_shard: int | None) -> int:
+    """Total shards (train + 1 validation) for a local corpus.
+
+    num_shards given: num_shards train shards + 1 validation shard. Otherwise
+    max(2, ceil(documents / rows_per_shard)) shards, so no shard holds more than rows_per_shard documents.
+    Raises:
+        ValueError: both or a non-positive value given, or too few documents for two shards.
+    """
+    if num_shards is not None and rows_per_shard is not None:
+        raise ValueError("give --num-shards or --rows-per-shard for a local source, not both")
+    if num_shards is not None and num_shards < 1:
+        raise ValueError(
+            f"--num-shards must be >= 1 (train shards; one validation shard is added), got {num_shards}"
+        )
+    if rows_per_shard is not None and rows_per_shard < 1:
+        raise ValueError(f"--rows-per-shard must be >= 1, got {rows_per_shard}")
+    total = (
+        num_shards + 1
+        if num_shards
+        else max(2, math.ceil(documents / (rows_per_shard or DEFAULT_ROWS_PER_SHARD)))
+    )
+    if documents < total:
+        raise ValueError(f"{documents} documents are too few for {total} shards (train + validation)")
+    return total
+
+
+def load_corpus(source: str, out: Path, log) -> corpora.Corpus:
+    if source == "debian-docs":
+        log("loading the default corpus: Debian python3.11-doc (reST, cleaned) + wordnet-base glosses")
+        return corpora.debian_docs()
+    folder = Path(source)
+    if folder.is_dir() and out.resolve().is_relative_to(folder.resolve()):
+        raise ValueError(
+            f"--out {out} lies inside --source {source}: the shards would be read as input next time"
+        )
+    log(f"loading documents from folder {folder}")
+    return corpora.local_folder(folder)
+
+
+def prepare_corpus(
+    corpus: corpora.Corpus, out: Path, num_shards, rows_per_shard, seed, row_group_size, log
+) -> dict:
+    documents = corpus.documents
+    total = count_shards(len(documents), num_shards, rows_per_shard)
+    log(
+        f"shuffling {len(documents)} documents (seed {seed}) into {total} shards ({total - 1} train + 1 validation)"
+    )
+    documents = list(documents)
+    random.Random(seed).shuffle(documents)
+    entries = write_shards(documents, out, total, row_group_size, log)
+    return {
+        "format": FORMAT,
+        "source": corpus.source,
+        "license": corpus.license,
+        "components": corpus.components,
+        "seed": seed,
+        "shuffle": "random.Random(seed).shuffle over all documents before sharding",
+        "compression": COMPRESSION,
+        "row_group_size": row_group_size,
+        "documents": sum(e["documents"] for e in entries),
+        "bytes": sum(e["bytes"] for e in entries),
+        "skipped": dict(sorted(corpus.skips.counts.items())),
+        "skipped_examples": dict(sorted(corpus.skips.examples.items())),
+        "validation_shard": entries[-1]["file"],
+        "shards": entries,
+    }
+
+
+def prepare_hub(name, out: Path, num_shards, url_pattern, old: dict | None, download_opts: dict, log) -> dict:
+    hub = HUB_SOURCES[name]
+    pattern = url_pattern or hub.url_pattern
+    indices = shard_indices(num_shards, hub.val_index)
+    log(
+        f"downloading {len(indices) - 1} train shards + validation shard {hub.val_index} of {name} from {pattern}"
+    )
+    known = {}
+    if old and old.get("url_pattern") == pattern:
+        known = {s["file"]: s["sha256"] for s in old.get("shards", [])}
+    paths = download_shards(pattern, indices, out, known_sha256=known, log=log, **download_opts)
+    entries = []
+    for i, path in enumerate(paths):
+        documents, text_bytes = inspect_shard(path)
+        split = "val" if i == len(paths) - 1 else "train"
+        entries.append(
+            {
+                "file": path.name,
+                "split": split,
+                "documents": documents,
+                "bytes": text_bytes,
+                "file_bytes": path.stat().st_size,
+                "sha256": sha256_file(path),
+                "url": pattern.format(index=indices[i]),
+            }
+        )
+    return {
+        "format": FORMAT,
+        "source": name,
+        "license": hub.license,
+        "card": hub.card,
+        "url_pattern": pattern,
+        "seed": None,
+        "shuffle": "upstream (the hub shards are pre-shuffled and kept byte for byte)",
+        "documents": sum(e["documents"] for e in entries),
+        "bytes": sum(e["bytes"] for e in entries),
+        "skipped": {},
+        "skipped_examples": {},
+        "validation_shard": entries[-1]["file"],
+        "shards": entries,
+    }
+
+
+def prepare(
+    source: str = DEFAULT_SOURCE,
+    out: str | Path = "runs/data",
+    num_shards: int | None = None,
+    rows_per_shard: int | None = None,
+    seed: int = 0,
+    row_group_size: int = ROW_GROUP_SIZE,
+    url_pattern: str | None = None,
+    workers: int = 4,
+    attempts: int = 5,
+    backoff_s: float = 1.0,
+    log=print,
+) -> dict:
+    """Prepare a data directory of parquet text shards; returns the manifest (also written to out/manifest.json).
+
+    Args:
+        source: "debian-docs" (default corpus), "fineweb-edu" or "climbmix" (hub downloads), or a folder of
+            .txt/.md/.rst/.jsonl/.parquet files.
+        out: the data directory.
+        num_shards: local sources: train shards (a validation shard is added). Hub sources: train shards to
+            download (default 1; the pinned validation shard is added).
+        rows_per_shard: local sources only: the most documents a shard holds (default 1024) when num_shards
+            is not given.
+        seed: the shuffle seed (local sources).
+        row_group_size: rows per parquet row group (local sources).
+        url_pattern: hub sources only: a mirror's URL pattern with an {index} field.
+        workers, attempts, backoff_s: hub sources: parallel downloads, tries per shard, first retry delay (s).
+    Raises:
+        ValueError: bad arguments (the message names the flag); DataError: unreadable input (names the file);
+        corpora.CorpusNotInstalled: a Debian package is missing; DownloadError: a shard could not be fetched.
+    """
+    out = Path(out)
+    if row_group_size < 1:
+        raise ValueError(f"--row-group-size must be >= 1, got {row_group_size}")
+    old = previous_manifest(out)
+    if source in HUB_SOURCES:
+        if rows_per_shard is not None:
+            raise ValueError(
+                "--rows-per-shard applies to local sources only: hub shards are kept as downloaded"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MANIFEST).unlink(missing_ok=True)
+        download_opts = {"workers": workers, "attempts": attempts, "backoff_s": backoff_s}
+        num = DEFAULT_HUB_SHARDS if num_shards is None else num_shards
+        manifest = prepare_hub(source, out, num, url_pattern, old, download_opts, log)
+    else:
+        if url_pattern is not None:
+            raise ValueError(f"--url-pattern applies to hub sources only ({', '.join(HUB_SOURCES)})")
+        corpus = load_corpus(source, out, log)
+        count_shards(len(corpus.documents), num_shards, rows_per_shard)  # fail before touching `out`
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MANIFEST).unlink(missing_ok=True)
+        manifest = prepare_corpus(corpus, out, num_shards, rows_per_shard, seed, row_group_size, log)
+    write_manifest(out, manifest)
+    remove_stale_shards(out, old, manifest)
+    report(out, manifest, log)
+    return manifest
+
+
+def remove_stale_shards(out: Path, old: dict | None, new: dict) -> None:
+    """Delete shards that the previous manifest listed and the new one does not."""
+    keep = {s["file"] for s in new["shards"]}
+    for entry in (old or {}).get("shards", []):
+        name = Path(entry.get("file", "")).name
+        if name and name not in keep:
+            (out / name).unlink(missing_ok=True)
+
+
+def report(out: Path, manifest: dict, log) -> None:
+    shards = manifest["shards"]
+    on_disk = sum(s["file_bytes"] for s in shards)
+    log(
+        f"prepared {out}: {manifest['documents']} documents, {manifest['bytes'] / 1e6:.2f} MB of text, "
+        f"{len(shards)} shards ({len(shards) - 1} train + validation {manifest['validation_shard']}), "
+        f"{on_disk / 1e6:.2f} MB on disk; source {manifest['source']} ({manifest['license']})"
+    )
+    skipped = manifest["skipped"]
+    if skipped:
+        log(f"skipped {sum(skipped.values())} documents:")
+        for reason, n in skipped.items():
+            log(f"  {reason}: {n}  (e.g. {', '.join(manifest['skipped_examples'].get(reason, []))})")
+    else:
+        log("skipped 0 documents")
+
+
+EPILOG = """examples:
+  raychat data prepare                                   # default corpus (needs: make corpus-deps)
+  raychat data prepare --source ~/my_texts --num-shards 8
+  raychat data prepare --source fineweb-edu --num-shards 4 --out runs/fineweb
+
+sources:
+  debian-docs   Python 3.11 docs (Debian python3.11-doc, PSF-2.0, reST cleaned to text) + WordNet 3.0 glosses
+                (Debian wordnet-base); ~21 MB of text. Install: sudo apt-get install -y python3.11-doc wordnet-base
+  fineweb-edu   karpathy/fineweb-edu-100b-shuffle on the Hugging Face hub (ODC-By 1.0), ~94 MB a shard
+  climbmix      karpathy/climbmix-400b-shuffle on the Hugging Face hub (NVIDIA ClimbMix, CC BY-NC 4.0)
+  DIR           a folder: *.txt/*.md/*.rst = one document per file, *.jsonl = a "text" field per line,
+                *.parquet = a `text` column; other files, empty and invalid-UTF-8 documents are counted skips
+
+output: DIR/shard_00000.parquet ... (one `text` column, zstd, row groups of 1024); the LAST shard is the
+validation shard; DIR/manifest.json lists every shard with its sha256, and the skipped counts by reason.
+"""
+
+
+def add_cli(subparsers) -> None:
+    """Add `raychat data prepare`."""
+    data = subparsers.add_parser("data", help="prepare pretraining text shards", description="Data commands.")
+    sub = data.add_subparsers(dest="data_command", metavar="<subcommand>")
+    data.set_defaults(func=lambda args: data.print_help() or 2)
+    p = sub.add_parser(
+        "prepare",
+        help="corpus -> parquet text shards + manifest.json",
+        description="Turn a corpus into parquet text shards (FineWeb-Edu layout) and a manifest.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--source",
+        default=DEFAULT_SOURCE,
+        help="debian-docs | fineweb-edu | climbmix | DIR (default: %(default)s)",
+    )
+    p.add_argument("--out", default="runs/data", help="output directory (default: %(default)s)")
+    p.add_argument(
+        "--num-shards",
+        type=int,
+        default=None,
+        help="train shards; one validation shard is always added. Hub sources: how many to download "
+        f"(default {DEFAULT_HUB_SHARDS}); local sources: instead of --rows-per-shard",
+    )
+    p.add_argument(
+        "--rows-per-shard",
+        type=int,
+        default=None,
+        help=f"local sources: at most this many documents a shard (default {DEFAULT_ROWS_PER_SHARD})",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="shuffle seed for local sources (default: %(default)s)"
+    )
+    p.add_argument(
+        "--row-group-size",
+        type=int,
+        default=ROW_GROUP_SIZE,
+        help="rows per parquet row group (default: %(default)s)",
+    )
+    p.add_argument(
+        "--url-pattern",
+        default=None,
+        help="hub sources: a mirror URL with {index}, e.g. http://host/shard_{index:05d}.parquet",
+    )
+    p.add_argument(
+        "--workers", type=int, default=4, help="hub sources: parallel downloads (default: %(default)s)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    try:
+        prepare(
+            source=args.source,
+            out=args.out,
+            num_shards=args.num_shards,
+            rows_per_shard=args.rows_per_shard,
+            seed=args.seed,
+            row_group_size=args.row_group_size,
+            url_pattern=args.url_pattern,
+            workers=args.workers,
+        )
+    except (
+        ValueError,
+        DownloadError,
+        FileNotFoundError,
+    ) as e:  # DataError and CorpusNotInstalled are ValueErrors
+        print(f"raychat data prepare: error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,202 @@
+"""Parquet text shards in the FineWeb-Edu layout, and the manifest that lists them.
+
+Layout of a data directory (what `raychat data prepare` writes and the pretraining stage reads):
+  shard_00000.parquet ... shard_0000K.parquet   one column `text` (string), zstd, row groups of
+                                                ROW_GROUP_SIZE rows; the LAST shard is the validation shard
+  manifest.json                                 source, license, documents, bytes, seed, skipped counts by
+                                                reason, and per shard: file, split, documents, bytes, sha256
+(The same file naming and schema as karpathy/fineweb-edu-100b-shuffle, whose last shard is its validation
+shard.) Every file is written to a temporary name and renamed into place (os.replace), and the manifest is
+written last, so a directory whose manifest exists is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+MANIFEST = "manifest.json"
+ROW_GROUP_SIZE = 1024
+COMPRESSION = "zstd"
+SCHEMA = pa.schema([pa.field("text", pa.string())])
+
+
+class DataError(ValueError):
+    """Input that cannot become documents; the message names the file (and, for parquet, the row group)."""
+
+
+def shard_name(index: int) -> str:
+    """File name of shard `index` (FineWeb-Edu layout): shard_00042.parquet."""
+    return f"shard_{index:05d}.parquet"
+
+
+def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, write) -> None:
+    """Call write(tmp_path) on a temporary file beside `path`, then rename it to `path` (never half-written)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_shard(texts: list[str], path: str | Path, row_group_size: int = ROW_GROUP_SIZE) -> None:
+    """Write one shard: a parquet file with a single `text` string column, zstd, `row_group_size` rows a group."""
+    table = pa.table({"text": pa.array(texts, type=pa.string())}, schema=SCHEMA)
+    atomic_write_bytes(
+        Path(path),
+        lambda tmp: pq.write_table(table, tmp, compression=COMPRESSION, row_group_size=row_group_size),
+    )
+
+
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) ranges that cut n items into `parts` runs whose sizes differ by at most one."""
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def shard_entry(path: Path, split: str, documents: int, text_bytes: int) -> dict:
+    return {
+        "file": path.name,
+        "split": split,
+        "documents": documents,
+        "bytes": text_bytes,
+        "file_bytes": path.stat().st_size,
+        "sha256": sha256_file(path),
+    }
+
+
+def write_shards(
+    documents: list[str],
+    out_dir: str | Path,
+    num_shards: int,
+    row_group_size: int = ROW_GROUP_SIZE,
+    log=print,
+) -> list[dict]:
+    """Cut `documents` (already shuffled) into `num_shards` shards of near-equal document counts, in order.
+
+    The last shard is the validation split; the others are "train".
+    Returns:
+        one manifest entry per shard: file, split, documents, bytes (UTF-8 text), file_bytes, sha256.
+    Raises:
+        ValueError: num_shards < 2 (a train and a validation shard are needed) or more shards than documents.
+    """
+    if num_shards < 2:
+        raise ValueError(
+            f"num_shards must be >= 2 (at least one train shard and the validation shard), got {num_shards}"
+        )
+    if len(documents) < num_shards:
+        raise ValueError(
+            f"{len(documents)} documents cannot fill {num_shards} shards (one document at least each)"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, (start, end) in enumerate(split_evenly(len(documents), num_shards)):
+        path = out / shard_name(i)
+        texts = documents[start:end]
+        write_shard(texts, path, row_group_size)
+        split = "val" if i == num_shards - 1 else "train"
+        entries.append(shard_entry(path, split, len(texts), sum(len(t.encode()) for t in texts)))
+        log(f"  wrote {path.name}: {split}, {len(texts)} documents, {entries[-1]['file_bytes'] / 1e6:.2f} MB")
+    return entries
+
+
+def inspect_shard(path: str | Path) -> tuple[int, int]:
+    """(documents, UTF-8 text bytes) of a parquet shard, reading every row group of its `text` column.
+
+    Raises:
+        DataError: not a readable parquet file, no `text` column, or a row group that cannot be read
+            (the message names the file and the row group).
+    """
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise DataError(f"{path}: not a readable parquet file ({e})") from e
+    if "text" not in pf.schema_arrow.names:
+        raise DataError(f"{path}: no `text` column (columns: {pf.schema_arrow.names})")
+    documents = text_bytes = 0
+    for g in range(pf.num_row_groups):
+        try:
+            column = pf.read_row_group(g, columns=["text"]).column("text")
+        except Exception as e:
+            raise DataError(
+                f"{path}: row group {g} of {pf.num_row_groups} cannot be read ({str(e).strip()})"
+            ) from e
+        documents += len(column)
+        text_bytes += pc.sum(pc.binary_length(column.cast(pa.binary()))).as_py() or 0
+    return documents, text_bytes
+
+
+def write_manifest(out_dir: str | Path, manifest: dict) -> Path:
+    """Write out_dir/manifest.json atomically; returns its path."""
+    path = Path(out_dir) / MANIFEST
+    data = (json.dumps(manifest, indent=2, sort_keys=False) + "\n").encode()
+    atomic_write_bytes(path, lambda tmp: Path(tmp).write_bytes(data))
+    return path
+
+
+def read_manifest(data_dir: str | Path) -> dict:
+    """The manifest of a prepared data directory.
+
+    Raises:
+        FileNotFoundError: no manifest.json (the directory was never prepared, or preparing did not finish).
+        ValueError: the manifest lists no shards, or its last shard is not the validation split.
+    """
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run `raychat data prepare --out {data_dir}` first")
+    manifest = json.loads(path.read_text())
+    shards = manifest.get("shards") or []
+    if len(shards) < 2 or shards[-1].get("split") != "val":
+        raise ValueError(
+            f"{path}: needs >= 2 shards with the last one split='val', got {[s.get('split') for s in shards]}"
+        )
+    return manifest
+
+
+def list_shards(data_dir: str | Path, verify: bool = False) -> tuple[list[str], str]:
+    """(train_files, val_file): absolute paths of a prepared directory's shards, in manifest order.
+
+    Args:
+        data_dir: the --out directory of `raychat data prepare`.
+        verify: also recompute every shard's sha256 and compare it with the manifest.
+    Raises:
+        FileNotFoundError: no manifest, or a listed shard is missing.
+        ValueError: a malformed manifest, or (verify=True) a shard whose sha256 differs from the manifest.
+    """
+    root = Path(data_dir).resolve()
+    manifest = read_manifest(root)
+    paths = []
+    for entry in manifest["shards"]:
+        path = root / entry["file"]
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is listed in {root / MANIFEST} but missing")
+        if verify and sha256_file(path) != entry["sha256"]:
+            raise ValueError(f"{path}: sha256 differs from {MANIFEST} (file changed after prepare)")
+        paths.append(str(path))
+    return paths[:-1], paths[-1]

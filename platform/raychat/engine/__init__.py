@@ -1,0 +1,102 @@
+"""Inference engine: KV cache, batched sampling, safe calculator tool, streaming text, continuous batching.
+
+Public API (stable; the serving layer and RL rollouts build on it). Import from `raychat.engine`.
+
+Parameters shared by every entry point
+    SamplingParams(max_tokens=256, temperature=1.0, top_k=None, top_p=None, seed=None, stop=())
+        frozen dataclass, validated on construction (ValueError naming the field and allowed values).
+        temperature 0 = greedy (argmax). top_k None/0 = off. top_p None/1.0 = off. seed None = fresh entropy.
+        stop: strings; generation ends when the streamed text contains one; it is never emitted.
+        max_tokens counts every completion token (sampled and forced tool-output tokens).
+
+Batched generation (RL rollouts, evaluation)
+    engine = Engine(model, tokenizer, kv_budget_bytes=None)
+    results = engine.generate_batch(prompts: list[list[int]], num_samples=1, max_tokens=256,
+                                    temperature=1.0, top_k=None, top_p=None, seed=None, stop=())
+        -> list[GenerationResult], len(prompts) * num_samples, prompt-major: results[i * num_samples + j]
+           is sample j of prompt i. Each prompt is prefilled once and its cache replicated to num_samples
+           rows; every row samples independently from its first token on (one torch.Generator per prompt,
+           seeded from (seed, prompt index)). Raises KVBudgetError (a ValueError) naming the bytes needed
+           and the budget when the batch cannot fit; ValueError for an empty prompt or one that does not
+           leave room for a token within model.config.max_seq_len.
+    GenerationResult fields:
+        prompt_index: int, sample_index: int
+        tokens: list[int]        prompt + completion token ids
+        mask: list[int]          same length; 1 = sampled by the model, 0 = prompt or forced (tool output)
+        num_prompt_tokens: int
+        completion_tokens: list[int] (property)  tokens[num_prompt_tokens:]
+        text: str                decoded completion (terminal special token and stop string excluded)
+        finish_reason: str       "stop" (<|assistant_end|>, <|bos|> or a stop string) | "length"
+    The terminal token (<|assistant_end|> or <|bos|>) is included in `tokens` with mask 1 so RL can learn to
+    stop; tokens after a stop string's last token are not generated.
+
+Continuous batching (serving)
+    sched = Scheduler(engine, max_rows=8, max_len=None, kv_budget_bytes=None)
+        one KV cache of max_rows rows x max_len tokens (default model.config.max_seq_len); with
+        kv_budget_bytes the row count is the most that fits (KVBudgetError if not even one row fits).
+    stream = sched.submit(prompt: list[int], params: SamplingParams, request_id: str | None = None)
+        -> RequestStream; thread-safe; raises ValueError for a prompt that cannot fit a row.
+    sched.cancel(request_id) -> bool      thread-safe, idempotent; the row is freed at the start of the
+                                          next step (True if the request was live, False otherwise).
+    sched.step() -> int                   one admission + one decode step; returns the number of busy rows.
+    sched.start() / sched.stop()          run steps in a daemon thread until stop() (serving replicas).
+    sched.num_free_rows, sched.num_active, sched.num_pending   (properties)
+    RequestStream:  `for ev in stream` (blocking; when no background thread runs it drives sched.step()
+                    itself) or `async for ev in stream` (asyncio; needs sched.start()); stream.request_id;
+                    stream.cancel().
+    StreamEvent(request_id, text: str, token_ids: list[int], finished: bool, finish_reason: str | None,
+                usage: Usage | None, error: str | None)   text is the new delta (may be ""); the last event
+                has finished=True, finish_reason in {"stop", "length", "cancelled", "error"} and usage set;
+                error holds the message when finish_reason == "error" (a forward raised; the scheduler
+                keeps serving the other requests when it runs in its thread).
+    Usage(prompt_tokens, completion_tokens, ttft_s, total_s)   ttft_s: submit -> first completion token.
+
+Lower-level Engine methods (used by the Scheduler; usable for custom loops)
+    engine.check_prompt(prompt) -> list[int]; engine.new_cache(batch_size, max_len, budget_bytes=None)
+    engine.prefill(cache, rows, prompts) -> (len(rows), V) fp32 logits at each prompt's last token
+    engine.decode(cache, rows, token_ids) -> (len(rows), V) fp32 next-token logits (one token per row)
+    derive_seed(seed, i) (engine.py): prompt i's generator seed within a generate_batch call.
+
+Building blocks
+    KVCache(n_layer, batch_size, n_kv_head, max_len, head_dim, dtype=float32, device="cpu")
+        .k, .v: (n_layer, B, n_kv_head, max_len, head_dim); .lengths: (B,) int64 tokens cached per row
+        KVCache.for_model(config, batch_size, max_len, dtype, device, budget_bytes=None)
+        KVCache.bytes_per_token(config, dtype) -> int  (2 * n_layer * n_kv_head * head_dim * itemsize)
+        KVCache.rows_for_budget(config, budget_bytes, max_len, dtype) -> int
+        .view(rows, input_ids_len) -> object passed as the model's `kv_cache` (per-row write positions)
+        .replicate(src_row, dst_rows), .reset_rows(rows), .attention_mask(rows, T) -> (B',1,T,S) bool
+    KVBudgetError(ValueError)
+    sample_next(logits (n, V), temperature, top_k, top_p, generator) -> (n,) int64   [sampling.py]
+    filter_logits(logits, top_k, top_p) (sampling.py); RowState (sequence.py): per-row tool/stop state.
+    make_generator(seed, device) -> torch.Generator
+    calculate(expression: str) -> str | None; evaluate(expression) -> int | float | None   [calculator.py]
+    StreamDecoder(tokenizer, stop=()): push(token_id) -> str delta; finish() -> str; .text; .offset;
+        .stopped; .stop_string   [detokenize.py]
+
+`raychat chat --checkpoint DIR [-p PROMPT] [--temperature T --top-k K --top-p P --max-tokens N --seed S]`
+streams replies rendered with raychat.chat_template.render_for_completion.
+"""
+
+from raychat.engine.calculator import calculate, evaluate
+from raychat.engine.detokenize import StreamDecoder
+from raychat.engine.engine import Engine, GenerationResult, SamplingParams
+from raychat.engine.kv_cache import KVBudgetError, KVCache
+from raychat.engine.sampling import make_generator, sample_next
+from raychat.engine.scheduler import RequestStream, Scheduler, StreamEvent, Usage
+
+__all__ = [
+    "Engine",
+    "GenerationResult",
+    "KVBudgetError",
+    "KVCache",
+    "RequestStream",
+    "SamplingParams",
+    "Scheduler",
+    "StreamDecoder",
+    "StreamEvent",
+    "Usage",
+    "calculate",
+    "evaluate",
+    "make_generator",
+    "sample_next",
+]

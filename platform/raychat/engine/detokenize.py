@@ -1,0 +1,93 @@
+"""Incremental, UTF-8-safe streaming detokenizer with stop strings.
+
+Tokens are byte strings (`Tokenizer.iter_tokens`); a character may be split across tokens. Bytes go through
+Python's incremental UTF-8 decoder (errors="replace", as `Tokenizer.decode`), which holds back an incomplete
+trailing sequence until its last byte arrives, so no U+FFFD is emitted for a split character and the
+concatenated deltas equal `tokenizer.decode(all ids)` (checked in the tests). Invalid bytes become U+FFFD
+exactly where the full decode puts them.
+
+Stop strings: decoded text that could still be the start of a stop string is held back; when a stop string
+appears, everything before it is emitted, the stop string and all later text are dropped, and `stopped` is
+set. Without a match, `finish()` releases the held-back text. Emitted text only grows (`offset` never moves
+backwards).
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable
+
+
+class StreamDecoder:
+    """Turn a stream of token ids into text deltas.
+
+    Args:
+        tokenizer: object with `iter_tokens(ids) -> Iterator[bytes]` (raychat Tokenizer).
+        stop: stop strings (non-empty str each).
+    Attributes:
+        text: str emitted so far (sum of deltas). offset: len(text), in characters.
+        stopped: True once a stop string was seen. stop_string: which one (None otherwise).
+    Raises:
+        ValueError: an empty stop string.
+    """
+
+    def __init__(self, tokenizer, stop: Iterable[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty str, got {self.stop!r}")
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = ""  # decoded, not yet emitted (may begin a stop string)
+        self.text = ""
+        self.stopped = False
+        self.stop_string: str | None = None
+
+    @property
+    def offset(self) -> int:
+        return len(self.text)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that is now safe to emit (possibly "")."""
+        return self.push_bytes(b"".join(self.tokenizer.iter_tokens([token_id])))
+
+    def push_bytes(self, data: bytes) -> str:
+        """Add raw bytes (one token's worth); return the newly emitted text."""
+        if self.stopped:
+            return ""
+        self._held += self._utf8.decode(data, final=False)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """End of stream: flush incomplete bytes (as U+FFFD, like the full decode) and held-back text."""
+        if self.stopped:
+            return ""
+        self._held += self._utf8.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        held = self._held
+        if self.stop:
+            hits = [(held.find(s), s) for s in self.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                self.stopped, self.stop_string = True, s
+                self._held = ""
+                return self._emit(held[:i])
+        keep = 0 if final else self._partial_stop_suffix(held)
+        out, self._held = held[: len(held) - keep], held[len(held) - keep :]
+        return self._emit(out)
+
+    def _partial_stop_suffix(self, held: str) -> int:
+        """Length of the longest suffix of `held` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(held)), best, -1):
+                if held.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def _emit(self, text: str) -> str:
+        self.text += text
+        return text

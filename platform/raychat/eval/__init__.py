@@ -1,0 +1,1 @@
+"""Evaluation: bits per byte, samples, task accuracy."""

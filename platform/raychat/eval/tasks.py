@@ -1,0 +1,59 @@
+"""Task accuracy of a chat model: categorical (argmax over the answer letters) or generative (exact answer).
+
+categorical: after the prompt (rendered for completion), the model's choice is the letter whose token has
+the highest logit among the task's `letters`; accuracy = fraction equal to `answer`.
+generative: greedy completion through the engine (tool calls evaluated); accuracy = fraction that
+`task.evaluate(conversation, completion_text)` accepts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raychat.chat_template import render_for_completion
+
+
+def prompt_messages(conversation: dict) -> list[dict]:
+    """The messages up to (not including) the final assistant reply."""
+    messages = conversation["messages"]
+    return messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
+
+
+@torch.no_grad()
+def task_accuracy(
+    model, tokenizer, task, num_examples: int, max_tokens: int = 48, batch_size: int = 16
+) -> float:
+    """Accuracy in [0, 1] over the first `num_examples` examples of `task` (fewer if the task is smaller).
+
+    Raises:
+        ValueError: num_examples < 1 or an unknown eval_type.
+    """
+    if num_examples < 1:
+        raise ValueError(f"num_examples must be >= 1, got {num_examples}")
+    n = min(num_examples, len(task))
+    conversations = [task[i] for i in range(n)]
+    prompts = [render_for_completion(tokenizer, prompt_messages(c)) for c in conversations]
+    was_training = model.training
+    model.eval()
+    correct = 0
+    if task.eval_type == "categorical":
+        device = next(model.parameters()).device
+        for conv, ids in zip(conversations, prompts):
+            logits = model(torch.tensor([ids], device=device))[0, -1]
+            letter_ids = [tokenizer.encode(letter)[0] for letter in conv["letters"]]
+            choice = conv["letters"][int(torch.argmax(logits[letter_ids]))]
+            correct += choice == conv["answer"]
+    elif task.eval_type == "generative":
+        from raychat.engine import Engine
+
+        engine = Engine(model, tokenizer)
+        for i in range(0, n, batch_size):
+            results = engine.generate_batch(
+                prompts[i : i + batch_size], max_tokens=max_tokens, temperature=0.0
+            )
+            for conv, r in zip(conversations[i : i + batch_size], results):
+                correct += bool(task.evaluate(conv, r.text))
+    else:
+        raise ValueError(f"task {task.name!r}: eval_type must be 'categorical' or 'generative'")
+    model.train(was_training)
+    return correct / n

@@ -1,0 +1,237 @@
+"""Export a raychat checkpoint to the Hugging Face layout (`raychat export --checkpoint DIR --out DIR`).
+
+Files written into OUT (each atomically: temporary name, then rename):
+  config.json              Qwen3Config, architectures ["Qwen3ForCausalLM"] (parameter names already match)
+  model.safetensors        the weights, float32, names as in raychat.model.GPT (= Qwen3ForCausalLM)
+  tokenizer.json           a `tokenizers` byte-level BPE equal to the tiktoken encoding (see below)
+  tokenizer_config.json    PreTrainedTokenizerFast, bos/eos/pad tokens, the Jinja chat_template
+  generation_config.json   bos, eos (<|assistant_end|> and <|bos|>), max_length
+  chat_template.jinja      the same Jinja template as a file (transformers >= 4.43 reads either)
+
+Tokenizer conversion (tiktoken -> `tokenizers`), after transformers' TikTokenConverter:
+  - vocab: every mergeable token's bytes mapped through the GPT-2 byte-to-unicode table (Radford et al.
+    2019, `bytes_to_unicode` in openai/gpt-2 encoder.py) -> its tiktoken rank;
+  - merges: for every token t of 2+ bytes, each split t = a + b with a and b both tokens, ordered by
+    rank(t) and then by (rank(a), rank(b)). tiktoken merges the adjacent pair whose concatenation has the
+    lowest rank; listing every split of t at t's rank gives HF's BPE the same choice;
+  - ignore_merges=True: a pre-token that is itself a token maps to it directly, as in tiktoken;
+  - pre-tokenizer: Split(the tiktoken regex, isolated) then ByteLevel(use_regex=False); decoder ByteLevel;
+  - special tokens added as special AddedTokens with their raychat ids.
+Chat template (CHAT_TEMPLATE_JINJA) renders the layout of raychat.chat_template as text; the HF tokenizer then
+encodes that text in one piece, whereas raychat encodes every span on its own. The ids are equal whenever
+the tokenizer's split regex already breaks the text at span boundaries, as it does for ordinary messages;
+they can differ when a system message ends in whitespace (it is joined to SYSTEM_SEPARATOR "\n\n").
+Known difference: HF tokenizers match special-token text anywhere in the input, whereas raychat encodes
+special-token text inside user content as plain text. Ids are equal for text without special-token text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from raychat.model import GPT
+from raychat.tokenizer import BOS, Tokenizer
+
+ARCHITECTURE = "Qwen3ForCausalLM"
+EOS = "<|assistant_end|>"
+
+# raychat.chat_template's layout in Jinja (transformers' apply_chat_template; also read by vLLM).
+# Markers are literal text; the HF tokenizer maps them to the special ids.
+CHAT_TEMPLATE_JINJA = (
+    "{%- set ns = namespace(system='', in_assistant=false) -%}"
+    "<|bos|>"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'system' -%}{%- set ns.system = message.content + '\\n\\n' -%}"
+    "{%- elif message.role == 'user' -%}"
+    "{%- if ns.in_assistant -%}<|assistant_end|>{%- set ns.in_assistant = false -%}{%- endif -%}"
+    "<|user_start|>{{ ns.system }}{{ message.content }}<|user_end|>{%- set ns.system = '' -%}"
+    "{%- else -%}"
+    "{%- if not ns.in_assistant -%}<|assistant_start|>{%- set ns.in_assistant = true -%}{%- endif -%}"
+    "{%- if message.role == 'tool' -%}<|output_start|>{{ message.content }}<|output_end|>"
+    "{%- elif message.content is string -%}{{ message.content }}"
+    "{%- else -%}{%- for part in message.content -%}"
+    "{%- if part.type == 'text' -%}{{ part.text }}"
+    "{%- elif part.type == 'python' -%}<|python_start|>{{ part.text }}<|python_end|>"
+    "{%- else -%}<|output_start|>{{ part.text }}<|output_end|>"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if ns.in_assistant -%}<|assistant_end|>{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|assistant_start|>{%- endif -%}"
+)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def _hf_token(token: bytes, table: dict[int, str]) -> str:
+    return "".join(table[b] for b in token)
+
+
+def bpe_vocab_and_merges(mergeable_ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The byte-level BPE vocabulary and merge list equal to tiktoken's `mergeable_ranks` (see module doc)."""
+    table = bytes_to_unicode()
+    vocab = {_hf_token(t, table): r for t, r in mergeable_ranks.items()}
+    ranked = []
+    for token, rank in mergeable_ranks.items():
+        for i in range(1, len(token)):
+            a, b = token[:i], token[i:]
+            if a in mergeable_ranks and b in mergeable_ranks:
+                ranked.append((rank, mergeable_ranks[a], mergeable_ranks[b], a, b))
+    ranked.sort(key=lambda x: x[:3])
+    merges = [(_hf_token(a, table), _hf_token(b, table)) for _, _, _, a, b in ranked]
+    return vocab, merges
+
+
+def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
+    """tokenizer.json text (the `tokenizers` library's serialization) for a raychat Tokenizer."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab, merges = bpe_vocab_and_merges(tokenizer.mergeable_ranks)
+    hf = HFTokenizer(
+        models.BPE(vocab=vocab, merges=merges, ignore_merges=True, fuse_unk=False, byte_fallback=False)
+    )
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(tokenizer.pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    hf.decoder = decoders.ByteLevel()
+    specials = sorted(tokenizer.special_tokens.items(), key=lambda kv: kv[1])
+    hf.add_special_tokens([AddedToken(name, special=True, normalized=False) for name, _ in specials])
+    for name, idx in specials:
+        if hf.token_to_id(name) != idx:
+            raise ValueError(f"special token {name}: HF id {hf.token_to_id(name)} != raychat id {idx}")
+    return hf.to_str()
+
+
+def hf_config(model: GPT, tokenizer: Tokenizer) -> dict:
+    """config.json for Qwen3ForCausalLM from the model's ModelConfig (field map in the code below)."""
+    c = model.config
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.n_embd,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_kv_head,
+        "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,  # read by transformers 4.x and vLLM
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},  # transformers 5
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "use_cache": True,
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.special_id(EOS),
+        "pad_token_id": tokenizer.bos_id,
+        "dtype": "float32",
+        "torch_dtype": "float32",
+    }
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
+    """Write the Hugging Face directory for (model, tokenizer) into `out` (created); returns its path.
+
+    Raises:
+        ValueError: the tokenizer has more ids than the model's embedding rows.
+    """
+    from safetensors.torch import save_file
+
+    from raychat.chat_template import TEMPLATE_VERSION
+
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"tokenizer has {tokenizer.vocab_size} ids but model vocab_size is {model.config.vocab_size}"
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    template = CHAT_TEMPLATE_JINJA
+    eos_ids = [tokenizer.special_id(EOS), tokenizer.bos_id]
+    _write(out / "config.json", json.dumps(hf_config(model, tokenizer), indent=2))
+    state = {k: v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    _write(out / "tokenizer.json", hf_tokenizer_json(tokenizer))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": BOS,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model.config.max_seq_len,
+        "chat_template": template,
+        "raychat_tokenizer_version": tokenizer.version,
+        "raychat_template_version": TEMPLATE_VERSION,
+    }
+    _write(out / "tokenizer_config.json", json.dumps(tokenizer_config, indent=2))
+    _write(
+        out / "special_tokens_map.json", json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": BOS})
+    )
+    generation_config = {
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": eos_ids,
+        "pad_token_id": tokenizer.bos_id,
+        "max_length": model.config.max_seq_len,
+        "do_sample": True,
+        "temperature": 1.0,
+    }
+    _write(out / "generation_config.json", json.dumps(generation_config, indent=2))
+    _write(out / "chat_template.jinja", template)
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    from raychat.checkpoint import load_model
+
+    model, tokenizer, meta = load_model(args.checkpoint)
+    out = export_hf(model, tokenizer, args.out)
+    print(f"exported {args.checkpoint} (step {meta.get('step', '?')}) -> {out}")
+    print(f"load with: transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("export", help="export a checkpoint to the Hugging Face layout (Qwen3)")
+    p.add_argument(
+        "--checkpoint", required=True, help="raychat checkpoint directory (meta.json, model.safetensors)"
+    )
+    p.add_argument(
+        "--out", required=True, help="output directory for config.json, model.safetensors, tokenizer"
+    )
+    p.set_defaults(func=main)

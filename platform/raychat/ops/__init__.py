@@ -1,0 +1,1 @@
+"""Cluster operations: Ray job submission, KubeRay RayJobs, Grafana provisioning."""

@@ -1,0 +1,335 @@
+"""`raychat grafana provision`: a Prometheus data source, Ray's generated dashboards and raychat's dashboard.
+
+Talks to Grafana's HTTP API through `grafana-client` (GRAFANA_URL, e.g. http://grafana:3000, and
+GRAFANA_TOKEN, a service-account token with Editor rights; or --url/--token):
+  1. data source "Prometheus" (type prometheus, proxy access, default): GET /api/datasources/name/Prometheus,
+     then PUT /api/datasources/uid/<uid> if it exists, else POST /api/datasources;
+  2. every dashboard with POST /api/dashboards/db, overwrite true: Ray's (written by the head node's dashboard
+     process to <ray temp dir>/session_latest/metrics/grafana/dashboards/*.json) and raychat's
+     (platform/raychat/ops/grafana/raychat.json, built by `build_dashboard()`).
+All dashboards select their data source through the `datasource` template variable (type prometheus), as
+Ray's do, so they work with any Prometheus data source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from raychat import metrics as m
+
+DASHBOARD_PATH = Path(__file__).with_name("grafana") / "raychat.json"
+DASHBOARD_UID = "raychat"
+DATASOURCE_NAME = "Prometheus"
+_DS = {"type": "prometheus", "uid": "${datasource}"}
+
+
+def _prom(name: str) -> str:
+    """Ray's Prometheus exporter adds the `ray_` prefix to every custom metric."""
+    return f"ray_{name}"
+
+
+def _panel(pid: int, title: str, targets: list[tuple[str, str]], unit: str, x: int, y: int) -> dict:
+    return {
+        "id": pid,
+        "type": "timeseries",
+        "title": title,
+        "datasource": _DS,
+        "gridPos": {"h": 8, "w": 8, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "targets": [
+            {"refId": chr(ord("A") + i), "datasource": _DS, "expr": expr, "legendFormat": legend}
+            for i, (expr, legend) in enumerate(targets)
+        ],
+    }
+
+
+def build_dashboard() -> dict:
+    """raychat's Grafana dashboard (schemaVersion 39): training, RL and serving rows, 3 panels a row.
+
+    Gauges are taken with `max by (<tags>)` because every Ray worker process exports its own series (a
+    WorkerId label); serving rates are over 1 minute, TTFT / inter-token quantiles come from the histogram
+    buckets (histogram_quantile), since Ray's `_sum` is approximate (see raychat.metrics)."""
+    tr = '{run=~"$run"}'
+    by_t = "max by (run, stage) "
+    by_r = "max by (run) "
+    dep = '{deployment=~"$deployment"}'
+    rows = [
+        (
+            "Training",
+            [
+                ("Loss (nats/token)", [(by_t + f"({_prom(m.TRAIN_LOSS)}{tr})", "{{run}} {{stage}}")], "none"),
+                (
+                    "Validation bits per byte",
+                    [(by_t + f"({_prom(m.TRAIN_BPB)}{tr})", "{{run}} {{stage}}")],
+                    "none",
+                ),
+                (
+                    "Tokens/s",
+                    [(f"sum by (run, stage) ({_prom(m.TRAIN_TOKENS_PER_S)}{tr})", "{{run}}")],
+                    "none",
+                ),
+                ("MFU", [(by_t + f"({_prom(m.TRAIN_MFU)}{tr})", "{{run}} {{stage}}")], "percentunit"),
+                ("Gradient norm", [(by_t + f"({_prom(m.TRAIN_GRAD_NORM)}{tr})", "{{run}}")], "none"),
+                (
+                    "Data wait / learning rate",
+                    [
+                        (by_t + f"({_prom(m.TRAIN_DATA_WAIT)}{tr})", "data wait {{run}}"),
+                        (by_t + f"({_prom(m.TRAIN_LR)}{tr})", "lr {{run}}"),
+                    ],
+                    "none",
+                ),
+                ("Step", [(by_t + f"({_prom(m.TRAIN_STEP)}{tr})", "{{run}} {{stage}}")], "none"),
+            ],
+        ),
+        (
+            "RL",
+            [
+                (
+                    "Reward / pass@1",
+                    [
+                        (by_r + f"({_prom(m.RL_REWARD)}{tr})", "reward {{run}}"),
+                        (by_r + f"({_prom(m.RL_PASS_AT_1)}{tr})", "pass@1 {{run}}"),
+                    ],
+                    "none",
+                ),
+                (
+                    "Staleness (policy versions)",
+                    [(by_r + f"({_prom(m.RL_STALENESS)}{tr})", "{{run}}")],
+                    "none",
+                ),
+                ("Weight sync time", [(by_r + f"({_prom(m.RL_SYNC_TIME)}{tr})", "{{run}}")], "s"),
+                ("Rollout tokens/s", [(f"sum by (run) ({_prom(m.RL_ROLLOUT_TPS)}{tr})", "{{run}}")], "none"),
+                ("Learner wait", [(by_r + f"({_prom(m.RL_LEARNER_WAIT)}{tr})", "{{run}}")], "percentunit"),
+                ("RL step", [(by_r + f"({_prom(m.RL_STEP)}{tr})", "{{run}}")], "none"),
+            ],
+        ),
+        (
+            "Serving",
+            [
+                (
+                    "Time to first token",
+                    [
+                        (
+                            f"histogram_quantile({q}, sum by (le, deployment) "
+                            f"(rate({_prom(m.SERVE_TTFT)}_bucket{dep}[5m])))",
+                            f"p{int(q * 100)} {{{{deployment}}}}",
+                        )
+                        for q in (0.5, 0.95)
+                    ],
+                    "s",
+                ),
+                (
+                    "Inter-token latency",
+                    [
+                        (
+                            f"histogram_quantile({q}, sum by (le, deployment) "
+                            f"(rate({_prom(m.SERVE_INTER_TOKEN)}_bucket{dep}[5m])))",
+                            f"p{int(q * 100)} {{{{deployment}}}}",
+                        )
+                        for q in (0.5, 0.95)
+                    ],
+                    "s",
+                ),
+                (
+                    "Generated tokens/s",
+                    [
+                        (
+                            f"sum by (deployment) (rate({_prom(m.SERVE_TOKENS)}_total{dep}[1m]))",
+                            "{{deployment}}",
+                        )
+                    ],
+                    "none",
+                ),
+                (
+                    "Requests running / waiting",
+                    [
+                        (f"sum by (deployment) ({_prom(m.SERVE_RUNNING)}{dep})", "running {{deployment}}"),
+                        (f"sum by (deployment) ({_prom(m.SERVE_WAITING)}{dep})", "waiting {{deployment}}"),
+                    ],
+                    "none",
+                ),
+                (
+                    "KV rows in use",
+                    [(f"sum by (deployment) ({_prom(m.SERVE_KV_ROWS)}{dep})", "{{deployment}}")],
+                    "none",
+                ),
+            ],
+        ),
+    ]
+    panels, pid, y = [], 1, 0
+    for title, row in rows:
+        panels.append({"id": pid, "type": "row", "title": title, "collapsed": False, "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})  # fmt: skip
+        pid, y = pid + 1, y + 1
+        for i, (ptitle, targets, unit) in enumerate(row):
+            panels.append(_panel(pid, ptitle, targets, unit, x=8 * (i % 3), y=y + 8 * (i // 3)))
+            pid += 1
+        y += 8 * ((len(row) + 2) // 3)
+
+    def var(name: str, metric: str, label: str) -> dict:
+        return {
+            "name": name,
+            "type": "query",
+            "datasource": _DS,
+            "query": {"query": f"label_values({_prom(metric)}, {label})", "refId": name},
+            "definition": f"label_values({_prom(metric)}, {label})",
+            "includeAll": True,
+            "multi": True,
+            "allValue": ".*",
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+            "refresh": 2,
+        }
+
+    return {
+        "uid": DASHBOARD_UID,
+        "title": "raychat",
+        "tags": ["raychat", "ray"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {
+            "list": [
+                {"name": "datasource", "type": "datasource", "query": "prometheus", "hide": 0, "current": {}},
+                var("run", m.TRAIN_STEP, "run"),
+                var("deployment", m.SERVE_RUNNING, "deployment"),
+            ]
+        },
+        "panels": panels,
+    }
+
+
+def dashboard_json() -> str:
+    return json.dumps(build_dashboard(), indent=2) + "\n"
+
+
+def write_dashboard(path: Path = DASHBOARD_PATH) -> None:
+    """Write build_dashboard() to `path` atomically (tmp + os.replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(dashboard_json())
+    os.replace(tmp, path)
+
+
+def ray_dashboards_dir(temp_dir: str | None = None) -> Path:
+    """<temp_dir or $RAY_TMPDIR or /tmp/ray>/session_latest/metrics/grafana/dashboards."""
+    root = Path(temp_dir or os.environ.get("RAY_TMPDIR") or "/tmp/ray")
+    return root / "session_latest" / "metrics" / "grafana" / "dashboards"
+
+
+def load_dashboards(ray_dir: Path | None) -> list[dict]:
+    """raychat's dashboard, then every *.json in ray_dir (sorted). Raises FileNotFoundError for a missing
+    ray_dir or raychat.json, ValueError for a file that is not a dashboard (no uid/title)."""
+    if not DASHBOARD_PATH.is_file():
+        raise FileNotFoundError(f"{DASHBOARD_PATH} missing: run `raychat grafana dashboard`")
+    files = [DASHBOARD_PATH]
+    if ray_dir is not None:
+        if not ray_dir.is_dir():
+            raise FileNotFoundError(
+                f"{ray_dir} does not exist: run on the Ray head node (Ray writes its dashboards there while "
+                "the dashboard runs), pass --ray-temp-dir, or --no-ray-dashboards"
+            )
+        files += sorted(ray_dir.glob("*.json"))
+    out = []
+    for f in files:
+        d = json.loads(f.read_text())
+        if not isinstance(d, dict) or not d.get("uid") or not d.get("title"):
+            raise ValueError(f"{f}: not a Grafana dashboard (needs 'uid' and 'title')")
+        out.append(d)
+    return out
+
+
+def provision(api, dashboards: list[dict], prometheus_url: str) -> dict:
+    """Create or update the Prometheus data source, then upload `dashboards` (overwrite). `api` is a
+    grafana_client.GrafanaApi. Returns {"datasource": "created"|"updated", "dashboards": [uid, ...]}."""
+    from grafana_client.client import GrafanaClientError
+
+    body = {
+        "name": DATASOURCE_NAME,
+        "type": "prometheus",
+        "url": prometheus_url,
+        "access": "proxy",
+        "isDefault": True,
+    }
+    try:
+        existing = api.datasource.get_datasource_by_name(DATASOURCE_NAME)
+    except GrafanaClientError as e:
+        if getattr(e, "status_code", None) != 404:
+            raise
+        existing = None
+    if existing:
+        api.datasource.update_datasource_by_uid(existing["uid"], {**body, "uid": existing["uid"]})
+        action = "updated"
+    else:
+        api.datasource.create_datasource(body)
+        action = "created"
+    uids = []
+    for d in dashboards:
+        d = {**d, "id": None}  # Grafana matches on uid; a stale numeric id would be rejected
+        api.dashboard.update_dashboard(
+            {"dashboard": d, "overwrite": True, "message": "raychat grafana provision"}
+        )
+        uids.append(d["uid"])
+    return {"datasource": action, "dashboards": uids}
+
+
+def cmd_provision(args) -> int:
+    from grafana_client import GrafanaApi
+    from grafana_client.client import GrafanaException
+
+    url = args.url or os.environ.get("GRAFANA_URL")
+    token = args.token or os.environ.get("GRAFANA_TOKEN")
+    if not url:
+        print("raychat grafana provision: set GRAFANA_URL (or --url)", file=sys.stderr)
+        return 2
+    try:
+        dashboards = load_dashboards(
+            None if args.no_ray_dashboards else ray_dashboards_dir(args.ray_temp_dir)
+        )
+    except (FileNotFoundError, ValueError) as e:
+        print(f"raychat grafana provision: {e}", file=sys.stderr)
+        return 2
+    api = GrafanaApi.from_url(url, credential=token or None)
+    try:
+        result = provision(api, dashboards, args.prometheus_url)
+    except GrafanaException as e:
+        print(f"raychat grafana provision: Grafana at {url} refused: {e}", file=sys.stderr)
+        return 4
+    print(f"data source {DATASOURCE_NAME} {result['datasource']} -> {args.prometheus_url}")
+    print(f"dashboards uploaded: {', '.join(result['dashboards'])}")
+    return 0
+
+
+def cmd_dashboard(args) -> int:
+    if args.check:
+        if not DASHBOARD_PATH.is_file() or DASHBOARD_PATH.read_text() != dashboard_json():
+            print(f"{DASHBOARD_PATH} is out of date: run `raychat grafana dashboard`", file=sys.stderr)
+            return 1
+        return 0
+    write_dashboard()
+    print(f"wrote {DASHBOARD_PATH}")
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("grafana", help="Grafana: write raychat's dashboard, provision a Grafana")
+    sub = p.add_subparsers(dest="grafana_command", metavar="<provision|dashboard>", required=True)
+    q = sub.add_parser("provision", help="upload the Prometheus data source and the Ray + raychat dashboards")
+    q.add_argument("--url", help="Grafana URL (default $GRAFANA_URL)")
+    q.add_argument("--token", help="Grafana service-account token (default $GRAFANA_TOKEN)")
+    q.add_argument(
+        "--prometheus-url", default="http://127.0.0.1:9090", help="Prometheus URL as Grafana's server sees it"
+    )
+    q.add_argument(
+        "--ray-temp-dir", help="Ray's temp dir holding session_latest (default $RAY_TMPDIR or /tmp/ray)"
+    )
+    q.add_argument("--no-ray-dashboards", action="store_true", help="upload only raychat's dashboard")
+    q.set_defaults(func=cmd_provision)
+    d = sub.add_parser("dashboard", help=f"(re)write {DASHBOARD_PATH.name} from build_dashboard()")
+    d.add_argument("--check", action="store_true", help="exit 1 if the file differs from build_dashboard()")
+    d.set_defaults(func=cmd_dashboard)

@@ -1,0 +1,295 @@
+"""`raychat submit [options] <stage> [stage args]` and `raychat jobs list|stop|logs`: raychat stages as Ray jobs.
+
+Uses the Ray Jobs SDK (`ray.job_submission.JobSubmissionClient`), which talks to the dashboard's REST API
+(default http://127.0.0.1:8265; `--address`, or RAY_API_SERVER_ADDRESS / RAY_ADDRESS).
+
+Token authentication (Ray >= 2.52; on by default in the Ray this project pins): the token is read, first
+found wins, from `--token-file`, RAY_AUTH_TOKEN, the file named by RAY_AUTH_TOKEN_PATH, then
+~/.ray/auth_token (Ray's own order, docs.ray.io "Ray token authentication"), and sent as
+`Authorization: Bearer <token>` through the client's `headers=` argument. With no token found no header is
+sent, which suits a cluster started with RAY_AUTH_MODE=disabled.
+
+The job's runtime_env: `working_dir` = the repository (without .venv, runs, .git and caches), `py_modules` =
+platform/raychat (so the job imports the submitted code, not whatever raychat the cluster has installed),
+and either the cluster image's Python environment (default) or `pip` requirements (`--pip`, `--pip-project`).
+
+Exit codes of `submit` and `jobs logs --follow`: 0 SUCCEEDED, 1 FAILED, 3 STOPPED, 4 cannot reach or
+authenticate to the cluster, 2 bad arguments; with --no-wait, 0 once the job is accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+STAGES = ("pretrain", "sft", "rl", "eval", "speedrun")
+# `command` runs the words after it as the entrypoint (any command, e.g. a smoke test of the cluster).
+SUBMIT_CHOICES = STAGES + ("command",)
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+WORKING_DIR_EXCLUDES = [".venv", "runs", ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache"]
+EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
+EXIT_UNREACHABLE = 4
+
+
+def repo_root() -> Path:
+    """The raychat checkout this module runs from (the folder holding pyproject.toml and jobs/).
+
+    Raises FileNotFoundError when raychat runs from an installed wheel (no checkout): pass --working-dir."""
+    root = Path(__file__).resolve().parents[3]
+    if (root / "pyproject.toml").is_file() and (root / "platform" / "raychat").is_dir():
+        return root
+    raise FileNotFoundError(f"no raychat checkout above {__file__}; pass --working-dir <repo>")
+
+
+def resolve_address(address: str | None) -> str:
+    return (
+        address
+        or os.environ.get("RAY_API_SERVER_ADDRESS")
+        or os.environ.get("RAY_ADDRESS")
+        or DEFAULT_ADDRESS
+    )
+
+
+def load_token(token_file: str | None = None) -> str | None:
+    """The Ray auth token, or None. Order: token_file, $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token.
+
+    Raises FileNotFoundError / ValueError when an explicitly named file is missing or empty."""
+    if token_file:
+        return _read_token(Path(token_file), "--token-file")
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return _read_token(Path(os.environ["RAY_AUTH_TOKEN_PATH"]), "RAY_AUTH_TOKEN_PATH")
+    default = Path.home() / ".ray" / "auth_token"
+    return _read_token(default, str(default)) if default.is_file() else None
+
+
+def _read_token(path: Path, source: str) -> str:
+    if not path.is_file():
+        raise FileNotFoundError(f"{source}: token file {path} does not exist")
+    token = path.read_text().strip()
+    if not token:
+        raise ValueError(f"{source}: token file {path} is empty")
+    return token
+
+
+def make_client(address: str | None = None, token_file: str | None = None):
+    """A JobSubmissionClient for `address` that sends the auth token if one is found (see load_token)."""
+    from ray.job_submission import JobSubmissionClient
+
+    token = load_token(token_file)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    return JobSubmissionClient(resolve_address(address), headers=headers)
+
+
+def entrypoint_for(stage: str, stage_args: list[str], working_dir: Path) -> str:
+    """The shell command the job runs: `python jobs/<stage>.py <args>`, or the args themselves for `command`.
+
+    Raises ValueError for an unknown stage, an empty `command`, or a stage whose jobs/<stage>.py is missing."""
+    if stage == "command":
+        if not stage_args:
+            raise ValueError("stage 'command' needs a command after it, e.g. command python -c 'print(42)'")
+        return shlex.join(stage_args)
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {', '.join(SUBMIT_CHOICES)}; got {stage!r}")
+    script = Path("jobs") / f"{stage}.py"
+    if not (working_dir / script).is_file():
+        raise ValueError(f"stage {stage!r}: {working_dir / script} does not exist")
+    return shlex.join(["python", script.as_posix(), *stage_args])
+
+
+def runtime_env_for(
+    working_dir: Path, pip: list[str] | None = None, env_vars: dict[str, str] | None = None
+) -> dict:
+    """The job's runtime_env (https://docs.ray.io/en/latest/ray-core/handling-dependencies.html).
+
+    working_dir uploads the checkout (minus WORKING_DIR_EXCLUDES); py_modules ships platform/raychat so the
+    submitted code wins over an installed raychat; pip (optional) installs requirements into a per-job env,
+    otherwise the job uses the cluster image's environment."""
+    env: dict = {
+        "working_dir": str(working_dir),
+        "excludes": list(WORKING_DIR_EXCLUDES),
+        "py_modules": [str(working_dir / "platform" / "raychat")],
+    }
+    if pip:
+        env["pip"] = list(pip)
+    if env_vars:
+        env["env_vars"] = dict(env_vars)
+    return env
+
+
+def project_requirements(working_dir: Path) -> list[str]:
+    """[project].dependencies of <working_dir>/pyproject.toml, without torch (the image provides the torch
+    build that matches its CUDA; a pip-resolved torch would pull a multi-GB wheel per job)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    deps = tomllib.loads((working_dir / "pyproject.toml").read_text())["project"]["dependencies"]
+    return [
+        d for d in deps if not d.replace(" ", "").lower().startswith(("torch>", "torch=", "torch<", "torch;"))
+    ]
+
+
+def _parse_env(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--env must be KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+def follow(client, job_id: str, out=None, poll_s: float = 0.5) -> str:
+    """Print the job's logs as they come (tail_job_logs), then wait for a terminal status and return it
+    (the JobStatus value: "SUCCEEDED", "FAILED" or "STOPPED")."""
+    out = out or sys.stdout
+
+    async def _tail():
+        async for chunk in client.tail_job_logs(job_id):
+            out.write(chunk)
+            out.flush()
+
+    asyncio.run(_tail())
+    while True:
+        status = client.get_job_status(job_id)
+        if status.is_terminal():
+            return status.value
+        time.sleep(poll_s)
+
+
+def _connection_errors():
+    from ray.exceptions import AuthenticationError
+
+    return (AuthenticationError, ConnectionError, RuntimeError)
+
+
+def cmd_submit(args) -> int:
+    try:
+        working_dir = Path(args.working_dir).resolve() if args.working_dir else repo_root()
+        stage_args = list(args.stage_args)
+        if stage_args[:1] == ["--"]:
+            stage_args = stage_args[1:]
+        entrypoint = entrypoint_for(args.stage, stage_args, working_dir)
+        pip = list(args.pip or [])
+        if args.pip_project:
+            pip = project_requirements(working_dir) + pip
+        runtime_env = runtime_env_for(working_dir, pip, _parse_env(args.env or []))
+        client = make_client(args.address, args.token_file)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"raychat submit: {e}", file=sys.stderr)
+        return 2
+    except _connection_errors() as e:
+        print(
+            f"raychat submit: cannot reach the cluster at {resolve_address(args.address)}: {e}",
+            file=sys.stderr,
+        )
+        return EXIT_UNREACHABLE
+    kwargs = {}
+    if args.num_cpus is not None:
+        kwargs["entrypoint_num_cpus"] = args.num_cpus
+    if args.num_gpus is not None:
+        kwargs["entrypoint_num_gpus"] = args.num_gpus
+    try:
+        job_id = client.submit_job(
+            entrypoint=entrypoint, runtime_env=runtime_env, submission_id=args.job_id, **kwargs
+        )
+    except _connection_errors() as e:
+        print(f"raychat submit: the cluster refused the job: {e}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    print(f"submitted {job_id}: {entrypoint}", file=sys.stderr)
+    if args.no_wait:
+        print(job_id)
+        return 0
+    try:
+        status = follow(client, job_id)
+    except KeyboardInterrupt:
+        print(
+            f"\nstopped following; the job keeps running. Stop it: raychat jobs stop {job_id}",
+            file=sys.stderr,
+        )
+        return 130
+    print(f"job {job_id} {status}", file=sys.stderr)
+    return EXIT_CODES.get(status, 1)
+
+
+def cmd_jobs(args) -> int:
+    try:
+        client = make_client(args.address, args.token_file)
+        if args.jobs_command == "list":
+            for job in client.list_jobs():
+                print(f"{job.submission_id or job.job_id}\t{job.status.value}\t{job.entrypoint}")
+            return 0
+        if args.jobs_command == "stop":
+            stopped = client.stop_job(args.job_id)
+            print(f"{args.job_id}: {'stop requested' if stopped else 'already finished'}")
+            return 0
+        if args.follow:
+            return EXIT_CODES.get(follow(client, args.job_id), 1)
+        sys.stdout.write(client.get_job_logs(args.job_id))
+        return 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"raychat jobs: {e}", file=sys.stderr)
+        return 2
+    except _connection_errors() as e:
+        print(f"raychat jobs: {e}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+
+
+def _add_connection_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--address",
+        help=f"dashboard URL (default: $RAY_API_SERVER_ADDRESS, $RAY_ADDRESS, else {DEFAULT_ADDRESS})",
+    )
+    p.add_argument(
+        "--token-file",
+        help="Ray auth token file (default: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token)",
+    )
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "submit",
+        help="submit a stage as a Ray job and follow its logs",
+        usage=f"raychat submit [options] {{{','.join(SUBMIT_CHOICES)}}} [stage args...]",
+        description="Submit `python jobs/<stage>.py ARGS` as a Ray job. raychat's options come BEFORE the "
+        "stage; everything after the stage goes to the stage unchanged. Exit code: 0 SUCCEEDED, 1 FAILED, 3 STOPPED, 4 unreachable/unauthorized.",
+    )
+    p.add_argument("stage", choices=SUBMIT_CHOICES)
+    p.add_argument(
+        "stage_args", nargs=argparse.REMAINDER, help="everything after the stage is passed to it unchanged"
+    )
+    _add_connection_flags(p)
+    p.add_argument("--working-dir", help="checkout to upload (default: this raychat checkout)")
+    p.add_argument("--pip", action="append", help="pip requirement for the job's env (repeatable)")
+    p.add_argument(
+        "--pip-project",
+        action="store_true",
+        help="pip-install pyproject's dependencies (not torch) in the job",
+    )
+    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="environment variable for the job")
+    p.add_argument("--num-cpus", type=float, help="CPUs reserved for the entrypoint (driver)")
+    p.add_argument("--num-gpus", type=float, help="GPUs reserved for the entrypoint (driver)")
+    p.add_argument("--job-id", help="submission id (default: generated by Ray)")
+    p.add_argument("--no-wait", action="store_true", help="print the job id and return once accepted")
+    p.set_defaults(func=cmd_submit)
+
+    j = subparsers.add_parser("jobs", help="list, stop or show the logs of Ray jobs")
+    jsub = j.add_subparsers(dest="jobs_command", metavar="<list|stop|logs>", required=True)
+    for name, help_ in (("list", "list jobs"), ("stop", "stop a job"), ("logs", "print a job's logs")):
+        q = jsub.add_parser(name, help=help_)
+        _add_connection_flags(q)
+        if name != "list":
+            q.add_argument("job_id")
+        if name == "logs":
+            q.add_argument(
+                "--follow", action="store_true", help="follow until the job ends; exit code = status"
+            )
+        q.set_defaults(func=cmd_jobs)

@@ -1,0 +1,175 @@
+"""Learner: policy-gradient updates on rollout samples, data parallel over a group of Ray actors.
+
+Each of the W learner actors holds a full model replica and its optimizers (raychat.train.optim:
+Muon for hidden matrices, AdamW for the rest) and gets a contiguous shard of the step's samples. With W > 1
+they form a torch.distributed group (gloo on CPU, nccl on GPU). One step:
+  1. the step's sampled-token count N and sequence count S are summed over micro-batches and all-reduced;
+  2. every micro-batch backpropagates its share of the normalized step loss (raychat.rl.objective), so the
+     gradients SUMMED over ranks (all-reduce SUM, no averaging) are exactly d(step loss);
+  3. the global grad norm is clipped, the optimizers step, and the policy version increases by one.
+Checkpoints: rank 0 writes the model (raychat.checkpoint.save_model), every rank its optimizer state.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import ray
+import torch
+import torch.distributed as dist
+
+from raychat.checkpoint import load_model, load_rank_state, save_model, save_rank_state
+from raychat.rl.objective import collate, normalized_loss, per_token_loss, token_logprobs
+from raychat.rl.weights import collective_broadcast, publish, weights_hash
+from raychat.train.optim import build_optimizers
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Learner:
+    """One data-parallel rank. Usable in-process (tests, W = 1) or as a Ray actor (`LearnerActor`).
+
+    Args:
+        checkpoint: chat checkpoint directory to start from.
+        cfg: RLConfig (or any object with its optimizer/objective fields).
+        rank, world_size: this rank and the group size; world_size > 1 needs init_group() on every rank.
+        device: "cpu" or "cuda" (nccl when world_size > 1).
+    """
+
+    def __init__(
+        self, checkpoint: str, cfg, rank: int = 0, world_size: int = 1, device: str = "cpu",
+        num_threads: int | None = None,
+    ):  # fmt: skip
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
+        self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, torch.device(device)
+        model, self.tokenizer, self.meta = load_model(checkpoint, device=device)
+        self.model = model.train()
+        self.optimizers = build_optimizers(self.model, cfg)
+        self.version = 0
+
+    def address(self) -> tuple[str, int]:
+        """(node IP, free port) for rank 0's rendezvous."""
+        return (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"), free_port()
+
+    def init_group(self, master_addr: str, master_port: int) -> str:
+        """Join the learners' torch.distributed group (call on every rank at once when world_size > 1).
+
+        Returns the backend: "nccl" on GPU, "gloo" on CPU.
+        """
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        return backend
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    # ---- the update ----------------------------------------------------------------------------------
+    def step(self, samples: list[dict]) -> dict:
+        """One optimizer step on this rank's shard (each sample: tokens, mask, advantage, optional
+        behavior_logprobs). Returns stats: loss (the step loss, summed over ranks), grad_norm (before
+        clipping), num_tokens N, num_sequences S, ratio_mean, clip_frac, step_s, version (after the step),
+        normalization."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        mb = cfg.micro_batch_size
+        batches = [collate(samples[i : i + mb]) for i in range(0, len(samples), mb)]
+        counts = torch.tensor(
+            [sum(int(b["loss_mask"].sum()) for b in batches), len(samples)],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        num_tokens, num_sequences = (int(x) for x in self._all_reduce(counts))
+        stats = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, ratio sum, clipped, tokens
+        for p in self.model.parameters():
+            p.grad = None
+        for b in batches:
+            b = {k: v.to(self.device) for k, v in b.items()}
+            logits = self.model(b["input_ids"])
+            logp = token_logprobs(logits, b["labels"], cfg.temperature)
+            loss_tok, ratio = per_token_loss(logp, b["advantages"], b.get("behavior_logprobs"), cfg.clip_eps)
+            loss = normalized_loss(
+                loss_tok, b["loss_mask"], cfg.normalization, num_tokens, num_sequences, cfg.denominator_length
+            )
+            loss.backward()
+            m = b["loss_mask"]
+            clipped = ((ratio - 1).abs() > cfg.clip_eps) & m
+            stats += torch.tensor(
+                [loss.item(), float(ratio[m].sum()), float(clipped.sum()), float(m.sum())],
+                dtype=torch.float64, device=self.device,
+            )  # fmt: skip
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.world_size > 1:
+            flat = torch._utils._flatten_dense_tensors([p.grad for p in params])
+            self._all_reduce(flat)
+            for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, [p.grad for p in params])):
+                p.grad.copy_(g)
+        self._all_reduce(stats)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        )
+        for opt in self.optimizers:
+            opt.step()
+        for p in self.model.parameters():
+            p.grad = None
+        self.version += 1
+        loss_sum, ratio_sum, clipped, tokens = stats.tolist()
+        return {
+            "loss": loss_sum,
+            "grad_norm": float(grad_norm),
+            "num_tokens": num_tokens,
+            "num_sequences": num_sequences,
+            "ratio_mean": ratio_sum / max(tokens, 1),
+            "clip_frac": clipped / max(tokens, 1),
+            "step_s": time.perf_counter() - t0,
+            "version": self.version,
+            "normalization": cfg.normalization,
+        }
+
+    # ---- weights out ---------------------------------------------------------------------------------
+    def publish(self) -> tuple[list, str, float]:
+        """Object-store sync: ([ObjectRef of the CPU state dict], weights hash, put seconds). Rank 0 only."""
+        return publish(self.model)
+
+    def broadcast(self, group_name: str) -> dict:
+        """Collective sync, sender side (rank 0 of the group)."""
+        seconds = collective_broadcast(self.model, group_name)
+        return {"hash": weights_hash(self.model.state_dict()), "put_s": seconds}
+
+    def weights_hash(self) -> str:
+        return weights_hash(self.model.state_dict())
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+    def save(self, directory: str, step: int, extra_meta: dict | None = None) -> None:
+        """Rank 0 writes the model + tokenizer + meta; every rank writes its optimizer and RNG state."""
+        if self.rank == 0:
+            meta = {**self.meta, "kind": "rl", "step": step, "version": self.version, **(extra_meta or {})}
+            save_model(directory, self.model, self.tokenizer, meta)
+        save_rank_state(directory, self.rank, self.optimizers, {"step": step, "version": self.version})
+
+    def restore(self, directory: str) -> dict:
+        """Load weights, optimizer and RNG state of this rank from an RL checkpoint; returns the data state."""
+        model, _, _ = load_model(directory, device=self.device)
+        self.model.load_state_dict(model.state_dict())
+        state = load_rank_state(directory, self.rank, self.optimizers)
+        self.version = int(state["version"])
+        return state
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+LearnerActor = ray.remote(Learner)

@@ -1,0 +1,178 @@
+"""Policy-gradient objective: group advantages, per-token surrogate loss, and the loss normalization choice.
+
+Sequences are stored as the engine returns them (`tokens`, `mask`; mask 1 = sampled by the policy, 0 = prompt
+or a forced tool output). The label shift happens once, here: inputs = tokens[:-1], labels = tokens[1:],
+loss_mask = mask[1:] (eligibility follows the PREDICTED token), so only sampled tokens carry loss.
+
+Per-token surrogate (PPO clip, Schulman et al. 2017, eq. 7), with ratio r_t = pi(y_t) / pi_behavior(y_t):
+    loss_t = -min(r_t * A, clip(r_t, 1 - eps, 1 + eps) * A)
+On-policy (behavior log-probs None) r_t = exp(logp_t - stopgrad(logp_t)) = 1, so loss_t = -A and its
+gradient is -A * d logp_t (REINFORCE). Asynchronous rollouts pass the behavior policy's log-probs; the clip
+bounds the importance ratio of stale samples.
+
+Normalization of the step loss (an explicit choice, logged with every step):
+    "token"     sum_t loss_t / N,   N = sampled tokens in the whole step (all micro-batches, all ranks)
+    "sequence"  (1 / S) * sum_i (sum_{t in i} loss_t / n_i),   S = sequences in the step (all ranks)
+    "constant"  sum_t loss_t / (S * L),   L = a fixed length (the generation budget; Dr. GRPO, Liu et al. 2025)
+Advantages (GRPO, Shao et al. 2024): A_i = r_i - mean(group); with scale_by_std, divided by (std(group) + eps)
+(population std); Dr. GRPO drops the std division (the default here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+NORMALIZATIONS = ("token", "sequence", "constant")
+
+
+def group_advantages(
+    rewards: Sequence[float], group_size: int, scale_by_std: bool = False, eps: float = 1e-6
+) -> list[float]:
+    """Advantages of prompt-major rewards (rewards[i * group_size + j] = sample j of prompt i).
+
+    Returns a list of len(rewards) floats: r - group mean, divided by (population std + eps) if scale_by_std.
+    Raises ValueError when group_size < 1 or len(rewards) is not a multiple of group_size.
+    """
+    if group_size < 1 or len(rewards) % group_size:
+        raise ValueError(
+            f"len(rewards)={len(rewards)} must be a positive multiple of group_size={group_size}"
+        )
+    r = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return adv.flatten().tolist()
+
+
+def collate(samples: Sequence[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad samples into tensors with the label shift applied.
+
+    Args:
+        samples: dicts with "tokens" (list[int], length >= 2), "mask" (same length, 0/1), "advantage" (float),
+            optionally "behavior_logprobs" (list[float], one per token of tokens[1:], i.e. per label).
+    Returns:
+        input_ids (B, T) int64, labels (B, T) int64, loss_mask (B, T) bool, advantages (B,) float32,
+        behavior_logprobs (B, T) float32 or absent; T = longest len(tokens) - 1. Padding has loss_mask False.
+    Raises:
+        ValueError: empty batch, a sequence shorter than 2 tokens, or mask/tokens/logprob lengths that differ.
+    """
+    if not samples:
+        raise ValueError("samples is empty")
+    T = max(len(s["tokens"]) for s in samples) - 1
+    B = len(samples)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    labels = torch.full((B, T), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.bool)
+    has_behavior = all(s.get("behavior_logprobs") is not None for s in samples)
+    behavior = torch.zeros((B, T), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        tok, mask = s["tokens"], s["mask"]
+        if len(tok) < 2 or len(mask) != len(tok):
+            raise ValueError(
+                f"sample {i}: tokens ({len(tok)}) must have >= 2 ids and equal mask ({len(mask)})"
+            )
+        n = len(tok) - 1
+        input_ids[i, :n] = torch.tensor(tok[:-1])
+        labels[i, :n] = torch.tensor(tok[1:])
+        loss_mask[i, :n] = torch.tensor(mask[1:], dtype=torch.bool)
+        if has_behavior:
+            lp = s["behavior_logprobs"]
+            if len(lp) != n:
+                raise ValueError(f"sample {i}: behavior_logprobs has {len(lp)} values, expected {n}")
+            behavior[i, :n] = torch.tensor(lp, dtype=torch.float32)
+    out = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "advantages": torch.tensor([float(s["advantage"]) for s in samples], dtype=torch.float32),
+    }
+    if has_behavior:
+        out["behavior_logprobs"] = behavior
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[labels]: (B, T, V) float, (B, T) int64 -> (B, T) float32.
+
+    The rollout samples from softmax(logits / temperature), so the policy's log-prob uses the same scale.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def per_token_loss(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    behavior_logprobs: torch.Tensor | None = None,
+    clip_eps: float = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO-clip surrogate per token (module docstring). Returns (loss (B, T), ratio (B, T) detached).
+
+    logprobs (B, T) with grad; advantages (B,); behavior_logprobs (B, T) or None (on-policy, ratio 1).
+    """
+    old = logprobs.detach() if behavior_logprobs is None else behavior_logprobs
+    ratio = torch.exp(logprobs - old)
+    adv = advantages[:, None].to(logprobs.dtype)
+    loss = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+    return loss, ratio.detach()
+
+
+def masked_sums(loss: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of loss over mask-True tokens per row (B,), tokens per row (B,) float). Masked positions add
+    exactly 0 (torch.where, so NaN/inf there cannot leak)."""
+    mask = loss_mask.bool()
+    per_row = torch.where(mask, loss, torch.zeros_like(loss)).sum(dim=1)
+    return per_row, mask.sum(dim=1).to(loss.dtype)
+
+
+def normalized_loss(
+    loss: torch.Tensor,
+    loss_mask: torch.Tensor,
+    normalization: str,
+    num_tokens: int,
+    num_sequences: int,
+    constant_length: int | None = None,
+) -> torch.Tensor:
+    """This micro-batch's share of the step loss; summed over micro-batches and ranks it is the step loss.
+
+    Args:
+        loss: (B, T) per-token loss; loss_mask: (B, T) bool.
+        normalization: one of NORMALIZATIONS (module docstring).
+        num_tokens: N, sampled tokens in the whole step (all micro-batches, all ranks) -- "token".
+        num_sequences: S, sequences in the whole step (all ranks) -- "sequence" and "constant".
+        constant_length: L for "constant" (e.g. the generation budget max_tokens).
+    Returns:
+        scalar tensor with grad. Zero tokens or sequences give 0, never NaN.
+    Raises:
+        ValueError: unknown normalization, or "constant" without constant_length >= 1.
+    """
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {list(NORMALIZATIONS)}, got {normalization!r}")
+    per_row, n_row = masked_sums(loss, loss_mask)
+    if normalization == "token":
+        return per_row.sum() / max(num_tokens, 1)
+    if normalization == "sequence":
+        return (per_row / n_row.clamp(min=1)).sum() / max(num_sequences, 1)
+    if constant_length is None or constant_length < 1:
+        raise ValueError(f"normalization 'constant' needs constant_length >= 1, got {constant_length}")
+    return per_row.sum() / (max(num_sequences, 1) * constant_length)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, eq. 1).
+
+    Raises ValueError unless 0 <= c <= n and 1 <= k <= n.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod

@@ -1,0 +1,164 @@
+"""Rollout actor: an Engine over the current policy; samples G completions per prompt with tool use, scores
+them with `Task.reward`, and tags every sample with the policy version that produced it.
+
+Sample (a dict, what the learner consumes):
+    prompt_index: int      the prompt's index in the task (train or test split)
+    sample_index: int      j of the prompt's G samples
+    tokens, mask: list[int]  prompt + completion, mask 1 = sampled, 0 = prompt / forced tool output (engine)
+    reward: float          Task.reward(conversation, completion text)
+    version: int           policy version of the weights that generated it
+    worker: int            rollout actor index
+    completion_tokens: int tokens after the prompt (sampled + forced); sampled_tokens: mask-1 tokens
+    finish_reason: str     "stop" | "length"
+    behavior_logprobs: list[float] | None   log pi_behavior of tokens[1:] at the rollout temperature
+                            (asynchronous mode only; one value per label, 0 at prompt positions)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+import torch
+
+from raychat.chat_template import render_for_completion
+from raychat.checkpoint import load_model
+from raychat.engine import Engine
+from raychat.rl.objective import collate, token_logprobs
+from raychat.rl.weights import collective_broadcast, load_published, weights_hash
+
+
+class RolloutWorker:
+    """Holds one Engine. Usable in-process (tests) or as a Ray actor (`RolloutActor`).
+
+    Args:
+        checkpoint: chat checkpoint directory (weights are replaced by set_weights before use in a run).
+        tasks: {"train": Task, "test": Task} -- split name -> task giving conversations and rewards.
+        worker_index: this actor's index (tagged on samples).
+        device: "cpu" or "cuda".
+        num_threads: torch intra-op threads (None = leave torch's default).
+    """
+
+    def __init__(
+        self, checkpoint: str, tasks: dict, worker_index: int = 0, device: str = "cpu", num_threads=None
+    ):
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
+        model, tokenizer, _ = load_model(checkpoint, device=device)
+        self.model, self.tokenizer, self.tasks = model.eval(), tokenizer, tasks
+        self.engine = Engine(model, tokenizer)
+        self.worker_index, self.version = worker_index, 0
+        self.hash = weights_hash(model.state_dict())
+
+    # ---- weights -------------------------------------------------------------------------------------
+    def set_weights(self, refs: list, version: int) -> dict:
+        """Load the published state dict (refs = [ObjectRef], fetched here) as policy `version`.
+
+        Returns {"version", "hash", "apply_s" (fetch + load seconds), "worker"}.
+        """
+        self.hash, apply_s = load_published(self.model, refs)
+        self.version = int(version)
+        return {"version": self.version, "hash": self.hash, "apply_s": apply_s, "worker": self.worker_index}
+
+    def receive_broadcast(self, group_name: str, version: int) -> dict:
+        """Collective path: receive every tensor from rank 0 (the learner) in place; same ack as set_weights."""
+        apply_s = collective_broadcast(self.model, group_name)
+        self.hash, self.version = weights_hash(self.model.state_dict()), int(version)
+        return {"version": self.version, "hash": self.hash, "apply_s": apply_s, "worker": self.worker_index}
+
+    def info(self) -> dict:
+        return {"version": self.version, "hash": self.hash, "pid": os.getpid(), "worker": self.worker_index}
+
+    # ---- generation ----------------------------------------------------------------------------------
+    def _prompts(self, split: str, indices: list[int]) -> tuple[list[dict], list[list[int]]]:
+        if split not in self.tasks:
+            raise ValueError(f"split must be one of {sorted(self.tasks)}, got {split!r}")
+        conversations = [self.tasks[split][i] for i in indices]
+        return conversations, [
+            render_for_completion(self.tokenizer, c["messages"][:-1]) for c in conversations
+        ]
+
+    def rollout(
+        self,
+        indices: list[int],
+        num_samples: int,
+        max_tokens: int,
+        temperature: float,
+        seed: int | None = None,
+        split: str = "train",
+        behavior_logprobs: bool = False,
+    ) -> dict:
+        """Generate num_samples completions for each prompt index; score them.
+
+        Returns {"samples": list[Sample dict] (prompt-major), "seconds": generation wall time,
+        "completion_tokens": int, "worker": int, "version": int}.
+        """
+        conversations, prompts = self._prompts(split, indices)
+        t0 = time.perf_counter()
+        results = self.engine.generate_batch(
+            prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, seed=seed
+        )
+        seconds = time.perf_counter() - t0
+        task = self.tasks[split]
+        samples = []
+        for r in results:
+            conv = conversations[r.prompt_index]
+            samples.append(
+                {
+                    "prompt_index": int(indices[r.prompt_index]),
+                    "sample_index": r.sample_index,
+                    "tokens": r.tokens,
+                    "mask": r.mask,
+                    "reward": float(task.reward(conv, r.text)),
+                    "version": self.version,
+                    "worker": self.worker_index,
+                    "completion_tokens": len(r.completion_tokens),
+                    "sampled_tokens": sum(r.completion_mask),
+                    "finish_reason": r.finish_reason,
+                    "text": r.text,
+                }
+            )
+        if behavior_logprobs:
+            for s, lp in zip(samples, self.logprobs(samples, temperature)):
+                s["behavior_logprobs"] = lp
+        return {
+            "samples": samples,
+            "seconds": seconds,
+            "completion_tokens": sum(s["completion_tokens"] for s in samples),
+            "worker": self.worker_index,
+            "version": self.version,
+        }
+
+    @torch.inference_mode()
+    def logprobs(self, samples: list[dict], temperature: float, chunk: int = 16) -> list[list[float]]:
+        """log softmax(logits / temperature)[label] of tokens[1:] for every sample (one forward per chunk)."""
+        out = []
+        for c in range(0, len(samples), chunk):
+            part = [{**s, "advantage": 0.0, "behavior_logprobs": None} for s in samples[c : c + chunk]]
+            batch = collate(part)
+            logits = self.model(batch["input_ids"].to(self.engine.device))
+            lp = token_logprobs(logits, batch["labels"].to(logits.device), temperature).cpu()
+            out += [lp[i, : len(s["tokens"]) - 1].tolist() for i, s in enumerate(part)]
+        return out
+
+    def evaluate(
+        self,
+        indices: list[int],
+        num_samples: int,
+        max_tokens: int,
+        temperature: float,
+        seed: int | None = None,
+    ) -> list[int]:
+        """Correct completions (Task.evaluate) per held-out prompt, out of num_samples each."""
+        conversations, prompts = self._prompts("test", indices)
+        results = self.engine.generate_batch(
+            prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, seed=seed
+        )
+        correct = [0] * len(indices)
+        for r in results:
+            correct[r.prompt_index] += int(self.tasks["test"].evaluate(conversations[r.prompt_index], r.text))
+        return correct
+
+
+RolloutActor = ray.remote(RolloutWorker)

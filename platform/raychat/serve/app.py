@@ -1,0 +1,251 @@
+"""The Ray Serve application: a FastAPI ingress (ChatIngress) in front of autoscaled engine replicas
+(ChatEngine), both built by `build_app(args)` for `serve run` / `serve deploy` (serve/chat.yaml) and
+`raychat serve`.
+
+  serve run raychat.serve.app:build_app checkpoint=/path/to/ckpt
+  serve deploy serve/chat.yaml
+
+ChatIngress parses, validates and streams (raychat.serve.ingress); ChatEngine replicas each hold the model
+and one continuous-batching Scheduler (raychat.serve.replica). Streams go through a DeploymentHandle with
+stream=True; when the HTTP client disconnects, Serve cancels the ingress request, the ingress closes the
+handle stream (DeploymentResponseGenerator.cancel) and the replica's generator frees its row.
+
+`args` (strings from the CLI or YAML are converted; the defaults are below):
+  checkpoint (required)       raychat checkpoint directory, readable on every node
+  max_rows=8                  KV-cache rows per replica (1 = one request at a time)
+  max_len=None                tokens per row (default the model's max_seq_len)
+  num_cpus=1                  CPUs each ChatEngine replica reserves; num_gpus=0 likewise
+  torch_threads=None          torch intra-op threads per replica (default: the CPUs it reserved, >= 1)
+  min_replicas=1, max_replicas=1, target_ongoing_requests=4  autoscaling of ChatEngine
+  upscale_delay_s=30, downscale_delay_s=600, look_back_period_s=30   (how often replicas and handles
+                              report load is set by the env vars RAY_SERVE_{REPLICA,HANDLE}_AUTOSCALING_METRIC_
+                              PUSH_INTERVAL_S, default 10 s)
+  max_ongoing_requests=32     per ChatEngine replica (queued at the ingress beyond it)
+  api_key=None                bearer token required by the API (env RAYCHAT_API_KEY also works)
+  model_id=None               name reported by /v1/models (default the checkpoint directory's name)
+A deployment section in serve/chat.yaml overrides these options (Serve's config precedence).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+
+from ray import serve
+from ray.serve import Application
+
+from raychat.serve.api import MAX_BODY_BYTES
+from raychat.serve.ingress import create_app
+
+ENGINE_DEPLOYMENT = "ChatEngine"
+INGRESS_DEPLOYMENT = "ChatIngress"
+
+DEFAULTS = {
+    "max_rows": 8,
+    "max_len": None,
+    "num_cpus": 1.0,
+    "num_gpus": 0.0,
+    "torch_threads": None,
+    "min_replicas": 1,
+    "max_replicas": 1,
+    "target_ongoing_requests": 4.0,
+    "upscale_delay_s": 30.0,
+    "downscale_delay_s": 600.0,
+    "look_back_period_s": 30.0,
+    "max_ongoing_requests": 32,
+    "api_key": None,
+    "model_id": None,
+    "ingress_num_cpus": 0.1,
+}
+_INTS = {"max_rows", "max_len", "torch_threads", "min_replicas", "max_replicas", "max_ongoing_requests"}
+_FLOATS = {k for k, v in DEFAULTS.items() if isinstance(v, float)}
+
+
+def parse_args(args: dict) -> dict:
+    """Merge `args` over DEFAULTS, converting strings ("2", "0.5", "none").
+
+    Raises:
+        ValueError: missing checkpoint, an unknown key (naming the allowed keys) or a value of the wrong type.
+    """
+    args = dict(args or {})
+    if not args.get("checkpoint"):
+        raise ValueError("build_app needs args['checkpoint'] (a raychat checkpoint directory)")
+    unknown = set(args) - set(DEFAULTS) - {"checkpoint"}
+    if unknown:
+        raise ValueError(f"unknown build_app args {sorted(unknown)}; allowed: {['checkpoint', *DEFAULTS]}")
+    out = {**DEFAULTS, **args}
+    for key in _INTS | _FLOATS:
+        value = out[key]
+        if isinstance(value, str):
+            value = None if value.lower() in ("", "none", "null") else value
+        if value is None:
+            if DEFAULTS[key] is not None:
+                raise ValueError(f"{key} must be a number, got {out[key]!r}")
+            out[key] = None
+            continue
+        try:
+            out[key] = int(value) if key in _INTS else float(value)
+        except (TypeError, ValueError):
+            kind = "an integer" if key in _INTS else "a number"
+            raise ValueError(f"{key} must be {kind}, got {out[key]!r}") from None
+    if out["min_replicas"] < 0 or out["max_replicas"] < max(1, out["min_replicas"]):
+        raise ValueError(
+            f"need 0 <= min_replicas <= max_replicas, max_replicas >= 1; got {out['min_replicas']}, {out['max_replicas']}"
+        )
+    out["api_key"] = out["api_key"] or os.environ.get("RAYCHAT_API_KEY") or None
+    return out
+
+
+@serve.deployment(name=ENGINE_DEPLOYMENT)
+class ChatEngineDeployment:
+    """One engine replica (a ChatEngine); its methods are called through a DeploymentHandle."""
+
+    def __init__(
+        self,
+        checkpoint: str,
+        max_rows: int,
+        max_len: int | None,
+        torch_threads: int | None,
+        model_id: str | None,
+        device: str,
+    ):
+        import ray
+        import torch
+
+        from raychat.serve.replica import ChatEngine
+
+        if (
+            torch_threads is None
+        ):  # the CPUs this replica reserved (ray_actor_options, possibly from the YAML)
+            torch_threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+        torch.set_num_threads(torch_threads)
+        kwargs = {"max_rows": max_rows, "max_len": max_len, "deployment": ENGINE_DEPLOYMENT}
+        if model_id:
+            kwargs["model_id"] = model_id
+        self.engine = ChatEngine.from_checkpoint(checkpoint, device=device, **kwargs)
+
+    async def generate(self, request: dict):
+        """Yields lists of event dicts: every event ready when the consumer asks is sent in one message, so
+        under load one Ray streaming message carries several tokens (no added latency when idle)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump():
+            try:
+                async for event in self.engine.generate(request):
+                    queue.put_nowait(event)
+            finally:
+                queue.put_nowait(None)
+
+        task = asyncio.create_task(pump())
+        try:
+            done = False
+            while not done:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                if batch[-1] is None:
+                    batch.pop()
+                    done = True
+                if batch:
+                    yield batch
+            await task  # re-raises an engine failure
+        finally:
+            if not task.done():
+                task.cancel()  # the caller left: cancelling pump closes engine.generate, which frees the row
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    def info(self) -> dict:
+        return self.engine.info()
+
+    def stats(self) -> dict:
+        """ChatEngine.stats plus rss_bytes, this replica process' resident memory."""
+        import psutil
+
+        return {**self.engine.stats(), "rss_bytes": psutil.Process().memory_info().rss}
+
+    def check_health(self) -> None:
+        """Serve's health check: the scheduler thread must be alive."""
+        if not self.engine.scheduler.running:
+            raise RuntimeError(f"scheduler thread stopped: {self.engine.scheduler.last_error!r}")
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+class HandleEngineClient:
+    """The ingress' engine client over a DeploymentHandle to ChatEngine (protocol in raychat.serve.ingress)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def info(self) -> dict:
+        return await self.handle.info.remote()
+
+    async def stats(self) -> dict:
+        return await self.handle.stats.remote()
+
+    async def generate(self, request: dict):
+        gen = self.handle.options(stream=True).generate.remote(request)
+        finished = False
+        try:
+            async for batch in gen:
+                for event in batch:
+                    yield event
+            finished = True
+        finally:
+            if not finished:
+                gen.cancel()  # client left or the consumer stopped early: cancel the replica's generator
+
+
+@serve.deployment(name=INGRESS_DEPLOYMENT)
+@serve.ingress()
+class ChatIngress:
+    """HTTP ingress: the FastAPI app of raychat.serve.ingress over a handle to ChatEngine."""
+
+    def __init__(self, engine, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
+        self.client = HandleEngineClient(engine)
+        self.api_key, self.max_body_bytes = api_key, max_body_bytes
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.client, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
+
+
+def build_app(args: dict) -> Application:
+    """The application for `serve run raychat.serve.app:build_app key=value ...` (keys in the module doc).
+
+    Raises:
+        ValueError: invalid args (see parse_args); FileNotFoundError: no checkpoint directory there.
+    """
+    a = parse_args(args)
+    checkpoint = os.path.abspath(a["checkpoint"])
+    if not os.path.isfile(os.path.join(checkpoint, "meta.json")):
+        raise FileNotFoundError(f"checkpoint {checkpoint} has no meta.json (not a raychat checkpoint)")
+    autoscaling = {
+        "min_replicas": a["min_replicas"],
+        "initial_replicas": max(1, a["min_replicas"]),
+        "max_replicas": a["max_replicas"],
+        "target_ongoing_requests": a["target_ongoing_requests"],
+        "upscale_delay_s": a["upscale_delay_s"],
+        "downscale_delay_s": a["downscale_delay_s"],
+        "look_back_period_s": a["look_back_period_s"],
+    }
+    engine = ChatEngineDeployment.options(
+        ray_actor_options={"num_cpus": a["num_cpus"], "num_gpus": a["num_gpus"]},
+        max_ongoing_requests=a["max_ongoing_requests"],
+        autoscaling_config=autoscaling,
+    ).bind(
+        checkpoint,
+        a["max_rows"],
+        a["max_len"],
+        a["torch_threads"],
+        a["model_id"],
+        "cuda" if a["num_gpus"] > 0 else "cpu",
+    )
+    return ChatIngress.options(
+        ray_actor_options={"num_cpus": a["ingress_num_cpus"]},
+        max_ongoing_requests=max(1000, 4 * a["max_ongoing_requests"] * a["max_replicas"]),
+    ).bind(engine, a["api_key"])

@@ -1,0 +1,84 @@
+"""`raychat serve --checkpoint DIR`: run the chat app (raychat.serve.app) on a local Ray cluster (or the
+one at --address / RAY_ADDRESS) and print the chat page's URL. Blocks until Ctrl-C unless --no-block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+APP_NAME = "raychat"
+
+
+def start(
+    checkpoint: str, host: str = "127.0.0.1", port: int = 8000, address: str | None = None, **app_args
+) -> str:
+    """Start Ray (if needed) and Serve, deploy the app from `checkpoint`; returns the page URL.
+
+    app_args are build_app keys (max_rows, min_replicas, max_replicas, num_cpus, api_key, ...).
+    Raises: ValueError / FileNotFoundError from build_app for bad args or a missing checkpoint.
+    """
+    import ray
+    from ray import serve
+
+    from raychat.serve.app import build_app
+
+    application = build_app(
+        {"checkpoint": checkpoint, **{k: v for k, v in app_args.items() if v is not None}}
+    )
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{shown}:{port}/"
+
+
+def main(args: argparse.Namespace) -> int:
+    url = start(
+        args.checkpoint,
+        host=args.host,
+        port=args.port,
+        address=args.address,
+        max_rows=args.max_rows,
+        min_replicas=args.min_replicas,
+        max_replicas=args.replicas,
+        num_cpus=args.num_cpus,
+        api_key=args.api_key,
+    )
+    print(f"raychat is serving {args.checkpoint}")
+    print(f"chat page:    {url}")
+    print(f"OpenAI API:   {url}v1  (model list: {url}v1/models, health: {url}health)", flush=True)
+    if args.no_block:
+        return 0
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        from ray import serve
+
+        serve.shutdown()
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a checkpoint: streaming chat page + OpenAI-compatible API")
+    p.add_argument("--checkpoint", required=True, help="raychat checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 to expose)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a new local one)"
+    )
+    p.add_argument("--replicas", type=int, default=1, help="maximum engine replicas (autoscaled)")
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--max-rows", type=int, default=8, help="concurrent sequences per replica (KV-cache rows)")
+    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs each engine replica reserves")
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env RAYCHAT_API_KEY)"
+    )
+    p.add_argument(
+        "--no-block",
+        action="store_true",
+        help="return once the app is up (only with --address: a local cluster ends with this process)",
+    )
+    p.set_defaults(func=main)

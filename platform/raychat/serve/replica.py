@@ -1,0 +1,172 @@
+"""One engine replica's logic: render with the ONE chat template, run the continuous-batching Scheduler,
+stream event dicts, free the row when the consumer leaves. Plain Python (the Ray Serve deployment in
+raychat.serve.app wraps it), so tests can drive it in-process.
+
+Events yielded by `ChatEngine.generate(request)` (request = ChatRequest.to_engine()):
+  {"type": "delta", "text": str, "tokens": int}                 text may be "" (a partial UTF-8 character)
+  {"type": "done", "finish_reason": "stop"|"length", "usage": {prompt_tokens, completion_tokens,
+   total_tokens, ttft_s}}                                       last event of a success
+  {"type": "error", "status": 400|500, "message": str, "param": str|None}
+                                                                first and only event of a rejected request
+                                                                (400), or last event of a failed one (500)
+In-flight accounting: `in_flight` counts generate() calls between entry and exit (success, rejection,
+error, cancellation alike); it returns to 0 when every consumer has finished or left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from raychat.chat_template import TEMPLATE_VERSION, render_for_completion
+from raychat.engine import Engine, SamplingParams, Scheduler
+from raychat.metrics import ServeMetrics
+from raychat.serve.sse import usage_dict
+
+
+class ChatEngine:
+    """A Scheduler (started in a daemon thread) over a model and tokenizer.
+
+    Args:
+        model, tokenizer: a raychat GPT (eval mode) and Tokenizer.
+        max_rows: concurrent decode rows of the KV cache (1 = one request at a time).
+        max_len: tokens per row (prompt + completion), default model.config.max_seq_len.
+        model_id: the name reported by /v1/models.
+        deployment: tag of the serving metrics (raychat_serve_*{deployment=...}).
+        meta: checkpoint meta (its "tokenizer_version" and "step" are reported by info()).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_rows: int = 8,
+        max_len: int | None = None,
+        model_id: str = "raychat",
+        deployment: str = "ChatEngine",
+        meta: dict | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.meta = meta or {}
+        self.scheduler = Scheduler(Engine(model, tokenizer), max_rows=max_rows, max_len=max_len)
+        self.scheduler.start()
+        self.metrics = ServeMetrics(deployment)
+        self.in_flight = 0
+        self.completed = 0
+        self.cancelled = 0
+        self.rejected = 0
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: str | os.PathLike, device: str = "cpu", **kwargs) -> ChatEngine:
+        """Load a raychat checkpoint directory (raychat.checkpoint.load_model) onto `device`."""
+        from raychat.checkpoint import load_model
+
+        model, tokenizer, meta = load_model(checkpoint, device=device)
+        kwargs.setdefault("model_id", Path(checkpoint).resolve().name or "raychat")
+        return cls(model, tokenizer, meta=meta, **kwargs)
+
+    def info(self) -> dict:
+        return {
+            "model_id": self.model_id,
+            "template_version": TEMPLATE_VERSION,
+            "tokenizer_version": self.tokenizer.version,
+            "max_seq_len": self.scheduler.max_len,
+            "max_rows": self.scheduler.max_rows,
+            "step": self.meta.get("step"),
+        }
+
+    def stats(self) -> dict:
+        """Counters of this replica: in_flight, running (rows decoding), waiting (queued), completed,
+        cancelled, rejected, free_rows, max_rows."""
+        s = self.scheduler
+        return {
+            "in_flight": self.in_flight,
+            "running": s.num_active,
+            "waiting": s.num_pending,
+            "free_rows": s.num_free_rows,
+            "max_rows": s.max_rows,
+            "completed": self.completed,
+            "cancelled": self.cancelled,
+            "rejected": self.rejected,
+        }
+
+    def _publish_gauges(self) -> None:
+        s = self.scheduler
+        self.metrics.set_running(s.num_active)
+        self.metrics.set_waiting(s.num_pending)
+        self.metrics.set_kv_rows_in_use(s.num_active)
+
+    async def generate(self, request: dict) -> AsyncIterator[dict]:
+        """Stream the reply to `request` (see the module doc for the events); never raises for bad input."""
+        self.in_flight += 1
+        stream = None
+        finished = False
+        try:
+            param = None
+            try:
+                params = SamplingParams(
+                    max_tokens=request.get("max_tokens", 256),
+                    temperature=request.get("temperature", 1.0),
+                    top_k=request.get("top_k"),
+                    top_p=request.get("top_p"),
+                    seed=request.get("seed"),
+                    stop=tuple(request.get("stop") or ()),
+                )
+                param = "messages"  # from here on, errors are about the conversation or its length
+                prompt = render_for_completion(self.tokenizer, request["messages"])
+                stream = self.scheduler.submit(prompt, params)
+            except ValueError as e:
+                self.rejected += 1
+                yield {"type": "error", "status": 400, "message": str(e), "param": param}
+                return
+            self._publish_gauges()
+            last = None
+            async for ev in stream:
+                now = time.perf_counter()
+                if ev.token_ids:
+                    self.metrics.add_tokens(len(ev.token_ids))
+                    if last is not None:
+                        self.metrics.observe_inter_token(now - last)
+                    last = now
+                if ev.text or (ev.token_ids and not ev.finished):
+                    yield {"type": "delta", "text": ev.text, "tokens": len(ev.token_ids)}
+                if ev.finished:
+                    finished = True
+                    self._publish_gauges()
+                    u = ev.usage
+                    if u is not None and u.ttft_s is not None:
+                        self.metrics.observe_ttft(u.ttft_s)
+                    if ev.finish_reason in ("stop", "length"):
+                        self.completed += 1
+                        usage = usage_dict(u.prompt_tokens, u.completion_tokens, u.ttft_s)
+                        yield {"type": "done", "finish_reason": ev.finish_reason, "usage": usage}
+                    elif ev.finish_reason == "cancelled":
+                        self.cancelled += 1
+                    else:
+                        yield {
+                            "type": "error",
+                            "status": 500,
+                            "message": ev.error or "generation failed",
+                            "param": None,
+                        }
+        finally:
+            if stream is not None and not finished:
+                stream.cancel()  # the consumer left (GeneratorExit / CancelledError): free the row
+                self.cancelled += 1
+            self.in_flight -= 1
+
+    async def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        """Wait until no request is in flight and every row is free (True), or timeout_s passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.in_flight == 0 and self.scheduler.num_active == 0 and self.scheduler.num_pending == 0:
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    def shutdown(self) -> None:
+        self.scheduler.stop()

@@ -1,0 +1,163 @@
+"""`raychat speedrun`: the main job, end to end on a local (or connected) Ray cluster.
+
+  data prepare -> tokenizer -> pretrain (Ray Train, DDP) -> validation BPB vs the unigram baseline
+  -> samples -> final checkpoint -> report.md
+
+Stages whose outputs already exist are skipped (the run is resumable: run the same command again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+from raychat.train.config import TrainConfig, load_preset
+
+
+def _section(preset: str, name: str) -> dict:
+    import yaml
+
+    from raychat.train.config import PRESET_DIR
+
+    path = Path(preset) if Path(preset).suffix else PRESET_DIR / f"{preset}.yaml"
+    return (yaml.safe_load(path.read_text()) or {}).get(name, {})
+
+
+def stage(title: str):
+    print(f"\n=== {title} " + "=" * max(0, 90 - len(title)), flush=True)
+    return time.perf_counter()
+
+
+def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> dict:
+    out_dir = Path(out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data_cfg, tok_cfg = _section(preset, "data"), _section(preset, "tokenizer")
+    data_dir, tok_dir = out_dir / "data", out_dir / "tokenizer"
+    report: dict = {"preset": preset, "timings_s": {}}
+    t_all = time.perf_counter()
+
+    t0 = stage("1/4 data: corpus -> parquet shards")
+    from raychat.data.prepare import prepare
+
+    if (data_dir / "manifest.json").exists():
+        print(f"using existing shards in {data_dir}")
+        manifest = json.loads((data_dir / "manifest.json").read_text())
+    else:
+        manifest = prepare(
+            source=data_cfg.get("source", "debian-docs"),
+            out=str(data_dir),
+            num_shards=data_cfg.get("num_shards", 8),
+        )
+    report["data"] = {k: manifest.get(k) for k in ("source", "license", "documents", "bytes")}
+    report["timings_s"]["data"] = time.perf_counter() - t0
+
+    t0 = stage("2/4 tokenizer: byte-level BPE")
+    from raychat.tokenizer import Tokenizer
+    from raychat.tokenizer_cli import train_tokenizer
+
+    if (tok_dir / "tokenizer.json").exists():
+        print(f"using existing tokenizer in {tok_dir}")
+        report["tokenizer"] = {"vocab_size": Tokenizer.load(tok_dir).vocab_size}
+    else:
+        report["tokenizer"] = train_tokenizer(str(data_dir), str(tok_dir), tok_cfg.get("vocab_size", 4096))
+    report["timings_s"]["tokenizer"] = time.perf_counter() - t0
+
+    t0 = stage("3/4 pretrain on Ray Train")
+    from raychat.train.pretrain import run_training
+
+    values = {
+        **load_preset(preset),
+        "data_dir": str(data_dir),
+        "tokenizer_path": str(tok_dir),
+        "storage_path": str(out_dir / "checkpoints"),
+        "run_name": "base",
+        "stage": "pretrain",
+    }
+    if num_iterations:
+        values["num_iterations"] = num_iterations
+    cfg = TrainConfig(**values)
+    cfg.validate()
+    result = run_training(cfg)
+    report["pretrain"] = {k: v for k, v in result.metrics.items() if k != "samples"}
+    report["samples"] = result.metrics.get("samples", [])
+    report["checkpoint"] = str(result.checkpoint.path) if result.checkpoint else None
+    report["timings_s"]["pretrain"] = time.perf_counter() - t0
+
+    t0 = stage("4/4 evaluation: BPB vs unigram baseline")
+    report["unigram_bpb"] = unigram_baseline(data_dir, tok_dir)
+    print(
+        f"validation BPB {report['pretrain'].get('val_bpb', float('nan')):.4f} "
+        f"vs unigram baseline {report['unigram_bpb']:.4f}"
+    )
+    report["timings_s"]["eval"] = time.perf_counter() - t0
+    report["timings_s"]["total"] = time.perf_counter() - t_all
+    report["train_config"] = dataclasses.asdict(cfg)
+    path = write_report(out_dir, report)
+    print(f"\nreport: {path}\nfinal checkpoint: {report['checkpoint']}")
+    return report
+
+
+def unigram_baseline(data_dir: Path, tok_dir: Path, max_chars: int = 20_000_000) -> float:
+    from raychat.data.shards import list_shards
+    from raychat.eval.bpb import unigram_bpb
+    from raychat.tokenizer import Tokenizer
+    from raychat.tokenizer_cli import iter_texts
+
+    tok = Tokenizer.load(tok_dir)
+    train_files, val_file = list_shards(data_dir)
+    train = tok.encode_batch(list(iter_texts(train_files, max_chars)), prepend_bos=True, num_threads=2)
+    val = tok.encode_batch(list(iter_texts([val_file], max_chars)), prepend_bos=True, num_threads=2)
+    return unigram_bpb(train, val, tok.token_bytes())
+
+
+def write_report(out_dir: Path, r: dict) -> Path:
+    p, t = r["pretrain"], r["timings_s"]
+    lines = [
+        f"# raychat speedrun report (preset `{r['preset']}`)",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| corpus | {r['data'].get('source')} ({r['data'].get('license')}), "
+        f"{r['data'].get('documents'):,} documents, {r['data'].get('bytes', 0) / 1e6:.1f} MB |",
+        f"| tokenizer | vocab {r['tokenizer'].get('vocab_size')}, "
+        f"{r['tokenizer'].get('val_bytes_per_token', 'n/a')} bytes/token (val) |",
+        f"| steps | {p.get('step')} |",
+        f"| final train loss | {p.get('loss', float('nan')):.4f} |",
+        f"| validation BPB | {p.get('val_bpb', float('nan')):.4f} |",
+        f"| unigram baseline BPB | {r['unigram_bpb']:.4f} |",
+        f"| tokens/s (last step, all workers) | {p.get('tokens_per_s', 0):,.0f} |",
+        f"| data wait (last step) | {100 * p.get('data_wait_frac', 0):.1f}% |",
+        f"| wall time | {t['total']:.0f} s (data {t['data']:.0f}, tokenizer {t['tokenizer']:.0f}, "
+        f"pretrain {t['pretrain']:.0f}, eval {t['eval']:.0f}) |",
+        f"| checkpoint | `{r['checkpoint']}` |",
+        "",
+        "## Samples (greedy)",
+        "",
+        *[f"- `{s}`" for s in r.get("samples", [])],
+        "",
+    ]
+    path = out_dir / "report.md"
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines))
+    os.replace(tmp, path)
+    (out_dir / "report.json").write_text(json.dumps(r, indent=2, default=str))
+    return path
+
+
+def add_cli(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "speedrun",
+        help="the main job: data -> tokenizer -> pretrain -> eval -> report",
+        description="Run the whole pipeline on a local Ray cluster (started in-process) or the cluster in "
+        "RAY_ADDRESS. Stages whose outputs exist are reused; the pretraining run resumes from its last "
+        "checkpoint. Writes <out>/report.md.",
+    )
+    parser.add_argument(
+        "--preset", default="cpu", help="jobs/presets/<name>.yaml (cpu, gpu8, cluster) or a path"
+    )
+    parser.add_argument("--out", default="runs/speedrun", help="output directory (default: runs/speedrun)")
+    parser.add_argument("--num-iterations", type=int, default=None, help="override the preset's steps")
+    parser.set_defaults(func=lambda a: run_speedrun(a.preset, a.out, a.num_iterations) and 0)

@@ -1,0 +1,24 @@
+"""Tasks (datasets of conversations with checkers), mixtures and curricula. See raychat.tasks.base."""
+
+from raychat.tasks.base import EVAL_TYPES, Task, TaskMixture, TaskSequence, extract_answer
+from raychat.tasks.calculator import Calculator
+from raychat.tasks.chatterbot import ChatterbotConversations
+from raychat.tasks.loaders import GSM8K, MultipleChoice, SmolTalk
+from raychat.tasks.report import format_report, mixture_report
+from raychat.tasks.spelling import Spelling
+
+__all__ = [
+    "EVAL_TYPES",
+    "GSM8K",
+    "Calculator",
+    "ChatterbotConversations",
+    "MultipleChoice",
+    "SmolTalk",
+    "Spelling",
+    "Task",
+    "TaskMixture",
+    "TaskSequence",
+    "extract_answer",
+    "format_report",
+    "mixture_report",
+]

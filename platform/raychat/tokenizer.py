@@ -1,0 +1,179 @@
+"""Byte-level BPE tokenizer: trained here with rustbpe, served as a `tiktoken.Encoding`.
+
+Training uses rustbpe (the trainer nanochat uses) with the GPT-4 split pattern; at run time the merges
+are loaded into tiktoken, which encodes fast and with no network. The chat special tokens sit after the
+BPE vocabulary. Ordinary text is always encoded with `encode_ordinary`, so special-token text inside user
+content (e.g. "a<|bos|>b") is plain text and never becomes a control token.
+
+Files written by `Tokenizer.save(dir)`:
+  tokenizer.json   {"pattern", "mergeable_ranks" (base64 bytes -> rank), "special_tokens", "version"}
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import tiktoken
+
+# GPT-4 (cl100k) split pattern with numbers limited to 1-2 digits as in nanochat: small vocabularies
+# waste fewer ids on 3-digit number chunks.
+SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+
+BOS = "<|bos|>"
+SPECIAL_TOKENS = (
+    BOS,
+    "<|user_start|>",
+    "<|user_end|>",
+    "<|assistant_start|>",
+    "<|assistant_end|>",
+    "<|python_start|>",
+    "<|python_end|>",
+    "<|output_start|>",
+    "<|output_end|>",
+)
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+
+class Tokenizer:
+    """A `tiktoken.Encoding` plus the chat special tokens and the byte-length table used for BPB.
+
+    Attributes:
+        encoding: the tiktoken encoding (BPE ranks + special tokens).
+        version: 16-hex-digit hash of pattern, ranks and special tokens; stored in every checkpoint.
+    """
+
+    def __init__(self, pattern: str, mergeable_ranks: dict[bytes, int]):
+        n = len(mergeable_ranks)
+        if sorted(mergeable_ranks.values()) != list(range(n)):
+            raise ValueError("mergeable_ranks must map to the contiguous ids 0..n-1")
+        self.pattern = pattern
+        self.mergeable_ranks = mergeable_ranks
+        self.special_tokens = {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
+        self.encoding = tiktoken.Encoding(
+            name="raychat",
+            pat_str=pattern,
+            mergeable_ranks=mergeable_ranks,
+            special_tokens=self.special_tokens,
+        )
+        h = hashlib.sha256(pattern.encode())
+        for token, rank in sorted(mergeable_ranks.items(), key=lambda kv: kv[1]):
+            h.update(rank.to_bytes(4, "little") + len(token).to_bytes(2, "little") + token)
+        h.update(json.dumps(self.special_tokens, sort_keys=True).encode())
+        self.version = h.hexdigest()[:16]
+
+    # ---- training -------------------------------------------------------------------------------
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, pattern: str = SPLIT_PATTERN) -> Tokenizer:
+        """Train byte-level BPE on `texts` so that the total vocabulary (BPE + specials) is `vocab_size`.
+
+        Raises:
+            ValueError: if vocab_size < 256 + number of special tokens.
+        """
+        import rustbpe
+
+        if vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(
+                f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + specials), got {vocab_size}"
+            )
+        trainer = rustbpe.Tokenizer()
+        trainer.train_from_iterator(iter(texts), vocab_size=vocab_size - len(SPECIAL_TOKENS), pattern=pattern)
+        ranks = {bytes(token): rank for token, rank in trainer.get_mergeable_ranks()}
+        return cls(pattern, ranks)
+
+    # ---- io -------------------------------------------------------------------------------------
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write tokenizer.json atomically into `directory`; returns its path."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "pattern": self.pattern,
+            "mergeable_ranks": {
+                base64.b64encode(t).decode(): r
+                for t, r in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
+            },
+            "special_tokens": self.special_tokens,
+            "version": self.version,
+        }
+        path = directory / "tokenizer.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(payload))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load from a tokenizer.json file or a directory holding one.
+
+        Raises:
+            FileNotFoundError: no tokenizer.json there.
+            ValueError: the file's special tokens differ from this version of raychat.
+        """
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no tokenizer at {path} (train one with `raychat tokenizer train`)")
+        payload = json.loads(path.read_text())
+        ranks = {base64.b64decode(t): r for t, r in payload["mergeable_ranks"].items()}
+        tok = cls(payload["pattern"], ranks)
+        if tok.special_tokens != payload["special_tokens"]:
+            raise ValueError(
+                f"{path}: special tokens {payload['special_tokens']} differ from {tok.special_tokens}"
+            )
+        return tok
+
+    # ---- encode / decode ------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.encoding.n_vocab
+
+    @property
+    def bos_id(self) -> int:
+        return self.special_tokens[BOS]
+
+    def special_id(self, name: str) -> int:
+        """Id of a special token such as "<|assistant_end|>". Raises KeyError naming the allowed names."""
+        try:
+            return self.special_tokens[name]
+        except KeyError:
+            raise KeyError(f"unknown special token {name!r}; allowed: {list(self.special_tokens)}") from None
+
+    def encode(self, text: str, prepend_bos: bool = False) -> list[int]:
+        """Encode ordinary text; special-token text is encoded as plain text, never as a control token."""
+        ids = self.encoding.encode_ordinary(text)
+        return [self.bos_id, *ids] if prepend_bos else ids
+
+    def encode_batch(
+        self, texts: list[str], prepend_bos: bool = False, num_threads: int = 1
+    ) -> list[list[int]]:
+        batch = self.encoding.encode_ordinary_batch(texts, num_threads=num_threads)
+        if prepend_bos:
+            batch = [[self.bos_id, *ids] for ids in batch]
+        return batch
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Decode ids to text; invalid UTF-8 at the edges becomes U+FFFD (use decode_bytes to avoid)."""
+        return self.encoding.decode(list(ids))
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return self.encoding.decode_bytes(list(ids))
+
+    def token_bytes(self) -> list[int]:
+        """UTF-8 byte length of every token id (length vocab_size); special tokens count 0 bytes.
+
+        Used by BPB: bits per byte = sum(nats) / (ln 2 * sum(token_bytes[target])).
+        """
+        table = [0] * self.vocab_size
+        for token, rank in self.mergeable_ranks.items():
+            table[rank] = len(token)
+        return table
+
+    def iter_tokens(self, ids: Iterable[int]) -> Iterator[bytes]:
+        """The raw bytes of each token (special tokens give their text), for streaming decoders."""
+        for i in ids:
+            yield self.encoding.decode_single_token_bytes(i)

@@ -1,0 +1,80 @@
+"""`raychat tokenizer train`: train the BPE on the training shards and report bytes per token."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from raychat.tokenizer import Tokenizer
+
+
+def iter_texts(files: list[str], max_chars: int) -> Iterator[str]:
+    """Texts of the `text` column of `files`, in order, until max_chars characters (<= 0: no limit)."""
+    import pyarrow.parquet as pq
+
+    seen = 0
+    for f in files:
+        pf = pq.ParquetFile(f)
+        for rg in range(pf.num_row_groups):
+            for text in pf.read_row_group(rg, columns=["text"]).column("text").to_pylist():
+                yield text
+                seen += len(text)
+                if 0 < max_chars <= seen:
+                    return
+
+
+def bytes_per_token(tokenizer: Tokenizer, texts: list[str]) -> float:
+    """UTF-8 bytes / tokens over `texts` (higher = better compression)."""
+    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    n_tokens = sum(len(ids) for ids in tokenizer.encode_batch(texts, num_threads=2))
+    return n_bytes / max(n_tokens, 1)
+
+
+def train_tokenizer(data_dir: str, out: str, vocab_size: int, max_chars: int = 2_000_000_000) -> dict:
+    """Train on the training shards of `data_dir`, save to `out`; returns the report dict."""
+    from raychat.data.shards import list_shards
+
+    train_files, val_file = list_shards(data_dir)
+    t0 = time.perf_counter()
+    tokenizer = Tokenizer.train(iter_texts(train_files, max_chars), vocab_size)
+    seconds = time.perf_counter() - t0
+    if tokenizer.vocab_size < vocab_size:
+        print(f"warning: the corpus supports only {tokenizer.vocab_size} tokens (asked {vocab_size})")
+    path = tokenizer.save(out)
+    sample = list(iter_texts(train_files, 5_000_000))
+    val = list(iter_texts([val_file], 5_000_000))
+    report = {
+        "path": str(path),
+        "vocab_size": tokenizer.vocab_size,
+        "version": tokenizer.version,
+        "train_seconds": round(seconds, 2),
+        "train_bytes_per_token": round(bytes_per_token(tokenizer, sample), 3),
+        "val_bytes_per_token": round(bytes_per_token(tokenizer, val), 3),
+    }
+    print(
+        f"tokenizer: vocab {report['vocab_size']} version {report['version']} trained in {seconds:.1f}s; "
+        f"bytes/token train {report['train_bytes_per_token']} val {report['val_bytes_per_token']} -> {path}"
+    )
+    return report
+
+
+def add_cli(subparsers) -> None:
+    parser = subparsers.add_parser("tokenizer", help="train the BPE tokenizer")
+    sub = parser.add_subparsers(dest="tokenizer_command", metavar="<action>", required=True)
+    train = sub.add_parser(
+        "train",
+        help="train byte-level BPE (rustbpe, GPT-4 split pattern) on the training shards",
+        description="Train byte-level BPE on the training shards, save tokenizer.json (served by tiktoken "
+        "with the chat special tokens), and report bytes per token on train and validation text.",
+    )
+    train.add_argument(
+        "--data-dir", default="runs/data", help="shards from `raychat data prepare` (default: runs/data)"
+    )
+    train.add_argument("--out", default="runs/tokenizer", help="output directory (default: runs/tokenizer)")
+    train.add_argument(
+        "--vocab-size", type=int, default=8192, help="total vocabulary incl. special tokens (default: 8192)"
+    )
+    train.add_argument(
+        "--max-chars", type=int, default=2_000_000_000, help="train on at most this many characters"
+    )
+    train.set_defaults(func=lambda a: train_tokenizer(a.data_dir, a.out, a.vocab_size, a.max_chars) and 0)

@@ -1,0 +1,65 @@
+"""Optimizers and the learning-rate schedule.
+
+Muon (torch.optim.Muon: momentum + Newton-Schulz orthogonalization, Jordan et al. 2024) updates the hidden
+weight matrices; AdamW updates the embedding, the LM head and the norm weights. AdamW learning rates are
+scaled by (width / 768) ** -0.5 as in nanochat, so the defaults transfer across depths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raychat.model import GPT
+
+
+def build_optimizers(model: GPT, cfg) -> list[torch.optim.Optimizer]:
+    """[Muon(hidden matrices), AdamW(embedding, lm_head, norms)]; each group records its peak lr as 'initial_lr'."""
+    scale = (model.config.n_embd / 768) ** -0.5
+    matrices, embedding, head, scalars = [], [], [], []
+    for name, p in model.named_parameters():
+        if name == "model.embed_tokens.weight":
+            embedding.append(p)
+        elif name == "lm_head.weight":
+            head.append(p)
+        elif p.ndim == 2:
+            matrices.append(p)
+        else:
+            scalars.append(p)
+    muon = torch.optim.Muon(matrices, lr=cfg.matrix_lr, momentum=0.95, weight_decay=cfg.weight_decay)
+    adamw = torch.optim.AdamW(
+        [
+            {"params": embedding, "lr": cfg.embedding_lr * scale},
+            {"params": head, "lr": cfg.unembedding_lr * scale},
+            {"params": scalars, "lr": cfg.scalar_lr * scale},
+        ],
+        betas=(0.8, 0.95),
+        eps=1e-10,
+        weight_decay=0.0,
+    )
+    optimizers = [muon, adamw]
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+def lr_multiplier(
+    step: int, num_iterations: int, warmup_ratio: float, warmdown_ratio: float, final_lr_frac: float
+) -> float:
+    """Warmup (linear from 1/warmup) -> constant 1 -> warmdown (linear to final_lr_frac) at `step` (0-based)."""
+    warmup = round(warmup_ratio * num_iterations)
+    warmdown = round(warmdown_ratio * num_iterations)
+    if step < warmup:
+        return (step + 1) / warmup
+    if step < num_iterations - warmdown:
+        return 1.0
+    progress = (num_iterations - step) / warmdown
+    return progress + (1 - progress) * final_lr_frac
+
+
+def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> float:
+    """Scale every group's peak lr; returns the Muon lr now in force (for logging)."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * multiplier
+    return optimizers[0].param_groups[0]["lr"]

@@ -1,0 +1,176 @@
+"""The default corpus: reST cleaning, WordNet glosses, the Debian packages, and their absence."""
+
+from __future__ import annotations
+
+import pytest
+
+from raychat.data import corpora
+from raychat.data.corpora import CorpusNotInstalled, python_docs, wordnet_entry, wordnet_glosses
+from raychat.data.rst_clean import clean_rst, split_sections
+
+RST = """\
+.. _tut-intro:
+
+:mod:`spam` --- Canned meat
+============================
+
+.. module:: spam
+   :synopsis: Canned meat.
+
+.. index:: single: spam
+
+The :func:`~spam.tins.open` function reads **tins** and *lids*; see :ref:`the guide <spam-guide>`,
+:pep:`8` and `the site <https://example.org>`_. Use ``open(x)``.
+
+.. function:: open(path, mode="r")
+              open(fd)
+
+   Open a tin at *path*.
+
+   .. versionadded:: 3.2
+
+   .. versionchanged:: 3.4
+      Accepts file descriptors.
+
+   For example::
+
+      >>> open("ham")   # *not* :func:`eggs`
+      <Tin ham>
+
+.. note:: Tins are
+   heavy.
+
++-----+-----+
+| a   | b   |
++-----+-----+
+
+=====  =====
+x      y
+=====  =====
+1      2
+=====  =====
+
+.. code-block:: python
+
+   x = ``raw``
+
+.. |sub| replace:: text
+.. This is a comment
+   spanning lines.
+
+Done.
+"""
+
+CLEAN = """\
+spam --- Canned meat
+
+The open function reads tins and lids; see the guide,
+PEP 8 and the site. Use open(x).
+
+open(path, mode="r")
+open(fd)
+
+Open a tin at path.
+
+New in version 3.2.
+
+Changed in version 3.4: Accepts file descriptors.
+
+For example:
+
+>>> open("ham")   # *not* :func:`eggs`
+<Tin ham>
+
+Note: Tins are heavy.
+
+x = ``raw``
+
+Done."""
+
+
+def test_clean_rst_rules():
+    # roles, links, emphasis, literals and substitutions rewritten; targets, index, module, options, tables,
+    # comments dropped; literal blocks and code-block bodies kept verbatim (their markup-like text too)
+    assert clean_rst(RST) == CLEAN
+
+
+def test_split_sections_at_titles():
+    text = "Intro\n=====\n\npara one\n\n=====\nPart\n=====\n\npara two\n\nSub\n---\npara three\n\n   ----\n"
+    assert split_sections(text) == [
+        "Intro\n=====\n\npara one\n",
+        "=====\nPart\n=====\n\npara two\n",
+        "Sub\n---\npara three\n\n   ----\n",  # an indented line of dashes is not a title underline
+    ]
+
+
+def test_wordnet_entry_from_real_lines():
+    noun = (
+        "00002684 03 n 02 object 0 physical_object 0 039 @ 00001930 n 0000 | a tangible and visible entity; "
+        '"it was full of rackets, balls and other objects"  \n'
+    )
+    assert wordnet_entry(noun) == (
+        'object, physical object (noun): a tangible and visible entity; "it was full of rackets, balls and other objects"'
+    )
+    adj = (
+        "01234567 00 s 02 a_cappella(a) 0 unaccompanied(ip) 1 001 & 00095280 a 0000 | without instruments  \n"
+    )
+    assert wordnet_entry(adj) == "a cappella, unaccompanied (adjective): without instruments"
+    assert (
+        wordnet_entry("  1 This software and database is being provided to you, the LICENSEE, by  \n") is None
+    )
+
+
+def test_wordnet_glosses_group_per_document(tmp_path):
+    for pos, code in [("noun", "n"), ("verb", "v"), ("adj", "a"), ("adv", "r")]:
+        lines = ["  1 license header line  \n"]
+        lines += [f"{i:08d} 00 {code} 01 w{i}_{pos} 0 000 | gloss {i}  \n" for i in range(5)]
+        (tmp_path / f"data.{pos}").write_text("".join(lines))
+    docs = wordnet_glosses(tmp_path, per_document=2)
+    assert len(docs) == 4 * 3  # 5 synsets per file -> documents of 2, 2, 1
+    assert docs[0] == "w0 noun (noun): gloss 0\nw1 noun (noun): gloss 1"
+    assert docs[2] == "w4 noun (noun): gloss 4"
+    assert docs[-1] == "w4 adv (adverb): gloss 4"
+
+
+def test_python_docs_merges_short_sections_and_counts_empty_pages(tmp_path):
+    long = "word " * 120  # 600 characters: a section long enough to stand alone
+    (tmp_path / "a.rst.txt").write_text(
+        f"Alpha\n=====\n\n{long}\n\nBeta\n----\n\nshort b\n\nGamma\n-----\n\nshort c\n\nDelta\n-----\n\n{long}\n"
+    )
+    (tmp_path / "toc.rst.txt").write_text(".. toctree::\n\n   a\n")
+    (tmp_path / "bad.rst.txt").write_bytes(b"\xff\xfe")
+    skips = corpora.Skips()
+    docs = python_docs(tmp_path, skips)
+    # Beta and Gamma are shorter than MIN_SECTION_CHARS (500): they are joined to the section after them
+    assert docs == [
+        f"Alpha\n\n{long.strip()}",
+        f"Beta\n\nshort b\n\nGamma\n\nshort c\n\nDelta\n\n{long.strip()}",
+    ]
+    assert dict(skips.counts) == {"invalid_utf8": 1, "empty": 1}
+    assert skips.examples == {"invalid_utf8": ["bad.rst.txt"], "empty": ["toc.rst.txt"]}
+
+
+def test_missing_debian_package_says_how_to_install(tmp_path):
+    with pytest.raises(
+        CorpusNotInstalled, match=r"python3\.11-doc .*sudo apt-get install -y python3\.11-doc wordnet-base"
+    ):
+        corpora.debian_docs(python_root=tmp_path / "none", wordnet_root=tmp_path)
+    with pytest.raises(CorpusNotInstalled, match=r"wordnet-base .*apt-get install"):
+        wordnet_glosses(tmp_path / "none")
+
+
+@pytest.mark.skipif(
+    not (corpora.PYTHON_DOCS_DIR.is_dir() and corpora.WORDNET_DIR.is_dir()),
+    reason="needs the Debian packages python3.11-doc and wordnet-base (make corpus-deps)",
+)
+def test_real_default_corpus_is_at_least_10_mb():
+    corpus = corpora.debian_docs()
+    total = sum(len(d.encode()) for d in corpus.documents)
+    assert total >= 10_000_000
+    assert [c["package"] for c in corpus.components] == ["python3.11-doc", "wordnet-base"]
+    assert sum(c["bytes"] for c in corpus.components) == total
+    assert all(c["bytes"] >= 5_000_000 for c in corpus.components)
+    # markup is gone from the prose: no role, directive or heading underline survives in most documents
+    docs = corpus.documents[: corpus.components[0]["documents"]]
+    marked = [d for d in docs if ":func:`" in d or "\n.. " in d or "\n=====" in d]
+    assert len(marked) < 0.01 * len(docs)

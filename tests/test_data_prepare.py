@@ -1,0 +1,238 @@
+"""`raychat data prepare` on local folders: counted skips, shard layout, manifest, errors, the CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raychat.cli import main
+from raychat.data.corpora import local_folder
+from raychat.data.prepare import count_shards, prepare
+from raychat.data.shards import DataError, inspect_shard, list_shards, split_evenly
+
+
+def quiet(message: str) -> None:
+    pass
+
+
+def shard_texts(path: str | Path) -> list[str]:
+    return pq.read_table(path).column("text").to_pylist()
+
+
+@pytest.fixture
+def mixed_folder(tmp_path) -> Path:
+    """Every supported file type, with bad documents whose skips are counted by hand below."""
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text("alpha document\n")
+    (root / "b.md").write_text("")  # empty
+    (root / "c.rst").write_text("  \n\n")  # empty (whitespace only)
+    (root / "d.txt").write_bytes(b"caf\xe9 latin-1")  # invalid_utf8
+    (root / "notes.csv").write_text("a,b\n")  # unsupported_file
+    (root / "sub" / "e.jsonl").write_bytes(
+        b'{"text": "j1"}\n'
+        b'{"text": ""}\n'  # empty
+        b'{"title": "no text"}\n'  # no_text_field
+        b'{"text": "\xff"}\n'  # invalid_utf8
+        b"not json\n"  # invalid_json
+        b"\n"  # empty
+        b'{"text": "j2"}\n'
+    )
+    pq.write_table(pa.table({"text": ["p1", "", None, "p2"]}), root / "f.parquet")  # empty, null_text
+    pq.write_table(
+        pa.table({"text": pa.array([b"g1", b"\xff\xfe"], pa.binary())}), root / "g.parquet"
+    )  # invalid_utf8
+    return root
+
+
+def test_local_folder_counts_every_skip(mixed_folder):
+    corpus = local_folder(mixed_folder)
+    # files in sorted order: a.txt, b.md, c.rst, d.txt, f.parquet, g.parquet, notes.csv, sub/e.jsonl
+    assert corpus.documents == ["alpha document\n", "p1", "p2", "g1", "j1", "j2"]
+    assert dict(corpus.skips.counts) == {
+        "empty": 5,
+        "invalid_utf8": 3,
+        "null_text": 1,
+        "unsupported_file": 1,
+        "no_text_field": 1,
+        "invalid_json": 1,
+    }
+    assert corpus.skips.examples["invalid_utf8"] == [
+        "d.txt",
+        "g.parquet:row_group=0:row=1",
+        "sub/e.jsonl:line=4",
+    ]
+    assert corpus.skips.examples["empty"] == [
+        "b.md",
+        "c.rst",
+        "f.parquet:row_group=0:row=1",
+        "sub/e.jsonl:line=2",
+        "sub/e.jsonl:line=6",
+    ]
+
+
+def test_prepare_folder_manifest_and_report(mixed_folder, tmp_path):
+    lines = []
+    manifest = prepare(str(mixed_folder), tmp_path / "out", num_shards=2, seed=3, log=lines.append)
+    assert manifest["documents"] == 6
+    assert manifest["bytes"] == len("alpha document\n") + 5 * 2
+    assert manifest["skipped"] == {
+        "empty": 5,
+        "invalid_json": 1,
+        "invalid_utf8": 3,
+        "no_text_field": 1,
+        "null_text": 1,
+        "unsupported_file": 1,
+    }
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text()) == manifest
+    report = "\n".join(lines)
+    assert "6 documents" in report and "3 shards (2 train + validation shard_00002.parquet)" in report
+    assert "skipped 12 documents:" in report
+    assert "  invalid_utf8: 3  (e.g. d.txt, g.parquet:row_group=0:row=1, sub/e.jsonl:line=4)" in report
+
+
+def test_shard_layout_and_deterministic_shuffle(tmp_path):
+    docs = [f"document {i}: " + "word " * (i % 7) for i in range(2500)]
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = tmp_path / "out"
+    manifest = prepare(str(src), out, num_shards=2, seed=7, row_group_size=100, log=quiet)
+
+    train, val = list_shards(out, verify=True)
+    assert [Path(f).name for f in train] == ["shard_00000.parquet", "shard_00001.parquet"]
+    assert Path(val).name == "shard_00002.parquet" == manifest["validation_shard"]
+    assert [s["split"] for s in manifest["shards"]] == ["train", "train", "val"]
+    assert [s["documents"] for s in manifest["shards"]] == [834, 833, 833]  # 2500 = 834 + 833 + 833
+
+    for entry, path in zip(manifest["shards"], train + [val]):
+        assert entry["sha256"] == hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        pf = pq.ParquetFile(path)
+        assert pf.schema_arrow == pa.schema([pa.field("text", pa.string())])
+        groups = [pf.metadata.row_group(g) for g in range(pf.num_row_groups)]
+        assert [g.num_rows for g in groups] == [100] * 8 + [entry["documents"] - 800]
+        assert {g.column(0).compression for g in groups} == {"ZSTD"}
+        assert entry["bytes"] == sum(len(t.encode()) for t in shard_texts(path))
+
+    expected = list(docs)
+    random.Random(7).shuffle(expected)  # the documented shuffle, then cut in order
+    assert [t for f in train + [val] for t in shard_texts(f)] == expected
+
+    again = prepare(str(src), tmp_path / "again", num_shards=2, seed=7, row_group_size=100, log=quiet)
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in manifest["shards"]]
+    other = prepare(str(src), tmp_path / "other", num_shards=2, seed=8, row_group_size=100, log=quiet)
+    assert [s["sha256"] for s in other["shards"]] != [s["sha256"] for s in manifest["shards"]]
+
+
+def test_rows_per_shard_and_stale_shards_removed(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(10):
+        (src / f"{i}.txt").write_text(f"doc {i}")
+    out = tmp_path / "out"
+    m = prepare(str(src), out, rows_per_shard=2, log=quiet)
+    assert [s["documents"] for s in m["shards"]] == [2, 2, 2, 2, 2]
+    m = prepare(str(src), out, rows_per_shard=4, log=quiet)  # ceil(10 / 4) = 3 shards
+    assert [s["documents"] for s in m["shards"]] == [4, 3, 3]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "manifest.json",
+        "shard_00000.parquet",
+        "shard_00001.parquet",
+        "shard_00002.parquet",
+    ]
+
+
+def test_count_shards_and_split_evenly():
+    assert count_shards(5820, None, None) == 6  # ceil(5820 / 1024)
+    assert count_shards(10, 4, None) == 5
+    assert count_shards(3, None, 100) == 2  # never fewer than train + validation
+    assert split_evenly(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    with pytest.raises(ValueError, match="not both"):
+        count_shards(10, 2, 2)
+    with pytest.raises(ValueError, match="--num-shards must be >= 1"):
+        count_shards(10, 0, None)
+    with pytest.raises(ValueError, match="1 documents are too few for 2 shards"):
+        count_shards(1, None, None)
+
+
+def test_corrupt_parquet_names_the_file_and_row_group(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    path = src / "bad.parquet"
+    pq.write_table(pa.table({"text": [f"document {i} " * 20 for i in range(8)]}), path, row_group_size=4)
+    chunk = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start : start + chunk.total_compressed_size] = b"\xab" * chunk.total_compressed_size
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"bad\.parquet: row group 1 of 2 cannot be read"):
+        prepare(str(src), tmp_path / "out", log=quiet)
+    assert not (tmp_path / "out").exists()  # failed before writing anything
+
+    path.write_bytes(b"PAR1 garbage")
+    with pytest.raises(DataError, match=r"bad\.parquet: not a readable parquet file"):
+        inspect_shard(path)
+    pq.write_table(pa.table({"body": ["x"]}), path)
+    with pytest.raises(DataError, match=r"bad\.parquet: no `text` column \(columns: \['body'\]\)"):
+        local_folder(src)
+
+
+def test_list_shards_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run `raychat data prepare"):
+        list_shards(tmp_path)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        (src / f"{i}.txt").write_text(f"doc {i}")
+    prepare(str(src), tmp_path / "out", num_shards=1, log=quiet)
+    shard = tmp_path / "out" / "shard_00000.parquet"
+    pq.write_table(pa.table({"text": ["tampered"]}), shard)
+    list_shards(tmp_path / "out")  # no hash check by default
+    with pytest.raises(ValueError, match="sha256 differs"):
+        list_shards(tmp_path / "out", verify=True)
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match="shard_00000.parquet is listed"):
+        list_shards(tmp_path / "out")
+
+
+def test_cli(mixed_folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert (
+        main(["data", "prepare", "--source", str(mixed_folder), "--out", str(out), "--num-shards", "1"]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert (
+        "prepared" in printed
+        and "6 documents" in printed
+        and "unsupported_file: 1  (e.g. notes.csv)" in printed
+    )
+    assert main(["data", "prepare", "--source", str(tmp_path / "nope"), "--out", str(out)]) == 1
+    assert "nope: not a directory" in capsys.readouterr().err
+    assert main(["data", "prepare", "--source", str(mixed_folder), "--out", str(mixed_folder / "out")]) == 1
+    assert "lies inside --source" in capsys.readouterr().err
+    assert main(["data", "prepare", "--source", "climbmix", "--rows-per-shard", "5", "--out", str(out)]) == 1
+    assert "--rows-per-shard applies to local sources only" in capsys.readouterr().err
+
+
+@pytest.mark.ray
+def test_ray_data_reads_the_shards(tmp_path):
+    import ray
+
+    src = tmp_path / "src"
+    src.mkdir()
+    docs = [f"doc {i}" for i in range(300)]
+    (src / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare(str(src), tmp_path / "out", num_shards=2, row_group_size=64, log=quiet)
+    train, val = list_shards(tmp_path / "out")
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        rows = ray.data.read_parquet(train + [val]).select_columns(["text"]).take_all()
+    finally:
+        ray.shutdown()
+    assert sorted(r["text"] for r in rows) == sorted(docs)

@@ -1,0 +1,64 @@
+"""Calculator tool: allowed arithmetic evaluates; everything else gives None without raising."""
+
+from __future__ import annotations
+
+import pytest
+
+from raychat.engine import calculate, evaluate
+
+
+@pytest.mark.parametrize(
+    "expression, expected",
+    [
+        ("12*(3+4)", "84"),
+        ("1,000+1", "1001"),
+        ("1,234,567 - 1", "1234566"),
+        ("7/2", "3.5"),
+        ("84/2", "42"),
+        ("1/3", "0.333333333333"),
+        ("10//3", "3"),
+        ("-7//2", "-4"),
+        ("17 % 5", "2"),
+        ("-(2+3)*4", "-20"),
+        ("+5", "5"),
+        ("0.1*3", "0.3"),
+        ("(((1)))", "1"),
+    ],
+)
+def test_allowed(expression, expected):
+    assert calculate(expression) == expected
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "2**99999",
+        "2**3",
+        "__import__('os')",
+        "signal.raise_signal(9)",
+        "1+" * 4999 + "11",  # 10,000 characters
+        "x+1",
+        "(1).real",
+        "[1,2][0]",
+        "1,2",  # a tuple, not a thousands separator
+        "1<2",
+        "'a'*3",
+        "1/0",
+        "5%0",
+        "",
+        "   ",
+        "1e400",
+        "9" * 19,  # above MAX_MAGNITUDE 10**18
+        "999999999*999999999*999999999",
+        "1 +",
+        "1\n+1",
+    ],
+)
+def test_rejected_gives_none(expression):
+    assert evaluate(expression) is None
+    assert calculate(expression) is None
+
+
+def test_non_string_gives_none():
+    assert evaluate(None) is None
+    assert evaluate(12) is None

@@ -1,0 +1,218 @@
+"""HF export: transformers loads the directory on CPU and agrees with raychat on logits, token ids and the
+chat template. Needs the test extra's `transformers`; skipped (with the reason) without it."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import random
+
+import pytest
+import torch
+
+from raychat.chat_template import render_conversation, render_for_completion
+from raychat.checkpoint import save_model
+from raychat.export import hf as export_hf
+from raychat.model import GPT, ModelConfig
+from raychat.tokenizer import SPECIAL_TOKENS, Tokenizer
+
+transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+
+
+def _corpus() -> list[str]:
+    import argparse as a
+    import json as j
+    import random as r
+    import textwrap as t
+
+    return [inspect.getsource(m) for m in (a, j, r, t)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.train(_corpus(), vocab_size=600)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer) -> GPT:
+    cfg = ModelConfig(
+        vocab_size=tokenizer.vocab_size + 7,  # padded embedding rows are exported too
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_kv_head=2,  # GQA
+        head_dim=16,
+        intermediate_size=96,
+        max_seq_len=128,
+        rope_theta=500.0,
+        norm_eps=1e-5,
+    )
+    m = GPT(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():  # every weight random (norm weights too), so each one is checked
+            p.copy_(
+                torch.randn(p.shape, generator=gen) * (0.3 if p.ndim > 1 else 0.2)
+                + (1.0 if p.ndim == 1 else 0.0)
+            )
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, model, tokenizer):
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    save_model(ckpt, model, tokenizer, {"step": 7})
+    out = tmp_path_factory.mktemp("hf")
+    rc = export_hf.main(argparse.Namespace(checkpoint=str(ckpt), out=str(out)))
+    assert rc == 0
+    return out
+
+
+def test_files_and_config(exported, model, tokenizer):
+    names = {p.name for p in exported.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= names
+    assert not [n for n in names if n.endswith(".tmp")]
+    cfg = json.loads((exported / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]) == (
+        64,
+        2,
+        2,
+        16,
+    )
+    assert cfg["vocab_size"] == tokenizer.vocab_size + 7
+    assert cfg["eos_token_id"] == tokenizer.special_id("<|assistant_end|>")
+    gen = json.loads((exported / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id]
+
+
+def test_transformers_logits_match(exported, model):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    assert hf.config.rope_parameters["rope_theta"] == 500.0
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids)
+        theirs = hf(input_ids=ids).logits.float()
+    assert ours.shape == theirs.shape == (2, 40, model.config.vocab_size)
+    assert ours.abs().max() > 1.0  # not a degenerate model
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+def _random_text(rng: random.Random) -> str:
+    pieces = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+    pieces += list(" \t\n\r.,;:!?'\"-_()[]{}<>=+*/\\|@#$%^&~`")
+    pieces += [
+        "é",
+        "ß",
+        "ü",
+        "中文",
+        "日本",
+        "🙂",
+        "👍🏽",
+        "’",
+        "—",
+        "  ",
+        "\r\n",
+        "\n\n",
+        "'s",
+        "'LL",
+        "123456",
+        "def ",
+        "self.",
+    ]
+    pieces += ["<|", "|>", "bos", "<|bo", "user_"]  # fragments of special-token text (never a whole one)
+    return "".join(rng.choice(pieces) for _ in range(rng.randint(0, 120)))
+
+
+def test_hf_tokenizer_ids_equal_tiktoken(exported, tokenizer):
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    rng = random.Random(0)
+    texts = [_random_text(rng) for _ in range(1500)] + _corpus()
+    n_tokens = 0
+    for text in texts:
+        if any(s in text for s in SPECIAL_TOKENS):
+            continue
+        ours = tokenizer.encode(text)
+        assert hf_tok.encode(text, add_special_tokens=False) == ours, repr(text)
+        assert hf_tok.decode(ours) == tokenizer.decode(ours)
+        n_tokens += len(ours)
+    assert n_tokens > 20_000
+    for name, idx in tokenizer.special_tokens.items():
+        assert hf_tok.convert_tokens_to_ids(name) == idx
+    assert hf_tok.encode("a<|user_end|>b", add_special_tokens=False)[1] == tokenizer.special_id(
+        "<|user_end|>"
+    )
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello there! How are you?"}],
+    [
+        {"role": "system", "content": "You are terse and exact"},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3 * 7, in words?\nThanks."},
+    ],
+    [
+        {"role": "user", "content": "Compute 12*13 please."},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Let me compute."},
+                {"type": "python", "text": "12*13"},
+                {"type": "python_output", "text": "156"},
+                {"type": "text", "text": "It is 156."},
+            ],
+        },
+        {"role": "user", "content": "Café? 中文 🙂"},
+    ],
+    [
+        {"role": "user", "content": "Use the tool."},
+        {"role": "assistant", "content": [{"type": "python", "text": "2**10"}]},
+        {"role": "tool", "content": "1024"},
+        {"role": "assistant", "content": "1024"},
+        {"role": "user", "content": "ok"},
+    ],
+]
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS, ids=["one-turn", "system", "python-parts", "tool"])
+def test_jinja_template_matches_raychat(exported, tokenizer, conversation):
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    ours = render_for_completion(tokenizer, conversation)
+    theirs = hf_tok.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert list(theirs) == ours
+    # a full training conversation (ends with an assistant turn), no generation prompt
+    full = [*conversation, {"role": "assistant", "content": "Sure."}]
+    theirs = hf_tok.apply_chat_template(full, add_generation_prompt=False, tokenize=True, return_dict=False)
+    assert list(theirs) == render_conversation(tokenizer, full).ids
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="raychat encodes a system message and its '\\n\\n' separator as two spans; a one-string tokenizer "
+    "(HF, vLLM) joins '.\\n\\n' into one pre-token. Fixed when chat_template encodes content+separator together.",
+)
+def test_jinja_template_system_ending_in_punctuation(exported, tokenizer):
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    conversation = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
+    theirs = hf_tok.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert list(theirs) == render_for_completion(tokenizer, conversation)
+
+
+def test_export_rejects_small_vocab(tmp_path, tokenizer):
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size - 1, n_layer=1, n_embd=16, n_head=1, n_kv_head=1, head_dim=16,
+                      intermediate_size=32, max_seq_len=16)  # fmt: skip
+    with pytest.raises(ValueError, match="vocab_size"):
+        export_hf.export_hf(GPT(cfg), tokenizer, tmp_path)

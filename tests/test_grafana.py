@@ -1,0 +1,158 @@
+"""raychat's Grafana dashboard and `raychat grafana provision` against a loopback fake of Grafana's HTTP API.
+
+No Grafana server can be installed on these machines; the fake answers the calls grafana-client makes and
+records them, so the test checks paths, methods, auth header and bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from raychat import metrics
+from raychat.cli import main as raychat_main
+from raychat.ops import grafana
+
+
+def test_dashboard_file_is_current_and_covers_every_metric():
+    assert grafana.DASHBOARD_PATH.read_text() == grafana.dashboard_json(), "run `raychat grafana dashboard`"
+    assert raychat_main(["grafana", "dashboard", "--check"]) == 0
+    d = json.loads(grafana.DASHBOARD_PATH.read_text())
+    exprs = " ".join(t["expr"] for p in d["panels"] for t in p.get("targets", []))
+    # every metric (as Ray exports it: ray_ prefix; counters _total; histograms via _bucket) is plotted
+    scraped = {f"ray_{n}" for n in metrics.METRIC_NAMES}
+    plotted = {re.sub(r"_(bucket|total)$", "", x) for x in re.findall(r"ray_raychat_[a-z0-9_]+", exprs)}
+    assert plotted == scraped
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids)) == 21  # 3 rows + 18 panels
+    assert all(
+        p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        for p in d["panels"]
+        if p["type"] != "row"
+    )
+
+
+class FakeGrafana(BaseHTTPRequestHandler):
+    calls: list = []
+    datasources: dict = {}
+
+    def _reply(self, code: int, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _handle(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(n)) if n else None
+        self.calls.append((self.command, self.path, self.headers.get("Authorization"), body))
+        if self.headers.get("Authorization") != "Bearer glsa_test":
+            return self._reply(401, {"message": "Unauthorized"})
+        if self.command == "GET" and self.path.startswith("/api/datasources/name/"):
+            ds = self.datasources.get(self.path.rsplit("/", 1)[1])
+            return self._reply(200, ds) if ds else self._reply(404, {"message": "Data source not found"})
+        if self.command == "POST" and self.path == "/api/datasources":
+            self.datasources[body["name"]] = {**body, "id": 1, "uid": "prom-1"}
+            return self._reply(
+                200, {"datasource": self.datasources[body["name"]], "message": "Datasource added"}
+            )
+        if self.command == "PUT" and self.path == "/api/datasources/uid/prom-1":
+            return self._reply(200, {"message": "Datasource updated"})
+        if self.command == "POST" and self.path == "/api/dashboards/db":
+            return self._reply(200, {"status": "success", "uid": body["dashboard"]["uid"]})
+        return self._reply(404, {"message": f"unexpected {self.command} {self.path}"})
+
+    do_GET = do_POST = do_PUT = _handle  # noqa: N815 (http.server API)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_grafana():
+    FakeGrafana.calls, FakeGrafana.datasources = [], {}
+    server = HTTPServer(("127.0.0.1", 0), FakeGrafana)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+@pytest.fixture
+def ray_temp_dir(tmp_path):
+    """A Ray temp dir whose session_latest holds Ray's real generated dashboards (Ray's own factory, the code
+    the head node's dashboard process runs to write them)."""
+    from ray.dashboard.modules.metrics import grafana_dashboard_factory as factory
+
+    out = tmp_path / "session_x" / "metrics" / "grafana" / "dashboards"
+    out.mkdir(parents=True)
+    (tmp_path / "session_latest").symlink_to(tmp_path / "session_x")
+    for name, gen in [("default", factory.generate_default_grafana_dashboard), ("train", factory.generate_train_grafana_dashboard), ("serve", factory.generate_serve_grafana_dashboard)]:  # fmt: skip
+        content, _uid = gen()
+        (out / f"{name}_grafana_dashboard.json").write_text(content)
+    return tmp_path
+
+
+def test_provision_creates_then_updates(fake_grafana, ray_temp_dir, monkeypatch, capsys):
+    monkeypatch.setenv("GRAFANA_URL", fake_grafana)
+    monkeypatch.setenv("GRAFANA_TOKEN", "glsa_test")
+    argv = [
+        "grafana",
+        "provision",
+        "--ray-temp-dir",
+        str(ray_temp_dir),
+        "--prometheus-url",
+        "http://prom:9090",
+    ]
+    assert raychat_main(argv) == 0
+    calls = [(m, p) for m, p, _, _ in FakeGrafana.calls]
+    assert calls == [
+        ("GET", "/api/datasources/name/Prometheus"),
+        ("POST", "/api/datasources"),
+        *[("POST", "/api/dashboards/db")] * 4,
+    ]
+    assert {auth for _, _, auth, _ in FakeGrafana.calls} == {"Bearer glsa_test"}
+    ds = FakeGrafana.calls[1][3]
+    assert ds == {
+        "name": "Prometheus",
+        "type": "prometheus",
+        "url": "http://prom:9090",
+        "access": "proxy",
+        "isDefault": True,
+    }
+    uploads = [body for _, path, _, body in FakeGrafana.calls if path == "/api/dashboards/db"]
+    assert [b["dashboard"]["uid"] for b in uploads] == [
+        "raychat",
+        "rayDefaultDashboard",
+        "rayServeDashboard",
+        "rayTrainDashboard",
+    ]
+    assert all(b["overwrite"] is True and b["dashboard"]["id"] is None for b in uploads)
+    assert uploads[0]["dashboard"]["panels"] == grafana.build_dashboard()["panels"]
+    out = capsys.readouterr().out
+    assert "data source Prometheus created -> http://prom:9090" in out
+
+    FakeGrafana.calls.clear()
+    assert raychat_main([*argv, "--no-ray-dashboards"]) == 0
+    assert [(m, p) for m, p, _, _ in FakeGrafana.calls] == [
+        ("GET", "/api/datasources/name/Prometheus"),
+        ("PUT", "/api/datasources/uid/prom-1"),
+        ("POST", "/api/dashboards/db"),
+    ]
+    assert FakeGrafana.calls[1][3]["uid"] == "prom-1"
+
+
+def test_provision_errors(fake_grafana, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("GRAFANA_URL", raising=False)
+    assert raychat_main(["grafana", "provision"]) == 2
+    assert "set GRAFANA_URL" in capsys.readouterr().err
+    argv = ["grafana", "provision", "--url", fake_grafana, "--token", "wrong"]
+    assert raychat_main([*argv, "--ray-temp-dir", str(tmp_path)]) == 2  # no session_latest there
+    assert "run on the Ray head node" in capsys.readouterr().err
+    assert raychat_main([*argv, "--no-ray-dashboards"]) == 4  # 401 from Grafana
+    assert "refused" in capsys.readouterr().err

@@ -1,0 +1,168 @@
+"""raychat.metrics: validation and no-op without Ray (fast tier); a real scrape of a Ray node (ray tier)."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from raychat import metrics
+from raychat.metrics import RLMetrics, ServeMetrics, TrainMetrics
+
+
+def test_names_are_prefixed_and_unique():
+    assert len(metrics.METRIC_NAMES) == len(set(metrics.METRIC_NAMES)) == 21
+    assert all(name.startswith("raychat_") for name in metrics.METRIC_NAMES)
+
+
+def test_no_op_without_ray(monkeypatch):
+    monkeypatch.setattr(metrics.ray, "is_initialized", lambda: False)
+    created = []
+    monkeypatch.setattr(metrics, "_metric", lambda name: created.append(name))
+    TrainMetrics("r", "pretrain").record(1, 2.0, 1e-3, 100.0, None, 0.5, 0.0)
+    ServeMetrics("chat").add_tokens(3)
+    assert created == []
+
+
+def test_bad_values_name_the_field():
+    t = TrainMetrics("r", "sft")
+    ok = dict(step=1, loss=2.0, lr=1e-3, tokens_per_s=10.0, mfu=0.3, grad_norm=1.0, data_wait_frac=0.2)
+    t.record(**ok)
+    t.record(**{**ok, "loss": float("nan")})  # a diverged run is shown, not hidden
+    for field, bad in [
+        ("step", -1),
+        ("step", 1.5),
+        ("data_wait_frac", 1.5),
+        ("tokens_per_s", -3.0),
+        ("lr", "0.1"),
+        ("mfu", float("inf")),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            t.record(**{**ok, field: bad})
+    with pytest.raises(ValueError, match="pass_at_1"):
+        RLMetrics("r").record(1, 0.5, pass_at_1=2.0)
+    with pytest.raises(ValueError, match="n must be an int"):
+        ServeMetrics("chat").set_running(-1)
+    with pytest.raises(ValueError, match="deployment"):
+        ServeMetrics("")
+    with pytest.raises(ValueError, match="stage"):
+        TrainMetrics("r", None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_with_metrics_port():
+    import ray
+
+    port = _free_port()
+    ray.init(num_cpus=1, include_dashboard=False, _metrics_export_port=port)
+    try:
+        yield port
+    finally:
+        ray.shutdown()
+        metrics._objects.clear()  # Ray metric objects belong to the session that created them
+
+
+def _scrape(port: int, want: set[str], timeout_s: float = 45.0) -> dict:
+    """Parse the node's Prometheus text until every family in `want` is present; {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        samples = {}
+        for family in text_string_to_metric_families(body):
+            for s in family.samples:
+                if "raychat" in s.name:
+                    labels = {k: v for k, v in s.labels.items() if k in ("run", "stage", "deployment", "le")}
+                    samples[(s.name, tuple(sorted(labels.items())))] = s.value
+        if want <= {name for name, _ in samples} or time.monotonic() > deadline:
+            return samples
+        time.sleep(1.0)
+
+
+@pytest.mark.ray
+def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
+    TrainMetrics("t1", "pretrain").record(
+        step=7,
+        loss=3.25,
+        lr=6e-4,
+        tokens_per_s=4100.0,
+        mfu=0.41,
+        grad_norm=0.75,
+        data_wait_frac=0.05,
+        bpb=1.1,
+    )
+    RLMetrics("t1").record(
+        step=2, reward_mean=0.5, pass_at_1=0.25, staleness=1, sync_time_s=0.3, rollout_tokens_per_s=900.0,
+        learner_wait_frac=0.6,
+    )  # fmt: skip
+    serve = ServeMetrics("chat")
+    for ttft in (0.02, 0.2, 0.3):
+        serve.observe_ttft(ttft)
+    serve.observe_inter_token(0.004)
+    serve.set_running(2)
+    serve.set_waiting(1)
+    serve.set_kv_rows_in_use(2)
+    serve.add_tokens(5)
+    serve.add_tokens(7)
+
+    # Ray's exporter prefixes `ray_`; a Counter gains `_total`; a Histogram gives _bucket/_sum/_count.
+    want = {
+        "ray_raychat_train_loss",
+        "ray_raychat_train_bpb",
+        "ray_raychat_rl_learner_wait_frac",
+        "ray_raychat_serve_generated_tokens_total",
+        "ray_raychat_serve_ttft_seconds_count",
+        "ray_raychat_serve_inter_token_seconds_count",
+    }
+    got = _scrape(ray_with_metrics_port, want)
+    train = (("run", "t1"), ("stage", "pretrain"))
+    assert got[("ray_raychat_train_step", train)] == 7
+    assert got[("ray_raychat_train_loss", train)] == 3.25
+    assert got[("ray_raychat_train_tokens_per_s", train)] == 4100.0
+    assert got[("ray_raychat_train_mfu", train)] == 0.41
+    assert got[("ray_raychat_train_grad_norm", train)] == 0.75
+    assert got[("ray_raychat_train_data_wait_frac", train)] == 0.05
+    assert got[("ray_raychat_train_bpb", train)] == 1.1
+    rl = (("run", "t1"),)
+    assert got[("ray_raychat_rl_reward_mean", rl)] == 0.5
+    assert got[("ray_raychat_rl_pass_at_1", rl)] == 0.25
+    assert got[("ray_raychat_rl_staleness", rl)] == 1
+    assert got[("ray_raychat_rl_sync_time_seconds", rl)] == 0.3
+    assert got[("ray_raychat_rl_rollout_tokens_per_s", rl)] == 900.0
+    assert got[("ray_raychat_rl_learner_wait_frac", rl)] == 0.6
+    d = (("deployment", "chat"),)
+    assert got[("ray_raychat_serve_generated_tokens_total", d)] == 12
+    assert got[("ray_raychat_serve_running_requests", d)] == 2
+    assert got[("ray_raychat_serve_waiting_requests", d)] == 1
+    assert got[("ray_raychat_serve_kv_rows_in_use", d)] == 2
+    assert got[("ray_raychat_serve_ttft_seconds_count", d)] == 3
+    # Ray 2.60 exports a histogram's _sum from bucket midpoints, not the exact 0.02 + 0.2 + 0.3 = 0.52:
+    # (0.01 + 0.025) / 2 + (0.1 + 0.25) / 2 + (0.25 + 0.5) / 2 = 0.5675 (measured; use buckets, not _sum/_count)
+    assert got[("ray_raychat_serve_ttft_seconds_sum", d)] == pytest.approx(0.5675)
+    # cumulative buckets: 0.02 <= 0.025; 0.2 <= 0.25; 0.3 <= 0.5
+    bucket = lambda le: got[("ray_raychat_serve_ttft_seconds_bucket", (("deployment", "chat"), ("le", le)))]  # noqa: E731
+    assert [
+        bucket("0.01"),
+        bucket("0.025"),
+        bucket("0.1"),
+        bucket("0.25"),
+        bucket("0.5"),
+        bucket("+Inf"),
+    ] == [
+        0,
+        1,
+        1,
+        2,
+        3,
+        3,
+    ]
+    assert got[("ray_raychat_serve_inter_token_seconds_count", d)] == 1

@@ -1,0 +1,80 @@
+"""RL on a local Ray cluster: weight sync (same hash and version everywhere), a killed rollout actor, resume."""
+
+import json
+
+import pytest
+import ray
+from raychat.rl.config import RLConfig
+from raychat.rl.learner import LearnerActor
+from raychat.rl.loop import RLRun, build_tasks
+from raychat.rl.rollout import RolloutActor
+from raychat.rl.weights import sync_object_store
+from rl_fixtures import tiny_checkpoint, tiny_config
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, small_tokenizer):
+    return tiny_checkpoint(tmp_path_factory.mktemp("rl") / "ck", small_tokenizer, seed=1)
+
+
+def test_sync_gives_every_rollout_the_same_weights_and_version(ray_cluster, checkpoint):
+    cfg = RLConfig(checkpoint=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
+    tasks = build_tasks(cfg)
+    learner = LearnerActor.options(num_cpus=0.5).remote(checkpoint, cfg)
+    rollouts = [RolloutActor.options(num_cpus=0.5).remote(checkpoint, tasks, i) for i in range(2)]
+    before = ray.get(learner.weights_hash.remote())
+    assert {i["hash"] for i in ray.get([w.info.remote() for w in rollouts])} == {before}
+    batch = [
+        {"tokens": [1, 5, 9, 20, 21], "mask": [0, 0, 0, 1, 1], "advantage": 1.0},
+        {"tokens": [1, 6, 40, 41], "mask": [0, 0, 1, 1], "advantage": -1.0},
+    ]
+    assert ray.get(learner.step.remote(batch))["version"] == 1
+    after = ray.get(learner.weights_hash.remote())
+    assert after != before
+    result = sync_object_store(learner, rollouts, version=1)
+    assert result["hash"] == after and result["version"] == 1 and result["sync_time_s"] > 0
+    infos = ray.get([w.info.remote() for w in rollouts])
+    assert [(i["version"], i["hash"]) for i in infos] == [(1, after), (1, after)]
+    # the rollouts now sample from the new weights and tag samples with version 1
+    out = ray.get(rollouts[1].rollout.remote([0], 2, 3, 1.0, 0))
+    assert [s["version"] for s in out["samples"]] == [1, 1]
+    for a in [learner, *rollouts]:
+        ray.kill(a)
+
+
+def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, tmp_path):
+    killed = []
+
+    def kill_at_step_1(run, step, chunks):
+        if step == 1 and not killed:
+            killed.append(ray.get(run.rollouts[0].info.remote())["pid"])
+            ray.kill(run.rollouts[0], no_restart=False)  # dies mid-run; Ray restarts it (max_restarts)
+
+    cfg = tiny_config(checkpoint, str(tmp_path), steps=3)
+    run = RLRun(cfg, on_submitted=kill_at_step_1)
+    summary = run.run()
+    assert killed and summary["restarts"] >= 1 and summary["version"] == 3
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    # the killed actor's prompts of step 2 (index 1) were re-issued and completed: every prompt, G samples each
+    assert lines[1]["prompts"] == sorted(run.prompts_for(1)) and lines[1]["num_samples"] == 4 * 2
+    assert lines[1]["staleness_max"] == 0  # re-synced before re-issue
+    assert {p.name for p in (tmp_path / "t").glob("checkpoint_*")} == {
+        "checkpoint_000002",
+        "checkpoint_000003",
+    }
+
+    # same --out / --run-name: resumes from checkpoint_000003 with its optimizer state
+    resumed = RLRun(tiny_config(checkpoint, str(tmp_path), steps=4)).run()
+    assert resumed["start_step"] == 3 and resumed["version"] == 4
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]

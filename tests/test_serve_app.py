@@ -1,0 +1,50 @@
+"""build_app's arguments and the shipped Serve config (serve/chat.yaml), without starting Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+import raychat.serve.app as serve_app
+
+CHAT_YAML = Path(__file__).resolve().parents[1] / "serve" / "chat.yaml"
+
+
+def test_parse_args_converts_strings_and_rejects_unknown(monkeypatch):
+    monkeypatch.delenv("RAYCHAT_API_KEY", raising=False)
+    a = serve_app.parse_args({"checkpoint": "/x", "max_rows": "4", "num_cpus": "0.5", "max_len": "none"})
+    assert (a["max_rows"], a["num_cpus"], a["max_len"], a["api_key"]) == (4, 0.5, None, None)
+    with pytest.raises(ValueError, match="unknown build_app args \\['rows'\\]"):
+        serve_app.parse_args({"checkpoint": "/x", "rows": 2})
+    with pytest.raises(ValueError, match="max_rows must be an integer"):
+        serve_app.parse_args({"checkpoint": "/x", "max_rows": "many"})
+    with pytest.raises(ValueError, match="checkpoint"):
+        serve_app.parse_args({})
+    with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
+        serve_app.parse_args({"checkpoint": "/x", "min_replicas": 3, "max_replicas": 2})
+    monkeypatch.setenv("RAYCHAT_API_KEY", "k")
+    assert serve_app.parse_args({"checkpoint": "/x"})["api_key"] == "k"
+
+
+def test_build_app_needs_a_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="meta.json"):
+        serve_app.build_app({"checkpoint": str(tmp_path)})
+
+
+def test_chat_yaml_is_valid_and_matches_build_app():
+    config = yaml.safe_load(CHAT_YAML.read_text())
+    schema = ServeDeploySchema(**config)
+    app = schema.applications[0]
+    assert app.import_path == "raychat.serve.app:build_app"
+    serve_app.parse_args(app.args)  # every arg is one build_app accepts
+    deployments = {d.name: d for d in app.deployments}
+    assert set(deployments) == {serve_app.ENGINE_DEPLOYMENT, serve_app.INGRESS_DEPLOYMENT}
+    engine = deployments[serve_app.ENGINE_DEPLOYMENT]
+    auto = engine.autoscaling_config
+    assert 1 <= auto["min_replicas"] < auto["max_replicas"]
+    assert auto["look_back_period_s"] > 10  # Ray requires look_back_period_s > its metrics interval (10 s)
+    assert engine.max_ongoing_requests >= auto["target_ongoing_requests"]
+    assert engine.ray_actor_options.num_cpus > 0

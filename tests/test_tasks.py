@@ -1,0 +1,224 @@
+import json
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raychat.chat_template import render_conversation
+from raychat.tasks import (
+    GSM8K,
+    Calculator,
+    ChatterbotConversations,
+    MultipleChoice,
+    SmolTalk,
+    Spelling,
+    Task,
+    TaskMixture,
+    TaskSequence,
+    extract_answer,
+    mixture_report,
+)
+from raychat.tasks.spelling import split_of as word_split
+
+
+class Numbers(Task):
+    """A task whose example i says str(i): for mixture and slicing arithmetic."""
+
+    eval_type = "generative"
+
+    def __init__(self, name, n, **kw):
+        self.name, self.n = name, n
+        super().__init__(**kw)
+
+    def num_examples(self):
+        return self.n
+
+    def get_example(self, index):
+        return {
+            "id": self._id(index),
+            "messages": [{"role": "user", "content": "n?"}, {"role": "assistant", "content": str(index)}],
+        }
+
+
+def test_slicing_maps_to_physical_indices():
+    t = Numbers("n", 10, start=2, stop=9, step=3)
+    assert len(t) == 3  # 2, 5, 8
+    assert [t[i]["id"] for i in range(3)] == ["n/2", "n/5", "n/8"]
+    assert t[-1]["id"] == "n/8"
+    with pytest.raises(IndexError):
+        t[3]
+    with pytest.raises(ValueError, match="step >= 1"):
+        Numbers("n", 10, step=0)
+
+
+def test_mixture_weights_by_repetition_and_explicit_and_deterministic_shuffle():
+    a, b = Numbers("a", 4), Numbers("b", 6)
+    m = TaskMixture([a, a, b], seed=3)
+    assert Counter(c["source"] for c in (m[i] for i in range(len(m)))) == {"a": 8, "b": 6}
+    w = TaskMixture([a, b], weights=[2, 0.5], seed=3)
+    ids = [w[i]["id"] for i in range(len(w))]
+    assert len(ids) == 2 * 4 + 3 and Counter(i[0] for i in ids) == {"a": 8, "b": 3}
+    assert len({i for i in ids if i.startswith("b")}) == 3  # the half of b is 3 distinct examples
+    assert [TaskMixture([a, b], seed=3)[i]["id"] for i in range(10)] == [
+        m2["id"] for m2 in (TaskMixture([a, b], seed=3)[i] for i in range(10))
+    ]
+    orders = {tuple(TaskMixture([a, b], seed=s)[i]["id"] for i in range(10)) for s in range(3)}
+    assert len(orders) == 3  # the seed changes the order
+    with pytest.raises(ValueError, match="weights must be 2 numbers >= 0"):
+        TaskMixture([a, b], weights=[1])
+
+
+def test_task_sequence_is_a_curriculum_in_order():
+    s = TaskSequence([Numbers("a", 2), Numbers("b", 3, start=1)])
+    assert [s[i]["id"] for i in range(len(s))] == ["a/0", "a/1", "b/1", "b/2"]
+
+
+def test_calculator_uses_tool_calls_and_held_out_split(small_tokenizer):
+    train, test = Calculator("train", size=300, seed=0), Calculator("test", size=30, seed=0)
+    ex = train[0]
+    expr = ex["messages"][1]["content"][1]["text"]
+    a, op, b = expr.split()
+    expected = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+    assert ex["answer"] == str(expected)
+    assert ex["messages"][1]["content"][2] == {"type": "python_output", "text": str(expected)}
+    assert train.evaluate(ex, f"blah #### {expected}") and not train.evaluate(ex, f"#### {expected + 1}")
+    train_exprs = {train.problem(i)[0] for i in range(300)}
+    test_exprs = {test.problem(i)[0] for i in range(30)}
+    assert not train_exprs & test_exprs
+    assert (
+        Calculator("train", size=5, seed=0)[3] == train[3]
+        and Calculator("train", size=5, seed=1)[3] != train[3]
+    )
+    r = render_conversation(small_tokenizer, ex)
+    sup = small_tokenizer.decode([i for i, s in zip(r.ids, r.supervised) if s])
+    assert sup == f"Let me compute it. <|python_start|>{expr}<|python_end|>#### {expected}<|assistant_end|>"
+
+
+def test_spelling_from_a_word_list(tmp_path):
+    words = ["apple", "Banana", "it's", "kiwi", "pepper", "x", "naïve"]
+    (tmp_path / "words").write_text("\n".join(words))
+    usable = ["apple", "kiwi", "pepper"]  # lowercase ASCII, 2-12 letters
+    train = [w for w in usable if word_split(w) == "train"]
+    task = Spelling("train", seed=0, words_path=str(tmp_path / "words"))
+    assert sorted(task.words) == sorted(train) and len(task) == len(train)
+    spell = task[0]
+    assert spell["answer"] == "-".join(task.words[0])
+    count = task[1]
+    letter = count["messages"][0]["content"].split('"')[1]
+    assert count["answer"] == str(task.words[1 % len(task.words)].count(letter))
+    assert task.evaluate(count, f"#### {count['answer']}")
+    with pytest.raises(FileNotFoundError, match="wamerican"):
+        Spelling(words_path=str(tmp_path / "missing"))
+
+
+def test_spelling_real_word_list_counts_letters():
+    task = Spelling("train", size=50, seed=0)
+    for i in range(1, 50, 2):
+        ex = task[i]
+        word, letter = ex["messages"][0]["content"].split('"')[3], ex["messages"][0]["content"].split('"')[1]
+        assert ex["answer"] == str(word.count(letter)) and word_split(word) == "train"
+
+
+def test_chatterbot_real_corpus_and_format(tmp_path):
+    real = ChatterbotConversations()
+    assert len(real) > 1000
+    first = real[0]
+    assert first["id"] == "chatterbot/english/ai/0"
+    assert first["messages"][0] == {"role": "user", "content": "What is AI?"}
+    (tmp_path / "english").mkdir()
+    (tmp_path / "english" / "t.yml").write_text(
+        "categories: [t]\nconversations:\n- - Hello\n  - Hi\n  - Bye\n- - only one\n- - {a: 1}\n  - x\n- - Q\n  - A\n"
+    )
+    t = ChatterbotConversations(data_dir=str(tmp_path))
+    assert len(t) == 2  # trailing "Bye" dropped, single line and non-string skipped
+    assert [m["content"] for m in t[0]["messages"]] == ["Hello", "Hi"]
+    assert t[1]["id"] == "chatterbot/english/t/3"
+    with pytest.raises(ValueError, match="language must be one of"):
+        ChatterbotConversations(language="klingon", data_dir=str(tmp_path))
+
+
+def test_smoltalk_parquet(tmp_path, small_tokenizer):
+    msgs = [
+        [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": "A"},
+        ]
+    ]
+    pq.write_table(pa.table({"messages": msgs}), tmp_path / "train.parquet")
+    t = SmolTalk(tmp_path)
+    assert len(t) == 1 and t[0]["messages"] == msgs[0]
+    assert render_conversation(small_tokenizer, t[0]).num_targets == len(small_tokenizer.encode("A")) + 1
+    pq.write_table(pa.table({"text": ["x"]}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"lacks column\(s\) \['messages'\]"):
+        SmolTalk(tmp_path / "bad.parquet")
+
+
+GSM8K_ROW = {
+    "question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+    "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72",
+}
+
+
+def test_gsm8k_jsonl_turns_calculator_annotations_into_tool_calls(tmp_path):
+    (tmp_path / "test.jsonl").write_text(json.dumps(GSM8K_ROW) + "\n")
+    t = GSM8K(tmp_path / "test.jsonl")
+    ex = t[0]
+    assert ex["answer"] == "72"
+    assert ex["messages"][1]["content"] == [
+        {"type": "text", "text": "Natalia sold 48/2 = "},
+        {"type": "python", "text": "48/2"},
+        {"type": "python_output", "text": "24"},
+        {"type": "text", "text": "24 clips in May.\nNatalia sold 48+24 = "},
+        {"type": "python", "text": "48+24"},
+        {"type": "python_output", "text": "72"},
+        {"type": "text", "text": "72 clips altogether in April and May.\n#### 72"},
+    ]
+    assert t.evaluate(ex, "so #### 72") and not t.evaluate(ex, "#### 71") and not t.evaluate(ex, "72")
+    assert extract_answer("#### 1,234") == "1234"
+
+
+def test_multiple_choice_mmlu_parquet_and_arc_jsonl(tmp_path):
+    pq.write_table(
+        pa.table(
+            {"question": ["2+2?"], "subject": ["math"], "choices": [["3", "4", "5", "6"]], "answer": [1]}
+        ),
+        tmp_path / "mmlu.parquet",
+    )
+    mmlu = MultipleChoice(tmp_path / "mmlu.parquet", format="mmlu")
+    ex = mmlu[0]
+    assert mmlu.eval_type == "categorical" and ex["letters"] == ["A", "B", "C", "D"] and ex["answer"] == "B"
+    assert ex["messages"][0]["content"] == (
+        "Multiple Choice question: 2+2?\n- 3=A\n- 4=B\n- 5=C\n- 6=D\nRespond only with the letter of the correct answer."
+    )
+    assert mmlu.evaluate(ex, "B") and not mmlu.evaluate(ex, "A")
+    arc = {
+        "id": "Mercury_1",
+        "question": "Which is red?",
+        "choices": {"text": ["Mars", "Venus", "Earth"], "label": ["1", "2", "3"]},
+        "answerKey": "1",
+    }
+    (tmp_path / "arc.jsonl").write_text(json.dumps(arc) + "\n" + json.dumps({**arc, "answerKey": "E"}) + "\n")
+    t = MultipleChoice(tmp_path / "arc.jsonl", format="arc")
+    assert t[0]["letters"] == ["1", "2", "3"] and t[0]["answer"] == "1"
+    with pytest.raises(ValueError, match="answerKey 'E' not in labels"):
+        t[1]
+    with pytest.raises(ValueError, match="format must be one of"):
+        MultipleChoice(tmp_path / "arc.jsonl", format="hellaswag")
+
+
+def test_mixture_report_shares(small_tokenizer):
+    a, b = Numbers("a", 3), Numbers("b", 1)
+    report = mixture_report(small_tokenizer, TaskMixture([a, b], seed=0))
+    lens = {
+        name: [len(render_conversation(small_tokenizer, t[i])) for i in range(len(t))]
+        for name, t in (("a", a), ("b", b))
+    }
+    total = sum(map(sum, lens.values()))
+    assert report["sources"]["a"]["sample_share"] == pytest.approx(0.75)
+    assert report["sources"]["b"]["token_share"] == pytest.approx(sum(lens["b"]) / total)
+    assert report["tokens"] == total
+    assert "token-level" in report["loss_normalization"]

@@ -1,0 +1,141 @@
+import argparse
+
+import pytest
+import torch
+from torch import nn
+
+from raychat.loss import cross_entropy_sum, normalize
+from raychat.train.config import (
+    TrainConfig,
+    add_config_flags,
+    config_from_args,
+    load_preset,
+    power_law_batch_size,
+)
+from raychat.train.optim import lr_multiplier
+from raychat.train.pretrain import plan
+
+
+def test_lr_schedule_by_hand():
+    # 10 steps, 2 warmup, 4 warmdown to 0.1
+    lrs = [lr_multiplier(s, 10, 0.2, 0.4, 0.1) for s in range(10)]
+    assert lrs[:2] == [0.5, 1.0]
+    assert lrs[2:6] == [1.0] * 4
+    assert lrs[6:] == pytest.approx([1.0, 0.775, 0.55, 0.325])
+
+
+def test_grad_accum_derived_and_clear_error():
+    cfg = TrainConfig(device_batch_size=8, seq_len=256, num_workers=2)
+    assert cfg.grad_accum_steps(16384) == 4
+    with pytest.raises(ValueError, match="not a multiple of device_batch_size x seq_len x num_workers"):
+        cfg.grad_accum_steps(10000)
+
+
+def test_power_law_batch_size():
+    assert power_law_batch_size(1e10, 4096) == 2**19  # the anchor
+    # 2^19 * (1e8 / 1e10) ** 0.383 = 89,044 -> nearest power of two 2^16 (log2 = 16.44)
+    assert power_law_batch_size(1e8, 4096) == 2**16
+    assert power_law_batch_size(1e3, 4096) == 4096  # never below one micro-step
+
+
+def test_plan_horizon_from_param_data_ratio():
+    cfg = TrainConfig(
+        depth=2,
+        seq_len=64,
+        device_batch_size=4,
+        num_workers=2,
+        total_batch_size=1024,
+        target_param_data_ratio=10,
+    )
+    p = plan(cfg, vocab_size=512)
+    assert p["grad_accum"] == 2  # 1024 / (4 * 64 * 2)
+    assert p["num_iterations"] == round(10 * p["scaling_params"] / 1024)
+    assert p["tokens"] == p["num_iterations"] * 1024
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--depth", "0"], "--depth must be a positive integer"),
+        (["--device-batch-size", "-1"], "--device-batch-size must be a positive integer"),
+        (["--fp8-recipe", "bogus"], "invalid choice"),
+    ],
+)
+def test_bad_flags_are_clear_errors(flags, message, capsys):
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    try:
+        args = parser.parse_args(flags)
+    except SystemExit:
+        assert message in capsys.readouterr().err
+        return
+    with pytest.raises(ValueError, match=message):
+        config_from_args(args)
+
+
+def test_presets_load_and_validate():
+    for name in ("cpu", "gpu8", "cluster"):
+        cfg = TrainConfig(**load_preset(name))
+        cfg.validate()
+    with pytest.raises(FileNotFoundError, match="known presets"):
+        load_preset("nope")
+
+
+def test_step_loss_is_token_normalized_over_micro_batches():
+    """10 and 100 target tokens with CE 1.0 and 2.0 in separate micro-batches -> 210/110, not 1.5."""
+    vocab = 4
+
+    def logits_with_ce(ce, n):
+        # logits [a, 0, 0, 0] with target 0: CE = log(1 + 3 e^-a) -> a = -log((e^ce - 1) / 3)
+        a = -torch.log(torch.expm1(torch.tensor(ce)) / 3)
+        x = torch.zeros(1, n, vocab)
+        x[..., 0] = a
+        return x.requires_grad_()
+
+    mb1, mb2 = logits_with_ce(1.0, 10), logits_with_ce(2.0, 100)
+    n_targets = 110
+    total = 0.0
+    for x in (mb1, mb2):
+        s, n = cross_entropy_sum(
+            x, torch.zeros(1, x.shape[1], dtype=torch.long), torch.ones(1, x.shape[1], dtype=torch.bool)
+        )
+        normalize(s, n_targets).backward()
+        total += s.item()
+    assert total / n_targets == pytest.approx(210 / 110, abs=1e-5)
+    # one micro-batch holding both gives the same loss and gradients
+    both = torch.cat([mb1.detach(), mb2.detach()], dim=1).requires_grad_()
+    s, n = cross_entropy_sum(
+        both, torch.zeros(1, 110, dtype=torch.long), torch.ones(1, 110, dtype=torch.bool)
+    )
+    assert n.item() == 110
+    normalize(s, int(n)).backward()
+    torch.testing.assert_close(both.grad, torch.cat([mb1.grad, mb2.grad], dim=1))
+    # every token's gradient weight is 1/110: d(loss)/d(logit of target) = (p - 1) / 110
+    p = torch.softmax(mb1.detach()[0, 0], -1)[0]
+    assert mb1.grad[0, 0, 0].item() == pytest.approx((p.item() - 1) / 110, rel=1e-5)
+
+
+def test_fp8_filter_and_eval_swap_share_weights():
+    from torchao.float8.float8_linear import Float8Linear
+
+    from raychat.train.fp8 import convert_to_fp8, fp8_filter, high_precision_linears
+
+    keep = fp8_filter()
+    assert keep(nn.Linear(64, 128), "model.layers.0.mlp.up_proj")
+    assert not keep(nn.Linear(32, 15), "model.layers.0.x")
+    assert not keep(nn.Linear(64, 128), "lm_head")
+
+    net = nn.Sequential()
+    net.add_module("big", nn.Linear(64, 128, bias=False))
+    net.add_module("small", nn.Linear(128, 15, bias=False))
+    net.add_module("lm_head", nn.Linear(15, 64, bias=False))
+    assert convert_to_fp8(net, emulate=True) == 1
+    assert isinstance(net.big, Float8Linear) and type(net.small) is nn.Linear
+    x = torch.randn(4, 64)
+    net(x).sum().backward()  # trains through torchao's emulated FP8 matmul on CPU
+    weight = net.big.weight
+    with high_precision_linears(net):
+        assert type(net.big) is nn.Linear
+        assert net.big.weight is weight  # shared, not copied
+        torch.testing.assert_close(net.big(x), x @ weight.T)
+    assert isinstance(net.big, Float8Linear) and net.big.weight is weight
