@@ -197,11 +197,6 @@ def test_jinja_template_matches_raychat(exported, tokenizer, conversation):
     assert list(theirs) == render_conversation(tokenizer, full).ids
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="raychat encodes a system message and its '\\n\\n' separator as two spans; a one-string tokenizer "
-    "(HF, vLLM) joins '.\\n\\n' into one pre-token. Fixed when chat_template encodes content+separator together.",
-)
 def test_jinja_template_system_ending_in_punctuation(exported, tokenizer):
     hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
     conversation = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]

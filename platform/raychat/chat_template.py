@@ -270,8 +270,8 @@ def _render_exchange(b: _Builder, messages: list[dict], group: list[int], system
     u = group[0]
     b.marker("user_start", "user", u)
     if system is not None:
-        b.text(messages[system]["content"], "system", "system", system)
-        b.text(SYSTEM_SEPARATOR, "system_separator", "system", system)
+        # one span, so a one-string tokenizer (HF, vLLM) that merges e.g. ".\n\n" agrees with us
+        b.text(messages[system]["content"] + SYSTEM_SEPARATOR, "system", "system", system)
     b.text(messages[u]["content"], "user", "user", u)
     b.marker("user_end", "user", u)
     if len(group) == 1:

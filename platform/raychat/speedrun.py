@@ -1,7 +1,8 @@
 """`raychat speedrun`: the main job, end to end on a local (or connected) Ray cluster.
 
   data prepare -> tokenizer -> pretrain (Ray Train, DDP) -> validation BPB vs the unigram baseline
-  -> samples -> final checkpoint -> report.md
+  -> samples -> SFT (calculator accuracy before/after) -> RL (pass@1 before/after) -> report.md
+  -> the command (and URL) that serves the chat page
 
 Stages whose outputs already exist are skipped (the run is resumable: run the same command again).
 """
@@ -39,7 +40,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     report: dict = {"preset": preset, "timings_s": {}}
     t_all = time.perf_counter()
 
-    t0 = stage("1/4 data: corpus -> parquet shards")
+    t0 = stage("1/6 data: corpus -> parquet shards")
     from raychat.data.prepare import prepare
 
     if (data_dir / "manifest.json").exists():
@@ -54,7 +55,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     report["data"] = {k: manifest.get(k) for k in ("source", "license", "documents", "bytes")}
     report["timings_s"]["data"] = time.perf_counter() - t0
 
-    t0 = stage("2/4 tokenizer: byte-level BPE")
+    t0 = stage("2/6 tokenizer: byte-level BPE")
     from raychat.tokenizer import Tokenizer
     from raychat.tokenizer_cli import train_tokenizer
 
@@ -65,7 +66,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
         report["tokenizer"] = train_tokenizer(str(data_dir), str(tok_dir), tok_cfg.get("vocab_size", 4096))
     report["timings_s"]["tokenizer"] = time.perf_counter() - t0
 
-    t0 = stage("3/4 pretrain on Ray Train")
+    t0 = stage("3/6 pretrain on Ray Train")
     from raychat.train.pretrain import run_training
 
     values = {
@@ -86,18 +87,74 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     report["checkpoint"] = str(result.checkpoint.path) if result.checkpoint else None
     report["timings_s"]["pretrain"] = time.perf_counter() - t0
 
-    t0 = stage("4/4 evaluation: BPB vs unigram baseline")
+    t0 = stage("4/6 evaluation: BPB vs unigram baseline")
     report["unigram_bpb"] = unigram_baseline(data_dir, tok_dir)
     print(
         f"validation BPB {report['pretrain'].get('val_bpb', float('nan')):.4f} "
         f"vs unigram baseline {report['unigram_bpb']:.4f}"
     )
     report["timings_s"]["eval"] = time.perf_counter() - t0
+
+    final = report["checkpoint"]
+    sft_values = _section(preset, "sft")
+    if sft_values.get("num_iterations", 0) > 0:
+        t0 = stage("5/6 SFT on Ray Train (same loop, packed conversations)")
+        report["sft"], final = run_sft_stage(cfg, report["checkpoint"], sft_values, out_dir)
+        report["timings_s"]["sft"] = time.perf_counter() - t0
+    rl_values = _section(preset, "rl")
+    if rl_values.get("steps", 0) > 0 and report.get("sft"):
+        t0 = stage("6/6 RL: rollout actors + learner")
+        report["rl"], final = run_rl_stage(final, rl_values, out_dir)
+        report["timings_s"]["rl"] = time.perf_counter() - t0
+    report["final_checkpoint"] = final
     report["timings_s"]["total"] = time.perf_counter() - t_all
     report["train_config"] = dataclasses.asdict(cfg)
     path = write_report(out_dir, report)
-    print(f"\nreport: {path}\nfinal checkpoint: {report['checkpoint']}")
+    print(f"\nreport: {path}\nfinal checkpoint: {final}")
+    print(f"chat with it:  raychat chat --checkpoint {final}")
+    print(f"serve it:      raychat serve --checkpoint {final}   -> chat page at http://127.0.0.1:8000/")
     return report
+
+
+def calculator_accuracy(checkpoint: str, num_examples: int, seed: int = 0) -> float:
+    """Greedy exact-answer accuracy on held-out calculator problems (raychat.eval.tasks)."""
+    from raychat.checkpoint import load_model
+    from raychat.eval.tasks import task_accuracy
+    from raychat.tasks import Calculator
+
+    model, tokenizer, _ = load_model(checkpoint)
+    return task_accuracy(model, tokenizer, Calculator(split="test", seed=seed), num_examples)
+
+
+def run_sft_stage(
+    base_cfg: TrainConfig, base_checkpoint: str, values: dict, out_dir: Path
+) -> tuple[dict, str]:
+    from raychat.train.pretrain import run_training
+
+    n = values.get("eval_examples", 64)
+    before = calculator_accuracy(base_checkpoint, n)
+    print(f"calculator accuracy before SFT: {before:.3f} ({n} held-out problems)")
+    cfg = dataclasses.replace(
+        base_cfg,
+        **{"eval_every": 0, "checkpoint_every": 0, **values},
+        stage="sft",
+        run_name="sft",
+        init_from=base_checkpoint,
+        document_masking=True,
+    )
+    cfg.validate()
+    result = run_training(cfg)
+    checkpoint = str(result.checkpoint.path)
+    after = result.metrics["calculator_accuracy"]  # the loop's final evaluation, same problems
+    print(f"calculator accuracy after SFT: {after:.3f} (before {before:.3f})")
+    metrics = {k: v for k, v in result.metrics.items() if k != "samples"}
+    return {**metrics, "accuracy_before": before, "accuracy_after": after, "eval_examples": n}, checkpoint
+
+
+def run_rl_stage(checkpoint: str, values: dict, out_dir: Path) -> tuple[dict, str]:
+    from raychat.rl.loop import run_speedrun_stage
+
+    return run_speedrun_stage(checkpoint, values, str(out_dir / "rl"))
 
 
 def unigram_baseline(data_dir: Path, tok_dir: Path, max_chars: int = 20_000_000) -> float:
@@ -131,8 +188,19 @@ def write_report(out_dir: Path, r: dict) -> Path:
         f"| tokens/s (last step, all workers) | {p.get('tokens_per_s', 0):,.0f} |",
         f"| data wait (last step) | {100 * p.get('data_wait_frac', 0):.1f}% |",
         f"| wall time | {t['total']:.0f} s (data {t['data']:.0f}, tokenizer {t['tokenizer']:.0f}, "
-        f"pretrain {t['pretrain']:.0f}, eval {t['eval']:.0f}) |",
+        f"pretrain {t['pretrain']:.0f}, eval {t['eval']:.0f}, sft {t.get('sft', 0):.0f}, rl {t.get('rl', 0):.0f}) |",
         f"| checkpoint | `{r['checkpoint']}` |",
+        *(
+            [
+                f"| SFT steps | {r['sft'].get('step')} (val BPB on held-out conversations {r['sft'].get('val_bpb', float('nan')):.4f}) |",
+                f"| calculator accuracy before / after SFT | {r['sft']['accuracy_before']:.3f} / "
+                f"{r['sft']['accuracy_after']:.3f} ({r['sft']['eval_examples']} held-out problems) |",
+            ]
+            if r.get("sft")
+            else []
+        ),
+        *([f"| RL | {r['rl'].get('summary', '')} |"] if r.get("rl") else []),
+        f"| final checkpoint | `{r.get('final_checkpoint')}` |",
         "",
         "## Samples (greedy)",
         "",

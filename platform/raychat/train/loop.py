@@ -279,15 +279,31 @@ def train_loop_per_worker(config: dict) -> None:
         tokens_per_s = plan["total_batch_size"] / dt
         mfu = flops_per_step / dt / (peak * world) if peak else None
         smooth_loss = loss if smooth_loss is None else 0.9 * smooth_loss + 0.1 * loss
+        is_last = done == stop
+        stats = {
+            "step": done,
+            "loss": loss,
+            "smooth_loss": smooth_loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "data_wait_frac": t_data / dt,
+        }
+        if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
+            stats.update(evaluate(done))
         if progress is not None:
             progress.update(1)
         if rank == 0:
             eta = (time.perf_counter() - t_start) / (done - start_step) * (n_iter - done)
-            if done % cfg.log_every == 0 or done == n_iter:
+            if done % cfg.log_every == 0 or is_last or "val_bpb" in stats:
                 print(
                     f"step {done:5d}/{n_iter} | loss {loss:.4f} | lr {lr:.3g} | grad_norm {grad_norm:.3f} | "
                     f"tok/s {tokens_per_s:,.0f} | mfu {f'{100 * mfu:.1f}%' if mfu else 'n/a'} | "
-                    f"data wait {100 * t_data / dt:.1f}% | eta {eta:.0f}s",
+                    f"data wait {100 * t_data / dt:.1f}% | eta {eta:.0f}s"
+                    + "".join(
+                        f" | {k} {stats[k]:.4f}" for k in ("val_bpb", "calculator_accuracy") if k in stats
+                    ),
                     flush=True,
                 )
             metrics.record(
@@ -298,44 +314,12 @@ def train_loop_per_worker(config: dict) -> None:
                 mfu=mfu,
                 grad_norm=grad_norm,
                 data_wait_frac=t_data / dt,
+                bpb=stats.get("val_bpb"),
             )
-        if log_path:
-            with open(log_path, "a") as f:
-                f.write(
-                    json.dumps(
-                        {
-                            "step": done,
-                            "loss": loss,
-                            "lr": lr,
-                            "grad_norm": grad_norm,
-                            "tokens_per_s": tokens_per_s,
-                            "data_wait_frac": t_data / dt,
-                        }
-                    )
-                    + "\n"
-                )
-        is_last = done == stop
-        report = {
-            "step": done,
-            "loss": loss,
-            "smooth_loss": smooth_loss,
-            "tokens_per_s": tokens_per_s,
-            "data_wait_frac": t_data / dt,
-        }
-        if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
-            report.update(evaluate(done))
-            if rank == 0:
-                print(f"step {done:5d}/{n_iter} | val_bpb {report['val_bpb']:.4f}", flush=True)
-                metrics.record(
-                    step=done,
-                    loss=loss,
-                    lr=lr,
-                    tokens_per_s=tokens_per_s,
-                    mfu=mfu,
-                    grad_norm=grad_norm,
-                    data_wait_frac=t_data / dt,
-                    bpb=report["val_bpb"],
-                )
+            if log_path:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps({k: v for k, v in stats.items() if k != "samples"}) + "\n")
+        report = {k: v for k, v in stats.items() if v is not None}
         if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or is_last:
             save(done, report)
     if progress is not None:

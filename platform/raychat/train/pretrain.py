@@ -110,8 +110,12 @@ def run_training(cfg: TrainConfig):
         ray.init()
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"train": dataclasses.asdict(cfg), "plan": p, "fault": fault_injection(cfg),
-                           "progress_bar": sys.stdout.isatty()},
+        train_loop_config={
+            "train": dataclasses.asdict(cfg),
+            "plan": p,
+            "fault": fault_injection(cfg),
+            "progress_bar": sys.stdout.isatty(),
+        },
         scaling_config=ScalingConfig(
             num_workers=cfg.num_workers,
             use_gpu=cfg.use_gpu,

@@ -1,0 +1,67 @@
+"""Ray tier: the whole speedrun on a tiny preset and a tiny local corpus (every stage, minutes not hours)."""
+
+import json
+import random
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+WORDS = (
+    "the a river stone light cloud tree bird wind fire water runs falls grows sings over under near "
+    "green blue old new small large"
+).split()
+
+
+@pytest.fixture()
+def tiny_preset(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = random.Random(0)
+    for i in range(300):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 80))) + "."
+        (corpus / f"doc{i:03d}.txt").write_text(text)
+    preset = {
+        "data": {"source": str(corpus), "num_shards": 3},
+        "tokenizer": {"vocab_size": 320},
+        "train": dict(
+            depth=1,
+            aspect_ratio=64,
+            head_dim=32,
+            seq_len=64,
+            device_batch_size=4,
+            num_workers=2,
+            cpus_per_worker=0.5,
+            total_batch_size=512,
+            num_iterations=8,
+            eval_every=4,
+            eval_tokens=512,
+            checkpoint_every=4,
+            buffer_size=16,
+        ),
+        "sft": {"num_iterations": 3, "sft_tasks": "calculator:200", "eval_examples": 4},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(preset))
+    return path
+
+
+def test_speedrun_end_to_end(tiny_preset, tmp_path):
+    import ray
+
+    from raychat.speedrun import run_speedrun
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        report = run_speedrun(str(tiny_preset), str(tmp_path / "out"))
+    finally:
+        ray.shutdown()
+    assert report["pretrain"]["step"] == 8
+    assert 0 < report["pretrain"]["val_bpb"] < 20 and 0 < report["unigram_bpb"] < 20
+    assert report["sft"]["step"] == 3
+    assert 0.0 <= report["sft"]["accuracy_after"] <= 1.0
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "validation BPB" in text and "unigram baseline BPB" in text
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert saved["final_checkpoint"] == report["final_checkpoint"]
