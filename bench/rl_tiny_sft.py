@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from raychat.chat_template import render_conversation, render_for_completion
 from raychat.checkpoint import save_model
 from raychat.engine import Engine

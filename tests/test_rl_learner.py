@@ -5,11 +5,12 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from rl_fixtures import tiny_checkpoint
+
 from raychat.checkpoint import load_model
 from raychat.rl.config import RLConfig
 from raychat.rl.learner import Learner
 from raychat.train.optim import build_optimizers
-from rl_fixtures import tiny_checkpoint
 
 # prompt tokens (mask 0), sampled tokens (mask 1), a forced tool output (mask 0) in the first row
 BATCH = [

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from raychat.rl.objective import (
     collate,
     group_advantages,

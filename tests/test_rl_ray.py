@@ -1,15 +1,19 @@
 """RL on a local Ray cluster: weight sync (same hash and version everywhere), a killed rollout actor, resume."""
 
 import json
+import os
+import signal
+import time
 
 import pytest
 import ray
+from rl_fixtures import tiny_checkpoint, tiny_config
+
 from raychat.rl.config import RLConfig
 from raychat.rl.learner import LearnerActor
 from raychat.rl.loop import RLRun, build_tasks
 from raychat.rl.rollout import RolloutActor
-from raychat.rl.weights import sync_object_store
-from rl_fixtures import tiny_checkpoint, tiny_config
+from raychat.rl.weights import create_collective_group, sync_object_store
 
 pytestmark = pytest.mark.ray
 
@@ -54,16 +58,22 @@ def test_sync_gives_every_rollout_the_same_weights_and_version(ray_cluster, chec
 def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, tmp_path):
     killed = []
 
-    def kill_at_step_1(run, step, chunks):
-        if step == 1 and not killed:
-            killed.append(ray.get(run.rollouts[0].info.remote())["pid"])
-            ray.kill(run.rollouts[0], no_restart=False)  # dies mid-run; Ray restarts it (max_restarts)
+    pids = {}
 
-    cfg = tiny_config(checkpoint, str(tmp_path), steps=3)
-    run = RLRun(cfg, on_submitted=kill_at_step_1)
+    def kill_at_step_1(run, step, chunks):
+        if step == 0:
+            pids.update(ray.get(run.rollouts[0].info.remote()))
+        if step == 1 and not killed:  # SIGKILL right after its rollout chunk was submitted: it dies in flight
+            os.kill(pids["pid"], signal.SIGKILL)
+            killed.append(pids["pid"])
+
+    cfg = tiny_config(checkpoint, str(tmp_path), steps=3, max_tokens=24)
+    t0 = time.perf_counter()
+    run = RLRun(cfg, on_submitted=kill_at_step_1, log=lambda m: print(f"{time.perf_counter() - t0:.2f} {m}"))
     summary = run.run()
     assert killed and summary["restarts"] >= 1 and summary["version"] == 3
     lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["restarts"] == 0 and lines[1]["restarts"] >= 1  # detected while collecting step 2
     assert [x["step"] for x in lines] == [1, 2, 3]
     # the killed actor's prompts of step 2 (index 1) were re-issued and completed: every prompt, G samples each
     assert lines[1]["prompts"] == sorted(run.prompts_for(1)) and lines[1]["num_samples"] == 4 * 2
@@ -74,7 +84,35 @@ def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, t
     }
 
     # same --out / --run-name: resumes from checkpoint_000003 with its optimizer state
-    resumed = RLRun(tiny_config(checkpoint, str(tmp_path), steps=4)).run()
+    resumed = RLRun(tiny_config(checkpoint, str(tmp_path), steps=4, max_tokens=24)).run()
     assert resumed["start_step"] == 3 and resumed["version"] == 4
     lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
+
+
+def test_collective_broadcast_path_with_gloo(ray_cluster, checkpoint):
+    """The broadcast sync (the NCCL path on GPUs) run with the gloo backend on CPU: same hash everywhere."""
+    cfg = RLConfig(checkpoint=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
+    learner = LearnerActor.options(num_cpus=0.5).remote(checkpoint, cfg)
+    rollouts = [RolloutActor.options(num_cpus=0.5).remote(checkpoint, build_tasks(cfg), i) for i in range(2)]
+    batch = [{"tokens": [1, 5, 9, 20], "mask": [0, 0, 1, 1], "advantage": 1.0}]
+    ray.get(learner.step.remote(batch))
+    expected = ray.get(learner.weights_hash.remote())
+    create_collective_group(learner, rollouts, "gloo", "test-bcast")
+    sent = learner.broadcast.remote("test-bcast")
+    acks = ray.get([w.receive_broadcast.remote("test-bcast", 1) for w in rollouts])
+    assert ray.get(sent)["hash"] == expected
+    assert [(a["version"], a["hash"]) for a in acks] == [(1, expected), (1, expected)]
+    with pytest.raises(ValueError, match="backend"):
+        create_collective_group(learner, rollouts, "mpi", "x")
+    for a in [learner, *rollouts]:
+        ray.kill(a)
+
+
+def test_async_mode_records_staleness_within_k(ray_cluster, checkpoint, tmp_path):
+    cfg = tiny_config(checkpoint, str(tmp_path), steps=3, mode="async", max_staleness=1, checkpoint_every=100)
+    summary = RLRun(cfg, log=lambda m: None).run()
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    # step 1 trains on version-0 samples at learner version 0; later steps on samples one version old
+    assert [x["staleness_max"] for x in lines] == [0, 1, 1] and summary["version"] == 3
+    assert all(x["mode"] == "async" and x["normalization"] == "token" for x in lines)

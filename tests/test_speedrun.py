@@ -41,6 +41,17 @@ def tiny_preset(tmp_path):
             buffer_size=16,
         ),
         "sft": {"num_iterations": 3, "sft_tasks": "calculator:200", "eval_examples": 4},
+        "rl": {
+            "steps": 2,
+            "prompts_per_step": 2,
+            "samples_per_prompt": 2,
+            "max_tokens": 8,
+            "eval_every": 2,
+            "eval_examples": 4,
+            "eval_samples": 2,
+            "rollout_workers": 1,
+            "checkpoint_every": 2,
+        },
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(preset))
@@ -61,6 +72,8 @@ def test_speedrun_end_to_end(tiny_preset, tmp_path):
     assert 0 < report["pretrain"]["val_bpb"] < 20 and 0 < report["unigram_bpb"] < 20
     assert report["sft"]["step"] == 3
     assert 0.0 <= report["sft"]["accuracy_after"] <= 1.0
+    assert report["rl"]["steps"] == 2 and 0.0 <= report["rl"]["pass@1_after"] <= 1.0
+    assert report["final_checkpoint"].endswith("checkpoint_000002")
     text = (tmp_path / "out" / "report.md").read_text()
     assert "validation BPB" in text and "unigram baseline BPB" in text
     saved = json.loads((tmp_path / "out" / "report.json").read_text())

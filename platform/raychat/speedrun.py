@@ -152,9 +152,26 @@ def run_sft_stage(
 
 
 def run_rl_stage(checkpoint: str, values: dict, out_dir: Path) -> tuple[dict, str]:
-    from raychat.rl.loop import run_speedrun_stage
+    """RL on the calculator task from the SFT checkpoint; pass@1 on held-out problems before and after."""
+    from raychat.rl.config import RLConfig
+    from raychat.rl.loop import RLRun
 
-    return run_speedrun_stage(checkpoint, values, str(out_dir / "rl"))
+    cfg = RLConfig(**{**values, "checkpoint": checkpoint, "out": str(out_dir / "rl"), "run_name": "rl"})
+    cfg.validate()
+    summary = RLRun(cfg).run()
+    before, after = summary["evals"][0], summary["evals"][-1]
+    final = str(sorted(Path(summary["run_dir"]).glob("checkpoint_*"))[-1])
+    line = (
+        f"{cfg.steps} steps, pass@1 on {cfg.eval_examples} held-out problems {before['pass@1']:.3f} -> "
+        f"{after['pass@1']:.3f}, learner wait {summary['learner_wait_frac']:.2f}, {summary['wall_s']:.0f} s"
+    )
+    print(f"RL: {line}")
+    return {
+        "summary": line,
+        "pass@1_before": before["pass@1"],
+        "pass@1_after": after["pass@1"],
+        **summary,
+    }, final
 
 
 def unigram_baseline(data_dir: Path, tok_dir: Path, max_chars: int = 20_000_000) -> float:

@@ -50,13 +50,15 @@ from raychat.rl.weights import check_acks, create_collective_group
 
 
 def build_tasks(cfg: RLConfig) -> dict:
-    """{"train": Task, "test": Task} for cfg.task (held-out prompts come from the test split)."""
+    """{"train": Task, "test": Task} for cfg.task: training prompts from the train split (seeded by --seed),
+    held-out prompts from the test split (a disjoint set of problems)."""
     if cfg.task == "calculator":
         from raychat.tasks import Calculator
 
         return {
             "train": Calculator("train", size=cfg.task_examples, seed=cfg.seed, max_operand=cfg.max_operand),
-            "test": Calculator("test", size=cfg.eval_examples, seed=cfg.seed, max_operand=cfg.max_operand),
+            # the held-out set is the same for every --seed (seed 0), so runs compare on the same prompts
+            "test": Calculator("test", size=cfg.eval_examples, seed=0, max_operand=cfg.max_operand),
         }
     raise ValueError(f"task must be one of ['calculator'], got {cfg.task!r}")
 
