@@ -63,14 +63,20 @@ def main() -> int:
         peak_procs = max(peak_procs, len(pids))
         time.sleep(a.interval)
     wall = time.perf_counter() - t0
-    line = (f"| `{' '.join(cmd)}` | {wall:.0f} s | {peak_pss / 1024**2:.2f} GiB | {peak_rss / 1024**2:.2f} GiB | "
-            f"{peak_procs} | exit {proc.returncode} |")
-    print(f"wall {wall:.0f} s, peak PSS {peak_pss / 1024**2:.2f} GiB, peak RSS {peak_rss / 1024**2:.2f} GiB, "
-          f"{peak_procs} processes, exit {proc.returncode}")
+    line = (
+        f"| `{' '.join(cmd)}` | {wall:.0f} s | {peak_pss / 1024**2:.2f} GiB | {peak_rss / 1024**2:.2f} GiB | "
+        f"{peak_procs} | exit {proc.returncode} |"
+    )
+    print(
+        f"wall {wall:.0f} s, peak PSS {peak_pss / 1024**2:.2f} GiB, peak RSS {peak_rss / 1024**2:.2f} GiB, "
+        f"{peak_procs} processes, exit {proc.returncode}"
+    )
     if a.out:
         out = Path(a.out)
         if not out.exists():
-            out.write_text("| command | wall | peak PSS (sum) | peak RSS (sum) | processes | result |\n|---|---|---|---|---|---|\n")
+            out.write_text(
+                "| command | wall | peak PSS (sum) | peak RSS (sum) | processes | result |\n|---|---|---|---|---|---|\n"
+            )
         with out.open("a") as f:
             f.write(line + "\n")
     return proc.returncode

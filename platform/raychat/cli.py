@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-# (module, short description shown when the module cannot be imported)
 COMMAND_MODULES = [
     "raychat.speedrun",
     "raychat.data.prepare",
@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except (ValueError, FileNotFoundError) as e:  # bad input: a clear message, no traceback
+        if os.environ.get("RAYCHAT_DEBUG"):
+            raise
+        print(f"raychat {args.command}: error: {e}  (RAYCHAT_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 2
     return int(rc or 0)
 
 

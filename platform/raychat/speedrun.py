@@ -221,7 +221,7 @@ def write_report(out_dir: Path, r: dict) -> Path:
         "",
         "## Samples (greedy)",
         "",
-        *[f"- `{s}`" for s in r.get("samples", [])],
+        *[f"- {json.dumps(s)}" for s in r.get("samples", [])],
         "",
     ]
     path = out_dir / "report.md"

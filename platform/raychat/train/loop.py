@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
 
@@ -110,6 +111,12 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def log(message: str) -> None:
+    """A line to the worker's stdout (streamed to the driver). Ray Train patches `print` to tee into its
+    logger too, which shows every line twice on the driver; writing to sys.__stdout__ directly does not."""
+    print(message, file=sys.__stdout__, flush=True)
+
+
 def fail_once_for_tests(fault: dict | None, step: int, rank: int) -> None:
     """Fault injection for tests: fault = {"at_step": k, "marker": path} (from the driver's environment
     RAYCHAT_FAIL_ONCE_AT_STEP / RAYCHAT_FAIL_MARKER). Rank 1 (or 0 alone) dies with os._exit at step k the
@@ -160,7 +167,7 @@ def train_loop_per_worker(config: dict) -> None:
         with checkpoint.as_directory() as d:
             rows.load_state_dict(load_rank_state(d, rank, optimizers)["rows"])
         if rank == 0:
-            print(f"resumed from {checkpoint.path} at step {start_step}", flush=True)
+            log(f"resumed from {checkpoint.path} at step {start_step}")
     train_model = torch.compile(model) if cfg.compile else model
     train_model = ray.train.torch.prepare_model(train_model, move_to_device=False)
 
@@ -206,14 +213,10 @@ def train_loop_per_worker(config: dict) -> None:
                 out["calculator_accuracy"] = task_accuracy(
                     model, tokenizer, Calculator(split="test", seed=cfg.seed), cfg.eval_examples
                 )
-                print(
-                    f"step {step:5d}/{n_iter} | calculator accuracy {out['calculator_accuracy']:.3f}",
-                    flush=True,
-                )
             if rank == 0 and (step == n_iter or (cfg.sample_every and step % cfg.sample_every == 0)):
                 samples = greedy_samples(model, tokenizer, device=device) if cfg.stage == "pretrain" else []
                 for s in samples:
-                    print(f"  sample: {s!r}", flush=True)
+                    log(f"  sample: {s!r}")
                 out["samples"] = samples
         return out
 
@@ -297,14 +300,13 @@ def train_loop_per_worker(config: dict) -> None:
         if rank == 0:
             eta = (time.perf_counter() - t_start) / (done - start_step) * (n_iter - done)
             if done % cfg.log_every == 0 or is_last or "val_bpb" in stats:
-                print(
+                log(
                     f"step {done:5d}/{n_iter} | loss {loss:.4f} | lr {lr:.3g} | grad_norm {grad_norm:.3f} | "
                     f"tok/s {tokens_per_s:,.0f} | mfu {f'{100 * mfu:.1f}%' if mfu else 'n/a'} | "
                     f"data wait {100 * t_data / dt:.1f}% | eta {eta:.0f}s"
                     + "".join(
                         f" | {k} {stats[k]:.4f}" for k in ("val_bpb", "calculator_accuracy") if k in stats
-                    ),
-                    flush=True,
+                    )
                 )
             metrics.record(
                 step=done,

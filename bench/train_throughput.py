@@ -1,0 +1,224 @@
+"""Training tokens/s: a plain single-process PyTorch loop vs raychat on Ray Train (1 worker, then 2 workers).
+
+    python bench/train_throughput.py --steps 30 --skip 5 --out bench/results/train_throughput.md
+
+All three runs, in this order in one process: the same model (GPT depth 4, seq_len 256, vocab 4096 from the
+real tokenizer), the same batch (8 rows x 256 tokens per micro-batch, 8192 tokens per optimizer step), the same
+optimizers (raychat.train.optim.build_optimizers: Muon + AdamW) and learning-rate schedule, fp32, no compile.
+
+1. plain: this process, torch.set_num_threads(2); rows pre-materialized in memory with BestFitPacker over the
+   tokenized training shards in file order (the rows PretrainRows gives rank 0 of 1); each step does what
+   raychat.train.loop does (to_batch, global_target_count, cross_entropy_sum / normalize, backward over 4
+   micro-batches, clip, Muon + AdamW step), timed with time.perf_counter the same way (data included).
+2. ray x1: raychat.train.pretrain.run_training, 1 worker, cpus_per_worker=2 (the loop sets 2 torch threads),
+   DDP over gloo, rows streamed by PretrainRows (Ray Data read + tokenize, 0.25 CPU per task).
+3. ray x2: 2 workers, cpus_per_worker=1 (1 torch thread each), 2 micro-batches each per step.
+Ray gets 3 logical CPUs on the 2 cores: workers reserving 2 CPUs leave one for the Ray Data tasks (with 2
+logical CPUs the data tasks could never be scheduled and the run would hang).
+
+tokens/s = steady state: the steps after the first --skip, total tokens / total step time; Ray runs read the
+per-step tokens_per_s from <storage>/<run_name>/metrics.jsonl (written by raychat.train.loop).
+Overhead = 1 - ray x1 / plain, from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+import uuid
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from _common import (
+    append_result,
+    command_line,
+    corpus,
+    machine,
+    read_metrics,
+    start_ray,
+    steady_tokens_per_s,
+    uptime,
+)
+from raychat.data.packing import BestFitPacker
+from raychat.data.shards import list_shards
+from raychat.loss import cross_entropy_sum, global_target_count, normalize
+from raychat.model import GPT, ModelConfig
+from raychat.tokenizer import Tokenizer
+from raychat.train.config import TrainConfig
+from raychat.train.loop import to_batch
+from raychat.train.optim import build_optimizers, lr_multiplier, set_lr
+from raychat.train.pretrain import plan, run_training
+
+
+def base_config(args, data_dir: str, tokenizer_dir: str, storage: str) -> TrainConfig:
+    return TrainConfig(
+        storage_path=storage,
+        data_dir=data_dir,
+        tokenizer_path=tokenizer_dir,
+        depth=4,
+        seq_len=256,
+        device_batch_size=8,
+        total_batch_size=8192,
+        num_iterations=args.steps,
+        eval_every=0,
+        eval_tokens=4096,
+        checkpoint_every=0,
+        keep_checkpoints=1,
+        log_every=10,
+        max_failures=0,
+        num_workers=1,
+        cpus_per_worker=2,
+    )
+
+
+def pretrain_rows(data_dir: str, tokenizer: Tokenizer, n: int, seq_len: int, buffer_size: int) -> np.ndarray:
+    train_files, _ = list_shards(data_dir)
+    texts = (t for f in train_files for t in pq.read_table(f, columns=["text"]).column("text").to_pylist())
+
+    def next_document():
+        text = next(texts, None)
+        return None if text is None else tokenizer.encode_batch([text], prepend_bos=True)[0]
+
+    packer = BestFitPacker(next_document, seq_len + 1, buffer_size)
+    return np.stack([packer.next_row() for _ in range(n)])
+
+
+def plain_loop(cfg: TrainConfig, tokenizer: Tokenizer, threads: int) -> list[float]:
+    """Per-step tokens/s of the single-process loop (same step as raychat.train.loop, without Ray or DDP)."""
+    torch.set_num_threads(threads)
+    p = plan(cfg, tokenizer.vocab_size)
+    accum, n_iter = p["grad_accum"], p["num_iterations"]
+    rows = pretrain_rows(
+        cfg.data_dir, tokenizer, n_iter * accum * cfg.device_batch_size, cfg.seq_len, cfg.buffer_size
+    )
+    torch.manual_seed(cfg.seed)
+    model = GPT(ModelConfig(**p["model_config"])).init_weights(cfg.seed)
+    optimizers = build_optimizers(model, cfg)
+    device = torch.device("cpu")
+    rates = []
+    for step in range(n_iter):
+        t0 = time.perf_counter()
+        base = step * accum * cfg.device_batch_size
+        micro = [
+            to_batch(
+                {
+                    "input_ids": rows[
+                        base + i * cfg.device_batch_size : base + (i + 1) * cfg.device_batch_size
+                    ]
+                },
+                cfg,
+                tokenizer.bos_id,
+                device,
+            )
+            for i in range(accum)
+        ]
+        n_targets = global_target_count(mb["loss_mask"] for mb in micro)
+        set_lr(
+            optimizers, lr_multiplier(step, n_iter, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac)
+        )
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for mb in micro:
+            logits = model(mb["input_ids"], position_ids=mb["position_ids"], segment_ids=None)
+            ce_sum, _ = cross_entropy_sum(logits, mb["labels"], mb["loss_mask"])
+            normalize(ce_sum, n_targets, 1).backward()
+            loss_sum += ce_sum.detach().double()
+        loss = (loss_sum / max(n_targets, 1)).item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+        for opt in optimizers:
+            opt.step()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        rates.append(p["total_batch_size"] / (time.perf_counter() - t0))
+        if (step + 1) % 10 == 0:
+            print(f"plain step {step + 1}/{n_iter} loss {loss:.4f} tok/s {rates[-1]:,.0f}", flush=True)
+    return rates
+
+
+def ray_run(cfg: TrainConfig, workers: int, cpus: float) -> tuple[list[dict], float]:
+    cfg = dataclasses.replace(
+        cfg, run_name=f"tput-x{workers}-{uuid.uuid4().hex[:6]}", num_workers=workers, cpus_per_worker=cpus
+    )
+    t0 = time.perf_counter()
+    run_training(cfg)
+    return read_metrics(cfg.storage_path, cfg.run_name), time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
+    ap.add_argument("--skip", type=int, default=5, help="warmup steps left out of the steady-state rate")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="torch threads of the plain loop (= ray x1 worker)"
+    )
+    ap.add_argument("--workdir", default=None, help="corpus, tokenizer, Ray and runs go here (default: tmp)")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--out", default=None, help="append the markdown result here")
+    a = ap.parse_args()
+    workdir = a.workdir or tempfile.mkdtemp(prefix="raychat-bench-")
+    data_dir, tok_dir = corpus(workdir, a.data_dir, a.tokenizer)
+    tokenizer = Tokenizer.load(tok_dir)
+    cfg = base_config(a, data_dir, tok_dir, f"{workdir}/runs")
+    load_before = uptime()
+
+    t0 = time.perf_counter()
+    plain = plain_loop(cfg, tokenizer, a.threads)
+    plain_wall = time.perf_counter() - t0
+    start_ray(3, workdir)
+    m1, wall1 = ray_run(cfg, 1, 2)
+    m2, wall2 = ray_run(cfg, 2, 1)
+    load_after = uptime()
+
+    tps = {
+        "plain": steady_tokens_per_s(plain, 8192, a.skip),
+        "ray x1": steady_tokens_per_s([m["tokens_per_s"] for m in m1], 8192, a.skip),
+        "ray x2": steady_tokens_per_s([m["tokens_per_s"] for m in m2], 8192, a.skip),
+    }
+    wait = {
+        "plain": None,
+        "ray x1": float(np.mean([m["data_wait_frac"] for m in m1[a.skip :]])),
+        "ray x2": float(np.mean([m["data_wait_frac"] for m in m2[a.skip :]])),
+    }
+    walls = {"plain": plain_wall, "ray x1": wall1, "ray x2": wall2}
+    setup = {
+        "plain": "1 process, 2 torch threads",
+        "ray x1": "1 worker x 2 CPUs",
+        "ray x2": "2 workers x 1 CPU",
+    }
+    lines = [
+        f"## Run at {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        "",
+        f"Command: `{command_line()}`",
+        "",
+        f"Machine: {machine()}. Load before: `{load_before}`; after: `{load_after}`.",
+        f"{a.steps} steps of 8192 tokens each, tokens/s over steps {a.skip + 1}..{a.steps}.",
+        "",
+        "| run | setup | steady tokens/s | vs plain | data wait (mean) | wall incl. startup + final eval |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for k in tps:
+        w = "n/a (in memory)" if wait[k] is None else f"{100 * wait[k]:.2f}%"
+        lines.append(
+            f"| {k} | {setup[k]} | {tps[k]:,.0f} | {tps[k] / tps['plain']:.3f}x | {w} | {walls[k]:.0f} s |"
+        )
+    lines += [
+        "",
+        f"Ray + DDP overhead with one worker: **{100 * (1 - tps['ray x1'] / tps['plain']):.1f}%** (goal <= 10%). "
+        f"Two workers vs one: {tps['ray x2'] / tps['ray x1']:.2f}x.",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        append_result(a.out, text)
+    import ray
+
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
