@@ -32,7 +32,6 @@ import uuid
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-
 from _common import (
     append_result,
     command_line,
@@ -43,6 +42,7 @@ from _common import (
     steady_tokens_per_s,
     uptime,
 )
+
 from raychat.data.packing import BestFitPacker
 from raychat.data.shards import list_shards
 from raychat.loss import cross_entropy_sum, global_target_count, normalize

@@ -159,6 +159,9 @@ def run_rl_stage(checkpoint: str, values: dict, out_dir: Path) -> tuple[dict, st
     cfg = RLConfig(**{**values, "checkpoint": checkpoint, "out": str(out_dir / "rl"), "run_name": "rl"})
     cfg.validate()
     summary = RLRun(cfg).run()
+    if not summary["evals"]:  # the run had already finished: nothing was trained or evaluated now
+        final = str(sorted(Path(summary["run_dir"]).glob("checkpoint_*"))[-1])
+        return {"summary": f"already complete ({final})", **summary}, final
     before, after = summary["evals"][0], summary["evals"][-1]
     final = str(sorted(Path(summary["run_dir"]).glob("checkpoint_*"))[-1])
     line = (

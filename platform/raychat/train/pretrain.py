@@ -130,6 +130,20 @@ def run_training(cfg: TrainConfig):
         ),
     )
     result = trainer.fit()
+    if (result.checkpoint is None or "step" not in (result.metrics or {})) and "://" not in cfg.storage_path:
+        # the run had already finished (nothing left to train): hand back its newest checkpoint
+        from types import SimpleNamespace
+
+        from ray.train import Checkpoint
+
+        from raychat.checkpoint import latest_checkpoint, read_meta
+
+        latest = latest_checkpoint(os.path.join(cfg.storage_path, cfg.run_name))
+        if latest is not None:
+            result = SimpleNamespace(
+                checkpoint=Checkpoint.from_directory(str(latest)),
+                metrics=read_meta(latest).get("metrics", {}),
+            )
     print(f"final checkpoint: {result.checkpoint.path if result.checkpoint else None}")
     print(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
     return result
