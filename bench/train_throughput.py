@@ -1,30 +1,34 @@
 """Training tokens/s: a plain single-process PyTorch loop vs raychat on Ray Train (1 worker, then 2 workers).
 
-    python bench/train_throughput.py --steps 30 --skip 5 --out bench/results/train_throughput.md
+    python bench/train_throughput.py --steps 25 --plain-steps 15 --skip 3 --out bench/results/train_throughput.md
 
-All three runs, in this order in one process: the same model (GPT depth 4, seq_len 256, vocab 4096 from the
-real tokenizer), the same batch (8 rows x 256 tokens per micro-batch, 8192 tokens per optimizer step), the same
-optimizers (raychat.train.optim.build_optimizers: Muon + AdamW) and learning-rate schedule, fp32, no compile.
+The same model (GPT depth 4, seq_len 256, vocab 4096 from the real tokenizer), the same batch (8 rows x 256
+tokens per micro-batch, 8192 tokens per optimizer step), the same optimizers (raychat.train.optim
+.build_optimizers: Muon + AdamW) and learning-rate schedule, fp32, no compile, in five segments of one run:
 
-1. plain: this process, torch.set_num_threads(2); rows pre-materialized in memory with BestFitPacker over the
-   tokenized training shards in file order (the rows PretrainRows gives rank 0 of 1); each step does what
-   raychat.train.loop does (to_batch, global_target_count, cross_entropy_sum / normalize, backward over 4
-   micro-batches, clip, Muon + AdamW step), timed with time.perf_counter the same way (data included).
-2. ray x1: raychat.train.pretrain.run_training, 1 worker, cpus_per_worker=2 (the loop sets 2 torch threads),
-   DDP over gloo, rows streamed by PretrainRows (Ray Data read + tokenize, 0.25 CPU per task).
-3. ray x2: 2 workers, cpus_per_worker=1 (1 torch thread each), 2 micro-batches each per step.
+    plain A -> ray x1 -> plain B -> ray x2 -> plain C
+
+- plain: this process, torch.set_num_threads(2); rows pre-materialized in memory with BestFitPacker over the
+  tokenized training shards in file order (the rows PretrainRows gives rank 0 of 1); each step does what
+  raychat.train.loop does (to_batch, global_target_count, cross_entropy_sum / normalize, backward over 4
+  micro-batches, clip, Muon + AdamW step), timed with time.perf_counter the same way (data included).
+- ray x1: raychat.train.pretrain.run_training, 1 worker, cpus_per_worker=2 (the loop sets 2 torch threads),
+  DDP over gloo, rows streamed by PretrainRows (Ray Data read + tokenize, 0.25 CPU per task).
+- ray x2: 2 workers, cpus_per_worker=1 (1 torch thread each), 2 micro-batches each per step.
 Ray gets 3 logical CPUs on the 2 cores: workers reserving 2 CPUs leave one for the Ray Data tasks (with 2
 logical CPUs the data tasks could never be scheduled and the run would hang).
 
+The machine is shared, so the plain loop runs before and after each Ray run and each Ray run is compared with
+the mean of the two plain segments around it (load drift then hits both sides).
 tokens/s = steady state: the steps after the first --skip, total tokens / total step time; Ray runs read the
 per-step tokens_per_s from <storage>/<run_name>/metrics.jsonl (written by raychat.train.loop).
-Overhead = 1 - ray x1 / plain, from the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import tempfile
 import time
 import uuid
@@ -87,7 +91,7 @@ def pretrain_rows(data_dir: str, tokenizer: Tokenizer, n: int, seq_len: int, buf
     return np.stack([packer.next_row() for _ in range(n)])
 
 
-def plain_loop(cfg: TrainConfig, tokenizer: Tokenizer, threads: int) -> list[float]:
+def plain_loop(cfg: TrainConfig, tokenizer: Tokenizer, threads: int, steps: int) -> list[float]:
     """Per-step tokens/s of the single-process loop (same step as raychat.train.loop, without Ray or DDP)."""
     torch.set_num_threads(threads)
     p = plan(cfg, tokenizer.vocab_size)
@@ -100,7 +104,7 @@ def plain_loop(cfg: TrainConfig, tokenizer: Tokenizer, threads: int) -> list[flo
     optimizers = build_optimizers(model, cfg)
     device = torch.device("cpu")
     rates = []
-    for step in range(n_iter):
+    for step in range(steps):
         t0 = time.perf_counter()
         base = step * accum * cfg.device_batch_size
         micro = [
@@ -138,19 +142,19 @@ def plain_loop(cfg: TrainConfig, tokenizer: Tokenizer, threads: int) -> list[flo
     return rates
 
 
-def ray_run(cfg: TrainConfig, workers: int, cpus: float) -> tuple[list[dict], float]:
+def ray_run(cfg: TrainConfig, workers: int, cpus: float) -> list[dict]:
     cfg = dataclasses.replace(
         cfg, run_name=f"tput-x{workers}-{uuid.uuid4().hex[:6]}", num_workers=workers, cpus_per_worker=cpus
     )
-    t0 = time.perf_counter()
     run_training(cfg)
-    return read_metrics(cfg.storage_path, cfg.run_name), time.perf_counter() - t0
+    return read_metrics(cfg.storage_path, cfg.run_name)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
-    ap.add_argument("--skip", type=int, default=5, help="warmup steps left out of the steady-state rate")
+    ap.add_argument("--steps", type=int, default=25, help="optimizer steps of each Ray run")
+    ap.add_argument("--plain-steps", type=int, default=15, help="optimizer steps of each plain segment")
+    ap.add_argument("--skip", type=int, default=3, help="warmup steps left out of the steady-state rate")
     ap.add_argument(
         "--threads", type=int, default=2, help="torch threads of the plain loop (= ray x1 worker)"
     )
@@ -163,31 +167,38 @@ def main() -> int:
     data_dir, tok_dir = corpus(workdir, a.data_dir, a.tokenizer)
     tokenizer = Tokenizer.load(tok_dir)
     cfg = base_config(a, data_dir, tok_dir, f"{workdir}/runs")
-    load_before = uptime()
+    segments = []  # (name, setup, per-step tokens/s, data wait or None, wall s, load before, load after)
 
-    t0 = time.perf_counter()
-    plain = plain_loop(cfg, tokenizer, a.threads)
-    plain_wall = time.perf_counter() - t0
+    def segment(name, setup, fn):
+        load0 = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        rates, wait = fn()
+        segments.append((name, setup, rates, wait, time.perf_counter() - t0, load0, os.getloadavg()[0]))
+        print(f"{name}: {steady_tokens_per_s(rates, 8192, a.skip):,.0f} tokens/s", flush=True)
+
+    def plain():
+        return plain_loop(cfg, tokenizer, a.threads, a.plain_steps), None
+
+    def ray(workers, cpus):
+        def fn():
+            m = ray_run(cfg, workers, cpus)
+            return [s["tokens_per_s"] for s in m], float(np.mean([s["data_wait_frac"] for s in m[a.skip :]]))
+
+        return fn
+
+    load_before = uptime()
+    segment("plain A", "1 process, 2 torch threads", plain)
     start_ray(3, workdir)
-    m1, wall1 = ray_run(cfg, 1, 2)
-    m2, wall2 = ray_run(cfg, 2, 1)
+    segment("ray x1", "1 worker x 2 CPUs", ray(1, 2))
+    segment("plain B", "1 process, 2 torch threads", plain)
+    segment("ray x2", "2 workers x 1 CPU", ray(2, 1))
+    segment("plain C", "1 process, 2 torch threads", plain)
     load_after = uptime()
 
-    tps = {
-        "plain": steady_tokens_per_s(plain, 8192, a.skip),
-        "ray x1": steady_tokens_per_s([m["tokens_per_s"] for m in m1], 8192, a.skip),
-        "ray x2": steady_tokens_per_s([m["tokens_per_s"] for m in m2], 8192, a.skip),
-    }
-    wait = {
-        "plain": None,
-        "ray x1": float(np.mean([m["data_wait_frac"] for m in m1[a.skip :]])),
-        "ray x2": float(np.mean([m["data_wait_frac"] for m in m2[a.skip :]])),
-    }
-    walls = {"plain": plain_wall, "ray x1": wall1, "ray x2": wall2}
-    setup = {
-        "plain": "1 process, 2 torch threads",
-        "ray x1": "1 worker x 2 CPUs",
-        "ray x2": "2 workers x 1 CPU",
+    tps = {name: steady_tokens_per_s(rates, 8192, a.skip) for name, _, rates, *_ in segments}
+    ref = {
+        "ray x1": (tps["plain A"] + tps["plain B"]) / 2,
+        "ray x2": (tps["plain B"] + tps["plain C"]) / 2,
     }
     lines = [
         f"## Run at {time.strftime('%Y-%m-%d %H:%M:%S')}",
@@ -195,20 +206,24 @@ def main() -> int:
         f"Command: `{command_line()}`",
         "",
         f"Machine: {machine()}. Load before: `{load_before}`; after: `{load_after}`.",
-        f"{a.steps} steps of 8192 tokens each, tokens/s over steps {a.skip + 1}..{a.steps}.",
+        f"Ray runs: {a.steps} steps, plain segments: {a.plain_steps} steps, 8192 tokens a step; tokens/s over the "
+        f"steps after the first {a.skip}.",
         "",
-        "| run | setup | steady tokens/s | vs plain | data wait (mean) | wall incl. startup + final eval |",
-        "|---|---|---:|---:|---:|---:|",
+        "| segment | setup | steady tokens/s | vs plain around it | data wait (mean) | wall | 1-min load before/after |",
+        "|---|---|---:|---:|---:|---:|---|",
     ]
-    for k in tps:
-        w = "n/a (in memory)" if wait[k] is None else f"{100 * wait[k]:.2f}%"
+    for name, setup, _, wait, wall, l0, l1 in segments:
+        rel = f"{tps[name] / ref[name]:.3f}x" if name in ref else "-"
+        w = "n/a (in memory)" if wait is None else f"{100 * wait:.2f}%"
         lines.append(
-            f"| {k} | {setup[k]} | {tps[k]:,.0f} | {tps[k] / tps['plain']:.3f}x | {w} | {walls[k]:.0f} s |"
+            f"| {name} | {setup} | {tps[name]:,.0f} | {rel} | {w} | {wall:.0f} s | {l0:.2f} / {l1:.2f} |"
         )
     lines += [
         "",
-        f"Ray + DDP overhead with one worker: **{100 * (1 - tps['ray x1'] / tps['plain']):.1f}%** (goal <= 10%). "
-        f"Two workers vs one: {tps['ray x2'] / tps['ray x1']:.2f}x.",
+        f"Ray + DDP overhead with one worker: **{100 * (1 - tps['ray x1'] / ref['ray x1']):.1f}%** (goal <= 10%). "
+        f"Two workers x 1 CPU vs one worker x 2 CPUs: {tps['ray x2'] / tps['ray x1']:.2f}x; vs plain: "
+        f"{tps['ray x2'] / ref['ray x2']:.2f}x. Ray wall times include cluster/worker start, the final "
+        "validation and the checkpoint.",
     ]
     text = "\n".join(lines)
     print(text)

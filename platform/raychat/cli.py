@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError) as e:  # bad input: a clear message, no traceback
+    except (ValueError, OSError) as e:  # bad input (or a file in the way): a clear message, no traceback
         if os.environ.get("RAYCHAT_DEBUG"):
             raise
         print(f"raychat {args.command}: error: {e}  (RAYCHAT_DEBUG=1 shows the traceback)", file=sys.stderr)

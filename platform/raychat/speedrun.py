@@ -238,7 +238,7 @@ def write_report(out_dir: Path, r: dict) -> Path:
 def add_cli(subparsers) -> None:
     parser = subparsers.add_parser(
         "speedrun",
-        help="the main job: data -> tokenizer -> pretrain -> eval -> report",
+        help="the main job: data -> tokenizer -> pretrain -> eval -> SFT -> RL -> report",
         description="Run the whole pipeline on a local Ray cluster (started in-process) or the cluster in "
         "RAY_ADDRESS. Stages whose outputs exist are reused; the pretraining run resumes from its last "
         "checkpoint. Writes <out>/report.md.",
@@ -246,6 +246,11 @@ def add_cli(subparsers) -> None:
     parser.add_argument(
         "--preset", default="cpu", help="jobs/presets/<name>.yaml (cpu, gpu8, cluster) or a path"
     )
-    parser.add_argument("--out", default="runs/speedrun", help="output directory (default: runs/speedrun)")
+    parser.add_argument(
+        "--out",
+        default="runs",
+        help="output directory (default: runs): data/, tokenizer/, checkpoints/{base,sft}/, rl/, report.md; "
+        "the same paths the other commands default to",
+    )
     parser.add_argument("--num-iterations", type=int, default=None, help="override the preset's steps")
     parser.set_defaults(func=lambda a: run_speedrun(a.preset, a.out, a.num_iterations) and 0)

@@ -72,7 +72,10 @@ def add_cli(subparsers) -> None:
     )
     train.add_argument("--out", default="runs/tokenizer", help="output directory (default: runs/tokenizer)")
     train.add_argument(
-        "--vocab-size", type=int, default=8192, help="total vocabulary incl. special tokens (default: 8192)"
+        "--vocab-size",
+        type=int,
+        default=4096,
+        help="total vocabulary incl. special tokens (default: 4096; gpu8: 65536)",
     )
     train.add_argument(
         "--max-chars", type=int, default=2_000_000_000, help="train on at most this many characters"

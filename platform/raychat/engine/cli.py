@@ -64,6 +64,8 @@ def run_chat(args, stdin=None, out=None) -> int:
 
     stdin, out = stdin or sys.stdin, out or sys.stdout
     try:
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: no CUDA device on this machine (use --device cpu)")
         model, tokenizer, _ = load_model(args.checkpoint, device=args.device)
         params = SamplingParams(
             max_tokens=args.max_tokens,

@@ -437,6 +437,9 @@ def _main(args) -> int:
         cfg = config_from_args(args)
         if not cfg.checkpoint:
             raise ValueError("--checkpoint (a chat checkpoint directory) is required")
+        from raychat.checkpoint import read_meta
+
+        read_meta(cfg.checkpoint)  # a clear error before any Ray cluster starts
     except (ValueError, FileNotFoundError) as e:
         print(f"raychat rl: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ one at --address / RAY_ADDRESS) and print the chat page's URL. Blocks until Ctrl
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 APP_NAME = "raychat"
@@ -35,6 +36,10 @@ def start(
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.no_block and not (args.address or os.environ.get("RAY_ADDRESS")):
+        raise ValueError(
+            "--no-block needs --address (or RAY_ADDRESS): a local cluster ends with this process"
+        )
     url = start(
         args.checkpoint,
         host=args.host,
@@ -61,11 +66,24 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def port_number(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1-65535, got {port}")
+    return port
+
+
 def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="serve a checkpoint: streaming chat page + OpenAI-compatible API")
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a checkpoint: streaming chat page + OpenAI-compatible API",
+        description="Start the chat app (FastAPI ingress + autoscaled engine replicas) on Ray Serve and print "
+        "the URL of the chat page. Endpoints: / (page), /chat/completions (SSE), /v1/chat/completions, "
+        "/v1/models, /health.",
+    )
     p.add_argument("--checkpoint", required=True, help="raychat checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 to expose)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000, help="HTTP port, 1-65535 (default: 8000)")
     p.add_argument(
         "--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a new local one)"
     )

@@ -24,7 +24,7 @@ def _f(default, help: str, choices=None):
 class TrainConfig:
     # run
     run_name: str = _f("pretrain", "run name; running again with the same name and storage resumes")
-    storage_path: str = _f("runs", "where checkpoints go (local dir, NFS, s3://, gs://)")
+    storage_path: str = _f("runs/checkpoints", "where checkpoints go (local dir, NFS, s3://, gs://)")
     stage: str = _f("pretrain", "what rows to train on", ["pretrain", "sft"])
     data_dir: str = _f("runs/data", "parquet shards + manifest from `raychat data prepare`")
     tokenizer_path: str = _f("runs/tokenizer", "directory holding tokenizer.json")
@@ -101,6 +101,13 @@ class TrainConfig:
                 raise ValueError(
                     f"--{f.name.replace('_', '-')} must be one of {choices}, got {getattr(self, f.name)!r}"
                 )
+        for name in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.head_dim % 2:
+            raise ValueError(
+                f"--head-dim must be even (RoPE rotates pairs of dimensions), got {self.head_dim}"
+            )
         if self.total_batch_size not in (-1,) and self.total_batch_size <= 0:
             raise ValueError(f"--total-batch-size must be positive or -1 (auto), got {self.total_batch_size}")
         if not 0 <= self.warmup_ratio + self.warmdown_ratio <= 1:
@@ -128,8 +135,9 @@ def power_law_batch_size(data_tokens: float, tokens_per_micro_step: int) -> int:
     return max(b, tokens_per_micro_step)
 
 
-def load_preset(name_or_path: str) -> dict:
-    """Read a preset YAML (a name in jobs/presets/ or a path) into a dict of TrainConfig fields.
+def load_preset(name_or_path: str, stage: str = "pretrain") -> dict:
+    """Read a preset YAML (a name in jobs/presets/ or a path) into a dict of TrainConfig fields: its `train`
+    section, with the `sft` section on top when stage == "sft".
 
     Raises:
         FileNotFoundError: listing the presets that exist.
@@ -142,7 +150,9 @@ def load_preset(name_or_path: str) -> dict:
         known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
         raise FileNotFoundError(f"no preset {name_or_path!r}; known presets: {known}")
     data = yaml.safe_load(path.read_text()) or {}
-    section = data.get("train", data)
+    section = dict(data.get("train", data))
+    if stage == "sft":
+        section.update(data.get("sft", {}))
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = set(section) - names
     if unknown:
@@ -150,12 +160,25 @@ def load_preset(name_or_path: str) -> dict:
     return section
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One --flag per TrainConfig field (default None = keep the preset's value)."""
-    parser.add_argument("--preset", default=None, help="preset name in jobs/presets/ or a YAML path")
+STAGE_DEFAULTS = {"pretrain": {}, "sft": {"run_name": "sft", "stage": "sft", "document_masking": True}}
+
+
+def add_config_flags(parser: argparse.ArgumentParser, stage: str = "pretrain") -> None:
+    """One --flag per TrainConfig field (default None = keep the preset's value).
+
+    Precedence: flags > the preset (its train section, plus its sft section for SFT) > the stage's defaults.
+    """
+    parser.add_argument(
+        "--preset",
+        default="cpu",
+        help="preset name in jobs/presets/ (cpu, gpu8, cluster) or a YAML path (default: cpu); 'none' = no preset",
+    )
     for f in dataclasses.fields(TrainConfig):
+        if f.name == "stage":
+            continue
         flag = "--" + f.name.replace("_", "-")
-        help = f"{f.metadata['help']} (default: {f.default})"
+        default = STAGE_DEFAULTS[stage].get(f.name, f.default)
+        help = f"{f.metadata['help']} (default: {default!r} unless the preset sets it)"
         if f.type in ("bool", bool):
             parser.add_argument(flag, default=None, action=argparse.BooleanOptionalAction, help=help)
         else:
@@ -165,9 +188,11 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, default=None, type=typ, choices=f.metadata.get("choices"), help=help)
 
 
-def config_from_args(args: argparse.Namespace, **overrides) -> TrainConfig:
-    values = load_preset(args.preset) if args.preset else {}
-    values.update(overrides)
+def config_from_args(args: argparse.Namespace, stage: str = "pretrain") -> TrainConfig:
+    values = dict(STAGE_DEFAULTS[stage])
+    if args.preset and args.preset != "none":
+        values.update(load_preset(args.preset, stage))
+    values["stage"] = stage
     for f in dataclasses.fields(TrainConfig):
         v = getattr(args, f.name, None)
         if v is not None:

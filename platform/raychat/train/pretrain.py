@@ -162,7 +162,7 @@ def add_cli(subparsers) -> None:
 
 
 def _main(args) -> int:
-    cfg = config_from_args(args, stage="pretrain")
+    cfg = config_from_args(args, "pretrain")
     if args.dry_run:
         print_plan(cfg, plan(cfg, Tokenizer.load(cfg.tokenizer_path).vocab_size))
         return 0

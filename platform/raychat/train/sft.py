@@ -100,7 +100,7 @@ def add_cli(subparsers) -> None:
         description="Fine-tune on packed conversations (--sft-tasks) with the pretraining loop on Ray Train. "
         "Needs --init-from <pretraining checkpoint dir>. Running again with the same --run-name resumes.",
     )
-    add_config_flags(parser)
+    add_config_flags(parser, stage="sft")
     parser.set_defaults(func=_main)
 
 
@@ -108,8 +108,11 @@ def _main(args) -> int:
     from raychat.train.config import config_from_args
     from raychat.train.pretrain import run_training
 
-    cfg = config_from_args(args, stage="sft", run_name="sft", document_masking=True)
+    cfg = config_from_args(args, "sft")
     if not cfg.init_from:
-        raise SystemExit("raychat sft: --init-from <pretraining checkpoint directory> is required")
+        raise ValueError("--init-from <pretraining checkpoint directory> is required")
+    from raychat.checkpoint import read_meta
+
+    read_meta(cfg.init_from)  # a clear error now, not inside a Ray worker
     run_training(dataclasses.replace(cfg, document_masking=True))
     return 0

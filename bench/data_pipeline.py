@@ -1,0 +1,212 @@
+"""Pretraining data pipeline: tokens/s produced vs consumed, the trainer's data wait, best-fit crop fraction.
+
+    python bench/data_pipeline.py --out bench/results/data_pipeline.md
+
+Corpus: the default `raychat data prepare` output (source debian-docs: Python 3.11 docs split at section
+headings + WordNet glosses, 7 train shards + 1 validation shard) and a 4096-token tokenizer trained on it
+(raychat.tokenizer_cli.train_tokenizer), built under --workdir unless given.
+
+1. produced: raychat.data.pipeline.PretrainRows alone (rank 0 of 1: all 7 train shards; Ray Data read +
+   tokenize at 0.25 CPU per task as in the trainer; best-fit buffer 256; rows of T+1 = 257) on a private
+   2-CPU Ray cluster; time to the first row, then tokens/s of the next --rows rows (row tokens = rows x 257;
+   stops early at the end of the epoch) and the rate at which documents were tokenized (placed + cropped).
+2. consumed: a Ray Train pretraining run with the CPU speedrun's settings (jobs/presets/cpu.yaml: depth 4,
+   seq 256, 2 workers x 0.5 CPU, 8 rows per micro-batch, 8192 tokens per step) for --steps steps; steady-state
+   tokens/s (steps after --skip) and data_wait_frac (time in rows.next_batch + to_batch / step time) from the
+   metrics.jsonl that raychat.train.loop writes.
+3. crop fraction of raychat.data.packing.BestFitPacker over the whole tokenized training corpus (file order,
+   BOS-prefixed documents, one pass) at T = 256, 512, 1024, 2048 and buffers of 16, 64, 256, 1024 documents:
+   cropped tokens / consumed tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+import uuid
+
+import numpy as np
+import pyarrow.parquet as pq
+from _common import (
+    append_result,
+    command_line,
+    corpus,
+    machine,
+    read_metrics,
+    start_ray,
+    steady_tokens_per_s,
+    uptime,
+)
+
+from raychat.data.packing import BestFitPacker
+from raychat.data.pipeline import PretrainRows
+from raychat.data.shards import list_shards
+from raychat.tokenizer import Tokenizer
+from raychat.train.config import TrainConfig, load_preset
+from raychat.train.pretrain import run_training
+
+SEQ_LENS = (256, 512, 1024, 2048)
+BUFFERS = (16, 64, 256, 1024)
+
+
+def produced(data_dir: str, tok_dir: str, rows: int) -> dict:
+    """Rows from PretrainRows as fast as they come: after the first row (Ray Data start-up, buffer fill), the
+    next `rows` rows (or up to the end of the epoch). Row tokens = rows x 257; document tokens = tokens the
+    pipeline read, tokenized and handed to the packer (placed + cropped)."""
+    train_files, _ = list_shards(data_dir)
+    source = PretrainRows(train_files, tok_dir, 257, 0, 1, 256, num_cpus=0.25)
+    t0 = time.perf_counter()
+    source.next_batch(1)
+    first = time.perf_counter() - t0
+    consumed0 = source.packer.stats.consumed
+    t1 = time.perf_counter()
+    n = 0
+    while n < rows and source.epoch == 0:
+        source.next_batch(8)
+        n += 8
+    seconds = time.perf_counter() - t1
+    doc_tokens = source.packer.stats.consumed - consumed0
+    return {
+        "first_row_s": first,
+        "rows": n,
+        "seconds": seconds,
+        "tokens_per_s": n * 257 / seconds,
+        "doc_tokens_per_s": doc_tokens / seconds,
+    }
+
+
+def consumed(data_dir: str, tok_dir: str, storage: str, steps: int, skip: int) -> dict:
+    preset = load_preset("cpu")
+    cfg = dataclasses.replace(
+        TrainConfig(**preset),
+        run_name=f"data-consumer-{uuid.uuid4().hex[:6]}",
+        storage_path=storage,
+        data_dir=data_dir,
+        tokenizer_path=tok_dir,
+        num_iterations=steps,
+        eval_every=0,
+        eval_tokens=4096,
+        checkpoint_every=0,
+        keep_checkpoints=1,
+        log_every=10,
+        max_failures=0,
+    )
+    run_training(cfg)
+    m = read_metrics(storage, cfg.run_name)[skip:]
+    waits = np.array([s["data_wait_frac"] for s in m])
+    return {
+        "workers": cfg.num_workers,
+        "cpus_per_worker": cfg.cpus_per_worker,
+        "tokens_per_step": cfg.total_batch_size,
+        "tokens_per_s": steady_tokens_per_s([s["tokens_per_s"] for s in m], cfg.total_batch_size, 0),
+        "wait_mean": float(waits.mean()),
+        "wait_median": float(np.median(waits)),
+        "wait_max": float(waits.max()),
+        "steps": len(m),
+    }
+
+
+def crop_table(data_dir: str, tokenizer: Tokenizer) -> tuple[list[str], dict]:
+    train_files, _ = list_shards(data_dir)
+    texts = [t for f in train_files for t in pq.read_table(f, columns=["text"]).column("text").to_pylist()]
+    docs = [
+        np.asarray(d, dtype=np.int32) for d in tokenizer.encode_batch(texts, prepend_bos=True, num_threads=2)
+    ]
+    lengths = np.array([len(d) for d in docs])
+    total = int(lengths.sum())
+    lines = [
+        f"Training corpus: {len(docs):,} documents, {total:,} tokens (BOS included); document length in tokens: "
+        f"median {int(np.median(lengths))}, p90 {int(np.percentile(lengths, 90))}, p99 "
+        f"{int(np.percentile(lengths, 99))}, max {int(lengths.max())}.",
+        "",
+        "| T | docs longer than T+1 | their share of tokens | "
+        + " | ".join(f"crop, buffer {b}" for b in BUFFERS)
+        + " |",
+        "|---:|---:|---:|" + "---:|" * len(BUFFERS),
+    ]
+    crops = {}
+    for t in SEQ_LENS:
+        long = lengths > t + 1
+        cells = []
+        for b in BUFFERS:
+            it = iter(docs)
+            packer = BestFitPacker(lambda it=it: next(it, None), t + 1, b)
+            for _ in packer:
+                pass
+            crops[(t, b)] = packer.stats.crop_fraction
+            cells.append(f"{100 * packer.stats.crop_fraction:.1f}%")
+        lines.append(
+            f"| {t} | {100 * long.mean():.1f}% | {100 * lengths[long].sum() / total:.1f}% | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines, crops
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--rows", type=int, default=3000, help="rows the producer is timed on (at most one epoch)"
+    )
+    ap.add_argument("--steps", type=int, default=30, help="training steps of the consumer run")
+    ap.add_argument("--skip", type=int, default=5, help="warmup steps left out")
+    ap.add_argument("--workdir", default=None, help="corpus, tokenizer, Ray and runs go here (default: tmp)")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--out", default=None, help="append the markdown result here")
+    a = ap.parse_args()
+    workdir = a.workdir or tempfile.mkdtemp(prefix="raychat-bench-")
+    data_dir, tok_dir = corpus(workdir, a.data_dir, a.tokenizer)
+    tokenizer = Tokenizer.load(tok_dir)
+    load_before = uptime()
+
+    start_ray(2, workdir)
+    prod = produced(data_dir, tok_dir, a.rows)
+    cons = consumed(data_dir, tok_dir, f"{workdir}/runs", a.steps, a.skip)
+    import ray
+
+    ray.shutdown()
+    load_mid = uptime()
+    crop_lines, _ = crop_table(data_dir, tokenizer)
+    load_after = uptime()
+
+    per_rank = cons["tokens_per_s"] / cons["workers"]
+    lines = [
+        f"## Run at {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        "",
+        f"Command: `{command_line()}`",
+        "",
+        f"Machine: {machine()}. Load before: `{load_before}`; after the Ray parts: `{load_mid}`; "
+        f"at the end: `{load_after}`.",
+        "",
+        "| | tokens/s | notes |",
+        "|---|---:|---|",
+        f"| produced: PretrainRows alone (1 pipeline, whole machine) | {prod['tokens_per_s']:,.0f} | "
+        f"{prod['rows']} rows of 257 in {prod['seconds']:.1f} s after the first row (which took "
+        f"{prod['first_row_s']:.1f} s); documents tokenized: {prod['doc_tokens_per_s']:,.0f} tokens/s |",
+        f"| consumed: trainer, all ranks (cpu preset, {cons['workers']} workers x {cons['cpus_per_worker']} CPU) "
+        f"| {cons['tokens_per_s']:,.0f} | steady state over {cons['steps']} steps of {cons['tokens_per_step']} |",
+        f"| consumed per rank (each rank runs its own pipeline) | {per_rank:,.0f} | |",
+        "",
+        f"Producer / per-rank consumer: **{prod['tokens_per_s'] / per_rank:.1f}x** (one pipeline measured alone; "
+        "in training each rank's pipeline shares the 2 cores with both trainers).",
+        "",
+        f"Trainer data wait (fraction of step time in rows.next_batch + to_batch): mean "
+        f"**{100 * cons['wait_mean']:.2f}%**, median {100 * cons['wait_median']:.2f}%, max "
+        f"{100 * cons['wait_max']:.2f}% (goal < 2%).",
+        "",
+        "Best-fit crop fraction (cropped tokens / consumed tokens, one pass over the training shards):",
+        "",
+        *crop_lines,
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        append_result(a.out, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
