@@ -1,6 +1,6 @@
 """Training tokens/s: a plain single-process PyTorch loop vs raychat on Ray Train (1 worker, then 2 workers).
 
-    python bench/train_throughput.py --steps 25 --plain-steps 15 --skip 3 --out bench/results/train_throughput.md
+    python bench/train_throughput.py --steps 12 --plain-steps 8 --skip 3 --out bench/results/train_throughput.md
 
 The same model (GPT depth 4, seq_len 256, vocab 4096 from the real tokenizer), the same batch (8 rows x 256
 tokens per micro-batch, 8192 tokens per optimizer step), the same optimizers (raychat.train.optim

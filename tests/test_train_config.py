@@ -139,3 +139,12 @@ def test_fp8_filter_and_eval_swap_share_weights():
         assert net.big.weight is weight  # shared, not copied
         torch.testing.assert_close(net.big(x), x @ weight.T)
     assert isinstance(net.big, Float8Linear) and net.big.weight is weight
+
+
+def test_cpu_reservations_that_would_hang_are_refused():
+    from raychat.train.pretrain import check_cpu_room
+
+    check_cpu_room(TrainConfig(num_workers=2, cpus_per_worker=0.5), cluster_cpus=2)  # 1.25 of 2: fine
+    with pytest.raises(ValueError, match="needs 2.25 CPUs; the cluster has 2"):
+        check_cpu_room(TrainConfig(num_workers=1, cpus_per_worker=2), cluster_cpus=2)
+    check_cpu_room(TrainConfig(stage="sft", num_workers=1, cpus_per_worker=2), cluster_cpus=2)  # no Ray Data

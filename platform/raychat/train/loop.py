@@ -62,10 +62,17 @@ def make_row_source(cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: in
     if cfg.stage == "pretrain":
         from raychat.data.pipeline import PretrainRows
         from raychat.data.shards import list_shards
+        from raychat.train.pretrain import DATA_TASK_CPUS
 
         train_files, _ = list_shards(cfg.data_dir)
         return PretrainRows(
-            train_files, cfg.tokenizer_path, cfg.seq_len + 1, rank, world, cfg.buffer_size, num_cpus=0.25
+            train_files,
+            cfg.tokenizer_path,
+            cfg.seq_len + 1,
+            rank,
+            world,
+            cfg.buffer_size,
+            num_cpus=DATA_TASK_CPUS,
         )
     from raychat.train.sft import SFTRows
 

@@ -88,6 +88,20 @@ def fault_injection(cfg: TrainConfig) -> dict | None:
     return {"at_step": int(at), "marker": marker, "world": cfg.num_workers} if at and marker else None
 
 
+DATA_TASK_CPUS = 0.25  # what each Ray Data read+tokenize task reserves (raychat.train.loop.make_row_source)
+
+
+def check_cpu_room(cfg: TrainConfig, cluster_cpus: float) -> None:
+    """Raise ValueError when the workers' CPU reservations leave no room for a Ray Data task: such a run
+    would wait forever for its first batch (seen on 2 cores with 2 workers at the default 1 CPU each)."""
+    needed = cfg.num_workers * cfg.cpus_per_worker + (DATA_TASK_CPUS if cfg.stage == "pretrain" else 0.0)
+    if needed > cluster_cpus + 1e-9:
+        raise ValueError(
+            f"--num-workers {cfg.num_workers} x --cpus-per-worker {cfg.cpus_per_worker} plus {DATA_TASK_CPUS} CPU "
+            f"for Ray Data needs {needed:g} CPUs; the cluster has {cluster_cpus:g}: lower --cpus-per-worker"
+        )
+
+
 def run_training(cfg: TrainConfig):
     """Run (or resume) training on the current Ray cluster; returns the ray.train.Result."""
     import ray
@@ -108,6 +122,7 @@ def run_training(cfg: TrainConfig):
     print_plan(cfg, p)
     if not ray.is_initialized():
         ray.init()
+    check_cpu_room(cfg, ray.cluster_resources().get("CPU", 0.0))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
