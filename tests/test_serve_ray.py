@@ -146,7 +146,11 @@ def test_disconnect_and_rejection_leave_nothing_in_flight(served):
         time.sleep(0.1)
     after = engine_stats()
     assert after["in_flight"] == 0 and after["running"] == 0 and after["free_rows"] == after["max_rows"]
-    assert after["cancelled"] == before["cancelled"] + 1
+    # normally the disconnect cancels the request; on a loaded machine the tiny model can finish its 200
+    # tokens before the disconnect reaches the replica: then it counts as completed. Either way exactly one
+    # request ended and its row is free (cancel itself is tested in test_engine_scheduler and in-process).
+    ended = (after["cancelled"] - before["cancelled"], after["completed"] - before["completed"])
+    assert ended in ((1, 0), (0, 1)), ended
     # a rejection (prompt longer than the model's context) also leaves nothing in flight
     resp = requests.post(
         f"{served}/chat/completions",
