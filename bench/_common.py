@@ -4,6 +4,7 @@ steady-state tokens/s from a run's metrics.jsonl, and the machine/load line that
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -80,3 +81,11 @@ def append_result(out: str | Path, text: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:
         f.write(text.rstrip() + "\n\n")
+
+
+def add_common_flags(ap: argparse.ArgumentParser) -> None:
+    """--workdir, --data-dir, --tokenizer, --out: where the corpus, tokenizer, Ray and results go."""
+    ap.add_argument("--workdir", default=None, help="corpus, tokenizer, Ray and runs go here (default: tmp)")
+    ap.add_argument("--data-dir", default=None, help="reuse prepared shards instead of preparing the corpus")
+    ap.add_argument("--tokenizer", default=None, help="reuse a tokenizer directory instead of training one")
+    ap.add_argument("--out", default=None, help="append the markdown result here")

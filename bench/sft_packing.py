@@ -27,6 +27,7 @@ import time
 import uuid
 
 from _common import (
+    add_common_flags,
     append_result,
     command_line,
     corpus,
@@ -114,10 +115,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=25, help="steps of each timed run")
     ap.add_argument("--skip", type=int, default=5, help="warmup steps left out")
-    ap.add_argument("--workdir", default=None, help="corpus, tokenizer, Ray and runs go here (default: tmp)")
-    ap.add_argument("--data-dir", default=None)
-    ap.add_argument("--tokenizer", default=None)
-    ap.add_argument("--out", default=None, help="append the markdown result here")
+    add_common_flags(ap)
     a = ap.parse_args()
     workdir = a.workdir or tempfile.mkdtemp(prefix="raychat-bench-")
     data_dir, tok_dir = corpus(workdir, a.data_dir, a.tokenizer)

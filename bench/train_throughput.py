@@ -37,6 +37,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 from _common import (
+    add_common_flags,
     append_result,
     command_line,
     corpus,
@@ -158,10 +159,7 @@ def main() -> int:
     ap.add_argument(
         "--threads", type=int, default=2, help="torch threads of the plain loop (= ray x1 worker)"
     )
-    ap.add_argument("--workdir", default=None, help="corpus, tokenizer, Ray and runs go here (default: tmp)")
-    ap.add_argument("--data-dir", default=None)
-    ap.add_argument("--tokenizer", default=None)
-    ap.add_argument("--out", default=None, help="append the markdown result here")
+    add_common_flags(ap)
     a = ap.parse_args()
     workdir = a.workdir or tempfile.mkdtemp(prefix="raychat-bench-")
     data_dir, tok_dir = corpus(workdir, a.data_dir, a.tokenizer)
