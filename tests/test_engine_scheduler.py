@@ -118,6 +118,37 @@ def test_async_stream_with_background_thread(tok, engine):
     assert events[-1].finished and not sched.running
 
 
+def test_async_wake_every_batches_wakeups_without_changing_events(tok, engine, monkeypatch):
+    import raychat.engine.scheduler as scheduler_module
+
+    p = prompt(tok, "wake")
+    params = SamplingParams(max_tokens=13, temperature=0.0)
+    wakes = []
+    real_resolve = scheduler_module._resolve
+    monkeypatch.setattr(scheduler_module, "_resolve", lambda f: (wakes.append(1), real_resolve(f)))
+    sched = Scheduler(engine, max_rows=2, max_len=64)
+    sched.start()
+    try:
+
+        async def consume(wake_every):
+            wakes.clear()
+            events = [e async for e in sched.submit(p, params, wake_every=wake_every)]
+            return events, len(wakes)
+
+        one, _ = asyncio.run(asyncio.wait_for(consume(1), timeout=60))
+        four, n_wakes = asyncio.run(asyncio.wait_for(consume(4), timeout=60))
+    finally:
+        sched.stop()
+    assert [(e.text, e.token_ids, e.finished) for e in four] == [
+        (e.text, e.token_ids, e.finished) for e in one
+    ]
+    assert len(one) == 13
+    # the first event wakes, then one wake per 4 queued events, and the finished event: <= 1 + 13 // 4 + 1
+    assert 1 <= n_wakes <= 5
+    with pytest.raises(ValueError, match="wake_every must be an int >= 1, got 0"):
+        sched.submit(p, params, wake_every=0)
+
+
 def test_budget_sizes_rows(tok, engine):
     # 512 bytes/token (see test_engine); rows of 64 tokens = 32768 bytes each
     assert Scheduler(engine, max_rows=8, max_len=64, kv_budget_bytes=3 * 32768 + 100).max_rows == 3

@@ -17,7 +17,7 @@ from raychat.chat_template import TEMPLATE_VERSION, render_for_completion
 from raychat.engine import Engine
 from raychat.serve.api import MAX_BODY_BYTES, field_path
 from raychat.serve.ingress import LocalEngineClient, create_app
-from raychat.serve.replica import ChatEngine
+from raychat.serve.replica import ChatEngine, merge_deltas
 from raychat.serve.sse import parse_sse, sse_event
 
 USER = [{"role": "user", "content": "hi"}]
@@ -236,6 +236,15 @@ def test_sse_event_roundtrip():
     assert field_path(("body", "messages", 3, "content")) == "messages[3].content"
 
 
+def test_sse_json_survives_splitlines_readers():
+    """U+0085, U+2028, U+2029 end lines for str.splitlines (httpx's aiter_lines): they must arrive escaped."""
+    text = "a\x85b\u2028c\u2029d\ne\u00e9"
+    frame = sse_event({"type": "delta", "text": text}).decode()
+    assert frame == 'data: {"type":"delta","text":"a\\u0085b\\u2028c\\u2029d\\ne\u00e9"}\n\n'
+    lines = [line for line in frame.splitlines() if line]
+    assert len(lines) == 1 and json.loads(lines[0][6:])["text"] == text
+
+
 def test_openai_non_stream_and_stream(client):
     resp = post(client, {"model": "tiny", "messages": USER, "max_tokens": 4}, path="/v1/chat/completions")
     body = resp.json()
@@ -332,6 +341,38 @@ def test_real_engine_greedy_matches_generate_batch(tiny, real_engine):
     too_long = [{"role": "user", "content": "json " * 400}]
     assert_400(post(client, {"messages": too_long}), "messages", "leaves no room to generate")
     assert real_engine.stats()["in_flight"] == 0 and real_engine.stats()["rejected"] == 2
+
+
+def test_stream_interval_groups_tokens_into_deltas(tiny):
+    """stream_interval=4: the first delta at once, then 4 tokens per delta, the rest when the request ends;
+    the same text and tokens as streaming every token."""
+    conv = [{"role": "user", "content": "Tell me about json."}]
+    request = {"messages": conv, "max_tokens": 14, "temperature": 0}
+
+    async def deltas(engine):
+        try:
+            return [ev async for ev in engine.generate(request)]
+        finally:
+            engine.shutdown()
+
+    every = asyncio.run(deltas(ChatEngine(*tiny, max_rows=2)))
+    grouped = asyncio.run(deltas(ChatEngine(*tiny, max_rows=2, stream_interval=4)))
+    for final in (every[-1], grouped[-1]):
+        assert final["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 14
+    assert [e["tokens"] for e in every[:-1]] == [1] * 14
+    text = "".join(e["text"] for e in every[:-1])
+    assert "".join(e["text"] for e in grouped[:-1]) == text
+    assert [e["tokens"] for e in grouped[:-1]] == [1, 4, 4, 4, 1]  # 14 tokens: 1 + 4 + 4 + 4 + the last
+    with pytest.raises(ValueError, match="stream_interval must be an int >= 1, got 0"):
+        ChatEngine(*tiny, stream_interval=0)
+
+
+def test_merge_deltas():
+    d = lambda text, n: {"type": "delta", "text": text, "tokens": n}  # noqa: E731
+    done = {"type": "done", "finish_reason": "stop", "usage": {}}
+    assert merge_deltas([d("a", 1), d("", 1), d("bc", 2), done]) == [d("abc", 4), done]
+    assert merge_deltas([d("a", 1)]) == [d("a", 1)]
+    assert merge_deltas([done]) == [done]
 
 
 def _free_port() -> int:

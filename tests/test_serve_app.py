@@ -21,6 +21,11 @@ def test_parse_args_converts_strings_and_rejects_unknown(monkeypatch):
         serve_app.parse_args({"checkpoint": "/x", "rows": 2})
     with pytest.raises(ValueError, match="max_rows must be an integer"):
         serve_app.parse_args({"checkpoint": "/x", "max_rows": "many"})
+    with pytest.raises(ValueError, match="stream_interval must be >= 1, got 0"):
+        serve_app.parse_args({"checkpoint": "/x", "stream_interval": "0"})
+    assert (
+        serve_app.parse_args({"checkpoint": "/x"})["stream_interval"] == serve_app.DEFAULTS["stream_interval"]
+    )
     with pytest.raises(ValueError, match="checkpoint"):
         serve_app.parse_args({})
     with pytest.raises(ValueError, match="min_replicas <= max_replicas"):

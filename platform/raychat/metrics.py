@@ -82,7 +82,7 @@ SERVE_TTFT = _spec(
 SERVE_INTER_TOKEN = _spec(
     "raychat_serve_inter_token_seconds",
     "histogram",
-    "Time between consecutive streamed tokens, seconds.",
+    "Time between consecutive streamed deltas divided by the tokens the later one carries, seconds.",
     _SERVE,
     INTER_TOKEN_BUCKETS_S,
 )
@@ -243,7 +243,7 @@ class ServeMetrics(_Recorder):
         self._emit({SERVE_TTFT: _number("seconds", seconds, lo=0.0)})
 
     def observe_inter_token(self, seconds: float) -> None:
-        """Time between two consecutive streamed tokens of one request, seconds >= 0."""
+        """Per-token time between two consecutive streamed deltas of one request (gap / tokens), seconds >= 0."""
         self._emit({SERVE_INTER_TOKEN: _number("seconds", seconds, lo=0.0)})
 
     def set_running(self, n: int) -> None:

@@ -34,8 +34,10 @@ Continuous batching (serving)
     sched = Scheduler(engine, max_rows=8, max_len=None, kv_budget_bytes=None)
         one KV cache of max_rows rows x max_len tokens (default model.config.max_seq_len); with
         kv_budget_bytes the row count is the most that fits (KVBudgetError if not even one row fits).
-    stream = sched.submit(prompt: list[int], params: SamplingParams, request_id: str | None = None)
-        -> RequestStream; thread-safe; raises ValueError for a prompt that cannot fit a row.
+    stream = sched.submit(prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                          wake_every: int = 1)
+        -> RequestStream; thread-safe; raises ValueError for a prompt that cannot fit a row. An async
+        consumer is woken by the first event, the last, and otherwise every `wake_every` events.
     sched.cancel(request_id) -> bool      thread-safe, idempotent; the row is freed at the start of the
                                           next step (True if the request was live, False otherwise).
     sched.step() -> int                   one admission + one decode step; returns the number of busy rows.
@@ -50,6 +52,10 @@ Continuous batching (serving)
                 error holds the message when finish_reason == "error" (a forward raised; the scheduler
                 keeps serving the other requests when it runs in its thread).
     Usage(prompt_tokens, completion_tokens, ttft_s, total_s)   ttft_s: submit -> first completion token.
+    EngineProcess(checkpoint, device="cpu", max_rows=8, max_len=None, torch_threads=1)   [process.py]
+        the same Scheduler in a child process (`python -m raychat.engine.process`), with the surface of a
+        started Scheduler (submit, cancel, running, num_active, num_pending, stop): the decode step then
+        does not share the caller's GIL. Serving replicas use it (serve.app's engine_process=true).
 
 Lower-level Engine methods (used by the Scheduler; usable for custom loops)
     engine.check_prompt(prompt) -> list[int]; engine.new_cache(batch_size, max_len, budget_bytes=None)

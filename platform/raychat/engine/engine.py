@@ -33,6 +33,22 @@ def derive_seed(seed: int | None, index: int) -> int | None:
     return int.from_bytes(hashlib.sha256(f"{int(seed)}:{index}".encode()).digest()[:8], "little") >> 1
 
 
+def check_prompt(prompt, vocab_size: int, max_seq_len: int, name: str = "prompt") -> list[int]:
+    """`prompt` as a list of ints. Raises ValueError (naming `name`) if it is empty, has ids outside
+    0..vocab_size-1, or has max_seq_len tokens or more (no room to generate)."""
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError(f"{name} is empty; it needs at least one token (e.g. <|bos|>)")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{name} has token ids outside 0..{vocab_size - 1}: {bad[:5]}")
+    if len(ids) >= max_seq_len:
+        raise ValueError(
+            f"{name} has {len(ids)} tokens; max_seq_len {max_seq_len} leaves no room to generate"
+        )
+    return ids
+
+
 @dataclass
 class GenerationResult:
     """One completed row. tokens/mask cover prompt + completion; mask 1 = sampled, 0 = prompt or forced."""
@@ -76,18 +92,7 @@ class Engine:
     # ---- validation ------------------------------------------------------------------------------
     def check_prompt(self, prompt, name: str = "prompt") -> list[int]:
         """Return the prompt as a list of ints; ValueError if empty, out of vocab, or too long."""
-        ids = [int(t) for t in prompt]
-        V, max_seq = self.config.vocab_size, self.config.max_seq_len
-        if not ids:
-            raise ValueError(f"{name} is empty; it needs at least one token (e.g. <|bos|>)")
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"{name} has token ids outside 0..{V - 1}: {bad[:5]}")
-        if len(ids) >= max_seq:
-            raise ValueError(
-                f"{name} has {len(ids)} tokens; max_seq_len {max_seq} leaves no room to generate"
-            )
-        return ids
+        return check_prompt(prompt, self.config.vocab_size, self.config.max_seq_len, name)
 
     def new_cache(self, batch_size: int, max_len: int, budget_bytes: int | None = None) -> KVCache:
         return KVCache.for_model(self.config, batch_size, max_len, self.dtype, self.device, budget_bytes)

@@ -59,26 +59,40 @@ class StreamEvent:
 
 
 class RequestStream:
-    """Events of one request; iterate with `for` or `async for`. Ends after the finished event."""
+    """Events of one request; iterate with `for` or `async for`. Ends after the finished event.
 
-    def __init__(self, scheduler: Scheduler, request_id: str):
+    An async consumer is woken (one call_soon_threadsafe to its loop) by the first event, by the finished
+    event, and otherwise once `wake_every` events are queued; each wake-up then drains every queued event
+    without waiting. A serving replica passes its stream interval here, so its event loop wakes once per
+    streamed delta instead of once per token (the loop shares the GIL with the decode step).
+    """
+
+    def __init__(self, scheduler: Scheduler, request_id: str, wake_every: int = 1):
         self.request_id = request_id
         self._scheduler = scheduler
         self._events: collections.deque[StreamEvent] = collections.deque()
         self._cond = threading.Condition()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self._wake_every = wake_every
+        self._pushed = 0
         self.done = False
 
     def _push(self, event: StreamEvent) -> None:
         with self._cond:
             self._events.append(event)
+            self._pushed += 1
             self._cond.notify_all()
-            waiters = list(self._waiters)
-        for loop, ev in waiters:
-            try:
-                loop.call_soon_threadsafe(ev.set)
-            except RuntimeError:  # loop closed: its consumer is gone
-                pass
+            waiter = self._waiter
+            if waiter is None or not (
+                event.finished or self._pushed == 1 or len(self._events) >= self._wake_every
+            ):
+                return
+            self._waiter = None
+        loop, future = waiter
+        try:
+            loop.call_soon_threadsafe(_resolve, future)
+        except RuntimeError:  # loop closed: its consumer is gone
+            pass
 
     def cancel(self) -> bool:
         return self._scheduler.cancel(self.request_id)
@@ -102,27 +116,40 @@ class RequestStream:
 
     async def __aiter__(self):
         loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        with self._cond:
-            self._waiters.append((loop, wake))
         try:
             while not self.done:
-                wake.clear()
                 event = self._pop()
-                if event is None:
-                    if self._scheduler.running:
-                        try:
-                            await asyncio.wait_for(wake.wait(), timeout=0.5)
-                        except asyncio.TimeoutError:
-                            pass
-                    else:
-                        await asyncio.to_thread(self._scheduler.step)
+                if event is not None:
+                    self.done = event.finished
+                    yield event
                     continue
-                self.done = event.finished
-                yield event
+                if not self._scheduler.running:
+                    await asyncio.to_thread(self._scheduler.step)
+                    continue
+                with self._cond:
+                    if self._events:  # raced with _push: drain first
+                        continue
+                    future = loop.create_future()
+                    self._waiter = (loop, future)
+                try:  # the timeout only guards a scheduler thread that died without a final event
+                    await asyncio.wait_for(future, timeout=0.5)
+                except asyncio.TimeoutError:
+                    pass
         finally:
             with self._cond:
-                self._waiters.remove((loop, wake))
+                self._waiter = None
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def check_fits_row(ids: list[int], max_len: int) -> list[int]:
+    """`ids`, or ValueError if a row of max_len tokens leaves no room to generate after them."""
+    if len(ids) >= max_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; rows hold max_len {max_len} tokens in total")
+    return ids
 
 
 class _Request:
@@ -182,16 +209,21 @@ class Scheduler:
         self.last_error: BaseException | None = None
 
     # ---- public, thread-safe ---------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None):
-        """Queue a request; returns its RequestStream. Raises ValueError for a bad prompt or duplicate id."""
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        wake_every: int = 1,
+    ):
+        """Queue a request; returns its RequestStream (wake_every: see RequestStream). Raises ValueError for
+        a bad prompt or duplicate id."""
         params = params or SamplingParams()
-        ids = self.engine.check_prompt(prompt)
-        if len(ids) >= self.max_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; rows hold max_len {self.max_len} tokens in total"
-            )
+        if not isinstance(wake_every, int) or wake_every < 1:
+            raise ValueError(f"wake_every must be an int >= 1, got {wake_every!r}")
+        ids = check_fits_row(self.engine.check_prompt(prompt), self.max_len)
         request_id = request_id or uuid.uuid4().hex
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, wake_every)
         req = _Request(request_id, ids, params, stream, self.engine.device)
         with self._lock:
             if request_id in self._live:

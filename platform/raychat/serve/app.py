@@ -14,6 +14,10 @@ handle stream (DeploymentResponseGenerator.cancel) and the replica's generator f
   checkpoint (required)       raychat checkpoint directory, readable on every node
   max_rows=8                  KV-cache rows per replica (1 = one request at a time)
   max_len=None                tokens per row (default the model's max_seq_len)
+  stream_interval=4           completion tokens per streamed event after the first (ChatEngine doc;
+                              1 = every token; bench/results/serve_load.md measures the trade-off)
+  engine_process=true         run the model and Scheduler in a child process of the replica
+                              (raychat.engine.process), off the GIL of the replica's event loop
   num_cpus=1                  CPUs each ChatEngine replica reserves; num_gpus=0 likewise
   torch_threads=None          torch intra-op threads per replica (default: the CPUs it reserved, >= 1)
   min_replicas=1, max_replicas=1, target_ongoing_requests=4  autoscaling of ChatEngine
@@ -37,6 +41,7 @@ from ray.serve import Application
 
 from raychat.serve.api import MAX_BODY_BYTES
 from raychat.serve.ingress import create_app
+from raychat.serve.replica import merge_deltas
 
 ENGINE_DEPLOYMENT = "ChatEngine"
 INGRESS_DEPLOYMENT = "ChatIngress"
@@ -44,6 +49,8 @@ INGRESS_DEPLOYMENT = "ChatIngress"
 DEFAULTS = {
     "max_rows": 8,
     "max_len": None,
+    "stream_interval": 4,
+    "engine_process": True,
     "num_cpus": 1.0,
     "num_gpus": 0.0,
     "torch_threads": None,
@@ -58,8 +65,17 @@ DEFAULTS = {
     "model_id": None,
     "ingress_num_cpus": 0.1,
 }
-_INTS = {"max_rows", "max_len", "torch_threads", "min_replicas", "max_replicas", "max_ongoing_requests"}
+_INTS = {
+    "max_rows",
+    "max_len",
+    "stream_interval",
+    "torch_threads",
+    "min_replicas",
+    "max_replicas",
+    "max_ongoing_requests",
+}
 _FLOATS = {k for k, v in DEFAULTS.items() if isinstance(v, float)}
+_BOOLS = {k for k, v in DEFAULTS.items() if isinstance(v, bool)}
 
 
 def parse_args(args: dict) -> dict:
@@ -75,6 +91,13 @@ def parse_args(args: dict) -> dict:
     if unknown:
         raise ValueError(f"unknown build_app args {sorted(unknown)}; allowed: {['checkpoint', *DEFAULTS]}")
     out = {**DEFAULTS, **args}
+    for key in _BOOLS:
+        value = out[key]
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            value = value.lower() in ("true", "1", "yes")
+        if not isinstance(value, bool):
+            raise ValueError(f"{key} must be true or false, got {out[key]!r}")
+        out[key] = value
     for key in _INTS | _FLOATS:
         value = out[key]
         if isinstance(value, str):
@@ -89,6 +112,9 @@ def parse_args(args: dict) -> dict:
         except (TypeError, ValueError):
             kind = "an integer" if key in _INTS else "a number"
             raise ValueError(f"{key} must be {kind}, got {out[key]!r}") from None
+    for key in ("max_rows", "stream_interval", "max_ongoing_requests", "torch_threads"):
+        if out[key] is not None and out[key] < 1:
+            raise ValueError(f"{key} must be >= 1, got {out[key]}")
     if out["min_replicas"] < 0 or out["max_replicas"] < max(1, out["min_replicas"]):
         raise ValueError(
             f"need 0 <= min_replicas <= max_replicas, max_replicas >= 1; got {out['min_replicas']}, {out['max_replicas']}"
@@ -106,6 +132,8 @@ class ChatEngineDeployment:
         checkpoint: str,
         max_rows: int,
         max_len: int | None,
+        stream_interval: int,
+        engine_process: bool,
         torch_threads: int | None,
         model_id: str | None,
         device: str,
@@ -115,19 +143,22 @@ class ChatEngineDeployment:
 
         from raychat.serve.replica import ChatEngine
 
-        if (
-            torch_threads is None
-        ):  # the CPUs this replica reserved (ray_actor_options, possibly from the YAML)
+        if torch_threads is None:  # the CPUs this replica reserved (ray_actor_options, maybe from the YAML)
             torch_threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
-        torch.set_num_threads(torch_threads)
-        kwargs = {"max_rows": max_rows, "max_len": max_len, "deployment": ENGINE_DEPLOYMENT}
+        kwargs = {"max_rows": max_rows, "max_len": max_len, "stream_interval": stream_interval}
+        kwargs["deployment"] = ENGINE_DEPLOYMENT
         if model_id:
             kwargs["model_id"] = model_id
-        self.engine = ChatEngine.from_checkpoint(checkpoint, device=device, **kwargs)
+        if engine_process:
+            kwargs["torch_threads"] = torch_threads
+        else:
+            torch.set_num_threads(torch_threads)
+        self.engine = ChatEngine.from_checkpoint(checkpoint, device, engine_process, **kwargs)
 
     async def generate(self, request: dict):
-        """Yields lists of event dicts: every event ready when the consumer asks is sent in one message, so
-        under load one Ray streaming message carries several tokens (no added latency when idle)."""
+        """Yields lists of event dicts: every event ready when the consumer asks is sent in one message (its
+        deltas merged into one), so under load one Ray streaming message carries several tokens (no added
+        latency when idle)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump():
@@ -148,7 +179,7 @@ class ChatEngineDeployment:
                     batch.pop()
                     done = True
                 if batch:
-                    yield batch
+                    yield merge_deltas(batch)
             await task  # re-raises an engine failure
         finally:
             if not task.done():
@@ -160,10 +191,13 @@ class ChatEngineDeployment:
         return self.engine.info()
 
     def stats(self) -> dict:
-        """ChatEngine.stats plus rss_bytes, this replica process' resident memory."""
+        """ChatEngine.stats plus rss_bytes: resident memory of this replica process and its children (the
+        engine process, which holds the model and KV cache)."""
         import psutil
 
-        return {**self.engine.stats(), "rss_bytes": psutil.Process().memory_info().rss}
+        me = psutil.Process()
+        rss = me.memory_info().rss + sum(c.memory_info().rss for c in me.children(recursive=True))
+        return {**self.engine.stats(), "rss_bytes": rss}
 
     def check_health(self) -> None:
         """Serve's health check: the scheduler thread must be alive."""
@@ -241,6 +275,8 @@ def build_app(args: dict) -> Application:
         checkpoint,
         a["max_rows"],
         a["max_len"],
+        a["stream_interval"],
+        a["engine_process"],
         a["torch_threads"],
         a["model_id"],
         "cuda" if a["num_gpus"] > 0 else "cpu",

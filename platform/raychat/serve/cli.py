@@ -46,6 +46,8 @@ def main(args: argparse.Namespace) -> int:
         port=args.port,
         address=args.address,
         max_rows=args.max_rows,
+        stream_interval=args.stream_interval,
+        engine_process=args.engine_process,
         min_replicas=args.min_replicas,
         max_replicas=args.replicas,
         num_cpus=args.num_cpus,
@@ -90,6 +92,18 @@ def add_cli(subparsers) -> None:
     p.add_argument("--replicas", type=int, default=1, help="maximum engine replicas (autoscaled)")
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--max-rows", type=int, default=8, help="concurrent sequences per replica (KV-cache rows)")
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="tokens per streamed event after the first (default: 4; 1 streams every token)",
+    )
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each replica's model in a child process, off its event loop's GIL (default: on)",
+    )
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs each engine replica reserves")
     p.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env RAYCHAT_API_KEY)"

@@ -3,7 +3,8 @@ stream event dicts, free the row when the consumer leaves. Plain Python (the Ray
 raychat.serve.app wraps it), so tests can drive it in-process.
 
 Events yielded by `ChatEngine.generate(request)` (request = ChatRequest.to_engine()):
-  {"type": "delta", "text": str, "tokens": int}                 text may be "" (a partial UTF-8 character)
+  {"type": "delta", "text": str, "tokens": int}                 text may be "" (a partial UTF-8 character);
+                                                                `tokens` completion tokens (stream_interval)
   {"type": "done", "finish_reason": "stop"|"length", "usage": {prompt_tokens, completion_tokens,
    total_tokens, ttft_s}}                                       last event of a success
   {"type": "error", "status": 400|500, "message": str, "param": str|None}
@@ -37,6 +38,16 @@ class ChatEngine:
         model_id: the name reported by /v1/models.
         deployment: tag of the serving metrics (raychat_serve_*{deployment=...}).
         meta: checkpoint meta (its "tokenizer_version" and "step" are reported by info()).
+        scheduler: run requests on this (an EngineProcess, see from_checkpoint) instead of a Scheduler
+            built over `model` (then model, max_rows and max_len are ignored).
+        stream_interval: completion tokens per delta event after the first (>= 1). The first delta is sent
+            at once (TTFT is unchanged) and the last one when the request finishes; in between, tokens are
+            buffered until `stream_interval` of them are ready, so each event carries that many. Every
+            event crosses two Ray hops and one HTTP write, so under load this per-token transport cost is
+            what bounds a small model's throughput; 1 streams every token. (SGLang's --stream-interval is
+            the same knob.)
+    Raises:
+        ValueError: stream_interval < 1, or invalid Scheduler arguments.
     """
 
     def __init__(
@@ -48,11 +59,18 @@ class ChatEngine:
         model_id: str = "raychat",
         deployment: str = "ChatEngine",
         meta: dict | None = None,
+        stream_interval: int = 1,
+        scheduler=None,
     ):
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
+        self.stream_interval = stream_interval
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.meta = meta or {}
-        self.scheduler = Scheduler(Engine(model, tokenizer), max_rows=max_rows, max_len=max_len)
+        if scheduler is None:
+            scheduler = Scheduler(Engine(model, tokenizer), max_rows=max_rows, max_len=max_len)
+        self.scheduler = scheduler
         self.scheduler.start()
         self.metrics = ServeMetrics(deployment)
         self.in_flight = 0
@@ -61,13 +79,33 @@ class ChatEngine:
         self.rejected = 0
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: str | os.PathLike, device: str = "cpu", **kwargs) -> ChatEngine:
-        """Load a raychat checkpoint directory (raychat.checkpoint.load_model) onto `device`."""
-        from raychat.checkpoint import load_model
+    def from_checkpoint(
+        cls,
+        checkpoint: str | os.PathLike,
+        device: str = "cpu",
+        engine_process: bool = False,
+        torch_threads: int = 1,
+        **kwargs,
+    ) -> ChatEngine:
+        """Load a raychat checkpoint directory (raychat.checkpoint.load_model) onto `device`.
 
-        model, tokenizer, meta = load_model(checkpoint, device=device)
+        engine_process=True runs the model and Scheduler in a child process (raychat.engine.process,
+        with `torch_threads` torch threads) so the decode step does not share this process' GIL with
+        the event loop; only the tokenizer is loaded here.
+        """
+        from raychat.checkpoint import load_model, read_meta
+        from raychat.tokenizer import Tokenizer
+
         kwargs.setdefault("model_id", Path(checkpoint).resolve().name or "raychat")
-        return cls(model, tokenizer, meta=meta, **kwargs)
+        if not engine_process:
+            model, tokenizer, meta = load_model(checkpoint, device=device)
+            return cls(model, tokenizer, meta=meta, **kwargs)
+        from raychat.engine.process import EngineProcess
+
+        rows, max_len = kwargs.pop("max_rows", 8), kwargs.pop("max_len", None)
+        scheduler = EngineProcess(checkpoint, device, rows, max_len, torch_threads)
+        meta = read_meta(checkpoint)
+        return cls(None, Tokenizer.load(checkpoint), meta=meta, scheduler=scheduler, **kwargs)
 
     def info(self) -> dict:
         return {
@@ -76,6 +114,7 @@ class ChatEngine:
             "tokenizer_version": self.tokenizer.version,
             "max_seq_len": self.scheduler.max_len,
             "max_rows": self.scheduler.max_rows,
+            "stream_interval": self.stream_interval,
             "step": self.meta.get("step"),
         }
 
@@ -118,22 +157,30 @@ class ChatEngine:
                 )
                 param = "messages"  # from here on, errors are about the conversation or its length
                 prompt = render_for_completion(self.tokenizer, request["messages"])
-                stream = self.scheduler.submit(prompt, params)
+                stream = self.scheduler.submit(prompt, params, wake_every=self.stream_interval)
             except ValueError as e:
                 self.rejected += 1
                 yield {"type": "error", "status": 400, "message": str(e), "param": param}
                 return
             self._publish_gauges()
             last = None
+            text, tokens, sent = [], 0, False  # buffered delta (see stream_interval)
             async for ev in stream:
-                now = time.perf_counter()
                 if ev.token_ids:
                     self.metrics.add_tokens(len(ev.token_ids))
-                    if last is not None:
-                        self.metrics.observe_inter_token(now - last)
+                text.append(ev.text)
+                if ev.finished:  # flush what is buffered; a bare end token (no text) needs no delta
+                    flush = tokens > 0 or any(text)
+                else:
+                    flush = not sent or tokens + len(ev.token_ids) >= self.stream_interval
+                tokens += len(ev.token_ids)
+                if flush:
+                    now = time.perf_counter()
+                    if last is not None and tokens:  # per token: events arrive in bursts of stream_interval
+                        self.metrics.observe_inter_token((now - last) / tokens)
                     last = now
-                if ev.text or (ev.token_ids and not ev.finished):
-                    yield {"type": "delta", "text": ev.text, "tokens": len(ev.token_ids)}
+                    yield {"type": "delta", "text": "".join(text), "tokens": tokens}
+                    text, tokens, sent = [], 0, True
                 if ev.finished:
                     finished = True
                     self._publish_gauges()
@@ -170,3 +217,20 @@ class ChatEngine:
 
     def shutdown(self) -> None:
         self.scheduler.stop()
+
+
+def merge_deltas(events: list[dict]) -> list[dict]:
+    """`events` with each run of consecutive delta events replaced by one delta (texts joined, tokens
+    summed); other events keep their place. Used where several events travel in one message."""
+    out: list[dict] = []
+    for ev in events:
+        if ev["type"] == "delta" and out and out[-1]["type"] == "delta":
+            prev = out[-1]
+            out[-1] = {
+                "type": "delta",
+                "text": prev["text"] + ev["text"],
+                "tokens": prev["tokens"] + ev["tokens"],
+            }
+        else:
+            out.append(ev)
+    return out

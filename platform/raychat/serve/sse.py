@@ -15,10 +15,18 @@ from __future__ import annotations
 import json
 import time
 
+# Characters that str.splitlines() (and so httpx's aiter_lines and other line readers) treats as line ends
+# although SSE does not; JSON leaves them unescaped with ensure_ascii=False, so escape them by hand.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
 
 def sse_event(data: dict | str) -> bytes:
-    """One SSE event whose data is `data` (a dict is JSON-encoded on one line)."""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    """One SSE event whose data is `data` (a dict is JSON-encoded on one line, UTF-8, with U+0085, U+2028 and
+    U+2029 escaped so that clients splitting lines like str.splitlines still see one line)."""
+    if isinstance(data, str):
+        text = data
+    else:
+        text = json.dumps(data, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
     return "".join(f"data: {line}\n" for line in text.split("\n")).encode() + b"\n"
 
 

@@ -1,0 +1,282 @@
+"""The continuous-batching Scheduler in a process of its own (an "engine core" process, as vLLM V1 does).
+
+A serving replica's event loop (HTTP/Ray streaming, one coroutine per request) and the decode step share
+one GIL when they share a process: every torch op gives the GIL up, and getting it back waits on the event
+loop's Python. `EngineProcess` moves the model, KV cache and Scheduler into a child process and keeps only
+the request streams in the caller, so the two run in parallel on two cores.
+
+The child is `python -m raychat.engine.process FD`; protocol over a socketpair (multiprocessing Connection,
+pickled tuples):
+  parent -> child   (checkpoint, device, max_rows, max_len, torch_threads) first, then
+                    ("submit", request_id, prompt, SamplingParams) | ("cancel", request_id) | ("stop",)
+  child -> parent   ("ready", {"max_rows", "max_len"}) once the model is loaded, or ("failed", message)
+                    ("events", [StreamEvent, ...]) after every step: every event of every request that
+                    step produced, in one message
+The parent checks prompts itself (same rules and messages as Scheduler.submit), so a bad request still
+raises ValueError at submit(). If the child dies, every live request ends with finish_reason "error" and
+`running` turns False (a Serve health check then replaces the replica).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from raychat.engine.engine import check_prompt
+from raychat.engine.sampling import SamplingParams
+from raychat.engine.scheduler import RequestStream, StreamEvent, Usage, check_fits_row
+
+
+class EngineProcess:
+    """A Scheduler over the checkpoint's model, run in a child process; the same surface as a
+    started Scheduler for raychat.serve.replica.ChatEngine: submit, cancel, running, num_active,
+    num_pending, num_free_rows, max_rows, max_len, last_error, start (no-op), stop.
+
+    Args:
+        checkpoint: raychat checkpoint directory (loaded by the child with raychat.checkpoint.load_model).
+        device: torch device of the model in the child ("cpu", "cuda").
+        max_rows, max_len: the Scheduler's (KV rows; tokens per row, default the model's max_seq_len).
+        torch_threads: torch intra-op threads of the child (default 1).
+        start_timeout_s: seconds to wait for the child to load the model.
+    Raises:
+        ValueError: invalid max_rows / max_len (the child's Scheduler message).
+        RuntimeError: the child failed to start or exited before it was ready.
+    """
+
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike,
+        device: str = "cpu",
+        max_rows: int = 8,
+        max_len: int | None = None,
+        torch_threads: int = 1,
+        start_timeout_s: float = 300.0,
+    ):
+        from raychat.checkpoint import read_meta
+
+        config = read_meta(checkpoint)["model_config"]
+        self.vocab_size, self.max_seq_len = config["vocab_size"], config["max_seq_len"]
+        # A fresh interpreter (`python -m raychat.engine.process`), not multiprocessing: forking a process
+        # that holds threads (Ray, torch) is unsafe, and spawn re-imports the caller's __main__ (a Ray
+        # worker's entry script). The two ends of a socketpair carry pickled messages (Connection).
+        parent_sock, child_sock = socket.socketpair()
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+        }
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "raychat.engine.process", str(child_sock.fileno())],
+            pass_fds=(child_sock.fileno(),),
+            env=env,
+        )
+        child_sock.close()
+        self._conn = Connection(parent_sock.detach())
+        self._conn.send((str(checkpoint), device, max_rows, max_len, torch_threads))
+        try:
+            if not self._conn.poll(start_timeout_s):
+                raise RuntimeError(f"engine process did not load {checkpoint} within {start_timeout_s} s")
+            kind, payload = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"engine process exited with code {self._proc.wait(5)} while starting"
+            ) from None
+        except BaseException:
+            self._proc.kill()
+            raise
+        if kind == "failed":
+            self._proc.wait(5)
+            if payload.startswith("ValueError: "):
+                raise ValueError(payload.removeprefix("ValueError: "))
+            raise RuntimeError(f"engine process failed to start: {payload}")
+        self.max_rows, self.max_len = payload["max_rows"], payload["max_len"]
+        self.last_error: BaseException | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._started: set[str] = set()  # requests that have a row (received their first event)
+        self._lock = threading.Lock()  # _streams, _started
+        self._send_lock = threading.Lock()
+        self._stopping = False
+        self._reader = threading.Thread(target=self._read, name="raychat-engine-reader", daemon=True)
+        self._reader.start()
+
+    # ---- the Scheduler surface -------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        wake_every: int = 1,
+    ) -> RequestStream:
+        """Queue a request in the child; returns its RequestStream. Raises ValueError as Scheduler.submit,
+        RuntimeError when the engine process is not running."""
+        params = params or SamplingParams()
+        if not isinstance(wake_every, int) or wake_every < 1:
+            raise ValueError(f"wake_every must be an int >= 1, got {wake_every!r}")
+        ids = check_prompt(prompt, self.vocab_size, self.max_seq_len)
+        check_fits_row(ids, self.max_len)
+        request_id = request_id or uuid.uuid4().hex
+        stream = RequestStream(self, request_id, wake_every)
+        with self._lock:
+            if not self.running:
+                raise RuntimeError(f"engine process is not running ({self.last_error!r})")
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already live")
+            self._streams[request_id] = stream
+        self._send(("submit", request_id, ids, params))
+        return stream
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask the child to end a request (True if it is live here); its stream ends with "cancelled"."""
+        with self._lock:
+            if request_id not in self._streams or not self.running:
+                return False
+        self._send(("cancel", request_id))
+        return True
+
+    def step(self) -> int:
+        """Steps run in the child; a consumer gets here only once the child is gone: wait while the reader
+        thread is still ending the live streams, then raise RuntimeError."""
+        if self._reader.is_alive():
+            time.sleep(0.01)
+            return 0
+        raise RuntimeError(f"engine process is not running ({self.last_error!r})")
+
+    @property
+    def running(self) -> bool:
+        return not self._stopping and self.last_error is None and self._proc.poll() is None
+
+    @property
+    def num_active(self) -> int:
+        return len(self._started)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._streams) - len(self._started)
+
+    @property
+    def num_free_rows(self) -> int:
+        return self.max_rows - self.num_active
+
+    def start(self) -> None:
+        """The child steps from the moment it is ready; nothing to start."""
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the child after its current step (live requests end with "error")."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        try:
+            self._send(("stop",))
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout)
+        self._reader.join(timeout)
+
+    # ---- the pipe ---------------------------------------------------------------------------------
+    def _send(self, message: tuple) -> None:
+        # its own lock: the reader thread must never wait behind a send the child is not reading yet
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                _, events = self._conn.recv()
+                with self._lock:
+                    for ev in events:
+                        stream = self._streams.get(ev.request_id)
+                        if stream is None:
+                            continue
+                        self._started.add(ev.request_id)
+                        if ev.finished:
+                            del self._streams[ev.request_id]
+                            self._started.discard(ev.request_id)
+                        stream._push(ev)
+        except (EOFError, OSError):
+            pass
+        try:
+            code = self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        error = RuntimeError(f"engine process exited with code {code}")
+        with self._lock:
+            live = list(self._streams.values())
+            self._streams.clear()
+            self._started.clear()
+            for stream in live:  # end every stream before `running` turns False
+                usage = Usage(0, 0, None, 0.0)
+                stream._push(StreamEvent(stream.request_id, "", [], True, "error", usage, str(error)))
+            if not self._stopping:
+                self.last_error = error
+
+
+def _child_main(conn: Connection) -> None:
+    """The child: load the model, then alternate reading the pipe and stepping the Scheduler."""
+    try:
+        checkpoint, device, max_rows, max_len, threads = conn.recv()
+        import torch
+
+        from raychat.checkpoint import load_model
+        from raychat.engine.engine import Engine
+        from raychat.engine.scheduler import Scheduler
+
+        torch.set_num_threads(max(1, int(threads)))
+        model, tokenizer, _meta = load_model(checkpoint, device=device)
+        scheduler = Scheduler(Engine(model, tokenizer), max_rows=max_rows, max_len=max_len)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", {"max_rows": scheduler.max_rows, "max_len": scheduler.max_len}))
+    try:
+        _serve(conn, scheduler)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent is gone (its end of the socket closed): exit quietly
+
+
+def _serve(conn: Connection, scheduler) -> None:
+    streams: dict[str, RequestStream] = {}
+    while True:
+        busy = bool(streams)
+        if conn.poll(0 if busy else None):
+            while True:
+                message = conn.recv()
+                if message[0] == "stop":
+                    return
+                if message[0] == "submit":
+                    _, request_id, prompt, params = message
+                    try:
+                        streams[request_id] = scheduler.submit(prompt, params, request_id=request_id)
+                    except ValueError as e:  # the parent checked the prompt; end the request, not the child
+                        usage = Usage(len(prompt), 0, None, 0.0)
+                        conn.send(("events", [StreamEvent(request_id, "", [], True, "error", usage, str(e))]))
+                else:
+                    scheduler.cancel(message[1])
+                if not conn.poll(0):
+                    break
+        if not streams:
+            continue
+        scheduler.step()
+        events = []
+        for request_id, stream in list(streams.items()):
+            while (event := stream._pop()) is not None:
+                events.append(event)
+                if event.finished:
+                    del streams[request_id]
+        if events:
+            conn.send(("events", events))
+
+
+if __name__ == "__main__":
+    _child_main(Connection(int(sys.argv[1])))

@@ -1,0 +1,129 @@
+"""EngineProcess: the Scheduler in a child process gives the same tokens as in-process, cancels, rejects bad
+prompts at submit, and ends every live stream when the child dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+from serve_helpers import write_tiny_checkpoint
+
+from raychat.checkpoint import load_model
+from raychat.engine import Engine, SamplingParams, Scheduler
+from raychat.engine.process import EngineProcess
+from raychat.serve.replica import ChatEngine
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def engine_process(checkpoint):
+    proc = EngineProcess(checkpoint, max_rows=3, max_len=64)
+    yield proc
+    proc.stop()
+
+
+def prompts(tokenizer):
+    return [
+        [tokenizer.bos_id, *tokenizer.encode(text)] for text in ("json", "a longer prompt here", "x", "wrap")
+    ]
+
+
+def drain(stream):
+    return [(e.text, e.token_ids, e.finished, e.finish_reason) for e in stream]
+
+
+def test_same_tokens_as_the_in_process_scheduler(checkpoint, engine_process):
+    model, tokenizer, _ = load_model(checkpoint)
+    local = Scheduler(Engine(model, tokenizer), max_rows=3, max_len=64)
+    local.start()
+    try:
+        expected = [drain(s) for s in [local.submit(p, GREEDY) for p in prompts(tokenizer)]]
+    finally:
+        local.stop()
+    # 4 requests on 3 rows: one waits for a free row, as in the local run
+    streams = [engine_process.submit(p, GREEDY) for p in prompts(tokenizer)]
+    assert engine_process.num_pending + engine_process.num_active == 4
+    assert [drain(s) for s in streams] == expected
+    assert [len(e) for e in expected] == [12] * 4 and expected[0][-1][3] == "length"
+    assert (engine_process.num_active, engine_process.num_pending, engine_process.num_free_rows) == (0, 0, 3)
+
+
+def test_async_consumer_cancel_and_bad_prompts(checkpoint, engine_process):
+    _, tokenizer, _ = load_model(checkpoint)
+
+    async def cancel_after_two_events():
+        stream = engine_process.submit(
+            [tokenizer.bos_id], SamplingParams(max_tokens=60, temperature=1.0, seed=3)
+        )
+        events = []
+        async for event in stream:
+            events.append(event)
+            if len(events) == 2:
+                assert stream.cancel() is True
+        return events
+
+    events = asyncio.run(asyncio.wait_for(cancel_after_two_events(), timeout=60))
+    assert events[-1].finish_reason == "cancelled" and len(events) < 60
+    assert engine_process.num_active == 0 and engine_process.cancel("no-such-request") is False
+    with pytest.raises(ValueError, match="rows hold max_len 64 tokens in total"):
+        engine_process.submit([tokenizer.bos_id] * 64)
+    with pytest.raises(ValueError, match=f"token ids outside 0..{tokenizer.vocab_size - 1}"):
+        engine_process.submit([tokenizer.vocab_size])
+    with pytest.raises(ValueError, match="wake_every must be an int >= 1"):
+        engine_process.submit([tokenizer.bos_id], wake_every=0)
+
+
+def test_child_death_ends_live_streams(checkpoint):
+    proc = EngineProcess(checkpoint, max_rows=2, max_len=256)
+    _, tokenizer, _ = load_model(checkpoint)
+    try:
+        stream = proc.submit([tokenizer.bos_id], SamplingParams(max_tokens=200, temperature=1.0, seed=0))
+        first = next(iter(stream))
+        assert not first.finished and proc.running
+        os.kill(proc._proc.pid, signal.SIGKILL)
+        last = list(stream)[-1]
+        assert last.finished and last.finish_reason == "error" and "exited with code -9" in last.error
+        assert not proc.running and proc.num_active == 0
+        with pytest.raises(RuntimeError, match="engine process is not running"):
+            proc.submit([tokenizer.bos_id])
+    finally:
+        proc.stop()
+
+
+def test_start_errors(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="max_rows must be an int >= 1, got 0"):
+        EngineProcess(checkpoint, max_rows=0)
+    with pytest.raises(FileNotFoundError, match="not a raychat checkpoint"):
+        EngineProcess(tmp_path)
+
+
+def test_chat_engine_over_an_engine_process(checkpoint):
+    """ChatEngine.from_checkpoint(engine_process=True) streams the same reply as the in-process ChatEngine."""
+    request = {
+        "messages": [{"role": "user", "content": "Tell me about json."}],
+        "max_tokens": 10,
+        "temperature": 0,
+    }
+
+    async def reply(engine):
+        try:
+            events = [e async for e in engine.generate(request)]
+            return events, engine.stats()
+        finally:
+            engine.shutdown()
+
+    local, _ = asyncio.run(reply(ChatEngine.from_checkpoint(checkpoint, max_rows=2)))
+    remote, stats = asyncio.run(
+        reply(ChatEngine.from_checkpoint(checkpoint, engine_process=True, max_rows=2))
+    )
+    strip = lambda events: [{k: v for k, v in e.items() if k != "usage"} for e in events]  # noqa: E731
+    assert strip(remote) == strip(local) and remote[-1]["usage"]["completion_tokens"] == 10
+    assert stats["in_flight"] == 0 and stats["completed"] == 1 and stats["free_rows"] == 2
