@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 import pytest
 from serve_helpers import write_tiny_checkpoint
@@ -81,18 +82,37 @@ def test_async_consumer_cancel_and_bad_prompts(checkpoint, engine_process):
         engine_process.submit([tokenizer.bos_id], wake_every=0)
 
 
-def test_child_death_ends_live_streams(checkpoint):
+def test_child_death_ends_live_streams_and_a_new_child_takes_over(checkpoint):
     proc = EngineProcess(checkpoint, max_rows=2, max_len=256)
     _, tokenizer, _ = load_model(checkpoint)
     try:
+        expected = drain(proc.submit([tokenizer.bos_id], GREEDY))
         stream = proc.submit([tokenizer.bos_id], SamplingParams(max_tokens=200, temperature=1.0, seed=0))
         first = next(iter(stream))
         assert not first.finished and proc.running
         os.kill(proc._proc.pid, signal.SIGKILL)
         last = list(stream)[-1]
         assert last.finished and last.finish_reason == "error" and "exited with code -9" in last.error
-        assert not proc.running and proc.num_active == 0
-        with pytest.raises(RuntimeError, match="engine process is not running"):
+        deadline = time.monotonic() + 60
+        while not proc.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.running and proc.restarts == 1 and proc.num_active == 0
+        assert drain(proc.submit([tokenizer.bos_id], GREEDY)) == expected
+    finally:
+        proc.stop()
+    assert proc._proc.poll() is not None
+
+
+def test_no_restarts_left_stops_the_engine(checkpoint):
+    proc = EngineProcess(checkpoint, max_rows=2, max_len=64, max_restarts=0)
+    _, tokenizer, _ = load_model(checkpoint)
+    try:
+        os.kill(proc._proc.pid, signal.SIGKILL)
+        proc._reader.join(10)
+        assert not proc.running and "exited with code -9" in str(proc.last_error)
+        with pytest.raises(
+            RuntimeError, match="engine process is not running \\(stopped: engine process exited"
+        ):
             proc.submit([tokenizer.bos_id])
     finally:
         proc.stop()
@@ -127,3 +147,31 @@ def test_chat_engine_over_an_engine_process(checkpoint):
     strip = lambda events: [{k: v for k, v in e.items() if k != "usage"} for e in events]  # noqa: E731
     assert strip(remote) == strip(local) and remote[-1]["usage"]["completion_tokens"] == 10
     assert stats["in_flight"] == 0 and stats["completed"] == 1 and stats["free_rows"] == 2
+
+
+def test_http_while_the_engine_process_is_down(checkpoint):
+    """A replica whose engine process is gone answers 503 with a JSON error, and /health says so."""
+    from fastapi.testclient import TestClient
+
+    from raychat.serve.ingress import LocalEngineClient, create_app
+
+    engine = ChatEngine.from_checkpoint(checkpoint, engine_process=True, max_rows=2)
+    try:
+        engine.scheduler.max_restarts = 0
+        client = TestClient(create_app(LocalEngineClient(engine)))
+        assert client.get("/health").json()["status"] == "ok"
+        os.kill(engine.scheduler._proc.pid, signal.SIGKILL)
+        engine.scheduler._reader.join(10)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        for path in ("/chat/completions", "/v1/chat/completions"):
+            resp = client.post(path, json=body)
+            assert resp.status_code == 503 and resp.headers["retry-after"] == "5"
+            error = resp.json()["error"]
+            assert error["type"] == "server_error" and error["message"].startswith("engine unavailable: ")
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "unavailable"
+        assert (
+            health.json()["engine"]["engine_running"] is False and health.json()["engine"]["in_flight"] == 0
+        )
+    finally:
+        engine.shutdown()

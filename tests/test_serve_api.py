@@ -172,6 +172,16 @@ def test_missing_messages_and_bad_json(client, fake):
     )
     assert_400(resp, "body", "JSON")
     assert_400(post(client, {"messages": USER, "top_k": 999}, path="/v1/chat/completions"), "top_k", "200")
+    assert_400(post(client, {"messages": USER, "n": 3}), "n", "only 1 choice per request is supported, got 3")
+    not_utf8 = client.post(
+        "/chat/completions", content=b'{"messages": "\xff"}', headers={"content-type": "application/json"}
+    )
+    assert not_utf8.status_code == 400
+    assert not_utf8.json()["error"] == {
+        "message": "There was an error parsing the body", "type": "invalid_request_error", "param": "body", "code": None
+    }  # fmt: skip
+    missing = client.get("/no-such-page")
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "Not Found"
     assert fake.requests == []
 
 

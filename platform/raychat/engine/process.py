@@ -45,6 +45,9 @@ class EngineProcess:
         max_rows, max_len: the Scheduler's (KV rows; tokens per row, default the model's max_seq_len).
         torch_threads: torch intra-op threads of the child (default 1).
         start_timeout_s: seconds to wait for the child to load the model.
+        max_restarts: a child that exits unexpectedly is replaced by a new one (its live requests end with
+            finish_reason "error"; submit raises RuntimeError while it loads) at most this many times;
+            `restarts` counts them. A child that fails to start ends the EngineProcess (`running` False).
     Raises:
         ValueError: invalid max_rows / max_len (the child's Scheduler message).
         RuntimeError: the child failed to start or exited before it was ready.
@@ -58,11 +61,31 @@ class EngineProcess:
         max_len: int | None = None,
         torch_threads: int = 1,
         start_timeout_s: float = 300.0,
+        max_restarts: int = 100,
     ):
         from raychat.checkpoint import read_meta
 
         config = read_meta(checkpoint)["model_config"]
         self.vocab_size, self.max_seq_len = config["vocab_size"], config["max_seq_len"]
+        self._child_args = (str(checkpoint), device, max_rows, max_len, torch_threads)
+        self._start_timeout_s = start_timeout_s
+        self._proc, self._conn, ready = self._spawn()
+        self.max_rows, self.max_len = ready["max_rows"], ready["max_len"]
+        self.restarts = 0
+        self.max_restarts = max_restarts
+        self._restarting = False
+        self.last_error: BaseException | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._started: set[str] = set()  # requests that have a row (received their first event)
+        self._lock = threading.Lock()  # _streams, _started
+        self._send_lock = threading.Lock()
+        self._stopping = False
+        self._reader = threading.Thread(target=self._read, name="raychat-engine-reader", daemon=True)
+        self._reader.start()
+
+    def _spawn(self) -> tuple[subprocess.Popen, Connection, dict]:
+        """Start a child and wait until it has loaded the model; returns (process, connection, ready)."""
+        checkpoint = self._child_args[0]
         # A fresh interpreter (`python -m raychat.engine.process`), not multiprocessing: forking a process
         # that holds threads (Ray, torch) is unsafe, and spawn re-imports the caller's __main__ (a Ray
         # worker's entry script). The two ends of a socketpair carry pickled messages (Connection).
@@ -72,39 +95,31 @@ class EngineProcess:
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
         }
-        self._proc = subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "raychat.engine.process", str(child_sock.fileno())],
             pass_fds=(child_sock.fileno(),),
             env=env,
         )
         child_sock.close()
-        self._conn = Connection(parent_sock.detach())
-        self._conn.send((str(checkpoint), device, max_rows, max_len, torch_threads))
+        conn = Connection(parent_sock.detach())
+        conn.send(self._child_args)
         try:
-            if not self._conn.poll(start_timeout_s):
-                raise RuntimeError(f"engine process did not load {checkpoint} within {start_timeout_s} s")
-            kind, payload = self._conn.recv()
+            if not conn.poll(self._start_timeout_s):
+                raise RuntimeError(
+                    f"engine process did not load {checkpoint} within {self._start_timeout_s} s"
+                )
+            kind, payload = conn.recv()
         except EOFError:
-            raise RuntimeError(
-                f"engine process exited with code {self._proc.wait(5)} while starting"
-            ) from None
+            raise RuntimeError(f"engine process exited with code {proc.wait(5)} while starting") from None
         except BaseException:
-            self._proc.kill()
+            proc.kill()
             raise
         if kind == "failed":
-            self._proc.wait(5)
+            proc.wait(5)
             if payload.startswith("ValueError: "):
                 raise ValueError(payload.removeprefix("ValueError: "))
             raise RuntimeError(f"engine process failed to start: {payload}")
-        self.max_rows, self.max_len = payload["max_rows"], payload["max_len"]
-        self.last_error: BaseException | None = None
-        self._streams: dict[str, RequestStream] = {}
-        self._started: set[str] = set()  # requests that have a row (received their first event)
-        self._lock = threading.Lock()  # _streams, _started
-        self._send_lock = threading.Lock()
-        self._stopping = False
-        self._reader = threading.Thread(target=self._read, name="raychat-engine-reader", daemon=True)
-        self._reader.start()
+        return proc, conn, payload
 
     # ---- the Scheduler surface -------------------------------------------------------------------
     def submit(
@@ -125,7 +140,8 @@ class EngineProcess:
         stream = RequestStream(self, request_id, wake_every)
         with self._lock:
             if not self.running:
-                raise RuntimeError(f"engine process is not running ({self.last_error!r})")
+                state = f"stopped: {self.last_error}" if self.last_error else "stopping or restarting"
+                raise RuntimeError(f"engine process is not running ({state})")
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already live")
             self._streams[request_id] = stream
@@ -141,16 +157,24 @@ class EngineProcess:
         return True
 
     def step(self) -> int:
-        """Steps run in the child; a consumer gets here only once the child is gone: wait while the reader
-        thread is still ending the live streams, then raise RuntimeError."""
-        if self._reader.is_alive():
-            time.sleep(0.01)
-            return 0
-        raise RuntimeError(f"engine process is not running ({self.last_error!r})")
+        """Steps run in the child; a consumer gets here only while the child is gone, and its stream then
+        has (or is about to get) its final event: wait a moment."""
+        time.sleep(0.01)
+        return 0
 
     @property
     def running(self) -> bool:
-        return not self._stopping and self.last_error is None and self._proc.poll() is None
+        return (
+            not self._stopping
+            and not self._restarting
+            and self.last_error is None
+            and self._proc.poll() is None
+        )
+
+    @property
+    def restarting(self) -> bool:
+        """True while a new child replaces one that exited (submit raises RuntimeError meanwhile)."""
+        return self._restarting
 
     @property
     def num_active(self) -> int:
@@ -181,8 +205,10 @@ class EngineProcess:
             self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self._proc.kill()
-            self._proc.wait(timeout)
         self._reader.join(timeout)
+        if self._proc.poll() is None:  # a child started by a restart that raced with this stop
+            self._proc.kill()
+        self._proc.wait(timeout)
 
     # ---- the pipe ---------------------------------------------------------------------------------
     def _send(self, message: tuple) -> None:
@@ -191,6 +217,44 @@ class EngineProcess:
             self._conn.send(message)
 
     def _read(self) -> None:
+        while True:
+            self._read_until_exit()
+            try:
+                code = self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                code = self._proc.wait(5)
+            error = RuntimeError(f"engine process exited with code {code}")
+            with self._lock:
+                self._restarting = not self._stopping and self.restarts < self.max_restarts
+                live = list(self._streams.values())
+                self._streams.clear()
+                self._started.clear()
+                for stream in live:
+                    usage = Usage(0, 0, None, 0.0)
+                    stream._push(StreamEvent(stream.request_id, "", [], True, "error", usage, str(error)))
+                if self._stopping:
+                    return
+                if not self._restarting:
+                    self.last_error = error
+                    return
+            print(f"raychat engine: {error}; starting a new engine process", file=sys.stderr, flush=True)
+            try:
+                proc, conn, _ = self._spawn()
+            except Exception as e:  # noqa: BLE001 - kept as last_error; running stays False
+                with self._lock:
+                    self.last_error, self._restarting = e, False
+                return
+            with self._lock, self._send_lock:
+                self._proc, self._conn = proc, conn
+                self.restarts += 1
+                self._restarting = False
+                if self._stopping:  # stop() came while the new child loaded
+                    proc.kill()
+                    return
+
+    def _read_until_exit(self) -> None:
+        """Route every event from the child to its stream until the child's end of the socket closes."""
         try:
             while True:
                 _, events = self._conn.recv()
@@ -206,20 +270,6 @@ class EngineProcess:
                         stream._push(ev)
         except (EOFError, OSError):
             pass
-        try:
-            code = self._proc.wait(5)
-        except subprocess.TimeoutExpired:
-            code = None
-        error = RuntimeError(f"engine process exited with code {code}")
-        with self._lock:
-            live = list(self._streams.values())
-            self._streams.clear()
-            self._started.clear()
-            for stream in live:  # end every stream before `running` turns False
-                usage = Usage(0, 0, None, 0.0)
-                stream._push(StreamEvent(stream.request_id, "", [], True, "error", usage, str(error)))
-            if not self._stopping:
-                self.last_error = error
 
 
 def _child_main(conn: Connection) -> None:

@@ -9,7 +9,7 @@ Limits (a request outside any of them is answered 400, body {"error": {"message"
   temperature          0..2 (0 = greedy)                 top_k   integer 0..200 (0 = off)
   top_p                (0, 1]  (1 = off)                   max_tokens  integer 1..4096
   seed                 integer 0..2**63-1                  stop    a string or a list of 1..4 strings of
-                                                                   1..64 characters
+  n                    1 (one choice per request)                  1..64 characters
 Numbers are strict: "0.5" (a string) or true is a wrong type, not a number; integers are accepted for
 floats. Unknown fields are ignored (OpenAI clients send extras such as "user").
 
@@ -75,6 +75,14 @@ class ChatRequest(BaseModel):
     stop: Any = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    n: StrictInt | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError(f"only 1 choice per request is supported, got {n}")
+        return n
 
     @field_validator("messages")
     @classmethod

@@ -200,9 +200,10 @@ class ChatEngineDeployment:
         return {**self.engine.stats(), "rss_bytes": rss}
 
     def check_health(self) -> None:
-        """Serve's health check: the scheduler thread must be alive."""
-        if not self.engine.scheduler.running:
-            raise RuntimeError(f"scheduler thread stopped: {self.engine.scheduler.last_error!r}")
+        """Serve's health check: the scheduler (thread or engine process) must be running or restarting."""
+        scheduler = self.engine.scheduler
+        if not scheduler.running and not getattr(scheduler, "restarting", False):
+            raise RuntimeError(f"scheduler stopped: {scheduler.last_error!r}")
 
     def __del__(self):
         engine = getattr(self, "engine", None)

@@ -22,14 +22,31 @@ def start(
     import ray
     from ray import serve
 
-    from raychat.serve.app import build_app
+    from raychat.serve.app import build_app, parse_args
 
-    application = build_app(
-        {"checkpoint": checkpoint, **{k: v for k, v in app_args.items() if v is not None}}
-    )
+    args = {"checkpoint": checkpoint, **{k: v for k, v in app_args.items() if v is not None}}
+    application = build_app(args)
+    local = not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": host, "port": port})
+    if local:  # a cluster of this machine only never grows: refuse what would wait forever for CPUs
+        a = parse_args(args)
+        need = max(1, a["min_replicas"]) * a["num_cpus"] + a["ingress_num_cpus"]
+        have = ray.cluster_resources().get("CPU", 0)
+        if need > have:
+            ray.shutdown()
+            raise ValueError(
+                f"{max(1, a['min_replicas'])} engine replica(s) x --num-cpus {a['num_cpus']} + the ingress' "
+                f"{a['ingress_num_cpus']} CPU = {need} CPUs, but this machine's Ray cluster has {have}; "
+                "lower --min-replicas or --num-cpus"
+            )
+    try:
+        serve.start(http_options={"host": host, "port": port})
+    except RuntimeError as e:
+        if "Failed to bind" not in str(e):
+            raise
+        ray.shutdown()
+        raise OSError(f"cannot listen on {host}:{port} (in use?); pick another with --port") from None
     serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown}:{port}/"

@@ -7,7 +7,8 @@ Endpoints
   POST /v1/chat/completions  OpenAI-compatible, stream true or false (usage, finish_reason, stop,
                              temperature, top_p, max_tokens, seed; top_k as an extension)
   GET  /v1/models            the served model, with template_version and tokenizer_version
-  GET  /health               {"status": "ok", template_version, ..., "engine": replica stats}
+  GET  /health               {"status": "ok", template_version, ..., "engine": replica stats}; 503 and
+                             "unavailable" while the replica's engine process is down
   GET  /                     the chat web page (static/chat.html)
 
 Before any parsing: a body over `max_body_bytes` -> 413; with `api_key` set, POST endpoints and /v1/models
@@ -31,6 +32,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raychat.serve.api import MAX_BODY_BYTES, ChatRequest, error_body, validation_error_body
 from raychat.serve.sse import OpenAIChunks, openai_completion, sse_event
@@ -103,10 +105,12 @@ async def _send_json(send, status: int, body: dict, extra_headers: dict | None =
 
 def _error_response(event: dict) -> JSONResponse:
     """An engine's rejection as HTTP: "param: message" (the field first, as for validation errors)."""
-    param, message = event.get("param"), event["message"]
+    param, message, status = event.get("param"), event["message"], event.get("status", 500)
     if param and not message.startswith(f"{param}: "):
         message = f"{param}: {message}"
-    return JSONResponse(error_body(message, param), status_code=event.get("status", 500))
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    headers = {"Retry-After": "5"} if status == 503 else None
+    return JSONResponse(error_body(message, param, kind), status_code=status, headers=headers)
 
 
 async def _start(engine, request: ChatRequest):
@@ -146,6 +150,14 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
     async def _invalid(_request: Request, exc: RequestValidationError):
         return JSONResponse(validation_error_body(list(exc.errors())), status_code=400)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException):
+        """FastAPI's own errors (unknown path, bad method, a body that is not JSON/UTF-8) in the same shape."""
+        param = "body" if exc.status_code == 400 else None
+        return JSONResponse(
+            error_body(str(exc.detail), param), status_code=exc.status_code, headers=exc.headers
+        )
+
     @app.get("/", response_class=HTMLResponse)
     async def page():
         return HTMLResponse((STATIC_DIR / "chat.html").read_text())
@@ -153,8 +165,11 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
     @app.get("/health")
     async def health():
         meta = await info()
-        return {"status": "ok", **{k: meta.get(k) for k in ("model_id", "template_version", "tokenizer_version")},
-                "engine": await engine.stats()}  # fmt: skip
+        stats = await engine.stats()
+        up = stats.get("engine_running", True)
+        body = {"status": "ok" if up else "unavailable",
+                **{k: meta.get(k) for k in ("model_id", "template_version", "tokenizer_version")}, "engine": stats}  # fmt: skip
+        return JSONResponse(body, status_code=200 if up else 503)
 
     @app.get("/v1/models")
     async def models():

@@ -7,9 +7,10 @@ Events yielded by `ChatEngine.generate(request)` (request = ChatRequest.to_engin
                                                                 `tokens` completion tokens (stream_interval)
   {"type": "done", "finish_reason": "stop"|"length", "usage": {prompt_tokens, completion_tokens,
    total_tokens, ttft_s}}                                       last event of a success
-  {"type": "error", "status": 400|500, "message": str, "param": str|None}
+  {"type": "error", "status": 400|500|503, "message": str, "param": str|None}
                                                                 first and only event of a rejected request
-                                                                (400), or last event of a failed one (500)
+                                                                (400; 503 while the engine process is down),
+                                                                or last event of a failed one (500)
 In-flight accounting: `in_flight` counts generate() calls between entry and exit (success, rejection,
 error, cancellation alike); it returns to 0 when every consumer has finished or left.
 """
@@ -120,9 +121,11 @@ class ChatEngine:
 
     def stats(self) -> dict:
         """Counters of this replica: in_flight, running (rows decoding), waiting (queued), completed,
-        cancelled, rejected, free_rows, max_rows."""
+        cancelled, rejected, free_rows, max_rows, and engine_running (False while an engine process is
+        down)."""
         s = self.scheduler
         return {
+            "engine_running": s.running,
             "in_flight": self.in_flight,
             "running": s.num_active,
             "waiting": s.num_pending,
@@ -161,6 +164,10 @@ class ChatEngine:
             except ValueError as e:
                 self.rejected += 1
                 yield {"type": "error", "status": 400, "message": str(e), "param": param}
+                return
+            except RuntimeError as e:  # the engine process is down (being replaced): retry later
+                self.rejected += 1
+                yield {"type": "error", "status": 503, "message": f"engine unavailable: {e}", "param": None}
                 return
             self._publish_gauges()
             last = None
