@@ -14,7 +14,9 @@ pickled tuples):
                     step produced, in one message
 The parent checks prompts itself (same rules and messages as Scheduler.submit), so a bad request still
 raises ValueError at submit(). If the child dies, every live request ends with finish_reason "error" and
-`running` turns False (a Serve health check then replaces the replica).
+a new child loads the model (`running` is False and submit raises RuntimeError meanwhile); only when that
+fails, or after max_restarts, does the EngineProcess stay down (a Serve health check then replaces the
+replica).
 """
 
 from __future__ import annotations
@@ -246,6 +248,7 @@ class EngineProcess:
                     self.last_error, self._restarting = e, False
                 return
             with self._lock, self._send_lock:
+                self._conn.close()
                 self._proc, self._conn = proc, conn
                 self.restarts += 1
                 self._restarting = False
