@@ -38,7 +38,7 @@ from raychat.engine.scheduler import RequestStream, StreamEvent, Usage, check_fi
 
 class EngineProcess:
     """A Scheduler over the checkpoint's model, run in a child process; the same surface as a
-    started Scheduler for raychat.serve.replica.ChatEngine: submit, cancel, running, num_active,
+    started Scheduler for raychat.serve.replica.ChatEngine: submit, cancel, running, restarting, num_active,
     num_pending, num_free_rows, max_rows, max_len, last_error, start (no-op), stop.
 
     Args:
@@ -134,8 +134,6 @@ class EngineProcess:
         """Queue a request in the child; returns its RequestStream. Raises ValueError as Scheduler.submit,
         RuntimeError when the engine process is not running."""
         params = params or SamplingParams()
-        if not isinstance(wake_every, int) or wake_every < 1:
-            raise ValueError(f"wake_every must be an int >= 1, got {wake_every!r}")
         ids = check_prompt(prompt, self.vocab_size, self.max_seq_len)
         check_fits_row(ids, self.max_len)
         request_id = request_id or uuid.uuid4().hex

@@ -68,6 +68,8 @@ class RequestStream:
     """
 
     def __init__(self, scheduler: Scheduler, request_id: str, wake_every: int = 1):
+        if not isinstance(wake_every, int) or wake_every < 1:
+            raise ValueError(f"wake_every must be an int >= 1, got {wake_every!r}")
         self.request_id = request_id
         self._scheduler = scheduler
         self._events: collections.deque[StreamEvent] = collections.deque()
@@ -219,8 +221,6 @@ class Scheduler:
         """Queue a request; returns its RequestStream (wake_every: see RequestStream). Raises ValueError for
         a bad prompt or duplicate id."""
         params = params or SamplingParams()
-        if not isinstance(wake_every, int) or wake_every < 1:
-            raise ValueError(f"wake_every must be an int >= 1, got {wake_every!r}")
         ids = check_fits_row(self.engine.check_prompt(prompt), self.max_len)
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(self, request_id, wake_every)
@@ -259,6 +259,11 @@ class Scheduler:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def restarting(self) -> bool:
+        """Always False: a stopped scheduler thread stays stopped (an EngineProcess may restart)."""
+        return False
 
     def start(self) -> None:
         """Run steps in a daemon thread (idempotent)."""

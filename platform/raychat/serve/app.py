@@ -202,7 +202,7 @@ class ChatEngineDeployment:
     def check_health(self) -> None:
         """Serve's health check: the scheduler (thread or engine process) must be running or restarting."""
         scheduler = self.engine.scheduler
-        if not scheduler.running and not getattr(scheduler, "restarting", False):
+        if not scheduler.running and not scheduler.restarting:
             raise RuntimeError(f"scheduler stopped: {scheduler.last_error!r}")
 
     def __del__(self):
