@@ -1,6 +1,6 @@
 """Decode throughput of the raychat engine on this machine, side by side in one run.
 
-1. tokens/s of `Engine.generate_batch` (greedy, KV cache) at batch 1, 8 and 32;
+1. tokens/s of `ModelRunner.generate_batch` (greedy, KV cache) at batch 1, 8 and 32;
 2. KV-cache decode vs recompute without a cache (a full forward over the whole sequence for every new
    token, batch 1), both generating the same number of new tokens; the ratio is the speed-up.
 tokens/s = new tokens generated / wall seconds of the whole call (prefill of the short prompt included).
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from raychat.engine import Engine
+from raychat.engine import ModelRunner
 from raychat.model import GPT, ModelConfig
 from raychat.tokenizer import SPECIAL_TOKENS, SPLIT_PATTERN, Tokenizer
 
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
 
     tok = synthetic_tokenizer(args.vocab)
     model = random_model(tok, args.depth, args.prompt_len + args.new_tokens + 1)
-    engine = Engine(model, tok)
+    engine = ModelRunner(model, tok)
     g = torch.Generator().manual_seed(1)
     ordinary = tok.vocab_size - len(SPECIAL_TOKENS)
 
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     cfg = model.config
     base = rows[0][3]
     lines = [
-        "# Engine decode throughput (CPU)",
+        "# ModelRunner decode throughput (CPU)",
         "",
         f"Command: `{' '.join(shlex.quote(a) for a in ['python', 'bench/engine_decode.py', *(argv or sys.argv[1:])])}`",
         "",
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         "",
         f"| batch 1, {args.new_tokens} new tokens | seconds | tokens/s |",
         "|---|---:|---:|",
-        f"| KV cache (Engine.generate_batch) | {t_cache:.2f} | {args.new_tokens / t_cache:.0f} |",
+        f"| KV cache (ModelRunner.generate_batch) | {t_cache:.2f} | {args.new_tokens / t_cache:.0f} |",
         f"| no cache (full forward per token) | {t_ref:.2f} | {args.new_tokens / t_ref:.0f} |",
         f"| **speed-up** | | **{t_ref / t_cache:.2f}x** |",
         "",

@@ -41,13 +41,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from raychat.checkpoint import load_model
-    from raychat.engine import Engine
+    from raychat.engine import ModelRunner
     from raychat.export.hf import export_hf
 
     model, tokenizer, _ = load_model(a.checkpoint)
     prompt = tokenizer.encode("The Python standard library", prepend_bos=True)
     n = min(a.new_tokens, model.config.max_seq_len - len(prompt))
-    engine = Engine(model, tokenizer)
+    engine = ModelRunner(model, tokenizer)
     t_rc, res = best_of(lambda: engine.generate_batch([prompt], max_tokens=n, temperature=0.0), a.repeats)
     rc_new = len(res[0].completion_tokens)
 
@@ -72,7 +72,7 @@ def main() -> None:
         "",
         "| engine | new tokens | best wall s | tokens/s |",
         "|---|---:|---:|---:|",
-        f"| raychat Engine.generate_batch | {rc_new} | {t_rc:.3f} | {rc_new / t_rc:,.0f} |",
+        f"| raychat ModelRunner.generate_batch | {rc_new} | {t_rc:.3f} | {rc_new / t_rc:,.0f} |",
         f"| transformers generate | {hf_new} | {t_hf:.3f} | {hf_new / t_hf:,.0f} |",
         "",
         f"ratio raychat / transformers: **{(rc_new / t_rc) / (hf_new / t_hf):.2f}x**; identical greedy tokens: {same}",

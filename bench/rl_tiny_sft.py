@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from raychat.chat_template import render_conversation, render_for_completion
 from raychat.checkpoint import save_model
-from raychat.engine import Engine
+from raychat.engine import ModelRunner
 from raychat.model import GPT, ModelConfig
 from raychat.tasks import Calculator
 from raychat.tokenizer import Tokenizer
@@ -25,7 +25,7 @@ from raychat.tokenizer import Tokenizer
 
 def pass_at_1(model, tok, task, n, temperature, samples=1, max_tokens=40) -> float:
     model.eval()
-    eng = Engine(model, tok)
+    eng = ModelRunner(model, tok)
     convs = [task[i] for i in range(n)]
     prompts = [render_for_completion(tok, c["messages"][:-1]) for c in convs]
     res = eng.generate_batch(

@@ -15,7 +15,7 @@ Reported:
   TTFT p50/p99    request sent -> first delta event received, seconds
   ITL p50/p99     gap between consecutive delta events of one request, ms; with stream_interval k
                   (serve.app) an event carries up to k tokens
-Batching comparison: the same 16-stream load against max_rows=--max-rows (continuous batching) and max_rows=1
+Batching comparison: the same 16-stream load against max_slots=--max-slots (continuous batching) and max_slots=1
 (one request at a time per replica), one replica each, at every --ratio-intervals stream interval (both modes
 use the same interval, so they pay the same transport per event). Soak: 16 streams for --soak-s seconds;
 errors and the engine replica's resident memory (RSS) at the start and end of the soak.
@@ -146,7 +146,7 @@ def tiny_checkpoint(directory: Path, depth: int) -> Path:
 
 def deploy(
     checkpoint: str,
-    max_rows: int,
+    max_slots: int,
     num_cpus: float,
     torch_threads: int | None,
     stream_interval: int,
@@ -161,16 +161,16 @@ def deploy(
         raise SystemExit(
             f"--num-cpus {num_cpus} + the ingress' {DEFAULTS['ingress_num_cpus']} exceed the cluster's CPUs"
         )
-    app = build_app({"checkpoint": checkpoint, "max_rows": max_rows, "num_cpus": num_cpus, "torch_threads": torch_threads,
+    app = build_app({"checkpoint": checkpoint, "max_slots": max_slots, "num_cpus": num_cpus, "torch_threads": torch_threads,
                      "stream_interval": stream_interval, "engine_process": engine_process, "min_replicas": 1, "max_replicas": 1, "max_ongoing_requests": 128})  # fmt: skip
     serve.run(app, name="raychat", route_prefix="/")
 
 
 def replica_rss_bytes() -> int:
-    """Resident memory of the (single) ChatEngine replica and its engine process, as its stats() reports it."""
+    """Resident memory of the (single) ChatServer replica and its engine process, as its stats() reports it."""
     from ray import serve
 
-    return serve.get_deployment_handle("ChatEngine", app_name="raychat").stats.remote().result()["rss_bytes"]
+    return serve.get_deployment_handle("ChatServer", app_name="raychat").stats.remote().result()["rss_bytes"]
 
 
 def table(rows: list[dict]) -> str:
@@ -195,7 +195,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs the engine replica reserves")
     p.add_argument("--torch-threads", type=int, help="torch threads of the replica (default: its --num-cpus)")
-    p.add_argument("--max-rows", type=int, default=64, help="KV rows of the continuous-batching replica")
+    p.add_argument("--max-slots", type=int, default=64, help="KV rows of the continuous-batching replica")
     p.add_argument(
         "--stream-interval",
         type=int,
@@ -231,11 +231,11 @@ def main() -> int:
               f"max_tokens uniform in [{a.max_tokens // 2}, {a.max_tokens * 3 // 2}], temperature 1.0, {a.duration_s:.0f} s per measurement, engine replica: "
               f"{a.num_cpus} CPU, torch threads {a.torch_threads or 'default'}, engine_process {a.engine_process}", ""]  # fmt: skip
 
-    deploy(ckpt, a.max_rows, a.num_cpus, a.torch_threads, a.stream_interval, a.engine_process)
+    deploy(ckpt, a.max_slots, a.num_cpus, a.torch_threads, a.stream_interval, a.engine_process)
     asyncio.run(run_level(url, 2, 2.0, 8))  # warm-up
     rows = [asyncio.run(run_level(url, c, a.duration_s, a.max_tokens)) for c in a.concurrency]
     report += [
-        f"## Concurrency (one replica, max_rows={a.max_rows}, stream_interval={a.stream_interval})",
+        f"## Concurrency (one replica, max_slots={a.max_slots}, stream_interval={a.stream_interval})",
         "",
         table(rows),
         "",
@@ -247,8 +247,8 @@ def main() -> int:
                "|---|---|---|---|---|---|"]  # fmt: skip
     for interval in a.ratio_intervals:
         pair = []
-        for max_rows in (a.max_rows, 1):
-            deploy(ckpt, max_rows, a.num_cpus, a.torch_threads, interval, a.engine_process)
+        for max_slots in (a.max_slots, 1):
+            deploy(ckpt, max_slots, a.num_cpus, a.torch_threads, interval, a.engine_process)
             asyncio.run(run_level(url, 2, 2.0, 8))  # warm-up
             pair.append(asyncio.run(run_level(url, 16, a.duration_s, a.max_tokens)))
         batched, single = pair
@@ -261,7 +261,7 @@ def main() -> int:
     report.append("")
 
     if a.soak_s > 0:
-        deploy(ckpt, a.max_rows, a.num_cpus, a.torch_threads, a.stream_interval, a.engine_process)
+        deploy(ckpt, a.max_slots, a.num_cpus, a.torch_threads, a.stream_interval, a.engine_process)
         asyncio.run(run_level(url, 16, 5.0, a.max_tokens))  # warm-up before the first RSS sample
         rss0 = replica_rss_bytes()
         soak = asyncio.run(run_level(url, 16, a.soak_s, a.max_tokens))

@@ -1,4 +1,4 @@
-"""Engine: KV-cache greedy == no-cache loop, mixed-length batches, independent samples, tool use, budget."""
+"""ModelRunner: KV-cache greedy == no-cache loop, mixed-length batches, independent samples, tool use, budget."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from engine_fixtures import (
     uniform_two_token_model,
 )
 
-from raychat.engine import Engine, KVBudgetError, KVCache
+from raychat.engine import KVBudgetError, KVCache, ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_greedy_equals_no_cache_reference(tok, model):
     prompt = [tok.bos_id, *tok.encode("hello there")]
     ref = reference_greedy(model, prompt, 24, stop_ids(tok))
     assert len(ref) == 24  # special tokens have logit 0 and never win: the run is 24 tokens long
-    (res,) = Engine(model, tok).generate_batch([prompt], max_tokens=24, temperature=0.0)
+    (res,) = ModelRunner(model, tok).generate_batch([prompt], max_tokens=24, temperature=0.0)
     assert res.completion_tokens == ref
     assert res.tokens[: len(prompt)] == prompt
     assert res.mask == [0] * len(prompt) + [1] * 24
@@ -43,7 +43,7 @@ def test_greedy_equals_no_cache_reference(tok, model):
 
 def test_mixed_length_batch_equals_alone(tok, model):
     prompts = [[tok.bos_id, *tok.encode(s)] for s in ("a", "the quick brown fox", "1+1=", "xyzzy plugh")]
-    engine = Engine(model, tok)
+    engine = ModelRunner(model, tok)
     batch = engine.generate_batch(prompts, num_samples=2, max_tokens=12, temperature=0.0)
     assert [(r.prompt_index, r.sample_index) for r in batch] == [(i, j) for i in range(4) for j in range(2)]
     for i, p in enumerate(prompts):
@@ -59,7 +59,7 @@ def test_stub_row_stops_cost_no_compute(tok):
     a = ord("a")
     model = scripted_model(tok.vocab_size, {2: end, 4: a, 5: a, 6: a}, default=a)
     prompts = [[tok.bos_id, a], [tok.bos_id, a, a, a]]
-    res = Engine(model, tok).generate_batch(prompts, max_tokens=3, temperature=0.0)
+    res = ModelRunner(model, tok).generate_batch(prompts, max_tokens=3, temperature=0.0)
     assert res[0].completion_tokens == [end] and res[0].finish_reason == "stop"
     assert res[0].text == ""
     assert res[1].completion_tokens == [a, a, a] and res[1].finish_reason == "length"
@@ -69,7 +69,7 @@ def test_stub_row_stops_cost_no_compute(tok):
 
 def test_samples_independent_from_first_token(tok):
     a, b = ord("a"), ord("b")
-    engine = Engine(uniform_two_token_model(tok.vocab_size, a, b), tok)
+    engine = ModelRunner(uniform_two_token_model(tok.vocab_size, a, b), tok)
     hot = engine.generate_batch([[tok.bos_id]], num_samples=64, max_tokens=1, temperature=1.0, seed=0)
     firsts = [r.completion_tokens[0] for r in hot]
     assert set(firsts) == {a, b}  # P(all 64 equal) = 2 * 2**-64
@@ -87,7 +87,7 @@ def _tool_run(tok, expression: str):
     body = [ps, *tok.encode(expression), pe]
     script = {len(prompt) + i: t for i, t in enumerate(body)}
     model = scripted_model(tok.vocab_size, script, default=end, max_seq_len=len(prompt) + len(body) + 16)
-    (res,) = Engine(model, tok).generate_batch([prompt], max_tokens=len(body) + 10, temperature=0.0)
+    (res,) = ModelRunner(model, tok).generate_batch([prompt], max_tokens=len(body) + 10, temperature=0.0)
     return prompt, body, res
 
 
@@ -127,15 +127,15 @@ def test_kv_budget_error_names_numbers(tok, model):
     with pytest.raises(
         KVBudgetError, match=r"4 rows x 15 tokens needs 30720 bytes.*kv_budget_bytes is 30719"
     ):
-        Engine(model, tok, kv_budget_bytes=30719).generate_batch(prompts, num_samples=2, max_tokens=10)
-    ok = Engine(model, tok, kv_budget_bytes=30720).generate_batch(prompts, num_samples=2, max_tokens=10)
+        ModelRunner(model, tok, kv_budget_bytes=30719).generate_batch(prompts, num_samples=2, max_tokens=10)
+    ok = ModelRunner(model, tok, kv_budget_bytes=30720).generate_batch(prompts, num_samples=2, max_tokens=10)
     assert len(ok) == 4
 
 
 def test_generation_stops_at_max_seq_len(tok):
     a = ord("a")
     model = scripted_model(tok.vocab_size, {}, default=a, max_seq_len=8)
-    (res,) = Engine(model, tok).generate_batch([[tok.bos_id] * 5], max_tokens=100, temperature=0.0)
+    (res,) = ModelRunner(model, tok).generate_batch([[tok.bos_id] * 5], max_tokens=100, temperature=0.0)
     assert res.completion_tokens == [a, a, a] and res.finish_reason == "length"
 
 
@@ -144,7 +144,7 @@ def test_engine_stop_string(tok):
     ids = [ord(c) for c in "abc"] + [256, ord("G"), 257, ord("J")] + [ord(c) for c in "xyz"]
     assert tok.decode(ids) == text
     model = scripted_model(tok.vocab_size, {1 + i: t for i, t in enumerate(ids)}, default=ord("q"))
-    (res,) = Engine(model, tok).generate_batch(
+    (res,) = ModelRunner(model, tok).generate_batch(
         [[tok.bos_id]], max_tokens=20, temperature=0.0, stop=["DEFGHIJ"]
     )
     assert res.text == "abc"
@@ -164,11 +164,11 @@ def test_engine_stop_string(tok):
 )
 def test_bad_arguments_name_the_field(tok, model, kwargs, field):
     with pytest.raises(ValueError, match=field):
-        Engine(model, tok).generate_batch([[tok.bos_id]], **kwargs)
+        ModelRunner(model, tok).generate_batch([[tok.bos_id]], **kwargs)
 
 
 def test_bad_prompts(tok, model):
-    engine = Engine(model, tok)
+    engine = ModelRunner(model, tok)
     with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
         engine.generate_batch([[1], []])
     with pytest.raises(ValueError, match="outside 0..266"):

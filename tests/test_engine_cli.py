@@ -8,11 +8,11 @@ import sys
 import pytest
 from engine_fixtures import byte_tokenizer, tiny_gpt
 
+from raychat.chat.cli import assistant_message
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import save_model
 from raychat.cli import main
-from raychat.engine import Engine
-from raychat.engine.cli import assistant_message
+from raychat.engine import ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def checkpoint(tmp_path_factory):
 
 
 def expected_reply(model, tok, messages, max_tokens):
-    (res,) = Engine(model, tok).generate_batch(
+    (res,) = ModelRunner(model, tok).generate_batch(
         [render_for_completion(tok, messages)], max_tokens=max_tokens, temperature=0.0
     )
     return res

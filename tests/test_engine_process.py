@@ -12,9 +12,9 @@ import pytest
 from serve_helpers import write_tiny_checkpoint
 
 from raychat.checkpoint import load_model
-from raychat.engine import Engine, SamplingParams, Scheduler
+from raychat.engine import ModelRunner, SamplingParams, Scheduler
 from raychat.engine.process import EngineProcess
-from raychat.serve.replica import ChatEngine
+from raychat.serve.server import ChatServer
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -26,7 +26,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine_process(checkpoint):
-    proc = EngineProcess(checkpoint, max_rows=3, max_len=64)
+    proc = EngineProcess(checkpoint, max_slots=3, max_len=64)
     yield proc
     proc.stop()
 
@@ -43,7 +43,7 @@ def drain(stream):
 
 def test_same_tokens_as_the_in_process_scheduler(checkpoint, engine_process):
     model, tokenizer, _ = load_model(checkpoint)
-    local = Scheduler(Engine(model, tokenizer), max_rows=3, max_len=64)
+    local = Scheduler(ModelRunner(model, tokenizer), max_slots=3, max_len=64)
     local.start()
     try:
         expected = [drain(s) for s in [local.submit(p, GREEDY) for p in prompts(tokenizer)]]
@@ -54,7 +54,7 @@ def test_same_tokens_as_the_in_process_scheduler(checkpoint, engine_process):
     assert engine_process.num_pending + engine_process.num_active == 4
     assert [drain(s) for s in streams] == expected
     assert [len(e) for e in expected] == [12] * 4 and expected[0][-1][3] == "length"
-    assert (engine_process.num_active, engine_process.num_pending, engine_process.num_free_rows) == (0, 0, 3)
+    assert (engine_process.num_active, engine_process.num_pending, engine_process.num_free_slots) == (0, 0, 3)
 
 
 def test_async_consumer_cancel_and_bad_prompts(checkpoint, engine_process):
@@ -83,7 +83,7 @@ def test_async_consumer_cancel_and_bad_prompts(checkpoint, engine_process):
 
 
 def test_child_death_ends_live_streams_and_a_new_child_takes_over(checkpoint):
-    proc = EngineProcess(checkpoint, max_rows=2, max_len=256)
+    proc = EngineProcess(checkpoint, max_slots=2, max_len=256)
     _, tokenizer, _ = load_model(checkpoint)
     try:
         expected = drain(proc.submit([tokenizer.bos_id], GREEDY))
@@ -104,7 +104,7 @@ def test_child_death_ends_live_streams_and_a_new_child_takes_over(checkpoint):
 
 
 def test_no_restarts_left_stops_the_engine(checkpoint):
-    proc = EngineProcess(checkpoint, max_rows=2, max_len=64, max_restarts=0)
+    proc = EngineProcess(checkpoint, max_slots=2, max_len=64, max_restarts=0)
     _, tokenizer, _ = load_model(checkpoint)
     try:
         os.kill(proc._proc.pid, signal.SIGKILL)
@@ -119,14 +119,14 @@ def test_no_restarts_left_stops_the_engine(checkpoint):
 
 
 def test_start_errors(checkpoint, tmp_path):
-    with pytest.raises(ValueError, match="max_rows must be an int >= 1, got 0"):
-        EngineProcess(checkpoint, max_rows=0)
+    with pytest.raises(ValueError, match="max_slots must be an int >= 1, got 0"):
+        EngineProcess(checkpoint, max_slots=0)
     with pytest.raises(FileNotFoundError, match="not a raychat checkpoint"):
         EngineProcess(tmp_path)
 
 
 def test_chat_engine_over_an_engine_process(checkpoint):
-    """ChatEngine.from_checkpoint(engine_process=True) streams the same reply as the in-process ChatEngine."""
+    """ChatServer.from_checkpoint(engine_process=True) streams the same reply as the in-process ChatServer."""
     request = {
         "messages": [{"role": "user", "content": "Tell me about json."}],
         "max_tokens": 10,
@@ -140,9 +140,9 @@ def test_chat_engine_over_an_engine_process(checkpoint):
         finally:
             engine.shutdown()
 
-    local, _ = asyncio.run(reply(ChatEngine.from_checkpoint(checkpoint, max_rows=2)))
+    local, _ = asyncio.run(reply(ChatServer.from_checkpoint(checkpoint, max_slots=2)))
     remote, stats = asyncio.run(
-        reply(ChatEngine.from_checkpoint(checkpoint, engine_process=True, max_rows=2))
+        reply(ChatServer.from_checkpoint(checkpoint, engine_process=True, max_slots=2))
     )
     strip = lambda events: [{k: v for k, v in e.items() if k != "usage"} for e in events]  # noqa: E731
     assert strip(remote) == strip(local) and remote[-1]["usage"]["completion_tokens"] == 10
@@ -153,12 +153,12 @@ def test_http_while_the_engine_process_is_down(checkpoint):
     """A replica whose engine process is gone answers 503 with a JSON error, and /health says so."""
     from fastapi.testclient import TestClient
 
-    from raychat.serve.ingress import LocalEngineClient, create_app
+    from raychat.serve.ingress import LocalClient, create_app
 
-    engine = ChatEngine.from_checkpoint(checkpoint, engine_process=True, max_rows=2)
+    engine = ChatServer.from_checkpoint(checkpoint, engine_process=True, max_slots=2)
     try:
         engine.scheduler.max_restarts = 0
-        client = TestClient(create_app(LocalEngineClient(engine)))
+        client = TestClient(create_app(LocalClient(engine)))
         assert client.get("/health").json()["status"] == "ok"
         os.kill(engine.scheduler._proc.pid, signal.SIGKILL)
         engine.scheduler._reader.join(10)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from engine_fixtures import byte_tokenizer, scripted_model, tiny_gpt
 
-from raychat.engine import Engine, KVBudgetError, SamplingParams, Scheduler
+from raychat.engine import KVBudgetError, ModelRunner, SamplingParams, Scheduler
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
@@ -19,7 +19,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def engine(tok):
-    return Engine(tiny_gpt(tok), tok)
+    return ModelRunner(tiny_gpt(tok), tok)
 
 
 def prompt(tok, s):
@@ -35,20 +35,20 @@ def drain(stream):
 def test_stream_equals_generate_batch(tok, engine):
     p = prompt(tok, "stream me")
     (ref,) = engine.generate_batch([p], max_tokens=10, temperature=0.0)
-    sched = Scheduler(engine, max_rows=2, max_len=64)
+    sched = Scheduler(engine, max_slots=2, max_len=64)
     events = drain(sched.submit(p, GREEDY, request_id="r1"))
     assert [t for e in events for t in e.token_ids] == ref.completion_tokens
     assert "".join(e.text for e in events) == ref.text
     last = events[-1]
     assert last.finish_reason == "length" and last.request_id == "r1"
     assert last.usage.prompt_tokens == len(p) and last.usage.completion_tokens == 10
-    assert sched.num_free_rows == 2
+    assert sched.num_free_slots == 2
 
 
 def test_late_admission_and_queueing(tok, engine):
     prompts = [prompt(tok, s) for s in ("first one", "b", "a third prompt here")]
     refs = engine.generate_batch(prompts, max_tokens=10, temperature=0.0)
-    sched = Scheduler(engine, max_rows=2, max_len=64)
+    sched = Scheduler(engine, max_slots=2, max_len=64)
     streams = [sched.submit(prompts[0], GREEDY)]
     for _ in range(3):
         sched.step()
@@ -63,15 +63,15 @@ def test_late_admission_and_queueing(tok, engine):
 
 
 def test_cancel_frees_row_within_one_step_and_is_idempotent(tok, engine):
-    sched = Scheduler(engine, max_rows=2, max_len=64)
+    sched = Scheduler(engine, max_slots=2, max_len=64)
     stream = sched.submit(prompt(tok, "long"), SamplingParams(max_tokens=50, temperature=0.0), request_id="c")
     sched.step()
     sched.step()
-    assert sched.num_free_rows == 1
+    assert sched.num_free_slots == 1
     assert sched.cancel("c") is True
     assert sched.cancel("c") is False  # second call: harmless no-op
     sched.step()
-    assert sched.num_free_rows == 2
+    assert sched.num_free_slots == 2
     assert sched.cancel("c") is False
     events = drain(stream)
     assert events[-1].finish_reason == "cancelled" and events[-1].usage.completion_tokens == 2
@@ -79,7 +79,7 @@ def test_cancel_frees_row_within_one_step_and_is_idempotent(tok, engine):
 
 
 def test_cancel_pending_request(tok, engine):
-    sched = Scheduler(engine, max_rows=1, max_len=64)
+    sched = Scheduler(engine, max_slots=1, max_len=64)
     sched.submit(prompt(tok, "a"), GREEDY)
     waiting = sched.submit(prompt(tok, "b"), GREEDY, request_id="w")
     sched.step()
@@ -94,7 +94,7 @@ def test_tool_and_stop_through_scheduler(tok):
     ps, pe = tok.special_id("<|python_start|>"), tok.special_id("<|python_end|>")
     body = [ps, *tok.encode("2*21"), pe]
     model = scripted_model(tok.vocab_size, {1 + i: t for i, t in enumerate(body)}, default=ord("!"))
-    sched = Scheduler(Engine(model, tok), max_rows=1, max_len=64)
+    sched = Scheduler(ModelRunner(model, tok), max_slots=1, max_len=64)
     events = drain(sched.submit([tok.bos_id], SamplingParams(max_tokens=30, temperature=0, stop=["!!"])))
     text = "".join(e.text for e in events)
     assert text == "<|python_start|>2*21<|python_end|><|output_start|>42<|output_end|>"
@@ -104,7 +104,7 @@ def test_tool_and_stop_through_scheduler(tok):
 def test_async_stream_with_background_thread(tok, engine):
     p = prompt(tok, "async")
     (ref,) = engine.generate_batch([p], max_tokens=10, temperature=0.0)
-    sched = Scheduler(engine, max_rows=2, max_len=64)
+    sched = Scheduler(engine, max_slots=2, max_len=64)
     sched.start()
     try:
 
@@ -126,7 +126,7 @@ def test_async_wake_every_batches_wakeups_without_changing_events(tok, engine, m
     wakes = []
     real_resolve = scheduler_module._resolve
     monkeypatch.setattr(scheduler_module, "_resolve", lambda f: (wakes.append(1), real_resolve(f)))
-    sched = Scheduler(engine, max_rows=2, max_len=64)
+    sched = Scheduler(engine, max_slots=2, max_len=64)
     sched.start()
     try:
 
@@ -151,13 +151,13 @@ def test_async_wake_every_batches_wakeups_without_changing_events(tok, engine, m
 
 def test_budget_sizes_rows(tok, engine):
     # 512 bytes/token (see test_engine); rows of 64 tokens = 32768 bytes each
-    assert Scheduler(engine, max_rows=8, max_len=64, kv_budget_bytes=3 * 32768 + 100).max_rows == 3
+    assert Scheduler(engine, max_slots=8, max_len=64, kv_budget_bytes=3 * 32768 + 100).max_slots == 3
     with pytest.raises(KVBudgetError, match=r"kv_budget_bytes 1000 cannot hold one row of max_len 64 tokens"):
-        Scheduler(engine, max_rows=8, max_len=64, kv_budget_bytes=1000)
+        Scheduler(engine, max_slots=8, max_len=64, kv_budget_bytes=1000)
 
 
 def test_submit_validation(tok, engine):
-    sched = Scheduler(engine, max_rows=1, max_len=16)
+    sched = Scheduler(engine, max_slots=1, max_len=16)
     with pytest.raises(ValueError, match="max_len 16"):
         sched.submit([tok.bos_id] * 16)
     sched.submit([tok.bos_id], request_id="x")
@@ -174,7 +174,7 @@ def test_rows_finishing_at_different_times_and_row_reuse(tok, engine):
         k: engine.generate_batch([prompt(tok, t)], max_tokens=limits[k], temperature=0.0)[0].completion_tokens
         for k, t in texts.items()
     }
-    sched = Scheduler(engine, max_rows=3, max_len=64)
+    sched = Scheduler(engine, max_slots=3, max_len=64)
     params = {k: SamplingParams(max_tokens=n, temperature=0.0) for k, n in limits.items()}
     streams = {k: sched.submit(prompt(tok, texts[k]), params[k]) for k in "ABC"}
     for _ in range(4):

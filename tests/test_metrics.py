@@ -110,7 +110,7 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
     serve.observe_inter_token(0.004)
     serve.set_running(2)
     serve.set_waiting(1)
-    serve.set_kv_rows_in_use(2)
+    serve.set_kv_slots_in_use(2)
     serve.add_tokens(5)
     serve.add_tokens(7)
 
@@ -143,7 +143,7 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
     assert got[("ray_raychat_serve_generated_tokens_total", d)] == 12
     assert got[("ray_raychat_serve_running_requests", d)] == 2
     assert got[("ray_raychat_serve_waiting_requests", d)] == 1
-    assert got[("ray_raychat_serve_kv_rows_in_use", d)] == 2
+    assert got[("ray_raychat_serve_kv_slots_in_use", d)] == 2
     assert got[("ray_raychat_serve_ttft_seconds_count", d)] == 3
     # Ray 2.60 exports a histogram's _sum from bucket midpoints, not the exact 0.02 + 0.2 + 0.3 = 0.52:
     # (0.01 + 0.025) / 2 + (0.1 + 0.25) / 2 + (0.25 + 0.5) / 2 = 0.5675 (measured; use buckets, not _sum/_count)

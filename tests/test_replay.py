@@ -3,9 +3,9 @@ import re
 
 import numpy as np
 
-from raychat.chat.inspect_batch import canary_conversations, inspect_canaries
-from raychat.chat.replay import ReplayRecord, make_replay_record, rebuild_rows, verify_replay
 from raychat.cli import main
+from raychat.data.inspect_batch import canary_conversations, inspect_canaries
+from raychat.data.replay import ReplayRecord, make_replay_record, rebuild_rows, verify_replay
 from raychat.data.sample_packing import SamplePacker, render_samples
 from raychat.tasks import Calculator, Spelling, TaskMixture
 from raychat.tokenizer import Tokenizer

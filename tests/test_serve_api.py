@@ -14,10 +14,10 @@ from fastapi.testclient import TestClient
 from serve_helpers import tiny_model_and_tokenizer
 
 from raychat.chat_template import TEMPLATE_VERSION, render_for_completion
-from raychat.engine import Engine
+from raychat.engine import ModelRunner
 from raychat.serve.api import MAX_BODY_BYTES, field_path
-from raychat.serve.ingress import LocalEngineClient, create_app
-from raychat.serve.replica import ChatEngine, merge_deltas
+from raychat.serve.ingress import LocalClient, create_app
+from raychat.serve.server import ChatServer, merge_deltas
 from raychat.serve.sse import parse_sse, sse_event
 
 USER = [{"role": "user", "content": "hi"}]
@@ -325,16 +325,16 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def real_engine(tiny):
-    engine = ChatEngine(*tiny, max_rows=4, model_id="tiny")
+    engine = ChatServer(*tiny, max_slots=4, model_id="tiny")
     yield engine
     engine.shutdown()
 
 
 def test_real_engine_greedy_matches_generate_batch(tiny, real_engine):
     model, tokenizer = tiny
-    client = TestClient(create_app(LocalEngineClient(real_engine)))
+    client = TestClient(create_app(LocalClient(real_engine)))
     conv = [{"role": "user", "content": "Tell me about json."}]
-    expected = Engine(model, tokenizer).generate_batch(
+    expected = ModelRunner(model, tokenizer).generate_batch(
         [render_for_completion(tokenizer, conv)], max_tokens=24, temperature=0
     )[0]
     events = [
@@ -365,8 +365,8 @@ def test_stream_interval_groups_tokens_into_deltas(tiny):
         finally:
             engine.shutdown()
 
-    every = asyncio.run(deltas(ChatEngine(*tiny, max_rows=2)))
-    grouped = asyncio.run(deltas(ChatEngine(*tiny, max_rows=2, stream_interval=4)))
+    every = asyncio.run(deltas(ChatServer(*tiny, max_slots=2)))
+    grouped = asyncio.run(deltas(ChatServer(*tiny, max_slots=2, stream_interval=4)))
     for final in (every[-1], grouped[-1]):
         assert final["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 14
     assert [e["tokens"] for e in every[:-1]] == [1] * 14
@@ -374,7 +374,7 @@ def test_stream_interval_groups_tokens_into_deltas(tiny):
     assert "".join(e["text"] for e in grouped[:-1]) == text
     assert [e["tokens"] for e in grouped[:-1]] == [1, 4, 4, 4, 1]  # 14 tokens: 1 + 4 + 4 + 4 + the last
     with pytest.raises(ValueError, match="stream_interval must be an int >= 1, got 0"):
-        ChatEngine(*tiny, stream_interval=0)
+        ChatServer(*tiny, stream_interval=0)
 
 
 def test_merge_deltas():
@@ -397,9 +397,7 @@ def test_disconnect_mid_stream_frees_the_row(real_engine):
 
     port = _free_port()
     server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(LocalEngineClient(real_engine)), host="127.0.0.1", port=port, log_level="warning"
-        )
+        uvicorn.Config(create_app(LocalClient(real_engine)), host="127.0.0.1", port=port, log_level="warning")
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -423,7 +421,7 @@ def test_disconnect_mid_stream_frees_the_row(real_engine):
         assert (
             stats["cancelled"] == before + 1
             and stats["running"] == 0
-            and stats["free_rows"] == stats["max_rows"]
+            and stats["free_rows"] == stats["max_slots"]
         )
     finally:
         server.should_exit = True

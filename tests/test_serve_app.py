@@ -15,12 +15,12 @@ CHAT_YAML = Path(__file__).resolve().parents[1] / "serve" / "chat.yaml"
 
 def test_parse_args_converts_strings_and_rejects_unknown(monkeypatch):
     monkeypatch.delenv("RAYCHAT_API_KEY", raising=False)
-    a = serve_app.parse_args({"checkpoint": "/x", "max_rows": "4", "num_cpus": "0.5", "max_len": "none"})
-    assert (a["max_rows"], a["num_cpus"], a["max_len"], a["api_key"]) == (4, 0.5, None, None)
+    a = serve_app.parse_args({"checkpoint": "/x", "max_slots": "4", "num_cpus": "0.5", "max_len": "none"})
+    assert (a["max_slots"], a["num_cpus"], a["max_len"], a["api_key"]) == (4, 0.5, None, None)
     with pytest.raises(ValueError, match="unknown build_app args \\['rows'\\]"):
         serve_app.parse_args({"checkpoint": "/x", "rows": 2})
-    with pytest.raises(ValueError, match="max_rows must be an integer"):
-        serve_app.parse_args({"checkpoint": "/x", "max_rows": "many"})
+    with pytest.raises(ValueError, match="max_slots must be an integer"):
+        serve_app.parse_args({"checkpoint": "/x", "max_slots": "many"})
     with pytest.raises(ValueError, match="stream_interval must be >= 1, got 0"):
         serve_app.parse_args({"checkpoint": "/x", "stream_interval": "0"})
     assert (
@@ -46,8 +46,8 @@ def test_chat_yaml_is_valid_and_matches_build_app():
     assert app.import_path == "raychat.serve.app:build_app"
     serve_app.parse_args(app.args)  # every arg is one build_app accepts
     deployments = {d.name: d for d in app.deployments}
-    assert set(deployments) == {serve_app.ENGINE_DEPLOYMENT, serve_app.INGRESS_DEPLOYMENT}
-    engine = deployments[serve_app.ENGINE_DEPLOYMENT]
+    assert set(deployments) == {serve_app.SERVER_DEPLOYMENT, serve_app.INGRESS_DEPLOYMENT}
+    engine = deployments[serve_app.SERVER_DEPLOYMENT]
     auto = engine.autoscaling_config
     assert 1 <= auto["min_replicas"] < auto["max_replicas"]
     assert auto["look_back_period_s"] > 10  # Ray requires look_back_period_s > its metrics interval (10 s)

@@ -1,7 +1,7 @@
 """The chat page end to end in headless Chromium (Debian `chromium` + `chromium-driver`, driven by selenium):
 type a question, watch the streamed text grow, stop it, regenerate with other settings.
 
-The page and API come from the same FastAPI app and ChatEngine that the Ray Serve ingress and replicas run,
+The page and API come from the same FastAPI app and ChatServer that the Ray Serve ingress and replicas run,
 served here by uvicorn on loopback (test_serve_ray.py covers the Ray transport). Each engine event is
 delayed by 40 ms so that streaming is slow enough to watch and to stop.
 """
@@ -17,8 +17,8 @@ import time
 import pytest
 from serve_helpers import tiny_model_and_tokenizer
 
-from raychat.serve.ingress import LocalEngineClient, create_app
-from raychat.serve.replica import ChatEngine
+from raychat.serve.ingress import LocalClient, create_app
+from raychat.serve.server import ChatServer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-class SlowClient(LocalEngineClient):
+class SlowClient(LocalClient):
     """Delays every event by `delay_s` and records the requests the page sends."""
 
     def __init__(self, engine, delay_s: float):
@@ -51,7 +51,7 @@ class SlowClient(LocalEngineClient):
 def server():
     import uvicorn
 
-    engine = ChatEngine(*tiny_model_and_tokenizer(), max_rows=2, model_id="tiny")
+    engine = ChatServer(*tiny_model_and_tokenizer(), max_slots=2, model_id="tiny")
     client = SlowClient(engine, delay_s=0.04)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

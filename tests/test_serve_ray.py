@@ -14,7 +14,7 @@ import requests
 from serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 
 from raychat.chat_template import TEMPLATE_VERSION, render_for_completion
-from raychat.engine import Engine
+from raychat.engine import ModelRunner
 from raychat.serve.sse import parse_sse
 
 pytestmark = pytest.mark.ray
@@ -50,7 +50,7 @@ def served(tmp_path_factory):
     app = build_app(
         {
             "checkpoint": str(ckpt),
-            "max_rows": 16,
+            "max_slots": 16,
             "num_cpus": 0.5,
             "torch_threads": 1,
             "min_replicas": 1,
@@ -76,13 +76,13 @@ def served(tmp_path_factory):
 def engine_stats() -> dict:
     from ray import serve
 
-    return serve.get_deployment_handle("ChatEngine", app_name=APP).stats.remote().result(timeout_s=10)
+    return serve.get_deployment_handle("ChatServer", app_name=APP).stats.remote().result(timeout_s=10)
 
 
 def running_replicas() -> int:
     from ray import serve
 
-    states = serve.status().applications[APP].deployments["ChatEngine"].replica_states
+    states = serve.status().applications[APP].deployments["ChatServer"].replica_states
     return states.get("RUNNING", 0)
 
 
@@ -100,9 +100,9 @@ def chat(url: str, content: str, **params) -> tuple[str, dict]:
 
 @pytest.fixture(scope="module")
 def solo():
-    """Greedy reference: each prompt generated alone by an in-process Engine over the same weights."""
+    """Greedy reference: each prompt generated alone by an in-process ModelRunner over the same weights."""
     model, tokenizer = tiny_model_and_tokenizer(max_seq_len=2048)
-    engine = Engine(model, tokenizer)
+    engine = ModelRunner(model, tokenizer)
 
     def run(content: str, max_tokens: int) -> str:
         prompt = render_for_completion(tokenizer, [{"role": "user", "content": content}])
@@ -145,7 +145,7 @@ def test_disconnect_and_rejection_leave_nothing_in_flight(served):
     while time.time() < deadline and (s := engine_stats())["in_flight"] + s["running"] > 0:
         time.sleep(0.1)
     after = engine_stats()
-    assert after["in_flight"] == 0 and after["running"] == 0 and after["free_rows"] == after["max_rows"]
+    assert after["in_flight"] == 0 and after["running"] == 0 and after["free_rows"] == after["max_slots"]
     # normally the disconnect cancels the request; on a loaded machine the tiny model can finish its 200
     # tokens before the disconnect reaches the replica: then it counts as completed. Either way exactly one
     # request ended and its row is free (cancel itself is tested in test_engine_scheduler and in-process).

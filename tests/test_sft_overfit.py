@@ -5,7 +5,7 @@ import torch
 
 from raychat.chat_template import render_for_completion
 from raychat.data.sample_packing import SamplePacker, render_samples, rows_to_batch
-from raychat.engine import Engine
+from raychat.engine import ModelRunner
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.model import GPT, ModelConfig
 from raychat.train.config import TrainConfig
@@ -48,7 +48,7 @@ def test_tiny_batch_overfits_and_generation_reproduces_the_replies(small_tokeniz
             opt.zero_grad(set_to_none=True)
     assert loss_sum.item() / n < 0.05
 
-    engine = Engine(model.eval(), tok)
+    engine = ModelRunner(model.eval(), tok)
     prompts = [render_for_completion(tok, c[:1]) for c in CONVERSATIONS]
     results = engine.generate_batch(prompts, max_tokens=24, temperature=0.0)
     end = tok.special_id("<|assistant_end|>")

@@ -17,7 +17,7 @@ Metrics (tags in brackets; units in the name or below):
                             raychat_rl_learner_wait_frac (0..1)
   serving    [deployment]   raychat_serve_ttft_seconds (histogram: time to first token),
                             raychat_serve_inter_token_seconds (histogram), raychat_serve_running_requests,
-                            raychat_serve_waiting_requests, raychat_serve_kv_rows_in_use,
+                            raychat_serve_waiting_requests, raychat_serve_kv_slots_in_use,
                             raychat_serve_generated_tokens (counter; tokens/s = rate() of it)
 
 Recording is a no-op while Ray is not initialized in this process (`ray.is_initialized()` is False), so the
@@ -88,7 +88,7 @@ SERVE_INTER_TOKEN = _spec(
 )
 SERVE_RUNNING = _spec("raychat_serve_running_requests", "gauge", "Requests being decoded.", _SERVE)
 SERVE_WAITING = _spec("raychat_serve_waiting_requests", "gauge", "Requests queued for a slot.", _SERVE)
-SERVE_KV_ROWS = _spec("raychat_serve_kv_rows_in_use", "gauge", "KV-cache rows (sequences) in use.", _SERVE)
+SERVE_KV_SLOTS = _spec("raychat_serve_kv_slots_in_use", "gauge", "KV-cache rows (sequences) in use.", _SERVE)
 SERVE_TOKENS = _spec(
     "raychat_serve_generated_tokens", "counter", "Tokens generated (rate() = tokens/s).", _SERVE
 )
@@ -252,8 +252,8 @@ class ServeMetrics(_Recorder):
     def set_waiting(self, n: int) -> None:
         self._emit({SERVE_WAITING: _count("n", n)})
 
-    def set_kv_rows_in_use(self, n: int) -> None:
-        self._emit({SERVE_KV_ROWS: _count("n", n)})
+    def set_kv_slots_in_use(self, n: int) -> None:
+        self._emit({SERVE_KV_SLOTS: _count("n", n)})
 
     def add_tokens(self, n: int) -> None:
         """Add n generated tokens to the counter (n >= 0; 0 is skipped: Ray counters need a positive inc)."""

@@ -10,7 +10,7 @@ Parameters shared by every entry point
         max_tokens counts every completion token (sampled and forced tool-output tokens).
 
 Batched generation (RL rollouts, evaluation)
-    engine = Engine(model, tokenizer, kv_budget_bytes=None)
+    engine = ModelRunner(model, tokenizer, kv_budget_bytes=None)
     results = engine.generate_batch(prompts: list[list[int]], num_samples=1, max_tokens=256,
                                     temperature=1.0, top_k=None, top_p=None, seed=None, stop=())
         -> list[GenerationResult], len(prompts) * num_samples, prompt-major: results[i * num_samples + j]
@@ -31,8 +31,8 @@ Batched generation (RL rollouts, evaluation)
     stop; tokens after a stop string's last token are not generated.
 
 Continuous batching (serving)
-    sched = Scheduler(engine, max_rows=8, max_len=None, kv_budget_bytes=None)
-        one KV cache of max_rows rows x max_len tokens (default model.config.max_seq_len); with
+    sched = Scheduler(engine, max_slots=8, max_len=None, kv_budget_bytes=None)
+        one KV cache of max_slots rows x max_len tokens (default model.config.max_seq_len); with
         kv_budget_bytes the row count is the most that fits (KVBudgetError if not even one row fits).
     stream = sched.submit(prompt: list[int], params: SamplingParams, request_id: str | None = None,
                           wake_every: int = 1)
@@ -42,7 +42,7 @@ Continuous batching (serving)
                                           next step (True if the request was live, False otherwise).
     sched.step() -> int                   one admission + one decode step; returns the number of busy rows.
     sched.start() / sched.stop()          run steps in a daemon thread until stop() (serving replicas).
-    sched.num_free_rows, sched.num_active, sched.num_pending   (properties)
+    sched.num_free_slots, sched.num_active, sched.num_pending   (properties)
     RequestStream:  `for ev in stream` (blocking; when no background thread runs it drives sched.step()
                     itself) or `async for ev in stream` (asyncio; needs sched.start()); stream.request_id;
                     stream.cancel().
@@ -52,12 +52,12 @@ Continuous batching (serving)
                 error holds the message when finish_reason == "error" (a forward raised; the scheduler
                 keeps serving the other requests when it runs in its thread).
     Usage(prompt_tokens, completion_tokens, ttft_s, total_s)   ttft_s: submit -> first completion token.
-    EngineProcess(checkpoint, device="cpu", max_rows=8, max_len=None, torch_threads=1)   [process.py]
+    EngineProcess(checkpoint, device="cpu", max_slots=8, max_len=None, torch_threads=1)   [process.py]
         the same Scheduler in a child process (`python -m raychat.engine.process`), with the surface of a
         started Scheduler (submit, cancel, running, num_active, num_pending, stop): the decode step then
         does not share the caller's GIL. Serving replicas use it (serve.app's engine_process=true).
 
-Lower-level Engine methods (used by the Scheduler; usable for custom loops)
+Lower-level ModelRunner methods (used by the Scheduler; usable for custom loops)
     engine.check_prompt(prompt) -> list[int]; engine.new_cache(batch_size, max_len, budget_bytes=None)
     engine.prefill(cache, rows, prompts) -> (len(rows), V) fp32 logits at each prompt's last token
     engine.decode(cache, rows, token_ids) -> (len(rows), V) fp32 next-token logits (one token per row)
@@ -85,13 +85,13 @@ streams replies rendered with raychat.chat_template.render_for_completion.
 
 from raychat.engine.calculator import calculate, evaluate
 from raychat.engine.detokenize import StreamDecoder
-from raychat.engine.engine import Engine, GenerationResult, SamplingParams
 from raychat.engine.kv_cache import KVBudgetError, KVCache
+from raychat.engine.runner import GenerationResult, ModelRunner, SamplingParams
 from raychat.engine.sampling import make_generator, sample_next
 from raychat.engine.scheduler import RequestStream, Scheduler, StreamEvent, Usage
 
 __all__ = [
-    "Engine",
+    "ModelRunner",
     "GenerationResult",
     "KVBudgetError",
     "KVCache",

@@ -7,9 +7,9 @@ the request streams in the caller, so the two run in parallel on two cores.
 
 The child is `python -m raychat.engine.process FD`; protocol over a socketpair (multiprocessing Connection,
 pickled tuples):
-  parent -> child   (checkpoint, device, max_rows, max_len, torch_threads) first, then
+  parent -> child   (checkpoint, device, max_slots, max_len, torch_threads) first, then
                     ("submit", request_id, prompt, SamplingParams) | ("cancel", request_id) | ("stop",)
-  child -> parent   ("ready", {"max_rows", "max_len"}) once the model is loaded, or ("failed", message)
+  child -> parent   ("ready", {"max_slots", "max_len"}) once the model is loaded, or ("failed", message)
                     ("events", [StreamEvent, ...]) after every step: every event of every request that
                     step produced, in one message
 The parent checks prompts itself (same rules and messages as Scheduler.submit), so a bad request still
@@ -31,27 +31,27 @@ import uuid
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from raychat.engine.engine import check_prompt
+from raychat.engine.runner import check_prompt
 from raychat.engine.sampling import SamplingParams
 from raychat.engine.scheduler import RequestStream, StreamEvent, Usage, check_fits_row
 
 
 class EngineProcess:
     """A Scheduler over the checkpoint's model, run in a child process; the same surface as a
-    started Scheduler for raychat.serve.replica.ChatEngine: submit, cancel, running, restarting, num_active,
-    num_pending, num_free_rows, max_rows, max_len, last_error, start (no-op), stop.
+    started Scheduler for raychat.serve.server.ChatServer: submit, cancel, running, restarting, num_active,
+    num_pending, num_free_slots, max_slots, max_len, last_error, start (no-op), stop.
 
     Args:
         checkpoint: raychat checkpoint directory (loaded by the child with raychat.checkpoint.load_model).
         device: torch device of the model in the child ("cpu", "cuda").
-        max_rows, max_len: the Scheduler's (KV rows; tokens per row, default the model's max_seq_len).
+        max_slots, max_len: the Scheduler's (KV rows; tokens per row, default the model's max_seq_len).
         torch_threads: torch intra-op threads of the child (default 1).
         start_timeout_s: seconds to wait for the child to load the model.
         max_restarts: a child that exits unexpectedly is replaced by a new one (its live requests end with
             finish_reason "error"; submit raises RuntimeError while it loads) at most this many times;
             `restarts` counts them. A child that fails to start ends the EngineProcess (`running` False).
     Raises:
-        ValueError: invalid max_rows / max_len (the child's Scheduler message).
+        ValueError: invalid max_slots / max_len (the child's Scheduler message).
         RuntimeError: the child failed to start or exited before it was ready.
     """
 
@@ -59,7 +59,7 @@ class EngineProcess:
         self,
         checkpoint: str | os.PathLike,
         device: str = "cpu",
-        max_rows: int = 8,
+        max_slots: int = 8,
         max_len: int | None = None,
         torch_threads: int = 1,
         start_timeout_s: float = 300.0,
@@ -69,10 +69,10 @@ class EngineProcess:
 
         config = read_meta(checkpoint)["model_config"]
         self.vocab_size, self.max_seq_len = config["vocab_size"], config["max_seq_len"]
-        self._child_args = (str(checkpoint), device, max_rows, max_len, torch_threads)
+        self._child_args = (str(checkpoint), device, max_slots, max_len, torch_threads)
         self._start_timeout_s = start_timeout_s
         self._proc, self._conn, ready = self._spawn()
-        self.max_rows, self.max_len = ready["max_rows"], ready["max_len"]
+        self.max_slots, self.max_len = ready["max_slots"], ready["max_len"]
         self.restarts = 0
         self.max_restarts = max_restarts
         self._restarting = False
@@ -185,8 +185,8 @@ class EngineProcess:
         return len(self._streams) - len(self._started)
 
     @property
-    def num_free_rows(self) -> int:
-        return self.max_rows - self.num_active
+    def num_free_slots(self) -> int:
+        return self.max_slots - self.num_active
 
     def start(self) -> None:
         """The child steps from the moment it is ready; nothing to start."""
@@ -276,20 +276,20 @@ class EngineProcess:
 def _child_main(conn: Connection) -> None:
     """The child: load the model, then alternate reading the pipe and stepping the Scheduler."""
     try:
-        checkpoint, device, max_rows, max_len, threads = conn.recv()
+        checkpoint, device, max_slots, max_len, threads = conn.recv()
         import torch
 
         from raychat.checkpoint import load_model
-        from raychat.engine.engine import Engine
+        from raychat.engine.runner import ModelRunner
         from raychat.engine.scheduler import Scheduler
 
         torch.set_num_threads(max(1, int(threads)))
         model, tokenizer, _meta = load_model(checkpoint, device=device)
-        scheduler = Scheduler(Engine(model, tokenizer), max_rows=max_rows, max_len=max_len)
+        scheduler = Scheduler(ModelRunner(model, tokenizer), max_slots=max_slots, max_len=max_len)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", {"max_rows": scheduler.max_rows, "max_len": scheduler.max_len}))
+    conn.send(("ready", {"max_slots": scheduler.max_slots, "max_len": scheduler.max_len}))
     try:
         _serve(conn, scheduler)
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -166,30 +166,30 @@ class _Request:
 
 
 class Scheduler:
-    """Continuous batching over one Engine.
+    """Continuous batching over one ModelRunner.
 
     Args:
-        engine: an Engine (model + tokenizer).
-        max_rows: concurrent rows (requests being decoded), >= 1.
+        engine: a ModelRunner (model + tokenizer).
+        max_slots: concurrent rows (requests being decoded), >= 1.
         max_len: tokens per row (prompt + completion); default and maximum model.config.max_seq_len.
-        kv_budget_bytes: if given, rows = min(max_rows, rows that fit the budget).
+        kv_budget_bytes: if given, rows = min(max_slots, rows that fit the budget).
     Raises:
-        ValueError: max_rows < 1 or max_len outside 2..max_seq_len.
+        ValueError: max_slots < 1 or max_len outside 2..max_seq_len.
         KVBudgetError: not even one row of max_len tokens fits kv_budget_bytes (message names the numbers).
     """
 
     def __init__(
-        self, engine, max_rows: int = 8, max_len: int | None = None, kv_budget_bytes: int | None = None
+        self, engine, max_slots: int = 8, max_len: int | None = None, kv_budget_bytes: int | None = None
     ):
         cfg = engine.config
         max_len = cfg.max_seq_len if max_len is None else int(max_len)
         if not 2 <= max_len <= cfg.max_seq_len:
             raise ValueError(f"max_len must be in 2..{cfg.max_seq_len} (model max_seq_len), got {max_len}")
-        if not isinstance(max_rows, int) or max_rows < 1:
-            raise ValueError(f"max_rows must be an int >= 1, got {max_rows!r}")
-        rows = max_rows
+        if not isinstance(max_slots, int) or max_slots < 1:
+            raise ValueError(f"max_slots must be an int >= 1, got {max_slots!r}")
+        rows = max_slots
         if kv_budget_bytes is not None:
-            rows = min(max_rows, KVCache.rows_for_budget(cfg, kv_budget_bytes, max_len, engine.dtype))
+            rows = min(max_slots, KVCache.rows_for_budget(cfg, kv_budget_bytes, max_len, engine.dtype))
             if rows < 1:
                 bpt = KVCache.bytes_per_token(cfg, engine.dtype)
                 raise KVBudgetError(
@@ -198,7 +198,7 @@ class Scheduler:
                 )
         self.engine = engine
         self.cache = engine.new_cache(rows, max_len)
-        self.max_rows, self.max_len = rows, max_len
+        self.max_slots, self.max_len = rows, max_len
         self._rows: list[_Request | None] = [None] * rows
         self._logits: dict[int, torch.Tensor] = {}  # row -> next-token logits (V,)
         self._pending: collections.deque[_Request] = collections.deque()
@@ -245,12 +245,12 @@ class Scheduler:
         return True
 
     @property
-    def num_free_rows(self) -> int:
+    def num_free_slots(self) -> int:
         return sum(r is None for r in self._rows)
 
     @property
     def num_active(self) -> int:
-        return self.max_rows - self.num_free_rows
+        return self.max_slots - self.num_free_slots
 
     @property
     def num_pending(self) -> int:
@@ -300,7 +300,7 @@ class Scheduler:
                         self._pending.remove(req)
                     self._finish(req, "cancelled")
                 admitted = []
-                for row in range(self.max_rows):
+                for row in range(self.max_slots):
                     if self._rows[row] is None and self._pending:
                         req = self._pending.popleft()
                         req.row = row

@@ -1,4 +1,4 @@
-"""Per-row generation state shared by `Engine.generate_batch` and the `Scheduler`.
+"""Per-row generation state shared by `ModelRunner.generate_batch` and the `Scheduler`.
 
 One `RowState` follows one completion: it picks forced tool-output tokens over sampled ones, runs the
 calculator tool when a <|python_start|> ... <|python_end|> block closes, streams text through a

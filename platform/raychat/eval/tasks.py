@@ -44,9 +44,9 @@ def task_accuracy(
             choice = conv["letters"][int(torch.argmax(logits[letter_ids]))]
             correct += choice == conv["answer"]
     elif task.eval_type == "generative":
-        from raychat.engine import Engine
+        from raychat.engine import ModelRunner
 
-        engine = Engine(model, tokenizer)
+        engine = ModelRunner(model, tokenizer)
         for i in range(0, n, batch_size):
             results = engine.generate_batch(
                 prompts[i : i + batch_size], max_tokens=max_tokens, temperature=0.0

@@ -154,7 +154,7 @@ def build_dashboard() -> dict:
                 ),
                 (
                     "KV rows in use",
-                    [(f"sum by (deployment) ({_prom(m.SERVE_KV_ROWS)}{dep})", "{{deployment}}")],
+                    [(f"sum by (deployment) ({_prom(m.SERVE_KV_SLOTS)}{dep})", "{{deployment}}")],
                     "none",
                 ),
             ],

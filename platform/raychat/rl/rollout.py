@@ -1,4 +1,4 @@
-"""Rollout actor: an Engine over the current policy; samples G completions per prompt with tool use, scores
+"""Rollout actor: a ModelRunner over the current policy; samples G completions per prompt with tool use, scores
 them with `Task.reward`, and tags every sample with the policy version that produced it.
 
 Sample (a dict, what the learner consumes):
@@ -24,13 +24,13 @@ import torch
 
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
-from raychat.engine import Engine
+from raychat.engine import ModelRunner
 from raychat.rl.objective import collate, token_logprobs
 from raychat.rl.weights import collective_broadcast, load_published, weights_hash
 
 
 class RolloutWorker:
-    """Holds one Engine. Usable in-process (tests) or as a Ray actor (`RolloutActor`).
+    """Holds one ModelRunner. Usable in-process (tests) or as a Ray actor (`RolloutActor`).
 
     Args:
         checkpoint: chat checkpoint directory (weights are replaced by set_weights before use in a run).
@@ -47,7 +47,7 @@ class RolloutWorker:
             torch.set_num_threads(int(num_threads))
         model, tokenizer, _ = load_model(checkpoint, device=device)
         self.model, self.tokenizer, self.tasks = model.eval(), tokenizer, tasks
-        self.engine = Engine(model, tokenizer)
+        self.engine = ModelRunner(model, tokenizer)
         self.worker_index, self.version = worker_index, 0
         self.hash = weights_hash(model.state_dict())
 

@@ -1,30 +1,30 @@
 """The Ray Serve application: a FastAPI ingress (ChatIngress) in front of autoscaled engine replicas
-(ChatEngine), both built by `build_app(args)` for `serve run` / `serve deploy` (serve/chat.yaml) and
+(ChatServer), both built by `build_app(args)` for `serve run` / `serve deploy` (serve/chat.yaml) and
 `raychat serve`.
 
   serve run raychat.serve.app:build_app checkpoint=/path/to/ckpt
   serve deploy serve/chat.yaml
 
-ChatIngress parses, validates and streams (raychat.serve.ingress); ChatEngine replicas each hold the model
-and one continuous-batching Scheduler (raychat.serve.replica). Streams go through a DeploymentHandle with
+ChatIngress parses, validates and streams (raychat.serve.ingress); ChatServer replicas each hold the model
+and one continuous-batching Scheduler (raychat.serve.server). Streams go through a DeploymentHandle with
 stream=True; when the HTTP client disconnects, Serve cancels the ingress request, the ingress closes the
 handle stream (DeploymentResponseGenerator.cancel) and the replica's generator frees its row.
 
 `args` (strings from the CLI or YAML are converted; the defaults are below):
   checkpoint (required)       raychat checkpoint directory, readable on every node
-  max_rows=8                  KV-cache rows per replica (1 = one request at a time)
+  max_slots=8                  KV-cache slots per replica (1 = one request at a time; max_rows = old name)
   max_len=None                tokens per row (default the model's max_seq_len)
-  stream_interval=4           completion tokens per streamed event after the first (ChatEngine doc;
+  stream_interval=4           completion tokens per streamed event after the first (ChatServer doc;
                               1 = every token; bench/results/serve_load.md measures the trade-off)
   engine_process=true         run the model and Scheduler in a child process of the replica
                               (raychat.engine.process), off the GIL of the replica's event loop
-  num_cpus=1                  CPUs each ChatEngine replica reserves; num_gpus=0 likewise
+  num_cpus=1                  CPUs each ChatServer replica reserves; num_gpus=0 likewise
   torch_threads=None          torch intra-op threads per replica (default: the CPUs it reserved, >= 1)
-  min_replicas=1, max_replicas=1, target_ongoing_requests=4  autoscaling of ChatEngine
+  min_replicas=1, max_replicas=1, target_ongoing_requests=4  autoscaling of ChatServer
   upscale_delay_s=30, downscale_delay_s=600, look_back_period_s=30   (how often replicas and handles
                               report load is set by the env vars RAY_SERVE_{REPLICA,HANDLE}_AUTOSCALING_METRIC_
                               PUSH_INTERVAL_S, default 10 s)
-  max_ongoing_requests=32     per ChatEngine replica (queued at the ingress beyond it)
+  max_ongoing_requests=32     per ChatServer replica (queued at the ingress beyond it)
   api_key=None                bearer token required by the API (env RAYCHAT_API_KEY also works)
   model_id=None               name reported by /v1/models (default the checkpoint directory's name)
 A deployment section in serve/chat.yaml overrides these options (Serve's config precedence).
@@ -41,13 +41,13 @@ from ray.serve import Application
 
 from raychat.serve.api import MAX_BODY_BYTES
 from raychat.serve.ingress import create_app
-from raychat.serve.replica import merge_deltas
+from raychat.serve.server import merge_deltas
 
-ENGINE_DEPLOYMENT = "ChatEngine"
+SERVER_DEPLOYMENT = "ChatServer"
 INGRESS_DEPLOYMENT = "ChatIngress"
 
 DEFAULTS = {
-    "max_rows": 8,
+    "max_slots": 8,
     "max_len": None,
     "stream_interval": 4,
     "engine_process": True,
@@ -66,7 +66,7 @@ DEFAULTS = {
     "ingress_num_cpus": 0.1,
 }
 _INTS = {
-    "max_rows",
+    "max_slots",
     "max_len",
     "stream_interval",
     "torch_threads",
@@ -85,6 +85,8 @@ def parse_args(args: dict) -> dict:
         ValueError: missing checkpoint, an unknown key (naming the allowed keys) or a value of the wrong type.
     """
     args = dict(args or {})
+    if "max_rows" in args:  # the old name of max_slots
+        args.setdefault("max_slots", args.pop("max_rows"))
     if not args.get("checkpoint"):
         raise ValueError("build_app needs args['checkpoint'] (a raychat checkpoint directory)")
     unknown = set(args) - set(DEFAULTS) - {"checkpoint"}
@@ -112,7 +114,7 @@ def parse_args(args: dict) -> dict:
         except (TypeError, ValueError):
             kind = "an integer" if key in _INTS else "a number"
             raise ValueError(f"{key} must be {kind}, got {out[key]!r}") from None
-    for key in ("max_rows", "stream_interval", "max_ongoing_requests", "torch_threads"):
+    for key in ("max_slots", "stream_interval", "max_ongoing_requests", "torch_threads"):
         if out[key] is not None and out[key] < 1:
             raise ValueError(f"{key} must be >= 1, got {out[key]}")
     if out["min_replicas"] < 0 or out["max_replicas"] < max(1, out["min_replicas"]):
@@ -123,14 +125,14 @@ def parse_args(args: dict) -> dict:
     return out
 
 
-@serve.deployment(name=ENGINE_DEPLOYMENT)
-class ChatEngineDeployment:
-    """One engine replica (a ChatEngine); its methods are called through a DeploymentHandle."""
+@serve.deployment(name=SERVER_DEPLOYMENT)
+class ChatServerDeployment:
+    """One engine replica (a ChatServer); its methods are called through a DeploymentHandle."""
 
     def __init__(
         self,
         checkpoint: str,
-        max_rows: int,
+        max_slots: int,
         max_len: int | None,
         stream_interval: int,
         engine_process: bool,
@@ -141,19 +143,19 @@ class ChatEngineDeployment:
         import ray
         import torch
 
-        from raychat.serve.replica import ChatEngine
+        from raychat.serve.server import ChatServer
 
         if torch_threads is None:  # the CPUs this replica reserved (ray_actor_options, maybe from the YAML)
             torch_threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
-        kwargs = {"max_rows": max_rows, "max_len": max_len, "stream_interval": stream_interval}
-        kwargs["deployment"] = ENGINE_DEPLOYMENT
+        kwargs = {"max_slots": max_slots, "max_len": max_len, "stream_interval": stream_interval}
+        kwargs["deployment"] = SERVER_DEPLOYMENT
         if model_id:
             kwargs["model_id"] = model_id
         if engine_process:
             kwargs["torch_threads"] = torch_threads
         else:
             torch.set_num_threads(torch_threads)
-        self.engine = ChatEngine.from_checkpoint(checkpoint, device, engine_process, **kwargs)
+        self.engine = ChatServer.from_checkpoint(checkpoint, device, engine_process, **kwargs)
 
     async def generate(self, request: dict):
         """Yields lists of event dicts: every event ready when the consumer asks is sent in one message (its
@@ -191,7 +193,7 @@ class ChatEngineDeployment:
         return self.engine.info()
 
     def stats(self) -> dict:
-        """ChatEngine.stats plus rss_bytes: resident memory of this replica process and its children (the
+        """ChatServer.stats plus rss_bytes: resident memory of this replica process and its children (the
         engine process, which holds the model and KV cache)."""
         import psutil
 
@@ -211,8 +213,8 @@ class ChatEngineDeployment:
             engine.shutdown()
 
 
-class HandleEngineClient:
-    """The ingress' engine client over a DeploymentHandle to ChatEngine (protocol in raychat.serve.ingress)."""
+class HandleClient:
+    """The ingress' engine client over a DeploymentHandle to ChatServer (protocol in raychat.serve.ingress)."""
 
     def __init__(self, handle):
         self.handle = handle
@@ -239,10 +241,10 @@ class HandleEngineClient:
 @serve.deployment(name=INGRESS_DEPLOYMENT)
 @serve.ingress()
 class ChatIngress:
-    """HTTP ingress: the FastAPI app of raychat.serve.ingress over a handle to ChatEngine."""
+    """HTTP ingress: the FastAPI app of raychat.serve.ingress over a handle to ChatServer."""
 
     def __init__(self, engine, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
-        self.client = HandleEngineClient(engine)
+        self.client = HandleClient(engine)
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
 
     def __serve_build_asgi_app__(self):
@@ -268,13 +270,13 @@ def build_app(args: dict) -> Application:
         "downscale_delay_s": a["downscale_delay_s"],
         "look_back_period_s": a["look_back_period_s"],
     }
-    engine = ChatEngineDeployment.options(
+    engine = ChatServerDeployment.options(
         ray_actor_options={"num_cpus": a["num_cpus"], "num_gpus": a["num_gpus"]},
         max_ongoing_requests=a["max_ongoing_requests"],
         autoscaling_config=autoscaling,
     ).bind(
         checkpoint,
-        a["max_rows"],
+        a["max_slots"],
         a["max_len"],
         a["stream_interval"],
         a["engine_process"],

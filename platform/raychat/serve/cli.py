@@ -16,7 +16,7 @@ def start(
 ) -> str:
     """Start Ray (if needed) and Serve, deploy the app from `checkpoint`; returns the page URL.
 
-    app_args are build_app keys (max_rows, min_replicas, max_replicas, num_cpus, api_key, ...).
+    app_args are build_app keys (max_slots, min_replicas, max_replicas, num_cpus, api_key, ...).
     Raises: ValueError / FileNotFoundError from build_app for bad args or a missing checkpoint.
     """
     import ray
@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         address=args.address,
-        max_rows=args.max_rows,
+        max_slots=args.max_slots,
         stream_interval=args.stream_interval,
         engine_process=args.engine_process,
         min_replicas=args.min_replicas,
@@ -108,7 +108,14 @@ def add_cli(subparsers) -> None:
     )
     p.add_argument("--replicas", type=int, default=1, help="maximum engine replicas (autoscaled)")
     p.add_argument("--min-replicas", type=int, default=1)
-    p.add_argument("--max-rows", type=int, default=8, help="concurrent sequences per replica (KV-cache rows)")
+    p.add_argument(
+        "--max-slots",
+        "--max-rows",
+        dest="max_slots",
+        type=int,
+        default=8,
+        help="KV-cache slots per replica: sequences decoded at once (--max-rows is the old name)",
+    )
     p.add_argument(
         "--stream-interval",
         type=int,

@@ -1,5 +1,5 @@
 """The HTTP front of the chat service: a FastAPI app over any engine client (a Ray Serve handle in
-production, an in-process ChatEngine or a fake in tests).
+production, an in-process ChatServer or a fake in tests).
 
 Endpoints
   POST /chat/completions     SSE (raychat.serve.sse vocabulary): text deltas, then a "done" event with
@@ -15,10 +15,10 @@ Before any parsing: a body over `max_body_bytes` -> 413; with `api_key` set, POS
 need `Authorization: Bearer <api_key>` -> else 401. Invalid requests -> 400 naming the field
 (raychat.serve.api). A client that disconnects mid-stream closes the engine stream, which frees its row.
 
-Engine client protocol (duck-typed):
+Client protocol (duck-typed):
   async info() -> dict        {model_id, template_version, tokenizer_version, max_seq_len, ...}
-  async stats() -> dict       the replica's counters (ChatEngine.stats)
-  generate(request: dict)     async iterator of event dicts (raychat.serve.replica); closing it early
+  async stats() -> dict       the replica's counters (ChatServer.stats)
+  generate(request: dict)     async iterator of event dicts (raychat.serve.server); closing it early
                               (aclose) must cancel the request
 """
 
@@ -254,8 +254,8 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
     return app
 
 
-class LocalEngineClient:
-    """Engine client over an in-process ChatEngine (tests, benchmarks without Ray)."""
+class LocalClient:
+    """Client of an in-process ChatServer (tests, benchmarks without Ray)."""
 
     def __init__(self, chat_engine):
         self.engine = chat_engine

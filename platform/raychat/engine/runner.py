@@ -1,6 +1,6 @@
 """Batched generation with a KV cache over the raychat GPT (RL rollouts, evaluation, the chat CLI).
 
-Flow of `Engine.generate_batch`: every prompt is prefilled once (prompts right-padded into one forward,
+Flow of `ModelRunner.generate_batch`: every prompt is prefilled once (prompts right-padded into one forward,
 positions 0..len-1, causal mask; padding is written to the cache but not counted), its cache row is copied
 to `num_samples` rows, and then each step samples one token per unfinished row and runs one decode forward
 over the unfinished rows only (finished rows cost no compute). Rows keep their own lengths, so the RoPE
@@ -70,7 +70,7 @@ class GenerationResult:
         return self.mask[self.num_prompt_tokens :]
 
 
-class Engine:
+class ModelRunner:
     """Generation over `model` (a raychat GPT or anything with its forward signature and `.config`).
 
     Args:

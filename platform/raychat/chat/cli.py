@@ -60,7 +60,7 @@ def _reply(sched, tokenizer, messages, params, out) -> dict:
 
 def run_chat(args, stdin=None, out=None) -> int:
     from raychat.checkpoint import load_model
-    from raychat.engine import Engine, SamplingParams, Scheduler
+    from raychat.engine import ModelRunner, SamplingParams, Scheduler
 
     stdin, out = stdin or sys.stdin, out or sys.stdout
     try:
@@ -77,7 +77,7 @@ def run_chat(args, stdin=None, out=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"raychat chat: {e}", file=sys.stderr)
         return 2
-    sched = Scheduler(Engine(model, tokenizer), max_rows=1)
+    sched = Scheduler(ModelRunner(model, tokenizer), max_slots=1)
     system = [{"role": "system", "content": args.system}] if args.system else []
     if args.prompt is not None:
         _reply(sched, tokenizer, [*system, {"role": "user", "content": args.prompt}], params, out)

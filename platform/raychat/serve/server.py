@@ -2,7 +2,7 @@
 stream event dicts, free the row when the consumer leaves. Plain Python (the Ray Serve deployment in
 raychat.serve.app wraps it), so tests can drive it in-process.
 
-Events yielded by `ChatEngine.generate(request)` (request = ChatRequest.to_engine()):
+Events yielded by `ChatServer.generate(request)` (request = ChatRequest.to_engine()):
   {"type": "delta", "text": str, "tokens": int}                 text may be "" (a partial UTF-8 character);
                                                                 `tokens` completion tokens (stream_interval)
   {"type": "done", "finish_reason": "stop"|"length", "usage": {prompt_tokens, completion_tokens,
@@ -24,23 +24,23 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from raychat.chat_template import TEMPLATE_VERSION, render_for_completion
-from raychat.engine import Engine, SamplingParams, Scheduler
+from raychat.engine import ModelRunner, SamplingParams, Scheduler
 from raychat.metrics import ServeMetrics
 from raychat.serve.sse import usage_dict
 
 
-class ChatEngine:
+class ChatServer:
     """A Scheduler (started in a daemon thread) over a model and tokenizer.
 
     Args:
         model, tokenizer: a raychat GPT (eval mode) and Tokenizer.
-        max_rows: concurrent decode rows of the KV cache (1 = one request at a time).
+        max_slots: concurrent decode rows of the KV cache (1 = one request at a time).
         max_len: tokens per row (prompt + completion), default model.config.max_seq_len.
         model_id: the name reported by /v1/models.
         deployment: tag of the serving metrics (raychat_serve_*{deployment=...}).
         meta: checkpoint meta (its "tokenizer_version" and "step" are reported by info()).
         scheduler: run requests on this (an EngineProcess, see from_checkpoint) instead of a Scheduler
-            built over `model` (then model, max_rows and max_len are ignored).
+            built over `model` (then model, max_slots and max_len are ignored).
         stream_interval: completion tokens per delta event after the first (>= 1). The first delta is sent
             at once (TTFT is unchanged) and the last one when the request finishes; in between, tokens are
             buffered until `stream_interval` of them are ready, so each event carries that many. Every
@@ -55,10 +55,10 @@ class ChatEngine:
         self,
         model,
         tokenizer,
-        max_rows: int = 8,
+        max_slots: int = 8,
         max_len: int | None = None,
         model_id: str = "raychat",
-        deployment: str = "ChatEngine",
+        deployment: str = "ChatServer",
         meta: dict | None = None,
         stream_interval: int = 1,
         scheduler=None,
@@ -70,7 +70,7 @@ class ChatEngine:
         self.model_id = model_id
         self.meta = meta or {}
         if scheduler is None:
-            scheduler = Scheduler(Engine(model, tokenizer), max_rows=max_rows, max_len=max_len)
+            scheduler = Scheduler(ModelRunner(model, tokenizer), max_slots=max_slots, max_len=max_len)
         self.scheduler = scheduler
         self.scheduler.start()
         self.metrics = ServeMetrics(deployment)
@@ -87,7 +87,7 @@ class ChatEngine:
         engine_process: bool = False,
         torch_threads: int = 1,
         **kwargs,
-    ) -> ChatEngine:
+    ) -> ChatServer:
         """Load a raychat checkpoint directory (raychat.checkpoint.load_model) onto `device`.
 
         engine_process=True runs the model and Scheduler in a child process (raychat.engine.process,
@@ -103,7 +103,7 @@ class ChatEngine:
             return cls(model, tokenizer, meta=meta, **kwargs)
         from raychat.engine.process import EngineProcess
 
-        rows, max_len = kwargs.pop("max_rows", 8), kwargs.pop("max_len", None)
+        rows, max_len = kwargs.pop("max_slots", 8), kwargs.pop("max_len", None)
         scheduler = EngineProcess(checkpoint, device, rows, max_len, torch_threads)
         meta = read_meta(checkpoint)
         return cls(None, Tokenizer.load(checkpoint), meta=meta, scheduler=scheduler, **kwargs)
@@ -114,14 +114,14 @@ class ChatEngine:
             "template_version": TEMPLATE_VERSION,
             "tokenizer_version": self.tokenizer.version,
             "max_seq_len": self.scheduler.max_len,
-            "max_rows": self.scheduler.max_rows,
+            "max_slots": self.scheduler.max_slots,
             "stream_interval": self.stream_interval,
             "step": self.meta.get("step"),
         }
 
     def stats(self) -> dict:
         """Counters of this replica: in_flight, running (rows decoding), waiting (queued), completed,
-        cancelled, rejected, free_rows, max_rows, and engine_running (False while an engine process is
+        cancelled, rejected, free_rows, max_slots, and engine_running (False while an engine process is
         down)."""
         s = self.scheduler
         return {
@@ -129,8 +129,8 @@ class ChatEngine:
             "in_flight": self.in_flight,
             "running": s.num_active,
             "waiting": s.num_pending,
-            "free_rows": s.num_free_rows,
-            "max_rows": s.max_rows,
+            "free_rows": s.num_free_slots,
+            "max_slots": s.max_slots,
             "completed": self.completed,
             "cancelled": self.cancelled,
             "rejected": self.rejected,
@@ -140,7 +140,7 @@ class ChatEngine:
         s = self.scheduler
         self.metrics.set_running(s.num_active)
         self.metrics.set_waiting(s.num_pending)
-        self.metrics.set_kv_rows_in_use(s.num_active)
+        self.metrics.set_kv_slots_in_use(s.num_active)
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """Stream the reply to `request` (see the module doc for the events); never raises for bad input."""
