@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from raychat.checkpoint import save_model
+from raychat.config import RLConfig, from_dict
 from raychat.model import GPT, ModelConfig
-from raychat.rl.config import RLConfig
 
 
 def tiny_checkpoint(directory: Path, tokenizer, seed: int = 0, depth: int = 1, width: int = 64) -> str:
@@ -20,6 +20,11 @@ def tiny_checkpoint(directory: Path, tokenizer, seed: int = 0, depth: int = 1, w
     return str(directory)
 
 
+def rl_config(**options) -> RLConfig:
+    """An RLConfig from options by flat name (the --flag names)."""
+    return from_dict(RLConfig, options)
+
+
 def tiny_config(checkpoint: str, out: str, **kw) -> RLConfig:
     base = dict(
         checkpoint=checkpoint, out=out, run_name="t", steps=2, task_examples=64, max_operand=9,
@@ -28,4 +33,4 @@ def tiny_config(checkpoint: str, out: str, **kw) -> RLConfig:
         eval_samples=2, checkpoint_every=1, max_restarts=2,
     )  # fmt: skip
     base.update(kw)
-    return RLConfig(**base)
+    return from_dict(RLConfig, base)

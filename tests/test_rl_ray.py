@@ -7,9 +7,8 @@ import time
 
 import pytest
 import ray
-from rl_fixtures import tiny_checkpoint, tiny_config
+from rl_fixtures import rl_config, tiny_checkpoint, tiny_config
 
-from raychat.rl.config import RLConfig
 from raychat.rl.learner import LearnerActor
 from raychat.rl.loop import RLRun, build_tasks
 from raychat.rl.rollout import RolloutActor
@@ -31,7 +30,7 @@ def checkpoint(tmp_path_factory, small_tokenizer):
 
 
 def test_sync_gives_every_rollout_the_same_weights_and_version(ray_cluster, checkpoint):
-    cfg = RLConfig(checkpoint=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
+    cfg = rl_config(checkpoint=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
     tasks = build_tasks(cfg)
     learner = LearnerActor.options(num_cpus=0.5).remote(checkpoint, cfg)
     rollouts = [RolloutActor.options(num_cpus=0.5).remote(checkpoint, tasks, i) for i in range(2)]
@@ -92,7 +91,7 @@ def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, t
 
 def test_collective_broadcast_path_with_gloo(ray_cluster, checkpoint):
     """The broadcast sync (the NCCL path on GPUs) run with the gloo backend on CPU: same hash everywhere."""
-    cfg = RLConfig(checkpoint=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
+    cfg = rl_config(checkpoint=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
     learner = LearnerActor.options(num_cpus=0.5).remote(checkpoint, cfg)
     rollouts = [RolloutActor.options(num_cpus=0.5).remote(checkpoint, build_tasks(cfg), i) for i in range(2)]
     batch = [{"tokens": [1, 5, 9, 20], "mask": [0, 0, 1, 1], "advantage": 1.0}]

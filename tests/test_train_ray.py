@@ -37,7 +37,7 @@ def data(tmp_path_factory):
 
 
 def tiny_config(data, storage, **overrides):
-    from raychat.train.config import TrainConfig
+    from raychat.config import TrainConfig, from_dict
 
     values = dict(
         run_name="t",
@@ -61,7 +61,7 @@ def tiny_config(data, storage, **overrides):
         max_failures=0,
     )
     values.update(overrides)
-    return TrainConfig(**values)
+    return from_dict(TrainConfig, values)
 
 
 def losses(storage, name="t"):

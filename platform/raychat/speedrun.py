@@ -9,22 +9,14 @@ Stages whose outputs already exist are skipped (the run is resumable: run the sa
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
 from pathlib import Path
 
-from raychat.train.config import TrainConfig, load_preset
-
-
-def _section(preset: str, name: str) -> dict:
-    import yaml
-
-    from raychat.train.config import PRESET_DIR
-
-    path = Path(preset) if Path(preset).suffix else PRESET_DIR / f"{preset}.yaml"
-    return (yaml.safe_load(path.read_text()) or {}).get(name, {})
+from raychat.config import RLConfig, TrainConfig, from_dict, preset_section, preset_values, to_dict
+from raychat.config.presets import PRESET_HELP
+from raychat.config.train import SFT_DEFAULTS
 
 
 def stage(title: str):
@@ -35,7 +27,7 @@ def stage(title: str):
 def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> dict:
     out_dir = Path(out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    data_cfg, tok_cfg = _section(preset, "data"), _section(preset, "tokenizer")
+    data_cfg, tok_cfg = preset_section(preset, "data"), preset_section(preset, "tokenizer")
     data_dir, tok_dir = out_dir / "data", out_dir / "tokenizer"
     report: dict = {"preset": preset, "timings_s": {}}
     t_all = time.perf_counter()
@@ -70,7 +62,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     from raychat.train.pretrain import run_training
 
     values = {
-        **load_preset(preset),
+        **preset_values(preset, "pretrain"),
         "data_dir": str(data_dir),
         "tokenizer_path": str(tok_dir),
         "storage_path": str(out_dir / "checkpoints"),
@@ -79,8 +71,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     }
     if num_iterations:
         values["num_iterations"] = num_iterations
-    cfg = TrainConfig(**values)
-    cfg.validate()
+    cfg = from_dict(TrainConfig, values, where="train settings")
     result = run_training(cfg)
     report["pretrain"] = {k: v for k, v in result.metrics.items() if k != "samples"}
     report["samples"] = result.metrics.get("samples", [])
@@ -96,19 +87,19 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     report["timings_s"]["eval"] = time.perf_counter() - t0
 
     final = report["checkpoint"]
-    sft_values = _section(preset, "sft")
+    sft_values = preset_section(preset, "sft")
     if sft_values.get("num_iterations", 0) > 0:
         t0 = stage("5/6 SFT on Ray Train (same loop, packed conversations)")
         report["sft"], final = run_sft_stage(cfg, report["checkpoint"], sft_values, out_dir)
         report["timings_s"]["sft"] = time.perf_counter() - t0
-    rl_values = _section(preset, "rl")
+    rl_values = preset_section(preset, "rl")
     if rl_values.get("steps", 0) > 0 and report.get("sft"):
         t0 = stage("6/6 RL: rollout actors + learner")
         report["rl"], final = run_rl_stage(final, rl_values, out_dir)
         report["timings_s"]["rl"] = time.perf_counter() - t0
     report["final_checkpoint"] = final
     report["timings_s"]["total"] = time.perf_counter() - t_all
-    report["train_config"] = dataclasses.asdict(cfg)
+    report["train_config"] = to_dict(cfg)
     path = write_report(out_dir, report)
     print(f"\nreport: {path}\nfinal checkpoint: {final}")
     print(f"chat with it:  raychat chat --checkpoint {final}")
@@ -134,15 +125,12 @@ def run_sft_stage(
     n = values.get("eval_examples", 64)
     before = calculator_accuracy(base_checkpoint, n)
     print(f"calculator accuracy before SFT: {before:.3f} ({n} held-out problems)")
-    cfg = dataclasses.replace(
-        base_cfg,
-        **{"eval_every": 0, "checkpoint_every": 0, **values},
-        stage="sft",
-        run_name="sft",
-        init_from=base_checkpoint,
-        document_masking=True,
+    cfg = from_dict(
+        TrainConfig,
+        {"eval_every": 0, "checkpoint_every": 0, **values, **SFT_DEFAULTS, "init_from": base_checkpoint},
+        base=base_cfg,
+        where="sft settings",
     )
-    cfg.validate()
     result = run_training(cfg)
     checkpoint = str(result.checkpoint.path)
     after = result.metrics["calculator_accuracy"]  # the loop's final evaluation, same problems
@@ -153,11 +141,10 @@ def run_sft_stage(
 
 def run_rl_stage(checkpoint: str, values: dict, out_dir: Path) -> tuple[dict, str]:
     """RL on the calculator task from the SFT checkpoint; pass@1 on held-out problems before and after."""
-    from raychat.rl.config import RLConfig
     from raychat.rl.loop import RLRun
 
-    cfg = RLConfig(**{**values, "checkpoint": checkpoint, "out": str(out_dir / "rl"), "run_name": "rl"})
-    cfg.validate()
+    values = {**values, "checkpoint": checkpoint, "out": str(out_dir / "rl"), "run_name": "rl"}
+    cfg = from_dict(RLConfig, values, where="rl settings")
     summary = RLRun(cfg).run()
     if not summary["evals"]:  # the run had already finished: nothing was trained or evaluated now
         final = str(sorted(Path(summary["run_dir"]).glob("checkpoint_*"))[-1])
@@ -165,7 +152,7 @@ def run_rl_stage(checkpoint: str, values: dict, out_dir: Path) -> tuple[dict, st
     before, after = summary["evals"][0], summary["evals"][-1]
     final = str(sorted(Path(summary["run_dir"]).glob("checkpoint_*"))[-1])
     line = (
-        f"{cfg.steps} steps, pass@1 on {cfg.eval_examples} held-out problems {before['pass@1']:.3f} -> "
+        f"{cfg.rollout.steps} steps, pass@1 on {cfg.eval.eval_examples} held-out problems {before['pass@1']:.3f} -> "
         f"{after['pass@1']:.3f}, learner wait {summary['learner_wait_frac']:.2f}, {summary['wall_s']:.0f} s"
     )
     print(f"RL: {line}")
@@ -243,9 +230,7 @@ def add_cli(subparsers) -> None:
         "RAY_ADDRESS. Stages whose outputs exist are reused; the pretraining run resumes from its last "
         "checkpoint. Writes <out>/report.md.",
     )
-    parser.add_argument(
-        "--preset", default="cpu", help="jobs/presets/<name>.yaml (cpu, gpu8, cluster) or a path"
-    )
+    parser.add_argument("--preset", default="cpu", help=f"{PRESET_HELP} (default: cpu)")
     parser.add_argument(
         "--out",
         default="runs",

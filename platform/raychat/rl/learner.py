@@ -51,7 +51,7 @@ class Learner:
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, torch.device(device)
         model, self.tokenizer, self.meta = load_model(checkpoint, device=device)
         self.model = model.train()
-        self.optimizers = build_optimizers(self.model, cfg)
+        self.optimizers = build_optimizers(self.model, cfg.optim)
         self.version = 0
 
     def address(self) -> tuple[str, int]:
@@ -85,7 +85,7 @@ class Learner:
         normalization."""
         t0 = time.perf_counter()
         cfg = self.cfg
-        mb = cfg.micro_batch_size
+        mb = cfg.objective.micro_batch_size
         batches = [collate(samples[i : i + mb]) for i in range(0, len(samples), mb)]
         counts = torch.tensor(
             [sum(int(b["loss_mask"].sum()) for b in batches), len(samples)],
@@ -99,14 +99,21 @@ class Learner:
         for b in batches:
             b = {k: v.to(self.device) for k, v in b.items()}
             logits = self.model(b["input_ids"])
-            logp = token_logprobs(logits, b["labels"], cfg.temperature)
-            loss_tok, ratio = per_token_loss(logp, b["advantages"], b.get("behavior_logprobs"), cfg.clip_eps)
+            logp = token_logprobs(logits, b["labels"], cfg.rollout.temperature)
+            loss_tok, ratio = per_token_loss(
+                logp, b["advantages"], b.get("behavior_logprobs"), cfg.objective.clip_eps
+            )
             loss = normalized_loss(
-                loss_tok, b["loss_mask"], cfg.normalization, num_tokens, num_sequences, cfg.denominator_length
+                loss_tok,
+                b["loss_mask"],
+                cfg.objective.normalization,
+                num_tokens,
+                num_sequences,
+                cfg.denominator_length,
             )
             loss.backward()
             m = b["loss_mask"]
-            clipped = ((ratio - 1).abs() > cfg.clip_eps) & m
+            clipped = ((ratio - 1).abs() > cfg.objective.clip_eps) & m
             stats += torch.tensor(
                 [loss.item(), float(ratio[m].sum()), float(clipped.sum()), float(m.sum())],
                 dtype=torch.float64, device=self.device,
@@ -119,7 +126,7 @@ class Learner:
                 p.grad.copy_(g)
         self._all_reduce(stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+            params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         )
         for opt in self.optimizers:
             opt.step()
@@ -136,7 +143,7 @@ class Learner:
             "clip_frac": clipped / max(tokens, 1),
             "step_s": time.perf_counter() - t0,
             "version": self.version,
-            "normalization": cfg.normalization,
+            "normalization": cfg.objective.normalization,
         }
 
     # ---- weights out ---------------------------------------------------------------------------------

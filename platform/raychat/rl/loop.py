@@ -41,8 +41,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raychat.checkpoint import latest_checkpoint
+from raychat.config import RLConfig, add_flags, from_args, to_dict, to_yaml
 from raychat.metrics import RLMetrics
-from raychat.rl.config import RLConfig
 from raychat.rl.learner import LearnerActor
 from raychat.rl.objective import group_advantages, pass_at_k
 from raychat.rl.rollout import RolloutActor
@@ -50,17 +50,19 @@ from raychat.rl.weights import check_acks, create_collective_group
 
 
 def build_tasks(cfg: RLConfig) -> dict:
-    """{"train": Task, "test": Task} for cfg.task: training prompts from the train split (seeded by --seed),
+    """{"train": Task, "test": Task} for cfg.task.task: training prompts from the train split (seeded by --seed),
     held-out prompts from the test split (a disjoint set of problems)."""
-    if cfg.task == "calculator":
+    if cfg.task.task == "calculator":
         from raychat.tasks import Calculator
 
         return {
-            "train": Calculator("train", size=cfg.task_examples, seed=cfg.seed, max_operand=cfg.max_operand),
+            "train": Calculator(
+                "train", size=cfg.task.task_examples, seed=cfg.run.seed, max_operand=cfg.task.max_operand
+            ),
             # the held-out set is the same for every --seed (seed 0), so runs compare on the same prompts
-            "test": Calculator("test", size=cfg.eval_examples, seed=0, max_operand=cfg.max_operand),
+            "test": Calculator("test", size=cfg.eval.eval_examples, seed=0, max_operand=cfg.task.max_operand),
         }
-    raise ValueError(f"task must be one of ['calculator'], got {cfg.task!r}")
+    raise ValueError(f"task must be one of ['calculator'], got {cfg.task.task!r}")
 
 
 def chunk_seed(seed: int, step: int, chunk: int) -> int:
@@ -86,14 +88,13 @@ class RLRun:
     """
 
     def __init__(self, cfg: RLConfig, on_submitted=None, log=print):
-        cfg.validate()
-        if not cfg.checkpoint:
+        if not cfg.run.init_from:
             raise ValueError("--checkpoint (a chat checkpoint directory) is required")
         self.cfg, self.on_submitted, self.log = cfg, on_submitted, log
-        self.run_dir = Path(cfg.out) / cfg.run_name
+        self.run_dir = Path(cfg.run.storage_path) / cfg.run.run_name
         self.tasks = build_tasks(cfg)
-        self.order = np.random.default_rng(cfg.seed).permutation(len(self.tasks["train"]))
-        self.metrics = RLMetrics(cfg.run_name)
+        self.order = np.random.default_rng(cfg.run.seed).permutation(len(self.tasks["train"]))
+        self.metrics = RLMetrics(cfg.run.run_name)
         self.restarts = 0
         self.version = 0
         self.weights_refs: list | None = None
@@ -102,9 +103,13 @@ class RLRun:
     # ---- topology --------------------------------------------------------------------------------
     def start(self) -> None:
         cfg = self.cfg
-        gpu = 1 if cfg.use_gpu else 0
-        bundles = [{"CPU": cfg.cpus_per_learner, **({"GPU": 1} if gpu else {})}] * cfg.learner_workers
-        bundles += [{"CPU": cfg.cpus_per_rollout, **({"GPU": 1} if gpu else {})}] * cfg.rollout_workers
+        gpu = 1 if cfg.topology.use_gpu else 0
+        bundles = [
+            {"CPU": cfg.topology.cpus_per_learner, **({"GPU": 1} if gpu else {})}
+        ] * cfg.topology.learner_workers
+        bundles += [
+            {"CPU": cfg.topology.cpus_per_rollout, **({"GPU": 1} if gpu else {})}
+        ] * cfg.topology.rollout_workers
         self.pg = placement_group(bundles, strategy="PACK")
         ray.get(self.pg.ready(), timeout=120)
         device = "cuda" if gpu else "cpu"
@@ -115,30 +120,35 @@ class RLRun:
             return {"num_cpus": cpus, "num_gpus": gpu, "scheduling_strategy": strategy, **kw}
 
         self.learners = [
-            LearnerActor.options(**opts(r, cfg.cpus_per_learner)).remote(
-                cfg.checkpoint, cfg, r, cfg.learner_workers, device, threads(cfg.cpus_per_learner)
+            LearnerActor.options(**opts(r, cfg.topology.cpus_per_learner)).remote(
+                cfg.run.init_from,
+                cfg,
+                r,
+                cfg.topology.learner_workers,
+                device,
+                threads(cfg.topology.cpus_per_learner),
             )
-            for r in range(cfg.learner_workers)
+            for r in range(cfg.topology.learner_workers)
         ]
-        if cfg.learner_workers > 1:
+        if cfg.topology.learner_workers > 1:
             addr, port = ray.get(self.learners[0].address.remote())
             ray.get([lr.init_group.remote(addr, port) for lr in self.learners])
         self.rollouts = [
             RolloutActor.options(
-                **opts(cfg.learner_workers + i, cfg.cpus_per_rollout, max_restarts=cfg.max_restarts,
+                **opts(cfg.topology.learner_workers + i, cfg.topology.cpus_per_rollout, max_restarts=cfg.topology.max_restarts,
                        max_task_retries=0)
-            ).remote(cfg.checkpoint, self.tasks, i, device, threads(cfg.cpus_per_rollout))
-            for i in range(cfg.rollout_workers)
+            ).remote(cfg.run.init_from, self.tasks, i, device, threads(cfg.topology.cpus_per_rollout))
+            for i in range(cfg.topology.rollout_workers)
         ]  # fmt: skip
         ray.get([w.info.remote() for w in self.rollouts] + [lr.pid.remote() for lr in self.learners])
-        if cfg.weight_sync == "collective":
+        if cfg.topology.weight_sync == "collective":
             create_collective_group(
                 self.learners[0], self.rollouts, "nccl" if gpu else "gloo", self.group_name
             )
 
     @property
     def group_name(self) -> str:
-        return f"raychat-rl-{self.cfg.run_name}"
+        return f"raychat-rl-{self.cfg.run.run_name}"
 
     def stop(self) -> None:
         for a in getattr(self, "rollouts", []) + getattr(self, "learners", []):
@@ -151,7 +161,7 @@ class RLRun:
     def sync(self, block: bool = True) -> dict | None:
         """Publish the learner's weights as self.version to every rollout actor (module docstring)."""
         t0 = time.perf_counter()
-        if self.cfg.weight_sync == "collective":
+        if self.cfg.topology.weight_sync == "collective":
             sent = self.learners[0].broadcast.remote(self.group_name)
             acks = [w.receive_broadcast.remote(self.group_name, self.version) for w in self.rollouts]
             s = ray.get(sent)
@@ -190,7 +200,7 @@ class RLRun:
 
     # ---- rollouts --------------------------------------------------------------------------------
     def prompts_for(self, step: int) -> list[int]:
-        P, n = self.cfg.prompts_per_step, len(self.order)
+        P, n = self.cfg.rollout.prompts_per_step, len(self.order)
         return [int(self.order[(step * P + i) % n]) for i in range(P)]
 
     def submit(self, step: int) -> list[dict]:
@@ -198,7 +208,9 @@ class RLRun:
         chunks = []
         for c, idx in enumerate(split_even(self.prompts_for(step), len(self.rollouts))):
             w = c % len(self.rollouts)
-            chunks.append({"worker": w, "indices": idx, "seed": chunk_seed(cfg.seed, step, c), "ref": None})
+            chunks.append(
+                {"worker": w, "indices": idx, "seed": chunk_seed(cfg.run.seed, step, c), "ref": None}
+            )
             self._issue(chunks[-1])
         if self.on_submitted:
             self.on_submitted(self, step, chunks)
@@ -207,15 +219,15 @@ class RLRun:
     def _issue(self, chunk: dict) -> None:
         cfg = self.cfg
         chunk["ref"] = self.rollouts[chunk["worker"]].rollout.remote(
-            chunk["indices"], cfg.samples_per_prompt, cfg.max_tokens, cfg.temperature, chunk["seed"],
-            "train", cfg.mode == "async",
+            chunk["indices"], cfg.rollout.samples_per_prompt, cfg.rollout.max_tokens, cfg.rollout.temperature, chunk["seed"],
+            "train", cfg.asynchrony.mode == "async",
         )  # fmt: skip
 
     def collect(self, chunks: list[dict]) -> list[dict]:
         """Results of every chunk; a chunk whose actor died is re-issued (see module docstring)."""
         out = []
         for chunk in chunks:
-            for attempt in range(self.cfg.max_restarts + 2):
+            for attempt in range(self.cfg.topology.max_restarts + 2):
                 try:
                     out.append(ray.get(chunk["ref"]))
                     break
@@ -227,7 +239,7 @@ class RLRun:
                     self._recover(chunk, attempt)
             else:
                 raise RuntimeError(
-                    f"prompts {chunk['indices']} failed after {self.cfg.max_restarts + 2} tries"
+                    f"prompts {chunk['indices']} failed after {self.cfg.topology.max_restarts + 2} tries"
                 )
         return out
 
@@ -236,7 +248,7 @@ class RLRun:
         re-sync (the actor is out of restarts) move the chunk to the next actor."""
         for k in range(len(self.rollouts)):
             w = (chunk["worker"] + k + (attempt > 0)) % len(self.rollouts)
-            if self.cfg.weight_sync == "collective":
+            if self.cfg.topology.weight_sync == "collective":
                 raise NotImplementedError("re-syncing a restarted actor needs --weight-sync object_store")
             if self._resync(w):
                 chunk["worker"] = w
@@ -262,12 +274,12 @@ class RLRun:
     def evaluate(self) -> dict:
         """pass@k (k = 1..eval_samples) over the held-out prompts (test split)."""
         cfg = self.cfg
-        n = 1 if cfg.eval_temperature == 0 else cfg.eval_samples
+        n = 1 if cfg.eval.eval_temperature == 0 else cfg.eval.eval_samples
         idx = list(range(len(self.tasks["test"])))
         parts = split_even(idx, len(self.rollouts))
         refs = [
             self.rollouts[i].evaluate.remote(
-                p, n, cfg.max_tokens, cfg.eval_temperature, chunk_seed(cfg.seed, -1, i)
+                p, n, cfg.rollout.max_tokens, cfg.eval.eval_temperature, chunk_seed(cfg.run.seed, -1, i)
             )
             for i, p in enumerate(parts)
         ]
@@ -281,14 +293,14 @@ class RLRun:
         shutil.rmtree(tmp, ignore_errors=True)
         ray.get(
             [
-                lr.save.remote(str(tmp), step, {"rl_config": self.cfg.to_dict(), **extra})
+                lr.save.remote(str(tmp), step, {"rl_config": to_dict(self.cfg), **extra})
                 for lr in self.learners
             ]
         )
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         done = sorted(self.run_dir.glob("checkpoint_*"))
-        for old in done[: -self.cfg.keep_checkpoints]:
+        for old in done[: -self.cfg.eval.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
@@ -307,9 +319,11 @@ class RLRun:
         samples = [s for r in results for s in r["samples"]]
         samples.sort(key=lambda s: (self.prompts_for(step).index(s["prompt_index"]), s["sample_index"]))
         rewards = [s["reward"] for s in samples]
-        for s, a in zip(samples, group_advantages(rewards, cfg.samples_per_prompt, cfg.scale_by_std)):
+        for s, a in zip(
+            samples, group_advantages(rewards, cfg.rollout.samples_per_prompt, cfg.objective.scale_by_std)
+        ):
             s["advantage"] = a
-        if cfg.mode == "sync":
+        if cfg.asynchrony.mode == "sync":
             for s in samples:
                 s.pop("behavior_logprobs", None)
         shards = split_even(samples, len(self.learners))
@@ -333,7 +347,7 @@ class RLRun:
     def run(self) -> dict:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        (self.run_dir / "config.yaml").write_text(to_yaml(cfg, "rl"))
         self.start()
         try:
             return self._loop()
@@ -344,7 +358,7 @@ class RLRun:
         cfg = self.cfg
         start = self.resume()
         sync = self.sync()
-        self.log(f"rl: {cfg.mode} mode, normalization={cfg.normalization}, version {self.version}, "
+        self.log(f"rl: {cfg.asynchrony.mode} mode, normalization={cfg.objective.normalization}, version {self.version}, "
                  f"initial sync {sync['sync_time_s']:.3f}s hash {sync['hash']}")  # fmt: skip
         evals = []
         if start == 0:
@@ -354,25 +368,25 @@ class RLRun:
         t_loop = time.perf_counter()
         total_wait = total_busy = 0.0
         inflight: deque = deque()
-        ahead = cfg.max_staleness if cfg.mode == "async" else 0
+        ahead = cfg.asynchrony.max_staleness if cfg.asynchrony.mode == "async" else 0
         next_submit = start
-        for step in range(start, cfg.steps):
-            while next_submit <= min(step + ahead, cfg.steps - 1):
+        for step in range(start, cfg.rollout.steps):
+            while next_submit <= min(step + ahead, cfg.rollout.steps - 1):
                 inflight.append(self.submit(next_submit))
                 next_submit += 1
             t0 = time.perf_counter()
             results = self.collect(inflight.popleft())
             wait_s = time.perf_counter() - t0
-            last_ack = self._drain_acks() if cfg.mode == "async" else None
+            last_ack = self._drain_acks() if cfg.asynchrony.mode == "async" else None
             stats, rollout = self.learner_step(results, step)
             self.version = stats["version"]
             t1 = time.perf_counter()
-            sync = self.sync(block=cfg.mode == "sync") or last_ack
+            sync = self.sync(block=cfg.asynchrony.mode == "sync") or last_ack
             sync_wall = time.perf_counter() - t1
             total_wait += wait_s
             total_busy += stats["step_s"] + sync_wall
             line = {
-                "step": step + 1, "version": self.version, "mode": cfg.mode, **rollout, **stats,
+                "step": step + 1, "version": self.version, "mode": cfg.asynchrony.mode, **rollout, **stats,
                 "learner_step_s": stats["step_s"], "learner_wait_s": wait_s,
                 "learner_wait_frac": wait_s / max(wait_s + stats["step_s"] + sync_wall, 1e-9),
                 "sync_time_s": sync["sync_time_s"] if sync else None, "restarts": self.restarts,
@@ -382,7 +396,7 @@ class RLRun:
                 sync_time_s=line["sync_time_s"], rollout_tokens_per_s=line["rollout_tokens_per_s"],
                 learner_wait_frac=line["learner_wait_frac"],
             )  # fmt: skip
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            if (step + 1) % cfg.eval.eval_every == 0 or step + 1 == cfg.rollout.steps:
                 evals.append({"step": step + 1, **self.evaluate()})
                 line["eval"] = evals[-1]
             self.log(_fmt({k: line[k] for k in _LOG_KEYS if line.get(k) is not None}))
@@ -390,12 +404,12 @@ class RLRun:
                 self.log(f"eval step {step + 1}: {_fmt(evals[-1])}")
             with open(log_path, "a") as f:
                 f.write(json.dumps(line) + "\n")
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            if (step + 1) % cfg.eval.checkpoint_every == 0 or step + 1 == cfg.rollout.steps:
                 self.save(step + 1, {"eval": evals[-1] if evals else None})
         self._drain_acks()
         wall = time.perf_counter() - t_loop
         return {
-            "steps": cfg.steps, "start_step": start, "version": self.version, "restarts": self.restarts,
+            "steps": cfg.rollout.steps, "start_step": start, "version": self.version, "restarts": self.restarts,
             "evals": evals, "learner_wait_frac": total_wait / max(total_wait + total_busy, 1e-9),
             "wall_s": wall, "run_dir": str(self.run_dir),
         }  # fmt: skip
@@ -413,8 +427,6 @@ def _fmt(d: dict) -> str:
 
 # ---- CLI ------------------------------------------------------------------------------------------
 def add_cli(subparsers) -> None:
-    from raychat.rl.config import add_config_flags
-
     parser = subparsers.add_parser(
         "rl",
         help="reinforcement learning of a chat checkpoint on a task (rollout actors + learner on Ray)",
@@ -425,21 +437,24 @@ def add_cli(subparsers) -> None:
         "same --out and --run-name resumes. Example: raychat rl --checkpoint runs/sft/checkpoint_000400 "
         "--task calculator --steps 50",
     )
-    add_config_flags(parser)
+    add_flags(parser, RLConfig, preset="none", preset_aliases=("--config",))
     parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
     parser.set_defaults(func=_main)
 
 
-def _main(args) -> int:
-    from raychat.rl.config import config_from_args
+def config_for(args) -> RLConfig:
+    """The command's RLConfig: flags > --config/--preset (its rl section, or the whole file) > defaults."""
+    return from_args(args, RLConfig, "rl", where="rl settings")
 
+
+def _main(args) -> int:
     try:
-        cfg = config_from_args(args)
-        if not cfg.checkpoint:
+        cfg = config_for(args)
+        if not cfg.run.init_from:
             raise ValueError("--checkpoint (a chat checkpoint directory) is required")
         from raychat.checkpoint import read_meta
 
-        read_meta(cfg.checkpoint)  # a clear error before any Ray cluster starts
+        read_meta(cfg.run.init_from)  # a clear error before any Ray cluster starts
     except (ValueError, FileNotFoundError) as e:
         print(f"raychat rl: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,6 @@ model, each rank's optimizer, RNG and data position, reported through ray.train.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -27,11 +26,11 @@ import numpy as np
 import torch
 
 from raychat.checkpoint import load_rank_state, read_meta, save_model, save_rank_state
+from raychat.config import TrainConfig, from_dict, to_dict
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.masks import make_batch
 from raychat.model import GPT, ModelConfig
 from raychat.tokenizer import Tokenizer
-from raychat.train.config import TrainConfig
 from raychat.train.optim import build_optimizers, lr_multiplier, set_lr
 
 # Dense bf16 peak FLOP/s of one device (for MFU), from the vendors' data sheets.
@@ -39,8 +38,8 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10
 
 
 def peak_flops(cfg: TrainConfig, device: torch.device) -> float | None:
-    if cfg.peak_flops > 0:
-        return cfg.peak_flops
+    if cfg.cluster.peak_flops > 0:
+        return cfg.cluster.peak_flops
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
@@ -48,30 +47,30 @@ def peak_flops(cfg: TrainConfig, device: torch.device) -> float | None:
 
 
 def build_model(cfg: TrainConfig, plan: dict, device: torch.device) -> GPT:
-    if cfg.init_from:
+    if cfg.run.init_from:
         from raychat.checkpoint import load_model
 
-        model, _, _ = load_model(cfg.init_from)
+        model, _, _ = load_model(cfg.run.init_from)
         return model.train().to(device)
-    torch.manual_seed(cfg.seed)
-    return GPT(ModelConfig(**plan["model_config"])).init_weights(cfg.seed).to(device)
+    torch.manual_seed(cfg.run.seed)
+    return GPT(ModelConfig(**plan["model_config"])).init_weights(cfg.run.seed).to(device)
 
 
 def make_row_source(cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int):
     """The stage's resumable stream of packed rows: `.next_batch(n) -> dict of (n, T+1) arrays`."""
-    if cfg.stage == "pretrain":
+    if cfg.run.stage == "pretrain":
         from raychat.data.pipeline import PretrainRows
         from raychat.data.shards import list_shards
         from raychat.train.pretrain import DATA_TASK_CPUS
 
-        train_files, _ = list_shards(cfg.data_dir)
+        train_files, _ = list_shards(cfg.data.data_dir)
         return PretrainRows(
             train_files,
-            cfg.tokenizer_path,
-            cfg.seq_len + 1,
+            cfg.data.tokenizer_path,
+            cfg.model.seq_len + 1,
             rank,
             world,
-            cfg.buffer_size,
+            cfg.data.buffer_size,
             num_cpus=DATA_TASK_CPUS,
         )
     from raychat.train.sft import SFTRows
@@ -81,7 +80,7 @@ def make_row_source(cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: in
 
 def validation_rows(cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int) -> np.ndarray:
     """This rank's share of a fixed set of validation rows (same rows at every evaluation)."""
-    if cfg.stage == "sft":
+    if cfg.run.stage == "sft":
         from raychat.train.sft import sft_validation_rows
 
         rows = sft_validation_rows(cfg, tokenizer)
@@ -91,11 +90,11 @@ def validation_rows(cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: in
         from raychat.data.packing import BestFitPacker
         from raychat.data.shards import list_shards
 
-        _, val_file = list_shards(cfg.data_dir)
+        _, val_file = list_shards(cfg.data.data_dir)
         texts = pq.read_table(val_file, columns=["text"]).column("text").to_pylist()
         docs = iter(tokenizer.encode_batch(texts, prepend_bos=True))
-        packer = BestFitPacker(lambda: next(docs, None), cfg.seq_len + 1, cfg.buffer_size)
-        n = max(world, cfg.eval_tokens // cfg.seq_len // world * world)
+        packer = BestFitPacker(lambda: next(docs, None), cfg.model.seq_len + 1, cfg.data.buffer_size)
+        n = max(world, cfg.train.eval.eval_tokens // cfg.model.seq_len // world * world)
         rows = [r for _, r in zip(range(n), packer)]
         rows = {"input_ids": np.stack(rows)}
     return {k: v[rank::world] for k, v in rows.items()}
@@ -107,7 +106,7 @@ def to_batch(rows: dict, cfg: TrainConfig, bos_id: int, device: torch.device) ->
         bos_id,
         supervised=torch.from_numpy(np.asarray(rows["supervised"])) if "supervised" in rows else None,
         segment_ids=torch.from_numpy(np.asarray(rows["segment_ids"])) if "segment_ids" in rows else None,
-        document_masking=cfg.document_masking,
+        document_masking=cfg.model.document_masking,
     )
     return {k: v.to(device, non_blocking=True) for k, v in b.items()}
 
@@ -146,14 +145,14 @@ def train_loop_per_worker(config: dict) -> None:
 
     from raychat.metrics import TrainMetrics
 
-    cfg = TrainConfig(**config["train"])
+    cfg = from_dict(TrainConfig, config["train"])
     plan = config["plan"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
-    torch.set_num_threads(int(os.environ.get("RAYCHAT_THREADS", max(1, round(cfg.cpus_per_worker)))))
+    torch.set_num_threads(int(os.environ.get("RAYCHAT_THREADS", max(1, round(cfg.cluster.cpus_per_worker)))))
     logging.getLogger("ray.data").setLevel(logging.WARNING)
-    tokenizer = Tokenizer.load(cfg.tokenizer_path)
+    tokenizer = Tokenizer.load(cfg.data.tokenizer_path)
 
     model = build_model(cfg, plan, device)
     rows = make_row_source(cfg, tokenizer, rank, world)
@@ -165,17 +164,17 @@ def train_loop_per_worker(config: dict) -> None:
 
             model.load_state_dict(load_file(os.path.join(d, "model.safetensors"), device=str(device)))
             start_step = read_meta(d)["step"]
-    if cfg.fp8:
+    if cfg.model.fp8:
         from raychat.train.fp8 import convert_to_fp8
 
-        convert_to_fp8(model, cfg.fp8_recipe)
-    optimizers = build_optimizers(model, cfg)
+        convert_to_fp8(model, cfg.model.fp8_recipe)
+    optimizers = build_optimizers(model, cfg.optim)
     if checkpoint:
         with checkpoint.as_directory() as d:
             rows.load_state_dict(load_rank_state(d, rank, optimizers)["rows"])
         if rank == 0:
             log(f"resumed from {checkpoint.path} at step {start_step}")
-    train_model = torch.compile(model) if cfg.compile else model
+    train_model = torch.compile(model) if cfg.model.compile else model
     train_model = ray.train.torch.prepare_model(train_model, move_to_device=False)
 
     autocast = (
@@ -185,7 +184,7 @@ def train_loop_per_worker(config: dict) -> None:
     )
     token_bytes = torch.tensor(tokenizer.token_bytes(), dtype=torch.int64)
     val_rows = validation_rows(cfg, tokenizer, rank, world)
-    metrics = TrainMetrics(cfg.run_name, cfg.stage) if rank == 0 else None
+    metrics = TrainMetrics(cfg.run.run_name, cfg.run.stage) if rank == 0 else None
     n_iter, accum = plan["num_iterations"], plan["grad_accum"]
     flops_per_step = plan["flops_per_token"] * plan["total_batch_size"]
     peak = peak_flops(cfg, device)
@@ -193,7 +192,7 @@ def train_loop_per_worker(config: dict) -> None:
     if rank == 0 and config.get("progress_bar"):  # only when the driver writes to a terminal
         from ray.experimental import tqdm_ray
 
-        progress = tqdm_ray.tqdm(total=n_iter, desc=f"{cfg.stage} {cfg.run_name}", position=0)
+        progress = tqdm_ray.tqdm(total=n_iter, desc=f"{cfg.run.stage} {cfg.run.run_name}", position=0)
         progress.update(start_step)
 
     def evaluate(step: int) -> dict:
@@ -201,27 +200,34 @@ def train_loop_per_worker(config: dict) -> None:
         from raychat.eval.samples import greedy_samples
         from raychat.train.fp8 import high_precision_linears
 
-        with high_precision_linears(model) if cfg.fp8 else contextlib.nullcontext():
+        with high_precision_linears(model) if cfg.model.fp8 else contextlib.nullcontext():
             bpb, _ = evaluate_bpb(
                 model,
                 val_rows,
                 token_bytes,
                 tokenizer.bos_id,
-                cfg.device_batch_size,
-                cfg.document_masking,
+                cfg.train.batch.device_batch_size,
+                cfg.model.document_masking,
                 device,
                 autocast,
             )
             out = {"val_bpb": bpb}
-            if cfg.stage == "sft" and rank == 0:
+            if cfg.run.stage == "sft" and rank == 0:
                 from raychat.eval.tasks import task_accuracy
                 from raychat.tasks import Calculator
 
                 out["calculator_accuracy"] = task_accuracy(
-                    model, tokenizer, Calculator(split="test", seed=cfg.seed), cfg.eval_examples
+                    model,
+                    tokenizer,
+                    Calculator(split="test", seed=cfg.run.seed),
+                    cfg.train.eval.eval_examples,
                 )
-            if rank == 0 and (step == n_iter or (cfg.sample_every and step % cfg.sample_every == 0)):
-                samples = greedy_samples(model, tokenizer, device=device) if cfg.stage == "pretrain" else []
+            if rank == 0 and (
+                step == n_iter or (cfg.train.eval.sample_every and step % cfg.train.eval.sample_every == 0)
+            ):
+                samples = (
+                    greedy_samples(model, tokenizer, device=device) if cfg.run.stage == "pretrain" else []
+                )
                 for s in samples:
                     log(f"  sample: {s!r}")
                 out["samples"] = samples
@@ -232,31 +238,38 @@ def train_loop_per_worker(config: dict) -> None:
             if rank == 0:
                 meta = {
                     "step": step,
-                    "kind": cfg.stage,
+                    "kind": cfg.run.stage,
                     "metrics": report,
                     "plan": plan,
-                    "train_config": dataclasses.asdict(cfg),
+                    "train_config": to_dict(cfg),
                 }
                 save_model(tmp, model, tokenizer, meta)
             save_rank_state(tmp, rank, optimizers, {"rows": rows.state_dict(), "step": step})
             ray.train.report(report, checkpoint=Checkpoint.from_directory(tmp))
 
     log_path = None  # rank 0 appends one JSON line per step next to the checkpoints (local storage only)
-    if rank == 0 and "://" not in cfg.storage_path:
-        log_path = os.path.join(cfg.storage_path, cfg.run_name, "metrics.jsonl")
+    if rank == 0 and "://" not in cfg.run.storage_path:
+        log_path = os.path.join(cfg.run.storage_path, cfg.run.run_name, "metrics.jsonl")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
     t_start, smooth_loss = time.perf_counter(), None
-    stop = min(n_iter, cfg.stop_after) if cfg.stop_after > 0 else n_iter
+    stop = min(n_iter, cfg.train.horizon.stop_after) if cfg.train.horizon.stop_after > 0 else n_iter
     for step in range(start_step, stop):
         t0 = time.perf_counter()
         micro = [
-            to_batch(rows.next_batch(cfg.device_batch_size), cfg, tokenizer.bos_id, device)
+            to_batch(rows.next_batch(cfg.train.batch.device_batch_size), cfg, tokenizer.bos_id, device)
             for _ in range(accum)
         ]
         t_data = time.perf_counter() - t0
         n_targets = global_target_count(mb["loss_mask"] for mb in micro)
         lr = set_lr(
-            optimizers, lr_multiplier(step, n_iter, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac)
+            optimizers,
+            lr_multiplier(
+                step,
+                n_iter,
+                cfg.train.schedule.warmup_ratio,
+                cfg.train.schedule.warmdown_ratio,
+                cfg.train.schedule.final_lr_frac,
+            ),
         )
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, mb in enumerate(micro):
@@ -274,9 +287,9 @@ def train_loop_per_worker(config: dict) -> None:
         if not math.isfinite(loss):
             raise FloatingPointError(
                 f"loss is {loss} at step {step}: stopping; the last good checkpoint under "
-                f"{cfg.storage_path}/{cfg.run_name} is intact (lower the lr or check the data)"
+                f"{cfg.run.storage_path}/{cfg.run.run_name} is intact (lower the lr or check the data)"
             )
-        clip = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
         for opt in optimizers:
             opt.step()
@@ -300,13 +313,13 @@ def train_loop_per_worker(config: dict) -> None:
             "mfu": mfu,
             "data_wait_frac": t_data / dt,
         }
-        if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
+        if (cfg.train.eval.eval_every and done % cfg.train.eval.eval_every == 0) or is_last:
             stats.update(evaluate(done))
         if progress is not None:
             progress.update(1)
         if rank == 0:
             eta = (time.perf_counter() - t_start) / (done - start_step) * (n_iter - done)
-            if done % cfg.log_every == 0 or is_last or "val_bpb" in stats:
+            if done % cfg.train.logging.log_every == 0 or is_last or "val_bpb" in stats:
                 log(
                     f"step {done:5d}/{n_iter} | loss {loss:.4f} | lr {lr:.3g} | grad_norm {grad_norm:.3f} | "
                     f"tok/s {tokens_per_s:,.0f} | mfu {f'{100 * mfu:.1f}%' if mfu else 'n/a'} | "
@@ -329,7 +342,9 @@ def train_loop_per_worker(config: dict) -> None:
                 with open(log_path, "a") as f:
                     f.write(json.dumps({k: v for k, v in stats.items() if k != "samples"}) + "\n")
         report = {k: v for k, v in stats.items() if v is not None}
-        if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or is_last:
+        if (
+            cfg.train.checkpoint.checkpoint_every and done % cfg.train.checkpoint.checkpoint_every == 0
+        ) or is_last:
             save(done, report)
     if progress is not None:
         progress.close()

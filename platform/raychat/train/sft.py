@@ -9,8 +9,6 @@ meta.kind == "sft" (a chat model).
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from raychat.tokenizer import Tokenizer
@@ -48,8 +46,8 @@ class SFTRows:
         from raychat.data.sample_packing import SamplePacker
         from raychat.tasks import TaskMixture
 
-        self.mixture = TaskMixture(build_tasks(cfg.sft_tasks, "train", cfg.seed), seed=cfg.seed)
-        self.tokenizer, self.row_len = tokenizer, cfg.seq_len + 1
+        self.mixture = TaskMixture(build_tasks(cfg.data.sft_tasks, "train", cfg.run.seed), seed=cfg.run.seed)
+        self.tokenizer, self.row_len = tokenizer, cfg.model.seq_len + 1
         self.indices = list(range(rank, len(self.mixture), world_size))
         self.epoch, self.position = 0, 0
         self.packer = SamplePacker(self._next_item, self.row_len, pad_id=tokenizer.bos_id, buffer_size=64)
@@ -83,16 +81,19 @@ def sft_validation_rows(cfg, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     from raychat.data.sample_packing import SamplePacker, render_samples
     from raychat.tasks import Calculator
 
-    task = Calculator(split="test", size=max(64, cfg.eval_tokens // 32), seed=cfg.seed)
-    items = render_samples(tokenizer, ((task[i]["id"], task[i]) for i in range(len(task))), cfg.seq_len + 1)
-    packer = SamplePacker.from_items(items, cfg.seq_len + 1, pad_id=tokenizer.bos_id)
+    task = Calculator(split="test", size=max(64, cfg.train.eval.eval_tokens // 32), seed=cfg.run.seed)
+    items = render_samples(
+        tokenizer, ((task[i]["id"], task[i]) for i in range(len(task))), cfg.model.seq_len + 1
+    )
+    packer = SamplePacker.from_items(items, cfg.model.seq_len + 1, pad_id=tokenizer.bos_id)
     rows = list(packer)
-    n = max(cfg.num_workers, len(rows) // cfg.num_workers * cfg.num_workers)
+    n = max(cfg.cluster.num_workers, len(rows) // cfg.cluster.num_workers * cfg.cluster.num_workers)
     return {k: np.stack([r[k] for r in rows[:n]]) for k in ("input_ids", "supervised", "segment_ids")}
 
 
 def add_cli(subparsers) -> None:
-    from raychat.train.config import add_config_flags
+    from raychat.config import TrainConfig, add_flags, from_dict
+    from raychat.config.train import SFT_DEFAULTS
 
     parser = subparsers.add_parser(
         "sft",
@@ -100,19 +101,19 @@ def add_cli(subparsers) -> None:
         description="Fine-tune on packed conversations (--sft-tasks) with the pretraining loop on Ray Train. "
         "Needs --init-from <pretraining checkpoint dir>. Running again with the same --run-name resumes.",
     )
-    add_config_flags(parser, stage="sft")
+    add_flags(parser, TrainConfig, defaults=from_dict(TrainConfig, SFT_DEFAULTS), preset="cpu")
     parser.set_defaults(func=_main)
 
 
 def _main(args) -> int:
-    from raychat.train.config import config_from_args
-    from raychat.train.pretrain import run_training
+    from raychat.config import from_dict
+    from raychat.train.pretrain import config_for, run_training
 
-    cfg = config_from_args(args, "sft")
-    if not cfg.init_from:
+    cfg = config_for(args, "sft")
+    if not cfg.run.init_from:
         raise ValueError("--init-from <pretraining checkpoint directory> is required")
     from raychat.checkpoint import read_meta
 
-    read_meta(cfg.init_from)  # a clear error now, not inside a Ray worker
-    run_training(dataclasses.replace(cfg, document_masking=True))
+    read_meta(cfg.run.init_from)  # a clear error now, not inside a Ray worker
+    run_training(from_dict(type(cfg), {"document_masking": True}, base=cfg))
     return 0
