@@ -5,7 +5,7 @@
 Corpus and tokenizer: the default `raychat data prepare` output (debian-docs) and the 4096-token tokenizer
 trained on it, built under --workdir unless given.
 
-1. Efficiency: the SFT mixture of the CPU preset, raychat.train.sft.build_tasks(
+1. Efficiency: the SFT mixture of the CPU preset, raychat.tasks.registry.mixture_tasks(
    "calculator:4000,chatterbot,spelling:2000") in TaskMixture order (seed 0, as SFTRows), rendered with
    raychat.data.sample_packing.render_samples at row length 257 (T = 256, the preset's seq_len), then
    compare_packing (best fit vs one sample per right-padded row) at buffers 16, 64 (SFTRows' value) and 256.
@@ -40,9 +40,9 @@ from _common import (
 from raychat.config import TrainConfig, from_dict, preset_values
 from raychat.data.sample_packing import SampleStats, compare_packing, render_samples
 from raychat.tasks import TaskMixture
+from raychat.tasks.registry import mixture_tasks
 from raychat.tokenizer import Tokenizer
 from raychat.train.pretrain import run_training
-from raychat.train.sft import build_tasks
 
 SPEC = "calculator:4000,chatterbot,spelling:2000"
 ROW_LEN = 257
@@ -50,7 +50,7 @@ BUFFERS = (16, 64, 256)
 
 
 def efficiency(tokenizer: Tokenizer) -> tuple[list[str], float, float]:
-    mixture = TaskMixture(build_tasks(SPEC, "train", 0), seed=0)
+    mixture = TaskMixture(mixture_tasks(SPEC, "train", 0), seed=0)
     stats = SampleStats()
     items = list(
         render_samples(

@@ -6,9 +6,11 @@ from torch import nn
 
 from raychat.config import TrainConfig, add_flags, from_dict, preset_values
 from raychat.loss import cross_entropy_sum, normalize
+from raychat.train.launch import check_cpu_room, config_from
 from raychat.train.optim import lr_multiplier
 from raychat.train.plan import make_plan, power_law_batch_size
-from raychat.train.pretrain import config_for
+from raychat.train.pretrain import Pretraining
+from raychat.train.sft import SFT
 
 
 def test_lr_schedule_by_hand():
@@ -68,7 +70,7 @@ def test_bad_flags_are_clear_errors(flags, message, capsys):
         assert message in capsys.readouterr().err
         return
     with pytest.raises(ValueError, match=message):
-        config_for(args)
+        config_from(args, TrainConfig(), "pretrain")
 
 
 def test_presets_load_and_validate():
@@ -140,10 +142,11 @@ def test_fp8_filter_and_eval_swap_share_weights():
 
 
 def test_cpu_reservations_that_would_hang_are_refused():
-    from raychat.train.pretrain import check_cpu_room
-
     cfg = lambda **kw: from_dict(TrainConfig, kw)  # noqa: E731
-    check_cpu_room(cfg(num_workers=2, cpus_per_worker=0.5), cluster_cpus=2)  # 1.25 of 2: fine
+    data = Pretraining.data_cpus
+    check_cpu_room(cfg(num_workers=2, cpus_per_worker=0.5), cluster_cpus=2, data_cpus=data)  # 1.25 of 2: fine
     with pytest.raises(ValueError, match="needs 2.25 CPUs; the cluster has 2"):
-        check_cpu_room(cfg(num_workers=1, cpus_per_worker=2), cluster_cpus=2)
-    check_cpu_room(cfg(stage="sft", num_workers=1, cpus_per_worker=2), cluster_cpus=2)  # no Ray Data
+        check_cpu_room(cfg(num_workers=1, cpus_per_worker=2), cluster_cpus=2, data_cpus=data)
+    check_cpu_room(
+        cfg(stage="sft", num_workers=1, cpus_per_worker=2), cluster_cpus=2, data_cpus=SFT.data_cpus
+    )
