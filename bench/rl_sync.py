@@ -23,7 +23,7 @@ from raychat.checkpoint import save_model
 from raychat.config import RLConfig, from_dict
 from raychat.model import GPT, ModelConfig
 from raychat.rl.learner import LearnerActor
-from raychat.rl.loop import RLRun, build_tasks
+from raychat.rl.loop import RLRun, rl_tasks
 from raychat.rl.rollout import RolloutActor
 from raychat.rl.weights import sync_object_store
 from raychat.tokenizer import Tokenizer
@@ -45,7 +45,7 @@ def sizes(args) -> None:
         save_model(ck, model, tok, {"kind": "bench"})
         rl = from_dict(RLConfig, dict(checkpoint=str(ck), task_examples=8, eval_examples=2))
         learner = LearnerActor.options(num_cpus=0.5).remote(str(ck), rl)
-        rollouts = [RolloutActor.options(num_cpus=0.5).remote(str(ck), build_tasks(rl), i) for i in range(2)]
+        rollouts = [RolloutActor.options(num_cpus=0.5).remote(str(ck), rl_tasks(rl), i) for i in range(2)]
         results = [sync_object_store(learner, rollouts, v) for v in range(1, 6)]
         med = {
             k: statistics.median(r[k] for r in results) for k in ("put_s", "apply_s", "sync_time_s", "wall_s")

@@ -115,6 +115,15 @@ class RLConfig(Section):
     topology: TopologySection = section(TopologySection)
     eval: RLEvalSection = section(RLEvalSection)
 
+    def __post_init__(self):
+        super().__post_init__()
+        samples = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if samples < self.topology.learner_workers:
+            raise ConfigError(
+                f"--prompts-per-step x --samples-per-prompt = {samples} samples a step cannot feed "
+                f"--learner-workers {self.topology.learner_workers} (each needs at least one)"
+            )
+
     @property
     def denominator_length(self) -> int:
         """L of the constant normalization."""
