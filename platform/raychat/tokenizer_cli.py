@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import pyarrow.parquet as pq
+
+from raychat.data.shards import list_shards
 from raychat.tokenizer import Tokenizer
 
 
 def iter_texts(files: list[str], max_chars: int) -> Iterator[str]:
     """Texts of the `text` column of `files`, in order, until max_chars characters (<= 0: no limit)."""
-    import pyarrow.parquet as pq
-
     seen = 0
     for f in files:
         pf = pq.ParquetFile(f)
@@ -32,8 +33,6 @@ def bytes_per_token(tokenizer: Tokenizer, texts: list[str]) -> float:
 
 def train_tokenizer(data_dir: str, out: str, vocab_size: int, max_chars: int = 2_000_000_000) -> dict:
     """Train on the training shards of `data_dir`, save to `out`; returns the report dict."""
-    from raychat.data.shards import list_shards
-
     train_files, val_file = list_shards(data_dir)
     t0 = time.perf_counter()
     tokenizer = Tokenizer.train(iter_texts(train_files, max_chars), vocab_size)
