@@ -72,11 +72,13 @@ class RunDirectory:
     def __init__(self, run_dir: str | os.PathLike, keep: int):
         self.run_dir, self.keep = Path(run_dir), keep
 
+    def staging_path(self, step: int) -> Path:
+        return self.run_dir / f".tmp_checkpoint_{step:06d}"
+
     def staging(self, step: int) -> Path:
-        """An empty temporary directory to write checkpoint `step` into."""
-        tmp = self.run_dir / f".tmp_checkpoint_{step:06d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        return tmp
+        """The temporary directory to write checkpoint `step` into, emptied."""
+        shutil.rmtree(self.staging_path(step), ignore_errors=True)
+        return self.staging_path(step)
 
     def commit(self, step: int) -> Path:
         """Rename the staged directory into place and prune; returns the checkpoint's path."""
@@ -86,9 +88,6 @@ class RunDirectory:
         for old in sorted(self.run_dir.glob("checkpoint_*"))[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final
-
-    def staging_path(self, step: int) -> Path:
-        return self.run_dir / f".tmp_checkpoint_{step:06d}"
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.run_dir)
