@@ -207,7 +207,7 @@ def main() -> int:
         "--ratio-intervals",
         type=int,
         nargs="+",
-        default=[1, DEFAULTS["stream_interval"], 8],
+        default=[1, ServeConfig().replica.stream_interval, 8],
         help="stream intervals of the batching comparison",
     )
     p.add_argument(
