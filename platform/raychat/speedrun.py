@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from raychat.checkpoint import load_model
-from raychat.config import RLConfig, TrainConfig, from_dict, preset_section, preset_values, to_dict
+from raychat.config import RLConfig, TrainConfig, from_dict, preset_section, preset_values, to_dict, to_flat
+from raychat.config.data import PrepareConfig, TokenizerConfig
 from raychat.config.presets import PRESET_HELP
 from raychat.config.train import SFT_DEFAULTS
 from raychat.data.prepare import prepare
@@ -38,8 +39,11 @@ def stage(title: str):
 def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> dict:
     out_dir = Path(out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    data_cfg, tok_cfg = preset_section(preset, "data"), preset_section(preset, "tokenizer")
     data_dir, tok_dir = out_dir / "data", out_dir / "tokenizer"
+    data_cfg = from_dict(
+        PrepareConfig, {**preset_section(preset, "data"), "out": str(data_dir)}, where="data settings"
+    )
+    tok_cfg = from_dict(TokenizerConfig, preset_section(preset, "tokenizer"), where="tokenizer settings")
     report: dict = {"preset": preset, "timings_s": {}}
     t_all = time.perf_counter()
 
@@ -48,11 +52,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
         print(f"using existing shards in {data_dir}")
         manifest = json.loads((data_dir / "manifest.json").read_text())
     else:
-        manifest = prepare(
-            source=data_cfg.get("source", "debian-docs"),
-            out=str(data_dir),
-            num_shards=data_cfg.get("num_shards", 8),
-        )
+        manifest = prepare(**to_flat(data_cfg))
     report["data"] = {k: manifest.get(k) for k in ("source", "license", "documents", "bytes")}
     report["timings_s"]["data"] = time.perf_counter() - t0
 
@@ -61,7 +61,9 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
         print(f"using existing tokenizer in {tok_dir}")
         report["tokenizer"] = {"vocab_size": Tokenizer.load(tok_dir).vocab_size}
     else:
-        report["tokenizer"] = train_tokenizer(str(data_dir), str(tok_dir), tok_cfg.get("vocab_size", 4096))
+        report["tokenizer"] = train_tokenizer(
+            str(data_dir), str(tok_dir), tok_cfg.vocab_size, tok_cfg.max_chars
+        )
     report["timings_s"]["tokenizer"] = time.perf_counter() - t0
 
     t0 = stage("3/6 pretrain on Ray Train")

@@ -1,6 +1,7 @@
 """raychat's one configuration system: nested dataclass sections validated in __post_init__, one generator
 of --flags (raychat.config.flags), YAML presets shipped as package data (raychat.config.presets).
 
+  PrepareConfig, TokenizerConfig (raychat.config.data)  `raychat data prepare`, `raychat tokenizer train`
   TrainConfig (raychat.config.train)  pretrain / SFT: run, model, optim, data, cluster, train
   RLConfig    (raychat.config.rl)     RL: run, optim, rl
   ServeConfig, VLLMConfig (raychat.config.serve)  the chat app's build_app args; the vLLM Serve config
