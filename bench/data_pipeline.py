@@ -22,7 +22,6 @@ headings + WordNet glosses, 7 train shards + 1 validation shard) and a 4096-toke
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 import time
 import uuid
@@ -41,11 +40,11 @@ from _common import (
     uptime,
 )
 
+from raychat.config import TrainConfig, from_dict, preset_values
 from raychat.data.packing import BestFitPacker
 from raychat.data.pipeline import PretrainRows
 from raychat.data.shards import list_shards
 from raychat.tokenizer import Tokenizer
-from raychat.train.config import TrainConfig, load_preset
 from raychat.train.pretrain import run_training
 
 SEQ_LENS = (256, 512, 1024, 2048)
@@ -82,29 +81,33 @@ def produced(data_dir: str, tok_dir: str) -> dict:
 
 
 def consumed(data_dir: str, tok_dir: str, storage: str, steps: int, skip: int) -> dict:
-    preset = load_preset("cpu")
-    cfg = dataclasses.replace(
-        TrainConfig(**preset),
-        run_name=f"data-consumer-{uuid.uuid4().hex[:6]}",
-        storage_path=storage,
-        data_dir=data_dir,
-        tokenizer_path=tok_dir,
-        num_iterations=steps,
-        eval_every=0,
-        eval_tokens=4096,
-        checkpoint_every=0,
-        keep_checkpoints=1,
-        log_every=10,
-        max_failures=0,
+    cfg = from_dict(
+        TrainConfig,
+        dict(
+            preset_values("cpu", "pretrain"),
+            run_name=f"data-consumer-{uuid.uuid4().hex[:6]}",
+            storage_path=storage,
+            data_dir=data_dir,
+            tokenizer_path=tok_dir,
+            num_iterations=steps,
+            eval_every=0,
+            eval_tokens=4096,
+            checkpoint_every=0,
+            keep_checkpoints=1,
+            log_every=10,
+            max_failures=0,
+        ),
     )
     run_training(cfg)
-    m = read_metrics(storage, cfg.run_name)[skip:]
+    m = read_metrics(storage, cfg.run.run_name)[skip:]
     waits = np.array([s["data_wait_frac"] for s in m])
     return {
-        "workers": cfg.num_workers,
-        "cpus_per_worker": cfg.cpus_per_worker,
-        "tokens_per_step": cfg.total_batch_size,
-        "tokens_per_s": steady_tokens_per_s([s["tokens_per_s"] for s in m], cfg.total_batch_size, 0),
+        "workers": cfg.cluster.num_workers,
+        "cpus_per_worker": cfg.cluster.cpus_per_worker,
+        "tokens_per_step": cfg.train.batch.total_batch_size,
+        "tokens_per_s": steady_tokens_per_s(
+            [s["tokens_per_s"] for s in m], cfg.train.batch.total_batch_size, 0
+        ),
         "wait_mean": float(waits.mean()),
         "wait_median": float(np.median(waits)),
         "wait_max": float(waits.max()),

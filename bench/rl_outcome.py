@@ -15,7 +15,7 @@ import statistics
 
 import ray
 
-from raychat.rl.config import RLConfig
+from raychat.config import RLConfig, from_dict
 from raychat.rl.loop import RLRun
 
 
@@ -29,11 +29,11 @@ def main():
     ray.init(num_cpus=2, include_dashboard=False)
     rows = []
     for seed in args.seeds:
-        cfg = RLConfig(
+        cfg = from_dict(RLConfig, dict(
             checkpoint=args.checkpoint, out=args.out, run_name=f"seed{seed}", seed=seed, steps=args.steps,
             max_operand=99, prompts_per_step=32, samples_per_prompt=8, max_tokens=32, eval_every=args.steps,
             eval_examples=64, eval_samples=8, checkpoint_every=args.steps,
-        )  # fmt: skip
+        ))  # fmt: skip
         summary = RLRun(cfg, log=lambda m: None).run()
         lines = [json.loads(x) for x in open(f"{args.out}/seed{seed}/metrics.jsonl")]
         rows.append(

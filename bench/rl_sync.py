@@ -20,10 +20,10 @@ from pathlib import Path
 import ray
 
 from raychat.checkpoint import save_model
+from raychat.config import RLConfig, from_dict
 from raychat.model import GPT, ModelConfig
-from raychat.rl.config import RLConfig
 from raychat.rl.learner import LearnerActor
-from raychat.rl.loop import RLRun, build_tasks
+from raychat.rl.loop import RLRun, rl_tasks
 from raychat.rl.rollout import RolloutActor
 from raychat.rl.weights import sync_object_store
 from raychat.tokenizer import Tokenizer
@@ -42,10 +42,10 @@ def sizes(args) -> None:
         cfg = ModelConfig.from_depth(depth, tok.vocab_size, 256, aspect_ratio=width // depth, head_dim=64)
         model = GPT(cfg).init_weights(0)
         ck = tmp / f"d{depth}"
-        save_model(ck, model, tok, {"kind": "bench"})
-        rl = RLConfig(checkpoint=str(ck), task_examples=8, eval_examples=2)
+        save_model(ck, model, tok, {"stage": "bench"})
+        rl = from_dict(RLConfig, dict(checkpoint=str(ck), task_examples=8, eval_examples=2))
         learner = LearnerActor.options(num_cpus=0.5).remote(str(ck), rl)
-        rollouts = [RolloutActor.options(num_cpus=0.5).remote(str(ck), build_tasks(rl), i) for i in range(2)]
+        rollouts = [RolloutActor.options(num_cpus=0.5).remote(str(ck), rl_tasks(rl), i) for i in range(2)]
         results = [sync_object_store(learner, rollouts, v) for v in range(1, 6)]
         med = {
             k: statistics.median(r[k] for r in results) for k in ("put_s", "apply_s", "sync_time_s", "wall_s")
@@ -66,13 +66,13 @@ def idle(args) -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for mode in ("sync", "async"):
-        cfg = RLConfig(
+        cfg = from_dict(RLConfig, dict(
             checkpoint=args.checkpoint, out=tempfile.mkdtemp(), run_name=mode, mode=mode, max_staleness=1,
             steps=args.steps, max_operand=99, prompts_per_step=32, samples_per_prompt=8, max_tokens=32,
             eval_every=10_000, eval_examples=8, checkpoint_every=10_000,
-        )  # fmt: skip
+        ))  # fmt: skip
         s = RLRun(cfg, log=lambda m: None).run()
-        lines = [json.loads(x) for x in open(Path(cfg.out) / mode / "metrics.jsonl")]
+        lines = [json.loads(x) for x in open(Path(cfg.run.storage_path) / mode / "metrics.jsonl")]
         print(
             f"| {mode} | {1 if mode == 'async' else 0} | {s['learner_wait_frac']:.3f} | {s['wall_s']:.1f} | "
             f"{statistics.median(x['learner_step_s'] for x in lines):.3f} | "

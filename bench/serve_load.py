@@ -38,6 +38,8 @@ from pathlib import Path
 
 import httpx
 
+from raychat.config import ServeConfig
+
 
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of a non-empty list."""
@@ -140,7 +142,7 @@ def tiny_checkpoint(directory: Path, depth: int) -> Path:
     model = GPT(ModelConfig.from_depth(depth, vocab_size=tok.vocab_size, max_seq_len=512)).init_weights(
         seed=0
     )
-    save_model(directory, model, tok, {"step": 0, "kind": "bench-random"})
+    save_model(directory, model, tok, {"step": 0, "stage": "bench-random"})
     return directory
 
 
@@ -155,11 +157,11 @@ def deploy(
     import ray
     from ray import serve
 
-    from raychat.serve.app import DEFAULTS, build_app
+    from raychat.serve.app import build_app
 
-    if num_cpus + DEFAULTS["ingress_num_cpus"] > ray.cluster_resources().get("CPU", 0):
+    if num_cpus + ServeConfig().ingress_num_cpus > ray.cluster_resources().get("CPU", 0):
         raise SystemExit(
-            f"--num-cpus {num_cpus} + the ingress' {DEFAULTS['ingress_num_cpus']} exceed the cluster's CPUs"
+            f"--num-cpus {num_cpus} + the ingress' {ServeConfig().ingress_num_cpus} exceed the cluster's CPUs"
         )
     app = build_app({"checkpoint": checkpoint, "max_slots": max_slots, "num_cpus": num_cpus, "torch_threads": torch_threads,
                      "stream_interval": stream_interval, "engine_process": engine_process, "min_replicas": 1, "max_replicas": 1, "max_ongoing_requests": 128})  # fmt: skip
@@ -185,7 +187,6 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    from raychat.serve.app import DEFAULTS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", help="raychat checkpoint (default: a random model of --depth)")
@@ -199,14 +200,14 @@ def main() -> int:
     p.add_argument(
         "--stream-interval",
         type=int,
-        default=DEFAULTS["stream_interval"],
+        default=ServeConfig().replica.stream_interval,
         help="tokens per streamed event of the concurrency levels and the soak (default: the app's)",
     )
     p.add_argument(
         "--ratio-intervals",
         type=int,
         nargs="+",
-        default=[1, DEFAULTS["stream_interval"], 8],
+        default=[1, ServeConfig().replica.stream_interval, 8],
         help="stream intervals of the batching comparison",
     )
     p.add_argument(

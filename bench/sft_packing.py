@@ -5,7 +5,7 @@
 Corpus and tokenizer: the default `raychat data prepare` output (debian-docs) and the 4096-token tokenizer
 trained on it, built under --workdir unless given.
 
-1. Efficiency: the SFT mixture of the CPU preset, raychat.train.sft.build_tasks(
+1. Efficiency: the SFT mixture of the CPU preset, raychat.tasks.registry.mixture_tasks(
    "calculator:4000,chatterbot,spelling:2000") in TaskMixture order (seed 0, as SFTRows), rendered with
    raychat.data.sample_packing.render_samples at row length 257 (T = 256, the preset's seq_len), then
    compare_packing (best fit vs one sample per right-padded row) at buffers 16, 64 (SFTRows' value) and 256.
@@ -21,7 +21,6 @@ trained on it, built under --workdir unless given.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import tempfile
 import time
 import uuid
@@ -38,12 +37,12 @@ from _common import (
     uptime,
 )
 
+from raychat.config import TrainConfig, from_dict, preset_values
 from raychat.data.sample_packing import SampleStats, compare_packing, render_samples
 from raychat.tasks import TaskMixture
+from raychat.tasks.registry import mixture_tasks
 from raychat.tokenizer import Tokenizer
-from raychat.train.config import TrainConfig, load_preset
 from raychat.train.pretrain import run_training
-from raychat.train.sft import build_tasks
 
 SPEC = "calculator:4000,chatterbot,spelling:2000"
 ROW_LEN = 257
@@ -51,7 +50,7 @@ BUFFERS = (16, 64, 256)
 
 
 def efficiency(tokenizer: Tokenizer) -> tuple[list[str], float, float]:
-    mixture = TaskMixture(build_tasks(SPEC, "train", 0), seed=0)
+    mixture = TaskMixture(mixture_tasks(SPEC, "train", 0), seed=0)
     stats = SampleStats()
     items = list(
         render_samples(
@@ -94,20 +93,23 @@ def efficiency(tokenizer: Tokenizer) -> tuple[list[str], float, float]:
 
 
 def config(data_dir: str, tok_dir: str, storage: str, steps: int, **kw) -> TrainConfig:
-    return dataclasses.replace(
-        TrainConfig(**load_preset("cpu")),
-        storage_path=storage,
-        data_dir=data_dir,
-        tokenizer_path=tok_dir,
-        num_iterations=steps,
-        eval_every=0,
-        eval_tokens=4096,
-        eval_examples=2,
-        checkpoint_every=0,
-        keep_checkpoints=1,
-        log_every=10,
-        max_failures=0,
-        **kw,
+    return from_dict(
+        TrainConfig,
+        dict(
+            preset_values("cpu", "pretrain"),
+            storage_path=storage,
+            data_dir=data_dir,
+            tokenizer_path=tok_dir,
+            num_iterations=steps,
+            eval_every=0,
+            eval_tokens=4096,
+            eval_examples=2,
+            checkpoint_every=0,
+            keep_checkpoints=1,
+            log_every=10,
+            max_failures=0,
+            **kw,
+        ),
     )
 
 
@@ -143,8 +145,10 @@ def main() -> int:
     tps, wait = {}, {}
     for name, cfg in runs.items():
         run_training(cfg)
-        m = read_metrics(storage, cfg.run_name)
-        tps[name] = steady_tokens_per_s([s["tokens_per_s"] for s in m], cfg.total_batch_size, a.skip)
+        m = read_metrics(storage, cfg.run.run_name)
+        tps[name] = steady_tokens_per_s(
+            [s["tokens_per_s"] for s in m], cfg.train.batch.total_batch_size, a.skip
+        )
         wait[name] = sum(s["data_wait_frac"] for s in m[a.skip :]) / len(m[a.skip :])
     import ray
 

@@ -27,7 +27,6 @@ per-step tokens_per_s from <storage>/<run_name>/metrics.jsonl (written by raycha
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import tempfile
 import time
@@ -48,35 +47,39 @@ from _common import (
     uptime,
 )
 
+from raychat.config import TrainConfig, from_dict
 from raychat.data.packing import BestFitPacker
 from raychat.data.shards import list_shards
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.model import GPT, ModelConfig
 from raychat.tokenizer import Tokenizer
-from raychat.train.config import TrainConfig
-from raychat.train.loop import to_batch
 from raychat.train.optim import build_optimizers, lr_multiplier, set_lr
-from raychat.train.pretrain import plan, run_training
+from raychat.train.plan import make_plan
+from raychat.train.pretrain import pretrain
+from raychat.train.trainer import to_batch
 
 
 def base_config(args, data_dir: str, tokenizer_dir: str, storage: str) -> TrainConfig:
-    return TrainConfig(
-        storage_path=storage,
-        data_dir=data_dir,
-        tokenizer_path=tokenizer_dir,
-        depth=4,
-        seq_len=256,
-        device_batch_size=8,
-        total_batch_size=8192,
-        num_iterations=args.steps,
-        eval_every=0,
-        eval_tokens=4096,
-        checkpoint_every=0,
-        keep_checkpoints=1,
-        log_every=10,
-        max_failures=0,
-        num_workers=1,
-        cpus_per_worker=2,
+    return from_dict(
+        TrainConfig,
+        dict(
+            storage_path=storage,
+            data_dir=data_dir,
+            tokenizer_path=tokenizer_dir,
+            depth=4,
+            seq_len=256,
+            device_batch_size=8,
+            total_batch_size=8192,
+            num_iterations=args.steps,
+            eval_every=0,
+            eval_tokens=4096,
+            checkpoint_every=0,
+            keep_checkpoints=1,
+            log_every=10,
+            max_failures=0,
+            num_workers=1,
+            cpus_per_worker=2,
+        ),
     )
 
 
@@ -95,35 +98,34 @@ def pretrain_rows(data_dir: str, tokenizer: Tokenizer, n: int, seq_len: int, buf
 def plain_loop(cfg: TrainConfig, tokenizer: Tokenizer, threads: int, steps: int) -> list[float]:
     """Per-step tokens/s of the single-process loop (same step as raychat.train.loop, without Ray or DDP)."""
     torch.set_num_threads(threads)
-    p = plan(cfg, tokenizer.vocab_size)
-    accum, n_iter = p["grad_accum"], p["num_iterations"]
+    rows_per = cfg.train.batch.device_batch_size
+    p = make_plan(cfg, tokenizer.vocab_size)
+    accum, n_iter = p.grad_accum, p.num_iterations
     rows = pretrain_rows(
-        cfg.data_dir, tokenizer, n_iter * accum * cfg.device_batch_size, cfg.seq_len, cfg.buffer_size
+        cfg.data.data_dir, tokenizer, n_iter * accum * rows_per, cfg.model.seq_len, cfg.data.buffer_size
     )
-    torch.manual_seed(cfg.seed)
-    model = GPT(ModelConfig(**p["model_config"])).init_weights(cfg.seed)
-    optimizers = build_optimizers(model, cfg)
+    torch.manual_seed(cfg.run.seed)
+    model = GPT(ModelConfig(**p.model_config)).init_weights(cfg.run.seed)
+    optimizers = build_optimizers(model, cfg.optim)
+    sched = cfg.train.schedule
     device = torch.device("cpu")
     rates = []
     for step in range(steps):
         t0 = time.perf_counter()
-        base = step * accum * cfg.device_batch_size
+        base = step * accum * rows_per
         micro = [
             to_batch(
-                {
-                    "input_ids": rows[
-                        base + i * cfg.device_batch_size : base + (i + 1) * cfg.device_batch_size
-                    ]
-                },
-                cfg,
+                {"input_ids": rows[base + i * rows_per : base + (i + 1) * rows_per]},
                 tokenizer.bos_id,
+                False,
                 device,
             )
             for i in range(accum)
         ]
         n_targets = global_target_count(mb["loss_mask"] for mb in micro)
         set_lr(
-            optimizers, lr_multiplier(step, n_iter, cfg.warmup_ratio, cfg.warmdown_ratio, cfg.final_lr_frac)
+            optimizers,
+            lr_multiplier(step, n_iter, sched.warmup_ratio, sched.warmdown_ratio, sched.final_lr_frac),
         )
         loss_sum = torch.zeros((), dtype=torch.float64)
         for mb in micro:
@@ -132,23 +134,22 @@ def plain_loop(cfg: TrainConfig, tokenizer: Tokenizer, threads: int, steps: int)
             normalize(ce_sum, n_targets, 1).backward()
             loss_sum += ce_sum.detach().double()
         loss = (loss_sum / max(n_targets, 1)).item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip).item()
         for opt in optimizers:
             opt.step()
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
-        rates.append(p["total_batch_size"] / (time.perf_counter() - t0))
+        rates.append(p.total_batch_size / (time.perf_counter() - t0))
         if (step + 1) % 10 == 0:
             print(f"plain step {step + 1}/{n_iter} loss {loss:.4f} tok/s {rates[-1]:,.0f}", flush=True)
     return rates
 
 
 def ray_run(cfg: TrainConfig, workers: int, cpus: float) -> list[dict]:
-    cfg = dataclasses.replace(
-        cfg, run_name=f"tput-x{workers}-{uuid.uuid4().hex[:6]}", num_workers=workers, cpus_per_worker=cpus
-    )
-    run_training(cfg)
-    return read_metrics(cfg.storage_path, cfg.run_name)
+    name = f"tput-x{workers}-{uuid.uuid4().hex[:6]}"
+    cfg = from_dict(TrainConfig, dict(run_name=name, num_workers=workers, cpus_per_worker=cpus), base=cfg)
+    pretrain(cfg)
+    return read_metrics(cfg.run.storage_path, cfg.run.run_name)
 
 
 def main() -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from raychat.checkpoint import save_model
+from raychat.config import RLConfig, from_dict
 from raychat.model import GPT, ModelConfig
-from raychat.rl.config import RLConfig
 
 
 def tiny_checkpoint(directory: Path, tokenizer, seed: int = 0, depth: int = 1, width: int = 64) -> str:
@@ -16,8 +16,13 @@ def tiny_checkpoint(directory: Path, tokenizer, seed: int = 0, depth: int = 1, w
         intermediate_size=2 * width, max_seq_len=96,
     )  # fmt: skip
     model = GPT(cfg).init_weights(seed)
-    save_model(directory, model, tokenizer, {"kind": "test", "step": 0})
+    save_model(directory, model, tokenizer, {"stage": "test", "step": 0})
     return str(directory)
+
+
+def rl_config(**options) -> RLConfig:
+    """An RLConfig from options by flat name (the --flag names)."""
+    return from_dict(RLConfig, options)
 
 
 def tiny_config(checkpoint: str, out: str, **kw) -> RLConfig:
@@ -28,4 +33,4 @@ def tiny_config(checkpoint: str, out: str, **kw) -> RLConfig:
         eval_samples=2, checkpoint_every=1, max_restarts=2,
     )  # fmt: skip
     base.update(kw)
-    return RLConfig(**base)
+    return from_dict(RLConfig, base)

@@ -29,5 +29,5 @@ def tiny_model_and_tokenizer(seed: int = 0, max_seq_len: int = 256) -> tuple[GPT
 
 def write_tiny_checkpoint(directory, seed: int = 0, max_seq_len: int = 256):
     model, tokenizer = tiny_model_and_tokenizer(seed, max_seq_len)
-    save_model(directory, model, tokenizer, {"step": 0, "kind": "test"})
+    save_model(directory, model, tokenizer, {"step": 0, "stage": "test"})
     return directory

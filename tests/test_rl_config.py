@@ -1,20 +1,21 @@
 """RLConfig: validation messages, YAML round trip, the `raychat rl` flags."""
 
-import argparse
-
 import pytest
+from rl_fixtures import rl_config
 
-from raychat.rl.config import RLConfig, add_config_flags, config_from_args
-from raychat.rl.loop import split_even
+from raychat.cli import build_parser
+from raychat.config import RLConfig, from_dict, preset_values, to_yaml
+from raychat.rl.cli import config_for
+from raychat.rl.scheduler import split_even
 
 
 def test_yaml_round_trip(tmp_path):
-    cfg = RLConfig(
+    cfg = rl_config(
         checkpoint="ck", mode="async", max_staleness=2, normalization="constant", constant_length=64
     )
-    (tmp_path / "rl.yaml").write_text(cfg.to_yaml())
-    assert RLConfig.from_yaml(tmp_path / "rl.yaml") == cfg
-    assert cfg.denominator_length == 64 and RLConfig(max_tokens=40).denominator_length == 40
+    (tmp_path / "rl.yaml").write_text(to_yaml(cfg, "rl"))
+    assert from_dict(RLConfig, preset_values(str(tmp_path / "rl.yaml"), "rl")) == cfg
+    assert cfg.denominator_length == 64 and rl_config(max_tokens=40).denominator_length == 40
 
 
 @pytest.mark.parametrize(
@@ -30,20 +31,19 @@ def test_yaml_round_trip(tmp_path):
 )
 def test_validation_names_the_flag(kw, match):
     with pytest.raises(ValueError, match=match):
-        RLConfig(**kw).validate()
+        rl_config(**kw)
 
 
 def test_flags_override_yaml(tmp_path):
     (tmp_path / "c.yaml").write_text("rl:\n  steps: 7\n  mode: async\n")
-    parser = argparse.ArgumentParser()
-    add_config_flags(parser)
-    cfg = config_from_args(
-        parser.parse_args(["--config", str(tmp_path / "c.yaml"), "--steps", "9", "--scale-by-std"])
+    parser = build_parser()
+    cfg = config_for(
+        parser.parse_args(["rl", "--config", str(tmp_path / "c.yaml"), "--steps", "9", "--scale-by-std"])
     )
-    assert (cfg.steps, cfg.mode, cfg.scale_by_std) == (9, "async", True)
+    assert (cfg.rollout.steps, cfg.asynchrony.mode, cfg.objective.scale_by_std) == (9, "async", True)
     (tmp_path / "bad.yaml").write_text("rl:\n  stepz: 7\n")
     with pytest.raises(ValueError, match="unknown rl settings"):
-        config_from_args(parser.parse_args(["--config", str(tmp_path / "bad.yaml")]))
+        config_for(parser.parse_args(["rl", "--config", str(tmp_path / "bad.yaml")]))
 
 
 def test_cli_help_lists_the_rl_command(capsys):

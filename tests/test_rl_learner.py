@@ -1,14 +1,11 @@
 """One learner update on a hand-built batch equals a naive reference computation (no Ray)."""
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
-from rl_fixtures import tiny_checkpoint
+from rl_fixtures import rl_config, tiny_checkpoint
 
 from raychat.checkpoint import load_model
-from raychat.rl.config import RLConfig
 from raychat.rl.learner import Learner
 from raychat.train.optim import build_optimizers
 
@@ -48,7 +45,7 @@ def reference_loss(model, batch, normalization, temperature, L):
 @pytest.mark.parametrize("normalization", ["token", "sequence", "constant"])
 def test_learner_step_equals_reference(tmp_path, small_tokenizer, normalization):
     ckpt = tiny_checkpoint(tmp_path / "ck", small_tokenizer, seed=3)
-    cfg = RLConfig(checkpoint=ckpt, normalization=normalization, micro_batch_size=2, temperature=0.7, max_tokens=8,
+    cfg = rl_config(checkpoint=ckpt, normalization=normalization, micro_batch_size=2, temperature=0.7, max_tokens=8,
                    matrix_lr=0.01, embedding_lr=0.1, unembedding_lr=0.01, scalar_lr=0.01, grad_clip=0.5)  # fmt: skip
     learner = Learner(ckpt, cfg)
     # make lm_head non-trivial so logits (and gradients everywhere) are not near zero
@@ -86,14 +83,14 @@ def test_default_optimizers_step(tmp_path, small_tokenizer):
     """With the default Muon + AdamW (build_optimizers) the update matches the reference up to Muon's
     low-precision Newton-Schulz iteration."""
     ckpt = tiny_checkpoint(tmp_path / "ck", small_tokenizer, seed=3)
-    cfg = RLConfig(checkpoint=ckpt, micro_batch_size=2)
+    cfg = rl_config(checkpoint=ckpt, micro_batch_size=2)
     learner = Learner(ckpt, cfg)
     ref_model, _, _ = load_model(ckpt)
     ref_model.train()
-    ref_opts = build_optimizers(ref_model, cfg)
+    ref_opts = build_optimizers(ref_model, cfg.optim)
     learner.step([dict(s) for s in BATCH])
     reference_loss(ref_model, BATCH, "token", 1.0, 48).backward()
-    torch.nn.utils.clip_grad_norm_(list(ref_model.parameters()), cfg.grad_clip)
+    torch.nn.utils.clip_grad_norm_(list(ref_model.parameters()), cfg.optim.grad_clip)
     for opt in ref_opts:
         opt.step()
     start = dict(load_model(ckpt)[0].named_parameters())
@@ -105,8 +102,8 @@ def test_default_optimizers_step(tmp_path, small_tokenizer):
 
 def test_micro_batch_size_does_not_change_the_update(tmp_path, small_tokenizer):
     ckpt = tiny_checkpoint(tmp_path / "ck", small_tokenizer, seed=4)
-    cfg = RLConfig(checkpoint=ckpt, micro_batch_size=1)
-    a, b = Learner(ckpt, cfg), Learner(ckpt, dataclasses.replace(cfg, micro_batch_size=3))
+    cfg = rl_config(checkpoint=ckpt, micro_batch_size=1)
+    a, b = Learner(ckpt, cfg), Learner(ckpt, rl_config(checkpoint=ckpt, micro_batch_size=3))
     sa, sb = a.step([dict(s) for s in BATCH]), b.step([dict(s) for s in BATCH])
     assert sa["loss"] == pytest.approx(sb["loss"], rel=1e-5) and sa["grad_norm"] == pytest.approx(
         sb["grad_norm"], rel=1e-4
@@ -117,7 +114,7 @@ def test_micro_batch_size_does_not_change_the_update(tmp_path, small_tokenizer):
 
 def test_checkpoint_round_trip_restores_optimizer(tmp_path, small_tokenizer):
     ckpt = tiny_checkpoint(tmp_path / "ck", small_tokenizer, seed=5)
-    cfg = RLConfig(checkpoint=ckpt)
+    cfg = rl_config(checkpoint=ckpt)
     a = Learner(ckpt, cfg)
     a.step([dict(s) for s in BATCH])
     a.save(str(tmp_path / "rl"), step=1)

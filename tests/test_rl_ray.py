@@ -7,11 +7,10 @@ import time
 
 import pytest
 import ray
-from rl_fixtures import tiny_checkpoint, tiny_config
+from rl_fixtures import rl_config, tiny_checkpoint, tiny_config
 
-from raychat.rl.config import RLConfig
 from raychat.rl.learner import LearnerActor
-from raychat.rl.loop import RLRun, build_tasks
+from raychat.rl.loop import RLRun, rl_tasks
 from raychat.rl.rollout import RolloutActor
 from raychat.rl.weights import create_collective_group, sync_object_store
 
@@ -31,8 +30,8 @@ def checkpoint(tmp_path_factory, small_tokenizer):
 
 
 def test_sync_gives_every_rollout_the_same_weights_and_version(ray_cluster, checkpoint):
-    cfg = RLConfig(checkpoint=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
-    tasks = build_tasks(cfg)
+    cfg = rl_config(checkpoint=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
+    tasks = rl_tasks(cfg)
     learner = LearnerActor.options(num_cpus=0.5).remote(checkpoint, cfg)
     rollouts = [RolloutActor.options(num_cpus=0.5).remote(checkpoint, tasks, i) for i in range(2)]
     before = ray.get(learner.weights_hash.remote())
@@ -60,9 +59,9 @@ def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, t
 
     pids = {}
 
-    def kill_at_step_1(run, step, chunks):
+    def kill_at_step_1(scheduler, step, chunks):
         if step == 0:
-            pids.update(ray.get(run.rollouts[0].info.remote()))
+            pids.update(ray.get(scheduler.topology.rollouts[0].info.remote()))
         if step == 1 and not killed:  # SIGKILL right after its rollout chunk was submitted: it dies in flight
             os.kill(pids["pid"], signal.SIGKILL)
             killed.append(pids["pid"])
@@ -76,7 +75,7 @@ def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, t
     assert lines[0]["restarts"] == 0 and lines[1]["restarts"] >= 1  # detected while collecting step 2
     assert [x["step"] for x in lines] == [1, 2, 3]
     # the killed actor's prompts of step 2 (index 1) were re-issued and completed: every prompt, G samples each
-    assert lines[1]["prompts"] == sorted(run.prompts_for(1)) and lines[1]["num_samples"] == 4 * 2
+    assert lines[1]["prompts"] == sorted(run.scheduler.prompts_for(1)) and lines[1]["num_samples"] == 4 * 2
     assert lines[1]["staleness_max"] == 0  # re-synced before re-issue
     assert {p.name for p in (tmp_path / "t").glob("checkpoint_*")} == {
         "checkpoint_000002",
@@ -92,9 +91,9 @@ def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, t
 
 def test_collective_broadcast_path_with_gloo(ray_cluster, checkpoint):
     """The broadcast sync (the NCCL path on GPUs) run with the gloo backend on CPU: same hash everywhere."""
-    cfg = RLConfig(checkpoint=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
+    cfg = rl_config(checkpoint=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
     learner = LearnerActor.options(num_cpus=0.5).remote(checkpoint, cfg)
-    rollouts = [RolloutActor.options(num_cpus=0.5).remote(checkpoint, build_tasks(cfg), i) for i in range(2)]
+    rollouts = [RolloutActor.options(num_cpus=0.5).remote(checkpoint, rl_tasks(cfg), i) for i in range(2)]
     batch = [{"tokens": [1, 5, 9, 20], "mask": [0, 0, 1, 1], "advantage": 1.0}]
     ray.get(learner.step.remote(batch))
     expected = ray.get(learner.weights_hash.remote())

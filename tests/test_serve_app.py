@@ -9,29 +9,32 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 import raychat.serve.app as serve_app
+from raychat.config.serve import ReplicaSection
 
 CHAT_YAML = Path(__file__).resolve().parents[1] / "serve" / "chat.yaml"
 
 
 def test_parse_args_converts_strings_and_rejects_unknown(monkeypatch):
     monkeypatch.delenv("RAYCHAT_API_KEY", raising=False)
-    a = serve_app.parse_args({"checkpoint": "/x", "max_slots": "4", "num_cpus": "0.5", "max_len": "none"})
-    assert (a["max_slots"], a["num_cpus"], a["max_len"], a["api_key"]) == (4, 0.5, None, None)
+    a = serve_app.serve_config({"checkpoint": "/x", "max_slots": "4", "num_cpus": "0.5", "max_len": "none"})
+    assert (a.replica.max_slots, a.replica.num_cpus, a.replica.max_len, a.api_key) == (4, 0.5, None, None)
+    assert serve_app.serve_config({"checkpoint": "/x", "max_rows": "3"}).replica.max_slots == 3  # old name
     with pytest.raises(ValueError, match="unknown build_app args \\['rows'\\]"):
-        serve_app.parse_args({"checkpoint": "/x", "rows": 2})
+        serve_app.serve_config({"checkpoint": "/x", "rows": 2})
     with pytest.raises(ValueError, match="max_slots must be an integer"):
-        serve_app.parse_args({"checkpoint": "/x", "max_slots": "many"})
+        serve_app.serve_config({"checkpoint": "/x", "max_slots": "many"})
     with pytest.raises(ValueError, match="stream_interval must be >= 1, got 0"):
-        serve_app.parse_args({"checkpoint": "/x", "stream_interval": "0"})
+        serve_app.serve_config({"checkpoint": "/x", "stream_interval": "0"})
     assert (
-        serve_app.parse_args({"checkpoint": "/x"})["stream_interval"] == serve_app.DEFAULTS["stream_interval"]
+        serve_app.serve_config({"checkpoint": "/x"}).replica.stream_interval
+        == ReplicaSection().stream_interval
     )
     with pytest.raises(ValueError, match="checkpoint"):
-        serve_app.parse_args({})
+        serve_app.serve_config({})
     with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
-        serve_app.parse_args({"checkpoint": "/x", "min_replicas": 3, "max_replicas": 2})
+        serve_app.serve_config({"checkpoint": "/x", "min_replicas": 3, "max_replicas": 2})
     monkeypatch.setenv("RAYCHAT_API_KEY", "k")
-    assert serve_app.parse_args({"checkpoint": "/x"})["api_key"] == "k"
+    assert serve_app.serve_config({"checkpoint": "/x"}).api_key == "k"
 
 
 def test_build_app_needs_a_checkpoint(tmp_path):
@@ -44,12 +47,10 @@ def test_chat_yaml_is_valid_and_matches_build_app():
     schema = ServeDeploySchema(**config)
     app = schema.applications[0]
     assert app.import_path == "raychat.serve.app:build_app"
-    serve_app.parse_args(app.args)  # every arg is one build_app accepts
-    deployments = {d.name: d for d in app.deployments}
-    assert set(deployments) == {serve_app.SERVER_DEPLOYMENT, serve_app.INGRESS_DEPLOYMENT}
-    engine = deployments[serve_app.SERVER_DEPLOYMENT]
-    auto = engine.autoscaling_config
-    assert 1 <= auto["min_replicas"] < auto["max_replicas"]
-    assert auto["look_back_period_s"] > 10  # Ray requires look_back_period_s > its metrics interval (10 s)
-    assert engine.max_ongoing_requests >= auto["target_ongoing_requests"]
-    assert engine.ray_actor_options.num_cpus > 0
+    c = serve_app.serve_config(app.args)  # every arg is one build_app accepts
+    assert app.deployments == []  # every value is a build_app arg: one place each
+    auto = c.autoscaling
+    assert 1 <= auto.min_replicas < auto.max_replicas
+    assert auto.look_back_period_s > 10  # Ray requires look_back_period_s > its metrics interval (10 s)
+    assert c.replica.max_ongoing_requests >= auto.target_ongoing_requests
+    assert c.replica.num_cpus > 0

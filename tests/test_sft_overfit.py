@@ -4,11 +4,11 @@ greedy generation reproduces each reply and stops with <|assistant_end|>."""
 import torch
 
 from raychat.chat_template import render_for_completion
+from raychat.config.train import OptimSection
 from raychat.data.sample_packing import SamplePacker, render_samples, rows_to_batch
 from raychat.engine import ModelRunner
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.model import GPT, ModelConfig
-from raychat.train.config import TrainConfig
 from raychat.train.optim import build_optimizers
 
 CONVERSATIONS = [
@@ -34,7 +34,7 @@ def test_tiny_batch_overfits_and_generation_reproduces_the_replies(small_tokeniz
         },
         tok.bos_id,
     )
-    cfg = TrainConfig(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.02, scalar_lr=0.02)
+    cfg = OptimSection(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.02, scalar_lr=0.02)
     optimizers = build_optimizers(model, cfg)
     n = global_target_count([batch["loss_mask"]])
     for _ in range(150):

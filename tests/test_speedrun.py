@@ -76,5 +76,8 @@ def test_speedrun_end_to_end(tiny_preset, tmp_path):
     assert report["final_checkpoint"].endswith("checkpoint_000002")
     text = (tmp_path / "out" / "report.md").read_text()
     assert "validation BPB" in text and "unigram baseline BPB" in text
+    for stage in ("pretrain", "sft", "rl"):  # curves drawn from each stage's metrics sink
+        assert f"![{stage} curves](curves_{stage}.png)" in text
+        assert (tmp_path / "out" / f"curves_{stage}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert saved["final_checkpoint"] == report["final_checkpoint"]

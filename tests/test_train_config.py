@@ -4,16 +4,13 @@ import pytest
 import torch
 from torch import nn
 
+from raychat.config import TrainConfig, add_flags, from_dict, preset_values
 from raychat.loss import cross_entropy_sum, normalize
-from raychat.train.config import (
-    TrainConfig,
-    add_config_flags,
-    config_from_args,
-    load_preset,
-    power_law_batch_size,
-)
+from raychat.train.launch import check_cpu_room, config_from
 from raychat.train.optim import lr_multiplier
-from raychat.train.pretrain import plan
+from raychat.train.plan import make_plan, power_law_batch_size
+from raychat.train.pretrain import Pretraining
+from raychat.train.sft import SFT
 
 
 def test_lr_schedule_by_hand():
@@ -25,7 +22,7 @@ def test_lr_schedule_by_hand():
 
 
 def test_grad_accum_derived_and_clear_error():
-    cfg = TrainConfig(device_batch_size=8, seq_len=256, num_workers=2)
+    cfg = from_dict(TrainConfig, dict(device_batch_size=8, seq_len=256, num_workers=2))
     assert cfg.grad_accum_steps(16384) == 4
     with pytest.raises(ValueError, match="not a multiple of device_batch_size x seq_len x num_workers"):
         cfg.grad_accum_steps(10000)
@@ -39,18 +36,21 @@ def test_power_law_batch_size():
 
 
 def test_plan_horizon_from_param_data_ratio():
-    cfg = TrainConfig(
-        depth=2,
-        seq_len=64,
-        device_batch_size=4,
-        num_workers=2,
-        total_batch_size=1024,
-        target_param_data_ratio=10,
+    cfg = from_dict(
+        TrainConfig,
+        dict(
+            depth=2,
+            seq_len=64,
+            device_batch_size=4,
+            num_workers=2,
+            total_batch_size=1024,
+            target_param_data_ratio=10,
+        ),
     )
-    p = plan(cfg, vocab_size=512)
-    assert p["grad_accum"] == 2  # 1024 / (4 * 64 * 2)
-    assert p["num_iterations"] == round(10 * p["scaling_params"] / 1024)
-    assert p["tokens"] == p["num_iterations"] * 1024
+    p = make_plan(cfg, vocab_size=512)
+    assert p.grad_accum == 2  # 1024 / (4 * 64 * 2)
+    assert p.num_iterations == round(10 * p.scaling_params / 1024)
+    assert p.tokens == p.num_iterations * 1024
 
 
 @pytest.mark.parametrize(
@@ -63,22 +63,22 @@ def test_plan_horizon_from_param_data_ratio():
 )
 def test_bad_flags_are_clear_errors(flags, message, capsys):
     parser = argparse.ArgumentParser()
-    add_config_flags(parser)
+    add_flags(parser, TrainConfig, preset="cpu")
     try:
         args = parser.parse_args(flags)
     except SystemExit:
         assert message in capsys.readouterr().err
         return
     with pytest.raises(ValueError, match=message):
-        config_from_args(args)
+        config_from(args, TrainConfig(), "pretrain")
 
 
 def test_presets_load_and_validate():
     for name in ("cpu", "gpu8", "cluster"):
-        cfg = TrainConfig(**load_preset(name))
-        cfg.validate()
+        for stage in ("pretrain", "sft"):
+            from_dict(TrainConfig, preset_values(name, stage))  # validated in __post_init__
     with pytest.raises(FileNotFoundError, match="known presets"):
-        load_preset("nope")
+        preset_values("nope", "pretrain")
 
 
 def test_step_loss_is_token_normalized_over_micro_batches():
@@ -142,9 +142,11 @@ def test_fp8_filter_and_eval_swap_share_weights():
 
 
 def test_cpu_reservations_that_would_hang_are_refused():
-    from raychat.train.pretrain import check_cpu_room
-
-    check_cpu_room(TrainConfig(num_workers=2, cpus_per_worker=0.5), cluster_cpus=2)  # 1.25 of 2: fine
+    cfg = lambda **kw: from_dict(TrainConfig, kw)  # noqa: E731
+    data = Pretraining.data_cpus
+    check_cpu_room(cfg(num_workers=2, cpus_per_worker=0.5), cluster_cpus=2, data_cpus=data)  # 1.25 of 2: fine
     with pytest.raises(ValueError, match="needs 2.25 CPUs; the cluster has 2"):
-        check_cpu_room(TrainConfig(num_workers=1, cpus_per_worker=2), cluster_cpus=2)
-    check_cpu_room(TrainConfig(stage="sft", num_workers=1, cpus_per_worker=2), cluster_cpus=2)  # no Ray Data
+        check_cpu_room(cfg(num_workers=1, cpus_per_worker=2), cluster_cpus=2, data_cpus=data)
+    check_cpu_room(
+        cfg(stage="sft", num_workers=1, cpus_per_worker=2), cluster_cpus=2, data_cpus=SFT.data_cpus
+    )

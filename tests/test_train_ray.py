@@ -1,9 +1,16 @@
 """Ray tier: the training loop on Ray Train (gloo DDP on CPU): exact resume, fault tolerance, NaN stop."""
 
 import json
+import os
 import random
+import sys
 
 import pytest
+import ray
+
+from raychat.config import TrainConfig, from_dict
+from raychat.train.pretrain import pretrain
+from raychat.train.trainer import Callback
 
 pytestmark = [pytest.mark.ray]
 
@@ -15,8 +22,6 @@ WORDS = (
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    import ray
-
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
     yield
     ray.shutdown()
@@ -37,7 +42,6 @@ def data(tmp_path_factory):
 
 
 def tiny_config(data, storage, **overrides):
-    from raychat.train.config import TrainConfig
 
     values = dict(
         run_name="t",
@@ -61,7 +65,7 @@ def tiny_config(data, storage, **overrides):
         max_failures=0,
     )
     values.update(overrides)
-    return TrainConfig(**values)
+    return from_dict(TrainConfig, values)
 
 
 def losses(storage, name="t"):
@@ -74,16 +78,34 @@ def final_state(result, rank):
         return json.loads(open(f"{d}/state_rank{rank}.json").read())
 
 
-def test_exact_resume_matches_a_straight_run(ray_cluster, data, tmp_path):
-    from raychat.train.pretrain import run_training
+class FailOnce(Callback):
+    """Fault injection: rank 1 (or 0 alone) dies with os._exit at step `at_step` the first time only, like
+    a lost node (the marker file remembers it); Ray Train then restarts the group from the last checkpoint."""
 
-    straight = run_training(tiny_config(data, tmp_path / "a"))
+    def __init__(self, at_step: int, marker: str):
+        self.at_step, self.marker = at_step, marker
+
+    def on_step_begin(self, trainer, step):
+        if (
+            step == self.at_step
+            and trainer.rank == min(1, trainer.world - 1)
+            and not os.path.exists(self.marker)
+        ):
+            open(self.marker, "w").close()
+            os._exit(1)
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
+
+
+def test_exact_resume_matches_a_straight_run(ray_cluster, data, tmp_path):
+    straight = pretrain(tiny_config(data, tmp_path / "a"))
     assert straight.metrics["step"] == 6
     assert straight.metrics["val_bpb"] > 0
 
-    stopped = run_training(tiny_config(data, tmp_path / "b", stop_after=3))
+    stopped = pretrain(tiny_config(data, tmp_path / "b", stop_after=3))
     assert stopped.metrics["step"] == 3
-    resumed = run_training(tiny_config(data, tmp_path / "b"))
+    resumed = pretrain(tiny_config(data, tmp_path / "b"))
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert sorted(b) == [1, 2, 3, 4, 5, 6]
     assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # bitwise equal on CPU
@@ -92,13 +114,9 @@ def test_exact_resume_matches_a_straight_run(ray_cluster, data, tmp_path):
     assert straight.metrics["val_bpb"] == resumed.metrics["val_bpb"]
 
 
-def test_killed_worker_restarts_from_checkpoint_and_completes(ray_cluster, data, tmp_path, monkeypatch):
-    from raychat.train.pretrain import run_training
-
+def test_killed_worker_restarts_from_checkpoint_and_completes(ray_cluster, data, tmp_path):
     marker = tmp_path / "died"
-    monkeypatch.setenv("RAYCHAT_FAIL_ONCE_AT_STEP", "4")
-    monkeypatch.setenv("RAYCHAT_FAIL_MARKER", str(marker))
-    result = run_training(tiny_config(data, tmp_path / "c", max_failures=1))
+    result = pretrain(tiny_config(data, tmp_path / "c", max_failures=1), callbacks=[FailOnce(4, str(marker))])
     assert marker.exists()  # the worker did die once
     assert result.metrics["step"] == 6
     assert sorted(losses(tmp_path / "c"))[-1] == 6

@@ -1,7 +1,8 @@
 """Checkpoint directory layout, written through `ray.train.report(checkpoint=...)` and read anywhere.
 
   model.safetensors      weights (rank 0), parameter names as Qwen3ForCausalLM
-  meta.json              {"model_config", "tokenizer_version", "step", "metrics", "kind", "train_config", ...}
+  meta.json              {"model_config", "tokenizer_version", "stage", "step", "metrics", "config", ...}
+                         (raychat.train.checkpointer writes it; checkpoints written before had "kind")
   tokenizer.json         the tokenizer the model was trained with
   optim_rank{r}.pt       optimizer state of rank r
   state_rank{r}.json     data position and packer buffer of rank r
@@ -72,10 +73,18 @@ def load_rank_state(directory: str | os.PathLike, rank: int, optimizers: list) -
 
 
 def read_meta(directory: str | os.PathLike) -> dict:
+    """meta.json of a checkpoint; an older checkpoint's "kind" is read as "stage".
+
+    Raises:
+        FileNotFoundError: no meta.json there.
+    """
     path = Path(directory) / "meta.json"
     if not path.exists():
         raise FileNotFoundError(f"{directory} is not a raychat checkpoint (no meta.json)")
-    return json.loads(path.read_text())
+    meta = json.loads(path.read_text())
+    if "kind" in meta and "stage" not in meta:
+        meta["stage"] = meta.pop("kind")
+    return meta
 
 
 def load_model(

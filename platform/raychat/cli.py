@@ -17,7 +17,7 @@ COMMAND_MODULES = [
     "raychat.tokenizer_cli",
     "raychat.train.pretrain",
     "raychat.train.sft",
-    "raychat.rl.loop",
+    "raychat.rl.cli",
     "raychat.eval.cli",
     "raychat.chat.cli",
     "raychat.serve.cli",

@@ -9,22 +9,26 @@ Stages whose outputs already exist are skipped (the run is resumable: run the sa
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 
-from raychat.train.config import TrainConfig, load_preset
-
-
-def _section(preset: str, name: str) -> dict:
-    import yaml
-
-    from raychat.train.config import PRESET_DIR
-
-    path = Path(preset) if Path(preset).suffix else PRESET_DIR / f"{preset}.yaml"
-    return (yaml.safe_load(path.read_text()) or {}).get(name, {})
+from raychat.checkpoint import load_model
+from raychat.config import RLConfig, TrainConfig, from_dict, preset_section, preset_values, to_dict, to_flat
+from raychat.config.data import PrepareConfig, TokenizerConfig
+from raychat.config.presets import PRESET_HELP
+from raychat.config.train import SFT_DEFAULTS
+from raychat.data.prepare import prepare
+from raychat.data.shards import list_shards
+from raychat.eval.bpb import unigram_bpb
+from raychat.eval.tasks import task_accuracy
+from raychat.report import write_report
+from raychat.rl.loop import RLRun
+from raychat.tasks import Calculator
+from raychat.tokenizer import Tokenizer
+from raychat.tokenizer_cli import iter_texts, train_tokenizer
+from raychat.train.pretrain import pretrain
+from raychat.train.sft import sft
 
 
 def stage(title: str):
@@ -35,42 +39,36 @@ def stage(title: str):
 def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> dict:
     out_dir = Path(out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    data_cfg, tok_cfg = _section(preset, "data"), _section(preset, "tokenizer")
     data_dir, tok_dir = out_dir / "data", out_dir / "tokenizer"
+    data_cfg = from_dict(
+        PrepareConfig, {**preset_section(preset, "data"), "out": str(data_dir)}, where="data settings"
+    )
+    tok_cfg = from_dict(TokenizerConfig, preset_section(preset, "tokenizer"), where="tokenizer settings")
     report: dict = {"preset": preset, "timings_s": {}}
     t_all = time.perf_counter()
 
     t0 = stage("1/6 data: corpus -> parquet shards")
-    from raychat.data.prepare import prepare
-
     if (data_dir / "manifest.json").exists():
         print(f"using existing shards in {data_dir}")
         manifest = json.loads((data_dir / "manifest.json").read_text())
     else:
-        manifest = prepare(
-            source=data_cfg.get("source", "debian-docs"),
-            out=str(data_dir),
-            num_shards=data_cfg.get("num_shards", 8),
-        )
+        manifest = prepare(**to_flat(data_cfg))
     report["data"] = {k: manifest.get(k) for k in ("source", "license", "documents", "bytes")}
     report["timings_s"]["data"] = time.perf_counter() - t0
 
     t0 = stage("2/6 tokenizer: byte-level BPE")
-    from raychat.tokenizer import Tokenizer
-    from raychat.tokenizer_cli import train_tokenizer
-
     if (tok_dir / "tokenizer.json").exists():
         print(f"using existing tokenizer in {tok_dir}")
         report["tokenizer"] = {"vocab_size": Tokenizer.load(tok_dir).vocab_size}
     else:
-        report["tokenizer"] = train_tokenizer(str(data_dir), str(tok_dir), tok_cfg.get("vocab_size", 4096))
+        report["tokenizer"] = train_tokenizer(
+            str(data_dir), str(tok_dir), tok_cfg.vocab_size, tok_cfg.max_chars
+        )
     report["timings_s"]["tokenizer"] = time.perf_counter() - t0
 
     t0 = stage("3/6 pretrain on Ray Train")
-    from raychat.train.pretrain import run_training
-
     values = {
-        **load_preset(preset),
+        **preset_values(preset, "pretrain"),
         "data_dir": str(data_dir),
         "tokenizer_path": str(tok_dir),
         "storage_path": str(out_dir / "checkpoints"),
@@ -79,9 +77,8 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     }
     if num_iterations:
         values["num_iterations"] = num_iterations
-    cfg = TrainConfig(**values)
-    cfg.validate()
-    result = run_training(cfg)
+    cfg = from_dict(TrainConfig, values, where="train settings")
+    result = pretrain(cfg)
     report["pretrain"] = {k: v for k, v in result.metrics.items() if k != "samples"}
     report["samples"] = result.metrics.get("samples", [])
     report["checkpoint"] = str(result.checkpoint.path) if result.checkpoint else None
@@ -96,20 +93,25 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     report["timings_s"]["eval"] = time.perf_counter() - t0
 
     final = report["checkpoint"]
-    sft_values = _section(preset, "sft")
+    sft_values = preset_section(preset, "sft")
     if sft_values.get("num_iterations", 0) > 0:
         t0 = stage("5/6 SFT on Ray Train (same loop, packed conversations)")
         report["sft"], final = run_sft_stage(cfg, report["checkpoint"], sft_values, out_dir)
         report["timings_s"]["sft"] = time.perf_counter() - t0
-    rl_values = _section(preset, "rl")
+    rl_values = preset_section(preset, "rl")
     if rl_values.get("steps", 0) > 0 and report.get("sft"):
         t0 = stage("6/6 RL: rollout actors + learner")
         report["rl"], final = run_rl_stage(final, rl_values, out_dir)
         report["timings_s"]["rl"] = time.perf_counter() - t0
     report["final_checkpoint"] = final
     report["timings_s"]["total"] = time.perf_counter() - t_all
-    report["train_config"] = dataclasses.asdict(cfg)
-    path = write_report(out_dir, report)
+    report["train_config"] = to_dict(cfg)
+    curves = {
+        "pretrain": out_dir / "checkpoints" / "base" / "metrics.jsonl",
+        "sft": out_dir / "checkpoints" / "sft" / "metrics.jsonl",
+        "rl": out_dir / "rl" / "rl" / "metrics.jsonl",
+    }
+    path = write_report(out_dir, report, curves)
     print(f"\nreport: {path}\nfinal checkpoint: {final}")
     print(f"chat with it:  raychat chat --checkpoint {final}")
     print(f"serve it:      raychat serve --checkpoint {final}   -> chat page at http://127.0.0.1:8000/")
@@ -118,10 +120,6 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
 
 def calculator_accuracy(checkpoint: str, num_examples: int, seed: int = 0) -> float:
     """Greedy exact-answer accuracy on held-out calculator problems (raychat.eval.tasks)."""
-    from raychat.checkpoint import load_model
-    from raychat.eval.tasks import task_accuracy
-    from raychat.tasks import Calculator
-
     model, tokenizer, _ = load_model(checkpoint)
     return task_accuracy(model, tokenizer, Calculator(split="test", seed=seed), num_examples)
 
@@ -129,21 +127,16 @@ def calculator_accuracy(checkpoint: str, num_examples: int, seed: int = 0) -> fl
 def run_sft_stage(
     base_cfg: TrainConfig, base_checkpoint: str, values: dict, out_dir: Path
 ) -> tuple[dict, str]:
-    from raychat.train.pretrain import run_training
-
     n = values.get("eval_examples", 64)
     before = calculator_accuracy(base_checkpoint, n)
     print(f"calculator accuracy before SFT: {before:.3f} ({n} held-out problems)")
-    cfg = dataclasses.replace(
-        base_cfg,
-        **{"eval_every": 0, "checkpoint_every": 0, **values},
-        stage="sft",
-        run_name="sft",
-        init_from=base_checkpoint,
-        document_masking=True,
+    cfg = from_dict(
+        TrainConfig,
+        {"eval_every": 0, "checkpoint_every": 0, **values, **SFT_DEFAULTS, "init_from": base_checkpoint},
+        base=base_cfg,
+        where="sft settings",
     )
-    cfg.validate()
-    result = run_training(cfg)
+    result = sft(cfg)
     checkpoint = str(result.checkpoint.path)
     after = result.metrics["calculator_accuracy"]  # the loop's final evaluation, same problems
     print(f"calculator accuracy after SFT: {after:.3f} (before {before:.3f})")
@@ -153,11 +146,8 @@ def run_sft_stage(
 
 def run_rl_stage(checkpoint: str, values: dict, out_dir: Path) -> tuple[dict, str]:
     """RL on the calculator task from the SFT checkpoint; pass@1 on held-out problems before and after."""
-    from raychat.rl.config import RLConfig
-    from raychat.rl.loop import RLRun
-
-    cfg = RLConfig(**{**values, "checkpoint": checkpoint, "out": str(out_dir / "rl"), "run_name": "rl"})
-    cfg.validate()
+    values = {**values, "checkpoint": checkpoint, "out": str(out_dir / "rl"), "run_name": "rl"}
+    cfg = from_dict(RLConfig, values, where="rl settings")
     summary = RLRun(cfg).run()
     if not summary["evals"]:  # the run had already finished: nothing was trained or evaluated now
         final = str(sorted(Path(summary["run_dir"]).glob("checkpoint_*"))[-1])
@@ -165,7 +155,7 @@ def run_rl_stage(checkpoint: str, values: dict, out_dir: Path) -> tuple[dict, st
     before, after = summary["evals"][0], summary["evals"][-1]
     final = str(sorted(Path(summary["run_dir"]).glob("checkpoint_*"))[-1])
     line = (
-        f"{cfg.steps} steps, pass@1 on {cfg.eval_examples} held-out problems {before['pass@1']:.3f} -> "
+        f"{cfg.rollout.steps} steps, pass@1 on {cfg.eval.eval_examples} held-out problems {before['pass@1']:.3f} -> "
         f"{after['pass@1']:.3f}, learner wait {summary['learner_wait_frac']:.2f}, {summary['wall_s']:.0f} s"
     )
     print(f"RL: {line}")
@@ -178,61 +168,11 @@ def run_rl_stage(checkpoint: str, values: dict, out_dir: Path) -> tuple[dict, st
 
 
 def unigram_baseline(data_dir: Path, tok_dir: Path, max_chars: int = 20_000_000) -> float:
-    from raychat.data.shards import list_shards
-    from raychat.eval.bpb import unigram_bpb
-    from raychat.tokenizer import Tokenizer
-    from raychat.tokenizer_cli import iter_texts
-
     tok = Tokenizer.load(tok_dir)
     train_files, val_file = list_shards(data_dir)
     train = tok.encode_batch(list(iter_texts(train_files, max_chars)), prepend_bos=True, num_threads=2)
     val = tok.encode_batch(list(iter_texts([val_file], max_chars)), prepend_bos=True, num_threads=2)
     return unigram_bpb(train, val, tok.token_bytes())
-
-
-def write_report(out_dir: Path, r: dict) -> Path:
-    p, t = r["pretrain"], r["timings_s"]
-    lines = [
-        f"# raychat speedrun report (preset `{r['preset']}`)",
-        "",
-        "| metric | value |",
-        "|---|---|",
-        f"| corpus | {r['data'].get('source')} ({r['data'].get('license')}), "
-        f"{r['data'].get('documents'):,} documents, {r['data'].get('bytes', 0) / 1e6:.1f} MB |",
-        f"| tokenizer | vocab {r['tokenizer'].get('vocab_size')}, "
-        f"{r['tokenizer'].get('val_bytes_per_token', 'n/a')} bytes/token (val) |",
-        f"| steps | {p.get('step')} |",
-        f"| final train loss | {p.get('loss', float('nan')):.4f} |",
-        f"| validation BPB | {p.get('val_bpb', float('nan')):.4f} |",
-        f"| unigram baseline BPB | {r['unigram_bpb']:.4f} |",
-        f"| tokens/s (last step, all workers) | {p.get('tokens_per_s', 0):,.0f} |",
-        f"| data wait (last step) | {100 * p.get('data_wait_frac', 0):.1f}% |",
-        f"| wall time | {t['total']:.0f} s (data {t['data']:.0f}, tokenizer {t['tokenizer']:.0f}, "
-        f"pretrain {t['pretrain']:.0f}, eval {t['eval']:.0f}, sft {t.get('sft', 0):.0f}, rl {t.get('rl', 0):.0f}) |",
-        f"| checkpoint | `{r['checkpoint']}` |",
-        *(
-            [
-                f"| SFT steps | {r['sft'].get('step')} (val BPB on held-out conversations {r['sft'].get('val_bpb', float('nan')):.4f}) |",
-                f"| calculator accuracy before / after SFT | {r['sft']['accuracy_before']:.3f} / "
-                f"{r['sft']['accuracy_after']:.3f} ({r['sft']['eval_examples']} held-out problems) |",
-            ]
-            if r.get("sft")
-            else []
-        ),
-        *([f"| RL | {r['rl'].get('summary', '')} |"] if r.get("rl") else []),
-        f"| final checkpoint | `{r.get('final_checkpoint')}` |",
-        "",
-        "## Samples (greedy)",
-        "",
-        *[f"- {json.dumps(s)}" for s in r.get("samples", [])],
-        "",
-    ]
-    path = out_dir / "report.md"
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines))
-    os.replace(tmp, path)
-    (out_dir / "report.json").write_text(json.dumps(r, indent=2, default=str))
-    return path
 
 
 def add_cli(subparsers) -> None:
@@ -243,9 +183,7 @@ def add_cli(subparsers) -> None:
         "RAY_ADDRESS. Stages whose outputs exist are reused; the pretraining run resumes from its last "
         "checkpoint. Writes <out>/report.md.",
     )
-    parser.add_argument(
-        "--preset", default="cpu", help="jobs/presets/<name>.yaml (cpu, gpu8, cluster) or a path"
-    )
+    parser.add_argument("--preset", default="cpu", help=f"{PRESET_HELP} (default: cpu)")
     parser.add_argument(
         "--out",
         default="runs",

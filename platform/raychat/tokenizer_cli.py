@@ -5,13 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import pyarrow.parquet as pq
+
+from raychat.config import add_flags, from_args
+from raychat.config.data import TokenizerConfig
+from raychat.data.shards import list_shards
 from raychat.tokenizer import Tokenizer
 
 
 def iter_texts(files: list[str], max_chars: int) -> Iterator[str]:
     """Texts of the `text` column of `files`, in order, until max_chars characters (<= 0: no limit)."""
-    import pyarrow.parquet as pq
-
     seen = 0
     for f in files:
         pf = pq.ParquetFile(f)
@@ -30,10 +33,10 @@ def bytes_per_token(tokenizer: Tokenizer, texts: list[str]) -> float:
     return n_bytes / max(n_tokens, 1)
 
 
-def train_tokenizer(data_dir: str, out: str, vocab_size: int, max_chars: int = 2_000_000_000) -> dict:
+def train_tokenizer(
+    data_dir: str, out: str, vocab_size: int, max_chars: int = TokenizerConfig().max_chars
+) -> dict:
     """Train on the training shards of `data_dir`, save to `out`; returns the report dict."""
-    from raychat.data.shards import list_shards
-
     train_files, val_file = list_shards(data_dir)
     t0 = time.perf_counter()
     tokenizer = Tokenizer.train(iter_texts(train_files, max_chars), vocab_size)
@@ -67,17 +70,11 @@ def add_cli(subparsers) -> None:
         description="Train byte-level BPE on the training shards, save tokenizer.json (served by tiktoken "
         "with the chat special tokens), and report bytes per token on train and validation text.",
     )
-    train.add_argument(
-        "--data-dir", default="runs/data", help="shards from `raychat data prepare` (default: runs/data)"
-    )
-    train.add_argument("--out", default="runs/tokenizer", help="output directory (default: runs/tokenizer)")
-    train.add_argument(
-        "--vocab-size",
-        type=int,
-        default=4096,
-        help="total vocabulary incl. special tokens (default: 4096; gpu8: 65536)",
-    )
-    train.add_argument(
-        "--max-chars", type=int, default=2_000_000_000, help="train on at most this many characters"
-    )
-    train.set_defaults(func=lambda a: train_tokenizer(a.data_dir, a.out, a.vocab_size, a.max_chars) and 0)
+    add_flags(train, TokenizerConfig, preset="none")
+    train.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    c = from_args(args, TokenizerConfig, "tokenizer", where="tokenizer settings")
+    train_tokenizer(c.data_dir, c.out, c.vocab_size, c.max_chars)
+    return 0

@@ -11,6 +11,10 @@ import sys
 
 import torch
 
+from raychat.chat_template import render_for_completion
+from raychat.checkpoint import load_model
+from raychat.engine import ModelRunner, SamplingParams, Scheduler
+
 
 def assistant_message(tokenizer, completion_tokens: list[int]) -> dict:
     """The assistant message (text / python / python_output parts) that a completion's tokens represent."""
@@ -39,8 +43,6 @@ def assistant_message(tokenizer, completion_tokens: list[int]) -> dict:
 
 
 def _reply(sched, tokenizer, messages, params, out) -> dict:
-    from raychat.chat_template import render_for_completion
-
     stream = sched.submit(render_for_completion(tokenizer, messages), params)
     tokens = []
     try:
@@ -59,9 +61,6 @@ def _reply(sched, tokenizer, messages, params, out) -> dict:
 
 
 def run_chat(args, stdin=None, out=None) -> int:
-    from raychat.checkpoint import load_model
-    from raychat.engine import ModelRunner, SamplingParams, Scheduler
-
     stdin, out = stdin or sys.stdin, out or sys.stdout
     try:
         if args.device.startswith("cuda") and not torch.cuda.is_available():

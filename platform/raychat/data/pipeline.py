@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
+import ray
 
 from raychat.data.packing import BestFitPacker
 from raychat.tokenizer import Tokenizer
@@ -48,8 +50,6 @@ def tokenized_documents(
         num_cpus: CPU reserved by each read+tokenize task (Ray fuses the two); leave room for the train
             workers, or the tasks can never be scheduled and the run hangs.
     """
-    import ray
-
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
@@ -137,3 +137,14 @@ class PretrainRows:
         self.epoch, self.file_index, self.doc_index = state["epoch"], state["file_index"], state["doc_index"]
         self.packer.load_state_dict(state["packer"])
         self._docs = None
+
+
+def validation_rows(val_file: str, tokenizer: Tokenizer, seq_len: int, buffer_size: int, num_tokens: int,
+                    world_size: int) -> dict[str, np.ndarray]:  # fmt: skip
+    """{"input_ids": (N, seq_len + 1)}: the validation shard's documents best-fit packed, the first
+    N = max(world_size, num_tokens // seq_len // world_size * world_size) rows (the same at every evaluation)."""
+    texts = pq.read_table(val_file, columns=["text"]).column("text").to_pylist()
+    docs = iter(tokenizer.encode_batch(texts, prepend_bos=True))
+    packer = BestFitPacker(lambda: next(docs, None), seq_len + 1, buffer_size)
+    n = max(world_size, num_tokens // seq_len // world_size * world_size)
+    return {"input_ids": np.stack([r for _, r in zip(range(n), packer)])}

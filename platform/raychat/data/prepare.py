@@ -19,12 +19,13 @@ import random
 import sys
 from pathlib import Path
 
+from raychat.config import add_flags, from_args, to_flat
+from raychat.config.data import PrepareConfig
 from raychat.data import corpora
 from raychat.data.download import HUB_SOURCES, DownloadError, download_shards, shard_indices
 from raychat.data.shards import (
     COMPRESSION,
     MANIFEST,
-    ROW_GROUP_SIZE,
     inspect_shard,
     sha256_file,
     write_manifest,
@@ -32,7 +33,8 @@ from raychat.data.shards import (
 )
 
 FORMAT = "raychat-text-shards/1"
-DEFAULT_SOURCE = "debian-docs"
+_DEFAULTS = PrepareConfig()  # the defaults of `raychat data prepare` and prepare()
+DEFAULT_SOURCE = _DEFAULTS.source
 DEFAULT_ROWS_PER_SHARD = 1024
 DEFAULT_HUB_SHARDS = 1
 
@@ -156,14 +158,14 @@ def prepare_hub(name, out: Path, num_shards, url_pattern, old: dict | None, down
 
 
 def prepare(
-    source: str = DEFAULT_SOURCE,
-    out: str | Path = "runs/data",
-    num_shards: int | None = None,
-    rows_per_shard: int | None = None,
-    seed: int = 0,
-    row_group_size: int = ROW_GROUP_SIZE,
-    url_pattern: str | None = None,
-    workers: int = 4,
+    source: str = _DEFAULTS.source,
+    out: str | Path = _DEFAULTS.out,
+    num_shards: int | None = _DEFAULTS.num_shards,
+    rows_per_shard: int | None = _DEFAULTS.rows_per_shard,
+    seed: int = _DEFAULTS.seed,
+    row_group_size: int = _DEFAULTS.row_group_size,
+    url_pattern: str | None = _DEFAULTS.url_pattern,
+    workers: int = _DEFAULTS.workers,
     attempts: int = 5,
     backoff_s: float = 1.0,
     log=print,
@@ -270,57 +272,13 @@ def add_cli(subparsers) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--source",
-        default=DEFAULT_SOURCE,
-        help="debian-docs | fineweb-edu | climbmix | DIR (default: %(default)s)",
-    )
-    p.add_argument("--out", default="runs/data", help="output directory (default: %(default)s)")
-    p.add_argument(
-        "--num-shards",
-        type=int,
-        default=None,
-        help="train shards; one validation shard is always added. Hub sources: how many to download "
-        f"(default {DEFAULT_HUB_SHARDS}); local sources: instead of --rows-per-shard",
-    )
-    p.add_argument(
-        "--rows-per-shard",
-        type=int,
-        default=None,
-        help=f"local sources: at most this many documents a shard (default {DEFAULT_ROWS_PER_SHARD})",
-    )
-    p.add_argument(
-        "--seed", type=int, default=0, help="shuffle seed for local sources (default: %(default)s)"
-    )
-    p.add_argument(
-        "--row-group-size",
-        type=int,
-        default=ROW_GROUP_SIZE,
-        help="rows per parquet row group (default: %(default)s)",
-    )
-    p.add_argument(
-        "--url-pattern",
-        default=None,
-        help="hub sources: a mirror URL with {index}, e.g. http://host/shard_{index:05d}.parquet",
-    )
-    p.add_argument(
-        "--workers", type=int, default=4, help="hub sources: parallel downloads (default: %(default)s)"
-    )
+    add_flags(p, PrepareConfig, preset="none")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     try:
-        prepare(
-            source=args.source,
-            out=args.out,
-            num_shards=args.num_shards,
-            rows_per_shard=args.rows_per_shard,
-            seed=args.seed,
-            row_group_size=args.row_group_size,
-            url_pattern=args.url_pattern,
-            workers=args.workers,
-        )
+        prepare(**to_flat(from_args(args, PrepareConfig, "data", where="data settings")))
     except (
         ValueError,
         DownloadError,

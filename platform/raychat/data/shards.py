@@ -22,8 +22,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from raychat.config.data import PrepareConfig
+
 MANIFEST = "manifest.json"
-ROW_GROUP_SIZE = 1024
+ROW_GROUP_SIZE = PrepareConfig().row_group_size
 COMPRESSION = "zstd"
 SCHEMA = pa.schema([pa.field("text", pa.string())])
 

@@ -2,6 +2,7 @@
 
 BPB = sum over target tokens of -ln p(target) / (ln 2 * sum of the targets' UTF-8 byte lengths).
 Special tokens have 0 bytes and are excluded from both sums (as nanochat's evaluate_bpb).
+bpb_sums returns the two sums, so BPB over several row sets is their added sums' ratio.
 Sums are all-reduced over ranks before dividing, so the result is the same for any world size.
 """
 
@@ -19,7 +20,7 @@ from raychat.masks import make_batch
 
 
 @torch.no_grad()
-def evaluate_bpb(
+def bpb_sums(
     model: torch.nn.Module,
     rows: dict[str, np.ndarray],
     token_bytes: torch.Tensor,
@@ -29,14 +30,14 @@ def evaluate_bpb(
     device: torch.device | str = "cpu",
     autocast=None,
 ) -> tuple[float, float]:
-    """Sum of nats and of bytes over the targets of `rows` (this rank's share), all-reduced.
+    """(nats, bytes): sums over the targets of `rows` (this rank's share), all-reduced over ranks.
 
     Args:
         rows: {"input_ids": (N, T+1) int token rows, optional "supervised" and "segment_ids" (N, T+1)}
             as produced by the pretraining or sample packers.
         token_bytes: (vocab_size,) int64 UTF-8 length of each token, 0 for special tokens.
-    Returns:
-        (bpb, total_nats) where bpb is in bits per byte; total_nats is the all-reduced nat sum.
+    Raises:
+        ValueError: the rows hold no target bytes.
     """
     nats = torch.zeros((), dtype=torch.float64, device=device)
     nbytes = torch.zeros((), dtype=torch.float64, device=device)
@@ -59,7 +60,7 @@ def evaluate_bpb(
         torch.distributed.all_reduce(nbytes)
     if nbytes.item() == 0:
         raise ValueError("validation rows hold no target bytes")
-    return nats.item() / (math.log(2) * nbytes.item()), nats.item()
+    return nats.item(), nbytes.item()
 
 
 def unigram_bpb(
@@ -68,7 +69,7 @@ def unigram_bpb(
     """BPB of a unigram model (add-one smoothed token frequencies of the training text) on validation text.
 
     The floor that any model that learned only token frequencies reaches; a trained model must go far below.
-    Every token with > 0 bytes is a target (as in evaluate_bpb, where the BOS targets count 0 bytes).
+    Every token with > 0 bytes is a target (as in bpb_sums, where the BOS targets count 0 bytes).
     """
     counts = Counter()
     for doc in train_docs:

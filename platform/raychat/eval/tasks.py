@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from raychat.chat_template import render_for_completion
+from raychat.engine import ModelRunner
 
 
 def prompt_messages(conversation: dict) -> list[dict]:
@@ -44,8 +45,6 @@ def task_accuracy(
             choice = conv["letters"][int(torch.argmax(logits[letter_ids]))]
             correct += choice == conv["answer"]
     elif task.eval_type == "generative":
-        from raychat.engine import ModelRunner
-
         engine = ModelRunner(model, tokenizer)
         for i in range(0, n, batch_size):
             results = engine.generate_batch(

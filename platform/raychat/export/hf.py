@@ -32,6 +32,12 @@ import json
 import os
 from pathlib import Path
 
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from raychat.chat_template import TEMPLATE_VERSION
+from raychat.checkpoint import load_model
 from raychat.model import GPT
 from raychat.tokenizer import BOS, Tokenizer
 
@@ -102,9 +108,6 @@ def bpe_vocab_and_merges(mergeable_ranks: dict[bytes, int]) -> tuple[dict[str, i
 
 def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
     """tokenizer.json text (the `tokenizers` library's serialization) for a raychat Tokenizer."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
     vocab, merges = bpe_vocab_and_merges(tokenizer.mergeable_ranks)
     hf = HFTokenizer(
         models.BPE(vocab=vocab, merges=merges, ignore_merges=True, fuse_unk=False, byte_fallback=False)
@@ -168,10 +171,6 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
     Raises:
         ValueError: the tokenizer has more ids than the model's embedding rows.
     """
-    from safetensors.torch import save_file
-
-    from raychat.chat_template import TEMPLATE_VERSION
-
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(
             f"tokenizer has {tokenizer.vocab_size} ids but model vocab_size is {model.config.vocab_size}"
@@ -217,8 +216,6 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
-    from raychat.checkpoint import load_model
-
     model, tokenizer, meta = load_model(args.checkpoint)
     out = export_hf(model, tokenizer, args.out)
     print(f"exported {args.checkpoint} (step {meta.get('step', '?')}) -> {out}")

@@ -18,12 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
+
+from raychat.ops.submit import repo_root
 
 RAY_VERSION = "2.60.0"
 IMAGE = "raychat:0.1.0"
@@ -138,8 +141,6 @@ def rayjob(
     """A RayJob running `python jobs/<stage>.py ARGS` in /home/ray/raychat on its own cluster, deleted
     ttl_s seconds after the job finishes, retried backoff_limit times. Raises ValueError for an unknown
     stage or an invalid name."""
-    import shlex
-
     if stage not in RAYJOB_STAGES:
         raise ValueError(f"stage must be one of {', '.join(RAYJOB_STAGES)}; got {stage!r}")
     runtime_env = {"working_dir": APP_DIR, "env_vars": {"RAYCHAT_STORAGE": f"{CHECKPOINTS_MOUNT}/runs"}}
@@ -251,8 +252,6 @@ def create_rayjob(
 
 
 def cmd_generate(args) -> int:
-    from raychat.ops.submit import repo_root
-
     repo = Path(args.repo).resolve() if args.repo else repo_root()
     if args.check:
         base = repo / "k8s" / "base"

@@ -2,16 +2,19 @@
 
 Each of the W learner actors holds a full model replica and its optimizers (raychat.train.optim:
 Muon for hidden matrices, AdamW for the rest) and gets a contiguous shard of the step's samples. With W > 1
-they form a torch.distributed group (gloo on CPU, nccl on GPU). One step:
+they form a torch.distributed group (gloo on CPU, nccl on GPU) and train through DistributedDataParallel.
+One step:
   1. the step's sampled-token count N and sequence count S are summed over micro-batches and all-reduced;
-  2. every micro-batch backpropagates its share of the normalized step loss (raychat.rl.objective), so the
-     gradients SUMMED over ranks (all-reduce SUM, no averaging) are exactly d(step loss);
-  3. the global grad norm is clipped, the optimizers step, and the policy version increases by one.
-Checkpoints: rank 0 writes the model (raychat.checkpoint.save_model), every rank its optimizer state.
+  2. every micro-batch backpropagates W x its share of the normalized step loss (raychat.rl.objective);
+     DDP averages the gradients over the W ranks in the last micro-batch's backward (no_sync before), so
+     the gradient is exactly d(step loss), the sum of the ranks' shares;
+  3. the trainer's optimizer step (raychat.train.step: clip, step, clear), and the version increases by one.
+Checkpoints: the trainer's Checkpointer (rank 0 the model and meta, every rank its optimizer state).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -19,11 +22,15 @@ import time
 import ray
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from raychat.checkpoint import load_model, load_rank_state, save_model, save_rank_state
+from raychat.checkpoint import load_model
+from raychat.config import RLConfig, to_dict
 from raychat.rl.objective import collate, normalized_loss, per_token_loss, token_logprobs
 from raychat.rl.weights import collective_broadcast, publish, weights_hash
+from raychat.train.checkpointer import Checkpointer
 from raychat.train.optim import build_optimizers
+from raychat.train.step import optimizer_step
 
 
 def free_port() -> int:
@@ -37,21 +44,23 @@ class Learner:
 
     Args:
         checkpoint: chat checkpoint directory to start from.
-        cfg: RLConfig (or any object with its optimizer/objective fields).
+        cfg: the run's RLConfig (optim, objective, rollout temperature).
         rank, world_size: this rank and the group size; world_size > 1 needs init_group() on every rank.
         device: "cpu" or "cuda" (nccl when world_size > 1).
     """
 
     def __init__(
-        self, checkpoint: str, cfg, rank: int = 0, world_size: int = 1, device: str = "cpu",
+        self, checkpoint: str, cfg: RLConfig, rank: int = 0, world_size: int = 1, device: str = "cpu",
         num_threads: int | None = None,
     ):  # fmt: skip
         if num_threads:
             torch.set_num_threads(int(num_threads))
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, torch.device(device)
-        model, self.tokenizer, self.meta = load_model(checkpoint, device=device)
+        model, self.tokenizer, _ = load_model(checkpoint, device=device)
         self.model = model.train()
-        self.optimizers = build_optimizers(self.model, cfg)
+        self.optimizers = build_optimizers(self.model, cfg.optim)
+        self.checkpointer = Checkpointer("rl", to_dict(cfg), self.tokenizer)
+        self.ddp: DistributedDataParallel | None = None
         self.version = 0
 
     def address(self) -> tuple[str, int]:
@@ -70,6 +79,7 @@ class Learner:
             rank=self.rank,
             world_size=self.world_size,
         )
+        self.ddp = DistributedDataParallel(self.model, broadcast_buffers=False)
         return backend
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +95,7 @@ class Learner:
         normalization."""
         t0 = time.perf_counter()
         cfg = self.cfg
-        mb = cfg.micro_batch_size
+        mb = cfg.objective.micro_batch_size
         batches = [collate(samples[i : i + mb]) for i in range(0, len(samples), mb)]
         counts = torch.tensor(
             [sum(int(b["loss_mask"].sum()) for b in batches), len(samples)],
@@ -96,47 +106,41 @@ class Learner:
         stats = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, ratio sum, clipped, tokens
         for p in self.model.parameters():
             p.grad = None
-        for b in batches:
+        for i, b in enumerate(batches):
             b = {k: v.to(self.device) for k, v in b.items()}
-            logits = self.model(b["input_ids"])
-            logp = token_logprobs(logits, b["labels"], cfg.temperature)
-            loss_tok, ratio = per_token_loss(logp, b["advantages"], b.get("behavior_logprobs"), cfg.clip_eps)
-            loss = normalized_loss(
-                loss_tok, b["loss_mask"], cfg.normalization, num_tokens, num_sequences, cfg.denominator_length
-            )
-            loss.backward()
+            sync = i == len(batches) - 1 or self.ddp is None
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                logits = (self.ddp or self.model)(b["input_ids"])
+                logp = token_logprobs(logits, b["labels"], cfg.rollout.temperature)
+                loss_tok, ratio = per_token_loss(
+                    logp, b["advantages"], b.get("behavior_logprobs"), cfg.objective.clip_eps
+                )
+                loss = normalized_loss(
+                    loss_tok, b["loss_mask"], cfg.objective.normalization, num_tokens, num_sequences,
+                    cfg.denominator_length,
+                )  # fmt: skip
+                # DDP averages gradients over ranks; the step loss is their sum, so each rank scales by W
+                (loss * self.world_size).backward()
             m = b["loss_mask"]
-            clipped = ((ratio - 1).abs() > cfg.clip_eps) & m
+            clipped = ((ratio - 1).abs() > cfg.objective.clip_eps) & m
             stats += torch.tensor(
                 [loss.item(), float(ratio[m].sum()), float(clipped.sum()), float(m.sum())],
                 dtype=torch.float64, device=self.device,
             )  # fmt: skip
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.world_size > 1:
-            flat = torch._utils._flatten_dense_tensors([p.grad for p in params])
-            self._all_reduce(flat)
-            for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, [p.grad for p in params])):
-                p.grad.copy_(g)
         self._all_reduce(stats)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        )
-        for opt in self.optimizers:
-            opt.step()
-        for p in self.model.parameters():
-            p.grad = None
+        grad_norm = optimizer_step(self.model.parameters(), self.optimizers, cfg.optim.grad_clip)
         self.version += 1
         loss_sum, ratio_sum, clipped, tokens = stats.tolist()
         return {
             "loss": loss_sum,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "num_tokens": num_tokens,
             "num_sequences": num_sequences,
             "ratio_mean": ratio_sum / max(tokens, 1),
             "clip_frac": clipped / max(tokens, 1),
             "step_s": time.perf_counter() - t0,
             "version": self.version,
-            "normalization": cfg.normalization,
+            "normalization": cfg.objective.normalization,
         }
 
     # ---- weights out ---------------------------------------------------------------------------------
@@ -153,18 +157,19 @@ class Learner:
         return weights_hash(self.model.state_dict())
 
     # ---- checkpoints ---------------------------------------------------------------------------------
-    def save(self, directory: str, step: int, extra_meta: dict | None = None) -> None:
-        """Rank 0 writes the model + tokenizer + meta; every rank writes its optimizer and RNG state."""
-        if self.rank == 0:
-            meta = {**self.meta, "kind": "rl", "step": step, "version": self.version, **(extra_meta or {})}
-            save_model(directory, self.model, self.tokenizer, meta)
-        save_rank_state(directory, self.rank, self.optimizers, {"step": step, "version": self.version})
+    def save(self, directory: str, step: int, metrics: dict | None = None) -> None:
+        """This rank's part of checkpoint `step` (the trainer's Checkpointer): rank 0 the model + meta (stage
+        "rl", version), every rank its optimizer and RNG state with the policy version."""
+        self.checkpointer.write(
+            directory, self.rank, step, self.model, self.optimizers, {"version": self.version},
+            metrics=metrics, version=self.version,
+        )  # fmt: skip
 
     def restore(self, directory: str) -> dict:
         """Load weights, optimizer and RNG state of this rank from an RL checkpoint; returns the data state."""
         model, _, _ = load_model(directory, device=self.device)
         self.model.load_state_dict(model.state_dict())
-        state = load_rank_state(directory, self.rank, self.optimizers)
+        state = self.checkpointer.restore(directory, self.rank, self.optimizers)
         self.version = int(state["version"])
         return state
 

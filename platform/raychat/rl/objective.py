@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-NORMALIZATIONS = ("token", "sequence", "constant")
+from raychat.config.rl import NORMALIZATIONS
 
 
 def group_advantages(

@@ -10,24 +10,9 @@ and one continuous-batching Scheduler (raychat.serve.server). Streams go through
 stream=True; when the HTTP client disconnects, Serve cancels the ingress request, the ingress closes the
 handle stream (DeploymentResponseGenerator.cancel) and the replica's generator frees its row.
 
-`args` (strings from the CLI or YAML are converted; the defaults are below):
-  checkpoint (required)       raychat checkpoint directory, readable on every node
-  max_slots=8                  KV-cache slots per replica (1 = one request at a time; max_rows = old name)
-  max_len=None                tokens per row (default the model's max_seq_len)
-  stream_interval=4           completion tokens per streamed event after the first (ChatServer doc;
-                              1 = every token; bench/results/serve_load.md measures the trade-off)
-  engine_process=true         run the model and Scheduler in a child process of the replica
-                              (raychat.engine.process), off the GIL of the replica's event loop
-  num_cpus=1                  CPUs each ChatServer replica reserves; num_gpus=0 likewise
-  torch_threads=None          torch intra-op threads per replica (default: the CPUs it reserved, >= 1)
-  min_replicas=1, max_replicas=1, target_ongoing_requests=4  autoscaling of ChatServer
-  upscale_delay_s=30, downscale_delay_s=600, look_back_period_s=30   (how often replicas and handles
-                              report load is set by the env vars RAY_SERVE_{REPLICA,HANDLE}_AUTOSCALING_METRIC_
-                              PUSH_INTERVAL_S, default 10 s)
-  max_ongoing_requests=32     per ChatServer replica (queued at the ingress beyond it)
-  api_key=None                bearer token required by the API (env RAYCHAT_API_KEY also works)
-  model_id=None               name reported by /v1/models (default the checkpoint directory's name)
-A deployment section in serve/chat.yaml overrides these options (Serve's config precedence).
+`args`: the options of raychat.config.ServeConfig by flat name (`checkpoint` is required; `raychat serve
+--help` lists every option with its default); strings from `serve run key=value` are converted. Set them in
+args (serve/chat.yaml does), so each value has one place.
 """
 
 from __future__ import annotations
@@ -39,6 +24,7 @@ import os
 from ray import serve
 from ray.serve import Application
 
+from raychat.config import ConfigError, ServeConfig, from_dict
 from raychat.serve.api import MAX_BODY_BYTES
 from raychat.serve.ingress import create_app
 from raychat.serve.server import merge_deltas
@@ -46,83 +32,23 @@ from raychat.serve.server import merge_deltas
 SERVER_DEPLOYMENT = "ChatServer"
 INGRESS_DEPLOYMENT = "ChatIngress"
 
-DEFAULTS = {
-    "max_slots": 8,
-    "max_len": None,
-    "stream_interval": 4,
-    "engine_process": True,
-    "num_cpus": 1.0,
-    "num_gpus": 0.0,
-    "torch_threads": None,
-    "min_replicas": 1,
-    "max_replicas": 1,
-    "target_ongoing_requests": 4.0,
-    "upscale_delay_s": 30.0,
-    "downscale_delay_s": 600.0,
-    "look_back_period_s": 30.0,
-    "max_ongoing_requests": 32,
-    "api_key": None,
-    "model_id": None,
-    "ingress_num_cpus": 0.1,
-}
-_INTS = {
-    "max_slots",
-    "max_len",
-    "stream_interval",
-    "torch_threads",
-    "min_replicas",
-    "max_replicas",
-    "max_ongoing_requests",
-}
-_FLOATS = {k for k, v in DEFAULTS.items() if isinstance(v, float)}
-_BOOLS = {k for k, v in DEFAULTS.items() if isinstance(v, bool)}
 
-
-def parse_args(args: dict) -> dict:
-    """Merge `args` over DEFAULTS, converting strings ("2", "0.5", "none").
+def serve_config(args: dict | ServeConfig | None) -> ServeConfig:
+    """The typed config of build_app's `args` (keys of raychat.config.ServeConfig by flat name; strings from
+    `serve run key=value` are converted; max_rows is the old name of max_slots); api_key falls back to the
+    environment's RAYCHAT_API_KEY.
 
     Raises:
         ValueError: missing checkpoint, an unknown key (naming the allowed keys) or a value of the wrong type.
     """
-    args = dict(args or {})
-    if "max_rows" in args:  # the old name of max_slots
-        args.setdefault("max_slots", args.pop("max_rows"))
-    if not args.get("checkpoint"):
-        raise ValueError("build_app needs args['checkpoint'] (a raychat checkpoint directory)")
-    unknown = set(args) - set(DEFAULTS) - {"checkpoint"}
-    if unknown:
-        raise ValueError(f"unknown build_app args {sorted(unknown)}; allowed: {['checkpoint', *DEFAULTS]}")
-    out = {**DEFAULTS, **args}
-    for key in _BOOLS:
-        value = out[key]
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-            value = value.lower() in ("true", "1", "yes")
-        if not isinstance(value, bool):
-            raise ValueError(f"{key} must be true or false, got {out[key]!r}")
-        out[key] = value
-    for key in _INTS | _FLOATS:
-        value = out[key]
-        if isinstance(value, str):
-            value = None if value.lower() in ("", "none", "null") else value
-        if value is None:
-            if DEFAULTS[key] is not None:
-                raise ValueError(f"{key} must be a number, got {out[key]!r}")
-            out[key] = None
-            continue
-        try:
-            out[key] = int(value) if key in _INTS else float(value)
-        except (TypeError, ValueError):
-            kind = "an integer" if key in _INTS else "a number"
-            raise ValueError(f"{key} must be {kind}, got {out[key]!r}") from None
-    for key in ("max_slots", "stream_interval", "max_ongoing_requests", "torch_threads"):
-        if out[key] is not None and out[key] < 1:
-            raise ValueError(f"{key} must be >= 1, got {out[key]}")
-    if out["min_replicas"] < 0 or out["max_replicas"] < max(1, out["min_replicas"]):
-        raise ValueError(
-            f"need 0 <= min_replicas <= max_replicas, max_replicas >= 1; got {out['min_replicas']}, {out['max_replicas']}"
-        )
-    out["api_key"] = out["api_key"] or os.environ.get("RAYCHAT_API_KEY") or None
-    return out
+    config = (
+        args if isinstance(args, ServeConfig) else from_dict(ServeConfig, args or {}, where="build_app args")
+    )
+    if not config.checkpoint:
+        raise ConfigError("build_app needs args['checkpoint'] (a raychat checkpoint directory)")
+    if not config.api_key and os.environ.get("RAYCHAT_API_KEY"):
+        config = from_dict(ServeConfig, {"api_key": os.environ["RAYCHAT_API_KEY"]}, base=config)
+    return config
 
 
 @serve.deployment(name=SERVER_DEPLOYMENT)
@@ -251,40 +177,41 @@ class ChatIngress:
         return create_app(self.client, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
 
 
-def build_app(args: dict) -> Application:
-    """The application for `serve run raychat.serve.app:build_app key=value ...` (keys in the module doc).
+def build_app(args: dict | ServeConfig) -> Application:
+    """The application for `serve run raychat.serve.app:build_app key=value ...` (keys: ServeConfig).
 
     Raises:
-        ValueError: invalid args (see parse_args); FileNotFoundError: no checkpoint directory there.
+        ValueError: invalid args (see serve_config); FileNotFoundError: no checkpoint directory there.
     """
-    a = parse_args(args)
-    checkpoint = os.path.abspath(a["checkpoint"])
+    c = serve_config(args)
+    r, a = c.replica, c.autoscaling
+    checkpoint = os.path.abspath(c.checkpoint)
     if not os.path.isfile(os.path.join(checkpoint, "meta.json")):
         raise FileNotFoundError(f"checkpoint {checkpoint} has no meta.json (not a raychat checkpoint)")
     autoscaling = {
-        "min_replicas": a["min_replicas"],
-        "initial_replicas": max(1, a["min_replicas"]),
-        "max_replicas": a["max_replicas"],
-        "target_ongoing_requests": a["target_ongoing_requests"],
-        "upscale_delay_s": a["upscale_delay_s"],
-        "downscale_delay_s": a["downscale_delay_s"],
-        "look_back_period_s": a["look_back_period_s"],
+        "min_replicas": a.min_replicas,
+        "initial_replicas": max(1, a.min_replicas),
+        "max_replicas": a.max_replicas,
+        "target_ongoing_requests": a.target_ongoing_requests,
+        "upscale_delay_s": a.upscale_delay_s,
+        "downscale_delay_s": a.downscale_delay_s,
+        "look_back_period_s": a.look_back_period_s,
     }
     engine = ChatServerDeployment.options(
-        ray_actor_options={"num_cpus": a["num_cpus"], "num_gpus": a["num_gpus"]},
-        max_ongoing_requests=a["max_ongoing_requests"],
+        ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
+        max_ongoing_requests=r.max_ongoing_requests,
         autoscaling_config=autoscaling,
     ).bind(
         checkpoint,
-        a["max_slots"],
-        a["max_len"],
-        a["stream_interval"],
-        a["engine_process"],
-        a["torch_threads"],
-        a["model_id"],
-        "cuda" if a["num_gpus"] > 0 else "cpu",
+        r.max_slots,
+        r.max_len,
+        r.stream_interval,
+        r.engine_process,
+        r.torch_threads,
+        c.model_id,
+        "cuda" if r.num_gpus > 0 else "cpu",
     )
     return ChatIngress.options(
-        ray_actor_options={"num_cpus": a["ingress_num_cpus"]},
-        max_ongoing_requests=max(1000, 4 * a["max_ongoing_requests"] * a["max_replicas"]),
-    ).bind(engine, a["api_key"])
+        ray_actor_options={"num_cpus": c.ingress_num_cpus},
+        max_ongoing_requests=max(1000, 4 * r.max_ongoing_requests * a.max_replicas),
+    ).bind(engine, c.api_key)

@@ -8,36 +8,34 @@ import argparse
 import os
 import time
 
+import ray
+from ray import serve
+
+from raychat.config import ServeConfig, add_flags, from_args
+from raychat.serve.app import build_app, serve_config
+
 APP_NAME = "raychat"
 
 
-def start(
-    checkpoint: str, host: str = "127.0.0.1", port: int = 8000, address: str | None = None, **app_args
-) -> str:
-    """Start Ray (if needed) and Serve, deploy the app from `checkpoint`; returns the page URL.
+def start(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, address: str | None = None) -> str:
+    """Start Ray (if needed) and Serve, deploy the app of `config`; returns the page URL.
 
-    app_args are build_app keys (max_slots, min_replicas, max_replicas, num_cpus, api_key, ...).
     Raises: ValueError / FileNotFoundError from build_app for bad args or a missing checkpoint.
     """
-    import ray
-    from ray import serve
-
-    from raychat.serve.app import build_app, parse_args
-
-    args = {"checkpoint": checkpoint, **{k: v for k, v in app_args.items() if v is not None}}
-    application = build_app(args)
+    config = serve_config(config)
+    application = build_app(config)
     local = not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     if local:  # a cluster of this machine only never grows: refuse what would wait forever for CPUs
-        a = parse_args(args)
-        need = max(1, a["min_replicas"]) * a["num_cpus"] + a["ingress_num_cpus"]
+        replicas, cpus = max(1, config.autoscaling.min_replicas), config.replica.num_cpus
+        need = replicas * cpus + config.ingress_num_cpus
         have = ray.cluster_resources().get("CPU", 0)
         if need > have:
             ray.shutdown()
             raise ValueError(
-                f"{max(1, a['min_replicas'])} engine replica(s) x --num-cpus {a['num_cpus']} + the ingress' "
-                f"{a['ingress_num_cpus']} CPU = {need} CPUs, but this machine's Ray cluster has {have}; "
+                f"{replicas} engine replica(s) x --num-cpus {cpus} + the ingress' "
+                f"{config.ingress_num_cpus} CPU = {need} CPUs, but this machine's Ray cluster has {have}; "
                 "lower --min-replicas or --num-cpus"
             )
     try:
@@ -57,20 +55,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             "--no-block needs --address (or RAY_ADDRESS): a local cluster ends with this process"
         )
-    url = start(
-        args.checkpoint,
-        host=args.host,
-        port=args.port,
-        address=args.address,
-        max_slots=args.max_slots,
-        stream_interval=args.stream_interval,
-        engine_process=args.engine_process,
-        min_replicas=args.min_replicas,
-        max_replicas=args.replicas,
-        num_cpus=args.num_cpus,
-        api_key=args.api_key,
-    )
-    print(f"raychat is serving {args.checkpoint}")
+    config = from_args(args, ServeConfig, "serve", where="serve settings")
+    url = start(config, host=args.host, port=args.port, address=args.address)
+    print(f"raychat is serving {config.checkpoint}")
     print(f"chat page:    {url}")
     print(f"OpenAI API:   {url}v1  (model list: {url}v1/models, health: {url}health)", flush=True)
     if args.no_block:
@@ -79,8 +66,6 @@ def main(args: argparse.Namespace) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        from ray import serve
-
         serve.shutdown()
     return 0
 
@@ -100,37 +85,11 @@ def add_cli(subparsers) -> None:
         "the URL of the chat page. Endpoints: / (page), /chat/completions (SSE), /v1/chat/completions, "
         "/v1/models, /health.",
     )
-    p.add_argument("--checkpoint", required=True, help="raychat checkpoint directory")
+    add_flags(p, ServeConfig, preset="none")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 to expose)")
     p.add_argument("--port", type=port_number, default=8000, help="HTTP port, 1-65535 (default: 8000)")
     p.add_argument(
         "--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a new local one)"
-    )
-    p.add_argument("--replicas", type=int, default=1, help="maximum engine replicas (autoscaled)")
-    p.add_argument("--min-replicas", type=int, default=1)
-    p.add_argument(
-        "--max-slots",
-        "--max-rows",
-        dest="max_slots",
-        type=int,
-        default=8,
-        help="KV-cache slots per replica: sequences decoded at once (--max-rows is the old name)",
-    )
-    p.add_argument(
-        "--stream-interval",
-        type=int,
-        default=None,
-        help="tokens per streamed event after the first (default: 4; 1 streams every token)",
-    )
-    p.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run each replica's model in a child process, off its event loop's GIL (default: on)",
-    )
-    p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs each engine replica reserves")
-    p.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env RAYCHAT_API_KEY)"
     )
     p.add_argument(
         "--no-block",

@@ -27,39 +27,25 @@ import os
 import sys
 from pathlib import Path
 
+import yaml
+
+from raychat.config import VLLMConfig, add_flags, from_args, from_dict, to_flat
+
 IMPORT_PATH = "ray.serve.llm:build_openai_app"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
-def llm_config(
-    hf_dir: str | os.PathLike,
-    model_id: str = "raychat",
-    accelerator_type: str = "H100",
-    min_replicas: int = 1,
-    max_replicas: int = 2,
-    target_ongoing_requests: int = 32,
-    max_ongoing_requests: int = 64,
-    tensor_parallel_size: int = 1,
-    dtype: str = "bfloat16",
-    gpu_memory_utilization: float = 0.9,
-    check_files: bool = True,
-) -> dict:
-    """One LLMConfig as a plain dict (the `llm_configs` item of build_openai_app's args).
+def llm_config(hf_dir: str | os.PathLike, check_files: bool = True, **options) -> dict:
+    """One LLMConfig as a plain dict (the `llm_configs` item of build_openai_app's args); `options` are
+    raychat.config.VLLMConfig fields (model_id, accelerator_type, min_replicas, max_replicas, ...).
 
     Raises:
         FileNotFoundError: check_files and the directory lacks one of REQUIRED_FILES.
-        ValueError: replicas outside 0 <= min <= max (max >= 1), tensor_parallel_size < 1, or
-            gpu_memory_utilization outside (0, 1].
+        ValueError: an unknown option, replicas outside 0 <= min <= max (max >= 1), tensor_parallel_size < 1,
+            or gpu_memory_utilization outside (0, 1].
     """
+    c = from_dict(VLLMConfig, {**options, "hf_dir": str(hf_dir)}, where="llm_config options")
     hf_dir = Path(hf_dir).resolve()
-    if not (0 <= min_replicas <= max_replicas and max_replicas >= 1):
-        raise ValueError(
-            f"need 0 <= min_replicas <= max_replicas and max_replicas >= 1, got {min_replicas}, {max_replicas}"
-        )
-    if tensor_parallel_size < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     max_model_len = None
     if check_files:
         missing = [f for f in REQUIRED_FILES if not (hf_dir / f).exists()]
@@ -69,25 +55,25 @@ def llm_config(
             )
         max_model_len = json.loads((hf_dir / "config.json").read_text())["max_position_embeddings"]
     engine_kwargs = {
-        "dtype": dtype,
-        "tensor_parallel_size": tensor_parallel_size,
-        "gpu_memory_utilization": gpu_memory_utilization,
+        "dtype": c.dtype,
+        "tensor_parallel_size": c.tensor_parallel_size,
+        "gpu_memory_utilization": c.gpu_memory_utilization,
     }
     if max_model_len is not None:
         engine_kwargs["max_model_len"] = max_model_len
     return {
-        "model_loading_config": {"model_id": model_id, "model_source": str(hf_dir)},
-        "accelerator_type": accelerator_type,
+        "model_loading_config": {"model_id": c.model_id, "model_source": str(hf_dir)},
+        "accelerator_type": c.accelerator_type,
         "deployment_config": {
             "autoscaling_config": {
-                "min_replicas": min_replicas,
-                "initial_replicas": max(1, min_replicas),
-                "max_replicas": max_replicas,
-                "target_ongoing_requests": target_ongoing_requests,
+                "min_replicas": c.min_replicas,
+                "initial_replicas": max(1, c.min_replicas),
+                "max_replicas": c.max_replicas,
+                "target_ongoing_requests": c.target_ongoing_requests,
                 "upscale_delay_s": 30,
                 "downscale_delay_s": 300,
             },
-            "max_ongoing_requests": max_ongoing_requests,
+            "max_ongoing_requests": c.max_ongoing_requests,
         },
         "engine_kwargs": engine_kwargs,
     }
@@ -112,28 +98,14 @@ def serve_config(
 
 
 def main(argv: list[str] | None = None) -> int:
-    import yaml
-
     p = argparse.ArgumentParser(prog="python -m raychat.serve.vllm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hf-dir", required=True, help="directory written by `raychat export`")
-    p.add_argument("--out", required=True, help="YAML file to write")
-    p.add_argument("--model-id", default="raychat")
-    p.add_argument("--accelerator-type", default="H100")
-    p.add_argument("--min-replicas", type=int, default=1)
-    p.add_argument("--max-replicas", type=int, default=2)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--port", type=int, default=8000)
-    a = p.parse_args(argv)
-    config = serve_config(
-        a.hf_dir,
-        port=a.port,
-        model_id=a.model_id,
-        accelerator_type=a.accelerator_type,
-        min_replicas=a.min_replicas,
-        max_replicas=a.max_replicas,
-        tensor_parallel_size=a.tensor_parallel_size,
-    )
-    out = Path(a.out)
+    add_flags(p, VLLMConfig)
+    c = from_args(p.parse_args(argv), VLLMConfig, "vllm")
+    if not c.hf_dir:
+        p.error("--hf-dir is required")
+    options = {k: v for k, v in to_flat(c).items() if k not in ("hf_dir", "out", "port")}
+    config = serve_config(c.hf_dir, port=c.port, **options)
+    out = Path(c.out)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(yaml.safe_dump(config, sort_keys=False))
     os.replace(tmp, out)

@@ -1,118 +1,74 @@
-"""Supervised fine-tuning: the pretraining loop (raychat.train.loop) fed with packed conversations.
+"""Supervised fine-tuning: the Trainer fed with packed conversations of a task mixture (--sft-tasks).
 
-  TaskMixture -> chat template (render + truncate) -> SamplePacker (best fit, segment ids) -> rows
-  -> the same loop: DDP, FP8, checkpoints, exact resume, metrics; document_masking is forced on.
-
-`raychat sft --init-from <pretraining checkpoint>` (or `jobs/sft.py`). The final checkpoint has
-meta.kind == "sft" (a chat model).
+Components: SFTRows (raychat.data.sft_rows) for training; for every mixture task with a held-out split,
+validation BPB on its packed test conversations ("<task>_val_bpb", and "val_bpb" over all of them) and, on
+rank 0, greedy accuracy on --eval-examples of them ("<task>_accuracy"). Document masking is on.
+`raychat sft --init-from <pretraining checkpoint>` (or `jobs/sft.py`); the checkpoint's meta.stage is "sft".
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
-
+from raychat.checkpoint import read_meta
+from raychat.config import SFT_DEFAULTS, TrainConfig, from_dict
+from raychat.data.sft_rows import SFTRows, validation_rows
+from raychat.tasks.registry import held_out, make_task, mixture_tasks, parse_mixture
 from raychat.tokenizer import Tokenizer
+from raychat.train.evaluators import AccuracyEvaluator, BPBEvaluator, MeanBPBEvaluator
+from raychat.train.launch import add_command, config_from, run_training
 
 
-def build_tasks(spec: str, split: str = "train", seed: int = 0):
-    """Tasks from a spec "calculator:2000,chatterbot,spelling:1000" (name[:examples]).
+class SFT:
+    data_cpus = 0.0  # no Ray Data: conversations are rendered in the workers
+
+    def row_source(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int) -> SFTRows:
+        tasks = mixture_tasks(cfg.data.sft_tasks, "train", cfg.run.seed)
+        return SFTRows(tasks, cfg.run.seed, tokenizer, cfg.model.seq_len + 1, rank, world)
+
+    def evaluators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
+        names = [name for name, _ in parse_mixture(cfg.data.sft_tasks) if held_out(name)]
+        names = list(dict.fromkeys(names))
+        size, seed = max(64, cfg.train.eval.eval_tokens // 32), cfg.run.seed
+        bpb = []
+        for name in names:
+            rows = validation_rows(
+                make_task(name, "test", size, seed), tokenizer, cfg.model.seq_len + 1, world
+            )
+            bpb.append(BPBEvaluator(
+                f"{name}_val_bpb", {k: v[rank::world] for k, v in rows.items()}, tokenizer,
+                cfg.train.batch.device_batch_size, True, device, autocast,
+            ))  # fmt: skip
+        out = [*bpb, MeanBPBEvaluator("val_bpb", bpb)] if bpb else []
+        if rank == 0:
+            n = cfg.train.eval.eval_examples
+            out += [
+                AccuracyEvaluator(f"{m}_accuracy", make_task(m, "test", None, seed), tokenizer, n)
+                for m in names
+            ]
+        return out
+
+
+def sft_defaults() -> TrainConfig:
+    return from_dict(TrainConfig, SFT_DEFAULTS)
+
+
+def sft(cfg: TrainConfig, callbacks=()):
+    """Run (or resume) SFT of cfg.run.init_from on the current Ray cluster; returns the ray.train.Result.
 
     Raises:
-        ValueError: an unknown task name (the message lists the known ones).
+        ValueError: no --init-from; FileNotFoundError: it is not a raychat checkpoint.
     """
-    from raychat.tasks import Calculator, ChatterbotConversations, Spelling
-
-    known = {
-        "calculator": lambda n: Calculator(split=split, size=n or 10_000, seed=seed),
-        "chatterbot": lambda n: ChatterbotConversations(stop=n),
-        "spelling": lambda n: Spelling(split=split, size=n, seed=seed),
-    }
-    tasks = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, _, count = item.partition(":")
-        if name not in known:
-            raise ValueError(f"--sft-tasks: unknown task {name!r}; known: {sorted(known)}")
-        tasks.append(known[name](int(count) if count else None))
-    return tasks
-
-
-class SFTRows:
-    """This rank's endless, exactly resumable stream of packed conversation rows.
-
-    Rank r takes mixture examples r, r+W, r+2W, ...; at the end of the mixture the next epoch starts.
-    """
-
-    def __init__(self, cfg, tokenizer: Tokenizer, rank: int = 0, world_size: int = 1):
-        from raychat.data.sample_packing import SamplePacker
-        from raychat.tasks import TaskMixture
-
-        self.mixture = TaskMixture(build_tasks(cfg.sft_tasks, "train", cfg.seed), seed=cfg.seed)
-        self.tokenizer, self.row_len = tokenizer, cfg.seq_len + 1
-        self.indices = list(range(rank, len(self.mixture), world_size))
-        self.epoch, self.position = 0, 0
-        self.packer = SamplePacker(self._next_item, self.row_len, pad_id=tokenizer.bos_id, buffer_size=64)
-
-    def _next_item(self):
-        from raychat.data.sample_packing import render_samples
-
-        for _ in range(len(self.indices) + 1):
-            if self.position >= len(self.indices):
-                self.epoch, self.position = self.epoch + 1, 0
-            conv = self.mixture[self.indices[self.position]]
-            self.position += 1
-            for item in render_samples(self.tokenizer, [(conv["id"], conv)], self.row_len, self.packer.stats):
-                return item
-        raise RuntimeError("every SFT sample was dropped by truncation: raise --seq-len")
-
-    def next_batch(self, n: int) -> dict[str, np.ndarray]:
-        rows = self.packer.next_batch(n)
-        return {k: rows[k] for k in ("input_ids", "supervised", "segment_ids")}
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "packer": self.packer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
-        self.packer.load_state_dict(state["packer"])
-
-
-def sft_validation_rows(cfg, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
-    """Packed rows of held-out conversations (calculator test split), fixed across evaluations."""
-    from raychat.data.sample_packing import SamplePacker, render_samples
-    from raychat.tasks import Calculator
-
-    task = Calculator(split="test", size=max(64, cfg.eval_tokens // 32), seed=cfg.seed)
-    items = render_samples(tokenizer, ((task[i]["id"], task[i]) for i in range(len(task))), cfg.seq_len + 1)
-    packer = SamplePacker.from_items(items, cfg.seq_len + 1, pad_id=tokenizer.bos_id)
-    rows = list(packer)
-    n = max(cfg.num_workers, len(rows) // cfg.num_workers * cfg.num_workers)
-    return {k: np.stack([r[k] for r in rows[:n]]) for k in ("input_ids", "supervised", "segment_ids")}
+    if not cfg.run.init_from:
+        raise ValueError("--init-from <pretraining checkpoint directory> is required")
+    read_meta(cfg.run.init_from)  # a clear error now, not inside a Ray worker
+    return run_training(
+        from_dict(TrainConfig, {"stage": "sft", "document_masking": True}, base=cfg), SFT(), callbacks
+    )
 
 
 def add_cli(subparsers) -> None:
-    from raychat.train.config import add_config_flags
-
-    parser = subparsers.add_parser(
-        "sft",
+    add_command(
+        subparsers, "sft", sft_defaults(), lambda args: sft(config_from(args, sft_defaults(), "sft")) and 0,
         help="supervised fine-tuning of a pretrained checkpoint into a chat model",
-        description="Fine-tune on packed conversations (--sft-tasks) with the pretraining loop on Ray Train. "
+        description="Fine-tune on packed conversations (--sft-tasks) with the pretraining Trainer on Ray Train. "
         "Needs --init-from <pretraining checkpoint dir>. Running again with the same --run-name resumes.",
-    )
-    add_config_flags(parser, stage="sft")
-    parser.set_defaults(func=_main)
-
-
-def _main(args) -> int:
-    from raychat.train.config import config_from_args
-    from raychat.train.pretrain import run_training
-
-    cfg = config_from_args(args, "sft")
-    if not cfg.init_from:
-        raise ValueError("--init-from <pretraining checkpoint directory> is required")
-    from raychat.checkpoint import read_meta
-
-    read_meta(cfg.init_from)  # a clear error now, not inside a Ray worker
-    run_training(dataclasses.replace(cfg, document_masking=True))
-    return 0
+    )  # fmt: skip

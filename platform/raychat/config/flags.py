@@ -1,0 +1,87 @@
+"""The one generator of command-line flags: one `--flag` per leaf of a config class, grouped by section.
+
+Every flag defaults to None ("not given"), so precedence is explicit and the same for every command:
+flags > the preset or --config file > the command's defaults (the config class's, with its section overrides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from raychat.config.presets import PRESET_HELP, preset_values
+from raychat.config.schema import _base_type, _hints, coerce, flag_name, from_dict, leaves
+
+
+def add_flags(
+    parser: argparse.ArgumentParser,
+    cls,
+    defaults=None,
+    preset: str | None = None,
+    preset_aliases: tuple[str, ...] = (),
+) -> None:
+    """Add `--preset` (default `preset`; None = no --preset flag) and one flag per leaf of `cls`.
+
+    defaults: the instance whose values the help shows (default `cls()`).
+    """
+    defaults = defaults if defaults is not None else cls()
+    if preset is not None:
+        parser.add_argument(
+            "--preset", *preset_aliases, dest="preset", default=preset,
+            help=f"{PRESET_HELP} (default: {preset})",
+        )  # fmt: skip
+    _add_section(parser, cls, defaults, cls.__name__)
+
+
+def _add_section(parser, cls, defaults, title: str) -> None:
+    hints = _hints(cls)
+    group = parser.add_argument_group(title, (cls.__doc__ or "").strip().split("\n")[0] or None)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("section"):
+            _add_section(parser, hints[f.name], getattr(defaults, f.name), f"{title}.{f.name}")
+            continue
+        if not f.metadata.get("flag", True):
+            continue
+        names = [flag_name(f.name), *(flag_name(a) for a in f.metadata.get("aliases", ()))]
+        default = getattr(defaults, f.name)
+        help = f"{f.metadata['help']} (default: {default!r})"
+        kind, _ = _base_type(hints[f.name])
+        if kind is bool:
+            group.add_argument(
+                *names, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help
+            )
+        else:
+            hint = hints[f.name]
+            choices = f.metadata.get("choices")
+            group.add_argument(
+                *names, dest=f.name, default=None, choices=choices, help=help,
+                type=lambda text, hint=hint, name=names[0]: _parse(hint, text, name),
+                metavar=None if choices else kind.__name__.upper(),
+            )  # fmt: skip
+
+
+def _parse(hint, text: str, name: str):
+    try:
+        return coerce(hint, text, name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def given(args: argparse.Namespace, cls) -> dict:
+    """{flat name: value} of the flags of `cls` that were given on the command line."""
+    return {name: getattr(args, name) for name in leaves(cls) if getattr(args, name, None) is not None}
+
+
+def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str | None = None):
+    """The config of a command: `base` (default `cls()`), the preset's `section` (when --preset is given and
+    not 'none'), then the flags given.
+
+    Raises:
+        ConfigError: an unknown preset key or a bad value (the message names the flag).
+        FileNotFoundError: no such preset (lists the known ones).
+    """
+    config = base if base is not None else cls()
+    name = getattr(args, "preset", None)
+    if name and name != "none":
+        config = from_dict(cls, preset_values(name, section), base=config, where=where)
+    return from_dict(cls, given(args, cls), base=config)

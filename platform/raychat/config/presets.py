@@ -1,0 +1,69 @@
+"""YAML presets: package data under raychat/presets/ (read through importlib.resources, so they are found from
+any directory, in a wheel and in a Ray job's py_modules copy), or any YAML file by path.
+
+A preset has one section per stage, each holding options by flat name (the --flag without dashes):
+  data:      `raychat data prepare` (source, num_shards)
+  tokenizer: `raychat tokenizer train` (vocab_size)
+  train:     pretraining (TrainConfig)       sft: SFT, on top of train (TrainConfig)
+  rl:        RL (RLConfig)                   serve: `raychat serve` / build_app (ServeConfig)
+A file with none of these sections is one section by itself (an RL `--config` file of RLConfig options).
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+STAGE_SECTIONS = ("data", "tokenizer", "train", "sft", "rl", "serve")
+# what a command reads from a preset: its sections, later ones on top
+LAYERS = {"pretrain": ("train",), "sft": ("train", "sft"), "rl": ("rl",), "serve": ("serve",)}
+PRESET_HELP = "preset name (cpu, gpu8, cluster: raychat/presets/) or a YAML path; 'none' = no preset"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[: -len(".yaml")] for p in resources.files("raychat").joinpath("presets").iterdir()
+                  if p.name.endswith(".yaml"))  # fmt: skip
+
+
+def read_preset(name_or_path: str) -> dict:
+    """The whole preset as a dict: a shipped preset by name, or a YAML file by path.
+
+    Raises:
+        FileNotFoundError: no such preset or file (the message lists the shipped presets).
+        ValueError: the file does not hold a YAML mapping.
+    """
+    if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist; shipped presets: {preset_names()}")
+        text = path.read_text()
+    else:
+        item = resources.files("raychat").joinpath("presets", f"{name_or_path}.yaml")
+        if not item.is_file():
+            raise FileNotFoundError(f"no preset {name_or_path!r}; known presets: {preset_names()}")
+        text = item.read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"preset {name_or_path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def preset_section(name_or_path: str, section: str) -> dict:
+    """One stage section of a preset ({} when absent); a file without stage sections is the section itself."""
+    data = read_preset(name_or_path)
+    if not any(s in data for s in STAGE_SECTIONS):
+        return dict(data)
+    return dict(data.get(section) or {})
+
+
+def preset_values(name_or_path: str, command: str) -> dict:
+    """What `command` (pretrain, sft, rl, serve, or a section name) reads from a preset: its LAYERS merged."""
+    data = read_preset(name_or_path)
+    if not any(s in data for s in STAGE_SECTIONS):
+        return dict(data)
+    out: dict = {}
+    for layer in LAYERS.get(command, (command,)):
+        out.update(data.get(layer) or {})
+    return out

@@ -1,0 +1,131 @@
+"""The RL configuration (`raychat rl`): run, optim (the trainer's section with RL's defaults), task, rollout,
+objective, asynchrony, topology, eval.
+
+Flags keep their names: --checkpoint is the run's init_from, --out its storage_path, --config its preset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raychat.config.schema import ConfigError, Section, option, section
+from raychat.config.train import TRACKERS, OptimSection
+
+MODES = ("sync", "async")
+WEIGHT_SYNCS = ("object_store", "collective")
+TASKS = ("calculator",)
+# loss normalizations over the step (raychat.rl.objective.normalized_loss)
+NORMALIZATIONS = ("token", "sequence", "constant")
+
+
+@dataclass
+class RLRunSection(Section):
+    """What run this is, where it writes, which chat checkpoint it starts from."""
+
+    init_from: str = option(
+        "", "chat (SFT) checkpoint directory to start from (required)", aliases=("checkpoint",)
+    )
+    storage_path: str = option(
+        "runs/rl", "output root; checkpoints go to OUT/RUN_NAME/checkpoint_<step>", aliases=("out",)
+    )
+    run_name: str = option("rl", "run name; running again with the same --out and --run-name resumes")
+    seed: int = option(0, "seed of the prompt order and of sampling")
+    tracker: str = option("none", "also log every step to TensorBoard event files or W&B (offline)", TRACKERS)
+
+
+@dataclass
+class TaskSection(Section):
+    task: str = option("calculator", "task the prompts and rewards come from", TASKS)
+    task_examples: int = option(10_000, "training prompts (train split)", ge=1)
+    max_operand: int = option(999, "calculator: operands are drawn from 0..max_operand", ge=1)
+
+
+@dataclass
+class RolloutSection(Section):
+    steps: int = option(50, "learner steps (policy versions published)", ge=1)
+    prompts_per_step: int = option(8, "prompts per learner step", ge=1)
+    samples_per_prompt: int = option(8, "G: samples per prompt (the advantage group)", ge=1)
+    max_tokens: int = option(48, "completion budget per sample, tokens (sampled + tool output)", ge=1)
+    temperature: float = option(1.0, "rollout sampling temperature (> 0)", gt=0)
+
+
+@dataclass
+class ObjectiveSection(Section):
+    normalization: str = option("token", "loss normalization over the step", NORMALIZATIONS)
+    scale_by_std: bool = option(False, "divide advantages by the group's reward std (GRPO); off = Dr. GRPO")
+    constant_length: int = option(-1, "denominator length for --normalization constant; -1 = --max-tokens")
+    clip_eps: float = option(0.2, "importance-ratio clip epsilon (async mode)", gt=0)
+    micro_batch_size: int = option(16, "sequences per learner forward/backward", ge=1)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.constant_length != -1 and self.constant_length < 1:
+            raise ConfigError(f"--constant-length must be >= 1 or -1, got {self.constant_length}")
+
+
+@dataclass
+class AsyncSection(Section):
+    mode: str = option("sync", "sync: on-policy; async: rollouts run ahead of the learner", MODES)
+    max_staleness: int = option(
+        1, "async: rollouts use weights at most this many versions old (k >= 1)", ge=1
+    )
+
+
+@dataclass
+class TopologySection(Section):
+    """Placement: learner and rollout actors in one placement group."""
+
+    rollout_workers: int = option(2, "rollout actors (each holds an engine)", ge=1)
+    learner_workers: int = option(1, "learner actors (DDP; gloo on CPU, nccl on GPU)", ge=1)
+    cpus_per_rollout: float = option(0.5, "CPUs each rollout actor reserves", gt=0)
+    cpus_per_learner: float = option(0.5, "CPUs each learner actor reserves", gt=0)
+    use_gpu: bool = option(False, "one GPU per rollout and learner actor")
+    weight_sync: str = option(
+        "object_store",
+        "object_store: one ray.put, every rollout gets it; collective: broadcast",
+        WEIGHT_SYNCS,
+    )
+    max_restarts: int = option(3, "restarts of a dead rollout actor (its prompts are re-issued)", ge=0)
+
+
+@dataclass
+class RLEvalSection(Section):
+    eval_every: int = option(
+        10, "steps between pass@k evaluations on held-out prompts (and at step 0 and the end)", ge=1
+    )
+    eval_examples: int = option(64, "held-out (test split) prompts per evaluation", ge=1)
+    eval_samples: int = option(8, "samples per held-out prompt; pass@k for k = 1..this", ge=1)
+    eval_temperature: float = option(1.0, "sampling temperature of the evaluation", ge=0)
+    checkpoint_every: int = option(10, "steps between checkpoints (and at the end)", ge=1)
+    keep_checkpoints: int = option(2, "checkpoints kept (the newest)", ge=1)
+
+
+@dataclass
+class RLConfig(Section):
+    """RL of a chat checkpoint (`raychat rl`)."""
+
+    run: RLRunSection = section(RLRunSection)
+    optim: OptimSection = section(
+        OptimSection, matrix_lr=0.0002, embedding_lr=0.001, unembedding_lr=0.001, scalar_lr=0.001
+    )
+    task: TaskSection = section(TaskSection)
+    rollout: RolloutSection = section(RolloutSection)
+    objective: ObjectiveSection = section(ObjectiveSection)
+    asynchrony: AsyncSection = section(AsyncSection)
+    topology: TopologySection = section(TopologySection)
+    eval: RLEvalSection = section(RLEvalSection)
+
+    def __post_init__(self):
+        super().__post_init__()
+        samples = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if samples < self.topology.learner_workers:
+            raise ConfigError(
+                f"--prompts-per-step x --samples-per-prompt = {samples} samples a step cannot feed "
+                f"--learner-workers {self.topology.learner_workers} (each needs at least one)"
+            )
+
+    @property
+    def denominator_length(self) -> int:
+        """L of the constant normalization."""
+        length = self.objective.constant_length
+        return self.rollout.max_tokens if length == -1 else length

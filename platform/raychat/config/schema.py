@@ -1,0 +1,248 @@
+"""The machinery of raychat's one configuration system: nested dataclasses whose leaves are options.
+
+A config is a dataclass of sections (dataclasses), possibly nested; a leaf field is an option made with
+`option(default, help, ...)`. Every leaf has one flat name, its field name, which is also its `--flag`
+(underscores become dashes) and its key in YAML presets. Flat names are unique within one top-level config.
+
+`from_dict(cls, values)` builds a config from a dict that holds sections as nested dicts (the form
+`to_dict` writes) or leaves by flat name or alias (the form presets, `--config` files and `serve run`
+args use), converting strings ("2", "0.5", "true", "none") to the leaf's type. Each section validates
+itself in `__post_init__` (`Section.__post_init__` checks choices and bounds, subclasses add more), so a bad
+value raises ConfigError naming the flag and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import MISSING, field
+from functools import cache
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value that is not allowed; the message names the flag and the allowed values."""
+
+
+def option(
+    default,
+    help: str,
+    choices: tuple | list | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    positive: bool = False,
+    aliases: tuple[str, ...] = (),
+    flag: bool = True,
+):
+    """A leaf field: its default, its --help text, allowed values (choices, >= ge, > gt, a positive integer),
+    alias names (also flags and YAML keys), and whether the command line gets a flag for it."""
+    meta = {
+        "help": help,
+        "choices": tuple(choices) if choices else None,
+        "ge": ge,
+        "gt": gt,
+        "positive": positive,
+    }
+    return field(default=default, metadata={**meta, "aliases": tuple(aliases), "flag": flag})
+
+
+def section(cls, **defaults):
+    """A section field: an instance of `cls`, with `defaults` replacing the section's own defaults (the one
+    place a command states that it defaults differently, e.g. RL's learning rates)."""
+    return field(default_factory=lambda: cls(**defaults), metadata={"section": True, "defaults": defaults})
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def label(cls, name: str) -> str:
+    """How errors name option `name` of section `cls`: its --flag, or its key where the section's NAMING is
+    "key" (build_app args and keyword arguments are written as keys)."""
+    return name if getattr(cls, "NAMING", "flag") == "key" else flag_name(name)
+
+
+class Section:
+    """Base of every section: __post_init__ converts and checks each leaf against its option's limits."""
+
+    def __post_init__(self):
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):
+            if f.metadata.get("section"):
+                continue
+            name = label(type(self), f.name)
+            value = coerce(hints[f.name], getattr(self, f.name), name)
+            object.__setattr__(self, f.name, value)
+            check(f, value, name)
+
+
+def check(f: dataclasses.Field, value, flag: str) -> None:
+    """Raise ConfigError when `value` breaks the choices or bounds of option `f` (named `flag` in errors)."""
+    m = f.metadata
+    if m.get("choices") and value not in m["choices"]:
+        raise ConfigError(f"{flag} must be one of {list(m['choices'])}, got {value!r}")
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if m.get("positive") and value <= 0:
+        raise ConfigError(f"{flag} must be a positive integer, got {value}")
+    if m.get("ge") is not None and value < m["ge"]:
+        raise ConfigError(f"{flag} must be >= {m['ge']}, got {value}")
+    if m.get("gt") is not None and value <= m["gt"]:
+        raise ConfigError(f"{flag} must be > {m['gt']}, got {value}")
+
+
+@cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _base_type(hint) -> tuple[type, bool]:
+    """(int | float | str | bool | a dataclass, whether None is allowed) of a field's annotation."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        kinds = [a for a in args if a is not type(None)]
+        return kinds[0], len(kinds) < len(args)
+    return hint, False
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def coerce(hint, value, flag: str):
+    """`value` converted to the field's type: strings parsed, ints widened to float; ConfigError (naming
+    `flag`) otherwise."""
+    kind, optional = _base_type(hint)
+    if isinstance(value, str) and optional and value.strip().lower() in ("", "none", "null"):
+        return None
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{flag} must be {_describe(kind)}, got None")
+    if kind is bool:
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{flag} must be {_describe(kind)}, got {value!r}")
+
+
+def _describe(kind) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, str(kind))
+
+
+def leaves(cls) -> dict[str, tuple[tuple[str, ...], dataclasses.Field]]:
+    """flat name -> (path of section names, leaf field) for every leaf of config class `cls`."""
+    return dict(_leaves(cls))
+
+
+@cache
+def _leaves(cls) -> tuple:
+    out: dict = {}
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("section"):
+            for name, (path, leaf) in _leaves(hints[f.name]):
+                out[name] = ((f.name, *path), leaf)
+        else:
+            if f.name in out:
+                raise TypeError(f"{cls.__name__}: two options are named {f.name!r}")
+            out[f.name] = ((), f)
+    return tuple(out.items())
+
+
+def aliases(cls) -> dict[str, str]:
+    """alias -> flat name for every leaf of `cls` that has aliases."""
+    return {a: name for name, (_, f) in leaves(cls).items() for a in f.metadata.get("aliases", ())}
+
+
+def flatten(cls, values: dict, where: str | None = None) -> dict:
+    """`values` (nested sections and/or flat names and aliases) as {flat name: value}.
+
+    Raises:
+        ConfigError: keys that are neither a section of `cls` nor a flat name or alias, as
+            "unknown <where> [keys]; allowed: [...]" (where defaults to "<cls> settings").
+    """
+    names, alias = leaves(cls), aliases(cls)
+    sections = {f.name for f in dataclasses.fields(cls) if f.metadata.get("section")}
+    out: dict = {}
+    unknown = []
+    for key, value in (values or {}).items():
+        if key in sections and isinstance(value, dict):
+            out.update(flatten(_hints(cls)[key], value, where))
+        elif key in names or key in alias:
+            out[alias.get(key, key)] = value
+        else:
+            unknown.append(key)
+    if unknown:
+        allowed = sorted(set(names) | set(alias) | sections)
+        raise ConfigError(
+            f"unknown {where or cls.__name__ + ' settings'} {sorted(unknown)}; allowed: {allowed}"
+        )
+    return out
+
+
+def from_dict(cls, values: dict | None = None, base=None, where: str | None = None):
+    """A `cls` instance: `base` (an instance, default `cls()`) with `values` (see flatten) on top.
+
+    Raises:
+        ConfigError: an unknown key, a value of the wrong type, or a value outside its allowed set.
+    """
+    return _build(cls, flatten(cls, values or {}, where), base)
+
+
+def _build(cls, flat: dict, base):
+    hints = _hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("section"):
+            sub_base = getattr(base, f.name) if base is not None else f.default_factory()
+            kwargs[f.name] = _build(hints[f.name], flat, sub_base)
+        elif f.name in flat:
+            kwargs[f.name] = coerce(hints[f.name], flat[f.name], label(cls, f.name))
+        elif base is not None:
+            kwargs[f.name] = getattr(base, f.name)
+        elif f.default is MISSING:
+            raise ConfigError(f"{label(cls, f.name)} is required")
+    return cls(**kwargs)
+
+
+def to_dict(config) -> dict:
+    """The nested dict of a config (sections as dicts); from_dict(type(config), to_dict(config)) == config."""
+    return dataclasses.asdict(config)
+
+
+def to_yaml(config, section: str) -> str:
+    """The config as a preset file with one section (read back by from_dict(cls, preset_values(path, ...)))."""
+    return yaml.safe_dump({section: to_dict(config)}, sort_keys=False)
+
+
+def to_flat(config) -> dict:
+    """{flat name: value} of every leaf of a config instance."""
+    out = {}
+    for name, (path, _) in leaves(type(config)).items():
+        obj = config
+        for p in path:
+            obj = getattr(obj, p)
+        out[name] = getattr(obj, name)
+    return out

@@ -1,0 +1,103 @@
+"""Serving configurations: ServeConfig (the chat app's build_app args, `raychat serve`) and VLLMConfig (the
+Ray Serve LLM config that `python -m raychat.serve.vllm` writes). Each default is stated here once;
+serve/chat.yaml sets its values through build_app's args.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raychat.config.schema import ConfigError, Section, option, section
+
+
+@dataclass
+class ReplicaSection(Section):
+    """One ChatServer replica: KV-cache slots, streaming, where the model runs."""
+
+    NAMING = "key"
+
+    max_slots: int = option(
+        8, "KV-cache slots per replica: sequences decoded at once (1 = one request at a time)", ge=1,
+        aliases=("max_rows",),
+    )  # fmt: skip
+    max_len: int | None = option(None, "tokens per slot (default: the model's max_seq_len)", ge=1)
+    stream_interval: int = option(
+        4, "completion tokens per streamed event after the first (1 = every token)", ge=1
+    )
+    engine_process: bool = option(
+        True, "run the model and scheduler in a child process, off the event loop's GIL"
+    )
+    num_cpus: float = option(1.0, "CPUs each ChatServer replica reserves", ge=0)
+    num_gpus: float = option(0.0, "GPUs each ChatServer replica reserves (> 0 puts the model on cuda)", ge=0)
+    torch_threads: int | None = option(
+        None, "torch threads per replica (default: the CPUs it reserved)", ge=1
+    )
+    max_ongoing_requests: int = option(32, "requests per replica (queued at the ingress beyond it)", ge=1)
+
+
+@dataclass
+class AutoscalingSection(Section):
+    """Ray Serve autoscaling of ChatServer (how often load is reported: RAY_SERVE_*_METRIC_PUSH_INTERVAL_S)."""
+
+    NAMING = "key"
+
+    min_replicas: int = option(1, "fewest ChatServer replicas", ge=0)
+    max_replicas: int = option(1, "most ChatServer replicas (autoscaled)", ge=1, aliases=("replicas",))
+    target_ongoing_requests: float = option(4.0, "ongoing requests per replica the autoscaler aims at", gt=0)
+    upscale_delay_s: float = option(30.0, "seconds of high load before adding a replica", ge=0)
+    downscale_delay_s: float = option(600.0, "seconds of low load before removing a replica", ge=0)
+    look_back_period_s: float = option(30.0, "seconds of load averaged (must exceed the push interval)", gt=0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.min_replicas > self.max_replicas:
+            raise ConfigError(
+                "need 0 <= min_replicas <= max_replicas, max_replicas >= 1; "
+                f"got {self.min_replicas}, {self.max_replicas}"
+            )
+
+
+@dataclass
+class ServeConfig(Section):
+    """The chat application: `serve run raychat.serve.app:build_app checkpoint=DIR key=value ...`."""
+
+    NAMING = "key"
+
+    checkpoint: str = option("", "raychat checkpoint directory, readable on every node (required)")
+    replica: ReplicaSection = section(ReplicaSection)
+    autoscaling: AutoscalingSection = section(AutoscalingSection)
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (or env RAYCHAT_API_KEY)")
+    model_id: str | None = option(
+        None, "name reported by /v1/models (default: the checkpoint directory's name)"
+    )
+    ingress_num_cpus: float = option(0.1, "CPUs the ChatIngress replica reserves", ge=0)
+
+
+@dataclass
+class VLLMConfig(Section):
+    """One vLLM model behind Ray Serve LLM (ray.serve.llm:build_openai_app), on GPUs."""
+
+    NAMING = "key"
+
+    hf_dir: str = option("", "directory written by `raychat export` (required)")
+    out: str = option("vllm.yaml", "Serve config YAML file to write")
+    model_id: str = option("raychat", "name the OpenAI API serves the model as")
+    accelerator_type: str = option("H100", "Ray accelerator resource name (H100, A100, L4, ...)")
+    min_replicas: int = option(1, "fewest replicas", ge=0)
+    max_replicas: int = option(2, "most replicas (autoscaled)", ge=1)
+    target_ongoing_requests: int = option(32, "ongoing requests per replica the autoscaler aims at", ge=1)
+    max_ongoing_requests: int = option(64, "requests per replica", ge=1)
+    tensor_parallel_size: int = option(1, "GPUs one replica shards the model over", ge=1)
+    dtype: str = option("bfloat16", "vLLM weights/activations dtype")
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory vLLM may use, in (0, 1]", gt=0)
+    port: int = option(8000, "HTTP port of the Serve proxy", ge=1)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.min_replicas > self.max_replicas:
+            raise ConfigError(
+                "need 0 <= min_replicas <= max_replicas and max_replicas >= 1, "
+                f"got {self.min_replicas}, {self.max_replicas}"
+            )
+        if self.gpu_memory_utilization > 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -1,0 +1,191 @@
+"""Sections of the pretraining / SFT configuration (`raychat pretrain`, `raychat sft`) and TrainConfig.
+
+TrainConfig: run / model / optim / data / cluster / train (batch, horizon, schedule, eval, checkpoint,
+logging). Every leaf is a --flag of its flat name (raychat.config.schema); presets set the same names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raychat.config.schema import ConfigError, Section, option, section
+
+STAGES = ("pretrain", "sft")
+TRACKERS = ("none", "tensorboard", "wandb")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+@dataclass
+class RunSection(Section):
+    """What run this is, where it writes, where it starts from."""
+
+    run_name: str = option("pretrain", "run name; running again with the same name and storage resumes")
+    storage_path: str = option("runs/checkpoints", "where checkpoints go (local dir, NFS, s3://, gs://)")
+    stage: str = option("pretrain", "what the run trains (set by the command)", STAGES, flag=False)
+    init_from: str = option(
+        "", "checkpoint directory to start from (SFT starts from a pretraining checkpoint)"
+    )
+    seed: int = option(0, "seed for init, data order and sampling")
+    tracker: str = option("none", "also log every step to TensorBoard event files or W&B (offline)", TRACKERS)
+
+
+@dataclass
+class ModelSection(Section):
+    """The model's shape (one knob, depth, derives the rest) and how it runs."""
+
+    depth: int = option(4, "transformer layers; width, heads and horizon derive from it", positive=True)
+    aspect_ratio: int = option(
+        64, "width = depth * aspect_ratio, rounded up to a multiple of head_dim", positive=True
+    )
+    head_dim: int = option(64, "attention head dimension", positive=True)
+    kv_group: int = option(1, "query heads per KV head (GQA when > 1)", positive=True)
+    seq_len: int = option(
+        256, "T: tokens per row seen by the model (rows hold T+1 for the label shift)", positive=True
+    )
+    document_masking: bool = option(False, "attend only within a document; positions restart per document")
+    fp8: bool = option(False, "FP8 Linear layers through torchao (GPU; emulated on CPU)")
+    fp8_recipe: str = option("tensorwise", "torchao float8 recipe", FP8_RECIPES)
+    compile: bool = option(False, "torch.compile the model")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"--head-dim must be even (RoPE rotates pairs of dimensions), got {self.head_dim}"
+            )
+
+
+@dataclass
+class OptimSection(Section):
+    """Muon for hidden matrices, AdamW for the rest (raychat.train.optim.build_optimizers), and clipping."""
+
+    matrix_lr: float = option(0.02, "Muon learning rate for hidden weight matrices", ge=0)
+    embedding_lr: float = option(0.2, "AdamW learning rate for the token embedding", ge=0)
+    unembedding_lr: float = option(0.004, "AdamW learning rate for lm_head", ge=0)
+    scalar_lr: float = option(0.02, "AdamW learning rate for norm weights", ge=0)
+    weight_decay: float = option(0.0, "Muon weight decay", ge=0)
+    grad_clip: float = option(1.0, "clip the global grad norm to this (0 = off)", ge=0)
+
+
+@dataclass
+class DataSection(Section):
+    """Where the rows come from."""
+
+    data_dir: str = option("runs/data", "parquet shards + manifest from `raychat data prepare`")
+    tokenizer_path: str = option("runs/tokenizer", "directory holding tokenizer.json")
+    buffer_size: int = option(256, "documents buffered by the best-fit packer", positive=True)
+    sft_tasks: str = option("calculator:4000,chatterbot,spelling:2000", "SFT mixture: task[:examples],...")
+
+
+@dataclass
+class ClusterSection(Section):
+    """The Ray Train worker group."""
+
+    num_workers: int = option(2, "Ray Train workers (DDP ranks)", positive=True)
+    cpus_per_worker: float = option(0.5, "CPUs each worker reserves (leave room for Ray Data)", gt=0)
+    use_gpu: bool = option(False, "one GPU per worker, nccl, bf16 autocast")
+    max_failures: int = option(1, "worker failures survived by restarting from the last checkpoint", ge=0)
+    peak_flops: float = option(-1.0, "peak FLOP/s of one device for MFU; -1 = known GPUs only")
+
+
+@dataclass
+class BatchSection(Section):
+    device_batch_size: int = option(8, "rows per micro-batch per worker", positive=True)
+    total_batch_size: int = option(
+        -1, "tokens per optimizer step over all workers; -1 = power law in data size"
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.total_batch_size != -1 and self.total_batch_size <= 0:
+            raise ConfigError(
+                f"--total-batch-size must be positive or -1 (auto), got {self.total_batch_size}"
+            )
+
+
+@dataclass
+class HorizonSection(Section):
+    num_iterations: int = option(
+        -1, "optimizer steps; -1 = derive from target_flops or target_param_data_ratio"
+    )
+    stop_after: int = option(
+        -1, "stop (with a checkpoint) after this step, keeping the full schedule; resume later"
+    )
+    target_flops: float = option(-1.0, "training FLOPs budget (used when num_iterations is -1)")
+    target_param_data_ratio: float = option(
+        20.0, "tokens per parameter (Chinchilla 20) when no other horizon"
+    )
+
+
+@dataclass
+class ScheduleSection(Section):
+    warmup_ratio: float = option(0.0, "fraction of steps of linear warmup", ge=0)
+    warmdown_ratio: float = option(0.4, "fraction of steps of linear decay at the end", ge=0)
+    final_lr_frac: float = option(0.0, "lr at the end as a fraction of the peak", ge=0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0 <= self.warmup_ratio + self.warmdown_ratio <= 1:
+            raise ConfigError("--warmup-ratio + --warmdown-ratio must lie in [0, 1]")
+
+
+@dataclass
+class EvalSection(Section):
+    eval_every: int = option(
+        50, "steps between validation evaluations (and at the end; 0 = only at the end)", ge=0
+    )
+    eval_tokens: int = option(65536, "validation tokens per evaluation (over all workers)", positive=True)
+    eval_examples: int = option(64, "task examples per accuracy evaluation (SFT)", positive=True)
+    sample_every: int = option(0, "steps between greedy samples (0 = only at the end)", ge=0)
+
+
+@dataclass
+class CheckpointSection(Section):
+    checkpoint_every: int = option(
+        100, "steps between checkpoints (and at the end; 0 = only at the end)", ge=0
+    )
+    keep_checkpoints: int = option(2, "checkpoints kept (the newest)", positive=True)
+
+
+@dataclass
+class LoggingSection(Section):
+    log_every: int = option(1, "steps between log lines", positive=True)
+
+
+@dataclass
+class TrainSection(Section):
+    """The optimization: batch, horizon, lr schedule, evaluation, checkpoints, logging."""
+
+    batch: BatchSection = section(BatchSection)
+    horizon: HorizonSection = section(HorizonSection)
+    schedule: ScheduleSection = section(ScheduleSection)
+    eval: EvalSection = section(EvalSection)
+    checkpoint: CheckpointSection = section(CheckpointSection)
+    logging: LoggingSection = section(LoggingSection)
+
+
+@dataclass
+class TrainConfig(Section):
+    """Pretraining or SFT on Ray Train (`raychat pretrain`, `raychat sft`)."""
+
+    run: RunSection = section(RunSection)
+    model: ModelSection = section(ModelSection)
+    optim: OptimSection = section(OptimSection)
+    data: DataSection = section(DataSection)
+    cluster: ClusterSection = section(ClusterSection)
+    train: TrainSection = section(TrainSection)
+
+    def grad_accum_steps(self, total_batch_size: int) -> int:
+        """Micro-batches per step; raises ConfigError when the sizes don't divide."""
+        rows, seq, workers = self.train.batch.device_batch_size, self.model.seq_len, self.cluster.num_workers
+        per_micro = rows * seq * workers
+        if total_batch_size % per_micro:
+            raise ConfigError(
+                f"--total-batch-size {total_batch_size} is not a multiple of device_batch_size x seq_len x "
+                f"num_workers = {rows} x {seq} x {workers} = {per_micro}"
+            )
+        return total_batch_size // per_micro
+
+
+# The SFT command's own defaults (on top of TrainConfig's, under the preset and the flags).
+SFT_DEFAULTS = {"run_name": "sft", "stage": "sft", "document_masking": True}

@@ -1,0 +1,126 @@
+"""The speedrun report: a markdown table of every stage, and the curves of every stage drawn from its metrics
+sink (raychat.metrics_sink: metrics.jsonl) as PNG pictures with matplotlib (Agg backend, no display).
+
+curves_<stage>.png: left, the training loss per step (and its smoothed value where the stage logs one); right,
+validation BPB at each evaluation (pretraining, SFT: "val_bpb" and every "<task>_val_bpb") or, for RL, the
+rollouts' mean reward per step and held-out pass@1 at each evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from raychat.metrics_sink import read_jsonl  # noqa: E402
+
+
+def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
+    """Write curves_<stage>.png of a stage's metrics lines (module doc); None when there are no lines."""
+    lines = [x for x in lines if isinstance(x.get("step"), int) and x.get("loss") is not None]
+    if not lines:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=110)
+    steps = [x["step"] for x in lines]
+    left.plot(steps, [x["loss"] for x in lines], lw=1, label="loss")
+    if all("smooth_loss" in x for x in lines):
+        left.plot(steps, [x["smooth_loss"] for x in lines], lw=1.5, label="smoothed")
+    left.set(
+        title=f"{stage}: training loss",
+        xlabel="step",
+        ylabel="loss (nats/token)" if stage != "rl" else "loss",
+    )
+    left.legend()
+    if stage == "rl":
+        right.plot(steps, [x["reward_mean"] for x in lines], lw=1, label="rollout reward (mean)")
+        evals = [x["eval"] for x in lines if isinstance(x.get("eval"), dict)]
+        if evals:
+            right.plot(
+                [e["step"] for e in evals], [e["pass@1"] for e in evals], "o-", label="held-out pass@1"
+            )
+        right.set(title="rl: reward and pass@1", xlabel="step", ylim=(-0.02, 1.02))
+    else:
+        keys = sorted(
+            {k for x in lines for k in x if k.endswith("val_bpb")}, key=lambda k: (k != "val_bpb", k)
+        )
+        for key in keys:
+            pts = [(x["step"], x[key]) for x in lines if x.get(key) is not None]
+            right.plot(*zip(*pts), "o-", lw=1.5 if key == "val_bpb" else 1, label=key)
+        right.set(title=f"{stage}: validation BPB", xlabel="step", ylabel="bits per byte")
+    if right.lines:
+        right.legend()
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def write_report(out_dir: Path, r: dict, metrics_files: dict[str, Path] | None = None) -> Path:
+    """report.md (a table of the run, the curves of every stage, greedy samples) and report.json in out_dir.
+
+    metrics_files: {stage: its metrics.jsonl}; each stage found gets curves_<stage>.png (plot_stage).
+    """
+    p, t = r["pretrain"], r["timings_s"]
+    curves = []
+    for stage, path in (metrics_files or {}).items():
+        png = (
+            plot_stage(stage, read_jsonl(path), out_dir / f"curves_{stage}.png")
+            if Path(path).exists()
+            else None
+        )
+        if png is not None:
+            curves += [f"![{stage} curves]({png.name})", ""]
+    lines = [
+        f"# raychat speedrun report (preset `{r['preset']}`)",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| corpus | {r['data'].get('source')} ({r['data'].get('license')}), "
+        f"{r['data'].get('documents'):,} documents, {r['data'].get('bytes', 0) / 1e6:.1f} MB |",
+        f"| tokenizer | vocab {r['tokenizer'].get('vocab_size')}, "
+        f"{r['tokenizer'].get('val_bytes_per_token', 'n/a')} bytes/token (val) |",
+        f"| steps | {p.get('step')} |",
+        f"| final train loss | {p.get('loss', float('nan')):.4f} |",
+        f"| validation BPB | {p.get('val_bpb', float('nan')):.4f} |",
+        f"| unigram baseline BPB | {r['unigram_bpb']:.4f} |",
+        f"| tokens/s (last step, all workers) | {p.get('tokens_per_s', 0):,.0f} |",
+        f"| data wait (last step) | {100 * p.get('data_wait_frac', 0):.1f}% |",
+        f"| wall time | {t['total']:.0f} s (data {t['data']:.0f}, tokenizer {t['tokenizer']:.0f}, "
+        f"pretrain {t['pretrain']:.0f}, eval {t['eval']:.0f}, sft {t.get('sft', 0):.0f}, rl {t.get('rl', 0):.0f}) |",
+        f"| checkpoint | `{r['checkpoint']}` |",
+        *(
+            [
+                f"| SFT steps | {r['sft'].get('step')} (val BPB on held-out conversations of its tasks "
+                f"{r['sft'].get('val_bpb', float('nan')):.4f}) |",
+                f"| calculator accuracy before / after SFT | {r['sft']['accuracy_before']:.3f} / "
+                f"{r['sft']['accuracy_after']:.3f} ({r['sft']['eval_examples']} held-out problems) |",
+            ]
+            if r.get("sft")
+            else []
+        ),
+        *([f"| RL | {r['rl'].get('summary', '')} |"] if r.get("rl") else []),
+        f"| final checkpoint | `{r.get('final_checkpoint')}` |",
+        "",
+        *(["## Curves", "", *curves] if curves else []),
+        "## Samples (greedy)",
+        "",
+        *[f"- {json.dumps(s)}" for s in r.get("samples", [])],
+        "",
+    ]
+    path = out_dir / "report.md"
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines))
+    os.replace(tmp, path)
+    (out_dir / "report.json").write_text(json.dumps(r, indent=2, default=str))
+    return path

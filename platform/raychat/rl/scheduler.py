@@ -1,0 +1,131 @@
+"""Rollout scheduling: which prompts a step samples, how they are split over the rollout actors, and what
+happens when an actor dies.
+
+Prompts: step s takes prompts s*P .. s*P+P-1 of a seeded permutation of the training split (so a resumed run
+continues with the same prompts); a chunk's sampling seed derives from (seed, step, chunk), so a re-issued
+chunk samples the same completions under the same weights. A chunk whose actor died is re-issued after the
+restarted actor is re-synced to the current weights (or moved to the next live actor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from raychat.config import RLConfig
+from raychat.rl.objective import pass_at_k
+from raychat.rl.sync import WeightSync
+from raychat.rl.topology import Topology
+
+
+def chunk_seed(seed: int, step: int, chunk: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"rl:{seed}:{step}:{chunk}".encode()).digest()[:4], "little")
+
+
+def split_even(items: list, n: int) -> list[list]:
+    """n contiguous parts whose sizes differ by at most one (empty parts dropped)."""
+    k, r = divmod(len(items), n)
+    parts, start = [], 0
+    for i in range(n):
+        end = start + k + (i < r)
+        parts.append(items[start:end])
+        start = end
+    return [p for p in parts if p]
+
+
+class RolloutScheduler:
+    """Submits and collects the rollout chunks of each step (module doc); `restarts` counts dead actors met.
+
+    on_submitted(scheduler, step, chunks): optional hook after a step's chunks are submitted (tests kill an
+    actor there).
+    """
+
+    def __init__(
+        self,
+        cfg: RLConfig,
+        topology: Topology,
+        sync: WeightSync,
+        num_prompts: int,
+        on_submitted=None,
+        log=print,
+    ):
+        self.cfg, self.topology, self.sync, self.on_submitted, self.log = (
+            cfg,
+            topology,
+            sync,
+            on_submitted,
+            log,
+        )
+        self.order = np.random.default_rng(cfg.run.seed).permutation(num_prompts)
+        self.version = 0  # the policy version the rollout actors hold (re-syncs load this one)
+        self.restarts = 0
+
+    def prompts_for(self, step: int) -> list[int]:
+        P, n = self.cfg.rollout.prompts_per_step, len(self.order)
+        return [int(self.order[(step * P + i) % n]) for i in range(P)]
+
+    def submit(self, step: int) -> list[dict]:
+        rollouts = self.topology.rollouts
+        chunks = []
+        for c, idx in enumerate(split_even(self.prompts_for(step), len(rollouts))):
+            seed = chunk_seed(self.cfg.run.seed, step, c)
+            chunks.append({"worker": c % len(rollouts), "indices": idx, "seed": seed, "ref": None})
+            self._issue(chunks[-1])
+        if self.on_submitted:
+            self.on_submitted(self, step, chunks)
+        return chunks
+
+    def _issue(self, chunk: dict) -> None:
+        r = self.cfg.rollout
+        chunk["ref"] = self.topology.rollouts[chunk["worker"]].rollout.remote(
+            chunk["indices"], r.samples_per_prompt, r.max_tokens, r.temperature, chunk["seed"], "train",
+            self.cfg.asynchrony.mode == "async",
+        )  # fmt: skip
+
+    def collect(self, chunks: list[dict]) -> list[dict]:
+        """Results of every chunk; a chunk whose actor died is re-issued (module doc)."""
+        tries = self.cfg.topology.max_restarts + 2
+        out = []
+        for chunk in chunks:
+            for attempt in range(tries):
+                try:
+                    out.append(ray.get(chunk["ref"]))
+                    break
+                except (RayActorError, ActorUnavailableError) as e:
+                    self.restarts += 1
+                    self.log(
+                        f"rollout actor {chunk['worker']} died ({type(e).__name__}); re-issuing its prompts"
+                    )
+                    self._recover(chunk, attempt)
+            else:
+                raise RuntimeError(f"prompts {chunk['indices']} failed after {tries} tries")
+        return out
+
+    def _recover(self, chunk: dict, attempt: int) -> None:
+        """Re-sync the (restarting) actor to the current weights and re-issue the chunk; after a failed re-sync
+        (the actor is out of restarts) move the chunk to the next actor."""
+        n = len(self.topology.rollouts)
+        for k in range(n):
+            w = (chunk["worker"] + k + (attempt > 0)) % n
+            if self.sync.resync(w, self.version):
+                chunk["worker"] = w
+                self._issue(chunk)
+                return
+        raise RuntimeError("no rollout actor is alive")
+
+    def evaluate(self, test_size: int) -> dict:
+        """pass@k (k = 1..eval_samples) over the held-out prompts (test split)."""
+        e, rollouts = self.cfg.eval, self.topology.rollouts
+        n = 1 if e.eval_temperature == 0 else e.eval_samples
+        parts = split_even(list(range(test_size)), len(rollouts))
+        refs = [
+            rollouts[i].evaluate.remote(
+                p, n, self.cfg.rollout.max_tokens, e.eval_temperature, chunk_seed(self.cfg.run.seed, -1, i)
+            )
+            for i, p in enumerate(parts)
+        ]
+        correct = [c for part in ray.get(refs) for c in part]
+        return {f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in range(1, n + 1)}

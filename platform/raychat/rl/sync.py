@@ -1,0 +1,87 @@
+"""Driver side of weight sync: publish the learner's weights as policy version v to every rollout actor, check
+every actor's (version, hash) ack, and bring a restarted actor back to the current weights.
+
+Object store (default): learner rank 0 puts its CPU state dict once; each actor fetches the same ObjectRef.
+In async mode the acks are collected later (`drain`): they arrive after the rollout chunks queued before them.
+Collective: learner rank 0 broadcasts over a ray.util.collective group (raychat.rl.weights).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from raychat.rl.topology import Topology
+from raychat.rl.weights import check_acks
+
+
+class WeightSync:
+    """Publishes weights through `topology` (module doc); counts actor restarts it met in `restarts`."""
+
+    def __init__(self, topology: Topology, mode: str, log=print):
+        self.topology, self.mode, self.log = topology, mode, log
+        self.refs: list | None = None
+        self.digest: str | None = None
+        self.pending: deque = deque()
+        self.restarts = 0
+
+    def publish(self, version: int, block: bool = True) -> dict | None:
+        """Publish the learner's weights as `version`; returns the SyncResult (None when not blocking)."""
+        t0 = time.perf_counter()
+        learner, rollouts = self.topology.learners[0], self.topology.rollouts
+        if self.mode == "collective":
+            name = self.topology.group_name
+            sent = learner.broadcast.remote(name)
+            acks = [w.receive_broadcast.remote(name, version) for w in rollouts]
+            s = ray.get(sent)
+            return check_acks(ray.get(acks), s["hash"], version, s["put_s"], time.perf_counter() - t0)
+        self.refs, self.digest, put_s = ray.get(learner.publish.remote())
+        acks = [w.set_weights.remote(self.refs, version) for w in rollouts]
+        if not block:
+            self.pending.append((acks, self.digest, version, put_s, t0))
+            return None
+        return check_acks(self._acks(acks, version), self.digest, version, put_s, time.perf_counter() - t0)
+
+    def _acks(self, acks: list, version: int) -> list[dict]:
+        """Acks of set_weights; an actor that died meanwhile is waited for (restart) and re-synced."""
+        out = []
+        for w, ref in enumerate(acks):
+            try:
+                out.append(ray.get(ref))
+            except (RayActorError, ActorUnavailableError):
+                self.restarts += 1
+                self.log(f"rollout actor {w} died during weight sync; re-syncing after its restart")
+                if not self.resync(w, version):
+                    raise RuntimeError(f"rollout actor {w} is dead (max_restarts exhausted)") from None
+                out.append(ray.get(self.topology.rollouts[w].info.remote()) | {"apply_s": 0.0})
+        return out
+
+    def drain(self) -> dict | None:
+        """Check the acks of non-blocking publishes; returns the last SyncResult (None if none)."""
+        last = None
+        while self.pending:
+            acks, digest, version, put_s, t0 = self.pending.popleft()
+            try:
+                last = check_acks(ray.get(acks), digest, version, put_s, time.perf_counter() - t0)
+            except (RayActorError, ActorUnavailableError):
+                continue  # an actor restarted; it is re-synced when its chunk is re-issued
+        return last
+
+    def resync(self, w: int, version: int, timeout_s: float = 120.0) -> bool:
+        """Load the current weights into rollout actor w, waiting while it restarts; False if it is dead."""
+        if self.mode == "collective":
+            raise NotImplementedError("re-syncing a restarted actor needs --weight-sync object_store")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ack = ray.get(self.topology.rollouts[w].set_weights.remote(self.refs, version))
+                return ack["version"] == version and ack["hash"] == self.digest
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.2)
+            except RayActorError:
+                return False

@@ -1,0 +1,93 @@
+"""The checkpointer every training stage shares (pretraining, SFT, RL): one directory layout
+(raychat.checkpoint), meta in the config's words, and two ways to publish a finished directory.
+
+  meta.json: {"stage", "step", "metrics", "config" (the run's config, nested), ...stage extras ("plan",
+             "version"), "model_config", "tokenizer_version"}
+  rank state: {"step", ...the stage's data position: "rows" (pretrain/SFT) or "version" (RL)}
+
+RayTrainPublisher hands the directory to Ray Train (`ray.train.report`: Ray copies it to
+storage_path/run_name/checkpoint_*, keeps the newest keep_checkpoints); RunDirectory renames a staged
+directory into OUT/RUN_NAME/checkpoint_<step> and prunes (RL, whose actors are not a Ray Train group).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import ray.train
+import torch
+
+from raychat.checkpoint import latest_checkpoint, load_rank_state, save_model, save_rank_state
+from raychat.tokenizer import Tokenizer
+
+
+class Checkpointer:
+    """Writes this rank's part of a checkpoint directory and restores it.
+
+    Args:
+        stage: "pretrain" | "sft" | "rl" (meta["stage"]).
+        config: the run's config as a nested dict (meta["config"]).
+        tokenizer: saved beside the model.
+        extra_meta: more meta keys of the stage (e.g. {"plan": ...}).
+    """
+
+    def __init__(self, stage: str, config: dict, tokenizer: Tokenizer, extra_meta: dict | None = None):
+        self.stage, self.config, self.tokenizer, self.extra_meta = stage, config, tokenizer, extra_meta or {}
+
+    def write(
+        self,
+        directory: str | os.PathLike,
+        rank: int,
+        step: int,
+        model: torch.nn.Module,
+        optimizers: list,
+        state: dict,
+        metrics: dict | None = None,
+        **meta,
+    ) -> None:
+        """Rank 0: model + tokenizer + meta; every rank: optimizer, RNG and `state` (with "step" added)."""
+        if rank == 0:
+            meta = {"stage": self.stage, "step": step, "metrics": metrics or {}, **self.extra_meta, **meta}
+            save_model(directory, model, self.tokenizer, {**meta, "config": self.config})
+        save_rank_state(directory, rank, optimizers, {**state, "step": step})
+
+    def restore(self, directory: str | os.PathLike, rank: int, optimizers: list) -> dict:
+        """Load this rank's optimizer and RNG state in place; returns its state dict (see write)."""
+        return load_rank_state(directory, rank, optimizers)
+
+
+class RayTrainPublisher:
+    """Publishes a written directory through ray.train.report (with the step's metrics)."""
+
+    def publish(self, directory: str, report: dict) -> None:
+        ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(directory))
+
+
+class RunDirectory:
+    """OUT/RUN_NAME/checkpoint_<step:06d> directories: staged under a temporary name, renamed when complete,
+    the oldest pruned beyond `keep`."""
+
+    def __init__(self, run_dir: str | os.PathLike, keep: int):
+        self.run_dir, self.keep = Path(run_dir), keep
+
+    def staging_path(self, step: int) -> Path:
+        return self.run_dir / f".tmp_checkpoint_{step:06d}"
+
+    def staging(self, step: int) -> Path:
+        """The temporary directory to write checkpoint `step` into, emptied."""
+        shutil.rmtree(self.staging_path(step), ignore_errors=True)
+        return self.staging_path(step)
+
+    def commit(self, step: int) -> Path:
+        """Rename the staged directory into place and prune; returns the checkpoint's path."""
+        final = self.run_dir / f"checkpoint_{step:06d}"
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(self.staging_path(step), final)
+        for old in sorted(self.run_dir.glob("checkpoint_*"))[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.run_dir)

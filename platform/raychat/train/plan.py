@@ -1,0 +1,107 @@
+"""The run's derived sizes (a pure function of the config and the vocabulary), printed before training.
+
+Every derived number (width, heads, parameters, FLOPs per token, batch, grad accumulation, steps, tokens,
+tokens per parameter) is in Plan and printed by print_plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from raychat.checkpoint import read_meta
+from raychat.config import TrainConfig
+from raychat.model import GPT, ModelConfig
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_config: dict  # raychat.model.ModelConfig.to_dict()
+    num_params: int
+    scaling_params: int  # without the token embedding
+    flops_per_token: int  # forward + backward, raychat.model.GPT.flops_per_token
+    horizon: str  # which setting chose the steps: num_iterations | target_flops | target_param_data_ratio
+    total_batch_size: int  # tokens per optimizer step over all workers
+    grad_accum: int  # micro-batches per step per worker
+    num_iterations: int
+    tokens: int
+    tokens_per_param: float
+    total_flops: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def power_law_batch_size(data_tokens: float, tokens_per_micro_step: int) -> int:
+    """Tokens per optimizer step B = 2^round(log2(2^19 * (D / 1e10) ** 0.383)), at least one micro-step.
+
+    The exponent is the data-size scaling of the optimal batch size reported in "Power Lines"
+    (Bergsma et al. 2025); the anchor (2^19 tokens at 10B tokens) is nanochat's d20 setting.
+    """
+    b = 2**19 * (max(data_tokens, 1.0) / 1e10) ** 0.383
+    b = 2 ** round(math.log2(b))
+    return max(b, tokens_per_micro_step)
+
+
+def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
+    """The derived sizes of a run. Raises ConfigError when the batch sizes do not divide."""
+    m, h, batch = cfg.model, cfg.train.horizon, cfg.train.batch
+    if cfg.run.init_from:
+        model_config = ModelConfig(**read_meta(cfg.run.init_from)["model_config"])
+    else:
+        model_config = ModelConfig.from_depth(
+            m.depth, vocab_size, m.seq_len, m.aspect_ratio, m.head_dim, m.kv_group
+        )
+    with torch.device("meta"):
+        model = GPT(model_config)
+    n_params = model.num_params()
+    scaling_params = model.num_params(exclude_embedding=True)
+    flops_per_token = model.flops_per_token(m.seq_len)
+    per_micro = batch.device_batch_size * m.seq_len * cfg.cluster.num_workers
+    if h.num_iterations > 0:
+        horizon, data_tokens = "num_iterations", None
+    elif h.target_flops > 0:
+        horizon, data_tokens = "target_flops", h.target_flops / flops_per_token
+    else:
+        horizon, data_tokens = "target_param_data_ratio", h.target_param_data_ratio * scaling_params
+    if batch.total_batch_size > 0:
+        total_batch = batch.total_batch_size
+    else:
+        total_batch = power_law_batch_size(data_tokens or h.num_iterations * per_micro * 8, per_micro)
+    grad_accum = cfg.grad_accum_steps(total_batch)
+    num_iterations = h.num_iterations if h.num_iterations > 0 else max(1, round(data_tokens / total_batch))
+    tokens = num_iterations * total_batch
+    return Plan(
+        model_config=model_config.to_dict(),
+        num_params=n_params,
+        scaling_params=scaling_params,
+        flops_per_token=flops_per_token,
+        horizon=horizon,
+        total_batch_size=total_batch,
+        grad_accum=grad_accum,
+        num_iterations=num_iterations,
+        tokens=tokens,
+        tokens_per_param=tokens / scaling_params,
+        total_flops=tokens * flops_per_token,
+    )
+
+
+def print_plan(cfg: TrainConfig, p: Plan) -> None:
+    m = p.model_config
+    print(
+        f"model: depth {m['n_layer']} width {m['n_embd']} heads {m['n_head']} (kv {m['n_kv_head']}) "
+        f"head_dim {m['head_dim']} mlp {m['intermediate_size']} vocab {m['vocab_size']}"
+    )
+    print(f"parameters: {p.num_params:,} ({p.scaling_params:,} without the embedding)")
+    print(f"FLOPs per token: {p.flops_per_token:,}")
+    print(
+        f"batch: {p.total_batch_size:,} tokens/step = {cfg.cluster.num_workers} workers x "
+        f"{cfg.train.batch.device_batch_size} rows x {cfg.model.seq_len} tokens x {p.grad_accum} accumulation steps"
+    )
+    print(
+        f"horizon ({p.horizon}): {p.num_iterations:,} steps, {p.tokens:,} tokens, "
+        f"{p.tokens_per_param:.2f} tokens/param, {p.total_flops:.3g} FLOPs"
+    )

@@ -1,0 +1,250 @@
+"""The Trainer: the training algorithm over components; pretraining and SFT build different components.
+
+  train():             for each step: train_step -> evaluate (every eval_every and at the end) -> log
+                       -> checkpoint (every checkpoint_every and at the end)
+  train_step(step):    grad_accum micro-batches from the row source -> n_targets (all ranks) -> lr
+                       -> forward_backward -> clip + optimizer step (raychat.train.step)
+  forward_backward:    per micro-batch loss = sum of token CE / n_targets * world_size, backward (DDP
+                       averages over ranks, so the step's gradient is that of sum(CE) / n_targets over every
+                       target of every micro-batch and rank); gradients are all-reduced in the last one only
+
+Components: row_source (`next_batch(n)` -> rows, `state_dict`, `load_state_dict`), evaluators
+(raychat.train.evaluators), checkpointer (raychat.train.checkpointer), metrics (raychat.metrics_sink, rank 0
+only), callbacks (hooks at step begin/end and at the end of training).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from raychat.config import TrainConfig
+from raychat.loss import cross_entropy_sum, global_target_count, normalize
+from raychat.masks import make_batch
+from raychat.metrics_sink import MetricsSink
+from raychat.train.checkpointer import Checkpointer, RayTrainPublisher
+from raychat.train.evaluators import Evaluator, evaluate_all
+from raychat.train.optim import lr_multiplier, set_lr
+from raychat.train.plan import Plan
+from raychat.train.step import all_reduce_sum, optimizer_step
+
+
+def log(message: str) -> None:
+    """A line to the worker's stdout (streamed to the driver). Ray Train patches `print` to tee into its
+    logger too, which shows every line twice on the driver; writing to sys.__stdout__ directly does not."""
+    print(message, file=sys.__stdout__, flush=True)
+
+
+def autocast_for(device: torch.device):
+    """() -> a context manager: bf16 autocast on CUDA, nothing on CPU."""
+    if device.type == "cuda":
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def to_batch(
+    rows: dict, bos_id: int, document_masking: bool, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Packed rows (numpy (n, T+1)) -> the model's batch on `device` (raychat.masks.make_batch)."""
+    b = make_batch(
+        torch.from_numpy(np.asarray(rows["input_ids"])),
+        bos_id,
+        supervised=torch.from_numpy(np.asarray(rows["supervised"])) if "supervised" in rows else None,
+        segment_ids=torch.from_numpy(np.asarray(rows["segment_ids"])) if "segment_ids" in rows else None,
+        document_masking=document_masking,
+    )
+    return {k: v.to(device, non_blocking=True) for k, v in b.items()}
+
+
+class Callback:
+    """Hooks into Trainer.train(); override what you need."""
+
+    def on_step_begin(self, trainer: Trainer, step: int) -> None: ...
+
+    def on_step_end(self, trainer: Trainer, stats: dict) -> None: ...
+
+    def on_train_end(self, trainer: Trainer) -> None: ...
+
+
+class Trainer:
+    """Trains `model` on the rows of `row_source` (see the module doc). One instance per Ray Train worker.
+
+    Args:
+        config: the run's TrainConfig; plan: its derived sizes.
+        model: the parameters (FP8-converted if asked); train_model: what the step calls (compiled and/or
+            DDP-wrapped `model`).
+        optimizers: from raychat.train.optim.build_optimizers.
+        metrics: rank 0's MetricsSink, None on other ranks.
+        bos_id: the tokenizer's BOS id (masks), rank / world: this worker and the group size.
+        start_step: steps already done (resume).
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        plan: Plan,
+        model: torch.nn.Module,
+        train_model: torch.nn.Module,
+        optimizers: list,
+        row_source,
+        evaluators: Sequence[Evaluator],
+        checkpointer: Checkpointer,
+        metrics: MetricsSink | None,
+        callbacks: Sequence[Callback] = (),
+        *,
+        bos_id: int,
+        rank: int,
+        world: int,
+        device: torch.device,
+        start_step: int = 0,
+    ):
+        self.config, self.plan = config, plan
+        self.model, self.train_model, self.optimizers = model, train_model, optimizers
+        self.row_source, self.evaluators, self.checkpointer = row_source, list(evaluators), checkpointer
+        self.metrics, self.callbacks = metrics, list(callbacks)
+        self.bos_id, self.rank, self.world, self.device = bos_id, rank, world, device
+        self.start_step = start_step
+        self.publisher = RayTrainPublisher()
+        self.autocast = autocast_for(device)
+        horizon = config.train.horizon
+        self.stop = (
+            min(plan.num_iterations, horizon.stop_after) if horizon.stop_after > 0 else plan.num_iterations
+        )
+        self.smooth_loss: float | None = None
+
+    # ---- the algorithm ---------------------------------------------------------------------------
+    def train(self) -> None:
+        t_start = time.perf_counter()
+        for step in range(self.start_step, self.stop):
+            for cb in self.callbacks:
+                cb.on_step_begin(self, step)
+            stats = self.train_step(step)
+            done = stats["step"]
+            if self.due(self.config.train.eval.eval_every, done):
+                stats.update(evaluate_all(self.evaluators, self.model, done, self.plan.num_iterations))
+            if self.rank == 0:
+                self.log_step(stats, (time.perf_counter() - t_start) / (done - self.start_step))
+            report = {k: v for k, v in stats.items() if v is not None}
+            if self.due(self.config.train.checkpoint.checkpoint_every, done):
+                self.save(done, report)
+            for cb in self.callbacks:
+                cb.on_step_end(self, stats)
+        for cb in self.callbacks:
+            cb.on_train_end(self)
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def due(self, every: int, done: int) -> bool:
+        """Every `every` steps (0 = never) and at the last step of this run."""
+        return bool(every and done % every == 0) or done == self.stop
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step (0-based `step`); returns its stats (step counts from 1)."""
+        cfg, plan = self.config, self.plan
+        t0 = time.perf_counter()
+        rows = cfg.train.batch.device_batch_size
+        micro = [
+            to_batch(self.row_source.next_batch(rows), self.bos_id, cfg.model.document_masking, self.device)
+            for _ in range(plan.grad_accum)
+        ]
+        t_data = time.perf_counter() - t0
+        n_targets = global_target_count(mb["loss_mask"] for mb in micro)
+        s = cfg.train.schedule
+        lr = set_lr(
+            self.optimizers,
+            lr_multiplier(step, plan.num_iterations, s.warmup_ratio, s.warmdown_ratio, s.final_lr_frac),
+        )
+        loss = self.forward_backward(micro, n_targets)
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"loss is {loss} at step {step}: stopping; the last good checkpoint under "
+                f"{cfg.run.storage_path}/{cfg.run.run_name} is intact (lower the lr or check the data)"
+            )
+        grad_norm = optimizer_step(self.model.parameters(), self.optimizers, cfg.optim.grad_clip)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        return self.step_stats(step + 1, loss, lr, grad_norm, dt, t_data)
+
+    def forward_backward(self, micro: list[dict], n_targets: int) -> float:
+        """Backpropagate every micro-batch's share of the step loss; returns the step loss (all ranks)."""
+        accum = len(micro)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, mb in enumerate(micro):
+            sync = i == accum - 1 or not hasattr(self.train_model, "no_sync")
+            with contextlib.nullcontext() if sync else self.train_model.no_sync():
+                with self.autocast():
+                    logits = self.train_model(
+                        mb["input_ids"], position_ids=mb["position_ids"], segment_ids=mb.get("segment_ids")
+                    )
+                ce_sum, _ = cross_entropy_sum(logits, mb["labels"], mb["loss_mask"])
+                normalize(ce_sum, n_targets, self.world).backward()
+            loss_sum += ce_sum.detach().double()
+        return (all_reduce_sum(loss_sum) / max(n_targets, 1)).item()
+
+    def step_stats(
+        self, done: int, loss: float, lr: float, grad_norm: float, dt: float, t_data: float
+    ) -> dict:
+        tokens_per_s = self.plan.total_batch_size / dt
+        peak = self.peak_flops()
+        mfu = (
+            self.plan.flops_per_token * self.plan.total_batch_size / dt / (peak * self.world)
+            if peak
+            else None
+        )
+        self.smooth_loss = loss if self.smooth_loss is None else 0.9 * self.smooth_loss + 0.1 * loss
+        return {
+            "step": done,
+            "loss": loss,
+            "smooth_loss": self.smooth_loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "data_wait_frac": t_data / dt,
+        }
+
+    def peak_flops(self) -> float | None:
+        """Peak FLOP/s of one device: --peak-flops, or the data sheet's dense bf16 figure for known GPUs."""
+        if self.config.cluster.peak_flops > 0:
+            return self.config.cluster.peak_flops
+        if self.device.type == "cuda":
+            name = torch.cuda.get_device_name(self.device)
+            return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+        return None
+
+    # ---- logging and checkpoints -------------------------------------------------------------------
+    def log_step(self, stats: dict, seconds_per_step: float) -> None:
+        done, n_iter = stats["step"], self.plan.num_iterations
+        evaluated = {k: v for k, v in stats.items() if k.endswith(("val_bpb", "accuracy")) and v is not None}
+        if done % self.config.train.logging.log_every == 0 or done == self.stop or evaluated:
+            mfu = stats["mfu"]
+            log(
+                f"step {done:5d}/{n_iter} | loss {stats['loss']:.4f} | lr {stats['lr']:.3g} | "
+                f"grad_norm {stats['grad_norm']:.3f} | tok/s {stats['tokens_per_s']:,.0f} | "
+                f"mfu {f'{100 * mfu:.1f}%' if mfu else 'n/a'} | data wait {100 * stats['data_wait_frac']:.1f}% | "
+                f"eta {seconds_per_step * (n_iter - done):.0f}s"
+                + "".join(f" | {k} {v:.4f}" for k, v in evaluated.items())
+            )
+            for s in stats.get("samples", []):
+                log(f"  sample: {s!r}")
+        if self.metrics is not None:
+            self.metrics.log({k: v for k, v in stats.items() if k != "samples"})
+
+    def save(self, step: int, report: dict) -> None:
+        """Write this rank's part of checkpoint `step` and publish it through Ray Train."""
+        with tempfile.TemporaryDirectory() as tmp:
+            state = {"rows": self.row_source.state_dict()}
+            self.checkpointer.write(tmp, self.rank, step, self.model, self.optimizers, state, metrics=report)
+            self.publisher.publish(tmp, report)
+
+
+# Dense bf16 peak FLOP/s of one device (for MFU), from the vendors' data sheets.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 70e12}

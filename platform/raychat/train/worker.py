@@ -1,0 +1,115 @@
+"""What every Ray Train worker runs: assemble the Trainer from the stage's components and train.
+
+  model (init or init_from) -> the stage's row source -> resume (weights, step) -> FP8 -> optimizers
+  -> resume (optimizer, RNG, data position) -> torch.compile / DDP -> the stage's evaluators -> metrics sink
+  -> Trainer(...).train()
+
+The stage (raychat.train.pretrain.Pretraining or raychat.train.sft.SFT) builds the row source and the
+evaluators; everything else is the same for every stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray.train
+import ray.train.torch
+import torch
+from ray.experimental import tqdm_ray
+from safetensors.torch import load_file
+
+from raychat.checkpoint import load_model, read_meta
+from raychat.config import TrainConfig, from_dict, to_dict
+from raychat.metrics import TrainMetrics
+from raychat.metrics_sink import MetricsSink
+from raychat.model import GPT, ModelConfig
+from raychat.tokenizer import Tokenizer
+from raychat.train.checkpointer import Checkpointer
+from raychat.train.fp8 import convert_to_fp8
+from raychat.train.optim import build_optimizers
+from raychat.train.plan import Plan
+from raychat.train.trainer import Callback, Trainer, autocast_for, log
+
+
+class ProgressBar(Callback):
+    """A tqdm bar on the driver (ray.experimental.tqdm_ray), when the driver writes to a terminal."""
+
+    def __init__(self, total: int, start: int, desc: str):
+        self.bar = tqdm_ray.tqdm(total=total, desc=desc, position=0)
+        self.bar.update(start)
+
+    def on_step_end(self, trainer, stats) -> None:
+        self.bar.update(1)
+
+    def on_train_end(self, trainer) -> None:
+        self.bar.close()
+
+
+def build_model(cfg: TrainConfig, plan: Plan, device: torch.device) -> GPT:
+    if cfg.run.init_from:
+        model, _, _ = load_model(cfg.run.init_from)
+        return model.train().to(device)
+    torch.manual_seed(cfg.run.seed)
+    return GPT(ModelConfig(**plan.model_config)).init_weights(cfg.run.seed).to(device)
+
+
+def train_gauges(run_name: str, stage: str):
+    """stats -> the raychat_train_* Ray gauges (raychat.metrics.TrainMetrics)."""
+    gauges = TrainMetrics(run_name, stage)
+
+    def record(s: dict) -> None:
+        gauges.record(
+            step=s["step"], loss=s["loss"], lr=s["lr"], tokens_per_s=s["tokens_per_s"], mfu=s["mfu"],
+            grad_norm=s["grad_norm"], data_wait_frac=s["data_wait_frac"], bpb=s.get("val_bpb"),
+        )  # fmt: skip
+
+    return record
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """Ray Train entry: config = {"train": TrainConfig as a dict, "plan": Plan as a dict, "stage": the stage's
+    components, "callbacks": [Callback], "progress_bar": bool}."""
+    cfg, plan, stage = from_dict(TrainConfig, config["train"]), Plan(**config["plan"]), config["stage"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    torch.set_num_threads(int(os.environ.get("RAYCHAT_THREADS", max(1, round(cfg.cluster.cpus_per_worker)))))
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    tokenizer = Tokenizer.load(cfg.data.tokenizer_path)
+
+    model = build_model(cfg, plan, device)
+    rows = stage.row_source(cfg, tokenizer, rank, world)
+    start_step = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            model.load_state_dict(load_file(os.path.join(d, "model.safetensors"), device=str(device)))
+            start_step = read_meta(d)["step"]
+    if cfg.model.fp8:
+        convert_to_fp8(model, cfg.model.fp8_recipe)
+    optimizers = build_optimizers(model, cfg.optim)
+    checkpointer = Checkpointer(cfg.run.stage, to_dict(cfg), tokenizer, {"plan": plan.to_dict()})
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            rows.load_state_dict(checkpointer.restore(d, rank, optimizers)["rows"])
+        if rank == 0:
+            log(f"resumed from {checkpoint.path} at step {start_step}")
+    train_model = torch.compile(model) if cfg.model.compile else model
+    train_model = ray.train.torch.prepare_model(train_model, move_to_device=False)
+
+    evaluators = stage.evaluators(cfg, tokenizer, rank, world, device, autocast_for(device))
+    metrics, callbacks = None, list(config.get("callbacks", []))
+    if rank == 0:
+        run_dir = os.path.join(cfg.run.storage_path, cfg.run.run_name)
+        gauges = train_gauges(cfg.run.run_name, cfg.run.stage)
+        metrics = MetricsSink(run_dir, gauges, cfg.run.tracker, cfg.run.run_name, to_dict(cfg))
+        if config.get("progress_bar"):  # only when the driver writes to a terminal
+            callbacks.append(
+                ProgressBar(plan.num_iterations, start_step, f"{cfg.run.stage} {cfg.run.run_name}")
+            )
+    trainer = Trainer(
+        cfg, plan, model, train_model, optimizers, rows, evaluators, checkpointer, metrics, callbacks,
+        bos_id=tokenizer.bos_id, rank=rank, world=world, device=device, start_step=start_step,
+    )  # fmt: skip
+    trainer.train()

@@ -1,0 +1,78 @@
+"""The metrics sink every stage logs to: jsonl lines, the gauges callback, TensorBoard event files and W&B
+offline runs read back through their own libraries; the report's curves as PNG."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from PIL import Image
+
+from raychat.metrics_sink import MetricsSink, read_jsonl, scalars
+from raychat.report import plot_stage
+
+STEPS = [
+    {"step": 1, "loss": 3.5, "lr": 0.02, "mfu": None, "ok": True},
+    {"step": 2, "loss": 3.25, "lr": 0.02, "mfu": None, "val_bpb": 1.5, "eval": {"pass@1": 0.25}},
+]
+
+
+def test_scalars_flatten_and_skip_non_numbers():
+    assert scalars(STEPS[1]) == {"step": 2.0, "loss": 3.25, "lr": 0.02, "val_bpb": 1.5, "eval/pass@1": 0.25}
+
+
+def test_jsonl_and_gauges_get_every_step(tmp_path):
+    seen = []
+    sink = MetricsSink(tmp_path / "run", gauges=seen.append)
+    for s in STEPS:
+        sink.log(s)
+    sink.close()
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == STEPS and seen == STEPS
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')  # a torn last line (crash while appending) is skipped
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
+    assert MetricsSink("s3://bucket/run").path is None  # object storage: no local file
+    with pytest.raises(ValueError, match=r"--tracker must be one of \['none', 'tensorboard', 'wandb'\]"):
+        MetricsSink(tmp_path, tracker="mlflow")
+
+
+def test_tensorboard_event_files_hold_the_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = MetricsSink(tmp_path / "run", tracker="tensorboard", run_name="t", config={"depth": 1})
+    for s in STEPS:
+        sink.log(s)
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "run" / "tracker")).Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 3.5), (2, 3.25)]
+    assert [(e.step, e.value) for e in acc.Scalars("eval/pass@1")] == [(2, 0.25)]
+    assert "step" not in acc.Tags()["scalars"] and "ok" not in acc.Tags()["scalars"]
+
+
+def test_wandb_offline_run_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = MetricsSink(tmp_path / "run", tracker="wandb", run_name="t", config={"depth": 1})
+    for s in STEPS:
+        sink.log(s)
+    sink.close()
+    runs = list((tmp_path / "run" / "tracker" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    (data,) = runs[0].glob("run-*.wandb")  # the offline run's record log (protobuf), `wandb sync`s later
+    wanted = (b"val_bpb", b"eval/pass@1", b"3.25", b"depth")  # history keys, a value, the config
+    deadline = time.monotonic() + 60  # the wandb-core process writes the log; on a loaded machine, later
+    while not all(text in data.read_bytes() for text in wanted) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    blob = data.read_bytes()
+    assert all(text in blob for text in wanted), [t for t in wanted if t not in blob]
+
+
+def test_curves_png_per_stage(tmp_path):
+    lines = [{"step": i, "loss": 4 - i / 10, "smooth_loss": 4 - i / 20} for i in range(1, 11)]
+    lines[4]["val_bpb"], lines[9]["val_bpb"] = 2.0, 1.8
+    path = plot_stage("pretrain", lines, tmp_path / "curves_pretrain.png")
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size == (1100, 396)  # 10 x 3.6 inches at 110 dpi
+    rl = [{"step": 1, "loss": 0.0, "reward_mean": 0.25}, {"step": 2, "loss": 0.1, "reward_mean": 0.5,
+                                                         "eval": {"step": 2, "pass@1": 0.5}}]  # fmt: skip
+    assert plot_stage("rl", rl, tmp_path / "curves_rl.png").exists()
+    assert plot_stage("sft", [], tmp_path / "curves_sft.png") is None
