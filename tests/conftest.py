@@ -1,8 +1,20 @@
-"""Shared pytest fixtures (keep minimal)."""
+"""Shared pytest fixtures: a tiny tokenizer, a real multi-node Ray cluster, a real S3 server."""
+
+import os
+from pathlib import Path
 
 import pytest
+import ray
+from cluster import LocalCluster, short_temp_dir
+from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader
+from s3_server import CREDENTIALS, start_s3_server
 
 from raychat.tokenizer import Tokenizer
+
+# Ray reads RAY_AUTH_MODE once per process, at its first authentication check (not at import): set it before
+# any test starts Ray. "token" is what Ray 2.60 picks anyway for a local ray.init(), and what the fixture
+# cluster needs from a driver in this process.
+os.environ["RAY_AUTH_MODE"] = "token"
 
 _TEXT = """The quick brown fox jumps over the lazy dog. Hello there! How are you doing today?
 I am fine, thank you. What is 12 * 34? It is 408. Spell the word "apple": a-p-p-l-e.
@@ -12,8 +24,65 @@ def f(x):
 Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.
 """
 
+# The fixture cluster: a head with no CPUs (like the KubeRay head) and two workers with one CPU each and a
+# custom resource each, so a task or a Ray Train worker shows which node it ran on.
+CLUSTER_WORKERS = {"a": (1, {"node_a": 1}), "b": (1, {"node_b": 1})}
+
 
 @pytest.fixture(scope="session")
 def small_tokenizer() -> Tokenizer:
     """A byte-level BPE (vocabulary <= 512) trained in ~0.1 s on a few KB of mixed text."""
     return Tokenizer.train([_TEXT] * 20, vocab_size=512)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real 3-node Ray cluster (tests/cluster.py): head + workers "a" and "b" (CLUSTER_WORKERS), token auth
+    on, started once per session on first use and stopped at the end, also after a failure. The nodes hold
+    S3 credentials (what an instance role gives a real node); the endpoint travels with the filesystem."""
+    cluster = LocalCluster(short_temp_dir("rc"), extra_env=dict(CREDENTIALS))
+    try:
+        yield cluster.start(CLUSTER_WORKERS)
+    finally:
+        cluster.stop()
+
+
+def _set_env(values: dict) -> dict:
+    old = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    AuthenticationTokenLoader.instance().reset_cache()  # Ray caches the token it read last
+    return old
+
+
+@pytest.fixture(scope="module")
+def ray_on_cluster(ray_cluster):
+    """This pytest process as a Ray driver of ray_cluster (connected to the head node) for one module."""
+    old = _set_env({"RAY_AUTH_TOKEN": ray_cluster.token, "RAY_ADDRESS": None})
+    try:
+        ray.init(address=ray_cluster.gcs_address, log_to_driver=False)
+        yield ray_cluster
+    finally:
+        ray.shutdown()
+        _set_env(old)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto's S3 server on a free loopback port for the session (tests/s3_server.py)."""
+    server = start_s3_server(Path(tmp_path_factory.mktemp("s3")) / "moto.log")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The AWS variables of s3_server set in this process for one test; yields the server."""
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    return s3_server
