@@ -35,6 +35,9 @@ RAY = VENV_BIN / "ray"
 # plasma_store.1) to it, and sun_path holds 107.
 MAX_TEMP_DIR_LEN = 36
 OBJECT_STORE_BYTES = 100 * 1024 * 1024
+# `ray start` gives its raylet 30 s to register with the GCS and exits when it does not; on a loaded 2-core
+# machine that happens now and then, so a node that failed to start is started once more.
+START_ATTEMPTS = 2
 # Ray system config through the environment (RAY_<name>), read by every Ray process of the nodes:
 NODE_RAY_CONFIG = {
     # report metrics every second instead of every 10 s, so a scrape sees a value within seconds
@@ -52,6 +55,10 @@ NODE_PORTS = (
     "dashboard-agent-grpc-port",
     "runtime-env-agent-port",
 )
+
+
+class NodeStartError(RuntimeError):
+    """A node did not come up: `ray start` exited or the node was not ALIVE in time (its log follows)."""
 
 
 def free_ports(n: int) -> list[int]:
@@ -153,16 +160,13 @@ class LocalCluster:
     ) -> LocalCluster:
         """Start the head, then each worker {name: (num_cpus, custom resources)}; wait until all are ALIVE."""
         self.token_file.write_text(self.token + "\n")
-        ports = dict(zip(HEAD_PORTS + NODE_PORTS, free_ports(len(HEAD_PORTS + NODE_PORTS))))
         head_flags = [
             "--head",
             f"--temp-dir={self.root}",
             "--include-dashboard=true",
             "--dashboard-host=127.0.0.1",
         ]
-        self._launch("head", self.head_cpus, {}, ports, head_flags)
-        self._wait_dashboard(timeout_s)
-        self.head.node_id = self._wait_alive(self.head, timeout_s)
+        self._start_node("head", self.head_cpus, {}, HEAD_PORTS + NODE_PORTS, head_flags, timeout_s)
         for name, (cpus, resources) in workers.items():
             self.add_worker(name, cpus, resources, timeout_s)
         return self
@@ -178,10 +182,9 @@ class LocalCluster:
         old = self.nodes.pop(name, None)
         if old is not None:
             _end_group(old.proc)
-        ports = dict(zip(NODE_PORTS, free_ports(len(NODE_PORTS))))
-        node = self._launch(name, num_cpus, resources, ports, [f"--address={self.gcs_address}"])
-        node.node_id = self._wait_alive(node, timeout_s, not_id=old.node_id if old else "")
-        return node
+        flags = [f"--address={self.gcs_address}"]
+        not_id = old.node_id if old else ""
+        return self._start_node(name, num_cpus, resources, NODE_PORTS, flags, timeout_s, not_id)
 
     def kill_raylet(self, name: str) -> str:
         """SIGKILL the raylet of worker node `name` (a lost machine, as far as the cluster can tell); returns
@@ -198,6 +201,22 @@ class LocalCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ helpers
+    def _start_node(self, name, num_cpus, resources, port_names, flags, timeout_s, not_id="") -> Node:
+        """Launch a node on fresh free ports and wait until it is ALIVE, once more if it fails to start."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            ports = dict(zip(port_names, free_ports(len(port_names))))
+            node = self._launch(name, num_cpus, resources, ports, flags)
+            try:
+                if name == "head":
+                    self._wait_dashboard(timeout_s)
+                node.node_id = self._wait_alive(node, timeout_s, not_id)
+                return node
+            except NodeStartError:
+                _end_group(self.nodes.pop(name).proc)
+                if attempt == START_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
     def _launch(self, name, num_cpus, resources, ports, flags) -> Node:
         log = self.root / f"{name}.log"
         cmd = [
@@ -209,7 +228,7 @@ class LocalCluster:
             "--disable-usage-stats",
             *[f"--{flag}={port}" for flag, port in ports.items()],
         ]  # fmt: skip
-        with open(log, "w") as out:
+        with open(log, "a") as out:  # "a": a failed first attempt stays in the log
             proc = subprocess.Popen(
                 cmd, env=self.env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -218,7 +237,7 @@ class LocalCluster:
         return node
 
     def _fail(self, node: Node, why: str):
-        raise RuntimeError(f"ray node {node.name}: {why}\n{node.log.read_text()[-3000:]}")
+        raise NodeStartError(f"ray node {node.name}: {why}\n{node.log.read_text()[-3000:]}")
 
     def _wait_dashboard(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -3,18 +3,18 @@
 import os
 from pathlib import Path
 
-import pytest
-import ray
-from cluster import LocalCluster, short_temp_dir
-from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader
-from s3_server import CREDENTIALS, start_s3_server
-
-from raychat.tokenizer import Tokenizer
-
-# Ray reads RAY_AUTH_MODE once per process, at its first authentication check (not at import): set it before
-# any test starts Ray. "token" is what Ray 2.60 picks anyway for a local ray.init(), and what the fixture
-# cluster needs from a driver in this process.
+# Ray reads RAY_AUTH_MODE once per process, when its C++ core loads: set it before anything imports Ray.
+# "token" is what Ray 2.60 picks anyway for a local ray.init(), and what the fixture cluster needs from a
+# driver in this process.
 os.environ["RAY_AUTH_MODE"] = "token"
+
+import pytest  # noqa: E402
+import ray  # noqa: E402
+from cluster import LocalCluster, short_temp_dir  # noqa: E402
+from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader  # noqa: E402
+from s3_server import CREDENTIALS, start_s3_server  # noqa: E402
+
+from raychat.tokenizer import Tokenizer  # noqa: E402
 
 _TEXT = """The quick brown fox jumps over the lazy dog. Hello there! How are you doing today?
 I am fine, thank you. What is 12 * 34? It is 408. Spell the word "apple": a-p-p-l-e.

@@ -8,6 +8,7 @@ is last: it kills worker "b" and starts it again, so the session's cluster is wh
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import time
@@ -23,8 +24,10 @@ import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
 from ray.train import Checkpoint, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
+from safetensors.torch import load_file, save_file
 
 from raychat.metrics import TrainMetrics
+from raychat.storage import open_storage, resolve_checkpoint
 
 pytestmark = pytest.mark.ray
 # The cluster's workers cannot import this test module: ship its functions and classes by value.
@@ -92,15 +95,16 @@ def test_metrics_scraped_from_the_worker_node_that_recorded_them(ray_on_cluster)
 
 
 def _two_steps(config):
-    """Resume from the last checkpoint if there is one, then two steps, each reporting a checkpoint (Ray Train
-    V2 keeps the metrics that come with one) and what the ranks saw: every rank's node id (all-gathered over
-    gloo) and the sum of the ranks (all-reduced)."""
+    """Resume from the last checkpoint if there is one, then two steps, each reporting a checkpoint in
+    raychat's layout (model.safetensors, meta.json with the step) and what the ranks saw: every rank's node
+    id (all-gathered over gloo) and the sum of the ranks (all-reduced). Ray Train V2 keeps the metrics that
+    come with a checkpoint."""
     ctx = ray.train.get_context()
     start = 0
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
-            start = int(open(f"{d}/step").read())
+            start = json.loads(open(f"{d}/meta.json").read())["step"]
     ids = [None] * ctx.get_world_size()
     dist.all_gather_object(ids, ray.get_runtime_context().get_node_id())
     rank_sum = torch.tensor([float(ctx.get_world_rank())])
@@ -108,22 +112,25 @@ def _two_steps(config):
     for step in range(start + 1, start + 3):
         with tempfile.TemporaryDirectory() as d:
             if ctx.get_world_rank() == 0:
-                open(f"{d}/step", "w").write(str(step))
+                save_file({"w": torch.full((4,), float(step))}, f"{d}/model.safetensors")
+                open(f"{d}/meta.json", "w").write(json.dumps({"step": step}))
             metrics = {"step": step, "resumed_from": start, "node_ids": ids, "rank_sum": rank_sum.item()}
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
 
 
-def test_train_runs_on_two_nodes_checkpoints_to_s3_and_resumes_from_it(ray_on_cluster, s3_server):
+def test_train_runs_on_two_nodes_checkpoints_to_s3_and_resumes_from_it(ray_on_cluster, s3_env, tmp_path):
+    """Ray Train on the cluster writes to moto's S3 through raychat.storage's root (the endpoint comes from
+    AWS_ENDPOINT_URL here and travels with the pickled filesystem; the nodes have their own credentials),
+    resumes from the bucket, and the resolver finds the newest checkpoint among Ray Train's."""
     c = ray_on_cluster
-    bucket = s3_server.make_bucket()
-    fs = s3_server.filesystem()
+    bucket = s3_env.make_bucket()
+    root = open_storage(f"s3://{bucket}/runs")
 
     def fit():
         return TorchTrainer(
             _two_steps,
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-            # with a storage_filesystem, Ray Train takes storage_path as a path on it: bucket/prefix, no s3://
-            run_config=RunConfig(name="resume", storage_path=f"{bucket}/runs", storage_filesystem=fs),
+            run_config=RunConfig(name="resume", **root.ray_train_storage()),
         ).fit()
 
     first = fit()
@@ -133,14 +140,17 @@ def test_train_runs_on_two_nodes_checkpoints_to_s3_and_resumes_from_it(ray_on_cl
     assert first.metrics["rank_sum"] == 0 + 1
     second = fit()
     assert (second.metrics["step"], second.metrics["resumed_from"]) == (4, 2)
-    with second.checkpoint.as_directory() as d:
-        assert open(f"{d}/step").read() == "4"
+
+    fs = s3_env.filesystem()
     names = [
         i.path.rsplit("/", 1)[-1]
         for i in fs.get_file_info(pafs.FileSelector(f"{bucket}/runs/resume"))
         if i.type == pafs.FileType.Directory
     ]
     assert len([n for n in names if n.startswith("checkpoint_")]) == 4
+    latest = resolve_checkpoint(f"s3://{bucket}/runs/resume/latest", cache_dir=tmp_path)
+    assert json.loads((latest / "meta.json").read_text()) == {"step": 4}
+    assert load_file(str(latest / "model.safetensors"))["w"].tolist() == [4.0] * 4
 
 
 def test_killing_a_raylet_makes_its_node_dead_and_it_can_rejoin(ray_on_cluster):
