@@ -35,8 +35,15 @@ def small_tokenizer() -> Tokenizer:
     return Tokenizer.train([_TEXT] * 20, vocab_size=512)
 
 
+def pytest_collection_modifyitems(items):
+    """Run the modules that use the fixture cluster last (in their usual order), so the session's cluster
+    starts once, late, and is not kept idle on the 2 cores while the other tests run."""
+    uses = {it.module.__name__ for it in items if "multinode_cluster" in it.fixturenames}
+    items.sort(key=lambda it: it.module.__name__ in uses)
+
+
 @pytest.fixture(scope="session")
-def ray_cluster():
+def multinode_cluster():
     """A real 3-node Ray cluster (tests/cluster.py): head + workers "a" and "b" (CLUSTER_WORKERS), token auth
     on, started once per session on first use and stopped at the end, also after a failure. The nodes hold
     S3 credentials (what an instance role gives a real node); the endpoint travels with the filesystem."""
@@ -59,12 +66,12 @@ def _set_env(values: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ray_on_cluster(ray_cluster):
-    """This pytest process as a Ray driver of ray_cluster (connected to the head node) for one module."""
-    old = _set_env({"RAY_AUTH_TOKEN": ray_cluster.token, "RAY_ADDRESS": None})
+def multinode_driver(multinode_cluster):
+    """This pytest process as a Ray driver of multinode_cluster (connected to the head node) for one module."""
+    old = _set_env({"RAY_AUTH_TOKEN": multinode_cluster.token, "RAY_ADDRESS": None})
     try:
-        ray.init(address=ray_cluster.gcs_address, log_to_driver=False)
-        yield ray_cluster
+        ray.init(address=multinode_cluster.gcs_address, log_to_driver=False)
+        yield multinode_cluster
     finally:
         ray.shutdown()
         _set_env(old)

@@ -39,8 +39,8 @@ def node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def test_three_nodes_and_tasks_pinned_by_custom_resource(ray_on_cluster):
-    c = ray_on_cluster
+def test_three_nodes_and_tasks_pinned_by_custom_resource(multinode_driver):
+    c = multinode_driver
     alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
     assert set(alive) == {c.nodes[k].node_id for k in ("head", "a", "b")}
     assert [alive[c.nodes[k].node_id]["Resources"].get("CPU", 0) for k in ("head", "a", "b")] == [0, 1, 1]
@@ -72,8 +72,8 @@ def _scrape(port: int, run: str) -> dict[str, float]:
     }
 
 
-def test_metrics_scraped_from_the_worker_node_that_recorded_them(ray_on_cluster):
-    c = ray_on_cluster
+def test_metrics_scraped_from_the_worker_node_that_recorded_them(multinode_driver):
+    c = multinode_driver
     run = f"m-{uuid.uuid4().hex[:6]}"
     recorder = Recorder.remote()
     assert ray.get(recorder.record.remote(run)) == c.nodes["a"].node_id
@@ -118,11 +118,11 @@ def _two_steps(config):
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
 
 
-def test_train_runs_on_two_nodes_checkpoints_to_s3_and_resumes_from_it(ray_on_cluster, s3_env, tmp_path):
+def test_train_runs_on_two_nodes_checkpoints_to_s3_and_resumes_from_it(multinode_driver, s3_env, tmp_path):
     """Ray Train on the cluster writes to moto's S3 through raychat.storage's root (the endpoint comes from
     AWS_ENDPOINT_URL here and travels with the pickled filesystem; the nodes have their own credentials),
     resumes from the bucket, and the resolver finds the newest checkpoint among Ray Train's."""
-    c = ray_on_cluster
+    c = multinode_driver
     bucket = s3_env.make_bucket()
     root = open_storage(f"s3://{bucket}/runs")
 
@@ -153,8 +153,8 @@ def test_train_runs_on_two_nodes_checkpoints_to_s3_and_resumes_from_it(ray_on_cl
     assert load_file(str(latest / "model.safetensors"))["w"].tolist() == [4.0] * 4
 
 
-def test_killing_a_raylet_makes_its_node_dead_and_it_can_rejoin(ray_on_cluster):
-    c = ray_on_cluster
+def test_killing_a_raylet_makes_its_node_dead_and_it_can_rejoin(multinode_driver):
+    c = multinode_driver
     lost = c.kill_raylet("b")
     try:
         deadline = time.monotonic() + 60

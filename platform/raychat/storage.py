@@ -20,7 +20,8 @@ Checkpoint references (`resolve_checkpoint`), local or remote alike:
   <run name> + storage      <storage>/<run name>, as a run dir
 A remote checkpoint is downloaded into a cache dir under a temporary name and renamed when complete, so a
 half download is never used, and it is downloaded again only when its files (names, sizes) change.
-Every failure is a ValueError of one line that names the flag and says what was found.
+A bad reference or storage root is a ValueError of one line that names the flag and says what was found;
+an I/O error in the middle of a download propagates (OSError) and leaves no partial copy behind.
 """
 
 from __future__ import annotations
@@ -124,11 +125,12 @@ def resolve_checkpoint(
     """A local directory holding the newest complete checkpoint that `ref` names (see the module doc).
 
     ref: a checkpoint dir, a run dir, <run dir>/latest (local paths or s3:// / gs:// URIs), or a run name
-    (no '/') looked up under `storage`. A remote checkpoint is downloaded to
+    (no '/') looked up under `storage` (a bare name that exists as a local path is that path). A remote checkpoint is downloaded to
     <cache_dir>/<sha256(uri)[:16]>-<name> (default cache: ~/.cache/raychat/checkpoints).
 
     Raises ValueError (one line, naming `flag`): ref names nothing, a run without a complete checkpoint
-    (listing what the run holds), an incomplete checkpoint dir, a missing bucket."""
+    (listing what the run holds), an incomplete checkpoint dir, a missing bucket. OSError: the download
+    failed (nothing is left under the final name)."""
     text = str(ref).strip()
     if not text:
         raise ValueError(f"{flag}: empty; give a checkpoint dir, a run dir, <run dir>/latest or a run name")
@@ -248,7 +250,11 @@ def _download(storage: Storage, ckpt: str, cache: Path) -> Path:
             old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
             os.replace(dest, old)
             shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError:  # another process put a copy there meanwhile: use it if it is whole
+            if not (dest.is_dir() and _local_files(dest) == remote):
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest

@@ -284,8 +284,9 @@ def add_cli(subparsers) -> None:
     p.add_argument(
         "--python",
         default="python",
-        help="the job's Python on the cluster: a command or absolute path with raychat's dependencies, "
-        "normally the Python that runs Ray there (default: `python` on the head's PATH)",
+        help="the job's Python on the cluster for a stage (not for `command`): a command or absolute path "
+        "with raychat's dependencies, normally the Python that runs Ray there (default: `python` on the "
+        "head's PATH)",
     )
     p.add_argument("--pip", action="append", help="pip requirement for the job's env (repeatable)")
     p.add_argument(
