@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from cluster import LocalCluster, short_temp_dir
 
+from raychat.cli import main as raychat_main
 from raychat.ops import submit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,35 +208,38 @@ def _job_statuses(c) -> dict[str, str]:
 
 
 @pytest.mark.ray
-def test_stage_job_names_the_python_it_needs_and_runs_with_python_flag(token_cluster):
+def test_stage_job_names_the_python_it_needs_and_runs_with_python_flag(token_cluster, capsys):
     """The head's PATH finds a bare Python: `python jobs/pretrain.py` cannot import raychat's dependencies and
-    the job says so in one line, naming the Python Ray runs; with --python that Python, the job succeeds."""
+    the job says so in one line, naming the Python Ray runs; with --python that Python, the job succeeds.
+    `raychat submit` runs in this process here (the CLI in a subprocess is tested above)."""
     c = token_cluster
     conn = ["--address", c["url"], "--token-file", str(c["token_file"])]
     ray_python = Path(sys.executable).parent / "python3"  # the shebang of .venv/bin/ray, so Ray's workers
     assert Path(sys.executable).with_name("ray").read_text().splitlines()[0] == f"#!{ray_python}"
 
-    r = _raychat(["submit", *conn, "--job-id", "rc-bare", "pretrain", "--help"], c["tmp"])
-    assert r.returncode == 1, r.stdout + r.stderr
-    line = next(x for x in r.stdout.splitlines() if x.startswith("raychat: error:"))
+    def submit_(*args: str) -> tuple[int, str, str]:
+        rc = raychat_main(["submit", *conn, *args])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    rc, out, err = submit_("--job-id", "rc-bare", "pretrain", "--help")
+    assert rc == 1, out + err
+    line = next(x for x in out.splitlines() if x.startswith("raychat: error:"))
     assert line.startswith(f"raychat: error: this Python, {c['bare_python']} (Python ")
     assert (
         f"Ray itself runs {ray_python} there): resubmit with `raychat submit --python {ray_python} ...`"
         in line
     )
-    assert "Traceback" not in r.stdout
+    assert "Traceback" not in out
 
-    r = _raychat(["submit", *conn, "--job-id", "rc-pinned", "--python", str(ray_python), "pretrain", "--help"],
-                 c["tmp"])  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "usage: raychat pretrain" in r.stdout
-    assert f"submitted rc-pinned: {ray_python} jobs/pretrain.py --help" in r.stderr
+    rc, out, err = submit_("--job-id", "rc-pinned", "--python", str(ray_python), "pretrain", "--help")
+    assert rc == 0, out + err
+    assert "usage: raychat pretrain" in out
+    assert f"submitted rc-pinned: {ray_python} jobs/pretrain.py --help" in err
 
-    r = _raychat(
-        ["submit", *conn, "--job-id", "rc-nopy", "--python", "/no/such/python", "pretrain"], c["tmp"]
-    )
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "the job's shell found no such command ('/no/such/python': exit 127)" in r.stderr
+    rc, out, err = submit_("--job-id", "rc-nopy", "--python", "/no/such/python", "pretrain")
+    assert rc == 1, out + err
+    assert "the job's shell found no such command ('/no/such/python': exit 127)" in err
 
     statuses = _job_statuses(c)
     assert {k: statuses[k] for k in ("rc-bare", "rc-pinned", "rc-nopy")} == {
