@@ -99,7 +99,7 @@ class Node:
     def raylet_pid(self) -> int:
         """The pid of this node's raylet (a child of its `ray start --block`)."""
         for pid in _children(self.proc.pid):
-            if Path(_cmdline(pid)[0] if _cmdline(pid) else "").name == "raylet":
+            if Path(next(iter(_cmdline(pid)), "")).name == "raylet":
                 return pid
         raise RuntimeError(f"node {self.name}: no raylet among the children of pid {self.proc.pid}")
 
