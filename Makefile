@@ -13,7 +13,7 @@ RUN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(EXTRAS)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv speedrun test test-fast lint format corpus-deps test-deps lock clean
+.PHONY: venv speedrun test test-fast lint format corpus-deps test-deps s3-server lock clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,17 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 venv: $(STAMP)
+
+# The S3-compatible server the tests use (moto), in a venv of its own: moto needs python-dateutil<3,
+# kubernetes>=3. tests/s3_server.py starts .venv/s3/bin/moto_server on a free loopback port.
+S3_VENV := $(VENV)/s3
+S3_STAMP := $(S3_VENV)/.installed
+$(S3_STAMP): constraints-s3.txt
+	test -x $(S3_VENV)/bin/python || $(PYTHON) -m venv $(S3_VENV)
+	$(S3_VENV)/bin/pip install -q -c constraints-s3.txt "moto[s3]" flask flask-cors
+	touch $@
+
+s3-server: $(S3_STAMP)
 
 # Debian packages that hold the default corpus and task data (real text, see README "Data").
 CORPUS_DEBS := python3.11-doc wordnet-base wamerican
@@ -49,11 +60,11 @@ format: $(STAMP)
 	$(RUN)/ruff check --fix .
 
 # Full suite: lint, fast tier, Ray integration tier.
-test: lint test-deps
+test: lint test-deps s3-server
 	$(RUN)/pytest -q
 
 # Fast tier only (a few minutes): no Ray cluster, no slow tests.
-test-fast: lint
+test-fast: lint s3-server
 	$(RUN)/pytest -q -m "not ray and not slow"
 
 # Regenerate constraints.txt from the current venv (after a tested upgrade).

@@ -1,8 +1,20 @@
-"""Shared pytest fixtures (keep minimal)."""
+"""Shared pytest fixtures: a tiny tokenizer, a real multi-node Ray cluster, a real S3 server."""
 
-import pytest
+import os
+from pathlib import Path
 
-from raychat.tokenizer import Tokenizer
+# Ray reads RAY_AUTH_MODE once per process, when its C++ core loads: set it before anything imports Ray.
+# "token" is what Ray 2.60 picks anyway for a local ray.init(), and what the fixture cluster needs from a
+# driver in this process.
+os.environ["RAY_AUTH_MODE"] = "token"
+
+import pytest  # noqa: E402
+import ray  # noqa: E402
+from cluster import LocalCluster, short_temp_dir  # noqa: E402
+from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader  # noqa: E402
+from s3_server import CREDENTIALS, start_s3_server  # noqa: E402
+
+from raychat.tokenizer import Tokenizer  # noqa: E402
 
 _TEXT = """The quick brown fox jumps over the lazy dog. Hello there! How are you doing today?
 I am fine, thank you. What is 12 * 34? It is 408. Spell the word "apple": a-p-p-l-e.
@@ -12,8 +24,72 @@ def f(x):
 Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.
 """
 
+# The fixture cluster: a head with no CPUs (like the KubeRay head) and two workers with one CPU each and a
+# custom resource each, so a task or a Ray Train worker shows which node it ran on.
+CLUSTER_WORKERS = {"a": (1, {"node_a": 1}), "b": (1, {"node_b": 1})}
+
 
 @pytest.fixture(scope="session")
 def small_tokenizer() -> Tokenizer:
     """A byte-level BPE (vocabulary <= 512) trained in ~0.1 s on a few KB of mixed text."""
     return Tokenizer.train([_TEXT] * 20, vocab_size=512)
+
+
+def pytest_collection_modifyitems(items):
+    """Run the modules that use the fixture cluster last (in their usual order), so the session's cluster
+    starts once, late, and is not kept idle on the 2 cores while the other tests run."""
+    uses = {it.module.__name__ for it in items if "multinode_cluster" in it.fixturenames}
+    items.sort(key=lambda it: it.module.__name__ in uses)
+
+
+@pytest.fixture(scope="session")
+def multinode_cluster():
+    """A real 3-node Ray cluster (tests/cluster.py): head + workers "a" and "b" (CLUSTER_WORKERS), token auth
+    on, started once per session on first use and stopped at the end, also after a failure. The nodes hold
+    S3 credentials (what an instance role gives a real node); the endpoint travels with the filesystem."""
+    cluster = LocalCluster(short_temp_dir("rc"), extra_env=dict(CREDENTIALS))
+    try:
+        yield cluster.start(CLUSTER_WORKERS)
+    finally:
+        cluster.stop()
+
+
+def _set_env(values: dict) -> dict:
+    old = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    AuthenticationTokenLoader.instance().reset_cache()  # Ray caches the token it read last
+    return old
+
+
+@pytest.fixture(scope="module")
+def multinode_driver(multinode_cluster):
+    """This pytest process as a Ray driver of multinode_cluster (connected to the head node) for one module."""
+    old = _set_env({"RAY_AUTH_TOKEN": multinode_cluster.token, "RAY_ADDRESS": None})
+    try:
+        ray.init(address=multinode_cluster.gcs_address, log_to_driver=False)
+        yield multinode_cluster
+    finally:
+        ray.shutdown()
+        _set_env(old)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto's S3 server on a free loopback port for the session (tests/s3_server.py)."""
+    server = start_s3_server(Path(tmp_path_factory.mktemp("s3")) / "moto.log")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The AWS variables of s3_server set in this process for one test; yields the server."""
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    return s3_server

@@ -1,26 +1,23 @@
 """`raychat submit` / `raychat jobs`: unit tests of the pieces, then a real local Ray cluster with token auth.
 
-The integration tier starts its own `ray start --head --block` in a temp dir, on free loopback ports, with
-RAY_AUTH_MODE=token and a token of its own, in a new process group; teardown ends exactly that group.
+The integration tier starts its own head node (tests/cluster.py: `ray start --head --block`, free loopback
+ports, token auth with a token of its own, a process group of its own, everything stopped afterwards) from a
+PATH whose `python` is a bare Python without raychat's dependencies.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from cluster import LocalCluster, short_temp_dir
 
+from raychat.cli import main as raychat_main
 from raychat.ops import submit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,6 +31,9 @@ def test_entrypoint_for_stage_and_command(tmp_path):
     (tmp_path / "jobs" / "sft.py").write_text("")
     assert submit.entrypoint_for("sft", ["--depth", "4", "--tag", "a b"], tmp_path) == (
         "python jobs/sft.py --depth 4 --tag 'a b'"
+    )
+    assert submit.entrypoint_for("sft", [], tmp_path, python="/opt/ray py/bin/python") == (
+        "'/opt/ray py/bin/python' jobs/sft.py"
     )
     assert (
         submit.entrypoint_for("command", ["python", "-c", "print(42)"], tmp_path) == "python -c 'print(42)'"
@@ -102,76 +102,56 @@ def test_cli_parses_options_before_stage_and_passes_the_rest():
     )
 
 
+def test_missing_dependency_message_names_the_python_ray_runs(tmp_path):
+    """A real process tree like a job's: a process that has loaded Ray (the job supervisor) -> sh -c -> the
+    entrypoint. The entrypoint finds the supervisor's Python from the ray/_raylet.so it loaded."""
+    supervisor = "import subprocess, sys, ray._raylet; sys.exit(subprocess.run(['/bin/sh', '-c', sys.argv[1]]).returncode)"
+    code = "from raychat.ops.job_python import missing_dependency_message as m; print(m('pyarrow'))"
+    entrypoint = (
+        f"true && {sys.executable} -c {code!r}"  # `true &&`: sh stays in between, as with Ray's shell
+    )
+    env = dict(os.environ, RAY_JOB_CONFIG_JSON_ENV_VAR="{}")
+    r = subprocess.run(
+        [sys.executable, "-c", supervisor, entrypoint], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    ray_python = Path(sys.prefix) / "bin" / "python3"
+    assert r.stdout.strip() == (
+        f"this Python, {sys.executable} (Python {sys.version.split()[0]}), cannot import 'pyarrow', a dependency"
+        f" of raychat. This Ray job's `python` is not the Python the cluster runs Ray with (Ray itself runs "
+        f"{ray_python} there): resubmit with `raychat submit --python {ray_python} ...`, or start the "
+        "cluster's nodes with that Python's bin first on PATH (docs/deployment.md)"
+    )
+    from raychat.ops.job_python import missing_dependency_message
+
+    assert missing_dependency_message("torch").endswith(
+        "cannot import 'torch', a dependency of raychat: install raychat into it (pip install raychat) or run "
+        "raychat from its venv"
+    )  # not in a job: no Ray advice
+
+
 # ---------------------------------------------------------------- a real cluster with token auth
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-PORT_FLAGS = (
-    "port",
-    "dashboard-port",
-    "ray-client-server-port",
-    "node-manager-port",
-    "object-manager-port",
-    "metrics-export-port",
-    "dashboard-agent-listen-port",
-    "dashboard-agent-grpc-port",
-    "runtime-env-agent-port",
-)
-
-
 @pytest.fixture(scope="module")
-def token_cluster():
-    tmp = Path(tempfile.mkdtemp(prefix="rcsub"))
-    token = secrets.token_hex(16)
-    (tmp / "token").write_text(token + "\n")
-    ports = {flag: _free_port() for flag in PORT_FLAGS}
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_USAGE_STATS_ENABLED="0")
-    for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
-        env.pop(key, None)
-    ray_bin = Path(sys.executable).with_name("ray")
-    cmd = [
-        str(ray_bin), "start", "--head", "--block", "--num-cpus=1", "--num-gpus=0",
-        f"--temp-dir={tmp / 'ray'}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-        "--disable-usage-stats", *[f"--{flag}={port}" for flag, port in ports.items()],
-    ]  # fmt: skip
-    log = open(tmp / "ray-start.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{ports['dashboard-port']}"
-    deadline = time.monotonic() + 60
+def token_cluster(tmp_path_factory):
+    """A head node (tests/cluster.py) started as `.venv/bin/ray start` from a shell whose PATH finds a bare
+    Python first (a venv with the standard library only, like the machine's global Python): what a job's
+    `python` is on a head started without the venv on PATH. Ray itself runs this venv's Python."""
+    bare = tmp_path_factory.mktemp("bare") / "py"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    cluster = LocalCluster(short_temp_dir("rcsub"), head_cpus=1, path_prefix=[str(bare / "bin")])
     try:
-        while True:
-            try:
-                urllib.request.urlopen(url + "/api/version", timeout=2)
-                raise AssertionError("the dashboard answered without a token: token auth is not on")
-            except urllib.error.HTTPError as e:
-                assert e.code == 401, e
-                break
-            except (urllib.error.URLError, ConnectionError, OSError) as e:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(
-                        "ray start failed:\n" + (tmp / "ray-start.log").read_text()[-3000:]
-                    ) from e
-                time.sleep(0.5)
-        yield {"url": url, "token_file": tmp / "token", "tmp": tmp}
+        cluster.start(workers={})
+        yield {
+            "url": cluster.dashboard_url,
+            "token_file": cluster.token_file,
+            "tmp": cluster.root,
+            "bare_python": bare / "bin" / "python",
+            "cluster": cluster,
+        }
     finally:
-        # `ray start --block` cleans up on SIGTERM but takes ~30 s here; give it 5 s, then kill the group.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(10)
-        log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        cluster.stop()
 
 
 def _raychat(args: list[str], tmp: Path, **env_extra) -> subprocess.CompletedProcess:
@@ -216,3 +196,54 @@ def test_submit_follow_and_jobs_commands(token_cluster):
     r = _raychat(["jobs", "list", "--address", c["url"]], c["tmp"])
     assert r.returncode == 4, r.stdout + r.stderr
     assert "Unauthorized" in r.stderr or "authentication" in r.stderr.lower()
+
+
+def _job_statuses(c) -> dict[str, str]:
+    """submission id -> status, straight from the Jobs REST API the dashboard serves (GET /api/jobs/)."""
+    req = urllib.request.Request(
+        c["url"] + "/api/jobs/", headers={"Authorization": f"Bearer {c['token_file'].read_text().strip()}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return {j["submission_id"]: j["status"] for j in json.load(r)}
+
+
+@pytest.mark.ray
+def test_stage_job_names_the_python_it_needs_and_runs_with_python_flag(token_cluster, capsys):
+    """The head's PATH finds a bare Python: `python jobs/pretrain.py` cannot import raychat's dependencies and
+    the job says so in one line, naming the Python Ray runs; with --python that Python, the job succeeds.
+    `raychat submit` runs in this process here (the CLI in a subprocess is tested above)."""
+    c = token_cluster
+    conn = ["--address", c["url"], "--token-file", str(c["token_file"])]
+    ray_python = Path(sys.executable).parent / "python3"  # the shebang of .venv/bin/ray, so Ray's workers
+    assert Path(sys.executable).with_name("ray").read_text().splitlines()[0] == f"#!{ray_python}"
+
+    def submit_(*args: str) -> tuple[int, str, str]:
+        rc = raychat_main(["submit", *conn, *args])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    rc, out, err = submit_("--job-id", "rc-bare", "pretrain", "--help")
+    assert rc == 1, out + err
+    line = next(x for x in out.splitlines() if x.startswith("raychat: error:"))
+    assert line.startswith(f"raychat: error: this Python, {c['bare_python']} (Python ")
+    assert (
+        f"Ray itself runs {ray_python} there): resubmit with `raychat submit --python {ray_python} ...`"
+        in line
+    )
+    assert "Traceback" not in out
+
+    rc, out, err = submit_("--job-id", "rc-pinned", "--python", str(ray_python), "pretrain", "--help")
+    assert rc == 0, out + err
+    assert "usage: raychat pretrain" in out
+    assert f"submitted rc-pinned: {ray_python} jobs/pretrain.py --help" in err
+
+    rc, out, err = submit_("--job-id", "rc-nopy", "--python", "/no/such/python", "pretrain")
+    assert rc == 1, out + err
+    assert "the job's shell found no such command ('/no/such/python': exit 127)" in err
+
+    statuses = _job_statuses(c)
+    assert {k: statuses[k] for k in ("rc-bare", "rc-pinned", "rc-nopy")} == {
+        "rc-bare": "FAILED",
+        "rc-pinned": "SUCCEEDED",
+        "rc-nopy": "FAILED",
+    }

@@ -11,6 +11,8 @@ import importlib
 import os
 import sys
 
+from raychat.ops.job_python import missing_dependency_message
+
 COMMAND_MODULES = [
     "raychat.speedrun",
     "raychat.data.prepare",
@@ -48,7 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ModuleNotFoundError as e:  # a third-party dependency is missing from this Python
+        if not e.name or e.name.split(".")[0] == "raychat" or os.environ.get("RAYCHAT_DEBUG"):
+            raise
+        print(f"raychat: error: {missing_dependency_message(e.name)}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

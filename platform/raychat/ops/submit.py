@@ -13,6 +13,12 @@ The job's runtime_env: `working_dir` = the repository (without .venv, runs, .git
 platform/raychat (so the job imports the submitted code, not whatever raychat the cluster has installed),
 and either the cluster image's Python environment (default) or `pip` requirements (`--pip`, `--pip-project`).
 
+The job's Python: Ray runs the entrypoint through a shell on the driver's node (the head by default), so a
+plain `python` is whatever that node's PATH finds, which need not be the Python that runs Ray (see
+raychat.ops.job_python). `--python PATH` names it; when it lacks raychat's dependencies the job fails at
+once with one line naming the Python that Ray runs there, and a `python` that does not exist at all (exit
+127) gets the same advice from `submit`.
+
 Exit codes of `submit` and `jobs logs --follow`: 0 SUCCEEDED, 1 FAILED, 3 STOPPED, 4 cannot reach or
 authenticate to the cluster, 2 bad arguments; with --no-wait, 0 once the job is accepted.
 """
@@ -34,6 +40,7 @@ DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 WORKING_DIR_EXCLUDES = [".venv", "runs", ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache"]
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
 EXIT_UNREACHABLE = 4
+EXIT_COMMAND_NOT_FOUND = 127  # what the job's shell returns when the entrypoint's program does not exist
 
 
 def repo_root() -> Path:
@@ -87,8 +94,8 @@ def make_client(address: str | None = None, token_file: str | None = None):
     return JobSubmissionClient(resolve_address(address), headers=headers)
 
 
-def entrypoint_for(stage: str, stage_args: list[str], working_dir: Path) -> str:
-    """The shell command the job runs: `python jobs/<stage>.py <args>`, or the args themselves for `command`.
+def entrypoint_for(stage: str, stage_args: list[str], working_dir: Path, python: str = "python") -> str:
+    """The shell command the job runs: `<python> jobs/<stage>.py <args>`, or the args themselves for `command`.
 
     Raises ValueError for an unknown stage, an empty `command`, or a stage whose jobs/<stage>.py is missing."""
     if stage == "command":
@@ -100,7 +107,7 @@ def entrypoint_for(stage: str, stage_args: list[str], working_dir: Path) -> str:
     script = Path("jobs") / f"{stage}.py"
     if not (working_dir / script).is_file():
         raise ValueError(f"stage {stage!r}: {working_dir / script} does not exist")
-    return shlex.join(["python", script.as_posix(), *stage_args])
+    return shlex.join([python, script.as_posix(), *stage_args])
 
 
 def runtime_env_for(
@@ -177,7 +184,7 @@ def cmd_submit(args) -> int:
         stage_args = list(args.stage_args)
         if stage_args[:1] == ["--"]:
             stage_args = stage_args[1:]
-        entrypoint = entrypoint_for(args.stage, stage_args, working_dir)
+        entrypoint = entrypoint_for(args.stage, stage_args, working_dir, args.python)
         pip = list(args.pip or [])
         if args.pip_project:
             pip = project_requirements(working_dir) + pip
@@ -217,6 +224,12 @@ def cmd_submit(args) -> int:
         )
         return 130
     print(f"job {job_id} {status}", file=sys.stderr)
+    if status == "FAILED" and client.get_job_info(job_id).driver_exit_code == EXIT_COMMAND_NOT_FOUND:
+        print(
+            f"raychat submit: the job's shell found no such command ({entrypoint.split()[0]!r}: exit 127). "
+            "Pass --python with the cluster's Python (the one that runs Ray there), see docs/deployment.md",
+            file=sys.stderr,
+        )
     return EXIT_CODES.get(status, 1)
 
 
@@ -268,6 +281,13 @@ def add_cli(subparsers) -> None:
     )
     _add_connection_flags(p)
     p.add_argument("--working-dir", help="checkout to upload (default: this raychat checkout)")
+    p.add_argument(
+        "--python",
+        default="python",
+        help="the job's Python on the cluster for a stage (not for `command`): a command or absolute path "
+        "with raychat's dependencies, normally the Python that runs Ray there (default: `python` on the "
+        "head's PATH)",
+    )
     p.add_argument("--pip", action="append", help="pip requirement for the job's env (repeatable)")
     p.add_argument(
         "--pip-project",

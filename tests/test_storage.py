@@ -1,0 +1,185 @@
+"""raychat.storage: storage roots and the one checkpoint resolver, on local dirs and on a real S3 server (moto)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+
+from raychat import storage as st
+from raychat.storage import check_writable, open_storage, resolve_checkpoint
+
+RAY_TRAIN_NAMES = ("checkpoint_2026-12-01_08-00-00.000001", "checkpoint_2026-12-01_09-30-00.000002")
+
+
+def write_checkpoint(root: Path, step: int | None, model: bool = True) -> Path:
+    """A checkpoint dir: model.safetensors (bytes that name the step), meta.json (if step is not None), and a
+    rank's optimizer state. Only the files' presence and step matter to the resolver."""
+    root.mkdir(parents=True, exist_ok=True)
+    if model:
+        (root / "model.safetensors").write_bytes(f"weights of step {step}".encode() * 100)
+    if step is not None:
+        (root / "meta.json").write_text(json.dumps({"step": step, "kind": "pretrain"}))
+    (root / "optim_rank0.pt").write_bytes(b"o" * 10)
+    return root
+
+
+@pytest.fixture
+def runs(tmp_path) -> Path:
+    """<tmp>/runs/pre (RL-style names: steps 2 and 5 complete, 7 without weights), <tmp>/runs/sft (Ray Train
+    names, steps 10 then 20), <tmp>/runs/empty (a config file, a half-written checkpoint)."""
+    root = tmp_path / "runs"
+    write_checkpoint(root / "pre" / "checkpoint_000002", 2)
+    write_checkpoint(root / "pre" / "checkpoint_000005", 5)
+    write_checkpoint(root / "pre" / "checkpoint_000007", 7, model=False)
+    write_checkpoint(root / "sft" / RAY_TRAIN_NAMES[0], 10)
+    write_checkpoint(root / "sft" / RAY_TRAIN_NAMES[1], 20)
+    (root / "empty").mkdir()
+    (root / "empty" / "config.yaml").write_text("depth: 4\n")
+    write_checkpoint(root / "empty" / "checkpoint_000001", None)
+    return root
+
+
+# ---------------------------------------------------------------------------------------------- local
+
+
+def test_every_reference_form_resolves_to_the_newest_complete_checkpoint(runs, monkeypatch):
+    newest = runs / "pre" / "checkpoint_000005"  # 7 is newer but has no model.safetensors
+    assert resolve_checkpoint(runs / "pre") == newest
+    assert resolve_checkpoint(f"{runs}/pre/latest") == newest
+    assert resolve_checkpoint(f"{runs}/pre/") == newest
+    assert resolve_checkpoint("pre", storage=str(runs)) == newest
+    assert resolve_checkpoint("pre", storage=open_storage(runs)) == newest
+    assert resolve_checkpoint(f"file://{runs}/pre/latest") == newest
+    assert resolve_checkpoint(runs / "pre" / "checkpoint_000002") == runs / "pre" / "checkpoint_000002"
+    assert resolve_checkpoint(runs / "sft" / "latest") == runs / "sft" / RAY_TRAIN_NAMES[1]
+    monkeypatch.chdir(runs.parent)
+    assert resolve_checkpoint("runs/pre/latest") == newest  # relative paths are relative to the cwd
+
+
+def test_newest_is_the_highest_step_not_the_last_name(tmp_path):
+    # a run resumed with a new naming scheme: the step in meta.json decides
+    write_checkpoint(tmp_path / "r" / "checkpoint_000009", 30)
+    write_checkpoint(tmp_path / "r" / "checkpoint_000010", 12)
+    assert resolve_checkpoint(tmp_path / "r" / "latest").name == "checkpoint_000009"
+
+
+def test_bad_references_fail_in_one_line_naming_the_flag_and_what_exists(runs):
+    cases = [
+        (f"{runs}/empty/latest", f"--checkpoint: {runs}/empty has no complete checkpoint ({runs}/empty holds: "
+         "checkpoint_000001 (incomplete)/, config.yaml)"),
+        (f"{runs}/nope/latest", f"--checkpoint: {runs}/nope does not exist ({runs} holds: empty/, pre/, sft/)"),
+        (f"{runs}/pre/checkpoint_000007", f"--checkpoint: checkpoint {runs}/pre/checkpoint_000007 is "
+         "incomplete (no model.safetensors)"),
+        (f"{runs}/empty/config.yaml", f"--checkpoint: {runs}/empty/config.yaml is a file; give a checkpoint "
+         "dir, a run dir or <run dir>/latest"),
+        ("", "--checkpoint: empty; give a checkpoint dir, a run dir, <run dir>/latest or a run name"),
+        ("hdfs://nn/runs/pre", "--checkpoint: scheme hdfs:// of 'hdfs://nn/runs/pre' is not supported; use a "
+         "directory, s3:// or gs://"),
+    ]  # fmt: skip
+    for ref, message in cases:
+        with pytest.raises(ValueError) as e:
+            resolve_checkpoint(ref)
+        assert str(e.value) == message
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=rf"^--init-from: {runs}/zzz does not exist \({runs} holds: empty/"):
+        resolve_checkpoint("zzz", storage=str(runs), flag="--init-from")
+
+
+def test_local_storage_root_is_created_and_checked_for_writing(tmp_path):
+    root = open_storage(tmp_path / "a" / "runs")
+    assert (root.uri, root.is_local, root.run_path("r1")) == (
+        str(tmp_path / "a" / "runs"),
+        True,
+        str(tmp_path / "a" / "runs" / "r1"),
+    )
+    assert root.ray_train_storage() == {"storage_path": str(tmp_path / "a" / "runs")}
+    check_writable(root)
+    assert list((tmp_path / "a" / "runs").iterdir()) == []  # the probe file is gone again
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=rf"^--storage-path: {tmp_path}/file/runs is not writable: "):
+        check_writable(open_storage(tmp_path / "file" / "runs"))  # root may write anywhere: a file blocks it
+    with pytest.raises(ValueError, match="^--out: empty"):
+        open_storage("  ", flag="--out")
+
+
+# ---------------------------------------------------------------------------------------------- S3 (moto)
+
+
+def _upload(local: Path, fs: pafs.FileSystem, dest: str) -> None:
+    pafs.copy_files(str(local), dest, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+
+def test_s3_root_resolves_downloads_once_and_never_uses_a_half_download(runs, s3_env, tmp_path, monkeypatch):
+    bucket = s3_env.make_bucket()
+    fs = s3_env.filesystem()
+    _upload(runs, fs, f"{bucket}/runs")
+    root = open_storage(f"s3://{bucket}/runs/")
+    assert (root.uri, root.path, root.is_local) == (f"s3://{bucket}/runs", f"{bucket}/runs", False)
+    check_writable(root)
+    assert root.ray_train_storage()["storage_path"] == f"{bucket}/runs"  # Ray Train: no scheme with a fs
+    cache = tmp_path / "cache"
+
+    got = resolve_checkpoint(f"s3://{bucket}/runs/pre/latest", cache_dir=cache)
+    assert got.parent == cache and got.name.endswith("-checkpoint_000005")
+    src = runs / "pre" / "checkpoint_000005"
+    assert {p.name: p.read_bytes() for p in got.iterdir()} == {p.name: p.read_bytes() for p in src.iterdir()}
+    assert resolve_checkpoint("pre", storage=root, cache_dir=cache) == got
+    stamp = (got / "model.safetensors").stat().st_mtime_ns
+    assert resolve_checkpoint(f"s3://{bucket}/runs/pre", cache_dir=cache) == got  # cached: not fetched again
+    assert (got / "model.safetensors").stat().st_mtime_ns == stamp
+
+    # A download that breaks half-way leaves nothing under the final name; a cached copy with the wrong
+    # files (an earlier half download, a changed checkpoint) is replaced.
+    (got / "meta.json").unlink()
+    real_copy = st.pafs.copy_files
+
+    def broken_copy(src, dst, **kw):
+        real_copy(src, dst, **kw)
+        Path(dst, "model.safetensors").unlink()
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(st.pafs, "copy_files", broken_copy)
+    with pytest.raises(OSError, match="connection reset"):
+        resolve_checkpoint(f"s3://{bucket}/runs/pre/latest", cache_dir=cache)
+    assert sorted(p.name for p in cache.iterdir()) == [got.name]  # no temporary dir left behind
+    monkeypatch.setattr(st.pafs, "copy_files", real_copy)
+    again = resolve_checkpoint(f"s3://{bucket}/runs/pre/latest", cache_dir=cache)
+    assert again == got and (again / "meta.json").read_text() == (src / "meta.json").read_text()
+
+    # a newer checkpoint appears in the bucket: latest follows it
+    write_checkpoint(tmp_path / "new" / "checkpoint_000008", 8)
+    _upload(tmp_path / "new", fs, f"{bucket}/runs/pre")
+    assert resolve_checkpoint(f"s3://{bucket}/runs/pre/latest", cache_dir=cache).name.endswith("_000008")
+
+
+def test_s3_bad_input_names_the_flag(runs, s3_env, tmp_path):
+    bucket = s3_env.make_bucket()
+    _upload(runs, s3_env.filesystem(), f"{bucket}/runs")
+    with pytest.raises(ValueError) as e:
+        resolve_checkpoint(f"s3://{bucket}/runs/empty/latest", cache_dir=tmp_path / "cache")
+    assert str(e.value) == (
+        f"--checkpoint: s3://{bucket}/runs/empty has no complete checkpoint (s3://{bucket}/runs/empty holds: "
+        "checkpoint_000001 (incomplete)/, config.yaml)"
+    )
+    with pytest.raises(ValueError) as e:
+        resolve_checkpoint("nope", storage=f"s3://{bucket}/runs", cache_dir=tmp_path / "cache")
+    assert str(e.value) == (
+        f"--checkpoint: s3://{bucket}/runs/nope does not exist (s3://{bucket}/runs holds: empty/, pre/, sft/)"
+    )
+    missing = open_storage("s3://no-such-bucket-raychat/runs")
+    with pytest.raises(ValueError) as e:
+        check_writable(missing)
+    assert str(e.value) == (
+        "--storage-path: s3://no-such-bucket-raychat/runs is not writable: bucket 'no-such-bucket-raychat' "
+        "does not exist"
+    )
+    with pytest.raises(ValueError) as e:
+        resolve_checkpoint("s3://no-such-bucket-raychat/runs/pre/latest", cache_dir=tmp_path / "cache")
+    assert str(e.value) == (
+        "--checkpoint: s3://no-such-bucket-raychat/runs/pre does not exist (bucket 'no-such-bucket-raychat' "
+        "does not exist)"
+    )
+    assert not (tmp_path / "cache").exists()  # nothing was downloaded
