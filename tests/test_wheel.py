@@ -111,11 +111,6 @@ def test_pretrain_dry_run_from_the_wheel(installed, vocab):
     assert f"parameters: {params:,} ({params - vocab * 256:,} without the embedding)" in r.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="waits for h11 (issue 11): the presets move into the package (importlib.resources); until then an "
-    "installed raychat finds none. On merge, remove this marker.",
-)
 def test_preset_from_the_wheel(installed, vocab):
     names = zipfile.ZipFile(installed["wheel"]).namelist()
     assert any(n.startswith("raychat/") and n.endswith("/cpu.yaml") for n in names), (
