@@ -25,15 +25,16 @@ WORDS = "alpha beta gamma delta river stone light cloud tree bird wind fire wate
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    import sys
-    print("DEBUG before shutdown", file=sys.__stderr__, flush=True)
-    ray.shutdown()
-    print("DEBUG after shutdown", file=sys.__stderr__, flush=True)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def make_data(root, docs, num_shards, tokenizer=None, row_group_size=16):
-    entries = write_shards(docs, root, num_shards=num_shards, row_group_size=row_group_size, log=lambda *_: None)
+    entries = write_shards(
+        docs, root, num_shards=num_shards, row_group_size=row_group_size, log=lambda *_: None
+    )
     write_manifest(root, {"source": "test", "shards": entries})
     tok = tokenizer or Tokenizer.train(docs, vocab_size=300)
     tok.save(root / "tok")
@@ -67,18 +68,23 @@ OPEN = []  # every row source a test made: closed after the test, before Ray shu
 @pytest.fixture(autouse=True)
 def close_sources():
     yield
-    import sys
-    print("DEBUG closing", len(OPEN), file=sys.__stderr__, flush=True)
     while OPEN:
         OPEN.pop().close()
-    print("DEBUG closed", file=sys.__stderr__, flush=True)
 
 
 def rows_source(data, rank, world, row_len=33, overflow="split"):
     root, _ = data
     train_files, _ = list_shards(root)
     source = PretrainRows(
-        train_files, root / "tok", row_len, rank, world, buffer_size=8, num_cpus=0.25, seed=4, overflow=overflow
+        train_files,
+        root / "tok",
+        row_len,
+        rank,
+        world,
+        buffer_size=8,
+        num_cpus=0.25,
+        seed=4,
+        overflow=overflow,
     )
     OPEN.append(source)
     return source
@@ -178,7 +184,13 @@ def test_replay_records_rebuild_after_a_two_to_one_resume(ray_cluster, data7, tm
     root, tok = data7
     cfg = from_dict(
         TrainConfig,
-        {"seed": 4, "seq_len": 32, "data_dir": str(root), "tokenizer_path": str(root / "tok"), "overflow": "split"},
+        {
+            "seed": 4,
+            "seq_len": 32,
+            "data_dir": str(root),
+            "tokenizer_path": str(root / "tok"),
+            "overflow": "split",
+        },
     )
     run = [rows_source(data7, r, 2) for r in range(2)]
     meta = replay_meta(cfg, tok.version, tok.bos_id, run[0].fingerprint())

@@ -30,9 +30,8 @@ class Plan:
     tokens: int
     tokens_per_param: float
     total_flops: float
-    auto_batch_size: int = (
-        0  # the power-law batch before rounding to a multiple of a micro-step (0: explicit)
-    )
+    # the power-law batch before it was rounded to whole micro-steps (0: --total-batch-size was given)
+    auto_batch_size: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
