@@ -226,12 +226,13 @@ def sum_stats(stats: Sequence[dict]) -> dict:
 
 
 def validation_rows(val_file: str, tokenizer: Tokenizer, seq_len: int, buffer_size: int, num_tokens: int,
-                    world_size: int) -> dict[str, np.ndarray]:  # fmt: skip
-    """{"input_ids": (N, seq_len + 1)}: the validation shard's documents best-fit packed (crop, so the rows
-    are the same whatever the training overflow policy), the first N = max(world_size, num_tokens // seq_len
-    // world_size * world_size) rows (the same at every evaluation)."""
+                    world_size: int, overflow: str = "crop") -> dict[str, np.ndarray]:  # fmt: skip
+    """{"input_ids": (N, seq_len + 1)}: the validation shard's documents best-fit packed, the first
+    N = max(world_size, num_tokens // seq_len // world_size * world_size) rows (the same at every evaluation).
+    overflow: "crop" (the trainer's: the same rows whatever the training policy; long documents are seen
+    from their beginning only) or "split" (every token of the documents, bench/packing_overflow.py)."""
     texts = pq.read_table(val_file, columns=["text"]).column("text").to_pylist()
     docs = iter(tokenizer.encode_batch(texts, prepend_bos=True))
-    packer = BestFitPacker(lambda: next(docs, None), seq_len + 1, buffer_size)
+    packer = BestFitPacker(lambda: next(docs, None), seq_len + 1, buffer_size, overflow)
     n = max(world_size, num_tokens // seq_len // world_size * world_size)
     return {"input_ids": np.stack([r for _, r in zip(range(n), packer)])}
