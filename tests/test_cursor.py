@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from raychat.data.cursor import Deal, RankCursor, epoch_permutation, redeal
+from raychat.data.cursor import Deal, RankCursor, epoch_permutation, redeal, sum_stats, whole_world
 from raychat.data.packing import BestFitPacker, Piece, piece_tokens
 
 BOS = -1
@@ -41,6 +41,18 @@ def test_redeal_refuses_an_incomplete_world_and_duplicates():
         redeal(Deal(2), [1], [[]], world=1)
     with pytest.raises(ValueError, match="twice"):
         redeal(Deal(2), [1, 1], [[(0, 0)], [(0, 0)]], world=1)
+
+
+def test_whole_world_wants_every_rank_of_one_deal_in_order():
+    d = Deal(2, 4)
+    assert whole_world([d, d], [0, 1]) == d
+    with pytest.raises(ValueError, match="ranks 0..1 of one world"):
+        whole_world([d, d], [1, 0])
+    with pytest.raises(ValueError, match="ranks 0..1 of one world"):
+        whole_world([d, Deal(2, 6)], [0, 1])  # two checkpoints' states mixed
+    with pytest.raises(ValueError, match="ranks 0..1 of one world"):
+        whole_world([d], [0])  # a rank missing
+    assert sum_stats([{"rows": 2, "placed": 10}, {"rows": 3, "placed": 7}]) == {"rows": 5, "placed": 17}
 
 
 def test_cursor_refuses_an_out_of_order_stream():

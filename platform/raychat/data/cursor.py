@@ -106,6 +106,25 @@ def redeal(deal: Deal, taken: Sequence[int], buffers: Sequence[Sequence[Ref]], w
     return Deal(world, frontier, tuple(sorted((int(g), int(o)) for g, o in refs)))
 
 
+def whole_world(deals: Sequence[Deal], ranks: Sequence[int]) -> Deal:
+    """The deal of the old world whose ranks' states gave `deals` and `ranks` (one entry per state).
+
+    Raises:
+        ValueError: the states are not those of ranks 0..W-1 of one world, in rank order.
+    """
+    deal = deals[0]
+    if list(ranks) != list(range(deal.world)) or any(d != deal for d in deals):
+        raise ValueError(
+            f"need the data states of ranks 0..{deal.world - 1} of one world, in order; got ranks {list(ranks)}"
+        )
+    return deal
+
+
+def sum_stats(stats: Sequence[Mapping]) -> dict:
+    """Counters of several ranks added up (the new rank 0 keeps the run's totals after a re-deal)."""
+    return {k: sum(s[k] for s in stats) for k in stats[0]} if stats else {}
+
+
 class RankCursor:
     """One rank's position in a deal: its share's next element is deal.share(rank, taken, 1)[0]."""
 

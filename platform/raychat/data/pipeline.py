@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import ray
 
-from raychat.data.cursor import Deal, RankCursor, Ref, redeal
+from raychat.data.cursor import Deal, RankCursor, Ref, redeal, sum_stats, whole_world
 from raychat.data.document_order import DocumentOrder
 from raychat.data.packing import BestFitPacker, Piece, piece_tokens
 from raychat.tokenizer import Tokenizer
@@ -174,11 +174,7 @@ class PretrainRows:
         Raises:
             ValueError: the states were made on other shards or another seed, or are not one whole world.
         """
-        deal = self._check(states[0])
-        if [s["rank"] for s in states] != list(range(deal.world)) or any(
-            self._check(s) != deal for s in states
-        ):
-            raise ValueError(f"need the data states of ranks 0..{deal.world - 1} of one world, in order")
+        deal = whole_world([self._check(s) for s in states], [s["rank"] for s in states])
         if deal.world == self.world:
             self._restore(states[self.rank])
             return
@@ -218,11 +214,6 @@ class PretrainRows:
         if self._pieces is not None:
             self._pieces.close()
             self._pieces = None
-
-
-def sum_stats(stats: Sequence[dict]) -> dict:
-    """Counters of several ranks added up (the new rank 0 keeps the run's totals after a re-deal)."""
-    return {k: sum(s[k] for s in stats) for k in stats[0]} if stats else {}
 
 
 def validation_rows(val_file: str, tokenizer: Tokenizer, seq_len: int, buffer_size: int, num_tokens: int,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from raychat.data.cursor import Deal, RankCursor, epoch_permutation, redeal
+from raychat.data.cursor import Deal, RankCursor, epoch_permutation, redeal, sum_stats, whole_world
 from raychat.data.sample_packing import PackItem, SamplePacker, SampleStats, render_samples
 from raychat.tasks import Task, TaskMixture
 from raychat.tokenizer import Tokenizer
@@ -116,18 +116,14 @@ class SFTRows:
         Raises:
             ValueError: the states were made with another mixture or row length, or are not one whole world.
         """
-        deal = self._check(states[0])
-        if [s["rank"] for s in states] != list(range(deal.world)) or any(
-            self._check(s) != deal for s in states
-        ):
-            raise ValueError(f"need the data states of ranks 0..{deal.world - 1} of one world, in order")
+        deal = whole_world([self._check(s) for s in states], [s["rank"] for s in states])
         if deal.world == self.world:
             self._restore(states[self.rank])
             return
         buffers = [[(int(g), 0) for g in s["packer"]["buffer"]] for s in states]
         self.cursor = RankCursor(redeal(deal, [s["taken"] for s in states], buffers, self.world), self.rank)
-        stats = {k: sum(s["packer"]["stats"][k] for s in states) for k in states[0]["packer"]["stats"]}
-        empty = {"buffer": [], "stats": stats if self.rank == 0 else {}, "exhausted": False}
+        stats = sum_stats([s["packer"]["stats"] for s in states]) if self.rank == 0 else {}
+        empty = {"buffer": [], "stats": stats, "exhausted": False}
         self.packer.load_state_dict(empty, [])
 
     def load_state_dict(self, state: dict) -> None:
