@@ -17,3 +17,11 @@ Natalia sold clips to 48 of her friends in April, and then she sold half as many
 def small_tokenizer() -> Tokenizer:
     """A byte-level BPE (vocabulary <= 512) trained in ~0.1 s on a few KB of mixed text."""
     return Tokenizer.train([_TEXT] * 20, vocab_size=512)
+
+
+@pytest.fixture(scope="session")
+def tool_checkpoint(tmp_path_factory):
+    """A checkpoint of tests/tool_model.py's tiny GPT, which calls the calculator (trained once a session)."""
+    from tool_model import write_tool_checkpoint
+
+    return write_tool_checkpoint(tmp_path_factory.mktemp("tool-model"))

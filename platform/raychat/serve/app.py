@@ -18,7 +18,9 @@ handle stream (DeploymentResponseGenerator.cancel) and the replica's generator f
                               1 = every token; bench/results/serve_load.md measures the trade-off)
   engine_process=true         run the model and Scheduler in a child process of the replica
                               (raychat.engine.process), off the GIL of the replica's event loop
-  num_cpus=1                  CPUs each ChatServer replica reserves; num_gpus=0 likewise
+  num_cpus=1                  CPUs each ChatServer replica reserves
+  num_gpus=0                  GPUs each ChatServer replica reserves; > 0 puts its model on "cuda"
+                              (device_for); `raychat serve --num-gpus N`
   torch_threads=None          torch intra-op threads per replica (default: the CPUs it reserved, >= 1)
   min_replicas=1, max_replicas=1, target_ongoing_requests=4  autoscaling of ChatServer
   upscale_delay_s=30, downscale_delay_s=600, look_back_period_s=30   (how often replicas and handles
@@ -37,11 +39,17 @@ import contextlib
 import os
 
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve import Application
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from raychat.serve.api import MAX_BODY_BYTES
+from raychat.serve.errors import EngineUnavailableError
 from raychat.serve.ingress import create_app
 from raychat.serve.server import merge_deltas
+
+# what a handle raises when no ChatServer replica can take (or finish) a request: 503, retry later
+UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)
 
 SERVER_DEPLOYMENT = "ChatServer"
 INGRESS_DEPLOYMENT = "ChatIngress"
@@ -114,6 +122,9 @@ def parse_args(args: dict) -> dict:
         except (TypeError, ValueError):
             kind = "an integer" if key in _INTS else "a number"
             raise ValueError(f"{key} must be {kind}, got {out[key]!r}") from None
+    for key in ("num_cpus", "num_gpus", "ingress_num_cpus"):
+        if out[key] < 0:
+            raise ValueError(f"{key} must be >= 0, got {out[key]}")
     for key in ("max_slots", "stream_interval", "max_ongoing_requests", "torch_threads"):
         if out[key] is not None and out[key] < 1:
             raise ValueError(f"{key} must be >= 1, got {out[key]}")
@@ -226,6 +237,8 @@ class HandleClient:
         return await self.handle.stats.remote()
 
     async def generate(self, request: dict):
+        """The replica's events; a replica that died or no replica to take the request raises
+        EngineUnavailableError (the ingress answers 503, or an error event once streaming)."""
         gen = self.handle.options(stream=True).generate.remote(request)
         finished = False
         try:
@@ -233,6 +246,9 @@ class HandleClient:
                 for event in batch:
                     yield event
             finished = True
+        except UNAVAILABLE as e:
+            finished = True
+            raise EngineUnavailableError(f"{type(e).__name__}: {e}") from e
         finally:
             if not finished:
                 gen.cancel()  # client left or the consumer stopped early: cancel the replica's generator
@@ -249,6 +265,12 @@ class ChatIngress:
 
     def __serve_build_asgi_app__(self):
         return create_app(self.client, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
+
+
+def device_for(num_gpus: float) -> str:
+    """The torch device of a replica that reserves `num_gpus` GPUs: "cuda" (Ray sets CUDA_VISIBLE_DEVICES to
+    its GPUs, so "cuda" is the first of them) for any GPU, else "cpu"."""
+    return "cuda" if num_gpus > 0 else "cpu"
 
 
 def build_app(args: dict) -> Application:
@@ -282,7 +304,7 @@ def build_app(args: dict) -> Application:
         a["engine_process"],
         a["torch_threads"],
         a["model_id"],
-        "cuda" if a["num_gpus"] > 0 else "cpu",
+        device_for(a["num_gpus"]),
     )
     return ChatIngress.options(
         ray_actor_options={"num_cpus": a["ingress_num_cpus"]},

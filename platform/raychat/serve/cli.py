@@ -31,12 +31,19 @@ def start(
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     if local:  # a cluster of this machine only never grows: refuse what would wait forever for CPUs
         a = parse_args(args)
-        need = max(1, a["min_replicas"]) * a["num_cpus"] + a["ingress_num_cpus"]
+        replicas = max(1, a["min_replicas"])
+        need = replicas * a["num_cpus"] + a["ingress_num_cpus"]
         have = ray.cluster_resources().get("CPU", 0)
-        if need > have:
+        gpus_needed, gpus = replicas * a["num_gpus"], ray.cluster_resources().get("GPU", 0)
+        if need > have or gpus_needed > gpus:
             ray.shutdown()
+            if gpus_needed > gpus:
+                raise ValueError(
+                    f"{replicas} engine replica(s) x --num-gpus {a['num_gpus']} = {gpus_needed} GPUs, but this "
+                    f"machine's Ray cluster has {gpus:g}; lower --num-gpus (0 = CPU) or --min-replicas"
+                )
             raise ValueError(
-                f"{max(1, a['min_replicas'])} engine replica(s) x --num-cpus {a['num_cpus']} + the ingress' "
+                f"{replicas} engine replica(s) x --num-cpus {a['num_cpus']} + the ingress' "
                 f"{a['ingress_num_cpus']} CPU = {need} CPUs, but this machine's Ray cluster has {have}; "
                 "lower --min-replicas or --num-cpus"
             )
@@ -68,6 +75,7 @@ def main(args: argparse.Namespace) -> int:
         min_replicas=args.min_replicas,
         max_replicas=args.replicas,
         num_cpus=args.num_cpus,
+        num_gpus=args.num_gpus,
         api_key=args.api_key,
     )
     print(f"raychat is serving {args.checkpoint}")
@@ -129,6 +137,12 @@ def add_cli(subparsers) -> None:
         help="run each replica's model in a child process, off its event loop's GIL (default: on)",
     )
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs each engine replica reserves")
+    p.add_argument(
+        "--num-gpus",
+        type=float,
+        default=0.0,
+        help="GPUs each engine replica reserves; > 0 loads its model on the GPU (default: 0, CPU)",
+    )
     p.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env RAYCHAT_API_KEY)"
     )
