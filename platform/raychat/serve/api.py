@@ -31,7 +31,7 @@ characters written as JSON \\u escapes of UTF-16 surrogate pairs take 6 bytes pe
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -275,7 +275,7 @@ class ChatRequest(_Strict):
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: Annotated[list[Tool], Field(max_length=1)] | None = None
-    tool_choice: Any = None
+    tool_choice: Literal["auto"] | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
     user: Id | None = None
@@ -286,18 +286,19 @@ class ChatRequest(_Strict):
     metadata: Annotated[dict[StrictStr, StrictStr], Field(max_length=16)] | None = None
     store: Literal[False] | None = None
     service_tier: Literal["auto", "default"] | None = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
-    functions: Any = None
-    function_call: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    web_search_options: Any = None
-    moderation: Any = None
+    # refused: the schema admits only the values that change nothing (REFUSED)
+    frequency_penalty: Literal[0] | None = None
+    presence_penalty: Literal[0] | None = None
+    logit_bias: Annotated[dict[StrictStr, Number], Field(max_length=0)] | None = None
+    functions: Annotated[list[dict], Field(max_length=0)] | None = None
+    function_call: Literal["none"] | None = None
+    audio: None = None
+    modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
+    prediction: None = None
+    reasoning_effort: None = None
+    verbosity: None = None
+    web_search_options: None = None
+    moderation: None = None
 
     @field_validator("messages")
     @classmethod
@@ -340,7 +341,7 @@ class ChatRequest(_Strict):
             raise ValueError("needs logprobs: true")
         return value
 
-    @field_validator("tool_choice")
+    @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice(cls, choice, info: ValidationInfo):
         if choice is None:
@@ -351,7 +352,7 @@ class ChatRequest(_Strict):
             raise ValueError(f"only 'auto' is supported (the model decides when to call), got {choice!r}")
         return choice
 
-    @field_validator(*REFUSED)
+    @field_validator(*REFUSED, mode="before")
     @classmethod
     def _refused(cls, value, info: ValidationInfo):
         allowed = REFUSED[info.field_name]
