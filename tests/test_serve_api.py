@@ -164,6 +164,10 @@ BOUNDS = [
     ({"response_format": {"type": "json_object"}}, "response_format.type", "only 'text' is supported"),
     # accepted, no effect on the reply
     ({"user": "u1", "safety_identifier": "s", "prompt_cache_key": "k", "prompt_cache_retention": "24h", "metadata": {"a": "b"}, "store": False, "service_tier": "auto"}, None, None),
+    ({"user": "u" * 256}, None, None),
+    ({"user": "u" * 257}, "user", "at most 256 characters"),
+    ({"messages": [*USER, {"role": "assistant", "content": "a", "tool_calls": [call(call_id=f"c{i}", offset=1) for i in range(16)]}, *USER]}, None, None),
+    ({"messages": [*USER, {"role": "assistant", "content": "a", "tool_calls": [call(call_id=f"c{i}", offset=1) for i in range(17)]}, *USER]}, "messages[1].tool_calls", "at most 16 items"),
     ({"store": True}, "store", "False"),
     ({"service_tier": "flex"}, "service_tier", "'auto' or 'default'"),
     ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16 items"),

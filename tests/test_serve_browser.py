@@ -177,7 +177,10 @@ def test_calculator_call_shows_as_a_block_and_goes_back_as_history(calculator_se
     el = lambda css: browser.find_element(By.CSS_SELECTOR, css)  # noqa: E731
     el("#temperature").clear()
     el("#temperature").send_keys("0")
-    for question, expression, output in (("What is 47 * 12?", "47 * 12", "564"), ("And 5 + 6?", "5 + 6", "11")):
+    for question, expression, output in (
+        ("What is 47 * 12?", "47 * 12", "564"),
+        ("And 5 + 6?", "5 + 6", "11"),
+    ):
         el("#input").send_keys(question)
         el("#send").click()
         wait_for(lambda: el("#status").text.startswith("stop"), what="the reply to finish")

@@ -6,8 +6,10 @@ worked out in-process with the same weights."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -222,3 +224,22 @@ def test_schemathesis_fuzzing(served, mode):
     assert stats["free_rows"] == stats["max_slots"]
     reply = httpx.post(f"{served.url}/v1/chat/completions", json={"messages": STORY, "temperature": 0, "max_tokens": 5}, timeout=60)  # fmt: skip
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+
+
+def test_readme_tool_call_example_runs_as_written(served):
+    """README's "A calculator call, as an OpenAI client receives it": its command (the server's address and
+    the interpreter substituted) prints the JSON shown below it, up to the call's random id."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### A calculator call, as an OpenAI client receives it") :]
+    command = section[section.index("```bash\n") + 8 : section.index("\n```\n")]
+    shown = section[section.index("```json\n") + 8 :]
+    shown = json.loads(shown[: shown.index("\n```")])
+    command = command.replace("RAYCHAT_URL=http://127.0.0.1:8000", f"RAYCHAT_URL={served.url}")
+    command = command.replace(".venv/bin/python", sys.executable)
+    run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    printed = json.loads(run.stdout)
+    call_id = printed["tool_calls"][0]["id"]
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call_id)
+    shown["tool_calls"][0]["id"] = call_id
+    assert printed == shown

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import textwrap
 
 import torch
 

@@ -205,12 +205,14 @@ class ChatServerDeployment:
 
     def stats(self) -> dict:
         """ChatServer.stats plus rss_bytes: resident memory of this replica process and its children (the
-        engine process, which holds the model and KV cache)."""
+        engine process, which holds the model and KV cache), and child_pids: their process ids (an engine
+        process that restarted has a new one)."""
         import psutil
 
         me = psutil.Process()
-        rss = me.memory_info().rss + sum(c.memory_info().rss for c in me.children(recursive=True))
-        return {**self.engine.stats(), "rss_bytes": rss}
+        children = me.children(recursive=True)
+        rss = me.memory_info().rss + sum(c.memory_info().rss for c in children)
+        return {**self.engine.stats(), "rss_bytes": rss, "child_pids": sorted(c.pid for c in children)}
 
     def check_health(self) -> None:
         """Serve's health check: the scheduler (thread or engine process) must be running or restarting."""

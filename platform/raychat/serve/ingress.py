@@ -155,26 +155,29 @@ def _stream_error(event: dict) -> bytes:
 
 
 async def _open(engine, requests: list[dict]) -> tuple[list, list[dict]]:
-    """Open one engine stream per request and wait for each first event, so that a rejection becomes an
-    HTTP error status instead of an event inside a 200 stream. Returns (streams, first events); when any
-    first event is an error, or opening raises, every stream is closed and the result is ([], [error])."""
-    streams, firsts = [], []
+    """Open one engine stream per request (the n choices, submitted together) and wait for each first event,
+    so that a rejection becomes an HTTP error status instead of an event inside a 200 stream. Returns
+    (streams, first events); when a first event is an error, or opening raises, every stream is closed and the
+    result is ([], [that error])."""
+    streams: list = []
+    no_event = {"type": "error", "status": 500, "message": NO_FINAL_EVENT}
     try:
-        for request in requests:
-            streams.append(engine.generate(request))
-            firsts.append(
-                await anext(streams[-1], {"type": "error", "status": 500, "message": NO_FINAL_EVENT})
-            )
-            if firsts[-1]["type"] == "error":
-                break
-    except Exception as e:  # noqa: BLE001 - answered in the error shape
-        firsts.append(_exception_event(e))
-    except BaseException:
+        streams = [engine.generate(request) for request in requests]
+        firsts = await asyncio.gather(*(anext(s, no_event) for s in streams), return_exceptions=True)
+    except Exception as e:  # noqa: BLE001 - generate() itself raised: answered in the error shape
+        firsts = [e]
+    except BaseException:  # cancelled (the client left): nothing to answer
         await _close(streams)
         raise
-    if firsts[-1]["type"] == "error":
+    for first in firsts:
+        if isinstance(first, BaseException) and not isinstance(first, Exception):
+            await _close(streams)
+            raise first
+    firsts = [_exception_event(f) if isinstance(f, Exception) else f for f in firsts]
+    failed = [f for f in firsts if f["type"] == "error"]
+    if failed:
         await _close(streams)
-        return [], [firsts[-1]]
+        return [], failed[:1]
     return streams, firsts
 
 
