@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from engine_fixtures import byte_tokenizer
 
-from raychat.chat.turn import TurnParser, turn_parts
+from raychat.chat.turn import TurnParser, merge_text, turn_parts
 from raychat.chat_template import render_conversation
 from raychat.engine.detokenize import StreamDecoder
 
@@ -35,17 +35,7 @@ def stream(ids, stop=(), per_event=1):
         parts, kinds, released = parts + new, kinds + k, released + text
         if decoder.stopped:
             break
-    return merge(parts + parser.finish()), kinds, released
-
-
-def merge(parts):
-    out = []
-    for kind, text in parts:
-        if kind == "text" and out and out[-1][0] == "text":
-            out[-1] = ("text", out[-1][1] + text)
-        elif kind != "text" or text:
-            out.append((kind, text))
-    return out
+    return merge_text(parts + parser.finish()), kinds, released
 
 
 def test_turn_parts_invert_the_template():

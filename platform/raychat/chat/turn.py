@@ -163,10 +163,11 @@ def turn_parts(tokenizer, completion_tokens: Iterable[int]) -> list[tuple[str, s
     """Every part of a finished completion (all of it released), e.g. for `raychat chat`'s history."""
     parser = TurnParser(tokenizer)
     parts, _ = parser.push(completion_tokens, None)
-    return _merge_text(parts + parser.finish())
+    return merge_text(parts + parser.finish())
 
 
-def _merge_text(parts: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def merge_text(parts: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """`parts` with runs of text parts joined into one and empty text parts dropped."""
     out: list[tuple[str, str]] = []
     for kind, text in parts:
         if kind == "text" and out and out[-1][0] == "text":

@@ -78,6 +78,11 @@ REFUSED: dict[str, tuple] = {
     "web_search_options": (None,),
     "moderation": (None,),
 }
+# parameter -> (the parameter it needs true, the message when it is not)
+NEEDS = {
+    "stream_options": ("stream", "only allowed when stream is true"),
+    "top_logprobs": ("logprobs", "needs logprobs: true"),
+}
 NO_EFFECT = (
     "user",
     "safety_identifier",
@@ -327,18 +332,12 @@ class ChatRequest(_Strict):
                 raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
         return items
 
-    @field_validator("stream_options")
+    @field_validator(*NEEDS)
     @classmethod
-    def _with_stream(cls, options, info: ValidationInfo):
-        if options is not None and not info.data.get("stream"):
-            raise ValueError("only allowed when stream is true")
-        return options
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _with_logprobs(cls, value, info: ValidationInfo):
-        if value is not None and not info.data.get("logprobs"):
-            raise ValueError("needs logprobs: true")
+    def _needs(cls, value, info: ValidationInfo):
+        other, message = NEEDS[info.field_name]
+        if value is not None and not info.data.get(other):
+            raise ValueError(message)
         return value
 
     @field_validator("tool_choice", mode="before")
