@@ -338,3 +338,39 @@ def test_logprobs_equal_the_model_distribution(calc):
                 top.values.tolist(), abs=1e-4
             )
             ids.append(best)
+
+
+def test_an_engine_process_that_died_under_a_submit_is_a_503():
+    """EngineProcess.submit raises RuntimeError while a new child loads, and the pipe's BrokenPipeError when
+    the child died a moment before: both are "retry later" (503 + Retry-After), never a 500."""
+
+    class DeadEngineProcess:
+        running, restarting, max_len, max_slots, num_active, num_pending, num_free_slots = (
+            False,
+            True,
+            64,
+            1,
+            0,
+            0,
+            1,
+        )
+
+        def __init__(self, error):
+            self.error = error
+
+        def start(self):
+            pass
+
+        def submit(self, *args, **kwargs):
+            raise self.error
+
+    tok = byte_tokenizer()
+    for error in (
+        BrokenPipeError(32, "Broken pipe"),
+        RuntimeError("engine process is not running (restarting)"),
+    ):
+        engine = ChatServer(None, tok, scheduler=DeadEngineProcess(error))
+        resp = TestClient(create_app(LocalClient(engine))).post(V1, json={"messages": USER})
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "5", resp.text
+        assert resp.json()["error"]["message"].startswith("engine unavailable: ")
+        assert engine.stats()["rejected"] == 1 and engine.stats()["in_flight"] == 0

@@ -169,7 +169,7 @@ class ChatServer:
                 self.rejected += 1
                 yield {"type": "error", "status": 400, "message": str(e), "param": getattr(e, "param", param)}
                 return
-            except RuntimeError as e:  # the engine process is down (being replaced): retry later
+            except (RuntimeError, OSError) as e:  # the engine process is down (being replaced): retry later
                 self.rejected += 1
                 yield {"type": "error", "status": 503, "message": f"engine unavailable: {e}", "param": None}
                 return
@@ -181,8 +181,11 @@ class ChatServer:
             finished = True
         finally:
             if stream is not None and not finished:
-                stream.cancel()  # the consumer left (GeneratorExit / CancelledError): free the row
                 self.cancelled += 1
+                try:
+                    stream.cancel()  # the consumer left (GeneratorExit / CancelledError): free the row
+                except OSError:  # the engine process died under it: its rows are gone with it
+                    pass
             self.in_flight -= 1
 
     async def _events(self, stream, request: dict) -> AsyncIterator[dict]:
