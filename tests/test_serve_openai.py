@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from fastapi.testclient import TestClient
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -145,3 +146,46 @@ def test_logprobs_reach_the_choice_and_the_chunks():
     assert fake.requests[0]["logprobs"] is True and fake.requests[0]["top_logprobs"] == 1
     content = [c for c in got if c.choices and c.choices[0].delta.content]
     assert content[0].choices[0].logprobs.content[0].token == "Hi"
+
+
+def test_engine_logprobs_become_openai_entries_for_text_tokens_only():
+    """The adapter over the engine's per-token logprobs (raychat.serve.engine_adapter): text tokens only,
+    token text and raw bytes, -inf as OpenAI's -9999.0."""
+    import math
+    from types import SimpleNamespace
+
+    from engine_fixtures import byte_tokenizer
+
+    from raychat.serve.engine_adapter import MIN_LOGPROB, text_logprobs
+
+    tok = byte_tokenizer()
+    euro = "€".encode()
+    entry = lambda lp, top: SimpleNamespace(logprob=lp, top_logprobs=top)  # noqa: E731
+    event = SimpleNamespace(
+        token_ids=[ord("H"), tok.special_id("<|python_start|>"), euro[0]],
+        logprobs=[entry(-0.5, [(ord("H"), -0.5), (ord("h"), -math.inf)]), entry(-1.0, []), entry(-2.0, [(euro[0], -2.0)])],
+    )  # fmt: skip
+    out = text_logprobs(tok, event, ["text", "marker", "text"])
+    assert out == [
+        {"token": "H", "bytes": [72], "logprob": -0.5,
+         "top_logprobs": [{"token": "H", "bytes": [72], "logprob": -0.5}, {"token": "h", "bytes": [104], "logprob": MIN_LOGPROB}]},
+        {"token": "\ufffd", "bytes": [0xE2], "logprob": -2.0, "top_logprobs": [{"token": "\ufffd", "bytes": [0xE2], "logprob": -2.0}]},
+    ]  # fmt: skip
+    assert text_logprobs(tok, SimpleNamespace(token_ids=[72], logprobs=None), ["text"]) == []
+
+
+def test_logprobs_request_against_this_engine():
+    """With engine logprobs, SamplingParams asks for them; without, the request is a 400 naming logprobs."""
+    from raychat.serve.engine_adapter import ENGINE_LOGPROBS, sampling_params
+    from raychat.serve.errors import ParamError
+
+    request = {"logprobs": True, "top_logprobs": 3, "max_tokens": None, "client_tools": True, "stop": ["x"]}
+    if ENGINE_LOGPROBS:
+        params = sampling_params(request, max_len=64)
+        assert (params.logprobs, params.top_logprobs, params.max_tokens) == (True, 3, 64)
+    else:
+        with pytest.raises(ParamError, match="not supported by this engine") as e:
+            sampling_params(request, max_len=64)
+        assert e.value.param == "logprobs"
+    params = sampling_params({**request, "logprobs": False}, max_len=64)
+    assert params.stop == ("x", "<|python_end|>") and params.max_tokens == 64 and params.temperature == 1.0
