@@ -85,7 +85,8 @@ def timed_step(model, train_model, opts, micro: list[dict], world: int) -> dict[
 
 
 def run_variants(variants: list[str], steps: int, rank: int = 0, world: int = 1) -> dict:
-    """Per-variant lists of phase times, variants interleaved step by step; plus the final weights."""
+    """Per-variant lists of phase times, the Newton-Schulz dtype each ran in, and the final weights. The
+    variants take turns step by step, in an order rotated every step (no variant always runs first)."""
     setups = {v: model_and_optimizers(v) for v in variants}
     wrapped = {
         v: torch.nn.parallel.DistributedDataParallel(m) if world > 1 else m for v, (m, _) in setups.items()
@@ -94,12 +95,14 @@ def run_variants(variants: list[str], steps: int, rank: int = 0, world: int = 1)
     share = range(rank * MICRO // world, (rank + 1) * MICRO // world)
     for step in range(steps):
         micro = micro_batches(step, share)
-        for v, (model, opts) in setups.items():
+        for v in variants[step % len(variants) :] + variants[: step % len(variants)]:
+            model, opts = setups[v]
             if world > 1:
                 dist.barrier()
             times[v].append(timed_step(model, wrapped[v], opts, micro, world))
     return {
         "times": times,
+        "dtypes": {v: str(getattr(o[0], "ns_dtype", torch.bfloat16)) for v, (_, o) in setups.items()},
         "weights": {v: [p.detach() for p in m.parameters()] for v, (m, _) in setups.items()},
     }
 
@@ -133,19 +136,21 @@ def matmul_pair_ms(dtype: torch.dtype, repeats: int = 10) -> float:
     return statistics.median(ts[1:]) * 1e3
 
 
-def table(title: str, times: dict, skip: int, base: str) -> str:
+def table(title: str, result: dict, skip: int, base: str) -> str:
+    times = result["times"]
     med = {v: {k: statistics.median(t[k] for t in ts[skip:]) for k in PHASES} for v, ts in times.items()}
     lines = [
         f"**{title}** (median s over {len(next(iter(times.values()))) - skip} steps)",
         "",
-        "| variant | fwd+bwd s | clip s | Muon s | AdamW s | step s | optimizer share | tokens/s | step vs first |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | NS dtype | fwd+bwd s | clip s | Muon s | AdamW s | step s | optimizer share | tokens/s "
+        "| step vs first |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     base_step = sum(med[base].values())
     for v, m in med.items():
         step = sum(m.values())
         lines.append(
-            f"| {v} | {m['fwd_bwd']:.3f} | {m['clip']:.4f} | {m['muon']:.3f} | {m['adamw']:.4f} | {step:.3f} | "
+            f"| {v} | {result['dtypes'][v].removeprefix('torch.')} | {m['fwd_bwd']:.3f} | {m['clip']:.4f} | {m['muon']:.3f} | {m['adamw']:.4f} | {step:.3f} | "
             f"{100 * (m['muon'] + m['adamw']) / step:.1f}% | {ROWS * SEQ * MICRO / step:,.0f} | "
             f"{step / base_step:.2f}x |"
         )
@@ -163,7 +168,7 @@ def main() -> None:
     torch.set_num_threads(2)
     pair = {name: matmul_pair_ms(dt) for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
     choice = muon_ns_choice(GPT(ModelConfig.from_depth(DEPTH, VOCAB, SEQ)))
-    auto = f"ours auto ({str(choice.dtype).removeprefix('torch.')})"
+    auto = "ours auto"
     base = "torch.optim.Muon (bf16 NS)"
     one = run_variants([base, "ours fp32", auto], args.steps)
 
@@ -184,10 +189,8 @@ def main() -> None:
             f"matmul pair on (256, 704) (X X^T, A X), 2 threads: bf16 {pair['bf16']:.2f} ms, fp32 "
             f"{pair['fp32']:.2f} ms (bf16 / fp32 = {pair['bf16'] / pair['fp32']:.2f}x). "
             f"choose_ns_dtype here: {choice.describe()}.",
-            table("1 process, 2 threads, 4 micro-batches", one["times"], args.skip, base),
-            table(
-                "2 gloo processes (DDP), 1 thread each, 2 micro-batches each", two["times"], args.skip, base
-            ),
+            table("1 process, 2 threads, 4 micro-batches", one, args.skip, base),
+            table("2 gloo processes (DDP), 1 thread each, 2 micro-batches each", two, args.skip, base),
             f"Sharded vs unsharded weights after {args.steps} steps (2 processes): max |diff| = {sharding_diff:.1e}.",
         ]
     )

@@ -3,7 +3,8 @@
 The update of `torch.optim.Muon` (torch 2.13, torch/optim/_muon.py; Jordan et al. 2024,
 https://kellerjordan.github.io/posts/muon/), with two things torch's class cannot be told:
   - the dtype of the Newton-Schulz iteration. torch always casts to bfloat16; on a CPU without native bf16
-    matmul that is ~47x slower than fp32 and made Muon 70% of a training step. `choose_ns_dtype` picks
+    matmul that was 47x slower than fp32 and made Muon 70% of a training step (issue 15; on a CPU with
+    AVX512-BF16, bf16 is instead ~2x faster than fp32: bench/results/muon_step.md). `choose_ns_dtype` picks
     the fast dtype of the device (bf16 on CUDA GPUs with bf16 tensor cores, else the faster of the two by a
     one-time micro-benchmark, cached per process).
   - sharding the orthogonalization over the ranks of a data-parallel group (`Muon(shard=True)`), as
