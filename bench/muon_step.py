@@ -16,7 +16,8 @@ micro-batches per rank: torch.optim.Muon | ours fp32 unsharded | ours fp32 shard
 In the 2-process rows fwd+bwd includes DDP's gradient all-reduce (overlapped with backward); the times are
 rank 0's (Muon's sharded all_gather waits for the slower rank, so its time includes that imbalance).
 Medians over the steps after the first --skip. Also printed: one bf16 vs fp32 matmul pair on the 704x256
-matrix shape (X X^T, then A X: what Newton-Schulz does) and the dtype that choose_ns_dtype picks here.
+matrix shape (X X^T, then A X: what Newton-Schulz does) beside the dtype that choose_ns_dtype's capability
+rule picks here, to check the rule against a measurement.
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ def main() -> None:
     torch.set_num_threads(2)
     pair = {name: matmul_pair_ms(dt) for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32))}
     choice = muon_ns_choice(GPT(ModelConfig.from_depth(DEPTH, VOCAB, SEQ)))
+    faster = "bfloat16" if pair["bf16"] < pair["fp32"] else "float32"
     auto = "ours auto"
     base = "torch.optim.Muon (bf16 NS)"
     one = run_variants([base, "ours fp32", auto], args.steps)
@@ -188,7 +190,7 @@ def main() -> None:
             f"`{command_line()}`\n\n{machine()}; uptime before: `{load_before}`; after: `{uptime()}`",
             f"matmul pair on (256, 704) (X X^T, A X), 2 threads: bf16 {pair['bf16']:.2f} ms, fp32 "
             f"{pair['fp32']:.2f} ms (bf16 / fp32 = {pair['bf16'] / pair['fp32']:.2f}x). "
-            f"choose_ns_dtype here: {choice.describe()}.",
+            f"choose_ns_dtype('auto') here: {choice.describe()}; the faster dtype by the timing: {faster}.",
             table("1 process, 2 threads, 4 micro-batches", one, args.skip, base),
             table("2 gloo processes (DDP), 1 thread each, 2 micro-batches each", two, args.skip, base),
             f"Sharded vs unsharded weights after {args.steps} steps (2 processes): max |diff| = {sharding_diff:.1e}.",

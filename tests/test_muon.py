@@ -172,19 +172,26 @@ def test_ns_flops_and_owner_assignment_by_hand():
     assert sorted(assign_owners([(8, 8), (4, 4)], 3)) == [0, 1]  # a third rank gets nothing
 
 
-def test_dtype_choice_is_measured_once_and_explains_itself():
+def test_dtype_choice_follows_the_device_capability(monkeypatch):
     with pytest.raises(ValueError, match="ns_dtype must be one of"):
         choose_ns_dtype("fp16")
     assert choose_ns_dtype("float32").dtype == torch.float32
-    assert (
-        choose_ns_dtype("bfloat16", "cpu", (8, 8)).describe()
-        == "Newton-Schulz in bfloat16 on cpu (requested)"
-    )
-    auto = choose_ns_dtype("auto", "cpu", (64, 176))
-    assert auto.reason == "measured" and auto.bf16_ms > 0 and auto.fp32_ms > 0
-    assert auto.dtype == (torch.bfloat16 if auto.bf16_ms < auto.fp32_ms else torch.float32)
-    assert f"bf16 {auto.bf16_ms:.2f} ms, fp32 {auto.fp32_ms:.2f} ms" in auto.describe()
-    assert choose_ns_dtype("auto", "cpu", (64, 176)) is auto  # cached: measured once per process
+    assert choose_ns_dtype("bfloat16", "cpu").describe() == "Newton-Schulz in bfloat16 on cpu (requested)"
+    here = choose_ns_dtype("auto", "cpu")
+    assert here.dtype == (torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32)
+    assert choose_ns_dtype("auto", "cpu") == here  # a rule: the same answer every time
+    # both branches of each rule, whatever this machine is
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    no_bf16 = choose_ns_dtype("auto", "cpu")
+    assert no_bf16.dtype == torch.float32 and "no AVX512-BF16" in no_bf16.describe()
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert choose_ns_dtype("auto", "cpu").dtype == torch.bfloat16
+    for capability, dtype in (((7, 5), torch.float32), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        choice = choose_ns_dtype("auto", "cuda:0")
+        assert choice.dtype == dtype and choice.device == "cuda:0"
+        assert f"compute capability {capability[0]}.{capability[1]}" in choice.describe()
+    assert choose_ns_dtype("auto", "meta").dtype == torch.float32
 
 
 class _CountingMuon(Muon):

@@ -60,10 +60,10 @@ def test_muon_gets_the_hidden_matrices_and_adamw_the_rest():
 def test_ns_dtype_setting():
     model = _model()
     assert build_optimizers(model, CFG, ns_dtype="bfloat16")[0].ns_dtype == torch.bfloat16
-    choice = muon_ns_choice(model)  # "auto": measured on the costliest matrix, (384, 128)
-    assert choice.reason == "measured" and choice.shape == (384, 128)
+    choice = muon_ns_choice(model)  # "auto": by the CPU's capability
+    assert choice.dtype == (torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32)
     assert build_optimizers(model, CFG)[0].ns_dtype == choice.dtype
-    assert "Newton-Schulz in" in choice.describe() and "384x128" in choice.describe()
+    assert choice.describe().startswith("Newton-Schulz in ") and choice.device == "cpu"
     with pytest.raises(ValueError, match="ns_dtype must be one of"):
         build_optimizers(model, CFG, ns_dtype="fp8")
 

@@ -5,8 +5,7 @@ https://kellerjordan.github.io/posts/muon/), with two things torch's class canno
   - the dtype of the Newton-Schulz iteration. torch always casts to bfloat16; on a CPU without native bf16
     matmul that was 47x slower than fp32 and made Muon 70% of a training step (issue 15; on a CPU with
     AVX512-BF16, bf16 is instead ~2x faster than fp32: bench/results/muon_step.md). `choose_ns_dtype` picks
-    the fast dtype of the device (bf16 on CUDA GPUs with bf16 tensor cores, else the faster of the two by a
-    one-time micro-benchmark, cached per process).
+    the fast dtype of the device by a capability check (bf16 tensor cores on CUDA, AVX512-BF16 on CPU).
   - sharding the orthogonalization over the ranks of a data-parallel group (`Muon(shard=True)`), as
     nanochat's DistMuon does: each rank orthogonalizes its share of the matrices, the results are
     all-gathered, and every rank applies the same update. Momentum buffers stay replicated (every rank
@@ -26,9 +25,7 @@ The param_groups carry torch.optim.Muon's keys, so checkpoints of either load in
 
 from __future__ import annotations
 
-import functools
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -95,77 +92,54 @@ def ns_flops(shape: tuple[int, int], steps: int = NS_STEPS) -> int:
 
 @dataclass(frozen=True)
 class NSDtypeChoice:
-    """The Newton-Schulz dtype chosen for a device, and why.
+    """The Newton-Schulz dtype chosen for a device, and why (for the trainer's printed plan).
 
-    dtype: torch.float32 or torch.bfloat16. reason: "requested", "capability" or "measured".
-    bf16_ms / fp32_ms: one Newton-Schulz step on a `shape` matrix, milliseconds (None unless measured).
+    dtype: torch.float32 or torch.bfloat16. device: e.g. "cpu", "cuda:0". reason: a short phrase.
     """
 
     dtype: torch.dtype
-    reason: str
     device: str
-    shape: tuple[int, int]
-    bf16_ms: float | None = None
-    fp32_ms: float | None = None
+    reason: str
 
     def describe(self) -> str:
-        """One line for the trainer's printed plan."""
-        name = str(self.dtype).removeprefix("torch.")
-        if self.reason == "measured":
-            m, n = self.shape
-            return (
-                f"Newton-Schulz in {name} on {self.device} (measured one step on {m}x{n}: "
-                f"bf16 {self.bf16_ms:.2f} ms, fp32 {self.fp32_ms:.2f} ms)"
-            )
-        if self.reason == "capability":
-            return f"Newton-Schulz in {name} on {self.device} (CUDA compute capability check)"
-        return f"Newton-Schulz in {name} on {self.device} (requested)"
+        return f"Newton-Schulz in {str(self.dtype).removeprefix('torch.')} on {self.device} ({self.reason})"
 
 
-def _time_ns_step(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, repeats: int) -> float:
-    """Best of `repeats` timings (after one warm-up) of one Newton-Schulz step, milliseconds."""
-    g = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
-    best = math.inf
-    for i in range(repeats + 1):
-        if device.type != "cpu":
-            torch.accelerator.synchronize(device)
-        t0 = time.perf_counter()
-        zeropower_via_newtonschulz(g, steps=1, dtype=dtype)
-        if device.type != "cpu":
-            torch.accelerator.synchronize(device)
-        if i:
-            best = min(best, (time.perf_counter() - t0) * 1e3)
-    return best
+def choose_ns_dtype(request: str = "auto", device: str | torch.device = "cpu") -> NSDtypeChoice:
+    """The dtype to run Newton-Schulz in on `device`.
 
-
-@functools.cache
-def choose_ns_dtype(
-    request: str = "auto", device: str = "cpu", shape: tuple[int, int] = (256, 704), repeats: int = 3
-) -> NSDtypeChoice:
-    """The dtype to run Newton-Schulz in on `device` (cached per process and arguments).
-
-    "float32" / "bfloat16": that dtype. "auto": on CUDA, bfloat16 when the GPU has bf16 tensor cores
-    (compute capability >= 8.0), else float32; on any other device, whichever of the two runs one
-    Newton-Schulz step on a `shape` matrix faster (float32 on a tie), timed at the current torch thread
-    count (best of `repeats` after a warm-up; about 1 s on a CPU where bf16 is emulated, milliseconds
-    elsewhere).
+    "float32" / "bfloat16": that dtype. "auto": bfloat16 where the device has native bf16 matrix math,
+    else float32:
+      CUDA: compute capability >= 8.0 (bf16 tensor cores: A100, H100, L4, ...);
+      CPU: the AVX512-BF16 instructions (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later;
+           torch's cpuinfo check torch.cpu._is_avx512_bf16_supported), where oneDNN's bf16 GEMM is ~2x
+           fp32; without them bf16 is emulated (47x slower than fp32 on the machine of issue 15);
+      any other device: float32.
+    A rule rather than a timing, so every run and every resume on the same machine chooses the same
+    (exact resume; a timing near a tie flips between runs). bench/muon_step.py times both dtypes to check
+    the rule on a machine.
 
     Raises:
         ValueError: `request` is not one of NS_DTYPES (names the ns_dtype setting).
     """
     if request not in NS_DTYPES:
         raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {request!r}")
-    dev = torch.device(device)
-    shape = tuple(shape)
+    dev = str(torch.device(device))
     if request != "auto":
-        return NSDtypeChoice(getattr(torch, request), "requested", str(dev), shape)
-    if dev.type == "cuda":
-        fast = torch.cuda.get_device_capability(dev) >= (8, 0)
-        return NSDtypeChoice(torch.bfloat16 if fast else torch.float32, "capability", str(dev), shape)
-    bf16_ms = _time_ns_step(shape, torch.bfloat16, dev, repeats)
-    fp32_ms = _time_ns_step(shape, torch.float32, dev, repeats)
-    dtype = torch.bfloat16 if bf16_ms < fp32_ms else torch.float32
-    return NSDtypeChoice(dtype, "measured", str(dev), shape, bf16_ms, fp32_ms)
+        return NSDtypeChoice(getattr(torch, request), dev, "requested")
+    if torch.device(device).type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        fast = (major, minor) >= (8, 0)
+        return NSDtypeChoice(
+            torch.bfloat16 if fast else torch.float32,
+            dev,
+            f"compute capability {major}.{minor} {'>=' if fast else '<'} 8.0",
+        )
+    if torch.device(device).type == "cpu":
+        if torch.cpu._is_avx512_bf16_supported():
+            return NSDtypeChoice(torch.bfloat16, dev, "the CPU has AVX512-BF16")
+        return NSDtypeChoice(torch.float32, dev, "the CPU has no AVX512-BF16: bf16 matmul is emulated")
+    return NSDtypeChoice(torch.float32, dev, "no bf16 capability check for this device")
 
 
 def assign_owners(shapes: list[tuple[int, int]], world_size: int) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from raychat.model import GPT
-from raychat.train.muon import Muon, NSDtypeChoice, choose_ns_dtype, ns_flops
+from raychat.train.muon import Muon, NSDtypeChoice, choose_ns_dtype
 
 
 def split_parameters(model: GPT) -> tuple[list, list, list, list]:
@@ -31,15 +31,13 @@ def split_parameters(model: GPT) -> tuple[list, list, list, list]:
 
 
 def muon_ns_choice(model: GPT, ns_dtype: str = "auto") -> NSDtypeChoice:
-    """The Newton-Schulz dtype build_optimizers uses for `model` (cached per process: calling this for the
-    printed plan measures nothing twice). "auto" times the model's costliest matrix shape on its device.
+    """The Newton-Schulz dtype build_optimizers uses for `model` on its device (choose_ns_dtype), with the
+    reason; `.describe()` is a line for the printed plan.
 
     Raises:
         ValueError: ns_dtype not in "auto", "float32", "bfloat16".
     """
-    matrices = split_parameters(model)[0]
-    shape = max((tuple(p.shape) for p in matrices), key=ns_flops)
-    return choose_ns_dtype(ns_dtype, str(matrices[0].device), shape)
+    return choose_ns_dtype(ns_dtype, split_parameters(model)[0][0].device)
 
 
 def build_optimizers(model: GPT, cfg, *, ns_dtype: str = "auto") -> list[torch.optim.Optimizer]:
