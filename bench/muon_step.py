@@ -33,13 +33,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _common import append_result, command_line, machine, uptime
 
+from raychat.config import TrainConfig
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.masks import make_batch
 from raychat.model import GPT, ModelConfig
-from raychat.train.config import TrainConfig
 from raychat.train.optim import build_optimizers, muon_ns_choice
 
-CFG = TrainConfig()  # the preset's learning rates (cpu.yaml keeps TrainConfig's optimizer defaults)
+CFG = TrainConfig().optim  # the preset's learning rates (cpu.yaml keeps TrainConfig's optimizer defaults)
 VOCAB, DEPTH, ROWS, SEQ, MICRO = 4096, 4, 8, 256, 4
 PHASES = ("fwd_bwd", "clip", "muon", "adamw")
 

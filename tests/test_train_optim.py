@@ -5,14 +5,17 @@ import pytest
 import torch
 
 from raychat.checkpoint import load_rank_state, save_rank_state
+from raychat.config import TrainConfig, from_dict
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.masks import make_batch
 from raychat.model import GPT, ModelConfig
-from raychat.train.config import TrainConfig
 from raychat.train.muon import Muon
 from raychat.train.optim import build_optimizers, lr_multiplier, muon_ns_choice, set_lr
 
-CFG = TrainConfig(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.02, weight_decay=0.1)
+CFG = from_dict(
+    TrainConfig,
+    {"matrix_lr": 0.02, "embedding_lr": 0.2, "unembedding_lr": 0.004, "scalar_lr": 0.02, "weight_decay": 0.1},
+).optim
 VOCAB = 256
 
 
