@@ -80,14 +80,14 @@ class StubModel(nn.Module):
         self.next_logits = next_logits
         self.calls: list[tuple[int, int]] = []  # (batch rows, T) per forward
 
-    def forward(self, input_ids, position_ids=None, attn_mask=None, kv_cache=None):
+    def forward(self, input_ids, position_ids=None, kv_cache=None, logits_at=None):
         B, T = input_ids.shape
         self.calls.append((B, T))
         out = torch.empty(B, T, self.config.vocab_size)
         for b in range(B):
             for t in range(T):
                 out[b, t] = self.next_logits(int(position_ids[b, t]))
-        return out
+        return out if logits_at is None else out[torch.arange(B), logits_at]
 
 
 def uniform_two_token_model(vocab_size: int, a: int, b: int) -> StubModel:

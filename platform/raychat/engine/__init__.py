@@ -87,8 +87,9 @@ from raychat.engine.calculator import calculate, evaluate
 from raychat.engine.detokenize import StreamDecoder
 from raychat.engine.kv_cache import KVBudgetError, KVCache
 from raychat.engine.runner import GenerationResult, ModelRunner, SamplingParams
-from raychat.engine.sampling import make_generator, sample_next
-from raychat.engine.scheduler import RequestStream, Scheduler, StreamEvent, Usage
+from raychat.engine.sampling import TEMPERATURE_EPS, make_generator, sample_next
+from raychat.engine.scheduler import Scheduler
+from raychat.engine.stream import RequestStream, StreamEvent, TokenLogprob, Usage
 
 __all__ = [
     "ModelRunner",
@@ -100,6 +101,8 @@ __all__ = [
     "Scheduler",
     "StreamDecoder",
     "StreamEvent",
+    "TEMPERATURE_EPS",
+    "TokenLogprob",
     "Usage",
     "calculate",
     "evaluate",

@@ -33,7 +33,8 @@ from pathlib import Path
 
 from raychat.engine.runner import check_prompt
 from raychat.engine.sampling import SamplingParams
-from raychat.engine.scheduler import RequestStream, StreamEvent, Usage, check_fits_row
+from raychat.engine.scheduler import check_fits_row
+from raychat.engine.stream import RequestStream, StreamEvent, Usage
 
 
 class EngineProcess:
