@@ -108,3 +108,24 @@ def scripted_model(
         return row
 
     return StubModel(vocab_size, next_logits, max_seq_len)
+
+
+class PoisonModel(StubModel):
+    """Predicts `token` everywhere, except for rows whose input holds `poison`: their logits are NaN
+    (mode "nan"), or the whole forward raises torch.OutOfMemoryError (mode "oom"), as a real model on a
+    GPU does when one long prefill does not fit."""
+
+    def __init__(self, vocab_size: int, token: int, poison: int, mode: str, max_seq_len: int = 256):
+        row = torch.full((vocab_size,), -5.0)
+        row[token] = 5.0
+        super().__init__(vocab_size, lambda pos: row, max_seq_len)
+        self.poison, self.mode = poison, mode
+
+    def forward(self, input_ids, position_ids=None, kv_cache=None, logits_at=None):
+        poisoned = (input_ids == self.poison).any(dim=1)
+        if self.mode == "oom" and bool(poisoned.any()):
+            self.calls.append(tuple(input_ids.shape))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+        out = super().forward(input_ids, position_ids, kv_cache, logits_at)
+        out[poisoned] = float("nan")
+        return out
