@@ -164,3 +164,40 @@ def test_decode_step_over_scattered_rows_copies_no_history(tok, model):
         sched.step()
     biggest = max(n for _, n in writes.sizes)
     assert biggest < history / 4, sorted(writes.sizes, key=lambda x: -x[1])[:3]
+
+
+def test_static_decode_path_of_compiled_graphs_equals_reference(tok, model):
+    """compile_decode=True decodes with fixed shapes (rows padded to a bucket with free slots, keys over
+    the whole max_len with a mask from device offsets). Run here uncompiled: the same code torch.compile
+    captures (compiling it takes ~1 min on this CPU; bench/engine_gpu.py runs it compiled)."""
+    engine = ModelRunner(model, tok, compile_decode=True)
+    engine._compiled = engine._decode_step
+    prompts = [[tok.bos_id, *tok.encode(t)] for t in ("one", "two two", "three three three")]
+    sched = Scheduler(engine, max_slots=4, max_len=64)
+    limits = [9, 3, 6]
+    streams = [
+        sched.submit(p, SamplingParams(max_tokens=n, temperature=0.0)) for p, n in zip(prompts, limits)
+    ]
+    while sched.step():
+        pass
+    for s, p, n in zip(streams, prompts, limits):
+        assert [t for e in s for t in e.token_ids] == reference_greedy(model, p, n, stop_ids(tok))
+
+
+def test_dtype_selection(tok):
+    from raychat.engine.runner import decode_buckets, resolve_dtype
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, torch.float32) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda"), torch.float32) == torch.bfloat16
+    assert resolve_dtype("model", cpu, torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="dtype must be 'model', 'auto' or one of"):
+        resolve_dtype("fp8", cpu, torch.float32)
+    engine = ModelRunner(tiny_gpt(tok), tok, dtype="bfloat16")
+    assert (
+        engine.model.lm_head.weight.dtype == torch.bfloat16
+        and engine.new_cache(1, 8).k.dtype == torch.bfloat16
+    )
+    (res,) = engine.generate_batch([[tok.bos_id, *tok.encode("bf16")]], max_tokens=4, temperature=0.0)
+    assert len(res.completion_tokens) == 4
+    assert decode_buckets(48) == [1, 2, 4, 8, 16, 32, 48] and decode_buckets(1) == [1]

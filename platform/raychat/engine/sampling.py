@@ -61,14 +61,14 @@ def validate(temperature: float, top_k: int | None, top_p: float | None) -> None
         raise ValueError(f"top_p must be None or in (0, 1] (1/None = off), got {top_p}")
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Per-row top-k / top-p: logits (n, V) fp32; top_k (n,) int64 (0 = off) or None; top_p (n, 1) fp32
-    (>= 1 = off) or None. Returns a new tensor with the removed entries at -inf; the most likely token
-    always stays."""
+def _filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, kmax: int = 0):
+    """Per-row top-k / top-p: logits (n, V) fp32; top_k (n,) int64 (0 = off) or None, kmax its largest
+    value (given by the caller: reading it from the device would sync); top_p (n, 1) fp32 (>= 1 = off)
+    or None. Returns a new tensor with the removed entries at -inf; the most likely token always stays."""
     if top_k is not None:
         V = logits.shape[-1]
         k = top_k.clamp(max=V)
-        kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(1, (k - 1).clamp(min=0)[:, None])
+        kth = torch.topk(logits, min(kmax, V), dim=-1).values.gather(1, (k - 1).clamp(min=0)[:, None])
         logits = logits.masked_fill((logits < kth) & (k[:, None] > 0), float("-inf"))
     if top_p is not None:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
@@ -88,7 +88,7 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) 
     n = logits.shape[0]
     k = torch.full((n,), int(top_k), device=logits.device) if top_k else None
     p = torch.full((n, 1), float(top_p), device=logits.device) if top_p is not None and top_p < 1 else None
-    return _filter(logits.clone(), k, p)
+    return _filter(logits.clone(), k, p, int(top_k or 0))
 
 
 def sample_next(
@@ -246,7 +246,7 @@ class SamplingBatch:
         if drawn.any():
             k = to_device(torch.tensor(self.top_k), dev) if any(self.top_k) else None
             p = to_device(torch.tensor(self.top_p)[:, None], dev) if min(self.top_p) < 1 else None
-            probs = torch.softmax(_filter(scaled, k, p), dim=-1)
+            probs = torch.softmax(_filter(scaled, k, p, max(self.top_k)), dim=-1)
             sampled = torch.argmax(probs / noise, dim=-1)
             token = torch.where(drawn.to(dev) & ~overflow, sampled, greedy_tok)
         forced = to_device(torch.tensor(self.forced), dev)

@@ -246,20 +246,24 @@ class Scheduler:
                 runs.append([piece])
         for run in runs:
             try:
-                self._prefill_run(run)
+                logits = self._prefill_forward(run)
             except Exception as e:  # noqa: BLE001 - retried alone: only a request that fails alone ends
                 if len(run) == 1:
                     self._fail([run[0][0]], e)
                     continue
                 for piece in run:
                     try:
-                        self._prefill_run([piece])
+                        self._prefilled([piece], self._prefill_forward([piece]))
                     except Exception as e1:  # noqa: BLE001 - reported on that request's stream
                         self._fail([piece[0]], e1)
+                continue
+            self._prefilled(run, logits)
 
-    def _prefill_run(self, run: list[tuple[_Request, int]]) -> None:
+    def _prefill_forward(self, run: list[tuple[_Request, int]]) -> torch.Tensor:
         chunks = [req.prompt[req.prefilled : req.prefilled + take] for req, take in run]
-        logits = self.engine.forward_rows(self.cache, run[0][0].slot, chunks)
+        return self.engine.forward_rows(self.cache, run[0][0].slot, chunks)
+
+    def _prefilled(self, run: list[tuple[_Request, int]], logits: torch.Tensor) -> None:
         for (req, take), lg in zip(run, logits):
             req.prefilled += take
             if req.prefilled == len(req.prompt):
