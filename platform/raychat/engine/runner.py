@@ -32,6 +32,7 @@ from raychat.engine.sampling import SamplingBatch, SamplingParams, make_generato
 from raychat.engine.sequence import RowState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPILED_LEN_MULTIPLE = 256  # generate_batch's cache length is rounded up to this with compile_decode
 
 
 def resolve_dtype(dtype, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
@@ -149,6 +150,8 @@ class ModelRunner:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.compile_decode = bool(compile_decode)
         self._compiled = None
+        if self.compile_decode:  # one graph per (row bucket, cache length), for every runner in the process
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
     # ---- validation ------------------------------------------------------------------------------
     def check_prompt(self, prompt, name: str = "prompt") -> list[int]:
@@ -276,7 +279,10 @@ class ModelRunner:
             raise ValueError("prompts is empty; pass at least one list of token ids")
         prompts = [self.check_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         n, P = num_samples, len(prompts)
-        max_len = min(max(len(p) for p in prompts) + max_tokens, self.config.max_seq_len)
+        max_len = max(len(p) for p in prompts) + max_tokens
+        if self.compile_decode:  # compiled graphs are specialized on the cache length: reuse a few
+            max_len = -(-max_len // COMPILED_LEN_MULTIPLE) * COMPILED_LEN_MULTIPLE
+        max_len = min(max_len, self.config.max_seq_len)
         cache = self.new_cache(P * n, max_len, self.kv_budget_bytes)
 
         logits = self._prefill_rows(cache, 0, prompts)  # prompt i in row i

@@ -225,9 +225,7 @@ class SamplingBatch:
             raise ValueError(f"logits has {n} rows for {len(self)} sampling rows")
         dev = logits.device
         logits = logits.float()
-        temp = torch.tensor(self.temperature, dtype=torch.float32)
-        drawn = torch.zeros(n, dtype=torch.bool)
-        noise = torch.ones(n, V, device=dev)
+        noise: list[torch.Tensor | None] = [None] * n  # Exp(1) draws of the sampled rows
         errors: dict[int, str] = {}
         for generator, rows in self._draws.values():
             try:
@@ -235,20 +233,22 @@ class SamplingBatch:
             except RuntimeError as e:  # e.g. a generator on another device: those rows fail alone
                 errors.update({r: f"invalid sampling state: {e}" for r in rows})
                 continue
-            idx = torch.tensor(rows)
-            noise[to_device(idx, dev)] = q
-            drawn[idx] = True
-        bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | ~(logits > float("-inf")).any(-1)
-        greedy_tok = torch.argmax(logits, dim=-1)
-        scaled = logits / to_device(temp, dev)[:, None]
-        overflow = torch.isposinf(scaled).any(-1)  # finite logits / tiny temperature: greedy (T -> 0 limit)
+            for j, r in enumerate(rows):
+                noise[r] = q[j]
+        rowmax, greedy_tok = logits.max(dim=-1)  # NaN propagates into rowmax; ties go to the lowest id
+        bad = ~(rowmax < float("inf")) | (rowmax == float("-inf"))
+        temp = to_device(torch.tensor(self.temperature, dtype=torch.float32), dev)
+        scaled = logits / temp[:, None]
+        overflow = torch.isposinf(rowmax / temp)  # = max of scaled: tiny temperature, greedy (T -> 0 limit)
         token = greedy_tok
-        if drawn.any():
+        if any(q is not None for q in noise):
+            ones = torch.ones(V, device=dev)
             k = to_device(torch.tensor(self.top_k), dev) if any(self.top_k) else None
             p = to_device(torch.tensor(self.top_p)[:, None], dev) if min(self.top_p) < 1 else None
             probs = torch.softmax(_filter(scaled, k, p, max(self.top_k)), dim=-1)
-            sampled = torch.argmax(probs / noise, dim=-1)
-            token = torch.where(drawn.to(dev) & ~overflow, sampled, greedy_tok)
+            sampled = torch.argmax(probs / torch.stack([ones if q is None else q for q in noise]), dim=-1)
+            drawn = to_device(torch.tensor([q is not None for q in noise]), dev)
+            token = torch.where(drawn & ~overflow, sampled, greedy_tok)
         forced = to_device(torch.tensor(self.forced), dev)
         token = torch.where(forced >= 0, forced, token)
         cols = [token.double(), bad.double()]
