@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     lines = [
         "# Engine at serving scale: before (76453d3) vs after, one run",
         "",
-        f"Command: `python bench/engine_decode.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        f"Command: `{' '.join(['python', 'bench/engine_decode.py', *(argv if argv is not None else sys.argv[1:])])}`",
         "",
         f"Machine: {machine()}; {a.threads} torch thread(s) per run. Load: `{load_before}` before, "
         f"`{load_after}` after. The machine is shared with other jobs: ratios use CPU seconds of the "

@@ -13,10 +13,12 @@ pickled tuples):
                     ("events", [StreamEvent, ...]) after every step: every event of every request that
                     step produced, in one message
 The parent checks prompts itself (same rules and messages as Scheduler.submit), so a bad request still
-raises ValueError at submit(). If the child dies, every live request ends with finish_reason "error" and
-a new child loads the model (`running` is False and submit raises RuntimeError meanwhile); only when that
-fails, or after max_restarts, does the EngineProcess stay down (a Serve health check then replaces the
-replica).
+raises ValueError at submit(). A request whose computation fails (non-finite logits, an out-of-memory in
+its prefill, ...) ends alone with finish_reason "error" inside the child's Scheduler: the child never exits
+because of a request. If the child dies anyway (killed, a crash in native code), every live request ends
+with finish_reason "error" and a new child loads the model (`running` is False and submit raises
+RuntimeError meanwhile); only when that fails, or after max_restarts, does the EngineProcess stay down (a
+Serve health check then replaces the replica).
 """
 
 from __future__ import annotations
