@@ -7,9 +7,12 @@
 
 Documents, not files, are dealt, so any number of shards >= 1 serves any number of ranks, and over an epoch
 every document goes to exactly one rank once. Each rank builds its own Ray Data pipeline from its position
-(a Ray Data iterator cannot be resumed mid-stream), reading only its documents' row groups.
+(a Ray Data iterator cannot be resumed mid-stream). Cost of dealing documents: the documents of one row
+group are spread over all W ranks, so every rank reads (and decompresses) every row group of the epoch, W x
+the bytes of one pass, while each rank tokenizes only its own documents (the expensive part on CPU). At
+large W, bigger deal units (row groups) would cut the reads; not done here.
 
-Data state in a checkpoint (PretrainRows.state_dict, JSON, per rank, no tokens):
+Data state in a checkpoint (PretrainRows.state_dict, per rank, references only, no tokens):
   {"corpus": DocumentOrder fingerprint, "deal": Deal.to_dict(), "rank", "taken",
    "packer": {"buffer": [[g, offset], ...] references of the buffered pieces, "stats"}}
 Resume (load_state_dicts, given the states of ALL ranks of the old world): same world -> every rank restores
