@@ -50,7 +50,6 @@ from raychat.train.launch import run_training
 from raychat.train.pretrain import Pretraining
 from raychat.train.replay_recorder import ReplayRecorder
 
-SEQ_LENS = (256, 2048)
 POLICIES = ("crop", "split")
 TOKENS_PER_STEP = 8192
 
@@ -112,8 +111,10 @@ def train(data_dir: str, tok_dir: str, storage: str, seq_len: int, overflow: str
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps of 8192 tokens per training run")
+    ap.add_argument("--seq-lens", default="256,2048", help="comma-separated T values (default 256,2048)")
     add_common_flags(ap)
     a = ap.parse_args()
+    seq_lens = [int(t) for t in a.seq_lens.split(",")]
     workdir = a.workdir or tempfile.mkdtemp(prefix="raychat-bench-")
     data_dir, tok_dir = corpus(workdir, a.data_dir, a.tokenizer)
     tokenizer = Tokenizer.load(tok_dir)
@@ -122,11 +123,11 @@ def main() -> int:
     docs = [np.asarray(d, np.int32) for d in tokenizer.encode_batch(texts, prepend_bos=True, num_threads=2)]
     total = sum(map(len, docs))
     load_before = uptime()
-    packed = {(t, p): fractions(docs, t, p) for t in SEQ_LENS for p in POLICIES}
+    packed = {(t, p): fractions(docs, t, p) for t in seq_lens for p in POLICIES}
 
-    start_ray(2, workdir)
+    start_ray(2, f"{workdir}/{'-'.join(map(str, seq_lens))}")
     trained = {}
-    for t in SEQ_LENS:
+    for t in seq_lens:
         for p in POLICIES:
             trained[(t, p)] = train(data_dir, tok_dir, f"{workdir}/runs", t, p, a.steps)
             print((t, p), trained[(t, p)], flush=True)
@@ -153,7 +154,7 @@ def main() -> int:
             f"{r['val_bpb']:.4f} | {r['val_bpb_split']:.4f} | {r['loss']:.4f} | {r['tokens_per_s']:,.0f} | "
             f"{100 * r['data_wait']:.2f}% |"
         )
-    for t in SEQ_LENS:
+    for t in seq_lens:
         c, s = trained[(t, "crop")], trained[(t, "split")]
         lines.append(
             f"\nT={t}: split / crop val BPB = {s['val_bpb'] / c['val_bpb']:.4f} (crop rows), "
