@@ -45,7 +45,7 @@ from raychat.data.packing import BestFitPacker
 from raychat.data.pipeline import PretrainRows
 from raychat.data.shards import list_shards
 from raychat.tokenizer import Tokenizer
-from raychat.train.pretrain import run_training
+from raychat.train.pretrain import pretrain
 
 SEQ_LENS = (256, 512, 1024, 2048)
 BUFFERS = (16, 64, 256, 1024)
@@ -98,7 +98,7 @@ def consumed(data_dir: str, tok_dir: str, storage: str, steps: int, skip: int) -
             max_failures=0,
         ),
     )
-    run_training(cfg)
+    pretrain(cfg)
     m = read_metrics(storage, cfg.run.run_name)[skip:]
     waits = np.array([s["data_wait_frac"] for s in m])
     return {
@@ -142,8 +142,8 @@ def crop_table(data_dir: str, tokenizer: Tokenizer) -> tuple[list[str], dict]:
             packer = BestFitPacker(lambda it=it: next(it, None), t + 1, b)
             for _ in packer:
                 pass
-            crops[(t, b)] = packer.stats.crop_fraction
-            cells.append(f"{100 * packer.stats.crop_fraction:.1f}%")
+            crops[(t, b)] = packer.stats.drop_fraction
+            cells.append(f"{100 * packer.stats.drop_fraction:.1f}%")
         lines.append(
             f"| {t} | {100 * long.mean():.1f}% | {100 * lengths[long].sum() / total:.1f}% | "
             + " | ".join(cells)

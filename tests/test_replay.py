@@ -1,57 +1,98 @@
-import copy
+import hashlib
 import re
 
 import numpy as np
+import pytest
+import torch
 
 from raychat.cli import main
+from raychat.config import TrainConfig, from_dict
 from raychat.data.inspect_batch import canary_conversations, inspect_canaries
-from raychat.data.replay import ReplayRecord, make_replay_record, rebuild_rows, verify_replay
-from raychat.data.sample_packing import SamplePacker, render_samples
-from raychat.tasks import Calculator, Spelling, TaskMixture
+from raychat.data.rebuild import verify_step
+from raychat.data.replay import (
+    prune_records,
+    read_step,
+    replay_meta,
+    step_records,
+    tensor_sha256,
+    write_records,
+)
+from raychat.data.sft_rows import SFTRows
+from raychat.tasks.registry import mixture_tasks
 from raychat.tokenizer import Tokenizer
 
+SPEC, SEED, ROW_LEN = "calculator:20,spelling:10", 3, 128
 
-def _batch(tok, row_len=64):
-    mixture = TaskMixture([Calculator(size=20, seed=0), Spelling(size=20, seed=0)], seed=7)
-    convs = {mixture[i]["id"]: mixture[i] for i in range(len(mixture))}
-    packer = SamplePacker.from_items(
-        render_samples(tok, convs.items(), row_len), row_len, tok.bos_id, buffer_size=8
+
+def test_tensor_hash_by_hand():
+    expected = hashlib.sha256(b"labels|[2, 2]|" + np.array([1, 2, 3, 4], dtype="<i8").tobytes()).hexdigest()
+    assert tensor_sha256("labels", torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)) == expected
+    assert tensor_sha256("labels", np.array([[1, 2], [3, 4]], dtype=np.int64)) == expected  # dtype-free
+    assert tensor_sha256("input_ids", np.array([[1, 2], [3, 4]])) != expected  # the name is hashed too
+
+
+@pytest.fixture
+def sft_run(tmp_path, small_tokenizer):
+    """A 1-rank SFT row source's replay records of steps 1..3 (2 micro-batches of 2 rows) in tmp_path/run."""
+    tok = small_tokenizer
+    tok.save(tmp_path / "tok")
+    cfg = from_dict(
+        TrainConfig,
+        {"stage": "sft", "seed": SEED, "sft_tasks": SPEC, "seq_len": ROW_LEN - 1, "document_masking": True,
+         "tokenizer_path": str(tmp_path / "tok")},
+    )  # fmt: skip
+    rows = SFTRows(mixture_tasks(SPEC, "train", SEED), SEED, tok, ROW_LEN)
+    meta = replay_meta(cfg, tok.version, tok.bos_id, rows.fingerprint())
+    records = [
+        r
+        for s in (1, 2, 3)
+        for r in step_records(s, 0, 1, [rows.next_batch(2), rows.next_batch(2)], tok.bos_id, True)
+    ]
+    write_records(str(tmp_path / "run"), 0, records, meta)
+    return tmp_path / "run", records
+
+
+def test_records_are_one_parquet_row_per_packed_row(sft_run):
+    run, written = sft_run
+    assert sorted(p.name for p in (run / "replay").iterdir()) == ["steps_000001-000003.rank0.parquet"]
+    records, meta = read_step(str(run), 2)
+    assert records == [r for r in written if r["step"] == 2] and len(records) == 4
+    assert [(r["micro"], r["row"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert meta["stage"] == "sft" and meta["seed"] == SEED and meta["template_version"]
+    assert all(len(r["doc"]) == len(r["sample_id"]) == len(r["truncation"]) >= 1 for r in records)
+    assert verify_step(records, meta)[1] == []
+
+
+def test_verify_names_what_differs(sft_run, small_tokenizer, tmp_path):
+    run, _ = sft_run
+    records, meta = read_step(str(run), 3)
+    records[2]["labels_sha256"] = "0" * 64
+    assert verify_step(records, meta)[1] == ["rank 0 micro 1 row 0: labels differs"]
+    other = tmp_path / "other_tok"
+    Tokenizer.train(["another tiny corpus of words"] * 10, vocab_size=300).save(other)
+    problems = verify_step(read_step(str(run), 3)[0], meta, tokenizer_path=str(other))[1]
+    assert problems and problems[0].startswith("tokenizer_version")
+
+
+def test_read_step_errors_and_pruning(sft_run):
+    run, _ = sft_run
+    with pytest.raises(FileNotFoundError, match=r"step 9 .*\(1, 3\)"):
+        read_step(str(run), 9)
+    assert prune_records(str(run), after_step=3) == 0
+    assert prune_records(str(run), after_step=2) == 1  # a restart from checkpoint 2 redoes step 3
+    assert not any((run / "replay").iterdir())
+
+
+def test_inspect_batch_cli_rebuilds_a_step(sft_run, capsys):
+    run, _ = sft_run
+    assert main(["inspect-batch", "--run", str(run), "--step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "step 2: 1 ranks, 4 rows of 128 tokens; stage sft" in out
+    assert re.search(r"rank 0 micro 1 row 1: \S+\+\d+@0", out)
+    assert (
+        "rebuilt 4 rows from the data: input_ids, labels, loss_mask, position_ids, segment_ids hashes equal"
+        in out
     )
-    rows = packer.next_batch(4)
-    return mixture, convs, rows
-
-
-def test_batch_is_rebuilt_bit_for_bit_from_its_record(tmp_path, small_tokenizer):
-    tok = small_tokenizer
-    mixture, convs, rows = _batch(tok)
-    record = make_replay_record(rows, tok, step=3, seed=7, mixture=mixture.describe(), pad_id=tok.bos_id)
-    path = record.save(tmp_path / "replay" / "step3.json")
-    loaded = ReplayRecord.load(path)
-    assert loaded == record and loaded.rows[0]["sample_ids"] == rows["sample_ids"][0]
-    assert loaded.template_version and loaded.tokenizer_version == tok.version and loaded.mixture["seed"] == 7
-    rebuilt = rebuild_rows(loaded, convs.__getitem__, tok)
-    for k in ("input_ids", "supervised", "segment_ids"):
-        np.testing.assert_array_equal(rebuilt[k], rows[k])
-    assert verify_replay(loaded, convs.__getitem__, tok) == []
-
-
-def test_replay_detects_changed_data_and_versions(small_tokenizer):
-    tok = small_tokenizer
-    mixture, convs, rows = _batch(tok)
-    record = make_replay_record(rows, tok, step=0, seed=7, mixture=mixture.describe(), pad_id=tok.bos_id)
-    changed = copy.deepcopy(convs)
-    victim = rows["sample_ids"][0][0]
-    msg = changed[victim]["messages"][0]
-    msg["content"] = msg["content"][:-1] + (
-        "?" if msg["content"][-1] != "?" else "."
-    )  # same length, new token
-    problems = verify_replay(record, changed.__getitem__, tok)
-    assert problems and any("hash differs" in p or victim in p for p in problems)
-    other = Tokenizer.train(["another tiny corpus of words"] * 10, vocab_size=300)
-    assert any("tokenizer_version" in p for p in verify_replay(record, convs.__getitem__, other))
-    tampered = copy.deepcopy(record)
-    tampered.hashes["labels"] = "0" * 64
-    assert verify_replay(tampered, convs.__getitem__, tok) == ["labels hash differs"]
 
 
 def test_inspect_batch_canaries(small_tokenizer):

@@ -103,6 +103,8 @@ def test_two_packed_conversations_match_each_alone(small_tokenizer):
 
 def test_exact_resume_from_state_dict():
     items = [item(f"s{i}", n) for i, n in enumerate([5, 3, 7, 2, 6, 4, 1, 8, 3, 5])]
+    for i, it in enumerate(items):
+        it.ref = i
 
     def source(start):
         pos = {"i": start}
@@ -123,7 +125,8 @@ def test_exact_resume_from_state_dict():
     state, at = first.state_dict(), pos["i"]
     nxt, _ = source(at)
     resumed = SamplePacker(nxt, 8, 0, buffer_size=3)
-    resumed.load_state_dict(state)
+    assert state["buffer"] == [it.ref for it in first.buffered()]  # references, not tokens
+    resumed.load_state_dict(state, [items[r] for r in state["buffer"]])
     assert head + [r["sample_ids"] for r in resumed] == full
     assert resumed.stats.rows == len(full)
 

@@ -8,7 +8,7 @@ from raychat.config import TrainConfig, add_flags, from_dict, preset_values
 from raychat.loss import cross_entropy_sum, normalize
 from raychat.train.launch import check_cpu_room, config_from
 from raychat.train.optim import lr_multiplier
-from raychat.train.plan import make_plan, power_law_batch_size
+from raychat.train.plan import make_plan, power_law_batch_size, print_plan, round_to_micro_steps
 from raychat.train.pretrain import Pretraining
 from raychat.train.sft import SFT
 
@@ -33,6 +33,34 @@ def test_power_law_batch_size():
     # 2^19 * (1e8 / 1e10) ** 0.383 = 89,044 -> nearest power of two 2^16 (log2 = 16.44)
     assert power_law_batch_size(1e8, 4096) == 2**16
     assert power_law_batch_size(1e3, 4096) == 4096  # never below one micro-step
+
+
+def test_round_to_micro_steps_by_hand():
+    assert round_to_micro_steps(65536, 6144) == 67584  # 10.67 micro-steps -> 11
+    assert round_to_micro_steps(65536, 12288) == 61440  # 5.33 -> 5
+    assert round_to_micro_steps(3072, 6144) == 6144  # a half rounds up
+    assert round_to_micro_steps(100, 6144) == 6144  # never below one micro-step
+
+
+@pytest.mark.parametrize(
+    "workers, total, accum", [(1, 65536, 32), (2, 65536, 16), (3, 67584, 11), (6, 61440, 5)]
+)
+def test_automatic_batch_size_gives_a_valid_plan_for_any_worker_count(workers, total, accum, capsys):
+    # depth 4, 20 tokens/param: D = 20 x 4,262,656 = 85.3M tokens -> power law 2^19 (D / 1e10)^0.383 = 84,534
+    # -> 2^16 = 65,536, then rounded to a multiple of 8 rows x 256 tokens x workers
+    values = dict(depth=4, seq_len=256, device_batch_size=8, num_workers=workers, target_param_data_ratio=20)
+    cfg = from_dict(TrainConfig, values)
+    p = make_plan(cfg, vocab_size=4096)
+    assert (p.auto_batch_size, p.total_batch_size, p.grad_accum) == (65536, total, accum)
+    assert p.num_iterations == round(20 * 4_262_656 / total)
+    print_plan(cfg, p)
+    out = capsys.readouterr().out
+    change = "kept" if total == 65536 else f"rounded to {total:,}"
+    assert f"power law 65,536 tokens, {change}: the nearest multiple of {workers} workers" in out
+    with pytest.raises(
+        ValueError, match="not a multiple"
+    ):  # an explicit batch that does not divide: an error
+        make_plan(from_dict(TrainConfig, {**values, "total_batch_size": 8192 * 3 + 1024}), vocab_size=4096)
 
 
 def test_plan_horizon_from_param_data_ratio():

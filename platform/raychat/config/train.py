@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from raychat.config.schema import ConfigError, Section, option, section
 
 STAGES = ("pretrain", "sft")
+OVERFLOW_POLICIES = ("crop", "split")  # raychat.data.packing
 TRACKERS = ("none", "tensorboard", "wandb")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
@@ -74,6 +75,13 @@ class DataSection(Section):
     data_dir: str = option("runs/data", "parquet shards + manifest from `raychat data prepare`")
     tokenizer_path: str = option("runs/tokenizer", "directory holding tokenizer.json")
     buffer_size: int = option(256, "documents buffered by the best-fit packer", positive=True)
+    overflow: str = option(
+        "crop", "pretraining packer, a document that fits nowhere: crop (discard its tail, nanochat) or split "
+        "(its tail goes back into the buffer as a new BOS-prefixed document)", OVERFLOW_POLICIES,
+    )  # fmt: skip
+    min_fragment: int = option(
+        32, "split: a tail shorter than this many tokens is dropped (and counted)", positive=True
+    )
     sft_tasks: str = option("calculator:4000,chatterbot,spelling:2000", "SFT mixture: task[:examples],...")
 
 

@@ -1,4 +1,14 @@
-"""`raychat inspect-batch`: print canary samples token by token, exactly as the trainer would see them.
+"""`raychat inspect-batch`: the batch of a training step rebuilt from its replay record, or canary samples
+token by token, exactly as the trainer would see them.
+
+With --run RUN_DIR --step S: the replay records of optimizer step S (raychat.data.replay, written by the
+training loop under RUN_DIR/replay/) are read, every row is rebuilt from the data alone (raychat.data.rebuild:
+documents re-read from the shards, or conversations re-rendered) and its input_ids / labels / loss_mask /
+position_ids (/ segment_ids) hashes are compared with the recorded ones. One line per row lists its
+segments: pretraining `shard:row_group:row@offset+length decision`, SFT `sample_id+length`. Exit status 1
+when anything differs. --data-dir / --tokenizer point at the data if it moved since the run.
+
+Without --run, the canaries:
 
 For each canary (short text, empty fields, multi-turn tool use, Unicode, code, an over-long conversation
 and a packed multi-sample row) the conversation is rendered by the chat template, truncated to the row
@@ -24,6 +34,8 @@ import argparse
 import torch
 
 from raychat.chat_template import TEMPLATE_VERSION, messages_of, render_conversation
+from raychat.data.rebuild import verify_step
+from raychat.data.replay import read_step
 from raychat.data.sample_packing import PackItem, SamplePacker, rows_to_batch, stack_rows
 from raychat.masks import document_causal_mask
 from raychat.tokenizer import Tokenizer
@@ -187,7 +199,46 @@ def format_row(tokenizer: Tokenizer, row: dict, rendered: dict) -> str:
     return "\n".join(lines)
 
 
+def segment_text(record: dict, k: int, files: list[str]) -> str:
+    """One segment of a replay record row, e.g. `shard_00003.parquet:0:17@0+120 whole` or `calc-12+40`."""
+    where = f"@{record['row_offset'][k]}"
+    if "sample_id" in record:
+        return f"{record['sample_id'][k]}+{record['length'][k]}{where}"
+    doc = f"{files[record['doc_shard'][k]]}:{record['doc_row_group'][k]}:{record['doc_row'][k]}"
+    tail = f"({record['tail'][k]})" if record["tail"][k] else ""
+    return f"{doc}[{record['doc_offset'][k]}:+{record['length'][k]}]{where} {record['decision'][k]}{tail}"
+
+
+def inspect_step(
+    run_dir: str, step: int, data_dir: str | None = None, tokenizer: str | None = None
+) -> tuple[str, bool]:
+    """(report, identical): step `step`'s records listed row by row and verified against the rebuilt rows."""
+    records, meta = read_step(run_dir, step)
+    _, problems = verify_step(records, meta, data_dir, tokenizer)
+    files = meta["data"].get("files", [])
+    out = [
+        f"{run_dir} step {step}: {records[0]['world']} ranks, {len(records)} rows of {meta['row_len']} tokens; "
+        f"stage {meta['stage']}, seed {meta['seed']}, tokenizer {meta['tokenizer_version']}, "
+        f"template {meta['template_version']}"
+    ]
+    for r in records:
+        segments = " | ".join(segment_text(r, k, files) for k in range(len(r["doc"])))
+        out.append(f"rank {r['rank']} micro {r['micro']} row {r['row']}: {segments}")
+    names = ", ".join(k.removesuffix("_sha256") for k in records[0] if k.endswith("_sha256"))
+    if problems:
+        out += ["DIFFERS from the record:", *(f"  {p}" for p in problems)]
+    else:
+        out.append(f"rebuilt {len(records)} rows from the data: {names} hashes equal to the record")
+    return "\n".join(out), not problems
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.run or args.step is not None:
+        if not args.run or args.step is None:
+            raise SystemExit("inspect-batch: --run and --step go together")
+        report, identical = inspect_step(args.run, args.step, args.data_dir, args.tokenizer or None)
+        print(report)
+        return 0 if identical else 1
     if args.tokenizer:
         tokenizer = Tokenizer.load(args.tokenizer)
     else:
@@ -200,13 +251,22 @@ def run(args: argparse.Namespace) -> int:
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "inspect-batch",
-        help="print canary SFT samples per token: text, role, segment, position, attention span, label",
+        help="rebuild a training step's batch from its replay record (--run, --step), or print canary SFT "
+        "samples per token",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--tokenizer", default="", help="tokenizer.json or its directory (default: train a small one)"
+        "--run", default="", help="a run directory (<storage-path>/<run-name>) with replay records"
     )
+    p.add_argument(
+        "--step", type=int, default=None, help="with --run: the optimizer step to rebuild (from 1)"
+    )
+    p.add_argument("--data-dir", default=None, help="with --run: the shards, if not where the run read them")
+    p.add_argument(
+        "--tokenizer", default="", help="tokenizer.json or its directory (canaries: default trains a small one; "
+        "--run: default the run's)",
+    )  # fmt: skip
     p.add_argument("--row-len", type=int, default=128, help="row length T+1 in tokens (default 128)")
     p.add_argument("--vocab-size", type=int, default=512, help="vocabulary of the on-the-fly tokenizer")
     p.add_argument(

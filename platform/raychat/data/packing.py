@@ -1,62 +1,130 @@
 """BOS-aligned best-fit packing of a document stream into pretraining rows (continuous-stream semantics).
 
 Every document arrives as [BOS, tokens...]. A row of T+1 tokens is filled by repeatedly placing the
-LONGEST buffered document that fits in the remaining space; when none fits, the SHORTEST buffered document
-is cropped to fill the row exactly and its tail is discarded. So every row starts with BOS, rows have no
-padding, and the only loss is the cropped tails:  consumed = placed + cropped.
-(The same rule as nanochat's BOS-aligned best-fit loader; crop fraction = cropped / consumed.)
+LONGEST buffered piece that fits in the remaining space; when none fits, the SHORTEST buffered piece fills
+the row exactly and what is left of it (its tail) is handled by the overflow policy:
 
-The packer is deterministic (ties go to the document buffered first) and its state (the buffered
-documents) is saved in every checkpoint so a resumed run continues exactly where it stopped.
+  crop   the tail is discarded (nanochat's BOS-aligned best-fit loader)
+  split  the tail goes back into the buffer as a new piece [BOS] + tail, so nothing is discarded; a tail
+         shorter than `min_fragment` tokens is discarded (and counted) instead
+
+So every row starts with BOS and rows have no padding. Token accounting (PackingStats), per piece taken
+out of the buffer into a row:  consumed = placed + dropped + requeued.  E.g. capacity 50 left, buffer
+[500, 200, 100, 300] tokens: nothing fits, the 100-token document is the shortest: 50 tokens placed, and
+its 50-token tail is dropped (crop) or requeued as a 51-token piece (split; the extra token is its BOS).
+
+A piece remembers where it came from (Piece.doc, Piece.offset) and every row reports its segments
+(Segment), so a row can be rebuilt from the documents alone (raychat.data.replay). The packer is
+deterministic: ties go to the piece buffered first; a requeued tail counts as the newest arrival.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from raychat.config.train import OVERFLOW_POLICIES
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens waiting in the buffer. doc: the document's id (the stream item g; any int to the packer);
+    offset: 0 = the whole document as it arrived, k > 0 = its tail from token k on, stored as
+    [BOS] + document[k:]; tokens: int32 (the document's own BOS first, or the inserted one)."""
+
+    doc: int
+    offset: int
+    tokens: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def piece_tokens(document: np.ndarray, offset: int) -> np.ndarray:
+    """Piece.tokens of (document, offset): the document itself, or [BOS] + document[offset:]."""
+    document = np.asarray(document, dtype=np.int32)
+    return document if offset == 0 else np.concatenate([document[:1], document[offset:]])
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of one piece placed in a row: piece (doc, offset), where it sits in the row (row_offset,
+    length tokens: piece.tokens[:length]), and what happened to the rest: decision "whole" (nothing left),
+    "crop" (tail of `tail` tokens discarded), "split" (tail requeued) or "drop" (split, but the tail was
+    shorter than min_fragment: discarded)."""
+
+    doc: int
+    offset: int
+    row_offset: int
+    length: int
+    decision: str
+    tail: int
 
 
 @dataclass
 class PackingStats:
+    """Counters in tokens unless named otherwise; consumed = placed + dropped + requeued."""
+
     rows: int = 0
-    placed: int = 0  # tokens written into rows
-    cropped: int = 0  # tokens discarded from cropped tails
-    documents: int = 0  # documents taken from the stream
+    documents: int = 0  # pieces taken from the stream
+    consumed: int = 0  # tokens of pieces taken out of the buffer into rows
+    placed: int = 0  # tokens written into rows (inserted BOS tokens included)
+    dropped: int = 0  # tail tokens discarded
+    requeued: int = 0  # tail tokens put back into the buffer (before their inserted BOS)
+    splits: int = 0  # tails requeued = BOS tokens inserted
+    short_tails: int = 0  # split tails dropped for being shorter than min_fragment
 
     @property
-    def consumed(self) -> int:
-        return self.placed + self.cropped
+    def drop_fraction(self) -> float:
+        """Discarded / document tokens that left the buffer (placed ones without inserted BOS, + discarded)."""
+        resolved = self.placed - self.splits + self.dropped
+        return self.dropped / resolved if resolved else 0.0
 
     @property
-    def crop_fraction(self) -> float:
-        return self.cropped / self.consumed if self.consumed else 0.0
+    def bos_fraction(self) -> float:
+        """Inserted BOS tokens / row tokens (the split policy's overhead)."""
+        return self.splits / self.placed if self.placed else 0.0
 
 
 class BestFitPacker:
-    """Packs documents from `next_document()` into rows of `row_len` = T+1 tokens.
+    """Packs the pieces from `next_document()` into rows of `row_len` = T+1 tokens.
 
     Args:
-        next_document: returns the next document's token ids (starting with BOS), or None when the
-            stream is exhausted (the packer then raises StopIteration once the buffer cannot fill a row).
+        next_document: the next document: a Piece, or token ids starting with BOS (then Piece(doc=its
+            arrival number, offset=0)); None when the stream is exhausted (the packer then raises
+            StopIteration once the buffer cannot fill a row).
         row_len: tokens per row (T+1).
-        buffer_size: documents kept buffered to choose from; larger = fewer crops, more memory.
+        buffer_size: pieces kept buffered to choose from; larger = fewer overflows, more memory.
+        overflow: "crop" or "split" (module docstring).
+        min_fragment: split: tails shorter than this (tokens, before the inserted BOS) are discarded.
+    Raises:
+        ValueError: row_len < 2, buffer_size < 1, min_fragment < 1 or an unknown overflow policy.
     """
 
     def __init__(
-        self, next_document: Callable[[], Sequence[int] | None], row_len: int, buffer_size: int = 256
+        self,
+        next_document: Callable[[], Piece | Sequence[int] | None],
+        row_len: int,
+        buffer_size: int = 256,
+        overflow: str = "crop",
+        min_fragment: int = 32,
     ):
         if row_len < 2:
             raise ValueError(f"row_len must be >= 2, got {row_len}")
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {list(OVERFLOW_POLICIES)}, got {overflow!r}")
+        if min_fragment < 1:
+            raise ValueError(f"min_fragment must be >= 1, got {min_fragment}")
         self.next_document = next_document
-        self.row_len = row_len
-        self.buffer_size = buffer_size
+        self.row_len, self.buffer_size = row_len, buffer_size
+        self.overflow, self.min_fragment = overflow, min_fragment
         self._keys: list[tuple[int, int]] = []  # sorted (length, arrival) for bisect
-        self._docs: dict[int, Sequence[int]] = {}  # arrival -> tokens
+        self._pieces: dict[int, Piece] = {}  # arrival -> piece
         self._arrivals = 0
         self._exhausted = False
         self.stats = PackingStats()
@@ -67,47 +135,76 @@ class BestFitPacker:
             if doc is None:
                 self._exhausted = True
                 break
-            if len(doc) == 0:
-                continue
-            self._push(doc)
+            piece = (
+                doc if isinstance(doc, Piece) else Piece(self.stats.documents, 0, np.asarray(doc, np.int32))
+            )
             self.stats.documents += 1
+            if len(piece):
+                self._push(piece)
 
-    def _push(self, doc: Sequence[int]) -> None:
-        key = (len(doc), self._arrivals)
+    def _push(self, piece: Piece) -> None:
+        key = (len(piece), self._arrivals)
         self._arrivals += 1
         bisect.insort(self._keys, key)
-        self._docs[key[1]] = doc
+        self._pieces[key[1]] = piece
 
-    def _pop(self, index: int) -> Sequence[int]:
+    def _pop(self, index: int) -> Piece:
         _, arrival = self._keys.pop(index)
-        return self._docs.pop(arrival)
+        return self._pieces.pop(arrival)
 
-    def next_row(self) -> np.ndarray:
-        """The next row: int32 array of shape (row_len,), starting with BOS. Raises StopIteration at the end."""
-        row: list[Sequence[int]] = []
-        filled = 0
+    def pack_row(self) -> tuple[np.ndarray, list[Segment]]:
+        """The next row, int32 of shape (row_len,) starting with BOS, and its segments in row order.
+        Raises StopIteration at the end of the stream."""
+        parts: list[np.ndarray] = []
+        segments: list[Segment] = []
+        taken: list[Piece] = []
+        filled = consumed = 0
         while filled < self.row_len:
             self._refill()
-            if not self._keys:
+            if not self._keys:  # the end of a finite stream: the partial row's (whole) pieces stay buffered
+                for piece in taken:
+                    self._push(piece)
                 raise StopIteration
             space = self.row_len - filled
-            # longest document with length <= space, earliest arrival among equal lengths
+            # longest piece with length <= space, earliest arrival among equal lengths
             i = bisect.bisect_right(self._keys, (space, float("inf"))) - 1
             if i >= 0:
-                length = self._keys[i][0]
-                i = bisect.bisect_left(self._keys, (length, -1))
-                doc = self._pop(i)
-                row.append(doc)
-                filled += len(doc)
-                self.stats.placed += len(doc)
-            else:  # nothing fits: crop the shortest
-                doc = self._pop(0)
-                row.append(doc[:space])
-                filled += space
-                self.stats.placed += space
-                self.stats.cropped += len(doc) - space
+                piece = self._pop(bisect.bisect_left(self._keys, (self._keys[i][0], -1)))
+                taken.append(piece)
+                parts.append(piece.tokens)
+                segments.append(Segment(piece.doc, piece.offset, filled, len(piece), "whole", 0))
+                n = len(piece)
+            else:  # nothing fits: the shortest fills the row, its tail overflows
+                piece = self._pop(0)
+                parts.append(piece.tokens[:space])
+                segments.append(
+                    Segment(piece.doc, piece.offset, filled, space, *self._overflow(piece, space))
+                )
+                n = space
+            filled += n
+            consumed += len(piece)
         self.stats.rows += 1
-        return np.concatenate([np.asarray(piece, dtype=np.int32) for piece in row])
+        self.stats.placed += filled
+        self.stats.consumed += consumed
+        return np.concatenate(parts).astype(np.int32, copy=False), segments
+
+    def _overflow(self, piece: Piece, space: int) -> tuple[str, int]:
+        tail = piece.tokens[space:]
+        if self.overflow == "split" and len(tail) >= self.min_fragment:
+            offset = piece.offset + space - (1 if piece.offset else 0)  # document index of tail[0]
+            self._push(Piece(piece.doc, offset, np.concatenate([piece.tokens[:1], tail])))
+            self.stats.requeued += len(tail)
+            self.stats.splits += 1
+            return "split", len(tail)
+        self.stats.dropped += len(tail)
+        if self.overflow == "split":
+            self.stats.short_tails += 1
+            return "drop", len(tail)
+        return "crop", len(tail)
+
+    def next_row(self) -> np.ndarray:
+        """pack_row() without the segments."""
+        return self.pack_row()[0]
 
     def __iter__(self) -> Iterator[np.ndarray]:
         while True:
@@ -117,12 +214,23 @@ class BestFitPacker:
                 return
 
     # ---- exact resume ------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        docs = [np.asarray(self._docs[a]).tolist() for _, a in sorted(self._keys, key=lambda k: k[1])]
-        return {"buffer": docs, "stats": vars(self.stats).copy()}
+    def buffered(self) -> list[Piece]:
+        """The buffered pieces in arrival order."""
+        return [self._pieces[a] for a in sorted(self._pieces)]
 
-    def load_state_dict(self, state: dict) -> None:
-        self._keys, self._docs, self._arrivals = [], {}, 0
-        for doc in state["buffer"]:
-            self._push(np.asarray(doc, dtype=np.int32))
+    def state_dict(self) -> dict:
+        """References only (no tokens): {"buffer": [[doc, offset], ...] in arrival order, "stats": {...}}."""
+        return {"buffer": [[p.doc, p.offset] for p in self.buffered()], "stats": asdict(self.stats)}
+
+    def load_state_dict(self, state: dict, pieces: Sequence[Piece]) -> None:
+        """Restore a state_dict; `pieces` are its buffer's pieces rebuilt by the caller, in the same order.
+
+        Raises:
+            ValueError: the pieces are not the ones the state refers to.
+        """
+        if [[p.doc, p.offset] for p in pieces] != [list(r) for r in state["buffer"]]:
+            raise ValueError("the rebuilt pieces do not match the packer state's buffer")
+        self._keys, self._pieces, self._arrivals = [], {}, 0
+        for piece in pieces:
+            self._push(piece)
         self.stats = PackingStats(**state["stats"])

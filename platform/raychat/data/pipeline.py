@@ -1,29 +1,42 @@
-"""Pretraining rows from parquet shards: Ray Data streams and tokenizes, the packer fills rows.
+"""Pretraining rows from parquet shards: each rank's share of ONE global document stream, packed.
 
-  read_parquet (streaming, order preserved) -> map_batches(tokenize: BOS + ids) -> this rank's iterator
-  -> BestFitPacker -> rows of T+1 tokens -> `masks.make_batch` (inputs x[:-1], targets x[1:])
+  DocumentOrder (epoch -> shard -> row group -> row, shuffled from the seed) -> the deal (raychat.data.cursor:
+  rank r of W takes stream elements r, r+W, r+2W, ...) -> Ray Data (read the rank's documents from their row
+  groups + tokenize: BOS + ids, in order) -> BestFitPacker (crop or split) -> rows of T+1 tokens
+  -> `masks.make_batch` (inputs x[:-1], targets x[1:])
 
-Each rank reads its own files (train_files[rank::world_size]), so every rank gets different data. The
-position (epoch, file, document within file) and the packer's buffer are saved in each checkpoint: a
-resumed run re-opens the stream at that file, skips the documents already consumed, and restores the
-buffer, so no document is repeated or skipped. This is why the ranks build their streams themselves from
-the checkpointed position rather than taking a split of one driver-side dataset: Ray Data iterators
-cannot be resumed mid-stream.
+Documents, not files, are dealt, so any number of shards >= 1 serves any number of ranks, and over an epoch
+every document goes to exactly one rank once. Each rank builds its own Ray Data pipeline from its position
+(a Ray Data iterator cannot be resumed mid-stream). Cost of dealing documents: the documents of one row
+group are spread over all W ranks, so every rank reads (and decompresses) every row group of the epoch, W x
+the bytes of one pass, while each rank tokenizes only its own documents (the expensive part on CPU). At
+large W, bigger deal units (row groups) would cut the reads; not done here.
+
+Data state in a checkpoint (PretrainRows.state_dict, per rank, references only, no tokens):
+  {"corpus": DocumentOrder fingerprint, "deal": Deal.to_dict(), "rank", "taken",
+   "packer": {"buffer": [[g, offset], ...] references of the buffered pieces, "stats"}}
+Resume (load_state_dicts, given the states of ALL ranks of the old world): same world -> every rank restores
+its own state exactly (buffer pieces re-read and re-tokenized from their references: bit for bit); another
+world -> the states are re-dealt (cursor.redeal): the same global position, no document repeated or skipped,
+the old buffers' pieces dealt again.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
 import ray
 
-from raychat.data.packing import BestFitPacker
+from raychat.data.cursor import Deal, RankCursor, Ref, redeal, sum_stats, whole_world
+from raychat.data.document_order import DocumentOrder
+from raychat.data.packing import BestFitPacker, Piece, piece_tokens
 from raychat.tokenizer import Tokenizer
+
+CHUNK = 64  # stream references per Ray Data read+tokenize call
+READERS = 2  # concurrent read+tokenize tasks per rank: ~100x a rank's consumption (bench/data_pipeline.md)
 
 
 @functools.lru_cache(maxsize=4)
@@ -31,120 +44,189 @@ def _tokenizer(path: str) -> Tokenizer:
     return Tokenizer.load(path)
 
 
-def tokenize_batch(batch: dict, tokenizer_path: str) -> dict:
-    """Ray Data map_batches function: text -> BOS-prefixed token ids (list<int32>); the tokenizer is loaded
-    once per worker process."""
-    ids = _tokenizer(tokenizer_path).encode_batch(list(batch["text"]), prepend_bos=True)
-    return {"input_ids": [np.asarray(x, dtype=np.int32) for x in ids], "path": batch["path"]}
+def read_pieces(order: DocumentOrder, refs: Sequence[Ref], tokenizer_path: str) -> list[Piece]:
+    """The pieces of stream references (g, offset): documents read from their row groups, tokenized with a
+    BOS first, cut at offset (raychat.data.packing.piece_tokens)."""
+    if not refs:
+        return []
+    texts = order.read_texts([g for g, _ in refs])
+    ids = _tokenizer(str(tokenizer_path)).encode_batch(texts, prepend_bos=True)
+    return [Piece(g, o, piece_tokens(doc, o)) for (g, o), doc in zip(refs, ids)]
 
 
-def tokenized_documents(
-    files: list[str], tokenizer_path: str, skip_documents: int = 0, num_cpus: float = 0.5
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (file path, BOS-prefixed token ids) for every document of `files`, in file order.
+def _read_chunks(batch: dict, order, deal: dict, rank: int, start: int, tokenizer_path: str) -> dict:
+    """Ray Data map_batches function: chunk numbers -> the pieces of those chunks of the rank's share."""
+    d = Deal.from_dict(deal)
+    pieces = [
+        p
+        for c in batch["id"]
+        for p in read_pieces(order, d.share(rank, start + int(c) * CHUNK, CHUNK), tokenizer_path)
+    ]
+    return {
+        "doc": np.asarray([p.doc for p in pieces], dtype=np.int64),
+        "offset": np.asarray([p.offset for p in pieces], dtype=np.int64),
+        "input_ids": [p.tokens for p in pieces],
+    }
 
-    Args:
-        files: parquet shards with a `text` column.
-        tokenizer_path: tokenizer.json (or its directory), loaded once per Ray Data actor.
-        skip_documents: documents of files[0] already consumed (resume); they are not yielded.
-        num_cpus: CPU reserved by each read+tokenize task (Ray fuses the two); leave room for the train
-            workers, or the tasks can never be scheduled and the run hangs.
+
+def share_stream(
+    order: DocumentOrder, cursor: RankCursor, tokenizer_path: str, num_cpus: float
+) -> Iterator[Piece]:
+    """This rank's pieces from cursor.taken on, endlessly, read and tokenized by Ray Data in order.
+
+    One Ray Dataset covers about an epoch of the share (at least 16 chunks) (then the next one starts where it ended).
+    num_cpus: CPU reserved by each read+tokenize task; leave room for the train workers, or the tasks can
+    never be scheduled and the run hangs.
     """
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
-    ds = ray.data.read_parquet(
-        files, include_paths=True, shuffle=None, ray_remote_args={"num_cpus": num_cpus}
-    )
-    ds = ds.select_columns(["text", "path"]).map_batches(
-        tokenize_batch, fn_kwargs={"tokenizer_path": str(tokenizer_path)}, batch_size=256, num_cpus=num_cpus
-    )
-    first = os.path.basename(files[0])
-    for batch in ds.iter_batches(batch_size=256, batch_format="numpy", prefetch_batches=4):
-        for path, ids in zip(batch["path"], batch["input_ids"]):
-            if skip_documents and os.path.basename(path) == first:
-                skip_documents -= 1
-                continue
-            yield str(path), ids
+    start, deal = cursor.taken, cursor.deal.to_dict()
+    share = (order.num_documents + len(cursor.deal.pending)) // cursor.deal.world
+    per_epoch = max(
+        16, -(-share // CHUNK)
+    )  # chunks per Dataset: about an epoch's share, at least 1024 pieces
+    while True:
+        ds = ray.data.range(per_epoch, override_num_blocks=min(per_epoch, 64)).map_batches(
+            _read_chunks, batch_size=1, num_cpus=num_cpus, compute=ray.data.TaskPoolStrategy(size=READERS),
+            fn_kwargs={"order": order, "deal": deal, "rank": cursor.rank, "start": start,
+                       "tokenizer_path": str(tokenizer_path)},
+        )  # fmt: skip
+        for batch in ds.iter_batches(batch_size=CHUNK, batch_format="numpy", prefetch_batches=4):
+            for g, o, ids in zip(batch["doc"], batch["offset"], batch["input_ids"]):
+                yield Piece(int(g), int(o), np.asarray(ids, dtype=np.int32))
+        start += per_epoch * CHUNK
 
 
 class PretrainRows:
-    """This rank's endless stream of packed pretraining rows, resumable exactly.
+    """This rank's endless stream of packed pretraining rows, resumable exactly on any number of ranks.
 
     Args:
-        train_files: all training shards (sorted); this rank takes train_files[rank::world_size].
-        tokenizer_path: path of tokenizer.json.
+        train_files: all training shards (manifest order).
+        tokenizer_path: path of tokenizer.json (or its directory).
         row_len: T+1.
         rank, world_size: this worker's place in the data-parallel group.
-        buffer_size: best-fit buffer (documents).
+        buffer_size: best-fit buffer (pieces); overflow, min_fragment: raychat.data.packing.
+        seed: the document order's seed; num_cpus: CPU of each Ray Data read+tokenize task.
     Raises:
-        ValueError: fewer train files than ranks.
+        ValueError: the shards hold no documents. (Any number >= 1 serves any number of ranks: the stream
+            runs on into the next epoch.)
     """
 
     def __init__(
-        self, train_files, tokenizer_path, row_len, rank=0, world_size=1, buffer_size=256, num_cpus=0.5
-    ):
-        if len(train_files) < world_size:
-            raise ValueError(
-                f"need at least one train shard per rank: {len(train_files)} shards, {world_size} ranks"
-            )
-        self.files = [str(f) for f in train_files[rank::world_size]]
-        self.names = [os.path.basename(f) for f in self.files]
-        self.tokenizer_path = str(tokenizer_path)
-        self.num_cpus = num_cpus
-        self.epoch, self.file_index, self.doc_index = 0, 0, 0
-        self.packer = BestFitPacker(self._next_document, row_len, buffer_size)
-        self._docs: Iterator | None = None
+        self, train_files, tokenizer_path, row_len, rank=0, world_size=1, buffer_size=256, num_cpus=0.5,
+        seed=0, overflow="crop", min_fragment=32,
+    ):  # fmt: skip
+        self.order = DocumentOrder.from_files(list(train_files), seed)
+        self.tokenizer_path, self.num_cpus = str(tokenizer_path), num_cpus
+        self.rank, self.world = rank, world_size
+        self.cursor = RankCursor(Deal(world_size), rank)
+        self.packer = BestFitPacker(self._next_document, row_len, buffer_size, overflow, min_fragment)
+        self._pieces: Iterator[Piece] | None = None
 
-    def _open(self) -> None:
-        self._docs = tokenized_documents(
-            self.files[self.file_index :], self.tokenizer_path, self.doc_index, self.num_cpus
-        )
+    def _next_document(self) -> Piece:
+        if self._pieces is None:
+            self._pieces = share_stream(self.order, self.cursor, self.tokenizer_path, self.num_cpus)
+        piece = next(self._pieces)
+        self.cursor.take((piece.doc, piece.offset))
+        return piece
 
-    def _next_document(self) -> np.ndarray:
-        if self._docs is None:
-            self._open()
-        for _ in range(2):
-            try:
-                path, ids = next(self._docs)
-            except StopIteration:  # epoch boundary: start over from the first file
-                self.epoch, self.file_index, self.doc_index = self.epoch + 1, 0, 0
-                self._open()
-                continue
-            i = self.names.index(Path(path).name)
-            if i != self.file_index:
-                self.file_index, self.doc_index = i, 0
-            self.doc_index += 1
-            return ids
-        raise RuntimeError(f"training files yield no documents: {self.files}")
+    def next_batch(self, n: int) -> dict:
+        """{"input_ids": (n, T+1) int32 rows, "replay": per row, its segments' columns (replay records)}."""
+        rows, replay = [], []
+        for _ in range(n):
+            row, segments = self.packer.pack_row()
+            rows.append(row)
+            replay.append(self.segment_columns(segments))
+        return {"input_ids": np.stack(rows), "replay": replay}
 
-    def next_batch(self, n: int) -> dict[str, np.ndarray]:
-        """{"input_ids": (n, T+1) int32 rows}."""
-        return {"input_ids": np.stack([self.packer.next_row() for _ in range(n)])}
+    def segment_columns(self, segments) -> dict[str, list]:
+        """One row's segments as replay-record columns (raychat.data.replay.PRETRAIN_COLUMNS)."""
+        where = [self.order.locate(s.doc) for s in segments]
+        return {
+            "doc": [s.doc for s in segments],
+            "doc_epoch": [w.epoch for w in where],
+            "doc_shard": [w.shard for w in where],
+            "doc_row_group": [w.row_group for w in where],
+            "doc_row": [w.row for w in where],
+            "doc_offset": [s.offset for s in segments],
+            "row_offset": [s.row_offset for s in segments],
+            "length": [s.length for s in segments],
+            "decision": [s.decision for s in segments],
+            "tail": [s.tail for s in segments],
+        }
+
+    # ---- checkpoint state --------------------------------------------------------------------------
+    def fingerprint(self) -> dict:
+        """The shards and seed the stream is made of (raychat.data.document_order.DocumentOrder.fingerprint)."""
+        return self.order.fingerprint()
 
     def state_dict(self) -> dict:
+        """This rank's data state (module docstring): small, JSON-serializable, references only."""
         return {
-            "epoch": self.epoch,
-            "file_index": self.file_index,
-            "doc_index": self.doc_index,
-            "files": self.names,
+            "corpus": self.fingerprint(),
+            "deal": self.cursor.deal.to_dict(),
+            "rank": self.rank,
+            "taken": self.cursor.taken,
             "packer": self.packer.state_dict(),
         }
 
+    def load_state_dicts(self, states: Sequence[dict]) -> None:
+        """Continue from the states of every rank of the old world (in rank order), on this rank of this one.
+
+        Raises:
+            ValueError: the states were made on other shards or another seed, or are not one whole world.
+        """
+        deal = whole_world([self._check(s) for s in states], [s["rank"] for s in states])
+        if deal.world == self.world:
+            self._restore(states[self.rank])
+            return
+        buffers = [[tuple(r) for r in s["packer"]["buffer"]] for s in states]
+        self.cursor = RankCursor(redeal(deal, [s["taken"] for s in states], buffers, self.world), self.rank)
+        stats = sum_stats([s["packer"]["stats"] for s in states]) if self.rank == 0 else {}
+        self.packer.load_state_dict({"buffer": [], "stats": stats}, [])
+        self.close()
+
     def load_state_dict(self, state: dict) -> None:
-        if state["files"] != self.names:
-            raise ValueError(f"checkpoint was made with files {state['files']}, this rank has {self.names}")
-        self.epoch, self.file_index, self.doc_index = state["epoch"], state["file_index"], state["doc_index"]
-        self.packer.load_state_dict(state["packer"])
-        self._docs = None
+        """Same-world resume from this rank's own state (the other ranks continue from theirs).
+
+        Raises:
+            ValueError: the state is another rank's or another world's (use load_state_dicts), or made on
+                other shards or another seed.
+        """
+        if self._check(state).world != self.world or state["rank"] != self.rank:
+            raise ValueError("load_state_dict restores this rank of the same world: use load_state_dicts")
+        self._restore(state)
+
+    def _check(self, state: dict) -> Deal:
+        if state["corpus"] != self.order.fingerprint():
+            raise ValueError(
+                f"checkpoint data state was made on {state['corpus']}, this run reads {self.order.fingerprint()}"
+            )
+        return Deal.from_dict(state["deal"])
+
+    def _restore(self, state: dict) -> None:
+        self.cursor = RankCursor(Deal.from_dict(state["deal"]), self.rank, state["taken"])
+        refs = [(int(g), int(o)) for g, o in state["packer"]["buffer"]]
+        self.packer.load_state_dict(state["packer"], read_pieces(self.order, refs, self.tokenizer_path))
+        self.close()
+
+    def close(self) -> None:
+        """Stop this rank's Ray Data pipeline (the next row starts a new one from the cursor). A driver that
+        is done with a PretrainRows closes it before ray.shutdown(), or the pipeline's threads outlive Ray."""
+        if self._pieces is not None:
+            self._pieces.close()
+            self._pieces = None
 
 
 def validation_rows(val_file: str, tokenizer: Tokenizer, seq_len: int, buffer_size: int, num_tokens: int,
-                    world_size: int) -> dict[str, np.ndarray]:  # fmt: skip
+                    world_size: int, overflow: str = "crop") -> dict[str, np.ndarray]:  # fmt: skip
     """{"input_ids": (N, seq_len + 1)}: the validation shard's documents best-fit packed, the first
-    N = max(world_size, num_tokens // seq_len // world_size * world_size) rows (the same at every evaluation)."""
+    N = max(world_size, num_tokens // seq_len // world_size * world_size) rows (the same at every evaluation).
+    overflow: "crop" (the trainer's: the same rows whatever the training policy; long documents are seen
+    from their beginning only) or "split" (every token of the documents, bench/packing_overflow.py)."""
     texts = pq.read_table(val_file, columns=["text"]).column("text").to_pylist()
     docs = iter(tokenizer.encode_batch(texts, prepend_bos=True))
-    packer = BestFitPacker(lambda: next(docs, None), seq_len + 1, buffer_size)
+    packer = BestFitPacker(lambda: next(docs, None), seq_len + 1, buffer_size, overflow)
     n = max(world_size, num_tokens // seq_len // world_size * world_size)
     return {"input_ids": np.stack([r for _, r in zip(range(n), packer)])}

@@ -1,9 +1,26 @@
-"""Replay records: enough to rebuild a packed SFT batch bit for bit and prove it is the same.
+"""Replay records: what every row of every optimizer step held, written by the training loop next to the
+checkpoints, so any step's batch can be rebuilt from the shards (or the SFT mixture) and proven identical.
 
-A record holds, per batch: the raw sample ids of every row with their segment offsets and lengths (the pack
-groups), each sample's truncation decision, the template and tokenizer versions, the mixture description
-and seed, and sha256 hashes of the model inputs: input_ids, labels, loss_mask, and the attention metadata
-(position_ids, segment_ids; the attention mask is a function of segment_ids).
+  <run dir>/replay/steps_<first:06d>-<last:06d>.rank<r>.parquet
+
+One file per rank per checkpoint interval, written (atomically: temporary name, then renamed; one object put
+on S3/GCS) just before the checkpoint of its last step. A run that restarts from checkpoint N deletes the files
+of steps after N first (rank 0), so each step's records come from the attempt that went on.
+
+One parquet row per packed row:
+  step (as the checkpoints count, from 1), rank, world, micro (micro-batch of the step), row (in it)
+  list columns, one entry per segment of the row, in row order:
+    doc, doc_epoch        the stream item g and its epoch (raychat.data.cursor)
+    row_offset, length    where the segment sits in the row
+    pretraining           doc_shard, doc_row_group, doc_row (where the document is in the training shards),
+                          doc_offset (0: the document from its BOS; k > 0: a split tail [BOS] + doc[k:]),
+                          decision (whole | crop | split | drop) and tail (tokens cropped, requeued or dropped)
+    SFT                   sample (mixture index), sample_id, truncation (the chat template's decision, JSON)
+  input_ids_sha256, labels_sha256, loss_mask_sha256, position_ids_sha256 (+ segment_ids_sha256 with
+  document masking): hashes of the row's raychat.masks.make_batch tensors.
+File metadata (key "raychat", JSON, `replay_meta`): stage, seed, template_version, tokenizer_version, bos_id,
+row_len, document_masking, data_dir, tokenizer_path, data (the row source's fingerprint: shards or mixture)
+and, for pretraining, overflow and min_fragment; for SFT, sft_tasks.
 
 Hash of a tensor = sha256 over "<name>|<shape>|" followed by its values as little-endian int64 bytes
 (bool -> 0/1), so it does not depend on the device or the in-memory dtype.
@@ -14,18 +31,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+import re
+from collections.abc import Mapping, Sequence
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import torch
 
-from raychat.chat_template import TEMPLATE_VERSION, render_conversation
-from raychat.data.sample_packing import rows_to_batch
-from raychat.tokenizer import Tokenizer
+from raychat.chat_template import TEMPLATE_VERSION
+from raychat.config import TrainConfig
+from raychat.masks import make_batch
 
 HASHED = ("input_ids", "labels", "loss_mask", "position_ids", "segment_ids")
+REPLAY_DIR = "replay"
+_NAME = re.compile(r"steps_(\d+)-(\d+)\.rank(\d+)\.parquet$")
 
 
 def tensor_sha256(name: str, t: torch.Tensor | np.ndarray) -> str:
@@ -35,120 +56,117 @@ def tensor_sha256(name: str, t: torch.Tensor | np.ndarray) -> str:
     return h.hexdigest()
 
 
-def batch_hashes(batch: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """sha256 of each of HASHED in a make_batch(...) dict (document_masking=True)."""
-    return {k: tensor_sha256(k, batch[k]) for k in HASHED}
-
-
-@dataclass
-class ReplayRecord:
-    """One batch's provenance; JSON-serializable (to_dict / from_dict, save / load)."""
-
-    step: int
-    seed: int
-    mixture: dict
-    template_version: str
-    tokenizer_version: str
-    row_len: int
-    pad_id: int
-    rows: list[dict]  # per row: sample_ids, segment_offsets, segment_lengths, truncation (list of dicts)
-    hashes: dict[str, str] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> ReplayRecord:
-        return cls(**d)
-
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write JSON atomically (tmp + os.replace)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), sort_keys=True))
-        os.replace(tmp, path)
-        return path
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> ReplayRecord:
-        return cls.from_dict(json.loads(Path(path).read_text()))
-
-
-def make_replay_record(
-    rows: Mapping, tokenizer: Tokenizer, step: int, seed: int, mixture: dict, pad_id: int
-) -> ReplayRecord:
-    """Record for a batch of stacked rows (SamplePacker.next_batch / stack_rows output)."""
-    ids = np.asarray(rows["input_ids"])
-    per_row = [
-        {
-            "sample_ids": list(rows["sample_ids"][r]),
-            "segment_offsets": [int(x) for x in rows["segment_offsets"][r]],
-            "segment_lengths": [int(x) for x in rows["segment_lengths"][r]],
-            "truncation": json.loads(rows["truncation"][r]),
-        }
-        for r in range(ids.shape[0])
-    ]
-    return ReplayRecord(
-        step=step,
-        seed=seed,
-        mixture=mixture,
-        template_version=TEMPLATE_VERSION,
-        tokenizer_version=tokenizer.version,
-        row_len=int(ids.shape[1]),
-        pad_id=pad_id,
-        rows=per_row,
-        hashes=batch_hashes(rows_to_batch(rows, tokenizer.bos_id)),
+def row_hashes(rows: Mapping, bos_id: int, document_masking: bool) -> list[dict[str, str]]:
+    """Per row of a row-source batch ({"input_ids": (n, T+1)} and, for SFT, "supervised", "segment_ids"):
+    {"<name>_sha256": hash} of that row's make_batch tensors (the ones the trainer builds)."""
+    as_tensor = {k: torch.from_numpy(np.asarray(rows[k])) for k in ("supervised", "segment_ids") if k in rows}
+    batch = make_batch(
+        torch.from_numpy(np.asarray(rows["input_ids"])),
+        bos_id,
+        document_masking=document_masking,
+        **as_tensor,
     )
+    names = [k for k in HASHED if k in batch and (k != "segment_ids" or document_masking)]
+    return [
+        {f"{k}_sha256": tensor_sha256(k, batch[k][i]) for k in names} for i in range(len(rows["input_ids"]))
+    ]
 
 
-def rebuild_rows(
-    record: ReplayRecord, get_conversation: Callable[[str], Mapping], tokenizer: Tokenizer
-) -> dict:
-    """Re-render every recorded sample (same truncation rule) and place it at its recorded offset.
-
-    Returns:
-        {"input_ids", "supervised", "segment_ids"}: (rows, row_len) int32 arrays.
-    Raises:
-        ValueError: a re-rendered sample's truncation decision or length differs from the record.
-    """
-    n, L = len(record.rows), record.row_len
-    ids = np.full((n, L), record.pad_id, dtype=np.int32)
-    sup = np.zeros((n, L), dtype=np.int32)
-    seg = np.zeros((n, L), dtype=np.int32)
-    for r, row in enumerate(record.rows):
-        seg[r, :] = len(row["sample_ids"])
-        for k, (sid, off, length, trunc) in enumerate(
-            zip(row["sample_ids"], row["segment_offsets"], row["segment_lengths"], row["truncation"])
+def step_records(
+    step: int, rank: int, world: int, batches: Sequence[Mapping], bos_id: int, document_masking: bool
+) -> list[dict]:
+    """The replay rows of one optimizer step on one rank: its micro-batches (row-source outputs, each with a
+    "replay" list of per-row segment columns) with position and hashes."""
+    out = []
+    for m, rows in enumerate(batches):
+        for r, (segments, hashes) in enumerate(
+            zip(rows["replay"], row_hashes(rows, bos_id, document_masking))
         ):
-            rendered = render_conversation(tokenizer, get_conversation(sid), max_tokens=L)
-            if rendered.truncation.to_dict() != trunc or len(rendered) != length:
-                raise ValueError(
-                    f"row {r} sample {sid!r}: re-rendered truncation {rendered.truncation.to_dict()} / length "
-                    f"{len(rendered)} differ from the record {trunc} / {length}"
-                )
-            ids[r, off : off + length], sup[r, off : off + length], seg[r, off : off + length] = (
-                rendered.ids,
-                rendered.supervised,
-                k,
+            out.append(
+                {"step": step, "rank": rank, "world": world, "micro": m, "row": r, **segments, **hashes}
             )
-    return {"input_ids": ids, "supervised": sup, "segment_ids": seg}
+    return out
 
 
-def verify_replay(
-    record: ReplayRecord, get_conversation: Callable[[str], Mapping], tokenizer: Tokenizer
-) -> list[str]:
-    """Rebuild the batch and compare; returns the list of mismatches (empty = identical)."""
-    problems = []
-    if record.template_version != TEMPLATE_VERSION:
-        problems.append(f"template_version {record.template_version} != current {TEMPLATE_VERSION}")
-    if record.tokenizer_version != tokenizer.version:
-        problems.append(f"tokenizer_version {record.tokenizer_version} != current {tokenizer.version}")
-    try:
-        rebuilt = batch_hashes(
-            rows_to_batch(rebuild_rows(record, get_conversation, tokenizer), tokenizer.bos_id)
+def replay_meta(cfg: TrainConfig, tokenizer_version: str, bos_id: int, data: dict) -> dict:
+    """The file metadata of a run's records (module docstring); data: the row source's fingerprint()."""
+    d = cfg.data
+    meta = {
+        "stage": cfg.run.stage, "seed": cfg.run.seed, "template_version": TEMPLATE_VERSION,
+        "tokenizer_version": tokenizer_version, "bos_id": bos_id, "row_len": cfg.model.seq_len + 1,
+        "document_masking": cfg.model.document_masking, "data_dir": d.data_dir, "tokenizer_path": d.tokenizer_path,
+        "data": data,
+    }  # fmt: skip
+    if cfg.run.stage == "sft":
+        return {**meta, "sft_tasks": d.sft_tasks}
+    return {**meta, "overflow": d.overflow, "min_fragment": d.min_fragment}
+
+
+def _filesystem(run_dir: str) -> tuple[pafs.FileSystem, str]:
+    if "://" in str(run_dir):
+        return pafs.FileSystem.from_uri(str(run_dir))
+    return pafs.LocalFileSystem(), os.path.abspath(run_dir)
+
+
+def write_records(run_dir: str, rank: int, records: Sequence[dict], meta: Mapping) -> str:
+    """Write one rank's records of consecutive steps to <run_dir>/replay/; returns the file's path."""
+    fs, root = _filesystem(run_dir)
+    directory = f"{root}/{REPLAY_DIR}"
+    fs.create_dir(directory, recursive=True)
+    first, last = records[0]["step"], records[-1]["step"]
+    path = f"{directory}/steps_{first:06d}-{last:06d}.rank{rank}.parquet"
+    table = pa.Table.from_pylist(list(records))
+    table = table.replace_schema_metadata({"raychat": json.dumps(dict(meta), sort_keys=True)})
+    if isinstance(fs, pafs.LocalFileSystem):
+        tmp = f"{path}.tmp"
+        pq.write_table(table, tmp, filesystem=fs, compression="zstd")
+        fs.move(tmp, path)
+    else:
+        pq.write_table(table, path, filesystem=fs, compression="zstd")
+    return path
+
+
+def _files(run_dir: str) -> list[tuple[int, int, int, str]]:
+    """(first step, last step, rank, path) of every replay file of a run."""
+    fs, root = _filesystem(run_dir)
+    infos = fs.get_file_info(pafs.FileSelector(f"{root}/{REPLAY_DIR}", allow_not_found=True))
+    found = [(_NAME.search(i.path), i.path) for i in infos]
+    return sorted((int(m[1]), int(m[2]), int(m[3]), p) for m, p in found if m)
+
+
+def prune_records(run_dir: str, after_step: int) -> int:
+    """Delete the replay files holding steps after `after_step` (a restart from that checkpoint redoes them);
+    returns how many."""
+    fs, _ = _filesystem(run_dir)
+    stale = [p for _, last, _, p in _files(run_dir) if last > after_step]
+    for p in stale:
+        fs.delete_file(p)
+    return len(stale)
+
+
+def read_step(run_dir: str, step: int) -> tuple[list[dict], dict]:
+    """The records of `step` on every rank, ordered by (rank, micro, row), and the files' metadata.
+
+    Raises:
+        FileNotFoundError: no replay file of the run holds that step.
+        ValueError: the step's records do not come from one whole world (a rank's file is missing).
+    """
+    fs, _ = _filesystem(run_dir)
+    files = [p for first, last, _, p in _files(run_dir) if first <= step <= last]
+    if not files:
+        steps = [(first, last) for first, last, _, _ in _files(run_dir)]
+        raise FileNotFoundError(
+            f"no replay record of step {step} under {run_dir}/{REPLAY_DIR} (steps: {steps})"
         )
-    except ValueError as e:
-        return [*problems, str(e)]
-    problems += [f"{k} hash differs" for k in HASHED if rebuilt[k] != record.hashes.get(k)]
-    return problems
+    rows, meta = [], {}
+    for p in files:
+        table = pq.read_table(p, filesystem=fs, filters=[("step", "=", step)])
+        meta = json.loads(table.schema.metadata[b"raychat"])
+        rows += table.to_pylist()
+    rows.sort(key=lambda r: (r["rank"], r["micro"], r["row"]))
+    worlds = {r["world"] for r in rows}
+    if len(worlds) != 1 or {r["rank"] for r in rows} != set(range(next(iter(worlds)))):
+        raise ValueError(
+            f"step {step}: records of ranks {sorted({r['rank'] for r in rows})}, worlds {worlds}"
+        )
+    return rows, meta

@@ -39,12 +39,14 @@ MODES = ("bestfit", "pad")
 
 @dataclass
 class PackItem:
-    """One rendered sample ready to pack. input_ids/supervised: int32 arrays of equal length (<= row_len)."""
+    """One rendered sample ready to pack. input_ids/supervised: int32 arrays of equal length (<= row_len);
+    ref: where it came from (the SFT stream item g, raychat.data.sft_rows; -1 when not from a stream)."""
 
     sample_id: str
     input_ids: np.ndarray
     supervised: np.ndarray
     truncation: dict = field(default_factory=dict)
+    ref: int = -1
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -54,29 +56,13 @@ class PackItem:
         return int(self.supervised.sum())
 
     @classmethod
-    def from_rendered(cls, sample_id: str, rendered: RenderedConversation) -> PackItem:
+    def from_rendered(cls, sample_id: str, rendered: RenderedConversation, ref: int = -1) -> PackItem:
         return cls(
             sample_id,
             np.asarray(rendered.ids, dtype=np.int32),
             np.asarray(rendered.supervised, dtype=np.int32),
             rendered.truncation.to_dict(),
-        )
-
-    def to_dict(self) -> dict:
-        return {
-            "sample_id": self.sample_id,
-            "input_ids": self.input_ids.tolist(),
-            "supervised": self.supervised.tolist(),
-            "truncation": self.truncation,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> PackItem:
-        return cls(
-            d["sample_id"],
-            np.asarray(d["input_ids"], dtype=np.int32),
-            np.asarray(d["supervised"], dtype=np.int32),
-            dict(d["truncation"]),
+            ref,
         )
 
 
@@ -109,12 +95,14 @@ def render_samples(
     samples: Iterable[tuple[str, Mapping | Sequence]],
     row_len: int,
     stats: SampleStats | None = None,
+    ref: int = -1,
 ) -> Iterator[PackItem]:
     """Render (sample_id, conversation) pairs with truncation to `row_len`; skip and count dropped ones.
 
     Args:
         row_len: T+1, the packed row length; every yielded item has len <= row_len.
         stats: updated in place (samples, truncated, dropped, drop_reasons, targets_before/after).
+        ref: PackItem.ref of the yielded items.
     """
     stats = stats if stats is not None else SampleStats()
     for sample_id, conversation in samples:
@@ -128,7 +116,7 @@ def render_samples(
             stats.drop_reasons[t.reason] += 1
             continue
         stats.truncated += int(t.truncated)
-        yield PackItem.from_rendered(sample_id, r)
+        yield PackItem.from_rendered(sample_id, r, ref)
 
 
 class SamplePacker:
@@ -202,7 +190,7 @@ class SamplePacker:
 
         Returns:
             dict with input_ids, supervised, segment_ids (int32 arrays of shape (row_len,)), sample_ids
-            (list[str]), segment_offsets and segment_lengths (int32 arrays, one per sample), num_targets
+            (list[str]), sample_refs (list[int], PackItem.ref), segment_offsets and segment_lengths (int32 arrays, one per sample), num_targets
             (int), truncation (JSON string: the samples' truncation decisions).
         """
         placed: list[PackItem] = []
@@ -238,6 +226,7 @@ class SamplePacker:
             "supervised": sup,
             "segment_ids": seg,
             "sample_ids": [item.sample_id for item in placed],
+            "sample_refs": [item.ref for item in placed],
             "segment_offsets": np.asarray(offsets, dtype=np.int32),
             "segment_lengths": np.asarray(lengths, dtype=np.int32),
             "num_targets": int(sup.sum()),
@@ -259,16 +248,27 @@ class SamplePacker:
         return stack_rows([self.next_row() for _ in range(n)])
 
     # ---- exact resume ----------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The buffered samples and counters (JSON-serializable). The caller also saves its source position."""
-        items = [self._items[a].to_dict() for _, a in sorted(self._keys, key=lambda k: k[1])]
-        stats = {k: v for k, v in vars(self.stats).items() if k != "drop_reasons"}
-        return {"buffer": items, "stats": stats, "exhausted": self._exhausted}
+    def buffered(self) -> list[PackItem]:
+        """The buffered items in arrival order."""
+        return [self._items[a] for a in sorted(self._items)]
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def state_dict(self) -> dict:
+        """References, not tokens: {"buffer": [PackItem.ref, ...] in arrival order, "stats", "exhausted"}
+        (JSON-serializable). The caller also saves its source position."""
+        stats = {k: v for k, v in vars(self.stats).items() if k != "drop_reasons"}
+        return {"buffer": [it.ref for it in self.buffered()], "stats": stats, "exhausted": self._exhausted}
+
+    def load_state_dict(self, state: Mapping, items: Sequence[PackItem]) -> None:
+        """Restore a state_dict; `items` are its buffer's items rebuilt by the caller, in the same order.
+
+        Raises:
+            ValueError: the items are not the ones the state refers to.
+        """
+        if [it.ref for it in items] != list(state["buffer"]):
+            raise ValueError("the rebuilt items do not match the packer state's buffer")
         self._keys, self._items, self._arrivals = [], {}, 0
-        for d in state["buffer"]:
-            self._push(PackItem.from_dict(d))
+        for it in items:
+            self._push(it)
         self.stats = SampleStats(**state["stats"])
         self._exhausted = bool(state["exhausted"])
 

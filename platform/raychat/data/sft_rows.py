@@ -1,16 +1,24 @@
 """SFT rows: conversations of a task mixture rendered by the chat template and bin-packed into rows.
 
-  TaskMixture -> render_samples (chat template, truncation) -> SamplePacker (best fit, segment ids) -> rows
+  TaskMixture -> the global stream (raychat.data.cursor: item g = example perm_e[g % N] of epoch e = g // N,
+  perm_e drawn from the seed) dealt to ranks (rank r of W takes elements r, r+W, ...) -> render (chat
+  template, truncation) -> SamplePacker (best fit, segment ids) -> rows
 
-SFTRows is the training row source (resumable); validation_rows packs a held-out task into a fixed set of
-rows (the same rows at every evaluation).
+SFTRows is the training row source; its state is references only (cursor position, buffered items' stream
+items) and resumes on any number of ranks like the pretraining rows (raychat.data.pipeline): same world bit
+for bit, another world re-dealt with no example repeated or skipped. validation_rows packs a held-out task
+into a fixed set of rows (the same rows at every evaluation).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+
 import numpy as np
 
-from raychat.data.sample_packing import SamplePacker, render_samples
+from raychat.data.cursor import Deal, RankCursor, epoch_permutation, redeal, sum_stats, whole_world
+from raychat.data.sample_packing import PackItem, SamplePacker, SampleStats, render_samples
 from raychat.tasks import Task, TaskMixture
 from raychat.tokenizer import Tokenizer
 
@@ -20,8 +28,12 @@ ROW_KEYS = ("input_ids", "supervised", "segment_ids")
 class SFTRows:
     """This rank's endless, exactly resumable stream of packed conversation rows.
 
-    Rank r takes mixture examples r, r+W, r+2W, ...; at the end of the mixture the next epoch starts.
-    `next_batch(n)` -> {"input_ids", "supervised", "segment_ids": (n, row_len) arrays}.
+    `next_batch(n)` -> {"input_ids", "supervised", "segment_ids": (n, row_len) int32 arrays, "replay": per row,
+    its samples' replay-record columns}.
+
+    Args:
+        tasks, seed: the mixture (TaskMixture(tasks, seed=seed)); the seed also orders every epoch.
+        row_len: T+1; rank, world_size: this worker's place; buffer_size: best-fit buffer (samples).
     """
 
     def __init__(
@@ -32,33 +44,104 @@ class SFTRows:
         row_len: int,
         rank: int = 0,
         world_size: int = 1,
+        buffer_size: int = 64,
     ):
-        self.mixture = TaskMixture(tasks, seed=seed)
+        self.mixture, self.seed = TaskMixture(tasks, seed=seed), seed
         self.tokenizer, self.row_len = tokenizer, row_len
-        self.indices = list(range(rank, len(self.mixture), world_size))
-        self.epoch, self.position = 0, 0
-        self.packer = SamplePacker(self._next_item, self.row_len, pad_id=tokenizer.bos_id, buffer_size=64)
+        self.rank, self.world = rank, world_size
+        self.cursor = RankCursor(Deal(world_size), rank)
+        self.packer = SamplePacker(self._next_item, row_len, pad_id=tokenizer.bos_id, buffer_size=buffer_size)
+        self._orders: dict[int, np.ndarray] = {}
 
-    def _next_item(self):
-        for _ in range(len(self.indices) + 1):
-            if self.position >= len(self.indices):
-                self.epoch, self.position = self.epoch + 1, 0
-            conv = self.mixture[self.indices[self.position]]
-            self.position += 1
-            for item in render_samples(self.tokenizer, [(conv["id"], conv)], self.row_len, self.packer.stats):
+    def locate(self, g: int) -> tuple[int, int]:
+        """(epoch, mixture index) of stream item g."""
+        epoch, p = divmod(int(g), len(self.mixture))
+        if epoch not in self._orders:
+            self._orders = {epoch: epoch_permutation(len(self.mixture), self.seed, epoch)}
+        return epoch, int(self._orders[epoch][p])
+
+    def render(self, g: int, stats: SampleStats | None = None) -> PackItem | None:
+        """Stream item g rendered and truncated to row_len; None if truncation drops it."""
+        conv = self.mixture[self.locate(g)[1]]
+        return next(
+            iter(render_samples(self.tokenizer, [(conv["id"], conv)], self.row_len, stats, ref=g)), None
+        )
+
+    def _next_item(self) -> PackItem:
+        for _ in range(len(self.mixture) + 1):
+            (g, _), = self.cursor.upcoming(1)  # fmt: skip
+            self.cursor.take((g, 0))
+            item = self.render(g, self.packer.stats)
+            if item is not None:
                 return item
         raise RuntimeError("every SFT sample was dropped by truncation: raise --seq-len")
 
-    def next_batch(self, n: int) -> dict[str, np.ndarray]:
+    def next_batch(self, n: int) -> dict:
         rows = self.packer.next_batch(n)
-        return {k: rows[k] for k in ROW_KEYS}
+        out = {k: rows[k] for k in ROW_KEYS}
+        out["replay"] = [
+            {
+                "doc": list(refs),
+                "doc_epoch": [self.locate(g)[0] for g in refs],
+                "sample": [self.locate(g)[1] for g in refs],
+                "sample_id": list(ids),
+                "row_offset": [int(x) for x in offsets],
+                "length": [int(x) for x in lengths],
+                "truncation": [json.dumps(t, sort_keys=True) for t in json.loads(truncation)],
+            }
+            for refs, ids, offsets, lengths, truncation in zip(
+                rows["sample_refs"], rows["sample_ids"], rows["segment_offsets"], rows["segment_lengths"],
+                rows["truncation"],
+            )
+        ]  # fmt: skip
+        return out
+
+    # ---- checkpoint state --------------------------------------------------------------------------
+    def fingerprint(self) -> dict:
+        return {"mixture": self.mixture.describe(), "examples": len(self.mixture), "row_len": self.row_len}
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "packer": self.packer.state_dict()}
+        """{"mixture", "deal", "rank", "taken", "packer": {"buffer": stream items, "stats", "exhausted"}}."""
+        return {
+            "mixture": self.fingerprint(),
+            "deal": self.cursor.deal.to_dict(),
+            "rank": self.rank,
+            "taken": self.cursor.taken,
+            "packer": self.packer.state_dict(),
+        }
+
+    def load_state_dicts(self, states: Sequence[dict]) -> None:
+        """Continue from the states of every rank of the old world (in rank order); see the module docstring.
+
+        Raises:
+            ValueError: the states were made with another mixture or row length, or are not one whole world.
+        """
+        deal = whole_world([self._check(s) for s in states], [s["rank"] for s in states])
+        if deal.world == self.world:
+            self._restore(states[self.rank])
+            return
+        buffers = [[(int(g), 0) for g in s["packer"]["buffer"]] for s in states]
+        self.cursor = RankCursor(redeal(deal, [s["taken"] for s in states], buffers, self.world), self.rank)
+        stats = sum_stats([s["packer"]["stats"] for s in states]) if self.rank == 0 else {}
+        empty = {"buffer": [], "stats": stats, "exhausted": False}
+        self.packer.load_state_dict(empty, [])
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
-        self.packer.load_state_dict(state["packer"])
+        """Same-world resume from this rank's own state (the other ranks continue from theirs)."""
+        if self._check(state).world != self.world or state["rank"] != self.rank:
+            raise ValueError("load_state_dict restores this rank of the same world: use load_state_dicts")
+        self._restore(state)
+
+    def _check(self, state: dict) -> Deal:
+        if state["mixture"] != self.fingerprint():
+            raise ValueError(
+                f"checkpoint data state was made on {state['mixture']}, this run has {self.fingerprint()}"
+            )
+        return Deal.from_dict(state["deal"])
+
+    def _restore(self, state: dict) -> None:
+        self.cursor = RankCursor(Deal.from_dict(state["deal"]), self.rank, state["taken"])
+        self.packer.load_state_dict(state["packer"], [self.render(g) for g in state["packer"]["buffer"]])
 
 
 def validation_rows(task: Task, tokenizer: Tokenizer, row_len: int, world_size: int) -> dict[str, np.ndarray]:

@@ -30,6 +30,8 @@ class Plan:
     tokens: int
     tokens_per_param: float
     total_flops: float
+    # the power-law batch before it was rounded to whole micro-steps (0: --total-batch-size was given)
+    auto_batch_size: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -46,8 +48,15 @@ def power_law_batch_size(data_tokens: float, tokens_per_micro_step: int) -> int:
     return max(b, tokens_per_micro_step)
 
 
+def round_to_micro_steps(tokens: int, tokens_per_micro_step: int) -> int:
+    """The multiple of tokens_per_micro_step (device_batch_size x seq_len x workers) nearest to `tokens`
+    (halves round up), at least one: the automatic batch fits any number of workers (3, 6, 12, ...)."""
+    return max(1, (2 * tokens + tokens_per_micro_step) // (2 * tokens_per_micro_step)) * tokens_per_micro_step
+
+
 def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
-    """The derived sizes of a run. Raises ConfigError when the batch sizes do not divide."""
+    """The derived sizes of a run. An automatic total batch size is rounded to whole micro-steps
+    (round_to_micro_steps); raises ConfigError when an explicit --total-batch-size does not divide."""
     m, h, batch = cfg.model, cfg.train.horizon, cfg.train.batch
     if cfg.run.init_from:
         model_config = ModelConfig(**read_meta(cfg.run.init_from)["model_config"])
@@ -67,10 +76,12 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
         horizon, data_tokens = "target_flops", h.target_flops / flops_per_token
     else:
         horizon, data_tokens = "target_param_data_ratio", h.target_param_data_ratio * scaling_params
+    auto = 0
     if batch.total_batch_size > 0:
         total_batch = batch.total_batch_size
     else:
-        total_batch = power_law_batch_size(data_tokens or h.num_iterations * per_micro * 8, per_micro)
+        auto = power_law_batch_size(data_tokens or h.num_iterations * per_micro * 8, per_micro)
+        total_batch = round_to_micro_steps(auto, per_micro)
     grad_accum = cfg.grad_accum_steps(total_batch)
     num_iterations = h.num_iterations if h.num_iterations > 0 else max(1, round(data_tokens / total_batch))
     tokens = num_iterations * total_batch
@@ -86,6 +97,7 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
         tokens=tokens,
         tokens_per_param=tokens / scaling_params,
         total_flops=tokens * flops_per_token,
+        auto_batch_size=auto,
     )
 
 
@@ -101,6 +113,13 @@ def print_plan(cfg: TrainConfig, p: Plan) -> None:
         f"batch: {p.total_batch_size:,} tokens/step = {cfg.cluster.num_workers} workers x "
         f"{cfg.train.batch.device_batch_size} rows x {cfg.model.seq_len} tokens x {p.grad_accum} accumulation steps"
     )
+    if p.auto_batch_size:
+        w, rows, seq = cfg.cluster.num_workers, cfg.train.batch.device_batch_size, cfg.model.seq_len
+        change = "kept" if p.auto_batch_size == p.total_batch_size else f"rounded to {p.total_batch_size:,}"
+        print(
+            f"  (automatic: power law {p.auto_batch_size:,} tokens, {change}: the nearest multiple of "
+            f"{w} workers x {rows} rows x {seq} tokens = {w * rows * seq:,})"
+        )
     print(
         f"horizon ({p.horizon}): {p.num_iterations:,} steps, {p.tokens:,} tokens, "
         f"{p.tokens_per_param:.2f} tokens/param, {p.total_flops:.3g} FLOPs"

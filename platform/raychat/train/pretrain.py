@@ -1,7 +1,8 @@
 """Pretraining: the Trainer fed with best-fit packed rows of the training shards (Ray Data streams them).
 
-Components: PretrainRows (raychat.data.pipeline) for training; validation BPB on the validation shard and,
-on rank 0, greedy samples. `raychat pretrain` (or `jobs/pretrain.py`); same --run-name resumes.
+Components: PretrainRows (raychat.data.pipeline: the rank's share of the global document stream, packed
+with --overflow crop|split) for training; validation BPB on the validation shard and, on rank 0, greedy
+samples; replay records of every step (raychat.train.replay_recorder). `raychat pretrain` (or `jobs/pretrain.py`); same --run-name resumes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from raychat.tokenizer import Tokenizer
 from raychat.train.evaluators import BPBEvaluator, SamplesEvaluator
 from raychat.train.launch import add_command, config_from, run_training
 from raychat.train.plan import make_plan, print_plan
+from raychat.train.replay_recorder import ReplayRecorder
 
 
 class Pretraining:
@@ -22,9 +24,10 @@ class Pretraining:
 
     def row_source(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int) -> PretrainRows:
         train_files, _ = list_shards(cfg.data.data_dir)
+        d = cfg.data
         return PretrainRows(
-            train_files, cfg.data.tokenizer_path, cfg.model.seq_len + 1, rank, world, cfg.data.buffer_size,
-            num_cpus=self.data_cpus,
+            train_files, d.tokenizer_path, cfg.model.seq_len + 1, rank, world, d.buffer_size,
+            num_cpus=self.data_cpus, seed=cfg.run.seed, overflow=d.overflow, min_fragment=d.min_fragment,
         )  # fmt: skip
 
     def evaluators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
@@ -41,8 +44,9 @@ class Pretraining:
 
 
 def pretrain(cfg: TrainConfig, callbacks=()):
-    """Run (or resume) pretraining on the current Ray cluster; returns the ray.train.Result."""
-    return run_training(cfg, Pretraining(), callbacks)
+    """Run (or resume) pretraining on the current Ray cluster, with replay records; returns the
+    ray.train.Result."""
+    return run_training(cfg, Pretraining(), [ReplayRecorder(), *callbacks])
 
 
 def dry_run_vocab_size(cfg: TrainConfig, preset: str | None) -> int:

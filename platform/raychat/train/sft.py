@@ -1,6 +1,7 @@
 """Supervised fine-tuning: the Trainer fed with packed conversations of a task mixture (--sft-tasks).
 
-Components: SFTRows (raychat.data.sft_rows) for training; for every mixture task with a held-out split,
+Components: SFTRows (raychat.data.sft_rows: the rank's share of the global mixture stream) for training,
+with replay records of every step (raychat.train.replay_recorder); for every mixture task with a held-out split,
 validation BPB on its packed test conversations ("<task>_val_bpb", and "val_bpb" over all of them) and, on
 rank 0, greedy accuracy on --eval-examples of them ("<task>_accuracy"). Document masking is on.
 `raychat sft --init-from <pretraining checkpoint>` (or `jobs/sft.py`); the checkpoint's meta.stage is "sft".
@@ -15,6 +16,7 @@ from raychat.tasks.registry import held_out, make_task, mixture_tasks, parse_mix
 from raychat.tokenizer import Tokenizer
 from raychat.train.evaluators import AccuracyEvaluator, BPBEvaluator, MeanBPBEvaluator
 from raychat.train.launch import add_command, config_from, run_training
+from raychat.train.replay_recorder import ReplayRecorder
 
 
 class SFT:
@@ -61,7 +63,9 @@ def sft(cfg: TrainConfig, callbacks=()):
         raise ValueError("--init-from <pretraining checkpoint directory> is required")
     read_meta(cfg.run.init_from)  # a clear error now, not inside a Ray worker
     return run_training(
-        from_dict(TrainConfig, {"stage": "sft", "document_masking": True}, base=cfg), SFT(), callbacks
+        from_dict(TrainConfig, {"stage": "sft", "document_masking": True}, base=cfg),
+        SFT(),
+        [ReplayRecorder(), *callbacks],
     )
 
 

@@ -10,7 +10,7 @@
 
 Components: row_source (`next_batch(n)` -> rows, `state_dict`, `load_state_dict`), evaluators
 (raychat.train.evaluators), checkpointer (raychat.train.checkpointer), metrics (raychat.metrics_sink, rank 0
-only), callbacks (hooks at step begin/end and at the end of training).
+only), callbacks (hooks at step begin/end, on each step's rows, before each checkpoint, at the end of training).
 """
 
 from __future__ import annotations
@@ -69,6 +69,12 @@ class Callback:
     def on_step_begin(self, trainer: Trainer, step: int) -> None: ...
 
     def on_step_end(self, trainer: Trainer, stats: dict) -> None: ...
+
+    def on_batch(self, trainer: Trainer, step: int, batches: list[dict]) -> None:
+        """The row source's micro-batches of step `step` (0-based), before they become tensors."""
+
+    def on_save(self, trainer: Trainer, step: int) -> None:
+        """Just before checkpoint `step` is written."""
 
     def on_train_end(self, trainer: Trainer) -> None: ...
 
@@ -149,11 +155,12 @@ class Trainer:
         """One optimizer step (0-based `step`); returns its stats (step counts from 1)."""
         cfg, plan = self.config, self.plan
         t0 = time.perf_counter()
-        rows = cfg.train.batch.device_batch_size
-        micro = [
-            to_batch(self.row_source.next_batch(rows), self.bos_id, cfg.model.document_masking, self.device)
-            for _ in range(plan.grad_accum)
+        batches = [
+            self.row_source.next_batch(cfg.train.batch.device_batch_size) for _ in range(plan.grad_accum)
         ]
+        for cb in self.callbacks:
+            cb.on_batch(self, step, batches)
+        micro = [to_batch(b, self.bos_id, cfg.model.document_masking, self.device) for b in batches]
         t_data = time.perf_counter() - t0
         n_targets = global_target_count(mb["loss_mask"] for mb in micro)
         s = cfg.train.schedule
@@ -240,6 +247,8 @@ class Trainer:
 
     def save(self, step: int, report: dict) -> None:
         """Write this rank's part of checkpoint `step` and publish it through Ray Train."""
+        for cb in self.callbacks:
+            cb.on_save(self, step)
         with tempfile.TemporaryDirectory() as tmp:
             state = {"rows": self.row_source.state_dict()}
             self.checkpointer.write(tmp, self.rank, step, self.model, self.optimizers, state, metrics=report)
