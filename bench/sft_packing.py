@@ -42,7 +42,8 @@ from raychat.data.sample_packing import SampleStats, compare_packing, render_sam
 from raychat.tasks import TaskMixture
 from raychat.tasks.registry import mixture_tasks
 from raychat.tokenizer import Tokenizer
-from raychat.train.pretrain import run_training
+from raychat.train.pretrain import pretrain
+from raychat.train.sft import sft
 
 SPEC = "calculator:4000,chatterbot,spelling:2000"
 ROW_LEN = 257
@@ -128,7 +129,7 @@ def main() -> int:
     storage = f"{workdir}/runs"
     tag = uuid.uuid4().hex[:6]
     start_ray(2, workdir)
-    init = run_training(config(data_dir, tok_dir, storage, 5, run_name=f"sft-init-{tag}")).checkpoint.path
+    init = pretrain(config(data_dir, tok_dir, storage, 5, run_name=f"sft-init-{tag}")).checkpoint.path
     runs = {
         "pretrain": config(data_dir, tok_dir, storage, a.steps, run_name=f"pt-{tag}", init_from=init),
         "sft": config(
@@ -144,7 +145,7 @@ def main() -> int:
     }
     tps, wait = {}, {}
     for name, cfg in runs.items():
-        run_training(cfg)
+        (sft if name == "sft" else pretrain)(cfg)
         m = read_metrics(storage, cfg.run.run_name)
         tps[name] = steady_tokens_per_s(
             [s["tokens_per_s"] for s in m], cfg.train.batch.total_batch_size, a.skip
