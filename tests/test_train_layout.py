@@ -3,14 +3,13 @@ the layout that used to hang (1 worker x 1.75 CPUs on 2 cores, issue 15) trains 
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import ray
+from cluster import short_temp_dir
 
 from raychat.train import layout
 from raychat.train.layout import check_cpu_layout, data_reservation, start_or_connect
@@ -59,41 +58,40 @@ def test_a_local_layout_that_cannot_fit_is_refused_before_ray_starts(monkeypatch
     assert not ray.is_initialized()
 
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa river stone light cloud tree bird".split()
-
-
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
+def corpus(tmp_path_factory, small_tokenizer):
+    """3 train shards + 1 validation shard of the tokenizer's own vocabulary, and the tokenizer."""
     from raychat.data.shards import write_manifest, write_shards
-    from raychat.tokenizer import Tokenizer
 
-    root = tmp_path_factory.mktemp("data")
-    rng = random.Random(0)
-    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 80))) + "." for _ in range(300)]
+    root = tmp_path_factory.mktemp("corpus")
+    docs = [
+        " ".join(["river stone light", "cloud tree bird"][i % 2] for _ in range(5 + i % 40))
+        for i in range(200)
+    ]
     entries = write_shards(docs, root / "shards", num_shards=3, row_group_size=64, log=lambda *_: None)
     write_manifest(root / "shards", {"source": "test", "shards": entries})
-    Tokenizer.train(docs, vocab_size=300).save(root / "tok")
+    small_tokenizer.save(root / "tok")
     return root
 
 
 @pytest.fixture
 def ray_tmp():
     """A short RAY_TMPDIR (Ray's AF_UNIX socket paths under it must stay within 107 bytes)."""
-    path = tempfile.mkdtemp(prefix="rc-layout-")
+    path = str(short_temp_dir("layout-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _pretrain_on_two_cores(data, tmp_path, ray_tmp, *flags):
+def _pretrain_on_two_cores(corpus, tmp_path, ray_tmp, *flags):
     """`raychat pretrain` in a child process restricted to CPUs {0, 1} (a 2-core machine), no RAY_ADDRESS:
     it starts its own local Ray cluster (temp dir ray_tmp) and stops it when it exits."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYCHAT_THREADS")}
     env.update(RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled")
     cmd = [
         sys.executable, "-m", "raychat.cli", "pretrain", "--preset", "none",
-        "--data-dir", str(data / "shards"), "--tokenizer-path", str(data / "tok"),
+        "--data-dir", str(corpus / "shards"), "--tokenizer-path", str(corpus / "tok"),
         "--storage-path", str(tmp_path / "runs"), "--run-name", "layout",
-        "--depth", "1", "--head-dim", "32", "--seq-len", "32", "--device-batch-size", "2",
+        "--depth", "1", "--aspect-ratio", "64", "--head-dim", "32", "--seq-len", "32", "--device-batch-size", "2",
         "--total-batch-size", "128", "--num-iterations", "2", "--eval-every", "0", "--eval-tokens", "64",
         "--checkpoint-every", "0", "--buffer-size", "8", "--max-failures", "0", *flags,
     ]  # fmt: skip
@@ -105,8 +103,10 @@ def _pretrain_on_two_cores(data, tmp_path, ray_tmp, *flags):
 
 @pytest.mark.ray
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
-def test_the_layout_that_hung_trains_two_steps_on_the_local_cluster(data, tmp_path, ray_tmp):
-    done = _pretrain_on_two_cores(data, tmp_path, ray_tmp, "--num-workers", "1", "--cpus-per-worker", "1.75")
+def test_the_layout_that_hung_trains_two_steps_on_the_local_cluster(corpus, tmp_path, ray_tmp):
+    done = _pretrain_on_two_cores(
+        corpus, tmp_path, ray_tmp, "--num-workers", "1", "--cpus-per-worker", "1.75"
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (
         "layout: 1 worker(s) x 1.75 CPUs (2 torch thread(s) each) + 1 CPU for Ray Data of 3 CPUs"
@@ -118,8 +118,8 @@ def test_the_layout_that_hung_trains_two_steps_on_the_local_cluster(data, tmp_pa
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
-def test_a_layout_beyond_the_local_cluster_is_refused_before_ray_starts(data, tmp_path, ray_tmp):
-    done = _pretrain_on_two_cores(data, tmp_path, ray_tmp, "--num-workers", "2", "--cpus-per-worker", "1.5")
+def test_a_layout_beyond_the_local_cluster_is_refused_before_ray_starts(corpus, tmp_path, ray_tmp):
+    done = _pretrain_on_two_cores(corpus, tmp_path, ray_tmp, "--num-workers", "2", "--cpus-per-worker", "1.5")
     assert done.returncode != 0
     assert "needs 4 CPUs; the cluster has 3: lower --cpus-per-worker to at most 1 " in done.stderr
     assert os.listdir(ray_tmp) == []  # Ray never started

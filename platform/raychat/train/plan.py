@@ -107,6 +107,6 @@ def print_plan(cfg: TrainConfig, p: Plan) -> None:
         f"{p.tokens_per_param:.2f} tokens/param, {p.total_flops:.3g} FLOPs"
     )
     print(
-        f"optimizer: Muon for the hidden matrices ({planned_ns_choice(cfg.optim.ns_dtype, cfg.cluster.use_gpu)}) "
-        "+ AdamW for the embedding, lm_head and norms"
+        f"optimizer: Muon for the hidden matrices, {planned_ns_choice(cfg.optim.ns_dtype, cfg.cluster.use_gpu)}; "
+        "AdamW for the embedding, lm_head and norms"
     )
