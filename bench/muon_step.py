@@ -13,8 +13,11 @@ the "torch.optim.Muon" rows).
 1 process, 2 torch threads: torch.optim.Muon (Newton-Schulz in bf16) | ours in fp32 | ours "auto".
 2 gloo processes, 1 thread each (the preset's 2 workers), DDP as Ray Train's prepare_model sets it up, 2
 micro-batches per rank: torch.optim.Muon | ours fp32 unsharded | ours fp32 sharded | ours "auto" sharded.
-In the 2-process rows fwd+bwd includes DDP's gradient all-reduce (overlapped with backward); the times are
-rank 0's (Muon's sharded all_gather waits for the slower rank, so its time includes that imbalance).
+In the 2-process rows the gradient all-reduce is timed apart from fwd+bwd (every backward under no_sync,
+then one coalesced all_reduce of the gradients: the same average DDP computes, without its overlap with the
+last backward); the times are rank 0's (Muon's sharded all_gather waits for the slower rank, so its time
+includes that imbalance). Data loading is not in this script (token ids are generated): the Ray runs of
+bench/train_throughput.py measure it (their "data wait" column).
 Medians over the steps after the first --skip. Also printed: one bf16 vs fp32 matmul pair on the 704x256
 matrix shape (X X^T, then A X: what Newton-Schulz does) beside the dtype that choose_ns_dtype's capability
 rule picks here, to check the rule against a measurement.
@@ -33,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _common import append_result, command_line, machine, uptime
 
-from raychat.config import TrainConfig
+from raychat.config import TrainConfig, from_dict
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.masks import make_batch
 from raychat.model import GPT, ModelConfig
@@ -41,14 +44,15 @@ from raychat.train.optim import build_optimizers, muon_ns_choice
 
 CFG = TrainConfig().optim  # the preset's learning rates (cpu.yaml keeps TrainConfig's optimizer defaults)
 VOCAB, DEPTH, ROWS, SEQ, MICRO = 4096, 4, 8, 256, 4
-PHASES = ("fwd_bwd", "clip", "muon", "adamw")
+PHASES = ("fwd_bwd", "all_reduce", "clip", "muon", "adamw")
 
 
 def model_and_optimizers(variant: str) -> tuple[GPT, list]:
     """A fresh copy of the model (seed 0) and the optimizers of `variant`."""
     torch.manual_seed(0)
     model = GPT(ModelConfig.from_depth(DEPTH, VOCAB, SEQ)).init_weights(0)
-    opts = build_optimizers(model, CFG, ns_dtype="auto" if "auto" in variant else "float32")
+    cfg = from_dict(TrainConfig, {"ns_dtype": "auto" if "auto" in variant else "float32"}).optim
+    opts = build_optimizers(model, cfg)
     if variant.startswith("torch"):
         group = opts[0].param_groups[0]
         opts[0] = torch.optim.Muon(
@@ -64,16 +68,30 @@ def micro_batches(step: int, ranks: range) -> list[dict]:
     return [make_batch(ids[i], bos_id=0) for i in ranks]
 
 
+def all_reduce_mean(model: GPT, world: int) -> None:
+    """Average the gradients over the ranks in one coalesced all_reduce (what DDP's buckets do)."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= world
+    for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
+
+
 def timed_step(model, train_model, opts, micro: list[dict], world: int) -> dict[str, float]:
-    """One optimizer step; seconds per phase."""
+    """One optimizer step; seconds per phase. With world > 1 every backward runs under DDP's no_sync and
+    the gradients are then averaged by all_reduce_mean, so the all-reduce is timed on its own (DDP would
+    overlap it with the last backward)."""
     t0 = time.perf_counter()
     n = global_target_count(mb["loss_mask"] for mb in micro)
-    for i, mb in enumerate(micro):
-        last = i == len(micro) - 1
-        with train_model.no_sync() if world > 1 and not last else contextlib.nullcontext():
+    for mb in micro:
+        with train_model.no_sync() if world > 1 else contextlib.nullcontext():
             logits = train_model(mb["input_ids"], position_ids=mb["position_ids"])
             normalize(cross_entropy_sum(logits, mb["labels"], mb["loss_mask"])[0], n, world).backward()
     t1 = time.perf_counter()
+    if world > 1:
+        all_reduce_mean(model, world)
+    t_ar = time.perf_counter()
     torch.nn.utils.clip_grad_norm_(model.parameters(), CFG.grad_clip)
     t2 = time.perf_counter()
     opts[0].step()
@@ -82,7 +100,7 @@ def timed_step(model, train_model, opts, micro: list[dict], world: int) -> dict[
     t4 = time.perf_counter()
     for opt in opts:
         opt.zero_grad(set_to_none=True)
-    return dict(zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)))
+    return dict(zip(PHASES, (t1 - t0, t_ar - t1, t2 - t_ar, t3 - t2, t4 - t3)))
 
 
 def run_variants(variants: list[str], steps: int, rank: int = 0, world: int = 1) -> dict:
@@ -143,15 +161,16 @@ def table(title: str, result: dict, skip: int, base: str) -> str:
     lines = [
         f"**{title}** (median s over {len(next(iter(times.values()))) - skip} steps)",
         "",
-        "| variant | NS dtype | fwd+bwd s | clip s | Muon s | AdamW s | step s | optimizer share | tokens/s "
-        "| step vs first |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | NS dtype | fwd+bwd s | all-reduce s | clip s | Muon s | AdamW s | step s | optimizer share "
+        "| tokens/s | step vs first |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base_step = sum(med[base].values())
     for v, m in med.items():
         step = sum(m.values())
         lines.append(
-            f"| {v} | {result['dtypes'][v].removeprefix('torch.')} | {m['fwd_bwd']:.3f} | {m['clip']:.4f} | {m['muon']:.3f} | {m['adamw']:.4f} | {step:.3f} | "
+            f"| {v} | {result['dtypes'][v].removeprefix('torch.')} | {m['fwd_bwd']:.3f} | {m['all_reduce']:.4f} "
+            f"| {m['clip']:.4f} | {m['muon']:.3f} | {m['adamw']:.4f} | {step:.3f} | "
             f"{100 * (m['muon'] + m['adamw']) / step:.1f}% | {ROWS * SEQ * MICRO / step:,.0f} | "
             f"{step / base_step:.2f}x |"
         )

@@ -1,27 +1,30 @@
-"""Training tokens/s: a plain single-process PyTorch loop vs raychat on Ray Train (1 worker, then 2 workers).
+"""Training tokens/s: `raychat pretrain` on Ray Train in several CPU layouts vs a plain single-process loop.
 
-    python bench/train_throughput.py --steps 12 --plain-steps 8 --skip 3 --out bench/results/train_throughput.md
+    python bench/train_throughput.py --layouts 1x2,2x1,1x2c --steps 12 --plain-steps 8 --skip 3 \
+        --out bench/results/train_throughput.md
 
-The same model (GPT depth 4, seq_len 256, vocab 4096 from the real tokenizer), the same batch (8 rows x 256
-tokens per micro-batch, 8192 tokens per optimizer step), the same optimizers (raychat.train.optim
-.build_optimizers: Muon + AdamW) and learning-rate schedule, fp32, no compile, in five segments of one run:
+The same model (GPT depth 4, seq_len 256, vocab 4096 from the real tokenizer) and batch (8 rows x 256 tokens
+per micro-batch, 8192 tokens per optimizer step), fp32, in one run of alternating segments:
 
-    plain A -> ray x1 -> plain B -> ray x2 -> plain C
+    plain A -> ray <layout 1> -> plain B -> ray <layout 2> -> plain C -> ...
 
-- plain: this process, torch.set_num_threads(2); rows pre-materialized in memory with BestFitPacker over the
-  tokenized training shards in file order (the rows PretrainRows gives rank 0 of 1); each step does what
-  raychat.train.loop does (to_batch, global_target_count, cross_entropy_sum / normalize, backward over 4
-  micro-batches, clip, Muon + AdamW step), timed with time.perf_counter the same way (data included).
-- ray x1: raychat.train.pretrain.run_training, 1 worker, cpus_per_worker=2 (the loop sets 2 torch threads),
-  DDP over gloo, rows streamed by PretrainRows (Ray Data read + tokenize, 0.25 CPU per task).
-- ray x2: 2 workers, cpus_per_worker=1 (1 torch thread each), 2 micro-batches each per step.
-Ray gets 3 logical CPUs on the 2 cores: workers reserving 2 CPUs leave one for the Ray Data tasks (with 2
-logical CPUs the data tasks could never be scheduled and the run would hang).
+- plain: this process, torch.set_num_threads(--threads); rows pre-materialized in memory with BestFitPacker
+  over the tokenized training shards in file order (the rows PretrainRows gives rank 0 of 1); each step does
+  what raychat.train.trainer does (to_batch, global_target_count, cross_entropy_sum / normalize, backward
+  over the micro-batches, clip, optimizer step), timed with time.perf_counter the same way (data included).
+  --plain-optimizer adamw (the default, issue 15's baseline): one AdamW over every parameter, so the ratio
+  shows what Ray, DDP, the data pipeline and Muon cost together; muon: build_optimizers' Muon + AdamW.
+- ray WxC: raychat.train.pretrain.pretrain with W workers x C CPUs each (C torch threads), DDP over gloo,
+  rows streamed by PretrainRows (Ray Data read + tokenize), Muon + AdamW from build_optimizers with
+  ns_dtype auto; a trailing "c" adds --compile (torch.compile of the model on every worker).
+Ray gets the local layout of raychat.train.layout: the cores plus one logical CPU for Ray Data, so a
+worker may reserve every core.
 
-The machine is shared, so the plain loop runs before and after each Ray run and each Ray run is compared with
-the mean of the two plain segments around it (load drift then hits both sides).
-tokens/s = steady state: the steps after the first --skip, total tokens / total step time; Ray runs read the
-per-step tokens_per_s from <storage>/<run_name>/metrics.jsonl (written by raychat.train.loop).
+The machine is shared, so each Ray run is compared with the mean of the two plain segments around it (load
+drift then hits both sides). tokens/s = steady state: the steps after the first --skip, total tokens /
+total step time; Ray runs read the per-step tokens_per_s from <storage>/<run_name>/metrics.jsonl. "first
+step" is step 1's time (with torch.compile: compilation included); "break-even steps" of a compiled layout
+= its extra first-step seconds / the seconds it saves per later step against the same layout uncompiled.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import uuid
 
 import numpy as np
 import pyarrow.parquet as pq
+import ray
 import torch
 from _common import (
     add_common_flags,
@@ -53,6 +57,7 @@ from raychat.data.shards import list_shards
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.model import GPT, ModelConfig
 from raychat.tokenizer import Tokenizer
+from raychat.train.layout import local_cluster_cpus
 from raychat.train.optim import build_optimizers, lr_multiplier, set_lr
 from raychat.train.plan import make_plan
 from raychat.train.pretrain import pretrain
@@ -95,8 +100,18 @@ def pretrain_rows(data_dir: str, tokenizer: Tokenizer, n: int, seq_len: int, buf
     return np.stack([packer.next_row() for _ in range(n)])
 
 
-def plain_loop(cfg: TrainConfig, tokenizer: Tokenizer, threads: int, steps: int) -> list[float]:
-    """Per-step tokens/s of the single-process loop (same step as raychat.train.loop, without Ray or DDP)."""
+def plain_optimizers(model: GPT, cfg: TrainConfig, kind: str) -> list[torch.optim.Optimizer]:
+    """ "adamw": one AdamW over every parameter (the embedding's lr for all); "muon": build_optimizers."""
+    if kind == "muon":
+        return build_optimizers(model, cfg.optim)
+    adamw = torch.optim.AdamW(model.parameters(), lr=cfg.optim.unembedding_lr, betas=(0.8, 0.95), eps=1e-10)
+    for group in adamw.param_groups:
+        group["initial_lr"] = group["lr"]
+    return [adamw]
+
+
+def plain_loop(cfg: TrainConfig, tokenizer: Tokenizer, threads: int, steps: int, kind: str) -> list[float]:
+    """Per-step tokens/s of the single-process loop (raychat.train.trainer's step without Ray or DDP)."""
     torch.set_num_threads(threads)
     rows_per = cfg.train.batch.device_batch_size
     p = make_plan(cfg, tokenizer.vocab_size)
@@ -106,7 +121,7 @@ def plain_loop(cfg: TrainConfig, tokenizer: Tokenizer, threads: int, steps: int)
     )
     torch.manual_seed(cfg.run.seed)
     model = GPT(ModelConfig(**p.model_config)).init_weights(cfg.run.seed)
-    optimizers = build_optimizers(model, cfg.optim)
+    optimizers = plain_optimizers(model, cfg, kind)
     sched = cfg.train.schedule
     device = torch.device("cpu")
     rates = []
@@ -145,91 +160,113 @@ def plain_loop(cfg: TrainConfig, tokenizer: Tokenizer, threads: int, steps: int)
     return rates
 
 
-def ray_run(cfg: TrainConfig, workers: int, cpus: float) -> list[dict]:
-    name = f"tput-x{workers}-{uuid.uuid4().hex[:6]}"
-    cfg = from_dict(TrainConfig, dict(run_name=name, num_workers=workers, cpus_per_worker=cpus), base=cfg)
+def parse_layout(spec: str) -> tuple[int, float, bool]:
+    """ "2x1" -> (2 workers, 1 CPU each, no compile); "1x2c" -> (1, 2.0, compile)."""
+    compiled = spec.endswith("c")
+    workers, cpus = spec.removesuffix("c").split("x")
+    return int(workers), float(cpus), compiled
+
+
+def ray_run(cfg: TrainConfig, workers: int, cpus: float, compiled: bool) -> list[dict]:
+    name = f"tput-{workers}x{cpus:g}{'c' if compiled else ''}-{uuid.uuid4().hex[:6]}"
+    values = dict(run_name=name, num_workers=workers, cpus_per_worker=cpus, compile=compiled)
+    cfg = from_dict(TrainConfig, values, base=cfg)
     pretrain(cfg)
     return read_metrics(cfg.run.storage_path, cfg.run.run_name)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layouts", default="1x2,2x1", help="Ray layouts WxC[c], comma-separated (c = compile)")
     ap.add_argument("--steps", type=int, default=25, help="optimizer steps of each Ray run")
     ap.add_argument("--plain-steps", type=int, default=15, help="optimizer steps of each plain segment")
     ap.add_argument("--skip", type=int, default=3, help="warmup steps left out of the steady-state rate")
-    ap.add_argument(
-        "--threads", type=int, default=2, help="torch threads of the plain loop (= ray x1 worker)"
-    )
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the plain loop")
+    ap.add_argument("--plain-optimizer", choices=("adamw", "muon"), default="adamw", help="the plain loop's")
     add_common_flags(ap)
     a = ap.parse_args()
+    layouts = [parse_layout(x) for x in a.layouts.split(",")]
     workdir = a.workdir or tempfile.mkdtemp(prefix="raychat-bench-")
     data_dir, tok_dir = corpus(workdir, a.data_dir, a.tokenizer)
     tokenizer = Tokenizer.load(tok_dir)
     cfg = base_config(a, data_dir, tok_dir, f"{workdir}/runs")
-    segments = []  # (name, setup, per-step tokens/s, data wait or None, wall s, load before, load after)
+    segments = []  # dicts: name, setup, rates, wait, first, wall, load0, load1
 
     def segment(name, setup, fn):
-        load0 = os.getloadavg()[0]
-        t0 = time.perf_counter()
+        load0, t0 = os.getloadavg()[0], time.perf_counter()
         rates, wait = fn()
-        segments.append((name, setup, rates, wait, time.perf_counter() - t0, load0, os.getloadavg()[0]))
+        wall, load1 = time.perf_counter() - t0, os.getloadavg()[0]
+        segments.append(
+            dict(name=name, setup=setup, rates=rates, wait=wait, wall=wall, load0=load0, load1=load1)
+        )
         print(f"{name}: {steady_tokens_per_s(rates, 8192, a.skip):,.0f} tokens/s", flush=True)
 
-    def plain():
-        return plain_loop(cfg, tokenizer, a.threads, a.plain_steps), None
+    plain_setup = f"1 process, {a.threads} torch threads, {a.plain_optimizer}"
 
-    def ray(workers, cpus):
+    def plain():
+        return plain_loop(cfg, tokenizer, a.threads, a.plain_steps, a.plain_optimizer), None
+
+    def ray_segment(workers, cpus, compiled):
         def fn():
-            m = ray_run(cfg, workers, cpus)
+            m = ray_run(cfg, workers, cpus, compiled)
             return [s["tokens_per_s"] for s in m], float(np.mean([s["data_wait_frac"] for s in m[a.skip :]]))
 
         return fn
 
     load_before = uptime()
-    segment("plain A", "1 process, 2 torch threads", plain)
-    start_ray(3, workdir)
-    segment("ray x1", "1 worker x 2 CPUs", ray(1, 2))
-    segment("plain B", "1 process, 2 torch threads", plain)
-    segment("ray x2", "2 workers x 1 CPU", ray(2, 1))
-    segment("plain C", "1 process, 2 torch threads", plain)
+    start_ray(local_cluster_cpus(), workdir)
+    plains = "ABCDEFGH"
+    segment(f"plain {plains[0]}", plain_setup, plain)
+    for i, (workers, cpus, compiled) in enumerate(layouts):
+        spec = f"{workers}x{cpus:g}{'c' if compiled else ''}"
+        setup = f"{workers} worker(s) x {cpus:g} CPU{', torch.compile' if compiled else ''}, Muon + AdamW"
+        segment(f"ray {spec}", setup, ray_segment(workers, cpus, compiled))
+        segment(f"plain {plains[i + 1]}", plain_setup, plain)
     load_after = uptime()
 
-    tps = {name: steady_tokens_per_s(rates, 8192, a.skip) for name, _, rates, *_ in segments}
-    ref = {
-        "ray x1": (tps["plain A"] + tps["plain B"]) / 2,
-        "ray x2": (tps["plain B"] + tps["plain C"]) / 2,
-    }
+    for s in segments:
+        s["tps"] = steady_tokens_per_s(s["rates"], 8192, a.skip)
+        s["first"] = 8192 / s["rates"][0]
+    for i in range(1, len(segments), 2):
+        segments[i]["ref"] = (segments[i - 1]["tps"] + segments[i + 1]["tps"]) / 2
     lines = [
         f"## Run at {time.strftime('%Y-%m-%d %H:%M:%S')}",
         "",
         f"Command: `{command_line()}`",
         "",
-        f"Machine: {machine()}. Load before: `{load_before}`; after: `{load_after}`.",
+        f"Machine: {machine()}; Ray cluster: {local_cluster_cpus()} logical CPUs. Load before: `{load_before}`; "
+        f"after: `{load_after}`.",
         f"Ray runs: {a.steps} steps, plain segments: {a.plain_steps} steps, 8192 tokens a step; tokens/s over the "
         f"steps after the first {a.skip}.",
         "",
-        "| segment | setup | steady tokens/s | vs plain around it | data wait (mean) | wall | 1-min load before/after |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| segment | setup | steady tokens/s | vs plain around it | first step | data wait (mean) | wall "
+        "| 1-min load before/after |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
-    for name, setup, _, wait, wall, l0, l1 in segments:
-        rel = f"{tps[name] / ref[name]:.3f}x" if name in ref else "-"
-        w = "n/a (in memory)" if wait is None else f"{100 * wait:.2f}%"
+    for s in segments:
+        rel = f"{s['tps'] / s['ref']:.3f}x" if "ref" in s else "-"
+        w = "n/a (in memory)" if s["wait"] is None else f"{100 * s['wait']:.2f}%"
         lines.append(
-            f"| {name} | {setup} | {tps[name]:,.0f} | {rel} | {w} | {wall:.0f} s | {l0:.2f} / {l1:.2f} |"
+            f"| {s['name']} | {s['setup']} | {s['tps']:,.0f} | {rel} | {s['first']:.1f} s | {w} | {s['wall']:.0f} s "
+            f"| {s['load0']:.2f} / {s['load1']:.2f} |"
         )
-    lines += [
-        "",
-        f"Ray + DDP overhead with one worker: **{100 * (1 - tps['ray x1'] / ref['ray x1']):.1f}%** (goal <= 10%). "
-        f"Two workers x 1 CPU vs one worker x 2 CPUs: {tps['ray x2'] / tps['ray x1']:.2f}x; vs plain: "
-        f"{tps['ray x2'] / ref['ray x2']:.2f}x. Ray wall times include cluster/worker start, the final "
-        "validation and the checkpoint.",
-    ]
+    by_name = {s["name"]: s for s in segments}
+    notes = []
+    for s in segments:
+        if s["name"].endswith("c") and s["name"][:-1] in by_name:
+            eager = by_name[s["name"][:-1]]
+            saved = 8192 / eager["tps"] - 8192 / s["tps"]
+            extra = s["first"] - eager["first"]
+            notes.append(
+                f"{s['name']} vs {eager['name']}: {s['tps'] / eager['tps']:.2f}x steady tokens/s, first step "
+                f"+{extra:.0f} s, saves {saved:.2f} s a step: "
+                + (f"break-even after {extra / saved:.0f} steps." if saved > 0 else "never breaks even.")
+            )
+    lines += ["", *notes, "Ray wall times include worker start, the final validation and the checkpoint."]
     text = "\n".join(lines)
     print(text)
     if a.out:
         append_result(a.out, text)
-    import ray
-
     ray.shutdown()
     return 0
 

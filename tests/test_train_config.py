@@ -6,11 +6,9 @@ from torch import nn
 
 from raychat.config import TrainConfig, add_flags, from_dict, preset_values
 from raychat.loss import cross_entropy_sum, normalize
-from raychat.train.launch import check_cpu_room, config_from
+from raychat.train.launch import config_from
 from raychat.train.optim import lr_multiplier
 from raychat.train.plan import make_plan, power_law_batch_size, print_plan, round_to_micro_steps
-from raychat.train.pretrain import Pretraining
-from raychat.train.sft import SFT
 
 
 def test_lr_schedule_by_hand():
@@ -167,14 +165,3 @@ def test_fp8_filter_and_eval_swap_share_weights():
         assert net.big.weight is weight  # shared, not copied
         torch.testing.assert_close(net.big(x), x @ weight.T)
     assert isinstance(net.big, Float8Linear) and net.big.weight is weight
-
-
-def test_cpu_reservations_that_would_hang_are_refused():
-    cfg = lambda **kw: from_dict(TrainConfig, kw)  # noqa: E731
-    data = Pretraining.data_cpus
-    check_cpu_room(cfg(num_workers=2, cpus_per_worker=0.5), cluster_cpus=2, data_cpus=data)  # 1.25 of 2: fine
-    with pytest.raises(ValueError, match="needs 2.25 CPUs; the cluster has 2"):
-        check_cpu_room(cfg(num_workers=1, cpus_per_worker=2), cluster_cpus=2, data_cpus=data)
-    check_cpu_room(
-        cfg(stage="sft", num_workers=1, cpus_per_worker=2), cluster_cpus=2, data_cpus=SFT.data_cpus
-    )

@@ -5,17 +5,27 @@ import pytest
 import torch
 
 from raychat.checkpoint import load_rank_state, save_rank_state
-from raychat.config import TrainConfig, from_dict
+from raychat.config import ConfigError, TrainConfig, from_dict
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.masks import make_batch
 from raychat.model import GPT, ModelConfig
 from raychat.train.muon import Muon
 from raychat.train.optim import build_optimizers, lr_multiplier, muon_ns_choice, set_lr
+from raychat.train.plan import make_plan, print_plan
 
-CFG = from_dict(
-    TrainConfig,
-    {"matrix_lr": 0.02, "embedding_lr": 0.2, "unembedding_lr": 0.004, "scalar_lr": 0.02, "weight_decay": 0.1},
-).optim
+LRS = {
+    "matrix_lr": 0.02,
+    "embedding_lr": 0.2,
+    "unembedding_lr": 0.004,
+    "scalar_lr": 0.02,
+    "weight_decay": 0.1,
+}
+
+
+def _cfg(ns_dtype: str = "auto"):
+    return from_dict(TrainConfig, {**LRS, "ns_dtype": ns_dtype}).optim
+
+
 VOCAB = 256
 
 
@@ -43,7 +53,7 @@ def _train(model: GPT, optimizers: list, steps: range, n_iter: int = 6) -> None:
 
 def test_muon_gets_the_hidden_matrices_and_adamw_the_rest():
     model = _model()
-    muon, adamw = build_optimizers(model, CFG, ns_dtype="float32")
+    muon, adamw = build_optimizers(model, _cfg("float32"))
     assert isinstance(muon, Muon) and muon.ns_dtype == torch.float32
     names = {id(p): n for n, p in model.named_parameters()}
     muon_names = {names[id(p)] for p in muon.param_groups[0]["params"]}
@@ -62,13 +72,13 @@ def test_muon_gets_the_hidden_matrices_and_adamw_the_rest():
 
 def test_ns_dtype_setting():
     model = _model()
-    assert build_optimizers(model, CFG, ns_dtype="bfloat16")[0].ns_dtype == torch.bfloat16
+    assert build_optimizers(model, _cfg("bfloat16"))[0].ns_dtype == torch.bfloat16
     choice = muon_ns_choice(model)  # "auto": by the CPU's capability
     assert choice.dtype == (torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32)
-    assert build_optimizers(model, CFG)[0].ns_dtype == choice.dtype
+    assert build_optimizers(model, _cfg())[0].ns_dtype == choice.dtype
     assert choice.describe().startswith("Newton-Schulz in ") and choice.device == "cpu"
-    with pytest.raises(ValueError, match="ns_dtype must be one of"):
-        build_optimizers(model, CFG, ns_dtype="fp8")
+    with pytest.raises(ConfigError, match=r"--ns-dtype .*'auto', 'float32', 'bfloat16'"):
+        _cfg("fp8")
 
 
 @pytest.mark.parametrize("ns_dtype", ["float32", "bfloat16"])
@@ -76,18 +86,18 @@ def test_resume_from_checkpoint_gives_bit_identical_steps(tmp_path, ns_dtype):
     """Train 2 steps, checkpoint (weights + save_rank_state), resume into a fresh model: the next 3 steps
     match an uninterrupted run bit for bit (Muon momentum, AdamW moments and step, lr schedule)."""
     model = _model()
-    optimizers = build_optimizers(model, CFG, ns_dtype=ns_dtype)
+    optimizers = build_optimizers(model, _cfg(ns_dtype))
     _train(model, optimizers, range(2))
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     save_rank_state(tmp_path, 0, optimizers, {"step": 2})
 
     resumed = _model(seed=1)
     resumed.load_state_dict(weights)
-    resumed_opts = build_optimizers(resumed, CFG, ns_dtype=ns_dtype)
+    resumed_opts = build_optimizers(resumed, _cfg(ns_dtype))
     assert load_rank_state(tmp_path, 0, resumed_opts) == {"step": 2}
     cold = _model(seed=1)  # same weights, fresh optimizer state: must differ (the test can fail)
     cold.load_state_dict(weights)
-    cold_opts = build_optimizers(cold, CFG, ns_dtype=ns_dtype)
+    cold_opts = build_optimizers(cold, _cfg(ns_dtype))
 
     for m, opts in ((model, optimizers), (resumed, resumed_opts), (cold, cold_opts)):
         _train(m, opts, range(2, 5))
@@ -98,3 +108,40 @@ def test_resume_from_checkpoint_gives_bit_identical_steps(tmp_path, ns_dtype):
         for p, q in zip(a.param_groups[0]["params"], b.param_groups[0]["params"]):
             for key, value in a.state[p].items():
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(b.state[q][key])), key
+
+
+@pytest.mark.parametrize(
+    ("avx512_bf16", "ns_dtype", "expected"),
+    [
+        (
+            False,
+            "auto",
+            "Newton-Schulz in float32 on cpu (the CPU has no AVX512-BF16: bf16 matmul is emulated)",
+        ),
+        (True, "auto", "Newton-Schulz in bfloat16 on cpu (the CPU has AVX512-BF16)"),
+        (True, "float32", "Newton-Schulz in float32 on cpu (requested)"),
+    ],
+)
+def test_the_printed_plan_shows_the_newton_schulz_choice(
+    monkeypatch, capsys, avx512_bf16, ns_dtype, expected
+):
+    """The capability rule's answer and its reason are in the plan the driver prints before training."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    cfg = from_dict(TrainConfig, {"ns_dtype": ns_dtype, "num_iterations": 10, "total_batch_size": 4096})
+    print_plan(cfg, make_plan(cfg, VOCAB))
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        f"optimizer: Muon for the hidden matrices, {expected}; AdamW for the embedding, lm_head and norms"
+        in lines
+    )
+
+
+def test_the_plan_of_a_gpu_run_on_a_driver_without_cuda_names_the_workers_rule(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this driver has CUDA: the plan shows its own GPU's choice")
+    cfg = from_dict(TrainConfig, {"use_gpu": True, "num_iterations": 10, "total_batch_size": 4096})
+    print_plan(cfg, make_plan(cfg, VOCAB))
+    assert (
+        "Muon for the hidden matrices, Newton-Schulz dtype chosen on each GPU worker: bfloat16 at compute "
+        "capability >= 8.0, else float32; AdamW" in capsys.readouterr().out
+    )

@@ -14,6 +14,7 @@ STAGES = ("pretrain", "sft")
 OVERFLOW_POLICIES = ("crop", "split")  # raychat.data.packing
 TRACKERS = ("none", "tensorboard", "wandb")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+NS_DTYPES = ("auto", "float32", "bfloat16")  # Muon's Newton-Schulz dtype (raychat.train.muon.choose_ns_dtype)
 
 
 @dataclass
@@ -66,6 +67,12 @@ class OptimSection(Section):
     scalar_lr: float = option(0.02, "AdamW learning rate for norm weights", ge=0)
     weight_decay: float = option(0.0, "Muon weight decay", ge=0)
     grad_clip: float = option(1.0, "clip the global grad norm to this (0 = off)", ge=0)
+    ns_dtype: str = option(
+        "auto",
+        "dtype of Muon's Newton-Schulz iteration; auto = bfloat16 where the device has native bf16 matmul "
+        "(CUDA compute capability >= 8.0, CPUs with AVX512-BF16), else float32 (printed with the plan)",
+        NS_DTYPES,
+    )
 
 
 @dataclass

@@ -14,27 +14,15 @@ import os
 import sys
 from types import SimpleNamespace
 
-import ray
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raychat.checkpoint import latest_checkpoint, read_meta
 from raychat.config import TrainConfig, add_flags, from_args, from_dict, to_dict
 from raychat.tokenizer import Tokenizer
+from raychat.train.layout import start_or_connect
 from raychat.train.plan import make_plan, print_plan
 from raychat.train.worker import train_loop_per_worker
-
-
-def check_cpu_room(cfg: TrainConfig, cluster_cpus: float, data_cpus: float) -> None:
-    """Raise ValueError when the workers' CPU reservations leave no room for a Ray Data task: such a run
-    would wait forever for its first batch (seen on 2 cores with 2 workers at the default 1 CPU each)."""
-    workers, cpus = cfg.cluster.num_workers, cfg.cluster.cpus_per_worker
-    needed = workers * cpus + data_cpus
-    if needed > cluster_cpus + 1e-9:
-        raise ValueError(
-            f"--num-workers {workers} x --cpus-per-worker {cpus} plus {data_cpus} CPU "
-            f"for Ray Data needs {needed:g} CPUs; the cluster has {cluster_cpus:g}: lower --cpus-per-worker"
-        )
 
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
@@ -58,10 +46,8 @@ def run_training(cfg: TrainConfig, stage, callbacks=()):
     tokenizer = Tokenizer.load(cfg.data.tokenizer_path)
     plan = make_plan(cfg, tokenizer.vocab_size)
     print_plan(cfg, plan)
-    if not ray.is_initialized():
-        ray.init()
-    check_cpu_room(cfg, ray.cluster_resources().get("CPU", 0.0), stage.data_cpus)
     c = cfg.cluster
+    print(start_or_connect(c.num_workers, c.cpus_per_worker, stage.data_cpus))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={

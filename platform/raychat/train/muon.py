@@ -31,13 +31,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from raychat.config.train import NS_DTYPES
+
 # Quintic Newton-Schulz coefficients from Keller Jordan's Muon (https://github.com/KellerJordan/Muon,
 # muon.py at f90a42b), the defaults of torch.optim.Muon: chosen to maximize the slope at zero, so 5 steps
 # map every singular value in [0.005, 1] into [0.68, 1.16] rather than exactly to 1.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 EPS = 1e-7
-NS_DTYPES = ("auto", "float32", "bfloat16")
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 

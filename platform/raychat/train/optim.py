@@ -40,16 +40,27 @@ def muon_ns_choice(model: GPT, ns_dtype: str = "auto") -> NSDtypeChoice:
     return choose_ns_dtype(ns_dtype, split_parameters(model)[0][0].device)
 
 
-def build_optimizers(model: GPT, cfg, *, ns_dtype: str = "auto") -> list[torch.optim.Optimizer]:
+def planned_ns_choice(ns_dtype: str, use_gpu: bool) -> str:
+    """What the workers' Muon will orthogonalize in, as the driver can tell before they start: the choice
+    for this machine's CPU (workers on other machines check their own), or for this machine's GPU; with
+    use_gpu on a driver without CUDA, the rule each GPU worker applies."""
+    if use_gpu and not torch.cuda.is_available():
+        if ns_dtype != "auto":
+            return f"Newton-Schulz in {ns_dtype} (requested)"
+        return "Newton-Schulz dtype chosen on each GPU worker: bfloat16 at compute capability >= 8.0, else float32"
+    return choose_ns_dtype(ns_dtype, "cuda" if use_gpu else "cpu").describe()
+
+
+def build_optimizers(model: GPT, cfg) -> list[torch.optim.Optimizer]:
     """[Muon(hidden matrices), AdamW(embedding, lm_head, norms)]; each group records its peak lr as 'initial_lr'.
 
-    cfg supplies matrix_lr, embedding_lr, unembedding_lr, scalar_lr and weight_decay; ns_dtype ("auto",
-    "float32", "bfloat16") is Muon's Newton-Schulz dtype (muon_ns_choice). Muon shards its
-    orthogonalization over the ranks whenever a torch.distributed group is initialized at step time, which
-    needs the gradients to be the same on every rank (DDP, or the RL learner's all-reduce).
+    cfg (raychat.config.train.OptimSection) supplies matrix_lr, embedding_lr, unembedding_lr, scalar_lr,
+    weight_decay and ns_dtype ("auto", "float32", "bfloat16": Muon's Newton-Schulz dtype, muon_ns_choice).
+    Muon shards its orthogonalization over the ranks whenever a torch.distributed group is initialized at
+    step time, which needs the gradients to be the same on every rank (DDP, or the RL learner's all-reduce).
 
     Raises:
-        ValueError: ns_dtype not in "auto", "float32", "bfloat16".
+        ValueError: cfg.ns_dtype not in "auto", "float32", "bfloat16".
     """
     scale = (model.config.n_embd / 768) ** -0.5
     matrices, embedding, head, scalars = split_parameters(model)
@@ -58,7 +69,7 @@ def build_optimizers(model: GPT, cfg, *, ns_dtype: str = "auto") -> list[torch.o
         lr=cfg.matrix_lr,
         momentum=0.95,
         weight_decay=cfg.weight_decay,
-        ns_dtype=muon_ns_choice(model, ns_dtype).dtype,
+        ns_dtype=muon_ns_choice(model, cfg.ns_dtype).dtype,
     )
     adamw = torch.optim.AdamW(
         [

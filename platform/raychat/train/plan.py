@@ -15,6 +15,7 @@ import torch
 from raychat.checkpoint import read_meta
 from raychat.config import TrainConfig
 from raychat.model import GPT, ModelConfig
+from raychat.train.optim import planned_ns_choice
 
 
 @dataclass(frozen=True)
@@ -123,4 +124,8 @@ def print_plan(cfg: TrainConfig, p: Plan) -> None:
     print(
         f"horizon ({p.horizon}): {p.num_iterations:,} steps, {p.tokens:,} tokens, "
         f"{p.tokens_per_param:.2f} tokens/param, {p.total_flops:.3g} FLOPs"
+    )
+    print(
+        f"optimizer: Muon for the hidden matrices, {planned_ns_choice(cfg.optim.ns_dtype, cfg.cluster.use_gpu)}; "
+        "AdamW for the embedding, lm_head and norms"
     )

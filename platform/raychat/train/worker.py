@@ -27,7 +27,7 @@ from raychat.model import GPT, ModelConfig
 from raychat.tokenizer import Tokenizer
 from raychat.train.checkpointer import Checkpointer
 from raychat.train.fp8 import convert_to_fp8
-from raychat.train.optim import build_optimizers
+from raychat.train.optim import build_optimizers, muon_ns_choice
 from raychat.train.plan import Plan
 from raychat.train.trainer import Callback, Trainer, autocast_for, log
 
@@ -89,6 +89,8 @@ def train_loop_per_worker(config: dict) -> None:
     if cfg.model.fp8:
         convert_to_fp8(model, cfg.model.fp8_recipe)
     optimizers = build_optimizers(model, cfg.optim)
+    if rank == 0:
+        log(f"Muon on rank 0: {muon_ns_choice(model, cfg.optim.ns_dtype).describe()}")
     checkpointer = Checkpointer(cfg.run.stage, to_dict(cfg), tokenizer, {"plan": plan.to_dict()})
     if checkpoint:
         with checkpoint.as_directory() as d:

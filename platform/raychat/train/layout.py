@@ -1,0 +1,99 @@
+"""The CPU layout of a training run: the Ray cluster it runs on and the CPUs its workers and Ray Data reserve.
+
+A run that streams its rows through Ray Data needs, besides the workers' reservations, room for Ray Data's
+tasks. Ray 2.60's `read_parquet` first lists the files in a ListFiles task that reserves 1 CPU whatever
+`num_cpus` the read is given, then reads and tokenizes in tasks of the stage's `data_cpus`. With less than
+1 CPU left after the workers the dataset waits forever at 0% CPU ("Cluster resources are not enough to run
+any task from TaskPoolMapOperator[ReadFilesParquetV2]": 1 worker x 1.75 CPUs on 2 CPUs, issue 15). So
+check_cpu_layout asks for max(data_cpus, RAY_DATA_MIN_CPUS) CPUs beside the workers, and refuses anything
+else before training starts.
+
+A run that finds no Ray cluster (no ray.init yet, no RAY_ADDRESS) starts a local one with the machine's
+cores plus one logical CPU for Ray Data (LOCAL_DATA_CPUS): the data tasks are light (the loop waited for
+data in under 0.1% of its step time, bench/results/train_throughput.md), so one worker can reserve every
+core and still be fed. On a connected cluster (RAY_ADDRESS, e.g. a `ray job submit` job, or RAY_ADDRESS=auto
+for a `ray start` cluster on this machine) the check reads the cluster's CPUs after connecting, before the
+Ray Train run starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+RAY_DATA_MIN_CPUS = (
+    1.0  # Ray 2.60 read_parquet's ListFiles task (ray/data/_internal/planner/plan_list_files_op.py)
+)
+LOCAL_DATA_CPUS = 1  # logical CPUs the local cluster adds beside the cores, for Ray Data's tasks
+
+
+def data_reservation(data_cpus: float) -> float:
+    """CPUs a stage's Ray Data pipeline needs free beside the workers: 0 when the stage has none
+    (data_cpus == 0), else max(data_cpus, RAY_DATA_MIN_CPUS)."""
+    return max(data_cpus, RAY_DATA_MIN_CPUS) if data_cpus > 0 else 0.0
+
+
+def local_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: taskset, cgroup cpusets)."""
+    return len(os.sched_getaffinity(0))
+
+
+def local_cluster_cpus() -> int:
+    """Logical CPUs of the local Ray cluster a run starts: the cores + LOCAL_DATA_CPUS."""
+    return local_cores() + LOCAL_DATA_CPUS
+
+
+def check_cpu_layout(
+    num_workers: int, cpus_per_worker: float, data_cpus: float, cluster_cpus: float, node_cpus: float
+) -> str:
+    """Refuse a layout that could never be scheduled; returns its description for the printed plan.
+
+    Args:
+        num_workers, cpus_per_worker: the Ray Train worker group (--num-workers, --cpus-per-worker).
+        data_cpus: what each of the stage's Ray Data tasks reserves (0 = the stage has no Ray Data).
+        cluster_cpus: the cluster's logical CPUs; node_cpus: the largest node's.
+    Raises:
+        ValueError: the workers plus data_reservation(data_cpus) need more CPUs than the cluster has, or one
+            worker needs more than any node has (the message names the flags and the CPUs it would need).
+    """
+    data = data_reservation(data_cpus)
+    needed = num_workers * cpus_per_worker + data
+    layout = f"--num-workers {num_workers} x --cpus-per-worker {cpus_per_worker:g}"
+    if cpus_per_worker > node_cpus + 1e-9:
+        raise ValueError(
+            f"{layout}: one worker needs {cpus_per_worker:g} CPUs, the largest node has {node_cpus:g}"
+        )
+    if needed > cluster_cpus + 1e-9:
+        why = f" plus {data:g} CPU for Ray Data (its read_parquet lists files in 1-CPU tasks)" if data else ""
+        most = (cluster_cpus - data) / num_workers
+        raise ValueError(
+            f"{layout}{why} needs {needed:g} CPUs; the cluster has {cluster_cpus:g}: lower --cpus-per-worker "
+            f"to at most {most:g} or --num-workers, or the data tasks would never be scheduled and the run "
+            "would wait forever"
+        )
+    threads = max(1, round(cpus_per_worker))
+    return (
+        f"layout: {num_workers} worker(s) x {cpus_per_worker:g} CPUs ({threads} torch thread(s) each)"
+        + (f" + {data:g} CPU for Ray Data" if data else "")
+        + f" of {cluster_cpus:g} CPUs"
+    )
+
+
+def start_or_connect(num_workers: int, cpus_per_worker: float, data_cpus: float) -> str:
+    """Use the Ray cluster this process is connected to, connect to RAY_ADDRESS, or start the local cluster
+    (local_cluster_cpus); check the layout (check_cpu_layout) and return its description.
+
+    Raises:
+        ValueError: the layout does not fit; for a local cluster before Ray starts.
+    """
+    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+        cpus = local_cluster_cpus()
+        line = check_cpu_layout(num_workers, cpus_per_worker, data_cpus, cpus, cpus)
+        ray.init(address="local", num_cpus=cpus)
+        return f"{line} (a local Ray cluster: {local_cores()} cores + {LOCAL_DATA_CPUS} for Ray Data)"
+    if not ray.is_initialized():
+        ray.init()
+    nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
+    total = ray.cluster_resources().get("CPU", 0.0)
+    return check_cpu_layout(num_workers, cpus_per_worker, data_cpus, total, max(nodes, default=0.0))
