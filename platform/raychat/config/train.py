@@ -23,8 +23,9 @@ class RunSection(Section):
     storage_path: str = option("runs/checkpoints", "where checkpoints go (local dir, NFS, s3://, gs://)")
     stage: str = option("pretrain", "what the run trains (set by the command)", STAGES, flag=False)
     init_from: str = option(
-        "", "checkpoint directory to start from (SFT starts from a pretraining checkpoint)"
-    )
+        "", "checkpoint to start from (SFT: a pretraining one): a checkpoint dir, a run dir, <run dir>/latest, "
+        "a run name under --storage-path, or latest (the newest pretraining checkpoint there)",
+    )  # fmt: skip
     seed: int = option(0, "seed for init, data order and sampling")
     tracker: str = option("none", "also log every step to TensorBoard event files or W&B (offline)", TRACKERS)
 
@@ -71,8 +72,14 @@ class OptimSection(Section):
 class DataSection(Section):
     """Where the rows come from."""
 
-    data_dir: str = option("runs/data", "parquet shards + manifest from `raychat data prepare`")
-    tokenizer_path: str = option("runs/tokenizer", "directory holding tokenizer.json")
+    data_dir: str = option(
+        "runs/data", "parquet shards + manifest from `raychat data prepare`: a directory or a run name under "
+        "--storage-path (given --storage-path and not this: the run 'data' there)",
+    )  # fmt: skip
+    tokenizer_path: str = option(
+        "runs/tokenizer", "directory holding tokenizer.json, or a run name under --storage-path (given "
+        "--storage-path and not this: the run 'tokenizer' there)",
+    )  # fmt: skip
     buffer_size: int = option(256, "documents buffered by the best-fit packer", positive=True)
     sft_tasks: str = option("calculator:4000,chatterbot,spelling:2000", "SFT mixture: task[:examples],...")
 
