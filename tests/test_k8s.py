@@ -157,6 +157,8 @@ def test_base_is_generated_from_code_and_serve_config():
     assert k8s.render_base(REPO) == {p.name: p.read_text() for p in (REPO / "k8s" / "base").glob("*.yaml")}, (
         "k8s/base is stale: run `raychat k8s generate`"
     )
+    cpu_dev = (REPO / "k8s" / "overlays" / "cpu-dev" / "kustomization.yaml").read_text()
+    assert k8s.render_cpu_dev() == cpu_dev, "k8s/overlays/cpu-dev/kustomization.yaml is stale"
     assert raychat_main(["k8s", "generate", "--check"]) == 0
 
 
@@ -175,7 +177,7 @@ def test_rayservice_serve_config_is_serve_chat_yaml_verbatim(builds):
 def test_every_object_validates(builds, crd_schemas, build):
     docs = builds[build]
     kinds = sorted(d["kind"] for d in docs)
-    expected = ["PersistentVolumeClaim", "RayCluster", "RayJob", "RayJob", "RayJob", "RayService"]
+    expected = ["PersistentVolumeClaim", "RayCluster", *["RayJob"] * len(k8s.CHAIN), "RayService"]
     assert kinds == sorted(expected + ([] if build == "k8s/base" else ["Namespace"]))
     for d in docs:
         validate_object(d, crd_schemas)
@@ -205,19 +207,33 @@ def test_cluster_shapes(builds):
     worker = rc["workerGroupSpecs"][0]
     assert (worker["minReplicas"], worker["maxReplicas"]) == (0, 8)
     assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    for stage in ("pretrain", "sft", "rl"):
+    want = {
+        "data": "python jobs/data.py prepare --preset cluster --storage-path /mnt/checkpoints/runs && "
+        "python jobs/tokenizer.py train --preset cluster --storage-path /mnt/checkpoints/runs",
+        "pretrain": "python jobs/pretrain.py --preset cluster --storage-path /mnt/checkpoints/runs --num-workers 8 "
+        "--cpus-per-worker 7 --run-name pretrain",
+        "sft": "python jobs/sft.py --preset cluster --storage-path /mnt/checkpoints/runs --num-workers 8 "
+        "--cpus-per-worker 7 --run-name sft --init-from latest",
+        "rl": "python jobs/rl.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name rl --checkpoint latest",
+        "eval": "python jobs/eval.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name eval "
+        "--checkpoint latest",
+        "export": "python jobs/export.py --storage-path /mnt/checkpoints/runs --run-name hf --checkpoint latest",
+    }  # fmt: skip
+    for stage in k8s.CHAIN:
         spec = base[("RayJob", f"raychat-{stage}")]["spec"]
-        assert spec["entrypoint"] == f"python jobs/{stage}.py"
-        assert yaml.safe_load(spec["runtimeEnvYAML"]) == {
-            "working_dir": "/home/ray/raychat",
-            "env_vars": {"RAYCHAT_STORAGE": "/mnt/checkpoints/runs"},
-        }
+        assert spec["entrypoint"] == want[stage]
+        assert spec.get("entrypointNumGpus", 0) == (1 if stage == "eval" else 0)  # the eval driver: cuda
+        assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"working_dir": "/home/ray/raychat"}
         assert (spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"], spec["backoffLimit"]) == (
             True,
             3600,
             1,
         )
         assert spec["rayClusterSpec"] == rc
+    # the RayService serves the RL run's newest checkpoint from the same PVC root
+    svc = base[("RayService", "raychat-chat")]["spec"]
+    (app,) = yaml.safe_load(svc["serveConfigV2"])["applications"]
+    assert app["args"]["checkpoint"] == "/mnt/checkpoints/runs/rl/latest"
     # every pod mounts the checkpoint PVC
     mounts = [
         c["volumeMounts"] for g in [rc["headGroupSpec"], worker] for c in g["template"]["spec"]["containers"]
@@ -225,6 +241,13 @@ def test_cluster_shapes(builds):
     assert mounts == [[{"name": "checkpoints", "mountPath": "/mnt/checkpoints"}]] * 2
 
     dev = {(d["kind"], d["metadata"]["name"]): d for d in builds["k8s/overlays/cpu-dev"]}
+    for stage in k8s.CHAIN:  # the same commands on the tiny preset, with the cluster-sized flags dropped
+        job = dev[("RayJob", f"raychat-{stage}")]["spec"]
+        shape = " --num-workers 8 --cpus-per-worker 7"
+        assert job["entrypoint"] == want[stage].replace(shape, "").replace(
+            "--preset cluster", "--preset tiny"
+        )
+        assert "entrypointNumGpus" not in job
     for (kind, _), d in dev.items():
         if kind == "Namespace":
             continue
