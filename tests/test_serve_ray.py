@@ -13,6 +13,7 @@ import pytest
 import requests
 from serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 
+from raychat.chat.turn import turn_parts
 from raychat.chat_template import TEMPLATE_VERSION, render_for_completion
 from raychat.engine import ModelRunner
 from raychat.serve.sse import parse_sse
@@ -95,7 +96,7 @@ def chat(url: str, content: str, **params) -> tuple[str, dict]:
     assert resp.status_code == 200, resp.text
     events = [json.loads(e) for e in parse_sse(resp.text)]
     assert events[-1]["type"] == "done"
-    return "".join(e["text"] for e in events[:-1]), events[-1]
+    return "".join(e["text"] for e in events if e["type"] == "delta"), events[-1]
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +106,10 @@ def solo():
     engine = ModelRunner(model, tokenizer)
 
     def run(content: str, max_tokens: int) -> str:
+        """The visible text (raychat.chat.turn: no special tokens, no calculator blocks)."""
         prompt = render_for_completion(tokenizer, [{"role": "user", "content": content}])
-        return engine.generate_batch([prompt], max_tokens=max_tokens, temperature=0)[0].text
+        result = engine.generate_batch([prompt], max_tokens=max_tokens, temperature=0)[0]
+        return "".join(t for kind, t in turn_parts(tokenizer, result.completion_tokens) if kind == "text")
 
     return run
 
