@@ -91,6 +91,10 @@ class ClusterSection(Section):
     num_workers: int = option(2, "Ray Train workers (DDP ranks)", positive=True)
     cpus_per_worker: float = option(0.5, "CPUs each worker reserves (leave room for Ray Data)", gt=0)
     use_gpu: bool = option(False, "one GPU per worker, nccl, bf16 autocast")
+    placement_strategy: str = option(
+        "PACK", "where the workers go (Ray's placement group strategies): PACK fills a node first, SPREAD puts "
+        "them on different nodes where it can", ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    )  # fmt: skip
     max_failures: int = option(1, "worker failures survived by restarting from the last checkpoint", ge=0)
     peak_flops: float = option(-1.0, "peak FLOP/s of one device for MFU; -1 = known GPUs only")
 

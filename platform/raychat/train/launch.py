@@ -93,7 +93,10 @@ def run_training(cfg: TrainConfig, stage, callbacks=()):
             "progress_bar": sys.stdout.isatty(),
         },
         scaling_config=ScalingConfig(
-            num_workers=c.num_workers, use_gpu=c.use_gpu, resources_per_worker={"CPU": c.cpus_per_worker}
+            num_workers=c.num_workers,
+            use_gpu=c.use_gpu,
+            resources_per_worker={"CPU": c.cpus_per_worker},
+            placement_strategy=c.placement_strategy,
         ),
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
         run_config=RunConfig(
