@@ -33,7 +33,6 @@ from raychat.chat.turn import turn_parts
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
 from raychat.engine import ModelRunner
-from raychat.serve.engine_adapter import ENGINE_LOGPROBS
 
 pytestmark = pytest.mark.ray
 
@@ -64,17 +63,15 @@ def expected(tool_checkpoint) -> dict:
 
     story5, story40 = visible(5), visible(40)
     assert "upon" in story40
-    logprobs = None
-    if ENGINE_LOGPROBS:
-        ids, logprobs = list(prompt), []
-        with torch.no_grad():
-            for _ in range(3):
-                lp = torch.log_softmax(model(torch.tensor([ids]))[0, -1].float(), -1)
-                best = int(lp.argmax())
-                logprobs.append(
-                    {"bytes": list(b"".join(tokenizer.iter_tokens([best]))), "logprob": float(lp[best])}
-                )
-                ids.append(best)
+    ids, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(3):
+            lp = torch.log_softmax(model(torch.tensor([ids]))[0, -1].float(), -1)
+            best = int(lp.argmax())
+            logprobs.append(
+                {"bytes": list(b"".join(tokenizer.iter_tokens([best]))), "logprob": float(lp[best])}
+            )
+            ids.append(best)
     return {"model": Path(tool_checkpoint).name, "story5": story5,
             "story_before_upon": story40[: story40.index("upon")], "logprobs": logprobs}  # fmt: skip
 
@@ -111,16 +108,11 @@ def test_openai_python_client(served, expected):
         "logprobs": True,
         "top_logprobs": 2,
     }
-    if expected["logprobs"] is None:
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(**lp_body)
-        assert e.value.param == "logprobs"
-    else:
-        content = client.chat.completions.create(**lp_body).choices[0].logprobs.content
-        assert [c.bytes for c in content] == [e["bytes"] for e in expected["logprobs"]]
-        assert [c.logprob for c in content] == pytest.approx(
-            [e["logprob"] for e in expected["logprobs"]], abs=1e-4
-        )
+    content = client.chat.completions.create(**lp_body).choices[0].logprobs.content
+    assert [c.bytes for c in content] == [e["bytes"] for e in expected["logprobs"]]
+    assert [c.logprob for c in content] == pytest.approx(
+        [e["logprob"] for e in expected["logprobs"]], abs=1e-4
+    )
 
     # the calculator: the returned message object itself goes back into the history
     messages = [{"role": "user", "content": Q1}]

@@ -23,7 +23,6 @@ from raychat.chat.turn import turn_parts
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
 from raychat.engine import ModelRunner
-from raychat.serve.engine_adapter import ENGINE_LOGPROBS
 from raychat.serve.ingress import LocalClient, create_app
 from raychat.serve.server import ChatServer, merge_deltas
 from raychat.serve.sse import parse_sse
@@ -319,7 +318,6 @@ def test_raychat_endpoint_round_trip(calc):
     check_round_trip(calc, history)
 
 
-@pytest.mark.skipif(not ENGINE_LOGPROBS, reason="needs engine logprobs (SamplingParams.logprobs, h14)")
 def test_logprobs_equal_the_model_distribution(calc):
     client, _, runner, tokenizer = calc
     history = [{"role": "user", "content": "Tell me a story."}]

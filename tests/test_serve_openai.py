@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from fastapi.testclient import TestClient
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from serve_helpers import HELLO, FakeEngine
 
+from raychat.serve.engine_adapter import MIN_LOGPROB, sampling_params, text_logprobs
 from raychat.serve.ingress import create_app
 from raychat.serve.sse import parse_sse
 
@@ -156,8 +156,6 @@ def test_engine_logprobs_become_openai_entries_for_text_tokens_only():
 
     from engine_fixtures import byte_tokenizer
 
-    from raychat.serve.engine_adapter import MIN_LOGPROB, text_logprobs
-
     tok = byte_tokenizer()
     euro = "€".encode()
     entry = lambda lp, top: SimpleNamespace(logprob=lp, top_logprobs=top)  # noqa: E731
@@ -175,17 +173,10 @@ def test_engine_logprobs_become_openai_entries_for_text_tokens_only():
 
 
 def test_logprobs_request_against_this_engine():
-    """With engine logprobs, SamplingParams asks for them; without, the request is a 400 naming logprobs."""
-    from raychat.serve.engine_adapter import ENGINE_LOGPROBS, sampling_params
-    from raychat.serve.errors import ParamError
+    """A logprobs request asks the engine's SamplingParams for them; max_tokens None is the row's max_len."""
 
     request = {"logprobs": True, "top_logprobs": 3, "max_tokens": None, "client_tools": True, "stop": ["x"]}
-    if ENGINE_LOGPROBS:
-        params = sampling_params(request, max_len=64)
-        assert (params.logprobs, params.top_logprobs, params.max_tokens) == (True, 3, 64)
-    else:
-        with pytest.raises(ParamError, match="not supported by this engine") as e:
-            sampling_params(request, max_len=64)
-        assert e.value.param == "logprobs"
+    params = sampling_params(request, max_len=64)
+    assert (params.logprobs, params.top_logprobs, params.max_tokens) == (True, 3, 64)
     params = sampling_params({**request, "logprobs": False}, max_len=64)
     assert params.stop == ("x", "<|python_end|>") and params.max_tokens == 64 and params.temperature == 1.0

@@ -200,7 +200,7 @@ def test_openai_client_with_and_without_streaming(served, solo):
 
 def test_autoscaling_up_under_load_and_down_after(served):
     assert running_replicas() >= 1
-    stop_at = time.time() + 40
+    stop_at = time.time() + 120  # a generous bound: a replica starts in ~10 s alone, far slower on a busy machine
     scaled_up = False
 
     def load(i: int) -> int:
@@ -218,10 +218,10 @@ def test_autoscaling_up_under_load_and_down_after(served):
         scaled_up = running_replicas() == 2
         up_after = time.time() - t0
         served_requests = sum(f.result() for f in futures)
-    assert scaled_up, "no second replica within 40 s under 8 concurrent streams (target_ongoing_requests=2)"
+    assert scaled_up, "no second replica within 120 s under 8 concurrent streams (target_ongoing_requests=2)"
     assert served_requests >= 1
     t0 = time.time()
-    while time.time() - t0 < 40 and running_replicas() > 1:
+    while time.time() - t0 < 120 and running_replicas() > 1:
         time.sleep(0.5)
-    assert running_replicas() == 1, "did not scale back to min_replicas=1 within 40 s of idleness"
+    assert running_replicas() == 1, "did not scale back to min_replicas=1 within 120 s of idleness"
     print(f"scaled up after {up_after:.1f} s of load; down after {time.time() - t0:.1f} s idle")

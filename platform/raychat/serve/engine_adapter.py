@@ -1,8 +1,7 @@
 """What the serving layer needs from raychat.engine, in one place: SamplingParams from an engine request,
 and per-token logprobs from StreamEvents in OpenAI's shape.
 
-Logprobs are an engine feature that may be absent from the installed engine: ENGINE_LOGPROBS says whether
-SamplingParams has a `logprobs` field. The engine's contract as used here:
+The engine's logprobs contract as used here:
   SamplingParams(..., logprobs: bool, top_logprobs: int)   top_logprobs 0..20 alternatives per token
   StreamEvent.logprobs: list | None    one entry per token of event.token_ids (None for a token without
                                        one, e.g. a forced tool-output token), each with
@@ -12,15 +11,12 @@ SamplingParams has a `logprobs` field. The engine's contract as used here:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from raychat.chat.turn import TEXT
 from raychat.chat_template import MARKERS
 from raychat.engine import SamplingParams
-from raychat.serve.errors import ParamError
 
-ENGINE_LOGPROBS = "logprobs" in {f.name for f in dataclasses.fields(SamplingParams)}
 # OpenAI's stand-in for a logprob that is -inf (a token the filters excluded): JSON has no infinity
 MIN_LOGPROB = -9999.0
 
@@ -30,7 +26,7 @@ def sampling_params(request: dict, max_len: int) -> SamplingParams:
     max_len). A request with client_tools stops right after a call's <|python_end|> (docs/openai.md).
 
     Raises:
-        ParamError: logprobs asked of an engine without them; ValueError: SamplingParams' own checks.
+        ValueError: SamplingParams' own checks.
     """
     stop = tuple(request.get("stop") or ())
     if request.get("client_tools"):
@@ -44,10 +40,6 @@ def sampling_params(request: dict, max_len: int) -> SamplingParams:
         "stop": stop,
     }
     if request.get("logprobs"):
-        if not ENGINE_LOGPROBS:
-            raise ParamError(
-                "logprobs", "not supported by this engine version (SamplingParams has no logprobs)"
-            )
         kwargs.update(logprobs=True, top_logprobs=request.get("top_logprobs") or 0)
     return SamplingParams(**kwargs)
 
