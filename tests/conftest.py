@@ -24,9 +24,11 @@ def f(x):
 Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.
 """
 
-# The fixture cluster: a head with no CPUs (like the KubeRay head) and two workers with one CPU each and a
-# custom resource each, so a task or a Ray Train worker shows which node it ran on.
-CLUSTER_WORKERS = {"a": (1, {"node_a": 1}), "b": (1, {"node_b": 1})}
+# The fixture cluster: a head with no CPUs (like the KubeRay head) and two workers with 2 logical CPUs each
+# and a custom resource each, so a task or a Ray Train worker shows which node it ran on. 2 (`ray start
+# --num-cpus` takes whole CPUs): a train rank of up to 1 CPU leaves a whole CPU on its node for Ray Data's
+# 1-CPU ListFiles task (raychat.train.layout); without it the chain's pretraining waited forever.
+CLUSTER_WORKERS = {"a": (2, {"node_a": 1}), "b": (2, {"node_b": 1})}
 
 
 @pytest.fixture(scope="session")

@@ -43,9 +43,9 @@ def test_three_nodes_and_tasks_pinned_by_custom_resource(multinode_driver):
     c = multinode_driver
     alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
     assert set(alive) == {c.nodes[k].node_id for k in ("head", "a", "b")}
-    assert [alive[c.nodes[k].node_id]["Resources"].get("CPU", 0) for k in ("head", "a", "b")] == [0, 1, 1]
+    assert [alive[c.nodes[k].node_id]["Resources"].get("CPU", 0) for k in ("head", "a", "b")] == [0, 2, 2]
     assert alive[c.nodes["a"].node_id]["Resources"]["node_a"] == 1
-    assert ray.cluster_resources()["CPU"] == 2
+    assert ray.cluster_resources()["CPU"] == 4
 
     on_a = ray.get([node_id.options(resources={"node_a": 1}).remote() for _ in range(3)])
     on_b = ray.get([node_id.options(resources={"node_b": 1}).remote() for _ in range(3)])
@@ -129,13 +129,15 @@ def test_train_runs_on_two_nodes_checkpoints_to_s3_and_resumes_from_it(multinode
     def fit():
         return TorchTrainer(
             _two_steps,
-            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+            scaling_config=ScalingConfig(
+                num_workers=2, resources_per_worker={"CPU": 1}, placement_strategy="STRICT_SPREAD"
+            ),
             run_config=RunConfig(name="resume", **root.ray_train_storage()),
         ).fit()
 
     first = fit()
     assert (first.metrics["step"], first.metrics["resumed_from"]) == (2, 0)
-    # one CPU per worker node and none on the head: the two ranks must be on a and b
+    # STRICT_SPREAD and no CPU on the head: the two ranks must be on a and b
     assert sorted(first.metrics["node_ids"]) == sorted([c.nodes["a"].node_id, c.nodes["b"].node_id])
     assert first.metrics["rank_sum"] == 0 + 1
     second = fit()

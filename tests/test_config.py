@@ -88,7 +88,7 @@ def test_precedence_flags_over_preset_over_command_defaults(tmp_path):
 
 
 def test_presets_are_package_data_found_from_any_directory(tmp_path):
-    assert preset_names() == ["cluster", "cpu", "gpu8"]
+    assert preset_names() == ["cluster", "cpu", "gpu8", "tiny"]
     env = {**os.environ, "PYTHONPATH": ""}
     out = subprocess.run(
         [sys.executable, "-m", "raychat.cli", "pretrain", "--preset", "cluster", "--dry-run"],

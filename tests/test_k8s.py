@@ -1,8 +1,7 @@
 """k8s/: the generated base is current, every kustomize build validates, `raychat k8s submit` posts a RayJob.
 
-Builds use `kubectl kustomize` (the machine image ships kubectl v1.32 with kustomize v5.5). Without kubectl,
-a small renderer here (resources, namespace, images, JSON6902 `patches`: exactly the features k8s/ uses)
-stands in, and where kubectl exists the two must agree. KubeRay objects are validated against the
+Builds use tests/kustomize.py (`kubectl kustomize`, checked against a small fallback renderer that stands in
+without kubectl). KubeRay objects are validated against the
 openAPIV3Schema of ../shared/kuberay-crds (made strict: unknown fields are errors, as with kubectl's
 --validate=strict); core objects with kubernetes-validate (Kubernetes 1.32 schemas, strict).
 """
@@ -11,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
-import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -21,6 +18,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from kustomize import kustomize_build
 
 from raychat.cli import main as raychat_main
 from raychat.ops import k8s
@@ -30,82 +28,9 @@ CRDS = REPO.parent / "shared" / "kuberay-crds"
 BUILDS = ["k8s/base", "k8s/overlays/cpu-dev", "k8s/overlays/gpu"]
 
 
-# ---------------------------------------------------------------- kustomize: kubectl, or the fallback
-
-
-def _json_patch(doc: dict, ops: list[dict]) -> None:
-    for op in ops:
-        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].lstrip("/").split("/")]
-        node = doc
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        key = int(last) if isinstance(node, list) and last != "-" else last
-        if op["op"] == "remove":
-            del node[key]
-        elif op["op"] in ("replace", "add"):
-            if op["op"] == "replace" and not (key in node if isinstance(node, dict) else key < len(node)):
-                raise KeyError(f"replace of missing {op['path']}")
-            node[key] = copy.deepcopy(op["value"])
-        else:
-            raise NotImplementedError(op["op"])
-
-
-def _set_images(node, images: list[dict]) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in ("containers", "initContainers") and isinstance(value, list):
-                for c in value:
-                    for im in images:
-                        if c.get("image", "").split(":")[0] == im["name"]:
-                            c["image"] = f"{im.get('newName', im['name'])}:{im['newTag']}"
-            _set_images(value, images)
-    elif isinstance(node, list):
-        for item in node:
-            _set_images(item, images)
-
-
-def kustomize_fallback(path: Path) -> list[dict]:
-    k = yaml.safe_load((path / "kustomization.yaml").read_text())
-    docs: list[dict] = []
-    for res in k.get("resources", []):
-        target = path / res
-        if target.is_dir():
-            docs += kustomize_fallback(target)
-        else:
-            docs += [d for d in yaml.safe_load_all(target.read_text()) if d]
-    for patch in k.get("patches", []):
-        ops = yaml.safe_load(patch["patch"] if "patch" in patch else (path / patch["path"]).read_text())
-        t = patch["target"]
-        for d in docs:
-            if d["kind"] == t["kind"] and t.get("name", d["metadata"]["name"]) == d["metadata"]["name"]:
-                _json_patch(d, ops)
-    if "images" in k:
-        _set_images(docs, k["images"])
-    if "namespace" in k:
-        for d in docs:
-            if d["kind"] != "Namespace":
-                d["metadata"]["namespace"] = k["namespace"]
-    return docs
-
-
-def _key(d: dict) -> tuple:
-    return (d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"])
-
-
 @pytest.fixture(scope="module")
 def builds() -> dict[str, list[dict]]:
-    out = {}
-    for b in BUILDS:
-        docs = kustomize_fallback(REPO / b)
-        if shutil.which("kubectl"):
-            text = subprocess.run(
-                ["kubectl", "kustomize", str(REPO / b)], check=True, capture_output=True, text=True
-            ).stdout
-            real = [d for d in yaml.safe_load_all(text) if d]
-            assert sorted(real, key=_key) == sorted(docs, key=_key), f"fallback renderer disagrees on {b}"
-            docs = real
-        out[b] = docs
-    return out
+    return {b: kustomize_build(REPO / b) for b in BUILDS}
 
 
 # ---------------------------------------------------------------- schemas
@@ -157,6 +82,8 @@ def test_base_is_generated_from_code_and_serve_config():
     assert k8s.render_base(REPO) == {p.name: p.read_text() for p in (REPO / "k8s" / "base").glob("*.yaml")}, (
         "k8s/base is stale: run `raychat k8s generate`"
     )
+    cpu_dev = (REPO / "k8s" / "overlays" / "cpu-dev" / "kustomization.yaml").read_text()
+    assert k8s.render_cpu_dev() == cpu_dev, "k8s/overlays/cpu-dev/kustomization.yaml is stale"
     assert raychat_main(["k8s", "generate", "--check"]) == 0
 
 
@@ -175,7 +102,7 @@ def test_rayservice_serve_config_is_serve_chat_yaml_verbatim(builds):
 def test_every_object_validates(builds, crd_schemas, build):
     docs = builds[build]
     kinds = sorted(d["kind"] for d in docs)
-    expected = ["PersistentVolumeClaim", "RayCluster", "RayJob", "RayJob", "RayJob", "RayService"]
+    expected = ["PersistentVolumeClaim", "RayCluster", *["RayJob"] * len(k8s.CHAIN), "RayService"]
     assert kinds == sorted(expected + ([] if build == "k8s/base" else ["Namespace"]))
     for d in docs:
         validate_object(d, crd_schemas)
@@ -205,19 +132,33 @@ def test_cluster_shapes(builds):
     worker = rc["workerGroupSpecs"][0]
     assert (worker["minReplicas"], worker["maxReplicas"]) == (0, 8)
     assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    for stage in ("pretrain", "sft", "rl"):
+    want = {
+        "data": "python jobs/data.py prepare --preset cluster --storage-path /mnt/checkpoints/runs && "
+        "python jobs/tokenizer.py train --preset cluster --storage-path /mnt/checkpoints/runs",
+        "pretrain": "python jobs/pretrain.py --preset cluster --storage-path /mnt/checkpoints/runs --num-workers 8 "
+        "--cpus-per-worker 7 --run-name pretrain",
+        "sft": "python jobs/sft.py --preset cluster --storage-path /mnt/checkpoints/runs --num-workers 8 "
+        "--cpus-per-worker 7 --run-name sft --init-from latest",
+        "rl": "python jobs/rl.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name rl --checkpoint latest",
+        "eval": "python jobs/eval.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name eval "
+        "--checkpoint latest",
+        "export": "python jobs/export.py --storage-path /mnt/checkpoints/runs --run-name hf --checkpoint latest",
+    }  # fmt: skip
+    for stage in k8s.CHAIN:
         spec = base[("RayJob", f"raychat-{stage}")]["spec"]
-        assert spec["entrypoint"] == f"python jobs/{stage}.py"
-        assert yaml.safe_load(spec["runtimeEnvYAML"]) == {
-            "working_dir": "/home/ray/raychat",
-            "env_vars": {"RAYCHAT_STORAGE": "/mnt/checkpoints/runs"},
-        }
+        assert spec["entrypoint"] == want[stage]
+        assert spec.get("entrypointNumGpus", 0) == (1 if stage == "eval" else 0)  # the eval driver: cuda
+        assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"working_dir": "/home/ray/raychat"}
         assert (spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"], spec["backoffLimit"]) == (
             True,
             3600,
             1,
         )
         assert spec["rayClusterSpec"] == rc
+    # the RayService serves the RL run's newest checkpoint from the same PVC root
+    svc = base[("RayService", "raychat-chat")]["spec"]
+    (app,) = yaml.safe_load(svc["serveConfigV2"])["applications"]
+    assert app["args"]["checkpoint"] == "/mnt/checkpoints/runs/rl/latest"
     # every pod mounts the checkpoint PVC
     mounts = [
         c["volumeMounts"] for g in [rc["headGroupSpec"], worker] for c in g["template"]["spec"]["containers"]
@@ -225,6 +166,13 @@ def test_cluster_shapes(builds):
     assert mounts == [[{"name": "checkpoints", "mountPath": "/mnt/checkpoints"}]] * 2
 
     dev = {(d["kind"], d["metadata"]["name"]): d for d in builds["k8s/overlays/cpu-dev"]}
+    for stage in k8s.CHAIN:  # the same commands on the tiny preset, with the cluster-sized flags dropped
+        job = dev[("RayJob", f"raychat-{stage}")]["spec"]
+        shape = " --num-workers 8 --cpus-per-worker 7"
+        assert job["entrypoint"] == want[stage].replace(shape, "").replace(
+            "--preset cluster", "--preset tiny"
+        )
+        assert "entrypointNumGpus" not in job
     for (kind, _), d in dev.items():
         if kind == "Namespace":
             continue

@@ -9,6 +9,8 @@
   rng_rank{r}.pt         torch / python RNG state of rank r
 
 Every file is written to a temporary name and renamed, so a crash never leaves a half-written file.
+read_meta and load_model also take the s3:// or gs:// URI of a checkpoint dir: it is downloaded to this
+node's cache first (raychat.storage.resolve_checkpoint), so every node can load one from object storage.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from raychat.model import GPT, ModelConfig
+from raychat.storage import is_remote, resolve_checkpoint
 from raychat.tokenizer import Tokenizer
 
 
@@ -73,12 +76,12 @@ def load_rank_state(directory: str | os.PathLike, rank: int, optimizers: list) -
 
 
 def read_meta(directory: str | os.PathLike) -> dict:
-    """meta.json of a checkpoint; an older checkpoint's "kind" is read as "stage".
+    """meta.json of a checkpoint (a local dir or a remote URI); an older checkpoint's "kind" is read as "stage".
 
     Raises:
-        FileNotFoundError: no meta.json there.
+        FileNotFoundError: no meta.json there. ValueError: a remote URI that names no complete checkpoint.
     """
-    path = Path(directory) / "meta.json"
+    path = Path(_local(directory)) / "meta.json"
     if not path.exists():
         raise FileNotFoundError(f"{directory} is not a raychat checkpoint (no meta.json)")
     meta = json.loads(path.read_text())
@@ -90,13 +93,14 @@ def read_meta(directory: str | os.PathLike) -> dict:
 def load_model(
     directory: str | os.PathLike, device: str | torch.device = "cpu"
 ) -> tuple[GPT, Tokenizer, dict]:
-    """Load (model in eval mode, tokenizer, meta) from a checkpoint directory.
+    """Load (model in eval mode, tokenizer, meta) from a checkpoint directory (local, or a remote URI).
 
     Raises:
         FileNotFoundError: missing meta.json / model.safetensors / tokenizer.json.
-        ValueError: the tokenizer's version differs from the one the model was trained with.
+        ValueError: the tokenizer's version differs from the one the model was trained with; a remote URI
+            that names no complete checkpoint.
     """
-    d = Path(directory)
+    d = Path(_local(directory))
     meta = read_meta(d)
     tokenizer = Tokenizer.load(d)
     if meta.get("tokenizer_version") not in (None, tokenizer.version):
@@ -106,14 +110,5 @@ def load_model(
     return model.to(device).eval(), tokenizer, meta
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint_* directory (with model.safetensors) under a Ray Train run dir."""
-    run_dir = Path(run_dir)
-    if not run_dir.exists():
-        return None
-    done = [
-        p
-        for p in run_dir.glob("checkpoint_*")
-        if (p / "model.safetensors").exists() and (p / "meta.json").exists()
-    ]
-    return max(done, key=lambda p: read_meta(p).get("step", -1), default=None)
+def _local(directory: str | os.PathLike) -> str | os.PathLike:
+    return resolve_checkpoint(directory) if is_remote(directory) else directory

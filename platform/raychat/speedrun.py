@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 from raychat.checkpoint import load_model
-from raychat.config import RLConfig, TrainConfig, from_dict, preset_section, preset_values, to_dict, to_flat
+from raychat.config import RLConfig, TrainConfig, from_dict, preset_section, preset_values, to_dict
 from raychat.config.data import PrepareConfig, TokenizerConfig
 from raychat.config.presets import PRESET_HELP
 from raychat.config.train import SFT_DEFAULTS
-from raychat.data.prepare import prepare
+from raychat.data.prepare import prepare, prepare_kwargs
 from raychat.data.shards import list_shards
 from raychat.eval.bpb import unigram_bpb
 from raychat.eval.tasks import task_accuracy
@@ -52,7 +52,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
         print(f"using existing shards in {data_dir}")
         manifest = json.loads((data_dir / "manifest.json").read_text())
     else:
-        manifest = prepare(**to_flat(data_cfg))
+        manifest = prepare(**prepare_kwargs(data_cfg))
     report["data"] = {k: manifest.get(k) for k in ("source", "license", "documents", "bytes")}
     report["timings_s"]["data"] = time.perf_counter() - t0
 

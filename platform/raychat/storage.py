@@ -13,15 +13,23 @@ server: the scheme of that URL, http or https, is the one used), AWS_ACCESS_KEY_
 is looked up). GCS takes Google's application default credentials; a GCS URI without `retry_limit_seconds`
 gets 60 s, so a missing credential fails within a minute instead of retrying for 15.
 
-Checkpoint references (`resolve_checkpoint`), local or remote alike:
+Checkpoint references (`find_checkpoint` names one, `resolve_checkpoint` also fetches it), local or remote:
   <checkpoint dir>          a directory holding the checkpoint files
   <run dir>                 a directory of checkpoint_* dirs: its newest complete checkpoint
   <run dir>/latest          the same, spelled as a path (nothing named `latest` needs to exist)
   <run name> + storage      <storage>/<run name>, as a run dir
+  latest + storage          the most recently written (meta.json's modification time) of the newest complete
+                            checkpoints of the runs under <storage>, of the stages asked for (meta "stage":
+                            SFT takes a pretraining checkpoint, RL an SFT one)
 A remote checkpoint is downloaded into a cache dir under a temporary name and renamed when complete, so a
 half download is never used, and it is downloaded again only when its files (names, sizes) change.
 A bad reference or storage root is a ValueError of one line that names the flag and says what was found;
 an I/O error in the middle of a download propagates (OSError) and leaves no partial copy behind.
+
+Data directories (parquet shards, the tokenizer) are named like runs (`run_directory`: a path, or a run
+name under the storage root) and must be on a filesystem every node mounts (local or NFS): the training
+workers read them as files. Small results (`write_bytes`) and exported directories (`upload_dir`) go to any
+storage root.
 """
 
 from __future__ import annotations
@@ -116,39 +124,68 @@ def check_writable(storage: Storage, flag: str = "--storage-path") -> None:
         raise ValueError(f"{flag}: {storage.uri} is not writable: {_why(e, storage)}") from e
 
 
-def resolve_checkpoint(
+def is_remote(uri: str | os.PathLike) -> bool:
+    """True for an s3:// or gs:// URI (what has to be fetched before a local file API can read it)."""
+    return str(uri).split("://", 1)[0].lower() in REMOTE_SCHEMES if "://" in str(uri) else False
+
+
+def find_checkpoint(
     ref: str | os.PathLike,
     storage: Storage | str | None = None,
     flag: str = "--checkpoint",
-    cache_dir: str | os.PathLike | None = None,
-) -> Path:
-    """A local directory holding the newest complete checkpoint that `ref` names (see the module doc).
+    stages: tuple[str, ...] | None = None,
+) -> str:
+    """The newest complete checkpoint that `ref` names (see the module doc), fetched nowhere: an absolute local
+    path, or the s3:// / gs:// URI of the checkpoint dir.
 
-    ref: a checkpoint dir, a run dir, <run dir>/latest (local paths or s3:// / gs:// URIs), or a run name
-    (no '/') looked up under `storage` (a bare name that exists as a local path is that path). A remote checkpoint is downloaded to
-    <cache_dir>/<sha256(uri)[:16]>-<name> (default cache: ~/.cache/raychat/checkpoints).
+    ref: a checkpoint dir, a run dir, <run dir>/latest (local paths or URIs), a run name (no '/') looked up
+    under `storage` (a bare name that exists as a local path is that path), or `latest` with `storage`.
+    stages: what `latest` may pick (meta.json "stage"; None = any).
 
     Raises ValueError (one line, naming `flag`): ref names nothing, a run without a complete checkpoint
-    (listing what the run holds), an incomplete checkpoint dir, a missing bucket. OSError: the download
-    failed (nothing is left under the final name)."""
+    (listing what the run holds), an incomplete checkpoint dir, a missing bucket, a `latest` without a
+    storage root or with no checkpoint of `stages` under it."""
     text = str(ref).strip()
     if not text:
         raise ValueError(f"{flag}: empty; give a checkpoint dir, a run dir, <run dir>/latest or a run name")
     if isinstance(storage, str | os.PathLike):
         storage = open_storage(storage)
     bare_name = "://" not in text and "/" not in text and not os.path.exists(text)
-    if bare_name and storage is not None:
-        where, target = storage, storage.run_path(text)
+    if bare_name and text == LATEST:
+        if storage is None:
+            raise ValueError(f"{flag}: latest needs a storage root (--storage-path) whose runs to search")
+        where, ckpt = storage, _latest_of_runs(storage, stages, flag)
     else:
-        where = open_storage(text, flag)
-        target = where.path
-    try:
-        ckpt = _find(where, target, flag)
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot read {where.uri_of(target)}: {_why(e, where)}") from e
-    if where.is_local:
-        return Path(ckpt)
-    return _download(where, ckpt, Path(cache_dir) if cache_dir else DEFAULT_CACHE)
+        if bare_name and storage is not None:
+            where, target = storage, storage.run_path(text)
+        else:
+            where = open_storage(text, flag)
+            target = where.path
+        try:
+            ckpt = _find(where, target, flag)
+        except OSError as e:
+            raise ValueError(f"{flag}: cannot read {where.uri_of(target)}: {_why(e, where)}") from e
+    return where.uri_of(ckpt)
+
+
+def resolve_checkpoint(
+    ref: str | os.PathLike,
+    storage: Storage | str | None = None,
+    flag: str = "--checkpoint",
+    cache_dir: str | os.PathLike | None = None,
+    stages: tuple[str, ...] | None = None,
+) -> Path:
+    """A local directory holding the checkpoint find_checkpoint(ref, storage, flag, stages) names: the
+    directory itself when local; a remote one downloaded to <cache_dir>/<sha256(uri)[:16]>-<name> (default
+    cache: $XDG_CACHE_HOME or ~/.cache, then raychat/checkpoints).
+
+    Raises ValueError as find_checkpoint; OSError: the download failed (nothing is left under the final
+    name)."""
+    uri = find_checkpoint(ref, storage, flag, stages)
+    if not is_remote(uri):
+        return Path(uri)
+    where = open_storage(uri, flag)
+    return _download(where, where.path, Path(cache_dir) if cache_dir else DEFAULT_CACHE)
 
 
 def newest_checkpoint(storage: Storage, run_path: str) -> str | None:
@@ -157,6 +194,79 @@ def newest_checkpoint(storage: Storage, run_path: str) -> str | None:
     if not done:
         return None
     return max(done, key=lambda c: (_read_meta(storage.fs, c).get("step", -1), c))
+
+
+def checkpoint_meta(storage: Storage, path: str) -> dict:
+    """meta.json of the checkpoint at `path` on storage.fs (an older checkpoint's "kind" read as "stage")."""
+    meta = _read_meta(storage.fs, path)
+    if "kind" in meta and "stage" not in meta:
+        meta["stage"] = meta.pop("kind")
+    return meta
+
+
+def run_directory(ref: str | os.PathLike, storage: Storage | str | None, flag: str) -> str:
+    """The absolute local path of a data directory: `ref` as a path, or a bare name (no '/', not an existing
+    local path) as the run <storage>/<name>.
+
+    Raises ValueError naming `flag` when it lands on object storage: training workers read data directories
+    as files, so they must be on a filesystem every node mounts (local or NFS)."""
+    text = str(ref).strip()
+    if not text:
+        raise ValueError(f"{flag}: empty; give a directory or a run name under --storage-path")
+    if isinstance(storage, str | os.PathLike):
+        storage = open_storage(storage)
+    bare_name = "://" not in text and "/" not in text and not os.path.exists(text)
+    uri = storage.uri_of(storage.run_path(text)) if bare_name and storage is not None else text
+    if is_remote(uri):
+        raise ValueError(
+            f"{flag}: {uri} is on object storage; data and the tokenizer are read as files by every "
+            "node: give a local or NFS directory"
+        )
+    return open_storage(uri, flag).path
+
+
+def write_bytes(storage: Storage, path: str, data: bytes) -> str:
+    """Write `data` to `path` on storage.fs whole or not at all (local: a temporary name, then a rename;
+    object storage: one PUT). Creates the parent dirs; returns the file's URI."""
+    parent = path.rsplit("/", 1)[0]
+    storage.fs.create_dir(parent, recursive=True)
+    if storage.is_local:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.rsplit('/', 1)[-1]}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    else:
+        with storage.fs.open_output_stream(path) as f:
+            f.write(data)
+    return storage.uri_of(path)
+
+
+def upload_dir(local: str | os.PathLike, storage: Storage, path: str) -> str:
+    """Copy the local directory `local` to `path` on storage.fs, replacing what was there; returns its URI.
+    Local storage: copied beside it under a temporary name, then renamed (never half there). Object storage:
+    file by file (a reader sees the new files appear one by one)."""
+    if storage.is_local:
+        parent = Path(path).parent
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{Path(path).name}.", dir=parent))
+        try:
+            shutil.copytree(local, tmp, dirs_exist_ok=True)
+            if os.path.exists(path):
+                old = parent / f".{Path(path).name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(path, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        pafs.copy_files(
+            str(local), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=storage.fs
+        )
+    return storage.uri_of(path)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -181,6 +291,23 @@ def _find(storage: Storage, target: str, flag: str) -> str:
         missing = [f for f in COMPLETE_FILES if fs.get_file_info(f"{target}/{f}").type != pafs.FileType.File]
         raise ValueError(f"{flag}: checkpoint {shown} is incomplete (no {', '.join(missing)})")
     raise ValueError(f"{flag}: {shown} has no complete checkpoint ({_listing(fs, target, storage)})")
+
+
+def _latest_of_runs(storage: Storage, stages: tuple[str, ...] | None, flag: str) -> str:
+    """The most recently written newest complete checkpoint among the runs under the root, of `stages`."""
+    found = []
+    try:
+        for run in _children(storage.fs, storage.path):
+            ckpt = newest_checkpoint(storage, run)
+            if ckpt is not None and (stages is None or checkpoint_meta(storage, ckpt).get("stage") in stages):
+                found.append((storage.fs.get_file_info(f"{ckpt}/meta.json").mtime, ckpt))
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {storage.uri}: {_why(e, storage)}") from e
+    if not found:
+        what = f"complete {'/'.join(stages)}" if stages else "complete"
+        where = _listing(storage.fs, storage.path, storage)
+        raise ValueError(f"{flag}: latest: no {what} checkpoint under {storage.uri} ({where})")
+    return max(found)[1]
 
 
 def _children(fs: pafs.FileSystem, path: str) -> list[str]:

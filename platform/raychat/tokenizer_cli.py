@@ -1,4 +1,7 @@
-"""`raychat tokenizer train`: train the BPE on the training shards and report bytes per token."""
+"""`raychat tokenizer train`: train the BPE on the training shards and report bytes per token.
+
+Reads --data-dir (a run under --storage-path, default `data`, or a directory) and writes
+<storage-path>/<run-name>/tokenizer.json (default runs/tokenizer) or --out."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import pyarrow.parquet as pq
 from raychat.config import add_flags, from_args
 from raychat.config.data import TokenizerConfig
 from raychat.data.shards import list_shards
+from raychat.storage import check_writable, open_storage, run_directory
 from raychat.tokenizer import Tokenizer
 
 
@@ -76,5 +80,14 @@ def add_cli(subparsers) -> None:
 
 def _main(args) -> int:
     c = from_args(args, TokenizerConfig, "tokenizer", where="tokenizer settings")
-    train_tokenizer(c.data_dir, c.out, c.vocab_size, c.max_chars)
+    storage = open_storage(c.storage_path)
+    data_dir = run_directory(c.data_dir, storage, "--data-dir")
+    try:
+        list_shards(data_dir)  # a missing or unfinished data directory fails here, before any work
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--data-dir: {e}") from e
+    flag = "--out" if c.out else "--storage-path"
+    out = run_directory(c.output_dir(), None, flag)
+    check_writable(open_storage(out, flag), flag)
+    train_tokenizer(data_dir, out, c.vocab_size, c.max_chars)
     return 0

@@ -4,9 +4,11 @@ of --flags (raychat.config.flags), YAML presets shipped as package data (raychat
   PrepareConfig, TokenizerConfig (raychat.config.data)  `raychat data prepare`, `raychat tokenizer train`
   TrainConfig (raychat.config.train)  pretrain / SFT: run, model, optim, data, cluster, train
   RLConfig    (raychat.config.rl)     RL: run, optim, rl
+  EvalConfig, ExportConfig (raychat.config.eval)  `raychat eval`, `raychat export`
   ServeConfig, VLLMConfig (raychat.config.serve)  the chat app's build_app args; the vLLM Serve config
 """
 
+from raychat.config.eval import EvalConfig, ExportConfig
 from raychat.config.flags import add_flags, from_args
 from raychat.config.presets import preset_names, preset_section, preset_values
 from raychat.config.rl import RLConfig
@@ -17,6 +19,8 @@ from raychat.config.train import SFT_DEFAULTS, TrainConfig
 __all__ = [
     "SFT_DEFAULTS",
     "ConfigError",
+    "EvalConfig",
+    "ExportConfig",
     "RLConfig",
     "ServeConfig",
     "TrainConfig",

@@ -1,6 +1,11 @@
 """Configurations of the data stages: `raychat data prepare` (PrepareConfig, a preset's `data` section) and
 `raychat tokenizer train` (TokenizerConfig, its `tokenizer` section). raychat.data.prepare and
-raychat.tokenizer_cli take their defaults from here."""
+raychat.tokenizer_cli take their defaults from here.
+
+Both write <storage-path>/<run-name> (default runs/data and runs/tokenizer, as the speedrun's layout) unless
+--out names another directory; the tokenizer reads --data-dir, a directory or a run under the same root.
+These are directories on a filesystem every node mounts (local or NFS): the training workers read them.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,9 @@ class PrepareConfig(Section):
     """Corpus -> parquet text shards + manifest.json."""
 
     source: str = option("debian-docs", "debian-docs | fineweb-edu | climbmix | DIR")
-    out: str = option("runs/data", "output directory")
+    storage_path: str = option("runs", "storage root (a local or NFS directory) the shards go under")
+    run_name: str = option("data", "run name: the shards go to <storage-path>/<run-name>")
+    out: str | None = option(None, "output directory instead of <storage-path>/<run-name>")
     num_shards: int | None = option(
         None, "train shards (one validation shard is always added); hub sources: how many to download "
         "(default 1); local sources: instead of --rows-per-shard", ge=1,
@@ -29,12 +36,22 @@ class PrepareConfig(Section):
     )
     workers: int = option(4, "hub sources: parallel downloads", ge=1)
 
+    def output_dir(self) -> str:
+        return self.out or f"{self.storage_path.rstrip('/')}/{self.run_name}"
+
 
 @dataclass
 class TokenizerConfig(Section):
     """Byte-level BPE on the training shards."""
 
-    data_dir: str = option("runs/data", "shards from `raychat data prepare`")
-    out: str = option("runs/tokenizer", "output directory")
+    storage_path: str = option("runs", "storage root (a local or NFS directory)")
+    run_name: str = option("tokenizer", "run name: tokenizer.json goes to <storage-path>/<run-name>")
+    data_dir: str = option(
+        "data", "shards from `raychat data prepare`: a run name under --storage-path or a directory"
+    )
+    out: str | None = option(None, "output directory instead of <storage-path>/<run-name>")
     vocab_size: int = option(4096, "total vocabulary incl. special tokens (gpu8: 65536)", ge=260)
     max_chars: int = option(2_000_000_000, "train on at most this many characters")
+
+    def output_dir(self) -> str:
+        return self.out or f"{self.storage_path.rstrip('/')}/{self.run_name}"

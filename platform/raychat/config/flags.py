@@ -2,6 +2,10 @@
 
 Every flag defaults to None ("not given"), so precedence is explicit and the same for every command:
 flags > the preset or --config file > the command's defaults (the config class's, with its section overrides).
+
+One storage root for a chain of stages: when --storage-path is chosen (by flag or preset) and an input of
+STORAGE_INPUTS is not, that input is the run of that name under the root (`--storage-path /mnt/runs` alone
+reads /mnt/runs/data and /mnt/runs/tokenizer; raychat.storage.run_directory resolves the names).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import dataclasses
 
 from raychat.config.presets import PRESET_HELP, preset_values
 from raychat.config.schema import _base_type, _hints, coerce, flag_name, from_dict, leaves
+
+STORAGE_INPUTS = {"data_dir": "data", "tokenizer_path": "tokenizer"}
 
 
 def add_flags(
@@ -74,7 +80,7 @@ def given(args: argparse.Namespace, cls) -> dict:
 
 def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str | None = None):
     """The config of a command: `base` (default `cls()`), the preset's `section` (when --preset is given and
-    not 'none'), then the flags given.
+    not 'none'), then the flags given, then the STORAGE_INPUTS rule (see the module doc).
 
     Raises:
         ConfigError: an unknown preset key or a bad value (the message names the flag).
@@ -82,6 +88,13 @@ def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str
     """
     config = base if base is not None else cls()
     name = getattr(args, "preset", None)
-    if name and name != "none":
-        config = from_dict(cls, preset_values(name, section), base=config, where=where)
-    return from_dict(cls, given(args, cls), base=config)
+    preset = preset_values(name, section) if name and name != "none" else {}
+    if preset:
+        config = from_dict(cls, preset, base=config, where=where)
+    flags = given(args, cls)
+    config = from_dict(cls, flags, base=config)
+    chosen = {*preset, *flags}
+    if "storage_path" in chosen:
+        inputs = {k: run for k, run in STORAGE_INPUTS.items() if k in leaves(cls) and k not in chosen}
+        config = from_dict(cls, inputs, base=config)
+    return config

@@ -6,6 +6,7 @@ A preset has one section per stage, each holding options by flat name (the --fla
   tokenizer: `raychat tokenizer train` (vocab_size)
   train:     pretraining (TrainConfig)       sft: SFT, on top of train (TrainConfig)
   rl:        RL (RLConfig)                   serve: `raychat serve` / build_app (ServeConfig)
+  eval:      `raychat eval` (EvalConfig)
 A file with none of these sections is one section by itself (an RL `--config` file of RLConfig options).
 """
 
@@ -16,10 +17,10 @@ from pathlib import Path
 
 import yaml
 
-STAGE_SECTIONS = ("data", "tokenizer", "train", "sft", "rl", "serve")
+STAGE_SECTIONS = ("data", "tokenizer", "train", "sft", "rl", "serve", "eval")
 # what a command reads from a preset: its sections, later ones on top
 LAYERS = {"pretrain": ("train",), "sft": ("train", "sft"), "rl": ("rl",), "serve": ("serve",)}
-PRESET_HELP = "preset name (cpu, gpu8, cluster: raychat/presets/) or a YAML path; 'none' = no preset"
+PRESET_HELP = "preset name (tiny, cpu, gpu8, cluster: raychat/presets/) or a YAML path; 'none' = no preset"
 
 
 def preset_names() -> list[str]:
@@ -37,12 +38,14 @@ def read_preset(name_or_path: str) -> dict:
     if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
         path = Path(name_or_path)
         if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist; shipped presets: {preset_names()}")
+            raise FileNotFoundError(
+                f"--preset: file {path} does not exist; shipped presets: {preset_names()}"
+            )
         text = path.read_text()
     else:
         item = resources.files("raychat").joinpath("presets", f"{name_or_path}.yaml")
         if not item.is_file():
-            raise FileNotFoundError(f"no preset {name_or_path!r}; known presets: {preset_names()}")
+            raise FileNotFoundError(f"--preset: no preset {name_or_path!r}; known presets: {preset_names()}")
         text = item.read_text()
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):

@@ -33,6 +33,9 @@ class ReplicaSection(Section):
         None, "torch threads per replica (default: the CPUs it reserved)", ge=1
     )
     max_ongoing_requests: int = option(32, "requests per replica (queued at the ingress beyond it)", ge=1)
+    max_replicas_per_node: int | None = option(
+        None, "most ChatServer replicas on one node (1 = each on a node of its own); default: no limit", ge=1
+    )
 
 
 @dataclass
@@ -63,7 +66,10 @@ class ServeConfig(Section):
 
     NAMING = "key"
 
-    checkpoint: str = option("", "raychat checkpoint directory, readable on every node (required)")
+    checkpoint: str = option(
+        "", "the checkpoint (required): a checkpoint dir, a run dir or <run dir>/latest on storage every node "
+        "reads (a shared directory, s3:// or gs://)",
+    )  # fmt: skip
     replica: ReplicaSection = section(ReplicaSection)
     autoscaling: AutoscalingSection = section(AutoscalingSection)
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (or env RAYCHAT_API_KEY)")

@@ -25,8 +25,9 @@ class RunSection(Section):
     storage_path: str = option("runs/checkpoints", "where checkpoints go (local dir, NFS, s3://, gs://)")
     stage: str = option("pretrain", "what the run trains (set by the command)", STAGES, flag=False)
     init_from: str = option(
-        "", "checkpoint directory to start from (SFT starts from a pretraining checkpoint)"
-    )
+        "", "checkpoint to start from (SFT: a pretraining one): a checkpoint dir, a run dir, <run dir>/latest, "
+        "a run name under --storage-path, or latest (the newest pretraining checkpoint there)",
+    )  # fmt: skip
     seed: int = option(0, "seed for init, data order and sampling")
     tracker: str = option("none", "also log every step to TensorBoard event files or W&B (offline)", TRACKERS)
 
@@ -79,8 +80,14 @@ class OptimSection(Section):
 class DataSection(Section):
     """Where the rows come from."""
 
-    data_dir: str = option("runs/data", "parquet shards + manifest from `raychat data prepare`")
-    tokenizer_path: str = option("runs/tokenizer", "directory holding tokenizer.json")
+    data_dir: str = option(
+        "runs/data", "parquet shards + manifest from `raychat data prepare`: a directory or a run name under "
+        "--storage-path (given --storage-path and not this: the run 'data' there)",
+    )  # fmt: skip
+    tokenizer_path: str = option(
+        "runs/tokenizer", "directory holding tokenizer.json, or a run name under --storage-path (given "
+        "--storage-path and not this: the run 'tokenizer' there)",
+    )  # fmt: skip
     buffer_size: int = option(256, "documents buffered by the best-fit packer", positive=True)
     overflow: str = option(
         "crop", "pretraining packer, a document that fits nowhere: crop (discard its tail, nanochat) or split "
@@ -99,6 +106,10 @@ class ClusterSection(Section):
     num_workers: int = option(2, "Ray Train workers (DDP ranks)", positive=True)
     cpus_per_worker: float = option(0.5, "CPUs each worker reserves (leave room for Ray Data)", gt=0)
     use_gpu: bool = option(False, "one GPU per worker, nccl, bf16 autocast")
+    placement_strategy: str = option(
+        "PACK", "where the workers go (Ray's placement group strategies): PACK fills a node first, SPREAD puts "
+        "them on different nodes where it can", ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    )  # fmt: skip
     max_failures: int = option(1, "worker failures survived by restarting from the last checkpoint", ge=0)
     peak_flops: float = option(-1.0, "peak FLOP/s of one device for MFU; -1 = known GPUs only")
 

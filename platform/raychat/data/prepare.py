@@ -31,10 +31,12 @@ from raychat.data.shards import (
     write_manifest,
     write_shards,
 )
+from raychat.storage import check_writable, open_storage, run_directory
 
 FORMAT = "raychat-text-shards/1"
 _DEFAULTS = PrepareConfig()  # the defaults of `raychat data prepare` and prepare()
 DEFAULT_SOURCE = _DEFAULTS.source
+DEFAULT_OUT = _DEFAULTS.output_dir()
 DEFAULT_ROWS_PER_SHARD = 1024
 DEFAULT_HUB_SHARDS = 1
 
@@ -159,7 +161,7 @@ def prepare_hub(name, out: Path, num_shards, url_pattern, old: dict | None, down
 
 def prepare(
     source: str = _DEFAULTS.source,
-    out: str | Path = _DEFAULTS.out,
+    out: str | Path = DEFAULT_OUT,
     num_shards: int | None = _DEFAULTS.num_shards,
     rows_per_shard: int | None = _DEFAULTS.rows_per_shard,
     seed: int = _DEFAULTS.seed,
@@ -243,9 +245,10 @@ def report(out: Path, manifest: dict, log) -> None:
 
 
 EPILOG = """examples:
-  raychat data prepare                                   # default corpus (needs: make corpus-deps)
+  raychat data prepare                                   # default corpus (needs: make corpus-deps) -> runs/data
   raychat data prepare --source ~/my_texts --num-shards 8
   raychat data prepare --source fineweb-edu --num-shards 4 --out runs/fineweb
+  raychat data prepare --storage-path /mnt/shared/runs   # -> /mnt/shared/runs/data, for a cluster's jobs
 
 sources:
   debian-docs   Python 3.11 docs (Debian python3.11-doc, PSF-2.0, reST cleaned to text) + WordNet 3.0 glosses
@@ -276,9 +279,21 @@ def add_cli(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def prepare_kwargs(config: PrepareConfig) -> dict:
+    """prepare()'s arguments for a PrepareConfig: its options, with `out` = the output directory.
+
+    Raises ValueError naming the flag: the output is on object storage or cannot be written (checked by
+    writing and deleting a probe file; nothing else is touched)."""
+    flag = "--out" if config.out else "--storage-path"
+    out = run_directory(config.output_dir(), None, flag)
+    check_writable(open_storage(out, flag), flag)
+    values = {k: v for k, v in to_flat(config).items() if k not in ("storage_path", "run_name")}
+    return {**values, "out": out}
+
+
 def run(args) -> int:
     try:
-        prepare(**to_flat(from_args(args, PrepareConfig, "data", where="data settings")))
+        prepare(**prepare_kwargs(from_args(args, PrepareConfig, "data", where="data settings")))
     except (
         ValueError,
         DownloadError,

@@ -1,4 +1,6 @@
-"""Export a raychat checkpoint to the Hugging Face layout (`raychat export --checkpoint DIR --out DIR`).
+"""Export a raychat checkpoint to the Hugging Face layout (`raychat export --checkpoint REF`): the files go to
+<storage-path>/<run-name>/ (staged locally, then moved or uploaded whole: raychat.storage.upload_dir) or to
+--out; --checkpoint is any reference raychat.storage resolves (`latest`: the newest checkpoint there).
 
 Files written into OUT (each atomically: temporary name, then rename):
   config.json              Qwen3Config, architectures ["Qwen3ForCausalLM"] (parameter names already match)
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -39,7 +42,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from raychat.chat_template import TEMPLATE_VERSION
 from raychat.checkpoint import load_model
+from raychat.config import ExportConfig, add_flags, from_args
 from raychat.model import GPT
+from raychat.storage import check_writable, find_checkpoint, open_storage, upload_dir
 from raychat.tokenizer import BOS, Tokenizer
 
 ARCHITECTURE = "Qwen3ForCausalLM"
@@ -245,19 +250,32 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
-    model, tokenizer, meta = load_model(args.checkpoint)
-    out = export_hf(model, tokenizer, args.out)
-    print(f"exported {args.checkpoint} (step {meta.get('step', '?')}) -> {out}")
-    print(f"load with: transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    cfg = from_args(args, ExportConfig, "export", where="export settings")
+    if not cfg.checkpoint:
+        raise ValueError("--checkpoint: required: a checkpoint, its run (dir or name), or latest")
+    storage = open_storage(cfg.storage_path)
+    checkpoint = find_checkpoint(cfg.checkpoint, storage, "--checkpoint")
+    if cfg.out:
+        check_writable(open_storage(cfg.out, "--out"), "--out")
+    else:
+        check_writable(storage)
+    model, tokenizer, meta = load_model(checkpoint)
+    if cfg.out:
+        out = str(export_hf(model, tokenizer, cfg.out))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = upload_dir(export_hf(model, tokenizer, tmp), storage, storage.run_path(cfg.run_name))
+    print(f"exported {checkpoint} (step {meta.get('step', '?')}) -> {out}")
+    print(f"load with: transformers.AutoModelForCausalLM.from_pretrained({out!r})")
     return 0
 
 
 def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("export", help="export a checkpoint to the Hugging Face layout (Qwen3)")
-    p.add_argument(
-        "--checkpoint", required=True, help="raychat checkpoint directory (meta.json, model.safetensors)"
+    p = subparsers.add_parser(
+        "export",
+        help="export a checkpoint to the Hugging Face layout (Qwen3)",
+        description="Write config.json, model.safetensors, the tokenizer and the chat template of a checkpoint "
+        "to <storage-path>/<run-name>/ (or --out). Example: raychat export --checkpoint latest",
     )
-    p.add_argument(
-        "--out", required=True, help="output directory for config.json, model.safetensors, tokenizer"
-    )
+    add_flags(p, ExportConfig, preset=None)
     p.set_defaults(func=main)

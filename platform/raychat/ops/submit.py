@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-STAGES = ("pretrain", "sft", "rl", "eval", "speedrun")
+STAGES = ("data", "tokenizer", "pretrain", "sft", "rl", "eval", "export", "speedrun")
 # `command` runs the words after it as the entrypoint (any command, e.g. a smoke test of the cluster).
 SUBMIT_CHOICES = STAGES + ("command",)
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -62,18 +62,28 @@ def resolve_address(address: str | None) -> str:
     )
 
 
-def load_token(token_file: str | None = None) -> str | None:
-    """The Ray auth token, or None. Order: token_file, $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token.
+def find_token(token_file: str | None = None) -> tuple[str | None, str]:
+    """(the Ray auth token or None, where it came from: "--token-file <path>", "RAY_AUTH_TOKEN",
+    "RAY_AUTH_TOKEN_PATH <path>", "<home>/.ray/auth_token" or "no token"). Order: token_file,
+    $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token.
 
     Raises FileNotFoundError / ValueError when an explicitly named file is missing or empty."""
     if token_file:
-        return _read_token(Path(token_file), "--token-file")
+        return _read_token(Path(token_file), "--token-file"), f"--token-file {token_file}"
     if os.environ.get("RAY_AUTH_TOKEN", "").strip():
-        return os.environ["RAY_AUTH_TOKEN"].strip()
+        return os.environ["RAY_AUTH_TOKEN"].strip(), "RAY_AUTH_TOKEN"
     if os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        return _read_token(Path(os.environ["RAY_AUTH_TOKEN_PATH"]), "RAY_AUTH_TOKEN_PATH")
+        path = os.environ["RAY_AUTH_TOKEN_PATH"]
+        return _read_token(Path(path), "RAY_AUTH_TOKEN_PATH"), f"RAY_AUTH_TOKEN_PATH {path}"
     default = Path.home() / ".ray" / "auth_token"
-    return _read_token(default, str(default)) if default.is_file() else None
+    if default.is_file():
+        return _read_token(default, str(default)), str(default)
+    return None, "no token"
+
+
+def load_token(token_file: str | None = None) -> str | None:
+    """The Ray auth token, or None (see find_token)."""
+    return find_token(token_file)[0]
 
 
 def _read_token(path: Path, source: str) -> str:
@@ -86,12 +96,37 @@ def _read_token(path: Path, source: str) -> str:
 
 
 def make_client(address: str | None = None, token_file: str | None = None):
-    """A JobSubmissionClient for `address` that sends the auth token if one is found (see load_token)."""
+    """A JobSubmissionClient for `address` that sends the auth token if one is found (see find_token).
+
+    Raises ConnectionError with one line naming the flag: the dashboard cannot be reached (--address), or
+    it refuses the token (--token-file or wherever the token came from)."""
+    from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
-    token = load_token(token_file)
+    token, source = find_token(token_file)
     headers = {"Authorization": f"Bearer {token}"} if token else None
-    return JobSubmissionClient(resolve_address(address), headers=headers)
+    url = resolve_address(address)
+    try:
+        return JobSubmissionClient(url, headers=headers)
+    except AuthenticationError as e:
+        raise ConnectionError(refused_message(url, source, e)) from e
+    except ConnectionError as e:
+        raise ConnectionError(f"--address: cannot reach the Ray dashboard at {url}: {_first_line(e)}") from e
+
+
+def refused_message(url: str, source: str, error: BaseException) -> str:
+    """One line for a cluster that refused the token from `source` (see find_token), or the lack of one."""
+    if source == "no token":
+        return (
+            f"--token-file: the Ray cluster at {url} requires a token and none was found (--token-file, "
+            f"RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token): {_first_line(error)}"
+        )
+    flag, _, where = source.partition(" ")
+    return f"{flag}: the Ray cluster at {url} refused the token {f'in {where}' if where else 'given'} ({_first_line(error)})"
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def entrypoint_for(stage: str, stage_args: list[str], working_dir: Path, python: str = "python") -> str:
@@ -194,10 +229,7 @@ def cmd_submit(args) -> int:
         print(f"raychat submit: {e}", file=sys.stderr)
         return 2
     except _connection_errors() as e:
-        print(
-            f"raychat submit: cannot reach the cluster at {resolve_address(args.address)}: {e}",
-            file=sys.stderr,
-        )
+        print(f"raychat submit: {_first_line(e)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     kwargs = {}
     if args.num_cpus is not None:
@@ -209,7 +241,7 @@ def cmd_submit(args) -> int:
             entrypoint=entrypoint, runtime_env=runtime_env, submission_id=args.job_id, **kwargs
         )
     except _connection_errors() as e:
-        print(f"raychat submit: the cluster refused the job: {e}", file=sys.stderr)
+        print(f"raychat submit: the cluster refused the job: {_first_line(e)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     print(f"submitted {job_id}: {entrypoint}", file=sys.stderr)
     if args.no_wait:
@@ -252,7 +284,7 @@ def cmd_jobs(args) -> int:
         print(f"raychat jobs: {e}", file=sys.stderr)
         return 2
     except _connection_errors() as e:
-        print(f"raychat jobs: {e}", file=sys.stderr)
+        print(f"raychat jobs: {_first_line(e)}", file=sys.stderr)
         return EXIT_UNREACHABLE
 
 

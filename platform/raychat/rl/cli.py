@@ -1,4 +1,8 @@
-"""`raychat rl`: RL of a chat checkpoint on a task (raychat.rl.loop.RLRun) on a local or given Ray cluster."""
+"""`raychat rl`: RL of a chat checkpoint on a task (raychat.rl.loop.RLRun) on a local or given Ray cluster.
+
+--checkpoint is any reference raychat.storage resolves (`latest`: the newest SFT checkpoint under
+--storage-path; an s3:// or gs:// one is fetched by every actor that loads it); --storage-path is a local
+or NFS directory (RL's checkpoints are staged and renamed in place). Both are checked before Ray starts."""
 
 from __future__ import annotations
 
@@ -8,9 +12,25 @@ import sys
 
 import ray
 
-from raychat.checkpoint import read_meta
-from raychat.config import RLConfig, add_flags, from_args
+from raychat.config import RLConfig, add_flags, from_args, from_dict
 from raychat.rl.loop import RLRun
+from raychat.storage import check_writable, find_checkpoint, open_storage
+
+
+def resolve_inputs(cfg: RLConfig) -> RLConfig:
+    """--storage-path absolute (it must be a directory), --checkpoint the checkpoint it names.
+
+    Raises ValueError naming the flag: no --checkpoint, one that names nothing, an object-storage root."""
+    if not cfg.run.init_from:
+        raise ValueError("--checkpoint: required: a chat (SFT) checkpoint, its run (dir or name), or latest")
+    storage = open_storage(cfg.run.storage_path)
+    if not storage.is_local:
+        raise ValueError(
+            f"--storage-path: {storage.uri}: RL stages and renames its checkpoints in place; give a local or "
+            "NFS directory"
+        )
+    init_from = find_checkpoint(cfg.run.init_from, storage, "--checkpoint", stages=("sft",))
+    return from_dict(RLConfig, {"init_from": init_from, "storage_path": storage.uri}, base=cfg)
 
 
 def config_for(args: argparse.Namespace) -> RLConfig:
@@ -26,7 +46,7 @@ def add_cli(subparsers) -> None:
         "use, Task.reward scores them, advantages are reward minus the group mean, the learner takes a "
         "policy-gradient step over sampled tokens only, and the new weights are published to every rollout "
         "actor. Writes OUT/RUN_NAME/{config.yaml,metrics.jsonl,checkpoint_<step>}; running again with the "
-        "same --out and --run-name resumes. Example: raychat rl --checkpoint runs/sft/checkpoint_000400 "
+        "same --out and --run-name resumes. Example: raychat rl --checkpoint runs/checkpoints/sft/latest "
         "--task calculator --steps 50",
     )
     add_flags(parser, RLConfig, preset="none", preset_aliases=("--config",))
@@ -36,12 +56,10 @@ def add_cli(subparsers) -> None:
 
 def _main(args) -> int:
     try:
-        cfg = config_for(args)
-        if not cfg.run.init_from:
-            raise ValueError("--checkpoint (a chat checkpoint directory) is required")
-        read_meta(cfg.run.init_from)  # a clear error before any Ray cluster starts
+        cfg = resolve_inputs(config_for(args))
+        check_writable(open_storage(cfg.run.storage_path))
     except (ValueError, FileNotFoundError) as e:
-        print(f"raychat rl: {e}", file=sys.stderr)
+        print(f"raychat rl: error: {e}", file=sys.stderr)
         return 2
     started = not ray.is_initialized()
     if started:

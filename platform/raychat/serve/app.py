@@ -13,6 +13,11 @@ handle stream (DeploymentResponseGenerator.cancel) and the replica's generator f
 `args`: the options of raychat.config.ServeConfig by flat name (`checkpoint` is required; `raychat serve
 --help` lists every option with its default); strings from `serve run key=value` are converted. Set them in
 args (serve/chat.yaml does), so each value has one place.
+
+`checkpoint` is any reference raychat.storage resolves (a checkpoint dir, a run dir, <run dir>/latest, on a
+shared directory, s3:// or gs://): build_app resolves it once, so every replica serves the same checkpoint,
+and a replica on another node fetches a remote one itself (raychat.checkpoint.load_model).
+`max_replicas_per_node` spreads ChatServer replicas over nodes (Serve's deployment option of that name).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from raychat.serve.api import MAX_BODY_BYTES
 from raychat.serve.errors import EngineUnavailableError
 from raychat.serve.ingress import create_app
 from raychat.serve.server import merge_deltas
+from raychat.storage import find_checkpoint
 
 # what a handle raises when no ChatServer replica can take (or finish) a request: 503, retry later
 UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)
@@ -200,13 +206,12 @@ def build_app(args: dict | ServeConfig) -> Application:
     """The application for `serve run raychat.serve.app:build_app key=value ...` (keys: ServeConfig).
 
     Raises:
-        ValueError: invalid args (see serve_config); FileNotFoundError: no checkpoint directory there.
+        ValueError: invalid args (see serve_config), or a checkpoint reference that names no complete
+            checkpoint (one line naming `checkpoint` and what is there).
     """
     c = serve_config(args)
     r, a = c.replica, c.autoscaling
-    checkpoint = os.path.abspath(c.checkpoint)
-    if not os.path.isfile(os.path.join(checkpoint, "meta.json")):
-        raise FileNotFoundError(f"checkpoint {checkpoint} has no meta.json (not a raychat checkpoint)")
+    checkpoint = find_checkpoint(c.checkpoint, flag="checkpoint")
     autoscaling = {
         "min_replicas": a.min_replicas,
         "initial_replicas": max(1, a.min_replicas),
@@ -216,10 +221,12 @@ def build_app(args: dict | ServeConfig) -> Application:
         "downscale_delay_s": a.downscale_delay_s,
         "look_back_period_s": a.look_back_period_s,
     }
+    placement = {"max_replicas_per_node": r.max_replicas_per_node} if r.max_replicas_per_node else {}
     engine = ChatServerDeployment.options(
         ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
         max_ongoing_requests=r.max_ongoing_requests,
         autoscaling_config=autoscaling,
+        **placement,
     ).bind(
         checkpoint,
         r.max_slots,

@@ -45,17 +45,17 @@ def held_out(name: str) -> bool:
     return HELD_OUT[name]
 
 
-def parse_mixture(spec: str) -> list[tuple[str, int | None]]:
+def parse_mixture(spec: str, flag: str = "--sft-tasks") -> list[tuple[str, int | None]]:
     """[(name, examples or None)] of a spec "calculator:2000,chatterbot,spelling:1000".
 
     Raises:
-        ValueError: an unknown task name, as "--sft-tasks: unknown task ...; known: [...]".
+        ValueError: an unknown task name, as "<flag>: unknown task ...; known: [...]".
     """
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, count = item.partition(":")
         if name not in TASKS:
-            raise ValueError(f"--sft-tasks: unknown task {name!r}; known: {sorted(TASKS)}")
+            raise ValueError(f"{flag}: unknown task {name!r}; known: {sorted(TASKS)}")
         out.append((name, int(count) if count else None))
     return out
 

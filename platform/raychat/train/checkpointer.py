@@ -19,7 +19,8 @@ from pathlib import Path
 import ray.train
 import torch
 
-from raychat.checkpoint import latest_checkpoint, load_rank_state, save_model, save_rank_state
+from raychat.checkpoint import load_rank_state, save_model, save_rank_state
+from raychat.storage import newest_checkpoint, open_storage
 from raychat.tokenizer import Tokenizer
 
 
@@ -90,4 +91,7 @@ class RunDirectory:
         return final
 
     def latest(self) -> Path | None:
-        return latest_checkpoint(self.run_dir)
+        """The newest complete checkpoint_* (raychat.storage's rule: the highest meta.json step), or None."""
+        storage = open_storage(self.run_dir)
+        newest = newest_checkpoint(storage, storage.path)
+        return Path(newest) if newest else None

@@ -1,5 +1,11 @@
-"""Driver side of pretraining and SFT: derive and print the plan, start Ray Train, return its result; and the
-command-line plumbing both commands share.
+"""Driver side of pretraining and SFT: resolve the run's inputs, check its storage, derive and print the plan,
+start Ray Train, return its result; and the command-line plumbing both commands share.
+
+Storage (raychat.storage): checkpoints go to <--storage-path>/<--run-name>/checkpoint_* through Ray Train's
+RunConfig(storage_path, storage_filesystem), on a local or NFS directory, s3:// or gs://; --data-dir and
+--tokenizer-path are directories or run names under the storage root; --init-from is any checkpoint
+reference, `latest` being the newest pretraining checkpoint under the root. Every reference is resolved and
+the root checked for writing before Ray starts.
 
 A stage is an object with `row_source(cfg, tokenizer, rank, world)`, `evaluators(cfg, tokenizer, rank,
 world, device, autocast)` and `data_cpus` (CPUs each of its Ray Data tasks reserves; 0 = none):
@@ -10,30 +16,42 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from types import SimpleNamespace
 
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raychat.checkpoint import latest_checkpoint, read_meta
 from raychat.config import TrainConfig, add_flags, from_args, from_dict, to_dict
+from raychat.storage import (
+    check_writable,
+    checkpoint_meta,
+    find_checkpoint,
+    newest_checkpoint,
+    open_storage,
+    run_directory,
+)
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import start_or_connect
 from raychat.train.plan import make_plan, print_plan
 from raychat.train.worker import train_loop_per_worker
 
 
-def absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """Local paths made absolute (Ray Train workers do not run in the driver's directory)."""
-    storage = cfg.run.storage_path
+def resolve_inputs(cfg: TrainConfig) -> TrainConfig:
+    """The run's references made concrete (Ray Train workers do not run in the driver's directory):
+    --storage-path absolute (or its URI), --data-dir and --tokenizer-path absolute local paths (a run name is
+    a run under the root), --init-from the checkpoint it names (an absolute path or a URI).
+
+    Raises ValueError naming the flag: an unsupported scheme, data on object storage, a checkpoint reference
+    that names nothing (`latest`: no complete pretraining checkpoint under the root)."""
+    storage = open_storage(cfg.run.storage_path)
     paths = {
-        "storage_path": os.path.abspath(storage) if "://" not in storage else storage,
-        "data_dir": os.path.abspath(cfg.data.data_dir),
-        "tokenizer_path": os.path.abspath(cfg.data.tokenizer_path),
-        "init_from": os.path.abspath(cfg.run.init_from) if cfg.run.init_from else "",
+        "storage_path": storage.uri,
+        "data_dir": run_directory(cfg.data.data_dir, storage, "--data-dir"),
+        "tokenizer_path": run_directory(cfg.data.tokenizer_path, storage, "--tokenizer-path"),
     }
+    if cfg.run.init_from:
+        paths["init_from"] = find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("pretrain",))
     return from_dict(TrainConfig, paths, base=cfg)
 
 
@@ -41,10 +59,13 @@ def run_training(cfg: TrainConfig, stage, callbacks=()):
     """Run (or resume) training of `stage` on the current Ray cluster; returns the ray.train.Result.
 
     callbacks: raychat.train.trainer.Callback objects every worker runs (pickled to the workers).
+    Raises ValueError (before Ray starts) for a reference that names nothing or a root that is not writable.
     """
-    cfg = absolute_paths(cfg)
+    cfg = resolve_inputs(cfg)
+    storage = open_storage(cfg.run.storage_path)
     tokenizer = Tokenizer.load(cfg.data.tokenizer_path)
     plan = make_plan(cfg, tokenizer.vocab_size)
+    check_writable(storage)
     print_plan(cfg, plan)
     c = cfg.cluster
     print(start_or_connect(c.num_workers, c.cpus_per_worker, stage.data_cpus))
@@ -58,28 +79,29 @@ def run_training(cfg: TrainConfig, stage, callbacks=()):
             "progress_bar": sys.stdout.isatty(),
         },
         scaling_config=ScalingConfig(
-            num_workers=c.num_workers, use_gpu=c.use_gpu, resources_per_worker={"CPU": c.cpus_per_worker}
+            num_workers=c.num_workers,
+            use_gpu=c.use_gpu,
+            resources_per_worker={"CPU": c.cpus_per_worker},
+            placement_strategy=c.placement_strategy,
         ),
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
         run_config=RunConfig(
             name=cfg.run.run_name,
-            storage_path=cfg.run.storage_path,
+            **storage.ray_train_storage(),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.checkpoint.keep_checkpoints),
             failure_config=FailureConfig(max_failures=c.max_failures),
         ),
     )
     result = trainer.fit()
-    if (
-        result.checkpoint is None or "step" not in (result.metrics or {})
-    ) and "://" not in cfg.run.storage_path:
+    if result.checkpoint is None or "step" not in (result.metrics or {}):
         # the run had already finished (nothing left to train): hand back its newest checkpoint
-        latest = latest_checkpoint(os.path.join(cfg.run.storage_path, cfg.run.run_name))
-        if latest is not None:
+        newest = newest_checkpoint(storage, storage.run_path(cfg.run.run_name))
+        if newest is not None:
             result = SimpleNamespace(
-                checkpoint=Checkpoint.from_directory(str(latest)),
-                metrics=read_meta(latest).get("metrics", {}),
+                checkpoint=Checkpoint(newest, filesystem=storage.fs),
+                metrics=checkpoint_meta(storage, newest).get("metrics", {}),
             )
-    print(f"final checkpoint: {result.checkpoint.path if result.checkpoint else None}")
+    print(f"final checkpoint: {storage.uri_of(result.checkpoint.path) if result.checkpoint else None}")
     print(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
     return result
 

@@ -4,12 +4,12 @@ Components: SFTRows (raychat.data.sft_rows: the rank's share of the global mixtu
 with replay records of every step (raychat.train.replay_recorder); for every mixture task with a held-out split,
 validation BPB on its packed test conversations ("<task>_val_bpb", and "val_bpb" over all of them) and, on
 rank 0, greedy accuracy on --eval-examples of them ("<task>_accuracy"). Document masking is on.
-`raychat sft --init-from <pretraining checkpoint>` (or `jobs/sft.py`); the checkpoint's meta.stage is "sft".
+`raychat sft --init-from <pretraining checkpoint>` (or `jobs/sft.py`; `--init-from latest`: the newest pretraining
+checkpoint under --storage-path); the checkpoint's meta.stage is "sft".
 """
 
 from __future__ import annotations
 
-from raychat.checkpoint import read_meta
 from raychat.config import SFT_DEFAULTS, TrainConfig, from_dict
 from raychat.data.sft_rows import SFTRows, validation_rows
 from raychat.tasks.registry import held_out, make_task, mixture_tasks, parse_mixture
@@ -57,11 +57,10 @@ def sft(cfg: TrainConfig, callbacks=()):
     """Run (or resume) SFT of cfg.run.init_from on the current Ray cluster; returns the ray.train.Result.
 
     Raises:
-        ValueError: no --init-from; FileNotFoundError: it is not a raychat checkpoint.
+        ValueError (before Ray starts): no --init-from, or one that names no complete checkpoint.
     """
     if not cfg.run.init_from:
-        raise ValueError("--init-from <pretraining checkpoint directory> is required")
-    read_meta(cfg.run.init_from)  # a clear error now, not inside a Ray worker
+        raise ValueError("--init-from: required: a pretraining checkpoint, its run (name or dir), or latest")
     return run_training(
         from_dict(TrainConfig, {"stage": "sft", "document_masking": True}, base=cfg),
         SFT(),
@@ -74,5 +73,6 @@ def add_cli(subparsers) -> None:
         subparsers, "sft", sft_defaults(), lambda args: sft(config_from(args, sft_defaults(), "sft")) and 0,
         help="supervised fine-tuning of a pretrained checkpoint into a chat model",
         description="Fine-tune on packed conversations (--sft-tasks) with the pretraining Trainer on Ray Train. "
-        "Needs --init-from <pretraining checkpoint dir>. Running again with the same --run-name resumes.",
+        "Needs --init-from: a pretraining checkpoint dir, its run (dir or name under --storage-path), or `latest` "
+        "(the newest pretraining checkpoint under --storage-path). Running again with the same --run-name resumes.",
     )  # fmt: skip

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
+import ray
 import ray.train
 import ray.train.torch
 import torch
@@ -73,6 +74,7 @@ def train_loop_per_worker(config: dict) -> None:
     cfg, plan, stage = from_dict(TrainConfig, config["train"]), Plan(**config["plan"]), config["stage"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    log(f"rank {rank}/{world} on node {ray.get_runtime_context().get_node_id()}")
     device = ray.train.torch.get_device()
     torch.set_num_threads(int(os.environ.get("RAYCHAT_THREADS", max(1, round(cfg.cluster.cpus_per_worker)))))
     logging.getLogger("ray.data").setLevel(logging.WARNING)

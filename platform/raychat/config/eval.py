@@ -1,0 +1,46 @@
+"""Configurations of the stages that read a finished checkpoint: `raychat eval` (EvalConfig, a preset's
+`eval` section) and `raychat export` (ExportConfig). Each takes --checkpoint as any reference
+raychat.storage resolves (`latest`: the newest checkpoint of any stage under --storage-path) and writes
+<storage-path>/<run-name>/."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raychat.config.schema import Section, option
+
+DEVICES = ("cpu", "cuda")
+CHECKPOINT_HELP = (
+    "the checkpoint: a checkpoint dir, a run dir, <run dir>/latest (paths, s3:// or gs://), a run name "
+    "under --storage-path, or latest (the newest checkpoint there) (required)"
+)
+
+
+@dataclass
+class EvalConfig(Section):
+    """Validation BPB and held-out task accuracy of one checkpoint; JSON to stdout and to
+    <storage-path>/<run-name>/eval.json."""
+
+    checkpoint: str = option("", CHECKPOINT_HELP)
+    storage_path: str = option("runs/checkpoints", "storage root (a directory, s3:// or gs://)")
+    run_name: str = option("eval", "run name: the results go to <storage-path>/<run-name>/eval.json")
+    data_dir: str = option(
+        "runs/data", "shards whose validation shard BPB is measured on: a directory or a run name under "
+        "--storage-path (given --storage-path and not this: the run 'data' there)",
+    )  # fmt: skip
+    eval_tokens: int = option(65536, "validation tokens for BPB", positive=True)
+    tasks: str = option("calculator:64", "held-out tasks for accuracy: task[:examples],... ('' = none)")
+    device_batch_size: int = option(8, "rows per forward pass (BPB)", positive=True)
+    max_tokens: int = option(48, "completion budget per generative task example, tokens", positive=True)
+    device: str = option("cpu", "where the model runs", DEVICES)
+    seed: int = option(0, "seed of the held-out examples' order")
+
+
+@dataclass
+class ExportConfig(Section):
+    """A checkpoint as a Hugging Face directory (Qwen3 layout) at <storage-path>/<run-name>/ or --out."""
+
+    checkpoint: str = option("", CHECKPOINT_HELP)
+    storage_path: str = option("runs/checkpoints", "storage root (a directory, s3:// or gs://)")
+    run_name: str = option("hf", "run name: the files go to <storage-path>/<run-name>/")
+    out: str | None = option(None, "a local output directory instead of <storage-path>/<run-name>")
