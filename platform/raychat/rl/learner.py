@@ -9,7 +9,7 @@ One step:
      DDP averages the gradients over the W ranks in the last micro-batch's backward (no_sync before), so
      the gradient is exactly d(step loss), the sum of the ranks' shares;
   3. the trainer's optimizer step (raychat.train.step: clip, step, clear), and the version increases by one.
-Checkpoints: the trainer's Checkpointer (rank 0 the model and meta, every rank its optimizer state).
+Checkpoints: the trainer's Checkpointer (rank 0 the model, meta and the one optimizer state).
 """
 
 from __future__ import annotations
@@ -128,7 +128,9 @@ class Learner:
                 dtype=torch.float64, device=self.device,
             )  # fmt: skip
         self._all_reduce(stats)
-        grad_norm = optimizer_step(self.model.parameters(), self.optimizers, cfg.optim.grad_clip)
+        grad_norm = optimizer_step(
+            self.model.parameters(), self.optimizers, cfg.optim.grad_clip, self.version + 1
+        )
         self.version += 1
         loss_sum, ratio_sum, clipped, tokens = stats.tolist()
         return {
@@ -158,18 +160,19 @@ class Learner:
 
     # ---- checkpoints ---------------------------------------------------------------------------------
     def save(self, directory: str, step: int, metrics: dict | None = None) -> None:
-        """This rank's part of checkpoint `step` (the trainer's Checkpointer): rank 0 the model + meta (stage
-        "rl", version), every rank its optimizer and RNG state with the policy version."""
+        """This rank's part of checkpoint `step` (the trainer's Checkpointer): rank 0 the model, meta (stage
+        "rl", version) and the optimizer state (the same on every DDP rank), every rank its RNG state and the
+        policy version."""
         self.checkpointer.write(
-            directory, self.rank, step, self.model, self.optimizers, {"version": self.version},
-            metrics=metrics, version=self.version,
+            directory, self.rank, self.world_size, step, self.model, self.optimizers,
+            {"version": self.version}, metrics=metrics, version=self.version,
         )  # fmt: skip
 
     def restore(self, directory: str) -> dict:
         """Load weights, optimizer and RNG state of this rank from an RL checkpoint; returns the data state."""
         model, _, _ = load_model(directory, device=self.device)
         self.model.load_state_dict(model.state_dict())
-        state = self.checkpointer.restore(directory, self.rank, self.optimizers)
+        state = self.checkpointer.restore(directory, self.rank, self.optimizers)[self.rank]
         self.version = int(state["version"])
         return state
 

@@ -22,19 +22,47 @@ from raychat.checkpoint import latest_checkpoint, read_meta
 from raychat.config import TrainConfig, add_flags, from_args, from_dict, to_dict
 from raychat.tokenizer import Tokenizer
 from raychat.train.plan import make_plan, print_plan
+from raychat.train.step import NonFiniteError
 from raychat.train.worker import train_loop_per_worker
 
 
 def check_cpu_room(cfg: TrainConfig, cluster_cpus: float, data_cpus: float) -> None:
     """Raise ValueError when the workers' CPU reservations leave no room for a Ray Data task: such a run
-    would wait forever for its first batch (seen on 2 cores with 2 workers at the default 1 CPU each)."""
-    workers, cpus = cfg.cluster.num_workers, cfg.cluster.cpus_per_worker
+    would wait forever for its first batch (seen on 2 cores with 2 workers at the default 1 CPU each).
+    An elastic run is checked with the workers Ray Train starts on this cluster (as many as fit, at most
+    --num-workers, at least --min-workers)."""
+    fewest, most = cfg.cluster.worker_range
+    cpus = cfg.cluster.cpus_per_worker
+    workers = max(fewest, min(most, int(cluster_cpus / cpus + 1e-9)))
     needed = workers * cpus + data_cpus
     if needed > cluster_cpus + 1e-9:
         raise ValueError(
-            f"--num-workers {workers} x --cpus-per-worker {cpus} plus {data_cpus} CPU "
+            f"{workers} workers x --cpus-per-worker {cpus} plus {data_cpus} CPU "
             f"for Ray Data needs {needed:g} CPUs; the cluster has {cluster_cpus:g}: lower --cpus-per-worker"
         )
+
+
+def elastic_grad_accum(cfg: TrainConfig, total_batch_size: int) -> dict[int, int]:
+    """{workers: micro-batches per step} for every world size the run may train on (one entry unless
+    --min-workers makes it elastic): the total batch, and so the optimization, stays the same on each.
+
+    Raises:
+        ConfigError: the total batch does not divide by device_batch_size x seq_len x workers for one of them.
+    """
+    fewest, most = cfg.cluster.worker_range
+    return {w: cfg.grad_accum_steps(total_batch_size, w) for w in range(fewest, most + 1)}
+
+
+def scaling_config(cfg: TrainConfig) -> ScalingConfig:
+    """Ray Train's ScalingConfig: num_workers=(min, max) when elastic (Train V2 restarts the group on the
+    workers that remain, from the last checkpoint), else the fixed --num-workers."""
+    c = cfg.cluster
+    fewest, most = c.worker_range
+    return ScalingConfig(
+        num_workers=(fewest, most) if fewest < most else most,
+        use_gpu=c.use_gpu,
+        resources_per_worker={"CPU": c.cpus_per_worker},
+    )
 
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
@@ -61,6 +89,9 @@ def run_training(cfg: TrainConfig, stage, callbacks=()):
     if not ray.is_initialized():
         ray.init()
     check_cpu_room(cfg, ray.cluster_resources().get("CPU", 0.0), stage.data_cpus)
+    accum = elastic_grad_accum(cfg, plan.total_batch_size)
+    if len(accum) > 1:
+        print("elastic: " + ", ".join(f"{w} workers x {k} accumulation steps" for w, k in accum.items()))
     c = cfg.cluster
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -71,9 +102,7 @@ def run_training(cfg: TrainConfig, stage, callbacks=()):
             "callbacks": list(callbacks),
             "progress_bar": sys.stdout.isatty(),
         },
-        scaling_config=ScalingConfig(
-            num_workers=c.num_workers, use_gpu=c.use_gpu, resources_per_worker={"CPU": c.cpus_per_worker}
-        ),
+        scaling_config=scaling_config(cfg),
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
         run_config=RunConfig(
             name=cfg.run.run_name,
@@ -83,6 +112,10 @@ def run_training(cfg: TrainConfig, stage, callbacks=()):
         ),
     )
     result = trainer.fit()
+    fault = getattr(result, "return_value", None)  # rank 0's NonFiniteError, returned (not raised)
+    if isinstance(fault, NonFiniteError):
+        print(f"stopped: {fault}; last checkpoint: {result.checkpoint.path if result.checkpoint else None}")
+        raise fault
     if (
         result.checkpoint is None or "step" not in (result.metrics or {})
     ) and "://" not in cfg.run.storage_path:
