@@ -6,7 +6,7 @@ from torch import nn
 
 from raychat.config import TrainConfig, add_flags, from_dict, preset_values
 from raychat.loss import cross_entropy_sum, normalize
-from raychat.train.launch import check_cpu_room, config_from
+from raychat.train.launch import check_cpu_room, config_from, elastic_grad_accum, scaling_config
 from raychat.train.optim import lr_multiplier
 from raychat.train.plan import make_plan, power_law_batch_size
 from raychat.train.pretrain import Pretraining
@@ -150,3 +150,26 @@ def test_cpu_reservations_that_would_hang_are_refused():
     check_cpu_room(
         cfg(stage="sft", num_workers=1, cpus_per_worker=2), cluster_cpus=2, data_cpus=SFT.data_cpus
     )
+
+
+def test_elastic_flag_scaling_config_and_batch_on_every_world_size():
+    cfg = lambda **kw: from_dict(TrainConfig, dict(device_batch_size=2, seq_len=32, **kw))  # noqa: E731
+    assert scaling_config(cfg(num_workers=2, min_workers=1)).num_workers == (1, 2)
+    assert scaling_config(cfg(num_workers=2)).num_workers == 2  # min 0: fixed
+    assert scaling_config(cfg(num_workers=2, min_workers=2)).num_workers == 2
+    # 384 tokens = 2 rows x 32 tokens x {1 worker x 6, 2 workers x 3, 3 workers x 2} micro-batches
+    assert elastic_grad_accum(cfg(num_workers=3, min_workers=1), 384) == {1: 6, 2: 3, 3: 2}
+    assert elastic_grad_accum(cfg(num_workers=2), 384) == {2: 3}
+    with pytest.raises(ValueError, match=r"--total-batch-size 256 .* = 2 x 32 x 3 = 192"):
+        elastic_grad_accum(cfg(num_workers=3, min_workers=1), 256)
+    with pytest.raises(ValueError, match="--min-workers 3 is more than --num-workers 2"):
+        cfg(num_workers=2, min_workers=3)
+
+
+def test_cpu_room_of_an_elastic_run_counts_the_workers_that_fit():
+    cfg = lambda **kw: from_dict(TrainConfig, dict(num_workers=2, min_workers=1, **kw))  # noqa: E731
+    data = Pretraining.data_cpus
+    check_cpu_room(cfg(cpus_per_worker=0.75), cluster_cpus=2, data_cpus=data)  # 2 x 0.75 + 0.25 = 1.75
+    check_cpu_room(cfg(cpus_per_worker=0.75), cluster_cpus=1, data_cpus=data)  # 1 fits: 0.75 + 0.25 = 1
+    with pytest.raises(ValueError, match="2 workers x --cpus-per-worker 1.0 plus 0.25 CPU .* needs 2.25"):
+        check_cpu_room(cfg(cpus_per_worker=1.0), cluster_cpus=2, data_cpus=data)

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from raychat.checkpoint import load_model
 from raychat.config import RLConfig, to_dict
 from raychat.rl.objective import collate, normalized_loss, per_token_loss, token_logprobs
-from raychat.rl.weights import collective_broadcast, publish, weights_hash
+from raychat.rl.weights import collective_broadcast, leave_collective_group, publish, weights_hash
 from raychat.train.checkpointer import Checkpointer
 from raychat.train.optim import build_optimizers
 from raychat.train.step import optimizer_step
@@ -154,6 +154,10 @@ class Learner:
         """Collective sync, sender side (rank 0 of the group)."""
         seconds = collective_broadcast(self.model, group_name)
         return {"hash": weights_hash(self.model.state_dict()), "put_s": seconds}
+
+    def leave_collective(self, group_name: str) -> None:
+        """Leave the broadcast group (raychat.rl.weights.leave_collective_group), so it can be rebuilt."""
+        leave_collective_group(group_name)
 
     def weights_hash(self) -> str:
         return weights_hash(self.model.state_dict())
