@@ -7,6 +7,11 @@ The row source here is a small global document stream of the test's own, impleme
 checkpointer hands data states through (`state_dict()` per rank, `load_state_dicts(every old rank's state)`
 re-dealing them onto the new world): document g is one row, dealt round-robin to the ranks from the global
 position where the current deal began. So the documents each optimizer step consumed can be checked exactly.
+
+What Ray Train 2.60 does here (its controller log): a worker health check fails as soon as the raylet is gone
+(a failure: FailureConfig max_failures 1), the elastic policy first still counts 2 workers (the node is not
+DEAD yet), waits out the 60 s worker-group start timeout, then starts 1 worker (a controller retry, not
+counted as a failure). About 5 minutes on a loaded 2-core machine.
 """
 
 from __future__ import annotations
