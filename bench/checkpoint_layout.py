@@ -24,6 +24,7 @@ the checkpoint's bytes.
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import os
@@ -101,6 +102,8 @@ def run_rank(args) -> None:
     dist.barrier()
     save_s = time.perf_counter() - t0
 
+    del model, optimizers  # the machine is shared: one model and optimizer state per rank at a time
+    gc.collect()
     model, optimizers = fresh()
     opened: set[str] = set()
 
