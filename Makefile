@@ -44,7 +44,14 @@ corpus-deps:
 	@dpkg -s $(CORPUS_DEBS) >/dev/null 2>&1 || \
 	  ( $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(CORPUS_DEBS) )
 
-test-deps:
+# The official openai Node client for the contract test (tests/node, pinned by its package-lock.json).
+NODE_DEPS := tests/node/node_modules/.package-lock.json
+
+$(NODE_DEPS): tests/node/package.json tests/node/package-lock.json
+	npm ci --prefix tests/node --no-audit --no-fund
+	touch $@
+
+test-deps: $(NODE_DEPS)
 	@dpkg -s $(TEST_DEBS) >/dev/null 2>&1 || \
 	  ( $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(TEST_DEBS) )
 
@@ -72,4 +79,4 @@ lock: $(STAMP)
 	$(PIP) freeze --exclude-editable | grep -v '^torch==' > constraints.txt
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache tests/node/node_modules

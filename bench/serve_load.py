@@ -72,7 +72,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
                 last = now
             elif ev["type"] == "done":
                 usage = ev["usage"]
-            else:
+            elif ev["type"] == "error":  # (tool_call / tool_result events carry no text: not counted)
                 return {"error": ev.get("message", "error event")}
     if usage is None:
         return {"error": "stream ended without a done event"}

@@ -93,3 +93,11 @@ def s3_env(s3_server, monkeypatch):
     for key, value in s3_server.env.items():
         monkeypatch.setenv(key, value)
     return s3_server
+
+
+@pytest.fixture(scope="session")
+def tool_checkpoint(tmp_path_factory):
+    """A checkpoint of tests/tool_model.py's tiny GPT, which calls the calculator (trained once a session)."""
+    from tool_model import write_tool_checkpoint
+
+    return write_tool_checkpoint(tmp_path_factory.mktemp("tool-model"))

@@ -80,14 +80,14 @@ class StubModel(nn.Module):
         self.next_logits = next_logits
         self.calls: list[tuple[int, int]] = []  # (batch rows, T) per forward
 
-    def forward(self, input_ids, position_ids=None, attn_mask=None, kv_cache=None):
+    def forward(self, input_ids, position_ids=None, kv_cache=None, logits_at=None):
         B, T = input_ids.shape
         self.calls.append((B, T))
         out = torch.empty(B, T, self.config.vocab_size)
         for b in range(B):
             for t in range(T):
                 out[b, t] = self.next_logits(int(position_ids[b, t]))
-        return out
+        return out if logits_at is None else out[torch.arange(B), logits_at]
 
 
 def uniform_two_token_model(vocab_size: int, a: int, b: int) -> StubModel:
@@ -108,3 +108,24 @@ def scripted_model(
         return row
 
     return StubModel(vocab_size, next_logits, max_seq_len)
+
+
+class PoisonModel(StubModel):
+    """Predicts `token` everywhere, except for rows whose input holds `poison`: their logits are NaN
+    (mode "nan"), or the whole forward raises torch.OutOfMemoryError (mode "oom"), as a real model on a
+    GPU does when one long prefill does not fit."""
+
+    def __init__(self, vocab_size: int, token: int, poison: int, mode: str, max_seq_len: int = 256):
+        row = torch.full((vocab_size,), -5.0)
+        row[token] = 5.0
+        super().__init__(vocab_size, lambda pos: row, max_seq_len)
+        self.poison, self.mode = poison, mode
+
+    def forward(self, input_ids, position_ids=None, kv_cache=None, logits_at=None):
+        poisoned = (input_ids == self.poison).any(dim=1)
+        if self.mode == "oom" and bool(poisoned.any()):
+            self.calls.append(tuple(input_ids.shape))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+        out = super().forward(input_ids, position_ids, kv_cache, logits_at)
+        out[poisoned] = float("nan")
+        return out

@@ -31,3 +31,44 @@ def write_tiny_checkpoint(directory, seed: int = 0, max_seq_len: int = 256):
     model, tokenizer = tiny_model_and_tokenizer(seed, max_seq_len)
     save_model(directory, model, tokenizer, {"step": 0, "stage": "test"})
     return directory
+
+
+USAGE = {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9, "ttft_s": 0.01}
+HELLO = [
+    {"type": "delta", "text": "Hel", "tokens": 1, "logprobs": None},
+    {"type": "delta", "text": "", "tokens": 1, "logprobs": None},
+    {"type": "delta", "text": "lo\nworld", "tokens": 2, "logprobs": None},
+    {"type": "done", "finish_reason": "stop", "usage": USAGE},
+]
+
+
+class FakeEngine:
+    """Scripted engine client (the ingress' client protocol): every generate() yields `script` events
+    (a callable script gets the request), and it records requests and closes. `fail` is raised instead of
+    the event at that position (an exception escaping the engine client)."""
+
+    def __init__(self, script=None, fail: dict | None = None, model_id: str = "tiny"):
+        self.script = HELLO if script is None else script
+        self.fail = fail or {}
+        self.model_id = model_id
+        self.requests, self.closed = [], 0
+
+    async def info(self):
+        from raychat.chat_template import TEMPLATE_VERSION
+
+        return {"model_id": self.model_id, "template_version": TEMPLATE_VERSION, "tokenizer_version": "abc",
+                "max_seq_len": 256}  # fmt: skip
+
+    async def stats(self):
+        return {"in_flight": 0}
+
+    async def generate(self, request):
+        self.requests.append(request)
+        script = self.script(request) if callable(self.script) else self.script
+        try:
+            for i, ev in enumerate(script):
+                if i in self.fail:
+                    raise self.fail[i]
+                yield ev
+        finally:
+            self.closed += 1

@@ -180,8 +180,28 @@ def test_render_for_completion_ends_with_assistant_start_and_is_the_training_pre
     assert prompt[-1] == sid(tok, "assistant_start")
     assert full[: len(prompt)] == prompt
     assert full[len(prompt) :] == [*tok.encode("A2"), sid(tok, "assistant_end")]
-    with pytest.raises(ValueError, match="ending with a 'user' message"):
+    with pytest.raises(
+        ValueError, match=r"ending with a 'user' \(or 'tool'\) message, got last role 'assistant'"
+    ):
         render_for_completion(tok, conv)
+
+
+def test_render_for_completion_after_a_tool_message_continues_the_open_turn(small_tokenizer):
+    """A prompt ending with a tool message is the training rendering up to that output's <|output_end|>: the
+    model continues exactly where the engine's forced calculator output would have left it."""
+    tok = small_tokenizer
+    call = {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "Let me. "}, {"type": "python", "text": "2*3"}],
+    }
+    rest = {"role": "assistant", "content": "#### 6"}
+    conv = [u("What is 2*3?"), call, {"role": "tool", "content": "6"}, rest]
+    prompt = render_for_completion(tok, conv[:-1])
+    full = render_conversation(tok, conv).ids
+    assert prompt[-1] == sid(tok, "output_end") and full[: len(prompt)] == prompt
+    assert full[len(prompt) :] == [*tok.encode("#### 6"), sid(tok, "assistant_end")]
+    with pytest.raises(ValueError, match="cannot end with a 'tool' message"):
+        validate_messages(conv[:-1])
 
 
 def test_template_version_is_recorded(small_tokenizer):

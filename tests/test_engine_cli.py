@@ -83,3 +83,14 @@ def test_assistant_message_parts():
             {"type": "text", "text": " two"},
         ],
     }
+
+
+def test_calculator_calls_show_as_a_block_and_the_history_keeps_them(tool_checkpoint, capsys, monkeypatch):
+    """The calculator model (tests/tool_model.py): each call and its result print as one line, never as
+    control tokens, and the second turn (prompted with the first kept as parts) is the trained one."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is 47 * 12?\nAnd 5 + 6?\n/quit\n"))
+    assert main(["chat", "--checkpoint", str(tool_checkpoint), "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == (
+        "you> raychat> Let me compute it. \n[calculator] 47 * 12 = 564\n#### 564\n"
+        "you> raychat> Let me compute it. \n[calculator] 5 + 6 = 11\n#### 11\nyou> "
+    )

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from raychat.engine import SamplingParams, make_generator, sample_next
+from raychat.engine import TEMPERATURE_EPS, SamplingBatch, SamplingParams, make_generator, sample_next
 from raychat.engine.sampling import filter_logits
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
@@ -75,6 +75,12 @@ def test_rows_are_independent_and_seeded():
         ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": ("",)}, "stop"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs needs logprobs=True"),
     ],
 )
 def test_params_validation(kwargs, field):
@@ -84,3 +90,98 @@ def test_params_validation(kwargs, field):
 
 def test_params_single_stop_string_becomes_tuple():
     assert SamplingParams(stop="END").stop == ("END",)
+
+
+def multinomial_reference(logits, temperature, top_k, top_p, generator):
+    """The engine's sampler before batching (commit 76453d3): filter, softmax, torch.multinomial."""
+    x = logits.float() / temperature
+    if top_k and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x[x < kth] = float("-inf")
+    if top_p is not None and top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        remove = torch.zeros_like(probs, dtype=torch.bool).scatter(
+            -1, order, torch.cumsum(probs, -1) - probs >= top_p
+        )
+        x[remove] = float("-inf")
+    return torch.multinomial(torch.softmax(x, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def test_batch_draws_what_per_row_multinomial_drew():
+    # rows 0 and 1 share a generator (one prompt's samples in generate_batch), the others have their own
+    rows = [
+        (1.0, None, None),
+        (1.0, None, None),
+        (0.7, 5, None),
+        (1.3, None, 0.6),
+        (0.9, 8, 0.9),
+        (0.0, 3, None),
+    ]
+    seeds = [10, 10, 11, 12, 13, None]
+    ours = {s: make_generator(s) for s in set(seeds) - {None}}
+    theirs = {s: make_generator(s) for s in set(seeds) - {None}}
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for step in range(20):
+        batch = SamplingBatch()
+        for (t, k, p), seed in zip(rows, seeds):
+            batch.add(t, k, p, ours.get(seed))
+        got = [s.token for s in batch.sample(logits)]
+        expected = multinomial_reference(logits[:2], 1.0, None, None, theirs[10]).tolist()
+        for i in range(2, 5):
+            t, k, p = rows[i]
+            expected += multinomial_reference(logits[i : i + 1], t, k, p, theirs[seeds[i]]).tolist()
+        expected.append(int(logits[5].argmax()))
+        assert got == expected, step
+        logits = logits.roll(step + 1, dims=1)
+
+
+def test_logprobs_by_hand():
+    # logits [0, ln 3]: at T = 1 the probabilities are 1/4, 3/4; at T = 1/2 the logits double: 1/10, 9/10
+    logits = torch.tensor([[0.0, math.log(3)]] * 3)
+    batch = SamplingBatch()
+    batch.add(0.0, None, None, None, logprobs=True, top_logprobs=2)  # greedy: raw logits
+    batch.add(0.5, 1, None, make_generator(0), logprobs=True, top_logprobs=1)  # top_k=1 keeps token 1 only
+    batch.add(1.0, None, None, make_generator(0), forced=0, logprobs=True)  # forced tool-output token
+    greedy, hot, forced = batch.sample(logits)
+    assert greedy.token == 1 and greedy.logprob == pytest.approx(math.log(0.75), abs=1e-6)
+    assert [t for t, _ in greedy.top_logprobs] == [1, 0]
+    assert [lp for _, lp in greedy.top_logprobs] == pytest.approx([math.log(0.75), math.log(0.25)], abs=1e-6)
+    # before top-k filtering: token 1 keeps its probability 9/10 under the temperature-scaled distribution
+    assert hot.token == 1 and hot.logprob == pytest.approx(math.log(0.9), abs=1e-6)
+    assert hot.top_logprobs[0][0] == 1 and len(hot.top_logprobs) == 1
+    assert forced.token == 0 and forced.logprob == pytest.approx(math.log(0.25), abs=1e-6)
+    assert forced.top_logprobs == [] and batch.sample(logits)[0].error is None
+
+
+def test_temperature_below_eps_is_greedy_and_draws_nothing():
+    gen = make_generator(3)
+    state = gen.get_state().clone()
+    logits = torch.tensor([[0.0, 1.0, 0.5]])
+    for t in (5e-324, 1e-300, TEMPERATURE_EPS / 2):
+        batch = SamplingBatch()
+        batch.add(t, None, None, gen)
+        assert batch.sample(logits)[0].token == 1
+        assert sample_next(logits, t, generator=gen).tolist() == [1]
+    assert torch.equal(gen.get_state(), state)
+
+
+def test_overflowing_scaled_logits_are_greedy_and_bad_logits_fail_their_row_alone():
+    # 1e36 / 1e-4 overflows float32 to inf: that row is sampled greedily (the T -> 0 limit), no error
+    logits = torch.tensor(
+        [
+            [1e36, 0.0, -1e36],
+            [float("nan"), 0.0, 0.0],
+            [float("inf"), 0.0, 0.0],
+            [float("-inf")] * 3,
+            [float("-inf"), 2.0, float("-inf")],  # -inf is a valid logit (probability 0)
+        ]
+    )
+    batch = SamplingBatch()
+    for _ in range(5):
+        batch.add(1e-4, None, None, make_generator(1), logprobs=True)
+    out = batch.sample(logits)
+    assert out[0].token == 0 and out[0].error is None and out[0].logprob == pytest.approx(0.0)
+    assert [o.error is not None for o in out] == [False, True, True, True, False]
+    assert out[1].error.startswith("non-finite logits") and out[1].token == -1
+    assert out[4].token == 1 and out[4].logprob == pytest.approx(0.0)

@@ -119,13 +119,13 @@ def test_async_stream_with_background_thread(tok, engine):
 
 
 def test_async_wake_every_batches_wakeups_without_changing_events(tok, engine, monkeypatch):
-    import raychat.engine.scheduler as scheduler_module
+    import raychat.engine.stream as stream_module
 
     p = prompt(tok, "wake")
     params = SamplingParams(max_tokens=13, temperature=0.0)
     wakes = []
-    real_resolve = scheduler_module._resolve
-    monkeypatch.setattr(scheduler_module, "_resolve", lambda f: (wakes.append(1), real_resolve(f)))
+    real_resolve = stream_module._resolve
+    monkeypatch.setattr(stream_module, "_resolve", lambda f: (wakes.append(1), real_resolve(f)))
     sched = Scheduler(engine, max_slots=2, max_len=64)
     sched.start()
     try:
@@ -166,8 +166,8 @@ def test_submit_validation(tok, engine):
 
 
 def test_rows_finishing_at_different_times_and_row_reuse(tok, engine):
-    # B finishes first, so A and C decode as non-adjacent rows 0 and 2; D then reuses row 1 while
-    # rows 0 and 2 hold longer, different-length histories.
+    # B (slot 1) finishes first; compaction moves C from slot 2 into slot 1, so A and C decode as slots
+    # 0 and 1; D is then admitted into slot 2 while slots 0 and 1 hold longer, different-length histories.
     texts = {"A": "alpha", "B": "bee", "C": "gamma ray", "D": "delta"}
     limits = {"A": 12, "B": 3, "C": 12, "D": 6}
     refs = {
@@ -179,7 +179,9 @@ def test_rows_finishing_at_different_times_and_row_reuse(tok, engine):
     streams = {k: sched.submit(prompt(tok, texts[k]), params[k]) for k in "ABC"}
     for _ in range(4):
         sched.step()
-    assert sched._rows[1] is None and sched._rows[0] is not None and sched._rows[2] is not None
+    assert [r and r.id for r in sched._slots] == [streams["A"].request_id, streams["C"].request_id, None]
+    lengths = [len(prompt(tok, "alpha")) + 4, len(prompt(tok, "gamma ray")) + 4, 0]
+    assert sched.cache.lengths.tolist() == lengths
     streams["D"] = sched.submit(prompt(tok, texts["D"]), params["D"])
     while sched.step():
         pass

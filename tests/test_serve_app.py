@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
@@ -54,3 +55,44 @@ def test_chat_yaml_is_valid_and_matches_build_app():
     assert auto.look_back_period_s > 10  # Ray requires look_back_period_s > its metrics interval (10 s)
     assert c.replica.max_ongoing_requests >= auto.target_ongoing_requests
     assert c.replica.num_cpus > 0
+
+
+def test_num_gpus_reaches_the_replica_options_and_its_device(tmp_path, monkeypatch):
+    """`raychat serve --num-gpus N` -> build_app(num_gpus=N) -> the ChatServer deployment reserves N GPUs
+    (ray_actor_options) and loads its model on "cuda"; 0 keeps it on the CPU."""
+    from serve_helpers import write_tiny_checkpoint
+
+    import raychat.serve.cli as serve_cli
+    from raychat.cli import build_parser
+
+    ckpt = write_tiny_checkpoint(tmp_path)
+    seen = {}
+    monkeypatch.setattr(
+        serve_cli, "start", lambda config, **kw: seen.update(num_gpus=config.replica.num_gpus) or "http://x/"
+    )
+    args = build_parser().parse_args(["serve", "--checkpoint", str(ckpt), "--num-gpus", "1", "--address", "ray://x", "--no-block"])  # fmt: skip
+    assert serve_cli.main(args) == 0 and seen["num_gpus"] == 1.0
+    for gpus, device in ((seen["num_gpus"], "cuda"), (0.0, "cpu"), (0.5, "cuda")):
+        app = serve_app.build_app({"checkpoint": str(ckpt), "num_gpus": gpus})
+        engine = app._bound_deployment.init_args[0]._bound_deployment
+        assert engine.name == serve_app.SERVER_DEPLOYMENT
+        assert engine.ray_actor_options["num_gpus"] == gpus and engine.init_args[-1] == device
+    with pytest.raises(ValueError, match="num_gpus must be >= 0, got -1.0"):
+        serve_app.serve_config({"checkpoint": "/x", "num_gpus": "-1"})
+
+
+@pytest.mark.ray
+def test_serve_refuses_gpus_this_machine_does_not_have(tmp_path, capsys, monkeypatch):
+    import ray
+    from serve_helpers import write_tiny_checkpoint
+
+    from raychat.cli import main
+
+    if ray.is_initialized() or torch.cuda.is_available():
+        pytest.skip("needs to start its own local cluster, on a machine without a GPU")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ckpt = write_tiny_checkpoint(tmp_path)
+    assert main(["serve", "--checkpoint", str(ckpt), "--num-gpus", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--num-gpus 1.0 = 1.0 GPUs, but this machine's Ray cluster has 0" in err
+    assert not ray.is_initialized()

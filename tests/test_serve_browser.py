@@ -1,5 +1,6 @@
 """The chat page end to end in headless Chromium (Debian `chromium` + `chromium-driver`, driven by selenium):
-type a question, watch the streamed text grow, stop it, regenerate with other settings.
+type a question, watch the streamed text grow, stop it, regenerate with other settings; and a calculator
+conversation, whose call and result show as a block of their own and go back to the server as history.
 
 The page and API come from the same FastAPI app and ChatServer that the Ray Serve ingress and replicas run,
 served here by uvicorn on loopback (test_serve_ray.py covers the Ray transport). Each engine event is
@@ -9,14 +10,17 @@ delayed by 40 ms so that streaming is slow enough to watch and to stop.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from serve_helpers import tiny_model_and_tokenizer
 
+from raychat.checkpoint import load_model
 from raychat.serve.ingress import LocalClient, create_app
 from raychat.serve.server import ChatServer
 
@@ -47,12 +51,10 @@ class SlowClient(LocalClient):
             await events.aclose()
 
 
-@pytest.fixture(scope="module")
-def server():
+def serve_page(engine, client):
+    """uvicorn on a free loopback port in a thread; yields the page URL, stops the server and engine."""
     import uvicorn
 
-    engine = ChatServer(*tiny_model_and_tokenizer(), max_slots=2, model_id="tiny")
-    client = SlowClient(engine, delay_s=0.04)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -62,10 +64,29 @@ def server():
     deadline = time.time() + 10
     while not srv.started and time.time() < deadline:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/", engine, client
-    srv.should_exit = True
-    thread.join(10)
-    engine.shutdown()
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = ChatServer(*tiny_model_and_tokenizer(), max_slots=2, model_id="tiny")
+    client = SlowClient(engine, delay_s=0.04)
+    for url in serve_page(engine, client):
+        yield url, engine, client
+
+
+@pytest.fixture(scope="module")
+def calculator_server(tool_checkpoint):
+    model, tokenizer, _ = load_model(tool_checkpoint)
+    engine = ChatServer(model, tokenizer, max_slots=2, model_id="calc")
+    client = SlowClient(engine, delay_s=0.0)
+    for url in serve_page(engine, client):
+        yield url, client
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +164,38 @@ def test_type_stream_stop_regenerate(server, browser):
         {"role": "user", "content": "What is a JSON decoder?"}
     ]
     assert asyncio.run(engine.wait_idle(10.0))
+
+
+def test_calculator_call_shows_as_a_block_and_goes_back_as_history(calculator_server, browser, tmp_path):
+    """The reply's call and result are a .tool block (never control-token text); the next question sends
+    the reply back as an OpenAI-style history with the call's raychat record, and is answered as trained.
+    A screenshot is written to $RAYCHAT_SCREENSHOT_DIR (default: the test's tmp dir)."""
+    from selenium.webdriver.common.by import By
+
+    url, client = calculator_server
+    browser.get(url)
+    el = lambda css: browser.find_element(By.CSS_SELECTOR, css)  # noqa: E731
+    el("#temperature").clear()
+    el("#temperature").send_keys("0")
+    for question, expression, output in (
+        ("What is 47 * 12?", "47 * 12", "564"),
+        ("And 5 + 6?", "5 + 6", "11"),
+    ):
+        el("#input").send_keys(question)
+        el("#send").click()
+        wait_for(lambda: el("#status").text.startswith("stop"), what="the reply to finish")
+        bubble = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")[-1]
+        block = bubble.find_element(By.CSS_SELECTOR, ".tool")
+        assert block.find_element(By.CSS_SELECTOR, ".name").text == "calculator"
+        assert block.find_element(By.CSS_SELECTOR, ".expression").text == expression
+        assert block.find_element(By.CSS_SELECTOR, ".output").text == output
+        spans = [s.text for s in bubble.find_elements(By.CSS_SELECTOR, ":scope > span:not(.tool)")]
+        assert spans == ["Let me compute it. ", f"#### {output}"]  # pre-wrap keeps the space
+        assert "<|" not in browser.find_element(By.ID, "messages").text
+    sent = client.requests[-1]["messages"]
+    assert sent[1] == {"role": "assistant", "content": [
+        {"type": "text", "text": "Let me compute it. "}, {"type": "python", "text": "47 * 12"},
+        {"type": "python_output", "text": "564"}, {"type": "text", "text": "#### 564"}]}  # fmt: skip
+    shot = Path(os.environ.get("RAYCHAT_SCREENSHOT_DIR", tmp_path)) / "chat_calculator.png"
+    assert browser.save_screenshot(str(shot))
+    print(f"screenshot: {shot}")

@@ -23,7 +23,11 @@ Rules (TEMPLATE_SPEC, hashed into TEMPLATE_VERSION):
 - Supervision (a token is a target when it is PREDICTED; see raychat.masks): assistant text, python call
   tokens (<|python_start|> expr <|python_end|>) and <|assistant_end|> are targets; BOS, user/system tokens,
   <|assistant_start|> and tool output (<|output_start|> result <|output_end|>) are input only.
-- render_for_completion: the prompt of a conversation that ends with a user message, plus <|assistant_start|>.
+- render_for_completion: the prompt of a conversation that ends with a user message, plus <|assistant_start|>;
+  or of one that ends with a tool message: the assistant turn stays open (no <|assistant_end|>), so the model
+  continues right after <|output_end|>, exactly where the engine's forced calculator output would have left it.
+- The exported Hugging Face tokenizer matches special-token text anywhere: its Jinja template escapes marker
+  text inside content and its normalizer undoes that, so its ids are these (raychat.export.hf).
 
 Truncation (`max_tokens`): exchanges (a user message and the assistant/tool messages after it) are dropped
 oldest first until the rest fits; the system message is kept. Cuts fall only on message boundaries. If even
@@ -204,8 +208,9 @@ def _parts(message: Mapping, i: int) -> list[tuple[str, str]]:
     return parts
 
 
-def validate_messages(messages: Sequence[Mapping]) -> None:
-    """Check roles, role order and content types.
+def validate_messages(messages: Sequence[Mapping], open_turn: bool = False) -> None:
+    """Check roles, role order and content types; `open_turn` allows a conversation to end with a tool
+    message (a prompt that continues the assistant turn).
 
     Raises:
         ValueError: naming the message index, its role and the roles allowed there.
@@ -229,7 +234,7 @@ def validate_messages(messages: Sequence[Mapping]) -> None:
                 f"message {i}: a 'tool' message must follow an assistant message ending in a python call"
             )
         prev, prev_parts = role, parts
-    if prev in ("system", "tool"):
+    if prev == "system" or (prev == "tool" and not open_turn):
         raise ValueError(f"message {len(messages) - 1}: a conversation cannot end with a {prev!r} message")
 
 
@@ -266,7 +271,9 @@ def _exchanges(messages: list[dict]) -> list[list[int]]:
     return groups
 
 
-def _render_exchange(b: _Builder, messages: list[dict], group: list[int], system: int | None) -> None:
+def _render_exchange(
+    b: _Builder, messages: list[dict], group: list[int], system: int | None, close: bool = True
+) -> None:
     u = group[0]
     b.marker("user_start", "user", u)
     if system is not None:
@@ -290,7 +297,8 @@ def _render_exchange(b: _Builder, messages: list[dict], group: list[int], system
                 b.marker("python_end", "assistant", i)
             else:
                 _render_output(b, text, i)
-    b.marker("assistant_end", "assistant", group[-1])
+    if close:
+        b.marker("assistant_end", "assistant", group[-1])
 
 
 def _render_output(b: _Builder, text: str, i: int) -> None:
@@ -300,12 +308,17 @@ def _render_output(b: _Builder, text: str, i: int) -> None:
 
 
 def _build(
-    tokenizer: Tokenizer, messages: list[dict], groups: list[list[int]], system: int | None
+    tokenizer: Tokenizer,
+    messages: list[dict],
+    groups: list[list[int]],
+    system: int | None,
+    open_turn: bool = False,
 ) -> _Builder:
     b = _Builder(tokenizer)
     b.marker("bos", "bos", -1)
     for k, g in enumerate(groups):
-        _render_exchange(b, messages, g, system if k == 0 else None)
+        last = k == len(groups) - 1
+        _render_exchange(b, messages, g, system if k == 0 else None, close=not (open_turn and last))
     return b
 
 
@@ -396,20 +409,24 @@ def check_supervision(ids: Sequence[int], supervised: Sequence[int], roles: Sequ
 def render_for_completion(tokenizer: Tokenizer, messages: Mapping | Sequence) -> list[int]:
     """Prompt ids for RL rollouts and serving: the conversation rendered, then <|assistant_start|>.
 
-    `messages` must end with a user message (for a training conversation, pass messages[:-1]).
+    `messages` must end with a user message (for a training conversation, pass messages[:-1]), or with a
+    tool message: then the last assistant turn is left open (no <|assistant_end|>, no new
+    <|assistant_start|>) and the prompt ends with that tool output's <|output_end|>.
 
     Raises:
-        ValueError: invalid roles/order, or the last message is not a user message.
+        ValueError: invalid roles/order, or the last message is neither a user nor a tool message.
     """
     messages = messages_of(messages)
-    validate_messages(messages)
-    if not messages or messages[-1]["role"] != "user":
-        last = messages[-1]["role"] if messages else None
+    validate_messages(messages, open_turn=True)
+    last = messages[-1]["role"] if messages else None
+    if last not in ("user", "tool"):
         raise ValueError(
-            f"render_for_completion needs messages ending with a 'user' message, got last role {last!r}"
+            f"render_for_completion needs messages ending with a 'user' (or 'tool') message, got last role {last!r}"
         )
     system = 0 if messages[0]["role"] == "system" else None
-    b = _build(tokenizer, messages, _exchanges(messages), system)
+    b = _build(tokenizer, messages, _exchanges(messages), system, open_turn=last == "tool")
+    if last == "tool":
+        return b.ids
     return [*b.ids, tokenizer.special_id(MARKERS["assistant_start"])]
 
 

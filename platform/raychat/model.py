@@ -142,8 +142,10 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # inference: the cache stores k, v and picks the kernel (raychat.engine.attention)
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
+            y = kv_cache.attend(self.layer_idx, q, k, v)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         gqa = self.n_kv_head != self.n_head
         if attn_mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -218,17 +220,22 @@ class GPT(nn.Module):
         segment_ids: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
         kv_cache=None,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits for every position.
+        """Logits for every position, or for one position per row (`logits_at`).
 
         Args:
             input_ids: (B, T) int64 token ids.
             position_ids: (B, T) int64 RoPE positions; default 0..T-1 per row.
             segment_ids: (B, T) int; when given (and attn_mask is not), attention is causal AND same-segment.
-            attn_mask: (B or 1, 1, T, S) bool, True = may attend; overrides segment_ids. S = cached + T.
-            kv_cache: object with `update(layer_idx, k, v) -> (k_all, v_all)`, for incremental decoding.
+            attn_mask: (B or 1, 1, T, S) bool, True = may attend; overrides segment_ids. Ignored with kv_cache.
+            kv_cache: incremental decoding: an object with `attend(layer_idx, q, k, v) -> y` that stores the
+                new keys/values and attends over the cached ones (raychat.engine.attention.CacheBatch);
+                q: (B, n_head, T, head_dim), k, v: (B, n_kv_head, T, head_dim) after RoPE, y like q.
+            logits_at: (B,) int64 position of each row whose logits are wanted (the LM head then runs on
+                B positions, not B * T).
         Returns:
-            (B, T, vocab_size) float32 logits.
+            (B, T, vocab_size) float32 logits; (B, vocab_size) with logits_at.
         """
         B, T = input_ids.shape
         if position_ids is None:
@@ -239,6 +246,8 @@ class GPT(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for block in self.model.layers:
             x = block(x, cos, sin, attn_mask, kv_cache)
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at]
         return self.lm_head(self.model.norm(x)).float()
 
     # ---- accounting --------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """`raychat chat`: interactive or one-shot (-p) chat against a checkpoint, streaming the reply.
 
 Prompts are rendered with the ONE chat template (`raychat.chat_template.render_for_completion`); replies
-stream through the engine's Scheduler (one row, driven inline). In interactive mode the conversation grows
+stream through the engine's Scheduler (one row, driven inline) and are shown part by part
+(raychat.chat.turn): text as it comes, a calculator call with its result as "[calculator] 12 * 34 = 408" on
+its own line; control tokens never appear. In interactive mode the conversation grows
 turn by turn; /clear starts over, /quit or end of input leaves; Ctrl-C stops the current reply.
 """
 
@@ -11,44 +13,54 @@ import sys
 
 import torch
 
+from raychat.chat.turn import TurnParser, turn_parts
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
 
+PART_TYPES = {"text": "text", "tool_call": "python", "tool_result": "python_output"}
+
 
 def assistant_message(tokenizer, completion_tokens: list[int]) -> dict:
     """The assistant message (text / python / python_output parts) that a completion's tokens represent."""
-    sid = tokenizer.special_id
-    kinds = {sid("<|python_start|>"): "python", sid("<|output_start|>"): "python_output"}
-    ends = {sid("<|python_end|>"), sid("<|output_end|>")}
-    skip = {sid("<|assistant_end|>"), tokenizer.bos_id}
-    parts, kind, buf = [], "text", []
-
-    def flush():
-        if buf:
-            parts.append({"type": kind, "text": tokenizer.decode(buf)})
-        buf.clear()
-
-    for t in completion_tokens:
-        if t in kinds:
-            flush()
-            kind = kinds[t]
-        elif t in ends:
-            flush()
-            kind = "text"
-        elif t not in skip:
-            buf.append(t)
-    flush()
+    parts = [
+        {"type": PART_TYPES[kind], "text": text} for kind, text in turn_parts(tokenizer, completion_tokens)
+    ]
     return {"role": "assistant", "content": parts or [{"type": "text", "text": ""}]}
+
+
+class PartPrinter:
+    """Writes a reply's parts as they stream: text as it is; a calculator call and its result as a block of
+    their own, "[calculator] 12 * 34 = 408", on a line of its own (never the control tokens)."""
+
+    def __init__(self, out):
+        self.out, self.after_block, self.at_line_start = out, False, True
+
+    def write(self, kind: str, text: str) -> None:
+        if kind == "text":
+            if self.after_block and text:
+                self.out.write("\n")
+                self.after_block = False
+            chunk = text
+        elif kind == "tool_call":
+            chunk = ("" if self.at_line_start else "\n") + f"[calculator] {text}"
+            self.after_block = True
+        else:
+            chunk = f" = {text}"
+        if chunk:
+            self.out.write(chunk)
+            self.at_line_start = chunk.endswith("\n")
+        self.out.flush()
 
 
 def _reply(sched, tokenizer, messages, params, out) -> dict:
     stream = sched.submit(render_for_completion(tokenizer, messages), params)
-    tokens = []
+    parser, printer, tokens = TurnParser(tokenizer), PartPrinter(out), []
     try:
         for event in stream:
-            out.write(event.text)
-            out.flush()
+            parts, _ = parser.push(event.token_ids, event.text)
+            for kind, text in parts + (parser.finish() if event.finished else []):
+                printer.write(kind, text)
             tokens += event.token_ids
     except KeyboardInterrupt:
         stream.cancel()

@@ -1,16 +1,25 @@
-"""Preallocated key/value cache with per-row lengths, sized from a memory budget.
+"""Preallocated key/value cache with per-row lengths, kept compact, sized from a memory budget.
 
 Layout: k, v of shape (n_layer, B, n_kv_head, max_len, head_dim); row b holds `lengths[b]` valid tokens at
-slots 0..lengths[b]-1 (keys after RoPE, as the model hands them to `update`). Rows are independent: each
-has its own length, so prompts of different lengths share one batch without left padding, and rows can be
-freed and reused (continuous batching).
+slots 0..lengths[b]-1 (keys after RoPE). Rows are independent: each has its own length, so prompts of
+different lengths share one batch without left padding, and rows are freed and reused (continuous
+batching). `lengths` lives on the host: every size decision is made without reading the device.
 
-A forward over a subset of rows goes through `KVCache.view(rows, T)`: the view writes the T new keys and
-values of row b at slots lengths[b] .. lengths[b]+T-1 and returns keys/values 0..S-1 with
-S = max(lengths[rows]) + T. The matching attention mask (`attention_mask`) lets query t of row b see slot j
-iff j <= lengths[b] + t: every cached token plus the causal part of the new ones; stale slots of shorter
-rows (j > lengths[b] + t) are masked. The caller then calls `advance(rows, n)` with the number of REAL
-tokens per row (right padding in a batched prefill is written but not counted, and later overwritten).
+No history copies per decode step (why this layout): the rows being decoded are always the consecutive
+rows 0..n-1 ("compaction"). When a request finishes, the last busy row is moved into the freed row
+(`compact`: one copy of that row's history, once per finished request, not per step), so every forward
+reads `k[layer, 0:n, :, :S]`, a view, and writes only its new tokens (attention.py). A paged layout would
+avoid even that one copy but needs a paged-attention kernel; torch's SDPA and FlexAttention read a dense
+(B, H, S, D) view directly, on CPU and GPU alike. The old path gathered every busy row's whole history in
+every layer on every step (`index_select`): 2 * n_layer * rows * S * n_kv_head * head_dim * itemsize bytes
+per token, about 3.3 GB at depth 20 / 8 rows / 2048 tokens in fp32 (bench/engine_decode.py prints both).
+
+A forward over rows start..start+B-1 goes through `KVCache.batch(start, B, T)` (attention.CacheBatch),
+which writes each row's T new keys/values at slots lengths[b] .. lengths[b]+T-1; the caller then calls
+`advance(rows, n)` with the number of REAL tokens per row (right padding, and the placeholder token of a
+row that is still prefilling during a decode step, is written but not counted, and later overwritten).
+`attention_mask` is the dense reference of what every kernel computes: query t of row b sees slot j iff
+j <= lengths[b] + t.
 
 Memory: bytes per cached token = 2 (k and v) * n_layer * n_kv_head * head_dim * dtype itemsize.
 """
@@ -18,6 +27,8 @@ Memory: bytes per cached token = 2 (k and v) * n_layer * n_kv_head * head_dim * 
 from __future__ import annotations
 
 import torch
+
+from raychat.engine.attention import CacheBatch, dense_mask
 
 
 class KVBudgetError(ValueError):
@@ -118,8 +129,10 @@ class KVCache:
         self.lengths[self._rows(rows)] = 0
 
     def replicate(self, src_row: int, dst_rows) -> None:
-        """Copy row `src_row`'s cached tokens (and length) into every row of `dst_rows`."""
+        """Copy row `src_row`'s cached tokens (and length) into every row of `dst_rows` (src_row itself is
+        skipped when listed)."""
         dst = self._rows(dst_rows)
+        dst = dst[dst != src_row]
         if dst.numel() == 0:
             return
         n = int(self.lengths[src_row])
@@ -128,6 +141,27 @@ class KVCache:
             buf[:, dst_dev, :, :n] = buf[:, src_row : src_row + 1, :, :n]
         self.lengths[dst] = n
 
+    def move_row(self, src: int, dst: int) -> None:
+        """Move row `src`'s cached tokens and length to row `dst` (src becomes empty)."""
+        n = int(self.lengths[src])
+        for buf in (self.k, self.v):
+            buf[:, dst, :, :n] = buf[:, src, :, :n]
+        self.lengths[dst] = n
+        self.lengths[src] = 0
+
+    def compact(self, busy: list[int]) -> dict[int, int]:
+        """Move the rows in `busy` so they occupy rows 0..len(busy)-1; rows already there stay put.
+
+        Returns {old row: new row} for every row that moved (one `move_row` each).
+        """
+        n = len(busy)
+        holes = sorted(set(range(n)) - set(busy))
+        movers = sorted(r for r in busy if r >= n)
+        moves = dict(zip(movers, holes))
+        for src, dst in moves.items():
+            self.move_row(src, dst)
+        return moves
+
     def advance(self, rows, n) -> None:
         """Add n (int or per-row tensor) real tokens to each row's length after a forward."""
         rows = self._rows(rows)
@@ -135,55 +169,19 @@ class KVCache:
 
     # ---- forward plumbing -----------------------------------------------------------------------
     def attention_mask(self, rows, T: int) -> torch.Tensor:
-        """(B', 1, T, S) bool mask, True where query t of row b may see slot j: j <= lengths[b] + t."""
+        """(B', 1, T, S) bool reference mask, True where query t of row b may see slot j: j <= lengths[b] + t."""
         starts = self.lengths[self._rows(rows)]
-        S = int(starts.max()) + T
-        j = torch.arange(S)
-        t = torch.arange(T)
-        mask = j[None, None, :] <= (starts[:, None, None] + t[None, :, None])
-        return mask[:, None].to(self.k.device)
+        return dense_mask(starts, T, int(starts.max()) + T).to(self.k.device)
 
     def position_ids(self, rows, T: int) -> torch.Tensor:
         """(B', T) int64 RoPE positions lengths[b] + t of the next T tokens of each row."""
         starts = self.lengths[self._rows(rows)]
         return (starts[:, None] + torch.arange(T)[None]).to(self.k.device)
 
-    def view(self, rows, T: int) -> _CacheView:
-        """The object to pass as the model's `kv_cache` for a forward of T new tokens on `rows`.
+    def batch(self, start: int, B: int, T: int, backend: str = "dense", static: bool = False) -> CacheBatch:
+        """The model's `kv_cache` for a forward of T new tokens on rows start..start+B-1 (attention.py).
 
         Raises:
-            ValueError: a row would exceed max_len.
+            ValueError: a row would exceed max_len, or the rows are outside the cache.
         """
-        return _CacheView(self, self._rows(rows), T)
-
-
-class _CacheView:
-    """Writes new k, v at each row's own offset; returns the (B', H, S, D) history the rows attend over."""
-
-    def __init__(self, cache: KVCache, rows: torch.Tensor, T: int):
-        starts = cache.lengths[rows]
-        end = int(starts.max()) + T
-        if end > cache.max_len:
-            raise ValueError(f"KV cache row overflow: {end} tokens > max_len {cache.max_len}")
-        self.cache, self.T, self.S = cache, T, end
-        device = cache.k.device
-        n = rows.numel()
-        first = int(rows[0])
-        self._slice = slice(first, first + n) if torch.equal(rows, torch.arange(first, first + n)) else None
-        self._rows = rows.to(device)
-        self._pos = (starts[:, None] + torch.arange(T)[None]).to(device)  # (B', T)
-        self._uniform_start = int(starts.min()) if bool((starts == starts[0]).all()) else None
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = []
-        for buf, new in ((self.cache.k[layer_idx], k), (self.cache.v[layer_idx], v)):
-            if self._slice is not None and self._uniform_start is not None:
-                s0 = self._uniform_start
-                buf[self._slice, :, s0 : s0 + self.T] = new
-            else:
-                buf[self._rows[:, None], :, self._pos] = new.transpose(1, 2)
-            if self._slice is not None:
-                out.append(buf[self._slice, :, : self.S])
-            else:
-                out.append(buf[:, :, : self.S].index_select(0, self._rows))
-        return out[0], out[1]
+        return CacheBatch(self, start, B, T, backend, static)

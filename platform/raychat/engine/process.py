@@ -7,16 +7,18 @@ the request streams in the caller, so the two run in parallel on two cores.
 
 The child is `python -m raychat.engine.process FD`; protocol over a socketpair (multiprocessing Connection,
 pickled tuples):
-  parent -> child   (checkpoint, device, max_slots, max_len, torch_threads) first, then
+  parent -> child   (checkpoint, device, max_slots, max_len, torch_threads, engine options) first, then
                     ("submit", request_id, prompt, SamplingParams) | ("cancel", request_id) | ("stop",)
   child -> parent   ("ready", {"max_slots", "max_len"}) once the model is loaded, or ("failed", message)
                     ("events", [StreamEvent, ...]) after every step: every event of every request that
                     step produced, in one message
 The parent checks prompts itself (same rules and messages as Scheduler.submit), so a bad request still
-raises ValueError at submit(). If the child dies, every live request ends with finish_reason "error" and
-a new child loads the model (`running` is False and submit raises RuntimeError meanwhile); only when that
-fails, or after max_restarts, does the EngineProcess stay down (a Serve health check then replaces the
-replica).
+raises ValueError at submit(). A request whose computation fails (non-finite logits, an out-of-memory in
+its prefill, ...) ends alone with finish_reason "error" inside the child's Scheduler: the child never exits
+because of a request. If the child dies anyway (killed, a crash in native code), every live request ends
+with finish_reason "error" and a new child loads the model (`running` is False and submit raises
+RuntimeError meanwhile); only when that fails, or after max_restarts, does the EngineProcess stay down (a
+Serve health check then replaces the replica).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from pathlib import Path
 
 from raychat.engine.runner import check_prompt
 from raychat.engine.sampling import SamplingParams
-from raychat.engine.scheduler import RequestStream, StreamEvent, Usage, check_fits_row
+from raychat.engine.scheduler import check_fits_row
+from raychat.engine.stream import RequestStream, StreamEvent, Usage
 
 
 class EngineProcess:
@@ -46,6 +49,9 @@ class EngineProcess:
         device: torch device of the model in the child ("cpu", "cuda").
         max_slots, max_len: the Scheduler's (KV rows; tokens per row, default the model's max_seq_len).
         torch_threads: torch intra-op threads of the child (default 1).
+        dtype: weights and KV cache of the child's ModelRunner; "auto" = bfloat16 on CUDA, float32 on CPU.
+        attention, compile_decode: the child's ModelRunner's (engine/runner.py).
+        prefill_chunk_tokens: the child's Scheduler's per-step prefill budget.
         start_timeout_s: seconds to wait for the child to load the model.
         max_restarts: a child that exits unexpectedly is replaced by a new one (its live requests end with
             finish_reason "error"; submit raises RuntimeError while it loads) at most this many times;
@@ -64,12 +70,18 @@ class EngineProcess:
         torch_threads: int = 1,
         start_timeout_s: float = 300.0,
         max_restarts: int = 100,
+        dtype: str = "auto",
+        attention: str = "auto",
+        prefill_chunk_tokens: int = 512,
+        compile_decode: bool = False,
     ):
         from raychat.checkpoint import read_meta
 
         config = read_meta(checkpoint)["model_config"]
         self.vocab_size, self.max_seq_len = config["vocab_size"], config["max_seq_len"]
-        self._child_args = (str(checkpoint), device, max_slots, max_len, torch_threads)
+        options = {"dtype": dtype, "attention": attention, "compile_decode": compile_decode}
+        options["prefill_chunk_tokens"] = prefill_chunk_tokens
+        self._child_args = (str(checkpoint), device, max_slots, max_len, torch_threads, options)
         self._start_timeout_s = start_timeout_s
         self._proc, self._conn, ready = self._spawn()
         self.max_slots, self.max_len = ready["max_slots"], ready["max_len"]
@@ -79,7 +91,8 @@ class EngineProcess:
         self.last_error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
         self._started: set[str] = set()  # requests that have a row (received their first event)
-        self._lock = threading.Lock()  # _streams, _started
+        self._cancelled: set[str] = set()  # live requests whose cancel was sent
+        self._lock = threading.Lock()  # _streams, _started, _cancelled
         self._send_lock = threading.Lock()
         self._stopping = False
         self._reader = threading.Thread(target=self._read, name="raychat-engine-reader", daemon=True)
@@ -149,10 +162,13 @@ class EngineProcess:
         return stream
 
     def cancel(self, request_id: str) -> bool:
-        """Ask the child to end a request (True if it is live here); its stream ends with "cancelled"."""
+        """Ask the child to end a request; its stream ends with "cancelled". True if the request is live
+        (its final event has not arrived here) and was not cancelled before; False, and no effect, for
+        unknown, finished or already cancelled ids, or while the engine process is down."""
         with self._lock:
-            if request_id not in self._streams or not self.running:
+            if request_id not in self._streams or request_id in self._cancelled or not self.running:
                 return False
+            self._cancelled.add(request_id)
         self._send(("cancel", request_id))
         return True
 
@@ -230,6 +246,7 @@ class EngineProcess:
                 live = list(self._streams.values())
                 self._streams.clear()
                 self._started.clear()
+                self._cancelled.clear()
                 for stream in live:
                     usage = Usage(0, 0, None, 0.0)
                     stream._push(StreamEvent(stream.request_id, "", [], True, "error", usage, str(error)))
@@ -268,6 +285,7 @@ class EngineProcess:
                         if ev.finished:
                             del self._streams[ev.request_id]
                             self._started.discard(ev.request_id)
+                            self._cancelled.discard(ev.request_id)
                         stream._push(ev)
         except (EOFError, OSError):
             pass
@@ -276,7 +294,7 @@ class EngineProcess:
 def _child_main(conn: Connection) -> None:
     """The child: load the model, then alternate reading the pipe and stepping the Scheduler."""
     try:
-        checkpoint, device, max_slots, max_len, threads = conn.recv()
+        checkpoint, device, max_slots, max_len, threads, options = conn.recv()
         import torch
 
         from raychat.checkpoint import load_model
@@ -285,7 +303,9 @@ def _child_main(conn: Connection) -> None:
 
         torch.set_num_threads(max(1, int(threads)))
         model, tokenizer, _meta = load_model(checkpoint, device=device)
-        scheduler = Scheduler(ModelRunner(model, tokenizer), max_slots=max_slots, max_len=max_len)
+        chunk = options.pop("prefill_chunk_tokens")
+        engine = ModelRunner(model, tokenizer, **options)
+        scheduler = Scheduler(engine, max_slots=max_slots, max_len=max_len, prefill_chunk_tokens=chunk)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return

@@ -1,13 +1,22 @@
-"""Batched generation with a KV cache over the raychat GPT (RL rollouts, evaluation, the chat CLI).
+"""Batched generation with a KV cache over the raychat GPT (RL rollouts, evaluation, the chat CLI), and the
+forward primitive the Scheduler builds on.
 
-Flow of `ModelRunner.generate_batch`: every prompt is prefilled once (prompts right-padded into one forward,
-positions 0..len-1, causal mask; padding is written to the cache but not counted), its cache row is copied
-to `num_samples` rows, and then each step samples one token per unfinished row and runs one decode forward
-over the unfinished rows only (finished rows cost no compute). Rows keep their own lengths, so the RoPE
-position of a row's next token is its own length and its attention mask covers exactly its own tokens.
+`ModelRunner.forward_rows(cache, start, pieces)` appends pieces[i] (a list of token ids, possibly empty)
+to cache row start+i for consecutive rows, in one forward, and returns the fp32 logits at each row's last
+new token only (the LM head runs on B positions, not B * T). Attention reads the cache in place
+(engine/attention.py); nothing but the new tokens' keys/values is written.
+
+Flow of `ModelRunner.generate_batch`: the prompts are prefilled into rows 0..P-1 (batched forwards of at
+most `prefill_chunk_tokens` padded tokens; a longer prompt in chunks of that size), each prompt's row is
+copied to its `num_samples` rows, and then each step samples one token for every unfinished row (one
+SamplingBatch: one device-to-host transfer) and runs one decode forward over the unfinished rows only.
+Rows that finish are filled by the last unfinished row (KVCache.compact), so the decode always covers rows
+0..m-1 and never copies history. Rows keep their own lengths: the RoPE position of a row's next token is
+its own length and attention covers exactly its own tokens.
 
 Sampling is independent per row from the first token on: the first token of each of the num_samples rows
-is drawn from the (replicated) last-prompt-position logits with one multinomial call over all rows.
+is drawn from the (replicated) last-prompt-position logits; the rows of one prompt draw from that
+prompt's generator in one call per step, in sample order (the draws torch.multinomial made before).
 """
 
 from __future__ import annotations
@@ -17,13 +26,35 @@ from dataclasses import dataclass
 
 import torch
 
+from raychat.engine.attention import resolve_backend, to_device
 from raychat.engine.kv_cache import KVCache
-from raychat.engine.sampling import SamplingParams, make_generator, sample_next
+from raychat.engine.sampling import SamplingBatch, SamplingParams, make_generator
 from raychat.engine.sequence import RowState
 
-# Upper bound on the logits a batched prefill may materialize at once (the model returns logits for every
-# position; see the lead-facing note in the engine report about a last-position-only option).
-PREFILL_LOGITS_BYTES = 256 * 2**20
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPILED_LEN_MULTIPLE = 256  # generate_batch's cache length is rounded up to this with compile_decode
+
+
+def resolve_dtype(dtype, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype: "model" -> model_dtype; "auto" -> bfloat16 on CUDA, float32 elsewhere; a name in DTYPES or a
+    torch.dtype as given. Raises ValueError for anything else."""
+    if dtype == "model":
+        return model_dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be 'model', 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def decode_buckets(max_rows: int) -> list[int]:
+    """Row counts a compiled decode step is specialized for: powers of two below max_rows, and max_rows."""
+    out = [1]
+    while out[-1] * 2 < max_rows:
+        out.append(out[-1] * 2)
+    return sorted(set(out + [max_rows]))
 
 
 def derive_seed(seed: int | None, index: int) -> int | None:
@@ -74,20 +105,53 @@ class ModelRunner:
     """Generation over `model` (a raychat GPT or anything with its forward signature and `.config`).
 
     Args:
-        model: module with forward(input_ids, position_ids=, attn_mask=, kv_cache=) -> (B, T, V) logits and
-            `config` (n_layer, n_kv_head, head_dim, max_seq_len, vocab_size). Put it in eval mode yourself.
+        model: module with forward(input_ids, position_ids=, kv_cache=, logits_at=) -> (B, V) fp32 logits
+            (raychat.model.GPT.forward) and `config` (n_layer, n_kv_head, head_dim, max_seq_len,
+            vocab_size). Put it in eval mode yourself.
         tokenizer: raychat Tokenizer.
         kv_budget_bytes: optional cap on the KV cache of one generate_batch call (KVBudgetError beyond).
+        dtype: weights and KV cache. "model" (default) keeps the model's parameter dtype (RL rollouts:
+            their weights hash is of those parameters); "auto" = bfloat16 on CUDA, float32 on CPU (what the
+            serving entry points pass); or "float32" / "bfloat16" / "float16" / a torch.dtype. A dtype that
+            differs from the model's casts the model in place.
+        attention: kernel for rows of different lengths: "auto" (FlexAttention on CUDA, dense-mask SDPA on
+            CPU), "flex" or "dense" (engine/attention.py).
+        prefill_chunk_tokens: most padded tokens in one generate_batch prefill forward (>= 1); a longer
+            prompt is prefilled in chunks of this size.
+        compile_decode: compile the decode step with torch.compile (CUDA graphs on CUDA) for fixed row
+            counts (decode_buckets); off by default, meant for GPUs (on CPU it only costs compile time).
+    Raises:
+        ValueError: an unknown dtype or attention, prefill_chunk_tokens < 1.
     """
 
-    def __init__(self, model, tokenizer, kv_budget_bytes: int | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        kv_budget_bytes: int | None = None,
+        dtype="model",
+        attention: str = "auto",
+        prefill_chunk_tokens: int = 2048,
+        compile_decode: bool = False,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.config = model.config
         self.kv_budget_bytes = kv_budget_bytes
         param = next(iter(model.parameters()), None)
         self.device = param.device if param is not None else torch.device("cpu")
-        self.dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+        model_dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+        self.dtype = resolve_dtype(dtype, self.device, model_dtype)
+        if self.dtype != model_dtype:
+            model.to(self.dtype)
+        self.attention = resolve_backend(attention, self.device)
+        if not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be an int >= 1, got {prefill_chunk_tokens!r}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.compile_decode = bool(compile_decode)
+        self._compiled = None
+        if self.compile_decode:  # one graph per (row bucket, cache length), for every runner in the process
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
     # ---- validation ------------------------------------------------------------------------------
     def check_prompt(self, prompt, name: str = "prompt") -> list[int]:
@@ -95,49 +159,97 @@ class ModelRunner:
         return check_prompt(prompt, self.config.vocab_size, self.config.max_seq_len, name)
 
     def new_cache(self, batch_size: int, max_len: int, budget_bytes: int | None = None) -> KVCache:
-        return KVCache.for_model(self.config, batch_size, max_len, self.dtype, self.device, budget_bytes)
+        cache = KVCache.for_model(self.config, batch_size, max_len, self.dtype, self.device, budget_bytes)
+        if self.compile_decode:  # CUDA graphs write into the cache in place: its address must not change
+            torch._dynamo.mark_static_address(cache.k)
+            torch._dynamo.mark_static_address(cache.v)
+        return cache
 
-    # ---- forward helpers (also used by the Scheduler) --------------------------------------------
+    # ---- forward primitive (used by the Scheduler) ---------------------------------------------------
+    @torch.inference_mode()
+    def forward_rows(self, cache: KVCache, start: int, pieces: list[list[int]]) -> torch.Tensor:
+        """Append pieces[i] to cache row start+i (consecutive rows) in one forward.
+
+        A piece may be empty: that row takes part as a placeholder (one dummy token written at its next
+        slot, not counted, overwritten by its next real token; its logits are meaningless).
+        Returns:
+            (len(pieces), V) fp32 logits at each row's last new token, on the model's device.
+        Raises:
+            ValueError: a row would exceed the cache's max_len.
+        """
+        B = len(pieces)
+        lens = [len(p) for p in pieces]
+        T = max(1, *lens)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for i, p in enumerate(pieces):
+            if p:
+                ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        if self.compile_decode and T == 1:
+            logits = self._static_decode(cache, start, ids)
+        else:
+            batch = cache.batch(start, B, T, self.attention)
+            at = to_device(torch.tensor([max(n - 1, 0) for n in lens]), self.device)
+            ids = to_device(ids, self.device)
+            logits = self.model(ids, position_ids=batch.position_ids, kv_cache=batch, logits_at=at)
+        cache.lengths[start : start + B] += torch.tensor(lens, dtype=torch.long)
+        return logits.float()
+
+    def _static_decode(self, cache: KVCache, start: int, ids: torch.Tensor) -> torch.Tensor:
+        """Decode through the compiled step: rows padded up to a bucket with the free rows after them."""
+        B = ids.shape[0]
+        Bp = next(
+            (b for b in decode_buckets(cache.batch_size) if b >= B and start + b <= cache.batch_size), B
+        )
+        padded = torch.zeros(Bp, 1, dtype=torch.long)
+        padded[:B] = ids
+        batch = cache.batch(start, Bp, 1, static=True)
+        if self._compiled is None:
+            mode = "reduce-overhead" if self.device.type == "cuda" else "default"
+            self._compiled = torch.compile(self._decode_step, mode=mode, dynamic=False)
+        return self._compiled(to_device(padded, self.device), batch)[:B].clone()
+
+    def _decode_step(self, ids: torch.Tensor, batch) -> torch.Tensor:
+        return self.model(ids, position_ids=batch.position_ids, kv_cache=batch)[:, -1]
+
+    def _prefill_rows(self, cache: KVCache, start: int, prompts: list[list[int]]) -> torch.Tensor:
+        """Prefill `prompts` into empty consecutive rows start..; (len(prompts), V) logits at last tokens."""
+        budget, out, i = self.prefill_chunk_tokens, [], 0
+        while i < len(prompts):
+            j, longest = i + 1, len(prompts[i])
+            while j < len(prompts) and (j - i + 1) * max(longest, len(prompts[j])) <= budget:
+                longest = max(longest, len(prompts[j]))
+                j += 1
+            if j - i > 1 or longest <= budget:
+                out.append(self.forward_rows(cache, start + i, prompts[i:j]))
+            else:  # one prompt longer than the budget: chunks of `budget` tokens
+                for c in range(0, longest, budget):
+                    logits = self.forward_rows(cache, start + i, [prompts[i][c : c + budget]])
+                out.append(logits)
+            i = j
+        return torch.cat(out)
+
+    # ---- row-list helpers (any rows; one forward per run of consecutive rows) ----------------------------
     @torch.inference_mode()
     def prefill(self, cache: KVCache, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Write `prompts` into empty cache `rows`; return (len(rows), V) fp32 logits at each last token.
-
-        Prompts are right-padded into chunks whose logits stay under PREFILL_LOGITS_BYTES.
-        """
+        """Write `prompts` into cache `rows` (emptied first); return (len(rows), V) fp32 logits at each
+        prompt's last token. Consecutive rows share forwards."""
         cache.reset_rows(rows)
-        out = []
-        V = self.config.vocab_size
-        T = max(len(p) for p in prompts)
-        chunk = max(1, PREFILL_LOGITS_BYTES // (T * V * 4))
-        for c in range(0, len(rows), chunk):
-            r, ps = rows[c : c + chunk], prompts[c : c + chunk]
-            T = max(len(p) for p in ps)
-            ids = torch.zeros(len(ps), T, dtype=torch.long)
-            for i, p in enumerate(ps):
-                ids[i, : len(p)] = torch.tensor(p)
-            lens = torch.tensor([len(p) for p in ps])
-            logits = self.model(
-                ids.to(self.device),
-                position_ids=cache.position_ids(r, T),
-                attn_mask=cache.attention_mask(r, T),
-                kv_cache=cache.view(r, T),
-            )
-            cache.advance(r, lens)
-            out.append(logits[torch.arange(len(ps), device=logits.device), (lens - 1).to(logits.device)])
-        return torch.cat(out).float()
+        out = [None] * len(rows)
+        for idx in _runs(rows):
+            logits = self._prefill_rows(cache, rows[idx[0]], [prompts[k] for k in idx])
+            for k, lg in zip(idx, logits):
+                out[k] = lg
+        return torch.stack(out)
 
     @torch.inference_mode()
     def decode(self, cache: KVCache, rows: list[int], token_ids: list[int]) -> torch.Tensor:
         """Append one token per row to the cache; return (len(rows), V) fp32 next-token logits."""
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[:, None]
-        logits = self.model(
-            ids,
-            position_ids=cache.position_ids(rows, 1),
-            attn_mask=cache.attention_mask(rows, 1),
-            kv_cache=cache.view(rows, 1),
-        )
-        cache.advance(rows, 1)
-        return logits[:, -1].float()
+        out = [None] * len(rows)
+        for idx in _runs(rows):
+            logits = self.forward_rows(cache, rows[idx[0]], [[token_ids[k]] for k in idx])
+            for k, lg in zip(idx, logits):
+                out[k] = lg
+        return torch.stack(out)
 
     # ---- batched generation ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -167,32 +279,39 @@ class ModelRunner:
             raise ValueError("prompts is empty; pass at least one list of token ids")
         prompts = [self.check_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         n, P = num_samples, len(prompts)
-        max_len = min(max(len(p) for p in prompts) + max_tokens, self.config.max_seq_len)
+        max_len = max(len(p) for p in prompts) + max_tokens
+        if self.compile_decode:  # compiled graphs are specialized on the cache length: reuse a few
+            max_len = -(-max_len // COMPILED_LEN_MULTIPLE) * COMPILED_LEN_MULTIPLE
+        max_len = min(max_len, self.config.max_seq_len)
         cache = self.new_cache(P * n, max_len, self.kv_budget_bytes)
 
-        sources = [i * n for i in range(P)]
-        logits = self.prefill(cache, sources, prompts)
-        for i in range(P):
-            cache.replicate(i * n, list(range(i * n + 1, (i + 1) * n)))
+        logits = self._prefill_rows(cache, 0, prompts)  # prompt i in row i
+        for i in reversed(range(P)):  # row i -> rows i*n .. i*n+n-1 (never over a row still to copy)
+            cache.replicate(i, list(range(i * n, (i + 1) * n)))
         logits = logits.repeat_interleave(n, dim=0)
         gens = [make_generator(derive_seed(seed, i), self.device) for i in range(P)]
         states = [RowState(self.tokenizer, prompts[r // n], params, max_len) for r in range(P * n)]
 
-        active = list(range(P * n))  # rows that still generate; logits[k] belongs to active[k]
+        slot = list(range(P * n))  # logical row r (= i * n + j) lives in cache row slot[r]
+        active = list(range(P * n))  # rows that still generate, in logical order; logits[k] is active[k]'s
         while active:
-            sampled: dict[int, int] = {}
-            for i in range(P) if temperature > 0 else ():
-                ks = [k for k, r in enumerate(active) if r // n == i and states[r].needs_sample]
-                if ks:
-                    draw = sample_next(logits[ks], temperature, top_k, top_p, gens[i]).tolist()
-                    sampled.update({active[k]: t for k, t in zip(ks, draw)})
-            if temperature == 0:  # greedy needs no generator: one argmax over every row
-                sampled = dict(zip(active, torch.argmax(logits, dim=-1).tolist()))
+            batch = SamplingBatch()
             for r in active:
-                states[r].step(sampled.get(r))
+                batch.add(temperature, top_k, top_p, gens[r // n], states[r].forced_token)
+            for r, s in zip(active, batch.sample(logits)):
+                if s.error:
+                    raise RuntimeError(f"prompt {r // n} sample {r % n}: {s.error}")
+                states[r].step(s.token)
+            done = [slot[r] for r in active if states[r].finished]
             active = [r for r in active if not states[r].finished]
-            if active:
-                logits = self.decode(cache, active, [states[r].tokens[-1] for r in active])
+            if not active:
+                break
+            cache.reset_rows(done)
+            moves = cache.compact([slot[r] for r in active])
+            slot = [moves.get(row, row) for row in slot]
+            by_row = sorted(active, key=lambda r: slot[r])  # cache rows 0..len(active)-1
+            out = self.forward_rows(cache, 0, [[states[r].tokens[-1]] for r in by_row])
+            logits = out[to_device(torch.tensor([slot[r] for r in active]), out.device)]
 
         return [
             GenerationResult(
@@ -206,3 +325,14 @@ class ModelRunner:
             )
             for r, s in enumerate(states)
         ]
+
+
+def _runs(rows: list[int]) -> list[list[int]]:
+    """Indices into `rows` grouped into runs of consecutive row numbers (rows[k+1] == rows[k] + 1)."""
+    runs: list[list[int]] = []
+    for k, r in enumerate(rows):
+        if runs and rows[runs[-1][-1]] + 1 == r:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return runs

@@ -1,150 +1,51 @@
-"""Continuous batching: one KV cache of fixed rows serves many request streams.
+"""Continuous batching with chunked prefill: one KV cache of fixed rows ("slots") serves many request streams.
 
 Every `step()`:
-  1. cancelled requests leave (their rows are freed; their stream ends with finish_reason "cancelled");
-  2. pending requests are admitted into free rows and prefilled together (one batched forward);
-  3. every busy row takes its next token (sampled with the request's own generator and parameters, or a
-     forced tool-output token), its stream gets a StreamEvent, and finished rows are freed;
-  4. one decode forward runs over the rows that are still busy (free rows cost nothing).
-So a request submitted or cancelled between steps is admitted / freed by the next step.
+  1. cancelled requests leave (their slots are freed; their stream ends with finish_reason "cancelled"),
+     and pending requests are admitted into free slots (prompt not yet in the cache: "prefilling");
+  2. prefill: at most `prefill_chunk_tokens` prompt tokens of the prefilling requests, oldest first (a
+     long prompt takes several steps, one chunk each), one forward per run of consecutive slots; a
+     request whose prompt is now complete gets its first-token logits (at its last prompt token only);
+  3. every request with logits takes its next token: one SamplingBatch over all of them (per-request
+     temperature / top-k / top-p / generator / logprobs; ONE device-to-host transfer per step), or a
+     forced tool-output token; its stream gets a StreamEvent; finished requests free their slots;
+  4. one decode forward over slots 0..n-1 (prefilling slots ride along as placeholders).
+So decoding requests get one token per step however long a prompt being prefilled is: the prompt delays
+them by at most one chunk per step. A request submitted or cancelled between steps is admitted / freed by
+the next step.
+
+Busy slots are always 0..n-1: when requests finish, KVCache.compact moves the last busy slots into the
+freed ones (one copy of each moved row's history per finished request, never per step), so every
+forward reads the cache in place (kv_cache.py, attention.py).
+
+Fault isolation: a failure while computing one request ends that request alone with finish_reason
+"error" and its message: non-finite logits or an invalid sampling state (sampling.py), an exception in its
+prefill forward (e.g. torch.OutOfMemoryError: a batched prefill that raises is retried one request at a
+time, so only the request that fails alone is ended), or in its token bookkeeping. An exception in the
+shared decode forward ends the requests in it; the scheduler keeps serving; nothing raises out of step().
 
 Threading: submit() and cancel() may be called from any thread (they only touch a lock-protected inbox);
 steps are serialized by a second lock. Serving replicas call start() once, which runs steps in a daemon
-thread while there is work, and consume streams with `async for` (events are handed to the event loop with
-call_soon_threadsafe) or a plain `for` from a worker thread. Without start(), iterating a stream drives
-step() itself (sync: inline; async: in asyncio.to_thread), which suits the CLI and tests.
+thread while there is work, and consume streams with `async for` (stream.py) or a plain `for` from a
+worker thread. Without start(), iterating a stream drives step() itself (sync: inline; async: in
+asyncio.to_thread), which suits the CLI and tests.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import torch
 
 from raychat.engine.kv_cache import KVBudgetError, KVCache
-from raychat.engine.sampling import SamplingParams, make_generator, sample_next
+from raychat.engine.sampling import SamplingBatch, SamplingParams, is_greedy, make_generator
 from raychat.engine.sequence import RowState
+from raychat.engine.stream import RequestStream, StreamEvent, TokenLogprob, Usage
 
-
-@dataclass(frozen=True)
-class Usage:
-    """Token counts and timings (seconds) of one finished request. ttft_s: submit -> first token."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    ttft_s: float | None
-    total_s: float
-
-
-@dataclass(frozen=True)
-class StreamEvent:
-    """One step of one request: `text` is the new delta (may be ""), token_ids the new completion tokens.
-
-    The last event has finished=True, finish_reason in {"stop", "length", "cancelled", "error"} and usage;
-    error holds the message when finish_reason == "error".
-    """
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    error: str | None = None
-
-
-class RequestStream:
-    """Events of one request; iterate with `for` or `async for`. Ends after the finished event.
-
-    An async consumer is woken (one call_soon_threadsafe to its loop) by the first event, by the finished
-    event, and otherwise once `wake_every` events are queued; each wake-up then drains every queued event
-    without waiting. A serving replica passes its stream interval here, so its event loop wakes once per
-    streamed delta instead of once per token (the loop shares the GIL with the decode step).
-    """
-
-    def __init__(self, scheduler: Scheduler, request_id: str, wake_every: int = 1):
-        if not isinstance(wake_every, int) or wake_every < 1:
-            raise ValueError(f"wake_every must be an int >= 1, got {wake_every!r}")
-        self.request_id = request_id
-        self._scheduler = scheduler
-        self._events: collections.deque[StreamEvent] = collections.deque()
-        self._cond = threading.Condition()
-        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
-        self._wake_every = wake_every
-        self._pushed = 0
-        self.done = False
-
-    def _push(self, event: StreamEvent) -> None:
-        with self._cond:
-            self._events.append(event)
-            self._pushed += 1
-            self._cond.notify_all()
-            waiter = self._waiter
-            if waiter is None or not (
-                event.finished or self._pushed == 1 or len(self._events) >= self._wake_every
-            ):
-                return
-            self._waiter = None
-        loop, future = waiter
-        try:
-            loop.call_soon_threadsafe(_resolve, future)
-        except RuntimeError:  # loop closed: its consumer is gone
-            pass
-
-    def cancel(self) -> bool:
-        return self._scheduler.cancel(self.request_id)
-
-    def _pop(self) -> StreamEvent | None:
-        with self._cond:
-            return self._events.popleft() if self._events else None
-
-    def __iter__(self):
-        while not self.done:
-            event = self._pop()
-            if event is None:
-                if self._scheduler.running:
-                    with self._cond:
-                        self._cond.wait_for(lambda: self._events, timeout=0.5)
-                else:
-                    self._scheduler.step()
-                continue
-            self.done = event.finished
-            yield event
-
-    async def __aiter__(self):
-        loop = asyncio.get_running_loop()
-        try:
-            while not self.done:
-                event = self._pop()
-                if event is not None:
-                    self.done = event.finished
-                    yield event
-                    continue
-                if not self._scheduler.running:
-                    await asyncio.to_thread(self._scheduler.step)
-                    continue
-                with self._cond:
-                    if self._events:  # raced with _push: drain first
-                        continue
-                    future = loop.create_future()
-                    self._waiter = (loop, future)
-                try:  # the timeout only guards a scheduler thread that died without a final event
-                    await asyncio.wait_for(future, timeout=0.5)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            with self._cond:
-                self._waiter = None
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
+__all__ = ["RequestStream", "Scheduler", "StreamEvent", "TokenLogprob", "Usage", "check_fits_row"]
 
 
 def check_fits_row(ids: list[int], max_len: int) -> list[int]:
@@ -157,11 +58,14 @@ def check_fits_row(ids: list[int], max_len: int) -> list[int]:
 class _Request:
     def __init__(self, request_id, prompt, params, stream, device):
         self.id, self.prompt, self.params, self.stream = request_id, prompt, params, stream
-        self.generator = make_generator(params.seed, device) if params.temperature > 0 else None
+        greedy = is_greedy(params.temperature)
+        self.generator = None if greedy else make_generator(params.seed, device)
         self.submitted = time.perf_counter()
         self.first_token: float | None = None
-        self.state: RowState | None = None
-        self.row: int | None = None
+        self.state: RowState | None = None  # set when the prompt is in the cache (decoding)
+        self.slot: int | None = None
+        self.prefilled = 0  # prompt tokens in the cache
+        self.logits: torch.Tensor | None = None  # (V,) next-token logits, until sampled
         self.cancel_requested = False
 
 
@@ -170,16 +74,23 @@ class Scheduler:
 
     Args:
         engine: a ModelRunner (model + tokenizer).
-        max_slots: concurrent rows (requests being decoded), >= 1.
-        max_len: tokens per row (prompt + completion); default and maximum model.config.max_seq_len.
-        kv_budget_bytes: if given, rows = min(max_slots, rows that fit the budget).
+        max_slots: concurrent requests in the KV cache (decoding or prefilling), >= 1.
+        max_len: tokens per slot (prompt + completion); default and maximum model.config.max_seq_len.
+        kv_budget_bytes: if given, slots = min(max_slots, slots that fit the budget).
+        prefill_chunk_tokens: prompt tokens prefilled per step at most (>= 1), shared by the prefilling
+            requests oldest first; bounds how long one step (the other requests' inter-token latency) takes.
     Raises:
-        ValueError: max_slots < 1 or max_len outside 2..max_seq_len.
-        KVBudgetError: not even one row of max_len tokens fits kv_budget_bytes (message names the numbers).
+        ValueError: max_slots < 1, max_len outside 2..max_seq_len, prefill_chunk_tokens < 1.
+        KVBudgetError: not even one slot of max_len tokens fits kv_budget_bytes (message names the numbers).
     """
 
     def __init__(
-        self, engine, max_slots: int = 8, max_len: int | None = None, kv_budget_bytes: int | None = None
+        self,
+        engine,
+        max_slots: int = 8,
+        max_len: int | None = None,
+        kv_budget_bytes: int | None = None,
+        prefill_chunk_tokens: int = 512,
     ):
         cfg = engine.config
         max_len = cfg.max_seq_len if max_len is None else int(max_len)
@@ -187,20 +98,23 @@ class Scheduler:
             raise ValueError(f"max_len must be in 2..{cfg.max_seq_len} (model max_seq_len), got {max_len}")
         if not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots must be an int >= 1, got {max_slots!r}")
-        rows = max_slots
+        if not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be an int >= 1, got {prefill_chunk_tokens!r}")
+        slots = max_slots
         if kv_budget_bytes is not None:
-            rows = min(max_slots, KVCache.rows_for_budget(cfg, kv_budget_bytes, max_len, engine.dtype))
-            if rows < 1:
+            slots = min(max_slots, KVCache.rows_for_budget(cfg, kv_budget_bytes, max_len, engine.dtype))
+            if slots < 1:
                 bpt = KVCache.bytes_per_token(cfg, engine.dtype)
                 raise KVBudgetError(
                     f"kv_budget_bytes {kv_budget_bytes} cannot hold one row of max_len {max_len} tokens: "
                     f"that needs {bpt * max_len} bytes ({bpt} bytes/token); lower max_len or raise the budget"
                 )
         self.engine = engine
-        self.cache = engine.new_cache(rows, max_len)
-        self.max_slots, self.max_len = rows, max_len
-        self._rows: list[_Request | None] = [None] * rows
-        self._logits: dict[int, torch.Tensor] = {}  # row -> next-token logits (V,)
+        self.cache = engine.new_cache(slots, max_len)
+        self.max_slots, self.max_len = slots, max_len
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._slots: list[_Request | None] = [None] * slots  # busy slots are 0..num_active-1
+        self._prefilling: collections.deque[_Request] = collections.deque()  # admitted, oldest first
         self._pending: collections.deque[_Request] = collections.deque()
         self._live: dict[str, _Request] = {}
         self._lock = threading.Lock()  # inbox: _pending, _live, cancel flags
@@ -217,7 +131,7 @@ class Scheduler:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         wake_every: int = 1,
-    ):
+    ) -> RequestStream:
         """Queue a request; returns its RequestStream (wake_every: see RequestStream). Raises ValueError for
         a bad prompt or duplicate id."""
         params = params or SamplingParams()
@@ -234,7 +148,7 @@ class Scheduler:
         return stream
 
     def cancel(self, request_id: str) -> bool:
-        """Ask to end a request; its row is free after the next step. True if it was live and not yet
+        """Ask to end a request; its slot is free after the next step. True if it was live and not yet
         cancelled; False (and no effect) for unknown, finished or already cancelled ids."""
         with self._lock:
             req = self._live.get(request_id)
@@ -246,7 +160,7 @@ class Scheduler:
 
     @property
     def num_free_slots(self) -> int:
-        return sum(r is None for r in self._rows)
+        return sum(r is None for r in self._slots)
 
     @property
     def num_active(self) -> int:
@@ -291,73 +205,147 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> int:
-        """Cancel, admit, take one token per busy row, decode. Returns the number of busy rows after it."""
+        """Cancel, admit, prefill a chunk, take one token per decoding request, decode. Returns the number
+        of busy slots after it. Never raises for a request's failure (see the module docstring)."""
         with self._step_lock:
             with self._lock:
-                cancelled = [r for r in self._live.values() if r.cancel_requested]
-                for req in cancelled:
-                    if req.row is None:
+                for req in [r for r in self._live.values() if r.cancel_requested]:
+                    if req.slot is None:
                         self._pending.remove(req)
                     self._finish(req, "cancelled")
-                admitted = []
-                for row in range(self.max_slots):
-                    if self._rows[row] is None and self._pending:
-                        req = self._pending.popleft()
-                        req.row = row
-                        self._rows[row] = req
-                        admitted.append(req)
+                self._compact()
+                n = self.num_active
+                while n < self.max_slots and self._pending:
+                    req = self._pending.popleft()
+                    req.slot, self._slots[n] = n, req
+                    self._prefilling.append(req)
+                    n += 1
             try:
-                self._compute(admitted)
-            except Exception as e:  # fail the busy requests, keep the scheduler alive
-                self.last_error = e
-                with self._lock:
-                    for req in [r for r in self._rows if r is not None]:
-                        self._finish(req, "error", error=f"{type(e).__name__}: {e}")
-                if not self.running:
-                    raise
+                for phase in (self._prefill, self._sample, self._decode):
+                    self._compact()  # slots only move here, between phases
+                    phase()
+            except Exception as e:  # a bug in the bookkeeping: end the busy requests, keep serving
+                self._fail([r for r in self._slots if r is not None], e)
+            self._compact()
             return self.num_active
 
-    def _compute(self, admitted: list[_Request]) -> None:
-        if admitted:
-            rows = [r.row for r in admitted]
-            logits = self.engine.prefill(self.cache, rows, [r.prompt for r in admitted])
-            for req, lg in zip(admitted, logits):
+    def _prefill(self) -> None:
+        budget, pieces = self.prefill_chunk_tokens, []
+        for req in self._prefilling:
+            take = min(len(req.prompt) - req.prefilled, budget)
+            if take == 0:
+                break
+            pieces.append((req, take))
+            budget -= take
+        pieces.sort(key=lambda piece: piece[0].slot)
+        runs: list[list[tuple[_Request, int]]] = []
+        for piece in pieces:
+            if runs and runs[-1][-1][0].slot + 1 == piece[0].slot:
+                runs[-1].append(piece)
+            else:
+                runs.append([piece])
+        for run in runs:
+            try:
+                logits = self._prefill_forward(run)
+            except Exception as e:  # noqa: BLE001 - retried alone: only a request that fails alone ends
+                if len(run) == 1:
+                    self._fail([run[0][0]], e)
+                    continue
+                for piece in run:
+                    try:
+                        self._prefilled([piece], self._prefill_forward([piece]))
+                    except Exception as e1:  # noqa: BLE001 - reported on that request's stream
+                        self._fail([piece[0]], e1)
+                continue
+            self._prefilled(run, logits)
+
+    def _prefill_forward(self, run: list[tuple[_Request, int]]) -> torch.Tensor:
+        chunks = [req.prompt[req.prefilled : req.prefilled + take] for req, take in run]
+        return self.engine.forward_rows(self.cache, run[0][0].slot, chunks)
+
+    def _prefilled(self, run: list[tuple[_Request, int]], logits: torch.Tensor) -> None:
+        for (req, take), lg in zip(run, logits):
+            req.prefilled += take
+            if req.prefilled == len(req.prompt):
+                req.logits = lg
                 req.state = RowState(self.engine.tokenizer, req.prompt, req.params, self.max_len)
-                self._logits[req.row] = lg
-        busy = [row for row, req in enumerate(self._rows) if req is not None]
-        if not busy:
+                self._prefilling.remove(req)
+
+    def _sample(self) -> None:
+        rows = [r for r in self._slots if r is not None and r.logits is not None]
+        if not rows:
             return
-        finished = []
-        for row in busy:
-            req = self._rows[row]
-            sampled = None
-            if req.state.needs_sample:
-                p = req.params
-                logits = self._logits[row][None]
-                sampled = int(sample_next(logits, p.temperature, p.top_k, p.top_p, req.generator)[0])
-            token, delta = req.state.step(sampled)
+        batch = SamplingBatch()
+        for req in rows:
+            p = req.params
+            batch.add(p.temperature, p.top_k, p.top_p, req.generator, req.state.forced_token,
+                      p.logprobs, p.top_logprobs)  # fmt: skip
+        samples = batch.sample(torch.stack([req.logits for req in rows]))
+        finished, failed = [], []
+        for req, s in zip(rows, samples):
+            req.logits = None
+            if s.error:
+                failed.append((req, RuntimeError(s.error)))
+                continue
+            try:
+                token, delta = req.state.step(s.token)
+            except Exception as e:  # noqa: BLE001 - this request's bookkeeping (tool, detokenizer) failed
+                failed.append((req, e))
+                continue
             if req.first_token is None:
                 req.first_token = time.perf_counter()
+            lps = [TokenLogprob(token, s.logprob, s.top_logprobs)] if s.logprob is not None else None
             if req.state.finished:
-                finished.append((req, token, delta))
+                finished.append((req, token, delta, lps))
             else:
-                req.stream._push(StreamEvent(req.id, delta, [token]))
+                req.stream._push(StreamEvent(req.id, delta, [token], logprobs=lps))
         with self._lock:
-            for req, token, delta in finished:
-                self._finish(req, req.state.finish_reason, text=delta, token_ids=[token])
-        busy = [row for row, req in enumerate(self._rows) if req is not None]
-        if busy:
-            logits = self.engine.decode(self.cache, busy, [self._rows[r].state.tokens[-1] for r in busy])
-            self._logits.update(zip(busy, logits))
+            for req, token, delta, lps in finished:
+                self._finish(req, req.state.finish_reason, text=delta, token_ids=[token], logprobs=lps)
+        for req, e in failed:
+            self._fail([req], e)
 
-    def _finish(self, req: _Request, reason: str, text: str = "", token_ids=(), error: str | None = None):
-        """Free the request's row and send its final event. Caller holds self._lock."""
+    def _decode(self) -> None:
+        n = self.num_active
+        decoding = [r for r in self._slots[:n] if r.state is not None]
+        if not decoding:
+            return
+        pieces = [[r.state.tokens[-1]] if r.state is not None else [] for r in self._slots[:n]]
+        try:
+            logits = self.engine.forward_rows(self.cache, 0, pieces)
+        except Exception as e:  # noqa: BLE001 - shared forward: every request in it ends
+            self._fail(decoding, e)
+            return
+        for req in decoding:
+            req.logits = logits[req.slot]
+
+    def _compact(self) -> None:
+        busy = [slot for slot, r in enumerate(self._slots) if r is not None]
+        for src, dst in self.cache.compact(busy).items():
+            req = self._slots[src]
+            self._slots[src], self._slots[dst] = None, req
+            req.slot = dst
+
+    def _fail(self, requests: list[_Request], error: BaseException) -> None:
+        """End `requests` with finish_reason "error" (their slots are freed; step() compacts later)."""
+        self.last_error = error
+        if isinstance(error, torch.OutOfMemoryError) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        with self._lock:
+            for req in requests:
+                self._finish(req, "error", error=f"{type(error).__name__}: {error}")
+
+    def _finish(self, req, reason, text="", token_ids=(), error=None, logprobs=None) -> None:
+        """Free the request's slot and send its final event. Caller holds self._lock."""
         if self._live.pop(req.id, None) is None:
             return
-        if req.row is not None:
-            self._rows[req.row] = None
-            self._logits.pop(req.row, None)
-            self.cache.reset_rows([req.row])
+        if req.slot is not None:
+            self._slots[req.slot] = None
+            self.cache.reset_rows([req.slot])
+            req.slot = None
+        if req in self._prefilling:
+            self._prefilling.remove(req)
+        req.logits = None
         done = time.perf_counter()
         usage = Usage(
             prompt_tokens=len(req.prompt),
@@ -365,4 +353,5 @@ class Scheduler:
             ttft_s=None if req.first_token is None else req.first_token - req.submitted,
             total_s=done - req.submitted,
         )
-        req.stream._push(StreamEvent(req.id, text, list(token_ids), True, reason, usage, error))
+        event = StreamEvent(req.id, text, list(token_ids), True, reason, usage, error, logprobs)
+        req.stream._push(event)

@@ -55,6 +55,11 @@ class RowState:
         """False when the next token is a forced one (no sampling needed)."""
         return not self._forced
 
+    @property
+    def forced_token(self) -> int | None:
+        """The forced tool-output token the next step takes, or None when the next token is sampled."""
+        return self._forced[0] if self._forced else None
+
     def step(self, sampled: int | None) -> tuple[int, str]:
         """Append the next token (a pending forced token, else `sampled`); return (token, text delta)."""
         if self._forced:

@@ -21,8 +21,9 @@ Chat template (CHAT_TEMPLATE_JINJA) renders the layout of raychat.chat_template 
 encodes that text in one piece, whereas raychat encodes every span on its own. The ids are equal whenever
 the tokenizer's split regex already breaks the text at span boundaries, as it does for ordinary messages;
 they can differ when a system message ends in whitespace (it is joined to SYSTEM_SEPARATOR "\n\n").
-Known difference: HF tokenizers match special-token text anywhere in the input, whereas raychat encodes
-special-token text inside user content as plain text. Ids are equal for text without special-token text.
+HF tokenizers match special-token text anywhere in their input, whereas raychat encodes special-token text
+inside content as plain text: the template escapes it (MARKER_ESCAPE) and the tokenizer's normalizer undoes
+the escape after special tokens are matched, so the ids are raychat's for any content.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import os
 from pathlib import Path
 
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from raychat.chat_template import TEMPLATE_VERSION
@@ -44,24 +45,51 @@ from raychat.tokenizer import BOS, Tokenizer
 ARCHITECTURE = "Qwen3ForCausalLM"
 EOS = "<|assistant_end|>"
 
-# raychat.chat_template's layout in Jinja (transformers' apply_chat_template; also read by vLLM).
-# Markers are literal text; the HF tokenizer maps them to the special ids.
+# Marker text inside content, escaped for the HF tokenizer, which matches special-token text anywhere in its
+# input (raychat encodes it as plain text): MARKER_ESCAPE goes after every "<" followed by "|" or by
+# MARKER_ESCAPE, so escaped text never contains "<|" (every marker starts with it), and the exported
+# tokenizer's normalizer, which runs after special tokens are matched, removes one MARKER_ESCAPE after each
+# "<" and so restores the text before BPE. The Jinja template escapes every content string the same way.
+MARKER_ESCAPE = "\ue000"  # a private-use character
+
+
+def escape_marker_text(text: str) -> str:
+    """`text` with MARKER_ESCAPE inserted after each "<" followed by "|" or MARKER_ESCAPE (see above)."""
+    return text.replace("<" + MARKER_ESCAPE, "<" + MARKER_ESCAPE * 2).replace("<|", "<" + MARKER_ESCAPE + "|")
+
+
+def unescape_marker_text(text: str) -> str:
+    """The inverse of escape_marker_text (what the exported tokenizer's normalizer does)."""
+    return text.replace("<" + MARKER_ESCAPE, "<")
+
+
+# raychat.chat_template's layout in Jinja (transformers' apply_chat_template; also read by vLLM). Markers are
+# literal text, which the HF tokenizer maps to the special ids; content goes through `text`, which takes a
+# string or OpenAI's list of {"type": "text", "text"} parts (joined with "\n", as raychat's server does) and
+# escapes marker text (escape_marker_text). Assistant content may also be raychat's parts (text / python /
+# python_output). OpenAI tool_calls in an assistant message are not rendered: the calculator does not run
+# under vLLM (raychat.serve.vllm).
 CHAT_TEMPLATE_JINJA = (
+    "{%- macro text(c) -%}"
+    "{%- if c is string -%}{%- set s = c -%}{%- else -%}{%- set s = c | map(attribute='text') | join('\n') -%}{%- endif -%}"
+    "{{- s | replace('<' ~ '" + MARKER_ESCAPE + "', '<' ~ '" + MARKER_ESCAPE * 2 + "')"
+    " | replace('<|', '<' ~ '" + MARKER_ESCAPE + "' ~ '|') -}}"
+    "{%- endmacro -%}"
     "{%- set ns = namespace(system='', in_assistant=false) -%}"
     "<|bos|>"
     "{%- for message in messages -%}"
-    "{%- if message.role == 'system' -%}{%- set ns.system = message.content + '\\n\\n' -%}"
+    "{%- if message.role in ('system', 'developer') -%}{%- set ns.system = text(message.content) + '\n\n' -%}"
     "{%- elif message.role == 'user' -%}"
     "{%- if ns.in_assistant -%}<|assistant_end|>{%- set ns.in_assistant = false -%}{%- endif -%}"
-    "<|user_start|>{{ ns.system }}{{ message.content }}<|user_end|>{%- set ns.system = '' -%}"
+    "<|user_start|>{{ ns.system }}{{ text(message.content) }}<|user_end|>{%- set ns.system = '' -%}"
     "{%- else -%}"
     "{%- if not ns.in_assistant -%}<|assistant_start|>{%- set ns.in_assistant = true -%}{%- endif -%}"
-    "{%- if message.role == 'tool' -%}<|output_start|>{{ message.content }}<|output_end|>"
-    "{%- elif message.content is string -%}{{ message.content }}"
-    "{%- else -%}{%- for part in message.content -%}"
-    "{%- if part.type == 'text' -%}{{ part.text }}"
-    "{%- elif part.type == 'python' -%}<|python_start|>{{ part.text }}<|python_end|>"
-    "{%- else -%}<|output_start|>{{ part.text }}<|output_end|>"
+    "{%- if message.role == 'tool' -%}<|output_start|>{{ text(message.content) }}<|output_end|>"
+    "{%- elif message.content is string -%}{{ text(message.content) }}"
+    "{%- elif message.content -%}{%- for part in message.content -%}"
+    "{%- if part.type == 'text' -%}{{ text(part.text) }}"
+    "{%- elif part.type == 'python' -%}<|python_start|>{{ text(part.text) }}<|python_end|>"
+    "{%- else -%}<|output_start|>{{ text(part.text) }}<|output_end|>"
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{%- endif -%}"
     "{%- endfor -%}"
@@ -118,6 +146,7 @@ def hf_tokenizer_json(tokenizer: Tokenizer) -> str:
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )
+    hf.normalizer = normalizers.Replace("<" + MARKER_ESCAPE, "<")  # unescape (see MARKER_ESCAPE)
     hf.decoder = decoders.ByteLevel()
     specials = sorted(tokenizer.special_tokens.items(), key=lambda kv: kv[1])
     hf.add_special_tokens([AddedToken(name, special=True, normalized=False) for name, _ in specials])

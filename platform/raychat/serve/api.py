@@ -1,17 +1,27 @@
-"""Request models and limits of the chat endpoints, with errors that name the offending field.
+"""Request model of the chat endpoints (OpenAI Chat Completions), with limits and errors that name the field.
 
-Limits (a request outside any of them is answered 400, body {"error": {"message", "type", "param"}}, where
-`param` and the start of `message` name the field, e.g. "messages[3].content"):
-  messages             1..500 items
-  messages[i].role     one of ROLES
-  messages[i].content  a string of 1..8000 characters
-  all contents         at most 32000 characters in total
-  temperature          0..2 (0 = greedy)                 top_k   integer 0..200 (0 = off)
-  top_p                (0, 1]  (1 = off)                   max_tokens  integer 1..4096
-  seed                 integer 0..2**63-1                  stop    a string or a list of 1..4 strings of
-  n                    1 (one choice per request)                  1..64 characters
-Numbers are strict: "0.5" (a string) or true is a wrong type, not a number; integers are accepted for
-floats. Unknown fields are ignored (OpenAI clients send extras such as "user").
+A request outside any limit is answered 400 in the error shape of raychat.serve.errors, `param` naming the
+field (e.g. "messages[3].content", "top_logprobs"). Every OpenAI Chat Completions parameter is one of:
+  honoured    model, messages, temperature 0..2 (default 1; 0 = greedy), top_p (0, 1] (default 1),
+              max_completion_tokens and max_tokens 1..4096 (equal if both are given; default: until the
+              model ends its turn or the row's context is full), n 1..8, seed 0..2**63-1, stop (a string or a
+              list of 0..4 strings of 1..64 characters), stream, stream_options {include_usage,
+              include_obfuscation} (only with stream), logprobs, top_logprobs 0..20 (needs logprobs),
+              tools (only the built-in "calculator" function), tool_choice ("auto"; needs tools),
+              parallel_tool_calls, response_format ({"type": "text"}); and raychat's top_k 0..200 (0 = off)
+  no effect   user, safety_identifier, prompt_cache_key, prompt_cache_retention, prompt_cache_options,
+              metadata, store (false), service_tier ("auto" | "default"): accepted; nothing in the reply
+              depends on them (raychat keeps no prompt cache and stores nothing)
+  refused     frequency_penalty, presence_penalty, logit_bias, functions, function_call, audio, modalities,
+              prediction, reasoning_effort, verbosity, web_search_options, moderation: 400 naming the
+              parameter unless it is null or the value that changes nothing (REFUSED below)
+A field that is none of these is an unknown field (400). `null` means "the default" for every optional field.
+Numbers are strict: "0.5" (a string) or true is a wrong type, not a number; integers are accepted for floats.
+
+Messages (1..500): roles system | developer (the same thing here) | user | assistant | tool. `content` is a
+string or a list of {"type": "text", "text"} parts (joined with "\\n"), at most 8000 characters; null only for
+an assistant message with tool_calls. All text together (contents, tool call arguments) is at most 32000
+characters. Tool calls and their raychat form: docs/openai.md (raychat.serve.openai_messages renders them).
 
 Body size: MAX_BODY_BYTES = 512 KiB, refused with 413 before JSON parsing. Bound on a valid body: 32000
 characters written as JSON \\u escapes of UTF-16 surrogate pairs take 6 bytes per UTF-16 unit, at most
@@ -20,7 +30,8 @@ characters written as JSON \\u escapes of UTF-16 surrogate pairs take 6 bytes pe
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -30,135 +41,330 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationInfo,
     field_validator,
 )
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+CALCULATOR = "calculator"
 MAX_MESSAGES = 500
 MAX_CONTENT_CHARS = 8000
 MAX_TOTAL_CHARS = 32000
 MAX_TOKENS = 4096
 MAX_TOP_K = 200
 MAX_TEMPERATURE = 2.0
+MAX_N = 8
 MAX_STOP = 4
 MAX_STOP_CHARS = 64
+MAX_TOOL_CALLS = 16
+MAX_TOP_LOGPROBS = 20
 MAX_BODY_BYTES = 512 * 1024
 
 Number = StrictFloat | StrictInt
+Id = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+
+# refused parameter -> the values that change nothing (accepted)
+REFUSED: dict[str, tuple] = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "moderation": (None,),
+}
+# parameter -> (the parameter it needs true, the message when it is not)
+NEEDS = {
+    "stream_options": ("stream", "only allowed when stream is true"),
+    "top_logprobs": ("logprobs", "needs logprobs: true"),
+}
+NO_EFFECT = (
+    "user",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "metadata",
+    "store",
+    "service_tier",
+)
+HONOURED = (
+    "model", "messages", "temperature", "top_p", "max_completion_tokens", "max_tokens", "n", "seed", "stop",
+    "stream", "stream_options", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "response_format",
+)  # fmt: skip
+EXTENSIONS = ("top_k",)
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant"]
-    content: Annotated[StrictStr, Field(min_length=1, max_length=MAX_CONTENT_CHARS)]
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+    prompt_cache_breakpoint: dict | None = None  # a prompt-cache hint: no effect here
 
-    include_usage: StrictBool = False
+
+class FunctionCall(_Strict):
+    name: StrictStr
+    arguments: StrictStr
+    parsed_arguments: dict | None = None  # added by openai's stream helpers; derived from arguments
 
 
-class ChatRequest(BaseModel):
-    """Body of POST /chat/completions and POST /v1/chat/completions (see the module doc for the limits)."""
+class ToolRun(_Strict):
+    """raychat's record of a call the server ran (docs/openai.md): where it sits in the message's content
+    (characters of content before it) and the calculator's output (absent: the calculator refused it)."""
 
-    model_config = ConfigDict(extra="ignore")
+    offset: Annotated[StrictInt, Field(ge=0)]
+    output: StrictStr | None = None
+
+
+class ToolCall(_Strict):
+    id: Id
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    raychat: ToolRun | None = None
+    index: StrictInt | None = None  # kept by clients that accumulate streamed deltas; not used
+
+    @field_validator("function")
+    @classmethod
+    def _calculator(cls, function: FunctionCall) -> FunctionCall:
+        expression_of(function)
+        return function
+
+
+def expression_of(function: FunctionCall) -> str:
+    """The calculator expression of a call: arguments must be the JSON object {"expression": str}."""
+    if function.name != CALCULATOR:
+        raise ValueError(f"only the built-in {CALCULATOR!r} function exists here, got {function.name!r}")
+    try:
+        args = json.loads(function.arguments)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"arguments must be a JSON object, got invalid JSON ({e.msg})") from None
+    if not isinstance(args, dict) or set(args) != {"expression"} or not isinstance(args["expression"], str):
+        raise ValueError('arguments must be the JSON object {"expression": "<arithmetic>"}')
+    return args["expression"]
+
+
+Content = StrictStr | list[TextPart] | None
+
+
+def content_text(content: Content) -> str | None:
+    """A message's content as one string (text parts joined with "\\n"), None for null."""
+    if content is None or isinstance(content, str):
+        return content
+    return "\n".join(p.text for p in content)
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: Id | None = Field(default=None, validate_default=True)
+    content: Content = Field(default=None, validate_default=True)
+    name: StrictStr | None = None
+    refusal: None = None  # response-only fields, accepted as null so a returned message can be sent back
+    audio: None = None
+    function_call: None = None
+    annotations: list | None = None
+    parsed: None = None  # added by openai's parse helpers
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_only(cls, calls, info: ValidationInfo):
+        if calls is not None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        return calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, value, info: ValidationInfo):
+        role = info.data.get("role")
+        if role == "tool" and value is None:
+            raise ValueError("field required (the id of the tool call this message answers)")
+        if role not in (None, "tool") and value is not None:
+            raise ValueError("only a tool message has a tool_call_id")
+        return value
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"part {j}: only text parts are supported here, got {kind!r}")
+        return content
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content, info: ValidationInfo):
+        if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("field required (null only for an assistant message with tool_calls)")
+        n = len(content_text(content) or "")
+        if n > MAX_CONTENT_CHARS:
+            raise ValueError(f"{n} characters; at most {MAX_CONTENT_CHARS} allowed")
+        return content
+
+    @field_validator("name")
+    @classmethod
+    def _no_name(cls, name):
+        if name is not None:
+            raise ValueError("participant names are not supported (the chat template has no place for them)")
+        return name
+
+    @property
+    def text(self) -> str:
+        return content_text(self.content) or ""
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool | None = None
+    include_obfuscation: StrictBool | None = None  # no effect: chunks carry no obfuscation padding
+
+
+class ToolFunction(_Strict):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: ToolFunction
+
+    @field_validator("function")
+    @classmethod
+    def _calculator(cls, function: ToolFunction) -> ToolFunction:
+        if function.name != CALCULATOR:
+            raise ValueError(f"only the built-in {CALCULATOR!r} tool exists here, got {function.name!r}")
+        return function
+
+
+class ResponseFormat(_Strict):
+    type: StrictStr
+
+    @field_validator("type")
+    @classmethod
+    def _text(cls, kind: str) -> str:
+        if kind != "text":
+            raise ValueError(f"only 'text' is supported (no constrained decoding here), got {kind!r}")
+        return kind
+
+
+def _total_chars(messages: list[Message]) -> int:
+    calls = (c.function.arguments for m in messages for c in m.tool_calls or ())
+    return sum(len(m.text) for m in messages) + sum(len(a) for a in calls)
+
+
+class ChatRequest(_Strict):
+    """Body of POST /chat/completions and POST /v1/chat/completions (see the module doc)."""
 
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     model: StrictStr | None = None
-    temperature: Annotated[Number, Field(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
-    top_k: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_K)] | None = None
+    temperature: Annotated[Number, Field(ge=0.0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
-    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)] = 256
+    top_k: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_K)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
     seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] | None = None
-    stop: Any = None
-    stream: StrictBool = False
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    n: StrictInt | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError(f"only 1 choice per request is supported, got {n}")
-        return n
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=1)] | None = None
+    tool_choice: Literal["auto"] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
+    user: Id | None = None
+    safety_identifier: Id | None = None
+    prompt_cache_key: Id | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict | None = None
+    metadata: Annotated[dict[StrictStr, StrictStr], Field(max_length=16)] | None = None
+    store: Literal[False] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    # refused: the schema admits only the values that change nothing (REFUSED)
+    frequency_penalty: Literal[0] | None = None
+    presence_penalty: Literal[0] | None = None
+    logit_bias: Annotated[dict[StrictStr, Number], Field(max_length=0)] | None = None
+    functions: Annotated[list[dict], Field(max_length=0)] | None = None
+    function_call: Literal["none"] | None = None
+    audio: None = None
+    modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
+    prediction: None = None
+    reasoning_effort: None = None
+    verbosity: None = None
+    web_search_options: None = None
+    moderation: None = None
 
     @field_validator("messages")
     @classmethod
-    def _total_chars(cls, messages: list[Message]) -> list[Message]:
-        total = sum(len(m.content) for m in messages)
+    def _total(cls, messages: list[Message]) -> list[Message]:
+        total = _total_chars(messages)
         if total > MAX_TOTAL_CHARS:
             raise ValueError(f"total content is {total} characters; at most {MAX_TOTAL_CHARS} allowed")
         return messages
 
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_limit(cls, value, info: ValidationInfo):
+        other = info.data.get("max_tokens")
+        if value is not None and other is not None and value != other:
+            raise ValueError(f"conflicts with max_tokens ({other}); send one of them (or equal values)")
+        return value
+
     @field_validator("stop")
     @classmethod
-    def _stop(cls, stop: Any) -> list[str] | None:
-        if stop is None:
-            return None
-        items = [stop] if isinstance(stop, str) else stop
-        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise ValueError("must be a string or a list of strings")
-        if not 1 <= len(items) <= MAX_STOP:
-            raise ValueError(f"must hold 1 to {MAX_STOP} strings, got {len(items)}")
+    def _stop(cls, stop):
+        items = [stop] if isinstance(stop, str) else stop or []
+        if len(items) > MAX_STOP:
+            raise ValueError(f"must hold 0 to {MAX_STOP} strings, got {len(items)}")
         for s in items:
             if not 1 <= len(s) <= MAX_STOP_CHARS:
                 raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
         return items
 
-    def stop_list(self) -> list[str]:
-        return list(self.stop or [])
+    @field_validator(*NEEDS)
+    @classmethod
+    def _needs(cls, value, info: ValidationInfo):
+        other, message = NEEDS[info.field_name]
+        if value is not None and not info.data.get(other):
+            raise ValueError(message)
+        return value
 
-    def to_engine(self) -> dict:
-        """The plain dict sent to an engine replica: messages as dicts plus the sampling parameters."""
-        return {
-            "messages": [{"role": m.role, "content": m.content} for m in self.messages],
-            "temperature": float(self.temperature),
-            "top_k": self.top_k or None,
-            "top_p": None if self.top_p is None else float(self.top_p),
-            "max_tokens": self.max_tokens,
-            "seed": self.seed,
-            "stop": self.stop_list(),
-        }
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, choice, info: ValidationInfo):
+        if choice is None:
+            return None
+        if not info.data.get("tools"):
+            raise ValueError("only allowed when tools are given")
+        if choice != "auto":
+            raise ValueError(f"only 'auto' is supported (the model decides when to call), got {choice!r}")
+        return choice
 
+    @field_validator(*REFUSED, mode="before")
+    @classmethod
+    def _refused(cls, value, info: ValidationInfo):
+        allowed = REFUSED[info.field_name]
+        if not any(value == a and type(value) is type(a) for a in allowed):
+            noop = " or ".join("null" if a is None else json.dumps(a) for a in allowed)
+            raise ValueError(f"not supported by raychat; only {noop} is accepted")
+        return value
 
-def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
-    """("body", "messages", 3, "content") -> "messages[3].content" (the "body" prefix and union tags dropped)."""
-    out = ""
-    for part in loc:
-        if part == "body" and not out:
-            continue
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif isinstance(part, str) and (
-            part.startswith(("function-", "list[", "constrained-")) or part in _TYPE_TAGS
-        ):
-            continue  # pydantic's names of union members, not fields
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "body"
+    @property
+    def max_completion(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
 
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
-    """OpenAI-style error body {"error": {"message", "type", "param", "code"}}."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
-
-
-def validation_error_body(errors: list[dict]) -> dict:
-    """400 body from pydantic/FastAPI errors: the first error, "field: reason", plus every error listed."""
-    first = errors[0]
-    param = field_path(first.get("loc", ()))
-    if first.get("type") == "json_invalid":
-        param = "body"
-    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
-    if first.get("type") == "missing":
-        msg = "field required"
-    body = error_body(f"{param}: {msg}", param)
-    body["error"]["details"] = [
-        f"{field_path(e.get('loc', ()))}: {e.get('msg', '').removeprefix('Value error, ')}" for e in errors
-    ]
-    return body
+    @property
+    def client_tools(self) -> bool:
+        """True when the client declared the calculator: it runs the calls itself (docs/openai.md)."""
+        return bool(self.tools)

@@ -22,12 +22,18 @@ import contextlib
 import os
 
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve import Application
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from raychat.config import ConfigError, ServeConfig, from_dict
 from raychat.serve.api import MAX_BODY_BYTES
+from raychat.serve.errors import EngineUnavailableError
 from raychat.serve.ingress import create_app
 from raychat.serve.server import merge_deltas
+
+# what a handle raises when no ChatServer replica can take (or finish) a request: 503, retry later
+UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)
 
 SERVER_DEPLOYMENT = "ChatServer"
 INGRESS_DEPLOYMENT = "ChatIngress"
@@ -120,12 +126,14 @@ class ChatServerDeployment:
 
     def stats(self) -> dict:
         """ChatServer.stats plus rss_bytes: resident memory of this replica process and its children (the
-        engine process, which holds the model and KV cache)."""
+        engine process, which holds the model and KV cache), and child_pids: their process ids (an engine
+        process that restarted has a new one)."""
         import psutil
 
         me = psutil.Process()
-        rss = me.memory_info().rss + sum(c.memory_info().rss for c in me.children(recursive=True))
-        return {**self.engine.stats(), "rss_bytes": rss}
+        children = me.children(recursive=True)
+        rss = me.memory_info().rss + sum(c.memory_info().rss for c in children)
+        return {**self.engine.stats(), "rss_bytes": rss, "child_pids": sorted(c.pid for c in children)}
 
     def check_health(self) -> None:
         """Serve's health check: the scheduler (thread or engine process) must be running or restarting."""
@@ -152,6 +160,8 @@ class HandleClient:
         return await self.handle.stats.remote()
 
     async def generate(self, request: dict):
+        """The replica's events; a replica that died or no replica to take the request raises
+        EngineUnavailableError (the ingress answers 503, or an error event once streaming)."""
         gen = self.handle.options(stream=True).generate.remote(request)
         finished = False
         try:
@@ -159,6 +169,9 @@ class HandleClient:
                 for event in batch:
                     yield event
             finished = True
+        except UNAVAILABLE as e:
+            finished = True
+            raise EngineUnavailableError(f"{type(e).__name__}: {e}") from e
         finally:
             if not finished:
                 gen.cancel()  # client left or the consumer stopped early: cancel the replica's generator
@@ -175,6 +188,12 @@ class ChatIngress:
 
     def __serve_build_asgi_app__(self):
         return create_app(self.client, api_key=self.api_key, max_body_bytes=self.max_body_bytes)
+
+
+def device_for(num_gpus: float) -> str:
+    """The torch device of a replica that reserves `num_gpus` GPUs: "cuda" (Ray sets CUDA_VISIBLE_DEVICES to
+    its GPUs, so "cuda" is the first of them) for any GPU, else "cpu"."""
+    return "cuda" if num_gpus > 0 else "cpu"
 
 
 def build_app(args: dict | ServeConfig) -> Application:
@@ -209,7 +228,7 @@ def build_app(args: dict | ServeConfig) -> Application:
         r.engine_process,
         r.torch_threads,
         c.model_id,
-        "cuda" if r.num_gpus > 0 else "cpu",
+        device_for(r.num_gpus),
     )
     return ChatIngress.options(
         ray_actor_options={"num_cpus": c.ingress_num_cpus},

@@ -31,8 +31,14 @@ def start(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
         replicas, cpus = max(1, config.autoscaling.min_replicas), config.replica.num_cpus
         need = replicas * cpus + config.ingress_num_cpus
         have = ray.cluster_resources().get("CPU", 0)
-        if need > have:
+        gpus_needed, gpus = replicas * config.replica.num_gpus, ray.cluster_resources().get("GPU", 0)
+        if need > have or gpus_needed > gpus:
             ray.shutdown()
+            if gpus_needed > gpus:
+                raise ValueError(
+                    f"{replicas} engine replica(s) x --num-gpus {config.replica.num_gpus} = {gpus_needed} GPUs, but this "
+                    f"machine's Ray cluster has {gpus:g}; lower --num-gpus (0 = CPU) or --min-replicas"
+                )
             raise ValueError(
                 f"{replicas} engine replica(s) x --num-cpus {cpus} + the ingress' "
                 f"{config.ingress_num_cpus} CPU = {need} CPUs, but this machine's Ray cluster has {have}; "

@@ -2,44 +2,66 @@
 production, an in-process ChatServer or a fake in tests).
 
 Endpoints
-  POST /chat/completions     SSE (raychat.serve.sse vocabulary): text deltas, then a "done" event with
-                             finish_reason and usage
-  POST /v1/chat/completions  OpenAI-compatible, stream true or false (usage, finish_reason, stop,
-                             temperature, top_p, max_tokens, seed; top_k as an extension)
+  POST /chat/completions     SSE (raychat.serve.sse vocabulary): text deltas, tool calls and results, then
+                             a "done" event per choice with finish_reason and usage
+  POST /v1/chat/completions  OpenAI Chat Completions, stream true or false (raychat.serve.api lists every
+                             parameter; docs/openai.md the tool-call shapes)
   GET  /v1/models            the served model, with template_version and tokenizer_version
   GET  /health               {"status": "ok", template_version, ..., "engine": replica stats}; 503 and
                              "unavailable" while the replica's engine process is down
   GET  /                     the chat web page (static/chat.html)
+  GET  /openapi.json         the schema of all of it (what the fuzzing test drives)
 
 Before any parsing: a body over `max_body_bytes` -> 413; with `api_key` set, POST endpoints and /v1/models
-need `Authorization: Bearer <api_key>` -> else 401. Invalid requests -> 400 naming the field
-(raychat.serve.api). A client that disconnects mid-stream closes the engine stream, which frees its row.
+need `Authorization: Bearer <api_key>` -> else 401. Invalid requests -> 400 naming the field. Every error,
+4xx or 5xx, has the OpenAI error shape (raychat.serve.errors): an engine rejection keeps its status (400,
+503 with Retry-After while the engine process restarts or no replica can take the request), an engine
+failure or any unexpected exception is a 500; once a stream has started, a failure is an error event in
+it. A client that disconnects mid-stream closes the engine streams, which frees their rows.
 
 Client protocol (duck-typed):
   async info() -> dict        {model_id, template_version, tokenizer_version, max_seq_len, ...}
   async stats() -> dict       the replica's counters (ChatServer.stats)
   generate(request: dict)     async iterator of event dicts (raychat.serve.server); closing it early
-                              (aclose) must cancel the request
+                              (aclose) must cancel the request; raises EngineUnavailableError when no
+                              replica can take it
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
-import uuid
+import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from openai.types.chat import ChatCompletion
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from raychat.serve.api import MAX_BODY_BYTES, ChatRequest, error_body, validation_error_body
-from raychat.serve.sse import OpenAIChunks, openai_completion, sse_event
+from raychat.serve.api import MAX_BODY_BYTES, ChatRequest
+from raychat.serve.errors import (
+    ERROR_STATUSES,
+    EngineUnavailableError,
+    ErrorResponse,
+    ParamError,
+    error_body,
+    validation_error_body,
+)
+from raychat.serve.openai_format import ChoiceState, Chunks, chat_completion, completion_id, total_usage
+from raychat.serve.openai_messages import engine_requests
+from raychat.serve.sse import sse_event
 
 STATIC_DIR = Path(__file__).parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PROTECTED_PREFIXES = ("/chat/", "/v1/")
+NO_FINAL_EVENT = "the engine's stream ended without a final event"
+SSE_SCHEMA = {"text/event-stream": {"schema": {"type": "string"}}}
+ERRORS = {status: {"model": ErrorResponse, "description": why} for status, why in ERROR_STATUSES.items()}
+log = logging.getLogger(__name__)
 
 
 class BodyLimitAndAuth:
@@ -104,7 +126,7 @@ async def _send_json(send, status: int, body: dict, extra_headers: dict | None =
 
 
 def _error_response(event: dict) -> JSONResponse:
-    """An engine's rejection as HTTP: "param: message" (the field first, as for validation errors)."""
+    """An engine's error event as HTTP: "param: message" (the field first, as for validation errors)."""
     param, message, status = event.get("param"), event["message"], event.get("status", 500)
     if param and not message.startswith(f"{param}: "):
         message = f"{param}: {message}"
@@ -113,32 +135,109 @@ def _error_response(event: dict) -> JSONResponse:
     return JSONResponse(error_body(message, param, kind), status_code=status, headers=headers)
 
 
-async def _start(engine, request: ChatRequest):
-    """Open the engine stream and wait for its first event, so a rejection becomes an HTTP error status
-    instead of an event inside a 200 stream. Returns (events, first_event)."""
-    events = engine.generate(request.to_engine())
+def _exception_event(e: BaseException) -> dict:
+    """An exception from the engine client as an error event: 503 when no replica can take the request."""
+    if isinstance(e, EngineUnavailableError):
+        return {"type": "error", "status": 503, "message": f"engine unavailable: {e}", "param": None}
+    log.exception("engine request failed", exc_info=e)
+    return {
+        "type": "error",
+        "status": 500,
+        "message": f"internal error: {type(e).__name__}: {e}",
+        "param": None,
+    }
+
+
+def _stream_error(event: dict) -> bytes:
+    """An error event inside a started OpenAI stream (the openai clients raise APIError on it)."""
+    kind = "server_error" if event.get("status", 500) >= 500 else "invalid_request_error"
+    return sse_event(error_body(event["message"], event.get("param"), kind))
+
+
+async def _open(engine, requests: list[dict]) -> tuple[list, list[dict]]:
+    """Open one engine stream per request (the n choices, submitted together) and wait for each first event,
+    so that a rejection becomes an HTTP error status instead of an event inside a 200 stream. Returns
+    (streams, first events); when a first event is an error, or opening raises, every stream is closed and the
+    result is ([], [that error])."""
+    streams: list = []
+    no_event = {"type": "error", "status": 500, "message": NO_FINAL_EVENT}
     try:
-        first = await anext(events)
-    except BaseException:
-        await events.aclose()
+        streams = [engine.generate(request) for request in requests]
+        firsts = await asyncio.gather(*(anext(s, no_event) for s in streams), return_exceptions=True)
+    except Exception as e:  # noqa: BLE001 - generate() itself raised: answered in the error shape
+        firsts = [e]
+    except BaseException:  # cancelled (the client left): nothing to answer
+        await _close(streams)
         raise
-    return events, first
+    for first in firsts:
+        if isinstance(first, BaseException) and not isinstance(first, Exception):
+            await _close(streams)
+            raise first
+    firsts = [_exception_event(f) if isinstance(f, Exception) else f for f in firsts]
+    failed = [f for f in firsts if f["type"] == "error"]
+    if failed:
+        await _close(streams)
+        return [], failed[:1]
+    return streams, firsts
 
 
-async def _chain(first: dict, events):
-    """first, then the rest of `events`; closes `events` however the consumer stops (cancel on disconnect)."""
+async def _close(streams: list) -> None:
+    for s in streams:
+        try:
+            await s.aclose()
+        except Exception:  # noqa: BLE001 - closing a failed stream must not hide the answer
+            log.exception("closing an engine stream failed")
+
+
+async def _events(streams: list, firsts: list[dict]) -> AsyncIterator[tuple[int, dict]]:
+    """(choice index, event) of every stream, each stream's first event first, then as they come; ends with
+    an error event if a stream fails (any exception) or ends without its final event. Closes every stream
+    however the consumer stops (a disconnect cancels the requests)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        final = None
+        try:
+            async for ev in stream:
+                if ev["type"] in ("done", "error"):
+                    final = ev
+                await queue.put((i, ev))
+            if final is None:
+                await queue.put((i, {"type": "error", "status": 500, "message": NO_FINAL_EVENT}))
+        except Exception as e:  # noqa: BLE001 - becomes the stream's error event
+            await queue.put((i, _exception_event(e)))
+        await queue.put((i, None))
+
+    tasks = []
     try:
-        yield first
-        async for ev in events:
-            yield ev
+        for i, first in enumerate(firsts):
+            yield i, first
+        open_streams = 0
+        for i, (stream, first) in enumerate(zip(streams, firsts)):
+            if first["type"] in ("done", "error"):
+                continue
+            tasks.append(asyncio.create_task(pump(i, stream)))
+            open_streams += 1
+        while open_streams:
+            i, ev = await queue.get()
+            if ev is None:
+                open_streams -= 1
+                continue
+            yield i, ev
+            if ev["type"] == "error":
+                return
     finally:
-        await events.aclose()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close(streams)
 
 
 def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app over `engine` (see the module doc); wrapped in BodyLimitAndAuth."""
     app = FastAPI(title="raychat", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimitAndAuth, max_body_bytes=max_body_bytes, api_key=api_key)
+    app.openapi = lambda: _openapi(app)
     cache: dict = {}
 
     async def info() -> dict:
@@ -157,6 +256,15 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
         return JSONResponse(
             error_body(str(exc.detail), param), status_code=exc.status_code, headers=exc.headers
         )
+
+    @app.exception_handler(ParamError)
+    async def _param_error(_request: Request, exc: ParamError):
+        return _error_response({"status": 400, "message": str(exc), "param": exc.param})
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception):
+        """Anything else (an engine client raising before a response started, a bug): 500 or 503."""
+        return _error_response(_exception_event(exc))
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
@@ -178,28 +286,38 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
         card.update({k: meta.get(k) for k in ("template_version", "tokenizer_version", "max_seq_len")})
         return {"object": "list", "data": [card]}
 
-    @app.post("/chat/completions")
+    @app.post("/chat/completions", responses={200: {"content": SSE_SCHEMA}, **ERRORS})
     async def chat(body: ChatRequest):
-        events, first = await _start(engine, body)
-        if first["type"] == "error":
-            await events.aclose()
-            return _error_response(first)
+        streams, firsts = await _open(engine, engine_requests(body))
+        if firsts[0]["type"] == "error":
+            return _error_response(firsts[0])
 
         async def frames():
-            async for ev in _chain(first, events):
-                if ev["type"] == "delta":
+            async for i, ev in _events(streams, firsts):
+                kind = ev["type"]
+                if kind == "delta":
                     if ev["text"]:
-                        yield sse_event({"type": "delta", "text": ev["text"]})
-                elif ev["type"] == "done":
+                        yield sse_event({"type": "delta", "index": i, "text": ev["text"]})
+                elif kind == "tool_call":
+                    call = {"id": ev["id"], "name": "calculator", "expression": ev["expression"]}
+                    yield sse_event({"type": "tool_call", "index": i, **call})
+                elif kind == "tool_result":
                     yield sse_event(
-                        {"type": "done", "finish_reason": ev["finish_reason"], "usage": ev["usage"]}
+                        {"type": "tool_result", "index": i, "id": ev["id"], "output": ev["output"]}
                     )
+                elif kind == "done":
+                    done = {"finish_reason": ev["finish_reason"], "usage": ev["usage"]}
+                    yield sse_event({"type": "done", "index": i, **done})
                 else:
                     yield sse_event({"type": "error", "message": ev["message"]})
 
         return StreamingResponse(frames(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={200: {"model": ChatCompletion, "content": SSE_SCHEMA}, **ERRORS},
+    )
     async def openai_chat(body: ChatRequest):
         meta = await info()
         if body.model is not None and body.model != meta["model_id"]:
@@ -208,50 +326,56 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
             )
             err["error"]["code"] = "model_not_found"
             return JSONResponse(err, status_code=404)
-        events, first = await _start(engine, body)
-        if first["type"] == "error":
-            await events.aclose()
-            return _error_response(first)
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams, firsts = await _open(engine, engine_requests(body))
+        if firsts[0]["type"] == "error":
+            return _error_response(firsts[0])
+        states = [ChoiceState(i, body.client_tools, bool(body.logprobs)) for i in range(len(streams))]
+        cid, model = completion_id(), meta["model_id"]
         if not body.stream:
-            text, done = [], None
-            async for ev in _chain(first, events):
-                if ev["type"] == "delta":
-                    text.append(ev["text"])
-                elif ev["type"] == "done":
-                    done = ev
-                else:
-                    return JSONResponse(error_body(ev["message"], None, "server_error"), status_code=500)
-            usage = {k: done["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-            return openai_completion(
-                completion_id, meta["model_id"], "".join(text), done["finish_reason"], usage
-            )
+            async for i, ev in _events(streams, firsts):
+                if ev["type"] == "error":
+                    return _error_response(ev)
+                states[i].add(ev)
+            return chat_completion(cid, model, states)
 
-        chunks = OpenAIChunks(completion_id, meta["model_id"])
+        chunks = Chunks(cid, model)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def frames():
-            yield sse_event(chunks.role())
-            async for ev in _chain(first, events):
-                if ev["type"] == "delta":
-                    if ev["text"]:
-                        yield sse_event(chunks.content(ev["text"]))
-                elif ev["type"] == "done":
-                    yield sse_event(chunks.finish(ev["finish_reason"]))
-                    if include_usage:
-                        u = ev["usage"]
-                        yield sse_event(
-                            chunks.usage(
-                                {k: u[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-                            )
-                        )
-                else:
-                    yield sse_event(error_body(ev["message"], None, "server_error"))
+            for i in range(len(states)):
+                yield sse_event(chunks.role(i))
+            failed = False
+            async for i, ev in _events(streams, firsts):
+                if ev["type"] == "error":
+                    failed = True
+                    yield _stream_error(ev)
+                    break
+                for delta, logprobs in states[i].add(ev):
+                    yield sse_event(chunks.delta(i, delta, logprobs))
+                if ev["type"] == "done":
+                    yield sse_event(chunks.finish(i, ev["finish_reason"]))
+            if include_usage and not failed:
+                yield sse_event(chunks.usage(total_usage(states)))
             yield sse_event("[DONE]")
 
         return StreamingResponse(frames(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema with its default 422 answers removed: invalid requests are 400 (ERRORS) here."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class LocalClient:

@@ -2,15 +2,23 @@
 stream event dicts, free the row when the consumer leaves. Plain Python (the Ray Serve deployment in
 raychat.serve.app wraps it), so tests can drive it in-process.
 
-Events yielded by `ChatServer.generate(request)` (request = ChatRequest.to_engine()):
-  {"type": "delta", "text": str, "tokens": int}                 text may be "" (a partial UTF-8 character);
-                                                                `tokens` completion tokens (stream_interval)
-  {"type": "done", "finish_reason": "stop"|"length", "usage": {prompt_tokens, completion_tokens,
-   total_tokens, ttft_s}}                                       last event of a success
+`ChatServer.generate(request)` takes the ingress' engine request:
+  {"messages": template messages (raychat.chat_template), "temperature", "top_k", "top_p", "max_tokens"
+   (None = until the row is full), "seed", "stop": [str], "logprobs": bool, "top_logprobs": int,
+   "client_tools": bool (stop right after a calculator call: the client runs it; docs/openai.md)}
+and yields (the completion read by raychat.chat.turn.TurnParser, so no control-token text is ever sent):
+  {"type": "delta", "text": str, "tokens": int, "logprobs": [dict] | None}
+                                 visible text (may be "": tokens that showed nothing yet, e.g. inside a call);
+                                 `tokens` completion tokens since the previous delta (stream_interval);
+                                 logprobs of its text tokens in OpenAI's shape when asked
+  {"type": "tool_call", "id": "call_...", "expression": str}      a closed calculator call
+  {"type": "tool_result", "id": "call_...", "output": str}        the calculator's output for that call
+  {"type": "done", "finish_reason": "stop"|"length"|"tool_calls", "usage": {prompt_tokens,
+   completion_tokens, total_tokens, ttft_s}}                      last event of a success
   {"type": "error", "status": 400|500|503, "message": str, "param": str|None}
-                                                                first and only event of a rejected request
-                                                                (400; 503 while the engine process is down),
-                                                                or last event of a failed one (500)
+                                 first and only event of a rejected request (400; 503 while the engine
+                                 process is down), or last event of a failed one (500; 503 when the engine
+                                 process died under it and is being replaced)
 In-flight accounting: `in_flight` counts generate() calls between entry and exit (success, rejection,
 error, cancellation alike); it returns to 0 when every consumer has finished or left.
 """
@@ -20,12 +28,15 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from raychat.chat_template import TEMPLATE_VERSION, render_for_completion
-from raychat.engine import ModelRunner, SamplingParams, Scheduler
+from raychat.chat.turn import TurnParser
+from raychat.chat_template import MARKERS, TEMPLATE_VERSION, render_for_completion
+from raychat.engine import ModelRunner, Scheduler
 from raychat.metrics import ServeMetrics
+from raychat.serve.engine_adapter import sampling_params, text_logprobs
 from raychat.serve.sse import usage_dict
 
 
@@ -150,68 +161,100 @@ class ChatServer:
         try:
             param = None
             try:
-                params = SamplingParams(
-                    max_tokens=request.get("max_tokens", 256),
-                    temperature=request.get("temperature", 1.0),
-                    top_k=request.get("top_k"),
-                    top_p=request.get("top_p"),
-                    seed=request.get("seed"),
-                    stop=tuple(request.get("stop") or ()),
-                )
+                params = sampling_params(request, self.scheduler.max_len)
                 param = "messages"  # from here on, errors are about the conversation or its length
                 prompt = render_for_completion(self.tokenizer, request["messages"])
                 stream = self.scheduler.submit(prompt, params, wake_every=self.stream_interval)
             except ValueError as e:
                 self.rejected += 1
-                yield {"type": "error", "status": 400, "message": str(e), "param": param}
+                yield {"type": "error", "status": 400, "message": str(e), "param": getattr(e, "param", param)}
                 return
-            except RuntimeError as e:  # the engine process is down (being replaced): retry later
+            except (RuntimeError, OSError) as e:  # the engine process is down (being replaced): retry later
                 self.rejected += 1
                 yield {"type": "error", "status": 503, "message": f"engine unavailable: {e}", "param": None}
                 return
             self._publish_gauges()
-            last = None
-            text, tokens, sent = [], 0, False  # buffered delta (see stream_interval)
-            async for ev in stream:
-                if ev.token_ids:
-                    self.metrics.add_tokens(len(ev.token_ids))
-                text.append(ev.text)
-                if ev.finished:  # flush what is buffered; a bare end token (no text) needs no delta
-                    flush = tokens > 0 or any(text)
-                else:
-                    flush = not sent or tokens + len(ev.token_ids) >= self.stream_interval
-                tokens += len(ev.token_ids)
-                if flush:
-                    now = time.perf_counter()
-                    if last is not None and tokens:  # per token: events arrive in bursts of stream_interval
-                        self.metrics.observe_inter_token((now - last) / tokens)
-                    last = now
-                    yield {"type": "delta", "text": "".join(text), "tokens": tokens}
-                    text, tokens, sent = [], 0, True
-                if ev.finished:
+            async for event in self._events(stream, request):
+                if event["type"] in ("done", "error"):
                     finished = True
-                    self._publish_gauges()
-                    u = ev.usage
-                    if u is not None and u.ttft_s is not None:
-                        self.metrics.observe_ttft(u.ttft_s)
-                    if ev.finish_reason in ("stop", "length"):
-                        self.completed += 1
-                        usage = usage_dict(u.prompt_tokens, u.completion_tokens, u.ttft_s)
-                        yield {"type": "done", "finish_reason": ev.finish_reason, "usage": usage}
-                    elif ev.finish_reason == "cancelled":
-                        self.cancelled += 1
-                    else:
-                        yield {
-                            "type": "error",
-                            "status": 500,
-                            "message": ev.error or "generation failed",
-                            "param": None,
-                        }
+                yield event
+            finished = True
         finally:
             if stream is not None and not finished:
-                stream.cancel()  # the consumer left (GeneratorExit / CancelledError): free the row
                 self.cancelled += 1
+                try:
+                    stream.cancel()  # the consumer left (GeneratorExit / CancelledError): free the row
+                except OSError:  # the engine process died under it: its rows are gone with it
+                    pass
             self.in_flight -= 1
+
+    async def _events(self, stream, request: dict) -> AsyncIterator[dict]:
+        """Engine StreamEvents -> the event dicts of the module doc (text buffered per stream_interval)."""
+        parser = TurnParser(self.tokenizer)
+        want_logprobs = bool(request.get("logprobs"))
+        python_end = self.tokenizer.special_id(MARKERS["python_end"])
+        last = None
+        text, logprobs, tokens, sent = [], [], 0, False  # buffered delta (see stream_interval)
+        call_id, last_token = None, None
+
+        def delta() -> dict:
+            nonlocal text, logprobs, tokens, sent, last
+            now = time.perf_counter()
+            if last is not None and tokens:  # per token: events arrive in bursts of stream_interval
+                self.metrics.observe_inter_token((now - last) / tokens)
+            last = now
+            out = {"type": "delta", "text": "".join(text), "tokens": tokens}
+            out["logprobs"] = logprobs if want_logprobs else None
+            text, logprobs, tokens, sent = [], [], 0, True
+            return out
+
+        async for ev in stream:
+            if ev.token_ids:
+                self.metrics.add_tokens(len(ev.token_ids))
+                last_token = ev.token_ids[-1]
+            parts, kinds = parser.push(ev.token_ids, ev.text)
+            if ev.finished:
+                parts += parser.finish()
+            if want_logprobs:
+                logprobs += text_logprobs(self.tokenizer, ev, kinds)
+            for kind, value in parts:
+                if kind == "text":
+                    text.append(value)
+                    continue
+                if text or tokens:
+                    yield delta()
+                if kind == "tool_call":
+                    call_id = f"call_{uuid.uuid4().hex[:24]}"
+                    yield {"type": "tool_call", "id": call_id, "expression": value}
+                else:
+                    yield {"type": "tool_result", "id": call_id, "output": value}
+            if ev.finished:  # flush what is buffered; a bare end token (no text) needs no delta
+                flush = tokens > 0 or any(text) or bool(logprobs)
+            else:
+                flush = not sent or tokens + len(ev.token_ids) >= self.stream_interval
+            tokens += len(ev.token_ids)
+            if flush:
+                yield delta()
+            if not ev.finished:
+                continue
+            self._publish_gauges()
+            u = ev.usage
+            if u is not None and u.ttft_s is not None:
+                self.metrics.observe_ttft(u.ttft_s)
+            if ev.finish_reason in ("stop", "length"):
+                self.completed += 1
+                reason = ev.finish_reason
+                if request.get("client_tools") and reason == "stop" and last_token == python_end:
+                    reason = "tool_calls"
+                usage = usage_dict(u.prompt_tokens, u.completion_tokens, u.ttft_s)
+                yield {"type": "done", "finish_reason": reason, "usage": usage}
+            elif ev.finish_reason == "cancelled":
+                self.cancelled += 1
+            else:
+                status = 500 if self.scheduler.running else 503  # 503: the engine process is being replaced
+                message = ev.error or "generation failed"
+                yield {"type": "error", "status": status, "message": message, "param": None}
+            return
 
     async def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until no request is in flight and every row is free (True), or timeout_s passes (False)."""

@@ -17,6 +17,18 @@ The config is Serve's config-file format (ServeDeploySchema) with one applicatio
                           dtype, tensor_parallel_size, gpu_memory_utilization
 The chat template is the Jinja template in the directory's tokenizer_config.json, and generation stops at
 the generation_config.json eos ids (<|assistant_end|>, <|bos|>), which vLLM reads by default.
+
+Differences from `raychat serve` (raychat.serve.app), by design of this path:
+  - Marker text inside content (e.g. a user typing "<|assistant_end|>") is plain text here too: the exported
+    template escapes it and the exported tokenizer's normalizer restores it after special tokens are
+    matched (raychat.export.hf.MARKER_ESCAPE), so vLLM sees raychat's token ids (tested with transformers'
+    apply_chat_template on the exported tokenizer: tests/test_serve_vllm.py).
+  - The calculator is NOT available: vLLM does not run raychat's engine, so nothing executes a
+    <|python_start|> ... <|python_end|> call or injects its result; a model trained to call the calculator
+    gets no result and continues on its own, and vLLM returns the call as plain text in `content` (its
+    tokens are specials, which vLLM drops with skip_special_tokens, leaving the bare expression). Serve
+    such models with `raychat serve`, which runs the calculator and returns structured tool calls
+    (docs/openai.md); OpenAI tool_calls sent back in a history are not rendered by the exported template.
 """
 
 from __future__ import annotations

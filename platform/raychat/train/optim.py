@@ -1,6 +1,7 @@
 """Optimizers and the learning-rate schedule.
 
-Muon (torch.optim.Muon: momentum + Newton-Schulz orthogonalization, Jordan et al. 2024) updates the hidden
+Muon (raychat.train.muon: torch.optim.Muon's update, momentum + Newton-Schulz orthogonalization, Jordan et
+al. 2024, in the dtype the device computes fast and sharded over data-parallel ranks) updates the hidden
 weight matrices; AdamW updates the embedding, the LM head and the norm weights. AdamW learning rates are
 scaled by (width / 768) ** -0.5 as in nanochat, so the defaults transfer across depths.
 """
@@ -10,11 +11,12 @@ from __future__ import annotations
 import torch
 
 from raychat.model import GPT
+from raychat.train.muon import Muon, NSDtypeChoice, choose_ns_dtype
 
 
-def build_optimizers(model: GPT, cfg) -> list[torch.optim.Optimizer]:
-    """[Muon(hidden matrices), AdamW(embedding, lm_head, norms)]; each group records its peak lr as 'initial_lr'."""
-    scale = (model.config.n_embd / 768) ** -0.5
+def split_parameters(model: GPT) -> tuple[list, list, list, list]:
+    """(hidden matrices, embedding, lm_head, the rest): Muon takes every 2-D weight except the embedding and
+    the LM head; AdamW the other three."""
     matrices, embedding, head, scalars = [], [], [], []
     for name, p in model.named_parameters():
         if name == "model.embed_tokens.weight":
@@ -25,7 +27,39 @@ def build_optimizers(model: GPT, cfg) -> list[torch.optim.Optimizer]:
             matrices.append(p)
         else:
             scalars.append(p)
-    muon = torch.optim.Muon(matrices, lr=cfg.matrix_lr, momentum=0.95, weight_decay=cfg.weight_decay)
+    return matrices, embedding, head, scalars
+
+
+def muon_ns_choice(model: GPT, ns_dtype: str = "auto") -> NSDtypeChoice:
+    """The Newton-Schulz dtype build_optimizers uses for `model` on its device (choose_ns_dtype), with the
+    reason; `.describe()` is a line for the printed plan.
+
+    Raises:
+        ValueError: ns_dtype not in "auto", "float32", "bfloat16".
+    """
+    return choose_ns_dtype(ns_dtype, split_parameters(model)[0][0].device)
+
+
+def build_optimizers(model: GPT, cfg, *, ns_dtype: str = "auto") -> list[torch.optim.Optimizer]:
+    """[Muon(hidden matrices), AdamW(embedding, lm_head, norms)]; each group records its peak lr as 'initial_lr'.
+
+    cfg supplies matrix_lr, embedding_lr, unembedding_lr, scalar_lr and weight_decay; ns_dtype ("auto",
+    "float32", "bfloat16") is Muon's Newton-Schulz dtype (muon_ns_choice). Muon shards its
+    orthogonalization over the ranks whenever a torch.distributed group is initialized at step time, which
+    needs the gradients to be the same on every rank (DDP, or the RL learner's all-reduce).
+
+    Raises:
+        ValueError: ns_dtype not in "auto", "float32", "bfloat16".
+    """
+    scale = (model.config.n_embd / 768) ** -0.5
+    matrices, embedding, head, scalars = split_parameters(model)
+    muon = Muon(
+        matrices,
+        lr=cfg.matrix_lr,
+        momentum=0.95,
+        weight_decay=cfg.weight_decay,
+        ns_dtype=muon_ns_choice(model, ns_dtype).dtype,
+    )
     adamw = torch.optim.AdamW(
         [
             {"params": embedding, "lr": cfg.embedding_lr * scale},

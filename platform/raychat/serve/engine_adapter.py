@@ -1,0 +1,67 @@
+"""What the serving layer needs from raychat.engine, in one place: SamplingParams from an engine request,
+and per-token logprobs from StreamEvents in OpenAI's shape.
+
+The engine's logprobs contract as used here:
+  SamplingParams(..., logprobs: bool, top_logprobs: int)   top_logprobs 0..20 alternatives per token
+  StreamEvent.logprobs: list | None    one entry per token of event.token_ids (None for a token without
+                                       one, e.g. a forced tool-output token), each with
+                                       .logprob: float (ln p of the token under the model's distribution)
+                                       .top_logprobs: list of (token_id, logprob), most likely first
+"""
+
+from __future__ import annotations
+
+import math
+
+from raychat.chat.turn import TEXT
+from raychat.chat_template import MARKERS
+from raychat.engine import SamplingParams
+
+# OpenAI's stand-in for a logprob that is -inf (a token the filters excluded): JSON has no infinity
+MIN_LOGPROB = -9999.0
+
+
+def sampling_params(request: dict, max_len: int) -> SamplingParams:
+    """SamplingParams of an engine request (ChatServer's `request` dict; max_tokens None = the row's
+    max_len). A request with client_tools stops right after a call's <|python_end|> (docs/openai.md).
+
+    Raises:
+        ValueError: SamplingParams' own checks.
+    """
+    stop = tuple(request.get("stop") or ())
+    if request.get("client_tools"):
+        stop += (MARKERS["python_end"],)
+    kwargs = {
+        "max_tokens": request.get("max_tokens") or max_len,
+        "temperature": 1.0 if request.get("temperature") is None else request["temperature"],
+        "top_k": request.get("top_k") or None,
+        "top_p": request.get("top_p"),
+        "seed": request.get("seed"),
+        "stop": stop,
+    }
+    if request.get("logprobs"):
+        kwargs.update(logprobs=True, top_logprobs=request.get("top_logprobs") or 0)
+    return SamplingParams(**kwargs)
+
+
+def _finite(logprob: float) -> float:
+    return float(logprob) if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def _token(tokenizer, token_id: int, logprob: float) -> dict:
+    data = b"".join(tokenizer.iter_tokens([token_id]))
+    return {"token": data.decode("utf-8", errors="replace"), "bytes": list(data), "logprob": _finite(logprob)}
+
+
+def text_logprobs(tokenizer, event, kinds: list[str]) -> list[dict]:
+    """OpenAI ChatCompletionTokenLogprob dicts for the text tokens of `event` (kinds from TurnParser.push):
+    {"token", "bytes", "logprob", "top_logprobs": [{"token", "bytes", "logprob"}, ...]}."""
+    entries = getattr(event, "logprobs", None) or ()
+    out = []
+    for token_id, kind, entry in zip(event.token_ids, kinds, entries):
+        if kind != TEXT or entry is None:
+            continue
+        item = _token(tokenizer, token_id, entry.logprob)
+        item["top_logprobs"] = [_token(tokenizer, t, lp) for t, lp in entry.top_logprobs]
+        out.append(item)
+    return out

@@ -1,0 +1,106 @@
+"""Per-request fault isolation: a request whose computation fails (non-finite logits, an out-of-memory in
+its prefill, a temperature that overflows logits / temperature) ends alone; the other requests produce
+exactly what they produce alone; the engine (and an EngineProcess' child) keeps running."""
+
+from __future__ import annotations
+
+import pytest
+from engine_fixtures import PoisonModel, byte_tokenizer, tiny_gpt
+from serve_helpers import write_tiny_checkpoint
+
+from raychat.checkpoint import load_model
+from raychat.engine import ModelRunner, SamplingParams, Scheduler
+from raychat.engine.process import EngineProcess
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+def run(sched, requests):
+    """Submit every (prompt, params) at once, step to the end; [(completion tokens, text, final event)]."""
+    streams = [sched.submit(p, params) for p, params in requests]
+    while sched.num_active or sched.num_pending:
+        sched.step()
+    out = []
+    for s in streams:
+        events = list(s)
+        tokens = [t for e in events for t in e.token_ids]
+        out.append((tokens, "".join(e.text for e in events), events[-1]))
+    return out
+
+
+def alone(engine, prompt, params):
+    (res,) = run(Scheduler(engine, max_slots=1, max_len=64), [(prompt, params)])
+    return res
+
+
+def test_denormal_temperature_is_greedy_and_its_neighbour_is_unchanged(tok):
+    engine = ModelRunner(tiny_gpt(tok), tok)
+    normal = ([tok.bos_id, *tok.encode("a normal request")], SamplingParams(max_tokens=20, seed=7))
+    tiny = ([tok.bos_id, *tok.encode("tiny")], SamplingParams(max_tokens=20, temperature=5e-324))
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    got_normal, got_tiny = run(Scheduler(engine, max_slots=2, max_len=64), [normal, tiny])
+    assert got_normal[:2] == alone(engine, *normal)[:2] and got_normal[2].finish_reason == "length"
+    # 5e-324 < TEMPERATURE_EPS: greedy (before, logits / 5e-324 overflowed to inf and multinomial raised)
+    assert got_tiny[:2] == alone(engine, tiny[0], greedy)[:2] and got_tiny[2].error is None
+
+
+def test_nan_logits_end_only_that_request(tok):
+    a, poison = ord("a"), ord("~")
+    engine = ModelRunner(PoisonModel(tok.vocab_size, a, poison, "nan"), tok)
+    params = SamplingParams(max_tokens=6, seed=1)
+    requests = [([tok.bos_id, ord("x")], params), ([tok.bos_id, poison], params), ([tok.bos_id], params)]
+    first, bad, last = run(Scheduler(engine, max_slots=3, max_len=64), requests)
+    assert bad[0] == [] and bad[2].finish_reason == "error"
+    assert bad[2].error == "RuntimeError: non-finite logits (NaN, +inf, or no finite value) from the model"
+    assert first[0] == last[0] == [a] * 6 and first[2].finish_reason == "length"
+    assert first[:2] == alone(engine, *requests[0])[:2]
+
+
+def test_out_of_memory_in_one_prefill_ends_only_that_request(tok):
+    a, poison = ord("a"), ord("~")
+    model = PoisonModel(tok.vocab_size, a, poison, "oom")
+    engine = ModelRunner(model, tok)
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    requests = [
+        ([tok.bos_id, ord("x"), ord("y")], params),
+        ([tok.bos_id, poison], params),
+        ([tok.bos_id], params),
+    ]
+    sched = Scheduler(engine, max_slots=3, max_len=64)
+    first, bad, last = run(sched, requests)
+    assert bad[2].finish_reason == "error" and bad[2].usage.completion_tokens == 0
+    assert bad[2].error.startswith("OutOfMemoryError: CUDA out of memory") and "simulated" in bad[2].error
+    assert first[0] == last[0] == [a] * 5
+    # the batched prefill of all three raised; each was retried alone; then decodes of the two survivors
+    assert model.calls[:4] == [(3, 3), (1, 3), (1, 2), (1, 1)]
+    assert sched.num_active == 0 and sched.cache.lengths.tolist() == [0, 0, 0]
+
+
+def test_engine_process_survives_hostile_temperatures_and_cancel_is_true_once(tmp_path):
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt")
+    _, tokenizer, _ = load_model(checkpoint)
+    prompt = [tokenizer.bos_id, *tokenizer.encode("json")]
+    normal = SamplingParams(max_tokens=12, temperature=0.8, seed=5)
+    proc = EngineProcess(checkpoint, max_slots=2, max_len=64)
+    try:
+        pid = proc._proc.pid
+        expected = [(e.text, e.token_ids) for e in proc.submit(prompt, normal)]
+        hostile = [
+            proc.submit(prompt, SamplingParams(max_tokens=12, temperature=t)) for t in (5e-324, 1e-300)
+        ]
+        beside = proc.submit(prompt, normal)
+        assert [(e.text, e.token_ids) for e in beside] == expected
+        for stream in hostile:
+            assert list(stream)[-1].finish_reason == "length"
+        long = proc.submit(prompt, SamplingParams(max_tokens=50, temperature=1.0, seed=1))
+        next(iter(long))
+        assert proc.cancel(long.request_id) is True
+        assert proc.cancel(long.request_id) is False  # already cancelled
+        assert list(long)[-1].finish_reason == "cancelled"
+        assert proc.cancel(long.request_id) is False  # finished
+        assert proc._proc.pid == pid and proc.restarts == 0 and proc.running
+    finally:
+        proc.stop()
