@@ -200,7 +200,9 @@ def test_openai_client_with_and_without_streaming(served, solo):
 
 def test_autoscaling_up_under_load_and_down_after(served):
     assert running_replicas() >= 1
-    stop_at = time.time() + 120  # a generous bound: a replica starts in ~10 s alone, far slower on a busy machine
+    stop_at = (
+        time.time() + 120
+    )  # a generous bound: a replica starts in ~10 s alone, far slower on a busy machine
     scaled_up = False
 
     def load(i: int) -> int:

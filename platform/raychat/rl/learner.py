@@ -58,7 +58,9 @@ class Learner:
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, torch.device(device)
         model, self.tokenizer, _ = load_model(checkpoint, device=device)
         self.model = model.train()
-        self.optimizers = build_optimizers(self.model, cfg.optim)
+        # one learner has nothing to shard Muon over; its torch.distributed group, if any, is the gloo
+        # weight-broadcast group with the rollout actors (raychat.rl.weights), which must not carry it
+        self.optimizers = build_optimizers(self.model, cfg.optim, shard=world_size > 1)
         self.checkpointer = Checkpointer("rl", to_dict(cfg), self.tokenizer)
         self.ddp: DistributedDataParallel | None = None
         self.version = 0

@@ -40,13 +40,17 @@ def muon_ns_choice(model: GPT, ns_dtype: str = "auto") -> NSDtypeChoice:
     return choose_ns_dtype(ns_dtype, split_parameters(model)[0][0].device)
 
 
-def build_optimizers(model: GPT, cfg, *, ns_dtype: str = "auto") -> list[torch.optim.Optimizer]:
+def build_optimizers(
+    model: GPT, cfg, *, ns_dtype: str = "auto", shard: bool = True
+) -> list[torch.optim.Optimizer]:
     """[Muon(hidden matrices), AdamW(embedding, lm_head, norms)]; each group records its peak lr as 'initial_lr'.
 
     cfg supplies matrix_lr, embedding_lr, unembedding_lr, scalar_lr and weight_decay; ns_dtype ("auto",
     "float32", "bfloat16") is Muon's Newton-Schulz dtype (muon_ns_choice). Muon shards its
     orthogonalization over the ranks whenever a torch.distributed group is initialized at step time, which
-    needs the gradients to be the same on every rank (DDP, or the RL learner's all-reduce).
+    needs the gradients to be the same on every rank (DDP, or the RL learner's all-reduce); shard=False
+    never shards (a process whose torch.distributed group is not its data-parallel group: a single RL
+    learner in a gloo weight-broadcast group).
 
     Raises:
         ValueError: ns_dtype not in "auto", "float32", "bfloat16".
@@ -59,6 +63,7 @@ def build_optimizers(model: GPT, cfg, *, ns_dtype: str = "auto") -> list[torch.o
         momentum=0.95,
         weight_decay=cfg.weight_decay,
         ns_dtype=muon_ns_choice(model, ns_dtype).dtype,
+        shard=shard,
     )
     adamw = torch.optim.AdamW(
         [
