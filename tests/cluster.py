@@ -271,7 +271,11 @@ class LocalCluster:
         custom resources (so each worker needs a resource of its own), other than `not_id`."""
         deadline = time.monotonic() + timeout_s
         while True:
-            for n in self.list_nodes():
+            try:
+                nodes = self.list_nodes()
+            except OSError:  # the dashboard of a loaded machine drops a request now and then: ask again
+                nodes = []
+            for n in nodes:
                 if n["state"] != "ALIVE" or n["node_id"] == not_id:
                     continue
                 if (

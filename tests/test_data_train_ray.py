@@ -15,7 +15,6 @@ from raychat.data.inspect_batch import inspect_step
 from raychat.data.replay import read_step
 from raychat.data.shards import list_shards, write_manifest, write_shards
 from raychat.tokenizer import Tokenizer
-from raychat.train import checkpointer
 from raychat.train.pretrain import pretrain
 
 pytestmark = [pytest.mark.ray]
@@ -104,11 +103,6 @@ def documents(run_dir, steps):
     return sorted(g for s in steps for r in read_step(str(run_dir), s)[0] for g in r["doc"])
 
 
-@pytest.mark.skipif(
-    not hasattr(checkpointer, "restore_rows"),
-    reason="resuming on another world size needs the checkpointer that hands every old rank's data state to "
-    "load_state_dicts (issue 16 deliverable 3, branch h16-runtime)",
-)
 @pytest.mark.parametrize("new_world", [1, 3])
 def test_resume_on_another_world_takes_the_same_global_prefix_and_replays(
     ray_cluster, uniform, tmp_path, new_world

@@ -27,6 +27,10 @@ def test_yaml_round_trip(tmp_path):
         ({"samples_per_prompt": 0}, "--samples-per-prompt must be >= 1"),
         ({"temperature": 0.0}, "--temperature must be > 0"),
         ({"constant_length": 0}, "--constant-length"),
+        (
+            {"weight_sync": "collective", "learner_workers": 2},
+            r"--weight-sync collective on CPU \(gloo\) needs --learner-workers 1, got 2",
+        ),
     ],
 )
 def test_validation_names_the_flag(kw, match):

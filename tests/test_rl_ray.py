@@ -1,4 +1,5 @@
-"""RL on a local Ray cluster: weight sync (same hash and version everywhere), a killed rollout actor, resume."""
+"""RL on a local Ray cluster: weight sync (same hash and version everywhere), a killed rollout actor (during a
+rollout, and between a weight sync and its next rollout, on both sync paths), resume."""
 
 import json
 import os
@@ -7,11 +8,15 @@ import time
 
 import pytest
 import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
 from rl_fixtures import rl_config, tiny_checkpoint, tiny_config
 
 from raychat.rl.learner import LearnerActor
 from raychat.rl.loop import RLRun, rl_tasks
 from raychat.rl.rollout import RolloutActor
+from raychat.rl.scheduler import RolloutScheduler
+from raychat.rl.sync import WeightSync
+from raychat.rl.topology import Topology
 from raychat.rl.weights import create_collective_group, sync_object_store
 
 pytestmark = pytest.mark.ray
@@ -87,6 +92,73 @@ def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, t
     assert resumed["start_step"] == 3 and resumed["version"] == 4
     lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3, 4]
+
+
+def restart(actor, timeout_s: float = 120) -> tuple[dict, dict]:
+    """SIGKILL a rollout actor's process and wait until Ray has restarted it; (info before, info after)."""
+    before = ray.get(actor.info.remote())
+    os.kill(before["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            after = ray.get(actor.info.remote(), timeout=10)
+            if after["pid"] != before["pid"]:
+                return before, after
+        except (ActorUnavailableError, RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"rollout actor {before['worker']} did not restart within {timeout_s} s")
+
+
+@pytest.mark.parametrize("weight_sync", ["object_store", "collective"])
+def test_an_actor_restarted_after_a_sync_is_resynced_before_it_generates(
+    ray_cluster, checkpoint, tmp_path, weight_sync
+):
+    """Rollout actor 0 acks version 2, then dies and restarts (holding the checkpoint's weights, version 0)
+    before step 3's rollouts are issued. Without the version check its samples would be trained at
+    staleness 2; with it the actor generates nothing, is re-synced (collective: the gloo group is rebuilt)
+    and the prompts are issued again: every sample trained is on-policy."""
+    cfg = tiny_config(checkpoint, str(tmp_path), steps=3, weight_sync=weight_sync, checkpoint_every=100)
+    run = RLRun(cfg, log=print)
+    submit, seen = run.scheduler.submit, {}
+
+    def kill_then_submit(step):
+        if step == 2:
+            seen["before"], seen["after"] = restart(run.topology.rollouts[0])
+        return submit(step)
+
+    run.scheduler.submit = kill_then_submit
+    summary = run.run()
+    assert (seen["before"]["version"], seen["after"]["version"]) == (2, 0)  # synced, then restarted
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["staleness_max"] for x in lines] == [0, 0, 0]  # no sample of older weights trained
+    assert lines[2]["num_samples"] == 4 * 2 and lines[2]["prompts"] == sorted(run.scheduler.prompts_for(2))
+    # one chunk refused (nothing generated, nothing to drop), then re-issued after the re-sync
+    assert (summary["stale_chunks"], summary["dropped_samples"], summary["version"]) == (1, 0, 3)
+    assert [x["stale_chunks"] for x in lines] == [0, 0, 1]
+
+
+def test_samples_older_than_the_bound_are_dropped_and_their_prompts_reissued(ray_cluster, checkpoint):
+    """A chunk result carrying samples of version 1 where step 3 (sync mode) needs version 3: collect drops
+    both samples, re-syncs actor 0 to version 3 and issues the prompts again (2 prompts x G = 2)."""
+    cfg = tiny_config(checkpoint, "unused", steps=4)
+    topology = Topology(cfg, rl_tasks(cfg))
+    topology.start()
+    try:
+        sync = WeightSync(topology, "object_store", log=print)
+        scheduler = RolloutScheduler(cfg, topology, sync, len(rl_tasks(cfg)["train"]), log=print)
+        scheduler.version = 3
+        sync.publish(3)
+        old = [{"version": 1, "prompt_index": i, "sample_index": 0} for i in (7, 9)]
+        stale = {"samples": old, "seconds": 0.0, "completion_tokens": 0, "worker": 0, "version": 1}
+        chunk = {"worker": 0, "indices": [7, 9], "seed": 11, "min_version": 3, "ref": ray.put(stale)}
+        (result,) = scheduler.collect([chunk])
+    finally:
+        topology.stop()
+    assert (scheduler.stale_chunks, scheduler.dropped_samples) == (1, 2)
+    assert result["version"] == 3 and [(s["prompt_index"], s["version"]) for s in result["samples"]] == [
+        (7, 3), (7, 3), (9, 3), (9, 3)
+    ]  # fmt: skip
 
 
 def test_collective_broadcast_path_with_gloo(ray_cluster, checkpoint):

@@ -36,6 +36,7 @@ from stage_chain import RAYCHAT, REPO, run_chain, submit
 
 from raychat.ops import k8s
 from raychat.storage import checkpoint_meta, find_checkpoint, open_storage
+from raychat.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.ray
 RANK_LINE = re.compile(r"rank (\d+)/(\d+) on node ([0-9a-f]+)")
@@ -97,7 +98,7 @@ def test_every_stage_succeeds_as_a_ray_job_chained_through_storage(chain):
     root = chain.root
     manifest = json.loads((root / "data" / "manifest.json").read_text())
     assert [s["split"] for s in manifest["shards"]] == ["train", "train", "val"]  # tiny: 2 train shards
-    assert json.loads((root / "tokenizer" / "tokenizer.json").read_text())["vocab_size"] == 512
+    assert Tokenizer.load(root / "tokenizer").vocab_size == 512  # BPE + specials
 
     pretrain = find_checkpoint("pretrain", str(root))
     sft = find_checkpoint("sft", str(root))

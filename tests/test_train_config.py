@@ -6,7 +6,7 @@ from torch import nn
 
 from raychat.config import TrainConfig, add_flags, from_dict, preset_values
 from raychat.loss import cross_entropy_sum, normalize
-from raychat.train.launch import config_from
+from raychat.train.launch import config_from, elastic_grad_accum, scaling_config
 from raychat.train.optim import lr_multiplier
 from raychat.train.plan import make_plan, power_law_batch_size, print_plan, round_to_micro_steps
 
@@ -165,3 +165,26 @@ def test_fp8_filter_and_eval_swap_share_weights():
         assert net.big.weight is weight  # shared, not copied
         torch.testing.assert_close(net.big(x), x @ weight.T)
     assert isinstance(net.big, Float8Linear) and net.big.weight is weight
+
+
+def test_elastic_flag_scaling_config_and_batch_on_every_world_size():
+    cfg = lambda **kw: from_dict(TrainConfig, dict(device_batch_size=2, seq_len=32, **kw))  # noqa: E731
+    assert scaling_config(cfg(num_workers=2, min_workers=1)).num_workers == (1, 2)
+    assert scaling_config(cfg(num_workers=2)).num_workers == 2  # min 0: fixed
+    assert scaling_config(cfg(num_workers=2, min_workers=2)).num_workers == 2
+    # 384 tokens = 2 rows x 32 tokens x {1 worker x 6, 2 workers x 3, 3 workers x 2} micro-batches
+    assert elastic_grad_accum(cfg(num_workers=3, min_workers=1), 384) == {1: 6, 2: 3, 3: 2}
+    assert elastic_grad_accum(cfg(num_workers=2), 384) == {2: 3}
+    with pytest.raises(ValueError, match=r"--total-batch-size 256 .* = 2 x 32 x 3 = 192"):
+        elastic_grad_accum(cfg(num_workers=3, min_workers=1), 256)
+    with pytest.raises(ValueError, match="--min-workers 3 is more than --num-workers 2"):
+        cfg(num_workers=2, min_workers=3)
+
+
+def test_automatic_batch_of_an_elastic_run_divides_on_every_world_size():
+    # as above, 2^16 = 65,536 tokens; on 2 or 3 workers: a multiple of 8 x 256 x lcm(2, 3) = 12,288 -> 5 x = 61,440
+    values = dict(depth=4, seq_len=256, device_batch_size=8, num_workers=3, min_workers=2)
+    cfg = from_dict(TrainConfig, {**values, "target_param_data_ratio": 20})
+    p = make_plan(cfg, vocab_size=4096)
+    assert (p.auto_batch_size, p.total_batch_size) == (65536, 61440)
+    assert elastic_grad_accum(cfg, p.total_batch_size) == {2: 15, 3: 10}

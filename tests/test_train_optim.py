@@ -1,10 +1,11 @@
 """build_optimizers: which parameters Muon and AdamW get, the Newton-Schulz dtype choice, and exact resume
-through the trainer's checkpoint functions (raychat.checkpoint.save_rank_state / load_rank_state)."""
+through the trainer's checkpoint functions (raychat.checkpoint: save_optimizers / save_rank_state and
+load_optimizers / load_rng / load_rank_states)."""
 
 import pytest
 import torch
 
-from raychat.checkpoint import load_rank_state, save_rank_state
+from raychat.checkpoint import load_optimizers, load_rank_states, load_rng, save_optimizers, save_rank_state
 from raychat.config import ConfigError, TrainConfig, from_dict
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.masks import make_batch
@@ -83,18 +84,20 @@ def test_ns_dtype_setting():
 
 @pytest.mark.parametrize("ns_dtype", ["float32", "bfloat16"])
 def test_resume_from_checkpoint_gives_bit_identical_steps(tmp_path, ns_dtype):
-    """Train 2 steps, checkpoint (weights + save_rank_state), resume into a fresh model: the next 3 steps
+    """Train 2 steps, checkpoint (weights + optimizer file + rank state), resume into a fresh model: the next 3 steps
     match an uninterrupted run bit for bit (Muon momentum, AdamW moments and step, lr schedule)."""
     model = _model()
     optimizers = build_optimizers(model, _cfg(ns_dtype))
     _train(model, optimizers, range(2))
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    save_rank_state(tmp_path, 0, optimizers, {"step": 2})
+    save_optimizers(tmp_path, optimizers)
+    save_rank_state(tmp_path, 0, {"step": 2})
 
     resumed = _model(seed=1)
     resumed.load_state_dict(weights)
     resumed_opts = build_optimizers(resumed, _cfg(ns_dtype))
-    assert load_rank_state(tmp_path, 0, resumed_opts) == {"step": 2}
+    load_optimizers(tmp_path, resumed_opts)
+    assert load_rng(tmp_path, 0) and load_rank_states(tmp_path) == [{"step": 2}]
     cold = _model(seed=1)  # same weights, fresh optimizer state: must differ (the test can fail)
     cold.load_state_dict(weights)
     cold_opts = build_optimizers(cold, _cfg(ns_dtype))

@@ -1,4 +1,5 @@
-"""Ray tier: the training loop on Ray Train (gloo DDP on CPU): exact resume, fault tolerance, NaN stop."""
+"""Ray tier: the training loop on Ray Train (gloo DDP on CPU): exact resume, fault tolerance, the stop on a
+non-finite loss or gradient norm, one optimizer file per checkpoint."""
 
 import json
 import os
@@ -7,9 +8,15 @@ import sys
 
 import pytest
 import ray
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
 
+from raychat.checkpoint import latest_checkpoint, load_tree, read_meta
 from raychat.config import TrainConfig, from_dict
+from raychat.rl.weights import weights_hash
 from raychat.train.pretrain import pretrain
+from raychat.train.step import NonFiniteError
 from raychat.train.trainer import Callback
 
 pytestmark = [pytest.mark.ray]
@@ -75,7 +82,7 @@ def losses(storage, name="t"):
 
 def final_state(result, rank):
     with result.checkpoint.as_directory() as d:
-        return json.loads(open(f"{d}/state_rank{rank}.json").read())
+        return load_tree(f"{d}/state_rank{rank}.npz")
 
 
 class FailOnce(Callback):
@@ -95,23 +102,117 @@ class FailOnce(Callback):
             os._exit(1)
 
 
+class Poison(Callback):
+    """Fault injection at 0-based step `at` on the last rank: NaN logits (what="loss") or an inf factor on the
+    lm_head gradient (what="grad norm": the loss stays finite). DDP's all-reduces carry either to every
+    rank. Rank 0 appends a line to `attempts` whenever the loop (re)starts, so a retry would show."""
+
+    def __init__(self, at: int, what: str, attempts: str):
+        self.at, self.what, self.attempts = at, what, attempts
+
+    def on_step_begin(self, trainer, step):
+        if step == trainer.start_step and trainer.rank == 0:
+            with open(self.attempts, "a") as f:
+                f.write(f"{step}\n")
+        if step != self.at or trainer.rank != trainer.world - 1:
+            return
+        if self.what == "loss":
+            trainer.model.register_forward_hook(lambda module, args, logits: logits * float("nan"))
+        else:
+            trainer.model.lm_head.weight.register_hook(lambda grad: grad * float("inf"))
+
+
+class OptimizerHashes(Callback):
+    """At the end, every rank's hash of its optimizer state (all-gathered), written by rank 0 to `path`."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_end(self, trainer):
+        mine = weights_hash(
+            {f"{i}.{k}": v for i, o in enumerate(trainer.optimizers) for k, v in flat_state(o).items()}
+        )
+        hashes = [None] * trainer.world
+        dist.all_gather_object(hashes, mine)
+        if trainer.rank == 0:
+            with open(self.path, "w") as f:
+                json.dump(hashes, f)
+
+
+def flat_state(opt) -> dict[str, torch.Tensor]:
+    return {
+        f"{p}.{k}": torch.as_tensor(v).reshape(-1)
+        for p, st in opt.state_dict()["state"].items()
+        for k, v in st.items()
+    }
+
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
 
 
-def test_exact_resume_matches_a_straight_run(ray_cluster, data, tmp_path):
-    straight = pretrain(tiny_config(data, tmp_path / "a"))
-    assert straight.metrics["step"] == 6
-    assert straight.metrics["val_bpb"] > 0
+@pytest.fixture(scope="module")
+def straight(ray_cluster, data, tmp_path_factory):
+    """6 steps straight on 2 workers: (its storage dir, its result); rank 0 records both ranks' optimizer
+    hashes in optim_hashes.json."""
+    storage = tmp_path_factory.mktemp("straight")
+    result = pretrain(
+        tiny_config(data, storage), callbacks=[OptimizerHashes(str(storage / "optim_hashes.json"))]
+    )
+    return storage, result
+
+
+def test_exact_resume_matches_a_straight_run(data, straight, tmp_path):
+    storage, result = straight
+    assert result.metrics["step"] == 6
+    assert result.metrics["val_bpb"] > 0
 
     stopped = pretrain(tiny_config(data, tmp_path / "b", stop_after=3))
     assert stopped.metrics["step"] == 3
     resumed = pretrain(tiny_config(data, tmp_path / "b"))
-    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    a, b = losses(storage), losses(tmp_path / "b")
     assert sorted(b) == [1, 2, 3, 4, 5, 6]
     assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # bitwise equal on CPU
     for rank in (0, 1):  # same documents consumed, same packer buffer
-        assert final_state(straight, rank) == final_state(resumed, rank)
-    assert straight.metrics["val_bpb"] == resumed.metrics["val_bpb"]
+        assert json.dumps(final_state(result, rank), sort_keys=True) == json.dumps(
+            final_state(resumed, rank), sort_keys=True
+        )
+    assert result.metrics["val_bpb"] == resumed.metrics["val_bpb"]
+
+
+def test_a_checkpoint_holds_one_optimizer_state_for_both_ranks(straight):
+    """The optimizer state is the same on both DDP ranks (so writing it once loses nothing), and a 2-worker
+    checkpoint holds it once."""
+    storage, result = straight
+    hashes = json.loads((storage / "optim_hashes.json").read_text())
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    with result.checkpoint.as_directory() as d:
+        names = sorted(os.listdir(d))
+    assert names == [
+        "meta.json", "model.safetensors", "optim.pt", "rng_rank0.pt", "rng_rank1.pt",
+        "state_rank0.npz", "state_rank1.npz", "tokenizer.json",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("what", ["loss", "grad norm"])
+def test_a_non_finite_step_stops_the_run_without_a_retry(data, straight, tmp_path, what):
+    """Step 5 (0-based 4) turns non-finite: no update, the run stops with the step in the message, Ray Train
+    does not retry though max_failures allows it, and the last checkpoint is step 3's, finite and equal to
+    the straight run's step 3."""
+    attempts = tmp_path / "attempts"
+    with pytest.raises(NonFiniteError, match=f"{what} is (nan|inf) at step 5: the update was skipped"):
+        pretrain(tiny_config(data, tmp_path, max_failures=2), callbacks=[Poison(4, what, str(attempts))])
+    assert attempts.read_text().split() == ["0"]  # one attempt: not retried
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
+    last = latest_checkpoint(tmp_path / "t")
+    assert read_meta(last)["step"] == 3
+    weights = load_file(str(last / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    straight_dir, _ = straight
+    kept = [p for p in (straight_dir / "t").glob("checkpoint_*") if p.is_dir()]
+    straight_3 = min(kept, key=lambda p: read_meta(p)["step"])
+    assert read_meta(straight_3)["step"] == 3
+    expected = load_file(str(straight_3 / "model.safetensors"))
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
 
 
 def test_killed_worker_restarts_from_checkpoint_and_completes(ray_cluster, data, tmp_path):

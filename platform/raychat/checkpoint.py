@@ -1,13 +1,18 @@
 """Checkpoint directory layout, written through `ray.train.report(checkpoint=...)` and read anywhere.
 
   model.safetensors      weights (rank 0), parameter names as Qwen3ForCausalLM
-  meta.json              {"model_config", "tokenizer_version", "stage", "step", "metrics", "config", ...}
-                         (raychat.train.checkpointer writes it; checkpoints written before had "kind")
+  meta.json              {"model_config", "tokenizer_version", "stage", "step", "world_size", "metrics",
+                         "config", ...} (raychat.train.checkpointer writes it; checkpoints written before had
+                         "kind")
   tokenizer.json         the tokenizer the model was trained with
-  optim_rank{r}.pt       optimizer state of rank r
-  state_rank{r}.json     data position and packer buffer of rank r
+  optim.pt               optimizer state, ONE copy (rank 0): data-parallel ranks hold identical optimizer
+                         state (gradients are all-reduced before the step; raychat's Muon keeps its momentum
+                         replicated), so every rank restores from this file
+  state_rank{r}.npz      the data state of rank r (row-source position and buffers; RL: the policy version)
+                         in save_tree's format: JSON structure + binary arrays, never token lists as JSON
   rng_rank{r}.pt         torch / python RNG state of rank r
 
+Checkpoints written before this layout (optim_rank{r}.pt on every rank, state_rank{r}.json) still load.
 Every file is written to a temporary name and renamed, so a crash never leaves a half-written file.
 read_meta and load_model also take the s3:// or gs:// URI of a checkpoint dir: it is downloaded to this
 node's cache first (raychat.storage.resolve_checkpoint), so every node can load one from object storage.
@@ -18,14 +23,20 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from raychat.model import GPT, ModelConfig
 from raychat.storage import is_remote, resolve_checkpoint
 from raychat.tokenizer import Tokenizer
+
+OPTIMIZER_FILE = "optim.pt"
+# int lists at least this long are stored as arrays (shorter ones stay in the JSON structure)
+MIN_ARRAY_LEN = 8
 
 
 def _atomic(path: Path, write) -> None:
@@ -45,34 +56,163 @@ def save_model(directory: str | os.PathLike, model: GPT, tokenizer: Tokenizer, m
     _atomic(d / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=2, default=str)))
 
 
-def save_rank_state(directory: str | os.PathLike, rank: int, optimizers: list, data_state: dict) -> None:
-    """Write this rank's optimizer states, data position and RNG state."""
+# ---- compact trees: JSON structure, binary leaves -------------------------------------------------------
+def _is_ints(x) -> bool:
+    return isinstance(x, list) and len(x) >= MIN_ARRAY_LEN and all(type(v) is int for v in x)
+
+
+def _is_ragged(x) -> bool:
+    return (
+        isinstance(x, list)
+        and len(x) > 0
+        and all(isinstance(v, list) and all(type(i) is int for i in v) for v in x)
+        and sum(map(len, x)) >= MIN_ARRAY_LEN
+    )
+
+
+def _int_array(values) -> np.ndarray:
+    a = np.asarray(values, dtype=np.int64)
+    small = a.size == 0 or (a.min() >= np.iinfo(np.int32).min and a.max() <= np.iinfo(np.int32).max)
+    return a.astype(np.int32) if small else a
+
+
+def _encode(x, arrays: dict):
+    """x with every array (and long int list) replaced by a reference into `arrays`."""
+
+    def put(a: np.ndarray) -> str:
+        if a.dtype.hasobject:
+            raise TypeError(f"save_tree: an object array (dtype {a.dtype}) cannot be stored without pickle")
+        key = f"a{len(arrays)}"
+        arrays[key] = a
+        return key
+
+    if isinstance(x, np.ndarray):
+        return {"__array__": put(x)}
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, dict):
+        return {str(k): _encode(v, arrays) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        try:
+            if _is_ragged(x):
+                lengths = np.asarray([len(v) for v in x], dtype=np.int64)
+                return {"__ragged__": [put(_int_array([i for v in x for i in v])), put(lengths)]}
+            if _is_ints(x):
+                return {"__ints__": put(_int_array(x))}
+        except OverflowError:  # beyond int64: stays JSON
+            pass
+        return [_encode(v, arrays) for v in x]
+    return x
+
+
+def _decode(x, arrays):
+    if isinstance(x, dict):
+        if "__array__" in x:
+            return arrays[x["__array__"]]
+        if "__ints__" in x:
+            return arrays[x["__ints__"]].tolist()
+        if "__ragged__" in x:
+            flat, lengths = (arrays[k] for k in x["__ragged__"])
+            ends = np.cumsum(lengths)
+            return [flat[e - n : e].tolist() for e, n in zip(ends, lengths)]
+        return {k: _decode(v, arrays) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_decode(v, arrays) for v in x]
+    return x
+
+
+def save_tree(path: str | os.PathLike, tree) -> None:
+    """Write a tree of dicts (str keys) / lists / scalars / numpy arrays as one .npz file, atomically.
+
+    numpy arrays are stored as they are; int lists of >= MIN_ARRAY_LEN items as int32 (int64 when a value
+    needs it) arrays; lists of int lists (token buffers) as one flat array plus lengths; the rest of the
+    structure as JSON. load_tree gives back the same tree (int lists as lists, arrays as arrays, tuples as
+    lists).
+
+    Raises:
+        TypeError: an object array, or a value JSON cannot hold.
+    """
+
+    def write(p: Path) -> None:
+        arrays: dict[str, np.ndarray] = {}
+        structure = json.dumps(_encode(tree, arrays))
+        with open(p, "wb") as f:
+            np.savez(f, __tree__=np.asarray(structure), **arrays)
+
+    _atomic(Path(path), write)
+
+
+def load_tree(path: str | os.PathLike):
+    """The tree save_tree wrote (no pickle: only arrays and JSON are read)."""
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files if k != "__tree__"}
+        return _decode(json.loads(str(z["__tree__"])), arrays)
+
+
+# ---- optimizer, RNG and data state -----------------------------------------------------------------------
+def save_optimizers(directory: str | os.PathLike, optimizers: list) -> None:
+    """Write optim.pt: the state dicts of `optimizers` (rank 0 only: the state is replicated)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    _atomic(d / f"optim_rank{rank}.pt", lambda p: torch.save([o.state_dict() for o in optimizers], p))
-    _atomic(d / f"state_rank{rank}.json", lambda p: p.write_text(json.dumps(data_state)))
+    _atomic(d / OPTIMIZER_FILE, lambda p: torch.save([o.state_dict() for o in optimizers], p))
+
+
+def load_optimizers(directory: str | os.PathLike, optimizers: list) -> None:
+    """Load optim.pt (or, from an older checkpoint, optim_rank0.pt) into `optimizers` in place.
+
+    Raises:
+        FileNotFoundError: the checkpoint has no optimizer state.
+    """
+    d = Path(directory)
+    path = next((p for p in (d / OPTIMIZER_FILE, d / "optim_rank0.pt") if p.exists()), None)
+    if path is None:
+        raise FileNotFoundError(f"{d} has no optimizer state ({OPTIMIZER_FILE})")
+    # on CPU first: the file was written from rank 0's device; load_state_dict moves each tensor to the
+    # device of its parameter
+    states = torch.load(path, map_location="cpu", weights_only=False)
+    for opt, state in zip(optimizers, states, strict=True):
+        opt.load_state_dict(state)
+
+
+def save_rank_state(directory: str | os.PathLike, rank: int, data_state: dict) -> None:
+    """Write this rank's data state (state_rank{r}.npz, save_tree) and RNG state (rng_rank{r}.pt)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_tree(d / f"state_rank{rank}.npz", data_state)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     _atomic(d / f"rng_rank{rank}.pt", lambda p: torch.save(rng, p))
 
 
-def load_rank_state(directory: str | os.PathLike, rank: int, optimizers: list) -> dict:
-    """Restore optimizers and RNG of `rank` in place; returns the data state dict.
-
-    Raises:
-        FileNotFoundError: the checkpoint has no state for this rank (e.g. the world size changed).
-    """
-    d = Path(directory)
-    path = d / f"optim_rank{rank}.pt"
+def load_rng(directory: str | os.PathLike, rank: int) -> bool:
+    """Restore the torch and python RNG of `rank`; False (nothing changed) when the checkpoint's world had
+    no such rank."""
+    path = Path(directory) / f"rng_rank{rank}.pt"
     if not path.exists():
-        raise FileNotFoundError(
-            f"{d} has no optimizer state for rank {rank}; resume with the same num_workers"
-        )
-    for opt, state in zip(optimizers, torch.load(path, weights_only=False), strict=True):
-        opt.load_state_dict(state)
-    rng = torch.load(d / f"rng_rank{rank}.pt", weights_only=False)
+        return False
+    rng = torch.load(path, weights_only=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    return json.loads((d / f"state_rank{rank}.json").read_text())
+    return True
+
+
+def load_rank_states(directory: str | os.PathLike) -> list[dict]:
+    """The data state of every rank of the world that wrote the checkpoint, by rank (index = rank).
+
+    Raises:
+        FileNotFoundError: no rank state, or a rank missing between 0 and the highest one.
+    """
+    d = Path(directory)
+    found = {}
+    for p in d.glob("state_rank*"):
+        m = re.fullmatch(r"state_rank(\d+)\.(npz|json)", p.name)
+        if m:
+            found[int(m[1])] = p
+    if not found or sorted(found) != list(range(len(found))):
+        raise FileNotFoundError(f"{d}: rank states {sorted(found)}, expected ranks 0..n-1")
+    return [
+        load_tree(found[r]) if found[r].suffix == ".npz" else json.loads(found[r].read_text())
+        for r in range(len(found))
+    ]
 
 
 def read_meta(directory: str | os.PathLike) -> dict:

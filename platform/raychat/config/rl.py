@@ -126,6 +126,14 @@ class RLConfig(Section):
                 f"--learner-workers {self.topology.learner_workers} (each needs at least one)"
             )
 
+        t = self.topology
+        if t.weight_sync == "collective" and not t.use_gpu and t.learner_workers > 1:
+            raise ConfigError(
+                f"--weight-sync collective on CPU (gloo) needs --learner-workers 1, got {t.learner_workers}: "
+                "ray.util.collective's gloo group is the torch.distributed default group of each process, "
+                "which the learners' DDP group already is (use --weight-sync object_store)"
+            )
+
     @property
     def denominator_length(self) -> int:
         """L of the constant normalization."""

@@ -103,7 +103,13 @@ class DataSection(Section):
 class ClusterSection(Section):
     """The Ray Train worker group."""
 
-    num_workers: int = option(2, "Ray Train workers (DDP ranks)", positive=True)
+    num_workers: int = option(2, "Ray Train workers (DDP ranks); with --min-workers, the most", positive=True)
+    min_workers: int = option(
+        0,
+        "elastic: when nodes are lost the run goes on from its last checkpoint on as few as this many "
+        "workers, and grows back to --num-workers when they return; 0 = fixed at --num-workers",
+        ge=0,
+    )
     cpus_per_worker: float = option(0.5, "CPUs each worker reserves (leave room for Ray Data)", gt=0)
     use_gpu: bool = option(False, "one GPU per worker, nccl, bf16 autocast")
     placement_strategy: str = option(
@@ -112,6 +118,19 @@ class ClusterSection(Section):
     )  # fmt: skip
     max_failures: int = option(1, "worker failures survived by restarting from the last checkpoint", ge=0)
     peak_flops: float = option(-1.0, "peak FLOP/s of one device for MFU; -1 = known GPUs only")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.min_workers > self.num_workers:
+            raise ConfigError(
+                f"--min-workers {self.min_workers} is more than --num-workers {self.num_workers}: "
+                "choose 0 (fixed) or 1..num_workers"
+            )
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        """(fewest, most) workers the run may train on: (num_workers, num_workers) unless elastic."""
+        return (self.min_workers or self.num_workers), self.num_workers
 
 
 @dataclass
@@ -201,9 +220,11 @@ class TrainConfig(Section):
     cluster: ClusterSection = section(ClusterSection)
     train: TrainSection = section(TrainSection)
 
-    def grad_accum_steps(self, total_batch_size: int) -> int:
-        """Micro-batches per step; raises ConfigError when the sizes don't divide."""
-        rows, seq, workers = self.train.batch.device_batch_size, self.model.seq_len, self.cluster.num_workers
+    def grad_accum_steps(self, total_batch_size: int, workers: int | None = None) -> int:
+        """Micro-batches per step on `workers` workers (default --num-workers); raises ConfigError when the
+        sizes don't divide."""
+        rows, seq = self.train.batch.device_batch_size, self.model.seq_len
+        workers = workers or self.cluster.num_workers
         per_micro = rows * seq * workers
         if total_batch_size % per_micro:
             raise ConfigError(

@@ -9,7 +9,7 @@ One step:
      DDP averages the gradients over the W ranks in the last micro-batch's backward (no_sync before), so
      the gradient is exactly d(step loss), the sum of the ranks' shares;
   3. the trainer's optimizer step (raychat.train.step: clip, step, clear), and the version increases by one.
-Checkpoints: the trainer's Checkpointer (rank 0 the model and meta, every rank its optimizer state).
+Checkpoints: the trainer's Checkpointer (rank 0 the model, meta and the one optimizer state).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from raychat.checkpoint import load_model
 from raychat.config import RLConfig, to_dict
 from raychat.rl.objective import collate, normalized_loss, per_token_loss, token_logprobs
-from raychat.rl.weights import collective_broadcast, publish, weights_hash
+from raychat.rl.weights import collective_broadcast, leave_collective_group, publish, weights_hash
 from raychat.train.checkpointer import Checkpointer
 from raychat.train.optim import build_optimizers
 from raychat.train.step import optimizer_step
@@ -58,7 +58,9 @@ class Learner:
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, torch.device(device)
         model, self.tokenizer, _ = load_model(checkpoint, device=device)
         self.model = model.train()
-        self.optimizers = build_optimizers(self.model, cfg.optim)
+        # one learner has nothing to shard Muon over; its torch.distributed group, if any, is the gloo
+        # weight-broadcast group with the rollout actors (raychat.rl.weights), which must not carry it
+        self.optimizers = build_optimizers(self.model, cfg.optim, shard=world_size > 1)
         self.checkpointer = Checkpointer("rl", to_dict(cfg), self.tokenizer)
         self.ddp: DistributedDataParallel | None = None
         self.version = 0
@@ -128,7 +130,9 @@ class Learner:
                 dtype=torch.float64, device=self.device,
             )  # fmt: skip
         self._all_reduce(stats)
-        grad_norm = optimizer_step(self.model.parameters(), self.optimizers, cfg.optim.grad_clip)
+        grad_norm = optimizer_step(
+            self.model.parameters(), self.optimizers, cfg.optim.grad_clip, self.version + 1
+        )
         self.version += 1
         loss_sum, ratio_sum, clipped, tokens = stats.tolist()
         return {
@@ -153,23 +157,28 @@ class Learner:
         seconds = collective_broadcast(self.model, group_name)
         return {"hash": weights_hash(self.model.state_dict()), "put_s": seconds}
 
+    def leave_collective(self, group_name: str) -> None:
+        """Leave the broadcast group (raychat.rl.weights.leave_collective_group), so it can be rebuilt."""
+        leave_collective_group(group_name)
+
     def weights_hash(self) -> str:
         return weights_hash(self.model.state_dict())
 
     # ---- checkpoints ---------------------------------------------------------------------------------
     def save(self, directory: str, step: int, metrics: dict | None = None) -> None:
-        """This rank's part of checkpoint `step` (the trainer's Checkpointer): rank 0 the model + meta (stage
-        "rl", version), every rank its optimizer and RNG state with the policy version."""
+        """This rank's part of checkpoint `step` (the trainer's Checkpointer): rank 0 the model, meta (stage
+        "rl", version) and the optimizer state (the same on every DDP rank), every rank its RNG state and the
+        policy version."""
         self.checkpointer.write(
-            directory, self.rank, step, self.model, self.optimizers, {"version": self.version},
-            metrics=metrics, version=self.version,
+            directory, self.rank, self.world_size, step, self.model, self.optimizers,
+            {"version": self.version}, metrics=metrics, version=self.version,
         )  # fmt: skip
 
     def restore(self, directory: str) -> dict:
         """Load weights, optimizer and RNG state of this rank from an RL checkpoint; returns the data state."""
         model, _, _ = load_model(directory, device=self.device)
         self.model.load_state_dict(model.state_dict())
-        state = self.checkpointer.restore(directory, self.rank, self.optimizers)
+        state = self.checkpointer.restore(directory, self.rank, self.optimizers)[self.rank]
         self.version = int(state["version"])
         return state
 

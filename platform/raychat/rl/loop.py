@@ -4,7 +4,8 @@ Parts: Topology (placement, raychat.rl.topology), WeightSync (raychat.rl.sync), 
 chunks, faults: raychat.rl.scheduler), the learners (DDP, the trainer's optimizer step: raychat.rl.learner),
 the trainer's Checkpointer and MetricsSink, and the task registry (raychat.tasks.registry).
 
-Synchronous mode (default, on-policy): rollouts of step s use policy version s exactly.
+Synchronous mode (default, on-policy): rollouts of step s use policy version s exactly (a restarted rollout
+actor is re-synced before it generates; raychat.rl.scheduler enforces the bound on every sample).
 Asynchronous mode (--mode async --max-staleness k): the rollout batches of the next k steps are in flight
 while the learner trains, so a sample trained at step s came from version v >= s - k; staleness s - v is
 recorded per sample and the loss uses the clipped importance ratio against the behavior log-probs.
@@ -12,8 +13,10 @@ recorded per sample and the loss uses the clipped importance ratio against the b
 Per step (one JSON line in OUT/RUN_NAME/metrics.jsonl, and raychat_rl_* gauges): reward_mean, pass_at_1 (of
 the rollouts), response_len_mean (completion tokens), rollout_tokens_per_s (completion tokens / the slowest
 chunk's generation seconds), learner_step_s, learner_wait_s (the driver waiting for rollouts between learner
-steps), learner_wait_frac (wait / (wait + step + sync), and cumulative in the summary), staleness_mean/max,
-sync_time_s (put + slowest actor's fetch+load), loss, grad_norm, normalization, restarts. Every --eval-every
+steps), learner_wait_frac (wait / (wait + step + sync), and cumulative in the summary), staleness_mean/max
+(of the samples trained), sync_time_s (put + slowest actor's fetch+load), loss, grad_norm, normalization,
+restarts, stale_chunks and dropped_samples (cumulative: rollouts refused or dropped because the actor's
+weights were older than the staleness bound, raychat.rl.scheduler; all re-issued). Every --eval-every
 steps: pass@k, k = 1..--eval-samples, on held-out prompts. Checkpoints go to OUT/RUN_NAME/checkpoint_<step>
 (staged, renamed when complete); a run started again with the same --out and --run-name resumes.
 """
@@ -185,6 +188,7 @@ class RLRun:
                 "learner_step_s": stats["step_s"], "learner_wait_s": wait_s,
                 "learner_wait_frac": wait_s / max(wait_s + stats["step_s"] + sync_wall, 1e-9),
                 "sync_time_s": sync["sync_time_s"] if sync else None, "restarts": self.restarts,
+                "stale_chunks": self.scheduler.stale_chunks, "dropped_samples": self.scheduler.dropped_samples,
             }  # fmt: skip
             if (step + 1) % cfg.eval.eval_every == 0 or step + 1 == steps:
                 evals.append({"step": step + 1, **self.scheduler.evaluate(len(self.tasks["test"]))})
@@ -198,6 +202,7 @@ class RLRun:
         self.sync.drain()
         return {
             "steps": steps, "start_step": start, "version": self.version, "restarts": self.restarts,
+            "stale_chunks": self.scheduler.stale_chunks, "dropped_samples": self.scheduler.dropped_samples,
             "evals": evals, "learner_wait_frac": total_wait / max(total_wait + total_busy, 1e-9),
             "wall_s": time.perf_counter() - t_loop, "run_dir": str(self.run_dir),
         }  # fmt: skip
@@ -205,7 +210,7 @@ class RLRun:
 
 _LOG_KEYS = (
     "step", "reward_mean", "response_len_mean", "loss", "grad_norm", "rollout_tokens_per_s", "learner_step_s",
-    "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts",
+    "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts", "stale_chunks",
 )  # fmt: skip
 
 

@@ -6,7 +6,8 @@ Sample (a dict, what the learner consumes):
     sample_index: int      j of the prompt's G samples
     tokens, mask: list[int]  prompt + completion, mask 1 = sampled, 0 = prompt / forced tool output (engine)
     reward: float          Task.reward(conversation, completion text)
-    version: int           policy version of the weights that generated it
+    version: int           policy version of the weights that generated it (0 = the checkpoint's weights,
+                           which a restarted actor holds until it is synced)
     worker: int            rollout actor index
     completion_tokens: int tokens after the prompt (sampled + forced); sampled_tokens: mask-1 tokens
     finish_reason: str     "stop" | "length"
@@ -26,7 +27,7 @@ from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
 from raychat.engine import ModelRunner
 from raychat.rl.objective import collate, token_logprobs
-from raychat.rl.weights import collective_broadcast, load_published, weights_hash
+from raychat.rl.weights import collective_broadcast, leave_collective_group, load_published, weights_hash
 
 
 class RolloutWorker:
@@ -67,6 +68,10 @@ class RolloutWorker:
         self.hash, self.version = weights_hash(self.model.state_dict()), int(version)
         return {"version": self.version, "hash": self.hash, "apply_s": apply_s, "worker": self.worker_index}
 
+    def leave_collective(self, group_name: str) -> None:
+        """Leave the broadcast group (raychat.rl.weights.leave_collective_group), so it can be rebuilt."""
+        leave_collective_group(group_name)
+
     def info(self) -> dict:
         return {"version": self.version, "hash": self.hash, "pid": os.getpid(), "worker": self.worker_index}
 
@@ -88,12 +93,20 @@ class RolloutWorker:
         seed: int | None = None,
         split: str = "train",
         behavior_logprobs: bool = False,
+        min_version: int = 0,
     ) -> dict:
         """Generate num_samples completions for each prompt index; score them.
+
+        min_version: the oldest policy version this rollout may use. An actor holding older weights (a
+        restarted one holds the checkpoint's, version 0) generates nothing: it returns no samples and its
+        version, and the scheduler re-syncs it and issues the prompts again.
 
         Returns {"samples": list[Sample dict] (prompt-major), "seconds": generation wall time,
         "completion_tokens": int, "worker": int, "version": int}.
         """
+        if self.version < min_version:
+            return {"samples": [], "seconds": 0.0, "completion_tokens": 0, "worker": self.worker_index,
+                    "version": self.version}  # fmt: skip
         conversations, prompts = self._prompts(split, indices)
         t0 = time.perf_counter()
         results = self.engine.generate_batch(

@@ -5,6 +5,13 @@ Prompts: step s takes prompts s*P .. s*P+P-1 of a seeded permutation of the trai
 continues with the same prompts); a chunk's sampling seed derives from (seed, step, chunk), so a re-issued
 chunk samples the same completions under the same weights. A chunk whose actor died is re-issued after the
 restarted actor is re-synced to the current weights (or moved to the next live actor).
+
+Staleness bound: step s trains at policy version s (version = optimizer steps done), so its samples must come
+from version >= s - bound, bound = 0 in sync mode (on-policy) and --max-staleness in async mode. Every chunk
+is issued with that min_version: an actor holding older weights (restarted between a weight sync and its
+rollout, so it holds the checkpoint's weights, version 0) generates nothing, and collect drops any sample
+older than the bound, re-syncs the actor and issues the chunk again. `stale_chunks` and `dropped_samples`
+count them.
 """
 
 from __future__ import annotations
@@ -61,7 +68,8 @@ class RolloutScheduler:
         )
         self.order = np.random.default_rng(cfg.run.seed).permutation(num_prompts)
         self.version = 0  # the policy version the rollout actors hold (re-syncs load this one)
-        self.restarts = 0
+        self.bound = cfg.asynchrony.max_staleness if cfg.asynchrony.mode == "async" else 0
+        self.restarts = self.stale_chunks = self.dropped_samples = 0
 
     def prompts_for(self, step: int) -> list[int]:
         P, n = self.cfg.rollout.prompts_per_step, len(self.order)
@@ -72,7 +80,8 @@ class RolloutScheduler:
         chunks = []
         for c, idx in enumerate(split_even(self.prompts_for(step), len(rollouts))):
             seed = chunk_seed(self.cfg.run.seed, step, c)
-            chunks.append({"worker": c % len(rollouts), "indices": idx, "seed": seed, "ref": None})
+            chunks.append({"worker": c % len(rollouts), "indices": idx, "seed": seed, "ref": None,
+                           "min_version": max(0, step - self.bound)})  # fmt: skip
             self._issue(chunks[-1])
         if self.on_submitted:
             self.on_submitted(self, step, chunks)
@@ -82,24 +91,36 @@ class RolloutScheduler:
         r = self.cfg.rollout
         chunk["ref"] = self.topology.rollouts[chunk["worker"]].rollout.remote(
             chunk["indices"], r.samples_per_prompt, r.max_tokens, r.temperature, chunk["seed"], "train",
-            self.cfg.asynchrony.mode == "async",
+            self.cfg.asynchrony.mode == "async", chunk["min_version"],
         )  # fmt: skip
 
     def collect(self, chunks: list[dict]) -> list[dict]:
-        """Results of every chunk; a chunk whose actor died is re-issued (module doc)."""
+        """Results of every chunk, all from policy versions within the bound (module doc); a chunk whose
+        actor died, or whose weights were too old, is re-issued after a re-sync."""
         tries = self.cfg.topology.max_restarts + 2
         out = []
         for chunk in chunks:
             for attempt in range(tries):
                 try:
-                    out.append(ray.get(chunk["ref"]))
-                    break
+                    result = ray.get(chunk["ref"])
                 except (RayActorError, ActorUnavailableError) as e:
                     self.restarts += 1
                     self.log(
                         f"rollout actor {chunk['worker']} died ({type(e).__name__}); re-issuing its prompts"
                     )
                     self._recover(chunk, attempt)
+                    continue
+                if result["version"] >= chunk["min_version"]:
+                    out.append(result)
+                    break
+                self.stale_chunks += 1
+                self.dropped_samples += len(result["samples"])
+                self.log(
+                    f"rollout actor {chunk['worker']} held version {result['version']} < "
+                    f"{chunk['min_version']} (restarted?): {len(result['samples'])} samples dropped; "
+                    f"re-syncing it to version {self.version} and re-issuing its prompts"
+                )
+                self._recover(chunk, attempt)
             else:
                 raise RuntimeError(f"prompts {chunk['indices']} failed after {tries} tries")
         return out

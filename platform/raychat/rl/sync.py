@@ -3,7 +3,9 @@ every actor's (version, hash) ack, and bring a restarted actor back to the curre
 
 Object store (default): learner rank 0 puts its CPU state dict once; each actor fetches the same ObjectRef.
 In async mode the acks are collected later (`drain`): they arrive after the rollout chunks queued before them.
-Collective: learner rank 0 broadcasts over a ray.util.collective group (raychat.rl.weights).
+Collective: learner rank 0 broadcasts over a ray.util.collective group (raychat.rl.weights). A restarted
+actor cannot rejoin the group: the group is declared again with every current actor process and the
+current weights are broadcast to all of them (the others receive the same weights again).
 """
 
 from __future__ import annotations
@@ -33,17 +35,21 @@ class WeightSync:
         t0 = time.perf_counter()
         learner, rollouts = self.topology.learners[0], self.topology.rollouts
         if self.mode == "collective":
-            name = self.topology.group_name
-            sent = learner.broadcast.remote(name)
-            acks = [w.receive_broadcast.remote(name, version) for w in rollouts]
-            s = ray.get(sent)
-            return check_acks(ray.get(acks), s["hash"], version, s["put_s"], time.perf_counter() - t0)
+            return self._broadcast(version, t0)
         self.refs, self.digest, put_s = ray.get(learner.publish.remote())
         acks = [w.set_weights.remote(self.refs, version) for w in rollouts]
         if not block:
             self.pending.append((acks, self.digest, version, put_s, t0))
             return None
         return check_acks(self._acks(acks, version), self.digest, version, put_s, time.perf_counter() - t0)
+
+    def _broadcast(self, version: int, t0: float) -> dict:
+        name = self.topology.group_name
+        sent = self.topology.learners[0].broadcast.remote(name)
+        acks = [w.receive_broadcast.remote(name, version) for w in self.topology.rollouts]
+        s = ray.get(sent)
+        self.digest = s["hash"]
+        return check_acks(ray.get(acks), s["hash"], version, s["put_s"], time.perf_counter() - t0)
 
     def _acks(self, acks: list, version: int) -> list[dict]:
         """Acks of set_weights; an actor that died meanwhile is waited for (restart) and re-synced."""
@@ -71,12 +77,14 @@ class WeightSync:
         return last
 
     def resync(self, w: int, version: int, timeout_s: float = 120.0) -> bool:
-        """Load the current weights into rollout actor w, waiting while it restarts; False if it is dead."""
-        if self.mode == "collective":
-            raise NotImplementedError("re-syncing a restarted actor needs --weight-sync object_store")
+        """Bring rollout actor w to the current weights (`version`), waiting while it restarts; False if it is
+        dead. Collective: the group is rebuilt and every actor receives the weights again."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
+                if self.mode == "collective":
+                    self.topology.rebuild_collective_group()
+                    return self._broadcast(version, time.perf_counter())["version"] == version
                 ack = ray.get(self.topology.rollouts[w].set_weights.remote(self.refs, version))
                 return ack["version"] == version and ack["hash"] == self.digest
             except ActorUnavailableError:

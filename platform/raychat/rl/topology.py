@@ -1,6 +1,7 @@
 """Placement of an RL run: one placement group (PACK) of W learner bundles then R rollout bundles, and the
 actors in them. Learners form a torch.distributed group when W > 1 (DDP); with --weight-sync collective,
-learner rank 0 and the rollout actors form a ray.util.collective broadcast group."""
+learner rank 0 and the rollout actors form a ray.util.collective broadcast group, declared again (the next
+generation's name) when a rollout actor restarted."""
 
 from __future__ import annotations
 
@@ -22,10 +23,15 @@ class Topology:
         self.pg = None
         self.learners: list = []
         self.rollouts: list = []
+        self.generation = 0  # of the collective group: +1 at every rebuild
 
     @property
     def group_name(self) -> str:
-        return f"raychat-rl-{self.cfg.run.run_name}"
+        return f"raychat-rl-{self.cfg.run.run_name}-{self.generation}"
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.gpu else "gloo"
 
     @property
     def gpu(self) -> int:
@@ -61,16 +67,35 @@ class Topology:
         ]  # fmt: skip
         ray.get([w.info.remote() for w in self.rollouts] + [lr.pid.remote() for lr in self.learners])
         if t.weight_sync == "collective":
-            create_collective_group(
-                self.learners[0], self.rollouts, "nccl" if gpu else "gloo", self.group_name
-            )
+            create_collective_group(self.learners[0], self.rollouts, self.backend, self.group_name)
+
+    def rebuild_collective_group(self) -> None:
+        """Declare the broadcast group again with the current actor processes (after a rollout actor
+        restarted): every member leaves the old group, the new one has the next generation's name. Every
+        actor must be alive (a restarting one is waited for by the caller's ray.get)."""
+        members = [self.learners[0], *self.rollouts]
+        ray.get([a.leave_collective.remote(self.group_name) for a in members])
+        forget_group(self.group_name)
+        self.generation += 1
+        create_collective_group(self.learners[0], self.rollouts, self.backend, self.group_name)
 
     def stop(self) -> None:
         for a in self.rollouts + self.learners:
             ray.kill(a, no_restart=True)
+        if self.cfg.topology.weight_sync == "collective":
+            forget_group(self.group_name)
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+
+def forget_group(group_name: str) -> None:
+    """Kill the detached actor in which ray.util.collective declared `group_name` (if it is still there), so
+    the name can be declared again by a later run."""
+    try:
+        ray.kill(ray.get_actor(f"info_{group_name}"))
+    except ValueError:
+        pass
 
 
 def threads(cpus: float) -> int:

@@ -7,7 +7,9 @@ fetches it itself and the fetch is timed) in one `set_weights` call. Never one r
 Collective path (GPUs): the learner's rank 0 and the rollout actors form a `ray.util.collective` group
 (rank 0 = learner, ranks 1..R = rollout actors) and every tensor of the state dict, in `state_dict()` order,
 is broadcast from rank 0 in place. Backend "nccl" on GPUs; "gloo" (torch.distributed under the hood) works on
-CPU only when the learner process has no torch.distributed group of its own (one learner worker).
+CPU only when the learner process has no torch.distributed group of its own (one learner worker). A restarted
+rollout actor cannot rejoin a group: every member leaves it and the group is declared again under the next
+name (raychat.rl.topology.Topology.rebuild_collective_group).
 
 sync time = time of the put (or of the broadcasts on the sender) + the slowest actor's fetch-and-load time.
 """
@@ -19,7 +21,10 @@ import time
 from collections.abc import Mapping
 
 import ray
+import ray.util.collective as col
 import torch
+import torch.distributed as dist
+from ray.util.collective.types import Backend
 
 
 def weights_hash(state_dict: Mapping[str, torch.Tensor]) -> str:
@@ -63,8 +68,6 @@ def collective_broadcast(model: torch.nn.Module, group_name: str) -> float:
     Every member must call this with the same group_name; tensors must live on the group's device (GPU for
     nccl). The state dict order is the module registration order, identical in every member.
     """
-    import ray.util.collective as col
-
     t0 = time.perf_counter()
     with torch.no_grad():
         for tensor in model.state_dict().values():
@@ -77,8 +80,6 @@ def create_collective_group(learner, rollouts: list, backend: str, group_name: s
 
     Raises ValueError for a backend other than "nccl" or "gloo".
     """
-    import ray.util.collective as col
-
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"collective backend must be 'nccl' or 'gloo', got {backend!r}")
     actors = [learner, *rollouts]
@@ -86,6 +87,20 @@ def create_collective_group(learner, rollouts: list, backend: str, group_name: s
         actors, world_size=len(actors), ranks=list(range(len(actors))), backend=backend.upper(),
         group_name=group_name,
     )  # fmt: skip
+
+
+def leave_collective_group(group_name: str) -> None:
+    """End this process's membership of the broadcast group `group_name` (nothing when it is not a member:
+    a restarted actor), and with gloo also the torch.distributed default group that ray.util.collective
+    creates under it (one per process). Every live member leaves before the group is declared again, under
+    a new name, with a restarted member: a gloo or NCCL group cannot take a new process in place of a dead
+    one."""
+    if not col.is_group_initialized(group_name):
+        return
+    gloo = col.get_group_handle(group_name).backend() == Backend.GLOO
+    col.destroy_collective_group(group_name)
+    if gloo and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class SyncResult(dict):

@@ -1,9 +1,14 @@
 """The checkpointer every training stage shares (pretraining, SFT, RL): one directory layout
 (raychat.checkpoint), meta in the config's words, and two ways to publish a finished directory.
 
-  meta.json: {"stage", "step", "metrics", "config" (the run's config, nested), ...stage extras ("plan",
-             "version"), "model_config", "tokenizer_version"}
+  meta.json: {"stage", "step", "world_size", "metrics", "config" (the run's config, nested), ...stage extras
+             ("plan", "version"), "model_config", "tokenizer_version"}
+  optim.pt:  the optimizer state, written once by rank 0 (it is the same on every data-parallel rank)
   rank state: {"step", ...the stage's data position: "rows" (pretrain/SFT) or "version" (RL)}
+
+Resuming reads model, meta, the one optimizer file, this rank's RNG and the data states of ALL ranks of the
+old world: `restore_rows` hands them to the row source, which re-deals them to the new world (whose size may
+differ) through `load_state_dicts`.
 
 RayTrainPublisher hands the directory to Ray Train (`ray.train.report`: Ray copies it to
 storage_path/run_name/checkpoint_*, keeps the newest keep_checkpoints); RunDirectory renames a staged
@@ -19,7 +24,14 @@ from pathlib import Path
 import ray.train
 import torch
 
-from raychat.checkpoint import load_rank_state, save_model, save_rank_state
+from raychat.checkpoint import (
+    load_optimizers,
+    load_rank_states,
+    load_rng,
+    save_model,
+    save_optimizers,
+    save_rank_state,
+)
 from raychat.storage import newest_checkpoint, open_storage
 from raychat.tokenizer import Tokenizer
 
@@ -41,6 +53,7 @@ class Checkpointer:
         self,
         directory: str | os.PathLike,
         rank: int,
+        world_size: int,
         step: int,
         model: torch.nn.Module,
         optimizers: list,
@@ -48,15 +61,45 @@ class Checkpointer:
         metrics: dict | None = None,
         **meta,
     ) -> None:
-        """Rank 0: model + tokenizer + meta; every rank: optimizer, RNG and `state` (with "step" added)."""
+        """Rank 0: model + tokenizer + meta + the optimizer state; every rank: its RNG and `state` (with
+        "step" added)."""
         if rank == 0:
-            meta = {"stage": self.stage, "step": step, "metrics": metrics or {}, **self.extra_meta, **meta}
+            meta = {
+                "stage": self.stage, "step": step, "world_size": world_size, "metrics": metrics or {},
+                **self.extra_meta, **meta,
+            }  # fmt: skip
             save_model(directory, model, self.tokenizer, {**meta, "config": self.config})
-        save_rank_state(directory, rank, optimizers, {**state, "step": step})
+            save_optimizers(directory, optimizers)
+        save_rank_state(directory, rank, {**state, "step": step})
 
-    def restore(self, directory: str | os.PathLike, rank: int, optimizers: list) -> dict:
-        """Load this rank's optimizer and RNG state in place; returns its state dict (see write)."""
-        return load_rank_state(directory, rank, optimizers)
+    def restore(self, directory: str | os.PathLike, rank: int, optimizers: list) -> list[dict]:
+        """Load the optimizer state in place and this rank's RNG (a rank the old world did not have keeps
+        its own); returns the data state of every rank of the old world, by rank (see write)."""
+        load_optimizers(directory, optimizers)
+        load_rng(directory, rank)
+        return load_rank_states(directory)
+
+
+def restore_rows(row_source, states: list[dict], rank: int, world_size: int) -> None:
+    """Resume `row_source` from the "rows" states of all ranks of the checkpoint's world.
+
+    A row source with `load_state_dicts(states)` re-deals them to this rank of the new world (any size);
+    one with only `load_state_dict(state)` resumes the same world size, rank by rank.
+
+    Raises:
+        ValueError: the world size changed and the row source cannot re-deal its state.
+    """
+    rows = [s["rows"] for s in states]
+    if hasattr(row_source, "load_state_dicts"):
+        row_source.load_state_dicts(rows)
+    elif len(rows) == world_size:
+        row_source.load_state_dict(rows[rank])
+    else:
+        raise ValueError(
+            f"the checkpoint was written by {len(rows)} workers and this run has {world_size}: "
+            f"{type(row_source).__name__} resumes only on the same number of workers (--num-workers "
+            f"{len(rows)})"
+        )
 
 
 class RayTrainPublisher:

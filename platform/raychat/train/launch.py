@@ -34,7 +34,32 @@ from raychat.storage import (
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import start_or_connect
 from raychat.train.plan import make_plan, print_plan
+from raychat.train.step import NonFiniteError
 from raychat.train.worker import train_loop_per_worker
+
+
+def elastic_grad_accum(cfg: TrainConfig, total_batch_size: int) -> dict[int, int]:
+    """{workers: micro-batches per step} for every world size the run may train on (one entry unless
+    --min-workers makes it elastic): the total batch, and so the optimization, stays the same on each.
+
+    Raises:
+        ConfigError: the total batch does not divide by device_batch_size x seq_len x workers for one of them.
+    """
+    fewest, most = cfg.cluster.worker_range
+    return {w: cfg.grad_accum_steps(total_batch_size, w) for w in range(fewest, most + 1)}
+
+
+def scaling_config(cfg: TrainConfig) -> ScalingConfig:
+    """Ray Train's ScalingConfig: num_workers=(min, max) when elastic (Train V2 restarts the group on the
+    workers that remain, from the last checkpoint), else the fixed --num-workers."""
+    c = cfg.cluster
+    fewest, most = c.worker_range
+    return ScalingConfig(
+        num_workers=(fewest, most) if fewest < most else most,
+        use_gpu=c.use_gpu,
+        resources_per_worker={"CPU": c.cpus_per_worker},
+        placement_strategy=c.placement_strategy,
+    )
 
 
 def resolve_inputs(cfg: TrainConfig) -> TrainConfig:
@@ -69,6 +94,9 @@ def run_training(cfg: TrainConfig, stage, callbacks=()):
     print_plan(cfg, plan)
     c = cfg.cluster
     print(start_or_connect(c.num_workers, c.cpus_per_worker, stage.data_cpus))
+    accum = elastic_grad_accum(cfg, plan.total_batch_size)
+    if len(accum) > 1:
+        print("elastic: " + ", ".join(f"{w} workers x {k} accumulation steps" for w, k in accum.items()))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -78,12 +106,7 @@ def run_training(cfg: TrainConfig, stage, callbacks=()):
             "callbacks": list(callbacks),
             "progress_bar": sys.stdout.isatty(),
         },
-        scaling_config=ScalingConfig(
-            num_workers=c.num_workers,
-            use_gpu=c.use_gpu,
-            resources_per_worker={"CPU": c.cpus_per_worker},
-            placement_strategy=c.placement_strategy,
-        ),
+        scaling_config=scaling_config(cfg),
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
         run_config=RunConfig(
             name=cfg.run.run_name,
@@ -93,6 +116,10 @@ def run_training(cfg: TrainConfig, stage, callbacks=()):
         ),
     )
     result = trainer.fit()
+    fault = getattr(result, "return_value", None)  # rank 0's NonFiniteError, returned (not raised)
+    if isinstance(fault, NonFiniteError):
+        print(f"stopped: {fault}; last checkpoint: {result.checkpoint.path if result.checkpoint else None}")
+        raise fault
     if result.checkpoint is None or "step" not in (result.metrics or {}):
         # the run had already finished (nothing left to train): hand back its newest checkpoint
         newest = newest_checkpoint(storage, storage.run_path(cfg.run.run_name))

@@ -51,13 +51,15 @@ def planned_ns_choice(ns_dtype: str, use_gpu: bool) -> str:
     return choose_ns_dtype(ns_dtype, "cuda" if use_gpu else "cpu").describe()
 
 
-def build_optimizers(model: GPT, cfg) -> list[torch.optim.Optimizer]:
+def build_optimizers(model: GPT, cfg, *, shard: bool = True) -> list[torch.optim.Optimizer]:
     """[Muon(hidden matrices), AdamW(embedding, lm_head, norms)]; each group records its peak lr as 'initial_lr'.
 
     cfg (raychat.config.train.OptimSection) supplies matrix_lr, embedding_lr, unembedding_lr, scalar_lr,
     weight_decay and ns_dtype ("auto", "float32", "bfloat16": Muon's Newton-Schulz dtype, muon_ns_choice).
     Muon shards its orthogonalization over the ranks whenever a torch.distributed group is initialized at
-    step time, which needs the gradients to be the same on every rank (DDP, or the RL learner's all-reduce).
+    step time, which needs the gradients to be the same on every rank (DDP, or the RL learner's all-reduce);
+    shard=False never shards (a process whose torch.distributed group is not its data-parallel group: a
+    single RL learner in a gloo weight-broadcast group).
 
     Raises:
         ValueError: cfg.ns_dtype not in "auto", "float32", "bfloat16".
@@ -70,6 +72,7 @@ def build_optimizers(model: GPT, cfg) -> list[torch.optim.Optimizer]:
         momentum=0.95,
         weight_decay=cfg.weight_decay,
         ns_dtype=muon_ns_choice(model, cfg.ns_dtype).dtype,
+        shard=shard,
     )
     adamw = torch.optim.AdamW(
         [

@@ -57,7 +57,8 @@ def round_to_micro_steps(tokens: int, tokens_per_micro_step: int) -> int:
 
 def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
     """The derived sizes of a run. An automatic total batch size is rounded to whole micro-steps
-    (round_to_micro_steps); raises ConfigError when an explicit --total-batch-size does not divide."""
+    (round_to_micro_steps) of every world size the run may train on (lcm of --min-workers..--num-workers);
+    raises ConfigError when an explicit --total-batch-size does not divide."""
     m, h, batch = cfg.model, cfg.train.horizon, cfg.train.batch
     if cfg.run.init_from:
         model_config = ModelConfig(**read_meta(cfg.run.init_from)["model_config"])
@@ -71,6 +72,13 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
     scaling_params = model.num_params(exclude_embedding=True)
     flops_per_token = model.flops_per_token(m.seq_len)
     per_micro = batch.device_batch_size * m.seq_len * cfg.cluster.num_workers
+    # an elastic run (--min-workers) trains on every world size in its range: the automatic batch must divide
+    # by each of them
+    per_round = (
+        batch.device_batch_size
+        * m.seq_len
+        * math.lcm(*range(cfg.cluster.worker_range[0], cfg.cluster.num_workers + 1))
+    )
     if h.num_iterations > 0:
         horizon, data_tokens = "num_iterations", None
     elif h.target_flops > 0:
@@ -82,7 +90,7 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
         total_batch = batch.total_batch_size
     else:
         auto = power_law_batch_size(data_tokens or h.num_iterations * per_micro * 8, per_micro)
-        total_batch = round_to_micro_steps(auto, per_micro)
+        total_batch = round_to_micro_steps(auto, per_round)
     grad_accum = cfg.grad_accum_steps(total_batch)
     num_iterations = h.num_iterations if h.num_iterations > 0 else max(1, round(data_tokens / total_batch))
     tokens = num_iterations * total_batch

@@ -3,7 +3,8 @@
   train():             for each step: train_step -> evaluate (every eval_every and at the end) -> log
                        -> checkpoint (every checkpoint_every and at the end)
   train_step(step):    grad_accum micro-batches from the row source -> n_targets (all ranks) -> lr
-                       -> forward_backward -> clip + optimizer step (raychat.train.step)
+                       -> forward_backward -> clip + optimizer step (raychat.train.step); a non-finite
+                       loss or grad norm skips the update and raises NonFiniteError (the run stops)
   forward_backward:    per micro-batch loss = sum of token CE / n_targets * world_size, backward (DDP
                        averages over ranks, so the step's gradient is that of sum(CE) / n_targets over every
                        target of every micro-batch and rank); gradients are all-reduced in the last one only
@@ -33,7 +34,7 @@ from raychat.train.checkpointer import Checkpointer, RayTrainPublisher
 from raychat.train.evaluators import Evaluator, evaluate_all
 from raychat.train.optim import lr_multiplier, set_lr
 from raychat.train.plan import Plan
-from raychat.train.step import all_reduce_sum, optimizer_step
+from raychat.train.step import NonFiniteError, all_reduce_sum, clear_grads, optimizer_step
 
 
 def log(message: str) -> None:
@@ -169,12 +170,10 @@ class Trainer:
             lr_multiplier(step, plan.num_iterations, s.warmup_ratio, s.warmdown_ratio, s.final_lr_frac),
         )
         loss = self.forward_backward(micro, n_targets)
-        if not math.isfinite(loss):
-            raise FloatingPointError(
-                f"loss is {loss} at step {step}: stopping; the last good checkpoint under "
-                f"{cfg.run.storage_path}/{cfg.run.run_name} is intact (lower the lr or check the data)"
-            )
-        grad_norm = optimizer_step(self.model.parameters(), self.optimizers, cfg.optim.grad_clip)
+        if not math.isfinite(loss):  # no update; the run stops (a non-finite grad norm: optimizer_step)
+            clear_grads(self.optimizers)
+            raise NonFiniteError("loss", loss, step + 1)
+        grad_norm = optimizer_step(self.model.parameters(), self.optimizers, cfg.optim.grad_clip, step + 1)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -251,7 +250,9 @@ class Trainer:
             cb.on_save(self, step)
         with tempfile.TemporaryDirectory() as tmp:
             state = {"rows": self.row_source.state_dict()}
-            self.checkpointer.write(tmp, self.rank, step, self.model, self.optimizers, state, metrics=report)
+            self.checkpointer.write(
+                tmp, self.rank, self.world, step, self.model, self.optimizers, state, metrics=report
+            )
             self.publisher.publish(tmp, report)
 
 

@@ -1,8 +1,11 @@
 """What every Ray Train worker runs: assemble the Trainer from the stage's components and train.
 
   model (init or init_from) -> the stage's row source -> resume (weights, step) -> FP8 -> optimizers
-  -> resume (optimizer, RNG, data position) -> torch.compile / DDP -> the stage's evaluators -> metrics sink
-  -> Trainer(...).train()
+  -> resume (the one optimizer file, this rank's RNG, every old rank's data state re-dealt to this world)
+  -> torch.compile / DDP -> the stage's evaluators -> metrics sink -> Trainer(...).train()
+
+The world size may differ from the checkpoint's (an elastic run after a lost node): gradient accumulation is
+recomputed so the total batch stays the same, and the row source re-deals the data states.
 
 The stage (raychat.train.pretrain.Pretraining or raychat.train.sft.SFT) builds the row source and the
 evaluators; everything else is the same for every stage.
@@ -10,6 +13,8 @@ evaluators; everything else is the same for every stage.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
 
@@ -26,10 +31,11 @@ from raychat.metrics import TrainMetrics
 from raychat.metrics_sink import MetricsSink
 from raychat.model import GPT, ModelConfig
 from raychat.tokenizer import Tokenizer
-from raychat.train.checkpointer import Checkpointer
+from raychat.train.checkpointer import Checkpointer, restore_rows
 from raychat.train.fp8 import convert_to_fp8
 from raychat.train.optim import build_optimizers, muon_ns_choice
 from raychat.train.plan import Plan
+from raychat.train.step import NonFiniteError
 from raychat.train.trainer import Callback, Trainer, autocast_for, log
 
 
@@ -68,13 +74,19 @@ def train_gauges(run_name: str, stage: str):
     return record
 
 
-def train_loop_per_worker(config: dict) -> None:
+def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     """Ray Train entry: config = {"train": TrainConfig as a dict, "plan": Plan as a dict, "stage": the stage's
-    components, "callbacks": [Callback], "progress_bar": bool}."""
+    components, "callbacks": [Callback], "progress_bar": bool}.
+
+    Returns the NonFiniteError that stopped the run (Ray Train hands rank 0's return value to the driver as
+    Result.return_value; a raised error would be retried from the last checkpoint into the same fault), or
+    None when training finished.
+    """
     cfg, plan, stage = from_dict(TrainConfig, config["train"]), Plan(**config["plan"]), config["stage"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     log(f"rank {rank}/{world} on node {ray.get_runtime_context().get_node_id()}")
+    plan = dataclasses.replace(plan, grad_accum=cfg.grad_accum_steps(plan.total_batch_size, world))
     device = ray.train.torch.get_device()
     torch.set_num_threads(int(os.environ.get("RAYCHAT_THREADS", max(1, round(cfg.cluster.cpus_per_worker)))))
     logging.getLogger("ray.data").setLevel(logging.WARNING)
@@ -82,23 +94,27 @@ def train_loop_per_worker(config: dict) -> None:
 
     model = build_model(cfg, plan, device)
     rows = stage.row_source(cfg, tokenizer, rank, world)
-    start_step = 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as d:
-            model.load_state_dict(load_file(os.path.join(d, "model.safetensors"), device=str(device)))
-            start_step = read_meta(d)["step"]
-    if cfg.model.fp8:
-        convert_to_fp8(model, cfg.model.fp8_recipe)
-    optimizers = build_optimizers(model, cfg.optim)
-    if rank == 0:
-        log(f"Muon on rank 0: {muon_ns_choice(model, cfg.optim.ns_dtype).describe()}")
     checkpointer = Checkpointer(cfg.run.stage, to_dict(cfg), tokenizer, {"plan": plan.to_dict()})
-    if checkpoint:
-        with checkpoint.as_directory() as d:
-            rows.load_state_dict(checkpointer.restore(d, rank, optimizers)["rows"])
+    checkpoint = ray.train.get_checkpoint()
+    # opened once: for remote storage Ray downloads it once per node, shared by the node's workers
+    with checkpoint.as_directory() if checkpoint else contextlib.nullcontext() as d:
+        start_step = 0
+        if d:
+            model.load_state_dict(load_file(os.path.join(d, "model.safetensors"), device=str(device)))
+            meta = read_meta(d)
+            start_step = meta["step"]
+        if cfg.model.fp8:
+            convert_to_fp8(model, cfg.model.fp8_recipe)
+        optimizers = build_optimizers(model, cfg.optim)
         if rank == 0:
-            log(f"resumed from {checkpoint.path} at step {start_step}")
+            log(f"Muon on rank 0: {muon_ns_choice(model, cfg.optim.ns_dtype).describe()}")
+        if d:
+            restore_rows(rows, checkpointer.restore(d, rank, optimizers), rank, world)
+            if rank == 0:
+                old = meta.get("world_size", world)
+                log(
+                    f"resumed from {checkpoint.path} at step {start_step} on {world} workers (written by {old})"
+                )
     train_model = torch.compile(model) if cfg.model.compile else model
     train_model = ray.train.torch.prepare_model(train_model, move_to_device=False)
 
@@ -116,4 +132,13 @@ def train_loop_per_worker(config: dict) -> None:
         cfg, plan, model, train_model, optimizers, rows, evaluators, checkpointer, metrics, callbacks,
         bos_id=tokenizer.bos_id, rank=rank, world=world, device=device, start_step=start_step,
     )  # fmt: skip
-    trainer.train()
+    try:
+        trainer.train()
+    except NonFiniteError as fault:  # every rank meets it at the same step (raychat.train.step)
+        if rank == 0:
+            log(f"stopped: {fault}")
+        return fault
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return None
