@@ -5,6 +5,7 @@ import json
 import os
 import random
 import sys
+from pathlib import Path
 
 import pytest
 import ray
@@ -12,9 +13,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from raychat.checkpoint import latest_checkpoint, load_tree, read_meta
+from raychat.checkpoint import load_tree, read_meta
 from raychat.config import TrainConfig, from_dict
 from raychat.rl.weights import weights_hash
+from raychat.storage import find_checkpoint
 from raychat.train.pretrain import pretrain
 from raychat.train.step import NonFiniteError
 from raychat.train.trainer import Callback
@@ -203,7 +205,7 @@ def test_a_non_finite_step_stops_the_run_without_a_retry(data, straight, tmp_pat
         pretrain(tiny_config(data, tmp_path, max_failures=2), callbacks=[Poison(4, what, str(attempts))])
     assert attempts.read_text().split() == ["0"]  # one attempt: not retried
     assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
-    last = latest_checkpoint(tmp_path / "t")
+    last = Path(find_checkpoint(str(tmp_path / "t")))
     assert read_meta(last)["step"] == 3
     weights = load_file(str(last / "model.safetensors"))
     assert all(torch.isfinite(w).all() for w in weights.values())
