@@ -24,7 +24,7 @@ WORDS = "alpha beta gamma delta river stone light cloud tree bird wind fire wate
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)  # 3 ranks x 0.5 + 1 for Ray Data
     try:
         yield
     finally:

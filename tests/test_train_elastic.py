@@ -130,7 +130,7 @@ def test_a_lost_node_the_run_completes_on_the_remaining_one(multinode_driver, sm
             tokenizer_path=str(tmp_path / "tok"), depth=1, aspect_ratio=64, head_dim=32, seq_len=SEQ_LEN,
             device_batch_size=ROWS, total_batch_size=TOTAL_BATCH, num_iterations=STEPS,
             checkpoint_every=CHECKPOINT_EVERY, eval_every=100, num_workers=2, min_workers=1,
-            cpus_per_worker=1, placement_strategy="SPREAD", max_failures=1, seed=1,
+            cpus_per_worker=2, max_failures=1, seed=1,  # a whole 2-CPU fixture node per rank
         ),
     )  # fmt: skip
     killed: dict = {}
