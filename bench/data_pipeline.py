@@ -67,6 +67,7 @@ def produced(data_dir: str, tok_dir: str) -> dict:
         source.next_batch(1)
         n += 1
     seconds = time.perf_counter() - t0
+    source.close()  # before ray.shutdown(): see PretrainRows.close
     buffered = sum(length for length, _ in source.packer._keys)
     doc_tokens = source.packer.stats.consumed + buffered
     return {

@@ -11,7 +11,7 @@ import ray
 
 from raychat.config import TrainConfig, from_dict
 from raychat.data.cursor import Deal, redeal
-from raychat.data.pipeline import PretrainRows, share_stream
+from raychat.data.pipeline import PretrainRows, close_stream, share_stream
 from raychat.data.rebuild import verify_step
 from raychat.data.replay import read_step, replay_meta, step_records, write_records
 from raychat.data.shards import list_shards, write_manifest, write_shards
@@ -97,7 +97,8 @@ def test_two_epochs_on_two_ranks_read_every_document_exactly_twice(ray_cluster, 
     assert n == 140
     located = []
     for src in ranks:
-        stream = share_stream(src.order, src.cursor, str(root / "tok"), 0.25)
+        threads = set()
+        stream = share_stream(src.order, src.cursor, str(root / "tok"), 0.25, threads)
         for piece in stream:
             if piece.doc >= 2 * n:
                 break
@@ -105,7 +106,9 @@ def test_two_epochs_on_two_ranks_read_every_document_exactly_twice(ray_cluster, 
             text = pq.ParquetFile(src.order.files[w.shard]).read_row_group(w.row_group).column("text")[w.row]
             assert piece.tokens.tolist() == tok.encode(text.as_py(), prepend_bos=True)  # the right document
             located.append((w.epoch, w.shard, w.row_group, w.row))
-        stream.close()
+        assert {t.name.split("-")[0] for t in threads} >= {"StreamingExecutor", "iter_threaded"}
+        close_stream(stream, threads)
+        assert not threads
     assert len(located) == 2 * n
     per_document = Counter((s, g, r) for _, s, g, r in located)
     assert len(per_document) == n and set(per_document.values()) == {2}

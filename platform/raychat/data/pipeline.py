@@ -24,6 +24,8 @@ the old buffers' pieces dealt again.
 from __future__ import annotations
 
 import functools
+import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -37,6 +39,9 @@ from raychat.tokenizer import Tokenizer
 
 CHUNK = 64  # stream references per Ray Data read+tokenize call
 READERS = 2  # concurrent read+tokenize tasks per rank: ~100x a rank's consumption (bench/data_pipeline.md)
+# Threads Ray Data 2.60 starts in this process for one iter_batches stream: its executor, the iterator's
+# pipeline thread and its prefetch/format pool.
+RAY_DATA_THREADS = ("StreamingExecutor-", "iter_threaded", "map_tp_")
 
 
 @functools.lru_cache(maxsize=4)
@@ -70,13 +75,19 @@ def _read_chunks(batch: dict, order, deal: dict, rank: int, start: int, tokenize
 
 
 def share_stream(
-    order: DocumentOrder, cursor: RankCursor, tokenizer_path: str, num_cpus: float
+    order: DocumentOrder,
+    cursor: RankCursor,
+    tokenizer_path: str,
+    num_cpus: float,
+    threads: set[threading.Thread] | None = None,
 ) -> Iterator[Piece]:
     """This rank's pieces from cursor.taken on, endlessly, read and tokenized by Ray Data in order.
 
     One Ray Dataset covers about an epoch of the share (at least 16 chunks) (then the next one starts where it ended).
     num_cpus: CPU reserved by each read+tokenize task; leave room for the train workers, or the tasks can
     never be scheduled and the run hangs.
+    threads: if given, gets the Ray Data threads each Dataset's iterator started (RAY_DATA_THREADS), for the
+    caller to join after closing the stream (close_stream).
     """
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
@@ -92,10 +103,31 @@ def share_stream(
             fn_kwargs={"order": order, "deal": deal, "rank": cursor.rank, "start": start,
                        "tokenizer_path": str(tokenizer_path)},
         )  # fmt: skip
-        for batch in ds.iter_batches(batch_size=CHUNK, batch_format="numpy", prefetch_batches=4):
+        before = set(threading.enumerate())
+        for i, batch in enumerate(
+            ds.iter_batches(batch_size=CHUNK, batch_format="numpy", prefetch_batches=4)
+        ):
+            if i == 0 and threads is not None:
+                threads |= {
+                    t for t in set(threading.enumerate()) - before if t.name.startswith(RAY_DATA_THREADS)
+                }
             for g, o, ids in zip(batch["doc"], batch["offset"], batch["input_ids"]):
                 yield Piece(int(g), int(o), np.asarray(ids, dtype=np.int32))
         start += per_epoch * CHUNK
+
+
+def close_stream(stream: Iterator, threads: set[threading.Thread], timeout_s: float = 60.0) -> None:
+    """Close a share_stream and wait (at most timeout_s in all) for the Ray Data threads it started.
+
+    Closing the generator only signals Ray Data's iterator threads to stop; one still inside a Ray call
+    returns later, and if ray.shutdown() came first it ends the whole process ("The core worker has already
+    been shutdown ... The process will exit").
+    """
+    stream.close()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    threads.clear()
 
 
 class PretrainRows:
@@ -123,10 +155,13 @@ class PretrainRows:
         self.cursor = RankCursor(Deal(world_size), rank)
         self.packer = BestFitPacker(self._next_document, row_len, buffer_size, overflow, min_fragment)
         self._pieces: Iterator[Piece] | None = None
+        self._threads: set[threading.Thread] = set()
 
     def _next_document(self) -> Piece:
         if self._pieces is None:
-            self._pieces = share_stream(self.order, self.cursor, self.tokenizer_path, self.num_cpus)
+            self._pieces = share_stream(
+                self.order, self.cursor, self.tokenizer_path, self.num_cpus, self._threads
+            )
         piece = next(self._pieces)
         self.cursor.take((piece.doc, piece.offset))
         return piece
@@ -212,10 +247,11 @@ class PretrainRows:
         self.close()
 
     def close(self) -> None:
-        """Stop this rank's Ray Data pipeline (the next row starts a new one from the cursor). A driver that
-        is done with a PretrainRows closes it before ray.shutdown(), or the pipeline's threads outlive Ray."""
+        """Stop this rank's Ray Data pipeline and wait for its threads (the next row starts a new pipeline
+        from the cursor). A driver that is done with a PretrainRows closes it before ray.shutdown(): a Ray Data
+        thread that outlives Ray ends the process."""
         if self._pieces is not None:
-            self._pieces.close()
+            close_stream(self._pieces, self._threads)
             self._pieces = None
 
 

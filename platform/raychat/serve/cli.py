@@ -17,10 +17,19 @@ from raychat.serve.app import build_app, serve_config
 APP_NAME = "raychat"
 
 
-def start(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, address: str | None = None) -> str:
+def start(
+    config: ServeConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    address: str | None = None,
+    proxy_location: str = "EveryNode",
+) -> str:
     """Start Ray (if needed) and Serve, deploy the app of `config`; returns the page URL.
 
-    Raises: ValueError / FileNotFoundError from build_app for bad args or a missing checkpoint.
+    host, port, proxy_location: Serve's HTTP proxies, set when Serve starts on the cluster. Serve is one per
+    cluster: when it already runs there, its proxies stay as they are and the app is added to them.
+    Raises: ValueError / FileNotFoundError from build_app for bad args or a missing checkpoint; ValueError
+        when Serve already runs on the cluster with its proxies on another host:port (the URL would be wrong).
     """
     config = serve_config(config)
     application = build_app(config)
@@ -44,8 +53,16 @@ def start(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
                 f"{config.ingress_num_cpus} CPU = {need} CPUs, but this machine's Ray cluster has {have}; "
                 "lower --min-replicas or --num-cpus"
             )
+    running = _running_http_address()
+    if running is not None and running != (host, port):
+        ray.shutdown()
+        raise ValueError(
+            f"Serve already runs on this Ray cluster with its HTTP proxies on {running[0]}:{running[1]}, and "
+            f"--host/--port apply only when Serve starts: pass --host {running[0]} --port {running[1]} to add "
+            "raychat to it, or stop it first (`serve shutdown`)"
+        )
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
     except RuntimeError as e:
         if "Failed to bind" not in str(e):
             raise
@@ -56,13 +73,20 @@ def start(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     return f"http://{shown}:{port}/"
 
 
+def _running_http_address() -> tuple[str, int] | None:
+    """(host, port) of the HTTP proxies of the Serve already running on the connected cluster, or None."""
+    # Ray has no public getter of a running Serve's HTTP options; serve.start only logs that they differ.
+    client = serve.context._get_global_client(raise_if_no_controller_running=False)
+    return None if client is None else (client.http_config.host, client.http_config.port)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.no_block and not (args.address or os.environ.get("RAY_ADDRESS")):
         raise ValueError(
             "--no-block needs --address (or RAY_ADDRESS): a local cluster ends with this process"
         )
     config = from_args(args, ServeConfig, "serve", where="serve settings")
-    url = start(config, host=args.host, port=args.port, address=args.address)
+    url = start(config, args.host, args.port, args.address, args.proxy_location)
     print(f"raychat is serving {config.checkpoint}")
     print(f"chat page:    {url}")
     print(f"OpenAI API:   {url}v1  (model list: {url}v1/models, health: {url}health)", flush=True)
@@ -94,6 +118,12 @@ def add_cli(subparsers) -> None:
     add_flags(p, ServeConfig, preset="none")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 to expose)")
     p.add_argument("--port", type=port_number, default=8000, help="HTTP port, 1-65535 (default: 8000)")
+    p.add_argument(
+        "--proxy-location",
+        choices=("EveryNode", "HeadOnly", "Disabled"),
+        default="EveryNode",
+        help="where Serve runs HTTP proxies (default: EveryNode; HeadOnly = one proxy, on the head node)",
+    )
     p.add_argument(
         "--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a new local one)"
     )
