@@ -2,7 +2,7 @@
 and each training job's start-up (submission -> its first training step line arriving at `raychat submit`).
 
 The chain and the cluster are the ones of tests/test_stage_jobs.py: tests/cluster.py's LocalCluster (a head
-with no CPUs, workers a and b with one CPU each, token auth) and tests/stage_chain.py's run_chain (the KubeRay
+with no CPUs, workers a and b with 2 logical CPUs each (CLUSTER_WORKERS), token auth) and tests/stage_chain.py's run_chain (the KubeRay
 cpu-dev RayJobs' entrypoints, the PVC mapped to a temp dir, each command submitted with `raychat submit`).
 Not a timed test: the numbers depend on the machine's load, printed beside them.
 
@@ -22,10 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from cluster import LocalCluster, short_temp_dir  # noqa: E402
+from cluster import CLUSTER_WORKERS, LocalCluster, short_temp_dir  # noqa: E402
 from stage_chain import run_chain  # noqa: E402
 
-WORKERS = {"a": (1, {"node_a": 1}), "b": (1, {"node_b": 1})}
 TOKENS_PER_S = re.compile(r"tok/s ([\d,]+)|rollout_tokens_per_s=([\d.e+]+)")
 
 
@@ -48,7 +47,7 @@ def main() -> int:
     cluster = LocalCluster(short_temp_dir("rcb"))
     t0 = time.monotonic()
     try:
-        cluster.start(WORKERS)
+        cluster.start(CLUSTER_WORKERS)
         started_s = time.monotonic() - t0
         with tempfile.TemporaryDirectory(prefix="raychat-pvc-") as mount:
             t1 = time.monotonic()

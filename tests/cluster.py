@@ -31,6 +31,11 @@ from pathlib import Path
 
 VENV_BIN = Path(sys.executable).parent
 RAY = VENV_BIN / "ray"
+# The fixture cluster: a head with no CPUs (like the KubeRay head) and two workers with 2 logical CPUs each
+# and a custom resource each, so a task or a Ray Train worker shows which node it ran on. 2 (`ray start
+# --num-cpus` takes whole CPUs): a train rank of up to 1 CPU leaves a whole CPU on its node for Ray Data's
+# 1-CPU ListFiles task (raychat.train.layout); without it the chain's pretraining waited forever.
+CLUSTER_WORKERS = {"a": (2, {"node_a": 1}), "b": (2, {"node_b": 1})}
 # Budget of the temp dir's length: Ray appends ~70 bytes (session_2026-12-01_08-01-16_123456_12345/sockets/
 # plasma_store.1) to it, and sun_path holds 107.
 MAX_TEMP_DIR_LEN = 36

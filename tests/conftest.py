@@ -10,7 +10,7 @@ os.environ["RAY_AUTH_MODE"] = "token"
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
-from cluster import LocalCluster, short_temp_dir  # noqa: E402
+from cluster import CLUSTER_WORKERS, LocalCluster, short_temp_dir  # noqa: E402
 from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader  # noqa: E402
 from s3_server import CREDENTIALS, start_s3_server  # noqa: E402
 
@@ -23,13 +23,6 @@ def f(x):
 Ça va? Très bien. Multiple Choice question: which planet is red? - Mars=A - Venus=B
 Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.
 """
-
-# The fixture cluster: a head with no CPUs (like the KubeRay head) and two workers with 2 logical CPUs each
-# and a custom resource each, so a task or a Ray Train worker shows which node it ran on. 2 (`ray start
-# --num-cpus` takes whole CPUs): a train rank of up to 1 CPU leaves a whole CPU on its node for Ray Data's
-# 1-CPU ListFiles task (raychat.train.layout); without it the chain's pretraining waited forever.
-CLUSTER_WORKERS = {"a": (2, {"node_a": 1}), "b": (2, {"node_b": 1})}
-
 
 @pytest.fixture(scope="session")
 def small_tokenizer() -> Tokenizer:

@@ -2,7 +2,7 @@
 
 The chain is the KubeRay cpu-dev overlay's RayJobs (tests/stage_chain.py): their entrypoints, the PVC mount
 mapped to a temp dir, each command submitted with `raychat submit <stage> ARGS` (working_dir + py_modules)
-to the fixture cluster (a head with no CPUs, workers a and b with one CPU each): data prepare, tokenizer
+to the fixture cluster (a head with no CPUs, workers a and b with 2 logical CPUs each): data prepare, tokenizer
 train, pretrain, sft --init-from latest, rl --checkpoint latest, eval, export, each to SUCCEEDED. Asserted:
 each stage's output in storage and what it was made from, the ranks of pretraining and SFT on two nodes (the
 node ids the workers print), every job in the Jobs API with its status and entrypoint, and a training
