@@ -29,7 +29,6 @@ import requests
 import yaml
 from cluster import VENV_BIN, free_ports
 from prometheus_client.parser import text_string_to_metric_families
-from ray import serve
 from ray.util.state import list_actors
 from safetensors.torch import load_file
 from stage_chain import RAYCHAT, REPO, run_chain, submit
@@ -226,10 +225,21 @@ def _replica_nodes(dashboard_url: str) -> list[str]:
     return sorted(a.node_id for a in actors if a.class_name.endswith(":ChatServer"))
 
 
-def _wait_running(app: str, timeout_s: float = 300) -> None:
+def _serve_cli(c, *args: str) -> subprocess.CompletedProcess:
+    """The `serve` CLI against the fixture cluster's dashboard (a fresh process each time: the driver's own
+    Serve client would keep a handle of a controller that `serve shutdown` stopped)."""
+    cmd = [str(VENV_BIN / "serve"), *args, "--address", c.dashboard_url]
+    return subprocess.run(cmd, env=c.env(), capture_output=True, text=True, timeout=120)
+
+
+def _wait_running(c, app: str, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
-    while (status := serve.status().applications.get(app)) is None or status.status != "RUNNING":
-        assert time.monotonic() < deadline, f"app {app} not RUNNING after {timeout_s} s: {status}"
+    while True:
+        r = _serve_cli(c, "status")
+        status = (yaml.safe_load(r.stdout or "{}") or {}).get("applications", {}).get(app, {}).get("status")
+        if status == "RUNNING":
+            return
+        assert time.monotonic() < deadline, f"app {app} not RUNNING after {timeout_s} s: {r.stdout}{r.stderr}"
         time.sleep(2)
 
 
@@ -252,20 +262,17 @@ def test_serve_deploy_of_chat_yaml_serves_the_rl_checkpoint_from_storage_on_two_
     config.update(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     path = tmp_path / "chat.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**c.env(), "RAY_DASHBOARD_ADDRESS": c.dashboard_url}
-    r = subprocess.run([str(VENV_BIN / "serve"), "deploy", str(path), "--address", c.dashboard_url],
-                       env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = _serve_cli(c, "deploy", str(path))
     assert r.returncode == 0, r.stdout + r.stderr
     try:
-        _wait_running("raychat")
+        _wait_running(c, "raychat")
         assert _replica_nodes(c.dashboard_url) == sorted([c.nodes["a"].node_id, c.nodes["b"].node_id])
         health = requests.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
         assert health["status"] == "ok"
         answered = _serve_requests(f"http://127.0.0.1:{port}/", {n: c.nodes[n].metrics_port for n in "ab"})
         assert all(answered.values()), f"requests answered per node: {answered}"
     finally:  # as the docs stop Serve between the two (its proxies keep their port until Serve stops)
-        stop = [str(VENV_BIN / "serve"), "shutdown", "--address", c.dashboard_url, "-y"]
-        subprocess.run(stop, env=env, capture_output=True, timeout=120)
+        _serve_cli(c, "shutdown", "-y")
 
 
 def test_raychat_serve_of_a_run_latest_on_two_nodes(chain, multinode_driver):
@@ -289,7 +296,7 @@ def test_raychat_serve_of_a_run_latest_on_two_nodes(chain, multinode_driver):
         r = subprocess.run(again, env=c.env(), capture_output=True, text=True, timeout=600)
         assert r.returncode == 2, r.stdout + r.stderr
         assert f"Serve already runs on this Ray cluster with its HTTP proxies on 127.0.0.1:{port}" in r.stderr
-        _wait_running("raychat")
+        _wait_running(c, "raychat")
         assert _replica_nodes(c.dashboard_url) == sorted([c.nodes["a"].node_id, c.nodes["b"].node_id])
         info = requests.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
         assert info["status"] == "ok", info
@@ -297,7 +304,7 @@ def test_raychat_serve_of_a_run_latest_on_two_nodes(chain, multinode_driver):
         answered = _serve_requests(f"http://127.0.0.1:{port}/", {n: c.nodes[n].metrics_port for n in "ab"})
         assert all(answered.values()), f"requests answered per node: {answered}"
     finally:
-        serve.shutdown()
+        _serve_cli(c, "shutdown", "-y")
 
 
 def test_a_wrong_token_is_refused_in_one_line_before_any_job(multinode_cluster, tmp_path):
