@@ -13,7 +13,7 @@ headings + WordNet glosses, 7 train shards + 1 validation shard) and a 4096-toke
 2. consumed: a Ray Train pretraining run with the CPU speedrun's settings (jobs/presets/cpu.yaml: depth 4,
    seq 256, 2 workers x 0.5 CPU, 8 rows per micro-batch, 8192 tokens per step) for --steps steps; steady-state
    tokens/s (steps after --skip) and data_wait_frac (time in rows.next_batch + to_batch / step time) from the
-   metrics.jsonl that raychat.train.loop writes.
+   metrics.jsonl that raychat.metrics_sink writes.
 3. crop fraction of raychat.data.packing.BestFitPacker over the whole tokenized training corpus (file order,
    BOS-prefixed documents, one pass) at T = 256, 512, 1024, 2048 and buffers of 16, 64, 256, 1024 documents:
    cropped tokens / consumed tokens.

@@ -6,7 +6,7 @@ The cpu preset's model and batch: GPT depth 4 (width 256, 4 heads, SwiGLU 704), 
 tokens per micro-batch, 4 micro-batches (8192 tokens) per optimizer step, fp32, no compile. Token ids are
 uniform random (the step's compute does not depend on their values). Every variant has its own copy of
 the same model and the variants take turns step by step, so load drift on this shared machine hits all.
-A step is what raychat.train.loop does: forward+backward of each micro-batch (token-normalized CE), clip
+A step is what raychat.train.trainer.Trainer does: forward+backward of each micro-batch (token-normalized CE), clip
 the grad norm, Muon step, AdamW step (raychat.train.optim.build_optimizers; torch's Muon swapped in for
 the "torch.optim.Muon" rows).
 
