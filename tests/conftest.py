@@ -24,6 +24,7 @@ def f(x):
 Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.
 """
 
+
 @pytest.fixture(scope="session")
 def small_tokenizer() -> Tokenizer:
     """A byte-level BPE (vocabulary <= 512) trained in ~0.1 s on a few KB of mixed text."""

@@ -11,7 +11,7 @@ import ray
 
 from raychat.config import TrainConfig, from_dict
 from raychat.data.cursor import Deal, redeal
-from raychat.data.pipeline import PretrainRows, close_stream, share_stream
+from raychat.data.pipeline import IdleWait, PretrainRows, close_stream, share_stream
 from raychat.data.rebuild import verify_step
 from raychat.data.replay import read_step, replay_meta, step_records, write_records
 from raychat.data.shards import list_shards, write_manifest, write_shards
@@ -107,6 +107,8 @@ def test_two_epochs_on_two_ranks_read_every_document_exactly_twice(ray_cluster, 
             assert piece.tokens.tolist() == tok.encode(text.as_py(), prepend_bos=True)  # the right document
             located.append((w.epoch, w.shard, w.row_group, w.row))
         assert {t.name.split("-")[0] for t in threads} >= {"StreamingExecutor", "iter_threaded"}
+        # IdleWait ran in the real executor's loop (an error there would have failed the stream), once
+        assert ray.data.DataContext.get_current().custom_execution_callback_classes.count(IdleWait) == 1
         close_stream(stream, threads)
         assert not threads
     assert len(located) == 2 * n
