@@ -68,7 +68,7 @@ format: $(STAMP)
 
 # Full suite: lint, fast tier, Ray integration tier.
 test: lint test-deps s3-server
-	$(RUN)/pytest -q
+	$(RUN)/pytest -q --durations=15
 
 # Fast tier only (a few minutes): no Ray cluster, no slow tests.
 test-fast: lint s3-server

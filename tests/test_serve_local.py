@@ -116,11 +116,17 @@ def test_stream_interval_groups_tokens_into_deltas(tiny):
 
 
 def test_merge_deltas():
-    d = lambda text, n: {"type": "delta", "text": text, "tokens": n}  # noqa: E731
+    def d(text, n, logprobs=None):
+        return {"type": "delta", "text": text, "tokens": n, "logprobs": logprobs}
+
     done = {"type": "done", "finish_reason": "stop", "usage": {}}
     assert merge_deltas([d("a", 1), d("", 1), d("bc", 2), done]) == [d("abc", 4), done]
     assert merge_deltas([d("a", 1)]) == [d("a", 1)]
     assert merge_deltas([done]) == [done]
+    # under load several deltas travel in one message: every token's logprob survives, in order
+    lp = [{"token": t, "logprob": -i} for i, t in enumerate("abc")]
+    merged = merge_deltas([d("a", 1, lp[:1]), d("", 0, []), d("bc", 2, lp[1:]), done])
+    assert merged == [d("abc", 3, lp), done]
 
 
 def test_a_failing_forward_is_a_500_in_the_error_shape_not_a_crash():

@@ -86,7 +86,9 @@ def main(args: argparse.Namespace) -> int:
             "--no-block needs --address (or RAY_ADDRESS): a local cluster ends with this process"
         )
     config = from_args(args, ServeConfig, "serve", where="serve settings")
-    url = start(config, args.host, args.port, args.address, args.proxy_location)
+    url = start(
+        config, host=args.host, port=args.port, address=args.address, proxy_location=args.proxy_location
+    )
     print(f"raychat is serving {config.checkpoint}")
     print(f"chat page:    {url}")
     print(f"OpenAI API:   {url}v1  (model list: {url}v1/models, health: {url}health)", flush=True)

@@ -271,15 +271,20 @@ class ChatServer:
 
 def merge_deltas(events: list[dict]) -> list[dict]:
     """`events` with each run of consecutive delta events replaced by one delta (texts joined, tokens
-    summed); other events keep their place. Used where several events travel in one message."""
+    summed, logprobs concatenated: None when the request did not ask for them); other events keep their
+    place. Used where several events travel in one message."""
     out: list[dict] = []
     for ev in events:
         if ev["type"] == "delta" and out and out[-1]["type"] == "delta":
             prev = out[-1]
+            logprobs = None
+            if prev.get("logprobs") is not None or ev.get("logprobs") is not None:
+                logprobs = (prev.get("logprobs") or []) + (ev.get("logprobs") or [])
             out[-1] = {
                 "type": "delta",
                 "text": prev["text"] + ev["text"],
                 "tokens": prev["tokens"] + ev["tokens"],
+                "logprobs": logprobs,
             }
         else:
             out.append(ev)
