@@ -43,6 +43,7 @@ READERS = 2  # concurrent read+tokenize tasks per rank: ~100x a rank's consumpti
 # Threads Ray Data 2.60 starts in this process for one iter_batches stream: its executor, the iterator's
 # pipeline thread and its prefetch/format pool.
 RAY_DATA_THREADS = ("StreamingExecutor-", "iter_threaded", "map_tp_")
+IDLE_WAIT_S = 0.05  # at most 50 ms late to refill a buffer that holds many steps of rows
 
 
 @functools.lru_cache(maxsize=4)
@@ -86,9 +87,6 @@ class IdleWait(ExecutionCallback):
     def on_execution_step(self, executor) -> None:
         if not any(op.num_active_tasks() for op in executor._topology):
             time.sleep(IDLE_WAIT_S)
-
-
-IDLE_WAIT_S = 0.05  # at most 50 ms late to refill a buffer that holds many steps of rows
 
 
 def share_stream(
