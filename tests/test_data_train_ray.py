@@ -4,6 +4,7 @@ serves two ranks, every step's replay record is written next to the checkpoints,
 workers and resumed on 1 or 3 takes the same global prefix of documents as a straight run on 2."""
 
 import random
+import shutil
 
 import pyarrow.parquet as pq
 import pytest
@@ -103,21 +104,33 @@ def documents(run_dir, steps):
     return sorted(g for s in steps for r in read_step(str(run_dir), s)[0] for g in r["doc"])
 
 
+def uniform_config(data, storage, run_name, **overrides):
+    """96 tokens a step = 6 rows of 16: 2 workers x 3 micro-batches, 1 x 6, 3 x 2."""
+    return config(
+        data, storage, run_name, seq_len=16, device_batch_size=1, total_batch_size=96,
+        eval_tokens=64, buffer_size=4, overflow="crop", **overrides,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stopped_at_2(ray_cluster, uniform, tmp_path_factory):
+    """A straight 4-step run on 2 workers ("straight") and one stopped after step 2 ("elastic"), shared by
+    the resumes below (each resumes its own copy of "elastic")."""
+    storage = tmp_path_factory.mktemp("stopped_at_2")
+    pretrain(uniform_config(uniform, storage, "straight"))
+    pretrain(uniform_config(uniform, storage, "elastic", stop_after=2))
+    return storage
+
+
 @pytest.mark.parametrize("new_world", [1, 3])
 def test_resume_on_another_world_takes_the_same_global_prefix_and_replays(
-    ray_cluster, uniform, tmp_path, new_world
+    ray_cluster, uniform, stopped_at_2, tmp_path, new_world
 ):
-    def cfg(run_name, **overrides):  # 96 tokens a step = 6 rows of 16: 2 workers x 3 micro, 1 x 6, 3 x 2
-        return config(
-            uniform, tmp_path, run_name, seq_len=16, device_batch_size=1, total_batch_size=96,
-            eval_tokens=64, buffer_size=4, overflow="crop", **overrides,
-        )  # fmt: skip
-
-    pretrain(cfg("straight"))
-    pretrain(cfg("elastic", stop_after=2))
-    assert pretrain(cfg("elastic", num_workers=new_world)).metrics["step"] == 4
+    # a copy resumes as the original would: Ray Train's snapshot names its checkpoints relative to the run
+    shutil.copytree(stopped_at_2 / "elastic", tmp_path / "elastic")
+    assert pretrain(uniform_config(uniform, tmp_path, "elastic", num_workers=new_world)).metrics["step"] == 4
     # every document is one row: 4 steps of 6 rows train the stream's first 24 documents, however dealt
-    assert documents(tmp_path / "straight", range(1, 5)) == list(range(24))
+    assert documents(stopped_at_2 / "straight", range(1, 5)) == list(range(24))
     assert documents(tmp_path / "elastic", range(1, 5)) == list(range(24))
     for step in range(1, 5):
         records, _ = read_step(str(tmp_path / "elastic"), step)

@@ -10,8 +10,8 @@ position where the current deal began. So the documents each optimizer step cons
 
 What Ray Train 2.60 does here (its controller log): a worker health check fails as soon as the raylet is gone
 (a failure: FailureConfig max_failures 1), the elastic policy first still counts 2 workers (the node is not
-DEAD yet), waits out the 60 s worker-group start timeout, then starts 1 worker (a controller retry, not
-counted as a failure). About 5 minutes on a loaded 2-core machine.
+DEAD yet), waits out the worker-group start timeout (60 s by default, 15 s here), then starts 1 worker (a
+controller retry, not counted as a failure). About 2 minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -108,9 +108,15 @@ class RecordAndLoseANode(Callback):
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the nodes cannot import tests/
 
 
-def kill_when_ready(cluster, directory: Path, out: dict, timeout_s: float = 600) -> None:
+def kill_when_ready(cluster, directory: Path, run_dir: Path, out: dict, timeout_s: float = 600) -> None:
+    """Kills node b once both ranks wait in step LOST_AT and Ray Train's controller has registered the
+    checkpoint of step 2. A rank's ray.train.report only queues the checkpoint: the controller collects it
+    at its next poll of the workers (every few seconds) and then writes checkpoint_manager_snapshot.json, the
+    first time at this run's first checkpoint. A node lost before that poll takes the report with it, and the
+    run would rightly restart from step 0 (a CI run once killed it that early)."""
     deadline = time.monotonic() + timeout_s
-    while not all((directory / f"ready_{r}").exists() for r in (0, 1)):
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    while not (all((directory / f"ready_{r}").exists() for r in (0, 1)) and snapshot.exists()):
         if time.monotonic() > deadline:
             return
         time.sleep(0.2)
@@ -118,8 +124,13 @@ def kill_when_ready(cluster, directory: Path, out: dict, timeout_s: float = 600)
     out["lost"] = cluster.kill_raylet("b")
 
 
-def test_a_lost_node_the_run_completes_on_the_remaining_one(multinode_driver, small_tokenizer, tmp_path):
+def test_a_lost_node_the_run_completes_on_the_remaining_one(
+    multinode_driver, small_tokenizer, tmp_path, monkeypatch
+):
     c = multinode_driver
+    # Ray Train hands this to its controller: the 2-worker placement group that cannot be placed once node b
+    # is gone times out after 15 s instead of 60 (placing 1 worker of 2 CPUs on node a takes well under that)
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")
     small_tokenizer.save(tmp_path / "tok")
     records = tmp_path / "records"
     records.mkdir()
@@ -134,7 +145,9 @@ def test_a_lost_node_the_run_completes_on_the_remaining_one(multinode_driver, sm
         ),
     )  # fmt: skip
     killed: dict = {}
-    killer = threading.Thread(target=kill_when_ready, args=(c, records, killed), daemon=True)
+    killer = threading.Thread(
+        target=kill_when_ready, args=(c, records, tmp_path / "runs" / "elastic", killed), daemon=True
+    )
     killer.start()
     try:
         result = run_training(cfg, GlobalDocumentsStage(), [RecordAndLoseANode(str(records))])
