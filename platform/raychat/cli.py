@@ -26,7 +26,7 @@ COMMAND_MODULES = [
     "raychat.export.hf",
     "raychat.data.inspect_batch",
     "raychat.ops.submit",
-    "raychat.ops.k8s",
+    "raychat.ops.k8s_cli",
     "raychat.ops.grafana",
 ]
 

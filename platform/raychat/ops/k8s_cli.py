@@ -1,0 +1,105 @@
+"""`raychat k8s generate` (k8s/ from raychat.ops.k8s's manifests) and `raychat k8s submit <stage>`, which creates
+a RayJob through the official `kubernetes` client (CustomObjectsApi, the optional extra `raychat[k8s]`);
+`--dry-run` prints it instead."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from raychat.ops.k8s import IMAGE, RAYJOB_STAGES, rayjob, render_all, to_yaml, write_generated
+from raychat.ops.submit import repo_root
+
+
+def create_rayjob(
+    body: dict, namespace: str, kubeconfig: str | None = None, context: str | None = None
+) -> dict:
+    """POST the RayJob through kubernetes.client.CustomObjectsApi (kubeconfig, else in-cluster config)."""
+    from kubernetes import client, config
+
+    try:
+        config.load_kube_config(config_file=kubeconfig, context=context)
+    except config.ConfigException:
+        config.load_incluster_config()
+    api = client.CustomObjectsApi()
+    return api.create_namespaced_custom_object(
+        group="ray.io", version="v1", namespace=namespace, plural="rayjobs", body=body
+    )
+
+
+def cmd_generate(args) -> int:
+    repo = Path(args.repo).resolve() if args.repo else repo_root()
+    if args.check:
+        k8s = repo / "k8s"
+        stale = [
+            n for n, t in render_all(repo).items() if not (k8s / n).is_file() or (k8s / n).read_text() != t
+        ]
+        if stale:
+            print(f"k8s/ is out of date ({', '.join(stale)}): run `raychat k8s generate`", file=sys.stderr)
+            return 1
+        return 0
+    changed = write_generated(repo)
+    print(f"k8s/: {len(changed)} file(s) written" + (f": {', '.join(changed)}" if changed else ""))
+    return 0
+
+
+def cmd_submit(args) -> int:
+    stage_args = list(args.stage_args)
+    if stage_args[:1] == ["--"]:
+        stage_args = stage_args[1:]
+    name = args.name or f"raychat-{args.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        body = rayjob(
+            args.stage, stage_args, name=name, image=args.image, ttl_s=args.ttl, backoff_limit=args.retries
+        )
+    except ValueError as e:
+        print(f"raychat k8s submit: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        body["metadata"]["namespace"] = args.namespace
+        sys.stdout.write(to_yaml(body))
+        return 0
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        created = create_rayjob(body, args.namespace, args.kubeconfig, args.context)
+    except ApiException as e:
+        print(
+            f"raychat k8s submit: the API server refused the RayJob ({e.status} {e.reason}): {e.body}",
+            file=sys.stderr,
+        )
+        return 4
+    print(f"rayjob.ray.io/{created['metadata']['name']} created in namespace {args.namespace}")
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("k8s", help="KubeRay: generate k8s/base, submit a stage as a RayJob")
+    sub = p.add_subparsers(dest="k8s_command", metavar="<generate|submit>", required=True)
+    g = sub.add_parser(
+        "generate",
+        help="(re)write k8s/base and the cpu-dev overlay's kustomization from the code and serve/chat.yaml",
+    )
+    g.add_argument("--repo", help="checkout to write into (default: this raychat checkout)")
+    g.add_argument("--check", action="store_true", help="exit 1 if k8s/ differs from the generated files")
+    g.set_defaults(func=cmd_generate)
+    s = sub.add_parser(
+        "submit",
+        help="create a RayJob for a stage",
+        usage=f"raychat k8s submit [options] {{{','.join(RAYJOB_STAGES)}}} [stage args...]",
+        description="Create a RayJob running `python jobs/<stage>.py ARGS` on its own autoscaling cluster. "
+        "Options come before the stage; everything after the stage goes to the stage unchanged.",
+    )
+    s.add_argument("stage", choices=RAYJOB_STAGES)
+    s.add_argument("stage_args", nargs=argparse.REMAINDER)
+    s.add_argument("--namespace", default="default")
+    s.add_argument("--name", help="RayJob name (default raychat-<stage>-<YYYYmmdd-HHMMSS>)")
+    s.add_argument("--image", default=IMAGE, help=f"container image with raychat installed (default {IMAGE})")
+    s.add_argument("--ttl", type=int, default=3600, help="seconds to keep the finished RayJob's cluster")
+    s.add_argument("--retries", type=int, default=1, help="backoffLimit: retries of a failed job")
+    s.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
+    s.add_argument("--context", help="kubeconfig context")
+    s.add_argument("--dry-run", action="store_true", help="print the RayJob YAML instead of creating it")
+    s.set_defaults(func=cmd_submit)
