@@ -58,3 +58,18 @@ def test_packed_linears_option_is_checked():
         ModelRunner(tiny_gpt(tok), tok, packed_linears="yes")
     with pytest.raises(ValueError, match="packed_linears=True needs a CPU device, float32 weights"):
         ModelRunner(tiny_gpt(tok), tok, dtype="bfloat16", packed_linears=True)
+
+
+def test_refresh_weights_picks_up_a_write_the_version_counter_misses():
+    """A collective (or `param.data` writes) changes the memory without bumping the version counter:
+    RolloutWorker calls refresh_weights after such a sync, and the next forward uses the new weights."""
+    tok = byte_tokenizer()
+    model = tiny_gpt(tok)
+    engine = ModelRunner(model, tok)
+    prompt = [[tok.bos_id, 40, 41]]
+    assert engine.forward_rows(engine.new_cache(1, 8), 0, prompt).abs().max() > 0
+    version = model.lm_head.weight._version
+    model.lm_head.weight.data.zero_()
+    assert model.lm_head.weight._version == version
+    engine.refresh_weights()
+    assert torch.equal(engine.forward_rows(engine.new_cache(1, 8), 0, prompt), torch.zeros(1, tok.vocab_size))

@@ -12,7 +12,7 @@ summation order, about 1e-6 relative).
 `PackedLinears(model)` holds one packed copy per nn.Linear weight (as much memory again as those weights)
 and re-packs a weight whenever it changed: the parameter's version counter (every in-place update:
 load_state_dict, optimizer steps, copy_) or its storage (a new tensor assigned) differs from when it was
-packed. `with packed:` routes those Linears' forward through the packed copies for the duration of the
+packed (`refresh()` forces a re-pack after writes that bypass the counter). `with packed:` routes those Linears' forward through the packed copies for the duration of the
 block only (the engine's forwards); outside it the model is untouched.
 """
 
@@ -53,6 +53,11 @@ class PackedLinears:
                 hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
             self._packed[id(linear)] = hit
         return hit[1]
+
+    def refresh(self) -> None:
+        """Re-pack every weight at the next forward: for writes the version counter does not see (into
+        `weight.data`, or raw memory from a communication library)."""
+        self._packed.clear()
 
     def __enter__(self) -> PackedLinears:
         for linear in self.linears:

@@ -171,6 +171,13 @@ class ModelRunner:
         if self.compile_decode:  # one graph per (row bucket, cache length), for every runner in the process
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
+    def refresh_weights(self) -> None:
+        """Call after writing the model's weights in a way torch's version counter does not record
+        (`param.data[...] = ...`, a collective writing raw memory): packed copies are rebuilt (packed.py).
+        In-place torch ops (load_state_dict, copy_, optimizer steps) need no call."""
+        if isinstance(self._packed, PackedLinears):
+            self._packed.refresh()
+
     # ---- validation ------------------------------------------------------------------------------
     def check_prompt(self, prompt, name: str = "prompt") -> list[int]:
         """Return the prompt as a list of ints; ValueError if empty, out of vocab, or too long."""

@@ -77,6 +77,8 @@ class ChatServerDeployment:
         torch_threads: int | None,
         model_id: str | None,
         device: str,
+        dtype: str = "auto",
+        prefill_chunk_tokens: int = 512,
     ):
         import ray
         import torch
@@ -87,6 +89,7 @@ class ChatServerDeployment:
             torch_threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         kwargs = {"max_slots": max_slots, "max_len": max_len, "stream_interval": stream_interval}
         kwargs["deployment"] = SERVER_DEPLOYMENT
+        kwargs |= {"dtype": dtype, "prefill_chunk_tokens": prefill_chunk_tokens}
         if model_id:
             kwargs["model_id"] = model_id
         if engine_process:
@@ -236,6 +239,8 @@ def build_app(args: dict | ServeConfig) -> Application:
         r.torch_threads,
         c.model_id,
         device_for(r.num_gpus),
+        r.dtype,
+        r.prefill_chunk_tokens,
     )
     return ChatIngress.options(
         ray_actor_options={"num_cpus": c.ingress_num_cpus},
