@@ -24,13 +24,6 @@ copied. Kernel per forward (`plan`), from the row offsets alone:
 Grouped-query attention: for T == 1 the G = n_head / n_kv_head query heads of a kv head are folded into
 the query-length axis ((B, Hkv, G, D) against (B, Hkv, S, D)), so no kernel repeats keys/values per query
 head; otherwise SDPA's enable_gqa / FlexAttention's enable_gqa (no copies either).
-
-Decode on CPU ("full" and dense "lengths" with T == 1): `decode_attention`, two batched matmuls over the
-cache view, softmax(K q^T / sqrt(D) + bias) then P V, with the mask as an additive (B, 1, 1, S) bias
-(0 or -inf). SDPA's CPU flash kernel handles one query per head in blocks sized for long query runs;
-at 19 rows x 8 heads x 400 slots (depth 8) it took 4.5-5 ms per layer against 3.3 ms for the two
-matmuls, which read the same keys/values once (bench/results/engine_decode_32rows.md, notes). On CUDA
-SDPA's and FlexAttention's decode kernels stay.
 """
 
 from __future__ import annotations
@@ -89,24 +82,6 @@ def flex_block_mask(starts: torch.Tensor, T: int, S: int):
     return create_block_mask(mask_mod, starts.shape[0], None, T, S, device=starts.device)
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None):
-    """Attention of one query per head: softmax(q K^T / sqrt(D) + bias) V, as batched matmuls.
-
-    Args:
-        q: (B, Hkv, G, D) queries, the G = n_head / n_kv_head query heads of each kv head folded in.
-        keys, values: (B, Hkv, S, D) (views of the cache are fine).
-        bias: (B, 1, 1, S) float, 0 where a slot is visible and -inf where not (every row sees slot 0),
-            or None (every slot visible).
-    Returns:
-        (B, Hkv, G, D) in q's dtype.
-    """
-    scores = torch.matmul(keys, q.transpose(-1, -2)).transpose(-1, -2)  # (B, Hkv, G, S)
-    scores = scores * q.shape[-1] ** -0.5
-    if bias is not None:
-        scores = scores + bias
-    return torch.matmul(torch.softmax(scores, dim=-1), values)
-
-
 class CacheBatch:
     """The `kv_cache` a model forward receives: `attend(layer_idx, q, k, v)` per attention layer.
 
@@ -155,13 +130,6 @@ class CacheBatch:
                 self._mask = flex_block_mask(starts_dev, T, self.S)
             else:
                 self._mask = dense_mask(starts_dev, T, self.S)
-        # one query per row on CPU: two matmuls (module docstring); the mask as an additive bias
-        self.kernel = "sdpa"
-        if T == 1 and device.type == "cpu" and self.plan in ("full", "lengths") and self.backend == "dense":
-            self.kernel = "matmul"
-            if self._mask is not None:
-                zero = torch.zeros((), dtype=cache.k.dtype)
-                self._mask = torch.where(self._mask, zero, torch.tensor(float("-inf"), dtype=cache.k.dtype))
 
     def _write(self, buf: torch.Tensor, new: torch.Tensor) -> None:
         rows = buf[self.start : self.start + self.B]
@@ -186,11 +154,6 @@ class CacheBatch:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         if self.backend == "flex":
             return _flex_attention(q.device)(q, keys, values, block_mask=self._mask, enable_gqa=gqa)
-        if self.kernel == "matmul":
-            B, Hq, _, D = q.shape
-            Hkv = k.shape[1]
-            y = decode_attention(q.reshape(B, Hkv, Hq // Hkv, D), keys, values, self._mask)
-            return y.reshape(B, Hq, 1, D)
         if self.T == 1 and gqa:  # fold the query heads of each kv head into the query axis
             B, Hq, _, D = q.shape
             Hkv = k.shape[1]
