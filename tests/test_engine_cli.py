@@ -94,3 +94,19 @@ def test_calculator_calls_show_as_a_block_and_the_history_keeps_them(tool_checkp
         "you> raychat> Let me compute it. \n[calculator] 47 * 12 = 564\n#### 564\n"
         "you> raychat> Let me compute it. \n[calculator] 5 + 6 = 11\n#### 11\nyou> "
     )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--top-p", "0"], "--top-p must be > 0, got 0.0"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        ([], "--checkpoint: required"),
+    ],
+)
+def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, capsys, flags, message):
+    """The flags come from ChatConfig (the one flag generator): its limits, checked before any model loads."""
+    checkpoint = [] if not flags else ["--checkpoint", str(tmp_path / "nope")]
+    assert main(["chat", *checkpoint, *flags, "-p", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raychat chat: ") and message in err and err.count("\n") == 1

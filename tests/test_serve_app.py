@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -52,11 +53,20 @@ def test_chat_yaml_is_valid_and_matches_build_app():
     assert app.import_path == "raychat.serve.app:build_app"
     c = serve_app.serve_config(app.args)  # every arg is one build_app accepts
     assert app.deployments == []  # every value is a build_app arg: one place each
+    defaults = serve_app.serve_config({"checkpoint": app.args["checkpoint"]})
+    same = [k for k, v in app.args.items() if k != "checkpoint" and _arg(defaults, k) == v]
+    assert not same, f"chat.yaml restates ServeConfig defaults: {same}"  # a default is stated once
     auto = c.autoscaling
     assert 1 <= auto.min_replicas < auto.max_replicas
     assert auto.look_back_period_s > 10  # Ray requires look_back_period_s > its metrics interval (10 s)
     assert c.replica.max_ongoing_requests >= auto.target_ongoing_requests
     assert c.replica.num_cpus > 0
+
+
+def _arg(config, name: str):
+    """The value of build_app arg `name` (a field of one of ServeConfig's sections) in `config`."""
+    sections = [config, *(getattr(config, f.name) for f in dataclasses.fields(config))]
+    return next(getattr(s, name) for s in sections if dataclasses.is_dataclass(s) and hasattr(s, name))
 
 
 def test_num_gpus_reaches_the_replica_options_and_its_device(tmp_path, monkeypatch):

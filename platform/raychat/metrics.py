@@ -32,6 +32,7 @@ import threading
 from collections.abc import Sequence
 
 import ray
+from ray.util import metrics as rm
 
 # Bucket upper bounds in seconds (Prometheus `le`), spaced roughly x2-x2.5 as in Prometheus' default buckets.
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -103,8 +104,6 @@ def _metric(name: str):
     """The process-wide Ray metric object for `name`, created on first use (Ray must be initialized)."""
     obj = _objects.get(name)
     if obj is None:
-        from ray.util import metrics as rm
-
         with _lock:
             obj = _objects.get(name)
             if obj is None:

@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import rustbpe
 import tiktoken
 
 # GPT-4 (cl100k) split pattern with numbers limited to 1-2 digits as in nanochat: small vocabularies
@@ -74,8 +75,6 @@ class Tokenizer:
         Raises:
             ValueError: if vocab_size < 256 + number of special tokens.
         """
-        import rustbpe
-
         if vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(
                 f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + specials), got {vocab_size}"

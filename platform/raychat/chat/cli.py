@@ -16,6 +16,7 @@ import torch
 from raychat.chat.turn import TurnParser, turn_parts
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
+from raychat.config import ChatConfig, add_flags, from_args
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
 
 PART_TYPES = {"text": "text", "tool_call": "python", "tool_result": "python_output"}
@@ -75,23 +76,27 @@ def _reply(sched, tokenizer, messages, params, out) -> dict:
 def run_chat(args, stdin=None, out=None) -> int:
     stdin, out = stdin or sys.stdin, out or sys.stdout
     try:
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {args.device}: no CUDA device on this machine (use --device cpu)")
-        model, tokenizer, _ = load_model(args.checkpoint, device=args.device)
+        cfg = from_args(args, ChatConfig, "chat")
+        if not cfg.checkpoint:
+            raise ValueError("--checkpoint: required: a checkpoint directory (model.safetensors, meta.json)")
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device on this machine (use --device cpu)")
+        model, tokenizer, _ = load_model(cfg.checkpoint, device=device)
         params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            seed=cfg.seed,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"raychat chat: {e}", file=sys.stderr)
         return 2
     sched = Scheduler(ModelRunner(model, tokenizer, dtype="auto"), max_slots=1)
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    if args.prompt is not None:
-        _reply(sched, tokenizer, [*system, {"role": "user", "content": args.prompt}], params, out)
+    system = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    if cfg.prompt is not None:
+        _reply(sched, tokenizer, [*system, {"role": "user", "content": cfg.prompt}], params, out)
         return 0
     messages = list(system)
     while True:
@@ -113,13 +118,6 @@ def run_chat(args, stdin=None, out=None) -> int:
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("chat", help="chat with a checkpoint (interactive, or one-shot with -p)")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (model.safetensors, meta.json)")
-    p.add_argument("-p", "--prompt", default=None, help="one-shot: answer this prompt and exit")
-    p.add_argument("--system", default=None, help="system message placed before the first user turn")
-    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6)")
-    p.add_argument("--top-k", type=int, default=50, help="0 = off (default 50)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]; default off")
-    p.add_argument("--max-tokens", type=int, default=256, help="completion tokens per reply (default 256)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default random)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    add_flags(p, ChatConfig, preset=None)
+    p.add_argument("-p", dest="prompt", default=None, help="the same as --prompt")
     p.set_defaults(func=run_chat)

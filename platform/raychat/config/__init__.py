@@ -8,7 +8,7 @@ of --flags (raychat.config.flags), YAML presets shipped as package data (raychat
   ServeConfig, VLLMConfig (raychat.config.serve)  the chat app's build_app args; the vLLM Serve config
 """
 
-from raychat.config.eval import EvalConfig, ExportConfig
+from raychat.config.eval import ChatConfig, EvalConfig, ExportConfig
 from raychat.config.flags import add_flags, from_args
 from raychat.config.presets import preset_names, preset_section, preset_values
 from raychat.config.rl import RLConfig
@@ -18,6 +18,7 @@ from raychat.config.train import SFT_DEFAULTS, TrainConfig
 
 __all__ = [
     "SFT_DEFAULTS",
+    "ChatConfig",
     "ConfigError",
     "EvalConfig",
     "ExportConfig",

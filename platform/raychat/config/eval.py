@@ -1,7 +1,7 @@
-"""Configurations of the stages that read a finished checkpoint: `raychat eval` (EvalConfig, a preset's
-`eval` section) and `raychat export` (ExportConfig). Each takes --checkpoint as any reference
-raychat.storage resolves (`latest`: the newest checkpoint of any stage under --storage-path) and writes
-<storage-path>/<run-name>/."""
+"""Configurations of the commands that read a finished checkpoint: `raychat eval` (EvalConfig, a preset's
+`eval` section) and `raychat export` (ExportConfig) take --checkpoint as any reference raychat.storage
+resolves (`latest`: the newest checkpoint of any stage under --storage-path) and write
+<storage-path>/<run-name>/; `raychat chat` (ChatConfig) talks to a local checkpoint directory."""
 
 from __future__ import annotations
 
@@ -44,3 +44,20 @@ class ExportConfig(Section):
     storage_path: str = option("runs/checkpoints", "storage root (a directory, s3:// or gs://)")
     run_name: str = option("hf", "run name: the files go to <storage-path>/<run-name>/")
     out: str | None = option(None, "a local output directory instead of <storage-path>/<run-name>")
+
+
+@dataclass
+class ChatConfig(Section):
+    """A conversation with one checkpoint in the terminal: interactive, or one answer with --prompt."""
+
+    checkpoint: str = option("", "checkpoint directory (model.safetensors, meta.json) (required)")
+    prompt: str | None = option(None, "one-shot (also -p): answer this prompt and exit")
+    system: str | None = option(None, "system message placed before the first user turn")
+    temperature: float = option(0.6, "sampling temperature; 0 = greedy", ge=0)
+    top_k: int = option(50, "sample among the k most likely tokens; 0 = off", ge=0)
+    top_p: float | None = option(None, "nucleus mass in (0, 1]; None = off", gt=0)
+    max_tokens: int = option(256, "completion tokens per reply", positive=True)
+    seed: int | None = option(None, "sampling seed (None = a fresh one)")
+    device: str = option(
+        "auto", "where the model runs (auto: cuda when there is one, else cpu)", ("auto", *DEVICES)
+    )

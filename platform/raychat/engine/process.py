@@ -33,9 +33,12 @@ import uuid
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from raychat.engine.runner import check_prompt
+import torch
+
+from raychat.checkpoint import load_model, read_meta
+from raychat.engine.runner import ModelRunner, check_prompt
 from raychat.engine.sampling import SamplingParams
-from raychat.engine.scheduler import check_fits_row
+from raychat.engine.scheduler import Scheduler, check_fits_row
 from raychat.engine.stream import RequestStream, StreamEvent, Usage
 
 
@@ -75,8 +78,6 @@ class EngineProcess:
         prefill_chunk_tokens: int = 512,
         compile_decode: bool = False,
     ):
-        from raychat.checkpoint import read_meta
-
         config = read_meta(checkpoint)["model_config"]
         self.vocab_size, self.max_seq_len = config["vocab_size"], config["max_seq_len"]
         options = {"dtype": dtype, "attention": attention, "compile_decode": compile_decode}
@@ -295,12 +296,6 @@ def _child_main(conn: Connection) -> None:
     """The child: load the model, then alternate reading the pipe and stepping the Scheduler."""
     try:
         checkpoint, device, max_slots, max_len, threads, options = conn.recv()
-        import torch
-
-        from raychat.checkpoint import load_model
-        from raychat.engine.runner import ModelRunner
-        from raychat.engine.scheduler import Scheduler
-
         torch.set_num_threads(max(1, int(threads)))
         model, tokenizer, _meta = load_model(checkpoint, device=device)
         chunk = options.pop("prefill_chunk_tokens")

@@ -33,6 +33,14 @@ import sys
 import time
 from pathlib import Path
 
+from ray.exceptions import AuthenticationError
+from ray.job_submission import JobSubmissionClient
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
 STAGES = ("data", "tokenizer", "pretrain", "sft", "rl", "eval", "export", "speedrun")
 # `command` runs the words after it as the entrypoint (any command, e.g. a smoke test of the cluster).
 SUBMIT_CHOICES = STAGES + ("command",)
@@ -100,9 +108,6 @@ def make_client(address: str | None = None, token_file: str | None = None):
 
     Raises ConnectionError with one line naming the flag: the dashboard cannot be reached (--address), or
     it refuses the token (--token-file or wherever the token came from)."""
-    from ray.exceptions import AuthenticationError
-    from ray.job_submission import JobSubmissionClient
-
     token, source = find_token(token_file)
     headers = {"Authorization": f"Bearer {token}"} if token else None
     url = resolve_address(address)
@@ -168,11 +173,6 @@ def runtime_env_for(
 def project_requirements(working_dir: Path) -> list[str]:
     """[project].dependencies of <working_dir>/pyproject.toml, without torch (the image provides the torch
     build that matches its CUDA; a pip-resolved torch would pull a multi-GB wheel per job)."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-
     deps = tomllib.loads((working_dir / "pyproject.toml").read_text())["project"]["dependencies"]
     return [
         d for d in deps if not d.replace(" ", "").lower().startswith(("torch>", "torch=", "torch<", "torch;"))
@@ -208,8 +208,6 @@ def follow(client, job_id: str, out=None, poll_s: float = 0.5) -> str:
 
 
 def _connection_errors():
-    from ray.exceptions import AuthenticationError
-
     return (AuthenticationError, ConnectionError, RuntimeError)
 
 

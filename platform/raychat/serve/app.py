@@ -26,6 +26,9 @@ import asyncio
 import contextlib
 import os
 
+import psutil
+import ray
+import torch
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve import Application
@@ -35,7 +38,7 @@ from raychat.config import ConfigError, ServeConfig, from_dict
 from raychat.serve.api import MAX_BODY_BYTES
 from raychat.serve.errors import EngineUnavailableError
 from raychat.serve.ingress import create_app
-from raychat.serve.server import merge_deltas
+from raychat.serve.server import ChatServer, merge_deltas
 from raychat.storage import find_checkpoint
 
 # what a handle raises when no ChatServer replica can take (or finish) a request: 503, retry later
@@ -80,11 +83,6 @@ class ChatServerDeployment:
         dtype: str = "auto",
         prefill_chunk_tokens: int = 512,
     ):
-        import ray
-        import torch
-
-        from raychat.serve.server import ChatServer
-
         if torch_threads is None:  # the CPUs this replica reserved (ray_actor_options, maybe from the YAML)
             torch_threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         kwargs = {"max_slots": max_slots, "max_len": max_len, "stream_interval": stream_interval}
@@ -137,8 +135,6 @@ class ChatServerDeployment:
         """ChatServer.stats plus rss_bytes: resident memory of this replica process and its children (the
         engine process, which holds the model and KV cache), and child_pids: their process ids (an engine
         process that restarted has a new one)."""
-        import psutil
-
         me = psutil.Process()
         children = me.children(recursive=True)
         rss = me.memory_info().rss + sum(c.memory_info().rss for c in children)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from openai.types.chat import ChatCompletion
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -366,8 +367,6 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
 def _openapi(app: FastAPI) -> dict:
     """FastAPI's schema with its default 422 answers removed: invalid requests are 400 (ERRORS) here."""
     if app.openapi_schema is None:
-        from fastapi.openapi.utils import get_openapi
-
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for path in schema["paths"].values():
             for operation in path.values():

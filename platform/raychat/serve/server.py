@@ -34,10 +34,13 @@ from pathlib import Path
 
 from raychat.chat.turn import TurnParser
 from raychat.chat_template import MARKERS, TEMPLATE_VERSION, render_for_completion
+from raychat.checkpoint import load_model, read_meta
 from raychat.engine import ModelRunner, Scheduler
+from raychat.engine.process import EngineProcess
 from raychat.metrics import ServeMetrics
 from raychat.serve.engine_adapter import sampling_params, text_logprobs
 from raychat.serve.sse import usage_dict
+from raychat.tokenizer import Tokenizer
 
 
 class ChatServer:
@@ -115,15 +118,10 @@ class ChatServer:
         with `torch_threads` torch threads) so the decode step does not share this process' GIL with
         the event loop; only the tokenizer is loaded here.
         """
-        from raychat.checkpoint import load_model, read_meta
-        from raychat.tokenizer import Tokenizer
-
         kwargs.setdefault("model_id", Path(checkpoint).resolve().name or "raychat")
         if not engine_process:
             model, tokenizer, meta = load_model(checkpoint, device=device)
             return cls(model, tokenizer, meta=meta, **kwargs)
-        from raychat.engine.process import EngineProcess
-
         rows, max_len = kwargs.pop("max_slots", 8), kwargs.pop("max_len", None)
         engine = {k: kwargs.pop(k) for k in ("dtype", "prefill_chunk_tokens") if k in kwargs}
         scheduler = EngineProcess(checkpoint, device, rows, max_len, torch_threads, **engine)

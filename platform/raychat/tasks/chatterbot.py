@@ -11,23 +11,14 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
+import chatterbot_corpus
 import yaml
 
 from raychat.tasks.base import Task
 
 
 def corpus_dir() -> Path:
-    """data/ directory of the installed chatterbot-corpus package.
-
-    Raises:
-        ModuleNotFoundError: the package is not installed (pip install 'chatterbot-corpus==1.3.3').
-    """
-    try:
-        import chatterbot_corpus
-    except ModuleNotFoundError as e:
-        raise ModuleNotFoundError(
-            "chatterbot-corpus is not installed: pip install 'chatterbot-corpus==1.3.3'"
-        ) from e
+    """data/ directory of the installed chatterbot-corpus package (a dependency of raychat)."""
     return Path(chatterbot_corpus.__file__).parent / "data"
 
 

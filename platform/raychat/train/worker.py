@@ -53,6 +53,17 @@ class ProgressBar(Callback):
         self.bar.close()
 
 
+def log_placement(rank: int, world: int) -> None:
+    """Rank 0 prints every rank's node in one line, "placement: rank 0/2 on node <id>, rank 1/2 on node <id>"
+    (one line per rank would not do: Ray's log deduplication merges lines that differ only in words with
+    digits, so a job's log showed rank 0's line "[repeated 2x across cluster]" and never rank 1's)."""
+    nodes = [ray.get_runtime_context().get_node_id()] * world
+    if world > 1:
+        torch.distributed.all_gather_object(nodes, nodes[0])
+    if rank == 0:
+        log("placement: " + ", ".join(f"rank {r}/{world} on node {n}" for r, n in enumerate(nodes)))
+
+
 def build_model(cfg: TrainConfig, plan: Plan, device: torch.device) -> GPT:
     if cfg.run.init_from:
         model, _, _ = load_model(cfg.run.init_from)
@@ -85,7 +96,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     cfg, plan, stage = from_dict(TrainConfig, config["train"]), Plan(**config["plan"]), config["stage"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    log(f"rank {rank}/{world} on node {ray.get_runtime_context().get_node_id()}")
+    log_placement(rank, world)
     plan = dataclasses.replace(plan, grad_accum=cfg.grad_accum_steps(plan.total_batch_size, world))
     device = ray.train.torch.get_device()
     torch.set_num_threads(int(os.environ.get("RAYCHAT_THREADS", max(1, round(cfg.cluster.cpus_per_worker)))))
