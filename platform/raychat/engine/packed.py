@@ -1,19 +1,21 @@
 """CPU matmuls of the engine through oneDNN with weights reordered once ("packed"), instead of MKL on the
 plain layout.
 
-Why: on CPU a Linear in the engine runs at 1 to 64 rows (decode) or one prefill chunk; MKL's sgemm repacks
-the weight on every call, which at decode sizes costs as much as the multiply. oneDNN's matmul with the
+Why: on CPU a Linear in the engine runs at 1 to 64 rows (decode) or one prefill chunk, shapes at which
+MKL's sgemm on the plain (out, in) weight reaches 4-60% of its large-matrix rate. oneDNN's matmul with the
 weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the weight
-prepacking torch.compile's CPU backend applies when it freezes a model) skips that: on the 2-core
-AVX-512 machines here it is 1.3-2x faster per Linear at 1..512 rows in fp32 (bench/results/engine_decode.md,
-notes). The multiply stays in the weight's dtype (fp32 stays fp32: results differ from MKL's only in
-summation order, about 1e-6 relative).
+prepacking torch.compile's CPU backend applies when it freezes a model) was 1.3-2x faster per Linear at
+1..512 rows in fp32 on the 2-core AVX-512 machines here with the weights in cache, and 1.02-1.18x faster
+per whole decode step, whose weights come from memory (bench/results/engine_step_profile.md). The multiply
+stays in the weight's dtype (fp32 stays fp32: results differ from MKL's only in summation order, about
+1e-6 relative).
 
 `PackedLinears(model)` holds one packed copy per nn.Linear weight (as much memory again as those weights)
 and re-packs a weight whenever it changed: the parameter's version counter (every in-place update:
 load_state_dict, optimizer steps, copy_) or its storage (a new tensor assigned) differs from when it was
-packed (`refresh()` forces a re-pack after writes that bypass the counter). `with packed:` routes those Linears' forward through the packed copies for the duration of the
-block only (the engine's forwards); outside it the model is untouched.
+packed; `refresh()` forces a re-pack after writes that bypass the counter. `with packed:` routes those
+Linears' forward through the packed copies for the duration of the block only (the engine's forwards);
+outside it the model is untouched.
 """
 
 from __future__ import annotations

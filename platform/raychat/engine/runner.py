@@ -124,7 +124,7 @@ class ModelRunner:
         compile_decode: compile the decode step with torch.compile (CUDA graphs on CUDA) for fixed row
             counts (decode_buckets); off by default, meant for GPUs (on CPU it only costs compile time).
         packed_linears: run the model's nn.Linear layers through oneDNN with weights packed once
-            (engine/packed.py; 1.3-2x faster matmuls on CPU, one more copy of those weights in memory):
+            (engine/packed.py; faster matmuls on CPU, one more copy of those weights in memory):
             "auto" (default) = on for fp32 on CPU when torch has oneDNN; True = on (ValueError where it
             does not apply); False = off (MKL on the plain weights, as the training forward).
     Raises:
