@@ -8,7 +8,7 @@ import torch
 from serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 
 from raychat.config import ConfigError
-from raychat.serve.app import serve_config
+from raychat.serve.app import SERVER_DEPLOYMENT, build_app, serve_config
 from raychat.serve.server import ChatServer
 
 
@@ -51,3 +51,11 @@ def test_chat_server_defaults_to_auto_and_refuses_an_unknown_dtype():
         match=r"dtype must be 'model', 'auto' or one of \['bfloat16', 'float16', 'float32'\], got 'fp8'",
     ):
         ChatServer(model, tok, dtype="fp8")
+
+
+def test_build_app_binds_the_engine_options_to_the_chat_server_deployment(tmp_path):
+    write_tiny_checkpoint(tmp_path)
+    app = build_app({"checkpoint": str(tmp_path), "dtype": "bfloat16", "prefill_chunk_tokens": 96})
+    engine = app._bound_deployment.init_args[0]._bound_deployment
+    assert engine.name == SERVER_DEPLOYMENT
+    assert engine.init_args[-3:] == ("bfloat16", 96, "cpu")

@@ -79,9 +79,9 @@ class ChatServerDeployment:
         engine_process: bool,
         torch_threads: int | None,
         model_id: str | None,
+        dtype: str,
+        prefill_chunk_tokens: int,
         device: str,
-        dtype: str = "auto",
-        prefill_chunk_tokens: int = 512,
     ):
         if torch_threads is None:  # the CPUs this replica reserved (ray_actor_options, maybe from the YAML)
             torch_threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
@@ -234,9 +234,9 @@ def build_app(args: dict | ServeConfig) -> Application:
         r.engine_process,
         r.torch_threads,
         c.model_id,
-        device_for(r.num_gpus),
         r.dtype,
         r.prefill_chunk_tokens,
+        device_for(r.num_gpus),
     )
     return ChatIngress.options(
         ray_actor_options={"num_cpus": c.ingress_num_cpus},
