@@ -24,6 +24,14 @@ class ReplicaSection(Section):
     stream_interval: int = option(
         4, "completion tokens per streamed event after the first (1 = every token)", ge=1
     )
+    dtype: str = option(
+        "auto", "weights and KV-cache dtype: auto = bfloat16 on CUDA, float32 on CPU; model = the "
+        "checkpoint's", choices=("auto", "model", "float32", "bfloat16", "float16"),
+    )  # fmt: skip
+    prefill_chunk_tokens: int = option(
+        512, "prompt tokens prefilled per engine step at most (bounds the other streams' inter-token "
+        "latency while a long prompt is prefilled)", ge=1,
+    )  # fmt: skip
     engine_process: bool = option(
         True, "run the model and scheduler in a child process, off the event loop's GIL"
     )

@@ -16,10 +16,12 @@ Parameters shared by every entry point
 
 Batched generation (RL rollouts, evaluation)
     engine = ModelRunner(model, tokenizer, kv_budget_bytes=None, dtype="model", attention="auto",
-                         prefill_chunk_tokens=2048, compile_decode=False)
-        dtype: "model" keeps the model's dtype (default; RL relies on it); "auto" = bfloat16 on CUDA,
-        float32 on CPU (the serving default, EngineProcess); or "float32" / "bfloat16" / "float16" (the
-        model is cast in place). attention: "auto" (FlexAttention on CUDA, dense-mask SDPA on CPU) |
+                         prefill_chunk_tokens=2048, compile_decode=False, packed_linears="auto")
+        dtype: "model" keeps the model's dtype (default; RL rollouts and eval pass it explicitly); "auto"
+        = bfloat16 on CUDA, float32 on CPU (the serving default: ChatServer, EngineProcess, raychat chat,
+        ServeConfig --dtype); or "float32" / "bfloat16" / "float16" (the model is cast in place).
+        packed_linears: "auto" runs the Linears through oneDNN with weights packed once on CPU in fp32
+        (engine/packed.py); after writing weights behind torch's back call engine.refresh_weights(). attention: "auto" (FlexAttention on CUDA, dense-mask SDPA on CPU) |
         "flex" | "dense", for rows of different lengths (engine/attention.py). compile_decode:
         torch.compile / CUDA graphs of the decode step for fixed row counts (GPU; off by default).
     results = engine.generate_batch(prompts: list[list[int]], num_samples=1, max_tokens=256,

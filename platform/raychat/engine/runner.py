@@ -21,6 +21,7 @@ prompt's generator in one call per step, in sample order (the draws torch.multin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ import torch
 
 from raychat.engine.attention import resolve_backend, to_device
 from raychat.engine.kv_cache import KVCache
+from raychat.engine.packed import PackedLinears
+from raychat.engine.packed import available as packed_available
 from raychat.engine.sampling import SamplingBatch, SamplingParams, make_generator
 from raychat.engine.sequence import RowState
 
@@ -120,8 +123,12 @@ class ModelRunner:
             prompt is prefilled in chunks of this size.
         compile_decode: compile the decode step with torch.compile (CUDA graphs on CUDA) for fixed row
             counts (decode_buckets); off by default, meant for GPUs (on CPU it only costs compile time).
+        packed_linears: run the model's nn.Linear layers through oneDNN with weights packed once
+            (engine/packed.py; faster matmuls on CPU, one more copy of those weights in memory):
+            "auto" (default) = on for fp32 on CPU when torch has oneDNN; True = on (ValueError where it
+            does not apply); False = off (MKL on the plain weights, as the training forward).
     Raises:
-        ValueError: an unknown dtype or attention, prefill_chunk_tokens < 1.
+        ValueError: an unknown dtype or attention, prefill_chunk_tokens < 1, a bad packed_linears.
     """
 
     def __init__(
@@ -133,6 +140,7 @@ class ModelRunner:
         attention: str = "auto",
         prefill_chunk_tokens: int = 2048,
         compile_decode: bool = False,
+        packed_linears="auto",
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -149,9 +157,26 @@ class ModelRunner:
             raise ValueError(f"prefill_chunk_tokens must be an int >= 1, got {prefill_chunk_tokens!r}")
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.compile_decode = bool(compile_decode)
+        if packed_linears not in ("auto", True, False):
+            raise ValueError(f"packed_linears must be 'auto', True or False, got {packed_linears!r}")
+        use_packed = packed_available(self.device, self.dtype)
+        if packed_linears is True and not use_packed:
+            raise ValueError(
+                f"packed_linears=True needs a CPU device, float32 weights and torch with oneDNN; got "
+                f"{self.device.type}, {self.dtype}, oneDNN {torch.backends.mkldnn.is_available()}"
+            )
+        use_packed = use_packed and packed_linears is not False
+        self._packed = PackedLinears(model) if use_packed else contextlib.nullcontext()
         self._compiled = None
         if self.compile_decode:  # one graph per (row bucket, cache length), for every runner in the process
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+    def refresh_weights(self) -> None:
+        """Call after writing the model's weights in a way torch's version counter does not record
+        (`param.data[...] = ...`, a collective writing raw memory): packed copies are rebuilt (packed.py).
+        In-place torch ops (load_state_dict, copy_, optimizer steps) need no call."""
+        if isinstance(self._packed, PackedLinears):
+            self._packed.refresh()
 
     # ---- validation ------------------------------------------------------------------------------
     def check_prompt(self, prompt, name: str = "prompt") -> list[int]:
@@ -190,7 +215,8 @@ class ModelRunner:
             batch = cache.batch(start, B, T, self.attention)
             at = to_device(torch.tensor([max(n - 1, 0) for n in lens]), self.device)
             ids = to_device(ids, self.device)
-            logits = self.model(ids, position_ids=batch.position_ids, kv_cache=batch, logits_at=at)
+            with self._packed:
+                logits = self.model(ids, position_ids=batch.position_ids, kv_cache=batch, logits_at=at)
         cache.lengths[start : start + B] += torch.tensor(lens, dtype=torch.long)
         return logits.float()
 

@@ -45,7 +45,7 @@ def task_accuracy(
             choice = conv["letters"][int(torch.argmax(logits[letter_ids]))]
             correct += choice == conv["answer"]
     elif task.eval_type == "generative":
-        engine = ModelRunner(model, tokenizer)
+        engine = ModelRunner(model, tokenizer, dtype="model")  # evaluate the weights as they are
         for i in range(0, n, batch_size):
             results = engine.generate_batch(
                 prompts[i : i + batch_size], max_tokens=max_tokens, temperature=0.0

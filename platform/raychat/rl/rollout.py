@@ -48,7 +48,8 @@ class RolloutWorker:
             torch.set_num_threads(int(num_threads))
         model, tokenizer, _ = load_model(checkpoint, device=device)
         self.model, self.tokenizer, self.tasks = model.eval(), tokenizer, tasks
-        self.engine = ModelRunner(model, tokenizer)
+        # the learner's dtype ("model"), never cast: on-policy samples come from the weights it trains
+        self.engine = ModelRunner(model, tokenizer, dtype="model")
         self.worker_index, self.version = worker_index, 0
         self.hash = weights_hash(model.state_dict())
 
@@ -59,12 +60,14 @@ class RolloutWorker:
         Returns {"version", "hash", "apply_s" (fetch + load seconds), "worker"}.
         """
         self.hash, apply_s = load_published(self.model, refs)
+        self.engine.refresh_weights()
         self.version = int(version)
         return {"version": self.version, "hash": self.hash, "apply_s": apply_s, "worker": self.worker_index}
 
     def receive_broadcast(self, group_name: str, version: int) -> dict:
         """Collective path: receive every tensor from rank 0 (the learner) in place; same ack as set_weights."""
         apply_s = collective_broadcast(self.model, group_name)
+        self.engine.refresh_weights()  # the collective writes the tensors' memory directly
         self.hash, self.version = weights_hash(self.model.state_dict()), int(version)
         return {"version": self.version, "hash": self.hash, "apply_s": apply_s, "worker": self.worker_index}
 

@@ -79,12 +79,15 @@ class ChatServerDeployment:
         engine_process: bool,
         torch_threads: int | None,
         model_id: str | None,
+        dtype: str,
+        prefill_chunk_tokens: int,
         device: str,
     ):
         if torch_threads is None:  # the CPUs this replica reserved (ray_actor_options, maybe from the YAML)
             torch_threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         kwargs = {"max_slots": max_slots, "max_len": max_len, "stream_interval": stream_interval}
         kwargs["deployment"] = SERVER_DEPLOYMENT
+        kwargs |= {"dtype": dtype, "prefill_chunk_tokens": prefill_chunk_tokens}
         if model_id:
             kwargs["model_id"] = model_id
         if engine_process:
@@ -231,6 +234,8 @@ def build_app(args: dict | ServeConfig) -> Application:
         r.engine_process,
         r.torch_threads,
         c.model_id,
+        r.dtype,
+        r.prefill_chunk_tokens,
         device_for(r.num_gpus),
     )
     return ChatIngress.options(

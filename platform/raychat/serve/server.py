@@ -61,8 +61,13 @@ class ChatServer:
             event crosses two Ray hops and one HTTP write, so under load this per-token transport cost is
             what bounds a small model's throughput; 1 streams every token. (SGLang's --stream-interval is
             the same knob.)
+        dtype: weights and KV cache of the ModelRunner (engine/runner.py resolve_dtype): "auto" (default)
+            = bfloat16 on CUDA, float32 on CPU; "model" keeps the checkpoint's; "float32" / "bfloat16" /
+            "float16". The model is cast in place.
+        prefill_chunk_tokens: prompt tokens prefilled per scheduler step at most (chunked prefill, >= 1).
     Raises:
-        ValueError: stream_interval < 1, or invalid Scheduler arguments.
+        ValueError: stream_interval < 1, or invalid ModelRunner / Scheduler arguments (dtype,
+            prefill_chunk_tokens, max_slots, max_len).
     """
 
     def __init__(
@@ -76,6 +81,8 @@ class ChatServer:
         meta: dict | None = None,
         stream_interval: int = 1,
         scheduler=None,
+        dtype: str = "auto",
+        prefill_chunk_tokens: int = 512,
     ):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
@@ -84,7 +91,10 @@ class ChatServer:
         self.model_id = model_id
         self.meta = meta or {}
         if scheduler is None:
-            scheduler = Scheduler(ModelRunner(model, tokenizer), max_slots=max_slots, max_len=max_len)
+            runner = ModelRunner(model, tokenizer, dtype=dtype)
+            scheduler = Scheduler(
+                runner, max_slots=max_slots, max_len=max_len, prefill_chunk_tokens=prefill_chunk_tokens
+            )
         self.scheduler = scheduler
         self.scheduler.start()
         self.metrics = ServeMetrics(deployment)
@@ -113,7 +123,8 @@ class ChatServer:
             model, tokenizer, meta = load_model(checkpoint, device=device)
             return cls(model, tokenizer, meta=meta, **kwargs)
         rows, max_len = kwargs.pop("max_slots", 8), kwargs.pop("max_len", None)
-        scheduler = EngineProcess(checkpoint, device, rows, max_len, torch_threads)
+        engine = {k: kwargs.pop(k) for k in ("dtype", "prefill_chunk_tokens") if k in kwargs}
+        scheduler = EngineProcess(checkpoint, device, rows, max_len, torch_threads, **engine)
         meta = read_meta(checkpoint)
         return cls(None, Tokenizer.load(checkpoint), meta=meta, scheduler=scheduler, **kwargs)
 

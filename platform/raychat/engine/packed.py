@@ -1,0 +1,76 @@
+"""CPU matmuls of the engine through oneDNN with weights reordered once ("packed"), instead of MKL on the
+plain layout.
+
+Why: on CPU a Linear in the engine runs at 1 to 64 rows (decode) or one prefill chunk, shapes at which
+MKL's sgemm on the plain (out, in) weight reaches 4-60% of its large-matrix rate. oneDNN's matmul with the
+weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the weight
+prepacking torch.compile's CPU backend applies when it freezes a model) was 1.3-2x faster per Linear at
+1..512 rows in fp32 on the 2-core AVX-512 machines here with the weights in cache, and 1.02-1.18x faster
+per whole decode step, whose weights come from memory (bench/results/engine_step_profile.md). The multiply
+stays in the weight's dtype (fp32 stays fp32: results differ from MKL's only in summation order, about
+1e-6 relative).
+
+`PackedLinears(model)` holds one packed copy per nn.Linear weight (as much memory again as those weights)
+and re-packs a weight whenever it changed: the parameter's version counter (every in-place update:
+load_state_dict, optimizer steps, copy_) or its storage (a new tensor assigned) differs from when it was
+packed; `refresh()` forces a re-pack after writes that bypass the counter. `with packed:` routes those
+Linears' forward through the packed copies for the duration of the block only (the engine's forwards);
+outside it the model is untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where packing applies: a CPU device, fp32 weights, torch built with oneDNN."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+class PackedLinears:
+    """oneDNN-packed copies of every nn.Linear weight of `model`, used inside `with self:` only.
+
+    Args:
+        model: any nn.Module; its nn.Linear submodules (weight (out, in), optional bias (out,)) are packed.
+    Shapes: each packed Linear maps (..., in) -> (..., out) in the weight's dtype, as nn.Linear.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.linears = [m for m in model.modules() if type(m) is nn.Linear]
+        self._packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
+
+    def _weight(self, linear: nn.Linear) -> torch.Tensor:
+        w = linear.weight
+        key = (w._version, w.data_ptr())
+        hit = self._packed.get(id(linear))
+        if hit is None or hit[0] != key:
+            with torch.no_grad():
+                hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+            self._packed[id(linear)] = hit
+        return hit[1]
+
+    def refresh(self) -> None:
+        """Re-pack every weight at the next forward: for writes the version counter does not see (into
+        `weight.data`, or raw memory from a communication library)."""
+        self._packed.clear()
+
+    def __enter__(self) -> PackedLinears:
+        for linear in self.linears:
+            weight, bias = self._weight(linear), linear.bias
+            linear.forward = lambda x, w=weight, b=bias: _linear(x, w, b)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for linear in self.linears:
+            del linear.forward
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
