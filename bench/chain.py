@@ -27,6 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from raychat.checkpoint_manager import find_checkpoint
+
 RAYCHAT = [sys.executable, "-m", "raychat.cli"]
 WORDS = (
     "the a river stone light cloud tree bird wind fire water runs falls grows sings over under near "
@@ -62,11 +64,6 @@ def run(args: list[str], log: Path) -> None:
         sys.exit(f"raychat {args[0]} failed (exit {proc.returncode}); see {log}")
 
 
-def newest_checkpoint(run_dir: Path) -> str:
-    done = [p for p in run_dir.glob("checkpoint_*") if (p / "meta.json").exists()]
-    return str(max(done, key=lambda p: json.loads((p / "meta.json").read_text())["step"]))
-
-
 def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -91,7 +88,7 @@ def chain(out: Path) -> dict:
               "--storage-path", str(out / "ck"), *SIZES]  # fmt: skip
     run(["pretrain", *common, "--run-name", "base", "--num-iterations", "30", "--eval-every", "10",
          "--eval-tokens", "1536", "--checkpoint-every", "15"], out / "pretrain.log")  # fmt: skip
-    base = newest_checkpoint(out / "ck" / "base")
+    base = find_checkpoint(out / "ck" / "base")
     run(["sft", *common, "--run-name", "sft", "--init-from", base, "--num-iterations", "20", "--eval-every", "10",
          "--eval-tokens", "1536", "--checkpoint-every", "20", "--eval-examples", "8",
          "--sft-tasks", "calculator:300,spelling:200,chatterbot:200"], out / "sft.log")  # fmt: skip

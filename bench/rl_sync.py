@@ -42,7 +42,7 @@ def sizes(args) -> None:
         cfg = ModelConfig.from_depth(depth, tok.vocab_size, 256, aspect_ratio=width // depth, head_dim=64)
         model = GPT(cfg).init_weights(0)
         ck = tmp / f"d{depth}"
-        save_model(ck, model, tok, {"stage": "bench"})
+        save_model(ck, model, tok, {"stage": "bench"}, commit=True)
         rl = from_dict(RLConfig, dict(checkpoint=str(ck), task_examples=8, eval_examples=2))
         learner = LearnerActor.options(num_cpus=0.5).remote(str(ck), rl)
         rollouts = [RolloutActor.options(num_cpus=0.5).remote(str(ck), rl_tasks(rl), i) for i in range(2)]

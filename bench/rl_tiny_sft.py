@@ -90,7 +90,9 @@ def main():
             )
     sampled = pass_at_1(model, tok, test, 64, 1.0, samples=8)
     print(f"final: sampled (T=1) pass@1 {sampled:.3f}")
-    save_model(args.out, model.eval(), tok, {"stage": "sft", "step": args.steps, "bench": vars(args)})
+    save_model(
+        args.out, model.eval(), tok, {"stage": "sft", "step": args.steps, "bench": vars(args)}, commit=True
+    )
     print(f"saved {args.out}")
 
 

@@ -142,7 +142,7 @@ def tiny_checkpoint(directory: Path, depth: int) -> Path:
     model = GPT(ModelConfig.from_depth(depth, vocab_size=tok.vocab_size, max_seq_len=512)).init_weights(
         seed=0
     )
-    save_model(directory, model, tok, {"step": 0, "stage": "bench-random"})
+    save_model(directory, model, tok, {"step": 0, "stage": "bench-random"}, commit=True)
     return directory
 
 

@@ -16,7 +16,7 @@ def tiny_checkpoint(directory: Path, tokenizer, seed: int = 0, depth: int = 1, w
         intermediate_size=2 * width, max_seq_len=96,
     )  # fmt: skip
     model = GPT(cfg).init_weights(seed)
-    save_model(directory, model, tokenizer, {"stage": "test", "step": 0})
+    save_model(directory, model, tokenizer, {"stage": "test", "step": 0}, commit=True)
     return str(directory)
 
 

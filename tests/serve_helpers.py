@@ -27,9 +27,10 @@ def tiny_model_and_tokenizer(seed: int = 0, max_seq_len: int = 256) -> tuple[GPT
     return model.eval(), tokenizer
 
 
-def write_tiny_checkpoint(directory, seed: int = 0, max_seq_len: int = 256):
+def write_tiny_checkpoint(directory, seed: int = 0, max_seq_len: int = 256, stage: str = "test"):
+    """A committed checkpoint of a random tiny model (meta and commit marker: step 0, `stage`)."""
     model, tokenizer = tiny_model_and_tokenizer(seed, max_seq_len)
-    save_model(directory, model, tokenizer, {"step": 0, "stage": "test"})
+    save_model(directory, model, tokenizer, {"step": 0, "stage": stage}, commit=True)
     return directory
 
 

@@ -31,15 +31,13 @@ def _snapshot(root: Path) -> dict[str, tuple[int, str]]:
 
 @pytest.fixture
 def root(tmp_path, small_tokenizer) -> Path:
-    """A storage root holding a tokenizer, a data dir and a pretraining run with one complete checkpoint, but
+    """A storage root holding a tokenizer, a data dir and a pretraining run with one committed checkpoint, but
     no SFT run."""
     r = tmp_path / "runs"
     small_tokenizer.save(r / "tokenizer")
     (r / "data").mkdir()
     (r / "data" / "manifest.json").write_text('{"shards": []}\n')
-    ckpt = write_tiny_checkpoint(r / "pretrain" / "checkpoint_000004")
-    meta = (ckpt / "meta.json").read_text().replace('"stage": "test"', '"stage": "pretrain"')
-    (ckpt / "meta.json").write_text(meta)
+    write_tiny_checkpoint(r / "pretrain" / "checkpoint_000004", stage="pretrain")
     return r
 
 
@@ -82,9 +80,9 @@ def test_a_storage_path_that_is_not_writable(argv, flag, root, tmp_path, capsys)
     "argv, want",
     [
         (["sft", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "latest"],
-         "--init-from: latest: no complete pretrain checkpoint under {root} ({root} holds: data/, tokenizer/)"),
+         "--init-from: latest: no committed pretrain checkpoint under {root} ({root} holds: data/, tokenizer/)"),
         (["rl", "--preset", "tiny", "--storage-path", "{root}", "--checkpoint", "latest"],
-         "--checkpoint: latest: no complete sft checkpoint under {root} ({root} holds: data/, pretrain/, "
+         "--checkpoint: latest: no committed sft checkpoint under {root} ({root} holds: data/, pretrain/, "
          "tokenizer/)"),
         (["eval", "--preset", "tiny", "--storage-path", "{root}", "--checkpoint", "{root}/sft/latest"],
          "--checkpoint: {root}/sft does not exist ({root} holds: data/, pretrain/, tokenizer/)"),

@@ -1,18 +1,19 @@
 """The checkpointer every stage shares: meta in the config's words, one optimizer file, compact per-rank state
-that every rank of a new world reads, staged directories."""
+that every rank of a new world reads, nothing unpickled but tensors and plain containers."""
 
 from __future__ import annotations
 
 import json
+import pickle
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from raychat.checkpoint import load_tree, read_meta, save_model, save_tree
+from raychat.checkpoint import load_optimizers, load_rng, load_tree, read_meta, save_tree
 from raychat.model import GPT, ModelConfig
-from raychat.train.checkpointer import Checkpointer, RunDirectory, restore_rows
+from raychat.train.checkpointer import Checkpointer, restore_rows
 
 
 def tiny_model(vocab: int) -> GPT:
@@ -133,34 +134,28 @@ def test_restore_rows_redeals_or_refuses_a_new_world():
         restore_rows(SameWorldRows(), states, 0, 1)
 
 
-def test_a_checkpoint_of_the_old_layout_restores(tmp_path, small_tokenizer):
-    """Before: optim_rank{r}.pt on every rank and state_rank{r}.json."""
+class WritesAFile:
+    """Unpickling this would create `path` (what a hostile optim.pt on a shared volume could do)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_optimizer_and_rng_state_never_unpickle_code(tmp_path, small_tokenizer):
     model, opt = trained(small_tokenizer.vocab_size)
-    for rank in (0, 1):
-        torch.save([opt.state_dict()], tmp_path / f"optim_rank{rank}.pt")
-        (tmp_path / f"state_rank{rank}.json").write_text(json.dumps({"rows": {"epoch": rank}, "step": 3}))
+    Checkpointer("pretrain", {}, small_tokenizer).write(tmp_path, 0, 1, 3, model, [opt], {"rows": {}})
     fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
-    states = Checkpointer("pretrain", {}, small_tokenizer).restore(tmp_path, 1, [fresh])
-    assert states == [{"rows": {"epoch": 0}, "step": 3}, {"rows": {"epoch": 1}, "step": 3}]
+    load_optimizers(tmp_path, [fresh])  # real state loads with weights_only=True
     assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
-
-
-def test_old_checkpoints_kind_reads_as_stage(tmp_path, small_tokenizer):
-    save_model(tmp_path, tiny_model(small_tokenizer.vocab_size), small_tokenizer, {"kind": "rl", "step": 3})
-    assert json.loads((tmp_path / "meta.json").read_text())["kind"] == "rl"
-    assert read_meta(tmp_path)["stage"] == "rl"
-
-
-def test_run_directory_stages_renames_and_prunes(tmp_path, small_tokenizer):
-    runs, model = RunDirectory(tmp_path / "run", keep=2), tiny_model(small_tokenizer.vocab_size)
-    ck = Checkpointer("rl", {}, small_tokenizer)
-    for step in (1, 2, 3):
-        staged = runs.staging(step)
-        ck.write(staged, 0, 1, step, model, [], {"version": step})
-        assert (
-            staged.name == f".tmp_checkpoint_{step:06d}"
-            and not (tmp_path / "run" / f"checkpoint_{step:06d}").exists()
-        )
-        runs.commit(step)
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint_000002", "checkpoint_000003"]
-    assert runs.latest().name == "checkpoint_000003"
+    assert load_rng(tmp_path, 0) is True
+    planted = tmp_path / "planted"
+    torch.save([WritesAFile(planted)], tmp_path / "optim.pt")
+    torch.save({"torch": WritesAFile(planted), "python": None}, tmp_path / "rng_rank0.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_optimizers(tmp_path, [fresh])
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_rng(tmp_path, 0)
+    assert not planted.exists()

@@ -15,19 +15,20 @@ import time
 import urllib.request
 import uuid
 
-import pyarrow.fs as pafs
 import pytest
 import ray
 import ray.train
 import torch
 import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
-from ray.train import Checkpoint, RunConfig, ScalingConfig
+from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from safetensors.torch import load_file, save_file
 
+from raychat.checkpoint_manager import CheckpointManager, resolve_checkpoint
 from raychat.metrics import TrainMetrics
-from raychat.storage import open_storage, resolve_checkpoint
+from raychat.storage import open_storage
+from raychat.train.checkpointer import commit_ranks
 
 pytestmark = pytest.mark.ray
 # The cluster's workers cannot import this test module: ship its functions and classes by value.
@@ -95,33 +96,34 @@ def test_metrics_scraped_from_the_worker_node_that_recorded_them(multinode_drive
 
 
 def _two_steps(config):
-    """Resume from the last checkpoint if there is one, then two steps, each reporting a checkpoint in
-    raychat's layout (model.safetensors, meta.json with the step) and what the ranks saw: every rank's node
-    id (all-gathered over gloo) and the sum of the ranks (all-reduced). Ray Train V2 keeps the metrics that
-    come with a checkpoint."""
+    """Resume from the run's newest committed checkpoint if there is one, then two steps, each committing a
+    checkpoint the way raychat's Trainer does (every rank uploads its part, rank 0 commits: model.safetensors
+    and meta.json with the step from rank 0, a state file per rank) and reporting what the ranks saw: every
+    rank's node id (all-gathered over gloo) and the sum of the ranks (all-reduced)."""
     ctx = ray.train.get_context()
-    start = 0
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            start = json.loads(open(f"{d}/meta.json").read())["step"]
-    ids = [None] * ctx.get_world_size()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    manager = config["checkpoints"]
+    newest = manager.newest()
+    start = newest.step if newest else 0
+    ids = [None] * world
     dist.all_gather_object(ids, ray.get_runtime_context().get_node_id())
-    rank_sum = torch.tensor([float(ctx.get_world_rank())])
+    rank_sum = torch.tensor([float(rank)])
     dist.all_reduce(rank_sum)
     for step in range(start + 1, start + 3):
         with tempfile.TemporaryDirectory() as d:
-            if ctx.get_world_rank() == 0:
+            if rank == 0:
                 save_file({"w": torch.full((4,), float(step))}, f"{d}/model.safetensors")
                 open(f"{d}/meta.json", "w").write(json.dumps({"step": step}))
-            metrics = {"step": step, "resumed_from": start, "node_ids": ids, "rank_sum": rank_sum.item()}
-            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
+            open(f"{d}/state_rank{rank}.npz", "w").write(f"rank {rank} step {step}")
+            commit_ranks(manager, d, step, rank, world, "pretrain")
+        ray.train.report({"step": step, "resumed_from": start, "node_ids": ids, "rank_sum": rank_sum.item()})
 
 
 def test_train_runs_on_two_nodes_checkpoints_to_s3_and_resumes_from_it(multinode_driver, s3_env, tmp_path):
-    """Ray Train on the cluster writes to moto's S3 through raychat.storage's root (the endpoint comes from
-    AWS_ENDPOINT_URL here and travels with the pickled filesystem; the nodes have their own credentials),
-    resumes from the bucket, and the resolver finds the newest checkpoint among Ray Train's."""
+    """Ray Train on the cluster commits checkpoints to moto's S3 through raychat's CheckpointManager (the
+    endpoint comes from AWS_ENDPOINT_URL here and travels with the pickled filesystem; the nodes have their own
+    credentials), both ranks' files under one commit marker, resumes from the bucket, and the resolver finds
+    the newest committed checkpoint."""
     c = multinode_driver
     bucket = s3_env.make_bucket()
     root = open_storage(f"s3://{bucket}/runs")
@@ -129,6 +131,7 @@ def test_train_runs_on_two_nodes_checkpoints_to_s3_and_resumes_from_it(multinode
     def fit():
         return TorchTrainer(
             _two_steps,
+            train_loop_config={"checkpoints": CheckpointManager(root, "resume")},
             scaling_config=ScalingConfig(
                 num_workers=2, resources_per_worker={"CPU": 1}, placement_strategy="STRICT_SPREAD"
             ),
@@ -143,16 +146,13 @@ def test_train_runs_on_two_nodes_checkpoints_to_s3_and_resumes_from_it(multinode
     second = fit()
     assert (second.metrics["step"], second.metrics["resumed_from"]) == (4, 2)
 
-    fs = s3_env.filesystem()
-    names = [
-        i.path.rsplit("/", 1)[-1]
-        for i in fs.get_file_info(pafs.FileSelector(f"{bucket}/runs/resume"))
-        if i.type == pafs.FileType.Directory
-    ]
-    assert len([n for n in names if n.startswith("checkpoint_")]) == 4
+    assert [ck.step for ck in CheckpointManager(root, "resume").committed()] == [1, 2, 3, 4]
     latest = resolve_checkpoint(f"s3://{bucket}/runs/resume/latest", cache_dir=tmp_path)
     assert json.loads((latest / "meta.json").read_text()) == {"step": 4}
     assert load_file(str(latest / "model.safetensors"))["w"].tolist() == [4.0] * 4
+    commit = json.loads((latest / "commit.json").read_text())
+    assert sorted(commit["files"]) == ["meta.json", "model.safetensors", "state_rank0.npz", "state_rank1.npz"]
+    assert (latest / "state_rank1.npz").read_text() == "rank 1 step 4"
 
 
 def test_killing_a_raylet_makes_its_node_dead_and_it_can_rejoin(multinode_driver):

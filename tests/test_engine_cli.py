@@ -20,7 +20,7 @@ def checkpoint(tmp_path_factory):
     tok = byte_tokenizer()
     model = tiny_gpt(tok)
     d = tmp_path_factory.mktemp("ckpt")
-    save_model(d, model, tok, {"step": 0})
+    save_model(d, model, tok, {"step": 0}, commit=True)
     return d, model, tok
 
 

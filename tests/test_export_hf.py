@@ -62,7 +62,7 @@ def model(tokenizer) -> GPT:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, model, tokenizer):
     ckpt = tmp_path_factory.mktemp("ckpt")
-    save_model(ckpt, model, tokenizer, {"step": 7})
+    save_model(ckpt, model, tokenizer, {"step": 7}, commit=True)
     out = tmp_path_factory.mktemp("hf")
     rc = export_hf.main(argparse.Namespace(checkpoint=str(ckpt), out=str(out)))
     assert rc == 0

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from rl_fixtures import rl_config, tiny_checkpoint
 
 from raychat.checkpoint import load_model
+from raychat.checkpoint_manager import CheckpointManager
 from raychat.rl.learner import Learner
+from raychat.storage import open_storage
 from raychat.train.optim import build_optimizers
 
 # prompt tokens (mask 0), sampled tokens (mask 1), a forced tool output (mask 0) in the first row
@@ -117,9 +119,11 @@ def test_checkpoint_round_trip_restores_optimizer(tmp_path, small_tokenizer):
     cfg = rl_config(checkpoint=ckpt)
     a = Learner(ckpt, cfg)
     a.step([dict(s) for s in BATCH])
-    a.save(str(tmp_path / "rl"), step=1)
+    checkpoints = CheckpointManager(open_storage(tmp_path), "rl")
+    checkpoints.prepare(1)
+    checkpoints.commit(1, a.save(checkpoints, step=1), "rl")  # what RLRun.save does with its learners
     b = Learner(ckpt, cfg)
-    assert b.restore(str(tmp_path / "rl")) == {"step": 1, "version": 1} and b.version == 1
+    assert b.restore(checkpoints.uri(1)) == {"step": 1, "version": 1} and b.version == 1
     assert b.weights_hash() == a.weights_hash()
     # same optimizer state -> the next update is identical
     a.step([dict(s) for s in BATCH[:2]])

@@ -41,7 +41,7 @@ def test_parse_args_converts_strings_and_rejects_unknown(monkeypatch):
 
 def test_build_app_needs_a_checkpoint(tmp_path):
     with pytest.raises(
-        ValueError, match=rf"^checkpoint: {tmp_path} has no complete checkpoint \({tmp_path} is empty\)$"
+        ValueError, match=rf"^checkpoint: {tmp_path} has no committed checkpoint \({tmp_path} is empty\)$"
     ):
         serve_app.build_app({"checkpoint": str(tmp_path)})
 

@@ -33,8 +33,9 @@ from ray.util.state import list_actors
 from safetensors.torch import load_file
 from stage_chain import RAYCHAT, REPO, run_chain, submit
 
+from raychat.checkpoint_manager import find_checkpoint
 from raychat.ops import k8s
-from raychat.storage import checkpoint_meta, find_checkpoint, open_storage
+from raychat.storage import open_storage, read_bytes
 from raychat.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.ray
@@ -166,19 +167,23 @@ def test_pretraining_on_s3_checkpoints_to_the_bucket_and_resumes_from_it(chain, 
     assert _meta_of(find_checkpoint(f"{storage}/s3-pretrain/latest"))["step"] == 2
     second = submit(stage, "s3-resume", c.dashboard_url, c.token_file, env)
     assert second.returncode == 0, second.output[-4000:]
-    assert re.search(rf"resumed from {bucket}/runs/s3-pretrain/checkpoint_\S+ at step 2", second.output)
+    assert f"resumed from s3://{bucket}/runs/s3-pretrain/checkpoint_000002 at step 2" in second.output
     assert "step     3/4" in second.output and "step     1/4" not in second.output
     newest = find_checkpoint(f"{storage}/s3-pretrain/latest")
-    assert newest.startswith(f"s3://{bucket}/runs/s3-pretrain/checkpoint_")
+    assert newest == f"s3://{bucket}/runs/s3-pretrain/checkpoint_000004"
     assert _meta_of(newest)["step"] == 4
     names = [i.path.rsplit("/", 1)[-1] for i in s3_env.filesystem().get_file_info(
         pafs.FileSelector(f"{bucket}/runs/s3-pretrain"))]  # fmt: skip
-    # keep_checkpoints 2: steps 2 and 4 (beside Ray Train's checkpoint_manager_snapshot.json)
-    assert len([n for n in names if n.startswith("checkpoint_") and not n.endswith(".json")]) == 2
+    # keep_checkpoints 2: steps 2 and 4, both committed
+    assert sorted(n for n in names if n.startswith("checkpoint_")) == [
+        "checkpoint_000002",
+        "checkpoint_000004",
+    ]
 
 
 def _meta_of(uri: str) -> dict:
-    return checkpoint_meta(open_storage(uri), open_storage(uri).path)
+    storage = open_storage(uri)
+    return json.loads(read_bytes(storage, f"{storage.path}/meta.json"))
 
 
 # ---------------------------------------------------------------- serving from the storage root

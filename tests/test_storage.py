@@ -1,41 +1,49 @@
-"""raychat.storage: storage roots and the one checkpoint resolver, on local dirs and on a real S3 server (moto)."""
+"""raychat.storage and raychat.checkpoint_manager's resolver: storage roots and checkpoint references, on local
+dirs and on a real S3 server (moto)."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
 
 from raychat import storage as st
-from raychat.storage import check_writable, open_storage, resolve_checkpoint
+from raychat.checkpoint_manager import CheckpointError, commit_directory, resolve_checkpoint
+from raychat.storage import check_writable, open_storage
 
-RAY_TRAIN_NAMES = ("checkpoint_2026-12-01_08-00-00.000001", "checkpoint_2026-12-01_09-30-00.000002")
+LEGACY_NAME = "checkpoint_2026-12-01_09-30-00.000002"  # Ray Train's own naming, from before commit markers
 
 
-def write_checkpoint(root: Path, step: int | None, model: bool = True) -> Path:
-    """A checkpoint dir: model.safetensors (bytes that name the step), meta.json (if step is not None), and a
-    rank's optimizer state. Only the files' presence and step matter to the resolver."""
+def write_checkpoint(root: Path, step: int | None, model: bool = True, commit: bool = True) -> Path:
+    """A checkpoint dir: model.safetensors (bytes that name the step), meta.json (if step is not None), the
+    optimizer state, and (commit, with a step) the commit marker. Only the files and the marker matter to the
+    resolver."""
     root.mkdir(parents=True, exist_ok=True)
     if model:
         (root / "model.safetensors").write_bytes(f"weights of step {step}".encode() * 100)
     if step is not None:
-        (root / "meta.json").write_text(json.dumps({"step": step, "kind": "pretrain"}))
-    (root / "optim_rank0.pt").write_bytes(b"o" * 10)
+        (root / "meta.json").write_text(json.dumps({"step": step, "stage": "pretrain"}))
+    (root / "optim.pt").write_bytes(b"o" * 10)
+    if commit and step is not None:
+        commit_directory(root, step, "pretrain")
     return root
 
 
 @pytest.fixture
 def runs(tmp_path) -> Path:
-    """<tmp>/runs/pre (RL-style names: steps 2 and 5 complete, 7 without weights), <tmp>/runs/sft (Ray Train
-    names, steps 10 then 20), <tmp>/runs/empty (a config file, a half-written checkpoint)."""
+    """<tmp>/runs/pre (steps 2 and 5 committed, 7 written but never committed), <tmp>/runs/sft (steps 10 and
+    20 committed, a step-99 dir of the old naming without a marker), <tmp>/runs/empty (a config file, a
+    half-written checkpoint)."""
     root = tmp_path / "runs"
     write_checkpoint(root / "pre" / "checkpoint_000002", 2)
     write_checkpoint(root / "pre" / "checkpoint_000005", 5)
-    write_checkpoint(root / "pre" / "checkpoint_000007", 7, model=False)
-    write_checkpoint(root / "sft" / RAY_TRAIN_NAMES[0], 10)
-    write_checkpoint(root / "sft" / RAY_TRAIN_NAMES[1], 20)
+    write_checkpoint(root / "pre" / "checkpoint_000007", 7, model=False, commit=False)
+    write_checkpoint(root / "sft" / "checkpoint_000010", 10)
+    write_checkpoint(root / "sft" / "checkpoint_000020", 20)
+    write_checkpoint(root / "sft" / LEGACY_NAME, 99, commit=False)
     (root / "empty").mkdir()
     (root / "empty" / "config.yaml").write_text("depth: 4\n")
     write_checkpoint(root / "empty" / "checkpoint_000001", None)
@@ -45,8 +53,8 @@ def runs(tmp_path) -> Path:
 # ---------------------------------------------------------------------------------------------- local
 
 
-def test_every_reference_form_resolves_to_the_newest_complete_checkpoint(runs, monkeypatch):
-    newest = runs / "pre" / "checkpoint_000005"  # 7 is newer but has no model.safetensors
+def test_every_reference_form_resolves_to_the_newest_committed_checkpoint(runs, monkeypatch):
+    newest = runs / "pre" / "checkpoint_000005"  # 7 is newer but was never committed
     assert resolve_checkpoint(runs / "pre") == newest
     assert resolve_checkpoint(f"{runs}/pre/latest") == newest
     assert resolve_checkpoint(f"{runs}/pre/") == newest
@@ -54,7 +62,7 @@ def test_every_reference_form_resolves_to_the_newest_complete_checkpoint(runs, m
     assert resolve_checkpoint("pre", storage=open_storage(runs)) == newest
     assert resolve_checkpoint(f"file://{runs}/pre/latest") == newest
     assert resolve_checkpoint(runs / "pre" / "checkpoint_000002") == runs / "pre" / "checkpoint_000002"
-    assert resolve_checkpoint(runs / "sft" / "latest") == runs / "sft" / RAY_TRAIN_NAMES[1]
+    assert resolve_checkpoint(runs / "sft" / "latest") == runs / "sft" / "checkpoint_000020"  # 99: no marker
     monkeypatch.chdir(runs.parent)
     assert resolve_checkpoint("runs/pre/latest") == newest  # relative paths are relative to the cwd
 
@@ -68,11 +76,13 @@ def test_newest_is_the_highest_step_not_the_last_name(tmp_path):
 
 def test_bad_references_fail_in_one_line_naming_the_flag_and_what_exists(runs):
     cases = [
-        (f"{runs}/empty/latest", f"--checkpoint: {runs}/empty has no complete checkpoint ({runs}/empty holds: "
-         "checkpoint_000001 (incomplete)/, config.yaml)"),
+        (f"{runs}/empty/latest", f"--checkpoint: {runs}/empty has no committed checkpoint ({runs}/empty holds: "
+         "checkpoint_000001 (uncommitted)/, config.yaml)"),
         (f"{runs}/nope/latest", f"--checkpoint: {runs}/nope does not exist ({runs} holds: empty/, pre/, sft/)"),
-        (f"{runs}/pre/checkpoint_000007", f"--checkpoint: checkpoint {runs}/pre/checkpoint_000007 is "
-         "incomplete (no model.safetensors)"),
+        (f"{runs}/pre/checkpoint_000007", f"--checkpoint: checkpoint {runs}/pre/checkpoint_000007 is not "
+         "committed (no commit.json): a save that did not finish, or a checkpoint written before commit markers"),
+        (f"{runs}/sft/{LEGACY_NAME}", f"--checkpoint: checkpoint {runs}/sft/{LEGACY_NAME} is not "
+         "committed (no commit.json): a save that did not finish, or a checkpoint written before commit markers"),
         (f"{runs}/empty/config.yaml", f"--checkpoint: {runs}/empty/config.yaml is a file; give a checkpoint "
          "dir, a run dir or <run dir>/latest"),
         ("", "--checkpoint: empty; give a checkpoint dir, a run dir, <run dir>/latest or a run name"),
@@ -86,6 +96,13 @@ def test_bad_references_fail_in_one_line_naming_the_flag_and_what_exists(runs):
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=rf"^--init-from: {runs}/zzz does not exist \({runs} holds: empty/"):
         resolve_checkpoint("zzz", storage=str(runs), flag="--init-from")
+    with pytest.raises(CheckpointError):
+        resolve_checkpoint(runs / "pre" / "checkpoint_000007")
+    for name in ("..", ".hidden", "a b"):
+        with pytest.raises(
+            ValueError, match=rf"^--init-from: '{re.escape(name)}' is not a run name \(letters"
+        ):
+            resolve_checkpoint(name, storage=str(runs / "pre"), flag="--init-from")
 
 
 def test_local_storage_root_is_created_and_checked_for_writing(tmp_path):
@@ -131,8 +148,8 @@ def test_s3_root_resolves_downloads_once_and_never_uses_a_half_download(runs, s3
     assert resolve_checkpoint(f"s3://{bucket}/runs/pre", cache_dir=cache) == got  # cached: not fetched again
     assert (got / "model.safetensors").stat().st_mtime_ns == stamp
 
-    # A download that breaks half-way leaves nothing under the final name; a cached copy with the wrong
-    # files (an earlier half download, a changed checkpoint) is replaced.
+    # A download that breaks half-way leaves nothing under the final name; a damaged cached copy (a file
+    # gone) is fetched again.
     (got / "meta.json").unlink()
     real_copy = st.pafs.copy_files
 
@@ -161,8 +178,8 @@ def test_s3_bad_input_names_the_flag(runs, s3_env, tmp_path):
     with pytest.raises(ValueError) as e:
         resolve_checkpoint(f"s3://{bucket}/runs/empty/latest", cache_dir=tmp_path / "cache")
     assert str(e.value) == (
-        f"--checkpoint: s3://{bucket}/runs/empty has no complete checkpoint (s3://{bucket}/runs/empty holds: "
-        "checkpoint_000001 (incomplete)/, config.yaml)"
+        f"--checkpoint: s3://{bucket}/runs/empty has no committed checkpoint (s3://{bucket}/runs/empty holds: "
+        "checkpoint_000001 (uncommitted)/, config.yaml)"
     )
     with pytest.raises(ValueError) as e:
         resolve_checkpoint("nope", storage=f"s3://{bucket}/runs", cache_dir=tmp_path / "cache")

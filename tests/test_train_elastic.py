@@ -27,8 +27,8 @@ import pytest
 import ray
 
 from raychat.checkpoint import read_meta
+from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import TrainConfig, from_dict
-from raychat.storage import find_checkpoint
 from raychat.train.launch import run_training
 from raychat.train.trainer import Callback
 
@@ -109,13 +109,10 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the nodes can
 
 
 def kill_when_ready(cluster, directory: Path, run_dir: Path, out: dict, timeout_s: float = 600) -> None:
-    """Kills node b once both ranks wait in step LOST_AT and Ray Train's controller has registered the
-    checkpoint of step 2. A rank's ray.train.report only queues the checkpoint: the controller collects it
-    at its next poll of the workers (every few seconds) and then writes checkpoint_manager_snapshot.json, the
-    first time at this run's first checkpoint. A node lost before that poll takes the report with it, and the
-    run would rightly restart from step 0 (a CI run once killed it that early)."""
+    """Kills node b once both ranks wait in step LOST_AT and checkpoint 2 is committed (its commit.json is
+    written by rank 0 after both ranks' files are in place; the ranks wait in step LOST_AT, after the save)."""
     deadline = time.monotonic() + timeout_s
-    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    snapshot = run_dir / f"checkpoint_{CHECKPOINT_EVERY:06d}" / "commit.json"
     while not (all((directory / f"ready_{r}").exists() for r in (0, 1)) and snapshot.exists()):
         if time.monotonic() > deadline:
             return

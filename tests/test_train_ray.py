@@ -14,9 +14,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from raychat.checkpoint import load_tree, read_meta
+from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import TrainConfig, from_dict
 from raychat.rl.weights import weights_hash
-from raychat.storage import find_checkpoint
 from raychat.train.pretrain import pretrain
 from raychat.train.step import NonFiniteError
 from raychat.train.trainer import Callback
@@ -83,8 +83,7 @@ def losses(storage, name="t"):
 
 
 def final_state(result, rank):
-    with result.checkpoint.as_directory() as d:
-        return load_tree(f"{d}/state_rank{rank}.npz")
+    return load_tree(f"{result.checkpoint}/state_rank{rank}.npz")
 
 
 class FailOnce(Callback):
@@ -187,12 +186,16 @@ def test_a_checkpoint_holds_one_optimizer_state_for_both_ranks(straight):
     storage, result = straight
     hashes = json.loads((storage / "optim_hashes.json").read_text())
     assert len(hashes) == 2 and hashes[0] == hashes[1]
-    with result.checkpoint.as_directory() as d:
-        names = sorted(os.listdir(d))
+    names = sorted(os.listdir(result.checkpoint))
     assert names == [
-        "meta.json", "model.safetensors", "optim.pt", "rng_rank0.pt", "rng_rank1.pt",
+        "commit.json", "meta.json", "model.safetensors", "optim.pt", "rng_rank0.pt", "rng_rank1.pt",
         "state_rank0.npz", "state_rank1.npz", "tokenizer.json",
     ]  # fmt: skip
+    # the commit marker lists both ranks' files, with their sizes
+    commit = json.loads((Path(result.checkpoint) / "commit.json").read_text())
+    assert {n: f["size"] for n, f in commit["files"].items()} == {
+        n: os.path.getsize(os.path.join(result.checkpoint, n)) for n in names if n != "commit.json"
+    }
 
 
 @pytest.mark.parametrize("what", ["loss", "grad norm"])

@@ -71,5 +71,5 @@ def train_tool_model(steps: int = 120, seed: int = 0, max_seq_len: int = 256) ->
 
 def write_tool_checkpoint(directory, **kwargs):
     model, tokenizer = train_tool_model(**kwargs)
-    save_model(directory, model, tokenizer, {"step": 0, "kind": "test-tool-model"})
+    save_model(directory, model, tokenizer, {"step": 0, "stage": "test-tool-model"}, commit=True)
     return directory

@@ -2,8 +2,7 @@
 
   model.safetensors      weights (rank 0), parameter names as Qwen3ForCausalLM
   meta.json              {"model_config", "tokenizer_version", "stage", "step", "world_size", "metrics",
-                         "config", ...} (raychat.train.checkpointer writes it; checkpoints written before had
-                         "kind")
+                         "config", ...} (raychat.train.checkpointer writes it)
   tokenizer.json         the tokenizer the model was trained with
   optim.pt               optimizer state, ONE copy (rank 0): data-parallel ranks hold identical optimizer
                          state (gradients are all-reduced before the step; raychat's Muon keeps its momentum
@@ -11,11 +10,14 @@
   state_rank{r}.npz      the data state of rank r (row-source position and buffers; RL: the policy version)
                          in save_tree's format: JSON structure + binary arrays, never token lists as JSON
   rng_rank{r}.pt         torch / python RNG state of rank r
+  commit.json            the commit marker, written last (raychat.checkpoint_manager): every file's size and
+                         sha256; a directory without it is not a checkpoint
 
-Checkpoints written before this layout (optim_rank{r}.pt on every rank, state_rank{r}.json) still load.
-Every file is written to a temporary name and renamed, so a crash never leaves a half-written file.
-read_meta and load_model also take the s3:// or gs:// URI of a checkpoint dir: it is downloaded to this
-node's cache first (raychat.storage.resolve_checkpoint), so every node can load one from object storage.
+Every file is written to a unique temporary name, fsynced and renamed, so a crash never leaves a half-written
+file; optimizer and RNG state load with torch.load(weights_only=True), so a checkpoint from a shared volume
+or bucket never runs code. load_model checks every file's size against the commit marker first. read_meta
+and load_model also take the s3:// or gs:// URI of a checkpoint dir: it is downloaded to this node's cache
+first (raychat.checkpoint_manager.resolve_checkpoint), so every node can load one from object storage.
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ import json
 import os
 import random
 import re
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from raychat.checkpoint_manager import commit_directory, resolve_checkpoint, verify
 from raychat.model import GPT, ModelConfig
-from raychat.storage import is_remote, resolve_checkpoint
+from raychat.storage import is_remote
 from raychat.tokenizer import Tokenizer
 
 OPTIMIZER_FILE = "optim.pt"
@@ -40,13 +44,27 @@ MIN_ARRAY_LEN = 8
 
 
 def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    """write(tmp) to a unique temporary name beside `path`, fsync, rename: `path` is whole or absent."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
-def save_model(directory: str | os.PathLike, model: GPT, tokenizer: Tokenizer, meta: dict) -> None:
-    """Write model.safetensors, tokenizer.json and meta.json (model_config and tokenizer_version added)."""
+def save_model(
+    directory: str | os.PathLike, model: GPT, tokenizer: Tokenizer, meta: dict, commit: bool = False
+) -> None:
+    """Write model.safetensors, tokenizer.json and meta.json (model_config and tokenizer_version added).
+
+    commit: also write the commit marker (a checkpoint one process writes whole, e.g. in tests); the
+    training stages commit through raychat.checkpoint_manager.CheckpointManager once every rank's files
+    are in place."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -54,6 +72,8 @@ def save_model(directory: str | os.PathLike, model: GPT, tokenizer: Tokenizer, m
     tokenizer.save(d)
     meta = {**meta, "model_config": model.config.to_dict(), "tokenizer_version": tokenizer.version}
     _atomic(d / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=2, default=str)))
+    if commit:
+        commit_directory(d, int(meta.get("step", 0)), str(meta.get("stage", "")))
 
 
 # ---- compact trees: JSON structure, binary leaves -------------------------------------------------------
@@ -158,18 +178,18 @@ def save_optimizers(directory: str | os.PathLike, optimizers: list) -> None:
 
 
 def load_optimizers(directory: str | os.PathLike, optimizers: list) -> None:
-    """Load optim.pt (or, from an older checkpoint, optim_rank0.pt) into `optimizers` in place.
+    """Load optim.pt into `optimizers` in place (tensors and plain containers only: weights_only=True).
 
     Raises:
         FileNotFoundError: the checkpoint has no optimizer state.
+        pickle.UnpicklingError: the file holds anything but tensors and plain containers.
     """
-    d = Path(directory)
-    path = next((p for p in (d / OPTIMIZER_FILE, d / "optim_rank0.pt") if p.exists()), None)
-    if path is None:
-        raise FileNotFoundError(f"{d} has no optimizer state ({OPTIMIZER_FILE})")
+    path = Path(directory) / OPTIMIZER_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{directory} has no optimizer state ({OPTIMIZER_FILE})")
     # on CPU first: the file was written from rank 0's device; load_state_dict moves each tensor to the
     # device of its parameter
-    states = torch.load(path, map_location="cpu", weights_only=False)
+    states = torch.load(path, map_location="cpu", weights_only=True)
     for opt, state in zip(optimizers, states, strict=True):
         opt.load_state_dict(state)
 
@@ -189,7 +209,7 @@ def load_rng(directory: str | os.PathLike, rank: int) -> bool:
     path = Path(directory) / f"rng_rank{rank}.pt"
     if not path.exists():
         return False
-    rng = torch.load(path, weights_only=False)
+    rng = torch.load(path, weights_only=True)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     return True
@@ -204,43 +224,39 @@ def load_rank_states(directory: str | os.PathLike) -> list[dict]:
     d = Path(directory)
     found = {}
     for p in d.glob("state_rank*"):
-        m = re.fullmatch(r"state_rank(\d+)\.(npz|json)", p.name)
+        m = re.fullmatch(r"state_rank(\d+)\.npz", p.name)
         if m:
             found[int(m[1])] = p
     if not found or sorted(found) != list(range(len(found))):
         raise FileNotFoundError(f"{d}: rank states {sorted(found)}, expected ranks 0..n-1")
-    return [
-        load_tree(found[r]) if found[r].suffix == ".npz" else json.loads(found[r].read_text())
-        for r in range(len(found))
-    ]
+    return [load_tree(found[r]) for r in range(len(found))]
 
 
 def read_meta(directory: str | os.PathLike) -> dict:
-    """meta.json of a checkpoint (a local dir or a remote URI); an older checkpoint's "kind" is read as "stage".
+    """meta.json of a checkpoint (a local dir or a remote URI).
 
     Raises:
-        FileNotFoundError: no meta.json there. ValueError: a remote URI that names no complete checkpoint.
+        FileNotFoundError: no meta.json there. ValueError: a remote URI that names no committed checkpoint.
     """
     path = Path(_local(directory)) / "meta.json"
     if not path.exists():
         raise FileNotFoundError(f"{directory} is not a raychat checkpoint (no meta.json)")
-    meta = json.loads(path.read_text())
-    if "kind" in meta and "stage" not in meta:
-        meta["stage"] = meta.pop("kind")
-    return meta
+    return json.loads(path.read_text())
 
 
 def load_model(
     directory: str | os.PathLike, device: str | torch.device = "cpu"
 ) -> tuple[GPT, Tokenizer, dict]:
-    """Load (model in eval mode, tokenizer, meta) from a checkpoint directory (local, or a remote URI).
+    """Load (model in eval mode, tokenizer, meta) from a committed checkpoint directory (local, or a remote
+    URI), every file's size checked against its commit marker first.
 
     Raises:
-        FileNotFoundError: missing meta.json / model.safetensors / tokenizer.json.
+        CheckpointError (a ValueError): not committed, or a file missing or of another size (named).
         ValueError: the tokenizer's version differs from the one the model was trained with; a remote URI
-            that names no complete checkpoint.
+            that names no committed checkpoint.
     """
     d = Path(_local(directory))
+    verify(d)
     meta = read_meta(d)
     tokenizer = Tokenizer.load(d)
     if meta.get("tokenizer_version") not in (None, tokenizer.version):

@@ -81,7 +81,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     result = pretrain(cfg)
     report["pretrain"] = {k: v for k, v in result.metrics.items() if k != "samples"}
     report["samples"] = result.metrics.get("samples", [])
-    report["checkpoint"] = str(result.checkpoint.path) if result.checkpoint else None
+    report["checkpoint"] = result.checkpoint
     report["timings_s"]["pretrain"] = time.perf_counter() - t0
 
     t0 = stage("4/6 evaluation: BPB vs unigram baseline")
@@ -137,7 +137,7 @@ def run_sft_stage(
         where="sft settings",
     )
     result = sft(cfg)
-    checkpoint = str(result.checkpoint.path)
+    checkpoint = result.checkpoint
     after = result.metrics["calculator_accuracy"]  # the loop's final evaluation, same problems
     print(f"calculator accuracy after SFT: {after:.3f} (before {before:.3f})")
     metrics = {k: v for k, v in result.metrics.items() if k != "samples"}
@@ -149,11 +149,10 @@ def run_rl_stage(checkpoint: str, values: dict, out_dir: Path) -> tuple[dict, st
     values = {**values, "checkpoint": checkpoint, "out": str(out_dir / "rl"), "run_name": "rl"}
     cfg = from_dict(RLConfig, values, where="rl settings")
     summary = RLRun(cfg).run()
+    final = summary["checkpoint"]  # the newest committed (raychat.checkpoint_manager)
     if not summary["evals"]:  # the run had already finished: nothing was trained or evaluated now
-        final = str(sorted(Path(summary["run_dir"]).glob("checkpoint_*"))[-1])
         return {"summary": f"already complete ({final})", **summary}, final
     before, after = summary["evals"][0], summary["evals"][-1]
-    final = str(sorted(Path(summary["run_dir"]).glob("checkpoint_*"))[-1])
     line = (
         f"{cfg.rollout.steps} steps, pass@1 on {cfg.eval.eval_examples} held-out problems {before['pass@1']:.3f} -> "
         f"{after['pass@1']:.3f}, learner wait {summary['learner_wait_frac']:.2f}, {summary['wall_s']:.0f} s"

@@ -1,10 +1,10 @@
-"""One storage root for every stage, and one resolver from a checkpoint reference to a local checkpoint dir.
+"""One storage root for every stage: where runs live, and the only place that writes, renames or deletes there.
 
 A storage root is a local or NFS directory, or an `s3://bucket/prefix` or `gs://bucket/prefix` URI. A run
-lives at <root>/<run>/ and its checkpoints at <root>/<run>/checkpoint_*/ (Ray Train names them
-checkpoint_<timestamp>, RL checkpoint_<step:06d>). A checkpoint is complete when it holds every file of
-COMPLETE_FILES; the newest complete one of a run is the one with the highest meta.json "step" (then the
-highest name).
+lives at <root>/<run>/ (its checkpoints: raychat.checkpoint_manager). Run names follow one rule
+(raychat.config.schema.RUN_NAME_RULE); every write, rename and delete goes through `Storage.inside`, which
+refuses any path that is not strictly below the root, so no name, empty or `..`, reaches the root itself or
+anything outside it.
 
 Filesystems are pyarrow.fs, the ones Ray Train uses (`Storage.ray_train_storage()` gives its RunConfig
 arguments). S3 takes the standard AWS variables: AWS_ENDPOINT_URL or AWS_ENDPOINT_URL_S3 (an S3-compatible
@@ -13,29 +13,15 @@ server: the scheme of that URL, http or https, is the one used), AWS_ACCESS_KEY_
 is looked up). GCS takes Google's application default credentials; a GCS URI without `retry_limit_seconds`
 gets 60 s, so a missing credential fails within a minute instead of retrying for 15.
 
-Checkpoint references (`find_checkpoint` names one, `resolve_checkpoint` also fetches it), local or remote:
-  <checkpoint dir>          a directory holding the checkpoint files
-  <run dir>                 a directory of checkpoint_* dirs: its newest complete checkpoint
-  <run dir>/latest          the same, spelled as a path (nothing named `latest` needs to exist)
-  <run name> + storage      <storage>/<run name>, as a run dir
-  latest + storage          the most recently written (meta.json's modification time) of the newest complete
-                            checkpoints of the runs under <storage>, of the stages asked for (meta "stage":
-                            SFT takes a pretraining checkpoint, RL an SFT one)
-A remote checkpoint is downloaded into a cache dir under a temporary name and renamed when complete, so a
-half download is never used, and it is downloaded again only when its files (names, sizes) change.
-A bad reference or storage root is a ValueError of one line that names the flag and says what was found;
-an I/O error in the middle of a download propagates (OSError) and leaves no partial copy behind.
-
-Data directories (parquet shards, the tokenizer) are named like runs (`run_directory`: a path, or a run
-name under the storage root) and must be on a filesystem every node mounts (local or NFS): the training
-workers read them as files. Small results (`write_bytes`) and exported directories (`upload_dir`) go to any
-storage root.
+A bad storage root is a ValueError of one line that names the flag and says what was found. Data directories
+(parquet shards, the tokenizer) are named like runs (`run_directory`: a path, or a run name under the storage
+root) and must be on a filesystem every node mounts (local or NFS): the training workers read them as files.
+Small results (`write_bytes`) and exported directories (`upload_dir`) go to any storage root; a remote
+directory comes back whole or not at all (`download_dir`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -45,12 +31,10 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-COMPLETE_FILES = ("model.safetensors", "meta.json")
-CHECKPOINT_PREFIX = "checkpoint_"
-LATEST = "latest"
+from raychat.config.schema import check_run_name
+
 REMOTE_SCHEMES = ("s3", "gs")
 GCS_RETRY_LIMIT_S = 60
-DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raychat" / "checkpoints"
 
 
 @dataclass(frozen=True)
@@ -70,9 +54,19 @@ class Storage:
         """The URI (local path for local storage) of a path on self.fs."""
         return fs_path if self.is_local else f"{self.uri.split('://')[0]}://{fs_path}"
 
-    def run_path(self, run: str) -> str:
-        """<root>/<run> on self.fs."""
-        return f"{self.path}/{run}"
+    def run_path(self, run: str, flag: str = "--run-name") -> str:
+        """<root>/<run> on self.fs. Raises ConfigError naming `flag` for a name that breaks the run-name rule
+        (empty, '.', '..', a hidden name, a path)."""
+        return f"{self.path}/{check_run_name(run, flag)}"
+
+    def inside(self, fs_path: str) -> str:
+        """`fs_path` when it lies strictly below the root (no '.', '..' or empty part on the way), else
+        ValueError. Every write, rename and delete under a storage root asks this first."""
+        prefix = self.path.rstrip("/") + "/"
+        rest = fs_path[len(prefix) :] if fs_path.startswith(prefix) else None
+        if not rest or any(part in ("", ".", "..") for part in rest.split("/")):
+            raise ValueError(f"{self.uri_of(fs_path)} is not below the storage root {self.uri}: refused")
+        return fs_path
 
     def ray_train_storage(self) -> dict:
         """RunConfig(**this): storage_path and, for a remote root, the storage_filesystem it lives on (Ray
@@ -121,7 +115,7 @@ def check_writable(storage: Storage, flag: str = "--storage-path") -> None:
             f.write(b"ok")
         storage.fs.delete_file(probe)
     except OSError as e:
-        raise ValueError(f"{flag}: {storage.uri} is not writable: {_why(e, storage)}") from e
+        raise ValueError(f"{flag}: {storage.uri} is not writable: {why(e, storage)}") from e
 
 
 def is_remote(uri: str | os.PathLike) -> bool:
@@ -129,79 +123,9 @@ def is_remote(uri: str | os.PathLike) -> bool:
     return str(uri).split("://", 1)[0].lower() in REMOTE_SCHEMES if "://" in str(uri) else False
 
 
-def find_checkpoint(
-    ref: str | os.PathLike,
-    storage: Storage | str | None = None,
-    flag: str = "--checkpoint",
-    stages: tuple[str, ...] | None = None,
-) -> str:
-    """The newest complete checkpoint that `ref` names (see the module doc), fetched nowhere: an absolute local
-    path, or the s3:// / gs:// URI of the checkpoint dir.
-
-    ref: a checkpoint dir, a run dir, <run dir>/latest (local paths or URIs), a run name (no '/') looked up
-    under `storage` (a bare name that exists as a local path is that path), or `latest` with `storage`.
-    stages: what `latest` may pick (meta.json "stage"; None = any).
-
-    Raises ValueError (one line, naming `flag`): ref names nothing, a run without a complete checkpoint
-    (listing what the run holds), an incomplete checkpoint dir, a missing bucket, a `latest` without a
-    storage root or with no checkpoint of `stages` under it."""
-    text = str(ref).strip()
-    if not text:
-        raise ValueError(f"{flag}: empty; give a checkpoint dir, a run dir, <run dir>/latest or a run name")
-    if isinstance(storage, str | os.PathLike):
-        storage = open_storage(storage)
-    bare_name = "://" not in text and "/" not in text and not os.path.exists(text)
-    if bare_name and text == LATEST:
-        if storage is None:
-            raise ValueError(f"{flag}: latest needs a storage root (--storage-path) whose runs to search")
-        where, ckpt = storage, _latest_of_runs(storage, stages, flag)
-    else:
-        if bare_name and storage is not None:
-            where, target = storage, storage.run_path(text)
-        else:
-            where = open_storage(text, flag)
-            target = where.path
-        try:
-            ckpt = _find(where, target, flag)
-        except OSError as e:
-            raise ValueError(f"{flag}: cannot read {where.uri_of(target)}: {_why(e, where)}") from e
-    return where.uri_of(ckpt)
-
-
-def resolve_checkpoint(
-    ref: str | os.PathLike,
-    storage: Storage | str | None = None,
-    flag: str = "--checkpoint",
-    cache_dir: str | os.PathLike | None = None,
-    stages: tuple[str, ...] | None = None,
-) -> Path:
-    """A local directory holding the checkpoint find_checkpoint(ref, storage, flag, stages) names: the
-    directory itself when local; a remote one downloaded to <cache_dir>/<sha256(uri)[:16]>-<name> (default
-    cache: $XDG_CACHE_HOME or ~/.cache, then raychat/checkpoints).
-
-    Raises ValueError as find_checkpoint; OSError: the download failed (nothing is left under the final
-    name)."""
-    uri = find_checkpoint(ref, storage, flag, stages)
-    if not is_remote(uri):
-        return Path(uri)
-    where = open_storage(uri, flag)
-    return _download(where, where.path, Path(cache_dir) if cache_dir else DEFAULT_CACHE)
-
-
-def newest_checkpoint(storage: Storage, run_path: str) -> str | None:
-    """The path on storage.fs of the newest complete checkpoint_* under run_path, or None."""
-    done = [c for c in _children(storage.fs, run_path) if _is_checkpoint_name(c) and _complete(storage.fs, c)]
-    if not done:
-        return None
-    return max(done, key=lambda c: (_read_meta(storage.fs, c).get("step", -1), c))
-
-
-def checkpoint_meta(storage: Storage, path: str) -> dict:
-    """meta.json of the checkpoint at `path` on storage.fs (an older checkpoint's "kind" read as "stage")."""
-    meta = _read_meta(storage.fs, path)
-    if "kind" in meta and "stage" not in meta:
-        meta["stage"] = meta.pop("kind")
-    return meta
+def is_bare_name(ref: str) -> bool:
+    """A reference that names a run under the storage root: no '/', no scheme, not an existing local path."""
+    return "://" not in ref and "/" not in ref and not os.path.exists(ref)
 
 
 def run_directory(ref: str | os.PathLike, storage: Storage | str | None, flag: str) -> str:
@@ -215,8 +139,8 @@ def run_directory(ref: str | os.PathLike, storage: Storage | str | None, flag: s
         raise ValueError(f"{flag}: empty; give a directory or a run name under --storage-path")
     if isinstance(storage, str | os.PathLike):
         storage = open_storage(storage)
-    bare_name = "://" not in text and "/" not in text and not os.path.exists(text)
-    uri = storage.uri_of(storage.run_path(text)) if bare_name and storage is not None else text
+    bare_name = is_bare_name(text)
+    uri = storage.uri_of(storage.run_path(text, flag)) if bare_name and storage is not None else text
     if is_remote(uri):
         raise ValueError(
             f"{flag}: {uri} is on object storage; data and the tokenizer are read as files by every "
@@ -226,8 +150,10 @@ def run_directory(ref: str | os.PathLike, storage: Storage | str | None, flag: s
 
 
 def write_bytes(storage: Storage, path: str, data: bytes) -> str:
-    """Write `data` to `path` on storage.fs whole or not at all (local: a temporary name, then a rename;
-    object storage: one PUT). Creates the parent dirs; returns the file's URI."""
+    """Write `data` to `path` (strictly below the root) on storage.fs whole or not at all (local: a unique
+    temporary name, fsync, then a rename; object storage: one PUT). Creates the parent dirs; returns the
+    file's URI. Raises ValueError for a path outside the root."""
+    storage.inside(path)
     parent = path.rsplit("/", 1)[0]
     storage.fs.create_dir(parent, recursive=True)
     if storage.is_local:
@@ -235,6 +161,8 @@ def write_bytes(storage: Storage, path: str, data: bytes) -> str:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -245,10 +173,26 @@ def write_bytes(storage: Storage, path: str, data: bytes) -> str:
     return storage.uri_of(path)
 
 
+def read_bytes(storage: Storage, path: str) -> bytes:
+    """The bytes of the file at `path` on storage.fs (OSError / FileNotFoundError as pyarrow raises them)."""
+    with storage.fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def delete_dir(storage: Storage, path: str) -> None:
+    """Delete the directory `path` (strictly below the root) and all it holds; nothing when it is absent.
+    Raises ValueError for a path outside the root."""
+    storage.inside(path)
+    if storage.fs.get_file_info(path).type != pafs.FileType.NotFound:
+        storage.fs.delete_dir(path)
+
+
 def upload_dir(local: str | os.PathLike, storage: Storage, path: str) -> str:
-    """Copy the local directory `local` to `path` on storage.fs, replacing what was there; returns its URI.
-    Local storage: copied beside it under a temporary name, then renamed (never half there). Object storage:
-    file by file (a reader sees the new files appear one by one)."""
+    """Copy the local directory `local` to `path` (strictly below the root) on storage.fs, replacing what was
+    there; returns its URI. Local storage: copied beside it under a temporary name, then renamed (never half
+    there). Object storage: file by file (a reader sees the new files appear one by one).
+    Raises ValueError for a path outside the root."""
+    storage.inside(path)
     if storage.is_local:
         parent = Path(path).parent
         parent.mkdir(parents=True, exist_ok=True)
@@ -269,74 +213,47 @@ def upload_dir(local: str | os.PathLike, storage: Storage, path: str) -> str:
     return storage.uri_of(path)
 
 
-# ---------------------------------------------------------------------------------------------- helpers
-def _find(storage: Storage, target: str, flag: str) -> str:
-    fs = storage.fs
-    info = fs.get_file_info(target)
-    if info.type == pafs.FileType.NotFound and target.rsplit("/", 1)[-1] == LATEST:
-        target = target.rsplit("/", 1)[0]
-        info = fs.get_file_info(target)
-    shown = storage.uri_of(target)
-    if info.type == pafs.FileType.NotFound:
-        parent = target.rsplit("/", 1)[0]
-        raise ValueError(f"{flag}: {shown} does not exist ({_listing(fs, parent, storage)})")
-    if info.type != pafs.FileType.Directory:
-        raise ValueError(f"{flag}: {shown} is a file; give a checkpoint dir, a run dir or <run dir>/latest")
-    if _complete(fs, target):
-        return target
-    newest = newest_checkpoint(storage, target)
-    if newest is not None:
-        return newest
-    if _is_checkpoint_name(target):
-        missing = [f for f in COMPLETE_FILES if fs.get_file_info(f"{target}/{f}").type != pafs.FileType.File]
-        raise ValueError(f"{flag}: checkpoint {shown} is incomplete (no {', '.join(missing)})")
-    raise ValueError(f"{flag}: {shown} has no complete checkpoint ({_listing(fs, target, storage)})")
+def download_dir(storage: Storage, path: str, dest: Path, check) -> Path:
+    """Copy the remote directory `path` to the local `dest` whole or not at all: into a temporary sibling,
+    `check(tmp)` (which raises to refuse it), then renamed over whatever `dest` held.
 
-
-def _latest_of_runs(storage: Storage, stages: tuple[str, ...] | None, flag: str) -> str:
-    """The most recently written newest complete checkpoint among the runs under the root, of `stages`."""
-    found = []
+    Raises what check raises, or OSError: the copy failed (nothing is left under `dest`'s name either way)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
-        for run in _children(storage.fs, storage.path):
-            ckpt = newest_checkpoint(storage, run)
-            if ckpt is not None and (stages is None or checkpoint_meta(storage, ckpt).get("stage") in stages):
-                found.append((storage.fs.get_file_info(f"{ckpt}/meta.json").mtime, ckpt))
-    except OSError as e:
-        raise ValueError(f"{flag}: cannot read {storage.uri}: {_why(e, storage)}") from e
-    if not found:
-        what = f"complete {'/'.join(stages)}" if stages else "complete"
-        where = _listing(storage.fs, storage.path, storage)
-        raise ValueError(f"{flag}: latest: no {what} checkpoint under {storage.uri} ({where})")
-    return max(found)[1]
+        pafs.copy_files(
+            path, str(tmp), source_filesystem=storage.fs, destination_filesystem=pafs.LocalFileSystem()
+        )
+        check(tmp)
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(dest, old)
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.replace(tmp, dest)
+        except OSError:  # another process put a copy there meanwhile: use it if it passes the check
+            if not dest.is_dir():
+                raise
+            check(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
 
 
-def _children(fs: pafs.FileSystem, path: str) -> list[str]:
-    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+def children(storage: Storage, path: str) -> list[str]:
+    """The sub-directories of `path` on storage.fs, sorted ([] when it does not exist)."""
+    infos = storage.fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
     return sorted(i.path for i in infos if i.type == pafs.FileType.Directory)
 
 
-def _is_checkpoint_name(path: str) -> bool:
-    return path.rsplit("/", 1)[-1].startswith(CHECKPOINT_PREFIX)
-
-
-def _complete(fs: pafs.FileSystem, path: str) -> bool:
-    return all(
-        i.type == pafs.FileType.File for i in fs.get_file_info([f"{path}/{f}" for f in COMPLETE_FILES])
-    )
-
-
-def _read_meta(fs: pafs.FileSystem, path: str) -> dict:
-    with fs.open_input_stream(f"{path}/meta.json") as f:
-        return json.loads(f.read())
-
-
-def _listing(fs: pafs.FileSystem, path: str, storage: Storage) -> str:
-    """'<path> holds: a, b (incomplete: checkpoint_x)' or '<path> is empty' or '<path> does not exist'."""
-    shown = storage.uri_of(path)
+def listing(storage: Storage, path: str, mark=lambda path: "") -> str:
+    """'<path> holds: a, b/ ...' or '<path> is empty' or '<path> does not exist' (or why it cannot be read);
+    mark(path) adds a note after a directory's name."""
+    fs, shown = storage.fs, storage.uri_of(path)
     try:
         infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
     except OSError as e:
-        return _why(e, storage)
+        return why(e, storage)
     if not infos:
         if fs.get_file_info(path).type == pafs.FileType.Directory:
             return f"{shown} is empty"
@@ -347,55 +264,18 @@ def _listing(fs: pafs.FileSystem, path: str, storage: Storage) -> str:
     names = []
     for i in sorted(infos, key=lambda i: i.path):
         name = i.path.rsplit("/", 1)[-1]
-        if i.type == pafs.FileType.Directory and _is_checkpoint_name(name) and not _complete(fs, i.path):
-            name += " (incomplete)"
-        names.append(name + ("/" if i.type == pafs.FileType.Directory else ""))
+        if i.type == pafs.FileType.Directory:
+            name += mark(i.path) + "/"
+        names.append(name)
     more = f", ... ({len(names)} in all)" if len(names) > 20 else ""
     return f"{shown} holds: {', '.join(names[:20])}{more}"
-
-
-def _download(storage: Storage, ckpt: str, cache: Path) -> Path:
-    """Copy the remote checkpoint dir to the cache atomically; reuse a cached copy with the same files."""
-    uri = storage.uri_of(ckpt)
-    dest = cache / f"{hashlib.sha256(uri.encode()).hexdigest()[:16]}-{ckpt.rsplit('/', 1)[-1]}"
-    remote = {
-        i.path[len(ckpt) + 1 :]: i.size
-        for i in storage.fs.get_file_info(pafs.FileSelector(ckpt, recursive=True))
-        if i.type == pafs.FileType.File
-    }
-    if dest.is_dir() and _local_files(dest) == remote:
-        return dest
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=cache))
-    try:
-        pafs.copy_files(
-            ckpt, str(tmp), source_filesystem=storage.fs, destination_filesystem=pafs.LocalFileSystem()
-        )
-        if _local_files(tmp) != remote:
-            raise OSError(f"download of {uri} is incomplete")
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
-            os.replace(dest, old)
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            os.replace(tmp, dest)
-        except OSError:  # another process put a copy there meanwhile: use it if it is whole
-            if not (dest.is_dir() and _local_files(dest) == remote):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
-
-
-def _local_files(root: Path) -> dict[str, int]:
-    return {p.relative_to(root).as_posix(): p.stat().st_size for p in root.rglob("*") if p.is_file()}
 
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def _why(e: OSError, storage: Storage) -> str:
+def why(e: OSError, storage: Storage) -> str:
     """A short reason for a filesystem error (the bucket is missing, access denied, ...)."""
     text = str(e)
     bucket = storage.path.split("/", 1)[0]

@@ -20,7 +20,7 @@ class PrepareConfig(Section):
 
     source: str = option("debian-docs", "debian-docs | fineweb-edu | climbmix | DIR")
     storage_path: str = option("runs", "storage root (a local or NFS directory) the shards go under")
-    run_name: str = option("data", "run name: the shards go to <storage-path>/<run-name>")
+    run_name: str = option("data", "run name: the shards go to <storage-path>/<run-name>", kind="run_name")
     out: str | None = option(None, "output directory instead of <storage-path>/<run-name>")
     num_shards: int | None = option(
         None, "train shards (one validation shard is always added); hub sources: how many to download "
@@ -45,7 +45,9 @@ class TokenizerConfig(Section):
     """Byte-level BPE on the training shards."""
 
     storage_path: str = option("runs", "storage root (a local or NFS directory)")
-    run_name: str = option("tokenizer", "run name: tokenizer.json goes to <storage-path>/<run-name>")
+    run_name: str = option(
+        "tokenizer", "run name: tokenizer.json goes to <storage-path>/<run-name>", kind="run_name"
+    )
     data_dir: str = option(
         "data", "shards from `raychat data prepare`: a run name under --storage-path or a directory"
     )

@@ -1,6 +1,6 @@
 """Configurations of the commands that read a finished checkpoint: `raychat eval` (EvalConfig, a preset's
-`eval` section) and `raychat export` (ExportConfig) take --checkpoint as any reference raychat.storage
-resolves (`latest`: the newest checkpoint of any stage under --storage-path) and write
+`eval` section) and `raychat export` (ExportConfig) take --checkpoint as any reference
+raychat.checkpoint_manager resolves (`latest`: the newest checkpoint of any stage under --storage-path) and write
 <storage-path>/<run-name>/; `raychat chat` (ChatConfig) talks to a local checkpoint directory."""
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ class EvalConfig(Section):
     """Validation BPB and held-out task accuracy of one checkpoint; JSON to stdout and to
     <storage-path>/<run-name>/eval.json."""
 
-    checkpoint: str = option("", CHECKPOINT_HELP)
+    checkpoint: str = option("", CHECKPOINT_HELP, kind="reference")
     storage_path: str = option("runs/checkpoints", "storage root (a directory, s3:// or gs://)")
-    run_name: str = option("eval", "run name: the results go to <storage-path>/<run-name>/eval.json")
+    run_name: str = option(
+        "eval", "run name: the results go to <storage-path>/<run-name>/eval.json", kind="run_name"
+    )
     data_dir: str = option(
         "runs/data", "shards whose validation shard BPB is measured on: a directory or a run name under "
         "--storage-path (given --storage-path and not this: the run 'data' there)",
@@ -40,9 +42,9 @@ class EvalConfig(Section):
 class ExportConfig(Section):
     """A checkpoint as a Hugging Face directory (Qwen3 layout) at <storage-path>/<run-name>/ or --out."""
 
-    checkpoint: str = option("", CHECKPOINT_HELP)
+    checkpoint: str = option("", CHECKPOINT_HELP, kind="reference")
     storage_path: str = option("runs/checkpoints", "storage root (a directory, s3:// or gs://)")
-    run_name: str = option("hf", "run name: the files go to <storage-path>/<run-name>/")
+    run_name: str = option("hf", "run name: the files go to <storage-path>/<run-name>/", kind="run_name")
     out: str | None = option(None, "a local output directory instead of <storage-path>/<run-name>")
 
 

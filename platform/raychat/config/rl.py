@@ -25,12 +25,15 @@ class RLRunSection(Section):
     init_from: str = option(
         "", "chat (SFT) checkpoint to start from (required): a checkpoint dir, a run dir, <run dir>/latest, a "
         "run name under --storage-path, or latest (the newest SFT checkpoint there)", aliases=("checkpoint",),
+        kind="reference",
     )  # fmt: skip
     storage_path: str = option(
         "runs/rl", "storage root (a local or NFS directory); checkpoints go to ROOT/RUN_NAME/checkpoint_<step>",
         aliases=("out",),
     )  # fmt: skip
-    run_name: str = option("rl", "run name; running again with the same --out and --run-name resumes")
+    run_name: str = option(
+        "rl", "run name; running again with the same --out and --run-name resumes", kind="run_name"
+    )
     seed: int = option(0, "seed of the prompt order and of sampling")
     tracker: str = option("none", "also log every step to TensorBoard event files or W&B (offline)", TRACKERS)
 

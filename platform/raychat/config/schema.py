@@ -14,6 +14,7 @@ value raises ConfigError naming the flag and the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import MISSING, field
@@ -26,6 +27,31 @@ class ConfigError(ValueError):
     """A configuration value that is not allowed; the message names the flag and the allowed values."""
 
 
+# The one run-name rule: a run is one directory strictly below the storage root, never the root itself, a
+# parent, a hidden name or a path.
+RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+RUN_NAME_RULE = "letters, digits and '._-', not starting with '.'"
+LATEST = "latest"
+
+
+def check_run_name(value: str, flag: str) -> str:
+    """`value` when it is a run name (RUN_NAME_RULE), else ConfigError naming `flag`."""
+    if not isinstance(value, str) or not RUN_NAME.fullmatch(value):
+        raise ConfigError(f"{flag}: {value!r} is not a run name ({RUN_NAME_RULE})")
+    return value
+
+
+def check_reference(value: str, flag: str) -> str:
+    """A checkpoint reference: '' (none), `latest`, a path (holds '/') or URI, or a run name (RUN_NAME_RULE);
+    ConfigError naming `flag` for a bare word that is none of these (e.g. '..')."""
+    if value and "/" not in value and value != LATEST and not RUN_NAME.fullmatch(value):
+        raise ConfigError(
+            f"{flag}: {value!r} is not a run name ({RUN_NAME_RULE}); write a directory as a path "
+            f"(./{value}/ or an absolute path)"
+        )
+    return value
+
+
 def option(
     default,
     help: str,
@@ -35,15 +61,18 @@ def option(
     positive: bool = False,
     aliases: tuple[str, ...] = (),
     flag: bool = True,
+    kind: str | None = None,
 ):
-    """A leaf field: its default, its --help text, allowed values (choices, >= ge, > gt, a positive integer),
-    alias names (also flags and YAML keys), and whether the command line gets a flag for it."""
+    """A leaf field: its default, its --help text, allowed values (choices, >= ge, > gt, a positive integer,
+    kind "run_name" (check_run_name) or "reference" (check_reference)), alias names (also flags and YAML
+    keys), and whether the command line gets a flag for it."""
     meta = {
         "help": help,
         "choices": tuple(choices) if choices else None,
         "ge": ge,
         "gt": gt,
         "positive": positive,
+        "kind": kind,
     }
     return field(default=default, metadata={**meta, "aliases": tuple(aliases), "flag": flag})
 
@@ -83,6 +112,10 @@ def check(f: dataclasses.Field, value, flag: str) -> None:
     m = f.metadata
     if m.get("choices") and value not in m["choices"]:
         raise ConfigError(f"{flag} must be one of {list(m['choices'])}, got {value!r}")
+    if m.get("kind") == "run_name":
+        check_run_name(value, flag)
+    elif m.get("kind") == "reference" and value is not None:
+        check_reference(value, flag)
     if value is None or isinstance(value, (bool, str)):
         return
     if m.get("positive") and value <= 0:

@@ -21,12 +21,14 @@ NS_DTYPES = ("auto", "float32", "bfloat16")  # Muon's Newton-Schulz dtype (raych
 class RunSection(Section):
     """What run this is, where it writes, where it starts from."""
 
-    run_name: str = option("pretrain", "run name; running again with the same name and storage resumes")
+    run_name: str = option(
+        "pretrain", "run name; running again with the same name and storage resumes", kind="run_name"
+    )
     storage_path: str = option("runs/checkpoints", "where checkpoints go (local dir, NFS, s3://, gs://)")
     stage: str = option("pretrain", "what the run trains (set by the command)", STAGES, flag=False)
     init_from: str = option(
         "", "checkpoint to start from (SFT: a pretraining one): a checkpoint dir, a run dir, <run dir>/latest, "
-        "a run name under --storage-path, or latest (the newest pretraining checkpoint there)",
+        "a run name under --storage-path, or latest (the newest pretraining checkpoint there)", kind="reference",
     )  # fmt: skip
     seed: int = option(0, "seed for init, data order and sampling")
     tracker: str = option("none", "also log every step to TensorBoard event files or W&B (offline)", TRACKERS)

@@ -1,6 +1,6 @@
 """`raychat eval`: validation BPB and held-out task accuracy of one checkpoint, as JSON.
 
-  --checkpoint REF  -> raychat.storage.resolve_checkpoint (fetched when remote) -> load_model
+  --checkpoint REF  -> raychat.checkpoint_manager.resolve_checkpoint (fetched when remote) -> load_model
   BPB               the validation shard of --data-dir, best-fit packed into rows of the model's max_seq_len
                     (raychat.data.pipeline.validation_rows, the pretraining evaluator's rows), --eval-tokens
                     of them (raychat.eval.bpb: nats / (ln 2 * UTF-8 bytes) over the target tokens)
@@ -22,12 +22,13 @@ import time
 import torch
 
 from raychat.checkpoint import load_model
+from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import EvalConfig, add_flags, from_args
 from raychat.data.pipeline import validation_rows
 from raychat.data.shards import list_shards
 from raychat.eval.bpb import bpb_sums
 from raychat.eval.tasks import task_accuracy
-from raychat.storage import check_writable, find_checkpoint, open_storage, run_directory, write_bytes
+from raychat.storage import check_writable, open_storage, run_directory, write_bytes
 from raychat.tasks.registry import held_out, make_task, parse_mixture
 
 RESULT_FILE = "eval.json"

@@ -1,6 +1,6 @@
 """Export a raychat checkpoint to the Hugging Face layout (`raychat export --checkpoint REF`): the files go to
 <storage-path>/<run-name>/ (staged locally, then moved or uploaded whole: raychat.storage.upload_dir) or to
---out; --checkpoint is any reference raychat.storage resolves (`latest`: the newest checkpoint there).
+--out; --checkpoint is any reference raychat.checkpoint_manager resolves (`latest`: the newest checkpoint there).
 
 Files written into OUT (each atomically: temporary name, then rename):
   config.json              Qwen3Config, architectures ["Qwen3ForCausalLM"] (parameter names already match)
@@ -42,9 +42,10 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from raychat.chat_template import TEMPLATE_VERSION
 from raychat.checkpoint import load_model
+from raychat.checkpoint_manager import committed_checkpoints, find_checkpoint
 from raychat.config import ExportConfig, add_flags, from_args
 from raychat.model import GPT
-from raychat.storage import check_writable, find_checkpoint, open_storage, upload_dir
+from raychat.storage import check_writable, open_storage, upload_dir
 from raychat.tokenizer import BOS, Tokenizer
 
 ARCHITECTURE = "Qwen3ForCausalLM"
@@ -259,6 +260,12 @@ def main(args: argparse.Namespace) -> int:
         check_writable(open_storage(cfg.out, "--out"), "--out")
     else:
         check_writable(storage)
+        target = storage.run_path(cfg.run_name)
+        if committed_checkpoints(storage, target):
+            raise ValueError(
+                f"--run-name: {storage.uri_of(target)} holds a training run's checkpoints, which an export there "
+                "would replace; choose another --run-name"
+            )
     model, tokenizer, meta = load_model(checkpoint)
     if cfg.out:
         out = str(export_hf(model, tokenizer, cfg.out))

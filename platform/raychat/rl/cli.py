@@ -1,8 +1,9 @@
 """`raychat rl`: RL of a chat checkpoint on a task (raychat.rl.loop.RLRun) on a local or given Ray cluster.
 
---checkpoint is any reference raychat.storage resolves (`latest`: the newest SFT checkpoint under
---storage-path; an s3:// or gs:// one is fetched by every actor that loads it); --storage-path is a local
-or NFS directory (RL's checkpoints are staged and renamed in place). Both are checked before Ray starts."""
+--checkpoint is any reference raychat.checkpoint_manager resolves (`latest`: the newest SFT checkpoint under
+--storage-path; an s3:// or gs:// one is fetched by every actor that loads it); --storage-path is any storage
+root (a directory, NFS, s3://, gs://) the run's checkpoints are committed to. Both are checked before Ray
+starts."""
 
 from __future__ import annotations
 
@@ -12,23 +13,19 @@ import sys
 
 import ray
 
+from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import RLConfig, add_flags, from_args, from_dict
 from raychat.rl.loop import RLRun
-from raychat.storage import check_writable, find_checkpoint, open_storage
+from raychat.storage import check_writable, open_storage
 
 
 def resolve_inputs(cfg: RLConfig) -> RLConfig:
-    """--storage-path absolute (it must be a directory), --checkpoint the checkpoint it names.
+    """--storage-path absolute (or its URI), --checkpoint the checkpoint it names.
 
-    Raises ValueError naming the flag: no --checkpoint, one that names nothing, an object-storage root."""
+    Raises ValueError naming the flag: no --checkpoint, or one that names nothing."""
     if not cfg.run.init_from:
         raise ValueError("--checkpoint: required: a chat (SFT) checkpoint, its run (dir or name), or latest")
     storage = open_storage(cfg.run.storage_path)
-    if not storage.is_local:
-        raise ValueError(
-            f"--storage-path: {storage.uri}: RL stages and renames its checkpoints in place; give a local or "
-            "NFS directory"
-        )
     init_from = find_checkpoint(cfg.run.init_from, storage, "--checkpoint", stages=("sft",))
     return from_dict(RLConfig, {"init_from": init_from, "storage_path": storage.uri}, base=cfg)
 

@@ -9,7 +9,8 @@ One step:
      DDP averages the gradients over the W ranks in the last micro-batch's backward (no_sync before), so
      the gradient is exactly d(step loss), the sum of the ranks' shares;
   3. the trainer's optimizer step (raychat.train.step: clip, step, clear), and the version increases by one.
-Checkpoints: the trainer's Checkpointer (rank 0 the model, meta and the one optimizer state).
+Checkpoints: the trainer's Checkpointer (rank 0 the model, meta and the one optimizer state), uploaded by each
+rank into the run's CheckpointManager, which the driver commits (raychat.rl.loop).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import tempfile
 import time
 
 import ray
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from raychat.checkpoint import load_model
+from raychat.checkpoint_manager import CheckpointManager, resolve_checkpoint
 from raychat.config import RLConfig, to_dict
 from raychat.rl.objective import collate, normalized_loss, per_token_loss, token_logprobs
 from raychat.rl.weights import collective_broadcast, leave_collective_group, publish, weights_hash
@@ -165,17 +168,21 @@ class Learner:
         return weights_hash(self.model.state_dict())
 
     # ---- checkpoints ---------------------------------------------------------------------------------
-    def save(self, directory: str, step: int, metrics: dict | None = None) -> None:
-        """This rank's part of checkpoint `step` (the trainer's Checkpointer): rank 0 the model, meta (stage
-        "rl", version) and the optimizer state (the same on every DDP rank), every rank its RNG state and the
-        policy version."""
-        self.checkpointer.write(
-            directory, self.rank, self.world_size, step, self.model, self.optimizers,
-            {"version": self.version}, metrics=metrics, version=self.version,
-        )  # fmt: skip
+    def save(self, checkpoints: CheckpointManager, step: int, metrics: dict | None = None) -> dict[str, dict]:
+        """Upload this rank's part of checkpoint `step` (the trainer's Checkpointer: rank 0 the model, meta
+        (stage "rl", version) and the optimizer state, the same on every DDP rank; every rank its RNG state
+        and the policy version); returns its files for the driver's commit."""
+        with tempfile.TemporaryDirectory() as tmp:
+            self.checkpointer.write(
+                tmp, self.rank, self.world_size, step, self.model, self.optimizers,
+                {"version": self.version}, metrics=metrics, version=self.version,
+            )  # fmt: skip
+            return checkpoints.upload(tmp, step)
 
-    def restore(self, directory: str) -> dict:
-        """Load weights, optimizer and RNG state of this rank from an RL checkpoint; returns the data state."""
+    def restore(self, checkpoint: str) -> dict:
+        """Load weights, optimizer and RNG state of this rank from a committed RL checkpoint (a local path or
+        URI, fetched when remote); returns the data state."""
+        directory = resolve_checkpoint(checkpoint)
         model, _, _ = load_model(directory, device=self.device)
         self.model.load_state_dict(model.state_dict())
         state = self.checkpointer.restore(directory, self.rank, self.optimizers)[self.rank]

@@ -17,19 +17,21 @@ steps), learner_wait_frac (wait / (wait + step + sync), and cumulative in the su
 (of the samples trained), sync_time_s (put + slowest actor's fetch+load), loss, grad_norm, normalization,
 restarts, stale_chunks and dropped_samples (cumulative: rollouts refused or dropped because the actor's
 weights were older than the staleness bound, raychat.rl.scheduler; all re-issued). Every --eval-every
-steps: pass@k, k = 1..--eval-samples, on held-out prompts. Checkpoints go to OUT/RUN_NAME/checkpoint_<step>
-(staged, renamed when complete); a run started again with the same --out and --run-name resumes.
+steps: pass@k, k = 1..--eval-samples, on held-out prompts. Checkpoints go to OUT/RUN_NAME/checkpoint_<step:06d>
+on any storage root (a directory, NFS, s3://, gs://) through raychat.checkpoint_manager: every learner uploads
+its part, the driver commits; a run started again with the same --out and --run-name resumes from the newest
+committed one.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from pathlib import Path
 
 import numpy as np
 import ray
 
+from raychat.checkpoint_manager import CheckpointManager
 from raychat.config import RLConfig, to_dict, to_yaml
 from raychat.metrics import RLMetrics
 from raychat.metrics_sink import MetricsSink
@@ -37,8 +39,8 @@ from raychat.rl.objective import group_advantages
 from raychat.rl.scheduler import RolloutScheduler, split_even
 from raychat.rl.sync import WeightSync
 from raychat.rl.topology import Topology
+from raychat.storage import open_storage, write_bytes
 from raychat.tasks.registry import make_task
-from raychat.train.checkpointer import RunDirectory
 
 
 def rl_tasks(cfg: RLConfig) -> dict:
@@ -75,14 +77,16 @@ class RLRun:
         if not cfg.run.init_from:
             raise ValueError("--checkpoint (a chat checkpoint directory) is required")
         self.cfg, self.log = cfg, log
-        self.run_dir = Path(cfg.run.storage_path) / cfg.run.run_name
+        self.checkpoints = CheckpointManager(
+            open_storage(cfg.run.storage_path), cfg.run.run_name, cfg.eval.keep_checkpoints
+        )
+        self.run_dir = self.checkpoints.storage.uri_of(self.checkpoints.run_path)
         self.tasks = rl_tasks(cfg)
         self.topology = Topology(cfg, self.tasks)
         self.sync = WeightSync(self.topology, cfg.topology.weight_sync, log)
         self.scheduler = RolloutScheduler(
             cfg, self.topology, self.sync, len(self.tasks["train"]), on_submitted, log
         )
-        self.checkpoints = RunDirectory(self.run_dir, cfg.eval.keep_checkpoints)
         self.version = 0
 
     @property
@@ -92,19 +96,23 @@ class RLRun:
     def set_version(self, version: int) -> None:
         self.version = self.scheduler.version = version
 
-    # ---- checkpoints (the trainer's Checkpointer, in every learner) ------------------------------------
-    def save(self, step: int, evaluation: dict | None) -> Path:
-        tmp = str(self.checkpoints.staging(step))
-        ray.get([lr.save.remote(tmp, step, {"eval": evaluation}) for lr in self.topology.learners])
-        return self.checkpoints.commit(step)
+    # ---- checkpoints (the trainer's Checkpointer in every learner, committed here) ------------------------
+    def save(self, step: int, evaluation: dict | None) -> str:
+        """Every learner uploads its part of checkpoint `step`; once all have, the driver commits it."""
+        self.checkpoints.prepare(step)
+        parts = ray.get(
+            [lr.save.remote(self.checkpoints, step, {"eval": evaluation}) for lr in self.topology.learners]
+        )
+        return self.checkpoints.commit(step, {k: v for part in parts for k, v in part.items()}, "rl")
 
     def resume(self) -> int:
-        ckpt = self.checkpoints.latest()
-        if ckpt is None:
+        newest = self.checkpoints.newest()
+        if newest is None:
             return 0
-        states = ray.get([lr.restore.remote(str(ckpt)) for lr in self.topology.learners])
+        uri = self.checkpoints.uri(newest.step)
+        states = ray.get([lr.restore.remote(uri) for lr in self.topology.learners])
         self.set_version(int(states[0]["version"]))
-        self.log(f"resumed from {ckpt} at step {states[0]['step']} (version {self.version})")
+        self.log(f"resumed from {uri} at step {states[0]['step']} (version {self.version})")
         return int(states[0]["step"])
 
     # ---- one learner step ------------------------------------------------------------------------------
@@ -142,8 +150,8 @@ class RLRun:
 
     # ---- the loop --------------------------------------------------------------------------------------
     def run(self) -> dict:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg, "rl"))
+        c = self.checkpoints
+        write_bytes(c.storage, f"{c.run_path}/config.yaml", to_yaml(self.cfg, "rl").encode())
         self.topology.start()
         metrics = MetricsSink(self.run_dir, rl_gauges(self.cfg.run.run_name), self.cfg.run.tracker,
                               self.cfg.run.run_name, to_dict(self.cfg))  # fmt: skip
@@ -200,11 +208,13 @@ class RLRun:
             if (step + 1) % cfg.eval.checkpoint_every == 0 or step + 1 == steps:
                 self.save(step + 1, evals[-1] if evals else None)
         self.sync.drain()
+        newest = self.checkpoints.newest()
         return {
             "steps": steps, "start_step": start, "version": self.version, "restarts": self.restarts,
             "stale_chunks": self.scheduler.stale_chunks, "dropped_samples": self.scheduler.dropped_samples,
             "evals": evals, "learner_wait_frac": total_wait / max(total_wait + total_busy, 1e-9),
-            "wall_s": time.perf_counter() - t_loop, "run_dir": str(self.run_dir),
+            "wall_s": time.perf_counter() - t_loop, "run_dir": self.run_dir,
+            "checkpoint": self.checkpoints.uri(newest.step) if newest else None,
         }  # fmt: skip
 
 

@@ -14,7 +14,7 @@ handle stream (DeploymentResponseGenerator.cancel) and the replica's generator f
 --help` lists every option with its default); strings from `serve run key=value` are converted. Set them in
 args (serve/chat.yaml does), so each value has one place.
 
-`checkpoint` is any reference raychat.storage resolves (a checkpoint dir, a run dir, <run dir>/latest, on a
+`checkpoint` is any reference raychat.checkpoint_manager resolves (a checkpoint dir, a run dir, <run dir>/latest, on a
 shared directory, s3:// or gs://): build_app resolves it once, so every replica serves the same checkpoint,
 and a replica on another node fetches a remote one itself (raychat.checkpoint.load_model).
 `max_replicas_per_node` spreads ChatServer replicas over nodes (Serve's deployment option of that name).
@@ -34,12 +34,12 @@ from ray.exceptions import RayActorError
 from ray.serve import Application
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
+from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_dict
 from raychat.serve.api import MAX_BODY_BYTES
 from raychat.serve.errors import EngineUnavailableError
 from raychat.serve.ingress import create_app
 from raychat.serve.server import ChatServer, merge_deltas
-from raychat.storage import find_checkpoint
 
 # what a handle raises when no ChatServer replica can take (or finish) a request: 503, retry later
 UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)
@@ -205,7 +205,7 @@ def build_app(args: dict | ServeConfig) -> Application:
     """The application for `serve run raychat.serve.app:build_app key=value ...` (keys: ServeConfig).
 
     Raises:
-        ValueError: invalid args (see serve_config), or a checkpoint reference that names no complete
+        ValueError: invalid args (see serve_config), or a checkpoint reference that names no committed
             checkpoint (one line naming `checkpoint` and what is there).
     """
     c = serve_config(args)

@@ -1,5 +1,5 @@
 """The checkpointer every training stage shares (pretraining, SFT, RL): one directory layout
-(raychat.checkpoint), meta in the config's words, and two ways to publish a finished directory.
+(raychat.checkpoint), meta in the config's words, and one way to publish it (raychat.checkpoint_manager).
 
   meta.json: {"stage", "step", "world_size", "metrics", "config" (the run's config, nested), ...stage extras
              ("plan", "version"), "model_config", "tokenizer_version"}
@@ -10,19 +10,17 @@ Resuming reads model, meta, the one optimizer file, this rank's RNG and the data
 old world: `restore_rows` hands them to the row source, which re-deals them to the new world (whose size may
 differ) through `load_state_dicts`.
 
-RayTrainPublisher hands the directory to Ray Train (`ray.train.report`: Ray copies it to
-storage_path/run_name/checkpoint_*, keeps the newest keep_checkpoints); RunDirectory renames a staged
-directory into OUT/RUN_NAME/checkpoint_<step> and prunes (RL, whose actors are not a Ray Train group).
+Publishing: each rank writes its part into a local directory, then `commit_ranks` (a torch.distributed
+group: the Ray Train workers) uploads every rank's files to <storage>/<run>/checkpoint_<step:06d> and rank 0
+commits it once all are in place; RL's driver does the same steps with its learner actors.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-from pathlib import Path
 
-import ray.train
 import torch
+import torch.distributed as dist
 
 from raychat.checkpoint import (
     load_optimizers,
@@ -32,7 +30,7 @@ from raychat.checkpoint import (
     save_optimizers,
     save_rank_state,
 )
-from raychat.storage import newest_checkpoint, open_storage
+from raychat.checkpoint_manager import CheckpointManager
 from raychat.tokenizer import Tokenizer
 
 
@@ -102,39 +100,23 @@ def restore_rows(row_source, states: list[dict], rank: int, world_size: int) -> 
         )
 
 
-class RayTrainPublisher:
-    """Publishes a written directory through ray.train.report (with the step's metrics)."""
-
-    def publish(self, directory: str, report: dict) -> None:
-        ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(directory))
-
-
-class RunDirectory:
-    """OUT/RUN_NAME/checkpoint_<step:06d> directories: staged under a temporary name, renamed when complete,
-    the oldest pruned beyond `keep`."""
-
-    def __init__(self, run_dir: str | os.PathLike, keep: int):
-        self.run_dir, self.keep = Path(run_dir), keep
-
-    def staging_path(self, step: int) -> Path:
-        return self.run_dir / f".tmp_checkpoint_{step:06d}"
-
-    def staging(self, step: int) -> Path:
-        """The temporary directory to write checkpoint `step` into, emptied."""
-        shutil.rmtree(self.staging_path(step), ignore_errors=True)
-        return self.staging_path(step)
-
-    def commit(self, step: int) -> Path:
-        """Rename the staged directory into place and prune; returns the checkpoint's path."""
-        final = self.run_dir / f"checkpoint_{step:06d}"
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(self.staging_path(step), final)
-        for old in sorted(self.run_dir.glob("checkpoint_*"))[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
-
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint_* (raychat.storage's rule: the highest meta.json step), or None."""
-        storage = open_storage(self.run_dir)
-        newest = newest_checkpoint(storage, storage.path)
-        return Path(newest) if newest else None
+def commit_ranks(
+    manager: CheckpointManager, directory: str, step: int, rank: int, world: int, stage: str
+) -> str:
+    """Publish checkpoint `step` from every rank of a torch.distributed group (call on all ranks): rank 0
+    clears the name, every rank uploads its part from the local `directory`, rank 0 writes the commit marker
+    once all uploads returned. Returns the checkpoint's URI."""
+    if rank == 0:
+        manager.prepare(step)
+    if world > 1:
+        dist.barrier()
+    files = manager.upload(directory, step)
+    every = [files] * world
+    if world > 1:
+        dist.all_gather_object(every, files)
+    if rank == 0:
+        merged = {name: entry for part in every for name, entry in part.items()}
+        manager.commit(step, merged, stage)
+    if world > 1:
+        dist.barrier()
+    return manager.uri(step)

@@ -1,8 +1,9 @@
 """Driver side of pretraining and SFT: resolve the run's inputs, check its storage, derive and print the plan,
 start Ray Train, return its result; and the command-line plumbing both commands share.
 
-Storage (raychat.storage): checkpoints go to <--storage-path>/<--run-name>/checkpoint_* through Ray Train's
-RunConfig(storage_path, storage_filesystem), on a local or NFS directory, s3:// or gs://; --data-dir and
+Storage (raychat.storage): checkpoints go to <--storage-path>/<--run-name>/checkpoint_<step:06d>, committed by
+raychat.checkpoint_manager (Ray Train's RunConfig(storage_path, storage_filesystem) holds its run state beside
+them), on a local or NFS directory, s3:// or gs://; --data-dir and
 --tokenizer-path are directories or run names under the storage root; --init-from is any checkpoint
 reference, `latest` being the newest pretraining checkpoint under the root. Every reference is resolved and
 the root checked for writing before Ray starts.
@@ -17,20 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from types import SimpleNamespace
+from dataclasses import dataclass
 
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from raychat.checkpoint_manager import CheckpointManager, find_checkpoint
 from raychat.config import TrainConfig, add_flags, from_args, from_dict, to_dict
-from raychat.storage import (
-    check_writable,
-    checkpoint_meta,
-    find_checkpoint,
-    newest_checkpoint,
-    open_storage,
-    run_directory,
-)
+from raychat.storage import check_writable, open_storage, read_bytes, run_directory
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import start_or_connect
 from raychat.train.plan import make_plan, print_plan
@@ -68,7 +63,7 @@ def resolve_inputs(cfg: TrainConfig) -> TrainConfig:
     a run under the root), --init-from the checkpoint it names (an absolute path or a URI).
 
     Raises ValueError naming the flag: an unsupported scheme, data on object storage, a checkpoint reference
-    that names nothing (`latest`: no complete pretraining checkpoint under the root)."""
+    that names nothing (`latest`: no committed pretraining checkpoint under the root)."""
     storage = open_storage(cfg.run.storage_path)
     paths = {
         "storage_path": storage.uri,
@@ -80,8 +75,17 @@ def resolve_inputs(cfg: TrainConfig) -> TrainConfig:
     return from_dict(TrainConfig, paths, base=cfg)
 
 
-def run_training(cfg: TrainConfig, stage, callbacks=()):
-    """Run (or resume) training of `stage` on the current Ray cluster; returns the ray.train.Result.
+@dataclass(frozen=True)
+class TrainingResult:
+    """What a training run left: its newest committed checkpoint (a local path or URI; None when nothing was
+    committed) and that checkpoint's metrics (the step's stats and evaluations)."""
+
+    checkpoint: str | None
+    metrics: dict
+
+
+def run_training(cfg: TrainConfig, stage, callbacks=()) -> TrainingResult:
+    """Run (or resume) training of `stage` on the current Ray cluster; returns its TrainingResult.
 
     callbacks: raychat.train.trainer.Callback objects every worker runs (pickled to the workers).
     Raises ValueError (before Ray starts) for a reference that names nothing or a root that is not writable.
@@ -111,24 +115,18 @@ def run_training(cfg: TrainConfig, stage, callbacks=()):
         run_config=RunConfig(
             name=cfg.run.run_name,
             **storage.ray_train_storage(),
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.checkpoint.keep_checkpoints),
             failure_config=FailureConfig(max_failures=c.max_failures),
         ),
     )
-    result = trainer.fit()
-    fault = getattr(result, "return_value", None)  # rank 0's NonFiniteError, returned (not raised)
+    fault = getattr(trainer.fit(), "return_value", None)  # rank 0's NonFiniteError, returned (not raised)
+    newest = CheckpointManager(storage, cfg.run.run_name).newest()
+    uri = storage.uri_of(newest.path) if newest else None
     if isinstance(fault, NonFiniteError):
-        print(f"stopped: {fault}; last checkpoint: {result.checkpoint.path if result.checkpoint else None}")
+        print(f"stopped: {fault}; last checkpoint: {uri}")
         raise fault
-    if result.checkpoint is None or "step" not in (result.metrics or {}):
-        # the run had already finished (nothing left to train): hand back its newest checkpoint
-        newest = newest_checkpoint(storage, storage.run_path(cfg.run.run_name))
-        if newest is not None:
-            result = SimpleNamespace(
-                checkpoint=Checkpoint(newest, filesystem=storage.fs),
-                metrics=checkpoint_meta(storage, newest).get("metrics", {}),
-            )
-    print(f"final checkpoint: {storage.uri_of(result.checkpoint.path) if result.checkpoint else None}")
+    meta = json.loads(read_bytes(storage, f"{newest.path}/meta.json")) if newest else {}
+    result = TrainingResult(uri, meta.get("metrics", {}))
+    print(f"final checkpoint: {uri}")
     print(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
     return result
 

@@ -57,7 +57,7 @@ def sft(cfg: TrainConfig, callbacks=()):
     """Run (or resume) SFT of cfg.run.init_from on the current Ray cluster; returns the ray.train.Result.
 
     Raises:
-        ValueError (before Ray starts): no --init-from, or one that names no complete checkpoint.
+        ValueError (before Ray starts): no --init-from, or one that names no committed checkpoint.
     """
     if not cfg.run.init_from:
         raise ValueError("--init-from: required: a pretraining checkpoint, its run (name or dir), or latest")

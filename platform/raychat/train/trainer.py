@@ -10,7 +10,8 @@
                        target of every micro-batch and rank); gradients are all-reduced in the last one only
 
 Components: row_source (`next_batch(n)` -> rows, `state_dict`, `load_state_dict`), evaluators
-(raychat.train.evaluators), checkpointer (raychat.train.checkpointer), metrics (raychat.metrics_sink, rank 0
+(raychat.train.evaluators), checkpointer (raychat.train.checkpointer) and the run's checkpoints
+(raychat.checkpoint_manager: every rank uploads its part, rank 0 commits), metrics (raychat.metrics_sink, rank 0
 only), callbacks (hooks at step begin/end, on each step's rows, before each checkpoint, at the end of training).
 """
 
@@ -24,13 +25,15 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+import ray.train
 import torch
 
+from raychat.checkpoint_manager import CheckpointManager
 from raychat.config import TrainConfig
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.masks import make_batch
 from raychat.metrics_sink import MetricsSink
-from raychat.train.checkpointer import Checkpointer, RayTrainPublisher
+from raychat.train.checkpointer import Checkpointer, commit_ranks
 from raychat.train.evaluators import Evaluator, evaluate_all
 from raychat.train.optim import lr_multiplier, set_lr
 from raychat.train.plan import Plan
@@ -88,6 +91,7 @@ class Trainer:
         model: the parameters (FP8-converted if asked); train_model: what the step calls (compiled and/or
             DDP-wrapped `model`).
         optimizers: from raychat.train.optim.build_optimizers.
+        checkpointer: writes this rank's files; checkpoints: the run's CheckpointManager they go to.
         metrics: rank 0's MetricsSink, None on other ranks.
         bos_id: the tokenizer's BOS id (masks), rank / world: this worker and the group size.
         start_step: steps already done (resume).
@@ -103,6 +107,7 @@ class Trainer:
         row_source,
         evaluators: Sequence[Evaluator],
         checkpointer: Checkpointer,
+        checkpoints: CheckpointManager,
         metrics: MetricsSink | None,
         callbacks: Sequence[Callback] = (),
         *,
@@ -115,10 +120,10 @@ class Trainer:
         self.config, self.plan = config, plan
         self.model, self.train_model, self.optimizers = model, train_model, optimizers
         self.row_source, self.evaluators, self.checkpointer = row_source, list(evaluators), checkpointer
+        self.checkpoints = checkpoints
         self.metrics, self.callbacks = metrics, list(callbacks)
         self.bos_id, self.rank, self.world, self.device = bos_id, rank, world, device
         self.start_step = start_step
-        self.publisher = RayTrainPublisher()
         self.autocast = autocast_for(device)
         horizon = config.train.horizon
         self.stop = (
@@ -245,7 +250,8 @@ class Trainer:
             self.metrics.log({k: v for k, v in stats.items() if k != "samples"})
 
     def save(self, step: int, report: dict) -> None:
-        """Write this rank's part of checkpoint `step` and publish it through Ray Train."""
+        """Write this rank's part of checkpoint `step`, commit it with every rank's (raychat.checkpoint_manager),
+        then report the step's metrics to Ray Train."""
         for cb in self.callbacks:
             cb.on_save(self, step)
         with tempfile.TemporaryDirectory() as tmp:
@@ -253,7 +259,8 @@ class Trainer:
             self.checkpointer.write(
                 tmp, self.rank, self.world, step, self.model, self.optimizers, state, metrics=report
             )
-            self.publisher.publish(tmp, report)
+            commit_ranks(self.checkpoints, tmp, step, self.rank, self.world, self.config.run.stage)
+        ray.train.report(report)
 
 
 # Dense bf16 peak FLOP/s of one device (for MFU), from the vendors' data sheets.

@@ -4,6 +4,8 @@
   -> resume (the one optimizer file, this rank's RNG, every old rank's data state re-dealt to this world)
   -> torch.compile / DDP -> the stage's evaluators -> metrics sink -> Trainer(...).train()
 
+Resuming reads the run's newest committed checkpoint (raychat.checkpoint_manager, fetched to this node when
+remote), the same rule whether Ray Train restarted the group after a fault or the run was started again.
 The world size may differ from the checkpoint's (an elastic run after a lost node): gradient accumulation is
 recomputed so the total batch stays the same, and the row source re-deals the data states.
 
@@ -13,7 +15,6 @@ evaluators; everything else is the same for every stage.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -26,10 +27,12 @@ from ray.experimental import tqdm_ray
 from safetensors.torch import load_file
 
 from raychat.checkpoint import load_model, read_meta
+from raychat.checkpoint_manager import CheckpointManager, resolve_checkpoint, verify
 from raychat.config import TrainConfig, from_dict, to_dict
 from raychat.metrics import TrainMetrics
 from raychat.metrics_sink import MetricsSink
 from raychat.model import GPT, ModelConfig
+from raychat.storage import open_storage
 from raychat.tokenizer import Tokenizer
 from raychat.train.checkpointer import Checkpointer, restore_rows
 from raychat.train.fp8 import convert_to_fp8
@@ -106,26 +109,31 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     model = build_model(cfg, plan, device)
     rows = stage.row_source(cfg, tokenizer, rank, world)
     checkpointer = Checkpointer(cfg.run.stage, to_dict(cfg), tokenizer, {"plan": plan.to_dict()})
-    checkpoint = ray.train.get_checkpoint()
-    # opened once: for remote storage Ray downloads it once per node, shared by the node's workers
-    with checkpoint.as_directory() if checkpoint else contextlib.nullcontext() as d:
-        start_step = 0
-        if d:
-            model.load_state_dict(load_file(os.path.join(d, "model.safetensors"), device=str(device)))
-            meta = read_meta(d)
-            start_step = meta["step"]
-        if cfg.model.fp8:
-            convert_to_fp8(model, cfg.model.fp8_recipe)
-        optimizers = build_optimizers(model, cfg.optim)
+    checkpoints = CheckpointManager(
+        open_storage(cfg.run.storage_path), cfg.run.run_name, cfg.train.checkpoint.keep_checkpoints
+    )
+    newest = checkpoints.newest()
+    # a remote checkpoint is fetched once per node (the cache is shared by the node's workers)
+    d = resolve_checkpoint(checkpoints.storage.uri_of(newest.path)) if newest else None
+    start_step = 0
+    if d:
+        verify(d)
+        model.load_state_dict(load_file(os.path.join(d, "model.safetensors"), device=str(device)))
+        meta = read_meta(d)
+        start_step = meta["step"]
+    if cfg.model.fp8:
+        convert_to_fp8(model, cfg.model.fp8_recipe)
+    optimizers = build_optimizers(model, cfg.optim)
+    if rank == 0:
+        log(f"Muon on rank 0: {muon_ns_choice(model, cfg.optim.ns_dtype).describe()}")
+    if d:
+        restore_rows(rows, checkpointer.restore(d, rank, optimizers), rank, world)
         if rank == 0:
-            log(f"Muon on rank 0: {muon_ns_choice(model, cfg.optim.ns_dtype).describe()}")
-        if d:
-            restore_rows(rows, checkpointer.restore(d, rank, optimizers), rank, world)
-            if rank == 0:
-                old = meta.get("world_size", world)
-                log(
-                    f"resumed from {checkpoint.path} at step {start_step} on {world} workers (written by {old})"
-                )
+            old = meta.get("world_size", world)
+            log(
+                f"resumed from {checkpoints.uri(newest.step)} at step {start_step} on {world} workers "
+                f"(written by {old})"
+            )
     train_model = torch.compile(model) if cfg.model.compile else model
     train_model = ray.train.torch.prepare_model(train_model, move_to_device=False)
 
@@ -140,7 +148,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
                 ProgressBar(plan.num_iterations, start_step, f"{cfg.run.stage} {cfg.run.run_name}")
             )
     trainer = Trainer(
-        cfg, plan, model, train_model, optimizers, rows, evaluators, checkpointer, metrics, callbacks,
+        cfg, plan, model, train_model, optimizers, rows, evaluators, checkpointer, checkpoints, metrics, callbacks,
         bos_id=tokenizer.bos_id, rank=rank, world=world, device=device, start_step=start_step,
     )  # fmt: skip
     try:

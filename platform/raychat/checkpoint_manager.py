@@ -1,0 +1,379 @@
+"""Checkpoints of a run: one name per step, a commit marker, one `newest` rule, pruning, and the resolver of
+checkpoint references. Every stage saves through CheckpointManager (pretraining and SFT from their Ray Train
+workers, RL from its driver) on any storage root (raychat.storage: a directory, NFS, s3://, gs://).
+
+  <root>/<run>/checkpoint_<step:06d>/   the files of every rank (raychat.checkpoint's layout)
+      commit.json                       {"format": 1, "step", "stage", "committed_at" (unix seconds),
+                                         "files": {name: {"size": bytes, "sha256": hex digest}}}
+
+Saving checkpoint `step` (ranks 0..W-1, and whoever commits: rank 0 of the Ray Train group, or RL's driver):
+  1. prepare(step): whatever a crashed attempt left under that name is deleted, its commit marker first;
+  2. every rank uploads its files: upload(local_dir, step) -> their names, sizes and sha256 digests;
+  3. once every rank's upload has returned, commit(step, files, stage) writes commit.json last (one PUT on
+     object storage; a unique temporary name, fsync and a rename on a filesystem), then prunes.
+A checkpoint exists for readers only once commit.json is there: a crash anywhere before leaves a directory
+that no reference resolves to, that the next save of that step replaces and that pruning removes once a
+newer checkpoint is committed. `newest` is the committed checkpoint with the highest step: the one rule of
+every stage, of resuming, of pruning (the newest `keep` stay) and of the speedrun. Loading
+(raychat.checkpoint.load_model, resuming) checks each file's size against the marker and names a file that
+differs; a download is also checked against the sha256 digests.
+
+References (find_checkpoint names one; resolve_checkpoint also fetches a remote one to a local directory):
+  <checkpoint dir>          a committed checkpoint directory
+  <run dir>                 a directory of checkpoint_* dirs: its newest committed checkpoint
+  <run dir>/latest          the same, spelled as a path (nothing named `latest` needs to exist)
+  <run name> + storage      <storage>/<run name>, as a run dir (the run-name rule applies)
+  latest + storage          the most recently committed of the runs' newest checkpoints under <storage>, of
+                            the stages asked for (SFT takes a pretraining checkpoint, RL an SFT one)
+A bad reference is a ValueError of one line that names the flag and says what was found (uncommitted
+directories marked as such). A remote checkpoint is downloaded into a cache directory whole or not at all,
+and again only when its commit marker changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+from raychat.config.schema import LATEST, check_reference
+from raychat.storage import (
+    Storage,
+    children,
+    delete_dir,
+    download_dir,
+    is_bare_name,
+    is_remote,
+    listing,
+    open_storage,
+    read_bytes,
+    why,
+    write_bytes,
+)
+
+COMMIT_FILE = "commit.json"
+CHECKPOINT_PREFIX = "checkpoint_"
+FORMAT = 1
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raychat" / "checkpoints"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is not committed, or whose files differ from its commit marker; the message names the
+    checkpoint and the file."""
+
+
+def checkpoint_name(step: int) -> str:
+    """checkpoint_<step:06d>: names sort as steps do up to step 999,999."""
+    return f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def describe_files(directory: str | os.PathLike) -> dict[str, dict]:
+    """{name relative to `directory`: {"size": bytes, "sha256": hex}} of every file under a local directory."""
+    root = Path(directory)
+    return {
+        p.relative_to(root).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def marker(step: int, stage: str, files: dict[str, dict]) -> bytes:
+    """The bytes of commit.json for checkpoint `step` of `stage` holding `files` (describe_files' form)."""
+    body = {"format": FORMAT, "step": step, "stage": stage, "committed_at": time.time(),
+            "files": dict(sorted(files.items()))}  # fmt: skip
+    return json.dumps(body, indent=1).encode()
+
+
+def commit_directory(directory: str | os.PathLike, step: int, stage: str) -> None:
+    """Commit a local checkpoint directory that one process wrote whole (tests, benchmarks, a single writer):
+    its files as they are now, then commit.json."""
+    d = Path(directory)
+    storage = open_storage(d.parent)
+    files = {k: v for k, v in describe_files(d).items() if k != COMMIT_FILE}
+    write_bytes(storage, f"{storage.path}/{d.name}/{COMMIT_FILE}", marker(step, stage, files))
+
+
+def read_commit(directory: str | os.PathLike) -> dict:
+    """The commit marker of a local checkpoint directory.
+
+    Raises CheckpointError: no such directory, or one without commit.json (a save that did not finish, or a checkpoint
+    written before commit markers) or an unreadable one."""
+    path = Path(directory) / COMMIT_FILE
+    if not Path(directory).is_dir():
+        raise CheckpointError(f"{directory} is not a raychat checkpoint (no such directory)")
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {directory} is not committed (no {COMMIT_FILE}): a save that did not finish, or a "
+            "checkpoint written before commit markers"
+        )
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {directory}: {COMMIT_FILE} is unreadable ({e})") from e
+
+
+def verify(directory: str | os.PathLike, checksums: bool = False) -> dict:
+    """The commit marker of the local checkpoint `directory`, once every file it lists is there with its size
+    (and, with checksums, its sha256).
+
+    Raises CheckpointError naming the file: not committed, a file missing, of another size or digest."""
+    commit = read_commit(directory)
+    for name, want in commit["files"].items():
+        path = Path(directory) / name
+        if not path.is_file():
+            raise CheckpointError(
+                f"checkpoint {directory}: {name} is missing (committed with {want['size']} bytes)"
+            )
+        size = path.stat().st_size
+        if size != want["size"]:
+            raise CheckpointError(
+                f"checkpoint {directory}: {name} has {size} bytes, committed with {want['size']} (truncated or "
+                "replaced)"
+            )
+        if checksums and sha256_file(path) != want["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {directory}: {name} differs from its committed sha256 (corrupted)"
+            )
+    return commit
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed checkpoint: its step, its path on the storage's filesystem, its commit marker."""
+
+    step: int
+    path: str
+    commit: dict
+
+
+def committed_checkpoints(storage: Storage, run_path: str) -> list[Committed]:
+    """The committed checkpoint_* directories under `run_path` on storage.fs, oldest step first."""
+    found = []
+    for path in children(storage, run_path):
+        if not _is_checkpoint_name(path):
+            continue
+        try:
+            commit = json.loads(read_bytes(storage, f"{path}/{COMMIT_FILE}"))
+        except FileNotFoundError:
+            continue
+        found.append(Committed(int(commit["step"]), path, commit))
+    return sorted(found, key=lambda c: (c.step, c.path))
+
+
+class CheckpointManager:
+    """The checkpoints of run `run_name` under a storage root (see the module doc).
+
+    Args:
+        storage: the root; run_name: the run (the run-name rule, else ConfigError naming `flag`).
+        keep: how many committed checkpoints pruning keeps, newest by step (0 = all).
+    """
+
+    def __init__(self, storage: Storage, run_name: str, keep: int = 0, flag: str = "--run-name"):
+        self.storage, self.keep = storage, keep
+        self.run_path = storage.run_path(run_name, flag)
+
+    def path(self, step: int) -> str:
+        """Checkpoint `step`'s directory on storage.fs."""
+        return f"{self.run_path}/{checkpoint_name(step)}"
+
+    def uri(self, step: int) -> str:
+        return self.storage.uri_of(self.path(step))
+
+    def committed(self) -> list[Committed]:
+        return committed_checkpoints(self.storage, self.run_path)
+
+    def newest(self) -> Committed | None:
+        """The committed checkpoint with the highest step, or None."""
+        done = self.committed()
+        return done[-1] if done else None
+
+    def prepare(self, step: int) -> None:
+        """Delete what an earlier attempt left at checkpoint `step` (its commit marker first, so no reader
+        takes the directory for whole while it goes)."""
+        marker_path = self.storage.inside(f"{self.path(step)}/{COMMIT_FILE}")
+        if self.storage.fs.get_file_info(marker_path).type == pafs.FileType.File:
+            self.storage.fs.delete_file(marker_path)
+        delete_dir(self.storage, self.path(step))
+
+    def upload(self, directory: str | os.PathLike, step: int) -> dict[str, dict]:
+        """Copy the files of the local `directory` (one rank's part) into checkpoint `step`; returns their
+        describe_files() entries for commit(). A filesystem copy is fsynced before this returns."""
+        files = describe_files(directory)
+        dest = self.storage.inside(self.path(step))
+        if self.storage.is_local:
+            for name in files:
+                target = Path(dest) / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(Path(directory) / name, target)
+                with open(target, "rb+") as f:
+                    os.fsync(f.fileno())
+        else:
+            pafs.copy_files(
+                str(directory),
+                dest,
+                source_filesystem=pafs.LocalFileSystem(),
+                destination_filesystem=self.storage.fs,
+            )
+        return files
+
+    def commit(self, step: int, files: dict[str, dict], stage: str) -> str:
+        """Write checkpoint `step`'s commit marker (call once every rank's upload has returned) and prune;
+        returns the checkpoint's URI."""
+        write_bytes(self.storage, f"{self.path(step)}/{COMMIT_FILE}", marker(step, stage, files))
+        self.prune()
+        return self.uri(step)
+
+    def prune(self) -> list[str]:
+        """Delete committed checkpoints beyond the newest `keep` and the uncommitted checkpoint_<step> dirs older
+        than the newest committed one (directories of other names are never touched); returns their paths."""
+        done = self.committed()
+        if not done:
+            return []
+        dropped = [c.path for c in done[: -self.keep]] if self.keep else []
+        kept = {c.path for c in done}
+        for path in children(self.storage, self.run_path):
+            m = re.fullmatch(rf"{CHECKPOINT_PREFIX}(\d+)", path.rsplit("/", 1)[-1])
+            if m and path not in kept and int(m[1]) < done[-1].step:
+                dropped.append(path)
+        for path in dropped:
+            delete_dir(self.storage, path)
+        return dropped
+
+
+# ---- references ---------------------------------------------------------------------------------------
+def find_checkpoint(
+    ref: str | os.PathLike,
+    storage: Storage | str | None = None,
+    flag: str = "--checkpoint",
+    stages: tuple[str, ...] | None = None,
+) -> str:
+    """The committed checkpoint that `ref` names (see the module doc), fetched nowhere: an absolute local path,
+    or the s3:// / gs:// URI of the checkpoint dir.
+
+    ref: a checkpoint dir, a run dir, <run dir>/latest (local paths or URIs), a run name (no '/') looked up
+    under `storage` (a bare name that exists as a local path is that path), or `latest` with `storage`.
+    stages: what `latest` may pick (the commit marker's "stage"; None = any).
+
+    Raises ValueError (one line, naming `flag`): ref names nothing, breaks the run-name rule, is a run without
+    a committed checkpoint (listing what the run holds) or an uncommitted checkpoint dir (CheckpointError);
+    a missing bucket; `latest` without a storage root or with no checkpoint of `stages` under it."""
+    text = str(ref).strip()
+    if not text:
+        raise ValueError(f"{flag}: empty; give a checkpoint dir, a run dir, <run dir>/latest or a run name")
+    check_reference(text, flag)
+    if isinstance(storage, str | os.PathLike):
+        storage = open_storage(storage)
+    bare_name = is_bare_name(text)
+    if bare_name and text == LATEST:
+        if storage is None:
+            raise ValueError(f"{flag}: latest needs a storage root (--storage-path) whose runs to search")
+        return storage.uri_of(_latest_of_runs(storage, stages, flag))
+    if bare_name and storage is not None:
+        where, target = storage, storage.run_path(text, flag)
+    else:
+        where = open_storage(text, flag)
+        target = where.path
+    try:
+        return where.uri_of(_find(where, target, flag))
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {where.uri_of(target)}: {why(e, where)}") from e
+
+
+def resolve_checkpoint(
+    ref: str | os.PathLike,
+    storage: Storage | str | None = None,
+    flag: str = "--checkpoint",
+    cache_dir: str | os.PathLike | None = None,
+    stages: tuple[str, ...] | None = None,
+) -> Path:
+    """A local directory holding the checkpoint find_checkpoint(ref, storage, flag, stages) names: the
+    directory itself when local; a remote one downloaded to <cache_dir>/<sha256(uri)[:16]>-<name> (default
+    cache: $XDG_CACHE_HOME or ~/.cache, then raychat/checkpoints), checked against its commit marker's sizes
+    and sha256 digests before it takes that name.
+
+    Raises ValueError as find_checkpoint; CheckpointError: a downloaded file differs from the marker; OSError:
+    the download failed (nothing is left under the final name)."""
+    uri = find_checkpoint(ref, storage, flag, stages)
+    if not is_remote(uri):
+        return Path(uri)
+    where = open_storage(uri, flag)
+    commit = read_bytes(where, f"{where.path}/{COMMIT_FILE}")
+    cache = Path(cache_dir) if cache_dir else DEFAULT_CACHE
+    dest = cache / f"{hashlib.sha256(uri.encode()).hexdigest()[:16]}-{where.path.rsplit('/', 1)[-1]}"
+    if (dest / COMMIT_FILE).is_file() and (dest / COMMIT_FILE).read_bytes() == commit:
+        try:
+            verify(dest)
+            return dest
+        except CheckpointError:  # a damaged cached copy: fetched again
+            pass
+    return download_dir(where, where.path, dest, check=lambda d: verify(d, checksums=True))
+
+
+def _find(storage: Storage, target: str, flag: str) -> str:
+    fs = storage.fs
+    info = fs.get_file_info(target)
+    if info.type == pafs.FileType.NotFound and target.rsplit("/", 1)[-1] == LATEST:
+        target = target.rsplit("/", 1)[0]
+        info = fs.get_file_info(target)
+    shown = storage.uri_of(target)
+    if info.type == pafs.FileType.NotFound:
+        raise ValueError(f"{flag}: {shown} does not exist ({_listing(storage, target.rsplit('/', 1)[0])})")
+    if info.type != pafs.FileType.Directory:
+        raise ValueError(f"{flag}: {shown} is a file; give a checkpoint dir, a run dir or <run dir>/latest")
+    if fs.get_file_info(f"{target}/{COMMIT_FILE}").type == pafs.FileType.File:
+        return target
+    done = committed_checkpoints(storage, target)
+    if done:
+        return done[-1].path
+    looks_like_one = _is_checkpoint_name(target) or any(
+        fs.get_file_info(f"{target}/{name}").type == pafs.FileType.File
+        for name in ("meta.json", "model.safetensors")
+    )
+    if looks_like_one:
+        raise CheckpointError(
+            f"{flag}: checkpoint {shown} is not committed (no {COMMIT_FILE}): a save that did not finish, or a "
+            "checkpoint written before commit markers"
+        )
+    raise ValueError(f"{flag}: {shown} has no committed checkpoint ({_listing(storage, target)})")
+
+
+def _latest_of_runs(storage: Storage, stages: tuple[str, ...] | None, flag: str) -> str:
+    """The most recently committed of the runs' newest checkpoints under the root, of `stages`."""
+    found = []
+    try:
+        for run in children(storage, storage.path):
+            done = committed_checkpoints(storage, run)
+            if done and (stages is None or done[-1].commit.get("stage") in stages):
+                found.append((done[-1].commit.get("committed_at", 0), done[-1].path))
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {storage.uri}: {why(e, storage)}") from e
+    if not found:
+        what = f"committed {'/'.join(stages)}" if stages else "committed"
+        raise ValueError(
+            f"{flag}: latest: no {what} checkpoint under {storage.uri} ({_listing(storage, storage.path)})"
+        )
+    return max(found)[1]
+
+
+def _is_checkpoint_name(path: str) -> bool:
+    return path.rsplit("/", 1)[-1].startswith(CHECKPOINT_PREFIX)
+
+
+def _listing(storage: Storage, path: str) -> str:
+    def mark(child: str) -> str:
+        uncommitted = storage.fs.get_file_info(f"{child}/{COMMIT_FILE}").type != pafs.FileType.File
+        return " (uncommitted)" if _is_checkpoint_name(child) and uncommitted else ""
+
+    return listing(storage, path, mark)

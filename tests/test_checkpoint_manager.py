@@ -1,0 +1,170 @@
+"""raychat.checkpoint_manager: a checkpoint exists once its commit marker is written last; `newest` is the highest
+committed step; a crash mid-save is never loaded, and the next save cleans it up; nothing outside the storage
+root is ever written, renamed or deleted."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from test_checkpointer import tiny_model
+
+from raychat.checkpoint import load_model, save_model
+from raychat.checkpoint_manager import (
+    COMMIT_FILE,
+    CheckpointError,
+    CheckpointManager,
+    find_checkpoint,
+    resolve_checkpoint,
+)
+from raychat.config import ConfigError
+from raychat.storage import open_storage
+
+
+def part(directory: Path, files: dict[str, bytes]) -> Path:
+    """A rank's local part of a checkpoint: `files` written under `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    return directory
+
+
+def save(manager: CheckpointManager, tmp: Path, step: int, ranks: int = 2) -> str:
+    """Checkpoint `step` as the training stages save it: prepare, every rank uploads its part, then commit."""
+    manager.prepare(step)
+    files = {}
+    for r in range(ranks):
+        local = part(tmp / f"s{step}r{r}", {f"state_rank{r}.npz": f"rank {r} at {step}".encode()})
+        if r == 0:
+            part(local, {"model.safetensors": b"w" * step, "meta.json": json.dumps({"step": step}).encode()})
+        files.update(manager.upload(local, step))
+    return manager.commit(step, files, "pretrain")
+
+
+def tree(root: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under root (what 'nothing else was touched' compares)."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def test_the_commit_marker_lists_every_ranks_files_and_is_written_last(tmp_path):
+    storage = open_storage(tmp_path / "runs")
+    manager = CheckpointManager(storage, "run", keep=3)
+    manager.prepare(4)
+    rank1 = manager.upload(part(tmp_path / "r1", {"state_rank1.npz": b"one"}), 4)
+    assert manager.newest() is None  # uploaded, not committed: no reader takes it
+    rank0 = manager.upload(
+        part(tmp_path / "r0", {"model.safetensors": b"w" * 10, "state_rank0.npz": b"zero"}), 4
+    )
+    uri = manager.commit(4, {**rank0, **rank1}, "sft")
+    assert uri == str(tmp_path / "runs" / "run" / "checkpoint_000004")
+    commit = json.loads((Path(uri) / COMMIT_FILE).read_text())
+    assert (commit["format"], commit["step"], commit["stage"]) == (1, 4, "sft")
+    assert commit["files"] == {
+        "model.safetensors": {"size": 10, "sha256": hashlib.sha256(b"w" * 10).hexdigest()},
+        "state_rank0.npz": {"size": 4, "sha256": hashlib.sha256(b"zero").hexdigest()},
+        "state_rank1.npz": {"size": 3, "sha256": hashlib.sha256(b"one").hexdigest()},
+    }
+    assert (manager.newest().step, manager.newest().path) == (4, uri)
+
+
+def test_newest_and_pruning_go_by_step_not_by_name(tmp_path):
+    # checkpoint_1000000 sorts before checkpoint_999999 as a name; the step decides
+    manager = CheckpointManager(open_storage(tmp_path / "runs"), "long", keep=1)
+    save(manager, tmp_path, 999_999)
+    save(manager, tmp_path, 1_000_000)
+    assert [p.name for p in (tmp_path / "runs" / "long").iterdir()] == ["checkpoint_1000000"]
+    assert find_checkpoint("long", tmp_path / "runs").endswith("/long/checkpoint_1000000")
+
+
+def test_a_crash_mid_save_is_never_loaded_and_the_next_save_cleans_it_up(tmp_path):
+    runs = tmp_path / "runs"
+    manager = CheckpointManager(open_storage(runs), "pre", keep=2)
+    save(manager, tmp_path, 2)
+    # step 4: rank 0's files reached storage (the weights truncated), rank 1 and the marker never did
+    manager.prepare(4)
+    manager.upload(part(tmp_path / "crash", {"model.safetensors": b"w" * 2, "meta.json": b'{"step": 4}'}), 4)
+    old_layout = part(runs / "pre" / "checkpoint_2026-12-01_09-30-00.000002", {"meta.json": b'{"step": 99}'})
+    committed = runs / "pre" / "checkpoint_000002"
+    for ref in ("pre", "latest", f"{runs}/pre/latest", f"{runs}/pre"):
+        assert find_checkpoint(ref, runs) == str(committed)
+    with pytest.raises(CheckpointError, match=r"checkpoint_000004 is not committed \(no commit.json\)"):
+        find_checkpoint(runs / "pre" / "checkpoint_000004")
+    with pytest.raises(
+        ValueError, match=r"has no committed checkpoint \(.* checkpoint_000001 \(uncommitted\)/"
+    ):
+        find_checkpoint(part(runs / "other" / "checkpoint_000001", {"meta.json": b"{}"}).parent)
+    # the run goes on: the next commit removes the stale step-4 directory, never a directory of another name
+    save(manager, tmp_path, 6)
+    assert sorted(p.name for p in (runs / "pre").iterdir()) == sorted(
+        ["checkpoint_000002", "checkpoint_000006", old_layout.name]
+    )
+    # a re-save of a step replaces everything an earlier attempt left there (here a rank of a larger world)
+    part(runs / "pre" / "checkpoint_000008", {"state_rank3.npz": b"stale"})
+    save(manager, tmp_path, 8)
+    assert sorted(p.name for p in (runs / "pre" / "checkpoint_000008").iterdir()) == [
+        COMMIT_FILE, "meta.json", "model.safetensors", "state_rank0.npz", "state_rank1.npz",
+    ]  # fmt: skip
+    assert [c.step for c in manager.committed()] == [6, 8]  # keep=2
+
+
+def test_loading_checks_sizes_and_names_the_file(tmp_path, small_tokenizer):
+    d = tmp_path / "ck"
+    save_model(
+        d, tiny_model(small_tokenizer.vocab_size), small_tokenizer, {"step": 3, "stage": "sft"}, commit=True
+    )
+    assert load_model(d)[2]["step"] == 3
+    weights = d / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[: size // 2])
+    with pytest.raises(CheckpointError) as e:
+        load_model(d)
+    assert str(e.value) == (
+        f"checkpoint {d}: model.safetensors has {size // 2} bytes, committed with {size} (truncated or replaced)"
+    )
+    (d / COMMIT_FILE).unlink()
+    with pytest.raises(CheckpointError, match="is not committed"):
+        load_model(d)
+
+
+def test_no_run_name_reaches_the_root_or_outside_it(tmp_path):
+    root = tmp_path / "runs"
+    save(CheckpointManager(open_storage(root), "keep-me"), tmp_path, 1)
+    (tmp_path / "outside.txt").write_text("precious")
+    before = tree(tmp_path)
+    storage = open_storage(root)
+    for name in ("", ".", "..", "../escape", ".hidden", "a/b", "x y"):
+        with pytest.raises(
+            ConfigError, match=r"--run-name: .* is not a run name \(letters, digits and '._-'"
+        ):
+            CheckpointManager(storage, name)
+    for path in (
+        str(root),
+        str(tmp_path),
+        f"{root}/../outside.txt",
+        f"{root}/a/../../outside.txt",
+        f"{root}x/y",
+    ):
+        with pytest.raises(ValueError, match="is not below the storage root"):
+            storage.inside(path)
+    assert tree(tmp_path) == before
+
+
+def test_a_remote_checkpoint_is_checked_against_its_digests(tmp_path, s3_env):
+    bucket = s3_env.make_bucket()
+    storage = open_storage(f"s3://{bucket}/runs")
+    manager = CheckpointManager(storage, "pre", keep=2)
+    save(manager, tmp_path, 2)
+    uri = save(manager, tmp_path, 5)
+    assert uri == f"s3://{bucket}/runs/pre/checkpoint_000005"
+    assert find_checkpoint("latest", storage) == uri
+    got = resolve_checkpoint("pre", storage, cache_dir=tmp_path / "cache")
+    assert (got / "model.safetensors").read_bytes() == b"w" * 5
+    # the bucket's copy is replaced by other bytes of the same size: the download is refused, nothing cached
+    with storage.fs.open_output_stream(f"{bucket}/runs/pre/checkpoint_000005/model.safetensors") as f:
+        f.write(b"x" * 5)
+    with pytest.raises(CheckpointError, match="model.safetensors differs from its committed sha256"):
+        resolve_checkpoint("pre", storage, cache_dir=tmp_path / "other-cache")
+    assert list((tmp_path / "other-cache").iterdir()) == []
