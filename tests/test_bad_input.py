@@ -102,6 +102,38 @@ def test_a_latest_that_resolves_to_nothing(argv, want, root, capsys):
     assert _snapshot(root) == before
 
 
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["export", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", ""],
+         "--run-name: '' is not a run name (letters, digits and '._-', not starting with '.')"),
+        (["export", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", ".."],
+         "--run-name: '..' is not a run name"),
+        (["export", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", "../escape"],
+         "--run-name: '../escape' is not a run name"),
+        (["export", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", "pretrain"],
+         "--run-name: {root}/pretrain holds a training run's checkpoints, which an export there would replace"),
+        (["eval", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", ".hidden"],
+         "--run-name: '.hidden' is not a run name"),
+        (["pretrain", "--preset", "tiny", "--storage-path", "{root}", "--run-name", "a/b"],
+         "--run-name: 'a/b' is not a run name"),
+        (["sft", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "..", "--run-name", "s"],
+         "--init-from: '..' is not a run name"),
+        (["rl", "--preset", "tiny", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", ""],
+         "--run-name: '' is not a run name"),
+        (["data", "prepare", "--preset", "tiny", "--storage-path", "{root}", "--run-name", ".."],
+         "--run-name: '..' is not a run name"),
+    ],
+)  # fmt: skip
+def test_a_run_name_that_would_leave_its_run_directory(argv, want, root, capsys):
+    """The one run-name rule, checked before anything is read or written: nothing under or beside the root
+    changes (an export to '' once replaced the whole root)."""
+    before = _snapshot(root.parent)
+    line = _fails_in_one_line([a.format(root=root) for a in argv], capsys)
+    assert want.format(root=root) in line, line
+    assert _snapshot(root.parent) == before
+
+
 @pytest.mark.parametrize("stage", ["pretrain", "sft", "rl", "eval", "serve"])
 def test_a_preset_that_does_not_exist(stage, root, capsys):
     before = _snapshot(root)
