@@ -76,3 +76,25 @@ def test_curves_png_per_stage(tmp_path):
                                                          "eval": {"step": 2, "pass@1": 0.5}}]  # fmt: skip
     assert plot_stage("rl", rl, tmp_path / "curves_rl.png").exists()
     assert plot_stage("sft", [], tmp_path / "curves_sft.png") is None
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    """Steps 1-5 logged, the run resumes from checkpoint 3: steps 4 and 5 are trained again and appear once."""
+    sink = MetricsSink(tmp_path / "run")
+    for step in range(1, 6):
+        sink.log({"step": step, "loss": 10.0 - step})
+    resumed = MetricsSink(tmp_path / "run")
+    assert resumed.resume_at(3) == 2
+    for step in (4, 5, 6):
+        resumed.log({"step": step, "loss": 0.5 * step})
+    lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [(x["step"], x["loss"]) for x in lines] == [
+        (1, 9.0),
+        (2, 8.0),
+        (3, 7.0),
+        (4, 2.0),
+        (5, 2.5),
+        (6, 3.0),
+    ]
+    assert MetricsSink(tmp_path / "run").resume_at(0) == 6  # a run that starts over keeps nothing
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""

@@ -1,6 +1,7 @@
 """The metrics sink every stage logs its steps to (pretraining, SFT, RL): one place, three outputs.
 
-  1. metrics.jsonl: one JSON object per step, appended and flushed (local storage only); the speedrun
+  1. metrics.jsonl: one JSON object per step, appended and flushed (local storage only); a resumed run
+     first drops the lines of the steps it redoes (`resume_at`), so each step is there once; the speedrun
      report draws its curves from it (raychat.report_plots).
   2. Ray gauges (raychat.metrics: raychat_train_* / raychat_rl_*) through a stage's `gauges(stats)` callable.
   3. On request (--tracker): TensorBoard event files (torch.utils.tensorboard, the `tensorboard` package) or
@@ -101,6 +102,20 @@ class MetricsSink:
                 raise ValueError(f"--tracker {tracker} writes files: it needs a local --storage-path")
             kind = {"tensorboard": _TensorBoard, "wandb": _WandB}[tracker]
             self.tracker = kind(os.path.join(run_dir, "tracker"), run_name, config)
+
+    def resume_at(self, step: int) -> int:
+        """Drop the lines of steps after `step` (the checkpoint a run resumes from; 0 = a fresh start): they
+        are trained again and logged anew. Rewrites metrics.jsonl atomically; returns how many lines went."""
+        if not self.path or not os.path.exists(self.path):
+            return 0
+        lines = read_jsonl(self.path)
+        kept = [line for line in lines if line.get("step", 0) <= step]
+        if len(kept) < len(lines):
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(line) + "\n" for line in kept)
+            os.replace(tmp, self.path)
+        return len(lines) - len(kept)
 
     def log(self, stats: dict) -> None:
         """Record one step: `stats` holds "step" (int) and the step's values (JSON-serializable)."""

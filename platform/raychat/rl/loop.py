@@ -164,6 +164,7 @@ class RLRun:
     def _loop(self, metrics: MetricsSink) -> dict:
         cfg, steps, is_async = self.cfg, self.cfg.rollout.steps, self.cfg.asynchrony.mode == "async"
         start = self.resume()
+        metrics.resume_at(start)
         sync = self.sync.publish(self.version)
         self.log(f"rl: {cfg.asynchrony.mode} mode, normalization={cfg.objective.normalization}, version "
                  f"{self.version}, initial sync {sync['sync_time_s']:.3f}s hash {sync['hash']}")  # fmt: skip

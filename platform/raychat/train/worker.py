@@ -143,6 +143,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
         run_dir = os.path.join(cfg.run.storage_path, cfg.run.run_name)
         gauges = train_gauges(cfg.run.run_name, cfg.run.stage)
         metrics = MetricsSink(run_dir, gauges, cfg.run.tracker, cfg.run.run_name, to_dict(cfg))
+        metrics.resume_at(start_step)
         if config.get("progress_bar"):  # only when the driver writes to a terminal
             callbacks.append(
                 ProgressBar(plan.num_iterations, start_step, f"{cfg.run.stage} {cfg.run.run_name}")
