@@ -40,7 +40,7 @@ def test_validation_names_the_flag(kw, match):
 
 def test_flags_override_yaml(tmp_path):
     (tmp_path / "c.yaml").write_text("rl:\n  steps: 7\n  mode: async\n")
-    parser = build_parser()
+    parser = build_parser("rl")
     cfg = config_for(
         parser.parse_args(["rl", "--config", str(tmp_path / "c.yaml"), "--steps", "9", "--scale-by-std"])
     )

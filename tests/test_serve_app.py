@@ -82,7 +82,7 @@ def test_num_gpus_reaches_the_replica_options_and_its_device(tmp_path, monkeypat
     monkeypatch.setattr(
         serve_cli, "start", lambda config, **kw: seen.update(num_gpus=config.replica.num_gpus) or "http://x/"
     )
-    args = build_parser().parse_args(["serve", "--checkpoint", str(ckpt), "--num-gpus", "1", "--address", "ray://x", "--no-block"])  # fmt: skip
+    args = build_parser("serve").parse_args(["serve", "--checkpoint", str(ckpt), "--num-gpus", "1", "--address", "ray://x", "--no-block"])  # fmt: skip
     assert serve_cli.main(args) == 0 and seen["num_gpus"] == 1.0
     for gpus, device in ((seen["num_gpus"], "cuda"), (0.0, "cpu"), (0.5, "cuda")):
         app = serve_app.build_app({"checkpoint": str(ckpt), "num_gpus": gpus})
