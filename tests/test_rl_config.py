@@ -1,5 +1,7 @@
 """RLConfig: validation messages, YAML round trip, the `raychat rl` flags."""
 
+import re
+
 import pytest
 from rl_fixtures import rl_config
 
@@ -27,6 +29,7 @@ def test_yaml_round_trip(tmp_path):
         ({"samples_per_prompt": 0}, "--samples-per-prompt must be >= 1"),
         ({"temperature": 0.0}, "--temperature must be > 0"),
         ({"constant_length": 0}, "--constant-length"),
+        ({"max_failures": -1}, "--max-failures must be >= 0"),
         (
             {"weight_sync": "collective", "learner_workers": 2},
             r"--weight-sync collective on CPU \(gloo\) needs --learner-workers 1, got 2",
@@ -60,6 +63,10 @@ def test_cli_help_lists_the_rl_command(capsys):
         "--checkpoint" in out
         and "--normalization {token,sequence,constant}" in out
         and "--max-staleness" in out
+    )
+    # the learner failure budget, with its default
+    assert re.search(
+        r"--max-failures INT\s+failures of a learner or of weight sync .*?\(default: 1\)", out, re.S
     )
     assert main(["rl", "--steps", "3"]) == 2  # no --checkpoint
 

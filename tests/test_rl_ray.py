@@ -151,7 +151,14 @@ def test_samples_older_than_the_bound_are_dropped_and_their_prompts_reissued(ray
         sync.publish(3)
         old = [{"version": 1, "prompt_index": i, "sample_index": 0} for i in (7, 9)]
         stale = {"samples": old, "seconds": 0.0, "completion_tokens": 0, "worker": 0, "version": 1}
-        chunk = {"worker": 0, "indices": [7, 9], "seed": 11, "min_version": 3, "ref": ray.put(stale)}
+        chunk = {
+            "worker": 0,
+            "indices": [7, 9],
+            "seed": 11,
+            "min_version": 3,
+            "ref": ray.put(stale),
+            "split": "train",
+        }
         (result,) = scheduler.collect([chunk])
     finally:
         topology.stop()

@@ -90,7 +90,13 @@ class TopologySection(Section):
         "object_store: one ray.put, every rollout gets it; collective: broadcast",
         WEIGHT_SYNCS,
     )
-    max_restarts: int = option(3, "restarts of a dead rollout actor (its prompts are re-issued)", ge=0)
+    max_restarts: int = option(
+        3, "restarts of a dead rollout actor (its training or evaluation prompts are re-issued)", ge=0
+    )
+    max_failures: int = option(
+        1, "failures of a learner or of weight sync survived by restarting every actor and resuming from the "
+        "newest committed checkpoint (the steps after it are redone); 0 = the first one ends the run", ge=0,
+    )  # fmt: skip
 
 
 @dataclass

@@ -21,6 +21,13 @@ steps: pass@k, k = 1..--eval-samples, on held-out prompts. Checkpoints go to OUT
 on any storage root (a directory, NFS, s3://, gs://) through raychat.checkpoint_manager: every learner uploads
 its part, the driver commits; a run started again with the same --out and --run-name resumes from the newest
 committed one.
+
+Faults: a rollout actor that dies during a rollout or an evaluation is restarted by Ray (--max-restarts),
+re-synced and its prompts re-issued (raychat.rl.scheduler). Any other lost actor (a learner, one lost during
+weight sync, every rollout actor) stops the whole topology; it is started again and the run resumes from the
+newest committed checkpoint, redoing the steps after it, up to --max-failures times (`failures` in every
+line and the summary); past that the run fails naming the option. The placement group is removed on every
+path out (raychat.rl.topology).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from collections import deque
 
 import numpy as np
 import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raychat.checkpoint_manager import CheckpointManager
 from raychat.config import RLConfig, to_dict, to_yaml
@@ -38,7 +46,7 @@ from raychat.metrics_sink import MetricsSink
 from raychat.rl.objective import group_advantages
 from raychat.rl.scheduler import RolloutScheduler, split_even
 from raychat.rl.sync import WeightSync
-from raychat.rl.topology import Topology
+from raychat.rl.topology import ActorsLost, Topology
 from raychat.storage import open_storage, write_bytes
 from raychat.tasks.registry import make_task
 
@@ -70,10 +78,11 @@ def rl_gauges(run_name: str):
 class RLRun:
     """One RL run. `RLRun(cfg).run()` -> summary dict; see the module doc.
 
-    on_submitted(scheduler, step, chunks): optional hook after a step's rollout chunks are submitted.
+    on_submitted(scheduler, step, chunks): optional hook after a step's rollout chunks are submitted;
+    on_evaluating(scheduler, chunks): optional hook after an evaluation's chunks are submitted.
     """
 
-    def __init__(self, cfg: RLConfig, on_submitted=None, log=print):
+    def __init__(self, cfg: RLConfig, on_submitted=None, log=print, on_evaluating=None):
         if not cfg.run.init_from:
             raise ValueError("--checkpoint (a chat checkpoint directory) is required")
         self.cfg, self.log = cfg, log
@@ -85,9 +94,11 @@ class RLRun:
         self.topology = Topology(cfg, self.tasks)
         self.sync = WeightSync(self.topology, cfg.topology.weight_sync, log)
         self.scheduler = RolloutScheduler(
-            cfg, self.topology, self.sync, len(self.tasks["train"]), on_submitted, log
+            cfg, self.topology, self.sync, len(self.tasks["train"]), on_submitted, log, on_evaluating
         )
         self.version = 0
+        self.failures = 0  # learner / weight-sync failures survived (topology restarts), <= --max-failures
+        self.evals: list[dict] = []  # {"step", "pass@k"...} of this run, a redone step's once
 
     @property
     def restarts(self) -> int:
@@ -106,8 +117,11 @@ class RLRun:
         return self.checkpoints.commit(step, {k: v for part in parts for k, v in part.items()}, "rl")
 
     def resume(self) -> int:
+        """Restore every learner from the newest committed checkpoint; returns its step (0 when there is none:
+        the learners hold --checkpoint's weights, version 0)."""
         newest = self.checkpoints.newest()
         if newest is None:
+            self.set_version(0)
             return 0
         uri = self.checkpoints.uri(newest.step)
         states = ray.get([lr.restore.remote(uri) for lr in self.topology.learners])
@@ -150,16 +164,43 @@ class RLRun:
 
     # ---- the loop --------------------------------------------------------------------------------------
     def run(self) -> dict:
+        """Run to --steps; returns the summary. The placement group and every actor are released on return
+        and on every error."""
         c = self.checkpoints
         write_bytes(c.storage, f"{c.run_path}/config.yaml", to_yaml(self.cfg, "rl").encode())
-        self.topology.start()
         metrics = MetricsSink(self.run_dir, rl_gauges(self.cfg.run.run_name), self.cfg.run.tracker,
                               self.cfg.run.run_name, to_dict(self.cfg))  # fmt: skip
         try:
-            return self._loop(metrics)
+            return self._run_within_budget(metrics)
         finally:
             metrics.close()
             self.topology.stop()
+
+    def _run_within_budget(self, metrics: MetricsSink) -> dict:
+        """Start the topology and run the loop; when an actor is lost beyond what the rollout scheduler recovers
+        in place (a learner, weight sync, every rollout actor), stop everything, start again and resume from
+        the newest committed checkpoint, up to --max-failures times.
+
+        Raises RuntimeError naming --max-failures once the budget is spent (the last failure as its cause)."""
+        budget = self.cfg.topology.max_failures
+        while True:
+            try:
+                self.topology.start()
+                return self._loop(metrics)
+            except (RayActorError, ActorUnavailableError, ActorsLost) as e:
+                self.topology.stop()
+                self.sync.reset()
+                cause = f"{type(e).__name__}: {_first_line(e)}"
+                if self.failures >= budget:
+                    raise RuntimeError(
+                        f"RL run {self.cfg.run.run_name!r} failed after {self.failures} restart(s), "
+                        f"--max-failures {budget} ({cause}); raise --max-failures to survive more"
+                    ) from e
+                self.failures += 1
+                self.log(
+                    f"an actor was lost ({cause}); restart {self.failures} of --max-failures {budget}: "
+                    "starting every actor again and resuming from the newest committed checkpoint"
+                )
 
     def _loop(self, metrics: MetricsSink) -> dict:
         cfg, steps, is_async = self.cfg, self.cfg.rollout.steps, self.cfg.asynchrony.mode == "async"
@@ -168,7 +209,8 @@ class RLRun:
         sync = self.sync.publish(self.version)
         self.log(f"rl: {cfg.asynchrony.mode} mode, normalization={cfg.objective.normalization}, version "
                  f"{self.version}, initial sync {sync['sync_time_s']:.3f}s hash {sync['hash']}")  # fmt: skip
-        evals = []
+        evals = self.evals
+        evals[:] = [e for e in evals if e["step"] <= start]  # a restart redoes the steps after `start`
         if start == 0:
             evals.append({"step": 0, **self.scheduler.evaluate(len(self.tasks["test"]))})
             self.log(f"eval step 0: {_fmt(evals[-1])}")
@@ -197,6 +239,7 @@ class RLRun:
                 "learner_step_s": stats["step_s"], "learner_wait_s": wait_s,
                 "learner_wait_frac": wait_s / max(wait_s + stats["step_s"] + sync_wall, 1e-9),
                 "sync_time_s": sync["sync_time_s"] if sync else None, "restarts": self.restarts,
+                "failures": self.failures,
                 "stale_chunks": self.scheduler.stale_chunks, "dropped_samples": self.scheduler.dropped_samples,
             }  # fmt: skip
             if (step + 1) % cfg.eval.eval_every == 0 or step + 1 == steps:
@@ -212,6 +255,7 @@ class RLRun:
         newest = self.checkpoints.newest()
         return {
             "steps": steps, "start_step": start, "version": self.version, "restarts": self.restarts,
+            "failures": self.failures,
             "stale_chunks": self.scheduler.stale_chunks, "dropped_samples": self.scheduler.dropped_samples,
             "evals": evals, "learner_wait_frac": total_wait / max(total_wait + total_busy, 1e-9),
             "wall_s": time.perf_counter() - t_loop, "run_dir": self.run_dir,
@@ -221,9 +265,14 @@ class RLRun:
 
 _LOG_KEYS = (
     "step", "reward_mean", "response_len_mean", "loss", "grad_norm", "rollout_tokens_per_s", "learner_step_s",
-    "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts", "stale_chunks",
+    "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts", "failures", "stale_chunks",
 )  # fmt: skip
 
 
 def _fmt(d: dict) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an exception's message (Ray's actor errors carry a long traceback)."""
+    return (str(e).strip().splitlines() or [""])[0]

@@ -165,8 +165,15 @@ class RolloutWorker:
         max_tokens: int,
         temperature: float,
         seed: int | None = None,
-    ) -> list[int]:
-        """Correct completions (Task.evaluate) per held-out prompt, out of num_samples each."""
+        min_version: int = 0,
+    ) -> dict:
+        """Correct completions (Task.evaluate) per held-out prompt, out of num_samples each.
+
+        min_version: as in rollout(): an actor holding older weights (restarted) evaluates nothing.
+        Returns {"correct": list[int] (one count per index; [] when refused), "version": int, "worker": int}.
+        """
+        if self.version < min_version:
+            return {"correct": [], "version": self.version, "worker": self.worker_index}
         conversations, prompts = self._prompts("test", indices)
         results = self.engine.generate_batch(
             prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, seed=seed
@@ -174,7 +181,7 @@ class RolloutWorker:
         correct = [0] * len(indices)
         for r in results:
             correct[r.prompt_index] += int(self.tasks["test"].evaluate(conversations[r.prompt_index], r.text))
-        return correct
+        return {"correct": correct, "version": self.version, "worker": self.worker_index}
 
 
 RolloutActor = ray.remote(RolloutWorker)

@@ -12,6 +12,10 @@ is issued with that min_version: an actor holding older weights (restarted betwe
 rollout, so it holds the checkpoint's weights, version 0) generates nothing, and collect drops any sample
 older than the bound, re-syncs the actor and issues the chunk again. `stale_chunks` and `dropped_samples`
 count them.
+
+Evaluation goes the same way: its chunks (split "test", min_version = the current version, a seed per part
+of the held-out prompts) are collected, re-synced and re-issued like a step's, so an actor lost during an
+evaluation costs a re-run of its part, with the same result.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from raychat.config import RLConfig
 from raychat.rl.objective import pass_at_k
 from raychat.rl.sync import WeightSync
-from raychat.rl.topology import Topology
+from raychat.rl.topology import ActorsLost, Topology
 
 
 def chunk_seed(seed: int, step: int, chunk: int) -> int:
@@ -44,9 +48,11 @@ def split_even(items: list, n: int) -> list[list]:
 
 
 class RolloutScheduler:
-    """Submits and collects the rollout chunks of each step (module doc); `restarts` counts dead actors met.
+    """Submits and collects the rollout chunks of each step and of each evaluation (module doc); `restarts`
+    counts dead actors met.
 
-    on_submitted(scheduler, step, chunks): optional hook after a step's chunks are submitted (tests kill an
+    on_submitted(scheduler, step, chunks): optional hook after a step's chunks are submitted;
+    on_evaluating(scheduler, chunks): optional hook after an evaluation's chunks are submitted (tests kill an
     actor there).
     """
 
@@ -58,18 +64,19 @@ class RolloutScheduler:
         num_prompts: int,
         on_submitted=None,
         log=print,
+        on_evaluating=None,
     ):
-        self.cfg, self.topology, self.sync, self.on_submitted, self.log = (
-            cfg,
-            topology,
-            sync,
-            on_submitted,
-            log,
-        )
+        self.cfg, self.topology, self.sync, self.log = cfg, topology, sync, log
+        self.on_submitted, self.on_evaluating = on_submitted, on_evaluating
         self.order = np.random.default_rng(cfg.run.seed).permutation(num_prompts)
         self.version = 0  # the policy version the rollout actors hold (re-syncs load this one)
         self.bound = cfg.asynchrony.max_staleness if cfg.asynchrony.mode == "async" else 0
         self.restarts = self.stale_chunks = self.dropped_samples = 0
+
+    @property
+    def eval_samples(self) -> int:
+        """Samples per held-out prompt: --eval-samples, or 1 when greedy (--eval-temperature 0)."""
+        return 1 if self.cfg.eval.eval_temperature == 0 else self.cfg.eval.eval_samples
 
     def prompts_for(self, step: int) -> list[int]:
         P, n = self.cfg.rollout.prompts_per_step, len(self.order)
@@ -81,7 +88,7 @@ class RolloutScheduler:
         for c, idx in enumerate(split_even(self.prompts_for(step), len(rollouts))):
             seed = chunk_seed(self.cfg.run.seed, step, c)
             chunks.append({"worker": c % len(rollouts), "indices": idx, "seed": seed, "ref": None,
-                           "min_version": max(0, step - self.bound)})  # fmt: skip
+                           "min_version": max(0, step - self.bound), "split": "train"})  # fmt: skip
             self._issue(chunks[-1])
         if self.on_submitted:
             self.on_submitted(self, step, chunks)
@@ -89,14 +96,23 @@ class RolloutScheduler:
 
     def _issue(self, chunk: dict) -> None:
         r = self.cfg.rollout
-        chunk["ref"] = self.topology.rollouts[chunk["worker"]].rollout.remote(
+        actor = self.topology.rollouts[chunk["worker"]]
+        if chunk["split"] == "test":
+            chunk["ref"] = actor.evaluate.remote(
+                chunk["indices"], self.eval_samples, r.max_tokens, self.cfg.eval.eval_temperature, chunk["seed"],
+                chunk["min_version"],
+            )  # fmt: skip
+            return
+        chunk["ref"] = actor.rollout.remote(
             chunk["indices"], r.samples_per_prompt, r.max_tokens, r.temperature, chunk["seed"], "train",
             self.cfg.asynchrony.mode == "async", chunk["min_version"],
         )  # fmt: skip
 
     def collect(self, chunks: list[dict]) -> list[dict]:
-        """Results of every chunk, all from policy versions within the bound (module doc); a chunk whose
-        actor died, or whose weights were too old, is re-issued after a re-sync."""
+        """Results of every chunk (training or evaluation), all from policy versions within the bound (module
+        doc); a chunk whose actor died, or whose weights were too old, is re-issued after a re-sync.
+
+        Raises ActorsLost when a chunk fails --max-restarts + 2 times or no rollout actor is alive."""
         tries = self.cfg.topology.max_restarts + 2
         out = []
         for chunk in chunks:
@@ -106,23 +122,27 @@ class RolloutScheduler:
                 except (RayActorError, ActorUnavailableError) as e:
                     self.restarts += 1
                     self.log(
-                        f"rollout actor {chunk['worker']} died ({type(e).__name__}); re-issuing its prompts"
+                        f"rollout actor {chunk['worker']} died ({type(e).__name__}); re-issuing its "
+                        f"{'evaluation ' if chunk['split'] == 'test' else ''}prompts"
                     )
                     self._recover(chunk, attempt)
                     continue
                 if result["version"] >= chunk["min_version"]:
                     out.append(result)
                     break
+                dropped = len(result.get("samples", ()))
                 self.stale_chunks += 1
-                self.dropped_samples += len(result["samples"])
+                self.dropped_samples += dropped
                 self.log(
                     f"rollout actor {chunk['worker']} held version {result['version']} < "
-                    f"{chunk['min_version']} (restarted?): {len(result['samples'])} samples dropped; "
+                    f"{chunk['min_version']} (restarted?): {dropped} samples dropped; "
                     f"re-syncing it to version {self.version} and re-issuing its prompts"
                 )
                 self._recover(chunk, attempt)
             else:
-                raise RuntimeError(f"prompts {chunk['indices']} failed after {tries} tries")
+                raise ActorsLost(
+                    f"prompts {chunk['indices']} failed after {tries} tries (--max-restarts + 2)"
+                )
         return out
 
     def _recover(self, chunk: dict, attempt: int) -> None:
@@ -135,18 +155,20 @@ class RolloutScheduler:
                 chunk["worker"] = w
                 self._issue(chunk)
                 return
-        raise RuntimeError("no rollout actor is alive")
+        raise ActorsLost("no rollout actor is alive")
 
     def evaluate(self, test_size: int) -> dict:
-        """pass@k (k = 1..eval_samples) over the held-out prompts (test split)."""
-        e, rollouts = self.cfg.eval, self.topology.rollouts
-        n = 1 if e.eval_temperature == 0 else e.eval_samples
-        parts = split_even(list(range(test_size)), len(rollouts))
-        refs = [
-            rollouts[i].evaluate.remote(
-                p, n, self.cfg.rollout.max_tokens, e.eval_temperature, chunk_seed(self.cfg.run.seed, -1, i)
-            )
-            for i, p in enumerate(parts)
-        ]
-        correct = [c for part in ray.get(refs) for c in part]
+        """pass@k (k = 1..eval_samples) over the held-out prompts 0..test_size-1 (test split), from the current
+        policy version. Part i of the prompts is sampled with seed (seed, -1, i) whichever actor runs it, so an
+        evaluation whose actor died is re-run (collect: re-synced restarted actor, or the next live one) with
+        the same result as an undisturbed one."""
+        parts = split_even(list(range(test_size)), len(self.topology.rollouts))
+        chunks = [{"worker": i, "indices": p, "seed": chunk_seed(self.cfg.run.seed, -1, i), "ref": None,
+                   "min_version": self.version, "split": "test"} for i, p in enumerate(parts)]  # fmt: skip
+        for chunk in chunks:
+            self._issue(chunk)
+        if self.on_evaluating:
+            self.on_evaluating(self, chunks)
+        correct = [c for result in self.collect(chunks) for c in result["correct"]]
+        n = self.eval_samples
         return {f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in range(1, n + 1)}

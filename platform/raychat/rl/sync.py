@@ -16,7 +16,7 @@ from collections import deque
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from raychat.rl.topology import Topology
+from raychat.rl.topology import ActorsLost, Topology
 from raychat.rl.weights import check_acks
 
 
@@ -29,6 +29,11 @@ class WeightSync:
         self.digest: str | None = None
         self.pending: deque = deque()
         self.restarts = 0
+
+    def reset(self) -> None:
+        """Forget what was published to the actors of a stopped topology (the run restarts it)."""
+        self.refs, self.digest = None, None
+        self.pending.clear()
 
     def publish(self, version: int, block: bool = True) -> dict | None:
         """Publish the learner's weights as `version`; returns the SyncResult (None when not blocking)."""
@@ -61,7 +66,7 @@ class WeightSync:
                 self.restarts += 1
                 self.log(f"rollout actor {w} died during weight sync; re-syncing after its restart")
                 if not self.resync(w, version):
-                    raise RuntimeError(f"rollout actor {w} is dead (max_restarts exhausted)") from None
+                    raise ActorsLost(f"rollout actor {w} is dead (out of --max-restarts)") from None
                 out.append(ray.get(self.topology.rollouts[w].info.remote()) | {"apply_s": 0.0})
         return out
 

@@ -6,6 +6,7 @@ generation's name) when a rollout actor restarted."""
 from __future__ import annotations
 
 import ray
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -13,6 +14,11 @@ from raychat.config import RLConfig
 from raychat.rl.learner import LearnerActor
 from raychat.rl.rollout import RolloutActor
 from raychat.rl.weights import create_collective_group
+
+
+class ActorsLost(RuntimeError):
+    """Rollout actors are gone for good (out of --max-restarts, or none alive): the run restarts its topology
+    within --max-failures (raychat.rl.loop)."""
 
 
 class Topology:
@@ -41,12 +47,32 @@ class Topology:
         strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
         return {"num_cpus": cpus, "num_gpus": self.gpu, "scheduling_strategy": strategy, **kw}
 
-    def start(self) -> None:
+    def start(self, ready_timeout_s: float = 120.0) -> None:
+        """Reserve the placement group and start every actor in it (module doc). On any failure (the group not
+        placed within ready_timeout_s, an actor constructor that raises) everything started so far is stopped
+        and the placement group removed before the error propagates.
+
+        Raises RuntimeError when the group is not placed in time (naming its bundles and the flags that size
+        them); the actors' errors (ray.exceptions.RayActorError) as they are."""
+        try:
+            self._start(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, ready_timeout_s: float) -> None:
         t, gpu = self.cfg.topology, self.gpu
         bundles = [{"CPU": t.cpus_per_learner, **({"GPU": 1} if gpu else {})}] * t.learner_workers
         bundles += [{"CPU": t.cpus_per_rollout, **({"GPU": 1} if gpu else {})}] * t.rollout_workers
         self.pg = placement_group(bundles, strategy="PACK")
-        ray.get(self.pg.ready(), timeout=120)
+        try:
+            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+        except GetTimeoutError:
+            raise RuntimeError(
+                f"the RL placement group {bundles} was not placed within {ready_timeout_s:g} s: no node (or "
+                "node type) has room for it; see --learner-workers, --rollout-workers, --cpus-per-learner, "
+                "--cpus-per-rollout, --use-gpu"
+            ) from None
         device = "cuda" if gpu else "cpu"
         init = self.cfg.run.init_from
         self.learners = [
@@ -80,10 +106,14 @@ class Topology:
         create_collective_group(self.learners[0], self.rollouts, self.backend, self.group_name)
 
     def stop(self) -> None:
+        """Kill every actor, forget the broadcast group and remove the placement group (safe to call again, and
+        after a failed start). The next start() declares the broadcast group under the next generation's name."""
         for a in self.rollouts + self.learners:
             ray.kill(a, no_restart=True)
+        self.rollouts, self.learners = [], []
         if self.cfg.topology.weight_sync == "collective":
             forget_group(self.group_name)
+            self.generation += 1
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
