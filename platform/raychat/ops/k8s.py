@@ -16,6 +16,14 @@ the KubeRay docs require for v2), Ray token authentication (authOptions.mode tok
 secret and sets RAY_AUTH_MODE/RAY_AUTH_TOKEN), and a ReadWriteMany PVC for checkpoints at /mnt/checkpoints.
 The image `raychat` (placeholder name, set with kustomize `images:`) is rayproject/ray:<ray version>-py311-gpu
 with raychat installed at /home/ray/raychat (see docs/deployment.md).
+
+Hardening (Pod Security "restricted"): every pod and container, the RayJobs' submitter pods and the autoscaler
+sidecar included, runs as the image's `ray` user (uid 1000, gid 100; fsGroup 100 so the PVC is writable), non-root,
+without privilege escalation, with every capability dropped and the RuntimeDefault seccomp profile. The RayService's
+containers read RAYCHAT_API_KEY from the Secret raychat-api-key (key api-key), which the manifests do not create
+(the pods do not start without it). One NetworkPolicy admits, to every raychat pod: any port from the raychat pods
+of the namespace (Ray's GCS, raylet, object-transfer and worker ports, partly random), the Serve port from
+anywhere, the dashboard and metrics ports from the namespace, and the dashboard from the KubeRay operator's pods.
 """
 
 from __future__ import annotations
@@ -45,6 +53,10 @@ CHAIN = (
     "export",
 )  # the RayJobs of k8s/base, in the order they chain
 LABELS = {"app.kubernetes.io/name": "raychat", "app.kubernetes.io/part-of": "raychat"}
+RAY_UID, RAY_GID = 1000, 100  # the `ray` user and its group (users) in the rayproject/ray images
+API_KEY_SECRET, API_KEY_SECRET_KEY = "raychat-api-key", "api-key"  # the RayService's RAYCHAT_API_KEY
+SERVE_PORT, DASHBOARD_PORT, METRICS_PORT = 8000, 8265, 8080
+KUBERAY_OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # the operator's pods (Helm chart)
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -54,9 +66,45 @@ def _volume_bits() -> tuple[list, list]:
     return volumes, mounts
 
 
-def cluster_spec(image: str = IMAGE, max_gpu_workers: int = GPU_WORKERS) -> dict:
-    """The RayClusterSpec shared by the RayCluster, every RayJob and the RayService."""
+def pod_security() -> dict:
+    """The pod-level securityContext of every raychat pod: the image's `ray` user (never root), fsGroup so the
+    checkpoint PVC is writable, the RuntimeDefault seccomp profile."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RAY_UID,
+        "runAsGroup": RAY_GID,
+        "fsGroup": RAY_GID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security() -> dict:
+    """The securityContext of every container: non-root, no privilege escalation, every capability dropped,
+    RuntimeDefault seccomp (what Pod Security "restricted" asks of a container)."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RAY_UID,
+        "runAsGroup": RAY_GID,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def api_key_env() -> list[dict]:
+    """RAYCHAT_API_KEY from the Secret API_KEY_SECRET (key API_KEY_SECRET_KEY); a pod without the Secret does
+    not start, so the service never runs without a key."""
+    ref = {"name": API_KEY_SECRET, "key": API_KEY_SECRET_KEY}
+    return [{"name": "RAYCHAT_API_KEY", "valueFrom": {"secretKeyRef": ref}}]
+
+
+def cluster_spec(
+    image: str = IMAGE, max_gpu_workers: int = GPU_WORKERS, env: list[dict] | None = None
+) -> dict:
+    """The RayClusterSpec shared by the RayCluster, every RayJob and the RayService; `env` is added to every
+    Ray container (the RayService's API key)."""
     volumes, mounts = _volume_bits()
+    extra = {"env": env} if env else {}
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "metrics-export-port": "8080"},
         "template": {
@@ -68,19 +116,22 @@ def cluster_spec(image: str = IMAGE, max_gpu_workers: int = GPU_WORKERS) -> dict
                         "image": image,
                         "ports": [
                             {"containerPort": 6379, "name": "gcs-server"},
-                            {"containerPort": 8265, "name": "dashboard"},
+                            {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
                             {"containerPort": 10001, "name": "client"},
-                            {"containerPort": 8000, "name": "serve"},
-                            {"containerPort": 8080, "name": "metrics"},
+                            {"containerPort": SERVE_PORT, "name": "serve"},
+                            {"containerPort": METRICS_PORT, "name": "metrics"},
                         ],
+                        **extra,
                         "resources": {
                             "requests": {"cpu": "4", "memory": "16Gi"},
                             "limits": {"cpu": "4", "memory": "16Gi"},
                         },
                         "volumeMounts": mounts,
+                        "securityContext": container_security(),
                     }
                 ],
                 "volumes": volumes,
+                "securityContext": pod_security(),
             },
         },
     }
@@ -98,7 +149,8 @@ def cluster_spec(image: str = IMAGE, max_gpu_workers: int = GPU_WORKERS) -> dict
                     {
                         "name": "ray-worker",
                         "image": image,
-                        "ports": [{"containerPort": 8080, "name": "metrics"}],
+                        "ports": [{"containerPort": METRICS_PORT, "name": "metrics"}],
+                        **extra,
                         "resources": {
                             "requests": {
                                 "cpu": str(GPU_WORKER_CPUS),
@@ -108,9 +160,11 @@ def cluster_spec(image: str = IMAGE, max_gpu_workers: int = GPU_WORKERS) -> dict
                             "limits": {"cpu": str(GPU_WORKER_CPUS), "memory": "64Gi", "nvidia.com/gpu": "1"},
                         },
                         "volumeMounts": mounts,
+                        "securityContext": container_security(),
                     }
                 ],
                 "volumes": volumes,
+                "securityContext": pod_security(),
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
             },
         },
@@ -118,10 +172,34 @@ def cluster_spec(image: str = IMAGE, max_gpu_workers: int = GPU_WORKERS) -> dict
     return {
         "rayVersion": RAY_VERSION,
         "enableInTreeAutoscaling": True,
-        "autoscalerOptions": {"version": "v2", "idleTimeoutSeconds": 60, "upscalingMode": "Default"},
+        "autoscalerOptions": {
+            "version": "v2",
+            "idleTimeoutSeconds": 60,
+            "upscalingMode": "Default",
+            "securityContext": container_security(),  # the autoscaler sidecar KubeRay adds to the head pod
+        },
         "authOptions": {"mode": "token"},
         "headGroupSpec": head,
         "workerGroupSpecs": [worker],
+    }
+
+
+def submitter_template(image: str = IMAGE) -> dict:
+    """The pod of a RayJob's submitter (K8sJobMode: a Kubernetes Job that runs `ray job submit`): KubeRay's
+    default (the head's image, 500m CPU / 200Mi requested, 1 CPU / 1Gi at most, never restarted; KubeRay fills
+    in the command) with the securityContext of every raychat pod."""
+    container = {
+        "name": "ray-job-submitter",
+        "image": image,
+        "resources": {
+            "requests": {"cpu": "500m", "memory": "200Mi"},
+            "limits": {"cpu": "1", "memory": "1Gi"},
+        },
+        "securityContext": container_security(),
+    }
+    return {
+        "metadata": {"labels": dict(LABELS)},
+        "spec": {"restartPolicy": "Never", "containers": [container], "securityContext": pod_security()},
     }
 
 
@@ -201,17 +279,52 @@ def rayjob(
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
         "metadata": _meta(name or f"raychat-{stage}", **{"raychat.io/stage": stage}),
-        "spec": {**spec, "rayClusterSpec": cluster_spec(image)},
+        "spec": {
+            **spec,
+            "rayClusterSpec": cluster_spec(image),
+            "submitterPodTemplate": submitter_template(image),
+        },
     }
 
 
 def rayservice(serve_config_text: str, image: str = IMAGE) -> dict:
-    """The chat RayService; serveConfigV2 is `serve_config_text` unchanged (serve/chat.yaml)."""
+    """The chat RayService; serveConfigV2 is `serve_config_text` unchanged (serve/chat.yaml); every container
+    reads RAYCHAT_API_KEY from the Secret (api_key_env), which build_app takes as the ingress' key."""
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
         "metadata": _meta("raychat-chat"),
-        "spec": {"serveConfigV2": serve_config_text, "rayClusterConfig": cluster_spec(image)},
+        "spec": {
+            "serveConfigV2": serve_config_text,
+            "rayClusterConfig": cluster_spec(image, env=api_key_env()),
+        },
+    }
+
+
+def _tcp(*ports: int) -> list[dict]:
+    return [{"protocol": "TCP", "port": port} for port in ports]
+
+
+def network_policy() -> dict:
+    """Ingress to every raychat pod (selected by LABELS; egress is left open): any port from the raychat pods
+    of the namespace (Ray's own ports, partly random), SERVE_PORT from anywhere, DASHBOARD_PORT and METRICS_PORT
+    from any pod of the namespace, and DASHBOARD_PORT from the KubeRay operator (it submits jobs and deploys
+    Serve apps through the dashboard; any namespace, found by its pods' label)."""
+    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(KUBERAY_OPERATOR_LABELS)}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta("raychat"),
+        "spec": {
+            "podSelector": {"matchLabels": dict(LABELS)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": dict(LABELS)}}]},
+                {"ports": _tcp(SERVE_PORT)},
+                {"from": [{"podSelector": {}}], "ports": _tcp(DASHBOARD_PORT, METRICS_PORT)},
+                {"from": [operator], "ports": _tcp(DASHBOARD_PORT)},
+            ],
+        },
     }
 
 
@@ -249,6 +362,7 @@ def render_base(repo: Path) -> dict[str, str]:
     serve_text = (repo / "serve" / "chat.yaml").read_text()
     commands = base_commands()
     files = {
+        "networkpolicy.yaml": network_policy(),
         "pvc-checkpoints.yaml": checkpoints_pvc(),
         "raycluster.yaml": raycluster(),
         **{

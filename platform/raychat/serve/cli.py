@@ -1,10 +1,14 @@
 """`raychat serve --checkpoint DIR`: run the chat app (raychat.serve.app) on a local Ray cluster (or the
 one at --address / RAY_ADDRESS) and print the chat page's URL. Blocks until Ctrl-C unless --no-block.
+
+A --host beyond loopback (0.0.0.0, a LAN address, a host name) needs an API key (--api-key or
+RAYCHAT_API_KEY) or an explicit --allow-unauthenticated; the refusal comes before Ray starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import time
 
@@ -73,6 +77,27 @@ def start(
     return f"http://{shown}:{port}/"
 
 
+def exposed(host: str) -> bool:
+    """Whether HTTP proxies bound to `host` answer beyond this machine: anything but "localhost" or a
+    loopback address (a host name other than localhost counts as exposed)."""
+    if host.lower() == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True
+
+
+def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    """Raises ValueError (one line naming the flags) when `host` is exposed without an API key and
+    --allow-unauthenticated was not given."""
+    if exposed(host) and not api_key and not allow_unauthenticated:
+        raise ValueError(
+            f"--host {host} serves beyond this machine but no API key is set: pass --api-key KEY (or set "
+            "RAYCHAT_API_KEY), or --allow-unauthenticated to serve every route without a key"
+        )
+
+
 def _running_http_address() -> tuple[str, int] | None:
     """(host, port) of the HTTP proxies of the Serve already running on the connected cluster, or None."""
     # Ray has no public getter of a running Serve's HTTP options; serve.start only logs that they differ.
@@ -85,7 +110,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             "--no-block needs --address (or RAY_ADDRESS): a local cluster ends with this process"
         )
-    config = from_args(args, ServeConfig, "serve", where="serve settings")
+    config = serve_config(from_args(args, ServeConfig, "serve", where="serve settings"))
+    check_exposure(args.host, config.api_key, args.allow_unauthenticated)
     url = start(
         config, host=args.host, port=args.port, address=args.address, proxy_location=args.proxy_location
     )
@@ -118,7 +144,16 @@ def add_cli(subparsers) -> None:
         "/v1/models, /health.",
     )
     add_flags(p, ServeConfig, preset="none")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 to expose)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="HTTP bind address (0.0.0.0 to expose: then an API key, or --allow-unauthenticated, is required)",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve a --host beyond loopback without an API key (every route open to anyone who reaches it)",
+    )
     p.add_argument("--port", type=port_number, default=8000, help="HTTP port, 1-65535 (default: 8000)")
     p.add_argument(
         "--proxy-location",
