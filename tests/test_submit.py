@@ -93,7 +93,9 @@ def test_load_token_order(tmp_path, monkeypatch):
 def test_cli_parses_options_before_stage_and_passes_the_rest():
     from raychat.cli import build_parser
 
-    args = build_parser("submit").parse_args(["submit", "--no-wait", "--num-gpus", "1", "pretrain", "--depth", "12"])
+    args = build_parser("submit").parse_args(
+        ["submit", "--no-wait", "--num-gpus", "1", "pretrain", "--depth", "12"]
+    )
     assert (args.stage, args.stage_args, args.no_wait, args.num_gpus) == (
         "pretrain",
         ["--depth", "12"],
