@@ -26,13 +26,13 @@ import json
 import os
 import random
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from raychat.atomic import atomic_write
 from raychat.checkpoint_manager import commit_directory, resolve_checkpoint, verify
 from raychat.model import GPT, ModelConfig
 from raychat.storage import is_remote
@@ -41,20 +41,6 @@ from raychat.tokenizer import Tokenizer
 OPTIMIZER_FILE = "optim.pt"
 # int lists at least this long are stored as arrays (shorter ones stay in the JSON structure)
 MIN_ARRAY_LEN = 8
-
-
-def _atomic(path: Path, write) -> None:
-    """write(tmp) to a unique temporary name beside `path`, fsync, rename: `path` is whole or absent."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_model(
@@ -68,10 +54,10 @@ def save_model(
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    _atomic(d / "model.safetensors", lambda p: save_file(state, str(p)))
+    atomic_write(d / "model.safetensors", lambda p: save_file(state, str(p)))
     tokenizer.save(d)
     meta = {**meta, "model_config": model.config.to_dict(), "tokenizer_version": tokenizer.version}
-    _atomic(d / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=2, default=str)))
+    atomic_write(d / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=2, default=str)))
     if commit:
         commit_directory(d, int(meta.get("step", 0)), str(meta.get("stage", "")))
 
@@ -159,7 +145,7 @@ def save_tree(path: str | os.PathLike, tree) -> None:
         with open(p, "wb") as f:
             np.savez(f, __tree__=np.asarray(structure), **arrays)
 
-    _atomic(Path(path), write)
+    atomic_write(Path(path), write)
 
 
 def load_tree(path: str | os.PathLike):
@@ -174,7 +160,7 @@ def save_optimizers(directory: str | os.PathLike, optimizers: list) -> None:
     """Write optim.pt: the state dicts of `optimizers` (rank 0 only: the state is replicated)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    _atomic(d / OPTIMIZER_FILE, lambda p: torch.save([o.state_dict() for o in optimizers], p))
+    atomic_write(d / OPTIMIZER_FILE, lambda p: torch.save([o.state_dict() for o in optimizers], p))
 
 
 def load_optimizers(directory: str | os.PathLike, optimizers: list) -> None:
@@ -200,7 +186,7 @@ def save_rank_state(directory: str | os.PathLike, rank: int, data_state: dict) -
     d.mkdir(parents=True, exist_ok=True)
     save_tree(d / f"state_rank{rank}.npz", data_state)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    _atomic(d / f"rng_rank{rank}.pt", lambda p: torch.save(rng, p))
+    atomic_write(d / f"rng_rank{rank}.pt", lambda p: torch.save(rng, p))
 
 
 def load_rng(directory: str | os.PathLike, rank: int) -> bool:

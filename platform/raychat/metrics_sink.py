@@ -19,6 +19,8 @@ import json
 import os
 from collections.abc import Callable
 
+from raychat.atomic import atomic_write_text
+
 TRACKERS = ("none", "tensorboard", "wandb")
 
 
@@ -111,10 +113,7 @@ class MetricsSink:
         lines = read_jsonl(self.path)
         kept = [line for line in lines if line.get("step", 0) <= step]
         if len(kept) < len(lines):
-            tmp = f"{self.path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                f.writelines(json.dumps(line) + "\n" for line in kept)
-            os.replace(tmp, self.path)
+            atomic_write_text(self.path, "".join(json.dumps(line) + "\n" for line in kept))
         return len(lines) - len(kept)
 
     def log(self, stats: dict) -> None:

@@ -9,7 +9,6 @@ rollouts' mean reward per step and held-out pass@1 at each evaluation.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import matplotlib
@@ -18,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from raychat.atomic import atomic_write, atomic_write_text  # noqa: E402
 from raychat.metrics_sink import read_jsonl  # noqa: E402
 
 
@@ -59,10 +59,8 @@ def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp)
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 
@@ -119,8 +117,6 @@ def write_report(out_dir: Path, r: dict, metrics_files: dict[str, Path] | None =
         "",
     ]
     path = out_dir / "report.md"
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines))
-    os.replace(tmp, path)
-    (out_dir / "report.json").write_text(json.dumps(r, indent=2, default=str))
+    atomic_write_text(path, "\n".join(lines))
+    atomic_write_text(out_dir / "report.json", json.dumps(r, indent=2, default=str))
     return path

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from raychat.atomic import atomic_write_bytes
 from raychat.config.schema import check_run_name
 
 REMOTE_SCHEMES = ("s3", "gs")
@@ -157,16 +158,7 @@ def write_bytes(storage: Storage, path: str, data: bytes) -> str:
     parent = path.rsplit("/", 1)[0]
     storage.fs.create_dir(parent, recursive=True)
     if storage.is_local:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.rsplit('/', 1)[-1]}.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_bytes(path, data)
     else:
         with storage.fs.open_output_stream(path) as f:
             f.write(data)

@@ -21,6 +21,8 @@ from pathlib import Path
 import rustbpe
 import tiktoken
 
+from raychat.atomic import atomic_write_text
+
 # GPT-4 (cl100k) split pattern with numbers limited to 1-2 digits as in nanochat: small vocabularies
 # waste fewer ids on 3-digit number chunks.
 SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
@@ -99,10 +101,7 @@ class Tokenizer:
             "version": self.version,
         }
         path = directory / "tokenizer.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(payload))
-        os.replace(tmp, path)
-        return path
+        return atomic_write_text(path, json.dumps(payload))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:

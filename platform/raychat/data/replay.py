@@ -40,6 +40,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
+from raychat.atomic import atomic_write
 from raychat.chat_template import TEMPLATE_VERSION
 from raychat.config import TrainConfig
 from raychat.masks import make_batch
@@ -118,9 +119,7 @@ def write_records(run_dir: str, rank: int, records: Sequence[dict], meta: Mappin
     table = pa.Table.from_pylist(list(records))
     table = table.replace_schema_metadata({"raychat": json.dumps(dict(meta), sort_keys=True)})
     if isinstance(fs, pafs.LocalFileSystem):
-        tmp = f"{path}.tmp"
-        pq.write_table(table, tmp, filesystem=fs, compression="zstd")
-        fs.move(tmp, path)
+        atomic_write(path, lambda tmp: pq.write_table(table, str(tmp), compression="zstd"))
     else:
         pq.write_table(table, path, filesystem=fs, compression="zstd")
     return path

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from raychat.atomic import atomic_write, atomic_write_bytes
 from raychat.config.data import PrepareConfig
 
 MANIFEST = "manifest.json"
@@ -48,23 +47,10 @@ def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def atomic_write_bytes(path: Path, write) -> None:
-    """Call write(tmp_path) on a temporary file beside `path`, then rename it to `path` (never half-written)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_shard(texts: list[str], path: str | Path, row_group_size: int = ROW_GROUP_SIZE) -> None:
     """Write one shard: a parquet file with a single `text` string column, zstd, `row_group_size` rows a group."""
     table = pa.table({"text": pa.array(texts, type=pa.string())}, schema=SCHEMA)
-    atomic_write_bytes(
+    atomic_write(
         Path(path),
         lambda tmp: pq.write_table(table, tmp, compression=COMPRESSION, row_group_size=row_group_size),
     )
@@ -158,7 +144,7 @@ def write_manifest(out_dir: str | Path, manifest: dict) -> Path:
     """Write out_dir/manifest.json atomically; returns its path."""
     path = Path(out_dir) / MANIFEST
     data = (json.dumps(manifest, indent=2, sort_keys=False) + "\n").encode()
-    atomic_write_bytes(path, lambda tmp: Path(tmp).write_bytes(data))
+    atomic_write_bytes(path, data)
     return path
 
 

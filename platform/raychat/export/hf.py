@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from raychat.atomic import atomic_write, atomic_write_text
 from raychat.chat_template import TEMPLATE_VERSION
 from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import committed_checkpoints, find_checkpoint
@@ -194,12 +195,6 @@ def hf_config(model: GPT, tokenizer: Tokenizer) -> dict:
     }
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
     """Write the Hugging Face directory for (model, tokenizer) into `out` (created); returns its path.
 
@@ -214,12 +209,10 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     template = CHAT_TEMPLATE_JINJA
     eos_ids = [tokenizer.special_id(EOS), tokenizer.bos_id]
-    _write(out / "config.json", json.dumps(hf_config(model, tokenizer), indent=2))
+    atomic_write_text(out / "config.json", json.dumps(hf_config(model, tokenizer), indent=2))
     state = {k: v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}
-    tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
-    _write(out / "tokenizer.json", hf_tokenizer_json(tokenizer))
+    atomic_write(out / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    atomic_write_text(out / "tokenizer.json", hf_tokenizer_json(tokenizer))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -233,8 +226,8 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
         "raychat_tokenizer_version": tokenizer.version,
         "raychat_template_version": TEMPLATE_VERSION,
     }
-    _write(out / "tokenizer_config.json", json.dumps(tokenizer_config, indent=2))
-    _write(
+    atomic_write_text(out / "tokenizer_config.json", json.dumps(tokenizer_config, indent=2))
+    atomic_write_text(
         out / "special_tokens_map.json", json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": BOS})
     )
     generation_config = {
@@ -245,8 +238,8 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
         "do_sample": True,
         "temperature": 1.0,
     }
-    _write(out / "generation_config.json", json.dumps(generation_config, indent=2))
-    _write(out / "chat_template.jinja", template)
+    atomic_write_text(out / "generation_config.json", json.dumps(generation_config, indent=2))
+    atomic_write_text(out / "chat_template.jinja", template)
     return out
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import yaml
 
+from raychat.atomic import atomic_write_text
 from raychat.config import VLLMConfig, add_flags, from_args, from_dict, to_flat
 
 IMPORT_PATH = "ray.serve.llm:build_openai_app"
@@ -118,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     options = {k: v for k, v in to_flat(c).items() if k not in ("hf_dir", "out", "port")}
     config = serve_config(c.hf_dir, port=c.port, **options)
     out = Path(c.out)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(config, sort_keys=False))
-    os.replace(tmp, out)
+    atomic_write_text(out, yaml.safe_dump(config, sort_keys=False))
     print(f"wrote {out}; on a GPU cluster with `pip install 'raychat[vllm]'`: serve run {out}")
     return 0
 
