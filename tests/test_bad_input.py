@@ -153,3 +153,24 @@ def test_an_unreachable_cluster(monkeypatch, capsys):
     assert rc == 4, err
     assert err.startswith(f"raychat submit: --address: cannot reach the Ray dashboard at {url}: "), err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_half_written_checkpoint_is_never_loaded(root, tmp_path, capsys):
+    """A crash mid-save left checkpoint_000009 (newer, weights truncated, no commit marker): `pretrain` and
+    `latest` still name the committed checkpoint_000004, and naming the half-written one is refused."""
+    half = root / "pretrain" / "checkpoint_000009"
+    half.mkdir()
+    good = root / "pretrain" / "checkpoint_000004" / "model.safetensors"
+    (half / "model.safetensors").write_bytes(good.read_bytes()[:100])
+    (half / "meta.json").write_text('{"step": 9, "stage": "pretrain"}')
+    before = _snapshot(root)
+    line = _fails_in_one_line(["eval", "--storage-path", str(root), "--checkpoint", str(half)], capsys)
+    assert f"--checkpoint: checkpoint {half} is not committed (no commit.json)" in line, line
+    assert (
+        raychat_main(
+            ["export", "--storage-path", str(root), "--checkpoint", "latest", "--out", str(tmp_path / "hf")]
+        )
+        == 0
+    )
+    assert f"exported {root}/pretrain/checkpoint_000004 " in capsys.readouterr().out
+    assert _snapshot(root) == before
