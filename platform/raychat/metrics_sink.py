@@ -2,7 +2,7 @@
 
   1. metrics.jsonl: one JSON object per step, appended and flushed (local storage only); a resumed run
      first drops the lines of the steps it redoes (`resume_at`), so each step is there once; the speedrun
-     report draws its curves from it (raychat.report_plots).
+     report draws its curves from it (raychat.report.plot_stage).
   2. Ray gauges (raychat.metrics: raychat_train_* / raychat_rl_*) through a stage's `gauges(stats)` callable.
   3. On request (--tracker): TensorBoard event files (torch.utils.tensorboard, the `tensorboard` package) or
      Weights & Biases in offline mode (`wandb`, nothing leaves the machine; `wandb sync DIR` uploads later),
