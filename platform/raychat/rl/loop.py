@@ -37,7 +37,7 @@ from collections import deque
 
 import numpy as np
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.checkpoint_manager import CheckpointManager
 from raychat.config import RLConfig, to_dict, to_yaml
@@ -187,7 +187,11 @@ class RLRun:
             try:
                 self.topology.start()
                 return self._loop(metrics)
-            except (RayActorError, ActorUnavailableError, ActorsLost) as e:
+            except (RayActorError, ActorUnavailableError, ActorsLost, RayTaskError) as e:
+                # a surviving DDP rank raises its own error (gloo: the peer closed the connection) when a
+                # learner is lost: a restart then too; any other task error is the run's own and ends it
+                if isinstance(e, RayTaskError) and self.topology.learners_alive():
+                    raise
                 self.topology.stop()
                 self.sync.reset()
                 cause = f"{type(e).__name__}: {_first_line(e)}"

@@ -105,6 +105,15 @@ class Topology:
         self.generation += 1
         create_collective_group(self.learners[0], self.rollouts, self.backend, self.group_name)
 
+    def learners_alive(self, timeout_s: float = 30.0) -> bool:
+        """Whether every learner actor still answers (False as soon as one is dead or does not answer within
+        timeout_s): tells a learner's own error from the one its DDP peers raise when it is lost."""
+        try:
+            ray.get([lr.pid.remote() for lr in self.learners], timeout=timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+        return True
+
     def stop(self) -> None:
         """Kill every actor, forget the broadcast group and remove the placement group (safe to call again, and
         after a failed start). The next start() declares the broadcast group under the next generation's name."""
