@@ -54,9 +54,9 @@ POLICIES = ("crop", "split")
 TOKENS_PER_STEP = 8192
 
 
-def fractions(docs: list[np.ndarray], seq_len: int, overflow: str) -> dict:
+def fractions(docs: list[np.ndarray], row_len: int, overflow: str) -> dict:
     it = iter(docs)
-    packer = BestFitPacker(lambda: next(it, None), seq_len + 1, 256, overflow, min_fragment=32)
+    packer = BestFitPacker(lambda: next(it, None), row_len, 256, overflow, min_fragment=32)
     rows = sum(1 for _ in packer)
     s = packer.stats
     return {"rows": rows, "drop": s.drop_fraction, "bos": s.bos_fraction, "short_tails": s.short_tails}
@@ -68,7 +68,7 @@ class SplitRowsToo(Pretraining):
     def evaluators(self, cfg, tokenizer, rank, world, device, autocast):
         _, val_file = list_shards(cfg.data.data_dir)
         rows = validation_rows(
-            val_file, tokenizer, cfg.model.seq_len, cfg.data.buffer_size, cfg.train.eval.eval_tokens, world,
+            val_file, tokenizer, cfg.model.seq_len + 1, cfg.data.buffer_size, cfg.train.eval.eval_tokens, world,
             overflow="split",
         )  # fmt: skip
         rows = {k: v[rank::world] for k, v in rows.items()}
@@ -123,7 +123,7 @@ def main() -> int:
     docs = [np.asarray(d, np.int32) for d in tokenizer.encode_batch(texts, prepend_bos=True, num_threads=2)]
     total = sum(map(len, docs))
     load_before = uptime()
-    packed = {(t, p): fractions(docs, t, p) for t in seq_lens for p in POLICIES}
+    packed = {(t, p): fractions(docs, t + 1, p) for t in seq_lens for p in POLICIES}
 
     start_ray(2, f"{workdir}/{'-'.join(map(str, seq_lens))}")
     trained = {}

@@ -88,7 +88,7 @@ def base_config(args, data_dir: str, tokenizer_dir: str, storage: str) -> TrainC
     )
 
 
-def pretrain_rows(data_dir: str, tokenizer: Tokenizer, n: int, seq_len: int, buffer_size: int) -> np.ndarray:
+def pretrain_rows(data_dir: str, tokenizer: Tokenizer, n: int, row_len: int, buffer_size: int) -> np.ndarray:
     train_files, _ = list_shards(data_dir)
     texts = (t for f in train_files for t in pq.read_table(f, columns=["text"]).column("text").to_pylist())
 
@@ -96,7 +96,7 @@ def pretrain_rows(data_dir: str, tokenizer: Tokenizer, n: int, seq_len: int, buf
         text = next(texts, None)
         return None if text is None else tokenizer.encode_batch([text], prepend_bos=True)[0]
 
-    packer = BestFitPacker(next_document, seq_len + 1, buffer_size)
+    packer = BestFitPacker(next_document, row_len, buffer_size)
     return np.stack([packer.next_row() for _ in range(n)])
 
 
@@ -117,7 +117,7 @@ def plain_loop(cfg: TrainConfig, tokenizer: Tokenizer, threads: int, steps: int,
     p = make_plan(cfg, tokenizer.vocab_size)
     accum, n_iter = p.grad_accum, p.num_iterations
     rows = pretrain_rows(
-        cfg.data.data_dir, tokenizer, n_iter * accum * rows_per, cfg.model.seq_len, cfg.data.buffer_size
+        cfg.data.data_dir, tokenizer, n_iter * accum * rows_per, cfg.model.seq_len + 1, cfg.data.buffer_size
     )
     torch.manual_seed(cfg.run.seed)
     model = GPT(ModelConfig(**p.model_config)).init_weights(cfg.run.seed)

@@ -12,7 +12,8 @@ group are spread over all W ranks, so every rank reads (and decompresses) every 
 the bytes of one pass, while each rank tokenizes only its own documents (the expensive part on CPU). At
 large W, bigger deal units (row groups) would cut the reads; not done here.
 
-Data state in a checkpoint (PretrainRows.state_dict, per rank, references only, no tokens):
+PretrainRows is a raychat.data.row_source.RowSource. Data state in a checkpoint (per rank, references only,
+no tokens; raychat.data.row_source):
   {"corpus": DocumentOrder fingerprint, "deal": Deal.to_dict(), "rank", "taken",
    "packer": {"buffer": [[g, offset], ...] references of the buffered pieces, "stats"}}
 Resume (load_state_dicts, given the states of ALL ranks of the old world): same world -> every rank restores
@@ -33,9 +34,10 @@ import pyarrow.parquet as pq
 import ray
 from ray.data._internal.execution.execution_callback import ExecutionCallback
 
-from raychat.data.cursor import Deal, RankCursor, Ref, redeal, sum_stats, whole_world
+from raychat.data.cursor import Deal, RankCursor, Ref
 from raychat.data.document_order import DocumentOrder
 from raychat.data.packing import BestFitPacker, Piece, piece_tokens
+from raychat.data.row_source import cursor_state, resume_cursor
 from raychat.tokenizer import Tokenizer
 
 CHUNK = 64  # stream references per Ray Data read+tokenize call
@@ -59,6 +61,11 @@ def read_pieces(order: DocumentOrder, refs: Sequence[Ref], tokenizer_path: str) 
     texts = order.read_texts([g for g, _ in refs])
     ids = _tokenizer(str(tokenizer_path)).encode_batch(texts, prepend_bos=True)
     return [Piece(g, o, piece_tokens(doc, o)) for (g, o), doc in zip(refs, ids)]
+
+
+def _piece_refs(buffer: Sequence) -> list[Ref]:
+    """A BestFitPacker state's buffer ([[g, offset], ...]) -> its stream references."""
+    return [(int(g), int(o)) for g, o in buffer]
 
 
 def _read_chunks(batch: dict, order, deal: dict, rank: int, start: int, tokenizer_path: str) -> dict:
@@ -193,7 +200,7 @@ class PretrainRows:
         return {"input_ids": np.stack(rows), "replay": replay}
 
     def segment_columns(self, segments) -> dict[str, list]:
-        """One row's segments as replay-record columns (raychat.data.replay.PRETRAIN_COLUMNS)."""
+        """One row's segments as replay-record columns (the pretraining columns of the record layout in raychat.data.replay)."""
         where = [self.order.locate(s.doc) for s in segments]
         return {
             "doc": [s.doc for s in segments],
@@ -208,20 +215,14 @@ class PretrainRows:
             "tail": [s.tail for s in segments],
         }
 
-    # ---- checkpoint state --------------------------------------------------------------------------
+    # ---- checkpoint state (raychat.data.row_source) -----------------------------------------------
     def fingerprint(self) -> dict:
         """The shards and seed the stream is made of (raychat.data.document_order.DocumentOrder.fingerprint)."""
         return self.order.fingerprint()
 
     def state_dict(self) -> dict:
         """This rank's data state (module docstring): small, JSON-serializable, references only."""
-        return {
-            "corpus": self.fingerprint(),
-            "deal": self.cursor.deal.to_dict(),
-            "rank": self.rank,
-            "taken": self.cursor.taken,
-            "packer": self.packer.state_dict(),
-        }
+        return cursor_state("corpus", self.fingerprint(), self.cursor, self.packer.state_dict())
 
     def load_state_dicts(self, states: Sequence[dict]) -> None:
         """Continue from the states of every rank of the old world (in rank order), on this rank of this one.
@@ -229,38 +230,11 @@ class PretrainRows:
         Raises:
             ValueError: the states were made on other shards or another seed, or are not one whole world.
         """
-        deal = whole_world([self._check(s) for s in states], [s["rank"] for s in states])
-        if deal.world == self.world:
-            self._restore(states[self.rank])
-            return
-        buffers = [[tuple(r) for r in s["packer"]["buffer"]] for s in states]
-        self.cursor = RankCursor(redeal(deal, [s["taken"] for s in states], buffers, self.world), self.rank)
-        stats = sum_stats([s["packer"]["stats"] for s in states]) if self.rank == 0 else {}
-        self.packer.load_state_dict({"buffer": [], "stats": stats}, [])
-        self.close()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Same-world resume from this rank's own state (the other ranks continue from theirs).
-
-        Raises:
-            ValueError: the state is another rank's or another world's (use load_state_dicts), or made on
-                other shards or another seed.
-        """
-        if self._check(state).world != self.world or state["rank"] != self.rank:
-            raise ValueError("load_state_dict restores this rank of the same world: use load_state_dicts")
-        self._restore(state)
-
-    def _check(self, state: dict) -> Deal:
-        if state["corpus"] != self.order.fingerprint():
-            raise ValueError(
-                f"checkpoint data state was made on {state['corpus']}, this run reads {self.order.fingerprint()}"
-            )
-        return Deal.from_dict(state["deal"])
-
-    def _restore(self, state: dict) -> None:
-        self.cursor = RankCursor(Deal.from_dict(state["deal"]), self.rank, state["taken"])
-        refs = [(int(g), int(o)) for g, o in state["packer"]["buffer"]]
-        self.packer.load_state_dict(state["packer"], read_pieces(self.order, refs, self.tokenizer_path))
+        self.cursor, packer = resume_cursor(
+            states, "corpus", self.fingerprint(), self.rank, self.world, _piece_refs
+        )
+        pieces = read_pieces(self.order, _piece_refs(packer["buffer"]), self.tokenizer_path)
+        self.packer.load_state_dict(packer, pieces)
         self.close()
 
     def close(self) -> None:
@@ -272,14 +246,15 @@ class PretrainRows:
             self._pieces = None
 
 
-def validation_rows(val_file: str, tokenizer: Tokenizer, seq_len: int, buffer_size: int, num_tokens: int,
+def validation_rows(val_file: str, tokenizer: Tokenizer, row_len: int, buffer_size: int, num_tokens: int,
                     world_size: int, overflow: str = "crop") -> dict[str, np.ndarray]:  # fmt: skip
-    """{"input_ids": (N, seq_len + 1)}: the validation shard's documents best-fit packed, the first
-    N = max(world_size, num_tokens // seq_len // world_size * world_size) rows (the same at every evaluation).
+    """{"input_ids": (N, row_len) int32}: the validation shard's documents best-fit packed into rows of
+    row_len = T+1 tokens, the first N = max(world_size, num_tokens // T // world_size * world_size) rows (the
+    same at every evaluation; num_tokens counts targets, T per row).
     overflow: "crop" (the trainer's: the same rows whatever the training policy; long documents are seen
     from their beginning only) or "split" (every token of the documents, bench/packing_overflow.py)."""
     texts = pq.read_table(val_file, columns=["text"]).column("text").to_pylist()
     docs = iter(tokenizer.encode_batch(texts, prepend_bos=True))
-    packer = BestFitPacker(lambda: next(docs, None), seq_len + 1, buffer_size, overflow)
-    n = max(world_size, num_tokens // seq_len // world_size * world_size)
+    packer = BestFitPacker(lambda: next(docs, None), row_len, buffer_size, overflow)
+    n = max(world_size, num_tokens // (row_len - 1) // world_size * world_size)
     return {"input_ids": np.stack([r for _, r in zip(range(n), packer)])}

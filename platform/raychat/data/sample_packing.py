@@ -260,6 +260,7 @@ class SamplePacker:
 
     def load_state_dict(self, state: Mapping, items: Sequence[PackItem]) -> None:
         """Restore a state_dict; `items` are its buffer's items rebuilt by the caller, in the same order.
+        A state without "exhausted" (a re-dealt one: raychat.data.row_source) restores a source not exhausted.
 
         Raises:
             ValueError: the items are not the ones the state refers to.
@@ -270,7 +271,7 @@ class SamplePacker:
         for it in items:
             self._push(it)
         self.stats = SampleStats(**state["stats"])
-        self._exhausted = bool(state["exhausted"])
+        self._exhausted = bool(state.get("exhausted", False))
 
 
 def stack_rows(rows: Sequence[Mapping]) -> dict:

@@ -4,10 +4,10 @@
   perm_e drawn from the seed) dealt to ranks (rank r of W takes elements r, r+W, ...) -> render (chat
   template, truncation) -> SamplePacker (best fit, segment ids) -> rows
 
-SFTRows is the training row source; its state is references only (cursor position, buffered items' stream
-items) and resumes on any number of ranks like the pretraining rows (raychat.data.pipeline): same world bit
-for bit, another world re-dealt with no example repeated or skipped. validation_rows packs a held-out task
-into a fixed set of rows (the same rows at every evaluation).
+SFTRows is the training row source (a raychat.data.row_source.RowSource); its state is references only
+(cursor position, buffered items' stream items) and resumes on any number of ranks like the pretraining rows
+(raychat.data.row_source): same world bit for bit, another world re-dealt with no example repeated or skipped.
+validation_rows packs a held-out task into a fixed set of rows (the same rows at every evaluation).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from raychat.data.cursor import Deal, RankCursor, epoch_permutation, redeal, sum_stats, whole_world
+from raychat.data.cursor import Deal, RankCursor, Ref, epoch_permutation
+from raychat.data.row_source import cursor_state, resume_cursor
 from raychat.data.sample_packing import PackItem, SamplePacker, SampleStats, render_samples
 from raychat.tasks import Task, TaskMixture
 from raychat.tokenizer import Tokenizer
@@ -96,19 +97,14 @@ class SFTRows:
         ]  # fmt: skip
         return out
 
-    # ---- checkpoint state --------------------------------------------------------------------------
+    # ---- checkpoint state (raychat.data.row_source) -----------------------------------------------
     def fingerprint(self) -> dict:
+        """{"mixture": the TaskMixture's description, "examples": its size, "row_len"}."""
         return {"mixture": self.mixture.describe(), "examples": len(self.mixture), "row_len": self.row_len}
 
     def state_dict(self) -> dict:
         """{"mixture", "deal", "rank", "taken", "packer": {"buffer": stream items, "stats", "exhausted"}}."""
-        return {
-            "mixture": self.fingerprint(),
-            "deal": self.cursor.deal.to_dict(),
-            "rank": self.rank,
-            "taken": self.cursor.taken,
-            "packer": self.packer.state_dict(),
-        }
+        return cursor_state("mixture", self.fingerprint(), self.cursor, self.packer.state_dict())
 
     def load_state_dicts(self, states: Sequence[dict]) -> None:
         """Continue from the states of every rank of the old world (in rank order); see the module docstring.
@@ -116,37 +112,21 @@ class SFTRows:
         Raises:
             ValueError: the states were made with another mixture or row length, or are not one whole world.
         """
-        deal = whole_world([self._check(s) for s in states], [s["rank"] for s in states])
-        if deal.world == self.world:
-            self._restore(states[self.rank])
-            return
-        buffers = [[(int(g), 0) for g in s["packer"]["buffer"]] for s in states]
-        self.cursor = RankCursor(redeal(deal, [s["taken"] for s in states], buffers, self.world), self.rank)
-        stats = sum_stats([s["packer"]["stats"] for s in states]) if self.rank == 0 else {}
-        empty = {"buffer": [], "stats": stats, "exhausted": False}
-        self.packer.load_state_dict(empty, [])
+        self.cursor, packer = resume_cursor(
+            states, "mixture", self.fingerprint(), self.rank, self.world, _item_refs
+        )
+        self.packer.load_state_dict(packer, [self.render(g) for g in packer["buffer"]])
 
-    def load_state_dict(self, state: dict) -> None:
-        """Same-world resume from this rank's own state (the other ranks continue from theirs)."""
-        if self._check(state).world != self.world or state["rank"] != self.rank:
-            raise ValueError("load_state_dict restores this rank of the same world: use load_state_dicts")
-        self._restore(state)
 
-    def _check(self, state: dict) -> Deal:
-        if state["mixture"] != self.fingerprint():
-            raise ValueError(
-                f"checkpoint data state was made on {state['mixture']}, this run has {self.fingerprint()}"
-            )
-        return Deal.from_dict(state["deal"])
-
-    def _restore(self, state: dict) -> None:
-        self.cursor = RankCursor(Deal.from_dict(state["deal"]), self.rank, state["taken"])
-        self.packer.load_state_dict(state["packer"], [self.render(g) for g in state["packer"]["buffer"]])
+def _item_refs(buffer: Sequence) -> list[Ref]:
+    """A SamplePacker state's buffer (stream items g) -> its stream references (g, 0)."""
+    return [(int(g), 0) for g in buffer]
 
 
 def validation_rows(task: Task, tokenizer: Tokenizer, row_len: int, world_size: int) -> dict[str, np.ndarray]:
-    """Every conversation of `task` packed into rows, the row count rounded down to a multiple of world_size
-    (at least world_size): {"input_ids", "supervised", "segment_ids": (N, row_len) arrays}."""
+    """Every conversation of `task` packed into rows of row_len = T+1 tokens, the row count rounded down to a
+    multiple of world_size (at least world_size): {"input_ids", "supervised", "segment_ids": (N, row_len)
+    int32}."""
     items = render_samples(tokenizer, ((task[i]["id"], task[i]) for i in range(len(task))), row_len)
     rows = list(SamplePacker.from_items(items, row_len, pad_id=tokenizer.bos_id))
     n = max(world_size, len(rows) // world_size * world_size)

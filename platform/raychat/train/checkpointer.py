@@ -7,8 +7,8 @@
   rank state: {"step", ...the stage's data position: "rows" (pretrain/SFT) or "version" (RL)}
 
 Resuming reads model, meta, the one optimizer file, this rank's RNG and the data states of ALL ranks of the
-old world: `restore_rows` hands them to the row source, which re-deals them to the new world (whose size may
-differ) through `load_state_dicts`.
+old world: `restore_rows` hands them to the row source (raychat.data.row_source.RowSource), which re-deals
+them to the new world (whose size may differ) through `load_state_dicts`.
 
 Publishing: each rank writes its part into a local directory, then `commit_ranks` (a torch.distributed
 group: the Ray Train workers) uploads every rank's files to <storage>/<run>/checkpoint_<step:06d> and rank 0
@@ -18,6 +18,7 @@ commits it once all are in place; RL's driver does the same steps with its learn
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from raychat.checkpoint import (
     save_rank_state,
 )
 from raychat.checkpoint_manager import CheckpointManager
+from raychat.data.row_source import RowSource
 from raychat.tokenizer import Tokenizer
 
 
@@ -78,26 +80,14 @@ class Checkpointer:
         return load_rank_states(directory)
 
 
-def restore_rows(row_source, states: list[dict], rank: int, world_size: int) -> None:
-    """Resume `row_source` from the "rows" states of all ranks of the checkpoint's world.
-
-    A row source with `load_state_dicts(states)` re-deals them to this rank of the new world (any size);
-    one with only `load_state_dict(state)` resumes the same world size, rank by rank.
+def restore_rows(row_source: RowSource, states: Sequence[dict]) -> None:
+    """Resume `row_source` from the "rows" states of all ranks of the checkpoint's world (the list
+    Checkpointer.restore returns): it re-deals them to this rank of the new world, whose size may differ.
 
     Raises:
-        ValueError: the world size changed and the row source cannot re-deal its state.
+        ValueError: the states were made from another stream, or are not those of one whole world.
     """
-    rows = [s["rows"] for s in states]
-    if hasattr(row_source, "load_state_dicts"):
-        row_source.load_state_dicts(rows)
-    elif len(rows) == world_size:
-        row_source.load_state_dict(rows[rank])
-    else:
-        raise ValueError(
-            f"the checkpoint was written by {len(rows)} workers and this run has {world_size}: "
-            f"{type(row_source).__name__} resumes only on the same number of workers (--num-workers "
-            f"{len(rows)})"
-        )
+    row_source.load_state_dicts([s["rows"] for s in states])
 
 
 def commit_ranks(
