@@ -1,16 +1,17 @@
-"""The `raychat` command: `raychat --help` imports neither torch nor Ray; each command's line in it is the
-command's own help; a command imports only its own module."""
+"""The `raychat` command: `raychat --help` and every `raychat <command> [<sub>] --help` import neither torch nor
+Ray (each parser is built from raychat.commands; a command's code is imported only when it runs); each
+command's line in `raychat --help` is its parser's own help; each parser names a function that exists."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import subprocess
 import sys
 
 import pytest
 
-from raychat.cli import COMMANDS, main
+from raychat.cli import COMMANDS, load, main
+from raychat.commands import CANARIES, PARSERS
 
 HEAVY = ("torch", "ray", "pyarrow", "numpy")
 
@@ -28,27 +29,78 @@ def imported_by(argv: list[str]) -> tuple[set[str], str]:
     return set(eval(heavy[len("HEAVY ") :])), out  # a printed list of module names
 
 
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """{name: parser} of the subcommands of `parser` (empty when it has none)."""
+    return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+
+def every_help_argv() -> list[list[str]]:
+    """`<command> --help` and `<command> <sub> --help` for every command and subcommand."""
+    argvs = []
+    for name, add in PARSERS.items():
+        sub = argparse.ArgumentParser().add_subparsers()
+        add(sub)
+        argvs += [[name, "--help"]] + [[name, s, "--help"] for s in subcommands(sub.choices[name])]
+    return argvs
+
+
 def test_help_imports_neither_torch_nor_ray():
     heavy, out = imported_by(["--help"])
     assert heavy == set(), heavy
     assert all(f"    {name}" in out for name in COMMANDS), out
 
 
-def test_a_light_command_imports_only_its_module():
-    heavy, out = imported_by(["jobs", "--help"])
-    assert "torch" not in heavy, heavy  # Ray's job client, not the training stack
-    assert out.startswith("usage: raychat jobs [-h] <list|stop|logs>"), out
+def test_a_commands_help_imports_neither_torch_nor_ray():
+    heavy, out = imported_by(["pretrain", "--help"])
+    assert heavy == set(), heavy
+    assert out.startswith("usage: raychat pretrain [-h] [--preset PRESET]"), out
+
+
+def test_every_commands_help_imports_neither_torch_nor_ray():
+    """All of them in one fresh Python: each `--help` through raychat.cli.main, then sys.modules."""
+    argvs = every_help_argv()
+    assert ["jobs", "logs", "--help"] in argvs and ["grafana", "dashboard", "--help"] in argvs
+    code = (
+        "import contextlib, io, sys\n"
+        "from raychat.cli import main\n"
+        f"for argv in {argvs!r}:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "    assert out.getvalue().startswith('usage: raychat ' + argv[0]), (argv, out.getvalue())\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
 
 
 def test_each_line_of_help_is_the_commands_own():
-    """COMMANDS states each command's module and help once more; the modules' own parsers must agree."""
-    by_module: dict[str, dict[str, str]] = {}
-    for module in {m for m, _ in COMMANDS.values()}:
+    """COMMANDS states each command's help line once more (`raychat --help` reads only it); the parsers must
+    agree, command for command, in the same order."""
+    assert list(PARSERS) == list(COMMANDS)
+    for name, add in PARSERS.items():
         sub = argparse.ArgumentParser().add_subparsers()
-        importlib.import_module(module).add_cli(sub)
-        by_module[module] = {a.dest: a.help for a in sub._choices_actions}
-    assert {name: (m, by_module[m].get(name)) for name, (m, _) in COMMANDS.items()} == COMMANDS
-    assert sorted(n for names in by_module.values() for n in names) == sorted(COMMANDS)
+        add(sub)
+        assert {a.dest: a.help for a in sub._choices_actions} == {name: COMMANDS[name]}
+
+
+def test_every_parser_names_a_function_that_runs_it():
+    funcs = set()
+    for argv in every_help_argv():
+        parser = argparse.ArgumentParser().add_subparsers()
+        PARSERS[argv[0]](parser)
+        parser = parser.choices[argv[0]]
+        for name in argv[1:-1]:
+            parser = subcommands(parser)[name]
+        funcs.add(parser.get_default("func"))  # None for a group whose subcommand is required
+    funcs.discard(None)
+    assert len(funcs) >= len(COMMANDS) and all(callable(f if callable(f) else load(f)) for f in funcs), funcs
+
+
+def test_the_canaries_are_inspect_batchs_own():
+    from raychat.data.inspect_batch import canary_conversations
+
+    assert tuple(canary_conversations()) == CANARIES
 
 
 def test_an_unknown_command_lists_the_known_ones(capsys):

@@ -16,7 +16,6 @@ from pathlib import Path
 from raychat.checkpoint import load_model
 from raychat.config import RLConfig, TrainConfig, from_dict, preset_section, preset_values, to_dict
 from raychat.config.data import PrepareConfig, TokenizerConfig
-from raychat.config.presets import PRESET_HELP
 from raychat.config.train import SFT_DEFAULTS
 from raychat.data.prepare import prepare, prepare_kwargs
 from raychat.data.shards import list_shards
@@ -174,20 +173,7 @@ def unigram_baseline(data_dir: Path, tok_dir: Path, max_chars: int = 20_000_000)
     return unigram_bpb(train, val, tok.token_bytes())
 
 
-def add_cli(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "speedrun",
-        help="the main job: data -> tokenizer -> pretrain -> eval -> SFT -> RL -> report",
-        description="Run the whole pipeline on a local Ray cluster (started in-process) or the cluster in "
-        "RAY_ADDRESS. Stages whose outputs exist are reused; the pretraining run resumes from its last "
-        "checkpoint. Writes <out>/report.md.",
-    )
-    parser.add_argument("--preset", default="cpu", help=f"{PRESET_HELP} (default: cpu)")
-    parser.add_argument(
-        "--out",
-        default="runs",
-        help="output directory (default: runs): data/, tokenizer/, checkpoints/{base,sft}/, rl/, report.md; "
-        "the same paths the other commands default to",
-    )
-    parser.add_argument("--num-iterations", type=int, default=None, help="override the preset's steps")
-    parser.set_defaults(func=lambda a: run_speedrun(a.preset, a.out, a.num_iterations) and 0)
+def main(args) -> int:
+    """`raychat speedrun` (its parser: raychat.commands.speedrun)."""
+    run_speedrun(args.preset, args.out, args.num_iterations)
+    return 0

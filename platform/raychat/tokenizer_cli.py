@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pyarrow.parquet as pq
 
-from raychat.config import add_flags, from_args
+from raychat.config import from_args
 from raychat.config.data import TokenizerConfig
 from raychat.data.shards import list_shards
 from raychat.storage import check_writable, open_storage, run_directory
@@ -65,20 +65,8 @@ def train_tokenizer(
     return report
 
 
-def add_cli(subparsers) -> None:
-    parser = subparsers.add_parser("tokenizer", help="train the BPE tokenizer")
-    sub = parser.add_subparsers(dest="tokenizer_command", metavar="<action>", required=True)
-    train = sub.add_parser(
-        "train",
-        help="train byte-level BPE (rustbpe, GPT-4 split pattern) on the training shards",
-        description="Train byte-level BPE on the training shards, save tokenizer.json (served by tiktoken "
-        "with the chat special tokens), and report bytes per token on train and validation text.",
-    )
-    add_flags(train, TokenizerConfig, preset="none")
-    train.set_defaults(func=_main)
-
-
-def _main(args) -> int:
+def main(args) -> int:
+    """`raychat tokenizer train` (its parser: raychat.commands.tokenizer)."""
     c = from_args(args, TokenizerConfig, "tokenizer", where="tokenizer settings")
     storage = open_storage(c.storage_path)
     data_dir = run_directory(c.data_dir, storage, "--data-dir")

@@ -16,7 +16,7 @@ import torch
 from raychat.chat.turn import TurnParser, turn_parts
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
-from raychat.config import ChatConfig, add_flags, from_args
+from raychat.config import ChatConfig, from_args
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
 
 PART_TYPES = {"text": "text", "tool_call": "python", "tool_result": "python_output"}
@@ -114,10 +114,3 @@ def run_chat(args, stdin=None, out=None) -> int:
         messages.append({"role": "user", "content": text})
         out.write("raychat> ")
         messages.append(_reply(sched, tokenizer, messages, params, out))
-
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("chat", help="chat with a checkpoint (interactive, or one-shot with -p)")
-    add_flags(p, ChatConfig, preset=None)
-    p.add_argument("-p", dest="prompt", default=None, help="the same as --prompt")
-    p.set_defaults(func=run_chat)

@@ -1,31 +1,5 @@
 """`raychat inspect-batch`: the batch of a training step rebuilt from its replay record, or canary samples
-token by token, exactly as the trainer would see them.
-
-With --run RUN_DIR --step S: the replay records of optimizer step S (raychat.data.replay, written by the
-training loop under RUN_DIR/replay/) are read, every row is rebuilt from the data alone (raychat.data.rebuild:
-documents re-read from the shards, or conversations re-rendered) and its input_ids / labels / loss_mask /
-position_ids (/ segment_ids) hashes are compared with the recorded ones. One line per row lists its
-segments: pretraining `shard:row_group:row@offset+length decision`, SFT `sample_id+length`. Exit status 1
-when anything differs. --data-dir / --tokenizer point at the data if it moved since the run.
-
-Without --run, the canaries:
-
-For each canary (short text, empty fields, multi-turn tool use, Unicode, code, an over-long conversation
-and a packed multi-sample row) the conversation is rendered by the chat template, truncated to the row
-length, packed (one per row; the "packed" canary puts several samples in one row by best fit) and passed
-through raychat.masks.make_batch. One line per row position:
-
-    pos  id  text  role  seg  position  visible  label
-
-text/label are the decoded token and target (repr); role comes from the template; seg/position are
-segment_ids/position_ids; visible is the range of keys the position may attend to (from the
-document mask: causal AND same segment); label is "-" where loss_mask is False. The row's last token is
-only a label (rows hold T+1 tokens).
-
-Tokenizer: --tokenizer PATH (a tokenizer.json or its directory). Without it, a small BPE tokenizer
-(vocabulary up to --vocab-size) is trained on the fly on the canary texts, so the command runs anywhere;
-its token boundaries then differ from a real run's, the masks and rules do not.
-"""
+token by token (what it prints: `raychat inspect-batch --help`, raychat.commands.INSPECT_BATCH_DESCRIPTION)."""
 
 from __future__ import annotations
 
@@ -246,33 +220,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"(no --tokenizer: trained a {tokenizer.vocab_size}-token BPE on the canary texts)")
     print(inspect_canaries(tokenizer, args.row_len, args.canary))
     return 0
-
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser(
-        "inspect-batch",
-        help="rebuild a training step's batch from its replay record (--run, --step), or print canary SFT "
-        "samples per token",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--run", default="", help="a run directory (<storage-path>/<run-name>) with replay records"
-    )
-    p.add_argument(
-        "--step", type=int, default=None, help="with --run: the optimizer step to rebuild (from 1)"
-    )
-    p.add_argument("--data-dir", default=None, help="with --run: the shards, if not where the run read them")
-    p.add_argument(
-        "--tokenizer", default="", help="tokenizer.json or its directory (canaries: default trains a small one; "
-        "--run: default the run's)",
-    )  # fmt: skip
-    p.add_argument("--row-len", type=int, default=128, help="row length T+1 in tokens (default 128)")
-    p.add_argument("--vocab-size", type=int, default=512, help="vocabulary of the on-the-fly tokenizer")
-    p.add_argument(
-        "--canary",
-        action="append",
-        choices=[*canary_conversations(), "packed"],
-        help="canary to print (repeatable; default: all)",
-    )
-    p.set_defaults(func=run)

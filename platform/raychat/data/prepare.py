@@ -12,14 +12,13 @@ sees a finished directory. Shards listed by a previous manifest but not by the n
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
 import sys
 from pathlib import Path
 
-from raychat.config import add_flags, from_args, to_flat
+from raychat.config import from_args, to_flat
 from raychat.config.data import PrepareConfig
 from raychat.data import corpora
 from raychat.data.download import HUB_SOURCES, DownloadError, download_shards, shard_indices
@@ -242,41 +241,6 @@ def report(out: Path, manifest: dict, log) -> None:
             log(f"  {reason}: {n}  (e.g. {', '.join(manifest['skipped_examples'].get(reason, []))})")
     else:
         log("skipped 0 documents")
-
-
-EPILOG = """examples:
-  raychat data prepare                                   # default corpus (needs: make corpus-deps) -> runs/data
-  raychat data prepare --source ~/my_texts --num-shards 8
-  raychat data prepare --source fineweb-edu --num-shards 4 --out runs/fineweb
-  raychat data prepare --storage-path /mnt/shared/runs   # -> /mnt/shared/runs/data, for a cluster's jobs
-
-sources:
-  debian-docs   Python 3.11 docs (Debian python3.11-doc, PSF-2.0, reST cleaned to text) + WordNet 3.0 glosses
-                (Debian wordnet-base); ~21 MB of text. Install: sudo apt-get install -y python3.11-doc wordnet-base
-  fineweb-edu   karpathy/fineweb-edu-100b-shuffle on the Hugging Face hub (ODC-By 1.0), ~94 MB a shard
-  climbmix      karpathy/climbmix-400b-shuffle on the Hugging Face hub (NVIDIA ClimbMix, CC BY-NC 4.0)
-  DIR           a folder: *.txt/*.md/*.rst = one document per file, *.jsonl = a "text" field per line,
-                *.parquet = a `text` column; other files, empty and invalid-UTF-8 documents are counted skips
-
-output: DIR/shard_00000.parquet ... (one `text` column, zstd, row groups of 1024); the LAST shard is the
-validation shard; DIR/manifest.json lists every shard with its sha256, and the skipped counts by reason.
-"""
-
-
-def add_cli(subparsers) -> None:
-    """Add `raychat data prepare`."""
-    data = subparsers.add_parser("data", help="prepare pretraining text shards", description="Data commands.")
-    sub = data.add_subparsers(dest="data_command", metavar="<subcommand>")
-    data.set_defaults(func=lambda args: data.print_help() or 2)
-    p = sub.add_parser(
-        "prepare",
-        help="corpus -> parquet text shards + manifest.json",
-        description="Turn a corpus into parquet text shards (FineWeb-Edu layout) and a manifest.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_flags(p, PrepareConfig, preset="none")
-    p.set_defaults(func=run)
 
 
 def prepare_kwargs(config: PrepareConfig) -> dict:

@@ -1,9 +1,10 @@
 """`raychat eval`: validation BPB and held-out task accuracy of one checkpoint, as JSON.
 
   --checkpoint REF  -> raychat.checkpoint_manager.resolve_checkpoint (fetched when remote) -> load_model
-  BPB               the validation shard of --data-dir, best-fit packed into rows of the model's max_seq_len
-                    (raychat.data.pipeline.validation_rows, the pretraining evaluator's rows), --eval-tokens
-                    of them (raychat.eval.bpb: nats / (ln 2 * UTF-8 bytes) over the target tokens)
+  BPB               the validation shard of --data-dir, best-fit packed into rows of the model's
+                    max_seq_len + 1 tokens (raychat.data.pipeline.validation_rows, the pretraining evaluator's
+                    rows), --eval-tokens of them (raychat.eval.bpb: nats / (ln 2 * UTF-8 bytes) over the
+                    target tokens)
   accuracy          the test split of each --tasks entry (raychat.eval.tasks.task_accuracy: greedy, exact
                     answer for generative tasks, argmax over the letters for categorical ones)
 
@@ -23,7 +24,7 @@ import torch
 
 from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import find_checkpoint
-from raychat.config import EvalConfig, add_flags, from_args
+from raychat.config import EvalConfig, from_args
 from raychat.data.pipeline import validation_rows
 from raychat.data.shards import list_shards
 from raychat.eval.bpb import bpb_sums
@@ -40,7 +41,7 @@ def evaluate(checkpoint: str, val_file: str, tasks: list[tuple[str, int | None]]
     t0 = time.perf_counter()
     model, tokenizer, meta = load_model(checkpoint, device=cfg.device)
     seq_len = model.config.max_seq_len
-    rows = validation_rows(val_file, tokenizer, seq_len, 256, cfg.eval_tokens, 1)
+    rows = validation_rows(val_file, tokenizer, seq_len + 1, 256, cfg.eval_tokens, 1)
     token_bytes = torch.tensor(tokenizer.token_bytes(), dtype=torch.int64)
     nats, nbytes = bpb_sums(
         model, rows, token_bytes, tokenizer.bos_id, cfg.device_batch_size, device=cfg.device
@@ -64,19 +65,8 @@ def evaluate(checkpoint: str, val_file: str, tasks: list[tuple[str, int | None]]
     }
 
 
-def add_cli(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "eval",
-        help="validation BPB + held-out task accuracy of a checkpoint (JSON)",
-        description="Evaluate one checkpoint: BPB on the validation shard of --data-dir and greedy accuracy on "
-        "the held-out split of --tasks. Prints the JSON and writes it to <storage-path>/<run-name>/eval.json. "
-        "Example: raychat eval --checkpoint latest --storage-path runs/checkpoints --tasks calculator:64",
-    )
-    add_flags(parser, EvalConfig, preset="none")
-    parser.set_defaults(func=_main)
-
-
-def _main(args) -> int:
+def main(args) -> int:
+    """`raychat eval` (its parser: raychat.commands.eval_)."""
     cfg = from_args(args, EvalConfig, "eval", where="eval settings")
     if not cfg.checkpoint:
         raise ValueError("--checkpoint: required: a checkpoint, its run (dir or name), or latest")

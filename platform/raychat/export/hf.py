@@ -44,7 +44,7 @@ from raychat.atomic import atomic_write, atomic_write_text
 from raychat.chat_template import TEMPLATE_VERSION
 from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import committed_checkpoints, find_checkpoint
-from raychat.config import ExportConfig, add_flags, from_args
+from raychat.config import ExportConfig, from_args
 from raychat.model import GPT
 from raychat.storage import check_writable, open_storage, upload_dir
 from raychat.tokenizer import BOS, Tokenizer
@@ -268,14 +268,3 @@ def main(args: argparse.Namespace) -> int:
     print(f"exported {checkpoint} (step {meta.get('step', '?')}) -> {out}")
     print(f"load with: transformers.AutoModelForCausalLM.from_pretrained({out!r})")
     return 0
-
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser(
-        "export",
-        help="export a checkpoint to the Hugging Face layout (Qwen3)",
-        description="Write config.json, model.safetensors, the tokenizer and the chat template of a checkpoint "
-        "to <storage-path>/<run-name>/ (or --out). Example: raychat export --checkpoint latest",
-    )
-    add_flags(p, ExportConfig, preset=None)
-    p.set_defaults(func=main)

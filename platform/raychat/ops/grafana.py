@@ -314,22 +314,3 @@ def cmd_dashboard(args) -> int:
     write_dashboard()
     print(f"wrote {DASHBOARD_PATH}")
     return 0
-
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("grafana", help="Grafana: write raychat's dashboard, provision a Grafana")
-    sub = p.add_subparsers(dest="grafana_command", metavar="<provision|dashboard>", required=True)
-    q = sub.add_parser("provision", help="upload the Prometheus data source and the Ray + raychat dashboards")
-    q.add_argument("--url", help="Grafana URL (default $GRAFANA_URL)")
-    q.add_argument("--token", help="Grafana service-account token (default $GRAFANA_TOKEN)")
-    q.add_argument(
-        "--prometheus-url", default="http://127.0.0.1:9090", help="Prometheus URL as Grafana's server sees it"
-    )
-    q.add_argument(
-        "--ray-temp-dir", help="Ray's temp dir holding session_latest (default $RAY_TMPDIR or /tmp/ray)"
-    )
-    q.add_argument("--no-ray-dashboards", action="store_true", help="upload only raychat's dashboard")
-    q.set_defaults(func=cmd_provision)
-    d = sub.add_parser("dashboard", help=f"(re)write {DASHBOARD_PATH.name} from build_dashboard()")
-    d.add_argument("--check", action="store_true", help="exit 1 if the file differs from build_dashboard()")
-    d.set_defaults(func=cmd_dashboard)

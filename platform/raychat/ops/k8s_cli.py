@@ -4,12 +4,11 @@ a RayJob through the official `kubernetes` client (CustomObjectsApi, the optiona
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
-from raychat.ops.k8s import IMAGE, RAYJOB_STAGES, rayjob, render_all, to_yaml, write_generated
+from raychat.ops.k8s import rayjob, render_all, to_yaml, write_generated
 from raychat.ops.submit import repo_root
 
 
@@ -73,33 +72,3 @@ def cmd_submit(args) -> int:
         return 4
     print(f"rayjob.ray.io/{created['metadata']['name']} created in namespace {args.namespace}")
     return 0
-
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("k8s", help="KubeRay: generate k8s/base, submit a stage as a RayJob")
-    sub = p.add_subparsers(dest="k8s_command", metavar="<generate|submit>", required=True)
-    g = sub.add_parser(
-        "generate",
-        help="(re)write k8s/base and the cpu-dev overlay's kustomization from the code and serve/chat.yaml",
-    )
-    g.add_argument("--repo", help="checkout to write into (default: this raychat checkout)")
-    g.add_argument("--check", action="store_true", help="exit 1 if k8s/ differs from the generated files")
-    g.set_defaults(func=cmd_generate)
-    s = sub.add_parser(
-        "submit",
-        help="create a RayJob for a stage",
-        usage=f"raychat k8s submit [options] {{{','.join(RAYJOB_STAGES)}}} [stage args...]",
-        description="Create a RayJob running `python jobs/<stage>.py ARGS` on its own autoscaling cluster. "
-        "Options come before the stage; everything after the stage goes to the stage unchanged.",
-    )
-    s.add_argument("stage", choices=RAYJOB_STAGES)
-    s.add_argument("stage_args", nargs=argparse.REMAINDER)
-    s.add_argument("--namespace", default="default")
-    s.add_argument("--name", help="RayJob name (default raychat-<stage>-<YYYYmmdd-HHMMSS>)")
-    s.add_argument("--image", default=IMAGE, help=f"container image with raychat installed (default {IMAGE})")
-    s.add_argument("--ttl", type=int, default=3600, help="seconds to keep the finished RayJob's cluster")
-    s.add_argument("--retries", type=int, default=1, help="backoffLimit: retries of a failed job")
-    s.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
-    s.add_argument("--context", help="kubeconfig context")
-    s.add_argument("--dry-run", action="store_true", help="print the RayJob YAML instead of creating it")
-    s.set_defaults(func=cmd_submit)

@@ -14,7 +14,7 @@ import sys
 import ray
 
 from raychat.checkpoint_manager import find_checkpoint
-from raychat.config import RLConfig, add_flags, from_args, from_dict
+from raychat.config import RLConfig, from_args, from_dict
 from raychat.rl.loop import RLRun
 from raychat.storage import check_writable, open_storage
 
@@ -35,23 +35,8 @@ def config_for(args: argparse.Namespace) -> RLConfig:
     return from_args(args, RLConfig, "rl", where="rl settings")
 
 
-def add_cli(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "rl",
-        help="reinforcement learning of a chat checkpoint on a task (rollout actors + learner on Ray)",
-        description="GRPO-style RL: rollout actors sample --samples-per-prompt completions per prompt with tool "
-        "use, Task.reward scores them, advantages are reward minus the group mean, the learner takes a "
-        "policy-gradient step over sampled tokens only, and the new weights are published to every rollout "
-        "actor. Writes OUT/RUN_NAME/{config.yaml,metrics.jsonl,checkpoint_<step>}; running again with the "
-        "same --out and --run-name resumes. Example: raychat rl --checkpoint runs/checkpoints/sft/latest "
-        "--task calculator --steps 50",
-    )
-    add_flags(parser, RLConfig, preset="none", preset_aliases=("--config",))
-    parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
-    parser.set_defaults(func=_main)
-
-
-def _main(args) -> int:
+def main(args) -> int:
+    """`raychat rl` (its parser: raychat.commands.rl)."""
     try:
         cfg = resolve_inputs(config_for(args))
         check_writable(open_storage(cfg.run.storage_path))

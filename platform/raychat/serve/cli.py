@@ -15,7 +15,7 @@ import time
 import ray
 from ray import serve
 
-from raychat.config import ServeConfig, add_flags, from_args
+from raychat.config import ServeConfig, from_args
 from raychat.serve.app import build_app, serve_config
 
 APP_NAME = "raychat"
@@ -126,47 +126,3 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         serve.shutdown()
     return 0
-
-
-def port_number(text: str) -> int:
-    port = int(text)
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 1-65535, got {port}")
-    return port
-
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser(
-        "serve",
-        help="serve a checkpoint: streaming chat page + OpenAI-compatible API",
-        description="Start the chat app (FastAPI ingress + autoscaled engine replicas) on Ray Serve and print "
-        "the URL of the chat page. Endpoints: / (page), /chat/completions (SSE), /v1/chat/completions, "
-        "/v1/models, /health.",
-    )
-    add_flags(p, ServeConfig, preset="none")
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="HTTP bind address (0.0.0.0 to expose: then an API key, or --allow-unauthenticated, is required)",
-    )
-    p.add_argument(
-        "--allow-unauthenticated",
-        action="store_true",
-        help="serve a --host beyond loopback without an API key (every route open to anyone who reaches it)",
-    )
-    p.add_argument("--port", type=port_number, default=8000, help="HTTP port, 1-65535 (default: 8000)")
-    p.add_argument(
-        "--proxy-location",
-        choices=("EveryNode", "HeadOnly", "Disabled"),
-        default="EveryNode",
-        help="where Serve runs HTTP proxies (default: EveryNode; HeadOnly = one proxy, on the head node)",
-    )
-    p.add_argument(
-        "--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a new local one)"
-    )
-    p.add_argument(
-        "--no-block",
-        action="store_true",
-        help="return once the app is up (only with --address: a local cluster ends with this process)",
-    )
-    p.set_defaults(func=main)

@@ -24,7 +24,7 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raychat.checkpoint_manager import CheckpointManager, find_checkpoint
-from raychat.config import TrainConfig, add_flags, from_args, from_dict, to_dict
+from raychat.config import TrainConfig, from_args, from_dict, to_dict
 from raychat.storage import check_writable, open_storage, read_bytes, run_directory
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import start_or_connect
@@ -129,14 +129,6 @@ def run_training(cfg: TrainConfig, stage, callbacks=()) -> TrainingResult:
     print(f"final checkpoint: {uri}")
     print(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
     return result
-
-
-def add_command(subparsers, name: str, defaults: TrainConfig, main, **parser_kw) -> argparse.ArgumentParser:
-    """A training subcommand: --preset plus one flag per TrainConfig option (help shows `defaults`)."""
-    parser = subparsers.add_parser(name, **parser_kw)
-    add_flags(parser, TrainConfig, defaults=defaults, preset="cpu")
-    parser.set_defaults(func=main)
-    return parser
 
 
 def config_from(args: argparse.Namespace, defaults: TrainConfig, section: str) -> TrainConfig:

@@ -14,7 +14,7 @@ from raychat.data.pipeline import PretrainRows, validation_rows
 from raychat.data.shards import list_shards
 from raychat.tokenizer import Tokenizer
 from raychat.train.evaluators import BPBEvaluator, SamplesEvaluator
-from raychat.train.launch import add_command, config_from, resolve_inputs, run_training
+from raychat.train.launch import config_from, resolve_inputs, run_training
 from raychat.train.plan import make_plan, print_plan
 from raychat.train.replay_recorder import ReplayRecorder
 
@@ -32,9 +32,8 @@ class Pretraining:
 
     def evaluators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
         _, val_file = list_shards(cfg.data.data_dir)
-        rows = validation_rows(
-            val_file, tokenizer, cfg.model.seq_len, cfg.data.buffer_size, cfg.train.eval.eval_tokens, world
-        )
+        row_len, tokens = cfg.model.seq_len + 1, cfg.train.eval.eval_tokens
+        rows = validation_rows(val_file, tokenizer, row_len, cfg.data.buffer_size, tokens, world)
         rows = {k: v[rank::world] for k, v in rows.items()}
         bpb = BPBEvaluator(
             "val_bpb", rows, tokenizer, cfg.train.batch.device_batch_size,
@@ -64,17 +63,8 @@ def dry_run_vocab_size(cfg: TrainConfig, preset: str | None) -> int:
     return int(size)
 
 
-def add_cli(subparsers) -> None:
-    parser = add_command(
-        subparsers, "pretrain", TrainConfig(), _main,
-        help="pretrain the base model on Ray Train (DDP)",
-        description="Pretrain on packed parquet shards with Ray Train. Sizes derive from --depth; every derived "
-        "number is printed first. Running again with the same --run-name and --storage-path resumes.",
-    )  # fmt: skip
-    parser.add_argument("--dry-run", action="store_true", help="print the derived sizes and exit")
-
-
-def _main(args) -> int:
+def main(args) -> int:
+    """`raychat pretrain` (its parser: raychat.commands.pretrain)."""
     cfg = config_from(args, TrainConfig(), "pretrain")
     if args.dry_run:
         cfg = resolve_inputs(cfg)

@@ -15,7 +15,7 @@ from raychat.data.sft_rows import SFTRows, validation_rows
 from raychat.tasks.registry import held_out, make_task, mixture_tasks, parse_mixture
 from raychat.tokenizer import Tokenizer
 from raychat.train.evaluators import AccuracyEvaluator, BPBEvaluator, MeanBPBEvaluator
-from raychat.train.launch import add_command, config_from, run_training
+from raychat.train.launch import config_from, run_training
 from raychat.train.replay_recorder import ReplayRecorder
 
 
@@ -68,11 +68,7 @@ def sft(cfg: TrainConfig, callbacks=()):
     )
 
 
-def add_cli(subparsers) -> None:
-    add_command(
-        subparsers, "sft", sft_defaults(), lambda args: sft(config_from(args, sft_defaults(), "sft")) and 0,
-        help="supervised fine-tuning of a pretrained checkpoint into a chat model",
-        description="Fine-tune on packed conversations (--sft-tasks) with the pretraining Trainer on Ray Train. "
-        "Needs --init-from: a pretraining checkpoint dir, its run (dir or name under --storage-path), or `latest` "
-        "(the newest pretraining checkpoint under --storage-path). Running again with the same --run-name resumes.",
-    )  # fmt: skip
+def main(args) -> int:
+    """`raychat sft` (its parser: raychat.commands.sft)."""
+    sft(config_from(args, sft_defaults(), "sft"))
+    return 0

@@ -1,0 +1,397 @@
+"""The parser of every `raychat` command, built from light code only (the config classes and argparse), so
+`raychat <command> --help` imports neither torch nor Ray. Each parser sets `func` to "module:function", the
+code that runs the command, which raychat.cli imports only when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+
+from raychat.config import (
+    SFT_DEFAULTS,
+    ChatConfig,
+    EvalConfig,
+    ExportConfig,
+    RLConfig,
+    ServeConfig,
+    TrainConfig,
+    add_flags,
+    from_dict,
+)
+from raychat.config.data import PrepareConfig, TokenizerConfig
+from raychat.config.presets import PRESET_HELP
+from raychat.ops.jobs import DEFAULT_ADDRESS, SUBMIT_CHOICES
+from raychat.ops.k8s import IMAGE, RAYJOB_STAGES
+
+# the canaries of raychat.data.inspect_batch.canary_conversations (tests/test_cli.py keeps them equal)
+CANARIES = ("short", "empty", "tool_use", "unicode", "code", "overlong", "overlong_turn")
+
+PREPARE_EPILOG = """examples:
+  raychat data prepare                                   # default corpus (needs: make corpus-deps) -> runs/data
+  raychat data prepare --source ~/my_texts --num-shards 8
+  raychat data prepare --source fineweb-edu --num-shards 4 --out runs/fineweb
+  raychat data prepare --storage-path /mnt/shared/runs   # -> /mnt/shared/runs/data, for a cluster's jobs
+
+sources:
+  debian-docs   Python 3.11 docs (Debian python3.11-doc, PSF-2.0, reST cleaned to text) + WordNet 3.0 glosses
+                (Debian wordnet-base); ~21 MB of text. Install: sudo apt-get install -y python3.11-doc wordnet-base
+  fineweb-edu   karpathy/fineweb-edu-100b-shuffle on the Hugging Face hub (ODC-By 1.0), ~94 MB a shard
+  climbmix      karpathy/climbmix-400b-shuffle on the Hugging Face hub (NVIDIA ClimbMix, CC BY-NC 4.0)
+  DIR           a folder: *.txt/*.md/*.rst = one document per file, *.jsonl = a "text" field per line,
+                *.parquet = a `text` column; other files, empty and invalid-UTF-8 documents are counted skips
+
+output: DIR/shard_00000.parquet ... (one `text` column, zstd, row groups of 1024); the LAST shard is the
+validation shard; DIR/manifest.json lists every shard with its sha256, and the skipped counts by reason.
+"""
+
+INSPECT_BATCH_DESCRIPTION = """\
+`raychat inspect-batch`: the batch of a training step rebuilt from its replay record, or canary samples
+token by token, exactly as the trainer would see them.
+
+With --run RUN_DIR --step S: the replay records of optimizer step S (raychat.data.replay, written by the
+training loop under RUN_DIR/replay/) are read, every row is rebuilt from the data alone (raychat.data.rebuild:
+documents re-read from the shards, or conversations re-rendered) and its input_ids / labels / loss_mask /
+position_ids (/ segment_ids) hashes are compared with the recorded ones. One line per row lists its
+segments: pretraining `shard:row_group:row@offset+length decision`, SFT `sample_id+length`. Exit status 1
+when anything differs. --data-dir / --tokenizer point at the data if it moved since the run.
+
+Without --run, the canaries:
+
+For each canary (short text, empty fields, multi-turn tool use, Unicode, code, an over-long conversation
+and a packed multi-sample row) the conversation is rendered by the chat template, truncated to the row
+length, packed (one per row; the "packed" canary puts several samples in one row by best fit) and passed
+through raychat.masks.make_batch. One line per row position:
+
+    pos  id  text  role  seg  position  visible  label
+
+text/label are the decoded token and target (repr); role comes from the template; seg/position are
+segment_ids/position_ids; visible is the range of keys the position may attend to (from the
+document mask: causal AND same segment); label is "-" where loss_mask is False. The row's last token is
+only a label (rows hold T+1 tokens).
+
+Tokenizer: --tokenizer PATH (a tokenizer.json or its directory). Without it, a small BPE tokenizer
+(vocabulary up to --vocab-size) is trained on the fly on the canary texts, so the command runs anywhere;
+its token boundaries then differ from a real run's, the masks and rules do not.
+"""
+
+
+def speedrun(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "speedrun",
+        help="the main job: data -> tokenizer -> pretrain -> eval -> SFT -> RL -> report",
+        description="Run the whole pipeline on a local Ray cluster (started in-process) or the cluster in "
+        "RAY_ADDRESS. Stages whose outputs exist are reused; the pretraining run resumes from its last "
+        "checkpoint. Writes <out>/report.md.",
+    )
+    parser.add_argument("--preset", default="cpu", help=f"{PRESET_HELP} (default: cpu)")
+    parser.add_argument(
+        "--out",
+        default="runs",
+        help="output directory (default: runs): data/, tokenizer/, checkpoints/{base,sft}/, rl/, report.md; "
+        "the same paths the other commands default to",
+    )
+    parser.add_argument("--num-iterations", type=int, default=None, help="override the preset's steps")
+    parser.set_defaults(func="raychat.speedrun:main")
+
+
+def data(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "data", help="prepare pretraining text shards", description="Data commands."
+    )
+    sub = parser.add_subparsers(dest="data_command", metavar="<subcommand>")
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+    p = sub.add_parser(
+        "prepare",
+        help="corpus -> parquet text shards + manifest.json",
+        description="Turn a corpus into parquet text shards (FineWeb-Edu layout) and a manifest.",
+        epilog=PREPARE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_flags(p, PrepareConfig, preset="none")
+    p.set_defaults(func="raychat.data.prepare:run")
+
+
+def tokenizer(subparsers) -> None:
+    parser = subparsers.add_parser("tokenizer", help="train the BPE tokenizer")
+    sub = parser.add_subparsers(dest="tokenizer_command", metavar="<action>", required=True)
+    train = sub.add_parser(
+        "train",
+        help="train byte-level BPE (rustbpe, GPT-4 split pattern) on the training shards",
+        description="Train byte-level BPE on the training shards, save tokenizer.json (served by tiktoken "
+        "with the chat special tokens), and report bytes per token on train and validation text.",
+    )
+    add_flags(train, TokenizerConfig, preset="none")
+    train.set_defaults(func="raychat.tokenizer_cli:main")
+
+
+def pretrain(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "pretrain",
+        help="pretrain the base model on Ray Train (DDP)",
+        description="Pretrain on packed parquet shards with Ray Train. Sizes derive from --depth; every derived "
+        "number is printed first. Running again with the same --run-name and --storage-path resumes.",
+    )
+    add_flags(parser, TrainConfig, defaults=TrainConfig(), preset="cpu")
+    parser.add_argument("--dry-run", action="store_true", help="print the derived sizes and exit")
+    parser.set_defaults(func="raychat.train.pretrain:main")
+
+
+def sft(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "sft",
+        help="supervised fine-tuning of a pretrained checkpoint into a chat model",
+        description="Fine-tune on packed conversations (--sft-tasks) with the pretraining Trainer on Ray Train. "
+        "Needs --init-from: a pretraining checkpoint dir, its run (dir or name under --storage-path), or `latest` "
+        "(the newest pretraining checkpoint under --storage-path). Running again with the same --run-name resumes.",
+    )  # fmt: skip
+    add_flags(parser, TrainConfig, defaults=from_dict(TrainConfig, SFT_DEFAULTS), preset="cpu")
+    parser.set_defaults(func="raychat.train.sft:main")
+
+
+def rl(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "rl",
+        help="reinforcement learning of a chat checkpoint on a task (rollout actors + learner on Ray)",
+        description="GRPO-style RL: rollout actors sample --samples-per-prompt completions per prompt with tool "
+        "use, Task.reward scores them, advantages are reward minus the group mean, the learner takes a "
+        "policy-gradient step over sampled tokens only, and the new weights are published to every rollout "
+        "actor. Writes OUT/RUN_NAME/{config.yaml,metrics.jsonl,checkpoint_<step>}; running again with the "
+        "same --out and --run-name resumes. Example: raychat rl --checkpoint runs/checkpoints/sft/latest "
+        "--task calculator --steps 50",
+    )
+    add_flags(parser, RLConfig, preset="none", preset_aliases=("--config",))
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
+    parser.set_defaults(func="raychat.rl.cli:main")
+
+
+def eval_(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="validation BPB + held-out task accuracy of a checkpoint (JSON)",
+        description="Evaluate one checkpoint: BPB on the validation shard of --data-dir and greedy accuracy on "
+        "the held-out split of --tasks. Prints the JSON and writes it to <storage-path>/<run-name>/eval.json. "
+        "Example: raychat eval --checkpoint latest --storage-path runs/checkpoints --tasks calculator:64",
+    )
+    add_flags(parser, EvalConfig, preset="none")
+    parser.set_defaults(func="raychat.eval.cli:main")
+
+
+def chat(subparsers) -> None:
+    p = subparsers.add_parser("chat", help="chat with a checkpoint (interactive, or one-shot with -p)")
+    add_flags(p, ChatConfig, preset=None)
+    p.add_argument("-p", dest="prompt", default=None, help="the same as --prompt")
+    p.set_defaults(func="raychat.chat.cli:run_chat")
+
+
+def port_number(text: str) -> int:
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 1-65535, got {port}")
+    return port
+
+
+def serve(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a checkpoint: streaming chat page + OpenAI-compatible API",
+        description="Start the chat app (FastAPI ingress + autoscaled engine replicas) on Ray Serve and print "
+        "the URL of the chat page. Endpoints: / (page), /chat/completions (SSE), /v1/chat/completions, "
+        "/v1/models, /health.",
+    )
+    add_flags(p, ServeConfig, preset="none")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="HTTP bind address (0.0.0.0 to expose: then an API key, or --allow-unauthenticated, is required)",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve a --host beyond loopback without an API key (every route open to anyone who reaches it)",
+    )
+    p.add_argument("--port", type=port_number, default=8000, help="HTTP port, 1-65535 (default: 8000)")
+    p.add_argument(
+        "--proxy-location",
+        choices=("EveryNode", "HeadOnly", "Disabled"),
+        default="EveryNode",
+        help="where Serve runs HTTP proxies (default: EveryNode; HeadOnly = one proxy, on the head node)",
+    )
+    p.add_argument(
+        "--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a new local one)"
+    )
+    p.add_argument(
+        "--no-block",
+        action="store_true",
+        help="return once the app is up (only with --address: a local cluster ends with this process)",
+    )
+    p.set_defaults(func="raychat.serve.cli:main")
+
+
+def export(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="export a checkpoint to the Hugging Face layout (Qwen3)",
+        description="Write config.json, model.safetensors, the tokenizer and the chat template of a checkpoint "
+        "to <storage-path>/<run-name>/ (or --out). Example: raychat export --checkpoint latest",
+    )
+    add_flags(p, ExportConfig, preset=None)
+    p.set_defaults(func="raychat.export.hf:main")
+
+
+def inspect_batch(subparsers) -> None:
+    p = subparsers.add_parser(
+        "inspect-batch",
+        help="rebuild a training step's batch from its replay record (--run, --step), or print canary SFT "
+        "samples per token",
+        description=INSPECT_BATCH_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--run", default="", help="a run directory (<storage-path>/<run-name>) with replay records"
+    )
+    p.add_argument(
+        "--step", type=int, default=None, help="with --run: the optimizer step to rebuild (from 1)"
+    )
+    p.add_argument("--data-dir", default=None, help="with --run: the shards, if not where the run read them")
+    p.add_argument(
+        "--tokenizer", default="", help="tokenizer.json or its directory (canaries: default trains a small one; "
+        "--run: default the run's)",
+    )  # fmt: skip
+    p.add_argument("--row-len", type=int, default=128, help="row length T+1 in tokens (default 128)")
+    p.add_argument("--vocab-size", type=int, default=512, help="vocabulary of the on-the-fly tokenizer")
+    p.add_argument(
+        "--canary",
+        action="append",
+        choices=[*CANARIES, "packed"],
+        help="canary to print (repeatable; default: all)",
+    )
+    p.set_defaults(func="raychat.data.inspect_batch:run")
+
+
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--address",
+        help=f"dashboard URL (default: $RAY_API_SERVER_ADDRESS, $RAY_ADDRESS, else {DEFAULT_ADDRESS})",
+    )
+    p.add_argument(
+        "--token-file",
+        help="Ray auth token file (default: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token)",
+    )
+
+
+def submit(subparsers) -> None:
+    p = subparsers.add_parser(
+        "submit",
+        help="submit a stage as a Ray job and follow its logs",
+        usage=f"raychat submit [options] {{{','.join(SUBMIT_CHOICES)}}} [stage args...]",
+        description="Submit `python jobs/<stage>.py ARGS` as a Ray job. raychat's options come BEFORE the "
+        "stage; everything after the stage goes to the stage unchanged. Exit code: 0 SUCCEEDED, 1 FAILED, 3 STOPPED, 4 unreachable/unauthorized.",
+    )
+    p.add_argument("stage", choices=SUBMIT_CHOICES)
+    p.add_argument(
+        "stage_args", nargs=argparse.REMAINDER, help="everything after the stage is passed to it unchanged"
+    )
+    add_connection_flags(p)
+    p.add_argument("--working-dir", help="checkout to upload (default: this raychat checkout)")
+    p.add_argument(
+        "--python",
+        default="python",
+        help="the job's Python on the cluster for a stage (not for `command`): a command or absolute path "
+        "with raychat's dependencies, normally the Python that runs Ray there (default: `python` on the "
+        "head's PATH)",
+    )
+    p.add_argument("--pip", action="append", help="pip requirement for the job's env (repeatable)")
+    p.add_argument(
+        "--pip-project",
+        action="store_true",
+        help="pip-install pyproject's dependencies (not torch) in the job",
+    )
+    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="environment variable for the job")
+    p.add_argument("--num-cpus", type=float, help="CPUs reserved for the entrypoint (driver)")
+    p.add_argument("--num-gpus", type=float, help="GPUs reserved for the entrypoint (driver)")
+    p.add_argument("--job-id", help="submission id (default: generated by Ray)")
+    p.add_argument("--no-wait", action="store_true", help="print the job id and return once accepted")
+    p.set_defaults(func="raychat.ops.submit:cmd_submit")
+
+
+def jobs(subparsers) -> None:
+    j = subparsers.add_parser("jobs", help="list, stop or show the logs of Ray jobs")
+    jsub = j.add_subparsers(dest="jobs_command", metavar="<list|stop|logs>", required=True)
+    for name, help_ in (("list", "list jobs"), ("stop", "stop a job"), ("logs", "print a job's logs")):
+        q = jsub.add_parser(name, help=help_)
+        add_connection_flags(q)
+        if name != "list":
+            q.add_argument("job_id")
+        if name == "logs":
+            q.add_argument(
+                "--follow", action="store_true", help="follow until the job ends; exit code = status"
+            )
+        q.set_defaults(func="raychat.ops.submit:cmd_jobs")
+
+
+def k8s(subparsers) -> None:
+    p = subparsers.add_parser("k8s", help="KubeRay: generate k8s/base, submit a stage as a RayJob")
+    sub = p.add_subparsers(dest="k8s_command", metavar="<generate|submit>", required=True)
+    g = sub.add_parser(
+        "generate",
+        help="(re)write k8s/base and the cpu-dev overlay's kustomization from the code and serve/chat.yaml",
+    )
+    g.add_argument("--repo", help="checkout to write into (default: this raychat checkout)")
+    g.add_argument("--check", action="store_true", help="exit 1 if k8s/ differs from the generated files")
+    g.set_defaults(func="raychat.ops.k8s_cli:cmd_generate")
+    s = sub.add_parser(
+        "submit",
+        help="create a RayJob for a stage",
+        usage=f"raychat k8s submit [options] {{{','.join(RAYJOB_STAGES)}}} [stage args...]",
+        description="Create a RayJob running `python jobs/<stage>.py ARGS` on its own autoscaling cluster. "
+        "Options come before the stage; everything after the stage goes to the stage unchanged.",
+    )
+    s.add_argument("stage", choices=RAYJOB_STAGES)
+    s.add_argument("stage_args", nargs=argparse.REMAINDER)
+    s.add_argument("--namespace", default="default")
+    s.add_argument("--name", help="RayJob name (default raychat-<stage>-<YYYYmmdd-HHMMSS>)")
+    s.add_argument("--image", default=IMAGE, help=f"container image with raychat installed (default {IMAGE})")
+    s.add_argument("--ttl", type=int, default=3600, help="seconds to keep the finished RayJob's cluster")
+    s.add_argument("--retries", type=int, default=1, help="backoffLimit: retries of a failed job")
+    s.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
+    s.add_argument("--context", help="kubeconfig context")
+    s.add_argument("--dry-run", action="store_true", help="print the RayJob YAML instead of creating it")
+    s.set_defaults(func="raychat.ops.k8s_cli:cmd_submit")
+
+
+def grafana(subparsers) -> None:
+    p = subparsers.add_parser("grafana", help="Grafana: write raychat's dashboard, provision a Grafana")
+    sub = p.add_subparsers(dest="grafana_command", metavar="<provision|dashboard>", required=True)
+    q = sub.add_parser("provision", help="upload the Prometheus data source and the Ray + raychat dashboards")
+    q.add_argument("--url", help="Grafana URL (default $GRAFANA_URL)")
+    q.add_argument("--token", help="Grafana service-account token (default $GRAFANA_TOKEN)")
+    q.add_argument(
+        "--prometheus-url", default="http://127.0.0.1:9090", help="Prometheus URL as Grafana's server sees it"
+    )
+    q.add_argument(
+        "--ray-temp-dir", help="Ray's temp dir holding session_latest (default $RAY_TMPDIR or /tmp/ray)"
+    )
+    q.add_argument("--no-ray-dashboards", action="store_true", help="upload only raychat's dashboard")
+    q.set_defaults(func="raychat.ops.grafana:cmd_provision")
+    d = sub.add_parser("dashboard", help="(re)write raychat.json from build_dashboard()")
+    d.add_argument("--check", action="store_true", help="exit 1 if the file differs from build_dashboard()")
+    d.set_defaults(func="raychat.ops.grafana:cmd_dashboard")
+
+
+# command -> the function that adds its parser (raychat.cli.COMMANDS holds the same commands, in this order)
+PARSERS = {
+    "speedrun": speedrun,
+    "data": data,
+    "tokenizer": tokenizer,
+    "pretrain": pretrain,
+    "sft": sft,
+    "rl": rl,
+    "eval": eval_,
+    "chat": chat,
+    "serve": serve,
+    "export": export,
+    "inspect-batch": inspect_batch,
+    "submit": submit,
+    "jobs": jobs,
+    "k8s": k8s,
+    "grafana": grafana,
+}
