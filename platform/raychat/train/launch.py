@@ -25,7 +25,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raychat.checkpoint_manager import CheckpointManager, find_checkpoint
 from raychat.config import TrainConfig, from_args, from_dict, to_dict
-from raychat.storage import check_writable, open_storage, read_bytes, run_directory
+from raychat.storage import Storage, check_writable, open_storage, read_bytes, run_directory
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import start_or_connect
 from raychat.train.plan import make_plan, print_plan
@@ -57,22 +57,61 @@ def scaling_config(cfg: TrainConfig) -> ScalingConfig:
     )
 
 
-def resolve_inputs(cfg: TrainConfig) -> TrainConfig:
-    """The run's references made concrete (Ray Train workers do not run in the driver's directory):
-    --storage-path absolute (or its URI), --data-dir and --tokenizer-path absolute local paths (a run name is
-    a run under the root), --init-from the checkpoint it names (an absolute path or a URI).
+@dataclass(frozen=True)
+class RunPaths:
+    """A training run's inputs and outputs, resolved and checked once, before Ray starts; the rest of the
+    driver and every worker read them from here.
 
-    Raises ValueError naming the flag: an unsupported scheme, data on object storage, a checkpoint reference
-    that names nothing (`latest`: no committed pretraining checkpoint under the root)."""
+    storage: the root (local, NFS, s3://, gs://); data_dir, tokenizer_path: absolute local paths (a run name
+    is a run under the root); init_from: the committed checkpoint --init-from names (a path or URI), or None;
+    checkpoints: the run's CheckpointManager (<root>/<run>/checkpoint_<step:06d>, pruned to keep_checkpoints).
+    """
+
+    storage: Storage
+    data_dir: str
+    tokenizer_path: str
+    init_from: str | None
+    checkpoints: CheckpointManager
+
+    @property
+    def run_dir(self) -> str:
+        """<root>/<run> (a local path, or a URI)."""
+        return self.storage.uri_of(self.checkpoints.run_path)
+
+    def config(self, cfg: TrainConfig) -> TrainConfig:
+        """`cfg` with its references replaced by what they resolved to (workers do not run in the driver's
+        directory)."""
+        paths = {
+            "storage_path": self.storage.uri,
+            "data_dir": self.data_dir,
+            "tokenizer_path": self.tokenizer_path,
+        }
+        return from_dict(TrainConfig, {**paths, "init_from": self.init_from or ""}, base=cfg)
+
+
+def resolve_paths(cfg: TrainConfig, writable: bool = True) -> RunPaths:
+    """Resolve --storage-path, --data-dir, --tokenizer-path, --init-from and --run-name into RunPaths; with
+    `writable`, also create the root if needed and check that it can be written.
+
+    Raises ValueError naming the flag: an unsupported scheme, data on object storage, a run name that breaks
+    the rule, a checkpoint reference that names nothing (`latest`: no committed pretraining checkpoint under
+    the root), a root that cannot be written."""
     storage = open_storage(cfg.run.storage_path)
-    paths = {
-        "storage_path": storage.uri,
-        "data_dir": run_directory(cfg.data.data_dir, storage, "--data-dir"),
-        "tokenizer_path": run_directory(cfg.data.tokenizer_path, storage, "--tokenizer-path"),
-    }
-    if cfg.run.init_from:
-        paths["init_from"] = find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("pretrain",))
-    return from_dict(TrainConfig, paths, base=cfg)
+    init_from = (
+        find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("pretrain",))
+        if cfg.run.init_from
+        else None
+    )
+    paths = RunPaths(
+        storage=storage,
+        data_dir=run_directory(cfg.data.data_dir, storage, "--data-dir"),
+        tokenizer_path=run_directory(cfg.data.tokenizer_path, storage, "--tokenizer-path"),
+        init_from=init_from,
+        checkpoints=CheckpointManager(storage, cfg.run.run_name, cfg.train.checkpoint.keep_checkpoints),
+    )
+    if writable:
+        check_writable(storage)
+    return paths
 
 
 @dataclass(frozen=True)
@@ -90,11 +129,10 @@ def run_training(cfg: TrainConfig, stage, callbacks=()) -> TrainingResult:
     callbacks: raychat.train.trainer.Callback objects every worker runs (pickled to the workers).
     Raises ValueError (before Ray starts) for a reference that names nothing or a root that is not writable.
     """
-    cfg = resolve_inputs(cfg)
-    storage = open_storage(cfg.run.storage_path)
-    tokenizer = Tokenizer.load(cfg.data.tokenizer_path)
+    paths = resolve_paths(cfg)
+    cfg = paths.config(cfg)
+    tokenizer = Tokenizer.load(paths.tokenizer_path)
     plan = make_plan(cfg, tokenizer.vocab_size)
-    check_writable(storage)
     print_plan(cfg, plan)
     c = cfg.cluster
     print(start_or_connect(c.num_workers, c.cpus_per_worker, stage.data_cpus))
@@ -106,6 +144,7 @@ def run_training(cfg: TrainConfig, stage, callbacks=()) -> TrainingResult:
         train_loop_config={
             "train": to_dict(cfg),
             "plan": plan.to_dict(),
+            "checkpoints": paths.checkpoints,
             "stage": stage,
             "callbacks": list(callbacks),
             "progress_bar": sys.stdout.isatty(),
@@ -114,17 +153,17 @@ def run_training(cfg: TrainConfig, stage, callbacks=()) -> TrainingResult:
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
         run_config=RunConfig(
             name=cfg.run.run_name,
-            **storage.ray_train_storage(),
+            **paths.storage.ray_train_storage(),
             failure_config=FailureConfig(max_failures=c.max_failures),
         ),
     )
     fault = getattr(trainer.fit(), "return_value", None)  # rank 0's NonFiniteError, returned (not raised)
-    newest = CheckpointManager(storage, cfg.run.run_name).newest()
-    uri = storage.uri_of(newest.path) if newest else None
+    newest = paths.checkpoints.newest()
+    uri = paths.storage.uri_of(newest.path) if newest else None
     if isinstance(fault, NonFiniteError):
         print(f"stopped: {fault}; last checkpoint: {uri}")
         raise fault
-    meta = json.loads(read_bytes(storage, f"{newest.path}/meta.json")) if newest else {}
+    meta = json.loads(read_bytes(paths.storage, f"{newest.path}/meta.json")) if newest else {}
     result = TrainingResult(uri, meta.get("metrics", {}))
     print(f"final checkpoint: {uri}")
     print(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")

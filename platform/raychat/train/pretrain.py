@@ -14,7 +14,7 @@ from raychat.data.pipeline import PretrainRows, validation_rows
 from raychat.data.shards import list_shards
 from raychat.tokenizer import Tokenizer
 from raychat.train.evaluators import BPBEvaluator, SamplesEvaluator
-from raychat.train.launch import config_from, resolve_inputs, run_training
+from raychat.train.launch import config_from, resolve_paths, run_training
 from raychat.train.plan import make_plan, print_plan
 from raychat.train.replay_recorder import ReplayRecorder
 
@@ -67,7 +67,7 @@ def main(args) -> int:
     """`raychat pretrain` (its parser: raychat.commands.pretrain)."""
     cfg = config_from(args, TrainConfig(), "pretrain")
     if args.dry_run:
-        cfg = resolve_inputs(cfg)
+        cfg = resolve_paths(cfg, writable=False).config(cfg)
         print_plan(cfg, make_plan(cfg, dry_run_vocab_size(cfg, args.preset)))
         return 0
     pretrain(cfg)

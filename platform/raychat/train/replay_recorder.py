@@ -7,8 +7,6 @@ on_save: write this rank's records since the last checkpoint to <run dir>/replay
 
 from __future__ import annotations
 
-import os
-
 from raychat.data.replay import prune_records, replay_meta, step_records, write_records
 from raychat.train.trainer import Callback, log
 
@@ -22,7 +20,9 @@ class ReplayRecorder(Callback):
 
     @staticmethod
     def run_dir(trainer) -> str:
-        return os.path.join(trainer.config.run.storage_path, trainer.config.run.run_name)
+        """<root>/<run> of the trainer's run (a local path or URI), from its CheckpointManager."""
+        c = trainer.checkpoints
+        return c.storage.uri_of(c.run_path)
 
     def on_step_begin(self, trainer, step: int) -> None:
         if not self.started:
