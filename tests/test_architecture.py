@@ -128,6 +128,73 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles: {cycles}"
 
 
+def calls_by_function(attribute: str) -> set[str]:
+    """Where the package calls a method named `attribute` (x.attribute(...)): a set of "module:function", the
+    innermost enclosing function ("<module>" at top level)."""
+    found = set()
+
+    def visit(node, module, function):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Attribute)
+                and child.func.attr == attribute
+            ):
+                found.add(f"{module}:{function}")
+            visit(child, module, inner)
+
+    for name, path in MODULES.items():
+        visit(ast.parse(path.read_text()), name, "<module>")
+    return found
+
+
+def test_one_forward_backward():
+    """One function runs a step's micro-batches for pretraining, SFT and RL (the Trainer and the RL Learner
+    call it with their loss components): no second backward loop, no second use of DDP's no_sync."""
+    assert calls_by_function("backward") == {"raychat.train.step:forward_backward"}
+    assert calls_by_function("no_sync") == {"raychat.train.step:forward_backward"}
+
+
+# calls that import a module named by a string
+IMPORT_BY_NAME = {"import_module", "__import__", "spec_from_file_location", "module_from_spec"}
+
+
+def test_the_one_import_by_name_is_the_cli_loader():
+    """A command's code is imported when the command runs, by raychat.cli.load ("module:function"); nothing
+    else in the package imports a module by name."""
+    calls = [
+        f"{name}:{node.lineno}"
+        for name, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None))
+        in IMPORT_BY_NAME
+    ]
+    load = next(
+        f for f in ast.parse(MODULES["raychat.cli"].read_text()).body if getattr(f, "name", "") == "load"
+    )
+    assert calls == [f"raychat.cli:{load.body[-1].lineno}"], calls
+
+
+def test_every_command_names_a_function_of_the_package():
+    """Each parser in raychat.commands names the code that runs it as "module:function": a module of the
+    package that defines that function at its top."""
+    targets = [
+        node.value
+        for node in ast.walk(ast.parse(MODULES["raychat.commands"].read_text()))
+        if isinstance(node, ast.Constant) and re.fullmatch(r"raychat(\.\w+)+:\w+", str(node.value))
+    ]
+    assert len(targets) >= 15, targets
+    for target in targets:
+        module, _, function = target.partition(":")
+        assert module in MODULES, target
+        top_level = {
+            f.name for f in ast.parse(MODULES[module].read_text()).body if isinstance(f, ast.FunctionDef)
+        }
+        assert function in top_level, target
+
+
 # distributions imported under another name, or used through another package
 USED_THROUGH = {"tensorboard": "torch.utils.tensorboard", "pyyaml": "yaml", "ray": "ray"}
 

@@ -4,9 +4,11 @@
     N         = number of target tokens (loss_mask True) over all micro-batches, all-reduced over ranks
 
 (never a mean of per-micro-batch or per-rank means, which would weight short batches up). In a DDP trainer
-that averages gradients over W ranks, each micro-batch backpropagates `loss_sum * W / N` so the averaged
+that averages gradients over W ranks, each micro-batch backpropagates W x `loss_sum / N` so the averaged
 gradient equals the gradient of the step loss. A step with N = 0 gives loss 0 (division by max(N, 1)).
 Masking uses `loss_mask` only, never a token id: the pad id may equal <|assistant_end|> or any real token.
+TokenCrossEntropy is this loss as the training step runs it (raychat.train.step.forward_backward, which
+applies the W).
 """
 
 from __future__ import annotations
@@ -68,3 +70,23 @@ def normalize(loss_sum: torch.Tensor, n_targets: int, world_size: int = 1) -> to
     if n_targets < 0:
         raise ValueError(f"n_targets must be >= 0, got {n_targets}")
     return loss_sum * (world_size / max(n_targets, 1))
+
+
+class TokenCrossEntropy:
+    """The pretraining / SFT loss component of raychat.train.step.forward_backward (its StepLoss).
+
+    counts(batch) -> int64 (1,): the micro-batch's target tokens (loss_mask True).
+    __call__(logits, batch, totals) -> (share, stats): share = the micro-batch's CE sum / max(N, 1), a float32
+    scalar with grad, N = totals[0] (target tokens of the step, all micro-batches and ranks); stats = float64
+    (1,) that CE sum (nats). The step loss is stats[0] / max(N, 1) once stats are summed over the step.
+    batch: labels (B, T) int64 and loss_mask (B, T) bool (raychat.masks.make_batch); logits (B, T, V).
+    """
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["loss_mask"].bool().sum().reshape(1)
+
+    def __call__(
+        self, logits: torch.Tensor, batch: dict[str, torch.Tensor], totals: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ce_sum, _ = cross_entropy_sum(logits, batch["labels"], batch["loss_mask"])
+        return normalize(ce_sum, totals[0]), ce_sum.detach().double().reshape(1)

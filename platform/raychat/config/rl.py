@@ -1,5 +1,5 @@
-"""The RL configuration (`raychat rl`): run, optim (the trainer's section with RL's defaults), task, rollout,
-objective, asynchrony, topology, eval.
+"""The RL configuration (`raychat rl`): run, model (how the learner runs it: FP8, compile, as in training), optim
+(the trainer's section with RL's defaults), task, rollout, objective, asynchrony, topology, eval.
 
 Flags keep their names: --checkpoint is the run's init_from, --out its storage_path, --config its preset.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raychat.config.schema import ConfigError, Section, option, section
-from raychat.config.train import TRACKERS, OptimSection
+from raychat.config.train import FP8_RECIPES, TRACKERS, OptimSection
 
 MODES = ("sync", "async")
 WEIGHT_SYNCS = ("object_store", "collective")
@@ -36,6 +36,16 @@ class RLRunSection(Section):
     )
     seed: int = option(0, "seed of the prompt order and of sampling")
     tracker: str = option("none", "also log every step to TensorBoard event files or W&B (offline)", TRACKERS)
+
+
+@dataclass
+class RLModelSection(Section):
+    """How the learner runs the model: the options of the same names in training's ModelSection (the shape
+    comes from the checkpoint)."""
+
+    fp8: bool = option(False, "FP8 Linear layers in the learner through torchao (GPU; emulated on CPU)")
+    fp8_recipe: str = option("tensorwise", "torchao float8 recipe", FP8_RECIPES)
+    compile: bool = option(False, "torch.compile the learner's model")
 
 
 @dataclass
@@ -116,6 +126,7 @@ class RLConfig(Section):
     """RL of a chat checkpoint (`raychat rl`)."""
 
     run: RLRunSection = section(RLRunSection)
+    model: RLModelSection = section(RLModelSection)
     optim: OptimSection = section(
         OptimSection, matrix_lr=0.0002, embedding_lr=0.001, unembedding_lr=0.001, scalar_lr=0.001
     )

@@ -3,19 +3,19 @@
 Each of the W learner actors holds a full model replica and its optimizers (raychat.train.optim:
 Muon for hidden matrices, AdamW for the rest) and gets a contiguous shard of the step's samples. With W > 1
 they form a torch.distributed group (gloo on CPU, nccl on GPU) and train through DistributedDataParallel.
-One step:
-  1. the step's sampled-token count N and sequence count S are summed over micro-batches and all-reduced;
-  2. every micro-batch backpropagates W x its share of the normalized step loss (raychat.rl.objective);
-     DDP averages the gradients over the W ranks in the last micro-batch's backward (no_sync before), so
-     the gradient is exactly d(step loss), the sum of the ranks' shares;
-  3. the trainer's optimizer step (raychat.train.step: clip, step, clear), and the version increases by one.
+The model runs like the Trainer's: FP8 Linear layers (--fp8), torch.compile (--compile), bf16 autocast on
+CUDA. One step is the Trainer's (raychat.train.step):
+  1. forward_backward with the policy-gradient loss component (raychat.rl.objective.PolicyGradientLoss): the
+     step's sampled-token count N and sequence count S summed over micro-batches and ranks, every micro-batch
+     backpropagating W x its share of the normalized step loss, DDP's gradient all-reduce in the last
+     micro-batch's backward only, so the gradient is exactly d(step loss), the sum of the ranks' shares;
+  2. optimizer_step (clip, step, clear), and the version increases by one.
 Checkpoints: the trainer's Checkpointer (rank 0 the model, meta and the one optimizer state), uploaded by each
 rank into the run's CheckpointManager, which the driver commits (raychat.rl.loop).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import tempfile
@@ -29,11 +29,12 @@ from torch.nn.parallel import DistributedDataParallel
 from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import CheckpointManager, resolve_checkpoint
 from raychat.config import RLConfig, to_dict
-from raychat.rl.objective import collate, normalized_loss, per_token_loss, token_logprobs
+from raychat.rl.objective import PolicyGradientLoss, collate
 from raychat.rl.weights import collective_broadcast, leave_collective_group, publish, weights_hash
 from raychat.train.checkpointer import Checkpointer
+from raychat.train.fp8 import convert_to_fp8
 from raychat.train.optim import build_optimizers
-from raychat.train.step import optimizer_step
+from raychat.train.step import autocast_for, forward_backward, optimizer_step
 
 
 def free_port() -> int:
@@ -47,7 +48,7 @@ class Learner:
 
     Args:
         checkpoint: chat checkpoint directory to start from.
-        cfg: the run's RLConfig (optim, objective, rollout temperature).
+        cfg: the run's RLConfig (model: fp8 / compile, optim, objective, rollout temperature).
         rank, world_size: this rank and the group size; world_size > 1 needs init_group() on every rank.
         device: "cpu" or "cuda" (nccl when world_size > 1).
     """
@@ -61,11 +62,21 @@ class Learner:
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, torch.device(device)
         model, self.tokenizer, _ = load_model(checkpoint, device=device)
         self.model = model.train()
+        if cfg.model.fp8:
+            convert_to_fp8(self.model, cfg.model.fp8_recipe)
         # one learner has nothing to shard Muon over; its torch.distributed group, if any, is the gloo
         # weight-broadcast group with the rollout actors (raychat.rl.weights), which must not carry it
         self.optimizers = build_optimizers(self.model, cfg.optim, shard=world_size > 1)
+        # what the step calls (compiled, and DDP-wrapped by init_group); self.model holds the weights
+        self.train_model = torch.compile(self.model) if cfg.model.compile else self.model
+        self.autocast = autocast_for(self.device)
+        self.loss = PolicyGradientLoss(
+            cfg.objective.normalization,
+            cfg.rollout.temperature,
+            cfg.objective.clip_eps,
+            cfg.denominator_length,
+        )
         self.checkpointer = Checkpointer("rl", to_dict(cfg), self.tokenizer)
-        self.ddp: DistributedDataParallel | None = None
         self.version = 0
 
     def address(self) -> tuple[str, int]:
@@ -84,13 +95,8 @@ class Learner:
             rank=self.rank,
             world_size=self.world_size,
         )
-        self.ddp = DistributedDataParallel(self.model, broadcast_buffers=False)
+        self.train_model = DistributedDataParallel(self.train_model, broadcast_buffers=False)
         return backend
-
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
 
     # ---- the update ----------------------------------------------------------------------------------
     def step(self, samples: list[dict]) -> dict:
@@ -99,45 +105,18 @@ class Learner:
         clipping), num_tokens N, num_sequences S, ratio_mean, clip_frac, step_s, version (after the step),
         normalization."""
         t0 = time.perf_counter()
-        cfg = self.cfg
-        mb = cfg.objective.micro_batch_size
-        batches = [collate(samples[i : i + mb]) for i in range(0, len(samples), mb)]
-        counts = torch.tensor(
-            [sum(int(b["loss_mask"].sum()) for b in batches), len(samples)],
-            dtype=torch.int64,
-            device=self.device,
-        )
-        num_tokens, num_sequences = (int(x) for x in self._all_reduce(counts))
-        stats = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, ratio sum, clipped, tokens
-        for p in self.model.parameters():
-            p.grad = None
-        for i, b in enumerate(batches):
-            b = {k: v.to(self.device) for k, v in b.items()}
-            sync = i == len(batches) - 1 or self.ddp is None
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                logits = (self.ddp or self.model)(b["input_ids"])
-                logp = token_logprobs(logits, b["labels"], cfg.rollout.temperature)
-                loss_tok, ratio = per_token_loss(
-                    logp, b["advantages"], b.get("behavior_logprobs"), cfg.objective.clip_eps
-                )
-                loss = normalized_loss(
-                    loss_tok, b["loss_mask"], cfg.objective.normalization, num_tokens, num_sequences,
-                    cfg.denominator_length,
-                )  # fmt: skip
-                # DDP averages gradients over ranks; the step loss is their sum, so each rank scales by W
-                (loss * self.world_size).backward()
-            m = b["loss_mask"]
-            clipped = ((ratio - 1).abs() > cfg.objective.clip_eps) & m
-            stats += torch.tensor(
-                [loss.item(), float(ratio[m].sum()), float(clipped.sum()), float(m.sum())],
-                dtype=torch.float64, device=self.device,
-            )  # fmt: skip
-        self._all_reduce(stats)
+        mb = self.cfg.objective.micro_batch_size
+        micro = [
+            {k: v.to(self.device) for k, v in collate(samples[i : i + mb]).items()}
+            for i in range(0, len(samples), mb)
+        ]
+        sums = forward_backward(self.train_model, micro, self.loss, self.autocast, self.world_size)
         grad_norm = optimizer_step(
-            self.model.parameters(), self.optimizers, cfg.optim.grad_clip, self.version + 1
+            self.model.parameters(), self.optimizers, self.cfg.optim.grad_clip, self.version + 1
         )
         self.version += 1
-        loss_sum, ratio_sum, clipped, tokens = stats.tolist()
+        num_tokens, num_sequences = sums.totals
+        loss_sum, ratio_sum, clipped, tokens = sums.stats
         return {
             "loss": loss_sum,
             "grad_norm": grad_norm,
@@ -147,7 +126,7 @@ class Learner:
             "clip_frac": clipped / max(tokens, 1),
             "step_s": time.perf_counter() - t0,
             "version": self.version,
-            "normalization": cfg.objective.normalization,
+            "normalization": self.cfg.objective.normalization,
         }
 
     # ---- weights out ---------------------------------------------------------------------------------

@@ -16,11 +16,13 @@ Normalization of the step loss (an explicit choice, logged with every step):
     "constant"  sum_t loss_t / (S * L),   L = a fixed length (the generation budget; Dr. GRPO, Liu et al. 2025)
 Advantages (GRPO, Shao et al. 2024): A_i = r_i - mean(group); with scale_by_std, divided by (std(group) + eps)
 (population std); Dr. GRPO drops the std division (the default here).
+PolicyGradientLoss is this loss as the training step runs it (raychat.train.step.forward_backward).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -161,6 +163,45 @@ def normalized_loss(
     if constant_length is None or constant_length < 1:
         raise ValueError(f"normalization 'constant' needs constant_length >= 1, got {constant_length}")
     return per_row.sum() / (max(num_sequences, 1) * constant_length)
+
+
+@dataclass(frozen=True)
+class PolicyGradientLoss:
+    """The RL loss component of raychat.train.step.forward_backward (its StepLoss): the masked surrogate of
+    per_token_loss, normalized over the step by normalized_loss.
+
+    counts(batch) -> int64 (2,): [sampled tokens (loss_mask True), sequences] of the micro-batch.
+    __call__(logits, batch, totals) -> (share, stats): share = normalized_loss of the micro-batch with
+    N, S = totals (all micro-batches and ranks), a float32 scalar with grad; stats = float64 (4,) [share,
+    sum of the importance ratios over sampled tokens, sampled tokens whose ratio is clipped, sampled tokens].
+    batch: collate's tensors; logits (B, T, V).
+
+    Fields: normalization (NORMALIZATIONS), temperature (the rollout's, > 0), clip_eps (PPO clip),
+    constant_length (L of "constant").
+    """
+
+    normalization: str
+    temperature: float
+    clip_eps: float
+    constant_length: int | None = None
+
+    def counts(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = batch["loss_mask"].bool()
+        return torch.stack([mask.sum(), torch.tensor(mask.shape[0], device=mask.device)])
+
+    def __call__(
+        self, logits: torch.Tensor, batch: dict[str, torch.Tensor], totals: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens, num_sequences = totals
+        logp = token_logprobs(logits, batch["labels"], self.temperature)
+        loss, ratio = per_token_loss(logp, batch["advantages"], batch.get("behavior_logprobs"), self.clip_eps)
+        mask = batch["loss_mask"].bool()
+        share = normalized_loss(
+            loss, mask, self.normalization, num_tokens, num_sequences, self.constant_length
+        )
+        clipped = ((ratio - 1).abs() > self.clip_eps) & mask
+        stats = (share.detach(), ratio[mask].sum(), clipped.sum(), mask.sum())
+        return share, torch.stack([x.double() for x in stats])
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -2,22 +2,20 @@
 
   train():             for each step: train_step -> evaluate (every eval_every and at the end) -> log
                        -> checkpoint (every checkpoint_every and at the end)
-  train_step(step):    grad_accum micro-batches from the row source -> n_targets (all ranks) -> lr
-                       -> forward_backward -> clip + optimizer step (raychat.train.step); a non-finite
-                       loss or grad norm skips the update and raises NonFiniteError (the run stops)
-  forward_backward:    per micro-batch loss = sum of token CE / n_targets * world_size, backward (DDP
-                       averages over ranks, so the step's gradient is that of sum(CE) / n_targets over every
-                       target of every micro-batch and rank); gradients are all-reduced in the last one only
+  train_step(step):    grad_accum micro-batches from the row source -> lr -> forward_backward of the loss
+                       (raychat.train.step: the step's token CE sum / its target tokens over every
+                       micro-batch and rank) -> clip + optimizer step; a non-finite loss or grad norm
+                       skips the update and raises NonFiniteError (the run stops)
 
-Components: row_source (`next_batch(n)` -> rows, `state_dict`, `load_state_dict`), evaluators
-(raychat.train.evaluators), checkpointer (raychat.train.checkpointer) and the run's checkpoints
-(raychat.checkpoint_manager: every rank uploads its part, rank 0 commits), metrics (raychat.metrics_sink, rank 0
-only), callbacks (hooks at step begin/end, on each step's rows, before each checkpoint, at the end of training).
+Components: loss (raychat.loss.TokenCrossEntropy), row_source (raychat.data.row_source.RowSource:
+`next_batch(n)` -> rows, `state_dict`), evaluators (raychat.train.evaluators), checkpointer
+(raychat.train.checkpointer) and the run's checkpoints (raychat.checkpoint_manager: every rank uploads its
+part, rank 0 commits), metrics (raychat.metrics_sink, rank 0 only), callbacks (hooks at step begin/end, on
+each step's rows, before each checkpoint, at the end of training).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import tempfile
@@ -30,27 +28,21 @@ import torch
 
 from raychat.checkpoint_manager import CheckpointManager
 from raychat.config import TrainConfig
-from raychat.loss import cross_entropy_sum, global_target_count, normalize
+from raychat.data.row_source import RowSource
+from raychat.loss import TokenCrossEntropy
 from raychat.masks import make_batch
 from raychat.metrics_sink import MetricsSink
 from raychat.train.checkpointer import Checkpointer, commit_ranks
 from raychat.train.evaluators import Evaluator, evaluate_all
 from raychat.train.optim import lr_multiplier, set_lr
 from raychat.train.plan import Plan
-from raychat.train.step import NonFiniteError, all_reduce_sum, clear_grads, optimizer_step
+from raychat.train.step import NonFiniteError, autocast_for, clear_grads, forward_backward, optimizer_step
 
 
 def log(message: str) -> None:
     """A line to the worker's stdout (streamed to the driver). Ray Train patches `print` to tee into its
     logger too, which shows every line twice on the driver; writing to sys.__stdout__ directly does not."""
     print(message, file=sys.__stdout__, flush=True)
-
-
-def autocast_for(device: torch.device):
-    """() -> a context manager: bf16 autocast on CUDA, nothing on CPU."""
-    if device.type == "cuda":
-        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext
 
 
 def to_batch(
@@ -104,7 +96,7 @@ class Trainer:
         model: torch.nn.Module,
         train_model: torch.nn.Module,
         optimizers: list,
-        row_source,
+        row_source: RowSource,
         evaluators: Sequence[Evaluator],
         checkpointer: Checkpointer,
         checkpoints: CheckpointManager,
@@ -124,7 +116,7 @@ class Trainer:
         self.metrics, self.callbacks = metrics, list(callbacks)
         self.bos_id, self.rank, self.world, self.device = bos_id, rank, world, device
         self.start_step = start_step
-        self.autocast = autocast_for(device)
+        self.loss, self.autocast = TokenCrossEntropy(), autocast_for(device)
         horizon = config.train.horizon
         self.stop = (
             min(plan.num_iterations, horizon.stop_after) if horizon.stop_after > 0 else plan.num_iterations
@@ -168,13 +160,13 @@ class Trainer:
             cb.on_batch(self, step, batches)
         micro = [to_batch(b, self.bos_id, cfg.model.document_masking, self.device) for b in batches]
         t_data = time.perf_counter() - t0
-        n_targets = global_target_count(mb["loss_mask"] for mb in micro)
         s = cfg.train.schedule
         lr = set_lr(
             self.optimizers,
             lr_multiplier(step, plan.num_iterations, s.warmup_ratio, s.warmdown_ratio, s.final_lr_frac),
         )
-        loss = self.forward_backward(micro, n_targets)
+        sums = forward_backward(self.train_model, micro, self.loss, self.autocast, self.world)
+        loss = sums.stats[0] / max(sums.totals[0], 1)  # the step's CE sum / its target tokens
         if not math.isfinite(loss):  # no update; the run stops (a non-finite grad norm: optimizer_step)
             clear_grads(self.optimizers)
             raise NonFiniteError("loss", loss, step + 1)
@@ -183,22 +175,6 @@ class Trainer:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         return self.step_stats(step + 1, loss, lr, grad_norm, dt, t_data)
-
-    def forward_backward(self, micro: list[dict], n_targets: int) -> float:
-        """Backpropagate every micro-batch's share of the step loss; returns the step loss (all ranks)."""
-        accum = len(micro)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, mb in enumerate(micro):
-            sync = i == accum - 1 or not hasattr(self.train_model, "no_sync")
-            with contextlib.nullcontext() if sync else self.train_model.no_sync():
-                with self.autocast():
-                    logits = self.train_model(
-                        mb["input_ids"], position_ids=mb["position_ids"], segment_ids=mb.get("segment_ids")
-                    )
-                ce_sum, _ = cross_entropy_sum(logits, mb["labels"], mb["loss_mask"])
-                normalize(ce_sum, n_targets, self.world).backward()
-            loss_sum += ce_sum.detach().double()
-        return (all_reduce_sum(loss_sum) / max(n_targets, 1)).item()
 
     def step_stats(
         self, done: int, loss: float, lr: float, grad_norm: float, dt: float, t_data: float

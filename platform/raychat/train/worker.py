@@ -32,14 +32,13 @@ from raychat.config import TrainConfig, from_dict, to_dict
 from raychat.metrics import TrainMetrics
 from raychat.metrics_sink import MetricsSink
 from raychat.model import GPT, ModelConfig
-from raychat.storage import open_storage
 from raychat.tokenizer import Tokenizer
 from raychat.train.checkpointer import Checkpointer, restore_rows
 from raychat.train.fp8 import convert_to_fp8
 from raychat.train.optim import build_optimizers, muon_ns_choice
 from raychat.train.plan import Plan
-from raychat.train.step import NonFiniteError
-from raychat.train.trainer import Callback, Trainer, autocast_for, log
+from raychat.train.step import NonFiniteError, autocast_for
+from raychat.train.trainer import Callback, Trainer, log
 
 
 class ProgressBar(Callback):
@@ -89,8 +88,9 @@ def train_gauges(run_name: str, stage: str):
 
 
 def train_loop_per_worker(config: dict) -> NonFiniteError | None:
-    """Ray Train entry: config = {"train": TrainConfig as a dict, "plan": Plan as a dict, "stage": the stage's
-    components, "callbacks": [Callback], "progress_bar": bool}.
+    """Ray Train entry: config = {"train": TrainConfig as a dict, "plan": Plan as a dict, "checkpoints": the
+    run's CheckpointManager (raychat.train.launch.RunPaths), "stage": the stage's components, "callbacks":
+    [Callback], "progress_bar": bool}.
 
     Returns the NonFiniteError that stopped the run (Ray Train hands rank 0's return value to the driver as
     Result.return_value; a raised error would be retried from the last checkpoint into the same fault), or
@@ -109,9 +109,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     model = build_model(cfg, plan, device)
     rows = stage.row_source(cfg, tokenizer, rank, world)
     checkpointer = Checkpointer(cfg.run.stage, to_dict(cfg), tokenizer, {"plan": plan.to_dict()})
-    checkpoints = CheckpointManager(
-        open_storage(cfg.run.storage_path), cfg.run.run_name, cfg.train.checkpoint.keep_checkpoints
-    )
+    checkpoints: CheckpointManager = config["checkpoints"]  # the driver's RunPaths.checkpoints
     newest = checkpoints.newest()
     # a remote checkpoint is fetched once per node (the cache is shared by the node's workers)
     d = resolve_checkpoint(checkpoints.storage.uri_of(newest.path)) if newest else None
@@ -127,7 +125,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     if rank == 0:
         log(f"Muon on rank 0: {muon_ns_choice(model, cfg.optim.ns_dtype).describe()}")
     if d:
-        restore_rows(rows, checkpointer.restore(d, rank, optimizers), rank, world)
+        restore_rows(rows, checkpointer.restore(d, rank, optimizers))
         if rank == 0:
             old = meta.get("world_size", world)
             log(
@@ -140,7 +138,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     evaluators = stage.evaluators(cfg, tokenizer, rank, world, device, autocast_for(device))
     metrics, callbacks = None, list(config.get("callbacks", []))
     if rank == 0:
-        run_dir = os.path.join(cfg.run.storage_path, cfg.run.run_name)
+        run_dir = checkpoints.storage.uri_of(checkpoints.run_path)
         gauges = train_gauges(cfg.run.run_name, cfg.run.stage)
         metrics = MetricsSink(run_dir, gauges, cfg.run.tracker, cfg.run.run_name, to_dict(cfg))
         metrics.resume_at(start_step)
