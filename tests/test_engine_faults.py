@@ -1,16 +1,25 @@
 """Per-request fault isolation: a request whose computation fails (non-finite logits, an out-of-memory in
 its prefill, a temperature that overflows logits / temperature) ends alone; the other requests produce
-exactly what they produce alone; the engine (and an EngineProcess' child) keeps running."""
+exactly what they produce alone; the engine (and an EngineProcess' child) keeps running. Bounds: a full
+queue refuses, a request past its deadline ends and frees its slot, a hung step thread fails the health
+check."""
 
 from __future__ import annotations
 
+import re
+import threading
+import time
+
 import pytest
-from engine_fixtures import PoisonModel, byte_tokenizer, tiny_gpt
+import torch
+from engine_fixtures import PoisonModel, StubModel, byte_tokenizer, tiny_gpt
 from serve_helpers import write_tiny_checkpoint
 
 from raychat.checkpoint import load_model
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
 from raychat.engine.process import EngineProcess
+from raychat.engine.scheduler import QueueFullError
+from raychat.serve.server import ChatServer
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +113,89 @@ def test_engine_process_survives_hostile_temperatures_and_cancel_is_true_once(tm
         assert proc._proc.pid == pid and proc.restarts == 0 and proc.running
     finally:
         proc.stop()
+
+
+def test_a_full_queue_refuses_until_a_request_ends(tok):
+    """One slot and max_pending=1: two live requests (one decoding, one waiting) fill it; a third is refused;
+    once they end, the queue takes requests again."""
+    engine = ModelRunner(tiny_gpt(tok), tok)
+    sched = Scheduler(engine, max_slots=1, max_len=64, max_pending=1)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    taken = [sched.submit([tok.bos_id], greedy) for _ in range(2)]
+    full = r"^engine queue full: 1 requests already wait for a KV slot \(max_pending=1\)$"
+    with pytest.raises(QueueFullError, match=full):
+        sched.submit([tok.bos_id], greedy)
+    sched.step()  # one takes the slot, the other still waits: still full
+    with pytest.raises(QueueFullError, match=full):
+        sched.submit([tok.bos_id], greedy)
+    assert [list(s)[-1].finish_reason for s in taken] == ["length", "length"]
+    assert list(sched.submit([tok.bos_id], greedy))[-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_pending must be None or an int >= 1, got 0"):
+        Scheduler(engine, max_pending=0)
+    with pytest.raises(ValueError, match="request_timeout_s must be None or > 0 seconds, got 0"):
+        Scheduler(engine, request_timeout_s=0)
+
+
+def test_a_request_past_its_deadline_ends_and_frees_its_slot(tok):
+    """Both the decoding request and the one waiting for the slot end with "timeout" at the first step
+    after their deadline; the slot's KV row is empty and the next request runs as it does alone."""
+    engine = ModelRunner(tiny_gpt(tok), tok)
+    sched = Scheduler(engine, max_slots=1, max_len=64, request_timeout_s=2.0)
+    prompt = [tok.bos_id, *tok.encode("deadline")]
+    long = sched.submit(prompt, SamplingParams(max_tokens=50, temperature=0.0))
+    waiting = sched.submit(prompt, SamplingParams(max_tokens=50, temperature=0.0))
+    sched.step()  # `long`: prompt prefilled, first token sampled and decoded into the cache
+    assert (sched.num_active, sched.num_pending, sched.cache.lengths.tolist()) == (1, 1, [len(prompt) + 1])
+    time.sleep(2.1)  # both are past their deadline now, however loaded the machine
+    sched.step()
+    message = (
+        r"request timed out: ran \d+\.\d s, past request_timeout_s=2; it was ended and its KV slot freed"
+    )
+    for stream, tokens in ((long, 1), (waiting, 0)):
+        last = list(stream)[-1]
+        assert last.finish_reason == "timeout" and re.fullmatch(message, last.error), last.error
+        assert last.usage.completion_tokens == tokens
+    assert (sched.num_free_slots, sched.num_pending, sched.cache.lengths.tolist()) == (1, 0, [0])
+    short = SamplingParams(max_tokens=5, temperature=0.0)
+    sched.request_timeout_s = 600.0  # the next request's deadline: one no loaded machine reaches
+    after = list(sched.submit(prompt, short))
+    expected = alone(engine, prompt, short)
+    assert [t for e in after for t in e.token_ids] == expected[0] and after[-1].finish_reason == "length"
+
+
+class GatedModel(StubModel):
+    """Predicts token 97 ("a") everywhere; every forward first waits for `gate` (a hung step until set)."""
+
+    def __init__(self, vocab_size: int):
+        row = -5.0 * torch.ones(vocab_size)
+        row[97] = 5.0
+        super().__init__(vocab_size, lambda pos: row)
+        self.gate = threading.Event()
+
+    def forward(self, *args, **kwargs):
+        self.gate.wait()
+        return super().forward(*args, **kwargs)
+
+
+def test_a_hung_step_thread_fails_the_health_check(tok):
+    """An in-process Scheduler whose step does not return: stalled after stall_timeout_s with a request
+    live, and ChatServer.check_health raises naming it; once the step returns, healthy again."""
+    model = GatedModel(tok.vocab_size)
+    sched = Scheduler(ModelRunner(model, tok), max_slots=1, max_len=64, stall_timeout_s=0.5)
+    server = ChatServer(None, tok, scheduler=sched)
+    try:
+        server.check_health()  # idle: never stalled
+        stream = sched.submit([tok.bos_id], SamplingParams(max_tokens=3, temperature=0.0))
+        deadline = time.monotonic() + 30
+        while not sched.stalled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match=r"^engine stalled: no step for \d+\.\d s with requests live "
+                           r"\(stall_timeout_s=0\.5\)$"):  # fmt: skip
+            server.check_health()
+        model.gate.set()
+        assert [t for e in stream for t in e.token_ids] == [97] * 3
+        assert sched.stalled_s == 0.0
+        server.check_health()
+    finally:
+        model.gate.set()
+        server.shutdown()

@@ -1,10 +1,12 @@
 """EngineProcess: the Scheduler in a child process gives the same tokens as in-process, cancels, rejects bad
-prompts at submit, and ends every live stream when the child dies."""
+prompts at submit, ends every live stream when the child dies, bounds its queue, and, when the child stops
+making progress (SIGSTOP), fails the health check and ends the open streams with the stall error."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -14,6 +16,7 @@ from serve_helpers import write_tiny_checkpoint
 from raychat.checkpoint import load_model
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
 from raychat.engine.process import EngineProcess
+from raychat.engine.scheduler import QueueFullError
 from raychat.serve.server import ChatServer
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -175,3 +178,89 @@ def test_http_while_the_engine_process_is_down(checkpoint):
         )
     finally:
         engine.shutdown()
+
+
+def test_queue_bound_while_the_child_is_stopped(checkpoint):
+    """While the child is stopped, max_slots + max_pending requests are taken (2 for the slots, 3 waiting),
+    the next raises QueueFullError; after SIGCONT the taken ones complete and the queue has room again."""
+    proc = EngineProcess(checkpoint, max_slots=2, max_len=64, max_pending=3)
+    _, tokenizer, _ = load_model(checkpoint)
+    try:
+        expected = drain(proc.submit([tokenizer.bos_id], GREEDY))
+        os.kill(proc._proc.pid, signal.SIGSTOP)
+        try:
+            taken = [proc.submit([tokenizer.bos_id], GREEDY) for _ in range(5)]
+            full = r"^engine queue full: 3 requests already wait for a KV slot \(max_pending=3\)$"
+            with pytest.raises(QueueFullError, match=full):
+                proc.submit([tokenizer.bos_id], GREEDY)
+            assert proc.num_pending == 5  # none has its first event yet
+        finally:
+            os.kill(proc._proc.pid, signal.SIGCONT)
+        assert [drain(s) for s in taken] == [expected] * 5
+        assert drain(proc.submit([tokenizer.bos_id], GREEDY)) == expected and proc.restarts == 0
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory):
+    """Rows of 4,096 tokens: a stream that runs to the end of its row lasts seconds on this tiny model."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("long"), max_seq_len=4096)
+
+
+async def health_failure(server: ChatServer, timeout_s: float) -> RuntimeError | None:
+    """The first RuntimeError of server.check_health() within timeout_s (checked every 0.1 s), or None."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            server.check_health()
+        except RuntimeError as e:
+            return e
+        await asyncio.sleep(0.1)
+    return None
+
+
+def test_a_stopped_child_fails_the_health_check_and_ends_open_streams(long_checkpoint):
+    """SIGSTOP the engine child with one stream generating and one queued: within stall_timeout_s (plus a
+    watch period) the health check raises, both streams end with the stall error (503 for the replica's
+    generate), the child is killed and not restarted, and new requests get 503."""
+    server = ChatServer.from_checkpoint(
+        long_checkpoint, engine_process=True, max_slots=2, stall_timeout_s=1.0
+    )
+    proc = server.scheduler
+    prompt = [server.tokenizer.bos_id]
+    # greedy, this prompt runs to the end of the 4,096-token row (~13 s alone here), so it is mid-stream
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": None, "temperature": 0}
+
+    async def scenario():
+        generating = server.generate(request)
+        first = await anext(generating)
+        os.kill(proc._proc.pid, signal.SIGSTOP)
+        queued = proc.submit(prompt, GREEDY)
+        error = await health_failure(server, timeout_s=60)
+        rest = [event async for event in generating]
+        rejected = [event async for event in server.generate(request)]
+        return first, error, rest, list(queued), rejected
+
+    try:
+        server.check_health()
+        first, error, rest, queued, rejected = asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+        stall = r"engine process stalled: no step for \d+\.\d s with 2 requests live \(stall_timeout_s=1\); "
+        stall += "killed it, the replica's health check fails"
+        assert first["type"] == "delta"
+        seen_by_health = rf"engine (stalled: no step for \d+\.\d s with requests live \(stall_timeout_s=1\)|stopped: {stall})"
+        assert error is not None and re.fullmatch(seen_by_health, str(error)), error
+        assert (
+            rest[-1]["type"] == "error"
+            and rest[-1]["status"] == 503
+            and re.fullmatch(stall, rest[-1]["message"])
+        )
+        assert queued[-1].finish_reason == "error" and re.fullmatch(stall, queued[-1].error)
+        assert proc._proc.poll() == -signal.SIGKILL and proc.restarts == 0 and not proc.running
+        with pytest.raises(RuntimeError, match="^engine stopped: engine process stalled: "):
+            server.check_health()
+        assert rejected == [{"type": "error", "status": 503, "param": None,
+                             "message": f"engine unavailable: engine process is not running (stopped: {queued[-1].error})"}]  # fmt: skip
+        assert server.stats()["in_flight"] == 0
+    finally:
+        server.shutdown()

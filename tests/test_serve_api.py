@@ -14,7 +14,7 @@ from serve_helpers import FakeEngine
 from raychat.chat_template import TEMPLATE_VERSION
 from raychat.serve import api
 from raychat.serve.api import MAX_BODY_BYTES
-from raychat.serve.errors import EngineUnavailableError, ErrorResponse, field_path
+from raychat.serve.errors import INTERNAL_ERROR, EngineUnavailableError, ErrorResponse, field_path
 from raychat.serve.ingress import NO_FINAL_EVENT, create_app
 from raychat.serve.sse import parse_sse, sse_event
 
@@ -317,19 +317,91 @@ def test_oversized_body_is_413_before_parsing(client, fake):
     assert len(fake.requests) == 1
 
 
-def test_bearer_auth():
+KEY = {"Authorization": "Bearer s3cret"}
+# every route that needs the key: (method, path relative to the app, json body)
+PROTECTED = [
+    ("POST", "/chat/completions", {"messages": USER}),
+    ("POST", V1, {"messages": USER}),
+    ("GET", "/v1/models", None),
+]
+
+
+def at_route_prefix(app, prefix: str):
+    """The app as Ray Serve's proxy hands it a request under `route_prefix` (ray/serve/_private/proxy.py:
+    root_path += route_prefix, scope["path"] stays the full path)."""
+
+    async def proxied(scope, receive, send):
+        if scope["type"] == "http":
+            scope = {**scope, "root_path": scope.get("root_path", "") + prefix}
+        return await app(scope, receive, send)
+
+    return proxied
+
+
+def mounted(app, where: str) -> tuple[TestClient, str]:
+    """(client, URL prefix) of `app` served at the root, at a Serve route prefix (/api), behind
+    http_options.root_path (/proxy: uvicorn puts it in root_path and in front of the path), or both."""
+    if where == "root":
+        return TestClient(app), ""
+    if where == "route_prefix":
+        return TestClient(at_route_prefix(app, "/api")), "/api"
+    if where == "root_path":
+        return TestClient(app, root_path="/proxy"), "/proxy"
+    return TestClient(at_route_prefix(app, "/api"), root_path="/proxy"), "/proxy/api"
+
+
+MOUNTS = ["root", "route_prefix", "root_path", "root_path+route_prefix"]
+
+
+@pytest.mark.parametrize("where", MOUNTS)
+@pytest.mark.parametrize("method,path,body", PROTECTED, ids=[f"{m} {p}" for m, p, _ in PROTECTED])
+def test_every_keyed_route_needs_the_key_wherever_the_app_is_mounted(where, method, path, body):
     fake = FakeEngine()
-    client = TestClient(create_app(fake, api_key="s3cret"))
-    assert client.post("/chat/completions", json={"messages": USER}).status_code == 401
-    r = client.post("/chat/completions", json={"messages": USER}, headers={"Authorization": "Bearer nope"})
-    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-    assert r.json()["error"]["type"] == "authentication_error"
-    assert client.get("/v1/models").status_code == 401
-    ok = client.post("/chat/completions", json={"messages": USER}, headers={"Authorization": "Bearer s3cret"})
-    assert ok.status_code == 200
-    assert client.get("/health").status_code == 200  # probes and the page stay open
-    assert client.get("/").status_code == 200
-    assert len(fake.requests) == 1
+    client, base = mounted(create_app(fake, api_key="s3cret"), where)
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "s3cret"}, {"Authorization": "Basic s3cret"}):  # fmt: skip
+        r = client.request(method, base + path, json=body, headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert fake.requests == []  # nothing reached the engine
+    ok = client.request(method, base + path, json=body, headers=KEY)
+    assert ok.status_code == 200, ok.text
+    assert len(fake.requests) == (1 if method == "POST" else 0)
+
+
+@pytest.mark.parametrize("where", MOUNTS)
+def test_only_the_page_schema_and_health_status_are_open(where):
+    fake = FakeEngine()
+    client, base = mounted(create_app(fake, api_key="s3cret"), where)
+    assert client.get(base + "/").status_code == 200
+    assert client.get(base + "/openapi.json").status_code == 200
+    # paths no route has are refused before routing too: a new route cannot be open by accident
+    assert client.get(base + "/v2/anything").status_code == 401
+    assert client.get(base + "/health").json() == {"status": "ok"}  # no versions, no replica stats
+    full = client.get(base + "/health", headers=KEY).json()
+    assert full == {"status": "ok", "model_id": "tiny", "template_version": TEMPLATE_VERSION,
+                    "tokenizer_version": "abc", "engine": {"in_flight": 0}}  # fmt: skip
+
+
+def test_health_without_the_key_says_only_unavailable():
+    class Down(FakeEngine):
+        async def stats(self):
+            return {"engine_running": False, "pid": 4242, "rss_bytes": 123456}
+
+    client = TestClient(create_app(Down(), api_key="s3cret"))
+    r = client.get("/health")
+    assert (r.status_code, r.json()) == (503, {"status": "unavailable"})
+    r = client.get("/health", headers=KEY)
+    assert r.status_code == 503 and r.json()["engine"]["pid"] == 4242
+    # without a configured key the service is open (the CLI refuses that off loopback) and says everything
+    assert TestClient(create_app(Down())).get("/health").json()["engine"]["pid"] == 4242
+
+
+def test_no_key_configured_leaves_every_route_open():
+    fake = FakeEngine()
+    client, base = mounted(create_app(fake), "route_prefix")
+    for method, path, body in PROTECTED:
+        assert client.request(method, base + path, json=body).status_code == 200, path
 
 
 def test_sse_framing_and_final_event(client, fake):
@@ -398,29 +470,47 @@ class Boom(RuntimeError):
     pass
 
 
+def assert_internal(message: str, detail: str, caplog) -> str:
+    """A 500's client-facing message: INTERNAL_ERROR and a request id, never `detail`, which the log holds
+    under that id. Returns the id."""
+    assert message.startswith(f"{INTERNAL_ERROR} (request id req_"), message
+    assert detail not in message
+    request_id = message.split("request id ")[1].split(";")[0]
+    assert len(request_id) == 20
+    logged = [r for r in caplog.records if request_id in r.getMessage()]
+    assert len(logged) == 1 and detail in logged[0].getMessage(), [r.getMessage() for r in caplog.records]
+    return request_id
+
+
 FAILURES = [
-    # (engine, status, message fragment): before the first event, so the answer is an HTTP status
-    (FakeEngine(fail={0: Boom("replica crashed while submitting")}), 500, "internal error: Boom: replica crashed"),
+    # (engine, status, message fragment): before the first event, so the answer is an HTTP status; a 500's
+    # fragment is the internal detail, which only the log may hold
+    (FakeEngine(fail={0: Boom("replica crashed while submitting")}), 500, "Boom: replica crashed"),
     (FakeEngine(fail={0: EngineUnavailableError("RayActorError: died")}), 503, "engine unavailable: RayActorError"),
     (FakeEngine([]), 500, NO_FINAL_EVENT),
     (FakeEngine([{"type": "error", "status": 503, "message": "engine unavailable: restarting", "param": None}]), 503, "restarting"),
-    (FakeEngine([{"type": "error", "status": 500, "message": "RuntimeError: engine process exited", "param": None}]), 500, "exited"),
+    (FakeEngine([{"type": "error", "status": 500, "message": "RuntimeError: engine process exited", "param": None}]), 500, "engine process exited"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("engine,status,fragment", FAILURES)
-def test_failures_before_the_first_event(engine, status, fragment):
+def test_failures_before_the_first_event(engine, status, fragment, caplog):
     client = TestClient(create_app(engine), raise_server_exceptions=False)
     for path in ("/chat/completions", V1):
         for stream in (False, True):
             resp = post(client, {"messages": USER, "stream": stream}, path=path)
-            assert_error(resp, status, None, fragment)
             assert (resp.headers.get("retry-after") == "5") == (status == 503)
+            if status != 500:
+                assert_error(resp, status, None, fragment)
+                continue
+            assert_error(resp, 500, None, INTERNAL_ERROR)
+            request_id = assert_internal(resp.json()["error"]["message"], fragment, caplog)
+            assert resp.json()["error"]["request_id"] == resp.headers["x-request-id"] == request_id
     assert engine.closed == len(engine.requests) == 4
 
 
 HEL = [{"type": "delta", "text": "Hel", "tokens": 1, "logprobs": None}]
-MID_STREAM = [
+MID_STREAM = [  # (engine, status, fragment: a 500's is the internal detail, which only the log may hold)
     (FakeEngine(HEL), 500, NO_FINAL_EVENT),
     (FakeEngine([*HEL, {"type": "error", "status": 500, "message": "RuntimeError: engine process exited", "param": None}]), 500, "engine process exited"),
     (FakeEngine([*HEL, {"type": "error", "status": 503, "message": "engine unavailable: restarting", "param": None}]), 503, "restarting"),
@@ -430,31 +520,45 @@ MID_STREAM = [
 
 
 @pytest.mark.parametrize("engine,status,fragment", MID_STREAM)
-def test_failures_after_the_first_event(engine, status, fragment):
+def test_failures_after_the_first_event(engine, status, fragment, caplog):
     """Non-streaming: a 500/503 error body. Streaming: the stream has started (200), so the failure is an
-    error event in it (OpenAI's chunk form is the error body itself, which the openai clients raise)."""
+    error event in it (OpenAI's chunk form is the error body itself, which the openai clients raise). A 500
+    names only a request id, in all three forms."""
+
+    def check(message: str) -> None:
+        if status == 500:
+            assert_internal(message, fragment, caplog)
+        else:
+            assert fragment in message
+
     client = TestClient(create_app(engine), raise_server_exceptions=False)
-    assert_error(post(client, {"messages": USER}, path=V1), status, None, fragment)
+    resp = post(client, {"messages": USER}, path=V1)
+    assert_error(resp, status, None, INTERNAL_ERROR if status == 500 else fragment)
+    check(resp.json()["error"]["message"])
     streamed = post(client, {"messages": USER, "stream": True}, path=V1)
     assert streamed.status_code == 200
     events = parse_sse(streamed.text)
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])
     ErrorResponse.model_validate(error)
-    assert fragment in error["error"]["message"] and error["error"]["type"] == ("server_error")
+    assert error["error"]["type"] == "server_error"
+    check(error["error"]["message"])
     raw = [json.loads(e) for e in parse_sse(post(client, {"messages": USER}).text)]
     assert raw[0] == {"type": "delta", "index": 0, "text": "Hel"}
-    assert raw[-1]["type"] == "error" and fragment in raw[-1]["message"]
+    assert raw[-1]["type"] == "error"
+    check(raw[-1]["message"])
     assert engine.closed == len(engine.requests) == 3
 
 
-def test_health_and_models_survive_a_failing_engine_client():
+def test_health_and_models_survive_a_failing_engine_client(caplog):
     class Broken(FakeEngine):
         async def stats(self):
             raise Boom("stats unavailable")
 
     client = TestClient(create_app(Broken()), raise_server_exceptions=False)
-    assert_error(client.get("/health"), 500, None, "Boom: stats unavailable")
+    resp = client.get("/health")
+    assert_error(resp, 500, None, INTERNAL_ERROR)
+    assert_internal(resp.json()["error"]["message"], "Boom: stats unavailable", caplog)
     assert client.get("/v1/models").status_code == 200
 
 
@@ -468,5 +572,5 @@ def test_models_health_page(client):
         assert element in page
     schema = client.get("/openapi.json").json()
     responses = schema["paths"][V1]["post"]["responses"]
-    assert set(responses) == {"200", "400", "401", "404", "413", "500", "503"}  # 422 is never used here
+    assert set(responses) == {"200", "400", "401", "404", "413", "429", "500", "503", "504"}  # never 422
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}

@@ -23,6 +23,7 @@ from raychat.chat.turn import turn_parts
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
 from raychat.engine import ModelRunner
+from raychat.serve.errors import INTERNAL_ERROR
 from raychat.serve.ingress import LocalClient, create_app
 from raychat.serve.server import ChatServer, merge_deltas
 from raychat.serve.sse import parse_sse
@@ -129,9 +130,10 @@ def test_merge_deltas():
     assert merged == [d("abc", 3, lp), done]
 
 
-def test_a_failing_forward_is_a_500_in_the_error_shape_not_a_crash():
+def test_a_failing_forward_is_a_500_in_the_error_shape_not_a_crash(caplog):
     """A forward that raises (the in-thread Scheduler fails the busy requests and keeps serving): the
-    non-streaming answer is a 500 error body, the streaming one an error event; the server still answers."""
+    non-streaming answer is a 500 error body, the streaming one an error event, each naming only a request
+    id (the exception text is in the log under it); the server still answers."""
     tok = byte_tokenizer()
 
     def logits(pos):  # the prompt (6 tokens) prefills; decoding fails at position 9
@@ -146,10 +148,15 @@ def test_a_failing_forward_is_a_500_in_the_error_shape_not_a_crash():
         client = TestClient(create_app(LocalClient(engine)))
         resp = client.post(V1, json={"messages": USER, "max_tokens": 20})
         assert resp.status_code == 500, resp.text
-        assert resp.json()["error"]["type"] == "server_error"
-        assert "CUDA out of memory (simulated)" in resp.json()["error"]["message"]
+        error = resp.json()["error"]
+        assert error["type"] == "server_error" and "CUDA" not in resp.text
+        assert error["message"].startswith(f"{INTERNAL_ERROR} (request id {error['request_id']};")
         streamed = parse_sse(client.post(V1, json={"messages": USER, "max_tokens": 20, "stream": True}).text)
-        assert "CUDA out of memory" in json.loads(streamed[-2])["error"]["message"]
+        in_stream = json.loads(streamed[-2])["error"]
+        assert in_stream["request_id"] != error["request_id"] and "CUDA" not in streamed[-2]
+        for request_id in (error["request_id"], in_stream["request_id"]):
+            (logged,) = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+            assert "CUDA out of memory (simulated)" in logged
         assert engine.stats()["engine_running"] and engine.stats()["in_flight"] == 0
     finally:
         engine.shutdown()

@@ -41,6 +41,22 @@ class ReplicaSection(Section):
         None, "torch threads per replica (default: the CPUs it reserved)", ge=1
     )
     max_ongoing_requests: int = option(32, "requests per replica (queued at the ingress beyond it)", ge=1)
+    max_queued_requests: int = option(
+        64, "requests queued at each caller (an ingress replica) for a ChatServer replica beyond "
+        "max_ongoing_requests; more are answered 429 with Retry-After", ge=1,
+    )  # fmt: skip
+    max_pending: int = option(
+        32, "requests a replica's engine holds beyond its max_slots (waiting for a KV slot); more are "
+        "answered 429 with Retry-After", ge=1,
+    )  # fmt: skip
+    request_timeout_s: float | None = option(
+        300.0, "seconds a request may run (queued + generating) before it ends with a 504-status error and "
+        "frees its KV slot (none = no deadline)", gt=0,
+    )  # fmt: skip
+    stall_timeout_s: float = option(
+        60.0, "seconds without an engine step, while requests are live, after which the replica's health "
+        "check fails and its open streams end with an error (Serve then replaces the replica)", gt=0,
+    )  # fmt: skip
     max_replicas_per_node: int | None = option(
         None, "most ChatServer replicas on one node (1 = each on a node of its own); default: no limit", ge=1
     )
@@ -85,6 +101,11 @@ class ServeConfig(Section):
         None, "name reported by /v1/models (default: the checkpoint directory's name)"
     )
     ingress_num_cpus: float = option(0.1, "CPUs the ChatIngress replica reserves", ge=0)
+    ingress_max_queued_requests: int = option(
+        256, "HTTP requests queued at each Serve proxy for the ingress beyond its ongoing requests; more are "
+        "answered 429 with Retry-After", ge=1,
+    )  # fmt: skip
+    retry_after_s: int = option(1, "seconds of the Retry-After header of a 429 (overloaded) answer", ge=1)
 
 
 @dataclass

@@ -66,7 +66,8 @@ Continuous batching (serving)
     StreamEvent(request_id, text: str, token_ids: list[int], finished: bool, finish_reason: str | None,
                 usage: Usage | None, error: str | None, logprobs: list[TokenLogprob] | None)
         text is the new delta (may be ""); the last event has finished=True, finish_reason in
-        {"stop", "length", "cancelled", "error"} and usage set. finish_reason "error" (error holds the
+        {"stop", "length", "cancelled", "timeout", "error"} and usage set ("timeout": past the scheduler's
+        request_timeout_s; the slot is freed). finish_reason "error" (error holds the
         message) ends ONE request: its logits were non-finite (NaN / +inf / no finite value), its
         sampling state was invalid, its prefill forward raised (e.g. torch.OutOfMemoryError), or its
         token bookkeeping raised; every other request keeps decoding, the engine keeps running. (A
@@ -74,8 +75,12 @@ Continuous batching (serving)
         TokenLogprob(token_id, logprob, top_logprobs: [(token_id, logprob), ...] most likely first) per
         entry of token_ids when the request set logprobs=True, else None.
     Usage(prompt_tokens, completion_tokens, ttft_s, total_s)   ttft_s: submit -> first completion token.
+    Scheduler(..., max_pending=None, request_timeout_s=None, stall_timeout_s=60.0): submit raises
+        QueueFullError (scheduler.py) when max_pending requests wait for a slot; `stalled` is True when the
+        step thread has not stepped for stall_timeout_s with requests live.
     EngineProcess(checkpoint, device="cpu", max_slots=8, max_len=None, torch_threads=1, ...,
-                  dtype="auto", attention="auto", prefill_chunk_tokens=512, compile_decode=False)
+                  dtype="auto", attention="auto", prefill_chunk_tokens=512, compile_decode=False,
+                  max_pending=None, request_timeout_s=None, stall_timeout_s=60.0)
         the same Scheduler in a child process (`python -m raychat.engine.process`), with the surface of a
         started Scheduler (submit, cancel, running, num_active, num_pending, stop): the decode step then
         does not share the caller's GIL. Serving replicas use it (serve.app's engine_process=true). A

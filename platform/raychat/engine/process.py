@@ -11,7 +11,8 @@ pickled tuples):
                     ("submit", request_id, prompt, SamplingParams) | ("cancel", request_id) | ("stop",)
   child -> parent   ("ready", {"max_slots", "max_len"}) once the model is loaded, or ("failed", message)
                     ("events", [StreamEvent, ...]) after every step: every event of every request that
-                    step produced, in one message
+                    step produced, in one message; ("events", []) after a step that produced none when
+                    BEAT_INTERVAL_S passed since the last message (a heartbeat: long prefill chunks)
 The parent checks prompts itself (same rules and messages as Scheduler.submit), so a bad request still
 raises ValueError at submit(). A request whose computation fails (non-finite logits, an out-of-memory in
 its prefill, ...) ends alone with finish_reason "error" inside the child's Scheduler: the child never exits
@@ -19,6 +20,13 @@ because of a request. If the child dies anyway (killed, a crash in native code),
 with finish_reason "error" and a new child loads the model (`running` is False and submit raises
 RuntimeError meanwhile); only when that fails, or after max_restarts, does the EngineProcess stay down (a
 Serve health check then replaces the replica).
+
+Liveness is progress: every message from the child is a heartbeat of its step loop. When requests are live
+and none has come for stall_timeout_s (the child is stuck in a call, or stopped: SIGSTOP), the reader ends
+every live stream with finish_reason "error" naming the stall, kills the child and does NOT restart it:
+`running` turns False, `last_error` says why, and the replica's health check fails so that Ray Serve
+replaces the replica. Bounds: the parent refuses a submit with QueueFullError when max_slots + max_pending
+requests are live; the child's Scheduler ends a request past request_timeout_s ("timeout").
 """
 
 from __future__ import annotations
@@ -38,14 +46,16 @@ import torch
 from raychat.checkpoint import load_model, read_meta
 from raychat.engine.runner import ModelRunner, check_prompt
 from raychat.engine.sampling import SamplingParams
-from raychat.engine.scheduler import Scheduler, check_fits_row
+from raychat.engine.scheduler import Scheduler, check_fits_row, check_limits, check_queue
 from raychat.engine.stream import RequestStream, StreamEvent, Usage
+
+BEAT_INTERVAL_S = 0.5  # the child's heartbeat while steps produce no events; the reader's watch period
 
 
 class EngineProcess:
     """A Scheduler over the checkpoint's model, run in a child process; the same surface as a
     started Scheduler for raychat.serve.server.ChatServer: submit, cancel, running, restarting, num_active,
-    num_pending, num_free_slots, max_slots, max_len, last_error, start (no-op), stop.
+    num_pending, num_free_slots, max_slots, max_len, last_error, stalled_s, stalled, start (no-op), stop.
 
     Args:
         checkpoint: raychat checkpoint directory (loaded by the child with raychat.checkpoint.load_model).
@@ -59,8 +69,15 @@ class EngineProcess:
         max_restarts: a child that exits unexpectedly is replaced by a new one (its live requests end with
             finish_reason "error"; submit raises RuntimeError while it loads) at most this many times;
             `restarts` counts them. A child that fails to start ends the EngineProcess (`running` False).
+        max_pending: live requests beyond the max_slots slots (waiting for one; >= 1); more raise
+            QueueFullError at submit. None: no bound.
+        request_timeout_s: the child's Scheduler ends a request this many seconds after its submit
+            (finish_reason "timeout", slot freed). None: no deadline.
+        stall_timeout_s: seconds without a message from the child, while requests are live, after which
+            the child counts as hung: live streams end with "error", the child is killed, no restart.
     Raises:
-        ValueError: invalid max_slots / max_len (the child's Scheduler message).
+        ValueError: invalid max_slots / max_len (the child's Scheduler message), max_pending,
+            request_timeout_s or stall_timeout_s.
         RuntimeError: the child failed to start or exited before it was ready.
     """
 
@@ -77,11 +94,17 @@ class EngineProcess:
         attention: str = "auto",
         prefill_chunk_tokens: int = 512,
         compile_decode: bool = False,
+        max_pending: int | None = None,
+        request_timeout_s: float | None = None,
+        stall_timeout_s: float = 60.0,
     ):
+        check_limits(max_pending, request_timeout_s, stall_timeout_s)
         config = read_meta(checkpoint)["model_config"]
         self.vocab_size, self.max_seq_len = config["vocab_size"], config["max_seq_len"]
         options = {"dtype": dtype, "attention": attention, "compile_decode": compile_decode}
-        options["prefill_chunk_tokens"] = prefill_chunk_tokens
+        options |= {"prefill_chunk_tokens": prefill_chunk_tokens, "request_timeout_s": request_timeout_s}
+        self.max_pending, self.request_timeout_s = max_pending, request_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self._child_args = (str(checkpoint), device, max_slots, max_len, torch_threads, options)
         self._start_timeout_s = start_timeout_s
         self._proc, self._conn, ready = self._spawn()
@@ -94,6 +117,7 @@ class EngineProcess:
         self._started: set[str] = set()  # requests that have a row (received their first event)
         self._cancelled: set[str] = set()  # live requests whose cancel was sent
         self._lock = threading.Lock()  # _streams, _started, _cancelled
+        self._beat = time.monotonic()  # the last message from the child, or when it last became busy
         self._send_lock = threading.Lock()
         self._stopping = False
         self._reader = threading.Thread(target=self._read, name="raychat-engine-reader", daemon=True)
@@ -146,7 +170,7 @@ class EngineProcess:
         wake_every: int = 1,
     ) -> RequestStream:
         """Queue a request in the child; returns its RequestStream. Raises ValueError as Scheduler.submit,
-        RuntimeError when the engine process is not running."""
+        QueueFullError when max_pending requests wait, RuntimeError when the engine process is not running."""
         params = params or SamplingParams()
         ids = check_prompt(prompt, self.vocab_size, self.max_seq_len)
         check_fits_row(ids, self.max_len)
@@ -158,6 +182,9 @@ class EngineProcess:
                 raise RuntimeError(f"engine process is not running ({state})")
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already live")
+            check_queue(len(self._streams), self.max_slots, self.max_pending)
+            if not self._streams:  # busy from now: the stall clock starts here, not at the last message
+                self._beat = time.monotonic()
             self._streams[request_id] = stream
         self._send(("submit", request_id, ids, params))
         return stream
@@ -187,6 +214,18 @@ class EngineProcess:
             and self.last_error is None
             and self._proc.poll() is None
         )
+
+    @property
+    def stalled_s(self) -> float:
+        """Seconds since the last message from the child while requests are live; 0.0 when none are."""
+        if not self._streams:
+            return 0.0
+        return max(0.0, time.monotonic() - self._beat)
+
+    @property
+    def stalled(self) -> bool:
+        """True when stalled_s exceeds stall_timeout_s (the reader then ends the engine, see the module)."""
+        return self.stalled_s > self.stall_timeout_s
 
     @property
     def restarting(self) -> bool:
@@ -235,15 +274,15 @@ class EngineProcess:
 
     def _read(self) -> None:
         while True:
-            self._read_until_exit()
+            stall = self._read_until_exit()
             try:
                 code = self._proc.wait(5)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 code = self._proc.wait(5)
-            error = RuntimeError(f"engine process exited with code {code}")
+            error = stall or RuntimeError(f"engine process exited with code {code}")
             with self._lock:
-                self._restarting = not self._stopping and self.restarts < self.max_restarts
+                self._restarting = stall is None and not self._stopping and self.restarts < self.max_restarts
                 live = list(self._streams.values())
                 self._streams.clear()
                 self._started.clear()
@@ -272,11 +311,17 @@ class EngineProcess:
                     proc.kill()
                     return
 
-    def _read_until_exit(self) -> None:
-        """Route every event from the child to its stream until the child's end of the socket closes."""
+    def _read_until_exit(self) -> RuntimeError | None:
+        """Route every event from the child to its stream until the child's end of the socket closes (None),
+        or until the child stalls (see the module doc): then kill it and return the stall error."""
         try:
             while True:
+                if not self._conn.poll(BEAT_INTERVAL_S):
+                    if self.stalled and not self._stopping:
+                        return self._kill_stalled()
+                    continue
                 _, events = self._conn.recv()
+                self._beat = time.monotonic()
                 with self._lock:
                     for ev in events:
                         stream = self._streams.get(ev.request_id)
@@ -289,7 +334,17 @@ class EngineProcess:
                             self._cancelled.discard(ev.request_id)
                         stream._push(ev)
         except (EOFError, OSError):
-            pass
+            return None
+
+    def _kill_stalled(self) -> RuntimeError:
+        """Kill the hung child (SIGKILL also ends a stopped one); the stall error for its live streams."""
+        error = RuntimeError(
+            f"engine process stalled: no step for {self.stalled_s:.1f} s with {len(self._streams)} requests "
+            f"live (stall_timeout_s={self.stall_timeout_s:g}); killed it, the replica's health check fails"
+        )
+        print(f"raychat engine: {error}", file=sys.stderr, flush=True)
+        self._proc.kill()
+        return error
 
 
 def _child_main(conn: Connection) -> None:
@@ -298,9 +353,9 @@ def _child_main(conn: Connection) -> None:
         checkpoint, device, max_slots, max_len, threads, options = conn.recv()
         torch.set_num_threads(max(1, int(threads)))
         model, tokenizer, _meta = load_model(checkpoint, device=device)
-        chunk = options.pop("prefill_chunk_tokens")
+        limits = {k: options.pop(k) for k in ("prefill_chunk_tokens", "request_timeout_s")}
         engine = ModelRunner(model, tokenizer, **options)
-        scheduler = Scheduler(engine, max_slots=max_slots, max_len=max_len, prefill_chunk_tokens=chunk)
+        scheduler = Scheduler(engine, max_slots=max_slots, max_len=max_len, **limits)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
@@ -313,6 +368,7 @@ def _child_main(conn: Connection) -> None:
 
 def _serve(conn: Connection, scheduler) -> None:
     streams: dict[str, RequestStream] = {}
+    last_sent = time.monotonic()
     while True:
         busy = bool(streams)
         if conn.poll(0 if busy else None):
@@ -340,8 +396,9 @@ def _serve(conn: Connection, scheduler) -> None:
                 events.append(event)
                 if event.finished:
                     del streams[request_id]
-        if events:
+        if events or time.monotonic() - last_sent >= BEAT_INTERVAL_S:  # an empty message is a heartbeat
             conn.send(("events", events))
+            last_sent = time.monotonic()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Every `step()`:
   1. cancelled requests leave (their slots are freed; their stream ends with finish_reason "cancelled"),
-     and pending requests are admitted into free slots (prompt not yet in the cache: "prefilling");
+     so do requests past their deadline (`request_timeout_s` after submit: finish_reason "timeout"), and
+     pending requests are admitted into free slots (prompt not yet in the cache: "prefilling");
   2. prefill: at most `prefill_chunk_tokens` prompt tokens of the prefilling requests, oldest first (a
      long prompt takes several steps, one chunk each), one forward per run of consecutive slots; a
      request whose prompt is now complete gets its first-token logits (at its last prompt token only);
@@ -23,6 +24,10 @@ Fault isolation: a failure while computing one request ends that request alone w
 prefill forward (e.g. torch.OutOfMemoryError: a batched prefill that raises is retried one request at a
 time, so only the request that fails alone is ended), or in its token bookkeeping. An exception in the
 shared decode forward ends the requests in it; the scheduler keeps serving; nothing raises out of step().
+
+Bounds: at most `max_pending` live requests beyond the slots (waiting for one); submit() beyond that raises
+QueueFullError (a serving replica answers 429 with Retry-After). Liveness: the step thread (start()) beats once per step or
+idle wait; `stalled_s` is how long it has not while requests are live (a health check's measure).
 
 Threading: submit() and cancel() may be called from any thread (they only touch a lock-protected inbox);
 steps are serialized by a second lock. Serving replicas call start() once, which runs steps in a daemon
@@ -45,7 +50,41 @@ from raychat.engine.sampling import SamplingBatch, SamplingParams, is_greedy, ma
 from raychat.engine.sequence import RowState
 from raychat.engine.stream import RequestStream, StreamEvent, TokenLogprob, Usage
 
-__all__ = ["RequestStream", "Scheduler", "StreamEvent", "TokenLogprob", "Usage", "check_fits_row"]
+__all__ = [
+    "QueueFullError",
+    "RequestStream",
+    "Scheduler",
+    "StreamEvent",
+    "TokenLogprob",
+    "Usage",
+    "check_fits_row",
+    "check_limits",
+    "check_queue",
+]
+
+
+class QueueFullError(RuntimeError):
+    """submit() found `max_pending` requests already waiting for a slot: the caller should retry later."""
+
+
+def check_queue(num_live: int, max_slots: int, max_pending: int | None) -> None:
+    """QueueFullError when `num_live` requests (submitted, not finished) already fill the max_slots KV slots
+    and max_pending more wait for one (max_pending None: no bound)."""
+    waiting = num_live - max_slots
+    if max_pending is not None and waiting >= max_pending:
+        raise QueueFullError(
+            f"engine queue full: {waiting} requests already wait for a KV slot (max_pending={max_pending})"
+        )
+
+
+def check_limits(max_pending: int | None, request_timeout_s: float | None, stall_timeout_s: float) -> None:
+    """ValueError naming the option when max_pending < 1, request_timeout_s <= 0 or stall_timeout_s <= 0."""
+    if max_pending is not None and (not isinstance(max_pending, int) or max_pending < 1):
+        raise ValueError(f"max_pending must be None or an int >= 1, got {max_pending!r}")
+    if request_timeout_s is not None and not request_timeout_s > 0:
+        raise ValueError(f"request_timeout_s must be None or > 0 seconds, got {request_timeout_s!r}")
+    if not stall_timeout_s > 0:
+        raise ValueError(f"stall_timeout_s must be > 0 seconds, got {stall_timeout_s!r}")
 
 
 def check_fits_row(ids: list[int], max_len: int) -> list[int]:
@@ -61,6 +100,7 @@ class _Request:
         greedy = is_greedy(params.temperature)
         self.generator = None if greedy else make_generator(params.seed, device)
         self.submitted = time.perf_counter()
+        self.deadline = float("inf")  # perf_counter() time past which step() ends it ("timeout")
         self.first_token: float | None = None
         self.state: RowState | None = None  # set when the prompt is in the cache (decoding)
         self.slot: int | None = None
@@ -79,8 +119,14 @@ class Scheduler:
         kv_budget_bytes: if given, slots = min(max_slots, slots that fit the budget).
         prefill_chunk_tokens: prompt tokens prefilled per step at most (>= 1), shared by the prefilling
             requests oldest first; bounds how long one step (the other requests' inter-token latency) takes.
+        max_pending: live requests beyond the max_slots slots, i.e. waiting for one (>= 1); submit() beyond
+            raises QueueFullError. None: no bound.
+        request_timeout_s: seconds from submit after which a request (waiting or decoding) ends with
+            finish_reason "timeout" and its slot is freed. None: no deadline.
+        stall_timeout_s: seconds without a step, while requests are live, after which `stalled` is True.
     Raises:
-        ValueError: max_slots < 1, max_len outside 2..max_seq_len, prefill_chunk_tokens < 1.
+        ValueError: max_slots < 1, max_len outside 2..max_seq_len, prefill_chunk_tokens < 1, max_pending < 1,
+            request_timeout_s or stall_timeout_s <= 0.
         KVBudgetError: not even one slot of max_len tokens fits kv_budget_bytes (message names the numbers).
     """
 
@@ -91,6 +137,9 @@ class Scheduler:
         max_len: int | None = None,
         kv_budget_bytes: int | None = None,
         prefill_chunk_tokens: int = 512,
+        max_pending: int | None = None,
+        request_timeout_s: float | None = None,
+        stall_timeout_s: float = 60.0,
     ):
         cfg = engine.config
         max_len = cfg.max_seq_len if max_len is None else int(max_len)
@@ -100,6 +149,7 @@ class Scheduler:
             raise ValueError(f"max_slots must be an int >= 1, got {max_slots!r}")
         if not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be an int >= 1, got {prefill_chunk_tokens!r}")
+        check_limits(max_pending, request_timeout_s, stall_timeout_s)
         slots = max_slots
         if kv_budget_bytes is not None:
             slots = min(max_slots, KVCache.rows_for_budget(cfg, kv_budget_bytes, max_len, engine.dtype))
@@ -113,6 +163,9 @@ class Scheduler:
         self.cache = engine.new_cache(slots, max_len)
         self.max_slots, self.max_len = slots, max_len
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_pending, self.request_timeout_s = max_pending, request_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self._beat = time.monotonic()  # the step thread's last step or idle wait
         self._slots: list[_Request | None] = [None] * slots  # busy slots are 0..num_active-1
         self._prefilling: collections.deque[_Request] = collections.deque()  # admitted, oldest first
         self._pending: collections.deque[_Request] = collections.deque()
@@ -133,15 +186,18 @@ class Scheduler:
         wake_every: int = 1,
     ) -> RequestStream:
         """Queue a request; returns its RequestStream (wake_every: see RequestStream). Raises ValueError for
-        a bad prompt or duplicate id."""
+        a bad prompt or duplicate id, QueueFullError when max_pending requests already wait."""
         params = params or SamplingParams()
         ids = check_fits_row(self.engine.check_prompt(prompt), self.max_len)
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(self, request_id, wake_every)
         req = _Request(request_id, ids, params, stream, self.engine.device)
+        if self.request_timeout_s is not None:
+            req.deadline = req.submitted + self.request_timeout_s
         with self._lock:
             if request_id in self._live:
                 raise ValueError(f"request_id {request_id!r} is already live")
+            check_queue(len(self._live), self.max_slots, self.max_pending)
             self._live[request_id] = req
             self._pending.append(req)
         self._wake.set()
@@ -175,6 +231,19 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def stalled_s(self) -> float:
+        """Seconds since the step thread last stepped (or waited idle) while requests are live; 0.0 when
+        none are live or no step thread runs."""
+        if not self._live or not self.running:
+            return 0.0
+        return max(0.0, time.monotonic() - self._beat)
+
+    @property
+    def stalled(self) -> bool:
+        """True when stalled_s exceeds stall_timeout_s (the step thread is stuck with work to do)."""
+        return self.stalled_s > self.stall_timeout_s
+
+    @property
     def restarting(self) -> bool:
         """Always False: a stopped scheduler thread stays stopped (an EngineProcess may restart)."""
         return False
@@ -197,6 +266,7 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._beat = time.monotonic()
             if self.num_active == 0 and not self._pending:
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
@@ -205,14 +275,19 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> int:
-        """Cancel, admit, prefill a chunk, take one token per decoding request, decode. Returns the number
-        of busy slots after it. Never raises for a request's failure (see the module docstring)."""
+        """Cancel, end the requests past their deadline, admit, prefill a chunk, take one token per decoding
+        request, decode. Returns the number of busy slots after it. Never raises for a request's failure
+        (see the module docstring)."""
         with self._step_lock:
             with self._lock:
-                for req in [r for r in self._live.values() if r.cancel_requested]:
+                now = time.perf_counter()
+                for req in [r for r in self._live.values() if r.cancel_requested or r.deadline <= now]:
                     if req.slot is None:
                         self._pending.remove(req)
-                    self._finish(req, "cancelled")
+                    if req.cancel_requested:
+                        self._finish(req, "cancelled")
+                    else:
+                        self._finish(req, "timeout", error=self._timeout_message(now - req.submitted))
                 self._compact()
                 n = self.num_active
                 while n < self.max_slots and self._pending:
@@ -228,6 +303,12 @@ class Scheduler:
                 self._fail([r for r in self._slots if r is not None], e)
             self._compact()
             return self.num_active
+
+    def _timeout_message(self, elapsed_s: float) -> str:
+        return (
+            f"request timed out: ran {elapsed_s:.1f} s, past request_timeout_s={self.request_timeout_s:g}; "
+            "it was ended and its KV slot freed"
+        )
 
     def _prefill(self) -> None:
         budget, pieces = self.prefill_chunk_tokens, []

@@ -46,7 +46,8 @@ class Usage:
 class StreamEvent:
     """One step of one request: `text` is the new delta (may be ""), token_ids the new completion tokens.
 
-    The last event has finished=True, finish_reason in {"stop", "length", "cancelled", "error"} and usage;
+    The last event has finished=True, finish_reason in {"stop", "length", "cancelled", "timeout", "error"}
+    and usage ("timeout": it ran past the scheduler's request_timeout_s; error says so);
     error holds the message when finish_reason == "error" (that request alone failed: non-finite logits,
     an invalid sampling state, or its forward raised, e.g. out of memory in its prefill; other requests go
     on). logprobs: one TokenLogprob per entry of token_ids when the request set SamplingParams.logprobs,

@@ -18,12 +18,21 @@ args (serve/chat.yaml does), so each value has one place.
 shared directory, s3:// or gs://): build_app resolves it once, so every replica serves the same checkpoint,
 and a replica on another node fetches a remote one itself (raychat.checkpoint.load_model).
 `max_replicas_per_node` spreads ChatServer replicas over nodes (Serve's deployment option of that name).
+
+Overload is refused, never queued without bound: each Serve proxy queues at most `ingress_max_queued_requests`
+for the ingress and each ingress replica at most `max_queued_requests` for the ChatServer replicas (Serve's
+`max_queued_requests`, answered 429 with Retry-After: `retry_after_s`), and each replica's engine holds at
+most `max_pending` requests waiting for a KV slot (raychat.serve.server: 429). A request ends after
+`request_timeout_s` (504-status error, slot freed). Liveness is progress: ChatServer's check_health fails when
+the engine has stopped or has not stepped for `stall_timeout_s` with requests live, and Serve replaces the
+replica (its health-check machinery: every health_check_period_s, default 10 s).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 
 import psutil
@@ -32,12 +41,13 @@ import torch
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_dict
 from raychat.serve.api import MAX_BODY_BYTES
-from raychat.serve.errors import EngineUnavailableError
+from raychat.serve.errors import EngineOverloadedError, EngineUnavailableError
 from raychat.serve.ingress import create_app
 from raychat.serve.server import ChatServer, merge_deltas
 
@@ -82,12 +92,13 @@ class ChatServerDeployment:
         dtype: str,
         prefill_chunk_tokens: int,
         device: str,
+        limits: dict | None = None,
     ):
         if torch_threads is None:  # the CPUs this replica reserved (ray_actor_options, maybe from the YAML)
             torch_threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
         kwargs = {"max_slots": max_slots, "max_len": max_len, "stream_interval": stream_interval}
         kwargs["deployment"] = SERVER_DEPLOYMENT
-        kwargs |= {"dtype": dtype, "prefill_chunk_tokens": prefill_chunk_tokens}
+        kwargs |= {"dtype": dtype, "prefill_chunk_tokens": prefill_chunk_tokens, **(limits or {})}
         if model_id:
             kwargs["model_id"] = model_id
         if engine_process:
@@ -141,15 +152,19 @@ class ChatServerDeployment:
         return {**self.engine.stats(), "rss_bytes": rss, "child_pids": sorted(c.pid for c in children)}
 
     def check_health(self) -> None:
-        """Serve's health check: the scheduler (thread or engine process) must be running or restarting."""
-        scheduler = self.engine.scheduler
-        if not scheduler.running and not scheduler.restarting:
-            raise RuntimeError(f"scheduler stopped: {scheduler.last_error!r}")
+        """Serve's health check (ChatServer.check_health): raises when the engine stopped or stalled; Serve
+        then replaces this replica."""
+        self.engine.check_health()
 
     def __del__(self):
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def overloaded(e: BackPressureError) -> EngineOverloadedError:
+    """Serve's BackPressureError as raychat's 429, with its Retry-After in whole seconds (>= 1)."""
+    return EngineOverloadedError(str(e), max(1, math.ceil(e.retry_after_s or 1)))
 
 
 class HandleClient:
@@ -159,14 +174,25 @@ class HandleClient:
         self.handle = handle
 
     async def info(self) -> dict:
-        return await self.handle.info.remote()
+        return await self._call(self.handle.info)
 
     async def stats(self) -> dict:
-        return await self.handle.stats.remote()
+        return await self._call(self.handle.stats)
+
+    async def _call(self, method):
+        """`await method.remote()`; the replicas' queue being full (these calls share it with generate)
+        raises EngineOverloadedError, no replica to answer EngineUnavailableError."""
+        try:
+            return await method.remote()
+        except BackPressureError as e:
+            raise overloaded(e) from e
+        except UNAVAILABLE as e:
+            raise EngineUnavailableError(f"{type(e).__name__}: {e}") from e
 
     async def generate(self, request: dict):
-        """The replica's events; a replica that died or no replica to take the request raises
-        EngineUnavailableError (the ingress answers 503, or an error event once streaming)."""
+        """The replica's events; a full queue (Serve's max_queued_requests) raises EngineOverloadedError
+        (429), a replica that died or no replica to take the request EngineUnavailableError (503; an error
+        event once streaming)."""
         gen = self.handle.options(stream=True).generate.remote(request)
         finished = False
         try:
@@ -174,6 +200,9 @@ class HandleClient:
                 for event in batch:
                     yield event
             finished = True
+        except BackPressureError as e:
+            finished = True
+            raise overloaded(e) from e
         except UNAVAILABLE as e:
             finished = True
             raise EngineUnavailableError(f"{type(e).__name__}: {e}") from e
@@ -221,9 +250,14 @@ def build_app(args: dict | ServeConfig) -> Application:
         "look_back_period_s": a.look_back_period_s,
     }
     placement = {"max_replicas_per_node": r.max_replicas_per_node} if r.max_replicas_per_node else {}
+    backpressure = BackpressureConfig(status_code=429, retry_after_s=c.retry_after_s)
+    limits = {"max_pending": r.max_pending, "request_timeout_s": r.request_timeout_s}
+    limits |= {"stall_timeout_s": r.stall_timeout_s, "retry_after_s": c.retry_after_s}
     engine = ChatServerDeployment.options(
         ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
         max_ongoing_requests=r.max_ongoing_requests,
+        max_queued_requests=r.max_queued_requests,
+        backpressure_config=backpressure,
         autoscaling_config=autoscaling,
         **placement,
     ).bind(
@@ -237,8 +271,11 @@ def build_app(args: dict | ServeConfig) -> Application:
         r.dtype,
         r.prefill_chunk_tokens,
         device_for(r.num_gpus),
+        limits=limits,
     )
     return ChatIngress.options(
         ray_actor_options={"num_cpus": c.ingress_num_cpus},
         max_ongoing_requests=max(1000, 4 * r.max_ongoing_requests * a.max_replicas),
+        max_queued_requests=c.ingress_max_queued_requests,
+        backpressure_config=backpressure,
     ).bind(engine, c.api_key)

@@ -1,7 +1,10 @@
 """The error shape of every non-2xx answer (OpenAI's): {"error": {"message", "type", "param", "code"}}, where
 `param` and the start of `message` name the offending field, e.g. "messages[3].content: ...".
 
-Types: invalid_request_error (400, 404, 405, 413, 415), authentication_error (401), server_error (500, 503).
+Types: invalid_request_error (400, 404, 405, 413, 415), authentication_error (401), rate_limit_error (429:
+overloaded, retry after Retry-After), server_error (500, 503, 504).
+A 500 never carries internal exception text: its message is INTERNAL_ERROR and a request id (also in
+error.request_id); the server logs the detail under that id.
 """
 
 from __future__ import annotations
@@ -10,9 +13,41 @@ from typing import Any
 
 from pydantic import BaseModel
 
+INTERNAL_ERROR = "internal server error"
+
 
 class EngineUnavailableError(RuntimeError):
     """Raised by an engine client when no replica can take the request now (503, Retry-After)."""
+
+
+class EngineOverloadedError(EngineUnavailableError):
+    """Raised by an engine client when the replicas' queues are full (429, Retry-After: retry_after_s)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+UNAVAILABLE_RETRY_AFTER_S = 5  # Retry-After of a 503 (an engine process restarting, no replica)
+PUBLIC_5XX = (503, 504)  # 5xx whose message is raychat's own (unavailable, past the deadline), not internal
+
+
+def error_type(status: int) -> str:
+    """The OpenAI error `type` of an HTTP status (see the module doc)."""
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_headers(event: dict) -> dict | None:
+    """Headers of an engine error event's answer: Retry-After (seconds) for 429 and 503; for 504 (past the
+    request's deadline) `x-should-retry: false`, so the openai clients do not run it again."""
+    status = event.get("status", 500)
+    if status in (429, 503):
+        return {"Retry-After": str(event.get("retry_after", UNAVAILABLE_RETRY_AFTER_S))}
+    if status == 504:
+        return {"x-should-retry": "false"}
+    return None
 
 
 class ParamError(ValueError):
@@ -23,9 +58,15 @@ class ParamError(ValueError):
         self.param = param
 
 
-def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
-    """OpenAI-style error body {"error": {"message", "type", "param", "code"}}."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(
+    message: str, param: str | None = None, kind: str = "invalid_request_error", request_id: str | None = None
+) -> dict:
+    """OpenAI-style error body {"error": {"message", "type", "param", "code"}}, plus "request_id" when given
+    (a 500's id in the server log)."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    if request_id:
+        body["error"]["request_id"] = request_id
+    return body
 
 
 def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
@@ -73,6 +114,7 @@ class ErrorDetail(BaseModel):
     param: str | None
     code: str | None
     details: list[str] | None = None
+    request_id: str | None = None
 
 
 class ErrorResponse(BaseModel):
@@ -86,6 +128,8 @@ ERROR_STATUSES = {
     401: "missing or invalid bearer token (when the server has an API key)",
     404: "model not served here",
     413: "request body too large",
-    500: "engine failure",
+    429: "overloaded (the engine's or Serve's queue is full): retry after Retry-After",
+    500: "engine failure: the message names only a request id (error.request_id); the detail is in the server log",
     503: "engine unavailable (restarting, or no replica can take the request): retry after Retry-After",
+    504: "the request ran past its deadline (request_timeout_s)",
 }

@@ -8,16 +8,21 @@ Endpoints
                              parameter; docs/openai.md the tool-call shapes)
   GET  /v1/models            the served model, with template_version and tokenizer_version
   GET  /health               {"status": "ok", template_version, ..., "engine": replica stats}; 503 and
-                             "unavailable" while the replica's engine process is down
+                             "unavailable" while the replica's engine process is down. With an api_key set,
+                             a request without it gets only {"status": "ok" | "unavailable"}
   GET  /                     the chat web page (static/chat.html)
   GET  /openapi.json         the schema of all of it (what the fuzzing test drives)
 
-Before any parsing: a body over `max_body_bytes` -> 413; with `api_key` set, POST endpoints and /v1/models
-need `Authorization: Bearer <api_key>` -> else 401. Invalid requests -> 400 naming the field. Every error,
-4xx or 5xx, has the OpenAI error shape (raychat.serve.errors): an engine rejection keeps its status (400,
-503 with Retry-After while the engine process restarts or no replica can take the request), an engine
-failure or any unexpected exception is a 500; once a stream has started, a failure is an error event in
-it. A client that disconnects mid-stream closes the engine streams, which frees their rows.
+Before any parsing: with `api_key` set, every path but OPEN_PATHS needs `Authorization: Bearer <api_key>`
+-> else 401; a body over `max_body_bytes` -> 413. The path checked is the one the router matches:
+scope["path"] with scope["root_path"] removed (Ray Serve keeps the full path in "path" and puts a route
+prefix, or http_options.root_path, in "root_path"), so no prefix moves a route out of the check.
+Invalid requests -> 400 naming the field. Every error, 4xx or 5xx, has the OpenAI error shape
+(raychat.serve.errors): an engine rejection keeps its status (400, 503 with Retry-After while the engine
+process restarts or no replica can take the request), an engine failure or any unexpected exception is a
+500 whose body says only INTERNAL_ERROR and a request id (the detail is logged under that id); once a
+stream has started, a failure is an error event in it. A client that disconnects mid-stream closes the
+engine streams, which frees their rows.
 
 Client protocol (duck-typed):
   async info() -> dict        {model_id, template_version, tokenizer_version, max_seq_len, ...}
@@ -33,6 +38,7 @@ import asyncio
 import hmac
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -46,10 +52,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from raychat.serve.api import MAX_BODY_BYTES, ChatRequest
 from raychat.serve.errors import (
     ERROR_STATUSES,
+    INTERNAL_ERROR,
+    PUBLIC_5XX,
+    EngineOverloadedError,
     EngineUnavailableError,
     ErrorResponse,
     ParamError,
     error_body,
+    error_headers,
+    error_type,
     validation_error_body,
 )
 from raychat.serve.openai_format import ChoiceState, Chunks, chat_completion, completion_id, total_usage
@@ -58,16 +69,34 @@ from raychat.serve.sse import sse_event
 
 STATIC_DIR = Path(__file__).parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-PROTECTED_PREFIXES = ("/chat/", "/v1/")
+# the only paths answered without the key when one is set ("" is the route prefix itself, e.g. /api)
+OPEN_PATHS = frozenset({"", "/", "/health", "/openapi.json"})
 NO_FINAL_EVENT = "the engine's stream ended without a final event"
 SSE_SCHEMA = {"text/event-stream": {"schema": {"type": "string"}}}
 ERRORS = {status: {"model": ErrorResponse, "description": why} for status, why in ERROR_STATUSES.items()}
 log = logging.getLogger(__name__)
 
 
+def route_path(scope: dict) -> str:
+    """The path the app's router matches: scope["path"] less scope["root_path"] when it starts with it
+    ("/api/v1/models" under root_path "/api" -> "/v1/models"; Starlette's own rule)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root) :]
+    return path
+
+
+def bearer_ok(authorization: str | None, api_key: str) -> bool:
+    """Whether an Authorization header value is "Bearer <api_key>" (scheme case-insensitive; constant-time
+    comparison of the key)."""
+    scheme, _, value = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), api_key.encode())
+
+
 class BodyLimitAndAuth:
-    """ASGI middleware: 401 without the bearer token (when one is configured) and 413 for a body over
-    `max_body_bytes` (by Content-Length, or by counting a chunked body), both before the app parses JSON."""
+    """ASGI middleware: 401 without the bearer token (when one is configured) on every path but OPEN_PATHS
+    (compared after route_path), and 413 for a body over `max_body_bytes` (by Content-Length, or by counting a
+    chunked body), both before the app parses JSON."""
 
     def __init__(self, app, max_body_bytes: int, api_key: str | None):
         self.app, self.max_body_bytes, self.api_key = app, max_body_bytes, api_key
@@ -76,12 +105,8 @@ class BodyLimitAndAuth:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key and scope["path"].startswith(PROTECTED_PREFIXES):
-            token = headers.get("authorization", "")
-            scheme, _, value = token.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                value.strip().encode(), self.api_key.encode()
-            ):
+        if self.api_key and route_path(scope) not in OPEN_PATHS:
+            if not bearer_ok(headers.get("authorization"), self.api_key):
                 body = error_body(
                     "missing or invalid bearer token: send 'Authorization: Bearer <key>'",
                     None,
@@ -127,32 +152,51 @@ async def _send_json(send, status: int, body: dict, extra_headers: dict | None =
 
 
 def _error_response(event: dict) -> JSONResponse:
-    """An engine's error event as HTTP: "param: message" (the field first, as for validation errors)."""
+    """An error event (after _public) as HTTP: "param: message" (the field first, as for validation errors);
+    a 500 also carries its request id in the body and the X-Request-Id header."""
     param, message, status = event.get("param"), event["message"], event.get("status", 500)
     if param and not message.startswith(f"{param}: "):
         message = f"{param}: {message}"
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    headers = {"Retry-After": "5"} if status == 503 else None
-    return JSONResponse(error_body(message, param, kind), status_code=status, headers=headers)
+    kind, headers = error_type(status), error_headers(event)
+    if event.get("request_id"):
+        headers = {"X-Request-Id": event["request_id"]}
+    body = error_body(message, param, kind, event.get("request_id"))
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _internal_error(detail: str, exc: BaseException | None = None) -> dict:
+    """A 500 error event that tells the client only INTERNAL_ERROR and a fresh request id ("req_" + 16 hex
+    digits); `detail` (and the traceback of `exc`) go to the log under that id."""
+    request_id = f"req_{uuid.uuid4().hex[:16]}"
+    log.error("%s: %s", request_id, detail, exc_info=exc)
+    message = f"{INTERNAL_ERROR} (request id {request_id}; the details are in the server log)"
+    return {"type": "error", "status": 500, "message": message, "param": None, "request_id": request_id}
+
+
+def _public(event: dict) -> dict:
+    """An event as a client may see it: an error of status 500 (or any 5xx not in PUBLIC_5XX, whose messages
+    are raychat's own) becomes _internal_error of its message; everything else is unchanged."""
+    status = event.get("status", 500)
+    if event["type"] != "error" or status < 500 or status in PUBLIC_5XX or event.get("request_id"):
+        return event
+    return _internal_error(event["message"])
 
 
 def _exception_event(e: BaseException) -> dict:
-    """An exception from the engine client as an error event: 503 when no replica can take the request."""
+    """An exception from the engine client as an error event: 503 when no replica can take the request,
+    else a 500 that names only a request id (the exception is logged under it)."""
+    if isinstance(e, EngineOverloadedError):
+        return {"type": "error", "status": 429, "message": f"overloaded: {e}", "param": None,
+                "retry_after": e.retry_after_s}  # fmt: skip
     if isinstance(e, EngineUnavailableError):
         return {"type": "error", "status": 503, "message": f"engine unavailable: {e}", "param": None}
-    log.exception("engine request failed", exc_info=e)
-    return {
-        "type": "error",
-        "status": 500,
-        "message": f"internal error: {type(e).__name__}: {e}",
-        "param": None,
-    }
+    return _internal_error(f"engine request failed: {type(e).__name__}: {e}", e)
 
 
 def _stream_error(event: dict) -> bytes:
     """An error event inside a started OpenAI stream (the openai clients raise APIError on it)."""
-    kind = "server_error" if event.get("status", 500) >= 500 else "invalid_request_error"
-    return sse_event(error_body(event["message"], event.get("param"), kind))
+    kind = error_type(event.get("status", 500))
+    return sse_event(error_body(event["message"], event.get("param"), kind, event.get("request_id")))
 
 
 async def _open(engine, requests: list[dict]) -> tuple[list, list[dict]]:
@@ -178,7 +222,7 @@ async def _open(engine, requests: list[dict]) -> tuple[list, list[dict]]:
     failed = [f for f in firsts if f["type"] == "error"]
     if failed:
         await _close(streams)
-        return [], failed[:1]
+        return [], [_public(failed[0])]
     return streams, firsts
 
 
@@ -224,7 +268,7 @@ async def _events(streams: list, firsts: list[dict]) -> AsyncIterator[tuple[int,
             if ev is None:
                 open_streams -= 1
                 continue
-            yield i, ev
+            yield i, _public(ev)
             if ev["type"] == "error":
                 return
     finally:
@@ -262,22 +306,34 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
     async def _param_error(_request: Request, exc: ParamError):
         return _error_response({"status": 400, "message": str(exc), "param": exc.param})
 
+    @app.exception_handler(EngineUnavailableError)
+    async def _unavailable(_request: Request, exc: EngineUnavailableError):
+        """The engine client's info()/stats() found the replicas overloaded (429) or gone (503)."""
+        return _error_response(_exception_event(exc))
+
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception):
         """Anything else (an engine client raising before a response started, a bug): 500 or 503."""
         return _error_response(_exception_event(exc))
+
+    def authorized(request: Request) -> bool:
+        return not api_key or bearer_ok(request.headers.get("authorization"), api_key)
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
         return HTMLResponse((STATIC_DIR / "chat.html").read_text())
 
     @app.get("/health")
-    async def health():
-        meta = await info()
+    async def health(request: Request):
+        """200 {"status": "ok"} or 503 {"status": "unavailable"}; versions and replica stats only for a
+        request with the key (or when no key is set)."""
         stats = await engine.stats()
         up = stats.get("engine_running", True)
-        body = {"status": "ok" if up else "unavailable",
-                **{k: meta.get(k) for k in ("model_id", "template_version", "tokenizer_version")}, "engine": stats}  # fmt: skip
+        body = {"status": "ok" if up else "unavailable"}
+        if authorized(request):
+            meta = await info()
+            body.update({k: meta.get(k) for k in ("model_id", "template_version", "tokenizer_version")})
+            body["engine"] = stats
         return JSONResponse(body, status_code=200 if up else 503)
 
     @app.get("/v1/models")

@@ -15,10 +15,11 @@ and yields (the completion read by raychat.chat.turn.TurnParser, so no control-t
   {"type": "tool_result", "id": "call_...", "output": str}        the calculator's output for that call
   {"type": "done", "finish_reason": "stop"|"length"|"tool_calls", "usage": {prompt_tokens,
    completion_tokens, total_tokens, ttft_s}}                      last event of a success
-  {"type": "error", "status": 400|500|503, "message": str, "param": str|None}
-                                 first and only event of a rejected request (400; 503 while the engine
-                                 process is down), or last event of a failed one (500; 503 when the engine
-                                 process died under it and is being replaced)
+  {"type": "error", "status": 400|429|500|503|504, "message": str, "param": str|None
+   [, "retry_after": seconds]}   first and only event of a rejected request (400; 429 with retry_after when
+                                 the engine's queue is full (max_pending); 503 while the engine process is
+                                 down), or last event of a failed one (500; 503 when the engine process died
+                                 or stalled under it; 504 when it ran past request_timeout_s)
 In-flight accounting: `in_flight` counts generate() calls between entry and exit (success, rejection,
 error, cancellation alike); it returns to 0 when every consumer has finished or left.
 """
@@ -37,6 +38,7 @@ from raychat.chat_template import MARKERS, TEMPLATE_VERSION, render_for_completi
 from raychat.checkpoint import load_model, read_meta
 from raychat.engine import ModelRunner, Scheduler
 from raychat.engine.process import EngineProcess
+from raychat.engine.scheduler import QueueFullError
 from raychat.metrics import ServeMetrics
 from raychat.serve.engine_adapter import sampling_params, text_logprobs
 from raychat.serve.sse import usage_dict
@@ -65,9 +67,13 @@ class ChatServer:
             = bfloat16 on CUDA, float32 on CPU; "model" keeps the checkpoint's; "float32" / "bfloat16" /
             "float16". The model is cast in place.
         prefill_chunk_tokens: prompt tokens prefilled per scheduler step at most (chunked prefill, >= 1).
+        max_pending, request_timeout_s, stall_timeout_s: the Scheduler's queue bound, per-request deadline
+            and stall limit (engine/scheduler.py; ignored with `scheduler`, which has its own).
+        retry_after_s: seconds a 429 answer (the engine's queue is full) asks the client to wait (>= 1).
     Raises:
-        ValueError: stream_interval < 1, or invalid ModelRunner / Scheduler arguments (dtype,
-            prefill_chunk_tokens, max_slots, max_len).
+        ValueError: stream_interval or retry_after_s < 1, or invalid ModelRunner / Scheduler arguments
+            (dtype, prefill_chunk_tokens, max_slots, max_len, max_pending, request_timeout_s,
+            stall_timeout_s).
     """
 
     def __init__(
@@ -83,17 +89,29 @@ class ChatServer:
         scheduler=None,
         dtype: str = "auto",
         prefill_chunk_tokens: int = 512,
+        max_pending: int | None = None,
+        request_timeout_s: float | None = None,
+        stall_timeout_s: float = 60.0,
+        retry_after_s: int = 1,
     ):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
-        self.stream_interval = stream_interval
+        if not isinstance(retry_after_s, int) or retry_after_s < 1:
+            raise ValueError(f"retry_after_s must be an int >= 1, got {retry_after_s!r}")
+        self.stream_interval, self.retry_after_s = stream_interval, retry_after_s
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.meta = meta or {}
         if scheduler is None:
             runner = ModelRunner(model, tokenizer, dtype=dtype)
+            limits = {"max_pending": max_pending, "request_timeout_s": request_timeout_s}
+            limits["stall_timeout_s"] = stall_timeout_s
             scheduler = Scheduler(
-                runner, max_slots=max_slots, max_len=max_len, prefill_chunk_tokens=prefill_chunk_tokens
+                runner,
+                max_slots=max_slots,
+                max_len=max_len,
+                prefill_chunk_tokens=prefill_chunk_tokens,
+                **limits,
             )
         self.scheduler = scheduler
         self.scheduler.start()
@@ -123,7 +141,8 @@ class ChatServer:
             model, tokenizer, meta = load_model(checkpoint, device=device)
             return cls(model, tokenizer, meta=meta, **kwargs)
         rows, max_len = kwargs.pop("max_slots", 8), kwargs.pop("max_len", None)
-        engine = {k: kwargs.pop(k) for k in ("dtype", "prefill_chunk_tokens") if k in kwargs}
+        names = ("dtype", "prefill_chunk_tokens", "max_pending", "request_timeout_s", "stall_timeout_s")
+        engine = {k: kwargs.pop(k) for k in names if k in kwargs}
         scheduler = EngineProcess(checkpoint, device, rows, max_len, torch_threads, **engine)
         meta = read_meta(checkpoint)
         return cls(None, Tokenizer.load(checkpoint), meta=meta, scheduler=scheduler, **kwargs)
@@ -156,6 +175,19 @@ class ChatServer:
             "rejected": self.rejected,
         }
 
+    def check_health(self) -> None:
+        """Raise RuntimeError when the engine cannot make progress: its scheduler stopped (and is not
+        restarting), or it has not stepped for stall_timeout_s while requests are live (a Serve replica's
+        health check; Ray Serve then replaces the replica)."""
+        s = self.scheduler
+        if not s.running and not s.restarting:
+            raise RuntimeError(f"engine stopped: {s.last_error}")
+        if s.stalled:
+            raise RuntimeError(
+                f"engine stalled: no step for {s.stalled_s:.1f} s with requests live "
+                f"(stall_timeout_s={s.stall_timeout_s:g})"
+            )
+
     def _publish_gauges(self) -> None:
         s = self.scheduler
         self.metrics.set_running(s.num_active)
@@ -177,6 +209,11 @@ class ChatServer:
             except ValueError as e:
                 self.rejected += 1
                 yield {"type": "error", "status": 400, "message": str(e), "param": getattr(e, "param", param)}
+                return
+            except QueueFullError as e:  # overloaded: retry after retry_after_s
+                self.rejected += 1
+                yield {"type": "error", "status": 429, "message": str(e), "param": None,
+                       "retry_after": self.retry_after_s}  # fmt: skip
                 return
             except (RuntimeError, OSError) as e:  # the engine process is down (being replaced): retry later
                 self.rejected += 1
@@ -259,6 +296,8 @@ class ChatServer:
                 yield {"type": "done", "finish_reason": reason, "usage": usage}
             elif ev.finish_reason == "cancelled":
                 self.cancelled += 1
+            elif ev.finish_reason == "timeout":  # past request_timeout_s: its slot is already free
+                yield {"type": "error", "status": 504, "message": ev.error, "param": None}
             else:
                 status = 500 if self.scheduler.running else 503  # 503: the engine process is being replaced
                 message = ev.error or "generation failed"
