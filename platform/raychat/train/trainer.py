@@ -84,7 +84,7 @@ class Trainer:
             DDP-wrapped `model`).
         optimizers: from raychat.train.optim.build_optimizers.
         checkpointer: writes this rank's files; checkpoints: the run's CheckpointManager they go to.
-        metrics: rank 0's MetricsSink, None on other ranks.
+        metrics: rank 0's MetricsSink (its opener, the worker, closes it), None on other ranks.
         bos_id: the tokenizer's BOS id (masks), rank / world: this worker and the group size.
         start_step: steps already done (resume).
     """
@@ -142,8 +142,6 @@ class Trainer:
                 cb.on_step_end(self, stats)
         for cb in self.callbacks:
             cb.on_train_end(self)
-        if self.metrics is not None:
-            self.metrics.close()
 
     def due(self, every: int, done: int) -> bool:
         """Every `every` steps (0 = never) and at the last step of this run."""
