@@ -3,7 +3,7 @@
 Every metric name starts with `raychat_`. Ray's Prometheus endpoint (each node's metrics export port, and the
 dashboard) adds its own `ray_` prefix, so `raychat_train_loss` is scraped as `ray_raychat_train_loss`, and a
 Counter gains Prometheus' `_total` suffix (`ray_raychat_serve_generated_tokens_total`). Histograms expose
-`_bucket`, `_sum` and `_count` series; Ray 2.60 computes `_sum` from bucket midpoints (measured in
+`_bucket`, `_sum` and `_count` series; Ray 2.60 computes `_sum` from bucket midpoints (checked by
 tests/test_metrics.py), so quantiles come from the buckets and `_sum / _count` is only approximate.
 
 Metrics (tags in brackets; units in the name or below):

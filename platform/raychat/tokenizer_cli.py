@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 from raychat.config import from_args
 from raychat.config.data import TokenizerConfig
 from raychat.data.shards import list_shards
+from raychat.log import log
 from raychat.storage import check_writable, open_storage, run_directory
 from raychat.tokenizer import Tokenizer
 
@@ -46,7 +47,7 @@ def train_tokenizer(
     tokenizer = Tokenizer.train(iter_texts(train_files, max_chars), vocab_size)
     seconds = time.perf_counter() - t0
     if tokenizer.vocab_size < vocab_size:
-        print(f"warning: the corpus supports only {tokenizer.vocab_size} tokens (asked {vocab_size})")
+        log(f"warning: the corpus supports only {tokenizer.vocab_size} tokens (asked {vocab_size})")
     path = tokenizer.save(out)
     sample = list(iter_texts(train_files, 5_000_000))
     val = list(iter_texts([val_file], 5_000_000))
@@ -58,7 +59,7 @@ def train_tokenizer(
         "train_bytes_per_token": round(bytes_per_token(tokenizer, sample), 3),
         "val_bytes_per_token": round(bytes_per_token(tokenizer, val), 3),
     }
-    print(
+    log(
         f"tokenizer: vocab {report['vocab_size']} version {report['version']} trained in {seconds:.1f}s; "
         f"bytes/token train {report['train_bytes_per_token']} val {report['val_bytes_per_token']} -> {path}"
     )

@@ -1,1 +1,1 @@
-"""Chat-side tools: replay records of SFT batches and the `raychat inspect-batch` canary printer."""
+"""The turn parser that serving shares and `raychat chat`, the terminal chat."""

@@ -1,1 +1,1 @@
-"""Data: corpora -> parquet shards -> tokens -> packed rows."""
+"""Data: corpora -> parquet shards, tokenization, packing, the row sources training reads, replay."""

@@ -25,6 +25,7 @@ from pathlib import Path
 import requests
 
 from raychat.data.shards import DataError, inspect_shard, sha256_file, shard_name
+from raychat.log import log
 
 ATTEMPTS = 5
 BACKOFF_S = 1.0
@@ -105,7 +106,7 @@ def download_file(
     backoff_s: float = BACKOFF_S,
     timeout_s: float = TIMEOUT_S,
     verify: Callable[[str], object] = inspect_shard,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = log,
 ) -> Path:
     """Download `url` to `dest` atomically, retrying failures; returns dest.
 
@@ -151,7 +152,7 @@ def download_shards(
     backoff_s: float = BACKOFF_S,
     timeout_s: float = TIMEOUT_S,
     known_sha256: dict[str, str] | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = log,
 ) -> list[Path]:
     """Download shard_{index:05d}.parquet for every index, `workers` at a time; returns their paths in order.
 

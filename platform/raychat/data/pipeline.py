@@ -41,7 +41,7 @@ from raychat.data.row_source import cursor_state, resume_cursor
 from raychat.tokenizer import Tokenizer
 
 CHUNK = 64  # stream references per Ray Data read+tokenize call
-READERS = 2  # concurrent read+tokenize tasks per rank: ~100x a rank's consumption (bench/data_pipeline.md)
+READERS = 2  # read+tokenize tasks per rank: far above a rank's use (bench/results/data_pipeline.md)
 # Threads Ray Data 2.60 starts in this process for one iter_batches stream: its executor, the iterator's
 # pipeline thread and its prefetch/format pool.
 RAY_DATA_THREADS = ("StreamingExecutor-", "iter_threaded", "map_tp_")

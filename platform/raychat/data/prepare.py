@@ -30,6 +30,7 @@ from raychat.data.shards import (
     write_manifest,
     write_shards,
 )
+from raychat.log import log
 from raychat.storage import check_writable, open_storage, run_directory
 
 FORMAT = "raychat-text-shards/1"
@@ -169,7 +170,7 @@ def prepare(
     workers: int = _DEFAULTS.workers,
     attempts: int = 5,
     backoff_s: float = 1.0,
-    log=print,
+    log=log,
 ) -> dict:
     """Prepare a data directory of parquet text shards; returns the manifest (also written to out/manifest.json).
 

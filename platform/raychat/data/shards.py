@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 
 from raychat.atomic import atomic_write, atomic_write_bytes
 from raychat.config.data import PrepareConfig
+from raychat.log import log
 
 MANIFEST = "manifest.json"
 ROW_GROUP_SIZE = PrepareConfig().row_group_size
@@ -83,7 +84,7 @@ def write_shards(
     out_dir: str | Path,
     num_shards: int,
     row_group_size: int = ROW_GROUP_SIZE,
-    log=print,
+    log=log,
 ) -> list[dict]:
     """Cut `documents` (already shuffled) into `num_shards` shards of near-equal document counts, in order.
 

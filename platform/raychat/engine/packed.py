@@ -2,11 +2,11 @@
 plain layout.
 
 Why: on CPU a Linear in the engine runs at 1 to 64 rows (decode) or one prefill chunk, shapes at which
-MKL's sgemm on the plain (out, in) weight reaches 4-60% of its large-matrix rate. oneDNN's matmul with the
+MKL's sgemm on the plain (out, in) weight runs far below its large-matrix rate. oneDNN's matmul with the
 weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the weight
-prepacking torch.compile's CPU backend applies when it freezes a model) was 1.3-2x faster per Linear at
-1..512 rows in fp32 on the 2-core AVX-512 machines here with the weights in cache, and 1.02-1.18x faster
-per whole decode step, whose weights come from memory (bench/results/engine_step_profile.md). The multiply
+prepacking torch.compile's CPU backend applies when it freezes a model) is faster at these shapes, most per
+Linear with the weights in cache, less per whole decode step, whose weights come from memory
+(bench/results/engine_step_profile.md has the numbers). The multiply
 stays in the weight's dtype (fp32 stays fp32: results differ from MKL's only in summation order, about
 1e-6 relative).
 

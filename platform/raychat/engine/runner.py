@@ -290,7 +290,7 @@ class ModelRunner:
         seed: int | None = None,
         stop: tuple[str, ...] | list[str] = (),
     ) -> list[GenerationResult]:
-        """Generate `num_samples` completions of every prompt; see the package docstring for the contract.
+        """Generate `num_samples` completions of every prompt; the contract: docs/engine.md.
 
         Returns:
             list of len(prompts) * num_samples GenerationResult, results[i * num_samples + j].

@@ -1,1 +1,1 @@
-"""Evaluation: bits per byte, samples, task accuracy."""
+"""Evaluation: bits per byte, greedy samples, task accuracy, and `raychat eval`."""

@@ -1,0 +1,1 @@
+"""Hugging Face export of a checkpoint (Qwen3 layout): `raychat export`."""

@@ -1,1 +1,1 @@
-"""Cluster operations: Ray job submission, KubeRay RayJobs, Grafana provisioning."""
+"""Cluster operations: Ray job submission, KubeRay manifests, Grafana dashboards."""

@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raychat.config import RLConfig
+from raychat.log import log
 from raychat.rl.objective import pass_at_k
 from raychat.rl.sync import WeightSync
 from raychat.rl.topology import ActorsLost, Topology
@@ -63,7 +64,7 @@ class RolloutScheduler:
         sync: WeightSync,
         num_prompts: int,
         on_submitted=None,
-        log=print,
+        log=log,
         on_evaluating=None,
     ):
         self.cfg, self.topology, self.sync, self.log = cfg, topology, sync, log

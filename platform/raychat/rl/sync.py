@@ -16,6 +16,7 @@ from collections import deque
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from raychat.log import log
 from raychat.rl.topology import ActorsLost, Topology
 from raychat.rl.weights import check_acks
 
@@ -23,7 +24,7 @@ from raychat.rl.weights import check_acks
 class WeightSync:
     """Publishes weights through `topology` (module doc); counts actor restarts it met in `restarts`."""
 
-    def __init__(self, topology: Topology, mode: str, log=print):
+    def __init__(self, topology: Topology, mode: str, log=log):
         self.topology, self.mode, self.log = topology, mode, log
         self.refs: list | None = None
         self.digest: str | None = None

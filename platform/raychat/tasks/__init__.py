@@ -1,4 +1,4 @@
-"""Tasks (datasets of conversations with checkers), mixtures and curricula. See raychat.tasks.base."""
+"""Tasks (conversations with checkers), mixtures, curricula and the task registry."""
 
 from raychat.tasks.base import EVAL_TYPES, Task, TaskMixture, TaskSequence, extract_answer
 from raychat.tasks.calculator import Calculator

@@ -1,1 +1,1 @@
-"""Training: configuration, optimizers, FP8, the Ray Train loop and its entrypoints."""
+"""Training: the Trainer, optimizers, the optimizer step, checkpointer, FP8, the plan, Ray Train launch."""

@@ -25,6 +25,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raychat.checkpoint_manager import CheckpointManager, find_checkpoint
 from raychat.config import TrainConfig, from_args, from_dict, to_dict
+from raychat.log import log
 from raychat.storage import Storage, check_writable, open_storage, read_bytes, run_directory
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import start_or_connect
@@ -135,10 +136,10 @@ def run_training(cfg: TrainConfig, stage, callbacks=()) -> TrainingResult:
     plan = make_plan(cfg, tokenizer.vocab_size)
     print_plan(cfg, plan)
     c = cfg.cluster
-    print(start_or_connect(c.num_workers, c.cpus_per_worker, stage.data_cpus))
+    log(start_or_connect(c.num_workers, c.cpus_per_worker, stage.data_cpus))
     accum = elastic_grad_accum(cfg, plan.total_batch_size)
     if len(accum) > 1:
-        print("elastic: " + ", ".join(f"{w} workers x {k} accumulation steps" for w, k in accum.items()))
+        log("elastic: " + ", ".join(f"{w} workers x {k} accumulation steps" for w, k in accum.items()))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -161,12 +162,12 @@ def run_training(cfg: TrainConfig, stage, callbacks=()) -> TrainingResult:
     newest = paths.checkpoints.newest()
     uri = paths.storage.uri_of(newest.path) if newest else None
     if isinstance(fault, NonFiniteError):
-        print(f"stopped: {fault}; last checkpoint: {uri}")
+        log(f"stopped: {fault}; last checkpoint: {uri}")
         raise fault
     meta = json.loads(read_bytes(paths.storage, f"{newest.path}/meta.json")) if newest else {}
     result = TrainingResult(uri, meta.get("metrics", {}))
-    print(f"final checkpoint: {uri}")
-    print(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
+    log(f"final checkpoint: {uri}")
+    log(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
     return result
 
 

@@ -4,13 +4,13 @@ A run that streams its rows through Ray Data needs, besides the workers' reserva
 tasks. Ray 2.60's `read_parquet` first lists the files in a ListFiles task that reserves 1 CPU whatever
 `num_cpus` the read is given, then reads and tokenizes in tasks of the stage's `data_cpus`. With less than
 1 CPU left after the workers the dataset waits forever at 0% CPU ("Cluster resources are not enough to run
-any task from TaskPoolMapOperator[ReadFilesParquetV2]": 1 worker x 1.75 CPUs on 2 CPUs, issue 15). So
+any task from TaskPoolMapOperator[ReadFilesParquetV2]", e.g. 1 worker x 1.75 CPUs on 2 CPUs). So
 check_cpu_layout asks for max(data_cpus, RAY_DATA_MIN_CPUS) CPUs beside the workers, and refuses anything
 else before training starts.
 
 A run that finds no Ray cluster (no ray.init yet, no RAY_ADDRESS) starts a local one with the machine's
-cores plus one logical CPU for Ray Data (LOCAL_DATA_CPUS): the data tasks are light (the loop waited for
-data in under 0.1% of its step time, bench/results/train_throughput.md), so one worker can reserve every
+cores plus one logical CPU for Ray Data (LOCAL_DATA_CPUS): the data tasks are light (the loop's data wait
+is in bench/results/train_throughput.md), so one worker can reserve every
 core and still be fed. On a connected cluster (RAY_ADDRESS, e.g. a `ray job submit` job, or RAY_ADDRESS=auto
 for a `ray start` cluster on this machine) the check reads the cluster's CPUs after connecting, before the
 Ray Train run starts.

@@ -2,9 +2,9 @@
 
 The update of `torch.optim.Muon` (torch 2.13, torch/optim/_muon.py; Jordan et al. 2024,
 https://kellerjordan.github.io/posts/muon/), with two things torch's class cannot be told:
-  - the dtype of the Newton-Schulz iteration. torch always casts to bfloat16; on a CPU without native bf16
-    matmul that was 47x slower than fp32 and made Muon 70% of a training step (issue 15; on a CPU with
-    AVX512-BF16, bf16 is instead ~2x faster than fp32: bench/results/muon_step.md). `choose_ns_dtype` picks
+  - the dtype of the Newton-Schulz iteration. torch always casts to bfloat16, which a CPU without native
+    bf16 matmul emulates far slower than fp32, while one with AVX512-BF16 runs it faster than fp32
+    (bench/results/muon_step.md). `choose_ns_dtype` picks
     the fast dtype of the device by a capability check (bf16 tensor cores on CUDA, AVX512-BF16 on CPU).
   - sharding the orthogonalization over the ranks of a data-parallel group (`Muon(shard=True)`), as
     nanochat's DistMuon does: each rank orthogonalizes its share of the matrices, the results are
@@ -113,8 +113,8 @@ def choose_ns_dtype(request: str = "auto", device: str | torch.device = "cpu") -
     else float32:
       CUDA: compute capability >= 8.0 (bf16 tensor cores: A100, H100, L4, ...);
       CPU: the AVX512-BF16 instructions (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later;
-           torch's cpuinfo check torch.cpu._is_avx512_bf16_supported), where oneDNN's bf16 GEMM is ~2x
-           fp32; without them bf16 is emulated (47x slower than fp32 on the machine of issue 15);
+           torch's cpuinfo check torch.cpu._is_avx512_bf16_supported), where oneDNN's bf16 GEMM is faster
+           than fp32; without them bf16 is emulated, far slower than fp32 (bench/results/muon_step.md);
       any other device: float32.
     A rule rather than a timing, so every run and every resume on the same machine chooses the same
     (exact resume; a timing near a tie flips between runs). bench/muon_step.py times both dtypes to check

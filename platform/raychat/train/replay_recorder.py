@@ -8,7 +8,8 @@ on_save: write this rank's records since the last checkpoint to <run dir>/replay
 from __future__ import annotations
 
 from raychat.data.replay import prune_records, replay_meta, step_records, write_records
-from raychat.train.trainer import Callback, log
+from raychat.log import log
+from raychat.train.trainer import Callback
 
 
 class ReplayRecorder(Callback):

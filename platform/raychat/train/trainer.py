@@ -17,7 +17,6 @@ each step's rows, before each checkpoint, at the end of training).
 from __future__ import annotations
 
 import math
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ import torch
 from raychat.checkpoint_manager import CheckpointManager
 from raychat.config import TrainConfig
 from raychat.data.row_source import RowSource
+from raychat.log import log
 from raychat.loss import TokenCrossEntropy
 from raychat.masks import make_batch
 from raychat.metrics_sink import MetricsSink
@@ -37,12 +37,6 @@ from raychat.train.evaluators import Evaluator, evaluate_all
 from raychat.train.optim import lr_multiplier, set_lr
 from raychat.train.plan import Plan
 from raychat.train.step import NonFiniteError, autocast_for, clear_grads, forward_backward, optimizer_step
-
-
-def log(message: str) -> None:
-    """A line to the worker's stdout (streamed to the driver). Ray Train patches `print` to tee into its
-    logger too, which shows every line twice on the driver; writing to sys.__stdout__ directly does not."""
-    print(message, file=sys.__stdout__, flush=True)
 
 
 def to_batch(

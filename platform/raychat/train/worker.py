@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from raychat.checkpoint import load_model, read_meta
 from raychat.checkpoint_manager import CheckpointManager, resolve_checkpoint, verify
 from raychat.config import TrainConfig, from_dict, to_dict
+from raychat.log import log
 from raychat.metrics import TrainMetrics
 from raychat.metrics_sink import MetricsSink
 from raychat.model import GPT, ModelConfig
@@ -38,7 +39,7 @@ from raychat.train.fp8 import convert_to_fp8
 from raychat.train.optim import build_optimizers, muon_ns_choice
 from raychat.train.plan import Plan
 from raychat.train.step import NonFiniteError, autocast_for
-from raychat.train.trainer import Callback, Trainer, log
+from raychat.train.trainer import Callback, Trainer
 
 
 class ProgressBar(Callback):

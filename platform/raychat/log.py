@@ -1,0 +1,26 @@
+"""The one logger of every training, RL and data stage: progress lines from rank 0, from every rank on request.
+
+A process's rank is the RANK variable that torch.distributed's launchers and Ray Train's torch backend set
+(0 where it is unset: the driver, a Ray actor, a plain script). RAYCHAT_LOG_ALL_RANKS=1 logs every rank, each
+line prefixed with "[rank N]". Lines go to sys.stdout through write(), not print(): Ray Train patches
+builtins.print on its workers to tee into its logger as well, which shows every printed line twice on the
+driver. A command's result (JSON, table rows, file lists, a dry run's plan) is printed, not logged.
+"""
+
+import os
+import sys
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def log(message: str) -> None:
+    """One progress line to stdout, on rank 0 only unless RAYCHAT_LOG_ALL_RANKS=1."""
+    r = rank()
+    if os.environ.get("RAYCHAT_LOG_ALL_RANKS") == "1":
+        message = f"[rank {r}] {message}"
+    elif r != 0:
+        return
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()

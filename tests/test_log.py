@@ -1,0 +1,37 @@
+"""raychat.log: rank 0 only by default, every rank on request, and never through print (Ray Train tees print)."""
+
+import builtins
+
+import pytest
+
+from raychat.log import log
+
+
+@pytest.mark.parametrize("rank, printed", [(None, "hello\n"), ("0", "hello\n"), ("1", "")])
+def test_only_rank_0_logs_by_default(monkeypatch, capsys, rank, printed):
+    monkeypatch.delenv("RAYCHAT_LOG_ALL_RANKS", raising=False)
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    log("hello")
+    assert capsys.readouterr().out == printed
+
+
+@pytest.mark.parametrize("rank", ["0", "3"])
+def test_every_rank_logs_when_asked(monkeypatch, capsys, rank):
+    monkeypatch.setenv("RAYCHAT_LOG_ALL_RANKS", "1")
+    monkeypatch.setenv("RANK", rank)
+    log("hello")
+    assert capsys.readouterr().out == f"[rank {rank}] hello\n"
+
+
+def test_a_ray_train_workers_line_is_written_once(monkeypatch, capsys):
+    """Ray Train replaces builtins.print on its workers with one that also logs the line to the root logger,
+    which the driver shows as a second copy; log writes to sys.stdout itself, so the patched print never runs."""
+    teed = []
+    monkeypatch.setattr(builtins, "print", lambda *a, **k: teed.append(a))
+    monkeypatch.setenv("RANK", "0")
+    log("step 1/10")
+    assert teed == []
+    assert capsys.readouterr().out == "step 1/10\n"
