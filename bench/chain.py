@@ -100,7 +100,7 @@ def chain(out: Path) -> dict:
                           stdout=open(out / "tiny_sft.log", "w"), stderr=subprocess.STDOUT)  # fmt: skip
     if proc.returncode:
         sys.exit(f"rl_tiny_sft.py failed; see {out / 'tiny_sft.log'}")
-    run(["rl", "--checkpoint", str(tiny), "--out", str(out / "rl"), "--run-name", "rl", "--steps", "3",
+    run(["rl", "--init-from", str(tiny), "--storage-path", str(out / "rl"), "--run-name", "rl", "--steps", "3",
          "--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-tokens", "24", "--max-operand", "9",
          "--micro-batch-size", "4", "--learner-workers", "2", "--rollout-workers", "1", "--cpus-per-rollout",
          "0.5", "--cpus-per-learner", "0.5", "--eval-every", "3", "--eval-examples", "8", "--eval-samples", "2",

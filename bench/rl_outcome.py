@@ -30,7 +30,7 @@ def main():
     rows = []
     for seed in args.seeds:
         cfg = from_dict(RLConfig, dict(
-            checkpoint=args.checkpoint, out=args.out, run_name=f"seed{seed}", seed=seed, steps=args.steps,
+            init_from=args.checkpoint, storage_path=args.out, run_name=f"seed{seed}", seed=seed, steps=args.steps,
             max_operand=99, prompts_per_step=32, samples_per_prompt=8, max_tokens=32, eval_every=args.steps,
             eval_examples=64, eval_samples=8, checkpoint_every=args.steps,
         ))  # fmt: skip

@@ -43,7 +43,7 @@ def sizes(args) -> None:
         model = GPT(cfg).init_weights(0)
         ck = tmp / f"d{depth}"
         save_model(ck, model, tok, {"stage": "bench"}, commit=True)
-        rl = from_dict(RLConfig, dict(checkpoint=str(ck), task_examples=8, eval_examples=2))
+        rl = from_dict(RLConfig, dict(init_from=str(ck), task_examples=8, eval_examples=2))
         learner = LearnerActor.options(num_cpus=0.5).remote(str(ck), rl)
         rollouts = [RolloutActor.options(num_cpus=0.5).remote(str(ck), rl_tasks(rl), i) for i in range(2)]
         results = [sync_object_store(learner, rollouts, v) for v in range(1, 6)]
@@ -67,7 +67,7 @@ def idle(args) -> None:
     print("|---|---|---|---|---|---|---|")
     for mode in ("sync", "async"):
         cfg = from_dict(RLConfig, dict(
-            checkpoint=args.checkpoint, out=tempfile.mkdtemp(), run_name=mode, mode=mode, max_staleness=1,
+            init_from=args.checkpoint, storage_path=tempfile.mkdtemp(), run_name=mode, mode=mode, max_staleness=1,
             steps=args.steps, max_operand=99, prompts_per_step=32, samples_per_prompt=8, max_tokens=32,
             eval_every=10_000, eval_examples=8, checkpoint_every=10_000,
         ))  # fmt: skip

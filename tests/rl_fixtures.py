@@ -27,7 +27,7 @@ def rl_config(**options) -> RLConfig:
 
 def tiny_config(checkpoint: str, out: str, **kw) -> RLConfig:
     base = dict(
-        checkpoint=checkpoint, out=out, run_name="t", steps=2, task_examples=64, max_operand=9,
+        init_from=checkpoint, storage_path=out, run_name="t", steps=2, task_examples=64, max_operand=9,
         prompts_per_step=4, samples_per_prompt=2, max_tokens=6, micro_batch_size=8, rollout_workers=2,
         learner_workers=1, cpus_per_rollout=0.5, cpus_per_learner=0.5, eval_every=100, eval_examples=4,
         eval_samples=2, checkpoint_every=1, max_restarts=2,

@@ -156,6 +156,23 @@ def test_one_forward_backward():
     assert calls_by_function("no_sync") == {"raychat.train.step:forward_backward"}
 
 
+def test_one_run_section():
+    """Pretraining, SFT and RL share one run section (init_from: the run's starting checkpoint) and one
+    checkpoint section: no config class of raychat.config declares those options a second time."""
+    owners: dict[str, set] = {"init_from": set(), "checkpoint_every": set(), "keep_checkpoints": set()}
+    for name, path in MODULES.items():
+        if name.startswith("raychat.config."):
+            for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+                for stmt in cls.body:
+                    if isinstance(stmt, ast.AnnAssign) and getattr(stmt.target, "id", None) in owners:
+                        owners[stmt.target.id].add(f"{name}:{cls.name}")
+    assert owners == {
+        "init_from": {"raychat.config.train:RunSection"},
+        "checkpoint_every": {"raychat.config.train:CheckpointSection"},
+        "keep_checkpoints": {"raychat.config.train:CheckpointSection"},
+    }
+
+
 # calls that import a module named by a string
 IMPORT_BY_NAME = {"import_module", "__import__", "spec_from_file_location", "module_from_spec"}
 

@@ -81,8 +81,8 @@ def test_a_storage_path_that_is_not_writable(argv, flag, root, tmp_path, capsys)
     [
         (["sft", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "latest"],
          "--init-from: latest: no committed pretrain checkpoint under {root} ({root} holds: data/, tokenizer/)"),
-        (["rl", "--preset", "tiny", "--storage-path", "{root}", "--checkpoint", "latest"],
-         "--checkpoint: latest: no committed sft checkpoint under {root} ({root} holds: data/, pretrain/, "
+        (["rl", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "latest"],
+         "--init-from: latest: no committed sft checkpoint under {root} ({root} holds: data/, pretrain/, "
          "tokenizer/)"),
         (["eval", "--preset", "tiny", "--storage-path", "{root}", "--checkpoint", "{root}/sft/latest"],
          "--checkpoint: {root}/sft does not exist ({root} holds: data/, pretrain/, tokenizer/)"),
@@ -119,7 +119,7 @@ def test_a_latest_that_resolves_to_nothing(argv, want, root, capsys):
          "--run-name: 'a/b' is not a run name"),
         (["sft", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "..", "--run-name", "s"],
          "--init-from: '..' is not a run name"),
-        (["rl", "--preset", "tiny", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", ""],
+        (["rl", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "pretrain", "--run-name", ""],
          "--run-name: '' is not a run name"),
         (["data", "prepare", "--preset", "tiny", "--storage-path", "{root}", "--run-name", ".."],
          "--run-name: '..' is not a run name"),

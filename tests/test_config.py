@@ -15,6 +15,7 @@ from raychat.config import (
     ConfigError,
     RLConfig,
     ServeConfig,
+    SpeedrunConfig,
     TrainConfig,
     add_flags,
     from_args,
@@ -32,7 +33,7 @@ def test_nested_flat_and_alias_keys_build_the_same_config():
     flat = from_dict(TrainConfig, {"depth": 2, "total_batch_size": 1024})
     assert nested == flat and (flat.model.depth, flat.train.batch.total_batch_size) == (2, 1024)
     assert from_dict(TrainConfig, to_dict(flat)) == flat  # the dump reads back
-    rl = from_dict(RLConfig, {"checkpoint": "ck", "out": "o"})  # today's --checkpoint / --out
+    rl = from_dict(RLConfig, {"checkpoint": "ck", "out": "o"})  # RL's deprecated keys
     assert (rl.run.init_from, rl.run.storage_path) == ("ck", "o")
     assert from_dict(ServeConfig, {"checkpoint": "c", "max_rows": 3}).replica.max_slots == 3
 
@@ -97,3 +98,32 @@ def test_presets_are_package_data_found_from_any_directory(tmp_path):
     # depth 26, head_dim 128: width 26 * 64 = 1664 (a multiple of 128), 13 heads; 32 x 16 x 2048 tokens a step
     assert "model: depth 26 width 1664 heads 13" in out
     assert "batch: 1,048,576 tokens/step = 32 workers x 16 rows x 2048 tokens x 1 accumulation steps" in out
+
+
+def test_speedrun_config_composes_the_stage_configs_on_one_root(tmp_path):
+    """SpeedrunConfig: each stage's typed config from the preset, on the layout under --out (README)."""
+    c = SpeedrunConfig.from_preset("tiny", str(tmp_path), num_iterations=5)
+    root = str(tmp_path.resolve())
+    assert (c.data.output_dir(), c.tokenizer.output_dir(), c.tokenizer.data_dir) == (
+        f"{root}/data",
+        f"{root}/tokenizer",
+        f"{root}/data",
+    )
+    assert (
+        c.pretrain.run.storage_path,
+        c.pretrain.run.run_name,
+        c.pretrain.train.horizon.num_iterations,
+    ) == (
+        f"{root}/checkpoints",
+        "base",
+        5,
+    )
+    assert (c.pretrain.data.data_dir, c.pretrain.data.tokenizer_path) == (f"{root}/data", f"{root}/tokenizer")
+    assert (c.sft.run.storage_path, c.sft.run.run_name, c.sft.run.stage) == (
+        f"{root}/checkpoints",
+        "sft",
+        "sft",
+    )
+    assert c.sft.model.depth == c.pretrain.model.depth and c.sft.model.document_masking
+    assert (c.rl.run.storage_path, c.rl.run.run_name, c.rl.run.init_from) == (f"{root}/rl", "rl", "")
+    assert c.rl.rollout.steps == preset_values("tiny", "rl")["steps"]

@@ -147,7 +147,7 @@ def test_cluster_shapes(builds):
         "--cpus-per-worker 7 --run-name pretrain",
         "sft": "python jobs/sft.py --preset cluster --storage-path /mnt/checkpoints/runs --num-workers 8 "
         "--cpus-per-worker 7 --run-name sft --init-from latest",
-        "rl": "python jobs/rl.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name rl --checkpoint latest",
+        "rl": "python jobs/rl.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name rl --init-from latest",
         "eval": "python jobs/eval.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name eval "
         "--checkpoint latest",
         "export": "python jobs/export.py --storage-path /mnt/checkpoints/runs --run-name hf --checkpoint latest",

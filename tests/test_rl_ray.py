@@ -35,7 +35,7 @@ def checkpoint(tmp_path_factory, small_tokenizer):
 
 
 def test_sync_gives_every_rollout_the_same_weights_and_version(ray_cluster, checkpoint):
-    cfg = rl_config(checkpoint=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
+    cfg = rl_config(init_from=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
     tasks = rl_tasks(cfg)
     learner = LearnerActor.options(num_cpus=0.5).remote(checkpoint, cfg)
     rollouts = [RolloutActor.options(num_cpus=0.5).remote(checkpoint, tasks, i) for i in range(2)]
@@ -170,7 +170,7 @@ def test_samples_older_than_the_bound_are_dropped_and_their_prompts_reissued(ray
 
 def test_collective_broadcast_path_with_gloo(ray_cluster, checkpoint):
     """The broadcast sync (the NCCL path on GPUs) run with the gloo backend on CPU: same hash everywhere."""
-    cfg = rl_config(checkpoint=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
+    cfg = rl_config(init_from=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
     learner = LearnerActor.options(num_cpus=0.5).remote(checkpoint, cfg)
     rollouts = [RolloutActor.options(num_cpus=0.5).remote(checkpoint, rl_tasks(cfg), i) for i in range(2)]
     batch = [{"tokens": [1, 5, 9, 20], "mask": [0, 0, 1, 1], "advantage": 1.0}]

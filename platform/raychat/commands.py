@@ -154,8 +154,9 @@ def rl(subparsers) -> None:
         description="GRPO-style RL: rollout actors sample --samples-per-prompt completions per prompt with tool "
         "use, Task.reward scores them, advantages are reward minus the group mean, the learner takes a "
         "policy-gradient step over sampled tokens only, and the new weights are published to every rollout "
-        "actor. Writes OUT/RUN_NAME/{config.yaml,metrics.jsonl,checkpoint_<step>}; running again with the "
-        "same --out and --run-name resumes. Example: raychat rl --checkpoint runs/checkpoints/sft/latest "
+        "actor. Writes STORAGE_PATH/RUN_NAME/{config.yaml,metrics.jsonl,checkpoint_<step>}; running again with "
+        "the same --storage-path and --run-name resumes (--checkpoint, --out and --config: deprecated aliases of "
+        "--init-from, --storage-path and --preset). Example: raychat rl --init-from runs/checkpoints/sft/latest "
         "--task calculator --steps 50",
     )
     add_flags(parser, RLConfig, preset="none", preset_aliases=("--config",))

@@ -14,13 +14,12 @@ import time
 from pathlib import Path
 
 from raychat.checkpoint import load_model
-from raychat.config import RLConfig, TrainConfig, from_dict, preset_section, preset_values, to_dict
-from raychat.config.data import PrepareConfig, TokenizerConfig
-from raychat.config.train import SFT_DEFAULTS
+from raychat.config import RLConfig, SpeedrunConfig, TrainConfig, from_dict, to_dict
 from raychat.data.prepare import prepare, prepare_kwargs
 from raychat.data.shards import list_shards
 from raychat.eval.bpb import unigram_bpb
 from raychat.eval.tasks import task_accuracy
+from raychat.log import log
 from raychat.report import write_report
 from raychat.rl.loop import RLRun
 from raychat.tasks import Calculator
@@ -31,24 +30,22 @@ from raychat.train.sft import sft
 
 
 def stage(title: str):
-    print(f"\n=== {title} " + "=" * max(0, 90 - len(title)), flush=True)
+    log(f"\n=== {title} " + "=" * max(0, 90 - len(title)))
     return time.perf_counter()
 
 
 def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> dict:
-    out_dir = Path(out).resolve()
+    config = SpeedrunConfig.from_preset(preset, out, num_iterations)
+    out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    data_dir, tok_dir = out_dir / "data", out_dir / "tokenizer"
-    data_cfg = from_dict(
-        PrepareConfig, {**preset_section(preset, "data"), "out": str(data_dir)}, where="data settings"
-    )
-    tok_cfg = from_dict(TokenizerConfig, preset_section(preset, "tokenizer"), where="tokenizer settings")
+    data_cfg, tok_cfg, cfg = config.data, config.tokenizer, config.pretrain
+    data_dir, tok_dir = Path(data_cfg.output_dir()), Path(tok_cfg.output_dir())
     report: dict = {"preset": preset, "timings_s": {}}
     t_all = time.perf_counter()
 
     t0 = stage("1/6 data: corpus -> parquet shards")
     if (data_dir / "manifest.json").exists():
-        print(f"using existing shards in {data_dir}")
+        log(f"using existing shards in {data_dir}")
         manifest = json.loads((data_dir / "manifest.json").read_text())
     else:
         manifest = prepare(**prepare_kwargs(data_cfg))
@@ -57,26 +54,15 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
 
     t0 = stage("2/6 tokenizer: byte-level BPE")
     if (tok_dir / "tokenizer.json").exists():
-        print(f"using existing tokenizer in {tok_dir}")
+        log(f"using existing tokenizer in {tok_dir}")
         report["tokenizer"] = {"vocab_size": Tokenizer.load(tok_dir).vocab_size}
     else:
         report["tokenizer"] = train_tokenizer(
-            str(data_dir), str(tok_dir), tok_cfg.vocab_size, tok_cfg.max_chars
+            tok_cfg.data_dir, str(tok_dir), tok_cfg.vocab_size, tok_cfg.max_chars
         )
     report["timings_s"]["tokenizer"] = time.perf_counter() - t0
 
     t0 = stage("3/6 pretrain on Ray Train")
-    values = {
-        **preset_values(preset, "pretrain"),
-        "data_dir": str(data_dir),
-        "tokenizer_path": str(tok_dir),
-        "storage_path": str(out_dir / "checkpoints"),
-        "run_name": "base",
-        "stage": "pretrain",
-    }
-    if num_iterations:
-        values["num_iterations"] = num_iterations
-    cfg = from_dict(TrainConfig, values, where="train settings")
     result = pretrain(cfg)
     report["pretrain"] = {k: v for k, v in result.metrics.items() if k != "samples"}
     report["samples"] = result.metrics.get("samples", [])
@@ -85,30 +71,27 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
 
     t0 = stage("4/6 evaluation: BPB vs unigram baseline")
     report["unigram_bpb"] = unigram_baseline(data_dir, tok_dir)
-    print(
+    log(
         f"validation BPB {report['pretrain'].get('val_bpb', float('nan')):.4f} "
         f"vs unigram baseline {report['unigram_bpb']:.4f}"
     )
     report["timings_s"]["eval"] = time.perf_counter() - t0
 
     final = report["checkpoint"]
-    sft_values = preset_section(preset, "sft")
-    if sft_values.get("num_iterations", 0) > 0:
+    if config.sft:
         t0 = stage("5/6 SFT on Ray Train (same loop, packed conversations)")
-        report["sft"], final = run_sft_stage(cfg, report["checkpoint"], sft_values, out_dir)
+        report["sft"], final = run_sft_stage(config.sft, report["checkpoint"])
         report["timings_s"]["sft"] = time.perf_counter() - t0
-    rl_values = preset_section(preset, "rl")
-    if rl_values.get("steps", 0) > 0 and report.get("sft"):
+    if config.rl and report.get("sft"):
         t0 = stage("6/6 RL: rollout actors + learner")
-        report["rl"], final = run_rl_stage(final, rl_values, out_dir)
+        report["rl"], final = run_rl_stage(config.rl, final)
         report["timings_s"]["rl"] = time.perf_counter() - t0
     report["final_checkpoint"] = final
     report["timings_s"]["total"] = time.perf_counter() - t_all
     report["train_config"] = to_dict(cfg)
+    stages = {"pretrain": cfg, "sft": config.sft, "rl": config.rl}
     curves = {
-        "pretrain": out_dir / "checkpoints" / "base" / "metrics.jsonl",
-        "sft": out_dir / "checkpoints" / "sft" / "metrics.jsonl",
-        "rl": out_dir / "rl" / "rl" / "metrics.jsonl",
+        name: Path(c.run.storage_path) / c.run.run_name / "metrics.jsonl" for name, c in stages.items() if c
     }
     path = write_report(out_dir, report, curves)
     print(f"\nreport: {path}\nfinal checkpoint: {final}")
@@ -123,30 +106,22 @@ def calculator_accuracy(checkpoint: str, num_examples: int, seed: int = 0) -> fl
     return task_accuracy(model, tokenizer, Calculator(split="test", seed=seed), num_examples)
 
 
-def run_sft_stage(
-    base_cfg: TrainConfig, base_checkpoint: str, values: dict, out_dir: Path
-) -> tuple[dict, str]:
-    n = values.get("eval_examples", 64)
+def run_sft_stage(cfg: TrainConfig, base_checkpoint: str) -> tuple[dict, str]:
+    """SFT (`cfg`) from the pretraining checkpoint; calculator accuracy on held-out problems before and after."""
+    n = cfg.train.eval.eval_examples
     before = calculator_accuracy(base_checkpoint, n)
-    print(f"calculator accuracy before SFT: {before:.3f} ({n} held-out problems)")
-    cfg = from_dict(
-        TrainConfig,
-        {"eval_every": 0, "checkpoint_every": 0, **values, **SFT_DEFAULTS, "init_from": base_checkpoint},
-        base=base_cfg,
-        where="sft settings",
-    )
-    result = sft(cfg)
+    log(f"calculator accuracy before SFT: {before:.3f} ({n} held-out problems)")
+    result = sft(from_dict(TrainConfig, {"init_from": base_checkpoint}, base=cfg))
     checkpoint = result.checkpoint
     after = result.metrics["calculator_accuracy"]  # the loop's final evaluation, same problems
-    print(f"calculator accuracy after SFT: {after:.3f} (before {before:.3f})")
+    log(f"calculator accuracy after SFT: {after:.3f} (before {before:.3f})")
     metrics = {k: v for k, v in result.metrics.items() if k != "samples"}
     return {**metrics, "accuracy_before": before, "accuracy_after": after, "eval_examples": n}, checkpoint
 
 
-def run_rl_stage(checkpoint: str, values: dict, out_dir: Path) -> tuple[dict, str]:
-    """RL on the calculator task from the SFT checkpoint; pass@1 on held-out problems before and after."""
-    values = {**values, "checkpoint": checkpoint, "out": str(out_dir / "rl"), "run_name": "rl"}
-    cfg = from_dict(RLConfig, values, where="rl settings")
+def run_rl_stage(cfg: RLConfig, checkpoint: str) -> tuple[dict, str]:
+    """RL (`cfg`) from the SFT checkpoint; pass@1 on held-out problems before and after."""
+    cfg = from_dict(RLConfig, {"init_from": checkpoint}, base=cfg)
     summary = RLRun(cfg).run()
     final = summary["checkpoint"]  # the newest committed (raychat.checkpoint_manager)
     if not summary["evals"]:  # the run had already finished: nothing was trained or evaluated now
@@ -156,7 +131,7 @@ def run_rl_stage(checkpoint: str, values: dict, out_dir: Path) -> tuple[dict, st
         f"{cfg.rollout.steps} steps, pass@1 on {cfg.eval.eval_examples} held-out problems {before['pass@1']:.3f} -> "
         f"{after['pass@1']:.3f}, learner wait {summary['learner_wait_frac']:.2f}, {summary['wall_s']:.0f} s"
     )
-    print(f"RL: {line}")
+    log(f"RL: {line}")
     return {
         "summary": line,
         "pass@1_before": before["pass@1"],

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from raychat.config.presets import PRESET_HELP, preset_values
-from raychat.config.schema import _base_type, _hints, coerce, flag_name, from_dict, leaves
+from raychat.config.schema import _base_type, _hints, coerce, deprecated, flag_name, from_dict, leaves
 
 STORAGE_INPUTS = {"data_dir": "data", "tokenizer_path": "tokenizer"}
 
@@ -26,29 +27,49 @@ def add_flags(
     preset: str | None = None,
     preset_aliases: tuple[str, ...] = (),
 ) -> None:
-    """Add `--preset` (default `preset`; None = no --preset flag) and one flag per leaf of `cls`.
+    """Add `--preset` (default `preset`; None = no --preset flag) and one flag per leaf of `cls`, plus a
+    deprecated flag per name of `cls.DEPRECATED` (raychat.config.schema.deprecated) and of `preset_aliases`.
 
     defaults: the instance whose values the help shows (default `cls()`).
     """
     defaults = defaults if defaults is not None else cls()
     if preset is not None:
         parser.add_argument(
-            "--preset", *preset_aliases, dest="preset", default=preset,
-            help=f"{PRESET_HELP} (default: {preset})",
+            "--preset", *preset_aliases, dest="preset", default=preset, action=_Store,
+            deprecated=preset_aliases, help=f"{PRESET_HELP} (default: {preset})",
         )  # fmt: skip
-    _add_section(parser, cls, defaults, cls.__name__)
+    old = {name: [] for name in leaves(cls)}
+    for alias, name in deprecated(cls).items():
+        old[name].append(flag_name(alias))
+    _add_section(parser, cls, defaults, cls.__name__, old)
 
 
-def _add_section(parser, cls, defaults, title: str) -> None:
+class _Store(argparse.Action):
+    """Store the value; a deprecated option string prints, once, "<prog>: --old is deprecated, use --new"."""
+
+    def __init__(self, option_strings, dest, deprecated=(), **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.deprecated, self.warned = tuple(deprecated), False
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in self.deprecated and not self.warned:
+            self.warned = True
+            print(
+                f"{parser.prog}: {option_string} is deprecated, use {self.option_strings[0]}", file=sys.stderr
+            )
+        setattr(namespace, self.dest, values)
+
+
+def _add_section(parser, cls, defaults, title: str, old: dict[str, list[str]]) -> None:
     hints = _hints(cls)
     group = parser.add_argument_group(title, (cls.__doc__ or "").strip().split("\n")[0] or None)
     for f in dataclasses.fields(cls):
         if f.metadata.get("section"):
-            _add_section(parser, hints[f.name], getattr(defaults, f.name), f"{title}.{f.name}")
+            _add_section(parser, hints[f.name], getattr(defaults, f.name), f"{title}.{f.name}", old)
             continue
         if not f.metadata.get("flag", True):
             continue
-        names = [flag_name(f.name), *(flag_name(a) for a in f.metadata.get("aliases", ()))]
+        names = [flag_name(f.name), *(flag_name(a) for a in f.metadata.get("aliases", ())), *old[f.name]]
         default = getattr(defaults, f.name)
         help = f"{f.metadata['help']} (default: {default!r})"
         kind, _ = _base_type(hints[f.name])
@@ -60,7 +81,7 @@ def _add_section(parser, cls, defaults, title: str) -> None:
             hint = hints[f.name]
             choices = f.metadata.get("choices")
             group.add_argument(
-                *names, dest=f.name, default=None, choices=choices, help=help,
+                *names, dest=f.name, default=None, choices=choices, help=help, action=_Store, deprecated=old[f.name],
                 type=lambda text, hint=hint, name=names[0]: _parse(hint, text, name),
                 metavar=None if choices else kind.__name__.upper(),
             )  # fmt: skip

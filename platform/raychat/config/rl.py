@@ -1,7 +1,8 @@
-"""The RL configuration (`raychat rl`): run, model (how the learner runs it: FP8, compile, as in training), optim
-(the trainer's section with RL's defaults), task, rollout, objective, asynchrony, topology, eval.
+"""The RL configuration (`raychat rl`): run, optim and checkpoint (training's sections with RL's defaults), model
+(how the learner runs it: FP8, compile, as in training), task, rollout, objective, asynchrony, topology, eval.
 
-Flags keep their names: --checkpoint is the run's init_from, --out its storage_path, --config its preset.
+The flags are training's: --init-from, --storage-path, --preset; RL's old --checkpoint, --out and --config stay
+one release as deprecated aliases (RLConfig.DEPRECATED; --config: raychat.commands.rl).
 """
 
 from __future__ import annotations
@@ -9,33 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raychat.config.schema import ConfigError, Section, option, section
-from raychat.config.train import FP8_RECIPES, TRACKERS, OptimSection
+from raychat.config.train import FP8_RECIPES, CheckpointSection, OptimSection, RunSection
 
 MODES = ("sync", "async")
 WEIGHT_SYNCS = ("object_store", "collective")
 TASKS = ("calculator",)
 # loss normalizations over the step (raychat.rl.objective.normalized_loss)
 NORMALIZATIONS = ("token", "sequence", "constant")
-
-
-@dataclass
-class RLRunSection(Section):
-    """What run this is, where it writes, which chat checkpoint it starts from."""
-
-    init_from: str = option(
-        "", "chat (SFT) checkpoint to start from (required): a checkpoint dir, a run dir, <run dir>/latest, a "
-        "run name under --storage-path, or latest (the newest SFT checkpoint there)", aliases=("checkpoint",),
-        kind="reference",
-    )  # fmt: skip
-    storage_path: str = option(
-        "runs/rl", "storage root (a local or NFS directory); checkpoints go to ROOT/RUN_NAME/checkpoint_<step>",
-        aliases=("out",),
-    )  # fmt: skip
-    run_name: str = option(
-        "rl", "run name; running again with the same --out and --run-name resumes", kind="run_name"
-    )
-    seed: int = option(0, "seed of the prompt order and of sampling")
-    tracker: str = option("none", "also log every step to TensorBoard event files or W&B (offline)", TRACKERS)
 
 
 @dataclass
@@ -117,15 +98,15 @@ class RLEvalSection(Section):
     eval_examples: int = option(64, "held-out (test split) prompts per evaluation", ge=1)
     eval_samples: int = option(8, "samples per held-out prompt; pass@k for k = 1..this", ge=1)
     eval_temperature: float = option(1.0, "sampling temperature of the evaluation", ge=0)
-    checkpoint_every: int = option(10, "steps between checkpoints (and at the end)", ge=1)
-    keep_checkpoints: int = option(2, "checkpoints kept (the newest)", ge=1)
 
 
 @dataclass
 class RLConfig(Section):
     """RL of a chat checkpoint (`raychat rl`)."""
 
-    run: RLRunSection = section(RLRunSection)
+    DEPRECATED = {"checkpoint": "init_from", "out": "storage_path"}  # RL's flags before issue 25, one release
+
+    run: RunSection = section(RunSection, run_name="rl", storage_path="runs/rl", stage="rl")
     model: RLModelSection = section(RLModelSection)
     optim: OptimSection = section(
         OptimSection, matrix_lr=0.0002, embedding_lr=0.001, unembedding_lr=0.001, scalar_lr=0.001
@@ -136,6 +117,7 @@ class RLConfig(Section):
     asynchrony: AsyncSection = section(AsyncSection)
     topology: TopologySection = section(TopologySection)
     eval: RLEvalSection = section(RLEvalSection)
+    checkpoint: CheckpointSection = section(CheckpointSection, checkpoint_every=10)
 
     def __post_init__(self):
         super().__post_init__()

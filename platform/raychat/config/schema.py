@@ -205,8 +205,15 @@ def _leaves(cls) -> tuple:
 
 
 def aliases(cls) -> dict[str, str]:
-    """alias -> flat name for every leaf of `cls` that has aliases."""
-    return {a: name for name, (_, f) in leaves(cls).items() for a in f.metadata.get("aliases", ())}
+    """alias -> flat name for every leaf of `cls` that has aliases, and the config's DEPRECATED names."""
+    own = {a: name for name, (_, f) in leaves(cls).items() for a in f.metadata.get("aliases", ())}
+    return {**own, **deprecated(cls)}
+
+
+def deprecated(cls) -> dict[str, str]:
+    """old name -> flat name: a config's `DEPRECATED` class attribute, names kept one release (still YAML keys
+    and flags; the flag prints that it is deprecated)."""
+    return dict(getattr(cls, "DEPRECATED", {}))
 
 
 def flatten(cls, values: dict, where: str | None = None) -> dict:

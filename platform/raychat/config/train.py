@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from raychat.config.schema import ConfigError, Section, option, section
 
-STAGES = ("pretrain", "sft")
+STAGES = ("pretrain", "sft", "rl")
 OVERFLOW_POLICIES = ("crop", "split")  # raychat.data.packing
 TRACKERS = ("none", "tensorboard", "wandb")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -27,8 +27,9 @@ class RunSection(Section):
     storage_path: str = option("runs/checkpoints", "where checkpoints go (local dir, NFS, s3://, gs://)")
     stage: str = option("pretrain", "what the run trains (set by the command)", STAGES, flag=False)
     init_from: str = option(
-        "", "checkpoint to start from (SFT: a pretraining one): a checkpoint dir, a run dir, <run dir>/latest, "
-        "a run name under --storage-path, or latest (the newest pretraining checkpoint there)", kind="reference",
+        "", "checkpoint to start from (SFT: a pretraining one; RL, required: an SFT one): a checkpoint dir, a run "
+        "dir, <run dir>/latest, a run name under --storage-path, or latest (the newest checkpoint of the stage "
+        "before there)", kind="reference",
     )  # fmt: skip
     seed: int = option(0, "seed for init, data order and sampling")
     tracker: str = option("none", "also log every step to TensorBoard event files or W&B (offline)", TRACKERS)

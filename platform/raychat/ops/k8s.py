@@ -5,7 +5,7 @@ The files in k8s/base/ and k8s/overlays/cpu-dev/kustomization.yaml are the outpu
 cluster spec, and the RayService's serveConfigV2 is the text of serve/chat.yaml byte for byte.
 
 The RayJobs are the chain of stages (CHAIN), each a complete command on the PVC's storage root
-(/mnt/checkpoints/runs): data prepare + tokenizer -> pretrain -> sft --init-from latest -> rl --checkpoint
+(/mnt/checkpoints/runs): data prepare + tokenizer -> pretrain -> sft --init-from latest -> rl --init-from
 latest -> eval -> export, each stage's run named after it; the RayService serves <root>/rl/latest. The
 base runs the `cluster` preset on the GPU group (8 pods of 1 GPU: --num-workers 8); the cpu-dev overlay
 the same commands with the `tiny` preset (tests/test_stage_jobs.py runs exactly those on a real cluster).
@@ -226,7 +226,7 @@ def chain_commands(preset: str, shape: tuple[str, ...] = (), root: str = STORAGE
         "data": [["data", "prepare", *common], ["tokenizer", "train", *common]],
         "pretrain": [["pretrain", *common, *shape, "--run-name", "pretrain"]],
         "sft": [["sft", *common, *shape, "--run-name", "sft", "--init-from", "latest"]],
-        "rl": [["rl", *common, "--run-name", "rl", "--checkpoint", "latest"]],
+        "rl": [["rl", *common, "--run-name", "rl", "--init-from", "latest"]],
         "eval": [["eval", *common, "--run-name", "eval", "--checkpoint", "latest"]],
         "export": [["export", "--storage-path", root, "--run-name", "hf", "--checkpoint", "latest"]],
     }

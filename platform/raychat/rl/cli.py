@@ -1,6 +1,6 @@
 """`raychat rl`: RL of a chat checkpoint on a task (raychat.rl.loop.RLRun) on a local or given Ray cluster.
 
---checkpoint is any reference raychat.checkpoint_manager resolves (`latest`: the newest SFT checkpoint under
+--init-from is any reference raychat.checkpoint_manager resolves (`latest`: the newest SFT checkpoint under
 --storage-path; an s3:// or gs:// one is fetched by every actor that loads it); --storage-path is any storage
 root (a directory, NFS, s3://, gs://) the run's checkpoints are committed to. Both are checked before Ray
 starts."""
@@ -20,18 +20,18 @@ from raychat.storage import check_writable, open_storage
 
 
 def resolve_inputs(cfg: RLConfig) -> RLConfig:
-    """--storage-path absolute (or its URI), --checkpoint the checkpoint it names.
+    """--storage-path absolute (or its URI), --init-from the checkpoint it names.
 
-    Raises ValueError naming the flag: no --checkpoint, or one that names nothing."""
+    Raises ValueError naming the flag: no --init-from, or one that names nothing."""
     if not cfg.run.init_from:
-        raise ValueError("--checkpoint: required: a chat (SFT) checkpoint, its run (dir or name), or latest")
+        raise ValueError("--init-from: required: a chat (SFT) checkpoint, its run (dir or name), or latest")
     storage = open_storage(cfg.run.storage_path)
-    init_from = find_checkpoint(cfg.run.init_from, storage, "--checkpoint", stages=("sft",))
+    init_from = find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("sft",))
     return from_dict(RLConfig, {"init_from": init_from, "storage_path": storage.uri}, base=cfg)
 
 
 def config_for(args: argparse.Namespace) -> RLConfig:
-    """The command's RLConfig: flags > --config/--preset (its rl section, or the whole file) > defaults."""
+    """The command's RLConfig: flags > --preset (its rl section, or the whole file) > defaults."""
     return from_args(args, RLConfig, "rl", where="rl settings")
 
 

@@ -19,7 +19,7 @@ restarts, stale_chunks and dropped_samples (cumulative: rollouts refused or drop
 weights were older than the staleness bound, raychat.rl.scheduler; all re-issued). Every --eval-every
 steps: pass@k, k = 1..--eval-samples, on held-out prompts. Checkpoints go to OUT/RUN_NAME/checkpoint_<step:06d>
 on any storage root (a directory, NFS, s3://, gs://) through raychat.checkpoint_manager: every learner uploads
-its part, the driver commits; a run started again with the same --out and --run-name resumes from the newest
+its part, the driver commits; a run started again with the same --storage-path and --run-name resumes from the newest
 committed one.
 
 Faults: a rollout actor that dies during a rollout or an evaluation is restarted by Ray (--max-restarts),
@@ -41,6 +41,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.checkpoint_manager import CheckpointManager
 from raychat.config import RLConfig, to_dict, to_yaml
+from raychat.log import log
 from raychat.metrics import RLMetrics
 from raychat.metrics_sink import MetricsSink
 from raychat.rl.objective import group_advantages
@@ -82,12 +83,12 @@ class RLRun:
     on_evaluating(scheduler, chunks): optional hook after an evaluation's chunks are submitted.
     """
 
-    def __init__(self, cfg: RLConfig, on_submitted=None, log=print, on_evaluating=None):
+    def __init__(self, cfg: RLConfig, on_submitted=None, log=log, on_evaluating=None):
         if not cfg.run.init_from:
-            raise ValueError("--checkpoint (a chat checkpoint directory) is required")
+            raise ValueError("--init-from (a chat checkpoint directory) is required")
         self.cfg, self.log = cfg, log
         self.checkpoints = CheckpointManager(
-            open_storage(cfg.run.storage_path), cfg.run.run_name, cfg.eval.keep_checkpoints
+            open_storage(cfg.run.storage_path), cfg.run.run_name, cfg.checkpoint.keep_checkpoints
         )
         self.run_dir = self.checkpoints.storage.uri_of(self.checkpoints.run_path)
         self.tasks = rl_tasks(cfg)
@@ -118,7 +119,7 @@ class RLRun:
 
     def resume(self) -> int:
         """Restore every learner from the newest committed checkpoint; returns its step (0 when there is none:
-        the learners hold --checkpoint's weights, version 0)."""
+        the learners hold --init-from's weights, version 0)."""
         newest = self.checkpoints.newest()
         if newest is None:
             self.set_version(0)
@@ -253,7 +254,8 @@ class RLRun:
             if "eval" in line:
                 self.log(f"eval step {step + 1}: {_fmt(evals[-1])}")
             metrics.log(line)
-            if (step + 1) % cfg.eval.checkpoint_every == 0 or step + 1 == steps:
+            every = cfg.checkpoint.checkpoint_every  # 0: only at the end
+            if (every and (step + 1) % every == 0) or step + 1 == steps:
                 self.save(step + 1, evals[-1] if evals else None)
         self.sync.drain()
         newest = self.checkpoints.newest()

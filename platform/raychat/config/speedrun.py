@@ -1,0 +1,61 @@
+"""The speedrun's configuration (`raychat speedrun`): each stage's own config, built once from a preset on one
+output root in the layout README documents (<out>/data, <out>/tokenizer, <out>/checkpoints/{base,sft},
+<out>/rl/rl). A stage's input checkpoint is the stage before's result, set when that stage has run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from raychat.config.data import PrepareConfig, TokenizerConfig
+from raychat.config.presets import preset_section, preset_values
+from raychat.config.rl import RLConfig
+from raychat.config.schema import from_dict
+from raychat.config.train import SFT_DEFAULTS, TrainConfig
+
+
+@dataclass
+class SpeedrunConfig:
+    """The stages of the speedrun; sft and rl are None when the preset does not run them (its `sft` section
+    sets no positive num_iterations, its `rl` section no positive steps)."""
+
+    out: str
+    data: PrepareConfig
+    tokenizer: TokenizerConfig
+    pretrain: TrainConfig
+    sft: TrainConfig | None
+    rl: RLConfig | None
+
+    @classmethod
+    def from_preset(cls, preset: str, out: str = "runs", num_iterations: int | None = None) -> SpeedrunConfig:
+        """The preset's stage sections on the layout under `out` (made absolute); `num_iterations` replaces
+        pretraining's.
+
+        Raises:
+            ConfigError: an unknown key or a bad value in a section (the message names the section).
+        """
+        root = Path(out).resolve()
+        data_dir, tok_dir, checkpoints = root / "data", root / "tokenizer", root / "checkpoints"
+        data = from_dict(
+            PrepareConfig, {**preset_section(preset, "data"), "out": str(data_dir)}, where="data settings"
+        )
+        tokenizer = from_dict(
+            TokenizerConfig,
+            {**preset_section(preset, "tokenizer"), "data_dir": str(data_dir), "out": str(tok_dir)},
+            where="tokenizer settings",
+        )
+        layout = {"data_dir": str(data_dir), "tokenizer_path": str(tok_dir), "storage_path": str(checkpoints)}
+        values = {**preset_values(preset, "pretrain"), **layout, "run_name": "base", "stage": "pretrain"}
+        if num_iterations:
+            values["num_iterations"] = num_iterations
+        pretrain = from_dict(TrainConfig, values, where="train settings")
+        sft_values, rl_values = preset_section(preset, "sft"), preset_section(preset, "rl")
+        sft = None
+        if sft_values.get("num_iterations", 0) > 0:
+            sft_values = {"eval_every": 0, "checkpoint_every": 0, **sft_values, **SFT_DEFAULTS}
+            sft = from_dict(TrainConfig, sft_values, base=pretrain, where="sft settings")
+        rl = None
+        if rl_values.get("steps", 0) > 0:
+            rl_values = {**rl_values, "storage_path": str(root / "rl"), "run_name": "rl"}
+            rl = from_dict(RLConfig, rl_values, where="rl settings")
+        return cls(str(root), data, tokenizer, pretrain, sft, rl)
