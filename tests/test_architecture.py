@@ -173,6 +173,33 @@ def test_one_run_section():
     }
 
 
+CHECKPOINT_NAMES = re.compile(r"checkpoint_\*|^checkpoint_$|commit\.json")
+
+
+def test_one_newest_rule():
+    """Which directories are checkpoints, which are committed and which is newest is decided in one module:
+    no other module of the package names the checkpoint_ pattern or the commit marker in its code
+    (docstrings aside), so none can glob, sort or pick checkpoints by a rule of its own."""
+    found = set()
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)
+        }  # fmt: skip
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and id(node) not in docstrings
+                and CHECKPOINT_NAMES.search(node.value)
+            ):
+                found.add(name)
+    assert found == {"raychat.checkpoint_manager"}
+
+
 # calls that import a module named by a string
 IMPORT_BY_NAME = {"import_module", "__import__", "spec_from_file_location", "module_from_spec"}
 
