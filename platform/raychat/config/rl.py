@@ -14,7 +14,7 @@ from raychat.config.train import FP8_RECIPES, CheckpointSection, OptimSection, R
 
 MODES = ("sync", "async")
 WEIGHT_SYNCS = ("object_store", "collective")
-TASKS = ("calculator",)
+REWARD_TASKS = ("calculator",)  # the tasks of raychat.tasks.registry whose reward RL can optimize
 # loss normalizations over the step (raychat.rl.objective.normalized_loss)
 NORMALIZATIONS = ("token", "sequence", "constant")
 
@@ -31,7 +31,7 @@ class RLModelSection(Section):
 
 @dataclass
 class TaskSection(Section):
-    task: str = option("calculator", "task the prompts and rewards come from", TASKS)
+    task: str = option("calculator", "task the prompts and rewards come from", REWARD_TASKS)
     task_examples: int = option(10_000, "training prompts (train split)", ge=1)
     max_operand: int = option(999, "calculator: operands are drawn from 0..max_operand", ge=1)
 
