@@ -34,13 +34,13 @@ def part(directory: Path, files: dict[str, bytes]) -> Path:
 def save(manager: CheckpointManager, tmp: Path, step: int, ranks: int = 2) -> str:
     """Checkpoint `step` as the training stages save it: prepare, every rank uploads its part, then commit."""
     manager.prepare(step)
-    files = {}
+    parts = []
     for r in range(ranks):
         local = part(tmp / f"s{step}r{r}", {f"state_rank{r}.npz": f"rank {r} at {step}".encode()})
         if r == 0:
             part(local, {"model.safetensors": b"w" * step, "meta.json": json.dumps({"step": step}).encode()})
-        files.update(manager.upload(local, step))
-    return manager.commit(step, files, "pretrain")
+        parts.append(manager.upload(local, step))
+    return manager.commit(step, parts, "pretrain")
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -58,7 +58,7 @@ def test_the_commit_marker_lists_every_ranks_files_and_is_written_last(tmp_path)
     rank0 = manager.upload(
         part(tmp_path / "r0", {"model.safetensors": b"w" * 10, "state_rank0.npz": b"zero"}), 4
     )
-    uri = manager.commit(4, {**rank0, **rank1}, "sft")
+    uri = manager.commit(4, [rank0, rank1], "sft")
     assert uri == str(tmp_path / "runs" / "run" / "checkpoint_000004")
     commit = json.loads((Path(uri) / COMMIT_FILE).read_text())
     assert (commit["format"], commit["step"], commit["stage"]) == (1, 4, "sft")
@@ -68,6 +68,8 @@ def test_the_commit_marker_lists_every_ranks_files_and_is_written_last(tmp_path)
         "state_rank1.npz": {"size": 3, "sha256": hashlib.sha256(b"one").hexdigest()},
     }
     assert (manager.newest().step, manager.newest().path) == (4, uri)
+    with pytest.raises(ValueError, match=r"\['state_rank1.npz'\] uploaded by two ranks"):
+        manager.commit(4, [rank1, rank1], "sft")
 
 
 def test_newest_and_pruning_go_by_step_not_by_name(tmp_path):

@@ -5,6 +5,7 @@ command's line in `raychat --help` is its parser's own help; each parser names a
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -19,14 +20,14 @@ HEAVY = ("torch", "ray", "pyarrow", "numpy")
 def imported_by(argv: list[str]) -> tuple[set[str], str]:
     """The top-level packages of HEAVY that `raychat ARGV` imports in a fresh Python, and its stdout."""
     code = (
-        "import atexit, sys\n"
-        f"atexit.register(lambda: print('HEAVY', sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r})))\n"
+        "import atexit, json, sys\n"
+        f"atexit.register(lambda: print('HEAVY', json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))))\n"
         "from raychat.cli import main\n"
         f"sys.exit(main({argv!r}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     heavy = next(line for line in out.splitlines() if line.startswith("HEAVY"))
-    return set(eval(heavy[len("HEAVY ") :])), out  # a printed list of module names
+    return set(json.loads(heavy[len("HEAVY ") :])), out
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

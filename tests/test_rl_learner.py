@@ -121,7 +121,7 @@ def test_checkpoint_round_trip_restores_optimizer(tmp_path, small_tokenizer):
     a.step([dict(s) for s in BATCH])
     checkpoints = CheckpointManager(open_storage(tmp_path), "rl")
     checkpoints.prepare(1)
-    checkpoints.commit(1, a.save(checkpoints, step=1), "rl")  # what RLRun.save does with its learners
+    checkpoints.commit(1, [a.save(checkpoints, step=1)], "rl")  # what RLRun.save does with its learners
     b = Learner(ckpt, cfg)
     assert b.restore(checkpoints.uri(1)) == {"step": 1, "version": 1} and b.version == 1
     assert b.weights_hash() == a.weights_hash()

@@ -38,6 +38,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,9 +229,16 @@ class CheckpointManager:
             )
         return files
 
-    def commit(self, step: int, files: dict[str, dict], stage: str) -> str:
-        """Write checkpoint `step`'s commit marker (call once every rank's upload has returned) and prune;
-        returns the checkpoint's URI."""
+    def commit(self, step: int, parts: Sequence[dict[str, dict]], stage: str) -> str:
+        """Write checkpoint `step`'s commit marker over every rank's upload() result in `parts` (call once all
+        of them have returned) and prune; returns the checkpoint's URI.
+
+        Raises ValueError: two parts hold a file of the same name (two ranks wrote over each other)."""
+        files: dict[str, dict] = {}
+        for part in parts:
+            if clash := files.keys() & part.keys():
+                raise ValueError(f"checkpoint {self.uri(step)}: {sorted(clash)} uploaded by two ranks")
+            files.update(part)
         write_bytes(self.storage, f"{self.path(step)}/{COMMIT_FILE}", marker(step, stage, files))
         self.prune()
         return self.uri(step)

@@ -115,7 +115,7 @@ class RLRun:
         parts = ray.get(
             [lr.save.remote(self.checkpoints, step, {"eval": evaluation}) for lr in self.topology.learners]
         )
-        return self.checkpoints.commit(step, {k: v for part in parts for k, v in part.items()}, "rl")
+        return self.checkpoints.commit(step, parts, "rl")
 
     def resume(self) -> int:
         """Restore every learner from the newest committed checkpoint; returns its step (0 when there is none:

@@ -105,8 +105,7 @@ def commit_ranks(
     if world > 1:
         dist.all_gather_object(every, files)
     if rank == 0:
-        merged = {name: entry for part in every for name, entry in part.items()}
-        manager.commit(step, merged, stage)
+        manager.commit(step, every, stage)
     if world > 1:
         dist.barrier()
     return manager.uri(step)
