@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 # The S3-compatible server the tests use (moto), in a venv of its own: moto needs python-dateutil<3,
-# kubernetes>=3. tests/s3_server.py starts .venv/s3/bin/moto_server on a free loopback port.
+# kubernetes>=3. tests/support/s3_server.py starts .venv/s3/bin/moto_server on a free loopback port.
 S3_VENV := $(VENV)/s3
 S3_STAMP := $(S3_VENV)/.installed
 $(S3_STAMP): constraints-s3.txt

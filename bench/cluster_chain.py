@@ -1,8 +1,8 @@
 """Job overhead on a real multi-node Ray cluster: the wall time of the whole chain of stage jobs, of each job,
 and each training job's start-up (submission -> its first training step line arriving at `raychat submit`).
 
-The chain and the cluster are the ones of tests/test_stage_jobs.py: tests/cluster.py's LocalCluster (a head
-with no CPUs, workers a and b with 2 logical CPUs each (CLUSTER_WORKERS), token auth) and tests/stage_chain.py's run_chain (the KubeRay
+The chain and the cluster are the ones of tests/cluster/test_stage_jobs.py: tests/support/cluster.py's LocalCluster (a head
+with no CPUs, workers a and b with 2 logical CPUs each (CLUSTER_WORKERS), token auth) and tests/support/stage_chain.py's run_chain (the KubeRay
 cpu-dev RayJobs' entrypoints, the PVC mapped to a temp dir, each command submitted with `raychat submit`).
 Not a timed test: the numbers depend on the machine's load, printed beside them.
 
@@ -22,8 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from cluster import CLUSTER_WORKERS, LocalCluster, short_temp_dir  # noqa: E402
-from stage_chain import run_chain  # noqa: E402
+from support.cluster import CLUSTER_WORKERS, LocalCluster, short_temp_dir  # noqa: E402
+from support.stage_chain import run_chain  # noqa: E402
 
 TOKENS_PER_S = re.compile(r"tok/s ([\d,]+)|rollout_tokens_per_s=([\d.e+]+)")
 

@@ -1,4 +1,6 @@
-"""Shared pytest fixtures: a tiny tokenizer, a real multi-node Ray cluster, a real S3 server."""
+"""Shared pytest fixtures: a tiny tokenizer, a real multi-node Ray cluster, a real S3 server. The tiers:
+tests/unit (no Ray), tests/ray (a local Ray instance), tests/cluster (the multi-node fixture cluster);
+helpers in tests/support."""
 
 import os
 from pathlib import Path
@@ -10,9 +12,9 @@ os.environ["RAY_AUTH_MODE"] = "token"
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
-from cluster import CLUSTER_WORKERS, LocalCluster, short_temp_dir  # noqa: E402
 from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader  # noqa: E402
-from s3_server import CREDENTIALS, start_s3_server  # noqa: E402
+from support.cluster import CLUSTER_WORKERS, LocalCluster, short_temp_dir  # noqa: E402
+from support.s3_server import CREDENTIALS, start_s3_server  # noqa: E402
 
 from raychat.tokenizer import Tokenizer  # noqa: E402
 
@@ -32,15 +34,19 @@ def small_tokenizer() -> Tokenizer:
 
 
 def pytest_collection_modifyitems(items):
-    """Run the modules that use the fixture cluster last (in their usual order), so the session's cluster
-    starts once, late, and is not kept idle on the 2 cores while the other tests run."""
+    """Mark each test with its tier's marker (tests/ray and tests/cluster start Ray: `ray`), and run the
+    modules that use the fixture cluster last (in their usual order), so the session's cluster starts once,
+    late, and is not kept idle on the 2 cores while the other tests run."""
+    for it in items:
+        if Path(it.path).parent.name in ("ray", "cluster"):
+            it.add_marker(pytest.mark.ray)
     uses = {it.module.__name__ for it in items if "multinode_cluster" in it.fixturenames}
     items.sort(key=lambda it: it.module.__name__ in uses)
 
 
 @pytest.fixture(scope="session")
 def multinode_cluster():
-    """A real 3-node Ray cluster (tests/cluster.py): head + workers "a" and "b" (CLUSTER_WORKERS), token auth
+    """A real 3-node Ray cluster (tests/support/cluster.py): head + workers "a" and "b" (CLUSTER_WORKERS), token auth
     on, started once per session on first use and stopped at the end, also after a failure. The nodes hold
     S3 credentials (what an instance role gives a real node); the endpoint travels with the filesystem."""
     cluster = LocalCluster(short_temp_dir("rc"), extra_env=dict(CREDENTIALS))
@@ -75,7 +81,7 @@ def multinode_driver(multinode_cluster):
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    """moto's S3 server on a free loopback port for the session (tests/s3_server.py)."""
+    """moto's S3 server on a free loopback port for the session (tests/support/s3_server.py)."""
     server = start_s3_server(Path(tmp_path_factory.mktemp("s3")) / "moto.log")
     try:
         yield server
@@ -93,7 +99,7 @@ def s3_env(s3_server, monkeypatch):
 
 @pytest.fixture(scope="session")
 def tool_checkpoint(tmp_path_factory):
-    """A checkpoint of tests/tool_model.py's tiny GPT, which calls the calculator (trained once a session)."""
-    from tool_model import write_tool_checkpoint
+    """A checkpoint of tests/support/tool_model.py's tiny GPT, which calls the calculator (trained once a session)."""
+    from support.tool_model import write_tool_checkpoint
 
     return write_tool_checkpoint(tmp_path_factory.mktemp("tool-model"))

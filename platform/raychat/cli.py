@@ -14,7 +14,7 @@ import sys
 
 from raychat.ops.job_python import missing_dependency_message
 
-# command -> its line in `raychat --help` (tests/test_cli.py keeps each equal to its parser's own help)
+# command -> its line in `raychat --help` (tests/unit/test_cli.py keeps each equal to its parser's own help)
 COMMANDS = {
     "speedrun": "the main job: data -> tokenizer -> pretrain -> eval -> SFT -> RL -> report",
     "data": "prepare pretraining text shards",
@@ -39,7 +39,7 @@ COMMANDS = {
 
 def load(target: str):
     """The object `target` names ("module:name"), its module imported now: the package's one import by name
-    (tests/test_architecture.py allows it here only), so that a command's parser and the code that runs it are
+    (tests/unit/test_architecture.py allows it here only), so that a command's parser and the code that runs it are
     imported when the command is dispatched, never for `raychat --help`."""
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)

@@ -22,7 +22,7 @@ from raychat.config.presets import PRESET_HELP
 from raychat.ops.jobs import DEFAULT_ADDRESS, SUBMIT_CHOICES
 from raychat.ops.k8s import IMAGE, RAYJOB_STAGES
 
-# the canaries of raychat.data.inspect_batch.canary_conversations (tests/test_cli.py keeps them equal)
+# the canaries of raychat.data.inspect_batch.canary_conversations (tests/unit/test_cli.py keeps them equal)
 CANARIES = ("short", "empty", "tool_use", "unicode", "code", "overlong", "overlong_turn")
 
 PREPARE_EPILOG = """examples:

@@ -4,7 +4,7 @@ Every metric name starts with `raychat_`. Ray's Prometheus endpoint (each node's
 dashboard) adds its own `ray_` prefix, so `raychat_train_loss` is scraped as `ray_raychat_train_loss`, and a
 Counter gains Prometheus' `_total` suffix (`ray_raychat_serve_generated_tokens_total`). Histograms expose
 `_bucket`, `_sum` and `_count` series; Ray 2.60 computes `_sum` from bucket midpoints (checked by
-tests/test_metrics.py), so quantiles come from the buckets and `_sum / _count` is only approximate.
+tests/ray/test_metrics.py), so quantiles come from the buckets and `_sum / _count` is only approximate.
 
 Metrics (tags in brackets; units in the name or below):
   training   [run, stage]   raychat_train_step, raychat_train_loss (nats/token), raychat_train_lr,

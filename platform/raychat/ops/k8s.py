@@ -1,14 +1,14 @@
 """KubeRay (ray.io/v1) manifests for raychat, built in one place (`raychat k8s generate|submit`: ops/k8s_cli.py).
 
 The files in k8s/base/ and k8s/overlays/cpu-dev/kustomization.yaml are the output of `raychat k8s generate`
-(tests/test_k8s.py fails when they drift), so the RayCluster, the RayJobs and the RayService share one
+(tests/unit/test_k8s.py fails when they drift), so the RayCluster, the RayJobs and the RayService share one
 cluster spec, and the RayService's serveConfigV2 is the text of serve/chat.yaml byte for byte.
 
 The RayJobs are the chain of stages (CHAIN), each a complete command on the PVC's storage root
 (/mnt/checkpoints/runs): data prepare + tokenizer -> pretrain -> sft --init-from latest -> rl --init-from
 latest -> eval -> export, each stage's run named after it; the RayService serves <root>/rl/latest. The
 base runs the `cluster` preset on the GPU group (8 pods of 1 GPU: --num-workers 8); the cpu-dev overlay
-the same commands with the `tiny` preset (tests/test_stage_jobs.py runs exactly those on a real cluster).
+the same commands with the `tiny` preset (tests/cluster/test_stage_jobs.py runs exactly those on a real cluster).
 
 Cluster shape: a CPU head (num-cpus 0: no training or serving work lands on it) and a GPU worker group
 autoscaled 0..8 by the KubeRay autoscaler v2 (autoscalerOptions.version v2, worker restartPolicy Never as

@@ -22,7 +22,7 @@ Differences from `raychat serve` (raychat.serve.app), by design of this path:
   - Marker text inside content (e.g. a user typing "<|assistant_end|>") is plain text here too: the exported
     template escapes it and the exported tokenizer's normalizer restores it after special tokens are
     matched (raychat.export.hf.MARKER_ESCAPE), so vLLM sees raychat's token ids (tested with transformers'
-    apply_chat_template on the exported tokenizer: tests/test_serve_vllm.py).
+    apply_chat_template on the exported tokenizer: tests/unit/test_serve_vllm.py).
   - The calculator is NOT available: vLLM does not run raychat's engine, so nothing executes a
     <|python_start|> ... <|python_end|> call or injects its result; a model trained to call the calculator
     gets no result and continues on its own, and vLLM returns the call as plain text in `content` (its

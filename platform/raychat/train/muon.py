@@ -19,7 +19,7 @@ One step, for each matrix parameter W (m x n) with gradient G, momentum mu, lr g
     W <- W (1 - gamma lambda)                        (decoupled weight decay with the unadjusted lr)
     W <- W - gamma' O,  gamma' = gamma sqrt(max(1, m / n))   ("original", Keller Jordan's scaling)
                         or gamma' = 0.2 gamma sqrt(max(m, n)) ("match_rms_adamw", Liu et al. 2025)
-With ns_dtype=torch.bfloat16 this is bit-identical to torch.optim.Muon (tests/test_muon.py checks it).
+With ns_dtype=torch.bfloat16 this is bit-identical to torch.optim.Muon (tests/unit/test_muon.py checks it).
 The param_groups carry torch.optim.Muon's keys, so checkpoints of either load into the other.
 """
 

@@ -1,0 +1,251 @@
+"""`raychat submit` / `raychat jobs`: unit tests of the pieces, then a real local Ray cluster with token auth.
+
+The integration tier starts its own head node (tests/support/cluster.py: `ray start --head --block`, free loopback
+ports, token auth with a token of its own, a process group of its own, everything stopped afterwards) from a
+PATH whose `python` is a bare Python without raychat's dependencies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from support.cluster import LocalCluster, short_temp_dir
+
+from raychat.cli import main as raychat_main
+from raychat.ops import submit
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------- unit tests (fast tier)
+
+
+def test_entrypoint_for_stage_and_command(tmp_path):
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "sft.py").write_text("")
+    assert submit.entrypoint_for("sft", ["--depth", "4", "--tag", "a b"], tmp_path) == (
+        "python jobs/sft.py --depth 4 --tag 'a b'"
+    )
+    assert submit.entrypoint_for("sft", [], tmp_path, python="/opt/ray py/bin/python") == (
+        "'/opt/ray py/bin/python' jobs/sft.py"
+    )
+    assert (
+        submit.entrypoint_for("command", ["python", "-c", "print(42)"], tmp_path) == "python -c 'print(42)'"
+    )
+    with pytest.raises(ValueError, match="jobs/rl.py does not exist"):
+        submit.entrypoint_for("rl", [], tmp_path)
+    with pytest.raises(ValueError, match="stage must be one of"):
+        submit.entrypoint_for("train", [], tmp_path)
+    with pytest.raises(ValueError, match="needs a command"):
+        submit.entrypoint_for("command", [], tmp_path)
+
+
+def test_runtime_env_for(tmp_path):
+    env = submit.runtime_env_for(tmp_path, pip=["tiktoken>=0.14,<0.15"], env_vars={"A": "1"})
+    assert env == {
+        "working_dir": str(tmp_path),
+        "excludes": [".venv", "runs", ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache"],
+        "py_modules": [str(tmp_path / "platform" / "raychat")],
+        "pip": ["tiktoken>=0.14,<0.15"],
+        "env_vars": {"A": "1"},
+    }
+    assert "pip" not in submit.runtime_env_for(tmp_path)  # default: the image's environment
+
+
+def test_project_requirements_drop_torch_keep_the_rest(tmp_path):
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "x"\ndependencies = ["torch>=2.13,<2.15", "torchao>=0.18,<0.19", "ray[serve]>=2.60"]\n'
+    )
+    assert submit.project_requirements(tmp_path) == ["torchao>=0.18,<0.19", "ray[serve]>=2.60"]
+
+
+def test_load_token_order(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    assert submit.load_token() is None
+    (home / ".ray" / "auth_token").write_text("from-home\n")
+    assert submit.load_token() == "from-home"
+    (tmp_path / "p").write_text("from-path")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "p"))
+    assert submit.load_token() == "from-path"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "from-env")
+    assert submit.load_token() == "from-env"
+    (tmp_path / "f").write_text(" from-flag ")
+    assert submit.load_token(str(tmp_path / "f")) == "from-flag"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="--token-file: token file .* is empty"):
+        submit.load_token(str(tmp_path / "empty"))
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="RAY_AUTH_TOKEN_PATH"):
+        submit.load_token()
+
+
+def test_cli_parses_options_before_stage_and_passes_the_rest():
+    from raychat.cli import build_parser
+
+    args = build_parser("submit").parse_args(
+        ["submit", "--no-wait", "--num-gpus", "1", "pretrain", "--depth", "12"]
+    )
+    assert (args.stage, args.stage_args, args.no_wait, args.num_gpus) == (
+        "pretrain",
+        ["--depth", "12"],
+        True,
+        1.0,
+    )
+
+
+def test_missing_dependency_message_names_the_python_ray_runs(tmp_path):
+    """A real process tree like a job's: a process that has loaded Ray (the job supervisor) -> sh -c -> the
+    entrypoint. The entrypoint finds the supervisor's Python from the ray/_raylet.so it loaded."""
+    supervisor = "import subprocess, sys, ray._raylet; sys.exit(subprocess.run(['/bin/sh', '-c', sys.argv[1]]).returncode)"
+    code = "from raychat.ops.job_python import missing_dependency_message as m; print(m('pyarrow'))"
+    entrypoint = (
+        f"true && {sys.executable} -c {code!r}"  # `true &&`: sh stays in between, as with Ray's shell
+    )
+    env = dict(os.environ, RAY_JOB_CONFIG_JSON_ENV_VAR="{}")
+    r = subprocess.run(
+        [sys.executable, "-c", supervisor, entrypoint], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    ray_python = Path(sys.prefix) / "bin" / "python3"
+    assert r.stdout.strip() == (
+        f"this Python, {sys.executable} (Python {sys.version.split()[0]}), cannot import 'pyarrow', a dependency"
+        f" of raychat. This Ray job's `python` is not the Python the cluster runs Ray with (Ray itself runs "
+        f"{ray_python} there): resubmit with `raychat submit --python {ray_python} ...`, or start the "
+        "cluster's nodes with that Python's bin first on PATH (docs/deployment.md)"
+    )
+    from raychat.ops.job_python import missing_dependency_message
+
+    assert missing_dependency_message("torch").endswith(
+        "cannot import 'torch', a dependency of raychat: install raychat into it (pip install raychat) or run "
+        "raychat from its venv"
+    )  # not in a job: no Ray advice
+
+
+# ---------------------------------------------------------------- a real cluster with token auth
+
+
+@pytest.fixture(scope="module")
+def token_cluster(tmp_path_factory):
+    """A head node (tests/support/cluster.py) started as `.venv/bin/ray start` from a shell whose PATH finds a bare
+    Python first (a venv with the standard library only, like the machine's global Python): what a job's
+    `python` is on a head started without the venv on PATH. Ray itself runs this venv's Python."""
+    bare = tmp_path_factory.mktemp("bare") / "py"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    cluster = LocalCluster(short_temp_dir("rcsub"), head_cpus=1, path_prefix=[str(bare / "bin")])
+    try:
+        cluster.start(workers={})
+        yield {
+            "url": cluster.dashboard_url,
+            "token_file": cluster.token_file,
+            "tmp": cluster.root,
+            "bare_python": bare / "bin" / "python",
+            "cluster": cluster,
+        }
+    finally:
+        cluster.stop()
+
+
+def _raychat(args: list[str], tmp: Path, **env_extra) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(tmp / "home"), **env_extra)  # no ~/.ray/auth_token: the token comes from the flag
+    return subprocess.run(
+        [sys.executable, "-m", "raychat.cli", *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.ray
+def test_submit_follow_and_jobs_commands(token_cluster):
+    c = token_cluster
+    conn = ["--address", c["url"], "--token-file", str(c["token_file"])]
+    # exactly the command of docs/deployment.md
+    r = _raychat(["submit", *conn, "--job-id", "rc-ok", "command", "python", "-c", "print(6 * 7)"], c["tmp"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "\n42\n" in r.stdout
+    assert "job rc-ok SUCCEEDED" in r.stderr
+
+    code = (
+        "import os, sys, raychat; print('cwd-has-pyproject', os.path.isfile('pyproject.toml'));"
+        " print('raychat-from', raychat.__file__); sys.exit(3)"
+    )
+    r = _raychat(["submit", *conn, "command", "python", "-c", code], c["tmp"])
+    assert r.returncode == 1, r.stdout + r.stderr  # FAILED
+    assert "FAILED" in r.stderr
+    assert "cwd-has-pyproject True" in r.stdout  # working_dir = this checkout
+    from_line = next(line for line in r.stdout.splitlines() if line.startswith("raychat-from"))
+    assert str(REPO / "platform") not in from_line  # py_modules: the uploaded copy, not the local install
+
+    r = _raychat(["jobs", "list", *conn], c["tmp"])
+    assert r.returncode == 0, r.stderr
+    assert "rc-ok\tSUCCEEDED\tpython -c 'print(6 * 7)'" in r.stdout
+
+    r = _raychat(["jobs", "logs", *conn, "rc-ok"], c["tmp"])
+    assert r.returncode == 0 and "\n42\n" in r.stdout
+
+    # The token through RAY_AUTH_TOKEN_PATH works too; no token at all is refused with exit code 4.
+    r = _raychat(["jobs", "list", "--address", c["url"]], c["tmp"], RAY_AUTH_TOKEN_PATH=str(c["token_file"]))
+    assert r.returncode == 0 and "rc-ok" in r.stdout, r.stderr
+    r = _raychat(["jobs", "list", "--address", c["url"]], c["tmp"])
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert "Unauthorized" in r.stderr or "authentication" in r.stderr.lower()
+
+
+def _job_statuses(c) -> dict[str, str]:
+    """submission id -> status, straight from the Jobs REST API the dashboard serves (GET /api/jobs/)."""
+    req = urllib.request.Request(
+        c["url"] + "/api/jobs/", headers={"Authorization": f"Bearer {c['token_file'].read_text().strip()}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return {j["submission_id"]: j["status"] for j in json.load(r)}
+
+
+@pytest.mark.ray
+def test_stage_job_names_the_python_it_needs_and_runs_with_python_flag(token_cluster, capsys):
+    """The head's PATH finds a bare Python: `python jobs/pretrain.py` cannot import raychat's dependencies and
+    the job says so in one line, naming the Python Ray runs; with --python that Python, the job succeeds.
+    `raychat submit` runs in this process here (the CLI in a subprocess is tested above)."""
+    c = token_cluster
+    conn = ["--address", c["url"], "--token-file", str(c["token_file"])]
+    ray_python = Path(sys.executable).parent / "python3"  # the shebang of .venv/bin/ray, so Ray's workers
+    assert Path(sys.executable).with_name("ray").read_text().splitlines()[0] == f"#!{ray_python}"
+
+    def submit_(*args: str) -> tuple[int, str, str]:
+        rc = raychat_main(["submit", *conn, *args])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    rc, out, err = submit_("--job-id", "rc-bare", "pretrain", "--help")
+    assert rc == 1, out + err
+    line = next(x for x in out.splitlines() if x.startswith("raychat: error:"))
+    assert line.startswith(f"raychat: error: this Python, {c['bare_python']} (Python ")
+    assert (
+        f"Ray itself runs {ray_python} there): resubmit with `raychat submit --python {ray_python} ...`"
+        in line
+    )
+    assert "Traceback" not in out
+
+    rc, out, err = submit_("--job-id", "rc-pinned", "--python", str(ray_python), "pretrain", "--help")
+    assert rc == 0, out + err
+    assert "usage: raychat pretrain" in out
+    assert f"submitted rc-pinned: {ray_python} jobs/pretrain.py --help" in err
+
+    rc, out, err = submit_("--job-id", "rc-nopy", "--python", "/no/such/python", "pretrain")
+    assert rc == 1, out + err
+    assert "the job's shell found no such command ('/no/such/python': exit 127)" in err
+
+    statuses = _job_statuses(c)
+    assert {k: statuses[k] for k in ("rc-bare", "rc-pinned", "rc-nopy")} == {
+        "rc-bare": "FAILED",
+        "rc-pinned": "SUCCEEDED",
+        "rc-nopy": "FAILED",
+    }

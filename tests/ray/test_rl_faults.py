@@ -1,0 +1,164 @@
+"""RL survives its actors, on a local Ray cluster: a rollout actor lost during an evaluation (the evaluation is
+re-run with the same result), a learner lost mid-run (the run resumes from its last committed checkpoint
+within --max-failures, and fails naming the option past it), and a topology start that fails (no placement
+group is left behind)."""
+
+import json
+import re
+
+import pytest
+import ray
+from ray.exceptions import RayActorError
+from ray.util import placement_group_table
+from support.rl_fixtures import tiny_checkpoint, tiny_config
+
+from raychat.rl.loop import RLRun, rl_tasks
+from raychat.rl.topology import Topology
+
+pytestmark = pytest.mark.ray
+
+# evaluations long enough (8 prompts x 4 samples x up to 24 tokens) that a kill lands while they run
+EVAL = dict(steps=2, max_tokens=24, eval_examples=8, eval_samples=4, checkpoint_every=100)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, small_tokenizer):
+    return tiny_checkpoint(tmp_path_factory.mktemp("rl") / "ck", small_tokenizer, seed=1)
+
+
+def live_placement_groups() -> set[str]:
+    return {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+
+
+def metric_lines(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(ray_cluster, checkpoint, tmp_path_factory):
+    """The summary of a run of EVAL with no fault (evaluations at steps 0 and 2)."""
+    return RLRun(
+        tiny_config(checkpoint, str(tmp_path_factory.mktemp("undisturbed")), **EVAL), log=print
+    ).run()
+
+
+@pytest.mark.parametrize("no_restart", [False, True], ids=["restarted", "gone"])
+def test_a_rollout_actor_lost_during_evaluation_is_replaced_and_the_evaluation_rerun(
+    ray_cluster, checkpoint, tmp_path, undisturbed, no_restart
+):
+    """Rollout actor 1 is killed (ray.kill) right after the final evaluation's chunks are submitted. Restarted
+    by Ray, it holds the checkpoint's weights (version 0), so it is re-synced to version 2 before its part is
+    run again; gone for good, its part runs on actor 0. Either way the evaluation covers every held-out prompt
+    with the same seeds and weights: the same pass@k as the undisturbed run."""
+    calls, logs = [], []
+
+    def kill_during_final_eval(scheduler, chunks):
+        calls.append([c["indices"] for c in chunks])
+        if len(calls) == 2:
+            ray.kill(scheduler.topology.rollouts[1], no_restart=no_restart)
+
+    cfg = tiny_config(checkpoint, str(tmp_path), **EVAL)
+    before = live_placement_groups()
+    summary = RLRun(cfg, log=logs.append, on_evaluating=kill_during_final_eval).run()
+    print("\n".join(logs))
+    assert calls == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2  # both evaluations, every held-out prompt
+    assert any("rollout actor 1 died" in m and "re-issuing its evaluation prompts" in m for m in logs)
+    assert summary["restarts"] >= 1 and summary["failures"] == 0 and summary["version"] == 2
+    assert [e["step"] for e in summary["evals"]] == [0, 2]
+    assert summary["evals"] == undisturbed["evals"]
+    assert set(summary["evals"][1]) == {"step", "pass@1", "pass@2", "pass@3", "pass@4"}
+    assert live_placement_groups() == before
+
+
+@pytest.mark.parametrize("learners", [1, 2])
+def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
+    ray_cluster, checkpoint, tmp_path, learners
+):
+    """4 steps, checkpoints at 2 and 4; the last learner is killed when step 4's rollouts are submitted (step 3
+    done, not checkpointed); with 2 learners the surviving rank may raise its own error (its DDP peer is gone). The run stops every actor, starts them again, resumes from checkpoint_000002 and
+    redoes steps 3 and 4: the redone step 3 has the same rewards and loss as the first (same state, prompts
+    and seeds), one failure is counted and the run completes at version 4."""
+    logs, killed = [], []
+
+    def kill_learner_at_step_4(scheduler, step, chunks):
+        if step == 3 and not killed:
+            killed.append(step)
+            ray.kill(scheduler.topology.learners[-1])
+
+    cfg = tiny_config(
+        checkpoint, str(tmp_path), steps=4, checkpoint_every=2, max_failures=1, learner_workers=learners,
+        rollout_workers=1 if learners == 2 else 2,
+    )  # fmt: skip
+    before = live_placement_groups()
+    summary = RLRun(cfg, on_submitted=kill_learner_at_step_4, log=logs.append).run()
+    print("\n".join(logs))
+    assert killed == [3]
+    assert (summary["failures"], summary["start_step"], summary["version"]) == (1, 2, 4)
+    restart = next(i for i, m in enumerate(logs) if "restart 1 of --max-failures 1" in m)
+    # 2 learners: whichever error reaches the driver first, the dead rank's or its DDP peer's own
+    assert "ActorDiedError" in logs[restart] or (learners == 2 and "RayTaskError" in logs[restart])
+    resumed = [m for m in logs[restart:] if m.startswith("resumed from ")]
+    assert resumed == [f"resumed from {summary['run_dir']}/checkpoint_000002 at step 2 (version 2)"]
+
+    step_3 = [dict(re.findall(r"(\w+)=(\S+)", m)) for m in logs if m.startswith("step=3 ")]
+    assert len(step_3) == 2  # done, then redone after the restart
+    assert step_3[0]["reward_mean"] == step_3[1]["reward_mean"]
+    assert float(step_3[1]["loss"]) == pytest.approx(float(step_3[0]["loss"]), rel=1e-5, abs=1e-7)
+    assert (step_3[0]["failures"], step_3[1]["failures"]) == ("0", "1")
+
+    lines = metric_lines(tmp_path / "t")
+    assert [(x["step"], x["failures"], x["version"]) for x in lines] == [
+        (1, 0, 1),
+        (2, 0, 2),
+        (3, 1, 3),
+        (4, 1, 4),
+    ]
+    assert {p.name for p in (tmp_path / "t").glob("checkpoint_*")} == {
+        "checkpoint_000002",
+        "checkpoint_000004",
+    }
+    assert live_placement_groups() == before
+
+
+def test_past_max_failures_the_run_fails_naming_the_option_and_releases_its_placement_group(
+    ray_cluster, checkpoint, tmp_path
+):
+    def kill_learner_at_step_2(scheduler, step, chunks):
+        if step == 1:
+            ray.kill(scheduler.topology.learners[0])
+
+    cfg = tiny_config(checkpoint, str(tmp_path), steps=2, max_failures=0)
+    before = live_placement_groups()
+    run = RLRun(cfg, on_submitted=kill_learner_at_step_2, log=print)
+    with pytest.raises(
+        RuntimeError, match=r"RL run 't' failed after 0 restart\(s\), --max-failures 0 \(Actor"
+    ):
+        run.run()
+    assert run.failures == 0 and run.topology.pg is None and run.topology.learners == []
+    assert live_placement_groups() == before
+    assert [x["step"] for x in metric_lines(tmp_path / "t")] == [1]  # step 1 done and checkpointed
+
+
+def test_a_failed_topology_start_leaves_no_placement_group(ray_cluster, checkpoint, tmp_path):
+    """An actor constructor that raises (a checkpoint directory that does not exist), and a placement group no
+    node can hold (a GPU on a CPU-only cluster): start() raises, and the group is removed either way."""
+    before = live_placement_groups()
+    cfg = tiny_config(str(tmp_path / "missing"), str(tmp_path))
+    topology = Topology(cfg, rl_tasks(cfg))
+    with pytest.raises(RayActorError, match="missing"):
+        topology.start()
+    assert topology.pg is None and (topology.learners, topology.rollouts) == ([], [])
+    assert live_placement_groups() == before
+
+    cfg = tiny_config(checkpoint, str(tmp_path), use_gpu=True)
+    topology = Topology(cfg, rl_tasks(cfg))
+    with pytest.raises(RuntimeError, match=r"RL placement group .* was not placed within 2 s: .*--use-gpu"):
+        topology.start(ready_timeout_s=2)
+    assert topology.pg is None and live_placement_groups() == before

@@ -1,0 +1,196 @@
+"""RL on a local Ray cluster: weight sync (same hash and version everywhere), a killed rollout actor (during a
+rollout, and between a weight sync and its next rollout, on both sync paths), resume."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+from support.rl_fixtures import rl_config, tiny_checkpoint, tiny_config
+
+from raychat.rl.learner import LearnerActor
+from raychat.rl.loop import RLRun, rl_tasks
+from raychat.rl.rollout import RolloutActor
+from raychat.rl.scheduler import RolloutScheduler
+from raychat.rl.sync import WeightSync
+from raychat.rl.topology import Topology
+from raychat.rl.weights import create_collective_group, sync_object_store
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, small_tokenizer):
+    return tiny_checkpoint(tmp_path_factory.mktemp("rl") / "ck", small_tokenizer, seed=1)
+
+
+def test_sync_gives_every_rollout_the_same_weights_and_version(ray_cluster, checkpoint):
+    cfg = rl_config(init_from=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
+    tasks = rl_tasks(cfg)
+    learner = LearnerActor.options(num_cpus=0.5).remote(checkpoint, cfg)
+    rollouts = [RolloutActor.options(num_cpus=0.5).remote(checkpoint, tasks, i) for i in range(2)]
+    before = ray.get(learner.weights_hash.remote())
+    assert {i["hash"] for i in ray.get([w.info.remote() for w in rollouts])} == {before}
+    batch = [
+        {"tokens": [1, 5, 9, 20, 21], "mask": [0, 0, 0, 1, 1], "advantage": 1.0},
+        {"tokens": [1, 6, 40, 41], "mask": [0, 0, 1, 1], "advantage": -1.0},
+    ]
+    assert ray.get(learner.step.remote(batch))["version"] == 1
+    after = ray.get(learner.weights_hash.remote())
+    assert after != before
+    result = sync_object_store(learner, rollouts, version=1)
+    assert result["hash"] == after and result["version"] == 1 and result["sync_time_s"] > 0
+    infos = ray.get([w.info.remote() for w in rollouts])
+    assert [(i["version"], i["hash"]) for i in infos] == [(1, after), (1, after)]
+    # the rollouts now sample from the new weights and tag samples with version 1
+    out = ray.get(rollouts[1].rollout.remote([0], 2, 3, 1.0, 0))
+    assert [s["version"] for s in out["samples"]] == [1, 1]
+    for a in [learner, *rollouts]:
+        ray.kill(a)
+
+
+def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, tmp_path):
+    killed = []
+
+    pids = {}
+
+    def kill_at_step_1(scheduler, step, chunks):
+        if step == 0:
+            pids.update(ray.get(scheduler.topology.rollouts[0].info.remote()))
+        if step == 1 and not killed:  # SIGKILL right after its rollout chunk was submitted: it dies in flight
+            os.kill(pids["pid"], signal.SIGKILL)
+            killed.append(pids["pid"])
+
+    cfg = tiny_config(checkpoint, str(tmp_path), steps=3, max_tokens=24)
+    t0 = time.perf_counter()
+    run = RLRun(cfg, on_submitted=kill_at_step_1, log=lambda m: print(f"{time.perf_counter() - t0:.2f} {m}"))
+    summary = run.run()
+    assert killed and summary["restarts"] >= 1 and summary["version"] == 3
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["restarts"] == 0 and lines[1]["restarts"] >= 1  # detected while collecting step 2
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    # the killed actor's prompts of step 2 (index 1) were re-issued and completed: every prompt, G samples each
+    assert lines[1]["prompts"] == sorted(run.scheduler.prompts_for(1)) and lines[1]["num_samples"] == 4 * 2
+    assert lines[1]["staleness_max"] == 0  # re-synced before re-issue
+    assert {p.name for p in (tmp_path / "t").glob("checkpoint_*")} == {
+        "checkpoint_000002",
+        "checkpoint_000003",
+    }
+
+    # same --out / --run-name: resumes from checkpoint_000003 with its optimizer state
+    resumed = RLRun(tiny_config(checkpoint, str(tmp_path), steps=4, max_tokens=24)).run()
+    assert resumed["start_step"] == 3 and resumed["version"] == 4
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+
+
+def restart(actor, timeout_s: float = 120) -> tuple[dict, dict]:
+    """SIGKILL a rollout actor's process and wait until Ray has restarted it; (info before, info after)."""
+    before = ray.get(actor.info.remote())
+    os.kill(before["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            after = ray.get(actor.info.remote(), timeout=10)
+            if after["pid"] != before["pid"]:
+                return before, after
+        except (ActorUnavailableError, RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"rollout actor {before['worker']} did not restart within {timeout_s} s")
+
+
+@pytest.mark.parametrize("weight_sync", ["object_store", "collective"])
+def test_an_actor_restarted_after_a_sync_is_resynced_before_it_generates(
+    ray_cluster, checkpoint, tmp_path, weight_sync
+):
+    """Rollout actor 0 acks version 2, then dies and restarts (holding the checkpoint's weights, version 0)
+    before step 3's rollouts are issued. Without the version check its samples would be trained at
+    staleness 2; with it the actor generates nothing, is re-synced (collective: the gloo group is rebuilt)
+    and the prompts are issued again: every sample trained is on-policy."""
+    cfg = tiny_config(checkpoint, str(tmp_path), steps=3, weight_sync=weight_sync, checkpoint_every=100)
+    run = RLRun(cfg, log=print)
+    submit, seen = run.scheduler.submit, {}
+
+    def kill_then_submit(step):
+        if step == 2:
+            seen["before"], seen["after"] = restart(run.topology.rollouts[0])
+        return submit(step)
+
+    run.scheduler.submit = kill_then_submit
+    summary = run.run()
+    assert (seen["before"]["version"], seen["after"]["version"]) == (2, 0)  # synced, then restarted
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["staleness_max"] for x in lines] == [0, 0, 0]  # no sample of older weights trained
+    assert lines[2]["num_samples"] == 4 * 2 and lines[2]["prompts"] == sorted(run.scheduler.prompts_for(2))
+    # one chunk refused (nothing generated, nothing to drop), then re-issued after the re-sync
+    assert (summary["stale_chunks"], summary["dropped_samples"], summary["version"]) == (1, 0, 3)
+    assert [x["stale_chunks"] for x in lines] == [0, 0, 1]
+
+
+def test_samples_older_than_the_bound_are_dropped_and_their_prompts_reissued(ray_cluster, checkpoint):
+    """A chunk result carrying samples of version 1 where step 3 (sync mode) needs version 3: collect drops
+    both samples, re-syncs actor 0 to version 3 and issues the prompts again (2 prompts x G = 2)."""
+    cfg = tiny_config(checkpoint, "unused", steps=4)
+    topology = Topology(cfg, rl_tasks(cfg))
+    topology.start()
+    try:
+        sync = WeightSync(topology, "object_store", log=print)
+        scheduler = RolloutScheduler(cfg, topology, sync, len(rl_tasks(cfg)["train"]), log=print)
+        scheduler.version = 3
+        sync.publish(3)
+        old = [{"version": 1, "prompt_index": i, "sample_index": 0} for i in (7, 9)]
+        stale = {"samples": old, "seconds": 0.0, "completion_tokens": 0, "worker": 0, "version": 1}
+        chunk = {
+            "worker": 0,
+            "indices": [7, 9],
+            "seed": 11,
+            "min_version": 3,
+            "ref": ray.put(stale),
+            "split": "train",
+        }
+        (result,) = scheduler.collect([chunk])
+    finally:
+        topology.stop()
+    assert (scheduler.stale_chunks, scheduler.dropped_samples) == (1, 2)
+    assert result["version"] == 3 and [(s["prompt_index"], s["version"]) for s in result["samples"]] == [
+        (7, 3), (7, 3), (9, 3), (9, 3)
+    ]  # fmt: skip
+
+
+def test_collective_broadcast_path_with_gloo(ray_cluster, checkpoint):
+    """The broadcast sync (the NCCL path on GPUs) run with the gloo backend on CPU: same hash everywhere."""
+    cfg = rl_config(init_from=checkpoint, task_examples=8, eval_examples=2, max_operand=9)
+    learner = LearnerActor.options(num_cpus=0.5).remote(checkpoint, cfg)
+    rollouts = [RolloutActor.options(num_cpus=0.5).remote(checkpoint, rl_tasks(cfg), i) for i in range(2)]
+    batch = [{"tokens": [1, 5, 9, 20], "mask": [0, 0, 1, 1], "advantage": 1.0}]
+    ray.get(learner.step.remote(batch))
+    expected = ray.get(learner.weights_hash.remote())
+    create_collective_group(learner, rollouts, "gloo", "test-bcast")
+    sent = learner.broadcast.remote("test-bcast")
+    acks = ray.get([w.receive_broadcast.remote("test-bcast", 1) for w in rollouts])
+    assert ray.get(sent)["hash"] == expected
+    assert [(a["version"], a["hash"]) for a in acks] == [(1, expected), (1, expected)]
+    with pytest.raises(ValueError, match="backend"):
+        create_collective_group(learner, rollouts, "mpi", "x")
+    for a in [learner, *rollouts]:
+        ray.kill(a)
+
+
+def test_async_mode_records_staleness_within_k(ray_cluster, checkpoint, tmp_path):
+    cfg = tiny_config(checkpoint, str(tmp_path), steps=3, mode="async", max_staleness=1, checkpoint_every=100)
+    summary = RLRun(cfg, log=lambda m: None).run()
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    # step 1 trains on version-0 samples at learner version 0; later steps on samples one version old
+    assert [x["staleness_max"] for x in lines] == [0, 1, 1] and summary["version"] == 3
+    assert all(x["mode"] == "async" and x["normalization"] == "token" for x in lines)

@@ -1,0 +1,110 @@
+"""build_app's arguments and the shipped Serve config (serve/chat.yaml), without starting Ray."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+import raychat.serve.app as serve_app
+from raychat.config.serve import ReplicaSection
+
+CHAT_YAML = Path(__file__).resolve().parents[2] / "serve" / "chat.yaml"
+
+
+def test_parse_args_converts_strings_and_rejects_unknown(monkeypatch):
+    monkeypatch.delenv("RAYCHAT_API_KEY", raising=False)
+    a = serve_app.serve_config({"checkpoint": "/x", "max_slots": "4", "num_cpus": "0.5", "max_len": "none"})
+    assert (a.replica.max_slots, a.replica.num_cpus, a.replica.max_len, a.api_key) == (4, 0.5, None, None)
+    assert serve_app.serve_config({"checkpoint": "/x", "max_rows": "3"}).replica.max_slots == 3  # old name
+    with pytest.raises(ValueError, match="unknown build_app args \\['rows'\\]"):
+        serve_app.serve_config({"checkpoint": "/x", "rows": 2})
+    with pytest.raises(ValueError, match="max_slots must be an integer"):
+        serve_app.serve_config({"checkpoint": "/x", "max_slots": "many"})
+    with pytest.raises(ValueError, match="stream_interval must be >= 1, got 0"):
+        serve_app.serve_config({"checkpoint": "/x", "stream_interval": "0"})
+    assert (
+        serve_app.serve_config({"checkpoint": "/x"}).replica.stream_interval
+        == ReplicaSection().stream_interval
+    )
+    with pytest.raises(ValueError, match="checkpoint"):
+        serve_app.serve_config({})
+    with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
+        serve_app.serve_config({"checkpoint": "/x", "min_replicas": 3, "max_replicas": 2})
+    monkeypatch.setenv("RAYCHAT_API_KEY", "k")
+    assert serve_app.serve_config({"checkpoint": "/x"}).api_key == "k"
+
+
+def test_build_app_needs_a_checkpoint(tmp_path):
+    with pytest.raises(
+        ValueError, match=rf"^checkpoint: {tmp_path} has no committed checkpoint \({tmp_path} is empty\)$"
+    ):
+        serve_app.build_app({"checkpoint": str(tmp_path)})
+
+
+def test_chat_yaml_is_valid_and_matches_build_app():
+    config = yaml.safe_load(CHAT_YAML.read_text())
+    schema = ServeDeploySchema(**config)
+    app = schema.applications[0]
+    assert app.import_path == "raychat.serve.app:build_app"
+    c = serve_app.serve_config(app.args)  # every arg is one build_app accepts
+    assert app.deployments == []  # every value is a build_app arg: one place each
+    defaults = serve_app.serve_config({"checkpoint": app.args["checkpoint"]})
+    same = [k for k, v in app.args.items() if k != "checkpoint" and _arg(defaults, k) == v]
+    assert not same, f"chat.yaml restates ServeConfig defaults: {same}"  # a default is stated once
+    auto = c.autoscaling
+    assert 1 <= auto.min_replicas < auto.max_replicas
+    assert auto.look_back_period_s > 10  # Ray requires look_back_period_s > its metrics interval (10 s)
+    assert c.replica.max_ongoing_requests >= auto.target_ongoing_requests
+    assert c.replica.num_cpus > 0
+
+
+def _arg(config, name: str):
+    """The value of build_app arg `name` (a field of one of ServeConfig's sections) in `config`."""
+    sections = [config, *(getattr(config, f.name) for f in dataclasses.fields(config))]
+    return next(getattr(s, name) for s in sections if dataclasses.is_dataclass(s) and hasattr(s, name))
+
+
+def test_num_gpus_reaches_the_replica_options_and_its_device(tmp_path, monkeypatch):
+    """`raychat serve --num-gpus N` -> build_app(num_gpus=N) -> the ChatServer deployment reserves N GPUs
+    (ray_actor_options) and loads its model on "cuda"; 0 keeps it on the CPU."""
+    from support.serve_helpers import write_tiny_checkpoint
+
+    import raychat.serve.cli as serve_cli
+    from raychat.cli import build_parser
+
+    ckpt = write_tiny_checkpoint(tmp_path)
+    seen = {}
+    monkeypatch.setattr(
+        serve_cli, "start", lambda config, **kw: seen.update(num_gpus=config.replica.num_gpus) or "http://x/"
+    )
+    args = build_parser("serve").parse_args(["serve", "--checkpoint", str(ckpt), "--num-gpus", "1", "--address", "ray://x", "--no-block"])  # fmt: skip
+    assert serve_cli.main(args) == 0 and seen["num_gpus"] == 1.0
+    for gpus, device in ((seen["num_gpus"], "cuda"), (0.0, "cpu"), (0.5, "cuda")):
+        app = serve_app.build_app({"checkpoint": str(ckpt), "num_gpus": gpus})
+        engine = app._bound_deployment.init_args[0]._bound_deployment
+        assert engine.name == serve_app.SERVER_DEPLOYMENT
+        assert engine.ray_actor_options["num_gpus"] == gpus and engine.init_args[-1] == device
+    with pytest.raises(ValueError, match="num_gpus must be >= 0, got -1.0"):
+        serve_app.serve_config({"checkpoint": "/x", "num_gpus": "-1"})
+
+
+@pytest.mark.ray
+def test_serve_refuses_gpus_this_machine_does_not_have(tmp_path, capsys, monkeypatch):
+    import ray
+    from support.serve_helpers import write_tiny_checkpoint
+
+    from raychat.cli import main
+
+    if ray.is_initialized() or torch.cuda.is_available():
+        pytest.skip("needs to start its own local cluster, on a machine without a GPU")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ckpt = write_tiny_checkpoint(tmp_path)
+    assert main(["serve", "--checkpoint", str(ckpt), "--num-gpus", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--num-gpus 1.0 = 1.0 GPUs, but this machine's Ray cluster has 0" in err
+    assert not ray.is_initialized()

@@ -1,0 +1,229 @@
+"""The real app on a local Ray Serve with a tiny random model: streaming, disconnect frees the row, 16
+concurrent streams equal their solo greedy outputs, the official openai client, autoscaling up and down."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
+
+from raychat.chat.turn import turn_parts
+from raychat.chat_template import TEMPLATE_VERSION, render_for_completion
+from raychat.engine import ModelRunner
+from raychat.serve.sse import parse_sse
+
+pytestmark = pytest.mark.ray
+
+APP = "raychat"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from raychat.serve.app import build_app
+
+    # a long context, so a 2000-token reply is still being generated when the test disconnects
+    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), max_seq_len=2048)
+    # replicas and handles report their load every 0.25 s instead of 10 s, so autoscaling reacts in seconds
+    env = {
+        "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.25",
+        "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.25",
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app(
+        {
+            "checkpoint": str(ckpt),
+            "max_slots": 16,
+            "num_cpus": 0.5,
+            "torch_threads": 1,
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "target_ongoing_requests": 2,
+            "upscale_delay_s": 0.5,
+            "downscale_delay_s": 2,
+            "look_back_period_s": 1,
+            "model_id": "tiny",
+        }
+    )
+    serve.run(app, name=APP, route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def engine_stats() -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("ChatServer", app_name=APP).stats.remote().result(timeout_s=10)
+
+
+def running_replicas() -> int:
+    from ray import serve
+
+    states = serve.status().applications[APP].deployments["ChatServer"].replica_states
+    return states.get("RUNNING", 0)
+
+
+def chat(url: str, content: str, **params) -> tuple[str, dict]:
+    resp = requests.post(
+        f"{url}/chat/completions",
+        json={"messages": [{"role": "user", "content": content}], **params},
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
+    events = [json.loads(e) for e in parse_sse(resp.text)]
+    assert events[-1]["type"] == "done"
+    return "".join(e["text"] for e in events if e["type"] == "delta"), events[-1]
+
+
+@pytest.fixture(scope="module")
+def solo():
+    """Greedy reference: each prompt generated alone by an in-process ModelRunner over the same weights."""
+    model, tokenizer = tiny_model_and_tokenizer(max_seq_len=2048)
+    engine = ModelRunner(model, tokenizer)
+
+    def run(content: str, max_tokens: int) -> str:
+        """The visible text (raychat.chat.turn: no special tokens, no calculator blocks)."""
+        prompt = render_for_completion(tokenizer, [{"role": "user", "content": content}])
+        result = engine.generate_batch([prompt], max_tokens=max_tokens, temperature=0)[0]
+        return "".join(t for kind, t in turn_parts(tokenizer, result.completion_tokens) if kind == "text")
+
+    return run
+
+
+def test_stream_health_and_models(served, solo):
+    health = requests.get(f"{served}/health", timeout=10).json()
+    assert health["status"] == "ok" and health["template_version"] == TEMPLATE_VERSION
+    assert requests.get(f"{served}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
+    assert "<title>raychat</title>" in requests.get(f"{served}/", timeout=10).text
+    # events arrive one by one while the reply is generated (not buffered until the end)
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 40, "temperature": 0}
+    with requests.post(f"{served}/chat/completions", json=body, stream=True, timeout=60) as resp:
+        arrivals = [(time.perf_counter(), line) for line in resp.iter_lines() if line]
+    assert len(arrivals) >= 3 and arrivals[-1][0] > arrivals[0][0]
+    text, done = chat(served, "hello", max_tokens=40, temperature=0)
+    assert text == solo("hello", 40)
+    assert done["usage"]["completion_tokens"] >= 1 and done["finish_reason"] in ("stop", "length")
+
+
+def test_disconnect_and_rejection_leave_nothing_in_flight(served):
+    assert running_replicas() == 1
+    before = engine_stats()
+    body = {
+        "messages": [{"role": "user", "content": "go on"}],
+        "max_tokens": 200,
+        "temperature": 1.0,
+        "seed": 3,
+    }
+    with requests.post(f"{served}/chat/completions", json=body, stream=True, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith(b"data: ")  # streaming has started
+        mid = engine_stats()
+        assert mid["in_flight"] == 1 and mid["running"] == 1
+    # the connection is closed here (mid-stream); the row must be freed
+    deadline = time.time() + 15
+    while time.time() < deadline and (s := engine_stats())["in_flight"] + s["running"] > 0:
+        time.sleep(0.1)
+    after = engine_stats()
+    assert after["in_flight"] == 0 and after["running"] == 0 and after["free_rows"] == after["max_slots"]
+    # normally the disconnect cancels the request; on a loaded machine the tiny model can finish its 200
+    # tokens before the disconnect reaches the replica: then it counts as completed. Either way exactly one
+    # request ended and its row is free (cancel itself is tested in test_engine_scheduler and in-process).
+    ended = (after["cancelled"] - before["cancelled"], after["completed"] - before["completed"])
+    assert ended in ((1, 0), (0, 1)), ended
+    # a rejection (prompt longer than the model's context) also leaves nothing in flight
+    resp = requests.post(
+        f"{served}/chat/completions",
+        json={"messages": [{"role": r, "content": "json " * 1600} for r in ("user", "assistant", "user")]},
+        timeout=30,
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+    final = engine_stats()
+    assert final["in_flight"] == 0 and final["rejected"] == after["rejected"] + 1
+
+
+def test_16_concurrent_streams_equal_solo_greedy(served, solo):
+    prompts = [f"question number {i}: what is {i} + {i}?" for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda p: chat(served, p, max_tokens=32, temperature=0), prompts))
+    for prompt, (text, done) in zip(prompts, results):
+        assert text == solo(prompt, 32), prompt
+        assert done["finish_reason"] in ("stop", "length")
+    assert len({text for text, _ in results}) > 1  # different prompts, different replies
+
+
+def test_openai_client_with_and_without_streaming(served, solo):
+    openai = pytest.importorskip("openai", reason="the official openai client is in the test extra")
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Say something."}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    text = reply.choices[0].message.content
+    assert text == solo("Say something.", 16)
+    assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="tiny", messages=messages, temperature=3)
+
+
+def test_autoscaling_up_under_load_and_down_after(served):
+    assert running_replicas() >= 1
+    stop_at = (
+        time.time() + 120
+    )  # a generous bound: a replica starts in ~10 s alone, far slower on a busy machine
+    scaled_up = False
+
+    def load(i: int) -> int:
+        n = 0
+        while time.time() < stop_at and not scaled_up:
+            chat(served, f"load {i}", max_tokens=200, temperature=1.0, seed=i)
+            n += 1
+        return n
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(load, i) for i in range(8)]
+        t0 = time.time()
+        while time.time() < stop_at and running_replicas() < 2:
+            time.sleep(0.2)
+        scaled_up = running_replicas() == 2
+        up_after = time.time() - t0
+        served_requests = sum(f.result() for f in futures)
+    assert scaled_up, "no second replica within 120 s under 8 concurrent streams (target_ongoing_requests=2)"
+    assert served_requests >= 1
+    t0 = time.time()
+    while time.time() - t0 < 120 and running_replicas() > 1:
+        time.sleep(0.5)
+    assert running_replicas() == 1, "did not scale back to min_replicas=1 within 120 s of idleness"
+    print(f"scaled up after {up_after:.1f} s of load; down after {time.time() - t0:.1f} s idle")

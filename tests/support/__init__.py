@@ -1,0 +1,1 @@
+"""Helpers shared by the test tiers: clusters, servers, tiny models, fixtures data."""

@@ -1,0 +1,176 @@
+"""Bad input to the cluster stages fails before any work starts, in one line naming the flag and what was found,
+and leaves what is already in storage as it was (issue 12, "Bad input"): a storage path that is not writable
+(pretrain, sft, eval, export, data prepare; the tokenizer checks its --data-dir first),
+a `latest` that resolves to nothing, a preset that does not exist, an unreachable cluster. (A wrong token
+needs a cluster: tests/cluster/test_stage_jobs.py.)
+
+Each command runs in this process through raychat.cli.main, so "before any work" is checkable: Ray was never
+started, and every file under the storage root has the bytes and modification time it had before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import ray
+from support.cluster import free_ports
+from support.serve_helpers import write_tiny_checkpoint
+
+from raychat.cli import main as raychat_main
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, str]]:
+    return {
+        p.relative_to(root).as_posix(): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def root(tmp_path, small_tokenizer) -> Path:
+    """A storage root holding a tokenizer, a data dir and a pretraining run with one committed checkpoint, but
+    no SFT run."""
+    r = tmp_path / "runs"
+    small_tokenizer.save(r / "tokenizer")
+    (r / "data").mkdir()
+    (r / "data" / "manifest.json").write_text('{"shards": []}\n')
+    write_tiny_checkpoint(r / "pretrain" / "checkpoint_000004", stage="pretrain")
+    return r
+
+
+def _fails_in_one_line(argv: list[str], capsys) -> str:
+    rc = raychat_main(argv)
+    out, err = capsys.readouterr()
+    assert rc != 0, out + err
+    assert not ray.is_initialized(), "Ray was started before the input was checked"
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+NOT_A_DIR = "{file}/runs"  # a path below a regular file: no directory can be created there
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["pretrain", "--preset", "tiny", "--storage-path", NOT_A_DIR,
+          "--data-dir", "{root}/data", "--tokenizer-path", "{root}/tokenizer"], "--storage-path"),
+        (["sft", "--preset", "tiny", "--storage-path", NOT_A_DIR, "--init-from", "{root}/pretrain",
+          "--data-dir", "{root}/data", "--tokenizer-path", "{root}/tokenizer"], "--storage-path"),
+        (["eval", "--storage-path", NOT_A_DIR, "--checkpoint", "{root}/pretrain", "--data-dir", "{root}/data"],
+         "--data-dir"),
+        (["export", "--storage-path", NOT_A_DIR, "--checkpoint", "{root}/pretrain/latest"], "--storage-path"),
+        (["data", "prepare", "--preset", "tiny", "--storage-path", NOT_A_DIR], "--storage-path"),
+    ],
+)  # fmt: skip
+def test_a_storage_path_that_is_not_writable(argv, flag, root, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    before = _snapshot(root)
+    argv = [a.format(root=root, file=tmp_path / "file") for a in argv]
+    line = _fails_in_one_line(argv, capsys)
+    assert f"error: {flag}: " in line, line
+    assert _snapshot(root) == before
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["sft", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "latest"],
+         "--init-from: latest: no committed pretrain checkpoint under {root} ({root} holds: data/, tokenizer/)"),
+        (["rl", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "latest"],
+         "--init-from: latest: no committed sft checkpoint under {root} ({root} holds: data/, pretrain/, "
+         "tokenizer/)"),
+        (["eval", "--preset", "tiny", "--storage-path", "{root}", "--checkpoint", "{root}/sft/latest"],
+         "--checkpoint: {root}/sft does not exist ({root} holds: data/, pretrain/, tokenizer/)"),
+        (["export", "--storage-path", "{root}", "--checkpoint", "sft"],
+         "--checkpoint: {root}/sft does not exist ({root} holds: data/, pretrain/, tokenizer/)"),
+    ],
+)  # fmt: skip
+def test_a_latest_that_resolves_to_nothing(argv, want, root, capsys):
+    if argv[0] == "sft":  # a root with no pretraining run at all
+        root = root.parent / "other"
+        root.mkdir()
+        (root / "data").mkdir()
+        (root / "tokenizer").mkdir()
+    before = _snapshot(root)
+    line = _fails_in_one_line([a.format(root=root) for a in argv], capsys)
+    assert want.format(root=root) in line, line
+    assert _snapshot(root) == before
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["export", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", ""],
+         "--run-name: '' is not a run name (letters, digits and '._-', not starting with '.')"),
+        (["export", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", ".."],
+         "--run-name: '..' is not a run name"),
+        (["export", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", "../escape"],
+         "--run-name: '../escape' is not a run name"),
+        (["export", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", "pretrain"],
+         "--run-name: {root}/pretrain holds a training run's checkpoints, which an export there would replace"),
+        (["eval", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", ".hidden"],
+         "--run-name: '.hidden' is not a run name"),
+        (["pretrain", "--preset", "tiny", "--storage-path", "{root}", "--run-name", "a/b"],
+         "--run-name: 'a/b' is not a run name"),
+        (["sft", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "..", "--run-name", "s"],
+         "--init-from: '..' is not a run name"),
+        (["rl", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "pretrain", "--run-name", ""],
+         "--run-name: '' is not a run name"),
+        (["data", "prepare", "--preset", "tiny", "--storage-path", "{root}", "--run-name", ".."],
+         "--run-name: '..' is not a run name"),
+    ],
+)  # fmt: skip
+def test_a_run_name_that_would_leave_its_run_directory(argv, want, root, capsys):
+    """The one run-name rule, checked before anything is read or written: nothing under or beside the root
+    changes (an export to '' once replaced the whole root)."""
+    before = _snapshot(root.parent)
+    line = _fails_in_one_line([a.format(root=root) for a in argv], capsys)
+    assert want.format(root=root) in line, line
+    assert _snapshot(root.parent) == before
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "sft", "rl", "eval", "serve"])
+def test_a_preset_that_does_not_exist(stage, root, capsys):
+    before = _snapshot(root)
+    line = _fails_in_one_line(
+        [stage, "--preset", "nosuch", "--storage-path", str(root)][: 3 if stage == "serve" else 5], capsys
+    )
+    assert "--preset: no preset 'nosuch'; known presets: ['cluster', 'cpu', 'gpu8', 'tiny']" in line, line
+    assert _snapshot(root) == before
+
+
+def test_an_unreachable_cluster(monkeypatch, capsys):
+    """Nothing listens on the port: `raychat submit` exits 4 with one line naming --address."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")  # a token, so the one error is the address
+    url = f"http://127.0.0.1:{free_ports(1)[0]}"
+    rc = raychat_main(["submit", "--address", url, "pretrain", "--preset", "tiny"])
+    err = capsys.readouterr().err
+    assert rc == 4, err
+    assert err.startswith(f"raychat submit: --address: cannot reach the Ray dashboard at {url}: "), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_half_written_checkpoint_is_never_loaded(root, tmp_path, capsys):
+    """A crash mid-save left checkpoint_000009 (newer, weights truncated, no commit marker): `pretrain` and
+    `latest` still name the committed checkpoint_000004, and naming the half-written one is refused."""
+    half = root / "pretrain" / "checkpoint_000009"
+    half.mkdir()
+    good = root / "pretrain" / "checkpoint_000004" / "model.safetensors"
+    (half / "model.safetensors").write_bytes(good.read_bytes()[:100])
+    (half / "meta.json").write_text('{"step": 9, "stage": "pretrain"}')
+    before = _snapshot(root)
+    line = _fails_in_one_line(["eval", "--storage-path", str(root), "--checkpoint", str(half)], capsys)
+    assert f"--checkpoint: checkpoint {half} is not committed (no commit.json)" in line, line
+    assert (
+        raychat_main(
+            ["export", "--storage-path", str(root), "--checkpoint", "latest", "--out", str(tmp_path / "hf")]
+        )
+        == 0
+    )
+    assert f"exported {root}/pretrain/checkpoint_000004 " in capsys.readouterr().out
+    assert _snapshot(root) == before

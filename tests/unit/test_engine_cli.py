@@ -1,0 +1,112 @@
+"""`raychat chat` one-shot and interactive against a checkpoint written by raychat.checkpoint.save_model."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+from support.engine_fixtures import byte_tokenizer, tiny_gpt
+
+from raychat.chat.cli import assistant_message
+from raychat.chat_template import render_for_completion
+from raychat.checkpoint import save_model
+from raychat.cli import main
+from raychat.engine import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    tok = byte_tokenizer()
+    model = tiny_gpt(tok)
+    d = tmp_path_factory.mktemp("ckpt")
+    save_model(d, model, tok, {"step": 0}, commit=True)
+    return d, model, tok
+
+
+def expected_reply(model, tok, messages, max_tokens):
+    (res,) = ModelRunner(model, tok).generate_batch(
+        [render_for_completion(tok, messages)], max_tokens=max_tokens, temperature=0.0
+    )
+    return res
+
+
+def test_one_shot_streams_greedy_reply(checkpoint, capsys):
+    d, model, tok = checkpoint
+    rc = main(["chat", "--checkpoint", str(d), "-p", "hi there", "--temperature", "0", "--max-tokens", "6"])
+    assert rc == 0
+    res = expected_reply(model, tok, [{"role": "user", "content": "hi there"}], 6)
+    assert capsys.readouterr().out == res.text + "\n"
+
+
+def test_interactive_keeps_the_conversation(checkpoint, capsys, monkeypatch):
+    d, model, tok = checkpoint
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nagain\n/quit\n"))
+    assert main(["chat", "--checkpoint", str(d), "--temperature", "0", "--max-tokens", "4"]) == 0
+    first_msgs = [{"role": "user", "content": "hello"}]
+    first = expected_reply(model, tok, first_msgs, 4)
+    second_msgs = [
+        *first_msgs,
+        assistant_message(tok, first.completion_tokens),
+        {"role": "user", "content": "again"},
+    ]
+    second = expected_reply(model, tok, second_msgs, 4)
+    out = capsys.readouterr().out
+    assert out == f"you> raychat> {first.text}\nyou> raychat> {second.text}\nyou> "
+
+
+def test_missing_checkpoint_is_a_clean_error(tmp_path, capsys):
+    assert main(["chat", "--checkpoint", str(tmp_path / "nope"), "-p", "x"]) == 2
+    assert "not a raychat checkpoint" in capsys.readouterr().err
+
+
+def test_assistant_message_parts():
+    tok = byte_tokenizer()
+    sid = tok.special_id
+    ids = [
+        *tok.encode("ok "),
+        sid("<|python_start|>"),
+        *tok.encode("1+1"),
+        sid("<|python_end|>"),
+        sid("<|output_start|>"),
+        *tok.encode("2"),
+        sid("<|output_end|>"),
+        *tok.encode(" two"),
+        sid("<|assistant_end|>"),
+    ]
+    assert assistant_message(tok, ids) == {
+        "role": "assistant",
+        "content": [
+            {"type": "text", "text": "ok "},
+            {"type": "python", "text": "1+1"},
+            {"type": "python_output", "text": "2"},
+            {"type": "text", "text": " two"},
+        ],
+    }
+
+
+def test_calculator_calls_show_as_a_block_and_the_history_keeps_them(tool_checkpoint, capsys, monkeypatch):
+    """The calculator model (tests/support/tool_model.py): each call and its result print as one line, never as
+    control tokens, and the second turn (prompted with the first kept as parts) is the trained one."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is 47 * 12?\nAnd 5 + 6?\n/quit\n"))
+    assert main(["chat", "--checkpoint", str(tool_checkpoint), "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == (
+        "you> raychat> Let me compute it. \n[calculator] 47 * 12 = 564\n#### 564\n"
+        "you> raychat> Let me compute it. \n[calculator] 5 + 6 = 11\n#### 11\nyou> "
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--top-p", "0"], "--top-p must be > 0, got 0.0"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        ([], "--checkpoint: required"),
+    ],
+)
+def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, capsys, flags, message):
+    """The flags come from ChatConfig (the one flag generator): its limits, checked before any model loads."""
+    checkpoint = [] if not flags else ["--checkpoint", str(tmp_path / "nope")]
+    assert main(["chat", *checkpoint, *flags, "-p", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raychat chat: ") and message in err and err.count("\n") == 1

@@ -1,0 +1,189 @@
+"""Continuous batching: streams equal batched generation, late admission, cancel, async consumption."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from support.engine_fixtures import byte_tokenizer, scripted_model, tiny_gpt
+
+from raychat.engine import KVBudgetError, ModelRunner, SamplingParams, Scheduler
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def engine(tok):
+    return ModelRunner(tiny_gpt(tok), tok)
+
+
+def prompt(tok, s):
+    return [tok.bos_id, *tok.encode(s)]
+
+
+def drain(stream):
+    events = list(stream)
+    assert [e.finished for e in events] == [False] * (len(events) - 1) + [True]
+    return events
+
+
+def test_stream_equals_generate_batch(tok, engine):
+    p = prompt(tok, "stream me")
+    (ref,) = engine.generate_batch([p], max_tokens=10, temperature=0.0)
+    sched = Scheduler(engine, max_slots=2, max_len=64)
+    events = drain(sched.submit(p, GREEDY, request_id="r1"))
+    assert [t for e in events for t in e.token_ids] == ref.completion_tokens
+    assert "".join(e.text for e in events) == ref.text
+    last = events[-1]
+    assert last.finish_reason == "length" and last.request_id == "r1"
+    assert last.usage.prompt_tokens == len(p) and last.usage.completion_tokens == 10
+    assert sched.num_free_slots == 2
+
+
+def test_late_admission_and_queueing(tok, engine):
+    prompts = [prompt(tok, s) for s in ("first one", "b", "a third prompt here")]
+    refs = engine.generate_batch(prompts, max_tokens=10, temperature=0.0)
+    sched = Scheduler(engine, max_slots=2, max_len=64)
+    streams = [sched.submit(prompts[0], GREEDY)]
+    for _ in range(3):
+        sched.step()
+    streams += [sched.submit(p, GREEDY) for p in prompts[1:]]
+    assert sched.step() == 2  # row 1 admits prompt 1; prompt 2 waits for a free row
+    assert sched.num_pending == 1
+    while sched.num_active or sched.num_pending:
+        sched.step()
+    for s, ref in zip(streams, refs):
+        tokens = [t for e in drain(s) for t in e.token_ids]
+        assert tokens == ref.completion_tokens
+
+
+def test_cancel_frees_row_within_one_step_and_is_idempotent(tok, engine):
+    sched = Scheduler(engine, max_slots=2, max_len=64)
+    stream = sched.submit(prompt(tok, "long"), SamplingParams(max_tokens=50, temperature=0.0), request_id="c")
+    sched.step()
+    sched.step()
+    assert sched.num_free_slots == 1
+    assert sched.cancel("c") is True
+    assert sched.cancel("c") is False  # second call: harmless no-op
+    sched.step()
+    assert sched.num_free_slots == 2
+    assert sched.cancel("c") is False
+    events = drain(stream)
+    assert events[-1].finish_reason == "cancelled" and events[-1].usage.completion_tokens == 2
+    assert sched.step() == 0
+
+
+def test_cancel_pending_request(tok, engine):
+    sched = Scheduler(engine, max_slots=1, max_len=64)
+    sched.submit(prompt(tok, "a"), GREEDY)
+    waiting = sched.submit(prompt(tok, "b"), GREEDY, request_id="w")
+    sched.step()
+    assert sched.num_pending == 1 and waiting.cancel() is True
+    sched.step()
+    assert sched.num_pending == 0
+    (last,) = [e for e in waiting._events]
+    assert last.finish_reason == "cancelled" and last.usage.completion_tokens == 0
+
+
+def test_tool_and_stop_through_scheduler(tok):
+    ps, pe = tok.special_id("<|python_start|>"), tok.special_id("<|python_end|>")
+    body = [ps, *tok.encode("2*21"), pe]
+    model = scripted_model(tok.vocab_size, {1 + i: t for i, t in enumerate(body)}, default=ord("!"))
+    sched = Scheduler(ModelRunner(model, tok), max_slots=1, max_len=64)
+    events = drain(sched.submit([tok.bos_id], SamplingParams(max_tokens=30, temperature=0, stop=["!!"])))
+    text = "".join(e.text for e in events)
+    assert text == "<|python_start|>2*21<|python_end|><|output_start|>42<|output_end|>"
+    assert events[-1].finish_reason == "stop"
+
+
+def test_async_stream_with_background_thread(tok, engine):
+    p = prompt(tok, "async")
+    (ref,) = engine.generate_batch([p], max_tokens=10, temperature=0.0)
+    sched = Scheduler(engine, max_slots=2, max_len=64)
+    sched.start()
+    try:
+
+        async def consume():
+            return [e async for e in sched.submit(p, GREEDY)]
+
+        events = asyncio.run(asyncio.wait_for(consume(), timeout=60))
+    finally:
+        sched.stop()
+    assert [t for e in events for t in e.token_ids] == ref.completion_tokens
+    assert events[-1].finished and not sched.running
+
+
+def test_async_wake_every_batches_wakeups_without_changing_events(tok, engine, monkeypatch):
+    import raychat.engine.stream as stream_module
+
+    p = prompt(tok, "wake")
+    params = SamplingParams(max_tokens=13, temperature=0.0)
+    wakes = []
+    real_resolve = stream_module._resolve
+    monkeypatch.setattr(stream_module, "_resolve", lambda f: (wakes.append(1), real_resolve(f)))
+    sched = Scheduler(engine, max_slots=2, max_len=64)
+    sched.start()
+    try:
+
+        async def consume(wake_every):
+            wakes.clear()
+            events = [e async for e in sched.submit(p, params, wake_every=wake_every)]
+            return events, len(wakes)
+
+        one, _ = asyncio.run(asyncio.wait_for(consume(1), timeout=60))
+        four, n_wakes = asyncio.run(asyncio.wait_for(consume(4), timeout=60))
+    finally:
+        sched.stop()
+    assert [(e.text, e.token_ids, e.finished) for e in four] == [
+        (e.text, e.token_ids, e.finished) for e in one
+    ]
+    assert len(one) == 13
+    # the first event wakes, then one wake per 4 queued events, and the finished event: <= 1 + 13 // 4 + 1
+    assert 1 <= n_wakes <= 5
+    with pytest.raises(ValueError, match="wake_every must be an int >= 1, got 0"):
+        sched.submit(p, params, wake_every=0)
+
+
+def test_budget_sizes_rows(tok, engine):
+    # 512 bytes/token (see test_engine); rows of 64 tokens = 32768 bytes each
+    assert Scheduler(engine, max_slots=8, max_len=64, kv_budget_bytes=3 * 32768 + 100).max_slots == 3
+    with pytest.raises(KVBudgetError, match=r"kv_budget_bytes 1000 cannot hold one row of max_len 64 tokens"):
+        Scheduler(engine, max_slots=8, max_len=64, kv_budget_bytes=1000)
+
+
+def test_submit_validation(tok, engine):
+    sched = Scheduler(engine, max_slots=1, max_len=16)
+    with pytest.raises(ValueError, match="max_len 16"):
+        sched.submit([tok.bos_id] * 16)
+    sched.submit([tok.bos_id], request_id="x")
+    with pytest.raises(ValueError, match="already live"):
+        sched.submit([tok.bos_id], request_id="x")
+
+
+def test_rows_finishing_at_different_times_and_row_reuse(tok, engine):
+    # B (slot 1) finishes first; compaction moves C from slot 2 into slot 1, so A and C decode as slots
+    # 0 and 1; D is then admitted into slot 2 while slots 0 and 1 hold longer, different-length histories.
+    texts = {"A": "alpha", "B": "bee", "C": "gamma ray", "D": "delta"}
+    limits = {"A": 12, "B": 3, "C": 12, "D": 6}
+    refs = {
+        k: engine.generate_batch([prompt(tok, t)], max_tokens=limits[k], temperature=0.0)[0].completion_tokens
+        for k, t in texts.items()
+    }
+    sched = Scheduler(engine, max_slots=3, max_len=64)
+    params = {k: SamplingParams(max_tokens=n, temperature=0.0) for k, n in limits.items()}
+    streams = {k: sched.submit(prompt(tok, texts[k]), params[k]) for k in "ABC"}
+    for _ in range(4):
+        sched.step()
+    assert [r and r.id for r in sched._slots] == [streams["A"].request_id, streams["C"].request_id, None]
+    lengths = [len(prompt(tok, "alpha")) + 4, len(prompt(tok, "gamma ray")) + 4, 0]
+    assert sched.cache.lengths.tolist() == lengths
+    streams["D"] = sched.submit(prompt(tok, texts["D"]), params["D"])
+    while sched.step():
+        pass
+    for k, s in streams.items():
+        assert [t for e in drain(s) for t in e.token_ids] == refs[k], k

@@ -1,0 +1,485 @@
+"""k8s/: the generated base is current, every kustomize build validates and is hardened (Pod Security
+"restricted" on every pod, the RayService's API key from a Secret, a NetworkPolicy that admits only what the
+cluster needs), `raychat k8s submit` posts a RayJob.
+
+Builds use tests/support/kustomize.py (`kubectl kustomize`, checked against a small fallback renderer that stands in
+without kubectl). KubeRay objects are validated against the
+openAPIV3Schema of ../shared/kuberay-crds (made strict: unknown fields are errors, as with kubectl's
+--validate=strict); core objects with kubernetes-validate (Kubernetes 1.32 schemas, strict).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from support.kustomize import kustomize_build
+
+from raychat.cli import main as raychat_main
+from raychat.ops import k8s
+
+REPO = Path(__file__).resolve().parents[2]
+CRDS = REPO.parent / "shared" / "kuberay-crds"
+BUILDS = ["k8s/base", "k8s/overlays/cpu-dev", "k8s/overlays/gpu"]
+
+
+@pytest.fixture(scope="module")
+def builds() -> dict[str, list[dict]]:
+    return {b: kustomize_build(REPO / b) for b in BUILDS}
+
+
+# ---------------------------------------------------------------- schemas
+
+
+def _strict(schema):
+    """Unknown fields become errors wherever the CRD lists properties and does not preserve unknown fields."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if (
+            schema.get("type") == "object"
+            and "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
+
+
+@pytest.fixture(scope="module")
+def crd_schemas() -> dict[str, dict]:
+    assert CRDS.is_dir(), f"{CRDS} missing: the KubeRay CRDs live in shared/kuberay-crds beside the repo"
+    schemas = {}
+    for f in sorted(CRDS.glob("*.yaml")):
+        crd = yaml.load(f.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # 20k lines
+        v1 = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+        # a validator built once: jsonschema.validate() would re-check the large schema on every call
+        schemas[crd["spec"]["names"]["kind"]] = jsonschema.Draft7Validator(
+            _strict(v1["schema"]["openAPIV3Schema"])
+        )
+    assert set(schemas) >= {"RayCluster", "RayJob", "RayService"}
+    return schemas
+
+
+def validate_object(d: dict, crd_schemas: dict) -> None:
+    if d["apiVersion"] == "ray.io/v1":
+        crd_schemas[d["kind"]].validate(d)
+    else:
+        kubernetes_validate.validate(d, "1.32.0", strict=True)
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_base_is_generated_from_code_and_serve_config():
+    assert k8s.render_base(REPO) == {p.name: p.read_text() for p in (REPO / "k8s" / "base").glob("*.yaml")}, (
+        "k8s/base is stale: run `raychat k8s generate`"
+    )
+    cpu_dev = (REPO / "k8s" / "overlays" / "cpu-dev" / "kustomization.yaml").read_text()
+    assert k8s.render_cpu_dev() == cpu_dev, "k8s/overlays/cpu-dev/kustomization.yaml is stale"
+    assert raychat_main(["k8s", "generate", "--check"]) == 0
+
+
+def test_rayservice_serve_config_is_serve_chat_yaml_verbatim(builds):
+    from ray.serve.schema import ServeDeploySchema
+
+    serve_text = (REPO / "serve" / "chat.yaml").read_text()
+    for b, docs in builds.items():
+        (svc,) = [d for d in docs if d["kind"] == "RayService"]
+        assert svc["spec"]["serveConfigV2"] == serve_text, b
+    app = ServeDeploySchema.model_validate(yaml.safe_load(serve_text)).applications[0]
+    assert app.import_path == "raychat.serve.app:build_app"
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_every_object_validates(builds, crd_schemas, build):
+    docs = builds[build]
+    kinds = sorted(d["kind"] for d in docs)
+    expected = [
+        "NetworkPolicy",
+        "PersistentVolumeClaim",
+        "RayCluster",
+        *["RayJob"] * len(k8s.CHAIN),
+        "RayService",
+    ]
+    assert kinds == sorted(expected + ([] if build == "k8s/base" else ["Namespace"]))
+    for d in docs:
+        validate_object(d, crd_schemas)
+
+
+def test_validation_catches_mistakes(builds, crd_schemas):
+    cluster = copy.deepcopy(next(d for d in builds["k8s/base"] if d["kind"] == "RayCluster"))
+    cluster["spec"]["workerGroupSpecs"][0]["maxReplica"] = 3  # typo
+    with pytest.raises(jsonschema.ValidationError, match="maxReplica"):
+        validate_object(cluster, crd_schemas)
+    job = copy.deepcopy(next(d for d in builds["k8s/base"] if d["kind"] == "RayJob"))
+    job["spec"]["backoffLimit"] = "1"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_object(job, crd_schemas)
+    pvc = copy.deepcopy(next(d for d in builds["k8s/base"] if d["kind"] == "PersistentVolumeClaim"))
+    pvc["spec"]["accessMode"] = ["ReadWriteMany"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_object(pvc, crd_schemas)
+
+
+def test_cluster_shapes(builds):
+    base = {(d["kind"], d["metadata"]["name"]): d for d in builds["k8s/base"]}
+    rc = base[("RayCluster", "raychat")]["spec"]
+    assert rc["autoscalerOptions"]["version"] == "v2" and rc["enableInTreeAutoscaling"] is True
+    assert rc["authOptions"] == {"mode": "token"}
+    assert rc["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # CPU head takes no work
+    worker = rc["workerGroupSpecs"][0]
+    assert (worker["minReplicas"], worker["maxReplicas"]) == (0, 8)
+    assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    want = {
+        "data": "python jobs/data.py prepare --preset cluster --storage-path /mnt/checkpoints/runs && "
+        "python jobs/tokenizer.py train --preset cluster --storage-path /mnt/checkpoints/runs",
+        "pretrain": "python jobs/pretrain.py --preset cluster --storage-path /mnt/checkpoints/runs --num-workers 8 "
+        "--cpus-per-worker 7 --run-name pretrain",
+        "sft": "python jobs/sft.py --preset cluster --storage-path /mnt/checkpoints/runs --num-workers 8 "
+        "--cpus-per-worker 7 --run-name sft --init-from latest",
+        "rl": "python jobs/rl.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name rl --init-from latest",
+        "eval": "python jobs/eval.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name eval "
+        "--checkpoint latest",
+        "export": "python jobs/export.py --storage-path /mnt/checkpoints/runs --run-name hf --checkpoint latest",
+    }  # fmt: skip
+    for stage in k8s.CHAIN:
+        spec = base[("RayJob", f"raychat-{stage}")]["spec"]
+        assert spec["entrypoint"] == want[stage]
+        assert spec.get("entrypointNumGpus", 0) == (1 if stage == "eval" else 0)  # the eval driver: cuda
+        assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"working_dir": "/home/ray/raychat"}
+        assert (spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"], spec["backoffLimit"]) == (
+            True,
+            3600,
+            1,
+        )
+        assert spec["rayClusterSpec"] == rc
+    # the RayService serves the RL run's newest checkpoint from the same PVC root
+    svc = base[("RayService", "raychat-chat")]["spec"]
+    (app,) = yaml.safe_load(svc["serveConfigV2"])["applications"]
+    assert app["args"]["checkpoint"] == "/mnt/checkpoints/runs/rl/latest"
+    # every pod mounts the checkpoint PVC
+    mounts = [
+        c["volumeMounts"] for g in [rc["headGroupSpec"], worker] for c in g["template"]["spec"]["containers"]
+    ]
+    assert mounts == [[{"name": "checkpoints", "mountPath": "/mnt/checkpoints"}]] * 2
+
+    dev = {(d["kind"], d["metadata"]["name"]): d for d in builds["k8s/overlays/cpu-dev"]}
+    for stage in k8s.CHAIN:  # the same commands on the tiny preset, with the cluster-sized flags dropped
+        job = dev[("RayJob", f"raychat-{stage}")]["spec"]
+        shape = " --num-workers 8 --cpus-per-worker 7"
+        assert job["entrypoint"] == want[stage].replace(shape, "").replace(
+            "--preset cluster", "--preset tiny"
+        )
+        assert "entrypointNumGpus" not in job
+    for (kind, _), d in dev.items():
+        if kind == "Namespace":
+            continue
+        assert d["metadata"]["namespace"] == "raychat-dev"
+        spec = {"RayCluster": lambda s: s, "RayJob": lambda s: s["rayClusterSpec"]}.get(
+            kind, lambda s: s.get("rayClusterConfig")
+        )(d["spec"])
+        if spec is None:
+            continue
+        w = spec["workerGroupSpecs"][0]
+        assert (w["groupName"], w["maxReplicas"]) == ("cpu", 2)
+        assert "nvidia.com/gpu" not in w["template"]["spec"]["containers"][0]["resources"]["limits"]
+        images = {c["image"] for g in [spec["headGroupSpec"], w] for c in g["template"]["spec"]["containers"]}
+        assert images == {"raychat-cpu:0.1.0"}
+    gpu_images = {
+        c["image"]
+        for d in builds["k8s/overlays/gpu"]
+        if d["kind"] == "RayJob"
+        for g in [
+            d["spec"]["rayClusterSpec"]["headGroupSpec"],
+            *d["spec"]["rayClusterSpec"]["workerGroupSpecs"],
+        ]
+        for c in g["template"]["spec"]["containers"]
+    }
+    assert gpu_images == {"registry.example.com/raychat:0.1.0"}
+
+
+# ---------------------------------------------------------------- hardening
+
+RAY_SPEC = {"RayCluster": lambda s: s, "RayJob": lambda s: s["rayClusterSpec"], "RayService": lambda s: s["rayClusterConfig"]}  # fmt: skip
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}  # fmt: skip
+
+
+def pods(d: dict) -> list[tuple[str, dict, list[dict]]]:
+    """(where, pod template, securityContexts of containers KubeRay adds) of every pod a KubeRay object makes:
+    the head (with the autoscaler sidecar), each worker group and a RayJob's submitter; [] for other kinds."""
+    if d["kind"] not in RAY_SPEC:
+        return []
+    spec = RAY_SPEC[d["kind"]](d["spec"])
+    sidecar = [spec["autoscalerOptions"]["securityContext"]] if spec.get("enableInTreeAutoscaling") else []
+    out = [("head", spec["headGroupSpec"]["template"], sidecar)]
+    out += [(f"worker {g['groupName']}", g["template"], []) for g in spec["workerGroupSpecs"]]
+    if d["kind"] == "RayJob":
+        out.append(("submitter", d["spec"]["submitterPodTemplate"], []))
+    return out
+
+
+def restricted_violations(template: dict, added: list[dict] = ()) -> list[str]:
+    """What Pod Security "restricted" (Kubernetes 1.32) refuses in a pod template, one "field: why" each;
+    `added` are the securityContexts of containers the operator adds to the pod."""
+    spec = template["spec"]
+    pod_sc = spec.get("securityContext", {})
+    bad = [f"spec.{k}: must not be true" for k in ("hostNetwork", "hostPID", "hostIPC") if spec.get(k)]
+    for v in spec.get("volumes", []):
+        kind = next(k for k in v if k != "name")
+        if kind not in RESTRICTED_VOLUMES:
+            bad.append(f"volumes[{v['name']}]: {kind} is not allowed")
+    containers = spec.get("initContainers", []) + spec["containers"]
+    contexts = [(c["name"], c.get("securityContext", {}), c) for c in containers]
+    contexts += [(f"added[{i}]", sc, {}) for i, sc in enumerate(added)]
+    for name, sc, c in contexts:
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{name}.allowPrivilegeEscalation: must be false")
+        if sc.get("privileged"):
+            bad.append(f"{name}.privileged: must not be true")
+        caps = sc.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []) or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{name}.capabilities: must drop ALL and add at most NET_BIND_SERVICE")
+        if sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is not True:
+            bad.append(f"{name}.runAsNonRoot: must be true")
+        if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+            bad.append(f"{name}.runAsUser: must not be 0")
+        seccomp = sc.get("seccompProfile") or pod_sc.get("seccompProfile") or {}
+        if seccomp.get("type") not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{name}.seccompProfile: must be RuntimeDefault or Localhost")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            bad.append(f"{name}.ports: no hostPort")
+    return bad
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_every_pod_meets_pod_security_restricted(builds, build):
+    seen = []
+    for d in builds[build]:
+        for where, template, added in pods(d):
+            seen.append((d["kind"], where))
+            assert restricted_violations(template, added) == [], (d["metadata"]["name"], where)
+            # both levels carry it: the pod's context alone and every container's alone would pass
+            pod_sc = template["spec"]["securityContext"]
+            assert (pod_sc["runAsNonRoot"], pod_sc["runAsUser"], pod_sc["fsGroup"]) == (True, 1000, 100)
+            assert pod_sc["seccompProfile"] == {"type": "RuntimeDefault"}
+            for sc in [c["securityContext"] for c in template["spec"]["containers"]] + added:
+                assert (sc["runAsNonRoot"], sc["runAsUser"], sc["allowPrivilegeEscalation"]) == (
+                    True,
+                    1000,
+                    False,
+                )
+                assert sc["capabilities"] == {"drop": ["ALL"]}
+                assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    # head + worker of the RayCluster, each RayJob (+ its submitter) and the RayService
+    assert len(seen) == 2 + 3 * len(k8s.CHAIN) + 2
+    for job in [d for d in builds[build] if d["kind"] == "RayJob"]:  # the submitter runs the head's image
+        images = [
+            t["spec"]["containers"][0]["image"] for where, t, _ in pods(job) if where in ("head", "submitter")
+        ]
+        assert images[0] == images[1], images
+
+
+def test_the_restricted_check_catches_each_gap(builds):
+    job = next(d for d in builds["k8s/base"] if d["kind"] == "RayJob")
+    _, template, added = pods(job)[0]
+
+    def broken(change) -> list[str]:
+        t = copy.deepcopy(template)
+        change(t["spec"], t["spec"]["containers"][0]["securityContext"])
+        return restricted_violations(t, added)
+
+    def no_seccomp(pod, c):
+        del pod["securityContext"]["seccompProfile"], c["seccompProfile"]
+
+    def no_non_root(pod, c):
+        del pod["securityContext"]["runAsNonRoot"], c["runAsNonRoot"]
+
+    assert broken(lambda pod, c: c.pop("allowPrivilegeEscalation")) == ["ray-head.allowPrivilegeEscalation: must be false"]  # fmt: skip
+    assert broken(lambda pod, c: c["capabilities"].update(drop=[])) == ["ray-head.capabilities: must drop ALL and add at most NET_BIND_SERVICE"]  # fmt: skip
+    assert broken(lambda pod, c: c["capabilities"].update(add=["SYS_ADMIN"])) == ["ray-head.capabilities: must drop ALL and add at most NET_BIND_SERVICE"]  # fmt: skip
+    assert broken(no_seccomp) == ["ray-head.seccompProfile: must be RuntimeDefault or Localhost"]
+    assert broken(no_non_root) == ["ray-head.runAsNonRoot: must be true"]
+    assert broken(lambda pod, c: c.update(runAsUser=0)) == ["ray-head.runAsUser: must not be 0"]
+    assert broken(lambda pod, c: pod.update(hostNetwork=True)) == ["spec.hostNetwork: must not be true"]
+    assert broken(lambda pod, c: pod["volumes"].append({"name": "h", "hostPath": {"path": "/"}})) == ["volumes[h]: hostPath is not allowed"]  # fmt: skip
+    assert restricted_violations(template, [{}]) == [
+        "added[0].allowPrivilegeEscalation: must be false",
+        "added[0].capabilities: must drop ALL and add at most NET_BIND_SERVICE",
+    ]  # the autoscaler sidecar inherits the pod's runAsNonRoot and seccomp, not the rest
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_rayservice_takes_its_api_key_from_a_secret(builds, build):
+    docs = builds[build]
+    assert not [d for d in docs if d["kind"] == "Secret"]  # the key is never in the manifests
+    for d in docs:
+        for where, template, _ in pods(d):
+            for c in template["spec"]["containers"]:
+                keys = [e for e in c.get("env", []) if e["name"] == "RAYCHAT_API_KEY"]
+                if d["kind"] != "RayService":
+                    assert keys == [], (d["metadata"]["name"], where)  # only the service holds the key
+                    continue
+                want = {"secretKeyRef": {"name": "raychat-api-key", "key": "api-key"}}
+                assert keys == [{"name": "RAYCHAT_API_KEY", "valueFrom": want}], where
+    (svc,) = [d for d in docs if d["kind"] == "RayService"]
+    (app,) = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"]
+    assert "api_key" not in app["args"]  # build_app reads RAYCHAT_API_KEY (raychat.serve.app.serve_config)
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # no matchExpressions in k8s/
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def admits(policy: dict, pod_labels: dict, source: dict, port: int) -> bool:
+    """NetworkPolicy ingress semantics for TCP `port` of a pod with `pod_labels` in the policy's namespace:
+    a pod the policy does not select is open; else some rule must admit both the port (no `ports` = all) and
+    the source (no `from` = any). source: {"labels", "namespace": "same" | "other"}; a peer's podSelector
+    without namespaceSelector means the policy's namespace, namespaceSelector {} any namespace."""
+    spec = policy["spec"]
+    if not _selects(spec["podSelector"], pod_labels):
+        return True
+    for rule in spec.get("ingress", []):
+        if "ports" in rule and not any(p["protocol"] == "TCP" and p["port"] == port for p in rule["ports"]):
+            continue
+        for peer in rule.get("from", [None]):
+            if peer is None:
+                return True
+            assert "ipBlock" not in peer
+            if "namespaceSelector" in peer:
+                assert peer["namespaceSelector"] == {}, peer  # any namespace
+            elif source["namespace"] != "same":
+                continue
+            if _selects(peer.get("podSelector", {}), source["labels"]):
+                return True
+    return False
+
+
+RAY_PORTS = [6379, 10001, 8265, 8080, 52365, 8076, 23456]  # GCS, client, dashboard, metrics, agent, object manager, a worker port  # fmt: skip
+RAYCHAT_POD = {"labels": dict(k8s.LABELS), "namespace": "same"}
+NEIGHBOUR = {"labels": {"app": "notebook"}, "namespace": "same"}
+OUTSIDER = {"labels": {"app": "ingress-nginx"}, "namespace": "other"}
+OPERATOR = {"labels": {"app.kubernetes.io/name": "kuberay-operator"}, "namespace": "other"}
+# (source, ports it reaches); every other port of RAY_PORTS + [8000] is refused
+REACHES = [
+    (RAYCHAT_POD, {*RAY_PORTS, 8000}),
+    (NEIGHBOUR, {8000, 8265, 8080}),
+    (OUTSIDER, {8000}),
+    (OPERATOR, {8000, 8265}),
+]
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_network_policy_admits_only_what_the_cluster_needs(builds, build):
+    (policy,) = [d for d in builds[build] if d["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    templates = [t for d in builds[build] for _, t, _ in pods(d)]
+    assert len(templates) == 2 + 3 * len(k8s.CHAIN) + 2
+    for template in templates:  # the policy covers every pod, the RayJobs' submitters included
+        labels = template["metadata"]["labels"]
+        assert _selects(policy["spec"]["podSelector"], labels)
+        for source, allowed in REACHES:
+            reached = {port for port in [*RAY_PORTS, 8000] if admits(policy, labels, source, port)}
+            assert reached == allowed, (source, sorted(reached))
+    if build != "k8s/base":
+        namespaces = {d["metadata"].get("namespace") for d in builds[build] if d["kind"] != "Namespace"}
+        assert len(namespaces) == 1 and policy["metadata"]["namespace"] in namespaces
+
+
+def test_the_policy_check_sees_an_open_rule(builds):
+    (policy,) = [d for d in builds["k8s/base"] if d["kind"] == "NetworkPolicy"]
+    opened = copy.deepcopy(policy)
+    del opened["spec"]["ingress"][2]["from"]  # dashboard + metrics from anywhere
+    assert admits(opened, dict(k8s.LABELS), OUTSIDER, 8265) and not admits(
+        policy, dict(k8s.LABELS), OUTSIDER, 8265
+    )
+    assert admits(policy, {"app": "other"}, OUTSIDER, 6379)  # pods it does not select stay open
+
+
+def test_k8s_submit_dry_run_prints_a_valid_rayjob(capsys, crd_schemas):
+    rc = raychat_main(
+        [
+            "k8s",
+            "submit",
+            "--dry-run",
+            "--name",
+            "t1",
+            "--namespace",
+            "ml",
+            "--ttl",
+            "60",
+            "sft",
+            "--depth",
+            "4",
+        ]
+    )
+    assert rc == 0
+    job = yaml.safe_load(capsys.readouterr().out)
+    validate_object(job, crd_schemas)
+    assert job["metadata"] == {
+        "name": "t1",
+        "labels": {**k8s.LABELS, "raychat.io/stage": "sft"},
+        "namespace": "ml",
+    }
+    assert job["spec"]["entrypoint"] == "python jobs/sft.py --depth 4"
+    assert job["spec"]["ttlSecondsAfterFinished"] == 60
+    assert raychat_main(["k8s", "submit", "--dry-run", "--name", "Bad_Name", "sft"]) == 2
+
+
+class _FakeApiServer(BaseHTTPRequestHandler):
+    calls: list = []
+
+    def do_POST(self):  # noqa: N802 (http.server API)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.calls.append((self.path, body))
+        reply = json.dumps({**body, "metadata": {**body["metadata"], "uid": "u-1"}}).encode()
+        self.send_response(201)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_k8s_submit_posts_through_the_kubernetes_client(tmp_path, capsys, crd_schemas):
+    server = HTTPServer(("127.0.0.1", 0), _FakeApiServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {"name": "loop", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}
+                ],
+                "users": [{"name": "u", "user": {"token": "t0k"}}],
+                "contexts": [{"name": "loop", "context": {"cluster": "loop", "user": "u"}}],
+                "current-context": "loop",
+            }
+        )
+    )
+    try:
+        rc = raychat_main(
+            ["k8s", "submit", "--kubeconfig", str(kubeconfig), "--namespace", "ml", "--name", "rl-1", "rl"]
+        )
+    finally:
+        server.shutdown()
+    assert rc == 0
+    assert capsys.readouterr().out.strip() == "rayjob.ray.io/rl-1 created in namespace ml"
+    ((path, body),) = _FakeApiServer.calls
+    assert path == "/apis/ray.io/v1/namespaces/ml/rayjobs"
+    validate_object(body, crd_schemas)
+    assert body == k8s.rayjob("rl", [], name="rl-1")

@@ -1,0 +1,95 @@
+"""RLConfig: validation messages, YAML round trip, the `raychat rl` flags."""
+
+import re
+
+import pytest
+from support.rl_fixtures import rl_config
+
+from raychat.cli import build_parser
+from raychat.config import RLConfig, from_dict, preset_values, to_yaml
+from raychat.rl.cli import config_for
+from raychat.rl.scheduler import split_even
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = rl_config(
+        init_from="ck", mode="async", max_staleness=2, normalization="constant", constant_length=64
+    )
+    (tmp_path / "rl.yaml").write_text(to_yaml(cfg, "rl"))
+    assert from_dict(RLConfig, preset_values(str(tmp_path / "rl.yaml"), "rl")) == cfg
+    assert cfg.denominator_length == 64 and rl_config(max_tokens=40).denominator_length == 40
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"normalization": "mean"}, r"--normalization must be one of \['token', 'sequence', 'constant'\]"),
+        ({"mode": "fast"}, r"--mode must be one of \['sync', 'async'\]"),
+        ({"weight_sync": "rpc"}, r"--weight-sync must be one of"),
+        ({"samples_per_prompt": 0}, "--samples-per-prompt must be >= 1"),
+        ({"temperature": 0.0}, "--temperature must be > 0"),
+        ({"constant_length": 0}, "--constant-length"),
+        ({"max_failures": -1}, "--max-failures must be >= 0"),
+        (
+            {"weight_sync": "collective", "learner_workers": 2},
+            r"--weight-sync collective on CPU \(gloo\) needs --learner-workers 1, got 2",
+        ),
+    ],
+)
+def test_validation_names_the_flag(kw, match):
+    with pytest.raises(ValueError, match=match):
+        rl_config(**kw)
+
+
+def test_flags_override_yaml(tmp_path):
+    (tmp_path / "c.yaml").write_text("rl:\n  steps: 7\n  mode: async\n")
+    parser = build_parser("rl")
+    cfg = config_for(
+        parser.parse_args(["rl", "--preset", str(tmp_path / "c.yaml"), "--steps", "9", "--scale-by-std"])
+    )
+    assert (cfg.rollout.steps, cfg.asynchrony.mode, cfg.objective.scale_by_std) == (9, "async", True)
+    (tmp_path / "bad.yaml").write_text("rl:\n  stepz: 7\n")
+    with pytest.raises(ValueError, match="unknown rl settings"):
+        config_for(parser.parse_args(["rl", "--preset", str(tmp_path / "bad.yaml")]))
+
+
+def test_cli_help_lists_the_rl_command(capsys):
+    from raychat.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["rl", "--help"])
+    out = capsys.readouterr().out
+    assert (
+        "--init-from" in out
+        and "--storage-path" in out
+        and "--normalization {token,sequence,constant}" in out
+        and "--max-staleness" in out
+    )
+    # the learner failure budget, with its default
+    assert re.search(
+        r"--max-failures INT\s+failures of a learner or of weight sync .*?\(default: 1\)", out, re.S
+    )
+    assert main(["rl", "--steps", "3"]) == 2  # no --init-from
+
+
+def test_the_old_rl_flags_are_deprecated_aliases(tmp_path, capsys):
+    """--checkpoint / --out / --config (RL's flags before issue 25) build the same RLConfig as --init-from /
+    --storage-path / --preset, and each prints its deprecation line once."""
+    (tmp_path / "c.yaml").write_text("rl:\n  steps: 7\n  checkpoint: ck\n  out: o\n")  # old keys too
+    new = config_for(build_parser("rl").parse_args(["rl", "--init-from", "X", "--storage-path", "Y"]))
+    assert capsys.readouterr().err == ""
+    old = config_for(
+        build_parser("rl").parse_args(["rl", "--checkpoint", "X", "--out", "Y", "--checkpoint", "X"])
+    )
+    assert old == new and (old.run.init_from, old.run.storage_path) == ("X", "Y")
+    err = capsys.readouterr().err
+    assert err.count("raychat rl: --checkpoint is deprecated, use --init-from") == 1
+    assert err.count("raychat rl: --out is deprecated, use --storage-path") == 1
+    preset = config_for(build_parser("rl").parse_args(["rl", "--config", str(tmp_path / "c.yaml")]))
+    assert (preset.rollout.steps, preset.run.init_from, preset.run.storage_path) == (7, "ck", "o")
+    assert capsys.readouterr().err.count("raychat rl: --config is deprecated, use --preset") == 1
+
+
+def test_split_even():
+    assert split_even(list(range(5)), 2) == [[0, 1, 2], [3, 4]]
+    assert split_even([1], 3) == [[1]]

@@ -1,0 +1,61 @@
+"""The engine options of a serving replica (ServeConfig replica.dtype / replica.prefill_chunk_tokens) are
+validated by the config and reach the replica's ModelRunner and Scheduler (CPU: "auto" is float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
+
+from raychat.config import ConfigError
+from raychat.serve.app import SERVER_DEPLOYMENT, build_app, serve_config
+from raychat.serve.server import ChatServer
+
+
+def test_serve_config_takes_dtype_and_prefill_chunk_tokens_and_refuses_bad_values():
+    c = serve_config({"checkpoint": "ckpt", "dtype": "float32", "prefill_chunk_tokens": "64"})
+    assert (c.replica.dtype, c.replica.prefill_chunk_tokens) == ("float32", 64)
+    assert (serve_config({"checkpoint": "ckpt"}).replica.dtype, c.replica.stream_interval) == ("auto", 4)
+    allowed = r"\['auto', 'model', 'float32', 'bfloat16', 'float16'\]"
+    with pytest.raises(ConfigError, match=rf"dtype must be one of {allowed}, got 'fp8'"):
+        serve_config({"checkpoint": "ckpt", "dtype": "fp8"})
+    with pytest.raises(ConfigError, match="prefill.chunk.tokens"):
+        serve_config({"checkpoint": "ckpt", "prefill_chunk_tokens": 0})
+
+
+@pytest.mark.parametrize(
+    "dtype, expected", [("float32", torch.float32), ("auto", torch.float32), ("bfloat16", torch.bfloat16)]
+)
+def test_chat_server_passes_dtype_and_prefill_chunk_to_its_engine(tmp_path, dtype, expected):
+    write_tiny_checkpoint(tmp_path)
+    server = ChatServer.from_checkpoint(tmp_path, "cpu", dtype=dtype, prefill_chunk_tokens=64)
+    try:
+        engine = server.scheduler.engine
+        assert engine.dtype == expected and server.scheduler.prefill_chunk_tokens == 64
+        assert {p.dtype for p in engine.model.parameters()} == {expected}
+        assert server.scheduler.cache.k.dtype == expected
+    finally:
+        server.scheduler.stop()
+
+
+def test_chat_server_defaults_to_auto_and_refuses_an_unknown_dtype():
+    model, tok = tiny_model_and_tokenizer()
+    server = ChatServer(model, tok)
+    try:
+        assert server.scheduler.engine.dtype == torch.float32
+        assert server.scheduler.prefill_chunk_tokens == 512
+    finally:
+        server.scheduler.stop()
+    with pytest.raises(
+        ValueError,
+        match=r"dtype must be 'model', 'auto' or one of \['bfloat16', 'float16', 'float32'\], got 'fp8'",
+    ):
+        ChatServer(model, tok, dtype="fp8")
+
+
+def test_build_app_binds_the_engine_options_to_the_chat_server_deployment(tmp_path):
+    write_tiny_checkpoint(tmp_path)
+    app = build_app({"checkpoint": str(tmp_path), "dtype": "bfloat16", "prefill_chunk_tokens": 96})
+    engine = app._bound_deployment.init_args[0]._bound_deployment
+    assert engine.name == SERVER_DEPLOYMENT
+    assert engine.init_args[-3:] == ("bfloat16", 96, "cpu")

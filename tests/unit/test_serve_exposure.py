@@ -1,0 +1,86 @@
+"""`raychat serve --host` beyond loopback without an API key is refused before Ray starts, unless
+--allow-unauthenticated; through the CLI entry (raychat.cli main), with Ray's start replaced by a tripwire."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+import ray
+
+import raychat.serve.cli as serve_cli
+from raychat.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def started(monkeypatch) -> list[dict]:
+    """The calls that got past the check: serve_cli.start recorded instead of run; ray.init fails the test."""
+    monkeypatch.delenv("RAYCHAT_API_KEY", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("ray.init was called")
+
+    calls: list[dict] = []
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.setattr(
+        serve_cli,
+        "start",
+        lambda config, **kw: calls.append({"api_key": config.api_key, **kw}) or "http://x/",
+    )
+    return calls
+
+
+def serve(tmp_path, *flags: str) -> int:
+    return main(["serve", "--checkpoint", str(tmp_path), "--address", "ray://x", "--no-block", *flags])
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "chat.example.com"])
+def test_an_exposed_host_without_a_key_is_refused_before_ray_starts(tmp_path, capsys, started, host):
+    assert serve(tmp_path, "--host", host) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line
+    assert err.startswith(
+        f"raychat serve: error: --host {host} serves beyond this machine but no API key is set"
+    )
+    for flag in ("--api-key KEY", "RAYCHAT_API_KEY", "--allow-unauthenticated"):
+        assert flag in err
+    assert started == [] and not ray.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "flags,env_key,api_key",
+    [
+        (["--host", "0.0.0.0", "--allow-unauthenticated"], None, None),
+        (["--host", "0.0.0.0", "--api-key", "k1"], None, "k1"),
+        (["--host", "0.0.0.0"], "k2", "k2"),  # RAYCHAT_API_KEY, as the RayService's Secret sets it
+        ([], None, None),  # default 127.0.0.1
+        (["--host", "localhost"], None, None),
+        (["--host", "::1"], None, None),
+        (["--host", "127.0.0.2"], None, None),
+    ],
+)
+def test_loopback_a_key_or_the_explicit_flag_may_serve(
+    tmp_path, monkeypatch, started, flags, env_key, api_key
+):
+    if env_key:
+        monkeypatch.setenv("RAYCHAT_API_KEY", env_key)
+    assert serve(tmp_path, *flags) == 0
+    ((call,),) = [started]
+    host = flags[flags.index("--host") + 1] if "--host" in flags else "127.0.0.1"
+    assert (call["host"], call["api_key"], call["address"]) == (host, api_key, "ray://x")
+
+
+def test_the_refusal_in_docs_is_what_the_command_prints(capsys, started):
+    """docs/deployment.md §8 shows a command and the line it prints: run exactly that command."""
+    section = (REPO / "docs" / "deployment.md").read_text().split("## 8. Security")[1]
+    block = section.split("```bash\n")[1].split("```")[0].splitlines()
+    command, printed = block[0], block[1].removeprefix("# ")
+    argv = shlex.split(command)
+    assert argv[0] == "raychat"
+    assert main(argv[1:]) == 2
+    assert capsys.readouterr().err == f"{printed}  (RAYCHAT_DEBUG=1 shows the traceback)\n"
+    assert started == [] and not ray.is_initialized()

@@ -1,0 +1,387 @@
+"""The real engine in-process behind the real FastAPI app (no Ray): greedy equality, stream interval,
+disconnect frees the row, a failing forward answered in the error shape, and the multi-turn calculator round
+trip (the history a client sends back renders to exactly the ids the model generated) over every route:
+OpenAI non-streaming and streaming, client-run calls, and the raychat SSE endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
+from support.engine_fixtures import StubModel, byte_tokenizer
+from support.serve_helpers import tiny_model_and_tokenizer
+
+from raychat.chat.turn import turn_parts
+from raychat.chat_template import render_for_completion
+from raychat.checkpoint import load_model
+from raychat.engine import ModelRunner
+from raychat.serve.errors import INTERNAL_ERROR
+from raychat.serve.ingress import LocalClient, create_app
+from raychat.serve.server import ChatServer, merge_deltas
+from raychat.serve.sse import parse_sse
+
+USER = [{"role": "user", "content": "hi"}]
+V1 = "/v1/chat/completions"
+Q1, Q2 = "What is 47 * 12?", "And 5 + 6?"
+
+
+class RecordingClient(LocalClient):
+    """LocalClient that keeps every engine request (their template messages are what gets rendered)."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.requests = []
+
+    def generate(self, request):
+        self.requests.append(request)
+        return super().generate(request)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model_and_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def real_engine(tiny):
+    engine = ChatServer(*tiny, max_slots=4, model_id="tiny")
+    yield engine
+    engine.shutdown()
+
+
+def assert_400(resp, field, fragment):
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == field and fragment in err["message"], err
+
+
+def test_real_engine_greedy_matches_generate_batch(tiny, real_engine):
+    model, tokenizer = tiny
+    client = TestClient(create_app(LocalClient(real_engine)))
+    conv = [{"role": "user", "content": "Tell me about json."}]
+    expected = ModelRunner(model, tokenizer).generate_batch(
+        [render_for_completion(tokenizer, conv)], max_tokens=24, temperature=0
+    )[0]
+    resp = client.post("/chat/completions", json={"messages": conv, "max_tokens": 24, "temperature": 0})
+    events = [json.loads(e) for e in parse_sse(resp.text)]
+    visible = "".join(t for k, t in turn_parts(tokenizer, expected.completion_tokens) if k == "text")
+    assert "".join(e.get("text", "") for e in events) == visible
+    assert events[-1]["finish_reason"] == expected.finish_reason
+    assert events[-1]["usage"]["completion_tokens"] == len(expected.completion_tokens)
+    assert events[-1]["usage"]["prompt_tokens"] == expected.num_prompt_tokens
+    too_long = [{"role": "user", "content": "json " * 400}]
+    assert_400(
+        client.post("/chat/completions", json={"messages": too_long}),
+        "messages",
+        "leaves no room to generate",
+    )
+    assert real_engine.stats()["in_flight"] == 0 and real_engine.stats()["rejected"] == 1
+
+
+def test_stream_interval_groups_tokens_into_deltas(tiny):
+    """stream_interval=4: the first delta at once, then 4 tokens per delta, the rest when the request ends;
+    the same text and tokens as streaming every token."""
+    conv = [{"role": "user", "content": "Tell me about json."}]
+    request = {"messages": conv, "max_tokens": 14, "temperature": 0}
+
+    async def deltas(engine):
+        try:
+            return [ev async for ev in engine.generate(request)]
+        finally:
+            engine.shutdown()
+
+    every = asyncio.run(deltas(ChatServer(*tiny, max_slots=2)))
+    grouped = asyncio.run(deltas(ChatServer(*tiny, max_slots=2, stream_interval=4)))
+    for final in (every[-1], grouped[-1]):
+        assert final["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 14
+    text = "".join(e.get("text", "") for e in every[:-1])
+    assert "".join(e.get("text", "") for e in grouped[:-1]) == text
+    assert sum(e.get("tokens", 0) for e in every) == 14
+    assert [e["tokens"] for e in grouped if e["type"] == "delta"] == [
+        1,
+        4,
+        4,
+        4,
+        1,
+    ]  # 1 + 4 + 4 + 4 + the last
+    with pytest.raises(ValueError, match="stream_interval must be an int >= 1, got 0"):
+        ChatServer(*tiny, stream_interval=0)
+
+
+def test_merge_deltas():
+    def d(text, n, logprobs=None):
+        return {"type": "delta", "text": text, "tokens": n, "logprobs": logprobs}
+
+    done = {"type": "done", "finish_reason": "stop", "usage": {}}
+    assert merge_deltas([d("a", 1), d("", 1), d("bc", 2), done]) == [d("abc", 4), done]
+    assert merge_deltas([d("a", 1)]) == [d("a", 1)]
+    assert merge_deltas([done]) == [done]
+    # under load several deltas travel in one message: every token's logprob survives, in order
+    lp = [{"token": t, "logprob": -i} for i, t in enumerate("abc")]
+    merged = merge_deltas([d("a", 1, lp[:1]), d("", 0, []), d("bc", 2, lp[1:]), done])
+    assert merged == [d("abc", 3, lp), done]
+
+
+def test_a_failing_forward_is_a_500_in_the_error_shape_not_a_crash(caplog):
+    """A forward that raises (the in-thread Scheduler fails the busy requests and keeps serving): the
+    non-streaming answer is a 500 error body, the streaming one an error event, each naming only a request
+    id (the exception text is in the log under it); the server still answers."""
+    tok = byte_tokenizer()
+
+    def logits(pos):  # the prompt (6 tokens) prefills; decoding fails at position 9
+        if pos >= 9:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        row = torch.zeros(tok.vocab_size)
+        row[ord("a")] = 5.0
+        return row
+
+    engine = ChatServer(StubModel(tok.vocab_size, logits), tok, max_slots=2)
+    try:
+        client = TestClient(create_app(LocalClient(engine)))
+        resp = client.post(V1, json={"messages": USER, "max_tokens": 20})
+        assert resp.status_code == 500, resp.text
+        error = resp.json()["error"]
+        assert error["type"] == "server_error" and "CUDA" not in resp.text
+        assert error["message"].startswith(f"{INTERNAL_ERROR} (request id {error['request_id']};")
+        streamed = parse_sse(client.post(V1, json={"messages": USER, "max_tokens": 20, "stream": True}).text)
+        in_stream = json.loads(streamed[-2])["error"]
+        assert in_stream["request_id"] != error["request_id"] and "CUDA" not in streamed[-2]
+        for request_id in (error["request_id"], in_stream["request_id"]):
+            (logged,) = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+            assert "CUDA out of memory (simulated)" in logged
+        assert engine.stats()["engine_running"] and engine.stats()["in_flight"] == 0
+    finally:
+        engine.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_disconnect_mid_stream_frees_the_row(real_engine):
+    """A real HTTP server (uvicorn on loopback): the client reads two events and hangs up."""
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(LocalClient(real_engine)), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 10
+        while not server.started and time.time() < deadline:
+            time.sleep(0.05)
+        before = real_engine.stats()["cancelled"]
+        body = json.dumps({"messages": USER, "max_tokens": 250, "temperature": 1.0, "seed": 1}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+            got = b""
+            while got.count(b"data: ") < 2:
+                got += sock.recv(4096)
+            assert real_engine.stats()["in_flight"] == 1
+        assert asyncio.run(real_engine.wait_idle(10.0)), real_engine.stats()
+        stats = real_engine.stats()
+        assert stats["cancelled"] == before + 1 and stats["running"] == 0
+        assert stats["free_rows"] == stats["max_slots"]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+# ---- the calculator model: structured tool calls and the multi-turn round trip ----------------------------
+@pytest.fixture(scope="module")
+def calc(tool_checkpoint):
+    model, tokenizer, _ = load_model(tool_checkpoint)
+    engine = ChatServer(model, tokenizer, max_slots=4, model_id="calc")
+    client = RecordingClient(engine)
+    yield TestClient(create_app(client)), client, ModelRunner(model, tokenizer), tokenizer
+    engine.shutdown()
+
+
+def greedy(runner, tokenizer, messages):
+    """What the model generates for `messages` (template messages), alone: prompt + completion ids."""
+    return runner.generate_batch([render_for_completion(tokenizer, messages)], max_tokens=60, temperature=0)[
+        0
+    ]
+
+
+def turn_ids(tokenizer, text: str) -> list[int]:
+    sid = tokenizer.special_id
+    return [sid("<|user_start|>"), *tokenizer.encode(text), sid("<|user_end|>"), sid("<|assistant_start|>")]
+
+
+def check_round_trip(calc, history_after_turn1: list[dict]):
+    """Turn 2 was prompted with turn 1 sent back as history: its rendered prompt must be exactly the ids
+    the engine generated in turn 1 (prompt, sampled tokens, the forced calculator output, <|assistant_end|>)
+    followed by the new user message."""
+    client, recorder, runner, tokenizer = calc
+    first = greedy(runner, tokenizer, [{"role": "user", "content": Q1}])
+    prompt2 = render_for_completion(tokenizer, recorder.requests[-1]["messages"])
+    assert prompt2 == first.tokens + turn_ids(tokenizer, Q2)
+    assert history_after_turn1[-1] == {"role": "user", "content": Q2}
+
+
+def test_openai_round_trip_without_streaming(calc):
+    client, recorder, runner, tokenizer = calc
+    history = [{"role": "user", "content": Q1}]
+    reply = client.post(V1, json={"messages": history, "temperature": 0}).json()
+    message = reply["choices"][0]["message"]
+    assert message["content"] == "Let me compute it. #### 564"
+    [call] = message["tool_calls"]
+    assert call["function"] == {"name": "calculator", "arguments": '{"expression": "47 * 12"}'}
+    assert call["raychat"] == {"offset": len("Let me compute it. "), "output": "564"}
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    history += [message, {"role": "user", "content": Q2}]
+    reply2 = client.post(V1, json={"messages": history, "temperature": 0}).json()
+    check_round_trip(calc, history)
+    message2 = reply2["choices"][0]["message"]
+    assert (
+        message2["content"] == "Let me compute it. #### 11"
+        and message2["tool_calls"][0]["raychat"]["output"] == "11"
+    )
+    assert "<|" not in json.dumps(reply) + json.dumps(reply2)
+
+
+def test_openai_round_trip_streaming(calc):
+    client, _, _, _ = calc
+    history = [{"role": "user", "content": Q1}]
+    raw = client.post(V1, json={"messages": history, "temperature": 0, "stream": True}).text
+    assert "<|" not in raw
+    state = ChatCompletionStreamState()
+    chunks = [json.loads(e) for e in parse_sse(raw)[:-1]]
+    for c in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(c))
+    accumulated = state.get_final_completion().choices[0].message
+    assert accumulated.content == "Let me compute it. #### 564"
+    # the raychat record arrives in the chunks; a client keeps it on the call (as chat.html does)
+    records = [
+        d.get("raychat")
+        for c in chunks
+        for d in c["choices"][0]["delta"].get("tool_calls", [])
+        if c["choices"]
+    ]
+    call = {**accumulated.tool_calls[0].model_dump(include={"id", "type", "function"}),
+            "raychat": {**records[0], **records[1]}}  # fmt: skip
+    assert call["raychat"] == {"offset": 19, "output": "564"}
+    history += [
+        {"role": "assistant", "content": accumulated.content, "tool_calls": [call]},
+        {"role": "user", "content": Q2},
+    ]
+    resp = client.post(V1, json={"messages": history, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    check_round_trip(calc, history)
+
+
+def test_client_run_calls_follow_openai_function_calling(calc):
+    """With the calculator declared in `tools`, the reply stops at the call (finish_reason tool_calls); the
+    client's tool message continues the same assistant turn, and the whole history renders to the ids the
+    model generates when the engine runs the calculator itself."""
+    client, recorder, runner, tokenizer = calc
+    tools = [{"type": "function", "function": {"name": "calculator"}}]
+    history = [{"role": "user", "content": Q1}]
+    step = client.post(V1, json={"messages": history, "temperature": 0, "tools": tools}).json()
+    assert step["choices"][0]["finish_reason"] == "tool_calls"
+    message = step["choices"][0]["message"]
+    assert message["content"] == "Let me compute it. " and "raychat" not in message["tool_calls"][0]
+    history += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "564"}]
+    step2 = client.post(V1, json={"messages": history, "temperature": 0, "tools": tools}).json()
+    assert step2["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": "#### 564"},
+                                   "logprobs": None, "finish_reason": "stop"}  # fmt: skip
+    history += [step2["choices"][0]["message"], {"role": "user", "content": Q2}]
+    assert client.post(V1, json={"messages": history, "temperature": 0}).status_code == 200
+    check_round_trip(calc, history)
+
+
+def test_raychat_endpoint_round_trip(calc):
+    """The web page's protocol: SSE events -> the OpenAI-style history the page keeps (chat.html)."""
+    client, _, _, _ = calc
+    history = [{"role": "user", "content": Q1}]
+    events = [
+        json.loads(e)
+        for e in parse_sse(
+            client.post("/chat/completions", json={"messages": history, "temperature": 0}).text
+        )
+    ]
+    kinds = [e["type"] for e in events]
+    assert kinds.index("tool_call") < kinds.index("tool_result") < len(kinds) - 1 and kinds[-1] == "done"
+    text, calls = "", []
+    for e in events:
+        if e["type"] == "delta":
+            text += e["text"]
+        elif e["type"] == "tool_call":
+            assert (e["name"], e["expression"]) == ("calculator", "47 * 12")
+            calls.append({"id": e["id"], "type": "function", "raychat": {"offset": len(text)},
+                          "function": {"name": "calculator", "arguments": json.dumps({"expression": e["expression"]})}})  # fmt: skip
+        elif e["type"] == "tool_result":
+            calls[-1]["raychat"]["output"] = e["output"]
+    history += [{"role": "assistant", "content": text, "tool_calls": calls}, {"role": "user", "content": Q2}]
+    assert client.post("/chat/completions", json={"messages": history, "temperature": 0}).status_code == 200
+    check_round_trip(calc, history)
+
+
+def test_logprobs_equal_the_model_distribution(calc):
+    client, _, runner, tokenizer = calc
+    history = [{"role": "user", "content": "Tell me a story."}]
+    reply = client.post(V1, json={"messages": history, "temperature": 0, "max_tokens": 6, "logprobs": True,
+                                  "top_logprobs": 3}).json()  # fmt: skip
+    content = reply["choices"][0]["logprobs"]["content"]
+    ids = render_for_completion(tokenizer, history)
+    with torch.no_grad():
+        for entry in content:
+            lp = torch.log_softmax(runner.model(torch.tensor([ids]))[0, -1].float(), -1)
+            best = int(lp.argmax())
+            assert entry["bytes"] == list(b"".join(tokenizer.iter_tokens([best])))
+            assert entry["logprob"] == pytest.approx(float(lp[best]), abs=1e-4)
+            top = torch.topk(lp, 3)
+            assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
+                top.values.tolist(), abs=1e-4
+            )
+            ids.append(best)
+
+
+def test_an_engine_process_that_died_under_a_submit_is_a_503():
+    """EngineProcess.submit raises RuntimeError while a new child loads, and the pipe's BrokenPipeError when
+    the child died a moment before: both are "retry later" (503 + Retry-After), never a 500."""
+
+    class DeadEngineProcess:
+        running, restarting, max_len, max_slots, num_active, num_pending, num_free_slots = (
+            False,
+            True,
+            64,
+            1,
+            0,
+            0,
+            1,
+        )
+
+        def __init__(self, error):
+            self.error = error
+
+        def start(self):
+            pass
+
+        def submit(self, *args, **kwargs):
+            raise self.error
+
+    tok = byte_tokenizer()
+    for error in (
+        BrokenPipeError(32, "Broken pipe"),
+        RuntimeError("engine process is not running (restarting)"),
+    ):
+        engine = ChatServer(None, tok, scheduler=DeadEngineProcess(error))
+        resp = TestClient(create_app(LocalClient(engine))).post(V1, json={"messages": USER})
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "5", resp.text
+        assert resp.json()["error"]["message"].startswith("engine unavailable: ")
+        assert engine.stats()["rejected"] == 1 and engine.stats()["in_flight"] == 0

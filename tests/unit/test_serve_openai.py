@@ -1,0 +1,182 @@
+"""OpenAI response shapes over a scripted engine, each validated with openai's own types (ChatCompletion,
+ChatCompletionChunk) and streams accumulated by openai's own ChatCompletionStreamState: text, tool calls the
+server ran (with the "raychat" record), client-run calls (finish_reason "tool_calls"), n choices, logprobs,
+and a returned message sent back as history."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi.testclient import TestClient
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from support.serve_helpers import HELLO, FakeEngine
+
+from raychat.serve.engine_adapter import MIN_LOGPROB, sampling_params, text_logprobs
+from raychat.serve.ingress import create_app
+from raychat.serve.sse import parse_sse
+
+USER = [{"role": "user", "content": "What is 2*3?"}]
+V1 = "/v1/chat/completions"
+USAGE = {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17, "ttft_s": 0.01}
+TOOL_TURN = [
+    {"type": "delta", "text": "Let me. ", "tokens": 3, "logprobs": None},
+    {"type": "tool_call", "id": "call_a", "expression": "2*3"},
+    {"type": "tool_result", "id": "call_a", "output": "6"},
+    {"type": "delta", "text": "#### 6", "tokens": 4, "logprobs": None},
+    {"type": "done", "finish_reason": "stop", "usage": USAGE},
+]
+CLIENT_CALL = [*TOOL_TURN[:2], {"type": "done", "finish_reason": "tool_calls", "usage": USAGE}]
+
+
+def completion(script, **body):
+    resp = TestClient(create_app(FakeEngine(script))).post(V1, json={"messages": USER, **body})
+    assert resp.status_code == 200, resp.text
+    return ChatCompletion.model_validate(resp.json()), resp.json()
+
+
+def chunks(script, **body):
+    fake = FakeEngine(script)
+    resp = TestClient(create_app(fake)).post(V1, json={"messages": USER, "stream": True, **body})
+    events = parse_sse(resp.text)
+    assert events[-1] == "[DONE]"
+    return [ChatCompletionChunk.model_validate(json.loads(e)) for e in events[:-1]], fake
+
+
+def accumulated(chunk_list):
+    """The final completion as openai's own stream helper builds it from the chunks."""
+    state = ChatCompletionStreamState()
+    for c in chunk_list:
+        state.handle_chunk(c)
+    return state.get_final_completion()
+
+
+def test_text_reply_with_and_without_streaming():
+    reply, raw = completion(HELLO, max_completion_tokens=4)
+    assert raw["choices"][0]["message"] == {"role": "assistant", "content": "Hello\nworld"}
+    assert reply.choices[0].finish_reason == "stop" and reply.choices[0].logprobs is None
+    assert raw["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+    got, _ = chunks(HELLO, stream_options={"include_usage": True})
+    assert len({c.id for c in got}) == 1 and got[0].choices[0].delta.role == "assistant"
+    assert got[-2].choices[0].finish_reason == "stop"
+    assert got[-1].choices == [] and got[-1].usage.total_tokens == 9
+    final = accumulated(got)
+    assert final.choices[0].message.content == "Hello\nworld"
+
+
+def test_a_call_the_server_ran_is_a_tool_call_with_its_output():
+    reply, raw = completion(TOOL_TURN)
+    message = raw["choices"][0]["message"]
+    assert message == {
+        "role": "assistant",
+        "content": "Let me. #### 6",
+        "tool_calls": [{"id": "call_a", "type": "function",
+                        "function": {"name": "calculator", "arguments": '{"expression": "2*3"}'},
+                        "raychat": {"offset": 8, "output": "6"}}],
+    }  # fmt: skip
+    call = reply.choices[0].message.tool_calls[0]
+    assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "2*3"}
+    assert reply.choices[0].finish_reason == "stop"
+    got, _ = chunks(TOOL_TURN)
+    deltas = [c.choices[0].delta.model_dump(exclude_none=True) for c in got if c.choices]
+    assert deltas[2]["tool_calls"] == [{"index": 0, **message["tool_calls"][0], "raychat": {"offset": 8}}]
+    assert deltas[3]["tool_calls"] == [
+        {"index": 0, "function": {"arguments": ""}, "raychat": {"output": "6"}}
+    ]
+    final = accumulated(got)
+    assert final.choices[0].message.content == "Let me. #### 6"
+    assert final.choices[0].message.tool_calls[0].function.arguments == '{"expression": "2*3"}'
+
+
+def test_a_call_for_the_client_ends_the_message():
+    tools = [{"type": "function", "function": {"name": "calculator"}}]
+    reply, raw = completion(CLIENT_CALL, tools=tools)
+    assert raw["choices"][0]["finish_reason"] == "tool_calls"
+    assert raw["choices"][0]["message"]["content"] == "Let me. "
+    assert raw["choices"][0]["message"]["tool_calls"][0] == {
+        "id": "call_a", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}
+    }  # fmt: skip
+    only_call, raw = completion(CLIENT_CALL[1:], tools=tools)
+    assert raw["choices"][0]["message"]["content"] is None  # OpenAI's null content next to tool calls
+    final = accumulated(chunks(CLIENT_CALL, tools=tools)[0])
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert final.choices[0].message.tool_calls[0].id == "call_a"
+
+
+def test_the_returned_message_sent_back_is_the_turn_the_engine_generated():
+    """`messages.append(reply.choices[0].message)` (as model_dump, nulls and all): the engine receives the
+    template's parts in generation order."""
+    reply, _ = completion(TOOL_TURN)
+    history = [*USER, reply.choices[0].message.model_dump(), {"role": "user", "content": "And 1+1?"}]
+    fake = FakeEngine(HELLO)
+    assert TestClient(create_app(fake)).post(V1, json={"messages": history}).status_code == 200
+    assert fake.requests[0]["messages"][1] == {"role": "assistant", "content": [
+        {"type": "text", "text": "Let me. "}, {"type": "python", "text": "2*3"},
+        {"type": "python_output", "text": "6"}, {"type": "text", "text": "#### 6"}]}  # fmt: skip
+
+
+def test_n_choices_stream_side_by_side():
+    def script(request):  # each choice's text names its seed
+        text = f"seed {request['seed']}"
+        return [{"type": "delta", "text": text, "tokens": 2, "logprobs": None},
+                {"type": "done", "finish_reason": "stop", "usage": {**USAGE, "completion_tokens": 2}}]  # fmt: skip
+
+    reply, raw = completion(script, n=3, seed=1)
+    fake_seeds = [c.message.content for c in reply.choices]
+    assert [c.index for c in reply.choices] == [0, 1, 2] and fake_seeds[0] == "seed 1"
+    assert len(set(fake_seeds)) == 3
+    assert raw["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+    got, fake = chunks(script, n=3, seed=1, stream_options={"include_usage": True})
+    assert len(fake.requests) == 3 and fake.closed == 3
+    final = accumulated(got)
+    assert [c.message.content for c in final.choices] == fake_seeds
+    assert {c.choices[0].index for c in got if c.choices} == {0, 1, 2}
+    assert got[-1].usage.completion_tokens == 6
+
+
+def test_logprobs_reach_the_choice_and_the_chunks():
+    entry = {"token": "Hi", "bytes": [72, 105], "logprob": -0.25,
+             "top_logprobs": [{"token": "Hi", "bytes": [72, 105], "logprob": -0.25}]}  # fmt: skip
+    script = [{"type": "delta", "text": "Hi", "tokens": 1, "logprobs": [entry]},
+              {"type": "done", "finish_reason": "length", "usage": USAGE}]  # fmt: skip
+    reply, raw = completion(script, logprobs=True, top_logprobs=1)
+    assert raw["choices"][0]["logprobs"] == {"content": [entry], "refusal": None}
+    assert reply.choices[0].logprobs.content[0].top_logprobs[0].logprob == -0.25
+    got, fake = chunks(script, logprobs=True, top_logprobs=1)
+    assert fake.requests[0]["logprobs"] is True and fake.requests[0]["top_logprobs"] == 1
+    content = [c for c in got if c.choices and c.choices[0].delta.content]
+    assert content[0].choices[0].logprobs.content[0].token == "Hi"
+
+
+def test_engine_logprobs_become_openai_entries_for_text_tokens_only():
+    """The adapter over the engine's per-token logprobs (raychat.serve.engine_adapter): text tokens only,
+    token text and raw bytes, -inf as OpenAI's -9999.0."""
+    import math
+    from types import SimpleNamespace
+
+    from support.engine_fixtures import byte_tokenizer
+
+    tok = byte_tokenizer()
+    euro = "€".encode()
+    entry = lambda lp, top: SimpleNamespace(logprob=lp, top_logprobs=top)  # noqa: E731
+    event = SimpleNamespace(
+        token_ids=[ord("H"), tok.special_id("<|python_start|>"), euro[0]],
+        logprobs=[entry(-0.5, [(ord("H"), -0.5), (ord("h"), -math.inf)]), entry(-1.0, []), entry(-2.0, [(euro[0], -2.0)])],
+    )  # fmt: skip
+    out = text_logprobs(tok, event, ["text", "marker", "text"])
+    assert out == [
+        {"token": "H", "bytes": [72], "logprob": -0.5,
+         "top_logprobs": [{"token": "H", "bytes": [72], "logprob": -0.5}, {"token": "h", "bytes": [104], "logprob": MIN_LOGPROB}]},
+        {"token": "\ufffd", "bytes": [0xE2], "logprob": -2.0, "top_logprobs": [{"token": "\ufffd", "bytes": [0xE2], "logprob": -2.0}]},
+    ]  # fmt: skip
+    assert text_logprobs(tok, SimpleNamespace(token_ids=[72], logprobs=None), ["text"]) == []
+
+
+def test_logprobs_request_against_this_engine():
+    """A logprobs request asks the engine's SamplingParams for them; max_tokens None is the row's max_len."""
+
+    request = {"logprobs": True, "top_logprobs": 3, "max_tokens": None, "client_tools": True, "stop": ["x"]}
+    params = sampling_params(request, max_len=64)
+    assert (params.logprobs, params.top_logprobs, params.max_tokens) == (True, 3, 64)
+    params = sampling_params({**request, "logprobs": False}, max_len=64)
+    assert params.stop == ("x", "<|python_end|>") and params.max_tokens == 64 and params.temperature == 1.0
