@@ -29,10 +29,10 @@ import torch
 
 from raychat.engine.attention import resolve_backend, to_device
 from raychat.engine.kv_cache import KVCache
-from raychat.engine.packed import PackedLinears
-from raychat.engine.packed import available as packed_available
+from raychat.engine.packed_weights import PackedLinears
+from raychat.engine.packed_weights import available as packed_available
+from raychat.engine.row_state import RowState
 from raychat.engine.sampling import SamplingBatch, SamplingParams, make_generator
-from raychat.engine.sequence import RowState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPILED_LEN_MULTIPLE = 256  # generate_batch's cache length is rounded up to this with compile_decode
@@ -124,7 +124,7 @@ class ModelRunner:
         compile_decode: compile the decode step with torch.compile (CUDA graphs on CUDA) for fixed row
             counts (decode_buckets); off by default, meant for GPUs (on CPU it only costs compile time).
         packed_linears: run the model's nn.Linear layers through oneDNN with weights packed once
-            (engine/packed.py; faster matmuls on CPU, one more copy of those weights in memory):
+            (engine/packed_weights.py; faster matmuls on CPU, one more copy of those weights in memory):
             "auto" (default) = on for fp32 on CPU when torch has oneDNN; True = on (ValueError where it
             does not apply); False = off (MKL on the plain weights, as the training forward).
     Raises:
@@ -173,7 +173,7 @@ class ModelRunner:
 
     def refresh_weights(self) -> None:
         """Call after writing the model's weights in a way torch's version counter does not record
-        (`param.data[...] = ...`, a collective writing raw memory): packed copies are rebuilt (packed.py).
+        (`param.data[...] = ...`, a collective writing raw memory): packed copies are rebuilt (packed_weights.py).
         In-place torch ops (load_state_dict, copy_, optimizer steps) need no call."""
         if isinstance(self._packed, PackedLinears):
             self._packed.refresh()

@@ -46,8 +46,8 @@ import uuid
 import torch
 
 from raychat.engine.kv_cache import KVBudgetError, KVCache
+from raychat.engine.row_state import RowState
 from raychat.engine.sampling import SamplingBatch, SamplingParams, is_greedy, make_generator
-from raychat.engine.sequence import RowState
 from raychat.engine.stream import RequestStream, StreamEvent, TokenLogprob, Usage
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""engine/packed.py: oneDNN-packed Linears equal nn.Linear, follow in-place weight updates, and are only
+"""engine/packed_weights.py: oneDNN-packed Linears equal nn.Linear, follow in-place weight updates, and are only
 active inside `with`; the engine's greedy output with packing equals the plain path's."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from support.engine_fixtures import byte_tokenizer, reference_greedy, tiny_gpt
 from torch import nn
 
 from raychat.engine import ModelRunner
-from raychat.engine.packed import PackedLinears, available
+from raychat.engine.packed_weights import PackedLinears, available
 
 pytestmark = pytest.mark.skipif(
     not available(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
