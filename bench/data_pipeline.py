@@ -103,8 +103,8 @@ def consumed(data_dir: str, tok_dir: str, storage: str, steps: int, skip: int) -
     m = read_metrics(storage, cfg.run.run_name)[skip:]
     waits = np.array([s["data_wait_frac"] for s in m])
     return {
-        "workers": cfg.cluster.num_workers,
-        "cpus_per_worker": cfg.cluster.cpus_per_worker,
+        "workers": cfg.layout.num_workers,
+        "cpus_per_worker": cfg.layout.cpus_per_worker,
         "tokens_per_step": cfg.train.batch.total_batch_size,
         "tokens_per_s": steady_tokens_per_s(
             [s["tokens_per_s"] for s in m], cfg.train.batch.total_batch_size, 0

@@ -45,10 +45,10 @@ from raychat.data.packing import BestFitPacker
 from raychat.data.pipeline import validation_rows
 from raychat.data.shards import list_shards
 from raychat.tokenizer import Tokenizer
-from raychat.train.evaluators import BPBEvaluator
 from raychat.train.launch import run_training
 from raychat.train.pretrain import Pretraining
 from raychat.train.replay_recorder import ReplayRecorder
+from raychat.train.validators import BPBValidator
 
 POLICIES = ("crop", "split")
 TOKENS_PER_STEP = 8192
@@ -65,18 +65,18 @@ def fractions(docs: list[np.ndarray], row_len: int, overflow: str) -> dict:
 class SplitRowsToo(Pretraining):
     """The Pretraining stage plus a second validation BPB on split-packed rows ("val_bpb_split")."""
 
-    def evaluators(self, cfg, tokenizer, rank, world, device, autocast):
+    def validators(self, cfg, tokenizer, rank, world, device, autocast):
         _, val_file = list_shards(cfg.data.data_dir)
         rows = validation_rows(
             val_file, tokenizer, cfg.model.seq_len + 1, cfg.data.buffer_size, cfg.train.eval.eval_tokens, world,
             overflow="split",
         )  # fmt: skip
         rows = {k: v[rank::world] for k, v in rows.items()}
-        split = BPBEvaluator(
+        split = BPBValidator(
             "val_bpb_split", rows, tokenizer, cfg.train.batch.device_batch_size, cfg.model.document_masking,
             device, autocast,
         )  # fmt: skip
-        return [*super().evaluators(cfg, tokenizer, rank, world, device, autocast), split]
+        return [*super().validators(cfg, tokenizer, rank, world, device, autocast), split]
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import bench/

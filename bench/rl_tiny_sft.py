@@ -32,7 +32,7 @@ def pass_at_1(model, tok, task, n, temperature, samples=1, max_tokens=40) -> flo
         prompts, num_samples=samples, max_tokens=max_tokens, temperature=temperature, seed=0
     )
     model.train()
-    return sum(task.evaluate(convs[r.prompt_index], r.text) for r in res) / len(res)
+    return sum(task.is_correct(convs[r.prompt_index], r.text) for r in res) / len(res)
 
 
 def main():

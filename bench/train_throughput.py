@@ -122,7 +122,7 @@ def plain_loop(cfg: TrainConfig, tokenizer: Tokenizer, threads: int, steps: int,
     torch.manual_seed(cfg.run.seed)
     model = GPT(ModelConfig(**p.model_config)).init_weights(cfg.run.seed)
     optimizers = plain_optimizers(model, cfg, kind)
-    sched = cfg.train.schedule
+    sched = cfg.train.lr_schedule
     device = torch.device("cpu")
     rates = []
     for step in range(steps):

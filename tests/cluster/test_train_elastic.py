@@ -71,14 +71,14 @@ class GlobalDocuments:
 
 
 class GlobalDocumentsStage:
-    """A stage (raychat.train.launch) of GlobalDocuments rows and no evaluators."""
+    """A stage (raychat.train.launch) of GlobalDocuments rows and no validators."""
 
     data_cpus = 0
 
     def row_source(self, cfg, tokenizer, rank, world):
         return GlobalDocuments(tokenizer.bos_id, tokenizer.vocab_size, rank, world)
 
-    def evaluators(self, cfg, tokenizer, rank, world, device, autocast):
+    def validators(self, cfg, tokenizer, rank, world, device, autocast):
         return []
 
 

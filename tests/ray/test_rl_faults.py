@@ -1,6 +1,6 @@
 """RL survives its actors, on a local Ray cluster: a rollout actor lost during an evaluation (the evaluation is
 re-run with the same result), a learner lost mid-run (the run resumes from its last committed checkpoint
-within --max-failures, and fails naming the option past it), and a topology start that fails (no placement
+within --max-failures, and fails naming the option past it), and a actor group start that fails (no placement
 group is left behind)."""
 
 import json
@@ -12,8 +12,8 @@ from ray.exceptions import RayActorError
 from ray.util import placement_group_table
 from support.rl_fixtures import tiny_checkpoint, tiny_config
 
+from raychat.rl.actors import ActorGroup
 from raychat.rl.loop import RLRun, rl_tasks
-from raychat.rl.topology import Topology
 
 pytestmark = pytest.mark.ray
 
@@ -59,10 +59,10 @@ def test_a_rollout_actor_lost_during_evaluation_is_replaced_and_the_evaluation_r
     with the same seeds and weights: the same pass@k as the undisturbed run."""
     calls, logs = [], []
 
-    def kill_during_final_eval(scheduler, chunks):
+    def kill_during_final_eval(dispatcher, chunks):
         calls.append([c["indices"] for c in chunks])
         if len(calls) == 2:
-            ray.kill(scheduler.topology.rollouts[1], no_restart=no_restart)
+            ray.kill(dispatcher.actors.rollouts[1], no_restart=no_restart)
 
     cfg = tiny_config(checkpoint, str(tmp_path), **EVAL)
     before = live_placement_groups()
@@ -87,10 +87,10 @@ def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
     and seeds), one failure is counted and the run completes at version 4."""
     logs, killed = [], []
 
-    def kill_learner_at_step_4(scheduler, step, chunks):
+    def kill_learner_at_step_4(dispatcher, step, chunks):
         if step == 3 and not killed:
             killed.append(step)
-            ray.kill(scheduler.topology.learners[-1])
+            ray.kill(dispatcher.actors.learners[-1])
 
     cfg = tiny_config(
         checkpoint, str(tmp_path), steps=4, checkpoint_every=2, max_failures=1, learner_workers=learners,
@@ -130,9 +130,9 @@ def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
 def test_past_max_failures_the_run_fails_naming_the_option_and_releases_its_placement_group(
     ray_cluster, checkpoint, tmp_path
 ):
-    def kill_learner_at_step_2(scheduler, step, chunks):
+    def kill_learner_at_step_2(dispatcher, step, chunks):
         if step == 1:
-            ray.kill(scheduler.topology.learners[0])
+            ray.kill(dispatcher.actors.learners[0])
 
     cfg = tiny_config(checkpoint, str(tmp_path), steps=2, max_failures=0)
     before = live_placement_groups()
@@ -141,7 +141,7 @@ def test_past_max_failures_the_run_fails_naming_the_option_and_releases_its_plac
         RuntimeError, match=r"RL run 't' failed after 0 restart\(s\), --max-failures 0 \(Actor"
     ):
         run.run()
-    assert run.failures == 0 and run.topology.pg is None and run.topology.learners == []
+    assert run.failures == 0 and run.actors.pg is None and run.actors.learners == []
     assert live_placement_groups() == before
     assert [x["step"] for x in metric_lines(tmp_path / "t")] == [1]  # step 1 done and checkpointed
 
@@ -151,14 +151,14 @@ def test_a_failed_topology_start_leaves_no_placement_group(ray_cluster, checkpoi
     node can hold (a GPU on a CPU-only cluster): start() raises, and the group is removed either way."""
     before = live_placement_groups()
     cfg = tiny_config(str(tmp_path / "missing"), str(tmp_path))
-    topology = Topology(cfg, rl_tasks(cfg))
+    actors = ActorGroup(cfg, rl_tasks(cfg))
     with pytest.raises(RayActorError, match="missing"):
-        topology.start()
-    assert topology.pg is None and (topology.learners, topology.rollouts) == ([], [])
+        actors.start()
+    assert actors.pg is None and (actors.learners, actors.rollouts) == ([], [])
     assert live_placement_groups() == before
 
     cfg = tiny_config(checkpoint, str(tmp_path), use_gpu=True)
-    topology = Topology(cfg, rl_tasks(cfg))
+    actors = ActorGroup(cfg, rl_tasks(cfg))
     with pytest.raises(RuntimeError, match=r"RL placement group .* was not placed within 2 s: .*--use-gpu"):
-        topology.start(ready_timeout_s=2)
-    assert topology.pg is None and live_placement_groups() == before
+        actors.start(ready_timeout_s=2)
+    assert actors.pg is None and live_placement_groups() == before

@@ -11,12 +11,12 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 from support.rl_fixtures import rl_config, tiny_checkpoint, tiny_config
 
+from raychat.rl.actors import ActorGroup
+from raychat.rl.dispatcher import RolloutDispatcher
 from raychat.rl.learner import LearnerActor
 from raychat.rl.loop import RLRun, rl_tasks
 from raychat.rl.rollout import RolloutActor
-from raychat.rl.scheduler import RolloutScheduler
 from raychat.rl.sync import WeightSync
-from raychat.rl.topology import Topology
 from raychat.rl.weights import create_collective_group, sync_object_store
 
 pytestmark = pytest.mark.ray
@@ -64,9 +64,9 @@ def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, t
 
     pids = {}
 
-    def kill_at_step_1(scheduler, step, chunks):
+    def kill_at_step_1(dispatcher, step, chunks):
         if step == 0:
-            pids.update(ray.get(scheduler.topology.rollouts[0].info.remote()))
+            pids.update(ray.get(dispatcher.actors.rollouts[0].info.remote()))
         if step == 1 and not killed:  # SIGKILL right after its rollout chunk was submitted: it dies in flight
             os.kill(pids["pid"], signal.SIGKILL)
             killed.append(pids["pid"])
@@ -80,7 +80,7 @@ def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, t
     assert lines[0]["restarts"] == 0 and lines[1]["restarts"] >= 1  # detected while collecting step 2
     assert [x["step"] for x in lines] == [1, 2, 3]
     # the killed actor's prompts of step 2 (index 1) were re-issued and completed: every prompt, G samples each
-    assert lines[1]["prompts"] == sorted(run.scheduler.prompts_for(1)) and lines[1]["num_samples"] == 4 * 2
+    assert lines[1]["prompts"] == sorted(run.dispatcher.prompts_for(1)) and lines[1]["num_samples"] == 4 * 2
     assert lines[1]["staleness_max"] == 0  # re-synced before re-issue
     assert {p.name for p in (tmp_path / "t").glob("checkpoint_*")} == {
         "checkpoint_000002",
@@ -120,19 +120,19 @@ def test_an_actor_restarted_after_a_sync_is_resynced_before_it_generates(
     and the prompts are issued again: every sample trained is on-policy."""
     cfg = tiny_config(checkpoint, str(tmp_path), steps=3, weight_sync=weight_sync, checkpoint_every=100)
     run = RLRun(cfg, log=print)
-    submit, seen = run.scheduler.submit, {}
+    submit, seen = run.dispatcher.submit, {}
 
     def kill_then_submit(step):
         if step == 2:
             seen["before"], seen["after"] = restart(run.topology.rollouts[0])
         return submit(step)
 
-    run.scheduler.submit = kill_then_submit
+    run.dispatcher.submit = kill_then_submit
     summary = run.run()
     assert (seen["before"]["version"], seen["after"]["version"]) == (2, 0)  # synced, then restarted
     lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     assert [x["staleness_max"] for x in lines] == [0, 0, 0]  # no sample of older weights trained
-    assert lines[2]["num_samples"] == 4 * 2 and lines[2]["prompts"] == sorted(run.scheduler.prompts_for(2))
+    assert lines[2]["num_samples"] == 4 * 2 and lines[2]["prompts"] == sorted(run.dispatcher.prompts_for(2))
     # one chunk refused (nothing generated, nothing to drop), then re-issued after the re-sync
     assert (summary["stale_chunks"], summary["dropped_samples"], summary["version"]) == (1, 0, 3)
     assert [x["stale_chunks"] for x in lines] == [0, 0, 1]
@@ -142,12 +142,12 @@ def test_samples_older_than_the_bound_are_dropped_and_their_prompts_reissued(ray
     """A chunk result carrying samples of version 1 where step 3 (sync mode) needs version 3: collect drops
     both samples, re-syncs actor 0 to version 3 and issues the prompts again (2 prompts x G = 2)."""
     cfg = tiny_config(checkpoint, "unused", steps=4)
-    topology = Topology(cfg, rl_tasks(cfg))
-    topology.start()
+    actors = ActorGroup(cfg, rl_tasks(cfg))
+    actors.start()
     try:
-        sync = WeightSync(topology, "object_store", log=print)
-        scheduler = RolloutScheduler(cfg, topology, sync, len(rl_tasks(cfg)["train"]), log=print)
-        scheduler.version = 3
+        sync = WeightSync(actors, "object_store", log=print)
+        dispatcher = RolloutDispatcher(cfg, actors, sync, len(rl_tasks(cfg)["train"]), log=print)
+        dispatcher.version = 3
         sync.publish(3)
         old = [{"version": 1, "prompt_index": i, "sample_index": 0} for i in (7, 9)]
         stale = {"samples": old, "seconds": 0.0, "completion_tokens": 0, "worker": 0, "version": 1}
@@ -159,10 +159,10 @@ def test_samples_older_than_the_bound_are_dropped_and_their_prompts_reissued(ray
             "ref": ray.put(stale),
             "split": "train",
         }
-        (result,) = scheduler.collect([chunk])
+        (result,) = dispatcher.collect([chunk])
     finally:
-        topology.stop()
-    assert (scheduler.stale_chunks, scheduler.dropped_samples) == (1, 2)
+        actors.stop()
+    assert (dispatcher.stale_chunks, dispatcher.dropped_samples) == (1, 2)
     assert result["version"] == 3 and [(s["prompt_index"], s["version"]) for s in result["samples"]] == [
         (7, 3), (7, 3), (9, 3), (9, 3)
     ]  # fmt: skip

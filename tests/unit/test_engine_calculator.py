@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raychat.engine import calculate, evaluate
+from raychat.engine import calculate, eval_expression
 
 
 @pytest.mark.parametrize(
@@ -55,10 +55,10 @@ def test_allowed(expression, expected):
     ],
 )
 def test_rejected_gives_none(expression):
-    assert evaluate(expression) is None
+    assert eval_expression(expression) is None
     assert calculate(expression) is None
 
 
 def test_non_string_gives_none():
-    assert evaluate(None) is None
-    assert evaluate(12) is None
+    assert eval_expression(None) is None
+    assert eval_expression(12) is None

@@ -8,7 +8,7 @@ from support.rl_fixtures import rl_config
 from raychat.cli import build_parser
 from raychat.config import RLConfig, from_dict, preset_values, to_yaml
 from raychat.rl.cli import config_for
-from raychat.rl.scheduler import split_even
+from raychat.rl.dispatcher import split_even
 
 
 def test_yaml_round_trip(tmp_path):

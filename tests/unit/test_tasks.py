@@ -82,7 +82,7 @@ def test_calculator_uses_tool_calls_and_held_out_split(small_tokenizer):
     expected = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
     assert ex["answer"] == str(expected)
     assert ex["messages"][1]["content"][2] == {"type": "python_output", "text": str(expected)}
-    assert train.evaluate(ex, f"blah #### {expected}") and not train.evaluate(ex, f"#### {expected + 1}")
+    assert train.is_correct(ex, f"blah #### {expected}") and not train.is_correct(ex, f"#### {expected + 1}")
     train_exprs = {train.problem(i)[0] for i in range(300)}
     test_exprs = {test.problem(i)[0] for i in range(30)}
     assert not train_exprs & test_exprs
@@ -107,7 +107,7 @@ def test_spelling_from_a_word_list(tmp_path):
     count = task[1]
     letter = count["messages"][0]["content"].split('"')[1]
     assert count["answer"] == str(task.words[1 % len(task.words)].count(letter))
-    assert task.evaluate(count, f"#### {count['answer']}")
+    assert task.is_correct(count, f"#### {count['answer']}")
     with pytest.raises(FileNotFoundError, match="wamerican"):
         Spelling(words_path=str(tmp_path / "missing"))
 
@@ -177,7 +177,7 @@ def test_gsm8k_jsonl_turns_calculator_annotations_into_tool_calls(tmp_path):
         {"type": "python_output", "text": "72"},
         {"type": "text", "text": "72 clips altogether in April and May.\n#### 72"},
     ]
-    assert t.evaluate(ex, "so #### 72") and not t.evaluate(ex, "#### 71") and not t.evaluate(ex, "72")
+    assert t.is_correct(ex, "so #### 72") and not t.is_correct(ex, "#### 71") and not t.is_correct(ex, "72")
     assert extract_answer("#### 1,234") == "1234"
 
 
@@ -194,7 +194,7 @@ def test_multiple_choice_mmlu_parquet_and_arc_jsonl(tmp_path):
     assert ex["messages"][0]["content"] == (
         "Multiple Choice question: 2+2?\n- 3=A\n- 4=B\n- 5=C\n- 6=D\nRespond only with the letter of the correct answer."
     )
-    assert mmlu.evaluate(ex, "B") and not mmlu.evaluate(ex, "A")
+    assert mmlu.is_correct(ex, "B") and not mmlu.is_correct(ex, "A")
     arc = {
         "id": "Mercury_1",
         "question": "Which is red?",

@@ -1,5 +1,5 @@
 """The RL configuration (`raychat rl`): run, optim and checkpoint (training's sections with RL's defaults), model
-(how the learner runs it: FP8, compile, as in training), task, rollout, objective, asynchrony, topology, eval.
+(how the learner runs it: FP8, compile, as in training), task, rollout, objective, asynchrony, layout, eval.
 
 The flags are training's: --init-from, --storage-path, --preset; RL's old --checkpoint, --out and --config stay
 one release as deprecated aliases (RLConfig.DEPRECATED; --config: raychat.commands.rl).
@@ -68,7 +68,7 @@ class AsyncSection(Section):
 
 
 @dataclass
-class TopologySection(Section):
+class RLLayoutSection(Section):
     """Placement: learner and rollout actors in one placement group."""
 
     rollout_workers: int = option(2, "rollout actors (each holds an engine)", ge=1)
@@ -115,20 +115,20 @@ class RLConfig(Section):
     rollout: RolloutSection = section(RolloutSection)
     objective: ObjectiveSection = section(ObjectiveSection)
     asynchrony: AsyncSection = section(AsyncSection)
-    topology: TopologySection = section(TopologySection)
+    layout: RLLayoutSection = section(RLLayoutSection)
     eval: RLEvalSection = section(RLEvalSection)
     checkpoint: CheckpointSection = section(CheckpointSection, checkpoint_every=10)
 
     def __post_init__(self):
         super().__post_init__()
         samples = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
-        if samples < self.topology.learner_workers:
+        if samples < self.layout.learner_workers:
             raise ConfigError(
                 f"--prompts-per-step x --samples-per-prompt = {samples} samples a step cannot feed "
-                f"--learner-workers {self.topology.learner_workers} (each needs at least one)"
+                f"--learner-workers {self.layout.learner_workers} (each needs at least one)"
             )
 
-        t = self.topology
+        t = self.layout
         if t.weight_sync == "collective" and not t.use_gpu and t.learner_workers > 1:
             raise ConfigError(
                 f"--weight-sync collective on CPU (gloo) needs --learner-workers 1, got {t.learner_workers}: "

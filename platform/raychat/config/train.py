@@ -1,6 +1,6 @@
 """Sections of the pretraining / SFT configuration (`raychat pretrain`, `raychat sft`) and TrainConfig.
 
-TrainConfig: run / model / optim / data / cluster / train (batch, horizon, schedule, eval, checkpoint,
+TrainConfig: run / model / optim / data / layout / train (batch, horizon, lr_schedule, eval, checkpoint,
 logging). Every leaf is a --flag of its flat name (raychat.config.schema); presets set the same names.
 """
 
@@ -103,7 +103,7 @@ class DataSection(Section):
 
 
 @dataclass
-class ClusterSection(Section):
+class LayoutSection(Section):
     """The Ray Train worker group."""
 
     num_workers: int = option(2, "Ray Train workers (DDP ranks); with --min-workers, the most", positive=True)
@@ -166,7 +166,7 @@ class HorizonSection(Section):
 
 
 @dataclass
-class ScheduleSection(Section):
+class LRScheduleSection(Section):
     warmup_ratio: float = option(0.0, "fraction of steps of linear warmup", ge=0)
     warmdown_ratio: float = option(0.4, "fraction of steps of linear decay at the end", ge=0)
     final_lr_frac: float = option(0.0, "lr at the end as a fraction of the peak", ge=0)
@@ -206,7 +206,7 @@ class TrainSection(Section):
 
     batch: BatchSection = section(BatchSection)
     horizon: HorizonSection = section(HorizonSection)
-    schedule: ScheduleSection = section(ScheduleSection)
+    lr_schedule: LRScheduleSection = section(LRScheduleSection)
     eval: EvalSection = section(EvalSection)
     checkpoint: CheckpointSection = section(CheckpointSection)
     logging: LoggingSection = section(LoggingSection)
@@ -220,14 +220,14 @@ class TrainConfig(Section):
     model: ModelSection = section(ModelSection)
     optim: OptimSection = section(OptimSection)
     data: DataSection = section(DataSection)
-    cluster: ClusterSection = section(ClusterSection)
+    layout: LayoutSection = section(LayoutSection)
     train: TrainSection = section(TrainSection)
 
     def grad_accum_steps(self, total_batch_size: int, workers: int | None = None) -> int:
         """Micro-batches per step on `workers` workers (default --num-workers); raises ConfigError when the
         sizes don't divide."""
         rows, seq = self.train.batch.device_batch_size, self.model.seq_len
-        workers = workers or self.cluster.num_workers
+        workers = workers or self.layout.num_workers
         per_micro = rows * seq * workers
         if total_batch_size % per_micro:
             raise ConfigError(

@@ -1,6 +1,6 @@
 """Inference engine (API: docs/engine.md): KV cache, sampling, ModelRunner, Scheduler, EngineProcess."""
 
-from raychat.engine.calculator import calculate, evaluate
+from raychat.engine.calculator import calculate, eval_expression
 from raychat.engine.detokenize import StreamDecoder
 from raychat.engine.kv_cache import KVBudgetError, KVCache
 from raychat.engine.runner import GenerationResult, ModelRunner, SamplingParams
@@ -23,7 +23,7 @@ __all__ = [
     "TokenLogprob",
     "Usage",
     "calculate",
-    "evaluate",
+    "eval_expression",
     "make_generator",
     "sample_next",
 ]

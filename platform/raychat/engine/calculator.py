@@ -5,7 +5,7 @@ Accepted: integer and decimal literals, + - * / // %, parentheses, unary + and -
 attributes, subscripts, powers, comparisons, strings, tuples, ...) gives None.
 Bounds: at most MAX_CHARS characters, and every intermediate |value| <= MAX_MAGNITUDE, so no input can
 allocate huge integers or loop long. Errors (syntax, division by zero, recursion, overflow) give None:
-no exception escapes `evaluate` or `calculate`.
+no exception escapes `eval_expression` or `calculate`.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _walk(node):
     raise _Rejected
 
 
-def evaluate(expression: str) -> int | float | None:
+def eval_expression(expression: str) -> int | float | None:
     """Value of an arithmetic expression, or None if it is not allowed or cannot be computed.
 
     Exact integer division stays an int (84/2 -> 42); other divisions give a float.
@@ -88,5 +88,5 @@ def format_value(value: int | float) -> str:
 
 def calculate(expression: str) -> str | None:
     """The tool output text for `expression` (e.g. "12*(3+4)" -> "84"), or None to inject nothing."""
-    value = evaluate(expression)
+    value = eval_expression(expression)
     return None if value is None else format_value(value)

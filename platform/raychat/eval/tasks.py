@@ -3,7 +3,7 @@
 categorical: after the prompt (rendered for completion), the model's choice is the letter whose token has
 the highest logit among the task's `letters`; accuracy = fraction equal to `answer`.
 generative: greedy completion through the engine (tool calls evaluated); accuracy = fraction that
-`task.evaluate(conversation, completion_text)` accepts.
+`task.is_correct(conversation, completion_text)` accepts.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def task_accuracy(
                 prompts[i : i + batch_size], max_tokens=max_tokens, temperature=0.0
             )
             for conv, r in zip(conversations[i : i + batch_size], results):
-                correct += bool(task.evaluate(conv, r.text))
+                correct += bool(task.is_correct(conv, r.text))
     else:
         raise ValueError(f"task {task.name!r}: eval_type must be 'categorical' or 'generative'")
     model.train(was_training)

@@ -1,11 +1,11 @@
 """The RL loop: rollouts -> rewards -> advantages -> learner step -> weight sync, on the shared substrate.
 
-Parts: Topology (placement, raychat.rl.topology), WeightSync (raychat.rl.sync), RolloutScheduler (prompts,
-chunks, faults: raychat.rl.scheduler), the learners (DDP, the trainer's optimizer step: raychat.rl.learner),
+Parts: ActorGroup (placement, raychat.rl.actors), WeightSync (raychat.rl.sync), RolloutDispatcher (prompts,
+chunks, faults: raychat.rl.dispatcher), the learners (DDP, the trainer's optimizer step: raychat.rl.learner),
 the trainer's Checkpointer and MetricsSink, and the task registry (raychat.tasks.registry).
 
 Synchronous mode (default, on-policy): rollouts of step s use policy version s exactly (a restarted rollout
-actor is re-synced before it generates; raychat.rl.scheduler enforces the bound on every sample).
+actor is re-synced before it generates; raychat.rl.dispatcher enforces the bound on every sample).
 Asynchronous mode (--mode async --max-staleness k): the rollout batches of the next k steps are in flight
 while the learner trains, so a sample trained at step s came from version v >= s - k; staleness s - v is
 recorded per sample and the loss uses the clipped importance ratio against the behavior log-probs.
@@ -16,18 +16,18 @@ chunk's generation seconds), learner_step_s, learner_wait_s (the driver waiting 
 steps), learner_wait_frac (wait / (wait + step + sync), and cumulative in the summary), staleness_mean/max
 (of the samples trained), sync_time_s (put + slowest actor's fetch+load), loss, grad_norm, normalization,
 restarts, stale_chunks and dropped_samples (cumulative: rollouts refused or dropped because the actor's
-weights were older than the staleness bound, raychat.rl.scheduler; all re-issued). Every --eval-every
+weights were older than the staleness bound, raychat.rl.dispatcher; all re-issued). Every --eval-every
 steps: pass@k, k = 1..--eval-samples, on held-out prompts. Checkpoints go to OUT/RUN_NAME/checkpoint_<step:06d>
 on any storage root (a directory, NFS, s3://, gs://) through raychat.checkpoint_manager: every learner uploads
 its part, the driver commits; a run started again with the same --storage-path and --run-name resumes from the newest
 committed one.
 
 Faults: a rollout actor that dies during a rollout or an evaluation is restarted by Ray (--max-restarts),
-re-synced and its prompts re-issued (raychat.rl.scheduler). Any other lost actor (a learner, one lost during
-weight sync, every rollout actor) stops the whole topology; it is started again and the run resumes from the
+re-synced and its prompts re-issued (raychat.rl.dispatcher). Any other lost actor (a learner, one lost during
+weight sync, every rollout actor) stops the whole actor group; it is started again and the run resumes from the
 newest committed checkpoint, redoing the steps after it, up to --max-failures times (`failures` in every
 line and the summary); past that the run fails naming the option. The placement group is removed on every
-path out (raychat.rl.topology).
+path out (raychat.rl.actors).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from raychat.config import RLConfig, to_dict, to_yaml
 from raychat.log import log
 from raychat.metrics import RLMetrics
 from raychat.metrics_sink import MetricsSink
+from raychat.rl.actors import ActorGroup, ActorsLost
+from raychat.rl.dispatcher import RolloutDispatcher, split_even
 from raychat.rl.objective import group_advantages
-from raychat.rl.scheduler import RolloutScheduler, split_even
 from raychat.rl.sync import WeightSync
-from raychat.rl.topology import ActorsLost, Topology
 from raychat.storage import open_storage, write_bytes
 from raychat.tasks.registry import make_task
 
@@ -79,8 +79,8 @@ def rl_gauges(run_name: str):
 class RLRun:
     """One RL run. `RLRun(cfg).run()` -> summary dict; see the module doc.
 
-    on_submitted(scheduler, step, chunks): optional hook after a step's rollout chunks are submitted;
-    on_evaluating(scheduler, chunks): optional hook after an evaluation's chunks are submitted.
+    on_submitted(dispatcher, step, chunks): optional hook after a step's rollout chunks are submitted;
+    on_evaluating(dispatcher, chunks): optional hook after an evaluation's chunks are submitted.
     """
 
     def __init__(self, cfg: RLConfig, on_submitted=None, log=log, on_evaluating=None):
@@ -92,28 +92,28 @@ class RLRun:
         )
         self.run_dir = self.checkpoints.storage.uri_of(self.checkpoints.run_path)
         self.tasks = rl_tasks(cfg)
-        self.topology = Topology(cfg, self.tasks)
-        self.sync = WeightSync(self.topology, cfg.topology.weight_sync, log)
-        self.scheduler = RolloutScheduler(
-            cfg, self.topology, self.sync, len(self.tasks["train"]), on_submitted, log, on_evaluating
+        self.actors = ActorGroup(cfg, self.tasks)
+        self.sync = WeightSync(self.actors, cfg.layout.weight_sync, log)
+        self.dispatcher = RolloutDispatcher(
+            cfg, self.actors, self.sync, len(self.tasks["train"]), on_submitted, log, on_evaluating
         )
         self.version = 0
-        self.failures = 0  # learner / weight-sync failures survived (topology restarts), <= --max-failures
+        self.failures = 0  # learner / weight-sync failures survived (actor group restarts), <= --max-failures
         self.evals: list[dict] = []  # {"step", "pass@k"...} of this run, a redone step's once
 
     @property
     def restarts(self) -> int:
-        return self.sync.restarts + self.scheduler.restarts
+        return self.sync.restarts + self.dispatcher.restarts
 
     def set_version(self, version: int) -> None:
-        self.version = self.scheduler.version = version
+        self.version = self.dispatcher.version = version
 
     # ---- checkpoints (the trainer's Checkpointer in every learner, committed here) ------------------------
     def save(self, step: int, evaluation: dict | None) -> str:
         """Every learner uploads its part of checkpoint `step`; once all have, the driver commits it."""
         self.checkpoints.prepare(step)
         parts = ray.get(
-            [lr.save.remote(self.checkpoints, step, {"eval": evaluation}) for lr in self.topology.learners]
+            [lr.save.remote(self.checkpoints, step, {"eval": evaluation}) for lr in self.actors.learners]
         )
         return self.checkpoints.commit(step, parts, "rl")
 
@@ -125,7 +125,7 @@ class RLRun:
             self.set_version(0)
             return 0
         uri = self.checkpoints.uri(newest.step)
-        states = ray.get([lr.restore.remote(uri) for lr in self.topology.learners])
+        states = ray.get([lr.restore.remote(uri) for lr in self.actors.learners])
         self.set_version(int(states[0]["version"]))
         self.log(f"resumed from {uri} at step {states[0]['step']} (version {self.version})")
         return int(states[0]["step"])
@@ -133,7 +133,7 @@ class RLRun:
     # ---- one learner step ------------------------------------------------------------------------------
     def learner_step(self, results: list[dict], step: int) -> tuple[dict, dict]:
         cfg = self.cfg
-        order = self.scheduler.prompts_for(step)
+        order = self.dispatcher.prompts_for(step)
         samples = sorted((s for r in results for s in r["samples"]),
                          key=lambda s: (order.index(s["prompt_index"]), s["sample_index"]))  # fmt: skip
         rewards = [s["reward"] for s in samples]
@@ -144,7 +144,7 @@ class RLRun:
         if cfg.asynchrony.mode == "sync":
             for s in samples:
                 s.pop("behavior_logprobs", None)
-        learners = self.topology.learners
+        learners = self.actors.learners
         shards = split_even(samples, len(learners))
         shards += [[] for _ in range(len(learners) - len(shards))]
         stats = ray.get([lr.step.remote(sh) for lr, sh in zip(learners, shards)])[0]
@@ -175,25 +175,25 @@ class RLRun:
             return self._run_within_budget(metrics)
         finally:
             metrics.close()
-            self.topology.stop()
+            self.actors.stop()
 
     def _run_within_budget(self, metrics: MetricsSink) -> dict:
-        """Start the topology and run the loop; when an actor is lost beyond what the rollout scheduler recovers
+        """Start the actor group and run the loop; when an actor is lost beyond what the rollout dispatcher recovers
         in place (a learner, weight sync, every rollout actor), stop everything, start again and resume from
         the newest committed checkpoint, up to --max-failures times.
 
         Raises RuntimeError naming --max-failures once the budget is spent (the last failure as its cause)."""
-        budget = self.cfg.topology.max_failures
+        budget = self.cfg.layout.max_failures
         while True:
             try:
-                self.topology.start()
+                self.actors.start()
                 return self._loop(metrics)
             except (RayActorError, ActorUnavailableError, ActorsLost, RayTaskError) as e:
                 # a surviving DDP rank raises its own error (gloo: the peer closed the connection) when a
                 # learner is lost: a restart then too; any other task error is the run's own and ends it
-                if isinstance(e, RayTaskError) and self.topology.learners_alive():
+                if isinstance(e, RayTaskError) and self.actors.learners_alive():
                     raise
-                self.topology.stop()
+                self.actors.stop()
                 self.sync.reset()
                 cause = f"{type(e).__name__}: {_first_line(e)}"
                 if self.failures >= budget:
@@ -217,7 +217,7 @@ class RLRun:
         evals = self.evals
         evals[:] = [e for e in evals if e["step"] <= start]  # a restart redoes the steps after `start`
         if start == 0:
-            evals.append({"step": 0, **self.scheduler.evaluate(len(self.tasks["test"]))})
+            evals.append({"step": 0, **self.dispatcher.evaluate(len(self.tasks["test"]))})
             self.log(f"eval step 0: {_fmt(evals[-1])}")
         t_loop = time.perf_counter()
         total_wait = total_busy = 0.0
@@ -226,10 +226,10 @@ class RLRun:
         next_submit = start
         for step in range(start, steps):
             while next_submit <= min(step + ahead, steps - 1):
-                inflight.append(self.scheduler.submit(next_submit))
+                inflight.append(self.dispatcher.submit(next_submit))
                 next_submit += 1
             t0 = time.perf_counter()
-            results = self.scheduler.collect(inflight.popleft())
+            results = self.dispatcher.collect(inflight.popleft())
             wait_s = time.perf_counter() - t0
             last_ack = self.sync.drain() if is_async else None
             stats, rollout = self.learner_step(results, step)
@@ -245,10 +245,10 @@ class RLRun:
                 "learner_wait_frac": wait_s / max(wait_s + stats["step_s"] + sync_wall, 1e-9),
                 "sync_time_s": sync["sync_time_s"] if sync else None, "restarts": self.restarts,
                 "failures": self.failures,
-                "stale_chunks": self.scheduler.stale_chunks, "dropped_samples": self.scheduler.dropped_samples,
+                "stale_chunks": self.dispatcher.stale_chunks, "dropped_samples": self.dispatcher.dropped_samples,
             }  # fmt: skip
             if (step + 1) % cfg.eval.eval_every == 0 or step + 1 == steps:
-                evals.append({"step": step + 1, **self.scheduler.evaluate(len(self.tasks["test"]))})
+                evals.append({"step": step + 1, **self.dispatcher.evaluate(len(self.tasks["test"]))})
                 line["eval"] = evals[-1]
             self.log(_fmt({k: line[k] for k in _LOG_KEYS if line.get(k) is not None}))
             if "eval" in line:
@@ -262,7 +262,7 @@ class RLRun:
         return {
             "steps": steps, "start_step": start, "version": self.version, "restarts": self.restarts,
             "failures": self.failures,
-            "stale_chunks": self.scheduler.stale_chunks, "dropped_samples": self.scheduler.dropped_samples,
+            "stale_chunks": self.dispatcher.stale_chunks, "dropped_samples": self.dispatcher.dropped_samples,
             "evals": evals, "learner_wait_frac": total_wait / max(total_wait + total_busy, 1e-9),
             "wall_s": time.perf_counter() - t_loop, "run_dir": self.run_dir,
             "checkpoint": self.checkpoints.uri(newest.step) if newest else None,

@@ -102,7 +102,7 @@ class RolloutWorker:
 
         min_version: the oldest policy version this rollout may use. An actor holding older weights (a
         restarted one holds the checkpoint's, version 0) generates nothing: it returns no samples and its
-        version, and the scheduler re-syncs it and issues the prompts again.
+        version, and the dispatcher re-syncs it and issues the prompts again.
 
         Returns {"samples": list[Sample dict] (prompt-major), "seconds": generation wall time,
         "completion_tokens": int, "worker": int, "version": int}.
@@ -180,7 +180,9 @@ class RolloutWorker:
         )
         correct = [0] * len(indices)
         for r in results:
-            correct[r.prompt_index] += int(self.tasks["test"].evaluate(conversations[r.prompt_index], r.text))
+            correct[r.prompt_index] += int(
+                self.tasks["test"].is_correct(conversations[r.prompt_index], r.text)
+            )
         return {"correct": correct, "version": self.version, "worker": self.worker_index}
 
 

@@ -17,29 +17,29 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raychat.log import log
-from raychat.rl.topology import ActorsLost, Topology
+from raychat.rl.actors import ActorGroup, ActorsLost
 from raychat.rl.weights import check_acks
 
 
 class WeightSync:
-    """Publishes weights through `topology` (module doc); counts actor restarts it met in `restarts`."""
+    """Publishes weights through `actors` (module doc); counts actor restarts it met in `restarts`."""
 
-    def __init__(self, topology: Topology, mode: str, log=log):
-        self.topology, self.mode, self.log = topology, mode, log
+    def __init__(self, actors: ActorGroup, mode: str, log=log):
+        self.actors, self.mode, self.log = actors, mode, log
         self.refs: list | None = None
         self.digest: str | None = None
         self.pending: deque = deque()
         self.restarts = 0
 
     def reset(self) -> None:
-        """Forget what was published to the actors of a stopped topology (the run restarts it)."""
+        """Forget what was published to the actors of a stopped actor group (the run restarts it)."""
         self.refs, self.digest = None, None
         self.pending.clear()
 
     def publish(self, version: int, block: bool = True) -> dict | None:
         """Publish the learner's weights as `version`; returns the SyncResult (None when not blocking)."""
         t0 = time.perf_counter()
-        learner, rollouts = self.topology.learners[0], self.topology.rollouts
+        learner, rollouts = self.actors.learners[0], self.actors.rollouts
         if self.mode == "collective":
             return self._broadcast(version, t0)
         self.refs, self.digest, put_s = ray.get(learner.publish.remote())
@@ -50,9 +50,9 @@ class WeightSync:
         return check_acks(self._acks(acks, version), self.digest, version, put_s, time.perf_counter() - t0)
 
     def _broadcast(self, version: int, t0: float) -> dict:
-        name = self.topology.group_name
-        sent = self.topology.learners[0].broadcast.remote(name)
-        acks = [w.receive_broadcast.remote(name, version) for w in self.topology.rollouts]
+        name = self.actors.group_name
+        sent = self.actors.learners[0].broadcast.remote(name)
+        acks = [w.receive_broadcast.remote(name, version) for w in self.actors.rollouts]
         s = ray.get(sent)
         self.digest = s["hash"]
         return check_acks(ray.get(acks), s["hash"], version, s["put_s"], time.perf_counter() - t0)
@@ -68,7 +68,7 @@ class WeightSync:
                 self.log(f"rollout actor {w} died during weight sync; re-syncing after its restart")
                 if not self.resync(w, version):
                     raise ActorsLost(f"rollout actor {w} is dead (out of --max-restarts)") from None
-                out.append(ray.get(self.topology.rollouts[w].info.remote()) | {"apply_s": 0.0})
+                out.append(ray.get(self.actors.rollouts[w].info.remote()) | {"apply_s": 0.0})
         return out
 
     def drain(self) -> dict | None:
@@ -89,9 +89,9 @@ class WeightSync:
         while True:
             try:
                 if self.mode == "collective":
-                    self.topology.rebuild_collective_group()
+                    self.actors.rebuild_collective_group()
                     return self._broadcast(version, time.perf_counter())["version"] == version
-                ack = ray.get(self.topology.rollouts[w].set_weights.remote(self.refs, version))
+                ack = ray.get(self.actors.rollouts[w].set_weights.remote(self.refs, version))
                 return ack["version"] == version and ack["hash"] == self.digest
             except ActorUnavailableError:
                 if time.monotonic() > deadline:

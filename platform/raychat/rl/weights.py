@@ -9,7 +9,7 @@ Collective path (GPUs): the learner's rank 0 and the rollout actors form a `ray.
 is broadcast from rank 0 in place. Backend "nccl" on GPUs; "gloo" (torch.distributed under the hood) works on
 CPU only when the learner process has no torch.distributed group of its own (one learner worker). A restarted
 rollout actor cannot rejoin a group: every member leaves it and the group is declared again under the next
-name (raychat.rl.topology.Topology.rebuild_collective_group).
+name (raychat.rl.actors.ActorGroup.rebuild_collective_group).
 
 sync time = time of the put (or of the broadcasts on the sender) + the slowest actor's fetch-and-load time.
 """

@@ -5,9 +5,9 @@ raychat.chat_template), with task-specific fields: "answer" (the reference), and
 "letters" (the answer choices, e.g. ["A", "B", "C", "D"]).
 
 eval_type "categorical": the model's answer is the choice with the highest logit among `letters` after
-<|assistant_start|>; evaluate(conversation, letter) -> bool.
+<|assistant_start|>; is_correct(conversation, letter) -> bool.
 eval_type "generative": the model generates a completion (assistant text, tool outputs included);
-evaluate(conversation, completion) -> bool; reward() defaults to float(evaluate()) for RL.
+is_correct(conversation, completion) -> bool; reward() defaults to float(is_correct()) for RL.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ class Task:
         """The conversation at physical `index`."""
         raise NotImplementedError
 
-    def evaluate(self, conversation: dict, completion: str) -> bool:
+    def is_correct(self, conversation: dict, completion: str) -> bool:
         raise NotImplementedError(f"task {self.name!r} has no checker")
 
     def reward(self, conversation: dict, completion: str) -> float:
-        return float(self.evaluate(conversation, completion))
+        return float(self.is_correct(conversation, completion))
 
     def __len__(self) -> int:
         stop = self.num_examples() if self.stop is None else min(self.stop, self.num_examples())

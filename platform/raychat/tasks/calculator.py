@@ -71,5 +71,5 @@ class Calculator(Task):
         ]
         return {"id": self._id(index), "messages": messages, "answer": str(result)}
 
-    def evaluate(self, conversation: dict, completion: str) -> bool:
+    def is_correct(self, conversation: dict, completion: str) -> bool:
         return extract_answer(completion) == conversation["answer"]

@@ -67,6 +67,6 @@ class ChatterbotConversations(Task):
         ]
         return {"id": cid, "messages": messages, "answer": lines[-1]}
 
-    def evaluate(self, conversation: dict, completion: str) -> bool:
+    def is_correct(self, conversation: dict, completion: str) -> bool:
         """Exact match with the last reply (a weak check: the corpus has many valid replies)."""
         return completion.strip() == conversation["answer"]

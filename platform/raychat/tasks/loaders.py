@@ -104,7 +104,7 @@ class GSM8K(Task):
         ]
         return {"id": self._id(index), "messages": messages, "answer": reference}
 
-    def evaluate(self, conversation: dict, completion: str) -> bool:
+    def is_correct(self, conversation: dict, completion: str) -> bool:
         return extract_answer(completion) == conversation["answer"]
 
 
@@ -150,5 +150,5 @@ class MultipleChoice(Task):
         ]
         return {"id": self._id(index), "messages": messages, "letters": letters, "answer": answer}
 
-    def evaluate(self, conversation: dict, completion: str) -> bool:
+    def is_correct(self, conversation: dict, completion: str) -> bool:
         return completion.strip() == conversation["answer"]

@@ -95,7 +95,7 @@ class Spelling(Task):
         ]
         return {"id": self._id(index), "messages": messages, "answer": str(count)}
 
-    def evaluate(self, conversation: dict, completion: str) -> bool:
+    def is_correct(self, conversation: dict, completion: str) -> bool:
         answer = conversation["answer"]
         if answer.isdigit():
             return extract_answer(completion) == answer

@@ -8,7 +8,7 @@ them), on a local or NFS directory, s3:// or gs://; --data-dir and
 reference, `latest` being the newest pretraining checkpoint under the root. Every reference is resolved and
 the root checked for writing before Ray starts.
 
-A stage is an object with `row_source(cfg, tokenizer, rank, world)`, `evaluators(cfg, tokenizer, rank,
+A stage is an object with `row_source(cfg, tokenizer, rank, world)`, `validators(cfg, tokenizer, rank,
 world, device, autocast)` and `data_cpus` (CPUs each of its Ray Data tasks reserves; 0 = none):
 raychat.train.pretrain.Pretraining and raychat.train.sft.SFT.
 """
@@ -41,14 +41,14 @@ def elastic_grad_accum(cfg: TrainConfig, total_batch_size: int) -> dict[int, int
     Raises:
         ConfigError: the total batch does not divide by device_batch_size x seq_len x workers for one of them.
     """
-    fewest, most = cfg.cluster.worker_range
+    fewest, most = cfg.layout.worker_range
     return {w: cfg.grad_accum_steps(total_batch_size, w) for w in range(fewest, most + 1)}
 
 
 def scaling_config(cfg: TrainConfig) -> ScalingConfig:
     """Ray Train's ScalingConfig: num_workers=(min, max) when elastic (Train V2 restarts the group on the
     workers that remain, from the last checkpoint), else the fixed --num-workers."""
-    c = cfg.cluster
+    c = cfg.layout
     fewest, most = c.worker_range
     return ScalingConfig(
         num_workers=(fewest, most) if fewest < most else most,
@@ -135,7 +135,7 @@ def run_training(cfg: TrainConfig, stage, callbacks=()) -> TrainingResult:
     tokenizer = Tokenizer.load(paths.tokenizer_path)
     plan = make_plan(cfg, tokenizer.vocab_size)
     print_plan(cfg, plan)
-    c = cfg.cluster
+    c = cfg.layout
     log(start_or_connect(c.num_workers, c.cpus_per_worker, stage.data_cpus))
     accum = elastic_grad_accum(cfg, plan.total_batch_size)
     if len(accum) > 1:

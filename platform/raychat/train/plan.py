@@ -71,13 +71,13 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
     n_params = model.num_params()
     scaling_params = model.num_params(exclude_embedding=True)
     flops_per_token = model.flops_per_token(m.seq_len)
-    per_micro = batch.device_batch_size * m.seq_len * cfg.cluster.num_workers
+    per_micro = batch.device_batch_size * m.seq_len * cfg.layout.num_workers
     # an elastic run (--min-workers) trains on every world size in its range: the automatic batch must divide
     # by each of them
     per_round = (
         batch.device_batch_size
         * m.seq_len
-        * math.lcm(*range(cfg.cluster.worker_range[0], cfg.cluster.num_workers + 1))
+        * math.lcm(*range(cfg.layout.worker_range[0], cfg.layout.num_workers + 1))
     )
     if h.num_iterations > 0:
         horizon, data_tokens = "num_iterations", None
@@ -119,11 +119,11 @@ def print_plan(cfg: TrainConfig, p: Plan) -> None:
     print(f"parameters: {p.num_params:,} ({p.scaling_params:,} without the embedding)")
     print(f"FLOPs per token: {p.flops_per_token:,}")
     print(
-        f"batch: {p.total_batch_size:,} tokens/step = {cfg.cluster.num_workers} workers x "
+        f"batch: {p.total_batch_size:,} tokens/step = {cfg.layout.num_workers} workers x "
         f"{cfg.train.batch.device_batch_size} rows x {cfg.model.seq_len} tokens x {p.grad_accum} accumulation steps"
     )
     if p.auto_batch_size:
-        w, rows, seq = cfg.cluster.num_workers, cfg.train.batch.device_batch_size, cfg.model.seq_len
+        w, rows, seq = cfg.layout.num_workers, cfg.train.batch.device_batch_size, cfg.model.seq_len
         change = "kept" if p.auto_batch_size == p.total_batch_size else f"rounded to {p.total_batch_size:,}"
         print(
             f"  (automatic: power law {p.auto_batch_size:,} tokens, {change}: the nearest multiple of "
@@ -134,6 +134,6 @@ def print_plan(cfg: TrainConfig, p: Plan) -> None:
         f"{p.tokens_per_param:.2f} tokens/param, {p.total_flops:.3g} FLOPs"
     )
     print(
-        f"optimizer: Muon for the hidden matrices, {planned_ns_choice(cfg.optim.ns_dtype, cfg.cluster.use_gpu)}; "
+        f"optimizer: Muon for the hidden matrices, {planned_ns_choice(cfg.optim.ns_dtype, cfg.layout.use_gpu)}; "
         "AdamW for the embedding, lm_head and norms"
     )

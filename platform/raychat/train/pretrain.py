@@ -13,10 +13,10 @@ from raychat.config import TrainConfig, preset_section
 from raychat.data.pipeline import PretrainRows, validation_rows
 from raychat.data.shards import list_shards
 from raychat.tokenizer import Tokenizer
-from raychat.train.evaluators import BPBEvaluator, SamplesEvaluator
 from raychat.train.launch import config_from, resolve_paths, run_training
 from raychat.train.plan import make_plan, print_plan
 from raychat.train.replay_recorder import ReplayRecorder
+from raychat.train.validators import BPBValidator, SamplesValidator
 
 
 class Pretraining:
@@ -30,16 +30,16 @@ class Pretraining:
             num_cpus=self.data_cpus, seed=cfg.run.seed, overflow=d.overflow, min_fragment=d.min_fragment,
         )  # fmt: skip
 
-    def evaluators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
+    def validators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
         _, val_file = list_shards(cfg.data.data_dir)
         row_len, tokens = cfg.model.seq_len + 1, cfg.train.eval.eval_tokens
         rows = validation_rows(val_file, tokenizer, row_len, cfg.data.buffer_size, tokens, world)
         rows = {k: v[rank::world] for k, v in rows.items()}
-        bpb = BPBEvaluator(
+        bpb = BPBValidator(
             "val_bpb", rows, tokenizer, cfg.train.batch.device_batch_size,
             cfg.model.document_masking, device, autocast,
         )  # fmt: skip
-        return [bpb, SamplesEvaluator(tokenizer, cfg.train.eval.sample_every, device)] if rank == 0 else [bpb]
+        return [bpb, SamplesValidator(tokenizer, cfg.train.eval.sample_every, device)] if rank == 0 else [bpb]
 
 
 def pretrain(cfg: TrainConfig, callbacks=()):

@@ -14,9 +14,9 @@ from raychat.config import SFT_DEFAULTS, TrainConfig, from_dict
 from raychat.data.sft_rows import SFTRows, validation_rows
 from raychat.tasks.registry import held_out, make_task, mixture_tasks, parse_mixture
 from raychat.tokenizer import Tokenizer
-from raychat.train.evaluators import AccuracyEvaluator, BPBEvaluator, MeanBPBEvaluator
 from raychat.train.launch import config_from, run_training
 from raychat.train.replay_recorder import ReplayRecorder
+from raychat.train.validators import AccuracyValidator, BPBValidator, MeanBPBValidator
 
 
 class SFT:
@@ -26,7 +26,7 @@ class SFT:
         tasks = mixture_tasks(cfg.data.sft_tasks, "train", cfg.run.seed)
         return SFTRows(tasks, cfg.run.seed, tokenizer, cfg.model.seq_len + 1, rank, world)
 
-    def evaluators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
+    def validators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
         names = [name for name, _ in parse_mixture(cfg.data.sft_tasks) if held_out(name)]
         names = list(dict.fromkeys(names))
         size, seed = max(64, cfg.train.eval.eval_tokens // 32), cfg.run.seed
@@ -35,15 +35,15 @@ class SFT:
             rows = validation_rows(
                 make_task(name, "test", size, seed), tokenizer, cfg.model.seq_len + 1, world
             )
-            bpb.append(BPBEvaluator(
+            bpb.append(BPBValidator(
                 f"{name}_val_bpb", {k: v[rank::world] for k, v in rows.items()}, tokenizer,
                 cfg.train.batch.device_batch_size, True, device, autocast,
             ))  # fmt: skip
-        out = [*bpb, MeanBPBEvaluator("val_bpb", bpb)] if bpb else []
+        out = [*bpb, MeanBPBValidator("val_bpb", bpb)] if bpb else []
         if rank == 0:
             n = cfg.train.eval.eval_examples
             out += [
-                AccuracyEvaluator(f"{m}_accuracy", make_task(m, "test", None, seed), tokenizer, n)
+                AccuracyValidator(f"{m}_accuracy", make_task(m, "test", None, seed), tokenizer, n)
                 for m in names
             ]
         return out

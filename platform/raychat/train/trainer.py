@@ -8,7 +8,7 @@
                        skips the update and raises NonFiniteError (the run stops)
 
 Components: loss (raychat.loss.TokenCrossEntropy), row_source (raychat.data.row_source.RowSource:
-`next_batch(n)` -> rows, `state_dict`), evaluators (raychat.train.evaluators), checkpointer
+`next_batch(n)` -> rows, `state_dict`), validators (raychat.train.validators), checkpointer
 (raychat.train.checkpointer) and the run's checkpoints (raychat.checkpoint_manager: every rank uploads its
 part, rank 0 commits), metrics (raychat.metrics_sink, rank 0 only), callbacks (hooks at step begin/end, on
 each step's rows, before each checkpoint, at the end of training).
@@ -33,10 +33,10 @@ from raychat.loss import TokenCrossEntropy
 from raychat.masks import make_batch
 from raychat.metrics_sink import MetricsSink
 from raychat.train.checkpointer import Checkpointer, commit_ranks
-from raychat.train.evaluators import Evaluator, evaluate_all
 from raychat.train.optim import lr_multiplier, set_lr
 from raychat.train.plan import Plan
 from raychat.train.step import NonFiniteError, autocast_for, clear_grads, forward_backward, optimizer_step
+from raychat.train.validators import Validator, validate_all
 
 
 def to_batch(
@@ -91,7 +91,7 @@ class Trainer:
         train_model: torch.nn.Module,
         optimizers: list,
         row_source: RowSource,
-        evaluators: Sequence[Evaluator],
+        validators: Sequence[Validator],
         checkpointer: Checkpointer,
         checkpoints: CheckpointManager,
         metrics: MetricsSink | None,
@@ -105,7 +105,7 @@ class Trainer:
     ):
         self.config, self.plan = config, plan
         self.model, self.train_model, self.optimizers = model, train_model, optimizers
-        self.row_source, self.evaluators, self.checkpointer = row_source, list(evaluators), checkpointer
+        self.row_source, self.validators, self.checkpointer = row_source, list(validators), checkpointer
         self.checkpoints = checkpoints
         self.metrics, self.callbacks = metrics, list(callbacks)
         self.bos_id, self.rank, self.world, self.device = bos_id, rank, world, device
@@ -126,7 +126,7 @@ class Trainer:
             stats = self.train_step(step)
             done = stats["step"]
             if self.due(self.config.train.eval.eval_every, done):
-                stats.update(evaluate_all(self.evaluators, self.model, done, self.plan.num_iterations))
+                stats.update(validate_all(self.validators, self.model, done, self.plan.num_iterations))
             if self.rank == 0:
                 self.log_step(stats, (time.perf_counter() - t_start) / (done - self.start_step))
             report = {k: v for k, v in stats.items() if v is not None}
@@ -152,7 +152,7 @@ class Trainer:
             cb.on_batch(self, step, batches)
         micro = [to_batch(b, self.bos_id, cfg.model.document_masking, self.device) for b in batches]
         t_data = time.perf_counter() - t0
-        s = cfg.train.schedule
+        s = cfg.train.lr_schedule
         lr = set_lr(
             self.optimizers,
             lr_multiplier(step, plan.num_iterations, s.warmup_ratio, s.warmdown_ratio, s.final_lr_frac),
@@ -192,8 +192,8 @@ class Trainer:
 
     def peak_flops(self) -> float | None:
         """Peak FLOP/s of one device: --peak-flops, or the data sheet's dense bf16 figure for known GPUs."""
-        if self.config.cluster.peak_flops > 0:
-            return self.config.cluster.peak_flops
+        if self.config.layout.peak_flops > 0:
+            return self.config.layout.peak_flops
         if self.device.type == "cuda":
             name = torch.cuda.get_device_name(self.device)
             return next((v for k, v in PEAK_FLOPS.items() if k in name), None)

@@ -2,7 +2,7 @@
 
   model (init or init_from) -> the stage's row source -> resume (weights, step) -> FP8 -> optimizers
   -> resume (the one optimizer file, this rank's RNG, every old rank's data state re-dealt to this world)
-  -> torch.compile / DDP -> the stage's evaluators -> metrics sink -> Trainer(...).train()
+  -> torch.compile / DDP -> the stage's validators -> metrics sink -> Trainer(...).train()
 
 Resuming reads the run's newest committed checkpoint (raychat.checkpoint_manager, fetched to this node when
 remote), the same rule whether Ray Train restarted the group after a fault or the run was started again.
@@ -10,7 +10,7 @@ The world size may differ from the checkpoint's (an elastic run after a lost nod
 recomputed so the total batch stays the same, and the row source re-deals the data states.
 
 The stage (raychat.train.pretrain.Pretraining or raychat.train.sft.SFT) builds the row source and the
-evaluators; everything else is the same for every stage.
+validators; everything else is the same for every stage.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     log_placement(rank, world)
     plan = dataclasses.replace(plan, grad_accum=cfg.grad_accum_steps(plan.total_batch_size, world))
     device = ray.train.torch.get_device()
-    torch.set_num_threads(int(os.environ.get("RAYCHAT_THREADS", max(1, round(cfg.cluster.cpus_per_worker)))))
+    torch.set_num_threads(int(os.environ.get("RAYCHAT_THREADS", max(1, round(cfg.layout.cpus_per_worker)))))
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     tokenizer = Tokenizer.load(cfg.data.tokenizer_path)
 
@@ -136,7 +136,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     train_model = torch.compile(model) if cfg.model.compile else model
     train_model = ray.train.torch.prepare_model(train_model, move_to_device=False)
 
-    evaluators = stage.evaluators(cfg, tokenizer, rank, world, device, autocast_for(device))
+    validators = stage.validators(cfg, tokenizer, rank, world, device, autocast_for(device))
     metrics, callbacks = None, list(config.get("callbacks", []))
     if rank == 0:
         run_dir = checkpoints.storage.uri_of(checkpoints.run_path)
@@ -148,7 +148,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
                 ProgressBar(plan.num_iterations, start_step, f"{cfg.run.stage} {cfg.run.run_name}")
             )
     trainer = Trainer(
-        cfg, plan, model, train_model, optimizers, rows, evaluators, checkpointer, checkpoints, metrics, callbacks,
+        cfg, plan, model, train_model, optimizers, rows, validators, checkpointer, checkpoints, metrics, callbacks,
         bos_id=tokenizer.bos_id, rank=rank, world=world, device=device, start_step=start_step,
     )  # fmt: skip
     try:

@@ -17,11 +17,11 @@ from raychat.rl.weights import create_collective_group
 
 
 class ActorsLost(RuntimeError):
-    """Rollout actors are gone for good (out of --max-restarts, or none alive): the run restarts its topology
+    """Rollout actors are gone for good (out of --max-restarts, or none alive): the run restarts its actor group
     within --max-failures (raychat.rl.loop)."""
 
 
-class Topology:
+class ActorGroup:
     """The learner and rollout actors of one run: `start()`, then `.learners` and `.rollouts`; `stop()`."""
 
     def __init__(self, cfg: RLConfig, tasks: dict):
@@ -41,7 +41,7 @@ class Topology:
 
     @property
     def gpu(self) -> int:
-        return 1 if self.cfg.topology.use_gpu else 0
+        return 1 if self.cfg.layout.use_gpu else 0
 
     def _options(self, bundle: int, cpus: float, **kw) -> dict:
         strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
@@ -61,7 +61,7 @@ class Topology:
             raise
 
     def _start(self, ready_timeout_s: float) -> None:
-        t, gpu = self.cfg.topology, self.gpu
+        t, gpu = self.cfg.layout, self.gpu
         bundles = [{"CPU": t.cpus_per_learner, **({"GPU": 1} if gpu else {})}] * t.learner_workers
         bundles += [{"CPU": t.cpus_per_rollout, **({"GPU": 1} if gpu else {})}] * t.rollout_workers
         self.pg = placement_group(bundles, strategy="PACK")
@@ -120,7 +120,7 @@ class Topology:
         for a in self.rollouts + self.learners:
             ray.kill(a, no_restart=True)
         self.rollouts, self.learners = [], []
-        if self.cfg.topology.weight_sync == "collective":
+        if self.cfg.layout.weight_sync == "collective":
             forget_group(self.group_name)
             self.generation += 1
         if self.pg is not None:

@@ -28,9 +28,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raychat.config import RLConfig
 from raychat.log import log
+from raychat.rl.actors import ActorGroup, ActorsLost
 from raychat.rl.objective import pass_at_k
 from raychat.rl.sync import WeightSync
-from raychat.rl.topology import ActorsLost, Topology
 
 
 def chunk_seed(seed: int, step: int, chunk: int) -> int:
@@ -48,26 +48,26 @@ def split_even(items: list, n: int) -> list[list]:
     return [p for p in parts if p]
 
 
-class RolloutScheduler:
+class RolloutDispatcher:
     """Submits and collects the rollout chunks of each step and of each evaluation (module doc); `restarts`
     counts dead actors met.
 
-    on_submitted(scheduler, step, chunks): optional hook after a step's chunks are submitted;
-    on_evaluating(scheduler, chunks): optional hook after an evaluation's chunks are submitted (tests kill an
+    on_submitted(dispatcher, step, chunks): optional hook after a step's chunks are submitted;
+    on_evaluating(dispatcher, chunks): optional hook after an evaluation's chunks are submitted (tests kill an
     actor there).
     """
 
     def __init__(
         self,
         cfg: RLConfig,
-        topology: Topology,
+        actors: ActorGroup,
         sync: WeightSync,
         num_prompts: int,
         on_submitted=None,
         log=log,
         on_evaluating=None,
     ):
-        self.cfg, self.topology, self.sync, self.log = cfg, topology, sync, log
+        self.cfg, self.actors, self.sync, self.log = cfg, actors, sync, log
         self.on_submitted, self.on_evaluating = on_submitted, on_evaluating
         self.order = np.random.default_rng(cfg.run.seed).permutation(num_prompts)
         self.version = 0  # the policy version the rollout actors hold (re-syncs load this one)
@@ -84,7 +84,7 @@ class RolloutScheduler:
         return [int(self.order[(step * P + i) % n]) for i in range(P)]
 
     def submit(self, step: int) -> list[dict]:
-        rollouts = self.topology.rollouts
+        rollouts = self.actors.rollouts
         chunks = []
         for c, idx in enumerate(split_even(self.prompts_for(step), len(rollouts))):
             seed = chunk_seed(self.cfg.run.seed, step, c)
@@ -97,7 +97,7 @@ class RolloutScheduler:
 
     def _issue(self, chunk: dict) -> None:
         r = self.cfg.rollout
-        actor = self.topology.rollouts[chunk["worker"]]
+        actor = self.actors.rollouts[chunk["worker"]]
         if chunk["split"] == "test":
             chunk["ref"] = actor.evaluate.remote(
                 chunk["indices"], self.eval_samples, r.max_tokens, self.cfg.eval.eval_temperature, chunk["seed"],
@@ -114,7 +114,7 @@ class RolloutScheduler:
         doc); a chunk whose actor died, or whose weights were too old, is re-issued after a re-sync.
 
         Raises ActorsLost when a chunk fails --max-restarts + 2 times or no rollout actor is alive."""
-        tries = self.cfg.topology.max_restarts + 2
+        tries = self.cfg.layout.max_restarts + 2
         out = []
         for chunk in chunks:
             for attempt in range(tries):
@@ -149,7 +149,7 @@ class RolloutScheduler:
     def _recover(self, chunk: dict, attempt: int) -> None:
         """Re-sync the (restarting) actor to the current weights and re-issue the chunk; after a failed re-sync
         (the actor is out of restarts) move the chunk to the next actor."""
-        n = len(self.topology.rollouts)
+        n = len(self.actors.rollouts)
         for k in range(n):
             w = (chunk["worker"] + k + (attempt > 0)) % n
             if self.sync.resync(w, self.version):
@@ -163,7 +163,7 @@ class RolloutScheduler:
         policy version. Part i of the prompts is sampled with seed (seed, -1, i) whichever actor runs it, so an
         evaluation whose actor died is re-run (collect: re-synced restarted actor, or the next live one) with
         the same result as an undisturbed one."""
-        parts = split_even(list(range(test_size)), len(self.topology.rollouts))
+        parts = split_even(list(range(test_size)), len(self.actors.rollouts))
         chunks = [{"worker": i, "indices": p, "seed": chunk_seed(self.cfg.run.seed, -1, i), "ref": None,
                    "min_version": self.version, "split": "test"} for i, p in enumerate(parts)]  # fmt: skip
         for chunk in chunks:

@@ -10,15 +10,15 @@ import torch
 
 from raychat.config import from_dict
 from raychat.model import GPT, ModelConfig
-from raychat.train.evaluators import AccuracyEvaluator, BPBEvaluator, MeanBPBEvaluator
 from raychat.train.sft import SFT, sft_defaults
+from raychat.train.validators import AccuracyValidator, BPBValidator, MeanBPBValidator
 
 
-def evaluators(tokenizer, tasks: str, rank: int = 0, world: int = 1):
+def validators(tokenizer, tasks: str, rank: int = 0, world: int = 1):
     cfg = from_dict(
         type(sft_defaults()), {"sft_tasks": tasks, "seq_len": 64, "eval_tokens": 2048}, base=sft_defaults()
     )
-    return SFT().evaluators(cfg, tokenizer, rank, world, torch.device("cpu"), None)
+    return SFT().validators(cfg, tokenizer, rank, world, torch.device("cpu"), None)
 
 
 @pytest.mark.parametrize(
@@ -33,15 +33,15 @@ def evaluators(tokenizer, tasks: str, rank: int = 0, world: int = 1):
     ],
 )
 def test_every_trained_task_with_a_held_out_split_is_validated(small_tokenizer, tasks, names):
-    out = evaluators(small_tokenizer, tasks)
+    out = validators(small_tokenizer, tasks)
     assert [e.name for e in out] == names
     for e in out:
-        if isinstance(e, AccuracyEvaluator):  # on the task's test split, never the one it trains on
+        if isinstance(e, AccuracyValidator):  # on the task's test split, never the one it trains on
             assert e.task.name == e.name.replace("_accuracy", "-test")
 
 
 def test_other_ranks_validate_bpb_but_leave_accuracy_to_rank_0(small_tokenizer):
-    out = evaluators(small_tokenizer, "calculator:50,spelling:20", rank=1, world=2)
+    out = validators(small_tokenizer, "calculator:50,spelling:20", rank=1, world=2)
     assert [e.name for e in out] == ["calculator_val_bpb", "spelling_val_bpb", "val_bpb"]
 
 
@@ -51,11 +51,11 @@ def test_val_bpb_is_the_byte_weighted_mean_of_the_tasks(small_tokenizer):
     tok = small_tokenizer
     model = GPT(ModelConfig.from_depth(1, tok.vocab_size, 64, aspect_ratio=64, head_dim=32)).init_weights(0)
     torch.nn.init.zeros_(model.lm_head.weight)
-    calc, spell, mean = evaluators(tok, "calculator:50,spelling:20")[:3]
-    assert isinstance(calc, BPBEvaluator) and isinstance(mean, MeanBPBEvaluator)
+    calc, spell, mean = validators(tok, "calculator:50,spelling:20")[:3]
+    assert isinstance(calc, BPBValidator) and isinstance(mean, MeanBPBValidator)
     values = {}
     for e in (calc, spell, mean):
-        values.update(e.evaluate(model, 1, 1))
+        values.update(e.validate(model, 1, 1))
     (n1, b1), (n2, b2) = calc.last_sums, spell.last_sums
     for nats, nbytes in ((n1, b1), (n2, b2)):
         targets = nats / math.log(tok.vocab_size)

@@ -1,9 +1,9 @@
-"""Evaluators: what the Trainer measures at each evaluation step, one object per measurement.
+"""Validators: what the Trainer measures at each evaluation step, one object per measurement.
 
-  BPBEvaluator       validation bits per byte on fixed rows (all ranks; sums all-reduced): "<name>"
-  MeanBPBEvaluator   BPB over the rows of several BPBEvaluators together (sums added, no extra forward)
-  AccuracyEvaluator  greedy task accuracy of held-out examples (rank 0): "<task>_accuracy"
-  SamplesEvaluator   greedy samples from fixed prompts at the end (and every sample_every; rank 0)
+  BPBValidator       validation bits per byte on fixed rows (all ranks; sums all-reduced): "<name>"
+  MeanBPBValidator   BPB over the rows of several BPBEvaluators together (sums added, no extra forward)
+  AccuracyValidator  greedy task accuracy of held-out examples (rank 0): "<task>_accuracy"
+  SamplesValidator   greedy samples from fixed prompts at the end (and every sample_every; rank 0)
 
 Evaluation runs the high-precision copy of FP8 layers (raychat.train.fp8.high_precision_linears).
 """
@@ -25,13 +25,13 @@ from raychat.tokenizer import Tokenizer
 from raychat.train.fp8 import high_precision_linears
 
 
-class Evaluator:
+class Validator:
     """evaluate(model, step, last_step) -> {metric name: value}; {} when it has nothing to say at `step`."""
 
-    def evaluate(self, model: torch.nn.Module, step: int, last_step: int) -> dict: ...
+    def validate(self, model: torch.nn.Module, step: int, last_step: int) -> dict: ...
 
 
-class BPBEvaluator(Evaluator):
+class BPBValidator(Validator):
     """BPB of this rank's share of fixed validation rows ({"input_ids", optional "supervised" and
     "segment_ids": (N, T+1)}); the nat and byte sums are all-reduced (raychat.eval.bpb)."""
 
@@ -52,7 +52,7 @@ class BPBEvaluator(Evaluator):
         )  # fmt: skip
         self.last_sums = (0.0, 0.0)
 
-    def evaluate(self, model, step, last_step) -> dict:
+    def validate(self, model, step, last_step) -> dict:
         nats, nbytes = bpb_sums(
             model, self.rows, self.token_bytes, self.bos_id, self.batch_size, self.document_masking,
             self.device, self.autocast,
@@ -61,45 +61,45 @@ class BPBEvaluator(Evaluator):
         return {self.name: nats / (math.log(2) * nbytes)}
 
 
-class MeanBPBEvaluator(Evaluator):
+class MeanBPBValidator(Validator):
     """BPB over every row of `parts` together (run after them: it adds their last sums)."""
 
-    def __init__(self, name: str, parts: Sequence[BPBEvaluator]):
+    def __init__(self, name: str, parts: Sequence[BPBValidator]):
         self.name, self.parts = name, list(parts)
 
-    def evaluate(self, model, step, last_step) -> dict:
+    def validate(self, model, step, last_step) -> dict:
         nats = sum(p.last_sums[0] for p in self.parts)
         nbytes = sum(p.last_sums[1] for p in self.parts)
         return {self.name: nats / (math.log(2) * nbytes)}
 
 
-class AccuracyEvaluator(Evaluator):
+class AccuracyValidator(Validator):
     """Greedy accuracy on the first `num_examples` examples of a held-out task (raychat.eval.tasks)."""
 
     def __init__(self, name: str, task: Task, tokenizer: Tokenizer, num_examples: int):
         self.name, self.task, self.tokenizer, self.num_examples = name, task, tokenizer, num_examples
 
-    def evaluate(self, model, step, last_step) -> dict:
+    def validate(self, model, step, last_step) -> dict:
         return {self.name: task_accuracy(model, self.tokenizer, self.task, self.num_examples)}
 
 
-class SamplesEvaluator(Evaluator):
+class SamplesValidator(Validator):
     """Greedy samples of fixed prompts (raychat.eval.samples) at the last step and every `every` steps."""
 
     def __init__(self, tokenizer: Tokenizer, every: int, device: torch.device):
         self.tokenizer, self.every, self.device = tokenizer, every, device
 
-    def evaluate(self, model, step, last_step) -> dict:
+    def validate(self, model, step, last_step) -> dict:
         if step == last_step or (self.every and step % self.every == 0):
             return {"samples": greedy_samples(model, self.tokenizer, device=self.device)}
         return {}
 
 
-def evaluate_all(evaluators: Sequence[Evaluator], model: torch.nn.Module, step: int, last_step: int) -> dict:
+def validate_all(validators: Sequence[Validator], model: torch.nn.Module, step: int, last_step: int) -> dict:
     """Every evaluator's metrics at `step`, in order, with FP8 layers swapped for high precision."""
     out: dict = {}
     fp8 = any(type(m).__name__ == "Float8Linear" for m in model.modules())
     with high_precision_linears(model) if fp8 else contextlib.nullcontext():
-        for e in evaluators:
-            out.update(e.evaluate(model, step, last_step))
+        for e in validators:
+            out.update(e.validate(model, step, last_step))
     return out
