@@ -18,7 +18,7 @@ def corpus(
 ) -> tuple[str, str]:
     """(data_dir, tokenizer_dir): the default corpus (`raychat data prepare`, debian-docs, 7 train shards)
     and a 4096-token tokenizer trained on it, built under `workdir` unless given (or already there)."""
-    from raychat.data.prepare import prepare
+    from raychat.data.corpus.prepare import prepare
     from raychat.tokenizer_cli import train_tokenizer
 
     workdir = Path(workdir)

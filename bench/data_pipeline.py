@@ -6,7 +6,7 @@ Corpus: the default `raychat data prepare` output (source debian-docs: Python 3.
 headings + WordNet glosses, 7 train shards + 1 validation shard) and a 4096-token tokenizer trained on it
 (raychat.tokenizer_cli.train_tokenizer), built under --workdir unless given.
 
-1. produced: raychat.data.pipeline.PretrainRows alone (rank 0 of 1: all 7 train shards; Ray Data read +
+1. produced: raychat.data.loader.pipeline.PretrainRows alone (rank 0 of 1: all 7 train shards; Ray Data read +
    tokenize at 0.25 CPU per task as in the trainer; best-fit buffer 256; rows of T+1 = 257) on a private
    2-CPU Ray cluster, one epoch from a cold start: document tokens tokenized per second and row tokens
    (rows x 257) per second over the whole wall time, and the time to the first row.
@@ -14,7 +14,7 @@ headings + WordNet glosses, 7 train shards + 1 validation shard) and a 4096-toke
    seq 256, 2 workers x 0.5 CPU, 8 rows per micro-batch, 8192 tokens per step) for --steps steps; steady-state
    tokens/s (steps after --skip) and data_wait_frac (time in rows.next_batch + to_batch / step time) from the
    metrics.jsonl that raychat.metrics_sink writes.
-3. crop fraction of raychat.data.packing.BestFitPacker over the whole tokenized training corpus (file order,
+3. crop fraction of raychat.data.loader.packing.BestFitPacker over the whole tokenized training corpus (file order,
    BOS-prefixed documents, one pass) at T = 256, 512, 1024, 2048 and buffers of 16, 64, 256, 1024 documents:
    cropped tokens / consumed tokens.
 """
@@ -41,9 +41,9 @@ from _common import (
 )
 
 from raychat.config import TrainConfig, from_dict, preset_values
-from raychat.data.packing import BestFitPacker
-from raychat.data.pipeline import PretrainRows
-from raychat.data.shards import list_shards
+from raychat.data.corpus.shards import list_shards
+from raychat.data.loader.packing import BestFitPacker
+from raychat.data.loader.pipeline import PretrainRows
 from raychat.tokenizer import Tokenizer
 from raychat.train.pretrain import pretrain
 

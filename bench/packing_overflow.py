@@ -5,7 +5,7 @@
 Corpus: the default `raychat data prepare` output (debian-docs, 7 train shards + validation) and a
 4096-token tokenizer trained on it (bench/_common.corpus).
 
-1. Fractions, one pass over the tokenized training shards in file order (raychat.data.packing.BestFitPacker,
+1. Fractions, one pass over the tokenized training shards in file order (raychat.data.loader.packing.BestFitPacker,
    buffer 256 as the cpu preset, min_fragment 32): of the document tokens that left the buffer, the share
    discarded (crop: cropped tails; split: tails shorter than min_fragment) and the inserted BOS tokens per
    row token (split's overhead), and the rows an epoch gives.
@@ -41,9 +41,9 @@ from _common import (
 )
 
 from raychat.config import TrainConfig, from_dict, preset_values
-from raychat.data.packing import BestFitPacker
-from raychat.data.pipeline import validation_rows
-from raychat.data.shards import list_shards
+from raychat.data.corpus.shards import list_shards
+from raychat.data.loader.packing import BestFitPacker
+from raychat.data.loader.pipeline import validation_rows
 from raychat.tokenizer import Tokenizer
 from raychat.train.launch import run_training
 from raychat.train.pretrain import Pretraining

@@ -7,7 +7,7 @@ trained on it, built under --workdir unless given.
 
 1. Efficiency: the SFT mixture of the CPU preset, raychat.tasks.registry.mixture_tasks(
    "calculator:4000,chatterbot,spelling:2000") in TaskMixture order (seed 0, as SFTRows), rendered with
-   raychat.data.sample_packing.render_samples at row length 257 (T = 256, the preset's seq_len), then
+   raychat.data.loader.sample_packing.render_samples at row length 257 (T = 256, the preset's seq_len), then
    compare_packing (best fit vs one sample per right-padded row) at buffers 16, 64 (SFTRows' value) and 256.
    token efficiency = real tokens / (rows x 257).
 2. Throughput: on a private 2-CPU Ray cluster, a 5-step pretraining run makes the checkpoint; then, both from
@@ -38,7 +38,7 @@ from _common import (
 )
 
 from raychat.config import TrainConfig, from_dict, preset_values
-from raychat.data.sample_packing import SampleStats, compare_packing, render_samples
+from raychat.data.loader.sample_packing import SampleStats, compare_packing, render_samples
 from raychat.tasks import TaskMixture
 from raychat.tasks.registry import mixture_tasks
 from raychat.tokenizer import Tokenizer

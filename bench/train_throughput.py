@@ -52,8 +52,8 @@ from _common import (
 )
 
 from raychat.config import TrainConfig, from_dict
-from raychat.data.packing import BestFitPacker
-from raychat.data.shards import list_shards
+from raychat.data.corpus.shards import list_shards
+from raychat.data.loader.packing import BestFitPacker
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.model import GPT, ModelConfig
 from raychat.tokenizer import Tokenizer

@@ -22,7 +22,7 @@ from raychat.config.presets import PRESET_HELP
 from raychat.ops.jobs import DEFAULT_ADDRESS, SUBMIT_CHOICES
 from raychat.ops.k8s import IMAGE, RAYJOB_STAGES
 
-# the canaries of raychat.data.inspect_batch.canary_conversations (tests/unit/test_cli.py keeps them equal)
+# the canaries of raychat.data.replay.inspect_batch.canary_conversations (tests/unit/test_cli.py keeps them equal)
 CANARIES = ("short", "empty", "tool_use", "unicode", "code", "overlong", "overlong_turn")
 
 PREPARE_EPILOG = """examples:
@@ -47,8 +47,8 @@ INSPECT_BATCH_DESCRIPTION = """\
 `raychat inspect-batch`: the batch of a training step rebuilt from its replay record, or canary samples
 token by token, exactly as the trainer would see them.
 
-With --run RUN_DIR --step S: the replay records of optimizer step S (raychat.data.replay, written by the
-training loop under RUN_DIR/replay/) are read, every row is rebuilt from the data alone (raychat.data.rebuild:
+With --run RUN_DIR --step S: the replay records of optimizer step S (raychat.data.replay.records, written by the
+training loop under RUN_DIR/replay/) are read, every row is rebuilt from the data alone (raychat.data.replay.rebuild:
 documents re-read from the shards, or conversations re-rendered) and its input_ids / labels / loss_mask /
 position_ids (/ segment_ids) hashes are compared with the recorded ones. One line per row lists its
 segments: pretraining `shard:row_group:row@offset+length decision`, SFT `sample_id+length`. Exit status 1
@@ -107,7 +107,7 @@ def data(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_flags(p, PrepareConfig, preset="none")
-    p.set_defaults(func="raychat.data.prepare:run")
+    p.set_defaults(func="raychat.data.corpus.prepare:run")
 
 
 def tokenizer(subparsers) -> None:
@@ -265,7 +265,7 @@ def inspect_batch(subparsers) -> None:
         choices=[*CANARIES, "packed"],
         help="canary to print (repeatable; default: all)",
     )
-    p.set_defaults(func="raychat.data.inspect_batch:run")
+    p.set_defaults(func="raychat.data.replay.inspect_batch:run")
 
 
 def add_connection_flags(p: argparse.ArgumentParser) -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from raychat.checkpoint import load_model
 from raychat.config import RLConfig, SpeedrunConfig, TrainConfig, from_dict, to_dict
-from raychat.data.prepare import prepare, prepare_kwargs
-from raychat.data.shards import list_shards
+from raychat.data.corpus.prepare import prepare, prepare_kwargs
+from raychat.data.corpus.shards import list_shards
 from raychat.eval.bpb import unigram_bpb
 from raychat.eval.tasks import task_accuracy
 from raychat.log import log

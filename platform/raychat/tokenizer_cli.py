@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 
 from raychat.config import from_args
 from raychat.config.data import TokenizerConfig
-from raychat.data.shards import list_shards
+from raychat.data.corpus.shards import list_shards
 from raychat.log import log
 from raychat.storage import check_writable, open_storage, run_directory
 from raychat.tokenizer import Tokenizer

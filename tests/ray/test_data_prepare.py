@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from raychat.cli import main
-from raychat.data.corpora import local_folder
-from raychat.data.prepare import count_shards, prepare
-from raychat.data.shards import DataError, inspect_shard, list_shards, split_evenly
+from raychat.data.corpus.corpora import local_folder
+from raychat.data.corpus.prepare import count_shards, prepare
+from raychat.data.corpus.shards import DataError, inspect_shard, list_shards, split_evenly
 
 
 def quiet(message: str) -> None:

@@ -12,9 +12,9 @@ import ray
 
 from raychat.cli import main
 from raychat.config import TrainConfig, from_dict
-from raychat.data.inspect_batch import inspect_step
-from raychat.data.replay import read_step
-from raychat.data.shards import list_shards, write_manifest, write_shards
+from raychat.data.corpus.shards import list_shards, write_manifest, write_shards
+from raychat.data.replay.inspect_batch import inspect_step
+from raychat.data.replay.records import read_step
 from raychat.tokenizer import Tokenizer
 from raychat.train.pretrain import pretrain
 

@@ -10,11 +10,11 @@ import pytest
 import ray
 
 from raychat.config import TrainConfig, from_dict
-from raychat.data.cursor import Deal, redeal
-from raychat.data.pipeline import IdleWait, PretrainRows, close_stream, share_stream
-from raychat.data.rebuild import verify_step
-from raychat.data.replay import read_step, replay_meta, step_records, write_records
-from raychat.data.shards import list_shards, write_manifest, write_shards
+from raychat.data.corpus.shards import list_shards, write_manifest, write_shards
+from raychat.data.loader.cursor import Deal, redeal
+from raychat.data.loader.pipeline import IdleWait, PretrainRows, close_stream, share_stream
+from raychat.data.replay.rebuild import verify_step
+from raychat.data.replay.records import read_step, replay_meta, step_records, write_records
 from raychat.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.ray]

@@ -61,7 +61,7 @@ def test_a_local_layout_that_cannot_fit_is_refused_before_ray_starts(monkeypatch
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, small_tokenizer):
     """3 train shards + 1 validation shard of the tokenizer's own vocabulary, and the tokenizer."""
-    from raychat.data.shards import write_manifest, write_shards
+    from raychat.data.corpus.shards import write_manifest, write_shards
 
     root = tmp_path_factory.mktemp("corpus")
     docs = [

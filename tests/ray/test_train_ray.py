@@ -38,7 +38,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from raychat.data.shards import write_manifest, write_shards
+    from raychat.data.corpus.shards import write_manifest, write_shards
     from raychat.tokenizer import Tokenizer
 
     root = tmp_path_factory.mktemp("data")

@@ -8,7 +8,7 @@ from raychat.chat_template import (
     render_tool_output,
     validate_messages,
 )
-from raychat.data.sample_packing import SampleStats, render_samples
+from raychat.data.loader.sample_packing import SampleStats, render_samples
 
 
 def sid(tok, name):

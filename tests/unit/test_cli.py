@@ -99,7 +99,7 @@ def test_every_parser_names_a_function_that_runs_it():
 
 
 def test_the_canaries_are_inspect_batchs_own():
-    from raychat.data.inspect_batch import canary_conversations
+    from raychat.data.replay.inspect_batch import canary_conversations
 
     assert tuple(canary_conversations()) == CANARIES
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from raychat.data import corpora
-from raychat.data.corpora import CorpusNotInstalled, python_docs, wordnet_entry, wordnet_glosses
-from raychat.data.rst_clean import clean_rst, split_sections
+from raychat.data.corpus import corpora
+from raychat.data.corpus.corpora import CorpusNotInstalled, python_docs, wordnet_entry, wordnet_glosses
+from raychat.data.corpus.rst_clean import clean_rst, split_sections
 
 RST = """\
 .. _tut-intro:

@@ -1,4 +1,4 @@
-"""The global data cursor (raychat.data.cursor) with the best-fit packer, without Ray: hand-worked deals and
+"""The global data cursor (raychat.data.loader.cursor) with the best-fit packer, without Ray: hand-worked deals and
 re-deals, and simulated runs that change world size while every document token stays accounted for once."""
 
 from collections import Counter
@@ -6,8 +6,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from raychat.data.cursor import Deal, RankCursor, epoch_permutation, redeal, sum_stats, whole_world
-from raychat.data.packing import BestFitPacker, Piece, piece_tokens
+from raychat.data.loader.cursor import Deal, RankCursor, epoch_permutation, redeal, sum_stats, whole_world
+from raychat.data.loader.packing import BestFitPacker, Piece, piece_tokens
 
 BOS = -1
 

@@ -1,8 +1,8 @@
-"""raychat.data.pipeline.IdleWait: Ray Data's scheduling loop sleeps only in a step with no task in flight."""
+"""raychat.data.loader.pipeline.IdleWait: Ray Data's scheduling loop sleeps only in a step with no task in flight."""
 
 from types import SimpleNamespace
 
-from raychat.data import pipeline
+from raychat.data.loader import pipeline
 
 
 class Op:

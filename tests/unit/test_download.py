@@ -11,10 +11,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raychat.data import download
-from raychat.data.download import DownloadError, NotRetried, download_file, download_shards, shard_indices
-from raychat.data.prepare import prepare
-from raychat.data.shards import list_shards, sha256_file
+from raychat.data.corpus import download
+from raychat.data.corpus.download import (
+    DownloadError,
+    NotRetried,
+    download_file,
+    download_shards,
+    shard_indices,
+)
+from raychat.data.corpus.prepare import prepare
+from raychat.data.corpus.shards import list_shards, sha256_file
 
 
 def parquet_bytes(texts: list[str], **columns) -> bytes:

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from raychat.data.packing import BestFitPacker, Piece, piece_tokens
+from raychat.data.loader.packing import BestFitPacker, Piece, piece_tokens
 
 BOS = 0
 

@@ -7,9 +7,10 @@ import torch
 
 from raychat.cli import main
 from raychat.config import TrainConfig, from_dict
-from raychat.data.inspect_batch import canary_conversations, inspect_canaries
-from raychat.data.rebuild import verify_step
-from raychat.data.replay import (
+from raychat.data.loader.sft_rows import SFTRows
+from raychat.data.replay.inspect_batch import canary_conversations, inspect_canaries
+from raychat.data.replay.rebuild import verify_step
+from raychat.data.replay.records import (
     prune_records,
     read_step,
     replay_meta,
@@ -17,7 +18,6 @@ from raychat.data.replay import (
     tensor_sha256,
     write_records,
 )
-from raychat.data.sft_rows import SFTRows
 from raychat.tasks.registry import mixture_tasks
 from raychat.tokenizer import Tokenizer
 

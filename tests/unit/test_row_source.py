@@ -7,10 +7,10 @@ import typing
 
 import pytest
 
-from raychat.data.cursor import Deal
-from raychat.data.pipeline import PretrainRows
-from raychat.data.row_source import RowSource
-from raychat.data.sft_rows import SFTRows
+from raychat.data.loader.cursor import Deal
+from raychat.data.loader.pipeline import PretrainRows
+from raychat.data.loader.row_source import RowSource
+from raychat.data.loader.sft_rows import SFTRows
 from raychat.tasks.registry import mixture_tasks
 from raychat.train.checkpointer import restore_rows
 from raychat.train.pretrain import Pretraining

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from raychat.chat_template import render_conversation
-from raychat.data.sample_packing import (
+from raychat.data.loader.sample_packing import (
     PackItem,
     SamplePacker,
     compare_packing,

@@ -5,7 +5,7 @@ import torch
 
 from raychat.chat_template import render_for_completion
 from raychat.config.train import OptimSection
-from raychat.data.sample_packing import SamplePacker, render_samples, rows_to_batch
+from raychat.data.loader.sample_packing import SamplePacker, render_samples, rows_to_batch
 from raychat.engine import ModelRunner
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.model import GPT, ModelConfig

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from raychat.config import TrainConfig, from_dict
-from raychat.data.cursor import Deal, redeal
-from raychat.data.rebuild import verify_step
-from raychat.data.replay import read_step, replay_meta, step_records, write_records
-from raychat.data.sft_rows import SFTRows
+from raychat.data.loader.cursor import Deal, redeal
+from raychat.data.loader.sft_rows import SFTRows
+from raychat.data.replay.rebuild import verify_step
+from raychat.data.replay.records import read_step, replay_meta, step_records, write_records
 from raychat.tasks.registry import mixture_tasks
 
 SPEC, SEED, ROW_LEN = "calculator:30,spelling:20", 5, 128

@@ -1,5 +1,5 @@
 """Configurations of the data stages: `raychat data prepare` (PrepareConfig, a preset's `data` section) and
-`raychat tokenizer train` (TokenizerConfig, its `tokenizer` section). raychat.data.prepare and
+`raychat tokenizer train` (TokenizerConfig, its `tokenizer` section). raychat.data.corpus.prepare and
 raychat.tokenizer_cli take their defaults from here.
 
 Both write <storage-path>/<run-name> (default runs/data and runs/tokenizer, as the speedrun's layout) unless

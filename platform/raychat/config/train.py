@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from raychat.config.schema import ConfigError, Section, option, section
 
 STAGES = ("pretrain", "sft", "rl")
-OVERFLOW_POLICIES = ("crop", "split")  # raychat.data.packing
+OVERFLOW_POLICIES = ("crop", "split")  # raychat.data.loader.packing
 TRACKERS = ("none", "tensorboard", "wandb")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 NS_DTYPES = ("auto", "float32", "bfloat16")  # Muon's Newton-Schulz dtype (raychat.train.muon.choose_ns_dtype)
@@ -100,6 +100,10 @@ class DataSection(Section):
         32, "split: a tail shorter than this many tokens is dropped (and counted)", positive=True
     )
     sft_tasks: str = option("calculator:4000,chatterbot,spelling:2000", "SFT mixture: task[:examples],...")
+    task_data_dir: str = option(
+        "", "directory of the hub tasks' files (smoltalk, gsm8k, mmlu, arc-*, humaneval; layouts: "
+        "raychat.tasks.hub_data); '' = $RAYCHAT_TASK_DATA, else runs/task_data",
+    )  # fmt: skip
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
   --checkpoint REF  -> raychat.checkpoint_manager.resolve_checkpoint (fetched when remote) -> load_model
   BPB               the validation shard of --data-dir, best-fit packed into rows of the model's
-                    max_seq_len + 1 tokens (raychat.data.pipeline.validation_rows, the pretraining evaluator's
+                    max_seq_len + 1 tokens (raychat.data.loader.pipeline.validation_rows, the pretraining evaluator's
                     rows), --eval-tokens of them (raychat.eval.bpb: nats / (ln 2 * UTF-8 bytes) over the
                     target tokens)
   accuracy          the test split of each --tasks entry (raychat.eval.tasks.task_accuracy: greedy, exact
@@ -25,8 +25,8 @@ import torch
 from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import EvalConfig, from_args
-from raychat.data.pipeline import validation_rows
-from raychat.data.shards import list_shards
+from raychat.data.corpus.shards import list_shards
+from raychat.data.loader.pipeline import validation_rows
 from raychat.eval.bpb import bpb_sums
 from raychat.eval.tasks import task_accuracy
 from raychat.storage import check_writable, open_storage, run_directory, write_bytes

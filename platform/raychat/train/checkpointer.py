@@ -7,7 +7,7 @@
   rank state: {"step", ...the stage's data position: "rows" (pretrain/SFT) or "version" (RL)}
 
 Resuming reads model, meta, the one optimizer file, this rank's RNG and the data states of ALL ranks of the
-old world: `restore_rows` hands them to the row source (raychat.data.row_source.RowSource), which re-deals
+old world: `restore_rows` hands them to the row source (raychat.data.loader.row_source.RowSource), which re-deals
 them to the new world (whose size may differ) through `load_state_dicts`.
 
 Publishing: each rank writes its part into a local directory, then `commit_ranks` (a torch.distributed
@@ -32,7 +32,7 @@ from raychat.checkpoint import (
     save_rank_state,
 )
 from raychat.checkpoint_manager import CheckpointManager
-from raychat.data.row_source import RowSource
+from raychat.data.loader.row_source import RowSource
 from raychat.tokenizer import Tokenizer
 
 

@@ -1,6 +1,6 @@
 """Pretraining: the Trainer fed with best-fit packed rows of the training shards (Ray Data streams them).
 
-Components: PretrainRows (raychat.data.pipeline: the rank's share of the global document stream, packed
+Components: PretrainRows (raychat.data.loader.pipeline: the rank's share of the global document stream, packed
 with --overflow crop|split) for training; validation BPB on the validation shard and, on rank 0, greedy
 samples; replay records of every step (raychat.train.replay_recorder). `raychat pretrain` (or `jobs/pretrain.py`); same --run-name resumes.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from raychat.config import TrainConfig, preset_section
-from raychat.data.pipeline import PretrainRows, validation_rows
-from raychat.data.shards import list_shards
+from raychat.data.corpus.shards import list_shards
+from raychat.data.loader.pipeline import PretrainRows, validation_rows
 from raychat.tokenizer import Tokenizer
 from raychat.train.launch import config_from, resolve_paths, run_training
 from raychat.train.plan import make_plan, print_plan

@@ -1,4 +1,4 @@
-"""The training loop's replay records (raychat.data.replay): a Trainer callback on every rank.
+"""The training loop's replay records (raychat.data.replay.records): a Trainer callback on every rank.
 
 on_step_begin (first step, rank 0): delete records of steps after the checkpoint this attempt resumed from
 on_batch: the step's rows -> one record per row (segments + hashes), kept in memory
@@ -7,7 +7,7 @@ on_save: write this rank's records since the last checkpoint to <run dir>/replay
 
 from __future__ import annotations
 
-from raychat.data.replay import prune_records, replay_meta, step_records, write_records
+from raychat.data.replay.records import prune_records, replay_meta, step_records, write_records
 from raychat.log import log
 from raychat.train.trainer import Callback
 

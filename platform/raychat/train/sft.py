@@ -1,6 +1,6 @@
 """Supervised fine-tuning: the Trainer fed with packed conversations of a task mixture (--sft-tasks).
 
-Components: SFTRows (raychat.data.sft_rows: the rank's share of the global mixture stream) for training,
+Components: SFTRows (raychat.data.loader.sft_rows: the rank's share of the global mixture stream) for training,
 with replay records of every step (raychat.train.replay_recorder); for every mixture task with a held-out split,
 validation BPB on its packed test conversations ("<task>_val_bpb", and "val_bpb" over all of them) and, on
 rank 0, greedy accuracy on --eval-examples of them ("<task>_accuracy"). Document masking is on.
@@ -11,7 +11,7 @@ checkpoint under --storage-path); the checkpoint's meta.stage is "sft".
 from __future__ import annotations
 
 from raychat.config import SFT_DEFAULTS, TrainConfig, from_dict
-from raychat.data.sft_rows import SFTRows, validation_rows
+from raychat.data.loader.sft_rows import SFTRows, validation_rows
 from raychat.tasks.registry import held_out, make_task, mixture_tasks, parse_mixture
 from raychat.tokenizer import Tokenizer
 from raychat.train.launch import config_from, run_training

@@ -7,7 +7,7 @@
                        micro-batch and rank) -> clip + optimizer step; a non-finite loss or grad norm
                        skips the update and raises NonFiniteError (the run stops)
 
-Components: loss (raychat.loss.TokenCrossEntropy), row_source (raychat.data.row_source.RowSource:
+Components: loss (raychat.loss.TokenCrossEntropy), row_source (raychat.data.loader.row_source.RowSource:
 `next_batch(n)` -> rows, `state_dict`), validators (raychat.train.validators), checkpointer
 (raychat.train.checkpointer) and the run's checkpoints (raychat.checkpoint_manager: every rank uploads its
 part, rank 0 commits), metrics (raychat.metrics_sink, rank 0 only), callbacks (hooks at step begin/end, on
@@ -27,7 +27,7 @@ import torch
 
 from raychat.checkpoint_manager import CheckpointManager
 from raychat.config import TrainConfig
-from raychat.data.row_source import RowSource
+from raychat.data.loader.row_source import RowSource
 from raychat.log import log
 from raychat.loss import TokenCrossEntropy
 from raychat.masks import make_batch

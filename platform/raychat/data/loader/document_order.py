@@ -1,7 +1,7 @@
 """The order of the pretraining documents: stream item g -> (shard, row group, row) of the training shards.
 
 Every epoch visits each document of the training shards once. The order of epoch e (seeded, the same on
-every machine; raychat.data.cursor.epoch_permutation):
+every machine; raychat.data.loader.cursor.epoch_permutation):
 
     shards permuted by (seed, e)  ->  row groups of each shard permuted by (seed, e, shard)
     ->  rows of each row group permuted by (seed, e, shard, row group)
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.parquet as pq
 
-from raychat.data.cursor import epoch_permutation
+from raychat.data.loader.cursor import epoch_permutation
 
 
 @dataclass(frozen=True)

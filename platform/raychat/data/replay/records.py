@@ -10,7 +10,7 @@ of steps after N first (rank 0), so each step's records come from the attempt th
 One parquet row per packed row:
   step (as the checkpoints count, from 1), rank, world, micro (micro-batch of the step), row (in it)
   list columns, one entry per segment of the row, in row order:
-    doc, doc_epoch        the stream item g and its epoch (raychat.data.cursor)
+    doc, doc_epoch        the stream item g and its epoch (raychat.data.loader.cursor)
     row_offset, length    where the segment sits in the row
     pretraining           doc_shard, doc_row_group, doc_row (where the document is in the training shards),
                           doc_offset (0: the document from its BOS; k > 0: a split tail [BOS] + doc[k:]),

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from raychat.config import from_args, to_flat
 from raychat.config.data import PrepareConfig
-from raychat.data import corpora
-from raychat.data.download import HUB_SOURCES, DownloadError, download_shards, shard_indices
-from raychat.data.shards import (
+from raychat.data.corpus import corpora
+from raychat.data.corpus.download import HUB_SOURCES, DownloadError, download_shards, shard_indices
+from raychat.data.corpus.shards import (
     COMPRESSION,
     MANIFEST,
     inspect_shard,

@@ -1,12 +1,12 @@
 """SFT rows: conversations of a task mixture rendered by the chat template and bin-packed into rows.
 
-  TaskMixture -> the global stream (raychat.data.cursor: item g = example perm_e[g % N] of epoch e = g // N,
+  TaskMixture -> the global stream (raychat.data.loader.cursor: item g = example perm_e[g % N] of epoch e = g // N,
   perm_e drawn from the seed) dealt to ranks (rank r of W takes elements r, r+W, ...) -> render (chat
   template, truncation) -> SamplePacker (best fit, segment ids) -> rows
 
-SFTRows is the training row source (a raychat.data.row_source.RowSource); its state is references only
+SFTRows is the training row source (a raychat.data.loader.row_source.RowSource); its state is references only
 (cursor position, buffered items' stream items) and resumes on any number of ranks like the pretraining rows
-(raychat.data.row_source): same world bit for bit, another world re-dealt with no example repeated or skipped.
+(raychat.data.loader.row_source): same world bit for bit, another world re-dealt with no example repeated or skipped.
 validation_rows packs a held-out task into a fixed set of rows (the same rows at every evaluation).
 """
 
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from raychat.data.cursor import Deal, RankCursor, Ref, epoch_permutation
-from raychat.data.row_source import cursor_state, resume_cursor
-from raychat.data.sample_packing import PackItem, SamplePacker, SampleStats, render_samples
+from raychat.data.loader.cursor import Deal, RankCursor, Ref, epoch_permutation
+from raychat.data.loader.row_source import cursor_state, resume_cursor
+from raychat.data.loader.sample_packing import PackItem, SamplePacker, SampleStats, render_samples
 from raychat.tasks import Task, TaskMixture
 from raychat.tokenizer import Tokenizer
 
@@ -97,7 +97,7 @@ class SFTRows:
         ]  # fmt: skip
         return out
 
-    # ---- checkpoint state (raychat.data.row_source) -----------------------------------------------
+    # ---- checkpoint state (raychat.data.loader.row_source) -----------------------------------------------
     def fingerprint(self) -> dict:
         """{"mixture": the TaskMixture's description, "examples": its size, "row_len"}."""
         return {"mixture": self.mixture.describe(), "examples": len(self.mixture), "row_len": self.row_len}

@@ -25,8 +25,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raychat.data.rst_clean import clean_rst, split_sections
-from raychat.data.shards import DataError
+from raychat.data.corpus.rst_clean import clean_rst, split_sections
+from raychat.data.corpus.shards import DataError
 
 PYTHON_DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
 WORDNET_DIR = Path("/usr/share/wordnet")

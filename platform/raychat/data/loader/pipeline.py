@@ -1,6 +1,6 @@
 """Pretraining rows from parquet shards: each rank's share of ONE global document stream, packed.
 
-  DocumentOrder (epoch -> shard -> row group -> row, shuffled from the seed) -> the deal (raychat.data.cursor:
+  DocumentOrder (epoch -> shard -> row group -> row, shuffled from the seed) -> the deal (raychat.data.loader.cursor:
   rank r of W takes stream elements r, r+W, r+2W, ...) -> Ray Data (read the rank's documents from their row
   groups + tokenize: BOS + ids, in order) -> BestFitPacker (crop or split) -> rows of T+1 tokens
   -> `masks.make_batch` (inputs x[:-1], targets x[1:])
@@ -12,8 +12,8 @@ group are spread over all W ranks, so every rank reads (and decompresses) every 
 the bytes of one pass, while each rank tokenizes only its own documents (the expensive part on CPU). At
 large W, bigger deal units (row groups) would cut the reads; not done here.
 
-PretrainRows is a raychat.data.row_source.RowSource. Data state in a checkpoint (per rank, references only,
-no tokens; raychat.data.row_source):
+PretrainRows is a raychat.data.loader.row_source.RowSource. Data state in a checkpoint (per rank, references only,
+no tokens; raychat.data.loader.row_source):
   {"corpus": DocumentOrder fingerprint, "deal": Deal.to_dict(), "rank", "taken",
    "packer": {"buffer": [[g, offset], ...] references of the buffered pieces, "stats"}}
 Resume (load_state_dicts, given the states of ALL ranks of the old world): same world -> every rank restores
@@ -34,10 +34,10 @@ import pyarrow.parquet as pq
 import ray
 from ray.data._internal.execution.execution_callback import ExecutionCallback
 
-from raychat.data.cursor import Deal, RankCursor, Ref
-from raychat.data.document_order import DocumentOrder
-from raychat.data.packing import BestFitPacker, Piece, piece_tokens
-from raychat.data.row_source import cursor_state, resume_cursor
+from raychat.data.loader.cursor import Deal, RankCursor, Ref
+from raychat.data.loader.document_order import DocumentOrder
+from raychat.data.loader.packing import BestFitPacker, Piece, piece_tokens
+from raychat.data.loader.row_source import cursor_state, resume_cursor
 from raychat.tokenizer import Tokenizer
 
 CHUNK = 64  # stream references per Ray Data read+tokenize call
@@ -55,7 +55,7 @@ def _tokenizer(path: str) -> Tokenizer:
 
 def read_pieces(order: DocumentOrder, refs: Sequence[Ref], tokenizer_path: str) -> list[Piece]:
     """The pieces of stream references (g, offset): documents read from their row groups, tokenized with a
-    BOS first, cut at offset (raychat.data.packing.piece_tokens)."""
+    BOS first, cut at offset (raychat.data.loader.packing.piece_tokens)."""
     if not refs:
         return []
     texts = order.read_texts([g for g, _ in refs])
@@ -162,7 +162,7 @@ class PretrainRows:
         tokenizer_path: path of tokenizer.json (or its directory).
         row_len: T+1.
         rank, world_size: this worker's place in the data-parallel group.
-        buffer_size: best-fit buffer (pieces); overflow, min_fragment: raychat.data.packing.
+        buffer_size: best-fit buffer (pieces); overflow, min_fragment: raychat.data.loader.packing.
         seed: the document order's seed; num_cpus: CPU of each Ray Data read+tokenize task.
     Raises:
         ValueError: the shards hold no documents. (Any number >= 1 serves any number of ranks: the stream
@@ -200,7 +200,7 @@ class PretrainRows:
         return {"input_ids": np.stack(rows), "replay": replay}
 
     def segment_columns(self, segments) -> dict[str, list]:
-        """One row's segments as replay-record columns (the pretraining columns of the record layout in raychat.data.replay)."""
+        """One row's segments as replay-record columns (the pretraining columns of the record layout in raychat.data.replay.records)."""
         where = [self.order.locate(s.doc) for s in segments]
         return {
             "doc": [s.doc for s in segments],
@@ -215,9 +215,9 @@ class PretrainRows:
             "tail": [s.tail for s in segments],
         }
 
-    # ---- checkpoint state (raychat.data.row_source) -----------------------------------------------
+    # ---- checkpoint state (raychat.data.loader.row_source) -----------------------------------------------
     def fingerprint(self) -> dict:
-        """The shards and seed the stream is made of (raychat.data.document_order.DocumentOrder.fingerprint)."""
+        """The shards and seed the stream is made of (raychat.data.loader.document_order.DocumentOrder.fingerprint)."""
         return self.order.fingerprint()
 
     def state_dict(self) -> dict:

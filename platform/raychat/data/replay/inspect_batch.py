@@ -8,9 +8,9 @@ import argparse
 import torch
 
 from raychat.chat_template import TEMPLATE_VERSION, messages_of, render_conversation
-from raychat.data.rebuild import verify_step
-from raychat.data.replay import read_step
-from raychat.data.sample_packing import PackItem, SamplePacker, rows_to_batch, stack_rows
+from raychat.data.loader.sample_packing import PackItem, SamplePacker, rows_to_batch, stack_rows
+from raychat.data.replay.rebuild import verify_step
+from raychat.data.replay.records import read_step
 from raychat.masks import document_causal_mask
 from raychat.tokenizer import Tokenizer
 

@@ -14,7 +14,7 @@ out of the buffer into a row:  consumed = placed + dropped + requeued.  E.g. cap
 its 50-token tail is dropped (crop) or requeued as a 51-token piece (split; the extra token is its BOS).
 
 A piece remembers where it came from (Piece.doc, Piece.offset) and every row reports its segments
-(Segment), so a row can be rebuilt from the documents alone (raychat.data.replay). The packer is
+(Segment), so a row can be rebuilt from the documents alone (raychat.data.replay.records). The packer is
 deterministic: ties go to the piece buffered first; a requeued tail counts as the newest arrival.
 """
 

@@ -2,7 +2,7 @@
 
 The stream. Item g (an int) is position p = g % N of epoch e = g // N, where N is the number of items in an
 epoch (documents of the training shards, or examples of the SFT mixture) and each epoch has its own order,
-drawn from the seed (`epoch_permutation`; pretraining: raychat.data.document_order). The stream is endless:
+drawn from the seed (`epoch_permutation`; pretraining: raychat.data.loader.document_order). The stream is endless:
 epoch e + 1 starts right after the last item of epoch e, so every item is in the stream once per epoch.
 
 A deal spreads the stream over one world of W ranks:
@@ -10,7 +10,7 @@ A deal spreads the stream over one world of W ranks:
     S = pending ++ [frontier, frontier + 1, ...]      rank r takes S[r], S[r + W], S[r + 2W], ...
 
 Each element of S is a reference (g, offset): offset 0 is the whole item; offset k > 0 (only in `pending`) is
-the tail of document g from token k on, a split piece that was waiting in a packer buffer (raychat.data.packing).
+the tail of document g from token k on, a split piece that was waiting in a packer buffer (raychat.data.loader.packing).
 The deal (W, frontier, pending) is the same on every rank; a rank's own position is `taken`, how many elements
 of its share it has handed to its packer. Nothing else is needed to find any rank's next item.
 

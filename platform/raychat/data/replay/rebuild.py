@@ -1,8 +1,8 @@
-"""Rebuild a step's rows from its replay records (raychat.data.replay) and the data alone, and check them.
+"""Rebuild a step's rows from its replay records (raychat.data.replay.records) and the data alone, and check them.
 
 Pretraining: every segment's document is read again from the training shards at its recorded place (the
 document order is recomputed from the seed and must put the stream item there), tokenized, cut at its
-recorded offset (raychat.data.packing.piece_tokens) and placed at its row offset. SFT: every segment's
+recorded offset (raychat.data.loader.packing.piece_tokens) and placed at its row offset. SFT: every segment's
 mixture example is rendered again by the chat template with the same truncation rule and placed at its row
 offset, padding after the last one. Then the rows go through raychat.masks.make_batch and are hashed as the
 trainer's were: equal hashes = the same input_ids, labels, loss_mask and attention metadata.
@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from raychat.chat_template import TEMPLATE_VERSION
-from raychat.data.document_order import DocumentOrder
-from raychat.data.pipeline import read_pieces
-from raychat.data.replay import row_hashes
-from raychat.data.sft_rows import SFTRows
+from raychat.data.loader.document_order import DocumentOrder
+from raychat.data.loader.pipeline import read_pieces
+from raychat.data.loader.sft_rows import SFTRows
+from raychat.data.replay.records import row_hashes
 from raychat.tasks.registry import mixture_tasks
 from raychat.tokenizer import Tokenizer
 
@@ -99,7 +99,7 @@ def _check_covered(record: Mapping, row_len: int) -> None:
 def verify_step(
     records: Sequence[Mapping], meta: Mapping, data_dir: str | None = None, tokenizer_path: str | None = None
 ) -> tuple[dict, list[str]]:
-    """Rebuild the rows of `records` (one step, raychat.data.replay.read_step) and compare their hashes.
+    """Rebuild the rows of `records` (one step, raychat.data.replay.records.read_step) and compare their hashes.
 
     Args:
         data_dir, tokenizer_path: where the data is now (default: where the run read it, from meta).

@@ -1,7 +1,7 @@
 """RowSource: what the Trainer reads packed rows from, and the checkpoint state its two implementations share.
 
-Both row sources (raychat.data.pipeline.PretrainRows, raychat.data.sft_rows.SFTRows) hand out rows of T+1
-tokens (`row_len`) from one rank's share of a global stream (raychat.data.cursor), packed with a buffer.
+Both row sources (raychat.data.loader.pipeline.PretrainRows, raychat.data.loader.sft_rows.SFTRows) hand out rows of T+1
+tokens (`row_len`) from one rank's share of a global stream (raychat.data.loader.cursor), packed with a buffer.
 Their state in a checkpoint is references only:
 
   {<fingerprint key>: what the stream is made of, "deal": Deal.to_dict(), "rank", "taken",
@@ -9,7 +9,7 @@ Their state in a checkpoint is references only:
 
 Resuming from the states of ALL ranks of the old world (`resume_cursor`): the same world -> this rank's own
 cursor and packer state (the source rebuilds the buffered items: bit for bit); another world -> the states
-re-dealt (raychat.data.cursor.redeal: no item repeated or skipped), an empty buffer, and rank 0 keeps the
+re-dealt (raychat.data.loader.cursor.redeal: no item repeated or skipped), an empty buffer, and rank 0 keeps the
 run's packer counters summed over the old ranks.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from raychat.data.cursor import Deal, RankCursor, Ref, redeal, sum_stats, whole_world
+from raychat.data.loader.cursor import Deal, RankCursor, Ref, redeal, sum_stats, whole_world
 
 
 @runtime_checkable
@@ -28,7 +28,7 @@ class RowSource(Protocol):
     `next_batch(n)` -> {"input_ids": (n, T+1) int32 numpy array (BOS-started rows of token ids),
     "supervised": (n, T+1) int32, 1 where the token is a loss target (SFT only; absent = every token),
     "segment_ids": (n, T+1) int32, the packed sample of each token (SFT only), "replay": a list of n dicts,
-    each row's segments as replay-record columns (raychat.data.replay)}.
+    each row's segments as replay-record columns (raychat.data.replay.records)}.
     `fingerprint()` -> what the stream is made of (shards and seed, or mixture and row length): JSON-able.
     `state_dict()` -> this rank's position, JSON-able, references only (module docstring).
     `load_state_dicts(states)`: continue from the states of every rank of the old world, in rank order, on

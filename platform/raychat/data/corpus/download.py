@@ -24,7 +24,7 @@ from pathlib import Path
 
 import requests
 
-from raychat.data.shards import DataError, inspect_shard, sha256_file, shard_name
+from raychat.data.corpus.shards import DataError, inspect_shard, sha256_file, shard_name
 from raychat.log import log
 
 ATTEMPTS = 5

@@ -40,7 +40,7 @@ MODES = ("bestfit", "pad")
 @dataclass
 class PackItem:
     """One rendered sample ready to pack. input_ids/supervised: int32 arrays of equal length (<= row_len);
-    ref: where it came from (the SFT stream item g, raychat.data.sft_rows; -1 when not from a stream)."""
+    ref: where it came from (the SFT stream item g, raychat.data.loader.sft_rows; -1 when not from a stream)."""
 
     sample_id: str
     input_ids: np.ndarray
@@ -260,7 +260,7 @@ class SamplePacker:
 
     def load_state_dict(self, state: Mapping, items: Sequence[PackItem]) -> None:
         """Restore a state_dict; `items` are its buffer's items rebuilt by the caller, in the same order.
-        A state without "exhausted" (a re-dealt one: raychat.data.row_source) restores a source not exhausted.
+        A state without "exhausted" (a re-dealt one: raychat.data.loader.row_source) restores a source not exhausted.
 
         Raises:
             ValueError: the items are not the ones the state refers to.

@@ -1,0 +1,1 @@
+"""Corpus preparation: raw text -> parquet text shards + manifest (download, corpora, cleaning, shards)."""
