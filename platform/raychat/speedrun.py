@@ -1,7 +1,9 @@
 """`raychat speedrun`: the main job, end to end on a local (or connected) Ray cluster.
 
   data prepare -> tokenizer -> pretrain (Ray Train, DDP) -> validation BPB vs the unigram baseline
-  -> samples -> SFT (calculator accuracy before/after) -> RL (pass@1 before/after) -> report.md
+  -> samples -> SFT (calculator accuracy before/after) -> RL (pass@1 before/after)
+  -> the report card (raychat.eval.report_card: CORE of the base checkpoint, the chat evals of the SFT and RL
+     checkpoints, where their data is on this machine; each stage's wall time and tokens/s) -> report.md
   -> the command (and URL) that serves the chat page
 
 Stages whose outputs already exist are skipped (the run is resumable: run the same command again).
@@ -18,8 +20,10 @@ from raychat.config import RLConfig, SpeedrunConfig, TrainConfig, from_dict, to_
 from raychat.data.corpus.prepare import prepare, prepare_kwargs
 from raychat.data.corpus.shards import list_shards
 from raychat.eval.bpb import unigram_bpb
+from raychat.eval.report_card import checkpoint_row, format_markdown
 from raychat.eval.tasks import task_accuracy
 from raychat.log import log
+from raychat.metrics_sink import read_jsonl
 from raychat.report import write_report
 from raychat.rl.loop import RLRun
 from raychat.tasks import Calculator
@@ -29,7 +33,7 @@ from raychat.train.pretrain import pretrain
 from raychat.train.sft import sft
 
 
-def stage(title: str):
+def banner(title: str):
     log(f"\n=== {title} " + "=" * max(0, 90 - len(title)))
     return time.perf_counter()
 
@@ -43,7 +47,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     report: dict = {"preset": preset, "timings_s": {}}
     t_all = time.perf_counter()
 
-    t0 = stage("1/6 data: corpus -> parquet shards")
+    t0 = banner("1/6 data: corpus -> parquet shards")
     if (data_dir / "manifest.json").exists():
         log(f"using existing shards in {data_dir}")
         manifest = json.loads((data_dir / "manifest.json").read_text())
@@ -52,7 +56,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     report["data"] = {k: manifest.get(k) for k in ("source", "license", "documents", "bytes")}
     report["timings_s"]["data"] = time.perf_counter() - t0
 
-    t0 = stage("2/6 tokenizer: byte-level BPE")
+    t0 = banner("2/6 tokenizer: byte-level BPE")
     if (tok_dir / "tokenizer.json").exists():
         log(f"using existing tokenizer in {tok_dir}")
         report["tokenizer"] = {"vocab_size": Tokenizer.load(tok_dir).vocab_size}
@@ -62,14 +66,14 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
         )
     report["timings_s"]["tokenizer"] = time.perf_counter() - t0
 
-    t0 = stage("3/6 pretrain on Ray Train")
+    t0 = banner("3/6 pretrain on Ray Train")
     result = pretrain(cfg)
     report["pretrain"] = {k: v for k, v in result.metrics.items() if k != "samples"}
     report["samples"] = result.metrics.get("samples", [])
     report["checkpoint"] = result.checkpoint
     report["timings_s"]["pretrain"] = time.perf_counter() - t0
 
-    t0 = stage("4/6 evaluation: BPB vs unigram baseline")
+    t0 = banner("4/6 evaluation: BPB vs unigram baseline")
     report["unigram_bpb"] = unigram_baseline(data_dir, tok_dir)
     log(
         f"validation BPB {report['pretrain'].get('val_bpb', float('nan')):.4f} "
@@ -79,25 +83,58 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
 
     final = report["checkpoint"]
     if config.sft:
-        t0 = stage("5/6 SFT on Ray Train (same loop, packed conversations)")
+        t0 = banner("5/6 SFT on Ray Train (same loop, packed conversations)")
         report["sft"], final = run_sft_stage(config.sft, report["checkpoint"])
         report["timings_s"]["sft"] = time.perf_counter() - t0
     if config.rl and report.get("sft"):
-        t0 = stage("6/6 RL: rollout actors + learner")
+        t0 = banner("6/6 RL: rollout actors + learner")
         report["rl"], final = run_rl_stage(config.rl, final)
         report["timings_s"]["rl"] = time.perf_counter() - t0
     report["final_checkpoint"] = final
-    report["timings_s"]["total"] = time.perf_counter() - t_all
-    report["train_config"] = to_dict(cfg)
     stages = {"pretrain": cfg, "sft": config.sft, "rl": config.rl}
     curves = {
         name: Path(c.run.storage_path) / c.run.run_name / "metrics.jsonl" for name, c in stages.items() if c
     }
+    t0 = banner("report card: CORE of the base checkpoint, chat evals of the chat checkpoints")
+    report["report_card"] = report_card(config, report, curves)
+    report["timings_s"]["report_card"] = time.perf_counter() - t0
+    report["timings_s"]["total"] = time.perf_counter() - t_all
+    report["train_config"] = to_dict(cfg)
     path = write_report(out_dir, report, curves)
     print(f"\nreport: {path}\nfinal checkpoint: {final}")
     print(f"chat with it:  raychat chat --checkpoint {final}")
     print(f"serve it:      raychat serve --checkpoint {final}   -> chat page at http://127.0.0.1:8000/")
     return report
+
+
+def median_tokens_per_s(metrics_file: Path, key: str) -> float | None:
+    """The median over a stage's steps of `key` in its metrics.jsonl (the median skips the warm-up step)."""
+    values = sorted(x[key] for x in read_jsonl(metrics_file) if isinstance(x.get(key), (int, float)))
+    return values[len(values) // 2] if values else None
+
+
+def report_card(config: SpeedrunConfig, report: dict, metrics_files: dict[str, Path]) -> dict:
+    """{"rows": {stage: row}, "markdown": table} of the run's checkpoints (raychat.eval.report_card): base, and
+    SFT and RL when they ran; tokens/s: the median step's training tokens/s (all workers) for pretraining and
+    SFT, rollout completion tokens/s for RL."""
+    data_dir = config.sft.data.task_data_dir if config.sft else None
+    examples = config.sft.train.eval.eval_examples if config.sft else None
+    stages = {"base": ("pretrain", report["checkpoint"], False, "tokens_per_s")}
+    if report.get("sft"):
+        stages["sft"] = ("sft", report["sft"]["checkpoint"], True, "tokens_per_s")
+    if report.get("rl"):
+        stages["rl"] = ("rl", report["rl"]["checkpoint"], True, "rollout_tokens_per_s")
+    rows = {}
+    for name, (stage, checkpoint, chat, key) in stages.items():
+        path = metrics_files.get(stage)
+        rows[name] = checkpoint_row(
+            checkpoint, chat, data_dir, max_problems=examples, log=log,
+            wall_s=report["timings_s"].get(stage),
+            tokens_per_s=median_tokens_per_s(path, key) if path and path.exists() else None,
+        )  # fmt: skip
+    markdown = format_markdown(rows)
+    log(markdown)
+    return {"rows": rows, "markdown": markdown}
 
 
 def calculator_accuracy(checkpoint: str, num_examples: int, seed: int = 0) -> float:
@@ -116,7 +153,9 @@ def run_sft_stage(cfg: TrainConfig, base_checkpoint: str) -> tuple[dict, str]:
     after = result.metrics["calculator_accuracy"]  # the loop's final evaluation, same problems
     log(f"calculator accuracy after SFT: {after:.3f} (before {before:.3f})")
     metrics = {k: v for k, v in result.metrics.items() if k != "samples"}
-    return {**metrics, "accuracy_before": before, "accuracy_after": after, "eval_examples": n}, checkpoint
+    return {
+        **metrics, "accuracy_before": before, "accuracy_after": after, "eval_examples": n, "checkpoint": checkpoint,
+    }, checkpoint  # fmt: skip
 
 
 def run_rl_stage(cfg: RLConfig, checkpoint: str) -> tuple[dict, str]:

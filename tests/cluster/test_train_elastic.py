@@ -70,8 +70,8 @@ class GlobalDocuments:
         return out
 
 
-class GlobalDocumentsStage:
-    """A stage (raychat.train.launch) of GlobalDocuments rows and no validators."""
+class GlobalDocumentsSpec:
+    """A train spec (raychat.train.launch) of GlobalDocuments rows and no validators."""
 
     data_cpus = 0
 
@@ -148,7 +148,7 @@ def test_a_lost_node_the_run_completes_on_the_remaining_one(
     )
     killer.start()
     try:
-        result = run_training(cfg, GlobalDocumentsStage(), [RecordAndLoseANode(str(records))])
+        result = run_training(cfg, GlobalDocumentsSpec(), [RecordAndLoseANode(str(records))])
     finally:
         killer.join(timeout=1)
         if "lost" in killed:  # the session's cluster is whole again for later tests

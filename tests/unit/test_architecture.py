@@ -56,7 +56,7 @@ def resolve(name: str) -> str | None:
 def allowed() -> dict[str, set[str]]:
     """{top-level package: packages it may import} from the bullets of ARCHITECTURE.md."""
     rules = {}
-    text = (REPO / "ARCHITECTURE.md").read_text()
+    text = (REPO / "ARCHITECTURE.md").read_text().split("\n## Names")[0]  # the bullets of packages
     for bullet in re.findall(r"^- \*\*(\w+)\*\*:(.*?)(?=^- |\Z)", text, re.M | re.S):
         name, body = bullet
         may = re.search(r"May import:(.*?)\.\s*$", " ".join(body.split()))
@@ -198,6 +198,40 @@ def test_one_newest_rule():
             ):
                 found.add(name)
     assert found == {"raychat.checkpoint_manager"}
+
+
+def definitions() -> list[tuple[str, str, str]]:
+    """(module, "class" | "def", name) of every class and function (methods included) of the package."""
+    out = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                out.append((module, "class", node.name))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((module, "def", node.name))
+    return out
+
+
+def test_one_meaning_per_name():
+    """Issue 25's names: the engine's Scheduler is the only scheduler (RL dispatches rollouts, the optimizer
+    has an lr schedule); `evaluate` means measuring a model on held-out data (eval/ and RL), a task grades
+    with is_correct and the Trainer runs validators; placement is a layout everywhere (no topology, no
+    cluster section); the engine's files are named after what they hold; data/ is corpus / loader / replay."""
+    defs = definitions()
+    schedulers = {(m, n) for m, kind, n in defs if kind == "class" and "Scheduler" in n}
+    assert schedulers == {("raychat.engine.scheduler", "Scheduler")}, schedulers
+    evaluates = {m for m, kind, n in defs if kind == "def" and n == "evaluate"}
+    assert evaluates and all(m.startswith(("raychat.eval.", "raychat.rl.")) for m in evaluates), evaluates
+    assert not [(m, n) for m, _, n in defs if re.search(r"Evaluator|Topology|ClusterSection", n)]
+    names = {m.rsplit(".", 1)[-1] for m in MODULES}
+    assert not names & {"topology", "placement", "scheduling", "evaluators", "sequence", "packed"}, names
+    data = {m.split(".")[2] for m in MODULES if m.startswith("raychat.data.")}
+    assert data == {"corpus", "loader", "replay"}, data
+    config = (PACKAGE / "config" / "train.py").read_text() + (PACKAGE / "config" / "rl.py").read_text()
+    assert re.findall(r"^    (\w+): (\w*LayoutSection)", config, re.M) == [
+        ("layout", "LayoutSection"),
+        ("layout", "RLLayoutSection"),
+    ]
 
 
 # calls that import a module named by a string

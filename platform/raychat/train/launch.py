@@ -8,30 +8,43 @@ them), on a local or NFS directory, s3:// or gs://; --data-dir and
 reference, `latest` being the newest pretraining checkpoint under the root. Every reference is resolved and
 the root checked for writing before Ray starts.
 
-A stage is an object with `row_source(cfg, tokenizer, rank, world)`, `validators(cfg, tokenizer, rank,
-world, device, autocast)` and `data_cpus` (CPUs each of its Ray Data tasks reserves; 0 = none):
-raychat.train.pretrain.Pretraining and raychat.train.sft.SFT.
+A train spec (the stage's components; torchtitan's TrainSpec) is an object with `row_source(cfg, tokenizer,
+rank, world)`, `validators(cfg, tokenizer, rank, world, device, autocast)` and `data_cpus` (CPUs each of its
+Ray Data tasks reserves; 0 = none): raychat.train.pretrain.Pretraining and raychat.train.sft.SFT.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 
-from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from raychat.capacity import (
+    Capacity,
+    WaitReporter,
+    missing_resources,
+    pending_placement_groups,
+    read_capacity,
+)
 from raychat.checkpoint_manager import CheckpointManager, find_checkpoint
 from raychat.config import TrainConfig, from_args, from_dict, to_dict
 from raychat.log import log
 from raychat.storage import Storage, check_writable, open_storage, read_bytes, run_directory
 from raychat.tokenizer import Tokenizer
-from raychat.train.layout import start_or_connect
+from raychat.train.layout import start_or_connect, worker_bundle
 from raychat.train.plan import make_plan, print_plan
 from raychat.train.step import NonFiniteError
 from raychat.train.worker import train_loop_per_worker
+
+WORKER_GROUP_START_TIMEOUT_ENV = (
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # ray/train/v2/_internal/constants.py
+)
+CONTROLLER_FAILURE_LIMIT = 0  # FailureConfig.controller_failure_limit: a placement timeout ends the run
 
 
 def elastic_grad_accum(cfg: TrainConfig, total_batch_size: int) -> dict[int, int]:
@@ -124,8 +137,8 @@ class TrainingResult:
     metrics: dict
 
 
-def run_training(cfg: TrainConfig, stage, callbacks=()) -> TrainingResult:
-    """Run (or resume) training of `stage` on the current Ray cluster; returns its TrainingResult.
+def run_training(cfg: TrainConfig, spec, callbacks=()) -> TrainingResult:
+    """Run (or resume) training of `spec` on the current Ray cluster; returns its TrainingResult.
 
     callbacks: raychat.train.trainer.Callback objects every worker runs (pickled to the workers).
     Raises ValueError (before Ray starts) for a reference that names nothing or a root that is not writable.
@@ -136,7 +149,8 @@ def run_training(cfg: TrainConfig, stage, callbacks=()) -> TrainingResult:
     plan = make_plan(cfg, tokenizer.vocab_size)
     print_plan(cfg, plan)
     c = cfg.layout
-    log(start_or_connect(c.num_workers, c.cpus_per_worker, stage.data_cpus))
+    line, capacity = start_or_connect(c.num_workers, c.cpus_per_worker, spec.data_cpus, c.use_gpu)
+    log(line)
     accum = elastic_grad_accum(cfg, plan.total_batch_size)
     if len(accum) > 1:
         log("elastic: " + ", ".join(f"{w} workers x {k} accumulation steps" for w, k in accum.items()))
@@ -146,7 +160,7 @@ def run_training(cfg: TrainConfig, stage, callbacks=()) -> TrainingResult:
             "train": to_dict(cfg),
             "plan": plan.to_dict(),
             "checkpoints": paths.checkpoints,
-            "stage": stage,
+            "spec": spec,
             "callbacks": list(callbacks),
             "progress_bar": sys.stdout.isatty(),
         },
@@ -155,10 +169,10 @@ def run_training(cfg: TrainConfig, stage, callbacks=()) -> TrainingResult:
         run_config=RunConfig(
             name=cfg.run.run_name,
             **paths.storage.ray_train_storage(),
-            failure_config=FailureConfig(max_failures=c.max_failures),
+            failure_config=failure_config(c.max_failures),
         ),
     )
-    fault = getattr(trainer.fit(), "return_value", None)  # rank 0's NonFiniteError, returned (not raised)
+    fault = getattr(fit(trainer, cfg, capacity), "return_value", None)  # rank 0's NonFiniteError, returned
     newest = paths.checkpoints.newest()
     uri = paths.storage.uri_of(newest.path) if newest else None
     if isinstance(fault, NonFiniteError):
@@ -169,6 +183,61 @@ def run_training(cfg: TrainConfig, stage, callbacks=()) -> TrainingResult:
     log(f"final checkpoint: {uri}")
     log(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
     return result
+
+
+def failure_config(max_failures: int) -> FailureConfig:
+    """Ray Train's failure budget, every limit explicit (Ray's controller limit defaults to -1, retry forever):
+    `max_failures` worker-group failures (an application error, a lost node) are retried from the last
+    checkpoint; a controller failure (the worker group not placed within --schedule-timeout-s: Ray Train's
+    WorkerGroupStartupTimeoutError) is not retried (CONTROLLER_FAILURE_LIMIT), so a request that cannot be
+    scheduled ends the run within that bound."""
+    return FailureConfig(max_failures=max_failures, controller_failure_limit=CONTROLLER_FAILURE_LIMIT)
+
+
+def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity):
+    """trainer.fit() with the placement bounded by --schedule-timeout-s (Ray Train's worker group start timeout,
+    RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, which Ray Train passes from this process to its controller) and,
+    while the group waits for nodes, a line every few seconds saying what it waits for and for how long.
+
+    Raises:
+        ValueError: the worker group was not placed in time: one line naming the flags and the missing
+            resource (raychat.capacity.missing_resources), or the GPU workers could not use CUDA.
+        ray.train.TrainingFailedError: any other failure, once the budget of failure_config is spent.
+    """
+    c = cfg.layout
+    os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = f"{c.schedule_timeout_s:g}"
+    bundle = worker_bundle(c.cpus_per_worker, c.use_gpu)
+    what = f"{c.num_workers} worker(s) x {', '.join(f'{k} {v:g}' for k, v in bundle.items())}"
+    reporter = WaitReporter(what, pending_placement_groups).start()
+    try:
+        return trainer.fit()
+    except TrainingFailedError as e:
+        text = str(e)
+        if "WorkerGroupStartupTimeoutError" in text or "worker group startup timed out" in text:
+            missing = missing_resources(bundle, read_capacity()) or "room on the nodes that are up"
+            raise ValueError(
+                f"--num-workers {c.num_workers} x --cpus-per-worker {c.cpus_per_worker:g}"
+                f"{' --use-gpu' if c.use_gpu else ''} ({_describe(bundle)} each): not placed within --schedule-timeout-s "
+                f"{c.schedule_timeout_s:g}; missing: {missing}"
+            ) from None
+        if c.use_gpu and ("CUDA" in text or "NCCL" in text or "nccl" in text):
+            raise ValueError(
+                f"--use-gpu: the workers were placed on GPU nodes but CUDA is not usable there: "
+                f"{_cuda_line(text)}"
+            ) from None
+        raise
+    finally:
+        reporter.stop()
+
+
+def _describe(bundle: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(bundle.items())) + "}"
+
+
+def _cuda_line(text: str) -> str:
+    """The first line of a worker's error that names CUDA or NCCL (the error itself, not the traceback)."""
+    lines = [ln.strip() for ln in text.splitlines() if "CUDA" in ln or "NCCL" in ln or "nccl" in ln]
+    return next((ln for ln in lines if "Error" in ln), lines[0] if lines else text.splitlines()[-1])
 
 
 def config_from(args: argparse.Namespace, defaults: TrainConfig, section: str) -> TrainConfig:

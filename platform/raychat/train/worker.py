@@ -1,15 +1,15 @@
-"""What every Ray Train worker runs: assemble the Trainer from the stage's components and train.
+"""What every Ray Train worker runs: assemble the Trainer from the train spec's components and train.
 
-  model (init or init_from) -> the stage's row source -> resume (weights, step) -> FP8 -> optimizers
+  model (init or init_from) -> the spec's row source -> resume (weights, step) -> FP8 -> optimizers
   -> resume (the one optimizer file, this rank's RNG, every old rank's data state re-dealt to this world)
-  -> torch.compile / DDP -> the stage's validators -> metrics sink -> Trainer(...).train()
+  -> torch.compile / DDP -> the spec's validators -> metrics sink -> Trainer(...).train()
 
 Resuming reads the run's newest committed checkpoint (raychat.checkpoint_manager, fetched to this node when
 remote), the same rule whether Ray Train restarted the group after a fault or the run was started again.
 The world size may differ from the checkpoint's (an elastic run after a lost node): gradient accumulation is
 recomputed so the total batch stays the same, and the row source re-deals the data states.
 
-The stage (raychat.train.pretrain.Pretraining or raychat.train.sft.SFT) builds the row source and the
+The train spec (raychat.train.pretrain.Pretraining or raychat.train.sft.SFT) builds the row source and the
 validators; everything else is the same for every stage.
 """
 
@@ -90,14 +90,14 @@ def train_gauges(run_name: str, stage: str):
 
 def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     """Ray Train entry: config = {"train": TrainConfig as a dict, "plan": Plan as a dict, "checkpoints": the
-    run's CheckpointManager (raychat.train.launch.RunPaths), "stage": the stage's components, "callbacks":
+    run's CheckpointManager (raychat.train.launch.RunPaths), "spec": the spec (the stage's components), "callbacks":
     [Callback], "progress_bar": bool}.
 
     Returns the NonFiniteError that stopped the run (Ray Train hands rank 0's return value to the driver as
     Result.return_value; a raised error would be retried from the last checkpoint into the same fault), or
     None when training finished.
     """
-    cfg, plan, stage = from_dict(TrainConfig, config["train"]), Plan(**config["plan"]), config["stage"]
+    cfg, plan, spec = from_dict(TrainConfig, config["train"]), Plan(**config["plan"]), config["spec"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     log_placement(rank, world)
@@ -108,7 +108,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     tokenizer = Tokenizer.load(cfg.data.tokenizer_path)
 
     model = build_model(cfg, plan, device)
-    rows = stage.row_source(cfg, tokenizer, rank, world)
+    rows = spec.row_source(cfg, tokenizer, rank, world)
     checkpointer = Checkpointer(cfg.run.stage, to_dict(cfg), tokenizer, {"plan": plan.to_dict()})
     checkpoints: CheckpointManager = config["checkpoints"]  # the driver's RunPaths.checkpoints
     newest = checkpoints.newest()
@@ -136,7 +136,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     train_model = torch.compile(model) if cfg.model.compile else model
     train_model = ray.train.torch.prepare_model(train_model, move_to_device=False)
 
-    validators = stage.validators(cfg, tokenizer, rank, world, device, autocast_for(device))
+    validators = spec.validators(cfg, tokenizer, rank, world, device, autocast_for(device))
     metrics, callbacks = None, list(config.get("callbacks", []))
     if rank == 0:
         run_dir = checkpoints.storage.uri_of(checkpoints.run_path)
