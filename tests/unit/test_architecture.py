@@ -234,6 +234,34 @@ def test_one_meaning_per_name():
     ]
 
 
+def test_allowed_values_are_owned_by_the_component_that_implements_them():
+    """An option's list of allowed values lives once, in the module that acts on it; config/ names it with
+    owned_choices(module, name), read from that module's source (so --help imports no torch), and that read
+    equals what the module holds when imported."""
+    import importlib
+
+    from raychat.config.schema import owned_choices
+
+    owned = [
+        (node.args[0].value, node.args[1].value)
+        for path in (PACKAGE / "config").glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "owned_choices"
+    ]
+    assert len(owned) >= 7, owned
+    for module, name in owned:
+        assert getattr(importlib.import_module(module), name) == owned_choices(module, name), (module, name)
+    config_lists = {
+        t.id
+        for path in (PACKAGE / "config").glob("*.py")
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+    assert config_lists <= {"STAGES", "DEVICES", "REWARD_TASKS", "STAGE_SECTIONS"}, config_lists
+
+
 # calls that import a module named by a string
 IMPORT_BY_NAME = {"import_module", "__import__", "spec_from_file_location", "module_from_spec"}
 

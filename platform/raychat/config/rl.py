@@ -9,14 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import ConfigError, Section, option, section
-from raychat.config.train import FP8_RECIPES, CheckpointSection, OptimSection, RunSection
+from raychat.config.schema import ConfigError, Section, option, owned_choices, section
+from raychat.config.train import SCHEDULE_TIMEOUT_S, CheckpointSection, OptimSection, RunSection
 
-MODES = ("sync", "async")
-WEIGHT_SYNCS = ("object_store", "collective")
-REWARD_TASKS = ("calculator",)  # the tasks of raychat.tasks.registry whose reward RL can optimize
-# loss normalizations over the step (raychat.rl.objective.normalized_loss)
-NORMALIZATIONS = ("token", "sequence", "constant")
+REWARD_TASKS = ("calculator", "gsm8k")  # the tasks of raychat.tasks.registry whose reward RL can optimize
 
 
 @dataclass
@@ -25,7 +21,9 @@ class RLModelSection(Section):
     comes from the checkpoint)."""
 
     fp8: bool = option(False, "FP8 Linear layers in the learner through torchao (GPU; emulated on CPU)")
-    fp8_recipe: str = option("tensorwise", "torchao float8 recipe", FP8_RECIPES)
+    fp8_recipe: str = option(
+        "tensorwise", "torchao float8 recipe", owned_choices("raychat.train.fp8", "FP8_RECIPES")
+    )
     compile: bool = option(False, "torch.compile the learner's model")
 
 
@@ -34,6 +32,10 @@ class TaskSection(Section):
     task: str = option("calculator", "task the prompts and rewards come from", REWARD_TASKS)
     task_examples: int = option(10_000, "training prompts (train split)", ge=1)
     max_operand: int = option(999, "calculator: operands are drawn from 0..max_operand", ge=1)
+    task_data_dir: str = option(
+        "", "directory of the hub tasks' files (smoltalk, gsm8k, mmlu, arc-*, humaneval; layouts: "
+        "raychat.tasks.hub_data); '' = $RAYCHAT_TASK_DATA, else runs/task_data",
+    )  # fmt: skip
 
 
 @dataclass
@@ -47,7 +49,9 @@ class RolloutSection(Section):
 
 @dataclass
 class ObjectiveSection(Section):
-    normalization: str = option("token", "loss normalization over the step", NORMALIZATIONS)
+    normalization: str = option(
+        "token", "loss normalization over the step", owned_choices("raychat.rl.objective", "NORMALIZATIONS")
+    )
     scale_by_std: bool = option(False, "divide advantages by the group's reward std (GRPO); off = Dr. GRPO")
     constant_length: int = option(-1, "denominator length for --normalization constant; -1 = --max-tokens")
     clip_eps: float = option(0.2, "importance-ratio clip epsilon (async mode)", gt=0)
@@ -61,7 +65,11 @@ class ObjectiveSection(Section):
 
 @dataclass
 class AsyncSection(Section):
-    mode: str = option("sync", "sync: on-policy; async: rollouts run ahead of the learner", MODES)
+    mode: str = option(
+        "sync",
+        "sync: on-policy; async: rollouts run ahead of the learner",
+        owned_choices("raychat.rl.loop", "MODES"),
+    )
     max_staleness: int = option(
         1, "async: rollouts use weights at most this many versions old (k >= 1)", ge=1
     )
@@ -79,7 +87,7 @@ class RLLayoutSection(Section):
     weight_sync: str = option(
         "object_store",
         "object_store: one ray.put, every rollout gets it; collective: broadcast",
-        WEIGHT_SYNCS,
+        owned_choices("raychat.rl.sync", "WEIGHT_SYNCS"),
     )
     max_restarts: int = option(
         3, "restarts of a dead rollout actor (its training or evaluation prompts are re-issued)", ge=0
@@ -87,6 +95,10 @@ class RLLayoutSection(Section):
     max_failures: int = option(
         1, "failures of a learner or of weight sync survived by restarting every actor and resuming from the "
         "newest committed checkpoint (the steps after it are redone); 0 = the first one ends the run", ge=0,
+    )  # fmt: skip
+    schedule_timeout_s: float = option(
+        SCHEDULE_TIMEOUT_S, "seconds the placement group of learners and rollout actors may wait to be placed "
+        "(nodes the autoscaler adds included) before the run ends FAILED naming the missing resource", gt=0,
     )  # fmt: skip
 
 

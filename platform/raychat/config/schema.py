@@ -13,18 +13,38 @@ value raises ConfigError naming the flag and the allowed values.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import types
 import typing
 from dataclasses import MISSING, field
 from functools import cache
+from pathlib import Path
 
 import yaml
 
 
 class ConfigError(ValueError):
     """A configuration value that is not allowed; the message names the flag and the allowed values."""
+
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+@cache
+def owned_choices(module: str, name: str) -> tuple:
+    """The allowed values of an option, owned by the module that implements it (`name`, a top-level tuple of
+    literals there, e.g. raychat.data.loader.packing.OVERFLOW_POLICIES), read from that module's source
+    without importing it: building a parser (`raychat <command> --help`) imports neither torch nor Ray, and
+    the list exists once, beside the code that acts on it. Raises ConfigError when the module has no
+    literal tuple of that name."""
+    path = PACKAGE_DIR.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    for node in ast.parse(path.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if [getattr(t, "id", None) for t in targets] == [name] and node.value is not None:
+            return tuple(ast.literal_eval(node.value))
+    raise ConfigError(f"{module} has no literal tuple {name} (the allowed values an option names)")
 
 
 # The one run-name rule: a run is one directory strictly below the storage root, never the root itself, a

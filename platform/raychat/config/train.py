@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import ConfigError, Section, option, section
+from raychat.config.schema import ConfigError, Section, option, owned_choices, section
 
 STAGES = ("pretrain", "sft", "rl")
-OVERFLOW_POLICIES = ("crop", "split")  # raychat.data.loader.packing
-TRACKERS = ("none", "tensorboard", "wandb")
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-NS_DTYPES = ("auto", "float32", "bfloat16")  # Muon's Newton-Schulz dtype (raychat.train.muon.choose_ns_dtype)
+# How long a request may wait for the cluster to hold it (a cold GPU node of a cloud autoscaler: minutes;
+# docs/deployment.md) before the run ends FAILED: --schedule-timeout-s of training, RL and serving.
+SCHEDULE_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -32,7 +31,11 @@ class RunSection(Section):
         "before there)", kind="reference",
     )  # fmt: skip
     seed: int = option(0, "seed for init, data order and sampling")
-    tracker: str = option("none", "also log every step to TensorBoard event files or W&B (offline)", TRACKERS)
+    tracker: str = option(
+        "none",
+        "also log every step to TensorBoard event files or W&B (offline)",
+        owned_choices("raychat.metrics_sink", "TRACKERS"),
+    )
 
 
 @dataclass
@@ -50,7 +53,9 @@ class ModelSection(Section):
     )
     document_masking: bool = option(False, "attend only within a document; positions restart per document")
     fp8: bool = option(False, "FP8 Linear layers through torchao (GPU; emulated on CPU)")
-    fp8_recipe: str = option("tensorwise", "torchao float8 recipe", FP8_RECIPES)
+    fp8_recipe: str = option(
+        "tensorwise", "torchao float8 recipe", owned_choices("raychat.train.fp8", "FP8_RECIPES")
+    )
     compile: bool = option(False, "torch.compile the model")
 
     def __post_init__(self):
@@ -75,7 +80,7 @@ class OptimSection(Section):
         "auto",
         "dtype of Muon's Newton-Schulz iteration; auto = bfloat16 where the device has native bf16 matmul "
         "(CUDA compute capability >= 8.0, CPUs with AVX512-BF16), else float32 (printed with the plan)",
-        NS_DTYPES,
+        owned_choices("raychat.train.muon", "NS_DTYPES"),
     )
 
 
@@ -94,7 +99,7 @@ class DataSection(Section):
     buffer_size: int = option(256, "documents buffered by the best-fit packer", positive=True)
     overflow: str = option(
         "crop", "pretraining packer, a document that fits nowhere: crop (discard its tail, nanochat) or split "
-        "(its tail goes back into the buffer as a new BOS-prefixed document)", OVERFLOW_POLICIES,
+        "(its tail goes back into the buffer as a new BOS-prefixed document)", owned_choices("raychat.data.loader.packing", "OVERFLOW_POLICIES"),
     )  # fmt: skip
     min_fragment: int = option(
         32, "split: a tail shorter than this many tokens is dropped (and counted)", positive=True
@@ -124,6 +129,10 @@ class LayoutSection(Section):
         "them on different nodes where it can", ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
     )  # fmt: skip
     max_failures: int = option(1, "worker failures survived by restarting from the last checkpoint", ge=0)
+    schedule_timeout_s: float = option(
+        SCHEDULE_TIMEOUT_S, "seconds the worker group may wait to be placed (nodes the autoscaler adds "
+        "included: a cold GPU node takes minutes) before the run ends FAILED naming the missing resource", gt=0,
+    )  # fmt: skip
     peak_flops: float = option(-1.0, "peak FLOP/s of one device for MFU; -1 = known GPUs only")
 
     def __post_init__(self):

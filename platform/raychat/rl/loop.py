@@ -51,14 +51,19 @@ from raychat.rl.sync import WeightSync
 from raychat.storage import open_storage, write_bytes
 from raychat.tasks.registry import make_task
 
+MODES = ("sync", "async")  # --mode: on-policy | rollouts up to --max-staleness versions ahead
+
 
 def rl_tasks(cfg: RLConfig) -> dict:
     """{"train": Task, "test": Task} of cfg.task.task: training prompts from the train split (seeded by --seed),
     held-out prompts from the test split, the same for every --seed (seed 0), so runs compare on one set."""
     t = cfg.task
+    options = {"data_dir": t.task_data_dir} | (
+        {"max_operand": t.max_operand} if t.task == "calculator" else {}
+    )
     return {
-        "train": make_task(t.task, "train", t.task_examples, cfg.run.seed, max_operand=t.max_operand),
-        "test": make_task(t.task, "test", cfg.eval.eval_examples, 0, max_operand=t.max_operand),
+        "train": make_task(t.task, "train", t.task_examples, cfg.run.seed, **options),
+        "test": make_task(t.task, "test", cfg.eval.eval_examples, 0, **options),
     }
 
 
@@ -166,7 +171,12 @@ class RLRun:
     # ---- the loop --------------------------------------------------------------------------------------
     def run(self) -> dict:
         """Run to --steps; returns the summary. The placement group and every actor are released on return
-        and on every error."""
+        and on every error.
+
+        Raises ValueError before anything is written when no node type of the cluster can ever hold the
+        placement group (ActorGroup.check_layout)."""
+        capacity = self.actors.check_layout()
+        self.log(f"layout: {len(self.actors.bundles)} actors {self.actors.bundles} on {capacity.describe()}")
         c = self.checkpoints
         write_bytes(c.storage, f"{c.run_path}/config.yaml", to_yaml(self.cfg, "rl").encode())
         metrics = MetricsSink(self.run_dir, rl_gauges(self.cfg.run.run_name), self.cfg.run.tracker,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from raychat.config.rl import NORMALIZATIONS
+NORMALIZATIONS = ("token", "sequence", "constant")  # --normalization: normalized_loss
 
 
 def group_advantages(

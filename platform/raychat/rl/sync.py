@@ -20,11 +20,15 @@ from raychat.log import log
 from raychat.rl.actors import ActorGroup, ActorsLost
 from raychat.rl.weights import check_acks
 
+WEIGHT_SYNCS = ("object_store", "collective")  # --weight-sync: one ray.put every rollout reads | a broadcast
+
 
 class WeightSync:
     """Publishes weights through `actors` (module doc); counts actor restarts it met in `restarts`."""
 
     def __init__(self, actors: ActorGroup, mode: str, log=log):
+        if mode not in WEIGHT_SYNCS:
+            raise ValueError(f"weight_sync must be one of {list(WEIGHT_SYNCS)}, got {mode!r}")
         self.actors, self.mode, self.log = actors, mode, log
         self.refs: list | None = None
         self.digest: str | None = None

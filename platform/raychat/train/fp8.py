@@ -14,6 +14,8 @@ import contextlib
 import torch
 from torch import nn
 
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # --fp8-recipe: torchao's recipe names
+
 
 def fp8_filter(min_features: int = 64):
     def keep(module: nn.Module, fqn: str) -> bool:
@@ -30,8 +32,11 @@ def convert_to_fp8(
 ) -> int:
     """Convert eligible Linear layers in place; returns how many were converted.
 
-    emulate defaults to True when CUDA is unavailable (CPU tests) and False on GPUs.
+    emulate defaults to True when CUDA is unavailable (CPU tests) and False on GPUs. Raises ValueError for a
+    recipe outside FP8_RECIPES.
     """
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"fp8_recipe must be one of {list(FP8_RECIPES)}, got {recipe!r}")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)

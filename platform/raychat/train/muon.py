@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from raychat.config.train import NS_DTYPES
+from raychat.model import fast_bf16
 
 # Quintic Newton-Schulz coefficients from Keller Jordan's Muon (https://github.com/KellerJordan/Muon,
 # muon.py at f90a42b), the defaults of torch.optim.Muon: chosen to maximize the slope at zero, so 5 steps
@@ -40,6 +40,7 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 EPS = 1e-7
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+NS_DTYPES = ("auto", "float32", "bfloat16")  # --ns-dtype; auto: choose_ns_dtype
 
 
 def zeropower_via_newtonschulz(
@@ -128,19 +129,8 @@ def choose_ns_dtype(request: str = "auto", device: str | torch.device = "cpu") -
     dev = str(torch.device(device))
     if request != "auto":
         return NSDtypeChoice(getattr(torch, request), dev, "requested")
-    if torch.device(device).type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        fast = (major, minor) >= (8, 0)
-        return NSDtypeChoice(
-            torch.bfloat16 if fast else torch.float32,
-            dev,
-            f"compute capability {major}.{minor} {'>=' if fast else '<'} 8.0",
-        )
-    if torch.device(device).type == "cpu":
-        if torch.cpu._is_avx512_bf16_supported():
-            return NSDtypeChoice(torch.bfloat16, dev, "the CPU has AVX512-BF16")
-        return NSDtypeChoice(torch.float32, dev, "the CPU has no AVX512-BF16: bf16 matmul is emulated")
-    return NSDtypeChoice(torch.float32, dev, "no bf16 capability check for this device")
+    fast, reason = fast_bf16(device)  # the rule (raychat.model), shared with the engine's KV-cache dtype
+    return NSDtypeChoice(torch.bfloat16 if fast else torch.float32, dev, reason)
 
 
 def assign_owners(shapes: list[tuple[int, int]], world_size: int) -> list[int]:

@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from raychat.config.train import OVERFLOW_POLICIES
+# What happens to a document longer than the row's free space (--overflow): dropped past the row, or cut and
+# its tail returned to the buffer as a new BOS-prefixed document.
+OVERFLOW_POLICIES = ("crop", "split")
 
 
 @dataclass(frozen=True)
