@@ -65,7 +65,8 @@ def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
 
 
 def write_report(out_dir: Path, r: dict, metrics_files: dict[str, Path] | None = None) -> Path:
-    """report.md (a table of the run, the curves of every stage, greedy samples) and report.json in out_dir.
+    """report.md (a table of the run, the report card (r["report_card"]["markdown"], raychat.eval.report_card),
+    the curves of every stage, greedy samples) and report.json in out_dir.
 
     metrics_files: {stage: its metrics.jsonl}; each stage found gets curves_<stage>.png (plot_stage).
     """
@@ -110,6 +111,7 @@ def write_report(out_dir: Path, r: dict, metrics_files: dict[str, Path] | None =
         *([f"| RL | {r['rl'].get('summary', '')} |"] if r.get("rl") else []),
         f"| final checkpoint | `{r.get('final_checkpoint')}` |",
         "",
+        *(["## Report card", "", r["report_card"]["markdown"], ""] if r.get("report_card") else []),
         *(["## Curves", "", *curves] if curves else []),
         "## Samples (greedy)",
         "",

@@ -58,8 +58,10 @@ def tiny_preset(tmp_path):
     return path
 
 
-def test_speedrun_end_to_end(tiny_preset, tmp_path):
+def test_speedrun_end_to_end(tiny_preset, tmp_path, monkeypatch):
     import ray
+
+    monkeypatch.setenv("RAYCHAT_TASK_DATA", str(tmp_path / "no-task-data"))  # no hub files, no CORE bundle
 
     from raychat.speedrun import run_speedrun
 
@@ -79,5 +81,13 @@ def test_speedrun_end_to_end(tiny_preset, tmp_path):
     for stage in ("pretrain", "sft", "rl"):  # curves drawn from each stage's metrics sink
         assert f"![{stage} curves](curves_{stage}.png)" in text
         assert (tmp_path / "out" / f"curves_{stage}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    card = report["report_card"]["rows"]  # the report card: what has data here is measured, the rest says so
+    assert list(card) == ["base", "sft", "rl"]
+    assert card["base"]["CORE"]["note"] == "n/a: no data" and card["base"]["SpellingBee"]["note"] == "-"
+    for stage in ("sft", "rl"):
+        assert all(card[stage][c]["note"] == "n/a: no data" for c in ("ARC-Easy", "MMLU", "GSM8K", "HumanEval"))
+        assert 0.0 <= card[stage]["SpellingBee"]["value"] <= 1.0 and card[stage]["SpellingBee"]["examples"] > 0
+        assert card[stage]["ChatCORE"]["note"] == "n/a: needs all six" and card[stage]["wall_s"] > 0
+    assert "## Report card" in text and report["report_card"]["markdown"] in text
     saved = json.loads((tmp_path / "out" / "report.json").read_text())
     assert saved["final_checkpoint"] == report["final_checkpoint"]

@@ -18,8 +18,9 @@ CHECKPOINT_HELP = (
 
 @dataclass
 class EvalConfig(Section):
-    """Validation BPB and held-out task accuracy of one checkpoint; JSON to stdout and to
-    <storage-path>/<run-name>/eval.json."""
+    """Validation BPB, held-out task accuracy and the report card (raychat.eval.report_card) of one
+    checkpoint; JSON to stdout and to <storage-path>/<run-name>/eval.json, the card's markdown table to stderr
+    and to <storage-path>/<run-name>/report_card.md."""
 
     checkpoint: str = option("", CHECKPOINT_HELP, kind="reference")
     storage_path: str = option("runs/checkpoints", "storage root (a directory, s3:// or gs://)")
@@ -31,7 +32,19 @@ class EvalConfig(Section):
         "--storage-path (given --storage-path and not this: the run 'data' there)",
     )  # fmt: skip
     eval_tokens: int = option(65536, "validation tokens for BPB", positive=True)
-    tasks: str = option("calculator:64", "held-out tasks for accuracy: task[:examples],... ('' = none)")
+    tasks: str = option(
+        "calculator:64", "held-out tasks for accuracy: task[:examples],... ('' = none); chatcore[:examples] = "
+        "the report card's six chat evals (a task whose files are missing: 'n/a: no data', not an error)",
+    )  # fmt: skip
+    task_data_dir: str = option(
+        "", "directory of the hub tasks' files (smoltalk, gsm8k, mmlu, arc-*, humaneval; layouts: "
+        "raychat.tasks.hub_data); '' = $RAYCHAT_TASK_DATA, else runs/task_data",
+    )  # fmt: skip
+    core_bundle: str = option(
+        "", "the CORE eval bundle directory (core.yaml, eval_meta_data.csv, eval_data/); '' = "
+        "<task data dir>/eval_bundle; none there: the CORE cell says 'n/a: no data'",
+    )  # fmt: skip
+    core_max_per_task: int = option(-1, "CORE items per task after nanochat's shuffle; -1 = all", ge=-1)
     device_batch_size: int = option(8, "rows per forward pass (BPB)", positive=True)
     max_tokens: int = option(48, "completion budget per generative task example, tokens", positive=True)
     device: str = option("cpu", "where the model runs", DEVICES)

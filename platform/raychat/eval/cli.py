@@ -8,8 +8,12 @@
   accuracy          the test split of each --tasks entry (raychat.eval.tasks.task_accuracy: greedy, exact
                     answer for generative tasks, argmax over the letters for categorical ones)
 
-The result goes to stdout (one JSON document) and to <storage-path>/<run-name>/eval.json (written whole:
-raychat.storage.write_bytes). Every input is resolved and the root checked for writing before the model
+  report card       raychat.eval.report_card: CORE (when the bundle is at --core-bundle) and the chat evals
+                    of --tasks (chatcore[:N]: all six, "n/a: no data" for those whose files are missing)
+
+The result goes to stdout (one JSON document, its "report_card" the card's row) and to
+<storage-path>/<run-name>/eval.json (written whole: raychat.storage.write_bytes); the card's markdown table to
+stderr and to <storage-path>/<run-name>/report_card.md. Every input is resolved and the root checked for writing before the model
 loads: a bad flag fails in one line naming it.
 """
 
@@ -28,16 +32,39 @@ from raychat.config import EvalConfig, from_args
 from raychat.data.corpus.shards import list_shards
 from raychat.data.loader.pipeline import validation_rows
 from raychat.eval.bpb import bpb_sums
+from raychat.eval.report_card import CHAT_TASKS, card_row, chat_cells, core_cell, format_markdown
 from raychat.eval.tasks import task_accuracy
 from raychat.storage import check_writable, open_storage, run_directory, write_bytes
-from raychat.tasks.registry import held_out, make_task, parse_mixture
+from raychat.tasks.registry import check_data, graded, held_out, make_task, parse_mixture
 
 RESULT_FILE = "eval.json"
+CARD_FILE = "report_card.md"
+CHATCORE = "chatcore"  # --tasks chatcore[:N]: the six chat evals of the report card
+CARD_NAMES = {name: column for column, (name, _) in CHAT_TASKS.items()}
 
 
-def evaluate(checkpoint: str, val_file: str, tasks: list[tuple[str, int | None]], cfg: EvalConfig) -> dict:
+def split_card_tasks(spec: str) -> tuple[str, int | None, bool]:
+    """(--tasks without its chatcore entry, chatcore's examples cap, whether chatcore was named)."""
+    rest, cap, named = [], None, False
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, count = item.partition(":")
+        if name == CHATCORE:
+            named, cap = True, int(count) if count else None
+        else:
+            rest.append(item)
+    return ",".join(rest), cap, named
+
+
+def evaluate(
+    checkpoint: str,
+    val_file: str,
+    tasks: list[tuple[str, int | None]],
+    cfg: EvalConfig,
+    chatcore: tuple[bool, int | None] = (False, None),
+) -> dict:
     """{"checkpoint", "stage", "step", "val_bpb", "val_tokens", "tasks": {name: {"accuracy", "examples"}},
-    "seconds"} of the checkpoint at `checkpoint` (a local dir or a remote URI)."""
+    "report_card": {column: cell}, "seconds"} of the checkpoint at `checkpoint` (a local dir or a remote URI);
+    chatcore: (whether to run the six chat evals, their examples cap)."""
     t0 = time.perf_counter()
     model, tokenizer, meta = load_model(checkpoint, device=cfg.device)
     seq_len = model.config.max_seq_len
@@ -48,12 +75,19 @@ def evaluate(checkpoint: str, val_file: str, tasks: list[tuple[str, int | None]]
     )
     accuracy = {}
     for name, n in tasks:
-        task = make_task(name, "test", None, cfg.seed)
+        task = make_task(name, "test", None, cfg.seed, data_dir=cfg.task_data_dir)
         examples = min(n or len(task), len(task))
         accuracy[name] = {
             "accuracy": task_accuracy(model, tokenizer, task, examples, max_tokens=cfg.max_tokens),
             "examples": examples,
         }
+    chat = {CARD_NAMES[n]: {"value": a["accuracy"], "note": None, "examples": a["examples"]}
+            for n, a in accuracy.items() if n in CARD_NAMES}  # fmt: skip
+    if chatcore[0]:
+        missing = [c for c in CHAT_TASKS if c not in chat]
+        chat |= chat_cells(model, tokenizer, cfg.task_data_dir, chatcore[1], None, missing, cfg.seed,
+                           log=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    core = core_cell(model, tokenizer, cfg.core_bundle or None, cfg.core_max_per_task)
     return {
         "checkpoint": checkpoint,
         "stage": meta.get("stage"),
@@ -61,6 +95,7 @@ def evaluate(checkpoint: str, val_file: str, tasks: list[tuple[str, int | None]]
         "val_bpb": nats / (math.log(2) * nbytes),
         "val_tokens": int(rows["input_ids"].shape[0] * seq_len),
         "tasks": accuracy,
+        "report_card": card_row(core, chat),
         "seconds": round(time.perf_counter() - t0, 2),
     }
 
@@ -73,10 +108,14 @@ def main(args) -> int:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device: cuda, but this machine has no CUDA device")
     storage = open_storage(cfg.storage_path)
-    tasks = parse_mixture(cfg.tasks, "--tasks")
+    spec, cap, named = split_card_tasks(cfg.tasks)
+    tasks = parse_mixture(spec, "--tasks")
     for name, _ in tasks:
         if not held_out(name):
             raise ValueError(f"--tasks: {name!r} has no held-out split to measure accuracy on")
+        if not graded(name):
+            raise ValueError(f"--tasks: {name!r} has no checker to measure accuracy with")
+    check_data([name for name, _ in tasks], ("test",), cfg.task_data_dir, "--tasks")
     checkpoint = find_checkpoint(cfg.checkpoint, storage, "--checkpoint")
     data_dir = run_directory(cfg.data_dir, storage, "--data-dir")
     try:
@@ -84,9 +123,12 @@ def main(args) -> int:
     except (OSError, ValueError) as e:
         raise ValueError(f"--data-dir: {e}") from e
     check_writable(storage)
-    result = evaluate(checkpoint, val_file, tasks, cfg)
+    result = evaluate(checkpoint, val_file, tasks, cfg, (named, cap))
     text = json.dumps(result, indent=2)
     where = write_bytes(storage, f"{storage.run_path(cfg.run_name)}/{RESULT_FILE}", (text + "\n").encode())
+    table = format_markdown({result["stage"] or "checkpoint": result["report_card"]})
+    card = write_bytes(storage, f"{storage.run_path(cfg.run_name)}/{CARD_FILE}", (table + "\n").encode())
     print(text)
-    print(f"wrote {where}", file=sys.stderr)
+    print(table, file=sys.stderr)
+    print(f"wrote {where} and {card}", file=sys.stderr)
     return 0

@@ -6,7 +6,11 @@
   output (result); the text around it is kept, so the final text part ends with "#### 72".
 - MMLU (cais/mmlu): `question`, `choices` (list of str), `answer` (int index), `subject`.
 - ARC (allenai/ai2_arc): `id`, `question`, `choices` {"text": [...], "label": [...]}, `answerKey`.
-Files may be .parquet, .jsonl or .json (JSON lines); a directory means every such file in it, sorted.
+- HumanEval (openai/openai_humaneval): `task_id`, `prompt`, `canonical_solution`, `test`, `entry_point`
+  (raychat.tasks.humaneval).
+Files may be .parquet, .jsonl or .json (JSON lines); a directory means every such file in it, sorted; a list
+means those files. `seed` (optional) puts the rows in a seeded order (numpy PCG64 permutation), so a prefix
+(`stop`) is a sample of the whole file, not its first subjects.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from raychat.tasks.base import Task, extract_answer
@@ -23,18 +28,28 @@ GSM8K_CALC_RE = re.compile(r"<<([^=<>]*)=([^<>]*)>>")
 LETTERS = "ABCDEFGHIJ"
 
 
-def read_records(path: str | Path, columns: list[str]) -> list[dict]:
-    """Rows of a .parquet / .jsonl / .json file (or a directory of them) as dicts.
+def read_records(path: str | Path | list[Path], columns: list[str], seed: int | None = None) -> list[dict]:
+    """Rows of a .parquet / .jsonl / .json file (or a directory or list of them) as dicts; with `seed`, in a
+    seeded order (numpy PCG64 permutation).
 
     Raises:
-        FileNotFoundError: nothing at path. ValueError: unknown suffix, or a required column is missing.
+        FileNotFoundError: nothing at path. ValueError: unknown suffix, no record at all, or a required
+            column is missing.
     """
-    p = Path(path)
-    files = (
-        sorted(f for f in p.iterdir() if f.suffix in (".parquet", ".jsonl", ".json")) if p.is_dir() else [p]
-    )
-    if not p.exists() or not files:
-        raise FileNotFoundError(f"no .parquet/.jsonl/.json data at {path}")
+    if isinstance(path, (list, tuple)):
+        files = [Path(f) for f in path]
+        missing = [f for f in files if not f.exists()]
+        if not files or missing:
+            raise FileNotFoundError(f"no .parquet/.jsonl/.json data at {missing or path}")
+    else:
+        p = Path(path)
+        files = (
+            sorted(f for f in p.iterdir() if f.suffix in (".parquet", ".jsonl", ".json"))
+            if p.is_dir()
+            else [p]
+        )
+        if not p.exists() or not files:
+            raise FileNotFoundError(f"no .parquet/.jsonl/.json data at {path}")
     rows: list[dict] = []
     for f in files:
         if f.suffix == ".parquet":
@@ -45,10 +60,14 @@ def read_records(path: str | Path, columns: list[str]) -> list[dict]:
             )
         else:
             raise ValueError(f"{f}: suffix must be one of ['.parquet', '.jsonl', '.json']")
+    if not rows:
+        raise ValueError(f"{path}: no records (an empty dataset file)")
     for i, r in enumerate(rows):
         missing = [c for c in columns if c not in r]
         if missing:
             raise ValueError(f"{path}: record {i} lacks column(s) {missing}; expected {columns}")
+    if seed is not None:
+        rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
     return rows
 
 
@@ -56,8 +75,8 @@ class SmolTalk(Task):
     name = "smoltalk"
     eval_type = "generative"
 
-    def __init__(self, path: str | Path, **slice_kw):
-        self.rows = read_records(path, ["messages"])
+    def __init__(self, path: str | Path | list[Path], seed: int | None = None, **slice_kw):
+        self.rows = read_records(path, ["messages"], seed)
         super().__init__(**slice_kw)
 
     def num_examples(self) -> int:
@@ -86,8 +105,8 @@ class GSM8K(Task):
     name = "gsm8k"
     eval_type = "generative"
 
-    def __init__(self, path: str | Path, **slice_kw):
-        self.rows = read_records(path, ["question", "answer"])
+    def __init__(self, path: str | Path | list[Path], seed: int | None = None, **slice_kw):
+        self.rows = read_records(path, ["question", "answer"], seed)
         super().__init__(**slice_kw)
 
     def num_examples(self) -> int:
@@ -120,12 +139,25 @@ class MultipleChoice(Task):
 
     eval_type = "categorical"
 
-    def __init__(self, path: str | Path, format: str, **slice_kw):
+    def __init__(
+        self,
+        path: str | Path | list[Path],
+        format: str,
+        seed: int | None = None,
+        name: str | None = None,
+        **slice_kw,
+    ):
         if format not in ("mmlu", "arc"):
             raise ValueError(f"format must be one of ['mmlu', 'arc'], got {format!r}")
-        self.name, self.format = format, format
+        self.name, self.format = name or format, format
         cols = ["question", "choices", "answer"] if format == "mmlu" else ["question", "choices", "answerKey"]
-        self.rows = read_records(path, cols)
+        self.rows = read_records(path, cols if format == "arc" else [], seed)
+        # cais/mmlu's `auxiliary_train` config nests each row in a `train` column
+        self.rows = [r["train"] if "train" in r and "question" not in r else r for r in self.rows]
+        for i, r in enumerate(self.rows):
+            missing = [c for c in cols if c not in r]
+            if missing:
+                raise ValueError(f"{path}: record {i} lacks column(s) {missing}; expected {cols}")
         super().__init__(**slice_kw)
 
     def num_examples(self) -> int:
@@ -136,6 +168,11 @@ class MultipleChoice(Task):
         if self.format == "mmlu":
             choices = list(row["choices"])
             letters = list(LETTERS[: len(choices)])
+            if not 0 <= int(row["answer"]) < len(choices):
+                raise ValueError(
+                    f"mmlu record {index}: answer index {row['answer']} is not one of the "
+                    f"{len(choices)} choices (0..{len(choices) - 1})"
+                )
             answer = letters[int(row["answer"])]
         else:
             choices, letters = list(row["choices"]["text"]), list(row["choices"]["label"])

@@ -5,7 +5,15 @@ shared with train), size the number of examples (None: the task's default), seed
 SFT mixtures are specs "calculator:4000,chatterbot,spelling:2000" (name[:examples]); RL takes one task by name.
 
 held_out(name) says whether the task has a test split (chatterbot-corpus has none: its conversations are
-all used for training, so SFT validation covers the tasks that have one).
+all used for training, so SFT validation covers the tasks that have one); EVAL_ONLY tasks (humaneval) have
+no train split.
+
+Local tasks: calculator, chatterbot, spelling (generated or shipped with a package). Hub tasks (nanochat's,
+read from the task data directory, raychat.tasks.hub_data, option data_dir = --task-data-dir): smoltalk,
+gsm8k, mmlu (train: cais/mmlu all/auxiliary_train), arc-easy, arc-challenge, humaneval (test only). A hub
+task's rows are put in a fixed seeded order (HUB_ORDER_SEED, as nanochat's shuffle(seed=42)), so `name:N`
+takes a sample across the whole file; the same N examples whatever the run's seed. A missing file raises
+FileNotFoundError in one line naming the expected path (check_data checks a whole spec up front).
 """
 
 from __future__ import annotations
@@ -13,7 +21,12 @@ from __future__ import annotations
 from raychat.tasks.base import Task
 from raychat.tasks.calculator import Calculator
 from raychat.tasks.chatterbot import ChatterbotConversations
+from raychat.tasks.hub_data import HUB_SPLITS, split_files
+from raychat.tasks.humaneval import HumanEval
+from raychat.tasks.loaders import GSM8K, MultipleChoice, SmolTalk
 from raychat.tasks.spelling import Spelling
+
+HUB_ORDER_SEED = 42  # nanochat's tasks: load_dataset(...).shuffle(seed=42)
 
 
 def _calculator(split: str, size: int | None, seed: int, max_operand: int = 999) -> Task:
@@ -30,19 +43,75 @@ def _spelling(split: str, size: int | None, seed: int) -> Task:
     return Spelling(split=split, size=size, seed=seed)
 
 
-TASKS = {"calculator": _calculator, "chatterbot": _chatterbot, "spelling": _spelling}
-HELD_OUT = {"calculator": True, "chatterbot": False, "spelling": True}
+def _hub(name: str, build):
+    """A factory of hub task `name`: its split's files under data_dir, rows in HUB_ORDER_SEED order."""
+
+    def factory(split: str, size: int | None, seed: int, data_dir: str | None = None) -> Task:
+        if (name, split) not in HUB_SPLITS:
+            raise ValueError(f"task {name!r} has no {split} split (it is for evaluation only)")
+        return build(split_files(name, HUB_SPLITS[name, split], data_dir), seed=HUB_ORDER_SEED, stop=size)
+
+    return factory
+
+
+TASKS = {
+    "calculator": _calculator,
+    "chatterbot": _chatterbot,
+    "spelling": _spelling,
+    "smoltalk": _hub("smoltalk", SmolTalk),
+    "gsm8k": _hub("gsm8k", GSM8K),
+    "mmlu": _hub("mmlu", lambda files, **kw: MultipleChoice(files, "mmlu", **kw)),
+    "arc-easy": _hub("arc-easy", lambda f, **kw: MultipleChoice(f, "arc", name="arc-easy", **kw)),
+    "arc-challenge": _hub(
+        "arc-challenge", lambda f, **kw: MultipleChoice(f, "arc", name="arc-challenge", **kw)
+    ),
+    "humaneval": _hub("humaneval", HumanEval),
+}
+HELD_OUT = {name: True for name in TASKS} | {"chatterbot": False}
+EVAL_ONLY = ("humaneval",)
+UNGRADED = ("chatterbot", "smoltalk")  # conversations without a checker
+HUB_TASKS = tuple(sorted({name for name, _ in HUB_SPLITS}))
 
 
 def make_task(name: str, split: str = "train", size: int | None = None, seed: int = 0, **options) -> Task:
-    """The task `name` (see the module doc). Raises ValueError for an unknown name (listing the known)."""
+    """The task `name` (see the module doc); options: calculator's max_operand, a hub task's data_dir.
+
+    Raises:
+        ValueError: an unknown name (listing the known), or a split the task does not have.
+        FileNotFoundError: a hub task's file is missing (one line naming it).
+    """
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)}")
+    if name not in HUB_TASKS:
+        options.pop("data_dir", None)  # local tasks read no task data directory
     return TASKS[name](split, size, seed, **options)
 
 
 def held_out(name: str) -> bool:
     return HELD_OUT[name]
+
+
+def graded(name: str) -> bool:
+    """Whether the task has a checker (is_correct), so accuracy can be measured on it."""
+    return name not in UNGRADED
+
+
+def check_data(names, splits=("train",), data_dir: str | None = None, flag: str = "--sft-tasks") -> None:
+    """Check, before any stage starts, that every hub task in `names` has its files for `splits`.
+
+    Raises:
+        ValueError: "<flag>: <the missing file's line>" (raychat.tasks.hub_data.split_files), or a task that
+            has no such split ("humaneval is for evaluation only").
+    """
+    for name in dict.fromkeys(names):
+        for split in splits:
+            if name in HUB_TASKS and (name, split) not in HUB_SPLITS:
+                raise ValueError(f"{flag}: task {name!r} has no {split} split (it is for evaluation only)")
+            if name in HUB_TASKS:
+                try:
+                    split_files(name, HUB_SPLITS[name, split], data_dir)
+                except FileNotFoundError as e:
+                    raise ValueError(f"{flag}: {e}") from None
 
 
 def parse_mixture(spec: str, flag: str = "--sft-tasks") -> list[tuple[str, int | None]]:
@@ -60,6 +129,6 @@ def parse_mixture(spec: str, flag: str = "--sft-tasks") -> list[tuple[str, int |
     return out
 
 
-def mixture_tasks(spec: str, split: str = "train", seed: int = 0) -> list[Task]:
-    """The tasks of a mixture spec (parse_mixture), each with its examples count."""
-    return [make_task(name, split, n, seed) for name, n in parse_mixture(spec)]
+def mixture_tasks(spec: str, split: str = "train", seed: int = 0, data_dir: str | None = None) -> list[Task]:
+    """The tasks of a mixture spec (parse_mixture), each with its examples count; data_dir: hub tasks' files."""
+    return [make_task(name, split, n, seed, data_dir=data_dir) for name, n in parse_mixture(spec)]

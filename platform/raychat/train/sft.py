@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from raychat.config import SFT_DEFAULTS, TrainConfig, from_dict
 from raychat.data.loader.sft_rows import SFTRows, validation_rows
-from raychat.tasks.registry import held_out, make_task, mixture_tasks, parse_mixture
+from raychat.tasks.hub_data import task_data_dir
+from raychat.tasks.registry import check_data, graded, held_out, make_task, mixture_tasks, parse_mixture
 from raychat.tokenizer import Tokenizer
 from raychat.train.launch import config_from, run_training
 from raychat.train.replay_recorder import ReplayRecorder
@@ -23,7 +24,7 @@ class SFT:
     data_cpus = 0.0  # no Ray Data: conversations are rendered in the workers
 
     def row_source(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int) -> SFTRows:
-        tasks = mixture_tasks(cfg.data.sft_tasks, "train", cfg.run.seed)
+        tasks = mixture_tasks(cfg.data.sft_tasks, "train", cfg.run.seed, cfg.data.task_data_dir)
         return SFTRows(tasks, cfg.run.seed, tokenizer, cfg.model.seq_len + 1, rank, world)
 
     def validators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
@@ -33,7 +34,10 @@ class SFT:
         bpb = []
         for name in names:
             rows = validation_rows(
-                make_task(name, "test", size, seed), tokenizer, cfg.model.seq_len + 1, world
+                make_task(name, "test", size, seed, data_dir=cfg.data.task_data_dir),
+                tokenizer,
+                cfg.model.seq_len + 1,
+                world,
             )
             bpb.append(BPBValidator(
                 f"{name}_val_bpb", {k: v[rank::world] for k, v in rows.items()}, tokenizer,
@@ -43,8 +47,14 @@ class SFT:
         if rank == 0:
             n = cfg.train.eval.eval_examples
             out += [
-                AccuracyValidator(f"{m}_accuracy", make_task(m, "test", None, seed), tokenizer, n)
+                AccuracyValidator(
+                    f"{m}_accuracy",
+                    make_task(m, "test", None, seed, data_dir=cfg.data.task_data_dir),
+                    tokenizer,
+                    n,
+                )
                 for m in names
+                if graded(m)
             ]
         return out
 
@@ -57,12 +67,21 @@ def sft(cfg: TrainConfig, callbacks=()):
     """Run (or resume) SFT of cfg.run.init_from on the current Ray cluster; returns the ray.train.Result.
 
     Raises:
-        ValueError (before Ray starts): no --init-from, or one that names no committed checkpoint.
+        ValueError (before Ray starts): no --init-from, or one that names no committed checkpoint; a hub
+            task of --sft-tasks whose file is missing under --task-data-dir (one line naming it).
     """
     if not cfg.run.init_from:
         raise ValueError("--init-from: required: a pretraining checkpoint, its run (name or dir), or latest")
+    data_dir = str(task_data_dir(cfg.data.task_data_dir))  # resolved here: workers run elsewhere
+    names = [name for name, _ in parse_mixture(cfg.data.sft_tasks)]
+    check_data(names, ("train",), data_dir)
+    check_data([n for n in names if held_out(n)], ("test",), data_dir)
     return run_training(
-        from_dict(TrainConfig, {"stage": "sft", "document_masking": True}, base=cfg),
+        from_dict(
+            TrainConfig,
+            {"stage": "sft", "document_masking": True, "task_data_dir": data_dir},
+            base=cfg,
+        ),
         SFT(),
         [ReplayRecorder(), *callbacks],
     )

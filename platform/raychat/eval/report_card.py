@@ -1,0 +1,166 @@
+"""The report card: nanochat's table of a run (CORE, the chat evals, ChatCORE) for one or more checkpoints.
+
+Columns (nanochat's report; chat evals as its scripts/chat_eval.py runs them, SpellingBee as in its version
+that had it, commit 950a1dc^):
+  CORE           raychat.eval.core.core_scores on the DCLM eval bundle (mean centered accuracy)
+  ARC-Easy, ARC-Challenge, MMLU   categorical: argmax of the answer letters' logits (raychat.eval.tasks)
+  GSM8K, HumanEval, SpellingBee   generative, greedy (GSM8K and SpellingBee with the calculator tool;
+                 HumanEval's programs run in raychat.tasks.sandbox); SpellingBee is raychat's `spelling`
+                 task (spell a word / count a letter, /usr/share/dict/words), 256 items as nanochat's
+  ChatCORE       the mean over the six chat evals of (accuracy - baseline) / (1 - baseline), baseline 0.25
+                 for the categorical ones (nanochat's "multiple choice 1 of 4"), 0 for the generative ones;
+                 only when all six were measured (nanochat computes it only then)
+A cell is {"value": float or None, "note": why there is no value, "examples": items scored}. Notes:
+"n/a: no data" (the task's files or the CORE bundle are not on this machine), "-" (not measured at this
+stage: CORE on base checkpoints, the chat evals on chat checkpoints, as in nanochat), "n/a: needs all six".
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from raychat.checkpoint import load_model
+from raychat.eval.core import core_scores
+from raychat.eval.tasks import task_accuracy
+from raychat.tasks.hub_data import task_data_dir
+from raychat.tasks.registry import make_task
+
+# column -> (registry task, random baseline accuracy): nanochat scripts/chat_eval.py baseline_accuracies
+CHAT_TASKS = {
+    "ARC-Easy": ("arc-easy", 0.25),
+    "ARC-Challenge": ("arc-challenge", 0.25),
+    "MMLU": ("mmlu", 0.25),
+    "GSM8K": ("gsm8k", 0.0),
+    "HumanEval": ("humaneval", 0.0),
+    "SpellingBee": ("spelling", 0.0),
+}
+SPELLING_EXAMPLES = 256  # nanochat: SpellingBee(size=256, split="test")
+# completion budgets (tokens): nanochat's chat_eval uses 512; a SpellingBee answer (spelled word, count with
+# the tool) fits in 64, which keeps the CPU speedrun's card short
+MAX_TOKENS = {"GSM8K": 512, "HumanEval": 512, "SpellingBee": 64}
+COLUMNS = ("CORE", *CHAT_TASKS, "ChatCORE")
+NO_DATA, NOT_MEASURED, NEEDS_ALL = "n/a: no data", "-", "n/a: needs all six"
+BUNDLE_DIR = "eval_bundle"  # CORE's default place: <task data dir>/eval_bundle
+
+
+def cell(value: float | None = None, note: str | None = None, examples: int | None = None) -> dict:
+    return {"value": value, "note": note, "examples": examples}
+
+
+def centered(accuracy: float, baseline: float) -> float:
+    """(accuracy - baseline) / (1 - baseline): 0 at chance, 1 perfect (nanochat's ChatCORE term)."""
+    return (accuracy - baseline) / (1.0 - baseline)
+
+
+def chatcore(cells: dict) -> dict:
+    """The ChatCORE cell of a row's chat cells (module doc)."""
+    values = [cells.get(c, {}).get("value") for c in CHAT_TASKS]
+    if any(v is None for v in values):
+        return cell(note=NEEDS_ALL)
+    terms = [centered(v, baseline) for v, (_, baseline) in zip(values, CHAT_TASKS.values())]
+    return cell(sum(terms) / len(terms))
+
+
+def chat_cells(
+    model, tokenizer, data_dir: str | None = None, max_problems: int | None = None,
+    max_tokens: int | None = None, columns=tuple(CHAT_TASKS), seed: int = 0, log=None,
+) -> dict:  # fmt: skip
+    """{column: cell} of the chat evals in `columns` on the test splits: a task whose files are missing under
+    the task data directory gets "n/a: no data" (never 0). max_problems caps the items of each task
+    (None: all, SpellingBee 256); max_tokens: the completion budget of the generative ones (None: MAX_TOKENS)."""
+    out = {}
+    for column in columns:
+        name, _ = CHAT_TASKS[column]
+        try:
+            task = make_task(name, "test", None, seed, data_dir=data_dir)
+        except FileNotFoundError as e:
+            out[column] = cell(note=NO_DATA)
+            if log:
+                log(f"report card: {column}: {e}")
+            continue
+        n = len(task) if name != "spelling" else SPELLING_EXAMPLES
+        n = min(n, max_problems or n, len(task))
+        t0 = time.perf_counter()
+        budget = max_tokens or MAX_TOKENS.get(column, 512)
+        out[column] = cell(task_accuracy(model, tokenizer, task, n, max_tokens=budget), examples=n)
+        if log:
+            log(
+                f"report card: {column} {out[column]['value']:.4f} ({n} items, {time.perf_counter() - t0:.1f} s)"
+            )
+    return out
+
+
+def bundle_path(bundle_dir: str | None = None, data_dir: str | None = None) -> Path | None:
+    """The CORE bundle directory: bundle_dir, else <task data dir>/eval_bundle; None when it has no core.yaml."""
+    root = Path(bundle_dir) if bundle_dir else task_data_dir(data_dir) / BUNDLE_DIR
+    return root if (root / "core.yaml").exists() else None
+
+
+def core_cell(model, tokenizer, bundle_dir: str | None = None, max_per_task: int = -1, **core_kw) -> dict:
+    """The CORE cell: core_scores on the bundle at bundle_dir ('' / None: <task data dir>/eval_bundle); "n/a:
+    no data" when no bundle is there."""
+    root = bundle_path(bundle_dir)
+    if root is None:
+        return cell(note=NO_DATA)
+    scores = core_scores(model, tokenizer, root, max_per_task=max_per_task, **core_kw)
+    examples = sum(t["examples"] for t in scores["tasks"].values())
+    if scores["core_metric"] is None:
+        return cell(note=f"n/a: {len(scores['errors'])} task(s) failed", examples=examples)
+    return cell(scores["core_metric"], examples=examples)
+
+
+def checkpoint_row(
+    checkpoint: str, chat: bool, data_dir: str | None = None, bundle_dir: str | None = None,
+    max_problems: int | None = None, log=None, **extra,
+) -> dict:  # fmt: skip
+    """The card row of one checkpoint: CORE when `chat` is False (a base model), the chat evals when True; the
+    model is loaded only when a cell has data to score."""
+    core, chat_row, model = None, None, None
+    if not chat and bundle_path(bundle_dir, data_dir) is not None:
+        model, tokenizer, _ = load_model(checkpoint)
+        core = core_cell(model, tokenizer, str(bundle_path(bundle_dir, data_dir)))
+    elif not chat:
+        core = cell(note=NO_DATA)
+    if chat:
+        model, tokenizer, _ = load_model(checkpoint)
+        chat_row = chat_cells(model, tokenizer, data_dir, max_problems, log=log)
+    return card_row(core, chat_row, checkpoint=checkpoint, **extra)
+
+
+def card_row(core: dict | None = None, chat: dict | None = None, **extra) -> dict:
+    """A full row: CORE, the chat columns and ChatCORE ("-" where not measured), plus extra fields (e.g.
+    wall_s, tokens_per_s, checkpoint)."""
+    chat = chat or {}
+    row = {"CORE": core or cell(note=NOT_MEASURED)}
+    row |= {c: chat.get(c, cell(note=NOT_MEASURED)) for c in CHAT_TASKS}
+    row["ChatCORE"] = chatcore(row) if chat else cell(note=NOT_MEASURED)
+    return row | extra
+
+
+def _text(c: dict) -> str:
+    return f"{c['value']:.4f}" if c.get("value") is not None else (c.get("note") or NOT_MEASURED)
+
+
+def _number(value, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) else "n/a"
+
+
+def format_markdown(rows: dict[str, dict]) -> str:
+    """A markdown table: one line per stage (row name), the COLUMNS, then wall time (s) and tokens/s when a
+    row has them (wall_s, tokens_per_s), and a legend line."""
+    timed = any("wall_s" in r or "tokens_per_s" in r for r in rows.values())
+    head = ["stage", *COLUMNS, *(["wall time (s)", "tokens/s"] if timed else [])]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for stage, r in rows.items():
+        cells = [stage, *(_text(r[c]) for c in COLUMNS)]
+        if timed:
+            cells += [_number(r.get("wall_s"), ".0f"), _number(r.get("tokens_per_s"), ",.0f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"{NOT_MEASURED}: not measured at this stage (CORE on the base model, chat evals on chat models); "
+        f"{NO_DATA}: the files are not on this machine (README: nanochat's full table); {NEEDS_ALL}: "
+        "ChatCORE averages all six chat evals.",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""HumanEval (openai/openai_humaneval, 164 problems): write the function, pass its unit tests. Eval only.
+
+Rows (hub parquet/jsonl): task_id, prompt (signature + docstring), canonical_solution, test (defines
+check(candidate)), entry_point. As nanochat's tasks/humaneval.py: the user turn is the prompt, the reference
+assistant turn prompt + "\\n" + canonical_solution; a completion is graded by running
+    <the prompt's leading imports> \\n\\n <the completion's first ```python block, or all of it> \\n\\n <test>
+    \\n check(<entry_point>)
+in the sandbox (raychat.tasks.sandbox.run_python): correct when it exits 0 within the limits. A program that
+hangs, forks without end, eats memory or touches files outside its directory fails; nothing else is affected.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from raychat.tasks.base import Task
+from raychat.tasks.loaders import read_records
+from raychat.tasks.sandbox import SandboxLimits, run_python
+
+COLUMNS = ["task_id", "prompt", "canonical_solution", "test", "entry_point"]
+CODE_BLOCK_RE = re.compile(r"```(?:python)?\s*\n(.*?)\n```", re.DOTALL)
+
+
+def extract_imports(prompt: str) -> str:
+    """The import lines at the top of a prompt (up to its first line that is neither import nor comment)."""
+    imports = []
+    for line in prompt.split("\n"):
+        stripped = line.strip()
+        if stripped.startswith(("import ", "from ")):
+            imports.append(stripped)
+        elif stripped and not stripped.startswith("#"):
+            break
+    return "\n".join(imports)
+
+
+def extract_program(completion: str) -> str:
+    """The first ```python (or ```) block of a completion, else the whole completion, stripped."""
+    found = CODE_BLOCK_RE.findall(completion)
+    return (found[0] if found else completion).strip()
+
+
+def build_program(conversation: dict, completion: str) -> str:
+    """The program a completion is graded by (module doc)."""
+    imports = extract_imports(conversation["messages"][0]["content"])
+    return (
+        f"{imports}\n\n{extract_program(completion)}\n\n{conversation['test']}\n"
+        f"check({conversation['entry_point']})\n"
+    )
+
+
+class HumanEval(Task):
+    name = "humaneval"
+    eval_type = "generative"
+
+    def __init__(
+        self,
+        path: str | Path | list[Path],
+        seed: int | None = None,
+        limits: SandboxLimits | None = None,
+        **slice_kw,
+    ):
+        self.rows = read_records(path, COLUMNS, seed)
+        self.limits = limits or SandboxLimits()
+        super().__init__(**slice_kw)
+
+    def num_examples(self) -> int:
+        return len(self.rows)
+
+    def get_example(self, index: int) -> dict:
+        row = self.rows[index]
+        messages = [
+            {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": f"{row['prompt']}\n{row['canonical_solution']}"},
+        ]
+        return {
+            "id": row["task_id"],
+            "messages": messages,
+            "entry_point": row["entry_point"],
+            "test": row["test"],
+        }
+
+    def is_correct(self, conversation: dict, completion: str) -> bool:
+        return run_python(build_program(conversation, completion), self.limits).passed

@@ -1,0 +1,143 @@
+"""The real tasks in the registry (hub file layouts, one-line errors) and the report card: categorical and
+generative scores, ChatCORE and the table, worked out by hand on tiny files and tiny models."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from raychat.checkpoint import load_model
+from raychat.eval.report_card import (
+    NEEDS_ALL,
+    NO_DATA,
+    card_row,
+    cell,
+    chat_cells,
+    chatcore,
+    format_markdown,
+)
+from raychat.tasks.registry import check_data, make_task, mixture_tasks, parse_mixture
+
+
+def write_parquet(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def arc_row(i, key):
+    return {"id": f"q{i}", "question": f"Question {i}?",
+            "choices": {"text": ["red", "blue", "green", "gray"], "label": ["A", "B", "C", "D"]},
+            "answerKey": key}  # fmt: skip
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    """arc-easy in the hub repo's layout (parquet), gsm8k in nanochat's cache layout, mmlu's test as jsonl."""
+    write_parquet(tmp_path / "ai2_arc/ARC-Easy/test-00000-of-00001.parquet",
+                  [arc_row(0, "B"), arc_row(1, "C"), arc_row(2, "B")])  # fmt: skip
+    gsm = [
+        {"question": "What is 47 * 12?", "answer": "Multiply: <<47*12=564>>564\n#### 564"},
+        {"question": "Tell me a story.", "answer": "#### 3"},
+    ]
+    write_parquet(tmp_path / "openai--gsm8k/main/test/00000.parquet", gsm)
+    write_parquet(tmp_path / "openai--gsm8k/main/train/00000.parquet", gsm)
+    mmlu = [{"question": "2 + 2?", "choices": ["3", "4", "5", "6"], "answer": 1, "subject": "math"}]
+    (tmp_path / "mmlu/all").mkdir(parents=True)
+    (tmp_path / "mmlu/all/test.jsonl").write_text(json.dumps(mmlu[0]) + "\n")
+    return tmp_path
+
+
+def test_the_registry_reads_both_hub_layouts(data_dir):
+    arc = make_task("arc-easy", "test", None, 0, data_dir=str(data_dir))
+    assert arc.name == "arc-easy" and arc.eval_type == "categorical" and len(arc) == 3
+    assert sorted(arc[i]["answer"] for i in range(3)) == ["B", "B", "C"]  # seeded order, same items
+    gsm = make_task("gsm8k", "test", 1, 0, data_dir=str(data_dir))
+    assert len(gsm) == 1 and gsm[0]["answer"] in ("564", "3")
+    mmlu = make_task("mmlu", "test", None, 0, data_dir=str(data_dir))
+    assert mmlu[0]["answer"] == "B" and mmlu[0]["letters"] == ["A", "B", "C", "D"]
+    # an SFT mixture naming hub tasks, a task twice = two epochs
+    assert parse_mixture("gsm8k,gsm8k,calculator:3") == [("gsm8k", None), ("gsm8k", None), ("calculator", 3)]
+    assert [len(t) for t in mixture_tasks("gsm8k,gsm8k,calculator:3", "train", 0, str(data_dir))] == [2, 2, 3]
+
+
+def test_a_missing_file_is_one_line_naming_it(data_dir, monkeypatch):
+    with pytest.raises(FileNotFoundError) as e:
+        make_task("arc-challenge", "test", None, 0, data_dir=str(data_dir))
+    message = str(e.value)
+    assert "\n" not in message and f"{data_dir}/ai2_arc/ARC-Challenge/test-*.parquet" in message
+    assert "huggingface-cli download allenai/ai2_arc" in message
+    with pytest.raises(ValueError, match=r"^--sft-tasks: task 'smoltalk' \(train split\): no data file at"):
+        check_data(["smoltalk"], ("train",), str(data_dir))
+    with pytest.raises(ValueError, match="humaneval' has no train split"):
+        check_data(["humaneval"], ("train",), str(data_dir))
+    monkeypatch.setenv("RAYCHAT_TASK_DATA", str(data_dir))  # the env default
+    assert len(make_task("arc-easy", "test")) == 3
+
+
+def test_bad_rows_are_one_clear_error(tmp_path):
+    write_parquet(tmp_path / "mmlu/all/test-00000-of-00001.parquet",
+                  [{"question": "q", "choices": ["a", "b"], "answer": 3, "subject": "s"}])  # fmt: skip
+    task = make_task("mmlu", "test", None, 0, data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"answer index 3 is not one of the 2 choices"):
+        task[0]
+    (tmp_path / "gsm8k/main").mkdir(parents=True)
+    (tmp_path / "gsm8k/main/test.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no records"):
+        make_task("gsm8k", "test", None, 0, data_dir=str(tmp_path))
+
+
+class LetterModel(torch.nn.Module):
+    """Logits that always rank token `favorite` first, then `second`: a model whose choice is known."""
+
+    def __init__(self, vocab: int, favorite: int, second: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(vocab))
+        with torch.no_grad():
+            self.w[favorite], self.w[second] = 2.0, 1.0
+
+    def forward(self, ids):
+        return self.w.expand(ids.shape[0], ids.shape[1], -1)
+
+
+def test_categorical_scores_by_hand(data_dir, small_tokenizer):
+    letter = {c: small_tokenizer.encode(c)[0] for c in "ABCD"}
+    model = LetterModel(small_tokenizer.vocab_size, letter["B"], letter["C"])
+    cells = chat_cells(model, small_tokenizer, str(data_dir), columns=("ARC-Easy", "MMLU", "ARC-Challenge"))
+    assert cells["ARC-Easy"] == cell(2 / 3, examples=3)  # answers B, C, B; the model says B
+    assert cells["MMLU"] == cell(1.0, examples=1)  # the answer is B
+    assert cells["ARC-Challenge"] == cell(note=NO_DATA)
+    # the letters restrict the choice: an item whose letters exclude B gets C (the model's second choice)
+    write_parquet(data_dir / "ai2_arc/ARC-Challenge/test-00000-of-00001.parquet",
+                  [{**arc_row(0, "C"), "choices": {"text": ["x", "y"], "label": ["C", "D"]}}])  # fmt: skip
+    assert chat_cells(model, small_tokenizer, str(data_dir), columns=("ARC-Challenge",))["ARC-Challenge"][
+        "value"
+    ] == pytest.approx(1.0)
+
+
+def test_gsm8k_generative_with_the_calculator(data_dir, tool_checkpoint):
+    model, tokenizer, _ = load_model(tool_checkpoint)
+    cells = chat_cells(model, tokenizer, str(data_dir), columns=("GSM8K",), max_tokens=40)
+    # item 1: the model calls the calculator and ends with #### 564 (correct); item 2: it tells its story
+    assert cells["GSM8K"] == cell(0.5, examples=2)
+
+
+def test_chatcore_and_the_table_by_hand():
+    values = {"ARC-Easy": 0.5, "ARC-Challenge": 0.25, "MMLU": 1.0, "GSM8K": 0.5, "HumanEval": 0.0,
+              "SpellingBee": 1.0}  # fmt: skip
+    chat = {c: cell(v, examples=4) for c, v in values.items()}
+    # centered: (0.5-0.25)/0.75, 0, 1, 0.5, 0, 1 -> (1/3 + 0 + 1 + 0.5 + 0 + 1) / 6
+    assert chatcore(chat)["value"] == pytest.approx((1 / 3 + 1 + 0.5 + 1) / 6)
+    assert chatcore({**chat, "HumanEval": cell(note=NO_DATA)}) == cell(note=NEEDS_ALL)
+    rows = {
+        "base": card_row(cell(note=NO_DATA), wall_s=120.4, tokens_per_s=15321.7),
+        "sft": card_row(None, {**chat, "MMLU": cell(note=NO_DATA)}, wall_s=30.0, tokens_per_s=None),
+    }
+    lines = format_markdown(rows).splitlines()
+    assert lines[0] == ("| stage | CORE | ARC-Easy | ARC-Challenge | MMLU | GSM8K | HumanEval | SpellingBee | "
+                        "ChatCORE | wall time (s) | tokens/s |")  # fmt: skip
+    assert lines[2] == "| base | n/a: no data | - | - | - | - | - | - | - | 120 | 15,322 |"
+    assert lines[3] == (
+        "| sft | - | 0.5000 | 0.2500 | n/a: no data | 0.5000 | 0.0000 | 1.0000 | n/a: needs all six | 30 | n/a |"
+    )
