@@ -259,7 +259,7 @@ def test_allowed_values_are_owned_by_the_component_that_implements_them():
         for t in node.targets
         if isinstance(t, ast.Name)
     }
-    assert config_lists <= {"STAGES", "DEVICES", "REWARD_TASKS", "STAGE_SECTIONS"}, config_lists
+    assert config_lists <= {"STAGES", "DEVICES", "STAGE_SECTIONS"}, config_lists
 
 
 # calls that import a module named by a string

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from raychat.config.schema import ConfigError, Section, option, owned_choices, section
 from raychat.config.train import SCHEDULE_TIMEOUT_S, CheckpointSection, OptimSection, RunSection
 
-REWARD_TASKS = ("calculator", "gsm8k")  # the tasks of raychat.tasks.registry whose reward RL can optimize
-
 
 @dataclass
 class RLModelSection(Section):
@@ -29,7 +27,11 @@ class RLModelSection(Section):
 
 @dataclass
 class TaskSection(Section):
-    task: str = option("calculator", "task the prompts and rewards come from", REWARD_TASKS)
+    task: str = option(
+        "calculator",
+        "task the prompts and rewards come from",
+        owned_choices("raychat.tasks.registry", "REWARD_TASKS"),
+    )
     task_examples: int = option(10_000, "training prompts (train split)", ge=1)
     max_operand: int = option(999, "calculator: operands are drawn from 0..max_operand", ge=1)
     task_data_dir: str = option(

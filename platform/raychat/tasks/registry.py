@@ -70,6 +70,7 @@ TASKS = {
 HELD_OUT = {name: True for name in TASKS} | {"chatterbot": False}
 EVAL_ONLY = ("humaneval",)
 UNGRADED = ("chatterbot", "smoltalk")  # conversations without a checker
+REWARD_TASKS = ("calculator", "gsm8k")  # the tasks whose reward RL can optimize (raychat rl --task)
 HUB_TASKS = tuple(sorted({name for name, _ in HUB_SPLITS}))
 
 
