@@ -43,11 +43,38 @@ def test_gpu_cluster_shape(config):
     gpu = config["available_node_types"]["gpu_worker"]
     assert (gpu["min_workers"], gpu["max_workers"]) == (0, 8) and gpu["resources"]["GPU"] == 8
     assert config["available_node_types"]["head"]["resources"] == {"CPU": 0}  # no work on the head
-    assert config["docker"]["image"] == f"rayproject/ray:{ray.__version__}-py311-gpu"  # same Ray as ours
-    assert "-v /mnt/shared:/mnt/shared" in config["docker"]["run_options"]  # checkpoints on shared storage
+    # the raychat image (the Dockerfile, on rayproject/ray of our Ray: tests/unit/test_image.py), by the name
+    # k8s/overlays/gpu gives it
+    gpu_overlay = yaml.safe_load((REPO / "k8s/overlays/gpu/kustomization.yaml").read_text())
+    (image,) = [i for i in gpu_overlay["images"] if i["name"] == "raychat"]
+    assert config["docker"]["image"] == f"{image['newName']}:{image['newTag']}"
+    # shared storage at the k8s PVC's path, the storage root of the GPU presets
+    assert "-v /mnt/shared:/mnt/checkpoints" in config["docker"]["run_options"]
     setup = "\n".join(config["setup_commands"])
     assert 'pip install -q -c /home/ray/raychat/constraints.txt -e "/home/ray/raychat"' in setup
     assert config["file_mounts"]["/home/ray/raychat"] == "."
     assert all("RAY_AUTH_MODE=token ray start" in cmd for cmd in (
         config["head_start_ray_commands"][-1], config["worker_start_ray_commands"][-1]
     ))  # fmt: skip
+
+
+def test_gpu_presets_use_the_shared_mount_and_fit_a_gpu_node(config):
+    """gpu8 and cluster read and write every stage under the storage root that both the launcher's shared mount
+    and the k8s/ PVC put at /mnt/checkpoints/runs; a GPU node of ray_cluster.yaml is a GPU pod of k8s/."""
+    from raychat.config import preset_section
+    from raychat.ops import k8s
+
+    mounts = [o.split()[1] for o in config["docker"]["run_options"] if o.startswith("-v ")]
+    assert [m.split(":")[1] for m in mounts] == [k8s.CHECKPOINTS_MOUNT]
+    assert "mkdir -p /mnt/checkpoints/runs" in config["setup_commands"]
+    assert k8s.STORAGE_ROOT == "/mnt/checkpoints/runs"
+    for preset in ("gpu8", "cluster"):
+        for section in ("data", "tokenizer", "train", "rl", "eval"):
+            assert preset_section(preset, section)["storage_path"] == k8s.STORAGE_ROOT, (preset, section)
+        train = preset_section(preset, "train")
+        # a node's ranks and Ray Data's read + tokenize tasks (8 CPUs) fit its CPUs; ranks fill whole nodes
+        assert min(8, train["num_workers"]) * train["cpus_per_worker"] + 8 <= k8s.GPU_POD_CPUS, preset
+        assert train["num_workers"] % k8s.GPUS_PER_POD == 0, preset
+    gpu = config["available_node_types"]["gpu_worker"]["resources"]
+    assert gpu == {"CPU": k8s.GPU_POD_CPUS, "GPU": k8s.GPUS_PER_POD}
+    assert preset_section("cluster", "train")["num_workers"] == k8s.GPU_PODS * k8s.GPUS_PER_POD

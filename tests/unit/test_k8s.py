@@ -23,6 +23,7 @@ import yaml
 from support.kustomize import kustomize_build
 
 from raychat.cli import main as raychat_main
+from raychat.config import TrainConfig, from_dict, preset_values, to_flat
 from raychat.ops import k8s
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,15 +139,18 @@ def test_cluster_shapes(builds):
     assert rc["authOptions"] == {"mode": "token"}
     assert rc["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # CPU head takes no work
     worker = rc["workerGroupSpecs"][0]
-    assert (worker["minReplicas"], worker["maxReplicas"]) == (0, 8)
-    assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    # whole 8-GPU nodes, one pod each: the cluster preset's 32 ranks fill 4 of them (8 ranks of a node in one
+    # pod share NVLink), and Ray's 48 CPUs a pod fit 8 ranks x 5 CPUs + 8 for Ray Data
+    assert (worker["minReplicas"], worker["maxReplicas"]) == (0, 4)
+    limits = worker["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert (limits["nvidia.com/gpu"], limits["cpu"]) == ("8", "48")
+    cluster = to_flat(from_dict(TrainConfig, preset_values("cluster", "pretrain")))
+    assert (cluster["num_workers"], 8 * cluster["cpus_per_worker"] + 8) == (4 * 8, 48)
     want = {
         "data": "python jobs/data.py prepare --preset cluster --storage-path /mnt/checkpoints/runs && "
         "python jobs/tokenizer.py train --preset cluster --storage-path /mnt/checkpoints/runs",
-        "pretrain": "python jobs/pretrain.py --preset cluster --storage-path /mnt/checkpoints/runs --num-workers 8 "
-        "--cpus-per-worker 7 --run-name pretrain",
-        "sft": "python jobs/sft.py --preset cluster --storage-path /mnt/checkpoints/runs --num-workers 8 "
-        "--cpus-per-worker 7 --run-name sft --init-from latest",
+        "pretrain": "python jobs/pretrain.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name pretrain",
+        "sft": "python jobs/sft.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name sft --init-from latest",
         "rl": "python jobs/rl.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name rl --init-from latest",
         "eval": "python jobs/eval.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name eval "
         "--checkpoint latest",
@@ -162,24 +166,27 @@ def test_cluster_shapes(builds):
             3600,
             1,
         )
+        hours = {"data": 6, "pretrain": 8, "sft": 2, "rl": 3, "eval": 2, "export": 1}[stage]
+        assert spec["activeDeadlineSeconds"] == hours * 3600  # a hung job does not hold the GPUs forever
         assert spec["rayClusterSpec"] == rc
     # the RayService serves the RL run's newest checkpoint from the same PVC root
     svc = base[("RayService", "raychat-chat")]["spec"]
     (app,) = yaml.safe_load(svc["serveConfigV2"])["applications"]
     assert app["args"]["checkpoint"] == "/mnt/checkpoints/runs/rl/latest"
-    # every pod mounts the checkpoint PVC
-    mounts = [
-        c["volumeMounts"] for g in [rc["headGroupSpec"], worker] for c in g["template"]["spec"]["containers"]
-    ]
-    assert mounts == [[{"name": "checkpoints", "mountPath": "/mnt/checkpoints"}]] * 2
+    # every pod mounts the checkpoint PVC, and /dev/shm as memory (a container's own is 64 MB)
+    for group, shm in [(rc["headGroupSpec"], "4Gi"), (worker, "64Gi")]:
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["volumeMounts"] == [
+            {"name": "checkpoints", "mountPath": "/mnt/checkpoints"},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ]
+        volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": shm}
 
     dev = {(d["kind"], d["metadata"]["name"]): d for d in builds["k8s/overlays/cpu-dev"]}
-    for stage in k8s.CHAIN:  # the same commands on the tiny preset, with the cluster-sized flags dropped
+    for stage in k8s.CHAIN:  # the same commands on the tiny preset
         job = dev[("RayJob", f"raychat-{stage}")]["spec"]
-        shape = " --num-workers 8 --cpus-per-worker 7"
-        assert job["entrypoint"] == want[stage].replace(shape, "").replace(
-            "--preset cluster", "--preset tiny"
-        )
+        assert job["entrypoint"] == want[stage].replace("--preset cluster", "--preset tiny")
         assert "entrypointNumGpus" not in job
     for (kind, _), d in dev.items():
         if kind == "Namespace":

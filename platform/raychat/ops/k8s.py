@@ -7,15 +7,18 @@ cluster spec, and the RayService's serveConfigV2 is the text of serve/chat.yaml 
 The RayJobs are the chain of stages (CHAIN), each a complete command on the PVC's storage root
 (/mnt/checkpoints/runs): data prepare + tokenizer -> pretrain -> sft --init-from latest -> rl --init-from
 latest -> eval -> export, each stage's run named after it; the RayService serves <root>/rl/latest. The
-base runs the `cluster` preset on the GPU group (8 pods of 1 GPU: --num-workers 8); the cpu-dev overlay
-the same commands with the `tiny` preset (tests/cluster/test_stage_jobs.py runs exactly those on a real cluster).
+base runs the `cluster` preset as it is (its 32 ranks on 4 GPU pods); the cpu-dev overlay the same commands
+with the `tiny` preset (tests/cluster/test_stage_jobs.py runs exactly those on a real cluster). Each RayJob
+ends at its stage's deadline (activeDeadlineSeconds, DEADLINES_S).
 
-Cluster shape: a CPU head (num-cpus 0: no training or serving work lands on it) and a GPU worker group
-autoscaled 0..8 by the KubeRay autoscaler v2 (autoscalerOptions.version v2, worker restartPolicy Never as
-the KubeRay docs require for v2), Ray token authentication (authOptions.mode token: the operator makes the
-secret and sets RAY_AUTH_MODE/RAY_AUTH_TOKEN), and a ReadWriteMany PVC for checkpoints at /mnt/checkpoints.
-The image `raychat` (placeholder name, set with kustomize `images:`) is rayproject/ray:<ray version>-py311-gpu
-with raychat installed at /home/ray/raychat (see docs/deployment.md).
+Cluster shape: a CPU head (num-cpus 0: no training or serving work lands on it) and a GPU worker group of
+whole-node pods (GPUS_PER_POD GPUs each, so the ranks of one node share it and talk over NVLink) autoscaled
+0..GPU_PODS by the KubeRay autoscaler v2 (autoscalerOptions.version v2, worker restartPolicy Never as the
+KubeRay docs require for v2), Ray token authentication (authOptions.mode token: the operator makes the secret
+and sets RAY_AUTH_MODE/RAY_AUTH_TOKEN), a ReadWriteMany PVC for checkpoints at /mnt/checkpoints, and /dev/shm
+a memory emptyDir in every Ray pod (a container's own is 64 MB: too small for Ray's object store and NCCL).
+The image `raychat:0.1.0` is the repository's Dockerfile (rayproject/ray:<ray version>-py311-gpu with raychat
+installed at /home/ray/raychat); an overlay's kustomize `images:` points it at a registry.
 
 Hardening (Pod Security "restricted"): every pod and container, the RayJobs' submitter pods and the autoscaler
 sidecar included, runs as the image's `ray` user (uid 1000, gid 100; fsGroup 100 so the PVC is writable), non-root,
@@ -42,7 +45,25 @@ APP_DIR = "/home/ray/raychat"
 CHECKPOINTS_PVC = "raychat-checkpoints"
 CHECKPOINTS_MOUNT = "/mnt/checkpoints"
 STORAGE_ROOT = f"{CHECKPOINTS_MOUNT}/runs"  # --storage-path of every RayJob; the RayService's checkpoints
-GPU_WORKERS, GPU_WORKER_CPUS = 8, 8  # the base's GPU group: at most 8 pods of 1 GPU and 8 CPUs
+# The base's GPU group: whole 8-GPU nodes, one pod each, as many as the `cluster` preset's 32 ranks take. A pod
+# asks for what an 8-GPU node (H100/A100 class: 96-208 CPUs, >= 1 TiB) can give a pod and Ray's CPUs match
+# ray_cluster.yaml's GPU node (48): 8 ranks x 5 CPUs + 8 for Ray Data.
+GPU_PODS, GPUS_PER_POD, GPU_POD_CPUS, GPU_POD_MEMORY = 4, 8, 48, "512Gi"
+SHM_SIZE = {"head": "4Gi", "gpu": "64Gi"}  # /dev/shm (a memory emptyDir; counts against the pod's memory)
+# A RayJob's deadline (activeDeadlineSeconds), about twice its stage's expected time on the `cluster` preset
+# (raychat/presets/cluster.yaml: pretraining ~3 h at an assumed 40% MFU) plus an hour for nodes to start:
+# past it KubeRay stops the job and deletes its cluster, so a hung job does not hold 32 GPUs.
+HOUR = 3600
+DEADLINES_S = {
+    "data": 6 * HOUR,  # 490 shards (~46 GB) downloaded, then 2B characters of tokenizer training
+    "tokenizer": 3 * HOUR,
+    "pretrain": 8 * HOUR,
+    "sft": 2 * HOUR,
+    "rl": 3 * HOUR,
+    "eval": 2 * HOUR,
+    "export": 1 * HOUR,
+    "speedrun": 24 * HOUR,
+}
 RAYJOB_STAGES = ("data", "tokenizer", "pretrain", "sft", "rl", "eval", "export", "speedrun")
 CHAIN = (
     "data",
@@ -60,9 +81,16 @@ KUBERAY_OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # the 
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
-def _volume_bits() -> tuple[list, list]:
-    volumes = [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": CHECKPOINTS_PVC}}]
-    mounts = [{"name": "checkpoints", "mountPath": CHECKPOINTS_MOUNT}]
+def _volume_bits(shm_size: str) -> tuple[list, list]:
+    """(volumes, volumeMounts) of a Ray pod: the checkpoint PVC and /dev/shm, a memory emptyDir of shm_size."""
+    volumes = [
+        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": CHECKPOINTS_PVC}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}},
+    ]
+    mounts = [
+        {"name": "checkpoints", "mountPath": CHECKPOINTS_MOUNT},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
     return volumes, mounts
 
 
@@ -98,12 +126,12 @@ def api_key_env() -> list[dict]:
     return [{"name": "RAYCHAT_API_KEY", "valueFrom": {"secretKeyRef": ref}}]
 
 
-def cluster_spec(
-    image: str = IMAGE, max_gpu_workers: int = GPU_WORKERS, env: list[dict] | None = None
-) -> dict:
+def cluster_spec(image: str = IMAGE, max_gpu_pods: int = GPU_PODS, env: list[dict] | None = None) -> dict:
     """The RayClusterSpec shared by the RayCluster, every RayJob and the RayService; `env` is added to every
     Ray container (the RayService's API key)."""
-    volumes, mounts = _volume_bits()
+    volumes, mounts = _volume_bits(SHM_SIZE["head"])
+    gpu_volumes, gpu_mounts = _volume_bits(SHM_SIZE["gpu"])
+    gpu_resources = {"cpu": str(GPU_POD_CPUS), "memory": GPU_POD_MEMORY, "nvidia.com/gpu": str(GPUS_PER_POD)}
     extra = {"env": env} if env else {}
     head = {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "metrics-export-port": "8080"},
@@ -139,7 +167,7 @@ def cluster_spec(
         "groupName": "gpu",
         "replicas": 0,
         "minReplicas": 0,
-        "maxReplicas": max_gpu_workers,
+        "maxReplicas": max_gpu_pods,
         "rayStartParams": {"metrics-export-port": "8080"},
         "template": {
             "metadata": {"labels": dict(LABELS)},
@@ -151,19 +179,12 @@ def cluster_spec(
                         "image": image,
                         "ports": [{"containerPort": METRICS_PORT, "name": "metrics"}],
                         **extra,
-                        "resources": {
-                            "requests": {
-                                "cpu": str(GPU_WORKER_CPUS),
-                                "memory": "64Gi",
-                                "nvidia.com/gpu": "1",
-                            },
-                            "limits": {"cpu": str(GPU_WORKER_CPUS), "memory": "64Gi", "nvidia.com/gpu": "1"},
-                        },
-                        "volumeMounts": mounts,
+                        "resources": {"requests": dict(gpu_resources), "limits": dict(gpu_resources)},
+                        "volumeMounts": gpu_mounts,
                         "securityContext": container_security(),
                     }
                 ],
-                "volumes": volumes,
+                "volumes": gpu_volumes,
                 "securityContext": pod_security(),
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
             },
@@ -233,10 +254,8 @@ def chain_commands(preset: str, shape: tuple[str, ...] = (), root: str = STORAGE
 
 
 def base_commands() -> dict[str, list]:
-    """The commands of k8s/base: the `cluster` preset on GPU_WORKERS pods, one Ray Data CPU left in each."""
-    return chain_commands(
-        "cluster", ("--num-workers", str(GPU_WORKERS), "--cpus-per-worker", str(GPU_WORKER_CPUS - 1))
-    )
+    """The commands of k8s/base: the `cluster` preset as it is (its 32 ranks fill GPU_PODS pods)."""
+    return chain_commands("cluster")
 
 
 def cpu_dev_commands() -> dict[str, list]:
@@ -259,9 +278,11 @@ def rayjob(
     backoff_limit: int = 1,
     commands: list[list[str]] | None = None,
     num_gpus: float = 0,
+    deadline_s: int | None = None,
 ) -> dict:
     """A RayJob running `python jobs/<stage>.py ARGS` (or the chain of `commands`, see entrypoint) in
-    /home/ray/raychat on its own cluster, its driver reserving `num_gpus`, deleted ttl_s seconds after the job
+    /home/ray/raychat on its own cluster, its driver reserving `num_gpus`, stopped (its cluster deleted)
+    deadline_s seconds after it starts (default DEADLINES_S[stage]), deleted ttl_s seconds after the job
     finishes, retried backoff_limit times. Raises ValueError for an unknown stage or an invalid name."""
     if stage not in RAYJOB_STAGES:
         raise ValueError(f"stage must be one of {', '.join(RAYJOB_STAGES)}; got {stage!r}")
@@ -271,6 +292,7 @@ def rayjob(
         "submissionMode": "K8sJobMode",
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": ttl_s,
+        "activeDeadlineSeconds": deadline_s or DEADLINES_S[stage],
         "backoffLimit": backoff_limit,
     }
     if num_gpus:
