@@ -6,6 +6,8 @@ Endpoints
                              a "done" event per choice with finish_reason and usage
   POST /v1/chat/completions  OpenAI Chat Completions, stream true or false (raychat.serve.api lists every
                              parameter; docs/openai.md the tool-call shapes)
+  POST /v1/completions       OpenAI legacy Completions: raw prompt (text or token ids, batched), echo,
+                             prompt logprobs, stream true or false (raychat.serve.completions_api)
   GET  /v1/models            the served model, with template_version and tokenizer_version
   GET  /health               {"status": "ok", template_version, ..., "engine": replica stats}; 503 and
                              "unavailable" while the replica's engine process is down. With an api_key set,
@@ -46,10 +48,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from raychat.serve.api import MAX_BODY_BYTES, ChatRequest
+from raychat.serve.completions_api import CompletionRequest
+from raychat.serve.completions_api import engine_requests as completion_requests
+from raychat.serve.completions_format import CompletionChunks, CompletionState, completion
+from raychat.serve.completions_format import completion_id as text_completion_id
+from raychat.serve.completions_format import total_usage as completion_usage
 from raychat.serve.errors import (
     ERROR_STATUSES,
     INTERNAL_ERROR,
@@ -162,6 +170,13 @@ def _error_response(event: dict) -> JSONResponse:
         headers = {"X-Request-Id": event["request_id"]}
     body = error_body(message, param, kind, event.get("request_id"))
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _model_not_found(requested: str, served: str) -> JSONResponse:
+    """404 (code model_not_found) for a request naming a model other than the one served."""
+    err = error_body(f"model: {requested!r} is not served here; available: [{served!r}]", "model")
+    err["error"]["code"] = "model_not_found"
+    return JSONResponse(err, status_code=404)
 
 
 def _internal_error(detail: str, exc: BaseException | None = None) -> dict:
@@ -378,11 +393,7 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
     async def openai_chat(body: ChatRequest):
         meta = await info()
         if body.model is not None and body.model != meta["model_id"]:
-            err = error_body(
-                f"model: {body.model!r} is not served here; available: [{meta['model_id']!r}]", "model"
-            )
-            err["error"]["code"] = "model_not_found"
-            return JSONResponse(err, status_code=404)
+            return _model_not_found(body.model, meta["model_id"])
         streams, firsts = await _open(engine, engine_requests(body))
         if firsts[0]["type"] == "error":
             return _error_response(firsts[0])
@@ -413,6 +424,48 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
                     yield sse_event(chunks.finish(i, ev["finish_reason"]))
             if include_usage and not failed:
                 yield sse_event(chunks.usage(total_usage(states)))
+            yield sse_event("[DONE]")
+
+        return StreamingResponse(frames(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={200: {"model": Completion, "content": SSE_SCHEMA}, **ERRORS},
+    )
+    async def openai_completions(body: CompletionRequest):
+        """OpenAI legacy Completions (raychat.serve.completions_api): one choice per prompt of the batch."""
+        meta = await info()
+        if body.model is not None and body.model != meta["model_id"]:
+            return _model_not_found(body.model, meta["model_id"])
+        streams, firsts = await _open(engine, completion_requests(body))
+        if firsts[0]["type"] == "error":
+            return _error_response(firsts[0])
+        states = [CompletionState(i, body.logprobs is not None) for i in range(len(streams))]
+        cid, model = text_completion_id(), meta["model_id"]
+        if not body.stream:
+            async for i, ev in _events(streams, firsts):
+                if ev["type"] == "error":
+                    return _error_response(ev)
+                states[i].add(ev)
+            return completion(cid, model, states)
+
+        chunks = CompletionChunks(cid, model)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def frames():
+            failed = False
+            async for i, ev in _events(streams, firsts):
+                if ev["type"] == "error":
+                    failed = True
+                    yield _stream_error(ev)
+                    break
+                for text, logprobs in states[i].add(ev):
+                    yield sse_event(chunks.text(i, text, logprobs))
+                if ev["type"] == "done":
+                    yield sse_event(chunks.text(i, "", None, ev["finish_reason"]))
+            if include_usage and not failed:
+                yield sse_event(chunks.usage(completion_usage(states)))
             yield sse_event("[DONE]")
 
         return StreamingResponse(frames(), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -6,6 +6,7 @@ raychat.serve.app wraps it), so tests can drive it in-process.
   {"messages": template messages (raychat.chat_template), "temperature", "top_k", "top_p", "max_tokens"
    (None = until the row is full), "seed", "stop": [str], "logprobs": bool, "top_logprobs": int,
    "client_tools": bool (stop right after a calculator call: the client runs it; docs/openai.md)}
+(or the "prompt" form of POST /v1/completions: raychat.serve.completion_server has its request and events)
 and yields (the completion read by raychat.chat.turn.TurnParser, so no control-token text is ever sent):
   {"type": "delta", "text": str, "tokens": int, "logprobs": [dict] | None}
                                  visible text (may be "": tokens that showed nothing yet, e.g. inside a call);
@@ -40,6 +41,7 @@ from raychat.engine import ModelRunner, Scheduler
 from raychat.engine.process import EngineProcess
 from raychat.engine.scheduler import QueueFullError
 from raychat.metrics import ServeMetrics
+from raychat.serve.completion_server import completion_events
 from raychat.serve.engine_adapter import sampling_params, text_logprobs
 from raychat.serve.sse import usage_dict
 from raychat.tokenizer import Tokenizer
@@ -67,6 +69,9 @@ class ChatServer:
             = bfloat16 on CUDA, float32 on CPU; "model" keeps the checkpoint's; "float32" / "bfloat16" /
             "float16". The model is cast in place.
         prefill_chunk_tokens: prompt tokens prefilled per scheduler step at most (chunked prefill, >= 1).
+        prefix_cache_tokens: the ModelRunner's prefix-cache capacity (engine/prefix_cache.py): "auto"
+            (default), a token count >= 16, or 0 = off. Finished requests' usage counts the prompt tokens
+            it served (raychat_prefix_cache_hits / raychat_prefix_cache_queries).
         max_pending, request_timeout_s, stall_timeout_s: the Scheduler's queue bound, per-request deadline
             and stall limit (engine/scheduler.py; ignored with `scheduler`, which has its own).
         retry_after_s: seconds a 429 answer (the engine's queue is full) asks the client to wait (>= 1).
@@ -93,6 +98,7 @@ class ChatServer:
         request_timeout_s: float | None = None,
         stall_timeout_s: float = 60.0,
         retry_after_s: int = 1,
+        prefix_cache_tokens="auto",
     ):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
@@ -103,7 +109,7 @@ class ChatServer:
         self.model_id = model_id
         self.meta = meta or {}
         if scheduler is None:
-            runner = ModelRunner(model, tokenizer, dtype=dtype)
+            runner = ModelRunner(model, tokenizer, dtype=dtype, prefix_cache_tokens=prefix_cache_tokens)
             limits = {"max_pending": max_pending, "request_timeout_s": request_timeout_s}
             limits["stall_timeout_s"] = stall_timeout_s
             scheduler = Scheduler(
@@ -142,6 +148,7 @@ class ChatServer:
             return cls(model, tokenizer, meta=meta, **kwargs)
         rows, max_len = kwargs.pop("max_slots", 8), kwargs.pop("max_len", None)
         names = ("dtype", "prefill_chunk_tokens", "max_pending", "request_timeout_s", "stall_timeout_s")
+        names += ("prefix_cache_tokens",)
         engine = {k: kwargs.pop(k) for k in names if k in kwargs}
         scheduler = EngineProcess(checkpoint, device, rows, max_len, torch_threads, **engine)
         meta = read_meta(checkpoint)
@@ -195,7 +202,16 @@ class ChatServer:
         self.metrics.set_kv_slots_in_use(s.num_active)
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
-        """Stream the reply to `request` (see the module doc for the events); never raises for bad input."""
+        """Stream the reply to `request` (see the module doc for the events); never raises for bad input.
+        A request with "prompt" instead of "messages" is a raw completion (raychat.serve.completion_server)."""
+        if "prompt" in request:
+            self.in_flight += 1
+            try:
+                async for event in completion_events(self, request):
+                    yield event
+            finally:
+                self.in_flight -= 1
+            return
         self.in_flight += 1
         stream = None
         finished = False
@@ -286,7 +302,8 @@ class ChatServer:
             self._publish_gauges()
             u = ev.usage
             if u is not None and u.ttft_s is not None:
-                self.metrics.observe_ttft(u.ttft_s)
+                self.metrics.observe_ttft(u.ttft_s)  # its prompt was prefilled (and looked up in the cache):
+                self.metrics.add_prefix_cache(queries=u.prompt_tokens, hits=u.cached_tokens)
             if ev.finish_reason in ("stop", "length"):
                 self.completed += 1
                 reason = ev.finish_reason

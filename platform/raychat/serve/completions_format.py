@@ -1,0 +1,107 @@
+"""OpenAI legacy Completions responses built from the events of raychat.serve.completion_server:
+"text_completion" objects, whole (stream false) or as chunks (stream true, then `data: [DONE]`). The shapes
+are openai's own types (the tests validate every object with openai.types.Completion).
+
+A choice's `logprobs` (when the request set logprobs) is {"tokens", "token_logprobs", "top_logprobs",
+"text_offset"}: one entry per token of the choice's text (the prompt's tokens first when echo), text_offset
+= characters of the choice's text before the token (the sum of the previous tokens' texts).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+class CompletionState:
+    """One choice (one prompt) built event by event: `add` returns the (text, logprobs) pieces of each event
+    for the chunks (streaming) and `choice()` the finished choice (non-streaming).
+
+    Args:
+        index: the choice's index (= the prompt's index in the batch).
+        logprobs: the request set logprobs (choices carry the logprobs object, else null).
+    """
+
+    def __init__(self, index: int, logprobs: bool):
+        self.index, self.want_logprobs = index, logprobs
+        self.text: list[str] = []
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict | None] = []
+        self.text_offset: list[int] = []
+        self.offset = 0  # characters of the tokens so far
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+
+    def _logprobs(self, entries: list[dict]) -> dict:
+        """The legacy logprobs object of `entries`, recorded for the whole choice too."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            out["tokens"].append(e["token"])
+            out["token_logprobs"].append(e["logprob"])
+            out["top_logprobs"].append(e["top_logprobs"])
+            out["text_offset"].append(self.offset)
+            self.offset += len(e["token"])
+        self.tokens += out["tokens"]
+        self.token_logprobs += out["token_logprobs"]
+        self.top_logprobs += out["top_logprobs"]
+        self.text_offset += out["text_offset"]
+        return out
+
+    def add(self, event: dict) -> list[tuple[str, dict | None]]:
+        """Record an event; returns [(text, logprobs object or None)] for its chunk (none for "done")."""
+        if event["type"] in ("prompt", "delta"):
+            self.text.append(event["text"])
+            logprobs = self._logprobs(event.get("logprobs") or []) if self.want_logprobs else None
+            return [(event["text"], logprobs)] if event["text"] or logprobs else []
+        if event["type"] == "done":
+            self.finish_reason, self.usage = event["finish_reason"], event["usage"]
+        return []
+
+    def choice(self) -> dict:
+        logprobs = None
+        if self.want_logprobs:
+            logprobs = {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                        "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}  # fmt: skip
+        text = "".join(self.text)
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+
+
+def total_usage(states: list[CompletionState]) -> dict:
+    """OpenAI usage of a batch: prompt and completion tokens summed over its prompts."""
+    prompt = sum(s.usage["prompt_tokens"] for s in states)
+    completion = sum(s.usage["completion_tokens"] for s in states)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion(cid: str, model: str, states: list[CompletionState]) -> dict:
+    """The non-streamed "text_completion" object of finished choices."""
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [s.choice() for s in states],
+        "usage": total_usage(states),
+    }
+
+
+class CompletionChunks:
+    """The "text_completion" chunks of one streamed response (same id and created)."""
+
+    def __init__(self, cid: str, model: str):
+        self.id, self.model, self.created = cid, model, int(time.time())
+
+    def chunk(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, **extra}  # fmt: skip
+
+    def text(self, index: int, text: str, logprobs: dict | None = None, finish: str | None = None) -> dict:
+        return self.chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}])
+
+    def usage(self, usage: dict) -> dict:
+        return self.chunk([], usage=usage)

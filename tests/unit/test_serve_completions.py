@@ -1,0 +1,210 @@
+"""POST /v1/completions (OpenAI legacy Completions) on the real engine in-process (no Ray): prompt logprobs
+equal to a direct forward's log_softmax (hand-worked on a stub model, and on a tiny GPT), echo, max_tokens 0,
+token-array and batched prompts as lm_eval sends them, greedy text equal to generate_batch, stop strings,
+streaming, the openai client, bad requests answered 400 naming the field, auth, and a poisoned request
+failing alone."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from openai import OpenAI
+from openai.types import Completion
+from support.engine_fixtures import PoisonModel, byte_tokenizer, uniform_two_token_model
+from support.serve_helpers import tiny_model_and_tokenizer
+
+from raychat.engine import ModelRunner
+from raychat.engine.scoring import prompt_logprobs
+from raychat.serve.errors import INTERNAL_ERROR
+from raychat.serve.ingress import LocalClient, create_app
+from raychat.serve.server import ChatServer
+from raychat.serve.sse import parse_sse
+
+URL = "/v1/completions"
+LN_HALF = math.log(0.5)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model_and_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def client(tiny):
+    engine = ChatServer(*tiny, max_slots=4, model_id="tiny")
+    yield TestClient(create_app(LocalClient(engine)))
+    engine.shutdown()
+
+
+def direct_logprobs(model, ids: list[int]) -> list[float]:
+    """ln p(ids[i] | ids[:i]) for i >= 1 from one plain forward of the model."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids]))[0].float(), dim=-1)
+    return [float(logp[i - 1, ids[i]]) for i in range(1, len(ids))]
+
+
+def test_prompt_logprobs_hand_worked_on_two_token_model():
+    # every position: logits 0 for tokens 7 and 9, -inf elsewhere -> p = 1/2 each, 0 for the rest
+    model = uniform_two_token_model(16, 7, 9)
+    out = prompt_logprobs(model, [7, 9, 7, 3], top_logprobs=2)
+    assert out[0] is None
+    assert [e.token_id for e in out[1:]] == [9, 7, 3]
+    assert [e.logprob for e in out[1:3]] == pytest.approx([LN_HALF, LN_HALF])
+    assert out[3].logprob == float("-inf")  # token 3 has probability 0
+    assert sorted(t for t, _ in out[1].top_logprobs) == [7, 9]
+    assert [lp for _, lp in out[1].top_logprobs] == pytest.approx([LN_HALF, LN_HALF])
+    with pytest.raises(ValueError, match="ids is empty"):
+        prompt_logprobs(model, [])
+
+
+def test_prompt_logprobs_equal_direct_forward(tiny):
+    model, tokenizer = tiny
+    ids = tokenizer.encode("def dumps(obj, *, skipkeys=False):")
+    out = ModelRunner(model, tokenizer).prompt_logprobs(ids, top_logprobs=3)
+    assert [e.logprob for e in out[1:]] == pytest.approx(direct_logprobs(model, ids), abs=1e-5)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids]))[0].float(), dim=-1)
+    top = torch.topk(logp[0], 3)
+    assert [t for t, _ in out[1].top_logprobs] == top.indices.tolist()
+
+
+def test_echo_logprobs_max_tokens_0(tiny, client):
+    model, tokenizer = tiny
+    text = "class JSONEncoder(object):"
+    ids = tokenizer.encode(text)
+    body = client.post(URL, json={"prompt": text, "max_tokens": 0, "echo": True, "logprobs": 2}).json()
+    choice = body["choices"][0]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == text and len(lp["tokens"]) == len(ids)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(direct_logprobs(model, ids), abs=1e-5)
+    # the token itself plus the 2 most likely: 2 or 3 entries, the largest one the argmax
+    assert all(2 <= len(top) <= 3 for top in lp["top_logprobs"][1:])
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+
+
+def test_lm_eval_shaped_request(tiny, client):
+    """What lm_eval's local-completions sends for loglikelihood: a batch of token arrays, echo, logprobs 1,
+    max_tokens 1, temperature 0; it reads token_logprobs[ctxlen:-1] and checks greediness in top_logprobs."""
+    model, tokenizer = tiny
+    a, b = tokenizer.encode("import json"), tokenizer.encode("return self")
+    body = {"prompt": [a, b], "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0, "seed": 1234,
+            "model": "tiny"}  # fmt: skip
+    out = client.post(URL, json=body).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    for ids, choice in zip([a, b], out["choices"]):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 1  # the prompt's tokens, then the generated one
+        assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(direct_logprobs(model, ids), abs=1e-5)
+        greedy = lp["top_logprobs"][-1]
+        assert lp["token_logprobs"][-1] == pytest.approx(max(greedy.values()))  # temperature 0: the argmax
+
+
+def test_greedy_text_equals_generate_batch_and_stop(tiny, client):
+    model, tokenizer = tiny
+    ids = tokenizer.encode("def loads(s")
+    expected = ModelRunner(model, tokenizer).generate_batch([ids], max_tokens=12, temperature=0)[0]
+    body = client.post(URL, json={"prompt": ids, "max_tokens": 12, "temperature": 0}).json()
+    choice = body["choices"][0]
+    Completion.model_validate(body)
+    assert choice["text"] == expected.text and choice["logprobs"] is None
+    assert body["usage"]["completion_tokens"] == len(expected.completion_tokens)
+    stop = expected.text[3:6]
+    stopped = client.post(URL, json={"prompt": ids, "max_tokens": 12, "temperature": 0, "stop": stop}).json()
+    assert stopped["choices"][0]["text"] == expected.text[: expected.text.index(stop)]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stream_equals_non_stream(client):
+    req = {"prompt": "import re", "max_tokens": 8, "temperature": 0, "echo": True, "logprobs": 0}
+    whole = client.post(URL, json=req).json()["choices"][0]
+    resp = client.post(URL, json={**req, "stream": True, "stream_options": {"include_usage": True}})
+    events = parse_sse(resp.text)
+    assert resp.headers["content-type"].startswith("text/event-stream") and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    # openai's type wants a finish_reason (null until a choice's last chunk, as OpenAI streams it) and no
+    # null logprob (the echoed prompt's first token has none): validate the chunks that have neither
+    Completion.model_validate(chunks[-2])
+    Completion.model_validate(chunks[-1])
+    assert all(set(c) == set(chunks[-1]) - {"usage"} for c in chunks[:-1])
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert "".join(texts) == whole["text"]
+    logprobs = [x for c in chunks if c["choices"] and c["choices"][0]["logprobs"] for x in
+                c["choices"][0]["logprobs"]["token_logprobs"]]  # fmt: skip
+    assert logprobs == whole["logprobs"]["token_logprobs"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == whole["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+
+
+def test_openai_client(tiny, client):
+    model, tokenizer = tiny
+    ids = tokenizer.encode("textwrap.fill")
+    openai = OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
+    out = openai.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    assert out.choices[0].text == tokenizer.decode(ids)
+    assert out.choices[0].logprobs.token_logprobs[1:] == pytest.approx(direct_logprobs(model, ids), abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"max_tokens": 1}, "prompt", "field required"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
+        ({"prompt": "x", "logprobs": 6}, "logprobs", "less than or equal to 5"),
+        ({"prompt": "x", "n": 2}, "n", "Input should be 1"),
+        ({"prompt": ""}, "prompt", "is empty"),
+        ({"prompt": []}, "prompt", "non-empty"),
+        ({"prompt": [[5], "a"]}, "prompt", "list of strings or a list of token-id lists"),
+        ({"prompt": [[5], [599, 600]]}, "prompt[1]", "outside 0..599"),
+        ({"prompt": [5] * 300}, "prompt", "300 tokens"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
+        ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
+        ({"prompt": "x", "temperature": "0"}, "temperature", "valid number"),
+        ({"prompt": "x", "best_of": 3}, "best_of", "Input should be 1"),
+    ],
+)
+def test_bad_requests_name_the_field(client, body, param, fragment):
+    resp = client.post(URL, json=body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and fragment in err["message"], err
+    assert err["message"].startswith(f"{param}: ")
+
+
+def test_auth_and_unknown_model(tiny):
+    engine = ChatServer(*tiny, max_slots=1, model_id="tiny")
+    try:
+        client = TestClient(create_app(LocalClient(engine), api_key="k"))
+        assert client.post(URL, json={"prompt": "x", "max_tokens": 1}).status_code == 401
+        ok = client.post(URL, json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer k"})
+        assert ok.status_code == 200
+        other = client.post(URL, json={"prompt": "x", "model": "gpt"}, headers={"Authorization": "Bearer k"})
+        assert other.status_code == 404 and other.json()["error"]["param"] == "model"
+    finally:
+        engine.shutdown()
+
+
+def test_poisoned_scoring_fails_alone():
+    """A prompt whose logits are NaN (token 66 poisons its row) is a 500 naming only a request id; the
+    engine goes on: a clean prompt scored after it gets its hand-worked logprobs (token 65 certain: logit
+    5 against -5 for the 258 others -> ln(e^5 / (e^5 + 258 e^-5)))."""
+    tokenizer = byte_tokenizer()
+    engine = ChatServer(PoisonModel(tokenizer.vocab_size, 65, 66, "nan"), tokenizer, max_slots=2)
+    try:
+        client = TestClient(create_app(LocalClient(engine)))
+        bad = client.post(URL, json={"prompt": [65, 66, 65], "max_tokens": 0, "echo": True, "logprobs": 0})
+        assert bad.status_code == 500 and bad.json()["error"]["message"].startswith(INTERNAL_ERROR)
+        good = client.post(URL, json={"prompt": [65, 65], "max_tokens": 1, "echo": True, "logprobs": 0})
+        assert good.status_code == 200
+        expected = 5 - math.log(math.exp(5) + (tokenizer.vocab_size - 1) * math.exp(-5))
+        assert good.json()["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+            [None, expected, expected], abs=1e-6
+        )
+    finally:
+        engine.shutdown()
