@@ -139,6 +139,18 @@ class ToolCall(_Strict):
         return function
 
 
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """`stop` of a request as a list (0 to MAX_STOP strings of 1 to MAX_STOP_CHARS characters each).
+    Raises ValueError naming the limit that is broken."""
+    items = [stop] if isinstance(stop, str) else stop or []
+    if len(items) > MAX_STOP:
+        raise ValueError(f"must hold 0 to {MAX_STOP} strings, got {len(items)}")
+    for s in items:
+        if not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
+    return items
+
+
 def expression_of(function: FunctionCall) -> str:
     """The calculator expression of a call: arguments must be the JSON object {"expression": str}."""
     if function.name != CALCULATOR:
@@ -324,13 +336,7 @@ class ChatRequest(_Strict):
     @field_validator("stop")
     @classmethod
     def _stop(cls, stop):
-        items = [stop] if isinstance(stop, str) else stop or []
-        if len(items) > MAX_STOP:
-            raise ValueError(f"must hold 0 to {MAX_STOP} strings, got {len(items)}")
-        for s in items:
-            if not 1 <= len(s) <= MAX_STOP_CHARS:
-                raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
-        return items
+        return stop_strings(stop)
 
     @field_validator(*NEEDS)
     @classmethod

@@ -29,8 +29,6 @@ from typing import Annotated, Literal
 from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
 
 from raychat.serve.api import (
-    MAX_STOP,
-    MAX_STOP_CHARS,
     MAX_TEMPERATURE,
     MAX_TOKENS,
     MAX_TOP_K,
@@ -39,6 +37,7 @@ from raychat.serve.api import (
     Number,
     StreamOptions,
     _Strict,
+    stop_strings,
 )
 
 MAX_PROMPTS = 32
@@ -122,13 +121,7 @@ class CompletionRequest(_Strict):
     @field_validator("stop")
     @classmethod
     def _stop(cls, stop):
-        items = [stop] if isinstance(stop, str) else stop or []
-        if len(items) > MAX_STOP:
-            raise ValueError(f"must hold 0 to {MAX_STOP} strings, got {len(items)}")
-        for s in items:
-            if not 1 <= len(s) <= MAX_STOP_CHARS:
-                raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
-        return items
+        return stop_strings(stop)
 
     @field_validator("stream_options")
     @classmethod
