@@ -19,8 +19,8 @@ from raychat.config import (
 )
 from raychat.config.data import PrepareConfig, TokenizerConfig
 from raychat.config.presets import PRESET_HELP
-from raychat.ops.jobs import DEFAULT_ADDRESS, SUBMIT_CHOICES
-from raychat.ops.k8s import IMAGE, RAYJOB_STAGES
+from raychat.ops.jobs import DEFAULT_ADDRESS, STAGES, SUBMIT_CHOICES
+from raychat.ops.k8s import IMAGE
 
 # the canaries of raychat.data.replay.inspect_batch.canary_conversations (tests/unit/test_cli.py keeps them equal)
 CANARIES = ("short", "empty", "tool_use", "unicode", "code", "overlong", "overlong_turn")
@@ -224,6 +224,14 @@ def serve(subparsers) -> None:
         action="store_true",
         help="return once the app is up (only with --address: a local cluster ends with this process)",
     )
+    p.add_argument(
+        "--backend",
+        choices=("raychat", "vllm"),
+        default="raychat",
+        help="raychat = raychat's engine on --checkpoint (default); vllm = Ray Serve LLM + vLLM on --hf-dir "
+        "(GPUs; needs the vLLM environment: constraints-vllm.txt)",
+    )
+    p.add_argument("--hf-dir", default="", help="with --backend vllm: the directory `raychat export` wrote")
     p.set_defaults(func="raychat.serve.cli:main")
 
 
@@ -334,7 +342,7 @@ def k8s(subparsers) -> None:
     sub = p.add_subparsers(dest="k8s_command", metavar="<generate|submit>", required=True)
     g = sub.add_parser(
         "generate",
-        help="(re)write k8s/base and the cpu-dev overlay's kustomization from the code and serve/chat.yaml",
+        help="(re)write k8s/base and the overlays' kustomization from the code and serve/chat.yaml",
     )
     g.add_argument("--repo", help="checkout to write into (default: this raychat checkout)")
     g.add_argument("--check", action="store_true", help="exit 1 if k8s/ differs from the generated files")
@@ -342,11 +350,11 @@ def k8s(subparsers) -> None:
     s = sub.add_parser(
         "submit",
         help="create a RayJob for a stage",
-        usage=f"raychat k8s submit [options] {{{','.join(RAYJOB_STAGES)}}} [stage args...]",
+        usage=f"raychat k8s submit [options] {{{','.join(STAGES)}}} [stage args...]",
         description="Create a RayJob running `python jobs/<stage>.py ARGS` on its own autoscaling cluster. "
         "Options come before the stage; everything after the stage goes to the stage unchanged.",
     )
-    s.add_argument("stage", choices=RAYJOB_STAGES)
+    s.add_argument("stage", choices=STAGES)
     s.add_argument("stage_args", nargs=argparse.REMAINDER)
     s.add_argument("--namespace", default="default")
     s.add_argument("--name", help="RayJob name (default raychat-<stage>-<YYYYmmdd-HHMMSS>)")

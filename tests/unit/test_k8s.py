@@ -87,6 +87,8 @@ def test_base_is_generated_from_code_and_serve_config():
     )
     cpu_dev = (REPO / "k8s" / "overlays" / "cpu-dev" / "kustomization.yaml").read_text()
     assert k8s.render_cpu_dev() == cpu_dev, "k8s/overlays/cpu-dev/kustomization.yaml is stale"
+    gpu = (REPO / "k8s" / "overlays" / "gpu" / "kustomization.yaml").read_text()
+    assert k8s.render_gpu(REPO) == gpu, "k8s/overlays/gpu/kustomization.yaml is stale"
     assert raychat_main(["k8s", "generate", "--check"]) == 0
 
 
@@ -96,9 +98,57 @@ def test_rayservice_serve_config_is_serve_chat_yaml_verbatim(builds):
     serve_text = (REPO / "serve" / "chat.yaml").read_text()
     for b, docs in builds.items():
         (svc,) = [d for d in docs if d["kind"] == "RayService"]
-        assert svc["spec"]["serveConfigV2"] == serve_text, b
+        if b != "k8s/overlays/gpu":
+            assert svc["spec"]["serveConfigV2"] == serve_text, b
     app = ServeDeploySchema.model_validate(yaml.safe_load(serve_text)).applications[0]
     assert app.import_path == "raychat.serve.app:build_app"
+
+
+def test_the_gpu_overlay_puts_each_chat_replica_on_a_gpu(builds):
+    from ray.serve.schema import ServeDeploySchema
+
+    from raychat.serve.app import device_for, serve_config
+
+    serve_text = (REPO / "serve" / "chat.yaml").read_text()
+    base, cpu = (
+        yaml.safe_load(serve_text),
+        serve_config(yaml.safe_load(serve_text)["applications"][0]["args"]),
+    )
+    (svc,) = [d for d in builds["k8s/overlays/gpu"] if d["kind"] == "RayService"]
+    gpu_text = svc["spec"]["serveConfigV2"]
+    assert gpu_text == k8s.gpu_serve_config(serve_text)
+    gpu = yaml.safe_load(gpu_text)
+    # serve/chat.yaml plus one key: the app's args.num_gpus = 1 (serve/chat.yaml itself sets none)
+    assert "num_gpus" not in base["applications"][0]["args"] and cpu.replica.num_gpus == 0
+    base["applications"][0]["args"]["num_gpus"] = 1
+    assert gpu == base
+    # what build_app makes of it: each ChatServer replica reserves 1 GPU and puts its model on cuda
+    replica = serve_config(gpu["applications"][0]["args"]).replica
+    assert (replica.num_gpus, device_for(replica.num_gpus), device_for(cpu.replica.num_gpus)) == (
+        1,
+        "cuda",
+        "cpu",
+    )
+    assert ServeDeploySchema.model_validate(gpu).applications[0].import_path == "raychat.serve.app:build_app"
+
+
+def test_gpu_serve_config_also_sets_a_chat_server_deployment_override():
+    text = """applications:
+  - name: raychat
+    import_path: raychat.serve.app:build_app
+    args: {checkpoint: /c}
+    deployments:
+      - {name: ChatIngress, ray_actor_options: {num_cpus: 0.25}}
+      - {name: ChatServer, ray_actor_options: {num_cpus: 2}}
+"""
+    (app,) = yaml.safe_load(k8s.gpu_serve_config(text))["applications"]
+    assert app["args"] == {"checkpoint": "/c", "num_gpus": 1}
+    assert app["deployments"] == [
+        {"name": "ChatIngress", "ray_actor_options": {"num_cpus": 0.25}},
+        {"name": "ChatServer", "ray_actor_options": {"num_cpus": 2, "num_gpus": 1}},
+    ]
+    with pytest.raises(ValueError, match="no application with import_path raychat.serve.app:build_app"):
+        k8s.gpu_serve_config("applications:\n  - {name: x, import_path: other:app}\n")
 
 
 @pytest.mark.parametrize("build", BUILDS)

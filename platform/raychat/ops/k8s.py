@@ -1,8 +1,9 @@
 """KubeRay (ray.io/v1) manifests for raychat, built in one place (`raychat k8s generate|submit`: ops/k8s_cli.py).
 
-The files in k8s/base/ and k8s/overlays/cpu-dev/kustomization.yaml are the output of `raychat k8s generate`
+The files in k8s/base/ and the overlays' kustomization.yaml are the output of `raychat k8s generate`
 (tests/unit/test_k8s.py fails when they drift), so the RayCluster, the RayJobs and the RayService share one
-cluster spec, and the RayService's serveConfigV2 is the text of serve/chat.yaml byte for byte.
+cluster spec, and the RayService's serveConfigV2 is the text of serve/chat.yaml byte for byte (the gpu
+overlay's: that config with each ChatServer replica on a GPU, gpu_serve_config).
 
 The RayJobs are the chain of stages (CHAIN), each a complete command on the PVC's storage root
 (/mnt/checkpoints/runs): data prepare + tokenizer -> pretrain -> sft --init-from latest -> rl --init-from
@@ -39,6 +40,8 @@ from pathlib import Path
 
 import yaml
 
+from raychat.ops.jobs import STAGES
+
 RAY_VERSION = "2.60.0"
 IMAGE = "raychat:0.1.0"
 APP_DIR = "/home/ray/raychat"
@@ -64,7 +67,6 @@ DEADLINES_S = {
     "export": 1 * HOUR,
     "speedrun": 24 * HOUR,
 }
-RAYJOB_STAGES = ("data", "tokenizer", "pretrain", "sft", "rl", "eval", "export", "speedrun")
 CHAIN = (
     "data",
     "pretrain",
@@ -284,8 +286,8 @@ def rayjob(
     /home/ray/raychat on its own cluster, its driver reserving `num_gpus`, stopped (its cluster deleted)
     deadline_s seconds after it starts (default DEADLINES_S[stage]), deleted ttl_s seconds after the job
     finishes, retried backoff_limit times. Raises ValueError for an unknown stage or an invalid name."""
-    if stage not in RAYJOB_STAGES:
-        raise ValueError(f"stage must be one of {', '.join(RAYJOB_STAGES)}; got {stage!r}")
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {', '.join(STAGES)}; got {stage!r}")
     spec = {
         "entrypoint": entrypoint(commands or [[stage, *(stage_args or [])]]),
         "runtimeEnvYAML": yaml.safe_dump({"working_dir": APP_DIR}, sort_keys=False),
@@ -446,11 +448,72 @@ def render_cpu_dev() -> str:
     return HEADER + CPU_DEV_NOTE + to_yaml(kustomization)
 
 
+GPU_REGISTRY_IMAGE = "registry.example.com/raychat"  # the gpu overlay's image: IMAGE pushed to your registry
+GPU_SERVE_GPUS = 1  # GPUs of each ChatServer replica in the gpu overlay's RayService
+SERVE_APP_IMPORT = "raychat.serve.app:build_app"
+SERVE_SERVER_DEPLOYMENT = "ChatServer"  # raychat.serve.app.SERVER_DEPLOYMENT (ops does not import serve)
+GPU_NOTE = f"""# GPU cluster: the raychat image from your registry, GPU workers autoscaled 0..{GPU_PODS} (base), 1 TiB of
+# shared checkpoint storage, and each ChatServer replica of the RayService on {GPU_SERVE_GPUS} GPU (serve/chat.yaml
+# sets none: on the base its replicas run on the GPU pods' CPUs). One replica a node (max_replicas_per_node).
+# Build: kubectl kustomize k8s/overlays/gpu | kubectl apply -f -
+"""
+
+
+def gpu_serve_config(serve_text: str, num_gpus: float = GPU_SERVE_GPUS) -> str:
+    """serve/chat.yaml's config (`serve_text`, Serve's config file format) with each ChatServer replica of the
+    raychat application reserving `num_gpus` GPUs: build_app's args.num_gpus (which also puts the model on
+    cuda, raychat.serve.app.device_for), and the ray_actor_options of a `deployments:` entry for ChatServer
+    where there is one (it would override the args' resources). Comments are not kept (a YAML round trip), nor
+    the final line break (kubectl kustomize drops it from a patch's value).
+
+    Raises:
+        ValueError: no application imports raychat.serve.app:build_app.
+    """
+    config = yaml.safe_load(serve_text)
+    apps = [a for a in config.get("applications") or [] if a.get("import_path") == SERVE_APP_IMPORT]
+    if not apps:
+        raise ValueError(f"serve config: no application with import_path {SERVE_APP_IMPORT}")
+    for app in apps:
+        app.setdefault("args", {})["num_gpus"] = num_gpus
+        for d in app.get("deployments") or []:
+            if d.get("name") == SERVE_SERVER_DEPLOYMENT and "ray_actor_options" in d:
+                d["ray_actor_options"]["num_gpus"] = num_gpus
+    head = f"# serve/chat.yaml with each {SERVE_SERVER_DEPLOYMENT} replica on {num_gpus} GPU (raychat k8s generate)\n"
+    return head + to_yaml(config).rstrip("\n")  # no final line break: kustomize drops it from a patch value
+
+
+def render_gpu(repo: Path) -> str:
+    """k8s/overlays/gpu/kustomization.yaml: the image from your registry, a 1Ti PVC, and the RayService's
+    serveConfigV2 replaced by gpu_serve_config of repo/serve/chat.yaml."""
+    serve_text = (repo / "serve" / "chat.yaml").read_text()
+    pvc = [{"op": "replace", "path": "/spec/resources/requests/storage", "value": "1Ti"}]
+    service = [{"op": "replace", "path": "/spec/serveConfigV2", "value": gpu_serve_config(serve_text)}]
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": "raychat",
+        "resources": ["../../base", "namespace.yaml"],
+        "images": [{"name": "raychat", "newName": GPU_REGISTRY_IMAGE, "newTag": IMAGE.split(":")[1]}],
+        "patches": [
+            {
+                "target": {"version": "v1", "kind": "PersistentVolumeClaim", "name": CHECKPOINTS_PVC},
+                "patch": to_yaml(pvc).rstrip("\n"),
+            },
+            {
+                "target": {"group": "ray.io", "version": "v1", "kind": "RayService", "name": "raychat-chat"},
+                "patch": to_yaml(service).rstrip("\n"),
+            },
+        ],
+    }
+    return HEADER + GPU_NOTE + to_yaml(kustomization)
+
+
 def render_all(repo: Path) -> dict[str, str]:
     """{path relative to k8s/: text} of every generated file."""
     return {
         **{f"base/{name}": text for name, text in render_base(repo).items()},
         "overlays/cpu-dev/kustomization.yaml": render_cpu_dev(),
+        "overlays/gpu/kustomization.yaml": render_gpu(repo),
     }
 
 
