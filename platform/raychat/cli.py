@@ -22,7 +22,7 @@ COMMANDS = {
     "pretrain": "pretrain the base model on Ray Train (DDP)",
     "sft": "supervised fine-tuning of a pretrained checkpoint into a chat model",
     "rl": "reinforcement learning of a chat checkpoint on a task (rollout actors + learner on Ray)",
-    "eval": "validation BPB + held-out task accuracy of a checkpoint (JSON)",
+    "eval": "a checkpoint's BPB, task accuracy and report card (chat evals, ChatCORE, CORE with --core-bundle)",
     "chat": "chat with a checkpoint (interactive, or one-shot with -p)",
     "serve": "serve a checkpoint: streaming chat page + OpenAI-compatible API",
     "export": "export a checkpoint to the Hugging Face layout (Qwen3)",
