@@ -10,10 +10,13 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raychat.capacity import Capacity, WaitReporter, check_bundles, missing_resources, read_capacity
 from raychat.config import RLConfig
 from raychat.rl.learner import LearnerActor
 from raychat.rl.rollout import RolloutActor
 from raychat.rl.weights import create_collective_group
+
+LAYOUT_FLAGS = "--learner-workers, --rollout-workers, --cpus-per-learner, --cpus-per-rollout, --use-gpu"
 
 
 class ActorsLost(RuntimeError):
@@ -47,32 +50,53 @@ class ActorGroup:
         strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
         return {"num_cpus": cpus, "num_gpus": self.gpu, "scheduling_strategy": strategy, **kw}
 
-    def start(self, ready_timeout_s: float = 120.0) -> None:
-        """Reserve the placement group and start every actor in it (module doc). On any failure (the group not
-        placed within ready_timeout_s, an actor constructor that raises) everything started so far is stopped
-        and the placement group removed before the error propagates.
+    @property
+    def bundles(self) -> list[dict]:
+        """The placement group's bundles: W learners then R rollout actors, {"CPU": c} (+ {"GPU": 1})."""
+        t, gpu = self.cfg.layout, self.gpu
+        bundles = [{"CPU": t.cpus_per_learner, **({"GPU": 1} if gpu else {})}] * t.learner_workers
+        return bundles + [{"CPU": t.cpus_per_rollout, **({"GPU": 1} if gpu else {})}] * t.rollout_workers
 
-        Raises RuntimeError when the group is not placed in time (naming its bundles and the flags that size
-        them); the actors' errors (ray.exceptions.RayActorError) as they are."""
+    def check_layout(self) -> Capacity:
+        """Refuse, before any actor starts, a placement group no node type of the cluster can ever hold
+        (raychat.capacity.check_bundles: the autoscaler's node types, not only the alive nodes); returns the
+        Capacity read.
+
+        Raises ValueError: one line naming the flags, the need and the largest node type."""
+        capacity = read_capacity()
+        check_bundles(self.bundles, capacity, LAYOUT_FLAGS)
+        return capacity
+
+    def start(self, ready_timeout_s: float | None = None) -> None:
+        """Reserve the placement group and start every actor in it (module doc). While the group waits for
+        nodes (the autoscaler adding them), a line every few seconds says what it waits for and for how long.
+        On any failure (the group not placed within ready_timeout_s, default --schedule-timeout-s; an actor
+        constructor that raises) everything started so far is stopped and the placement group removed before
+        the error propagates.
+
+        Raises ValueError when the group is not placed in time (one line naming the flags that size it and the
+        missing resource); the actors' errors (ray.exceptions.RayActorError) as they are."""
         try:
-            self._start(ready_timeout_s)
+            self._start(self.cfg.layout.schedule_timeout_s if ready_timeout_s is None else ready_timeout_s)
         except BaseException:
             self.stop()
             raise
 
     def _start(self, ready_timeout_s: float) -> None:
-        t, gpu = self.cfg.layout, self.gpu
-        bundles = [{"CPU": t.cpus_per_learner, **({"GPU": 1} if gpu else {})}] * t.learner_workers
-        bundles += [{"CPU": t.cpus_per_rollout, **({"GPU": 1} if gpu else {})}] * t.rollout_workers
+        t, gpu, bundles = self.cfg.layout, self.gpu, self.bundles
         self.pg = placement_group(bundles, strategy="PACK")
+        reporter = WaitReporter(f"the RL placement group {bundles}", lambda: "pending").start()
         try:
             ray.get(self.pg.ready(), timeout=ready_timeout_s)
         except GetTimeoutError:
-            raise RuntimeError(
-                f"the RL placement group {bundles} was not placed within {ready_timeout_s:g} s: no node (or "
-                "node type) has room for it; see --learner-workers, --rollout-workers, --cpus-per-learner, "
-                "--cpus-per-rollout, --use-gpu"
+            capacity = read_capacity()
+            missing = "; ".join(filter(None, (missing_resources(b, capacity) for b in bundles)))
+            raise ValueError(
+                f"{LAYOUT_FLAGS}: the RL placement group {bundles} was not placed within --schedule-timeout-s "
+                f"{ready_timeout_s:g}; missing: {missing or 'room for all of it at once'}"
             ) from None
+        finally:
+            reporter.stop()
         device = "cuda" if gpu else "cpu"
         init = self.cfg.run.init_from
         self.learners = [

@@ -21,6 +21,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from ray.data._internal.stats import get_or_create_stats_actor
 from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -28,7 +29,7 @@ from raychat.capacity import (
     Capacity,
     WaitReporter,
     missing_resources,
-    pending_placement_groups,
+    placement_state,
     read_capacity,
 )
 from raychat.checkpoint_manager import CheckpointManager, find_checkpoint
@@ -206,9 +207,13 @@ def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity):
     """
     c = cfg.layout
     os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = f"{c.schedule_timeout_s:g}"
+    # Ray Data's detached stats actor lives on the node of whoever first runs a dataset and never ends: made
+    # here, it is on the driver's node, not on a worker node the autoscaler must be able to remove when idle
+    # (tests/cluster/test_autoscaling.py saw a worker node kept forever by it).
+    get_or_create_stats_actor()
     bundle = worker_bundle(c.cpus_per_worker, c.use_gpu)
     what = f"{c.num_workers} worker(s) x {', '.join(f'{k} {v:g}' for k, v in bundle.items())}"
-    reporter = WaitReporter(what, pending_placement_groups).start()
+    reporter = WaitReporter(what, placement_state).start()
     try:
         return trainer.fit()
     except TrainingFailedError as e:

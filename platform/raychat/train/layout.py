@@ -12,8 +12,9 @@ A run that finds no Ray cluster (no ray.init yet, no RAY_ADDRESS) starts a local
 cores plus one logical CPU for Ray Data (LOCAL_DATA_CPUS): the data tasks are light (the loop's data wait
 is in bench/results/train_throughput.md), so one worker can reserve every
 core and still be fed. On a connected cluster (RAY_ADDRESS, e.g. a `ray job submit` job, or RAY_ADDRESS=auto
-for a `ray start` cluster on this machine) the check reads the cluster's CPUs after connecting, before the
-Ray Train run starts.
+for a `ray start` cluster on this machine) the check reads what the cluster can become after connecting
+(raychat.capacity: the autoscaler's node types where published, else the alive nodes when nothing autoscales),
+before the Ray Train run starts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import os
 
 import ray
+
+from raychat.capacity import Capacity, check_bundles, read_capacity
 
 RAY_DATA_MIN_CPUS = (
     1.0  # Ray 2.60 read_parquet's ListFiles task (ray/data/_internal/planner/plan_list_files_op.py)
@@ -80,20 +83,52 @@ def check_cpu_layout(
     )
 
 
-def start_or_connect(num_workers: int, cpus_per_worker: float, data_cpus: float) -> str:
+def worker_bundle(cpus_per_worker: float, use_gpu: bool) -> dict:
+    """What one Ray Train worker reserves: {"CPU": cpus_per_worker} plus {"GPU": 1} with --use-gpu."""
+    return {"CPU": cpus_per_worker, **({"GPU": 1.0} if use_gpu else {})}
+
+
+def start_or_connect(
+    num_workers: int, cpus_per_worker: float, data_cpus: float, use_gpu: bool = False
+) -> tuple[str, Capacity]:
     """Use the Ray cluster this process is connected to, connect to RAY_ADDRESS, or start the local cluster
-    (local_cluster_cpus); check the layout (check_cpu_layout) and return its description.
+    (local_cluster_cpus); check the layout against what the cluster can become (raychat.capacity: the
+    autoscaler's node types, not only the alive nodes) and return (its description, that Capacity).
+
+    On a cluster whose node types are known, the layout is checked against them (check_bundles, then
+    check_cpu_layout with the largest type that holds a worker and the most CPUs the types hold together);
+    on an autoscaling cluster whose node types are not published, every layout is accepted here and the wait
+    is bounded by --schedule-timeout-s (raychat.train.launch).
 
     Raises:
-        ValueError: the layout does not fit; for a local cluster before Ray starts.
+        ValueError: the layout does not fit; for a local cluster before Ray starts; one line naming the flags,
+            the need and the largest node type.
     """
+    flags = f"--num-workers {num_workers} x --cpus-per-worker {cpus_per_worker:g}" + (
+        " --use-gpu" if use_gpu else ""
+    )
     if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
         cpus = local_cluster_cpus()
+        if use_gpu:
+            raise ValueError(f"{flags}: --use-gpu needs a Ray cluster with GPU nodes (RAY_ADDRESS); this machine's "
+                             "local cluster has none")  # fmt: skip
         line = check_cpu_layout(num_workers, cpus_per_worker, data_cpus, cpus, cpus)
         ray.init(address="local", num_cpus=cpus)
-        return f"{line} (a local Ray cluster: {local_cores()} cores + {LOCAL_DATA_CPUS} for Ray Data)"
+        line = f"{line} (a local Ray cluster: {local_cores()} cores + {LOCAL_DATA_CPUS} for Ray Data)"
+        return line, read_capacity()
     if not ray.is_initialized():
         ray.init()
-    nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
-    total = ray.cluster_resources().get("CPU", 0.0)
-    return check_cpu_layout(num_workers, cpus_per_worker, data_cpus, total, max(nodes, default=0.0))
+    capacity = read_capacity()
+    bundle = worker_bundle(cpus_per_worker, use_gpu)
+    check_bundles([bundle] * num_workers, capacity, flags)
+    if not capacity.known:
+        line = f"layout: {num_workers} worker(s) x {_fmt_bundle(bundle)} on {capacity.describe()}"
+        return line, capacity
+    largest = capacity.largest(bundle)
+    node_cpus = largest.resources.get("CPU", 0.0) if largest else 0.0
+    line = check_cpu_layout(num_workers, cpus_per_worker, data_cpus, capacity.total("CPU"), node_cpus)
+    return f"{line} ({capacity.describe()})", capacity
+
+
+def _fmt_bundle(bundle: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(bundle.items())) + "}"

@@ -1,0 +1,281 @@
+"""What the connected Ray cluster can become, not only what is alive: the node types its autoscaler may add.
+
+The clusters raychat documents (ray_cluster.yaml, k8s/) start with a head of 0 CPUs and worker types of 0
+nodes; checking a layout against the alive nodes would refuse every run before the autoscaler had a chance.
+read_capacity() looks in three places, first found wins:
+
+1. Ray's record of the cluster's node types in the GCS (`ray._private.state.state.get_cluster_config()`:
+   autoscaler_pb2.ClusterConfig, node_group_configs with resources and min/max counts; the record Ray Data's
+   autoscaler also reads). The launcher's head publishes it from its autoscaling config
+   (`python -m raychat.capacity ~/ray_bootstrap_config.yaml`, ray_cluster.yaml's head_start_ray_commands;
+   publish_node_types). -> source "node types": a layout no node type can hold is refused at once.
+2. An autoscaler that runs without a published record (Ray's v1 monitor writes its status under the GCS
+   key `__autoscaling_status`; the v2 autoscaler of KubeRay reports an autoscaling state): the node types
+   are unknown -> source "autoscaler": every layout is accepted and its wait is bounded by
+   --schedule-timeout-s instead.
+3. Neither: the alive nodes are all the cluster will ever be -> source "alive nodes" (checked at once).
+
+A layout's bundles ({resource: amount} each, e.g. a Ray Train worker {"CPU": 7, "GPU": 1}) are checked with
+check_bundles; what is missing after a timeout is named by missing_resources.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import ray
+import yaml
+from ray._raylet import GcsClient
+from ray.core.generated import autoscaler_pb2
+from ray.experimental.internal_kv import _internal_kv_get
+
+AUTOSCALER_STATUS_KEY = "__autoscaling_status"  # ray._private.ray_constants.DEBUG_AUTOSCALING_STATUS
+WAIT_REPORT_EVERY_S = 10.0  # how often a run that waits for nodes says so
+SCHEDULED_RESOURCES = ("CPU", "GPU")  # what a layout asks for; memory and node:<ip> labels are not planned
+
+
+@dataclass(frozen=True)
+class NodeType:
+    """One kind of node the cluster has or can add: its name, its resources ({"CPU": 2.0, "GPU": 1.0}) and how
+    many of it may exist at most (-1 = no limit; an alive node counts as a type of max_count 1)."""
+
+    name: str
+    resources: dict
+    max_count: int
+
+    def holds(self, bundle: dict) -> bool:
+        """Whether one node of this type has room for `bundle` ({resource: amount})."""
+        return all(self.resources.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items() if v > 0)
+
+    def describe(self) -> str:
+        res = ", ".join(f"{k}: {v:g}" for k, v in sorted(self.resources.items()) if k in SCHEDULED_RESOURCES)
+        return f"{self.name} {{{res or 'no CPU'}}}"
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the cluster can become. source: "node types" (the published node types, the head's included), "autoscaler" (an autoscaler runs, its node types unknown; node_types are
+    the alive nodes) or "alive nodes" (nothing scales)."""
+
+    source: str
+    node_types: tuple
+
+    @property
+    def known(self) -> bool:
+        """Whether node_types is everything the cluster can ever hold (False: an autoscaler may add more)."""
+        return self.source != "autoscaler"
+
+    def largest(self, bundle: dict | None = None) -> NodeType | None:
+        """The node type with the most CPUs among those holding the non-CPU part of `bundle` (e.g. its GPU);
+        None when there is none."""
+        need = {k: v for k, v in (bundle or {}).items() if k != "CPU"}
+        fit = [t for t in self.node_types if t.holds(need)]
+        return max(fit, key=lambda t: (t.resources.get("CPU", 0.0), t.name), default=None)
+
+    def total(self, resource: str) -> float:
+        """The most of `resource` the cluster can hold at once (math.inf when a type has no node limit)."""
+        out = 0.0
+        for t in self.node_types:
+            amount = t.resources.get(resource, 0.0)
+            if amount and t.max_count < 0:
+                return math.inf
+            out += amount * max(t.max_count, 0)
+        return out
+
+    def describe(self) -> str:
+        types = ", ".join(
+            f"{t.describe()} x {'any' if t.max_count < 0 else t.max_count}" for t in self.node_types
+        )
+        if self.source == "autoscaler":
+            return f"an autoscaling cluster (node types not published; alive: {types or 'none'})"
+        return f"{self.source}: {types or 'none'}"
+
+
+def _published_node_types() -> list[NodeType]:
+    config = ray._private.state.state.get_cluster_config()
+    if config is None:
+        return []
+    return [
+        NodeType(g.name, {k: float(v) for k, v in g.resources.items()}, g.max_count)
+        for g in config.node_group_configs
+        if g.max_count != 0
+    ]
+
+
+def _alive_nodes() -> list[NodeType]:
+    return [
+        NodeType(
+            f"alive node {n['NodeManagerAddress']}" + (" (head)" if "node:__internal_head__" in n["Resources"]
+                                                         else ""),
+            {k: v for k, v in n["Resources"].items() if k in SCHEDULED_RESOURCES},
+            1,
+        )
+        for n in ray.nodes()
+        if n["Alive"]
+    ]  # fmt: skip
+
+
+def autoscaler_running() -> bool:
+    """Whether an autoscaler serves this cluster: Ray's v1 monitor has written its status to the GCS, or a v2
+    autoscaler (KubeRay's) has reported an autoscaling state."""
+    if _internal_kv_get(AUTOSCALER_STATUS_KEY):
+        return True
+    reply = autoscaler_pb2.GetClusterStatusReply()
+    try:
+        reply.ParseFromString(GcsClient(ray.get_runtime_context().gcs_address).get_cluster_status())
+    except Exception:  # an older GCS without the v2 service: no v2 autoscaler
+        return False
+    return reply.autoscaling_state.autoscaler_state_version > 0
+
+
+def read_capacity() -> Capacity:
+    """The Capacity of the cluster this process is connected to (ray.init done); see the module doc."""
+    alive = _alive_nodes()
+    published = _published_node_types()
+    if published:
+        return Capacity("node types", tuple(published))
+    if autoscaler_running():
+        return Capacity("autoscaler", tuple(alive))
+    return Capacity("alive nodes", tuple(alive))
+
+
+def check_bundles(bundles: list[dict], capacity: Capacity, flags: str) -> None:
+    """Refuse a request no node type can ever hold: one bundle no type has room for, or more of a resource
+    than the whole cluster can hold. Accepts everything on a cluster whose node types are unknown.
+
+    Raises:
+        ValueError: one line naming `flags` (the flags that size the bundles), the need and the largest node
+            type.
+    """
+    if not capacity.known:
+        return
+    for bundle in bundles:
+        if not any(t.holds(bundle) for t in capacity.node_types):
+            raise ValueError(f"{flags}: one of them needs {_fmt(bundle)}; {_no_room(bundle, capacity)}")
+    for resource in SCHEDULED_RESOURCES:
+        need = sum(b.get(resource, 0.0) for b in bundles)
+        have = capacity.total(resource)
+        if need > have + 1e-9:
+            raise ValueError(
+                f"{flags}: together they need {need:g} {resource}; the cluster can hold at most {have:g} "
+                f"({capacity.describe()})"
+            )
+
+
+def missing_resources(bundle: dict, capacity: Capacity) -> str:
+    """The resources of `bundle` no node has enough of, named with the most any has: e.g. "GPU (need 1, the
+    most a node has is 0)"; "" when some node could hold it."""
+    if any(t.holds(bundle) for t in capacity.node_types):
+        return ""
+    parts = []
+    for k, v in sorted(bundle.items()):
+        most = max((t.resources.get(k, 0.0) for t in capacity.node_types), default=0.0)
+        if v > most + 1e-9:
+            parts.append(f"{k} (need {v:g}, the most a node has is {most:g})")
+    return ", ".join(parts) or _fmt(bundle)
+
+
+def _no_room(bundle: dict, capacity: Capacity) -> str:
+    largest = capacity.largest(bundle) or capacity.largest()
+    what = missing_resources(bundle, capacity)
+    return f"no node type has room: {what}; largest node type: {largest.describe() if largest else 'none'}"
+
+
+def _fmt(bundle: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(bundle.items())) + "}"
+
+
+class WaitReporter:
+    """Says, every `every_s` while `state()` is "pending", what a run waits for and for how long, e.g.
+    "waiting 20 s for 2 worker(s) x CPU 0.5: 1 alive node(s); the autoscaler may add more"; when the state
+    turns "placed" after a wait, how long it waited, and ends. state() returns "pending", "placed" or "none"
+    (nothing requested yet, or the request gone). Runs in a daemon thread between start() and stop()."""
+
+    def __init__(self, what: str, state, every_s: float = WAIT_REPORT_EVERY_S, out=None):
+        self.what, self.state, self.every_s, self.out = what, state, every_s, out or sys.stdout
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="raychat-wait-reporter")
+        self.t0 = time.monotonic()
+
+    def start(self) -> WaitReporter:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+
+    def _say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    def _run(self) -> None:
+        said = None  # when the last "waiting" line was printed
+        while not self._done.wait(1.0):
+            try:
+                state = self.state()
+            except Exception:  # the cluster's state API did not answer this time: ask again
+                continue
+            now = time.monotonic()
+            if state == "placed" and said is not None:
+                self._say(f"placed {self.what} after {now - self.t0:.0f} s")
+                return
+            if state == "pending" and (said is None or now - said >= self.every_s):
+                alive = sum(1 for n in ray.nodes() if n["Alive"])
+                self._say(
+                    f"waiting {now - self.t0:.0f} s for {self.what}: {alive} alive node(s); the autoscaler "
+                    "may add more"
+                )
+                said = now
+
+
+def placement_state() -> str:
+    """ "pending" when the cluster has a placement group not placed yet, else "placed" when one is placed,
+    else "none" (Ray's placement group table, which names no job: Ray Train's controller creates a run's
+    group from an actor of its own, so a driver running one training at a time reads the whole table)."""
+    states = {pg.get("state") for pg in ray.util.placement_group_table().values()}
+    if states & {"PENDING", "RESCHEDULING"}:
+        return "pending"
+    return "placed" if "CREATED" in states else "none"
+
+
+def publish_node_types(config: dict, gcs_address: str) -> autoscaler_pb2.ClusterConfig:
+    """Publish the node types of a Ray autoscaling config (the cluster launcher's YAML:
+    available_node_types with resources and min_workers / max_workers; cluster max_workers caps worker
+    nodes) as Ray's cluster config record in the GCS, the record read_capacity reads. Returns it.
+
+    Raises KeyError naming the missing key when the config has no available_node_types."""
+    msg = autoscaler_pb2.ClusterConfig()
+    cap = config.get("max_workers")
+    head = config.get("head_node_type")
+    for name, t in config["available_node_types"].items():
+        g = msg.node_group_configs.add()
+        g.name = name
+        for k, v in t.get("resources", {}).items():
+            if k not in ("memory", "object_store_memory"):
+                g.resources[k] = int(math.ceil(v))
+        g.min_count = 1 if name == head else int(t.get("min_workers", 0))
+        most = 1 if name == head else int(t.get("max_workers", cap if cap is not None else -1))
+        g.max_count = min(most, cap) if (cap is not None and name != head and most >= 0) else most
+    GcsClient(gcs_address).report_cluster_config(msg.SerializeToString())
+    return msg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m raychat.capacity CONFIG.yaml [GCS_ADDRESS]`: publish_node_types of CONFIG (run on the head
+    after `ray start`; the GCS address defaults to 127.0.0.1:6379)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not 1 <= len(argv) <= 2:
+        print("usage: python -m raychat.capacity CONFIG.yaml [GCS_ADDRESS]", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        msg = publish_node_types(yaml.safe_load(f), argv[1] if len(argv) > 1 else "127.0.0.1:6379")
+    print(f"published {len(msg.node_group_configs)} node type(s) to the GCS")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Jobs on a cluster that starts empty and grows: a real Ray autoscaler (tests/support/autoscaler.py: Ray's
+fake_multinode provider launches real raylets on this machine) shaped like the clusters raychat ships (a head of
+0 CPUs, a CPU worker type and a GPU worker type, both min 0, derived from ray_cluster.yaml and the KubeRay
+generator), its node types published as the launcher's head publishes them (python -m raychat.capacity).
+
+Asserted: `raychat submit pretrain` with no worker node alive says what it waits for, the autoscaler adds a
+node, the job SUCCEEDS and the node goes away after the idle timeout; a --use-gpu job gets the GPU node type
+and fails in one line naming CUDA (the fake node has none); a GPU job on a cluster without GPU node types,
+and a layout no node type holds on a cluster whose node types are unknown, fail in one line naming the
+resource within the stated bound, the storage root's run untouched.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from support.autoscaler import (
+    CPU_TYPE,
+    GPU_TYPE,
+    HEAD_TYPE,
+    NODE_CPUS,
+    AutoscalingCluster,
+    scaled_node_types,
+    shipped_node_types,
+)
+from support.cluster import short_temp_dir
+from support.stage_chain import submit
+
+IDLE_TIMEOUT_MIN = 0.1  # 6 s: a node idle this long is removed (the shipped clusters: 10 min / 60 s)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = AutoscalingCluster(short_temp_dir("as"), idle_timeout_minutes=IDLE_TIMEOUT_MIN)
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, small_tokenizer):
+    """A storage root holding `data` (3 train shards + a validation shard) and `tokenizer` runs."""
+    from raychat.data.corpus.shards import write_manifest, write_shards
+
+    root = tmp_path_factory.mktemp("as-root")
+    docs = [
+        " ".join(["river stone light", "cloud tree bird"][i % 2] for _ in range(5 + i % 40))
+        for i in range(200)
+    ]
+    entries = write_shards(docs, root / "data", num_shards=3, row_group_size=64, log=lambda *_: None)
+    write_manifest(root / "data", {"source": "test", "shards": entries})
+    small_tokenizer.save(root / "tokenizer")
+    return root
+
+
+def pretrain_args(root, run_name: str, *flags: str) -> list[str]:
+    return [
+        "pretrain", "--preset", "none", "--storage-path", str(root), "--run-name", run_name,
+        "--depth", "1", "--aspect-ratio", "64", "--head-dim", "32", "--seq-len", "32", "--device-batch-size", "2",
+        "--total-batch-size", "128", "--num-iterations", "2", "--eval-every", "0", "--eval-tokens", "64",
+        "--checkpoint-every", "0", "--buffer-size", "8", "--max-failures", "0", *flags,
+    ]  # fmt: skip
+
+
+def test_the_fixture_has_the_shapes_that_ship():
+    """Each node type of the fixture is a shipped one scaled down: same kinds of resources, head of 0 CPUs,
+    workers from 0 nodes."""
+    shipped = shipped_node_types()
+    fixture = scaled_node_types()
+    kinds = lambda t: {k for k, v in t["resources"].items() if k in ("CPU", "GPU") and v}  # noqa: E731
+    shipped_workers = [t for src in shipped.values() for name, t in src.items() if name != "head"]
+    assert {src: t["head"]["resources"]["CPU"] for src, t in shipped.items() if "head" in t} == {
+        "ray_cluster.yaml": 0,
+        "k8s": 0,
+    }
+    assert fixture[HEAD_TYPE]["resources"] == {"CPU": 0}
+    for name in (CPU_TYPE, GPU_TYPE):
+        t = fixture[name]
+        assert t["min_workers"] == 0 and t["max_workers"] >= 1
+        assert any(kinds(s) == kinds(t) and s["min_workers"] == 0 for s in shipped_workers), (name, shipped)
+    assert kinds(fixture[GPU_TYPE]) == {"CPU", "GPU"} and kinds(fixture[CPU_TYPE]) == {"CPU"}
+    assert kinds(shipped["k8s-cpu-dev"]["cpu"]) == {"CPU"}
+
+
+@pytest.mark.slow
+def test_pretrain_from_zero_workers_scales_up_succeeds_and_the_node_goes_away(cluster, corpus):
+    assert cluster.worker_nodes() == []
+    run = submit(
+        pretrain_args(corpus, "cold", "--num-workers", "2", "--cpus-per-worker", "0.5"),
+        "as-cold",
+        cluster.dashboard_url,
+        cluster.token_file,
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    # planned against the node types, not the (absent) workers
+    assert f"node types: {CPU_TYPE} {{CPU: {NODE_CPUS}}} x 2, {GPU_TYPE} {{CPU: 2, GPU: 1}} x 1" in run.output
+    assert "waiting " in run.output and " for 2 worker(s) x CPU 0.5" in run.output, run.output[-4000:]
+    assert "placed 2 worker(s) x CPU 0.5 after " in run.output
+    assert (corpus / "cold" / "metrics.jsonl").read_text().count('"step"') == 2
+    seen = [n for n in cluster.list_nodes() if not n["is_head_node"]]
+    assert seen and all("GPU" not in n["resources_total"] for n in seen)  # CPU work got the CPU type
+    t0 = time.monotonic()
+    cluster.wait_workers(lambda nodes: not nodes, timeout_s=120)
+    assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.slow
+def test_use_gpu_gets_the_gpu_node_type_and_fails_in_one_line_naming_cuda(cluster, corpus):
+    run = submit(
+        pretrain_args(corpus, "gpu", "--num-workers", "1", "--cpus-per-worker", "1", "--use-gpu"),
+        "as-gpu",
+        cluster.dashboard_url,
+        cluster.token_file,
+    )
+    assert run.returncode == 1, run.output[-4000:]
+    errors = [ln for _, ln in run.lines if "raychat pretrain: error:" in ln]
+    assert len(errors) == 1 and "--use-gpu" in errors[0] and "CUDA" in errors[0], run.output[-4000:]
+    assert any(n["resources_total"].get("GPU") == 1 for n in cluster.list_nodes()), "no GPU node was added"
+
+
+def test_gpu_on_a_cluster_without_gpu_node_types_is_refused_at_once(cluster, corpus):
+    types = {k: v for k, v in cluster.config["available_node_types"].items() if k != GPU_TYPE}
+    cluster.publish_node_types({**cluster.config, "available_node_types": types})
+    try:
+        run = submit(
+            pretrain_args(corpus, "nogpu", "--num-workers", "1", "--use-gpu"),
+            "as-nogpu",
+            cluster.dashboard_url,
+            cluster.token_file,
+        )
+    finally:
+        cluster.publish_node_types(cluster.config)
+    assert run.returncode == 1
+    assert (
+        "raychat pretrain: error: --num-workers 1 x --cpus-per-worker 0.5 --use-gpu: one of them needs "
+        "{CPU: 0.5, GPU: 1}; no node type has room: GPU (need 1, the most a node has is 0); largest node type: "
+        f"{CPU_TYPE} {{CPU: 2}}"
+    ) in run.output
+    assert not (corpus / "nogpu").exists()
+    assert run.wall_s < 90  # refused before any node was asked for (the job's start-up is most of it)
+
+
+def test_a_layout_no_node_holds_fails_within_the_schedule_timeout_when_node_types_are_unknown(
+    cluster, corpus
+):
+    cluster.publish_node_types({**cluster.config, "available_node_types": {}})  # an autoscaler, types unknown
+    try:
+        run = submit(
+            pretrain_args(
+                corpus, "big", "--num-workers", "1", "--cpus-per-worker", "3", "--schedule-timeout-s", "15"
+            ),
+            "as-big",
+            cluster.dashboard_url,
+            cluster.token_file,
+        )
+    finally:
+        cluster.publish_node_types(cluster.config)
+    assert run.returncode == 1, run.output[-4000:]
+    assert "an autoscaling cluster (node types not published" in run.output
+    assert (
+        "raychat pretrain: error: --num-workers 1 x --cpus-per-worker 3 ({CPU: 3} each): not placed within "
+        "--schedule-timeout-s 15; missing: CPU (need 3, the most a node has is "
+    ) in run.output, run.output[-4000:]
+    assert "max allowed: inf" not in run.output
+    assert run.wall_s < 15 + 90
