@@ -37,8 +37,9 @@ s3-server: $(S3_STAMP)
 
 # Debian packages that hold the default corpus and task data (real text, see README "Data").
 CORPUS_DEBS := python3.11-doc wordnet-base wamerican
-# ... and what the tests drive: headless Chromium for the chat page test.
-TEST_DEBS := $(CORPUS_DEBS) chromium chromium-driver
+# ... and what the tests drive: headless Chromium for the chat page test, Prometheus for the dashboard's
+# queries (tests/cluster/test_prometheus.py).
+TEST_DEBS := $(CORPUS_DEBS) chromium chromium-driver prometheus
 
 corpus-deps:
 	@dpkg -s $(CORPUS_DEBS) >/dev/null 2>&1 || \

@@ -30,15 +30,41 @@ def test_llm_config_fields(hf_dir):
     assert cfg["engine_kwargs"] == {"dtype": "bfloat16", "tensor_parallel_size": 2, "gpu_memory_utilization": 0.9, "max_model_len": 2048}  # fmt: skip
 
 
-def test_llm_config_validates_against_ray_without_vllm(hf_dir):
-    llm_config_mod = pytest.importorskip(
-        "ray.llm._internal.serve.core.configs.llm_config", reason="ray[llm] config models"
-    )
-    validated = llm_config_mod.LLMConfig(**rv.llm_config(hf_dir))
+def test_llm_config_validates_against_rays_model(hf_dir):
+    """Through the public ray.serve.llm.LLMConfig with vLLM installed; without it (here) the public import
+    raises and the same pydantic class is taken from ray's internal module."""
+    model, source = rv.llm_config_model()
+    if rv.vllm_installed():
+        assert source == "ray.serve.llm"
+    else:
+        with pytest.raises(ImportError, match="Neither vLLM nor SGLang is installed"):
+            import ray.serve.llm  # noqa: F401
+        assert source == "ray.llm._internal.serve.core.configs.llm_config"
+        assert "vllm" not in sys.modules
+    validated = rv.validate(rv.llm_config(hf_dir))
+    assert isinstance(validated, model)
     assert validated.model_loading_config.model_id == "raychat"
     assert validated.accelerator_type == "H100"
     assert validated.deployment_config["autoscaling_config"]["max_replicas"] == 2
-    assert "vllm" not in sys.modules
+    # no accelerator type: any GPU (the key is left out, Ray's default None)
+    assert rv.validate(rv.llm_config(hf_dir, accelerator_type="")).accelerator_type is None
+
+
+def test_a_field_ray_rejects_fails_when_the_config_is_built(hf_dir):
+    with pytest.raises(ValueError, match="accelerator_type"):
+        rv.serve_config(hf_dir, accelerator_type="H9000")
+
+
+@pytest.mark.skipif(rv.vllm_installed(), reason="vLLM is installed here")
+def test_raychat_serve_with_the_vllm_backend_and_no_vllm_is_one_line(hf_dir, capsys):
+    from raychat.cli import main
+
+    assert main(["serve", "--backend", "vllm", "--hf-dir", str(hf_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("raychat serve: error: --backend vllm needs vLLM"), err
+    assert "constraints-vllm.txt" in err[0]
+    assert main(["serve", "--backend", "vllm"]) == 2
+    assert "--backend vllm needs --hf-dir" in capsys.readouterr().err
 
 
 def test_serve_config_is_a_valid_serve_file(hf_dir, tmp_path):

@@ -16,6 +16,7 @@ import ray
 from ray import serve
 
 from raychat.config import ServeConfig, from_args
+from raychat.serve import vllm
 from raychat.serve.app import build_app, serve_config
 
 APP_NAME = "raychat"
@@ -105,11 +106,34 @@ def _running_http_address() -> tuple[str, int] | None:
     return None if client is None else (client.http_config.host, client.http_config.port)
 
 
+def start_vllm(args: argparse.Namespace) -> str:
+    """`--backend vllm`: the exported --hf-dir served by vLLM through Ray Serve LLM (raychat.serve.vllm), with
+    --model-id, --min/--max-replicas, --max-ongoing-requests and --num-gpus (tensor-parallel size, >= 1) of
+    this command; returns the OpenAI base URL. Raises ValueError naming the flag, before Ray starts, without
+    --hf-dir or vLLM."""
+    if not args.hf_dir:
+        raise ValueError("--backend vllm needs --hf-dir DIR (the directory `raychat export` wrote)")
+    vllm.require_vllm()
+    options = {
+        "model_id": args.model_id or "raychat", "accelerator_type": "", "min_replicas": args.min_replicas,
+        "max_replicas": args.max_replicas, "max_ongoing_requests": args.max_ongoing_requests,
+        "tensor_parallel_size": max(1, int(args.num_gpus or 1)),
+    }  # fmt: skip
+    config = vllm.llm_config(args.hf_dir, **{k: v for k, v in options.items() if v is not None})
+    return vllm.deploy(config, args.host, args.port, args.address)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.no_block and not (args.address or os.environ.get("RAY_ADDRESS")):
         raise ValueError(
             "--no-block needs --address (or RAY_ADDRESS): a local cluster ends with this process"
         )
+    if getattr(args, "backend", "raychat") == "vllm":
+        check_exposure(args.host, args.api_key, args.allow_unauthenticated)
+        url = start_vllm(args)
+        print(f"vLLM is serving {args.hf_dir}")
+        print(f"OpenAI API:   {url}  (model list: {url}/models)", flush=True)
+        return 0 if args.no_block else _block()
     config = serve_config(from_args(args, ServeConfig, "serve", where="serve settings"))
     check_exposure(args.host, config.api_key, args.allow_unauthenticated)
     url = start(
@@ -120,6 +144,11 @@ def main(args: argparse.Namespace) -> int:
     print(f"OpenAI API:   {url}v1  (model list: {url}v1/models, health: {url}health)", flush=True)
     if args.no_block:
         return 0
+    return _block()
+
+
+def _block() -> int:
+    """Wait until Ctrl-C, then shut Serve down."""
     try:
         while True:
             time.sleep(3600)

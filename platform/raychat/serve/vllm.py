@@ -1,11 +1,13 @@
 """Serve an exported Hugging Face directory (`raychat export`) with vLLM through Ray Serve LLM, on GPUs.
 
-UNTESTED WITHOUT A GPU: this module only builds the Serve config; the tests check the config's structure
-(and validate it against ray's LLMConfig model where that imports without vLLM). vLLM itself is the
-optional extra `raychat[vllm]` (CUDA wheels only) and was never run on the CPU machines this was written on.
+UNTESTED WITHOUT A GPU: the tests build and validate the config (through the public `ray.serve.llm.LLMConfig`
+where it imports: it needs vLLM; else through the same pydantic model inside ray.llm, which imports without
+it) but never run vLLM. vLLM is the optional extra `raychat[vllm]` = `ray[llm]` of the pinned Ray (vllm
+0.29.0, CUDA wheels only), with its own lock: `pip install -c constraints-vllm.txt -e ".[vllm]"`.
 
   python -m raychat.serve.vllm --hf-dir /mnt/raychat/hf --out vllm.yaml --accelerator-type H100
   serve run vllm.yaml          # OpenAI-compatible /v1/chat/completions, /v1/models on port 8000
+  raychat serve --backend vllm --hf-dir /mnt/raychat/hf --num-gpus 1   # the same app, deployed from Python
 
 The config is Serve's config-file format (ServeDeploySchema) with one application whose import path is
 `ray.serve.llm:build_openai_app` and whose args hold one LLMConfig (Ray docs, "Serving LLMs"):
@@ -34,18 +36,59 @@ Differences from `raychat serve` (raychat.serve.app), by design of this path:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
+import ray
 import yaml
+from ray import serve
+
+try:  # the public name: it imports only where vLLM (or SGLang) is installed
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    LLM_CONFIG_SOURCE = "ray.serve.llm"
+except ImportError:  # "Neither vLLM nor SGLang is installed": the same pydantic class, which imports without
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+
+    build_openai_app = None
+    LLM_CONFIG_SOURCE = "ray.llm._internal.serve.core.configs.llm_config"
 
 from raychat.atomic import atomic_write_text
 from raychat.config import VLLMConfig, add_flags, from_args, from_dict, to_flat
 
 IMPORT_PATH = "ray.serve.llm:build_openai_app"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+INSTALL_HINT = 'pip install -c constraints-vllm.txt -e ".[vllm]" on a CUDA machine (docs/deployment.md)'
+
+
+def vllm_installed() -> bool:
+    """Whether the `vllm` package is importable here (checked without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm(flag: str = "--backend vllm") -> None:
+    """Raises ValueError, one line naming `flag` and what is missing, when vLLM is not installed."""
+    if not vllm_installed():
+        raise ValueError(
+            f"{flag} needs vLLM, which this Python ({sys.executable}) does not have: {INSTALL_HINT}"
+        )
+
+
+def llm_config_model() -> tuple[type, str]:
+    """(the LLMConfig pydantic class, where it came from): the public `ray.serve.llm.LLMConfig` when vLLM is
+    installed, else the same class from ray's internal module (the public import raises without vLLM)."""
+    return LLMConfig, LLM_CONFIG_SOURCE
+
+
+def validate(config: dict):
+    """`config` (an llm_config() dict) as a validated LLMConfig object (llm_config_model()).
+
+    Raises ValueError (pydantic's ValidationError) naming the field Ray rejects."""
+    model, _ = llm_config_model()
+    return model(**config)
 
 
 def llm_config(hf_dir: str | os.PathLike, check_files: bool = True, **options) -> dict:
@@ -74,7 +117,7 @@ def llm_config(hf_dir: str | os.PathLike, check_files: bool = True, **options) -
     }
     if max_model_len is not None:
         engine_kwargs["max_model_len"] = max_model_len
-    return {
+    config = {
         "model_loading_config": {"model_id": c.model_id, "model_source": str(hf_dir)},
         "accelerator_type": c.accelerator_type,
         "deployment_config": {
@@ -90,12 +133,18 @@ def llm_config(hf_dir: str | os.PathLike, check_files: bool = True, **options) -
         },
         "engine_kwargs": engine_kwargs,
     }
+    if not c.accelerator_type:  # any GPU the cluster has
+        del config["accelerator_type"]
+    return config
 
 
 def serve_config(
     hf_dir: str | os.PathLike, port: int = 8000, app_name: str = "raychat-vllm", **kwargs
 ) -> dict:
-    """The whole Serve config file (dict) for `serve run` / `serve deploy` / a KubeRay RayService."""
+    """The whole Serve config file (dict) for `serve run` / `serve deploy` / a KubeRay RayService; its LLMConfig
+    is validated by Ray's model first (validate()), so a field Ray rejects fails here, not at deploy time."""
+    config = llm_config(hf_dir, **kwargs)
+    validate(config)
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": "0.0.0.0", "port": port},
@@ -104,10 +153,24 @@ def serve_config(
                 "name": app_name,
                 "route_prefix": "/",
                 "import_path": IMPORT_PATH,
-                "args": {"llm_configs": [llm_config(hf_dir, **kwargs)]},
+                "args": {"llm_configs": [config]},
             }
         ],
     }
+
+
+def deploy(config: dict, host: str, port: int, address: str | None, app_name: str = "raychat-vllm") -> str:
+    """Deploy one LLMConfig (an llm_config() dict) with the public Ray Serve LLM API (`LLMConfig`,
+    `build_openai_app`) on the Ray cluster at `address` (None: RAY_ADDRESS or a new local one); returns the
+    OpenAI base URL. Raises ValueError (require_vllm) before anything starts when vLLM is not installed."""
+    require_vllm()
+    app = build_openai_app({"llm_configs": [LLMConfig(**config)]})
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(app, name=app_name, route_prefix="/", blocking=False)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{shown}:{port}/v1"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     config = serve_config(c.hf_dir, port=c.port, **options)
     out = Path(c.out)
     atomic_write_text(out, yaml.safe_dump(config, sort_keys=False))
-    print(f"wrote {out}; on a GPU cluster with `pip install 'raychat[vllm]'`: serve run {out}")
+    print(f"wrote {out}; on a GPU cluster with the vLLM environment ({INSTALL_HINT}): serve run {out}")
     return 0
 
 
