@@ -8,6 +8,8 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PRESET ?= cpu
 EXTRAS ?= test
+# the lock of the install; the vLLM environment: EXTRAS=vllm CONSTRAINTS=constraints-vllm.txt (docs/deployment.md)
+CONSTRAINTS ?= constraints.txt
 PIP := $(VENV)/bin/pip
 RUN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(EXTRAS)
@@ -15,11 +17,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: venv speedrun test test-fast lint format corpus-deps test-deps s3-server lock clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=24"
 	$(PIP) install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PIP) install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	touch $@
 
 venv: $(STAMP)

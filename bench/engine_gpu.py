@@ -21,7 +21,8 @@ Compiles are skipped (and say so) once --budget-s seconds have passed, so the ru
         --prompt-len 16 --new-tokens 20 --vocab 512 --budget-s 0 --out /tmp/engine_gpu.md
 
 Needs: torch with CUDA, tiktoken, safetensors, tokenizers, transformers (the export); vLLM optionally (the
-`vllm` extra pins vllm 0.32.0 with torch 2.13: it must match the machine's torch).
+`vllm` extra is the pinned Ray's `ray[llm]`: vllm 0.29.0, locked in constraints-vllm.txt; install it in its own
+environment, `pip install -c constraints-vllm.txt -e ".[vllm]"` after the CUDA torch, docs/deployment.md "vLLM").
 """
 
 from __future__ import annotations

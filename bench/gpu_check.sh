@@ -3,7 +3,7 @@
 # (bench/gpu_check.py says what it measures). Prepared on a CPU machine: NOT run here (no GPU).
 #
 #   bash bench/gpu_check.sh                 # from the repo root, .venv built with CUDA torch (README)
-#   bash bench/gpu_check.sh --dry-run       # tiny sizes on the CPU (tests/unit/test_gpu_check.py runs it)
+#   bash bench/gpu_check.sh --dry-run       # tiny sizes on the CPU (tests/ray/test_gpu_check.py runs it)
 #
 # The vLLM column needs the vLLM environment (constraints-vllm.txt); without it the JSON says it was skipped.
 set -euo pipefail

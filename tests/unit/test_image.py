@@ -72,6 +72,12 @@ def make_pip(values: dict[str, str]) -> list[list[str]]:
             "TORCH_INDEX": "https://download.pytorch.org/whl/cu128",
             "EXTRAS": "k8s",
         },
+        {  # the vLLM image (raychat-vllm): the vLLM environment and its own lock
+            "TORCH_SPEC": "torch==2.13.0",
+            "TORCH_INDEX": "https://download.pytorch.org/whl/cu128",
+            "EXTRAS": "vllm",
+            "CONSTRAINTS": "constraints-vllm.txt",
+        },
     ],
 )
 def test_the_image_installs_raychat_as_the_makefile_does(values):
@@ -83,7 +89,15 @@ def test_the_image_installs_raychat_as_the_makefile_does(values):
     assert docker == [
         ["pip", "install", "-q", "--upgrade", "pip>=24"],
         ["pip", "install", "-q", values["TORCH_SPEC"], *index],
-        ["pip", "install", "-q", "-c", "constraints.txt", "-e", f".[{values['EXTRAS']}]"],
+        [
+            "pip",
+            "install",
+            "-q",
+            "-c",
+            values.get("CONSTRAINTS", "constraints.txt"),
+            "-e",
+            f".[{values['EXTRAS']}]",
+        ],
     ]
 
 
@@ -96,6 +110,7 @@ def test_the_defaults_agree_and_pin_torch():
     (torch_range,) = [r for r in map(Requirement, project["dependencies"]) if r.name == "torch"]
     assert torch_range.specifier.contains(args["TORCH_SPEC"].split("==")[1])
     assert args["EXTRAS"] in project["optional-dependencies"]
+    assert args["CONSTRAINTS"] == make_defaults["CONSTRAINTS"] == "constraints.txt"
     # constraints.txt leaves torch to that pin (make lock drops it) and pins Ray
     constraints = (REPO / "constraints.txt").read_text().splitlines()
     assert not [c for c in constraints if c.startswith("torch==")]
@@ -113,7 +128,7 @@ def test_the_image_is_the_pinned_ray_gpu_image_with_the_checkout_at_the_app_dir(
     assert [a for op, a in ops if op == "WORKDIR"] == [k8s.APP_DIR]  # the RayJobs' working_dir
     copied = [w for op, a in ops if op == "COPY" for w in shlex.split(a)[1:-1]]
     # what `pip install -e .` reads (pyproject's readme, the constraints, the package), what jobs run
-    assert copied == ["pyproject.toml", "constraints.txt", "README.md", "platform", "jobs", "serve"]
+    assert copied == ["pyproject.toml", "constraints.txt", "constraints-vllm.txt", "README.md", "platform", "jobs", "serve"]  # fmt: skip
     copy_before_install = [op for op, a in ops if op in ("COPY", "RUN")]
     assert copy_before_install.index("COPY") < max(
         i for i, op in enumerate(copy_before_install) if op == "RUN"
@@ -125,9 +140,18 @@ def test_k8s_and_the_launcher_name_the_image_the_dockerfile_documents():
     assert k8s.IMAGE == f"raychat:{version}"
     assert f"docker build -t {k8s.IMAGE} ." in DOCKERFILE
     overlay = yaml.safe_load((REPO / "k8s/overlays/gpu/kustomization.yaml").read_text())
-    (image,) = overlay["images"]
+    (image,) = [i for i in overlay["images"] if i["name"] == "raychat"]
     pushed = f"{image['newName']}:{image['newTag']}"
     assert (image["name"], image["newTag"]) == ("raychat", version)
     assert f"docker push {pushed}" in DOCKERFILE
     launcher = yaml.safe_load((REPO / "ray_cluster.yaml").read_text())
     assert launcher["docker"]["image"] == pushed
+    # the vLLM RayService's image: the same Dockerfile with the vLLM environment's build args
+    build = "docker build --build-arg EXTRAS=vllm --build-arg CONSTRAINTS=constraints-vllm.txt"
+    assert (
+        f"{build} --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t {k8s.IMAGE_VLLM} ."
+        in DOCKERFILE
+    )
+    assert (REPO / "constraints-vllm.txt").is_file()
+    vllm = next(i for i in overlay["images"] if i["name"] == k8s.IMAGE_VLLM.split(":")[0])
+    assert f"docker push {vllm['newName']}:{vllm['newTag']}" in DOCKERFILE and vllm["newTag"] == version

@@ -97,7 +97,7 @@ def test_rayservice_serve_config_is_serve_chat_yaml_verbatim(builds):
 
     serve_text = (REPO / "serve" / "chat.yaml").read_text()
     for b, docs in builds.items():
-        (svc,) = [d for d in docs if d["kind"] == "RayService"]
+        (svc,) = [d for d in docs if d["kind"] == "RayService" and d["metadata"]["name"] == "raychat-chat"]
         if b != "k8s/overlays/gpu":
             assert svc["spec"]["serveConfigV2"] == serve_text, b
     app = ServeDeploySchema.model_validate(yaml.safe_load(serve_text)).applications[0]
@@ -107,23 +107,23 @@ def test_rayservice_serve_config_is_serve_chat_yaml_verbatim(builds):
 def test_the_gpu_overlay_puts_each_chat_replica_on_a_gpu(builds):
     from ray.serve.schema import ServeDeploySchema
 
-    from raychat.serve.app import device_for, serve_config
+    from raychat.serve.app import device_for
+    from raychat.serve.deployments import read_serve_app
 
     serve_text = (REPO / "serve" / "chat.yaml").read_text()
-    base, cpu = (
-        yaml.safe_load(serve_text),
-        serve_config(yaml.safe_load(serve_text)["applications"][0]["args"]),
-    )
-    (svc,) = [d for d in builds["k8s/overlays/gpu"] if d["kind"] == "RayService"]
+    base = yaml.safe_load(serve_text)
+    cpu = read_serve_app(base["applications"][0])
+    (svc,) = [d for d in builds["k8s/overlays/gpu"] if d["kind"] == "RayService" and d["metadata"]["name"] == "raychat-chat"]  # fmt: skip
     gpu_text = svc["spec"]["serveConfigV2"]
     assert gpu_text == k8s.gpu_serve_config(serve_text)
     gpu = yaml.safe_load(gpu_text)
-    # serve/chat.yaml plus one key: the app's args.num_gpus = 1 (serve/chat.yaml itself sets none)
-    assert "num_gpus" not in base["applications"][0]["args"] and cpu.replica.num_gpus == 0
-    base["applications"][0]["args"]["num_gpus"] = 1
+    # serve/chat.yaml plus one key: ChatServer's ray_actor_options.num_gpus = 1 (serve/chat.yaml sets none)
+    (server,) = [d for d in base["applications"][0]["deployments"] if d["name"] == "ChatServer"]
+    assert "num_gpus" not in server["ray_actor_options"] and cpu.replica.num_gpus == 0
+    server["ray_actor_options"]["num_gpus"] = 1
     assert gpu == base
-    # what build_app makes of it: each ChatServer replica reserves 1 GPU and puts its model on cuda
-    replica = serve_config(gpu["applications"][0]["args"]).replica
+    # what Serve makes of it: each ChatServer replica reserves 1 GPU and puts its model on cuda
+    replica = read_serve_app(gpu["applications"][0]).replica
     assert (replica.num_gpus, device_for(replica.num_gpus), device_for(cpu.replica.num_gpus)) == (
         1,
         "cuda",
@@ -132,7 +132,7 @@ def test_the_gpu_overlay_puts_each_chat_replica_on_a_gpu(builds):
     assert ServeDeploySchema.model_validate(gpu).applications[0].import_path == "raychat.serve.app:build_app"
 
 
-def test_gpu_serve_config_also_sets_a_chat_server_deployment_override():
+def test_gpu_serve_config_sets_the_chat_server_deployment_option_else_the_arg():
     text = """applications:
   - name: raychat
     import_path: raychat.serve.app:build_app
@@ -142,11 +142,18 @@ def test_gpu_serve_config_also_sets_a_chat_server_deployment_override():
       - {name: ChatServer, ray_actor_options: {num_cpus: 2}}
 """
     (app,) = yaml.safe_load(k8s.gpu_serve_config(text))["applications"]
-    assert app["args"] == {"checkpoint": "/c", "num_gpus": 1}
+    assert app["args"] == {"checkpoint": "/c"}
     assert app["deployments"] == [
         {"name": "ChatIngress", "ray_actor_options": {"num_cpus": 0.25}},
         {"name": "ChatServer", "ray_actor_options": {"num_cpus": 2, "num_gpus": 1}},
     ]
+    # no ChatServer ray_actor_options in the file: build_app's arg (adding ray_actor_options would drop num_cpus)
+    (app,) = yaml.safe_load(k8s.gpu_serve_config(text.replace(", ray_actor_options: {num_cpus: 2}", "")))[
+        "applications"
+    ]
+    assert app["args"] == {"checkpoint": "/c", "num_gpus": 1} and app["deployments"][1] == {
+        "name": "ChatServer"
+    }
     with pytest.raises(ValueError, match="no application with import_path raychat.serve.app:build_app"):
         k8s.gpu_serve_config("applications:\n  - {name: x, import_path: other:app}\n")
 
@@ -162,7 +169,12 @@ def test_every_object_validates(builds, crd_schemas, build):
         *["RayJob"] * len(k8s.CHAIN),
         "RayService",
     ]
-    assert kinds == sorted(expected + ([] if build == "k8s/base" else ["Namespace"]))
+    extra = {
+        "k8s/base": [],
+        "k8s/overlays/cpu-dev": ["Namespace"],
+        "k8s/overlays/gpu": ["Namespace", "RayService"],
+    }
+    assert kinds == sorted(expected + extra[build])  # the gpu overlay's second RayService: the vLLM path
     for d in docs:
         validate_object(d, crd_schemas)
 
@@ -337,8 +349,8 @@ def test_every_pod_meets_pod_security_restricted(builds, build):
                 )
                 assert sc["capabilities"] == {"drop": ["ALL"]}
                 assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
-    # head + worker of the RayCluster, each RayJob (+ its submitter) and the RayService
-    assert len(seen) == 2 + 3 * len(k8s.CHAIN) + 2
+    # head + worker of the RayCluster, each RayJob (+ its submitter) and the RayService(s: gpu adds vLLM's)
+    assert len(seen) == 2 + 3 * len(k8s.CHAIN) + 2 * (1 + (build == "k8s/overlays/gpu"))
     for job in [d for d in builds[build] if d["kind"] == "RayJob"]:  # the submitter runs the head's image
         images = [
             t["spec"]["containers"][0]["image"] for where, t, _ in pods(job) if where in ("head", "submitter")
@@ -383,12 +395,12 @@ def test_the_rayservice_takes_its_api_key_from_a_secret(builds, build):
         for where, template, _ in pods(d):
             for c in template["spec"]["containers"]:
                 keys = [e for e in c.get("env", []) if e["name"] == "RAYCHAT_API_KEY"]
-                if d["kind"] != "RayService":
-                    assert keys == [], (d["metadata"]["name"], where)  # only the service holds the key
+                if d["metadata"]["name"] != "raychat-chat":  # the vLLM app reads no key (docs/deployment.md)
+                    assert keys == [], (d["metadata"]["name"], where)  # only the chat service holds the key
                     continue
                 want = {"secretKeyRef": {"name": "raychat-api-key", "key": "api-key"}}
                 assert keys == [{"name": "RAYCHAT_API_KEY", "valueFrom": want}], where
-    (svc,) = [d for d in docs if d["kind"] == "RayService"]
+    (svc,) = [d for d in docs if d["kind"] == "RayService" and d["metadata"]["name"] == "raychat-chat"]
     (app,) = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"]
     assert "api_key" not in app["args"]  # build_app reads RAYCHAT_API_KEY (raychat.serve.app.serve_config)
 
@@ -427,12 +439,17 @@ RAYCHAT_POD = {"labels": dict(k8s.LABELS), "namespace": "same"}
 NEIGHBOUR = {"labels": {"app": "notebook"}, "namespace": "same"}
 OUTSIDER = {"labels": {"app": "ingress-nginx"}, "namespace": "other"}
 OPERATOR = {"labels": {"app.kubernetes.io/name": "kuberay-operator"}, "namespace": "other"}
+PROMETHEUS = {
+    "labels": {"app.kubernetes.io/name": "prometheus"},
+    "namespace": "other",
+}  # the PodMonitor's scraper
 # (source, ports it reaches); every other port of RAY_PORTS + [8000] is refused
 REACHES = [
     (RAYCHAT_POD, {*RAY_PORTS, 8000}),
     (NEIGHBOUR, {8000, 8265, 8080}),
     (OUTSIDER, {8000}),
     (OPERATOR, {8000, 8265}),
+    (PROMETHEUS, {8000, 8080}),
 ]
 
 
@@ -441,7 +458,7 @@ def test_the_network_policy_admits_only_what_the_cluster_needs(builds, build):
     (policy,) = [d for d in builds[build] if d["kind"] == "NetworkPolicy"]
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     templates = [t for d in builds[build] for _, t, _ in pods(d)]
-    assert len(templates) == 2 + 3 * len(k8s.CHAIN) + 2
+    assert len(templates) == 2 + 3 * len(k8s.CHAIN) + 2 * (1 + (build == "k8s/overlays/gpu"))
     for template in templates:  # the policy covers every pod, the RayJobs' submitters included
         labels = template["metadata"]["labels"]
         assert _selects(policy["spec"]["podSelector"], labels)
@@ -540,3 +557,186 @@ def test_k8s_submit_posts_through_the_kubernetes_client(tmp_path, capsys, crd_sc
     assert path == "/apis/ray.io/v1/namespaces/ml/rayjobs"
     validate_object(body, crd_schemas)
     assert body == k8s.rayjob("rl", [], name="rl-1")
+
+
+# ---------------------------------------------------------------- the vLLM RayService, the PodMonitor
+
+
+def test_the_vllm_rayservice_is_in_the_gpu_overlay_alone(builds, crd_schemas):
+    from ray.serve.schema import ServeDeploySchema
+
+    from raychat.serve import vllm
+
+    text = (REPO / "serve" / "vllm.yaml").read_text()
+    # serve/vllm.yaml is what `python -m raychat.serve.vllm --hf-dir /mnt/checkpoints/runs/hf --accelerator-type ""
+    # --no-check-files --out serve/vllm.yaml` writes: the export RayJob's output, any GPU type
+    config = vllm.serve_config(f"{k8s.STORAGE_ROOT}/hf", check_files=False, accelerator_type="")
+    assert text == yaml.safe_dump(config, sort_keys=False), "serve/vllm.yaml is stale: rewrite it (see above)"
+    (app,) = config["applications"]
+    (llm,) = app["args"]["llm_configs"]
+    assert (app["import_path"], llm["model_loading_config"]["model_source"]) == (
+        "ray.serve.llm:build_openai_app",
+        "/mnt/checkpoints/runs/hf",
+    )
+    assert "accelerator_type" not in llm  # any GPU the cluster has
+    assert ServeDeploySchema.model_validate(config).applications[0].name == "raychat-vllm"
+    for build in ("k8s/base", "k8s/overlays/cpu-dev"):  # no GPUs there: no vLLM
+        assert [d for d in builds[build] if d["metadata"]["name"] == "raychat-vllm"] == []
+    (svc,) = [d for d in builds["k8s/overlays/gpu"] if d["metadata"]["name"] == "raychat-vllm"]
+    validate_object(svc, crd_schemas)
+    assert (svc["kind"], svc["metadata"]["namespace"], svc["spec"]["serveConfigV2"]) == (
+        "RayService",
+        "raychat",
+        text,
+    )
+    spec = svc["spec"]["rayClusterConfig"]
+    images = {c["image"] for g in [spec["headGroupSpec"], *spec["workerGroupSpecs"]] for c in g["template"]["spec"]["containers"]}  # fmt: skip
+    assert images == {"registry.example.com/raychat-vllm:0.1.0"}  # the image built with EXTRAS=vllm
+    assert spec["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"  # fmt: skip
+
+
+MONITORING = "k8s/overlays/monitoring"
+# the fields of the Prometheus Operator's PodMonitor CRD (monitoring.coreos.com/v1, prometheus-operator 0.91,
+# example/prometheus-operator-crd/monitoring.coreos.com_podmonitors.yaml) that k8s/ uses, strict: a misspelt
+# field is an error (the CRD itself is not in shared/)
+_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["key", "operator"],
+                "properties": {
+                    "key": {"type": "string"},
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    },
+}
+_RELABEL = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "action": {"enum": ["replace", "Replace", "keep", "drop", "labelmap", "labeldrop", "labelkeep"]},
+        "sourceLabels": {"type": "array", "items": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}},
+        "targetLabel": {"type": "string"},
+        "regex": {"type": "string"},
+        "replacement": {"type": "string"},
+    },
+}
+POD_MONITOR_SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PodMonitor"},
+        "metadata": {"type": "object"},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "selector": _SELECTOR,
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "interval": {
+                                "type": "string",
+                                "pattern": "^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?)$",
+                            },
+                            "relabelings": {"type": "array", "items": _RELABEL},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A Kubernetes label selector (matchLabels and matchExpressions) applied to `labels`."""
+    ok = all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+    for e in selector.get("matchExpressions", []):
+        present, value = e["key"] in labels, labels.get(e["key"])
+        ok &= {"Exists": present, "DoesNotExist": not present, "In": value in e.get("values", []),
+               "NotIn": value not in e.get("values", [])}[e["operator"]]  # fmt: skip
+    return ok
+
+
+def kuberay_pod_labels(cluster: str, where: str, template: dict) -> dict:
+    """The labels KubeRay gives a Ray pod of RayCluster `cluster` (ray-operator/controllers/ray/common/pod.go):
+    the template's, ray.io/cluster, ray.io/node-type (head | worker), ray.io/group, ray.io/is-ray-node."""
+    node_type, _, group = where.partition(" ")
+    return {
+        **template["metadata"]["labels"],
+        "ray.io/cluster": cluster,
+        "ray.io/node-type": node_type,
+        "ray.io/group": group or "headgroup",
+        "ray.io/is-ray-node": "yes",
+    }
+
+
+def test_the_pod_monitor_scrapes_the_metrics_port_of_every_ray_pod(builds):
+    docs = kustomize_build(REPO / MONITORING)
+    assert [d["kind"] for d in docs] == ["PodMonitor"]
+    (monitor,) = docs
+    assert monitor == k8s.pod_monitor()
+    jsonschema.Draft7Validator(POD_MONITOR_SCHEMA).validate(monitor)
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    # node type, cluster and group of the pod become labels of every series
+    assert {(r["sourceLabels"][0], r["targetLabel"]) for r in endpoint["relabelings"]} == {
+        ("__meta_kubernetes_pod_label_ray_io_node_type", "ray_node_type"),
+        ("__meta_kubernetes_pod_label_ray_io_cluster", "ray_cluster"),
+        ("__meta_kubernetes_pod_label_ray_io_group", "ray_group"),
+    }
+    selector = monitor["spec"]["selector"]
+    for build in BUILDS:
+        scraped = 0
+        for d in builds[build]:
+            for where, template, _ in pods(d):
+                if where == "submitter":  # not a Ray node: no ray.io/cluster label, no metrics port
+                    assert not selects(selector, template["metadata"]["labels"]), d["metadata"]["name"]
+                    continue
+                labels = kuberay_pod_labels(d["metadata"]["name"], where, template)
+                assert selects(selector, labels), (build, d["metadata"]["name"], where)
+                (container,) = template["spec"]["containers"]
+                ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+                spec = RAY_SPEC[d["kind"]](d["spec"])
+                group = spec["headGroupSpec"] if where == "head" else spec["workerGroupSpecs"][0]
+                # the named port is the one Ray exports its metrics on
+                assert ports["metrics"] == int(group["rayStartParams"]["metrics-export-port"]) == 8080
+                scraped += 1
+        assert scraped == 2 + 2 * len(k8s.CHAIN) + 2 * (1 + (build == "k8s/overlays/gpu")), build
+    # what the selector leaves out: other apps' pods, a raychat pod that is not a Ray node
+    assert not selects(selector, {"app.kubernetes.io/name": "notebook", "ray.io/cluster": "x"})
+    assert not selects(selector, dict(k8s.LABELS))
+
+
+def test_the_pod_monitor_schema_catches_mistakes():
+    monitor = k8s.pod_monitor()
+    validator = jsonschema.Draft7Validator(POD_MONITOR_SCHEMA)
+    for path, value in [
+        (("spec", "podMetricsEndpoints", 0, "targetPort"), 8080),  # misspelt/unsupported field
+        (("spec", "selector", "matchExpressions", 0, "operator"), "Exist"),
+        (("spec", "podMetricsEndpoints", 0, "interval"), "15"),
+    ]:
+        broken = copy.deepcopy(monitor)
+        node = broken
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        assert list(validator.iter_errors(broken)), path

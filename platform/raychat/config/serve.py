@@ -1,6 +1,7 @@
 """Serving configurations: ServeConfig (the chat app's build_app args, `raychat serve`) and VLLMConfig (the
 Ray Serve LLM config that `python -m raychat.serve.vllm` writes). Each default is stated here once;
-serve/chat.yaml sets its values through build_app's args.
+serve/chat.yaml sets its values through build_app's args and, for the options Serve owns (replica resources,
+autoscaling, request bounds), its `deployments:` section (raychat.serve.deployments maps them).
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ class ReplicaSection(Section):
     prefill_chunk_tokens: int = option(
         512, "prompt tokens prefilled per engine step at most (bounds the other streams' inter-token "
         "latency while a long prompt is prefilled)", ge=1,
+    )  # fmt: skip
+    prefix_cache_tokens: int | None = option(
+        None, "prefix cache capacity in tokens: KV blocks of earlier prompts and replies (a conversation's "
+        "history, a shared system prompt) reused instead of prefilled again; default: 8 x max_seq_len, "
+        "allocated as it fills; 0 = off", ge=0,
     )  # fmt: skip
     engine_process: bool = option(
         True, "run the model and scheduler in a child process, off the event loop's GIL"
@@ -115,9 +121,15 @@ class VLLMConfig(Section):
     NAMING = "key"
 
     hf_dir: str = option("", "directory written by `raychat export` (required)")
+    check_files: bool = option(
+        True,
+        "require --hf-dir to hold an export here (--no-check-files: a directory of the cluster, e.g. its PVC)",
+    )
     out: str = option("vllm.yaml", "Serve config YAML file to write")
     model_id: str = option("raychat", "name the OpenAI API serves the model as")
-    accelerator_type: str = option("H100", "Ray accelerator resource name (H100, A100, L4, ...)")
+    accelerator_type: str = option(
+        "H100", "Ray accelerator resource name (H100, A100, L4, ...; empty: any GPU)"
+    )
     min_replicas: int = option(1, "fewest replicas", ge=0)
     max_replicas: int = option(2, "most replicas (autoscaled)", ge=1)
     target_ongoing_requests: int = option(32, "ongoing requests per replica the autoscaler aims at", ge=1)

@@ -21,13 +21,19 @@ a memory emptyDir in every Ray pod (a container's own is 64 MB: too small for Ra
 The image `raychat:0.1.0` is the repository's Dockerfile (rayproject/ray:<ray version>-py311-gpu with raychat
 installed at /home/ray/raychat); an overlay's kustomize `images:` points it at a registry.
 
+The gpu overlay alone adds the vLLM path's RayService (raychat-vllm, rayservice_vllm): serve/vllm.yaml verbatim
+(Ray Serve LLM on the export RayJob's <root>/hf) on the image `raychat-vllm:0.1.0` (the same Dockerfile built
+with the vLLM environment: EXTRAS=vllm, CONSTRAINTS=constraints-vllm.txt). k8s/overlays/monitoring holds a
+PodMonitor (Prometheus Operator) for port `metrics` of every raychat Ray pod (pod_monitor).
+
 Hardening (Pod Security "restricted"): every pod and container, the RayJobs' submitter pods and the autoscaler
 sidecar included, runs as the image's `ray` user (uid 1000, gid 100; fsGroup 100 so the PVC is writable), non-root,
 without privilege escalation, with every capability dropped and the RuntimeDefault seccomp profile. The RayService's
 containers read RAYCHAT_API_KEY from the Secret raychat-api-key (key api-key), which the manifests do not create
 (the pods do not start without it). One NetworkPolicy admits, to every raychat pod: any port from the raychat pods
 of the namespace (Ray's GCS, raylet, object-transfer and worker ports, partly random), the Serve port from
-anywhere, the dashboard and metrics ports from the namespace, and the dashboard from the KubeRay operator's pods.
+anywhere, the dashboard and metrics ports from the namespace, the dashboard from the KubeRay operator's pods and
+the metrics port from the Prometheus Operator's Prometheus pods.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ from raychat.ops.jobs import STAGES
 
 RAY_VERSION = "2.60.0"
 IMAGE = "raychat:0.1.0"
+# the vLLM path's image: the same Dockerfile with the vLLM environment (EXTRAS=vllm, CONSTRAINTS=constraints-vllm.txt)
+IMAGE_VLLM = "raychat-vllm:0.1.0"
+VLLM_SERVE_CONFIG = "serve/vllm.yaml"  # the vLLM RayService's serveConfigV2, verbatim
 APP_DIR = "/home/ray/raychat"
 CHECKPOINTS_PVC = "raychat-checkpoints"
 CHECKPOINTS_MOUNT = "/mnt/checkpoints"
@@ -80,6 +89,7 @@ RAY_UID, RAY_GID = 1000, 100  # the `ray` user and its group (users) in the rayp
 API_KEY_SECRET, API_KEY_SECRET_KEY = "raychat-api-key", "api-key"  # the RayService's RAYCHAT_API_KEY
 SERVE_PORT, DASHBOARD_PORT, METRICS_PORT = 8000, 8265, 8080
 KUBERAY_OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # the operator's pods (Helm chart)
+PROMETHEUS_LABELS = {"app.kubernetes.io/name": "prometheus"}  # the Prometheus Operator's Prometheus pods
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -325,6 +335,19 @@ def rayservice(serve_config_text: str, image: str = IMAGE) -> dict:
     }
 
 
+def rayservice_vllm(serve_config_text: str, image: str = IMAGE_VLLM) -> dict:
+    """The vLLM path's RayService (raychat-vllm): serveConfigV2 is `serve_config_text` unchanged (serve/vllm.yaml,
+    written by `python -m raychat.serve.vllm --no-check-files`: Ray Serve LLM's build_openai_app on the export
+    at STORAGE_ROOT/hf), on the shared cluster spec with the vLLM image. Ray Serve LLM's OpenAI app has no API
+    key of its own, so no RAYCHAT_API_KEY here: put the Serve port behind an authenticating gateway."""
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": _meta("raychat-vllm"),
+        "spec": {"serveConfigV2": serve_config_text, "rayClusterConfig": cluster_spec(image)},
+    }
+
+
 def _tcp(*ports: int) -> list[dict]:
     return [{"protocol": "TCP", "port": port} for port in ports]
 
@@ -332,9 +355,11 @@ def _tcp(*ports: int) -> list[dict]:
 def network_policy() -> dict:
     """Ingress to every raychat pod (selected by LABELS; egress is left open): any port from the raychat pods
     of the namespace (Ray's own ports, partly random), SERVE_PORT from anywhere, DASHBOARD_PORT and METRICS_PORT
-    from any pod of the namespace, and DASHBOARD_PORT from the KubeRay operator (it submits jobs and deploys
-    Serve apps through the dashboard; any namespace, found by its pods' label)."""
+    from any pod of the namespace, DASHBOARD_PORT from the KubeRay operator (it submits jobs and deploys
+    Serve apps through the dashboard; any namespace, found by its pods' label) and METRICS_PORT from the
+    Prometheus Operator's Prometheus pods (any namespace: the PodMonitor's scrapes, pod_monitor)."""
     operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(KUBERAY_OPERATOR_LABELS)}}
+    prometheus = {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(PROMETHEUS_LABELS)}}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -347,6 +372,7 @@ def network_policy() -> dict:
                 {"ports": _tcp(SERVE_PORT)},
                 {"from": [{"podSelector": {}}], "ports": _tcp(DASHBOARD_PORT, METRICS_PORT)},
                 {"from": [operator], "ports": _tcp(DASHBOARD_PORT)},
+                {"from": [prometheus], "ports": _tcp(METRICS_PORT)},
             ],
         },
     }
@@ -449,22 +475,24 @@ def render_cpu_dev() -> str:
 
 
 GPU_REGISTRY_IMAGE = "registry.example.com/raychat"  # the gpu overlay's image: IMAGE pushed to your registry
+GPU_REGISTRY_IMAGE_VLLM = "registry.example.com/raychat-vllm"  # and IMAGE_VLLM's (the vLLM RayService)
 GPU_SERVE_GPUS = 1  # GPUs of each ChatServer replica in the gpu overlay's RayService
 SERVE_APP_IMPORT = "raychat.serve.app:build_app"
 SERVE_SERVER_DEPLOYMENT = "ChatServer"  # raychat.serve.app.SERVER_DEPLOYMENT (ops does not import serve)
 GPU_NOTE = f"""# GPU cluster: the raychat image from your registry, GPU workers autoscaled 0..{GPU_PODS} (base), 1 TiB of
 # shared checkpoint storage, and each ChatServer replica of the RayService on {GPU_SERVE_GPUS} GPU (serve/chat.yaml
 # sets none: on the base its replicas run on the GPU pods' CPUs). One replica a node (max_replicas_per_node).
+# Also the vLLM path's RayService (raychat-vllm: serve/vllm.yaml on the raychat-vllm image; GPUs only).
 # Build: kubectl kustomize k8s/overlays/gpu | kubectl apply -f -
 """
 
 
 def gpu_serve_config(serve_text: str, num_gpus: float = GPU_SERVE_GPUS) -> str:
     """serve/chat.yaml's config (`serve_text`, Serve's config file format) with each ChatServer replica of the
-    raychat application reserving `num_gpus` GPUs: build_app's args.num_gpus (which also puts the model on
-    cuda, raychat.serve.app.device_for), and the ray_actor_options of a `deployments:` entry for ChatServer
-    where there is one (it would override the args' resources). Comments are not kept (a YAML round trip), nor
-    the final line break (kubectl kustomize drops it from a patch's value).
+    raychat application reserving `num_gpus` GPUs: the ray_actor_options of its `deployments:` entry for
+    ChatServer where it sets them (Serve's own option: a replica puts its model on cuda when Ray assigned it a
+    GPU, raychat.serve.app.device_for), else build_app's args.num_gpus. Comments are not kept (a YAML round
+    trip), nor the final line break (kubectl kustomize drops it from a patch's value).
 
     Raises:
         ValueError: no application imports raychat.serve.app:build_app.
@@ -474,10 +502,11 @@ def gpu_serve_config(serve_text: str, num_gpus: float = GPU_SERVE_GPUS) -> str:
     if not apps:
         raise ValueError(f"serve config: no application with import_path {SERVE_APP_IMPORT}")
     for app in apps:
-        app.setdefault("args", {})["num_gpus"] = num_gpus
-        for d in app.get("deployments") or []:
-            if d.get("name") == SERVE_SERVER_DEPLOYMENT and "ray_actor_options" in d:
-                d["ray_actor_options"]["num_gpus"] = num_gpus
+        entries = [d for d in app.get("deployments") or [] if d.get("name") == SERVE_SERVER_DEPLOYMENT]
+        if entries and "ray_actor_options" in entries[0]:
+            entries[0]["ray_actor_options"]["num_gpus"] = num_gpus
+        else:
+            app.setdefault("args", {})["num_gpus"] = num_gpus
     head = f"# serve/chat.yaml with each {SERVE_SERVER_DEPLOYMENT} replica on {num_gpus} GPU (raychat k8s generate)\n"
     return head + to_yaml(config).rstrip("\n")  # no final line break: kustomize drops it from a patch value
 
@@ -492,8 +521,11 @@ def render_gpu(repo: Path) -> str:
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "namespace": "raychat",
-        "resources": ["../../base", "namespace.yaml"],
-        "images": [{"name": "raychat", "newName": GPU_REGISTRY_IMAGE, "newTag": IMAGE.split(":")[1]}],
+        "resources": ["../../base", "namespace.yaml", "rayservice-vllm.yaml"],
+        "images": [
+            {"name": "raychat", "newName": GPU_REGISTRY_IMAGE, "newTag": IMAGE.split(":")[1]},
+            {"name": "raychat-vllm", "newName": GPU_REGISTRY_IMAGE_VLLM, "newTag": IMAGE_VLLM.split(":")[1]},
+        ],
         "patches": [
             {
                 "target": {"version": "v1", "kind": "PersistentVolumeClaim", "name": CHECKPOINTS_PVC},
@@ -508,12 +540,70 @@ def render_gpu(repo: Path) -> str:
     return HEADER + GPU_NOTE + to_yaml(kustomization)
 
 
+VLLM_HEADER = (
+    f"# Generated by `raychat k8s generate` from platform/raychat/ops/k8s.py and {VLLM_SERVE_CONFIG}: do not edit.\n"
+    "# The vLLM path (GPUs only, hence the gpu overlay alone): Ray Serve LLM on the export at "
+    f"{STORAGE_ROOT}/hf\n# (the export RayJob's output), image {IMAGE_VLLM}. No API key: see docs/deployment.md.\n"
+)
+
+
+def render_gpu_vllm(repo: Path) -> str:
+    """k8s/overlays/gpu/rayservice-vllm.yaml: rayservice_vllm of repo/serve/vllm.yaml."""
+    return VLLM_HEADER + to_yaml(rayservice_vllm((repo / VLLM_SERVE_CONFIG).read_text()))
+
+
+def pod_monitor() -> dict:
+    """A PodMonitor (Prometheus Operator, monitoring.coreos.com/v1) scraping port `metrics` (METRICS_PORT, Ray's
+    metrics-export-port) of every Ray pod of a raychat cluster: the pods with LABELS and KubeRay's ray.io/cluster
+    label (the RayCluster's, each RayJob's and the RayServices'; not the RayJobs' submitter pods), in the
+    PodMonitor's namespace. Relabelled: ray.io/cluster -> ray_cluster, ray.io/node-type (head | worker) ->
+    ray_node_type, ray.io/group -> ray_group."""
+    relabel = [
+        {"action": "replace", "sourceLabels": [f"__meta_kubernetes_pod_label_ray_io_{k}"], "targetLabel": t}
+        for k, t in (("cluster", "ray_cluster"), ("node_type", "ray_node_type"), ("group", "ray_group"))
+    ]
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _meta("raychat"),
+        "spec": {
+            "selector": {
+                "matchLabels": dict(LABELS),
+                "matchExpressions": [{"key": "ray.io/cluster", "operator": "Exists"}],
+            },
+            "podMetricsEndpoints": [
+                {"port": "metrics", "path": "/metrics", "interval": "15s", "relabelings": relabel}
+            ],
+        },
+    }
+
+
+MONITORING_NOTE = """# Prometheus Operator scraping of every raychat Ray pod (needs the operator's CRDs; apply in the namespace of
+# the raychat pods): kubectl kustomize k8s/overlays/monitoring | kubectl apply -n raychat -f -
+"""
+
+
+def render_monitoring() -> dict[str, str]:
+    """{file name in k8s/overlays/monitoring: text}: the PodMonitor and its kustomization."""
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": ["podmonitor.yaml"],
+    }
+    return {
+        "podmonitor.yaml": HEADER + to_yaml(pod_monitor()),
+        "kustomization.yaml": HEADER + MONITORING_NOTE + to_yaml(kustomization),
+    }
+
+
 def render_all(repo: Path) -> dict[str, str]:
     """{path relative to k8s/: text} of every generated file."""
     return {
         **{f"base/{name}": text for name, text in render_base(repo).items()},
         "overlays/cpu-dev/kustomization.yaml": render_cpu_dev(),
         "overlays/gpu/kustomization.yaml": render_gpu(repo),
+        "overlays/gpu/rayservice-vllm.yaml": render_gpu_vllm(repo),
+        **{f"overlays/monitoring/{name}": text for name, text in render_monitoring().items()},
     }
 
 
