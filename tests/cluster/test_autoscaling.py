@@ -7,14 +7,24 @@ Asserted: `raychat submit pretrain` with no worker node alive says what it waits
 node, the job SUCCEEDS and the node goes away after the idle timeout; a --use-gpu job gets the GPU node type
 and fails in one line naming CUDA (the fake node has none); a GPU job on a cluster without GPU node types,
 and a layout no node type holds on a cluster whose node types are unknown, fail in one line naming the
-resource within the stated bound, the storage root's run untouched.
+resource within the stated bound, the storage root's run untouched; `raychat submit rl` from zero workers
+SUCCEEDS on the nodes its placement group brings; serve/chat.yaml deployed with `serve deploy` on zero workers
+gets a node for its first replica, a second node for the replica Serve adds under load, and loses that node
+after the load.
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
+import requests
+import yaml
 from support.autoscaler import (
     CPU_TYPE,
     GPU_TYPE,
@@ -24,10 +34,15 @@ from support.autoscaler import (
     scaled_node_types,
     shipped_node_types,
 )
-from support.cluster import short_temp_dir
+from support.cluster import VENV_BIN, free_ports, short_temp_dir
+from support.rl_fixtures import tiny_checkpoint
+from support.serve_helpers import write_tiny_checkpoint
 from support.stage_chain import submit
 
+from raychat.checkpoint_manager import find_checkpoint
+
 IDLE_TIMEOUT_MIN = 0.1  # 6 s: a node idle this long is removed (the shipped clusters: 10 min / 60 s)
+CHAT_YAML = Path(__file__).resolve().parents[2] / "serve" / "chat.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +180,114 @@ def test_a_layout_no_node_holds_fails_within_the_schedule_timeout_when_node_type
     ) in run.output, run.output[-4000:]
     assert "max allowed: inf" not in run.output
     assert run.wall_s < 15 + 90
+
+
+@pytest.mark.slow
+def test_rl_from_zero_workers_scales_up_and_succeeds(cluster, corpus, small_tokenizer, tmp_path):
+    """`raychat submit rl`: its placement group (1 learner + 2 rollout actors x 0.5 CPU) waits for the node
+    the autoscaler adds; the run SUCCEEDS with its checkpoints, and the node goes away again."""
+    cluster.wait_workers(lambda nodes: not nodes, timeout_s=120)
+    ckpt = tiny_checkpoint(tmp_path / "ck", small_tokenizer, seed=1)
+    run = submit(
+        [
+            "rl", "--preset", "none", "--storage-path", str(corpus), "--run-name", "rl", "--init-from", ckpt,
+            "--steps", "2", "--task-examples", "64", "--max-operand", "9", "--prompts-per-step", "4",
+            "--samples-per-prompt", "2", "--max-tokens", "6", "--micro-batch-size", "8", "--rollout-workers", "2",
+            "--learner-workers", "1", "--cpus-per-rollout", "0.5", "--cpus-per-learner", "0.5",
+            "--eval-every", "100", "--eval-examples", "4", "--eval-samples", "2", "--checkpoint-every", "1",
+        ],
+        "as-rl",
+        cluster.dashboard_url,
+        cluster.token_file,
+    )  # fmt: skip
+    assert run.returncode == 0, run.output[-4000:]
+    assert f"on node types: {CPU_TYPE} {{CPU: {NODE_CPUS}}} x 2" in run.output, run.output[-4000:]
+    assert "waiting " in run.output and " for the RL placement group " in run.output, run.output[-4000:]
+    meta = json.loads((Path(find_checkpoint("rl", str(corpus))) / "meta.json").read_text())
+    assert (meta["stage"], meta["step"]) == ("rl", 2)
+    seen = [n for n in cluster.list_nodes() if not n["is_head_node"]]
+    assert seen and all("GPU" not in n["resources_total"] for n in seen[-1:])
+    cluster.wait_workers(lambda nodes: not nodes, timeout_s=120)
+
+
+def _serve_cli(cluster, *args: str) -> subprocess.CompletedProcess:
+    cmd = [str(VENV_BIN / "serve"), *args, "--address", cluster.dashboard_url]
+    return subprocess.run(cmd, env=cluster.env(), capture_output=True, text=True, timeout=120)
+
+
+def _running_replicas(cluster) -> int:
+    """RUNNING ChatServer replicas, from `serve status`."""
+    r = _serve_cli(cluster, "status")
+    apps = (yaml.safe_load(r.stdout or "{}") or {}).get("applications", {})
+    server = apps.get("raychat", {}).get("deployments", {}).get("ChatServer", {})
+    return server.get("replica_states", {}).get("RUNNING", 0)
+
+
+def _wait(predicate, what: str, timeout_s: float, cluster):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}\n{cluster.status()}"
+        time.sleep(1)
+    return value
+
+
+@pytest.mark.slow
+def test_serve_deploy_from_zero_workers_scales_replicas_and_nodes_up_and_down(cluster, tmp_path):
+    """serve/chat.yaml deployed with no worker node alive: its first replica (and the ingress) bring a node;
+    under load Serve adds a replica, which (one replica a node, max_replicas_per_node: 1) needs a node the
+    autoscaler adds; after the load the replica goes and so does its node."""
+    cluster.wait_workers(lambda nodes: not nodes, timeout_s=120)
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    config = copy.deepcopy(yaml.safe_load(CHAT_YAML.read_text()))
+    (app,) = config["applications"]
+    (server,) = [d for d in app["deployments"] if d["name"] == "ChatServer"]
+    assert server["max_replicas_per_node"] == 1
+    port = free_ports(1)[0]
+    app["args"] |= {"checkpoint": str(ckpt), "torch_threads": 1, "model_id": "tiny"}
+    server["ray_actor_options"]["num_cpus"] = 1
+    server["autoscaling_config"] |= {
+        "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
+        "downscale_delay_s": 2, "look_back_period_s": 1,
+    }  # fmt: skip
+    # replicas and handles report load every 0.25 s instead of 10 s, so Serve reacts in seconds
+    app["runtime_env"] = {
+        "env_vars": {
+            "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.25",
+            "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.25",
+        }
+    }
+    config.update(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert cluster.worker_nodes() == []
+    r = _serve_cli(cluster, "deploy", str(path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        _wait(lambda: _running_replicas(cluster) == 1, "the first replica RUNNING", 240, cluster)
+        assert len(cluster.worker_nodes()) == 1  # the node the first replica and the ingress asked for
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        stop = False
+
+        def load(i: int) -> int:
+            n = 0
+            while not stop:
+                body = {"model": "tiny", "messages": [{"role": "user", "content": f"load {i}"}],
+                        "max_tokens": 200, "temperature": 1.0, "seed": i}  # fmt: skip
+                assert requests.post(url, json=body, timeout=120).status_code == 200
+                n += 1
+            return n
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(load, i) for i in range(8)]
+            try:
+                _wait(lambda: _running_replicas(cluster) == 2, "a second replica under load", 180, cluster)
+                nodes = cluster.worker_nodes()
+            finally:
+                stop = True
+            assert sum(f.result() for f in futures) >= 1
+        assert len(nodes) == 2, nodes  # the autoscaler added the node the second replica needed
+        _wait(lambda: _running_replicas(cluster) == 1, "back to 1 replica after the load", 120, cluster)
+        cluster.wait_workers(lambda nodes: len(nodes) == 1, timeout_s=120)  # its node went away
+    finally:
+        _serve_cli(cluster, "shutdown", "-y")
+    cluster.wait_workers(lambda nodes: not nodes, timeout_s=120)

@@ -257,13 +257,13 @@ def test_serve_deploy_of_chat_yaml_serves_the_rl_checkpoint_from_storage_on_two_
     c = multinode_driver
     config = yaml.safe_load((REPO / "serve" / "chat.yaml").read_text())
     args = config["applications"][0]["args"]
+    (server,) = [d for d in config["applications"][0]["deployments"] if d["name"] == "ChatServer"]
     assert args["checkpoint"] == f"{k8s.STORAGE_ROOT}/rl/latest"
-    assert args["max_replicas_per_node"] == 1
+    assert server["max_replicas_per_node"] == 1
     port = free_ports(1)[0]
-    args.update(
-        checkpoint=args["checkpoint"].replace(k8s.CHECKPOINTS_MOUNT, str(chain.root.parent)),
-        num_cpus=0.5, min_replicas=2, max_replicas=2,
-    )  # fmt: skip
+    args.update(checkpoint=args["checkpoint"].replace(k8s.CHECKPOINTS_MOUNT, str(chain.root.parent)))
+    server["ray_actor_options"]["num_cpus"] = 0.5
+    server["autoscaling_config"].update(min_replicas=2, max_replicas=2)
     config.update(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     path = tmp_path / "chat.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -12,6 +12,7 @@ from ray.serve.schema import ServeDeploySchema
 
 import raychat.serve.app as serve_app
 from raychat.config.serve import ReplicaSection
+from raychat.serve.deployments import SERVE_OWNED, deployment_options, read_serve_app
 
 CHAT_YAML = Path(__file__).resolve().parents[2] / "serve" / "chat.yaml"
 
@@ -51,16 +52,84 @@ def test_chat_yaml_is_valid_and_matches_build_app():
     schema = ServeDeploySchema(**config)
     app = schema.applications[0]
     assert app.import_path == "raychat.serve.app:build_app"
-    c = serve_app.serve_config(app.args)  # every arg is one build_app accepts
-    assert app.deployments == []  # every value is a build_app arg: one place each
+    raw = config["applications"][0]
+    c = read_serve_app(raw)  # every arg is one build_app accepts, every deployments: option one it maps
+    assert not SERVE_OWNED & set(raw["args"]), "an option Serve owns is in args (a change restarts replicas)"
     defaults = serve_app.serve_config({"checkpoint": app.args["checkpoint"]})
-    same = [k for k, v in app.args.items() if k != "checkpoint" and _arg(defaults, k) == v]
+    same = [k for k, v in raw["args"].items() if k != "checkpoint" and _arg(defaults, k) == v]
     assert not same, f"chat.yaml restates ServeConfig defaults: {same}"  # a default is stated once
+    # what the file sets in deployments: is what build_app would set for the same config
+    ours = deployment_options(c)
+    for entry in raw["deployments"]:
+        options = ours[entry["name"]]
+        for key, value in entry.items():
+            if key == "autoscaling_config":
+                assert value == {k: v for k, v in options[key].items() if k != "initial_replicas"}
+            elif key != "name":
+                assert (
+                    value == {k: options[key][k] for k in value}
+                    if isinstance(value, dict)
+                    else value == options[key]
+                )
     auto = c.autoscaling
     assert 1 <= auto.min_replicas < auto.max_replicas
     assert auto.look_back_period_s > 10  # Ray requires look_back_period_s > its metrics interval (10 s)
     assert c.replica.max_ongoing_requests >= auto.target_ongoing_requests
     assert c.replica.num_cpus > 0
+
+
+def test_read_serve_app_maps_deployments_and_refuses_partial_or_doubled_options():
+    auto = {"min_replicas": 0, "max_replicas": 3, "target_ongoing_requests": 2, "upscale_delay_s": 1,
+            "downscale_delay_s": 5, "look_back_period_s": 11, "initial_replicas": 1}  # fmt: skip
+    app = {
+        "args": {"checkpoint": "/c", "max_slots": 4},
+        "deployments": [
+            {"name": "ChatServer", "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 1},
+             "autoscaling_config": auto, "max_ongoing_requests": 6, "max_replicas_per_node": 1},
+            {"name": "ChatIngress", "ray_actor_options": {"num_cpus": 0.2}, "max_queued_requests": 9},
+        ],
+    }  # fmt: skip
+    c = read_serve_app(app)
+    assert (c.replica.max_slots, c.replica.num_cpus, c.replica.num_gpus, c.replica.max_ongoing_requests) == (
+        4,
+        0.5,
+        1,
+        6,
+    )
+    assert (c.autoscaling.min_replicas, c.autoscaling.max_replicas, c.autoscaling.look_back_period_s) == (
+        0,
+        3,
+        11,
+    )
+    assert (c.replica.max_replicas_per_node, c.ingress_num_cpus, c.ingress_max_queued_requests) == (1, 0.2, 9)
+    # and back: build_app's options of that config are the file's (initial_replicas = max(1, min_replicas))
+    server = deployment_options(c)["ChatServer"]
+    assert server["autoscaling_config"] == auto and server["ray_actor_options"] == {
+        "num_cpus": 0.5,
+        "num_gpus": 1,
+    }
+    partial = {"name": "ChatServer", "autoscaling_config": {"max_replicas": 3}}
+    with pytest.raises(
+        ValueError, match=r"deployments\[ChatServer\].autoscaling_config: Serve replaces it whole"
+    ):
+        read_serve_app({"args": {"checkpoint": "/c"}, "deployments": [partial]})
+    with pytest.raises(
+        ValueError, match=r"deployments\[ChatServer\].ray_actor_options: .*missing \['num_cpus'\]"
+    ):
+        read_serve_app({"deployments": [{"name": "ChatServer", "ray_actor_options": {"num_gpus": 1}}]})
+    with pytest.raises(ValueError, match=r"\['max_ongoing_requests'\] set both in args and in deployments"):
+        read_serve_app(
+            {
+                "args": {"max_ongoing_requests": 2},
+                "deployments": [{"name": "ChatServer", "max_ongoing_requests": 3}],
+            }
+        )
+    with pytest.raises(ValueError, match=r"deployments: no deployment 'Other'"):
+        read_serve_app({"deployments": [{"name": "Other"}]})
+    with pytest.raises(
+        ValueError, match=r"deployments\[ChatIngress\]: options \['user_config'\] are not raychat's"
+    ):
+        read_serve_app({"deployments": [{"name": "ChatIngress", "user_config": {}}]})
 
 
 def _arg(config, name: str):
@@ -88,7 +157,8 @@ def test_num_gpus_reaches_the_replica_options_and_its_device(tmp_path, monkeypat
         app = serve_app.build_app({"checkpoint": str(ckpt), "num_gpus": gpus})
         engine = app._bound_deployment.init_args[0]._bound_deployment
         assert engine.name == serve_app.SERVER_DEPLOYMENT
-        assert engine.ray_actor_options["num_gpus"] == gpus and engine.init_args[-1] == device
+        # the replica picks its device from the GPUs Ray assigned it (ray_actor_options)
+        assert engine.ray_actor_options["num_gpus"] == gpus and serve_app.device_for(gpus) == device
     with pytest.raises(ValueError, match="num_gpus must be >= 0, got -1.0"):
         serve_app.serve_config({"checkpoint": "/x", "num_gpus": "-1"})
 

@@ -48,6 +48,7 @@ from raychat.config import (
 from raychat.config.data import PrepareConfig, TokenizerConfig
 from raychat.ops import k8s
 from raychat.ops.jobs import STAGES
+from raychat.serve.deployments import read_serve_app
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -340,13 +341,14 @@ def dry_run_make(args: list[str]) -> None:
 
 
 def check_serve_config(text: str) -> None:
-    """Each raychat app of a Serve config: its import path exists and its args build a ServeConfig."""
+    """Each raychat app of a Serve config: its import path exists and its args and deployments: section build a
+    ServeConfig."""
     for app in yaml.safe_load(text)["applications"]:
         module, _, attr = app["import_path"].partition(":")
         if module.startswith("raychat."):
             assert importlib.util.find_spec(module) is not None, f"no module {module}"
         if app["import_path"] == "raychat.serve.app:build_app":
-            from_dict(ServeConfig, app.get("args") or {}, where="build_app args")
+            read_serve_app(app)  # args and the deployments: section
 
 
 def run_one(c: Command) -> None:

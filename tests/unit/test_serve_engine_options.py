@@ -58,4 +58,4 @@ def test_build_app_binds_the_engine_options_to_the_chat_server_deployment(tmp_pa
     app = build_app({"checkpoint": str(tmp_path), "dtype": "bfloat16", "prefill_chunk_tokens": 96})
     engine = app._bound_deployment.init_args[0]._bound_deployment
     assert engine.name == SERVER_DEPLOYMENT
-    assert engine.init_args[-3:] == ("bfloat16", 96, "cpu")
+    assert engine.init_args[-2:] == ("bfloat16", 96)  # the device: from the GPUs Ray assigns the replica
