@@ -193,43 +193,48 @@ class WaitReporter:
     """Says, every `every_s` while `state()` is "pending", what a run waits for and for how long, e.g.
     "waiting 20 s for 2 worker(s) x CPU 0.5: 1 alive node(s); the autoscaler may add more"; when the state
     turns "placed" after a wait, how long it waited, and ends. state() returns "pending", "placed" or "none"
-    (nothing requested yet, or the request gone). Runs in a daemon thread between start() and stop()."""
+    (nothing requested yet, or the request gone). Runs in a daemon thread between start() and stop();
+    stop(placed=True) says the "placed" line itself when the caller saw the placement first."""
 
     def __init__(self, what: str, state, every_s: float = WAIT_REPORT_EVERY_S, out=None):
         self.what, self.state, self.every_s, self.out = what, state, every_s, out or sys.stdout
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="raychat-wait-reporter")
         self.t0 = time.monotonic()
+        self._said: float | None = None  # when the last "waiting" line was printed
+        self._placed_said = False
 
     def start(self) -> WaitReporter:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, placed: bool = False) -> None:
         self._done.set()
         self._thread.join(5)
+        if placed and self._said is not None and not self._placed_said:
+            self._say(f"placed {self.what} after {time.monotonic() - self.t0:.0f} s")
 
     def _say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
 
     def _run(self) -> None:
-        said = None  # when the last "waiting" line was printed
         while not self._done.wait(1.0):
             try:
                 state = self.state()
             except Exception:  # the cluster's state API did not answer this time: ask again
                 continue
             now = time.monotonic()
-            if state == "placed" and said is not None:
+            if state == "placed" and self._said is not None:
                 self._say(f"placed {self.what} after {now - self.t0:.0f} s")
+                self._placed_said = True
                 return
-            if state == "pending" and (said is None or now - said >= self.every_s):
+            if state == "pending" and (self._said is None or now - self._said >= self.every_s):
                 alive = sum(1 for n in ray.nodes() if n["Alive"])
                 self._say(
                     f"waiting {now - self.t0:.0f} s for {self.what}: {alive} alive node(s); the autoscaler "
                     "may add more"
                 )
-                said = now
+                self._said = now
 
 
 def placement_state() -> str:

@@ -22,15 +22,6 @@ pytestmark = [pytest.mark.ray]
 WORDS = "alpha beta gamma delta river stone light cloud tree bird wind fire water".split()
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def make_data(root, docs, num_shards, tokenizer=None, row_group_size=16):
     entries = write_shards(
         docs, root, num_shards=num_shards, row_group_size=row_group_size, log=lambda *_: None

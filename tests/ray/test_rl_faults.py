@@ -22,13 +22,6 @@ EVAL = dict(steps=2, max_tokens=24, eval_examples=8, eval_samples=4, checkpoint_
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, small_tokenizer):
     return tiny_checkpoint(tmp_path_factory.mktemp("rl") / "ck", small_tokenizer, seed=1)
 

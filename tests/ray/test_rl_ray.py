@@ -23,13 +23,6 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, small_tokenizer):
     return tiny_checkpoint(tmp_path_factory.mktemp("rl") / "ck", small_tokenizer, seed=1)
 

@@ -37,13 +37,6 @@ STEPS, STOP_AT = 6, 3
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """600 documents of random words in 5 shards and a 300-token BPE (as tests/ray/test_train_ray.py)."""
     root = tmp_path_factory.mktemp("data")

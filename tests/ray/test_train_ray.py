@@ -30,13 +30,6 @@ WORDS = (
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def data(tmp_path_factory):
     from raychat.data.corpus.shards import write_manifest, write_shards
     from raychat.tokenizer import Tokenizer

@@ -86,8 +86,10 @@ class ActorGroup:
         t, gpu, bundles = self.cfg.layout, self.gpu, self.bundles
         self.pg = placement_group(bundles, strategy="PACK")
         reporter = WaitReporter(f"the RL placement group {bundles}", lambda: "pending").start()
+        placed = False
         try:
             ray.get(self.pg.ready(), timeout=ready_timeout_s)
+            placed = True
         except GetTimeoutError:
             capacity = read_capacity()
             missing = "; ".join(filter(None, (missing_resources(b, capacity) for b in bundles)))
@@ -96,7 +98,7 @@ class ActorGroup:
                 f"{ready_timeout_s:g}; missing: {missing or 'room for all of it at once'}"
             ) from None
         finally:
-            reporter.stop()
+            reporter.stop(placed)
         device = "cuda" if gpu else "cpu"
         init = self.cfg.run.init_from
         self.learners = [

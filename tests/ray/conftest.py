@@ -1,0 +1,15 @@
+"""Fixtures of the ray tier: one local Ray instance per test module."""
+
+import pytest
+import ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray instance of 2 CPUs (no dashboard) for one test module, shut down after it. A module that
+    needs another size defines its own ray_cluster."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()

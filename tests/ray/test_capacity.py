@@ -1,0 +1,38 @@
+"""raychat.capacity.WaitReporter: what a run waiting for the cluster prints, on a real local Ray instance."""
+
+import io
+import re
+import time
+
+from raychat.capacity import WaitReporter
+
+
+def test_a_wait_is_reported_then_its_end_once(ray_cluster):
+    """While pending: a "waiting" line naming what and how many nodes are alive; the caller who saw the
+    placement first says "placed ... after N s" through stop(placed=True), once."""
+    out = io.StringIO()
+    reporter = WaitReporter("2 worker(s) x CPU 0.5", lambda: "pending", every_s=60, out=out).start()
+    time.sleep(2.5)
+    reporter.stop(placed=True)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    assert re.fullmatch(
+        r"waiting [12] s for 2 worker\(s\) x CPU 0\.5: 1 alive node\(s\); the autoscaler may add more",
+        lines[0],
+    ), lines
+    assert re.fullmatch(r"placed 2 worker\(s\) x CPU 0\.5 after [23] s", lines[1]), lines
+
+
+def test_the_reporter_sees_the_placement_itself_and_nothing_is_said_without_a_wait(ray_cluster):
+    states = iter(["pending", "placed"])
+    out = io.StringIO()
+    reporter = WaitReporter("the group", lambda: next(states, "placed"), out=out).start()
+    time.sleep(3)
+    reporter.stop(placed=True)
+    assert [line.split(" s ")[0].split(" ")[0] for line in out.getvalue().splitlines()] == [
+        "waiting",
+        "placed",
+    ]
+    quiet = io.StringIO()
+    WaitReporter("the group", lambda: "placed", out=quiet).start().stop(placed=True)
+    assert quiet.getvalue() == ""
