@@ -105,6 +105,28 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def fast_bf16(device: str | torch.device = "cpu") -> tuple[bool, str]:
+    """Whether `device` has native bfloat16 matrix math, and why (a short phrase).
+
+    CUDA: compute capability >= 8.0 (bf16 tensor cores: A100, H100, L4, ...). CPU: the AVX512-BF16
+    instructions (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later; torch's cpuinfo check
+    torch.cpu._is_avx512_bf16_supported), where oneDNN's bf16 kernels beat fp32; without them bf16 is
+    emulated, far slower than fp32 (bench/results/muon_step.md). Any other device: False. One rule for every
+    "auto" bf16 choice (Muon's Newton-Schulz dtype, the engine's KV-cache dtype), a capability check rather
+    than a timing so every run on a machine chooses the same.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(dev)
+        fast = (major, minor) >= (8, 0)
+        return fast, f"compute capability {major}.{minor} {'>=' if fast else '<'} 8.0"
+    if dev.type == "cpu":
+        if torch.cpu._is_avx512_bf16_supported():
+            return True, "the CPU has AVX512-BF16"
+        return False, "the CPU has no AVX512-BF16: bf16 matmul is emulated"
+    return False, "no bf16 capability check for this device"
+
+
 def rope_cos_sin(
     position_ids: torch.Tensor, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,7 +50,18 @@ def test_runtime_env_for(tmp_path):
     env = submit.runtime_env_for(tmp_path, pip=["tiktoken>=0.14,<0.15"], env_vars={"A": "1"})
     assert env == {
         "working_dir": str(tmp_path),
-        "excludes": [".venv", "runs", ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache"],
+        "excludes": [
+            ".venv",
+            "runs",
+            ".git",
+            "__pycache__",
+            "*.egg-info",
+            ".pytest_cache",
+            ".ruff_cache",
+            ".mypy_cache",
+            "node_modules",
+            "bench/results",
+        ],
         "py_modules": [str(tmp_path / "platform" / "raychat")],
         "pip": ["tiktoken>=0.14,<0.15"],
         "env_vars": {"A": "1"},

@@ -317,7 +317,10 @@ def declared() -> dict[str, set[str]]:
 
 # imported where used because the import is slow and most runs never need it
 LAZY = {
-    "torchao.float8": "~3 s of import (measured: torch 4.7 s, torch + torchao.float8 7.7 s); only FP8 runs"
+    "torchao.float8": "~3 s of import (measured: torch 4.7 s, torch + torchao.float8 7.7 s); only FP8 runs",
+    "torch.nn.attention.flex_attention": "imports torch._dynamo (1-3.5 s); only the engine's GPU path uses it",
+    "torch.nn.attention.bias": "imports torch._dynamo too; only a later prefill chunk uses it "
+    "(bench/results/job_startup.md: every process importing raychat.engine paid for it)",
 }
 
 

@@ -42,7 +42,12 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-WORKING_DIR_EXCLUDES = [".venv", "runs", ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache"]
+# what a job never reads: environments, run outputs, caches, node_modules of the JS contract test (20 MB, most
+# of the checkout), benchmark results (bench/results/job_startup.md: the upload before / after)
+WORKING_DIR_EXCLUDES = [
+    ".venv", "runs", ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache", ".mypy_cache",
+    "node_modules", "bench/results",
+]  # fmt: skip
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
 EXIT_UNREACHABLE = 4
 EXIT_COMMAND_NOT_FOUND = 127  # what the job's shell returns when the entrypoint's program does not exist
