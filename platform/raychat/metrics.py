@@ -18,7 +18,10 @@ Metrics (tags in brackets; units in the name or below):
   serving    [deployment]   raychat_serve_ttft_seconds (histogram: time to first token),
                             raychat_serve_inter_token_seconds (histogram), raychat_serve_running_requests,
                             raychat_serve_waiting_requests, raychat_serve_kv_slots_in_use,
-                            raychat_serve_generated_tokens (counter; tokens/s = rate() of it)
+                            raychat_serve_generated_tokens (counter; tokens/s = rate() of it),
+                            raychat_prefix_cache_queries / raychat_prefix_cache_hits (counters, prompt
+                            tokens looked up / served from the prefix cache, as vLLM's; hit rate =
+                            rate(hits) / rate(queries))
 
 Recording is a no-op while Ray is not initialized in this process (`ray.is_initialized()` is False), so the
 same trainer or engine code runs in plain unit tests; the Ray metric objects are created once per process, on
@@ -92,6 +95,15 @@ SERVE_WAITING = _spec("raychat_serve_waiting_requests", "gauge", "Requests queue
 SERVE_KV_SLOTS = _spec("raychat_serve_kv_slots_in_use", "gauge", "KV-cache rows (sequences) in use.", _SERVE)
 SERVE_TOKENS = _spec(
     "raychat_serve_generated_tokens", "counter", "Tokens generated (rate() = tokens/s).", _SERVE
+)
+PREFIX_CACHE_QUERIES = _spec(
+    "raychat_prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.", _SERVE
+)
+PREFIX_CACHE_HITS = _spec(
+    "raychat_prefix_cache_hits",
+    "counter",
+    "Prompt tokens served from the prefix cache (not prefilled).",
+    _SERVE,
 )
 
 METRIC_NAMES: tuple[str, ...] = tuple(_SPECS)
@@ -259,6 +271,14 @@ class ServeMetrics(_Recorder):
         n = _count("n", n)
         if n:
             self._emit({SERVE_TOKENS: n})
+
+    def add_prefix_cache(self, queries: int, hits: int) -> None:
+        """Count one request's prompt: `queries` tokens looked up, `hits` of them served from the prefix
+        cache (ints, 0 <= hits <= queries; ValueError otherwise). Zeros are skipped (Ray counters)."""
+        queries, hits = _count("queries", queries), _count("hits", hits)
+        if hits > queries:
+            raise ValueError(f"hits must be <= queries, got hits={hits}, queries={queries}")
+        self._emit({PREFIX_CACHE_QUERIES: queries or None, PREFIX_CACHE_HITS: hits or None})
 
 
 def _count(field: str, value) -> int:

@@ -13,7 +13,7 @@ from raychat.metrics import RLMetrics, ServeMetrics, TrainMetrics
 
 
 def test_names_are_prefixed_and_unique():
-    assert len(metrics.METRIC_NAMES) == len(set(metrics.METRIC_NAMES)) == 21
+    assert len(metrics.METRIC_NAMES) == len(set(metrics.METRIC_NAMES)) == 23
     assert all(name.startswith("raychat_") for name in metrics.METRIC_NAMES)
 
 
@@ -47,6 +47,10 @@ def test_bad_values_name_the_field():
         ServeMetrics("chat").set_running(-1)
     with pytest.raises(ValueError, match="deployment"):
         ServeMetrics("")
+    with pytest.raises(ValueError, match="hits must be <= queries, got hits=5, queries=4"):
+        ServeMetrics("chat").add_prefix_cache(queries=4, hits=5)
+    with pytest.raises(ValueError, match="queries must be an int"):
+        ServeMetrics("chat").add_prefix_cache(queries=-1, hits=0)
     with pytest.raises(ValueError, match="stage"):
         TrainMetrics("r", None)
 
@@ -113,6 +117,8 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
     serve.set_kv_slots_in_use(2)
     serve.add_tokens(5)
     serve.add_tokens(7)
+    serve.add_prefix_cache(queries=100, hits=64)
+    serve.add_prefix_cache(queries=40, hits=0)  # a miss: hits 0 is skipped (Ray counters need inc > 0)
 
     # Ray's exporter prefixes `ray_`; a Counter gains `_total`; a Histogram gives _bucket/_sum/_count.
     want = {
@@ -120,6 +126,8 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
         "ray_raychat_train_bpb",
         "ray_raychat_rl_learner_wait_frac",
         "ray_raychat_serve_generated_tokens_total",
+        "ray_raychat_prefix_cache_queries_total",
+        "ray_raychat_prefix_cache_hits_total",
         "ray_raychat_serve_ttft_seconds_count",
         "ray_raychat_serve_inter_token_seconds_count",
     }
@@ -141,6 +149,8 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
     assert got[("ray_raychat_rl_learner_wait_frac", rl)] == 0.6
     d = (("deployment", "chat"),)
     assert got[("ray_raychat_serve_generated_tokens_total", d)] == 12
+    assert got[("ray_raychat_prefix_cache_queries_total", d)] == 140
+    assert got[("ray_raychat_prefix_cache_hits_total", d)] == 64
     assert got[("ray_raychat_serve_running_requests", d)] == 2
     assert got[("ray_raychat_serve_waiting_requests", d)] == 1
     assert got[("ray_raychat_serve_kv_slots_in_use", d)] == 2

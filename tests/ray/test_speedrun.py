@@ -85,8 +85,12 @@ def test_speedrun_end_to_end(tiny_preset, tmp_path, monkeypatch):
     assert list(card) == ["base", "sft", "rl"]
     assert card["base"]["CORE"]["note"] == "n/a: no data" and card["base"]["SpellingBee"]["note"] == "-"
     for stage in ("sft", "rl"):
-        assert all(card[stage][c]["note"] == "n/a: no data" for c in ("ARC-Easy", "MMLU", "GSM8K", "HumanEval"))
-        assert 0.0 <= card[stage]["SpellingBee"]["value"] <= 1.0 and card[stage]["SpellingBee"]["examples"] > 0
+        assert all(
+            card[stage][c]["note"] == "n/a: no data" for c in ("ARC-Easy", "MMLU", "GSM8K", "HumanEval")
+        )
+        assert (
+            0.0 <= card[stage]["SpellingBee"]["value"] <= 1.0 and card[stage]["SpellingBee"]["examples"] > 0
+        )
         assert card[stage]["ChatCORE"]["note"] == "n/a: needs all six" and card[stage]["wall_s"] > 0
     assert "## Report card" in text and report["report_card"]["markdown"] in text
     saved = json.loads((tmp_path / "out" / "report.json").read_text())

@@ -28,7 +28,7 @@ def test_dashboard_file_is_current_and_covers_every_metric():
     plotted = {re.sub(r"_(bucket|total)$", "", x) for x in re.findall(r"ray_raychat_[a-z0-9_]+", exprs)}
     assert plotted == scraped
     ids = [p["id"] for p in d["panels"]]
-    assert len(ids) == len(set(ids)) == 21  # 3 rows + 18 panels
+    assert len(ids) == len(set(ids)) == 22  # 3 rows + 19 panels
     assert all(
         p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
         for p in d["panels"]

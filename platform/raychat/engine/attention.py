@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+# torch.nn.attention.bias and .flex_attention import torch._dynamo (1-3.5 s): imported where used, so every
+# process that imports raychat.engine (a training job's driver and workers, through the validators) does
+# not pay for them (bench/results/job_startup.md)
 
 BACKENDS = ("auto", "dense", "flex")
 FLEX_BLOCK = 128
@@ -66,6 +68,8 @@ _flex_compiled = None
 def _flex_attention(device: torch.device):
     """torch.compile(flex_attention) on CUDA (its fused kernel); the eager reference elsewhere."""
     global _flex_compiled
+    from torch.nn.attention.flex_attention import flex_attention
+
     if device.type != "cuda":
         return flex_attention
     if _flex_compiled is None:
@@ -75,6 +79,8 @@ def _flex_attention(device: torch.device):
 
 def flex_block_mask(starts: torch.Tensor, T: int, S: int):
     """BlockMask of the "lengths" rule for FlexAttention (starts: (B,) int64 on the query device)."""
+
+    from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
         return kv_idx <= starts[b] + q_idx
@@ -100,14 +106,15 @@ class CacheBatch:
         if start < 0 or B < 1 or start + B > cache.batch_size:
             raise ValueError(f"rows {start}..{start + B - 1} outside the cache's 0..{cache.batch_size - 1}")
         starts = cache.lengths[start : start + B]
-        end = int(starts.max()) + T
+        host = starts.tolist()  # one read of the (host) lengths; every decision below is made from it
+        end = max(host) + T
         if end > cache.max_len:
             raise ValueError(f"KV cache row overflow: {end} tokens > max_len {cache.max_len}")
         self.cache, self.start, self.B, self.T = cache, start, B, T
         device = cache.k.device
-        first = int(starts[0])
-        uniform = bool((starts == first).all())
-        positions = starts[:, None] + torch.arange(T)[None]
+        first = host[0]
+        uniform = min(host) == end - T
+        positions = starts[:, None].clone() if T == 1 else starts[:, None] + torch.arange(T)[None]
         self.position_ids = to_device(positions, device)
         self._uniform_start = first if uniform and not static else None
         self._pos = None if self._uniform_start is not None else self.position_ids
@@ -140,8 +147,15 @@ class CacheBatch:
             rows[self._rows, :, self._pos] = new.transpose(1, 2)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: (B, Hq, T, D); k, v: (B, Hkv, T, D) new keys (after RoPE) and values -> (B, Hq, T, D)."""
+        """q: (B, Hq, T, D); k, v: (B, Hkv, T, D) new keys (after RoPE) and values -> (B, Hq, T, D).
+
+        A cache of another dtype than q (ModelRunner(kv_dtype=...)): q, k, v are rounded to the cache's
+        dtype, attention runs in it (every plan, so a prompt's first chunk sees the same rounded keys as
+        later tokens), and the result is cast back to q's dtype."""
         cache = self.cache
+        if cache.k.dtype != q.dtype:
+            out_dtype, kv = q.dtype, cache.k.dtype
+            return self.attend(layer_idx, q.to(kv), k.to(kv), v.to(kv)).to(out_dtype)
         self._write(cache.k[layer_idx], k)
         self._write(cache.v[layer_idx], v)
         gqa = q.shape[1] != k.shape[1]
@@ -150,6 +164,8 @@ class CacheBatch:
         rows = slice(self.start, self.start + self.B)
         keys, values = cache.k[layer_idx, rows, :, : self.S], cache.v[layer_idx, rows, :, : self.S]
         if self.plan == "lower_right":
+            from torch.nn.attention.bias import causal_lower_right
+
             mask = causal_lower_right(self.T, self.S)
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
         if self.backend == "flex":

@@ -45,6 +45,7 @@ class PackedLinears:
     def __init__(self, model: nn.Module):
         self.linears = [m for m in model.modules() if type(m) is nn.Linear]
         self._packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
+        self._forwards: dict[int, tuple] = {}  # id(linear) -> (packed weight, bias, forward)
 
     def _weight(self, linear: nn.Linear) -> torch.Tensor:
         w = linear.weight
@@ -62,14 +63,20 @@ class PackedLinears:
         self._packed.clear()
 
     def __enter__(self) -> PackedLinears:
+        # the bound forwards are kept with the packed weight they close over (one closure per packing, not
+        # per forward) and set in the instance __dict__ directly (nn.Module.__setattr__ is slow per call)
         for linear in self.linears:
             weight, bias = self._weight(linear), linear.bias
-            linear.forward = lambda x, w=weight, b=bias: _linear(x, w, b)
+            fn = self._forwards.get(id(linear))
+            if fn is None or fn[0] is not weight or fn[1] is not bias:
+                fn = (weight, bias, lambda x, w=weight, b=bias: _linear(x, w, b))
+                self._forwards[id(linear)] = fn
+            linear.__dict__["forward"] = fn[2]
         return self
 
     def __exit__(self, *exc) -> None:
         for linear in self.linears:
-            del linear.forward
+            linear.__dict__.pop("forward", None)
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

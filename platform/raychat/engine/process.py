@@ -8,7 +8,8 @@ the request streams in the caller, so the two run in parallel on two cores.
 The child is `python -m raychat.engine.process FD`; protocol over a socketpair (multiprocessing Connection,
 pickled tuples):
   parent -> child   (checkpoint, device, max_slots, max_len, torch_threads, engine options) first, then
-                    ("submit", request_id, prompt, SamplingParams) | ("cancel", request_id) | ("stop",)
+                    ("submit", request_id, prompt, SamplingParams) | ("score", request_id, prompt,
+                    top_logprobs) (Scheduler.score) | ("cancel", request_id) | ("stop",)
   child -> parent   ("ready", {"max_slots", "max_len"}) once the model is loaded, or ("failed", message)
                     ("events", [StreamEvent, ...]) after every step: every event of every request that
                     step produced, in one message; ("events", []) after a step that produced none when
@@ -54,8 +55,9 @@ BEAT_INTERVAL_S = 0.5  # the child's heartbeat while steps produce no events; th
 
 class EngineProcess:
     """A Scheduler over the checkpoint's model, run in a child process; the same surface as a
-    started Scheduler for raychat.serve.server.ChatServer: submit, cancel, running, restarting, num_active,
-    num_pending, num_free_slots, max_slots, max_len, last_error, stalled_s, stalled, start (no-op), stop.
+    started Scheduler for raychat.serve.server.ChatServer: submit, score, cancel, running, restarting,
+    num_active, num_pending, num_free_slots, max_slots, max_len, last_error, stalled_s, stalled, start
+    (no-op), stop.
 
     Args:
         checkpoint: raychat checkpoint directory (loaded by the child with raychat.checkpoint.load_model).
@@ -65,6 +67,7 @@ class EngineProcess:
         dtype: weights and KV cache of the child's ModelRunner; "auto" = bfloat16 on CUDA, float32 on CPU.
         attention, compile_decode: the child's ModelRunner's (engine/runner.py).
         prefill_chunk_tokens: the child's Scheduler's per-step prefill budget.
+        prefix_cache_tokens: the child's ModelRunner's prefix-cache capacity ("auto", tokens, 0 = off).
         start_timeout_s: seconds to wait for the child to load the model.
         max_restarts: a child that exits unexpectedly is replaced by a new one (its live requests end with
             finish_reason "error"; submit raises RuntimeError while it loads) at most this many times;
@@ -97,11 +100,13 @@ class EngineProcess:
         max_pending: int | None = None,
         request_timeout_s: float | None = None,
         stall_timeout_s: float = 60.0,
+        prefix_cache_tokens="auto",
     ):
         check_limits(max_pending, request_timeout_s, stall_timeout_s)
         config = read_meta(checkpoint)["model_config"]
         self.vocab_size, self.max_seq_len = config["vocab_size"], config["max_seq_len"]
         options = {"dtype": dtype, "attention": attention, "compile_decode": compile_decode}
+        options["prefix_cache_tokens"] = prefix_cache_tokens
         options |= {"prefill_chunk_tokens": prefill_chunk_tokens, "request_timeout_s": request_timeout_s}
         self.max_pending, self.request_timeout_s = max_pending, request_timeout_s
         self.stall_timeout_s = stall_timeout_s
@@ -171,7 +176,17 @@ class EngineProcess:
     ) -> RequestStream:
         """Queue a request in the child; returns its RequestStream. Raises ValueError as Scheduler.submit,
         QueueFullError when max_pending requests wait, RuntimeError when the engine process is not running."""
-        params = params or SamplingParams()
+        return self._enqueue("submit", prompt, params or SamplingParams(), request_id, wake_every)
+
+    def score(self, prompt: list[int], top_logprobs: int = 0, request_id: str | None = None) -> RequestStream:
+        """Scheduler.score in the child: a RequestStream whose only event is final (prompt_logprobs, or
+        "error"). Raises ValueError, QueueFullError and RuntimeError as submit."""
+        if not isinstance(top_logprobs, int) or top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
+        return self._enqueue("score", prompt, top_logprobs, request_id, 1)
+
+    def _enqueue(self, kind: str, prompt, payload, request_id: str | None, wake_every: int) -> RequestStream:
+        """Check the prompt, register the stream and send (kind, request_id, ids, payload) to the child."""
         ids = check_prompt(prompt, self.vocab_size, self.max_seq_len)
         check_fits_row(ids, self.max_len)
         request_id = request_id or uuid.uuid4().hex
@@ -186,7 +201,7 @@ class EngineProcess:
             if not self._streams:  # busy from now: the stall clock starts here, not at the last message
                 self._beat = time.monotonic()
             self._streams[request_id] = stream
-        self._send(("submit", request_id, ids, params))
+        self._send((kind, request_id, ids, payload))
         return stream
 
     def cancel(self, request_id: str) -> bool:
@@ -376,10 +391,11 @@ def _serve(conn: Connection, scheduler) -> None:
                 message = conn.recv()
                 if message[0] == "stop":
                     return
-                if message[0] == "submit":
-                    _, request_id, prompt, params = message
+                if message[0] in ("submit", "score"):
+                    kind, request_id, prompt, payload = message
+                    run = scheduler.submit if kind == "submit" else scheduler.score
                     try:
-                        streams[request_id] = scheduler.submit(prompt, params, request_id=request_id)
+                        streams[request_id] = run(prompt, payload, request_id=request_id)
                     except ValueError as e:  # the parent checked the prompt; end the request, not the child
                         usage = Usage(len(prompt), 0, None, 0.0)
                         conn.send(("events", [StreamEvent(request_id, "", [], True, "error", usage, str(e))]))

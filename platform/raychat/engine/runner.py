@@ -31,11 +31,16 @@ from raychat.engine.attention import resolve_backend, to_device
 from raychat.engine.kv_cache import KVCache
 from raychat.engine.packed_weights import PackedLinears
 from raychat.engine.packed_weights import available as packed_available
+from raychat.engine.prefix_cache import PrefixCache
 from raychat.engine.row_state import RowState
 from raychat.engine.sampling import SamplingBatch, SamplingParams, make_generator
+from raychat.engine.scoring import prompt_logprobs
+from raychat.engine.stream import TokenLogprob
+from raychat.model import fast_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COMPILED_LEN_MULTIPLE = 256  # generate_batch's cache length is rounded up to this with compile_decode
+PREFIX_CACHE_ROWS = 8  # prefix_cache_tokens="auto": the pool holds at most this many max_seq_len rows
 
 
 def resolve_dtype(dtype, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
@@ -50,6 +55,21 @@ def resolve_dtype(dtype, device: torch.device, model_dtype: torch.dtype) -> torc
     if dtype in DTYPES:
         return DTYPES[dtype]
     raise ValueError(f"dtype must be 'model', 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+def resolve_kv_dtype(kv_dtype, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: "model" -> `dtype` (the weights'); "auto" -> bfloat16 where the device has native
+    bf16 math (raychat.model.fast_bf16: the rule of Muon's Newton-Schulz dtype), else float32; a name in
+    DTYPES or a torch.dtype as given. Raises ValueError naming kv_dtype for anything else."""
+    if kv_dtype == "model":
+        return dtype
+    if kv_dtype == "auto":
+        return torch.bfloat16 if fast_bf16(device)[0] else torch.float32
+    if isinstance(kv_dtype, torch.dtype) and kv_dtype in DTYPES.values():
+        return kv_dtype
+    if kv_dtype in DTYPES:
+        return DTYPES[kv_dtype]
+    raise ValueError(f"kv_dtype must be 'model', 'auto' or one of {sorted(DTYPES)}, got {kv_dtype!r}")
 
 
 def decode_buckets(max_rows: int) -> list[int]:
@@ -127,8 +147,16 @@ class ModelRunner:
             (engine/packed_weights.py; faster matmuls on CPU, one more copy of those weights in memory):
             "auto" (default) = on for fp32 on CPU when torch has oneDNN; True = on (ValueError where it
             does not apply); False = off (MKL on the plain weights, as the training forward).
+        kv_dtype: the KV cache's dtype: "model" (default) = the weights' dtype; "auto" = bfloat16 where the
+            device has native bf16 math (raychat.model.fast_bf16), else float32; or a name in DTYPES. Keys and
+            values are rounded to it when written; attention then runs in it (engine/attention.py).
+            Accuracy cost of bfloat16 vs float32: bench/results/infer_bench.md.
+        prefix_cache_tokens: capacity of the prefix cache (engine/prefix_cache.py) in tokens: "auto"
+            (default) = PREFIX_CACHE_ROWS * max_seq_len, allocated as it fills; an int >= 16; 0 = off.
+            generate_batch and the Scheduler reuse cached prompt blocks (`self.prefix_cache`).
     Raises:
-        ValueError: an unknown dtype or attention, prefill_chunk_tokens < 1, a bad packed_linears.
+        ValueError: an unknown dtype, kv_dtype or attention, prefill_chunk_tokens < 1, a bad packed_linears
+            or prefix_cache_tokens.
     """
 
     def __init__(
@@ -141,6 +169,8 @@ class ModelRunner:
         prefill_chunk_tokens: int = 2048,
         compile_decode: bool = False,
         packed_linears="auto",
+        prefix_cache_tokens="auto",
+        kv_dtype="model",
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -152,6 +182,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device, model_dtype)
         if self.dtype != model_dtype:
             model.to(self.dtype)
+        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.device, self.dtype)
         self.attention = resolve_backend(attention, self.device)
         if not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be an int >= 1, got {prefill_chunk_tokens!r}")
@@ -168,15 +199,39 @@ class ModelRunner:
         use_packed = use_packed and packed_linears is not False
         self._packed = PackedLinears(model) if use_packed else contextlib.nullcontext()
         self._compiled = None
+        self._weights_epoch = 0  # bumped by refresh_weights: part of weight_version()
+        if prefix_cache_tokens == "auto":
+            prefix_cache_tokens = PREFIX_CACHE_ROWS * self.config.max_seq_len
+        self.prefix_cache = None
+        if prefix_cache_tokens != 0:
+            cfg = self.config
+            self.prefix_cache = PrefixCache(
+                cfg.n_layer, cfg.n_kv_head, cfg.head_dim, prefix_cache_tokens, self.kv_dtype, self.device
+            )
         if self.compile_decode:  # one graph per (row bucket, cache length), for every runner in the process
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
     def refresh_weights(self) -> None:
         """Call after writing the model's weights in a way torch's version counter does not record
         (`param.data[...] = ...`, a collective writing raw memory): packed copies are rebuilt (packed_weights.py).
-        In-place torch ops (load_state_dict, copy_, optimizer steps) need no call."""
+        In-place torch ops (load_state_dict, copy_, optimizer steps) need no call. Also ends the reuse of
+        every prefix-cache entry (weight_version changes)."""
+        self._weights_epoch += 1
         if isinstance(self._packed, PackedLinears):
             self._packed.refresh()
+
+    def weight_version(self) -> int:
+        """An int that changes whenever the weights may have: refresh_weights(), or any parameter's version
+        counter (every in-place update: load_state_dict, copy_, optimizer steps) or storage. The prefix
+        cache's entries carry it (never reused across versions)."""
+        params = tuple((p._version, p.data_ptr()) for p in self.model.parameters())
+        return hash((self._weights_epoch, params))
+
+    def prompt_logprobs(self, ids: list[int], top_logprobs: int = 0) -> list[TokenLogprob | None]:
+        """Each token's logprob given the ones before it (engine/scoring.py: one forward, no KV cache, the
+        model's raw distribution); None for the first. Raises ValueError / RuntimeError as prompt_logprobs."""
+        with self._packed:
+            return prompt_logprobs(self.model, ids, top_logprobs)
 
     # ---- validation ------------------------------------------------------------------------------
     def check_prompt(self, prompt, name: str = "prompt") -> list[int]:
@@ -184,7 +239,7 @@ class ModelRunner:
         return check_prompt(prompt, self.config.vocab_size, self.config.max_seq_len, name)
 
     def new_cache(self, batch_size: int, max_len: int, budget_bytes: int | None = None) -> KVCache:
-        cache = KVCache.for_model(self.config, batch_size, max_len, self.dtype, self.device, budget_bytes)
+        cache = KVCache.for_model(self.config, batch_size, max_len, self.kv_dtype, self.device, budget_bytes)
         if self.compile_decode:  # CUDA graphs write into the cache in place: its address must not change
             torch._dynamo.mark_static_address(cache.k)
             torch._dynamo.mark_static_address(cache.v)
@@ -205,19 +260,25 @@ class ModelRunner:
         B = len(pieces)
         lens = [len(p) for p in pieces]
         T = max(1, *lens)
-        ids = torch.zeros(B, T, dtype=torch.long)
-        for i, p in enumerate(pieces):
-            if p:
-                ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        if T == 1:  # decode: one tensor from one list, no per-row copies
+            ids = torch.tensor([p[0] if p else 0 for p in pieces], dtype=torch.long).view(B, 1)
+        else:
+            ids = torch.zeros(B, T, dtype=torch.long)
+            for i, p in enumerate(pieces):
+                if p:
+                    ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         if self.compile_decode and T == 1:
             logits = self._static_decode(cache, start, ids)
         else:
             batch = cache.batch(start, B, T, self.attention)
-            at = to_device(torch.tensor([max(n - 1, 0) for n in lens]), self.device)
             ids = to_device(ids, self.device)
+            at = to_device(torch.tensor([max(n - 1, 0) for n in lens]), self.device)
             with self._packed:
                 logits = self.model(ids, position_ids=batch.position_ids, kv_cache=batch, logits_at=at)
-        cache.lengths[start : start + B] += torch.tensor(lens, dtype=torch.long)
+        if min(lens) == 1 and T == 1:
+            cache.lengths[start : start + B] += 1
+        else:
+            cache.lengths[start : start + B] += torch.tensor(lens, dtype=torch.long)
         return logits.float()
 
     def _static_decode(self, cache: KVCache, start: int, ids: torch.Tensor) -> torch.Tensor:
@@ -253,6 +314,31 @@ class ModelRunner:
                 out.append(logits)
             i = j
         return torch.cat(out)
+
+    def _prefill_cached(self, cache: KVCache, prompts: list[list[int]]) -> torch.Tensor:
+        """_prefill_rows(cache, 0, prompts) with the prefix cache: each prompt's cached blocks are copied
+        into its row first and only the rest is computed; the prompts' full blocks are cached after."""
+        pc = self.prefix_cache
+        if pc is None:
+            return self._prefill_rows(cache, 0, prompts)
+        pc.sync(self.weight_version())
+        digests = [pc.digests(p) for p in prompts]
+        done = []
+        for i, (p, d) in enumerate(zip(prompts, digests)):
+            pc.queries += len(p)
+            done.append(pc.load(cache, i, pc.match(p, d), 0))
+            pc.hits += done[-1]
+        logits, i = [], 0
+        while i < len(prompts):  # rows with a hit alone (padding to a longer piece could overflow them)
+            j = i + 1
+            while not done[i] and j < len(prompts) and not done[j]:
+                j += 1
+            logits.append(self._prefill_rows(cache, i, [p[k:] for p, k in zip(prompts[i:j], done[i:j])]))
+            i = j
+        logits = torch.cat(logits)
+        for i, (p, d) in enumerate(zip(prompts, digests)):
+            pc.release(pc.insert(cache, i, p, d, 0), pc.epoch)
+        return logits
 
     # ---- row-list helpers (any rows; one forward per run of consecutive rows) ----------------------------
     @torch.inference_mode()
@@ -311,7 +397,7 @@ class ModelRunner:
         max_len = min(max_len, self.config.max_seq_len)
         cache = self.new_cache(P * n, max_len, self.kv_budget_bytes)
 
-        logits = self._prefill_rows(cache, 0, prompts)  # prompt i in row i
+        logits = self._prefill_cached(cache, prompts)  # prompt i in row i
         for i in reversed(range(P)):  # row i -> rows i*n .. i*n+n-1 (never over a row still to copy)
             cache.replicate(i, list(range(i * n, (i + 1) * n)))
         logits = logits.repeat_interleave(n, dim=0)

@@ -6,7 +6,9 @@ Every `step()`:
      pending requests are admitted into free slots (prompt not yet in the cache: "prefilling");
   2. prefill: at most `prefill_chunk_tokens` prompt tokens of the prefilling requests, oldest first (a
      long prompt takes several steps, one chunk each), one forward per run of consecutive slots; a
-     request whose prompt is now complete gets its first-token logits (at its last prompt token only);
+     request whose prompt is now complete gets its first-token logits (at its last prompt token only).
+     Before its chunk, a request copies the prefix-cache blocks that continue its prompt into its row
+     (engine/prefix_cache.py; they cost no budget); its newly complete blocks are cached after it;
   3. every request with logits takes its next token: one SamplingBatch over all of them (per-request
      temperature / top-k / top-p / generator / logprobs; ONE device-to-host transfer per step), or a
      forced tool-output token; its stream gets a StreamEvent; finished requests free their slots;
@@ -46,6 +48,7 @@ import uuid
 import torch
 
 from raychat.engine.kv_cache import KVBudgetError, KVCache
+from raychat.engine.prefix_cache import BLOCK_TOKENS, block_digests
 from raychat.engine.row_state import RowState
 from raychat.engine.sampling import SamplingBatch, SamplingParams, is_greedy, make_generator
 from raychat.engine.stream import RequestStream, StreamEvent, TokenLogprob, Usage
@@ -107,6 +110,13 @@ class _Request:
         self.prefilled = 0  # prompt tokens in the cache
         self.logits: torch.Tensor | None = None  # (V,) next-token logits, until sampled
         self.cancel_requested = False
+        # prefix cache (engine/prefix_cache.py): the prompt's block digests (None: not looked up yet), the
+        # blocks this request holds, of the cache's epoch `epoch`, covering its first `blocks_done` blocks
+        self.digests: list[bytes] | None = None
+        self.blocks: list[int] = []
+        self.epoch = -1
+        self.blocks_done = 0
+        self.cached_tokens = 0  # prompt tokens whose keys/values came from the prefix cache
 
 
 class Scheduler:
@@ -152,9 +162,9 @@ class Scheduler:
         check_limits(max_pending, request_timeout_s, stall_timeout_s)
         slots = max_slots
         if kv_budget_bytes is not None:
-            slots = min(max_slots, KVCache.rows_for_budget(cfg, kv_budget_bytes, max_len, engine.dtype))
+            slots = min(max_slots, KVCache.rows_for_budget(cfg, kv_budget_bytes, max_len, engine.kv_dtype))
             if slots < 1:
-                bpt = KVCache.bytes_per_token(cfg, engine.dtype)
+                bpt = KVCache.bytes_per_token(cfg, engine.kv_dtype)
                 raise KVBudgetError(
                     f"kv_budget_bytes {kv_budget_bytes} cannot hold one row of max_len {max_len} tokens: "
                     f"that needs {bpt * max_len} bytes ({bpt} bytes/token); lower max_len or raise the budget"
@@ -213,6 +223,30 @@ class Scheduler:
             req.cancel_requested = True
         self._wake.set()
         return True
+
+    def score(self, prompt: list[int], top_logprobs: int = 0, request_id: str | None = None) -> RequestStream:
+        """The prompt's logprobs (ModelRunner.prompt_logprobs) as a RequestStream whose only event is final:
+        finish_reason "stop" with `prompt_logprobs`, or "error" with the message when the forward failed
+        (non-finite logits, out of memory: this request alone). The forward runs now, in the calling thread,
+        between two steps (it holds the step lock); it takes no KV slot.
+
+        Raises:
+            ValueError: a bad prompt (as submit: rows hold max_len tokens) or top_logprobs < 0.
+        """
+        ids = check_fits_row(self.engine.check_prompt(prompt), self.max_len)
+        if not isinstance(top_logprobs, int) or top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
+        stream = RequestStream(self, request_id or uuid.uuid4().hex)
+        start, entries, reason, error = time.perf_counter(), None, "stop", None
+        try:
+            with self._step_lock:
+                entries = self.engine.prompt_logprobs(ids, top_logprobs)
+        except Exception as e:  # noqa: BLE001 - this request alone fails (reported on its stream)
+            reason, error = "error", f"{type(e).__name__}: {e}"
+        usage = Usage(len(ids), 0, None, time.perf_counter() - start)
+        event = StreamEvent(stream.request_id, "", [], True, reason, usage, error, prompt_logprobs=entries)
+        stream._push(event)
+        return stream
 
     @property
     def num_free_slots(self) -> int:
@@ -312,7 +346,15 @@ class Scheduler:
 
     def _prefill(self) -> None:
         budget, pieces = self.prefill_chunk_tokens, []
+        pc = self.engine.prefix_cache
+        if pc is not None and self._prefilling:
+            pc.sync(self.engine.weight_version())
         for req in self._prefilling:
+            if pc is not None and budget:
+                try:
+                    self._reuse(pc, req)
+                except Exception as e:  # noqa: BLE001 - a caching bug costs the reuse, never the request
+                    self.last_error = e
             take = min(len(req.prompt) - req.prefilled, budget)
             if take == 0:
                 break
@@ -321,7 +363,7 @@ class Scheduler:
         pieces.sort(key=lambda piece: piece[0].slot)
         runs: list[list[tuple[_Request, int]]] = []
         for piece in pieces:
-            if runs and runs[-1][-1][0].slot + 1 == piece[0].slot:
+            if runs and runs[-1][-1][0].slot + 1 == piece[0].slot and self._fits([*runs[-1], piece]):
                 runs[-1].append(piece)
             else:
                 runs.append([piece])
@@ -340,6 +382,42 @@ class Scheduler:
                 continue
             self._prefilled(run, logits)
 
+    def _fits(self, run: list[tuple[_Request, int]]) -> bool:
+        """True when one forward of `run` (padded to its longest piece) stays inside every row: rows that
+        start at different lengths (a prefix-cache hit) could otherwise pad past max_len."""
+        return max(req.prefilled for req, _ in run) + max(take for _, take in run) <= self.max_len
+
+    def _reuse(self, pc, req: _Request) -> None:
+        """Copy the cached blocks that continue `req`'s prompt from where its row stands (a block boundary)
+        into its row (PrefixCache.match/load); it holds them until it ends."""
+        if req.epoch != pc.epoch:
+            if req.digests is not None:  # cleared (new weights) since its lookup: its row is of the old ones,
+                return  # so it neither reuses nor caches anything more (its epoch stays the old one)
+            pc.queries += len(req.prompt)
+            req.digests, req.epoch = pc.digests(req.prompt), pc.epoch
+        if req.prefilled != req.blocks_done * BLOCK_TOKENS:
+            return
+        ids = pc.match(req.prompt, req.digests, req.blocks_done)
+        if ids:
+            pc.acquire(ids)
+            n = pc.load(self.cache, req.slot, ids, req.blocks_done)
+            req.blocks += ids
+            req.blocks_done += len(ids)
+            req.prefilled += n
+            req.cached_tokens += n
+            pc.hits += n
+
+    def _cache_blocks(self, req: _Request, tokens: list[int], digests: list[bytes]) -> None:
+        """Put `req`'s full blocks past blocks_done (keys/values in its row) in the prefix cache; hold them."""
+        pc = self.engine.prefix_cache
+        if pc is None or req.epoch != pc.epoch or len(digests) <= req.blocks_done:
+            return
+        try:
+            req.blocks += pc.insert(self.cache, req.slot, tokens, digests, req.blocks_done)
+        except Exception as e:  # noqa: BLE001 - a caching bug costs the caching, never the request
+            self.last_error = e
+        req.blocks_done = len(digests)
+
     def _prefill_forward(self, run: list[tuple[_Request, int]]) -> torch.Tensor:
         chunks = [req.prompt[req.prefilled : req.prefilled + take] for req, take in run]
         return self.engine.forward_rows(self.cache, run[0][0].slot, chunks)
@@ -347,6 +425,8 @@ class Scheduler:
     def _prefilled(self, run: list[tuple[_Request, int]], logits: torch.Tensor) -> None:
         for (req, take), lg in zip(run, logits):
             req.prefilled += take
+            if req.digests is not None:  # the blocks now complete, for the requests that follow
+                self._cache_blocks(req, req.prompt, req.digests[: req.prefilled // BLOCK_TOKENS])
             if req.prefilled == len(req.prompt):
                 req.logits = lg
                 req.state = RowState(self.engine.tokenizer, req.prompt, req.params, self.max_len)
@@ -420,6 +500,15 @@ class Scheduler:
         """Free the request's slot and send its final event. Caller holds self._lock."""
         if self._live.pop(req.id, None) is None:
             return
+        pc = self.engine.prefix_cache
+        if pc is not None and req.digests is not None:
+            if req.slot is not None and req.state is not None and reason in ("stop", "length"):
+                # the completion's blocks too (a chat client's next turn sends this reply back)
+                tokens = req.state.tokens[: int(self.cache.lengths[req.slot])]
+                digests = block_digests(tokens, len(tokens) // BLOCK_TOKENS, pc.version or 0)
+                self._cache_blocks(req, tokens, digests)
+            pc.release(req.blocks, req.epoch)
+            req.blocks = []
         if req.slot is not None:
             self._slots[req.slot] = None
             self.cache.reset_rows([req.slot])
@@ -433,6 +522,7 @@ class Scheduler:
             completion_tokens=req.state.num_completion_tokens if req.state else 0,
             ttft_s=None if req.first_token is None else req.first_token - req.submitted,
             total_s=done - req.submitted,
+            cached_tokens=req.cached_tokens,
         )
         event = StreamEvent(req.id, text, list(token_ids), True, reason, usage, error, logprobs)
         req.stream._push(event)

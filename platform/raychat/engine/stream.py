@@ -34,12 +34,14 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Usage:
-    """Token counts and timings (seconds) of one finished request. ttft_s: submit -> first token."""
+    """Token counts and timings (seconds) of one finished request. ttft_s: submit -> first token.
+    cached_tokens: prompt tokens whose keys/values came from the prefix cache (engine/prefix_cache.py)."""
 
     prompt_tokens: int
     completion_tokens: int
     ttft_s: float | None
     total_s: float
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,8 @@ class StreamEvent:
     error holds the message when finish_reason == "error" (that request alone failed: non-finite logits,
     an invalid sampling state, or its forward raised, e.g. out of memory in its prefill; other requests go
     on). logprobs: one TokenLogprob per entry of token_ids when the request set SamplingParams.logprobs,
-    else None.
+    else None. prompt_logprobs: only on the final event of a scoring request (Scheduler.score): one entry
+    per prompt token (None for the first, engine/scoring.py).
     """
 
     request_id: str
@@ -62,6 +65,7 @@ class StreamEvent:
     usage: Usage | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class RequestStream:

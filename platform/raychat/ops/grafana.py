@@ -157,6 +157,17 @@ def build_dashboard() -> dict:
                     [(f"sum by (deployment) ({_prom(m.SERVE_KV_SLOTS)}{dep})", "{{deployment}}")],
                     "none",
                 ),
+                (
+                    "Prefix cache hit rate (prompt tokens)",
+                    [
+                        (
+                            f"sum by (deployment) (rate({_prom(m.PREFIX_CACHE_HITS)}_total{dep}[5m])) / "
+                            f"sum by (deployment) (rate({_prom(m.PREFIX_CACHE_QUERIES)}_total{dep}[5m]))",
+                            "{{deployment}}",
+                        )
+                    ],
+                    "percentunit",
+                ),
             ],
         ),
     ]

@@ -11,8 +11,11 @@ stream=True; when the HTTP client disconnects, Serve cancels the ingress request
 handle stream (DeploymentResponseGenerator.cancel) and the replica's generator frees its row.
 
 `args`: the options of raychat.config.ServeConfig by flat name (`checkpoint` is required; `raychat serve
---help` lists every option with its default); strings from `serve run key=value` are converted. Set them in
-args (serve/chat.yaml does), so each value has one place.
+--help` lists every option with its default); strings from `serve run key=value` are converted. The options
+Serve owns (replica resources, autoscaling, max_ongoing_requests, queue bounds: raychat.serve.deployments)
+belong in a Serve config's `deployments:` section instead (serve/chat.yaml puts them there), which Serve
+applies in place: args are hashed into the app's code version, so a changed arg restarts every replica. The
+ingress' max_ongoing_requests (at least 1000) follows args' max_replicas only.
 
 `checkpoint` is any reference raychat.checkpoint_manager resolves (a checkpoint dir, a run dir, <run dir>/latest, on a
 shared directory, s3:// or gs://): build_app resolves it once, so every replica serves the same checkpoint,
@@ -47,15 +50,13 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_dict
 from raychat.serve.api import MAX_BODY_BYTES
+from raychat.serve.deployments import INGRESS_DEPLOYMENT, SERVER_DEPLOYMENT, deployment_options
 from raychat.serve.errors import EngineOverloadedError, EngineUnavailableError
 from raychat.serve.ingress import create_app
 from raychat.serve.server import ChatServer, merge_deltas
 
 # what a handle raises when no ChatServer replica can take (or finish) a request: 503, retry later
 UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)
-
-SERVER_DEPLOYMENT = "ChatServer"
-INGRESS_DEPLOYMENT = "ChatIngress"
 
 
 def serve_config(args: dict | ServeConfig | None) -> ServeConfig:
@@ -91,11 +92,13 @@ class ChatServerDeployment:
         model_id: str | None,
         dtype: str,
         prefill_chunk_tokens: int,
-        device: str,
         limits: dict | None = None,
     ):
-        if torch_threads is None:  # the CPUs this replica reserved (ray_actor_options, maybe from the YAML)
-            torch_threads = max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+        # what this replica reserved (ray_actor_options: build_app's, or a Serve config's deployments: entry)
+        reserved = ray.get_runtime_context().get_assigned_resources()
+        device = device_for(reserved.get("GPU", 0))
+        if torch_threads is None:  # the CPUs it reserved
+            torch_threads = max(1, int(reserved.get("CPU", 1)))
         kwargs = {"max_slots": max_slots, "max_len": max_len, "stream_interval": stream_interval}
         kwargs["deployment"] = SERVER_DEPLOYMENT
         kwargs |= {"dtype": dtype, "prefill_chunk_tokens": prefill_chunk_tokens, **(limits or {})}
@@ -144,12 +147,13 @@ class ChatServerDeployment:
 
     def stats(self) -> dict:
         """ChatServer.stats plus rss_bytes: resident memory of this replica process and its children (the
-        engine process, which holds the model and KV cache), and child_pids: their process ids (an engine
-        process that restarted has a new one)."""
+        engine process, which holds the model and KV cache), child_pids: their process ids (an engine
+        process that restarted has a new one) and pid: this replica's process id."""
         me = psutil.Process()
         children = me.children(recursive=True)
         rss = me.memory_info().rss + sum(c.memory_info().rss for c in children)
-        return {**self.engine.stats(), "rss_bytes": rss, "child_pids": sorted(c.pid for c in children)}
+        pids = {"pid": me.pid, "child_pids": sorted(c.pid for c in children)}
+        return {**self.engine.stats(), "rss_bytes": rss, **pids}
 
     def check_health(self) -> None:
         """Serve's health check (ChatServer.check_health): raises when the engine stopped or stalled; Serve
@@ -226,7 +230,8 @@ class ChatIngress:
 
 def device_for(num_gpus: float) -> str:
     """The torch device of a replica that reserves `num_gpus` GPUs: "cuda" (Ray sets CUDA_VISIBLE_DEVICES to
-    its GPUs, so "cuda" is the first of them) for any GPU, else "cpu"."""
+    its GPUs, so "cuda" is the first of them) for any GPU, else "cpu". A ChatServer replica calls it with the
+    GPUs Ray assigned it, so a Serve config's `deployments:` entry that reserves a GPU moves the model too."""
     return "cuda" if num_gpus > 0 else "cpu"
 
 
@@ -240,26 +245,13 @@ def build_app(args: dict | ServeConfig) -> Application:
     c = serve_config(args)
     r, a = c.replica, c.autoscaling
     checkpoint = find_checkpoint(c.checkpoint, flag="checkpoint")
-    autoscaling = {
-        "min_replicas": a.min_replicas,
-        "initial_replicas": max(1, a.min_replicas),
-        "max_replicas": a.max_replicas,
-        "target_ongoing_requests": a.target_ongoing_requests,
-        "upscale_delay_s": a.upscale_delay_s,
-        "downscale_delay_s": a.downscale_delay_s,
-        "look_back_period_s": a.look_back_period_s,
-    }
-    placement = {"max_replicas_per_node": r.max_replicas_per_node} if r.max_replicas_per_node else {}
+    options = deployment_options(c)  # what a Serve config's deployments: section may override in place
     backpressure = BackpressureConfig(status_code=429, retry_after_s=c.retry_after_s)
     limits = {"max_pending": r.max_pending, "request_timeout_s": r.request_timeout_s}
     limits |= {"stall_timeout_s": r.stall_timeout_s, "retry_after_s": c.retry_after_s}
+    limits["prefix_cache_tokens"] = "auto" if r.prefix_cache_tokens is None else r.prefix_cache_tokens
     engine = ChatServerDeployment.options(
-        ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
-        max_ongoing_requests=r.max_ongoing_requests,
-        max_queued_requests=r.max_queued_requests,
-        backpressure_config=backpressure,
-        autoscaling_config=autoscaling,
-        **placement,
+        **options[SERVER_DEPLOYMENT], backpressure_config=backpressure
     ).bind(
         checkpoint,
         r.max_slots,
@@ -270,12 +262,10 @@ def build_app(args: dict | ServeConfig) -> Application:
         c.model_id,
         r.dtype,
         r.prefill_chunk_tokens,
-        device_for(r.num_gpus),
         limits=limits,
     )
     return ChatIngress.options(
-        ray_actor_options={"num_cpus": c.ingress_num_cpus},
+        **options[INGRESS_DEPLOYMENT],
         max_ongoing_requests=max(1000, 4 * r.max_ongoing_requests * a.max_replicas),
-        max_queued_requests=c.ingress_max_queued_requests,
         backpressure_config=backpressure,
     ).bind(engine, c.api_key)

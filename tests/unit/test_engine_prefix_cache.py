@@ -1,0 +1,262 @@
+"""The prefix cache (engine/prefix_cache.py): greedy output with it equals output without it, token for token,
+across conversation turns (chunked prefill, aligned or not), a system prompt shared by concurrent requests,
+calculator turns and generate_batch; hits are the block-aligned counts worked out by hand; entries from other
+weights are never reused; a pool too small for the traffic evicts (least recently used, the deepest block
+first; held blocks never) and fails nothing; the serving options reach the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+from array import array
+
+import pytest
+import torch
+from support.engine_fixtures import byte_tokenizer, reference_greedy, tiny_gpt
+from support.serve_helpers import write_tiny_checkpoint
+
+from raychat.chat.cli import assistant_message
+from raychat.chat_template import render_for_completion
+from raychat.checkpoint import load_model
+from raychat.engine import KVCache, ModelRunner, SamplingParams, Scheduler
+from raychat.engine.prefix_cache import BLOCK_TOKENS, PrefixCache, block_digests
+from raychat.metrics import ServeMetrics
+from raychat.serve.app import build_app, serve_config
+from raychat.serve.server import ChatServer
+
+GREEDY = dict(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny_gpt(tok, max_seq_len=512)
+
+
+def stop_ids(tok):
+    return {tok.special_id("<|assistant_end|>"), tok.bos_id}
+
+
+def run(sched, prompt, max_tokens):
+    events = list(sched.submit(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY)))
+    return [t for e in events for t in e.token_ids], events[-1].usage
+
+
+# ---- the pool ---------------------------------------------------------------------------------------------
+def test_block_digests_chain_the_prefix_and_the_weight_version():
+    tokens = list(range(40))
+    d = block_digests(tokens, 2, version=7)
+    root = hashlib.blake2b(b"raychat-prefix:7", digest_size=16).digest()
+    first = hashlib.blake2b(root + array("q", range(16)).tobytes(), digest_size=16).digest()
+    assert d[0] == first
+    assert d[1] == hashlib.blake2b(first + array("q", range(16, 32)).tobytes(), digest_size=16).digest()
+    # the same second block after another first block, or under other weights, is another key
+    assert block_digests([99, *tokens[1:]], 2, 7)[1] != d[1]
+    assert block_digests(tokens, 2, 8)[0] != d[0]
+
+
+def _filled_cache(rows=2, max_len=64):
+    cache = KVCache(n_layer=2, batch_size=rows, n_kv_head=1, max_len=max_len, head_dim=2)
+    torch.manual_seed(0)
+    cache.k.normal_()
+    cache.v.normal_()
+    return cache
+
+
+def test_insert_then_load_copies_the_blocks_at_their_original_positions():
+    cache = _filled_cache()
+    pc = PrefixCache(2, 1, 2, capacity_tokens=64)
+    pc.sync(1)
+    tokens = list(range(40))  # 2 reusable blocks: (40 - 1) // 16
+    digests = pc.digests(tokens)
+    assert len(digests) == 2
+    cache.lengths[0] = 40
+    held = pc.insert(cache, 0, tokens, digests, 0)
+    pc.release(held, pc.epoch)
+    ids = pc.match(tokens, digests)
+    assert ids == held and pc.load(cache, 1, ids, 0) == 32 and int(cache.lengths[1]) == 32
+    assert torch.equal(cache.k[:, 1, :, :32], cache.k[:, 0, :, :32])
+    assert torch.equal(cache.v[:, 1, :, :32], cache.v[:, 0, :, :32])
+    # a prefix that differs in its second block matches the first block only
+    other = tokens[:16] + [7] * 24
+    assert pc.match(other, pc.digests(other)) == ids[:1]
+
+
+def test_lru_evicts_the_deepest_unheld_block_first_and_never_a_held_one():
+    cache = _filled_cache(rows=1)
+    cache.lengths[0] = 64
+    pc = PrefixCache(2, 1, 2, capacity_tokens=3 * BLOCK_TOKENS)  # 3 blocks
+    pc.sync(1)
+    a, b, c = ([x] * 40 for x in (1, 2, 3))
+    held_a = pc.insert(cache, 0, a, pc.digests(a), 0)
+    pc.release(held_a, pc.epoch)  # a0 a1: unheld, a1 (the deeper) first in line
+    held_b = pc.insert(cache, 0, b, pc.digests(b), 0)  # b0 takes the free block, b1 evicts a1
+    assert pc.match(a, pc.digests(a)) == held_a[:1] and pc.num_cached == 3 and pc.num_blocks == 3
+    # every block but one is held: c gets the one free block, then stops (no exception, no eviction of b)
+    assert len(pc.insert(cache, 0, c, pc.digests(c), 0)) == 1
+    assert pc.match(b, pc.digests(b)) == held_b
+    pc.release(held_b, pc.epoch)
+
+
+def test_a_new_weight_version_drops_every_entry_and_voids_old_holds():
+    cache = _filled_cache(rows=1)
+    cache.lengths[0] = 40
+    pc = PrefixCache(2, 1, 2, capacity_tokens=64)
+    pc.sync(1)
+    tokens = list(range(40))
+    held, epoch = pc.insert(cache, 0, tokens, pc.digests(tokens), 0), pc.epoch
+    pc.sync(2)
+    assert pc.num_cached == 0 and pc.match(tokens, pc.digests(tokens)) == []
+    pc.release(held, epoch)  # a hold from before the clear: ignored
+    assert len(pc._lru) == 0
+
+
+@pytest.mark.parametrize("bad", [8, -1, "big", 2.5])
+def test_bad_capacity_is_a_one_line_error(tok, model, bad):
+    with pytest.raises(ValueError, match=r"prefix_cache_tokens must be an int >= 16 \(one block\) or 0"):
+        ModelRunner(model, tok, prefix_cache_tokens=bad)
+
+
+# ---- exactness in the engine ------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [512, 7])  # whole prompts, and chunks that end inside blocks
+def test_conversation_turns_equal_no_cache_and_reuse_the_history(tok, model, chunk):
+    on = Scheduler(ModelRunner(model, tok), max_slots=2, max_len=512, prefill_chunk_tokens=chunk)
+    off = Scheduler(
+        ModelRunner(model, tok, prefix_cache_tokens=0), max_slots=2, max_len=512, prefill_chunk_tokens=chunk
+    )
+    history, previous = [tok.bos_id, *tok.encode("You are a terse assistant. " * 2)], None
+    for turn in range(4):
+        prompt = history + tok.encode(f" user {turn}: tell me more")
+        got, usage = run(on, prompt, 10)
+        assert got == run(off, prompt, 10)[0] == reference_greedy(model, prompt, 10, stop_ids(tok))
+        # reused: the previous turn's prompt + reply in whole blocks (its last sampled token has no KV
+        # yet), at most the blocks before the prompt's last token
+        expect = 0 if previous is None else 16 * min((previous - 1) // 16, (len(prompt) - 1) // 16)
+        assert usage.cached_tokens == expect and usage.prompt_tokens == len(prompt)
+        history, previous = prompt + got, len(prompt) + len(got)
+    assert expect > 0
+
+
+def test_concurrent_requests_share_a_system_prompt(tok, model):
+    system = [tok.bos_id, *tok.encode("s" * 99)]  # 100 tokens: 6 whole blocks
+    prompts = [system + tok.encode(f" question {i}?") for i in range(4)]
+    sched = Scheduler(ModelRunner(model, tok), max_slots=4, max_len=256, prefill_chunk_tokens=32)
+    streams = [sched.submit(p, SamplingParams(max_tokens=6, **GREEDY)) for p in prompts]
+    for p, s in zip(prompts, streams):
+        events = list(s)
+        assert [t for e in events for t in e.token_ids] == reference_greedy(model, p, 6, stop_ids(tok))
+        # the first computes the system prompt in 32-token chunks; the others start once its blocks exist
+        assert events[-1].usage.cached_tokens == (0 if p is prompts[0] else 96)
+
+
+def test_calculator_turns_equal_no_cache(tool_checkpoint):
+    model, tok, _ = load_model(tool_checkpoint)
+    outs = {}
+    for cap in ("auto", 0):
+        sched = Scheduler(ModelRunner(model, tok, prefix_cache_tokens=cap), max_slots=1)
+        messages, turns = [], []
+        for question in ("What is 47 * 12?", "And 5 + 6?"):
+            messages.append({"role": "user", "content": question})
+            got, usage = run(sched, render_for_completion(tok, messages), 64)
+            messages.append(assistant_message(tok, got))
+            turns.append((got, usage.cached_tokens))
+        outs[cap] = turns
+    assert [t for t, _ in outs["auto"]] == [t for t, _ in outs[0]]
+    assert tok.decode(outs["auto"][1][0]).endswith("#### 11<|assistant_end|>")
+    assert outs["auto"][1][1] > 0 and outs[0][1][1] == 0  # turn 2 reused turn 1 (with its tool output)
+
+
+def test_generate_batch_reuses_prompts_and_never_across_weights(tok, model):
+    model = copy.deepcopy(model)
+    engine = ModelRunner(model, tok)
+    prompts = [[tok.bos_id, *tok.encode(t)] for t in ("k" * 50, "short one", "q" * 33)]
+    ref = [reference_greedy(model, p, 5, stop_ids(tok)) for p in prompts]
+    for _ in range(2):
+        res = engine.generate_batch(prompts, num_samples=2, max_tokens=5, **GREEDY)
+        assert [r.completion_tokens for r in res] == [x for x in ref for _ in range(2)]
+    # second call: 48 of "k"*50 (51 tokens), 0 of 10, 32 of 34
+    pc = engine.prefix_cache
+    assert (pc.hits, pc.queries) == (48 + 32, 2 * (51 + 10 + 34))
+    with torch.no_grad():  # new weights in place (an RL weight sync does load_state_dict)
+        model.lm_head.weight.mul_(-1.0)
+    res = engine.generate_batch(prompts, max_tokens=5, **GREEDY)
+    assert pc.hits == 80  # nothing reused from the old weights
+    assert [r.completion_tokens for r in res] == [
+        reference_greedy(model, p, 5, stop_ids(tok)) for p in prompts
+    ]
+    engine.refresh_weights()  # writes behind torch's back: also a new version
+    engine.generate_batch(prompts, max_tokens=5, **GREEDY)
+    assert pc.hits == 80
+
+
+def test_a_pool_too_small_for_the_traffic_evicts_and_fails_nothing(tok, model):
+    sched = Scheduler(
+        ModelRunner(model, tok, prefix_cache_tokens=2 * BLOCK_TOKENS), max_slots=3, max_len=256,
+        prefill_chunk_tokens=24,
+    )  # fmt: skip
+    prompts = [[tok.bos_id, *tok.encode(chr(97 + i) * 60)] for i in range(6)]
+    streams = [sched.submit(p, SamplingParams(max_tokens=5, **GREEDY)) for p in prompts]
+    for p, s in zip(prompts, streams):
+        events = list(s)
+        assert events[-1].finish_reason == "length"
+        assert [t for e in events for t in e.token_ids] == reference_greedy(model, p, 5, stop_ids(tok))
+    pc = sched.engine.prefix_cache
+    assert pc.num_blocks == 2 and not pc._refs  # never grew past capacity; every hold released
+
+
+# ---- serving options --------------------------------------------------------------------------------------
+def test_serving_option_reaches_the_engine(tmp_path):
+    assert serve_config({"checkpoint": "c"}).replica.prefix_cache_tokens is None
+    assert serve_config({"checkpoint": "c", "prefix_cache_tokens": "0"}).replica.prefix_cache_tokens == 0
+    write_tiny_checkpoint(tmp_path)
+    app = build_app({"checkpoint": str(tmp_path), "prefix_cache_tokens": 256})
+    engine = app._bound_deployment.init_args[0]._bound_deployment
+    assert engine.init_kwargs["limits"]["prefix_cache_tokens"] == 256
+    for cap, blocks in ((0, None), (256, 16), ("auto", None)):
+        server = ChatServer.from_checkpoint(tmp_path, "cpu", prefix_cache_tokens=cap)
+        try:
+            pc = server.scheduler.engine.prefix_cache
+            if cap == "auto":
+                assert pc.max_blocks == 8 * server.scheduler.engine.config.max_seq_len // 16
+            else:
+                assert (pc and pc.max_blocks) == blocks
+        finally:
+            server.scheduler.stop()
+
+
+def test_a_replica_counts_queries_and_hits_per_request(tok, model, monkeypatch):
+    """ChatServer adds each finished request's prompt tokens (queries) and cached tokens (hits) to the
+    raychat_prefix_cache_* counters; the second identical request reuses every whole block but the last
+    token's."""
+    counted = []
+    monkeypatch.setattr(
+        ServeMetrics, "add_prefix_cache", lambda self, queries, hits: counted.append((queries, hits))
+    )
+    request = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 3, "temperature": 0}
+    server = ChatServer(model, tok, max_slots=1)
+
+    async def twice():
+        for _ in range(2):
+            [ev async for ev in server.generate(request)]
+
+    try:
+        asyncio.run(twice())
+    finally:
+        server.shutdown()
+    n = len(render_for_completion(tok, request["messages"]))
+    assert counted == [(n, 0), (n, 16 * ((n - 1) // 16))]
+
+
+def test_the_pool_stores_the_kv_cache_dtype(tok, model):
+    engine = ModelRunner(copy.deepcopy(model), tok, kv_dtype="bfloat16")
+    prompts = [[tok.bos_id, *tok.encode("b" * 40)]]
+    first = engine.generate_batch(prompts, max_tokens=4, **GREEDY)
+    second = engine.generate_batch(prompts, max_tokens=4, **GREEDY)
+    pc = engine.prefix_cache
+    assert pc.k.dtype == torch.bfloat16 and pc.hits == 32  # 2 of (41 - 1) // 16 blocks reused
+    assert len(first[0].completion_tokens) == len(second[0].completion_tokens) == 4
