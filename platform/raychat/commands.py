@@ -167,7 +167,7 @@ def rl(subparsers) -> None:
 def eval_(subparsers) -> None:
     parser = subparsers.add_parser(
         "eval",
-        help="validation BPB + held-out task accuracy of a checkpoint (JSON)",
+        help="a checkpoint's BPB, task accuracy and report card (chat evals, ChatCORE, CORE with --core-bundle)",
         description="Evaluate one checkpoint: BPB on the validation shard of --data-dir and greedy accuracy on "
         "the held-out split of --tasks. Prints the JSON and writes it to <storage-path>/<run-name>/eval.json. "
         "Example: raychat eval --checkpoint latest --storage-path runs/checkpoints --tasks calculator:64",

@@ -32,4 +32,5 @@ def test_gpu_check_dry_run_prints_one_json_line_with_every_section(tmp_path):
         v > 0 for v in result["decode_raychat"].values()
     )
     assert "skipped" in result["decode_vllm"] or set(result["decode_vllm"]) == {"1", "2"}
+    assert "error" not in result["serve"], result["serve"]
     assert result["serve"]["finished"] == result["serve"]["streams"] == 4, result["serve"]

@@ -152,6 +152,10 @@ def test_a_failed_topology_start_leaves_no_placement_group(ray_cluster, checkpoi
 
     cfg = tiny_config(checkpoint, str(tmp_path), use_gpu=True)
     actors = ActorGroup(cfg, rl_tasks(cfg))
-    with pytest.raises(RuntimeError, match=r"RL placement group .* was not placed within 2 s: .*--use-gpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"--use-gpu: the RL placement group .* was not placed within --schedule-timeout-s 2; "
+        r"missing: GPU \(need 1, the most a node has is 0\)",
+    ):
         actors.start(ready_timeout_s=2)
     assert actors.pg is None and live_placement_groups() == before

@@ -117,7 +117,7 @@ def test_an_actor_restarted_after_a_sync_is_resynced_before_it_generates(
 
     def kill_then_submit(step):
         if step == 2:
-            seen["before"], seen["after"] = restart(run.topology.rollouts[0])
+            seen["before"], seen["after"] = restart(run.actors.rollouts[0])
         return submit(step)
 
     run.dispatcher.submit = kill_then_submit

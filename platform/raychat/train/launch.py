@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -45,7 +46,9 @@ from raychat.train.worker import train_loop_per_worker
 WORKER_GROUP_START_TIMEOUT_ENV = (
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # ray/train/v2/_internal/constants.py
 )
-CONTROLLER_FAILURE_LIMIT = 0  # FailureConfig.controller_failure_limit: a placement timeout ends the run
+# An elastic run (--min-workers) places its worker group in attempts of at most this long: after a lost node
+# Ray Train's next attempt asks for the workers the cluster has (Ray's own start timeout is 60 s).
+ELASTIC_ATTEMPT_S = 60.0
 
 
 def elastic_grad_accum(cfg: TrainConfig, total_batch_size: int) -> dict[int, int]:
@@ -170,7 +173,7 @@ def run_training(cfg: TrainConfig, spec, callbacks=()) -> TrainingResult:
         run_config=RunConfig(
             name=cfg.run.run_name,
             **paths.storage.ray_train_storage(),
-            failure_config=failure_config(c.max_failures),
+            failure_config=failure_config(c),
         ),
     )
     fault = getattr(fit(trainer, cfg, capacity), "return_value", None)  # rank 0's NonFiniteError, returned
@@ -186,13 +189,26 @@ def run_training(cfg: TrainConfig, spec, callbacks=()) -> TrainingResult:
     return result
 
 
-def failure_config(max_failures: int) -> FailureConfig:
+def placement_attempts(layout) -> tuple[float, int]:
+    """(seconds one placement attempt of the worker group waits, controller failures allowed after it):
+    a fixed-size run waits --schedule-timeout-s once and a timeout ends it; an elastic run (--min-workers)
+    waits ELASTIC_ATTEMPT_S at a time, so that after a lost node its next attempt can take the workers there
+    are, and gives up after about --schedule-timeout-s in all: ceil(timeout / attempt) attempts."""
+    timeout = layout.schedule_timeout_s
+    if not layout.min_workers:
+        return timeout, 0
+    attempt = min(timeout, ELASTIC_ATTEMPT_S)
+    return attempt, math.ceil(timeout / attempt) - 1
+
+
+def failure_config(layout) -> FailureConfig:
     """Ray Train's failure budget, every limit explicit (Ray's controller limit defaults to -1, retry forever):
-    `max_failures` worker-group failures (an application error, a lost node) are retried from the last
-    checkpoint; a controller failure (the worker group not placed within --schedule-timeout-s: Ray Train's
-    WorkerGroupStartupTimeoutError) is not retried (CONTROLLER_FAILURE_LIMIT), so a request that cannot be
-    scheduled ends the run within that bound."""
-    return FailureConfig(max_failures=max_failures, controller_failure_limit=CONTROLLER_FAILURE_LIMIT)
+    --max-failures worker-group failures (an application error, a lost node) are retried from the last
+    checkpoint; controller failures (the worker group not placed in time: Ray Train's
+    WorkerGroupStartupTimeoutError) are retried only as placement_attempts allows, so a request that cannot be
+    scheduled ends the run within about --schedule-timeout-s."""
+    _, retries = placement_attempts(layout)
+    return FailureConfig(max_failures=layout.max_failures, controller_failure_limit=retries)
 
 
 def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity):
@@ -206,7 +222,7 @@ def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity):
         ray.train.TrainingFailedError: any other failure, once the budget of failure_config is spent.
     """
     c = cfg.layout
-    os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = f"{c.schedule_timeout_s:g}"
+    os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = f"{placement_attempts(c)[0]:g}"
     # Ray Data's detached stats actor lives on the node of whoever first runs a dataset and never ends: made
     # here, it is on the driver's node, not on a worker node the autoscaler must be able to remove when idle
     # (tests/cluster/test_autoscaling.py saw a worker node kept forever by it).
