@@ -103,7 +103,20 @@ def test_the_fixture_has_the_shapes_that_ship():
 def test_pretrain_from_zero_workers_scales_up_succeeds_and_the_node_goes_away(cluster, corpus):
     assert cluster.worker_nodes() == []
     run = submit(
-        pretrain_args(corpus, "cold", "--num-workers", "2", "--cpus-per-worker", "0.5"),
+        pretrain_args(
+            corpus,
+            "cold",
+            "--num-workers",
+            "2",
+            "--cpus-per-worker",
+            "0.5",
+            "--seq-len",
+            "128",
+            "--device-batch-size",
+            "1",
+            "--total-batch-size",
+            "256",
+        ),
         "as-cold",
         cluster.dashboard_url,
         cluster.token_file,
@@ -119,6 +132,20 @@ def test_pretrain_from_zero_workers_scales_up_succeeds_and_the_node_goes_away(cl
     t0 = time.monotonic()
     cluster.wait_workers(lambda nodes: not nodes, timeout_s=120)
     assert time.monotonic() - t0 < 120
+    # SFT of that checkpoint, again from zero worker nodes: the same launch path, its own job
+    sft = submit(
+        ["sft", "--preset", "none", "--storage-path", str(corpus), "--run-name", "cold-sft", "--init-from",
+         "cold", "--sft-tasks", "spelling:64", "--seq-len", "128", "--device-batch-size", "1", "--total-batch-size", "256",
+         "--num-iterations", "2", "--eval-every", "0", "--checkpoint-every", "0", "--num-workers", "2",
+         "--cpus-per-worker", "0.5", "--max-failures", "0"],
+        "as-cold-sft",
+        cluster.dashboard_url,
+        cluster.token_file,
+    )  # fmt: skip
+    assert sft.returncode == 0, sft.output[-4000:]
+    assert "placed 2 worker(s) x CPU 0.5 after " in sft.output, sft.output[-4000:]
+    assert (corpus / "cold-sft" / "metrics.jsonl").read_text().count('"step"') == 2
+    cluster.wait_workers(lambda nodes: not nodes, timeout_s=120)
 
 
 @pytest.mark.slow
@@ -145,8 +172,18 @@ def test_gpu_on_a_cluster_without_gpu_node_types_is_refused_at_once(cluster, cor
             cluster.dashboard_url,
             cluster.token_file,
         )
+        serving = subprocess.run(
+            [str(VENV_BIN / "raychat"), "serve", "--checkpoint", str(write_tiny_checkpoint(corpus / "ckpt")),
+             "--num-gpus", "1", "--address", cluster.gcs_address, "--no-block"],
+            env=cluster.env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
     finally:
         cluster.publish_node_types(cluster.config)
+    assert serving.returncode != 0
+    assert (
+        "--num-cpus, --num-gpus, --min-replicas: one of them needs {CPU: 1, GPU: 1}; no node type has room: "
+        "GPU (need 1, the most a node has is 0)"
+    ) in serving.stderr, serving.stderr[-3000:]
     assert run.returncode == 1
     assert (
         "raychat pretrain: error: --num-workers 1 x --cpus-per-worker 0.5 --use-gpu: one of them needs "

@@ -121,6 +121,7 @@ def _two_steps(config):
     return metrics  # Ray Train V2 keeps metrics only beside a checkpoint; rank 0's return value reaches the driver
 
 
+@pytest.mark.slow
 def test_train_runs_on_two_nodes_checkpoints_to_s3_and_resumes_from_it(multinode_driver, s3_env, tmp_path):
     """Ray Train on the cluster commits checkpoints to moto's S3 through raychat's CheckpointManager (the
     endpoint comes from AWS_ENDPOINT_URL here and travels with the pickled filesystem; the nodes have their own

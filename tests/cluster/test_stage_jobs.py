@@ -86,6 +86,7 @@ def _meta(ckpt: str) -> dict:
     return json.loads((Path(ckpt) / "meta.json").read_text())
 
 
+@pytest.mark.slow
 def test_every_stage_succeeds_as_a_ray_job_chained_through_storage(chain):
     assert list(chain.runs) == [
         "raychat-data:data", "raychat-data:tokenizer", "raychat-pretrain:pretrain", "raychat-sft:sft",
@@ -150,6 +151,7 @@ def test_training_metrics_were_scraped_from_a_worker_nodes_metrics_port(chain):
         assert all(1 <= v <= 4 for v in seen.values()), seen
 
 
+@pytest.mark.slow
 def test_pretraining_on_s3_checkpoints_to_the_bucket_and_resumes_from_it(chain, s3_env):
     """A pretraining job whose --storage-path is a bucket of the moto server (Ray Train's storage_path +
     storage_filesystem; the job gets the endpoint through --env, the nodes have credentials), stopped after

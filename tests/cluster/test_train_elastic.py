@@ -122,6 +122,7 @@ def kill_when_ready(cluster, directory: Path, run_dir: Path, out: dict, timeout_
     out["lost"] = cluster.kill_raylet("b")
 
 
+@pytest.mark.slow
 def test_a_lost_node_the_run_completes_on_the_remaining_one(
     multinode_driver, small_tokenizer, tmp_path, monkeypatch
 ):

@@ -55,6 +55,7 @@ def config(data, storage, run_name="one", **overrides):
     return from_dict(TrainConfig, values)
 
 
+@pytest.mark.slow
 def test_one_shard_trains_on_two_ranks_and_every_step_is_rebuilt(ray_cluster, one_shard, tmp_path, capsys):
     train_files, _ = list_shards(one_shard)
     assert len(train_files) == 1  # fewer shards than ranks: failed at start-up before the global cursor

@@ -198,6 +198,7 @@ def test_openai_client_with_and_without_streaming(served, solo):
         client.chat.completions.create(model="tiny", messages=messages, temperature=3)
 
 
+@pytest.mark.slow
 def test_autoscaling_up_under_load_and_down_after(served):
     assert running_replicas() >= 1
     stop_at = (

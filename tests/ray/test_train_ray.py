@@ -155,6 +155,7 @@ def straight(ray_cluster, data, tmp_path_factory):
     return storage, result
 
 
+@pytest.mark.slow
 def test_exact_resume_matches_a_straight_run(data, straight, tmp_path):
     storage, result = straight
     assert result.metrics["step"] == 6

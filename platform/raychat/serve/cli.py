@@ -15,6 +15,7 @@ import time
 import ray
 from ray import serve
 
+from raychat.capacity import check_bundles, read_capacity
 from raychat.config import ServeConfig, from_args
 from raychat.serve import vllm
 from raychat.serve.app import build_app, serve_config
@@ -34,7 +35,9 @@ def start(
     host, port, proxy_location: Serve's HTTP proxies, set when Serve starts on the cluster. Serve is one per
     cluster: when it already runs there, its proxies stay as they are and the app is added to them.
     Raises: ValueError / FileNotFoundError from build_app for bad args or a missing checkpoint; ValueError
-        when Serve already runs on the cluster with its proxies on another host:port (the URL would be wrong).
+        when Serve already runs on the cluster with its proxies on another host:port (the URL would be wrong);
+        ValueError naming the flags when no node type of a connected cluster can ever hold a replica
+        (replica_bundles; raychat.capacity.check_bundles).
     """
     config = serve_config(config)
     application = build_app(config)
@@ -58,6 +61,12 @@ def start(
                 f"{config.ingress_num_cpus} CPU = {need} CPUs, but this machine's Ray cluster has {have}; "
                 "lower --min-replicas or --num-cpus"
             )
+    else:  # a connected cluster: planned against what it can become (its node types), not what is alive
+        try:
+            check_bundles(replica_bundles(config), read_capacity(), "--num-cpus, --num-gpus, --min-replicas")
+        except ValueError:
+            ray.shutdown()
+            raise
     running = _running_http_address()
     if running is not None and running != (host, port):
         ray.shutdown()
@@ -76,6 +85,14 @@ def start(
     serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown}:{port}/"
+
+
+def replica_bundles(config: ServeConfig) -> list[dict]:
+    """The resources the app asks for when it starts: --min-replicas (at least 1) engine replicas of
+    {CPU: --num-cpus, GPU: --num-gpus} and the ingress' {CPU: ingress_num_cpus}."""
+    r = config.replica
+    replica = {"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {})}
+    return [replica] * max(1, config.autoscaling.min_replicas) + [{"CPU": config.ingress_num_cpus}]
 
 
 def exposed(host: str) -> bool:
