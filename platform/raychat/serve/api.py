@@ -139,6 +139,15 @@ class ToolCall(_Strict):
         return function
 
 
+def only_noop(value, allowed: tuple):
+    """`value` when it equals (with its type) one of `allowed`, the values of an OpenAI field that change
+    nothing here; raises ValueError naming them otherwise (the field raychat does not support)."""
+    if not any(value == a and type(value) is type(a) for a in allowed):
+        noop = " or ".join("null" if a is None else json.dumps(a) for a in allowed)
+        raise ValueError(f"not supported by raychat; only {noop} is accepted")
+    return value
+
+
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     """`stop` of a request as a list (0 to MAX_STOP strings of 1 to MAX_STOP_CHARS characters each).
     Raises ValueError naming the limit that is broken."""
@@ -360,11 +369,7 @@ class ChatRequest(_Strict):
     @field_validator(*REFUSED, mode="before")
     @classmethod
     def _refused(cls, value, info: ValidationInfo):
-        allowed = REFUSED[info.field_name]
-        if not any(value == a and type(value) is type(a) for a in allowed):
-            noop = " or ".join("null" if a is None else json.dumps(a) for a in allowed)
-            raise ValueError(f"not supported by raychat; only {noop} is accepted")
-        return value
+        return only_noop(value, REFUSED[info.field_name])
 
     @property
     def max_completion(self) -> int | None:

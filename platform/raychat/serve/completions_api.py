@@ -23,7 +23,6 @@ completion tokens the temperature-scaled one (engine/sampling.py). An -inf logpr
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Literal
 
 from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
@@ -37,6 +36,7 @@ from raychat.serve.api import (
     Number,
     StreamOptions,
     _Strict,
+    only_noop,
     stop_strings,
 )
 
@@ -133,11 +133,7 @@ class CompletionRequest(_Strict):
     @field_validator(*REFUSED, mode="before")
     @classmethod
     def _refused(cls, value, info: ValidationInfo):
-        allowed = REFUSED[info.field_name]
-        if not any(value == a and type(value) is type(a) for a in allowed):
-            noop = " or ".join("null" if a is None else json.dumps(a) for a in allowed)
-            raise ValueError(f"not supported by raychat; only {noop} is accepted")
-        return value
+        return only_noop(value, REFUSED[info.field_name])
 
     @property
     def batched(self) -> bool:

@@ -249,6 +249,16 @@ async def _close(streams: list) -> None:
             log.exception("closing an engine stream failed")
 
 
+async def _collect(streams, firsts, states):
+    """Feed every event of a non-streamed request to its choice's state (states[i].add); the error response
+    of the first error event (the request fails whole), else None."""
+    async for i, ev in _events(streams, firsts):
+        if ev["type"] == "error":
+            return _error_response(ev)
+        states[i].add(ev)
+    return None
+
+
 async def _events(streams: list, firsts: list[dict]) -> AsyncIterator[tuple[int, dict]]:
     """(choice index, event) of every stream, each stream's first event first, then as they come; ends with
     an error event if a stream fails (any exception) or ends without its final event. Closes every stream
@@ -400,11 +410,8 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
         states = [ChoiceState(i, body.client_tools, bool(body.logprobs)) for i in range(len(streams))]
         cid, model = completion_id(), meta["model_id"]
         if not body.stream:
-            async for i, ev in _events(streams, firsts):
-                if ev["type"] == "error":
-                    return _error_response(ev)
-                states[i].add(ev)
-            return chat_completion(cid, model, states)
+            failed = await _collect(streams, firsts, states)
+            return failed or chat_completion(cid, model, states)
 
         chunks = Chunks(cid, model)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -444,11 +451,8 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
         states = [CompletionState(i, body.logprobs is not None) for i in range(len(streams))]
         cid, model = text_completion_id(), meta["model_id"]
         if not body.stream:
-            async for i, ev in _events(streams, firsts):
-                if ev["type"] == "error":
-                    return _error_response(ev)
-                states[i].add(ev)
-            return completion(cid, model, states)
+            failed = await _collect(streams, firsts, states)
+            return failed or completion(cid, model, states)
 
         chunks = CompletionChunks(cid, model)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
