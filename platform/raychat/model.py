@@ -99,6 +99,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # torch's rms_norm: the same ops in one call (bitwise equal)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -128,22 +130,25 @@ def fast_bf16(device: str | torch.device = "cpu") -> tuple[bool, str]:
 
 
 def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (B, T, head_dim) for integer position_ids (B, T) (rotate-half layout)."""
+    """cos and signed sin, each (B, 1, T, head_dim) in `dtype`, for integer position_ids (B, T), broadcast
+    over the heads of (B, H, T, D). Rotate-half layout (Hugging Face Llama/Qwen): angle j of position p is
+    p * theta^(-2j/D) for j < D/2, repeated for the second half. The signed sin has its first half negated
+    (-sin, sin), so apply_rope needs no negation. Computed in fp32, rounded once per forward, not per layer."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
     )
-    freqs = position_ids.float()[..., None] * inv_freq  # (B, T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    freqs = position_ids.float()[:, None, :, None] * inv_freq  # (B, 1, T, D/2)
+    sin = freqs.sin()
+    return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, H, T, D); cos/sin: (B, T, D)."""
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, T, D); cos, signed_sin: (B, 1, T, D) from rope_cos_sin. Returns x * cos + rotate_half(x) *
+    sin with rotate_half(x) = (-x2, x1), computed as x * cos + (x2, x1) * (-sin, sin) (bitwise the same:
+    negation is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -264,8 +269,8 @@ class GPT(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         if attn_mask is None and segment_ids is not None:
             attn_mask = document_causal_mask(segment_ids)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for block in self.model.layers:
             x = block(x, cos, sin, attn_mask, kv_cache)
         if logits_at is not None:

@@ -121,8 +121,9 @@ def test_lm_head_runs_only_on_sampled_positions(tok, model):
         ModelRunner(model, tok).generate_batch(prompts, max_tokens=3, temperature=0.0)
     finally:
         hook.remove()
-    # prefill of (2, 31): 2 rows into the LM head, not 62 positions; then two decodes of 2 rows
-    assert rows_seen == [(2, model.config.n_embd)] * 3
+    # prefill of (2, 31): 2 rows into the LM head, not 62 positions; then two decodes of 2 rows of 1 token
+    d = model.config.n_embd
+    assert rows_seen == [(2, d), (2, 1, d), (2, 1, d)]
 
 
 class _Writes(TorchDispatchMode):

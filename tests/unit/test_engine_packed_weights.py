@@ -10,7 +10,7 @@ from support.engine_fixtures import byte_tokenizer, reference_greedy, tiny_gpt
 from torch import nn
 
 from raychat.engine import ModelRunner
-from raychat.engine.packed_weights import PackedLinears, available
+from raychat.engine.packed_weights import SMALL_MATMUL_MACS, PackedLinears, available, small_matmul
 
 pytestmark = pytest.mark.skipif(
     not available(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
@@ -36,6 +36,23 @@ def test_packed_linear_equals_nn_linear_and_follows_in_place_updates():
         model[1].weight = nn.Parameter(torch.zeros(8, 40))
     with packed:
         torch.testing.assert_close(model(x), model[1].bias.expand(5, 3, 8))
+
+
+def test_small_products_run_mkl_and_large_ones_onednn_both_equal_to_nn_linear():
+    """The kernel rule: rows * in * out <= 2**22 multiply-adds -> MKL on the (in, out) copy, else oneDNN.
+    A 256 x 256 weight switches above 2**22 / 65,536 = 64 rows; both kernels equal F.linear to fp32
+    rounding (summation order only), with and without a bias."""
+    assert SMALL_MATMUL_MACS == 4_194_304
+    assert small_matmul(64, 256, 256) and not small_matmul(65, 256, 256)
+    assert small_matmul(1, 512, 4096) and not small_matmul(3, 512, 4096)  # 2,097,152 vs 6,291,456
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 256, bias=True))
+    for rows in (1, 64, 65, 300):
+        x = torch.randn(rows, 1, 256)
+        with PackedLinears(model):
+            y = model(x)
+        expected = F.linear(F.linear(x, model[0].weight), model[1].weight, model[1].bias)
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_engine_greedy_with_packing_equals_the_plain_path_and_the_no_cache_reference():

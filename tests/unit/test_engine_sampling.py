@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from raychat.engine import TEMPERATURE_EPS, SamplingBatch, SamplingParams, make_generator, sample_next
-from raychat.engine.sampling import filter_logits
+from raychat.engine.sampling import _filter, _filter_candidates, filter_logits
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 LOGITS = PROBS.log()
@@ -185,3 +185,33 @@ def test_overflowing_scaled_logits_are_greedy_and_bad_logits_fail_their_row_alon
     assert [o.error is not None for o in out] == [False, True, True, True, False]
     assert out[1].error.startswith("non-finite logits") and out[1].token == -1
     assert out[4].token == 1 and out[4].logprob == pytest.approx(0.0)
+
+
+def test_top_k_candidates_path_equals_the_full_path_bitwise():
+    """_filter on the kmax-rounded-to-64 largest logits (one topk) keeps exactly what the full-vocabulary
+    path keeps, with the same values, for per-row top-k / top-p, ties (logits rounded to a coarse grid), -inf
+    logits, and k at or past the number of finite logits; ties at the k-th value reaching past the
+    candidates fall back to the full path."""
+    gen = torch.Generator().manual_seed(3)
+    compared = 0
+    for trial in range(200):
+        n, V = 1 + trial % 5, 512
+        logits = torch.randn(n, V, generator=gen) * 3
+        if trial % 3 == 0:
+            logits = (logits * 2).round() / 2  # many exact ties
+        if trial % 7 == 0:
+            logits[0, : V - 20] = float("-inf")  # only 20 finite logits in row 0
+        top_k = torch.randint(1, 100, (n,), generator=gen)
+        kmax = int(top_k.max())
+        top_p = torch.rand(n, 1, generator=gen) * 0.9 + 0.1 if trial % 2 else None
+        fast = _filter_candidates(logits, top_k, top_p, kmax)
+        # the full path: the same function with the candidates path turned off (kmax >= V takes it)
+        full = _filter(logits.clone(), top_k, top_p, V)
+        if fast is None:
+            continue
+        assert torch.equal(fast, full), trial
+        compared += 1
+    assert compared >= 150  # the fallback is the rare case
+    ties = torch.zeros(1, V)  # 512 equal logits: the 5th value ties past 64 candidates
+    assert _filter_candidates(ties, torch.tensor([5]), None, 5) is None
+    torch.testing.assert_close(_filter(ties.clone(), torch.tensor([5]), None, 5), ties)

@@ -1,27 +1,31 @@
-"""CPU matmuls of the engine through oneDNN with weights reordered once ("packed"), instead of MKL on the
-plain layout.
+"""CPU matmuls of the engine: oneDNN with weights reordered once ("packed") for large products, MKL on an
+(in, out) copy of the weight for small ones; both instead of MKL on the plain (out, in) layout.
 
-Why: on CPU a Linear in the engine runs at 1 to 64 rows (decode) or one prefill chunk, shapes at which
-MKL's sgemm on the plain (out, in) weight runs far below its large-matrix rate. oneDNN's matmul with the
-weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the weight
-prepacking torch.compile's CPU backend applies when it freezes a model) is faster at these shapes, most per
-Linear with the weights in cache, less per whole decode step, whose weights come from memory
-(bench/results/engine_step_profile.md has the numbers). The multiply
-stays in the weight's dtype (fp32 stays fp32: results differ from MKL's only in summation order, about
-1e-6 relative).
+Why: on CPU a Linear in the engine runs at 1 to 64 rows (decode) or one prefill chunk. oneDNN's matmul with
+the weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the weight
+prepacking torch.compile's CPU backend applies when it freezes a model) is the fastest kernel for large
+products (a prefill chunk, decode of many rows on a wide model), but each call has a fixed cost of ~20-30 us,
+which dominates small products: a decode step of one row, or of a few rows on a narrow model. There MKL's
+sgemm on the weight stored (in, out) (`x @ w_t`, contiguous rows of the output) is 1.2-2x faster per
+Linear. The rule, per call: rows * in * out multiply-adds <= SMALL_MATMUL_MACS (2**22) -> MKL on the (in,
+out) copy, else oneDNN packed. The crossover and the whole-step numbers (depth 4 / depth 8 models at 1, 8
+and 32 rows) are in bench/results/decode_overhead.md. Either way the multiply stays in the weight's dtype
+(fp32 stays fp32: the kernels differ only in summation order, about 1e-6 relative).
 
-`PackedLinears(model)` holds one packed copy per nn.Linear weight (as much memory again as those weights)
-and re-packs a weight whenever it changed: the parameter's version counter (every in-place update:
-load_state_dict, optimizer steps, copy_) or its storage (a new tensor assigned) differs from when it was
-packed; `refresh()` forces a re-pack after writes that bypass the counter. `with packed:` routes those
-Linears' forward through the packed copies for the duration of the block only (the engine's forwards);
-outside it the model is untouched.
+`PackedLinears(model)` holds both copies per nn.Linear weight (twice as much memory again as those weights)
+and re-makes them whenever the weight changed: the parameter's version counter (every in-place update:
+load_state_dict, optimizer steps, copy_) or its storage (a new tensor assigned) differs from when they were
+made; `refresh()` forces that after writes that bypass the counter. `with packed:` routes those Linears'
+forward through the copies for the duration of the block only (the engine's forwards); outside it the model
+is untouched.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+SMALL_MATMUL_MACS = 2**22  # rows * in * out at or below which MKL on the (in, out) copy beats oneDNN
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -44,16 +48,18 @@ class PackedLinears:
 
     def __init__(self, model: nn.Module):
         self.linears = [m for m in model.modules() if type(m) is nn.Linear]
-        self._packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
-        self._forwards: dict[int, tuple] = {}  # id(linear) -> (packed weight, bias, forward)
+        self._packed: dict[int, tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._forwards: dict[int, tuple] = {}  # id(linear) -> (weights, bias, forward)
 
-    def _weight(self, linear: nn.Linear) -> torch.Tensor:
+    def _weight(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """(oneDNN-packed weight, (in, out) contiguous copy) of `linear`, re-made when the weight changed."""
         w = linear.weight
         key = (w._version, w.data_ptr())
         hit = self._packed.get(id(linear))
         if hit is None or hit[0] != key:
             with torch.no_grad():
-                hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+                w = w.detach()
+                hit = (key, (torch.ops.mkldnn._reorder_linear_weight(w, None), w.t().contiguous()))
             self._packed[id(linear)] = hit
         return hit[1]
 
@@ -66,10 +72,11 @@ class PackedLinears:
         # the bound forwards are kept with the packed weight they close over (one closure per packing, not
         # per forward) and set in the instance __dict__ directly (nn.Module.__setattr__ is slow per call)
         for linear in self.linears:
-            weight, bias = self._weight(linear), linear.bias
+            weights, bias = self._weight(linear), linear.bias
             fn = self._forwards.get(id(linear))
-            if fn is None or fn[0] is not weight or fn[1] is not bias:
-                fn = (weight, bias, lambda x, w=weight, b=bias: _linear(x, w, b))
+            if fn is None or fn[0] is not weights or fn[1] is not bias:
+                small = SMALL_MATMUL_MACS // (linear.in_features * linear.out_features)
+                fn = (weights, bias, lambda x, w=weights, b=bias, s=small: _linear(x, w, b, s))
                 self._forwards[id(linear)] = fn
             linear.__dict__["forward"] = fn[2]
         return self
@@ -79,5 +86,16 @@ class PackedLinears:
             linear.__dict__.pop("forward", None)
 
 
-def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def small_matmul(rows: int, in_features: int, out_features: int) -> bool:
+    """True when a Linear of (out_features, in_features) on `rows` rows runs MKL on the (in, out) copy:
+    rows * in_features * out_features <= SMALL_MATMUL_MACS; False: oneDNN on the packed weight."""
+    return rows * in_features * out_features <= SMALL_MATMUL_MACS
+
+
+def _linear(x: torch.Tensor, weights: tuple, bias: torch.Tensor | None, small_rows: int) -> torch.Tensor:
+    """x (..., in) -> (..., out): MKL on the (in, out) copy when x has at most `small_rows` rows (the rule of
+    small_matmul, solved for rows once per Linear), else oneDNN on the packed weight."""
+    if x.numel() <= small_rows * x.shape[-1]:
+        y = torch.matmul(x, weights[1])
+        return y if bias is None else y + bias
+    return torch.ops.mkldnn._linear_pointwise(x, weights[0], bias, "none", [], "")

@@ -143,8 +143,9 @@ class ModelRunner:
             prompt is prefilled in chunks of this size.
         compile_decode: compile the decode step with torch.compile (CUDA graphs on CUDA) for fixed row
             counts (decode_buckets); off by default, meant for GPUs (on CPU it only costs compile time).
-        packed_linears: run the model's nn.Linear layers through oneDNN with weights packed once
-            (engine/packed_weights.py; faster matmuls on CPU, one more copy of those weights in memory):
+        packed_linears: run the model's nn.Linear layers through weights laid out once for the CPU's
+            kernels (engine/packed_weights.py: oneDNN-packed for large products, an (in, out) copy for MKL
+            on small ones; faster matmuls on CPU, two more copies of those weights in memory):
             "auto" (default) = on for fp32 on CPU when torch has oneDNN; True = on (ValueError where it
             does not apply); False = off (MKL on the plain weights, as the training forward).
         kv_dtype: the KV cache's dtype: "model" (default) = the weights' dtype; "auto" = bfloat16 where the
@@ -272,9 +273,12 @@ class ModelRunner:
         else:
             batch = cache.batch(start, B, T, self.attention)
             ids = to_device(ids, self.device)
-            at = to_device(torch.tensor([max(n - 1, 0) for n in lens]), self.device)
             with self._packed:
-                logits = self.model(ids, position_ids=batch.position_ids, kv_cache=batch, logits_at=at)
+                if T == 1:  # a decode step: each row's only position
+                    logits = self.model(ids, position_ids=batch.position_ids, kv_cache=batch)[:, 0]
+                else:
+                    at = to_device(torch.tensor([max(n - 1, 0) for n in lens]), self.device)
+                    logits = self.model(ids, position_ids=batch.position_ids, kv_cache=batch, logits_at=at)
         if min(lens) == 1 and T == 1:
             cache.lengths[start : start + B] += 1
         else:

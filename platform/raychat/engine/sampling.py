@@ -65,6 +65,10 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tenso
     """Per-row top-k / top-p: logits (n, V) fp32; top_k (n,) int64 (0 = off) or None, kmax its largest
     value (given by the caller: reading it from the device would sync); top_p (n, 1) fp32 (>= 1 = off)
     or None. Returns a new tensor with the removed entries at -inf; the most likely token always stays."""
+    if top_k is not None and logits.device.type == "cpu" and kmax < logits.shape[-1]:
+        kept = _filter_candidates(logits, top_k, top_p, kmax)
+        if kept is not None:
+            return kept
     if top_k is not None:
         V = logits.shape[-1]
         k = top_k.clamp(max=V)
@@ -92,6 +96,31 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tenso
         remove.scatter_(-1, order, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     return logits
+
+
+def _filter_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, kmax: int):
+    """`_filter` for rows that all have top_k > 0, working on the W = kmax rounded up to 64 largest logits of
+    each row only (one topk, then sorts of W entries), the same result bitwise (the top-p softmax runs on
+    the same values in the same order, padded with -inf to a multiple of 64 lanes as the full path's).
+    Returns None when it does not apply: a row without top-k, or ties at a row's k-th value that reach past
+    the W candidates (the full path keeps every tie)."""
+    V = logits.shape[-1]
+    if not bool((top_k > 0).all()):
+        return None
+    W = min(V, -(-kmax // 64) * 64)
+    vals, idx = torch.topk(logits, W, dim=-1)  # descending; order among equal values unspecified
+    kth = vals.gather(1, (top_k.clamp(max=V) - 1)[:, None])
+    if W < V and bool((vals[:, -1:] >= kth).any()):
+        return None
+    vals = vals.masked_fill(vals < kth, float("-inf"))
+    if top_p is not None:  # order the candidates by (logit desc, id asc) as the full path does
+        ids, by_id = torch.sort(idx, dim=-1)
+        vals, pos = torch.sort(vals.gather(1, by_id), dim=-1, descending=True, stable=True)
+        idx = ids.gather(1, pos)
+        probs = torch.softmax(vals, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        vals = vals.masked_fill(mass_before >= top_p, float("-inf"))  # the first token always stays
+    return torch.full_like(logits, float("-inf")).scatter_(1, idx, vals)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -239,37 +268,42 @@ class SamplingBatch:
             raise ValueError(f"logits has {n} rows for {len(self)} sampling rows")
         dev = logits.device
         logits = logits.float()
-        noise: list[torch.Tensor | None] = [None] * n  # Exp(1) draws of the sampled rows
+        # Exp(1) draws of the sampled rows, in one (n, V) tensor: a generator's rows that are consecutive
+        # draw straight into their slice (the same numbers as a fresh tensor: exponential_ fills a
+        # contiguous block in order); other rows keep 1 (dividing by it changes nothing)
+        num_sampled = sum(len(rows) for _, rows in self._draws.values())
+        noise = (torch.empty if num_sampled == n else torch.ones)((n, V), device=dev) if num_sampled else None
+        drawn = [False] * n
         errors: dict[int, str] = {}
         for generator, rows in self._draws.values():
             try:
-                q = torch.empty((len(rows), V), device=dev).exponential_(1, generator=generator)
+                if rows[-1] - rows[0] == len(rows) - 1:
+                    noise[rows[0] : rows[-1] + 1].exponential_(1, generator=generator)
+                else:
+                    q = torch.empty((len(rows), V), device=dev).exponential_(1, generator=generator)
+                    noise[to_device(torch.tensor(rows), dev)] = q
             except RuntimeError as e:  # e.g. a generator on another device: those rows fail alone
                 errors.update({r: f"invalid sampling state: {e}" for r in rows})
                 continue
-            for j, r in enumerate(rows):
-                noise[r] = q[j]
+            for r in rows:
+                drawn[r] = True
         rowmax, greedy_tok = logits.max(dim=-1)  # NaN propagates into rowmax; ties go to the lowest id
         bad = ~(rowmax < float("inf")) | (rowmax == float("-inf"))
         temp = to_device(torch.tensor(self.temperature, dtype=torch.float32), dev)
         scaled = logits / temp[:, None]
         overflow = torch.isposinf(rowmax / temp)  # = max of scaled: tiny temperature, greedy (T -> 0 limit)
         token = greedy_tok
-        num_drawn = sum(q is not None for q in noise)
+        num_drawn = sum(drawn)
         if num_drawn:
             k = to_device(torch.tensor(self.top_k), dev) if any(self.top_k) else None
             p = to_device(torch.tensor(self.top_p)[:, None], dev) if min(self.top_p) < 1 else None
             probs = torch.softmax(_filter(scaled, k, p, max(self.top_k)), dim=-1)
-            if n == 1:
-                sampled = torch.argmax(probs / noise[0][None], dim=-1)
-            else:
-                ones = torch.ones(V, device=dev) if num_drawn < n else None
-                sampled = torch.argmax(probs / torch.stack([ones if q is None else q for q in noise]), dim=-1)
+            sampled = torch.argmax(probs / noise, dim=-1)
             if num_drawn == n:  # every row drew: only overflowing rows fall back to greedy
                 token = torch.where(overflow, greedy_tok, sampled)
             else:
-                drawn = to_device(torch.tensor([q is not None for q in noise]), dev)
-                token = torch.where(drawn & ~overflow, sampled, greedy_tok)
+                mask = to_device(torch.tensor(drawn), dev)
+                token = torch.where(mask & ~overflow, sampled, greedy_tok)
         if max(self.forced) >= 0:
             forced = to_device(torch.tensor(self.forced), dev)
             token = torch.where(forced >= 0, forced, token)
