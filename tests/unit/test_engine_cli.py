@@ -6,8 +6,10 @@ import io
 import sys
 
 import pytest
+import torch
 from support.engine_fixtures import byte_tokenizer, tiny_gpt
 
+from raychat.chat import cli as chat_cli
 from raychat.chat.cli import assistant_message
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import save_model
@@ -110,3 +112,19 @@ def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, capsys, flags, 
     assert main(["chat", *checkpoint, *flags, "-p", "x"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("raychat chat: ") and message in err and err.count("\n") == 1
+
+
+def test_kv_dtype_flag_reaches_the_model_runner(checkpoint, capsys, monkeypatch):
+    runners = []
+
+    class Recording(ModelRunner):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            runners.append(self)
+
+    monkeypatch.setattr(chat_cli, "ModelRunner", Recording)
+    d, _, _ = checkpoint
+    flags = ["--temperature", "0", "--max-tokens", "2", "--device", "cpu", "--kv-dtype", "bfloat16"]
+    assert main(["chat", "--checkpoint", str(d), "-p", "hi", *flags]) == 0
+    (runner,) = runners
+    assert runner.kv_dtype == torch.bfloat16 and runner.dtype == torch.float32  # auto on CPU: fp32 weights

@@ -86,7 +86,8 @@ def test_echo_logprobs_max_tokens_0(tiny, client):
     # the token itself plus the 2 most likely: 2 or 3 entries, the largest one the argmax
     assert all(2 <= len(top) <= 3 for top in lp["top_logprobs"][1:])
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
 
 
 def test_lm_eval_shaped_request(tiny, client):

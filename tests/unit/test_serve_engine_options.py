@@ -1,5 +1,6 @@
-"""The engine options of a serving replica (ServeConfig replica.dtype / replica.prefill_chunk_tokens) are
-validated by the config and reach the replica's ModelRunner and Scheduler (CPU: "auto" is float32)."""
+"""The engine options of a serving replica (ServeConfig replica.dtype / replica.prefill_chunk_tokens /
+replica.kv_dtype) are validated by the config and reach the replica's ModelRunner and Scheduler (CPU: "auto"
+is float32), in-process and through the engine process."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 
 from raychat.config import ConfigError
+from raychat.serve import server as server_module
 from raychat.serve.app import SERVER_DEPLOYMENT, build_app, serve_config
 from raychat.serve.server import ChatServer
 
@@ -59,3 +61,56 @@ def test_build_app_binds_the_engine_options_to_the_chat_server_deployment(tmp_pa
     engine = app._bound_deployment.init_args[0]._bound_deployment
     assert engine.name == SERVER_DEPLOYMENT
     assert engine.init_args[-2:] == ("bfloat16", 96)  # the device: from the GPUs Ray assigns the replica
+
+
+def test_serve_config_takes_kv_dtype_and_refuses_a_bad_value_in_one_line():
+    assert serve_config({"checkpoint": "ckpt"}).replica.kv_dtype == "model"
+    assert serve_config({"checkpoint": "ckpt", "kv_dtype": "bfloat16"}).replica.kv_dtype == "bfloat16"
+    with pytest.raises(ConfigError) as e:
+        serve_config({"checkpoint": "ckpt", "kv_dtype": "fp8"})
+    allowed = "['model', 'auto', 'float32', 'bfloat16', 'float16']"
+    assert str(e.value) == f"kv_dtype must be one of {allowed}, got 'fp8'"
+
+
+@pytest.mark.parametrize("kv_dtype, expected", [("bfloat16", torch.bfloat16), ("model", torch.float32)])
+def test_chat_server_passes_kv_dtype_to_its_model_runner(tmp_path, kv_dtype, expected):
+    write_tiny_checkpoint(tmp_path)
+    server = ChatServer.from_checkpoint(tmp_path, "cpu", dtype="float32", kv_dtype=kv_dtype)
+    try:
+        engine = server.scheduler.engine
+        assert engine.kv_dtype == expected and engine.dtype == torch.float32  # the weights stay fp32
+        assert server.scheduler.cache.k.dtype == expected
+        assert engine.prefix_cache.dtype == expected
+    finally:
+        server.scheduler.stop()
+    with pytest.raises(ValueError, match=r"kv_dtype must be 'model', 'auto' or one of .*, got 'fp8'"):
+        ChatServer(*tiny_model_and_tokenizer(), kv_dtype="fp8")
+
+
+def test_engine_process_path_hands_kv_dtype_to_the_engine_process(tmp_path, monkeypatch):
+    """engine_process=True: kv_dtype goes to EngineProcess with the other engine options (its child builds
+    ModelRunner(**options)); recorded here instead of starting a child."""
+    write_tiny_checkpoint(tmp_path)
+    seen = {}
+
+    class Recorder:
+        max_slots, max_len = 2, 256
+
+        def __init__(self, *args, **kwargs):
+            seen["args"], seen["kwargs"] = args, kwargs
+
+        def start(self):
+            pass
+
+    monkeypatch.setattr(server_module, "EngineProcess", Recorder)
+    ChatServer.from_checkpoint(tmp_path, "cpu", engine_process=True, max_slots=2, kv_dtype="bfloat16",
+                               prefix_cache_tokens=64)  # fmt: skip
+    assert seen["args"][2] == 2
+    assert seen["kwargs"]["kv_dtype"] == "bfloat16" and seen["kwargs"]["prefix_cache_tokens"] == 64
+
+
+def test_build_app_binds_kv_dtype(tmp_path):
+    write_tiny_checkpoint(tmp_path)
+    app = build_app({"checkpoint": str(tmp_path), "kv_dtype": "bfloat16"})
+    engine = app._bound_deployment.init_args[0]._bound_deployment
+    assert engine.init_kwargs["limits"]["kv_dtype"] == "bfloat16"

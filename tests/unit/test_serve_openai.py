@@ -55,7 +55,9 @@ def test_text_reply_with_and_without_streaming():
     reply, raw = completion(HELLO, max_completion_tokens=4)
     assert raw["choices"][0]["message"] == {"role": "assistant", "content": "Hello\nworld"}
     assert reply.choices[0].finish_reason == "stop" and reply.choices[0].logprobs is None
-    assert raw["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+    # the scripted engine reports no cached_tokens: 0
+    details = {"cached_tokens": 0}
+    assert raw["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9, "prompt_tokens_details": details}  # fmt: skip
     got, _ = chunks(HELLO, stream_options={"include_usage": True})
     assert len({c.id for c in got}) == 1 and got[0].choices[0].delta.role == "assistant"
     assert got[-2].choices[0].finish_reason == "stop"
@@ -116,22 +118,25 @@ def test_the_returned_message_sent_back_is_the_turn_the_engine_generated():
 
 
 def test_n_choices_stream_side_by_side():
-    def script(request):  # each choice's text names its seed
+    def script(request):  # each choice's text names its seed; choice 0 (seed 1) reused 16 prompt tokens
         text = f"seed {request['seed']}"
+        usage = {**USAGE, "completion_tokens": 2, "cached_tokens": 16 if request["seed"] == 1 else 0}
         return [{"type": "delta", "text": text, "tokens": 2, "logprobs": None},
-                {"type": "done", "finish_reason": "stop", "usage": {**USAGE, "completion_tokens": 2}}]  # fmt: skip
+                {"type": "done", "finish_reason": "stop", "usage": usage}]  # fmt: skip
 
     reply, raw = completion(script, n=3, seed=1)
     fake_seeds = [c.message.content for c in reply.choices]
     assert [c.index for c in reply.choices] == [0, 1, 2] and fake_seeds[0] == "seed 1"
     assert len(set(fake_seeds)) == 3
-    assert raw["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+    # the prompt once (choice 0's, with its cached tokens), the completions summed
+    details = {"cached_tokens": 16}
+    assert raw["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11, "prompt_tokens_details": details}  # fmt: skip
     got, fake = chunks(script, n=3, seed=1, stream_options={"include_usage": True})
     assert len(fake.requests) == 3 and fake.closed == 3
     final = accumulated(got)
     assert [c.message.content for c in final.choices] == fake_seeds
     assert {c.choices[0].index for c in got if c.choices} == {0, 1, 2}
-    assert got[-1].usage.completion_tokens == 6
+    assert got[-1].usage.completion_tokens == 6 and got[-1].usage.prompt_tokens_details.cached_tokens == 16
 
 
 def test_logprobs_reach_the_choice_and_the_chunks():

@@ -93,7 +93,7 @@ def run_chat(args, stdin=None, out=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"raychat chat: {e}", file=sys.stderr)
         return 2
-    sched = Scheduler(ModelRunner(model, tokenizer, dtype="auto"), max_slots=1)
+    sched = Scheduler(ModelRunner(model, tokenizer, dtype="auto", kv_dtype=cfg.kv_dtype), max_slots=1)
     system = [{"role": "system", "content": cfg.system}] if cfg.system else []
     if cfg.prompt is not None:
         _reply(sched, tokenizer, [*system, {"role": "user", "content": cfg.prompt}], params, out)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import Section, option
+from raychat.config.schema import Section, option, owned_choices
+from raychat.config.serve import KV_DTYPE_HELP
 
 DEVICES = ("cpu", "cuda")
 CHECKPOINT_HELP = (
@@ -76,3 +77,4 @@ class ChatConfig(Section):
     device: str = option(
         "auto", "where the model runs (auto: cuda when there is one, else cpu)", ("auto", *DEVICES)
     )
+    kv_dtype: str = option("model", KV_DTYPE_HELP, owned_choices("raychat.engine.runner", "KV_DTYPES"))

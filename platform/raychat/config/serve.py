@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import ConfigError, Section, option, section
+from raychat.config.schema import ConfigError, Section, option, owned_choices, section
+
+# the engine's KV-cache dtype option (ModelRunner kv_dtype, engine/runner.py resolve_kv_dtype): serving, raychat chat
+KV_DTYPE_HELP = (
+    "KV-cache dtype: model = the weights' dtype; auto = bfloat16 where the device has native bf16 math "
+    "(raychat.model.fast_bf16), else float32; accuracy cost of bfloat16 vs float32: bench/results/infer_bench.md"
+)
 
 
 @dataclass
@@ -29,6 +35,9 @@ class ReplicaSection(Section):
         "auto", "weights and KV-cache dtype: auto = bfloat16 on CUDA, float32 on CPU; model = the "
         "checkpoint's", choices=("auto", "model", "float32", "bfloat16", "float16"),
     )  # fmt: skip
+    kv_dtype: str = option(
+        "model", KV_DTYPE_HELP, choices=owned_choices("raychat.engine.runner", "KV_DTYPES")
+    )
     prefill_chunk_tokens: int = option(
         512, "prompt tokens prefilled per engine step at most (bounds the other streams' inter-token "
         "latency while a long prompt is prefilled)", ge=1,

@@ -9,9 +9,13 @@ copied. Kernel per forward (`plan`), from the row offsets alone:
 
   "causal"       every row starts at 0 (prefill of fresh prompts; right padding only hides padded queries):
                  SDPA is_causal=True over the new keys/values themselves; the cache is not read.
-  "lower_right"  every row starts at the same s > 0 and T > 1 (a prompt's later prefill chunk): SDPA with
+  "lower_right"  every row starts at the same s > 0 and T > 1 (a prompt's later prefill chunk, or the rest
+                 of a prompt after a prefix-cache hit): on CUDA SDPA with
                  torch.nn.attention.bias.causal_lower_right(T, S), which the flash/efficient kernels take
-                 as a flag (query t sees slots <= s + t), no dense mask.
+                 as a flag (query t sees slots <= s + t), no dense mask; elsewhere the (B, 1, T, S) dense
+                 mask of "lengths" (the same rule; CPU SDPA's flash kernel takes it, and the module, whose
+                 import pulls in torch._dynamo, ~0.9 s, stays unimported: a serving replica's first
+                 prefix-cache hit would pay it).
   "full"         every row starts at the same s and T == 1 (decode of equal-length rows): SDPA without a
                  mask; every one of the S = s + 1 slots is visible.
   "lengths"      rows start at different slots: query t of row b sees slot j iff j <= starts[b] + t.
@@ -131,7 +135,7 @@ class CacheBatch:
             self.plan, self.S = "lengths", end
         self.backend = backend if self.plan == "lengths" else "dense"
         self._mask = None
-        if self.plan in ("lengths", "static"):
+        if self.plan in ("lengths", "static") or (self.plan == "lower_right" and device.type != "cuda"):
             starts_dev = self.position_ids[:, 0]
             if self.backend == "flex":
                 self._mask = flex_block_mask(starts_dev, T, self.S)
@@ -163,7 +167,7 @@ class CacheBatch:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         rows = slice(self.start, self.start + self.B)
         keys, values = cache.k[layer_idx, rows, :, : self.S], cache.v[layer_idx, rows, :, : self.S]
-        if self.plan == "lower_right":
+        if self.plan == "lower_right" and self._mask is None:
             from torch.nn.attention.bias import causal_lower_right
 
             mask = causal_lower_right(self.T, self.S)

@@ -68,6 +68,7 @@ class EngineProcess:
         attention, compile_decode: the child's ModelRunner's (engine/runner.py).
         prefill_chunk_tokens: the child's Scheduler's per-step prefill budget.
         prefix_cache_tokens: the child's ModelRunner's prefix-cache capacity ("auto", tokens, 0 = off).
+        kv_dtype: the child's ModelRunner's KV-cache dtype ("model", "auto", "float32", "bfloat16", "float16").
         start_timeout_s: seconds to wait for the child to load the model.
         max_restarts: a child that exits unexpectedly is replaced by a new one (its live requests end with
             finish_reason "error"; submit raises RuntimeError while it loads) at most this many times;
@@ -101,12 +102,13 @@ class EngineProcess:
         request_timeout_s: float | None = None,
         stall_timeout_s: float = 60.0,
         prefix_cache_tokens="auto",
+        kv_dtype="model",
     ):
         check_limits(max_pending, request_timeout_s, stall_timeout_s)
         config = read_meta(checkpoint)["model_config"]
         self.vocab_size, self.max_seq_len = config["vocab_size"], config["max_seq_len"]
         options = {"dtype": dtype, "attention": attention, "compile_decode": compile_decode}
-        options["prefix_cache_tokens"] = prefix_cache_tokens
+        options |= {"prefix_cache_tokens": prefix_cache_tokens, "kv_dtype": kv_dtype}
         options |= {"prefill_chunk_tokens": prefill_chunk_tokens, "request_timeout_s": request_timeout_s}
         self.max_pending, self.request_timeout_s = max_pending, request_timeout_s
         self.stall_timeout_s = stall_timeout_s

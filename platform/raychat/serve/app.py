@@ -250,6 +250,7 @@ def build_app(args: dict | ServeConfig) -> Application:
     limits = {"max_pending": r.max_pending, "request_timeout_s": r.request_timeout_s}
     limits |= {"stall_timeout_s": r.stall_timeout_s, "retry_after_s": c.retry_after_s}
     limits["prefix_cache_tokens"] = "auto" if r.prefix_cache_tokens is None else r.prefix_cache_tokens
+    limits["kv_dtype"] = r.kv_dtype
     engine = ChatServerDeployment.options(
         **options[SERVER_DEPLOYMENT], backpressure_config=backpressure
     ).bind(

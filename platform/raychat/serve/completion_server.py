@@ -134,7 +134,7 @@ async def completion_events(server, request: dict) -> AsyncIterator[dict]:
                 server.metrics.observe_ttft(u.ttft_s)
             if ev.finish_reason in ("stop", "length"):
                 server.completed += 1
-                usage = usage_dict(u.prompt_tokens, u.completion_tokens, u.ttft_s)
+                usage = usage_dict(u.prompt_tokens, u.completion_tokens, u.ttft_s, u.cached_tokens)
                 yield {"type": "done", "finish_reason": ev.finish_reason, "usage": usage}
             elif ev.finish_reason == "cancelled":
                 server.cancelled += 1

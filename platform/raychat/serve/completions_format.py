@@ -72,10 +72,14 @@ class CompletionState:
 
 
 def total_usage(states: list[CompletionState]) -> dict:
-    """OpenAI usage of a batch: prompt and completion tokens summed over its prompts."""
+    """OpenAI usage of a batch (openai.types.CompletionUsage): prompt and completion tokens summed over its
+    prompts; prompt_tokens_details.cached_tokens: the prompt tokens reused from the engine's prefix cache,
+    summed (each USAGE's cached_tokens; 0 when the engine reports none)."""
     prompt = sum(s.usage["prompt_tokens"] for s in states)
     completion = sum(s.usage["completion_tokens"] for s in states)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    details = {"cached_tokens": sum(s.usage.get("cached_tokens", 0) for s in states)}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": details}  # fmt: skip
 
 
 def completion(cid: str, model: str, states: list[CompletionState]) -> dict:

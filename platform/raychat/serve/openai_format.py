@@ -104,10 +104,14 @@ class ChoiceState:
 
 
 def total_usage(states: list[ChoiceState]) -> dict:
-    """OpenAI usage of n choices: the prompt once, the completions summed."""
+    """OpenAI usage of n choices (openai.types.CompletionUsage): the prompt once, the completions summed;
+    prompt_tokens_details.cached_tokens: the prompt tokens choice 0 reused from the engine's prefix cache
+    (its USAGE's cached_tokens; 0 when the engine reports none)."""
     prompt = states[0].usage["prompt_tokens"]
     completion = sum(s.usage["completion_tokens"] for s in states)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    details = {"cached_tokens": states[0].usage.get("cached_tokens", 0)}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": details}  # fmt: skip
 
 
 def chat_completion(cid: str, model: str, states: list[ChoiceState]) -> dict:

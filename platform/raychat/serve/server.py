@@ -15,7 +15,8 @@ and yields (the completion read by raychat.chat.turn.TurnParser, so no control-t
   {"type": "tool_call", "id": "call_...", "expression": str}      a closed calculator call
   {"type": "tool_result", "id": "call_...", "output": str}        the calculator's output for that call
   {"type": "done", "finish_reason": "stop"|"length"|"tool_calls", "usage": {prompt_tokens,
-   completion_tokens, total_tokens, ttft_s}}                      last event of a success
+   completion_tokens, total_tokens, ttft_s, cached_tokens}}       last event of a success (cached_tokens:
+                                 prompt tokens served by the prefix cache)
   {"type": "error", "status": 400|429|500|503|504, "message": str, "param": str|None
    [, "retry_after": seconds]}   first and only event of a rejected request (400; 429 with retry_after when
                                  the engine's queue is full (max_pending); 503 while the engine process is
@@ -72,12 +73,16 @@ class ChatServer:
         prefix_cache_tokens: the ModelRunner's prefix-cache capacity (engine/prefix_cache.py): "auto"
             (default), a token count >= 16, or 0 = off. Finished requests' usage counts the prompt tokens
             it served (raychat_prefix_cache_hits / raychat_prefix_cache_queries).
+        kv_dtype: the ModelRunner's KV-cache dtype (engine/runner.py resolve_kv_dtype): "model" (default)
+            = the weights' (`dtype`); "auto" = bfloat16 where the device has native bf16 math
+            (raychat.model.fast_bf16), else float32; or "float32" / "bfloat16" / "float16". Accuracy cost of
+            bfloat16 vs float32: bench/results/infer_bench.md.
         max_pending, request_timeout_s, stall_timeout_s: the Scheduler's queue bound, per-request deadline
             and stall limit (engine/scheduler.py; ignored with `scheduler`, which has its own).
         retry_after_s: seconds a 429 answer (the engine's queue is full) asks the client to wait (>= 1).
     Raises:
         ValueError: stream_interval or retry_after_s < 1, or invalid ModelRunner / Scheduler arguments
-            (dtype, prefill_chunk_tokens, max_slots, max_len, max_pending, request_timeout_s,
+            (dtype, kv_dtype, prefill_chunk_tokens, max_slots, max_len, max_pending, request_timeout_s,
             stall_timeout_s).
     """
 
@@ -99,6 +104,7 @@ class ChatServer:
         stall_timeout_s: float = 60.0,
         retry_after_s: int = 1,
         prefix_cache_tokens="auto",
+        kv_dtype: str = "model",
     ):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
@@ -109,7 +115,9 @@ class ChatServer:
         self.model_id = model_id
         self.meta = meta or {}
         if scheduler is None:
-            runner = ModelRunner(model, tokenizer, dtype=dtype, prefix_cache_tokens=prefix_cache_tokens)
+            runner = ModelRunner(
+                model, tokenizer, dtype=dtype, prefix_cache_tokens=prefix_cache_tokens, kv_dtype=kv_dtype
+            )
             limits = {"max_pending": max_pending, "request_timeout_s": request_timeout_s}
             limits["stall_timeout_s"] = stall_timeout_s
             scheduler = Scheduler(
@@ -148,7 +156,7 @@ class ChatServer:
             return cls(model, tokenizer, meta=meta, **kwargs)
         rows, max_len = kwargs.pop("max_slots", 8), kwargs.pop("max_len", None)
         names = ("dtype", "prefill_chunk_tokens", "max_pending", "request_timeout_s", "stall_timeout_s")
-        names += ("prefix_cache_tokens",)
+        names += ("prefix_cache_tokens", "kv_dtype")
         engine = {k: kwargs.pop(k) for k in names if k in kwargs}
         scheduler = EngineProcess(checkpoint, device, rows, max_len, torch_threads, **engine)
         meta = read_meta(checkpoint)
@@ -309,7 +317,7 @@ class ChatServer:
                 reason = ev.finish_reason
                 if request.get("client_tools") and reason == "stop" and last_token == python_end:
                     reason = "tool_calls"
-                usage = usage_dict(u.prompt_tokens, u.completion_tokens, u.ttft_s)
+                usage = usage_dict(u.prompt_tokens, u.completion_tokens, u.ttft_s, u.cached_tokens)
                 yield {"type": "done", "finish_reason": reason, "usage": usage}
             elif ev.finish_reason == "cancelled":
                 self.cancelled += 1

@@ -8,7 +8,8 @@ raychat's POST /chat/completions (one JSON object per event; `index` is the choi
   {"type": "done", "index": int, "finish_reason": "stop"|"length"|"tool_calls", "usage": USAGE}
                                                         last event of each choice
   {"type": "error", "message": str}                    last event when generation failed
-  USAGE = {"prompt_tokens", "completion_tokens", "total_tokens", "ttft_s"}
+  USAGE = {"prompt_tokens", "completion_tokens", "total_tokens", "ttft_s", "cached_tokens"}
+                 cached_tokens: prompt tokens whose keys/values came from the engine's prefix cache
 
 OpenAI's POST /v1/chat/completions with stream=true: "chat.completion.chunk" objects, then `data: [DONE]`
 (raychat.serve.openai_format).
@@ -48,7 +49,11 @@ def parse_sse(body: str) -> list[str]:
     return events
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, ttft_s: float | None = None) -> dict:
+def usage_dict(
+    prompt_tokens: int, completion_tokens: int, ttft_s: float | None = None, cached_tokens: int = 0
+) -> dict:
+    """USAGE of a finished request (token counts; ttft_s in seconds, rounded to 1 us, absent when None;
+    cached_tokens: prompt tokens served by the prefix cache, engine.stream.Usage.cached_tokens)."""
     out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -56,4 +61,5 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, ttft_s: float | None 
     }
     if ttft_s is not None:
         out["ttft_s"] = round(ttft_s, 6)
+    out["cached_tokens"] = cached_tokens
     return out
