@@ -126,6 +126,62 @@ def attention_vs_floor(cfg, rows: int, context: int, dtype: torch.dtype, n: int 
                 read_once_gb_s=nbytes / floor / 1e9)  # fmt: skip
 
 
+def sgemm_rate(n: int = 1024, repeats: int = 5) -> float:
+    """FLOP per CPU second of an (n, n) @ (n, n) fp32 matmul, best of repeats: the machine's large-matmul rate."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        c0 = time.process_time()
+        a @ b
+        best = min(best, time.process_time() - c0)
+    return 2 * n**3 / best
+
+
+def read_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes per CPU second of reading a `mib` MiB fp32 tensor once (a sum), best of repeats: the read floor
+    of data that does not stay in cache (a decode step's KV cache of many rows and layers)."""
+    x = torch.randn(mib * 2**18)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        c0 = time.process_time()
+        x.sum()
+        best = min(best, time.process_time() - c0)
+    return x.numel() * x.element_size() / best
+
+
+LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",)
+
+
+def step_split(engine: ModelRunner, prompt: list[int], rows: int, context: int, steps: int = 8) -> dict:
+    """Where one decode step's CPU time goes, at `rows` rows of `context` cached tokens: the Linears (the
+    engine's matmul kernels), attention (SDPA), and everything else, from torch.profiler's self CPU time
+    over `steps` decode forwards (ModelRunner.forward_rows, sampling excluded), with the Linears' FLOPs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = engine.config
+    cache = engine.new_cache(rows, context + steps + 2)
+    with torch.inference_mode():
+        engine.prefill(cache, [0], [(prompt * (context // len(prompt) + 1))[:context]])
+        cache.replicate(0, list(range(rows)))
+        engine.forward_rows(cache, 0, [[1]] * rows)  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            c0 = time.process_time()
+            for _ in range(steps):
+                engine.forward_rows(cache, 0, [[1]] * rows)
+            total = (time.process_time() - c0) / steps
+    by_op = {e.key: e.self_cpu_time_total / 1e6 / steps for e in prof.key_averages()}
+    profiled = sum(by_op.values())
+    linears = sum(by_op.get(k, 0.0) for k in LINEAR_OPS)
+    attention = sum(by_op.get(k, 0.0) for k in ATTENTION_OPS)
+    macs = sum(m.in_features * m.out_features for m in engine.model.modules() if type(m) is torch.nn.Linear)
+    return dict(rows=rows, step_s=total, profiled_s=profiled, linears_s=linears, attention_s=attention,
+                other_s=profiled - linears - attention, linear_flop=2 * rows * macs,
+                kv_bytes=rows * context * KVCache.bytes_per_token(cfg, engine.kv_dtype))  # fmt: skip
+
+
 # ---- accuracy of a bfloat16 KV cache on a trained model -------------------------------------------------
 def docs_tokens(tok) -> list[int]:
     text = "\n\n".join(p.read_text() for p in sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")]))
@@ -246,6 +302,26 @@ def main(argv=None) -> int:
             print(f"one layer's decode attention, {kv}, {rows} rows x {context + 1} slots: attend "
                   f"{r['attend_ms']:.3f} ms ({r['attend_gb_s']:.1f} GB/s of K+V), read K+V once "
                   f"{r['read_once_ms']:.3f} ms ({r['read_once_gb_s']:.1f} GB/s)", flush=True)  # fmt: skip
+    payload["sgemm_flop_per_s"], payload["read_bytes_per_s"] = sgemm_rate(), read_bandwidth()
+    payload["step_split"] = []
+    engine = ModelRunner(model, tok, prefix_cache_tokens=0)
+    weight_bytes = read_bytes(model, 0, 0, engine.kv_dtype)
+    for rows in (int(b) for b in a.batch_sizes.split(",")):
+        r = step_split(engine, prompt, rows, context)
+        need = read_bytes(model, rows, context, engine.kv_dtype)
+        # the fastest this thread could run the step: Linears at the larger of their compute floor (FLOPs at
+        # the large-matmul rate) and their weight-read floor, attention at the read floor of its KV bytes
+        floor = max(
+            r["linear_flop"] / payload["sgemm_flop_per_s"], weight_bytes / payload["read_bytes_per_s"]
+        )
+        floor += r["kv_bytes"] / payload["read_bytes_per_s"]
+        r |= dict(mbu_ceiling=need / bw / floor, floor_s=floor,
+                  linear_flop_per_s=r["linear_flop"] / r["linears_s"] if r["linears_s"] else 0.0)  # fmt: skip
+        payload["step_split"].append(r)
+        print(f"decode step at {rows} rows (profiled, fp32): {r['profiled_s'] * 1e3:.2f} ms = Linears "
+              f"{r['linears_s'] * 1e3:.2f} ({r['linear_flop_per_s'] / 1e9:.0f} GFLOP/s) + attention "
+              f"{r['attention_s'] * 1e3:.2f} + other {r['other_s'] * 1e3:.2f}; floor {floor * 1e3:.2f} ms, "
+              f"MBU ceiling {r['mbu_ceiling']:.2f}", flush=True)  # fmt: skip
     if a.accuracy_steps:
         payload["bf16_kv_accuracy"] = acc = accuracy(a.accuracy_steps)
         print(
@@ -304,6 +380,29 @@ def write_markdown(out: Path, p: dict, argv: list[str]) -> None:
             f"{r['attend_gb_s']:.1f} | {r['read_once_ms']:.3f} | {r['read_once_gb_s']:.1f} | "
             f"{r['attend_ms'] / r['read_once_ms']:.2f} |"
         )
+    if p.get("step_split"):
+        lines += [
+            "",
+            "## Where a decode step goes, and the MBU this thread could reach",
+            "",
+            f"One decode forward (ModelRunner.forward_rows, fp32 weights and KV cache, sampling excluded), "
+            f"torch.profiler self CPU time per step over 8 steps at {p['context_mid']} cached tokens. The "
+            f"machine's large-matmul rate: **{p['sgemm_flop_per_s'] / 1e9:.0f} GFLOP/s** (1024^3 fp32 "
+            f"matmul, 1 thread); read rate of data that does not stay in cache: "
+            f"**{p['read_bytes_per_s'] / 1e9:.2f} GB/s** (sum of a 256 MiB tensor). Floor = the Linears at "
+            "the larger of FLOPs / that matmul rate and weight bytes / that read rate, plus the KV cache's "
+            "bytes / that read rate; MBU ceiling = bytes a step must read / copy bandwidth / floor.",
+            "",
+            "| rows | step ms (profiled) | Linears ms | Linears GFLOP/s | attention ms | other ms "
+            "| floor ms | **MBU ceiling** |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in p["step_split"]:
+            lines.append(
+                f"| {r['rows']} | {r['profiled_s'] * 1e3:.2f} | {r['linears_s'] * 1e3:.2f} | "
+                f"{r['linear_flop_per_s'] / 1e9:.0f} | {r['attention_s'] * 1e3:.2f} | "
+                f"{r['other_s'] * 1e3:.2f} | {r['floor_s'] * 1e3:.2f} | **{r['mbu_ceiling']:.2f}** |"
+            )
     acc = p.get("bf16_kv_accuracy")
     if acc:
         lines += [
