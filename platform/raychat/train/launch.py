@@ -40,6 +40,7 @@ from raychat.storage import Storage, check_writable, open_storage, read_bytes, r
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import start_or_connect, worker_bundle
 from raychat.train.plan import make_plan, print_plan
+from raychat.train.startup_trace import mark
 from raychat.train.step import NonFiniteError
 from raychat.train.worker import train_loop_per_worker
 
@@ -152,8 +153,10 @@ def run_training(cfg: TrainConfig, spec, callbacks=()) -> TrainingResult:
     tokenizer = Tokenizer.load(paths.tokenizer_path)
     plan = make_plan(cfg, tokenizer.vocab_size)
     print_plan(cfg, plan)
+    mark("plan_printed")
     c = cfg.layout
     line, capacity = start_or_connect(c.num_workers, c.cpus_per_worker, spec.data_cpus, c.use_gpu)
+    mark("ray_connected")
     log(line)
     accum = elastic_grad_accum(cfg, plan.total_batch_size)
     if len(accum) > 1:
@@ -231,6 +234,7 @@ def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity):
     what = f"{c.num_workers} worker(s) x {', '.join(f'{k} {v:g}' for k, v in bundle.items())}"
     reporter = WaitReporter(what, placement_state).start()
     try:
+        mark("fit_called")
         return trainer.fit()
     except TrainingFailedError as e:
         text = str(e)

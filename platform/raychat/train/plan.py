@@ -18,6 +18,20 @@ from raychat.model import GPT, ModelConfig
 from raychat.train.optim import planned_ns_choice
 
 
+class ShapesOnly(torch.overrides.TorchFunctionMode):
+    """Build modules on the meta device with their random initializers skipped (Tensor.normal_ / uniform_
+    return the tensor as it is): meta tensors hold no values anyway, and those initializers' meta kernels
+    import torch._dynamo (1.0-1.2 s of a job driver's start here: bench/results/job_startup_cluster.md).
+    """
+
+    SKIPPED = frozenset({"normal_", "uniform_"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.SKIPPED:  # torch.nn.init.normal_(tensor=...), Tensor.normal_
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 @dataclass(frozen=True)
 class Plan:
     model_config: dict  # raychat.model.ModelConfig.to_dict()
@@ -66,7 +80,7 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
         model_config = ModelConfig.from_depth(
             m.depth, vocab_size, m.seq_len, m.aspect_ratio, m.head_dim, m.kv_group
         )
-    with torch.device("meta"):
+    with torch.device("meta"), ShapesOnly():
         model = GPT(model_config)
     n_params = model.num_params()
     scaling_params = model.num_params(exclude_embedding=True)

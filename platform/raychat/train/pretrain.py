@@ -16,6 +16,7 @@ from raychat.tokenizer import Tokenizer
 from raychat.train.launch import config_from, resolve_paths, run_training
 from raychat.train.plan import make_plan, print_plan
 from raychat.train.replay_recorder import ReplayRecorder
+from raychat.train.startup_trace import mark
 from raychat.train.validators import BPBValidator, SamplesValidator
 
 
@@ -65,6 +66,7 @@ def dry_run_vocab_size(cfg: TrainConfig, preset: str | None) -> int:
 
 def main(args) -> int:
     """`raychat pretrain` (its parser: raychat.commands.pretrain)."""
+    mark("driver_imports_done")
     cfg = config_from(args, TrainConfig(), "pretrain")
     if args.dry_run:
         cfg = resolve_paths(cfg, writable=False).config(cfg)

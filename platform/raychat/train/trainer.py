@@ -35,6 +35,7 @@ from raychat.metrics_sink import MetricsSink
 from raychat.train.checkpointer import Checkpointer, commit_ranks
 from raychat.train.optim import lr_multiplier, set_lr
 from raychat.train.plan import Plan
+from raychat.train.startup_trace import mark
 from raychat.train.step import NonFiniteError, autocast_for, clear_grads, forward_backward, optimizer_step
 from raychat.train.validators import Validator, validate_all
 
@@ -124,6 +125,8 @@ class Trainer:
             for cb in self.callbacks:
                 cb.on_step_begin(self, step)
             stats = self.train_step(step)
+            if step == self.start_step:
+                mark("first_step_done")
             done = stats["step"]
             if self.due(self.config.train.eval.eval_every, done):
                 stats.update(validate_all(self.validators, self.model, done, self.plan.num_iterations))
@@ -152,6 +155,8 @@ class Trainer:
             cb.on_batch(self, step, batches)
         micro = [to_batch(b, self.bos_id, cfg.model.document_masking, self.device) for b in batches]
         t_data = time.perf_counter() - t0
+        if step == self.start_step:
+            mark("first_batch")
         s = cfg.train.lr_schedule
         lr = set_lr(
             self.optimizers,

@@ -38,6 +38,7 @@ from raychat.train.checkpointer import Checkpointer, restore_rows
 from raychat.train.fp8 import convert_to_fp8
 from raychat.train.optim import build_optimizers, muon_ns_choice
 from raychat.train.plan import Plan
+from raychat.train.startup_trace import mark
 from raychat.train.step import NonFiniteError, autocast_for
 from raychat.train.trainer import Callback, Trainer
 
@@ -97,6 +98,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     Result.return_value; a raised error would be retried from the last checkpoint into the same fault), or
     None when training finished.
     """
+    mark("worker_fn_start")
     cfg, plan, spec = from_dict(TrainConfig, config["train"]), Plan(**config["plan"]), config["spec"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -108,6 +110,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     tokenizer = Tokenizer.load(cfg.data.tokenizer_path)
 
     model = build_model(cfg, plan, device)
+    mark("model_built")
     rows = spec.row_source(cfg, tokenizer, rank, world)
     checkpointer = Checkpointer(cfg.run.stage, to_dict(cfg), tokenizer, {"plan": plan.to_dict()})
     checkpoints: CheckpointManager = config["checkpoints"]  # the driver's RunPaths.checkpoints
@@ -137,6 +140,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     train_model = ray.train.torch.prepare_model(train_model, move_to_device=False)
 
     validators = spec.validators(cfg, tokenizer, rank, world, device, autocast_for(device))
+    mark("validators_built")
     metrics, callbacks = None, list(config.get("callbacks", []))
     if rank == 0:
         run_dir = checkpoints.storage.uri_of(checkpoints.run_path)
@@ -152,6 +156,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
         bos_id=tokenizer.bos_id, rank=rank, world=world, device=device, start_step=start_step,
     )  # fmt: skip
     try:
+        mark("train_start")
         trainer.train()
     except NonFiniteError as fault:  # every rank meets it at the same step (raychat.train.step)
         if rank == 0:

@@ -246,6 +246,12 @@ class PretrainRows:
             self._pieces = None
 
 
+def _encode_lazily(texts: list[str], tokenizer: Tokenizer, chunk: int = 64) -> Iterator[list[int]]:
+    """BOS + ids of each text, in order, encoded `chunk` texts at a time as they are asked for."""
+    for i in range(0, len(texts), chunk):
+        yield from tokenizer.encode_batch(texts[i : i + chunk], prepend_bos=True)
+
+
 def validation_rows(val_file: str, tokenizer: Tokenizer, row_len: int, buffer_size: int, num_tokens: int,
                     world_size: int, overflow: str = "crop") -> dict[str, np.ndarray]:  # fmt: skip
     """{"input_ids": (N, row_len) int32}: the validation shard's documents best-fit packed into rows of
@@ -254,7 +260,7 @@ def validation_rows(val_file: str, tokenizer: Tokenizer, row_len: int, buffer_si
     overflow: "crop" (the trainer's: the same rows whatever the training policy; long documents are seen
     from their beginning only) or "split" (every token of the documents, bench/packing_overflow.py)."""
     texts = pq.read_table(val_file, columns=["text"]).column("text").to_pylist()
-    docs = iter(tokenizer.encode_batch(texts, prepend_bos=True))
+    docs = _encode_lazily(texts, tokenizer)  # the packer stops after N rows, long before the shard's end
     packer = BestFitPacker(lambda: next(docs, None), row_len, buffer_size, overflow)
     n = max(world_size, num_tokens // (row_len - 1) // world_size * world_size)
     return {"input_ids": np.stack([r for _, r in zip(range(n), packer)])}
