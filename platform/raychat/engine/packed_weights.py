@@ -50,6 +50,8 @@ class PackedLinears:
         self.linears = [m for m in model.modules() if type(m) is nn.Linear]
         self._packed: dict[int, tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
         self._forwards: dict[int, tuple] = {}  # id(linear) -> (weights, bias, forward)
+        self._params = [m._parameters for m in self.linears]  # read without nn.Module.__getattr__ (slow)
+        self._key: list | None = None  # the weights' (version, storage, bias) when the forwards were made
 
     def _weight(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """(oneDNN-packed weight, (in, out) contiguous copy) of `linear`, re-made when the weight changed."""
@@ -69,21 +71,27 @@ class PackedLinears:
         self._packed.clear()
 
     def __enter__(self) -> PackedLinears:
-        # the bound forwards are kept with the packed weight they close over (one closure per packing, not
-        # per forward) and set in the instance __dict__ directly (nn.Module.__setattr__ is slow per call)
-        for linear in self.linears:
-            weights, bias = self._weight(linear), linear.bias
-            fn = self._forwards.get(id(linear))
-            if fn is None or fn[0] is not weights or fn[1] is not bias:
-                small = SMALL_MATMUL_MACS // (linear.in_features * linear.out_features)
-                fn = (weights, bias, lambda x, w=weights, b=bias, s=small: _linear(x, w, b, s))
-                self._forwards[id(linear)] = fn
-            linear.__dict__["forward"] = fn[2]
+        # one pass over the weights' version counters and storages decides whether anything changed (every
+        # forward of the engine enters; a decode step is ~2 ms); only then are copies and closures remade.
+        # The bound forwards are set in the instance __dict__ directly (nn.Module.__setattr__ is slow per call)
+        key = [(w._version, w.data_ptr(), id(ps["bias"])) for ps in self._params for w in (ps["weight"],)]
+        if key != self._key or len(self._packed) < len(self.linears):
+            for linear in self.linears:
+                weights, bias = self._weight(linear), linear.bias
+                fn = self._forwards.get(id(linear))
+                if fn is None or fn[0] is not weights or fn[1] is not bias:
+                    small = SMALL_MATMUL_MACS // (linear.in_features * linear.out_features)
+                    fn = (weights, bias, lambda x, w=weights, b=bias, s=small: _linear(x, w, b, s))
+                    self._forwards[id(linear)] = fn
+            self._key = key
+            self._installed = [(linear.__dict__, self._forwards[id(linear)][2]) for linear in self.linears]
+        for attrs, forward in self._installed:
+            attrs["forward"] = forward
         return self
 
     def __exit__(self, *exc) -> None:
-        for linear in self.linears:
-            linear.__dict__.pop("forward", None)
+        for attrs, _ in self._installed:
+            attrs.pop("forward", None)
 
 
 def small_matmul(rows: int, in_features: int, out_features: int) -> bool:
