@@ -190,6 +190,7 @@ def test_build_app_bounds_serve_queues(checkpoint):
         "stall_timeout_s": 20.0,
         "retry_after_s": 3,
         "prefix_cache_tokens": "auto",  # 8 x max_seq_len, allocated as it fills (docs/engine.md)
+        "kv_dtype": "model",  # the weights' dtype (ServeConfig kv_dtype)
     }
     default = serve_app.build_app({"checkpoint": str(checkpoint)})._bound_deployment
     limits = default.init_args[0]._bound_deployment.init_kwargs["limits"]
