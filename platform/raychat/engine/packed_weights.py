@@ -39,7 +39,8 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinears:
-    """oneDNN-packed copies of every nn.Linear weight of `model`, used inside `with self:` only.
+    """A oneDNN-packed copy and an (in, out) copy of every nn.Linear weight of `model`, used inside
+    `with self:` only (each call picks one by small_matmul).
 
     Args:
         model: any nn.Module; its nn.Linear submodules (weight (out, in), optional bias (out,)) are packed.
