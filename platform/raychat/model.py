@@ -163,12 +163,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, attn_mask, kv_cache):
+    def forward(self, x, cos, signed_sin, attn_mask, kv_cache):
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         # inference: the cache stores k, v and picks the kernel (raychat.engine.attention)
         if kv_cache is not None:
             y = kv_cache.attend(self.layer_idx, q, k, v)
@@ -200,8 +200,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, attn_mask, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, kv_cache)
+    def forward(self, x, cos, signed_sin, attn_mask, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, attn_mask, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -270,9 +270,9 @@ class GPT(nn.Module):
         if attn_mask is None and segment_ids is not None:
             attn_mask = document_causal_mask(segment_ids)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, signed_sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for block in self.model.layers:
-            x = block(x, cos, sin, attn_mask, kv_cache)
+            x = block(x, cos, signed_sin, attn_mask, kv_cache)
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device), logits_at]
         return self.lm_head(self.model.norm(x)).float()

@@ -56,3 +56,13 @@ def test_scheduler_slots_use_the_cache_bytes(tok):
     assert bpt16 * 2 == KVCache.bytes_per_token(model.config, torch.float32)
     sched = Scheduler(engine, max_slots=8, max_len=64, kv_budget_bytes=3 * 64 * bpt16)
     assert sched.max_slots == 3 and sched.cache.k.dtype == torch.bfloat16
+
+
+def test_kv_dtypes_the_configs_offer_are_exactly_what_resolve_kv_dtype_accepts():
+    from raychat.engine.runner import DTYPES, KV_DTYPES
+
+    assert KV_DTYPES == ("model", "auto", *DTYPES)
+    for name in KV_DTYPES:
+        assert resolve_kv_dtype(name, torch.device("cpu"), torch.float32) in DTYPES.values()
+    with pytest.raises(ValueError, match="kv_dtype must be"):
+        resolve_kv_dtype("fp8", torch.device("cpu"), torch.float32)

@@ -88,3 +88,19 @@ def test_gqa_runs_and_matches_shapes():
     m = GPT(c).init_weights(1)
     assert m.model.layers[0].self_attn.k_proj.weight.shape == (c.n_kv_head * 32, 128)
     assert m(torch.randint(0, 50, (2, 16))).shape == (2, 16, 50)
+
+
+def test_rope_rotates_each_half_pair_by_position_times_frequency():
+    """Rotate-half RoPE (HF Llama/Qwen) worked by hand for head_dim 4, theta 10,000: frequencies 1 and
+    10000^(-1/2) = 0.01; pairs (x0, x2) and (x1, x3) rotate by p * frequency; position 0 is the identity."""
+    import math
+
+    from raychat.model import apply_rope, rope_cos_sin
+
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 1, 1, 4).expand(1, 1, 2, 4)
+    cos, signed_sin = rope_cos_sin(torch.tensor([[0, 1]]), 4, 10000.0)
+    assert cos.shape == signed_sin.shape == (1, 1, 2, 4)
+    y = apply_rope(x, cos, signed_sin)[0, 0]
+    c1, s1, c2, s2 = math.cos(1), math.sin(1), math.cos(0.01), math.sin(0.01)
+    expected = [[1.0, 2.0, 3.0, 4.0], [c1 - 3 * s1, 2 * c2 - 4 * s2, 3 * c1 + s1, 4 * c2 + 2 * s2]]
+    torch.testing.assert_close(y, torch.tensor(expected), rtol=1e-6, atol=1e-6)

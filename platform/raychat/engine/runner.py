@@ -39,7 +39,7 @@ from raychat.engine.stream import TokenLogprob
 from raychat.model import fast_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_DTYPES = ("model", "auto", "float32", "bfloat16", "float16")  # kv_dtype: resolve_kv_dtype
+KV_DTYPES = ("model", "auto", "float32", "bfloat16", "float16")  # kv_dtype names: "model", "auto", DTYPES
 COMPILED_LEN_MULTIPLE = 256  # generate_batch's cache length is rounded up to this with compile_decode
 PREFIX_CACHE_ROWS = 8  # prefix_cache_tokens="auto": the pool holds at most this many max_seq_len rows
 
