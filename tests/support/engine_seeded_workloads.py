@@ -1,5 +1,6 @@
 """Seeded sampling workloads whose tokens were recorded from the engine at commit 76453d3 (before the
-serving-scale rewrite), so tests/test_engine_seeded.py can assert the rewrite draws the same samples.
+serving-scale rewrite), so tests/unit/test_engine_chunked.py can assert the rewrite draws the same samples
+(for rows without top-k: rows with top-k draw over their k candidates since, engine/sampling.py).
 
 Recorded with the old engine's code (run from this repository's root):
     mkdir -p /tmp/raychat-76453d3 && git archive 76453d3 platform | tar -x -C /tmp/raychat-76453d3
@@ -68,6 +69,16 @@ def run_scheduler(engine, tok) -> list[list[int]]:
         sched.step()
         step += 1
     return [[t for ev in streams[i]._events for t in ev.token_ids] for i in range(len(REQUESTS))]
+
+
+def run_alone(engine, tok, i: int) -> list[int]:
+    """completion tokens of REQUESTS[i] alone on a 1-slot Scheduler."""
+    text, n, t, k, p, seed, _ = REQUESTS[i]
+    sched = Scheduler(engine, max_slots=1, max_len=96)
+    stream = sched.submit([tok.bos_id, *tok.encode(text)], SamplingParams(n, t, k, p, seed))
+    while sched.step():
+        pass
+    return [t for ev in stream._events for t in ev.token_ids]
 
 
 def record() -> dict:

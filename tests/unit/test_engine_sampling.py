@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from raychat.engine import TEMPERATURE_EPS, SamplingBatch, SamplingParams, make_generator, sample_next
-from raychat.engine.sampling import _filter, _filter_candidates, filter_logits
+from raychat.engine.sampling import _top_k_candidates, filter_logits
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 LOGITS = PROBS.log()
@@ -22,6 +22,11 @@ def test_top_k_keeps_k_largest():
     assert kept(filter_logits(LOGITS, top_k=2, top_p=None)) == [0, 1]
     assert kept(filter_logits(LOGITS, top_k=4, top_p=None)) == [0, 1, 2, 3]
     assert kept(filter_logits(LOGITS, top_k=0, top_p=None)) == [0, 1, 2, 3]
+    # exactly k: ties at the k-th logit go to the lower ids
+    assert kept(filter_logits(torch.tensor([[0.0, 1.0, 1.0, 1.0]]), top_k=2, top_p=None)) == [1, 2]
+    # top-k then top-p on the renormalized survivors: 0.5/0.8 = 0.625 < 0.7 <= 1 -> both stay
+    assert kept(filter_logits(LOGITS, top_k=2, top_p=0.7)) == [0, 1]
+    assert kept(filter_logits(LOGITS, top_k=2, top_p=0.6)) == [0]
 
 
 def test_top_p_smallest_set_reaching_mass():
@@ -92,12 +97,10 @@ def test_params_single_stop_string_becomes_tuple():
     assert SamplingParams(stop="END").stop == ("END",)
 
 
-def multinomial_reference(logits, temperature, top_k, top_p, generator):
-    """The engine's sampler before batching (commit 76453d3): filter, softmax, torch.multinomial."""
+def multinomial_reference(logits, temperature, top_p, generator):
+    """The engine's sampler before batching (commit 76453d3), for rows without top-k: filter, softmax,
+    torch.multinomial."""
     x = logits.float() / temperature
-    if top_k and top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
-        x[x < kth] = float("-inf")
     if top_p is not None and top_p < 1.0:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
@@ -108,32 +111,99 @@ def multinomial_reference(logits, temperature, top_k, top_p, generator):
     return torch.multinomial(torch.softmax(x, dim=-1), 1, generator=generator).squeeze(-1)
 
 
-def test_batch_draws_what_per_row_multinomial_drew():
-    # rows 0 and 1 share a generator (one prompt's samples in generate_batch), the others have their own
-    rows = [
-        (1.0, None, None),
-        (1.0, None, None),
-        (0.7, 5, None),
-        (1.3, None, 0.6),
-        (0.9, 8, 0.9),
-        (0.0, 3, None),
-    ]
-    seeds = [10, 10, 11, 12, 13, None]
-    ours = {s: make_generator(s) for s in set(seeds) - {None}}
-    theirs = {s: make_generator(s) for s in set(seeds) - {None}}
+def race_reference(row, temperature, top_k, top_p, generator):
+    """A top-k row, written out: the k candidates in (logit desc, id asc) order by Python's sort, top-p on
+    them, then the exponential race with (1, k) noise from the row's generator."""
+    x = (row.float() / temperature).tolist()
+    order = sorted(range(len(x)), key=lambda i: (-x[i], i))[:top_k]
+    cand = torch.tensor([x[i] for i in order])
+    if top_p is not None:
+        probs = torch.softmax(cand, dim=0)
+        cand[torch.cumsum(probs, 0) - probs >= top_p] = float("-inf")
+    q = torch.empty(1, top_k).exponential_(1, generator=generator)[0]
+    return order[int(torch.argmax(torch.softmax(cand, dim=0) / q))]
+
+
+ROWS = [(1.0, None, None), (1.0, None, None), (0.7, 5, None), (1.3, None, 0.6), (0.9, 8, 0.9), (0.0, 3, None)]
+SEEDS = [10, 10, 11, 12, 13, None]  # rows 0 and 1 share a generator (one prompt's samples), the others not
+
+
+def test_batch_draws_what_per_row_references_drew():
+    """Rows without top-k draw what per-row torch.multinomial drew (the same seeds, the same tokens); rows
+    with top-k the race over their k candidates; greedy rows the argmax; over 20 steps of one generator each."""
+    ours = {s: make_generator(s) for s in set(SEEDS) - {None}}
+    theirs = {s: make_generator(s) for s in set(SEEDS) - {None}}
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
     for step in range(20):
         batch = SamplingBatch()
-        for (t, k, p), seed in zip(rows, seeds):
+        for (t, k, p), seed in zip(ROWS, SEEDS):
             batch.add(t, k, p, ours.get(seed))
         got = [s.token for s in batch.sample(logits)]
-        expected = multinomial_reference(logits[:2], 1.0, None, None, theirs[10]).tolist()
-        for i in range(2, 5):
-            t, k, p = rows[i]
-            expected += multinomial_reference(logits[i : i + 1], t, k, p, theirs[seeds[i]]).tolist()
+        expected = multinomial_reference(logits[:2], 1.0, None, theirs[10]).tolist()
+        expected.append(race_reference(logits[2], 0.7, 5, None, theirs[11]))
+        expected += multinomial_reference(logits[3:4], 1.3, 0.6, theirs[12]).tolist()
+        expected.append(race_reference(logits[4], 0.9, 8, 0.9, theirs[13]))
         expected.append(int(logits[5].argmax()))
         assert got == expected, step
         logits = logits.roll(step + 1, dims=1)
+
+
+def test_a_rows_draw_does_not_depend_on_its_neighbours():
+    """The same seeded top-k row gives the same tokens alone and beside rows of other parameters (another
+    top-k, none, greedy, forced): what continuous batching needs for seeded requests."""
+    logits = torch.randn(20, 5, 300, generator=torch.Generator().manual_seed(1)) * 2
+    alone_gen, shared_gen = make_generator(5), make_generator(5)
+    others = [make_generator(6), make_generator(7)]
+    for step in range(20):
+        alone = SamplingBatch()
+        alone.add(0.8, 40, 0.9, alone_gen)
+        crowd = SamplingBatch()
+        crowd.add(1.0, 200, None, others[0])
+        crowd.add(0.8, 40, 0.9, shared_gen)
+        crowd.add(1.1, None, 0.5, others[1])
+        crowd.add(0.0, 7, None, None)
+        crowd.add(1.0, 3, None, others[0], forced=4)
+        assert alone.sample(logits[step, 1:2])[0].token == crowd.sample(logits[step])[1].token, step
+
+
+def test_top_k_frequencies():
+    # p = (0.5, 0.3, 0.15, 0.05): top_k=2 renormalizes to 0.625 / 0.375; top_k=3 with top_p=0.8 keeps
+    # tokens whose mass before is < 0.8 among (0.5, 0.3, 0.15)/0.95: 0, 0.526, 0.842 -> tokens 0 and 1
+    n = 8000
+    out = sample_next(LOGITS.expand(n, 4), 1.0, top_k=2, generator=make_generator(9))
+    assert set(out.tolist()) == {0, 1}
+    assert abs((out == 0).float().mean().item() - 0.625) < 0.03  # std 0.0054
+    out = sample_next(LOGITS.expand(n, 4), 1.0, top_k=3, top_p=0.8, generator=make_generator(10))
+    assert set(out.tolist()) == {0, 1}
+    assert abs((out == 0).float().mean().item() - 0.625) < 0.03
+
+
+def test_top_k_candidates_equal_a_python_sort():
+    """_top_k_candidates gives each row's first k tokens in (logit desc, id asc) order, with their logits,
+    for per-row k, many exact ties (logits on a coarse grid), -inf logits, k at or past the finite logits,
+    k = 64 (a multiple of the candidate width), and ties past the W largest (the widened path)."""
+    gen = torch.Generator().manual_seed(3)
+    V = 512
+    for trial in range(120):
+        n = 1 + trial % 5
+        logits = torch.randn(n, V, generator=gen) * 3
+        if trial % 3 == 0:
+            logits = (logits * 2).round() / 2
+        if trial % 7 == 0:
+            logits[0, : V - 20] = float("-inf")
+        top_k = torch.randint(1, 100, (n,), generator=gen)
+        if trial % 11 == 0:
+            top_k[0] = 64
+        vals, ids = _top_k_candidates(logits, top_k, None, int(top_k.max()))
+        for r in range(n):
+            x, k = logits[r].tolist(), int(top_k[r])
+            order = sorted(range(V), key=lambda i: (-x[i], i))[:k]
+            assert ids[r, :k].tolist() == order, (trial, r)
+            assert vals[r, :k].tolist() == [x[i] for i in order]
+            assert (vals[r, k:] == float("-inf")).all()
+    ties = torch.zeros(2, V)  # 512 equal logits: the 5th value ties past the 64 largest
+    vals, ids = _top_k_candidates(ties, torch.tensor([5, 1]), None, 5)
+    assert ids[0, :5].tolist() == [0, 1, 2, 3, 4] and ids[1, :1].tolist() == [0]
 
 
 def test_logprobs_by_hand():
@@ -185,33 +255,3 @@ def test_overflowing_scaled_logits_are_greedy_and_bad_logits_fail_their_row_alon
     assert [o.error is not None for o in out] == [False, True, True, True, False]
     assert out[1].error.startswith("non-finite logits") and out[1].token == -1
     assert out[4].token == 1 and out[4].logprob == pytest.approx(0.0)
-
-
-def test_top_k_candidates_path_equals_the_full_path_bitwise():
-    """_filter on the kmax-rounded-to-64 largest logits (one topk) keeps exactly what the full-vocabulary
-    path keeps, with the same values, for per-row top-k / top-p, ties (logits rounded to a coarse grid), -inf
-    logits, and k at or past the number of finite logits; ties at the k-th value reaching past the
-    candidates fall back to the full path."""
-    gen = torch.Generator().manual_seed(3)
-    compared = 0
-    for trial in range(200):
-        n, V = 1 + trial % 5, 512
-        logits = torch.randn(n, V, generator=gen) * 3
-        if trial % 3 == 0:
-            logits = (logits * 2).round() / 2  # many exact ties
-        if trial % 7 == 0:
-            logits[0, : V - 20] = float("-inf")  # only 20 finite logits in row 0
-        top_k = torch.randint(1, 100, (n,), generator=gen)
-        kmax = int(top_k.max())
-        top_p = torch.rand(n, 1, generator=gen) * 0.9 + 0.1 if trial % 2 else None
-        fast = _filter_candidates(logits, top_k, top_p, kmax)
-        # the full path: the same function with the candidates path turned off (kmax >= V takes it)
-        full = _filter(logits.clone(), top_k, top_p, V)
-        if fast is None:
-            continue
-        assert torch.equal(fast, full), trial
-        compared += 1
-    assert compared >= 150  # the fallback is the rare case
-    ties = torch.zeros(1, V)  # 512 equal logits: the 5th value ties past 64 candidates
-    assert _filter_candidates(ties, torch.tensor([5]), None, 5) is None
-    torch.testing.assert_close(_filter(ties.clone(), torch.tensor([5]), None, 5), ties)

@@ -16,7 +16,7 @@ its own length and attention covers exactly its own tokens.
 
 Sampling is independent per row from the first token on: the first token of each of the num_samples rows
 is drawn from the (replicated) last-prompt-position logits; the rows of one prompt draw from that
-prompt's generator in one call per step, in sample order (the draws torch.multinomial made before).
+prompt's generator in one call per step, in sample order (engine/sampling.py: the noise's shape).
 """
 
 from __future__ import annotations

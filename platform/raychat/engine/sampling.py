@@ -2,15 +2,24 @@
 
 Order of operations (as Hugging Face `generate`): logits / temperature -> keep the top_k largest ->
 keep the smallest set of tokens whose probability mass reaches top_p (Holtzman et al. 2020, "The Curious
-Case of Neural Text Degeneration") -> sample from softmax. A temperature below TEMPERATURE_EPS (1e-5, as
-vLLM's _SAMPLING_EPS) is greedy: argmax of the raw logits, ties to the lowest id, no random draw. Each row
-is an independent draw.
+Case of Neural Text Degeneration") -> sample from softmax. top_k keeps exactly k tokens: ties at the k-th
+logit go to the lower token ids (as vLLM's sort-based top-k; Hugging Face keeps every tie). A temperature
+below TEMPERATURE_EPS (1e-5, as vLLM's _SAMPLING_EPS) is greedy: argmax of the raw logits, ties to the
+lowest id, no random draw. Each row is an independent draw.
 
-The draw is torch.multinomial's own algorithm for one sample (the exponential race: argmax of probs / q
-with q ~ Exp(1) drawn by `torch.empty_like(probs).exponential_(1, generator)`, see ATen's
-Distributions.cpp), written out so a whole batch samples with per-row parameters and no host sync: the
-noise of every generator is drawn in the same shapes multinomial drew it, so the same seeds give the same
-tokens as per-row `multinomial` calls.
+The draw is the exponential race (torch.multinomial's algorithm for one sample: argmax of probs / q with
+q ~ Exp(1), see ATen's Distributions.cpp), written out so a whole batch samples with per-row parameters and
+one device-to-host transfer:
+  - a row without top_k races over the whole vocabulary: its generator draws q of shape (rows, V), as
+    `multinomial` did, so the same seeds give the same tokens as per-row `torch.multinomial` calls;
+  - a row with top_k races over its k candidates only, taken in (logit descending, token id ascending)
+    order: its generator draws q of shape (rows, k). The noise then scales with k instead of the vocabulary
+    (drawing Exp(1) costs ~16 ns an entry on this CPU: ~1 ms a row a step at V = 65,536,
+    bench/results/decode_overhead.md). The distribution is the same (every entry of q is i.i.d.); the
+    tokens a seed gives differ from `multinomial`'s.
+Rows that share a generator (one prompt's samples in `generate_batch`) draw one tensor, in the order they
+were added; a row's draw depends on its own logits, parameters and generator only, never on which other
+rows share the batch.
 
 `SamplingBatch` collects one row per sequence (its parameters, generator, forced token, logprobs wanted)
 and `sample(logits)` returns every row's token, error and logprobs with ONE device-to-host transfer.
@@ -61,77 +70,71 @@ def validate(temperature: float, top_k: int | None, top_p: float | None) -> None
         raise ValueError(f"top_p must be None or in (0, 1] (1/None = off), got {top_p}")
 
 
-def _filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, kmax: int = 0):
-    """Per-row top-k / top-p: logits (n, V) fp32; top_k (n,) int64 (0 = off) or None, kmax its largest
-    value (given by the caller: reading it from the device would sync); top_p (n, 1) fp32 (>= 1 = off)
-    or None. Returns a new tensor with the removed entries at -inf; the most likely token always stays."""
-    if top_k is not None and logits.device.type == "cpu" and kmax < logits.shape[-1]:
-        kept = _filter_candidates(logits, top_k, top_p, kmax)
-        if kept is not None:
-            return kept
-    if top_k is not None:
-        V = logits.shape[-1]
-        k = top_k.clamp(max=V)
-        kth = torch.topk(logits, min(kmax, V), dim=-1).values.gather(1, (k - 1).clamp(min=0)[:, None])
-        logits = logits.masked_fill((logits < kth) & (k[:, None] > 0), float("-inf"))
-    if top_p is not None:
-        V = logits.shape[-1]
-        width = V
-        if top_k is not None and logits.device.type == "cpu" and bool((top_k > 0).all()):
-            # every row kept at most ~top_k tokens: sort those, not the vocabulary (a CPU sort of 4096
-            # logits costs ~0.2 ms a row). The width is a multiple of 64 so the softmax's vectorized sum
-            # runs over the same lanes as over V (the rest are -inf: exp 0): bitwise the same probs.
-            survivors = int((logits > float("-inf")).sum(-1).max())
-            width = min(V, -(-survivors // 64) * 64)
-        if width < V:  # ties in ascending id order (the full sort leaves their order unspecified)
-            cand = torch.sort(torch.topk(logits, width, dim=-1, sorted=False).indices, dim=-1).values
-            sorted_logits, pos = torch.sort(logits.gather(1, cand), dim=-1, descending=True, stable=True)
-            order = cand.gather(1, pos)
-        else:
-            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        remove_sorted = mass_before >= top_p  # first token has mass_before 0 < top_p: always kept
-        remove = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-        remove.scatter_(-1, order, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
-    return logits
+def _filter(logits: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Top-p over the whole vocabulary (the rows without top-k): logits (n, V) fp32, top_p (n, 1) fp32 (>= 1 =
+    off) or None. Returns a new tensor with the tokens outside each row's nucleus at -inf; the most likely
+    token always stays. Ties in the sort order are broken arbitrarily (they share the same logit)."""
+    if top_p is None:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    remove_sorted = mass_before >= top_p  # first token has mass_before 0 < top_p: always kept
+    remove = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    remove.scatter_(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
 
 
-def _filter_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, kmax: int):
-    """`_filter` for rows that all have top_k > 0, working on the W = kmax rounded up to 64 largest logits of
-    each row only (one topk, then sorts of W entries), the same result bitwise (the top-p softmax runs on
-    the same values in the same order, padded with -inf to a multiple of 64 lanes as the full path's).
-    Returns None when it does not apply: a row without top-k, or ties at a row's k-th value that reach past
-    the W candidates (the full path keeps every tie)."""
+def _top_k_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, kmax: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top-k candidates, in (logit descending, token id ascending) order, with top-p applied.
+
+    Args:
+        logits: (n, V) fp32 (temperature already applied).
+        top_k: (n,) int64, each in 1..V (clamped to V).
+        top_p: (n, 1) fp32 (>= 1 = off) or None.
+        kmax: the largest top_k (from the host: reading it from the device would sync).
+    Returns:
+        (values, ids), each (n, W) with W >= min(kmax, V): values fp32, the first top_k of each row are its
+        candidates' logits (-inf where top-p removed one, or beyond the row's top_k), ids int64 their token
+        ids. Exactly top_k tokens per row: ties at the k-th logit go to the lower ids (as vLLM's sort-based
+        top-k), so a row's candidates depend on its own logits only.
+    W on CPU is kmax rounded up to 64 (one partial `topk`, not a sort of the vocabulary), widened to V when a
+    row's tie at its k-th logit reaches past the W largest (the partial topk orders equal values
+    arbitrarily); on other devices W = V (a full sort, and no host sync).
+    """
     V = logits.shape[-1]
-    if not bool((top_k > 0).all()):
-        return None
-    W = min(V, -(-kmax // 64) * 64)
-    vals, idx = torch.topk(logits, W, dim=-1)  # descending; order among equal values unspecified
-    kth = vals.gather(1, (top_k.clamp(max=V) - 1)[:, None])
-    if W < V and bool((vals[:, -1:] >= kth).any()):
-        return None
-    vals = vals.masked_fill(vals < kth, float("-inf"))
-    if top_p is not None:  # order the candidates by (logit desc, id asc) as the full path does
-        ids, by_id = torch.sort(idx, dim=-1)
-        vals, pos = torch.sort(vals.gather(1, by_id), dim=-1, descending=True, stable=True)
-        idx = ids.gather(1, pos)
+    k = top_k.clamp(max=V)
+    W = min(V, (kmax // 64 + 1) * 64) if logits.device.type == "cpu" else V
+    vals, ids = torch.topk(logits, W, dim=-1)  # descending; order among equal values unspecified
+    if W < V and bool((vals[:, -1] == vals.gather(1, (k - 1)[:, None])[:, 0]).any()):
+        vals, ids = torch.topk(logits, V, dim=-1)
+        W = V
+    ids, by_id = torch.sort(ids, dim=-1)  # (value desc, id asc): a stable sort by value of the id-sorted
+    vals, pos = torch.sort(vals.gather(1, by_id), dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, pos)
+    vals = vals.masked_fill(torch.arange(W, device=vals.device) >= k[:, None], float("-inf"))
+    if top_p is not None:
         probs = torch.softmax(vals, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
         vals = vals.masked_fill(mass_before >= top_p, float("-inf"))  # the first token always stays
-    return torch.full_like(logits, float("-inf")).scatter_(1, idx, vals)
+    return vals, ids
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
     """Set logits outside top_k / the top_p nucleus to -inf. logits: (n, V) float; returns a new tensor.
 
-    The nucleus always keeps the most likely token (so top_p never leaves a row empty).
+    top_k keeps exactly k tokens (ties at the k-th logit to the lower ids); the nucleus always keeps the most
+    likely token (so top_p never leaves a row empty).
     """
-    n = logits.shape[0]
-    k = torch.full((n,), int(top_k), device=logits.device) if top_k else None
+    n, V = logits.shape
     p = torch.full((n, 1), float(top_p), device=logits.device) if top_p is not None and top_p < 1 else None
-    return _filter(logits.clone(), k, p, int(top_k or 0))
+    if not top_k:
+        return _filter(logits.clone(), p)
+    k = min(int(top_k), V)
+    vals, ids = _top_k_candidates(logits.float(), torch.full((n,), k, device=logits.device), p, k)
+    return torch.full_like(logits, float("-inf")).scatter_(1, ids, vals.to(logits.dtype))
 
 
 def sample_next(
@@ -141,7 +144,8 @@ def sample_next(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Sample one token per row (all rows share the parameters and draw from one generator).
+    """Sample one token per row, all rows with the same parameters and one generator (a SamplingBatch of n
+    such rows: the same draws as the engine's).
 
     Args:
         logits: (n, V) float logits (any float dtype; computed in fp32).
@@ -150,18 +154,22 @@ def sample_next(
         top_p: None/1 = off, else nucleus mass in (0, 1].
         generator: torch.Generator on logits.device (None: torch's default generator).
     Returns:
-        (n,) int64 token ids, on logits.device (no host sync).
+        (n,) int64 token ids, on logits.device.
     Raises:
-        ValueError: invalid temperature / top_k / top_p (see `validate`), logits not (n, V).
+        ValueError: invalid temperature / top_k / top_p (see `validate`), logits not (n, V), or a row with
+            NaN, +inf or no finite logit.
     """
     validate(temperature, top_k, top_p)
     if logits.ndim != 2:
         raise ValueError(f"logits must be (n, V), got shape {tuple(logits.shape)}")
-    logits = logits.float()
-    if is_greedy(temperature):
-        return torch.argmax(logits, dim=-1)
-    probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
-    return torch.argmax(probs / torch.empty_like(probs).exponential_(1, generator=generator), dim=-1)
+    batch = SamplingBatch()
+    for _ in range(logits.shape[0]):
+        batch.add(temperature, top_k, top_p, generator)
+    out = batch.sample(logits)
+    bad = [i for i, s in enumerate(out) if s.error]
+    if bad:
+        raise ValueError(f"rows {bad}: {out[bad[0]].error}")
+    return torch.tensor([s.token for s in out], dtype=torch.int64, device=logits.device)
 
 
 @dataclass(frozen=True)
@@ -224,8 +232,8 @@ class Sampled:
 class SamplingBatch:
     """Rows to sample in one step. `add` one row per sequence, then `sample(logits)` once.
 
-    Rows that share a generator draw their noise in one call, in the order they were added (as one
-    multinomial call over those rows did).
+    Rows that share a generator draw their noise in one call per path (its rows with top-k: (rows, largest
+    k); without: (rows, V), as one multinomial call over those rows did), in the order they were added.
     """
 
     def __init__(self):
@@ -261,6 +269,24 @@ class SamplingBatch:
             self._draws.setdefault(id(generator), (generator, []))[1].append(i)
         return i
 
+    def _draw(self, groups: list, width: int, n: int, dev, errors: dict) -> torch.Tensor:
+        """(n, width) Exp(1) noise: each group (generator, rows, k) draws one (len(rows), k) tensor (k <=
+        width) into its rows' first k columns, in the order the rows were added; every other entry is 1
+        (dividing by it changes nothing). A failing draw (e.g. a generator on another device) fails its rows
+        alone (recorded in `errors`)."""
+        noise = torch.ones((n, width), device=dev)
+        for generator, rows, k in groups:
+            try:
+                q = torch.empty((len(rows), k), device=dev).exponential_(1, generator=generator)
+            except RuntimeError as e:
+                errors.update({r: f"invalid sampling state: {e}" for r in rows})
+                continue
+            if rows[-1] - rows[0] == len(rows) - 1:
+                noise[rows[0] : rows[-1] + 1, :k] = q
+            else:
+                noise[to_device(torch.tensor(rows), dev), :k] = q
+        return noise
+
     def sample(self, logits: torch.Tensor) -> list[Sampled]:
         """logits: (len(self), V) rows in the order added (any float dtype, any device). One D2H copy."""
         n, V = logits.shape
@@ -268,42 +294,42 @@ class SamplingBatch:
             raise ValueError(f"logits has {n} rows for {len(self)} sampling rows")
         dev = logits.device
         logits = logits.float()
-        # Exp(1) draws of the sampled rows, in one (n, V) tensor: a generator's rows that are consecutive
-        # draw straight into their slice (the same numbers as a fresh tensor: exponential_ fills a
-        # contiguous block in order); other rows keep 1 (dividing by it changes nothing)
-        num_sampled = sum(len(rows) for _, rows in self._draws.values())
-        noise = (torch.empty if num_sampled == n else torch.ones)((n, V), device=dev) if num_sampled else None
-        drawn = [False] * n
-        errors: dict[int, str] = {}
-        for generator, rows in self._draws.values():
-            try:
-                if rows[-1] - rows[0] == len(rows) - 1:
-                    noise[rows[0] : rows[-1] + 1].exponential_(1, generator=generator)
-                else:
-                    q = torch.empty((len(rows), V), device=dev).exponential_(1, generator=generator)
-                    noise[to_device(torch.tensor(rows), dev)] = q
-            except RuntimeError as e:  # e.g. a generator on another device: those rows fail alone
-                errors.update({r: f"invalid sampling state: {e}" for r in rows})
-                continue
-            for r in rows:
-                drawn[r] = True
         rowmax, greedy_tok = logits.max(dim=-1)  # NaN propagates into rowmax; ties go to the lowest id
         bad = ~(rowmax < float("inf")) | (rowmax == float("-inf"))
         temp = to_device(torch.tensor(self.temperature, dtype=torch.float32), dev)
         scaled = logits / temp[:, None]
         overflow = torch.isposinf(rowmax / temp)  # = max of scaled: tiny temperature, greedy (T -> 0 limit)
+        p = to_device(torch.tensor(self.top_p)[:, None], dev) if min(self.top_p) < 1 else None
+        # a generator's rows split by path: with top-k (noise over its k candidates) or not (over V)
+        top_k_groups, vocab_groups = [], []
+        for generator, rows in self._draws.values():
+            with_k = [r for r in rows if self.top_k[r]]
+            if with_k:
+                top_k_groups.append((generator, with_k, min(V, max(self.top_k[r] for r in with_k))))
+            if len(with_k) < len(rows):
+                vocab_groups.append((generator, [r for r in rows if not self.top_k[r]], V))
+        errors: dict[int, str] = {}
         token = greedy_tok
-        num_drawn = sum(drawn)
-        if num_drawn:
-            k = to_device(torch.tensor(self.top_k), dev) if any(self.top_k) else None
-            p = to_device(torch.tensor(self.top_p)[:, None], dev) if min(self.top_p) < 1 else None
-            probs = torch.softmax(_filter(scaled, k, p, max(self.top_k)), dim=-1)
-            sampled = torch.argmax(probs / noise, dim=-1)
-            if num_drawn == n:  # every row drew: only overflowing rows fall back to greedy
-                token = torch.where(overflow, greedy_tok, sampled)
+        for groups in (top_k_groups, vocab_groups):
+            if not groups:
+                continue
+            if groups is top_k_groups:
+                kmax = max(k for _, _, k in groups)
+                k = to_device(torch.tensor([max(1, x) for x in self.top_k]), dev)
+                vals, ids = _top_k_candidates(scaled, k, p, kmax)
+                noise = self._draw(groups, vals.shape[1], n, dev, errors)
+                choice = torch.argmax(torch.softmax(vals, dim=-1) / noise, dim=-1)
+                sampled = ids.gather(1, choice[:, None])[:, 0]
             else:
-                mask = to_device(torch.tensor(drawn), dev)
-                token = torch.where(mask & ~overflow, sampled, greedy_tok)
+                noise = self._draw(groups, V, n, dev, errors)
+                sampled = torch.argmax(torch.softmax(_filter(scaled, p), dim=-1) / noise, dim=-1)
+            drawn = [r for _, rows, _ in groups for r in rows if r not in errors]
+            if len(drawn) == n:  # every row drew: only overflowing rows fall back to greedy
+                token = torch.where(overflow, greedy_tok, sampled)
+            elif drawn:
+                mask = torch.zeros(n, dtype=torch.bool)
+                mask[drawn] = True
+                token = torch.where(to_device(mask, dev) & ~overflow, sampled, token)
         if max(self.forced) >= 0:
             forced = to_device(torch.tensor(self.forced), dev)
             token = torch.where(forced >= 0, forced, token)
