@@ -1,8 +1,8 @@
 """Where one decode step's CPU time goes: ModelRunner.forward_rows over --rows rows of --context cached
 tokens (different lengths: the "lengths" plan), random depth-derived model, one torch thread.
 
-Prints (1) CPU ms per step with the Linears through oneDNN packed weights (the default on CPU) and through
-MKL on the plain weights (packed_linears=False); (2) the default path's step split by torch.profiler op
+Prints (1) CPU ms per step through the packed weights (PackedGPT, the default on CPU) and through the
+model's own forward (packed_weights=False); (2) the default path's step split by torch.profiler op
 into attention (the decode kernel's matmuls + softmax), Linears, and everything else (norms, RoPE, KV
 write, residual adds, views); (3) one layer's decode attention at these shapes: SDPA's CPU flash kernel
 with the dense mask (what the engine runs) vs the same attention as two batched matmuls, and each matmul
@@ -67,8 +67,8 @@ def main() -> None:
         cache.lengths[:] = torch.arange(S, S - B, -1)
         return lambda i: engine.forward_rows(cache, 0, [[5]] * B)
 
-    for name, packed in (("oneDNN packed Linears (default)", "auto"), ("MKL Linears", False)):
-        engine = ModelRunner(model, tok, packed_linears=packed)
+    for name, packed in (("packed weights (default)", "auto"), ("the model's forward", False)):
+        engine = ModelRunner(model, tok, packed_weights=packed)
         step = stepper(engine)
         step(0)
         print(f"CPU ms per decode step, {name}: {best_ms(step, a.steps):.1f}")

@@ -1,5 +1,7 @@
-"""engine/packed_weights.py: oneDNN-packed Linears equal nn.Linear, follow in-place weight updates, and are only
-active inside `with`; the engine's greedy output with packing equals the plain path's."""
+"""engine/packed_weights.py: PackedGPT computes GPT.forward (no cache, with the engine's KV cache, logits_at),
+follows in-place weight updates and new storage; each matmul's kernel rule (MKL on the (in, out) copy for
+small products, oneDNN packed above) equals F.linear; models it cannot read are left to their own forward;
+the engine's greedy output with packing equals the plain path's."""
 
 from __future__ import annotations
 
@@ -10,49 +12,93 @@ from support.engine_fixtures import byte_tokenizer, reference_greedy, tiny_gpt
 from torch import nn
 
 from raychat.engine import ModelRunner
-from raychat.engine.packed_weights import SMALL_MATMUL_MACS, PackedLinears, available, small_matmul
+from raychat.engine.packed_weights import (
+    SMALL_MATMUL_MACS,
+    PackedGPT,
+    PackedMatmul,
+    available,
+    small_matmul,
+    supports,
+)
 
 pytestmark = pytest.mark.skipif(
     not available(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
 )
 
 
-def test_packed_linear_equals_nn_linear_and_follows_in_place_updates():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(24, 40, bias=False), nn.Linear(40, 8, bias=True))
-    x = torch.randn(5, 3, 24)
-    packed = PackedLinears(model)
-    with packed:
-        y = model(x)
-    torch.testing.assert_close(y, F.linear(F.linear(x, model[0].weight), model[1].weight, model[1].bias))
-    assert "forward" not in model[0].__dict__  # plain nn.Linear again outside the block
-    with torch.no_grad():  # an RL weight sync: load_state_dict copies into the parameters in place
-        model.load_state_dict({k: v * 2 for k, v in model.state_dict().items()})
-    with packed:
-        y2 = model(x)
-    torch.testing.assert_close(y2, F.linear(F.linear(x, model[0].weight), model[1].weight, model[1].bias))
-    assert not torch.allclose(y2, y)
-    with torch.no_grad():  # a new tensor assigned to the parameter (other storage)
-        model[1].weight = nn.Parameter(torch.zeros(8, 40))
-    with packed:
-        torch.testing.assert_close(model(x), model[1].bias.expand(5, 3, 8))
+@torch.no_grad()
+def test_packed_gpt_equals_the_models_forward_with_and_without_the_kv_cache():
+    tok = byte_tokenizer()
+    model = tiny_gpt(tok)  # GQA: 4 query heads over 2 kv heads
+    packed = PackedGPT(model)
+    ids = torch.randint(0, tok.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(packed(ids), model(ids), rtol=1e-5, atol=1e-5)
+    at = torch.tensor([8, 0, 4])
+    torch.testing.assert_close(packed(ids, logits_at=at), model(ids, logits_at=at), rtol=1e-5, atol=1e-5)
+    # the engine's path: a 9-token prefill, then 3 decode steps, each against the model on its own cache
+    plain, fast = ModelRunner(model, tok, packed_weights=False), ModelRunner(model, tok)
+    assert isinstance(fast._forward, PackedGPT) and plain._forward is model
+    caches = plain.new_cache(3, 16), fast.new_cache(3, 16)
+    pieces = [r.tolist() for r in ids]
+    for _ in range(4):
+        a, b = plain.forward_rows(caches[0], 0, pieces), fast.forward_rows(caches[1], 0, pieces)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert a.abs().max() > 1  # real logits, not a degenerate model
+        pieces = [[int(t)] for t in a.argmax(-1)]
+    torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
 
 
-def test_small_products_run_mkl_and_large_ones_onednn_both_equal_to_nn_linear():
+@torch.no_grad()
+def test_packed_gpt_follows_in_place_updates_and_new_storage():
+    tok = byte_tokenizer()
+    model = tiny_gpt(tok)
+    packed = PackedGPT(model)
+    ids = torch.tensor([[1, 40, 41, 42]])
+    before = packed(ids)
+    model.load_state_dict({k: v * 1.5 for k, v in model.state_dict().items()})  # an RL weight sync
+    after = packed(ids)
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, model(ids), rtol=1e-5, atol=1e-5)
+    model.model.layers[0].self_attn.k_proj.weight = nn.Parameter(torch.zeros(32, 64))  # other storage
+    torch.testing.assert_close(packed(ids), model(ids), rtol=1e-5, atol=1e-5)
+    model.model.layers[1].mlp.up_proj.weight.copy_(torch.randn(model.config.intermediate_size, 64))
+    torch.testing.assert_close(packed(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_small_products_run_mkl_and_large_ones_onednn_both_equal_to_f_linear():
     """The kernel rule: rows * in * out <= 2**22 multiply-adds -> MKL on the (in, out) copy, else oneDNN.
     A 256 x 256 weight switches above 2**22 / 65,536 = 64 rows; both kernels equal F.linear to fp32
-    rounding (summation order only), with and without a bias."""
+    rounding (summation order only)."""
     assert SMALL_MATMUL_MACS == 4_194_304
     assert small_matmul(64, 256, 256) and not small_matmul(65, 256, 256)
     assert small_matmul(1, 512, 4096) and not small_matmul(3, 512, 4096)  # 2,097,152 vs 6,291,456
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 256, bias=True))
+    weight = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) / 16
+    matmul = PackedMatmul(weight)
+    assert matmul.small_rows == 64
     for rows in (1, 64, 65, 300):
         x = torch.randn(rows, 1, 256)
-        with PackedLinears(model):
-            y = model(x)
-        expected = F.linear(F.linear(x, model[0].weight), model[1].weight, model[1].bias)
-        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(matmul(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_models_it_cannot_read_keep_their_own_forward():
+    """A hook or a Linear subclass (torchao's Float8Linear is one) would change what a projection computes:
+    such a model is not packed ("auto") or is refused (True)."""
+    tok = byte_tokenizer()
+    model = tiny_gpt(tok)
+    assert supports(model)
+    handle = model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, i, o: o * 2)
+    assert not supports(model)
+    assert ModelRunner(model, tok)._forward is model
+    with pytest.raises(ValueError, match="packed_weights=True needs a raychat GPT with plain nn.Linear"):
+        ModelRunner(model, tok, packed_weights=True)
+    handle.remove()
+    assert supports(model)
+    handle = model.register_forward_pre_hook(lambda m, args: None)  # on the GPT itself: it would never run
+    assert not supports(model)
+    handle.remove()
+    assert not supports(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="PackedGPT needs a raychat GPT"):
+        PackedGPT(nn.Sequential(nn.Linear(4, 4)))
 
 
 def test_engine_greedy_with_packing_equals_the_plain_path_and_the_no_cache_reference():
@@ -60,7 +106,7 @@ def test_engine_greedy_with_packing_equals_the_plain_path_and_the_no_cache_refer
     model = tiny_gpt(tok)
     prompts = [[tok.bos_id, *range(40, 40 + n)] for n in (3, 9, 5)]
     packed = ModelRunner(model, tok).generate_batch(prompts, max_tokens=12, temperature=0.0)
-    plain = ModelRunner(model, tok, packed_linears=False).generate_batch(
+    plain = ModelRunner(model, tok, packed_weights=False).generate_batch(
         prompts, max_tokens=12, temperature=0.0
     )
     assert [r.tokens for r in packed] == [r.tokens for r in plain]
@@ -69,12 +115,12 @@ def test_engine_greedy_with_packing_equals_the_plain_path_and_the_no_cache_refer
         assert r.completion_tokens == reference_greedy(model, p, 12, stop)
 
 
-def test_packed_linears_option_is_checked():
+def test_packed_weights_option_is_checked():
     tok = byte_tokenizer()
-    with pytest.raises(ValueError, match="packed_linears must be 'auto', True or False, got 'yes'"):
-        ModelRunner(tiny_gpt(tok), tok, packed_linears="yes")
-    with pytest.raises(ValueError, match="packed_linears=True needs a CPU device, float32 weights"):
-        ModelRunner(tiny_gpt(tok), tok, dtype="bfloat16", packed_linears=True)
+    with pytest.raises(ValueError, match="packed_weights must be 'auto', True or False, got 'yes'"):
+        ModelRunner(tiny_gpt(tok), tok, packed_weights="yes")
+    with pytest.raises(ValueError, match="packed_weights=True needs .* float32 weights"):
+        ModelRunner(tiny_gpt(tok), tok, dtype="bfloat16", packed_weights=True)
 
 
 def test_refresh_weights_picks_up_a_write_the_version_counter_misses():

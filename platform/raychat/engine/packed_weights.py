@@ -1,29 +1,37 @@
-"""CPU matmuls of the engine: oneDNN with weights reordered once ("packed") for large products, MKL on an
-(in, out) copy of the weight for small ones; both instead of MKL on the plain (out, in) layout.
+"""The engine's forward on CPU in fp32: GPT.forward's math over weights laid out once for the CPU's kernels
+("packed"), in fewer, larger calls.
 
-Why: on CPU a Linear in the engine runs at 1 to 64 rows (decode) or one prefill chunk. oneDNN's matmul with
-the weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the weight
-prepacking torch.compile's CPU backend applies when it freezes a model) is the fastest kernel for large
-products (a prefill chunk, decode of many rows on a wide model), but each call has a fixed cost of ~20-30 us,
-which dominates small products: a decode step of one row, or of a few rows on a narrow model. There MKL's
-sgemm on the weight stored (in, out) (`x @ w_t`, contiguous rows of the output) is 1.2-2x faster per
-Linear. The rule, per call: rows * in * out multiply-adds <= SMALL_MATMUL_MACS (2**22) -> MKL on the (in,
-out) copy, else oneDNN packed. The crossover and the whole-step numbers (depth 4 / depth 8 models at 1, 8
-and 32 rows) are in bench/results/decode_overhead.md. Either way the multiply stays in the weight's dtype
-(fp32 stays fp32: the kernels differ only in summation order, about 1e-6 relative).
+Why: a decode step of a small model is hundreds of small eager calls with a fixed cost of a few microseconds
+each (nn.Module dispatch, Python, ATen), beside matmuls that read each weight once. `PackedGPT` computes what
+GPT.forward computes (raychat/model.py) with:
+  - q, k and v projected by one matmul over their weights stacked ((out_q + out_k + out_v, in)), and the
+    MLP's gate and up projections by one;
+  - the q and k RMSNorms in one call over the heads of both (each head then scaled by its own weight), and
+    RoPE applied to q's and k's heads in one pass;
+  - no nn.Module calls: the parameters are read once per weight change.
+Each matmul picks its kernel by size (`small_matmul`): at most SMALL_MATMUL_MACS (2**22) multiply-adds
+(rows * in * out) run MKL's sgemm on an (in, out) copy of the weight; larger ones oneDNN on the weight
+reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the weight prepacking
+torch.compile's CPU backend applies when it freezes a model). oneDNN's packed matmul is the fastest kernel
+for large products (a prefill chunk, many rows on a wide model) but costs ~20-30 us a call, which dominates
+small ones (a decode step of a few rows). Everything stays fp32: the result equals GPT.forward's up to
+summation order (~1e-6 relative). Measured: bench/results/decode_overhead.md.
 
-`PackedLinears(model)` holds both copies per nn.Linear weight (twice as much memory again as those weights)
-and re-makes them whenever the weight changed: the parameter's version counter (every in-place update:
-load_state_dict, optimizer steps, copy_) or its storage (a new tensor assigned) differs from when they were
-made; `refresh()` forces that after writes that bypass the counter. `with packed:` routes those Linears'
-forward through the copies for the duration of the block only (the engine's forwards); outside it the model
-is untouched.
+The copies (twice the projection weights' memory again) are re-made whenever a weight changed: a
+parameter's version counter (every in-place update: load_state_dict, optimizer steps, copy_) or storage (a
+new tensor assigned) differs from when they were made; `refresh()` forces that after writes the counter does
+not see.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from raychat.model import GPT, apply_rope, rope_cos_sin
 
 SMALL_MATMUL_MACS = 2**22  # rows * in * out at or below which MKL on the (in, out) copy beats oneDNN
 
@@ -38,73 +46,148 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-class PackedLinears:
-    """A oneDNN-packed copy and an (in, out) copy of every nn.Linear weight of `model`, used inside
-    `with self:` only (each call picks one by small_matmul).
-
-    Args:
-        model: any nn.Module; its nn.Linear submodules (weight (out, in), optional bias (out,)) are packed.
-    Shapes: each packed Linear maps (..., in) -> (..., out) in the weight's dtype, as nn.Linear.
-    """
-
-    def __init__(self, model: nn.Module):
-        self.linears = [m for m in model.modules() if type(m) is nn.Linear]
-        self._packed: dict[int, tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._forwards: dict[int, tuple] = {}  # id(linear) -> (weights, bias, forward)
-        self._params = [m._parameters for m in self.linears]  # read without nn.Module.__getattr__ (slow)
-        self._key: list | None = None  # the weights' (version, storage, bias) when the forwards were made
-
-    def _weight(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
-        """(oneDNN-packed weight, (in, out) contiguous copy) of `linear`, re-made when the weight changed."""
-        w = linear.weight
-        key = (w._version, w.data_ptr())
-        hit = self._packed.get(id(linear))
-        if hit is None or hit[0] != key:
-            with torch.no_grad():
-                w = w.detach()
-                hit = (key, (torch.ops.mkldnn._reorder_linear_weight(w, None), w.t().contiguous()))
-            self._packed[id(linear)] = hit
-        return hit[1]
-
-    def refresh(self) -> None:
-        """Re-pack every weight at the next forward: for writes the version counter does not see (into
-        `weight.data`, or raw memory from a communication library)."""
-        self._packed.clear()
-
-    def __enter__(self) -> PackedLinears:
-        # one pass over the weights' version counters and storages decides whether anything changed (every
-        # forward of the engine enters; a decode step is ~2 ms); only then are copies and closures remade.
-        # The bound forwards are set in the instance __dict__ directly (nn.Module.__setattr__ is slow per call)
-        key = [(w._version, w.data_ptr(), id(ps["bias"])) for ps in self._params for w in (ps["weight"],)]
-        if key != self._key or len(self._packed) < len(self.linears):
-            for linear in self.linears:
-                weights, bias = self._weight(linear), linear.bias
-                fn = self._forwards.get(id(linear))
-                if fn is None or fn[0] is not weights or fn[1] is not bias:
-                    small = SMALL_MATMUL_MACS // (linear.in_features * linear.out_features)
-                    fn = (weights, bias, lambda x, w=weights, b=bias, s=small: _linear(x, w, b, s))
-                    self._forwards[id(linear)] = fn
-            self._key = key
-            self._installed = [(linear.__dict__, self._forwards[id(linear)][2]) for linear in self.linears]
-        for attrs, forward in self._installed:
-            attrs["forward"] = forward
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for attrs, _ in self._installed:
-            attrs.pop("forward", None)
+def supports(model: nn.Module) -> bool:
+    """True for a raychat GPT whose projections are plain nn.Linear without bias and whose modules have no
+    forward hooks: PackedGPT reads the weights and never calls the modules, so a Linear subclass (torchao's
+    Float8Linear is one) or a hook (instrumentation, adapters) would be bypassed."""
+    if not isinstance(model, GPT):
+        return False
+    modules = list(model.modules())
+    plain = all(type(m) is nn.Linear and m.bias is None for m in modules if isinstance(m, nn.Linear))
+    return plain and not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def small_matmul(rows: int, in_features: int, out_features: int) -> bool:
-    """True when a Linear of (out_features, in_features) on `rows` rows runs MKL on the (in, out) copy:
+    """True when a (out_features, in_features) weight on `rows` rows runs MKL on the (in, out) copy:
     rows * in_features * out_features <= SMALL_MATMUL_MACS; False: oneDNN on the packed weight."""
     return rows * in_features * out_features <= SMALL_MATMUL_MACS
 
 
-def _linear(x: torch.Tensor, weights: tuple, bias: torch.Tensor | None, small_rows: int) -> torch.Tensor:
-    """x (..., in) -> (..., out): MKL on the (in, out) copy when x has at most `small_rows` rows (the rule of
-    small_matmul, solved for rows once per Linear), else oneDNN on the packed weight."""
-    if x.numel() <= small_rows * x.shape[-1]:
-        y = torch.matmul(x, weights[1])
-        return y if bias is None else y + bias
-    return torch.ops.mkldnn._linear_pointwise(x, weights[0], bias, "none", [], "")
+class PackedMatmul:
+    """x (..., in) -> x @ weight.T (..., out) for an fp32 weight (out, in), by the kernel rule of
+    small_matmul; holds the oneDNN-packed weight and the (in, out) copy."""
+
+    def __init__(self, weight: torch.Tensor):
+        weight = weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.in_out = weight.t().contiguous()
+        self.small_rows = SMALL_MATMUL_MACS // (weight.shape[0] * weight.shape[1])  # small_matmul for rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= self.small_rows * x.shape[-1]:
+            return torch.matmul(x, self.in_out)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+@dataclass
+class _PackedBlock:
+    input_norm: torch.Tensor  # (n_embd,)
+    qkv: PackedMatmul  # n_embd -> (n_head + 2 * n_kv_head) * head_dim: q, k, v
+    qk_norm: (
+        torch.Tensor
+    )  # (n_head + n_kv_head, head_dim): q_norm's weight on each q head, k_norm's on each k head
+    o: PackedMatmul
+    post_norm: torch.Tensor  # (n_embd,)
+    gate_up: PackedMatmul  # n_embd -> 2 * intermediate_size: gate, up
+    down: PackedMatmul
+
+
+class PackedGPT:
+    """Called like the GPT it wraps (`packed(input_ids, position_ids, kv_cache, logits_at)`), with the same
+    result up to summation order, through packed weight copies (module docstring).
+
+    Args:
+        model: a raychat GPT with fp32 weights on CPU (`supports(model)` and `available(...)`).
+    Raises:
+        ValueError: a model `supports` rejects.
+    """
+
+    def __init__(self, model: GPT):
+        if not supports(model):
+            raise ValueError(
+                "PackedGPT needs a raychat GPT whose projections are plain nn.Linear without bias or hooks, "
+                f"got {type(model).__name__}"
+            )
+        self.model = model
+        # each module's live parameter dict: a parameter assigned later (new storage) is seen too
+        self._param_dicts = [m._parameters for m in model.modules() if m._parameters]
+        self._key: list | None = None
+        self._blocks: list[_PackedBlock] = []
+        self._lm_head: PackedMatmul | None = None
+
+    def parameters(self):
+        """The wrapped model's parameters (as nn.Module.parameters: callers read the device from them)."""
+        return self.model.parameters()
+
+    def refresh(self) -> None:
+        """Re-make every copy at the next forward: for writes the version counter does not see (into
+        `weight.data`, or raw memory from a communication library)."""
+        self._key = None
+
+    def _pack(self) -> None:
+        """Make the copies if any parameter changed since they were made (one pass over the versions)."""
+        key = [(p._version, p.data_ptr()) for ps in self._param_dicts for p in ps.values() if p is not None]
+        if key == self._key:
+            return
+        with torch.no_grad():
+            blocks = []
+            for block in self.model.model.layers:
+                att, mlp = block.self_attn, block.mlp
+                qk_norm = [
+                    att.q_norm.weight.expand(att.n_head, -1),
+                    att.k_norm.weight.expand(att.n_kv_head, -1),
+                ]
+                blocks.append(
+                    _PackedBlock(
+                        input_norm=block.input_layernorm.weight.detach(),
+                        qkv=PackedMatmul(
+                            torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+                        ),
+                        qk_norm=torch.cat(qk_norm).detach(),
+                        o=PackedMatmul(att.o_proj.weight),
+                        post_norm=block.post_attention_layernorm.weight.detach(),
+                        gate_up=PackedMatmul(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                        down=PackedMatmul(mlp.down_proj.weight),
+                    )
+                )
+            self._blocks, self._lm_head = blocks, PackedMatmul(self.model.lm_head.weight)
+        self._key = key
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        kv_cache=None,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """GPT.forward's contract (raychat/model.py) without segment_ids / attn_mask: input_ids (B, T) int64,
+        position_ids (B, T) int64 (default 0..T-1), kv_cache an engine/attention.CacheBatch (None: causal
+        attention over the T tokens), logits_at (B,) int64. Returns (B, T, vocab_size) fp32 logits, or
+        (B, vocab_size) with logits_at."""
+        self._pack()
+        cfg, embed = self.model.config, self.model.model.embed_tokens.weight
+        B, T = input_ids.shape
+        Hq, Hkv, D, C, inter = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.n_embd, cfg.intermediate_size
+        eps = cfg.norm_eps
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        x = F.embedding(input_ids, embed)
+        cos, signed_sin = rope_cos_sin(position_ids, D, cfg.rope_theta, x.dtype)
+        for i, block in enumerate(self._blocks):
+            qkv = block.qkv(F.rms_norm(x, (C,), block.input_norm, eps))
+            qk = qkv[..., : (Hq + Hkv) * D].view(B, T, Hq + Hkv, D)
+            qk = apply_rope(
+                (F.rms_norm(qk, (D,), None, eps) * block.qk_norm).transpose(1, 2), cos, signed_sin
+            )
+            q, k = qk[:, :Hq], qk[:, Hq:]
+            v = qkv[..., (Hq + Hkv) * D :].view(B, T, Hkv, D).transpose(1, 2)
+            if kv_cache is not None:
+                y = kv_cache.attend(i, q, k, v)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hq != Hkv)
+            x = x + block.o(y.transpose(1, 2).reshape(B, T, Hq * D))
+            gate_up = block.gate_up(F.rms_norm(x, (C,), block.post_norm, eps))
+            x = x + block.down(F.silu(gate_up[..., :inter]) * gate_up[..., inter:])
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at]
+        return self._lm_head(F.rms_norm(x, (C,), self.model.model.norm.weight, eps)).float()

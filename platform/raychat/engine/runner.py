@@ -21,7 +21,6 @@ prompt's generator in one call per step, in sample order (engine/sampling.py: th
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from dataclasses import dataclass
 
@@ -29,8 +28,9 @@ import torch
 
 from raychat.engine.attention import resolve_backend, to_device
 from raychat.engine.kv_cache import KVCache
-from raychat.engine.packed_weights import PackedLinears
+from raychat.engine.packed_weights import PackedGPT
 from raychat.engine.packed_weights import available as packed_available
+from raychat.engine.packed_weights import supports as packed_supports
 from raychat.engine.prefix_cache import PrefixCache
 from raychat.engine.row_state import RowState
 from raychat.engine.sampling import SamplingBatch, SamplingParams, make_generator
@@ -144,11 +144,12 @@ class ModelRunner:
             prompt is prefilled in chunks of this size.
         compile_decode: compile the decode step with torch.compile (CUDA graphs on CUDA) for fixed row
             counts (decode_buckets); off by default, meant for GPUs (on CPU it only costs compile time).
-        packed_linears: run the model's nn.Linear layers through weights laid out once for the CPU's
-            kernels (engine/packed_weights.py: oneDNN-packed for large products, an (in, out) copy for MKL
-            on small ones; faster matmuls on CPU, two more copies of those weights in memory):
-            "auto" (default) = on for fp32 on CPU when torch has oneDNN; True = on (ValueError where it
-            does not apply); False = off (MKL on the plain weights, as the training forward).
+        packed_weights: run the engine's forwards through engine/packed_weights.PackedGPT: the model's
+            math over weights laid out once for the CPU's kernels (q/k/v and gate/up stacked; oneDNN-packed
+            for large products, an (in, out) copy for MKL on small ones), in fewer calls; two more copies
+            of the projection weights in memory. "auto" (default) = on for a raychat GPT in fp32 on CPU
+            when torch has oneDNN; True = on (ValueError where it does not apply); False = off (the model's
+            own forward, as in training).
         kv_dtype: the KV cache's dtype: "model" (default) = the weights' dtype; "auto" = bfloat16 where the
             device has native bf16 math (raychat.model.fast_bf16), else float32; or a name in DTYPES. Keys and
             values are rounded to it when written; attention then runs in it (engine/attention.py).
@@ -157,7 +158,7 @@ class ModelRunner:
             (default) = PREFIX_CACHE_ROWS * max_seq_len, allocated as it fills; an int >= 16; 0 = off.
             generate_batch and the Scheduler reuse cached prompt blocks (`self.prefix_cache`).
     Raises:
-        ValueError: an unknown dtype, kv_dtype or attention, prefill_chunk_tokens < 1, a bad packed_linears
+        ValueError: an unknown dtype, kv_dtype or attention, prefill_chunk_tokens < 1, a bad packed_weights
             or prefix_cache_tokens.
     """
 
@@ -170,7 +171,7 @@ class ModelRunner:
         attention: str = "auto",
         prefill_chunk_tokens: int = 2048,
         compile_decode: bool = False,
-        packed_linears="auto",
+        packed_weights="auto",
         prefix_cache_tokens="auto",
         kv_dtype="model",
     ):
@@ -190,16 +191,17 @@ class ModelRunner:
             raise ValueError(f"prefill_chunk_tokens must be an int >= 1, got {prefill_chunk_tokens!r}")
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.compile_decode = bool(compile_decode)
-        if packed_linears not in ("auto", True, False):
-            raise ValueError(f"packed_linears must be 'auto', True or False, got {packed_linears!r}")
-        use_packed = packed_available(self.device, self.dtype)
-        if packed_linears is True and not use_packed:
+        if packed_weights not in ("auto", True, False):
+            raise ValueError(f"packed_weights must be 'auto', True or False, got {packed_weights!r}")
+        use_packed = packed_available(self.device, self.dtype) and packed_supports(model)
+        if packed_weights is True and not use_packed:
             raise ValueError(
-                f"packed_linears=True needs a CPU device, float32 weights and torch with oneDNN; got "
-                f"{self.device.type}, {self.dtype}, oneDNN {torch.backends.mkldnn.is_available()}"
+                f"packed_weights=True needs a raychat GPT with plain nn.Linear projections, a CPU device, "
+                f"float32 weights and torch with oneDNN; got {type(model).__name__}, {self.device.type}, "
+                f"{self.dtype}, oneDNN {torch.backends.mkldnn.is_available()}"
             )
-        use_packed = use_packed and packed_linears is not False
-        self._packed = PackedLinears(model) if use_packed else contextlib.nullcontext()
+        # the engine's forward (prefill, decode, scoring): the packed one, or the model itself
+        self._forward = PackedGPT(model) if use_packed and packed_weights is not False else model
         self._compiled = None
         self._weights_epoch = 0  # bumped by refresh_weights: part of weight_version()
         if prefix_cache_tokens == "auto":
@@ -219,8 +221,8 @@ class ModelRunner:
         In-place torch ops (load_state_dict, copy_, optimizer steps) need no call. Also ends the reuse of
         every prefix-cache entry (weight_version changes)."""
         self._weights_epoch += 1
-        if isinstance(self._packed, PackedLinears):
-            self._packed.refresh()
+        if isinstance(self._forward, PackedGPT):
+            self._forward.refresh()
 
     def weight_version(self) -> int:
         """An int that changes whenever the weights may have: refresh_weights(), or any parameter's version
@@ -232,8 +234,7 @@ class ModelRunner:
     def prompt_logprobs(self, ids: list[int], top_logprobs: int = 0) -> list[TokenLogprob | None]:
         """Each token's logprob given the ones before it (engine/scoring.py: one forward, no KV cache, the
         model's raw distribution); None for the first. Raises ValueError / RuntimeError as prompt_logprobs."""
-        with self._packed:
-            return prompt_logprobs(self.model, ids, top_logprobs)
+        return prompt_logprobs(self._forward, ids, top_logprobs)
 
     # ---- validation ------------------------------------------------------------------------------
     def check_prompt(self, prompt, name: str = "prompt") -> list[int]:
@@ -274,12 +275,11 @@ class ModelRunner:
         else:
             batch = cache.batch(start, B, T, self.attention)
             ids = to_device(ids, self.device)
-            with self._packed:
-                if T == 1:  # a decode step: each row's only position
-                    logits = self.model(ids, position_ids=batch.position_ids, kv_cache=batch)[:, 0]
-                else:
-                    at = to_device(torch.tensor([max(n - 1, 0) for n in lens]), self.device)
-                    logits = self.model(ids, position_ids=batch.position_ids, kv_cache=batch, logits_at=at)
+            if T == 1:  # a decode step: each row's only position
+                logits = self._forward(ids, position_ids=batch.position_ids, kv_cache=batch)[:, 0]
+            else:
+                at = to_device(torch.tensor([max(n - 1, 0) for n in lens]), self.device)
+                logits = self._forward(ids, position_ids=batch.position_ids, kv_cache=batch, logits_at=at)
         if min(lens) == 1 and T == 1:
             cache.lengths[start : start + B] += 1
         else:
