@@ -114,9 +114,9 @@ def multinomial_reference(logits, temperature, top_p, generator):
 def race_reference(row, temperature, top_k, top_p, generator):
     """A top-k row, written out: the k candidates in (logit desc, id asc) order by Python's sort, top-p on
     them, then the exponential race with (1, k) noise from the row's generator."""
-    x = (row.float() / temperature).tolist()
-    order = sorted(range(len(x)), key=lambda i: (-x[i], i))[:top_k]
-    cand = torch.tensor([x[i] for i in order])
+    raw = row.float().tolist()
+    order = sorted(range(len(raw)), key=lambda i: (-raw[i], i))[:top_k]
+    cand = torch.tensor([raw[i] for i in order]) / temperature
     if top_p is not None:
         probs = torch.softmax(cand, dim=0)
         cand[torch.cumsum(probs, 0) - probs >= top_p] = float("-inf")
@@ -194,7 +194,7 @@ def test_top_k_candidates_equal_a_python_sort():
         top_k = torch.randint(1, 100, (n,), generator=gen)
         if trial % 11 == 0:
             top_k[0] = 64
-        vals, ids = _top_k_candidates(logits, top_k, None, int(top_k.max()))
+        vals, ids = _top_k_candidates(logits, top_k.tolist())
         for r in range(n):
             x, k = logits[r].tolist(), int(top_k[r])
             order = sorted(range(V), key=lambda i: (-x[i], i))[:k]
@@ -202,7 +202,7 @@ def test_top_k_candidates_equal_a_python_sort():
             assert vals[r, :k].tolist() == [x[i] for i in order]
             assert (vals[r, k:] == float("-inf")).all()
     ties = torch.zeros(2, V)  # 512 equal logits: the 5th value ties past the 64 largest
-    vals, ids = _top_k_candidates(ties, torch.tensor([5, 1]), None, 5)
+    vals, ids = _top_k_candidates(ties, [5, 1])
     assert ids[0, :5].tolist() == [0, 1, 2, 3, 4] and ids[1, :1].tolist() == [0]
 
 

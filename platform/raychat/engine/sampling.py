@@ -72,54 +72,56 @@ def validate(temperature: float, top_k: int | None, top_p: float | None) -> None
 
 def _filter(logits: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
     """Top-p over the whole vocabulary (the rows without top-k): logits (n, V) fp32, top_p (n, 1) fp32 (>= 1 =
-    off) or None. Returns a new tensor with the tokens outside each row's nucleus at -inf; the most likely
+    off) or None. Returns the logits with the tokens outside each row's nucleus at -inf; the most likely
     token always stays. Ties in the sort order are broken arbitrarily (they share the same logit)."""
     if top_p is None:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    remove_sorted = mass_before >= top_p  # first token has mass_before 0 < top_p: always kept
-    remove = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-    remove.scatter_(-1, order, remove_sorted)
-    return logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, _top_p(sorted_logits, top_p))
 
 
-def _top_k_candidates(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None, kmax: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's top-k candidates, in (logit descending, token id ascending) order, with top-p applied.
+def _top_k_candidates(logits: torch.Tensor, top_k: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top-k candidates in (logit descending, token id ascending) order.
 
     Args:
-        logits: (n, V) fp32 (temperature already applied).
-        top_k: (n,) int64, each in 1..V (clamped to V).
-        top_p: (n, 1) fp32 (>= 1 = off) or None.
-        kmax: the largest top_k (from the host: reading it from the device would sync).
+        logits: (n, V) fp32.
+        top_k: n ints >= 1 (host values; above V means V).
     Returns:
-        (values, ids), each (n, W) with W >= min(kmax, V): values fp32, the first top_k of each row are its
-        candidates' logits (-inf where top-p removed one, or beyond the row's top_k), ids int64 their token
-        ids. Exactly top_k tokens per row: ties at the k-th logit go to the lower ids (as vLLM's sort-based
-        top-k), so a row's candidates depend on its own logits only.
-    W on CPU is kmax rounded up to 64 (one partial `topk`, not a sort of the vocabulary), widened to V when a
-    row's tie at its k-th logit reaches past the W largest (the partial topk orders equal values
-    arbitrarily); on other devices W = V (a full sort, and no host sync).
+        (values, ids), each (n, W): values fp32, the first top_k[r] of row r are its candidates' logits and
+        the rest -inf, ids int64 their token ids; W = top_k when every row has the same one (min V), else
+        wider. Exactly top_k tokens per row: ties at the k-th logit go to the lower ids (as vLLM's sort-based
+        top-k), so a row's candidates depend on its own logits and top_k only.
+    On CPU one partial `topk` of the largest kmax rounded up past a multiple of 64, not a sort of the
+    vocabulary; when two of those values are equal, the ties are put in id order, and a tie at a row's k-th
+    value that reaches past them widens it to V (a partial topk orders and picks equal values arbitrarily).
+    Other devices sort the whole vocabulary (no host sync).
     """
-    V = logits.shape[-1]
-    k = top_k.clamp(max=V)
+    n, V = logits.shape
+    k = [min(x, V) for x in top_k]
+    kmax = max(k)
     W = min(V, (kmax // 64 + 1) * 64) if logits.device.type == "cpu" else V
     vals, ids = torch.topk(logits, W, dim=-1)  # descending; order among equal values unspecified
-    if W < V and bool((vals[:, -1] == vals.gather(1, (k - 1)[:, None])[:, 0]).any()):
-        vals, ids = torch.topk(logits, V, dim=-1)
-        W = V
-    ids, by_id = torch.sort(ids, dim=-1)  # (value desc, id asc): a stable sort by value of the id-sorted
-    vals, pos = torch.sort(vals.gather(1, by_id), dim=-1, descending=True, stable=True)
-    ids = ids.gather(1, pos)
-    vals = vals.masked_fill(torch.arange(W, device=vals.device) >= k[:, None], float("-inf"))
-    if top_p is not None:
-        probs = torch.softmax(vals, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        vals = vals.masked_fill(mass_before >= top_p, float("-inf"))  # the first token always stays
-    return vals, ids
+    if W == V or bool((vals[:, 1:] == vals[:, :-1]).any()):  # ties: id order among equal values
+        if W < V:
+            kth = vals.gather(1, to_device(torch.tensor(k) - 1, vals.device)[:, None])[:, 0]
+            if bool((vals[:, -1] == kth).any()):
+                vals, ids = torch.topk(logits, V, dim=-1)
+                W = V
+        ids, by_id = torch.sort(ids, dim=-1)  # a stable sort by value of the id-sorted candidates
+        vals, pos = torch.sort(vals.gather(1, by_id), dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, pos)
+    if min(k) == kmax:
+        return vals[:, :kmax], ids[:, :kmax]
+    beyond = torch.arange(W, device=vals.device) >= to_device(torch.tensor(k), vals.device)[:, None]
+    return vals.masked_fill(beyond, float("-inf")), ids
+
+
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits (n, W) fp32 sorted descending along each row (-inf allowed), top_p (n, 1) fp32 (>= 1 = off):
+    the tokens past each row's nucleus set to -inf (a token stays while the mass before it is < top_p, so
+    the first always stays)."""
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(torch.cumsum(probs, dim=-1) - probs >= top_p, float("-inf"))
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -132,8 +134,9 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) 
     p = torch.full((n, 1), float(top_p), device=logits.device) if top_p is not None and top_p < 1 else None
     if not top_k:
         return _filter(logits.clone(), p)
-    k = min(int(top_k), V)
-    vals, ids = _top_k_candidates(logits.float(), torch.full((n,), k, device=logits.device), p, k)
+    vals, ids = _top_k_candidates(logits.float(), [int(top_k)] * n)
+    if p is not None:
+        vals = _top_p(vals, p)
     return torch.full_like(logits, float("-inf")).scatter_(1, ids, vals.to(logits.dtype))
 
 
@@ -274,17 +277,22 @@ class SamplingBatch:
         width) into its rows' first k columns, in the order the rows were added; every other entry is 1
         (dividing by it changes nothing). A failing draw (e.g. a generator on another device) fails its rows
         alone (recorded in `errors`)."""
-        noise = torch.ones((n, width), device=dev)
+        whole = len(groups) == 1 and groups[0][1] == list(range(n)) and groups[0][2] == width
+        noise = None if whole else torch.ones((n, width), device=dev)  # whole: the draw is the noise
         for generator, rows, k in groups:
             try:
                 q = torch.empty((len(rows), k), device=dev).exponential_(1, generator=generator)
             except RuntimeError as e:
                 errors.update({r: f"invalid sampling state: {e}" for r in rows})
                 continue
+            if whole:
+                return q
             if rows[-1] - rows[0] == len(rows) - 1:
                 noise[rows[0] : rows[-1] + 1, :k] = q
             else:
                 noise[to_device(torch.tensor(rows), dev), :k] = q
+        if noise is None:
+            noise = torch.ones((n, width), device=dev)
         return noise
 
     def sample(self, logits: torch.Tensor) -> list[Sampled]:
@@ -295,9 +303,8 @@ class SamplingBatch:
         dev = logits.device
         logits = logits.float()
         rowmax, greedy_tok = logits.max(dim=-1)  # NaN propagates into rowmax; ties go to the lowest id
-        bad = ~(rowmax < float("inf")) | (rowmax == float("-inf"))
+        bad = ~(rowmax.abs() < float("inf"))  # NaN, +inf, or no finite logit (all -inf)
         temp = to_device(torch.tensor(self.temperature, dtype=torch.float32), dev)
-        scaled = logits / temp[:, None]
         overflow = torch.isposinf(rowmax / temp)  # = max of scaled: tiny temperature, greedy (T -> 0 limit)
         p = to_device(torch.tensor(self.top_p)[:, None], dev) if min(self.top_p) < 1 else None
         # a generator's rows split by path: with top-k (noise over its k candidates) or not (over V)
@@ -313,16 +320,18 @@ class SamplingBatch:
         for groups in (top_k_groups, vocab_groups):
             if not groups:
                 continue
-            if groups is top_k_groups:
-                kmax = max(k for _, _, k in groups)
-                k = to_device(torch.tensor([max(1, x) for x in self.top_k]), dev)
-                vals, ids = _top_k_candidates(scaled, k, p, kmax)
+            if groups is top_k_groups:  # candidates of the raw logits (temperature > 0 keeps their order)
+                vals, ids = _top_k_candidates(logits, [max(1, x) for x in self.top_k])
+                vals = vals / temp[:, None]
+                if p is not None:
+                    vals = _top_p(vals, p)
                 noise = self._draw(groups, vals.shape[1], n, dev, errors)
                 choice = torch.argmax(torch.softmax(vals, dim=-1) / noise, dim=-1)
                 sampled = ids.gather(1, choice[:, None])[:, 0]
             else:
                 noise = self._draw(groups, V, n, dev, errors)
-                sampled = torch.argmax(torch.softmax(_filter(scaled, p), dim=-1) / noise, dim=-1)
+                scaled = _filter(logits / temp[:, None], p)
+                sampled = torch.argmax(torch.softmax(scaled, dim=-1) / noise, dim=-1)
             drawn = [r for _, rows, _ in groups for r in rows if r not in errors]
             if len(drawn) == n:  # every row drew: only overflowing rows fall back to greedy
                 token = torch.where(overflow, greedy_tok, sampled)
@@ -336,7 +345,7 @@ class SamplingBatch:
         cols = [token.double(), bad.double()]
         K = max(self.num_logprobs)
         if K >= 0:
-            lp = torch.log_softmax(torch.where(overflow[:, None], logits, scaled), dim=-1)
+            lp = torch.log_softmax(torch.where(overflow[:, None], logits, logits / temp[:, None]), dim=-1)
             cols.append(lp.gather(1, token[:, None]).squeeze(1).double())
             if K > 0:
                 top = torch.topk(lp, K, dim=-1)
