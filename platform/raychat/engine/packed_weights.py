@@ -129,6 +129,7 @@ class PackedGPT:
         key = [(p._version, p.data_ptr()) for ps in self._param_dicts for p in ps.values() if p is not None]
         if key == self._key:
             return
+        self._blocks, self._lm_head = [], None  # the old copies go first: never two sets in memory
         with torch.no_grad():
             blocks = []
             for block in self.model.model.layers:
