@@ -166,6 +166,32 @@ def test_a_rows_draw_does_not_depend_on_its_neighbours():
         assert alone.sample(logits[step, 1:2])[0].token == crowd.sample(logits[step])[1].token, step
 
 
+def test_a_top_p_boundary_row_does_not_depend_on_its_neighbours_top_k():
+    """Regression: a row's candidates are padded with -inf to a multiple of 64 whatever its neighbours need,
+    so its softmax rounds the same. Over exactly k = 10 entries the mass before some candidate differs by
+    an ulp from the padded sum; with top_p set to that mass the nucleus flipped next to a top_k=20 row."""
+    torch.manual_seed(0)
+    k, top_p = 10, None
+    while top_p is None:  # logits whose nucleus mass differs between a width of k and a padded width
+        x = (torch.randn(1, k) * 3).sort(descending=True).values
+        exact = torch.softmax(x, -1)
+        padded = torch.softmax(torch.cat([x, torch.full((1, 54), float("-inf"))], 1), -1)[:, :k]
+        before_exact, before_padded = (exact.cumsum(-1) - exact)[0], (padded.cumsum(-1) - padded)[0]
+        differ = [j for j in range(1, k) if before_exact[j] != before_padded[j]]
+        if differ:
+            top_p = max(before_exact[differ[0]].item(), before_padded[differ[0]].item())
+    logits = torch.full((1, 100), -20.0)
+    logits[0, :k] = x[0]
+    other = torch.randn(1, 100, generator=torch.Generator().manual_seed(1))
+    for seed in range(300):
+        alone = SamplingBatch()
+        alone.add(1.0, k, top_p, make_generator(seed))
+        crowd = SamplingBatch()
+        crowd.add(1.0, k, top_p, make_generator(seed))
+        crowd.add(1.0, 20, None, make_generator(7))
+        assert alone.sample(logits)[0].token == crowd.sample(torch.cat([logits, other]))[0].token, seed
+
+
 def test_top_k_frequencies():
     # p = (0.5, 0.3, 0.15, 0.05): top_k=2 renormalizes to 0.625 / 0.375; top_k=3 with top_p=0.8 keeps
     # tokens whose mass before is < 0.8 among (0.5, 0.3, 0.15)/0.95: 0, 0.526, 0.842 -> tokens 0 and 1

@@ -19,7 +19,7 @@ one device-to-host transfer:
     tokens a seed gives differ from `multinomial`'s.
 Rows that share a generator (one prompt's samples in `generate_batch`) draw one tensor, in the order they
 were added; a row's draw depends on its own logits, parameters and generator only, never on which other
-rows share the batch.
+rows share the batch (on GPUs, one exception: `_top_k_candidates` on a tie that reaches past 64 candidates).
 
 `SamplingBatch` collects one row per sequence (its parameters, generator, forced token, logprobs wanted)
 and `sample(logits)` returns every row's token, error and logprobs with ONE device-to-host transfer.
@@ -87,23 +87,27 @@ def _top_k_candidates(logits: torch.Tensor, top_k: list[int]) -> tuple[torch.Ten
         logits: (n, V) fp32.
         top_k: n ints >= 1 (host values; above V means V).
     Returns:
-        (values, ids), each (n, W): values fp32, the first top_k[r] of row r are its candidates' logits and
-        the rest -inf, ids int64 their token ids; W = top_k when every row has the same one (min V), else
-        wider. Exactly top_k tokens per row: ties at the k-th logit go to the lower ids (as vLLM's sort-based
+        (values, ids), each (n, W) with W = min(V, the largest top_k rounded up past a multiple of 64): values
+        fp32, the first top_k[r] of row r are its candidates' logits and the rest -inf, ids int64 their token
+        ids. Exactly top_k tokens per row: ties at the k-th logit go to the lower ids (as vLLM's sort-based
         top-k), so a row's candidates depend on its own logits and top_k only.
-    On CPU one partial `topk` of the largest kmax rounded up past a multiple of 64, not a sort of the
-    vocabulary; when two of those values are equal, the ties are put in id order, and a tie at a row's k-th
-    value that reaches past them widens it to V (a partial topk orders and picks equal values arbitrarily).
-    Other devices sort the whole vocabulary (no host sync).
+    The -inf padding to a multiple of 64 keeps a row's softmax (top-p, the draw) summing its candidates in the
+    same vector lanes whatever W the batch needs; over exactly k entries the sum rounds differently, and a
+    row's token could then depend on its neighbours' top_k.
+    One partial `topk` of W values, not a sort of the vocabulary. On CPU (host reads are free) the id-order
+    sorts run only when two of the W values are equal, and a tie at a row's k-th value that reaches past the W
+    largest widens to V (a partial topk orders and picks equal values arbitrarily). Other devices never read
+    from the device: the sorts always run, and such a tie past W is broken in topk's order.
     """
     n, V = logits.shape
     k = [min(x, V) for x in top_k]
     kmax = max(k)
-    W = min(V, (kmax // 64 + 1) * 64) if logits.device.type == "cpu" else V
+    W = min(V, (kmax // 64 + 1) * 64)
     vals, ids = torch.topk(logits, W, dim=-1)  # descending; order among equal values unspecified
-    if W == V or bool((vals[:, 1:] == vals[:, :-1]).any()):  # ties: id order among equal values
-        if W < V:
-            kth = vals.gather(1, to_device(torch.tensor(k) - 1, vals.device)[:, None])[:, 0]
+    cpu = logits.device.type == "cpu"
+    if not cpu or W == V or bool((vals[:, 1:] == vals[:, :-1]).any()):  # ties: id order among equal values
+        if cpu and W < V:
+            kth = vals.gather(1, (torch.tensor(k) - 1)[:, None])[:, 0]
             if bool((vals[:, -1] == kth).any()):
                 vals, ids = torch.topk(logits, V, dim=-1)
                 W = V
@@ -111,7 +115,8 @@ def _top_k_candidates(logits: torch.Tensor, top_k: list[int]) -> tuple[torch.Ten
         vals, pos = torch.sort(vals.gather(1, by_id), dim=-1, descending=True, stable=True)
         ids = ids.gather(1, pos)
     if min(k) == kmax:
-        return vals[:, :kmax], ids[:, :kmax]
+        vals[:, kmax:] = float("-inf")
+        return vals, ids
     beyond = torch.arange(W, device=vals.device) >= to_device(torch.tensor(k), vals.device)[:, None]
     return vals.masked_fill(beyond, float("-inf")), ids
 
@@ -325,8 +330,9 @@ class SamplingBatch:
                 vals = vals / temp[:, None]
                 if p is not None:
                     vals = _top_p(vals, p)
-                noise = self._draw(groups, vals.shape[1], n, dev, errors)
-                choice = torch.argmax(torch.softmax(vals, dim=-1) / noise, dim=-1)
+                width = max(k for _, _, k in groups)  # every drawing row's candidates are among the first
+                noise = self._draw(groups, width, n, dev, errors)
+                choice = torch.argmax(torch.softmax(vals, dim=-1)[:, :width] / noise, dim=-1)
                 sampled = ids.gather(1, choice[:, None])[:, 0]
             else:
                 noise = self._draw(groups, V, n, dev, errors)
