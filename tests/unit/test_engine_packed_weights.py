@@ -63,6 +63,21 @@ def test_packed_gpt_follows_in_place_updates_and_new_storage():
     torch.testing.assert_close(packed(ids), model(ids), rtol=1e-5, atol=1e-5)
     model.model.layers[1].mlp.up_proj.weight.copy_(torch.randn(model.config.intermediate_size, 64))
     torch.testing.assert_close(packed(ids), model(ids), rtol=1e-5, atol=1e-5)
+    model.lm_head = nn.Linear(64, tok.vocab_size, bias=False)  # a submodule replaced, then updated in place
+    torch.testing.assert_close(packed(ids), model(ids), rtol=1e-5, atol=1e-5)
+    model.lm_head.weight.mul_(3)
+    torch.testing.assert_close(packed(ids), model(ids), rtol=1e-5, atol=1e-5)
+    model.model.layers[0].mlp = Doubled(model.model.layers[0].mlp)  # a type it cannot compute: the model's
+    torch.testing.assert_close(packed(ids), model(ids), rtol=1e-5, atol=1e-5)  # own forward runs
+
+
+class Doubled(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return 2 * self.inner(x)
 
 
 def test_small_products_run_mkl_and_large_ones_onednn_both_equal_to_f_linear():
@@ -89,15 +104,17 @@ def test_models_it_cannot_read_keep_their_own_forward():
     handle = model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, i, o: o * 2)
     assert not supports(model)
     assert ModelRunner(model, tok)._forward is model
-    with pytest.raises(ValueError, match="packed_weights=True needs a raychat GPT with plain nn.Linear"):
+    with pytest.raises(ValueError, match="packed_weights=True needs a raychat GPT of its own module types"):
         ModelRunner(model, tok, packed_weights=True)
     handle.remove()
     assert supports(model)
     handle = model.register_forward_pre_hook(lambda m, args: None)  # on the GPT itself: it would never run
     assert not supports(model)
     handle.remove()
+    torch.nn.utils.parametrize.register_parametrization(model.model.norm, "weight", Doubled(nn.Identity()))
+    assert not supports(model)  # a parametrized weight: its value is computed on every access
     assert not supports(nn.Sequential(nn.Linear(4, 4)))
-    with pytest.raises(ValueError, match="PackedGPT needs a raychat GPT"):
+    with pytest.raises(ValueError, match="PackedGPT needs a raychat GPT of its own module types"):
         PackedGPT(nn.Sequential(nn.Linear(4, 4)))
 
 

@@ -30,10 +30,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
-from raychat.model import GPT, apply_rope, rope_cos_sin
+from raychat.model import GPT, MLP, Attention, Block, Decoder, RMSNorm, apply_rope, rope_cos_sin
 
 SMALL_MATMUL_MACS = 2**22  # rows * in * out at or below which MKL on the (in, out) copy beats oneDNN
+_GPT_MODULES = (GPT, Decoder, nn.ModuleList, Block, Attention, MLP, RMSNorm, nn.Embedding, nn.Linear)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -47,14 +49,17 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def supports(model: nn.Module) -> bool:
-    """True for a raychat GPT whose projections are plain nn.Linear without bias and whose modules have no
-    forward hooks: PackedGPT reads the weights and never calls the modules, so a Linear subclass (torchao's
-    Float8Linear is one) or a hook (instrumentation, adapters) would be bypassed."""
-    if not isinstance(model, GPT):
+    """True for a raychat GPT made of exactly its own module types (no subclass: torchao's Float8Linear is an
+    nn.Linear subclass; no parametrization), its Linears without bias, and no forward hooks: PackedGPT reads
+    the weights and never calls the modules, so anything else would be bypassed."""
+    if type(model) is not GPT:
         return False
     modules = list(model.modules())
-    plain = all(type(m) is nn.Linear and m.bias is None for m in modules if isinstance(m, nn.Linear))
-    return plain and not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    return (
+        all(type(m) in _GPT_MODULES and not parametrize.is_parametrized(m) for m in modules)
+        and all(m.bias is None for m in modules if type(m) is nn.Linear)
+        and not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    )
 
 
 def small_matmul(rows: int, in_features: int, out_features: int) -> bool:
@@ -100,17 +105,19 @@ class PackedGPT:
         model: a raychat GPT with fp32 weights on CPU (`supports(model)` and `available(...)`).
     Raises:
         ValueError: a model `supports` rejects.
+    Every call notices a parameter updated in place or assigned, and a submodule replaced (re-packing; a
+    replacement PackedGPT cannot compute sends the call to the model's own forward). A hook registered on an
+    existing module after construction is not seen: build a new PackedGPT (a new ModelRunner) then.
     """
 
     def __init__(self, model: GPT):
         if not supports(model):
             raise ValueError(
-                "PackedGPT needs a raychat GPT whose projections are plain nn.Linear without bias or hooks, "
-                f"got {type(model).__name__}"
+                "PackedGPT needs a raychat GPT of its own module types (no subclass, parametrization, Linear "
+                f"bias or forward hook), got {type(model).__name__}"
             )
         self.model = model
-        # each module's live parameter dict: a parameter assigned later (new storage) is seen too
-        self._param_dicts = [m._parameters for m in model.modules() if m._parameters]
+        self._scan()
         self._key: list | None = None
         self._blocks: list[_PackedBlock] = []
         self._lm_head: PackedMatmul | None = None
@@ -124,11 +131,27 @@ class PackedGPT:
         `weight.data`, or raw memory from a communication library)."""
         self._key = None
 
-    def _pack(self) -> None:
-        """Make the copies if any parameter changed since they were made (one pass over the versions)."""
+    def _scan(self) -> None:
+        """Read the module tree: the live dicts of submodules and parameters (a parameter assigned later is
+        seen through them), and whether PackedGPT can compute this tree (`supports`)."""
+        modules = list(self.model.modules())
+        self._module_dicts = [m._modules for m in modules if m._modules]
+        self._param_dicts = [m._parameters for m in modules if m._parameters]
+        self._tree = [id(m) for d in self._module_dicts for m in d.values()]
+        self._supported = supports(self.model)
+
+    def _pack(self) -> bool:
+        """Make the copies if a submodule was replaced or a parameter changed since they were made (one pass
+        over the module ids and the parameters' versions). Returns False when the tree is no longer one
+        PackedGPT computes (a module replaced by another type): the model's own forward runs instead."""
+        if [id(m) for d in self._module_dicts for m in d.values()] != self._tree:
+            self._scan()
+            self._key = None
+        if not self._supported:
+            return False
         key = [(p._version, p.data_ptr()) for ps in self._param_dicts for p in ps.values() if p is not None]
         if key == self._key:
-            return
+            return True
         self._blocks, self._lm_head = [], None  # the old copies go first: never two sets in memory
         with torch.no_grad():
             blocks = []
@@ -153,6 +176,7 @@ class PackedGPT:
                 )
             self._blocks, self._lm_head = blocks, PackedMatmul(self.model.lm_head.weight)
         self._key = key
+        return True
 
     def __call__(
         self,
@@ -165,7 +189,8 @@ class PackedGPT:
         position_ids (B, T) int64 (default 0..T-1), kv_cache an engine/attention.CacheBatch (None: causal
         attention over the T tokens), logits_at (B,) int64. Returns (B, T, vocab_size) fp32 logits, or
         (B, vocab_size) with logits_at."""
-        self._pack()
+        if not self._pack():
+            return self.model(input_ids, position_ids=position_ids, kv_cache=kv_cache, logits_at=logits_at)
         cfg, embed = self.model.config, self.model.model.embed_tokens.weight
         B, T = input_ids.shape
         Hq, Hkv, D, C, inter = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.n_embd, cfg.intermediate_size

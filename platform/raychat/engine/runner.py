@@ -196,8 +196,8 @@ class ModelRunner:
         use_packed = packed_available(self.device, self.dtype) and packed_supports(model)
         if packed_weights is True and not use_packed:
             raise ValueError(
-                f"packed_weights=True needs a raychat GPT with plain nn.Linear projections, a CPU device, "
-                f"float32 weights and torch with oneDNN; got {type(model).__name__}, {self.device.type}, "
+                "packed_weights=True needs a raychat GPT of its own module types (packed_weights.supports), "
+                f"a CPU device, float32 weights and torch with oneDNN; got {type(model).__name__}, {self.device.type}, "
                 f"{self.dtype}, oneDNN {torch.backends.mkldnn.is_available()}"
             )
         # the engine's forward (prefill, decode, scoring): the packed one, or the model itself
