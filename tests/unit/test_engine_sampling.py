@@ -205,9 +205,9 @@ def test_top_k_frequencies():
 
 
 def test_top_k_candidates_equal_a_python_sort():
-    """_top_k_candidates gives each row's first k tokens in (logit desc, id asc) order, with their logits,
-    for per-row k, many exact ties (logits on a coarse grid), -inf logits, k at or past the finite logits,
-    k = 64 (a multiple of the candidate width), and ties past the W largest (the widened path)."""
+    """_top_k_candidates gives each row's first k finite tokens in (logit desc, id asc) order, with their
+    logits, for per-row k, many exact ties (logits on a coarse grid), -inf logits, k at or past the finite
+    logits, k = 64 (a multiple of the candidate width), and ties past the W largest (the widened path)."""
     gen = torch.Generator().manual_seed(3)
     V = 512
     for trial in range(120):
@@ -222,11 +222,16 @@ def test_top_k_candidates_equal_a_python_sort():
             top_k[0] = 64
         vals, ids = _top_k_candidates(logits, top_k.tolist())
         for r in range(n):
-            x, k = logits[r].tolist(), int(top_k[r])
+            x = logits[r].tolist()
+            k = min(int(top_k[r]), sum(v > float("-inf") for v in x))  # -inf candidates: any ids (p = 0)
             order = sorted(range(V), key=lambda i: (-x[i], i))[:k]
             assert ids[r, :k].tolist() == order, (trial, r)
             assert vals[r, :k].tolist() == [x[i] for i in order]
             assert (vals[r, k:] == float("-inf")).all()
+    masked = torch.full((1, 4096), float("-inf"))  # 3 finite logits, top_k 50: no full sort for -inf ties
+    masked[0, [7, 900, 3]] = torch.tensor([1.0, 3.0, 2.0])
+    vals, ids = _top_k_candidates(masked, [50])
+    assert vals.shape[1] == 64 and ids[0, :3].tolist() == [900, 3, 7] and (vals[0, 3:] == float("-inf")).all()
     ties = torch.zeros(2, V)  # 512 equal logits: the 5th value ties past the 64 largest
     vals, ids = _top_k_candidates(ties, [5, 1])
     assert ids[0, :5].tolist() == [0, 1, 2, 3, 4] and ids[1, :1].tolist() == [0]

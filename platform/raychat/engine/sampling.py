@@ -95,8 +95,9 @@ def _top_k_candidates(logits: torch.Tensor, top_k: list[int]) -> tuple[torch.Ten
     same vector lanes whatever W the batch needs; over exactly k entries the sum rounds differently, and a
     row's token could then depend on its neighbours' top_k.
     One partial `topk` of W values, not a sort of the vocabulary. On CPU (host reads are free) the id-order
-    sorts run only when two of the W values are equal, and a tie at a row's k-th value that reaches past the W
-    largest widens to V (a partial topk orders and picks equal values arbitrarily). Other devices never read
+    sorts run only when two of the W values are equal, and a tie at a row's finite k-th value that reaches past
+    the W largest widens to V (a partial topk orders and picks equal values arbitrarily; -inf candidates have
+    probability 0, whichever ids they carry). Other devices never read
     from the device: the sorts always run, and such a tie past W is broken in topk's order.
     """
     n, V = logits.shape
@@ -108,7 +109,7 @@ def _top_k_candidates(logits: torch.Tensor, top_k: list[int]) -> tuple[torch.Ten
     if not cpu or W == V or bool((vals[:, 1:] == vals[:, :-1]).any()):  # ties: id order among equal values
         if cpu and W < V:
             kth = vals.gather(1, (torch.tensor(k) - 1)[:, None])[:, 0]
-            if bool((vals[:, -1] == kth).any()):
+            if bool(((vals[:, -1] == kth) & (kth > float("-inf"))).any()):  # -inf candidates are never drawn
                 vals, ids = torch.topk(logits, V, dim=-1)
                 W = V
         ids, by_id = torch.sort(ids, dim=-1)  # a stable sort by value of the id-sorted candidates
