@@ -88,9 +88,7 @@ class PackedMatmul:
 class _PackedBlock:
     input_norm: torch.Tensor  # (n_embd,)
     qkv: PackedMatmul  # n_embd -> (n_head + 2 * n_kv_head) * head_dim: q, k, v
-    qk_norm: (
-        torch.Tensor
-    )  # (n_head + n_kv_head, head_dim): q_norm's weight on each q head, k_norm's on each k head
+    qk_norm: torch.Tensor  # (n_head + n_kv_head, head_dim): q_norm's weight per q head, k_norm's per k head
     o: PackedMatmul
     post_norm: torch.Tensor  # (n_embd,)
     gate_up: PackedMatmul  # n_embd -> 2 * intermediate_size: gate, up

@@ -197,8 +197,9 @@ class ModelRunner:
         if packed_weights is True and not use_packed:
             raise ValueError(
                 "packed_weights=True needs a raychat GPT of its own module types (packed_weights.supports), "
-                f"a CPU device, float32 weights and torch with oneDNN; got {type(model).__name__}, {self.device.type}, "
-                f"{self.dtype}, oneDNN {torch.backends.mkldnn.is_available()}"
+                "a CPU device, float32 weights and torch with oneDNN; got "
+                f"{type(model).__name__}, {self.device.type}, {self.dtype}, "
+                f"oneDNN {torch.backends.mkldnn.is_available()}"
             )
         # the engine's forward (prefill, decode, scoring): the packed one, or the model itself
         self._forward = PackedGPT(model) if use_packed and packed_weights is not False else model

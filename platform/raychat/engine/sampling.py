@@ -181,6 +181,20 @@ def sample_next(
     return torch.tensor([s.token for s in out], dtype=torch.int64, device=logits.device)
 
 
+def _take(token: torch.Tensor, sampled: torch.Tensor, groups: list, overflow: torch.Tensor, errors: dict):
+    """token (n,) int64 with the rows of `groups` that drew without error replaced by sampled (n,), except
+    the rows whose scaled logits overflow (overflow (n,) bool: they keep their greedy token)."""
+    n, dev = token.shape[0], token.device
+    drawn = [r for _, rows, _ in groups for r in rows if r not in errors]
+    if len(drawn) == n:
+        return torch.where(overflow, token, sampled)
+    if not drawn:
+        return token
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[drawn] = True
+    return torch.where(to_device(mask, dev) & ~overflow, sampled, token)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request generates.
@@ -323,29 +337,19 @@ class SamplingBatch:
                 vocab_groups.append((generator, [r for r in rows if not self.top_k[r]], V))
         errors: dict[int, str] = {}
         token = greedy_tok
-        for groups in (top_k_groups, vocab_groups):
-            if not groups:
-                continue
-            if groups is top_k_groups:  # candidates of the raw logits (temperature > 0 keeps their order)
-                vals, ids = _top_k_candidates(logits, [max(1, x) for x in self.top_k])
-                vals = vals / temp[:, None]
-                if p is not None:
-                    vals = _top_p(vals, p)
-                width = max(k for _, _, k in groups)  # every drawing row's candidates are among the first
-                noise = self._draw(groups, width, n, dev, errors)
-                choice = torch.argmax(torch.softmax(vals, dim=-1)[:, :width] / noise, dim=-1)
-                sampled = ids.gather(1, choice[:, None])[:, 0]
-            else:
-                noise = self._draw(groups, V, n, dev, errors)
-                scaled = _filter(logits / temp[:, None], p)
-                sampled = torch.argmax(torch.softmax(scaled, dim=-1) / noise, dim=-1)
-            drawn = [r for _, rows, _ in groups for r in rows if r not in errors]
-            if len(drawn) == n:  # every row drew: only overflowing rows fall back to greedy
-                token = torch.where(overflow, greedy_tok, sampled)
-            elif drawn:
-                mask = torch.zeros(n, dtype=torch.bool)
-                mask[drawn] = True
-                token = torch.where(to_device(mask, dev) & ~overflow, sampled, token)
+        if top_k_groups:  # candidates of the raw logits (temperature > 0 keeps their order)
+            vals, ids = _top_k_candidates(logits, [max(1, x) for x in self.top_k])
+            vals = vals / temp[:, None]
+            if p is not None:
+                vals = _top_p(vals, p)
+            width = max(k for _, _, k in top_k_groups)  # every drawing row's candidates are among the first
+            noise = self._draw(top_k_groups, width, n, dev, errors)
+            choice = torch.argmax(torch.softmax(vals, dim=-1)[:, :width] / noise, dim=-1)
+            token = _take(token, ids.gather(1, choice[:, None])[:, 0], top_k_groups, overflow, errors)
+        if vocab_groups:
+            noise = self._draw(vocab_groups, V, n, dev, errors)
+            probs = torch.softmax(_filter(logits / temp[:, None], p), dim=-1)
+            token = _take(token, torch.argmax(probs / noise, dim=-1), vocab_groups, overflow, errors)
         if max(self.forced) >= 0:
             forced = to_device(torch.tensor(self.forced), dev)
             token = torch.where(forced >= 0, forced, token)
