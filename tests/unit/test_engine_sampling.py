@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from raychat.engine import TEMPERATURE_EPS, SamplingBatch, SamplingParams, make_generator, sample_next
-from raychat.engine.sampling import _top_k_candidates, filter_logits
+from raychat.engine.sampling import FP32_OVERFLOW, _overflows, _to_host, _top_k_candidates, filter_logits
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 LOGITS = PROBS.log()
@@ -112,16 +112,16 @@ def multinomial_reference(logits, temperature, top_p, generator):
 
 
 def race_reference(row, temperature, top_k, top_p, generator):
-    """A top-k row, written out: the k candidates in (logit desc, id asc) order by Python's sort, top-p on
-    them, then the exponential race with (1, k) noise from the row's generator."""
+    """A top-k row, written out: the k candidates in (logit desc, id asc) order by Python's sort, their
+    probabilities, those past the top-p nucleus zeroed (the race needs no renormalizing), then the
+    exponential race with (1, k) noise from the row's generator."""
     raw = row.float().tolist()
     order = sorted(range(len(raw)), key=lambda i: (-raw[i], i))[:top_k]
-    cand = torch.tensor([raw[i] for i in order]) / temperature
+    probs = torch.softmax(torch.tensor([raw[i] for i in order]) / temperature, dim=0)
     if top_p is not None:
-        probs = torch.softmax(cand, dim=0)
-        cand[torch.cumsum(probs, 0) - probs >= top_p] = float("-inf")
+        probs[torch.cumsum(probs, 0) - probs >= top_p] = 0.0
     q = torch.empty(1, top_k).exponential_(1, generator=generator)[0]
-    return order[int(torch.argmax(torch.softmax(cand, dim=0) / q))]
+    return order[int(torch.argmax(probs / q))]
 
 
 ROWS = [(1.0, None, None), (1.0, None, None), (0.7, 5, None), (1.3, None, 0.6), (0.9, 8, 0.9), (0.0, 3, None)]
@@ -286,3 +286,44 @@ def test_overflowing_scaled_logits_are_greedy_and_bad_logits_fail_their_row_alon
     assert [o.error is not None for o in out] == [False, True, True, True, False]
     assert out[1].error.startswith("non-finite logits") and out[1].token == -1
     assert out[4].token == 1 and out[4].logprob == pytest.approx(0.0)
+
+
+def test_the_hosts_overflow_rule_equals_float32_division():
+    """_overflows(x, t) (decided in float64 on the host) is torch's float32 x / t == +inf, for float32 x on
+    both sides of every boundary FP32_OVERFLOW * t, including the float32 neighbours of the boundary."""
+    assert FP32_OVERFLOW == float(torch.finfo(torch.float32).max) + 2.0**103  # max + half an ulp
+    temps = torch.tensor([1e-5, 3.3e-5, 1e-4, 0.1, 0.7, 0.8, 1.0, 1.3, 2.0, 1e3])
+    checked = 0
+    for t in temps.tolist():  # float32 values
+        if FP32_OVERFLOW * t > float(torch.finfo(torch.float32).max):
+            continue  # no float32 x overflows x / t
+        x = torch.tensor([FP32_OVERFLOW * t], dtype=torch.float32)  # the float32 next to the boundary
+        down, up = torch.nextafter(x, torch.tensor([0.0])), torch.nextafter(x, torch.tensor([float("inf")]))
+        xs = torch.cat([x, down, torch.nextafter(down, torch.tensor([0.0])), up, x * 0.5, -x])
+        want = torch.isposinf(xs / torch.tensor(t, dtype=torch.float32)).tolist()
+        assert [_overflows(v, t) for v in xs.tolist()] == want, t
+        checked += sum(want)
+    assert checked >= 8  # both sides were exercised
+
+
+def test_to_host_reads_the_same_values_as_one_stacked_copy():
+    """The accelerator path (one float64 copy of the stacked columns) gives what per-column reads give on
+    CPU: token ids exactly, float32 values exactly, non-finite values as such."""
+    ids = torch.tensor([0, 7, 65_535, 2**40])
+    vals = torch.tensor([1.5, float("nan"), float("-inf"), 3.4e38])
+    plain, stacked = _to_host([ids, vals]), _to_host([ids, vals], stacked=True)
+    assert [r[0] for r in plain] == [int(r[0]) for r in stacked] == ids.tolist()
+    assert [r[1] for r in plain][::2] == [r[1] for r in stacked][::2] == vals.tolist()[::2]
+    assert math.isnan(stacked[1][1]) and stacked[3][1] == plain[3][1] and stacked[2][1] == float("-inf")
+
+
+def test_a_top_k_row_whose_scaled_max_overflows_is_greedy():
+    """The top-k path: a finite row whose max / temperature overflows float32 takes its greedy token (ties to
+    the lower id), the next row's draw is unaffected, and its logprob is of the raw logits."""
+    logits = torch.tensor([[0.0, 1e36, 1e36, -1.0], [0.0, 5.0, 4.0, -1.0]])
+    batch = SamplingBatch()
+    batch.add(1e-4, 3, 0.9, make_generator(1), logprobs=True)
+    batch.add(1.0, 1, None, make_generator(2))
+    out = batch.sample(logits)
+    assert out[0].token == 1 and out[0].error is None and out[0].logprob == pytest.approx(math.log(0.5))
+    assert out[1].token == 1 and out[1].logprob is None

@@ -56,7 +56,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor -> device without a host sync (pinned + non_blocking on CUDA)."""
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return t if t.device == device else t.to(device)
 
 
 def dense_mask(starts: torch.Tensor, T: int, S: int) -> torch.Tensor:
@@ -109,8 +109,7 @@ class CacheBatch:
     def __init__(self, cache, start: int, B: int, T: int, backend: str = "dense", static: bool = False):
         if start < 0 or B < 1 or start + B > cache.batch_size:
             raise ValueError(f"rows {start}..{start + B - 1} outside the cache's 0..{cache.batch_size - 1}")
-        starts = cache.lengths[start : start + B]
-        host = starts.tolist()  # one read of the (host) lengths; every decision below is made from it
+        host = cache.lengths.tolist()[start : start + B]  # one read of the (host) lengths: every decision
         end = max(host) + T
         if end > cache.max_len:
             raise ValueError(f"KV cache row overflow: {end} tokens > max_len {cache.max_len}")
@@ -118,7 +117,9 @@ class CacheBatch:
         device = cache.k.device
         first = host[0]
         uniform = min(host) == end - T
-        positions = starts[:, None].clone() if T == 1 else starts[:, None] + torch.arange(T)[None]
+        positions = torch.tensor([[s] for s in host])  # (B, 1)
+        if T > 1:
+            positions = positions + torch.arange(T)[None]
         self.position_ids = to_device(positions, device)
         self._uniform_start = first if uniform and not static else None
         self._pos = None if self._uniform_start is not None else self.position_ids

@@ -265,7 +265,7 @@ class ModelRunner:
         lens = [len(p) for p in pieces]
         T = max(1, *lens)
         if T == 1:  # decode: one tensor from one list, no per-row copies
-            ids = torch.tensor([p[0] if p else 0 for p in pieces], dtype=torch.long).view(B, 1)
+            ids = torch.tensor([[p[0] if p else 0] for p in pieces], dtype=torch.long)
         else:
             ids = torch.zeros(B, T, dtype=torch.long)
             for i, p in enumerate(pieces):
@@ -285,7 +285,7 @@ class ModelRunner:
             cache.lengths[start : start + B] += 1
         else:
             cache.lengths[start : start + B] += torch.tensor(lens, dtype=torch.long)
-        return logits.float()
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def _static_decode(self, cache: KVCache, start: int, ids: torch.Tensor) -> torch.Tensor:
         """Decode through the compiled step: rows padded up to a bucket with the free rows after them."""

@@ -16,13 +16,17 @@ one device-to-host transfer:
     order: its generator draws q of shape (rows, k). The noise then scales with k instead of the vocabulary
     (drawing Exp(1) costs ~16 ns an entry on this CPU: ~1 ms a row a step at V = 65,536,
     bench/results/decode_overhead.md). The distribution is the same (every entry of q is i.i.d.); the
-    tokens a seed gives differ from `multinomial`'s.
+    tokens a seed gives differ from `multinomial`'s. Top-p zeroes the candidates past the nucleus instead
+    of renormalizing (argmax of c * probs / q is the same draw for any c > 0): one softmax, not two.
 Rows that share a generator (one prompt's samples in `generate_batch`) draw one tensor, in the order they
 were added; a row's draw depends on its own logits, parameters and generator only, never on which other
 rows share the batch (on GPUs, one exception: `_top_k_candidates` on a tie that reaches past 64 candidates).
 
 `SamplingBatch` collects one row per sequence (its parameters, generator, forced token, logprobs wanted)
-and `sample(logits)` returns every row's token, error and logprobs with ONE device-to-host transfer.
+and `sample(logits)` returns every row's token, error and logprobs with ONE device-to-host transfer. The
+device computes per row its greedy token, its max logit and each path's draw; the host then picks the token
+(forced, greedy, or its path's draw) and finds the bad rows, in Python over n rows instead of a dozen small
+tensor ops (each ~5-10 us on a CPU right after a forward: bench/results/decode_overhead.md).
 Safety (per row, never affecting other rows): logits containing NaN or +inf, or no finite logit at all,
 end that row with an error; a finite row whose logits / temperature overflows to inf is sampled greedily
 (the limit of the distribution as temperature -> 0); -inf logits are valid (probability 0).
@@ -37,6 +41,8 @@ distribution although the model did not sample them.
 
 from __future__ import annotations
 
+import array
+import math
 import secrets
 from dataclasses import dataclass, field
 
@@ -45,6 +51,7 @@ import torch
 from raychat.engine.attention import to_device
 
 TEMPERATURE_EPS = 1e-5
+FP32_OVERFLOW = 2.0**128 - 2.0**103  # the smallest real number float32 rounds to +inf
 MAX_TOP_LOGPROBS = 20
 
 
@@ -106,7 +113,7 @@ def _top_k_candidates(logits: torch.Tensor, top_k: list[int]) -> tuple[torch.Ten
     W = min(V, (kmax // 64 + 1) * 64)
     vals, ids = torch.topk(logits, W, dim=-1)  # descending; order among equal values unspecified
     cpu = logits.device.type == "cpu"
-    if not cpu or W == V or bool((vals[:, 1:] == vals[:, :-1]).any()):  # ties: id order among equal values
+    if not cpu or W == V or any(len(set(row)) < W for row in vals.tolist()):  # ties: id order among equals
         if cpu and W < V:
             kth = vals.gather(1, (torch.tensor(k) - 1)[:, None])[:, 0]
             if bool(((vals[:, -1] == kth) & (kth > float("-inf"))).any()):  # -inf candidates are never drawn
@@ -122,12 +129,16 @@ def _top_k_candidates(logits: torch.Tensor, top_k: list[int]) -> tuple[torch.Ten
     return vals.masked_fill(beyond, float("-inf")), ids
 
 
+def _past_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs (n, W) fp32 sorted descending along each row, top_p (n, 1) fp32 (>= 1 = off): (n, W) bool, True
+    past each row's nucleus (a token stays while the mass before it is < top_p, so the first always stays)."""
+    return torch.cumsum(probs, dim=-1) - probs >= top_p
+
+
 def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """logits (n, W) fp32 sorted descending along each row (-inf allowed), top_p (n, 1) fp32 (>= 1 = off):
-    the tokens past each row's nucleus set to -inf (a token stays while the mass before it is < top_p, so
-    the first always stays)."""
-    probs = torch.softmax(logits, dim=-1)
-    return logits.masked_fill(torch.cumsum(probs, dim=-1) - probs >= top_p, float("-inf"))
+    the tokens past each row's nucleus (`_past_nucleus`) set to -inf."""
+    return logits.masked_fill(_past_nucleus(torch.softmax(logits, dim=-1), top_p), float("-inf"))
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -181,18 +192,25 @@ def sample_next(
     return torch.tensor([s.token for s in out], dtype=torch.int64, device=logits.device)
 
 
-def _take(token: torch.Tensor, sampled: torch.Tensor, groups: list, overflow: torch.Tensor, errors: dict):
-    """token (n,) int64 with the rows of `groups` that drew without error replaced by sampled (n,), except
-    the rows whose scaled logits overflow (overflow (n,) bool: they keep their greedy token)."""
-    n, dev = token.shape[0], token.device
-    drawn = [r for _, rows, _ in groups for r in rows if r not in errors]
-    if len(drawn) == n:
-        return torch.where(overflow, token, sampled)
-    if not drawn:
-        return token
-    mask = torch.zeros(n, dtype=torch.bool)
-    mask[drawn] = True
-    return torch.where(to_device(mask, dev) & ~overflow, sampled, token)
+def _float32(x: float) -> float:
+    """x rounded to float32 (as torch.tensor(x, dtype=torch.float32) rounds it; inf past its range)."""
+    return array.array("f", [x])[0]
+
+
+def _overflows(rowmax: float, temperature: float) -> bool:
+    """True when the float32 quotient rowmax / temperature (both float32 values, temperature > 0) rounds to
+    +inf, i.e. the exact quotient is >= FP32_OVERFLOW. Decided in float64: the exact quotient of two float32
+    values differs from FP32_OVERFLOW = 2^103 (2^25 - 1) by at least 2^-25 of it (a float32 mantissa has 24
+    bits), far more than float64's rounding error, so the float64 quotient lies on the same side."""
+    return rowmax / temperature >= FP32_OVERFLOW
+
+
+def _to_host(cols: list[torch.Tensor], stacked: bool | None = None) -> list[tuple]:
+    """Per row, the values of the (n,) tensors `cols`: plain reads on CPU; elsewhere (or stacked=True) ONE
+    device-to-host copy of them stacked as float64 (exact for token ids and float32 values)."""
+    if not (cols[0].device.type != "cpu" if stacked is None else stacked):
+        return list(zip(*(c.tolist() for c in cols)))
+    return [tuple(row) for row in torch.stack([c.double() for c in cols], dim=1).cpu().tolist()]
 
 
 @dataclass(frozen=True)
@@ -260,7 +278,7 @@ class SamplingBatch:
     """
 
     def __init__(self):
-        self.temperature: list[float] = []
+        self.temperature: list[float] = []  # float32 values (1.0 for greedy rows)
         self.top_k: list[int] = []
         self.top_p: list[float] = []
         self.forced: list[int] = []
@@ -283,7 +301,7 @@ class SamplingBatch:
         """Add a row; returns its index. forced: the token this row takes without sampling (tool output)."""
         i = len(self.forced)
         greedy = is_greedy(temperature)
-        self.temperature.append(1.0 if greedy else float(temperature))
+        self.temperature.append(1.0 if greedy else _float32(temperature))
         self.top_k.append(0 if greedy or not top_k else int(top_k))
         self.top_p.append(2.0 if greedy or top_p is None or top_p >= 1 else float(top_p))
         self.forced.append(-1 if forced is None else int(forced))
@@ -316,18 +334,60 @@ class SamplingBatch:
         return noise
 
     def sample(self, logits: torch.Tensor) -> list[Sampled]:
-        """logits: (len(self), V) rows in the order added (any float dtype, any device). One D2H copy."""
+        """logits: (len(self), V) rows in the order added (any float dtype, any device).
+
+        The device computes each row's greedy token, its max logit and each path's draw (and the logprobs);
+        the host then picks every row's token from them (forced, greedy, or its path's draw; greedy when its
+        scaled max overflows) and finds the bad rows: one device-to-host copy (`_to_host`)."""
         n, V = logits.shape
         if n != len(self):
             raise ValueError(f"logits has {n} rows for {len(self)} sampling rows")
         dev = logits.device
-        logits = logits.float()
-        rowmax, greedy_tok = logits.max(dim=-1)  # NaN propagates into rowmax; ties go to the lowest id
-        bad = ~(rowmax.abs() < float("inf"))  # NaN, +inf, or no finite logit (all -inf)
-        temp = to_device(torch.tensor(self.temperature, dtype=torch.float32), dev)
-        overflow = torch.isposinf(rowmax / temp)  # = max of scaled: tiny temperature, greedy (T -> 0 limit)
-        p = to_device(torch.tensor(self.top_p)[:, None], dev) if min(self.top_p) < 1 else None
-        # a generator's rows split by path: with top-k (noise over its k candidates) or not (over V)
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        temp = to_device(torch.tensor([[t] for t in self.temperature], dtype=torch.float32), dev)  # (n, 1)
+        p = None
+        if min(self.top_p) < 1:
+            p = to_device(torch.tensor([[x] for x in self.top_p], dtype=torch.float32), dev)
+        top_k_groups, vocab_groups = self._groups(V)
+        errors: dict[int, str] = {}
+        if top_k_groups:  # every row's candidates (k >= 1): the first is its max, ties to the lowest id
+            vals, ids = _top_k_candidates(logits, [max(1, x) for x in self.top_k])
+            rowmax, greedy = vals[:, 0], ids[:, 0]  # topk puts NaN first: it reaches rowmax
+        else:
+            rowmax, greedy = logits.max(dim=-1)  # NaN propagates into rowmax; ties go to the lowest id
+        tokens, path = [greedy], {}  # candidate tokens (n,) each; drawing row -> its path's index in tokens
+        if top_k_groups:  # candidates of the raw logits (temperature > 0 keeps their order)
+            probs = torch.softmax(vals / temp, dim=-1)
+            if p is not None:  # the race needs no renormalizing: argmax(c * probs / noise) for any c > 0
+                probs = probs.masked_fill(_past_nucleus(probs, p), 0.0)
+            width = max(k for _, _, k in top_k_groups)  # every drawing row's candidates are among the first
+            noise = self._draw(top_k_groups, width, n, dev, errors)
+            choice = torch.argmax(probs[:, :width] / noise, dim=-1)
+            path |= dict.fromkeys((r for _, rows, _ in top_k_groups for r in rows), len(tokens))
+            tokens.append(ids.gather(1, choice[:, None])[:, 0])
+        if vocab_groups:
+            noise = self._draw(vocab_groups, V, n, dev, errors)
+            probs = torch.softmax(_filter(logits / temp, p), dim=-1)
+            path |= dict.fromkeys((r for _, rows, _ in vocab_groups for r in rows), len(tokens))
+            tokens.append(torch.argmax(probs / noise, dim=-1))
+        cols = [*tokens, rowmax]
+        K = max(self.num_logprobs)
+        if K >= 0:  # log_softmax of the scaled logits (of the raw ones where scaling overflows)
+            lp = torch.where(torch.isposinf(rowmax[:, None] / temp), logits, logits / temp).log_softmax(
+                dim=-1
+            )
+            forced = to_device(torch.tensor([max(f, 0) for f in self.forced]), dev)
+            cols += lp.gather(1, torch.stack([*tokens, forced], dim=1)).unbind(1)  # each candidate's logprob
+            if K > 0:
+                top = torch.topk(lp, K, dim=-1)
+                cols += [*top.indices.unbind(1), *top.values.unbind(1)]
+        return [
+            self._result(i, row, path.get(i), len(tokens), K, errors) for i, row in enumerate(_to_host(cols))
+        ]
+
+    def _groups(self, V: int) -> tuple[list, list]:
+        """The drawing rows of each generator split by path: (generator, rows, k) with top-k (noise over
+        the largest k of those rows' candidates), and (generator, rows, V) without (noise over V)."""
         top_k_groups, vocab_groups = [], []
         for generator, rows in self._draws.values():
             with_k = [r for r in rows if self.top_k[r]]
@@ -335,41 +395,26 @@ class SamplingBatch:
                 top_k_groups.append((generator, with_k, min(V, max(self.top_k[r] for r in with_k))))
             if len(with_k) < len(rows):
                 vocab_groups.append((generator, [r for r in rows if not self.top_k[r]], V))
-        errors: dict[int, str] = {}
-        token = greedy_tok
-        if top_k_groups:  # candidates of the raw logits (temperature > 0 keeps their order)
-            vals, ids = _top_k_candidates(logits, [max(1, x) for x in self.top_k])
-            vals = vals / temp[:, None]
-            if p is not None:
-                vals = _top_p(vals, p)
-            width = max(k for _, _, k in top_k_groups)  # every drawing row's candidates are among the first
-            noise = self._draw(top_k_groups, width, n, dev, errors)
-            choice = torch.argmax(torch.softmax(vals, dim=-1)[:, :width] / noise, dim=-1)
-            token = _take(token, ids.gather(1, choice[:, None])[:, 0], top_k_groups, overflow, errors)
-        if vocab_groups:
-            noise = self._draw(vocab_groups, V, n, dev, errors)
-            probs = torch.softmax(_filter(logits / temp[:, None], p), dim=-1)
-            token = _take(token, torch.argmax(probs / noise, dim=-1), vocab_groups, overflow, errors)
-        if max(self.forced) >= 0:
-            forced = to_device(torch.tensor(self.forced), dev)
-            token = torch.where(forced >= 0, forced, token)
-        cols = [token.double(), bad.double()]
-        K = max(self.num_logprobs)
-        if K >= 0:
-            lp = torch.log_softmax(torch.where(overflow[:, None], logits, logits / temp[:, None]), dim=-1)
-            cols.append(lp.gather(1, token[:, None]).squeeze(1).double())
-            if K > 0:
-                top = torch.topk(lp, K, dim=-1)
-                cols += [*top.indices.double().unbind(1), *top.values.double().unbind(1)]
-        host = torch.stack(cols, dim=1).cpu().tolist()  # the one device-to-host transfer
-        out = []
-        for i, row in enumerate(host):
-            if i in errors or row[1]:
-                error = errors.get(i) or "non-finite logits (NaN, +inf, or no finite value) from the model"
-                out.append(Sampled(-1, error))
-                continue
-            k = self.num_logprobs[i]
-            lp = row[2] if k >= 0 else None
-            top = [(int(row[3 + j]), row[3 + K + j]) for j in range(k)] if k > 0 else ([] if k == 0 else None)
-            out.append(Sampled(int(row[0]), None, lp, top))
-        return out
+        return top_k_groups, vocab_groups
+
+    def _result(self, i: int, row: tuple, drawn: int | None, m: int, K: int, errors: dict) -> Sampled:
+        """Row i's Sampled from its host values `row`: m candidate tokens (greedy first, then each path's
+        draw), its max logit, then when the batch asked for logprobs (K >= 0): the logprob of each
+        candidate and of its forced token, the top K ids and the top K logprobs. drawn: the index of its
+        path's draw among the candidates (None: a greedy or forced row)."""
+        rowmax = row[m]
+        if i in errors or not math.isfinite(rowmax):
+            return Sampled(
+                -1, errors.get(i) or "non-finite logits (NaN, +inf, or no finite value) from the model"
+            )
+        if self.forced[i] >= 0:
+            c, token = m, self.forced[i]
+        else:
+            c = 0 if drawn is None or _overflows(rowmax, self.temperature[i]) else drawn
+            token = int(row[c])
+        k = self.num_logprobs[i]
+        if k < 0:
+            return Sampled(token)
+        base = m + 1  # the candidates' logprobs, then the forced token's
+        top = [(int(row[base + m + 1 + j]), row[base + m + 1 + K + j]) for j in range(k)]
+        return Sampled(token, None, row[base + c], top)

@@ -178,6 +178,7 @@ class Scheduler:
         self._beat = time.monotonic()  # the step thread's last step or idle wait
         self._slots: list[_Request | None] = [None] * slots  # busy slots are 0..num_active-1
         self._prefilling: collections.deque[_Request] = collections.deque()  # admitted, oldest first
+        self._decoded: tuple[torch.Tensor, list[_Request]] | None = None  # _decode's logits and their rows
         self._pending: collections.deque[_Request] = collections.deque()
         self._live: dict[str, _Request] = {}
         self._lock = threading.Lock()  # inbox: _pending, _live, cancel flags
@@ -441,7 +442,9 @@ class Scheduler:
             p = req.params
             batch.add(p.temperature, p.top_k, p.top_p, req.generator, req.state.forced_token,
                       p.logprobs, p.top_logprobs)  # fmt: skip
-        samples = batch.sample(torch.stack([req.logits for req in rows]))
+        decoded, self._decoded = self._decoded, None
+        logits = decoded[0] if decoded and decoded[1] == rows else torch.stack([req.logits for req in rows])
+        samples = batch.sample(logits)
         finished, failed = [], []
         for req, s in zip(rows, samples):
             req.logits = None
@@ -479,9 +482,13 @@ class Scheduler:
             return
         for req in decoding:
             req.logits = logits[req.slot]
+        # every row decoded, in slot order: the next _sample takes these logits as they are (no stack)
+        self._decoded = (logits, decoding) if len(decoding) == n else None
 
     def _compact(self) -> None:
         busy = [slot for slot, r in enumerate(self._slots) if r is not None]
+        if not busy or busy[-1] == len(busy) - 1:  # already rows 0..n-1
+            return
         for src, dst in self.cache.compact(busy).items():
             req = self._slots[src]
             self._slots[src], self._slots[dst] = None, req
