@@ -154,7 +154,7 @@ def main(argv=None) -> int:
             fwd = x["fwd_cpu_s"] / x["steps"] * 1e3
             lines.append(
                 f"| {rows} | {name} | {x['steps']} | {per:.2f} | {fwd:.2f} | {per - fwd:.2f} | "
-                f"**{(per - fwd) / per:.0%}** | {x['tokens'] / x['cpu_s']:.0f} | {x['tokens'] / x['wall_s']:.0f} | "
+                f"**{(per - fwd) / per:.1%}** | {x['tokens'] / x['cpu_s']:.0f} | {x['tokens'] / x['wall_s']:.0f} | "
                 f"{'yes' if x['digest'] == r['before']['digest'] else 'NO'} | "
                 f"{'yes' if x['greedy_digest'] == r['before']['greedy_digest'] else 'NO'} |"
             )

@@ -271,7 +271,8 @@ class Sampled:
 
 
 class SamplingBatch:
-    """Rows to sample in one step. `add` one row per sequence, then `sample(logits)` once.
+    """Rows to sample in one step. `add` one row per sequence, then `sample(logits)`; the same rows (same
+    parameters, generators and forced tokens) may sample again, step after step, without being added again.
 
     Rows that share a generator draw their noise in one call per path (its rows with top-k: (rows, largest
     k); without: (rows, V), as one multinomial call over those rows did), in the order they were added.
@@ -284,6 +285,7 @@ class SamplingBatch:
         self.forced: list[int] = []
         self.num_logprobs: list[int] = []  # -1 = no logprobs
         self._draws: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+        self._layout: tuple | None = None  # (device, V, temperature, top_p, groups) of the last sample()
 
     def __len__(self) -> int:
         return len(self.forced)
@@ -308,6 +310,7 @@ class SamplingBatch:
         self.num_logprobs.append(int(top_logprobs) if logprobs else -1)
         if forced is None and not greedy:
             self._draws.setdefault(id(generator), (generator, []))[1].append(i)
+        self._layout = None
         return i
 
     def _draw(self, groups: list, width: int, n: int, dev, errors: dict) -> torch.Tensor:
@@ -344,11 +347,15 @@ class SamplingBatch:
             raise ValueError(f"logits has {n} rows for {len(self)} sampling rows")
         dev = logits.device
         logits = logits if logits.dtype == torch.float32 else logits.float()
-        temp = to_device(torch.tensor([[t] for t in self.temperature], dtype=torch.float32), dev)  # (n, 1)
-        p = None
-        if min(self.top_p) < 1:
-            p = to_device(torch.tensor([[x] for x in self.top_p], dtype=torch.float32), dev)
-        top_k_groups, vocab_groups = self._groups(V)
+        if self._layout is None or self._layout[:2] != (dev, V):  # kept for the next sample() of these rows
+            temp = to_device(
+                torch.tensor([[t] for t in self.temperature], dtype=torch.float32), dev
+            )  # (n, 1)
+            p = None
+            if min(self.top_p) < 1:
+                p = to_device(torch.tensor([[x] for x in self.top_p], dtype=torch.float32), dev)
+            self._layout = (dev, V, temp, p, self._groups(V))
+        _, _, temp, p, (top_k_groups, vocab_groups) = self._layout
         errors: dict[int, str] = {}
         if top_k_groups:  # every row's candidates (k >= 1): the first is its max, ties to the lowest id
             vals, ids = _top_k_candidates(logits, [max(1, x) for x in self.top_k])

@@ -179,6 +179,7 @@ class Scheduler:
         self._slots: list[_Request | None] = [None] * slots  # busy slots are 0..num_active-1
         self._prefilling: collections.deque[_Request] = collections.deque()  # admitted, oldest first
         self._decoded: tuple[torch.Tensor, list[_Request]] | None = None  # _decode's logits and their rows
+        self._sampling: tuple[list[_Request], SamplingBatch] | None = None  # last step's rows and their batch
         self._pending: collections.deque[_Request] = collections.deque()
         self._live: dict[str, _Request] = {}
         self._lock = threading.Lock()  # inbox: _pending, _live, cancel flags
@@ -437,14 +438,20 @@ class Scheduler:
         rows = [r for r in self._slots if r is not None and r.logits is not None]
         if not rows:
             return
-        batch = SamplingBatch()
-        for req in rows:
-            p = req.params
-            batch.add(p.temperature, p.top_k, p.top_p, req.generator, req.state.forced_token,
-                      p.logprobs, p.top_logprobs)  # fmt: skip
+        reuse, self._sampling = self._sampling, None
+        if reuse is not None and reuse[0] == rows and all(r.state.forced_token is None for r in rows):
+            batch = reuse[1]  # the rows of the last step, none with a forced token: the same batch
+        else:
+            batch = SamplingBatch()
+            for req in rows:
+                p = req.params
+                batch.add(p.temperature, p.top_k, p.top_p, req.generator, req.state.forced_token,
+                          p.logprobs, p.top_logprobs)  # fmt: skip
         decoded, self._decoded = self._decoded, None
         logits = decoded[0] if decoded and decoded[1] == rows else torch.stack([req.logits for req in rows])
         samples = batch.sample(logits)
+        if all(f < 0 for f in batch.forced):
+            self._sampling = (rows, batch)
         finished, failed = [], []
         for req, s in zip(rows, samples):
             req.logits = None
