@@ -10,7 +10,10 @@ first token of every request): per step, CPU seconds (time.process_time, the wor
 and wall seconds, split into the time inside the model's forward (embeddings, blocks, LM head: the engine's
 own forward where it has one, engine/packed_weights.PackedGPT, else `model.forward`) and everything else in
 `Scheduler.step` (input tensors, cache views and masks, sampling, per-request bookkeeping, detokenizing,
-stream events). "same tokens": the sampled tokens equal the before version's (they cannot since top-k rows
+stream events). GC: the CPU time Python's cyclic garbage collector spent in collections during the timed
+steps (gc.callbacks), wherever they landed (forward or outside), and how many ran; the after tree freezes
+its start-up heap first (raychat.gc_heap.freeze_gc_heap), as its serving replicas, engine processes and
+rollout actors do once their model is loaded. "same tokens": the sampled tokens equal the before version's (they cannot since top-k rows
 race over their k candidates, engine/sampling.py: the same distribution, other draws); "same greedy
 tokens": 16 greedy tokens per request equal.
 
@@ -22,6 +25,7 @@ Usage: python bench/decode_overhead.py [--depth 4] [--rows 1,8] [--repeats 2]
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import os
@@ -34,6 +38,11 @@ from _common import machine, uptime
 from _engine_common import REPO, archive, random_model, random_prompts, run_worker, synthetic_tokenizer
 
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
+
+try:  # what a serving replica does once its model is loaded (raychat.gc_heap, after f873b17)
+    from raychat.gc_heap import freeze_gc_heap
+except ImportError:
+    freeze_gc_heap = None
 
 BASE = "f873b17"
 SAMPLING = dict(temperature=0.8, top_k=50, top_p=0.95)
@@ -60,6 +69,21 @@ class ForwardClock:
         setattr(owner, name, timed)
 
 
+class GCClock:
+    """Adds up the CPU seconds Python's cyclic GC spends in collections (gc.callbacks), and counts them."""
+
+    def __init__(self):
+        self.cpu, self.collections, self._start = 0.0, 0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.process_time()
+        else:
+            self.cpu += time.process_time() - self._start
+            self.collections += 1
+
+
 def work(a) -> dict:
     tok = synthetic_tokenizer(a.vocab)
     model = random_model(tok, a.depth, a.prompt_len + a.new + 8)
@@ -71,7 +95,9 @@ def work(a) -> dict:
     )
     engine = ModelRunner(model, tok, **extra)
     prompts = random_prompts(tok, a.rows, a.prompt_len)
-    clock = ForwardClock(engine, model)
+    clock, gc_clock = ForwardClock(engine, model), GCClock()
+    if freeze_gc_heap is not None:
+        freeze_gc_heap()
 
     def run(n_new: int, timed: bool, sampling: dict = SAMPLING) -> dict:
         sched = Scheduler(engine, max_slots=a.rows, max_len=a.prompt_len + n_new)
@@ -81,7 +107,7 @@ def work(a) -> dict:
         ]
         while any(not s._events for s in streams):  # prefill + first token of every request
             sched.step()
-        clock.cpu = clock.wall = 0.0
+        clock.cpu = clock.wall = gc_clock.cpu = gc_clock.collections = 0
         steps, c0, w0 = 0, time.process_time(), time.perf_counter()
         while sched.step():
             steps += 1
@@ -89,7 +115,8 @@ def work(a) -> dict:
         tokens = sum(len(ev.token_ids) for s in streams for ev in s._events) - a.rows
         out = [t for s in streams for ev in s._events for t in ev.token_ids]
         return dict(steps=steps, tokens=tokens, cpu_s=cpu, wall_s=wall, fwd_cpu_s=clock.cpu,
-                    fwd_wall_s=clock.wall, digest=hash(tuple(out)) & 0xFFFFFFFF)  # fmt: skip
+                    fwd_wall_s=clock.wall, gc_cpu_s=gc_clock.cpu, gc_collections=gc_clock.collections,
+                    digest=hash(tuple(out)) & 0xFFFFFFFF)  # fmt: skip
 
     run(8, False)  # warm-up
     greedy = run(16, False, {"temperature": 0.0})["digest"]
@@ -144,8 +171,8 @@ def main(argv=None) -> int:
         f"timed (after every request's first token). Best of {a.repeats} fresh subprocesses per version, ABBA.",
         "",
         "| rows | version | steps | CPU ms/step | in forward ms | outside ms | **outside share** "
-        "| tokens/CPU-s | tokens/s (wall) | same tokens | same greedy tokens |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| GC ms/step (collections) | tokens/CPU-s | tokens/s (wall) | same tokens | same greedy tokens |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for rows, r in results.items():
         for name in ("before", "after"):
@@ -154,7 +181,8 @@ def main(argv=None) -> int:
             fwd = x["fwd_cpu_s"] / x["steps"] * 1e3
             lines.append(
                 f"| {rows} | {name} | {x['steps']} | {per:.2f} | {fwd:.2f} | {per - fwd:.2f} | "
-                f"**{(per - fwd) / per:.1%}** | {x['tokens'] / x['cpu_s']:.0f} | {x['tokens'] / x['wall_s']:.0f} | "
+                f"**{(per - fwd) / per:.1%}** | {x['gc_cpu_s'] / x['steps'] * 1e3:.2f} ({x['gc_collections']}) | "
+                f"{x['tokens'] / x['cpu_s']:.0f} | {x['tokens'] / x['wall_s']:.0f} | "
                 f"{'yes' if x['digest'] == r['before']['digest'] else 'NO'} | "
                 f"{'yes' if x['greedy_digest'] == r['before']['greedy_digest'] else 'NO'} |"
             )

@@ -18,6 +18,7 @@ from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
 from raychat.config import ChatConfig, from_args
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
+from raychat.gc_heap import freeze_gc_heap
 
 PART_TYPES = {"text": "text", "tool_call": "python", "tool_result": "python_output"}
 
@@ -94,6 +95,7 @@ def run_chat(args, stdin=None, out=None) -> int:
         print(f"raychat chat: {e}", file=sys.stderr)
         return 2
     sched = Scheduler(ModelRunner(model, tokenizer, dtype="auto", kv_dtype=cfg.kv_dtype), max_slots=1)
+    freeze_gc_heap()
     system = [{"role": "system", "content": cfg.system}] if cfg.system else []
     if cfg.prompt is not None:
         _reply(sched, tokenizer, [*system, {"role": "user", "content": cfg.prompt}], params, out)

@@ -49,6 +49,7 @@ from raychat.engine.runner import ModelRunner, check_prompt
 from raychat.engine.sampling import SamplingParams
 from raychat.engine.scheduler import Scheduler, check_fits_row, check_limits, check_queue
 from raychat.engine.stream import RequestStream, StreamEvent, Usage
+from raychat.gc_heap import freeze_gc_heap
 
 BEAT_INTERVAL_S = 0.5  # the child's heartbeat while steps produce no events; the reader's watch period
 
@@ -376,6 +377,7 @@ def _child_main(conn: Connection) -> None:
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
+    freeze_gc_heap()
     conn.send(("ready", {"max_slots": scheduler.max_slots, "max_len": scheduler.max_len}))
     try:
         _serve(conn, scheduler)

@@ -26,6 +26,7 @@ import torch
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
 from raychat.engine import ModelRunner
+from raychat.gc_heap import freeze_gc_heap
 from raychat.rl.objective import collate, token_logprobs
 from raychat.rl.weights import collective_broadcast, leave_collective_group, load_published, weights_hash
 
@@ -52,6 +53,7 @@ class RolloutWorker:
         self.engine = ModelRunner(model, tokenizer, dtype="model")
         self.worker_index, self.version = worker_index, 0
         self.hash = weights_hash(model.state_dict())
+        freeze_gc_heap()  # the actor's model and imports: never scanned by the cyclic GC again
 
     # ---- weights -------------------------------------------------------------------------------------
     def set_weights(self, refs: list, version: int) -> dict:

@@ -49,6 +49,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_dict
+from raychat.gc_heap import freeze_gc_heap
 from raychat.serve.api import MAX_BODY_BYTES
 from raychat.serve.deployments import INGRESS_DEPLOYMENT, SERVER_DEPLOYMENT, deployment_options
 from raychat.serve.errors import EngineOverloadedError, EngineUnavailableError
@@ -109,6 +110,7 @@ class ChatServerDeployment:
         else:
             torch.set_num_threads(torch_threads)
         self.engine = ChatServer.from_checkpoint(checkpoint, device, engine_process, **kwargs)
+        freeze_gc_heap()  # this replica's model and imports: never scanned by the cyclic GC again
 
     async def generate(self, request: dict):
         """Yields lists of event dicts: every event ready when the consumer asks is sent in one message (its

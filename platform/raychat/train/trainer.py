@@ -28,6 +28,7 @@ import torch
 from raychat.checkpoint_manager import CheckpointManager
 from raychat.config import TrainConfig
 from raychat.data.loader.row_source import RowSource
+from raychat.gc_heap import freeze_gc_heap
 from raychat.log import log
 from raychat.loss import TokenCrossEntropy
 from raychat.masks import make_batch
@@ -127,6 +128,7 @@ class Trainer:
             stats = self.train_step(step)
             if step == self.start_step:
                 mark("first_step_done")
+                freeze_gc_heap()  # what the run keeps (model, optimizers, data): never scanned by the GC again
             done = stats["step"]
             if self.due(self.config.train.eval.eval_every, done):
                 stats.update(validate_all(self.validators, self.model, done, self.plan.num_iterations))
