@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from raychat.engine import TEMPERATURE_EPS, SamplingBatch, SamplingParams, make_generator, sample_next
-from raychat.engine.sampling import FP32_OVERFLOW, _overflows, _to_host, _top_k_candidates, filter_logits
+from raychat.engine.sampling import (
+    FP32_OVERFLOW,
+    HOST_TIE_CHECK,
+    _has_ties,
+    _overflows,
+    _to_host,
+    _top_k_candidates,
+    filter_logits,
+)
 
 PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 LOGITS = PROBS.log()
@@ -82,6 +90,7 @@ def test_rows_are_independent_and_seeded():
         ({"stop": ("",)}, "stop"),
         ({"temperature": float("nan")}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": 1e39}, "temperature"),  # finite in Python, inf in float32: -inf logits would be NaN
         ({"logprobs": 1}, "logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
@@ -327,3 +336,51 @@ def test_a_top_k_row_whose_scaled_max_overflows_is_greedy():
     out = batch.sample(logits)
     assert out[0].token == 1 and out[0].error is None and out[0].logprob == pytest.approx(math.log(0.5))
     assert out[1].token == 1 and out[1].logprob is None
+
+
+def test_has_ties_on_the_host_and_with_tensor_ops_agree():
+    """_has_ties reads small candidate sets on the host and compares larger ones with tensor ops: the same
+    answer on both sides of HOST_TIE_CHECK, for rows with and without equal values (-inf included)."""
+    gen = torch.Generator().manual_seed(5)
+    for n, W in ((1, 64), (8, 64), (32, 64), (4, 1024)):
+        vals = torch.randn(n, W, generator=gen).sort(dim=-1, descending=True).values
+        tied = vals.clone()
+        tied[-1, 3] = tied[-1, 2]
+        padded = vals.clone()
+        padded[0, W // 2 :] = float("-inf")
+        for x, want in ((vals, False), (tied, True), (padded, True)):
+            assert _has_ties(x) is want, (n, W)
+            assert bool((x[:, 1:] == x[:, :-1]).any()) is want  # the tensor-op reference
+        assert (vals.numel() <= HOST_TIE_CHECK) == (n * W <= 2048)
+
+
+def test_greedy_rows_off_cpu_take_the_max_of_all_logits(monkeypatch):
+    """Off CPU the candidates never widen past W, so a greedy row beside top-k rows takes logits.max (ties to
+    the lowest id), not the first candidate: a 100-way tie at the max gives token 50 alone and in a crowd.
+    Simulated on CPU with the candidates a GPU may return (a topk keeping the HIGHEST ids among the ties)."""
+    import raychat.engine.sampling as sampling
+
+    real_topk = torch.topk
+
+    def gpu_like_candidates(logits, top_k):
+        V = logits.shape[-1]
+        vals, ids = real_topk(logits.flip(-1), min(V, (max(top_k) // 64 + 1) * 64), dim=-1)
+        ids, by_id = torch.sort(V - 1 - ids, dim=-1)  # the id-order sorts, as on a GPU
+        vals, pos = torch.sort(vals.gather(1, by_id), dim=-1, descending=True, stable=True)
+        return vals, ids.gather(1, pos)
+
+    logits = torch.full((2, 300), -5.0)
+    logits[:, 50:150] = 2.0
+    monkeypatch.setattr(sampling, "_top_k_candidates", gpu_like_candidates)
+
+    def greedy_tokens(first_candidate_is_max: bool) -> tuple[int, int]:
+        monkeypatch.setattr(sampling, "_max_is_first_candidate", lambda device: first_candidate_is_max)
+        alone, crowd = SamplingBatch(), SamplingBatch()
+        alone.add(0.0, None, None, None)
+        crowd.add(0.0, None, None, None)
+        crowd.add(1.0, 5, None, make_generator(0))
+        return alone.sample(logits[:1])[0].token, crowd.sample(logits)[0].token
+
+    assert greedy_tokens(False) == (50, 50)  # what a GPU gets
+    alone, crowd = greedy_tokens(True)  # were the first candidate taken, the neighbour's top_k would matter
+    assert alone == 50 and crowd != 50

@@ -187,3 +187,29 @@ def test_rows_finishing_at_different_times_and_row_reuse(tok, engine):
         pass
     for k, s in streams.items():
         assert [t for e in drain(s) for t in e.token_ids] == refs[k], k
+
+
+def test_seeded_streams_reuse_the_sampling_batch_and_an_idle_scheduler_holds_nothing(tok, engine):
+    """Seeded sampled streams give the same tokens alone and side by side while the Scheduler reuses one
+    SamplingBatch across steps (the same rows) and rebuilds it as rows join and leave; once idle it keeps
+    no finished request or logits."""
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.9, top_k=20, top_p=0.9, seed=s)
+        for n, s in ((12, 1), (5, 2))
+    ]
+    p = prompt(tok, "reuse")
+    alone = []
+    for sp in params:
+        sched = Scheduler(engine, max_slots=1, max_len=64)
+        alone.append([t for e in drain(sched.submit(p, sp)) for t in e.token_ids])
+    sched = Scheduler(engine, max_slots=2, max_len=64)
+    streams = [sched.submit(p, sp) for sp in params]
+    batches, sampled_steps = [], 0  # the batches themselves: kept alive, their ids stay distinct
+    while sched.step():
+        if sched._sampling is not None:
+            if not any(b is sched._sampling[1] for b in batches):
+                batches.append(sched._sampling[1])
+            sampled_steps += 1
+    assert [[t for e in drain(s) for t in e.token_ids] for s in streams] == alone
+    assert 2 <= len(batches) < sampled_steps  # rebuilt when the short request left, reused in between
+    assert sched._sampling is None and sched._decoded is None

@@ -153,7 +153,8 @@ class ModelRunner:
         kv_dtype: the KV cache's dtype: "model" (default) = the weights' dtype; "auto" = bfloat16 where the
             device has native bf16 math (raychat.model.fast_bf16), else float32; or a name in DTYPES. Keys and
             values are rounded to it when written; attention then runs in it (engine/attention.py).
-            Accuracy cost of bfloat16 vs float32: bench/results/infer_bench.md.
+            Accuracy cost of bfloat16 vs float32, and its decode speed, which differs by CPU (slower than
+            float32 on one machine of this kind): bench/results/infer_bench.md.
         prefix_cache_tokens: capacity of the prefix cache (engine/prefix_cache.py) in tokens: "auto"
             (default) = PREFIX_CACHE_ROWS * max_seq_len, allocated as it fills; an int >= 16; 0 = off.
             generate_batch and the Scheduler reuse cached prompt blocks (`self.prefix_cache`).

@@ -52,6 +52,8 @@ from raychat.engine.attention import to_device
 
 TEMPERATURE_EPS = 1e-5
 FP32_OVERFLOW = 2.0**128 - 2.0**103  # the smallest real number float32 rounds to +inf
+FP32_MAX = 2.0**128 - 2.0**104  # torch.finfo(torch.float32).max
+HOST_TIE_CHECK = 2048  # candidate values (rows x W) up to which _has_ties reads them on the host
 MAX_TOP_LOGPROBS = 20
 
 
@@ -67,10 +69,13 @@ def is_greedy(temperature: float) -> bool:
 
 
 def validate(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ValueError naming the field if temperature < 0 (or not finite), top_k < 0 or top_p outside
-    (0, 1]."""
-    if not 0 <= temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    """Raise ValueError naming the field if temperature < 0 (or past float32's range: logits are scaled in
+    float32), top_k < 0 or top_p outside (0, 1]."""
+    if not 0 <= temperature <= FP32_MAX:
+        raise ValueError(
+            f"temperature must be a number in [0, {FP32_MAX:.4g}] (0 = greedy; logits are scaled in "
+            f"float32), got {temperature}"
+        )
     if top_k is not None and top_k < 0:
         raise ValueError(f"top_k must be None or >= 0 (0/None = off), got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -113,7 +118,7 @@ def _top_k_candidates(logits: torch.Tensor, top_k: list[int]) -> tuple[torch.Ten
     W = min(V, (kmax // 64 + 1) * 64)
     vals, ids = torch.topk(logits, W, dim=-1)  # descending; order among equal values unspecified
     cpu = logits.device.type == "cpu"
-    if not cpu or W == V or any(len(set(row)) < W for row in vals.tolist()):  # ties: id order among equals
+    if not cpu or W == V or _has_ties(vals):  # ties: the id order among equal values
         if cpu and W < V:
             kth = vals.gather(1, (torch.tensor(k) - 1)[:, None])[:, 0]
             if bool(((vals[:, -1] == kth) & (kth > float("-inf"))).any()):  # -inf candidates are never drawn
@@ -133,6 +138,21 @@ def _past_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """probs (n, W) fp32 sorted descending along each row, top_p (n, 1) fp32 (>= 1 = off): (n, W) bool, True
     past each row's nucleus (a token stays while the mass before it is < top_p, so the first always stays)."""
     return torch.cumsum(probs, dim=-1) - probs >= top_p
+
+
+def _max_is_first_candidate(device: torch.device) -> bool:
+    """Whether `_top_k_candidates`' first candidate is each row's max logit with ties to the lowest id: on
+    CPU, where a tie past the W largest widens to V. Elsewhere a tie of more than W values at the max keeps
+    an arbitrary W of them, so greedy tokens come from logits.max instead."""
+    return device.type == "cpu"
+
+
+def _has_ties(vals: torch.Tensor) -> bool:
+    """Whether a row of vals (n, W) fp32, sorted descending, holds two equal values (on CPU: host reads are
+    free, and for up to HOST_TIE_CHECK values a Python set beats three tensor ops; past it the ops win)."""
+    if vals.numel() <= HOST_TIE_CHECK:
+        return any(len(set(row)) < len(row) for row in vals.tolist())
+    return bool((vals[:, 1:] == vals[:, :-1]).any())
 
 
 def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -357,8 +377,9 @@ class SamplingBatch:
             self._layout = (dev, V, temp, p, self._groups(V))
         _, _, temp, p, (top_k_groups, vocab_groups) = self._layout
         errors: dict[int, str] = {}
-        if top_k_groups:  # every row's candidates (k >= 1): the first is its max, ties to the lowest id
+        if top_k_groups:  # every row's candidates (k >= 1), in (logit desc, id asc) order
             vals, ids = _top_k_candidates(logits, [max(1, x) for x in self.top_k])
+        if top_k_groups and _max_is_first_candidate(dev):
             rowmax, greedy = vals[:, 0], ids[:, 0]  # topk puts NaN first: it reaches rowmax
         else:
             rowmax, greedy = logits.max(dim=-1)  # NaN propagates into rowmax; ties go to the lowest id

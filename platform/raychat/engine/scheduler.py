@@ -338,6 +338,8 @@ class Scheduler:
             except Exception as e:  # a bug in the bookkeeping: end the busy requests, keep serving
                 self._fail([r for r in self._slots if r is not None], e)
             self._compact()
+            if self.num_active == 0:  # idle: hold no finished request (stream, generator) or logits
+                self._sampling = self._decoded = None
             return self.num_active
 
     def _timeout_message(self, elapsed_s: float) -> str:
