@@ -3,10 +3,11 @@ process makes afterwards.
 
 CPython's cyclic garbage collector now and then runs a full collection that walks every tracked object. In
 a process that has imported torch and loaded a model that is ~170,000 objects, none of which ever becomes
-garbage. Measured here (one thread, 8 streams decoding continuously): a full collection took 78-105 ms, a
-stall of every stream's next token; one came within the first steps after start-up, and later ones each
-time the objects surviving since reach a quarter of the heap (bench/results/decode_overhead.md). With the
-heap frozen, the collections of 2,500 such steps took 1.5 ms in all. `gc.freeze()` moves every object alive
+garbage. Measured here (bench/gc_pauses.py: one thread, 8 streams decoding continuously, 2,500 steps): one
+full collection, 78-105 ms over three runs, a stall of every stream's next token; it came soon after
+start-up, later ones only each time the objects surviving since reach a quarter of the heap. With the heap
+frozen, the collections of those steps took 0.5-1.5 ms in all, the longest 0.2-0.4 ms
+(bench/results/decode_overhead.md). `gc.freeze()` moves every object alive
 at that moment to a permanent generation that collections skip; objects made later are collected as
 before. vLLM freezes its heap the same way after start-up (`freeze_gc_heap`), and nanochat's training loop
 after its first step.

@@ -51,9 +51,9 @@ import torch
 from raychat.engine.attention import to_device
 
 TEMPERATURE_EPS = 1e-5
-FP32_OVERFLOW = 2.0**128 - 2.0**103  # the smallest real number float32 rounds to +inf
-FP32_MAX = 2.0**128 - 2.0**104  # torch.finfo(torch.float32).max
-HOST_TIE_CHECK = 2048  # candidate values (rows x W) up to which _has_ties reads them on the host
+FP32_MAX = torch.finfo(torch.float32).max
+FP32_OVERFLOW = FP32_MAX + 2.0**103  # max + half an ulp: the smallest real number float32 rounds to +inf
+HOST_TIE_CHECK = 64  # candidate values (rows x W) up to which _has_ties reads them on the host
 MAX_TOP_LOGPROBS = 20
 
 
@@ -107,10 +107,10 @@ def _top_k_candidates(logits: torch.Tensor, top_k: list[int]) -> tuple[torch.Ten
     same vector lanes whatever W the batch needs; over exactly k entries the sum rounds differently, and a
     row's token could then depend on its neighbours' top_k.
     One partial `topk` of W values, not a sort of the vocabulary. On CPU (host reads are free) the id-order
-    sorts run only when two of the W values are equal, and a tie at a row's finite k-th value that reaches past
-    the W largest widens to V (a partial topk orders and picks equal values arbitrarily; -inf candidates have
-    probability 0, whichever ids they carry). Other devices never read
-    from the device: the sorts always run, and such a tie past W is broken in topk's order.
+    sorts run only when two of the W values are equal (`_has_ties`), and a tie at a row's finite k-th value
+    that reaches past the W largest widens to V (a partial topk orders and picks equal values arbitrarily;
+    -inf candidates have probability 0, whichever ids they carry). Other devices never read from the
+    device: the sorts always run, and such a tie past W is broken in topk's order.
     """
     n, V = logits.shape
     k = [min(x, V) for x in top_k]
@@ -148,8 +148,9 @@ def _max_is_first_candidate(device: torch.device) -> bool:
 
 
 def _has_ties(vals: torch.Tensor) -> bool:
-    """Whether a row of vals (n, W) fp32, sorted descending, holds two equal values (on CPU: host reads are
-    free, and for up to HOST_TIE_CHECK values a Python set beats three tensor ops; past it the ops win)."""
+    """Whether a row of vals (n, W) fp32, sorted descending, holds two equal values. Up to HOST_TIE_CHECK
+    values (one row at W = 64) a Python set over a host read is cheaper than the three tensor ops (4.7 vs
+    6.3 us in a loop, ~12 vs ~25 us right after a forward); at 512 values the ops win (7 vs 34 us)."""
     if vals.numel() <= HOST_TIE_CHECK:
         return any(len(set(row)) < len(row) for row in vals.tolist())
     return bool((vals[:, 1:] == vals[:, :-1]).any())
@@ -228,7 +229,9 @@ def _overflows(rowmax: float, temperature: float) -> bool:
 def _to_host(cols: list[torch.Tensor], stacked: bool | None = None) -> list[tuple]:
     """Per row, the values of the (n,) tensors `cols`: plain reads on CPU; elsewhere (or stacked=True) ONE
     device-to-host copy of them stacked as float64 (exact for token ids and float32 values)."""
-    if not (cols[0].device.type != "cpu" if stacked is None else stacked):
+    if stacked is None:
+        stacked = cols[0].device.type != "cpu"
+    if not stacked:
         return list(zip(*(c.tolist() for c in cols)))
     return [tuple(row) for row in torch.stack([c.double() for c in cols], dim=1).cpu().tolist()]
 
