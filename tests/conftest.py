@@ -13,6 +13,7 @@ os.environ["RAY_AUTH_MODE"] = "token"
 import pytest  # noqa: E402
 import ray  # noqa: E402
 from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader  # noqa: E402
+from support import pip_resolve  # noqa: E402
 from support.cluster import CLUSTER_WORKERS, LocalCluster, short_temp_dir  # noqa: E402
 from support.s3_server import CREDENTIALS, start_s3_server  # noqa: E402
 
@@ -42,6 +43,18 @@ def pytest_collection_modifyitems(items):
             it.add_marker(pytest.mark.ray)
     uses = {it.module.__name__ for it in items if "multinode_cluster" in it.fixturenames}
     items.sort(key=lambda it: it.module.__name__ in uses)
+
+
+def pytest_collection_finish(session):
+    """Start the pip resolutions the selected tests will wait for (marker pip_resolution), so that they run in
+    the background beside the tests before them (tests/support/pip_resolve.py)."""
+    for it in session.items:
+        for marker in it.iter_markers("pip_resolution"):
+            pip_resolve.start(*marker.args)
+
+
+def pytest_sessionfinish(session):
+    pip_resolve.stop_all()
 
 
 @pytest.fixture(scope="session")

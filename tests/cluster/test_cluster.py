@@ -1,34 +1,24 @@
-"""The multi-node fixture cluster (tests/support/cluster.py) does what a real cluster does: tasks and Ray Train workers
-land on the nodes their resources name, metrics are scraped from the node that recorded them, Ray Train
-checkpoints go to S3 (moto) and resume from there, and a node whose raylet dies is DEAD.
+"""The multi-node fixture cluster (tests/support/cluster.py) does what a real cluster does: tasks land on the nodes
+their resources name, metrics are scraped from the node that recorded them, and a node whose raylet dies is
+DEAD. (Ray Train ranks on two nodes committing checkpoints to S3 and resuming from them: the pretraining job of
+tests/cluster/test_stage_jobs.py, through raychat's own trainer.)
 
-Plain Ray and Ray Train code on purpose: this is about the cluster, not raychat's trainer. The node-loss test
+Plain Ray code on purpose: this is about the cluster, not raychat. The node-loss test
 is last: it kills worker "b" and starts it again, so the session's cluster is whole for later tests.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
 import time
 import urllib.request
 import uuid
 
 import pytest
 import ray
-import ray.train
-import torch
-import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
-from ray.train import RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
-from safetensors.torch import load_file, save_file
 
-from raychat.checkpoint_manager import CheckpointManager, resolve_checkpoint
 from raychat.metrics import TrainMetrics
-from raychat.storage import open_storage
-from raychat.train.checkpointer import commit_ranks
 
 pytestmark = pytest.mark.ray
 # The cluster's workers cannot import this test module: ship its functions and classes by value.
@@ -93,69 +83,6 @@ def test_metrics_scraped_from_the_worker_node_that_recorded_them(multinode_drive
     assert _scrape(c.head.metrics_port, run) == {}
     assert _scrape(c.nodes["b"].metrics_port, run) == {}
     ray.kill(recorder)
-
-
-def _two_steps(config):
-    """Resume from the run's newest committed checkpoint if there is one, then two steps, each committing a
-    checkpoint the way raychat's Trainer does (every rank uploads its part, rank 0 commits: model.safetensors
-    and meta.json with the step from rank 0, a state file per rank) and reporting what the ranks saw: every
-    rank's node id (all-gathered over gloo) and the sum of the ranks (all-reduced)."""
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    manager = config["checkpoints"]
-    newest = manager.newest()
-    start = newest.step if newest else 0
-    ids = [None] * world
-    dist.all_gather_object(ids, ray.get_runtime_context().get_node_id())
-    rank_sum = torch.tensor([float(rank)])
-    dist.all_reduce(rank_sum)
-    for step in range(start + 1, start + 3):
-        with tempfile.TemporaryDirectory() as d:
-            if rank == 0:
-                save_file({"w": torch.full((4,), float(step))}, f"{d}/model.safetensors")
-                open(f"{d}/meta.json", "w").write(json.dumps({"step": step}))
-            open(f"{d}/state_rank{rank}.npz", "w").write(f"rank {rank} step {step}")
-            commit_ranks(manager, d, step, rank, world, "pretrain")
-        metrics = {"step": step, "resumed_from": start, "node_ids": ids, "rank_sum": rank_sum.item()}
-        ray.train.report(metrics)
-    return metrics  # Ray Train V2 keeps metrics only beside a checkpoint; rank 0's return value reaches the driver
-
-
-@pytest.mark.slow
-def test_train_runs_on_two_nodes_checkpoints_to_s3_and_resumes_from_it(multinode_driver, s3_env, tmp_path):
-    """Ray Train on the cluster commits checkpoints to moto's S3 through raychat's CheckpointManager (the
-    endpoint comes from AWS_ENDPOINT_URL here and travels with the pickled filesystem; the nodes have their own
-    credentials), both ranks' files under one commit marker, resumes from the bucket, and the resolver finds
-    the newest committed checkpoint."""
-    c = multinode_driver
-    bucket = s3_env.make_bucket()
-    root = open_storage(f"s3://{bucket}/runs")
-
-    def fit():
-        return TorchTrainer(
-            _two_steps,
-            train_loop_config={"checkpoints": CheckpointManager(root, "resume")},
-            scaling_config=ScalingConfig(
-                num_workers=2, resources_per_worker={"CPU": 1}, placement_strategy="STRICT_SPREAD"
-            ),
-            run_config=RunConfig(name="resume", **root.ray_train_storage()),
-        ).fit()
-
-    first = fit().return_value
-    assert (first["step"], first["resumed_from"]) == (2, 0)
-    # STRICT_SPREAD and no CPU on the head: the two ranks must be on a and b
-    assert sorted(first["node_ids"]) == sorted([c.nodes["a"].node_id, c.nodes["b"].node_id])
-    assert first["rank_sum"] == 0 + 1
-    second = fit().return_value
-    assert (second["step"], second["resumed_from"]) == (4, 2)
-
-    assert [ck.step for ck in CheckpointManager(root, "resume").committed()] == [1, 2, 3, 4]
-    latest = resolve_checkpoint(f"s3://{bucket}/runs/resume/latest", cache_dir=tmp_path)
-    assert json.loads((latest / "meta.json").read_text()) == {"step": 4}
-    assert load_file(str(latest / "model.safetensors"))["w"].tolist() == [4.0] * 4
-    commit = json.loads((latest / "commit.json").read_text())
-    assert sorted(commit["files"]) == ["meta.json", "model.safetensors", "state_rank0.npz", "state_rank1.npz"]
-    assert (latest / "state_rank1.npz").read_text() == "rank 1 step 4"
 
 
 def test_killing_a_raylet_makes_its_node_dead_and_it_can_rejoin(multinode_driver):

@@ -33,7 +33,8 @@ from safetensors.torch import load_file
 from support.cluster import VENV_BIN, free_ports
 from support.stage_chain import RAYCHAT, REPO, run_chain, submit
 
-from raychat.checkpoint_manager import find_checkpoint
+from raychat.checkpoint import load_rank_states
+from raychat.checkpoint_manager import find_checkpoint, resolve_checkpoint
 from raychat.ops import k8s
 from raychat.storage import open_storage, read_bytes
 from raychat.tokenizer import Tokenizer
@@ -152,10 +153,12 @@ def test_training_metrics_were_scraped_from_a_worker_nodes_metrics_port(chain):
 
 
 @pytest.mark.slow
-def test_pretraining_on_s3_checkpoints_to_the_bucket_and_resumes_from_it(chain, s3_env):
+def test_pretraining_on_s3_checkpoints_to_the_bucket_and_resumes_from_it(chain, s3_env, tmp_path):
     """A pretraining job whose --storage-path is a bucket of the moto server (Ray Train's storage_path +
     storage_filesystem; the job gets the endpoint through --env, the nodes have credentials), stopped after
-    2 steps, then run again: it resumes from the bucket's checkpoint and finishes its 4 steps."""
+    2 steps, then run again: it resumes from the bucket's checkpoint and finishes its 4 steps. Its two ranks
+    (one on node a, one on b) commit their files under one commit marker in the bucket, and the resolver
+    fetches the newest committed checkpoint whole."""
     c, root = chain.cluster, chain.root
     bucket = s3_env.make_bucket()
     storage = f"s3://{bucket}/runs"
@@ -181,6 +184,15 @@ def test_pretraining_on_s3_checkpoints_to_the_bucket_and_resumes_from_it(chain, 
         "checkpoint_000002",
         "checkpoint_000004",
     ]
+    for run in (first, second):  # the head has no CPUs: one rank on a, one on b
+        ranks = {int(r): node for r, world, node in RANK_LINE.findall(run.output) if world == "2"}
+        assert sorted(ranks) == [0, 1] and set(ranks.values()) == {c.nodes["a"].node_id, c.nodes["b"].node_id}
+    local = resolve_checkpoint(newest, cache_dir=tmp_path)
+    commit = json.loads((local / "commit.json").read_text())
+    rank_files = {f"{kind}_rank{r}.{ext}" for r in (0, 1) for kind, ext in (("state", "npz"), ("rng", "pt"))}
+    assert rank_files <= set(commit["files"]) and "model.safetensors" in commit["files"]  # both ranks' parts
+    assert all((local / name).is_file() for name in commit["files"])  # fetched whole
+    assert load_rank_states(local)[1]["step"] == 4  # rank 1's own state, uploaded from node b
 
 
 def _meta_of(uri: str) -> dict:

@@ -7,21 +7,20 @@ fastapi 0.165, so the vLLM environment has its own lock, constraints-vllm.txt:
   pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cu128   # a CUDA machine
   pip install -c constraints-vllm.txt -e ".[vllm]"
 
-The slow tests ask pip to resolve that set (`pip install --dry-run --ignore-installed --report`: nothing is
-downloaded beyond metadata, nothing installed) and skip, saying so, only when the registry cannot be reached.
+The slow tests ask pip to resolve that set (tests/support/pip_resolve.py: `pip install --dry-run
+--ignore-installed --report`, nothing downloaded beyond metadata, nothing installed; started in the background
+when collection ends) and skip, saying so, only when the registry cannot be reached.
 Rewrite the lock after a tested upgrade with `.venv/bin/python tests/unit/test_vllm_env.py --write`.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+from support import pip_resolve
 
 try:
     import tomllib
@@ -55,23 +54,13 @@ def vllm_requirements() -> list[str]:
 
 
 def resolve(constraints: Path | None) -> tuple[int, dict[str, str], str]:
-    """pip's resolution of vllm_requirements() under `constraints`: (returncode, {name: version}, stderr).
+    """pip's resolution of vllm_requirements() under `constraints`: (returncode, {name: version}, stderr), from
+    the background resolution tests/conftest.py started for a test marked pip_resolution (or one started now).
     Skips the test when the registry cannot be reached."""
-    with tempfile.TemporaryDirectory() as d:
-        reqs, report = Path(d) / "requirements.txt", Path(d) / "report.json"
-        reqs.write_text("\n".join(vllm_requirements()) + "\n")
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]
-        cmd += ["--report", str(report), "-r", str(reqs)] + (["-c", str(constraints)] if constraints else [])
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        if r.returncode != 0 and NETWORK_ERRORS.search(r.stderr):
-            pytest.skip(f"the package registry is not reachable: {NETWORK_ERRORS.search(r.stderr)[0]}")
-        if r.returncode != 0:
-            return r.returncode, {}, r.stderr
-        installs = json.loads(report.read_text())["install"]
-    versions = {
-        re.sub(r"[-_.]+", "-", i["metadata"]["name"]).lower(): i["metadata"]["version"] for i in installs
-    }
-    return 0, versions, r.stderr
+    rc, versions, err = pip_resolve.start(vllm_requirements(), constraints).result()
+    if rc != 0 and NETWORK_ERRORS.search(err):
+        pytest.skip(f"the package registry is not reachable: {NETWORK_ERRORS.search(err)[0]}")
+    return rc, versions, err
 
 
 def test_the_vllm_extra_is_the_pinned_rays_llm_extra():
@@ -84,6 +73,7 @@ def test_the_vllm_extra_is_the_pinned_rays_llm_extra():
 
 
 @pytest.mark.slow
+@pytest.mark.pip_resolution(vllm_requirements(), LOCK)
 def test_the_vllm_environment_resolves_to_its_lock():
     rc, versions, err = resolve(LOCK)
     assert rc == 0, err[-3000:]
@@ -94,6 +84,7 @@ def test_the_vllm_environment_resolves_to_its_lock():
 
 
 @pytest.mark.slow
+@pytest.mark.pip_resolution(vllm_requirements(), REPO / "constraints.txt")
 def test_the_main_constraints_cannot_hold_vllm():
     """Why the lock is separate: constraints.txt's fastapi is newer than vllm 0.29.0 accepts."""
     rc, _, err = resolve(REPO / "constraints.txt")
