@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import ray
+from support.autoscaling_requests import data_requesters
 
 from raychat.config import TrainConfig, from_dict
 from raychat.data.corpus.shards import list_shards, write_manifest, write_shards
@@ -79,6 +80,19 @@ def rows_source(data, rank, world, row_len=33, overflow="split"):
     )
     OPEN.append(source)
     return source
+
+
+def test_close_cancels_the_pipelines_autoscaling_request(ray_cluster, data7):
+    """A running pipeline holds a request on Ray's AutoscalingCoordinator (renewed while it runs, else kept
+    until it expires); close() stops the executor, which cancels it."""
+    before = data_requesters()
+    src = rows_source(data7, 0, 1)
+    assert src.next_batch(2)["input_ids"].shape == (2, 33)
+    running = data_requesters() - before
+    assert len(running) == 1
+    (requester,) = running
+    src.close()
+    assert requester not in data_requesters()
 
 
 def test_two_epochs_on_two_ranks_read_every_document_exactly_twice(ray_cluster, data7):

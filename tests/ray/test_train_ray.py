@@ -12,6 +12,7 @@ import ray
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from support.autoscaling_requests import data_requesters
 
 from raychat.checkpoint import load_tree, read_meta
 from raychat.checkpoint_manager import find_checkpoint
@@ -147,12 +148,23 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers c
 @pytest.fixture(scope="module")
 def straight(ray_cluster, data, tmp_path_factory):
     """6 steps straight on 2 workers: (its storage dir, its result); rank 0 records both ranks' optimizer
-    hashes in optim_hashes.json."""
+    hashes in optim_hashes.json; data_requesters_left.json lists the Ray Data autoscaling requests the run
+    left behind."""
     storage = tmp_path_factory.mktemp("straight")
+    before = data_requesters()
     result = pretrain(
         tiny_config(data, storage), callbacks=[OptimizerHashes(str(storage / "optim_hashes.json"))]
     )
+    (storage / "data_requesters_left.json").write_text(json.dumps(sorted(data_requesters() - before)))
     return storage, result
+
+
+def test_a_finished_run_leaves_no_data_pipeline_holding_nodes(straight):
+    """Each rank's Ray Data pipeline registers an autoscaling request (tests/ray/test_pipeline_ray.py); the
+    worker closes its row source when training ends, so none outlives the run (left open, a request keeps
+    the autoscaler's nodes for 180 s after the job)."""
+    storage, _ = straight
+    assert json.loads((storage / "data_requesters_left.json").read_text()) == []
 
 
 @pytest.mark.slow

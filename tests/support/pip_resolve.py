@@ -3,7 +3,8 @@
 
 A resolution of raychat[vllm] takes about a minute, mostly waiting on the registry (~0.5 CPU-s per wall
 second on 2 cores), so tests/conftest.py starts the ones the selected tests will ask for as soon as collection
-ends (`start`), and the tests wait for them (`Resolution.result`) after the other tests ran beside them.
+ends (`start`), at the lowest CPU priority (nice 19), and the tests wait for them (`Resolution.result`) after
+the other tests ran beside them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ class Resolution:
         cmd += ["--report", str(self._report), "-r", str(reqs)]
         cmd += ["-c", str(constraints)] if constraints else []
         self._stderr = (self._dir / "stderr.txt").open("w+")
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._stderr, text=True)
+        # at the lowest CPU priority: the tests running beside it keep the cores, pip gets what they leave
+        self._proc = subprocess.Popen(
+            ["nice", "-n", "19", *cmd], stdout=subprocess.DEVNULL, stderr=self._stderr, text=True
+        )
         self._result: tuple[int, dict[str, str], str] | None = None
 
     def result(self) -> tuple[int, dict[str, str], str]:

@@ -163,6 +163,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
             log(f"stopped: {fault}")
         return fault
     finally:
+        rows.close()  # its Ray Data pipeline's autoscaling request would hold the nodes for 180 s more
         if metrics is not None:
             metrics.close()
     return None

@@ -239,8 +239,9 @@ class PretrainRows:
 
     def close(self) -> None:
         """Stop this rank's Ray Data pipeline and wait for its threads (the next row starts a new pipeline
-        from the cursor). A driver that is done with a PretrainRows closes it before ray.shutdown(): a Ray Data
-        thread that outlives Ray ends the process."""
+        from the cursor); its executor cancels its autoscaling request as it stops (RowSource.close). A driver
+        that is done with a PretrainRows closes it before ray.shutdown(): a Ray Data thread that outlives Ray
+        ends the process."""
         if self._pieces is not None:
             close_stream(self._pieces, self._threads)
             self._pieces = None

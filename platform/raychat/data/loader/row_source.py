@@ -34,6 +34,9 @@ class RowSource(Protocol):
     `load_state_dicts(states)`: continue from the states of every rank of the old world, in rank order, on
     this rank of this world (any size); raises ValueError if the states were made from another stream or
     are not ranks 0..W-1 of one world.
+    `close()`: release what the stream holds open (a Ray Data pipeline and the autoscaling request it keeps
+    alive: left open, the cluster keeps nodes for it until the request expires, 180 s in Ray 2.60); the next
+    `next_batch` starts again from the position. The worker calls it when training ends, however it ends.
     """
 
     def next_batch(self, n: int) -> dict: ...
@@ -43,6 +46,8 @@ class RowSource(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dicts(self, states: Sequence[dict]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def cursor_state(key: str, fingerprint: dict, cursor: RankCursor, packer_state: dict) -> dict:

@@ -117,6 +117,9 @@ class SFTRows:
         )
         self.packer.load_state_dict(packer, [self.render(g) for g in packer["buffer"]])
 
+    def close(self) -> None:
+        """Nothing to release: the conversations are rendered in this process (RowSource.close)."""
+
 
 def _item_refs(buffer: Sequence) -> list[Ref]:
     """A SamplePacker state's buffer (stream items g) -> its stream references (g, 0)."""
