@@ -65,6 +65,9 @@ class GlobalDocuments:
         assert len(taken) == 1 and [s["rank"] for s in states] == list(range(states[0]["world"])), states
         self.start, self.taken = states[0]["start"] + states[0]["world"] * taken.pop(), 0
 
+    def close(self) -> None:
+        """Nothing to release (RowSource.close)."""
+
     def pop_consumed(self) -> list[int]:
         out, self.consumed = self.consumed, []
         return out
