@@ -115,7 +115,7 @@ def task_times(address: str, job_id: str) -> dict[str, list[float]]:
         key = (
             "controller" if name.startswith("TrainController.__init__")
             else "workers" if name.startswith("RayTrainWorker.__init__")
-            else "data" if "MapBatches" in (t.get("name") or "")
+            else "data" if any(k in (t.get("name") or "") for k in ("ReadShare", "MapBatches"))
             else f"task {name}"
         )  # fmt: skip
         for state, suffix in (("RUNNING", "running"), ("FINISHED", "finished")):

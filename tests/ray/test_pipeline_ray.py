@@ -3,6 +3,7 @@ change world size: epochs, 2 -> 1 and 2 -> 3 resumes with nothing repeated or sk
 
 import random
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -93,6 +94,28 @@ def test_close_cancels_the_pipelines_autoscaling_request(ray_cluster, data7):
     (requester,) = running
     src.close()
     assert requester not in data_requesters()
+
+
+@ray.remote
+class CpuHolder:
+    """Stands for training workers: holds the CPUs it was created with."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_the_pipeline_runs_on_the_quarter_cpu_training_leaves(ray_cluster, data7):
+    """With all but 0.25 of the instance's 2 CPUs held (as Ray Train workers hold them), a pipeline of
+    num_cpus 0.25 still delivers rows: none of its tasks asks for a whole CPU (such a task would wait for the
+    training to end, and on an autoscaling cluster ask for a node of its own)."""
+    holder = CpuHolder.options(num_cpus=1.75).remote()
+    try:
+        assert ray.get(holder.ready.remote(), timeout=60)
+        src = rows_source(data7, 0, 1)
+        rows = ThreadPoolExecutor(1).submit(src.next_batch, 2)
+        assert rows.result(timeout=60)["input_ids"].shape == (2, 33)
+    finally:
+        ray.kill(holder)
 
 
 def test_two_epochs_on_two_ranks_read_every_document_exactly_twice(ray_cluster, data7):

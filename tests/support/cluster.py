@@ -271,6 +271,17 @@ class LocalCluster:
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.load(r)["data"]["result"]["result"]
 
+    def serve_applications(self) -> dict[str, dict]:
+        """Serve's REST API (GET /api/serve/applications/, what `serve status` reads): {app name: its details
+        (status, deployments: {name: {replicas: [{state, node_id, ...}]}})}; {} while Serve is not running.
+        Asked in this process, so polling it costs no CPU-heavy CLI start each time."""
+        req = urllib.request.Request(
+            self.dashboard_url + "/api/serve/applications/",
+            headers={"Authorization": f"Bearer {self.token}"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.load(r).get("applications") or {}
+
     def _wait_alive(self, node: Node, timeout_s: float, not_id: str = "") -> str:
         """The node id of `node` once the GCS lists it ALIVE: the head node, or the node holding the worker's
         custom resources (so each worker needs a resource of its own), other than `not_id`."""

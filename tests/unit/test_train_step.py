@@ -1,7 +1,9 @@
 """raychat.train.step.forward_backward, the one forward/backward of every stage: with the token cross entropy
 (raychat.loss.TokenCrossEntropy) and the policy gradient (raychat.rl.objective.PolicyGradientLoss) it gives the
 gradients and sums of the two loops it replaced bit for bit, and 2 DDP ranks (gloo) give the gradients of one
-process, with the gradient all-reduce in the last micro-batch's backward only."""
+process, with the gradient all-reduce in the last micro-batch's backward only. raychat.train.step.optimizer_step
+clips to the global norm and steps, and on a non-finite norm steps nothing and raises NonFiniteError (the stop
+on Ray Train, without a retry, is tests/ray/test_train_ray.py's)."""
 
 import contextlib
 import math
@@ -25,7 +27,7 @@ from raychat.rl.objective import (
     per_token_loss,
     token_logprobs,
 )
-from raychat.train.step import autocast_for, forward_backward
+from raychat.train.step import NonFiniteError, autocast_for, forward_backward, optimizer_step
 
 VOCAB = 32
 # prompt tokens (mask 0), sampled tokens (mask 1), a forced tool output (mask 0) in the first row
@@ -173,3 +175,34 @@ def test_two_ddp_ranks_give_the_gradient_of_one_process():
             # no_sync on all but the last micro-batch: each gradient bucket is all-reduced exactly once
             assert r["micro"] == 2 and sorted(r["reduced"]) == sorted(set(r["reduced"])) and r["reduced"]
         assert math.isfinite(one.stats[0])
+
+
+def _linear_with_grads(weight_grad: list[float]) -> torch.nn.Linear:
+    """Linear(3, 1) with weight [[1, 2, 3]], bias [0.5] and the given weight gradient (bias gradient 0)."""
+    layer = torch.nn.Linear(3, 1)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[1.0, 2.0, 3.0]]))
+        layer.bias.fill_(0.5)
+    layer.weight.grad = torch.tensor([weight_grad])
+    layer.bias.grad = torch.zeros(1)
+    return layer
+
+
+def test_optimizer_step_clips_to_the_global_norm_and_steps():
+    layer = _linear_with_grads([3.0, 4.0, 0.0])  # global L2 norm sqrt(9 + 16) = 5
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    assert optimizer_step(layer.parameters(), [opt], grad_clip=1.0, step=7) == pytest.approx(5.0)
+    # clipped to norm 1 (x 1/5), then w -= 0.1 * g: [1, 2, 3] - 0.1 * [0.6, 0.8, 0]
+    torch.testing.assert_close(layer.weight.detach(), torch.tensor([[0.94, 1.92, 3.0]]))
+    assert layer.weight.grad is None and layer.bias.grad is None
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_grad_norm_steps_nothing_and_raises_naming_the_step(bad):
+    layer = _linear_with_grads([bad, 0.0, 0.0])
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteError, match=f"grad norm is {bad} at step 7: the update was skipped") as e:
+        optimizer_step(layer.parameters(), [opt], grad_clip=1.0, step=7)
+    assert (e.value.what, e.value.step) == ("grad norm", 7)
+    torch.testing.assert_close(layer.weight.detach(), torch.tensor([[1.0, 2.0, 3.0]]))  # not stepped
+    assert layer.weight.grad is None and layer.bias.grad is None  # cleared for the next step

@@ -32,7 +32,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pyarrow.parquet as pq
 import ray
+from ray.data import Datasource, ReadTask
 from ray.data._internal.execution.execution_callback import ExecutionCallback
+from ray.data.block import BlockAccessor, BlockMetadata
 
 from raychat.data.loader.cursor import Deal, RankCursor, Ref
 from raychat.data.loader.document_order import DocumentOrder
@@ -68,19 +70,47 @@ def _piece_refs(buffer: Sequence) -> list[Ref]:
     return [(int(g), int(o)) for g, o in buffer]
 
 
-def _read_chunks(batch: dict, order, deal: dict, rank: int, start: int, tokenizer_path: str) -> dict:
-    """Ray Data map_batches function: chunk numbers -> the pieces of those chunks of the rank's share."""
-    d = Deal.from_dict(deal)
-    pieces = [
-        p
-        for c in batch["id"]
-        for p in read_pieces(order, d.share(rank, start + int(c) * CHUNK, CHUNK), tokenizer_path)
-    ]
-    return {
-        "doc": np.asarray([p.doc for p in pieces], dtype=np.int64),
-        "offset": np.asarray([p.offset for p in pieces], dtype=np.int64),
-        "input_ids": [p.tokens for p in pieces],
-    }
+class ShareDatasource(Datasource):
+    """Ray Data source of `num_chunks` chunks of one rank's share, from stream position `start` on: chunk c
+    is the CHUNK references at start + c * CHUNK, read and tokenized (read_pieces) into one block of columns
+    doc (int64), offset (int64), input_ids (int32 arrays). Read task i covers a contiguous range of chunks
+    and yields its blocks one chunk at a time, in order.
+
+    A source rather than chunk numbers mapped by map_batches: a read op followed by a map of other resources
+    is not fused by Ray Data, and `ray.data.range`'s read tasks ask for 1 CPU each, which a node busy with
+    training may not have (the task waits, and an autoscaler adds a node for it)."""
+
+    def __init__(self, num_chunks: int, order: DocumentOrder, deal: dict, rank: int, start: int, tokenizer_path: str):  # fmt: skip
+        super().__init__()
+        self.num_chunks, self.order, self.deal = num_chunks, order, deal
+        self.rank, self.start, self.tokenizer_path = rank, start, tokenizer_path
+
+    def estimate_inmemory_data_size(self) -> None:
+        return None
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list[ReadTask]:
+        bounds = np.linspace(0, self.num_chunks, min(parallelism, self.num_chunks) + 1).astype(int)
+        return [
+            ReadTask(
+                functools.partial(self._read, int(lo), int(hi)),
+                BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None),
+                per_task_row_limit=per_task_row_limit,
+            )
+            for lo, hi in zip(bounds[:-1], bounds[1:])
+        ]
+
+    def _read(self, lo: int, hi: int) -> Iterator:
+        deal = Deal.from_dict(self.deal)
+        for c in range(lo, hi):
+            refs = deal.share(self.rank, self.start + c * CHUNK, CHUNK)
+            pieces = read_pieces(self.order, refs, self.tokenizer_path)
+            yield BlockAccessor.batch_to_block(
+                {
+                    "doc": np.asarray([p.doc for p in pieces], dtype=np.int64),
+                    "offset": np.asarray([p.offset for p in pieces], dtype=np.int64),
+                    "input_ids": [p.tokens for p in pieces],
+                }
+            )
 
 
 class IdleWait(ExecutionCallback):
@@ -122,11 +152,10 @@ def share_stream(
         16, -(-share // CHUNK)
     )  # chunks per Dataset: about an epoch's share, at least 1024 pieces
     while True:
-        ds = ray.data.range(per_epoch, override_num_blocks=min(per_epoch, 64)).map_batches(
-            _read_chunks, batch_size=1, num_cpus=num_cpus, compute=ray.data.TaskPoolStrategy(size=READERS),
-            fn_kwargs={"order": order, "deal": deal, "rank": cursor.rank, "start": start,
-                       "tokenizer_path": str(tokenizer_path)},
-        )  # fmt: skip
+        source = ShareDatasource(per_epoch, order, deal, cursor.rank, start, str(tokenizer_path))
+        ds = ray.data.read_datasource(
+            source, num_cpus=num_cpus, concurrency=READERS, override_num_blocks=min(per_epoch, 64)
+        )
         before = set(threading.enumerate())
         for i, batch in enumerate(
             ds.iter_batches(batch_size=CHUNK, batch_format="numpy", prefetch_batches=4)
