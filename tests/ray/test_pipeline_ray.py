@@ -112,7 +112,7 @@ def test_the_pipeline_runs_on_the_quarter_cpu_training_leaves(ray_cluster, data7
     try:
         assert ray.get(holder.ready.remote(), timeout=60)
         src = rows_source(data7, 0, 1)
-        rows = ThreadPoolExecutor(1).submit(src.next_batch, 2)
+        rows = ThreadPoolExecutor(1).submit(src.next_batch, 2)  # no `with`: a stuck next_batch would hang it
         assert rows.result(timeout=60)["input_ids"].shape == (2, 33)
     finally:
         ray.kill(holder)
