@@ -16,7 +16,6 @@ from ray._private.authentication.authentication_token_setup import Authenticatio
 from support import pip_resolve  # noqa: E402
 from support.cluster import CLUSTER_WORKERS, LocalCluster, short_temp_dir  # noqa: E402
 from support.s3_server import CREDENTIALS, start_s3_server  # noqa: E402
-from support.xdist_scheduling import ClusterTierAsOneUnit  # noqa: E402
 
 from raychat.tokenizer import Tokenizer  # noqa: E402
 
@@ -35,45 +34,20 @@ def small_tokenizer() -> Tokenizer:
     return Tokenizer.train([_TEXT] * 20, vocab_size=512)
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
     """Mark each test with its tier's marker (tests/ray and tests/cluster start Ray: `ray`), and run the
     modules that use the fixture cluster last (in their usual order), so the session's cluster starts once,
-    late, and is not kept idle on the 2 cores while the other tests run.
-
-    Under pytest-xdist (`make test`: -n 2 --dist loadfile, each file one unit of work and the cluster tier one
-    unit: tests/support/xdist_scheduling.py) the units are queued longest wait first: the modules that wait
-    on pip's resolutions, then the cluster tier (node launches, autoscaler timeouts), then the ray tier, then
-    the unit tier, whose many short files fill the end."""
+    late, and is not kept idle on the 2 cores while the other tests run."""
     for it in items:
         if Path(it.path).parent.name in ("ray", "cluster"):
             it.add_marker(pytest.mark.ray)
     uses = {it.module.__name__ for it in items if "multinode_cluster" in it.fixturenames}
     items.sort(key=lambda it: it.module.__name__ in uses)
-    if hasattr(config, "workerinput"):
-        waits_on_pip = {it.module.__name__ for it in items if it.get_closest_marker("pip_resolution")}
-        tiers = {"cluster": 1, "ray": 2}
-        items.sort(
-            key=lambda it: (
-                0 if it.module.__name__ in waits_on_pip else tiers.get(Path(it.path).parent.name, 3)
-            )
-        )
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` with the cluster tier as one unit (tests/support/xdist_scheduling.py)."""
-    if config.getvalue("dist") == "loadfile":
-        return ClusterTierAsOneUnit(config, log)
-    return None
 
 
 def pytest_collection_finish(session):
     """Start the pip resolutions the selected tests will wait for (marker pip_resolution), so that they run in
-    the background beside the tests before them (tests/support/pip_resolve.py). Not under pytest-xdist:
-    every worker collects every test, and only the one that gets them should resolve; there those modules
-    are queued first and start their resolutions when they run."""
-    if hasattr(session.config, "workerinput"):
-        return
+    the background beside the tests before them (tests/support/pip_resolve.py)."""
     for it in session.items:
         for marker in it.iter_markers("pip_resolution"):
             pip_resolve.start(*marker.args)
