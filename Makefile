@@ -75,7 +75,7 @@ format: $(STAMP)
 test: lint test-deps s3-server
 	$(RUN)/pytest -q --durations=15
 
-# Fast tier only (a few minutes): no Ray cluster, no slow tests; 2 pytest-xdist workers (303 -> 208 s on 2 cores).
+# Fast tier only (a few minutes): no Ray cluster, no slow tests; 2 pytest-xdist workers (302 -> 203 s of pytest on 2 cores).
 test-fast: lint s3-server
 	$(RUN)/pytest -q -n 2 -m "not ray and not slow"
 
