@@ -38,6 +38,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,16 +161,23 @@ class Committed:
 
 
 def committed_checkpoints(storage: Storage, run_path: str) -> list[Committed]:
-    """The committed checkpoint_* directories under `run_path` on storage.fs, oldest step first."""
+    """The committed checkpoint_* directories under `run_path` on storage.fs, oldest step first. A marker that
+    does not parse (or has no integer step) commits nothing: its directory is skipped, with a warning naming
+    it, like one without a marker (markers are written whole, so only damage from outside does that)."""
     found = []
     for path in children(storage, run_path):
         if not _is_checkpoint_name(path):
             continue
         try:
             commit = json.loads(read_bytes(storage, f"{path}/{COMMIT_FILE}"))
+            step = int(commit["step"])
         except FileNotFoundError:
             continue
-        found.append(Committed(int(commit["step"]), path, commit))
+        except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
+            where = f"{storage.uri_of(path)}/{COMMIT_FILE}"
+            warnings.warn(f"{where} is unreadable ({e!r}): not a committed checkpoint", stacklevel=2)
+            continue
+        found.append(Committed(step, path, commit))
     return sorted(found, key=lambda c: (c.step, c.path))
 
 

@@ -20,15 +20,17 @@ PARTS = [("text", "Let me. "), ("tool_call", "47 * 12"), ("tool_result", "564"),
 
 def stream(ids, stop=(), per_event=1):
     """Feed `ids` the way the engine does: its StreamDecoder decides what text is released (stop strings
-    withheld), the terminal token ends the turn undecoded. Returns (parts, kinds, released text)."""
+    withheld, matched in the visible text only: raychat.engine.row_state), the terminal token ends the turn
+    undecoded. Returns (parts, kinds, released text)."""
     decoder, parser = StreamDecoder(TOK, stop), TurnParser(TOK)
+    visible = [kind == "text" for kind in TurnParser(TOK).push(ids, None)[1]]
     parts, kinds, released = [], [], ""
     for i in range(0, len(ids), per_event):
         chunk, text = ids[i : i + per_event], ""
-        for t in chunk:
+        for j, t in enumerate(chunk):
             if t in (S("<|assistant_end|>"), TOK.bos_id) or decoder.stopped:
                 break
-            text += decoder.push(t)
+            text += decoder.push(t, visible[i + j])
         if decoder.stopped or i + per_event >= len(ids):
             text += "" if decoder.stopped else decoder.finish()
         new, k = parser.push(chunk, text)
@@ -71,12 +73,14 @@ def test_a_call_is_reported_only_once_closed():
     assert parts == [("tool_call", "1+1")]
 
 
-def test_stop_string_inside_text_and_inside_a_call():
+def test_a_stop_string_stops_in_text_and_never_in_a_call_or_result():
     parts, _, released = stream(TURN, stop=("##",))
     assert parts == PARTS[:3] and released == "Let me. <|python_start|>47 * 12<|python_end|><|output_start|>564<|output_end|>"  # fmt: skip
-    # a stop string inside the expression cuts the call: reported at finish() with what was released
-    parts, _, _ = stream(TURN, stop=("* 1",))
-    assert parts == [("text", "Let me. "), ("tool_call", "47 ")]
+    # in the expression or the result only: not visible text, so the whole turn comes
+    for stop in ("* 1", "<|python", "12<|"):
+        assert stream(TURN, stop=(stop,))[0] == PARTS
+    parts, _, released = stream(TURN, stop=("564",))  # the result's text too, but it stops in the text after
+    assert parts == [*PARTS[:3], ("text", "#### ")] and released.endswith("<|output_end|>#### ")
 
 
 def test_markers_out_of_place_and_other_specials_are_hidden():

@@ -112,6 +112,33 @@ def test_a_crash_mid_save_is_never_loaded_and_the_next_save_cleans_it_up(tmp_pat
     assert [c.step for c in manager.committed()] == [6, 8]  # keep=2
 
 
+def test_a_damaged_commit_marker_commits_nothing_and_is_named(tmp_path):
+    """A marker that does not parse (emptied, or without a step) is skipped like a missing one, with a warning
+    naming it: lookups, `latest` and pruning go on with the run's other checkpoints."""
+    runs = tmp_path / "runs"
+    manager = CheckpointManager(open_storage(runs), "run1", keep=2)
+    save(manager, tmp_path, 2)
+    damaged = {1: b"", 3: b'{"files": {}}', 5: b"\xff"}  # empty, no step, not UTF-8
+    for step, marker in damaged.items():
+        part(runs / "run1" / f"checkpoint_{step:06d}", {"meta.json": b"{}", COMMIT_FILE: marker})
+    committed = str(runs / "run1" / "checkpoint_000002")
+    with pytest.warns(UserWarning) as caught:
+        for ref in ("run1", "latest", runs / "run1"):
+            assert find_checkpoint(ref, runs) == committed
+        assert [(c.step, c.path) for c in manager.committed()] == [(2, committed)]
+    named = {str(w.message).split(" is unreadable")[0] for w in caught}
+    assert named == {f"{runs}/run1/checkpoint_{s:06d}/{COMMIT_FILE}" for s in damaged}
+    with pytest.warns(UserWarning):
+        save(
+            manager, tmp_path, 4
+        )  # pruning reads the markers too; the damaged directories are not checkpoints
+        assert [c.step for c in manager.committed()] == [2, 4]
+    # like uncommitted leftovers: those older than the new commit are pruned, a newer one may be a save in progress
+    assert sorted(p.name for p in (runs / "run1").iterdir()) == [
+        "checkpoint_000002", "checkpoint_000004", "checkpoint_000005",
+    ]  # fmt: skip
+
+
 def test_loading_checks_sizes_and_names_the_file(tmp_path, small_tokenizer):
     d = tmp_path / "ck"
     save_model(

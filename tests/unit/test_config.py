@@ -60,6 +60,17 @@ def test_strings_are_converted_and_bad_values_name_the_flag():
         from_dict(TrainConfig, {"deph": 3})
     with pytest.raises(ConfigError, match="cannot feed --learner-workers 4"):
         from_dict(RLConfig, {"prompts_per_step": 1, "samples_per_prompt": 2, "learner_workers": 4})
+    # NaN passes every bound (all comparisons are false), inf every lower bound: neither is a setting
+    for cls, key, value in [
+        (TrainConfig, "matrix_lr", "nan"), (TrainConfig, "grad_clip", float("nan")),
+        (RLConfig, "temperature", "inf"), (RLConfig, "clip_eps", "NaN"),
+        (ServeConfig, "num_cpus", float("inf")), (ServeConfig, "request_timeout_s", "-inf"),
+    ]:  # fmt: skip
+        flag = key if cls is ServeConfig else "--" + key.replace("_", "-")  # serve's are YAML keys
+        with pytest.raises(ConfigError, match=f"^{flag} must be a finite number, got {value!r}$"):
+            from_dict(cls, {"checkpoint": "c", key: value} if cls is ServeConfig else {key: value})
+    with pytest.raises(ConfigError, match=r"^--matrix-lr must be a number, got 1000000000"):
+        from_dict(TrainConfig, {"matrix_lr": 10**400})  # too large for a float
 
 
 def test_flat_names_are_unique_and_every_flag_keeps_its_name():

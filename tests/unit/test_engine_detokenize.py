@@ -95,3 +95,24 @@ def test_overlapping_stop_prefix(tok):
 def test_empty_stop_string_rejected(tok):
     with pytest.raises(ValueError, match="stop strings"):
         StreamDecoder(tok, [""])
+
+
+def test_invisible_tokens_release_held_text_and_are_never_matched(tok):
+    dec = StreamDecoder(tok, ["ab", "xyz"])
+    assert dec.push(ord("a")) == ""  # held: may begin "ab"
+    assert dec.push(ord("b"), visible=False) == "ab"  # ends the visible text: "a" out, "b" not matched
+    assert [dec.push(i) for i in b"xy"] == ["", ""]
+    assert dec.push(ord("z"), visible=False) == "xyz" and not dec.stopped
+    assert [dec.push(i) for i in b"-ab"] == ["-", "", ""] and dec.stopped and dec.stop_string == "ab"
+    assert dec.text == "abxyz-"
+
+
+def test_stop_here_flushes_like_finish_and_emits_nothing_after(tok):
+    dec = StreamDecoder(tok, ["q!"])
+    euro = "€".encode()
+    assert [dec.push(i) for i in b"q"] == [""]  # held: may begin "q!"
+    assert [dec.push(i) for i in euro[:2]] == ["", ""]  # an incomplete character
+    assert dec.stop_here("<|python_end|>") == "q\ufffd"  # as the full decode of those bytes
+    assert (dec.stopped, dec.stop_string) == (True, "<|python_end|>")
+    assert dec.push(ord("x")) == "" and dec.finish() == "" and dec.stop_here("again") == ""
+    assert dec.text == tok.decode([ord("q"), *euro[:2]])

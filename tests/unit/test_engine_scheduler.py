@@ -101,6 +101,39 @@ def test_tool_and_stop_through_scheduler(tok):
     assert events[-1].finish_reason == "stop"
 
 
+WITH_RESULT = "ab<|python_start|>6*7<|python_end|><|output_start|>42<|output_end|>"
+EVERYTHING = WITH_RESULT + "=42*c!!!!"
+
+
+@pytest.mark.parametrize(
+    ("stop", "text", "reason"),
+    [
+        ((), EVERYTHING, "length"),
+        (["*"], WITH_RESULT + "=42", "stop"),  # not in the call
+        (["42"], WITH_RESULT + "=", "stop"),  # not the result
+        (["7"], EVERYTHING, "length"),  # only inside the call
+        (["<|"], EVERYTHING, "length"),  # a marker is a token, not text
+        (["b<"], EVERYTHING, "length"),  # "ab" then a marker: no visible text spans it
+        (["<|python_end|>"], "ab<|python_start|>6*7", "stop"),  # a special token's text: a stop token
+    ],
+)
+def test_stop_strings_match_the_visible_text_only(tok, stop, text, reason):
+    """Sampled: "ab", a call of 6*7, then (after the 4 forced result tokens) "=42*c" and "!" (max_tokens 20).
+    A stop string never cuts a call's expression, never matches its result or a marker; the call's
+    <|python_end|> as a stop string ends the row at that token (kept in tokens, its text not emitted)."""
+    ps, pe = tok.special_id("<|python_start|>"), tok.special_id("<|python_end|>")
+    sampled = [*tok.encode("ab"), ps, *tok.encode("6*7"), pe]
+    script = {1 + i: t for i, t in enumerate(sampled)} | {
+        12 + i: t for i, t in enumerate(tok.encode("=42*c"))
+    }
+    model = scripted_model(tok.vocab_size, script, default=ord("!"))
+    sched = Scheduler(ModelRunner(model, tok), max_slots=1, max_len=64)
+    events = drain(sched.submit([tok.bos_id], SamplingParams(max_tokens=20, temperature=0, stop=stop)))
+    assert ("".join(e.text for e in events), events[-1].finish_reason) == (text, reason)
+    if stop == ["<|python_end|>"]:
+        assert [t for e in events for t in e.token_ids] == sampled  # ends with the stop token
+
+
 def test_async_stream_with_background_thread(tok, engine):
     p = prompt(tok, "async")
     (ref,) = engine.generate_batch([p], max_tokens=10, temperature=0.0)

@@ -99,6 +99,7 @@ BOUNDS = [
     ({"messages": [*USER, {"role": "assistant", "content": "ab", "tool_calls": [call(offset=1), call(call_id="c2")]}, *USER]}, "messages[1].tool_calls", "mixes calls"),
     ({"messages": [*USER, {"role": "assistant", "content": "a", "tool_calls": [{**call(), "function": {"name": "search", "arguments": "{}"}}]}, *USER]}, "messages[1].tool_calls[0].function", "only the built-in 'calculator' function"),
     ({"messages": [*USER, {"role": "assistant", "content": "a", "tool_calls": [{**call(), "function": {"name": "calculator", "arguments": "{2*3"}}]}, *USER]}, "messages[1].tool_calls[0].function", "arguments must be a JSON object, got invalid JSON"),
+    ({"messages": [*USER, {"role": "assistant", "content": "a", "tool_calls": [{**call(), "function": {"name": "calculator", "arguments": "[" * 3000 + "]" * 3000}}]}, *USER]}, "messages[1].tool_calls[0].function", "got JSON nested too deeply to parse"),  # json.loads' RecursionError
     ({"messages": [*USER, {"role": "assistant", "content": "a", "tool_calls": [{**call(), "function": {"name": "calculator", "arguments": '{"expr": "1"}'}}]}, *USER]}, "messages[1].tool_calls[0].function", '{"expression": "<arithmetic>"}'),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [call()]}]}, "messages[0].tool_calls", "only an assistant message has tool_calls"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "field required"),

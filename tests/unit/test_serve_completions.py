@@ -164,6 +164,13 @@ def test_openai_client(tiny, client):
         ({"prompt": [[5], "a"]}, "prompt", "list of strings or a list of token-id lists"),
         ({"prompt": [[5], [599, 600]]}, "prompt[1]", "outside 0..599"),
         ({"prompt": [5] * 300}, "prompt", "300 tokens"),
+        # max_tokens 0 never reaches the engine: the prompt is checked all the same (echo decodes it)
+        ({"prompt": [99999], "max_tokens": 0}, "prompt", "outside 0..599: [99999]"),
+        ({"prompt": [-5], "max_tokens": 0, "echo": True}, "prompt", "outside 0..599: [-5]"),
+        ({"prompt": [2**70], "max_tokens": 0, "echo": True}, "prompt", "outside 0..599"),
+        ({"prompt": [5] * 300, "max_tokens": 0, "echo": True}, "prompt", "300 tokens"),
+        ({"prompt": "a\ud800b", "echo": True}, "prompt", "lone surrogate (U+D800) at character 1"),
+        ({"prompt": ["a", "\udfff"]}, "prompt", "prompt[1] has a lone surrogate (U+DFFF) at character 0"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
         ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
         ({"prompt": "x", "temperature": "0"}, "temperature", "valid number"),
@@ -171,7 +178,8 @@ def test_openai_client(tiny, client):
     ],
 )
 def test_bad_requests_name_the_field(client, body, param, fragment):
-    resp = client.post(URL, json=body)
+    # json.dumps escapes a lone surrogate as \udXXX, as a JSON client sends it (httpx's json= cannot encode it)
+    resp = client.post(URL, content=json.dumps(body), headers={"content-type": "application/json"})
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == param and fragment in err["message"], err

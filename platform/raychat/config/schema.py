@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -187,13 +188,16 @@ def coerce(hint, value, flag: str):
             except ValueError:
                 pass
     elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+        number = None
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             try:
-                return float(value)
-            except ValueError:
+                number = float(value)
+            except (ValueError, OverflowError):  # not a number; an int too large for a float
                 pass
+        if number is not None:
+            if not math.isfinite(number):  # NaN passes every bound check; no option means anything by inf
+                raise ConfigError(f"{flag} must be a finite number, got {value!r}")
+            return number
     elif kind is str:
         if isinstance(value, str):
             return value

@@ -9,7 +9,10 @@ exactly where the full decode puts them.
 Stop strings: decoded text that could still be the start of a stop string is held back; when a stop string
 appears, everything before it is emitted, the stop string and all later text are dropped, and `stopped` is
 set. Without a match, `finish()` releases the held-back text. Emitted text only grows (`offset` never moves
-backwards).
+backwards). Stop strings are matched within visible text only: a token pushed with visible=False (a special
+token, a calculator call, its result: raychat.engine.row_state decides) is emitted as it comes, with the
+visible text held before it, and a stop string is never found in it or across it. `stop_here()` ends the
+stream before a token (a stop token) without emitting the token.
 """
 
 from __future__ import annotations
@@ -46,16 +49,29 @@ class StreamDecoder:
     def offset(self) -> int:
         return len(self.text)
 
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text that is now safe to emit (possibly "")."""
-        return self.push_bytes(b"".join(self.tokenizer.iter_tokens([token_id])))
+    def push(self, token_id: int, visible: bool = True) -> str:
+        """Add one token; return the text that is now safe to emit (possibly ""). visible=False: the token's
+        text is not matched against the stop strings and ends the visible text held before it."""
+        return self.push_bytes(b"".join(self.tokenizer.iter_tokens([token_id])), visible)
 
-    def push_bytes(self, data: bytes) -> str:
+    def push_bytes(self, data: bytes, visible: bool = True) -> str:
         """Add raw bytes (one token's worth); return the newly emitted text."""
         if self.stopped:
             return ""
         self._held += self._utf8.decode(data, final=False)
+        if not visible:  # the held text can no longer begin a stop string: emit it with this token's
+            held, self._held = self._held, ""
+            return self._emit(held)
         return self._release(final=False)
+
+    def stop_here(self, reason: str) -> str:
+        """End the stream now (a stop token came; its text is not emitted): release the held text, flushing an
+        incomplete character as U+FFFD like finish(), and set stopped, with stop_string = `reason`."""
+        if self.stopped:
+            return ""
+        out = self.finish()
+        self.stopped, self.stop_string = True, reason
+        return out
 
     def finish(self) -> str:
         """End of stream: flush incomplete bytes (as U+FFFD, like the full decode) and held-back text."""

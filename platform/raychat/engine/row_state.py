@@ -4,10 +4,16 @@ One `RowState` follows one completion: it picks forced tool-output tokens over s
 calculator tool when a <|python_start|> ... <|python_end|> block closes, streams text through a
 `StreamDecoder`, and decides when the row is finished:
   "stop"    the model sampled <|assistant_end|> or <|bos|> (kept in tokens, mask 1), or a stop string
-            appeared in the text;
+            appeared in the visible text, or the model sampled a stop token;
   "length"  max_tokens completion tokens, or the row's cache is full (max_len tokens).
 Forced tokens (<|output_start|> result <|output_end|>, rendered by the chat template's
 `render_tool_output`) carry mask 0 and never end a row by themselves.
+
+Stop strings match the visible text only: sampled tokens outside special tokens and calculator calls, what a
+chat client gets as content (raychat.chat.turn), so a stop string never cuts a call's expression or matches
+a result or a marker. A stop string that is a special token's text (e.g. "<|python_end|>", which serving
+adds when the client runs the tools) is a stop token instead: the row ends when the model samples it (kept
+in tokens, mask 1, its text not emitted).
 """
 
 from __future__ import annotations
@@ -37,7 +43,10 @@ class RowState:
         self.num_prompt_tokens = len(prompt)
         self.max_tokens = params.max_tokens
         self.max_len = max_len
-        self.decoder = StreamDecoder(tokenizer, params.stop)
+        specials = tokenizer.special_tokens
+        self._stop_ids = {specials[s] for s in params.stop if s in specials}
+        self.decoder = StreamDecoder(tokenizer, [s for s in params.stop if s not in specials])
+        self._specials = set(specials.values())
         self.finished = False
         self.finish_reason: str | None = None
         self._terminal = {tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id}
@@ -74,7 +83,11 @@ class RowState:
             return token, self._finish("stop")
         if mask == 1:
             self._tool(token)
-        delta = self.decoder.push(token)
+            if token in self._stop_ids:
+                self.finished, self.finish_reason = True, "stop"
+                return token, self.decoder.stop_here(self.tokenizer.decode([token]))
+        visible = mask == 1 and token not in self._specials and self._python is None
+        delta = self.decoder.push(token, visible)
         if self.decoder.stopped:
             self.finished, self.finish_reason = True, "stop"
             return token, delta

@@ -246,7 +246,9 @@ class SamplingParams:
         top_k: None/0 = off, else >= 1.
         top_p: None/1.0 = off, else in (0, 1].
         seed: int seeds the request's torch.Generator; None = fresh OS entropy.
-        stop: stop strings; generation ends when the completion text contains one (never emitted).
+        stop: stop strings; generation ends when the completion's visible text (outside special tokens,
+            calculator calls and their results) contains one (never emitted). One that is a special token's
+            text is a stop token (raychat.engine.row_state).
         logprobs: return each completion token's logprob (module docstring: which distribution).
         top_logprobs: 0..20 most likely alternatives per token as well; needs logprobs=True.
     Raises:

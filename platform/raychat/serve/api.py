@@ -168,6 +168,8 @@ def expression_of(function: FunctionCall) -> str:
         args = json.loads(function.arguments)
     except json.JSONDecodeError as e:
         raise ValueError(f"arguments must be a JSON object, got invalid JSON ({e.msg})") from None
+    except RecursionError:  # nesting deeper than the parser's stack, inside every length limit
+        raise ValueError("arguments must be a JSON object, got JSON nested too deeply to parse") from None
     if not isinstance(args, dict) or set(args) != {"expression"} or not isinstance(args["expression"], str):
         raise ValueError('arguments must be the JSON object {"expression": "<arithmetic>"}')
     return args["expression"]

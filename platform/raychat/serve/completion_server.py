@@ -23,18 +23,26 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from raychat.engine.scheduler import QueueFullError
+from raychat.engine.scheduler import QueueFullError, check_fits_row
 from raychat.serve.engine_adapter import MIN_LOGPROB, sampling_params
 from raychat.serve.sse import usage_dict
 
 
-def prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
+def prompt_ids(tokenizer, prompt: str | list[int], max_len: int) -> list[int]:
     """A string prompt's ids (plain text, no <|bos|>: raychat.tokenizer.Tokenizer.encode), or the ids as
-    given (the engine checks their range and length). Raises ValueError for an empty string."""
+    given, checked as the engine checks a prompt (also for max_tokens 0, which never reaches it, and before
+    echo decodes them).
+
+    Raises:
+        ValueError: an empty prompt, an id outside 0..vocab_size-1, or max_len tokens or more.
+    """
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
         raise ValueError("is empty; it needs at least one token")
-    return ids
+    bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+    if bad:
+        raise ValueError(f"has token ids outside 0..{tokenizer.vocab_size - 1}: {bad[:5]}")
+    return check_fits_row(ids, max_len)
 
 
 def _text(tokenizer, token_id: int) -> str:
@@ -85,7 +93,7 @@ async def completion_events(server, request: dict) -> AsyncIterator[dict]:
     stream, finished = None, False
     try:
         try:
-            ids = prompt_ids(tokenizer, request["prompt"])
+            ids = prompt_ids(tokenizer, request["prompt"], scheduler.max_len)
             scored = None
             if echo and k is not None:
                 timeout = getattr(scheduler, "request_timeout_s", None)
