@@ -12,7 +12,8 @@ read_capacity() looks in three places, first found wins:
 2. An autoscaler that runs without a published record (Ray's v1 monitor writes its status under the GCS
    key `__autoscaling_status`; the v2 autoscaler of KubeRay reports an autoscaling state): the node types
    are unknown -> source "autoscaler": every layout is accepted and its wait is bounded by
-   --schedule-timeout-s instead.
+   --schedule-timeout-s instead. Not for a cluster this process started (`ray.init()` without an address):
+   its monitor runs too, with a read-only provider that never adds a node.
 3. Neither: the alive nodes are all the cluster will ever be -> source "alive nodes" (checked at once).
 
 A layout's bundles ({resource: amount} each, e.g. a Ray Train worker {"CPU": 7, "GPU": 1}) are checked with
@@ -132,13 +133,20 @@ def autoscaler_running() -> bool:
     return reply.autoscaling_state.autoscaler_state_version > 0
 
 
+def started_here() -> bool:
+    """Whether this process started the Ray cluster it is connected to (ray.init() without an address: a
+    head on this machine that nothing else joins)."""
+    node = ray._private.worker._global_node
+    return node is not None and node.head
+
+
 def read_capacity() -> Capacity:
     """The Capacity of the cluster this process is connected to (ray.init done); see the module doc."""
     alive = _alive_nodes()
     published = _published_node_types()
     if published:
         return Capacity("node types", tuple(published))
-    if autoscaler_running():
+    if autoscaler_running() and not started_here():
         return Capacity("autoscaler", tuple(alive))
     return Capacity("alive nodes", tuple(alive))
 

@@ -121,9 +121,26 @@ def read_commit(directory: str | os.PathLike) -> dict:
             "checkpoint written before commit markers"
         )
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        data = path.read_bytes()
+    except OSError as e:
         raise CheckpointError(f"checkpoint {directory}: {COMMIT_FILE} is unreadable ({e})") from e
+    return parse_commit(data, str(directory))
+
+
+def parse_commit(data: bytes, where: str) -> dict:
+    """The commit marker `data` of checkpoint `where` as a dict, checked for the fields readers use: an
+    integer "step" and "files" mapping each name to {"size": int, ...}.
+
+    Raises CheckpointError naming the checkpoint: not JSON (or not UTF-8), or a field missing or of another
+    type (markers are written whole, so only damage from outside does that)."""
+    try:
+        commit = json.loads(data)
+        int(commit["step"])
+        if not all(isinstance(f, dict) and type(f["size"]) is int for f in commit["files"].values()):
+            raise TypeError('"files" must map each name to {"size": int, "sha256": str}')
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"checkpoint {where}: {COMMIT_FILE} is unreadable ({e!r})") from None
+    return commit
 
 
 def verify(directory: str | os.PathLike, checksums: bool = False) -> dict:
@@ -162,22 +179,20 @@ class Committed:
 
 def committed_checkpoints(storage: Storage, run_path: str) -> list[Committed]:
     """The committed checkpoint_* directories under `run_path` on storage.fs, oldest step first. A marker that
-    does not parse (or has no integer step) commits nothing: its directory is skipped, with a warning naming
-    it, like one without a marker (markers are written whole, so only damage from outside does that)."""
+    does not parse (parse_commit) commits nothing: its directory is skipped, with a warning naming it, like
+    one without a marker."""
     found = []
     for path in children(storage, run_path):
         if not _is_checkpoint_name(path):
             continue
         try:
-            commit = json.loads(read_bytes(storage, f"{path}/{COMMIT_FILE}"))
-            step = int(commit["step"])
+            commit = parse_commit(read_bytes(storage, f"{path}/{COMMIT_FILE}"), storage.uri_of(path))
         except FileNotFoundError:
             continue
-        except (ValueError, TypeError, KeyError) as e:  # JSONDecodeError, UnicodeDecodeError: ValueErrors
-            where = f"{storage.uri_of(path)}/{COMMIT_FILE}"
-            warnings.warn(f"{where} is unreadable ({e!r}): not a committed checkpoint", stacklevel=2)
+        except CheckpointError as e:
+            warnings.warn(f"{e}: not a committed checkpoint", stacklevel=2)
             continue
-        found.append(Committed(step, path, commit))
+        found.append(Committed(int(commit["step"]), path, commit))
     return sorted(found, key=lambda c: (c.step, c.path))
 
 
@@ -345,10 +360,15 @@ def _find(storage: Storage, target: str, flag: str) -> str:
         info = fs.get_file_info(target)
     shown = storage.uri_of(target)
     if info.type == pafs.FileType.NotFound:
-        raise ValueError(f"{flag}: {shown} does not exist ({_listing(storage, target.rsplit('/', 1)[0])})")
+        parent = target.rsplit("/", 1)[0] or "/"
+        raise ValueError(f"{flag}: {shown} does not exist ({_listing(storage, parent)})")
     if info.type != pafs.FileType.Directory:
         raise ValueError(f"{flag}: {shown} is a file; give a checkpoint dir, a run dir or <run dir>/latest")
     if fs.get_file_info(f"{target}/{COMMIT_FILE}").type == pafs.FileType.File:
+        try:
+            parse_commit(read_bytes(storage, f"{target}/{COMMIT_FILE}"), shown)
+        except CheckpointError as e:
+            raise CheckpointError(f"{flag}: {e}") from None
         return target
     done = committed_checkpoints(storage, target)
     if done:

@@ -4,7 +4,9 @@ import io
 import re
 import time
 
-from raychat.capacity import WaitReporter
+import pytest
+
+from raychat.capacity import WaitReporter, autoscaler_running, check_bundles, read_capacity
 
 
 def test_a_wait_is_reported_then_its_end_once(ray_cluster):
@@ -36,3 +38,20 @@ def test_the_reporter_sees_the_placement_itself_and_nothing_is_said_without_a_wa
     quiet = io.StringIO()
     WaitReporter("the group", lambda: "placed", out=quiet).start().stop(placed=True)
     assert quiet.getvalue() == ""
+
+
+def test_a_cluster_started_by_this_process_is_its_alive_nodes(ray_cluster):
+    """ray.init() without an address starts a cluster that nothing grows, although its monitor (a read-only
+    provider) writes the autoscaler status: a layout it cannot hold is refused at once, not waited for until
+    --schedule-timeout-s."""
+    deadline = time.monotonic() + 30
+    while not autoscaler_running():  # the monitor's first status comes a few seconds after start
+        assert time.monotonic() < deadline, "no autoscaler status from the local monitor"
+        time.sleep(0.5)
+    capacity = read_capacity()
+    assert (capacity.source, capacity.known, capacity.total("CPU")) == ("alive nodes", True, 2.0)
+    with pytest.raises(
+        ValueError,
+        match=r"^--cpus-per-rollout: one of them needs \{CPU: 8\}; no node type has room: CPU \(need 8, the most a node has is 2\)",
+    ):
+        check_bundles([{"CPU": 8}], capacity, "--cpus-per-rollout")

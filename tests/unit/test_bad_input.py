@@ -77,6 +77,24 @@ def test_a_storage_path_that_is_not_writable(argv, flag, root, tmp_path, capsys)
 
 
 @pytest.mark.parametrize(
+    "data, want",
+    [
+        ("{root}/missing", "--data-dir: {root}/missing/manifest.json not found: run `raychat data prepare --out "
+         "{root}/missing` first"),
+        ("{root}/data", "--data-dir: {root}/data/manifest.json: needs >= 2 shards with the last one split='val'"),
+    ],
+)  # fmt: skip
+def test_pretraining_data_that_is_not_prepared(data, want, root, capsys):
+    """Checked in the driver, before Ray: each worker would otherwise fail on it in turn, with tracebacks."""
+    argv = ["pretrain", "--preset", "tiny", "--storage-path", "{root}", "--run-name", "p", "--data-dir", data,
+            "--tokenizer-path", "{root}/tokenizer"]  # fmt: skip
+    before = _snapshot(root)
+    line = _fails_in_one_line([a.format(root=root) for a in argv], capsys)
+    assert want.format(root=root) in line, line
+    assert _snapshot(root) == before and not (root / "p").exists()
+
+
+@pytest.mark.parametrize(
     "argv, want",
     [
         (["sft", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "latest"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -118,7 +119,7 @@ def test_a_damaged_commit_marker_commits_nothing_and_is_named(tmp_path):
     runs = tmp_path / "runs"
     manager = CheckpointManager(open_storage(runs), "run1", keep=2)
     save(manager, tmp_path, 2)
-    damaged = {1: b"", 3: b'{"files": {}}', 5: b"\xff"}  # empty, no step, not UTF-8
+    damaged = {1: b"", 3: b'{"files": {}}', 5: b"\xff", 7: b'{"step": 7, "files": {"a": {"size": "1"}}}'}
     for step, marker in damaged.items():
         part(runs / "run1" / f"checkpoint_{step:06d}", {"meta.json": b"{}", COMMIT_FILE: marker})
     committed = str(runs / "run1" / "checkpoint_000002")
@@ -126,8 +127,20 @@ def test_a_damaged_commit_marker_commits_nothing_and_is_named(tmp_path):
         for ref in ("run1", "latest", runs / "run1"):
             assert find_checkpoint(ref, runs) == committed
         assert [(c.step, c.path) for c in manager.committed()] == [(2, committed)]
-    named = {str(w.message).split(" is unreadable")[0] for w in caught}
-    assert named == {f"{runs}/run1/checkpoint_{s:06d}/{COMMIT_FILE}" for s in damaged}
+    named = {str(w.message).split(": commit.json is unreadable")[0] for w in caught}
+    assert named == {f"checkpoint {runs}/run1/checkpoint_{s:06d}" for s in damaged}
+    # named directly, it is an error of one line naming the flag and the file
+    for step, why in [
+        (1, "JSONDecodeError"),
+        (3, "KeyError('step')"),
+        (5, "UnicodeDecodeError"),
+        (7, "TypeError"),
+    ]:
+        with pytest.raises(
+            CheckpointError,
+            match=rf"^--checkpoint: checkpoint \S+_00000{step}: commit.json is unreadable \({re.escape(why)}",
+        ):
+            find_checkpoint(runs / "run1" / f"checkpoint_{step:06d}")
     with pytest.warns(UserWarning):
         save(
             manager, tmp_path, 4
@@ -135,8 +148,13 @@ def test_a_damaged_commit_marker_commits_nothing_and_is_named(tmp_path):
         assert [c.step for c in manager.committed()] == [2, 4]
     # like uncommitted leftovers: those older than the new commit are pruned, a newer one may be a save in progress
     assert sorted(p.name for p in (runs / "run1").iterdir()) == [
-        "checkpoint_000002", "checkpoint_000004", "checkpoint_000005",
+        "checkpoint_000002", "checkpoint_000004", "checkpoint_000005", "checkpoint_000007",
     ]  # fmt: skip
+
+
+def test_a_missing_top_level_directory_lists_the_root():
+    with pytest.raises(ValueError, match=r"^--checkpoint: /no-such-raychat-dir does not exist \(/ holds: "):
+        find_checkpoint("/no-such-raychat-dir")
 
 
 def test_loading_checks_sizes_and_names_the_file(tmp_path, small_tokenizer):

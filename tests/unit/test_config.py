@@ -69,6 +69,13 @@ def test_strings_are_converted_and_bad_values_name_the_flag():
         flag = key if cls is ServeConfig else "--" + key.replace("_", "-")  # serve's are YAML keys
         with pytest.raises(ConfigError, match=f"^{flag} must be a finite number, got {value!r}$"):
             from_dict(cls, {"checkpoint": "c", key: value} if cls is ServeConfig else {key: value})
+    for steps in (0, -2):  # -1 derives the steps; 0 is no run at all
+        with pytest.raises(
+            ConfigError, match=rf"^--num-iterations must be >= 1 or -1 \(derive\), got {steps}$"
+        ):
+            from_dict(TrainConfig, {"num_iterations": steps})
+    with pytest.raises(ConfigError, match=r"^--num-iterations must be >= 1 or -1 \(derive\), got 0$"):
+        SpeedrunConfig.from_preset("tiny", "runs", num_iterations=0)  # reads the preset, writes nothing
     with pytest.raises(ConfigError, match=r"^--matrix-lr must be a number, got 1000000000"):
         from_dict(TrainConfig, {"matrix_lr": 10**400})  # too large for a float
 
@@ -109,6 +116,21 @@ def test_presets_are_package_data_found_from_any_directory(tmp_path):
     # depth 26, head_dim 128: width 26 * 64 = 1664 (a multiple of 128), 13 heads; 32 x 16 x 2048 tokens a step
     assert "model: depth 26 width 1664 heads 13" in out
     assert "batch: 1,048,576 tokens/step = 32 workers x 16 rows x 2048 tokens x 1 accumulation steps" in out
+
+
+def test_a_preset_file_that_is_not_yaml_is_one_line_naming_the_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  depth: [1\n")  # an unclosed list
+    with pytest.raises(
+        ValueError, match=rf"^--preset: {bad} is not valid YAML at line 3, column 1: expected ','"
+    ):
+        preset_values(str(bad), "pretrain")
+    out = subprocess.run(
+        [sys.executable, "-m", "raychat.cli", "pretrain", "--preset", str(bad), "--dry-run"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith(f"raychat pretrain: error: --preset: {bad} is not valid YAML at line 3")
 
 
 def test_speedrun_config_composes_the_stage_configs_on_one_root(tmp_path):

@@ -59,7 +59,24 @@ def test_interactive_keeps_the_conversation(checkpoint, capsys, monkeypatch):
 
 def test_missing_checkpoint_is_a_clean_error(tmp_path, capsys):
     assert main(["chat", "--checkpoint", str(tmp_path / "nope"), "-p", "x"]) == 2
-    assert "not a raychat checkpoint" in capsys.readouterr().err
+    assert (
+        capsys.readouterr().err
+        == f"raychat chat: --checkpoint: {tmp_path}/nope does not exist ({tmp_path} is empty)\n"
+    )
+
+
+def test_a_run_dir_and_its_latest_name_its_newest_checkpoint(checkpoint, tmp_path, capsys):
+    """The references eval, export and serve take (raychat.checkpoint_manager): a run dir, <run dir>/latest."""
+    d, model, tok = checkpoint
+    save_model(tmp_path / "run" / "checkpoint_000003", model, tok, {"step": 3}, commit=True)
+    (tmp_path / "run" / "checkpoint_000009").mkdir()  # a save that never committed: not taken
+    want = expected_reply(model, tok, [{"role": "user", "content": "hi"}], 5).text + "\n"
+    for ref in (tmp_path / "run", tmp_path / "run" / "latest"):
+        assert (
+            main(["chat", "--checkpoint", str(ref), "-p", "hi", "--temperature", "0", "--max-tokens", "5"])
+            == 0
+        )
+        assert capsys.readouterr().out == want
 
 
 def test_assistant_message_parts():

@@ -508,6 +508,10 @@ def test_k8s_submit_dry_run_prints_a_valid_rayjob(capsys, crd_schemas):
     assert job["spec"]["entrypoint"] == "python jobs/sft.py --depth 4"
     assert job["spec"]["ttlSecondsAfterFinished"] == 60
     assert raychat_main(["k8s", "submit", "--dry-run", "--name", "Bad_Name", "sft"]) == 2
+    capsys.readouterr()
+    for flags in (["--ttl", "-5"], ["--retries", "-2"]):  # negative: the API server would refuse the RayJob
+        assert raychat_main(["k8s", "submit", "--dry-run", "--name", "t1", *flags, "sft"]) == 2
+        assert "--ttl and --retries must be >= 0" in capsys.readouterr().err
 
 
 class _FakeApiServer(BaseHTTPRequestHandler):

@@ -16,6 +16,7 @@ import torch
 from raychat.chat.turn import TurnParser, turn_parts
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
+from raychat.checkpoint_manager import resolve_checkpoint
 from raychat.config import ChatConfig, from_args
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
 from raychat.gc_heap import freeze_gc_heap
@@ -79,11 +80,11 @@ def run_chat(args, stdin=None, out=None) -> int:
     try:
         cfg = from_args(args, ChatConfig, "chat")
         if not cfg.checkpoint:
-            raise ValueError("--checkpoint: required: a checkpoint directory (model.safetensors, meta.json)")
+            raise ValueError("--checkpoint: required: a checkpoint dir, a run dir or <run dir>/latest")
         device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device on this machine (use --device cpu)")
-        model, tokenizer, _ = load_model(cfg.checkpoint, device=device)
+        model, tokenizer, _ = load_model(resolve_checkpoint(cfg.checkpoint), device=device)
         params = SamplingParams(
             max_tokens=cfg.max_tokens,
             temperature=cfg.temperature,

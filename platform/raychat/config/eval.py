@@ -1,7 +1,7 @@
 """Configurations of the commands that read a finished checkpoint: `raychat eval` (EvalConfig, a preset's
 `eval` section) and `raychat export` (ExportConfig) take --checkpoint as any reference
 raychat.checkpoint_manager resolves (`latest`: the newest checkpoint of any stage under --storage-path) and write
-<storage-path>/<run-name>/; `raychat chat` (ChatConfig) talks to a local checkpoint directory."""
+<storage-path>/<run-name>/; `raychat chat` (ChatConfig) talks to one checkpoint (the same references, no `latest` search)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,10 @@ class ExportConfig(Section):
 class ChatConfig(Section):
     """A conversation with one checkpoint in the terminal: interactive, or one answer with --prompt."""
 
-    checkpoint: str = option("", "checkpoint directory (model.safetensors, meta.json) (required)")
+    checkpoint: str = option(
+        "",
+        "the checkpoint: a checkpoint dir, a run dir or <run dir>/latest (paths, s3:// or gs://) (required)",
+    )
     prompt: str | None = option(None, "one-shot (also -p): answer this prompt and exit")
     system: str | None = option(None, "system message placed before the first user turn")
     temperature: float = option(0.6, "sampling temperature; 0 = greedy", ge=0)

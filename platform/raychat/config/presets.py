@@ -33,7 +33,7 @@ def read_preset(name_or_path: str) -> dict:
 
     Raises:
         FileNotFoundError: no such preset or file (the message lists the shipped presets).
-        ValueError: the file does not hold a YAML mapping.
+        ValueError: the file is not valid YAML (the message names the line) or does not hold a mapping.
     """
     if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
         path = Path(name_or_path)
@@ -47,7 +47,13 @@ def read_preset(name_or_path: str) -> dict:
         if not item.is_file():
             raise FileNotFoundError(f"--preset: no preset {name_or_path!r}; known presets: {preset_names()}")
         text = item.read_text()
-    data = yaml.safe_load(text) or {}
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise ValueError(f"--preset: {name_or_path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ValueError(f"preset {name_or_path}: expected a mapping of sections, got {type(data).__name__}")
     return data

@@ -46,7 +46,7 @@ class SpeedrunConfig:
         )
         layout = {"data_dir": str(data_dir), "tokenizer_path": str(tok_dir), "storage_path": str(checkpoints)}
         values = {**preset_values(preset, "pretrain"), **layout, "run_name": "base", "stage": "pretrain"}
-        if num_iterations:
+        if num_iterations is not None:
             values["num_iterations"] = num_iterations
         pretrain = from_dict(TrainConfig, values, where="train settings")
         sft_values, rl_values = preset_section(preset, "sft"), preset_section(preset, "rl")

@@ -177,6 +177,11 @@ class HorizonSection(Section):
         20.0, "tokens per parameter (Chinchilla 20) when no other horizon"
     )
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_iterations != -1 and self.num_iterations < 1:
+            raise ConfigError(f"--num-iterations must be >= 1 or -1 (derive), got {self.num_iterations}")
+
 
 @dataclass
 class LRScheduleSection(Section):

@@ -295,9 +295,14 @@ def rayjob(
     """A RayJob running `python jobs/<stage>.py ARGS` (or the chain of `commands`, see entrypoint) in
     /home/ray/raychat on its own cluster, its driver reserving `num_gpus`, stopped (its cluster deleted)
     deadline_s seconds after it starts (default DEADLINES_S[stage]), deleted ttl_s seconds after the job
-    finishes, retried backoff_limit times. Raises ValueError for an unknown stage or an invalid name."""
+    finishes, retried backoff_limit times. Raises ValueError for an unknown stage, an invalid name or a negative
+    ttl_s or backoff_limit."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {', '.join(STAGES)}; got {stage!r}")
+    if ttl_s < 0 or backoff_limit < 0:  # Kubernetes refuses negative ttlSecondsAfterFinished / backoffLimit
+        raise ValueError(
+            f"--ttl and --retries must be >= 0 (seconds, retries); got {ttl_s} and {backoff_limit}"
+        )
     spec = {
         "entrypoint": entrypoint(commands or [[stage, *(stage_args or [])]]),
         "runtimeEnvYAML": yaml.safe_dump({"working_dir": APP_DIR}, sort_keys=False),

@@ -59,6 +59,7 @@ MAX_STOP_CHARS = 64
 MAX_TOOL_CALLS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_BODY_BYTES = 512 * 1024
+MAX_ARGUMENTS_NESTING = 32  # a calculator call's arguments are one flat object; deeper is refused unparsed
 
 Number = StrictFloat | StrictInt
 Id = Annotated[StrictStr, Field(min_length=1, max_length=256)]
@@ -160,16 +161,35 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return items
 
 
+def _nesting(text: str) -> int:
+    """How deep JSON `text` nests arrays and objects (brackets inside strings do not count)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 def expression_of(function: FunctionCall) -> str:
     """The calculator expression of a call: arguments must be the JSON object {"expression": str}."""
     if function.name != CALCULATOR:
         raise ValueError(f"only the built-in {CALCULATOR!r} function exists here, got {function.name!r}")
+    if _nesting(function.arguments) > MAX_ARGUMENTS_NESTING:  # json.loads would recurse that deep
+        raise ValueError(
+            f"arguments must be a JSON object, got JSON nested over {MAX_ARGUMENTS_NESTING} deep"
+        )
     try:
         args = json.loads(function.arguments)
     except json.JSONDecodeError as e:
         raise ValueError(f"arguments must be a JSON object, got invalid JSON ({e.msg})") from None
-    except RecursionError:  # nesting deeper than the parser's stack, inside every length limit
-        raise ValueError("arguments must be a JSON object, got JSON nested too deeply to parse") from None
     if not isinstance(args, dict) or set(args) != {"expression"} or not isinstance(args["expression"], str):
         raise ValueError('arguments must be the JSON object {"expression": "<arithmetic>"}')
     return args["expression"]

@@ -45,7 +45,17 @@ class Pretraining:
 
 def pretrain(cfg: TrainConfig, callbacks=()):
     """Run (or resume) pretraining on the current Ray cluster, with replay records; returns the
-    ray.train.Result."""
+    ray.train.Result.
+
+    Raises:
+        ValueError: (before Ray starts) as run_training, or --data-dir holds no prepared shards (no or a
+            malformed manifest.json, a listed shard missing).
+    """
+    data_dir = resolve_paths(cfg).data_dir
+    try:
+        list_shards(data_dir)  # what every worker reads first: fail here, in one line, not in each of them
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--data-dir: {e}") from None
     return run_training(cfg, Pretraining(), [ReplayRecorder(), *callbacks])
 
 
