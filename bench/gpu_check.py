@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -122,9 +123,17 @@ def vllm_decode(c: dict, tok) -> dict:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range (32768-60999 on Linux by default) and above Ray's
+    worker ports: `raychat serve`'s own ray.init takes dozens of ephemeral ports before Serve binds this one,
+    and a port the kernel handed out here could be among them."""
+    while True:
+        port = random.randint(20000, 32767)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 def serve_streams(c: dict, checkpoint: Path, log: Path) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -66,13 +67,37 @@ class NodeStartError(RuntimeError):
     """A node did not come up: `ray start` exited or the node was not ALIVE in time (its log follows)."""
 
 
+def port_range() -> tuple[int, int]:
+    """Where free_ports picks: above Ray's worker ports (10002-19999) and below the kernel's ephemeral range
+    (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default). The kernel hands out ephemeral ports to
+    every bind to port 0 and outgoing connection, and a starting Ray instance takes dozens: a port chosen
+    there and released can be taken before the service it was chosen for binds it (seen: `raychat serve`
+    "cannot listen on 127.0.0.1:37889 (in use?)" after its own ray.init). Below that range, a port is only
+    ever taken by number."""
+    try:
+        ephemeral_start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_start = 32768
+    return 20000, max(ephemeral_start - 1, 21000)
+
+
 def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (the sockets stay open until all are chosen, so none repeats)."""
+    """n distinct loopback ports that nothing listens on now, from port_range() (the sockets stay open until
+    all are chosen, so none repeats)."""
+    low, high = port_range()
+    ports: list[int] = []
     with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+        while len(ports) < n:
+            port = random.randint(low, high)
+            if port in ports:
+                continue
+            s = stack.enter_context(socket.socket())
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(port)
+    return ports
 
 
 def short_temp_dir(prefix: str) -> Path:

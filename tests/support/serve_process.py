@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,19 +15,13 @@ from pathlib import Path
 
 import requests
 
-# ports the local Ray instance `raychat serve` starts binds by default (GCS, client server, dashboard, dashboard
-# agent, metrics export, Serve's HTTP proxy): a free port the OS hands out now may be one of them a second later
-RAY_DEFAULT_PORTS = {6379, 8000, 8080, 8265, 10001, 44217, 44227, 52365}
+from support.cluster import free_ports
 
 
 def free_port() -> int:
-    """A port nothing listens on now, outside RAY_DEFAULT_PORTS."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in RAY_DEFAULT_PORTS:
-            return port
+    """A port nothing listens on now, outside the kernel's ephemeral range and Ray's default ports
+    (support.cluster.free_ports)."""
+    return free_ports(1)[0]
 
 
 class ServeProcess:
