@@ -114,8 +114,9 @@ def test_a_crash_mid_save_is_never_loaded_and_the_next_save_cleans_it_up(tmp_pat
 
 
 def test_a_damaged_commit_marker_commits_nothing_and_is_named(tmp_path):
-    """A marker that does not parse (emptied, or without a step) is skipped like a missing one, with a warning
-    naming it: lookups, `latest` and pruning go on with the run's other checkpoints."""
+    """A marker that does not parse (empty, no step, not UTF-8, a size that is not an int) is skipped like a
+    missing one, with a warning naming it: lookups, `latest` and pruning go on with the run's other
+    checkpoints."""
     runs = tmp_path / "runs"
     manager = CheckpointManager(open_storage(runs), "run1", keep=2)
     save(manager, tmp_path, 2)
@@ -141,10 +142,9 @@ def test_a_damaged_commit_marker_commits_nothing_and_is_named(tmp_path):
             match=rf"^--checkpoint: checkpoint \S+_00000{step}: commit.json is unreadable \({re.escape(why)}",
         ):
             find_checkpoint(runs / "run1" / f"checkpoint_{step:06d}")
+    # pruning reads the markers too; the damaged directories are not checkpoints
     with pytest.warns(UserWarning):
-        save(
-            manager, tmp_path, 4
-        )  # pruning reads the markers too; the damaged directories are not checkpoints
+        save(manager, tmp_path, 4)
         assert [c.step for c in manager.committed()] == [2, 4]
     # like uncommitted leftovers: those older than the new commit are pruned, a newer one may be a save in progress
     assert sorted(p.name for p in (runs / "run1").iterdir()) == [
