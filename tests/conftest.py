@@ -16,6 +16,7 @@ from ray._private.authentication.authentication_token_setup import Authenticatio
 from support import pip_resolve  # noqa: E402
 from support.cluster import CLUSTER_WORKERS, LocalCluster, short_temp_dir  # noqa: E402
 from support.s3_server import CREDENTIALS, start_s3_server  # noqa: E402
+from support.tier_scheduling import TierScheduling  # noqa: E402
 
 from raychat.tokenizer import Tokenizer  # noqa: E402
 
@@ -45,12 +46,23 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda it: it.module.__name__ in uses)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which would answer for "load"
+def pytest_xdist_make_scheduler(config, log):
+    """Under `pytest -n N` (--dist load, the default): each Ray tier one unit of work
+    (tests/support/tier_scheduling.py)."""
+    if config.getvalue("dist") == "load":
+        return TierScheduling(config, log)
+    return None
+
+
 def pytest_collection_finish(session):
     """Start the pip resolutions the selected tests will wait for (marker pip_resolution), so that they run in
     the background beside the tests before them (tests/support/pip_resolve.py)."""
+    # pytest-xdist's workers share their basetemp's parent (this run's temp dir): one resolution serves them all
+    shared = Path(session.config.option.basetemp).parent if os.environ.get("PYTEST_XDIST_WORKER") else None
     for it in session.items:
         for marker in it.iter_markers("pip_resolution"):
-            pip_resolve.start(*marker.args)
+            pip_resolve.start(*marker.args, shared_root=shared)
 
 
 def pytest_sessionfinish(session):
