@@ -61,12 +61,20 @@ class Storage:
         return f"{self.path}/{check_run_name(run, flag)}"
 
     def inside(self, fs_path: str) -> str:
-        """`fs_path` when it lies strictly below the root (no '.', '..' or empty part on the way), else
-        ValueError. Every write, rename and delete under a storage root asks this first."""
+        """`fs_path` when it lies strictly below the root (no '.', '..' or empty part on the way; on a local
+        root, no symbolic link on the way that leads out of it), else ValueError. Every write, rename and
+        delete under a storage root asks this first."""
         prefix = self.path.rstrip("/") + "/"
         rest = fs_path[len(prefix) :] if fs_path.startswith(prefix) else None
         if not rest or any(part in ("", ".", "..") for part in rest.split("/")):
             raise ValueError(f"{self.uri_of(fs_path)} is not below the storage root {self.uri}: refused")
+        if self.is_local:  # the root itself may be a link (a mount point); what lies below must stay below it
+            real, real_root = os.path.realpath(fs_path), os.path.realpath(self.path)
+            if not real.startswith(real_root.rstrip("/") + "/"):
+                raise ValueError(
+                    f"{fs_path} is not below the storage root {self.uri}: a symbolic link on the way leads to "
+                    f"{real}: refused"
+                )
         return fs_path
 
     def ray_train_storage(self) -> dict:

@@ -109,14 +109,29 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: no tokenizer.json there.
-            ValueError: the file's special tokens differ from this version of raychat.
+            ValueError: the file is not JSON or not this format (an object with pattern, mergeable_ranks,
+                special_tokens), or its special tokens differ from this version of raychat.
         """
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"no tokenizer at {path} (train one with `raychat tokenizer train`)")
-        payload = json.loads(path.read_text())
+        try:
+            payload = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not a raychat tokenizer: not JSON ({e})") from None
+        fields = ["pattern", "mergeable_ranks", "special_tokens"]
+        if not isinstance(payload, dict) or any(k not in payload for k in fields):
+            found = (
+                f"keys {sorted(payload)[:8]}"
+                if isinstance(payload, dict)
+                else f"a JSON {type(payload).__name__}"
+            )
+            raise ValueError(
+                f"{path}: not a raychat tokenizer: an object with {fields} expected, found {found} (a Hugging "
+                "Face tokenizer.json, as `raychat export` writes, is for transformers and vLLM)"
+            )
         ranks = {base64.b64decode(t): r for t, r in payload["mergeable_ranks"].items()}
         tok = cls(payload["pattern"], ranks)
         if tok.special_tokens != payload["special_tokens"]:

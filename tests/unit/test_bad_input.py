@@ -1,6 +1,6 @@
 """Bad input to the cluster stages fails before any work starts, in one line naming the flag and what was found,
 and leaves what is already in storage as it was (issue 12, "Bad input"): a storage path that is not writable
-(pretrain, sft, eval, export, data prepare; the tokenizer checks its --data-dir first),
+(pretrain, sft, eval, export, data prepare; pretraining and the tokenizer check their --data-dir first),
 a `latest` that resolves to nothing, a preset that does not exist, an unreachable cluster. (A wrong token
 needs a cluster: tests/cluster/test_stage_jobs.py.)
 
@@ -19,6 +19,7 @@ from support.cluster import free_ports
 from support.serve_helpers import write_tiny_checkpoint
 
 from raychat.cli import main as raychat_main
+from raychat.data.corpus.shards import write_manifest, write_shards
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, str]]:
@@ -58,7 +59,7 @@ NOT_A_DIR = "{file}/runs"  # a path below a regular file: no directory can be cr
     "argv, flag",
     [
         (["pretrain", "--preset", "tiny", "--storage-path", NOT_A_DIR,
-          "--data-dir", "{root}/data", "--tokenizer-path", "{root}/tokenizer"], "--storage-path"),
+          "--data-dir", "{root}/prepared", "--tokenizer-path", "{root}/tokenizer"], "--storage-path"),
         (["sft", "--preset", "tiny", "--storage-path", NOT_A_DIR, "--init-from", "{root}/pretrain",
           "--data-dir", "{root}/data", "--tokenizer-path", "{root}/tokenizer"], "--storage-path"),
         (["eval", "--storage-path", NOT_A_DIR, "--checkpoint", "{root}/pretrain", "--data-dir", "{root}/data"],
@@ -68,7 +69,11 @@ NOT_A_DIR = "{file}/runs"  # a path below a regular file: no directory can be cr
     ],
 )  # fmt: skip
 def test_a_storage_path_that_is_not_writable(argv, flag, root, tmp_path, capsys):
+    """Pretraining checks its data before the root (so a failed check creates no root): it gets prepared data."""
     (tmp_path / "file").write_text("x")
+    if "{root}/prepared" in argv:
+        entries = write_shards(["a b c d"] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
+        write_manifest(root / "prepared", {"source": "test", "shards": entries})
     before = _snapshot(root)
     argv = [a.format(root=root, file=tmp_path / "file") for a in argv]
     line = _fails_in_one_line(argv, capsys)
@@ -92,6 +97,17 @@ def test_pretraining_data_that_is_not_prepared(data, want, root, capsys):
     line = _fails_in_one_line([a.format(root=root) for a in argv], capsys)
     assert want.format(root=root) in line, line
     assert _snapshot(root) == before and not (root / "p").exists()
+
+
+def test_a_new_storage_root_is_not_created_for_a_run_that_fails_its_checks(root, tmp_path, capsys):
+    """The root a run would create (--storage-path of a directory that does not exist yet) is created only once
+    the inputs passed their checks: unprepared data leaves nothing behind."""
+    new_root = tmp_path / "new-root"
+    argv = ["pretrain", "--preset", "tiny", "--storage-path", str(new_root), "--run-name", "p",
+            "--data-dir", f"{root}/missing", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    line = _fails_in_one_line(argv, capsys)
+    assert f"--data-dir: {root}/missing/manifest.json not found" in line, line
+    assert not new_root.exists()
 
 
 @pytest.mark.parametrize(

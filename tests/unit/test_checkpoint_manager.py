@@ -196,6 +196,15 @@ def test_no_run_name_reaches_the_root_or_outside_it(tmp_path):
     ):
         with pytest.raises(ValueError, match="is not below the storage root"):
             storage.inside(path)
+    # a symbolic link below the root that leads out of it is refused; a root that is itself a link is not
+    (root / "keep-me" / "away").symlink_to(tmp_path)
+    with pytest.raises(ValueError, match=f"a symbolic link on the way leads to {tmp_path}/x: refused"):
+        storage.inside(f"{root}/keep-me/away/x")
+    (tmp_path / "mount").symlink_to(root)
+    linked = open_storage(tmp_path / "mount")
+    assert linked.inside(f"{tmp_path}/mount/keep-me/x") == f"{tmp_path}/mount/keep-me/x"
+    (root / "keep-me" / "away").unlink()
+    (tmp_path / "mount").unlink()
     assert tree(tmp_path) == before
 
 

@@ -110,3 +110,16 @@ def test_an_unknown_command_lists_the_known_ones(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'pretrian'" in err and "'pretrain'" in err
+
+
+def test_a_sections_help_is_its_configs_first_paragraph_whole(capsys):
+    """The text under a flag section is the first paragraph of the config's docstring, unwrapped: a sentence that
+    wraps in the source is not cut at the line end (EvalConfig's first line ends at "of one")."""
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "EvalConfig: Validation BPB, held-out task accuracy and the report card (raychat.eval.report_card) of one "
+        "checkpoint; JSON to stdout and to <storage-path>/<run-name>/eval.json, the card's markdown table to "
+        "stderr and to <storage-path>/<run-name>/report_card.md."
+    ) in out

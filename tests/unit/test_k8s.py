@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -531,24 +532,26 @@ class _FakeApiServer(BaseHTTPRequestHandler):
         pass
 
 
-def test_k8s_submit_posts_through_the_kubernetes_client(tmp_path, capsys, crd_schemas):
-    server = HTTPServer(("127.0.0.1", 0), _FakeApiServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
+def _write_kubeconfig(path: Path, port: int) -> Path:
+    path.write_text(
         yaml.safe_dump(
             {
                 "apiVersion": "v1",
                 "kind": "Config",
-                "clusters": [
-                    {"name": "loop", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}
-                ],
+                "clusters": [{"name": "loop", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
                 "users": [{"name": "u", "user": {"token": "t0k"}}],
                 "contexts": [{"name": "loop", "context": {"cluster": "loop", "user": "u"}}],
                 "current-context": "loop",
             }
         )
     )
+    return path
+
+
+def test_k8s_submit_posts_through_the_kubernetes_client(tmp_path, capsys, crd_schemas):
+    server = HTTPServer(("127.0.0.1", 0), _FakeApiServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = _write_kubeconfig(tmp_path / "kubeconfig", server.server_port)
     try:
         rc = raychat_main(
             ["k8s", "submit", "--kubeconfig", str(kubeconfig), "--namespace", "ml", "--name", "rl-1", "rl"]
@@ -561,6 +564,30 @@ def test_k8s_submit_posts_through_the_kubernetes_client(tmp_path, capsys, crd_sc
     assert path == "/apis/ray.io/v1/namespaces/ml/rayjobs"
     validate_object(body, crd_schemas)
     assert body == k8s.rayjob("rl", [], name="rl-1")
+
+
+def test_k8s_submit_without_a_configuration_or_a_server_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    """No kubeconfig and not in a pod: exit 2 naming both and the flag; an API server that does not answer: exit
+    4 naming its address. Neither a traceback."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # in-cluster configuration: not in a pod
+    argv = ["k8s", "submit", "--kubeconfig", str(tmp_path / "none"), "--name", "rl-1", "rl"]
+    assert raychat_main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"raychat k8s submit: no Kubernetes configuration: --kubeconfig {tmp_path / 'none'}: no such file; "
+        "in-cluster configuration: Service host/port is not set (not in a pod); pass --kubeconfig FILE (and "
+        "--context NAME)\n"
+    )
+    with socket.socket() as s:  # a loopback port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv[3] = str(_write_kubeconfig(tmp_path / "kubeconfig", port))
+    assert raychat_main(argv) == 4
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"raychat k8s submit: cannot reach the API server 127.0.0.1:{port}: ")
+        and err.count("\n") == 1
+    )
+    assert "Connection refused" in err
 
 
 # ---------------------------------------------------------------- the vLLM RayService, the PodMonitor

@@ -90,9 +90,16 @@ def test_bad_values(hf_dir, kwargs, match):
         rv.llm_config(hf_dir, **kwargs)
 
 
-def test_missing_export_names_the_files(tmp_path):
+def test_missing_export_names_the_files(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="raychat export"):
         rv.llm_config(tmp_path)
+    # the command line says it in one line (argparse's usage error, exit 2), not a traceback
+    with pytest.raises(SystemExit) as exit_:
+        rv.main(["--hf-dir", str(tmp_path / "none"), "--out", str(tmp_path / "vllm.yaml")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert f"error: {tmp_path / 'none'} lacks ['config.json', 'model.safetensors', 'tokenizer.json'" in err
+    assert "raychat export --checkpoint DIR" in err and not (tmp_path / "vllm.yaml").exists()
 
 
 # ---- the exported template under transformers (what vLLM applies): marker text stays plain text ----------

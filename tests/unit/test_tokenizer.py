@@ -58,6 +58,24 @@ def test_save_load_keeps_version(tok, tmp_path):
         Tokenizer.load(tmp_path / "missing")
 
 
+@pytest.mark.parametrize(
+    "text,found",
+    [
+        ('{"version": "1.0", "model": {"type": "BPE"}}', "found keys ['model', 'version'] (a Hugging Face"),
+        ("[1, 2]", "found a JSON list"),
+        ('{"pattern": "x"', "not JSON (Expecting ',' delimiter"),
+    ],
+)
+def test_a_file_of_another_format_is_named_with_what_it_holds(tmp_path, text, found):
+    """A Hugging Face tokenizer.json (what `raychat export` writes), a list, broken JSON: each a ValueError naming
+    the file and what it held, not a KeyError from inside the loader."""
+    (tmp_path / "tokenizer.json").write_text(text)
+    with pytest.raises(ValueError) as e:
+        Tokenizer.load(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'tokenizer.json'}: not a raychat tokenizer: ")
+    assert found in str(e.value)
+
+
 def test_vocab_too_small():
     with pytest.raises(ValueError, match="vocab_size must be >= 265"):
         Tokenizer.train(CORPUS, vocab_size=100)

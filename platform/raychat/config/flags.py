@@ -62,7 +62,8 @@ class _Store(argparse.Action):
 
 def _add_section(parser, cls, defaults, title: str, old: dict[str, list[str]]) -> None:
     hints = _hints(cls)
-    group = parser.add_argument_group(title, (cls.__doc__ or "").strip().split("\n")[0] or None)
+    summary = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())  # the first paragraph, unwrapped
+    group = parser.add_argument_group(title, summary or None)
     for f in dataclasses.fields(cls):
         if f.metadata.get("section"):
             _add_section(parser, hints[f.name], getattr(defaults, f.name), f"{title}.{f.name}", old)

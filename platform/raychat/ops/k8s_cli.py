@@ -12,16 +12,35 @@ from raychat.ops.k8s import rayjob, render_all, to_yaml, write_generated
 from raychat.ops.submit import repo_root
 
 
+class KubeConfigError(RuntimeError):
+    """Neither a kubeconfig nor the in-cluster configuration could be loaded."""
+
+
 def create_rayjob(
     body: dict, namespace: str, kubeconfig: str | None = None, context: str | None = None
 ) -> dict:
-    """POST the RayJob through kubernetes.client.CustomObjectsApi (kubeconfig, else in-cluster config)."""
+    """POST the RayJob through kubernetes.client.CustomObjectsApi (kubeconfig, else in-cluster config).
+
+    Raises KubeConfigError when neither configuration loads, kubernetes.client.exceptions.ApiException when the
+    API server refuses the object, urllib3.exceptions.MaxRetryError when it cannot be reached."""
     from kubernetes import client, config
 
     try:
         config.load_kube_config(config_file=kubeconfig, context=context)
-    except config.ConfigException:
-        config.load_incluster_config()
+    except config.ConfigException as kube_error:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException as in_cluster_error:
+            where = kubeconfig or "$KUBECONFIG or ~/.kube/config"
+            why = (
+                "no such file"
+                if kubeconfig and not Path(kubeconfig).exists()
+                else str(kube_error).rstrip(".")
+            )
+            raise KubeConfigError(
+                f"no Kubernetes configuration: --kubeconfig {where}: {why}; in-cluster configuration: "
+                f"{str(in_cluster_error).rstrip('.')} (not in a pod); pass --kubeconfig FILE (and --context NAME)"
+            ) from None
     api = client.CustomObjectsApi()
     return api.create_namespaced_custom_object(
         group="ray.io", version="v1", namespace=namespace, plural="rayjobs", body=body
@@ -61,9 +80,20 @@ def cmd_submit(args) -> int:
         sys.stdout.write(to_yaml(body))
         return 0
     from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import MaxRetryError
 
     try:
         created = create_rayjob(body, args.namespace, args.kubeconfig, args.context)
+    except KubeConfigError as e:
+        print(f"raychat k8s submit: {e}", file=sys.stderr)
+        return 2
+    except MaxRetryError as e:
+        print(
+            f"raychat k8s submit: cannot reach the API server {e.pool.host}:{e.pool.port}: "
+            f"{str(e.reason).split(': ', 1)[-1]}",
+            file=sys.stderr,
+        )
+        return 4
     except ApiException as e:
         print(
             f"raychat k8s submit: the API server refused the RayJob ({e.status} {e.reason}): {e.body}",

@@ -180,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     if not c.hf_dir:
         p.error("--hf-dir is required")
     options = {k: v for k, v in to_flat(c).items() if k not in ("hf_dir", "out", "port")}
-    config = serve_config(c.hf_dir, port=c.port, **options)
+    try:
+        config = serve_config(c.hf_dir, port=c.port, **options)
+    except (FileNotFoundError, ValueError) as e:  # a missing export, a value Ray's LLMConfig refuses
+        p.error(str(e))
     out = Path(c.out)
     atomic_write_text(out, yaml.safe_dump(config, sort_keys=False))
     print(f"wrote {out}; on a GPU cluster with the vLLM environment ({INSTALL_HINT}): serve run {out}")

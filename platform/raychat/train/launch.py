@@ -148,10 +148,11 @@ def run_training(cfg: TrainConfig, spec, callbacks=()) -> TrainingResult:
     callbacks: raychat.train.trainer.Callback objects every worker runs (pickled to the workers).
     Raises ValueError (before Ray starts) for a reference that names nothing or a root that is not writable.
     """
-    paths = resolve_paths(cfg)
+    paths = resolve_paths(cfg, writable=False)
     cfg = paths.config(cfg)
     tokenizer = Tokenizer.load(paths.tokenizer_path)
     plan = make_plan(cfg, tokenizer.vocab_size)
+    check_writable(paths.storage)  # creates the root: only once the inputs are known to be good
     print_plan(cfg, plan)
     mark("plan_printed")
     c = cfg.layout

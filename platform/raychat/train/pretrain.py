@@ -51,7 +51,7 @@ def pretrain(cfg: TrainConfig, callbacks=()):
         ValueError: (before Ray starts) as run_training, or --data-dir holds no prepared shards (no or a
             malformed manifest.json, a listed shard missing).
     """
-    data_dir = resolve_paths(cfg).data_dir
+    data_dir = resolve_paths(cfg, writable=False).data_dir
     try:
         list_shards(data_dir)  # what every worker reads first: fail here, in one line, not in each of them
     except (OSError, ValueError) as e:
