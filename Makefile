@@ -71,7 +71,7 @@ format: $(STAMP)
 
 # Full suite: lint, then every test on 2 pytest-xdist workers, scheduled by tests/support/tier_scheduling.py
 # (tests/cluster on one worker, the tests/ray modules and the rest spread over both). Measured 2026-12-04 on one
-# 2-core machine: the whole suite in 1190 s (.ci/run on a clean clone: 1310 s with the install), where the Ray
+# 2-core machine: the whole suite in 1139 s (.ci/run on a clean clone: 1246 s with the install), where the Ray
 # tiers alone took 1771 s run one at a time.
 test: lint test-deps s3-server
 	$(RUN)/pytest -q -n 2 --durations=15

@@ -48,8 +48,8 @@ def pytest_collection_modifyitems(items):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which would answer for "load"
 def pytest_xdist_make_scheduler(config, log):
-    """Under `pytest -n N` (--dist load, the default): each Ray tier one unit of work
-    (tests/support/tier_scheduling.py)."""
+    """Under `pytest -n N` (--dist load, the default): tests/cluster as one unit of work, each tests/ray module
+    as one, every other test on its own (tests/support/tier_scheduling.py)."""
     if config.getvalue("dist") == "load":
         return TierScheduling(config, log)
     return None
