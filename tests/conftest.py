@@ -65,8 +65,9 @@ def pytest_collection_finish(session):
             pip_resolve.start(*marker.args, shared_root=shared)
 
 
-def pytest_sessionfinish(session):
-    pip_resolve.stop_all()
+def pytest_sessionfinish(session, exitstatus):
+    # an interrupted run ends its resolutions at once; otherwise another xdist worker may still read them
+    pip_resolve.stop_all(wait=exitstatus != pytest.ExitCode.INTERRUPTED)
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from raychat.atomic import atomic_write_text
+
 TIMEOUT_S = 900
 _started: dict[tuple[tuple[str, ...], str], Resolution] = {}
 
@@ -69,7 +71,7 @@ class Resolution:
                 stdout=subprocess.DEVNULL,
                 start_new_session=True,  # sh and its pip: one process group, stopped together
             )
-            _write_atomic(self._dir / "pid", str(self._proc.pid))
+            atomic_write_text(self._dir / "pid", str(self._proc.pid))
 
     def result(self) -> tuple[int, dict[str, str], str]:
         """(returncode, {normalized name: version} pip would install (empty on failure), pip's stderr); waits
@@ -84,7 +86,7 @@ class Resolution:
                         break
                     raise RuntimeError(f"the pip resolution in {self._dir} was stopped before it ended")
                 if time.monotonic() > deadline:
-                    self.stop()
+                    self.stop(wait=False)
                     raise subprocess.TimeoutExpired(f"pip resolution in {self._dir}", TIMEOUT_S)
                 time.sleep(0.5)
             rc = int(self._rc.read_text())
@@ -96,20 +98,21 @@ class Resolution:
             self.stop()
         return self._result
 
-    def stop(self) -> None:
-        """End the subprocess if it still runs; remove the files unless they are shared (the workers' shared
-        directory is pytest's temp dir, which pytest prunes)."""
+    def stop(self, wait: bool = True) -> None:
+        """End the subprocess if it still runs and remove the files. A shared resolution started here is one
+        another worker may still wait for: with `wait`, it is waited for (up to TIMEOUT_S) instead of ended, and
+        its files stay (the workers' shared directory is pytest's temp dir, which pytest prunes)."""
         if self._proc is not None and self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-            self._proc.wait()
+            if self._shared and wait:
+                try:
+                    self._proc.wait(TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self._proc.poll() is None:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
         if not self._shared:
             shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.rename(path)
 
 
 def _alive(pid: int) -> bool:
@@ -132,8 +135,8 @@ def start(requirements: list[str], constraints: Path | None, shared_root: Path |
     return _started[key]
 
 
-def stop_all() -> None:
-    """End every resolution of this session (those no test waited for)."""
+def stop_all(wait: bool = True) -> None:
+    """End every resolution of this session (those no test waited for); `wait`: see Resolution.stop."""
     for resolution in _started.values():
-        resolution.stop()
+        resolution.stop(wait)
     _started.clear()
