@@ -131,6 +131,15 @@ def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, capsys, flags, 
     assert err.startswith("raychat chat: ") and message in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("prompt", ["", "  "])
+def test_a_blank_prompt_is_an_error_not_the_interactive_chat(checkpoint, capsys, prompt):
+    """`-p "$UNSET"` used to read as no -p at all and wait on stdin for the interactive chat."""
+    d, _, _ = checkpoint
+    assert main(["chat", "--checkpoint", str(d), "-p", prompt]) == 2
+    err = capsys.readouterr().err
+    assert err == f"raychat chat: --prompt must be a non-blank string, or 'none' for no value; got {prompt!r}\n"
+
+
 def test_kv_dtype_flag_reaches_the_model_runner(checkpoint, capsys, monkeypatch):
     runners = []
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -25,7 +26,7 @@ from support.kustomize import kustomize_build
 
 from raychat.cli import main as raychat_main
 from raychat.config import TrainConfig, from_dict, preset_values, to_flat
-from raychat.ops import k8s
+from raychat.ops import k8s, k8s_cli
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = REPO.parent / "shared" / "kuberay-crds"
@@ -588,6 +589,40 @@ def test_k8s_submit_without_a_configuration_or_a_server_says_so_in_one_line(tmp_
         and err.count("\n") == 1
     )
     assert "Connection refused" in err
+    monkeypatch.setattr(k8s_cli, "REQUEST_TIMEOUT_S", (1.0, 0.5))
+    with socket.socket() as silent:  # accepts the connection (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        port = silent.getsockname()[1]
+        argv[3] = str(_write_kubeconfig(tmp_path / "kubeconfig", port))
+        assert raychat_main(argv) == 4
+    assert capsys.readouterr().err == (
+        f"raychat k8s submit: the API server 127.0.0.1:{port} did not answer within 0.5 s; "
+        "the RayJob may have been created: kubectl get rayjob rl-1 -n default\n"
+    )
+
+
+def test_k8s_a_connect_timeout_and_the_default_kubeconfig_read_as_sentences(tmp_path, monkeypatch):
+    from urllib3 import HTTPConnectionPool
+    from urllib3.connection import HTTPConnection
+    from urllib3.exceptions import ConnectTimeoutError, MaxRetryError
+
+    conn = HTTPConnection("10.0.0.1", 6443)
+    reason = ConnectTimeoutError(conn, "Connection to 10.0.0.1 timed out. (connect timeout=10.0)")
+    e = MaxRetryError(HTTPConnectionPool("10.0.0.1", 6443), "/apis", reason=reason)
+    assert k8s_cli.unreachable(e, "rl-1", "ml") == (
+        "cannot reach the API server 10.0.0.1:6443: Connection to 10.0.0.1 timed out. (connect timeout=10.0)"
+    )
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    with pytest.raises(k8s_cli.KubeConfigError, match=r"^no Kubernetes configuration: ~/\.kube/config: "):
+        k8s_cli.create_rayjob({}, "ml")
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kc"))
+    with pytest.raises(
+        k8s_cli.KubeConfigError, match=rf"^no Kubernetes configuration: \$KUBECONFIG \({re.escape(str(tmp_path / 'kc'))}\): "
+    ):
+        k8s_cli.create_rayjob({}, "ml")
 
 
 # ---------------------------------------------------------------- the vLLM RayService, the PodMonitor

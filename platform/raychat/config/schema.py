@@ -166,9 +166,12 @@ _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 def coerce(hint, value, flag: str):
     """`value` converted to the field's type: strings parsed, ints widened to float; ConfigError (naming
-    `flag`) otherwise."""
+    `flag`) otherwise. An optional field's "none" / "null" is None, and so is a blank string, except for a
+    string field, where a blank value (`--prompt "$UNSET"`) is a ConfigError rather than a silent None."""
     kind, optional = _base_type(hint)
     if isinstance(value, str) and optional and value.strip().lower() in ("", "none", "null"):
+        if kind is str and value.strip().lower() not in ("none", "null"):  # `-p "$UNSET"`: not "no value"
+            raise ConfigError(f"{flag} must be a non-blank string, or 'none' for no value; got {value!r}")
         return None
     if value is None:
         if optional:

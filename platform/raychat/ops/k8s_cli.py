@@ -4,12 +4,16 @@ a RayJob through the official `kubernetes` client (CustomObjectsApi, the optiona
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
 
 from raychat.ops.k8s import rayjob, render_all, to_yaml, write_generated
 from raychat.ops.submit import repo_root
+
+
+REQUEST_TIMEOUT_S = (10.0, 60.0)  # (connect, read): without one, a server that accepts and never answers hangs
 
 
 class KubeConfigError(RuntimeError):
@@ -22,7 +26,8 @@ def create_rayjob(
     """POST the RayJob through kubernetes.client.CustomObjectsApi (kubeconfig, else in-cluster config).
 
     Raises KubeConfigError when neither configuration loads, kubernetes.client.exceptions.ApiException when the
-    API server refuses the object, urllib3.exceptions.MaxRetryError when it cannot be reached."""
+    API server refuses the object, urllib3.exceptions.MaxRetryError when it cannot be reached and
+    urllib3.exceptions.TimeoutError when it does not answer within REQUEST_TIMEOUT_S (connect, read seconds)."""
     from kubernetes import client, config
 
     try:
@@ -31,20 +36,42 @@ def create_rayjob(
         try:
             config.load_incluster_config()
         except config.ConfigException as in_cluster_error:
-            where = kubeconfig or "$KUBECONFIG or ~/.kube/config"
+            if kubeconfig:
+                where = f"--kubeconfig {kubeconfig}"
+            elif os.environ.get("KUBECONFIG"):
+                where = f"$KUBECONFIG ({os.environ['KUBECONFIG']})"
+            else:
+                where = "~/.kube/config"
             why = (
                 "no such file"
                 if kubeconfig and not Path(kubeconfig).exists()
                 else str(kube_error).rstrip(".")
             )
             raise KubeConfigError(
-                f"no Kubernetes configuration: --kubeconfig {where}: {why}; in-cluster configuration: "
+                f"no Kubernetes configuration: {where}: {why}; in-cluster configuration: "
                 f"{str(in_cluster_error).rstrip('.')} (not in a pod); pass --kubeconfig FILE (and --context NAME)"
             ) from None
     api = client.CustomObjectsApi()
     return api.create_namespaced_custom_object(
-        group="ray.io", version="v1", namespace=namespace, plural="rayjobs", body=body
-    )
+        group="ray.io", version="v1", namespace=namespace, plural="rayjobs", body=body,
+        _request_timeout=REQUEST_TIMEOUT_S,
+    )  # fmt: skip
+
+
+def unreachable(e, name: str, namespace: str) -> str:
+    """One line for an API server that cannot be reached (urllib3 MaxRetryError: refused, connect timeout,
+    DNS) or does not answer in time (ReadTimeoutError: the POST was sent, so the RayJob may exist)."""
+    from urllib3.exceptions import ReadTimeoutError
+
+    where = f"{e.pool.host}:{e.pool.port}"
+    if isinstance(e, ReadTimeoutError):
+        return (
+            f"the API server {where} did not answer within {REQUEST_TIMEOUT_S[1]:g} s; the RayJob may have "
+            f"been created: kubectl get rayjob {name} -n {namespace}"
+        )
+    args = getattr(e.reason, "args", ())  # (connection, message) for urllib3's connection errors
+    why = args[-1] if args and isinstance(args[-1], str) else str(e.reason)
+    return f"cannot reach the API server {where}: {why}"
 
 
 def cmd_generate(args) -> int:
@@ -80,19 +107,15 @@ def cmd_submit(args) -> int:
         sys.stdout.write(to_yaml(body))
         return 0
     from kubernetes.client.exceptions import ApiException
-    from urllib3.exceptions import MaxRetryError
+    from urllib3.exceptions import MaxRetryError, ReadTimeoutError
 
     try:
         created = create_rayjob(body, args.namespace, args.kubeconfig, args.context)
     except KubeConfigError as e:
         print(f"raychat k8s submit: {e}", file=sys.stderr)
         return 2
-    except MaxRetryError as e:
-        print(
-            f"raychat k8s submit: cannot reach the API server {e.pool.host}:{e.pool.port}: "
-            f"{str(e.reason).split(': ', 1)[-1]}",
-            file=sys.stderr,
-        )
+    except (MaxRetryError, ReadTimeoutError) as e:
+        print(f"raychat k8s submit: {unreachable(e, name, args.namespace)}", file=sys.stderr)
         return 4
     except ApiException as e:
         print(
