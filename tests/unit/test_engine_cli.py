@@ -137,7 +137,9 @@ def test_a_blank_prompt_is_an_error_not_the_interactive_chat(checkpoint, capsys,
     d, _, _ = checkpoint
     assert main(["chat", "--checkpoint", str(d), "-p", prompt]) == 2
     err = capsys.readouterr().err
-    assert err == f"raychat chat: --prompt must be a non-blank string, or 'none' for no value; got {prompt!r}\n"
+    assert (
+        err == f"raychat chat: --prompt must be a non-blank string, or 'none' for no value; got {prompt!r}\n"
+    )
 
 
 def test_kv_dtype_flag_reaches_the_model_runner(checkpoint, capsys, monkeypatch):

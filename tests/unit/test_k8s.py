@@ -620,7 +620,8 @@ def test_k8s_a_connect_timeout_and_the_default_kubeconfig_read_as_sentences(tmp_
         k8s_cli.create_rayjob({}, "ml")
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kc"))
     with pytest.raises(
-        k8s_cli.KubeConfigError, match=rf"^no Kubernetes configuration: \$KUBECONFIG \({re.escape(str(tmp_path / 'kc'))}\): "
+        k8s_cli.KubeConfigError,
+        match=rf"^no Kubernetes configuration: \$KUBECONFIG \({re.escape(str(tmp_path / 'kc'))}\): ",
     ):
         k8s_cli.create_rayjob({}, "ml")
 

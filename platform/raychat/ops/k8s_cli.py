@@ -12,7 +12,10 @@ from pathlib import Path
 from raychat.ops.k8s import rayjob, render_all, to_yaml, write_generated
 from raychat.ops.submit import repo_root
 
-REQUEST_TIMEOUT_S = (10.0, 60.0)  # (connect, read): without one, a server that accepts and never answers hangs
+REQUEST_TIMEOUT_S = (
+    10.0,
+    60.0,
+)  # (connect, read): without one, a server that accepts and never answers hangs
 
 
 class KubeConfigError(RuntimeError):
