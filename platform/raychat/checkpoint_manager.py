@@ -309,7 +309,10 @@ def find_checkpoint(
     bare_name = is_bare_name(text)
     if bare_name and text == LATEST:
         if storage is None:
-            raise ValueError(f"{flag}: latest needs a storage root (--storage-path) whose runs to search")
+            raise ValueError(
+                f"{flag}: a bare 'latest' searches a storage root's runs, and this command has none; give "
+                "<run dir>/latest, a run dir or a checkpoint dir"
+            )
         return storage.uri_of(_latest_of_runs(storage, stages, flag))
     if bare_name and storage is not None:
         where, target = storage, storage.run_path(text, flag)

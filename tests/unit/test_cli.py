@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -123,3 +124,16 @@ def test_a_sections_help_is_its_configs_first_paragraph_whole(capsys):
         "checkpoint; JSON to stdout and to <storage-path>/<run-name>/eval.json, the card's markdown table to "
         "stderr and to <storage-path>/<run-name>/report_card.md."
     ) in out
+
+
+@pytest.mark.parametrize("command", ["pretrain", "sft", "rl", "eval", "chat", "serve", "inspect-batch"])
+def test_every_flag_section_says_what_it_holds_not_its_dataclass_signature(capsys, command):
+    """A dataclass without a docstring gets `Name(field: 'type' = default, ...)` as its __doc__, which --help
+    showed for BatchSection, TaskSection and nine other sections."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    titles = re.findall(r"^(\S+):\n  (.*)$", out, flags=re.M)
+    assert titles, out[:500]
+    signatures = [(title, summary) for title, summary in titles if re.match(r"\w+Section\(\w+: '", summary)]
+    assert not signatures

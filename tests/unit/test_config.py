@@ -12,6 +12,7 @@ import pytest
 
 from raychat.cli import build_parser
 from raychat.config import (
+    ChatConfig,
     ConfigError,
     RLConfig,
     ServeConfig,
@@ -80,6 +81,20 @@ def test_strings_are_converted_and_bad_values_name_the_flag():
         from_dict(TrainConfig, {"matrix_lr": 10**400})  # too large for a float
 
 
+def test_a_blank_path_is_refused_where_blank_would_mean_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"^--storage-path must not be blank, got '' \(default: 'runs/checkpoints'\)$"
+    ):
+        from_dict(TrainConfig, {"storage_path": ""})
+    with pytest.raises(ConfigError, match=r"^--out must be a directory, got ' ' \(default: 'runs'\)$"):
+        SpeedrunConfig.from_preset("tiny", " ")
+    assert (
+        from_dict(ChatConfig, {"checkpoint": ""}).checkpoint == ""
+    )  # default "": its command says "required"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_flat_names_are_unique_and_every_flag_keeps_its_name():
     for cls in (TrainConfig, RLConfig, ServeConfig):
         assert len(leaves(cls)) == len(to_flat(cls()))
@@ -131,6 +146,25 @@ def test_a_preset_file_that_is_not_yaml_is_one_line_naming_the_line(tmp_path):
     )  # fmt: skip
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith(f"raychat pretrain: error: --preset: {bad} is not valid YAML at line 3")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("train: 5\n", "--preset {f}: section 'train' must be a mapping of options, got int 5"),
+        ("train: [1, 2]\n", "--preset {f}: section 'train' must be a mapping of options, got list [1, 2]"),
+        ("train:\n  depth: 1\n  depth: 2\n", "--preset: {f} is not valid YAML at line 3, column 3: duplicate key 'depth'"),
+        ("train:\n  model: 5\n", "pretrain settings: section 'model' must be a mapping of its options, got int 5"),
+        (b"\xff\xfe", "--preset: {f} is not a UTF-8 text file (byte 0: invalid start byte)"),
+    ],
+)  # fmt: skip
+def test_a_preset_of_the_wrong_shape_is_one_line_naming_it(tmp_path, text, message):
+    """Each was a TypeError / UnicodeDecodeError traceback, or (a duplicate key) the last value silently."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises((ValueError, ConfigError)) as e:
+        from_args(argparse.Namespace(preset=str(bad)), TrainConfig, "pretrain", where="pretrain settings")
+    assert str(e.value) == message.format(f=bad)
 
 
 def test_speedrun_config_composes_the_stage_configs_on_one_root(tmp_path):

@@ -142,6 +142,15 @@ def test_a_blank_prompt_is_an_error_not_the_interactive_chat(checkpoint, capsys,
     )
 
 
+def test_a_bare_latest_says_what_to_give_instead(capsys):
+    """chat has no --storage-path: the message must not send the user to one."""
+    assert main(["chat", "--checkpoint", "latest", "-p", "hi"]) == 2
+    assert capsys.readouterr().err == (
+        "raychat chat: --checkpoint: a bare 'latest' searches a storage root's runs, and this command has none; "
+        "give <run dir>/latest, a run dir or a checkpoint dir\n"
+    )
+
+
 def test_kv_dtype_flag_reaches_the_model_runner(checkpoint, capsys, monkeypatch):
     runners = []
 

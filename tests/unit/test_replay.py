@@ -1,5 +1,6 @@
 import hashlib
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -76,8 +77,15 @@ def test_verify_names_what_differs(sft_run, small_tokenizer, tmp_path):
 
 def test_read_step_errors_and_pruning(sft_run):
     run, _ = sft_run
-    with pytest.raises(FileNotFoundError, match=r"step 9 .*\(1, 3\)"):
+    with pytest.raises(FileNotFoundError, match=r"step 9 .*\(steps: \[\(1, 3\)\]\)$"):
         read_step(str(run), 9)
+    rank1 = run / "replay" / "steps_000001-000003.rank1.parquet"  # a second rank's file: the range once
+    shutil.copy(run / "replay" / "steps_000001-000003.rank0.parquet", rank1)
+    with pytest.raises(FileNotFoundError, match=r"\(steps: \[\(1, 3\)\]\)$"):
+        read_step(str(run), 9)
+    rank1.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"^no run directory {run}-nope$"):
+        read_step(f"{run}-nope", 1)
     assert prune_records(str(run), after_step=3) == 0
     assert prune_records(str(run), after_step=2) == 1  # a restart from checkpoint 2 redoes step 3
     assert not any((run / "replay").iterdir())
@@ -92,6 +100,11 @@ def test_inspect_batch_cli_rebuilds_a_step(sft_run, capsys):
     assert (
         "rebuilt 4 rows from the data: input_ids, labels, loss_mask, position_ids, segment_ids hashes equal"
         in out
+    )
+    assert main(["inspect-batch", "--step", "2"]) == 2  # was exit 1 with no "error:"
+    assert capsys.readouterr().err == (
+        "raychat inspect-batch: error: --run and --step go together: --run RUN_DIR --step N rebuilds that step's "
+        "batch  (RAYCHAT_DEBUG=1 shows the traceback)\n"
     )
 
 

@@ -27,7 +27,7 @@ class PrepareConfig(Section):
         "(default 1); local sources: instead of --rows-per-shard", ge=1,
     )  # fmt: skip
     rows_per_shard: int | None = option(
-        None, "local sources: at most this many documents a shard (default 1024)", ge=1
+        None, "local sources: at most this many documents a shard; None = 1024", ge=1
     )
     seed: int = option(0, "shuffle seed for local sources")
     row_group_size: int = option(1024, "rows per parquet row group", ge=1)

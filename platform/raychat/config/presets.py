@@ -33,7 +33,8 @@ def read_preset(name_or_path: str) -> dict:
 
     Raises:
         FileNotFoundError: no such preset or file (the message lists the shipped presets).
-        ValueError: the file is not valid YAML (the message names the line) or does not hold a mapping.
+        ValueError: the file is not UTF-8 text, not valid YAML (the message names the line; a key given twice
+            in one mapping counts as invalid) or not a mapping of sections that are mappings.
     """
     if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
         path = Path(name_or_path)
@@ -41,14 +42,19 @@ def read_preset(name_or_path: str) -> dict:
             raise FileNotFoundError(
                 f"--preset: file {path} does not exist; shipped presets: {preset_names()}"
             )
-        text = path.read_text()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"--preset: {path} is not a UTF-8 text file (byte {e.start}: {e.reason})"
+            ) from None
     else:
         item = resources.files("raychat").joinpath("presets", f"{name_or_path}.yaml")
         if not item.is_file():
             raise FileNotFoundError(f"--preset: no preset {name_or_path!r}; known presets: {preset_names()}")
         text = item.read_text()
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -56,7 +62,28 @@ def read_preset(name_or_path: str) -> dict:
         raise ValueError(f"--preset: {name_or_path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ValueError(f"preset {name_or_path}: expected a mapping of sections, got {type(data).__name__}")
+    for section in STAGE_SECTIONS:
+        if data.get(section) is not None and not isinstance(data[section], dict):
+            raise ValueError(
+                f"--preset {name_or_path}: section {section!r} must be a mapping of options, got "
+                f"{type(data[section]).__name__} {data[section]!r}"
+            )
     return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def preset_section(name_or_path: str, section: str) -> dict:

@@ -27,6 +27,8 @@ class RLModelSection(Section):
 
 @dataclass
 class TaskSection(Section):
+    """The task the prompts, rewards and held-out problems come from."""
+
     task: str = option(
         "calculator",
         "task the prompts and rewards come from",
@@ -42,6 +44,8 @@ class TaskSection(Section):
 
 @dataclass
 class RolloutSection(Section):
+    """Rollouts: learner steps, prompts and samples (the advantage group) per step, sampling."""
+
     steps: int = option(50, "learner steps (policy versions published)", ge=1)
     prompts_per_step: int = option(8, "prompts per learner step", ge=1)
     samples_per_prompt: int = option(8, "G: samples per prompt (the advantage group)", ge=1)
@@ -51,6 +55,8 @@ class RolloutSection(Section):
 
 @dataclass
 class ObjectiveSection(Section):
+    """The policy-gradient loss: advantage scaling, normalization over the step, ratio clipping, micro-batches."""
+
     normalization: str = option(
         "token", "loss normalization over the step", owned_choices("raychat.rl.objective", "NORMALIZATIONS")
     )
@@ -67,6 +73,8 @@ class ObjectiveSection(Section):
 
 @dataclass
 class AsyncSection(Section):
+    """How far rollouts may run ahead of the learner (sync, or off-policy by a bounded lag)."""
+
     mode: str = option(
         "sync",
         "sync: on-policy; async: rollouts run ahead of the learner",
@@ -106,6 +114,8 @@ class RLLayoutSection(Section):
 
 @dataclass
 class RLEvalSection(Section):
+    """pass@k evaluation on held-out prompts."""
+
     eval_every: int = option(
         10, "steps between pass@k evaluations on held-out prompts (and at step 0 and the end)", ge=1
     )

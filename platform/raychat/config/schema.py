@@ -137,6 +137,10 @@ def check(f: dataclasses.Field, value, flag: str) -> None:
         check_run_name(value, flag)
     elif m.get("kind") == "reference" and value is not None:
         check_reference(value, flag)
+    if isinstance(value, str) and not value.strip() and isinstance(f.default, str) and f.default.strip():
+        raise ConfigError(
+            f"{flag} must not be blank, got {value!r} (default: {f.default!r})"
+        )  # "" is the cwd
     if value is None or isinstance(value, (bool, str)):
         return
     if m.get("positive") and value <= 0:
@@ -248,7 +252,8 @@ def flatten(cls, values: dict, where: str | None = None) -> dict:
 
     Raises:
         ConfigError: keys that are neither a section of `cls` nor a flat name or alias, as
-            "unknown <where> [keys]; allowed: [...]" (where defaults to "<cls> settings").
+            "unknown <where> [keys]; allowed: [...]" (where defaults to "<cls> settings"); a section's key
+            whose value is not a mapping.
     """
     names, alias = leaves(cls), aliases(cls)
     sections = {f.name for f in dataclasses.fields(cls) if f.metadata.get("section")}
@@ -257,8 +262,13 @@ def flatten(cls, values: dict, where: str | None = None) -> dict:
     for key, value in (values or {}).items():
         if key in sections and isinstance(value, dict):
             out.update(flatten(_hints(cls)[key], value, where))
-        elif key in names or key in alias:
+        elif key in names or key in alias:  # before sections: RL's old flat `checkpoint` names a section too
             out[alias.get(key, key)] = value
+        elif key in sections:
+            raise ConfigError(
+                f"{where or cls.__name__ + ' settings'}: section {key!r} must be a mapping of its options, got "
+                f"{type(value).__name__} {value!r}"
+            )
         else:
             unknown.append(key)
     if unknown:

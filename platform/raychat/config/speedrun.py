@@ -10,7 +10,7 @@ from pathlib import Path
 from raychat.config.data import PrepareConfig, TokenizerConfig
 from raychat.config.presets import preset_section, preset_values
 from raychat.config.rl import RLConfig
-from raychat.config.schema import from_dict
+from raychat.config.schema import ConfigError, from_dict
 from raychat.config.train import SFT_DEFAULTS, TrainConfig
 
 
@@ -32,8 +32,11 @@ class SpeedrunConfig:
         pretraining's.
 
         Raises:
-            ConfigError: an unknown key or a bad value in a section (the message names the section).
+            ConfigError: an unknown key or a bad value in a section (the message names the section); a blank
+                `out` (which would put the runs in the current directory).
         """
+        if not out.strip():
+            raise ConfigError(f"--out must be a directory, got {out!r} (default: 'runs')")
         root = Path(out).resolve()
         data_dir, tok_dir, checkpoints = root / "data", root / "tokenizer", root / "checkpoints"
         data = from_dict(

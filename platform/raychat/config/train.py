@@ -151,6 +151,8 @@ class LayoutSection(Section):
 
 @dataclass
 class BatchSection(Section):
+    """Rows per micro-batch and tokens per optimizer step (gradient accumulation follows from both)."""
+
     device_batch_size: int = option(8, "rows per micro-batch per worker", positive=True)
     total_batch_size: int = option(
         -1, "tokens per optimizer step over all workers; -1 = power law in data size"
@@ -166,6 +168,8 @@ class BatchSection(Section):
 
 @dataclass
 class HorizonSection(Section):
+    """How long to train: a step count, or one derived from a FLOPs budget or a tokens-per-parameter ratio."""
+
     num_iterations: int = option(
         -1, "optimizer steps; -1 = derive from target_flops or target_param_data_ratio"
     )
@@ -185,6 +189,8 @@ class HorizonSection(Section):
 
 @dataclass
 class LRScheduleSection(Section):
+    """The learning-rate schedule: linear warmup, constant, linear warmdown to a fraction of the peak."""
+
     warmup_ratio: float = option(0.0, "fraction of steps of linear warmup", ge=0)
     warmdown_ratio: float = option(0.4, "fraction of steps of linear decay at the end", ge=0)
     final_lr_frac: float = option(0.0, "lr at the end as a fraction of the peak", ge=0)
@@ -197,6 +203,8 @@ class LRScheduleSection(Section):
 
 @dataclass
 class EvalSection(Section):
+    """Validation loss (BPB), task accuracy and greedy samples during training."""
+
     eval_every: int = option(
         50, "steps between validation evaluations (and at the end; 0 = only at the end)", ge=0
     )
@@ -207,6 +215,8 @@ class EvalSection(Section):
 
 @dataclass
 class CheckpointSection(Section):
+    """How often checkpoints are committed and how many are kept."""
+
     checkpoint_every: int = option(
         100, "steps between checkpoints (and at the end; 0 = only at the end)", ge=0
     )
@@ -215,6 +225,8 @@ class CheckpointSection(Section):
 
 @dataclass
 class LoggingSection(Section):
+    """How often a step's log line is printed."""
+
     log_every: int = option(1, "steps between log lines", positive=True)
 
 

@@ -77,7 +77,8 @@ def find_token(token_file: str | None = None) -> tuple[str | None, str]:
     "RAY_AUTH_TOKEN_PATH <path>", "<home>/.ray/auth_token" or "no token"). Order: token_file,
     $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token.
 
-    Raises FileNotFoundError / ValueError when an explicitly named file is missing or empty."""
+    Raises FileNotFoundError / ValueError when an explicitly named file is missing, not a regular file or
+    empty."""
     if token_file:
         return _read_token(Path(token_file), "--token-file"), f"--token-file {token_file}"
     if os.environ.get("RAY_AUTH_TOKEN", "").strip():
@@ -97,8 +98,10 @@ def load_token(token_file: str | None = None) -> str | None:
 
 
 def _read_token(path: Path, source: str) -> str:
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{source}: token file {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"{source}: token file {path} is not a regular file")
     token = path.read_text().strip()
     if not token:
         raise ValueError(f"{source}: token file {path} is empty")
@@ -109,7 +112,8 @@ def make_client(address: str | None = None, token_file: str | None = None):
     """A JobSubmissionClient for `address` that sends the auth token if one is found (see find_token).
 
     Raises ConnectionError with one line naming the flag: the dashboard cannot be reached (--address), or
-    it refuses the token (--token-file or wherever the token came from)."""
+    it refuses the token (--token-file or wherever the token came from); ValueError: an address Ray cannot
+    parse, a token file that is not a regular file or is empty; FileNotFoundError: a missing token file."""
     token, source = find_token(token_file)
     headers = {"Authorization": f"Bearer {token}"} if token else None
     url = resolve_address(address)
@@ -119,6 +123,10 @@ def make_client(address: str | None = None, token_file: str | None = None):
         raise ConnectionError(refused_message(url, source, e)) from e
     except ConnectionError as e:
         raise ConnectionError(f"--address: cannot reach the Ray dashboard at {url}: {_first_line(e)}") from e
+    except ValueError as e:  # Ray's "Invalid address format: ..."
+        raise ValueError(
+            f"--address {url}: {_first_line(e)}; give the Ray dashboard's address, e.g. http://HEAD:8265"
+        ) from e
 
 
 def refused_message(url: str, source: str, error: BaseException) -> str:

@@ -209,7 +209,9 @@ def inspect_step(
 def run(args: argparse.Namespace) -> int:
     if args.run or args.step is not None:
         if not args.run or args.step is None:
-            raise SystemExit("inspect-batch: --run and --step go together")
+            raise ValueError(
+                "--run and --step go together: --run RUN_DIR --step N rebuilds that step's batch"
+            )
         report, identical = inspect_step(args.run, args.step, args.data_dir, args.tokenizer or None)
         print(report)
         return 0 if identical else 1

@@ -153,7 +153,10 @@ def read_step(run_dir: str, step: int) -> tuple[list[dict], dict]:
     fs, _ = _filesystem(run_dir)
     files = [p for first, last, _, p in _files(run_dir) if first <= step <= last]
     if not files:
-        steps = [(first, last) for first, last, _, _ in _files(run_dir)]
+        fs_root = _filesystem(run_dir)
+        if fs_root[0].get_file_info(fs_root[1]).type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"no run directory {run_dir}")
+        steps = sorted({(first, last) for first, last, _, _ in _files(run_dir)})  # one file per rank
         raise FileNotFoundError(
             f"no replay record of step {step} under {run_dir}/{REPLAY_DIR} (steps: {steps})"
         )
