@@ -60,6 +60,17 @@ class Storage:
         (empty, '.', '..', a hidden name, a path)."""
         return f"{self.path}/{check_run_name(run, flag)}"
 
+    def writable_run_path(self, run: str, flag: str = "--run-name") -> str:
+        """run_path(run, flag), refused as a write there would be (`inside`) before anything is written.
+
+        Raises ValueError naming `flag`: a name that breaks the run-name rule, or (local root) a symbolic link
+        below the root that leads out of it."""
+        path = self.run_path(run, flag)
+        try:
+            return self.inside(path)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from e
+
     def inside(self, fs_path: str) -> str:
         """`fs_path` when it lies strictly below the root (no '.', '..' or empty part on the way; on a local
         root, no symbolic link on the way that leads out of it), else ValueError. Every write, rename and
@@ -156,6 +167,19 @@ def run_directory(ref: str | os.PathLike, storage: Storage | str | None, flag: s
             "node: give a local or NFS directory"
         )
     return open_storage(uri, flag).path
+
+
+def output_directory(out: str | None, storage_path: str, run: str) -> tuple[str, str]:
+    """The local directory a data stage writes, and the flag that names it: `out` as given (--out), else the
+    run <storage_path>/<run> (--storage-path), which must stay below its root. Touches nothing.
+
+    Raises ValueError naming the flag: the directory is on object storage (see run_directory), the run name
+    breaks the rule, or a symbolic link below the root leads out of it (--run-name)."""
+    if out:
+        return run_directory(out, None, "--out"), "--out"
+    storage = open_storage(storage_path)
+    path = storage.writable_run_path(run)
+    return run_directory(storage.uri_of(path), None, "--storage-path"), "--storage-path"
 
 
 def write_bytes(storage: Storage, path: str, data: bytes) -> str:

@@ -14,7 +14,7 @@ from raychat.config import from_args
 from raychat.config.data import TokenizerConfig
 from raychat.data.corpus.shards import list_shards
 from raychat.log import log
-from raychat.storage import check_writable, open_storage, run_directory
+from raychat.storage import check_writable, open_storage, output_directory, run_directory
 from raychat.tokenizer import Tokenizer
 
 
@@ -67,7 +67,10 @@ def train_tokenizer(
 
 
 def main(args) -> int:
-    """`raychat tokenizer train` (its parser: raychat.commands.tokenizer)."""
+    """`raychat tokenizer train` (its parser: raychat.commands.tokenizer).
+
+    Raises ValueError naming the flag: --data-dir holds no prepared data; the output is on object storage,
+    lies through a symbolic link out of the storage root, or cannot be written. Nothing is written before."""
     c = from_args(args, TokenizerConfig, "tokenizer", where="tokenizer settings")
     storage = open_storage(c.storage_path)
     data_dir = run_directory(c.data_dir, storage, "--data-dir")
@@ -75,8 +78,7 @@ def main(args) -> int:
         list_shards(data_dir)  # a missing or unfinished data directory fails here, before any work
     except (OSError, ValueError) as e:
         raise ValueError(f"--data-dir: {e}") from e
-    flag = "--out" if c.out else "--storage-path"
-    out = run_directory(c.output_dir(), None, flag)
+    out, flag = output_directory(c.out, c.storage_path, c.run_name)
     check_writable(open_storage(out, flag), flag)
     train_tokenizer(data_dir, out, c.vocab_size, c.max_chars)
     return 0

@@ -65,20 +65,29 @@ NOT_A_DIR = "{file}/runs"  # a path below a regular file: no directory can be cr
         (["eval", "--storage-path", NOT_A_DIR, "--checkpoint", "{root}/pretrain", "--data-dir", "{root}/data"],
          "--data-dir"),
         (["export", "--storage-path", NOT_A_DIR, "--checkpoint", "{root}/pretrain/latest"], "--storage-path"),
-        (["data", "prepare", "--preset", "tiny", "--storage-path", NOT_A_DIR], "--storage-path"),
+        (["data", "prepare", "--source", "{root}/texts", "--num-shards", "1", "--storage-path", NOT_A_DIR],
+         "--storage-path"),
     ],
 )  # fmt: skip
 def test_a_storage_path_that_is_not_writable(argv, flag, root, tmp_path, capsys):
-    """Pretraining checks its data before the root (so a failed check creates no root): it gets prepared data."""
+    """Pretraining and data prepare check their input before the root (so a failed check creates no root): they
+    get good input."""
     (tmp_path / "file").write_text("x")
-    if "{root}/prepared" in argv:
-        entries = write_shards(["a b c d"] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
-        write_manifest(root / "prepared", {"source": "test", "shards": entries})
+    _good_input(root)
     before = _snapshot(root)
     argv = [a.format(root=root, file=tmp_path / "file") for a in argv]
     line = _fails_in_one_line(argv, capsys)
     assert f"error: {flag}: " in line, line
     assert _snapshot(root) == before
+
+
+def _good_input(root: Path) -> None:
+    """root/prepared: prepared data; root/texts: a source for `data prepare`."""
+    entries = write_shards(["a b c d"] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
+    write_manifest(root / "prepared", {"source": "test", "shards": entries})
+    (root / "texts").mkdir()
+    for i in range(4):
+        (root / "texts" / f"{i}.txt").write_text(f"document {i}")
 
 
 @pytest.mark.parametrize(
@@ -108,6 +117,50 @@ def test_a_new_storage_root_is_not_created_for_a_run_that_fails_its_checks(root,
     line = _fails_in_one_line(argv, capsys)
     assert f"--data-dir: {root}/missing/manifest.json not found" in line, line
     assert not new_root.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["--source", "{tmp}/nope"], "--source {tmp}/nope: not a directory (and not one of the named sources)"),
+        (["--source", "{tmp}/texts", "--num-shards", "2", "--rows-per-shard", "5"],
+         "give --num-shards or --rows-per-shard for a local source, not both"),
+        (["--source", "{tmp}/empty"], "0 documents are too few for 2 shards (train + validation)"),
+        (["--source", ""], "--source: empty; give debian-docs, fineweb-edu, climbmix or a directory"),
+        (["--source", "climbmix", "--num-shards", "7000"], "num_shards must be in [1, 6542] for this source, got 7000"),
+    ],
+)  # fmt: skip
+def test_data_prepare_checks_its_input_before_it_creates_the_root(argv, want, tmp_path, capsys):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("one document")
+    (tmp_path / "empty").mkdir()
+    new_root = tmp_path / "new-root"
+    argv = ["data", "prepare", *(a.format(tmp=tmp_path) for a in argv), "--storage-path", str(new_root)]
+    assert _fails_in_one_line(argv, capsys) == f"raychat data prepare: error: {want.format(tmp=tmp_path)}"
+    assert not new_root.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["tokenizer", "train", "--data-dir", "{root}/prepared", "--vocab-size", "300"], "raychat tokenizer: error"),
+        (["data", "prepare", "--source", "{root}/texts", "--num-shards", "1"], "raychat data prepare: error"),
+        (["export", "--checkpoint", "pretrain"], "raychat export: error"),
+    ],
+)  # fmt: skip
+def test_a_run_directory_that_a_link_leads_out_of_the_root(argv, error, root, tmp_path, capsys):
+    """Nothing is written through root/link, which leads to a directory outside the root."""
+    _good_input(root)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (root / "link").symlink_to(outside)
+    argv = [a.format(root=root) for a in argv] + ["--storage-path", str(root), "--run-name", "link"]
+    line = _fails_in_one_line(argv, capsys)
+    assert line.startswith(
+        f"{error}: --run-name: {root}/link is not below the storage root {root}: a symbolic link on the way "
+        f"leads to {outside.resolve()}: refused"
+    ), line
+    assert list(outside.iterdir()) == []
 
 
 @pytest.mark.parametrize(

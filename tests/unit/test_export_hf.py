@@ -7,12 +7,15 @@ import argparse
 import inspect
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from raychat.chat_template import render_conversation, render_for_completion
 from raychat.checkpoint import save_model
+from raychat.cli import main as raychat_main
+from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.export import hf as export_hf
 from raychat.model import GPT, ModelConfig
 from raychat.tokenizer import SPECIAL_TOKENS, Tokenizer
@@ -211,3 +214,57 @@ def test_export_rejects_small_vocab(tmp_path, tokenizer):
                       intermediate_size=32, max_seq_len=16)  # fmt: skip
     with pytest.raises(ValueError, match="vocab_size"):
         export_hf.export_hf(GPT(cfg), tokenizer, tmp_path)
+
+
+@pytest.fixture
+def root(tmp_path, model, tokenizer):
+    """A storage root with a committed checkpoint, prepared data, a tokenizer and eval results."""
+    r = tmp_path / "runs"
+    save_model(
+        r / "pretrain" / "checkpoint_000007", model, tokenizer, {"step": 7, "stage": "pretrain"}, commit=True
+    )
+    entries = write_shards(["a b c d"] * 8, r / "data", num_shards=2, log=lambda *_: None)
+    write_manifest(r / "data", {"source": "test", "shards": entries})
+    tokenizer.save(r / "tok")
+    (r / "ev").mkdir()
+    (r / "ev" / "eval.json").write_text("{}\n")
+    (r / "ev" / "report_card.md").write_text("| task |\n")
+    return r
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.parametrize(
+    "run, holds",
+    [
+        ("data", "manifest.json, shard_00000.parquet, shard_00001.parquet"),
+        ("tok", "tokenizer.json"),
+        ("ev", "eval.json, report_card.md"),
+    ],
+)
+def test_export_refuses_a_run_directory_that_is_not_an_earlier_export(run, holds, root, capsys):
+    """Prepared data, a tokenizer (which has a tokenizer.json too) or eval results are never replaced."""
+    before = _files(root / run)
+    rc = raychat_main(["export", "--checkpoint", "pretrain", "--storage-path", str(root), "--run-name", run])
+    assert rc == 2
+    assert capsys.readouterr().err == (
+        f"raychat export: error: --run-name: an export would replace {root}/{run}, which is not an earlier export "
+        f"({root}/{run} holds: {holds}); choose another --run-name  (RAYCHAT_DEBUG=1 shows the traceback)\n"
+    )
+    assert _files(root / run) == before
+
+
+def test_export_replaces_an_earlier_export(root, capsys):
+    argv = ["export", "--checkpoint", "pretrain", "--storage-path", str(root), "--run-name", "hf"]
+    assert raychat_main(argv) == 0
+    first = _files(root / "hf")
+    assert sorted(first) == sorted(export_hf.EXPORT_FILES)
+    (root / "hf" / "config.json").write_text("{}")  # replaced by the next export
+    assert raychat_main(argv) == 0
+    assert _files(root / "hf") == first
+    assert (
+        capsys.readouterr().out.splitlines()[-2]
+        == f"exported {root}/pretrain/checkpoint_000007 (step 7) -> {root}/hf"
+    )

@@ -1,6 +1,7 @@
 """Export a raychat checkpoint to the Hugging Face layout (`raychat export --checkpoint REF`): the files go to
-<storage-path>/<run-name>/ (staged locally, then moved or uploaded whole: raychat.storage.upload_dir) or to
---out; --checkpoint is any reference raychat.checkpoint_manager resolves (`latest`: the newest checkpoint there).
+<storage-path>/<run-name>/ (staged locally, then moved or uploaded whole: raychat.storage.upload_dir; a run
+directory that holds anything but an earlier export is refused: check_export_target) or to --out; --checkpoint
+is any reference raychat.checkpoint_manager resolves (`latest`: the newest checkpoint there).
 
 Files written into OUT (each atomically: temporary name, then rename):
   config.json              Qwen3Config, architectures ["Qwen3ForCausalLM"] (parameter names already match)
@@ -36,6 +37,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import pyarrow.fs as pafs
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -46,11 +48,23 @@ from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import committed_checkpoints, find_checkpoint
 from raychat.config import ExportConfig, from_args
 from raychat.model import GPT
-from raychat.storage import check_writable, open_storage, upload_dir
+from raychat.storage import Storage, check_writable, listing, open_storage, upload_dir
 from raychat.tokenizer import BOS, Tokenizer
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 EOS = "<|assistant_end|>"
+EXPORT_FILES = frozenset(
+    {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+        "chat_template.jinja",
+    }
+)  # what export_hf writes
+REQUIRED_EXPORT_FILES = frozenset({"config.json", "model.safetensors"})  # a tokenizer dir has no model
 
 # Marker text inside content, escaped for the HF tokenizer, which matches special-token text anywhere in its
 # input (raychat encodes it as plain text): MARKER_ESCAPE goes after every "<" followed by "|" or by
@@ -243,6 +257,33 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
     return out
 
 
+def check_export_target(storage: Storage, run_name: str) -> str:
+    """<root>/<run_name> on storage.fs, where an export goes, replacing what is there: nothing, an empty
+    directory or an earlier export (only EXPORT_FILES, config.json and model.safetensors among them).
+
+    Raises ValueError naming --run-name: a name that breaks the rule, a symbolic link out of the root, a
+    training run's checkpoints or anything else there (prepared data, a tokenizer, eval results, a file)."""
+    target = storage.writable_run_path(run_name)
+    uri, kind = storage.uri_of(target), storage.fs.get_file_info(target).type
+    if kind == pafs.FileType.NotFound:
+        return target
+    if kind == pafs.FileType.Directory:
+        if committed_checkpoints(storage, target):
+            raise ValueError(
+                f"--run-name: {uri} holds a training run's checkpoints, which an export there would replace; "
+                "choose another --run-name"
+            )
+        entries = storage.fs.get_file_info(pafs.FileSelector(target))
+        files = {e.base_name for e in entries if e.type == pafs.FileType.File}
+        if not entries or (len(files) == len(entries) and REQUIRED_EXPORT_FILES <= files <= EXPORT_FILES):
+            return target
+    held = listing(storage, target) if kind == pafs.FileType.Directory else f"{uri} is a file"
+    raise ValueError(
+        f"--run-name: an export would replace {uri}, which is not an earlier export ({held}); "
+        "choose another --run-name"
+    )
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = from_args(args, ExportConfig, "export", where="export settings")
     if not cfg.checkpoint:
@@ -253,12 +294,7 @@ def main(args: argparse.Namespace) -> int:
         check_writable(open_storage(cfg.out, "--out"), "--out")
     else:
         check_writable(storage)
-        target = storage.run_path(cfg.run_name)
-        if committed_checkpoints(storage, target):
-            raise ValueError(
-                f"--run-name: {storage.uri_of(target)} holds a training run's checkpoints, which an export there "
-                "would replace; choose another --run-name"
-            )
+        check_export_target(storage, cfg.run_name)
     model, tokenizer, meta = load_model(checkpoint)
     if cfg.out:
         out = str(export_hf(model, tokenizer, cfg.out))

@@ -31,7 +31,7 @@ from raychat.data.corpus.shards import (
     write_shards,
 )
 from raychat.log import log
-from raychat.storage import check_writable, open_storage, run_directory
+from raychat.storage import check_writable, open_storage, output_directory
 
 FORMAT = "raychat-text-shards/1"
 _DEFAULTS = PrepareConfig()  # the defaults of `raychat data prepare` and prepare()
@@ -75,6 +75,8 @@ def count_shards(documents: int, num_shards: int | None, rows_per_shard: int | N
 
 
 def load_corpus(source: str, out: Path, log) -> corpora.Corpus:
+    if not source.strip():
+        raise ValueError(f"--source: empty; give debian-docs, {', '.join(HUB_SOURCES)} or a directory")
     if source == "debian-docs":
         log("loading the default corpus: Debian python3.11-doc (reST, cleaned) + wordnet-base glosses")
         return corpora.debian_docs()
@@ -170,6 +172,7 @@ def prepare(
     workers: int = _DEFAULTS.workers,
     attempts: int = 5,
     backoff_s: float = 1.0,
+    out_flag: str = "--out",
     log=log,
 ) -> dict:
     """Prepare a data directory of parquet text shards; returns the manifest (also written to out/manifest.json).
@@ -186,8 +189,11 @@ def prepare(
         row_group_size: rows per parquet row group (local sources).
         url_pattern: hub sources only: a mirror's URL pattern with an {index} field.
         workers, attempts, backoff_s: hub sources: parallel downloads, tries per shard, first retry delay (s).
+        out_flag: the flag an error about `out` names.
+    Nothing is created before the arguments and a local source are checked.
     Raises:
-        ValueError: bad arguments (the message names the flag); DataError: unreadable input (names the file);
+        ValueError: bad arguments (the message names the flag), `out` cannot be written (names out_flag);
+        DataError: unreadable input (names the file);
         corpora.CorpusNotInstalled: a Debian package is missing; DownloadError: a shard could not be fetched.
     """
     out = Path(out)
@@ -199,17 +205,18 @@ def prepare(
             raise ValueError(
                 "--rows-per-shard applies to local sources only: hub shards are kept as downloaded"
             )
-        out.mkdir(parents=True, exist_ok=True)
+        num = DEFAULT_HUB_SHARDS if num_shards is None else num_shards
+        shard_indices(num, HUB_SOURCES[source].val_index)  # fail before touching `out`
+        check_writable(open_storage(out, out_flag), out_flag)
         (out / MANIFEST).unlink(missing_ok=True)
         download_opts = {"workers": workers, "attempts": attempts, "backoff_s": backoff_s}
-        num = DEFAULT_HUB_SHARDS if num_shards is None else num_shards
         manifest = prepare_hub(source, out, num, url_pattern, old, download_opts, log)
     else:
         if url_pattern is not None:
             raise ValueError(f"--url-pattern applies to hub sources only ({', '.join(HUB_SOURCES)})")
         corpus = load_corpus(source, out, log)
         count_shards(len(corpus.documents), num_shards, rows_per_shard)  # fail before touching `out`
-        out.mkdir(parents=True, exist_ok=True)
+        check_writable(open_storage(out, out_flag), out_flag)
         (out / MANIFEST).unlink(missing_ok=True)
         manifest = prepare_corpus(corpus, out, num_shards, rows_per_shard, seed, row_group_size, log)
     write_manifest(out, manifest)
@@ -245,15 +252,14 @@ def report(out: Path, manifest: dict, log) -> None:
 
 
 def prepare_kwargs(config: PrepareConfig) -> dict:
-    """prepare()'s arguments for a PrepareConfig: its options, with `out` = the output directory.
+    """prepare()'s arguments for a PrepareConfig: its options, with `out` = the output directory and `out_flag`
+    the flag that names it. Touches nothing (prepare checks that `out` can be written, once its input is good).
 
-    Raises ValueError naming the flag: the output is on object storage or cannot be written (checked by
-    writing and deleting a probe file; nothing else is touched)."""
-    flag = "--out" if config.out else "--storage-path"
-    out = run_directory(config.output_dir(), None, flag)
-    check_writable(open_storage(out, flag), flag)
+    Raises ValueError naming the flag: the output is on object storage or lies through a symbolic link out of
+    the storage root."""
+    out, flag = output_directory(config.out, config.storage_path, config.run_name)
     values = {k: v for k, v in to_flat(config).items() if k not in ("storage_path", "run_name")}
-    return {**values, "out": out}
+    return {**values, "out": out, "out_flag": flag}
 
 
 def run(args) -> int:
