@@ -212,11 +212,11 @@ def test_cli(mixed_folder, tmp_path, capsys):
         and "6 documents" in printed
         and "unsupported_file: 1  (e.g. notes.csv)" in printed
     )
-    assert main(["data", "prepare", "--source", str(tmp_path / "nope"), "--out", str(out)]) == 1
+    assert main(["data", "prepare", "--source", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert "nope: not a directory" in capsys.readouterr().err
-    assert main(["data", "prepare", "--source", str(mixed_folder), "--out", str(mixed_folder / "out")]) == 1
+    assert main(["data", "prepare", "--source", str(mixed_folder), "--out", str(mixed_folder / "out")]) == 2
     assert "lies inside --source" in capsys.readouterr().err
-    assert main(["data", "prepare", "--source", "climbmix", "--rows-per-shard", "5", "--out", str(out)]) == 1
+    assert main(["data", "prepare", "--source", "climbmix", "--rows-per-shard", "5", "--out", str(out)]) == 2
     assert "--rows-per-shard applies to local sources only" in capsys.readouterr().err
 
 

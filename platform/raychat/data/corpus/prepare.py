@@ -263,13 +263,13 @@ def prepare_kwargs(config: PrepareConfig) -> dict:
 
 
 def run(args) -> int:
+    """Exit 2 for bad input (as every command), 4 when a hub shard cannot be downloaded."""
     try:
         prepare(**prepare_kwargs(from_args(args, PrepareConfig, "data", where="data settings")))
-    except (
-        ValueError,
-        DownloadError,
-        FileNotFoundError,
-    ) as e:  # DataError and CorpusNotInstalled are ValueErrors
+    except (ValueError, FileNotFoundError) as e:  # DataError and CorpusNotInstalled are ValueErrors
         print(f"raychat data prepare: error: {e}", file=sys.stderr)
-        return 1
+        return 2
+    except DownloadError as e:
+        print(f"raychat data prepare: error: {e}", file=sys.stderr)
+        return 4
     return 0
