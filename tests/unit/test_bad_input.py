@@ -146,6 +146,7 @@ def test_data_prepare_checks_its_input_before_it_creates_the_root(argv, want, tm
         (["tokenizer", "train", "--data-dir", "{root}/prepared", "--vocab-size", "300"], "raychat tokenizer: error"),
         (["data", "prepare", "--source", "{root}/texts", "--num-shards", "1"], "raychat data prepare: error"),
         (["export", "--checkpoint", "pretrain"], "raychat export: error"),
+        (["eval", "--checkpoint", "pretrain", "--data-dir", "{root}/prepared"], "raychat eval: error"),
     ],
 )  # fmt: skip
 def test_a_run_directory_that_a_link_leads_out_of_the_root(argv, error, root, tmp_path, capsys):
@@ -219,6 +220,17 @@ def test_a_run_name_that_would_leave_its_run_directory(argv, want, root, capsys)
     line = _fails_in_one_line([a.format(root=root) for a in argv], capsys)
     assert want.format(root=root) in line, line
     assert _snapshot(root.parent) == before
+
+
+def test_a_core_bundle_that_is_not_there_is_an_error_not_an_empty_cell(root, capsys):
+    """An explicit --core-bundle that does not exist used to give CORE "n/a: no data" after the whole run."""
+    _good_input(root)
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "pretrain", "--data-dir", f"{root}/prepared"]
+    line = _fails_in_one_line([*argv, "--core-bundle", f"{root}/nope"], capsys)
+    assert line == (
+        f"raychat eval: error: --core-bundle {root}/nope: not a directory (give the CORE bundle's directory: "
+        "core.yaml, eval_meta_data.csv, eval_data/; or leave the flag out)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "sft", "rl", "eval", "serve"])

@@ -53,7 +53,7 @@ class TokenizerConfig(Section):
     )
     out: str | None = option(None, "output directory instead of <storage-path>/<run-name>")
     vocab_size: int = option(4096, "total vocabulary incl. special tokens (gpu8: 65536)", ge=260)
-    max_chars: int = option(2_000_000_000, "train on at most this many characters")
+    max_chars: int = option(2_000_000_000, "train on at most this many characters (<= 0: no limit)")
 
     def output_dir(self) -> str:
         return self.out or f"{self.storage_path.rstrip('/')}/{self.run_name}"

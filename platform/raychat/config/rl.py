@@ -48,7 +48,9 @@ class RolloutSection(Section):
 
     steps: int = option(50, "learner steps (policy versions published)", ge=1)
     prompts_per_step: int = option(8, "prompts per learner step", ge=1)
-    samples_per_prompt: int = option(8, "G: samples per prompt (the advantage group)", ge=1)
+    samples_per_prompt: int = option(
+        8, "G: samples per prompt (the advantage group; reward minus the group's mean is 0 for G = 1)", ge=2
+    )
     max_tokens: int = option(48, "completion budget per sample, tokens (sampled + tool output)", ge=1)
     temperature: float = option(1.0, "rollout sampling temperature (> 0)", gt=0)
 

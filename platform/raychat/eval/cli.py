@@ -23,6 +23,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -116,6 +117,12 @@ def main(args) -> int:
         if not graded(name):
             raise ValueError(f"--tasks: {name!r} has no checker to measure accuracy with")
     check_data([name for name, _ in tasks], ("test",), cfg.task_data_dir, "--tasks")
+    if cfg.core_bundle and not Path(cfg.core_bundle).is_dir():  # '' = the default place, which may hold none
+        raise ValueError(
+            f"--core-bundle {cfg.core_bundle}: not a directory (give the CORE bundle's directory: core.yaml, "
+            "eval_meta_data.csv, eval_data/; or leave the flag out)"
+        )
+    storage.writable_run_path(cfg.run_name)  # a link out of the root: refused before the evaluation runs
     checkpoint = find_checkpoint(cfg.checkpoint, storage, "--checkpoint")
     data_dir = run_directory(cfg.data_dir, storage, "--data-dir")
     try:
