@@ -15,9 +15,11 @@
 
 Every file is written to a unique temporary name, fsynced and renamed, so a crash never leaves a half-written
 file; optimizer and RNG state load with torch.load(weights_only=True), so a checkpoint from a shared volume
-or bucket never runs code. load_model checks every file's size against the commit marker first. read_meta
-and load_model also take the s3:// or gs:// URI of a checkpoint dir: it is downloaded to this node's cache
-first (raychat.checkpoint_manager.resolve_checkpoint), so every node can load one from object storage.
+or bucket never runs code. load_model checks first (check_model, which reads no tensor) every file's size
+against the commit marker, meta.json and the header of model.safetensors: a damaged file is a one-line
+CheckpointError naming the checkpoint and the file. read_meta and load_model also take the s3:// or gs://
+URI of a checkpoint dir: it is downloaded to this node's cache first
+(raychat.checkpoint_manager.resolve_checkpoint), so every node can load one from object storage.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from raychat.atomic import atomic_write
-from raychat.checkpoint_manager import commit_directory, resolve_checkpoint, verify
+from raychat.checkpoint_manager import CheckpointError, commit_directory, resolve_checkpoint, verify
 from raychat.model import GPT, ModelConfig
 from raychat.storage import is_remote
 from raychat.tokenizer import Tokenizer
@@ -222,28 +225,63 @@ def read_meta(directory: str | os.PathLike) -> dict:
     """meta.json of a checkpoint (a local dir or a remote URI).
 
     Raises:
-        FileNotFoundError: no meta.json there. ValueError: a remote URI that names no committed checkpoint.
+        FileNotFoundError: no meta.json there. CheckpointError (a ValueError): meta.json is not valid JSON, or
+            not an object.
+        ValueError: a remote URI that names no committed checkpoint.
     """
     path = Path(_local(directory)) / "meta.json"
     if not path.exists():
         raise FileNotFoundError(f"{directory} is not a raychat checkpoint (no meta.json)")
-    return json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {directory}: meta.json is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {directory}: meta.json is not a JSON object")
+    return meta
+
+
+def check_model(directory: str | os.PathLike) -> dict:
+    """The meta of the committed local checkpoint `directory` once its model could load: every file as its
+    commit marker lists it (sizes), meta.json with a model_config, model.safetensors with a header that parses.
+    Reads no tensor.
+
+    Raises:
+        CheckpointError (a ValueError) naming the checkpoint and the file: not committed, a file missing or of
+            another size, meta.json or model.safetensors unreadable.
+    """
+    verify(directory)
+    meta = read_meta(directory)
+    try:
+        ModelConfig(**meta["model_config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint {directory}: meta.json has no valid model_config ({e!r})"
+        ) from None
+    try:
+        with safe_open(Path(directory) / "model.safetensors", framework="pt"):
+            pass
+    except SafetensorError as e:
+        raise CheckpointError(
+            f"checkpoint {directory}: model.safetensors is not a readable safetensors file ({e})"
+        ) from None
+    return meta
 
 
 def load_model(
     directory: str | os.PathLike, device: str | torch.device = "cpu"
 ) -> tuple[GPT, Tokenizer, dict]:
     """Load (model in eval mode, tokenizer, meta) from a committed checkpoint directory (local, or a remote
-    URI), every file's size checked against its commit marker first.
+    URI), checked by check_model first.
 
     Raises:
-        CheckpointError (a ValueError): not committed, or a file missing or of another size (named).
+        CheckpointError (a ValueError): not committed, a file missing or of another size, meta.json or the
+            weights' header unreadable (named).
         ValueError: the tokenizer's version differs from the one the model was trained with; a remote URI
             that names no committed checkpoint.
     """
     d = Path(_local(directory))
-    verify(d)
-    meta = read_meta(d)
+    meta = check_model(d)
     tokenizer = Tokenizer.load(d)
     if meta.get("tokenizer_version") not in (None, tokenizer.version):
         raise ValueError(f"{d}: tokenizer version {tokenizer.version} != trained {meta['tokenizer_version']}")

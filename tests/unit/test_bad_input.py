@@ -286,3 +286,20 @@ def test_a_half_written_checkpoint_is_never_loaded(root, tmp_path, capsys):
     )
     assert f"exported {root}/pretrain/checkpoint_000004 " in capsys.readouterr().out
     assert _snapshot(root) == before
+
+
+@pytest.mark.parametrize("stage", ["sft", "rl"])
+def test_an_init_from_whose_weights_are_damaged_is_refused_before_ray(stage, root, capsys):
+    """Bytes overwritten at the committed size: the sizes match, the header does not parse; every worker (or
+    RL actor) would fail on it, so the driver names it first."""
+    ckpt = root / "pretrain" / "checkpoint_000004"
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(b"\xff" * 8 + weights.read_bytes()[8:])
+    line = _fails_in_one_line(
+        [stage, "--preset", "tiny", "--storage-path", str(root), "--init-from", str(ckpt)], capsys
+    )
+    want = (
+        f"raychat {stage}: error: checkpoint {ckpt}: model.safetensors is not a readable safetensors file (Error "
+        "while deserializing header: header too large)"
+    )
+    assert line == (want if stage == "rl" else f"{want}  (RAYCHAT_DEBUG=1 shows the traceback)")

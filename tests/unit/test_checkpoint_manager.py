@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_checkpointer import tiny_model
 
-from raychat.checkpoint import load_model, save_model
+from raychat.checkpoint import check_model, load_model, read_meta, save_model
 from raychat.checkpoint_manager import (
     COMMIT_FILE,
     CheckpointError,
@@ -174,6 +174,37 @@ def test_loading_checks_sizes_and_names_the_file(tmp_path, small_tokenizer):
     (d / COMMIT_FILE).unlink()
     with pytest.raises(CheckpointError, match="is not committed"):
         load_model(d)
+
+
+def test_a_damaged_meta_or_weights_header_of_the_committed_size_is_named(tmp_path, small_tokenizer):
+    """Damage the commit marker's sizes cannot see: load_model (and check_model, which reads no tensor) name
+    the checkpoint and the file in one line instead of a JSON or safetensors error that names neither."""
+    d = tmp_path / "ck"
+    save_model(d, tiny_model(small_tokenizer.vocab_size), small_tokenizer, {"step": 3}, commit=True)
+    meta, weights = d / "meta.json", d / "model.safetensors"
+    good_meta, good_weights = meta.read_bytes(), weights.read_bytes()
+    assert check_model(d)["step"] == 3
+    meta.write_bytes(b"\0" * len(good_meta))
+    for load in (check_model, load_model, read_meta):
+        with pytest.raises(CheckpointError) as e:
+            load(d)
+        assert str(e.value) == (
+            f"checkpoint {d}: meta.json is not valid JSON (Expecting value: line 1 column 1 (char 0))"
+        )
+    no_config = json.dumps({"step": 3}).encode()
+    meta.write_bytes(no_config + b" " * (len(good_meta) - len(no_config)))
+    with pytest.raises(CheckpointError) as e:
+        load_model(d)
+    assert str(e.value) == f"checkpoint {d}: meta.json has no valid model_config (KeyError('model_config'))"
+    meta.write_bytes(good_meta)
+    weights.write_bytes(b"\xff" * 8 + good_weights[8:])  # the header's length: past the file's end
+    for load in (check_model, load_model):
+        with pytest.raises(CheckpointError) as e:
+            load(d)
+        assert str(e.value) == (
+            f"checkpoint {d}: model.safetensors is not a readable safetensors file (Error while deserializing "
+            "header: header too large)"
+        )
 
 
 def test_no_run_name_reaches_the_root_or_outside_it(tmp_path):

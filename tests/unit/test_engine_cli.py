@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import shutil
 import sys
 
 import pytest
@@ -119,6 +120,7 @@ def test_calculator_calls_show_as_a_block_and_the_history_keeps_them(tool_checkp
     "flags, message",
     [
         (["--top-p", "0"], "--top-p must be > 0, got 0.0"),
+        (["--top-p", "1.5"], "--top-p must be <= 1, got 1.5"),
         (["--max-tokens", "0"], "--max-tokens"),
         ([], "--checkpoint: required"),
     ],
@@ -165,3 +167,26 @@ def test_kv_dtype_flag_reaches_the_model_runner(checkpoint, capsys, monkeypatch)
     assert main(["chat", "--checkpoint", str(d), "-p", "hi", *flags]) == 0
     (runner,) = runners
     assert runner.kv_dtype == torch.bfloat16 and runner.dtype == torch.float32  # auto on CPU: fp32 weights
+
+
+@pytest.mark.parametrize(
+    "name, damage, reason",
+    [
+        ("meta.json", lambda b: b"\0" * len(b), "meta.json is not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+        ("model.safetensors", lambda b: b"\xff" * 8 + b[8:], "model.safetensors is not a readable safetensors "
+         "file (Error while deserializing header: header too large)"),
+        ("model.safetensors", None, "model.safetensors is missing (committed with {size} bytes)"),
+    ],
+)  # fmt: skip
+def test_a_damaged_checkpoint_is_one_line_naming_it_and_the_file(
+    checkpoint, tmp_path, capsys, name, damage, reason
+):
+    """Damage of the committed size (bytes overwritten), or a file gone: one line, before any model loads."""
+    d = shutil.copytree(checkpoint[0], tmp_path / "ckpt")
+    data = (d / name).read_bytes()
+    if damage:
+        (d / name).write_bytes(damage(data))
+    else:
+        (d / name).unlink()
+    assert main(["chat", "--checkpoint", str(d), "-p", "hi"]) == 2
+    assert capsys.readouterr().err == f"raychat chat: checkpoint {d}: {reason.format(size=len(data))}\n"

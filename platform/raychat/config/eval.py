@@ -74,7 +74,7 @@ class ChatConfig(Section):
     system: str | None = option(None, "system message placed before the first user turn")
     temperature: float = option(0.6, "sampling temperature; 0 = greedy", ge=0)
     top_k: int = option(50, "sample among the k most likely tokens; 0 = off", ge=0)
-    top_p: float | None = option(None, "nucleus mass in (0, 1]; None = off", gt=0)
+    top_p: float | None = option(None, "nucleus mass in (0, 1]; None = off", gt=0, le=1)
     max_tokens: int = option(256, "completion tokens per reply", positive=True)
     seed: int | None = option(None, "sampling seed (None = a fresh one)")
     device: str = option(

@@ -15,7 +15,16 @@ import dataclasses
 import sys
 
 from raychat.config.presets import PRESET_HELP, preset_values
-from raychat.config.schema import _base_type, _hints, coerce, deprecated, flag_name, from_dict, leaves
+from raychat.config.schema import (
+    _base_type,
+    _hints,
+    coerce,
+    deprecated,
+    flag_name,
+    flag_naming,
+    from_dict,
+    leaves,
+)
 
 STORAGE_INPUTS = {"data_dir": "data", "tokenizer_path": "tokenizer"}
 
@@ -105,7 +114,8 @@ def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str
     not 'none'), then the flags given, then the STORAGE_INPUTS rule (see the module doc).
 
     Raises:
-        ConfigError: an unknown preset key or a bad value (the message names the flag).
+        ConfigError: an unknown preset key or a bad value; a flag's is named as --flag, also in a config
+            whose errors otherwise name keys (ServeConfig: a preset's values are named by key).
         FileNotFoundError: no such preset (lists the known ones).
     """
     config = base if base is not None else cls()
@@ -114,7 +124,8 @@ def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str
     if preset:
         config = from_dict(cls, preset, base=config, where=where)
     flags = given(args, cls)
-    config = from_dict(cls, flags, base=config)
+    with flag_naming():
+        config = from_dict(cls, flags, base=config)
     chosen = {*preset, *flags}
     if "storage_path" in chosen:
         inputs = {k: run for k, run in STORAGE_INPUTS.items() if k in leaves(cls) and k not in chosen}

@@ -14,6 +14,8 @@ value raises ConfigError naming the flag and the allowed values.
 from __future__ import annotations
 
 import ast
+import contextlib
+import contextvars
 import dataclasses
 import math
 import re
@@ -79,19 +81,21 @@ def option(
     choices: tuple | list | None = None,
     ge: float | None = None,
     gt: float | None = None,
+    le: float | None = None,
     positive: bool = False,
     aliases: tuple[str, ...] = (),
     flag: bool = True,
     kind: str | None = None,
 ):
-    """A leaf field: its default, its --help text, allowed values (choices, >= ge, > gt, a positive integer,
-    kind "run_name" (check_run_name) or "reference" (check_reference)), alias names (also flags and YAML
-    keys), and whether the command line gets a flag for it."""
+    """A leaf field: its default, its --help text, allowed values (choices, >= ge, > gt, <= le, a positive
+    integer, kind "run_name" (check_run_name) or "reference" (check_reference)), alias names (also flags and
+    YAML keys), and whether the command line gets a flag for it."""
     meta = {
         "help": help,
         "choices": tuple(choices) if choices else None,
         "ge": ge,
         "gt": gt,
+        "le": le,
         "positive": positive,
         "kind": kind,
     }
@@ -108,10 +112,25 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+_NAMING: contextvars.ContextVar[str | None] = contextvars.ContextVar("naming", default=None)
+
+
 def label(cls, name: str) -> str:
     """How errors name option `name` of section `cls`: its --flag, or its key where the section's NAMING is
-    "key" (build_app args and keyword arguments are written as keys)."""
-    return name if getattr(cls, "NAMING", "flag") == "key" else flag_name(name)
+    "key" (build_app args and keyword arguments are written as keys) outside flag_naming()."""
+    naming = _NAMING.get() or getattr(cls, "NAMING", "flag")
+    return name if naming == "key" else flag_name(name)
+
+
+@contextlib.contextmanager
+def flag_naming():
+    """Within: every option is named by its --flag in errors, whatever its section's NAMING (values that came
+    from a command line)."""
+    token = _NAMING.set("flag")
+    try:
+        yield
+    finally:
+        _NAMING.reset(token)
 
 
 class Section:
@@ -149,6 +168,8 @@ def check(f: dataclasses.Field, value, flag: str) -> None:
         raise ConfigError(f"{flag} must be >= {m['ge']}, got {value}")
     if m.get("gt") is not None and value <= m["gt"]:
         raise ConfigError(f"{flag} must be > {m['gt']}, got {value}")
+    if m.get("le") is not None and value > m["le"]:
+        raise ConfigError(f"{flag} must be <= {m['le']}, got {value}")
 
 
 @cache

@@ -8,13 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import ConfigError, Section, option, owned_choices, section
+from raychat.config.schema import ConfigError, Section, label, option, owned_choices, section
 
 # the engine's KV-cache dtype option (ModelRunner kv_dtype, engine/runner.py resolve_kv_dtype): serving, raychat chat
 KV_DTYPE_HELP = (
     "KV-cache dtype: model = the weights' dtype; auto = bfloat16 where the device has native bf16 math "
     "(raychat.model.fast_bf16), else float32; accuracy cost of bfloat16 vs float32: bench/results/infer_bench.md"
 )
+
+
+def check_replicas(section) -> None:
+    """ConfigError naming both options when `section`'s min_replicas exceeds its max_replicas."""
+    if section.min_replicas > section.max_replicas:
+        low, high = label(type(section), "min_replicas"), label(type(section), "max_replicas")
+        raise ConfigError(
+            f"{low} {section.min_replicas} exceeds {high} {section.max_replicas}; need {low} <= {high}"
+        )
 
 
 @dataclass
@@ -92,11 +101,7 @@ class AutoscalingSection(Section):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.min_replicas > self.max_replicas:
-            raise ConfigError(
-                "need 0 <= min_replicas <= max_replicas, max_replicas >= 1; "
-                f"got {self.min_replicas}, {self.max_replicas}"
-            )
+        check_replicas(self)
 
 
 @dataclass
@@ -145,15 +150,9 @@ class VLLMConfig(Section):
     max_ongoing_requests: int = option(64, "requests per replica", ge=1)
     tensor_parallel_size: int = option(1, "GPUs one replica shards the model over", ge=1)
     dtype: str = option("bfloat16", "vLLM weights/activations dtype")
-    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory vLLM may use, in (0, 1]", gt=0)
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory vLLM may use, in (0, 1]", gt=0, le=1)
     port: int = option(8000, "HTTP port of the Serve proxy", ge=1)
 
     def __post_init__(self):
         super().__post_init__()
-        if self.min_replicas > self.max_replicas:
-            raise ConfigError(
-                "need 0 <= min_replicas <= max_replicas and max_replicas >= 1, "
-                f"got {self.min_replicas}, {self.max_replicas}"
-            )
-        if self.gpu_memory_utilization > 1:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_replicas(self)

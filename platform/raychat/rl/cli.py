@@ -13,20 +13,24 @@ import sys
 
 import ray
 
+from raychat.checkpoint import check_model
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import RLConfig, from_args, from_dict
 from raychat.rl.loop import RLRun
-from raychat.storage import check_writable, open_storage
+from raychat.storage import check_writable, is_remote, open_storage
 
 
 def resolve_inputs(cfg: RLConfig) -> RLConfig:
     """--storage-path absolute (or its URI), --init-from the checkpoint it names.
 
-    Raises ValueError naming the flag: no --init-from, or one that names nothing."""
+    Raises ValueError naming the flag: no --init-from, or one that names nothing; CheckpointError naming the
+    file: a local one that could not load (raychat.checkpoint.check_model)."""
     if not cfg.run.init_from:
         raise ValueError("--init-from: required: a chat (SFT) checkpoint, its run (dir or name), or latest")
     storage = open_storage(cfg.run.storage_path)
     init_from = find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("sft",))
+    if not is_remote(init_from):
+        check_model(init_from)
     return from_dict(RLConfig, {"init_from": init_from, "storage_path": storage.uri}, base=cfg)
 
 

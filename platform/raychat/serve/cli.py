@@ -2,7 +2,8 @@
 one at --address / RAY_ADDRESS) and print the chat page's URL. Blocks until Ctrl-C unless --no-block.
 
 A --host beyond loopback (0.0.0.0, a LAN address, a host name) needs an API key (--api-key or
-RAYCHAT_API_KEY) or an explicit --allow-unauthenticated; the refusal comes before Ray starts.
+RAYCHAT_API_KEY) or an explicit --allow-unauthenticated; the refusal comes before Ray starts, and so does the
+refusal of a checkpoint no replica could load (check_checkpoint).
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import ray
 from ray import serve
 
 from raychat.capacity import check_bundles, read_capacity
-from raychat.config import ServeConfig, from_args
+from raychat.checkpoint import check_model
+from raychat.checkpoint_manager import find_checkpoint
+from raychat.config import ConfigError, ServeConfig, from_args
 from raychat.serve import vllm
 from raychat.serve.app import build_app, serve_config
+from raychat.storage import is_remote
 
 APP_NAME = "raychat"
 
@@ -34,12 +38,14 @@ def start(
 
     host, port, proxy_location: Serve's HTTP proxies, set when Serve starts on the cluster. Serve is one per
     cluster: when it already runs there, its proxies stay as they are and the app is added to them.
-    Raises: ValueError / FileNotFoundError from build_app for bad args or a missing checkpoint; ValueError
-        when Serve already runs on the cluster with its proxies on another host:port (the URL would be wrong);
+    Raises: ValueError / FileNotFoundError from check_checkpoint or build_app, before Ray starts, for bad args
+        or a checkpoint no replica could load; ValueError when Serve already runs on the cluster with its
+        proxies on another host:port (the URL would be wrong);
         ValueError naming the flags when no node type of a connected cluster can ever hold a replica
         (replica_bundles; raychat.capacity.check_bundles).
     """
     config = serve_config(config)
+    check_checkpoint(config)
     application = build_app(config)
     local = not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
     if not ray.is_initialized():
@@ -85,6 +91,25 @@ def start(
     serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{shown}:{port}/"
+
+
+def check_checkpoint(config: ServeConfig) -> None:
+    """Refuse, before Ray starts, what every replica would fail on: a --checkpoint that names no committed
+    checkpoint; for a local one, also a file that differs from its commit marker, an unreadable meta.json or
+    weights header (raychat.checkpoint.check_model, no tensor read) and a --max-len beyond the model's
+    max_seq_len. A remote one is checked file by file where a replica fetches it.
+
+    Raises:
+        ValueError (one line): naming --checkpoint, or the checkpoint and its file (CheckpointError), or
+            --max-len.
+    """
+    checkpoint = find_checkpoint(config.checkpoint)
+    if is_remote(checkpoint):
+        return
+    max_seq_len = check_model(checkpoint)["model_config"]["max_seq_len"]
+    max_len = config.replica.max_len
+    if max_len is not None and not 2 <= max_len <= max_seq_len:
+        raise ConfigError(f"--max-len must be in 2..{max_seq_len} (the model's max_seq_len), got {max_len}")
 
 
 def replica_bundles(config: ServeConfig) -> list[dict]:
@@ -151,7 +176,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"vLLM is serving {args.hf_dir}")
         print(f"OpenAI API:   {url}  (model list: {url}/models)", flush=True)
         return 0 if args.no_block else _block()
-    config = serve_config(from_args(args, ServeConfig, "serve", where="serve settings"))
+    config = from_args(args, ServeConfig, "serve", where="serve settings")
+    if not config.checkpoint:
+        raise ConfigError("--checkpoint: required: a checkpoint dir, a run dir or <run dir>/latest")
+    config = serve_config(config)
     check_exposure(args.host, config.api_key, args.allow_unauthenticated)
     url = start(
         config, host=args.host, port=args.port, address=args.address, proxy_location=args.proxy_location

@@ -33,10 +33,11 @@ from raychat.capacity import (
     placement_state,
     read_capacity,
 )
+from raychat.checkpoint import check_model
 from raychat.checkpoint_manager import CheckpointManager, find_checkpoint
 from raychat.config import TrainConfig, from_args, from_dict, to_dict
 from raychat.log import log
-from raychat.storage import Storage, check_writable, open_storage, read_bytes, run_directory
+from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import start_or_connect, worker_bundle
 from raychat.train.plan import make_plan, print_plan
@@ -114,13 +115,16 @@ def resolve_paths(cfg: TrainConfig, writable: bool = True) -> RunPaths:
 
     Raises ValueError naming the flag: an unsupported scheme, data on object storage, a run name that breaks
     the rule, a checkpoint reference that names nothing (`latest`: no committed pretraining checkpoint under
-    the root), a root that cannot be written."""
+    the root), a root that cannot be written; CheckpointError naming the file: a local --init-from that
+    could not load (raychat.checkpoint.check_model)."""
     storage = open_storage(cfg.run.storage_path)
     init_from = (
         find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("pretrain",))
         if cfg.run.init_from
         else None
     )
+    if init_from and not is_remote(init_from):
+        check_model(init_from)
     paths = RunPaths(
         storage=storage,
         data_dir=run_directory(cfg.data.data_dir, storage, "--data-dir"),

@@ -26,8 +26,8 @@ import torch
 from ray.experimental import tqdm_ray
 from safetensors.torch import load_file
 
-from raychat.checkpoint import load_model, read_meta
-from raychat.checkpoint_manager import CheckpointManager, resolve_checkpoint, verify
+from raychat.checkpoint import check_model, load_model
+from raychat.checkpoint_manager import CheckpointManager, resolve_checkpoint
 from raychat.config import TrainConfig, from_dict, to_dict
 from raychat.log import log
 from raychat.metrics import TrainMetrics
@@ -119,10 +119,9 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     d = resolve_checkpoint(checkpoints.storage.uri_of(newest.path)) if newest else None
     start_step = 0
     if d:
-        verify(d)
-        model.load_state_dict(load_file(os.path.join(d, "model.safetensors"), device=str(device)))
-        meta = read_meta(d)
+        meta = check_model(d)
         start_step = meta["step"]
+        model.load_state_dict(load_file(os.path.join(d, "model.safetensors"), device=str(device)))
     if cfg.model.fp8:
         convert_to_fp8(model, cfg.model.fp8_recipe)
     optimizers = build_optimizers(model, cfg.optim)

@@ -1,0 +1,118 @@
+"""`raychat serve` refuses, before Ray starts, a checkpoint no replica could load and options its model cannot
+take, in one line naming the flag or the checkpoint and its file; its config errors name --flags, while
+build_app's args and a preset file keep their keys."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from support.serve_helpers import write_tiny_checkpoint
+
+from raychat.cli import main
+from raychat.serve.app import serve_config
+from raychat.serve.cli import check_checkpoint
+
+TAIL = "  (RAYCHAT_DEBUG=1 shows the traceback)\n"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A committed tiny checkpoint (max_seq_len 256) and its files' bytes, restored after each test."""
+    d = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    return d, {name: (d / name).read_bytes() for name in ("meta.json", "model.safetensors")}
+
+
+@pytest.fixture
+def ckpt(built):
+    d, files = built
+    yield d
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+
+
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch):
+    """ray.init fails the test: every refusal here comes before Ray starts."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAYCHAT_API_KEY", raising=False)
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("ray.init was called")
+
+    monkeypatch.setattr(ray, "init", tripwire)
+    yield
+    assert not ray.is_initialized()
+
+
+def serve_error(capsys, *argv: str) -> str:
+    assert main(["serve", *argv]) == 2
+    return capsys.readouterr().err
+
+
+def test_a_damaged_checkpoint_is_refused_naming_it_and_the_file(ckpt, capsys):
+    weights, meta = ckpt / "model.safetensors", ckpt / "meta.json"
+    good = weights.read_bytes()
+    weights.write_bytes(b"\xff" * 8 + good[8:])
+    assert serve_error(capsys, "--checkpoint", str(ckpt)) == (
+        f"raychat serve: error: checkpoint {ckpt}: model.safetensors is not a readable safetensors file (Error "
+        f"while deserializing header: header too large){TAIL}"
+    )
+    weights.unlink()
+    assert serve_error(capsys, "--checkpoint", str(ckpt)) == (
+        f"raychat serve: error: checkpoint {ckpt}: model.safetensors is missing (committed with {len(good)} bytes)"
+        f"{TAIL}"
+    )
+    weights.write_bytes(good)
+    meta.write_bytes(b"\0" * meta.stat().st_size)
+    assert serve_error(capsys, "--checkpoint", str(ckpt)) == (
+        f"raychat serve: error: checkpoint {ckpt}: meta.json is not valid JSON (Expecting value: line 1 column 1 "
+        f"(char 0)){TAIL}"
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-len", "100000"], "--max-len must be in 2..256 (the model's max_seq_len), got 100000"),
+        (["--max-len", "1"], "--max-len must be in 2..256 (the model's max_seq_len), got 1"),
+        (["--max-slots", "0"], "--max-slots must be >= 1, got 0"),
+        (["--num-cpus", "-1"], "--num-cpus must be >= 0, got -1.0"),
+        (["--request-timeout-s", "0"], "--request-timeout-s must be > 0, got 0.0"),
+        (
+            ["--min-replicas", "3", "--max-replicas", "2"],
+            "--min-replicas 3 exceeds --max-replicas 2; need --min-replicas <= --max-replicas",
+        ),
+    ],
+)
+def test_bad_options_name_the_flag(ckpt, capsys, flags, message):
+    assert serve_error(capsys, "--checkpoint", str(ckpt), *flags) == f"raychat serve: error: {message}{TAIL}"
+
+
+def test_no_checkpoint_or_one_that_names_nothing_names_the_flag(tmp_path, capsys):
+    assert serve_error(capsys) == (
+        f"raychat serve: error: --checkpoint: required: a checkpoint dir, a run dir or <run dir>/latest{TAIL}"
+    )
+    assert serve_error(capsys, "--checkpoint", str(tmp_path)) == (
+        f"raychat serve: error: --checkpoint: {tmp_path} has no committed checkpoint ({tmp_path} is empty){TAIL}"
+    )
+
+
+def test_build_app_args_and_a_preset_keep_their_keys(ckpt, tmp_path, capsys):
+    """Serve config files (build_app args) and YAML presets are written as keys: their errors name keys."""
+    with pytest.raises(ValueError, match=r"^max_slots must be >= 1, got 0$"):
+        serve_config({"checkpoint": "/x", "max_slots": 0})
+    with pytest.raises(
+        ValueError, match=r"^min_replicas 3 exceeds max_replicas 2; need min_replicas <= max_replicas$"
+    ):
+        serve_config({"checkpoint": "/x", "min_replicas": 3, "max_replicas": 2})
+    with pytest.raises(ValueError, match=r"^build_app needs args\['checkpoint'\]"):
+        serve_config({})
+    preset = tmp_path / "serve.yaml"
+    preset.write_text("serve:\n  max_slots: 0\n")
+    assert serve_error(capsys, "--checkpoint", str(ckpt), "--preset", str(preset)) == (
+        f"raychat serve: error: max_slots must be >= 1, got 0{TAIL}"
+    )
+
+
+def test_a_sound_checkpoint_and_options_within_the_model_pass(ckpt):
+    assert check_checkpoint(serve_config({"checkpoint": str(ckpt), "max_len": 256})) is None
