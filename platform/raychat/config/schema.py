@@ -73,6 +73,34 @@ def check_reference(value: str, flag: str) -> str:
     return value
 
 
+TASK_SPEC_FORM = "name[:count],..."
+
+
+def parse_task_spec(
+    value: str, flag: str, names: tuple[str, ...], empty_ok: bool = False
+) -> list[tuple[str, int | None]]:
+    """[(name, count or None)] of a task spec "calculator:2000,chatterbot,spelling:1000" (TASK_SPEC_FORM; a
+    name may repeat; blank items are skipped).
+
+    Raises ConfigError naming `flag`, the item, the form and `names`: a name not in `names`, a count that is
+    not a positive integer, or (unless empty_ok) no task at all."""
+
+    def refuse(item: str, why: str):
+        raise ConfigError(f"{flag}: {item!r}: {why}; the form is {TASK_SPEC_FORM}; tasks: {', '.join(names)}")
+
+    out = []
+    for item in filter(None, (s.strip() for s in value.split(","))):
+        name, colon, count = (part.strip() for part in item.partition(":"))
+        if name not in names:
+            refuse(item, f"unknown task {name!r}")
+        if colon and not (re.fullmatch(r"[0-9]+", count) and int(count) >= 1):
+            refuse(item, "the count must be a positive integer")
+        out.append((name, int(count) if colon else None))
+    if not out and not empty_ok:
+        refuse(value, "no task")
+    return out
+
+
 def option(
     default,
     help: str,
