@@ -149,23 +149,41 @@ def verify(directory: str | os.PathLike, checksums: bool = False) -> dict:
 
     Raises CheckpointError naming the file: not committed, a file missing, of another size or digest."""
     commit = read_commit(directory)
+    paths = {name: Path(directory) / name for name in commit["files"]}
+    _check_sizes(commit, directory, {n: p.stat().st_size for n, p in paths.items() if p.is_file()})
     for name, want in commit["files"].items():
-        path = Path(directory) / name
-        if not path.is_file():
-            raise CheckpointError(
-                f"checkpoint {directory}: {name} is missing (committed with {want['size']} bytes)"
-            )
-        size = path.stat().st_size
-        if size != want["size"]:
-            raise CheckpointError(
-                f"checkpoint {directory}: {name} has {size} bytes, committed with {want['size']} (truncated or "
-                "replaced)"
-            )
-        if checksums and sha256_file(path) != want["sha256"]:
+        if checksums and sha256_file(paths[name]) != want["sha256"]:
             raise CheckpointError(
                 f"checkpoint {directory}: {name} differs from its committed sha256 (corrupted)"
             )
     return commit
+
+
+def verify_stored(storage: Storage, path: str) -> dict:
+    """verify() without checksums of the committed checkpoint at `path` on storage.fs (a local directory or
+    object storage), fetching nothing: one listing of its files' sizes.
+
+    Raises CheckpointError naming the file: a file missing or of another size (FileNotFoundError: no marker)."""
+    where = storage.uri_of(path)
+    commit = parse_commit(read_bytes(storage, f"{path}/{COMMIT_FILE}"), where)
+    infos = storage.fs.get_file_info([f"{path}/{name}" for name in commit["files"]])
+    sizes = {name: i.size for name, i in zip(commit["files"], infos) if i.type == pafs.FileType.File}
+    _check_sizes(commit, where, sizes)
+    return commit
+
+
+def _check_sizes(commit: dict, where, sizes: dict[str, int]) -> None:
+    """CheckpointError naming the first file of the marker that `sizes` (name: bytes) lacks or sizes otherwise."""
+    for name, want in commit["files"].items():
+        if name not in sizes:
+            raise CheckpointError(
+                f"checkpoint {where}: {name} is missing (committed with {want['size']} bytes)"
+            )
+        if sizes[name] != want["size"]:
+            raise CheckpointError(
+                f"checkpoint {where}: {name} has {sizes[name]} bytes, committed with {want['size']} (truncated or "
+                "replaced)"
+            )
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Bad input to the cluster stages fails before any work starts, in one line naming the flag and what was found,
 and leaves what is already in storage as it was (issue 12, "Bad input"): a storage path that is not writable
 (pretrain, sft, eval, export, data prepare; pretraining and the tokenizer check their --data-dir first),
-a `latest` that resolves to nothing, a preset that does not exist, an unreachable cluster. (A wrong token
-needs a cluster: tests/cluster/test_stage_jobs.py.)
+a `latest` that resolves to nothing, a preset that does not exist, an unreachable cluster, a task spec that
+does not parse, an RL task without its files, a run whose newest checkpoint this run cannot resume. (A wrong
+token needs a cluster: tests/cluster/test_stage_jobs.py.)
 
 Each command runs in this process through raychat.cli.main, so "before any work" is checkable: Ray was never
 started, and every file under the storage root has the bytes and modification time it had before.
@@ -18,8 +19,15 @@ import ray
 from support.cluster import free_ports
 from support.serve_helpers import write_tiny_checkpoint
 
+from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
+from raychat.config import to_dict
 from raychat.data.corpus.shards import write_manifest, write_shards
+from raychat.model import GPT, ModelConfig
+from raychat.tokenizer import Tokenizer
+from raychat.train import launch
+from raychat.train.checkpointer import Checkpointer
+from raychat.train.optim import build_optimizers
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, str]]:
@@ -303,3 +311,163 @@ def test_an_init_from_whose_weights_are_damaged_is_refused_before_ray(stage, roo
         "while deserializing header: header too large)"
     )
     assert line == (want if stage == "rl" else f"{want}  (RAYCHAT_DEBUG=1 shows the traceback)")
+
+
+TASKS = "calculator, chatterbot, spelling, smoltalk, gsm8k, mmlu, arc-easy, arc-challenge, humaneval"
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["sft", "--sft-tasks", ""], "--sft-tasks: '': no task; the form is name[:count],...; tasks: {tasks}"),
+        (["sft", "--sft-tasks", "calculator:-5"],
+         "--sft-tasks: 'calculator:-5': the count must be a positive integer; the form is name[:count],...; "
+         "tasks: {tasks}"),
+        (["sft", "--sft-tasks", "calculator:abc"],
+         "--sft-tasks: 'calculator:abc': the count must be a positive integer; the form is name[:count],...; "
+         "tasks: {tasks}"),
+        (["sft", "--sft-tasks", "spelling,calculator:0"],
+         "--sft-tasks: 'calculator:0': the count must be a positive integer; the form is name[:count],...; "
+         "tasks: {tasks}"),
+        (["sft", "--sft-tasks", "calculatr:10"],
+         "--sft-tasks: 'calculatr:10': unknown task 'calculatr'; the form is name[:count],...; tasks: {tasks}"),
+        (["eval", "--tasks", "calculator:x"],
+         "--tasks: 'calculator:x': the count must be a positive integer; the form is name[:count],...; "
+         "tasks: {tasks}, chatcore"),
+        (["eval", "--tasks", "calculator:-1"],
+         "--tasks: 'calculator:-1': the count must be a positive integer; the form is name[:count],...; "
+         "tasks: {tasks}, chatcore"),
+        (["eval", "--tasks", "chatcore:x"],
+         "--tasks: 'chatcore:x': the count must be a positive integer; the form is name[:count],...; "
+         "tasks: {tasks}, chatcore"),
+    ],
+)  # fmt: skip
+def test_a_task_spec_that_does_not_parse(argv, want, root, capsys):
+    """Checked as the config is built: a worker once met '' (TaskMixture needs at least one task) or a count
+    of -5 after Ray had started, and 'abc' failed on int() without naming the flag."""
+    flags = ["--init-from", f"{root}/pretrain"] if argv[0] == "sft" else ["--checkpoint", f"{root}/pretrain"]
+    argv = [argv[0], "--storage-path", str(root), *flags, *argv[1:]]
+    line = _fails_in_one_line(argv, capsys)
+    assert (
+        line == f"raychat {argv[0]}: error: {want.format(tasks=TASKS)}  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+
+
+def test_rl_on_a_task_without_its_files(root, tmp_path, capsys):
+    """RL checks its task's files before Ray starts (it once did so in the run, 15 s after Ray started)."""
+    write_tiny_checkpoint(root / "sft" / "checkpoint_000001", stage="sft")
+    empty = tmp_path / "task_data"
+    argv = ["rl", "--preset", "tiny", "--storage-path", str(root), "--init-from", "sft", "--run-name", "r",
+            "--task", "gsm8k", "--task-data-dir", str(empty)]  # fmt: skip
+    line = _fails_in_one_line(argv, capsys)
+    assert line == (
+        f"raychat rl: error: --task: task 'gsm8k' (train split): no data file at {empty}/gsm8k/main/train-*.parquet "
+        f"or {empty}/openai--gsm8k/main/train/*.parquet (download: huggingface-cli download openai/gsm8k "
+        f"--repo-type dataset --local-dir {empty}/gsm8k; the directory: --task-data-dir or $RAYCHAT_TASK_DATA)"
+    )
+    assert not (root / "r").exists()
+
+
+# ---- resuming a run whose newest checkpoint this run cannot resume ---------------------------------------
+class ReachedRay(Exception):
+    """Raised where the driver would start Ray: every check before it passed."""
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    """run(argv) -> the arguments of the driver's check_resume for `raychat <argv>` (cfg, paths, plan, row
+    source), the command stopped where it would start Ray."""
+    seen, check = {}, launch.check_resume
+
+    def capture(*args):
+        seen["args"] = args
+        check(*args)
+
+    def reached(*args, **kwargs):
+        raise ReachedRay
+
+    monkeypatch.setattr(launch, "check_resume", capture)
+    monkeypatch.setattr(launch, "start_or_connect", reached)
+
+    def run(argv: list[str]):
+        with pytest.raises(ReachedRay):
+            raychat_main(argv)
+        return seen["args"]
+
+    return run
+
+
+def _commit_step(cfg, paths, plan, row_source, step: int = 2) -> Path:
+    """Checkpoint `step` as a world of one worker of this run writes and commits it."""
+    d = Path(paths.checkpoints.path(step))
+    model = GPT(ModelConfig(**plan.model_config))
+    tokenizer = Tokenizer.load(cfg.data.tokenizer_path)
+    Checkpointer(cfg.run.stage, to_dict(cfg), tokenizer, {"plan": plan.to_dict()}).write(
+        d, 0, 1, step, model, build_optimizers(model, cfg.optim), {"rows": row_source().state_dict()}
+    )
+    commit_directory(d, step, cfg.run.stage)
+    return d
+
+
+@pytest.fixture
+def pretrained(root, driver, capsys) -> tuple[list[str], Path]:
+    """(the argv of a tiny pretraining run "p1", its committed checkpoint_000002), checked to resume."""
+    entries = write_shards(["a b c d"] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
+    write_manifest(root / "prepared", {"source": "test", "shards": entries})
+    argv = ["pretrain", "--preset", "tiny", "--storage-path", str(root), "--run-name", "p1",
+            "--data-dir", f"{root}/prepared", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    d = _commit_step(*driver(argv))
+    driver([*argv, "--num-iterations", "6"])  # the same settings, a longer run: resumes
+    capsys.readouterr()
+    return argv, d
+
+
+HINT = "(use another --run-name, or the same settings to resume)  (RAYCHAT_DEBUG=1 shows the traceback)"
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        (["--depth", "2"], "--depth: the run's checkpoint {d} was made with 1, this run asks for 2"),
+        (["--depth", "2", "--seq-len", "32"],
+         "--depth, --seq-len: the run's checkpoint {d} was made with 1, 64, this run asks for 2, 32"),
+        (["--seed", "5"], "--seed: the run's checkpoint {d} was made with 0, this run asks for 5"),
+    ],
+)  # fmt: skip
+def test_resuming_with_other_settings(flags, want, pretrained, capsys):
+    """Checked in the driver before Ray starts: the workers once failed on it (size mismatch, or the data state
+    of another stream) until --max-failures, then a long traceback."""
+    argv, d = pretrained
+    line = _fails_in_one_line([*argv, "--num-iterations", "6", *flags], capsys)
+    assert line == f"raychat pretrain: error: {want.format(d=d)} {HINT}"
+
+
+def test_resuming_from_a_checkpoint_that_lost_a_file(pretrained, capsys):
+    argv, d = pretrained
+    size = (d / "optim.pt").stat().st_size
+    (d / "optim.pt").unlink()
+    line = _fails_in_one_line(argv, capsys)
+    assert line == (
+        f"raychat pretrain: error: --run-name p1: checkpoint {d}: optim.pt is missing (committed with {size} "
+        "bytes): this run would resume from it (remove that checkpoint to resume from the one before, or use "
+        "another --run-name)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+
+
+def test_resuming_sft_with_other_tasks_or_another_stage(root, driver, pretrained, capsys):
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s1", "--init-from",
+            f"{root}/pretrain", "--data-dir", f"{root}/data", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    d = _commit_step(*driver(argv))
+    driver(argv)  # the same settings: resumes
+    capsys.readouterr()
+    line = _fails_in_one_line([*argv, "--sft-tasks", "calculator:300"], capsys)
+    assert line == (
+        f"raychat sft: error: --sft-tasks: the run's checkpoint {d} was made with 'calculator:200', this run "
+        f"asks for 'calculator:300' {HINT}"
+    )
+    line = _fails_in_one_line([*argv, "--run-name", "p1"], capsys)
+    p1 = pretrained[1]
+    assert line == (
+        f"raychat sft: error: --run-name: the run's checkpoint {p1} is a pretrain checkpoint, this run is sft "
+        "(use another --run-name)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )

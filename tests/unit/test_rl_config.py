@@ -26,7 +26,10 @@ def test_yaml_round_trip(tmp_path):
         ({"normalization": "mean"}, r"--normalization must be one of \['token', 'sequence', 'constant'\]"),
         ({"mode": "fast"}, r"--mode must be one of \['sync', 'async'\]"),
         ({"weight_sync": "rpc"}, r"--weight-sync must be one of"),
-        ({"samples_per_prompt": 1}, "--samples-per-prompt must be >= 2, got 1"),  # a group of one learns nothing
+        (
+            {"samples_per_prompt": 1},
+            "--samples-per-prompt must be >= 2, got 1",
+        ),  # a group of one learns nothing
         ({"temperature": 0.0}, "--temperature must be > 0"),
         ({"constant_length": 0}, "--constant-length"),
         ({"max_failures": -1}, "--max-failures must be >= 0"),

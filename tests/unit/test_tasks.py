@@ -19,6 +19,7 @@ from raychat.tasks import (
     extract_answer,
     mixture_report,
 )
+from raychat.tasks.registry import TASK_NAMES, TASKS, parse_mixture
 from raychat.tasks.spelling import split_of as word_split
 
 
@@ -222,3 +223,11 @@ def test_mixture_report_shares(small_tokenizer):
     assert report["sources"]["b"]["token_share"] == pytest.approx(sum(lens["b"]) / total)
     assert report["tokens"] == total
     assert "token-level" in report["loss_normalization"]
+
+
+def test_the_names_task_specs_are_checked_against_are_the_registrys():
+    """The configs check --sft-tasks / --tasks against TASK_NAMES without importing the tasks."""
+    assert TASK_NAMES == tuple(TASKS)
+    assert parse_mixture(" calculator : 5 ,spelling,, calculator") == [
+        ("calculator", 5), ("spelling", None), ("calculator", None)
+    ]  # fmt: skip

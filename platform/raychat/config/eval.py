@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import Section, option, owned_choices
+from raychat.config.schema import Section, option, owned_choices, parse_task_spec
 from raychat.config.serve import KV_DTYPE_HELP
 
 DEVICES = ("cpu", "cuda")
+CHATCORE = "chatcore"  # --tasks chatcore[:N]: the six chat evals of the report card (raychat.eval.cli)
 CHECKPOINT_HELP = (
     "the checkpoint: a checkpoint dir, a run dir, <run dir>/latest (paths, s3:// or gs://), a run name "
     "under --storage-path, or latest (the newest checkpoint there) (required)"
@@ -36,6 +37,7 @@ class EvalConfig(Section):
     tasks: str = option(
         "calculator:64", "held-out tasks for accuracy: task[:examples],... ('' = none); chatcore[:examples] = "
         "the report card's six chat evals (a task whose files are missing: 'n/a: no data', not an error)",
+        blank_ok=True,
     )  # fmt: skip
     task_data_dir: str = option(
         "", "directory of the hub tasks' files (smoltalk, gsm8k, mmlu, arc-*, humaneval; layouts: "
@@ -50,6 +52,11 @@ class EvalConfig(Section):
     max_tokens: int = option(48, "completion budget per generative task example, tokens", positive=True)
     device: str = option("cpu", "where the model runs", DEVICES)
     seed: int = option(0, "seed of the held-out examples' order")
+
+    def __post_init__(self):
+        super().__post_init__()
+        names = (*owned_choices("raychat.tasks.registry", "TASK_NAMES"), CHATCORE)
+        parse_task_spec(self.tasks, "--tasks", names, empty_ok=True)
 
 
 @dataclass

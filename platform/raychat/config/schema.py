@@ -75,6 +75,34 @@ def check_reference(value: str, flag: str) -> str:
     return value
 
 
+TASK_SPEC_FORM = "name[:count],..."
+
+
+def parse_task_spec(
+    value: str, flag: str, names: tuple[str, ...], empty_ok: bool = False
+) -> list[tuple[str, int | None]]:
+    """[(name, count or None)] of a task spec "calculator:2000,chatterbot,spelling:1000" (TASK_SPEC_FORM; a
+    name may repeat; blank items are skipped).
+
+    Raises ConfigError naming `flag`, the item, the form and `names`: a name not in `names`, a count that is
+    not a positive integer, or (unless empty_ok) no task at all."""
+
+    def refuse(item: str, why: str):
+        raise ConfigError(f"{flag}: {item!r}: {why}; the form is {TASK_SPEC_FORM}; tasks: {', '.join(names)}")
+
+    out = []
+    for item in filter(None, (s.strip() for s in value.split(","))):
+        name, colon, count = (part.strip() for part in item.partition(":"))
+        if name not in names:
+            refuse(item, f"unknown task {name!r}")
+        if colon and not (re.fullmatch(r"[0-9]+", count) and int(count) >= 1):
+            refuse(item, "the count must be a positive integer")
+        out.append((name, int(count) if colon else None))
+    if not out and not empty_ok:
+        refuse(value, "no task")
+    return out
+
+
 def option(
     default,
     help: str,
@@ -86,10 +114,12 @@ def option(
     aliases: tuple[str, ...] = (),
     flag: bool = True,
     kind: str | None = None,
+    blank_ok: bool = False,
 ):
     """A leaf field: its default, its --help text, allowed values (choices, >= ge, > gt, <= le, a positive
-    integer, kind "run_name" (check_run_name) or "reference" (check_reference)), alias names (also flags and
-    YAML keys), and whether the command line gets a flag for it."""
+    integer, kind "run_name" (check_run_name) or "reference" (check_reference); a text option with a non-blank
+    default refuses a blank value unless blank_ok, since a blank path is the current directory), alias names
+    (also flags and YAML keys), and whether the command line gets a flag for it."""
     meta = {
         "help": help,
         "choices": tuple(choices) if choices else None,
@@ -98,6 +128,7 @@ def option(
         "le": le,
         "positive": positive,
         "kind": kind,
+        "blank_ok": blank_ok,
     }
     return field(default=default, metadata={**meta, "aliases": tuple(aliases), "flag": flag})
 
@@ -156,10 +187,8 @@ def check(f: dataclasses.Field, value, flag: str) -> None:
         check_run_name(value, flag)
     elif m.get("kind") == "reference" and value is not None:
         check_reference(value, flag)
-    if isinstance(value, str) and not value.strip() and isinstance(f.default, str) and f.default.strip():
-        raise ConfigError(
-            f"{flag} must not be blank, got {value!r} (default: {f.default!r})"
-        )  # "" is the cwd
+    if isinstance(value, str) and not value.strip() and str(f.default).strip() and not m.get("blank_ok"):
+        raise ConfigError(f"{flag} must not be blank, got {value!r} (default: {f.default!r})")
     if value is None or isinstance(value, (bool, str)):
         return
     if m.get("positive") and value <= 0:

@@ -142,7 +142,7 @@ class VLLMConfig(Section):
     out: str = option("vllm.yaml", "Serve config YAML file to write")
     model_id: str = option("raychat", "name the OpenAI API serves the model as")
     accelerator_type: str = option(
-        "H100", "Ray accelerator resource name (H100, A100, L4, ...; empty: any GPU)"
+        "H100", "Ray accelerator resource name (H100, A100, L4, ...; empty: any GPU)", blank_ok=True
     )
     min_replicas: int = option(1, "fewest replicas", ge=0)
     max_replicas: int = option(2, "most replicas (autoscaled)", ge=1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import ConfigError, Section, option, owned_choices, section
+from raychat.config.schema import ConfigError, Section, option, owned_choices, parse_task_spec, section
 
 STAGES = ("pretrain", "sft", "rl")
 # How long a request may wait for the cluster to hold it (a cold GPU node of a cloud autoscaler: minutes;
@@ -104,11 +104,19 @@ class DataSection(Section):
     min_fragment: int = option(
         32, "split: a tail shorter than this many tokens is dropped (and counted)", positive=True
     )
-    sft_tasks: str = option("calculator:4000,chatterbot,spelling:2000", "SFT mixture: task[:examples],...")
+    sft_tasks: str = option(
+        "calculator:4000,chatterbot,spelling:2000",
+        "SFT mixture: task[:examples],... (examples >= 1)",
+        blank_ok=True,  # parse_task_spec names what a blank mixture lacks
+    )
     task_data_dir: str = option(
         "", "directory of the hub tasks' files (smoltalk, gsm8k, mmlu, arc-*, humaneval; layouts: "
         "raychat.tasks.hub_data); '' = $RAYCHAT_TASK_DATA, else runs/task_data",
     )  # fmt: skip
+
+    def __post_init__(self):
+        super().__post_init__()
+        parse_task_spec(self.sft_tasks, "--sft-tasks", owned_choices("raychat.tasks.registry", "TASK_NAMES"))
 
 
 @dataclass

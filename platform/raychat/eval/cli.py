@@ -30,6 +30,7 @@ import torch
 from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import EvalConfig, from_args
+from raychat.config.eval import CHATCORE
 from raychat.data.corpus.shards import list_shards
 from raychat.data.loader.pipeline import validation_rows
 from raychat.eval.bpb import bpb_sums
@@ -40,7 +41,6 @@ from raychat.tasks.registry import check_data, graded, held_out, make_task, pars
 
 RESULT_FILE = "eval.json"
 CARD_FILE = "report_card.md"
-CHATCORE = "chatcore"  # --tasks chatcore[:N]: the six chat evals of the report card
 CARD_NAMES = {name: column for column, (name, _) in CHAT_TASKS.items()}
 
 
@@ -49,7 +49,7 @@ def split_card_tasks(spec: str) -> tuple[str, int | None, bool]:
     rest, cap, named = [], None, False
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, count = item.partition(":")
-        if name == CHATCORE:
+        if name.strip() == CHATCORE:
             named, cap = True, int(count) if count else None
         else:
             rest.append(item)
@@ -110,7 +110,7 @@ def main(args) -> int:
         raise ValueError("--device: cuda, but this machine has no CUDA device")
     storage = open_storage(cfg.storage_path)
     spec, cap, named = split_card_tasks(cfg.tasks)
-    tasks = parse_mixture(spec, "--tasks")
+    tasks = parse_mixture(spec, "--tasks", empty_ok=True)
     for name, _ in tasks:
         if not held_out(name):
             raise ValueError(f"--tasks: {name!r} has no held-out split to measure accuracy on")

@@ -2,8 +2,8 @@
 
 --init-from is any reference raychat.checkpoint_manager resolves (`latest`: the newest SFT checkpoint under
 --storage-path; an s3:// or gs:// one is fetched by every actor that loads it); --storage-path is any storage
-root (a directory, NFS, s3://, gs://) the run's checkpoints are committed to. Both are checked before Ray
-starts."""
+root (a directory, NFS, s3://, gs://) the run's checkpoints are committed to. Both, and the files of a hub
+--task, are checked before Ray starts."""
 
 from __future__ import annotations
 
@@ -18,15 +18,18 @@ from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import RLConfig, from_args, from_dict
 from raychat.rl.loop import RLRun
 from raychat.storage import check_writable, is_remote, open_storage
+from raychat.tasks.registry import check_data
 
 
 def resolve_inputs(cfg: RLConfig) -> RLConfig:
-    """--storage-path absolute (or its URI), --init-from the checkpoint it names.
+    """--storage-path absolute (or its URI), --init-from the checkpoint it names; --task's files checked.
 
-    Raises ValueError naming the flag: no --init-from, or one that names nothing; CheckpointError naming the
-    file: a local one that could not load (raychat.checkpoint.check_model)."""
+    Raises ValueError naming the flag: no --init-from, or one that names nothing; a hub --task whose train or
+    test file is missing under --task-data-dir (raychat.tasks.registry.check_data); CheckpointError naming the
+    file: a local --init-from that could not load (raychat.checkpoint.check_model)."""
     if not cfg.run.init_from:
         raise ValueError("--init-from: required: a chat (SFT) checkpoint, its run (dir or name), or latest")
+    check_data([cfg.task.task], ("train", "test"), cfg.task.task_data_dir, "--task")
     storage = open_storage(cfg.run.storage_path)
     init_from = find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("sft",))
     if not is_remote(init_from):

@@ -2,7 +2,8 @@
 
 make_task(name, split, size, seed, **options) -> Task, where split is "train" or "test" (held out: no example
 shared with train), size the number of examples (None: the task's default), seed the example order.
-SFT mixtures are specs "calculator:4000,chatterbot,spelling:2000" (name[:examples]); RL takes one task by name.
+SFT mixtures are specs "calculator:4000,chatterbot,spelling:2000" (name[:examples], examples a positive
+integer; parse_mixture, checked as the config is built); RL takes one task by name.
 
 held_out(name) says whether the task has a test split (chatterbot-corpus has none: its conversations are
 all used for training, so SFT validation covers the tasks that have one); EVAL_ONLY tasks (humaneval) have
@@ -18,6 +19,7 @@ FileNotFoundError in one line naming the expected path (check_data checks a whol
 
 from __future__ import annotations
 
+from raychat.config.schema import parse_task_spec
 from raychat.tasks.base import Task
 from raychat.tasks.calculator import Calculator
 from raychat.tasks.chatterbot import ChatterbotConversations
@@ -54,6 +56,11 @@ def _hub(name: str, build):
     return factory
 
 
+# every task's name, in TASKS' order: a literal, so that a config can check a task spec without importing the
+# tasks (raychat.config.schema.owned_choices)
+TASK_NAMES = (
+    "calculator", "chatterbot", "spelling", "smoltalk", "gsm8k", "mmlu", "arc-easy", "arc-challenge", "humaneval",
+)  # fmt: skip
 TASKS = {
     "calculator": _calculator,
     "chatterbot": _chatterbot,
@@ -115,19 +122,16 @@ def check_data(names, splits=("train",), data_dir: str | None = None, flag: str 
                     raise ValueError(f"{flag}: {e}") from None
 
 
-def parse_mixture(spec: str, flag: str = "--sft-tasks") -> list[tuple[str, int | None]]:
-    """[(name, examples or None)] of a spec "calculator:2000,chatterbot,spelling:1000".
+def parse_mixture(
+    spec: str, flag: str = "--sft-tasks", empty_ok: bool = False
+) -> list[tuple[str, int | None]]:
+    """[(name, examples or None)] of a spec "calculator:2000,chatterbot,spelling:1000" (name[:examples]).
 
     Raises:
-        ValueError: an unknown task name, as "<flag>: unknown task ...; known: [...]".
+        ConfigError (a ValueError) naming `flag` (raychat.config.schema.parse_task_spec): an unknown task name,
+            a count that is not a positive integer, no task at all (unless empty_ok).
     """
-    out = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, _, count = item.partition(":")
-        if name not in TASKS:
-            raise ValueError(f"{flag}: unknown task {name!r}; known: {sorted(TASKS)}")
-        out.append((name, int(count) if count else None))
-    return out
+    return parse_task_spec(spec, flag, TASK_NAMES, empty_ok)
 
 
 def mixture_tasks(spec: str, split: str = "train", seed: int = 0, data_dir: str | None = None) -> list[Task]:

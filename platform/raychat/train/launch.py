@@ -5,8 +5,8 @@ Storage (raychat.storage): checkpoints go to <--storage-path>/<--run-name>/check
 raychat.checkpoint_manager (Ray Train's RunConfig(storage_path, storage_filesystem) holds its run state beside
 them), on a local or NFS directory, s3:// or gs://; --data-dir and
 --tokenizer-path are directories or run names under the storage root; --init-from is any checkpoint
-reference, `latest` being the newest pretraining checkpoint under the root. Every reference is resolved and
-the root checked for writing before Ray starts.
+reference, `latest` being the newest pretraining checkpoint under the root. Every reference is resolved, the
+run's newest checkpoint checked for resuming (check_resume) and the root checked for writing before Ray starts.
 
 A train spec (the stage's components; torchtitan's TrainSpec) is an object with `row_source(cfg, tokenizer,
 rank, world)`, `validators(cfg, tokenizer, rank, world, device, autocast)` and `data_cpus` (CPUs each of its
@@ -16,10 +16,12 @@ Ray Data tasks reserves; 0 = none): raychat.train.pretrain.Pretraining and raych
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ray.data._internal.stats import get_or_create_stats_actor
@@ -33,14 +35,16 @@ from raychat.capacity import (
     placement_state,
     read_capacity,
 )
-from raychat.checkpoint import check_model
-from raychat.checkpoint_manager import CheckpointManager, find_checkpoint
-from raychat.config import TrainConfig, from_args, from_dict, to_dict
+from raychat.checkpoint import check_model, load_tree
+from raychat.checkpoint_manager import CheckpointError, CheckpointManager, find_checkpoint, verify_stored
+from raychat.config import ConfigError, TrainConfig, from_args, from_dict, to_dict, to_flat
+from raychat.config.schema import flag_name
+from raychat.data.loader.row_source import RowSource
 from raychat.log import log
 from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import start_or_connect, worker_bundle
-from raychat.train.plan import make_plan, print_plan
+from raychat.train.plan import Plan, make_plan, print_plan
 from raychat.train.startup_trace import mark
 from raychat.train.step import NonFiniteError
 from raychat.train.worker import train_loop_per_worker
@@ -137,6 +141,77 @@ def resolve_paths(cfg: TrainConfig, writable: bool = True) -> RunPaths:
     return paths
 
 
+# The options a model's shape derives from (ModelConfig.from_depth and the vocabulary); SFT's is --init-from's.
+SHAPE_OPTIONS = ("depth", "aspect_ratio", "head_dim", "kv_group", "seq_len", "tokenizer_path")
+# The options a stage's row source stream is made of (its fingerprint).
+DATA_OPTIONS = {"pretrain": ("data_dir", "seed"), "sft": ("sft_tasks", "seed", "seq_len", "task_data_dir")}
+RESUME_HINT = "(use another --run-name, or the same settings to resume)"
+
+
+def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Callable[[], RowSource]) -> None:
+    """Check that the run's newest committed checkpoint, if there is one, is one this run can resume, before
+    Ray starts (each worker would fail on it in turn, and the run retry until --max-failures): every file its
+    commit marker lists is there with its size, it is of this stage, its model is plan.model_config and its
+    data state was made on this run's stream (the comparison each worker makes as it resumes:
+    raychat.data.loader.row_source.resume_cursor); row_source() builds this run's row source (rank 0 of 1).
+
+    Raises:
+        CheckpointError: a file of the checkpoint is missing or of another size (named).
+        ConfigError: another stage, model or stream: one line naming each option that differs, with the
+            checkpoint's value and this run's.
+    """
+    newest = paths.checkpoints.newest()
+    if newest is None:
+        return
+    where = paths.storage.uri_of(newest.path)
+    try:
+        verify_stored(paths.storage, newest.path)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"--run-name {cfg.run.run_name}: {e}: this run would resume from it (remove that checkpoint to resume "
+            "from the one before, or use another --run-name)"
+        ) from None
+    meta = json.loads(read_bytes(paths.storage, f"{newest.path}/meta.json"))
+    if meta.get("stage") != cfg.run.stage:
+        raise ConfigError(
+            f"--run-name: the run's checkpoint {where} is a {meta.get('stage')} checkpoint, this run is "
+            f"{cfg.run.stage} (use another --run-name)"
+        )
+    if meta["model_config"] != plan.model_config:
+        options = ("init_from",) if cfg.run.init_from else SHAPE_OPTIONS
+        changed = _changed(meta, cfg, options) or [
+            (f"the model's {k}", v, plan.model_config.get(k))
+            for k, v in meta["model_config"].items()
+            if v != plan.model_config.get(k)
+        ]
+        _refuse(where, changed)
+    rows = row_source()
+    state = load_tree(io.BytesIO(read_bytes(paths.storage, f"{newest.path}/state_rank0.npz")))
+    made_on = state["rows"].get(rows.fingerprint_key)
+    if made_on != rows.fingerprint():
+        options = DATA_OPTIONS.get(cfg.run.stage, ())
+        _refuse(where, _changed(meta, cfg, options) or [("the data", made_on, rows.fingerprint())])
+
+
+def _changed(meta: dict, cfg: TrainConfig, options) -> list[tuple[str, object, object]]:
+    """(--flag, the checkpoint's value, this run's) of each of `options` whose value differs from the config
+    a checkpoint's meta.json holds; none when that config is absent or unreadable."""
+    try:
+        was = to_flat(from_dict(TrainConfig, meta["config"]))
+    except (KeyError, TypeError, ValueError):
+        return []
+    now = to_flat(cfg)
+    return [(flag_name(o), was[o], now[o]) for o in options if was[o] != now[o]]
+
+
+def _refuse(where: str, changed: list[tuple[str, object, object]]) -> None:
+    names = ", ".join(name for name, _, _ in changed)
+    was, now = (", ".join(repr(c[i]) for c in changed) for i in (1, 2))
+    raise ConfigError(
+        f"{names}: the run's checkpoint {where} was made with {was}, this run asks for {now} {RESUME_HINT}"
+    )
+
+
 @dataclass(frozen=True)
 class TrainingResult:
     """What a training run left: its newest committed checkpoint (a local path or URI; None when nothing was
@@ -150,12 +225,14 @@ def run_training(cfg: TrainConfig, spec, callbacks=()) -> TrainingResult:
     """Run (or resume) training of `spec` on the current Ray cluster; returns its TrainingResult.
 
     callbacks: raychat.train.trainer.Callback objects every worker runs (pickled to the workers).
-    Raises ValueError (before Ray starts) for a reference that names nothing or a root that is not writable.
+    Raises ValueError (before Ray starts) for a reference that names nothing, a root that is not writable, or
+    a run directory whose newest checkpoint this run cannot resume (check_resume).
     """
     paths = resolve_paths(cfg, writable=False)
     cfg = paths.config(cfg)
     tokenizer = Tokenizer.load(paths.tokenizer_path)
     plan = make_plan(cfg, tokenizer.vocab_size)
+    check_resume(cfg, paths, plan, lambda: spec.row_source(cfg, tokenizer, 0, 1))
     check_writable(paths.storage)  # creates the root: only once the inputs are known to be good
     print_plan(cfg, plan)
     mark("plan_printed")

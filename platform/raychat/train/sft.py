@@ -68,7 +68,8 @@ def sft(cfg: TrainConfig, callbacks=()):
 
     Raises:
         ValueError (before Ray starts): no --init-from, or one that names no committed checkpoint; a hub
-            task of --sft-tasks whose file is missing under --task-data-dir (one line naming it).
+            task of --sft-tasks whose file is missing under --task-data-dir (one line naming it); or as
+            run_training (a run directory whose newest checkpoint this run cannot resume).
     """
     if not cfg.run.init_from:
         raise ValueError("--init-from: required: a pretraining checkpoint, its run (name or dir), or latest")

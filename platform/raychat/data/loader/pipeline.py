@@ -198,6 +198,8 @@ class PretrainRows:
             runs on into the next epoch.)
     """
 
+    fingerprint_key = "corpus"  # the state_dict key of fingerprint()
+
     def __init__(
         self, train_files, tokenizer_path, row_len, rank=0, world_size=1, buffer_size=256, num_cpus=0.5,
         seed=0, overflow="crop", min_fragment=32,
@@ -251,7 +253,7 @@ class PretrainRows:
 
     def state_dict(self) -> dict:
         """This rank's data state (module docstring): small, JSON-serializable, references only."""
-        return cursor_state("corpus", self.fingerprint(), self.cursor, self.packer.state_dict())
+        return cursor_state(self.fingerprint_key, self.fingerprint(), self.cursor, self.packer.state_dict())
 
     def load_state_dicts(self, states: Sequence[dict]) -> None:
         """Continue from the states of every rank of the old world (in rank order), on this rank of this one.
@@ -260,7 +262,7 @@ class PretrainRows:
             ValueError: the states were made on other shards or another seed, or are not one whole world.
         """
         self.cursor, packer = resume_cursor(
-            states, "corpus", self.fingerprint(), self.rank, self.world, _piece_refs
+            states, self.fingerprint_key, self.fingerprint(), self.rank, self.world, _piece_refs
         )
         pieces = read_pieces(self.order, _piece_refs(packer["buffer"]), self.tokenizer_path)
         self.packer.load_state_dict(packer, pieces)

@@ -30,6 +30,8 @@ class RowSource(Protocol):
     "segment_ids": (n, T+1) int32, the packed sample of each token (SFT only), "replay": a list of n dicts,
     each row's segments as replay-record columns (raychat.data.replay.records)}.
     `fingerprint()` -> what the stream is made of (shards and seed, or mixture and row length): JSON-able.
+    `fingerprint_key` (a class attribute of both): the key state_dict() holds fingerprint() under (the driver
+    compares it with a checkpoint's before Ray starts: raychat.train.launch.check_resume).
     `state_dict()` -> this rank's position, JSON-able, references only (module docstring).
     `load_state_dicts(states)`: continue from the states of every rank of the old world, in rank order, on
     this rank of this world (any size); raises ValueError if the states were made from another stream or

@@ -37,6 +37,8 @@ class SFTRows:
         row_len: T+1; rank, world_size: this worker's place; buffer_size: best-fit buffer (samples).
     """
 
+    fingerprint_key = "mixture"  # the state_dict key of fingerprint()
+
     def __init__(
         self,
         tasks: list[Task],
@@ -104,7 +106,7 @@ class SFTRows:
 
     def state_dict(self) -> dict:
         """{"mixture", "deal", "rank", "taken", "packer": {"buffer": stream items, "stats", "exhausted"}}."""
-        return cursor_state("mixture", self.fingerprint(), self.cursor, self.packer.state_dict())
+        return cursor_state(self.fingerprint_key, self.fingerprint(), self.cursor, self.packer.state_dict())
 
     def load_state_dicts(self, states: Sequence[dict]) -> None:
         """Continue from the states of every rank of the old world (in rank order); see the module docstring.
@@ -113,7 +115,7 @@ class SFTRows:
             ValueError: the states were made with another mixture or row length, or are not one whole world.
         """
         self.cursor, packer = resume_cursor(
-            states, "mixture", self.fingerprint(), self.rank, self.world, _item_refs
+            states, self.fingerprint_key, self.fingerprint(), self.rank, self.world, _item_refs
         )
         self.packer.load_state_dict(packer, [self.render(g) for g in packer["buffer"]])
 
