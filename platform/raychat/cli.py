@@ -45,10 +45,18 @@ def load(target: str):
     return getattr(importlib.import_module(module), name)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (argparse prints the whole usage block first); the
+    subcommands' parsers are of the same class (add_subparsers' default)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `raychat` parser: with a known `command`, that command's full parser (raychat.commands); else one
     line per command, importing nothing."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="raychat",
         description="raychat: text -> tokens -> rows -> model -> checkpoint -> engine -> endpoint, on Ray.",
         epilog="Run `raychat <command> --help` for the flags of one command.",

@@ -471,3 +471,16 @@ def test_resuming_sft_with_other_tasks_or_another_stage(root, driver, pretrained
         f"raychat sft: error: --run-name: the run's checkpoint {p1} is a pretrain checkpoint, this run is sft "
         "(use another --run-name)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
+
+
+def test_resuming_a_run_whose_checkpoint_has_no_data_state(root, capsys):
+    """A committed model-only checkpoint (save_model, as an export of weights would write) under the run: a
+    training run cannot resume it; it was "[Errno 2] Failed to open local file .../state_rank0.npz"."""
+    d = write_tiny_checkpoint(root / "s2" / "checkpoint_000001", stage="sft")
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s2", "--init-from",
+            f"{root}/pretrain", "--data-dir", f"{root}/data", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    line = _fails_in_one_line(argv, capsys)
+    assert line == (
+        f"raychat sft: error: --run-name s2: the run's checkpoint {d} holds no data state (state_rank0.npz), so "
+        "it cannot be resumed (use another --run-name)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )

@@ -137,3 +137,13 @@ def test_every_flag_section_says_what_it_holds_not_its_dataclass_signature(capsy
     assert titles, out[:500]
     signatures = [(title, summary) for title, summary in titles if re.match(r"\w+Section\(\w+: '", summary)]
     assert not signatures
+
+
+def test_a_flag_the_parser_refuses_is_one_line_not_the_usage_block(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["chat", "--temperature", "nan"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "raychat chat: error: argument --temperature: --temperature must be a finite number, got 'nan' "
+        "(`raychat chat --help` lists the flags)\n"
+    )

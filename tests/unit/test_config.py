@@ -14,6 +14,7 @@ from raychat.cli import build_parser
 from raychat.config import (
     ChatConfig,
     ConfigError,
+    EvalConfig,
     RLConfig,
     ServeConfig,
     SpeedrunConfig,
@@ -26,7 +27,10 @@ from raychat.config import (
     to_dict,
     to_flat,
 )
+from raychat.config.data import TokenizerConfig
 from raychat.config.schema import leaves
+from raychat.tokenizer import MIN_VOCAB_SIZE
+from raychat.train.plan import make_plan
 
 
 def test_nested_flat_and_alias_keys_build_the_same_config():
@@ -89,10 +93,39 @@ def test_a_blank_path_is_refused_where_blank_would_mean_the_current_directory(tm
         from_dict(TrainConfig, {"storage_path": ""})
     with pytest.raises(ConfigError, match=r"^--out must be a directory, got ' ' \(default: 'runs'\)$"):
         SpeedrunConfig.from_preset("tiny", " ")
+    (tmp_path / "notes.txt").write_text("x")  # was "[Errno 17] File exists"
+    with pytest.raises(
+        ConfigError, match=r"^--out must be a directory, got 'notes.txt' \(default: 'runs'\)$"
+    ):
+        SpeedrunConfig.from_preset("tiny", "notes.txt")
     assert (
         from_dict(ChatConfig, {"checkpoint": ""}).checkpoint == ""
     )  # default "": its command says "required"
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_limits_that_once_ended_in_a_traceback(tmp_path):
+    """A seed beyond int64 (torch: "Overflow when unpacking long long"), a vocabulary the BPE trainer cannot
+    index, a model whose tensor sizes overflow, a blank --preset (silently no preset), a preset path that is
+    not a regular file ("does not exist")."""
+    with pytest.raises(
+        ConfigError, match=r"^--seed must be <= 9223372036854775807, got 99999999999999999999$"
+    ):
+        from_dict(TrainConfig, {"seed": 10**20 - 1})
+    with pytest.raises(ConfigError, match=r"^--vocab-size must be <= 1048576, got 99999999999$"):
+        from_dict(TokenizerConfig, {"vocab_size": 99_999_999_999})
+    tokenizer_floor = leaves(TokenizerConfig)["vocab_size"][1].metadata["ge"]
+    assert tokenizer_floor == MIN_VOCAB_SIZE == 265  # 256 bytes + the special tokens: one bound, not two
+    with pytest.raises(
+        ConfigError, match=r"^--depth 99999999999, --aspect-ratio 64: a model 6399999999936 wide"
+    ):
+        make_plan(from_dict(TrainConfig, {"depth": 99_999_999_999}), 512)
+    with pytest.raises(ConfigError, match=r"^--preset must not be blank: preset name"):
+        from_args(argparse.Namespace(preset=" "), TrainConfig, "pretrain")
+    with pytest.raises(ValueError, match=r"^--preset: /dev/null is not a regular file; shipped presets"):
+        from_args(argparse.Namespace(preset="/dev/null"), TrainConfig, "pretrain")
+    with pytest.raises(ConfigError, match=r"^--tasks: 'calculator' given twice; name each task once$"):
+        from_dict(EvalConfig, {"tasks": "calculator:2,spelling,calculator:3"})  # the 2 was silently dropped
 
 
 def test_flat_names_are_unique_and_every_flag_keeps_its_name():

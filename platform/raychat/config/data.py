@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import Section, option
+from raychat.config.schema import SEED_MAX, Section, option
 
 
 @dataclass
@@ -29,7 +29,7 @@ class PrepareConfig(Section):
     rows_per_shard: int | None = option(
         None, "local sources: at most this many documents a shard; None = 1024", ge=1
     )
-    seed: int = option(0, "shuffle seed for local sources")
+    seed: int = option(0, "shuffle seed for local sources", ge=0, le=SEED_MAX)
     row_group_size: int = option(1024, "rows per parquet row group", ge=1)
     url_pattern: str | None = option(
         None, "hub sources: a mirror URL with {index}, e.g. http://host/shard_{index:05d}.parquet"
@@ -52,7 +52,10 @@ class TokenizerConfig(Section):
         "data", "shards from `raychat data prepare`: a run name under --storage-path or a directory"
     )
     out: str | None = option(None, "output directory instead of <storage-path>/<run-name>")
-    vocab_size: int = option(4096, "total vocabulary incl. special tokens (gpu8: 65536)", ge=260)
+    vocab_size: int = option(
+        4096, "total vocabulary incl. special tokens (gpu8: 65536), 265 (256 bytes + 9 specials) to 2**20",
+        ge=265, le=2**20,  # raychat.tokenizer.MIN_VOCAB_SIZE; test_config checks that they agree
+    )  # fmt: skip
     max_chars: int = option(2_000_000_000, "train on at most this many characters (<= 0: no limit)")
 
     def output_dir(self) -> str:

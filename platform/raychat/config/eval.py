@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import Section, option, owned_choices, parse_task_spec
+from raychat.config.schema import SEED_MAX, ConfigError, Section, option, owned_choices, parse_task_spec
 from raychat.config.serve import KV_DTYPE_HELP
 
 DEVICES = ("cpu", "cuda")
@@ -51,12 +51,15 @@ class EvalConfig(Section):
     device_batch_size: int = option(8, "rows per forward pass (BPB)", positive=True)
     max_tokens: int = option(48, "completion budget per generative task example, tokens", positive=True)
     device: str = option("cpu", "where the model runs", DEVICES)
-    seed: int = option(0, "seed of the held-out examples' order")
+    seed: int = option(0, "seed of the held-out examples' order", ge=0, le=SEED_MAX)
 
     def __post_init__(self):
         super().__post_init__()
         names = (*owned_choices("raychat.tasks.registry", "TASK_NAMES"), CHATCORE)
-        parse_task_spec(self.tasks, "--tasks", names, empty_ok=True)
+        given = [name for name, _ in parse_task_spec(self.tasks, "--tasks", names, empty_ok=True)]
+        twice = sorted({name for name in given if given.count(name) > 1})
+        if twice:  # one accuracy per task: a second count would silently replace the first
+            raise ConfigError(f"--tasks: {', '.join(map(repr, twice))} given twice; name each task once")
 
 
 @dataclass
@@ -83,7 +86,7 @@ class ChatConfig(Section):
     top_k: int = option(50, "sample among the k most likely tokens; 0 = off", ge=0)
     top_p: float | None = option(None, "nucleus mass in (0, 1]; None = off", gt=0, le=1)
     max_tokens: int = option(256, "completion tokens per reply", positive=True)
-    seed: int | None = option(None, "sampling seed (None = a fresh one)")
+    seed: int | None = option(None, "sampling seed (None = a fresh one)", ge=0, le=SEED_MAX)
     device: str = option(
         "auto", "where the model runs (auto: cuda when there is one, else cpu)", ("auto", *DEVICES)
     )

@@ -16,6 +16,7 @@ import sys
 
 from raychat.config.presets import PRESET_HELP, preset_values
 from raychat.config.schema import (
+    ConfigError,
     _base_type,
     _hints,
     coerce,
@@ -120,6 +121,8 @@ def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str
     """
     config = base if base is not None else cls()
     name = getattr(args, "preset", None)
+    if name is not None and not name.strip():
+        raise ConfigError(f"--preset must not be blank: {PRESET_HELP}")
     preset = preset_values(name, section) if name and name != "none" else {}
     if preset:
         config = from_dict(cls, preset, base=config, where=where)

@@ -38,10 +38,12 @@ def read_preset(name_or_path: str) -> dict:
     """
     if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
         path = Path(name_or_path)
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(
                 f"--preset: file {path} does not exist; shipped presets: {preset_names()}"
             )
+        if not path.is_file():
+            raise ValueError(f"--preset: {path} is not a regular file; shipped presets: {preset_names()}")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:

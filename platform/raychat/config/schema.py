@@ -76,6 +76,7 @@ def check_reference(value: str, flag: str) -> str:
 
 
 TASK_SPEC_FORM = "name[:count],..."
+SEED_MAX = 2**63 - 1  # the largest seed torch and numpy both take
 
 
 def parse_task_spec(

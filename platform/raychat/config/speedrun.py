@@ -35,7 +35,7 @@ class SpeedrunConfig:
             ConfigError: an unknown key or a bad value in a section (the message names the section); a blank
                 `out` (which would put the runs in the current directory).
         """
-        if not out.strip():
+        if not out.strip() or (Path(out).exists() and not Path(out).is_dir()):
             raise ConfigError(f"--out must be a directory, got {out!r} (default: 'runs')")
         root = Path(out).resolve()
         data_dir, tok_dir, checkpoints = root / "data", root / "tokenizer", root / "checkpoints"

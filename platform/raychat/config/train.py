@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import ConfigError, Section, option, owned_choices, parse_task_spec, section
+from raychat.config.schema import (
+    SEED_MAX,
+    ConfigError,
+    Section,
+    option,
+    owned_choices,
+    parse_task_spec,
+    section,
+)
 
 STAGES = ("pretrain", "sft", "rl")
 # How long a request may wait for the cluster to hold it (a cold GPU node of a cloud autoscaler: minutes;
@@ -30,7 +38,7 @@ class RunSection(Section):
         "dir, <run dir>/latest, a run name under --storage-path, or latest (the newest checkpoint of the stage "
         "before there)", kind="reference",
     )  # fmt: skip
-    seed: int = option(0, "seed for init, data order and sampling")
+    seed: int = option(0, "seed for init, data order and sampling", ge=0, le=SEED_MAX)
     tracker: str = option(
         "none",
         "also log every step to TensorBoard event files or W&B (offline)",

@@ -186,7 +186,13 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
         ]
         _refuse(where, changed)
     rows = row_source()
-    state = load_tree(io.BytesIO(read_bytes(paths.storage, f"{newest.path}/state_rank0.npz")))
+    try:
+        state = load_tree(io.BytesIO(read_bytes(paths.storage, f"{newest.path}/state_rank0.npz")))
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"--run-name {cfg.run.run_name}: the run's checkpoint {where} holds no data state (state_rank0.npz), "
+            "so it cannot be resumed (use another --run-name)"
+        ) from None
     made_on = state["rows"].get(rows.fingerprint_key)
     if made_on != rows.fingerprint():
         options = DATA_OPTIONS.get(cfg.run.stage, ())

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from raychat.checkpoint import read_meta
-from raychat.config import TrainConfig
+from raychat.config import ConfigError, TrainConfig
 from raychat.model import GPT, ModelConfig
 from raychat.train.optim import planned_ns_choice
 
@@ -72,7 +72,8 @@ def round_to_micro_steps(tokens: int, tokens_per_micro_step: int) -> int:
 def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
     """The derived sizes of a run. An automatic total batch size is rounded to whole micro-steps
     (round_to_micro_steps) of every world size the run may train on (lcm of --min-workers..--num-workers);
-    raises ConfigError when an explicit --total-batch-size does not divide."""
+    raises ConfigError when an explicit --total-batch-size does not divide, or the model is too large for a
+    tensor's size to be computed."""
     m, h, batch = cfg.model, cfg.train.horizon, cfg.train.batch
     if cfg.run.init_from:
         model_config = ModelConfig(**read_meta(cfg.run.init_from)["model_config"])
@@ -80,8 +81,14 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
         model_config = ModelConfig.from_depth(
             m.depth, vocab_size, m.seq_len, m.aspect_ratio, m.head_dim, m.kv_group
         )
-    with torch.device("meta"), ShapesOnly():
-        model = GPT(model_config)
+    try:
+        with torch.device("meta"), ShapesOnly():
+            model = GPT(model_config)
+    except RuntimeError as e:  # torch: "Storage size calculation overflowed with sizes=[...]"
+        raise ConfigError(
+            f"--depth {m.depth}, --aspect-ratio {m.aspect_ratio}: a model {model_config.n_embd} wide and "
+            f"{model_config.n_layer} deep cannot be built ({e})"
+        ) from None
     n_params = model.num_params()
     scaling_params = model.num_params(exclude_embedding=True)
     flops_per_token = model.flops_per_token(m.seq_len)
