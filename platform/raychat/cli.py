@@ -46,11 +46,25 @@ def load(target: str):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (argparse prints the whole usage block first); the
-    subcommands' parsers are of the same class (add_subparsers' default)."""
+    """An ArgumentParser whose errors are one line (argparse prints the whole usage block first), and which
+    refuses a blank value for a plain text argument whose default is not blank (`--address ""`, `jobs stop ""`:
+    otherwise read as "not given", or passed on as ''). The subcommands' parsers are of the same class
+    (add_subparsers' default); the config flags check their own values (raychat.config.flags)."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            if action.type is not None or action.nargs == argparse.REMAINDER or action.default == "":
+                continue
+            value = getattr(namespace, action.dest, None)
+            if any(
+                isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])
+            ):
+                self.error(f"argument {'/'.join(action.option_strings) or action.dest}: must not be blank")
+        return namespace, extras
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -147,3 +147,27 @@ def test_a_flag_the_parser_refuses_is_one_line_not_the_usage_block(capsys):
         "raychat chat: error: argument --temperature: --temperature must be a finite number, got 'nan' "
         "(`raychat chat --help` lists the flags)\n"
     )
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["submit", "--address", "", "pretrain"], "--address"),  # read as "not given": the default address
+        (["submit", "--python", " ", "pretrain"], "--python"),  # the entrypoint `' ' jobs/pretrain.py`
+        (["submit", "--pip", "", "pretrain"], "--pip"),
+        (["jobs", "stop", ""], "job_id"),
+        (["k8s", "submit", "--dry-run", "--image", "", "rl"], "--image"),
+        (["serve", "--host", ""], "--host"),
+        (["chat", "-p", ""], "-p"),
+    ],
+)
+def test_a_blank_text_argument_is_refused_by_the_parser(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    prog = "raychat " + " ".join(
+        a for a in argv[:2] if a in ("submit", "jobs", "stop", "k8s", "serve", "chat")
+    )
+    assert capsys.readouterr().err == (
+        f"{prog}: error: argument {flag}: must not be blank (`{prog} --help` lists the flags)\n"
+    )

@@ -133,15 +133,21 @@ def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, capsys, flags, 
     assert err.startswith("raychat chat: ") and message in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("prompt", ["", "  "])
-def test_a_blank_prompt_is_an_error_not_the_interactive_chat(checkpoint, capsys, prompt):
+@pytest.mark.parametrize(
+    "flags, why",
+    [
+        (["-p", ""], "argument -p: must not be blank"),
+        (["--prompt", "  "], "argument --prompt: --prompt must be a non-blank string, or 'none' for no value; got '  '"),
+    ],
+)  # fmt: skip
+def test_a_blank_prompt_is_an_error_not_the_interactive_chat(checkpoint, capsys, flags, why):
     """`-p "$UNSET"` used to read as no -p at all and wait on stdin for the interactive chat."""
     d, _, _ = checkpoint
-    assert main(["chat", "--checkpoint", str(d), "-p", prompt]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["chat", "--checkpoint", str(d), *flags])
+    assert e.value.code == 2
     err = capsys.readouterr().err
-    assert (
-        err == f"raychat chat: --prompt must be a non-blank string, or 'none' for no value; got {prompt!r}\n"
-    )
+    assert err == f"raychat chat: error: {why} (`raychat chat --help` lists the flags)\n"
 
 
 def test_a_bare_latest_says_what_to_give_instead(capsys):

@@ -514,6 +514,13 @@ def test_k8s_submit_dry_run_prints_a_valid_rayjob(capsys, crd_schemas):
     for flags in (["--ttl", "-5"], ["--retries", "-2"]):  # negative: the API server would refuse the RayJob
         assert raychat_main(["k8s", "submit", "--dry-run", "--name", "t1", *flags, "sft"]) == 2
         assert "--ttl and --retries must be >= 0" in capsys.readouterr().err
+    assert (
+        raychat_main(["k8s", "submit", "--dry-run", "--namespace", "Bad NS", "sft"]) == 2
+    )  # was written as is
+    assert capsys.readouterr().err == (
+        "raychat k8s submit: --namespace must be a DNS-1123 label (lowercase, digits, '-', <= 63 chars); got "
+        "'Bad NS'\n"
+    )
 
 
 class _FakeApiServer(BaseHTTPRequestHandler):

@@ -236,9 +236,17 @@ def submitter_template(image: str = IMAGE) -> dict:
     }
 
 
+def check_label(value: str, what: str = "name") -> str:
+    """`value` when it is a DNS-1123 label (what Kubernetes names and namespaces are), else ValueError."""
+    if not _DNS1123.match(value) or len(value) > 63:
+        raise ValueError(
+            f"{what} must be a DNS-1123 label (lowercase, digits, '-', <= 63 chars); got {value!r}"
+        )
+    return value
+
+
 def _meta(name: str, **labels) -> dict:
-    if not _DNS1123.match(name) or len(name) > 63:
-        raise ValueError(f"name must be a DNS-1123 label (lowercase, digits, '-', <= 63 chars); got {name!r}")
+    check_label(name)
     return {"name": name, "labels": {**LABELS, **labels}}
 
 

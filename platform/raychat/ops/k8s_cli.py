@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from raychat.ops.k8s import rayjob, render_all, to_yaml, write_generated
+from raychat.ops.k8s import check_label, rayjob, render_all, to_yaml, write_generated
 from raychat.ops.submit import repo_root
 
 REQUEST_TIMEOUT_S = (
@@ -98,6 +98,7 @@ def cmd_submit(args) -> int:
         stage_args = stage_args[1:]
     name = args.name or f"raychat-{args.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
+        check_label(args.namespace, "--namespace")
         body = rayjob(
             args.stage, stage_args, name=name, image=args.image, ttl_s=args.ttl, backoff_limit=args.retries
         )
