@@ -171,3 +171,19 @@ def test_a_blank_text_argument_is_refused_by_the_parser(argv, flag, capsys):
     assert capsys.readouterr().err == (
         f"{prog}: error: argument {flag}: must not be blank (`{prog} --help` lists the flags)\n"
     )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["inspect-batch", "--canary", "short", "--row-len", "0"], "argument --row-len: must be >= 2, got 0"),
+        (["inspect-batch", "--vocab-size", "5"], "argument --vocab-size: must be >= 265, got 5"),
+        (["submit", "--num-cpus", "-1", "pretrain"], "argument --num-cpus: must be >= 0, got -1"),
+    ],
+)
+def test_numbers_the_parser_checks_name_their_flag(argv, message, capsys):
+    """--row-len 0 trained a tokenizer, then failed naming max_tokens; --vocab-size 5 named vocab_size."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    prog = f"raychat {argv[0]}"
+    assert capsys.readouterr().err == f"{prog}: error: {message} (`{prog} --help` lists the flags)\n"

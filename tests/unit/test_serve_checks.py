@@ -82,6 +82,10 @@ def test_a_damaged_checkpoint_is_refused_naming_it_and_the_file(ckpt, capsys):
             ["--min-replicas", "3", "--max-replicas", "2"],
             "--min-replicas 3 exceeds --max-replicas 2; need --min-replicas <= --max-replicas",
         ),
+        (
+            ["--hf-dir", "exported"],
+            "--hf-dir goes with --backend vllm; the raychat backend serves --checkpoint",
+        ),
     ],
 )
 def test_bad_options_name_the_flag(ckpt, capsys, flags, message):

@@ -34,7 +34,8 @@ class RunSection(Section):
     storage_path: str = option("runs/checkpoints", "where checkpoints go (local dir, NFS, s3://, gs://)")
     stage: str = option("pretrain", "what the run trains (set by the command)", STAGES, flag=False)
     init_from: str = option(
-        "", "checkpoint to start from (SFT: a pretraining one; RL, required: an SFT one): a checkpoint dir, a run "
+        "", "checkpoint to start from (SFT: a pretraining one; RL, required: an SFT one, or a pretraining one named "
+        "explicitly for RL from a base model): a checkpoint dir, a run "
         "dir, <run dir>/latest, a run name under --storage-path, or latest (the newest checkpoint of the stage "
         "before there)", kind="reference",
     )  # fmt: skip

@@ -28,7 +28,9 @@ def resolve_inputs(cfg: RLConfig) -> RLConfig:
     test file is missing under --task-data-dir (raychat.tasks.registry.check_data); CheckpointError naming the
     file: a local --init-from that could not load (raychat.checkpoint.check_model)."""
     if not cfg.run.init_from:
-        raise ValueError("--init-from: required: a chat (SFT) checkpoint, its run (dir or name), or latest")
+        raise ValueError(
+            "--init-from: required: a chat (SFT) checkpoint, its run (dir or name), or latest (the newest SFT one)"
+        )
     check_data([cfg.task.task], ("train", "test"), cfg.task.task_data_dir, "--task")
     storage = open_storage(cfg.run.storage_path)
     init_from = find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("sft",))

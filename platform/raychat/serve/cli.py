@@ -176,6 +176,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"vLLM is serving {args.hf_dir}")
         print(f"OpenAI API:   {url}  (model list: {url}/models)", flush=True)
         return 0 if args.no_block else _block()
+    if args.hf_dir:
+        raise ConfigError("--hf-dir goes with --backend vllm; the raychat backend serves --checkpoint")
     config = from_args(args, ServeConfig, "serve", where="serve settings")
     if not config.checkpoint:
         raise ConfigError("--checkpoint: required: a checkpoint dir, a run dir or <run dir>/latest")
