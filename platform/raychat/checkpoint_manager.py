@@ -39,7 +39,7 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,6 +212,37 @@ def committed_checkpoints(storage: Storage, run_path: str) -> list[Committed]:
             continue
         found.append(Committed(int(commit["step"]), path, commit))
     return sorted(found, key=lambda c: (c.step, c.path))
+
+
+def check_output_target(
+    storage: Storage, target: str, flag: str, output: str, earlier: str, is_earlier: Callable[[list], bool]
+) -> str:
+    """`target` on storage.fs, where a stage writes `output` (e.g. "an export"), replacing what is there:
+    nothing, an empty directory, or a directory whose entries (pafs.FileInfo) is_earlier accepts as `earlier`
+    (e.g. "an earlier export"). A checkpoint or a training run's checkpoints are never replaced.
+
+    Raises ValueError naming `flag`: a checkpoint (it holds COMMIT_FILE), a directory of committed checkpoints,
+    a file, or a directory is_earlier does not accept (its listing in the message)."""
+    uri, kind = storage.uri_of(target), storage.fs.get_file_info(target).type
+    if kind == pafs.FileType.NotFound:
+        return target
+    if kind == pafs.FileType.Directory:
+        entries = storage.fs.get_file_info(pafs.FileSelector(target))
+        held = None
+        if any(e.base_name == COMMIT_FILE for e in entries):
+            held = "is a checkpoint"
+        elif committed_checkpoints(storage, target):
+            held = "holds a training run's checkpoints"
+        if held:
+            raise ValueError(
+                f"{flag}: {uri} {held}, which {output} there would replace; choose another {flag}"
+            )
+        if not entries or is_earlier(entries):
+            return target
+    held = listing(storage, target) if kind == pafs.FileType.Directory else f"{uri} is a file"
+    raise ValueError(
+        f"{flag}: {output} would replace {uri}, which is not {earlier} ({held}); choose another {flag}"
+    )
 
 
 class CheckpointManager:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pyarrow.parquet as pq
 
+from raychat.checkpoint_manager import check_output_target
 from raychat.config import from_args
 from raychat.config.data import TokenizerConfig
 from raychat.data.corpus.shards import list_shards
@@ -66,11 +67,22 @@ def train_tokenizer(
     return report
 
 
+def is_raychat_tokenizer(directory: str) -> bool:
+    """Whether Tokenizer.load reads directory/tokenizer.json."""
+    try:
+        Tokenizer.load(directory)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def main(args) -> int:
     """`raychat tokenizer train` (its parser: raychat.commands.tokenizer).
 
     Raises ValueError naming the flag: --data-dir holds no prepared data; the output is on object storage,
-    lies through a symbolic link out of the storage root, or cannot be written. Nothing is written before."""
+    lies through a symbolic link out of the storage root, cannot be written, or holds anything but an earlier
+    tokenizer (a raychat tokenizer.json alone) or nothing: a checkpoint, a training run's checkpoints,
+    prepared data, other files (--out or --run-name). Nothing is written before."""
     c = from_args(args, TokenizerConfig, "tokenizer", where="tokenizer settings")
     storage = open_storage(c.storage_path)
     data_dir = run_directory(c.data_dir, storage, "--data-dir")
@@ -79,6 +91,14 @@ def main(args) -> int:
     except (OSError, ValueError) as e:
         raise ValueError(f"--data-dir: {e}") from e
     out, flag = output_directory(c.out, c.storage_path, c.run_name)
+    check_output_target(
+        open_storage(out),
+        out,
+        "--out" if c.out else "--run-name",
+        "a tokenizer",
+        "an earlier tokenizer",
+        lambda entries: [e.base_name for e in entries] == ["tokenizer.json"] and is_raychat_tokenizer(out),
+    )
     check_writable(open_storage(out, flag), flag)
     train_tokenizer(data_dir, out, c.vocab_size, c.max_chars)
     return 0

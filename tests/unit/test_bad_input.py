@@ -12,6 +12,7 @@ started, and every file under the storage root has the bytes and modification ti
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,109 @@ def test_a_run_name_that_would_leave_its_run_directory(argv, want, root, capsys)
     line = _fails_in_one_line([a.format(root=root) for a in argv], capsys)
     assert want.format(root=root) in line, line
     assert _snapshot(root.parent) == before
+
+
+CKPT = "{root}/pretrain/checkpoint_000004"
+
+
+def _not_earlier(output: str, earlier: str, directory: str, holds: str, flag: str = "--run-name") -> str:
+    held = f"{directory} holds: {holds}"
+    return f"{output} would replace {directory}, which is not {earlier} ({held}); choose another {flag}"
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        (["export", "--checkpoint", CKPT, "--out", CKPT],
+         f"--out: {CKPT} is a checkpoint, which an export there would replace; choose another --out"),
+        (["export", "--checkpoint", CKPT, "--out", "{root}/tokenizer"],
+         "--out: " + _not_earlier("an export", "an earlier export", "{root}/tokenizer", "tokenizer.json", "--out")),
+        (["export", "--checkpoint", CKPT, "--out", "{root}/texts"],
+         "--out: " + _not_earlier("an export", "an earlier export", "{root}/texts", "0.txt, 1.txt, 2.txt, 3.txt",
+                                  "--out")),
+        (["tokenizer", "train", "--data-dir", "{root}/prepared", "--storage-path", "{root}/pretrain", "--run-name",
+          "checkpoint_000004"],
+         f"--run-name: {CKPT} is a checkpoint, which a tokenizer there would replace; choose another --run-name"),
+        (["tokenizer", "train", "--data-dir", "{root}/prepared", "--out", CKPT],
+         f"--out: {CKPT} is a checkpoint, which a tokenizer there would replace; choose another --out"),
+        (["tokenizer", "train", "--data-dir", "{root}/prepared", "--storage-path", "{root}", "--run-name", "pretrain"],
+         "--run-name: {root}/pretrain holds a training run's checkpoints, which a tokenizer there would replace; "
+         "choose another --run-name"),
+        (["tokenizer", "train", "--data-dir", "{root}/prepared", "--storage-path", "{root}", "--run-name", "prepared"],
+         "--run-name: " + _not_earlier("a tokenizer", "an earlier tokenizer", "{root}/prepared",
+                                       "manifest.json, shard_00000.parquet, shard_00001.parquet")),
+        (["data", "prepare", "--source", "{root}/texts", "--out", CKPT],
+         f"--out: {CKPT} is a checkpoint, which prepared data there would replace; choose another --out"),
+        (["data", "prepare", "--source", "{root}/texts", "--storage-path", "{root}", "--run-name", "pretrain"],
+         "--run-name: {root}/pretrain holds a training run's checkpoints, which prepared data there would "
+         "replace; choose another --run-name"),
+        (["data", "prepare", "--source", "{root}/texts", "--storage-path", "{root}", "--run-name", "tokenizer"],
+         "--run-name: " + _not_earlier("prepared data", "an earlier data directory", "{root}/tokenizer",
+                                       "tokenizer.json")),
+        (["data", "prepare", "--source", "{root}/texts", "--out", "{root}/proj"],
+         "--out: " + _not_earlier("prepared data", "an earlier data directory", "{root}/proj",
+                                  "manifest.json, precious.txt", "--out")),
+    ],
+)  # fmt: skip
+def test_a_stage_refuses_an_output_directory_of_another_kind(argv, want, root, capsys):
+    """export, tokenizer train and data prepare write only into nothing, an empty directory or their own earlier
+    output: never a checkpoint, a run's checkpoints, another stage's directory or the user's files (a foreign
+    manifest.json's files were once deleted as stale shards)."""
+    _good_input(root)
+    (root / "proj").mkdir()
+    (root / "proj" / "precious.txt").write_text("precious\n")
+    (root / "proj" / "manifest.json").write_text('{"shards": [{"file": "precious.txt"}]}\n')
+    before = _snapshot(root)
+    line = _fails_in_one_line([a.format(root=root) for a in argv], capsys)
+    command = "data prepare" if argv[0] == "data" else argv[0]
+    suffix = "" if argv[0] == "data" else "  (RAYCHAT_DEBUG=1 shows the traceback)"
+    assert line == f"raychat {command}: error: {want.format(root=root)}{suffix}"
+    assert _snapshot(root) == before
+
+
+def test_a_stage_replaces_its_own_earlier_output(root, capsys):
+    """Re-running data prepare replaces its shards (a stale one is deleted); tokenizer train replaces its
+    tokenizer."""
+    _good_input(root)
+    prepare = ["data", "prepare", "--source", f"{root}/texts", "--storage-path", str(root), "--run-name", "d"]
+    assert raychat_main([*prepare, "--num-shards", "2"]) == 0
+    assert sorted(p.name for p in (root / "d").iterdir())[-1] == "shard_00002.parquet"
+    assert raychat_main([*prepare, "--num-shards", "1"]) == 0
+    assert sorted(p.name for p in (root / "d").iterdir()) == ["manifest.json", "shard_00000.parquet",
+                                                               "shard_00001.parquet"]  # fmt: skip
+    (root / "d" / "manifest.json").unlink()  # a run of prepare that stopped before its manifest
+    assert raychat_main([*prepare, "--num-shards", "1"]) == 0
+    assert (root / "d" / "manifest.json").is_file()
+    train = ["tokenizer", "train", "--data-dir", f"{root}/prepared", "--vocab-size", "300"]
+    assert raychat_main([*train, "--storage-path", str(root), "--run-name", "tokenizer"]) == 0
+    assert Tokenizer.load(root / "tokenizer").vocab_size <= 300
+
+
+def test_data_prepare_deletes_only_its_own_shards(root, tmp_path):
+    """prepare() called directly (no directory check): a manifest that is not raychat's deletes nothing, and
+    raychat's deletes only the shard names prepare writes."""
+    from raychat.data.corpus.prepare import FORMAT, prepare
+
+    _good_input(root)
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "outside.txt").write_text("outside\n")
+    for name in ("precious.txt", "shard_00007.parquet"):
+        (out / name).write_text(name)
+    listed = [
+        {"file": f}
+        for f in ("precious.txt", "../outside.txt", "sub/shard_00009.parquet", "shard_00007.parquet")
+    ]
+    (out / "manifest.json").write_text(json.dumps({"shards": listed}))
+    prepare(str(root / "texts"), out, num_shards=1, log=lambda *_: None)
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "precious.txt", "shard_00000.parquet",
+                                                      "shard_00001.parquet", "shard_00007.parquet"]  # fmt: skip
+    (out / "manifest.json").write_text(json.dumps({"format": FORMAT, "shards": listed}))
+    prepare(str(root / "texts"), out, num_shards=1, log=lambda *_: None)
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "precious.txt", "shard_00000.parquet",
+                                                      "shard_00001.parquet"]  # fmt: skip
+    assert (out / "precious.txt").read_text() == "precious.txt"
+    assert (tmp_path / "outside.txt").read_text() == "outside\n"
 
 
 def test_a_core_bundle_that_is_not_there_is_an_error_not_an_empty_cell(root, capsys):

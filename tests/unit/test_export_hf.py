@@ -268,3 +268,39 @@ def test_export_replaces_an_earlier_export(root, capsys):
         capsys.readouterr().out.splitlines()[-2]
         == f"exported {root}/pretrain/checkpoint_000007 (step 7) -> {root}/hf"
     )
+
+
+@pytest.mark.parametrize(
+    "out, holds",
+    [
+        ("pretrain/checkpoint_000007", None),
+        ("data", "manifest.json, shard_00000.parquet, shard_00001.parquet"),
+        ("tok", "tokenizer.json"),
+        ("ev", "eval.json, report_card.md"),
+    ],
+)
+def test_export_refuses_an_out_that_is_not_an_earlier_export(out, holds, root, capsys):
+    """--out takes the rule of --run-name: the checkpoint itself, a tokenizer or any other files stay as they are."""
+    before = _files(root / out)
+    rc = raychat_main(
+        ["export", "--checkpoint", "pretrain", "--storage-path", str(root), "--out", f"{root}/{out}"]
+    )
+    assert rc == 2
+    why = (
+        f"{root}/{out} is a checkpoint, which an export there would replace"
+        if holds is None
+        else f"an export would replace {root}/{out}, which is not an earlier export ({root}/{out} holds: {holds})"
+    )
+    assert capsys.readouterr().err == (
+        f"raychat export: error: --out: {why}; choose another --out  (RAYCHAT_DEBUG=1 shows the traceback)\n"
+    )
+    assert _files(root / out) == before
+
+
+def test_export_out_replaces_an_earlier_export(root, tmp_path):
+    argv = ["export", "--checkpoint", "pretrain", "--storage-path", str(root), "--out", str(tmp_path / "hf")]
+    assert raychat_main(argv) == 0
+    first = _files(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert raychat_main(argv) == 0
+    assert _files(tmp_path / "hf") == first

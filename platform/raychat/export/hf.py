@@ -1,7 +1,7 @@
 """Export a raychat checkpoint to the Hugging Face layout (`raychat export --checkpoint REF`): the files go to
 <storage-path>/<run-name>/ (staged locally, then moved or uploaded whole: raychat.storage.upload_dir; a run
-directory that holds anything but an earlier export is refused: check_export_target) or to --out; --checkpoint
-is any reference raychat.checkpoint_manager resolves (`latest`: the newest checkpoint there).
+directory that holds anything but an earlier export is refused: check_export_target) or to --out (the same
+rule); --checkpoint is any reference raychat.checkpoint_manager resolves (`latest`: the newest checkpoint there).
 
 Files written into OUT (each atomically: temporary name, then rename):
   config.json              Qwen3Config, architectures ["Qwen3ForCausalLM"] (parameter names already match)
@@ -45,10 +45,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from raychat.atomic import atomic_write, atomic_write_text
 from raychat.chat_template import TEMPLATE_VERSION
 from raychat.checkpoint import load_model
-from raychat.checkpoint_manager import committed_checkpoints, find_checkpoint
+from raychat.checkpoint_manager import check_output_target, find_checkpoint
 from raychat.config import ExportConfig, from_args
 from raychat.model import GPT
-from raychat.storage import Storage, check_writable, listing, open_storage, upload_dir
+from raychat.storage import Storage, check_writable, open_storage, upload_dir
 from raychat.tokenizer import BOS, Tokenizer
 
 ARCHITECTURE = "Qwen3ForCausalLM"
@@ -257,31 +257,20 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
     return out
 
 
-def check_export_target(storage: Storage, run_name: str) -> str:
-    """<root>/<run_name> on storage.fs, where an export goes, replacing what is there: nothing, an empty
-    directory or an earlier export (only EXPORT_FILES, config.json and model.safetensors among them).
+def is_earlier_export(entries: list[pafs.FileInfo]) -> bool:
+    """Whether a directory's entries are an earlier export: only EXPORT_FILES, config.json and model.safetensors
+    among them."""
+    files = {e.base_name for e in entries if e.type == pafs.FileType.File}
+    return len(files) == len(entries) and REQUIRED_EXPORT_FILES <= files <= EXPORT_FILES
 
-    Raises ValueError naming --run-name: a name that breaks the rule, a symbolic link out of the root, a
-    training run's checkpoints or anything else there (prepared data, a tokenizer, eval results, a file)."""
-    target = storage.writable_run_path(run_name)
-    uri, kind = storage.uri_of(target), storage.fs.get_file_info(target).type
-    if kind == pafs.FileType.NotFound:
-        return target
-    if kind == pafs.FileType.Directory:
-        if committed_checkpoints(storage, target):
-            raise ValueError(
-                f"--run-name: {uri} holds a training run's checkpoints, which an export there would replace; "
-                "choose another --run-name"
-            )
-        entries = storage.fs.get_file_info(pafs.FileSelector(target))
-        files = {e.base_name for e in entries if e.type == pafs.FileType.File}
-        if not entries or (len(files) == len(entries) and REQUIRED_EXPORT_FILES <= files <= EXPORT_FILES):
-            return target
-    held = listing(storage, target) if kind == pafs.FileType.Directory else f"{uri} is a file"
-    raise ValueError(
-        f"--run-name: an export would replace {uri}, which is not an earlier export ({held}); "
-        "choose another --run-name"
-    )
+
+def check_export_target(storage: Storage, target: str, flag: str) -> str:
+    """`target` on storage.fs, where an export goes, replacing what is there: nothing, an empty directory or an
+    earlier export (is_earlier_export).
+
+    Raises ValueError naming `flag`: a checkpoint, a training run's checkpoints or anything else there
+    (prepared data, a tokenizer, eval results, other files, a file)."""
+    return check_output_target(storage, target, flag, "an export", "an earlier export", is_earlier_export)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -291,10 +280,12 @@ def main(args: argparse.Namespace) -> int:
     storage = open_storage(cfg.storage_path)
     checkpoint = find_checkpoint(cfg.checkpoint, storage, "--checkpoint")
     if cfg.out:
-        check_writable(open_storage(cfg.out, "--out"), "--out")
+        out_storage = open_storage(cfg.out, "--out")
+        check_export_target(out_storage, out_storage.path, "--out")
+        check_writable(out_storage, "--out")
     else:
         check_writable(storage)
-        check_export_target(storage, cfg.run_name)
+        check_export_target(storage, storage.writable_run_path(cfg.run_name), "--run-name")
     model, tokenizer, meta = load_model(checkpoint)
     if cfg.out:
         out = str(export_hf(model, tokenizer, cfg.out))

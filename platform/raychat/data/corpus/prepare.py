@@ -18,6 +18,9 @@ import random
 import sys
 from pathlib import Path
 
+import pyarrow.fs as pafs
+
+from raychat.checkpoint_manager import check_output_target
 from raychat.config import from_args, to_flat
 from raychat.config.data import PrepareConfig
 from raychat.data.corpus import corpora
@@ -26,6 +29,7 @@ from raychat.data.corpus.shards import (
     COMPRESSION,
     MANIFEST,
     inspect_shard,
+    is_shard_name,
     sha256_file,
     write_manifest,
     write_shards,
@@ -42,10 +46,20 @@ DEFAULT_HUB_SHARDS = 1
 
 
 def previous_manifest(out: Path) -> dict | None:
+    """out/manifest.json when it is one prepare wrote (format FORMAT), else None."""
     try:
-        return json.loads((out / MANIFEST).read_text())
+        manifest = json.loads((out / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
+
+
+def is_earlier_data(out: Path, entries: list) -> bool:
+    """Whether `out`, whose entries (pafs.FileInfo) are given, is prepare's: it holds a manifest prepare wrote,
+    or only shard files (a run that stopped between removing the old manifest and writing the new one)."""
+    return previous_manifest(out) is not None or all(
+        e.type == pafs.FileType.File and is_shard_name(e.base_name) for e in entries
+    )
 
 
 def count_shards(documents: int, num_shards: int | None, rows_per_shard: int | None) -> int:
@@ -226,11 +240,12 @@ def prepare(
 
 
 def remove_stale_shards(out: Path, old: dict | None, new: dict) -> None:
-    """Delete shards that the previous manifest listed and the new one does not."""
+    """Delete shards that the previous manifest (previous_manifest: one prepare wrote) listed and the new one
+    does not; only names shard_name gives are deleted, whatever else a manifest lists."""
     keep = {s["file"] for s in new["shards"]}
     for entry in (old or {}).get("shards", []):
-        name = Path(entry.get("file", "")).name
-        if name and name not in keep:
+        name = entry.get("file") if isinstance(entry, dict) else None
+        if isinstance(name, str) and is_shard_name(name) and name not in keep:
             (out / name).unlink(missing_ok=True)
 
 
@@ -253,11 +268,20 @@ def report(out: Path, manifest: dict, log) -> None:
 
 def prepare_kwargs(config: PrepareConfig) -> dict:
     """prepare()'s arguments for a PrepareConfig: its options, with `out` = the output directory and `out_flag`
-    the flag that names it. Touches nothing (prepare checks that `out` can be written, once its input is good).
+    the flag that names it. Writes nothing (prepare checks that `out` can be written, once its input is good).
 
     Raises ValueError naming the flag: the output is on object storage or lies through a symbolic link out of
-    the storage root."""
+    the storage root; it is neither empty nor an earlier data directory (is_earlier_data): a checkpoint, a
+    training run's checkpoints, a tokenizer, other files (--out or --run-name)."""
     out, flag = output_directory(config.out, config.storage_path, config.run_name)
+    check_output_target(
+        open_storage(out),
+        out,
+        "--out" if config.out else "--run-name",
+        "prepared data",
+        "an earlier data directory",
+        lambda entries: is_earlier_data(Path(out), entries),
+    )
     values = {k: v for k, v in to_flat(config).items() if k not in ("storage_path", "run_name")}
     return {**values, "out": out, "out_flag": flag}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -37,6 +38,11 @@ class DataError(ValueError):
 def shard_name(index: int) -> str:
     """File name of shard `index` (FineWeb-Edu layout): shard_00042.parquet."""
     return f"shard_{index:05d}.parquet"
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether `name` is a file name shard_name gives (no directory part)."""
+    return re.fullmatch(r"shard_\d{5,}\.parquet", name) is not None
 
 
 def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
