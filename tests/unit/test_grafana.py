@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -156,3 +157,12 @@ def test_provision_errors(fake_grafana, tmp_path, monkeypatch, capsys):
     assert "run on the Ray head node" in capsys.readouterr().err
     assert raychat_main([*argv, "--no-ray-dashboards"]) == 4  # 401 from Grafana
     assert "refused" in capsys.readouterr().err
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert (
+        raychat_main(["grafana", "provision", "--url", closed, "--no-ray-dashboards"]) == 4
+    )  # was 2, urllib3's text
+    assert capsys.readouterr().err == (
+        f"raychat grafana provision: --url: cannot reach Grafana at {closed}: [Errno 111] Connection refused\n"
+    )

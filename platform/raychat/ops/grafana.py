@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -290,6 +291,7 @@ def provision(api, dashboards: list[dict], prometheus_url: str) -> dict:
 
 
 def cmd_provision(args) -> int:
+    import niquests
     from grafana_client import GrafanaApi
     from grafana_client.client import GrafanaException
 
@@ -310,6 +312,13 @@ def cmd_provision(args) -> int:
         result = provision(api, dashboards, args.prometheus_url)
     except GrafanaException as e:
         print(f"raychat grafana provision: Grafana at {url} refused: {e}", file=sys.stderr)
+        return 4
+    except niquests.exceptions.ConnectionError as e:  # refused, unresolvable, timed out: as `submit`, exit 4
+        why = re.search(r"\[Errno -?\d+\] [^'\")]+|Failed to resolve '[^']+'|timed out", str(e))
+        print(
+            f"raychat grafana provision: --url: cannot reach Grafana at {url}: {why[0] if why else type(e).__name__}",
+            file=sys.stderr,
+        )
         return 4
     print(f"data source {DATASOURCE_NAME} {result['datasource']} -> {args.prometheus_url}")
     print(f"dashboards uploaded: {', '.join(result['dashboards'])}")

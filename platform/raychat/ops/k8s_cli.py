@@ -78,6 +78,10 @@ def unreachable(e, name: str, namespace: str) -> str:
 
 def cmd_generate(args) -> int:
     repo = Path(args.repo).resolve() if args.repo else repo_root()
+    if not (repo / "serve" / "chat.yaml").is_file():
+        raise ValueError(
+            f"--repo {args.repo or repo}: not a raychat checkout (no serve/chat.yaml to render from)"
+        )
     if args.check:
         k8s = repo / "k8s"
         stale = [
