@@ -76,7 +76,7 @@ def check_reference(value: str, flag: str) -> str:
 
 
 TASK_SPEC_FORM = "name[:count],..."
-SEED_MAX = 2**63 - 1  # the largest seed torch and numpy both take
+SEED_MAX = 2**63 - 1  # int64: torch.manual_seed refuses seeds past 2**64 - 1, torch.tensor past 2**63 - 1
 
 
 def parse_task_spec(

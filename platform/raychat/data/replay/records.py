@@ -147,14 +147,13 @@ def read_step(run_dir: str, step: int) -> tuple[list[dict], dict]:
     """The records of `step` on every rank, ordered by (rank, micro, row), and the files' metadata.
 
     Raises:
-        FileNotFoundError: no replay file of the run holds that step.
+        FileNotFoundError: no such run directory, or no replay file of the run holds that step.
         ValueError: the step's records do not come from one whole world (a rank's file is missing).
     """
-    fs, _ = _filesystem(run_dir)
+    fs, root = _filesystem(run_dir)
     files = [p for first, last, _, p in _files(run_dir) if first <= step <= last]
     if not files:
-        fs_root = _filesystem(run_dir)
-        if fs_root[0].get_file_info(fs_root[1]).type == pafs.FileType.NotFound:
+        if fs.get_file_info(root).type == pafs.FileType.NotFound:
             raise FileNotFoundError(f"no run directory {run_dir}")
         steps = sorted({(first, last) for first, last, _, _ in _files(run_dir)})  # one file per rank
         raise FileNotFoundError(
