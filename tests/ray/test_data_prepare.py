@@ -215,7 +215,12 @@ def test_cli(mixed_folder, tmp_path, capsys):
     assert main(["data", "prepare", "--source", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert "nope: not a directory" in capsys.readouterr().err
     assert main(["data", "prepare", "--source", str(mixed_folder), "--out", str(mixed_folder / "out")]) == 2
-    assert "lies inside --source" in capsys.readouterr().err
+    assert f"error: the output {mixed_folder / 'out'} (--out) lies inside --source" in capsys.readouterr().err
+    inside = ["--storage-path", str(mixed_folder), "--run-name", "data"]  # no --out: the flag that placed it
+    assert main(["data", "prepare", "--source", str(mixed_folder), *inside]) == 2
+    assert (
+        f"error: the output {mixed_folder / 'data'} (--storage-path) lies inside" in capsys.readouterr().err
+    )
     assert main(["data", "prepare", "--source", "climbmix", "--rows-per-shard", "5", "--out", str(out)]) == 2
     assert "--rows-per-shard applies to local sources only" in capsys.readouterr().err
 

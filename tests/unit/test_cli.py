@@ -179,10 +179,27 @@ def test_a_blank_text_argument_is_refused_by_the_parser(argv, flag, capsys):
         (["inspect-batch", "--canary", "short", "--row-len", "0"], "argument --row-len: must be >= 2, got 0"),
         (["inspect-batch", "--vocab-size", "5"], "argument --vocab-size: must be >= 265, got 5"),
         (["submit", "--num-cpus", "-1", "pretrain"], "argument --num-cpus: must be >= 0, got -1"),
+        *(
+            (
+                ["serve", "--host", host],
+                f"argument --host: must be an IP address (127.0.0.1, 0.0.0.0, ::) or "
+                f"a host name (letters, digits, '-', '.'), got {host!r}",
+            )
+            for host in ("not a host!", "trail-.example", "a..b", "x" * 64, "1.2.3.4:80", "http://0.0.0.0")
+        ),
+        *(
+            (
+                ["submit", "--job-id", job_id, "pretrain"],
+                "argument --job-id: must be 1-128 letters, digits, '.', "
+                f"'_' or '-', starting with a letter or digit, got {job_id!r}",
+            )
+            for job_id in ("a b/../", "../x", "", ".hidden", "x" * 129)
+        ),
     ],
 )
 def test_numbers_the_parser_checks_name_their_flag(argv, message, capsys):
-    """--row-len 0 trained a tokenizer, then failed naming max_tokens; --vocab-size 5 named vocab_size."""
+    """--row-len 0 trained a tokenizer, then failed naming max_tokens; --vocab-size 5 named vocab_size;
+    `serve --host "not a host!"` was refused for want of an API key, as if it were a public name."""
     with pytest.raises(SystemExit):
         main(argv)
     prog = f"raychat {argv[0]}"

@@ -3,6 +3,8 @@ import re
 import shutil
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -84,6 +86,16 @@ def test_read_step_errors_and_pruning(sft_run):
     with pytest.raises(FileNotFoundError, match=r"\(steps: \[\(1, 3\)\]\)$"):
         read_step(str(run), 9)
     rank1.unlink()
+    foreign = run / "replay" / "steps_000004-000004.rank0.parquet"  # a replay name, another table
+    pq.write_table(pa.table({"step": [4], "x": [1]}), foreign)
+    with pytest.raises(ValueError, match=rf"^{foreign} is not a raychat replay record \(KeyError: "):
+        read_step(str(run), 4)
+    pq.write_table(pa.table({"x": [1]}), foreign)  # no step column: pyarrow's FieldRef error, with the file
+    with pytest.raises(
+        ValueError, match=rf"^{foreign} is not a raychat replay record \(ArrowInvalid: .*step"
+    ):
+        read_step(str(run), 4)
+    foreign.unlink()
     with pytest.raises(FileNotFoundError, match=rf"^no run directory {run}-nope$"):
         read_step(f"{run}-nope", 1)
     assert prune_records(str(run), after_step=3) == 0
@@ -106,6 +118,13 @@ def test_inspect_batch_cli_rebuilds_a_step(sft_run, capsys):
         "raychat inspect-batch: error: --run and --step go together: --run RUN_DIR --step N rebuilds that step's "
         "batch  (RAYCHAT_DEBUG=1 shows the traceback)\n"
     )
+    assert main(["inspect-batch", "--run", str(run), "--step", "2", "--canary", "short"]) == 2
+    assert (
+        "error: --canary prints canary samples; it does not go with --run and --step"
+        in capsys.readouterr().err
+    )
+    assert main(["inspect-batch", "--data-dir", str(run), "--canary", "short"]) == 2  # was ignored
+    assert "error: --data-dir goes with --run and --step" in capsys.readouterr().err
 
 
 def test_inspect_batch_canaries(small_tokenizer):

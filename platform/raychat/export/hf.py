@@ -284,8 +284,8 @@ def main(args: argparse.Namespace) -> int:
         check_export_target(out_storage, out_storage.path, "--out")
         check_writable(out_storage, "--out")
     else:
-        check_writable(storage)
         check_export_target(storage, storage.writable_run_path(cfg.run_name), "--run-name")
+        check_writable(storage)
     model, tokenizer, meta = load_model(checkpoint)
     if cfg.out:
         out = str(export_hf(model, tokenizer, cfg.out))

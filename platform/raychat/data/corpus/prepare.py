@@ -88,7 +88,7 @@ def count_shards(documents: int, num_shards: int | None, rows_per_shard: int | N
     return total
 
 
-def load_corpus(source: str, out: Path, log) -> corpora.Corpus:
+def load_corpus(source: str, out: Path, log, out_flag: str = "--out") -> corpora.Corpus:
     if not source.strip():
         raise ValueError(f"--source: empty; give debian-docs, {', '.join(HUB_SOURCES)} or a directory")
     if source == "debian-docs":
@@ -97,7 +97,8 @@ def load_corpus(source: str, out: Path, log) -> corpora.Corpus:
     folder = Path(source)
     if folder.is_dir() and out.resolve().is_relative_to(folder.resolve()):
         raise ValueError(
-            f"--out {out} lies inside --source {source}: the shards would be read as input next time"
+            f"the output {out} ({out_flag}) lies inside --source {source}: the shards would be read as input "
+            "next time"
         )
     log(f"loading documents from folder {folder}")
     return corpora.local_folder(folder)
@@ -228,7 +229,7 @@ def prepare(
     else:
         if url_pattern is not None:
             raise ValueError(f"--url-pattern applies to hub sources only ({', '.join(HUB_SOURCES)})")
-        corpus = load_corpus(source, out, log)
+        corpus = load_corpus(source, out, log, out_flag)
         count_shards(len(corpus.documents), num_shards, rows_per_shard)  # fail before touching `out`
         check_writable(open_storage(out, out_flag), out_flag)
         (out / MANIFEST).unlink(missing_ok=True)

@@ -212,9 +212,15 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 "--run and --step go together: --run RUN_DIR --step N rebuilds that step's batch"
             )
+        if args.canary:
+            raise ValueError("--canary prints canary samples; it does not go with --run and --step")
         report, identical = inspect_step(args.run, args.step, args.data_dir, args.tokenizer or None)
         print(report)
         return 0 if identical else 1
+    if args.data_dir is not None:
+        raise ValueError(
+            "--data-dir goes with --run and --step (the shards of that run's step); canaries read none"
+        )
     if args.tokenizer:
         tokenizer = Tokenizer.load(args.tokenizer)
     else:

@@ -148,7 +148,8 @@ def read_step(run_dir: str, step: int) -> tuple[list[dict], dict]:
 
     Raises:
         FileNotFoundError: no such run directory, or no replay file of the run holds that step.
-        ValueError: the step's records do not come from one whole world (a rank's file is missing).
+        ValueError: the step's records do not come from one whole world (a rank's file is missing), or a file
+            named like a replay record is not one (another schema, no raychat metadata), named with its path.
     """
     fs, root = _filesystem(run_dir)
     files = [p for first, last, _, p in _files(run_dir) if first <= step <= last]
@@ -161,8 +162,11 @@ def read_step(run_dir: str, step: int) -> tuple[list[dict], dict]:
         )
     rows, meta = [], {}
     for p in files:
-        table = pq.read_table(p, filesystem=fs, filters=[("step", "=", step)])
-        meta = json.loads(table.schema.metadata[b"raychat"])
+        try:
+            table = pq.read_table(p, filesystem=fs, filters=[("step", "=", step)])
+            meta = json.loads((table.schema.metadata or {})[b"raychat"])
+        except (pa.ArrowInvalid, KeyError, ValueError) as e:
+            raise ValueError(f"{p} is not a raychat replay record ({type(e).__name__}: {e})") from e
         rows += table.to_pylist()
     rows.sort(key=lambda r: (r["rank"], r["micro"], r["row"]))
     worlds = {r["world"] for r in rows}
