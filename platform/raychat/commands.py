@@ -192,16 +192,17 @@ def port_number(text: str) -> int:
     return port
 
 
-def at_least(low: float, kind=int):
-    """An argparse type: `kind`(text), refused below `low` (in one line, naming the flag)."""
+def at_least(low: float, kind=int, high: float | None = None):
+    """An argparse type: `kind`(text), refused below `low` or above `high` (in one line, naming the flag)."""
+    allowed = f">= {low}" if high is None else f"{low}..{high}"
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a number >= {low}, got {text!r}") from None
-        if not value >= low:  # also refuses NaN
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be a number {allowed}, got {text!r}") from None
+        if not (value >= low and (high is None or value <= high)):  # also refuses NaN
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
         return value
 
     return parse
@@ -299,6 +300,11 @@ def export(subparsers) -> None:
     p.set_defaults(func="raychat.export.hf:main")
 
 
+# inspect-batch prints a row's (T, T) attention mask as built for training: 16 Ki tokens is ~1 GiB of bool
+# intermediates (a --row-len of 100,000 took 17.5 GB and got training beside it OOM-killed)
+INSPECT_MAX_ROW_LEN = 16384
+
+
 def inspect_batch(subparsers) -> None:
     p = subparsers.add_parser(
         "inspect-batch",
@@ -318,7 +324,12 @@ def inspect_batch(subparsers) -> None:
         "--tokenizer", default="", help="tokenizer.json or its directory (canaries: default trains a small one; "
         "--run: default the run's)",
     )  # fmt: skip
-    p.add_argument("--row-len", type=at_least(2), default=128, help="row length T+1 in tokens (default 128)")
+    p.add_argument(
+        "--row-len",
+        type=at_least(2, high=INSPECT_MAX_ROW_LEN),
+        default=128,
+        help=f"row length T+1 in tokens, 2..{INSPECT_MAX_ROW_LEN} (default 128)",
+    )
     p.add_argument(
         "--vocab-size",
         type=at_least(265),

@@ -176,8 +176,12 @@ def test_a_blank_text_argument_is_refused_by_the_parser(argv, flag, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["inspect-batch", "--canary", "short", "--row-len", "0"], "argument --row-len: must be >= 2, got 0"),
+        (["inspect-batch", "--canary", "short", "--row-len", "0"], "argument --row-len: must be 2..16384, got 0"),
         (["inspect-batch", "--vocab-size", "5"], "argument --vocab-size: must be >= 265, got 5"),
+        (
+            ["inspect-batch", "--row-len", "100000"],
+            "argument --row-len: must be 2..16384, got 100000",
+        ),  # 17.5 GB
         (["submit", "--num-cpus", "-1", "pretrain"], "argument --num-cpus: must be >= 0, got -1"),
         *(
             (
