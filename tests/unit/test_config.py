@@ -29,6 +29,7 @@ from raychat.config import (
 )
 from raychat.config.data import TokenizerConfig
 from raychat.config.schema import leaves
+from raychat.storage import run_directory
 from raychat.tokenizer import MIN_VOCAB_SIZE
 from raychat.train.plan import make_plan
 
@@ -227,3 +228,31 @@ def test_speedrun_config_composes_the_stage_configs_on_one_root(tmp_path):
     assert c.sft.model.depth == c.pretrain.model.depth and c.sft.model.document_masking
     assert (c.rl.run.storage_path, c.rl.run.run_name, c.rl.run.init_from) == (f"{root}/rl", "rl", "")
     assert c.rl.rollout.steps == preset_values("tiny", "rl")["steps"]
+
+
+@pytest.mark.parametrize(
+    "argv, section",
+    [(["tokenizer", "train"], "tokenizer"), (["pretrain"], "pretrain"), (["eval"], "eval")],
+)
+def test_data_inputs_are_the_storage_roots_runs_even_beside_a_local_data_dir(
+    argv, section, tmp_path, monkeypatch
+):
+    """`tokenizer train` read ./data (its default was the bare name 'data', and a bare name that exists in the
+    working directory is a path), and `--storage-path S` read ./data, not S/data, for every stage."""
+    cls = {"tokenizer": TokenizerConfig, "pretrain": TrainConfig, "eval": EvalConfig}[section]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()  # the user's own raw texts
+    (tmp_path / "tokenizer").mkdir()
+    flat = lambda config: {k: v for k, v in to_flat(config).items() if k in ("data_dir", "tokenizer_path")}  # noqa: E731
+
+    defaults = flat(from_args(build_parser(argv[0]).parse_args(argv), cls, section))
+    assert run_directory(defaults["data_dir"], None, "--data-dir") == str(tmp_path / "runs" / "data")
+    elsewhere = flat(
+        from_args(build_parser(argv[0]).parse_args([*argv, "--storage-path", "/mnt/r/"]), cls, section)
+    )
+    assert elsewhere == {k: f"/mnt/r/{v}" for k, v in {"data_dir": "data", "tokenizer_path": "tokenizer"}.items()
+                         if k in defaults}  # fmt: skip
+    given = ["--storage-path", "/mnt/r", "--data-dir", "data"]  # a name given: a local ./data wins, as before
+    assert (
+        flat(from_args(build_parser(argv[0]).parse_args([*argv, *given]), cls, section))["data_dir"] == "data"
+    )

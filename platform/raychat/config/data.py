@@ -49,8 +49,9 @@ class TokenizerConfig(Section):
         "tokenizer", "run name: tokenizer.json goes to <storage-path>/<run-name>", kind="run_name"
     )
     data_dir: str = option(
-        "data", "shards from `raychat data prepare`: a run name under --storage-path or a directory"
-    )
+        "runs/data", "shards from `raychat data prepare`: a directory or a run name under --storage-path "
+        "(given --storage-path and not this: the run 'data' there)",
+    )  # fmt: skip
     out: str | None = option(None, "output directory instead of <storage-path>/<run-name>")
     vocab_size: int = option(
         4096, "total vocabulary incl. special tokens (gpu8: 65536), 265 (256 bytes + 9 specials) to 2**20",

@@ -5,7 +5,7 @@ flags > the preset or --config file > the command's defaults (the config class's
 
 One storage root for a chain of stages: when --storage-path is chosen (by flag or preset) and an input of
 STORAGE_INPUTS is not, that input is the run of that name under the root (`--storage-path /mnt/runs` alone
-reads /mnt/runs/data and /mnt/runs/tokenizer; raychat.storage.run_directory resolves the names).
+reads /mnt/runs/data and /mnt/runs/tokenizer, also where the working directory holds a ./data).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from raychat.config.schema import (
     flag_naming,
     from_dict,
     leaves,
+    to_flat,
 )
 
 STORAGE_INPUTS = {"data_dir": "data", "tokenizer_path": "tokenizer"}
@@ -131,6 +132,10 @@ def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str
         config = from_dict(cls, flags, base=config)
     chosen = {*preset, *flags}
     if "storage_path" in chosen:
-        inputs = {k: run for k, run in STORAGE_INPUTS.items() if k in leaves(cls) and k not in chosen}
+        root = to_flat(config)["storage_path"].rstrip("/")
+        # a path, not the bare run name: a bare name that exists in the working directory is read from there
+        inputs = {
+            k: f"{root}/{run}" for k, run in STORAGE_INPUTS.items() if k in leaves(cls) and k not in chosen
+        }
         config = from_dict(cls, inputs, base=config)
     return config
