@@ -78,6 +78,10 @@ def test_a_damaged_checkpoint_is_refused_naming_it_and_the_file(ckpt, capsys):
         (["--max-slots", "0"], "--max-slots must be >= 1, got 0"),
         (["--num-cpus", "-1"], "--num-cpus must be >= 0, got -1.0"),
         (["--request-timeout-s", "0"], "--request-timeout-s must be > 0, got 0.0"),
+        (  # passed the flag checks, then every replica failed in the engine ("Failed to update the deployments")
+            ["--prefix-cache-tokens", "5"],
+            "--prefix-cache-tokens must be 0 (off) or >= 16 (one KV block of 16 tokens), got 5",
+        ),
         (
             ["--min-replicas", "3", "--max-replicas", "2"],
             "--min-replicas 3 exceeds --max-replicas 2; need --min-replicas <= --max-replicas",
@@ -109,6 +113,9 @@ def test_build_app_args_and_a_preset_keep_their_keys(ckpt, tmp_path, capsys):
         ValueError, match=r"^min_replicas 3 exceeds max_replicas 2; need min_replicas <= max_replicas$"
     ):
         serve_config({"checkpoint": "/x", "min_replicas": 3, "max_replicas": 2})
+    with pytest.raises(ValueError, match=r"^prefix_cache_tokens must be 0 \(off\) or >= 16 .*, got 15$"):
+        serve_config({"checkpoint": "/x", "prefix_cache_tokens": 15})
+    assert serve_config({"checkpoint": "/x", "prefix_cache_tokens": 16}).replica.prefix_cache_tokens == 16
     with pytest.raises(ValueError, match=r"^build_app needs args\['checkpoint'\]"):
         serve_config({})
     preset = tmp_path / "serve.yaml"

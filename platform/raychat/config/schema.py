@@ -41,13 +41,20 @@ def owned_choices(module: str, name: str) -> tuple:
     literals there, e.g. raychat.data.loader.packing.OVERFLOW_POLICIES), read from that module's source
     without importing it: building a parser (`raychat <command> --help`) imports neither torch nor Ray, and
     the list exists once, beside the code that acts on it. Raises ConfigError when the module has no
-    literal tuple of that name."""
+    literal of that name."""
+    return tuple(owned_literal(module, name))
+
+
+def owned_literal(module: str, name: str):
+    """The value of the top-level literal `name` of raychat module `module` (a limit an option shares with the
+    code that enforces it, e.g. raychat.engine.prefix_cache.BLOCK_TOKENS), read as owned_choices reads.
+    Raises ConfigError when the module has no literal of that name."""
     path = PACKAGE_DIR.joinpath(*module.split(".")[1:]).with_suffix(".py")
     for node in ast.parse(path.read_text()).body:
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
         if [getattr(t, "id", None) for t in targets] == [name] and node.value is not None:
-            return tuple(ast.literal_eval(node.value))
-    raise ConfigError(f"{module} has no literal tuple {name} (the allowed values an option names)")
+            return ast.literal_eval(node.value)
+    raise ConfigError(f"{module} has no literal {name} (a value an option names)")
 
 
 # The one run-name rule: a run is one directory strictly below the storage root, never the root itself, a

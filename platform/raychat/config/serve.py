@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import ConfigError, Section, label, option, owned_choices, section
+from raychat.config.schema import ConfigError, Section, label, option, owned_choices, owned_literal, section
 
 # the engine's KV-cache dtype option (ModelRunner kv_dtype, engine/runner.py resolve_kv_dtype): serving, raychat chat
 KV_DTYPE_HELP = (
@@ -84,6 +84,15 @@ class ReplicaSection(Section):
     max_replicas_per_node: int | None = option(
         None, "most ChatServer replicas on one node (1 = each on a node of its own); default: no limit", ge=1
     )
+
+    def __post_init__(self):
+        super().__post_init__()
+        block = owned_literal("raychat.engine.prefix_cache", "BLOCK_TOKENS")
+        if self.prefix_cache_tokens is not None and 0 < self.prefix_cache_tokens < block:
+            raise ConfigError(
+                f"{label(type(self), 'prefix_cache_tokens')} must be 0 (off) or >= {block} (one KV block of "
+                f"{block} tokens), got {self.prefix_cache_tokens}"
+            )
 
 
 @dataclass
