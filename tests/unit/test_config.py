@@ -256,3 +256,28 @@ def test_data_inputs_are_the_storage_roots_runs_even_beside_a_local_data_dir(
     assert (
         flat(from_args(build_parser(argv[0]).parse_args([*argv, *given]), cls, section))["data_dir"] == "data"
     )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [  # each was accepted: a 1-step horizon from a ratio of -3 or 0, MFU against 0 or negative FLOP/s
+        (["--target-param-data-ratio", "-3"], "--target-param-data-ratio must be > 0, got -3.0"),
+        (["--target-param-data-ratio", "0"], "--target-param-data-ratio must be > 0, got 0.0"),
+        (["--peak-flops", "0"], "--peak-flops must be > 0 (FLOP/s) or -1 (known GPUs only), got 0.0"),
+        (["--peak-flops", "-7"], "--peak-flops must be > 0 (FLOP/s) or -1 (known GPUs only), got -7.0"),
+        (["--target-flops", "0"], "--target-flops must be > 0 or -1 (not used), got 0.0"),
+        (["--stop-after", "0"], "--stop-after must be >= 1 (a step) or -1 (run to the end), got 0"),
+        (
+            ["--num-iterations", "10", "--stop-after", "20"],
+            "--stop-after 20 is beyond the run's last step (--num-iterations 10): the run would end at 10 "
+            "without stopping early",
+        ),
+    ],
+)
+def test_meaningless_horizons_and_peak_flops_are_refused(flags, message):
+    args = build_parser("pretrain").parse_args(["pretrain", *flags])
+    with pytest.raises(ConfigError) as e:
+        from_args(args, TrainConfig, "pretrain")
+    assert str(e.value) == message
+    assert from_args(build_parser("pretrain").parse_args(["pretrain", "--stop-after", "10", "--num-iterations",
+                     "10", "--peak-flops", "1e12"]), TrainConfig, "pretrain").train.horizon.stop_after == 10  # fmt: skip

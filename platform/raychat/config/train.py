@@ -150,10 +150,14 @@ class LayoutSection(Section):
         SCHEDULE_TIMEOUT_S, "seconds the worker group may wait to be placed (nodes the autoscaler adds "
         "included: a cold GPU node takes minutes) before the run ends FAILED naming the missing resource", gt=0,
     )  # fmt: skip
-    peak_flops: float = option(-1.0, "peak FLOP/s of one device for MFU; -1 = known GPUs only")
+    peak_flops: float = option(-1.0, "peak FLOP/s of one device for MFU (> 0); -1 = known GPUs only")
 
     def __post_init__(self):
         super().__post_init__()
+        if self.peak_flops != -1 and not self.peak_flops > 0:
+            raise ConfigError(
+                f"--peak-flops must be > 0 (FLOP/s) or -1 (known GPUs only), got {self.peak_flops}"
+            )
         if self.min_workers > self.num_workers:
             raise ConfigError(
                 f"--min-workers {self.min_workers} is more than --num-workers {self.num_workers}: "
@@ -191,17 +195,29 @@ class HorizonSection(Section):
         -1, "optimizer steps; -1 = derive from target_flops or target_param_data_ratio"
     )
     stop_after: int = option(
-        -1, "stop (with a checkpoint) after this step, keeping the full schedule; resume later"
-    )
+        -1, "stop (with a checkpoint) after this step, keeping the full schedule; resume later (-1 = run to "
+        "the end)",
+    )  # fmt: skip
     target_flops: float = option(-1.0, "training FLOPs budget (used when num_iterations is -1)")
     target_param_data_ratio: float = option(
-        20.0, "tokens per parameter (Chinchilla 20) when no other horizon"
+        20.0, "tokens per parameter (Chinchilla 20) when no other horizon", gt=0
     )
 
     def __post_init__(self):
         super().__post_init__()
         if self.num_iterations != -1 and self.num_iterations < 1:
             raise ConfigError(f"--num-iterations must be >= 1 or -1 (derive), got {self.num_iterations}")
+        if self.target_flops != -1 and not self.target_flops > 0:
+            raise ConfigError(f"--target-flops must be > 0 or -1 (not used), got {self.target_flops}")
+        if self.stop_after != -1 and self.stop_after < 1:
+            raise ConfigError(
+                f"--stop-after must be >= 1 (a step) or -1 (run to the end), got {self.stop_after}"
+            )
+        if self.num_iterations != -1 and self.stop_after > self.num_iterations:
+            raise ConfigError(
+                f"--stop-after {self.stop_after} is beyond the run's last step (--num-iterations "
+                f"{self.num_iterations}): the run would end at {self.num_iterations} without stopping early"
+            )
 
 
 @dataclass
