@@ -53,6 +53,7 @@ class FakeGrafana(BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(n)) if n else None
         self.calls.append((self.command, self.path, self.headers.get("Authorization"), body))
+        self.path = self.path.removeprefix("/grafana")  # a Grafana served under a sub-path answers there too
         if self.headers.get("Authorization") != "Bearer glsa_test":
             return self._reply(401, {"message": "Unauthorized"})
         if self.command == "GET" and self.path.startswith("/api/datasources/name/"):
@@ -166,3 +167,30 @@ def test_provision_errors(fake_grafana, tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == (
         f"raychat grafana provision: --url: cannot reach Grafana at {closed}: [Errno 111] Connection refused\n"
     )
+
+
+def test_provision_url_sub_path_bad_url_and_credentials(fake_grafana, monkeypatch, capsys):
+    """A sub-path without a trailing slash was requested as /grafanaapi/... (404, exit 4); `--url notaurl` got
+    "Invalid URL '://None/notaurlapi/...'" without the flag; a password in the URL was printed back."""
+    monkeypatch.delenv("GRAFANA_URL", raising=False)
+    argv = ["grafana", "provision", "--token", "glsa_test", "--no-ray-dashboards"]
+    assert raychat_main([*argv, "--url", f"{fake_grafana}/grafana"]) == 0
+    assert [p for _, p, _, _ in FakeGrafana.calls] == [
+        "/grafana/api/datasources/name/Prometheus", "/grafana/api/datasources", "/grafana/api/dashboards/db",
+    ]  # fmt: skip
+    capsys.readouterr()
+    for bad in ("notaurl", "ftp://grafana:3000/", "http://:3000/", "http://grafana:99999/"):
+        assert raychat_main([*argv, "--url", bad]) == 2
+        assert capsys.readouterr().err == (
+            "raychat grafana provision: --url (or GRAFANA_URL) must be an http(s) URL of Grafana, e.g. "
+            f"http://grafana:3000/, got {bad!r}\n"
+        )
+    with_password = fake_grafana.replace("http://", "http://admin:s3cret@")
+    assert raychat_main([*argv[:2], "--no-ray-dashboards", "--url", with_password]) == 4  # 401: no token
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"raychat grafana provision: Grafana at {fake_grafana} refused: ")
+        and "s3cret" not in err
+    )
+    assert raychat_main([*argv, "--url", "http://admin:s3cret@grafana:bad/"]) == 2
+    assert "s3cret" not in capsys.readouterr().err

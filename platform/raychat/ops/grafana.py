@@ -19,6 +19,7 @@ import re
 import sys
 import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from raychat import metrics as m
 
@@ -290,6 +291,27 @@ def provision(api, dashboards: list[dict], prometheus_url: str) -> dict:
     return {"datasource": action, "dashboards": uids}
 
 
+def grafana_url(url: str) -> tuple[str, str]:
+    """(the URL for grafana-client, the URL as messages show it) of --url / GRAFANA_URL: an http(s) URL with a
+    host, its path ending in '/' (grafana-client appends "api/..." to the path as written: a Grafana behind a
+    sub-path, http://host/grafana, got http://host/grafanaapi/...), shown without a user or password.
+    Raises ValueError naming --url otherwise."""
+    parts = urlsplit(url.strip())
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        shown = url if "@" not in url else url.split("@", 1)[1]
+        raise ValueError(
+            f"--url (or GRAFANA_URL) must be an http(s) URL of Grafana, e.g. http://grafana:3000/, got {shown!r}"
+        )
+    fixed = urlunsplit(parts._replace(path=parts.path if parts.path.endswith("/") else parts.path + "/"))
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    netloc = host if port is None else f"{host}:{port}"
+    return fixed, urlunsplit(parts._replace(netloc=netloc))
+
+
 def cmd_provision(args) -> int:
     import niquests
     from grafana_client import GrafanaApi
@@ -301,6 +323,7 @@ def cmd_provision(args) -> int:
         print("raychat grafana provision: set GRAFANA_URL (or --url)", file=sys.stderr)
         return 2
     try:
+        url, shown = grafana_url(url)
         dashboards = load_dashboards(
             None if args.no_ray_dashboards else ray_dashboards_dir(args.ray_temp_dir)
         )
@@ -311,12 +334,12 @@ def cmd_provision(args) -> int:
     try:
         result = provision(api, dashboards, args.prometheus_url)
     except GrafanaException as e:
-        print(f"raychat grafana provision: Grafana at {url} refused: {e}", file=sys.stderr)
+        print(f"raychat grafana provision: Grafana at {shown} refused: {e}", file=sys.stderr)
         return 4
     except niquests.exceptions.ConnectionError as e:  # refused, unresolvable, timed out: as `submit`, exit 4
         why = re.search(r"\[Errno -?\d+\] [^'\")]+|Failed to resolve '[^']+'|timed out", str(e))
         print(
-            f"raychat grafana provision: --url: cannot reach Grafana at {url}: {why[0] if why else type(e).__name__}",
+            f"raychat grafana provision: --url: cannot reach Grafana at {shown}: {why[0] if why else type(e).__name__}",
             file=sys.stderr,
         )
         return 4
