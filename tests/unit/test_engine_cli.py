@@ -58,6 +58,40 @@ def test_interactive_keeps_the_conversation(checkpoint, capsys, monkeypatch):
     assert out == f"you> raychat> {first.text}\nyou> raychat> {second.text}\nyou> "
 
 
+def test_fit_history_drops_the_oldest_exchanges_first(checkpoint):
+    _, _, tok = checkpoint
+    system = {"role": "system", "content": "be brief"}
+    u = [{"role": "user", "content": f"question {k}"} for k in range(3)]
+    a = [{"role": "assistant", "content": f"answer {k}"} for k in range(2)]
+    convo = [system, u[0], a[0], u[1], a[1], u[2]]
+    length = lambda msgs: len(render_for_completion(tok, msgs))  # noqa: E731
+    assert chat_cli.fit_history(tok, convo, 1, length(convo) + 1) == (convo, 0)
+    assert chat_cli.fit_history(tok, convo, 1, length(convo)) == ([system, u[1], a[1], u[2]], 2)
+    assert chat_cli.fit_history(tok, convo, 1, length([system, u[2]]) + 1) == ([system, u[2]], 4)
+    assert chat_cli.fit_history(tok, convo, 1, length([system, u[2]])) is None
+    assert chat_cli.fit_history(tok, convo[1:], 0, length(convo[3:]) + 1) == (
+        convo[3:],
+        2,
+    )  # no system prompt
+
+
+def test_interactive_outgrowing_the_context_keeps_the_session(checkpoint, capsys, monkeypatch):
+    """The 128-token model: 40 turns used to end the session at the fifth ("prompt has 152 tokens; max_seq_len
+    128 leaves no room", exit 2), and one over-long message ended it at once."""
+    d, _, tok = checkpoint
+    lines = [f"hello there number {i}" for i in range(40)]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("x" * 200 + "\n" + "\n".join(lines) + "\n"))
+    assert main(["chat", "--checkpoint", str(d), "--temperature", "0", "--max-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    n = len(render_for_completion(tok, [{"role": "user", "content": "x" * 200}]))
+    assert out.startswith(
+        f"you> (not sent: this message takes {n} tokens with the system prompt; the model holds 128 per "
+        "conversation, reply included: shorten it)\nyou> raychat> "
+    )
+    assert out.count("raychat> ") == 40 and out.endswith("you> ")
+    assert "(dropped the 2 oldest messages: the conversation outgrew the model's 128 tokens)\n" in out
+
+
 def test_missing_checkpoint_is_a_clean_error(tmp_path, capsys):
     assert main(["chat", "--checkpoint", str(tmp_path / "nope"), "-p", "x"]) == 2
     assert (

@@ -4,7 +4,9 @@ Prompts are rendered with the ONE chat template (`raychat.chat_template.render_f
 stream through the engine's Scheduler (one row, driven inline) and are shown part by part
 (raychat.chat.turn): text as it comes, a calculator call with its result as "[calculator] 12 * 34 = 408" on
 its own line; control tokens never appear. In interactive mode the conversation grows
-turn by turn; /clear starts over, /quit or end of input leaves; Ctrl-C stops the current reply.
+turn by turn, its oldest exchanges dropped (and said so) when it outgrows the model's context; a message too
+long on its own is not sent and the session goes on; /clear starts over, /quit or end of input leaves;
+Ctrl-C stops the current reply.
 """
 
 from __future__ import annotations
@@ -75,6 +77,23 @@ def _reply(sched, tokenizer, messages, params, out) -> dict:
     return assistant_message(tokenizer, tokens)
 
 
+def fit_history(tokenizer, messages: list[dict], keep: int, max_len: int) -> tuple[list[dict], int] | None:
+    """The conversation `messages` (its first `keep` messages the system prompt, its last the new user message)
+    with its oldest exchanges dropped, a user message and the replies after it at a time, until the prompt
+    leaves room to generate in a row of `max_len` tokens: (messages, how many were dropped); None when the
+    system prompt and the new message alone leave no room."""
+    dropped = 0
+    while len(render_for_completion(tokenizer, messages)) >= max_len:
+        if len(messages) <= keep + 1:
+            return None
+        end = keep + 1
+        while end < len(messages) - 1 and messages[end]["role"] != "user":
+            end += 1
+        dropped += end - keep
+        messages = messages[:keep] + messages[end:]
+    return messages, dropped
+
+
 def run_chat(args, stdin=None, out=None) -> int:
     stdin, out = stdin or sys.stdin, out or sys.stdout
     try:
@@ -114,6 +133,17 @@ def run_chat(args, stdin=None, out=None) -> int:
             continue
         if not text.strip():
             continue
-        messages.append({"role": "user", "content": text})
+        fitted = fit_history(
+            tokenizer, [*messages, {"role": "user", "content": text}], len(system), sched.max_len
+        )
+        if fitted is None:
+            n = len(render_for_completion(tokenizer, [*system, {"role": "user", "content": text}]))
+            out.write(f"(not sent: this message takes {n} tokens with the system prompt; the model holds "
+                      f"{sched.max_len} per conversation, reply included: shorten it)\n")  # fmt: skip
+            continue
+        messages, dropped = fitted
+        if dropped:
+            out.write(f"(dropped the {dropped} oldest messages: the conversation outgrew the model's "
+                      f"{sched.max_len} tokens)\n")  # fmt: skip
         out.write("raychat> ")
         messages.append(_reply(sched, tokenizer, messages, params, out))
