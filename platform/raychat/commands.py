@@ -243,6 +243,50 @@ def submission_id(text: str) -> str:
     return text
 
 
+# A container image reference: [registry[:port]/]path[:tag][@digest], no spaces (the OCI distribution grammar,
+# loosened: the registry decides the rest)
+IMAGE_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]*")
+
+
+def image_ref(text: str) -> str:
+    """An argparse type: a container image reference (letters, digits, '.', '_', '-', '/', ':', '@', '+'), refused
+    in one line otherwise (a space or a blank would reach the cluster as a pod that never pulls)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be blank")
+    if not IMAGE_REF.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"must be a container image reference, e.g. rayproject/ray:2.54.0-py311 or "
+            f"registry:5000/raychat@sha256:..., got {text!r}"
+        )
+    return text
+
+
+class _Refusing(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+class StageArgs(argparse.Action):
+    """The words after a submitted stage (nargs REMAINDER), parsed by the stage's own parser as the command
+    line is, so that an unknown flag or a value that parser refuses fails here, in one line naming the stage,
+    not after the job's cluster starts. `command`, and a stage given -h/--help, are passed on unparsed; values
+    checked against the cluster's files (paths, checkpoints) are left to the job."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        words, stage = values[1:] if values[:1] == ["--"] else values, namespace.stage
+        if stage not in PARSERS or {"-h", "--help"} & set(words):
+            return
+        check = _Refusing(prog="raychat")
+        PARSERS[stage](check.add_subparsers(dest="command"))
+        try:
+            check.parse_args([stage, *words])
+        except ValueError as e:
+            parser.exit(
+                2, f"{parser.prog}: error: stage {stage}: {e} (`raychat {stage} --help` lists its flags)\n"
+            )
+
+
 def serve(subparsers) -> None:
     p = subparsers.add_parser(
         "serve",
@@ -366,7 +410,10 @@ def submit(subparsers) -> None:
     )
     p.add_argument("stage", choices=SUBMIT_CHOICES)
     p.add_argument(
-        "stage_args", nargs=argparse.REMAINDER, help="everything after the stage is passed to it unchanged"
+        "stage_args",
+        nargs=argparse.REMAINDER,
+        action=StageArgs,
+        help="everything after the stage is passed to it unchanged (parsed here first by the stage's parser)",
     )
     add_connection_flags(p)
     p.add_argument("--working-dir", help="checkout to upload (default: this raychat checkout)")
@@ -428,10 +475,15 @@ def k8s(subparsers) -> None:
         "Options come before the stage; everything after the stage goes to the stage unchanged.",
     )
     s.add_argument("stage", choices=STAGES)
-    s.add_argument("stage_args", nargs=argparse.REMAINDER)
+    s.add_argument("stage_args", nargs=argparse.REMAINDER, action=StageArgs)
     s.add_argument("--namespace", default="default")
     s.add_argument("--name", help="RayJob name (default raychat-<stage>-<YYYYmmdd-HHMMSS>)")
-    s.add_argument("--image", default=IMAGE, help=f"container image with raychat installed (default {IMAGE})")
+    s.add_argument(
+        "--image",
+        type=image_ref,
+        default=IMAGE,
+        help=f"container image with raychat installed (default {IMAGE})",
+    )
     s.add_argument("--ttl", type=int, default=3600, help="seconds to keep the finished RayJob's cluster")
     s.add_argument("--retries", type=int, default=1, help="backoffLimit: retries of a failed job")
     s.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")

@@ -202,6 +202,11 @@ def test_a_blank_text_argument_is_refused_by_the_parser(argv, flag, capsys):
             )
             for job_id in ("a b/../", "../x", "", ".hidden", "x" * 129)
         ),
+        (
+            ["k8s", "submit", "--dry-run", "--image", "has space", "pretrain"],
+            "argument --image: must be a container image reference, e.g. rayproject/ray:2.54.0-py311 or "
+            "registry:5000/raychat@sha256:..., got 'has space'",
+        ),
     ],
 )
 def test_numbers_the_parser_checks_name_their_flag(argv, message, capsys):
@@ -209,5 +214,36 @@ def test_numbers_the_parser_checks_name_their_flag(argv, message, capsys):
     `serve --host "not a host!"` was refused for want of an API key, as if it were a public name."""
     with pytest.raises(SystemExit):
         main(argv)
-    prog = f"raychat {argv[0]}"
+    prog = "raychat " + " ".join(argv[:2] if argv[0] == "k8s" else argv[:1])
     assert capsys.readouterr().err == f"{prog}: error: {message} (`{prog} --help` lists the flags)\n"
+
+
+@pytest.mark.parametrize("submit", [["submit"], ["k8s", "submit", "--dry-run"]])
+@pytest.mark.parametrize(
+    "stage_args, message",
+    [
+        (["pretrain", "--bogus", "1"], "stage pretrain: unrecognized arguments: --bogus 1"),
+        (
+            ["pretrain", "--depth", "x"],
+            "stage pretrain: argument --depth: --depth must be an integer, got 'x'",
+        ),
+        (["data", "prepare", "--num-shards"], "stage data: argument --num-shards: expected one argument"),
+        (["sft", "--", "--no-such-flag"], "stage sft: unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_a_submitted_stages_arguments_are_parsed_before_submission(submit, stage_args, message, capsys):
+    """`k8s submit --dry-run pretrain --bogus 1` printed a RayJob (exit 0) whose cluster would start only for the
+    job to fail on its arguments; `submit` sent it to the Ray cluster."""
+    with pytest.raises(SystemExit) as e:
+        main([*submit, *stage_args])
+    assert e.value.code == 2
+    prog = "raychat " + " ".join(submit[:2] if submit[0] == "k8s" else submit[:1])
+    stage = stage_args[0]
+    assert capsys.readouterr().err == f"{prog}: error: {message} (`raychat {stage} --help` lists its flags)\n"
+
+
+def test_a_submitted_stages_valid_arguments_and_help_pass_unchanged(capsys):
+    assert main(["k8s", "submit", "--dry-run", "pretrain", "--", "--depth", "3", "--help"]) == 0
+    assert "entrypoint: python jobs/pretrain.py --depth 3 --help" in capsys.readouterr().out
+    assert main(["k8s", "submit", "--dry-run", "data", "prepare", "--num-shards", "2"]) == 0
+    assert "entrypoint: python jobs/data.py prepare --num-shards 2" in capsys.readouterr().out

@@ -103,6 +103,8 @@ def cmd_submit(args) -> int:
     name = args.name or f"raychat-{args.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         check_label(args.namespace, "--namespace")
+        if args.name:
+            check_label(args.name, "--name")
         body = rayjob(
             args.stage, stage_args, name=name, image=args.image, ttl_s=args.ttl, backoff_limit=args.retries
         )
