@@ -361,7 +361,7 @@ def inspect_batch(subparsers) -> None:
         "--run", default="", help="a run directory (<storage-path>/<run-name>) with replay records"
     )
     p.add_argument(
-        "--step", type=int, default=None, help="with --run: the optimizer step to rebuild (from 1)"
+        "--step", type=at_least(1), default=None, help="with --run: the optimizer step to rebuild (from 1)"
     )
     p.add_argument("--data-dir", default=None, help="with --run: the shards, if not where the run read them")
     p.add_argument(

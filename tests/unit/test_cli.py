@@ -247,3 +247,12 @@ def test_a_submitted_stages_valid_arguments_and_help_pass_unchanged(capsys):
     assert "entrypoint: python jobs/pretrain.py --depth 3 --help" in capsys.readouterr().out
     assert main(["k8s", "submit", "--dry-run", "data", "prepare", "--num-shards", "2"]) == 0
     assert "entrypoint: python jobs/data.py prepare --num-shards 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["chat", "eval", "export", "serve"])
+def test_a_required_flags_help_shows_no_empty_default(command, capsys):
+    """`chat --help` showed `--checkpoint ... (required) (default: '')`."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(required)" in text and "(required) (default: '')" not in text

@@ -280,6 +280,16 @@ def test_engine_request_from_an_openai_request(client, fake):
     assert fake.requests[-1]["max_tokens"] is None and fake.requests[-1]["seed"] is None  # defaults
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_not_finite_numbers(client, fake, field, value):
+    """NaN read as "Input should be greater than or equal to 0" (temperature) or "greater than 0" (top_p)."""
+    body = f'{{"messages": [{{"role": "user", "content": "hi"}}], "{field}": {value}}}'.encode()
+    resp = client.post(V1, content=body, headers={"content-type": "application/json"})
+    assert_400(resp, field, "finite number")
+    assert fake.requests == []
+
+
 def test_missing_messages_and_bad_json(client, fake):
     assert_400(post(client, {"temperature": 1}), "messages", "field required")
     resp = client.post(

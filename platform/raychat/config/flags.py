@@ -83,7 +83,8 @@ def _add_section(parser, cls, defaults, title: str, old: dict[str, list[str]]) -
             continue
         names = [flag_name(f.name), *(flag_name(a) for a in f.metadata.get("aliases", ())), *old[f.name]]
         default = getattr(defaults, f.name)
-        help = f"{f.metadata['help']} (default: {default!r})"
+        required = "(required)" in f.metadata["help"] and default == ""
+        help = f.metadata["help"] if required else f"{f.metadata['help']} (default: {default!r})"
         kind, _ = _base_type(hints[f.name])
         if kind is bool:
             group.add_argument(

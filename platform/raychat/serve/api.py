@@ -16,7 +16,8 @@ field (e.g. "messages[3].content", "top_logprobs"). Every OpenAI Chat Completion
               prediction, reasoning_effort, verbosity, web_search_options, moderation: 400 naming the
               parameter unless it is null or the value that changes nothing (REFUSED below)
 A field that is none of these is an unknown field (400). `null` means "the default" for every optional field.
-Numbers are strict: "0.5" (a string) or true is a wrong type, not a number; integers are accepted for floats.
+Numbers are strict: "0.5" (a string) or true is a wrong type, not a number; integers are accepted for floats;
+NaN and Infinity (tokens Python's JSON parser reads) are refused as not finite.
 
 Messages (1..500): roles system | developer (the same thing here) | user | assistant | tool. `content` is a
 string or a list of {"type": "text", "text"} parts (joined with "\\n"), at most 8000 characters; null only for
@@ -61,7 +62,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_BODY_BYTES = 512 * 1024
 MAX_ARGUMENTS_NESTING = 32  # a calculator call's arguments are one flat object; deeper is refused unparsed
 
-Number = StrictFloat | StrictInt
+Number = Annotated[StrictFloat, Field(allow_inf_nan=False)] | StrictInt  # NaN (JSON's NaN token) read ">= 0"
 Id = Annotated[StrictStr, Field(min_length=1, max_length=256)]
 
 # refused parameter -> the values that change nothing (accepted)
