@@ -185,6 +185,7 @@ def test_a_blank_text_argument_is_refused_by_the_parser(argv, flag, capsys):
             ["inspect-batch", "--row-len", "100000"],
             "argument --row-len: must be 2..16384, got 100000",
         ),  # 17.5 GB
+        (["inspect-batch", "--run", "r", "--step", "0"], "argument --step: must be >= 1, got 0"),
         (["submit", "--num-cpus", "-1", "pretrain"], "argument --num-cpus: must be >= 0, got -1"),
         *(
             (
