@@ -13,23 +13,33 @@ import pyarrow.parquet as pq
 from raychat.checkpoint_manager import check_output_target
 from raychat.config import from_args
 from raychat.config.data import TokenizerConfig
-from raychat.data.corpus.shards import list_shards
+from raychat.data.corpus.shards import DataError, check_text_column, list_shards, null_text_message
 from raychat.log import log
 from raychat.storage import check_writable, open_storage, output_directory, run_directory
 from raychat.tokenizer import Tokenizer
 
 
 def iter_texts(files: list[str], max_chars: int) -> Iterator[str]:
-    """Texts of the `text` column of `files`, in order, until max_chars characters (<= 0: no limit)."""
-    seen = 0
+    """Texts of the `text` column of `files`, in order, at most max_chars characters in all (<= 0: no limit):
+    the text that reaches the cap is cut to the characters left, and no text follows it.
+
+    Raises:
+        DataError: a null `text` (naming the shard and the row), which raychat data prepare never writes.
+    """
+    left = max_chars
     for f in files:
         pf = pq.ParquetFile(f)
+        row = 0
         for rg in range(pf.num_row_groups):
             for text in pf.read_row_group(rg, columns=["text"]).column("text").to_pylist():
-                yield text
-                seen += len(text)
-                if 0 < max_chars <= seen:
+                if text is None:
+                    raise DataError(null_text_message(f, row))
+                row += 1
+                if max_chars > 0 and len(text) >= left:
+                    yield text[:left]
                     return
+                left -= len(text)
+                yield text
 
 
 def bytes_per_token(tokenizer: Tokenizer, texts: list[str]) -> float:
@@ -42,8 +52,16 @@ def bytes_per_token(tokenizer: Tokenizer, texts: list[str]) -> float:
 def train_tokenizer(
     data_dir: str, out: str, vocab_size: int, max_chars: int = TokenizerConfig().max_chars
 ) -> dict:
-    """Train on the training shards of `data_dir`, save to `out`; returns the report dict."""
+    """Train on at most `max_chars` characters (<= 0: all) of the training shards of `data_dir`, in order, the
+    document that reaches the cap cut there (iter_texts); save to `out`; returns the report dict.
+
+    Raises:
+        DataError: a shard whose `text` is not strings or holds a null (check_text_column: naming the shard
+            and the row), before any work.
+    """
     train_files, val_file = list_shards(data_dir)
+    for shard in [*train_files, val_file]:
+        check_text_column(shard)
     t0 = time.perf_counter()
     tokenizer = Tokenizer.train(iter_texts(train_files, max_chars), vocab_size)
     seconds = time.perf_counter() - t0
@@ -79,15 +97,18 @@ def is_raychat_tokenizer(directory: str) -> bool:
 def main(args) -> int:
     """`raychat tokenizer train` (its parser: raychat.commands.tokenizer).
 
-    Raises ValueError naming the flag: --data-dir holds no prepared data; the output is on object storage,
-    lies through a symbolic link out of the storage root, cannot be written, or holds anything but an earlier
-    tokenizer (a raychat tokenizer.json alone) or nothing: a checkpoint, a training run's checkpoints,
-    prepared data, other files (--out or --run-name). Nothing is written before."""
+    Raises ValueError naming the flag: --data-dir holds no prepared data, or a shard whose `text` column is
+    not strings or holds a null (naming the shard and the row: raychat data prepare writes neither); the
+    output is on object storage, lies through a symbolic link out of the storage root, cannot be written, or
+    holds anything but an earlier tokenizer (a raychat tokenizer.json alone) or nothing: a checkpoint, a
+    training run's checkpoints, prepared data, other files (--out or --run-name). Nothing is written before."""
     c = from_args(args, TokenizerConfig, "tokenizer", where="tokenizer settings")
     storage = open_storage(c.storage_path)
     data_dir = run_directory(c.data_dir, storage, "--data-dir")
-    try:
-        list_shards(data_dir)  # a missing or unfinished data directory fails here, before any work
+    try:  # a missing or unfinished data directory, or a shard raychat did not write: fails before any work
+        train_files, val_file = list_shards(data_dir)
+        for shard in [*train_files, val_file]:
+            check_text_column(shard)
     except (OSError, ValueError) as e:
         raise ValueError(f"--data-dir: {e}") from e
     out, flag = output_directory(c.out, c.storage_path, c.run_name)

@@ -157,8 +157,114 @@ def test_count_shards_and_split_evenly():
         count_shards(10, 2, 2)
     with pytest.raises(ValueError, match="--num-shards must be >= 1"):
         count_shards(10, 0, None)
-    with pytest.raises(ValueError, match="1 documents are too few for 2 shards"):
+    with pytest.raises(ValueError) as e:
         count_shards(1, None, None)
+    assert (
+        str(e.value) == "1 document is too few for 2 shards (train + validation: one document at least each)"
+    )
+    with pytest.raises(ValueError) as e:
+        count_shards(4, 4, None)
+    assert (
+        str(e.value)
+        == "4 documents are too few for 5 shards (train + validation: one document at least each)"
+    )
+
+
+def test_shard_options_are_checked_before_the_corpus_is_loaded(tmp_path):
+    lines = []
+    with pytest.raises(ValueError) as e:  # the source does not exist: it was never read
+        prepare(str(tmp_path / "nope"), tmp_path / "out", num_shards=2, rows_per_shard=2, log=lines.append)
+    assert str(e.value) == "give --num-shards or --rows-per-shard for a local source, not both"
+    assert lines == [] and not (tmp_path / "out").exists()
+
+
+def test_a_folder_without_usable_documents_says_what_was_skipped(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    with pytest.raises(DataError) as e:
+        prepare(str(src), tmp_path / "out", log=quiet)
+    assert str(e.value) == (
+        f"--source {src}: no usable documents: it holds no text (documents are .txt, .md and .rst files, "
+        ".jsonl lines and .parquet rows)"
+    )
+    (src / "b.md").write_text(" \n")
+    (src / "c.txt").write_text("")
+    (src / "d.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(DataError) as e:
+        prepare(str(src), tmp_path / "out", log=quiet)
+    assert str(e.value) == (
+        f"--source {src}: no usable documents: skipped 3 documents (empty: 2 (e.g. b.md, c.txt); "
+        "invalid_utf8: 1 (e.g. d.txt))"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_lone_surrogate_in_jsonl_is_an_invalid_utf8_skip(tmp_path):
+    """A JSON escape of a lone surrogate is valid JSON but no UTF-8 text: that line is an invalid_utf8 skip and the
+    rest is prepared. A surrogate pair is one character and kept."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "x.jsonl").write_text(
+        '{"text": "a \\ud800 b"}\n{"text": "pair \\ud83d\\ude00"}\n{"text": "plain"}\n{"text": "\\udfff"}\n'
+    )
+    (src / "y.txt").write_bytes("a \ud800 b".encode("utf-8", "surrogatepass"))  # no UTF-8 decoding gives one
+    lines = []
+    manifest = prepare(str(src), tmp_path / "out", log=lines.append)
+    assert manifest["documents"] == 2
+    assert manifest["skipped"] == {"invalid_utf8": 3}
+    assert manifest["skipped_examples"] == {"invalid_utf8": ["x.jsonl:line=1", "x.jsonl:line=4", "y.txt"]}
+    train, val = list_shards(tmp_path / "out")
+    assert sorted(shard_texts(train[0]) + shard_texts(val)) == ["pair \U0001f600", "plain"]
+    assert "  invalid_utf8: 3  (e.g. x.jsonl:line=1, x.jsonl:line=4, y.txt)" in lines
+
+
+def test_a_large_validation_share_is_a_warning(tmp_path):
+    """37 documents -> 19 train + 18 validation: said in the log, the cut unchanged."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "d.jsonl").write_text("".join(json.dumps({"text": f"doc {i:02d}"}) + "\n" for i in range(37)))
+    lines = []
+    manifest = prepare(str(src), tmp_path / "out", log=lines.append)
+    assert [s["documents"] for s in manifest["shards"]] == [19, 18]
+    assert [line for line in lines if line.startswith("warning")] == [
+        "warning: the validation shard shard_00001.parquet holds 18 of 37 documents (49%) and 108 bytes of "
+        "222 bytes of text (49%), held out of training: more shards (--num-shards, or a smaller "
+        "--rows-per-shard) hold out less",
+        "warning: the validation shard shard_00001.parquet holds only 108 bytes of text (18 documents): a "
+        "validation loss measured on less than 100.0 kB is noise; a larger corpus gives a larger one",
+    ]
+
+
+def test_a_tiny_validation_shard_is_a_warning(tmp_path):
+    """One long document and one of 8 bytes: the validation shard holds the 8 bytes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "long.txt").write_text("x" * 2_000_000)
+    (src / "short.txt").write_text("8 bytes!")
+    lines = []
+    manifest = prepare(str(src), tmp_path / "out", seed=0, log=lines.append)
+    assert [s["bytes"] for s in manifest["shards"]] == [2_000_000, 8]
+    assert [line for line in lines if line.startswith("warning")] == [
+        "warning: the validation shard shard_00001.parquet holds 1 of 2 documents (50%) and 8 bytes of "
+        "2.00 MB of text (0%), held out of training: more shards (--num-shards, or a smaller "
+        "--rows-per-shard) hold out less",
+        "warning: the validation shard shard_00001.parquet holds only 8 bytes of text (1 document): a "
+        "validation loss measured on less than 100.0 kB is noise; a larger corpus gives a larger one",
+    ]
+
+
+def test_no_warning_for_a_validation_share_of_at_most_a_fifth(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "d.jsonl").write_text(
+        "".join(json.dumps({"text": f"{i:02d} " + "w" * 24_997}) + "\n" for i in range(50))
+    )
+    lines = []
+    manifest = prepare(str(src), tmp_path / "out", num_shards=4, log=lines.append)
+    assert [(s["documents"], s["bytes"]) for s in manifest["shards"]] == [
+        (10, 250_000)
+    ] * 5  # 20%: no warning
+    assert [line for line in lines if line.startswith("warning")] == []
 
 
 def test_corrupt_parquet_names_the_file_and_row_group(tmp_path):

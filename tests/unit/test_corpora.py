@@ -174,3 +174,18 @@ def test_real_default_corpus_is_at_least_10_mb():
     docs = corpus.documents[: corpus.components[0]["documents"]]
     marked = [d for d in docs if ":func:`" in d or "\n.. " in d or "\n=====" in d]
     assert len(marked) < 0.01 * len(docs)
+
+
+def test_a_lone_surrogate_escape_in_jsonl_is_an_invalid_utf8_skip(tmp_path):
+    """A JSON escape of a lone surrogate is valid JSON but has no UTF-8 encoding (writing it aborted a whole
+    `data prepare`): the line is an invalid_utf8 skip; a surrogate pair is one character and kept. A .txt file
+    or a parquet value cannot give one: their strict UTF-8 decoding rejects an encoded surrogate."""
+    (tmp_path / "x.jsonl").write_text(
+        '{"text": "a \\ud800 b"}\n{"text": "pair \\ud83d\\ude00"}\n{"text": "\\udfff"}\n{"text": "ok"}\n'
+    )
+    (tmp_path / "y.txt").write_bytes("a \ud800 b".encode("utf-8", "surrogatepass"))
+    corpus = corpora.local_folder(tmp_path)
+    assert corpus.documents == ["pair \U0001f600", "ok"]
+    assert dict(corpus.skips.counts) == {"invalid_utf8": 3}
+    assert corpus.skips.examples == {"invalid_utf8": ["x.jsonl:line=1", "x.jsonl:line=3", "y.txt"]}
+    assert corpus.components[0]["bytes"] == len("pair \U0001f600".encode()) + 2

@@ -57,7 +57,11 @@ class TokenizerConfig(Section):
         4096, "total vocabulary incl. special tokens (gpu8: 65536), 265 (256 bytes + 9 specials) to 2**20",
         ge=265, le=2**20,  # raychat.tokenizer.MIN_VOCAB_SIZE; test_config checks that they agree
     )  # fmt: skip
-    max_chars: int = option(2_000_000_000, "train on at most this many characters (<= 0: no limit)")
+    max_chars: int = option(
+        2_000_000_000,
+        "train on at most this many characters of the training shards, in order: the document that reaches "
+        "the cap is cut there (<= 0: no limit)",
+    )
 
     def output_dir(self) -> str:
         return self.out or f"{self.storage_path.rstrip('/')}/{self.run_name}"

@@ -221,8 +221,20 @@ def parquet_documents(path: Path, name: str, documents: list[str], skips: Skips)
                 skips.add("invalid_utf8", where)
 
 
+def is_utf8_encodable(text: str) -> bool:
+    """Whether `text` has a UTF-8 encoding: it holds no lone surrogate (U+D800..U+DFFF), which a JSON escape
+    such as "\\ud800" can give and no UTF-8 decoding does."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def jsonl_documents(path: Path, name: str, documents: list[str], skips: Skips) -> None:
-    """The "text" field of each JSON line; bad lines are counted skips (invalid_utf8, invalid_json, no_text_field)."""
+    """The "text" field of each JSON line; bad lines are counted skips: invalid_utf8 (a line that is not
+    UTF-8, or a text with a lone surrogate escape such as "\\ud800", which has no UTF-8 encoding),
+    invalid_json, no_text_field, empty."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             where = f"{name}:line={number}"
@@ -238,14 +250,19 @@ def jsonl_documents(path: Path, name: str, documents: list[str], skips: Skips) -
             if not isinstance(text, str):
                 skips.add("no_text_field", where)
                 continue
+            if not is_utf8_encodable(text):  # a lone surrogate escape ("\ud800") is valid JSON, not text
+                skips.add("invalid_utf8", where)
+                continue
             keep(text, where, documents, skips)
 
 
 def local_folder(folder: str | Path) -> Corpus:
     """All documents in the files under `folder` (recursively, files sorted by relative path).
 
-    Files with other suffixes are counted as skips ("unsupported_file"); so are text files that are not
-    valid UTF-8 ("invalid_utf8") and empty documents ("empty").
+    Files with other suffixes are counted as skips ("unsupported_file"); so are documents that are not valid
+    UTF-8 ("invalid_utf8": a file, a .jsonl line or a parquet value that does not decode, a .jsonl text
+    with a lone surrogate escape), empty documents ("empty") and those of parquet_documents and
+    jsonl_documents.
 
     Raises:
         DataError: `folder` is not a directory; a parquet file is corrupt or lacks a `text` column.

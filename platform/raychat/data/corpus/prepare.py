@@ -28,8 +28,10 @@ from raychat.data.corpus.download import HUB_SOURCES, DownloadError, download_sh
 from raychat.data.corpus.shards import (
     COMPRESSION,
     MANIFEST,
+    DataError,
     inspect_shard,
     is_shard_name,
+    plural,
     sha256_file,
     write_manifest,
     write_shards,
@@ -43,6 +45,12 @@ DEFAULT_SOURCE = _DEFAULTS.source
 DEFAULT_OUT = _DEFAULTS.output_dir()
 DEFAULT_ROWS_PER_SHARD = 1024
 DEFAULT_HUB_SHARDS = 1
+# A local corpus's validation shard is warned about (never resized: the cut is the manifest's) when it holds
+# more than this share of the documents or of the text (2 shards: a half; the default 1024 rows a shard
+# gives the default corpus 6 shards: a sixth) ...
+VALIDATION_MAX_SHARE = 0.2
+# ... or less text than this: a validation loss measured on it is noise.
+VALIDATION_MIN_BYTES = 100_000
 
 
 def previous_manifest(out: Path) -> dict | None:
@@ -62,13 +70,18 @@ def is_earlier_data(out: Path, entries: list) -> bool:
     )
 
 
-def count_shards(documents: int, num_shards: int | None, rows_per_shard: int | None) -> int:
-    """Total shards (train + 1 validation) for a local corpus.
+def size(n_bytes: int) -> str:
+    """'8 bytes', '12.3 kB', '56.00 MB' (decimal units, as the report's MB)."""
+    if n_bytes < 1000:
+        return plural(n_bytes, "byte")
+    return f"{n_bytes / 1e3:.1f} kB" if n_bytes < 1_000_000 else f"{n_bytes / 1e6:.2f} MB"
 
-    num_shards given: num_shards train shards + 1 validation shard. Otherwise
-    max(2, ceil(documents / rows_per_shard)) shards, so no shard holds more than rows_per_shard documents.
+
+def check_shard_options(num_shards: int | None, rows_per_shard: int | None) -> None:
+    """The shard options of a local source, checked before its corpus is loaded.
+
     Raises:
-        ValueError: both or a non-positive value given, or too few documents for two shards.
+        ValueError: both given, or a value < 1 (naming the flag).
     """
     if num_shards is not None and rows_per_shard is not None:
         raise ValueError("give --num-shards or --rows-per-shard for a local source, not both")
@@ -78,14 +91,69 @@ def count_shards(documents: int, num_shards: int | None, rows_per_shard: int | N
         )
     if rows_per_shard is not None and rows_per_shard < 1:
         raise ValueError(f"--rows-per-shard must be >= 1, got {rows_per_shard}")
+
+
+def count_shards(documents: int, num_shards: int | None, rows_per_shard: int | None) -> int:
+    """Total shards (train + 1 validation) for a local corpus.
+
+    num_shards given: num_shards train shards + 1 validation shard. Otherwise
+    max(2, ceil(documents / rows_per_shard)) shards, so no shard holds more than rows_per_shard documents.
+    Raises:
+        ValueError: both or a non-positive value given (check_shard_options), or fewer documents than
+            shards.
+    """
+    check_shard_options(num_shards, rows_per_shard)
     total = (
         num_shards + 1
         if num_shards
         else max(2, math.ceil(documents / (rows_per_shard or DEFAULT_ROWS_PER_SHARD)))
     )
     if documents < total:
-        raise ValueError(f"{documents} documents are too few for {total} shards (train + validation)")
+        are = "is" if documents == 1 else "are"
+        raise ValueError(
+            f"{plural(documents, 'document')} {are} too few for {total} shards (train + validation: one "
+            "document at least each)"
+        )
     return total
+
+
+def no_documents(source: str, skips: corpora.Skips) -> str:
+    """The error for a source that gave no document: what was skipped, by reason, with examples."""
+    if not skips.total:
+        return (
+            f"--source {source}: no usable documents: it holds no text (documents are .txt, .md and .rst "
+            "files, .jsonl lines and .parquet rows)"
+        )
+    reasons = "; ".join(
+        f"{reason}: {n} (e.g. {', '.join(skips.examples.get(reason, []))})"
+        for reason, n in sorted(skips.counts.items())
+    )
+    return f"--source {source}: no usable documents: skipped {plural(skips.total, 'document')} ({reasons})"
+
+
+def validation_warnings(entries: list[dict]) -> list[str]:
+    """Warnings about the validation shard (the last of `entries`, write_shards's) of a local corpus: it
+    holds more than VALIDATION_MAX_SHARE of the documents or of the text, or less than VALIDATION_MIN_BYTES
+    of text. None when it is neither."""
+    val = entries[-1]
+    documents = sum(e["documents"] for e in entries)
+    text = sum(e["bytes"] for e in entries)
+    doc_share = val["documents"] / documents
+    byte_share = val["bytes"] / text if text else 0.0
+    warnings = []
+    if doc_share > VALIDATION_MAX_SHARE or byte_share > VALIDATION_MAX_SHARE:
+        warnings.append(
+            f"warning: the validation shard {val['file']} holds {val['documents']} of {documents} documents "
+            f"({doc_share:.0%}) and {size(val['bytes'])} of {size(text)} of text ({byte_share:.0%}), held out "
+            "of training: more shards (--num-shards, or a smaller --rows-per-shard) hold out less"
+        )
+    if val["bytes"] < VALIDATION_MIN_BYTES:
+        warnings.append(
+            f"warning: the validation shard {val['file']} holds only {size(val['bytes'])} of text "
+            f"({plural(val['documents'], 'document')}): a validation loss measured on less than "
+            f"{size(VALIDATION_MIN_BYTES)} is noise; a larger corpus gives a larger one"
+        )
+    return warnings
 
 
 def load_corpus(source: str, out: Path, log, out_flag: str = "--out") -> corpora.Corpus:
@@ -115,6 +183,8 @@ def prepare_corpus(
     documents = list(documents)
     random.Random(seed).shuffle(documents)
     entries = write_shards(documents, out, total, row_group_size, log)
+    for warning in validation_warnings(entries):
+        log(warning)
     return {
         "format": FORMAT,
         "source": corpus.source,
@@ -205,10 +275,13 @@ def prepare(
         url_pattern: hub sources only: a mirror's URL pattern with an {index} field.
         workers, attempts, backoff_s: hub sources: parallel downloads, tries per shard, first retry delay (s).
         out_flag: the flag an error about `out` names.
-    Nothing is created before the arguments and a local source are checked.
+    Nothing is created before the arguments and a local source are checked; the shard options of a local
+    source are checked before it is loaded. A local corpus's validation shard that holds a large share of it
+    or little text is a warning in the log (validation_warnings); the cut stays as it is.
     Raises:
         ValueError: bad arguments (the message names the flag), `out` cannot be written (names out_flag);
-        DataError: unreadable input (names the file);
+        DataError: unreadable input (names the file), a local source with no usable document (no_documents:
+            the skips by reason);
         corpora.CorpusNotInstalled: a Debian package is missing; DownloadError: a shard could not be fetched.
     """
     out = Path(out)
@@ -229,7 +302,10 @@ def prepare(
     else:
         if url_pattern is not None:
             raise ValueError(f"--url-pattern applies to hub sources only ({', '.join(HUB_SOURCES)})")
+        check_shard_options(num_shards, rows_per_shard)  # before the corpus is loaded
         corpus = load_corpus(source, out, log, out_flag)
+        if not corpus.documents:
+            raise DataError(no_documents(source, corpus.skips))
         count_shards(len(corpus.documents), num_shards, rows_per_shard)  # fail before touching `out`
         check_writable(open_storage(out, out_flag), out_flag)
         (out / MANIFEST).unlink(missing_ok=True)
@@ -260,7 +336,7 @@ def report(out: Path, manifest: dict, log) -> None:
     )
     skipped = manifest["skipped"]
     if skipped:
-        log(f"skipped {sum(skipped.values())} documents:")
+        log(f"skipped {plural(sum(skipped.values()), 'document')}:")
         for reason, n in skipped.items():
             log(f"  {reason}: {n}  (e.g. {', '.join(manifest['skipped_examples'].get(reason, []))})")
     else:

@@ -63,6 +63,11 @@ def write_shard(texts: list[str], path: str | Path, row_group_size: int = ROW_GR
     )
 
 
+def plural(n: int, noun: str) -> str:
+    """'1 document', '2 documents'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
     """[start, end) ranges that cut n items into `parts` runs whose sizes differ by at most one."""
     base, extra = divmod(n, parts)
@@ -117,7 +122,10 @@ def write_shards(
         write_shard(texts, path, row_group_size)
         split = "val" if i == num_shards - 1 else "train"
         entries.append(shard_entry(path, split, len(texts), sum(len(t.encode()) for t in texts)))
-        log(f"  wrote {path.name}: {split}, {len(texts)} documents, {entries[-1]['file_bytes'] / 1e6:.2f} MB")
+        log(
+            f"  wrote {path.name}: {split}, {plural(len(texts), 'document')}, "
+            f"{entries[-1]['file_bytes'] / 1e6:.2f} MB"
+        )
     return entries
 
 
@@ -145,6 +153,52 @@ def inspect_shard(path: str | Path) -> tuple[int, int]:
         documents += len(column)
         text_bytes += pc.sum(pc.binary_length(column.cast(pa.binary()))).as_py() or 0
     return documents, text_bytes
+
+
+def null_text_message(path: str | Path, row: int) -> str:
+    """The error for a null `text` at `row` (counted from 0 over the whole file) of shard `path`."""
+    return (
+        f"{path}: row {row}: `text` is null: this shard was not written by raychat data prepare, which skips "
+        "a document without text"
+    )
+
+
+def check_text_column(path: str | Path) -> None:
+    """Check that a shard's `text` column holds strings and no null, as prepare writes it: what reads the
+    shards as text (the tokenizer, the loaders) could not use a null. A row group's null count comes from the
+    file's footer where it is recorded (every shard prepare writes); only a row group without one is read.
+
+    Raises:
+        DataError: not a readable parquet file, no `text` column, a column of another type, a row group that
+            cannot be read, or a null (null_text_message: the file and the row).
+    """
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise DataError(f"{path}: not a readable parquet file ({e})") from e
+    schema = pf.schema_arrow
+    if "text" not in schema.names:
+        raise DataError(f"{path}: no `text` column (columns: {schema.names})")
+    kind = schema.field("text").type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"{path}: the `text` column holds {kind}, not strings")
+    parquet_schema = pf.metadata.schema
+    index = next(i for i in range(len(parquet_schema)) if parquet_schema.column(i).path == "text")
+    first_row = 0
+    for g in range(pf.num_row_groups):
+        group = pf.metadata.row_group(g)
+        stats = group.column(index).statistics
+        if stats is None or not stats.has_null_count or stats.null_count > 0:
+            try:
+                column = pf.read_row_group(g, columns=["text"]).column("text")
+            except Exception as e:
+                raise DataError(
+                    f"{path}: row group {g} of {pf.num_row_groups} cannot be read ({str(e).strip()})"
+                ) from e
+            if column.null_count:
+                row = pc.index(pc.is_null(column), True).as_py()
+                raise DataError(null_text_message(path, first_row + row))
+        first_row += group.num_rows
 
 
 def write_manifest(out_dir: str | Path, manifest: dict) -> Path:
