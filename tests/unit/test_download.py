@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from raychat.cli import main
 from raychat.data.corpus import download
 from raychat.data.corpus.download import (
     DownloadError,
@@ -209,6 +210,46 @@ def test_download_shards_lists_every_failure(tmp_path, no_sleep):
     assert visible_files(tmp_path) == ["shard_00000.parquet"]
     with pytest.raises(ValueError, match=r"must contain an \{index\} field"):
         download_shards("http://127.0.0.1/shard.parquet", [0], tmp_path)
+
+
+@pytest.mark.parametrize(
+    "pattern, why",
+    [
+        ("http://m/shard_{index:05d", "is not a str.format pattern with one {index} field (ValueError: "),
+        (
+            "http://m/{split}/shard_{index}.parquet",
+            "is not a str.format pattern with one {index} field (KeyError: ",
+        ),
+        ("http://m/shard.parquet", "must contain an {index} field"),
+        (
+            "file:///mnt/mirror/shard_{index:05d}.parquet",
+            "is not an http(s) URL (shards are downloaded with HTTP)",
+        ),
+        ("/mnt/mirror/shard_{index:05d}.parquet", "is not an http(s) URL"),
+    ],
+)
+def test_a_url_pattern_the_downloader_cannot_use_is_refused_before_downloading(
+    pattern, why, tmp_path, capsys
+):
+    """An unclosed brace read "unmatched '{' in format spec" without the flag; file:// and local paths were
+    tried 5 times each (requests speaks http(s) only); both after "downloading ..." was printed."""
+    with pytest.raises(ValueError) as e:
+        download.check_url_pattern(pattern)
+    assert str(e.value).startswith("--url-pattern") and why in str(e.value)
+    argv = [
+        "data",
+        "prepare",
+        "--source",
+        "fineweb-edu",
+        "--url-pattern",
+        pattern,
+        "--out",
+        str(tmp_path / "d"),
+    ]
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert "error: --url-pattern" in out.err and why in out.err and "downloading" not in out.out + out.err
+    assert not (tmp_path / "d").exists()
 
 
 def test_prepare_hub_source_from_a_mirror(tmp_path, no_sleep):

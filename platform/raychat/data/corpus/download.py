@@ -143,6 +143,28 @@ def download_file(
     raise DownloadError(f"{url}: failed after {attempts} attempts; last error: {last}")
 
 
+def check_url_pattern(url_pattern: str, flag: str = "--url-pattern") -> str:
+    """`url_pattern` when it is an http(s) URL with an {index} field that str.format can fill (the downloader
+    fetches pattern.format(index=i) with requests, which speaks http and https only).
+
+    Raises ValueError naming `flag`: no {index} field, a pattern str.format refuses (an unclosed brace, a field
+    other than index), or another scheme (file://, a local path)."""
+    try:
+        example = url_pattern.format(index=0)
+    except (ValueError, KeyError, IndexError) as e:
+        raise ValueError(
+            f"{flag}: {url_pattern!r} is not a str.format pattern with one {{index}} field "
+            f"({type(e).__name__}: {e}), e.g. https://host/path/shard_{{index:05d}}.parquet"
+        ) from None
+    if "{index" not in url_pattern:
+        raise ValueError(
+            f"{flag} must contain an {{index}} field, e.g. .../shard_{{index:05d}}.parquet: {url_pattern}"
+        )
+    if requests.utils.urlparse(example).scheme not in ("http", "https"):
+        raise ValueError(f"{flag}: {url_pattern!r} is not an http(s) URL (shards are downloaded with HTTP)")
+    return url_pattern
+
+
 def download_shards(
     url_pattern: str,
     indices: list[int],
@@ -161,13 +183,11 @@ def download_shards(
         known_sha256: file name -> sha256 of shards already downloaded from this same pattern (from a
             previous manifest); a present file with that hash is reused, not fetched again.
     Raises:
-        ValueError: url_pattern has no {index} field, or workers < 1.
+        ValueError: url_pattern is not an http(s) pattern with an {index} field (check_url_pattern), or
+            workers < 1.
         DownloadError: one or more shards failed (all failures are listed; the other shards are kept).
     """
-    if "{index" not in url_pattern:
-        raise ValueError(
-            f"url pattern must contain an {{index}} field, e.g. .../shard_{{index:05d}}.parquet: {url_pattern}"
-        )
+    check_url_pattern(url_pattern, "url_pattern")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     out = Path(out_dir)

@@ -24,7 +24,13 @@ from raychat.checkpoint_manager import check_output_target
 from raychat.config import from_args, to_flat
 from raychat.config.data import PrepareConfig
 from raychat.data.corpus import corpora
-from raychat.data.corpus.download import HUB_SOURCES, DownloadError, download_shards, shard_indices
+from raychat.data.corpus.download import (
+    HUB_SOURCES,
+    DownloadError,
+    check_url_pattern,
+    download_shards,
+    shard_indices,
+)
 from raychat.data.corpus.shards import (
     COMPRESSION,
     MANIFEST,
@@ -295,6 +301,8 @@ def prepare(
             )
         num = DEFAULT_HUB_SHARDS if num_shards is None else num_shards
         shard_indices(num, HUB_SOURCES[source].val_index)  # fail before touching `out`
+        if url_pattern is not None:
+            check_url_pattern(url_pattern)
         check_writable(open_storage(out, out_flag), out_flag)
         (out / MANIFEST).unlink(missing_ok=True)
         download_opts = {"workers": workers, "attempts": attempts, "backoff_s": backoff_s}
