@@ -176,7 +176,10 @@ def test_a_blank_text_argument_is_refused_by_the_parser(argv, flag, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["inspect-batch", "--canary", "short", "--row-len", "0"], "argument --row-len: must be 2..16384, got 0"),
+        (
+            ["inspect-batch", "--canary", "short", "--row-len", "0"],
+            "argument --row-len: must be 2..16384, got 0",
+        ),
         (["inspect-batch", "--vocab-size", "5"], "argument --vocab-size: must be >= 265, got 5"),
         (
             ["inspect-batch", "--row-len", "100000"],
