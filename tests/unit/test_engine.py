@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from support.engine_fixtures import (
@@ -152,6 +153,18 @@ def test_engine_stop_string(tok):
     assert res.finish_reason == "stop"
 
 
+def test_engine_str_stop_is_one_stop_string(tok):
+    ids = list(b"abcabdxy")
+    model = scripted_model(tok.vocab_size, {1 + i: t for i, t in enumerate(ids)}, default=ord("q"))
+    # was: "abd" read as the stop strings "a", "b", "d": the row stopped at its first token, text ""
+    (res,) = ModelRunner(model, tok).generate_batch(
+        [[tok.bos_id]], max_tokens=20, temperature=0.0, stop="abd"
+    )
+    assert res.text == "abc"
+    assert res.completion_tokens == ids[:6]
+    assert res.finish_reason == "stop"
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
@@ -175,3 +188,52 @@ def test_bad_prompts(tok, model):
         engine.generate_batch([[267]])
     with pytest.raises(ValueError, match="max_seq_len 128"):
         engine.generate_batch([[1] * 128])
+
+
+ENCODE_FIRST = (
+    "not token ids; the engine takes token ids: encode text with the tokenizer first (tokenizer.encode(text), "
+    "or a chat rendered with raychat.chat_template.render_for_completion(tokenizer, messages))"
+)
+
+
+@pytest.mark.parametrize(
+    "prompts, kwargs, message",
+    [
+        # was: silently run on [1, 2]
+        ([[1.5, 2.0]], {}, "prompts[0] must be a sequence of token ids (ints); item 0 is float 1.5"),
+        ([[1, 2.0]], {}, "prompts[0] must be a sequence of token ids (ints); item 1 is float 2.0"),
+        ([[1, True]], {}, "prompts[0] must be a sequence of token ids (ints); item 1 is bool True"),
+        # was: "invalid literal for int() with base 10: 'h'"
+        (["hello"], {}, f"prompts[0] is a str ('hello'), {ENCODE_FIRST}"),
+        ([[1], b"hi"], {}, f"prompts[1] is a bytes (b'hi'), {ENCODE_FIRST}"),
+        ("hello", {}, f"prompts is a str, {ENCODE_FIRST.replace('not token ids', 'not lists of token ids')}"),
+        ([1, 2], {}, "prompts[0] must be a sequence of token ids (ints), got int 1"),
+        # was: the same unnamed int() error
+        (
+            [[1]],
+            {"seed": "abc"},
+            "seed must be None (a fresh random seed) or an int in 0..9223372036854775807 (2**63 - 1), got 'abc'",
+        ),
+    ],
+)
+def test_prompts_must_be_token_ids(tok, model, prompts, kwargs, message):
+    with pytest.raises(ValueError) as err:
+        ModelRunner(model, tok).generate_batch(prompts, max_tokens=2, **kwargs)
+    assert str(err.value) == message
+
+
+def test_integer_arrays_are_token_ids(tok, model):
+    engine = ModelRunner(model, tok)
+    prompt = [tok.bos_id, 40, 41]
+    (ref,) = engine.generate_batch([prompt], max_tokens=3, temperature=0.0)
+    for p in (np.array(prompt), torch.tensor(prompt), tuple(prompt)):
+        (res,) = engine.generate_batch([p], max_tokens=3, temperature=0.0)
+        assert res.tokens == ref.tokens and all(type(t) is int for t in res.tokens)
+
+
+@pytest.mark.parametrize("budget", [-1, 0, 1.5, True, "1000"])
+def test_kv_budget_bytes_must_be_positive(tok, model, budget):
+    # was (-1): "... at most -1 rows of ... tokens fit" at the first generate_batch
+    with pytest.raises(ValueError) as err:
+        ModelRunner(model, tok, kv_budget_bytes=budget)
+    assert str(err.value) == f"kv_budget_bytes must be None (no cap) or an int >= 1 (bytes), got {budget!r}"

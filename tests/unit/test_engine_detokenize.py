@@ -7,7 +7,8 @@ import random
 import pytest
 from support.engine_fixtures import byte_tokenizer
 
-from raychat.engine import StreamDecoder
+from raychat.engine import SamplingParams, StreamDecoder
+from raychat.engine.detokenize import stop_strings
 
 DEF, HI = 256, 257  # merged tokens of the test tokenizer
 
@@ -93,8 +94,27 @@ def test_overlapping_stop_prefix(tok):
 
 
 def test_empty_stop_string_rejected(tok):
-    with pytest.raises(ValueError, match="stop strings"):
+    message = "stop must be a non-empty str or a sequence of non-empty strs, got "
+    with pytest.raises(ValueError) as err:
         StreamDecoder(tok, [""])
+    assert str(err.value) == message + "['']"
+    with pytest.raises(ValueError) as err:
+        StreamDecoder(tok, 5)
+    assert str(err.value) == message + "5"
+
+
+def test_str_stop_is_one_stop_string(tok):
+    # was: "wö" read as the stop strings "w" and "ö", so the stream stopped at the first "w" ("x")
+    deltas, tail, dec = stream(tok, list("xwyzwö!".encode()), stop="wö")
+    assert "".join(deltas) + tail == dec.text == "xwyz"
+    assert dec.stopped and dec.stop_string == "wö" and dec.stop == ("wö",)
+
+
+def test_one_reading_of_stop_everywhere(tok):
+    for stop, expected in [("abc", ("abc",)), (["ab", "c"], ("ab", "c")), (None, ()), ((), ())]:
+        assert (
+            stop_strings(stop) == StreamDecoder(tok, stop).stop == SamplingParams(stop=stop).stop == expected
+        )
 
 
 def test_invisible_tokens_release_held_text_and_are_never_matched(tok):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from raychat.config.schema import SEED_MAX
 from raychat.engine import TEMPERATURE_EPS, SamplingBatch, SamplingParams, make_generator, sample_next
 from raychat.engine.sampling import (
     FP32_OVERFLOW,
@@ -104,6 +106,62 @@ def test_params_validation(kwargs, field):
 
 def test_params_single_stop_string_becomes_tuple():
     assert SamplingParams(stop="END").stop == ("END",)
+    assert SamplingParams(stop=None).stop == ()
+
+
+TEMPERATURE_RULE = (
+    "temperature must be a real number in [0, 3.403e+38] (0 = greedy; logits are scaled in float32)"
+)
+SEED_RULE = "seed must be None (a fresh random seed) or an int in 0..9223372036854775807 (2**63 - 1)"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": "0.5"}, f"{TEMPERATURE_RULE}, got '0.5'"),  # was: TypeError '<=' not supported
+        ({"temperature": True}, f"{TEMPERATURE_RULE}, got True"),
+        ({"temperature": float("nan")}, f"{TEMPERATURE_RULE}, got nan"),
+        ({"top_k": 2.5}, "top_k must be None or an int >= 0 (0/None = off), got 2.5"),
+        ({"top_k": True}, "top_k must be None or an int >= 0 (0/None = off), got True"),
+        ({"top_p": "0.9"}, "top_p must be None or a real number in (0, 1] (1/None = off), got '0.9'"),
+        ({"top_p": float("nan")}, "top_p must be None or a real number in (0, 1] (1/None = off), got nan"),
+        ({"max_tokens": True}, "max_tokens must be an int >= 1, got True"),
+        ({"max_tokens": 8.0}, "max_tokens must be an int >= 1, got 8.0"),
+        ({"seed": 2**70}, f"{SEED_RULE}, got {2**70}"),  # was: Scheduler.submit's "Overflow ... long long"
+        ({"seed": 2**63}, f"{SEED_RULE}, got {2**63}"),
+        ({"seed": -1}, f"{SEED_RULE}, got -1"),  # as `raychat chat --seed -1`
+        ({"seed": "x"}, f"{SEED_RULE}, got 'x'"),  # was: accepted, failing later in int()
+        ({"seed": 1.0}, f"{SEED_RULE}, got 1.0"),
+        ({"seed": True}, f"{SEED_RULE}, got True"),
+        ({"logprobs": True, "top_logprobs": True}, "top_logprobs must be an int in 0..20, got True"),
+        ({"stop": 5}, "stop must be a non-empty str or a sequence of non-empty strs, got 5"),
+        ({"stop": ""}, "stop must be a non-empty str or a sequence of non-empty strs, got ''"),
+    ],
+)
+def test_params_types_and_ranges_checked_at_construction(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kwargs)
+    assert str(err.value) == message
+
+
+def test_params_seed_range_is_the_config_seed_range():
+    assert SEED_MAX == 2**63 - 1
+    assert SamplingParams(seed=SEED_MAX).seed == SEED_MAX and SamplingParams(seed=0).seed == 0
+    make_generator(SEED_MAX)  # the largest accepted seed seeds a generator
+
+
+def test_params_store_python_numbers():
+    p = SamplingParams(
+        max_tokens=np.int64(8), temperature=np.float32(0.5), top_k=np.int32(4), top_p=1, seed=np.uint8(3)
+    )
+    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (8, 0.5, 4, 1.0, 3)
+    assert [type(v) for v in (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed)] == [
+        int,
+        float,
+        int,
+        float,
+        int,
+    ]
 
 
 def multinomial_reference(logits, temperature, top_p, generator):

@@ -187,6 +187,9 @@ def test_budget_sizes_rows(tok, engine):
     assert Scheduler(engine, max_slots=8, max_len=64, kv_budget_bytes=3 * 32768 + 100).max_slots == 3
     with pytest.raises(KVBudgetError, match=r"kv_budget_bytes 1000 cannot hold one row of max_len 64 tokens"):
         Scheduler(engine, max_slots=8, max_len=64, kv_budget_bytes=1000)
+    with pytest.raises(ValueError) as err:
+        Scheduler(engine, max_slots=8, max_len=64, kv_budget_bytes=-1)
+    assert str(err.value) == "kv_budget_bytes must be None (no cap) or an int >= 1 (bytes), got -1"
 
 
 def test_submit_validation(tok, engine):

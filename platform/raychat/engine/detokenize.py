@@ -21,24 +21,40 @@ import codecs
 from collections.abc import Iterable
 
 
+def stop_strings(stop: str | Iterable[str] | None) -> tuple[str, ...]:
+    """The one reading of a `stop` argument (SamplingParams, ModelRunner.generate_batch, StreamDecoder): a
+    str is ONE stop string, None none, any other iterable its items.
+
+    Raises:
+        ValueError: `stop` is not a str, None or an iterable of non-empty strs (the message names stop).
+    """
+    if stop is None:
+        return ()
+    try:
+        out = (stop,) if isinstance(stop, str) else tuple(stop)
+    except TypeError:
+        out = None
+    if out is None or any(not isinstance(s, str) or not s for s in out):
+        raise ValueError(f"stop must be a non-empty str or a sequence of non-empty strs, got {stop!r}")
+    return out
+
+
 class StreamDecoder:
     """Turn a stream of token ids into text deltas.
 
     Args:
         tokenizer: object with `iter_tokens(ids) -> Iterator[bytes]` (raychat Tokenizer).
-        stop: stop strings (non-empty str each).
+        stop: one stop string (a str) or a sequence of them (`stop_strings`; non-empty str each).
     Attributes:
         text: str emitted so far (sum of deltas). offset: len(text), in characters.
         stopped: True once a stop string was seen. stop_string: which one (None otherwise).
     Raises:
-        ValueError: an empty stop string.
+        ValueError: `stop` is not a str or a sequence of strs, or a stop string is empty.
     """
 
-    def __init__(self, tokenizer, stop: Iterable[str] = ()):
+    def __init__(self, tokenizer, stop: str | Iterable[str] = ()):
         self.tokenizer = tokenizer
-        self.stop = tuple(stop)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty str, got {self.stop!r}")
+        self.stop = stop_strings(stop)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""  # decoded, not yet emitted (may begin a stop string)
         self.text = ""

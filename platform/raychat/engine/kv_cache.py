@@ -35,6 +35,16 @@ class KVBudgetError(ValueError):
     """A request needs more KV-cache memory than the configured budget allows."""
 
 
+def check_budget_bytes(budget_bytes, name: str = "kv_budget_bytes") -> int | None:
+    """`budget_bytes` as given: None (no cap) or an int >= 1 (bytes). Raises ValueError naming `name` for
+    anything else (a bool, a float, 0 or a negative number: no cache could fit)."""
+    if budget_bytes is None:
+        return None
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
+        raise ValueError(f"{name} must be None (no cap) or an int >= 1 (bytes), got {budget_bytes!r}")
+    return budget_bytes
+
+
 class KVCache:
     """Preallocated KV cache.
 

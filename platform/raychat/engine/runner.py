@@ -22,12 +22,13 @@ prompt's generator in one call per step, in sample order (engine/sampling.py: th
 from __future__ import annotations
 
 import hashlib
+import operator
 from dataclasses import dataclass
 
 import torch
 
 from raychat.engine.attention import resolve_backend, to_device
-from raychat.engine.kv_cache import KVCache
+from raychat.engine.kv_cache import KVCache, check_budget_bytes
 from raychat.engine.packed_weights import PackedGPT
 from raychat.engine.packed_weights import available as packed_available
 from raychat.engine.packed_weights import supports as packed_supports
@@ -88,10 +89,54 @@ def derive_seed(seed: int | None, index: int) -> int | None:
     return int.from_bytes(hashlib.sha256(f"{int(seed)}:{index}".encode()).digest()[:8], "little") >> 1
 
 
+ENCODE_FIRST = (
+    "the engine takes token ids: encode text with the tokenizer first (tokenizer.encode(text), or a chat "
+    "rendered with raychat.chat_template.render_for_completion(tokenizer, messages))"
+)
+
+
+def is_token_id(t) -> bool:
+    """An int (Python's, NumPy's, a one-element integer tensor: anything operator.index takes), not a bool."""
+    if isinstance(t, bool):
+        return False
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return True
+
+
+def token_ids(prompt, name: str = "prompt") -> list[int]:
+    """`prompt` as a list of Python ints (`is_token_id` each: never a bool or a float). Raises ValueError
+    naming `name` for text (a str or bytes: encode it first), something that is not a sequence, or an item
+    that is not a token id."""
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError(
+            f"{name} is a {type(prompt).__name__} ({prompt[:40]!r}), not token ids; {ENCODE_FIRST}"
+        )
+    try:
+        items = list(prompt)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be a sequence of token ids (ints), got {type(prompt).__name__} {prompt!r}"
+        ) from None
+    try:
+        ids = [operator.index(t) for t in items]
+    except TypeError:
+        ids = None
+    if ids is None or any(isinstance(t, bool) for t in items):
+        i, bad = next((i, t) for i, t in enumerate(items) if not is_token_id(t))
+        raise ValueError(
+            f"{name} must be a sequence of token ids (ints); item {i} is {type(bad).__name__} {bad!r}"
+        )
+    return ids
+
+
 def check_prompt(prompt, vocab_size: int, max_seq_len: int, name: str = "prompt") -> list[int]:
-    """`prompt` as a list of ints. Raises ValueError (naming `name`) if it is empty, has ids outside
-    0..vocab_size-1, or has max_seq_len tokens or more (no room to generate)."""
-    ids = [int(t) for t in prompt]
+    """`prompt` as a list of ints. Raises ValueError (naming `name`) if it is not a sequence of token ids
+    (`token_ids`: text must be encoded first), is empty, has ids outside 0..vocab_size-1, or has max_seq_len
+    tokens or more (no room to generate)."""
+    ids = token_ids(prompt, name)
     if not ids:
         raise ValueError(f"{name} is empty; it needs at least one token (e.g. <|bos|>)")
     bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -133,7 +178,8 @@ class ModelRunner:
             (raychat.model.GPT.forward) and `config` (n_layer, n_kv_head, head_dim, max_seq_len,
             vocab_size). Put it in eval mode yourself.
         tokenizer: raychat Tokenizer.
-        kv_budget_bytes: optional cap on the KV cache of one generate_batch call (KVBudgetError beyond).
+        kv_budget_bytes: None (no cap) or an int >= 1: cap in bytes on the KV cache of one generate_batch call
+            (KVBudgetError beyond).
         dtype: weights and KV cache. "model" (default) keeps the model's parameter dtype (RL rollouts:
             their weights hash is of those parameters); "auto" = bfloat16 on CUDA, float32 on CPU (what the
             serving entry points pass); or "float32" / "bfloat16" / "float16" / a torch.dtype. A dtype that
@@ -160,7 +206,7 @@ class ModelRunner:
             generate_batch and the Scheduler reuse cached prompt blocks (`self.prefix_cache`).
     Raises:
         ValueError: an unknown dtype, kv_dtype or attention, prefill_chunk_tokens < 1, a bad packed_weights
-            or prefix_cache_tokens.
+            or prefix_cache_tokens, kv_budget_bytes not None or an int >= 1 (each naming the argument).
     """
 
     def __init__(
@@ -179,7 +225,7 @@ class ModelRunner:
         self.model = model
         self.tokenizer = tokenizer
         self.config = model.config
-        self.kv_budget_bytes = kv_budget_bytes
+        self.kv_budget_bytes = check_budget_bytes(kv_budget_bytes)
         param = next(iter(model.parameters()), None)
         self.device = param.device if param is not None else torch.device("cpu")
         model_dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
@@ -381,24 +427,28 @@ class ModelRunner:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
-        stop: tuple[str, ...] | list[str] = (),
+        stop: str | tuple[str, ...] | list[str] = (),
     ) -> list[GenerationResult]:
-        """Generate `num_samples` completions of every prompt; the contract: docs/engine.md.
+        """Generate `num_samples` completions of every prompt; the contract: docs/engine.md. The sampling
+        arguments are SamplingParams' fields, checked as it checks them (`stop`: a str is one stop string).
 
         Returns:
             list of len(prompts) * num_samples GenerationResult, results[i * num_samples + j].
         Raises:
-            ValueError: empty/invalid prompts, num_samples < 1, bad sampling parameters.
+            ValueError: prompts not a non-empty list of token-id sequences (text must be encoded first;
+                check_prompt), num_samples < 1, bad sampling parameters (naming the argument).
             KVBudgetError: the batch's cache exceeds kv_budget_bytes.
         """
-        params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, tuple(stop))
+        params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, stop)
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+        if isinstance(prompts, (str, bytes)):
+            raise ValueError(f"prompts is a {type(prompts).__name__}, not lists of token ids; {ENCODE_FIRST}")
         if not prompts:
             raise ValueError("prompts is empty; pass at least one list of token ids")
         prompts = [self.check_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         n, P = num_samples, len(prompts)
-        max_len = max(len(p) for p in prompts) + max_tokens
+        max_len = max(len(p) for p in prompts) + params.max_tokens
         if self.compile_decode:  # compiled graphs are specialized on the cache length: reuse a few
             max_len = -(-max_len // COMPILED_LEN_MULTIPLE) * COMPILED_LEN_MULTIPLE
         max_len = min(max_len, self.config.max_seq_len)
@@ -408,7 +458,7 @@ class ModelRunner:
         for i in reversed(range(P)):  # row i -> rows i*n .. i*n+n-1 (never over a row still to copy)
             cache.replicate(i, list(range(i * n, (i + 1) * n)))
         logits = logits.repeat_interleave(n, dim=0)
-        gens = [make_generator(derive_seed(seed, i), self.device) for i in range(P)]
+        gens = [make_generator(derive_seed(params.seed, i), self.device) for i in range(P)]
         states = [RowState(self.tokenizer, prompts[r // n], params, max_len) for r in range(P * n)]
 
         slot = list(range(P * n))  # logical row r (= i * n + j) lives in cache row slot[r]

@@ -43,12 +43,15 @@ from __future__ import annotations
 
 import array
 import math
+import numbers
 import secrets
 from dataclasses import dataclass, field
 
 import torch
 
+from raychat.config.schema import SEED_MAX
 from raychat.engine.attention import to_device
+from raychat.engine.detokenize import stop_strings
 
 TEMPERATURE_EPS = 1e-5
 FP32_MAX = torch.finfo(torch.float32).max
@@ -68,18 +71,29 @@ def is_greedy(temperature: float) -> bool:
     return temperature < TEMPERATURE_EPS
 
 
+def is_int(x) -> bool:
+    """An integer (Python's or NumPy's), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_real(x) -> bool:
+    """A real number (int or float, Python's or NumPy's), not a bool (NaN is one: ranges refuse it)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def validate(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ValueError naming the field if temperature < 0 (or past float32's range: logits are scaled in
-    float32), top_k < 0 or top_p outside (0, 1]."""
-    if not 0 <= temperature <= FP32_MAX:
+    """Raise ValueError naming the field (also for a wrong type: a str, a bool) if temperature is not a real
+    number in [0, FP32_MAX] (NaN is not: logits are scaled in float32), top_k not None or an int >= 0, or
+    top_p not None or a real number in (0, 1]."""
+    if not is_real(temperature) or not 0 <= temperature <= FP32_MAX:
         raise ValueError(
-            f"temperature must be a number in [0, {FP32_MAX:.4g}] (0 = greedy; logits are scaled in "
-            f"float32), got {temperature}"
+            f"temperature must be a real number in [0, {FP32_MAX:.4g}] (0 = greedy; logits are scaled in "
+            f"float32), got {temperature!r}"
         )
-    if top_k is not None and top_k < 0:
-        raise ValueError(f"top_k must be None or >= 0 (0/None = off), got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be None or in (0, 1] (1/None = off), got {top_p}")
+    if top_k is not None and (not is_int(top_k) or top_k < 0):
+        raise ValueError(f"top_k must be None or an int >= 0 (0/None = off), got {top_k!r}")
+    if top_p is not None and (not is_real(top_p) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or a real number in (0, 1] (1/None = off), got {top_p!r}")
 
 
 def _filter(logits: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -236,23 +250,36 @@ def _to_host(cols: list[torch.Tensor], stacked: bool | None = None) -> list[tupl
     return [tuple(row) for row in torch.stack([c.double() for c in cols], dim=1).cpu().tolist()]
 
 
+def check_seed(seed) -> None:
+    """Raise ValueError naming seed unless it is None (fresh entropy) or an int in 0..SEED_MAX (2**63 - 1:
+    torch.tensor's int64, raychat.config's --seed; negative seeds are refused, as `raychat chat --seed -1`)."""
+    if seed is not None and (not is_int(seed) or not 0 <= seed <= SEED_MAX):
+        raise ValueError(
+            f"seed must be None (a fresh random seed) or an int in 0..{SEED_MAX} (2**63 - 1), got {seed!r}"
+        )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request generates.
 
-    Fields:
-        max_tokens: completion tokens at most (sampled and forced tool-output tokens), >= 1.
-        temperature: finite, >= 0; below TEMPERATURE_EPS (1e-5) = greedy.
-        top_k: None/0 = off, else >= 1.
-        top_p: None/1.0 = off, else in (0, 1].
-        seed: int seeds the request's torch.Generator; None = fresh OS entropy.
-        stop: stop strings; generation ends when the completion's visible text (outside special tokens,
-            calculator calls and their results) contains one (never emitted). One that is a special token's
-            text is a stop token (raychat.engine.row_state).
-        logprobs: return each completion token's logprob (module docstring: which distribution).
-        top_logprobs: 0..20 most likely alternatives per token as well; needs logprobs=True.
+    Fields (an "int" is Python's or NumPy's integer, a "real number" an int or float; a bool or str is
+    neither; stored as Python int / float):
+        max_tokens: completion tokens at most (sampled and forced tool-output tokens), an int >= 1.
+        temperature: a real number in [0, FP32_MAX] (finite, not NaN); below TEMPERATURE_EPS (1e-5) = greedy.
+        top_k: None/0 = off, else an int >= 1.
+        top_p: None/1.0 = off, else a real number in (0, 1].
+        seed: an int in 0..SEED_MAX (2**63 - 1, as raychat.config's --seed) seeds the request's
+            torch.Generator; None = fresh OS entropy.
+        stop: one stop string (a str) or a sequence of them, stored as a tuple (detokenize.stop_strings);
+            generation ends when the completion's visible text (outside special tokens, calculator calls and
+            their results) contains one (never emitted). One that is a special token's text is a stop token
+            (raychat.engine.row_state).
+        logprobs: return each completion token's logprob (module docstring: which distribution); a bool.
+        top_logprobs: an int in 0..20: most likely alternatives per token as well; needs logprobs=True.
     Raises:
-        ValueError: a field outside its allowed values (the message names it).
+        ValueError: a field of the wrong type or outside its allowed values (the message names the field and
+            its allowed values; a wrong type is a ValueError too, as everywhere in the engine).
     """
 
     max_tokens: int = 256
@@ -265,23 +292,29 @@ class SamplingParams:
     top_logprobs: int = 0
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        object.__setattr__(self, "stop", stop_strings(self.stop))
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         validate(self.temperature, self.top_k, self.top_p)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        check_seed(self.seed)
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
-        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+        if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(
                 f"top_logprobs must be an int in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}"
             )
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=True")
+        self._as_python_numbers()
+
+    def _as_python_numbers(self) -> None:
+        """Store the checked numbers as Python int / float (a NumPy scalar in, the same value out)."""
+        for name in ("max_tokens", "top_k", "seed", "top_logprobs", "temperature", "top_p"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(
+                    self, name, float(value) if name in ("temperature", "top_p") else int(value)
+                )
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ import uuid
 
 import torch
 
-from raychat.engine.kv_cache import KVBudgetError, KVCache
+from raychat.engine.kv_cache import KVBudgetError, KVCache, check_budget_bytes
 from raychat.engine.prefix_cache import BLOCK_TOKENS, block_digests
 from raychat.engine.row_state import RowState
 from raychat.engine.sampling import SamplingBatch, SamplingParams, is_greedy, make_generator
@@ -126,7 +126,7 @@ class Scheduler:
         engine: a ModelRunner (model + tokenizer).
         max_slots: concurrent requests in the KV cache (decoding or prefilling), >= 1.
         max_len: tokens per slot (prompt + completion); default and maximum model.config.max_seq_len.
-        kv_budget_bytes: if given, slots = min(max_slots, slots that fit the budget).
+        kv_budget_bytes: None (no cap) or an int >= 1: slots = min(max_slots, slots that fit the budget).
         prefill_chunk_tokens: prompt tokens prefilled per step at most (>= 1), shared by the prefilling
             requests oldest first; bounds how long one step (the other requests' inter-token latency) takes.
         max_pending: live requests beyond the max_slots slots, i.e. waiting for one (>= 1); submit() beyond
@@ -136,7 +136,7 @@ class Scheduler:
         stall_timeout_s: seconds without a step, while requests are live, after which `stalled` is True.
     Raises:
         ValueError: max_slots < 1, max_len outside 2..max_seq_len, prefill_chunk_tokens < 1, max_pending < 1,
-            request_timeout_s or stall_timeout_s <= 0.
+            request_timeout_s or stall_timeout_s <= 0, kv_budget_bytes not None or an int >= 1.
         KVBudgetError: not even one slot of max_len tokens fits kv_budget_bytes (message names the numbers).
     """
 
@@ -161,7 +161,7 @@ class Scheduler:
             raise ValueError(f"prefill_chunk_tokens must be an int >= 1, got {prefill_chunk_tokens!r}")
         check_limits(max_pending, request_timeout_s, stall_timeout_s)
         slots = max_slots
-        if kv_budget_bytes is not None:
+        if check_budget_bytes(kv_budget_bytes) is not None:
             slots = min(max_slots, KVCache.rows_for_budget(cfg, kv_budget_bytes, max_len, engine.kv_dtype))
             if slots < 1:
                 bpt = KVCache.bytes_per_token(cfg, engine.kv_dtype)
