@@ -185,3 +185,5 @@ def test_logprobs_request_against_this_engine():
     assert (params.logprobs, params.top_logprobs, params.max_tokens) == (True, 3, 64)
     params = sampling_params({**request, "logprobs": False}, max_len=64)
     assert params.stop == ("x", "<|python_end|>") and params.max_tokens == 64 and params.temperature == 1.0
+    assert sampling_params({"stop": "xyz"}, max_len=64).stop == ("xyz",)  # one stop string, not x, y and z
+    assert sampling_params({"stop": None}, max_len=64).stop == ()

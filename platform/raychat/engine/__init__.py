@@ -1,7 +1,7 @@
 """Inference engine (API: docs/engine.md): KV cache, sampling, ModelRunner, Scheduler, EngineProcess."""
 
 from raychat.engine.calculator import calculate, eval_expression
-from raychat.engine.detokenize import StreamDecoder
+from raychat.engine.detokenize import StreamDecoder, stop_strings
 from raychat.engine.kv_cache import KVBudgetError, KVCache
 from raychat.engine.runner import GenerationResult, ModelRunner, SamplingParams
 from raychat.engine.sampling import TEMPERATURE_EPS, SamplingBatch, make_generator, sample_next
@@ -26,4 +26,5 @@ __all__ = [
     "eval_expression",
     "make_generator",
     "sample_next",
+    "stop_strings",
 ]

@@ -15,7 +15,7 @@ import math
 
 from raychat.chat.turn import TEXT
 from raychat.chat_template import MARKERS
-from raychat.engine import SamplingParams
+from raychat.engine import SamplingParams, stop_strings
 
 # OpenAI's stand-in for a logprob that is -inf (a token the filters excluded): JSON has no infinity
 MIN_LOGPROB = -9999.0
@@ -28,7 +28,7 @@ def sampling_params(request: dict, max_len: int) -> SamplingParams:
     Raises:
         ValueError: SamplingParams' own checks.
     """
-    stop = tuple(request.get("stop") or ())
+    stop = stop_strings(request.get("stop"))
     if request.get("client_tools"):
         stop += (MARKERS["python_end"],)
     kwargs = {
