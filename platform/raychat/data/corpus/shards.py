@@ -129,6 +129,27 @@ def write_shards(
     return entries
 
 
+def _open_text_shard(path: str | Path) -> pq.ParquetFile:
+    """The parquet file at `path`; DataError naming it when it cannot be read or has no `text` column."""
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise DataError(f"{path}: not a readable parquet file ({e})") from e
+    if "text" not in pf.schema_arrow.names:
+        raise DataError(f"{path}: no `text` column (columns: {pf.schema_arrow.names})")
+    return pf
+
+
+def _read_text(pf: pq.ParquetFile, group: int, path: str | Path) -> pa.ChunkedArray:
+    """The `text` column of row group `group`; DataError naming the file and the group when it cannot be read."""
+    try:
+        return pf.read_row_group(group, columns=["text"]).column("text")
+    except Exception as e:
+        raise DataError(
+            f"{path}: row group {group} of {pf.num_row_groups} cannot be read ({str(e).strip()})"
+        ) from e
+
+
 def inspect_shard(path: str | Path) -> tuple[int, int]:
     """(documents, UTF-8 text bytes) of a parquet shard, reading every row group of its `text` column.
 
@@ -136,20 +157,10 @@ def inspect_shard(path: str | Path) -> tuple[int, int]:
         DataError: not a readable parquet file, no `text` column, or a row group that cannot be read
             (the message names the file and the row group).
     """
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:
-        raise DataError(f"{path}: not a readable parquet file ({e})") from e
-    if "text" not in pf.schema_arrow.names:
-        raise DataError(f"{path}: no `text` column (columns: {pf.schema_arrow.names})")
+    pf = _open_text_shard(path)
     documents = text_bytes = 0
     for g in range(pf.num_row_groups):
-        try:
-            column = pf.read_row_group(g, columns=["text"]).column("text")
-        except Exception as e:
-            raise DataError(
-                f"{path}: row group {g} of {pf.num_row_groups} cannot be read ({str(e).strip()})"
-            ) from e
+        column = _read_text(pf, g, path)
         documents += len(column)
         text_bytes += pc.sum(pc.binary_length(column.cast(pa.binary()))).as_py() or 0
     return documents, text_bytes
@@ -172,14 +183,8 @@ def check_text_column(path: str | Path) -> None:
         DataError: not a readable parquet file, no `text` column, a column of another type, a row group that
             cannot be read, or a null (null_text_message: the file and the row).
     """
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:
-        raise DataError(f"{path}: not a readable parquet file ({e})") from e
-    schema = pf.schema_arrow
-    if "text" not in schema.names:
-        raise DataError(f"{path}: no `text` column (columns: {schema.names})")
-    kind = schema.field("text").type
+    pf = _open_text_shard(path)
+    kind = pf.schema_arrow.field("text").type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise DataError(f"{path}: the `text` column holds {kind}, not strings")
     parquet_schema = pf.metadata.schema
@@ -189,12 +194,7 @@ def check_text_column(path: str | Path) -> None:
         group = pf.metadata.row_group(g)
         stats = group.column(index).statistics
         if stats is None or not stats.has_null_count or stats.null_count > 0:
-            try:
-                column = pf.read_row_group(g, columns=["text"]).column("text")
-            except Exception as e:
-                raise DataError(
-                    f"{path}: row group {g} of {pf.num_row_groups} cannot be read ({str(e).strip()})"
-                ) from e
+            column = _read_text(pf, g, path)
             if column.null_count:
                 row = pc.index(pc.is_null(column), True).as_py()
                 raise DataError(null_text_message(path, first_row + row))
