@@ -93,6 +93,15 @@ def calculator_server(tool_checkpoint):
 
 
 @pytest.fixture(scope="module")
+def short_context_server():
+    """Rows of 40 tokens: the third or so exchange of a conversation no longer fits."""
+    engine = ChatServer(*tiny_model_and_tokenizer(seed=1), max_slots=1, max_len=40, model_id="tiny")
+    client = SlowClient(engine, delay_s=0.0)
+    for url in serve_page(engine, client):
+        yield url, engine, client
+
+
+@pytest.fixture(scope="module")
 def browser():
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
@@ -202,3 +211,40 @@ def test_calculator_call_shows_as_a_block_and_goes_back_as_history(calculator_se
     shot = Path(os.environ.get("RAYCHAT_SCREENSHOT_DIR", tmp_path)) / "chat_calculator.png"
     assert browser.save_screenshot(str(shot))
     print(f"screenshot: {shot}")
+
+
+def test_a_conversation_beyond_the_context_drops_its_oldest_exchanges(short_context_server, browser):
+    """The page answered every message after the context filled with "400: prompt has N tokens" until it was
+    reloaded; now, on the server's context_length_exceeded, it drops the oldest exchange, says so and asks
+    again, and the conversation goes on."""
+    from selenium.webdriver.common.by import By
+
+    url, engine, client = short_context_server
+    browser.get(url)
+    el = lambda css: browser.find_element(By.CSS_SELECTOR, css)  # noqa: E731
+    el("#temperature").clear()
+    el("#temperature").send_keys("0")
+    el("#max_tokens").clear()
+    el("#max_tokens").send_keys("4")
+    questions = [f"question {k} about the json module" for k in range(6)]
+    for k, question in enumerate(questions, start=1):
+        el("#input").send_keys(question)
+        el("#send").click()
+        wait_for(
+            lambda k=k: (
+                len(browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == k
+                and el("#send").is_enabled()
+            ),
+            what=f"reply {k}",
+        )
+    notes = [n.text for n in browser.find_elements(By.CSS_SELECTOR, ".msg.note")]
+    assert notes and all(
+        n.startswith("the conversation outgrew the model's context: its oldest ") for n in notes
+    )
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg.error") == []
+    assert el("#status").text.endswith("tokens")  # the last reply finished
+    sent = client.requests[-1]["messages"]
+    assert sent[-1] == {"role": "user", "content": questions[-1]} and sent[0]["role"] == "user"
+    assert sent[0]["content"] != questions[0]  # the first exchange was dropped
+    assert engine.stats()["rejected"] >= len(notes)
+    assert asyncio.run(engine.wait_idle(10.0))

@@ -81,7 +81,7 @@ def test_real_engine_greedy_matches_generate_batch(tiny, real_engine):
     assert_400(
         client.post("/chat/completions", json={"messages": too_long}),
         "messages",
-        "leaves no room to generate",
+        "rows hold max_len 256 tokens, the reply included: drop earlier messages",
     )
     assert real_engine.stats()["in_flight"] == 0 and real_engine.stats()["rejected"] == 1
 
@@ -385,3 +385,28 @@ def test_an_engine_process_that_died_under_a_submit_is_a_503():
         assert resp.status_code == 503 and resp.headers["retry-after"] == "5", resp.text
         assert resp.json()["error"]["message"].startswith("engine unavailable: ")
         assert engine.stats()["rejected"] == 1 and engine.stats()["in_flight"] == 0
+
+
+def test_a_conversation_beyond_the_context_is_openais_context_length_exceeded(tiny):
+    """Code context_length_exceeded (OpenAI's), so clients know to drop earlier messages (the chat page does:
+    test_serve_browser.py); before, the 400 carried code None and the engine's "prompt has N tokens"."""
+    model, tok = tiny
+    engine = ChatServer(model, tok, max_slots=1, max_len=32, model_id="tiny")
+    try:
+        client = TestClient(create_app(LocalClient(engine)))
+        fits = [{"role": "user", "content": "hi"}]
+        long = [{"role": "user", "content": "tell me about the json module " * 3}]
+        n = len(render_for_completion(tok, long))
+        assert len(render_for_completion(tok, fits)) < 32 <= n
+        for path in (V1, "/chat/completions"):
+            resp = client.post(path, json={"messages": long, "max_tokens": 2})
+            assert resp.status_code == 400, resp.text
+            assert resp.json()["error"] == {
+                "message": f"messages: the conversation is {n} tokens; rows hold max_len 32 tokens, the reply "
+                "included: drop earlier messages",
+                "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded",
+            }  # fmt: skip
+        ok = client.post(V1, json={"messages": fits, "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    finally:
+        engine.shutdown()

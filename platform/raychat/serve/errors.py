@@ -59,11 +59,16 @@ class ParamError(ValueError):
 
 
 def error_body(
-    message: str, param: str | None = None, kind: str = "invalid_request_error", request_id: str | None = None
+    message: str,
+    param: str | None = None,
+    kind: str = "invalid_request_error",
+    request_id: str | None = None,
+    code: str | None = None,
 ) -> dict:
     """OpenAI-style error body {"error": {"message", "type", "param", "code"}}, plus "request_id" when given
-    (a 500's id in the server log)."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    (a 500's id in the server log); `code` as OpenAI's where one applies (model_not_found,
+    context_length_exceeded), else None."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     if request_id:
         body["error"]["request_id"] = request_id
     return body

@@ -168,14 +168,15 @@ def _error_response(event: dict) -> JSONResponse:
     kind, headers = error_type(status), error_headers(event)
     if event.get("request_id"):
         headers = {"X-Request-Id": event["request_id"]}
-    body = error_body(message, param, kind, event.get("request_id"))
+    body = error_body(message, param, kind, event.get("request_id"), event.get("code"))
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _model_not_found(requested: str, served: str) -> JSONResponse:
     """404 (code model_not_found) for a request naming a model other than the one served."""
-    err = error_body(f"model: {requested!r} is not served here; available: [{served!r}]", "model")
-    err["error"]["code"] = "model_not_found"
+    err = error_body(
+        f"model: {requested!r} is not served here; available: [{served!r}]", "model", code="model_not_found"
+    )
     return JSONResponse(err, status_code=404)
 
 
@@ -211,7 +212,9 @@ def _exception_event(e: BaseException) -> dict:
 def _stream_error(event: dict) -> bytes:
     """An error event inside a started OpenAI stream (the openai clients raise APIError on it)."""
     kind = error_type(event.get("status", 500))
-    return sse_event(error_body(event["message"], event.get("param"), kind, event.get("request_id")))
+    return sse_event(
+        error_body(event["message"], event.get("param"), kind, event.get("request_id"), event.get("code"))
+    )
 
 
 async def _open(engine, requests: list[dict]) -> tuple[list, list[dict]]:

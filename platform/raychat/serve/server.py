@@ -17,7 +17,8 @@ and yields (the completion read by raychat.chat.turn.TurnParser, so no control-t
   {"type": "done", "finish_reason": "stop"|"length"|"tool_calls", "usage": {prompt_tokens,
    completion_tokens, total_tokens, ttft_s, cached_tokens}}       last event of a success (cached_tokens:
                                  prompt tokens served by the prefix cache)
-  {"type": "error", "status": 400|429|500|503|504, "message": str, "param": str|None
+  {"type": "error", "status": 400|429|500|503|504, "message": str, "param": str|None, "code": str (optional:
+   "context_length_exceeded" for a conversation that leaves no room for a reply)
    [, "retry_after": seconds]}   first and only event of a rejected request (400; 429 with retry_after when
                                  the engine's queue is full (max_pending); 503 while the engine process is
                                  down), or last event of a failed one (500; 503 when the engine process died
@@ -229,6 +230,14 @@ class ChatServer:
                 params = sampling_params(request, self.scheduler.max_len)
                 param = "messages"  # from here on, errors are about the conversation or its length
                 prompt = render_for_completion(self.tokenizer, request["messages"])
+                if (
+                    len(prompt) >= self.scheduler.max_len
+                ):  # OpenAI's code: clients drop earlier messages on it
+                    self.rejected += 1
+                    yield {"type": "error", "status": 400, "param": "messages", "code": "context_length_exceeded",
+                           "message": f"the conversation is {len(prompt)} tokens; rows hold max_len "
+                           f"{self.scheduler.max_len} tokens, the reply included: drop earlier messages"}  # fmt: skip
+                    return
                 stream = self.scheduler.submit(prompt, params, wake_every=self.stream_interval)
             except ValueError as e:
                 self.rejected += 1
