@@ -96,16 +96,36 @@ class Storage:
         return {"storage_path": self.path, "storage_filesystem": self.fs}
 
 
+# Where Ray unpacks a job's runtime_env working_dir (`raychat submit` uploads the checkout): the job's cwd
+RAY_JOB_COPY = f"{os.sep}runtime_resources{os.sep}working_dir_files{os.sep}"
+
+
+def check_not_in_job_copy(path: str, flag: str) -> None:
+    """Raise ValueError naming `flag` when `path` is relative and this process runs in a Ray job's unpacked
+    working_dir (RAY_JOB_COPY in the cwd): the path would land in that temporary copy of the checkout, which
+    Ray deletes with the job's runtime env (a submitted stage wrote its output there and SUCCEEDED)."""
+    cwd = os.getcwd()
+    if not os.path.isabs(path) and RAY_JOB_COPY in cwd + os.sep:
+        raise ValueError(
+            f"{flag} {path!r} is relative, and this Ray job runs in a temporary copy of the submitted checkout "
+            f"({cwd}) that Ray deletes: give an absolute path on storage every node reads (e.g. --storage-path "
+            "/mnt/checkpoints/runs), or s3:// / gs://"
+        )
+
+
 def open_storage(uri: str | os.PathLike, flag: str = "--storage-path") -> Storage:
     """The Storage for a local path, file://, s3:// or gs:// URI. Touches nothing (see check_writable).
 
-    Raises ValueError naming `flag` for an empty value or an unsupported scheme."""
+    Raises ValueError naming `flag` for an empty value, an unsupported scheme, or a relative path inside a
+    Ray job's temporary working_dir (check_not_in_job_copy)."""
     text = str(uri).strip()
     if not text:
         raise ValueError(f"{flag}: empty; give a directory, s3://bucket/prefix or gs://bucket/prefix")
     scheme = text.split("://", 1)[0].lower() if "://" in text else ""
     if scheme in ("", "file"):
-        local = os.path.abspath(os.path.expanduser(text[len("file://") :] if scheme else text))
+        given = os.path.expanduser(text[len("file://") :] if scheme else text)
+        check_not_in_job_copy(given, flag)
+        local = os.path.abspath(given)
         return Storage(local.rstrip("/") or "/", pafs.LocalFileSystem(), local.rstrip("/") or "/")
     if scheme not in REMOTE_SCHEMES:
         raise ValueError(

@@ -12,6 +12,7 @@ import pytest
 
 from raychat import storage as st
 from raychat.checkpoint_manager import CheckpointError, commit_directory, resolve_checkpoint
+from raychat.cli import main
 from raychat.storage import check_writable, open_storage
 
 LEGACY_NAME = "checkpoint_2026-12-01_09-30-00.000002"  # Ray Train's own naming, from before commit markers
@@ -200,3 +201,26 @@ def test_s3_bad_input_names_the_flag(runs, s3_env, tmp_path):
         "does not exist)"
     )
     assert not (tmp_path / "cache").exists()  # nothing was downloaded
+
+
+def test_a_relative_path_in_a_submitted_jobs_temporary_checkout_is_refused(tmp_path, monkeypatch, capsys):
+    """`raychat submit data prepare --storage-path relruns` (or the default `runs`) wrote its shards into Ray's
+    unpacked working_dir, which Ray deletes, and the job SUCCEEDED; nothing reached the user's directory."""
+    job_copy = tmp_path / "session_x" / "runtime_resources" / "working_dir_files" / "_ray_pkg_a1bdcca6"
+    job_copy.mkdir(parents=True)
+    monkeypatch.chdir(job_copy)
+    with pytest.raises(ValueError) as e:
+        open_storage("relruns", "--storage-path")
+    assert str(e.value) == (
+        f"--storage-path 'relruns' is relative, and this Ray job runs in a temporary copy of the submitted "
+        f"checkout ({job_copy}) that Ray deletes: give an absolute path on storage every node reads (e.g. "
+        "--storage-path /mnt/checkpoints/runs), or s3:// / gs://"
+    )
+    assert open_storage(str(tmp_path / "runs")).path == str(tmp_path / "runs")  # absolute: as before
+    assert main(["data", "prepare", "--source", str(tmp_path), "--storage-path", "relruns"]) == 2
+    assert "error: --storage-path 'relruns' is relative, and this Ray job runs in" in capsys.readouterr().err
+    assert main(["tokenizer", "train"]) == 2  # the defaults (runs/data) are relative too
+    assert "is relative, and this Ray job runs in a temporary copy" in capsys.readouterr().err
+    assert list(job_copy.iterdir()) == []  # nothing written into the copy
+    monkeypatch.chdir(tmp_path)  # outside a job: a relative path is the working directory's, as before
+    assert open_storage("relruns").path == str(tmp_path / "relruns")

@@ -78,8 +78,9 @@ def start(
         ray.shutdown()
         raise ValueError(
             f"Serve already runs on this Ray cluster with its HTTP proxies on {running[0]}:{running[1]}, and "
-            f"--host/--port apply only when Serve starts: pass --host {running[0]} --port {running[1]} to add "
-            "raychat to it, or stop it first (`serve shutdown`)"
+            f"--host/--port apply only when Serve starts: pass --host {running[0]} --port {running[1]} to deploy "
+            f"into it (this replaces its application {APP_NAME!r}, if it serves one), or stop it first "
+            "(`serve shutdown`)"
         )
     try:
         serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
