@@ -221,6 +221,20 @@ def _connection_errors():
     return (AuthenticationError, ConnectionError, RuntimeError)
 
 
+def job_refusal(e: Exception, job_id: str | None) -> str | None:
+    """The one-line reason when the Jobs API answered about the job itself (a bad request, exit 2), not about
+    reaching the cluster: no such job (404), or a submission id already taken (Ray answers 500 with its
+    traceback, whose first line says nothing). None otherwise."""
+    text = str(e)
+    if "status code 404" in text and "does not exist" in text:
+        return f"no job {job_id!r} on this cluster (`raychat jobs list` shows its jobs)"
+    if "already exists" in text and job_id:
+        return (
+            f"--job-id {job_id}: a job with this submission id already exists on this cluster; choose another"
+        )
+    return None
+
+
 def cmd_submit(args) -> int:
     try:
         working_dir = Path(args.working_dir).resolve() if args.working_dir else repo_root()
@@ -249,6 +263,9 @@ def cmd_submit(args) -> int:
             entrypoint=entrypoint, runtime_env=runtime_env, submission_id=args.job_id, **kwargs
         )
     except _connection_errors() as e:
+        if why := job_refusal(e, args.job_id):
+            print(f"raychat submit: {why}", file=sys.stderr)
+            return 2
         print(f"raychat submit: the cluster refused the job: {_first_line(e)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     print(f"submitted {job_id}: {entrypoint}", file=sys.stderr)
@@ -292,5 +309,8 @@ def cmd_jobs(args) -> int:
         print(f"raychat jobs: {e}", file=sys.stderr)
         return 2
     except _connection_errors() as e:
+        if why := job_refusal(e, getattr(args, "job_id", None)):
+            print(f"raychat jobs: {why}", file=sys.stderr)
+            return 2
         print(f"raychat jobs: {_first_line(e)}", file=sys.stderr)
         return EXIT_UNREACHABLE
