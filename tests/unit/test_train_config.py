@@ -55,6 +55,9 @@ def test_automatic_batch_size_gives_a_valid_plan_for_any_worker_count(workers, t
     out = capsys.readouterr().out
     change = "kept" if total == 65536 else f"rounded to {total:,}"
     assert f"power law 65,536 tokens, {change}: the nearest multiple of {workers} workers" in out
+    assert not out.startswith("init from")
+    print_plan(from_dict(TrainConfig, {**values, "init_from": "/r/long/checkpoint_000300"}), p)
+    assert capsys.readouterr().out.startswith("init from: /r/long/checkpoint_000300\n")  # `latest`, resolved
     with pytest.raises(
         ValueError, match="not a multiple"
     ):  # an explicit batch that does not divide: an error
