@@ -48,10 +48,11 @@ def undisturbed(ray_cluster, checkpoint, tmp_path_factory):
 def test_a_rollout_actor_lost_during_evaluation_is_replaced_and_the_evaluation_rerun(
     ray_cluster, checkpoint, tmp_path, undisturbed, no_restart
 ):
-    """Rollout actor 1 is killed (ray.kill) right after the final evaluation's chunks are submitted. Restarted
-    by Ray, it holds the checkpoint's weights (version 0), so it is re-synced to version 2 before its part is
-    run again; gone for good, its part runs on actor 0. Either way the evaluation covers every held-out prompt
-    with the same seeds and weights: the same pass@k as the undisturbed run."""
+    """Rollout actor 1 is killed (ray.kill) right before the final evaluation's chunks are issued (killed after,
+    it once finished its part before the kill landed). Its part either meets the dead actor (RayActorError) or,
+    restarted by Ray, the checkpoint's weights (version 0 < 2): either way it is re-synced to version 2 and run
+    again, or, gone for good, runs on actor 0. The evaluation covers every held-out prompt with the same seeds
+    and weights: the same pass@k as the undisturbed run."""
     calls, logs = [], []
 
     def kill_during_final_eval(dispatcher, chunks):
@@ -64,8 +65,16 @@ def test_a_rollout_actor_lost_during_evaluation_is_replaced_and_the_evaluation_r
     summary = RLRun(cfg, log=logs.append, on_evaluating=kill_during_final_eval).run()
     print("\n".join(logs))
     assert calls == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2  # both evaluations, every held-out prompt
-    assert any("rollout actor 1 died" in m and "re-issuing its evaluation prompts" in m for m in logs)
-    assert summary["restarts"] >= 1 and summary["failures"] == 0 and summary["version"] == 2
+    recovered = [
+        m for m in logs
+        if ("rollout actor 1 died" in m and "re-issuing its evaluation prompts" in m)
+        or ("rollout actor 1 held version 0 < 2" in m and "re-issuing its prompts" in m)
+    ]  # fmt: skip
+    assert recovered, logs
+    if no_restart:
+        assert any("rollout actor 1 died" in m for m in recovered)
+    assert summary["restarts"] + summary["stale_chunks"] >= 1
+    assert summary["failures"] == 0 and summary["version"] == 2
     assert [e["step"] for e in summary["evals"]] == [0, 2]
     assert summary["evals"] == undisturbed["evals"]
     assert set(summary["evals"][1]) == {"step", *(f"pass@{k}" for k in range(1, 17))}

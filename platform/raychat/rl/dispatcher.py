@@ -53,8 +53,8 @@ class RolloutDispatcher:
     counts dead actors met.
 
     on_submitted(dispatcher, step, chunks): optional hook after a step's chunks are submitted;
-    on_evaluating(dispatcher, chunks): optional hook after an evaluation's chunks are submitted (tests kill an
-    actor there).
+    on_evaluating(dispatcher, chunks): optional hook before an evaluation's chunks are issued (tests kill an
+    actor there: killed after, it could finish its part before the kill landed).
     """
 
     def __init__(
@@ -166,10 +166,10 @@ class RolloutDispatcher:
         parts = split_even(list(range(test_size)), len(self.actors.rollouts))
         chunks = [{"worker": i, "indices": p, "seed": chunk_seed(self.cfg.run.seed, -1, i), "ref": None,
                    "min_version": self.version, "split": "test"} for i, p in enumerate(parts)]  # fmt: skip
-        for chunk in chunks:
-            self._issue(chunk)
         if self.on_evaluating:
             self.on_evaluating(self, chunks)
+        for chunk in chunks:
+            self._issue(chunk)
         correct = [c for result in self.collect(chunks) for c in result["correct"]]
         n = self.eval_samples
         return {f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in range(1, n + 1)}

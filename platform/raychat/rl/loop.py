@@ -85,7 +85,7 @@ class RLRun:
     """One RL run. `RLRun(cfg).run()` -> summary dict; see the module doc.
 
     on_submitted(dispatcher, step, chunks): optional hook after a step's rollout chunks are submitted;
-    on_evaluating(dispatcher, chunks): optional hook after an evaluation's chunks are submitted.
+    on_evaluating(dispatcher, chunks): optional hook before an evaluation's chunks are issued.
     """
 
     def __init__(self, cfg: RLConfig, on_submitted=None, log=log, on_evaluating=None):

@@ -133,9 +133,7 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
 
 def print_plan(cfg: TrainConfig, p: Plan) -> None:
     m = p.model_config
-    if (
-        cfg.run.init_from
-    ):  # the reference resolved (`latest`: the newest pretraining checkpoint under the root)
+    if cfg.run.init_from:  # resolved: `latest` is named as the checkpoint it found
         print(f"init from: {cfg.run.init_from}")
     print(
         f"model: depth {m['n_layer']} width {m['n_embd']} heads {m['n_head']} (kv {m['n_kv_head']}) "
