@@ -270,11 +270,12 @@ class StageArgs(argparse.Action):
     """The words after a submitted stage (nargs REMAINDER), parsed by the stage's own parser as the command
     line is, so that an unknown flag or a value that parser refuses fails here, in one line naming the stage,
     not after the job's cluster starts. `command`, and a stage given -h/--help, are passed on unparsed; values
-    checked against the cluster's files (paths, checkpoints) are left to the job."""
+    checked against the cluster's files (paths, checkpoints) are left to the job. Stores the words without a
+    leading "--" (argparse keeps it in a REMAINDER)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
         words, stage = values[1:] if values[:1] == ["--"] else values, namespace.stage
+        setattr(namespace, self.dest, words)
         if stage not in PARSERS or {"-h", "--help"} & set(words):
             return
         check = _Refusing(prog="raychat")

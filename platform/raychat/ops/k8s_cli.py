@@ -98,8 +98,6 @@ def cmd_generate(args) -> int:
 
 def cmd_submit(args) -> int:
     stage_args = list(args.stage_args)
-    if stage_args[:1] == ["--"]:
-        stage_args = stage_args[1:]
     name = args.name or f"raychat-{args.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         check_label(args.namespace, "--namespace")

@@ -239,8 +239,6 @@ def cmd_submit(args) -> int:
     try:
         working_dir = Path(args.working_dir).resolve() if args.working_dir else repo_root()
         stage_args = list(args.stage_args)
-        if stage_args[:1] == ["--"]:
-            stage_args = stage_args[1:]
         entrypoint = entrypoint_for(args.stage, stage_args, working_dir, args.python)
         pip = list(args.pip or [])
         if args.pip_project:

@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from raychat.data.corpus.rst_clean import clean_rst, split_sections
-from raychat.data.corpus.shards import DataError
+from raychat.data.corpus.shards import DataError, open_text_shard, read_text_column
 
 PYTHON_DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
 WORDNET_DIR = Path("/usr/share/wordnet")
@@ -197,19 +196,9 @@ def parquet_documents(path: Path, name: str, documents: list[str], skips: Skips)
     Raises:
         DataError: not a readable parquet file, no `text` column, or a row group that cannot be read.
     """
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:
-        raise DataError(f"{name}: not a readable parquet file ({e})") from e
-    if "text" not in pf.schema_arrow.names:
-        raise DataError(f"{name}: no `text` column (columns: {pf.schema_arrow.names})")
+    pf = open_text_shard(path, name)
     for g in range(pf.num_row_groups):
-        try:
-            column = pf.read_row_group(g, columns=["text"]).column("text").cast(pa.binary())
-        except Exception as e:
-            raise DataError(
-                f"{name}: row group {g} of {pf.num_row_groups} cannot be read ({str(e).strip()})"
-            ) from e
+        column = read_text_column(pf, g, name).cast(pa.binary())
         for row, value in enumerate(column.to_pylist()):
             where = f"{name}:row_group={g}:row={row}"
             if value is None:

@@ -129,24 +129,27 @@ def write_shards(
     return entries
 
 
-def _open_text_shard(path: str | Path) -> pq.ParquetFile:
-    """The parquet file at `path`; DataError naming it when it cannot be read or has no `text` column."""
+def open_text_shard(path: str | Path, name: str | Path | None = None) -> pq.ParquetFile:
+    """The parquet file at `path`; DataError naming it (as `name`, default the path) when it cannot be read or has
+    no `text` column."""
+    name = path if name is None else name
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:
-        raise DataError(f"{path}: not a readable parquet file ({e})") from e
+        raise DataError(f"{name}: not a readable parquet file ({e})") from e
     if "text" not in pf.schema_arrow.names:
-        raise DataError(f"{path}: no `text` column (columns: {pf.schema_arrow.names})")
+        raise DataError(f"{name}: no `text` column (columns: {pf.schema_arrow.names})")
     return pf
 
 
-def _read_text(pf: pq.ParquetFile, group: int, path: str | Path) -> pa.ChunkedArray:
-    """The `text` column of row group `group`; DataError naming the file and the group when it cannot be read."""
+def read_text_column(pf: pq.ParquetFile, group: int, name: str | Path) -> pa.ChunkedArray:
+    """The `text` column of row group `group`; DataError naming the file (`name`) and the group when it cannot be
+    read."""
     try:
         return pf.read_row_group(group, columns=["text"]).column("text")
     except Exception as e:
         raise DataError(
-            f"{path}: row group {group} of {pf.num_row_groups} cannot be read ({str(e).strip()})"
+            f"{name}: row group {group} of {pf.num_row_groups} cannot be read ({str(e).strip()})"
         ) from e
 
 
@@ -157,10 +160,10 @@ def inspect_shard(path: str | Path) -> tuple[int, int]:
         DataError: not a readable parquet file, no `text` column, or a row group that cannot be read
             (the message names the file and the row group).
     """
-    pf = _open_text_shard(path)
+    pf = open_text_shard(path)
     documents = text_bytes = 0
     for g in range(pf.num_row_groups):
-        column = _read_text(pf, g, path)
+        column = read_text_column(pf, g, path)
         documents += len(column)
         text_bytes += pc.sum(pc.binary_length(column.cast(pa.binary()))).as_py() or 0
     return documents, text_bytes
@@ -183,7 +186,7 @@ def check_text_column(path: str | Path) -> None:
         DataError: not a readable parquet file, no `text` column, a column of another type, a row group that
             cannot be read, or a null (null_text_message: the file and the row).
     """
-    pf = _open_text_shard(path)
+    pf = open_text_shard(path)
     kind = pf.schema_arrow.field("text").type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise DataError(f"{path}: the `text` column holds {kind}, not strings")
@@ -194,7 +197,7 @@ def check_text_column(path: str | Path) -> None:
         group = pf.metadata.row_group(g)
         stats = group.column(index).statistics
         if stats is None or not stats.has_null_count or stats.null_count > 0:
-            column = _read_text(pf, g, path)
+            column = read_text_column(pf, g, path)
             if column.null_count:
                 row = pc.index(pc.is_null(column), True).as_py()
                 raise DataError(null_text_message(path, first_row + row))
