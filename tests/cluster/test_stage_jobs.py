@@ -339,6 +339,6 @@ def test_a_wrong_token_is_refused_in_one_line_before_any_job(multinode_cluster, 
     )  # fmt: skip
     assert r.returncode == 4, r.stdout + r.stderr
     assert r.stderr.strip() == (
-        f"raychat submit: --token-file: the Ray cluster at {c.dashboard_url} refused the token in "
+        f"raychat submit: error: --token-file: the Ray cluster at {c.dashboard_url} refused the token in "
         f"{tmp_path / 'token'} (Authentication failed: Forbidden: Invalid authentication token)"
     )

@@ -206,13 +206,13 @@ def test_submit_follow_and_jobs_commands(token_cluster):
     # about the job, not the cluster: exit 2 with the reason (was exit 4, "unreachable or unauthorized")
     r = _raychat(["submit", *conn, "--job-id", "rc-ok", "command", "python", "-c", "print(1)"], c["tmp"])
     assert r.returncode == 2 and r.stderr.strip().endswith(
-        "raychat submit: --job-id rc-ok: a job with this submission id already exists on this cluster; choose "
+        "raychat submit: error: --job-id rc-ok: a job with this submission id already exists on this cluster; choose "
         "another"
     ), r.stdout + r.stderr  # was "Request failed with status code 500: Traceback (most recent call last):"
     for command in ("logs", "stop"):
         r = _raychat(["jobs", command, *conn, "rc-nosuchjob"], c["tmp"])
         assert (r.returncode, r.stderr.strip().splitlines()[-1]) == (
-            2, "raychat jobs: no job 'rc-nosuchjob' on this cluster (`raychat jobs list` shows its jobs)"
+            2, "raychat jobs: error: no job 'rc-nosuchjob' on this cluster (`raychat jobs list` shows its jobs)"
         ), r.stdout + r.stderr  # fmt: skip
 
     # The token through RAY_AUTH_TOKEN_PATH works too; no token at all is refused with exit code 4.

@@ -363,7 +363,7 @@ def test_an_unreachable_cluster(monkeypatch, capsys):
     rc = raychat_main(["submit", "--address", url, "pretrain", "--preset", "tiny"])
     err = capsys.readouterr().err
     assert rc == 4, err
-    assert err.startswith(f"raychat submit: --address: cannot reach the Ray dashboard at {url}: "), err
+    assert err.startswith(f"raychat submit: error: --address: cannot reach the Ray dashboard at {url}: "), err
     assert len(err.strip().splitlines()) == 1, err
 
 
@@ -371,13 +371,13 @@ def test_an_address_ray_cannot_parse_and_a_token_file_that_is_not_a_file(monkeyp
     monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")
     assert raychat_main(["submit", "--address", "notaurl", "pretrain"]) == 2
     assert capsys.readouterr().err == (
-        "raychat submit: --address notaurl: Invalid address format: notaurl; give the Ray dashboard's address, "
+        "raychat submit: error: --address notaurl: Invalid address format: notaurl; give the Ray dashboard's address, "
         "e.g. http://HEAD:8265\n"
     )
     url = f"http://127.0.0.1:{free_ports(1)[0]}"
     for path, why in [("/dev/null", "is not a regular file"), (str(tmp_path / "nope"), "does not exist")]:
         assert raychat_main(["submit", "--address", url, "--token-file", path, "pretrain"]) == 2
-        assert capsys.readouterr().err == f"raychat submit: --token-file: token file {path} {why}\n"
+        assert capsys.readouterr().err == f"raychat submit: error: --token-file: token file {path} {why}\n"
 
 
 def test_a_half_written_checkpoint_is_never_loaded(root, tmp_path, capsys):

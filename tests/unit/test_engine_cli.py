@@ -96,7 +96,7 @@ def test_missing_checkpoint_is_a_clean_error(tmp_path, capsys):
     assert main(["chat", "--checkpoint", str(tmp_path / "nope"), "-p", "x"]) == 2
     assert (
         capsys.readouterr().err
-        == f"raychat chat: --checkpoint: {tmp_path}/nope does not exist ({tmp_path} is empty)\n"
+        == f"raychat chat: error: --checkpoint: {tmp_path}/nope does not exist ({tmp_path} is empty)\n"
     )
 
 
@@ -164,7 +164,7 @@ def test_bad_flags_are_one_line_errors_naming_the_flag(tmp_path, capsys, flags, 
     checkpoint = [] if not flags else ["--checkpoint", str(tmp_path / "nope")]
     assert main(["chat", *checkpoint, *flags, "-p", "x"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("raychat chat: ") and message in err and err.count("\n") == 1
+    assert err.startswith("raychat chat: error: ") and message in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize(
@@ -188,7 +188,7 @@ def test_a_bare_latest_says_what_to_give_instead(capsys):
     """chat has no --storage-path: the message must not send the user to one."""
     assert main(["chat", "--checkpoint", "latest", "-p", "hi"]) == 2
     assert capsys.readouterr().err == (
-        "raychat chat: --checkpoint: a bare 'latest' searches a storage root's runs, and this command has none; "
+        "raychat chat: error: --checkpoint: a bare 'latest' searches a storage root's runs, and this command has none; "
         "give <run dir>/latest, a run dir or a checkpoint dir\n"
     )
 
@@ -229,4 +229,6 @@ def test_a_damaged_checkpoint_is_one_line_naming_it_and_the_file(
     else:
         (d / name).unlink()
     assert main(["chat", "--checkpoint", str(d), "-p", "hi"]) == 2
-    assert capsys.readouterr().err == f"raychat chat: checkpoint {d}: {reason.format(size=len(data))}\n"
+    assert (
+        capsys.readouterr().err == f"raychat chat: error: checkpoint {d}: {reason.format(size=len(data))}\n"
+    )

@@ -165,7 +165,7 @@ def test_provision_errors(fake_grafana, tmp_path, monkeypatch, capsys):
         raychat_main(["grafana", "provision", "--url", closed, "--no-ray-dashboards"]) == 4
     )  # was 2, urllib3's text
     assert capsys.readouterr().err == (
-        f"raychat grafana provision: --url: cannot reach Grafana at {closed}: [Errno 111] Connection refused\n"
+        f"raychat grafana provision: error: --url: cannot reach Grafana at {closed}: [Errno 111] Connection refused\n"
     )
 
 
@@ -182,14 +182,14 @@ def test_provision_url_sub_path_bad_url_and_credentials(fake_grafana, monkeypatc
     for bad in ("notaurl", "ftp://grafana:3000/", "http://:3000/", "http://grafana:99999/"):
         assert raychat_main([*argv, "--url", bad]) == 2
         assert capsys.readouterr().err == (
-            "raychat grafana provision: --url (or GRAFANA_URL) must be an http(s) URL of Grafana, e.g. "
+            "raychat grafana provision: error: --url (or GRAFANA_URL) must be an http(s) URL of Grafana, e.g. "
             f"http://grafana:3000/, got {bad!r}\n"
         )
     with_password = fake_grafana.replace("http://", "http://admin:s3cret@")
     assert raychat_main([*argv[:2], "--no-ray-dashboards", "--url", with_password]) == 4  # 401: no token
     err = capsys.readouterr().err
     assert (
-        err.startswith(f"raychat grafana provision: Grafana at {fake_grafana} refused: ")
+        err.startswith(f"raychat grafana provision: error: Grafana at {fake_grafana} refused: ")
         and "s3cret" not in err
     )
     assert raychat_main([*argv, "--url", "http://admin:s3cret@grafana:bad/"]) == 2

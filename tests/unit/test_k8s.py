@@ -518,7 +518,7 @@ def test_k8s_submit_dry_run_prints_a_valid_rayjob(capsys, crd_schemas):
         raychat_main(["k8s", "submit", "--dry-run", "--namespace", "Bad NS", "sft"]) == 2
     )  # was written as is
     assert capsys.readouterr().err == (
-        "raychat k8s submit: --namespace must be a DNS-1123 label (lowercase, digits, '-', <= 63 chars); got "
+        "raychat k8s submit: error: --namespace must be a DNS-1123 label (lowercase, digits, '-', <= 63 chars); got "
         "'Bad NS'\n"
     )
 
@@ -581,7 +581,7 @@ def test_k8s_submit_without_a_configuration_or_a_server_says_so_in_one_line(tmp_
     argv = ["k8s", "submit", "--kubeconfig", str(tmp_path / "none"), "--name", "rl-1", "rl"]
     assert raychat_main(argv) == 2
     assert capsys.readouterr().err == (
-        f"raychat k8s submit: no Kubernetes configuration: --kubeconfig {tmp_path / 'none'}: no such file; "
+        f"raychat k8s submit: error: no Kubernetes configuration: --kubeconfig {tmp_path / 'none'}: no such file; "
         "in-cluster configuration: Service host/port is not set (not in a pod); pass --kubeconfig FILE (and "
         "--context NAME)\n"
     )
@@ -592,7 +592,7 @@ def test_k8s_submit_without_a_configuration_or_a_server_says_so_in_one_line(tmp_
     assert raychat_main(argv) == 4
     err = capsys.readouterr().err
     assert (
-        err.startswith(f"raychat k8s submit: cannot reach the API server 127.0.0.1:{port}: ")
+        err.startswith(f"raychat k8s submit: error: cannot reach the API server 127.0.0.1:{port}: ")
         and err.count("\n") == 1
     )
     assert "Connection refused" in err
@@ -604,7 +604,7 @@ def test_k8s_submit_without_a_configuration_or_a_server_says_so_in_one_line(tmp_
         argv[3] = str(_write_kubeconfig(tmp_path / "kubeconfig", port))
         assert raychat_main(argv) == 4
     assert capsys.readouterr().err == (
-        f"raychat k8s submit: the API server 127.0.0.1:{port} did not answer within 0.5 s; "
+        f"raychat k8s submit: error: the API server 127.0.0.1:{port} did not answer within 0.5 s; "
         "the RayJob may have been created: kubectl get rayjob rl-1 -n default\n"
     )
 

@@ -112,7 +112,7 @@ def run_chat(args, stdin=None, out=None) -> int:
             seed=cfg.seed,
         )
     except (FileNotFoundError, ValueError) as e:
-        print(f"raychat chat: {e}", file=sys.stderr)
+        print(f"raychat chat: error: {e}", file=sys.stderr)
         return 2
     sched = Scheduler(ModelRunner(model, tokenizer, dtype="auto", kv_dtype=cfg.kv_dtype), max_slots=1)
     freeze_gc_heap()

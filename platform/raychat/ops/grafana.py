@@ -320,7 +320,7 @@ def cmd_provision(args) -> int:
     url = args.url or os.environ.get("GRAFANA_URL")
     token = args.token or os.environ.get("GRAFANA_TOKEN")
     if not url:
-        print("raychat grafana provision: set GRAFANA_URL (or --url)", file=sys.stderr)
+        print("raychat grafana provision: error: set GRAFANA_URL (or --url)", file=sys.stderr)
         return 2
     try:
         url, shown = grafana_url(url)
@@ -328,18 +328,18 @@ def cmd_provision(args) -> int:
             None if args.no_ray_dashboards else ray_dashboards_dir(args.ray_temp_dir)
         )
     except (FileNotFoundError, ValueError) as e:
-        print(f"raychat grafana provision: {e}", file=sys.stderr)
+        print(f"raychat grafana provision: error: {e}", file=sys.stderr)
         return 2
     api = GrafanaApi.from_url(url, credential=token or None)
     try:
         result = provision(api, dashboards, args.prometheus_url)
     except GrafanaException as e:
-        print(f"raychat grafana provision: Grafana at {shown} refused: {e}", file=sys.stderr)
+        print(f"raychat grafana provision: error: Grafana at {shown} refused: {e}", file=sys.stderr)
         return 4
     except niquests.exceptions.ConnectionError as e:  # refused, unresolvable, timed out: as `submit`, exit 4
         why = re.search(r"\[Errno -?\d+\] [^'\")]+|Failed to resolve '[^']+'|timed out", str(e))
         print(
-            f"raychat grafana provision: --url: cannot reach Grafana at {shown}: {why[0] if why else type(e).__name__}",
+            f"raychat grafana provision: error: --url: cannot reach Grafana at {shown}: {why[0] if why else type(e).__name__}",
             file=sys.stderr,
         )
         return 4

@@ -107,7 +107,7 @@ def cmd_submit(args) -> int:
             args.stage, stage_args, name=name, image=args.image, ttl_s=args.ttl, backoff_limit=args.retries
         )
     except ValueError as e:
-        print(f"raychat k8s submit: {e}", file=sys.stderr)
+        print(f"raychat k8s submit: error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
         body["metadata"]["namespace"] = args.namespace
@@ -119,14 +119,14 @@ def cmd_submit(args) -> int:
     try:
         created = create_rayjob(body, args.namespace, args.kubeconfig, args.context)
     except KubeConfigError as e:
-        print(f"raychat k8s submit: {e}", file=sys.stderr)
+        print(f"raychat k8s submit: error: {e}", file=sys.stderr)
         return 2
     except (MaxRetryError, ReadTimeoutError) as e:
-        print(f"raychat k8s submit: {unreachable(e, name, args.namespace)}", file=sys.stderr)
+        print(f"raychat k8s submit: error: {unreachable(e, name, args.namespace)}", file=sys.stderr)
         return 4
     except ApiException as e:
         print(
-            f"raychat k8s submit: the API server refused the RayJob ({e.status} {e.reason}): {e.body}",
+            f"raychat k8s submit: error: the API server refused the RayJob ({e.status} {e.reason}): {e.body}",
             file=sys.stderr,
         )
         return 4

@@ -246,10 +246,10 @@ def cmd_submit(args) -> int:
         runtime_env = runtime_env_for(working_dir, pip, _parse_env(args.env or []))
         client = make_client(args.address, args.token_file)
     except (ValueError, FileNotFoundError) as e:
-        print(f"raychat submit: {e}", file=sys.stderr)
+        print(f"raychat submit: error: {e}", file=sys.stderr)
         return 2
     except _connection_errors() as e:
-        print(f"raychat submit: {_first_line(e)}", file=sys.stderr)
+        print(f"raychat submit: error: {_first_line(e)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     kwargs = {}
     if args.num_cpus is not None:
@@ -262,9 +262,9 @@ def cmd_submit(args) -> int:
         )
     except _connection_errors() as e:
         if why := job_refusal(e, args.job_id):
-            print(f"raychat submit: {why}", file=sys.stderr)
+            print(f"raychat submit: error: {why}", file=sys.stderr)
             return 2
-        print(f"raychat submit: the cluster refused the job: {_first_line(e)}", file=sys.stderr)
+        print(f"raychat submit: error: the cluster refused the job: {_first_line(e)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     print(f"submitted {job_id}: {entrypoint}", file=sys.stderr)
     if args.no_wait:
@@ -281,7 +281,7 @@ def cmd_submit(args) -> int:
     print(f"job {job_id} {status}", file=sys.stderr)
     if status == "FAILED" and client.get_job_info(job_id).driver_exit_code == EXIT_COMMAND_NOT_FOUND:
         print(
-            f"raychat submit: the job's shell found no such command ({entrypoint.split()[0]!r}: exit 127). "
+            f"raychat submit: error: the job's shell found no such command ({entrypoint.split()[0]!r}: exit 127). "
             "Pass --python with the cluster's Python (the one that runs Ray there), see docs/deployment.md",
             file=sys.stderr,
         )
@@ -304,11 +304,11 @@ def cmd_jobs(args) -> int:
         sys.stdout.write(client.get_job_logs(args.job_id))
         return 0
     except (ValueError, FileNotFoundError) as e:
-        print(f"raychat jobs: {e}", file=sys.stderr)
+        print(f"raychat jobs: error: {e}", file=sys.stderr)
         return 2
     except _connection_errors() as e:
         if why := job_refusal(e, getattr(args, "job_id", None)):
-            print(f"raychat jobs: {why}", file=sys.stderr)
+            print(f"raychat jobs: error: {why}", file=sys.stderr)
             return 2
-        print(f"raychat jobs: {_first_line(e)}", file=sys.stderr)
+        print(f"raychat jobs: error: {_first_line(e)}", file=sys.stderr)
         return EXIT_UNREACHABLE
