@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -545,6 +546,28 @@ def test_resuming_with_other_settings(flags, want, pretrained, capsys):
     argv, d = pretrained
     line = _fails_in_one_line([*argv, "--num-iterations", "6", *flags], capsys)
     assert line == f"raychat pretrain: error: {want.format(d=d)} {HINT}"
+
+
+def test_resuming_on_other_documents_under_the_same_names_and_layout(root, driver, pretrained, capsys):
+    """`raychat data prepare --seed 1` into the run's --data-dir (or other shards of the same names and layout):
+    the fingerprint held no content, so the run resumed on other documents without a word. A checkpoint
+    written before it held the content (none in its data state) resumes on the names, layout and seed."""
+    argv, d = pretrained
+    entries = write_shards(["e f g h"] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
+    write_manifest(root / "prepared", {"source": "test", "shards": entries})
+    line = _fails_in_one_line(argv, capsys)
+    assert line == (
+        f"raychat pretrain: error: --data-dir: shard_00000.parquet of {root}/prepared now holds other documents "
+        f"than when the run's checkpoint {d} was made (same names and layout, another sha256) (use another "
+        "--run-name, or restore the data the run was made on)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+
+    legacy = [*argv[:6], "p0", *argv[7:]]
+    cfg, paths, plan, row_source = driver(legacy)
+    state = row_source().state_dict()
+    del state["corpus"]["content"]
+    _commit_step(cfg, paths, plan, lambda: SimpleNamespace(state_dict=lambda: state))
+    driver(legacy)  # resumes
 
 
 def test_resuming_from_a_checkpoint_that_lost_a_file(pretrained, capsys):

@@ -39,7 +39,8 @@ from raychat.checkpoint import check_model, load_tree
 from raychat.checkpoint_manager import CheckpointError, CheckpointManager, find_checkpoint, verify_stored
 from raychat.config import ConfigError, TrainConfig, from_args, from_dict, to_dict, to_flat
 from raychat.config.schema import flag_name
-from raychat.data.loader.row_source import RowSource
+from raychat.data.loader.document_order import changed_shards
+from raychat.data.loader.row_source import RowSource, same_stream
 from raychat.log import log
 from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory
 from raychat.tokenizer import Tokenizer
@@ -153,12 +154,15 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
     Ray starts (each worker would fail on it in turn, and the run retry until --max-failures): every file its
     commit marker lists is there with its size, it is of this stage, its model is plan.model_config and its
     data state was made on this run's stream (the comparison each worker makes as it resumes:
-    raychat.data.loader.row_source.resume_cursor); row_source() builds this run's row source (rank 0 of 1).
+    raychat.data.loader.row_source.resume_cursor, same_stream: for pretraining, the shards' names, layout, seed
+    and content, their sha256 from the data manifest; a checkpoint written before the fingerprint held the
+    content is compared without it); row_source() builds this run's row source (rank 0 of 1).
 
     Raises:
         CheckpointError: a file of the checkpoint is missing or of another size (named).
         ConfigError: another stage, model or stream: one line naming each option that differs, with the
-            checkpoint's value and this run's.
+            checkpoint's value and this run's; or the shards of --data-dir that now hold other documents under
+            the same names and layout (e.g. `raychat data prepare --seed 1` into the run's data directory).
     """
     newest = paths.checkpoints.newest()
     if newest is None:
@@ -193,10 +197,18 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
             f"--run-name {cfg.run.run_name}: the run's checkpoint {where} holds no data state (state_rank0.npz), "
             "so it cannot be resumed (use another --run-name)"
         ) from None
-    made_on = state["rows"].get(rows.fingerprint_key)
-    if made_on != rows.fingerprint():
-        options = DATA_OPTIONS.get(cfg.run.stage, ())
-        _refuse(where, _changed(meta, cfg, options) or [("the data", made_on, rows.fingerprint())])
+    made_on, now = state["rows"].get(rows.fingerprint_key), rows.fingerprint()
+    if not same_stream(made_on, now):
+        changed = _changed(meta, cfg, DATA_OPTIONS.get(cfg.run.stage, ()))
+        shards = [] if changed or made_on is None else changed_shards(made_on, now)
+        if shards:
+            names = ", ".join(shards[:3]) + (f" and {len(shards) - 3} more" if len(shards) > 3 else "")
+            raise ConfigError(
+                f"--data-dir: {names} of {cfg.data.data_dir} now {'holds' if len(shards) == 1 else 'hold'} "
+                f"other documents than when the run's checkpoint {where} was made (same names and layout, "
+                "another sha256) (use another --run-name, or restore the data the run was made on)"
+            )
+        _refuse(where, changed or [("the data", made_on, now)])
 
 
 def _changed(meta: dict, cfg: TrainConfig, options) -> list[tuple[str, object, object]]:

@@ -8,8 +8,9 @@ every machine; raychat.data.loader.cursor.epoch_permutation):
 
 so a shard's row groups stay together (each file is opened once per epoch) and no two epochs agree. Item g
 of the stream is position p = g % N of epoch g // N, N = documents in all training shards. The layout (files,
-rows per row group) comes from the parquet footers; its fingerprint goes into every checkpoint's data state, so a
-run cannot resume on changed shards.
+rows per row group) comes from the parquet footers and each shard's sha256 from the data manifest; the
+fingerprint of both goes into every checkpoint's data state, so a run cannot resume on changed shards, even
+shards of the same names and layout that hold other documents.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.parquet as pq
 
+from raychat.data.corpus.shards import shard_digests
 from raychat.data.loader.cursor import epoch_permutation
 
 
@@ -40,12 +42,17 @@ class DocumentOrder:
         files: the training shards (parquet, a `text` column), in manifest order.
         row_groups: rows of each row group of each file (from the footers: `from_files`).
         seed: the run's seed.
+        content: the hex sha256 of each file (`from_files`: raychat.data.corpus.shards.shard_digests), or
+            None (the fingerprint then has no "content").
     Raises:
         ValueError: no documents at all.
     """
 
-    def __init__(self, files: list[str], row_groups: list[list[int]], seed: int):
+    def __init__(
+        self, files: list[str], row_groups: list[list[int]], seed: int, content: list[str] | None = None
+    ):
         self.files, self.row_groups, self.seed = [str(f) for f in files], row_groups, seed
+        self.content = content
         self.num_documents = sum(sum(g) for g in row_groups)
         self._epochs: dict[int, tuple] = {}  # the last epochs' layouts (locate is called per document)
         self._rows: dict[tuple[int, int, int], np.ndarray] = {}
@@ -54,24 +61,36 @@ class DocumentOrder:
 
     @classmethod
     def from_files(cls, files: list[str], seed: int) -> DocumentOrder:
-        """Read the row-group sizes from each file's parquet footer (no data pages)."""
+        """Read the row-group sizes from each file's parquet footer (no data pages) and each file's sha256 from
+        the manifest of its directory (computed where none lists it: shard_digests)."""
         sizes = []
         for f in files:
             meta = pq.ParquetFile(f).metadata
             sizes.append([meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
-        return cls(files, sizes, seed)
+        return cls(files, sizes, seed, shard_digests(files))
 
     def fingerprint(self) -> dict:
-        """What a checkpoint checks before resuming: shard names, documents, a hash of the layout, the seed."""
+        """What a checkpoint checks before resuming: {"files": shard names, "documents", "layout": a hash of the
+        row groups' sizes, "seed", "content": the first 16 hex digits of each shard's sha256} (no "content"
+        without `content`; checkpoints written before it existed have none either: compare fingerprints with
+        raychat.data.loader.row_source.same_stream, which compares "content" only when both have it)."""
         layout = hashlib.sha256(repr(self.row_groups).encode()).hexdigest()[:16]
         names = [os.path.basename(f) for f in self.files]
-        return {"files": names, "documents": self.num_documents, "layout": layout, "seed": self.seed}
+        out = {"files": names, "documents": self.num_documents, "layout": layout, "seed": self.seed}
+        if self.content is not None:
+            out["content"] = [digest[:16] for digest in self.content]
+        return out
 
     def __getstate__(self):  # pickled into Ray Data tasks: no caches
-        return {"files": self.files, "row_groups": self.row_groups, "seed": self.seed}
+        return {
+            "files": self.files,
+            "row_groups": self.row_groups,
+            "seed": self.seed,
+            "content": self.content,
+        }
 
     def __setstate__(self, state):
-        self.__init__(state["files"], state["row_groups"], state["seed"])
+        self.__init__(state["files"], state["row_groups"], state["seed"], state["content"])
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard, row group, first position) of every row group of the epoch, in visiting order."""
@@ -114,3 +133,11 @@ class DocumentOrder:
 @functools.lru_cache(maxsize=8)
 def _row_group_text(path: str, row_group: int) -> list[str]:
     return pq.ParquetFile(path).read_row_group(row_group, columns=["text"]).column("text").to_pylist()
+
+
+def changed_shards(was: dict, now: dict) -> list[str]:
+    """The names of the shards whose content differs between two fingerprints of the same shard names (none
+    when either has no "content" or the names differ)."""
+    if was.get("files") != now.get("files") or "content" not in was or "content" not in now:
+        return []
+    return [name for name, a, b in zip(now["files"], was["content"], now["content"]) if a != b]

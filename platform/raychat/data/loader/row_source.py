@@ -29,7 +29,8 @@ class RowSource(Protocol):
     "supervised": (n, T+1) int32, 1 where the token is a loss target (SFT only; absent = every token),
     "segment_ids": (n, T+1) int32, the packed sample of each token (SFT only), "replay": a list of n dicts,
     each row's segments as replay-record columns (raychat.data.replay.records)}.
-    `fingerprint()` -> what the stream is made of (shards and seed, or mixture and row length): JSON-able.
+    `fingerprint()` -> what the stream is made of (shards, their content and seed, or mixture and row length):
+    JSON-able; two are compared with `same_stream`.
     `fingerprint_key` (a class attribute of both): the key state_dict() holds fingerprint() under (the driver
     compares it with a checkpoint's before Ray starts: raychat.train.launch.check_resume).
     `state_dict()` -> this rank's position, JSON-able, references only (module docstring).
@@ -50,6 +51,17 @@ class RowSource(Protocol):
     def load_state_dicts(self, states: Sequence[dict]) -> None: ...
 
     def close(self) -> None: ...
+
+
+def same_stream(was: dict | None, now: dict) -> bool:
+    """Whether a checkpoint's (or replay record's) fingerprint `was` and this run's `now` describe one stream:
+    equal, except that "content" (the shards' digests) is compared only when both have it, so checkpoints
+    written before the fingerprint held it still resume (on the names, layout and seed, as they did then)."""
+    if was is None:
+        return False
+    if "content" not in was or "content" not in now:
+        was, now = ({k: v for k, v in d.items() if k != "content"} for d in (was, now))
+    return was == now
 
 
 def cursor_state(key: str, fingerprint: dict, cursor: RankCursor, packer_state: dict) -> dict:
@@ -84,7 +96,7 @@ def resume_cursor(
         ValueError: a state was made from another stream, or the states are not ranks 0..W-1 of one world.
     """
     for state in states:
-        if state[key] != fingerprint:
+        if not same_stream(state[key], fingerprint):
             raise ValueError(f"checkpoint data state was made on {state[key]}, this run has {fingerprint}")
     deal = whole_world([Deal.from_dict(s["deal"]) for s in states], [s["rank"] for s in states])
     if deal.world == world:

@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from raychat.chat_template import TEMPLATE_VERSION
-from raychat.data.loader.document_order import DocumentOrder
+from raychat.data.loader.document_order import DocumentOrder, changed_shards
 from raychat.data.loader.pipeline import read_pieces
+from raychat.data.loader.row_source import same_stream
 from raychat.data.loader.sft_rows import SFTRows
 from raychat.data.replay.records import row_hashes
 from raychat.tasks.registry import mixture_tasks
@@ -33,7 +34,11 @@ def rebuild_pretrain(records: Sequence[Mapping], meta: Mapping, data_dir: str, t
     """{"input_ids": (n, row_len) int32} of the records' rows. Raises ReplayError on any disagreement."""
     files = [os.path.join(data_dir, name) for name in meta["data"]["files"]]
     order = DocumentOrder.from_files(files, meta["seed"])
-    if order.fingerprint() != meta["data"]:
+    if changed := changed_shards(meta["data"], order.fingerprint()):
+        raise ReplayError(
+            f"{', '.join(changed)} in {data_dir}: other content (sha256) than the record's shards"
+        )
+    if not same_stream(meta["data"], order.fingerprint()):
         raise ReplayError(f"shards in {data_dir} are {order.fingerprint()}, the record has {meta['data']}")
     refs = sorted({(g, o) for r in records for g, o in zip(r["doc"], r["doc_offset"])})
     pieces = {(p.doc, p.offset): p.tokens for p in read_pieces(order, refs, tokenizer_path)}
@@ -62,7 +67,7 @@ def rebuild_sft(records: Sequence[Mapping], meta: Mapping, tokenizer: Tokenizer)
     source = SFTRows(
         mixture_tasks(meta["sft_tasks"], "train", meta["seed"]), meta["seed"], tokenizer, meta["row_len"]
     )
-    if source.fingerprint() != meta["data"]:
+    if not same_stream(meta["data"], source.fingerprint()):
         raise ReplayError(f"the SFT mixture is now {source.fingerprint()}, the record has {meta['data']}")
     n, L = len(records), meta["row_len"]
     ids = np.full((n, L), meta["bos_id"], dtype=np.int32)
