@@ -570,6 +570,97 @@ def test_resuming_on_other_documents_under_the_same_names_and_layout(root, drive
     driver(legacy)  # resumes
 
 
+def test_resuming_with_another_horizon_logs_the_lr_at_the_resume_step(pretrained, driver, capsys):
+    """The tiny preset's 4 steps warm down from step 2 (round(0.4 x 4) = 2 steps), whose multiplier is still 1;
+    6 steps warm down from step 4: the resume at step 2 stays at 1. A warmdown ratio of 0.8 starts it at step 1:
+    step 2 drops to (4 - 2) / 3 = 0.6667."""
+    argv, d = pretrained
+    driver([*argv, "--num-iterations", "6"])
+    out = capsys.readouterr().out
+    assert (
+        "lr schedule changed on resume (--num-iterations: 4 -> 6): 4 -> 6 steps, warmdown from step 2 -> 4; "
+        "lr multiplier at the resume step 2: 1 -> 1\n"
+    ) in out
+    driver([*argv, "--warmdown-ratio", "0.8"])
+    out = capsys.readouterr().out
+    assert (
+        "lr schedule changed on resume (--warmdown-ratio: 0.4 -> 0.8): 4 -> 4 steps, warmdown from step 2 -> 1; "
+        "lr multiplier at the resume step 2: 1 -> 0.6667\n"
+    ) in out
+    driver(argv)  # the checkpoint's schedule: no line
+    assert "lr schedule" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("steps", [2, 1])
+def test_resuming_with_a_horizon_at_or_before_the_checkpoint(steps, pretrained, capsys):
+    """The run once resumed into an empty loop and reported the checkpoint as its result, nothing trained."""
+    argv, d = pretrained
+    line = _fails_in_one_line([*argv, "--num-iterations", str(steps)], capsys)
+    assert line == (
+        f"raychat pretrain: error: --num-iterations: the run's checkpoint {d} (step 2) was made with 4, this run "
+        f"asks for {steps}: {steps} steps instead of 4 leave nothing to train after step 2 (ask for more than 2 "
+        "steps, or use another --run-name)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+
+
+@pytest.mark.parametrize("step, lr", [(3, "0.5"), (4, "0")])
+def test_resuming_in_the_warmdown_with_a_longer_horizon(step, lr, pretrained, driver, capsys):
+    """Step 3 of 4 is halfway down the warmdown (progress (4 - 3) / 2), step 4 (a finished run) at its end, 0;
+    under 6 steps (warmdown from step 4) both are back at the peak, 1: refused unless --allow-rewarm."""
+    argv, _ = pretrained
+    argv = [*argv, "--run-name", "p2"]
+    d = _commit_step(*driver(argv), step=step)
+    capsys.readouterr()
+    line = _fails_in_one_line([*argv, "--num-iterations", "6"], capsys)
+    assert line == (
+        f"raychat pretrain: error: --num-iterations: the run's checkpoint {d} (step {step}) was made with 4, this "
+        f"run asks for 6: its lr warmdown began at step 2 and is at multiplier {lr}; this run's schedule would "
+        "raise it to 1 (--allow-rewarm to re-warm on purpose, or the checkpoint's settings to finish the "
+        "warmdown)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    driver([*argv, "--num-iterations", "6", "--allow-rewarm"])
+    assert (
+        "lr schedule changed on resume (--num-iterations: 4 -> 6): 4 -> 6 steps, warmdown from step 2 -> 4; "
+        f"lr multiplier at the resume step {step}: {lr} -> 1\n"
+    ) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flag, values",
+    [("--target-param-data-ratio", ["0.1", "0.2", "0.05", "0.09"]),
+     ("--target-flops", ["4470000000.0", "8940000000.0", "2235000000.0", "4190000000.0"])],
+)  # fmt: skip
+def test_resuming_with_another_derived_horizon(flag, values, pretrained, driver, capsys):
+    """A horizon derived from tokens per parameter or FLOPs follows --num-iterations' rule. The tiny model has
+    82,752 parameters without the embedding, 545,664 FLOPs per token, 512 tokens a step: the first values
+    give 16 steps (warmdown 6 from step 10; step 12 at (16 - 12) / 6), then 32 (warmdown from 19), 8 and
+    15 (warmdown 6 from step 9: (15 - 12) / 6 = 0.5)."""
+    argv, _ = pretrained
+    argv = [*argv, "--run-name", "p3", "--num-iterations", "-1"]
+    made, longer, shorter, lower = values
+    cfg, paths, plan, rows = driver([*argv, flag, made])
+    assert plan.num_iterations == 16
+    d = _commit_step(cfg, paths, plan, rows, step=12)
+    capsys.readouterr()
+    what = f"raychat pretrain: error: {flag}: the run's checkpoint {d} (step 12) was made with {made}, this run asks for"
+    line = _fails_in_one_line([*argv, flag, longer], capsys)
+    assert line == (
+        f"{what} {longer}: its lr warmdown began at step 10 and is at multiplier 0.6667; this run's schedule would "
+        "raise it to 1 (--allow-rewarm to re-warm on purpose, or the checkpoint's settings to finish the "
+        "warmdown)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    line = _fails_in_one_line([*argv, flag, shorter], capsys)
+    assert line == (
+        f"{what} {shorter}: 8 steps instead of 16 leave nothing to train after step 12 (ask for more than 12 "
+        "steps, or use another --run-name)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    driver([*argv, flag, lower])
+    assert (
+        f"lr schedule changed on resume ({flag}: {made} -> {lower}): 16 -> 15 steps, warmdown from step 10 -> 9; "
+        "lr multiplier at the resume step 12: 0.6667 -> 0.5\n"
+    ) in capsys.readouterr().out
+
+
 def test_resuming_from_a_checkpoint_that_lost_a_file(pretrained, capsys):
     argv, d = pretrained
     size = (d / "optim.pt").stat().st_size

@@ -7,7 +7,7 @@ from torch import nn
 from raychat.config import TrainConfig, add_flags, from_dict, preset_values
 from raychat.loss import cross_entropy_sum, normalize
 from raychat.train.launch import config_from, elastic_grad_accum, scaling_config
-from raychat.train.optim import lr_multiplier
+from raychat.train.optim import lr_multiplier, lr_peak_from, warmdown_start
 from raychat.train.plan import make_plan, power_law_batch_size, print_plan, round_to_micro_steps
 
 
@@ -17,6 +17,34 @@ def test_lr_schedule_by_hand():
     assert lrs[:2] == [0.5, 1.0]
     assert lrs[2:6] == [1.0] * 4
     assert lrs[6:] == pytest.approx([1.0, 0.775, 0.55, 0.325])
+
+
+def test_lr_at_a_resume_step_under_another_horizon_by_hand():
+    """A run of 10 steps (2 warmup, warmdown from step 6 to 0.1) resumed at step 8 (multiplier 0.55) with
+    another horizon N: warmup round(0.2 N), warmdown round(0.4 N) from step N - round(0.4 N)."""
+    schedule = (0.2, 0.4, 0.1)
+    assert (warmdown_start(10, 0.4), warmdown_start(20, 0.4), warmdown_start(9, 0.4)) == (6, 12, 5)
+    assert lr_multiplier(8, 10, *schedule) == pytest.approx(0.55)  # progress 2/4: 0.5 + 0.5 * 0.1
+    # 20 steps: step 8 is before the new warmdown (12): back to the peak, 1
+    assert lr_multiplier(8, 20, *schedule) == 1.0
+    assert lr_peak_from(8, 20, *schedule) == 1.0
+    # 9 steps: warmdown 4 from step 5; progress 1/4: 0.25 + 0.75 * 0.1 = 0.325, and never higher after
+    assert lr_multiplier(8, 9, *schedule) == pytest.approx(0.325)
+    assert lr_peak_from(8, 9, *schedule) == pytest.approx(0.325)
+    # 1000 steps: step 9 is in the new warmup of 200 (10/200 = 0.05, below the old 0.325), which then climbs
+    # to 1 at step 199
+    assert lr_multiplier(9, 10, *schedule) == pytest.approx(0.325)
+    assert lr_multiplier(9, 1000, *schedule) == pytest.approx(0.05)
+    assert lr_peak_from(9, 1000, *schedule) == 1.0
+
+
+def test_lr_at_or_past_the_last_step_is_the_schedules_end():
+    """A finished run's checkpoint (step N) resumed with a longer horizon: under its own schedule step N is
+    the end's value, final_lr_frac, or 1 without a warmdown (this once divided by a warmdown of 0)."""
+    assert lr_multiplier(10, 10, 0.2, 0.4, 0.1) == pytest.approx(0.1)
+    assert lr_multiplier(12, 10, 0.2, 0.4, 0.1) == pytest.approx(0.1)
+    assert lr_multiplier(10, 10, 0.0, 0.0, 0.0) == 1.0
+    assert lr_multiplier(9, 10, 0.0, 0.0, 0.0) == 1.0
 
 
 def test_grad_accum_derived_and_clear_error():

@@ -45,6 +45,7 @@ from raychat.log import log
 from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import start_or_connect, worker_bundle
+from raychat.train.optim import lr_multiplier, lr_peak_from, warmdown_start
 from raychat.train.plan import Plan, make_plan, print_plan
 from raychat.train.startup_trace import mark
 from raychat.train.step import NonFiniteError
@@ -147,6 +148,13 @@ SHAPE_OPTIONS = ("depth", "aspect_ratio", "head_dim", "kv_group", "seq_len", "to
 # The options a stage's row source stream is made of (its fingerprint).
 DATA_OPTIONS = {"pretrain": ("data_dir", "seed"), "sft": ("sft_tasks", "seed", "seq_len", "task_data_dir")}
 RESUME_HINT = "(use another --run-name, or the same settings to resume)"
+# The options the lr schedule derives from: the horizon (a derived one divides by the total batch) and the
+# schedule's own; then those an automatic total batch, and so a derived horizon, also derives from.
+SCHEDULE_OPTIONS = (
+    "num_iterations", "target_flops", "target_param_data_ratio", "total_batch_size", "warmup_ratio",
+    "warmdown_ratio", "final_lr_frac",
+)  # fmt: skip
+BATCH_OPTIONS = ("num_workers", "min_workers", "device_batch_size")
 
 
 def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Callable[[], RowSource]) -> None:
@@ -157,12 +165,16 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
     raychat.data.loader.row_source.resume_cursor, same_stream: for pretraining, the shards' names, layout, seed
     and content, their sha256 from the data manifest; a checkpoint written before the fingerprint held the
     content is compared without it); row_source() builds this run's row source (rank 0 of 1).
+    When this run's lr schedule is not the checkpoint's (another horizon, given or derived, or other ratios),
+    logs one line with the lr multiplier of the resume step under each (_schedule_change).
 
     Raises:
         CheckpointError: a file of the checkpoint is missing or of another size (named).
         ConfigError: another stage, model or stream: one line naming each option that differs, with the
             checkpoint's value and this run's; or the shards of --data-dir that now hold other documents under
-            the same names and layout (e.g. `raychat data prepare --seed 1` into the run's data directory).
+            the same names and layout (e.g. `raychat data prepare --seed 1` into the run's data directory);
+            or another schedule that leaves no step to train after the checkpoint's, or that raises the lr
+            after the checkpoint's warmdown began without --allow-rewarm.
     """
     newest = paths.checkpoints.newest()
     if newest is None:
@@ -189,6 +201,7 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
             if v != plan.model_config.get(k)
         ]
         _refuse(where, changed)
+    schedule_line = _schedule_change(meta, cfg, plan, where)
     rows = row_source()
     try:
         state = load_tree(io.BytesIO(read_bytes(paths.storage, f"{newest.path}/state_rank0.npz")))
@@ -209,6 +222,56 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
                 "another sha256) (use another --run-name, or restore the data the run was made on)"
             )
         _refuse(where, changed or [("the data", made_on, now)])
+    if schedule_line:
+        log(schedule_line)
+
+
+def _schedule_change(meta: dict, cfg: TrainConfig, plan: Plan, where: str) -> str | None:
+    """The line telling how the lr of the resume step (the checkpoint's step s: the first step this run
+    takes) changes when this run's schedule (plan.num_iterations, cfg's lr schedule) is not the checkpoint's
+    (its meta's plan and config); None when it is the same, or the checkpoint holds no plan.
+
+    Raises:
+        ConfigError: the horizon changed to s steps or fewer (nothing to train); or s is in the checkpoint's
+            warmdown and this run's schedule would take the lr above its value there, without --allow-rewarm.
+    """
+    step, was_steps = meta["step"], meta.get("plan", {}).get("num_iterations")
+    now = cfg.train.lr_schedule
+    try:
+        was = from_dict(TrainConfig, meta["config"]).train.lr_schedule
+    except (KeyError, TypeError, ValueError):
+        was = now
+    ratios = ("warmup_ratio", "warmdown_ratio", "final_lr_frac")
+    old = (was_steps, *(getattr(was, r) for r in ratios))
+    new = (plan.num_iterations, *(getattr(now, r) for r in ratios))
+    if was_steps is None or old == new:
+        return None
+    changed = (
+        _changed(meta, cfg, SCHEDULE_OPTIONS)
+        or _changed(meta, cfg, BATCH_OPTIONS)
+        or [("the horizon", was_steps, plan.num_iterations)]
+    )
+    names, made_with, asks_for = _values(changed)
+    what = f"{names}: the run's checkpoint {where} (step {step}) was made with {made_with}, this run asks for {asks_for}"
+    if plan.num_iterations <= step and plan.num_iterations != was_steps:
+        raise ConfigError(
+            f"{what}: {plan.num_iterations} steps instead of {was_steps} leave nothing to train after step "
+            f"{step} (ask for more than {step} steps, or use another --run-name)"
+        )
+    lr_was, lr_now = lr_multiplier(step, *old), lr_multiplier(step, *new)
+    began, peak = warmdown_start(was_steps, was.warmdown_ratio), lr_peak_from(step, *new)
+    if step >= began and peak > lr_was and not now.allow_rewarm:
+        raise ConfigError(
+            f"{what}: its lr warmdown began at step {began} and is at multiplier {lr_was:.4g}; this run's "
+            f"schedule would raise it to {peak:.4g} (--allow-rewarm to re-warm on purpose, or the checkpoint's "
+            "settings to finish the warmdown)"
+        )
+    starts = f"{began} -> {warmdown_start(plan.num_iterations, now.warmdown_ratio)}"
+    return (
+        f"lr schedule changed on resume ({names}: {made_with} -> {asks_for}): {was_steps} -> "
+        f"{plan.num_iterations} steps, warmdown from step {starts}; lr multiplier at the resume step {step}: "
+        f"{lr_was:.4g} -> {lr_now:.4g}"
+    )
 
 
 def _changed(meta: dict, cfg: TrainConfig, options) -> list[tuple[str, object, object]]:
@@ -222,9 +285,15 @@ def _changed(meta: dict, cfg: TrainConfig, options) -> list[tuple[str, object, o
     return [(flag_name(o), was[o], now[o]) for o in options if was[o] != now[o]]
 
 
-def _refuse(where: str, changed: list[tuple[str, object, object]]) -> None:
+def _values(changed: list[tuple[str, object, object]]) -> tuple[str, str, str]:
+    """(the names, the checkpoint's values, this run's) of _changed's list, each joined by ", "."""
     names = ", ".join(name for name, _, _ in changed)
     was, now = (", ".join(repr(c[i]) for c in changed) for i in (1, 2))
+    return names, was, now
+
+
+def _refuse(where: str, changed: list[tuple[str, object, object]]) -> None:
+    names, was, now = _values(changed)
     raise ConfigError(
         f"{names}: the run's checkpoint {where} was made with {was}, this run asks for {now} {RESUME_HINT}"
     )

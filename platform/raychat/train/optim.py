@@ -94,15 +94,32 @@ def build_optimizers(model: GPT, cfg, *, shard: bool = True) -> list[torch.optim
 def lr_multiplier(
     step: int, num_iterations: int, warmup_ratio: float, warmdown_ratio: float, final_lr_frac: float
 ) -> float:
-    """Warmup (linear from 1/warmup) -> constant 1 -> warmdown (linear to final_lr_frac) at `step` (0-based)."""
+    """Warmup (linear from 1/warmup) -> constant 1 -> warmdown (linear to final_lr_frac) at `step` (0-based);
+    a step at or past the end gets the end's value (final_lr_frac; 1 without a warmdown)."""
     warmup = round(warmup_ratio * num_iterations)
     warmdown = round(warmdown_ratio * num_iterations)
     if step < warmup:
         return (step + 1) / warmup
-    if step < num_iterations - warmdown:
+    if step < num_iterations - warmdown or warmdown == 0:
         return 1.0
-    progress = (num_iterations - step) / warmdown
+    progress = max(num_iterations - step, 0) / warmdown
     return progress + (1 - progress) * final_lr_frac
+
+
+def warmdown_start(num_iterations: int, warmdown_ratio: float) -> int:
+    """The warmdown's first step (0-based; its multiplier is still 1, each later one is lower)."""
+    return num_iterations - round(warmdown_ratio * num_iterations)
+
+
+def lr_peak_from(
+    step: int, num_iterations: int, warmup_ratio: float, warmdown_ratio: float, final_lr_frac: float
+) -> float:
+    """The largest lr_multiplier of the steps from `step` (0-based) to the end: the schedule rises only
+    through its warmup (to 1 at the warmup's last step) and never after it."""
+    last_warmup_step = min(round(warmup_ratio * num_iterations), num_iterations) - 1
+    return lr_multiplier(
+        max(step, last_warmup_step), num_iterations, warmup_ratio, warmdown_ratio, final_lr_frac
+    )
 
 
 def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> float:
