@@ -404,6 +404,17 @@ def resolve_checkpoint(
     return download_dir(where, where.path, dest, check=lambda d: verify(d, checksums=True))
 
 
+def checkpoint_gone(checkpoint: str) -> bool:
+    """Whether the checkpoint `checkpoint` (what find_checkpoint returned: a local path, or an s3:// / gs://
+    URI) has no commit marker any more (pruned or deleted since). False while the marker is there and when
+    the storage cannot be read (nothing is known)."""
+    try:
+        where = open_storage(checkpoint)
+        return where.fs.get_file_info(f"{where.path}/{COMMIT_FILE}").type == pafs.FileType.NotFound
+    except (OSError, ValueError):
+        return False
+
+
 def _find(storage: Storage, target: str, flag: str) -> str:
     fs = storage.fs
     info = fs.get_file_info(target)

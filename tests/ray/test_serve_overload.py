@@ -177,10 +177,12 @@ def test_serve_backpressure_at_the_ingress_is_a_429_with_retry_after(info_too):
 
 def test_build_app_bounds_serve_queues(checkpoint):
     args = {"checkpoint": str(checkpoint), "max_queued_requests": 16, "ingress_max_queued_requests": 100,
-            "retry_after_s": 3, "max_pending": 5, "request_timeout_s": 30, "stall_timeout_s": 20}  # fmt: skip
+            "retry_after_s": 3, "max_pending": 5, "request_timeout_s": 30, "stall_timeout_s": 20,
+            "health_timeout_s": 2}  # fmt: skip
     ingress = serve_app.build_app(args)._bound_deployment
     engine = ingress.init_args[0]._bound_deployment
     assert (engine.max_queued_requests, ingress.max_queued_requests) == (16, 100)
+    assert ingress.init_kwargs["health_timeout_s"] == 2.0  # how long /health waits for a replica
     for deployment in (engine, ingress):
         bp = deployment.backpressure_config
         assert (bp.status_code, bp.retry_after_s) == (429, 3)
@@ -199,6 +201,7 @@ def test_build_app_bounds_serve_queues(checkpoint):
         300.0,
         32,
     )
+    assert default.init_kwargs["health_timeout_s"] == 5.0
     for key, value, message in (
         ("max_pending", "0", "max_pending must be >= 1, got 0"),
         ("request_timeout_s", "0", "request_timeout_s must be > 0, got 0.0"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -196,6 +198,53 @@ def test_openai_client_with_and_without_streaming(served, solo):
     assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model="tiny", messages=messages, temperature=3)
+
+
+def test_a_pruned_checkpoint_fails_new_replicas_by_name_and_health_answers_503(served, tmp_path):
+    """`<run>/latest` pins the run's newest checkpoint when the app deploys; training goes on and prunes it
+    (CheckpointManager keep=1, i.e. --keep-checkpoints 1), then the replica dies. Every new replica fails to
+    start with an error naming the checkpoint and --keep-checkpoints, and /health answers 503 with that reason
+    after health_timeout_s (default 5 s) instead of waiting for a replica that never comes (it hung before).
+    A second app on the module's Serve, so the shared one is untouched."""
+    from ray import serve
+
+    from raychat.checkpoint_manager import CheckpointManager
+    from raychat.serve.app import build_app
+    from raychat.storage import open_storage
+
+    first = write_tiny_checkpoint(tmp_path / "run" / "checkpoint_000001")
+    args = {"checkpoint": f"{tmp_path}/run/latest", "num_cpus": 0.25, "torch_threads": 1, "max_slots": 1}
+    serve.run(build_app(args), name="pruned", route_prefix="/pruned")
+    try:
+        health = f"{served}/pruned/health"
+        assert requests.get(health, timeout=30).json()["model_id"] == "checkpoint_000001"
+        handle = serve.get_deployment_handle("ChatServer", app_name="pruned")
+        pid = handle.stats.remote().result(timeout_s=30)["pid"]
+        write_tiny_checkpoint(tmp_path / "run" / "checkpoint_000002")  # training saves on and prunes
+        assert CheckpointManager(open_storage(tmp_path), "run", keep=1).prune() == [str(first)]
+        os.kill(pid, signal.SIGKILL)  # the replica crashes: Serve starts a new one, which cannot load
+        deadline = time.monotonic() + 120
+        while (
+            "failed to start"
+            not in (server := serve.status().applications["pruned"].deployments["ChatServer"]).message
+        ):
+            assert time.monotonic() < deadline, f"no failed start within 120 s: {server}"
+            time.sleep(0.5)
+        t0 = time.monotonic()
+        resp = requests.get(health, timeout=30)  # no replica runs: this waited for one for ever before
+        took = time.monotonic() - t0
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "5", resp.text
+        assert 5 <= took < 20, took
+        error = server.message.strip().splitlines()[-1]  # Serve's traceback of the replica ends with it
+        assert error.startswith(
+            f"raychat.checkpoint_manager.CheckpointError: checkpoint {first} no longer exists: "
+        )
+        assert "--keep-checkpoints" in error and "cp -r" in error
+        body = resp.json()
+        reason = r"no ChatServer replica answered within 5 s; ChatServer is [A-Z_]+ \(replicas: [^)]*\): (.*)"
+        assert body["status"] == "unavailable" and re.fullmatch(reason, body["reason"])[1] == error, body
+    finally:
+        serve.delete("pruned")
 
 
 @pytest.mark.slow

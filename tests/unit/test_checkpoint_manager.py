@@ -17,6 +17,7 @@ from raychat.checkpoint_manager import (
     COMMIT_FILE,
     CheckpointError,
     CheckpointManager,
+    checkpoint_gone,
     find_checkpoint,
     resolve_checkpoint,
 )
@@ -80,6 +81,15 @@ def test_newest_and_pruning_go_by_step_not_by_name(tmp_path):
     save(manager, tmp_path, 1_000_000)
     assert [p.name for p in (tmp_path / "runs" / "long").iterdir()] == ["checkpoint_1000000"]
     assert find_checkpoint("long", tmp_path / "runs").endswith("/long/checkpoint_1000000")
+
+
+def test_a_pruned_checkpoint_is_gone_and_an_unreadable_reference_is_not_said_to_be(tmp_path):
+    manager = CheckpointManager(open_storage(tmp_path / "runs"), "run", keep=1)
+    first = save(manager, tmp_path, 1)
+    assert not checkpoint_gone(first)
+    save(manager, tmp_path, 2)  # keep=1: checkpoint 1 is pruned
+    assert checkpoint_gone(first) and not checkpoint_gone(manager.uri(2))
+    assert not checkpoint_gone("ftp://host/run/checkpoint_000001")  # no storage to ask: nothing is known
 
 
 def test_a_crash_mid_save_is_never_loaded_and_the_next_save_cleans_it_up(tmp_path):

@@ -406,8 +406,26 @@ def test_health_without_the_key_says_only_unavailable():
     assert (r.status_code, r.json()) == (503, {"status": "unavailable"})
     r = client.get("/health", headers=KEY)
     assert r.status_code == 503 and r.json()["engine"]["pid"] == 4242
+    assert r.json()["reason"] == "the engine process of the replica that answered is down"
     # without a configured key the service is open (the CLI refuses that off loopback) and says everything
     assert TestClient(create_app(Down())).get("/health").json()["engine"]["pid"] == 4242
+
+
+def test_health_answers_503_with_the_reason_when_no_replica_answers():
+    """The engine client found no replica (with a Serve handle: none answered within health_timeout_s): 503
+    with Retry-After and, for a request with the key, the client's reason; not the error shape of a failed
+    request."""
+    why = "no ChatServer replica answered within 5 s; ChatServer is UNHEALTHY (replicas: 1 STARTING): gone"
+
+    class NoReplica(FakeEngine):
+        async def stats(self):
+            raise EngineUnavailableError(why)
+
+    client = TestClient(create_app(NoReplica(), api_key="s3cret"))
+    r = client.get("/health")
+    assert (r.status_code, r.headers["retry-after"], r.json()) == (503, "5", {"status": "unavailable"})
+    r = client.get("/health", headers=KEY)
+    assert (r.status_code, r.json()) == (503, {"status": "unavailable", "reason": why})
 
 
 def test_no_key_configured_leaves_every_route_open():

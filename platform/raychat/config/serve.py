@@ -135,6 +135,11 @@ class ServeConfig(Section):
         "answered 429 with Retry-After", ge=1,
     )  # fmt: skip
     retry_after_s: int = option(1, "seconds of the Retry-After header of a 429 (overloaded) answer", ge=1)
+    health_timeout_s: float = option(
+        5.0, "seconds GET /health (and the model info that /v1/models and chat requests read once) waits for a "
+        "ChatServer replica's answer; then 503 with the reason (no replica running, e.g. each new one fails to "
+        "start, or every one busy)", gt=0,
+    )  # fmt: skip
 
 
 @dataclass

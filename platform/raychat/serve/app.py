@@ -19,7 +19,10 @@ ingress' max_ongoing_requests (at least 1000) follows args' max_replicas only.
 
 `checkpoint` is any reference raychat.checkpoint_manager resolves (a checkpoint dir, a run dir, <run dir>/latest, on a
 shared directory, s3:// or gs://): build_app resolves it once, so every replica serves the same checkpoint,
-and a replica on another node fetches a remote one itself (raychat.checkpoint.load_model).
+and a replica on another node fetches a remote one itself (raychat.checkpoint.load_model). A training run that
+goes on prunes that checkpoint (its --keep-checkpoints): every replica started after that (scaling up,
+replacing one) fails with pruned_message, and while none runs /health answers 503 with that reason once
+`health_timeout_s` has passed without an answer (HandleClient).
 `max_replicas_per_node` spreads ChatServer replicas over nodes (Serve's deployment option of that name).
 
 Overload is refused, never queued without bound: each Serve proxy queues at most `ingress_max_queued_requests`
@@ -47,7 +50,7 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
-from raychat.checkpoint_manager import find_checkpoint
+from raychat.checkpoint_manager import CheckpointError, checkpoint_gone, find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_dict
 from raychat.gc_heap import freeze_gc_heap
 from raychat.serve.api import MAX_BODY_BYTES
@@ -109,7 +112,12 @@ class ChatServerDeployment:
             kwargs["torch_threads"] = torch_threads
         else:
             torch.set_num_threads(torch_threads)
-        self.engine = ChatServer.from_checkpoint(checkpoint, device, engine_process, **kwargs)
+        try:
+            self.engine = ChatServer.from_checkpoint(checkpoint, device, engine_process, **kwargs)
+        except Exception:
+            if checkpoint_gone(checkpoint):
+                raise CheckpointError(pruned_message(checkpoint)) from None
+            raise
         freeze_gc_heap()  # this replica's model and imports: never scanned by the cyclic GC again
 
     async def generate(self, request: dict):
@@ -168,16 +176,45 @@ class ChatServerDeployment:
             engine.shutdown()
 
 
+def pruned_message(checkpoint: str) -> str:
+    """Why a replica cannot start on `checkpoint`, which build_app resolved and which is gone since (one line,
+    what Serve's status message ends with)."""
+    return (
+        f"checkpoint {checkpoint} no longer exists: it was deleted after this app resolved its checkpoint "
+        "reference to it, most likely pruned by the training run that wrote it (pretrain, sft and rl keep only "
+        "their newest --keep-checkpoints checkpoints, default 2), so no new replica can load it. Serve a "
+        "checkpoint that nothing prunes (a finished run's, or a copy of this run's: cp -r it out of the run "
+        "directory), or train with a larger --keep-checkpoints; then deploy the app again"
+    )
+
+
+def server_state(app_name: str) -> str:
+    """ChatServer's state in application `app_name` as the Serve controller reports it, in one line:
+    "ChatServer is UNHEALTHY (replicas: 1 STARTING): <the last line of its status message>" (where Serve puts
+    the error of a replica that failed to start). Blocks on a call to the controller."""
+    d = serve.status().applications[app_name].deployments[SERVER_DEPLOYMENT]
+    states = sorted((getattr(k, "value", k), n) for k, n in d.replica_states.items())
+    replicas = ", ".join(f"{n} {state}" for state, n in states) or "none"
+    lines = d.message.strip().splitlines()
+    return f"{SERVER_DEPLOYMENT} is {d.status.value} (replicas: {replicas})" + (
+        f": {lines[-1].strip()}" if lines else ""
+    )
+
+
 def overloaded(e: BackPressureError) -> EngineOverloadedError:
     """Serve's BackPressureError as raychat's 429, with its Retry-After in whole seconds (>= 1)."""
     return EngineOverloadedError(str(e), max(1, math.ceil(e.retry_after_s or 1)))
 
 
 class HandleClient:
-    """The ingress' engine client over a DeploymentHandle to ChatServer (protocol in raychat.serve.ingress)."""
+    """The ingress' engine client over a DeploymentHandle to ChatServer (protocol in raychat.serve.ingress).
 
-    def __init__(self, handle):
-        self.handle = handle
+    timeout_s: seconds info() and stats() wait for a replica's answer (None: as long as Serve routes the call,
+        which is for ever while no replica runs, e.g. while each new one fails to start).
+    """
+
+    def __init__(self, handle, timeout_s: float | None = None):
+        self.handle, self.timeout_s = handle, timeout_s
 
     async def info(self) -> dict:
         return await self._call(self.handle.info)
@@ -187,13 +224,25 @@ class HandleClient:
 
     async def _call(self, method):
         """`await method.remote()`; the replicas' queue being full (these calls share it with generate)
-        raises EngineOverloadedError, no replica to answer EngineUnavailableError."""
+        raises EngineOverloadedError, no replica to answer EngineUnavailableError, and so does no answer
+        within timeout_s (the message then says what the Serve controller reports: server_state)."""
         try:
-            return await method.remote()
+            async with asyncio.timeout(self.timeout_s):
+                return await method.remote()
         except BackPressureError as e:
             raise overloaded(e) from e
         except UNAVAILABLE as e:
             raise EngineUnavailableError(f"{type(e).__name__}: {e}") from e
+        except TimeoutError:
+            raise EngineUnavailableError(await self._no_answer()) from None
+
+    async def _no_answer(self) -> str:
+        head = f"no {SERVER_DEPLOYMENT} replica answered within {self.timeout_s:g} s"
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return f"{head}; {await asyncio.to_thread(server_state, self.handle.app_name)}"
+        except Exception as e:  # noqa: BLE001 - the controller's silence must not hide the answer
+            return f"{head}; the Serve controller did not say why ({type(e).__name__}: {e})"
 
     async def generate(self, request: dict):
         """The replica's events; a full queue (Serve's max_queued_requests) raises EngineOverloadedError
@@ -220,10 +269,17 @@ class HandleClient:
 @serve.deployment(name=INGRESS_DEPLOYMENT)
 @serve.ingress()
 class ChatIngress:
-    """HTTP ingress: the FastAPI app of raychat.serve.ingress over a handle to ChatServer."""
+    """HTTP ingress: the FastAPI app of raychat.serve.ingress over a handle to ChatServer; health_timeout_s:
+    HandleClient's timeout_s."""
 
-    def __init__(self, engine, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES):
-        self.client = HandleClient(engine)
+    def __init__(
+        self,
+        engine,
+        api_key: str | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        health_timeout_s: float | None = None,
+    ):
+        self.client = HandleClient(engine, health_timeout_s)
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
 
     def __serve_build_asgi_app__(self):
@@ -271,4 +327,4 @@ def build_app(args: dict | ServeConfig) -> Application:
         **options[INGRESS_DEPLOYMENT],
         max_ongoing_requests=max(1000, 4 * r.max_ongoing_requests * a.max_replicas),
         backpressure_config=backpressure,
-    ).bind(engine, c.api_key)
+    ).bind(engine, c.api_key, health_timeout_s=c.health_timeout_s)

@@ -9,9 +9,11 @@ Endpoints
   POST /v1/completions       OpenAI legacy Completions: raw prompt (text or token ids, batched), echo,
                              prompt logprobs, stream true or false (raychat.serve.completions_api)
   GET  /v1/models            the served model, with template_version and tokenizer_version
-  GET  /health               {"status": "ok", template_version, ..., "engine": replica stats}; 503 and
-                             "unavailable" while the replica's engine process is down. With an api_key set,
-                             a request without it gets only {"status": "ok" | "unavailable"}
+  GET  /health               {"status": "ok", template_version, ..., "engine": replica stats}; 503,
+                             "unavailable" and a "reason" while the replica's engine process is down or no
+                             replica answers (the engine client's stats() raising EngineUnavailableError: with
+                             a Serve handle, none answered within health_timeout_s). With an api_key set, a
+                             request without it gets only {"status": "ok" | "unavailable"}
   GET  /                     the chat web page (static/chat.html)
   GET  /openapi.json         the schema of all of it (what the fuzzing test drives)
 
@@ -28,7 +30,8 @@ engine streams, which frees their rows.
 
 Client protocol (duck-typed):
   async info() -> dict        {model_id, template_version, tokenizer_version, max_seq_len, ...}
-  async stats() -> dict       the replica's counters (ChatServer.stats)
+  async stats() -> dict       the replica's counters (ChatServer.stats); info() and stats() raise
+                              EngineUnavailableError when no replica answers
   generate(request: dict)     async iterator of event dicts (raychat.serve.server); closing it early
                               (aclose) must cancel the request; raises EngineUnavailableError when no
                               replica can take it
@@ -62,6 +65,7 @@ from raychat.serve.errors import (
     ERROR_STATUSES,
     INTERNAL_ERROR,
     PUBLIC_5XX,
+    UNAVAILABLE_RETRY_AFTER_S,
     EngineOverloadedError,
     EngineUnavailableError,
     ErrorResponse,
@@ -80,6 +84,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # the only paths answered without the key when one is set ("" is the route prefix itself, e.g. /api)
 OPEN_PATHS = frozenset({"", "/", "/health", "/openapi.json"})
 NO_FINAL_EVENT = "the engine's stream ended without a final event"
+ENGINE_DOWN = "the engine process of the replica that answered is down"
 SSE_SCHEMA = {"text/event-stream": {"schema": {"type": "string"}}}
 ERRORS = {status: {"model": ErrorResponse, "description": why} for status, why in ERROR_STATUSES.items()}
 log = logging.getLogger(__name__)
@@ -353,16 +358,24 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
 
     @app.get("/health")
     async def health(request: Request):
-        """200 {"status": "ok"} or 503 {"status": "unavailable"}; versions and replica stats only for a
-        request with the key (or when no key is set)."""
-        stats = await engine.stats()
-        up = stats.get("engine_running", True)
-        body = {"status": "ok" if up else "unavailable"}
-        if authorized(request):
-            meta = await info()
-            body.update({k: meta.get(k) for k in ("model_id", "template_version", "tokenizer_version")})
-            body["engine"] = stats
-        return JSONResponse(body, status_code=200 if up else 503)
+        """200 {"status": "ok"} or 503 {"status": "unavailable"} (with Retry-After); versions and replica
+        stats, or the reason of a 503, only for a request with the key (or when no key is set). The replicas'
+        queue being full is a 429 (EngineOverloadedError), as on every route."""
+        full = authorized(request)
+        try:
+            stats = await engine.stats()
+            up = stats.get("engine_running", True)
+            body = {"status": "ok" if up else "unavailable"}
+            if full:
+                meta = await info()
+                body.update({k: meta.get(k) for k in ("model_id", "template_version", "tokenizer_version")})
+                body |= {"engine": stats} if up else {"reason": ENGINE_DOWN, "engine": stats}
+        except EngineOverloadedError:
+            raise
+        except EngineUnavailableError as e:
+            up, body = False, {"status": "unavailable"} | ({"reason": str(e)} if full else {})
+        headers = None if up else {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}
+        return JSONResponse(body, status_code=200 if up else 503, headers=headers)
 
     @app.get("/v1/models")
     async def models():
