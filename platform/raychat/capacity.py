@@ -12,8 +12,10 @@ read_capacity() looks in three places, first found wins:
 2. An autoscaler that runs without a published record (Ray's v1 monitor writes its status under the GCS
    key `__autoscaling_status`; the v2 autoscaler of KubeRay reports an autoscaling state): the node types
    are unknown -> source "autoscaler": every layout is accepted and its wait is bounded by
-   --schedule-timeout-s instead. Not for a cluster this process started (`ray.init()` without an address):
-   its monitor runs too, with a read-only provider that never adds a node.
+   --schedule-timeout-s instead. Not for a fixed cluster: every head started without --autoscaling-config
+   (`ray start --head`, and `ray.init()` without an address) runs the v1 monitor too, with Ray's read-only
+   provider, which never adds a node; its status names one node type per alive node, `node_<node id>`
+   (read_only_monitor).
 3. Neither: the alive nodes are all the cluster will ever be -> source "alive nodes" (checked at once).
 
 A layout's bundles ({resource: amount} each, e.g. a Ray Train worker {"CPU": 7, "GPU": 1}) are checked with
@@ -22,6 +24,7 @@ check_bundles; what is missing after a timeout is named by missing_resources.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import threading
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import ray
 import yaml
 from ray._raylet import GcsClient
+from ray.autoscaler._private.util import format_readonly_node_type
 from ray.core.generated import autoscaler_pb2
 from ray.experimental.internal_kv import _internal_kv_get
 
@@ -121,16 +125,34 @@ def _alive_nodes() -> list[NodeType]:
 
 
 def autoscaler_running() -> bool:
-    """Whether an autoscaler serves this cluster: Ray's v1 monitor has written its status to the GCS, or a v2
-    autoscaler (KubeRay's) has reported an autoscaling state."""
-    if _internal_kv_get(AUTOSCALER_STATUS_KEY):
-        return True
+    """Whether an autoscaler that may add nodes serves this cluster: Ray's v1 monitor has written its status to
+    the GCS and it is not the read-only mirror of a fixed cluster (read_only_monitor), or a v2 autoscaler
+    (KubeRay's) has reported an autoscaling state."""
+    status = monitor_status()
+    if status is not None:
+        return not read_only_monitor(status)
     reply = autoscaler_pb2.GetClusterStatusReply()
     try:
         reply.ParseFromString(GcsClient(ray.get_runtime_context().gcs_address).get_cluster_status())
     except Exception:  # an older GCS without the v2 service: no v2 autoscaler
         return False
     return reply.autoscaling_state.autoscaler_state_version > 0
+
+
+def monitor_status() -> dict | None:
+    """The status Ray's v1 monitor last wrote to the GCS (AUTOSCALER_STATUS_KEY; what `ray status` prints), or
+    None before its first one, or without a v1 monitor."""
+    status = _internal_kv_get(AUTOSCALER_STATUS_KEY)
+    return json.loads(status) if status else None
+
+
+def read_only_monitor(status: dict) -> bool:
+    """Whether a v1 autoscaler status (the JSON under AUTOSCALER_STATUS_KEY, what `ray status` prints) comes
+    from Ray's read-only provider: its report maps every node (node id, its "ip" there) to a type of its own
+    named by ray.autoscaler._private.util.format_readonly_node_type. False while the status has no report yet
+    (the monitor's first seconds): the caller cannot tell then."""
+    mapping = (status.get("autoscaler_report") or {}).get("node_type_mapping") or {}
+    return bool(mapping) and all(t == format_readonly_node_type(node) for node, t in mapping.items())
 
 
 def started_here() -> bool:

@@ -318,6 +318,7 @@ def serve(subparsers) -> None:
     p.add_argument(
         "--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a new local one)"
     )
+    add_token_file_flag(p)
     p.add_argument(
         "--no-block",
         action="store_true",
@@ -395,6 +396,11 @@ def add_connection_flags(p: argparse.ArgumentParser) -> None:
         "--address",
         help=f"dashboard URL (default: $RAY_API_SERVER_ADDRESS, $RAY_ADDRESS, else {DEFAULT_ADDRESS})",
     )
+    add_token_file_flag(p)
+
+
+def add_token_file_flag(p: argparse.ArgumentParser) -> None:
+    """--token-file of every command that connects to a Ray cluster (raychat.ray_token)."""
     p.add_argument(
         "--token-file",
         help="Ray auth token file (default: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token)",

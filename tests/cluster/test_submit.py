@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 from support.cluster import LocalCluster, short_temp_dir
+from support.serve_helpers import write_tiny_checkpoint
 
+from raychat import ray_token
 from raychat.cli import main as raychat_main
 from raychat.ops import submit
 
@@ -82,23 +84,23 @@ def test_load_token_order(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
-    assert submit.load_token() is None
+    assert ray_token.load_token() is None
     (home / ".ray" / "auth_token").write_text("from-home\n")
-    assert submit.load_token() == "from-home"
+    assert ray_token.load_token() == "from-home"
     (tmp_path / "p").write_text("from-path")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "p"))
-    assert submit.load_token() == "from-path"
+    assert ray_token.load_token() == "from-path"
     monkeypatch.setenv("RAY_AUTH_TOKEN", "from-env")
-    assert submit.load_token() == "from-env"
+    assert ray_token.load_token() == "from-env"
     (tmp_path / "f").write_text(" from-flag ")
-    assert submit.load_token(str(tmp_path / "f")) == "from-flag"
+    assert ray_token.load_token(str(tmp_path / "f")) == "from-flag"
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="--token-file: token file .* is empty"):
-        submit.load_token(str(tmp_path / "empty"))
+        ray_token.load_token(str(tmp_path / "empty"))
     monkeypatch.delenv("RAY_AUTH_TOKEN")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="RAY_AUTH_TOKEN_PATH"):
-        submit.load_token()
+        ray_token.load_token()
 
 
 def test_cli_parses_options_before_stage_and_passes_the_rest():
@@ -221,6 +223,34 @@ def test_submit_follow_and_jobs_commands(token_cluster):
     r = _raychat(["jobs", "list", "--address", c["url"]], c["tmp"])
     assert r.returncode == 4, r.stdout + r.stderr
     assert "Unauthorized" in r.stderr or "authentication" in r.stderr.lower()
+
+
+@pytest.mark.ray
+def test_a_gcs_address_takes_the_token_file_and_serve_has_one_too(token_cluster, tmp_path):
+    """--address HOST:PORT of the GCS (what `ray start --address` takes) reaches the cluster with --token-file's
+    token: the Jobs client asks the GCS for the dashboard, `raychat serve` connects to it, and a fixed cluster
+    refuses a replica it can never hold at once. No RAY_* variable and no ~/.ray/auth_token: only the flag."""
+    c = token_cluster
+    gcs, token_file = c["cluster"].gcs_address, str(c["token_file"])
+    r = _raychat(["jobs", "list", "--address", gcs, "--token-file", token_file], c["tmp"])
+    assert r.returncode == 0, r.stdout + r.stderr  # was 4: "--token-file: ... refused the token in ..."
+
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    serve = ["serve", "--checkpoint", str(ckpt), "--num-gpus", "1", "--address", gcs, "--no-block"]
+    r = _raychat([*serve, "--token-file", token_file], c["tmp"])
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "raychat serve: error: --num-cpus, --num-gpus, --min-replicas: one of them needs {CPU: 1, GPU: 1}; no "
+        "node type has room: GPU (need 1, the most a node has is 0); largest node type: alive node "
+    ), r.stdout + r.stderr  # was "unrecognized arguments: --token-file"
+
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("not-the-token\n")
+    # one GCS connection attempt instead of Ray's 20 (1 s apart)
+    r = _raychat([*serve, "--token-file", str(wrong)], c["tmp"], RAY_gcs_server_port_wait_time_s="1")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        f"raychat serve: error: --token-file: the Ray cluster at {gcs} refused the token in {wrong} ("
+    ), r.stdout + r.stderr
+    assert "InvalidAuthToken" in r.stderr.strip().splitlines()[-1]
 
 
 def _job_statuses(c) -> dict[str, str]:

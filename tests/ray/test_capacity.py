@@ -6,7 +6,14 @@ import time
 
 import pytest
 
-from raychat.capacity import WaitReporter, autoscaler_running, check_bundles, read_capacity
+from raychat.capacity import (
+    WaitReporter,
+    autoscaler_running,
+    check_bundles,
+    monitor_status,
+    read_capacity,
+    read_only_monitor,
+)
 
 
 def test_a_wait_is_reported_then_its_end_once(ray_cluster):
@@ -45,9 +52,10 @@ def test_a_cluster_started_by_this_process_is_its_alive_nodes(ray_cluster):
     provider) writes the autoscaler status: a layout it cannot hold is refused at once, not waited for until
     --schedule-timeout-s."""
     deadline = time.monotonic() + 30
-    while not autoscaler_running():  # the monitor's first status comes a few seconds after start
-        assert time.monotonic() < deadline, "no autoscaler status from the local monitor"
+    while not read_only_monitor(monitor_status() or {}):  # its first report comes a few seconds after start
+        assert time.monotonic() < deadline, "no read-only report from the local monitor"
         time.sleep(0.5)
+    assert not autoscaler_running()
     capacity = read_capacity()
     assert (capacity.source, capacity.known, capacity.total("CPU")) == ("alive nodes", True, 2.0)
     with pytest.raises(

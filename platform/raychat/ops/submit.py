@@ -5,9 +5,10 @@ Uses the Ray Jobs SDK (`ray.job_submission.JobSubmissionClient`), which talks to
 
 Token authentication (Ray >= 2.52; on by default in the Ray this project pins): the token is read, first
 found wins, from `--token-file`, RAY_AUTH_TOKEN, the file named by RAY_AUTH_TOKEN_PATH, then
-~/.ray/auth_token (Ray's own order, docs.ray.io "Ray token authentication"), and sent as
-`Authorization: Bearer <token>` through the client's `headers=` argument. With no token found no header is
-sent, which suits a cluster started with RAY_AUTH_MODE=disabled.
+~/.ray/auth_token (Ray's own order; raychat.ray_token), and sent as `Authorization: Bearer <token>` through
+the client's `headers=` argument; for a GCS address (HOST:6379), which the client resolves to the dashboard's
+URL through the GCS, it is also handed to Ray's own GCS client (raychat.ray_token.hand_to_ray). With no token
+found no header is sent, which suits a cluster started with RAY_AUTH_MODE=disabled.
 
 The job's runtime_env: `working_dir` = the repository (without .venv, runs, .git and caches), `py_modules` =
 platform/raychat (so the job imports the submitted code, not whatever raychat the cluster has installed),
@@ -36,6 +37,7 @@ from ray.exceptions import AuthenticationError
 from ray.job_submission import JobSubmissionClient
 
 from raychat.ops.jobs import DEFAULT_ADDRESS, STAGES, SUBMIT_CHOICES
+from raychat.ray_token import find_token, first_line, hand_to_ray, refused_message
 
 try:
     import tomllib
@@ -72,76 +74,26 @@ def resolve_address(address: str | None) -> str:
     )
 
 
-def find_token(token_file: str | None = None) -> tuple[str | None, str]:
-    """(the Ray auth token or None, where it came from: "--token-file <path>", "RAY_AUTH_TOKEN",
-    "RAY_AUTH_TOKEN_PATH <path>", "<home>/.ray/auth_token" or "no token"). Order: token_file,
-    $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token.
-
-    Raises FileNotFoundError / ValueError when an explicitly named file is missing, not a regular file or
-    empty."""
-    if token_file:
-        return _read_token(Path(token_file), "--token-file"), f"--token-file {token_file}"
-    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
-        return os.environ["RAY_AUTH_TOKEN"].strip(), "RAY_AUTH_TOKEN"
-    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
-        path = os.environ["RAY_AUTH_TOKEN_PATH"]
-        return _read_token(Path(path), "RAY_AUTH_TOKEN_PATH"), f"RAY_AUTH_TOKEN_PATH {path}"
-    default = Path.home() / ".ray" / "auth_token"
-    if default.is_file():
-        return _read_token(default, str(default)), str(default)
-    return None, "no token"
-
-
-def load_token(token_file: str | None = None) -> str | None:
-    """The Ray auth token, or None (see find_token)."""
-    return find_token(token_file)[0]
-
-
-def _read_token(path: Path, source: str) -> str:
-    if not path.exists():
-        raise FileNotFoundError(f"{source}: token file {path} does not exist")
-    if not path.is_file():
-        raise ValueError(f"{source}: token file {path} is not a regular file")
-    token = path.read_text().strip()
-    if not token:
-        raise ValueError(f"{source}: token file {path} is empty")
-    return token
-
-
 def make_client(address: str | None = None, token_file: str | None = None):
     """A JobSubmissionClient for `address` that sends the auth token if one is found (see find_token).
 
     Raises ConnectionError with one line naming the flag: the dashboard cannot be reached (--address), or
     it refuses the token (--token-file or wherever the token came from); ValueError: an address Ray cannot
     parse, a token file that is not a regular file or is empty; FileNotFoundError: a missing token file."""
-    token, source = find_token(token_file)
-    headers = {"Authorization": f"Bearer {token}"} if token else None
     url = resolve_address(address)
+    # a GCS address (HOST:6379): the client asks the GCS for the dashboard's URL, over Ray's own gRPC client
+    token, source = find_token(token_file) if "://" in url else hand_to_ray(token_file)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
         return JobSubmissionClient(url, headers=headers)
     except AuthenticationError as e:
-        raise ConnectionError(refused_message(url, source, e)) from e
+        raise ConnectionError(refused_message(url, source, first_line(e))) from e
     except ConnectionError as e:
-        raise ConnectionError(f"--address: cannot reach the Ray dashboard at {url}: {_first_line(e)}") from e
+        raise ConnectionError(f"--address: cannot reach the Ray dashboard at {url}: {first_line(e)}") from e
     except ValueError as e:  # Ray's "Invalid address format: ..."
         raise ValueError(
-            f"--address {url}: {_first_line(e)}; give the Ray dashboard's address, e.g. http://HEAD:8265"
+            f"--address {url}: {first_line(e)}; give the Ray dashboard's address, e.g. http://HEAD:8265"
         ) from e
-
-
-def refused_message(url: str, source: str, error: BaseException) -> str:
-    """One line for a cluster that refused the token from `source` (see find_token), or the lack of one."""
-    if source == "no token":
-        return (
-            f"--token-file: the Ray cluster at {url} requires a token and none was found (--token-file, "
-            f"RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token): {_first_line(error)}"
-        )
-    flag, _, where = source.partition(" ")
-    return f"{flag}: the Ray cluster at {url} refused the token {f'in {where}' if where else 'given'} ({_first_line(error)})"
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def entrypoint_for(stage: str, stage_args: list[str], working_dir: Path, python: str = "python") -> str:
@@ -249,7 +201,7 @@ def cmd_submit(args) -> int:
         print(f"raychat submit: error: {e}", file=sys.stderr)
         return 2
     except _connection_errors() as e:
-        print(f"raychat submit: error: {_first_line(e)}", file=sys.stderr)
+        print(f"raychat submit: error: {first_line(e)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     kwargs = {}
     if args.num_cpus is not None:
@@ -264,7 +216,7 @@ def cmd_submit(args) -> int:
         if why := job_refusal(e, args.job_id):
             print(f"raychat submit: error: {why}", file=sys.stderr)
             return 2
-        print(f"raychat submit: error: the cluster refused the job: {_first_line(e)}", file=sys.stderr)
+        print(f"raychat submit: error: the cluster refused the job: {first_line(e)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     print(f"submitted {job_id}: {entrypoint}", file=sys.stderr)
     if args.no_wait:
@@ -310,5 +262,5 @@ def cmd_jobs(args) -> int:
         if why := job_refusal(e, getattr(args, "job_id", None)):
             print(f"raychat jobs: error: {why}", file=sys.stderr)
             return 2
-        print(f"raychat jobs: error: {_first_line(e)}", file=sys.stderr)
+        print(f"raychat jobs: error: {first_line(e)}", file=sys.stderr)
         return EXIT_UNREACHABLE

@@ -3,7 +3,8 @@ one at --address / RAY_ADDRESS) and print the chat page's URL. Blocks until Ctrl
 
 A --host beyond loopback (0.0.0.0, a LAN address, a host name) needs an API key (--api-key or
 RAYCHAT_API_KEY) or an explicit --allow-unauthenticated; the refusal comes before Ray starts, and so does the
-refusal of a checkpoint no replica could load (check_checkpoint).
+refusal of a checkpoint no replica could load (check_checkpoint). A cluster with token authentication gets the
+token of --token-file (else $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), as `raychat submit` does.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from raychat.capacity import check_bundles, read_capacity
 from raychat.checkpoint import check_model
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_args
+from raychat.ray_token import hand_to_ray, refused_message, token_refusal
 from raychat.serve import vllm
 from raychat.serve.app import build_app, serve_config
 from raychat.storage import is_remote
@@ -167,10 +169,23 @@ def start_vllm(args: argparse.Namespace) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    """`raychat serve`. The Ray auth token (--token-file, else where Ray looks: raychat.ray_token) is handed to
+    Ray before it connects; a cluster that refuses it raises ConnectionError naming where it came from."""
     if args.no_block and not (args.address or os.environ.get("RAY_ADDRESS")):
         raise ValueError(
             "--no-block needs --address (or RAY_ADDRESS): a local cluster ends with this process"
         )
+    _, token_source = hand_to_ray(args.token_file)
+    try:
+        return _serve(args)
+    except ConnectionError as e:
+        if (reason := token_refusal(e)) is None:
+            raise
+        where = args.address or os.environ.get("RAY_ADDRESS", "")
+        raise ConnectionError(refused_message(where, token_source, reason)) from e
+
+
+def _serve(args: argparse.Namespace) -> int:
     if getattr(args, "backend", "raychat") == "vllm":
         check_exposure(args.host, args.api_key, args.allow_unauthenticated)
         url = start_vllm(args)
