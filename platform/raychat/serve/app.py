@@ -201,6 +201,11 @@ def server_state(app_name: str) -> str:
     )
 
 
+async def _awaited(awaitable):
+    """`awaitable` as a coroutine (what asyncio.wait_for takes: a DeploymentResponse is only awaitable)."""
+    return await awaitable
+
+
 def overloaded(e: BackPressureError) -> EngineOverloadedError:
     """Serve's BackPressureError as raychat's 429, with its Retry-After in whole seconds (>= 1)."""
     return EngineOverloadedError(str(e), max(1, math.ceil(e.retry_after_s or 1)))
@@ -227,20 +232,21 @@ class HandleClient:
         raises EngineOverloadedError, no replica to answer EngineUnavailableError, and so does no answer
         within timeout_s (the message then says what the Serve controller reports: server_state)."""
         try:
-            async with asyncio.timeout(self.timeout_s):
-                return await method.remote()
+            return await asyncio.wait_for(_awaited(method.remote()), self.timeout_s)
         except BackPressureError as e:
             raise overloaded(e) from e
         except UNAVAILABLE as e:
             raise EngineUnavailableError(f"{type(e).__name__}: {e}") from e
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             raise EngineUnavailableError(await self._no_answer()) from None
 
     async def _no_answer(self) -> str:
         head = f"no {SERVER_DEPLOYMENT} replica answered within {self.timeout_s:g} s"
         try:
-            async with asyncio.timeout(self.timeout_s):
-                return f"{head}; {await asyncio.to_thread(server_state, self.handle.app_name)}"
+            state = await asyncio.wait_for(
+                asyncio.to_thread(server_state, self.handle.app_name), self.timeout_s
+            )
+            return f"{head}; {state}"
         except Exception as e:  # noqa: BLE001 - the controller's silence must not hide the answer
             return f"{head}; the Serve controller did not say why ({type(e).__name__}: {e})"
 
