@@ -401,6 +401,22 @@ def test_a_half_written_checkpoint_is_never_loaded(root, tmp_path, capsys):
     assert _snapshot(root) == before
 
 
+@pytest.mark.parametrize("command", ["chat", "eval", "sft"])
+def test_an_hf_export_given_as_a_checkpoint_is_named_as_one_not_as_a_half_written_save(command, root, capsys):
+    """`raychat export`'s directory has model.safetensors and no commit marker: it was called a save that did
+    not finish, which sent the user looking for a broken export."""
+    assert raychat_main(["export", "--storage-path", str(root), "--checkpoint", "latest"]) == 0
+    capsys.readouterr()
+    hf = root / "hf"
+    flag = "--init-from" if command == "sft" else "--checkpoint"
+    argv = [command, flag, str(hf)] + ([] if command == "chat" else ["--storage-path", str(root)])
+    line = _fails_in_one_line(argv + (["-p", "hi"] if command == "chat" else []), capsys)
+    assert (
+        f"{flag}: {hf} is a Hugging Face export (config.json, model.safetensors: raychat export), not a raychat "
+        "checkpoint: give the checkpoint it was exported from, or load it with transformers"
+    ) in line, line
+
+
 @pytest.mark.parametrize("stage", ["sft", "rl"])
 def test_an_init_from_whose_weights_are_damaged_is_refused_before_ray(stage, root, capsys):
     """Bytes overwritten at the committed size: the sizes match, the header does not parse; every worker (or
