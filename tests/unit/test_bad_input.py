@@ -417,6 +417,53 @@ def test_an_hf_export_given_as_a_checkpoint_is_named_as_one_not_as_a_half_writte
     ) in line, line
 
 
+def test_a_validation_shard_too_small_for_one_row_is_named_not_a_numpy_error(root, capsys):
+    """A small corpus (`data prepare --source DIR`) whose validation shard cannot fill one row of the model's
+    sequence length: eval (and every training rank's validator) failed with numpy's 'need at least one array
+    to stack'."""
+    _good_input(root)
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "pretrain", "--data-dir", f"{root}/prepared"]
+    line = _fails_in_one_line(argv + ["--tasks", ""], capsys)
+    assert line == (
+        f"raychat eval: error: the validation shard {root}/prepared/shard_00001.parquet holds too little text for "
+        "one row of 257 tokens (4 documents): prepare more text (a larger validation shard) or use a shorter "
+        "sequence length  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert not (root / "eval").exists()
+
+
+def test_eval_refuses_to_write_its_results_into_another_stages_directory(root, capsys):
+    """eval.json in an export made `raychat export` refuse its own directory ever after (likewise data
+    prepare and tokenizer train); a training run's directory is no place for them either."""
+    assert raychat_main(["export", "--storage-path", str(root), "--checkpoint", "latest"]) == 0
+    entries = write_shards(
+        ["the json module encodes objects. " * 20] * 8, root / "text", 2, log=lambda *_: None
+    )
+    write_manifest(root / "text", {"source": "test", "shards": entries})
+    capsys.readouterr()
+    before = _snapshot(root)
+    for run, held in [
+        ("hf", "chat_template.jinja, config.json, generation_config.json, model.safetensors, "),
+        ("pretrain", "checkpoint_000004/"),
+        ("tokenizer", "tokenizer.json"),
+    ]:
+        argv = ["eval", "--storage-path", str(root), "--checkpoint", "pretrain", "--data-dir", f"{root}/text",
+                "--tasks", "", "--eval-tokens", "16", "--run-name", run]  # fmt: skip
+        line = _fails_in_one_line(argv, capsys)
+        assert line.startswith(f"raychat eval: error: --run-name: {root}/{run} holds: {held}"), line
+        assert (
+            "not eval results: eval writes eval.json and report_card.md into a directory of their own (new, empty "
+            "or an earlier eval's); choose another --run-name"
+        ) in line, line
+    assert _snapshot(root) == before
+    assert (
+        raychat_main(["export", "--storage-path", str(root), "--checkpoint", "latest"]) == 0
+    )  # still its own
+    for _ in range(2):  # a new directory, then eval's own earlier results
+        assert raychat_main(argv[:-1] + ["ev"]) == 0
+    assert sorted(p.name for p in (root / "ev").iterdir()) == ["eval.json", "report_card.md"]
+
+
 @pytest.mark.parametrize("stage", ["sft", "rl"])
 def test_an_init_from_whose_weights_are_damaged_is_refused_before_ray(stage, root, capsys):
     """Bytes overwritten at the committed size: the sizes match, the header does not parse; every worker (or

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import torch
 
 from raychat.checkpoint import load_model
@@ -36,12 +37,35 @@ from raychat.data.loader.pipeline import validation_rows
 from raychat.eval.bpb import bpb_sums
 from raychat.eval.report_card import CHAT_TASKS, card_row, chat_cells, core_cell, format_markdown
 from raychat.eval.tasks import task_accuracy
-from raychat.storage import check_writable, open_storage, run_directory, write_bytes
+from raychat.storage import Storage, check_writable, listing, open_storage, run_directory, write_bytes
 from raychat.tasks.registry import check_data, graded, held_out, make_task, parse_mixture
 
 RESULT_FILE = "eval.json"
 CARD_FILE = "report_card.md"
 CARD_NAMES = {name: column for column, (name, _) in CHAT_TASKS.items()}
+
+
+def check_eval_target(storage: Storage, run_name: str) -> str:
+    """<root>/<run_name>, where eval writes RESULT_FILE and CARD_FILE: nothing there, an empty directory or
+    eval's earlier results (only those two files). Another stage's directory is refused (a training run, a
+    checkpoint, an export, data or a tokenizer: their own reruns refuse a directory holding eval's files).
+
+    Raises ValueError naming --run-name and what the directory holds."""
+    target = storage.writable_run_path(run_name)
+    info = storage.fs.get_file_info(target)
+    if info.type == pafs.FileType.NotFound:
+        return target
+    if info.type == pafs.FileType.Directory:
+        entries = storage.fs.get_file_info(pafs.FileSelector(target))
+        if all(e.type == pafs.FileType.File and e.base_name in (RESULT_FILE, CARD_FILE) for e in entries):
+            return target
+        held = listing(storage, target)
+    else:
+        held = f"{storage.uri_of(target)} is a file"
+    raise ValueError(
+        f"--run-name: {held}, not eval results: eval writes {RESULT_FILE} and {CARD_FILE} into a directory of "
+        "their own (new, empty or an earlier eval's); choose another --run-name"
+    )
 
 
 def split_card_tasks(spec: str) -> tuple[str, int | None, bool]:
@@ -122,7 +146,7 @@ def main(args) -> int:
             f"--core-bundle {cfg.core_bundle}: not a directory (give the CORE bundle's directory: core.yaml, "
             "eval_meta_data.csv, eval_data/; or leave the flag out)"
         )
-    storage.writable_run_path(cfg.run_name)  # a link out of the root: refused before the evaluation runs
+    check_eval_target(storage, cfg.run_name)  # before the evaluation runs
     checkpoint = find_checkpoint(cfg.checkpoint, storage, "--checkpoint")
     data_dir = run_directory(cfg.data_dir, storage, "--data-dir")
     try:
