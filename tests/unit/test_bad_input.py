@@ -521,6 +521,14 @@ def test_a_task_spec_that_does_not_parse(argv, want, root, capsys):
     )
 
 
+def test_core_max_per_task_zero_is_refused_not_read_as_all(root, capsys):
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "pretrain", "--core-max-per-task", "0"]
+    assert _fails_in_one_line(argv, capsys) == (
+        "raychat eval: error: --core-max-per-task must be -1 (all) or a positive integer, got 0  (RAYCHAT_DEBUG=1 "
+        "shows the traceback)"
+    )
+
+
 def test_rl_on_a_task_without_its_files(root, tmp_path, capsys):
     """RL checks its task's files before Ray starts (it once did so in the run, 15 s after Ray started)."""
     write_tiny_checkpoint(root / "sft" / "checkpoint_000001", stage="sft")
