@@ -90,13 +90,39 @@ def test_a_storage_path_that_is_not_writable(argv, flag, root, tmp_path, capsys)
     assert _snapshot(root) == before
 
 
+GOOD_TEXT = "a b c d " * 10
+
+
+def _too_little_text(root: Path) -> Path:
+    """root/small: prepared data whose validation shard (4 short documents) fills no row of 65 tokens."""
+    entries = write_shards(["a b c d"] * 8, root / "small", num_shards=2, log=lambda *_: None)
+    write_manifest(root / "small", {"source": "test", "shards": entries})
+    return root / "small"
+
+
 def _good_input(root: Path) -> None:
-    """root/prepared: prepared data; root/texts: a source for `data prepare`."""
-    entries = write_shards(["a b c d"] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
+    """root/prepared: prepared data (its validation shard fills a row of the tiny preset's 65 tokens); root/texts:
+    a source for `data prepare`."""
+    entries = write_shards([GOOD_TEXT] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
     write_manifest(root / "prepared", {"source": "test", "shards": entries})
     (root / "texts").mkdir()
     for i in range(4):
         (root / "texts" / f"{i}.txt").write_text(f"document {i}")
+
+
+def test_a_validation_shard_too_small_for_one_row_stops_pretraining_before_ray(root, capsys):
+    """Every rank's validator packs the validation shard into rows of --seq-len + 1 first: with too little
+    text each failed in turn after Ray started (54 s here), with tracebacks and exit 1."""
+    small = _too_little_text(root)
+    argv = ["pretrain", "--preset", "tiny", "--storage-path", str(root), "--run-name", "p", "--data-dir",
+            str(small), "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    before = _snapshot(root)
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat pretrain: error: --data-dir: the validation shard {small}/shard_00001.parquet holds too "
+        "little text for one row of 65 tokens (4 documents): prepare more text (a larger validation shard) or use "
+        "a shorter sequence length  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(root) == before and not (root / "p").exists()
 
 
 @pytest.mark.parametrize(
@@ -421,11 +447,12 @@ def test_a_validation_shard_too_small_for_one_row_is_named_not_a_numpy_error(roo
     """A small corpus (`data prepare --source DIR`) whose validation shard cannot fill one row of the model's
     sequence length: eval (and every training rank's validator) failed with numpy's 'need at least one array
     to stack'."""
-    _good_input(root)
-    argv = ["eval", "--storage-path", str(root), "--checkpoint", "pretrain", "--data-dir", f"{root}/prepared"]
+    small = _too_little_text(root)
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "pretrain", "--data-dir", str(small)]
     line = _fails_in_one_line(argv + ["--tasks", ""], capsys)
     assert line == (
-        f"raychat eval: error: the validation shard {root}/prepared/shard_00001.parquet holds too little text for "
+        f"raychat eval: error: --data-dir: the validation shard {small}/shard_00001.parquet holds too "
+        "little text for "
         "one row of 257 tokens (4 documents): prepare more text (a larger validation shard) or use a shorter "
         "sequence length  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
@@ -588,7 +615,7 @@ def _commit_step(cfg, paths, plan, row_source, step: int = 2) -> Path:
 @pytest.fixture
 def pretrained(root, driver, capsys) -> tuple[list[str], Path]:
     """(the argv of a tiny pretraining run "p1", its committed checkpoint_000002), checked to resume."""
-    entries = write_shards(["a b c d"] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
+    entries = write_shards([GOOD_TEXT] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
     write_manifest(root / "prepared", {"source": "test", "shards": entries})
     argv = ["pretrain", "--preset", "tiny", "--storage-path", str(root), "--run-name", "p1",
             "--data-dir", f"{root}/prepared", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip

@@ -93,7 +93,10 @@ def evaluate(
     t0 = time.perf_counter()
     model, tokenizer, meta = load_model(checkpoint, device=cfg.device)
     seq_len = model.config.max_seq_len
-    rows = validation_rows(val_file, tokenizer, seq_len + 1, 256, cfg.eval_tokens, 1)
+    try:
+        rows = validation_rows(val_file, tokenizer, seq_len + 1, 256, cfg.eval_tokens, 1)
+    except ValueError as e:  # a shard too small for one row of the model's length
+        raise ValueError(f"--data-dir: {e}") from None
     token_bytes = torch.tensor(tokenizer.token_bytes(), dtype=torch.int64)
     nats, nbytes = bpb_sums(
         model, rows, token_bytes, tokenizer.bos_id, cfg.device_batch_size, device=cfg.device
