@@ -362,7 +362,8 @@ def test_data_prepare_deletes_only_its_own_shards(root, tmp_path):
 
 
 def test_a_core_bundle_that_is_not_there_is_an_error_not_an_empty_cell(root, capsys):
-    """An explicit --core-bundle that does not exist used to give CORE "n/a: no data" after the whole run."""
+    """An explicit --core-bundle that does not exist, or holds no core.yaml, used to give CORE "n/a: no data"
+    after the whole run."""
     _good_input(root)
     argv = ["eval", "--storage-path", str(root), "--checkpoint", "pretrain", "--data-dir", f"{root}/prepared"]
     line = _fails_in_one_line([*argv, "--core-bundle", f"{root}/nope"], capsys)
@@ -370,6 +371,21 @@ def test_a_core_bundle_that_is_not_there_is_an_error_not_an_empty_cell(root, cap
         f"raychat eval: error: --core-bundle {root}/nope: not a directory (give the CORE bundle's directory: "
         "core.yaml, eval_meta_data.csv, eval_data/; or leave the flag out)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
+    # a directory without core.yaml (the task data directory, say) was read as "no bundle": CORE "n/a: no data"
+    (root / "task_data" / "eval_bundle").mkdir(parents=True)
+    for bundle, why in [
+        ("task_data/eval_bundle", "no core.yaml there"),
+        ("task_data", "no core.yaml there"),
+    ]:
+        if bundle == "task_data":
+            (root / "task_data" / "eval_bundle" / "core.yaml").write_text("icl_tasks: []\n")
+            why += f"; the bundle is {root}/task_data/eval_bundle"
+        line = _fails_in_one_line([*argv, "--core-bundle", f"{root}/{bundle}"], capsys)
+        assert line == (
+            f"raychat eval: error: --core-bundle {root}/{bundle}: {why} (give the CORE bundle's directory: "
+            "core.yaml, eval_meta_data.csv, eval_data/; or leave the flag out)  (RAYCHAT_DEBUG=1 shows the traceback)"
+        )
+    assert not (root / "eval").exists()
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "sft", "rl", "eval", "serve"])

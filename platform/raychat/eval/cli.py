@@ -144,9 +144,15 @@ def main(args) -> int:
         if not graded(name):
             raise ValueError(f"--tasks: {name!r} has no checker to measure accuracy with")
     check_data([name for name, _ in tasks], ("test",), cfg.task_data_dir, "--tasks")
-    if cfg.core_bundle and not Path(cfg.core_bundle).is_dir():  # '' = the default place, which may hold none
+    bundle = Path(cfg.core_bundle)
+    if (
+        cfg.core_bundle and not (bundle / "core.yaml").is_file()
+    ):  # '' = the default place, which may hold none
+        why = "no core.yaml there" if bundle.is_dir() else "not a directory"
+        if (bundle / "eval_bundle" / "core.yaml").is_file():  # the task data dir given for the bundle's own
+            why += f"; the bundle is {bundle / 'eval_bundle'}"
         raise ValueError(
-            f"--core-bundle {cfg.core_bundle}: not a directory (give the CORE bundle's directory: core.yaml, "
+            f"--core-bundle {cfg.core_bundle}: {why} (give the CORE bundle's directory: core.yaml, "
             "eval_meta_data.csv, eval_data/; or leave the flag out)"
         )
     check_eval_target(storage, cfg.run_name)  # before the evaluation runs
