@@ -504,7 +504,13 @@ def test_eval_refuses_to_write_its_results_into_another_stages_directory(root, c
     )  # still its own
     for _ in range(2):  # a new directory, then eval's own earlier results
         assert raychat_main(argv[:-1] + ["ev"]) == 0
-    assert sorted(p.name for p in (root / "ev").iterdir()) == ["eval.json", "report_card.md"]
+    (root / "ev" / ".eval.json.5f3a.tmp").write_text("{")  # a write killed half-way
+    assert raychat_main(argv[:-1] + ["ev"]) == 0
+    assert sorted(p.name for p in (root / "ev").iterdir()) == [
+        ".eval.json.5f3a.tmp",
+        "eval.json",
+        "report_card.md",
+    ]
 
 
 @pytest.mark.parametrize("stage", ["sft", "rl"])

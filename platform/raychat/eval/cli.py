@@ -47,7 +47,7 @@ CARD_NAMES = {name: column for column, (name, _) in CHAT_TASKS.items()}
 
 def check_eval_target(storage: Storage, run_name: str) -> str:
     """<root>/<run_name>, where eval writes RESULT_FILE and CARD_FILE: nothing there, an empty directory or
-    eval's earlier results (only those two files). Another stage's directory is refused (a training run, a
+    eval's earlier results (only those two files, and the temporary file of a write that was killed). Another stage's directory is refused (a training run, a
     checkpoint, an export, data or a tokenizer: their own reruns refuse a directory holding eval's files).
 
     Raises ValueError naming --run-name and what the directory holds."""
@@ -57,7 +57,13 @@ def check_eval_target(storage: Storage, run_name: str) -> str:
         return target
     if info.type == pafs.FileType.Directory:
         entries = storage.fs.get_file_info(pafs.FileSelector(target))
-        if all(e.type == pafs.FileType.File and e.base_name in (RESULT_FILE, CARD_FILE) for e in entries):
+        own = (
+            RESULT_FILE,
+            CARD_FILE,
+            f".{RESULT_FILE}.",
+            f".{CARD_FILE}.",
+        )  # and a killed write's temporary file
+        if all(e.type == pafs.FileType.File and e.base_name.startswith(own) for e in entries):
             return target
         held = listing(storage, target)
     else:
