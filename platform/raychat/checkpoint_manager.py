@@ -347,8 +347,8 @@ def find_checkpoint(
     stages: what `latest` may pick (the commit marker's "stage"; None = any).
 
     Raises ValueError (one line, naming `flag`): ref names nothing, breaks the run-name rule, is a run without
-    a committed checkpoint (listing what the run holds) or an uncommitted checkpoint dir (CheckpointError);
-    a missing bucket; `latest` without a storage root or with no checkpoint of `stages` under it."""
+    a committed checkpoint (listing what the run holds) or an uncommitted checkpoint dir (CheckpointError); a
+    Hugging Face export (raychat export's directory); a missing bucket; `latest` without a storage root or with no checkpoint of `stages` under it."""
     text = str(ref).strip()
     if not text:
         raise ValueError(f"{flag}: empty; give a checkpoint dir, a run dir, <run dir>/latest or a run name")
@@ -436,10 +436,16 @@ def _find(storage: Storage, target: str, flag: str) -> str:
     done = committed_checkpoints(storage, target)
     if done:
         return done[-1].path
-    looks_like_one = _is_checkpoint_name(target) or any(
-        fs.get_file_info(f"{target}/{name}").type == pafs.FileType.File
-        for name in ("meta.json", "model.safetensors")
-    )
+    has = {
+        name for name in ("meta.json", "model.safetensors", "config.json")
+        if fs.get_file_info(f"{target}/{name}").type == pafs.FileType.File
+    }  # fmt: skip
+    if has == {"model.safetensors", "config.json"}:
+        raise ValueError(
+            f"{flag}: {shown} is a Hugging Face export (config.json, model.safetensors: raychat export), not a "
+            "raychat checkpoint: give the checkpoint it was exported from, or load it with transformers"
+        )
+    looks_like_one = _is_checkpoint_name(target) or bool(has - {"config.json"})
     if looks_like_one:
         raise CheckpointError(
             f"{flag}: checkpoint {shown} is not committed (no {COMMIT_FILE}): a save that did not finish, or a "

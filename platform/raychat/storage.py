@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raychat.atomic import atomic_write_bytes
+from raychat.atomic import atomic_write_bytes, fresh_dir
 from raychat.config.schema import check_run_name
 
 REMOTE_SCHEMES = ("s3", "gs")
@@ -240,9 +240,11 @@ def upload_dir(local: str | os.PathLike, storage: Storage, path: str) -> str:
     if storage.is_local:
         parent = Path(path).parent
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{Path(path).name}.", dir=parent))
+        tmp = fresh_dir(parent, f".{Path(path).name}.")
+        mode = tmp.stat().st_mode
         try:
             shutil.copytree(local, tmp, dirs_exist_ok=True)
+            os.chmod(tmp, mode)  # a mkdir's mode, not the local directory's (often a private temporary one)
             if os.path.exists(path):
                 old = parent / f".{Path(path).name}.old-{uuid.uuid4().hex[:8]}"
                 os.replace(path, old)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
 
-from raychat.atomic import atomic_write, atomic_write_bytes, atomic_write_text
+from raychat.atomic import atomic_write, atomic_write_bytes, atomic_write_text, fresh_dir, fresh_file
 
 
 def test_a_write_that_fails_half_way_leaves_the_old_file_and_no_temporary(tmp_path):
@@ -32,3 +35,27 @@ def test_temporary_names_are_unique_and_hidden(tmp_path):
     assert seen[0] != seen[1] and all(p.name.startswith(".a.json.") and p.parent == tmp_path for p in seen)
     assert atomic_write_bytes(tmp_path / "a.json", b"\x00\x01").read_bytes() == b"\x00\x01"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_a_written_file_gets_a_plain_writes_mode_not_owner_only(tmp_path, umask_022):
+    # a storage root is read by other nodes, a server, another user: tempfile's 0o600 locked them out
+    path = atomic_write_text(tmp_path / "eval.json", "{}")
+    plain = tmp_path / "plain.json"
+    plain.write_text("{}")
+    assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode) == 0o644
+    os.umask(0o077)  # a user's stricter umask is kept
+    assert stat.S_IMODE(atomic_write_text(tmp_path / "private.json", "{}").stat().st_mode) == 0o600
+
+
+def test_fresh_dir_and_file_are_new_hidden_names_with_a_plain_mode(tmp_path, umask_022):
+    d, f = fresh_dir(tmp_path, ".out."), fresh_file(tmp_path, ".a.", ".part")
+    assert d.name.startswith(".out.") and f.name.startswith(".a.") and f.name.endswith(".part")
+    assert (stat.S_IMODE(d.stat().st_mode), stat.S_IMODE(f.stat().st_mode)) == (0o755, 0o644)
+    assert fresh_dir(tmp_path, ".out.") != d and f.read_bytes() == b""

@@ -91,13 +91,39 @@ def test_a_storage_path_that_is_not_writable(argv, flag, root, tmp_path, capsys)
     assert _snapshot(root) == before
 
 
+GOOD_TEXT = "a b c d " * 10
+
+
+def _too_little_text(root: Path) -> Path:
+    """root/small: prepared data whose validation shard (4 short documents) fills no row of 65 tokens."""
+    entries = write_shards(["a b c d"] * 8, root / "small", num_shards=2, log=lambda *_: None)
+    write_manifest(root / "small", {"source": "test", "shards": entries})
+    return root / "small"
+
+
 def _good_input(root: Path) -> None:
-    """root/prepared: prepared data; root/texts: a source for `data prepare`."""
-    entries = write_shards(["a b c d"] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
+    """root/prepared: prepared data (its validation shard fills a row of the tiny preset's 65 tokens); root/texts:
+    a source for `data prepare`."""
+    entries = write_shards([GOOD_TEXT] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
     write_manifest(root / "prepared", {"source": "test", "shards": entries})
     (root / "texts").mkdir()
     for i in range(4):
         (root / "texts" / f"{i}.txt").write_text(f"document {i}")
+
+
+def test_a_validation_shard_too_small_for_one_row_stops_pretraining_before_ray(root, capsys):
+    """Every rank's validator packs the validation shard into rows of --seq-len + 1 first: with too little
+    text each failed in turn after Ray started (54 s here), with tracebacks and exit 1."""
+    small = _too_little_text(root)
+    argv = ["pretrain", "--preset", "tiny", "--storage-path", str(root), "--run-name", "p", "--data-dir",
+            str(small), "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    before = _snapshot(root)
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat pretrain: error: --data-dir: the validation shard {small}/shard_00001.parquet holds too "
+        "little text for one row of 65 tokens (4 documents): prepare more text (a larger validation shard) or use "
+        "a shorter sequence length  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(root) == before and not (root / "p").exists()
 
 
 @pytest.mark.parametrize(
@@ -337,7 +363,8 @@ def test_data_prepare_deletes_only_its_own_shards(root, tmp_path):
 
 
 def test_a_core_bundle_that_is_not_there_is_an_error_not_an_empty_cell(root, capsys):
-    """An explicit --core-bundle that does not exist used to give CORE "n/a: no data" after the whole run."""
+    """An explicit --core-bundle that does not exist, or holds no core.yaml, used to give CORE "n/a: no data"
+    after the whole run."""
     _good_input(root)
     argv = ["eval", "--storage-path", str(root), "--checkpoint", "pretrain", "--data-dir", f"{root}/prepared"]
     line = _fails_in_one_line([*argv, "--core-bundle", f"{root}/nope"], capsys)
@@ -345,6 +372,21 @@ def test_a_core_bundle_that_is_not_there_is_an_error_not_an_empty_cell(root, cap
         f"raychat eval: error: --core-bundle {root}/nope: not a directory (give the CORE bundle's directory: "
         "core.yaml, eval_meta_data.csv, eval_data/; or leave the flag out)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
+    # a directory without core.yaml (the task data directory, say) was read as "no bundle": CORE "n/a: no data"
+    (root / "task_data" / "eval_bundle").mkdir(parents=True)
+    for bundle, why in [
+        ("task_data/eval_bundle", "no core.yaml there"),
+        ("task_data", "no core.yaml there"),
+    ]:
+        if bundle == "task_data":
+            (root / "task_data" / "eval_bundle" / "core.yaml").write_text("icl_tasks: []\n")
+            why += f"; the bundle is {root}/task_data/eval_bundle"
+        line = _fails_in_one_line([*argv, "--core-bundle", f"{root}/{bundle}"], capsys)
+        assert line == (
+            f"raychat eval: error: --core-bundle {root}/{bundle}: {why} (give the CORE bundle's directory: "
+            "core.yaml, eval_meta_data.csv, eval_data/; or leave the flag out)  (RAYCHAT_DEBUG=1 shows the traceback)"
+        )
+    assert not (root / "eval").exists()
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "sft", "rl", "eval", "serve"])
@@ -402,6 +444,76 @@ def test_a_half_written_checkpoint_is_never_loaded(root, tmp_path, capsys):
     assert _snapshot(root) == before
 
 
+@pytest.mark.parametrize("command", ["chat", "eval", "sft"])
+def test_an_hf_export_given_as_a_checkpoint_is_named_as_one_not_as_a_half_written_save(command, root, capsys):
+    """`raychat export`'s directory has model.safetensors and no commit marker: it was called a save that did
+    not finish, which sent the user looking for a broken export."""
+    assert raychat_main(["export", "--storage-path", str(root), "--checkpoint", "latest"]) == 0
+    capsys.readouterr()
+    hf = root / "hf"
+    flag = "--init-from" if command == "sft" else "--checkpoint"
+    argv = [command, flag, str(hf)] + ([] if command == "chat" else ["--storage-path", str(root)])
+    line = _fails_in_one_line(argv + (["-p", "hi"] if command == "chat" else []), capsys)
+    assert (
+        f"{flag}: {hf} is a Hugging Face export (config.json, model.safetensors: raychat export), not a raychat "
+        "checkpoint: give the checkpoint it was exported from, or load it with transformers"
+    ) in line, line
+
+
+def test_a_validation_shard_too_small_for_one_row_is_named_not_a_numpy_error(root, capsys):
+    """A small corpus (`data prepare --source DIR`) whose validation shard cannot fill one row of the model's
+    sequence length: eval (and every training rank's validator) failed with numpy's 'need at least one array
+    to stack'."""
+    small = _too_little_text(root)
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "pretrain", "--data-dir", str(small)]
+    line = _fails_in_one_line(argv + ["--tasks", ""], capsys)
+    assert line == (
+        f"raychat eval: error: --data-dir: the validation shard {small}/shard_00001.parquet holds too "
+        "little text for "
+        "one row of 257 tokens (4 documents): prepare more text (a larger validation shard) or use a shorter "
+        "sequence length  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert not (root / "eval").exists()
+
+
+def test_eval_refuses_to_write_its_results_into_another_stages_directory(root, capsys):
+    """eval.json in an export made `raychat export` refuse its own directory ever after (likewise data
+    prepare and tokenizer train); a training run's directory is no place for them either."""
+    assert raychat_main(["export", "--storage-path", str(root), "--checkpoint", "latest"]) == 0
+    entries = write_shards(
+        ["the json module encodes objects. " * 20] * 8, root / "text", 2, log=lambda *_: None
+    )
+    write_manifest(root / "text", {"source": "test", "shards": entries})
+    capsys.readouterr()
+    before = _snapshot(root)
+    for run, held in [
+        ("hf", "chat_template.jinja, config.json, generation_config.json, model.safetensors, "),
+        ("pretrain", "checkpoint_000004/"),
+        ("tokenizer", "tokenizer.json"),
+    ]:
+        argv = ["eval", "--storage-path", str(root), "--checkpoint", "pretrain", "--data-dir", f"{root}/text",
+                "--tasks", "", "--eval-tokens", "16", "--run-name", run]  # fmt: skip
+        line = _fails_in_one_line(argv, capsys)
+        assert line.startswith(f"raychat eval: error: --run-name: {root}/{run} holds: {held}"), line
+        assert (
+            "not eval results: eval writes eval.json and report_card.md into a directory of their own (new, empty "
+            "or an earlier eval's); choose another --run-name"
+        ) in line, line
+    assert _snapshot(root) == before
+    assert (
+        raychat_main(["export", "--storage-path", str(root), "--checkpoint", "latest"]) == 0
+    )  # still its own
+    for _ in range(2):  # a new directory, then eval's own earlier results
+        assert raychat_main(argv[:-1] + ["ev"]) == 0
+    (root / "ev" / ".eval.json.5f3a.tmp").write_text("{")  # a write killed half-way
+    assert raychat_main(argv[:-1] + ["ev"]) == 0
+    assert sorted(p.name for p in (root / "ev").iterdir()) == [
+        ".eval.json.5f3a.tmp",
+        "eval.json",
+        "report_card.md",
+    ]
+
+
 @pytest.mark.parametrize("stage", ["sft", "rl"])
 def test_an_init_from_whose_weights_are_damaged_is_refused_before_ray(stage, root, capsys):
     """Bytes overwritten at the committed size: the sizes match, the header does not parse; every worker (or
@@ -456,6 +568,14 @@ def test_a_task_spec_that_does_not_parse(argv, want, root, capsys):
     line = _fails_in_one_line(argv, capsys)
     assert (
         line == f"raychat {argv[0]}: error: {want.format(tasks=TASKS)}  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+
+
+def test_core_max_per_task_zero_is_refused_not_read_as_all(root, capsys):
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "pretrain", "--core-max-per-task", "0"]
+    assert _fails_in_one_line(argv, capsys) == (
+        "raychat eval: error: --core-max-per-task must be -1 (all) or a positive integer, got 0  (RAYCHAT_DEBUG=1 "
+        "shows the traceback)"
     )
 
 
@@ -518,7 +638,7 @@ def _commit_step(cfg, paths, plan, row_source, step: int = 2) -> Path:
 @pytest.fixture
 def pretrained(root, driver, capsys) -> tuple[list[str], Path]:
     """(the argv of a tiny pretraining run "p1", its committed checkpoint_000002), checked to resume."""
-    entries = write_shards(["a b c d"] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
+    entries = write_shards([GOOD_TEXT] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
     write_manifest(root / "prepared", {"source": "test", "shards": entries})
     argv = ["pretrain", "--preset", "tiny", "--storage-path", str(root), "--run-name", "p1",
             "--data-dir", f"{root}/prepared", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip

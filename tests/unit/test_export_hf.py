@@ -304,3 +304,26 @@ def test_export_out_replaces_an_earlier_export(root, tmp_path):
     (tmp_path / "hf" / "config.json").write_text("{}")
     assert raychat_main(argv) == 0
     assert _files(tmp_path / "hf") == first
+
+
+@pytest.mark.parametrize("written", [sorted(export_hf.EXPORT_FILES), ["config.json"]])
+def test_export_out_killed_while_writing_is_replaced_by_the_next_export(written, root, tmp_path):
+    """A kill during a write leaves the temporary file beside the target (raychat.atomic): the next export
+    into that --out was refused as 'not an earlier export', whether the kill hit a re-export or the first one."""
+    argv = ["export", "--checkpoint", "pretrain", "--storage-path", str(root), "--out", str(tmp_path / "hf")]
+    assert raychat_main(argv) == 0
+    first = _files(tmp_path / "hf")
+    for name in set(first) - set(written):
+        (tmp_path / "hf" / name).unlink()
+    (tmp_path / "hf" / ".model.safetensors.3f9c2a1b.tmp").write_bytes(b"\0" * 10)
+    assert raychat_main(argv) == 0
+    assert _files(tmp_path / "hf") == first  # the leftover is gone too
+    # still refused: another stage's files beside a temporary file (a tokenizer's, killed while rewriting)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    (tmp_path / "tok" / ".tokenizer.json.3f9c2a1b.tmp").write_text("{")
+    assert raychat_main(argv[:-1] + [str(tmp_path / "tok")]) == 2
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == [
+        ".tokenizer.json.3f9c2a1b.tmp",
+        "tokenizer.json",
+    ]

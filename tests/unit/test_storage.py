@@ -4,7 +4,9 @@ dirs and on a real S3 server (moto)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -121,6 +123,26 @@ def test_local_storage_root_is_created_and_checked_for_writing(tmp_path):
         check_writable(open_storage(tmp_path / "file" / "runs"))  # root may write anywhere: a file blocks it
     with pytest.raises(ValueError, match="^--out: empty"):
         open_storage("  ", flag="--out")
+
+
+def test_an_uploaded_directory_is_readable_by_others_not_private_like_its_staging_dir(tmp_path):
+    # raychat export stages into a private temporary directory; the export must not keep its 0o700
+    staging = tmp_path / "staging"
+    staging.mkdir(mode=0o700)
+    (staging / "config.json").write_text("{}")
+    (staging / "config.json").chmod(0o644)
+    old = os.umask(0o022)
+    try:
+        where = st.upload_dir(staging, open_storage(tmp_path / "runs"), str(tmp_path / "runs" / "hf"))
+    finally:
+        os.umask(old)
+    out = tmp_path / "runs" / "hf"
+    assert where == str(out) and (out / "config.json").read_text() == "{}"
+    assert (stat.S_IMODE(out.stat().st_mode), stat.S_IMODE((out / "config.json").stat().st_mode)) == (
+        0o755,
+        0o644,
+    )
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["hf"]
 
 
 # ---------------------------------------------------------------------------------------------- S3 (moto)

@@ -47,7 +47,9 @@ class EvalConfig(Section):
         "", "the CORE eval bundle directory (core.yaml, eval_meta_data.csv, eval_data/); '' = "
         "<task data dir>/eval_bundle; none there: the CORE cell says 'n/a: no data'",
     )  # fmt: skip
-    core_max_per_task: int = option(-1, "CORE items per task after nanochat's shuffle; -1 = all", ge=-1)
+    core_max_per_task: int = option(
+        -1, "CORE items per task after nanochat's shuffle: a positive integer, or -1 = all", ge=-1
+    )
     device_batch_size: int = option(8, "rows per forward pass (BPB)", positive=True)
     max_tokens: int = option(48, "completion budget per generative task example, tokens", positive=True)
     device: str = option("cpu", "where the model runs", DEVICES)
@@ -60,6 +62,10 @@ class EvalConfig(Section):
         twice = sorted({name for name in given if given.count(name) > 1})
         if twice:  # one accuracy per task: a second count would silently replace the first
             raise ConfigError(f"--tasks: {', '.join(map(repr, twice))} given twice; name each task once")
+        if (
+            self.core_max_per_task == 0
+        ):  # the bundle loader reads 0 as "all": a run meant to skip CORE ran all of it
+            raise ConfigError("--core-max-per-task must be -1 (all) or a positive integer, got 0")
 
 
 @dataclass

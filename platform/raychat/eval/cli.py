@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import torch
 
 from raychat.checkpoint import load_model
@@ -36,12 +37,41 @@ from raychat.data.loader.pipeline import validation_rows
 from raychat.eval.bpb import bpb_sums
 from raychat.eval.report_card import CHAT_TASKS, card_row, chat_cells, core_cell, format_markdown
 from raychat.eval.tasks import task_accuracy
-from raychat.storage import check_writable, open_storage, run_directory, write_bytes
+from raychat.storage import Storage, check_writable, listing, open_storage, run_directory, write_bytes
 from raychat.tasks.registry import check_data, graded, held_out, make_task, parse_mixture
 
 RESULT_FILE = "eval.json"
 CARD_FILE = "report_card.md"
 CARD_NAMES = {name: column for column, (name, _) in CHAT_TASKS.items()}
+
+
+def check_eval_target(storage: Storage, run_name: str) -> str:
+    """<root>/<run_name>, where eval writes RESULT_FILE and CARD_FILE: nothing there, an empty directory or
+    eval's earlier results (only those two files, and the temporary file of a write that was killed). Another stage's directory is refused (a training run, a
+    checkpoint, an export, data or a tokenizer: their own reruns refuse a directory holding eval's files).
+
+    Raises ValueError naming --run-name and what the directory holds."""
+    target = storage.writable_run_path(run_name)
+    info = storage.fs.get_file_info(target)
+    if info.type == pafs.FileType.NotFound:
+        return target
+    if info.type == pafs.FileType.Directory:
+        entries = storage.fs.get_file_info(pafs.FileSelector(target))
+        own = (
+            RESULT_FILE,
+            CARD_FILE,
+            f".{RESULT_FILE}.",
+            f".{CARD_FILE}.",
+        )  # and a killed write's temporary file
+        if all(e.type == pafs.FileType.File and e.base_name.startswith(own) for e in entries):
+            return target
+        held = listing(storage, target)
+    else:
+        held = f"{storage.uri_of(target)} is a file"
+    raise ValueError(
+        f"--run-name: {held}, not eval results: eval writes {RESULT_FILE} and {CARD_FILE} into a directory of "
+        "their own (new, empty or an earlier eval's); choose another --run-name"
+    )
 
 
 def split_card_tasks(spec: str) -> tuple[str, int | None, bool]:
@@ -69,7 +99,10 @@ def evaluate(
     t0 = time.perf_counter()
     model, tokenizer, meta = load_model(checkpoint, device=cfg.device)
     seq_len = model.config.max_seq_len
-    rows = validation_rows(val_file, tokenizer, seq_len + 1, 256, cfg.eval_tokens, 1)
+    try:
+        rows = validation_rows(val_file, tokenizer, seq_len + 1, 256, cfg.eval_tokens, 1)
+    except ValueError as e:  # a shard too small for one row of the model's length
+        raise ValueError(f"--data-dir: {e}") from None
     token_bytes = torch.tensor(tokenizer.token_bytes(), dtype=torch.int64)
     nats, nbytes = bpb_sums(
         model, rows, token_bytes, tokenizer.bos_id, cfg.device_batch_size, device=cfg.device
@@ -117,12 +150,18 @@ def main(args) -> int:
         if not graded(name):
             raise ValueError(f"--tasks: {name!r} has no checker to measure accuracy with")
     check_data([name for name, _ in tasks], ("test",), cfg.task_data_dir, "--tasks")
-    if cfg.core_bundle and not Path(cfg.core_bundle).is_dir():  # '' = the default place, which may hold none
+    bundle = Path(cfg.core_bundle)
+    if (
+        cfg.core_bundle and not (bundle / "core.yaml").is_file()
+    ):  # '' = the default place, which may hold none
+        why = "no core.yaml there" if bundle.is_dir() else "not a directory"
+        if (bundle / "eval_bundle" / "core.yaml").is_file():  # the task data dir given for the bundle's own
+            why += f"; the bundle is {bundle / 'eval_bundle'}"
         raise ValueError(
-            f"--core-bundle {cfg.core_bundle}: not a directory (give the CORE bundle's directory: core.yaml, "
+            f"--core-bundle {cfg.core_bundle}: {why} (give the CORE bundle's directory: core.yaml, "
             "eval_meta_data.csv, eval_data/; or leave the flag out)"
         )
-    storage.writable_run_path(cfg.run_name)  # a link out of the root: refused before the evaluation runs
+    check_eval_target(storage, cfg.run_name)  # before the evaluation runs
     checkpoint = find_checkpoint(cfg.checkpoint, storage, "--checkpoint")
     data_dir = run_directory(cfg.data_dir, storage, "--data-dir")
     try:

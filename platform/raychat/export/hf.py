@@ -221,6 +221,8 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
         )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for leftover in filter(is_export_temporary, os.listdir(out)):  # of an earlier export that was killed
+        (out / leftover).unlink()
     template = CHAT_TEMPLATE_JINJA
     eos_ids = [tokenizer.special_id(EOS), tokenizer.bos_id]
     atomic_write_text(out / "config.json", json.dumps(hf_config(model, tokenizer), indent=2))
@@ -257,11 +259,19 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
     return out
 
 
+def is_export_temporary(name: str) -> bool:
+    """Whether `name` is the temporary file of an export's write (raychat.atomic: .<file>.<hex>.tmp) that was
+    killed before its rename."""
+    return name.endswith(".tmp") and any(name.startswith(f".{f}.") for f in EXPORT_FILES)
+
+
 def is_earlier_export(entries: list[pafs.FileInfo]) -> bool:
     """Whether a directory's entries are an earlier export: only EXPORT_FILES, config.json and model.safetensors
-    among them."""
+    among them; or one that was killed while writing (config.json and a temporary file of its own there)."""
     files = {e.base_name for e in entries if e.type == pafs.FileType.File}
-    return len(files) == len(entries) and REQUIRED_EXPORT_FILES <= files <= EXPORT_FILES
+    done = {f for f in files if not is_export_temporary(f)}
+    killed = "config.json" in done and done != files
+    return len(files) == len(entries) and done <= EXPORT_FILES and (REQUIRED_EXPORT_FILES <= done or killed)
 
 
 def check_export_target(storage: Storage, target: str, flag: str) -> str:

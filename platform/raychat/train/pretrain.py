@@ -49,12 +49,17 @@ def pretrain(cfg: TrainConfig, callbacks=()):
 
     Raises:
         ValueError: (before Ray starts) as run_training, or --data-dir holds no prepared shards (no or a
-            malformed manifest.json, a listed shard missing).
+            malformed manifest.json, a listed shard missing) or a validation shard too small for one row.
     """
-    data_dir = resolve_paths(cfg, writable=False).data_dir
-    try:
-        list_shards(data_dir)  # what every worker reads first: fail here, in one line, not in each of them
+    paths = resolve_paths(cfg, writable=False)
+    try:  # what every worker reads first: fail here, in one line, not in each of them
+        _, val_file = list_shards(paths.data_dir)
     except (OSError, ValueError) as e:
+        raise ValueError(f"--data-dir: {e}") from None
+    tokenizer = Tokenizer.load(paths.tokenizer_path)
+    try:
+        validation_rows(val_file, tokenizer, cfg.model.seq_len + 1, cfg.data.buffer_size, 1, 1)
+    except ValueError as e:
         raise ValueError(f"--data-dir: {e}") from None
     return run_training(cfg, Pretraining(), [ReplayRecorder(), *callbacks])
 

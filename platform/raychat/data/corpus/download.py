@@ -15,7 +15,6 @@ before attempt k+1. HTTP 400/401/403/404/410 are not retried: asking again canno
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import requests
 
+from raychat.atomic import fresh_file
 from raychat.data.corpus.shards import DataError, inspect_shard, sha256_file, shard_name
 from raychat.log import log
 
@@ -122,8 +122,7 @@ def download_file(
     dest.parent.mkdir(parents=True, exist_ok=True)
     last: Exception | None = None
     for attempt in range(1, attempts + 1):
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-        os.close(fd)
+        tmp = str(fresh_file(dest.parent, f".{dest.name}.", ".part"))
         try:
             fetch(url, tmp, timeout_s)
             verify(tmp)

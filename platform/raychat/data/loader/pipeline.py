@@ -290,9 +290,19 @@ def validation_rows(val_file: str, tokenizer: Tokenizer, row_len: int, buffer_si
     row_len = T+1 tokens, the first N = max(world_size, num_tokens // T // world_size * world_size) rows (the
     same at every evaluation; num_tokens counts targets, T per row).
     overflow: "crop" (the trainer's: the same rows whatever the training policy; long documents are seen
-    from their beginning only) or "split" (every token of the documents, bench/packing_overflow.py)."""
+    from their beginning only) or "split" (every token of the documents, bench/packing_overflow.py).
+    Fewer than N rows when the shard runs out first.
+
+    Raises ValueError naming the shard: its text fills not even one row."""
     texts = pq.read_table(val_file, columns=["text"]).column("text").to_pylist()
     docs = _encode_lazily(texts, tokenizer)  # the packer stops after N rows, long before the shard's end
     packer = BestFitPacker(lambda: next(docs, None), row_len, buffer_size, overflow)
     n = max(world_size, num_tokens // (row_len - 1) // world_size * world_size)
-    return {"input_ids": np.stack([r for _, r in zip(range(n), packer)])}
+    rows = [r for _, r in zip(range(n), packer)]
+    if not rows:
+        raise ValueError(
+            f"the validation shard {val_file} holds too little text for one row of {row_len} tokens "
+            f"({len(texts)} documents): prepare more text (a larger validation shard) or use a shorter sequence "
+            "length"
+        )
+    return {"input_ids": np.stack(rows)}
