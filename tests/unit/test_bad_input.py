@@ -673,7 +673,7 @@ def test_resuming_on_other_documents_under_the_same_names_and_layout(root, drive
     the fingerprint held no content, so the run resumed on other documents without a word. A checkpoint
     written before it held the content (none in its data state) resumes on the names, layout and seed."""
     argv, d = pretrained
-    entries = write_shards(["e f g h"] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
+    entries = write_shards(["e f g h " * 10] * 8, root / "prepared", num_shards=2, log=lambda *_: None)
     write_manifest(root / "prepared", {"source": "test", "shards": entries})
     line = _fails_in_one_line(argv, capsys)
     assert line == (
