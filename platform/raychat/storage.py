@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,7 +264,7 @@ def download_dir(storage: Storage, path: str, dest: Path, check) -> Path:
 
     Raises what check raises, or OSError: the copy failed (nothing is left under `dest`'s name either way)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    tmp = fresh_dir(dest.parent, f".{dest.name}.")  # a mkdir's mode: the cache is shared too
     try:
         pafs.copy_files(
             path, str(tmp), source_filesystem=storage.fs, destination_filesystem=pafs.LocalFileSystem()

@@ -7,8 +7,10 @@ records them, so the test checks paths, methods, auth header and bodies.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import stat
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -194,3 +196,15 @@ def test_provision_url_sub_path_bad_url_and_credentials(fake_grafana, monkeypatc
     )
     assert raychat_main([*argv, "--url", "http://admin:s3cret@grafana:bad/"]) == 2
     assert "s3cret" not in capsys.readouterr().err
+
+
+def test_the_dashboard_file_is_written_with_a_plain_files_mode(tmp_path):
+    """Written through raychat.atomic: 0o644 under umask 022, not tempfile's owner-only 0o600."""
+    old = os.umask(0o022)
+    try:
+        grafana.write_dashboard(tmp_path / "raychat.json")
+    finally:
+        os.umask(old)
+    path = tmp_path / "raychat.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644 and path.read_text() == grafana.dashboard_json()
+    assert [p.name for p in tmp_path.iterdir()] == ["raychat.json"]

@@ -143,6 +143,14 @@ def test_an_uploaded_directory_is_readable_by_others_not_private_like_its_stagin
         0o644,
     )
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["hf"]
+    old = os.umask(0o022)
+    try:  # a fetched copy (a remote checkpoint's local cache, shared by the node's processes) likewise
+        cache = st.download_dir(
+            open_storage(tmp_path / "runs"), str(out), tmp_path / "cache" / "hf", lambda d: None
+        )
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o755 and (cache / "config.json").read_text() == "{}"
 
 
 # ---------------------------------------------------------------------------------------------- S3 (moto)

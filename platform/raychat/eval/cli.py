@@ -47,8 +47,9 @@ CARD_NAMES = {name: column for column, (name, _) in CHAT_TASKS.items()}
 
 def check_eval_target(storage: Storage, run_name: str) -> str:
     """<root>/<run_name>, where eval writes RESULT_FILE and CARD_FILE: nothing there, an empty directory or
-    eval's earlier results (only those two files, and the temporary file of a write that was killed). Another stage's directory is refused (a training run, a
-    checkpoint, an export, data or a tokenizer: their own reruns refuse a directory holding eval's files).
+    eval's earlier results (only those two files, and the temporary file of a write that was killed). Another
+    stage's directory is refused (a training run, a checkpoint, an export, data or a tokenizer: their own reruns
+    refuse a directory holding eval's files).
 
     Raises ValueError naming --run-name and what the directory holds."""
     target = storage.writable_run_path(run_name)
@@ -57,12 +58,7 @@ def check_eval_target(storage: Storage, run_name: str) -> str:
         return target
     if info.type == pafs.FileType.Directory:
         entries = storage.fs.get_file_info(pafs.FileSelector(target))
-        own = (
-            RESULT_FILE,
-            CARD_FILE,
-            f".{RESULT_FILE}.",
-            f".{CARD_FILE}.",
-        )  # and a killed write's temporary file
+        own = (RESULT_FILE, CARD_FILE, f".{RESULT_FILE}.", f".{CARD_FILE}.")  # ".<name>.": a killed write's
         if all(e.type == pafs.FileType.File and e.base_name.startswith(own) for e in entries):
             return target
         held = listing(storage, target)

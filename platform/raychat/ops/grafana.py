@@ -17,11 +17,11 @@ import json
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from raychat import metrics as m
+from raychat.atomic import atomic_write_text
 
 DASHBOARD_PATH = Path(__file__).with_name("grafana") / "raychat.json"
 DASHBOARD_UID = "raychat"
@@ -221,12 +221,9 @@ def dashboard_json() -> str:
 
 
 def write_dashboard(path: Path = DASHBOARD_PATH) -> None:
-    """Write build_dashboard() to `path` atomically (tmp + os.replace)."""
+    """Write build_dashboard() to `path` atomically (raychat.atomic)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(dashboard_json())
-    os.replace(tmp, path)
+    atomic_write_text(path, dashboard_json())
 
 
 def ray_dashboards_dir(temp_dir: str | None = None) -> Path:

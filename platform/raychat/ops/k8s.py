@@ -38,14 +38,13 @@ the metrics port from the Prometheus Operator's Prometheus pods.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import tempfile
 from pathlib import Path
 
 import yaml
 
+from raychat.atomic import atomic_write_text
 from raychat.ops.jobs import STAGES
 
 RAY_VERSION = "2.60.0"
@@ -621,7 +620,7 @@ def render_all(repo: Path) -> dict[str, str]:
 
 
 def write_generated(repo: Path) -> list[str]:
-    """Write every generated file under repo/k8s atomically (tmp + os.replace); returns the paths that
+    """Write every generated file under repo/k8s atomically (raychat.atomic); returns the paths that
     changed (relative to k8s/)."""
     changed = []
     for name, text in render_all(repo).items():
@@ -629,9 +628,6 @@ def write_generated(repo: Path) -> list[str]:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_file() and path.read_text() == text:
             continue
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        atomic_write_text(path, text)
         changed.append(name)
     return changed
