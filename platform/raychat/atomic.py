@@ -5,21 +5,34 @@ share a temporary name. The files and directories made here get the mode a plain
 (0o666 / 0o777 less the umask), not tempfile's owner-only 0o600 / 0o700: a storage root is shared by the nodes,
 a server or a user reading what another wrote. Object storage has its own atomic PUT
 (raychat.storage.write_bytes).
+
+Every temporary made here lies beside its target and is named after it: a file `.<target name>.<16 hex>.tmp`,
+a directory `.<target name>.<16 hex>`. A process killed before its rename leaves that name behind: a
+leftover (is_leftover), which the stages ignore in their output directories and remove when they write there
+(remove_leftovers); no other name is ever taken for one.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+_LEFTOVER = re.compile(r"\..+\.[0-9a-f]{16}(\.tmp)?")
 
-def fresh_file(directory: str | os.PathLike, prefix: str, suffix: str = "") -> Path:
-    """A new empty file <directory>/<prefix><random hex><suffix>, created exclusively (never one that
-    existed), of mode 0o666 less the umask. Raises OSError as os.open."""
+
+def _beside(target: Path, suffix: str) -> Path:
+    return target.parent / f".{target.name}.{secrets.token_hex(8)}{suffix}"
+
+
+def fresh_file(target: str | os.PathLike) -> Path:
+    """A new empty file beside `target`, named `.<target name>.<16 hex>.tmp`, created exclusively (never one
+    that existed), of mode 0o666 less the umask. Raises OSError as os.open."""
     while True:
-        path = Path(directory) / f"{prefix}{secrets.token_hex(8)}{suffix}"
+        path = _beside(Path(target), ".tmp")
         try:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             return path
@@ -27,11 +40,11 @@ def fresh_file(directory: str | os.PathLike, prefix: str, suffix: str = "") -> P
             continue
 
 
-def fresh_dir(directory: str | os.PathLike, prefix: str) -> Path:
-    """A new empty directory <directory>/<prefix><random hex>, of mode 0o777 less the umask. Raises OSError as
-    os.mkdir."""
+def fresh_dir(target: str | os.PathLike) -> Path:
+    """A new empty directory beside `target`, named `.<target name>.<16 hex>`, of mode 0o777 less the umask.
+    Raises OSError as os.mkdir."""
     while True:
-        path = Path(directory) / f"{prefix}{secrets.token_hex(8)}"
+        path = _beside(Path(target), "")
         try:
             path.mkdir(0o777)
             return path
@@ -39,11 +52,35 @@ def fresh_dir(directory: str | os.PathLike, prefix: str) -> Path:
             continue
 
 
+def is_leftover(name: str) -> bool:
+    """Whether `name` (no directory part) is one fresh_file or fresh_dir gives: the temporary of a write that
+    was killed before its rename, when it is still there after that write."""
+    return _LEFTOVER.fullmatch(name) is not None
+
+
+def remove_leftovers(directory: str | os.PathLike) -> list[str]:
+    """Delete the leftovers (is_leftover: files, and directories with what they hold) directly inside the local
+    `directory`, and nothing else; returns their names, sorted ([] when `directory` does not exist). Call it
+    where a stage starts writing into its own directory: a leftover there is never another run's live
+    temporary unless two runs write the same directory at once."""
+    try:
+        names = sorted(filter(is_leftover, os.listdir(directory)))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        path = Path(directory) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    return names
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Call write(tmp) on a fresh temporary file in `path`'s directory, fsync it, rename it to `path`;
     returns `path`. The temporary file is removed if anything raises (the error propagates)."""
     path = Path(path)
-    tmp = fresh_file(path.parent, f".{path.name}.", ".tmp")
+    tmp = fresh_file(path)
     try:
         write(Path(tmp))
         with open(tmp, "rb+") as f:

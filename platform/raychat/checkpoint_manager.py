@@ -45,6 +45,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from raychat.atomic import is_leftover
 from raychat.config.schema import LATEST, check_reference
 from raychat.storage import (
     Storage,
@@ -215,11 +216,19 @@ def committed_checkpoints(storage: Storage, run_path: str) -> list[Committed]:
 
 
 def check_output_target(
-    storage: Storage, target: str, flag: str, output: str, earlier: str, is_earlier: Callable[[list], bool]
+    storage: Storage,
+    target: str,
+    flag: str,
+    output: str,
+    earlier: str,
+    is_earlier: Callable[[list, bool], bool],
 ) -> str:
     """`target` on storage.fs, where a stage writes `output` (e.g. "an export"), replacing what is there:
-    nothing, an empty directory, or a directory whose entries (pafs.FileInfo) is_earlier accepts as `earlier`
-    (e.g. "an earlier export"). A checkpoint or a training run's checkpoints are never replaced.
+    nothing, an empty directory, or a directory whose entries (pafs.FileInfo) is_earlier(entries, killed)
+    accepts as `earlier` (e.g. "an earlier export"). The leftovers of killed writes (raychat.atomic.is_leftover)
+    are left out of the entries and of the judgement; killed says whether there were any (the stage removes
+    them once it writes there: raychat.atomic.remove_leftovers). Touches nothing. A checkpoint or a training
+    run's checkpoints are never replaced.
 
     Raises ValueError naming `flag`: a checkpoint (it holds COMMIT_FILE), a directory of committed checkpoints,
     a file, or a directory is_earlier does not accept (its listing in the message)."""
@@ -227,7 +236,8 @@ def check_output_target(
     if kind == pafs.FileType.NotFound:
         return target
     if kind == pafs.FileType.Directory:
-        entries = storage.fs.get_file_info(pafs.FileSelector(target))
+        listed = storage.fs.get_file_info(pafs.FileSelector(target))
+        entries = [e for e in listed if not is_leftover(e.base_name)]
         held = None
         if any(e.base_name == COMMIT_FILE for e in entries):
             held = "is a checkpoint"
@@ -237,7 +247,7 @@ def check_output_target(
             raise ValueError(
                 f"{flag}: {uri} {held}, which {output} there would replace; choose another {flag}"
             )
-        if not entries or is_earlier(entries):
+        if not entries or is_earlier(entries, len(entries) < len(listed)):
             return target
     held = listing(storage, target) if kind == pafs.FileType.Directory else f"{uri} is a file"
     raise ValueError(

@@ -239,7 +239,7 @@ def upload_dir(local: str | os.PathLike, storage: Storage, path: str) -> str:
     if storage.is_local:
         parent = Path(path).parent
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = fresh_dir(parent, f".{Path(path).name}.")
+        tmp = fresh_dir(path)
         mode = tmp.stat().st_mode
         try:
             shutil.copytree(local, tmp, dirs_exist_ok=True)
@@ -264,7 +264,7 @@ def download_dir(storage: Storage, path: str, dest: Path, check) -> Path:
 
     Raises what check raises, or OSError: the copy failed (nothing is left under `dest`'s name either way)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = fresh_dir(dest.parent, f".{dest.name}.")  # a mkdir's mode: the cache is shared too
+    tmp = fresh_dir(dest)  # a mkdir's mode: the cache is shared too
     try:
         pafs.copy_files(
             path, str(tmp), source_filesystem=storage.fs, destination_filesystem=pafs.LocalFileSystem()

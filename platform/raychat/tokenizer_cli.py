@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pyarrow.parquet as pq
 
+from raychat.atomic import remove_leftovers
 from raychat.checkpoint_manager import check_output_target
 from raychat.config import from_args
 from raychat.config.data import TokenizerConfig
@@ -53,7 +54,8 @@ def train_tokenizer(
     data_dir: str, out: str, vocab_size: int, max_chars: int = TokenizerConfig().max_chars
 ) -> dict:
     """Train on at most `max_chars` characters (<= 0: all) of the training shards of `data_dir`, in order, the
-    document that reaches the cap cut there (iter_texts); save to `out`; returns the report dict.
+    document that reaches the cap cut there (iter_texts); save to `out` (the leftovers of killed writes there
+    removed first: raychat.atomic.remove_leftovers); returns the report dict.
 
     Raises:
         DataError: a shard whose `text` is not strings or holds a null (check_text_column: naming the shard
@@ -67,6 +69,7 @@ def train_tokenizer(
     seconds = time.perf_counter() - t0
     if tokenizer.vocab_size < vocab_size:
         log(f"warning: the corpus supports only {tokenizer.vocab_size} tokens (asked {vocab_size})")
+    remove_leftovers(out)  # of a run that was killed while saving
     path = tokenizer.save(out)
     sample = list(iter_texts(train_files, 5_000_000))
     val = list(iter_texts([val_file], 5_000_000))
@@ -100,8 +103,9 @@ def main(args) -> int:
     Raises ValueError naming the flag: --data-dir holds no prepared data, or a shard whose `text` column is
     not strings or holds a null (naming the shard and the row: raychat data prepare writes neither); the
     output is on object storage, lies through a symbolic link out of the storage root, cannot be written, or
-    holds anything but an earlier tokenizer (a raychat tokenizer.json alone) or nothing: a checkpoint, a
-    training run's checkpoints, prepared data, other files (--out or --run-name). Nothing is written before."""
+    holds anything but an earlier tokenizer (a raychat tokenizer.json alone) or nothing, the leftovers of a
+    killed write aside (removed before the new tokenizer.json is saved): a checkpoint, a training run's
+    checkpoints, prepared data, other files (--out or --run-name). Nothing is written before."""
     c = from_args(args, TokenizerConfig, "tokenizer", where="tokenizer settings")
     storage = open_storage(c.storage_path)
     data_dir = run_directory(c.data_dir, storage, "--data-dir")
@@ -118,7 +122,9 @@ def main(args) -> int:
         "--out" if c.out else "--run-name",
         "a tokenizer",
         "an earlier tokenizer",
-        lambda entries: [e.base_name for e in entries] == ["tokenizer.json"] and is_raychat_tokenizer(out),
+        lambda entries, killed: (
+            [e.base_name for e in entries] == ["tokenizer.json"] and is_raychat_tokenizer(out)
+        ),
     )
     check_writable(open_storage(out, flag), flag)
     train_tokenizer(data_dir, out, c.vocab_size, c.max_chars)

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 import pytest
 
-from raychat.atomic import atomic_write, atomic_write_bytes, atomic_write_text, fresh_dir, fresh_file
+from raychat.atomic import (
+    atomic_write,
+    atomic_write_bytes,
+    atomic_write_text,
+    fresh_dir,
+    fresh_file,
+    is_leftover,
+    remove_leftovers,
+)
 
 
 def test_a_write_that_fails_half_way_leaves_the_old_file_and_no_temporary(tmp_path):
@@ -55,7 +64,29 @@ def test_a_written_file_gets_a_plain_writes_mode_not_owner_only(tmp_path, umask_
 
 
 def test_fresh_dir_and_file_are_new_hidden_names_with_a_plain_mode(tmp_path, umask_022):
-    d, f = fresh_dir(tmp_path, ".out."), fresh_file(tmp_path, ".a.", ".part")
-    assert d.name.startswith(".out.") and f.name.startswith(".a.") and f.name.endswith(".part")
+    d, f = fresh_dir(tmp_path / "out"), fresh_file(tmp_path / "a")
+    assert re.fullmatch(r"\.out\.[0-9a-f]{16}", d.name) and re.fullmatch(r"\.a\.[0-9a-f]{16}\.tmp", f.name)
+    assert d.parent == f.parent == tmp_path
     assert (stat.S_IMODE(d.stat().st_mode), stat.S_IMODE(f.stat().st_mode)) == (0o755, 0o644)
-    assert fresh_dir(tmp_path, ".out.") != d and f.read_bytes() == b""
+    assert fresh_dir(tmp_path / "out") != d and f.read_bytes() == b""
+
+
+def test_a_killed_writes_temporaries_are_leftovers_and_nothing_else_is(tmp_path):
+    """The one rule the stages use for their output directories: exactly the names fresh_file / fresh_dir
+    give (what atomic_write, the downloads and the directory uploads leave when killed before the rename)."""
+    made = [
+        fresh_file(tmp_path / "model.safetensors"),
+        fresh_dir(tmp_path / "run"),
+        fresh_file(tmp_path / "a"),
+    ]
+    assert all(is_leftover(p.name) for p in made)
+    users = ["model.safetensors", ".model.safetensors.tmp", ".bashrc", "a.0123456789abcdef.tmp",
+             ".a.0123456789ABCDEF.tmp", ".a.0123456789abcde.tmp", ".a.0123456789abcdef.part",
+             ".a.0123456789abcdef.tmp.x", "..0123456789abcdef.tmp", ".a.old-01234567"]  # fmt: skip
+    assert not any(map(is_leftover, users))
+    for name in users:
+        (tmp_path / name).write_text("mine")
+    (made[1] / "config.json").write_text("{}")  # a staging directory holds files
+    assert remove_leftovers(tmp_path) == sorted(p.name for p in made)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(users)
+    assert remove_leftovers(tmp_path / "absent") == []

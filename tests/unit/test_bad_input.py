@@ -335,6 +335,57 @@ def test_a_stage_replaces_its_own_earlier_output(root, capsys):
     assert Tokenizer.load(root / "tokenizer").vocab_size <= 300
 
 
+LEFTOVER = "0123456789abcdef"  # the 16 hex of raychat.atomic's temporaries
+
+
+@pytest.mark.parametrize(
+    "kept, leftover",
+    [
+        ([], f".shard_00000.parquet.{LEFTOVER}.tmp"),  # the first run, killed writing or downloading a shard
+        (["shard_00000.parquet"], f".shard_00001.parquet.{LEFTOVER}.tmp"),  # a rerun (its manifest goes first)
+        (["shard_00000.parquet", "shard_00001.parquet"], f".manifest.json.{LEFTOVER}.tmp"),  # killed at the end
+    ],
+)  # fmt: skip
+def test_data_prepare_killed_mid_write_does_not_block_the_next_run(kept, leftover, root, capsys):
+    """A kill leaves raychat.atomic's temporary beside the files (and no manifest: it is removed before the
+    shards are written); the next prepare into that directory was refused as 'not an earlier data directory'.
+    Another directory's leftover is no licence: beside a user's file it is refused and nothing is touched."""
+    _good_input(root)
+    prepare = ["data", "prepare", "--source", f"{root}/texts", "--num-shards", "1", "--out", f"{root}/d"]
+    assert raychat_main(prepare) == 0
+    done = sorted(p.name for p in (root / "d").iterdir())
+    for name in set(done) - set(kept):
+        (root / "d" / name).unlink()
+    (root / "d" / leftover).write_bytes(b"PAR1")
+    assert raychat_main(prepare) == 0
+    assert sorted(p.name for p in (root / "d").iterdir()) == done  # the leftover is gone
+    (root / "mine").mkdir()
+    (root / "mine" / "notes.txt").write_text("mine\n")
+    (root / "mine" / leftover).write_bytes(b"PAR1")
+    before = _snapshot(root)
+    line = _fails_in_one_line(prepare[:-1] + [f"{root}/mine"], capsys)
+    assert f"which is not an earlier data directory ({root}/mine holds: {leftover}, notes.txt)" in line, line
+    assert _snapshot(root) == before
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_tokenizer_train_killed_mid_save_does_not_block_the_next_run(rewrite, root):
+    """A kill while tokenizer.json is saved leaves its temporary (raychat.atomic) alone, or beside the earlier
+    tokenizer.json (a rerun): the next `tokenizer train` to that --run-name was refused as 'not an earlier
+    tokenizer'."""
+    _good_input(root)
+    train = ["tokenizer", "train", "--data-dir", f"{root}/prepared", "--vocab-size", "300",
+             "--storage-path", str(root), "--run-name", "tok"]  # fmt: skip
+    if rewrite:
+        assert raychat_main(train) == 0
+    else:
+        (root / "tok").mkdir()
+    (root / "tok" / f".tokenizer.json.{LEFTOVER}.tmp").write_text('{"pattern": ')
+    assert raychat_main(train) == 0
+    assert sorted(p.name for p in (root / "tok").iterdir()) == ["tokenizer.json"]
+    assert Tokenizer.load(root / "tok").vocab_size <= 300
+
+
 def test_data_prepare_deletes_only_its_own_shards(root, tmp_path):
     """prepare() called directly (no directory check): a manifest that is not raychat's deletes nothing, and
     raychat's deletes only the shard names prepare writes."""
@@ -505,13 +556,9 @@ def test_eval_refuses_to_write_its_results_into_another_stages_directory(root, c
     )  # still its own
     for _ in range(2):  # a new directory, then eval's own earlier results
         assert raychat_main(argv[:-1] + ["ev"]) == 0
-    (root / "ev" / ".eval.json.5f3a.tmp").write_text("{")  # a write killed half-way
+    (root / "ev" / ".eval.json.5f3a09be12c4d7e8.tmp").write_text("{")  # a write killed half-way
     assert raychat_main(argv[:-1] + ["ev"]) == 0
-    assert sorted(p.name for p in (root / "ev").iterdir()) == [
-        ".eval.json.5f3a.tmp",
-        "eval.json",
-        "report_card.md",
-    ]
+    assert sorted(p.name for p in (root / "ev").iterdir()) == ["eval.json", "report_card.md"]  # leftover gone
 
 
 @pytest.mark.parametrize("stage", ["sft", "rl"])

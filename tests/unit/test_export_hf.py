@@ -315,15 +315,15 @@ def test_export_out_killed_while_writing_is_replaced_by_the_next_export(written,
     first = _files(tmp_path / "hf")
     for name in set(first) - set(written):
         (tmp_path / "hf" / name).unlink()
-    (tmp_path / "hf" / ".model.safetensors.3f9c2a1b.tmp").write_bytes(b"\0" * 10)
+    (tmp_path / "hf" / ".model.safetensors.3f9c2a1b0d4e5f67.tmp").write_bytes(b"\0" * 10)
     assert raychat_main(argv) == 0
     assert _files(tmp_path / "hf") == first  # the leftover is gone too
     # still refused: another stage's files beside a temporary file (a tokenizer's, killed while rewriting)
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer.json").write_text("{}")
-    (tmp_path / "tok" / ".tokenizer.json.3f9c2a1b.tmp").write_text("{")
+    (tmp_path / "tok" / ".tokenizer.json.3f9c2a1b0d4e5f67.tmp").write_text("{")
     assert raychat_main(argv[:-1] + [str(tmp_path / "tok")]) == 2
     assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == [
-        ".tokenizer.json.3f9c2a1b.tmp",
+        ".tokenizer.json.3f9c2a1b0d4e5f67.tmp",
         "tokenizer.json",
     ]

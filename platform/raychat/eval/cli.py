@@ -28,6 +28,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import torch
 
+from raychat.atomic import is_leftover, remove_leftovers
 from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import EvalConfig, from_args
@@ -47,7 +48,7 @@ CARD_NAMES = {name: column for column, (name, _) in CHAT_TASKS.items()}
 
 def check_eval_target(storage: Storage, run_name: str) -> str:
     """<root>/<run_name>, where eval writes RESULT_FILE and CARD_FILE: nothing there, an empty directory or
-    eval's earlier results (only those two files, and the temporary file of a write that was killed). Another
+    eval's earlier results (only those two files, the leftovers of killed writes aside: raychat.atomic). Another
     stage's directory is refused (a training run, a checkpoint, an export, data or a tokenizer: their own reruns
     refuse a directory holding eval's files).
 
@@ -58,8 +59,10 @@ def check_eval_target(storage: Storage, run_name: str) -> str:
         return target
     if info.type == pafs.FileType.Directory:
         entries = storage.fs.get_file_info(pafs.FileSelector(target))
-        own = (RESULT_FILE, CARD_FILE, f".{RESULT_FILE}.", f".{CARD_FILE}.")  # ".<name>.": a killed write's
-        if all(e.type == pafs.FileType.File and e.base_name.startswith(own) for e in entries):
+        own = (RESULT_FILE, CARD_FILE)
+        if all(
+            is_leftover(e.base_name) or e.type == pafs.FileType.File and e.base_name in own for e in entries
+        ):
             return target
         held = listing(storage, target)
     else:
@@ -166,6 +169,8 @@ def main(args) -> int:
         raise ValueError(f"--data-dir: {e}") from e
     check_writable(storage)
     result = evaluate(checkpoint, val_file, tasks, cfg, (named, cap))
+    if storage.is_local:  # object storage writes in one PUT: no leftovers there
+        remove_leftovers(storage.run_path(cfg.run_name))
     text = json.dumps(result, indent=2)
     where = write_bytes(storage, f"{storage.run_path(cfg.run_name)}/{RESULT_FILE}", (text + "\n").encode())
     table = format_markdown({result["stage"] or "checkpoint": result["report_card"]})

@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from raychat.atomic import atomic_write, atomic_write_text
+from raychat.atomic import atomic_write, atomic_write_text, remove_leftovers
 from raychat.chat_template import TEMPLATE_VERSION
 from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import check_output_target, find_checkpoint
@@ -221,8 +221,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
         )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for leftover in filter(is_export_temporary, os.listdir(out)):  # of an earlier export that was killed
-        (out / leftover).unlink()
+    remove_leftovers(out)  # of an earlier export that was killed
     template = CHAT_TEMPLATE_JINJA
     eos_ids = [tokenizer.special_id(EOS), tokenizer.bos_id]
     atomic_write_text(out / "config.json", json.dumps(hf_config(model, tokenizer), indent=2))
@@ -259,19 +258,13 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
     return out
 
 
-def is_export_temporary(name: str) -> bool:
-    """Whether `name` is the temporary file of an export's write (raychat.atomic: .<file>.<hex>.tmp) that was
-    killed before its rename."""
-    return name.endswith(".tmp") and any(name.startswith(f".{f}.") for f in EXPORT_FILES)
-
-
-def is_earlier_export(entries: list[pafs.FileInfo]) -> bool:
-    """Whether a directory's entries are an earlier export: only EXPORT_FILES, config.json and model.safetensors
-    among them; or one that was killed while writing (config.json and a temporary file of its own there)."""
+def is_earlier_export(entries: list[pafs.FileInfo], killed: bool) -> bool:
+    """Whether a directory's entries (its leftovers aside: check_output_target) are an earlier export: only
+    EXPORT_FILES, config.json and model.safetensors among them; or, killed (a leftover of a killed write was
+    there), config.json among them (an export writes it first)."""
     files = {e.base_name for e in entries if e.type == pafs.FileType.File}
-    done = {f for f in files if not is_export_temporary(f)}
-    killed = "config.json" in done and done != files
-    return len(files) == len(entries) and done <= EXPORT_FILES and (REQUIRED_EXPORT_FILES <= done or killed)
+    need = {"config.json"} if killed else REQUIRED_EXPORT_FILES
+    return len(files) == len(entries) and files <= EXPORT_FILES and need <= files
 
 
 def check_export_target(storage: Storage, target: str, flag: str) -> str:

@@ -122,7 +122,7 @@ def download_file(
     dest.parent.mkdir(parents=True, exist_ok=True)
     last: Exception | None = None
     for attempt in range(1, attempts + 1):
-        tmp = str(fresh_file(dest.parent, f".{dest.name}.", ".part"))
+        tmp = str(fresh_file(dest))
         try:
             fetch(url, tmp, timeout_s)
             verify(tmp)

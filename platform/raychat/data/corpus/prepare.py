@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from raychat.atomic import remove_leftovers
 from raychat.checkpoint_manager import check_output_target
 from raychat.config import from_args, to_flat
 from raychat.config.data import PrepareConfig
@@ -70,8 +71,9 @@ def previous_manifest(out: Path) -> dict | None:
 
 
 def is_earlier_data(out: Path, entries: list) -> bool:
-    """Whether `out`, whose entries (pafs.FileInfo) are given, is prepare's: it holds a manifest prepare wrote,
-    or only shard files (a run that stopped between removing the old manifest and writing the new one)."""
+    """Whether `out`, whose entries (pafs.FileInfo, its leftovers aside: check_output_target) are given, is
+    prepare's: it holds a manifest prepare wrote, or only shard files (a run that stopped between removing the
+    old manifest and writing the new one)."""
     return previous_manifest(out) is not None or all(
         e.type == pafs.FileType.File and is_shard_name(e.base_name) for e in entries
     )
@@ -304,8 +306,7 @@ def prepare(
         shard_indices(num, HUB_SOURCES[source].val_index)  # fail before touching `out`
         if url_pattern is not None:
             check_url_pattern(url_pattern)
-        check_writable(open_storage(out, out_flag), out_flag)
-        (out / MANIFEST).unlink(missing_ok=True)
+        start_writing(out, out_flag)
         download_opts = {"workers": workers, "attempts": attempts, "backoff_s": backoff_s}
         manifest = prepare_hub(source, out, num, url_pattern, old, download_opts, log)
     else:
@@ -316,13 +317,21 @@ def prepare(
         if not corpus.documents:
             raise DataError(no_documents(source, corpus.skips))
         count_shards(len(corpus.documents), num_shards, rows_per_shard)  # fail before touching `out`
-        check_writable(open_storage(out, out_flag), out_flag)
-        (out / MANIFEST).unlink(missing_ok=True)
+        start_writing(out, out_flag)
         manifest = prepare_corpus(corpus, out, num_shards, rows_per_shard, seed, row_group_size, log)
     write_manifest(out, manifest)
     remove_stale_shards(out, old, manifest)
     report(out, manifest, log)
     return manifest
+
+
+def start_writing(out: Path, out_flag: str) -> None:
+    """Check that `out` can be written (ValueError naming out_flag), then remove its manifest (so no reader
+    takes the directory for finished until the new one is written) and the leftovers of a run that was killed
+    (raychat.atomic.remove_leftovers)."""
+    check_writable(open_storage(out, out_flag), out_flag)
+    (out / MANIFEST).unlink(missing_ok=True)
+    remove_leftovers(out)
 
 
 def remove_stale_shards(out: Path, old: dict | None, new: dict) -> None:
@@ -366,7 +375,7 @@ def prepare_kwargs(config: PrepareConfig) -> dict:
         "--out" if config.out else "--run-name",
         "prepared data",
         "an earlier data directory",
-        lambda entries: is_earlier_data(Path(out), entries),
+        lambda entries, killed: is_earlier_data(Path(out), entries),
     )
     values = {k: v for k, v in to_flat(config).items() if k not in ("storage_path", "run_name")}
     return {**values, "out": out, "out_flag": flag}
