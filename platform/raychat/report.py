@@ -4,10 +4,17 @@ sink (raychat.metrics_sink: metrics.jsonl) as PNG pictures with matplotlib (Agg 
 curves_<stage>.png: left, the training loss per step (and its smoothed value where the stage logs one); right,
 validation BPB at each evaluation (pretraining, SFT: "val_bpb" and every "<task>_val_bpb") or, for RL, the
 rollouts' mean reward per step and held-out pass@1 at each evaluation.
+
+The run's report state, stages.json in the output directory: {stage: {"output", "wall_s", "figures"}}, written
+(atomically) as each stage finishes by the invocation that ran it, so that a resumed speedrun reports a stage it
+reused (its output already made) with the wall time and figures measured when it ran, marked "reused". "output"
+is the identity of what the stage made (file_id: the data manifest, tokenizer.json, the final checkpoint's
+commit marker): a record whose output has since been replaced is not used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -19,6 +26,86 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from raychat.atomic import atomic_write, atomic_write_text  # noqa: E402
 from raychat.metrics_sink import read_jsonl  # noqa: E402
+
+STATE_FILE = "stages.json"
+WALL_STAGES = (
+    "data",
+    "tokenizer",
+    "pretrain",
+    "eval",
+    "sft",
+    "rl",
+    "report_card",
+)  # the wall-time line's order
+
+
+def file_id(path: str | Path | None) -> str | None:
+    """The sha256 (hex) of a file's bytes: the identity of a stage's output; None when there is no such file."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else None
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+
+
+def read_state(out_dir: Path) -> dict:
+    """The run's report state (module doc) in out_dir; {} when there is none or it does not parse (then a
+    reused stage's figures are this invocation's, its wall time unknown)."""
+    try:
+        state = json.loads((Path(out_dir) / STATE_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def settle_stage(
+    report: dict,
+    state: dict,
+    out_dir: Path,
+    stage: str,
+    wall_s: float,
+    figures,
+    output: str | None,
+    ran: bool,
+):
+    """This invocation's report of `stage`: returns its figures and sets report["timings_s"][stage].
+
+    ran: the stage did its work now: `wall_s` (seconds) and `figures` (JSON-able) are recorded in `state` under
+    `output` (file_id of what it made) and state is written to out_dir/stages.json at once. Reused (ran False):
+    the record of the same output gives the wall time and figures, and the stage is appended to
+    report["reused"]; with no such record (an output made before raychat kept the state, or by hand), the
+    figures given and a wall time of None. Raises OSError when the state cannot be written."""
+    report.setdefault("reused", [])
+    if ran:
+        state[stage] = {"output": output, "wall_s": wall_s, "figures": figures}
+        atomic_write_text(Path(out_dir) / STATE_FILE, json.dumps(state, indent=2, default=str))
+        report["timings_s"][stage] = wall_s
+        return figures
+    report["reused"].append(stage)
+    record = state.get(stage)
+    if record is None or output is None or record.get("output") != output:
+        report["timings_s"][stage] = None
+        return figures
+    report["timings_s"][stage] = record["wall_s"]
+    return record["figures"]
+
+
+def wall_line(t: dict, reused: list[str]) -> str:
+    """The wall-time cell: the run's total (the stages' recorded wall times), each stage's ("reused": measured
+    by the invocation that ran it; n/a: not known), then this invocation's time."""
+    parts = []
+    for stage in (s for s in WALL_STAGES if s in t):
+        value = t[stage]
+        text = f"{value:.0f}" if isinstance(value, (int, float)) else "n/a"
+        parts.append(f"{stage.replace('_', ' ')} {text}" + (" reused" if stage in reused else ""))
+    unknown = " + n/a" if any(t[s] is None for s in WALL_STAGES if s in t) else ""
+    return (
+        f"{run_total(t):.0f} s{unknown} ({', '.join(parts)}); this invocation {t.get('invocation', 0):.0f} s"
+    )
+
+
+def run_total(t: dict) -> float:
+    """The run's wall time, seconds: the sum of the stages' known wall times in t (report["timings_s"])."""
+    return sum(t.get(stage) or 0.0 for stage in WALL_STAGES)
 
 
 def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
@@ -95,8 +182,14 @@ def write_report(out_dir: Path, r: dict, metrics_files: dict[str, Path] | None =
         f"| unigram baseline BPB | {r['unigram_bpb']:.4f} |",
         f"| tokens/s (last step, all workers) | {p.get('tokens_per_s', 0):,.0f} |",
         f"| data wait (last step) | {100 * p.get('data_wait_frac', 0):.1f}% |",
-        f"| wall time | {t['total']:.0f} s (data {t['data']:.0f}, tokenizer {t['tokenizer']:.0f}, "
-        f"pretrain {t['pretrain']:.0f}, eval {t['eval']:.0f}, sft {t.get('sft', 0):.0f}, rl {t.get('rl', 0):.0f}) |",
+        f"| wall time | {wall_line(t, r.get('reused', []))} |",
+        *(
+            [
+                f"| reused stages | {', '.join(r['reused'])} (made by an earlier invocation: its figures and wall time) |"
+            ]
+            if r.get("reused")
+            else []
+        ),
         f"| checkpoint | `{r['checkpoint']}` |",
         *(
             [

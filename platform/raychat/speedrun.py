@@ -6,7 +6,9 @@
      checkpoints, where their data is on this machine; each stage's wall time and tokens/s) -> report.md
   -> the command (and URL) that serves the chat page
 
-Stages whose outputs already exist are skipped (the run is resumable: run the same command again).
+Stages whose outputs already exist are skipped (the run is resumable: run the same command again). A stage
+that did its work records its wall time and figures in the run's report state (raychat.report: <out>/stages.json,
+as it finishes); a later invocation that reuses the stage's output reports those, marked reused.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 from raychat.checkpoint import load_model
+from raychat.checkpoint_manager import COMMIT_FILE, committed_checkpoints
 from raychat.config import RLConfig, SpeedrunConfig, TrainConfig, from_dict, to_dict
 from raychat.data.corpus.prepare import prepare, prepare_kwargs
 from raychat.data.corpus.shards import list_shards
@@ -24,8 +27,9 @@ from raychat.eval.report_card import checkpoint_row, format_markdown
 from raychat.eval.tasks import task_accuracy
 from raychat.log import log
 from raychat.metrics_sink import read_jsonl
-from raychat.report import write_report
+from raychat.report import file_id, read_state, run_total, settle_stage, write_report
 from raychat.rl.loop import RLRun
+from raychat.storage import open_storage
 from raychat.tasks import Calculator
 from raychat.tokenizer import Tokenizer
 from raychat.tokenizer_cli import iter_texts, train_tokenizer
@@ -38,40 +42,54 @@ def banner(title: str):
     return time.perf_counter()
 
 
+def newest_commit(storage_path: str, run_name: str) -> str | None:
+    """file_id of the commit marker of a local run's newest committed checkpoint (None: it has none)."""
+    storage = open_storage(storage_path)
+    found = committed_checkpoints(storage, storage.run_path(run_name))
+    return file_id(Path(found[-1].path) / COMMIT_FILE) if found else None
+
+
 def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> dict:
     config = SpeedrunConfig.from_preset(preset, out, num_iterations)
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     data_cfg, tok_cfg, cfg = config.data, config.tokenizer, config.pretrain
     data_dir, tok_dir = Path(data_cfg.output_dir()), Path(tok_cfg.output_dir())
-    report: dict = {"preset": preset, "timings_s": {}}
+    report: dict = {"preset": preset, "timings_s": {}, "reused": []}
+    state = read_state(out_dir)
     t_all = time.perf_counter()
 
+    def settle(stage, t0, figures, output, ran):
+        return settle_stage(report, state, out_dir, stage, time.perf_counter() - t0, figures, output, ran)
+
     t0 = banner("1/6 data: corpus -> parquet shards")
-    if (data_dir / "manifest.json").exists():
+    reused = (data_dir / "manifest.json").exists()
+    if reused:
         log(f"using existing shards in {data_dir}")
         manifest = json.loads((data_dir / "manifest.json").read_text())
     else:
         manifest = prepare(**prepare_kwargs(data_cfg))
-    report["data"] = {k: manifest.get(k) for k in ("source", "license", "documents", "bytes")}
-    report["timings_s"]["data"] = time.perf_counter() - t0
+    data = {k: manifest.get(k) for k in ("source", "license", "documents", "bytes")}
+    report["data"] = settle("data", t0, data, file_id(data_dir / "manifest.json"), not reused)
 
     t0 = banner("2/6 tokenizer: byte-level BPE")
-    if (tok_dir / "tokenizer.json").exists():
+    reused = (tok_dir / "tokenizer.json").exists()
+    if reused:
         log(f"using existing tokenizer in {tok_dir}")
-        report["tokenizer"] = {"vocab_size": Tokenizer.load(tok_dir).vocab_size}
+        figures = {"vocab_size": Tokenizer.load(tok_dir).vocab_size}
     else:
-        report["tokenizer"] = train_tokenizer(
-            tok_cfg.data_dir, str(tok_dir), tok_cfg.vocab_size, tok_cfg.max_chars
-        )
-    report["timings_s"]["tokenizer"] = time.perf_counter() - t0
+        figures = train_tokenizer(tok_cfg.data_dir, str(tok_dir), tok_cfg.vocab_size, tok_cfg.max_chars)
+    report["tokenizer"] = settle("tokenizer", t0, figures, file_id(tok_dir / "tokenizer.json"), not reused)
 
     t0 = banner("3/6 pretrain on Ray Train")
+    before = newest_commit(cfg.run.storage_path, cfg.run.run_name)
     result = pretrain(cfg)
-    report["pretrain"] = {k: v for k, v in result.metrics.items() if k != "samples"}
+    after = newest_commit(cfg.run.storage_path, cfg.run.run_name)
+    report["pretrain"] = settle(
+        "pretrain", t0, {k: v for k, v in result.metrics.items() if k != "samples"}, after, after != before
+    )
     report["samples"] = result.metrics.get("samples", [])
     report["checkpoint"] = result.checkpoint
-    report["timings_s"]["pretrain"] = time.perf_counter() - t0
 
     t0 = banner("4/6 evaluation: BPB vs unigram baseline")
     report["unigram_bpb"] = unigram_baseline(data_dir, tok_dir)
@@ -84,12 +102,23 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     final = report["checkpoint"]
     if config.sft:
         t0 = banner("5/6 SFT on Ray Train (same loop, packed conversations)")
-        report["sft"], final = run_sft_stage(config.sft, report["checkpoint"])
-        report["timings_s"]["sft"] = time.perf_counter() - t0
+        run = config.sft.run
+        before = newest_commit(run.storage_path, run.run_name)
+        figures, final = run_sft_stage(config.sft, report["checkpoint"])
+        after = newest_commit(run.storage_path, run.run_name)
+        record = state.get("sft", {})
+        if after != before or record.get("output") != after:  # "before SFT" of this invocation's report
+            figures = with_accuracy_before(figures, report["checkpoint"])
+        report["sft"] = settle("sft", t0, figures, after, after != before)
     if config.rl and report.get("sft"):
         t0 = banner("6/6 RL: rollout actors + learner")
-        report["rl"], final = run_rl_stage(config.rl, final)
-        report["timings_s"]["rl"] = time.perf_counter() - t0
+        run = config.rl.run
+        before = newest_commit(run.storage_path, run.run_name)
+        figures, final = run_rl_stage(config.rl, final)
+        after = newest_commit(run.storage_path, run.run_name)
+        report["rl"] = settle("rl", t0, figures, after, after != before)
+    if report["reused"]:
+        log(f"reused (figures and wall times of the invocation that ran them): {', '.join(report['reused'])}")
     report["final_checkpoint"] = final
     stages = {"pretrain": cfg, "sft": config.sft, "rl": config.rl}
     curves = {
@@ -98,7 +127,8 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     t0 = banner("report card: CORE of the base checkpoint, chat evals of the chat checkpoints")
     report["report_card"] = report_card(config, report, curves)
     report["timings_s"]["report_card"] = time.perf_counter() - t0
-    report["timings_s"]["total"] = time.perf_counter() - t_all
+    report["timings_s"]["invocation"] = time.perf_counter() - t_all
+    report["timings_s"]["total"] = run_total(report["timings_s"])
     report["train_config"] = to_dict(cfg)
     path = write_report(out_dir, report, curves)
     print(f"\nreport: {path}\nfinal checkpoint: {final}")
@@ -144,18 +174,24 @@ def calculator_accuracy(checkpoint: str, num_examples: int, seed: int = 0) -> fl
 
 
 def run_sft_stage(cfg: TrainConfig, base_checkpoint: str) -> tuple[dict, str]:
-    """SFT (`cfg`) from the pretraining checkpoint; calculator accuracy on held-out problems before and after."""
-    n = cfg.train.eval.eval_examples
-    before = calculator_accuracy(base_checkpoint, n)
-    log(f"calculator accuracy before SFT: {before:.3f} ({n} held-out problems)")
+    """SFT (`cfg`) from the pretraining checkpoint (resumed, or nothing to do when complete); its figures: the
+    final metrics, calculator accuracy on held-out problems after SFT (the loop's final evaluation)."""
     result = sft(from_dict(TrainConfig, {"init_from": base_checkpoint}, base=cfg))
     checkpoint = result.checkpoint
-    after = result.metrics["calculator_accuracy"]  # the loop's final evaluation, same problems
-    log(f"calculator accuracy after SFT: {after:.3f} (before {before:.3f})")
     metrics = {k: v for k, v in result.metrics.items() if k != "samples"}
-    return {
-        **metrics, "accuracy_before": before, "accuracy_after": after, "eval_examples": n, "checkpoint": checkpoint,
-    }, checkpoint  # fmt: skip
+    n = cfg.train.eval.eval_examples
+    return {**metrics, "accuracy_after": result.metrics["calculator_accuracy"], "eval_examples": n,
+            "checkpoint": checkpoint}, checkpoint  # fmt: skip
+
+
+def with_accuracy_before(figures: dict, base_checkpoint: str) -> dict:
+    """SFT's figures with the base checkpoint's calculator accuracy on the same held-out problems."""
+    n = figures["eval_examples"]
+    before = calculator_accuracy(base_checkpoint, n)
+    log(
+        f"calculator accuracy: {before:.3f} before SFT, {figures['accuracy_after']:.3f} after ({n} held-out problems)"
+    )
+    return {**figures, "accuracy_before": before}
 
 
 def run_rl_stage(cfg: RLConfig, checkpoint: str) -> tuple[dict, str]:

@@ -7,8 +7,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from support.engine_fixtures import byte_tokenizer, scripted_model
 
+from raychat.chat_template import render_conversation, render_for_completion
 from raychat.checkpoint import load_model
+from raychat.config import EvalConfig, from_dict
+from raychat.eval.cli import task_scores
 from raychat.eval.report_card import (
     NEEDS_ALL,
     NO_DATA,
@@ -18,6 +22,7 @@ from raychat.eval.report_card import (
     chatcore,
     format_markdown,
 )
+from raychat.eval.tasks import prompt_messages, task_budget
 from raychat.tasks.registry import check_data, make_task, mixture_tasks, parse_mixture
 
 
@@ -120,7 +125,57 @@ def test_gsm8k_generative_with_the_calculator(data_dir, tool_checkpoint):
     model, tokenizer, _ = load_model(tool_checkpoint)
     cells = chat_cells(model, tokenizer, str(data_dir), columns=("GSM8K",), max_tokens=40)
     # item 1: the model calls the calculator and ends with #### 564 (correct); item 2: it tells its story
-    assert cells["GSM8K"] == cell(0.5, examples=2)
+    assert cells["GSM8K"] == cell(0.5, examples=2, max_tokens=40)
+
+
+LONG_SOLUTION = (
+    "First add 20 and 22 to get the sum, then check it twice by counting up from 20. " * 2 + "#### 42"
+)
+
+
+def gold_model(tokenizer, conversation):
+    """A model that writes the gold reply of `conversation` (its rendered tokens, tool output included)."""
+    ids = render_conversation(tokenizer, conversation).ids
+    return scripted_model(
+        tokenizer.vocab_size, dict(enumerate(ids)), tokenizer.special_id("<|assistant_end|>"), 1024
+    )
+
+
+def test_a_long_gold_answer_scores_the_same_from_tasks_and_from_chatcore(tmp_path):
+    """`--tasks gsm8k,chatcore` filled the GSM8K cell at 48 tokens, `--tasks chatcore` at 512: a model writing
+    a 168-token gold solution scored 0 one way and 1 the other. Now both use the task's own budget (512),
+    recorded in the cell; --max-tokens given applies to every task and shows in the table."""
+    write_parquet(tmp_path / "openai--gsm8k/main/test/00000.parquet",
+                  [{"question": "What is 20 + 22?", "answer": LONG_SOLUTION}])  # fmt: skip
+    tok = byte_tokenizer()
+    item = make_task("gsm8k", "test", None, 0, data_dir=str(tmp_path))[0]
+    gold = len(render_conversation(tok, item).ids) - len(render_for_completion(tok, prompt_messages(item)))
+    assert gold == 168 and task_budget("gsm8k") == 512
+    model = gold_model(tok, item)
+    cfg = from_dict(EvalConfig, {"task_data_dir": str(tmp_path), "tasks": "gsm8k,chatcore:1"})
+    accuracy, chat = task_scores(model, tok, [("gsm8k", None)], cfg, (True, 1))
+    assert accuracy == {"gsm8k": {"accuracy": 1.0, "examples": 1, "max_tokens": 512}}
+    _, alone = task_scores(model, tok, [], cfg, (True, 1))  # --tasks chatcore
+    assert chat["GSM8K"] == alone["GSM8K"] == cell(1.0, examples=1, max_tokens=512)
+    assert chat["ARC-Easy"] == cell(note=NO_DATA)  # categorical cells carry no budget
+    cut = from_dict(EvalConfig, {"task_data_dir": str(tmp_path), "tasks": "gsm8k", "max_tokens": 48})
+    accuracy, chat = task_scores(model, tok, [("gsm8k", None)], cut, (True, 1))
+    assert accuracy["gsm8k"] == {"accuracy": 0.0, "examples": 1, "max_tokens": 48}
+    assert chat["GSM8K"] == cell(0.0, examples=1, max_tokens=48)
+    line = format_markdown({"sft": card_row(None, chat)}).splitlines()[2]
+    assert line.split(" | ")[5] == "0.0000 (48 tok)"  # not the task's own budget: said in the table
+    assert format_markdown({"sft": card_row(None, alone)}).splitlines()[2].split(" | ")[5] == "1.0000"
+
+
+def test_the_local_tasks_budgets_hold_every_gold_answer_at_one_token_per_byte():
+    """SpellingBee's old 64 tokens cut 4 of 500 gold answers with a 512-vocab tokenizer (48: 188); every answer
+    of spelling and calculator fits its own budget even at one token per byte (any BPE is shorter)."""
+    tok = byte_tokenizer()
+    for name in ("spelling", "calculator"):
+        task = make_task(name, "test", 1000, 0)
+        longest = max(len(render_conversation(tok, task[i]).ids) - len(render_for_completion(tok, prompt_messages(
+            task[i]))) for i in range(len(task)))  # fmt: skip
+        assert longest == {"spelling": 73, "calculator": 50}[name] and longest < task_budget(name) == 128
 
 
 def test_chatcore_and_the_table_by_hand():

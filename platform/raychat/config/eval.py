@@ -51,7 +51,12 @@ class EvalConfig(Section):
         -1, "CORE items per task after nanochat's shuffle: a positive integer, or -1 = all", ge=-1
     )
     device_batch_size: int = option(8, "rows per forward pass (BPB)", positive=True)
-    max_tokens: int = option(48, "completion budget per generative task example, tokens", positive=True)
+    max_tokens: int | None = option(
+        None, "completion budget of every generative task's examples, tokens (tool output included); not given: "
+        "each task's own, the report card's (gsm8k, humaneval 512 as nanochat's chat_eval; spelling, calculator "
+        "128: room for any gold answer); the budget is recorded with each score",
+        positive=True,
+    )  # fmt: skip
     device: str = option("cpu", "where the model runs", DEVICES)
     seed: int = option(0, "seed of the held-out examples' order", ge=0, le=SEED_MAX)
 

@@ -6,7 +6,9 @@
                     rows), --eval-tokens of them (raychat.eval.bpb: nats / (ln 2 * UTF-8 bytes) over the
                     target tokens)
   accuracy          the test split of each --tasks entry (raychat.eval.tasks.task_accuracy: greedy, exact
-                    answer for generative tasks, argmax over the letters for categorical ones)
+                    answer for generative tasks, argmax over the letters for categorical ones); a generative
+                    task's completion budget: --max-tokens for every task when given, else the task's own
+                    (raychat.eval.tasks.task_budget), the same as the report card's, recorded in the result
 
   report card       raychat.eval.report_card: CORE (when the bundle is at --core-bundle) and the chat evals
                     of --tasks (chatcore[:N]: all six, "n/a: no data" for those whose files are missing)
@@ -36,8 +38,8 @@ from raychat.config.eval import CHATCORE
 from raychat.data.corpus.shards import list_shards
 from raychat.data.loader.pipeline import validation_rows
 from raychat.eval.bpb import bpb_sums
-from raychat.eval.report_card import CHAT_TASKS, card_row, chat_cells, core_cell, format_markdown
-from raychat.eval.tasks import task_accuracy
+from raychat.eval.report_card import CHAT_TASKS, card_row, cell, chat_cells, core_cell, format_markdown
+from raychat.eval.tasks import task_accuracy, task_budget
 from raychat.storage import Storage, check_writable, listing, open_storage, run_directory, write_bytes
 from raychat.tasks.registry import check_data, graded, held_out, make_task, parse_mixture
 
@@ -85,6 +87,32 @@ def split_card_tasks(spec: str) -> tuple[str, int | None, bool]:
     return ",".join(rest), cap, named
 
 
+def task_scores(
+    model, tokenizer, tasks: list[tuple[str, int | None]], cfg: EvalConfig, chatcore: tuple[bool, int | None]
+) -> tuple[dict, dict]:
+    """({name: {"accuracy", "examples", "max_tokens"}} of `tasks`, {column: cell} of the report card's chat
+    evals): a generative task at task_budget(name, cfg.max_tokens), its budget recorded (None: categorical); a
+    card task named in `tasks` fills its column, chatcore (whether, examples cap) measures the other columns at
+    the same budgets (raychat.eval.report_card.chat_cells)."""
+    accuracy = {}
+    for name, n in tasks:
+        task = make_task(name, "test", None, cfg.seed, data_dir=cfg.task_data_dir)
+        examples = min(n or len(task), len(task))
+        budget = task_budget(name, cfg.max_tokens) if task.eval_type == "generative" else None
+        accuracy[name] = {
+            "accuracy": task_accuracy(model, tokenizer, task, examples, max_tokens=budget),
+            "examples": examples,
+            "max_tokens": budget,
+        }
+    chat = {CARD_NAMES[n]: cell(a["accuracy"], examples=a["examples"], max_tokens=a["max_tokens"])
+            for n, a in accuracy.items() if n in CARD_NAMES}  # fmt: skip
+    if chatcore[0]:
+        missing = [c for c in CHAT_TASKS if c not in chat]
+        chat |= chat_cells(model, tokenizer, cfg.task_data_dir, chatcore[1], cfg.max_tokens, missing, cfg.seed,
+                           log=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    return accuracy, chat
+
+
 def evaluate(
     checkpoint: str,
     val_file: str,
@@ -92,8 +120,9 @@ def evaluate(
     cfg: EvalConfig,
     chatcore: tuple[bool, int | None] = (False, None),
 ) -> dict:
-    """{"checkpoint", "stage", "step", "val_bpb", "val_tokens", "tasks": {name: {"accuracy", "examples"}},
-    "report_card": {column: cell}, "seconds"} of the checkpoint at `checkpoint` (a local dir or a remote URI);
+    """{"checkpoint", "stage", "step", "val_bpb", "val_tokens", "tasks": {name: {"accuracy", "examples",
+    "max_tokens"}}, "report_card": {column: cell}, "seconds"} of the checkpoint at `checkpoint` (a local dir or a
+    remote URI); max_tokens: the completion budget a generative task was measured at (None: categorical);
     chatcore: (whether to run the six chat evals, their examples cap)."""
     t0 = time.perf_counter()
     model, tokenizer, meta = load_model(checkpoint, device=cfg.device)
@@ -106,20 +135,7 @@ def evaluate(
     nats, nbytes = bpb_sums(
         model, rows, token_bytes, tokenizer.bos_id, cfg.device_batch_size, device=cfg.device
     )
-    accuracy = {}
-    for name, n in tasks:
-        task = make_task(name, "test", None, cfg.seed, data_dir=cfg.task_data_dir)
-        examples = min(n or len(task), len(task))
-        accuracy[name] = {
-            "accuracy": task_accuracy(model, tokenizer, task, examples, max_tokens=cfg.max_tokens),
-            "examples": examples,
-        }
-    chat = {CARD_NAMES[n]: {"value": a["accuracy"], "note": None, "examples": a["examples"]}
-            for n, a in accuracy.items() if n in CARD_NAMES}  # fmt: skip
-    if chatcore[0]:
-        missing = [c for c in CHAT_TASKS if c not in chat]
-        chat |= chat_cells(model, tokenizer, cfg.task_data_dir, chatcore[1], None, missing, cfg.seed,
-                           log=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    accuracy, chat = task_scores(model, tokenizer, tasks, cfg, chatcore)
     core = core_cell(model, tokenizer, cfg.core_bundle or None, cfg.core_max_per_task)
     return {
         "checkpoint": checkpoint,

@@ -10,7 +10,10 @@ that had it, commit 950a1dc^):
   ChatCORE       the mean over the six chat evals of (accuracy - baseline) / (1 - baseline), baseline 0.25
                  for the categorical ones (nanochat's "multiple choice 1 of 4"), 0 for the generative ones;
                  only when all six were measured (nanochat computes it only then)
-A cell is {"value": float or None, "note": why there is no value, "examples": items scored}. Notes:
+A cell is {"value": float or None, "note": why there is no value, "examples": items scored}, and for a
+generative column "max_tokens": the completion budget it was measured at (each task's own,
+raychat.eval.tasks.MAX_TOKENS: GSM8K, HumanEval 512 as nanochat's chat_eval, SpellingBee 128, unless one budget
+was given for every task; the table shows a budget other than the task's own after the value). Notes:
 "n/a: no data" (the task's files or the CORE bundle are not on this machine), "-" (not measured at this
 stage: CORE on base checkpoints, the chat evals on chat checkpoints, as in nanochat), "n/a: needs all six".
 """
@@ -22,7 +25,7 @@ from pathlib import Path
 
 from raychat.checkpoint import load_model
 from raychat.eval.core import core_scores
-from raychat.eval.tasks import task_accuracy
+from raychat.eval.tasks import task_accuracy, task_budget
 from raychat.tasks.hub_data import task_data_dir
 from raychat.tasks.registry import make_task
 
@@ -36,16 +39,21 @@ CHAT_TASKS = {
     "SpellingBee": ("spelling", 0.0),
 }
 SPELLING_EXAMPLES = 256  # nanochat: SpellingBee(size=256, split="test")
-# completion budgets (tokens): nanochat's chat_eval uses 512; a SpellingBee answer (spelled word, count with
-# the tool) fits in 64, which keeps the CPU speedrun's card short
-MAX_TOKENS = {"GSM8K": 512, "HumanEval": 512, "SpellingBee": 64}
 COLUMNS = ("CORE", *CHAT_TASKS, "ChatCORE")
 NO_DATA, NOT_MEASURED, NEEDS_ALL = "n/a: no data", "-", "n/a: needs all six"
 BUNDLE_DIR = "eval_bundle"  # CORE's default place: <task data dir>/eval_bundle
 
 
-def cell(value: float | None = None, note: str | None = None, examples: int | None = None) -> dict:
-    return {"value": value, "note": note, "examples": examples}
+def cell(
+    value: float | None = None,
+    note: str | None = None,
+    examples: int | None = None,
+    max_tokens: int | None = None,
+) -> dict:
+    """A card cell (module doc); "max_tokens" only when given (a generative column's budget)."""
+    return {"value": value, "note": note, "examples": examples} | (
+        {"max_tokens": max_tokens} if max_tokens else {}
+    )
 
 
 def centered(accuracy: float, baseline: float) -> float:
@@ -68,7 +76,8 @@ def chat_cells(
 ) -> dict:  # fmt: skip
     """{column: cell} of the chat evals in `columns` on the test splits: a task whose files are missing under
     the task data directory gets "n/a: no data" (never 0). max_problems caps the items of each task
-    (None: all, SpellingBee 256); max_tokens: the completion budget of the generative ones (None: MAX_TOKENS)."""
+    (None: all, SpellingBee 256); max_tokens: the completion budget of every generative one (None: each its
+    own, raychat.eval.tasks.task_budget), recorded in its cell."""
     out = {}
     for column in columns:
         name, _ = CHAT_TASKS[column]
@@ -82,8 +91,10 @@ def chat_cells(
         n = len(task) if name != "spelling" else SPELLING_EXAMPLES
         n = min(n, max_problems or n, len(task))
         t0 = time.perf_counter()
-        budget = max_tokens or MAX_TOKENS.get(column, 512)
-        out[column] = cell(task_accuracy(model, tokenizer, task, n, max_tokens=budget), examples=n)
+        budget = task_budget(name, max_tokens) if task.eval_type == "generative" else None
+        out[column] = cell(
+            task_accuracy(model, tokenizer, task, n, max_tokens=budget), examples=n, max_tokens=budget
+        )
         if log:
             log(
                 f"report card: {column} {out[column]['value']:.4f} ({n} items, {time.perf_counter() - t0:.1f} s)"
@@ -138,8 +149,11 @@ def card_row(core: dict | None = None, chat: dict | None = None, **extra) -> dic
     return row | extra
 
 
-def _text(c: dict) -> str:
-    return f"{c['value']:.4f}" if c.get("value") is not None else (c.get("note") or NOT_MEASURED)
+def _text(c: dict, column: str) -> str:
+    if c.get("value") is None:
+        return c.get("note") or NOT_MEASURED
+    budget, own = c.get("max_tokens"), task_budget(CHAT_TASKS[column][0]) if column in CHAT_TASKS else None
+    return f"{c['value']:.4f}" + (f" ({budget} tok)" if budget and budget != own else "")
 
 
 def _number(value, fmt: str) -> str:
@@ -153,7 +167,7 @@ def format_markdown(rows: dict[str, dict]) -> str:
     head = ["stage", *COLUMNS, *(["wall time (s)", "tokens/s"] if timed else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for stage, r in rows.items():
-        cells = [stage, *(_text(r[c]) for c in COLUMNS)]
+        cells = [stage, *(_text(r[c], c) for c in COLUMNS)]
         if timed:
             cells += [_number(r.get("wall_s"), ".0f"), _number(r.get("tokens_per_s"), ",.0f")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -161,6 +175,7 @@ def format_markdown(rows: dict[str, dict]) -> str:
         "",
         f"{NOT_MEASURED}: not measured at this stage (CORE on the base model, chat evals on chat models); "
         f"{NO_DATA}: the files are not on this machine (README: nanochat's full table); {NEEDS_ALL}: "
-        "ChatCORE averages all six chat evals.",
+        "ChatCORE averages all six chat evals; (N tok): measured at a completion budget of N tokens, not the "
+        "task's own.",
     ]
     return "\n".join(lines)

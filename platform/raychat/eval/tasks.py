@@ -3,7 +3,8 @@
 categorical: after the prompt (rendered for completion), the model's choice is the letter whose token has
 the highest logit among the task's `letters`; accuracy = fraction equal to `answer`.
 generative: greedy completion through the engine (tool calls evaluated); accuracy = fraction that
-`task.is_correct(conversation, completion_text)` accepts.
+`task.is_correct(conversation, completion_text)` accepts. Its completion budget (tokens, forced tool output
+included) is the task's own, MAX_TOKENS, unless one budget is given for every task (task_budget).
 """
 
 from __future__ import annotations
@@ -12,6 +13,17 @@ import torch
 
 from raychat.chat_template import render_for_completion
 from raychat.engine import ModelRunner
+
+# a generative task's own completion budget, tokens, by registry name: nanochat's chat_eval --max-new-tokens
+# (512) for GSM8K and HumanEval; 128 for the local tasks, above their longest gold answer at one token per
+# byte (spelling 73, calculator 50), so no tokenizer's gold answer is cut (a greedy model stops at its turn's end)
+MAX_TOKENS = {"gsm8k": 512, "humaneval": 512, "spelling": 128, "calculator": 128}
+
+
+def task_budget(name: str, given: int | None = None) -> int | None:
+    """The completion budget (tokens) task `name` (a registry name) is measured at: `given` (one budget for
+    every task) when set, else the task's own (MAX_TOKENS); None for a task that generates nothing."""
+    return given if given is not None else MAX_TOKENS.get(name)
 
 
 def prompt_messages(conversation: dict) -> list[dict]:
@@ -22,9 +34,10 @@ def prompt_messages(conversation: dict) -> list[dict]:
 
 @torch.no_grad()
 def task_accuracy(
-    model, tokenizer, task, num_examples: int, max_tokens: int = 48, batch_size: int = 16
+    model, tokenizer, task, num_examples: int, max_tokens: int | None = 48, batch_size: int = 16
 ) -> float:
-    """Accuracy in [0, 1] over the first `num_examples` examples of `task` (fewer if the task is smaller).
+    """Accuracy in [0, 1] over the first `num_examples` examples of `task` (fewer if the task is smaller);
+    max_tokens: a generative task's completion budget, tokens (categorical tasks generate nothing).
 
     Raises:
         ValueError: num_examples < 1 or an unknown eval_type.

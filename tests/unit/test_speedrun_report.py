@@ -1,0 +1,91 @@
+"""The speedrun report of a resumed run: each stage's wall time and figures come from the invocation that ran
+it (the run's report state, stages.json), reused stages are marked, a replaced output is not reported with the
+old figures. The report is assembled from hand-written stage results; no stage runs."""
+
+import json
+
+from raychat.checkpoint_manager import commit_directory
+from raychat.report import STATE_FILE, read_state, settle_stage, write_report
+from raychat.speedrun import newest_commit
+
+TOKENIZER = {"vocab_size": 4096, "version": "abc", "train_seconds": 28.5, "val_bytes_per_token": 4.321}
+RL = {"summary": "20 steps, pass@1 on 64 held-out problems 0.125 -> 0.250, learner wait 0.10, 70 s",
+      "pass@1_before": 0.125, "pass@1_after": 0.25}  # fmt: skip
+SFT = {"step": 30, "val_bpb": 1.5, "accuracy_before": 0.0, "accuracy_after": 0.5, "eval_examples": 64}
+PRETRAIN = {"step": 600, "loss": 3.25, "val_bpb": 1.75, "tokens_per_s": 15000.0, "data_wait_frac": 0.01}
+OUTPUTS = {"data": "m1", "tokenizer": "t1", "pretrain": "c600", "sft": "c30", "rl": "c20"}
+
+
+def invocation(out, walls: dict, figures: dict, ran: bool, outputs=OUTPUTS) -> dict:
+    """One invocation's report: every stage settled (ran or reused) with its wall time and figures."""
+    report = {"preset": "cpu", "timings_s": {}}
+    state = read_state(out)
+    for stage in ("data", "tokenizer", "pretrain", "sft", "rl"):
+        report[stage] = settle_stage(
+            report, state, out, stage, walls[stage], figures[stage], outputs[stage], ran
+        )
+    report["timings_s"] |= {"eval": 5.0, "report_card": 3.0, "invocation": sum(walls.values()) + 8.0}
+    return report | {"unigram_bpb": 2.5, "checkpoint": "/runs/checkpoints/base/checkpoint_000600"}
+
+
+def table(out, report) -> dict:
+    write_report(out, report)
+    rows = [
+        line.split(" | ", 1) for line in (out / "report.md").read_text().splitlines() if line.startswith("| ")
+    ]
+    return {k.removeprefix("| "): v.removesuffix(" |") for k, v in rows}
+
+
+def test_a_resumed_run_reports_the_figures_of_the_invocation_that_ran_each_stage(tmp_path):
+    data = {"source": "corpus", "license": "CC", "documents": 300, "bytes": 2_000_000}
+    ran = {"data": data, "tokenizer": TOKENIZER, "pretrain": PRETRAIN, "sft": SFT, "rl": RL}
+    first = invocation(tmp_path, {"data": 12.0, "tokenizer": 30.4, "pretrain": 412.0, "sft": 60.0, "rl": 70.0},
+                       ran, ran=True)  # fmt: skip
+    assert first["reused"] == [] and first["timings_s"]["pretrain"] == 412.0
+    saved = json.loads((tmp_path / STATE_FILE).read_text())
+    assert saved["tokenizer"] == {"output": "t1", "wall_s": 30.4, "figures": TOKENIZER}
+
+    # the second invocation finds every stage done: it measures next to nothing and knows little
+    seen = {"data": data, "tokenizer": {"vocab_size": 4096}, "pretrain": PRETRAIN, "sft": SFT,
+            "rl": {"summary": "already complete (/runs/rl/rl/checkpoint_000020)"}}  # fmt: skip
+    again = invocation(tmp_path, {"data": 0.01, "tokenizer": 0.2, "pretrain": 35.0, "sft": 20.0, "rl": 9.0},
+                       seen, ran=False)  # fmt: skip
+    assert again["reused"] == ["data", "tokenizer", "pretrain", "sft", "rl"]
+    assert again["tokenizer"] == TOKENIZER and again["rl"] == RL
+    rows = table(tmp_path, again)
+    assert rows["tokenizer"] == "vocab 4096, 4.321 bytes/token (val)"
+    assert rows["wall time"] == ("592 s (data 12 reused, tokenizer 30 reused, pretrain 412 reused, eval 5, "
+                                 "sft 60 reused, rl 70 reused, report card 3); this invocation 72 s")  # fmt: skip
+    assert rows["RL"] == RL["summary"]
+    assert rows["reused stages"].startswith(
+        "data, tokenizer, pretrain, sft, rl (made by an earlier invocation"
+    )
+    assert read_state(tmp_path) == saved  # reusing records nothing
+
+
+def test_a_replaced_output_is_not_reported_with_the_old_figures(tmp_path):
+    report = {"timings_s": {}}
+    state = read_state(tmp_path)
+    assert state == {}
+    settle_stage(report, state, tmp_path, "tokenizer", 30.4, TOKENIZER, "t1", True)
+    # the tokenizer was retrained by hand since: the speedrun reuses it, but its record is of another file
+    later = {"timings_s": {}}
+    figures = settle_stage(
+        later, read_state(tmp_path), tmp_path, "tokenizer", 0.2, {"vocab_size": 512}, "t2", False
+    )
+    assert figures == {"vocab_size": 512} and later["timings_s"]["tokenizer"] is None
+    assert later["reused"] == ["tokenizer"]
+    (tmp_path / STATE_FILE).write_text("{not json")  # a damaged state costs the records, not the run
+    assert read_state(tmp_path) == {}
+
+
+def test_newest_commit_changes_only_when_a_stage_commits_a_checkpoint(tmp_path):
+    assert newest_commit(str(tmp_path), "base") is None  # no run yet
+    for step in (2, 4):
+        (tmp_path / f"base/checkpoint_00000{step}").mkdir(parents=True)
+        (tmp_path / f"base/checkpoint_00000{step}/model.safetensors").write_bytes(bytes([step]))
+    commit_directory(tmp_path / "base/checkpoint_000002", 2, "pretrain")
+    two = newest_commit(str(tmp_path), "base")
+    assert two is not None and newest_commit(str(tmp_path), "base") == two  # nothing trained: the same
+    commit_directory(tmp_path / "base/checkpoint_000004", 4, "pretrain")
+    assert newest_commit(str(tmp_path), "base") not in (None, two)
