@@ -68,8 +68,16 @@ def test_speedrun_end_to_end(tiny_preset, tmp_path, monkeypatch):
     ray.init(num_cpus=2, include_dashboard=False)
     try:
         report = run_speedrun(str(tiny_preset), str(tmp_path / "out"))
+        again = run_speedrun(str(tiny_preset), str(tmp_path / "out"))  # every stage's output is there
     finally:
         ray.shutdown()
+    # the second invocation reuses every stage and reports the figures and wall times of the first
+    assert report["reused"] == [] and again["reused"] == ["data", "tokenizer", "pretrain", "sft", "rl"]
+    for stage in ("data", "tokenizer", "pretrain", "sft", "rl"):
+        assert again["timings_s"][stage] == report["timings_s"][stage] > 0, stage
+    assert again["pretrain"]["val_bpb"] == report["pretrain"]["val_bpb"]
+    assert again["tokenizer"] == report["tokenizer"] and again["rl"] == report["rl"]
+    assert again["sft"]["accuracy_before"] == report["sft"]["accuracy_before"]
     assert report["pretrain"]["step"] == 8
     assert 0 < report["pretrain"]["val_bpb"] < 20 and 0 < report["unigram_bpb"] < 20
     assert report["sft"]["step"] == 3
