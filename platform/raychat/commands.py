@@ -133,7 +133,12 @@ def pretrain(subparsers) -> None:
         "number is printed first. Running again with the same --run-name and --storage-path resumes.",
     )
     add_flags(parser, TrainConfig, defaults=TrainConfig(), preset="cpu")
-    parser.add_argument("--dry-run", action="store_true", help="print the derived sizes and exit")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the derived sizes and exit (for a run that would resume: its resume check first, e.g. the lr "
+        "at the resume step under a new --num-iterations)",
+    )
     parser.set_defaults(func="raychat.train.pretrain:main")
 
 

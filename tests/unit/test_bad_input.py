@@ -870,3 +870,16 @@ def test_resuming_a_run_whose_checkpoint_has_no_data_state(root, capsys):
         f"raychat sft: error: --run-name s2: the run's checkpoint {d} holds no data state (state_rank0.npz), so "
         "it cannot be resumed (use another --run-name)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
+
+
+def test_a_dry_run_of_a_run_to_resume_makes_its_resume_check(pretrained, capsys):
+    """`pretrain --dry-run` printed the plan of any horizon, even one the real run refuses."""
+    argv, d = pretrained
+    line = _fails_in_one_line([*argv, "--num-iterations", "2", "--dry-run"], capsys)
+    assert line.startswith(
+        f"raychat pretrain: error: --num-iterations: the run's checkpoint {d} (step 2) was made with 4, this run "
+        "asks for 2: 2 steps instead of 4 leave nothing to train after step 2"
+    )
+    assert raychat_main([*argv, "--num-iterations", "6", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "lr multiplier at the resume step 2: 1 -> 1\n" in out and "num_iterations" in out

@@ -13,7 +13,7 @@ from raychat.config import TrainConfig, preset_section
 from raychat.data.corpus.shards import list_shards
 from raychat.data.loader.pipeline import PretrainRows, validation_rows
 from raychat.tokenizer import Tokenizer
-from raychat.train.launch import config_from, resolve_paths, run_training
+from raychat.train.launch import check_resume, config_from, resolve_paths, run_training
 from raychat.train.plan import make_plan, print_plan
 from raychat.train.replay_recorder import ReplayRecorder
 from raychat.train.startup_trace import mark
@@ -84,8 +84,15 @@ def main(args) -> int:
     mark("driver_imports_done")
     cfg = config_from(args, TrainConfig(), "pretrain")
     if args.dry_run:
-        cfg = resolve_paths(cfg, writable=False).config(cfg)
-        print_plan(cfg, make_plan(cfg, dry_run_vocab_size(cfg, args.preset)))
+        paths = resolve_paths(cfg, writable=False)
+        cfg = paths.config(cfg)
+        plan = make_plan(cfg, dry_run_vocab_size(cfg, args.preset))
+        if (
+            paths.checkpoints.newest() is not None
+        ):  # a run to resume: its check, as the real run makes it first
+            tokenizer = Tokenizer.load(paths.tokenizer_path)
+            check_resume(cfg, paths, plan, lambda: Pretraining().row_source(cfg, tokenizer, 0, 1))
+        print_plan(cfg, plan)
         return 0
     pretrain(cfg)
     return 0
