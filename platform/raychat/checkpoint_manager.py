@@ -358,7 +358,8 @@ def find_checkpoint(
 
     Raises ValueError (one line, naming `flag`): ref names nothing, breaks the run-name rule, is a run without
     a committed checkpoint (listing what the run holds) or an uncommitted checkpoint dir (CheckpointError); a
-    Hugging Face export (raychat export's directory); a missing bucket; `latest` without a storage root or with no checkpoint of `stages` under it."""
+    Hugging Face export (raychat export's directory); a missing bucket; `latest` without a storage root or with
+    no checkpoint of `stages` under it."""
     text = str(ref).strip()
     if not text:
         raise ValueError(f"{flag}: empty; give a checkpoint dir, a run dir, <run dir>/latest or a run name")

@@ -28,15 +28,8 @@ from raychat.atomic import atomic_write, atomic_write_text  # noqa: E402
 from raychat.metrics_sink import read_jsonl  # noqa: E402
 
 STATE_FILE = "stages.json"
-WALL_STAGES = (
-    "data",
-    "tokenizer",
-    "pretrain",
-    "eval",
-    "sft",
-    "rl",
-    "report_card",
-)  # the wall-time line's order
+# the wall-time line's order
+WALL_STAGES = ("data", "tokenizer", "pretrain", "eval", "sft", "rl", "report_card")
 
 
 def file_id(path: str | Path | None) -> str | None:

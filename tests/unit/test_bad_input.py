@@ -537,19 +537,18 @@ def test_eval_refuses_to_write_its_results_into_another_stages_directory(root, c
     write_manifest(root / "text", {"source": "test", "shards": entries})
     capsys.readouterr()
     before = _snapshot(root)
-    for run, held in [
-        ("hf", "chat_template.jinja, config.json, generation_config.json, model.safetensors, "),
-        ("pretrain", "checkpoint_000004/"),
-        ("tokenizer", "tokenizer.json"),
-    ]:
+    for run, want in [
+        ("hf", "eval results would replace {d}, which is not an earlier eval's results ({d} holds: "
+               "chat_template.jinja, config.json, generation_config.json, model.safetensors, "),
+        ("pretrain", "{d} holds a training run's checkpoints, which eval results there would replace; choose "
+                     "another --run-name"),
+        ("tokenizer", "eval results would replace {d}, which is not an earlier eval's results ({d} holds: "
+                      "tokenizer.json"),
+    ]:  # fmt: skip
         argv = ["eval", "--storage-path", str(root), "--checkpoint", "pretrain", "--data-dir", f"{root}/text",
                 "--tasks", "", "--eval-tokens", "16", "--run-name", run]  # fmt: skip
         line = _fails_in_one_line(argv, capsys)
-        assert line.startswith(f"raychat eval: error: --run-name: {root}/{run} holds: {held}"), line
-        assert (
-            "not eval results: eval writes eval.json and report_card.md into a directory of their own (new, empty "
-            "or an earlier eval's); choose another --run-name"
-        ) in line, line
+        assert line.startswith(f"raychat eval: error: --run-name: {want.format(d=root / run)}"), line
     assert _snapshot(root) == before
     assert (
         raychat_main(["export", "--storage-path", str(root), "--checkpoint", "latest"]) == 0

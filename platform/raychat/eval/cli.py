@@ -30,9 +30,9 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import torch
 
-from raychat.atomic import is_leftover, remove_leftovers
+from raychat.atomic import remove_leftovers
 from raychat.checkpoint import load_model
-from raychat.checkpoint_manager import find_checkpoint
+from raychat.checkpoint_manager import check_output_target, find_checkpoint
 from raychat.config import EvalConfig, from_args
 from raychat.config.eval import CHATCORE
 from raychat.data.corpus.shards import list_shards
@@ -40,7 +40,7 @@ from raychat.data.loader.pipeline import validation_rows
 from raychat.eval.bpb import bpb_sums
 from raychat.eval.report_card import CHAT_TASKS, card_row, cell, chat_cells, core_cell, format_markdown
 from raychat.eval.tasks import task_accuracy, task_budget
-from raychat.storage import Storage, check_writable, listing, open_storage, run_directory, write_bytes
+from raychat.storage import Storage, check_writable, open_storage, run_directory, write_bytes
 from raychat.tasks.registry import check_data, graded, held_out, make_task, parse_mixture
 
 RESULT_FILE = "eval.json"
@@ -49,30 +49,17 @@ CARD_NAMES = {name: column for column, (name, _) in CHAT_TASKS.items()}
 
 
 def check_eval_target(storage: Storage, run_name: str) -> str:
-    """<root>/<run_name>, where eval writes RESULT_FILE and CARD_FILE: nothing there, an empty directory or
-    eval's earlier results (only those two files, the leftovers of killed writes aside: raychat.atomic). Another
-    stage's directory is refused (a training run, a checkpoint, an export, data or a tokenizer: their own reruns
-    refuse a directory holding eval's files).
+    """<root>/<run_name>, where eval writes RESULT_FILE and CARD_FILE: nothing there, an empty directory or an
+    earlier eval's results (only those two files, killed writes' leftovers aside). Another stage's directory
+    is refused: a training run, a checkpoint, an export, data or a tokenizer, whose own reruns would then refuse
+    it for holding eval's files.
 
-    Raises ValueError naming --run-name and what the directory holds."""
-    target = storage.writable_run_path(run_name)
-    info = storage.fs.get_file_info(target)
-    if info.type == pafs.FileType.NotFound:
-        return target
-    if info.type == pafs.FileType.Directory:
-        entries = storage.fs.get_file_info(pafs.FileSelector(target))
-        own = (RESULT_FILE, CARD_FILE)
-        if all(
-            is_leftover(e.base_name) or e.type == pafs.FileType.File and e.base_name in own for e in entries
-        ):
-            return target
-        held = listing(storage, target)
-    else:
-        held = f"{storage.uri_of(target)} is a file"
-    raise ValueError(
-        f"--run-name: {held}, not eval results: eval writes {RESULT_FILE} and {CARD_FILE} into a directory of "
-        "their own (new, empty or an earlier eval's); choose another --run-name"
-    )
+    Raises ValueError naming --run-name (raychat.checkpoint_manager.check_output_target)."""
+    own = {RESULT_FILE, CARD_FILE}
+    return check_output_target(
+        storage, storage.writable_run_path(run_name), "--run-name", "eval results", "an earlier eval's results",
+        lambda entries, killed: all(e.type == pafs.FileType.File and e.base_name in own for e in entries),
+    )  # fmt: skip
 
 
 def split_card_tasks(spec: str) -> tuple[str, int | None, bool]:
@@ -166,9 +153,8 @@ def main(args) -> int:
             raise ValueError(f"--tasks: {name!r} has no checker to measure accuracy with")
     check_data([name for name, _ in tasks], ("test",), cfg.task_data_dir, "--tasks")
     bundle = Path(cfg.core_bundle)
-    if (
-        cfg.core_bundle and not (bundle / "core.yaml").is_file()
-    ):  # '' = the default place, which may hold none
+    # '' = the default place, which may hold none
+    if cfg.core_bundle and not (bundle / "core.yaml").is_file():
         why = "no core.yaml there" if bundle.is_dir() else "not a directory"
         if (bundle / "eval_bundle" / "core.yaml").is_file():  # the task data dir given for the bundle's own
             why += f"; the bundle is {bundle / 'eval_bundle'}"
