@@ -27,7 +27,8 @@ References (find_checkpoint names one; resolve_checkpoint also fetches a remote 
                             the stages asked for (SFT takes a pretraining checkpoint, RL an SFT one)
 A bad reference is a ValueError of one line that names the flag and says what was found (uncommitted
 directories marked as such). A remote checkpoint is downloaded into a cache directory whole or not at all,
-and again only when its commit marker changes.
+and again only when its commit marker changes. A server pins a run's local checkpoint as a snapshot in
+<run>/served/ (snapshot_checkpoint: hard links, whole or not at all), which pruning never touches.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raychat.atomic import is_leftover
+from raychat.atomic import atomic_write_bytes, fresh_dir, is_leftover
 from raychat.config.schema import LATEST, check_reference
 from raychat.storage import (
     Storage,
@@ -413,6 +414,65 @@ def resolve_checkpoint(
         except CheckpointError:  # a damaged cached copy: fetched again
             pass
     return download_dir(where, where.path, dest, check=lambda d: verify(d, checksums=True))
+
+
+def is_run_checkpoint(checkpoint: str) -> bool:
+    """Whether `checkpoint` (what find_checkpoint returned) is a local checkpoint_<step> directory: a run's,
+    which that run's pruning deletes once newer ones are committed."""
+    return (
+        not is_remote(checkpoint)
+        and re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", Path(checkpoint).name) is not None
+    )
+
+
+def snapshot_checkpoint(checkpoint: str | os.PathLike) -> Path:
+    """A snapshot of the local committed checkpoint `checkpoint` that its run's pruning never deletes:
+    <run dir>/served/<checkpoint name>-<sha256(commit.json)[:12]>, beside the checkpoint (so on the same
+    storage, which every node that reads the checkpoint reads too). Its files are hard links to the
+    checkpoint's (a copy where the filesystem refuses a link), put together under a temporary name
+    (raychat.atomic.fresh_dir), checked against the commit marker (verify: every file, its size), and then
+    given the final name, commit.json last; a snapshot of the same commit marker already there is reused.
+
+    Raises CheckpointError: `checkpoint` is not committed, or a file differs from its marker; ValueError: a
+    symbolic link leads the snapshot out of the run dir (Storage.inside); OSError: the run dir is not
+    writable (nothing is left under the final name)."""
+    src = Path(checkpoint)
+    verify(src)
+    commit = (src / COMMIT_FILE).read_bytes()
+    run = open_storage(src.parent)
+    name = f"{src.name}-{hashlib.sha256(commit).hexdigest()[:12]}"
+    dest = Path(run.inside(f"{run.path}/served/{name}"))
+    if (dest / COMMIT_FILE).is_file() and (dest / COMMIT_FILE).read_bytes() == commit:
+        try:
+            verify(dest)
+            return dest
+        except CheckpointError:  # a damaged snapshot: made again
+            pass
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = fresh_dir(dest)
+    try:
+        for file in parse_commit(commit, str(src))["files"]:
+            (tmp / file).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src / file, tmp / file)
+            except FileNotFoundError:
+                raise CheckpointError(
+                    f"checkpoint {src}: {file} was deleted while it was snapshotted (pruned meanwhile?)"
+                ) from None
+            except OSError:  # another filesystem, or one without hard links
+                shutil.copyfile(src / file, tmp / file)
+                with open(tmp / file, "rb+") as f:
+                    os.fsync(f.fileno())
+        atomic_write_bytes(tmp / COMMIT_FILE, commit)
+        verify(tmp)
+        if dest.exists():
+            old = fresh_dir(dest)
+            os.replace(dest, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
 
 
 def checkpoint_gone(checkpoint: str) -> bool:

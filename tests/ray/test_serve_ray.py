@@ -200,12 +200,85 @@ def test_openai_client_with_and_without_streaming(served, solo):
         client.chat.completions.create(model="tiny", messages=messages, temperature=3)
 
 
-def test_a_pruned_checkpoint_fails_new_replicas_by_name_and_health_answers_503(served, tmp_path):
-    """`<run>/latest` pins the run's newest checkpoint when the app deploys; training goes on and prunes it
-    (CheckpointManager keep=1, i.e. --keep-checkpoints 1), then the replica dies. Every new replica fails to
-    start with an error naming the checkpoint and --keep-checkpoints, and /health answers 503 with that reason
-    after health_timeout_s (default 5 s) instead of waiting for a replica that never comes (it hung before).
-    A second app on the module's Serve, so the shared one is untouched."""
+def _wait_for_failed_start(app: str):
+    """ChatServer's status in `app` once Serve's message says a replica failed to start (120 s at most)."""
+    from ray import serve
+
+    deadline = time.monotonic() + 120
+    while (
+        "failed to start"
+        not in (server := serve.status().applications[app].deployments["ChatServer"]).message
+    ):
+        assert time.monotonic() < deadline, f"no failed start within 120 s: {server}"
+        time.sleep(0.5)
+    return server
+
+
+def test_a_deleted_checkpoint_fails_new_replicas_by_name_and_every_route_answers_503(served, tmp_path):
+    """A checkpoint outside any run (served in place) is deleted after the app deployed, then the replica dies.
+    Every new replica fails to start with an error naming the checkpoint, and /health and a request on each
+    chat route answer 503 with that reason once health_timeout_s (default 5 s) has passed, instead of waiting
+    for a replica that never comes (/health hung before; the chat routes still did). A second app on the
+    module's Serve, so the shared one is untouched."""
+    import shutil
+
+    from ray import serve
+
+    from raychat.serve.app import build_app
+
+    ckpt = write_tiny_checkpoint(tmp_path / "model")
+    args = {"checkpoint": str(ckpt), "num_cpus": 0.25, "torch_threads": 1, "max_slots": 1}
+    serve.run(build_app(args), name="gone", route_prefix="/gone")
+    try:
+        url = f"{served}/gone"
+        assert (
+            requests.get(f"{url}/health", timeout=30).json()["model_id"] == "model"
+        )  # caches the model info
+        pid = (
+            serve.get_deployment_handle("ChatServer", app_name="gone")
+            .stats.remote()
+            .result(timeout_s=30)["pid"]
+        )
+        shutil.rmtree(ckpt)
+        os.kill(pid, signal.SIGKILL)  # the replica crashes: Serve starts a new one, which cannot load
+        server = _wait_for_failed_start("gone")
+        error = server.message.strip().splitlines()[-1]  # Serve's traceback of the replica ends with it
+        assert error.startswith(
+            f"raychat.checkpoint_manager.CheckpointError: checkpoint {ckpt} no longer exists: "
+        )
+        assert "--keep-checkpoints" in error and "cp -r" in error
+        reason = r"no ChatServer replica answered within 5 s; ChatServer is [A-Z_]+ \(replicas: [^)]*\): (.*)"
+        t0 = time.monotonic()
+        resp = requests.get(f"{url}/health", timeout=30)
+        took = time.monotonic() - t0
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "5", resp.text
+        assert 5 <= took < 20, took
+        body = resp.json()
+        assert body["status"] == "unavailable" and re.fullmatch(reason, body["reason"])[1] == error, body
+        messages = [{"role": "user", "content": "hi"}]
+        for path, request in [
+            ("/chat/completions", {"messages": messages}),
+            ("/v1/chat/completions", {"messages": messages}),
+            ("/v1/chat/completions", {"messages": messages, "stream": True}),
+            ("/v1/completions", {"prompt": "hi"}),
+        ]:
+            t0 = time.monotonic()
+            resp = requests.post(f"{url}{path}", json=request, timeout=60)  # waited for ever before
+            took = time.monotonic() - t0
+            assert resp.status_code == 503 and resp.headers["retry-after"] == "5", (path, resp.text)
+            assert 5 <= took < 20, (path, took)
+            err = resp.json()["error"]
+            assert err["type"] == "server_error" and err["param"] is None, err
+            assert re.fullmatch(f"engine unavailable: {reason}", err["message"])[1] == error, err
+    finally:
+        serve.delete("gone")
+
+
+def test_a_runs_checkpoint_is_served_from_a_snapshot_that_pruning_leaves(served, tmp_path):
+    """`<run>/latest` pins the run's newest checkpoint when the app deploys, and build_app serves it from a
+    snapshot (<run>/served/checkpoint_000001-<12 hex>: hard links). Training goes on and prunes that checkpoint
+    (CheckpointManager keep=1, i.e. --keep-checkpoints 1), then the replica dies: the new replica loads the
+    snapshot and serves the same model (before, every new replica failed: checkpoint ... no longer exists)."""
     from ray import serve
 
     from raychat.checkpoint_manager import CheckpointManager
@@ -216,35 +289,40 @@ def test_a_pruned_checkpoint_fails_new_replicas_by_name_and_health_answers_503(s
     args = {"checkpoint": f"{tmp_path}/run/latest", "num_cpus": 0.25, "torch_threads": 1, "max_slots": 1}
     serve.run(build_app(args), name="pruned", route_prefix="/pruned")
     try:
-        health = f"{served}/pruned/health"
-        assert requests.get(health, timeout=30).json()["model_id"] == "checkpoint_000001"
+        url = f"{served}/pruned"
+        assert requests.get(f"{url}/health", timeout=30).json()["model_id"] == "checkpoint_000001"
         handle = serve.get_deployment_handle("ChatServer", app_name="pruned")
         pid = handle.stats.remote().result(timeout_s=30)["pid"]
+        (snapshot,) = (tmp_path / "run" / "served").iterdir()
+        assert re.fullmatch(r"checkpoint_000001-[0-9a-f]{12}", snapshot.name), snapshot
         write_tiny_checkpoint(tmp_path / "run" / "checkpoint_000002")  # training saves on and prunes
         assert CheckpointManager(open_storage(tmp_path), "run", keep=1).prune() == [str(first)]
-        os.kill(pid, signal.SIGKILL)  # the replica crashes: Serve starts a new one, which cannot load
+        os.kill(pid, signal.SIGKILL)  # the replica crashes: Serve starts a new one, from the snapshot
         deadline = time.monotonic() + 120
-        while (
-            "failed to start"
-            not in (server := serve.status().applications["pruned"].deployments["ChatServer"]).message
-        ):
-            assert time.monotonic() < deadline, f"no failed start within 120 s: {server}"
+        while _replica_pid(handle) in (None, pid):
+            assert time.monotonic() < deadline, (
+                serve.status().applications["pruned"].deployments["ChatServer"]
+            )
             time.sleep(0.5)
-        t0 = time.monotonic()
-        resp = requests.get(health, timeout=30)  # no replica runs: this waited for one for ever before
-        took = time.monotonic() - t0
-        assert resp.status_code == 503 and resp.headers["retry-after"] == "5", resp.text
-        assert 5 <= took < 20, took
-        error = server.message.strip().splitlines()[-1]  # Serve's traceback of the replica ends with it
-        assert error.startswith(
-            f"raychat.checkpoint_manager.CheckpointError: checkpoint {first} no longer exists: "
+        health = requests.get(f"{url}/health", timeout=30)
+        assert health.status_code == 200 and health.json()["model_id"] == "checkpoint_000001", health.text
+        resp = requests.post(
+            f"{url}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            timeout=60,
         )
-        assert "--keep-checkpoints" in error and "cp -r" in error
-        body = resp.json()
-        reason = r"no ChatServer replica answered within 5 s; ChatServer is [A-Z_]+ \(replicas: [^)]*\): (.*)"
-        assert body["status"] == "unavailable" and re.fullmatch(reason, body["reason"])[1] == error, body
+        assert resp.status_code == 200 and resp.json()["model"] == "checkpoint_000001", resp.text
+        assert not first.exists() and (snapshot / "commit.json").is_file()
     finally:
         serve.delete("pruned")
+
+
+def _replica_pid(handle) -> int | None:
+    """The pid of a ChatServer replica that answers within 5 s, or None."""
+    try:
+        return handle.stats.remote().result(timeout_s=5)["pid"]
+    except Exception:  # noqa: BLE001 - no replica running yet (a timeout, or the dead one's error)
+        return None
 
 
 @pytest.mark.slow

@@ -4,8 +4,10 @@ root is ever written, renamed or deleted."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -19,7 +21,9 @@ from raychat.checkpoint_manager import (
     CheckpointManager,
     checkpoint_gone,
     find_checkpoint,
+    is_run_checkpoint,
     resolve_checkpoint,
+    snapshot_checkpoint,
 )
 from raychat.config import ConfigError
 from raychat.storage import open_storage
@@ -90,6 +94,53 @@ def test_a_pruned_checkpoint_is_gone_and_an_unreadable_reference_is_not_said_to_
     save(manager, tmp_path, 2)  # keep=1: checkpoint 1 is pruned
     assert checkpoint_gone(first) and not checkpoint_gone(manager.uri(2))
     assert not checkpoint_gone("ftp://host/run/checkpoint_000001")  # no storage to ask: nothing is known
+
+
+def test_a_snapshot_of_a_runs_checkpoint_outlives_its_pruning_and_is_reused(tmp_path):
+    manager = CheckpointManager(open_storage(tmp_path / "runs"), "run", keep=1)
+    first = save(manager, tmp_path, 1)
+    assert is_run_checkpoint(first) and not is_run_checkpoint("s3://b/run/checkpoint_000001")
+    commit = (Path(first) / COMMIT_FILE).read_bytes()
+    snap = snapshot_checkpoint(first)
+    assert (
+        snap == tmp_path / "runs/run/served" / f"checkpoint_000001-{hashlib.sha256(commit).hexdigest()[:12]}"
+    )
+    assert not is_run_checkpoint(str(snap))  # serving the snapshot itself takes no snapshot of it
+    weights = snap / "model.safetensors"
+    assert weights.stat().st_ino == (Path(first) / "model.safetensors").stat().st_ino  # a hard link
+    assert sorted(os.listdir(snap.parent)) == [snap.name]  # no temporary left beside it
+    assert (
+        snapshot_checkpoint(first) == snap
+        and weights.stat().st_ino == snap.joinpath(weights.name).stat().st_ino
+    )
+    before = tree(Path(first))
+    save(manager, tmp_path, 2)  # keep=1: checkpoint 1 is pruned, its snapshot is not
+    assert checkpoint_gone(first) and tree(snap) == before
+    assert find_checkpoint(str(snap)) == str(snap)
+    assert [c.step for c in manager.committed()] == [2] and manager.prune() == []
+
+
+def test_a_snapshot_copies_where_links_are_refused_and_refuses_a_damaged_checkpoint(tmp_path, monkeypatch):
+    manager = CheckpointManager(open_storage(tmp_path / "runs"), "run")
+    first = Path(save(manager, tmp_path, 1))
+
+    def no_links(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_links)
+    snap = snapshot_checkpoint(first)
+    assert (
+        tree(snap) == tree(first)
+        and snap.joinpath("meta.json").stat().st_ino != first.joinpath("meta.json").stat().st_ino
+    )
+    monkeypatch.undo()
+    second = Path(save(manager, tmp_path, 2))
+    (second / "state_rank1.npz").write_bytes(b"cut")  # damaged after its commit: no snapshot of it
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint_000002: state_rank1.npz has 3 bytes, committed with"
+    ):
+        snapshot_checkpoint(second)
+    assert [p.name for p in (first.parent / "served").iterdir()] == [snap.name]
 
 
 def test_a_crash_mid_save_is_never_loaded_and_the_next_save_cleans_it_up(tmp_path):

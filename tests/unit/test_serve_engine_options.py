@@ -63,6 +63,24 @@ def test_build_app_binds_the_engine_options_to_the_chat_server_deployment(tmp_pa
     assert engine.init_args[-2:] == ("bfloat16", 96)  # the device: from the GPUs Ray assigns the replica
 
 
+def test_build_app_binds_a_snapshot_of_a_runs_checkpoint_under_its_own_name(tmp_path):
+    """<run>/latest resolves to the run's newest checkpoint, which the replicas load from its snapshot
+    (checkpoint_manager.snapshot_checkpoint) and report under the checkpoint's name; a checkpoint outside a
+    run is bound as it is."""
+    write_tiny_checkpoint(tmp_path / "run" / "checkpoint_000003")
+    engine = (
+        build_app({"checkpoint": f"{tmp_path}/run/latest"})._bound_deployment.init_args[0]._bound_deployment
+    )
+    (snapshot,) = (tmp_path / "run" / "served").iterdir()
+    assert engine.init_args[0] == str(snapshot) and snapshot.name.startswith("checkpoint_000003-")
+    assert engine.init_args[6] == "checkpoint_000003"  # model_id
+    write_tiny_checkpoint(tmp_path / "model")
+    engine = (
+        build_app({"checkpoint": str(tmp_path / "model")})._bound_deployment.init_args[0]._bound_deployment
+    )
+    assert engine.init_args[0] == str(tmp_path / "model") and engine.init_args[6] == "model"
+
+
 def test_serve_config_takes_kv_dtype_and_refuses_a_bad_value_in_one_line():
     assert serve_config({"checkpoint": "ckpt"}).replica.kv_dtype == "model"
     assert serve_config({"checkpoint": "ckpt", "kv_dtype": "bfloat16"}).replica.kv_dtype == "bfloat16"

@@ -138,7 +138,8 @@ class ServeConfig(Section):
     health_timeout_s: float = option(
         5.0, "seconds GET /health (and the model info that /v1/models and chat requests read once) waits for a "
         "ChatServer replica's answer; then 503 with the reason (no replica running, e.g. each new one fails to "
-        "start, or every one busy)", gt=0,
+        "start, or every one busy). A chat request waiting for a replica asks this often whether ChatServer is "
+        "failing (no replica running, UNHEALTHY, DEPLOY_FAILED or a failed start): then 503 with that reason", gt=0,
     )  # fmt: skip
 
 

@@ -19,10 +19,12 @@ ingress' max_ongoing_requests (at least 1000) follows args' max_replicas only.
 
 `checkpoint` is any reference raychat.checkpoint_manager resolves (a checkpoint dir, a run dir, <run dir>/latest, on a
 shared directory, s3:// or gs://): build_app resolves it once, so every replica serves the same checkpoint,
-and a replica on another node fetches a remote one itself (raychat.checkpoint.load_model). A training run that
-goes on prunes that checkpoint (its --keep-checkpoints): every replica started after that (scaling up,
-replacing one) fails with pruned_message, and while none runs /health answers 503 with that reason once
-`health_timeout_s` has passed without an answer (HandleClient).
+and a replica on another node fetches a remote one itself (raychat.checkpoint.load_model). A run's local
+checkpoint (checkpoint_<step>) is served from a snapshot beside it that the run's pruning leaves (pinned), so
+replicas started later load it too; a remote one, or one deleted otherwise, fails every replica started after
+that with pruned_message. While ChatServer is failing so, /health and chat requests answer 503 with the
+Serve controller's reason within about `health_timeout_s` (HandleClient), where a request to replicas that
+are busy or starting waits.
 `max_replicas_per_node` spreads ChatServer replicas over nodes (Serve's deployment option of that name).
 
 Overload is refused, never queued without bound: each Serve proxy queues at most `ingress_max_queued_requests`
@@ -38,8 +40,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
+import time
+from pathlib import Path
 
 import psutil
 import ray
@@ -50,7 +55,13 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
-from raychat.checkpoint_manager import CheckpointError, checkpoint_gone, find_checkpoint
+from raychat.checkpoint_manager import (
+    CheckpointError,
+    checkpoint_gone,
+    find_checkpoint,
+    is_run_checkpoint,
+    snapshot_checkpoint,
+)
 from raychat.config import ConfigError, ServeConfig, from_dict
 from raychat.gc_heap import freeze_gc_heap
 from raychat.serve.api import MAX_BODY_BYTES
@@ -61,6 +72,11 @@ from raychat.serve.server import ChatServer, merge_deltas
 
 # what a handle raises when no ChatServer replica can take (or finish) a request: 503, retry later
 UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)
+# Serve's deployment statuses in which ChatServer takes no request until it recovers or is deployed again
+FAILED = ("UNHEALTHY", "DEPLOY_FAILED")
+# seconds one controller answer (server_state) serves every request of this ingress that asks
+STATE_REUSE_S = 1.0
+log = logging.getLogger(__name__)
 
 
 def serve_config(args: dict | ServeConfig | None) -> ServeConfig:
@@ -188,17 +204,21 @@ def pruned_message(checkpoint: str) -> str:
     )
 
 
-def server_state(app_name: str) -> str:
+def server_state(app_name: str) -> tuple[str, bool]:
     """ChatServer's state in application `app_name` as the Serve controller reports it, in one line:
     "ChatServer is UNHEALTHY (replicas: 1 STARTING): <the last line of its status message>" (where Serve puts
-    the error of a replica that failed to start). Blocks on a call to the controller."""
+    the error of a replica that failed to start); and whether it is failing: no replica RUNNING while Serve
+    reports it UNHEALTHY or DEPLOY_FAILED, or a replica that failed to start (a deployment that is only
+    starting or scaling up is not). Blocks on a call to the controller."""
     d = serve.status().applications[app_name].deployments[SERVER_DEPLOYMENT]
     states = sorted((getattr(k, "value", k), n) for k, n in d.replica_states.items())
     replicas = ", ".join(f"{n} {state}" for state, n in states) or "none"
     lines = d.message.strip().splitlines()
-    return f"{SERVER_DEPLOYMENT} is {d.status.value} (replicas: {replicas})" + (
+    line = f"{SERVER_DEPLOYMENT} is {d.status.value} (replicas: {replicas})" + (
         f": {lines[-1].strip()}" if lines else ""
     )
+    running = dict(states).get("RUNNING", 0) > 0
+    return line, not running and (d.status.value in FAILED or "failed to start" in d.message)
 
 
 async def _awaited(awaitable):
@@ -214,12 +234,16 @@ def overloaded(e: BackPressureError) -> EngineOverloadedError:
 class HandleClient:
     """The ingress' engine client over a DeploymentHandle to ChatServer (protocol in raychat.serve.ingress).
 
-    timeout_s: seconds info() and stats() wait for a replica's answer (None: as long as Serve routes the call,
-        which is for ever while no replica runs, e.g. while each new one fails to start).
+    timeout_s: seconds info() and stats() wait for a replica's answer, and how often generate() asks the
+        Serve controller whether ChatServer is failing while its request waits for a first event (None: as
+        long as Serve routes the call, which is for ever while no replica runs, e.g. while each new one fails
+        to start).
     """
 
     def __init__(self, handle, timeout_s: float | None = None):
         self.handle, self.timeout_s = handle, timeout_s
+        self._asking: asyncio.Future | None = None  # the latest server_state call, shared (see _state)
+        self._asked_at = 0.0
 
     async def info(self) -> dict:
         return await self._call(self.handle.info)
@@ -243,12 +267,40 @@ class HandleClient:
     async def _no_answer(self) -> str:
         head = f"no {SERVER_DEPLOYMENT} replica answered within {self.timeout_s:g} s"
         try:
-            state = await asyncio.wait_for(
-                asyncio.to_thread(server_state, self.handle.app_name), self.timeout_s
-            )
-            return f"{head}; {state}"
+            return f"{head}; {(await self._state())[0]}"
         except Exception as e:  # noqa: BLE001 - the controller's silence must not hide the answer
             return f"{head}; the Serve controller did not say why ({type(e).__name__}: {e})"
+
+    async def _state(self) -> tuple[str, bool]:
+        """server_state of this handle's app within timeout_s (else asyncio.TimeoutError); an answer that
+        started less than STATE_REUSE_S ago, or is still on its way, is shared by every caller."""
+        if self._asking is None or (
+            self._asking.done() and time.monotonic() - self._asked_at > STATE_REUSE_S
+        ):
+            call = asyncio.to_thread(server_state, self.handle.app_name)
+            self._asking = asyncio.ensure_future(asyncio.wait_for(call, self.timeout_s))
+            self._asked_at = time.monotonic()
+        return await asyncio.shield(self._asking)
+
+    async def _first(self, gen) -> list:
+        """The first batch of the stream `gen` ([] if it ends without one). While it has not come, every
+        timeout_s the Serve controller is asked whether ChatServer is failing (server_state); if it is, the
+        wait ends in EngineUnavailableError with /health's reason (a request waits for a replica that is busy,
+        starting or being added, never for one that cannot start)."""
+        batch = asyncio.ensure_future(_awaited(anext(gen)))
+        try:
+            while not (await asyncio.wait({batch}, timeout=self.timeout_s))[0]:
+                try:
+                    failing = (await self._state())[1]
+                except Exception:  # noqa: BLE001 - the controller's silence is no reason to fail the request
+                    continue
+                if failing:
+                    raise EngineUnavailableError(await self._no_answer())
+            return batch.result()
+        except StopAsyncIteration:
+            return []
+        finally:
+            batch.cancel()  # nothing once it is done; else the caller stopped waiting
 
     async def generate(self, request: dict):
         """The replica's events; a full queue (Serve's max_queued_requests) raises EngineOverloadedError
@@ -257,6 +309,8 @@ class HandleClient:
         gen = self.handle.options(stream=True).generate.remote(request)
         finished = False
         try:
+            for event in await self._first(gen):
+                yield event
             async for batch in gen:
                 for event in batch:
                     yield event
@@ -299,16 +353,42 @@ def device_for(num_gpus: float) -> str:
     return "cuda" if num_gpus > 0 else "cpu"
 
 
+def pinned(checkpoint: str) -> str:
+    """What the replicas load for `checkpoint` (find_checkpoint's answer): a run's local checkpoint_<step>
+    directory as a snapshot that the run's pruning leaves alone (raychat.checkpoint_manager.snapshot_checkpoint,
+    in the run dir: hard links); anything else as it is. Where the run dir takes no snapshot (not writable: the
+    OSError is logged as a warning), the checkpoint itself.
+
+    Raises CheckpointError: a file of the checkpoint differs from its commit marker; ValueError: a symbolic
+    link leads the snapshot out of the run dir."""
+    if not is_run_checkpoint(checkpoint):
+        return checkpoint
+    try:
+        return str(snapshot_checkpoint(checkpoint))
+    except OSError as e:
+        log.warning(
+            "checkpoint: no snapshot of %s in its run dir (%s): serving it in place, so a replica that starts "
+            "after its run pruned it fails",
+            checkpoint,
+            e,
+        )
+        return checkpoint
+
+
 def build_app(args: dict | ServeConfig) -> Application:
-    """The application for `serve run raychat.serve.app:build_app key=value ...` (keys: ServeConfig).
+    """The application for `serve run raychat.serve.app:build_app key=value ...` (keys: ServeConfig). A run's
+    local checkpoint is bound as its snapshot (pinned), reported under the checkpoint's own name.
 
     Raises:
         ValueError: invalid args (see serve_config), or a checkpoint reference that names no committed
-            checkpoint (one line naming `checkpoint` and what is there).
+            checkpoint (one line naming `checkpoint` and what is there); CheckpointError (a ValueError): a
+            file of a run's checkpoint differs from its commit marker (named).
     """
     c = serve_config(args)
     r, a = c.replica, c.autoscaling
     checkpoint = find_checkpoint(c.checkpoint, flag="checkpoint")
+    model_id = c.model_id or Path(checkpoint).resolve().name  # a snapshot's name has a digest appended
+    checkpoint = pinned(checkpoint)
     options = deployment_options(c)  # what a Serve config's deployments: section may override in place
     backpressure = BackpressureConfig(status_code=429, retry_after_s=c.retry_after_s)
     limits = {"max_pending": r.max_pending, "request_timeout_s": r.request_timeout_s}
@@ -324,7 +404,7 @@ def build_app(args: dict | ServeConfig) -> Application:
         r.stream_interval,
         r.engine_process,
         r.torch_threads,
-        c.model_id,
+        model_id,
         r.dtype,
         r.prefill_chunk_tokens,
         limits=limits,
