@@ -168,6 +168,7 @@ def rl(subparsers) -> None:
     )
     add_flags(parser, RLConfig, preset="none", preset_aliases=("--config",))
     parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
+    add_token_file_flag(parser)
     parser.set_defaults(func="raychat.rl.cli:main")
 
 

@@ -21,7 +21,7 @@ from raychat.capacity import check_bundles, read_capacity
 from raychat.checkpoint import check_model
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_args
-from raychat.ray_token import hand_to_ray, refused_message, token_refusal
+from raychat.ray_token import token_for
 from raychat.serve import vllm
 from raychat.serve.app import build_app, serve_config
 from raychat.storage import is_remote
@@ -175,14 +175,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             "--no-block needs --address (or RAY_ADDRESS): a local cluster ends with this process"
         )
-    _, token_source = hand_to_ray(args.token_file)
-    try:
+    with token_for(args.address, args.token_file):
         return _serve(args)
-    except ConnectionError as e:
-        if (reason := token_refusal(e)) is None:
-            raise
-        where = args.address or os.environ.get("RAY_ADDRESS", "")
-        raise ConnectionError(refused_message(where, token_source, reason)) from e
 
 
 def _serve(args: argparse.Namespace) -> int:
