@@ -820,7 +820,7 @@ def test_resuming_in_the_warmdown_with_a_longer_horizon(step, lr, pretrained, dr
 @pytest.mark.parametrize(
     "flag, values",
     [("--target-param-data-ratio", ["0.1", "0.2", "0.05", "0.09"]),
-     ("--target-flops", ["4470000000.0", "8940000000.0", "2235000000.0", "4190000000.0"])],
+     ("--target-flops", ["4.47e9", "8.94e9", "2.235e9", "4.19e9"])],  # shown as typed (was 4470000000.0)
 )  # fmt: skip
 def test_resuming_with_another_derived_horizon(flag, values, pretrained, driver, capsys):
     """A horizon derived from tokens per parameter or FLOPs follows --num-iterations' rule. The tiny model has

@@ -76,8 +76,8 @@ def test_a_damaged_checkpoint_is_refused_naming_it_and_the_file(ckpt, capsys):
         (["--max-len", "100000"], "--max-len must be in 2..256 (the model's max_seq_len), got 100000"),
         (["--max-len", "1"], "--max-len must be in 2..256 (the model's max_seq_len), got 1"),
         (["--max-slots", "0"], "--max-slots must be >= 1, got 0"),
-        (["--num-cpus", "-1"], "--num-cpus must be >= 0, got -1.0"),
-        (["--request-timeout-s", "0"], "--request-timeout-s must be > 0, got 0.0"),
+        (["--num-cpus", "-1"], "--num-cpus must be >= 0, got -1"),
+        (["--request-timeout-s", "0"], "--request-timeout-s must be > 0, got 0"),
         (  # passed the flag checks, then every replica failed in the engine ("Failed to update the deployments")
             ["--prefix-cache-tokens", "5"],
             "--prefix-cache-tokens must be 0 (off) or >= 16 (one KV block of 16 tokens), got 5",

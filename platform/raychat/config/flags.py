@@ -25,6 +25,7 @@ from raychat.config.schema import (
     flag_naming,
     from_dict,
     leaves,
+    shown,
     to_flat,
 )
 
@@ -84,7 +85,7 @@ def _add_section(parser, cls, defaults, title: str, old: dict[str, list[str]]) -
         names = [flag_name(f.name), *(flag_name(a) for a in f.metadata.get("aliases", ())), *old[f.name]]
         default = getattr(defaults, f.name)
         required = "(required)" in f.metadata["help"] and default == ""
-        help = f.metadata["help"] if required else f"{f.metadata['help']} (default: {default!r})"
+        help = f.metadata["help"] if required else f"{f.metadata['help']} (default: {shown(default)})"
         kind, _ = _base_type(hints[f.name])
         if kind is bool:
             group.add_argument(

@@ -22,6 +22,7 @@ import re
 import types
 import typing
 from dataclasses import MISSING, field
+from decimal import Decimal
 from functools import cache
 from pathlib import Path
 
@@ -186,6 +187,20 @@ class Section:
             check(f, value, name)
 
 
+def shown(value) -> str:
+    """`value` as messages, --help and plans print it: a float in its shortest form, a whole one without ".0"
+    (20.0 -> 20, -1.0 -> -1) and from 1e6 on in e-notation (4470000000.0 -> 4.47e9: what a user types, and
+    it parses back to the same float); an int as it is; anything else as its repr ('runs', None, True)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, int) or not math.isfinite(value):
+        return str(value)
+    if value.is_integer() and abs(value) < 1e6:
+        return str(int(value))
+    text = f"{Decimal(repr(value)).normalize():e}" if value.is_integer() else repr(value)
+    return text.replace("e+", "e")
+
+
 def check(f: dataclasses.Field, value, flag: str) -> None:
     """Raise ConfigError when `value` breaks the choices or bounds of option `f` (named `flag` in errors)."""
     m = f.metadata
@@ -200,13 +215,13 @@ def check(f: dataclasses.Field, value, flag: str) -> None:
     if value is None or isinstance(value, (bool, str)):
         return
     if m.get("positive") and value <= 0:
-        raise ConfigError(f"{flag} must be a positive integer, got {value}")
+        raise ConfigError(f"{flag} must be a positive integer, got {shown(value)}")
     if m.get("ge") is not None and value < m["ge"]:
-        raise ConfigError(f"{flag} must be >= {m['ge']}, got {value}")
+        raise ConfigError(f"{flag} must be >= {shown(m['ge'])}, got {shown(value)}")
     if m.get("gt") is not None and value <= m["gt"]:
-        raise ConfigError(f"{flag} must be > {m['gt']}, got {value}")
+        raise ConfigError(f"{flag} must be > {shown(m['gt'])}, got {shown(value)}")
     if m.get("le") is not None and value > m["le"]:
-        raise ConfigError(f"{flag} must be <= {m['le']}, got {value}")
+        raise ConfigError(f"{flag} must be <= {shown(m['le'])}, got {shown(value)}")
 
 
 @cache

@@ -38,7 +38,7 @@ from raychat.capacity import (
 from raychat.checkpoint import check_model, load_tree
 from raychat.checkpoint_manager import CheckpointError, CheckpointManager, find_checkpoint, verify_stored
 from raychat.config import ConfigError, TrainConfig, from_args, from_dict, to_dict, to_flat
-from raychat.config.schema import flag_name
+from raychat.config.schema import flag_name, shown
 from raychat.data.loader.document_order import changed_shards
 from raychat.data.loader.row_source import RowSource, same_stream
 from raychat.log import log
@@ -308,7 +308,7 @@ def _changed(meta: dict, cfg: TrainConfig, options) -> list[tuple[str, object, o
 def _values(changed: list[tuple[str, object, object]]) -> tuple[str, str, str]:
     """(the names, the checkpoint's values, this run's) of _changed's list, each joined by ", "."""
     names = ", ".join(name for name, _, _ in changed)
-    was, now = (", ".join(repr(c[i]) for c in changed) for i in (1, 2))
+    was, now = (", ".join(shown(c[i]) for c in changed) for i in (1, 2))
     return names, was, now
 
 
