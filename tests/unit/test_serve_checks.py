@@ -96,6 +96,31 @@ def test_bad_options_name_the_flag(ckpt, capsys, flags, message):
     assert serve_error(capsys, "--checkpoint", str(ckpt), *flags) == f"raychat serve: error: {message}{TAIL}"
 
 
+def test_an_aliass_errors_name_the_alias_typed(ckpt, tmp_path, capsys):
+    """--replicas (--max-replicas) and --max-rows (--max-slots): the errors named the other flag; a preset's
+    `replicas:` key is named as written too."""
+    assert serve_error(capsys, "--checkpoint", str(ckpt), "--replicas", "0") == (
+        f"raychat serve: error: --replicas must be >= 1, got 0{TAIL}"
+    )
+    assert serve_error(capsys, "--checkpoint", str(ckpt), "--min-replicas", "3", "--replicas", "2") == (
+        f"raychat serve: error: --min-replicas 3 exceeds --replicas 2; need --min-replicas <= --replicas{TAIL}"
+    )
+    assert serve_error(capsys, "--checkpoint", str(ckpt), "--max-rows", "0") == (
+        f"raychat serve: error: --max-rows must be >= 1, got 0{TAIL}"
+    )
+    with pytest.raises(SystemExit):
+        main(["serve", "--checkpoint", str(ckpt), "--replicas", "two"])
+    assert capsys.readouterr().err == (
+        "raychat serve: error: argument --replicas: --replicas must be an integer, got 'two' (`raychat serve "
+        "--help` lists the flags)\n"
+    )
+    preset = tmp_path / "serve.yaml"
+    preset.write_text("serve:\n  replicas: 0\n")
+    assert serve_error(capsys, "--checkpoint", str(ckpt), "--preset", str(preset)) == (
+        f"raychat serve: error: replicas must be >= 1, got 0{TAIL}"
+    )
+
+
 def test_no_checkpoint_or_one_that_names_nothing_names_the_flag(tmp_path, capsys):
     assert serve_error(capsys) == (
         f"raychat serve: error: --checkpoint: required: a checkpoint dir, a run dir or <run dir>/latest{TAIL}"

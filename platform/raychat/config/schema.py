@@ -153,12 +153,16 @@ def flag_name(name: str) -> str:
 
 
 _NAMING: contextvars.ContextVar[str | None] = contextvars.ContextVar("naming", default=None)
+# flat name -> the alias its value was given under, while from_dict builds a config
+_SPELLED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("spelled", default=None)
 
 
 def label(cls, name: str) -> str:
     """How errors name option `name` of section `cls`: its --flag, or its key where the section's NAMING is
-    "key" (build_app args and keyword arguments are written as keys) outside flag_naming()."""
+    "key" (build_app args and keyword arguments are written as keys) outside flag_naming(); under the alias
+    the value was given as (`--replicas`, `max_rows:`), where it was."""
     naming = _NAMING.get() or getattr(cls, "NAMING", "flag")
+    name = (_SPELLED.get() or {}).get(name, name)
     return name if naming == "key" else flag_name(name)
 
 
@@ -320,8 +324,9 @@ def deprecated(cls) -> dict[str, str]:
     return dict(getattr(cls, "DEPRECATED", {}))
 
 
-def flatten(cls, values: dict, where: str | None = None) -> dict:
-    """`values` (nested sections and/or flat names and aliases) as {flat name: value}.
+def flatten(cls, values: dict, where: str | None = None, spelled: dict | None = None) -> dict:
+    """`values` (nested sections and/or flat names and aliases) as {flat name: value}; `spelled`, when given,
+    gets {flat name: alias} of each value given under an alias.
 
     Raises:
         ConfigError: keys that are neither a section of `cls` nor a flat name or alias, as
@@ -334,9 +339,11 @@ def flatten(cls, values: dict, where: str | None = None) -> dict:
     unknown = []
     for key, value in (values or {}).items():
         if key in sections and isinstance(value, dict):
-            out.update(flatten(_hints(cls)[key], value, where))
+            out.update(flatten(_hints(cls)[key], value, where, spelled))
         elif key in names or key in alias:  # before sections: RL's old flat `checkpoint` names a section too
             out[alias.get(key, key)] = value
+            if spelled is not None and key in alias:
+                spelled[alias[key]] = key
         elif key in sections:
             raise ConfigError(
                 f"{where or cls.__name__ + ' settings'}: section {key!r} must be a mapping of its options, got "
@@ -356,9 +363,16 @@ def from_dict(cls, values: dict | None = None, base=None, where: str | None = No
     """A `cls` instance: `base` (an instance, default `cls()`) with `values` (see flatten) on top.
 
     Raises:
-        ConfigError: an unknown key, a value of the wrong type, or a value outside its allowed set.
+        ConfigError: an unknown key, a value of the wrong type, or a value outside its allowed set; a value
+            given under an alias is named by that alias.
     """
-    return _build(cls, flatten(cls, values or {}, where), base)
+    spelled: dict[str, str] = {}
+    flat = flatten(cls, values or {}, where, spelled)
+    token = _SPELLED.set(spelled)
+    try:
+        return _build(cls, flat, base)
+    finally:
+        _SPELLED.reset(token)
 
 
 def _build(cls, flat: dict, base):
