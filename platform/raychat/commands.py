@@ -41,6 +41,9 @@ sources:
   DIR           a folder: *.txt/*.md/*.rst = one document per file, *.jsonl = a "text" field per line,
                 *.parquet = a `text` column; other files, empty and invalid-UTF-8 documents are counted skips
 
+hub sources only: --url-pattern, --workers (parallel downloads); local sources only: --rows-per-shard. Each is
+refused with the other kind of source.
+
 output: DIR/shard_00000.parquet ... (one `text` column, zstd, row groups of 1024); the LAST shard is the
 validation shard; DIR/manifest.json lists every shard with its sha256, and the skipped counts by reason.
 """
@@ -168,6 +171,7 @@ def rl(subparsers) -> None:
     )
     add_flags(parser, RLConfig, preset="none", preset_aliases=("--config",))
     parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
+    add_token_file_flag(parser)
     parser.set_defaults(func="raychat.rl.cli:main")
 
 

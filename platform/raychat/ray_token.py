@@ -15,6 +15,7 @@ hand_to_ray puts it where Ray looks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -66,6 +67,23 @@ def hand_to_ray(token_file: str | None = None) -> tuple[str | None, str]:
     if get_authentication_mode() != AuthenticationMode.TOKEN:
         Config.initialize("")  # Ray's config holds the mode read when its core loaded: read it again
     return token, source
+
+
+@contextlib.contextmanager
+def token_for(address: str | None, token_file: str | None = None):
+    """Within: this process's Ray GCS clients send the token (hand_to_ray(token_file)), for a `ray.init` of
+    `address` (None: RAY_ADDRESS, else a new local cluster). A ConnectionError raised within because the
+    cluster refused the token (token_refusal) becomes one ConnectionError of refused_message's line.
+
+    Raises FileNotFoundError / ValueError as find_token, on entering."""
+    _, source = hand_to_ray(token_file)
+    try:
+        yield
+    except ConnectionError as e:
+        if (reason := token_refusal(e)) is None:
+            raise
+        where = address or os.environ.get("RAY_ADDRESS", "")
+        raise ConnectionError(refused_message(where, source, reason)) from e
 
 
 def refused_message(address: str, source: str, reason: str) -> str:

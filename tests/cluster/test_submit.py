@@ -253,6 +253,32 @@ def test_a_gcs_address_takes_the_token_file_and_serve_has_one_too(token_cluster,
     assert "InvalidAuthToken" in r.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.ray
+def test_rl_takes_the_token_file_of_a_gcs_address(token_cluster, tmp_path):
+    """`raychat rl --address HOST:PORT --token-file F` connects with the flag's token (no RAY_* variable, no
+    ~/.ray/auth_token) and plans its actors against the cluster: a GPU layout on this CPU-only head is refused
+    after connecting. A wrong token is refused in one line naming --token-file."""
+    c = token_cluster
+    gcs, token_file = c["cluster"].gcs_address, str(c["token_file"])
+    ckpt = write_tiny_checkpoint(tmp_path / "sft", stage="sft")
+    rl = ["rl", "--preset", "tiny", "--storage-path", str(tmp_path / "runs"), "--init-from", str(ckpt),
+          "--use-gpu", "--address", gcs]  # fmt: skip
+    r = _raychat([*rl, "--token-file", token_file], c["tmp"])
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "raychat rl: error: --learner-workers, --rollout-workers, --cpus-per-learner, --cpus-per-rollout, "
+        "--use-gpu: one of them needs {CPU: 0.5, GPU: 1}; no node type has room: GPU (need 1, the most a node "
+        "has is 0); largest node type: alive node "
+    ), r.stdout + r.stderr  # was "unrecognized arguments: --token-file"
+
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("not-the-token\n")
+    r = _raychat([*rl, "--token-file", str(wrong)], c["tmp"], RAY_gcs_server_port_wait_time_s="1")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        f"raychat rl: error: --token-file: the Ray cluster at {gcs} refused the token in {wrong} ("
+    ), r.stdout + r.stderr
+    assert "InvalidAuthToken" in r.stderr.strip().splitlines()[-1]
+
+
 def _job_statuses(c) -> dict[str, str]:
     """submission id -> status, straight from the Jobs REST API the dashboard serves (GET /api/jobs/)."""
     req = urllib.request.Request(

@@ -159,7 +159,7 @@ def test_num_gpus_reaches_the_replica_options_and_its_device(tmp_path, monkeypat
         assert engine.name == serve_app.SERVER_DEPLOYMENT
         # the replica picks its device from the GPUs Ray assigned it (ray_actor_options)
         assert engine.ray_actor_options["num_gpus"] == gpus and serve_app.device_for(gpus) == device
-    with pytest.raises(ValueError, match="num_gpus must be >= 0, got -1.0"):
+    with pytest.raises(ValueError, match="num_gpus must be >= 0, got -1"):
         serve_app.serve_config({"checkpoint": "/x", "num_gpus": "-1"})
 
 
@@ -176,5 +176,5 @@ def test_serve_refuses_gpus_this_machine_does_not_have(tmp_path, capsys, monkeyp
     ckpt = write_tiny_checkpoint(tmp_path)
     assert main(["serve", "--checkpoint", str(ckpt), "--num-gpus", "1"]) == 2
     err = capsys.readouterr().err
-    assert "--num-gpus 1.0 = 1.0 GPUs, but this machine's Ray cluster has 0" in err
+    assert "--num-gpus 1 = 1 GPUs, but this machine's Ray cluster has 0" in err
     assert not ray.is_initialized()

@@ -204,7 +204,7 @@ def test_build_app_bounds_serve_queues(checkpoint):
     assert default.init_kwargs["health_timeout_s"] == 5.0
     for key, value, message in (
         ("max_pending", "0", "max_pending must be >= 1, got 0"),
-        ("request_timeout_s", "0", "request_timeout_s must be > 0, got 0.0"),
+        ("request_timeout_s", "0", "request_timeout_s must be > 0, got 0"),
         ("max_queued_requests", "0", "max_queued_requests must be >= 1, got 0"),
         ("retry_after_s", "0", "retry_after_s must be >= 1, got 0"),
     ):

@@ -769,6 +769,32 @@ def test_resuming_with_a_horizon_at_or_before_the_checkpoint(steps, pretrained, 
     )
 
 
+@pytest.mark.parametrize("stop_after", [2, 1])
+def test_resuming_with_stop_after_at_or_before_the_checkpoint(stop_after, pretrained, driver, capsys):
+    """The run resumed into an empty loop (exit 0, no step trained), and --dry-run printed its plan."""
+    argv, d = pretrained
+    want = (
+        f"raychat pretrain: error: --stop-after {stop_after}: the run resumes from its checkpoint {d} at step 2, so "
+        "it would stop before training a step; allowed: a step in 3..4, or -1 (run to the end)  (RAYCHAT_DEBUG=1 "
+        "shows the traceback)"
+    )
+    assert _fails_in_one_line([*argv, "--stop-after", str(stop_after)], capsys) == want
+    assert _fails_in_one_line([*argv, "--stop-after", str(stop_after), "--dry-run"], capsys) == want
+    driver([*argv, "--stop-after", "3"])  # a step after the checkpoint's: resumes
+
+
+def test_stop_after_on_a_finished_run(pretrained, driver, capsys):
+    argv, _ = pretrained
+    argv = [*argv, "--run-name", "p4"]
+    d = _commit_step(*driver(argv), step=4)
+    capsys.readouterr()
+    assert _fails_in_one_line([*argv, "--stop-after", "4"], capsys) == (
+        f"raychat pretrain: error: --stop-after 4: the run resumes from its checkpoint {d} at step 4, so it would "
+        "stop before training a step; allowed: none, the run has trained all 4 steps (leave --stop-after out)  "
+        "(RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+
+
 @pytest.mark.parametrize("step, lr", [(3, "0.5"), (4, "0")])
 def test_resuming_in_the_warmdown_with_a_longer_horizon(step, lr, pretrained, driver, capsys):
     """Step 3 of 4 is halfway down the warmdown (progress (4 - 3) / 2), step 4 (a finished run) at its end, 0;
@@ -794,7 +820,7 @@ def test_resuming_in_the_warmdown_with_a_longer_horizon(step, lr, pretrained, dr
 @pytest.mark.parametrize(
     "flag, values",
     [("--target-param-data-ratio", ["0.1", "0.2", "0.05", "0.09"]),
-     ("--target-flops", ["4470000000.0", "8940000000.0", "2235000000.0", "4190000000.0"])],
+     ("--target-flops", ["4.47e9", "8.94e9", "2.235e9", "4.19e9"])],  # shown as typed (was 4470000000.0)
 )  # fmt: skip
 def test_resuming_with_another_derived_horizon(flag, values, pretrained, driver, capsys):
     """A horizon derived from tokens per parameter or FLOPs follows --num-iterations' rule. The tiny model has

@@ -28,7 +28,7 @@ from raychat.config import (
     to_flat,
 )
 from raychat.config.data import TokenizerConfig
-from raychat.config.schema import leaves
+from raychat.config.schema import leaves, shown
 from raychat.storage import run_directory
 from raychat.tokenizer import MIN_VOCAB_SIZE
 from raychat.train.plan import make_plan
@@ -258,14 +258,32 @@ def test_data_inputs_are_the_storage_roots_runs_even_beside_a_local_data_dir(
     )
 
 
+def test_floats_are_shown_as_typed_in_help_and_messages(capsys):
+    """A float option printed "4470000000.0", "-1.0" and "20.0" (--target-flops 4.47e9, -1, 20) in --help and in
+    the messages that quote it; every shown value parses back to the same float."""
+    values = [4470000000.0, 20.0, -1.0, 0.0, 0.02, 1e-05, 1234567.5, 1e16, 2e6, 123456789.0]
+    assert [shown(v) for v in values] == [
+        "4.47e9", "20", "-1", "0", "0.02", "1e-05", "1234567.5", "1e16", "2e6", "1.23456789e8"
+    ]  # fmt: skip
+    assert [float(shown(v)) for v in values] == values
+    assert [shown(v) for v in (7, 10**20, "runs", None, True)] == ["7", str(10**20), "'runs'", "None", "True"]
+    with pytest.raises(SystemExit):
+        build_parser("pretrain").parse_args(["pretrain", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert "training FLOPs budget (used when num_iterations is -1) (default: -1)" in text
+    assert "tokens per parameter (Chinchilla 20) when no other horizon (default: 20)" in text
+    assert ".0)" not in text
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [  # each was accepted: a 1-step horizon from a ratio of -3 or 0, MFU against 0 or negative FLOP/s
-        (["--target-param-data-ratio", "-3"], "--target-param-data-ratio must be > 0, got -3.0"),
-        (["--target-param-data-ratio", "0"], "--target-param-data-ratio must be > 0, got 0.0"),
-        (["--peak-flops", "0"], "--peak-flops must be > 0 (FLOP/s) or -1 (known GPUs only), got 0.0"),
-        (["--peak-flops", "-7"], "--peak-flops must be > 0 (FLOP/s) or -1 (known GPUs only), got -7.0"),
-        (["--target-flops", "0"], "--target-flops must be > 0 or -1 (not used), got 0.0"),
+        (["--target-param-data-ratio", "-3"], "--target-param-data-ratio must be > 0, got -3"),
+        (["--target-param-data-ratio", "0"], "--target-param-data-ratio must be > 0, got 0"),
+        (["--peak-flops", "0"], "--peak-flops must be > 0 (FLOP/s) or -1 (known GPUs only), got 0"),
+        (["--peak-flops", "-7"], "--peak-flops must be > 0 (FLOP/s) or -1 (known GPUs only), got -7"),
+        (["--target-flops", "0"], "--target-flops must be > 0 or -1 (not used), got 0"),
+        (["--target-flops=-4.47e9"], "--target-flops must be > 0 or -1 (not used), got -4.47e9"),
         (["--stop-after", "0"], "--stop-after must be >= 1 (a step) or -1 (run to the end), got 0"),
         (
             ["--num-iterations", "10", "--stop-after", "20"],

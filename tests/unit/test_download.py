@@ -252,6 +252,22 @@ def test_a_url_pattern_the_downloader_cannot_use_is_refused_before_downloading(
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize("source", ["folder", "debian-docs"])
+def test_workers_with_a_local_source_is_refused(source, tmp_path, capsys):
+    """--workers (parallel downloads) was silently ignored for a local source, which is read in this process."""
+    if source == "folder":
+        (tmp_path / "texts").mkdir()
+        (tmp_path / "texts" / "a.txt").write_text("a document\n")
+        source = str(tmp_path / "texts")
+    argv = ["data", "prepare", "--source", source, "--workers", "8", "--out", str(tmp_path / "d")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"raychat data prepare: error: --workers applies to hub sources only (fineweb-edu, climbmix), not to "
+        f"--source {source}\n"
+    )
+    assert not (tmp_path / "d").exists()
+
+
 def test_prepare_hub_source_from_a_mirror(tmp_path, no_sleep):
     texts = {i: [f"shard {i} doc {j}" for j in range(i + 2)] for i in (0, 1, 1822)}
     files = {f"/shard_{i:05d}.parquet": parquet_bytes(t) for i, t in texts.items()}

@@ -153,7 +153,7 @@ def test_calculator_calls_show_as_a_block_and_the_history_keeps_them(tool_checkp
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--top-p", "0"], "--top-p must be > 0, got 0.0"),
+        (["--top-p", "0"], "--top-p must be > 0, got 0"),
         (["--top-p", "1.5"], "--top-p must be <= 1, got 1.5"),
         (["--max-tokens", "0"], "--max-tokens"),
         ([], "--checkpoint: required"),

@@ -76,8 +76,8 @@ def test_a_damaged_checkpoint_is_refused_naming_it_and_the_file(ckpt, capsys):
         (["--max-len", "100000"], "--max-len must be in 2..256 (the model's max_seq_len), got 100000"),
         (["--max-len", "1"], "--max-len must be in 2..256 (the model's max_seq_len), got 1"),
         (["--max-slots", "0"], "--max-slots must be >= 1, got 0"),
-        (["--num-cpus", "-1"], "--num-cpus must be >= 0, got -1.0"),
-        (["--request-timeout-s", "0"], "--request-timeout-s must be > 0, got 0.0"),
+        (["--num-cpus", "-1"], "--num-cpus must be >= 0, got -1"),
+        (["--request-timeout-s", "0"], "--request-timeout-s must be > 0, got 0"),
         (  # passed the flag checks, then every replica failed in the engine ("Failed to update the deployments")
             ["--prefix-cache-tokens", "5"],
             "--prefix-cache-tokens must be 0 (off) or >= 16 (one KV block of 16 tokens), got 5",
@@ -94,6 +94,31 @@ def test_a_damaged_checkpoint_is_refused_naming_it_and_the_file(ckpt, capsys):
 )
 def test_bad_options_name_the_flag(ckpt, capsys, flags, message):
     assert serve_error(capsys, "--checkpoint", str(ckpt), *flags) == f"raychat serve: error: {message}{TAIL}"
+
+
+def test_an_aliass_errors_name_the_alias_typed(ckpt, tmp_path, capsys):
+    """--replicas (--max-replicas) and --max-rows (--max-slots): the errors named the other flag; a preset's
+    `replicas:` key is named as written too."""
+    assert serve_error(capsys, "--checkpoint", str(ckpt), "--replicas", "0") == (
+        f"raychat serve: error: --replicas must be >= 1, got 0{TAIL}"
+    )
+    assert serve_error(capsys, "--checkpoint", str(ckpt), "--min-replicas", "3", "--replicas", "2") == (
+        f"raychat serve: error: --min-replicas 3 exceeds --replicas 2; need --min-replicas <= --replicas{TAIL}"
+    )
+    assert serve_error(capsys, "--checkpoint", str(ckpt), "--max-rows", "0") == (
+        f"raychat serve: error: --max-rows must be >= 1, got 0{TAIL}"
+    )
+    with pytest.raises(SystemExit):
+        main(["serve", "--checkpoint", str(ckpt), "--replicas", "two"])
+    assert capsys.readouterr().err == (
+        "raychat serve: error: argument --replicas: --replicas must be an integer, got 'two' (`raychat serve "
+        "--help` lists the flags)\n"
+    )
+    preset = tmp_path / "serve.yaml"
+    preset.write_text("serve:\n  replicas: 0\n")
+    assert serve_error(capsys, "--checkpoint", str(ckpt), "--preset", str(preset)) == (
+        f"raychat serve: error: replicas must be >= 1, got 0{TAIL}"
+    )
 
 
 def test_no_checkpoint_or_one_that_names_nothing_names_the_flag(tmp_path, capsys):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import SEED_MAX, Section, option
+from raychat.config.schema import SEED_MAX, Section, option, owned_literal
 
 
 @dataclass
@@ -34,7 +34,10 @@ class PrepareConfig(Section):
     url_pattern: str | None = option(
         None, "hub sources: a mirror URL with {index}, e.g. http://host/shard_{index:05d}.parquet"
     )
-    workers: int = option(4, "hub sources: parallel downloads", ge=1)
+    workers: int | None = option(
+        None, "hub sources only: parallel downloads; None = "
+        f"{owned_literal('raychat.data.corpus.download', 'DOWNLOAD_WORKERS')}", ge=1,
+    )  # fmt: skip
 
     def output_dir(self) -> str:
         return self.out or f"{self.storage_path.rstrip('/')}/{self.run_name}"

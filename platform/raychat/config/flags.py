@@ -19,12 +19,14 @@ from raychat.config.schema import (
     ConfigError,
     _base_type,
     _hints,
+    aliases,
     coerce,
     deprecated,
     flag_name,
     flag_naming,
     from_dict,
     leaves,
+    shown,
     to_flat,
 )
 
@@ -55,8 +57,12 @@ def add_flags(
     _add_section(parser, cls, defaults, cls.__name__, old)
 
 
+TYPED = "typed_flags"  # the namespace's {dest: the option string given}: errors name the flag a user typed
+
+
 class _Store(argparse.Action):
-    """Store the value; a deprecated option string prints, once, "<prog>: --old is deprecated, use --new"."""
+    """Store the value and the option string it came with (TYPED); a deprecated option string prints, once,
+    "<prog>: --old is deprecated, use --new"."""
 
     def __init__(self, option_strings, dest, deprecated=(), **kwargs):
         super().__init__(option_strings, dest, **kwargs)
@@ -69,6 +75,7 @@ class _Store(argparse.Action):
                 f"{parser.prog}: {option_string} is deprecated, use {self.option_strings[0]}", file=sys.stderr
             )
         setattr(namespace, self.dest, values)
+        vars(namespace).setdefault(TYPED, {})[self.dest] = option_string
 
 
 def _add_section(parser, cls, defaults, title: str, old: dict[str, list[str]]) -> None:
@@ -81,23 +88,29 @@ def _add_section(parser, cls, defaults, title: str, old: dict[str, list[str]]) -
             continue
         if not f.metadata.get("flag", True):
             continue
-        names = [flag_name(f.name), *(flag_name(a) for a in f.metadata.get("aliases", ())), *old[f.name]]
         default = getattr(defaults, f.name)
         required = "(required)" in f.metadata["help"] and default == ""
-        help = f.metadata["help"] if required else f"{f.metadata['help']} (default: {default!r})"
-        kind, _ = _base_type(hints[f.name])
-        if kind is bool:
-            group.add_argument(
-                *names, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help
-            )
-        else:
-            hint = hints[f.name]
-            choices = f.metadata.get("choices")
-            group.add_argument(
-                *names, dest=f.name, default=None, choices=choices, help=help, action=_Store, deprecated=old[f.name],
-                type=lambda text, hint=hint, name=names[0]: _parse(hint, text, name),
-                metavar=None if choices else kind.__name__.upper(),
-            )  # fmt: skip
+        help = f.metadata["help"] if required else f"{f.metadata['help']} (default: {shown(default)})"
+        primary = flag_name(f.name)
+        _add_flag(group, [primary, *old[f.name]], f, hints[f.name], help, old[f.name])
+        for alias in f.metadata.get("aliases", ()):  # a flag of its own, so that its errors name it
+            _add_flag(group, [flag_name(alias)], f, hints[f.name], f"the same as {primary}", ())
+
+
+def _add_flag(group, names: list[str], f: dataclasses.Field, hint, help: str, deprecated) -> None:
+    """The flag `names` (the first names it in errors) of option `f`, stored under its field name."""
+    kind, _ = _base_type(hint)
+    if kind is bool:
+        group.add_argument(
+            *names, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help
+        )
+        return
+    choices = f.metadata.get("choices")
+    group.add_argument(
+        *names, dest=f.name, default=None, choices=choices, help=help, action=_Store, deprecated=deprecated,
+        type=lambda text, name=names[0]: _parse(hint, text, name),
+        metavar=None if choices else kind.__name__.upper(),
+    )  # fmt: skip
 
 
 def _parse(hint, text: str, name: str):
@@ -110,6 +123,16 @@ def _parse(hint, text: str, name: str):
 def given(args: argparse.Namespace, cls) -> dict:
     """{flat name: value} of the flags of `cls` that were given on the command line."""
     return {name: getattr(args, name) for name in leaves(cls) if getattr(args, name, None) is not None}
+
+
+def _as_typed(args: argparse.Namespace, cls, flags: dict) -> dict:
+    """`flags` ({flat name: value}) keyed by the alias a flag was typed as, where it was (see TYPED)."""
+    typed, alias = getattr(args, TYPED, {}), aliases(cls)
+    out = {}
+    for name, value in flags.items():
+        key = typed.get(name, "").removeprefix("--").replace("-", "_")
+        out[key if alias.get(key) == name else name] = value
+    return out
 
 
 def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str | None = None):
@@ -130,7 +153,7 @@ def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str
         config = from_dict(cls, preset, base=config, where=where)
     flags = given(args, cls)
     with flag_naming():
-        config = from_dict(cls, flags, base=config)
+        config = from_dict(cls, _as_typed(args, cls, flags), base=config)
     chosen = {*preset, *flags}
     if "storage_path" in chosen:
         root = to_flat(config)["storage_path"].rstrip("/")

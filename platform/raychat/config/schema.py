@@ -22,6 +22,7 @@ import re
 import types
 import typing
 from dataclasses import MISSING, field
+from decimal import Decimal
 from functools import cache
 from pathlib import Path
 
@@ -152,12 +153,16 @@ def flag_name(name: str) -> str:
 
 
 _NAMING: contextvars.ContextVar[str | None] = contextvars.ContextVar("naming", default=None)
+# flat name -> the alias its value was given under, while from_dict builds a config
+_SPELLED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("spelled", default=None)
 
 
 def label(cls, name: str) -> str:
     """How errors name option `name` of section `cls`: its --flag, or its key where the section's NAMING is
-    "key" (build_app args and keyword arguments are written as keys) outside flag_naming()."""
+    "key" (build_app args and keyword arguments are written as keys) outside flag_naming(); under the alias
+    the value was given as (`--replicas`, `max_rows:`), where it was."""
     naming = _NAMING.get() or getattr(cls, "NAMING", "flag")
+    name = (_SPELLED.get() or {}).get(name, name)
     return name if naming == "key" else flag_name(name)
 
 
@@ -186,6 +191,20 @@ class Section:
             check(f, value, name)
 
 
+def shown(value) -> str:
+    """`value` as messages, --help and plans print it: a float in its shortest form, a whole one without ".0"
+    (20.0 -> 20, -1.0 -> -1) and from 1e6 on in e-notation (4470000000.0 -> 4.47e9: what a user types, and
+    it parses back to the same float); an int as it is; anything else as its repr ('runs', None, True)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, int) or not math.isfinite(value):
+        return str(value)
+    if value.is_integer() and abs(value) < 1e6:
+        return str(int(value))
+    text = f"{Decimal(repr(value)).normalize():e}" if value.is_integer() else repr(value)
+    return text.replace("e+", "e")
+
+
 def check(f: dataclasses.Field, value, flag: str) -> None:
     """Raise ConfigError when `value` breaks the choices or bounds of option `f` (named `flag` in errors)."""
     m = f.metadata
@@ -200,13 +219,13 @@ def check(f: dataclasses.Field, value, flag: str) -> None:
     if value is None or isinstance(value, (bool, str)):
         return
     if m.get("positive") and value <= 0:
-        raise ConfigError(f"{flag} must be a positive integer, got {value}")
+        raise ConfigError(f"{flag} must be a positive integer, got {shown(value)}")
     if m.get("ge") is not None and value < m["ge"]:
-        raise ConfigError(f"{flag} must be >= {m['ge']}, got {value}")
+        raise ConfigError(f"{flag} must be >= {shown(m['ge'])}, got {shown(value)}")
     if m.get("gt") is not None and value <= m["gt"]:
-        raise ConfigError(f"{flag} must be > {m['gt']}, got {value}")
+        raise ConfigError(f"{flag} must be > {shown(m['gt'])}, got {shown(value)}")
     if m.get("le") is not None and value > m["le"]:
-        raise ConfigError(f"{flag} must be <= {m['le']}, got {value}")
+        raise ConfigError(f"{flag} must be <= {shown(m['le'])}, got {shown(value)}")
 
 
 @cache
@@ -305,8 +324,9 @@ def deprecated(cls) -> dict[str, str]:
     return dict(getattr(cls, "DEPRECATED", {}))
 
 
-def flatten(cls, values: dict, where: str | None = None) -> dict:
-    """`values` (nested sections and/or flat names and aliases) as {flat name: value}.
+def flatten(cls, values: dict, where: str | None = None, spelled: dict | None = None) -> dict:
+    """`values` (nested sections and/or flat names and aliases) as {flat name: value}; `spelled`, when given,
+    gets {flat name: alias} of each value given under an alias.
 
     Raises:
         ConfigError: keys that are neither a section of `cls` nor a flat name or alias, as
@@ -319,9 +339,11 @@ def flatten(cls, values: dict, where: str | None = None) -> dict:
     unknown = []
     for key, value in (values or {}).items():
         if key in sections and isinstance(value, dict):
-            out.update(flatten(_hints(cls)[key], value, where))
+            out.update(flatten(_hints(cls)[key], value, where, spelled))
         elif key in names or key in alias:  # before sections: RL's old flat `checkpoint` names a section too
             out[alias.get(key, key)] = value
+            if spelled is not None and key in alias:
+                spelled[alias[key]] = key
         elif key in sections:
             raise ConfigError(
                 f"{where or cls.__name__ + ' settings'}: section {key!r} must be a mapping of its options, got "
@@ -341,9 +363,16 @@ def from_dict(cls, values: dict | None = None, base=None, where: str | None = No
     """A `cls` instance: `base` (an instance, default `cls()`) with `values` (see flatten) on top.
 
     Raises:
-        ConfigError: an unknown key, a value of the wrong type, or a value outside its allowed set.
+        ConfigError: an unknown key, a value of the wrong type, or a value outside its allowed set; a value
+            given under an alias is named by that alias.
     """
-    return _build(cls, flatten(cls, values or {}, where), base)
+    spelled: dict[str, str] = {}
+    flat = flatten(cls, values or {}, where, spelled)
+    token = _SPELLED.set(spelled)
+    try:
+        return _build(cls, flat, base)
+    finally:
+        _SPELLED.reset(token)
 
 
 def _build(cls, flat: dict, base):

@@ -16,6 +16,7 @@ from raychat.config.schema import (
     owned_choices,
     parse_task_spec,
     section,
+    shown,
 )
 
 STAGES = ("pretrain", "sft", "rl")
@@ -156,7 +157,7 @@ class LayoutSection(Section):
         super().__post_init__()
         if self.peak_flops != -1 and not self.peak_flops > 0:
             raise ConfigError(
-                f"--peak-flops must be > 0 (FLOP/s) or -1 (known GPUs only), got {self.peak_flops}"
+                f"--peak-flops must be > 0 (FLOP/s) or -1 (known GPUs only), got {shown(self.peak_flops)}"
             )
         if self.min_workers > self.num_workers:
             raise ConfigError(
@@ -208,7 +209,7 @@ class HorizonSection(Section):
         if self.num_iterations != -1 and self.num_iterations < 1:
             raise ConfigError(f"--num-iterations must be >= 1 or -1 (derive), got {self.num_iterations}")
         if self.target_flops != -1 and not self.target_flops > 0:
-            raise ConfigError(f"--target-flops must be > 0 or -1 (not used), got {self.target_flops}")
+            raise ConfigError(f"--target-flops must be > 0 or -1 (not used), got {shown(self.target_flops)}")
         if self.stop_after != -1 and self.stop_after < 1:
             raise ConfigError(
                 f"--stop-after must be >= 1 (a step) or -1 (run to the end), got {self.stop_after}"

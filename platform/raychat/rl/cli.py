@@ -3,7 +3,8 @@
 --init-from is any reference raychat.checkpoint_manager resolves (`latest`: the newest SFT checkpoint under
 --storage-path; an s3:// or gs:// one is fetched by every actor that loads it); --storage-path is any storage
 root (a directory, NFS, s3://, gs://) the run's checkpoints are committed to. Both, and the files of a hub
---task, are checked before Ray starts."""
+--task, are checked before Ray starts. A cluster with token authentication (--address) gets the token of
+--token-file (else $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), as `raychat serve` does."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import ray
 from raychat.checkpoint import check_model
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import RLConfig, from_args, from_dict
+from raychat.ray_token import token_for
 from raychat.rl.loop import RLRun
 from raychat.storage import check_writable, is_remote, open_storage
 from raychat.tasks.registry import check_data
@@ -54,7 +56,8 @@ def main(args) -> int:
         return 2
     started = not ray.is_initialized()
     if started:
-        ray.init(address=args.address, include_dashboard=False)
+        with token_for(args.address, args.token_file):
+            ray.init(address=args.address, include_dashboard=False)
     try:
         summary = RLRun(cfg).run()
     finally:

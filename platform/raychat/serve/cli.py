@@ -21,7 +21,8 @@ from raychat.capacity import check_bundles, read_capacity
 from raychat.checkpoint import check_model
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_args
-from raychat.ray_token import hand_to_ray, refused_message, token_refusal
+from raychat.config.schema import shown
+from raychat.ray_token import token_for
 from raychat.serve import vllm
 from raychat.serve.app import build_app, serve_config
 from raychat.storage import is_remote
@@ -61,12 +62,12 @@ def start(
             ray.shutdown()
             if gpus_needed > gpus:
                 raise ValueError(
-                    f"{replicas} engine replica(s) x --num-gpus {config.replica.num_gpus} = {gpus_needed} GPUs, but this "
+                    f"{replicas} engine replica(s) x --num-gpus {shown(config.replica.num_gpus)} = {gpus_needed:g} GPUs, but this "
                     f"machine's Ray cluster has {gpus:g}; lower --num-gpus (0 = CPU) or --min-replicas"
                 )
             raise ValueError(
-                f"{replicas} engine replica(s) x --num-cpus {cpus} + the ingress' "
-                f"{config.ingress_num_cpus} CPU = {need} CPUs, but this machine's Ray cluster has {have}; "
+                f"{replicas} engine replica(s) x --num-cpus {shown(cpus)} + the ingress' "
+                f"{shown(config.ingress_num_cpus)} CPU = {need:g} CPUs, but this machine's Ray cluster has {have:g}; "
                 "lower --min-replicas or --num-cpus"
             )
     else:  # a connected cluster: planned against what it can become (its node types), not what is alive
@@ -92,8 +93,8 @@ def start(
         ray.shutdown()
         raise OSError(f"cannot listen on {host}:{port} (in use?); pick another with --port") from None
     serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return f"http://{shown}:{port}/"
+    page_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{page_host}:{port}/"
 
 
 def check_checkpoint(config: ServeConfig) -> None:
@@ -175,14 +176,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             "--no-block needs --address (or RAY_ADDRESS): a local cluster ends with this process"
         )
-    _, token_source = hand_to_ray(args.token_file)
-    try:
+    with token_for(args.address, args.token_file):
         return _serve(args)
-    except ConnectionError as e:
-        if (reason := token_refusal(e)) is None:
-            raise
-        where = args.address or os.environ.get("RAY_ADDRESS", "")
-        raise ConnectionError(refused_message(where, token_source, reason)) from e
 
 
 def _serve(args: argparse.Namespace) -> int:

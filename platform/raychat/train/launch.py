@@ -38,7 +38,7 @@ from raychat.capacity import (
 from raychat.checkpoint import check_model, load_tree
 from raychat.checkpoint_manager import CheckpointError, CheckpointManager, find_checkpoint, verify_stored
 from raychat.config import ConfigError, TrainConfig, from_args, from_dict, to_dict, to_flat
-from raychat.config.schema import flag_name
+from raychat.config.schema import flag_name, shown
 from raychat.data.loader.document_order import changed_shards
 from raychat.data.loader.row_source import RowSource, same_stream
 from raychat.log import log
@@ -174,7 +174,8 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
             checkpoint's value and this run's; or the shards of --data-dir that now hold other documents under
             the same names and layout (e.g. `raychat data prepare --seed 1` into the run's data directory);
             or another schedule that leaves no step to train after the checkpoint's, or that raises the lr
-            after the checkpoint's warmdown began without --allow-rewarm.
+            after the checkpoint's warmdown began without --allow-rewarm; or a --stop-after at or before the
+            checkpoint's step (nothing to train).
     """
     newest = paths.checkpoints.newest()
     if newest is None:
@@ -202,6 +203,7 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
         ]
         _refuse(where, changed)
     schedule_line = _schedule_change(meta, cfg, plan, where)
+    _check_stop_after(cfg.train.horizon.stop_after, meta["step"], plan.num_iterations, where)
     rows = row_source()
     try:
         state = load_tree(io.BytesIO(read_bytes(paths.storage, f"{newest.path}/state_rank0.npz")))
@@ -224,6 +226,24 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
         _refuse(where, changed or [("the data", made_on, now)])
     if schedule_line:
         log(schedule_line)
+
+
+def _check_stop_after(stop_after: int, step: int, num_iterations: int, where: str) -> None:
+    """Refuse a --stop-after at or before the resume step `step` (the checkpoint's at `where`): the run would
+    train nothing and end as if it had stopped there.
+
+    Raises ConfigError naming --stop-after, the resume step and the values allowed."""
+    if stop_after == -1 or stop_after > step:
+        return
+    allowed = (
+        f"a step in {step + 1}..{num_iterations}, or -1 (run to the end)"
+        if step < num_iterations
+        else f"none, the run has trained all {num_iterations} steps (leave --stop-after out)"
+    )
+    raise ConfigError(
+        f"--stop-after {stop_after}: the run resumes from its checkpoint {where} at step {step}, so it would "
+        f"stop before training a step; allowed: {allowed}"
+    )
 
 
 def _schedule_change(meta: dict, cfg: TrainConfig, plan: Plan, where: str) -> str | None:
@@ -288,7 +308,7 @@ def _changed(meta: dict, cfg: TrainConfig, options) -> list[tuple[str, object, o
 def _values(changed: list[tuple[str, object, object]]) -> tuple[str, str, str]:
     """(the names, the checkpoint's values, this run's) of _changed's list, each joined by ", "."""
     names = ", ".join(name for name, _, _ in changed)
-    was, now = (", ".join(repr(c[i]) for c in changed) for i in (1, 2))
+    was, now = (", ".join(shown(c[i]) for c in changed) for i in (1, 2))
     return names, was, now
 
 

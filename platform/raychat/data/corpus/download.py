@@ -28,6 +28,7 @@ from raychat.data.corpus.shards import DataError, inspect_shard, sha256_file, sh
 from raychat.log import log
 
 ATTEMPTS = 5
+DOWNLOAD_WORKERS = 4  # shards downloaded at once (raychat.config.data: --workers' default)
 BACKOFF_S = 1.0
 TIMEOUT_S = 60.0
 CHUNK_BYTES = 1 << 20
@@ -168,7 +169,7 @@ def download_shards(
     url_pattern: str,
     indices: list[int],
     out_dir: str | Path,
-    workers: int = 4,
+    workers: int = DOWNLOAD_WORKERS,
     attempts: int = ATTEMPTS,
     backoff_s: float = BACKOFF_S,
     timeout_s: float = TIMEOUT_S,

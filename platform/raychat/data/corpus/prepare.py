@@ -263,7 +263,7 @@ def prepare(
     seed: int = _DEFAULTS.seed,
     row_group_size: int = _DEFAULTS.row_group_size,
     url_pattern: str | None = _DEFAULTS.url_pattern,
-    workers: int = _DEFAULTS.workers,
+    workers: int | None = _DEFAULTS.workers,
     attempts: int = 5,
     backoff_s: float = 1.0,
     out_flag: str = "--out",
@@ -282,7 +282,8 @@ def prepare(
         seed: the shuffle seed (local sources).
         row_group_size: rows per parquet row group (local sources).
         url_pattern: hub sources only: a mirror's URL pattern with an {index} field.
-        workers, attempts, backoff_s: hub sources: parallel downloads, tries per shard, first retry delay (s).
+        workers, attempts, backoff_s: hub sources: parallel downloads (None: download_shards' default), tries
+            per shard, first retry delay (s). A local source refuses workers (it is read in this process).
         out_flag: the flag an error about `out` names.
     Nothing is created before the arguments and a local source are checked; the shard options of a local
     source are checked before it is loaded. A local corpus's validation shard that holds a large share of it
@@ -307,11 +308,16 @@ def prepare(
         if url_pattern is not None:
             check_url_pattern(url_pattern)
         start_writing(out, out_flag)
-        download_opts = {"workers": workers, "attempts": attempts, "backoff_s": backoff_s}
+        download_opts = {"attempts": attempts, "backoff_s": backoff_s}
+        if workers is not None:
+            download_opts["workers"] = workers
         manifest = prepare_hub(source, out, num, url_pattern, old, download_opts, log)
     else:
-        if url_pattern is not None:
-            raise ValueError(f"--url-pattern applies to hub sources only ({', '.join(HUB_SOURCES)})")
+        for flag, value in (("--url-pattern", url_pattern), ("--workers", workers)):
+            if value is not None:
+                raise ValueError(
+                    f"{flag} applies to hub sources only ({', '.join(HUB_SOURCES)}), not to --source {source}"
+                )
         check_shard_options(num_shards, rows_per_shard)  # before the corpus is loaded
         corpus = load_corpus(source, out, log, out_flag)
         if not corpus.documents:
