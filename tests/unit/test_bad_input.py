@@ -952,3 +952,24 @@ def test_resuming_rl_with_other_settings_or_another_stages_run(flags, want, root
     line = _fails_in_one_line([*argv, *flags], capsys)
     assert line == f"raychat rl: error: {want.format(d=d, root=root)}"
     assert _snapshot(root) == before
+
+
+def test_an_sft_dry_run_makes_the_checks_and_prints_the_plan(root, driver, capsys):
+    """`raychat sft --dry-run` was an unknown flag although the README gives SFT's resume check a dry run."""
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s4", "--init-from",
+            f"{root}/pretrain", "--data-dir", f"{root}/data", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    before = _snapshot(root)
+    assert raychat_main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"init from: {root}/pretrain/checkpoint_000004\n" in out
+        and "horizon (num_iterations): 2 steps" in out
+    )
+    assert not ray.is_initialized() and _snapshot(root) == before
+    d = _commit_step(*driver(argv))
+    capsys.readouterr()
+    line = _fails_in_one_line([*argv, "--sft-tasks", "calculator:300", "--dry-run"], capsys)
+    assert line == (
+        f"raychat sft: error: --sft-tasks: the run's checkpoint {d} was made with 'calculator:200', this run "
+        f"asks for 'calculator:300' {HINT}"
+    )

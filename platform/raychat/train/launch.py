@@ -332,10 +332,11 @@ class TrainingResult:
     metrics: dict
 
 
-def run_training(cfg: TrainConfig, spec, callbacks=()) -> TrainingResult:
+def run_training(cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False) -> TrainingResult | None:
     """Run (or resume) training of `spec` on the current Ray cluster; returns its TrainingResult.
 
     callbacks: raychat.train.trainer.Callback objects every worker runs (pickled to the workers).
+    dry_run: make every check before Ray, print the plan and return None (nothing started or written).
     Raises ValueError (before Ray starts) for a reference that names nothing, a root that is not writable, or
     a run directory whose newest checkpoint this run cannot resume (check_resume).
     """
@@ -344,6 +345,9 @@ def run_training(cfg: TrainConfig, spec, callbacks=()) -> TrainingResult:
     tokenizer = Tokenizer.load(paths.tokenizer_path)
     plan = make_plan(cfg, tokenizer.vocab_size)
     check_resume(cfg, paths, plan, lambda: spec.row_source(cfg, tokenizer, 0, 1))
+    if dry_run:
+        print_plan(cfg, plan)
+        return None
     check_writable(paths.storage)  # creates the root: only once the inputs are known to be good
     print_plan(cfg, plan)
     mark("plan_printed")
