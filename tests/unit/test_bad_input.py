@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import ray
+import torch
 from support.cluster import free_ports
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 
@@ -50,8 +51,19 @@ def root(tmp_path, small_tokenizer) -> Path:
     small_tokenizer.save(r / "tokenizer")
     (r / "data").mkdir()
     (r / "data" / "manifest.json").write_text('{"shards": []}\n')
-    write_tiny_checkpoint(r / "pretrain" / "checkpoint_000004", stage="pretrain")
+    _pretrained_with(small_tokenizer, r / "pretrain" / "checkpoint_000004")
     return r
+
+
+def _pretrained_with(tokenizer: Tokenizer, directory: Path, seed: int = 0, stage: str = "pretrain") -> Path:
+    """A committed model-only checkpoint (checkpoint_<step>) of `stage`: a random 2-layer model over
+    `tokenizer` (SFT's --tokenizer-path)."""
+    torch.manual_seed(seed)
+    model = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_embd=64, n_head=4, n_kv_head=2,
+                            head_dim=16, intermediate_size=128, max_seq_len=256))  # fmt: skip
+    step = int(directory.name.removeprefix("checkpoint_"))
+    save_model(directory, model, tokenizer, {"step": step, "stage": stage}, commit=True)
+    return directory
 
 
 def _fails_in_one_line(argv: list[str], capsys) -> str:
@@ -863,7 +875,7 @@ def test_resuming_sft_with_other_tasks_or_another_stage(root, driver, pretrained
 def test_resuming_a_run_whose_checkpoint_has_no_data_state(root, capsys):
     """A committed model-only checkpoint (save_model, as an export of weights would write) under the run: a
     training run cannot resume it; it was "[Errno 2] Failed to open local file .../state_rank0.npz"."""
-    d = write_tiny_checkpoint(root / "s2" / "checkpoint_000001", stage="sft")
+    d = _pretrained_with(Tokenizer.load(root / "tokenizer"), root / "s2" / "checkpoint_000001", stage="sft")
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s2", "--init-from",
             f"{root}/pretrain", "--data-dir", f"{root}/data", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
     line = _fails_in_one_line(argv, capsys)
@@ -889,7 +901,7 @@ def test_a_dry_run_of_a_run_to_resume_makes_its_resume_check(pretrained, capsys)
 def test_resuming_sft_from_another_init_from(root, driver, capsys):
     """Another pretraining checkpoint of the same shape (a newer `latest`, another run): the run once went on
     from its own checkpoint without a word, its result claiming a start it never had."""
-    write_tiny_checkpoint(root / "pretrain2" / "checkpoint_000006", seed=1, stage="pretrain")
+    _pretrained_with(Tokenizer.load(root / "tokenizer"), root / "pretrain2" / "checkpoint_000006", seed=1)
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s3", "--init-from",
             f"{root}/pretrain", "--data-dir", f"{root}/data", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
     d = _commit_step(*driver(argv))
@@ -973,3 +985,21 @@ def test_an_sft_dry_run_makes_the_checks_and_prints_the_plan(root, driver, capsy
         f"raychat sft: error: --sft-tasks: the run's checkpoint {d} was made with 'calculator:200', this run "
         f"asks for 'calculator:300' {HINT}"
     )
+
+
+def test_sft_from_a_checkpoint_trained_with_another_tokenizer(root, driver, capsys):
+    """A model of the same vocabulary size loads over any tokenizer: SFT once trained a base model on token ids
+    that meant other text to it (e.g. after `raychat tokenizer train` rewrote the run's tokenizer)."""
+    other = write_tiny_checkpoint(root / "other" / "checkpoint_000004", stage="pretrain")
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s5", "--init-from", "other",
+            "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    before = _snapshot(root)
+    line = _fails_in_one_line(argv, capsys)
+    mine, theirs = Tokenizer.load(root / "tokenizer").version, Tokenizer.load(other).version
+    assert line == (
+        f"raychat sft: error: --tokenizer-path: {root}/tokenizer holds tokenizer {mine}, but the --init-from "
+        f"checkpoint {other} was trained with tokenizer {theirs} (give --tokenizer-path the tokenizer it was "
+        f"trained with, e.g. its own copy: {other})  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(root) == before
+    driver([*argv[:-1], str(other)])  # its own copy: on to Ray

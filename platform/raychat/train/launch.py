@@ -35,7 +35,7 @@ from raychat.capacity import (
     placement_state,
     read_capacity,
 )
-from raychat.checkpoint import check_model, load_tree
+from raychat.checkpoint import check_model, load_tree, read_meta
 from raychat.checkpoint_manager import CheckpointError, CheckpointManager, find_checkpoint, verify_stored
 from raychat.config import ConfigError, TrainConfig, from_args, from_dict, to_dict, to_flat
 from raychat.config.schema import flag_name
@@ -141,6 +141,24 @@ def resolve_paths(cfg: TrainConfig, writable: bool = True) -> RunPaths:
     if writable:
         check_writable(storage)
     return paths
+
+
+def check_tokenizer(paths: RunPaths, tokenizer: Tokenizer) -> None:
+    """Refuse a local --init-from checkpoint trained with another tokenizer than --tokenizer-path's (the same
+    vocabulary size loads, but every token id would mean other text). A remote --init-from is not read here.
+
+    Raises:
+        ConfigError: one line naming --tokenizer-path, --init-from and both tokenizer versions.
+    """
+    if not paths.init_from or is_remote(paths.init_from):
+        return
+    trained = read_meta(paths.init_from).get("tokenizer_version")
+    if trained not in (None, tokenizer.version):
+        raise ConfigError(
+            f"--tokenizer-path: {paths.tokenizer_path} holds tokenizer {tokenizer.version}, but the --init-from "
+            f"checkpoint {paths.init_from} was trained with tokenizer {trained} (give --tokenizer-path the "
+            f"tokenizer it was trained with, e.g. its own copy: {paths.init_from})"
+        )
 
 
 # The options a model's shape derives from (ModelConfig.from_depth and the vocabulary); SFT's is --init-from's.
@@ -337,12 +355,14 @@ def run_training(cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False) ->
 
     callbacks: raychat.train.trainer.Callback objects every worker runs (pickled to the workers).
     dry_run: make every check before Ray, print the plan and return None (nothing started or written).
-    Raises ValueError (before Ray starts) for a reference that names nothing, a root that is not writable, or
-    a run directory whose newest checkpoint this run cannot resume (check_resume).
+    Raises ValueError (before Ray starts) for a reference that names nothing, a root that is not writable, an
+    --init-from trained with another tokenizer (check_tokenizer), or a run directory whose newest checkpoint this
+    run cannot resume (check_resume).
     """
     paths = resolve_paths(cfg, writable=False)
     cfg = paths.config(cfg)
     tokenizer = Tokenizer.load(paths.tokenizer_path)
+    check_tokenizer(paths, tokenizer)
     plan = make_plan(cfg, tokenizer.vocab_size)
     check_resume(cfg, paths, plan, lambda: spec.row_source(cfg, tokenizer, 0, 1))
     if dry_run:
