@@ -154,6 +154,12 @@ def sft(subparsers) -> None:
         "(the newest pretraining checkpoint under --storage-path). Running again with the same --run-name resumes.",
     )  # fmt: skip
     add_flags(parser, TrainConfig, defaults=from_dict(TrainConfig, SFT_DEFAULTS), preset="cpu")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the inputs, print the derived sizes and exit (for a run that would resume: its resume check "
+        "first, as for pretrain)",
+    )
     parser.set_defaults(func="raychat.train.sft:main")
 
 

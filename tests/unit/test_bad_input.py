@@ -2,7 +2,8 @@
 and leaves what is already in storage as it was (issue 12, "Bad input"): a storage path that is not writable
 (pretrain, sft, eval, export, data prepare; pretraining and the tokenizer check their --data-dir first),
 a `latest` that resolves to nothing, a preset that does not exist, an unreachable cluster, a task spec that
-does not parse, an RL task without its files, a run whose newest checkpoint this run cannot resume. (A wrong
+does not parse, an RL task without its files, a run whose newest checkpoint this run cannot resume (pretraining,
+SFT, RL). (A wrong
 token needs a cluster: tests/cluster/test_stage_jobs.py.)
 
 Each command runs in this process through raychat.cli.main, so "before any work" is checkable: Ray was never
@@ -18,12 +19,14 @@ from types import SimpleNamespace
 
 import pytest
 import ray
+import torch
 from support.cluster import free_ports
-from support.serve_helpers import write_tiny_checkpoint
+from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 
+from raychat.checkpoint import save_model
 from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
-from raychat.config import to_dict
+from raychat.config import RLConfig, from_dict, to_dict
 from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.model import GPT, ModelConfig
 from raychat.tokenizer import Tokenizer
@@ -48,8 +51,19 @@ def root(tmp_path, small_tokenizer) -> Path:
     small_tokenizer.save(r / "tokenizer")
     (r / "data").mkdir()
     (r / "data" / "manifest.json").write_text('{"shards": []}\n')
-    write_tiny_checkpoint(r / "pretrain" / "checkpoint_000004", stage="pretrain")
+    _pretrained_with(small_tokenizer, r / "pretrain" / "checkpoint_000004")
     return r
+
+
+def _pretrained_with(tokenizer: Tokenizer, directory: Path, seed: int = 0, stage: str = "pretrain") -> Path:
+    """A committed model-only checkpoint (checkpoint_<step>) of `stage`: a random 2-layer model over
+    `tokenizer` (SFT's --tokenizer-path)."""
+    torch.manual_seed(seed)
+    model = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_embd=64, n_head=4, n_kv_head=2,
+                            head_dim=16, intermediate_size=128, max_seq_len=256))  # fmt: skip
+    step = int(directory.name.removeprefix("checkpoint_"))
+    save_model(directory, model, tokenizer, {"step": step, "stage": stage}, commit=True)
+    return directory
 
 
 def _fails_in_one_line(argv: list[str], capsys) -> str:
@@ -887,7 +901,7 @@ def test_resuming_sft_with_other_tasks_or_another_stage(root, driver, pretrained
 def test_resuming_a_run_whose_checkpoint_has_no_data_state(root, capsys):
     """A committed model-only checkpoint (save_model, as an export of weights would write) under the run: a
     training run cannot resume it; it was "[Errno 2] Failed to open local file .../state_rank0.npz"."""
-    d = write_tiny_checkpoint(root / "s2" / "checkpoint_000001", stage="sft")
+    d = _pretrained_with(Tokenizer.load(root / "tokenizer"), root / "s2" / "checkpoint_000001", stage="sft")
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s2", "--init-from",
             f"{root}/pretrain", "--data-dir", f"{root}/data", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
     line = _fails_in_one_line(argv, capsys)
@@ -908,3 +922,110 @@ def test_a_dry_run_of_a_run_to_resume_makes_its_resume_check(pretrained, capsys)
     assert raychat_main([*argv, "--num-iterations", "6", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "lr multiplier at the resume step 2: 1 -> 1\n" in out and "num_iterations" in out
+
+
+def test_resuming_sft_from_another_init_from(root, driver, capsys):
+    """Another pretraining checkpoint of the same shape (a newer `latest`, another run): the run once went on
+    from its own checkpoint without a word, its result claiming a start it never had."""
+    _pretrained_with(Tokenizer.load(root / "tokenizer"), root / "pretrain2" / "checkpoint_000006", seed=1)
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s3", "--init-from",
+            f"{root}/pretrain", "--data-dir", f"{root}/data", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    d = _commit_step(*driver(argv))
+    driver([*argv[:-5], "pretrain", *argv[-4:]])  # the same checkpoint, named by its run
+    capsys.readouterr()
+    line = _fails_in_one_line([*argv[:-5], "pretrain2", *argv[-4:]], capsys)
+    assert line == (
+        f"raychat sft: error: --init-from: the run's checkpoint {d} was made with "
+        f"'{root}/pretrain/checkpoint_000004', this run asks for '{root}/pretrain2/checkpoint_000006' {HINT}"
+    )
+
+
+@pytest.fixture
+def rl_run(root, monkeypatch):
+    """(the argv of a tiny RL run "r1" from root/sft, its committed checkpoint_000002), `raychat rl` stopped
+    where it would start Ray."""
+
+    def reached(*args, **kwargs):
+        raise ReachedRay
+
+    monkeypatch.setattr(ray, "init", reached)
+    sft = write_tiny_checkpoint(root / "sft" / "checkpoint_000001", stage="sft")
+    argv = ["rl", "--preset", "tiny", "--storage-path", str(root), "--run-name", "r1", "--init-from", "sft",
+            "--steps", "4"]  # fmt: skip
+    cfg = from_dict(RLConfig, {"storage_path": str(root), "run_name": "r1", "init_from": str(sft), "steps": 4,
+                               "prompts_per_step": 2})  # fmt: skip
+    model, tokenizer = tiny_model_and_tokenizer()
+    d = root / "r1" / "checkpoint_000002"
+    save_model(
+        d, model, tokenizer, {"step": 2, "stage": "rl", "version": 2, "config": to_dict(cfg)}, commit=True
+    )
+    with pytest.raises(ReachedRay):  # the same settings: resumes
+        raychat_main(argv)
+    return argv, d
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        (["--init-from", "pretrain"],
+         "--init-from: the run's checkpoint {d} was made with '{root}/sft/checkpoint_000001', this run asks for "
+         "'{root}/pretrain/checkpoint_000004' (use another --run-name, or the same settings to resume)"),
+        (["--seed", "1", "--prompts-per-step", "4"],
+         "--seed, --prompts-per-step: the run's checkpoint {d} was made with 0, 2, this run asks for 1, 4 (use "
+         "another --run-name, or the same settings to resume)"),
+        (["--steps", "1"],
+         "--steps: the run's checkpoint {d} is at step 2, this run asks for 1: nothing to train (ask for 2 or "
+         "more, or use another --run-name)"),
+        (["--run-name", "sft"],
+         "--run-name: the run's checkpoint {root}/sft/checkpoint_000001 is a sft checkpoint, this run is rl (use "
+         "another --run-name)"),
+    ],
+)  # fmt: skip
+def test_resuming_rl_with_other_settings_or_another_stages_run(flags, want, root, rl_run, capsys):
+    """RL resumed any run directory: another --init-from or prompt stream went on from the run's own weights
+    and prompts without a word (config.yaml rewritten to the new settings), and an SFT run's directory failed
+    after Ray started with `KeyError: 'version'`, config.yaml written into it."""
+    argv, d = rl_run
+    before = _snapshot(root)
+    line = _fails_in_one_line([*argv, *flags], capsys)
+    assert line == f"raychat rl: error: {want.format(d=d, root=root)}"
+    assert _snapshot(root) == before
+
+
+def test_an_sft_dry_run_makes_the_checks_and_prints_the_plan(root, driver, capsys):
+    """`raychat sft --dry-run` was an unknown flag although the README gives SFT's resume check a dry run."""
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s4", "--init-from",
+            f"{root}/pretrain", "--data-dir", f"{root}/data", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    before = _snapshot(root)
+    assert raychat_main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"init from: {root}/pretrain/checkpoint_000004\n" in out
+        and "horizon (num_iterations): 2 steps" in out
+    )
+    assert not ray.is_initialized() and _snapshot(root) == before
+    d = _commit_step(*driver(argv))
+    capsys.readouterr()
+    line = _fails_in_one_line([*argv, "--sft-tasks", "calculator:300", "--dry-run"], capsys)
+    assert line == (
+        f"raychat sft: error: --sft-tasks: the run's checkpoint {d} was made with 'calculator:200', this run "
+        f"asks for 'calculator:300' {HINT}"
+    )
+
+
+def test_sft_from_a_checkpoint_trained_with_another_tokenizer(root, driver, capsys):
+    """A model of the same vocabulary size loads over any tokenizer: SFT once trained a base model on token ids
+    that meant other text to it (e.g. after `raychat tokenizer train` rewrote the run's tokenizer)."""
+    other = write_tiny_checkpoint(root / "other" / "checkpoint_000004", stage="pretrain")
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s5", "--init-from", "other",
+            "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    before = _snapshot(root)
+    line = _fails_in_one_line(argv, capsys)
+    mine, theirs = Tokenizer.load(root / "tokenizer").version, Tokenizer.load(other).version
+    assert line == (
+        f"raychat sft: error: --tokenizer-path: {root}/tokenizer holds tokenizer {mine}, but the --init-from "
+        f"checkpoint {other} was trained with tokenizer {theirs} (give --tokenizer-path the tokenizer it was "
+        f"trained with, e.g. its own copy: {other})  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(root) == before
+    driver([*argv[:-1], str(other)])  # its own copy: on to Ray

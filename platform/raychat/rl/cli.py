@@ -2,9 +2,10 @@
 
 --init-from is any reference raychat.checkpoint_manager resolves (`latest`: the newest SFT checkpoint under
 --storage-path; an s3:// or gs:// one is fetched by every actor that loads it); --storage-path is any storage
-root (a directory, NFS, s3://, gs://) the run's checkpoints are committed to. Both, and the files of a hub
---task, are checked before Ray starts. A cluster with token authentication (--address) gets the token of
---token-file (else $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), as `raychat serve` does."""
+root (a directory, NFS, s3://, gs://) the run's checkpoints are committed to. Both, the files of a hub
+--task, and a run to resume (raychat.rl.loop.check_resume), are checked before Ray starts. A cluster with token
+authentication (--address) gets the token of --token-file (else $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH,
+~/.ray/auth_token), as `raychat serve` does."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def main(args) -> int:
     """`raychat rl` (its parser: raychat.commands.rl)."""
     try:
         cfg = resolve_inputs(config_for(args))
+        run = RLRun(cfg)  # the resume check (raychat.rl.loop.check_resume), before Ray starts
         check_writable(open_storage(cfg.run.storage_path))
     except (ValueError, FileNotFoundError) as e:
         print(f"raychat rl: error: {e}", file=sys.stderr)
@@ -59,7 +61,7 @@ def main(args) -> int:
         with token_for(args.address, args.token_file):
             ray.init(address=args.address, include_dashboard=False)
     try:
-        summary = RLRun(cfg).run()
+        summary = run.run()
     finally:
         if started:
             ray.shutdown()

@@ -20,7 +20,8 @@ weights were older than the staleness bound, raychat.rl.dispatcher; all re-issue
 steps: pass@k, k = 1..--eval-samples, on held-out prompts. Checkpoints go to OUT/RUN_NAME/checkpoint_<step:06d>
 on any storage root (a directory, NFS, s3://, gs://) through raychat.checkpoint_manager: every learner uploads
 its part, the driver commits; a run started again with the same --storage-path and --run-name resumes from the newest
-committed one.
+committed one, when it asks for the same --init-from, task and prompt order (check_resume; refused
+before anything is written otherwise).
 
 Faults: a rollout actor that dies during a rollout or an evaluation is restarted by Ray (--max-restarts),
 re-synced and its prompts re-issued (raychat.rl.dispatcher). Any other lost actor (a learner, one lost during
@@ -40,7 +41,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.checkpoint_manager import CheckpointManager
-from raychat.config import RLConfig, to_dict, to_yaml
+from raychat.config import ConfigError, RLConfig, to_dict, to_yaml
 from raychat.log import log
 from raychat.metrics import RLMetrics
 from raychat.metrics_sink import MetricsSink
@@ -50,8 +51,36 @@ from raychat.rl.objective import group_advantages
 from raychat.rl.sync import WeightSync
 from raychat.storage import open_storage, write_bytes
 from raychat.tasks.registry import make_task
+from raychat.train.launch import changed_options, refuse_resume, resumable_checkpoint
 
 MODES = ("sync", "async")  # --mode: on-policy | rollouts up to --max-staleness versions ahead
+# What a run's starting weights and its prompt stream (step s: prompts s*P.. of the --seed order) derive from.
+RESUME_OPTIONS = ("init_from", "task", "task_examples", "max_operand", "seed", "prompts_per_step")
+
+
+def check_resume(cfg: RLConfig) -> None:
+    """Check that the run's newest committed checkpoint, if there is one, is one this run can resume: every
+    file its commit marker lists is there with its size, it is an RL checkpoint, made with this run's
+    RESUME_OPTIONS (--init-from as resolved), at a step no later than --steps. Reads only storage.
+
+    Raises:
+        CheckpointError: a file of the checkpoint is missing or of another size (named).
+        ConfigError: another stage; one line naming each option of RESUME_OPTIONS that differs, with the
+            checkpoint's value and this run's; or a checkpoint past --steps (nothing to train).
+    """
+    checkpoints = CheckpointManager(
+        open_storage(cfg.run.storage_path), cfg.run.run_name, cfg.checkpoint.keep_checkpoints
+    )
+    found = resumable_checkpoint(checkpoints, cfg.run.run_name, "rl")
+    if found is None:
+        return
+    _, where, meta = found
+    refuse_resume(where, changed_options(meta, cfg, RESUME_OPTIONS))
+    if meta["step"] > cfg.rollout.steps:
+        raise ConfigError(
+            f"--steps: the run's checkpoint {where} is at step {meta['step']}, this run asks for "
+            f"{cfg.rollout.steps}: nothing to train (ask for {meta['step']} or more, or use another --run-name)"
+        )
 
 
 def rl_tasks(cfg: RLConfig) -> dict:
@@ -82,7 +111,8 @@ def rl_gauges(run_name: str):
 
 
 class RLRun:
-    """One RL run. `RLRun(cfg).run()` -> summary dict; see the module doc.
+    """One RL run. `RLRun(cfg).run()` -> summary dict; see the module doc. Constructing it needs no Ray and
+    makes check_resume's check (its errors).
 
     on_submitted(dispatcher, step, chunks): optional hook after a step's rollout chunks are submitted;
     on_evaluating(dispatcher, chunks): optional hook before an evaluation's chunks are issued.
@@ -91,6 +121,7 @@ class RLRun:
     def __init__(self, cfg: RLConfig, on_submitted=None, log=log, on_evaluating=None):
         if not cfg.run.init_from:
             raise ValueError("--init-from (a chat checkpoint directory) is required")
+        check_resume(cfg)
         self.cfg, self.log = cfg, log
         self.checkpoints = CheckpointManager(
             open_storage(cfg.run.storage_path), cfg.run.run_name, cfg.checkpoint.keep_checkpoints

@@ -35,7 +35,7 @@ from raychat.capacity import (
     placement_state,
     read_capacity,
 )
-from raychat.checkpoint import check_model, load_tree
+from raychat.checkpoint import check_model, load_tree, read_meta
 from raychat.checkpoint_manager import CheckpointError, CheckpointManager, find_checkpoint, verify_stored
 from raychat.config import ConfigError, TrainConfig, from_args, from_dict, to_dict, to_flat
 from raychat.config.schema import flag_name, shown
@@ -143,6 +143,24 @@ def resolve_paths(cfg: TrainConfig, writable: bool = True) -> RunPaths:
     return paths
 
 
+def check_tokenizer(paths: RunPaths, tokenizer: Tokenizer) -> None:
+    """Refuse a local --init-from checkpoint trained with another tokenizer than --tokenizer-path's (the same
+    vocabulary size loads, but every token id would mean other text). A remote --init-from is not read here.
+
+    Raises:
+        ConfigError: one line naming --tokenizer-path, --init-from and both tokenizer versions.
+    """
+    if not paths.init_from or is_remote(paths.init_from):
+        return
+    trained = read_meta(paths.init_from).get("tokenizer_version")
+    if trained not in (None, tokenizer.version):
+        raise ConfigError(
+            f"--tokenizer-path: {paths.tokenizer_path} holds tokenizer {tokenizer.version}, but the --init-from "
+            f"checkpoint {paths.init_from} was trained with tokenizer {trained} (give --tokenizer-path the "
+            f"tokenizer it was trained with, e.g. its own copy: {paths.init_from})"
+        )
+
+
 # The options a model's shape derives from (ModelConfig.from_depth and the vocabulary); SFT's is --init-from's.
 SHAPE_OPTIONS = ("depth", "aspect_ratio", "head_dim", "kv_group", "seq_len", "tokenizer_path")
 # The options a stage's row source stream is made of (its fingerprint).
@@ -160,8 +178,9 @@ BATCH_OPTIONS = ("num_workers", "min_workers", "device_batch_size")
 def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Callable[[], RowSource]) -> None:
     """Check that the run's newest committed checkpoint, if there is one, is one this run can resume, before
     Ray starts (each worker would fail on it in turn, and the run retry until --max-failures): every file its
-    commit marker lists is there with its size, it is of this stage, its model is plan.model_config and its
-    data state was made on this run's stream (the comparison each worker makes as it resumes:
+    commit marker lists is there with its size, it is of this stage, an SFT run's was made from this
+    --init-from (the same checkpoint, as resolved), its model is plan.model_config and its data state was made
+    on this run's stream (the comparison each worker makes as it resumes:
     raychat.data.loader.row_source.resume_cursor, same_stream: for pretraining, the shards' names, layout, seed
     and content, their sha256 from the data manifest; a checkpoint written before the fingerprint held the
     content is compared without it); row_source() builds this run's row source (rank 0 of 1).
@@ -170,38 +189,27 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
 
     Raises:
         CheckpointError: a file of the checkpoint is missing or of another size (named).
-        ConfigError: another stage, model or stream: one line naming each option that differs, with the
+        ConfigError: another stage, --init-from (SFT), model or stream: one line naming each option that differs, with the
             checkpoint's value and this run's; or the shards of --data-dir that now hold other documents under
             the same names and layout (e.g. `raychat data prepare --seed 1` into the run's data directory);
             or another schedule that leaves no step to train after the checkpoint's, or that raises the lr
             after the checkpoint's warmdown began without --allow-rewarm; or a --stop-after at or before the
             checkpoint's step (nothing to train).
     """
-    newest = paths.checkpoints.newest()
-    if newest is None:
+    found = resumable_checkpoint(paths.checkpoints, cfg.run.run_name, cfg.run.stage)
+    if found is None:
         return
-    where = paths.storage.uri_of(newest.path)
-    try:
-        verify_stored(paths.storage, newest.path)
-    except CheckpointError as e:
-        raise CheckpointError(
-            f"--run-name {cfg.run.run_name}: {e}: this run would resume from it (remove that checkpoint to resume "
-            "from the one before, or use another --run-name)"
-        ) from None
-    meta = json.loads(read_bytes(paths.storage, f"{newest.path}/meta.json"))
-    if meta.get("stage") != cfg.run.stage:
-        raise ConfigError(
-            f"--run-name: the run's checkpoint {where} is a {meta.get('stage')} checkpoint, this run is "
-            f"{cfg.run.stage} (use another --run-name)"
-        )
+    newest, where, meta = found
+    if cfg.run.stage == "sft":  # the same shape from another checkpoint: the run would go on from its own
+        refuse_resume(where, changed_options(meta, cfg, ("init_from",)))
     if meta["model_config"] != plan.model_config:
         options = ("init_from",) if cfg.run.init_from else SHAPE_OPTIONS
-        changed = _changed(meta, cfg, options) or [
+        changed = changed_options(meta, cfg, options) or [
             (f"the model's {k}", v, plan.model_config.get(k))
             for k, v in meta["model_config"].items()
             if v != plan.model_config.get(k)
         ]
-        _refuse(where, changed)
+        refuse_resume(where, changed)
     schedule_line = _schedule_change(meta, cfg, plan, where)
     _check_stop_after(cfg.train.horizon.stop_after, meta["step"], plan.num_iterations, where)
     rows = row_source()
@@ -214,7 +222,7 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
         ) from None
     made_on, now = state["rows"].get(rows.fingerprint_key), rows.fingerprint()
     if not same_stream(made_on, now):
-        changed = _changed(meta, cfg, DATA_OPTIONS.get(cfg.run.stage, ()))
+        changed = changed_options(meta, cfg, DATA_OPTIONS.get(cfg.run.stage, ()))
         shards = [] if changed or made_on is None else changed_shards(made_on, now)
         if shards:
             names = ", ".join(shards[:3]) + (f" and {len(shards) - 3} more" if len(shards) > 3 else "")
@@ -223,7 +231,7 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
                 f"other documents than when the run's checkpoint {where} was made (same names and layout, "
                 "another sha256) (use another --run-name, or restore the data the run was made on)"
             )
-        _refuse(where, changed or [("the data", made_on, now)])
+        refuse_resume(where, changed or [("the data", made_on, now)])
     if schedule_line:
         log(schedule_line)
 
@@ -244,6 +252,36 @@ def _check_stop_after(stop_after: int, step: int, num_iterations: int, where: st
         f"--stop-after {stop_after}: the run resumes from its checkpoint {where} at step {step}, so it would "
         f"stop before training a step; allowed: {allowed}"
     )
+
+
+def resumable_checkpoint(checkpoints: CheckpointManager, run_name: str, stage: str):
+    """(the Checkpoint, its URI, its meta) of the newest committed checkpoint of the run `checkpoints` manages,
+    checked to be one a `stage` run can resume: every file its commit marker lists is there with its size and
+    it is of `stage`; None when the run has none.
+
+    Raises:
+        CheckpointError: a file of the checkpoint is missing or of another size (named).
+        ConfigError: the checkpoint is of another stage (one line naming --run-name and both stages).
+    """
+    newest = checkpoints.newest()
+    if newest is None:
+        return None
+    storage = checkpoints.storage
+    where = storage.uri_of(newest.path)
+    try:
+        verify_stored(storage, newest.path)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"--run-name {run_name}: {e}: this run would resume from it (remove that checkpoint to resume "
+            "from the one before, or use another --run-name)"
+        ) from None
+    meta = json.loads(read_bytes(storage, f"{newest.path}/meta.json"))
+    if meta.get("stage") != stage:
+        raise ConfigError(
+            f"--run-name: the run's checkpoint {where} is a {meta.get('stage')} checkpoint, this run is "
+            f"{stage} (use another --run-name)"
+        )
+    return newest, where, meta
 
 
 def _schedule_change(meta: dict, cfg: TrainConfig, plan: Plan, where: str) -> str | None:
@@ -267,8 +305,8 @@ def _schedule_change(meta: dict, cfg: TrainConfig, plan: Plan, where: str) -> st
     if was_steps is None or old == new:
         return None
     changed = (
-        _changed(meta, cfg, SCHEDULE_OPTIONS)
-        or _changed(meta, cfg, BATCH_OPTIONS)
+        changed_options(meta, cfg, SCHEDULE_OPTIONS)
+        or changed_options(meta, cfg, BATCH_OPTIONS)
         or [("the horizon", was_steps, plan.num_iterations)]
     )
     names, made_with, asks_for = _values(changed)
@@ -294,11 +332,12 @@ def _schedule_change(meta: dict, cfg: TrainConfig, plan: Plan, where: str) -> st
     )
 
 
-def _changed(meta: dict, cfg: TrainConfig, options) -> list[tuple[str, object, object]]:
+def changed_options(meta: dict, cfg, options) -> list[tuple[str, object, object]]:
     """(--flag, the checkpoint's value, this run's) of each of `options` whose value differs from the config
-    a checkpoint's meta.json holds; none when that config is absent or unreadable."""
+    (of cfg's class: TrainConfig, RLConfig) a checkpoint's meta.json holds; none when that config is absent or
+    unreadable."""
     try:
-        was = to_flat(from_dict(TrainConfig, meta["config"]))
+        was = to_flat(from_dict(type(cfg), meta["config"]))
     except (KeyError, TypeError, ValueError):
         return []
     now = to_flat(cfg)
@@ -306,13 +345,16 @@ def _changed(meta: dict, cfg: TrainConfig, options) -> list[tuple[str, object, o
 
 
 def _values(changed: list[tuple[str, object, object]]) -> tuple[str, str, str]:
-    """(the names, the checkpoint's values, this run's) of _changed's list, each joined by ", "."""
+    """(the names, the checkpoint's values, this run's) of changed_options's list, each joined by ", "."""
     names = ", ".join(name for name, _, _ in changed)
     was, now = (", ".join(shown(c[i]) for c in changed) for i in (1, 2))
     return names, was, now
 
 
-def _refuse(where: str, changed: list[tuple[str, object, object]]) -> None:
+def refuse_resume(where: str, changed: list[tuple[str, object, object]]) -> None:
+    """Raise ConfigError naming each option of `changed` (none: return) with both values and RESUME_HINT."""
+    if not changed:
+        return
     names, was, now = _values(changed)
     raise ConfigError(
         f"{names}: the run's checkpoint {where} was made with {was}, this run asks for {now} {RESUME_HINT}"
@@ -328,18 +370,24 @@ class TrainingResult:
     metrics: dict
 
 
-def run_training(cfg: TrainConfig, spec, callbacks=()) -> TrainingResult:
+def run_training(cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False) -> TrainingResult | None:
     """Run (or resume) training of `spec` on the current Ray cluster; returns its TrainingResult.
 
     callbacks: raychat.train.trainer.Callback objects every worker runs (pickled to the workers).
-    Raises ValueError (before Ray starts) for a reference that names nothing, a root that is not writable, or
-    a run directory whose newest checkpoint this run cannot resume (check_resume).
+    dry_run: make every check before Ray, print the plan and return None (nothing started or written).
+    Raises ValueError (before Ray starts) for a reference that names nothing, a root that is not writable, an
+    --init-from trained with another tokenizer (check_tokenizer), or a run directory whose newest checkpoint this
+    run cannot resume (check_resume).
     """
     paths = resolve_paths(cfg, writable=False)
     cfg = paths.config(cfg)
     tokenizer = Tokenizer.load(paths.tokenizer_path)
+    check_tokenizer(paths, tokenizer)
     plan = make_plan(cfg, tokenizer.vocab_size)
     check_resume(cfg, paths, plan, lambda: spec.row_source(cfg, tokenizer, 0, 1))
+    if dry_run:
+        print_plan(cfg, plan)
+        return None
     check_writable(paths.storage)  # creates the root: only once the inputs are known to be good
     print_plan(cfg, plan)
     mark("plan_printed")

@@ -63,8 +63,9 @@ def sft_defaults() -> TrainConfig:
     return from_dict(TrainConfig, SFT_DEFAULTS)
 
 
-def sft(cfg: TrainConfig, callbacks=()):
-    """Run (or resume) SFT of cfg.run.init_from on the current Ray cluster; returns the ray.train.Result.
+def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False):
+    """Run (or resume) SFT of cfg.run.init_from on the current Ray cluster; returns its
+    raychat.train.launch.TrainingResult (None with `dry_run`: every check, then the plan printed).
 
     Raises:
         ValueError (before Ray starts): no --init-from, or one that names no committed checkpoint; a hub
@@ -85,10 +86,11 @@ def sft(cfg: TrainConfig, callbacks=()):
         ),
         SFT(),
         [ReplayRecorder(), *callbacks],
+        dry_run,
     )
 
 
 def main(args) -> int:
     """`raychat sft` (its parser: raychat.commands.sft)."""
-    sft(config_from(args, sft_defaults(), "sft"))
+    sft(config_from(args, sft_defaults(), "sft"), dry_run=args.dry_run)
     return 0
