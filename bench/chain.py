@@ -50,10 +50,11 @@ RL_KEYS = (
 RENAMED = {"sft": {"val_bpb": "calculator_val_bpb"}}
 
 SIZES = [
-    "--depth", "1", "--aspect-ratio", "64", "--head-dim", "32", "--seq-len", "96", "--device-batch-size", "4",
-    "--num-workers", "2", "--cpus-per-worker", "0.5", "--total-batch-size", "768", "--buffer-size", "16",
-    "--seed", "0", "--keep-checkpoints", "1",
+    "--seq-len", "96", "--device-batch-size", "4", "--num-workers", "2", "--cpus-per-worker", "0.5",
+    "--total-batch-size", "768", "--seed", "0", "--keep-checkpoints", "1",
 ]  # fmt: skip
+# pretraining's alone: SFT takes the shape from its --init-from and reads no shards (it refuses these flags)
+PRETRAIN_SIZES = ["--depth", "1", "--aspect-ratio", "64", "--head-dim", "32", "--buffer-size", "16"]
 
 
 def run(args: list[str], log: Path) -> None:
@@ -84,10 +85,11 @@ def chain(out: Path) -> dict:
     )
     run(["tokenizer", "train", "--data-dir", str(out / "data"), "--out", str(out / "tok"), "--vocab-size", "400"],
         out / "tok.log")  # fmt: skip
-    common = ["--preset", "none", "--data-dir", str(out / "data"), "--tokenizer-path", str(out / "tok"),
-              "--storage-path", str(out / "ck"), *SIZES]  # fmt: skip
-    run(["pretrain", *common, "--run-name", "base", "--num-iterations", "30", "--eval-every", "10",
-         "--eval-tokens", "1536", "--checkpoint-every", "15"], out / "pretrain.log")  # fmt: skip
+    common = ["--preset", "none", "--tokenizer-path", str(out / "tok"), "--storage-path", str(out / "ck"),
+              *SIZES]  # fmt: skip
+    run(["pretrain", *common, *PRETRAIN_SIZES, "--data-dir", str(out / "data"), "--run-name", "base",
+         "--num-iterations", "30", "--eval-every", "10", "--eval-tokens", "1536", "--checkpoint-every", "15"],
+        out / "pretrain.log")  # fmt: skip
     base = find_checkpoint(out / "ck" / "base")
     run(["sft", *common, "--run-name", "sft", "--init-from", base, "--num-iterations", "20", "--eval-every", "10",
          "--eval-tokens", "1536", "--checkpoint-every", "20", "--eval-examples", "8",

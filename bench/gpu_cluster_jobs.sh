@@ -40,7 +40,8 @@ submit gpu-tokenizer tokenizer train --storage-path "$ROOT" --vocab-size 8192
 INPUTS=(--storage-path "$ROOT" --data-dir "$ROOT/data" --tokenizer-path "$ROOT/tokenizer")  # gpu8 names its own
 submit gpu-pretrain "${DRIVER_GPUS[@]}" pretrain --preset gpu8 "${INPUTS[@]}" --depth 12 --use-gpu \
     --num-workers 1 --num-iterations 50 --eval-every 0 --checkpoint-every 50
-submit gpu-sft "${DRIVER_GPUS[@]}" sft --preset gpu8 "${INPUTS[@]}" --depth 12 --use-gpu \
+# SFT takes the shape (--depth) from its --init-from and reads no --data-dir: both are refused there
+submit gpu-sft "${DRIVER_GPUS[@]}" sft --preset gpu8 --storage-path "$ROOT" --tokenizer-path "$ROOT/tokenizer" --use-gpu \
     --num-workers 1 --num-iterations 50 --eval-every 0 --checkpoint-every 50 --init-from latest
 
 {

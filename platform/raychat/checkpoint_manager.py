@@ -416,6 +416,16 @@ def resolve_checkpoint(
     return download_dir(where, where.path, dest, check=lambda d: verify(d, checksums=True))
 
 
+def described(checkpoint: str) -> str:
+    """`checkpoint` (what find_checkpoint returned) with the stage and step of its commit marker, e.g.
+    "runs/pretrain/checkpoint_000004 (pretrain checkpoint, step 4)": one small read, also of a remote one.
+
+    Raises CheckpointError: an unreadable commit marker; OSError: it cannot be read."""
+    where = open_storage(checkpoint)
+    commit = parse_commit(read_bytes(where, f"{where.path}/{COMMIT_FILE}"), checkpoint)
+    return f"{checkpoint} ({commit.get('stage', 'unknown')} checkpoint, step {commit['step']})"
+
+
 def is_run_checkpoint(checkpoint: str) -> bool:
     """Whether `checkpoint` (what find_checkpoint returned) is a local checkpoint_<step> directory: a run's,
     which that run's pruning deletes once newer ones are committed."""

@@ -21,6 +21,7 @@ from raychat.config import (
 )
 from raychat.config.data import PrepareConfig, TokenizerConfig
 from raychat.config.presets import PRESET_HELP
+from raychat.config.train import UNUSED_FLAGS
 from raychat.ops.jobs import DEFAULT_ADDRESS, STAGES, SUBMIT_CHOICES
 from raychat.ops.k8s import IMAGE
 
@@ -135,7 +136,7 @@ def pretrain(subparsers) -> None:
         description="Pretrain on packed parquet shards with Ray Train. Sizes derive from --depth; every derived "
         "number is printed first. Running again with the same --run-name and --storage-path resumes.",
     )
-    add_flags(parser, TrainConfig, defaults=TrainConfig(), preset="cpu")
+    add_flags(parser, TrainConfig, defaults=TrainConfig(), preset="cpu", unused=UNUSED_FLAGS["pretrain"])
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -151,9 +152,18 @@ def sft(subparsers) -> None:
         help="supervised fine-tuning of a pretrained checkpoint into a chat model",
         description="Fine-tune on packed conversations (--sft-tasks) with the pretraining Trainer on Ray Train. "
         "Needs --init-from: a pretraining checkpoint dir, its run (dir or name under --storage-path), or `latest` "
-        "(the newest pretraining checkpoint under --storage-path). Running again with the same --run-name resumes.",
+        "(the newest pretraining checkpoint under --storage-path); a checkpoint of another stage (SFT, RL) named "
+        "explicitly is fine-tuned further (the `init from:` line names its stage). The model's shape is the "
+        "checkpoint's and the data are --sft-tasks: the shape and pretraining-data flags are refused. Running again "
+        "with the same --run-name resumes.",
     )  # fmt: skip
-    add_flags(parser, TrainConfig, defaults=from_dict(TrainConfig, SFT_DEFAULTS), preset="cpu")
+    add_flags(
+        parser,
+        TrainConfig,
+        defaults=from_dict(TrainConfig, SFT_DEFAULTS),
+        preset="cpu",
+        unused=UNUSED_FLAGS["sft"],
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",

@@ -85,7 +85,7 @@ NOT_A_DIR = "{file}/runs"  # a path below a regular file: no directory can be cr
         (["pretrain", "--preset", "tiny", "--storage-path", NOT_A_DIR,
           "--data-dir", "{root}/prepared", "--tokenizer-path", "{root}/tokenizer"], "--storage-path"),
         (["sft", "--preset", "tiny", "--storage-path", NOT_A_DIR, "--init-from", "{root}/pretrain",
-          "--data-dir", "{root}/data", "--tokenizer-path", "{root}/tokenizer"], "--storage-path"),
+          "--tokenizer-path", "{root}/tokenizer"], "--storage-path"),
         (["eval", "--storage-path", NOT_A_DIR, "--checkpoint", "{root}/pretrain", "--data-dir", "{root}/data"],
          "--data-dir"),
         (["export", "--storage-path", NOT_A_DIR, "--checkpoint", "{root}/pretrain/latest"], "--storage-path"),
@@ -881,7 +881,7 @@ def test_resuming_from_a_checkpoint_that_lost_a_file(pretrained, capsys):
 
 def test_resuming_sft_with_other_tasks_or_another_stage(root, driver, pretrained, capsys):
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s1", "--init-from",
-            f"{root}/pretrain", "--data-dir", f"{root}/data", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+            f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
     d = _commit_step(*driver(argv))
     driver(argv)  # the same settings: resumes
     capsys.readouterr()
@@ -903,7 +903,7 @@ def test_resuming_a_run_whose_checkpoint_has_no_data_state(root, capsys):
     training run cannot resume it; it was "[Errno 2] Failed to open local file .../state_rank0.npz"."""
     d = _pretrained_with(Tokenizer.load(root / "tokenizer"), root / "s2" / "checkpoint_000001", stage="sft")
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s2", "--init-from",
-            f"{root}/pretrain", "--data-dir", f"{root}/data", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+            f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
     line = _fails_in_one_line(argv, capsys)
     assert line == (
         f"raychat sft: error: --run-name s2: the run's checkpoint {d} holds no data state (state_rank0.npz), so "
@@ -929,7 +929,7 @@ def test_resuming_sft_from_another_init_from(root, driver, capsys):
     from its own checkpoint without a word, its result claiming a start it never had."""
     _pretrained_with(Tokenizer.load(root / "tokenizer"), root / "pretrain2" / "checkpoint_000006", seed=1)
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s3", "--init-from",
-            f"{root}/pretrain", "--data-dir", f"{root}/data", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+            f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
     d = _commit_step(*driver(argv))
     driver([*argv[:-5], "pretrain", *argv[-4:]])  # the same checkpoint, named by its run
     capsys.readouterr()
@@ -995,12 +995,12 @@ def test_resuming_rl_with_other_settings_or_another_stages_run(flags, want, root
 def test_an_sft_dry_run_makes_the_checks_and_prints_the_plan(root, driver, capsys):
     """`raychat sft --dry-run` was an unknown flag although the README gives SFT's resume check a dry run."""
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s4", "--init-from",
-            f"{root}/pretrain", "--data-dir", f"{root}/data", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+            f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
     before = _snapshot(root)
     assert raychat_main([*argv, "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert (
-        f"init from: {root}/pretrain/checkpoint_000004\n" in out
+        f"init from: {root}/pretrain/checkpoint_000004 (pretrain checkpoint, step 4)\n" in out
         and "horizon (num_iterations): 2 steps" in out
     )
     assert not ray.is_initialized() and _snapshot(root) == before
@@ -1011,6 +1011,52 @@ def test_an_sft_dry_run_makes_the_checks_and_prints_the_plan(root, driver, capsy
         f"raychat sft: error: --sft-tasks: the run's checkpoint {d} was made with 'calculator:200', this run "
         f"asks for 'calculator:300' {HINT}"
     )
+
+
+def test_sft_of_another_stages_checkpoint_names_its_stage(root, capsys):
+    """`sft --init-from <root>/rl --dry-run` planned an RL checkpoint without a word while --help said "SFT: a
+    pretraining one": a checkpoint named explicitly is fine-tuned whatever its stage (`latest` takes only
+    pretraining ones), and the first line says which stage and step it is."""
+    rl = _pretrained_with(Tokenizer.load(root / "tokenizer"), root / "rl" / "checkpoint_000003", stage="rl")
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s7", "--dry-run"]
+    assert raychat_main([*argv, "--init-from", "rl"]) == 0
+    assert capsys.readouterr().out.startswith(f"init from: {rl} (rl checkpoint, step 3)\n")
+    assert raychat_main([*argv, "--init-from", "latest"]) == 0  # the RL checkpoint is the newest one there
+    pretrained = root / "pretrain" / "checkpoint_000004"
+    assert capsys.readouterr().out.startswith(f"init from: {pretrained} (pretrain checkpoint, step 4)\n")
+
+
+SFT_DATA = "SFT's data are its --sft-tasks conversations (pretraining's shards and packer are not read)"
+
+
+@pytest.mark.parametrize(
+    "stage, flags, why",
+    [
+        ("sft", ["--depth", "7"], "SFT takes the model's shape from --init-from's checkpoint"),
+        ("sft", ["--kv-group", "2"], "SFT takes the model's shape from --init-from's checkpoint"),
+        ("sft", ["--data-dir", "/nonexistent"], SFT_DATA),
+        ("sft", ["--buffer-size", "3"], SFT_DATA),
+        ("sft", ["--overflow", "split"], SFT_DATA),
+        ("sft", ["--no-document-masking"],
+         "SFT always masks documents (each conversation attends only to itself)"),
+        ("pretrain", ["--sft-tasks", "spelling:5"], "pretraining reads --data-dir's shards (the tasks are SFT's data)"),
+    ],
+)  # fmt: skip
+def test_a_flag_the_stage_does_not_use_is_refused_not_ignored(stage, flags, why, root, capsys):
+    """`sft --init-from latest --depth 7 --dry-run` planned the checkpoint's depth 1, and --data-dir, --buffer-size
+    and --overflow were accepted and never read; the tiny preset, which sets depth, buffer_size and the data
+    for pretraining, still runs SFT (a preset's values are not flags)."""
+    argv = [stage, "--preset", "tiny", "--storage-path", str(root), "--run-name", "s6", "--dry-run"]
+    argv += ["--init-from", "latest"] if stage == "sft" else ["--data-dir", f"{root}/data"]
+    with pytest.raises(SystemExit) as e:
+        raychat_main([*argv, *flags])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        f"raychat {stage}: error: argument {flags[0]}: not used: {why} (`raychat {stage} --help` lists the flags)\n"
+    )
+    if stage == "sft":
+        assert raychat_main(argv) == 0
+        assert "model: depth 2 " in capsys.readouterr().out  # the checkpoint's, whatever the preset's depth
 
 
 def test_sft_from_a_checkpoint_trained_with_another_tokenizer(root, driver, capsys):

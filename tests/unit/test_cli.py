@@ -230,8 +230,10 @@ def test_numbers_the_parser_checks_name_their_flag(argv, message, capsys):
         ),
         (["data", "prepare", "--num-shards"], "stage data: argument --num-shards: expected one argument"),
         (["sft", "--", "--no-such-flag"], "stage sft: unrecognized arguments: --no-such-flag"),
+        (["sft", "--depth", "4"],
+         "stage sft: argument --depth: not used: SFT takes the model's shape from --init-from's checkpoint"),
     ],
-)
+)  # fmt: skip
 def test_a_submitted_stages_arguments_are_parsed_before_submission(submit, stage_args, message, capsys):
     """`k8s submit --dry-run pretrain --bogus 1` printed a RayJob (exit 0) whose cluster would start only for the
     job to fail on its arguments; `submit` sent it to the Ray cluster."""

@@ -142,11 +142,20 @@ def test_flat_names_are_unique_and_every_flag_keeps_its_name():
 
 
 def test_precedence_flags_over_preset_over_command_defaults(tmp_path):
-    (tmp_path / "p.yaml").write_text("train:\n  depth: 3\n  seq_len: 64\nsft:\n  seq_len: 32\n")
-    args = build_parser("sft").parse_args(["sft", "--preset", str(tmp_path / "p.yaml"), "--depth", "5"])
+    (tmp_path / "p.yaml").write_text(
+        "train:\n  depth: 3\n  seq_len: 64\n  num_iterations: 7\nsft:\n  seq_len: 32\n"
+    )
+    args = build_parser("sft").parse_args(
+        ["sft", "--preset", str(tmp_path / "p.yaml"), "--num-iterations", "5"]
+    )
     base = from_dict(TrainConfig, {"run_name": "sft", "stage": "sft", "document_masking": True})
     cfg = from_args(args, TrainConfig, "sft", base=base)
-    assert (cfg.model.depth, cfg.model.seq_len, cfg.run.run_name, cfg.model.document_masking) == (
+    assert (
+        cfg.train.horizon.num_iterations,
+        cfg.model.seq_len,
+        cfg.run.run_name,
+        cfg.model.document_masking,
+    ) == (
         5,
         32,
         "sft",

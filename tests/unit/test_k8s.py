@@ -495,7 +495,7 @@ def test_k8s_submit_dry_run_prints_a_valid_rayjob(capsys, crd_schemas):
             "--ttl",
             "60",
             "sft",
-            "--depth",
+            "--num-iterations",
             "4",
         ]
     )
@@ -507,7 +507,7 @@ def test_k8s_submit_dry_run_prints_a_valid_rayjob(capsys, crd_schemas):
         "labels": {**k8s.LABELS, "raychat.io/stage": "sft"},
         "namespace": "ml",
     }
-    assert job["spec"]["entrypoint"] == "python jobs/sft.py --depth 4"
+    assert job["spec"]["entrypoint"] == "python jobs/sft.py --num-iterations 4"
     assert job["spec"]["ttlSecondsAfterFinished"] == 60
     assert raychat_main(["k8s", "submit", "--dry-run", "--name", "Bad_Name", "sft"]) == 2
     capsys.readouterr()

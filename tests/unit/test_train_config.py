@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from raychat.checkpoint_manager import commit_directory
 from raychat.config import TrainConfig, add_flags, from_dict, preset_values
 from raychat.loss import cross_entropy_sum, normalize
 from raychat.train.launch import config_from, elastic_grad_accum, scaling_config
@@ -71,7 +72,9 @@ def test_round_to_micro_steps_by_hand():
 @pytest.mark.parametrize(
     "workers, total, accum", [(1, 65536, 32), (2, 65536, 16), (3, 67584, 11), (6, 61440, 5)]
 )
-def test_automatic_batch_size_gives_a_valid_plan_for_any_worker_count(workers, total, accum, capsys):
+def test_automatic_batch_size_gives_a_valid_plan_for_any_worker_count(
+    workers, total, accum, capsys, tmp_path
+):
     # depth 4, 20 tokens/param: D = 20 x 4,262,656 = 85.3M tokens -> power law 2^19 (D / 1e10)^0.383 = 84,534
     # -> 2^16 = 65,536, then rounded to a multiple of 8 rows x 256 tokens x workers
     values = dict(depth=4, seq_len=256, device_batch_size=8, num_workers=workers, target_param_data_ratio=20)
@@ -84,8 +87,11 @@ def test_automatic_batch_size_gives_a_valid_plan_for_any_worker_count(workers, t
     change = "kept" if total == 65536 else f"rounded to {total:,}"
     assert f"power law 65,536 tokens, {change}: the nearest multiple of {workers} workers" in out
     assert not out.startswith("init from")
-    print_plan(from_dict(TrainConfig, {**values, "init_from": "/r/long/checkpoint_000300"}), p)
-    assert capsys.readouterr().out.startswith("init from: /r/long/checkpoint_000300\n")  # `latest`, resolved
+    ck = tmp_path / "long" / "checkpoint_000300"
+    ck.mkdir(parents=True)
+    commit_directory(ck, 300, "sft")
+    print_plan(from_dict(TrainConfig, {**values, "init_from": str(ck)}), p)  # `latest`, resolved
+    assert capsys.readouterr().out.startswith(f"init from: {ck} (sft checkpoint, step 300)\n")
     with pytest.raises(
         ValueError, match="not a multiple"
     ):  # an explicit batch that does not divide: an error

@@ -39,11 +39,15 @@ def add_flags(
     defaults=None,
     preset: str | None = None,
     preset_aliases: tuple[str, ...] = (),
+    unused: dict[str, str] | None = None,
 ) -> None:
     """Add `--preset` (default `preset`; None = no --preset flag) and one flag per leaf of `cls`, plus a
     deprecated flag per name of `cls.DEPRECATED` (raychat.config.schema.deprecated) and of `preset_aliases`.
 
     defaults: the instance whose values the help shows (default `cls()`).
+    unused: {leaf: why} of the leaves the command does not use (raychat.config.train.UNUSED_FLAGS): their
+        flags stay listed, and given, fail parsing in one line naming the flag and why (a preset may still
+        set them: its values are not flags).
     """
     defaults = defaults if defaults is not None else cls()
     if preset is not None:
@@ -54,7 +58,7 @@ def add_flags(
     old = {name: [] for name in leaves(cls)}
     for alias, name in deprecated(cls).items():
         old[name].append(flag_name(alias))
-    _add_section(parser, cls, defaults, cls.__name__, old)
+    _add_section(parser, cls, defaults, cls.__name__, old, unused or {})
 
 
 TYPED = "typed_flags"  # the namespace's {dest: the option string given}: errors name the flag a user typed
@@ -78,15 +82,37 @@ class _Store(argparse.Action):
         vars(namespace).setdefault(TYPED, {})[self.dest] = option_string
 
 
-def _add_section(parser, cls, defaults, title: str, old: dict[str, list[str]]) -> None:
+class _Unused(argparse.Action):
+    """A flag the command does not use: refused, naming the option string given and why."""
+
+    def __init__(self, option_strings, dest, why: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise argparse.ArgumentError(None, f"argument {option_string}: not used: {self.why}")
+
+
+def _add_section(
+    parser, cls, defaults, title: str, old: dict[str, list[str]], unused: dict[str, str]
+) -> None:
     hints = _hints(cls)
     summary = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())  # the first paragraph, unwrapped
     group = parser.add_argument_group(title, summary or None)
     for f in dataclasses.fields(cls):
         if f.metadata.get("section"):
-            _add_section(parser, hints[f.name], getattr(defaults, f.name), f"{title}.{f.name}", old)
+            _add_section(parser, hints[f.name], getattr(defaults, f.name), f"{title}.{f.name}", old, unused)
             continue
         if not f.metadata.get("flag", True):
+            continue
+        if f.name in unused:
+            is_bool = _base_type(hints[f.name])[0] is bool
+            names = [flag_name(f.name), *old[f.name]]
+            names += [f"--no-{n[2:]}" for n in names] if is_bool else []
+            group.add_argument(
+                *names, dest=f.name, default=None, action=_Unused, why=unused[f.name],
+                nargs=0 if is_bool else None, metavar=None if is_bool else "VALUE", help=f"not used: {unused[f.name]}",
+            )  # fmt: skip
             continue
         default = getattr(defaults, f.name)
         required = "(required)" in f.metadata["help"] and default == ""

@@ -35,10 +35,11 @@ class RunSection(Section):
     storage_path: str = option("runs/checkpoints", "where checkpoints go (local dir, NFS, s3://, gs://)")
     stage: str = option("pretrain", "what the run trains (set by the command)", STAGES, flag=False)
     init_from: str = option(
-        "", "checkpoint to start from (SFT: a pretraining one; RL, required: an SFT one, or a pretraining one named "
-        "explicitly for RL from a base model): a checkpoint dir, a run "
-        "dir, <run dir>/latest, a run name under --storage-path, or latest (the newest checkpoint of the stage "
-        "before there)", kind="reference",
+        "", "checkpoint to start from (SFT, required: a pretraining one, or named explicitly, one of any stage to "
+        "fine-tune further; RL, required: an SFT one, or named explicitly, one of any stage, e.g. a pretraining one "
+        "for RL from a base model): a checkpoint dir, a run dir, <run dir>/latest, a run name under "
+        "--storage-path, or latest (the newest checkpoint of the stage before there); its stage and step are "
+        "printed first", kind="reference",
     )  # fmt: skip
     seed: int = option(0, "seed for init, data order and sampling", ge=0, le=SEED_MAX)
     tracker: str = option(
@@ -307,3 +308,22 @@ class TrainConfig(Section):
 
 # The SFT command's own defaults (on top of TrainConfig's, under the preset and the flags).
 SFT_DEFAULTS = {"run_name": "sft", "stage": "sft", "document_masking": True}
+
+# {stage: {option: why the stage does not use it}}: the command refuses these given as flags, naming the flag
+# and why (raychat.config.flags.add_flags); a preset's values for them (its train section, shared with
+# pretraining) are not flags and stay as they are.
+_SHAPE = "SFT takes the model's shape from --init-from's checkpoint"
+_PRETRAIN_DATA = "SFT's data are its --sft-tasks conversations (pretraining's shards and packer are not read)"
+_SFT_TASKS = "pretraining reads --data-dir's shards (the tasks are SFT's data)"
+UNUSED_FLAGS = {
+    "pretrain": {
+        "sft_tasks": _SFT_TASKS,
+        "task_data_dir": _SFT_TASKS,
+        "eval_examples": "pretraining evaluates BPB and greedy samples, no task accuracy",
+    },
+    "sft": {
+        **dict.fromkeys(("depth", "aspect_ratio", "head_dim", "kv_group"), _SHAPE),
+        "document_masking": "SFT always masks documents (each conversation attends only to itself)",
+        **dict.fromkeys(("data_dir", "buffer_size", "overflow", "min_fragment"), _PRETRAIN_DATA),
+    },
+}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from raychat.checkpoint import read_meta
+from raychat.checkpoint_manager import described
 from raychat.config import ConfigError, TrainConfig
 from raychat.model import GPT, ModelConfig
 from raychat.train.optim import planned_ns_choice
@@ -131,10 +132,16 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
     )
 
 
+def init_from_line(checkpoint: str) -> str:
+    """ "init from: <checkpoint> (<stage> checkpoint, step <step>)" of the resolved --init-from (`latest` is
+    named as the checkpoint it found), printed first by SFT, pretraining from a checkpoint and RL."""
+    return f"init from: {described(checkpoint)}"
+
+
 def print_plan(cfg: TrainConfig, p: Plan) -> None:
     m = p.model_config
-    if cfg.run.init_from:  # resolved: `latest` is named as the checkpoint it found
-        print(f"init from: {cfg.run.init_from}")
+    if cfg.run.init_from:
+        print(init_from_line(cfg.run.init_from))
     print(
         f"model: depth {m['n_layer']} width {m['n_embd']} heads {m['n_head']} (kv {m['n_kv_head']}) "
         f"head_dim {m['head_dim']} mlp {m['intermediate_size']} vocab {m['vocab_size']}"
