@@ -173,6 +173,12 @@ def read_capacity() -> Capacity:
     return Capacity("alive nodes", tuple(alive))
 
 
+def local_capacity(cpus: float) -> Capacity:
+    """The local Ray cluster a command starts on this machine: one node of `cpus` CPUs, never more (known
+    before Ray starts, so a layout can be checked against it first)."""
+    return Capacity("a local Ray cluster", (NodeType("this machine", {"CPU": float(cpus)}, 1),))
+
+
 def check_bundles(bundles: list[dict], capacity: Capacity, flags: str) -> None:
     """Refuse a request no node type can ever hold: one bundle no type has room for, or more of a resource
     than the whole cluster can hold. Accepts everything on a cluster whose node types are unknown.

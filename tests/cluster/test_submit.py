@@ -265,9 +265,8 @@ def test_rl_takes_the_token_file_of_a_gcs_address(token_cluster, tmp_path):
           "--use-gpu", "--address", gcs]  # fmt: skip
     r = _raychat([*rl, "--token-file", token_file], c["tmp"])
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
-        "raychat rl: error: --learner-workers, --rollout-workers, --cpus-per-learner, --cpus-per-rollout, "
-        "--use-gpu: one of them needs {CPU: 0.5, GPU: 1}; no node type has room: GPU (need 1, the most a node "
-        "has is 0); largest node type: alive node "
+        "raychat rl: error: --learner-workers 1 x --cpus-per-learner 0.5 --use-gpu: one of them needs {CPU: 0.5, "
+        "GPU: 1}; no node type has room: GPU (need 1, the most a node has is 0); largest node type: alive node "
     ), r.stdout + r.stderr  # was "unrecognized arguments: --token-file"
 
     wrong = tmp_path / "wrong-token"

@@ -3,12 +3,16 @@ rollout, and between a weight sync and its next rollout, on both sync paths), re
 
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
+from support.cluster import short_temp_dir
 from support.rl_fixtures import rl_config, tiny_checkpoint, tiny_config
 
 from raychat.rl.actors import ActorGroup
@@ -181,9 +185,33 @@ def test_collective_broadcast_path_with_gloo(ray_cluster, checkpoint):
 
 
 def test_async_mode_records_staleness_within_k(ray_cluster, checkpoint, tmp_path):
-    cfg = tiny_config(checkpoint, str(tmp_path), steps=3, mode="async", max_staleness=1, checkpoint_every=100)
+    cfg = tiny_config(
+        checkpoint, str(tmp_path), steps=3, mode="async", max_staleness=1, checkpoint_every=100, eval_every=0
+    )
     summary = RLRun(cfg, log=lambda m: None).run()
+    assert [e["step"] for e in summary["evals"]] == [0, 3]  # --eval-every 0: only at step 0 and the end
     lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     # step 1 trains on version-0 samples at learner version 0; later steps on samples one version old
     assert [x["staleness_max"] for x in lines] == [0, 1, 1] and summary["version"] == 3
     assert all(x["mode"] == "async" and x["normalization"] == "token" for x in lines)
+
+
+def test_a_local_rl_run_starts_ray_with_the_dashboards_metrics_files(checkpoint, tmp_path):
+    """`raychat rl` started its local cluster without the dashboard, so Ray wrote neither its Prometheus service
+    discovery file nor session_latest/metrics (docs/deployment.md section 5 found nothing for a local RL run),
+    unlike pretrain and sft. It starts one as they do (its own cluster, in a child process: the feature is how
+    a local run starts Ray), and prints what --init-from resolved to."""
+    ray_tmp = str(short_temp_dir("rl-"))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYCHAT_THREADS")}
+    env.update(RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled")
+    cmd = [sys.executable, "-m", "raychat.cli", "rl", "--preset", "tiny", "--init-from", checkpoint,
+           "--storage-path", str(tmp_path), "--run-name", "local", "--max-operand", "9"]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        temp = os.path.join(ray_tmp, "ray")  # Ray's temp dir under $RAY_TMPDIR
+        assert os.path.isfile(os.path.join(temp, "prom_metrics_service_discovery.json"))
+        assert os.path.isdir(os.path.join(temp, "session_latest", "metrics", "prometheus"))
+        assert done.stdout.startswith(f"init from: {checkpoint} (test checkpoint, step 0)\n")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -32,6 +32,7 @@ from raychat.model import GPT, ModelConfig
 from raychat.tokenizer import Tokenizer
 from raychat.train import launch
 from raychat.train.checkpointer import Checkpointer
+from raychat.train.layout import local_cores
 from raychat.train.optim import build_optimizers
 
 
@@ -931,9 +932,9 @@ def test_resuming_sft_from_another_init_from(root, driver, capsys):
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s3", "--init-from",
             f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
     d = _commit_step(*driver(argv))
-    driver([*argv[:-5], "pretrain", *argv[-4:]])  # the same checkpoint, named by its run
+    driver([*argv[:-3], "pretrain", *argv[-2:]])  # the same checkpoint, named by its run
     capsys.readouterr()
-    line = _fails_in_one_line([*argv[:-5], "pretrain2", *argv[-4:]], capsys)
+    line = _fails_in_one_line([*argv[:-3], "pretrain2", *argv[-2:]], capsys)
     assert line == (
         f"raychat sft: error: --init-from: the run's checkpoint {d} was made with "
         f"'{root}/pretrain/checkpoint_000004', this run asks for '{root}/pretrain2/checkpoint_000006' {HINT}"
@@ -989,6 +990,46 @@ def test_resuming_rl_with_other_settings_or_another_stages_run(flags, want, root
     before = _snapshot(root)
     line = _fails_in_one_line([*argv, *flags], capsys)
     assert line == f"raychat rl: error: {want.format(d=d, root=root)}"
+    assert _snapshot(root) == before
+
+
+def test_rl_names_what_its_init_from_resolved_to_and_takes_eval_every_0(root, rl_run, capsys):
+    """rl printed no `init from:` line (sft does), so what `latest` resolved to went unseen; and --eval-every 0 was
+    refused (">= 1") while its --checkpoint-every 0, and training's --eval-every 0, mean "only at the end"."""
+    argv, _ = rl_run
+    capsys.readouterr()
+    with pytest.raises(ReachedRay):
+        raychat_main([*(a if a != "sft" else "latest" for a in argv), "--eval-every", "0"])
+    sft = root / "sft" / "checkpoint_000001"
+    assert capsys.readouterr().out == f"init from: {sft} (sft checkpoint, step 0)\n"
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        (["--cpus-per-rollout", "{big}"],
+         "--rollout-workers 1 x --cpus-per-rollout {big}: one of them needs {{CPU: {big}}}; no node type has room: "
+         "CPU (need {big}, the most a node has is {n}); largest node type: this machine {{CPU: {n}}}"),
+        (["--cpus-per-learner", "{big}"],
+         "--learner-workers 1 x --cpus-per-learner {big}: one of them needs {{CPU: {big}}}; no node type has room: "
+         "CPU (need {big}, the most a node has is {n}); largest node type: this machine {{CPU: {n}}}"),
+        (["--rollout-workers", "{n}", "--cpus-per-rollout", "1"],
+         "--learner-workers 1 x --cpus-per-learner 0.5 + --rollout-workers {n} x --cpus-per-rollout 1: together "
+         "they need {need} CPU; the cluster can hold at most {n} (a local Ray cluster: this machine {{CPU: {n}}} x 1)"),
+    ],
+)  # fmt: skip
+def test_rl_refuses_a_layout_the_local_cluster_cannot_hold_before_ray_starts(
+    flags, want, root, monkeypatch, capsys
+):
+    """`rl --cpus-per-rollout 5` on 2 cores was refused only once Ray had started, naming five flags."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    write_tiny_checkpoint(root / "sft" / "checkpoint_000001", stage="sft")
+    n = local_cores()
+    values = {"n": n, "big": n + 3, "need": f"{n + 0.5:g}"}
+    argv = ["rl", "--preset", "tiny", "--storage-path", str(root), "--init-from", "sft", "--run-name", "r"]
+    before = _snapshot(root)
+    line = _fails_in_one_line([*argv, *(f.format(**values) for f in flags)], capsys)
+    assert line == f"raychat rl: error: {want.format(**values)}"
     assert _snapshot(root) == before
 
 

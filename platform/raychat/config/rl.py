@@ -119,8 +119,9 @@ class RLEvalSection(Section):
     """pass@k evaluation on held-out prompts."""
 
     eval_every: int = option(
-        10, "steps between pass@k evaluations on held-out prompts (and at step 0 and the end)", ge=1
-    )
+        10, "steps between pass@k evaluations on held-out prompts (and at step 0 and the end; 0 = only at step 0 "
+        "and the end)", ge=0,
+    )  # fmt: skip
     eval_examples: int = option(64, "held-out (test split) prompts per evaluation", ge=1)
     eval_samples: int = option(8, "samples per held-out prompt; pass@k for k = 1..this", ge=1)
     eval_temperature: float = option(1.0, "sampling temperature of the evaluation", ge=0)

@@ -12,11 +12,40 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raychat.capacity import Capacity, WaitReporter, check_bundles, missing_resources, read_capacity
 from raychat.config import RLConfig
+from raychat.config.schema import shown
 from raychat.rl.learner import LearnerActor
 from raychat.rl.rollout import RolloutActor
 from raychat.rl.weights import create_collective_group
 
 LAYOUT_FLAGS = "--learner-workers, --rollout-workers, --cpus-per-learner, --cpus-per-rollout, --use-gpu"
+
+
+def role_bundles(cfg: RLConfig) -> tuple[list[dict], list[dict]]:
+    """(the W learners' bundles, the R rollout actors'): {"CPU": c} each, + {"GPU": 1} with --use-gpu."""
+    t, gpu = cfg.layout, {"GPU": 1} if cfg.layout.use_gpu else {}
+    learners = [{"CPU": t.cpus_per_learner, **gpu}] * t.learner_workers
+    return learners, [{"CPU": t.cpus_per_rollout, **gpu}] * t.rollout_workers
+
+
+def check_layout(cfg: RLConfig, capacity: Capacity) -> None:
+    """Refuse a placement group of `cfg` that `capacity` can never hold, naming the flags of the part that does
+    not fit: the learners (--learner-workers x --cpus-per-learner), the rollout actors (--rollout-workers x
+    --cpus-per-rollout), then both together.
+
+    Raises ValueError: one line naming those flags, the need and the largest node (raychat.capacity.check_bundles).
+    """
+    t = cfg.layout
+    on_gpu = " --use-gpu" if t.use_gpu else ""
+    learners = (
+        f"--learner-workers {t.learner_workers} x --cpus-per-learner {shown(t.cpus_per_learner)}{on_gpu}"
+    )
+    rollouts = (
+        f"--rollout-workers {t.rollout_workers} x --cpus-per-rollout {shown(t.cpus_per_rollout)}{on_gpu}"
+    )
+    learner_bundles, rollout_bundles = role_bundles(cfg)
+    check_bundles(learner_bundles, capacity, learners)
+    check_bundles(rollout_bundles, capacity, rollouts)
+    check_bundles(learner_bundles + rollout_bundles, capacity, f"{learners} + {rollouts}")
 
 
 class ActorsLost(RuntimeError):
@@ -53,18 +82,17 @@ class ActorGroup:
     @property
     def bundles(self) -> list[dict]:
         """The placement group's bundles: W learners then R rollout actors, {"CPU": c} (+ {"GPU": 1})."""
-        t, gpu = self.cfg.layout, self.gpu
-        bundles = [{"CPU": t.cpus_per_learner, **({"GPU": 1} if gpu else {})}] * t.learner_workers
-        return bundles + [{"CPU": t.cpus_per_rollout, **({"GPU": 1} if gpu else {})}] * t.rollout_workers
+        learners, rollouts = role_bundles(self.cfg)
+        return learners + rollouts
 
     def check_layout(self) -> Capacity:
         """Refuse, before any actor starts, a placement group no node type of the cluster can ever hold
         (raychat.capacity.check_bundles: the autoscaler's node types, not only the alive nodes); returns the
         Capacity read.
 
-        Raises ValueError: one line naming the flags, the need and the largest node type."""
+        Raises ValueError: as check_layout."""
         capacity = read_capacity()
-        check_bundles(self.bundles, capacity, LAYOUT_FLAGS)
+        check_layout(self.cfg, capacity)
         return capacity
 
     def start(self, ready_timeout_s: float | None = None) -> None:

@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import ray
 
+from raychat.capacity import local_capacity
 from raychat.checkpoint import check_model
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import RLConfig, from_args, from_dict
 from raychat.ray_token import token_for
+from raychat.rl.actors import check_layout
 from raychat.rl.loop import RLRun
 from raychat.storage import check_writable, is_remote, open_storage
 from raychat.tasks.registry import check_data
+from raychat.train.layout import local_cores
+from raychat.train.plan import init_from_line
 
 
 def resolve_inputs(cfg: RLConfig) -> RLConfig:
@@ -48,18 +53,28 @@ def config_for(args: argparse.Namespace) -> RLConfig:
 
 
 def main(args) -> int:
-    """`raychat rl` (its parser: raychat.commands.rl)."""
+    """`raychat rl` (its parser: raychat.commands.rl). Without a cluster to connect to (--address,
+    RAY_ADDRESS) it starts a local one of this machine's cores (raychat.train.layout.local_cores), with the
+    dashboard as pretraining's (its metrics service discovery for Prometheus), after checking that the layout
+    fits it."""
+    local = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     try:
         cfg = resolve_inputs(config_for(args))
         run = RLRun(cfg)  # the resume check (raychat.rl.loop.check_resume), before Ray starts
+        if local:  # a cluster of this machine never grows: refuse now what it could never place
+            check_layout(cfg, local_capacity(local_cores()))
         check_writable(open_storage(cfg.run.storage_path))
     except (ValueError, FileNotFoundError) as e:
         print(f"raychat rl: error: {e}", file=sys.stderr)
         return 2
+    print(init_from_line(cfg.run.init_from))
     started = not ray.is_initialized()
     if started:
         with token_for(args.address, args.token_file):
-            ray.init(address=args.address, include_dashboard=False)
+            if local:
+                ray.init(address="local", num_cpus=local_cores())
+            else:
+                ray.init(address=args.address)
     try:
         summary = run.run()
     finally:

@@ -52,6 +52,7 @@ from raychat.rl.sync import WeightSync
 from raychat.storage import open_storage, write_bytes
 from raychat.tasks.registry import make_task
 from raychat.train.launch import changed_options, refuse_resume, resumable_checkpoint
+from raychat.train.trainer import due
 
 MODES = ("sync", "async")  # --mode: on-policy | rollouts up to --max-staleness versions ahead
 # What a run's starting weights and its prompt stream (step s: prompts s*P.. of the --seed order) derive from.
@@ -288,15 +289,14 @@ class RLRun:
                 "failures": self.failures,
                 "stale_chunks": self.dispatcher.stale_chunks, "dropped_samples": self.dispatcher.dropped_samples,
             }  # fmt: skip
-            if (step + 1) % cfg.eval.eval_every == 0 or step + 1 == steps:
+            if due(cfg.eval.eval_every, step + 1, steps):
                 evals.append({"step": step + 1, **self.dispatcher.evaluate(len(self.tasks["test"]))})
                 line["eval"] = evals[-1]
             self.log(_fmt({k: line[k] for k in _LOG_KEYS if line.get(k) is not None}))
             if "eval" in line:
                 self.log(f"eval step {step + 1}: {_fmt(evals[-1])}")
             metrics.log(line)
-            every = cfg.checkpoint.checkpoint_every  # 0: only at the end
-            if (every and (step + 1) % every == 0) or step + 1 == steps:
+            if due(cfg.checkpoint.checkpoint_every, step + 1, steps):
                 self.save(step + 1, evals[-1] if evals else None)
         self.sync.drain()
         newest = self.checkpoints.newest()

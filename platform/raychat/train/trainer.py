@@ -71,6 +71,12 @@ class Callback:
     def on_train_end(self, trainer: Trainer) -> None: ...
 
 
+def due(every: int, done: int, last: int) -> bool:
+    """Whether step `done` (counted from 1) evaluates or checkpoints: every `every` steps (0 = only at the end)
+    and at step `last`, the run's last."""
+    return bool(every and done % every == 0) or done == last
+
+
 class Trainer:
     """Trains `model` on the rows of `row_source` (see the module doc). One instance per Ray Train worker.
 
@@ -144,7 +150,7 @@ class Trainer:
 
     def due(self, every: int, done: int) -> bool:
         """Every `every` steps (0 = never) and at the last step of this run."""
-        return bool(every and done % every == 0) or done == self.stop
+        return due(every, done, self.stop)
 
     def train_step(self, step: int) -> dict:
         """One optimizer step (0-based `step`); returns its stats (step counts from 1)."""
