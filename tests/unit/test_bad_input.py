@@ -1116,3 +1116,56 @@ def test_sft_from_a_checkpoint_trained_with_another_tokenizer(root, driver, caps
     )
     assert _snapshot(root) == before
     driver([*argv[:-1], str(other)])  # its own copy: on to Ray
+
+
+@pytest.mark.parametrize("stage", ["sft", "pretrain"])
+def test_a_seq_len_longer_than_the_init_from_models_is_refused_before_ray(stage, root, capsys):
+    """`sft --seq-len 512` from a model of max_seq_len 256 trained rows of 512 positions (RoPE is computed, so
+    nothing failed) and committed checkpoints still saying max_seq_len 256: serving and evaluation never reach
+    the positions it trained."""
+    ckpt = root / "pretrain" / "checkpoint_000004"
+    argv = [stage, "--storage-path", str(root), "--run-name", "s8", "--init-from", "latest"]
+    before = _snapshot(root)
+    want = (
+        f"raychat {stage}: error: --seq-len 512: the --init-from checkpoint {ckpt} has max_seq_len 256 (its "
+        "checkpoints keep it: serving and evaluation stop there); allowed: 1..256  (RAYCHAT_DEBUG=1 shows the "
+        "traceback)"
+    )
+    for dry_run in (["--dry-run"], []) if stage == "sft" else (["--dry-run"],):
+        assert _fails_in_one_line([*argv, "--seq-len", "512", *dry_run], capsys) == want
+    assert _snapshot(root) == before
+    assert raychat_main([*argv, "--seq-len", "256", "--dry-run"]) == 0
+    assert "x 256 tokens x" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        (["--depth", "7"], "--depth: the --init-from checkpoint {ckpt} has 2, given 7"),
+        (["--depth", "2", "--kv-group", "4", "--head-dim", "32"],
+         "--head-dim, --kv-group: the --init-from checkpoint {ckpt} has 16, 2, given 32, 4"),
+        (["--aspect-ratio", "64"], "--aspect-ratio: the --init-from checkpoint {ckpt} has 32, given 64"),
+    ],
+)  # fmt: skip
+def test_pretraining_from_a_checkpoint_refuses_a_typed_shape_flag_it_would_ignore(flags, want, root, capsys):
+    """`pretrain --init-from X --depth 7` planned and trained X's depth 2 without a word; the checkpoint's own
+    values typed (and the preset's, which are not typed) are accepted."""
+    ckpt = root / "pretrain" / "checkpoint_000004"
+    argv = [
+        "pretrain",
+        "--storage-path",
+        str(root),
+        "--run-name",
+        "p8",
+        "--init-from",
+        str(ckpt),
+        "--dry-run",
+    ]
+    line = _fails_in_one_line([*argv, *flags], capsys)
+    assert line == (
+        f"raychat pretrain: error: {want.format(ckpt=ckpt)} (a run from a checkpoint keeps its shape: leave the "
+        "flag out, or start from scratch without --init-from)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    same = ["--depth", "2", "--kv-group", "2", "--head-dim", "16", "--aspect-ratio", "32"]
+    assert raychat_main([*argv, *same]) == 0
+    assert "model: depth 2 width 64 heads 4 (kv 2) head_dim 16" in capsys.readouterr().out

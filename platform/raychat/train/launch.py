@@ -161,6 +161,42 @@ def check_tokenizer(paths: RunPaths, tokenizer: Tokenizer) -> None:
         )
 
 
+def check_shape_flags(cfg: TrainConfig, typed) -> None:
+    """Refuse a shape flag typed on the command line (`typed`: the names of raychat.config.flags.TYPED) whose
+    value is not the --init-from checkpoint's (cfg.run.init_from, resolved): pretraining from a checkpoint keeps
+    its shape (make_plan), so such a flag was silently ignored. --depth, --head-dim and --kv-group are compared
+    with the model's layers, head dim and query heads per KV head; --aspect-ratio with the width it gives at the
+    model's depth and head dim. (--seq-len: make_plan's range check; --tokenizer-path: check_tokenizer.)
+
+    Raises:
+        ConfigError: one line naming each such flag, the checkpoint's value and the given one.
+    """
+    if not cfg.run.init_from:
+        return
+    meta = read_meta(cfg.run.init_from)
+    mc, m = meta["model_config"], cfg.model
+    try:
+        made_ar = to_flat(from_dict(TrainConfig, meta["config"]))["aspect_ratio"]
+    except (KeyError, TypeError, ValueError):  # a checkpoint without its config (model-only)
+        made_ar = None
+    width = math.ceil(mc["n_layer"] * m.aspect_ratio / mc["head_dim"]) * mc["head_dim"]
+    checkpoint = {
+        "depth": mc["n_layer"],
+        "head_dim": mc["head_dim"],
+        "kv_group": mc["n_head"] // mc["n_kv_head"],
+        "aspect_ratio": m.aspect_ratio if width == mc["n_embd"] else made_ar or mc["n_embd"] // mc["n_layer"],
+    }
+    changed = [
+        (flag_name(k), v, getattr(m, k)) for k, v in checkpoint.items() if k in typed and v != getattr(m, k)
+    ]
+    if changed:
+        names, was, now = _values(changed)
+        raise ConfigError(
+            f"{names}: the --init-from checkpoint {cfg.run.init_from} has {was}, given {now} (a run from a "
+            "checkpoint keeps its shape: leave the flag out, or start from scratch without --init-from)"
+        )
+
+
 # The options a model's shape derives from (ModelConfig.from_depth and the vocabulary); SFT's is --init-from's.
 SHAPE_OPTIONS = ("depth", "aspect_ratio", "head_dim", "kv_group", "seq_len", "tokenizer_path")
 # The options a stage's row source stream is made of (its fingerprint).

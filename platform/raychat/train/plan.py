@@ -73,11 +73,12 @@ def round_to_micro_steps(tokens: int, tokens_per_micro_step: int) -> int:
 def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
     """The derived sizes of a run. An automatic total batch size is rounded to whole micro-steps
     (round_to_micro_steps) of every world size the run may train on (lcm of --min-workers..--num-workers);
-    raises ConfigError when an explicit --total-batch-size does not divide, or the model is too large for a
-    tensor's size to be computed."""
+    raises ConfigError when an explicit --total-batch-size does not divide, the model is too large for a
+    tensor's size to be computed, or --seq-len is longer than an --init-from checkpoint's max_seq_len."""
     m, h, batch = cfg.model, cfg.train.horizon, cfg.train.batch
     if cfg.run.init_from:
         model_config = ModelConfig(**read_meta(cfg.run.init_from)["model_config"])
+        check_seq_len(m.seq_len, model_config.max_seq_len, cfg.run.init_from)
     else:
         model_config = ModelConfig.from_depth(
             m.depth, vocab_size, m.seq_len, m.aspect_ratio, m.head_dim, m.kv_group
@@ -130,6 +131,20 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
         total_flops=tokens * flops_per_token,
         auto_batch_size=auto,
     )
+
+
+def check_seq_len(seq_len: int, max_seq_len: int, init_from: str) -> None:
+    """Refuse rows longer than the --init-from model's max_seq_len: the run would train positions past it while
+    its checkpoints keep the init's max_seq_len, so serving and evaluation never use them.
+
+    Raises:
+        ConfigError: naming --seq-len, the checkpoint's max_seq_len and the allowed range.
+    """
+    if seq_len > max_seq_len:
+        raise ConfigError(
+            f"--seq-len {seq_len}: the --init-from checkpoint {init_from} has max_seq_len {max_seq_len} (its "
+            f"checkpoints keep it: serving and evaluation stop there); allowed: 1..{max_seq_len}"
+        )
 
 
 def init_from_line(checkpoint: str) -> str:

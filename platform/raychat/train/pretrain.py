@@ -10,10 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from raychat.config import TrainConfig, preset_section
+from raychat.config.flags import TYPED
 from raychat.data.corpus.shards import list_shards
 from raychat.data.loader.pipeline import PretrainRows, validation_rows
 from raychat.tokenizer import Tokenizer
-from raychat.train.launch import check_resume, config_from, resolve_paths, run_training
+from raychat.train.launch import check_resume, check_shape_flags, config_from, resolve_paths, run_training
 from raychat.train.plan import make_plan, print_plan
 from raychat.train.replay_recorder import ReplayRecorder
 from raychat.train.startup_trace import mark
@@ -43,15 +44,17 @@ class Pretraining:
         return [bpb, SamplesValidator(tokenizer, cfg.train.eval.sample_every, device)] if rank == 0 else [bpb]
 
 
-def pretrain(cfg: TrainConfig, callbacks=()):
+def pretrain(cfg: TrainConfig, callbacks=(), typed=()):
     """Run (or resume) pretraining on the current Ray cluster, with replay records; returns the
-    ray.train.Result.
+    ray.train.Result. typed: the options typed on the command line (raychat.config.flags.TYPED).
 
     Raises:
         ValueError: (before Ray starts) as run_training, or --data-dir holds no prepared shards (no or a
-            malformed manifest.json, a listed shard missing) or a validation shard too small for one row.
+            malformed manifest.json, a listed shard missing) or a validation shard too small for one row, or
+            a typed shape flag that is not the --init-from checkpoint's (check_shape_flags).
     """
     paths = resolve_paths(cfg, writable=False)
+    check_shape_flags(paths.config(cfg), typed)
     try:  # what every worker reads first: fail here, in one line, not in each of them
         _, val_file = list_shards(paths.data_dir)
     except (OSError, ValueError) as e:
@@ -83,9 +86,11 @@ def main(args) -> int:
     """`raychat pretrain` (its parser: raychat.commands.pretrain)."""
     mark("driver_imports_done")
     cfg = config_from(args, TrainConfig(), "pretrain")
+    typed = getattr(args, TYPED, {})
     if args.dry_run:
         paths = resolve_paths(cfg, writable=False)
         cfg = paths.config(cfg)
+        check_shape_flags(cfg, typed)
         plan = make_plan(cfg, dry_run_vocab_size(cfg, args.preset))
         if (
             paths.checkpoints.newest() is not None
@@ -94,5 +99,5 @@ def main(args) -> int:
             check_resume(cfg, paths, plan, lambda: Pretraining().row_source(cfg, tokenizer, 0, 1))
         print_plan(cfg, plan)
         return 0
-    pretrain(cfg)
+    pretrain(cfg, typed=typed)
     return 0
