@@ -1169,3 +1169,25 @@ def test_pretraining_from_a_checkpoint_refuses_a_typed_shape_flag_it_would_ignor
     same = ["--depth", "2", "--kv-group", "2", "--head-dim", "16", "--aspect-ratio", "32"]
     assert raychat_main([*argv, *same]) == 0
     assert "model: depth 2 width 64 heads 4 (kv 2) head_dim 16" in capsys.readouterr().out
+
+
+def test_rl_refuses_a_max_tokens_that_does_not_fit_after_its_longest_prompt(root, monkeypatch, capsys):
+    """The engine cut every completion at the model's max_seq_len without a word, so a --max-tokens past what
+    the longest prompt leaves was a budget never given (and a prompt that filled max_seq_len failed in a
+    rollout actor after Ray started)."""
+
+    def reached(*args, **kwargs):
+        raise ReachedRay
+
+    monkeypatch.setattr(ray, "init", reached)
+    sft = write_tiny_checkpoint(root / "short" / "checkpoint_000001", max_seq_len=64, stage="sft")
+    argv = ["rl", "--preset", "tiny", "--storage-path", str(root), "--run-name", "r9", "--init-from", "short"]
+    before = _snapshot(root)
+    line = _fails_in_one_line([*argv, "--max-tokens", "48"], capsys)
+    assert line == (
+        f"raychat rl: error: --max-tokens 48: the longest --task calculator prompt has 23 tokens and the "
+        f"--init-from checkpoint {sft} has max_seq_len 64, which must hold prompt and completion; allowed: 1..41"
+    )
+    assert _snapshot(root) == before
+    with pytest.raises(ReachedRay):  # the longest prompt + 41 tokens fill max_seq_len: on to Ray
+        raychat_main([*argv, "--max-tokens", "41"])

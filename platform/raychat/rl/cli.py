@@ -17,14 +17,16 @@ import sys
 import ray
 
 from raychat.capacity import local_capacity
-from raychat.checkpoint import check_model
+from raychat.chat_template import render_for_completion
+from raychat.checkpoint import check_model, read_meta
 from raychat.checkpoint_manager import find_checkpoint
-from raychat.config import RLConfig, from_args, from_dict
+from raychat.config import ConfigError, RLConfig, from_args, from_dict
 from raychat.ray_token import token_for
 from raychat.rl.actors import check_layout
 from raychat.rl.loop import RLRun
 from raychat.storage import check_writable, is_remote, open_storage
 from raychat.tasks.registry import check_data
+from raychat.tokenizer import Tokenizer
 from raychat.train.layout import local_cores
 from raychat.train.plan import init_from_line
 
@@ -47,6 +49,34 @@ def resolve_inputs(cfg: RLConfig) -> RLConfig:
     return from_dict(RLConfig, {"init_from": init_from, "storage_path": storage.uri}, base=cfg)
 
 
+def check_generation_length(cfg: RLConfig, tasks: dict) -> None:
+    """Refuse a --max-tokens that does not fit after the longest prompt of `tasks` ({"train", "test": Task},
+    rendered as the rollout actors render them) within the local --init-from model's max_seq_len: the engine
+    cut such completions short at max_seq_len without a word (a prompt that filled it failed in an actor,
+    after Ray started). A remote --init-from is not read here.
+
+    Raises:
+        ConfigError: naming --max-tokens, the longest prompt, the checkpoint's max_seq_len and the allowed range.
+    """
+    if is_remote(cfg.run.init_from):
+        return
+    max_seq_len = read_meta(cfg.run.init_from)["model_config"]["max_seq_len"]
+    tokenizer = Tokenizer.load(cfg.run.init_from)
+    longest = max(
+        len(render_for_completion(tokenizer, task[i]["messages"][:-1]))
+        for task in tasks.values()
+        for i in range(len(task))
+    )
+    room, max_tokens = max_seq_len - longest, cfg.rollout.max_tokens
+    if max_tokens > room:
+        allowed = f"1..{room}" if room >= 1 else "none: that prompt alone fills max_seq_len"
+        raise ConfigError(
+            f"--max-tokens {max_tokens}: the longest --task {cfg.task.task} prompt has {longest} tokens and the "
+            f"--init-from checkpoint {cfg.run.init_from} has max_seq_len {max_seq_len}, which must hold prompt and "
+            f"completion; allowed: {allowed}"
+        )
+
+
 def config_for(args: argparse.Namespace) -> RLConfig:
     """The command's RLConfig: flags > --preset (its rl section, or the whole file) > defaults."""
     return from_args(args, RLConfig, "rl", where="rl settings")
@@ -61,6 +91,7 @@ def main(args) -> int:
     try:
         cfg = resolve_inputs(config_for(args))
         run = RLRun(cfg)  # the resume check (raychat.rl.loop.check_resume), before Ray starts
+        check_generation_length(cfg, run.tasks)
         if local:  # a cluster of this machine never grows: refuse now what it could never place
             check_layout(cfg, local_capacity(local_cores()))
         check_writable(open_storage(cfg.run.storage_path))
