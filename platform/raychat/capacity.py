@@ -173,6 +173,19 @@ def read_capacity() -> Capacity:
     return Capacity("alive nodes", tuple(alive))
 
 
+def free_capacity() -> Capacity:
+    """What the alive nodes have free now (Ray's available resources per node; a snapshot that grows stale as
+    work starts and ends): which part of a request that waits has no room yet."""
+    nodes = ray._private.state.available_resources_per_node()
+    return Capacity(
+        "free now",
+        tuple(
+            NodeType(f"node {node_id[:8]}", {k: v for k, v in res.items() if k in SCHEDULED_RESOURCES}, 1)
+            for node_id, res in nodes.items()
+        ),
+    )
+
+
 def local_capacity(cpus: float) -> Capacity:
     """The local Ray cluster a command starts on this machine: one node of `cpus` CPUs, never more (known
     before Ray starts, so a layout can be checked against it first)."""

@@ -165,8 +165,29 @@ def test_a_failed_topology_start_leaves_no_placement_group(ray_cluster, checkpoi
     actors = ActorGroup(cfg, rl_tasks(cfg))
     with pytest.raises(
         ValueError,
-        match=r"--use-gpu: the RL placement group .* was not placed within --schedule-timeout-s 2; "
-        r"missing: GPU \(need 1, the most a node has is 0\)",
+        match=r"^--learner-workers 1 x --cpus-per-learner 0.5 --use-gpu: the RL placement group .* was not "
+        r"placed within --schedule-timeout-s 2; missing: GPU \(need 1, the most a node has is 0\)$",
     ):
         actors.start(ready_timeout_s=2)
     assert actors.pg is None and live_placement_groups() == before
+
+
+def test_a_placement_timeout_names_the_part_that_found_no_room(ray_cluster, checkpoint, tmp_path):
+    """The timeout named all five layout flags whatever waited; with 1.5 of the 2 CPUs held by another
+    placement group, the learner (0.5) has room and the 2 rollout actors (1 CPU) do not: they are named."""
+    other = ray.util.placement_group([{"CPU": 1.5}])
+    ray.get(other.ready(), timeout=30)
+    try:
+        cfg = tiny_config(checkpoint, str(tmp_path))
+        actors = ActorGroup(cfg, rl_tasks(cfg))
+        with pytest.raises(ValueError) as e:
+            actors.start(ready_timeout_s=2)
+    finally:
+        ray.util.remove_placement_group(other)
+    node = ray.get_runtime_context().get_node_id()[:8]
+    assert str(e.value) == (
+        "--rollout-workers 2 x --cpus-per-rollout 0.5: the RL placement group [{'CPU': 0.5}, {'CPU': 0.5}, "
+        "{'CPU': 0.5}] was not placed within --schedule-timeout-s 2; missing: room for CPU 1 (free now: "
+        f"node {node} {{CPU: 0.5}} x 1)"
+    )
+    assert actors.pg is None

@@ -10,14 +10,19 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raychat.capacity import Capacity, WaitReporter, check_bundles, missing_resources, read_capacity
+from raychat.capacity import (
+    Capacity,
+    WaitReporter,
+    check_bundles,
+    free_capacity,
+    missing_resources,
+    read_capacity,
+)
 from raychat.config import RLConfig
 from raychat.config.schema import shown
 from raychat.rl.learner import LearnerActor
 from raychat.rl.rollout import RolloutActor
 from raychat.rl.weights import create_collective_group
-
-LAYOUT_FLAGS = "--learner-workers, --rollout-workers, --cpus-per-learner, --cpus-per-rollout, --use-gpu"
 
 
 def role_bundles(cfg: RLConfig) -> tuple[list[dict], list[dict]]:
@@ -27,13 +32,10 @@ def role_bundles(cfg: RLConfig) -> tuple[list[dict], list[dict]]:
     return learners, [{"CPU": t.cpus_per_rollout, **gpu}] * t.rollout_workers
 
 
-def check_layout(cfg: RLConfig, capacity: Capacity) -> None:
-    """Refuse a placement group of `cfg` that `capacity` can never hold, naming the flags of the part that does
-    not fit: the learners (--learner-workers x --cpus-per-learner), the rollout actors (--rollout-workers x
-    --cpus-per-rollout), then both together.
-
-    Raises ValueError: one line naming those flags, the need and the largest node (raychat.capacity.check_bundles).
-    """
+def layout_parts(cfg: RLConfig) -> list[tuple[str, list[dict]]]:
+    """(the flags that size it, its bundles) of each part of the placement group in the order they are checked:
+    the learners (--learner-workers x --cpus-per-learner), the rollout actors (--rollout-workers x
+    --cpus-per-rollout), then both together."""
     t = cfg.layout
     on_gpu = " --use-gpu" if t.use_gpu else ""
     learners = (
@@ -43,9 +45,32 @@ def check_layout(cfg: RLConfig, capacity: Capacity) -> None:
         f"--rollout-workers {t.rollout_workers} x --cpus-per-rollout {shown(t.cpus_per_rollout)}{on_gpu}"
     )
     learner_bundles, rollout_bundles = role_bundles(cfg)
-    check_bundles(learner_bundles, capacity, learners)
-    check_bundles(rollout_bundles, capacity, rollouts)
-    check_bundles(learner_bundles + rollout_bundles, capacity, f"{learners} + {rollouts}")
+    both = (f"{learners} + {rollouts}", learner_bundles + rollout_bundles)
+    return [(learners, learner_bundles), (rollouts, rollout_bundles), both]
+
+
+def check_layout(cfg: RLConfig, capacity: Capacity) -> None:
+    """Refuse a placement group of `cfg` that `capacity` can never hold, naming the flags of the part that does
+    not fit (layout_parts, in order).
+
+    Raises ValueError: one line naming those flags, the need and the largest node (raychat.capacity.check_bundles).
+    """
+    for flags, bundles in layout_parts(cfg):
+        check_bundles(bundles, capacity, flags)
+
+
+def unplaced_part(cfg: RLConfig, capacity: Capacity, free: Capacity) -> tuple[str, list[dict]]:
+    """The part of cfg's placement group (layout_parts) that waits in vain: the first that `capacity` cannot
+    hold, else the first that what the nodes have free now (`free`: raychat.capacity.free_capacity) cannot,
+    else both together."""
+    parts = layout_parts(cfg)
+    for where in (capacity, free):
+        for flags, bundles in parts:
+            try:
+                check_bundles(bundles, where, flags)
+            except ValueError:
+                return flags, bundles
+    return parts[-1]
 
 
 class ActorsLost(RuntimeError):
@@ -119,11 +144,12 @@ class ActorGroup:
             ray.get(self.pg.ready(), timeout=ready_timeout_s)
             placed = True
         except GetTimeoutError:
-            capacity = read_capacity()
-            missing = "; ".join(filter(None, (missing_resources(b, capacity) for b in bundles)))
+            capacity, free = read_capacity(), free_capacity()
+            flags, part = unplaced_part(self.cfg, capacity, free)
+            missing = "; ".join(dict.fromkeys(filter(None, (missing_resources(b, capacity) for b in part))))
             raise ValueError(
-                f"{LAYOUT_FLAGS}: the RL placement group {bundles} was not placed within --schedule-timeout-s "
-                f"{ready_timeout_s:g}; missing: {missing or 'room for all of it at once'}"
+                f"{flags}: the RL placement group {bundles} was not placed within --schedule-timeout-s "
+                f"{ready_timeout_s:g}; missing: {missing or f'room for {_fmt_need(part)} ({free.describe()})'}"
             ) from None
         finally:
             reporter.stop(placed)
@@ -194,3 +220,9 @@ def forget_group(group_name: str) -> None:
 def threads(cpus: float) -> int:
     """torch intra-op threads of an actor that reserved `cpus` CPUs (at least 1)."""
     return max(1, int(cpus))
+
+
+def _fmt_need(bundles: list[dict]) -> str:
+    """The sum of `bundles`, e.g. "CPU 1" or "CPU 1, GPU 2"."""
+    total = {k: sum(b.get(k, 0) for b in bundles) for k in sorted({k for b in bundles for k in b})}
+    return ", ".join(f"{k} {v:g}" for k, v in total.items())
