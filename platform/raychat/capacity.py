@@ -186,6 +186,43 @@ def free_capacity() -> Capacity:
     )
 
 
+class ClusterStartError(OSError):
+    """The local Ray cluster a command starts did not come up (start_local_cluster); the message is one line."""
+
+
+# Ray 2.60's raylet must register with the GCS within a fixed 30 s (ray/_private/node.py: a local
+# raylet_start_wait_time_s, no environment variable or config sets it); on an overloaded machine it does not.
+STARTUP_TIMEOUT = "timed out during startup"
+
+
+def start_local_cluster(**init_kwargs) -> None:
+    """ray.init(address="local", **init_kwargs): start a Ray cluster of this machine for this process.
+
+    Raises:
+        ClusterStartError: Ray did not start (its node timed out during startup, a temp dir it cannot create,
+            ...): one line, start_failure's; the original is its __cause__ (RAYCHAT_DEBUG=1 shows it).
+    """
+    try:
+        ray.init(address="local", **init_kwargs)
+    except Exception as e:
+        raise ClusterStartError(start_failure(e)) from e
+
+
+def start_failure(error: BaseException) -> str:
+    """The one line for a failed local Ray start: Ray's first line, and a hint (for STARTUP_TIMEOUT: the
+    machine is likely overloaded; else where Ray's logs are)."""
+    first = next((ln.strip() for ln in str(error).splitlines() if ln.strip()), type(error).__name__)
+    if STARTUP_TIMEOUT in str(error):
+        hint = (
+            "this machine is likely overloaded: Ray gives its raylet a fixed 30 s to register (no setting "
+            "changes it); retry when the load is lower, or start a cluster with `ray start --head` and run "
+            "with RAY_ADDRESS=auto"
+        )
+    else:
+        hint = "see Ray's logs under its temp dir, /tmp/ray by default"
+    return f"the local Ray cluster did not start: {first} ({hint})"
+
+
 def local_capacity(cpus: float) -> Capacity:
     """The local Ray cluster a command starts on this machine: one node of `cpus` CPUs, never more (known
     before Ray starts, so a layout can be checked against it first)."""

@@ -23,6 +23,7 @@ import torch
 from support.cluster import free_ports
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 
+from raychat.capacity import start_failure
 from raychat.checkpoint import save_model
 from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
@@ -1191,3 +1192,43 @@ def test_rl_refuses_a_max_tokens_that_does_not_fit_after_its_longest_prompt(root
     assert _snapshot(root) == before
     with pytest.raises(ReachedRay):  # the longest prompt + 41 tokens fill max_seq_len: on to Ray
         raychat_main([*argv, "--max-tokens", "41"])
+
+
+def test_a_local_ray_cluster_that_does_not_start_is_one_line_with_a_hint(root, tmp_path, monkeypatch, capsys):
+    """A local cluster that did not start came out of sft as Ray's own error: a raw traceback for its "node
+    timed out during startup" (a bare Exception), an errno line naming only a path for a temp dir it could not
+    create (the real failure made here: Ray's temp dir under a regular file)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("RAY_TMPDIR", f"{blocker}/ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    argv = [
+        "sft",
+        "--preset",
+        "tiny",
+        "--storage-path",
+        str(root),
+        "--run-name",
+        "s10",
+        "--init-from",
+        "latest",
+    ]
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat sft: error: the local Ray cluster did not start: [Errno 20] Not a directory: '{blocker}/ray' "
+        "(see Ray's logs under its temp dir, /tmp/ray by default)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+
+
+def test_rays_startup_timeout_gets_the_overload_hint():
+    """The exception Ray 2.60 raises when its raylet does not register in time (ray/_private/node.py, a bare
+    Exception), as start_local_cluster words it."""
+    ray_error = Exception(
+        "The current node timed out during startup. This could happen because some of the raylet failed to "
+        "startup or the GCS has become overloaded."
+    )
+    assert start_failure(ray_error) == (
+        "the local Ray cluster did not start: The current node timed out during startup. This could happen "
+        "because some of the raylet failed to startup or the GCS has become overloaded. (this machine is likely "
+        "overloaded: Ray gives its raylet a fixed 30 s to register (no setting changes it); retry when the load "
+        "is lower, or start a cluster with `ray start --head` and run with RAY_ADDRESS=auto)"
+    )

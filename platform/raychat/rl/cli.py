@@ -16,7 +16,7 @@ import sys
 
 import ray
 
-from raychat.capacity import local_capacity
+from raychat.capacity import local_capacity, start_local_cluster
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import check_model, read_meta
 from raychat.checkpoint_manager import find_checkpoint
@@ -103,7 +103,7 @@ def main(args) -> int:
     if started:
         with token_for(args.address, args.token_file):
             if local:
-                ray.init(address="local", num_cpus=local_cores())
+                start_local_cluster(num_cpus=local_cores())
             else:
                 ray.init(address=args.address)
     try:

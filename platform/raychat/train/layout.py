@@ -23,7 +23,7 @@ import os
 
 import ray
 
-from raychat.capacity import Capacity, check_bundles, read_capacity
+from raychat.capacity import Capacity, check_bundles, read_capacity, start_local_cluster
 
 RAY_DATA_MIN_CPUS = (
     1.0  # Ray 2.60 read_parquet's ListFiles task (ray/data/_internal/planner/plan_list_files_op.py)
@@ -103,6 +103,7 @@ def start_or_connect(
     Raises:
         ValueError: the layout does not fit; for a local cluster before Ray starts; one line naming the flags,
             the need and the largest node type.
+        raychat.capacity.ClusterStartError: the local cluster did not start (one line, with a hint).
     """
     flags = f"--num-workers {num_workers} x --cpus-per-worker {cpus_per_worker:g}" + (
         " --use-gpu" if use_gpu else ""
@@ -113,7 +114,7 @@ def start_or_connect(
             raise ValueError(f"{flags}: --use-gpu needs a Ray cluster with GPU nodes (RAY_ADDRESS); this machine's "
                              "local cluster has none")  # fmt: skip
         line = check_cpu_layout(num_workers, cpus_per_worker, data_cpus, cpus, cpus)
-        ray.init(address="local", num_cpus=cpus)
+        start_local_cluster(num_cpus=cpus)
         line = f"{line} (a local Ray cluster: {local_cores()} cores + {LOCAL_DATA_CPUS} for Ray Data)"
         return line, read_capacity()
     if not ray.is_initialized():
