@@ -205,6 +205,9 @@ def start_local_cluster(**init_kwargs) -> None:
     try:
         ray.init(address="local", **init_kwargs)
     except Exception as e:
+        # what Ray's start-up raises: a bare Exception (STARTUP_TIMEOUT), OSError (ConnectionError), RuntimeError
+        if type(e) is not Exception and not isinstance(e, (OSError, RuntimeError)):
+            raise
         raise ClusterStartError(start_failure(e)) from e
 
 
