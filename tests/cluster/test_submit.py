@@ -243,14 +243,7 @@ def test_a_gcs_address_takes_the_token_file_and_serve_has_one_too(token_cluster,
         "node type has room: GPU (need 1, the most a node has is 0); largest node type: alive node "
     ), r.stdout + r.stderr  # was "unrecognized arguments: --token-file"
 
-    wrong = tmp_path / "wrong-token"
-    wrong.write_text("not-the-token\n")
-    # one GCS connection attempt instead of Ray's 20 (1 s apart)
-    r = _raychat([*serve, "--token-file", str(wrong)], c["tmp"], RAY_gcs_server_port_wait_time_s="1")
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
-        f"raychat serve: error: --token-file: the Ray cluster at {gcs} refused the token in {wrong} ("
-    ), r.stdout + r.stderr
-    assert "InvalidAuthToken" in r.stderr.strip().splitlines()[-1]
+    _wrong_token_is_refused_in_one_line(serve, c, tmp_path)
 
 
 @pytest.mark.ray
@@ -269,13 +262,21 @@ def test_rl_takes_the_token_file_of_a_gcs_address(token_cluster, tmp_path):
         "GPU: 1}; no node type has room: GPU (need 1, the most a node has is 0); largest node type: alive node "
     ), r.stdout + r.stderr  # was "unrecognized arguments: --token-file"
 
-    wrong = tmp_path / "wrong-token"
+    _wrong_token_is_refused_in_one_line(rl, c, tmp_path)
+
+
+def _wrong_token_is_refused_in_one_line(argv: list[str], c, tmp_path) -> None:
+    """`raychat *argv --token-file F` with a token the cluster does not know ends in one line naming
+    --token-file, the cluster and F, with Ray's reason (InvalidAuthToken)."""
+    gcs, wrong = c["cluster"].gcs_address, tmp_path / "wrong-token"
     wrong.write_text("not-the-token\n")
-    r = _raychat([*rl, "--token-file", str(wrong)], c["tmp"], RAY_gcs_server_port_wait_time_s="1")
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
-        f"raychat rl: error: --token-file: the Ray cluster at {gcs} refused the token in {wrong} ("
+    # one GCS connection attempt instead of Ray's 20 (1 s apart)
+    r = _raychat([*argv, "--token-file", str(wrong)], c["tmp"], RAY_gcs_server_port_wait_time_s="1")
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith(
+        f"raychat {argv[0]}: error: --token-file: the Ray cluster at {gcs} refused the token in {wrong} ("
     ), r.stdout + r.stderr
-    assert "InvalidAuthToken" in r.stderr.strip().splitlines()[-1]
+    assert "InvalidAuthToken" in last
 
 
 def _job_statuses(c) -> dict[str, str]:
