@@ -42,6 +42,7 @@ from raychat.config.schema import flag_name, shown
 from raychat.data.loader.document_order import changed_shards
 from raychat.data.loader.row_source import RowSource, same_stream
 from raychat.log import log
+from raychat.model import ModelConfig
 from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import start_or_connect, worker_bundle
@@ -179,7 +180,7 @@ def check_shape_flags(cfg: TrainConfig, typed) -> None:
         made_ar = to_flat(from_dict(TrainConfig, meta["config"]))["aspect_ratio"]
     except (KeyError, TypeError, ValueError):  # a checkpoint without its config (model-only)
         made_ar = None
-    width = math.ceil(mc["n_layer"] * m.aspect_ratio / mc["head_dim"]) * mc["head_dim"]
+    width = ModelConfig.from_depth(mc["n_layer"], 1, 1, m.aspect_ratio, mc["head_dim"]).n_embd
     checkpoint = {
         "depth": mc["n_layer"],
         "head_dim": mc["head_dim"],
