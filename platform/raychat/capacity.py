@@ -244,7 +244,7 @@ def check_bundles(bundles: list[dict], capacity: Capacity, flags: str) -> None:
         return
     for bundle in bundles:
         if not any(t.holds(bundle) for t in capacity.node_types):
-            raise ValueError(f"{flags}: one of them needs {_fmt(bundle)}; {_no_room(bundle, capacity)}")
+            raise ValueError(f"{flags}: one of them needs {fmt_bundle(bundle)}; {_no_room(bundle, capacity)}")
     for resource in SCHEDULED_RESOURCES:
         need = sum(b.get(resource, 0.0) for b in bundles)
         have = capacity.total(resource)
@@ -265,7 +265,7 @@ def missing_resources(bundle: dict, capacity: Capacity) -> str:
         most = max((t.resources.get(k, 0.0) for t in capacity.node_types), default=0.0)
         if v > most + 1e-9:
             parts.append(f"{k} (need {v:g}, the most a node has is {most:g})")
-    return ", ".join(parts) or _fmt(bundle)
+    return ", ".join(parts) or fmt_bundle(bundle)
 
 
 def _no_room(bundle: dict, capacity: Capacity) -> str:
@@ -274,7 +274,8 @@ def _no_room(bundle: dict, capacity: Capacity) -> str:
     return f"no node type has room: {what}; largest node type: {largest.describe() if largest else 'none'}"
 
 
-def _fmt(bundle: dict) -> str:
+def fmt_bundle(bundle: dict) -> str:
+    """A bundle (or any {resource: amount}) as messages show it: "{CPU: 1, GPU: 0.5}"."""
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(bundle.items())) + "}"
 
 

@@ -187,7 +187,7 @@ def test_a_placement_timeout_names_the_part_that_found_no_room(ray_cluster, chec
     node = ray.get_runtime_context().get_node_id()[:8]
     assert str(e.value) == (
         "--rollout-workers 2 x --cpus-per-rollout 0.5: the RL placement group [{'CPU': 0.5}, {'CPU': 0.5}, "
-        "{'CPU': 0.5}] was not placed within --schedule-timeout-s 2; missing: room for CPU 1 (free now: "
+        "{'CPU': 0.5}] was not placed within --schedule-timeout-s 2; missing: room for {CPU: 1} (free now: "
         f"node {node} {{CPU: 0.5}} x 1)"
     )
     assert actors.pg is None

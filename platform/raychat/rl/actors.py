@@ -14,6 +14,7 @@ from raychat.capacity import (
     Capacity,
     WaitReporter,
     check_bundles,
+    fmt_bundle,
     free_capacity,
     missing_resources,
     read_capacity,
@@ -149,7 +150,7 @@ class ActorGroup:
             missing = "; ".join(dict.fromkeys(filter(None, (missing_resources(b, capacity) for b in part))))
             raise ValueError(
                 f"{flags}: the RL placement group {bundles} was not placed within --schedule-timeout-s "
-                f"{ready_timeout_s:g}; missing: {missing or f'room for {_fmt_need(part)} ({free.describe()})'}"
+                f"{ready_timeout_s:g}; missing: {missing or f'room for {fmt_bundle(_summed(part))} ({free.describe()})'}"
             ) from None
         finally:
             reporter.stop(placed)
@@ -222,7 +223,6 @@ def threads(cpus: float) -> int:
     return max(1, int(cpus))
 
 
-def _fmt_need(bundles: list[dict]) -> str:
-    """The sum of `bundles`, e.g. "CPU 1" or "CPU 1, GPU 2"."""
-    total = {k: sum(b.get(k, 0) for b in bundles) for k in sorted({k for b in bundles for k in b})}
-    return ", ".join(f"{k} {v:g}" for k, v in total.items())
+def _summed(bundles: list[dict]) -> dict:
+    """{resource: its sum over `bundles`}."""
+    return {k: sum(b.get(k, 0) for b in bundles) for k in {k for b in bundles for k in b}}

@@ -23,7 +23,7 @@ import os
 
 import ray
 
-from raychat.capacity import Capacity, check_bundles, read_capacity, start_local_cluster
+from raychat.capacity import Capacity, check_bundles, fmt_bundle, read_capacity, start_local_cluster
 
 RAY_DATA_MIN_CPUS = (
     1.0  # Ray 2.60 read_parquet's ListFiles task (ray/data/_internal/planner/plan_list_files_op.py)
@@ -123,13 +123,9 @@ def start_or_connect(
     bundle = worker_bundle(cpus_per_worker, use_gpu)
     check_bundles([bundle] * num_workers, capacity, flags)
     if not capacity.known:
-        line = f"layout: {num_workers} worker(s) x {_fmt_bundle(bundle)} on {capacity.describe()}"
+        line = f"layout: {num_workers} worker(s) x {fmt_bundle(bundle)} on {capacity.describe()}"
         return line, capacity
     largest = capacity.largest(bundle)
     node_cpus = largest.resources.get("CPU", 0.0) if largest else 0.0
     line = check_cpu_layout(num_workers, cpus_per_worker, data_cpus, capacity.total("CPU"), node_cpus)
     return f"{line} ({capacity.describe()})", capacity
-
-
-def _fmt_bundle(bundle: dict) -> str:
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(bundle.items())) + "}"
