@@ -96,6 +96,7 @@ def speedrun(subparsers) -> None:
         "the same paths the other commands default to",
     )
     parser.add_argument("--num-iterations", type=int, default=None, help="override the preset's steps")
+    add_token_file_flag(parser)
     parser.set_defaults(func="raychat.speedrun:main")
 
 
@@ -143,6 +144,7 @@ def pretrain(subparsers) -> None:
         help="print the derived sizes and exit (for a run that would resume: its resume check first, e.g. the lr "
         "at the resume step under a new --num-iterations)",
     )
+    add_token_file_flag(parser)
     parser.set_defaults(func="raychat.train.pretrain:main")
 
 
@@ -170,6 +172,7 @@ def sft(subparsers) -> None:
         help="check the inputs, print the derived sizes and exit (for a run that would resume: its resume check "
         "first, as for pretrain)",
     )
+    add_token_file_flag(parser)
     parser.set_defaults(func="raychat.train.sft:main")
 
 

@@ -27,6 +27,7 @@ from raychat.eval.report_card import checkpoint_row, format_markdown
 from raychat.eval.tasks import task_accuracy
 from raychat.log import log
 from raychat.metrics_sink import read_jsonl
+from raychat.ray_token import token_for
 from raychat.report import file_id, read_state, run_total, settle_stage, write_report
 from raychat.rl.loop import RLRun
 from raychat.storage import open_storage
@@ -224,6 +225,8 @@ def unigram_baseline(data_dir: Path, tok_dir: Path, max_chars: int = 20_000_000)
 
 
 def main(args) -> int:
-    """`raychat speedrun` (its parser: raychat.commands.speedrun)."""
-    run_speedrun(args.preset, args.out, args.num_iterations)
+    """`raychat speedrun` (its parser: raychat.commands.speedrun); the Ray auth token as `raychat pretrain`'s
+    (raychat.train.pretrain.main)."""
+    with token_for(None, args.token_file):
+        run_speedrun(args.preset, args.out, args.num_iterations)
     return 0

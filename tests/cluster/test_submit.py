@@ -20,6 +20,7 @@ from support.serve_helpers import write_tiny_checkpoint
 
 from raychat import ray_token
 from raychat.cli import main as raychat_main
+from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.ops import submit
 
 REPO = Path(__file__).resolve().parents[2]
@@ -265,13 +266,35 @@ def test_rl_takes_the_token_file_of_a_gcs_address(token_cluster, tmp_path):
     _wrong_token_is_refused_in_one_line(rl, c, tmp_path)
 
 
-def _wrong_token_is_refused_in_one_line(argv: list[str], c, tmp_path) -> None:
-    """`raychat *argv --token-file F` with a token the cluster does not know ends in one line naming
+@pytest.mark.ray
+def test_pretrain_takes_the_token_file_of_ray_address(token_cluster, tmp_path, small_tokenizer):
+    """`RAY_ADDRESS=HOST:PORT raychat pretrain --token-file F` (no other RAY_* variable, no ~/.ray/auth_token)
+    connects with the flag's token and plans its workers against the cluster: a GPU layout on this CPU-only head
+    is refused after connecting. A wrong token is refused in one line naming --token-file. (sft and speedrun
+    connect the same way: raychat.train.layout.start_or_connect.)"""
+    c = token_cluster
+    gcs, token_file = c["cluster"].gcs_address, str(c["token_file"])
+    small_tokenizer.save(tmp_path / "tokenizer")
+    entries = write_shards(["a b c d " * 10] * 8, tmp_path / "data", num_shards=2, log=lambda *_: None)
+    write_manifest(tmp_path / "data", {"source": "test", "shards": entries})
+    pretrain = ["pretrain", "--preset", "tiny", "--storage-path", str(tmp_path / "runs"), "--data-dir",
+                str(tmp_path / "data"), "--tokenizer-path", str(tmp_path / "tokenizer"), "--use-gpu"]  # fmt: skip
+    r = _raychat([*pretrain, "--token-file", token_file], c["tmp"], RAY_ADDRESS=gcs)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "raychat pretrain: error: --num-workers 2 x --cpus-per-worker 0.5 --use-gpu: one of them needs {CPU: 0.5, "
+        "GPU: 1}; no node type has room: GPU (need 1, the most a node has is 0); largest node type: alive node "
+    ), r.stdout + r.stderr  # was "unrecognized arguments: --token-file"
+
+    _wrong_token_is_refused_in_one_line(pretrain, c, tmp_path, RAY_ADDRESS=gcs)
+
+
+def _wrong_token_is_refused_in_one_line(argv: list[str], c, tmp_path, **env) -> None:
+    """`raychat *argv --token-file F` (in `env`) with a token the cluster does not know ends in one line naming
     --token-file, the cluster and F, with Ray's reason (InvalidAuthToken)."""
     gcs, wrong = c["cluster"].gcs_address, tmp_path / "wrong-token"
     wrong.write_text("not-the-token\n")
     # one GCS connection attempt instead of Ray's 20 (1 s apart)
-    r = _raychat([*argv, "--token-file", str(wrong)], c["tmp"], RAY_gcs_server_port_wait_time_s="1")
+    r = _raychat([*argv, "--token-file", str(wrong)], c["tmp"], RAY_gcs_server_port_wait_time_s="1", **env)
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith(
         f"raychat {argv[0]}: error: --token-file: the Ray cluster at {gcs} refused the token in {wrong} ("

@@ -490,6 +490,18 @@ def test_an_address_ray_cannot_parse_and_a_token_file_that_is_not_a_file(monkeyp
         assert capsys.readouterr().err == f"raychat submit: error: --token-file: token file {path} {why}\n"
 
 
+@pytest.mark.parametrize("stage", ["pretrain", "sft", "speedrun"])
+def test_the_training_stages_take_a_token_file_and_check_it_first(stage, tmp_path, capsys):
+    """pretrain, sft and speedrun connect to RAY_ADDRESS's cluster with --token-file's token, as rl and serve do
+    (tests/cluster/test_submit.py::test_pretrain_takes_the_token_file_of_ray_address): a file that is not there
+    is refused first, in one line, before any other input is read or Ray starts."""
+    missing = tmp_path / "nope"
+    assert _fails_in_one_line([stage, "--token-file", str(missing)], capsys) == (
+        f"raychat {stage}: error: --token-file: token file {missing} does not exist  (RAYCHAT_DEBUG=1 shows the "
+        "traceback)"
+    )  # was "unrecognized arguments: --token-file"
+
+
 def test_a_half_written_checkpoint_is_never_loaded(root, tmp_path, capsys):
     """A crash mid-save left checkpoint_000009 (newer, weights truncated, no commit marker): `pretrain` and
     `latest` still name the committed checkpoint_000004, and naming the half-written one is refused."""

@@ -13,6 +13,7 @@ from raychat.config import TrainConfig, preset_section
 from raychat.config.flags import TYPED
 from raychat.data.corpus.shards import list_shards
 from raychat.data.loader.pipeline import PretrainRows, validation_rows
+from raychat.ray_token import token_for
 from raychat.tokenizer import Tokenizer
 from raychat.train.launch import check_resume, check_shape_flags, config_from, resolve_paths, run_training
 from raychat.train.plan import make_plan, print_plan
@@ -83,8 +84,15 @@ def dry_run_vocab_size(cfg: TrainConfig, preset: str | None) -> int:
 
 
 def main(args) -> int:
-    """`raychat pretrain` (its parser: raychat.commands.pretrain)."""
+    """`raychat pretrain` (its parser: raychat.commands.pretrain). The Ray auth token (--token-file, else where
+    Ray looks: raychat.ray_token) is handed to Ray before it connects to RAY_ADDRESS; a cluster that refuses it
+    raises ConnectionError naming where it came from."""
     mark("driver_imports_done")
+    with token_for(None, args.token_file):
+        return _pretrain(args)
+
+
+def _pretrain(args) -> int:
     cfg = config_from(args, TrainConfig(), "pretrain")
     typed = getattr(args, TYPED, {})
     if args.dry_run:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from raychat.config import SFT_DEFAULTS, TrainConfig, from_dict
 from raychat.data.loader.sft_rows import SFTRows, validation_rows
+from raychat.ray_token import token_for
 from raychat.tasks.hub_data import task_data_dir
 from raychat.tasks.registry import check_data, graded, held_out, make_task, mixture_tasks, parse_mixture
 from raychat.tokenizer import Tokenizer
@@ -91,6 +92,8 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False):
 
 
 def main(args) -> int:
-    """`raychat sft` (its parser: raychat.commands.sft)."""
-    sft(config_from(args, sft_defaults(), "sft"), dry_run=args.dry_run)
+    """`raychat sft` (its parser: raychat.commands.sft); the Ray auth token as `raychat pretrain`'s
+    (raychat.train.pretrain.main)."""
+    with token_for(None, args.token_file):
+        sft(config_from(args, sft_defaults(), "sft"), dry_run=args.dry_run)
     return 0
