@@ -195,15 +195,17 @@ class ClusterStartError(OSError):
 STARTUP_TIMEOUT = "timed out during startup"
 
 
-def start_local_cluster(**init_kwargs) -> None:
-    """ray.init(address="local", **init_kwargs): start a Ray cluster of this machine for this process.
+def start_local_cluster(address: str | None = "local", **init_kwargs) -> None:
+    """ray.init(address=address, **init_kwargs) for a Ray cluster of this machine: "local" (the default) starts
+    one for this process; None (with no RAY_ADDRESS) joins the cluster `ray start` runs on this machine (Ray's
+    ray_current_cluster file under its temp dir) when there is one, else starts one too.
 
     Raises:
         ClusterStartError: Ray did not start (its node timed out during startup, a temp dir it cannot create,
             ...): one line, start_failure's; the original is its __cause__ (RAYCHAT_DEBUG=1 shows it).
     """
     try:
-        ray.init(address="local", **init_kwargs)
+        ray.init(address=address, **init_kwargs)
     except Exception as e:
         # what Ray's start-up raises: a bare Exception (STARTUP_TIMEOUT), OSError (ConnectionError), RuntimeError
         if type(e) is not Exception and not isinstance(e, (OSError, RuntimeError)):

@@ -17,7 +17,7 @@ import time
 import ray
 from ray import serve
 
-from raychat.capacity import check_bundles, read_capacity
+from raychat.capacity import check_bundles, read_capacity, start_local_cluster
 from raychat.checkpoint import check_model
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_args
@@ -51,7 +51,9 @@ def start(
     check_checkpoint(config)
     application = build_app(config)
     local = not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
-    if not ray.is_initialized():
+    if local:  # Ray's own choice without an address: a `ray start` cluster of this machine, else a new one
+        start_local_cluster(address=None, include_dashboard=False, log_to_driver=False)
+    elif not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     if local:  # a cluster of this machine only never grows: refuse what would wait forever for CPUs
         replicas, cpus = max(1, config.autoscaling.min_replicas), config.replica.num_cpus

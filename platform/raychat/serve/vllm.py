@@ -57,6 +57,7 @@ except ImportError:  # "Neither vLLM nor SGLang is installed": the same pydantic
     LLM_CONFIG_SOURCE = "ray.llm._internal.serve.core.configs.llm_config"
 
 from raychat.atomic import atomic_write_text
+from raychat.capacity import start_local_cluster
 from raychat.config import VLLMConfig, add_flags, from_args, from_dict, to_flat
 
 IMPORT_PATH = "ray.serve.llm:build_openai_app"
@@ -166,7 +167,10 @@ def deploy(config: dict, host: str, port: int, address: str | None, app_name: st
     require_vllm()
     app = build_openai_app({"llm_configs": [LLMConfig(**config)]})
     if not ray.is_initialized():
-        ray.init(address=address, log_to_driver=False)
+        if address or os.environ.get("RAY_ADDRESS"):
+            ray.init(address=address, log_to_driver=False)
+        else:  # Ray's own choice without an address: a `ray start` cluster of this machine, else a new one
+            start_local_cluster(address=None, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(app, name=app_name, route_prefix="/", blocking=False)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
