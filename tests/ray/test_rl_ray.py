@@ -188,12 +188,17 @@ def test_async_mode_records_staleness_within_k(ray_cluster, checkpoint, tmp_path
     cfg = tiny_config(
         checkpoint, str(tmp_path), steps=3, mode="async", max_staleness=1, checkpoint_every=100, eval_every=0
     )
-    summary = RLRun(cfg, log=lambda m: None).run()
+    logged = []
+    summary = RLRun(cfg, log=logged.append).run()
     assert [e["step"] for e in summary["evals"]] == [0, 3]  # --eval-every 0: only at step 0 and the end
     lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     # step 1 trains on version-0 samples at learner version 0; later steps on samples one version old
     assert [x["staleness_max"] for x in lines] == [0, 1, 1] and summary["version"] == 3
     assert all(x["mode"] == "async" and x["normalization"] == "token" for x in lines)
+    # the share of prompts without a learning signal, each step; one warning when all 3 steps had none
+    assert all(4 * x["zero_advantage_frac"] in (0, 1, 2, 3, 4) for x in lines), lines  # of 4 prompts a step
+    warned = [m for m in logged if m.startswith("warning: no learning signal in the first 3 step(s)")]
+    assert len(warned) == all(x["zero_advantage_frac"] == 1.0 for x in lines), logged
 
 
 def test_a_local_rl_run_starts_ray_with_the_dashboards_metrics_files(checkpoint, tmp_path):

@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from raychat.config import RLConfig, from_dict
+from raychat.rl.loop import NO_SIGNAL_STEPS, no_signal_warning
 from raychat.rl.objective import (
     collate,
     group_advantages,
@@ -12,6 +14,7 @@ from raychat.rl.objective import (
     pass_at_k,
     per_token_loss,
     token_logprobs,
+    zero_advantage_frac,
 )
 
 
@@ -113,3 +116,36 @@ def test_bad_inputs():
         normalized_loss(loss, mask, "constant", 1, 1)
     with pytest.raises(ValueError, match="tokens"):
         collate([{"tokens": [1, 2], "mask": [0], "advantage": 0.0}])
+
+
+def test_zero_advantage_frac_is_the_share_of_groups_whose_advantages_are_all_zero():
+    rewards = [0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5, 0.5]  # G = 2: all fail, all pass, a signal, partial alike
+    assert zero_advantage_frac(rewards, 2) == 0.75
+    for scale in (False, True):
+        adv = group_advantages(rewards, 2, scale_by_std=scale)
+        assert [adv[i] == adv[i + 1] == 0 for i in range(0, 8, 2)] == [True, True, False, True]
+    assert zero_advantage_frac([0.0, 1.0, 0.0, 1.0], 4) == 0.0
+    with pytest.raises(ValueError, match="must be a positive multiple of group_size=2"):
+        zero_advantage_frac([1.0, 0.0, 1.0], 2)
+
+
+def test_the_first_steps_without_a_learning_signal_are_warned_about_once():
+    """The tiny preset's RL logged reward 0 at every step and said nothing: every group's rewards were equal, so
+    the policy gradient was 0. One warning line after the first NO_SIGNAL_STEPS such steps (or the whole run,
+    when shorter), naming the flags to change; none when any step had a signal."""
+    cfg = from_dict(RLConfig, {"samples_per_prompt": 4, "temperature": 0.7})
+    silent = {"reward_mean": 0.0, "zero_advantage_frac": 1.0}
+    warnings = [no_signal_warning([silent] * n, cfg, 50) for n in range(1, NO_SIGNAL_STEPS + 3)]
+    expected = (
+        "warning: no learning signal in the first 5 step(s): the 4 samples of every prompt got the same reward "
+        "(mean reward 0), so every advantage and the policy gradient were 0; try a stronger --init-from (a "
+        "checkpoint that solves some --task calculator prompts), more --samples-per-prompt (now 4) or a higher "
+        "--temperature (now 0.7)"
+    )
+    assert warnings == [None] * (NO_SIGNAL_STEPS - 1) + [expected, None, None]
+    signal = {"reward_mean": 0.125, "zero_advantage_frac": 0.75}
+    assert no_signal_warning([silent] * (NO_SIGNAL_STEPS - 1) + [signal], cfg, 50) is None
+    # a run of 1 step (the tiny preset): warned after it
+    assert no_signal_warning([silent], cfg, 1).startswith(
+        "warning: no learning signal in the first 1 step(s): "
+    )

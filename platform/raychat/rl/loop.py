@@ -11,7 +11,9 @@ while the learner trains, so a sample trained at step s came from version v >= s
 recorded per sample and the loss uses the clipped importance ratio against the behavior log-probs.
 
 Per step (one JSON line in OUT/RUN_NAME/metrics.jsonl, and raychat_rl_* gauges): reward_mean, pass_at_1 (of
-the rollouts), response_len_mean (completion tokens), rollout_tokens_per_s (completion tokens / the slowest
+the rollouts), zero_advantage_frac (of the prompts, those whose samples all got the same reward: no learning
+signal; when every prompt of the first steps had none, one warning line names what to try: no_signal_warning),
+response_len_mean (completion tokens), rollout_tokens_per_s (completion tokens / the slowest
 chunk's generation seconds), learner_step_s, learner_wait_s (the driver waiting for rollouts between learner
 steps), learner_wait_frac (wait / (wait + step + sync), and cumulative in the summary), staleness_mean/max
 (of the samples trained), sync_time_s (put + slowest actor's fetch+load), loss, grad_norm, normalization,
@@ -47,7 +49,7 @@ from raychat.metrics import RLMetrics
 from raychat.metrics_sink import MetricsSink
 from raychat.rl.actors import ActorGroup, ActorsLost
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
-from raychat.rl.objective import group_advantages
+from raychat.rl.objective import group_advantages, zero_advantage_frac
 from raychat.rl.sync import WeightSync
 from raychat.storage import open_storage, write_bytes
 from raychat.tasks.registry import make_task
@@ -190,6 +192,7 @@ class RLRun:
         rollout = {
             "reward_mean": float(np.mean(rewards)),
             "pass_at_1": float(np.mean([r > 0 for r in rewards])),
+            "zero_advantage_frac": zero_advantage_frac(rewards, cfg.rollout.samples_per_prompt),
             "response_len_mean": float(np.mean([s["completion_tokens"] for s in samples])),
             "rollout_tokens_per_s": tokens / max(max(r["seconds"] for r in results), 1e-9),
             "rollout_tokens": tokens,
@@ -266,6 +269,7 @@ class RLRun:
         inflight: deque = deque()
         ahead = cfg.asynchrony.max_staleness if is_async else 0
         next_submit = start
+        rollouts: list[dict] = []  # of this loop's first steps, for no_signal_warning
         for step in range(start, steps):
             while next_submit <= min(step + ahead, steps - 1):
                 inflight.append(self.dispatcher.submit(next_submit))
@@ -296,6 +300,10 @@ class RLRun:
             if "eval" in line:
                 self.log(f"eval step {step + 1}: {_fmt(evals[-1])}")
             metrics.log(line)
+            if len(rollouts) < NO_SIGNAL_STEPS:
+                rollouts.append(rollout)
+                if warning := no_signal_warning(rollouts, cfg, steps - start):
+                    self.log(warning)
             if due(cfg.checkpoint.checkpoint_every, step + 1, steps):
                 self.save(step + 1, evals[-1] if evals else None)
         self.sync.drain()
@@ -308,6 +316,29 @@ class RLRun:
             "wall_s": time.perf_counter() - t_loop, "run_dir": self.run_dir,
             "checkpoint": self.checkpoints.uri(newest.step) if newest else None,
         }  # fmt: skip
+
+
+# Steps without a learning signal that no_signal_warning waits for: with the default 8 prompts x 8 samples, 5
+# steps are 40 groups, and a policy that solves 5% of its samples leaves all 40 without a signal with probability
+# (0.95^8)^40 < 1e-7; one that solves 1% with 4%. Fewer steps than that rarely mean anything; many more are
+# wasted rollouts.
+NO_SIGNAL_STEPS = 5
+
+
+def no_signal_warning(rollouts: list[dict], cfg: RLConfig, steps: int) -> str | None:
+    """The one warning line for a run whose first min(NO_SIGNAL_STEPS, steps) steps (`rollouts`: their
+    learner_step rollout dicts, in order; `steps`: the steps this run has left) all had zero_advantage_frac 1,
+    every prompt's samples rewarded alike: every advantage, so the policy gradient, was 0 and nothing was
+    learned. None otherwise, and for any other number of rollouts, so that it is printed once."""
+    if len(rollouts) != min(NO_SIGNAL_STEPS, steps) or any(r["zero_advantage_frac"] < 1 for r in rollouts):
+        return None
+    g, reward = cfg.rollout.samples_per_prompt, float(np.mean([r["reward_mean"] for r in rollouts]))
+    return (
+        f"warning: no learning signal in the first {len(rollouts)} step(s): the {g} samples of every prompt got "
+        f"the same reward (mean reward {reward:.4g}), so every advantage and the policy gradient were 0; try a "
+        f"stronger --init-from (a checkpoint that solves some --task {cfg.task.task} prompts), more "
+        f"--samples-per-prompt (now {g}) or a higher --temperature (now {cfg.rollout.temperature:g})"
+    )
 
 
 _LOG_KEYS = (

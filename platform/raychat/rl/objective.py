@@ -38,15 +38,29 @@ def group_advantages(
     Returns a list of len(rewards) floats: r - group mean, divided by (population std + eps) if scale_by_std.
     Raises ValueError when group_size < 1 or len(rewards) is not a multiple of group_size.
     """
-    if group_size < 1 or len(rewards) % group_size:
-        raise ValueError(
-            f"len(rewards)={len(rewards)} must be a positive multiple of group_size={group_size}"
-        )
-    r = torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
+    r = _groups(rewards, group_size)
     adv = r - r.mean(dim=1, keepdim=True)
     if scale_by_std:
         adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
     return adv.flatten().tolist()
+
+
+def zero_advantage_frac(rewards: Sequence[float], group_size: int) -> float:
+    """Fraction (0..1) of the prompt-major reward groups (as group_advantages) whose rewards are all equal:
+    every advantage of such a group is 0, scaled or not, so it adds nothing to the policy gradient.
+    Raises ValueError as group_advantages."""
+    r = _groups(rewards, group_size)
+    return float((r.amax(dim=1) == r.amin(dim=1)).double().mean())
+
+
+def _groups(rewards: Sequence[float], group_size: int) -> torch.Tensor:
+    """Prompt-major rewards as a (prompts, group_size) float64 tensor; ValueError when group_size < 1 or
+    len(rewards) is not a multiple of it."""
+    if group_size < 1 or len(rewards) % group_size:
+        raise ValueError(
+            f"len(rewards)={len(rewards)} must be a positive multiple of group_size={group_size}"
+        )
+    return torch.tensor(rewards, dtype=torch.float64).view(-1, group_size)
 
 
 def collate(samples: Sequence[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
