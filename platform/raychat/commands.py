@@ -531,7 +531,9 @@ def grafana(subparsers) -> None:
     q.add_argument("--url", help="Grafana URL (default $GRAFANA_URL)")
     q.add_argument("--token", help="Grafana service-account token (default $GRAFANA_TOKEN)")
     q.add_argument(
-        "--prometheus-url", default="http://127.0.0.1:9090", help="Prometheus URL as Grafana's server sees it"
+        "--prometheus-url",
+        help="Prometheus URL as Grafana's server sees it (a new data source: default http://127.0.0.1:9090; "
+        "an existing one keeps its URL and settings unless this is given)",
     )
     q.add_argument(
         "--ray-temp-dir", help="Ray's temp dir holding session_latest (default $RAY_TMPDIR or /tmp/ray)"
