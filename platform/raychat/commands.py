@@ -305,8 +305,8 @@ STAGE_CONFIGS = {
 
 class StageArgs(argparse.Action):
     """The words after a submitted stage (nargs REMAINDER), parsed by the stage's own parser as the command
-    line is, then built into the stage's config (STAGE_CONFIGS: a shipped preset, each value's range, the
-    checks that combine flags), so that an unknown flag, a bad value or an unknown shipped preset fails here,
+    line is, then built into the stage's config (STAGE_CONFIGS: a shipped preset, each value's range and
+    the config's own checks), so that an unknown flag, a bad value or an unknown shipped preset fails here,
     in one line naming the stage, not after the job's cluster starts. `command`, and a stage given -h/--help,
     are passed on unparsed; a preset given as a file and values checked against the cluster's files (paths,
     checkpoints) are left to the job. Stores the words without a leading "--" (argparse keeps it in a
