@@ -17,6 +17,7 @@ from raychat.config import (
     ServeConfig,
     TrainConfig,
     add_flags,
+    from_args,
     from_dict,
 )
 from raychat.config.data import PrepareConfig, TokenizerConfig
@@ -104,8 +105,7 @@ def data(subparsers) -> None:
     parser = subparsers.add_parser(
         "data", help="prepare pretraining text shards", description="Data commands."
     )
-    sub = parser.add_subparsers(dest="data_command", metavar="<subcommand>")
-    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+    sub = parser.add_subparsers(dest="data_command", metavar="<subcommand>", required=True)
     p = sub.add_parser(
         "prepare",
         help="corpus -> parquet text shards + manifest.json",
@@ -294,12 +294,26 @@ class _Refusing(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+# stage -> (its config class, its preset section, its defaults), as the stage's own code builds its config
+STAGE_CONFIGS = {
+    "data": (PrepareConfig, "data", {}),
+    "tokenizer": (TokenizerConfig, "tokenizer", {}),
+    "pretrain": (TrainConfig, "pretrain", {}),
+    "sft": (TrainConfig, "sft", SFT_DEFAULTS),
+    "rl": (RLConfig, "rl", {}),
+    "eval": (EvalConfig, "eval", {}),
+    "export": (ExportConfig, "export", {}),
+}
+
+
 class StageArgs(argparse.Action):
     """The words after a submitted stage (nargs REMAINDER), parsed by the stage's own parser as the command
-    line is, so that an unknown flag or a value that parser refuses fails here, in one line naming the stage,
-    not after the job's cluster starts. `command`, and a stage given -h/--help, are passed on unparsed; values
-    checked against the cluster's files (paths, checkpoints) are left to the job. Stores the words without a
-    leading "--" (argparse keeps it in a REMAINDER)."""
+    line is, then built into the stage's config (STAGE_CONFIGS: a shipped preset, each value's range and
+    the config's own checks), so that an unknown flag, a bad value or an unknown shipped preset fails here,
+    in one line naming the stage, not after the job's cluster starts. `command`, and a stage given -h/--help,
+    are passed on unparsed; a preset given as a file and values checked against the cluster's files (paths,
+    checkpoints) are left to the job. Stores the words without a leading "--" (argparse keeps it in a
+    REMAINDER)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         words, stage = values[1:] if values[:1] == ["--"] else values, namespace.stage
@@ -309,8 +323,13 @@ class StageArgs(argparse.Action):
         check = _Refusing(prog="raychat")
         PARSERS[stage](check.add_subparsers(dest="command"))
         try:
-            check.parse_args([stage, *words])
-        except ValueError as e:
+            args = check.parse_args([stage, *words])
+            preset = getattr(args, "preset", None) or ""
+            if stage in STAGE_CONFIGS and "/" not in preset and not preset.endswith((".yaml", ".yml")):
+                cls, section, defaults = STAGE_CONFIGS[stage]
+                base = from_dict(cls, defaults) if defaults else None
+                from_args(args, cls, section, base=base, where=f"{section} settings")
+        except (ValueError, FileNotFoundError) as e:
             parser.exit(
                 2, f"{parser.prog}: error: stage {stage}: {e} (`raychat {stage} --help` lists its flags)\n"
             )
@@ -534,7 +553,9 @@ def grafana(subparsers) -> None:
     q.add_argument("--url", help="Grafana URL (default $GRAFANA_URL)")
     q.add_argument("--token", help="Grafana service-account token (default $GRAFANA_TOKEN)")
     q.add_argument(
-        "--prometheus-url", default="http://127.0.0.1:9090", help="Prometheus URL as Grafana's server sees it"
+        "--prometheus-url",
+        help="Prometheus URL as Grafana's server sees it (a new data source: default http://127.0.0.1:9090; "
+        "an existing one keeps its URL and settings unless this is given)",
     )
     q.add_argument(
         "--ray-temp-dir", help="Ray's temp dir holding session_latest (default $RAY_TMPDIR or /tmp/ray)"

@@ -212,8 +212,8 @@ def test_submit_follow_and_jobs_commands(token_cluster):
         "raychat submit: error: --job-id rc-ok: a job with this submission id already exists on this cluster; choose "
         "another"
     ), r.stdout + r.stderr  # was "Request failed with status code 500: Traceback (most recent call last):"
-    for command in ("logs", "stop"):
-        r = _raychat(["jobs", command, *conn, "rc-nosuchjob"], c["tmp"])
+    for command in (["logs"], ["stop"], ["logs", "--follow"]):  # --follow: was aiohttp's traceback, exit 1
+        r = _raychat(["jobs", *command, *conn, "rc-nosuchjob"], c["tmp"])
         assert (r.returncode, r.stderr.strip().splitlines()[-1]) == (
             2, "raychat jobs: error: no job 'rc-nosuchjob' on this cluster (`raychat jobs list` shows its jobs)"
         ), r.stdout + r.stderr  # fmt: skip

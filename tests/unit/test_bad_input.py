@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -475,6 +476,33 @@ def test_an_unreachable_cluster(monkeypatch, capsys):
     assert rc == 4, err
     assert err.startswith(f"raychat submit: error: --address: cannot reach the Ray dashboard at {url}: "), err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_the_address_flag_wins_over_ray_address_variables(monkeypatch, capsys):
+    """--address names the cluster even with RAY_API_SERVER_ADDRESS / RAY_ADDRESS set: Ray's Jobs client put
+    those in its place, so `jobs stop --address http://B` stopped a job on the cluster in RAY_ADDRESS."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")
+    flag, env = (f"http://127.0.0.1:{port}" for port in free_ports(2))
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", env)
+    monkeypatch.setenv("RAY_ADDRESS", env)
+    assert raychat_main(["jobs", "list", "--address", flag]) == 4
+    assert capsys.readouterr().err == (
+        f"raychat jobs: error: --address: cannot reach the Ray dashboard at {flag}: Failed to connect to Ray at "
+        f"address: {flag}.\n"
+    )  # was "... at {flag}: Failed to connect to Ray at address: {env}."
+    assert os.environ["RAY_ADDRESS"] == env  # the variables are left as they were
+
+
+def test_a_gcs_address_nothing_listens_on(monkeypatch, capsys):
+    """A GCS address (HOST:PORT) with nothing behind it: one line naming --address at once, exit 4 (was a 35 s
+    wait in Ray's GCS client, then its RpcError traceback, exit 1)."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # no token handed to Ray's GCS client in this process
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    assert raychat_main(["jobs", "list", "--address", address]) == 4
+    assert capsys.readouterr().err == (
+        f"raychat jobs: error: --address: cannot reach the Ray cluster's GCS at {address}: [Errno 111] "
+        "Connection refused\n"
+    )
 
 
 def test_an_address_ray_cannot_parse_and_a_token_file_that_is_not_a_file(monkeypatch, capsys, tmp_path):

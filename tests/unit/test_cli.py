@@ -232,6 +232,12 @@ def test_numbers_the_parser_checks_name_their_flag(argv, message, capsys):
         (["sft", "--", "--no-such-flag"], "stage sft: unrecognized arguments: --no-such-flag"),
         (["sft", "--depth", "4"],
          "stage sft: argument --depth: not used: SFT takes the model's shape from --init-from's checkpoint"),
+        # the stage's config, built here as the job builds it (these were submitted and failed in the job)
+        (["pretrain", "--depth", "0"], "stage pretrain: --depth must be a positive integer, got 0"),
+        (["data", "prepare", "--num-shards", "0"], "stage data: --num-shards must be >= 1, got 0"),
+        (["rl", "--preset", "nosuch"],
+         "stage rl: --preset: no preset 'nosuch'; known presets: ['cluster', 'cpu', 'gpu8', 'tiny']"),
+        (["data"], "stage data: the following arguments are required: <subcommand>"),
     ],
 )  # fmt: skip
 def test_a_submitted_stages_arguments_are_parsed_before_submission(submit, stage_args, message, capsys):
@@ -250,6 +256,17 @@ def test_a_submitted_stages_valid_arguments_and_help_pass_unchanged(capsys):
     assert "entrypoint: python jobs/pretrain.py --depth 3 --help" in capsys.readouterr().out
     assert main(["k8s", "submit", "--dry-run", "data", "prepare", "--num-shards", "2"]) == 0
     assert "entrypoint: python jobs/data.py prepare --num-shards 2" in capsys.readouterr().out
+    # a preset file is the cluster's: read by the job, not here
+    assert (
+        main(
+            ["k8s", "submit", "--dry-run", "sft", "--preset", "/mnt/presets/my.yaml", "--init-from", "latest"]
+        )
+        == 0
+    )
+    assert (
+        "entrypoint: python jobs/sft.py --preset /mnt/presets/my.yaml --init-from latest"
+        in capsys.readouterr().out
+    )
 
 
 @pytest.mark.parametrize("command", ["chat", "eval", "export", "serve"])

@@ -142,13 +142,49 @@ def test_provision_creates_then_updates(fake_grafana, ray_temp_dir, monkeypatch,
     assert "data source Prometheus created -> http://prom:9090" in out
 
     FakeGrafana.calls.clear()
-    assert raychat_main([*argv, "--no-ray-dashboards"]) == 0
+    assert raychat_main([*argv[:-1], "http://prom2:9090", "--no-ray-dashboards"]) == 0
     assert [(m, p) for m, p, _, _ in FakeGrafana.calls] == [
         ("GET", "/api/datasources/name/Prometheus"),
         ("PUT", "/api/datasources/uid/prom-1"),
         ("POST", "/api/dashboards/db"),
     ]
-    assert FakeGrafana.calls[1][3]["uid"] == "prom-1"
+    assert FakeGrafana.calls[1][3] == {**ds, "id": 1, "uid": "prom-1", "url": "http://prom2:9090"}
+
+
+def test_provision_keeps_an_existing_data_sources_settings(fake_grafana, monkeypatch, capsys):
+    """Provisioning again (new dashboards after a metrics change) without --prometheus-url PUT the default
+    http://127.0.0.1:9090 (Grafana's own host) over a working data source, and any provision dropped its
+    authentication and jsonData and retyped a non-Prometheus data source of that name: all silently."""
+    monkeypatch.setenv("GRAFANA_URL", fake_grafana)
+    monkeypatch.setenv("GRAFANA_TOKEN", "glsa_test")
+    mine = {
+        "id": 1, "uid": "prom-1", "name": "Prometheus", "type": "prometheus", "url": "http://prom:9090",
+        "access": "proxy", "basicAuth": True, "basicAuthUser": "scraper", "isDefault": False,
+        "jsonData": {"httpMethod": "POST", "timeInterval": "15s"}, "version": 3,
+    }  # fmt: skip
+    FakeGrafana.datasources["Prometheus"] = mine
+    argv = ["grafana", "provision", "--no-ray-dashboards"]
+    assert raychat_main(argv) == 0
+    assert [(m, p) for m, p, _, _ in FakeGrafana.calls] == [
+        ("GET", "/api/datasources/name/Prometheus"),
+        ("POST", "/api/dashboards/db"),
+    ]
+    assert "data source Prometheus kept -> http://prom:9090" in capsys.readouterr().out
+
+    FakeGrafana.calls.clear()
+    assert raychat_main([*argv, "--prometheus-url", "http://prom-b:9090"]) == 0
+    assert FakeGrafana.calls[1][:2] == ("PUT", "/api/datasources/uid/prom-1")
+    assert FakeGrafana.calls[1][3] == {**mine, "url": "http://prom-b:9090"}
+    assert "data source Prometheus updated -> http://prom-b:9090" in capsys.readouterr().out
+
+    FakeGrafana.calls.clear()
+    FakeGrafana.datasources["Prometheus"] = {**mine, "type": "loki", "url": "http://loki:3100"}
+    assert raychat_main([*argv, "--prometheus-url", "http://prom:9090"]) == 2
+    assert capsys.readouterr().err == (
+        "raychat grafana provision: error: Grafana's data source 'Prometheus' is of type 'loki', not prometheus: "
+        "rename it in Grafana (raychat creates its own under that name); nothing was changed\n"
+    )
+    assert [(m, p) for m, p, _, _ in FakeGrafana.calls] == [("GET", "/api/datasources/name/Prometheus")]
 
 
 def test_provision_errors(fake_grafana, tmp_path, monkeypatch, capsys):

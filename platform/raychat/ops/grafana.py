@@ -3,7 +3,8 @@
 Talks to Grafana's HTTP API through `grafana-client` (GRAFANA_URL, e.g. http://grafana:3000, and
 GRAFANA_TOKEN, a service-account token with Editor rights; or --url/--token):
   1. data source "Prometheus" (type prometheus, proxy access, default): GET /api/datasources/name/Prometheus,
-     then PUT /api/datasources/uid/<uid> if it exists, else POST /api/datasources;
+     then POST /api/datasources if there is none; an existing one keeps its settings, and only a
+     --prometheus-url that differs from its URL is written to it (PUT /api/datasources/uid/<uid>);
   2. every dashboard with POST /api/dashboards/db, overwrite true: Ray's (written by the head node's dashboard
      process to <ray temp dir>/session_latest/metrics/grafana/dashboards/*.json) and raychat's
      (platform/raychat/ops/grafana/raychat.json, built by `build_dashboard()`).
@@ -254,30 +255,50 @@ def load_dashboards(ray_dir: Path | None) -> list[dict]:
     return out
 
 
-def provision(api, dashboards: list[dict], prometheus_url: str) -> dict:
+DEFAULT_PROMETHEUS_URL = "http://127.0.0.1:9090"
+
+
+def provision(api, dashboards: list[dict], prometheus_url: str | None) -> dict:
     """Create or update the Prometheus data source, then upload `dashboards` (overwrite). `api` is a
-    grafana_client.GrafanaApi. Returns {"datasource": "created"|"updated", "dashboards": [uid, ...]}."""
+    grafana_client.GrafanaApi.
+
+    A new data source gets `prometheus_url` (None: DEFAULT_PROMETHEUS_URL). An existing one named "Prometheus"
+    keeps every setting (authentication, jsonData, default flag): only its URL is changed, and only when
+    `prometheus_url` is given and differs. Returns {"datasource": "created"|"updated"|"kept", "url": its URL,
+    "dashboards": [uid, ...]}.
+
+    Raises ValueError, before anything is written, when the data source named "Prometheus" is of another type.
+    """
     from grafana_client.client import GrafanaClientError
 
-    body = {
-        "name": DATASOURCE_NAME,
-        "type": "prometheus",
-        "url": prometheus_url,
-        "access": "proxy",
-        "isDefault": True,
-    }
     try:
         existing = api.datasource.get_datasource_by_name(DATASOURCE_NAME)
     except GrafanaClientError as e:
         if getattr(e, "status_code", None) != 404:
             raise
         existing = None
-    if existing:
-        api.datasource.update_datasource_by_uid(existing["uid"], {**body, "uid": existing["uid"]})
-        action = "updated"
-    else:
+    if existing and existing.get("type") != "prometheus":
+        raise ValueError(
+            f"Grafana's data source {DATASOURCE_NAME!r} is of type {existing.get('type')!r}, not prometheus: "
+            "rename it in Grafana (raychat creates its own under that name); nothing was changed"
+        )
+    if not existing:
+        url = prometheus_url or DEFAULT_PROMETHEUS_URL
+        body = {
+            "name": DATASOURCE_NAME,
+            "type": "prometheus",
+            "url": url,
+            "access": "proxy",
+            "isDefault": True,
+        }
         api.datasource.create_datasource(body)
         action = "created"
+    elif prometheus_url and prometheus_url != existing.get("url"):
+        url = prometheus_url
+        api.datasource.update_datasource_by_uid(existing["uid"], {**existing, "url": url})
+        action = "updated"
+    else:
+        url, action = existing.get("url"), "kept"
     uids = []
     for d in dashboards:
         d = {**d, "id": None}  # Grafana matches on uid; a stale numeric id would be rejected
@@ -285,7 +306,7 @@ def provision(api, dashboards: list[dict], prometheus_url: str) -> dict:
             {"dashboard": d, "overwrite": True, "message": "raychat grafana provision"}
         )
         uids.append(d["uid"])
-    return {"datasource": action, "dashboards": uids}
+    return {"datasource": action, "url": url, "dashboards": uids}
 
 
 def grafana_url(url: str) -> tuple[str, str]:
@@ -330,6 +351,9 @@ def cmd_provision(args) -> int:
     api = GrafanaApi.from_url(url, credential=token or None)
     try:
         result = provision(api, dashboards, args.prometheus_url)
+    except ValueError as e:
+        print(f"raychat grafana provision: error: {e}", file=sys.stderr)
+        return 2
     except GrafanaException as e:
         print(f"raychat grafana provision: error: Grafana at {shown} refused: {e}", file=sys.stderr)
         return 4
@@ -340,7 +364,7 @@ def cmd_provision(args) -> int:
             file=sys.stderr,
         )
         return 4
-    print(f"data source {DATASOURCE_NAME} {result['datasource']} -> {args.prometheus_url}")
+    print(f"data source {DATASOURCE_NAME} {result['datasource']} -> {result['url']}")
     print(f"dashboards uploaded: {', '.join(result['dashboards'])}")
     return 0
 

@@ -27,13 +27,15 @@ authenticate to the cluster, 2 bad arguments; with --no-wait, 0 once the job is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shlex
+import socket
 import sys
 import time
 from pathlib import Path
 
-from ray.exceptions import AuthenticationError
+from ray.exceptions import AuthenticationError, RpcError
 from ray.job_submission import JobSubmissionClient
 
 from raychat.ops.jobs import DEFAULT_ADDRESS, STAGES, SUBMIT_CHOICES
@@ -65,29 +67,65 @@ def repo_root() -> Path:
     raise FileNotFoundError(f"no raychat checkout above {__file__}; pass --working-dir <repo>")
 
 
+ADDRESS_ENV = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")  # in the order resolve_address reads them
+GCS_CONNECT_TIMEOUT_S = 5.0
+
+
 def resolve_address(address: str | None) -> str:
-    return (
-        address
-        or os.environ.get("RAY_API_SERVER_ADDRESS")
-        or os.environ.get("RAY_ADDRESS")
-        or DEFAULT_ADDRESS
-    )
+    """--address, else $RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS, else DEFAULT_ADDRESS."""
+    return address or next((os.environ[k] for k in ADDRESS_ENV if os.environ.get(k)), DEFAULT_ADDRESS)
+
+
+@contextlib.contextmanager
+def _only(url: str):
+    """Within: ADDRESS_ENV unset in this process, so a JobSubmissionClient talks to `url`: Ray's
+    get_address_for_submission_client lets those variables override the address it is given (--address
+    http://B with RAY_ADDRESS=http://A listed, stopped and submitted on A)."""
+    saved = {k: os.environ.pop(k) for k in ADDRESS_ENV if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _probe_gcs(url: str) -> None:
+    """Raise ConnectionError naming --address when nothing accepts a TCP connection at the GCS address `url`
+    (HOST:PORT) within GCS_CONNECT_TIMEOUT_S: Ray's GCS client would wait ~35 s and raise its RpcError."""
+    host, _, port = url.rpartition(":")
+    if not host or not port.isdigit():
+        return  # not HOST:PORT (e.g. "auto"): Ray's own parsing names the problem
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=GCS_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ConnectionError(f"--address: cannot reach the Ray cluster's GCS at {url}: {e}") from e
 
 
 def make_client(address: str | None = None, token_file: str | None = None):
     """A JobSubmissionClient for `address` that sends the auth token if one is found (see find_token).
 
-    Raises ConnectionError with one line naming the flag: the dashboard cannot be reached (--address), or
-    it refuses the token (--token-file or wherever the token came from); ValueError: an address Ray cannot
-    parse, a token file that is not a regular file or is empty; FileNotFoundError: a missing token file."""
+    The client talks to resolve_address(address) alone: --address wins over RAY_API_SERVER_ADDRESS and
+    RAY_ADDRESS, which Ray's client would otherwise put in its place.
+
+    Raises ConnectionError with one line naming the flag: the dashboard or the GCS cannot be reached, or no
+    GCS answers at a GCS address (--address), or the cluster refuses the token (--token-file or wherever the
+    token came from); ValueError: an address Ray cannot parse, a token file that is not a regular file or is
+    empty; FileNotFoundError: a missing token file."""
     url = resolve_address(address)
     # a GCS address (HOST:6379): the client asks the GCS for the dashboard's URL, over Ray's own gRPC client
     token, source = find_token(token_file) if "://" in url else hand_to_ray(token_file)
     headers = {"Authorization": f"Bearer {token}"} if token else None
+    if "://" not in url:
+        _probe_gcs(url)
     try:
-        return JobSubmissionClient(url, headers=headers)
+        with _only(url):
+            return JobSubmissionClient(url, headers=headers)
     except AuthenticationError as e:
         raise ConnectionError(refused_message(url, source, first_line(e))) from e
+    except RpcError as e:  # a GCS address where something else listens (e.g. the dashboard's port)
+        raise ConnectionError(
+            f"--address {url}: no Ray GCS answered there ({first_line(e)}); a GCS address is HOST:6379, the "
+            "dashboard's is http://HOST:8265"
+        ) from e
     except ConnectionError as e:
         raise ConnectionError(f"--address: cannot reach the Ray dashboard at {url}: {first_line(e)}") from e
     except ValueError as e:  # Ray's "Invalid address format: ..."
@@ -153,8 +191,12 @@ def _parse_env(items: list[str]) -> dict[str, str]:
 
 def follow(client, job_id: str, out=None, poll_s: float = 0.5) -> str:
     """Print the job's logs as they come (tail_job_logs), then wait for a terminal status and return it
-    (the JobStatus value: "SUCCEEDED", "FAILED" or "STOPPED")."""
+    (the JobStatus value: "SUCCEEDED", "FAILED" or "STOPPED").
+
+    Raises RuntimeError (job_refusal's 404) for a job the cluster does not have: asked first, since the log
+    stream of an unknown job fails with aiohttp's WSServerHandshakeError, which says nothing of the job."""
     out = out or sys.stdout
+    client.get_job_status(job_id)
 
     async def _tail():
         async for chunk in client.tail_job_logs(job_id):
