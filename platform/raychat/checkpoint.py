@@ -42,6 +42,7 @@ from raychat.storage import is_remote
 from raychat.tokenizer import Tokenizer
 
 OPTIMIZER_FILE = "optim.pt"
+MODEL_FILES = ("meta.json", "tokenizer.json", "model.safetensors")  # what load_model reads
 # int lists at least this long are stored as arrays (shorter ones stay in the JSON structure)
 MIN_ARRAY_LEN = 8
 

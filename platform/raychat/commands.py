@@ -59,7 +59,8 @@ training loop under RUN_DIR/replay/) are read, every row is rebuilt from the dat
 documents re-read from the shards, or conversations re-rendered) and its input_ids / labels / loss_mask /
 position_ids (/ segment_ids) hashes are compared with the recorded ones. One line per row lists its
 segments: pretraining `shard:row_group:row@offset+length decision`, SFT `sample_id+length`. Exit status 1
-when anything differs. --data-dir / --tokenizer point at the data if it moved since the run.
+when anything differs. --data-dir / --tokenizer point at the data if it moved since the run; a shard of the
+step that is not there (moved, or the wrong --data-dir) is an error naming --data-dir (exit 2).
 
 Without --run, the canaries:
 

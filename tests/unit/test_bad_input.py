@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 import torch
+from safetensors.torch import load_file, save_file
 from support.cluster import free_ports
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 
@@ -579,6 +580,30 @@ def test_a_validation_shard_too_small_for_one_row_is_named_not_a_numpy_error(roo
         "little text for "
         "one row of 257 tokens (4 documents): prepare more text (a larger validation shard) or use a shorter "
         "sequence length  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert not (root / "eval").exists()
+
+
+@pytest.mark.parametrize("tasks", ["", "calculator:2"])
+def test_eval_of_a_model_with_nan_weights_is_refused_before_anything_is_written(tasks, root, capsys):
+    """A diverged run's checkpoint (NaN weights): eval wrote `"val_bpb": NaN` (not JSON: jq and JSON.parse
+    reject it) to stdout and eval.json, and with a generative task died in a RuntimeError traceback."""
+    ckpt = _pretrained_with(Tokenizer.load(root / "tokenizer"), root / "diverged" / "checkpoint_000002")
+    weights = load_file(ckpt / "model.safetensors")
+    weights["lm_head.weight"].fill_(float("nan"))
+    save_file(weights, ckpt / "model.safetensors")
+    (ckpt / "commit.json").unlink()
+    commit_directory(ckpt, 2, "pretrain")
+    entries = write_shards(
+        ["the json module encodes objects. " * 40] * 8, root / "text", 2, log=lambda *_: None
+    )
+    write_manifest(root / "text", {"source": "test", "shards": entries})
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "diverged", "--data-dir", f"{root}/text",
+            "--tasks", tasks, "--eval-tokens", "16"]  # fmt: skip
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat eval: error: --checkpoint {ckpt}: the model's validation loss is nan (its logits are not "
+        "finite: NaN or inf in the weights, e.g. a diverged run); nothing evaluated or written  (RAYCHAT_DEBUG=1 "
+        "shows the traceback)"
     )
     assert not (root / "eval").exists()
 

@@ -98,3 +98,20 @@ def test_a_replay_rebuild_refuses_shards_with_other_content(tmp_path):
     assert str(e.value) == (
         f"shard_00000.parquet, shard_00001.parquet in {tmp_path}: other content (sha256) than the record's shards"
     )
+
+
+def test_a_replay_rebuild_names_data_dir_when_its_shards_are_not_there(tmp_path):
+    """A moved run's data, or a --data-dir that is not the run's data: pyarrow's "[Errno 2] Failed to open
+    local file ..." without the flag."""
+    files = prepare(tmp_path / "data", TEXTS)
+    meta = {"seed": 0, "row_len": 9, "data": DocumentOrder.from_files(files, 0).fingerprint()}
+    (tmp_path / "data" / "shard_00001.parquet").unlink()
+    for where, missing in [(tmp_path / "data", "shard_00001.parquet"), (tmp_path, "shard_00000.parquet, "
+                           "shard_00001.parquet")]:  # fmt: skip
+        with pytest.raises(ValueError) as e:
+            rebuild_pretrain([], meta, str(where), "unused")
+        assert type(e.value) is ValueError  # bad input (exit 2), not a ReplayError ("DIFFERS", exit 1)
+        assert str(e.value) == (
+            f"--data-dir: {where} has no {missing} (the step's shards); give --data-dir the directory that "
+            "holds the run's data now"
+        )

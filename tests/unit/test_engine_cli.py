@@ -85,11 +85,54 @@ def test_interactive_outgrowing_the_context_keeps_the_session(checkpoint, capsys
     out = capsys.readouterr().out
     n = len(render_for_completion(tok, [{"role": "user", "content": "x" * 200}]))
     assert out.startswith(
-        f"you> (not sent: this message takes {n} tokens with the system prompt; the model holds 128 per "
+        f"you> (not sent: this message takes {n} tokens; the model holds 128 per "
         "conversation, reply included: shorten it)\nyou> raychat> "
     )
     assert out.count("raychat> ") == 40 and out.endswith("you> ")
     assert "(dropped the 2 oldest messages: the conversation outgrew the model's 128 tokens)\n" in out
+
+
+def test_a_reply_cut_by_the_context_says_so(checkpoint, capsys):
+    """A prompt 2 tokens short of the model's 128 leaves room for 2 of --max-tokens 50: the reply used to end
+    there as if the model had finished."""
+    d, model, tok = checkpoint
+    prompt = "x" * 122
+    msgs = [{"role": "user", "content": prompt}]
+    assert len(render_for_completion(tok, msgs)) == 126
+    res = expected_reply(model, tok, msgs, 50)
+    assert (res.finish_reason, len(res.completion_tokens)) == ("length", 2)
+    argv = ["chat", "--checkpoint", str(d), "-p", prompt, "--temperature", "0", "--max-tokens", "50"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == res.text + " [cut: the conversation filled the model's 128 tokens]\n"
+    assert main([*argv[:-1], "1"]) == 0  # --max-tokens ended it, before the context: no mark
+    assert capsys.readouterr().out == expected_reply(model, tok, msgs, 1).text + "\n"
+
+
+@pytest.fixture(scope="module")
+def nan_checkpoint(tmp_path_factory):
+    tok = byte_tokenizer()
+    model = tiny_gpt(tok)
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    d = tmp_path_factory.mktemp("nan_ckpt")
+    save_model(d, model, tok, {"step": 0}, commit=True)
+    return d
+
+
+def test_a_failed_reply_is_an_error_not_an_empty_reply(nan_checkpoint, capsys, monkeypatch):
+    """The engine ends a request whose logits are not finite with finish_reason "error": chat used to print an
+    empty reply, exit 0, and keep the empty reply in the conversation."""
+    assert main(["chat", "--checkpoint", str(nan_checkpoint), "-p", "hi"]) == 1
+    got = capsys.readouterr()
+    assert got.out == "\n"
+    assert got.err == (
+        "raychat chat: error: the reply failed: RuntimeError: non-finite logits (NaN, +inf, or no finite value) from the model\n"
+    )
+    sent = []
+    monkeypatch.setattr(chat_cli, "_reply", lambda s, t, messages, p, o: sent.append(messages))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nagain\n"))
+    assert main(["chat", "--checkpoint", str(nan_checkpoint)]) == 0
+    assert sent == [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "again"}]]
 
 
 def test_missing_checkpoint_is_a_clean_error(tmp_path, capsys):

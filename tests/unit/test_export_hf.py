@@ -327,3 +327,19 @@ def test_export_out_killed_while_writing_is_replaced_by_the_next_export(written,
         ".tokenizer.json.3f9c2a1b0d4e5f67.tmp",
         "tokenizer.json",
     ]
+
+
+def test_export_refuses_weights_changed_in_place(root, tmp_path, capsys):
+    """Bytes of model.safetensors overwritten at the same size pass the size and header checks of loading:
+    the export used to write the damaged weights as a valid Hugging Face model. Nothing is written to --out."""
+    ckpt = root / "pretrain" / "checkpoint_000007"
+    weights = bytearray((ckpt / "model.safetensors").read_bytes())
+    weights[-8:] = bytes(8)  # the last float32 values of the last tensor: a different model, same size
+    (ckpt / "model.safetensors").write_bytes(weights)
+    argv = ["export", "--checkpoint", "pretrain", "--storage-path", str(root), "--out", str(tmp_path / "hf")]
+    assert raychat_main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"raychat export: error: checkpoint {ckpt}: model.safetensors differs from its committed sha256 "
+        "(corrupted)  (RAYCHAT_DEBUG=1 shows the traceback)\n"
+    )
+    assert not (tmp_path / "hf").exists()

@@ -6,7 +6,8 @@ stream through the engine's Scheduler (one row, driven inline) and are shown par
 its own line; control tokens never appear. In interactive mode the conversation grows
 turn by turn, its oldest exchanges dropped (and said so) when it outgrows the model's context; a message too
 long on its own is not sent and the session goes on; /clear starts over, /quit or end of input leaves;
-Ctrl-C stops the current reply.
+Ctrl-C stops the current reply. A reply that fills the model's context ends with "[cut: ...]"; one the engine
+fails on (non-finite logits) is an error on stderr, is left out of the conversation, and makes -p exit 1.
 """
 
 from __future__ import annotations
@@ -58,9 +59,13 @@ class PartPrinter:
         self.out.flush()
 
 
-def _reply(sched, tokenizer, messages, params, out) -> dict:
-    stream = sched.submit(render_for_completion(tokenizer, messages), params)
-    parser, printer, tokens = TurnParser(tokenizer), PartPrinter(out), []
+def _reply(sched, tokenizer, messages, params, out) -> dict | None:
+    """Stream the reply to `messages` into `out`: its assistant message, or None when the engine failed on
+    it (non-finite logits, a failed forward: the error goes to stderr; the reply is not part of the
+    conversation). A reply that fills the model's context is marked so (it did not end on its own)."""
+    prompt = render_for_completion(tokenizer, messages)
+    stream = sched.submit(prompt, params)
+    parser, printer, tokens, event = TurnParser(tokenizer), PartPrinter(out), [], None
     try:
         for event in stream:
             parts, _ = parser.push(event.token_ids, event.text)
@@ -72,8 +77,13 @@ def _reply(sched, tokenizer, messages, params, out) -> dict:
         for event in stream:
             tokens += event.token_ids
         out.write(" [stopped]")
+    if event is not None and event.finish_reason == "length" and len(prompt) + len(tokens) >= sched.max_len:
+        out.write(f" [cut: the conversation filled the model's {sched.max_len} tokens]")
     out.write("\n")
     out.flush()
+    if event is not None and event.finish_reason == "error":
+        print(f"raychat chat: error: the reply failed: {event.error}", file=sys.stderr)
+        return None
     return assistant_message(tokenizer, tokens)
 
 
@@ -118,8 +128,8 @@ def run_chat(args, stdin=None, out=None) -> int:
     freeze_gc_heap()
     system = [{"role": "system", "content": cfg.system}] if cfg.system else []
     if cfg.prompt is not None:
-        _reply(sched, tokenizer, [*system, {"role": "user", "content": cfg.prompt}], params, out)
-        return 0
+        reply = _reply(sched, tokenizer, [*system, {"role": "user", "content": cfg.prompt}], params, out)
+        return 0 if reply else 1
     messages = list(system)
     while True:
         out.write("you> ")
@@ -138,7 +148,8 @@ def run_chat(args, stdin=None, out=None) -> int:
         )
         if fitted is None:
             n = len(render_for_completion(tokenizer, [*system, {"role": "user", "content": text}]))
-            out.write(f"(not sent: this message takes {n} tokens with the system prompt; the model holds "
+            with_system = " with the system prompt" if system else ""
+            out.write(f"(not sent: this message takes {n} tokens{with_system}; the model holds "
                       f"{sched.max_len} per conversation, reply included: shorten it)\n")  # fmt: skip
             continue
         messages, dropped = fitted
@@ -146,4 +157,5 @@ def run_chat(args, stdin=None, out=None) -> int:
             out.write(f"(dropped the {dropped} oldest messages: the conversation outgrew the model's "
                       f"{sched.max_len} tokens)\n")  # fmt: skip
         out.write("raychat> ")
-        messages.append(_reply(sched, tokenizer, messages, params, out))
+        reply = _reply(sched, tokenizer, messages, params, out)
+        messages = [*messages, reply] if reply else messages[:-1]

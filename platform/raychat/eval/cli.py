@@ -16,7 +16,8 @@
 The result goes to stdout (one JSON document, its "report_card" the card's row) and to
 <storage-path>/<run-name>/eval.json (written whole: raychat.storage.write_bytes); the card's markdown table to
 stderr and to <storage-path>/<run-name>/report_card.md. Every input is resolved and the root checked for writing before the model
-loads: a bad flag fails in one line naming it.
+loads: a bad flag fails in one line naming it. A model whose validation loss is not finite (NaN or inf weights) is
+refused after the BPB pass, before the tasks run and before anything is written (JSON has no NaN).
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ def evaluate(
     """{"checkpoint", "stage", "step", "val_bpb", "val_tokens", "tasks": {name: {"accuracy", "examples",
     "max_tokens"}}, "report_card": {column: cell}, "seconds"} of the checkpoint at `checkpoint` (a local dir or a
     remote URI); max_tokens: the completion budget a generative task was measured at (None: categorical);
-    chatcore: (whether to run the six chat evals, their examples cap)."""
+    chatcore: (whether to run the six chat evals, their examples cap).
+
+    Raises ValueError naming --checkpoint when the model's validation loss is not finite (NaN or inf)."""
     t0 = time.perf_counter()
     model, tokenizer, meta = load_model(checkpoint, device=cfg.device)
     seq_len = model.config.max_seq_len
@@ -122,6 +125,11 @@ def evaluate(
     nats, nbytes = bpb_sums(
         model, rows, token_bytes, tokenizer.bos_id, cfg.device_batch_size, device=cfg.device
     )
+    if not math.isfinite(nats):  # before the tasks, whose generation would fail on the same logits
+        raise ValueError(
+            f"--checkpoint {checkpoint}: the model's validation loss is {nats} (its logits are not finite: "
+            "NaN or inf in the weights, e.g. a diverged run); nothing evaluated or written"
+        )
     accuracy, chat = task_scores(model, tokenizer, tasks, cfg, chatcore)
     core = core_cell(model, tokenizer, cfg.core_bundle or None, cfg.core_max_per_task)
     return {

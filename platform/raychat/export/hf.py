@@ -2,6 +2,8 @@
 <storage-path>/<run-name>/ (staged locally, then moved or uploaded whole: raychat.storage.upload_dir; a run
 directory that holds anything but an earlier export is refused: check_export_target) or to --out (the same
 rule); --checkpoint is any reference raychat.checkpoint_manager resolves (`latest`: the newest checkpoint there).
+The files the export reads (raychat.checkpoint.MODEL_FILES) are checked against their sha256 digests in the
+checkpoint's commit.json first, so a checkpoint damaged in place (same size) is refused rather than exported.
 
 Files written into OUT (each atomically: temporary name, then rename):
   config.json              Qwen3Config, architectures ["Qwen3ForCausalLM"] (parameter names already match)
@@ -44,11 +46,11 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from raychat.atomic import atomic_write, atomic_write_text, remove_leftovers
 from raychat.chat_template import TEMPLATE_VERSION
-from raychat.checkpoint import load_model
-from raychat.checkpoint_manager import check_output_target, find_checkpoint
+from raychat.checkpoint import MODEL_FILES, load_model
+from raychat.checkpoint_manager import check_output_target, find_checkpoint, verify
 from raychat.config import ExportConfig, from_args
 from raychat.model import GPT
-from raychat.storage import Storage, check_writable, open_storage, upload_dir
+from raychat.storage import Storage, check_writable, is_remote, open_storage, upload_dir
 from raychat.tokenizer import BOS, Tokenizer
 
 ARCHITECTURE = "Qwen3ForCausalLM"
@@ -282,6 +284,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--checkpoint: required: a checkpoint, its run (dir or name), or latest")
     storage = open_storage(cfg.storage_path)
     checkpoint = find_checkpoint(cfg.checkpoint, storage, "--checkpoint")
+    if not is_remote(checkpoint):  # a remote one is checked against its digests as it downloads
+        verify(checkpoint, checksums=MODEL_FILES)  # the weights leave raychat: bytes flipped in place too
     if cfg.out:
         out_storage = open_storage(cfg.out, "--out")
         check_export_target(out_storage, out_storage.path, "--out")

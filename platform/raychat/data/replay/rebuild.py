@@ -31,8 +31,14 @@ class ReplayError(ValueError):
 
 
 def rebuild_pretrain(records: Sequence[Mapping], meta: Mapping, data_dir: str, tokenizer_path: str) -> dict:
-    """{"input_ids": (n, row_len) int32} of the records' rows. Raises ReplayError on any disagreement."""
+    """{"input_ids": (n, row_len) int32} of the records' rows. Raises ReplayError on any disagreement;
+    ValueError naming --data-dir when a shard of the record is not in `data_dir` (nothing to compare)."""
     files = [os.path.join(data_dir, name) for name in meta["data"]["files"]]
+    if missing := [os.path.basename(f) for f in files if not os.path.isfile(f)]:
+        raise ValueError(
+            f"--data-dir: {data_dir} has no {', '.join(missing)} (the step's shards); give --data-dir the "
+            "directory that holds the run's data now"
+        )
     order = DocumentOrder.from_files(files, meta["seed"])
     if changed := changed_shards(meta["data"], order.fingerprint()):
         raise ReplayError(
