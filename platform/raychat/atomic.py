@@ -9,7 +9,8 @@ a server or a user reading what another wrote. Object storage has its own atomic
 Every temporary made here lies beside its target and is named after it: a file `.<target name>.<16 hex>.tmp`,
 a directory `.<target name>.<16 hex>`. A process killed before its rename leaves that name behind: a
 leftover (is_leftover), which the stages ignore in their output directories and remove when they write there
-(remove_leftovers); no other name is ever taken for one.
+(remove_leftovers); no other name is ever taken for one. A whole directory is replaced the same way
+(atomic_write_dir): assembled under a temporary sibling name, then renamed into place.
 """
 
 from __future__ import annotations
@@ -58,15 +59,18 @@ def is_leftover(name: str) -> bool:
     return _LEFTOVER.fullmatch(name) is not None
 
 
-def remove_leftovers(directory: str | os.PathLike) -> list[str]:
+def remove_leftovers(directory: str | os.PathLike, of: str | None = None) -> list[str]:
     """Delete the leftovers (is_leftover: files, and directories with what they hold) directly inside the local
-    `directory`, and nothing else; returns their names, sorted ([] when `directory` does not exist). Call it
-    where a stage starts writing into its own directory: a leftover there is never another run's live
-    temporary unless two runs write the same directory at once."""
+    `directory`, and nothing else; with `of`, only those of the target named `of` (`.<of>.<16 hex>[.tmp]`).
+    Returns their names, sorted ([] when `directory` does not exist). Call it where a stage starts writing
+    into its own directory: a leftover there is never another run's live temporary unless two runs write the
+    same directory at once."""
     try:
         names = sorted(filter(is_leftover, os.listdir(directory)))
     except FileNotFoundError:
         return []
+    if of is not None:
+        names = [n for n in names if re.fullmatch(rf"\.{re.escape(of)}\.[0-9a-f]{{16}}(\.tmp)?", n)]
     for name in names:
         path = Path(directory) / name
         if path.is_dir() and not path.is_symlink():
@@ -98,3 +102,26 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text))
+
+
+def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Replace the local directory `path` whole: call write(tmp) on a fresh directory beside it (fresh_dir),
+    then rename the directory `path` held (if any) to a leftover name, tmp to `path`, and delete the old one;
+    returns `path`. The leftovers of an earlier call on `path` that was killed are deleted first
+    (remove_leftovers). A reader sees the old directory or the new one, never a mix; a kill before the first
+    rename leaves the old one untouched, one between the two renames leaves `path` absent (both copies stay
+    under leftover names until the next call). tmp is removed if anything raises (the error propagates)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(path.parent, of=path.name)
+    tmp = fresh_dir(path)
+    try:
+        write(tmp)
+        if path.exists():
+            old = fresh_dir(path)
+            os.replace(path, old)  # onto an empty directory: allowed
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

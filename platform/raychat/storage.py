@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raychat.atomic import atomic_write_bytes, fresh_dir
+from raychat.atomic import atomic_write_bytes, atomic_write_dir, fresh_dir
 from raychat.config.schema import check_run_name
 
 REMOTE_SCHEMES = ("s3", "gs")
@@ -232,25 +232,18 @@ def delete_dir(storage: Storage, path: str) -> None:
 
 def upload_dir(local: str | os.PathLike, storage: Storage, path: str) -> str:
     """Copy the local directory `local` to `path` (strictly below the root) on storage.fs, replacing what was
-    there; returns its URI. Local storage: copied beside it under a temporary name, then renamed (never half
-    there). Object storage: file by file (a reader sees the new files appear one by one).
+    there; returns its URI. Local storage: copied beside it under a temporary name, then renamed
+    (raychat.atomic.atomic_write_dir: never half there, never a mix with what was there). Object storage: file by file (a reader sees the new files appear one by one).
     Raises ValueError for a path outside the root."""
     storage.inside(path)
     if storage.is_local:
-        parent = Path(path).parent
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = fresh_dir(path)
-        mode = tmp.stat().st_mode
-        try:
+
+        def copy(tmp: Path) -> None:
+            mode = tmp.stat().st_mode
             shutil.copytree(local, tmp, dirs_exist_ok=True)
             os.chmod(tmp, mode)  # a mkdir's mode, not the local directory's (often a private temporary one)
-            if os.path.exists(path):
-                old = parent / f".{Path(path).name}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(path, old)
-                shutil.rmtree(old, ignore_errors=True)
-            os.replace(tmp, path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+        atomic_write_dir(path, copy)
     else:
         pafs.copy_files(
             str(local), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=storage.fs

@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -343,3 +349,38 @@ def test_export_refuses_weights_changed_in_place(root, tmp_path, capsys):
         "(corrupted)  (RAYCHAT_DEBUG=1 shows the traceback)\n"
     )
     assert not (tmp_path / "hf").exists()
+
+
+def test_export_killed_part_way_leaves_the_earlier_export_whole(root, model, tokenizer, tmp_path):
+    """An export into a directory that holds an earlier one, killed (SIGKILL) once it has written its new
+    config.json: the directory held the new config.json beside the old weights, which transformers loaded
+    without a word. It now holds the earlier export unchanged, and the next export replaces it whole."""
+    big = GPT(replace(model.config, n_layer=4, n_embd=512, head_dim=128, intermediate_size=1024))  # 40 MB
+    save_model(
+        root / "big" / "checkpoint_000009", big, tokenizer, {"step": 9, "stage": "pretrain"}, commit=True
+    )
+    out = tmp_path / "exports" / "hf"
+    argv = ["export", "--storage-path", str(root), "--out", str(out), "--checkpoint"]
+    assert raychat_main([*argv, "pretrain"]) == 0
+    first = _files(out)
+    configs = []
+    proc = subprocess.Popen([sys.executable, "-m", "raychat.cli", *argv, "big"], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:  # its new config.json, wherever it is
+            configs = [
+                p for p in out.parent.glob("*hf*/config.json") if p.read_bytes() != first["config.json"]
+            ]
+            if configs:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert configs, "the export ended before its config.json was seen"
+    assert _files(out) == first
+    assert raychat_main([*argv, "big"]) == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["hf"]  # the killed one's staging dir is gone
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert hf.config.num_hidden_layers == 4
+    assert torch.equal(hf.model.embed_tokens.weight, big.model.embed_tokens.weight)

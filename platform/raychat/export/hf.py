@@ -1,7 +1,9 @@
 """Export a raychat checkpoint to the Hugging Face layout (`raychat export --checkpoint REF`): the files go to
-<storage-path>/<run-name>/ (staged locally, then moved or uploaded whole: raychat.storage.upload_dir; a run
-directory that holds anything but an earlier export is refused: check_export_target) or to --out (the same
-rule); --checkpoint is any reference raychat.checkpoint_manager resolves (`latest`: the newest checkpoint there).
+<storage-path>/<run-name>/ or to --out, whole: a local one is assembled beside its target under a temporary
+name and renamed into place (raychat.atomic.atomic_write_dir: an export killed part-way leaves the earlier
+export as it was, never new files beside old ones), one on object storage is staged locally, then uploaded
+(raychat.storage.upload_dir). A directory that holds anything but an earlier export is refused
+(check_export_target); --checkpoint is any reference raychat.checkpoint_manager resolves (`latest`: the newest checkpoint there).
 The files the export reads (raychat.checkpoint.MODEL_FILES) are checked against their sha256 digests in the
 checkpoint's commit.json first, so a checkpoint damaged in place (same size) is refused rather than exported.
 
@@ -44,7 +46,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from raychat.atomic import atomic_write, atomic_write_text, remove_leftovers
+from raychat.atomic import atomic_write, atomic_write_dir, atomic_write_text, remove_leftovers
 from raychat.chat_template import TEMPLATE_VERSION
 from raychat.checkpoint import MODEL_FILES, load_model
 from raychat.checkpoint_manager import check_output_target, find_checkpoint, verify
@@ -294,8 +296,15 @@ def main(args: argparse.Namespace) -> int:
         check_export_target(storage, storage.writable_run_path(cfg.run_name), "--run-name")
         check_writable(storage)
     model, tokenizer, meta = load_model(checkpoint)
+
+    def write(tmp: Path) -> None:
+        export_hf(model, tokenizer, tmp)
+
     if cfg.out:
-        out = str(export_hf(model, tokenizer, cfg.out))
+        atomic_write_dir(os.path.realpath(out_storage.path), write)  # where a link there leads, as before
+        out = cfg.out
+    elif storage.is_local:
+        out = str(atomic_write_dir(storage.run_path(cfg.run_name), write))
     else:
         with tempfile.TemporaryDirectory() as tmp:
             out = upload_dir(export_hf(model, tokenizer, tmp), storage, storage.run_path(cfg.run_name))
