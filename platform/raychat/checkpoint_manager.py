@@ -424,7 +424,7 @@ def described(checkpoint: str) -> str:
     Raises CheckpointError: an unreadable commit marker; OSError: it cannot be read."""
     where = open_storage(checkpoint)
     commit = parse_commit(read_bytes(where, f"{where.path}/{COMMIT_FILE}"), checkpoint)
-    return f"{checkpoint} ({commit.get('stage', 'unknown')} checkpoint, step {commit['step']})"
+    return f"{checkpoint} ({commit.get('stage') or 'unknown'} checkpoint, step {commit['step']})"
 
 
 def is_run_checkpoint(checkpoint: str) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import shutil
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -126,10 +128,13 @@ def test_a_failed_reply_is_an_error_not_an_empty_reply(nan_checkpoint, capsys, m
     got = capsys.readouterr()
     assert got.out == "\n"
     assert got.err == (
+        f"checkpoint: {nan_checkpoint} (unknown checkpoint, step 0)\n"
         "raychat chat: error: the reply failed: RuntimeError: non-finite logits (NaN, +inf, or no finite value) from the model\n"
     )
     sent = []
-    monkeypatch.setattr(chat_cli, "_reply", lambda s, t, messages, p, o: sent.append(messages))
+    monkeypatch.setattr(
+        chat_cli, "_reply", lambda s, t, messages, p, o, one_shot=False: sent.append(messages)
+    )
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nagain\n"))
     assert main(["chat", "--checkpoint", str(nan_checkpoint)]) == 0
     assert sent == [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "again"}]]
@@ -143,10 +148,23 @@ def test_missing_checkpoint_is_a_clean_error(tmp_path, capsys):
     )
 
 
-def test_a_run_dir_and_its_latest_name_its_newest_checkpoint(checkpoint, tmp_path, capsys):
-    """The references eval, export and serve take (raychat.checkpoint_manager): a run dir, <run dir>/latest."""
+@pytest.mark.parametrize(
+    "stage, note",
+    [
+        ("sft", ""),
+        ("rl", ""),
+        (
+            "pretrain",
+            ": a base model, not fine-tuned for chat (it continues text; raychat sft, then rl, make a chat model)",
+        ),
+    ],
+)
+def test_a_run_dir_and_its_latest_name_its_newest_checkpoint(checkpoint, tmp_path, capsys, stage, note):
+    """The references eval, export and serve take (raychat.checkpoint_manager): a run dir, <run dir>/latest.
+    chat names the checkpoint it resolved to on stderr (it never said which one, nor that a pretraining
+    checkpoint is no chat model)."""
     d, model, tok = checkpoint
-    save_model(tmp_path / "run" / "checkpoint_000003", model, tok, {"step": 3}, commit=True)
+    save_model(tmp_path / "run" / "checkpoint_000003", model, tok, {"step": 3, "stage": stage}, commit=True)
     (tmp_path / "run" / "checkpoint_000009").mkdir()  # a save that never committed: not taken
     want = expected_reply(model, tok, [{"role": "user", "content": "hi"}], 5).text + "\n"
     for ref in (tmp_path / "run", tmp_path / "run" / "latest"):
@@ -154,7 +172,39 @@ def test_a_run_dir_and_its_latest_name_its_newest_checkpoint(checkpoint, tmp_pat
             main(["chat", "--checkpoint", str(ref), "-p", "hi", "--temperature", "0", "--max-tokens", "5"])
             == 0
         )
-        assert capsys.readouterr().out == want
+        got = capsys.readouterr()
+        assert got.out == want
+        assert got.err == f"checkpoint: {tmp_path}/run/checkpoint_000003 ({stage} checkpoint, step 3){note}\n"
+
+
+def test_ctrl_c_during_a_one_shot_reply_prints_what_came_and_exits_130(tmp_path):
+    """SIGINT while `chat -p` streams its reply: it printed " [stopped]" and exited 0, so a script could not
+    tell an interrupted reply from a whole one. Now it exits 130, as Ctrl-C at the interactive prompt does."""
+    tok = byte_tokenizer()
+    save_model(tmp_path / "c", tiny_gpt(tok, max_seq_len=8192), tok, {"step": 1, "stage": "sft"}, commit=True)
+    argv = [
+        "chat",
+        "--checkpoint",
+        str(tmp_path / "c"),
+        "-p",
+        "hi",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8000",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raychat.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        first = proc.stdout.read(1)  # the reply has begun (greedy: no special token, so it runs 8000 tokens)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert first and (first + out).endswith(b" [stopped]\n") and len(first + out) > len(b" [stopped]\n")
+    assert err.decode().splitlines()[-1] == "interrupted"
 
 
 def test_assistant_message_parts():

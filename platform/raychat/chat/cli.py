@@ -6,7 +6,8 @@ stream through the engine's Scheduler (one row, driven inline) and are shown par
 its own line; control tokens never appear. In interactive mode the conversation grows
 turn by turn, its oldest exchanges dropped (and said so) when it outgrows the model's context; a message too
 long on its own is not sent and the session goes on; /clear starts over, /quit or end of input leaves;
-Ctrl-C stops the current reply. A reply that fills the model's context ends with "[cut: ...]"; one the engine
+Ctrl-C stops the current reply (with -p it then exits 130, as Ctrl-C at the prompt does). The checkpoint
+chat resolved to is named first, on stderr. A reply that fills the model's context ends with "[cut: ...]"; one the engine
 fails on (non-finite logits) is an error on stderr, is left out of the conversation, and makes -p exit 1.
 """
 
@@ -19,7 +20,7 @@ import torch
 from raychat.chat.turn import TurnParser, turn_parts
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
-from raychat.checkpoint_manager import resolve_checkpoint
+from raychat.checkpoint_manager import described, resolve_checkpoint
 from raychat.config import ChatConfig, from_args
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
 from raychat.gc_heap import freeze_gc_heap
@@ -59,13 +60,15 @@ class PartPrinter:
         self.out.flush()
 
 
-def _reply(sched, tokenizer, messages, params, out) -> dict | None:
+def _reply(sched, tokenizer, messages, params, out, one_shot: bool = False) -> dict | None:
     """Stream the reply to `messages` into `out`: its assistant message, or None when the engine failed on
     it (non-finite logits, a failed forward: the error goes to stderr; the reply is not part of the
-    conversation). A reply that fills the model's context is marked so (it did not end on its own)."""
+    conversation). A reply that fills the model's context is marked so (it did not end on its own); one
+    stopped by Ctrl-C ends with " [stopped]", and then, one_shot, raises KeyboardInterrupt (raychat exits 130)
+    once what came is printed."""
     prompt = render_for_completion(tokenizer, messages)
     stream = sched.submit(prompt, params)
-    parser, printer, tokens, event = TurnParser(tokenizer), PartPrinter(out), [], None
+    parser, printer, tokens, event, stopped = TurnParser(tokenizer), PartPrinter(out), [], None, False
     try:
         for event in stream:
             parts, _ = parser.push(event.token_ids, event.text)
@@ -77,14 +80,26 @@ def _reply(sched, tokenizer, messages, params, out) -> dict | None:
         for event in stream:
             tokens += event.token_ids
         out.write(" [stopped]")
+        stopped = True
     if event is not None and event.finish_reason == "length" and len(prompt) + len(tokens) >= sched.max_len:
         out.write(f" [cut: the conversation filled the model's {sched.max_len} tokens]")
     out.write("\n")
     out.flush()
+    if stopped and one_shot:
+        raise KeyboardInterrupt
     if event is not None and event.finish_reason == "error":
         print(f"raychat chat: error: the reply failed: {event.error}", file=sys.stderr)
         return None
     return assistant_message(tokenizer, tokens)
+
+
+def checkpoint_line(checkpoint: str, stage: str) -> str:
+    """ "checkpoint: <checkpoint> (<stage> checkpoint, step <step>)", what chat prints first (on stderr); that
+    of a pretraining checkpoint (`stage`, from its meta.json) adds that the model is not fine-tuned for chat."""
+    line = f"checkpoint: {described(checkpoint)}"
+    if stage == "pretrain":
+        line += ": a base model, not fine-tuned for chat (it continues text; raychat sft, then rl, make a chat model)"
+    return line
 
 
 def fit_history(tokenizer, messages: list[dict], keep: int, max_len: int) -> tuple[list[dict], int] | None:
@@ -113,7 +128,8 @@ def run_chat(args, stdin=None, out=None) -> int:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device on this machine (use --device cpu)")
-        model, tokenizer, _ = load_model(resolve_checkpoint(cfg.checkpoint), device=device)
+        checkpoint = resolve_checkpoint(cfg.checkpoint)
+        model, tokenizer, meta = load_model(checkpoint, device=device)
         params = SamplingParams(
             max_tokens=cfg.max_tokens,
             temperature=cfg.temperature,
@@ -124,11 +140,13 @@ def run_chat(args, stdin=None, out=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"raychat chat: error: {e}", file=sys.stderr)
         return 2
+    print(checkpoint_line(checkpoint, meta.get("stage", "")), file=sys.stderr)
     sched = Scheduler(ModelRunner(model, tokenizer, dtype="auto", kv_dtype=cfg.kv_dtype), max_slots=1)
     freeze_gc_heap()
     system = [{"role": "system", "content": cfg.system}] if cfg.system else []
     if cfg.prompt is not None:
-        reply = _reply(sched, tokenizer, [*system, {"role": "user", "content": cfg.prompt}], params, out)
+        messages = [*system, {"role": "user", "content": cfg.prompt}]
+        reply = _reply(sched, tokenizer, messages, params, out, one_shot=True)
         return 0 if reply else 1
     messages = list(system)
     while True:
