@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import logging
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -113,6 +115,25 @@ def test_transformers_logits_match(exported, model):
     assert ours.shape == theirs.shape == (2, 40, model.config.vocab_size)
     assert ours.abs().max() > 1.0  # not a degenerate model
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_with_max_new_tokens_does_not_warn(exported):
+    """generation_config.json set max_length, so every generate(max_new_tokens=...) warned "Both
+    `max_new_tokens` (=5) and `max_length`(=128) seem to have been set"."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    hf_logger = logging.getLogger("transformers")  # its modules' loggers stop here (no propagation)
+    hf_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False)
+    finally:
+        hf_logger.removeHandler(handler)
+    assert out.shape == (1, 8)
+    assert [m for m in said + [str(w.message) for w in caught] if "max_length" in m] == []
 
 
 def _random_text(rng: random.Random) -> str:

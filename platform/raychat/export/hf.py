@@ -12,7 +12,9 @@ Files written into OUT (each atomically: temporary name, then rename):
   model.safetensors        the weights, float32, names as in raychat.model.GPT (= Qwen3ForCausalLM)
   tokenizer.json           a `tokenizers` byte-level BPE equal to the tiktoken encoding (see below)
   tokenizer_config.json    PreTrainedTokenizerFast, bos/eos/pad tokens, the Jinja chat_template
-  generation_config.json   bos, eos (<|assistant_end|> and <|bos|>), max_length
+  generation_config.json   bos, eos (<|assistant_end|> and <|bos|>), pad, sampling; no max_length, as Qwen3's
+                           (config.json's max_position_embeddings bounds the context; a max_length here made
+                           every generate(max_new_tokens=...) warn that both were set)
   chat_template.jinja      the same Jinja template as a file (transformers >= 4.43 reads either)
 
 Tokenizer conversion (tiktoken -> `tokenizers`), after transformers' TikTokenConverter:
@@ -253,7 +255,6 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
         "bos_token_id": tokenizer.bos_id,
         "eos_token_id": eos_ids,
         "pad_token_id": tokenizer.bos_id,
-        "max_length": model.config.max_seq_len,
         "do_sample": True,
         "temperature": 1.0,
     }
