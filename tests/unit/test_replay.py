@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main
 from raychat.config import TrainConfig, from_dict
 from raychat.data.loader.sft_rows import SFTRows
@@ -125,6 +126,29 @@ def test_inspect_batch_cli_rebuilds_a_step(sft_run, capsys):
     )
     assert main(["inspect-batch", "--data-dir", str(run), "--canary", "short"]) == 2  # was ignored
     assert "error: --data-dir goes with --run and --step" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "stages, why",
+    [
+        (["rl"], "it is an RL run (checkpoints of steps [1, 2]), and RL runs write none"),
+        (["sft"], "it is an SFT run (checkpoints of steps [1, 2]) whose records are gone"),
+        ([], "it holds no committed checkpoint, so it is no training run's directory"),
+    ],
+)
+def test_inspect_batch_of_a_run_without_records_says_what_the_run_is(tmp_path, capsys, stages, why):
+    """An RL run writes no replay records: inspect-batch said "no replay record of step 1 ... (steps: [])"."""
+    run = tmp_path / "rl"
+    run.mkdir()
+    for step, stage in zip((1, 2), stages * 2):
+        (run / f"checkpoint_00000{step}").mkdir()
+        (run / f"checkpoint_00000{step}" / "meta.json").write_text("{}")
+        commit_directory(run / f"checkpoint_00000{step}", step, stage)
+    assert main(["inspect-batch", "--run", str(run), "--step", "1"]) == 2
+    assert capsys.readouterr().err == (
+        f"raychat inspect-batch: error: no replay record under {run}/replay: {why}; only pretraining and SFT "
+        "runs write replay records, beside their checkpoints  (RAYCHAT_DEBUG=1 shows the traceback)\n"
+    )
 
 
 def test_inspect_batch_canaries(small_tokenizer):

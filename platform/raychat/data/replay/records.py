@@ -42,8 +42,10 @@ import torch
 
 from raychat.atomic import atomic_write
 from raychat.chat_template import TEMPLATE_VERSION
+from raychat.checkpoint_manager import committed_checkpoints
 from raychat.config import TrainConfig
 from raychat.masks import make_batch
+from raychat.storage import open_storage
 
 HASHED = ("input_ids", "labels", "loss_mask", "position_ids", "segment_ids")
 REPLAY_DIR = "replay"
@@ -143,11 +145,28 @@ def prune_records(run_dir: str, after_step: int) -> int:
     return len(stale)
 
 
+def _no_records(run_dir: str) -> str:
+    """Why a directory without replay records has none, from the stages of its committed checkpoints."""
+    storage = open_storage(run_dir, "--run")
+    committed = committed_checkpoints(storage, storage.path)
+    stages = sorted({str(c.commit.get("stage") or "unknown") for c in committed})
+    runs = {"pretrain": "a pretraining run", "sft": "an SFT run", "rl": "an RL run"}
+    if not committed:
+        what = "it holds no committed checkpoint, so it is no training run's directory"
+    elif stages == ["rl"]:
+        what = f"it is an RL run (checkpoints of steps {[c.step for c in committed]}), and RL runs write none"
+    else:
+        kinds = ", ".join(runs.get(s, f"a {s} run") for s in stages)
+        what = f"it is {kinds} (checkpoints of steps {[c.step for c in committed]}) whose records are gone"
+    return f"{what}; only pretraining and SFT runs write replay records, beside their checkpoints"
+
+
 def read_step(run_dir: str, step: int) -> tuple[list[dict], dict]:
     """The records of `step` on every rank, ordered by (rank, micro, row), and the files' metadata.
 
     Raises:
-        FileNotFoundError: no such run directory, or no replay file of the run holds that step.
+        FileNotFoundError: no such run directory, or no replay file of the run holds that step (the run has
+            none at all: the message says what the directory is, e.g. an RL run, which writes none).
         ValueError: the step's records do not come from one whole world (a rank's file is missing), or a file
             named like a replay record is not one (another schema, no raychat metadata), named with its path.
     """
@@ -157,6 +176,8 @@ def read_step(run_dir: str, step: int) -> tuple[list[dict], dict]:
         if fs.get_file_info(root).type == pafs.FileType.NotFound:
             raise FileNotFoundError(f"no run directory {run_dir}")
         steps = sorted({(first, last) for first, last, _, _ in _files(run_dir)})  # one file per rank
+        if not steps:
+            raise FileNotFoundError(f"no replay record under {run_dir}/{REPLAY_DIR}: {_no_records(run_dir)}")
         raise FileNotFoundError(
             f"no replay record of step {step} under {run_dir}/{REPLAY_DIR} (steps: {steps})"
         )
