@@ -11,6 +11,7 @@ import pytest
 from raychat.atomic import (
     atomic_write,
     atomic_write_bytes,
+    atomic_write_dir,
     atomic_write_text,
     fresh_dir,
     fresh_file,
@@ -90,3 +91,25 @@ def test_a_killed_writes_temporaries_are_leftovers_and_nothing_else_is(tmp_path)
     assert remove_leftovers(tmp_path) == sorted(p.name for p in made)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(users)
     assert remove_leftovers(tmp_path / "absent") == []
+
+
+def test_a_directory_is_replaced_whole_and_only_its_own_leftovers_are_removed(tmp_path):
+    """atomic_write_dir: the old directory stays as it was until the new one is complete; a failed write
+    leaves it and no staging directory; the leftovers of an earlier killed call on the same target go, those
+    of another target (`hf.b`) stay."""
+    target = tmp_path / "hf"
+    atomic_write_dir(target, lambda d: (d / "config.json").write_text("old"))
+    killed, other = fresh_dir(target), fresh_dir(tmp_path / "hf.b")
+
+    def half(d):
+        (d / "config.json").write_text("new")
+        assert (target / "config.json").read_text() == "old"  # not yet in place
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write_dir(target, half)
+    assert (target / "config.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", other.name])  # killed's is gone too
+    atomic_write_dir(target, lambda d: (d / "model.safetensors").write_text("w"))
+    assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"]  # no old file beside the new
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", other.name])
