@@ -109,7 +109,8 @@ def test_a_directory_is_replaced_whole_and_only_its_own_leftovers_are_removed(tm
     with pytest.raises(OSError, match="disk full"):
         atomic_write_dir(target, half)
     assert (target / "config.json").read_text() == "old"
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", other.name])  # killed's is gone too
+    assert not killed.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", other.name])
     atomic_write_dir(target, lambda d: (d / "model.safetensors").write_text("w"))
     assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"]  # no old file beside the new
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", other.name])
