@@ -205,11 +205,11 @@ def _parse_env(items: list[str]) -> dict[str, str]:
     return out
 
 
-def follow(client, job_id: str, out=None, poll_s: float = 0.5, waits_for: str = "", err=None) -> str:
+def follow(client, job_id: str, out=None, poll_s: float = 0.5, waits_for: str | None = None, err=None) -> str:
     """Print the job's logs as they come (tail_job_logs), then wait for a terminal status and return it
     (the JobStatus value: "SUCCEEDED", "FAILED" or "STOPPED"). While the job is PENDING (no log comes), say so
     on `err` (default stderr) after PENDING_REPORT_AFTER_S and every PENDING_REPORT_EVERY_S, with `waits_for`
-    (what its entrypoint reserves, e.g. "{GPU: 1} (--num-gpus 1)"; "" when unknown).
+    (what its entrypoint reserves, e.g. "{GPU: 1} (--num-gpus 1)"; "" nothing; None not known here).
 
     Raises RuntimeError (job_refusal's 404) for a job the cluster does not have: asked first, since the log
     stream of an unknown job fails with aiohttp's WSServerHandshakeError, which says nothing of the job."""
@@ -252,9 +252,13 @@ def follow(client, job_id: str, out=None, poll_s: float = 0.5, waits_for: str = 
         time.sleep(poll_s)
 
 
-def pending_line(job_id: str, waited_s: float, waits_for: str = "") -> str:
-    """The line a followed job that is still PENDING after `waited_s` seconds gets: what Ray waits for."""
-    room = f"a node with room for its entrypoint {waits_for} and " if waits_for else ""
+def pending_line(job_id: str, waited_s: float, waits_for: str | None = None) -> str:
+    """The line a followed job that is still PENDING after `waited_s` seconds gets: what Ray waits for
+    (`waits_for` as follow takes it)."""
+    if waits_for is None:
+        room = "a node with room for its entrypoint resources (if it reserves any) and "
+    else:
+        room = f"a node with room for its entrypoint {waits_for} and " if waits_for else ""
     return (
         f"job {job_id} still PENDING after {waited_s:.0f} s: its driver has not started; Ray waits for {room}its "
         f"runtime_env (working_dir upload, pip) and fails a job that has not started within {START_TIMEOUT}"
