@@ -24,7 +24,7 @@ from raychat.config.data import PrepareConfig, TokenizerConfig
 from raychat.config.presets import PRESET_HELP
 from raychat.config.train import UNUSED_FLAGS
 from raychat.ops.jobs import DEFAULT_ADDRESS, STAGES, SUBMIT_CHOICES
-from raychat.ops.k8s import IMAGE
+from raychat.ops.k8s import IMAGE, STORAGE_ROOT
 
 # the canaries of raychat.data.replay.inspect_batch.canary_conversations (tests/unit/test_cli.py keeps them equal)
 CANARIES = ("short", "empty", "tool_use", "unicode", "code", "overlong", "overlong_turn")
@@ -307,11 +307,39 @@ STAGE_CONFIGS = {
 }
 
 
+def shared_output(stage: str, args: argparse.Namespace, config) -> list[tuple[str, str]]:
+    """(flag, path) of what a submitted stage writes under: speedrun's --out; --out when given, and but for
+    data (whose --out replaces it) --storage-path, which the others read even then; else --storage-path."""
+    if stage == "speedrun":
+        return [("--out", args.out)]
+    storage = ("--storage-path", (config.run if hasattr(config, "run") else config).storage_path)
+    out = getattr(config, "out", None)
+    if not out:
+        return [storage]
+    return [("--out", out)] if stage == "data" else [("--out", out), storage]
+
+
+def check_shared_output(stage: str, args: argparse.Namespace, config=None) -> None:
+    """Refuse a submitted stage whose output path is relative (the default `runs...` of every preset but
+    cluster and gpu8): the job runs in Ray's temporary copy of the checkout, where the job itself refuses it
+    (raychat.storage.check_not_in_job_copy), but only after the job (a RayJob's whole cluster) started.
+
+    Raises ValueError naming the flag and its value."""
+    for flag, path in shared_output(stage, args, config):
+        if path and "://" not in path and not path.startswith(("/", "~")):
+            default = "" if getattr(args, flag[2:].replace("-", "_"), None) else " (the default: not given)"
+            raise ValueError(
+                f"{flag} {path!r}{default} is relative: a job runs in a temporary copy of the checkout that Ray deletes; "
+                f"give storage every node mounts (e.g. {flag} {STORAGE_ROOT}) or s3:// / gs://"
+            )
+
+
 class StageArgs(argparse.Action):
     """The words after a submitted stage (nargs REMAINDER), parsed by the stage's own parser as the command
     line is, then built into the stage's config (STAGE_CONFIGS: a shipped preset, each value's range and
-    the config's own checks), so that an unknown flag, a bad value or an unknown shipped preset fails here,
-    in one line naming the stage, not after the job's cluster starts. `command`, and a stage given -h/--help,
+    the config's own checks, and an output path every node can reach: check_shared_output), so that an
+    unknown flag, a bad value, an unknown shipped preset or a relative --storage-path fails here, in one
+    line naming the stage, not after the job's cluster starts. `command`, and a stage given -h/--help,
     are passed on unparsed; a preset given as a file and values checked against the cluster's files (paths,
     checkpoints) are left to the job. Stores the words without a leading "--" (argparse keeps it in a
     REMAINDER)."""
@@ -326,10 +354,13 @@ class StageArgs(argparse.Action):
         try:
             args = check.parse_args([stage, *words])
             preset = getattr(args, "preset", None) or ""
+            if stage == "speedrun":
+                check_shared_output(stage, args)
             if stage in STAGE_CONFIGS and "/" not in preset and not preset.endswith((".yaml", ".yml")):
                 cls, section, defaults = STAGE_CONFIGS[stage]
                 base = from_dict(cls, defaults) if defaults else None
-                from_args(args, cls, section, base=base, where=f"{section} settings")
+                config = from_args(args, cls, section, base=base, where=f"{section} settings")
+                check_shared_output(stage, args, config)
         except (ValueError, FileNotFoundError) as e:
             parser.exit(
                 2, f"{parser.prog}: error: stage {stage}: {e} (`raychat {stage} --help` lists its flags)\n"

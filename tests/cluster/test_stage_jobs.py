@@ -334,7 +334,7 @@ def test_a_wrong_token_is_refused_in_one_line_before_any_job(multinode_cluster, 
     (tmp_path / "token").write_text("not-the-token\n")
     r = subprocess.run(
         [*RAYCHAT, "submit", "--address", c.dashboard_url, "--token-file", str(tmp_path / "token"),
-         "pretrain", "--preset", "tiny"],
+         "pretrain", "--preset", "tiny", "--storage-path", str(tmp_path / "runs")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 4, r.stdout + r.stderr

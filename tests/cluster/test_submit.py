@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -108,11 +109,11 @@ def test_cli_parses_options_before_stage_and_passes_the_rest():
     from raychat.cli import build_parser
 
     args = build_parser("submit").parse_args(
-        ["submit", "--no-wait", "--num-gpus", "1", "pretrain", "--depth", "12"]
+        ["submit", "--no-wait", "--num-gpus", "1", "pretrain", "--depth", "12", "--storage-path", "/mnt/runs"]
     )
     assert (args.stage, args.stage_args, args.no_wait, args.num_gpus) == (
         "pretrain",
-        ["--depth", "12"],
+        ["--depth", "12", "--storage-path", "/mnt/runs"],
         True,
         1.0,
     )
@@ -341,7 +342,7 @@ def test_stage_job_names_the_python_it_needs_and_runs_with_python_flag(token_clu
     assert "usage: raychat pretrain" in out
     assert f"submitted rc-pinned: {ray_python} jobs/pretrain.py --help" in err
 
-    rc, out, err = submit_("--job-id", "rc-nopy", "--python", "/no/such/python", "pretrain")
+    rc, out, err = submit_("--job-id", "rc-nopy", "--python", "/no/such/python", "pretrain", "--help")
     assert rc == 1, out + err
     assert "the job's shell found no such command ('/no/such/python': exit 127)" in err
 
@@ -350,4 +351,68 @@ def test_stage_job_names_the_python_it_needs_and_runs_with_python_flag(token_clu
         "rc-bare": "FAILED",
         "rc-pinned": "SUCCEEDED",
         "rc-nopy": "FAILED",
+    }
+
+
+def _wait_for_status(c, job_id: str, want: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _job_statuses(c).get(job_id) != want:
+        assert time.monotonic() < deadline, f"{job_id}: not {want} within {timeout_s} s: {_job_statuses(c)}"
+        time.sleep(0.5)
+
+
+@pytest.mark.ray
+def test_a_job_that_cannot_start_is_refused_or_reported(token_cluster):
+    """The fixture's head (1 CPU, no GPU, `ray start --head`: no autoscaler, Ray's read-only monitor) can never
+    hold a --num-gpus 1 entrypoint: refused before submission (was PENDING, silent, for Ray's 15-minute start
+    timeout). A --num-cpus 1 job behind another that holds the CPU waits PENDING: following it says what it
+    waits for; `jobs stop` of it says that Ray stops it only once its driver starts, which then happens (STOPPED)."""
+    c = token_cluster
+    conn = ["--address", c["url"], "--token-file", str(c["token_file"])]
+    deadline = time.monotonic() + 30  # the monitor's first report comes seconds after the head starts
+    while submit.fixed_cluster_capacity(submit.make_client(c["url"], str(c["token_file"]))) is None:
+        assert time.monotonic() < deadline, "Ray's monitor reported no read-only node types within 30 s"
+        time.sleep(1)
+    before = set(_job_statuses(c))
+    r = _raychat(["submit", *conn, "--num-gpus", "1", "command", "echo", "hi"], c["tmp"])
+    assert r.returncode == 2 and r.stderr.startswith(
+        "raychat submit: error: --num-gpus 1: no node of this cluster has room for the job's entrypoint {GPU: 1}: "
+        "GPU (need 1, the most a node has is 0); the cluster has no autoscaler to add one (its nodes: alive node "
+    ), r.stdout + r.stderr
+    assert r.stderr.endswith(" {CPU: 1})\n") and r.stderr.count("\n") == 1, r.stderr
+    assert set(_job_statuses(c)) == before  # nothing submitted
+
+    hold = ["submit", *conn, "--num-cpus", "1", "--no-wait", "--job-id", "rc-hold", "command", "sleep", "300"]
+    assert _raychat(hold, c["tmp"]).returncode == 0
+    _wait_for_status(c, "rc-hold", "RUNNING")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(c["tmp"] / "home")}
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "raychat.cli", "submit", *conn, "--num-cpus", "1", "--job-id", "rc-wait",
+         "command", "sleep", "60"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(submit.PENDING_REPORT_AFTER_S + 3)
+        r = _raychat(["jobs", "stop", *conn, "rc-wait"], c["tmp"])
+        assert (r.returncode, r.stdout) == (0, f"rc-wait: stop requested, but {submit.PENDING_STOP}\n"), (
+            r.stderr
+        )
+        assert "RAY_JOB_START_TIMEOUT_SECONDS on the head, default 900 s" in r.stdout
+        assert _job_statuses(c)["rc-wait"] == "PENDING"  # the stop has not taken: Ray's behaviour
+        r = _raychat(["jobs", "stop", *conn, "rc-hold"], c["tmp"])
+        assert (r.returncode, r.stdout) == (0, "rc-hold: stop requested\n"), r.stderr
+        out, err = waiting.communicate(timeout=120)
+    finally:
+        waiting.kill()
+    assert waiting.returncode == 3, out + err  # STOPPED: the queued stop, once its driver started
+    line = next(x for x in err.splitlines() if x.startswith("job rc-wait still PENDING after "))
+    assert line.split(" s: ", 1)[1] == (
+        "its driver has not started; Ray waits for a node with room for its entrypoint {CPU: 1} (--num-cpus 1) and "
+        "its runtime_env (working_dir upload, pip) and fails a job that has not started within Ray's start timeout "
+        "(RAY_JOB_START_TIMEOUT_SECONDS on the head, default 900 s)"
+    ), err
+    assert "job rc-wait STOPPED" in err
+    assert {k: _job_statuses(c)[k] for k in ("rc-hold", "rc-wait")} == {
+        "rc-hold": "STOPPED",
+        "rc-wait": "STOPPED",
     }

@@ -472,7 +472,9 @@ def test_an_unreachable_cluster(monkeypatch, capsys):
     """Nothing listens on the port: `raychat submit` exits 4 with one line naming --address."""
     monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")  # a token, so the one error is the address
     url = f"http://127.0.0.1:{free_ports(1)[0]}"
-    rc = raychat_main(["submit", "--address", url, "pretrain", "--preset", "tiny"])
+    rc = raychat_main(
+        ["submit", "--address", url, "pretrain", "--preset", "tiny", "--storage-path", "/mnt/runs"]
+    )
     err = capsys.readouterr().err
     assert rc == 4, err
     assert err.startswith(f"raychat submit: error: --address: cannot reach the Ray dashboard at {url}: "), err
@@ -506,16 +508,28 @@ def test_a_gcs_address_nothing_listens_on(monkeypatch, capsys):
     )
 
 
+def test_a_working_dir_that_is_not_a_directory(tmp_path, capsys):
+    """`submit --working-dir /nonexistent command echo` reached Ray, whose error named no flag; refused first
+    (before the cluster is asked: there is none here), naming --working-dir."""
+    missing, a_file = tmp_path / "nonexistent", tmp_path / "file"
+    a_file.write_text("")
+    for path, why in ((missing, "no such directory"), (a_file, "not a directory")):
+        assert raychat_main(["submit", "--working-dir", str(path), "command", "echo"]) == 2
+        assert capsys.readouterr().err == (
+            f"raychat submit: error: --working-dir {path}: {why} (the checkout the job runs in)\n"
+        )
+
+
 def test_an_address_ray_cannot_parse_and_a_token_file_that_is_not_a_file(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")
-    assert raychat_main(["submit", "--address", "notaurl", "pretrain"]) == 2
+    assert raychat_main(["submit", "--address", "notaurl", "command", "true"]) == 2
     assert capsys.readouterr().err == (
         "raychat submit: error: --address notaurl: Invalid address format: notaurl; give the Ray dashboard's address, "
         "e.g. http://HEAD:8265\n"
     )
     url = f"http://127.0.0.1:{free_ports(1)[0]}"
     for path, why in [("/dev/null", "is not a regular file"), (str(tmp_path / "nope"), "does not exist")]:
-        assert raychat_main(["submit", "--address", url, "--token-file", path, "pretrain"]) == 2
+        assert raychat_main(["submit", "--address", url, "--token-file", path, "command", "true"]) == 2
         assert capsys.readouterr().err == f"raychat submit: error: --token-file: token file {path} {why}\n"
 
 

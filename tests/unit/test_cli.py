@@ -15,6 +15,8 @@ import pytest
 from raychat.cli import COMMANDS, load, main
 from raychat.commands import CANARIES, PARSERS
 
+ROOT = "/mnt/checkpoints/runs"  # a storage root every node of the documented clusters mounts
+
 HEAVY = ("torch", "ray", "pyarrow", "numpy")
 
 
@@ -152,9 +154,15 @@ def test_a_flag_the_parser_refuses_is_one_line_not_the_usage_block(capsys):
 @pytest.mark.parametrize(
     "argv, flag",
     [
-        (["submit", "--address", "", "pretrain"], "--address"),  # read as "not given": the default address
-        (["submit", "--python", " ", "pretrain"], "--python"),  # the entrypoint `' ' jobs/pretrain.py`
-        (["submit", "--pip", "", "pretrain"], "--pip"),
+        (
+            ["submit", "--address", "", "pretrain", "--storage-path", ROOT],
+            "--address",
+        ),  # read as "not given": the default address
+        (
+            ["submit", "--python", " ", "pretrain", "--storage-path", ROOT],
+            "--python",
+        ),  # the entrypoint `' ' jobs/pretrain.py`
+        (["submit", "--pip", "", "pretrain", "--storage-path", ROOT], "--pip"),
         (["jobs", "stop", ""], "job_id"),
         (["k8s", "submit", "--dry-run", "--image", "", "rl"], "--image"),
         (["serve", "--host", ""], "--host"),
@@ -251,11 +259,46 @@ def test_a_submitted_stages_arguments_are_parsed_before_submission(submit, stage
     assert capsys.readouterr().err == f"{prog}: error: {message} (`raychat {stage} --help` lists its flags)\n"
 
 
+JOB_COPY = "is relative: a job runs in a temporary copy of the checkout that Ray deletes; give storage every node mounts"
+
+
+@pytest.mark.parametrize("submit", [["submit"], ["k8s", "submit", "--dry-run"]])
+@pytest.mark.parametrize(
+    "stage_args, message",
+    [
+        (["pretrain", "--preset", "tiny"], f"--storage-path 'runs/checkpoints' (the default: not given) {JOB_COPY} "
+         f"(e.g. --storage-path {ROOT})"),
+        (["rl"], f"--storage-path 'runs/rl' (the default: not given) {JOB_COPY} (e.g. --storage-path {ROOT})"),
+        (["data", "prepare", "--out", "shards"], f"--out 'shards' {JOB_COPY} (e.g. --out {ROOT})"),
+        (["export", "--checkpoint", "latest", "--out", "/mnt/hf", "--storage-path", "ckpt"],
+         f"--storage-path 'ckpt' {JOB_COPY} (e.g. --storage-path {ROOT})"),  # export reads it even with --out
+        (["speedrun"], f"--out 'runs' {JOB_COPY} (e.g. --out {ROOT})"),
+    ],
+)  # fmt: skip
+def test_a_submitted_stage_with_a_relative_storage_path_is_refused(submit, stage_args, message, capsys):
+    """`raychat submit pretrain --preset tiny` and `raychat k8s submit rl` (docs/deployment.md) were accepted, and
+    the job refused the default `runs/...` only once it ran (a RayJob: after its whole cluster started)."""
+    with pytest.raises(SystemExit) as e:
+        main([*submit, *stage_args])
+    assert e.value.code == 2
+    prog = "raychat " + " ".join(submit[:2] if submit[0] == "k8s" else submit[:1])
+    stage = stage_args[0]
+    assert capsys.readouterr().err == (
+        f"{prog}: error: stage {stage}: {message} or s3:// / gs:// (`raychat {stage} --help` lists its flags)\n"
+    )
+
+
 def test_a_submitted_stages_valid_arguments_and_help_pass_unchanged(capsys):
     assert main(["k8s", "submit", "--dry-run", "pretrain", "--", "--depth", "3", "--help"]) == 0
     assert "entrypoint: python jobs/pretrain.py --depth 3 --help" in capsys.readouterr().out
-    assert main(["k8s", "submit", "--dry-run", "data", "prepare", "--num-shards", "2"]) == 0
-    assert "entrypoint: python jobs/data.py prepare --num-shards 2" in capsys.readouterr().out
+    assert (
+        main(["k8s", "submit", "--dry-run", "data", "prepare", "--num-shards", "2", "--storage-path", ROOT])
+        == 0
+    )
+    assert (
+        f"entrypoint: python jobs/data.py prepare --num-shards 2 --storage-path {ROOT}"
+        in capsys.readouterr().out
+    )
     # a preset file is the cluster's: read by the job, not here
     assert (
         main(
@@ -267,6 +310,23 @@ def test_a_submitted_stages_valid_arguments_and_help_pass_unchanged(capsys):
         "entrypoint: python jobs/sft.py --preset /mnt/presets/my.yaml --init-from latest"
         in capsys.readouterr().out
     )
+    for (
+        stage_args
+    ) in (  # outputs every node reaches (test_a_submitted_stage_with_a_relative_storage_path_...)
+        ["pretrain", "--preset", "tiny", "--storage-path", ROOT],
+        ["rl", "--storage-path", "s3://bucket/runs"],
+        ["data", "prepare", "--out", "/mnt/shards"],  # data's --out replaces its --storage-path
+        [
+            "sft",
+            "--preset",
+            "cluster",
+            "--init-from",
+            "latest",
+        ],  # the preset's storage_path: /mnt/checkpoints/runs
+        ["speedrun", "--out", f"{ROOT}/speedrun"],
+    ):
+        assert main(["k8s", "submit", "--dry-run", *stage_args]) == 0, capsys.readouterr().err
+        assert f"entrypoint: python jobs/{stage_args[0]}.py" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", ["chat", "eval", "export", "serve"])

@@ -413,7 +413,7 @@ def test_the_extraction_finds_the_commands_of_each_source(commands):
         ("raychat submit pretrain --preset gpu", "no preset 'gpu'"),
         ("raychat pretrain --preset gpu8 --num-workers 3", "not a multiple of"),
         ("raychat sft --no-such-flag 1", "unrecognized arguments: --no-such-flag"),
-        ("raychat submit --num-gpus 0 speedrun --preset nope", "no preset 'nope'"),
+        ("raychat submit --num-gpus 0 speedrun --preset nope --out /mnt/runs", "no preset 'nope'"),
         ("raychat rl --preset platform/raychat/presets/nope.yaml", "nope.yaml: no such file"),
         ("raychat rl --preset /tmp/nope.yaml", "--preset: file /tmp/nope.yaml does not exist"),
         ("make speedrunn", "No rule to make target"),

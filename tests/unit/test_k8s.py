@@ -482,6 +482,9 @@ def test_the_policy_check_sees_an_open_rule(builds):
     assert admits(policy, {"app": "other"}, OUTSIDER, 6379)  # pods it does not select stay open
 
 
+SFT = ["sft", "--storage-path", "/mnt/checkpoints/runs"]
+
+
 def test_k8s_submit_dry_run_prints_a_valid_rayjob(capsys, crd_schemas):
     rc = raychat_main(
         [
@@ -495,6 +498,8 @@ def test_k8s_submit_dry_run_prints_a_valid_rayjob(capsys, crd_schemas):
             "--ttl",
             "60",
             "sft",
+            "--storage-path",
+            "/mnt/checkpoints/runs",
             "--num-iterations",
             "4",
         ]
@@ -507,20 +512,27 @@ def test_k8s_submit_dry_run_prints_a_valid_rayjob(capsys, crd_schemas):
         "labels": {**k8s.LABELS, "raychat.io/stage": "sft"},
         "namespace": "ml",
     }
-    assert job["spec"]["entrypoint"] == "python jobs/sft.py --num-iterations 4"
+    assert (
+        job["spec"]["entrypoint"]
+        == "python jobs/sft.py --storage-path /mnt/checkpoints/runs --num-iterations 4"
+    )
     assert job["spec"]["ttlSecondsAfterFinished"] == 60
-    assert raychat_main(["k8s", "submit", "--dry-run", "--name", "Bad_Name", "sft"]) == 2
+    assert raychat_main(["k8s", "submit", "--dry-run", "--name", "Bad_Name", *SFT]) == 2
     capsys.readouterr()
     for flags in (["--ttl", "-5"], ["--retries", "-2"]):  # negative: the API server would refuse the RayJob
-        assert raychat_main(["k8s", "submit", "--dry-run", "--name", "t1", *flags, "sft"]) == 2
+        assert raychat_main(["k8s", "submit", "--dry-run", "--name", "t1", *flags, *SFT]) == 2
         assert "--ttl and --retries must be >= 0" in capsys.readouterr().err
     assert (
-        raychat_main(["k8s", "submit", "--dry-run", "--namespace", "Bad NS", "sft"]) == 2
+        raychat_main(["k8s", "submit", "--dry-run", "--namespace", "Bad NS", *SFT]) == 2
     )  # was written as is
     assert capsys.readouterr().err == (
         "raychat k8s submit: error: --namespace must be a DNS-1123 label (lowercase, digits, '-', <= 63 chars); got "
         "'Bad NS'\n"
     )
+
+
+# exactly the command of docs/deployment.md
+RL_ARGS = ["rl", "--storage-path", "/mnt/checkpoints/runs", "--init-from", "latest"]
 
 
 class _FakeApiServer(BaseHTTPRequestHandler):
@@ -562,7 +574,17 @@ def test_k8s_submit_posts_through_the_kubernetes_client(tmp_path, capsys, crd_sc
     kubeconfig = _write_kubeconfig(tmp_path / "kubeconfig", server.server_port)
     try:
         rc = raychat_main(
-            ["k8s", "submit", "--kubeconfig", str(kubeconfig), "--namespace", "ml", "--name", "rl-1", "rl"]
+            [
+                "k8s",
+                "submit",
+                "--kubeconfig",
+                str(kubeconfig),
+                "--namespace",
+                "ml",
+                "--name",
+                "rl-1",
+                *RL_ARGS,
+            ]
         )
     finally:
         server.shutdown()
@@ -571,14 +593,14 @@ def test_k8s_submit_posts_through_the_kubernetes_client(tmp_path, capsys, crd_sc
     ((path, body),) = _FakeApiServer.calls
     assert path == "/apis/ray.io/v1/namespaces/ml/rayjobs"
     validate_object(body, crd_schemas)
-    assert body == k8s.rayjob("rl", [], name="rl-1")
+    assert body == k8s.rayjob("rl", RL_ARGS[1:], name="rl-1")
 
 
 def test_k8s_submit_without_a_configuration_or_a_server_says_so_in_one_line(tmp_path, capsys, monkeypatch):
     """No kubeconfig and not in a pod: exit 2 naming both and the flag; an API server that does not answer: exit
     4 naming its address. Neither a traceback."""
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # in-cluster configuration: not in a pod
-    argv = ["k8s", "submit", "--kubeconfig", str(tmp_path / "none"), "--name", "rl-1", "rl"]
+    argv = ["k8s", "submit", "--kubeconfig", str(tmp_path / "none"), "--name", "rl-1", *RL_ARGS]
     assert raychat_main(argv) == 2
     assert capsys.readouterr().err == (
         f"raychat k8s submit: error: no Kubernetes configuration: --kubeconfig {tmp_path / 'none'}: no such file; "

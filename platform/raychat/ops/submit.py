@@ -20,6 +20,12 @@ raychat.ops.job_python). `--python PATH` names it; when it lacks raychat's depen
 once with one line naming the Python that Ray runs there, and a `python` that does not exist at all (exit
 127) gets the same advice from `submit`.
 
+A job waits PENDING until a node has room for its entrypoint resources (--num-cpus, --num-gpus) and its
+runtime_env is set up, or until Ray's start timeout fails it (RAY_JOB_START_TIMEOUT_SECONDS on the head,
+default 900 s); following it says so every PENDING_REPORT_EVERY_S. On a cluster that cannot grow (Ray's
+read-only monitor: a head started without an autoscaling config) submit refuses resources no node has
+(fixed_cluster_capacity). Ray delivers a stop to a started driver only: `jobs stop` of a PENDING job says so.
+
 Exit codes of `submit` and `jobs logs --follow`: 0 SUCCEEDED, 1 FAILED, 3 STOPPED, 4 cannot reach or
 authenticate to the cluster, 2 bad arguments; with --no-wait, 0 once the job is accepted.
 """
@@ -35,9 +41,11 @@ import sys
 import time
 from pathlib import Path
 
+from ray.dashboard.consts import DEFAULT_JOB_START_TIMEOUT_SECONDS, RAY_JOB_START_TIMEOUT_SECONDS_ENV_VAR
 from ray.exceptions import AuthenticationError, RpcError
-from ray.job_submission import JobSubmissionClient
+from ray.job_submission import JobStatus, JobSubmissionClient
 
+from raychat.capacity import Capacity, NodeType, fmt_bundle, missing_resources, read_only_monitor
 from raychat.ops.jobs import DEFAULT_ADDRESS, STAGES, SUBMIT_CHOICES
 from raychat.ray_token import find_token, first_line, hand_to_ray, refused_message
 
@@ -55,6 +63,14 @@ WORKING_DIR_EXCLUDES = [
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
 EXIT_UNREACHABLE = 4
 EXIT_COMMAND_NOT_FOUND = 127  # what the job's shell returns when the entrypoint's program does not exist
+# a followed job still PENDING after PENDING_REPORT_AFTER_S is reported, then every PENDING_REPORT_EVERY_S
+PENDING_REPORT_AFTER_S, PENDING_REPORT_EVERY_S = 5.0, 30.0
+# submit's flags -> the resource each reserves for the job's entrypoint
+ENTRYPOINT_FLAGS = (("--num-cpus", "CPU"), ("--num-gpus", "GPU"))
+START_TIMEOUT = (
+    f"Ray's start timeout ({RAY_JOB_START_TIMEOUT_SECONDS_ENV_VAR} on the head, default "
+    f"{DEFAULT_JOB_START_TIMEOUT_SECONDS} s)"
+)
 
 
 def repo_root() -> Path:
@@ -189,13 +205,15 @@ def _parse_env(items: list[str]) -> dict[str, str]:
     return out
 
 
-def follow(client, job_id: str, out=None, poll_s: float = 0.5) -> str:
+def follow(client, job_id: str, out=None, poll_s: float = 0.5, waits_for: str | None = None, err=None) -> str:
     """Print the job's logs as they come (tail_job_logs), then wait for a terminal status and return it
-    (the JobStatus value: "SUCCEEDED", "FAILED" or "STOPPED").
+    (the JobStatus value: "SUCCEEDED", "FAILED" or "STOPPED"). While the job is PENDING (no log comes), say so
+    on `err` (default stderr) after PENDING_REPORT_AFTER_S and every PENDING_REPORT_EVERY_S, with `waits_for`
+    (what its entrypoint reserves, e.g. "{GPU: 1} (--num-gpus 1)"; "" nothing; None not known here).
 
     Raises RuntimeError (job_refusal's 404) for a job the cluster does not have: asked first, since the log
     stream of an unknown job fails with aiohttp's WSServerHandshakeError, which says nothing of the job."""
-    out = out or sys.stdout
+    out, err = out or sys.stdout, err or sys.stderr
     client.get_job_status(job_id)
 
     async def _tail():
@@ -203,12 +221,110 @@ def follow(client, job_id: str, out=None, poll_s: float = 0.5) -> str:
             out.write(chunk)
             out.flush()
 
-    asyncio.run(_tail())
+    async def _report_pending():
+        t0, next_at = time.monotonic(), PENDING_REPORT_AFTER_S
+        while True:
+            await asyncio.sleep(min(1.0, PENDING_REPORT_AFTER_S))
+            try:
+                status = await asyncio.to_thread(client.get_job_status, job_id)
+            except (OSError, RuntimeError):  # the dashboard did not answer this time: the tail goes on
+                continue
+            if status != JobStatus.PENDING:
+                return
+            waited = time.monotonic() - t0
+            if waited >= next_at:
+                err.write(pending_line(job_id, waited, waits_for) + "\n")
+                err.flush()
+                next_at = waited + PENDING_REPORT_EVERY_S
+
+    async def _both():
+        reporter = asyncio.create_task(_report_pending())
+        try:
+            await _tail()
+        finally:
+            reporter.cancel()
+
+    asyncio.run(_both())
     while True:
         status = client.get_job_status(job_id)
         if status.is_terminal():
             return status.value
         time.sleep(poll_s)
+
+
+def pending_line(job_id: str, waited_s: float, waits_for: str | None = None) -> str:
+    """The line a followed job that is still PENDING after `waited_s` seconds gets: what Ray waits for
+    (`waits_for` as follow takes it)."""
+    if waits_for is None:
+        room = "a node with room for its entrypoint resources (if it reserves any) and "
+    else:
+        room = f"a node with room for its entrypoint {waits_for} and " if waits_for else ""
+    return (
+        f"job {job_id} still PENDING after {waited_s:.0f} s: its driver has not started; Ray waits for {room}its "
+        f"runtime_env (working_dir upload, pip) and fails a job that has not started within {START_TIMEOUT}"
+    )
+
+
+def entrypoint_resources(args) -> tuple[dict, str]:
+    """({resource: amount} the job's entrypoint reserves, the flags that ask for it, e.g. "--num-gpus 1")."""
+    given = [(flag, res, getattr(args, flag[2:].replace("-", "_"))) for flag, res in ENTRYPOINT_FLAGS]
+    given = [(flag, res, v) for flag, res, v in given if v]
+    return {res: float(v) for _, res, v in given}, " ".join(f"{flag} {v:g}" for flag, _, v in given)
+
+
+def fixed_cluster_capacity(client) -> Capacity | None:
+    """The alive nodes of the cluster behind `client` (their CPUs and GPUs) when it cannot grow: the status of
+    Ray's monitor (GET /api/cluster_status of the dashboard, what `ray status` reads) comes from Ray's read-only
+    provider (raychat.capacity.read_only_monitor), as on every head started without an autoscaling config.
+
+    None when the cluster may grow or it cannot tell: an autoscaler of node types, KubeRay's v2 autoscaler
+    (which writes no such status), the monitor's first seconds, a dashboard that did not answer."""
+    try:
+        reply = client._do_request("GET", "/api/cluster_status")  # the Jobs client's session, token included
+        status = reply.json()["data"]["clusterStatus"] or {}
+    except (OSError, ValueError, KeyError, TypeError):  # requests' errors are OSErrors
+        return None
+    # the dashboard camel-cases keys that hold "_" (autoscaler_report -> autoscalerReport); node ids and CPU,
+    # GPU hold none, so they come through as Ray wrote them
+    mapping = (status.get("autoscalerReport") or {}).get("nodeTypeMapping") or {}
+    if not read_only_monitor({"autoscaler_report": {"node_type_mapping": mapping}}):
+        return None
+    nodes = (status.get("loadMetricsReport") or {}).get("usageByNode") or {}
+    return Capacity(
+        "alive nodes",
+        tuple(
+            NodeType(
+                "alive node "
+                + next((k[5:] for k in usage if k.startswith("node:") and k[5:6].isalnum()), "?"),
+                {k: float(usage[k][1]) for k in ("CPU", "GPU") if k in usage},
+                1,
+            )
+            for usage in nodes.values()
+        ),
+    )
+
+
+def check_entrypoint_fits(client, resources: dict, flags: str) -> None:
+    """Refuse entrypoint `resources` no node of a cluster that cannot grow has room for (see
+    fixed_cluster_capacity): Ray would keep the job PENDING until its start timeout.
+
+    Raises ValueError naming `flags`, what is missing and the cluster's nodes."""
+    if not resources or (capacity := fixed_cluster_capacity(client)) is None:
+        return
+    if missing := missing_resources(resources, capacity):
+        nodes = ", ".join(t.describe() for t in capacity.node_types) or "none"
+        raise ValueError(
+            f"{flags}: no node of this cluster has room for the job's entrypoint {fmt_bundle(resources)}: "
+            f"{missing}; the cluster has no autoscaler to add one (its nodes: {nodes})"
+        )
+
+
+# Ray's JobSupervisor of a PENDING job is an actor not yet placed: stop_job queues its stop() behind run()
+PENDING_STOP = (
+    "the job is PENDING (its driver has not started) and Ray delivers a stop to a started driver only: it stays "
+    "PENDING until it can start (a node with room for its entrypoint resources, its runtime_env set up), when Ray "
+    f"starts its driver and then stops it, or until {START_TIMEOUT} fails it"
+)
 
 
 def _connection_errors():
@@ -232,6 +348,9 @@ def job_refusal(e: Exception, job_id: str | None) -> str | None:
 def cmd_submit(args) -> int:
     try:
         working_dir = Path(args.working_dir).resolve() if args.working_dir else repo_root()
+        if not working_dir.is_dir():
+            why = "not a directory" if working_dir.exists() else "no such directory"
+            raise ValueError(f"--working-dir {args.working_dir}: {why} (the checkout the job runs in)")
         stage_args = list(args.stage_args)
         entrypoint = entrypoint_for(args.stage, stage_args, working_dir, args.python)
         pip = list(args.pip or [])
@@ -239,6 +358,8 @@ def cmd_submit(args) -> int:
             pip = project_requirements(working_dir) + pip
         runtime_env = runtime_env_for(working_dir, pip, _parse_env(args.env or []))
         client = make_client(args.address, args.token_file)
+        resources, flags = entrypoint_resources(args)
+        check_entrypoint_fits(client, resources, flags)
     except (ValueError, FileNotFoundError) as e:
         print(f"raychat submit: error: {e}", file=sys.stderr)
         return 2
@@ -265,7 +386,8 @@ def cmd_submit(args) -> int:
         print(job_id)
         return 0
     try:
-        status = follow(client, job_id)
+        waits_for = f"{fmt_bundle(resources)} ({flags})" if resources else ""
+        status = follow(client, job_id, waits_for=waits_for)
     except KeyboardInterrupt:
         print(
             f"\nstopped following; the job keeps running. Stop it: raychat jobs stop {job_id}",
@@ -290,8 +412,12 @@ def cmd_jobs(args) -> int:
                 print(f"{job.submission_id or job.job_id}\t{job.status.value}\t{job.entrypoint}")
             return 0
         if args.jobs_command == "stop":
+            pending = client.get_job_status(args.job_id) == JobStatus.PENDING
             stopped = client.stop_job(args.job_id)
-            print(f"{args.job_id}: {'stop requested' if stopped else 'already finished'}")
+            if stopped and pending:
+                print(f"{args.job_id}: stop requested, but {PENDING_STOP}")
+            else:
+                print(f"{args.job_id}: {'stop requested' if stopped else 'already finished'}")
             return 0
         if args.follow:
             return EXIT_CODES.get(follow(client, args.job_id), 1)
