@@ -68,7 +68,7 @@ class SplitRowsToo(Pretraining):
     def validators(self, cfg, tokenizer, rank, world, device, autocast):
         _, val_file = list_shards(cfg.data.data_dir)
         rows = validation_rows(
-            val_file, tokenizer, cfg.model.seq_len + 1, cfg.data.buffer_size, cfg.train.eval.eval_tokens, world,
+            val_file, tokenizer, cfg.model.seq_len + 1, cfg.train.eval.eval_tokens,
             overflow="split",
         )  # fmt: skip
         rows = {k: v[rank::world] for k, v in rows.items()}

@@ -32,6 +32,7 @@ from raychat.cli import main as raychat_main
 from raychat.config import RLConfig, from_dict, to_dict
 from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.model import GPT, ModelConfig
+from raychat.tasks import spelling
 from raychat.tokenizer import Tokenizer
 from raychat.train import launch
 from raychat.train.checkpointer import Checkpointer
@@ -976,6 +977,30 @@ def test_resuming_sft_with_other_tasks_or_another_stage(root, driver, pretrained
     assert line == (
         f"raychat sft: error: --run-name: the run's checkpoint {p1} is a pretrain checkpoint, this run is sft "
         "(use another --run-name)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+
+
+def test_resuming_sft_on_other_task_data_under_the_same_mixture(
+    root, driver, pretrained, monkeypatch, capsys
+):
+    """A new spelling word list (or a re-downloaded smoltalk, edited chatterbot files): the mixture fingerprint
+    held the task names and counts only, so the run resumed on other conversations without a word. Now it holds
+    the sha256 of every file the tasks read (the calculator's problems are generated: no file)."""
+    words = root.parent / "words"
+    words.write_text("\n".join(f"{a}{b}{c}" for a in "abcdefgh" for b in "aeiou" for c in "mnprst") + "\n")
+    monkeypatch.setattr(spelling, "DEFAULT_WORDS", str(words))
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s5", "--init-from",
+            f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer", "--sft-tasks", "calculator:200,spelling:50"]  # fmt: skip
+    d = _commit_step(*driver(argv))
+    driver(argv)  # the same word list: resumes
+    words.write_text(words.read_text() + "zebra\n")
+    spelling.load_words.cache_clear()  # a new process reads the file again
+    capsys.readouterr()
+    line = _fails_in_one_line(argv, capsys)
+    assert line == (
+        "raychat sft: error: --sft-tasks: task spelling-train's file words now holds other content than when the "
+        f"run's checkpoint {d} was made (another sha256): the run would go on with other conversations (use "
+        "another --run-name, or restore the task data the run was made on)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
 
 

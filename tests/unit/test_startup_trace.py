@@ -70,8 +70,8 @@ def test_validation_rows_tokenize_only_what_they_pack(tmp_path):
     path = tmp_path / "val.parquet"
     pq.write_table(pa.table({"text": texts}), path)
     counting = CountingTokenizer(tok)
-    rows = validation_rows(str(path), counting, row_len=17, buffer_size=8, num_tokens=64, world_size=2)
-    # the whole shard tokenized at once, packed the same way: the first N = max(2, 64 // 16 // 2 * 2) rows
+    rows = validation_rows(str(path), counting, row_len=17, num_tokens=64, buffer_size=8)
+    # the whole shard tokenized at once, packed the same way: the first N = 64 // 16 rows
     docs = iter(tok.encode_batch(texts, prepend_bos=True))
     packer = BestFitPacker(lambda: next(docs, None), 17, 8, "crop")
     expected = np.stack([r for _, r in zip(range(4), packer)])

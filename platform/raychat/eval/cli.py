@@ -2,9 +2,10 @@
 
   --checkpoint REF  -> raychat.checkpoint_manager.resolve_checkpoint (fetched when remote) -> load_model
   BPB               the validation shard of --data-dir, best-fit packed into rows of the model's
-                    max_seq_len + 1 tokens (raychat.data.loader.pipeline.validation_rows, the pretraining evaluator's
+                    max_seq_len + 1 tokens (raychat.data.loader.pipeline.validation_rows, the pretraining validator's
                     rows), --eval-tokens of them (raychat.eval.bpb: nats / (ln 2 * UTF-8 bytes) over the
-                    target tokens)
+                    target tokens), with the checkpoint's document masking: a pretraining checkpoint's logged
+                    val_bpb at the same --eval-tokens
   accuracy          the test split of each --tasks entry (raychat.eval.tasks.task_accuracy: greedy, exact
                     answer for generative tasks, argmax over the letters for categorical ones); a generative
                     task's completion budget: --max-tokens for every task when given, else the task's own
@@ -101,6 +102,13 @@ def task_scores(
     return accuracy, chat
 
 
+def document_masking(meta: dict) -> bool:
+    """Whether the checkpoint's training masked attention by document (its config's model.document_masking:
+    SFT always, pretraining with --document-masking): BPB runs the model as its training validator did.
+    False where the checkpoint records none (RL)."""
+    return bool(meta.get("config", {}).get("model", {}).get("document_masking", False))
+
+
 def evaluate(
     checkpoint: str,
     val_file: str,
@@ -108,22 +116,25 @@ def evaluate(
     cfg: EvalConfig,
     chatcore: tuple[bool, int | None] = (False, None),
 ) -> dict:
-    """{"checkpoint", "stage", "step", "val_bpb", "val_tokens", "tasks": {name: {"accuracy", "examples",
-    "max_tokens"}}, "report_card": {column: cell}, "seconds"} of the checkpoint at `checkpoint` (a local dir or a
-    remote URI); max_tokens: the completion budget a generative task was measured at (None: categorical);
-    chatcore: (whether to run the six chat evals, their examples cap).
+    """{"checkpoint", "stage", "step", "val_bpb", "val_tokens", "val_bytes", "val_document_masking", "tasks":
+    {name: {"accuracy", "examples", "max_tokens"}}, "report_card": {column: cell}, "seconds"} of the checkpoint at
+    `checkpoint` (a local dir or a remote URI); val_tokens: target positions of the BPB rows (rows x T), val_bytes:
+    the UTF-8 bytes of their targets (BPB's denominator), val_document_masking: the checkpoint's (document_masking);
+    max_tokens: the completion budget a generative task was measured at (None: categorical); chatcore: (whether to
+    run the six chat evals, their examples cap).
 
     Raises ValueError naming --checkpoint when the model's validation loss is not finite (NaN or inf)."""
     t0 = time.perf_counter()
     model, tokenizer, meta = load_model(checkpoint, device=cfg.device)
     seq_len = model.config.max_seq_len
     try:
-        rows = validation_rows(val_file, tokenizer, seq_len + 1, 256, cfg.eval_tokens, 1)
+        rows = validation_rows(val_file, tokenizer, seq_len + 1, cfg.eval_tokens)
     except ValueError as e:  # a shard too small for one row of the model's length
         raise ValueError(f"--data-dir: {e}") from None
     token_bytes = torch.tensor(tokenizer.token_bytes(), dtype=torch.int64)
+    masking = document_masking(meta)
     nats, nbytes = bpb_sums(
-        model, rows, token_bytes, tokenizer.bos_id, cfg.device_batch_size, device=cfg.device
+        model, rows, token_bytes, tokenizer.bos_id, cfg.device_batch_size, masking, device=cfg.device
     )
     if not math.isfinite(nats):  # before the tasks, whose generation would fail on the same logits
         raise ValueError(
@@ -138,6 +149,8 @@ def evaluate(
         "step": meta.get("step"),
         "val_bpb": nats / (math.log(2) * nbytes),
         "val_tokens": int(rows["input_ids"].shape[0] * seq_len),
+        "val_bytes": int(nbytes),
+        "val_document_masking": masking,
         "tasks": accuracy,
         "report_card": card_row(core, chat),
         "seconds": round(time.perf_counter() - t0, 2),

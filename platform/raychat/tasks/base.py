@@ -32,10 +32,13 @@ class Task:
 
     Slicing: Task(start, stop, step) views physical examples start, start+step, ... < stop; len() and
     task[i] use the view, get_example(i) the physical index.
+    `source_files`: the paths of the files its examples are read from, () for a generated task (SFT's resume
+    check compares their sha256: raychat.data.loader.sft_rows).
     """
 
     name: str = "task"
     eval_type: str = "generative"
+    source_files: tuple[str, ...] = ()
 
     def __init__(self, start: int = 0, stop: int | None = None, step: int = 1):
         if start < 0 or step < 1 or (stop is not None and stop < start):

@@ -22,6 +22,11 @@ def corpus_dir() -> Path:
     return Path(chatterbot_corpus.__file__).parent / "data"
 
 
+def conversation_files(language: str = "english", data_dir: str | None = None) -> list[Path]:
+    """The YAML files of `language` (data/<language>/*.yml), sorted."""
+    return sorted((Path(data_dir) if data_dir else corpus_dir()).joinpath(language).glob("*.yml"))
+
+
 @lru_cache(maxsize=8)
 def load_conversations(
     language: str = "english", data_dir: str | None = None
@@ -38,7 +43,7 @@ def load_conversations(
             f"language must be one of {sorted(p.name for p in root.iterdir() if p.is_dir())}, got {language!r}"
         )
     out = []
-    for path in sorted(lang_dir.glob("*.yml")):
+    for path in conversation_files(language, data_dir):
         doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         for k, conv in enumerate(doc.get("conversations") or []):
             if not isinstance(conv, list) or not all(isinstance(line, str) for line in conv):
@@ -55,6 +60,7 @@ class ChatterbotConversations(Task):
 
     def __init__(self, language: str = "english", data_dir: str | None = None, **slice_kw):
         self.conversations = load_conversations(language, data_dir)
+        self.source_files = tuple(str(p) for p in conversation_files(language, data_dir))
         super().__init__(**slice_kw)
 
     def num_examples(self) -> int:

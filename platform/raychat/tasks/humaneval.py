@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from raychat.tasks.base import Task
-from raychat.tasks.loaders import read_records
+from raychat.tasks.loaders import read_records, record_files
 from raychat.tasks.sandbox import SandboxLimits, run_python
 
 COLUMNS = ["task_id", "prompt", "canonical_solution", "test", "entry_point"]
@@ -61,6 +61,7 @@ class HumanEval(Task):
         **slice_kw,
     ):
         self.rows = read_records(path, COLUMNS, seed)
+        self.source_files = tuple(str(f) for f in record_files(path))
         self.limits = limits or SandboxLimits()
         super().__init__(**slice_kw)
 

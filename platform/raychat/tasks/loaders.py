@@ -28,14 +28,10 @@ GSM8K_CALC_RE = re.compile(r"<<([^=<>]*)=([^<>]*)>>")
 LETTERS = "ABCDEFGHIJ"
 
 
-def read_records(path: str | Path | list[Path], columns: list[str], seed: int | None = None) -> list[dict]:
-    """Rows of a .parquet / .jsonl / .json file (or a directory or list of them) as dicts; with `seed`, in a
-    seeded order (numpy PCG64 permutation).
+def record_files(path: str | Path | list[Path]) -> list[Path]:
+    """The files `path` names: the file, a directory's .parquet/.jsonl/.json files (sorted), or the list.
 
-    Raises:
-        FileNotFoundError: nothing at path. ValueError: unknown suffix, no record at all, or a required
-            column is missing.
-    """
+    Raises FileNotFoundError: nothing at path (or a listed file missing)."""
     if isinstance(path, (list, tuple)):
         files = [Path(f) for f in path]
         missing = [f for f in files if not f.exists()]
@@ -50,8 +46,19 @@ def read_records(path: str | Path | list[Path], columns: list[str], seed: int | 
         )
         if not p.exists() or not files:
             raise FileNotFoundError(f"no .parquet/.jsonl/.json data at {path}")
+    return files
+
+
+def read_records(path: str | Path | list[Path], columns: list[str], seed: int | None = None) -> list[dict]:
+    """Rows of a .parquet / .jsonl / .json file (or a directory or list of them: record_files) as dicts; with
+    `seed`, in a seeded order (numpy PCG64 permutation).
+
+    Raises:
+        FileNotFoundError: nothing at path. ValueError: unknown suffix, no record at all, or a required
+            column is missing.
+    """
     rows: list[dict] = []
-    for f in files:
+    for f in record_files(path):
         if f.suffix == ".parquet":
             rows.extend(pq.read_table(f).to_pylist())
         elif f.suffix in (".jsonl", ".json"):
@@ -77,6 +84,7 @@ class SmolTalk(Task):
 
     def __init__(self, path: str | Path | list[Path], seed: int | None = None, **slice_kw):
         self.rows = read_records(path, ["messages"], seed)
+        self.source_files = tuple(str(f) for f in record_files(path))
         super().__init__(**slice_kw)
 
     def num_examples(self) -> int:
@@ -107,6 +115,7 @@ class GSM8K(Task):
 
     def __init__(self, path: str | Path | list[Path], seed: int | None = None, **slice_kw):
         self.rows = read_records(path, ["question", "answer"], seed)
+        self.source_files = tuple(str(f) for f in record_files(path))
         super().__init__(**slice_kw)
 
     def num_examples(self) -> int:
@@ -152,6 +161,7 @@ class MultipleChoice(Task):
         self.name, self.format = name or format, format
         cols = ["question", "choices", "answer"] if format == "mmlu" else ["question", "choices", "answerKey"]
         self.rows = read_records(path, cols if format == "arc" else [], seed)
+        self.source_files = tuple(str(f) for f in record_files(path))
         # cais/mmlu's `auxiliary_train` config nests each row in a `train` column
         self.rows = [r["train"] if "train" in r and "question" not in r else r for r in self.rows]
         for i, r in enumerate(self.rows):

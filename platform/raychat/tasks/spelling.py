@@ -55,9 +55,10 @@ class Spelling(Task):
         split: str = "train",
         size: int | None = None,
         seed: int = 0,
-        words_path: str = DEFAULT_WORDS,
+        words_path: str | None = None,
         **slice_kw,
     ):
+        words_path = words_path or DEFAULT_WORDS
         if split not in ("train", "test"):
             raise ValueError(f"split must be one of ['train', 'test'], got {split!r}")
         self.name = f"spelling-{split}"
@@ -65,6 +66,7 @@ class Spelling(Task):
         if not words:
             raise ValueError(f"no {split} words in {words_path}")
         self.words = [words[i] for i in np.random.default_rng(seed).permutation(len(words))]
+        self.source_files = (words_path,)
         self.size = len(self.words) if size is None else size
         self.seed = seed
         super().__init__(**slice_kw)

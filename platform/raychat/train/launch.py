@@ -41,6 +41,7 @@ from raychat.config import ConfigError, TrainConfig, from_args, from_dict, to_di
 from raychat.config.schema import flag_name, shown
 from raychat.data.loader.document_order import changed_shards
 from raychat.data.loader.row_source import RowSource, same_stream
+from raychat.data.loader.sft_rows import changed_task_files
 from raychat.log import log
 from raychat.model import ModelConfig
 from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory
@@ -219,8 +220,9 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
     --init-from (the same checkpoint, as resolved), its model is plan.model_config and its data state was made
     on this run's stream (the comparison each worker makes as it resumes:
     raychat.data.loader.row_source.resume_cursor, same_stream: for pretraining, the shards' names, layout, seed
-    and content, their sha256 from the data manifest; a checkpoint written before the fingerprint held the
-    content is compared without it); row_source() builds this run's row source (rank 0 of 1).
+    and content, their sha256 from the data manifest; for SFT, the mixture, row length and the sha256 of the
+    tasks' files; a checkpoint written before the fingerprint held the content is compared without it);
+    row_source() builds this run's row source (rank 0 of 1).
     When this run's lr schedule is not the checkpoint's (another horizon, given or derived, or other ratios),
     logs one line with the lr multiplier of the resume step under each (_schedule_change).
 
@@ -228,7 +230,8 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
         CheckpointError: a file of the checkpoint is missing or of another size (named).
         ConfigError: another stage, --init-from (SFT), model or stream: one line naming each option that differs, with the
             checkpoint's value and this run's; or the shards of --data-dir that now hold other documents under
-            the same names and layout (e.g. `raychat data prepare --seed 1` into the run's data directory);
+            the same names and layout (e.g. `raychat data prepare --seed 1` into the run's data directory),
+            or the SFT tasks' files that now hold other content (a re-downloaded smoltalk, another word list);
             or another schedule that leaves no step to train after the checkpoint's, or that raises the lr
             after the checkpoint's warmdown began without --allow-rewarm; or a --stop-after at or before the
             checkpoint's step (nothing to train).
@@ -260,17 +263,35 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
     made_on, now = state["rows"].get(rows.fingerprint_key), rows.fingerprint()
     if not same_stream(made_on, now):
         changed = changed_options(meta, cfg, DATA_OPTIONS.get(cfg.run.stage, ()))
-        shards = [] if changed or made_on is None else changed_shards(made_on, now)
-        if shards:
-            names = ", ".join(shards[:3]) + (f" and {len(shards) - 3} more" if len(shards) > 3 else "")
-            raise ConfigError(
-                f"--data-dir: {names} of {cfg.data.data_dir} now {'holds' if len(shards) == 1 else 'hold'} "
-                f"other documents than when the run's checkpoint {where} was made (same names and layout, "
-                "another sha256) (use another --run-name, or restore the data the run was made on)"
-            )
+        if not changed and made_on is not None:
+            _refuse_other_content(cfg, where, made_on, now)
         refuse_resume(where, changed or [("the data", made_on, now)])
     if schedule_line:
         log(schedule_line)
+
+
+def _refuse_other_content(cfg: TrainConfig, where: str, made_on: dict, now: dict) -> None:
+    """Refuse a stream made with the checkpoint's options whose data changed under the same names: the shards of
+    --data-dir (pretraining) or the files the --sft-tasks tasks read (SFT), each named (at most 3).
+
+    Raises ConfigError naming the flag and the changed shards or files."""
+    sft = cfg.run.stage == "sft"
+    changed = changed_task_files(made_on, now) if sft else changed_shards(made_on, now)
+    if not changed:
+        return
+    names = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+    holds = "holds" if len(changed) == 1 else "hold"
+    if sft:
+        raise ConfigError(
+            f"--sft-tasks: {names} now {holds} other content than when the run's checkpoint {where} was made "
+            "(another sha256): the run would go on with other conversations (use another --run-name, or restore "
+            "the task data the run was made on)"
+        )
+    raise ConfigError(
+        f"--data-dir: {names} of {cfg.data.data_dir} now {holds} other documents than when the run's checkpoint "
+        f"{where} was made (same names and layout, another sha256) (use another --run-name, or restore the data "
+        "the run was made on)"
+    )
 
 
 def _check_stop_after(stop_after: int, step: int, num_iterations: int, where: str) -> None:

@@ -36,7 +36,7 @@ class Pretraining:
     def validators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
         _, val_file = list_shards(cfg.data.data_dir)
         row_len, tokens = cfg.model.seq_len + 1, cfg.train.eval.eval_tokens
-        rows = validation_rows(val_file, tokenizer, row_len, cfg.data.buffer_size, tokens, world)
+        rows = validation_rows(val_file, tokenizer, row_len, tokens)
         rows = {k: v[rank::world] for k, v in rows.items()}
         bpb = BPBValidator(
             "val_bpb", rows, tokenizer, cfg.train.batch.device_batch_size,
@@ -62,7 +62,7 @@ def pretrain(cfg: TrainConfig, callbacks=(), typed=()):
         raise ValueError(f"--data-dir: {e}") from None
     tokenizer = Tokenizer.load(paths.tokenizer_path)
     try:
-        validation_rows(val_file, tokenizer, cfg.model.seq_len + 1, cfg.data.buffer_size, 1, 1)
+        validation_rows(val_file, tokenizer, cfg.model.seq_len + 1, 1)
     except ValueError as e:
         raise ValueError(f"--data-dir: {e}") from None
     return run_training(cfg, Pretraining(), [ReplayRecorder(), *callbacks])

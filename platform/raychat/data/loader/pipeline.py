@@ -284,11 +284,18 @@ def _encode_lazily(texts: list[str], tokenizer: Tokenizer, chunk: int = 64) -> I
         yield from tokenizer.encode_batch(texts[i : i + chunk], prepend_bos=True)
 
 
-def validation_rows(val_file: str, tokenizer: Tokenizer, row_len: int, buffer_size: int, num_tokens: int,
-                    world_size: int, overflow: str = "crop") -> dict[str, np.ndarray]:  # fmt: skip
-    """{"input_ids": (N, row_len) int32}: the validation shard's documents best-fit packed into rows of
-    row_len = T+1 tokens, the first N = max(world_size, num_tokens // T // world_size * world_size) rows (the
-    same at every evaluation; num_tokens counts targets, T per row).
+VALIDATION_BUFFER = (
+    256  # fixed, not --buffer-size: training's validator and `raychat eval` pack the same rows
+)
+
+
+def validation_rows(val_file: str, tokenizer: Tokenizer, row_len: int, num_tokens: int, overflow: str = "crop",
+                    buffer_size: int = VALIDATION_BUFFER) -> dict[str, np.ndarray]:  # fmt: skip
+    """{"input_ids": (N, row_len) int32}: the validation shard's documents best-fit packed (a buffer of
+    `buffer_size` documents) into rows of row_len = T+1 tokens, the first N = max(1, num_tokens // T) rows
+    (num_tokens counts targets, T per row). The rows depend on nothing else (not the training's --buffer-size or
+    world size): the pretraining validator (its ranks share them) and `raychat eval` measure the same rows
+    for the same shard, row length and num_tokens.
     overflow: "crop" (the trainer's: the same rows whatever the training policy; long documents are seen
     from their beginning only) or "split" (every token of the documents, bench/packing_overflow.py).
     Fewer than N rows when the shard runs out first.
@@ -297,7 +304,7 @@ def validation_rows(val_file: str, tokenizer: Tokenizer, row_len: int, buffer_si
     texts = pq.read_table(val_file, columns=["text"]).column("text").to_pylist()
     docs = _encode_lazily(texts, tokenizer)  # the packer stops after N rows, long before the shard's end
     packer = BestFitPacker(lambda: next(docs, None), row_len, buffer_size, overflow)
-    n = max(world_size, num_tokens // (row_len - 1) // world_size * world_size)
+    n = max(1, num_tokens // (row_len - 1))
     rows = [r for _, r in zip(range(n), packer)]
     if not rows:
         raise ValueError(

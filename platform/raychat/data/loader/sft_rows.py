@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
+from raychat.data.corpus.shards import sha256_file
 from raychat.data.loader.cursor import Deal, RankCursor, Ref, epoch_permutation
 from raychat.data.loader.row_source import cursor_state, resume_cursor
 from raychat.data.loader.sample_packing import PackItem, SamplePacker, SampleStats, render_samples
@@ -50,6 +52,7 @@ class SFTRows:
         buffer_size: int = 64,
     ):
         self.mixture, self.seed = TaskMixture(tasks, seed=seed), seed
+        self.content = task_content(tasks)
         self.tokenizer, self.row_len = tokenizer, row_len
         self.rank, self.world = rank, world_size
         self.cursor = RankCursor(Deal(world_size), rank)
@@ -101,8 +104,12 @@ class SFTRows:
 
     # ---- checkpoint state (raychat.data.loader.row_source) -----------------------------------------------
     def fingerprint(self) -> dict:
-        """{"mixture": the TaskMixture's description, "examples": its size, "row_len"}."""
-        return {"mixture": self.mixture.describe(), "examples": len(self.mixture), "row_len": self.row_len}
+        """{"mixture": the TaskMixture's description, "examples": its size, "row_len", "content": the tasks'
+        files and their sha256 (task_content)}."""
+        return {
+            "mixture": self.mixture.describe(), "examples": len(self.mixture), "row_len": self.row_len,
+            "content": self.content,
+        }  # fmt: skip
 
     def state_dict(self) -> dict:
         """{"mixture", "deal", "rank", "taken", "packer": {"buffer": stream items, "stats", "exhausted"}}."""
@@ -121,6 +128,28 @@ class SFTRows:
 
     def close(self) -> None:
         """Nothing to release: the conversations are rendered in this process (RowSource.close)."""
+
+
+def task_content(tasks: Sequence[Task]) -> list[list[str]]:
+    """[[task name, file name, hex sha256 of its bytes], ...] of every file the tasks read (Task.source_files),
+    each once, in task order; [] for generated tasks (calculator). The file's name, not its path: the same data
+    installed elsewhere (another node's site-packages) is the same stream. Read once per row source: SFT's
+    resume compares it, as pretraining compares its shards' sha256."""
+    files = dict.fromkeys((t.name, f) for t in tasks for f in t.source_files)
+    return [[name, Path(f).name, sha256_file(f)] for name, f in files]
+
+
+def changed_task_files(was: dict, now: dict) -> list[str]:
+    """One line per task file whose sha256 differs between two mixture fingerprints, or that only one of them
+    has: "task <name>'s file <file name>" (none when either has no "content")."""
+    if "content" not in was or "content" not in now:
+        return []
+    a, b = ({(name, f): digest for name, f, digest in d["content"]} for d in (was, now))
+    return [
+        f"task {name}'s file {f}"
+        for name, f in dict.fromkeys([*a, *b])
+        if a.get((name, f)) != b.get((name, f))
+    ]
 
 
 def _item_refs(buffer: Sequence) -> list[Ref]:
