@@ -99,6 +99,12 @@ def test_a_blank_path_is_refused_where_blank_would_mean_the_current_directory(tm
         ConfigError, match=r"^--out must be a directory, got 'notes.txt' \(default: 'runs'\)$"
     ):
         SpeedrunConfig.from_preset("tiny", "notes.txt")
+    with pytest.raises(ConfigError) as e:  # was the local folder ./s3:/bucket/runs, data and all
+        SpeedrunConfig.from_preset("tiny", "s3://bucket/runs")
+    assert str(e.value) == (
+        "--out must be a local or NFS directory (every node reads the data and the tokenizer under it as files), "
+        "got 's3://bucket/runs'"
+    )
     assert (
         from_dict(ChatConfig, {"checkpoint": ""}).checkpoint == ""
     )  # default "": its command says "required"

@@ -17,6 +17,7 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 import torch
 
@@ -354,6 +355,44 @@ def test_export_out_killed_while_writing_is_replaced_by_the_next_export(written,
         ".tokenizer.json.3f9c2a1b0d4e5f67.tmp",
         "tokenizer.json",
     ]
+
+
+def test_export_out_on_s3_goes_to_the_bucket_not_to_a_local_folder(
+    root, s3_env, tmp_path, monkeypatch, capsys
+):
+    """--out s3://bucket/x passed the checks, then wrote the export into the local folder ./bucket/x and
+    printed the URI as where it went; the bucket got an empty x/. It is uploaded there now, as an export to a
+    remote --storage-path is."""
+    bucket, fs = s3_env.make_bucket(), s3_env.filesystem()
+    monkeypatch.chdir(tmp_path)
+    argv = ["export", "--checkpoint", "pretrain", "--storage-path", str(root), "--out", f"s3://{bucket}/x/hf"]
+    assert raychat_main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"exported {root}/pretrain/checkpoint_000007 (step 7) -> s3://{bucket}/x/hf"
+    )
+    assert raychat_main([*argv[:-1], str(tmp_path / "hf")]) == 0  # the same export, local
+    local = _files(tmp_path / "hf")
+    uploaded = {
+        i.base_name: fs.open_input_stream(i.path).read()
+        for i in fs.get_file_info(pafs.FileSelector(f"{bucket}/x/hf"))
+    }
+    assert uploaded == local
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "runs"]  # no ./<bucket>/x/hf, no ./s3:
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert raychat_main(argv) == 0  # an earlier export there is replaced, as locally
+    with fs.open_output_stream(f"{bucket}/x/notes.txt") as f:
+        f.write(b"mine")
+    capsys.readouterr()
+    assert raychat_main([*argv[:-1], f"s3://{bucket}/x"]) == 2  # anything else there is kept
+    assert capsys.readouterr().err.startswith(
+        f"raychat export: error: --out: an export would replace s3://{bucket}/x, which is not an earlier export"
+    )
+    assert raychat_main([*argv[:-1], f"s3://{bucket}"]) == 2
+    assert capsys.readouterr().err == (
+        f"raychat export: error: --out: s3://{bucket} is a whole bucket; give s3://{bucket}/<prefix>  "
+        "(RAYCHAT_DEBUG=1 shows the traceback)\n"
+    )
+    assert fs.open_input_stream(f"{bucket}/x/notes.txt").read() == b"mine"
 
 
 def test_export_refuses_weights_changed_in_place(root, tmp_path, capsys):

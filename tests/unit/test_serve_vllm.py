@@ -102,6 +102,20 @@ def test_missing_export_names_the_files(tmp_path, capsys):
     assert "raychat export --checkpoint DIR" in err and not (tmp_path / "vllm.yaml").exists()
 
 
+def test_an_out_uri_is_refused_not_made_a_local_path(hf_dir, tmp_path, monkeypatch, capsys):
+    """--out s3://b/vllm.yaml became the local path s3:/b/vllm.yaml: a FileNotFoundError traceback."""
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    with pytest.raises(SystemExit) as exit_:
+        rv.main(["--hf-dir", str(hf_dir), "--out", "s3://b/vllm.yaml"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1].endswith(
+        "error: --out: 's3://b/vllm.yaml' is a URI; give a local file path for the Serve config (e.g. vllm.yaml)"
+    )
+    assert list((tmp_path / "cwd").iterdir()) == []
+
+
 # ---- the exported template under transformers (what vLLM applies): marker text stays plain text ----------
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):

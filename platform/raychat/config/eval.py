@@ -80,7 +80,10 @@ class ExportConfig(Section):
     checkpoint: str = option("", CHECKPOINT_HELP, kind="reference")
     storage_path: str = option("runs/checkpoints", "storage root (a directory, s3:// or gs://)")
     run_name: str = option("hf", "run name: the files go to <storage-path>/<run-name>/", kind="run_name")
-    out: str | None = option(None, "a local output directory instead of <storage-path>/<run-name>")
+    out: str | None = option(
+        None,
+        "output directory (local, s3://bucket/prefix or gs://bucket/prefix) instead of <storage-path>/<run-name>",
+    )
 
 
 @dataclass

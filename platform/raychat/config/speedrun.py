@@ -33,10 +33,15 @@ class SpeedrunConfig:
 
         Raises:
             ConfigError: an unknown key or a bad value in a section (the message names the section); a blank
-                `out` (which would put the runs in the current directory).
+                `out` (which would put the runs in the current directory), a file, or a URI (s3://, gs://).
         """
         if not out.strip() or (Path(out).exists() and not Path(out).is_dir()):
             raise ConfigError(f"--out must be a directory, got {out!r} (default: 'runs')")
+        if "://" in out:  # Path() would make s3://b/x the local folder ./s3:/b/x
+            raise ConfigError(
+                f"--out must be a local or NFS directory (every node reads the data and the tokenizer under it as "
+                f"files), got {out!r}"
+            )
         root = Path(out).resolve()
         data_dir, tok_dir, checkpoints = root / "data", root / "tokenizer", root / "checkpoints"
         data = from_dict(

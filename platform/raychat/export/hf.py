@@ -1,8 +1,8 @@
 """Export a raychat checkpoint to the Hugging Face layout (`raychat export --checkpoint REF`): the files go to
 <storage-path>/<run-name>/ or to --out, whole: a local one is assembled beside its target under a temporary
 name and renamed into place (raychat.atomic.atomic_write_dir: an export killed part-way leaves the earlier
-export as it was, never new files beside old ones), one on object storage is staged locally, then uploaded
-(raychat.storage.upload_dir). A directory that holds anything but an earlier export is refused
+export as it was, never new files beside old ones), one on object storage (a --storage-path or an --out of
+s3://bucket/prefix or gs://bucket/prefix) is staged locally, then uploaded (raychat.storage.upload_dir). A directory that holds anything but an earlier export is refused
 (check_export_target); --checkpoint is any reference raychat.checkpoint_manager resolves (`latest`: the newest checkpoint there).
 The files the export reads (raychat.checkpoint.MODEL_FILES) are checked against their sha256 digests in the
 checkpoint's commit.json first, so a checkpoint damaged in place (same size) is refused rather than exported.
@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -291,6 +292,8 @@ def main(args: argparse.Namespace) -> int:
         verify(checkpoint, checksums=MODEL_FILES)  # the weights leave raychat: bytes flipped in place too
     if cfg.out:
         out_storage = open_storage(cfg.out, "--out")
+        if not out_storage.is_local and "/" not in out_storage.path:
+            raise ValueError(f"--out: {out_storage.uri} is a whole bucket; give {out_storage.uri}/<prefix>")
         check_export_target(out_storage, out_storage.path, "--out")
         check_writable(out_storage, "--out")
     else:
@@ -301,14 +304,20 @@ def main(args: argparse.Namespace) -> int:
     def write(tmp: Path) -> None:
         export_hf(model, tokenizer, tmp)
 
-    if cfg.out:
+    def upload(storage: Storage, path: str) -> str:
+        with tempfile.TemporaryDirectory() as tmp:
+            return upload_dir(export_hf(model, tokenizer, tmp), storage, path)
+
+    if cfg.out and out_storage.is_local:
         atomic_write_dir(os.path.realpath(out_storage.path), write)  # where a link there leads, as before
         out = cfg.out
+    elif cfg.out:  # uploaded below its parent, as a run below its storage root
+        parent = out_storage.path.rsplit("/", 1)[0]
+        out = upload(replace(out_storage, uri=out_storage.uri_of(parent), path=parent), out_storage.path)
     elif storage.is_local:
         out = str(atomic_write_dir(storage.run_path(cfg.run_name), write))
     else:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = upload_dir(export_hf(model, tokenizer, tmp), storage, storage.run_path(cfg.run_name))
+        out = upload(storage, storage.run_path(cfg.run_name))
     print(f"exported {checkpoint} (step {meta.get('step', '?')}) -> {out}")
     print(f"load with: transformers.AutoModelForCausalLM.from_pretrained({out!r})")
     return 0

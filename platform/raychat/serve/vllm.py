@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     c = from_args(p.parse_args(argv), VLLMConfig, "vllm")
     if not c.hf_dir:
         p.error("--hf-dir is required")
+    if "://" in c.out:  # Path() would make s3://b/x.yaml the local ./s3:/b/x.yaml
+        p.error(f"--out: {c.out!r} is a URI; give a local file path for the Serve config (e.g. vllm.yaml)")
     options = {k: v for k, v in to_flat(c).items() if k not in ("hf_dir", "out", "port")}
     try:
         config = serve_config(c.hf_dir, port=c.port, **options)
