@@ -9,7 +9,8 @@ a server or a user reading what another wrote. Object storage has its own atomic
 Every temporary made here lies beside its target and is named after it: a file `.<target name>.<16 hex>.tmp`,
 a directory `.<target name>.<16 hex>`. A process killed before its rename leaves that name behind: a
 leftover (is_leftover), which the stages ignore in their output directories and remove when they write there
-(remove_leftovers); no other name is ever taken for one. A whole directory is replaced the same way
+(remove_leftovers; where another process may be writing the same target at that moment, only those idle for
+STAGING_IDLE_S); no other name is ever taken for one. A whole directory is replaced the same way
 (atomic_write_dir): assembled under a temporary sibling name, then renamed into place.
 """
 
@@ -19,9 +20,13 @@ import os
 import re
 import secrets
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+# A staging directory nothing has changed in for this long has no live writer: serve's snapshots and the
+# checkpoint cache's downloads add files to it as they go (a checkpoint's sha256 check takes minutes at most)
+STAGING_IDLE_S = 3600.0
 _LEFTOVER = re.compile(r"\..+\.[0-9a-f]{16}(\.tmp)?")
 
 
@@ -59,25 +64,52 @@ def is_leftover(name: str) -> bool:
     return _LEFTOVER.fullmatch(name) is not None
 
 
-def remove_leftovers(directory: str | os.PathLike, of: str | None = None) -> list[str]:
+def remove_leftovers(
+    directory: str | os.PathLike, of: str | None = None, idle_s: float | None = None
+) -> list[str]:
     """Delete the leftovers (is_leftover: files, and directories with what they hold) directly inside the local
-    `directory`, and nothing else; with `of`, only those of the target named `of` (`.<of>.<16 hex>[.tmp]`).
-    Returns their names, sorted ([] when `directory` does not exist). Call it where a stage starts writing
-    into its own directory: a leftover there is never another run's live temporary unless two runs write the
-    same directory at once."""
+    `directory`, and nothing else; with `of`, only those of the target named `of` (`.<of>.<16 hex>[.tmp]`);
+    with `idle_s`, only those in which nothing has changed for `idle_s` seconds (last_change). Returns the
+    names deleted, sorted ([] when `directory` does not exist). Without `idle_s`, call it where a stage starts
+    writing into its own directory: a leftover there is never another run's live temporary unless two runs
+    write the same directory at once. Where two processes may write one target at once (two servers
+    snapshotting one checkpoint, two fetches of one checkpoint into a node's cache), give `idle_s`: a live
+    writer keeps changing its temporary, so only one whose writer is gone (or stalled that long) is deleted."""
     try:
         names = sorted(filter(is_leftover, os.listdir(directory)))
     except FileNotFoundError:
         return []
     if of is not None:
         names = [n for n in names if re.fullmatch(rf"\.{re.escape(of)}\.[0-9a-f]{{16}}(\.tmp)?", n)]
+    removed = []
     for name in names:
         path = Path(directory) / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
-    return names
+        try:
+            if idle_s is not None and time.time() - last_change(path) < idle_s:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except FileNotFoundError:  # deleted meanwhile by its writer or another process cleaning up
+            continue
+        removed.append(name)
+    return removed
+
+
+def last_change(path: str | os.PathLike) -> float:
+    """The newest modification time (unix seconds) of `path` and, for a directory, of everything below it
+    (links not followed). A directory's own time moves whenever an entry is added, renamed or removed, so it
+    also moves as hard links are made into it. Raises FileNotFoundError when `path` is gone."""
+    newest = os.lstat(path).st_mtime
+    if os.path.isdir(path) and not os.path.islink(path):
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                try:
+                    newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+                except FileNotFoundError:
+                    continue
+    return newest
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:

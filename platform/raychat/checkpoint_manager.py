@@ -46,7 +46,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raychat.atomic import atomic_write_bytes, fresh_dir, is_leftover
+from raychat.atomic import STAGING_IDLE_S, atomic_write_bytes, fresh_dir, is_leftover, remove_leftovers
 from raychat.config.schema import LATEST, check_reference
 from raychat.storage import (
     Storage,
@@ -443,6 +443,8 @@ def snapshot_checkpoint(checkpoint: str | os.PathLike) -> Path:
     checkpoint's (a copy where the filesystem refuses a link), put together under a temporary name
     (raychat.atomic.fresh_dir), checked against the commit marker (verify: every file, its size), and then
     given the final name, commit.json last; a snapshot of the same commit marker already there is reused.
+    The staging directories of this snapshot left by a killed process are deleted first, those idle for
+    raychat.atomic.STAGING_IDLE_S only: another server may be putting the same snapshot together right now.
 
     Raises CheckpointError: `checkpoint` is not committed, or a file differs from its marker; ValueError: a
     symbolic link leads the snapshot out of the run dir (Storage.inside); OSError: the run dir is not
@@ -453,6 +455,7 @@ def snapshot_checkpoint(checkpoint: str | os.PathLike) -> Path:
     run = open_storage(src.parent)
     name = f"{src.name}-{hashlib.sha256(commit).hexdigest()[:12]}"
     dest = Path(run.inside(f"{run.path}/served/{name}"))
+    remove_leftovers(dest.parent, of=dest.name, idle_s=STAGING_IDLE_S)  # of a snapshot that was killed
     if (dest / COMMIT_FILE).is_file() and (dest / COMMIT_FILE).read_bytes() == commit:
         try:
             verify(dest)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raychat.atomic import atomic_write_bytes, atomic_write_dir, fresh_dir
+from raychat.atomic import STAGING_IDLE_S, atomic_write_bytes, atomic_write_dir, fresh_dir, remove_leftovers
 from raychat.config.schema import check_run_name
 
 REMOTE_SCHEMES = ("s3", "gs")
@@ -253,10 +253,13 @@ def upload_dir(local: str | os.PathLike, storage: Storage, path: str) -> str:
 
 def download_dir(storage: Storage, path: str, dest: Path, check) -> Path:
     """Copy the remote directory `path` to the local `dest` whole or not at all: into a temporary sibling,
-    `check(tmp)` (which raises to refuse it), then renamed over whatever `dest` held.
+    `check(tmp)` (which raises to refuse it), then renamed over whatever `dest` held. The temporaries of `dest`
+    left by a killed process are deleted first, those idle for raychat.atomic.STAGING_IDLE_S only: another
+    process of the node may be fetching the same directory right now.
 
     Raises what check raises, or OSError: the copy failed (nothing is left under `dest`'s name either way)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(dest.parent, of=dest.name, idle_s=STAGING_IDLE_S)
     tmp = fresh_dir(dest)  # a mkdir's mode: the cache is shared too
     try:
         pafs.copy_files(
@@ -264,7 +267,7 @@ def download_dir(storage: Storage, path: str, dest: Path, check) -> Path:
         )
         check(tmp)
         if dest.exists():
-            old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
+            old = fresh_dir(dest)  # a leftover's name, should a kill come before the rmtree
             os.replace(dest, old)
             shutil.rmtree(old, ignore_errors=True)
         try:

@@ -12,8 +12,10 @@ import re
 from pathlib import Path
 
 import pytest
+from support.stopped_writer import Held, age, run_killed
 from test_checkpointer import tiny_model
 
+from raychat.atomic import STAGING_IDLE_S, is_leftover
 from raychat.checkpoint import check_model, load_model, read_meta, save_model
 from raychat.checkpoint_manager import (
     COMMIT_FILE,
@@ -141,6 +143,44 @@ def test_a_snapshot_copies_where_links_are_refused_and_refuses_a_damaged_checkpo
     ):
         snapshot_checkpoint(second)
     assert [p.name for p in (first.parent / "served").iterdir()] == [snap.name]
+
+
+SNAPSHOT_STOPPED_BEFORE_ITS_RENAME = """
+import raychat.checkpoint_manager as cm
+real, calls = cm.verify, []
+def verify(directory, *args, **kwargs):
+    calls.append(directory)
+    if len(calls) == 2:  # the staged snapshot, put together, before its rename
+        stop()
+    return real(directory, *args, **kwargs)
+cm.verify = verify
+print(cm.snapshot_checkpoint(sys.argv[3]))
+"""
+
+
+def test_a_killed_snapshots_staging_directory_is_removed_but_not_a_live_one(tmp_path):
+    """A server killed while it snapshotted a checkpoint left `.checkpoint_000001-<hash>.<16 hex>` in served/
+    for good: each one a full copy where hard links are refused. The next snapshot of that checkpoint removes
+    it once it has been idle for STAGING_IDLE_S; the staging directory of a server snapshotting the same
+    checkpoint right now stays, and that server finishes; another checkpoint's leftover stays too."""
+    manager = CheckpointManager(open_storage(tmp_path / "runs"), "run")
+    first = save(manager, tmp_path, 1)
+    served = Path(first).parent / "served"
+    code = SNAPSHOT_STOPPED_BEFORE_ITS_RENAME.replace("sys.argv[3]", repr(first))
+    run_killed(code, tmp_path / "killed")
+    (killed,) = served.iterdir()
+    assert is_leftover(killed.name) and sorted(p.name for p in killed.iterdir()) == sorted(tree(Path(first)))
+    age(killed, STAGING_IDLE_S + 60)
+    other = served / ".checkpoint_000009-0123456789ab.0123456789abcdef"  # another checkpoint's, as old
+    other.mkdir()
+    age(other, STAGING_IDLE_S + 60)
+    live = Held(code, tmp_path / "live")  # another server, its snapshot staged, not renamed yet
+    (staging,) = set(served.iterdir()) - {killed, other}
+    snap = snapshot_checkpoint(first)
+    assert sorted(p.name for p in served.iterdir()) == sorted([snap.name, staging.name, other.name])
+    assert live.go() == (0, f"{snap}\n")  # it replaced the snapshot with its own, as before
+    assert sorted(p.name for p in served.iterdir()) == sorted([snap.name, other.name])
+    assert tree(snap) == tree(Path(first))
 
 
 def test_a_crash_mid_save_is_never_loaded_and_the_next_save_cleans_it_up(tmp_path):

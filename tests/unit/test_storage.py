@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
+from support.stopped_writer import Held, age, run_killed
 
 from raychat import storage as st
+from raychat.atomic import STAGING_IDLE_S, is_leftover
 from raychat.checkpoint_manager import CheckpointError, commit_directory, resolve_checkpoint
 from raychat.cli import main
 from raychat.storage import check_writable, open_storage
@@ -201,6 +203,43 @@ def test_s3_root_resolves_downloads_once_and_never_uses_a_half_download(runs, s3
     write_checkpoint(tmp_path / "new" / "checkpoint_000008", 8)
     _upload(tmp_path / "new", fs, f"{bucket}/runs/pre")
     assert resolve_checkpoint(f"s3://{bucket}/runs/pre/latest", cache_dir=cache).name.endswith("_000008")
+
+
+FETCH_STOPPED_BEFORE_ITS_RENAME = """
+import raychat.checkpoint_manager as cm
+real = cm.verify
+def verify(directory, *args, **kwargs):
+    if os.path.basename(directory).startswith("."):  # the staged download, before its rename
+        stop()
+    return real(directory, *args, **kwargs)
+cm.verify = verify
+print(cm.resolve_checkpoint(sys.argv[3], cache_dir=sys.argv[4]))
+"""
+
+
+def test_a_killed_fetchs_staging_directory_is_removed_but_not_a_live_one(runs, s3_env, tmp_path):
+    """A process killed while it fetched a remote checkpoint left a full copy under `.<dest>.<16 hex>` in the
+    cache for good. The next fetch of that checkpoint removes it once it has been idle for STAGING_IDLE_S; the
+    staging directory of another process fetching it right now stays, and that process finishes."""
+    bucket = s3_env.make_bucket()
+    _upload(runs, s3_env.filesystem(), f"{bucket}/runs")
+    ref, cache = f"s3://{bucket}/runs/pre/latest", tmp_path / "cache"
+    code = FETCH_STOPPED_BEFORE_ITS_RENAME.replace("sys.argv[3]", repr(ref)).replace(
+        "sys.argv[4]", repr(str(cache))
+    )
+    run_killed(code, tmp_path / "killed")
+    (killed,) = cache.iterdir()
+    assert is_leftover(killed.name) and (killed / "model.safetensors").is_file()
+    age(killed, STAGING_IDLE_S + 60)
+    live = Held(code, tmp_path / "live")
+    (staging,) = set(cache.iterdir()) - {killed}
+    got = resolve_checkpoint(ref, cache_dir=cache)
+    assert got.name.endswith("-checkpoint_000005")
+    assert sorted(p.name for p in cache.iterdir()) == sorted([got.name, staging.name])
+    assert live.go() == (0, f"{got}\n")
+    assert sorted(p.name for p in cache.iterdir()) == [got.name]
+    src = runs / "pre" / "checkpoint_000005"
+    assert {p.name: p.read_bytes() for p in got.iterdir()} == {p.name: p.read_bytes() for p in src.iterdir()}
 
 
 def test_s3_bad_input_names_the_flag(runs, s3_env, tmp_path):
