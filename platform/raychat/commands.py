@@ -41,7 +41,8 @@ sources:
   fineweb-edu   karpathy/fineweb-edu-100b-shuffle on the Hugging Face hub (ODC-By 1.0), ~94 MB a shard
   climbmix      karpathy/climbmix-400b-shuffle on the Hugging Face hub (NVIDIA ClimbMix, CC BY-NC 4.0)
   DIR           a folder: *.txt/*.md/*.rst = one document per file, *.jsonl = a "text" field per line,
-                *.parquet = a `text` column; other files, empty and invalid-UTF-8 documents are counted skips
+                *.parquet = a `text` column; other files, empty and invalid-UTF-8 documents, links to folders
+                (not followed) and broken links are counted skips
 
 hub sources only: --url-pattern, --workers (parallel downloads); local sources only: --rows-per-shard. Each is
 refused with the other kind of source.

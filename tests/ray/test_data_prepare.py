@@ -199,6 +199,23 @@ def test_a_folder_without_usable_documents_says_what_was_skipped(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_too_few_documents_for_the_shards_says_what_was_skipped(tmp_path, capsys):
+    """A folder of latin-1 files and one UTF-8 file: the error named only the one document left, not the
+    files skipped, which are the fix."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("the one UTF-8 document")
+    for name in ("b.txt", "c.txt"):
+        (src / name).write_bytes(b"caf\xe9 cr\xe8me")
+    out = tmp_path / "out"
+    assert main(["data", "prepare", "--source", str(src), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"raychat data prepare: error: --source {src}: 1 document is too few for 2 shards (train + validation: "
+        "one document at least each); skipped 2 documents (invalid_utf8: 2 (e.g. b.txt, c.txt))\n"
+    )
+    assert not out.exists()
+
+
 def test_a_lone_surrogate_in_jsonl_is_an_invalid_utf8_skip(tmp_path):
     """A JSON escape of a lone surrogate is valid JSON but no UTF-8 text: that line is an invalid_utf8 skip and the
     rest is prepared. A surrogate pair is one character and kept."""

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import re
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from raychat.data.corpus import corpora
 from raychat.data.corpus.corpora import CorpusNotInstalled, python_docs, wordnet_entry, wordnet_glosses
 from raychat.data.corpus.rst_clean import clean_rst, split_sections
+from raychat.data.corpus.shards import DataError
 
 RST = """\
 .. _tut-intro:
@@ -189,3 +195,50 @@ def test_a_lone_surrogate_escape_in_jsonl_is_an_invalid_utf8_skip(tmp_path):
     assert dict(corpus.skips.counts) == {"invalid_utf8": 3}
     assert corpus.skips.examples == {"invalid_utf8": ["x.jsonl:line=1", "x.jsonl:line=3", "y.txt"]}
     assert corpus.components[0]["bytes"] == len("pair \U0001f600".encode()) + 2
+
+
+def test_a_utf8_byte_order_mark_is_dropped_from_text_files_and_jsonl_lines(tmp_path):
+    """Windows editors write a BOM before a file's text: it is no part of the document (it was kept in a .txt
+    document and made the first line of a .jsonl file an invalid_json skip)."""
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.txt").write_bytes(bom + b"first document\r\n")
+    (tmp_path / "b.jsonl").write_bytes(bom + b'{"text": "line one"}\n{"text": "line two"}\n')
+    corpus = corpora.local_folder(tmp_path)
+    assert corpus.documents == ["first document\r\n", "line one", "line two"]
+    assert dict(corpus.skips.counts) == {}
+
+
+@pytest.mark.parametrize(
+    ("column", "kind"), [(pa.array([1, 2]), "int64"), (pa.array([["a"], ["b"]]), "list<element: string>")]
+)
+def test_a_parquet_text_column_of_another_type_is_an_error_naming_file_and_type(tmp_path, column, kind):
+    """A `text` column of numbers or lists is refused naming the file and its type (it raised
+    ArrowNotImplementedError from a cast); a binary one is decoded as UTF-8."""
+    (tmp_path / "sub").mkdir()
+    pq.write_table(pa.table({"text": column}), tmp_path / "sub" / "x.parquet")
+    pq.write_table(pa.table({"text": pa.array([b"bytes ok"], pa.large_binary())}), tmp_path / "y.parquet")
+    with pytest.raises(DataError, match=rf"^sub/x\.parquet: the `text` column holds {re.escape(kind)}, not"):
+        corpora.local_folder(tmp_path)
+    (tmp_path / "sub" / "x.parquet").unlink()
+    assert corpora.local_folder(tmp_path).documents == ["bytes ok"]
+
+
+def test_symlinked_directories_and_broken_links_are_counted_skips(tmp_path):
+    """Nothing is dropped silently: a symbolic link to a directory (not followed) and a broken link were left
+    out of the documents and of the skips; a link to a file is read as the file."""
+    root, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "e.txt").write_text("outside")
+    (root / "a.txt").write_text("inside")
+    (root / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (root / "gone.txt").symlink_to(tmp_path / "missing.txt")
+    (root / "b.txt").symlink_to(root / "a.txt")
+    os.mkfifo(root / "pipe.txt")
+    corpus = corpora.local_folder(root)
+    assert corpus.documents == ["inside", "inside"]
+    assert dict(corpus.skips.counts) == {"symlinked_directory": 1, "not_a_file": 2}
+    assert corpus.skips.examples == {
+        "not_a_file": ["gone.txt", "pipe.txt"],
+        "symlinked_directory": ["linked"],
+    }

@@ -10,8 +10,9 @@ Default corpus ("debian-docs"), real human-written English installable on Debian
     ("lemma, lemma (pos): gloss"), GLOSSES_PER_DOCUMENT consecutive synsets per document.
   Install: `sudo apt-get install -y python3.11-doc wordnet-base` (or `make corpus-deps`).
 
-Local folder: every *.txt, *.md, *.rst file is one document (kept verbatim); every line of a *.jsonl file
-is one document (its "text" field); every row of a *.parquet file is one document (its `text` column).
+Local folder: every *.txt, *.md, *.rst file is one document (kept verbatim but for a leading UTF-8 byte order
+mark); every line of a *.jsonl file is one document (its "text" field); every row of a *.parquet file is one
+document (its `text` column).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ GLOSSES_PER_DOCUMENT = 50
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
 WORDNET_FILES = ("noun", "verb", "adj", "adv")  # /usr/share/wordnet/data.<name>
 EXAMPLES_PER_REASON = 5
+# The `text` column types a local .parquet file may have; binary values are decoded as UTF-8.
+TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
 
 
 class CorpusNotInstalled(DataError):
@@ -194,9 +197,13 @@ def parquet_documents(path: Path, name: str, documents: list[str], skips: Skips)
     """Rows of a parquet file's `text` column, row group by row group.
 
     Raises:
-        DataError: not a readable parquet file, no `text` column, or a row group that cannot be read.
+        DataError: not a readable parquet file, no `text` column, a `text` column that is neither string nor
+            binary (naming its type), or a row group that cannot be read.
     """
     pf = open_text_shard(path, name)
+    kind = pf.schema_arrow.field("text").type
+    if not any(is_type(kind) for is_type in TEXT_TYPES):
+        raise DataError(f"{name}: the `text` column holds {kind}, not strings (string or UTF-8 binary)")
     for g in range(pf.num_row_groups):
         column = read_text_column(pf, g, name).cast(pa.binary())
         for row, value in enumerate(column.to_pylist()):
@@ -221,14 +228,15 @@ def is_utf8_encodable(text: str) -> bool:
 
 
 def jsonl_documents(path: Path, name: str, documents: list[str], skips: Skips) -> None:
-    """The "text" field of each JSON line; bad lines are counted skips: invalid_utf8 (a line that is not
-    UTF-8, or a text with a lone surrogate escape such as "\\ud800", which has no UTF-8 encoding),
-    invalid_json, no_text_field, empty."""
+    """The "text" field of each JSON line (a UTF-8 byte order mark before a line, as Windows editors write
+    before the first, is ignored); bad lines are counted skips: invalid_utf8 (a line that is not UTF-8, or a
+    text with a lone surrogate escape such as "\\ud800", which has no UTF-8 encoding), invalid_json,
+    no_text_field, empty."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             where = f"{name}:line={number}"
             try:
-                record = json.loads(raw.decode("utf-8")) if raw.strip() else {"text": ""}
+                record = json.loads(raw.decode("utf-8-sig")) if raw.strip() else {"text": ""}
             except UnicodeDecodeError:
                 skips.add("invalid_utf8", where)
                 continue
@@ -248,25 +256,34 @@ def jsonl_documents(path: Path, name: str, documents: list[str], skips: Skips) -
 def local_folder(folder: str | Path) -> Corpus:
     """All documents in the files under `folder` (recursively, files sorted by relative path).
 
-    Files with other suffixes are counted as skips ("unsupported_file"); so are documents that are not valid
-    UTF-8 ("invalid_utf8": a file, a .jsonl line or a parquet value that does not decode, a .jsonl text
-    with a lone surrogate escape), empty documents ("empty") and those of parquet_documents and
-    jsonl_documents.
+    A leading UTF-8 byte order mark of a text file or a .jsonl line is dropped. Files with other suffixes are
+    counted as skips ("unsupported_file"); so are a symbolic link to a directory, which is not followed
+    ("symlinked_directory"), a broken symbolic link, a pipe or a socket ("not_a_file"), documents that are
+    not valid UTF-8 ("invalid_utf8": a file, a .jsonl line or a parquet value that does not decode, a .jsonl
+    text with a lone surrogate escape), empty documents ("empty") and those of parquet_documents and
+    jsonl_documents. Hidden files and folders are read as any other.
 
     Raises:
-        DataError: `folder` is not a directory; a parquet file is corrupt or lacks a `text` column.
+        DataError: `folder` is not a directory; a parquet file is corrupt, lacks a `text` column or holds
+            neither strings nor binary in it (parquet_documents).
     """
     root = Path(folder)
     if not root.is_dir():
         raise DataError(f"--source {folder!s}: not a directory (and not one of the named sources)")
     documents: list[str] = []
     skips = Skips()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    for path in sorted(root.rglob("*")):  # rglob descends into directories, not through symbolic links
         name = str(path.relative_to(root))
         suffix = path.suffix.lower()
-        if suffix in TEXT_SUFFIXES:
+        if path.is_dir():
+            if path.is_symlink():
+                skips.add("symlinked_directory", name)
+            continue
+        if not path.is_file():
+            skips.add("not_a_file", name)
+        elif suffix in TEXT_SUFFIXES:
             try:
-                keep(path.read_bytes().decode("utf-8"), name, documents, skips)
+                keep(path.read_bytes().decode("utf-8-sig"), name, documents, skips)
             except UnicodeDecodeError:
                 skips.add("invalid_utf8", name)
         elif suffix == ".jsonl":

@@ -126,6 +126,16 @@ def count_shards(documents: int, num_shards: int | None, rows_per_shard: int | N
     return total
 
 
+def skipped_summary(skips: corpora.Skips) -> str:
+    """'skipped 3 documents (empty: 1 (e.g. a.txt); invalid_utf8: 2 (e.g. b.txt, c.txt))': by reason, with
+    examples."""
+    reasons = "; ".join(
+        f"{reason}: {n} (e.g. {', '.join(skips.examples.get(reason, []))})"
+        for reason, n in sorted(skips.counts.items())
+    )
+    return f"skipped {plural(skips.total, 'document')} ({reasons})"
+
+
 def no_documents(source: str, skips: corpora.Skips) -> str:
     """The error for a source that gave no document: what was skipped, by reason, with examples."""
     if not skips.total:
@@ -133,11 +143,7 @@ def no_documents(source: str, skips: corpora.Skips) -> str:
             f"--source {source}: no usable documents: it holds no text (documents are .txt, .md and .rst "
             "files, .jsonl lines and .parquet rows)"
         )
-    reasons = "; ".join(
-        f"{reason}: {n} (e.g. {', '.join(skips.examples.get(reason, []))})"
-        for reason, n in sorted(skips.counts.items())
-    )
-    return f"--source {source}: no usable documents: skipped {plural(skips.total, 'document')} ({reasons})"
+    return f"--source {source}: no usable documents: {skipped_summary(skips)}"
 
 
 def validation_warnings(entries: list[dict]) -> list[str]:
@@ -291,7 +297,7 @@ def prepare(
     Raises:
         ValueError: bad arguments (the message names the flag), `out` cannot be written (names out_flag);
         DataError: unreadable input (names the file), a local source with no usable document (no_documents:
-            the skips by reason);
+            the skips by reason) or too few for its shards (count_shards, with the skips by reason);
         corpora.CorpusNotInstalled: a Debian package is missing; DownloadError: a shard could not be fetched.
     """
     out = Path(out)
@@ -322,7 +328,12 @@ def prepare(
         corpus = load_corpus(source, out, log, out_flag)
         if not corpus.documents:
             raise DataError(no_documents(source, corpus.skips))
-        count_shards(len(corpus.documents), num_shards, rows_per_shard)  # fail before touching `out`
+        try:  # fail before touching `out`
+            count_shards(len(corpus.documents), num_shards, rows_per_shard)
+        except ValueError as e:  # too few documents: say what was skipped, as no_documents does
+            if corpus.skips.total:
+                raise DataError(f"--source {source}: {e}; {skipped_summary(corpus.skips)}") from e
+            raise
         start_writing(out, out_flag)
         manifest = prepare_corpus(corpus, out, num_shards, rows_per_shard, seed, row_group_size, log)
     write_manifest(out, manifest)
