@@ -12,7 +12,6 @@ sees a finished directory. Shards listed by a previous manifest but not by the n
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
@@ -34,11 +33,13 @@ from raychat.data.corpus.download import (
 )
 from raychat.data.corpus.shards import (
     COMPRESSION,
+    FORMAT,
     MANIFEST,
     DataError,
     inspect_shard,
     is_shard_name,
     plural,
+    prepared_manifest,
     sha256_file,
     write_manifest,
     write_shards,
@@ -46,7 +47,6 @@ from raychat.data.corpus.shards import (
 from raychat.log import log
 from raychat.storage import check_writable, open_storage, output_directory
 
-FORMAT = "raychat-text-shards/1"
 _DEFAULTS = PrepareConfig()  # the defaults of `raychat data prepare` and prepare()
 DEFAULT_SOURCE = _DEFAULTS.source
 DEFAULT_OUT = _DEFAULTS.output_dir()
@@ -61,20 +61,11 @@ VALIDATION_MAX_SHARE = 0.2
 VALIDATION_MIN_BYTES = 100_000
 
 
-def previous_manifest(out: Path) -> dict | None:
-    """out/manifest.json when it is one prepare wrote (format FORMAT), else None."""
-    try:
-        manifest = json.loads((out / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
-
-
 def is_earlier_data(out: Path, entries: list) -> bool:
     """Whether `out`, whose entries (pafs.FileInfo, its leftovers aside: check_output_target) are given, is
     prepare's: it holds a manifest prepare wrote, or only shard files (a run that stopped between removing the
     old manifest and writing the new one)."""
-    return previous_manifest(out) is not None or all(
+    return prepared_manifest(out) is not None or all(
         e.type == pafs.FileType.File and is_shard_name(e.base_name) for e in entries
     )
 
@@ -303,7 +294,7 @@ def prepare(
     out = Path(out)
     if row_group_size < 1:
         raise ValueError(f"--row-group-size must be >= 1, got {row_group_size}")
-    old = previous_manifest(out)
+    old = prepared_manifest(out)
     if source in HUB_SOURCES:
         if rows_per_shard is not None:
             raise ValueError(
@@ -352,7 +343,7 @@ def start_writing(out: Path, out_flag: str) -> None:
 
 
 def remove_stale_shards(out: Path, old: dict | None, new: dict) -> None:
-    """Delete shards that the previous manifest (previous_manifest: one prepare wrote) listed and the new one
+    """Delete shards that the previous manifest (prepared_manifest: one prepare wrote) listed and the new one
     does not; only names shard_name gives are deleted, whatever else a manifest lists."""
     keep = {s["file"] for s in new["shards"]}
     for entry in (old or {}).get("shards", []):
