@@ -149,6 +149,31 @@ def test_rows_per_shard_and_stale_shards_removed(tmp_path):
     ]
 
 
+def test_a_killed_prepare_leaves_no_orphan_shards(tmp_path, capsys):
+    """A run killed after removing the manifest (here: removed by hand) left its shards unlisted; the next,
+    smaller run deleted only what a manifest listed, so shard_00002..4 stayed for good."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(10):
+        (src / f"{i}.txt").write_text(f"doc {i}")
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "--source", str(src), "--out", str(out)]
+    assert main([*argv, "--rows-per-shard", "2"]) == 0
+    (out / "manifest.json").unlink()
+    assert main([*argv, "--num-shards", "1"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "manifest.json",
+        "shard_00000.parquet",
+        "shard_00001.parquet",
+    ]
+    assert (
+        "removed 3 earlier shards that manifest.json does not list "
+        "(shard_00002.parquet, shard_00003.parquet, shard_00004.parquet)" in capsys.readouterr().out
+    )
+    train, val = list_shards(out, verify=True)
+    assert sorted(shard_texts(train[0]) + shard_texts(val)) == sorted(f"doc {i}" for i in range(10))
+
+
 def test_a_prepared_dataset_inside_the_source_is_skipped(tmp_path):
     """A copy of a data directory inside the source was read as documents, its validation shard included."""
     docs = tmp_path / "docs"

@@ -7,7 +7,9 @@
                       each -> manifest.json (hub shards are kept byte for byte: already shuffled upstream)
 
 The manifest is written last and the previous one is removed first, so `shards.list_shards(out)` only ever
-sees a finished directory. Shards listed by a previous manifest but not by the new one are deleted.
+sees a finished directory. Once it is written, every shard file in the directory that it does not list is
+deleted (remove_stale_shards): those of a previous manifest, or of a run killed before writing its own
+(only in a directory that was prepare's when the run started: holds_earlier_data).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raychat.atomic import remove_leftovers
+from raychat.atomic import is_leftover, remove_leftovers
 from raychat.checkpoint_manager import check_output_target
 from raychat.config import from_args, to_flat
 from raychat.config.data import PrepareConfig
@@ -68,6 +70,19 @@ def is_earlier_data(out: Path, entries: list) -> bool:
     return prepared_manifest(out) is not None or all(
         e.type == pafs.FileType.File and is_shard_name(e.base_name) for e in entries
     )
+
+
+def holds_earlier_data(out: Path) -> bool:
+    """Whether the local `out` is missing, empty or is_earlier_data (its leftovers aside): a directory whose
+    unlisted shard files prepare may delete (remove_stale_shards). prepare() called on another directory (the
+    CLI refuses one: prepare_kwargs) deletes nothing there; False where `out` cannot be listed (a file: the
+    write's own check names it)."""
+    selector = pafs.FileSelector(str(out.absolute()), allow_not_found=True)
+    try:
+        entries = pafs.LocalFileSystem().get_file_info(selector)
+    except OSError:
+        return False
+    return is_earlier_data(out, [e for e in entries if not is_leftover(e.base_name)])
 
 
 def size(n_bytes: int) -> str:
@@ -295,6 +310,7 @@ def prepare(
     if row_group_size < 1:
         raise ValueError(f"--row-group-size must be >= 1, got {row_group_size}")
     old = prepared_manifest(out)
+    ours = holds_earlier_data(out)  # before anything is written
     if source in HUB_SOURCES:
         if rows_per_shard is not None:
             raise ValueError(
@@ -328,7 +344,12 @@ def prepare(
         start_writing(out, out_flag)
         manifest = prepare_corpus(corpus, out, num_shards, rows_per_shard, seed, row_group_size, log)
     write_manifest(out, manifest)
-    remove_stale_shards(out, old, manifest)
+    stale = remove_stale_shards(out, manifest) if ours else []
+    if stale:
+        shown = ", ".join(stale[: corpora.EXAMPLES_PER_REASON]) + (
+            ", ..." if len(stale) > corpora.EXAMPLES_PER_REASON else ""
+        )
+        log(f"removed {plural(len(stale), 'earlier shard')} that {MANIFEST} does not list ({shown})")
     report(out, manifest, log)
     return manifest
 
@@ -342,14 +363,19 @@ def start_writing(out: Path, out_flag: str) -> None:
     remove_leftovers(out)
 
 
-def remove_stale_shards(out: Path, old: dict | None, new: dict) -> None:
-    """Delete shards that the previous manifest (prepared_manifest: one prepare wrote) listed and the new one
-    does not; only names shard_name gives are deleted, whatever else a manifest lists."""
-    keep = {s["file"] for s in new["shards"]}
-    for entry in (old or {}).get("shards", []):
-        name = entry.get("file") if isinstance(entry, dict) else None
-        if isinstance(name, str) and is_shard_name(name) and name not in keep:
-            (out / name).unlink(missing_ok=True)
+def remove_stale_shards(out: Path, manifest: dict) -> list[str]:
+    """Delete the shard files directly in `out` (names shard_name gives, is_shard_name) that `manifest`, the
+    one just written there, does not list: an earlier run's extra shards, whether its manifest listed them or
+    the run was killed before writing one. Called once the manifest is written, so a file it lists is never
+    deleted and a run killed before it leaves the earlier shards for the next run to remove. Returns their
+    names, sorted."""
+    keep = {s["file"] for s in manifest["shards"]}
+    stale = sorted(
+        p.name for p in out.iterdir() if is_shard_name(p.name) and p.name not in keep and not p.is_dir()
+    )
+    for name in stale:
+        (out / name).unlink(missing_ok=True)
+    return stale
 
 
 def report(out: Path, manifest: dict, log) -> None:
