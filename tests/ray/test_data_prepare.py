@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -146,6 +147,73 @@ def test_rows_per_shard_and_stale_shards_removed(tmp_path):
         "shard_00001.parquet",
         "shard_00002.parquet",
     ]
+
+
+def test_a_killed_prepare_leaves_no_orphan_shards(tmp_path, capsys):
+    """A run killed after removing the manifest (here: removed by hand) left its shards unlisted; the next,
+    smaller run deleted only what a manifest listed, so shard_00002..4 stayed for good."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(10):
+        (src / f"{i}.txt").write_text(f"doc {i}")
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "--source", str(src), "--out", str(out)]
+    assert main([*argv, "--rows-per-shard", "2"]) == 0
+    (out / "manifest.json").unlink()
+    assert main([*argv, "--num-shards", "1"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "manifest.json",
+        "shard_00000.parquet",
+        "shard_00001.parquet",
+    ]
+    assert (
+        "removed 3 earlier shards that manifest.json does not list "
+        "(shard_00002.parquet, shard_00003.parquet, shard_00004.parquet)" in capsys.readouterr().out
+    )
+    train, val = list_shards(out, verify=True)
+    assert sorted(shard_texts(train[0]) + shard_texts(val)) == sorted(f"doc {i}" for i in range(10))
+
+
+def test_a_prepared_dataset_inside_the_source_is_skipped(tmp_path):
+    """A copy of a data directory inside the source was read as documents, its validation shard included."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"{i}.txt").write_text(f"old {i}")
+    prepare(str(docs), tmp_path / "data", num_shards=1, log=quiet)
+    src = tmp_path / "src"
+    (src / "deep" / "er").mkdir(parents=True)
+    (src / "a.txt").write_text("new a")
+    shutil.copytree(tmp_path / "data", src / "olddata")
+    shutil.copytree(tmp_path / "data", src / "deep" / "er" / "copy")
+    (src / "other").mkdir()  # a manifest.json of another format does not make a prepared dataset
+    (src / "other" / "manifest.json").write_text(json.dumps({"format": "x", "shards": []}))
+    pq.write_table(pa.table({"text": ["new p"]}), src / "other" / "shard_00000.parquet")
+    manifest = prepare(str(src), tmp_path / "out", num_shards=1, log=quiet)
+    assert manifest["documents"] == 2
+    assert manifest["skipped"] == {"prepared_dataset": 2, "unsupported_file": 1}
+    assert manifest["skipped_examples"] == {
+        "prepared_dataset": ["deep/er/copy", "olddata"],
+        "unsupported_file": ["other/manifest.json"],
+    }
+    train, val = list_shards(tmp_path / "out")
+    assert sorted(shard_texts(train[0]) + shard_texts(val)) == ["new a", "new p"]
+
+
+def test_a_prepared_data_dir_as_the_source_is_refused(tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"{i}.txt").write_text(f"old {i}")
+    prepare(str(docs), tmp_path / "data", num_shards=1, log=quiet)
+    argv = ["data", "prepare", "--source", str(tmp_path / "data"), "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    assert (
+        f"raychat data prepare: error: --source {tmp_path / 'data'}: a data directory raychat data prepare "
+        "wrote (manifest.json): its shards are prepared already (train on it with --data-dir); give the "
+        "folder of the original documents\n"
+    ) == capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_count_shards_and_split_evenly():

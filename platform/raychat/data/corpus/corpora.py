@@ -26,7 +26,13 @@ from pathlib import Path
 import pyarrow as pa
 
 from raychat.data.corpus.rst_clean import clean_rst, split_sections
-from raychat.data.corpus.shards import DataError, open_text_shard, read_text_column
+from raychat.data.corpus.shards import (
+    MANIFEST,
+    DataError,
+    open_text_shard,
+    prepared_manifest,
+    read_text_column,
+)
 
 PYTHON_DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
 WORDNET_DIR = Path("/usr/share/wordnet")
@@ -258,26 +264,39 @@ def local_folder(folder: str | Path) -> Corpus:
 
     A leading UTF-8 byte order mark of a text file or a .jsonl line is dropped. Files with other suffixes are
     counted as skips ("unsupported_file"); so are a symbolic link to a directory, which is not followed
-    ("symlinked_directory"), a broken symbolic link, a pipe or a socket ("not_a_file"), documents that are
-    not valid UTF-8 ("invalid_utf8": a file, a .jsonl line or a parquet value that does not decode, a .jsonl
-    text with a lone surrogate escape), empty documents ("empty") and those of parquet_documents and
-    jsonl_documents. Hidden files and folders are read as any other.
+    ("symlinked_directory"), a folder holding a manifest.json that `raychat data prepare` wrote
+    (shards.prepared_manifest), none of whose files is read ("prepared_dataset", once per folder: its shards,
+    the validation shard included, would leak into training), a broken symbolic link, a pipe or a socket
+    ("not_a_file"), documents that are not valid UTF-8 ("invalid_utf8": a file, a .jsonl line or a parquet
+    value that does not decode, a .jsonl text with a lone surrogate escape), empty documents ("empty") and
+    those of parquet_documents and jsonl_documents. Hidden files and folders are read as any other.
 
     Raises:
-        DataError: `folder` is not a directory; a parquet file is corrupt, lacks a `text` column or holds
-            neither strings nor binary in it (parquet_documents).
+        DataError: `folder` is not a directory or is itself a prepared data directory; a parquet file is
+            corrupt, lacks a `text` column or holds neither strings nor binary in it (parquet_documents).
     """
     root = Path(folder)
     if not root.is_dir():
         raise DataError(f"--source {folder!s}: not a directory (and not one of the named sources)")
+    if prepared_manifest(root) is not None:
+        raise DataError(
+            f"--source {folder!s}: a data directory raychat data prepare wrote ({MANIFEST}): its shards are "
+            "prepared already (train on it with --data-dir); give the folder of the original documents"
+        )
     documents: list[str] = []
     skips = Skips()
+    prepared: list[Path] = []
     for path in sorted(root.rglob("*")):  # rglob descends into directories, not through symbolic links
         name = str(path.relative_to(root))
         suffix = path.suffix.lower()
+        if any(path.is_relative_to(p) for p in prepared):
+            continue
         if path.is_dir():
             if path.is_symlink():
                 skips.add("symlinked_directory", name)
+            elif prepared_manifest(path) is not None:  # its shards, validation included, are not documents
+                skips.add("prepared_dataset", name)
+                prepared.append(path)
             continue
         if not path.is_file():
             skips.add("not_a_file", name)

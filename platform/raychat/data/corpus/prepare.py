@@ -7,12 +7,13 @@
                       each -> manifest.json (hub shards are kept byte for byte: already shuffled upstream)
 
 The manifest is written last and the previous one is removed first, so `shards.list_shards(out)` only ever
-sees a finished directory. Shards listed by a previous manifest but not by the new one are deleted.
+sees a finished directory. Once it is written, every shard file in the directory that it does not list is
+deleted (remove_stale_shards): those of a previous manifest, or of a run killed before writing its own
+(only in a directory that was prepare's when the run started: holds_earlier_data).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raychat.atomic import remove_leftovers
+from raychat.atomic import is_leftover, remove_leftovers
 from raychat.checkpoint_manager import check_output_target
 from raychat.config import from_args, to_flat
 from raychat.config.data import PrepareConfig
@@ -34,11 +35,13 @@ from raychat.data.corpus.download import (
 )
 from raychat.data.corpus.shards import (
     COMPRESSION,
+    FORMAT,
     MANIFEST,
     DataError,
     inspect_shard,
     is_shard_name,
     plural,
+    prepared_manifest,
     sha256_file,
     write_manifest,
     write_shards,
@@ -46,7 +49,6 @@ from raychat.data.corpus.shards import (
 from raychat.log import log
 from raychat.storage import check_writable, open_storage, output_directory
 
-FORMAT = "raychat-text-shards/1"
 _DEFAULTS = PrepareConfig()  # the defaults of `raychat data prepare` and prepare()
 DEFAULT_SOURCE = _DEFAULTS.source
 DEFAULT_OUT = _DEFAULTS.output_dir()
@@ -61,22 +63,26 @@ VALIDATION_MAX_SHARE = 0.2
 VALIDATION_MIN_BYTES = 100_000
 
 
-def previous_manifest(out: Path) -> dict | None:
-    """out/manifest.json when it is one prepare wrote (format FORMAT), else None."""
-    try:
-        manifest = json.loads((out / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
-
-
 def is_earlier_data(out: Path, entries: list) -> bool:
     """Whether `out`, whose entries (pafs.FileInfo, its leftovers aside: check_output_target) are given, is
     prepare's: it holds a manifest prepare wrote, or only shard files (a run that stopped between removing the
     old manifest and writing the new one)."""
-    return previous_manifest(out) is not None or all(
+    return prepared_manifest(out) is not None or all(
         e.type == pafs.FileType.File and is_shard_name(e.base_name) for e in entries
     )
+
+
+def holds_earlier_data(out: Path) -> bool:
+    """Whether the local `out` is missing, empty or is_earlier_data (its leftovers aside): a directory whose
+    unlisted shard files prepare may delete (remove_stale_shards). prepare() called on another directory (the
+    CLI refuses one: prepare_kwargs) deletes nothing there; False where `out` cannot be listed (a file: the
+    write's own check names it)."""
+    selector = pafs.FileSelector(str(out.absolute()), allow_not_found=True)
+    try:
+        entries = pafs.LocalFileSystem().get_file_info(selector)
+    except OSError:
+        return False
+    return is_earlier_data(out, [e for e in entries if not is_leftover(e.base_name)])
 
 
 def size(n_bytes: int) -> str:
@@ -303,7 +309,8 @@ def prepare(
     out = Path(out)
     if row_group_size < 1:
         raise ValueError(f"--row-group-size must be >= 1, got {row_group_size}")
-    old = previous_manifest(out)
+    old = prepared_manifest(out)
+    ours = holds_earlier_data(out)  # before anything is written
     if source in HUB_SOURCES:
         if rows_per_shard is not None:
             raise ValueError(
@@ -337,7 +344,12 @@ def prepare(
         start_writing(out, out_flag)
         manifest = prepare_corpus(corpus, out, num_shards, rows_per_shard, seed, row_group_size, log)
     write_manifest(out, manifest)
-    remove_stale_shards(out, old, manifest)
+    stale = remove_stale_shards(out, manifest) if ours else []
+    if stale:
+        shown = ", ".join(stale[: corpora.EXAMPLES_PER_REASON]) + (
+            ", ..." if len(stale) > corpora.EXAMPLES_PER_REASON else ""
+        )
+        log(f"removed {plural(len(stale), 'earlier shard')} that {MANIFEST} does not list ({shown})")
     report(out, manifest, log)
     return manifest
 
@@ -351,14 +363,19 @@ def start_writing(out: Path, out_flag: str) -> None:
     remove_leftovers(out)
 
 
-def remove_stale_shards(out: Path, old: dict | None, new: dict) -> None:
-    """Delete shards that the previous manifest (previous_manifest: one prepare wrote) listed and the new one
-    does not; only names shard_name gives are deleted, whatever else a manifest lists."""
-    keep = {s["file"] for s in new["shards"]}
-    for entry in (old or {}).get("shards", []):
-        name = entry.get("file") if isinstance(entry, dict) else None
-        if isinstance(name, str) and is_shard_name(name) and name not in keep:
-            (out / name).unlink(missing_ok=True)
+def remove_stale_shards(out: Path, manifest: dict) -> list[str]:
+    """Delete the shard files directly in `out` (names shard_name gives, is_shard_name) that `manifest`, the
+    one just written there, does not list: an earlier run's extra shards, whether its manifest listed them or
+    the run was killed before writing one. Called once the manifest is written, so a file it lists is never
+    deleted and a run killed before it leaves the earlier shards for the next run to remove. Returns their
+    names, sorted."""
+    keep = {s["file"] for s in manifest["shards"]}
+    stale = sorted(
+        p.name for p in out.iterdir() if is_shard_name(p.name) and p.name not in keep and not p.is_dir()
+    )
+    for name in stale:
+        (out / name).unlink(missing_ok=True)
+    return stale
 
 
 def report(out: Path, manifest: dict, log) -> None:

@@ -26,6 +26,7 @@ from raychat.config.data import PrepareConfig
 from raychat.log import log
 
 MANIFEST = "manifest.json"
+FORMAT = "raychat-text-shards/1"  # the manifest's "format": what tells a prepared data directory
 ROW_GROUP_SIZE = PrepareConfig().row_group_size
 COMPRESSION = "zstd"
 SCHEMA = pa.schema([pa.field("text", pa.string())])
@@ -226,6 +227,16 @@ def check_text_column(path: str | Path) -> None:
                 row = pc.index(pc.is_null(column), True).as_py()
                 raise DataError(null_text_message(path, first_row + row))
         first_row += group.num_rows
+
+
+def prepared_manifest(directory: str | Path) -> dict | None:
+    """directory/manifest.json when `raychat data prepare` wrote it (a JSON object of format FORMAT), else None
+    (none there, unreadable, not JSON, or another program's manifest.json)."""
+    try:
+        manifest = json.loads((Path(directory) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
 
 
 def write_manifest(out_dir: str | Path, manifest: dict) -> Path:
