@@ -149,11 +149,13 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], object]) -
     tmp = fresh_dir(path)
     try:
         write(tmp)
+        old = None
         if path.exists():
             old = fresh_dir(path)
             os.replace(path, old)  # onto an empty directory: allowed
-            shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, path)
+        if old is not None:  # after the new one is in place: `path` is absent only between the two renames
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
