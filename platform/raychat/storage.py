@@ -233,7 +233,8 @@ def delete_dir(storage: Storage, path: str) -> None:
 def upload_dir(local: str | os.PathLike, storage: Storage, path: str) -> str:
     """Copy the local directory `local` to `path` (strictly below the root) on storage.fs, replacing what was
     there; returns its URI. Local storage: copied beside it under a temporary name, then renamed
-    (raychat.atomic.atomic_write_dir: never half there, never a mix with what was there). Object storage: file by file (a reader sees the new files appear one by one).
+    (raychat.atomic.atomic_write_dir: never half there, never a mix with what was there). Object storage: file
+    by file (a reader sees the new files appear one by one).
     Raises ValueError for a path outside the root."""
     storage.inside(path)
     if storage.is_local:
