@@ -19,6 +19,7 @@ from raychat.config import (
     add_flags,
     from_args,
     from_dict,
+    to_flat,
 )
 from raychat.config.data import PrepareConfig, TokenizerConfig
 from raychat.config.presets import PRESET_HELP
@@ -320,26 +321,54 @@ def shared_output(stage: str, args: argparse.Namespace, config) -> list[tuple[st
     return [("--out", out)] if stage == "data" else [("--out", out), storage]
 
 
-def check_shared_output(stage: str, args: argparse.Namespace, config=None) -> None:
-    """Refuse a submitted stage whose output path is relative (the default `runs...` of every preset but
-    cluster and gpu8): the job runs in Ray's temporary copy of the checkout, where the job itself refuses it
+_RUN_OR_PATH = "a directory every node mounts (e.g. {flag} {root}/<run>) or a run name under --storage-path"
+_REFERENCE = "an absolute path, s3:// / gs://, a run name under --storage-path or latest"
+# the stages' inputs that the job opens as storage (raychat.storage.run_directory,
+# raychat.checkpoint_manager.find_checkpoint), which refuse a relative path there: leaf -> what they take
+JOB_INPUTS = {
+    "data_dir": _RUN_OR_PATH,
+    "tokenizer_path": _RUN_OR_PATH,
+    "init_from": _REFERENCE,
+    "checkpoint": _REFERENCE,
+}
+
+
+def job_inputs(config) -> list[tuple[str, str, str]]:
+    """(flag, value, what it takes) of `config`'s JOB_INPUTS given as a path: a value without '/' (a run name
+    under --storage-path, `latest`) or with a scheme is left out, as the job takes it."""
+    flat, found = to_flat(config), []
+    for leaf, what in JOB_INPUTS.items():
+        value, flag = flat.get(leaf), "--" + leaf.replace("_", "-")
+        if isinstance(value, str) and ("/" in value or value in (".", "..")):
+            found.append((flag, value, what.format(flag=flag, root=STORAGE_ROOT)))
+    return found
+
+
+def check_shared_paths(stage: str, args: argparse.Namespace, config=None) -> None:
+    """Refuse a submitted stage whose output path (the default `runs...` of every preset but cluster and gpu8)
+    or input path (job_inputs: --data-dir, --tokenizer-path, --init-from, --checkpoint) is relative: the job
+    runs in Ray's temporary copy of the checkout, where the job itself refuses it
     (raychat.storage.check_not_in_job_copy), but only after the job (a RayJob's whole cluster) started.
 
-    Raises ValueError naming the flag and its value."""
-    for flag, path in shared_output(stage, args, config):
+    Raises ValueError naming the flag, its value and what it takes."""
+    outputs = [
+        (flag, path, f"storage every node mounts (e.g. {flag} {STORAGE_ROOT}) or s3:// / gs://")
+        for flag, path in shared_output(stage, args, config)
+    ]
+    for flag, path, what in outputs + (job_inputs(config) if config is not None else []):
         if path and "://" not in path and not path.startswith(("/", "~")):
             default = "" if getattr(args, flag[2:].replace("-", "_"), None) else " (the default: not given)"
             raise ValueError(
-                f"{flag} {path!r}{default} is relative: a job runs in a temporary copy of the checkout that Ray deletes; "
-                f"give storage every node mounts (e.g. {flag} {STORAGE_ROOT}) or s3:// / gs://"
+                f"{flag} {path!r}{default} is relative: a job runs in a temporary copy of the checkout that Ray "
+                f"deletes; give {what}"
             )
 
 
 class StageArgs(argparse.Action):
     """The words after a submitted stage (nargs REMAINDER), parsed by the stage's own parser as the command
     line is, then built into the stage's config (STAGE_CONFIGS: a shipped preset, each value's range and
-    the config's own checks, and an output path every node can reach: check_shared_output), so that an
-    unknown flag, a bad value, an unknown shipped preset or a relative --storage-path fails here, in one
+    the config's own checks, and output and input paths every node can reach: check_shared_paths), so that an
+    unknown flag, a bad value, an unknown shipped preset or a relative path (--storage-path, --data-dir, ...) fails here, in one
     line naming the stage, not after the job's cluster starts. `command`, and a stage given -h/--help,
     are passed on unparsed; a preset given as a file and values checked against the cluster's files (paths,
     checkpoints) are left to the job. Stores the words without a leading "--" (argparse keeps it in a
@@ -356,12 +385,12 @@ class StageArgs(argparse.Action):
             args = check.parse_args([stage, *words])
             preset = getattr(args, "preset", None) or ""
             if stage == "speedrun":
-                check_shared_output(stage, args)
+                check_shared_paths(stage, args)
             if stage in STAGE_CONFIGS and "/" not in preset and not preset.endswith((".yaml", ".yml")):
                 cls, section, defaults = STAGE_CONFIGS[stage]
                 base = from_dict(cls, defaults) if defaults else None
                 config = from_args(args, cls, section, base=base, where=f"{section} settings")
-                check_shared_output(stage, args, config)
+                check_shared_paths(stage, args, config)
         except (ValueError, FileNotFoundError) as e:
             parser.exit(
                 2, f"{parser.prog}: error: stage {stage}: {e} (`raychat {stage} --help` lists its flags)\n"

@@ -288,6 +288,44 @@ def test_a_submitted_stage_with_a_relative_storage_path_is_refused(submit, stage
     )
 
 
+RUN_OR_PATH = f"a directory every node mounts (e.g. {{flag}} {ROOT}/<run>) or a run name under --storage-path"
+REFERENCE = "an absolute path, s3:// / gs://, a run name under --storage-path or latest"
+
+
+@pytest.mark.parametrize("submit", [["submit"], ["k8s", "submit", "--dry-run"]])
+@pytest.mark.parametrize(
+    "stage_args, flag, value, takes",
+    [
+        (["pretrain", "--storage-path", ROOT, "--data-dir", "runs/data"], "--data-dir", "runs/data", RUN_OR_PATH),
+        (["pretrain", "--storage-path", ROOT, "--tokenizer-path", "./tok"], "--tokenizer-path", "./tok",
+         RUN_OR_PATH),
+        (["tokenizer", "train", "--storage-path", ROOT, "--data-dir", "."], "--data-dir", ".", RUN_OR_PATH),
+        (["sft", "--preset", "cluster", "--init-from", "runs/checkpoints/pretrain"], "--init-from",
+         "runs/checkpoints/pretrain", REFERENCE),
+        (["rl", "--storage-path", "s3://bucket/runs", "--init-from", "../sft/latest"], "--init-from",
+         "../sft/latest", REFERENCE),
+        (["eval", "--storage-path", ROOT, "--checkpoint", "runs/pretrain/checkpoint_000004"], "--checkpoint",
+         "runs/pretrain/checkpoint_000004", REFERENCE),
+        (["export", "--storage-path", ROOT, "--checkpoint", "sft/latest"], "--checkpoint", "sft/latest", REFERENCE),
+    ],
+)  # fmt: skip
+def test_a_submitted_stage_with_a_relative_input_path_is_refused(
+    submit, stage_args, flag, value, takes, capsys
+):
+    """`raychat submit pretrain --storage-path /mnt/... --data-dir runs/data` was submitted, and the job refused
+    the relative path (raychat.storage.check_not_in_job_copy) only once it ran; a run name, `latest`, an
+    absolute path or a URI, which the job takes, pass (test_a_submitted_stages_valid_arguments_...)."""
+    with pytest.raises(SystemExit) as e:
+        main([*submit, *stage_args])
+    assert e.value.code == 2
+    prog = "raychat " + " ".join(submit[:2] if submit[0] == "k8s" else submit[:1])
+    stage = stage_args[0]
+    assert capsys.readouterr().err == (
+        f"{prog}: error: stage {stage}: {flag} {value!r} is relative: a job runs in a temporary copy of the "
+        f"checkout that Ray deletes; give {takes.format(flag=flag)} (`raychat {stage} --help` lists its flags)\n"
+    )
+
+
 def test_a_submitted_stages_valid_arguments_and_help_pass_unchanged(capsys):
     assert main(["k8s", "submit", "--dry-run", "pretrain", "--", "--depth", "3", "--help"]) == 0
     assert "entrypoint: python jobs/pretrain.py --depth 3 --help" in capsys.readouterr().out
@@ -324,6 +362,13 @@ def test_a_submitted_stages_valid_arguments_and_help_pass_unchanged(capsys):
             "latest",
         ],  # the preset's storage_path: /mnt/checkpoints/runs
         ["speedrun", "--out", f"{ROOT}/speedrun"],
+        # inputs the job takes (test_a_submitted_stage_with_a_relative_input_path_is_refused): run names, `latest`,
+        # absolute paths, ~ and URIs
+        ["pretrain", "--storage-path", ROOT, "--data-dir", "shards", "--tokenizer-path", "~/tok"],
+        ["sft", "--preset", "cluster", "--init-from", "pretrain"],
+        ["rl", "--storage-path", ROOT, "--init-from", f"{ROOT}/sft/latest"],
+        ["eval", "--storage-path", ROOT, "--checkpoint", "latest"],
+        ["export", "--storage-path", ROOT, "--checkpoint", "gs://bucket/runs/sft"],
     ):
         assert main(["k8s", "submit", "--dry-run", *stage_args]) == 0, capsys.readouterr().err
         assert f"entrypoint: python jobs/{stage_args[0]}.py" in capsys.readouterr().out

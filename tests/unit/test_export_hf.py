@@ -21,6 +21,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
+from raychat.atomic import STAGING_IDLE_S
 from raychat.chat_template import render_conversation, render_for_completion
 from raychat.checkpoint import save_model
 from raychat.cli import main as raychat_main
@@ -393,6 +394,45 @@ def test_export_out_on_s3_goes_to_the_bucket_not_to_a_local_folder(
         "(RAYCHAT_DEBUG=1 shows the traceback)\n"
     )
     assert fs.open_input_stream(f"{bucket}/x/notes.txt").read() == b"mine"
+
+
+def test_export_to_object_storage_says_how_to_download_it_before_loading(root, s3_env, capsys):
+    """The hint after an export to s3:// said `from_pretrained('s3://...')`, which transformers cannot load (it
+    reads a local directory or a Hub repo id): it names the download first."""
+    bucket = s3_env.make_bucket()
+    argv = ["export", "--checkpoint", "pretrain", "--storage-path", str(root), "--out", f"s3://{bucket}/x/hf"]
+    assert raychat_main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"load with: aws s3 cp --recursive s3://{bucket}/x/hf ./hf, then "
+        "transformers.AutoModelForCausalLM.from_pretrained('./hf') (transformers does not read s3://)"
+    )
+    assert export_hf.load_hint("gs://bucket/runs/hf") == (
+        "load with: gcloud storage cp -r gs://bucket/runs/hf ., then "
+        "transformers.AutoModelForCausalLM.from_pretrained('./hf') (transformers does not read gs://)"
+    )
+    assert export_hf.load_hint("/mnt/runs/hf") == (
+        "load with: transformers.AutoModelForCausalLM.from_pretrained('/mnt/runs/hf')"
+    )
+
+
+def test_export_to_object_storage_deletes_the_staging_a_killed_one_left(root, s3_env, tmp_path, monkeypatch):
+    """An export to s3:// or gs:// staged in tempfile.TemporaryDirectory: one killed before its upload ended left
+    /tmp/tmpXXXX (the whole model) behind for good. It stages under EXPORT_STAGING, and the next export there
+    deletes a killed one's staging directory idle for an hour, not a younger one (another export's, running)."""
+    staging = tmp_path / "cache" / "raychat" / "exports"
+    monkeypatch.setattr(export_hf, "EXPORT_STAGING", staging)
+    killed, running = staging / ".export.0123456789abcdef", staging / ".export.fedcba9876543210"
+    for d in (killed, running):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"\0" * 64)
+    hour_ago = time.time() - STAGING_IDLE_S - 60
+    for p in (killed / "model.safetensors", killed):
+        os.utime(p, (hour_ago, hour_ago))
+    bucket = s3_env.make_bucket()
+    argv = ["export", "--checkpoint", "pretrain", "--storage-path", str(root), "--out", f"s3://{bucket}/hf"]
+    assert raychat_main(argv) == 0
+    assert sorted(p.name for p in staging.iterdir()) == [running.name]  # its own staging is gone too
+    assert s3_env.filesystem().get_file_info(f"{bucket}/hf/model.safetensors").size > 0
 
 
 def test_export_refuses_weights_changed_in_place(root, tmp_path, capsys):

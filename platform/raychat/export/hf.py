@@ -2,7 +2,8 @@
 <storage-path>/<run-name>/ or to --out, whole: a local one is assembled beside its target under a temporary
 name and renamed into place (raychat.atomic.atomic_write_dir: an export killed part-way leaves the earlier
 export as it was, never new files beside old ones), one on object storage (a --storage-path or an --out of
-s3://bucket/prefix or gs://bucket/prefix) is staged locally, then uploaded (raychat.storage.upload_dir). A directory that holds anything but an earlier export is refused
+s3://bucket/prefix or gs://bucket/prefix) is staged in a local .export.<16 hex> directory under EXPORT_STAGING, then uploaded (raychat.storage.upload_dir); the next such export deletes
+the staging directories a killed one left there (idle for an hour). A directory that holds anything but an earlier export is refused
 (check_export_target); --checkpoint is any reference raychat.checkpoint_manager resolves (`latest`: the newest checkpoint there).
 The files the export reads (raychat.checkpoint.MODEL_FILES) are checked against their sha256 digests in the
 checkpoint's commit.json first, so a checkpoint damaged in place (same size) is refused rather than exported.
@@ -40,7 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,10 +50,17 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from raychat.atomic import atomic_write, atomic_write_dir, atomic_write_text, remove_leftovers
+from raychat.atomic import (
+    STAGING_IDLE_S,
+    atomic_write,
+    atomic_write_dir,
+    atomic_write_text,
+    fresh_dir,
+    remove_leftovers,
+)
 from raychat.chat_template import TEMPLATE_VERSION
 from raychat.checkpoint import MODEL_FILES, load_model
-from raychat.checkpoint_manager import check_output_target, find_checkpoint, verify
+from raychat.checkpoint_manager import DEFAULT_CACHE, check_output_target, find_checkpoint, verify
 from raychat.config import ExportConfig, from_args
 from raychat.model import GPT
 from raychat.storage import Storage, check_writable, is_remote, open_storage, upload_dir
@@ -305,8 +313,11 @@ def main(args: argparse.Namespace) -> int:
         export_hf(model, tokenizer, tmp)
 
     def upload(storage: Storage, path: str) -> str:
-        with tempfile.TemporaryDirectory() as tmp:
+        tmp = staging_dir()
+        try:
             return upload_dir(export_hf(model, tokenizer, tmp), storage, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     if cfg.out and out_storage.is_local:
         atomic_write_dir(os.path.realpath(out_storage.path), write)  # where a link there leads, as before
@@ -319,5 +330,37 @@ def main(args: argparse.Namespace) -> int:
     else:
         out = upload(storage, storage.run_path(cfg.run_name))
     print(f"exported {checkpoint} (step {meta.get('step', '?')}) -> {out}")
-    print(f"load with: transformers.AutoModelForCausalLM.from_pretrained({out!r})")
+    print(load_hint(out))
     return 0
+
+
+# An export to object storage is staged here (.export.<16 hex>) before its upload, beside the checkpoint cache
+EXPORT_STAGING = DEFAULT_CACHE.parent / "exports"
+
+
+def staging_dir() -> Path:
+    """A fresh local directory under EXPORT_STAGING for an export bound for object storage. The staging
+    directories of killed exports there, those nothing has changed in for STAGING_IDLE_S, are deleted first
+    (a younger one may be another export's, running now). Raises OSError as os.mkdir."""
+    EXPORT_STAGING.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(EXPORT_STAGING, of="export", idle_s=STAGING_IDLE_S)
+    return fresh_dir(EXPORT_STAGING / "export")
+
+
+# how to copy a remote export to the local directory ./<its name>: transformers loads a local directory or a
+# Hub repo id, not a URI
+DOWNLOAD_COMMANDS = {"s3": "aws s3 cp --recursive {uri} ./{name}", "gs": "gcloud storage cp -r {uri} ."}
+
+
+def load_hint(out: str) -> str:
+    """The line that says how to load the export at `out` (a local path, s3:// or gs:// URI) with transformers:
+    a URI is downloaded first (DOWNLOAD_COMMANDS) and loaded from ./<its last path segment>."""
+    scheme = out.split("://", 1)[0] if "://" in out else ""
+    if scheme not in DOWNLOAD_COMMANDS:
+        return f"load with: transformers.AutoModelForCausalLM.from_pretrained({out!r})"
+    name = out.rstrip("/").rsplit("/", 1)[-1]
+    fetch = DOWNLOAD_COMMANDS[scheme].format(uri=out, name=name)
+    return (
+        f"load with: {fetch}, then transformers.AutoModelForCausalLM.from_pretrained({'./' + name!r}) "
+        f"(transformers does not read {scheme}://)"
+    )
