@@ -122,6 +122,15 @@ def test_serves_help_lists_every_endpoint_the_app_serves():
     assert sorted(listed) == sorted(served)  # /v1/completions was missing
 
 
+def test_evals_help_names_both_files_it_writes():
+    from raychat.eval.cli import CARD_FILE, RESULT_FILE
+
+    described = command_parser("eval").description
+    assert (
+        f"<storage-path>/<run-name>/{RESULT_FILE} and {CARD_FILE}" in described
+    )  # report_card.md was missing
+
+
 def test_inspect_batchs_help_shows_the_segments_as_it_prints_them():
     from raychat.data.replay.inspect_batch import segment_text
 
