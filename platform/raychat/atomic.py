@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,11 +115,15 @@ def last_change(path: str | os.PathLike) -> float:
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Call write(tmp) on a fresh temporary file in `path`'s directory, fsync it, rename it to `path`;
-    returns `path`. The temporary file is removed if anything raises (the error propagates)."""
+    returns `path`. The file keeps fresh_file's mode even when write() replaces tmp with a file of its own
+    (safetensors' save_file makes an owner-only one). The temporary file is removed if anything raises (the
+    error propagates)."""
     path = Path(path)
     tmp = fresh_file(path)
     try:
+        mode = stat.S_IMODE(os.stat(tmp).st_mode)
         write(Path(tmp))
+        os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

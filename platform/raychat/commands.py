@@ -60,7 +60,8 @@ With --run RUN_DIR --step S: the replay records of optimizer step S (raychat.dat
 training loop under RUN_DIR/replay/) are read, every row is rebuilt from the data alone (raychat.data.replay.rebuild:
 documents re-read from the shards, or conversations re-rendered) and its input_ids / labels / loss_mask /
 position_ids (/ segment_ids) hashes are compared with the recorded ones. One line per row lists its
-segments: pretraining `shard:row_group:row@offset+length decision`, SFT `sample_id+length`. Exit status 1
+segments: pretraining `shard:row_group:row[doc_offset:+length]@row_offset decision(tail)`, e.g.
+`shard_00000.parquet:0:357[0:+65]@0 crop(325)`, SFT `sample_id+length@row_offset`. Exit status 1
 when anything differs. --data-dir / --tokenizer point at the data if it moved since the run; a shard of the
 step that is not there (moved, or the wrong --data-dir) is an error naming --data-dir (exit 2).
 
@@ -202,7 +203,8 @@ def eval_(subparsers) -> None:
         "eval",
         help="a checkpoint's BPB, task accuracy and report card (chat evals, ChatCORE, CORE with --core-bundle)",
         description="Evaluate one checkpoint: BPB on the validation shard of --data-dir and greedy accuracy on "
-        "the held-out split of --tasks. Prints the JSON and writes it to <storage-path>/<run-name>/eval.json. "
+        "the held-out split of --tasks, and the report card. Prints the JSON on stdout and the card's table on "
+        "stderr, and writes them to <storage-path>/<run-name>/eval.json and report_card.md. "
         "Example: raychat eval --checkpoint latest --storage-path runs/checkpoints --tasks calculator:64",
     )
     add_flags(parser, EvalConfig, preset="none")
@@ -403,7 +405,7 @@ def serve(subparsers) -> None:
         help="serve a checkpoint: streaming chat page + OpenAI-compatible API",
         description="Start the chat app (FastAPI ingress + autoscaled engine replicas) on Ray Serve and print "
         "the URL of the chat page. Endpoints: / (page), /chat/completions (SSE), /v1/chat/completions, "
-        "/v1/models, /health.",
+        "/v1/completions, /v1/models, /health.",
     )
     add_flags(p, ServeConfig, preset="none")
     p.add_argument(

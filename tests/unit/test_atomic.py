@@ -6,6 +6,7 @@ import os
 import re
 import stat
 
+import numpy as np
 import pytest
 
 from raychat.atomic import (
@@ -62,6 +63,15 @@ def test_a_written_file_gets_a_plain_writes_mode_not_owner_only(tmp_path, umask_
     assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode) == 0o644
     os.umask(0o077)  # a user's stricter umask is kept
     assert stat.S_IMODE(atomic_write_text(tmp_path / "private.json", "{}").stat().st_mode) == 0o600
+
+
+def test_a_writer_that_replaces_the_temporary_keeps_the_plain_mode(tmp_path, umask_022):
+    # safetensors' save_file (raychat export's model.safetensors) makes its own owner-only file at the name
+    from safetensors.numpy import save_file
+
+    path = atomic_write(tmp_path / "model.safetensors", lambda tmp: save_file({"w": np.zeros(2)}, str(tmp)))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
 
 
 def test_fresh_dir_and_file_are_new_hidden_names_with_a_plain_mode(tmp_path, umask_022):

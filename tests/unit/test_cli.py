@@ -107,6 +107,45 @@ def test_the_canaries_are_inspect_batchs_own():
     assert tuple(canary_conversations()) == CANARIES
 
 
+def command_parser(name: str) -> argparse.ArgumentParser:
+    sub = argparse.ArgumentParser().add_subparsers()
+    PARSERS[name](sub)
+    return sub.choices[name]
+
+
+def test_serves_help_lists_every_endpoint_the_app_serves():
+    from raychat.serve.ingress import create_app
+
+    description = command_parser("serve").description
+    listed = re.findall(r"(/[\w/]*)(?: \(\w+\))?[,.]", description.split("Endpoints: ", 1)[1])
+    served = {route.path for route in create_app(None).routes} - {"/openapi.json"}
+    assert sorted(listed) == sorted(served)  # /v1/completions was missing
+
+
+def test_evals_help_names_both_files_it_writes():
+    from raychat.eval.cli import CARD_FILE, RESULT_FILE
+
+    described = command_parser("eval").description
+    assert (
+        f"<storage-path>/<run-name>/{RESULT_FILE} and {CARD_FILE}" in described
+    )  # report_card.md was missing
+
+
+def test_inspect_batchs_help_shows_the_segments_as_it_prints_them():
+    from raychat.data.replay.inspect_batch import segment_text
+
+    pretrain = {"row_offset": [0], "doc_shard": [0], "doc_row_group": [0], "doc_row": [357], "doc_offset": [0],
+                "length": [65], "decision": ["crop"], "tail": [325]}  # fmt: skip
+    sft = {"row_offset": [0], "sample_id": ["calculator-train/193"], "length": [62]}
+    described = " ".join(command_parser("inspect-batch").description.split())
+    assert f"e.g. `{segment_text(pretrain, 0, ['shard_00000.parquet'])}`" in described
+    assert "`shard:row_group:row[doc_offset:+length]@row_offset decision(tail)`" in described
+    assert (
+        "SFT `sample_id+length@row_offset`" in described
+        and segment_text(sft, 0, []) == "calculator-train/193+62@0"
+    )
+
+
 def test_an_unknown_command_lists_the_known_ones(capsys):
     with pytest.raises(SystemExit) as e:
         main(["pretrian"])

@@ -174,7 +174,7 @@ def format_row(tokenizer: Tokenizer, row: dict, rendered: dict) -> str:
 
 
 def segment_text(record: dict, k: int, files: list[str]) -> str:
-    """One segment of a replay record row, e.g. `shard_00003.parquet:0:17@0+120 whole` or `calc-12+40`."""
+    """One segment of a replay record row, e.g. `shard_00003.parquet:0:17[0:+120]@0 whole` or `calculator-train/12+40@0`."""
     where = f"@{record['row_offset'][k]}"
     if "sample_id" in record:
         return f"{record['sample_id'][k]}+{record['length'][k]}{where}"
