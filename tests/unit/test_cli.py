@@ -298,6 +298,18 @@ def test_a_submitted_stages_arguments_are_parsed_before_submission(submit, stage
     assert capsys.readouterr().err == f"{prog}: error: {message} (`raychat {stage} --help` lists its flags)\n"
 
 
+def _submit_refusal(submit: list[str], stage_args: list[str], capsys) -> tuple[str, str, str]:
+    """(prog, stage, stderr) of a submission that must exit 2 before anything is submitted."""
+    with pytest.raises(SystemExit) as e:
+        main([*submit, *stage_args])
+    assert e.value.code == 2
+    return (
+        "raychat " + " ".join(submit[:2] if submit[0] == "k8s" else submit[:1]),
+        stage_args[0],
+        capsys.readouterr().err,
+    )
+
+
 JOB_COPY = "is relative: a job runs in a temporary copy of the checkout that Ray deletes; give storage every node mounts"
 
 
@@ -317,13 +329,10 @@ JOB_COPY = "is relative: a job runs in a temporary copy of the checkout that Ray
 def test_a_submitted_stage_with_a_relative_storage_path_is_refused(submit, stage_args, message, capsys):
     """`raychat submit pretrain --preset tiny` and `raychat k8s submit rl` (docs/deployment.md) were accepted, and
     the job refused the default `runs/...` only once it ran (a RayJob: after its whole cluster started)."""
-    with pytest.raises(SystemExit) as e:
-        main([*submit, *stage_args])
-    assert e.value.code == 2
-    prog = "raychat " + " ".join(submit[:2] if submit[0] == "k8s" else submit[:1])
-    stage = stage_args[0]
-    assert capsys.readouterr().err == (
-        f"{prog}: error: stage {stage}: {message} or s3:// / gs:// (`raychat {stage} --help` lists its flags)\n"
+    prog, stage, err = _submit_refusal(submit, stage_args, capsys)
+    assert (
+        err
+        == f"{prog}: error: stage {stage}: {message} or s3:// / gs:// (`raychat {stage} --help` lists its flags)\n"
     )
 
 
@@ -354,12 +363,8 @@ def test_a_submitted_stage_with_a_relative_input_path_is_refused(
     """`raychat submit pretrain --storage-path /mnt/... --data-dir runs/data` was submitted, and the job refused
     the relative path (raychat.storage.check_not_in_job_copy) only once it ran; a run name, `latest`, an
     absolute path or a URI, which the job takes, pass (test_a_submitted_stages_valid_arguments_...)."""
-    with pytest.raises(SystemExit) as e:
-        main([*submit, *stage_args])
-    assert e.value.code == 2
-    prog = "raychat " + " ".join(submit[:2] if submit[0] == "k8s" else submit[:1])
-    stage = stage_args[0]
-    assert capsys.readouterr().err == (
+    prog, stage, err = _submit_refusal(submit, stage_args, capsys)
+    assert err == (
         f"{prog}: error: stage {stage}: {flag} {value!r} is relative: a job runs in a temporary copy of the "
         f"checkout that Ray deletes; give {takes.format(flag=flag)} (`raychat {stage} --help` lists its flags)\n"
     )
