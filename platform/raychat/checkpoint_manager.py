@@ -28,7 +28,10 @@ References (find_checkpoint names one; resolve_checkpoint also fetches a remote 
 A bad reference is a ValueError of one line that names the flag and says what was found (uncommitted
 directories marked as such). A remote checkpoint is downloaded into a cache directory whole or not at all,
 and again only when its commit marker changes. A server pins a run's local checkpoint as a snapshot in
-<run>/served/ (snapshot_checkpoint: hard links, whole or not at all), which pruning never touches.
+<run>/served/ (snapshot_checkpoint: hard links, whole or not at all), which pruning never touches. A running
+app marks its snapshot in use every SNAPSHOT_MARK_S (mark_snapshot_used: the directory's modification time);
+each snapshot_checkpoint deletes the run's other snapshots unmarked for SNAPSHOT_UNUSED_S
+(remove_unused_snapshots).
 """
 
 from __future__ import annotations
@@ -46,7 +49,14 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raychat.atomic import STAGING_IDLE_S, atomic_write_bytes, fresh_dir, is_leftover, remove_leftovers
+from raychat.atomic import (
+    STAGING_IDLE_S,
+    atomic_write_bytes,
+    fresh_dir,
+    is_leftover,
+    last_change,
+    remove_leftovers,
+)
 from raychat.config.schema import LATEST, check_reference
 from raychat.storage import (
     Storage,
@@ -66,6 +76,15 @@ COMMIT_FILE = "commit.json"
 CHECKPOINT_PREFIX = "checkpoint_"
 FORMAT = 1
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raychat" / "checkpoints"
+SNAPSHOTS = "served"  # <run dir>/served/<checkpoint name>-<12 hex>: snapshot_checkpoint
+_SNAPSHOT = re.compile(rf"{CHECKPOINT_PREFIX}\d+-[0-9a-f]{{12}}")
+# Every app serving a snapshot marks it in use this often (raychat.serve.in_use), and snapshot_checkpoint
+# deletes the run's snapshots unmarked for SNAPSHOT_UNUSED_S. A day is 288 missed marks, so only an app gone
+# for a day (or a cluster down that long) loses its snapshot, while a pruned checkpoint's snapshot holds that
+# checkpoint's space for at most a day after its last app ended (a deploy of a checkpoint that still exists
+# makes its snapshot again).
+SNAPSHOT_MARK_S = 300.0
+SNAPSHOT_UNUSED_S = 24 * 3600.0
 
 
 class CheckpointError(ValueError):
@@ -442,9 +461,11 @@ def snapshot_checkpoint(checkpoint: str | os.PathLike) -> Path:
     storage, which every node that reads the checkpoint reads too). Its files are hard links to the
     checkpoint's (a copy where the filesystem refuses a link), put together under a temporary name
     (raychat.atomic.fresh_dir), checked against the commit marker (verify: every file, its size), and then
-    given the final name, commit.json last; a snapshot of the same commit marker already there is reused.
-    The staging directories of this snapshot left by a killed process are deleted first, those idle for
-    raychat.atomic.STAGING_IDLE_S only: another server may be putting the same snapshot together right now.
+    given the final name, commit.json last; a snapshot of the same commit marker already there is reused
+    (marked in use first: mark_snapshot_used). The staging directories of this snapshot left by a killed
+    process are deleted first, those idle for raychat.atomic.STAGING_IDLE_S only: another server may be
+    putting the same snapshot together right now. The run's other snapshots that no app has marked in use for
+    SNAPSHOT_UNUSED_S are deleted last (remove_unused_snapshots).
 
     Raises CheckpointError: `checkpoint` is not committed, or a file differs from its marker; ValueError: a
     symbolic link leads the snapshot out of the run dir (Storage.inside); OSError: the run dir is not
@@ -454,13 +475,18 @@ def snapshot_checkpoint(checkpoint: str | os.PathLike) -> Path:
     commit = (src / COMMIT_FILE).read_bytes()
     run = open_storage(src.parent)
     name = f"{src.name}-{hashlib.sha256(commit).hexdigest()[:12]}"
-    dest = Path(run.inside(f"{run.path}/served/{name}"))
+    dest = Path(run.inside(f"{run.path}/{SNAPSHOTS}/{name}"))
     remove_leftovers(dest.parent, of=dest.name, idle_s=STAGING_IDLE_S)  # of a snapshot that was killed
     if (dest / COMMIT_FILE).is_file() and (dest / COMMIT_FILE).read_bytes() == commit:
         try:
+            _mark_reused(dest)  # first: remove_unused_snapshots of another server then keeps it
             verify(dest)
+            remove_unused_snapshots(dest.parent.parent, keep=dest.name)
             return dest
-        except CheckpointError:  # a damaged snapshot: made again
+        except (
+            CheckpointError,
+            FileNotFoundError,
+        ):  # a damaged snapshot, or one deleted just now: made again
             pass
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = fresh_dir(dest)
@@ -486,7 +512,80 @@ def snapshot_checkpoint(checkpoint: str | os.PathLike) -> Path:
         os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    remove_unused_snapshots(dest.parent.parent, keep=dest.name)
     return dest
+
+
+def _mark_reused(snapshot: Path) -> None:
+    """mark_snapshot_used, where a snapshot this process may not mark (another user's, a read-only
+    filesystem) is reused unmarked, with a warning. Raises FileNotFoundError: the snapshot is gone."""
+    try:
+        mark_snapshot_used(snapshot)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        warnings.warn(
+            f"snapshot {snapshot}: cannot mark it in use ({e}); the run's next snapshot deletes it once "
+            f"unmarked for {SNAPSHOT_UNUSED_S / 3600:g} h",
+            stacklevel=3,
+        )
+
+
+def is_snapshot(checkpoint: str) -> bool:
+    """Whether `checkpoint` (what find_checkpoint returned) is a snapshot snapshot_checkpoint made: a local
+    <run dir>/served/checkpoint_<step>-<12 hex> directory, which remove_unused_snapshots deletes once no app
+    has marked it in use for SNAPSHOT_UNUSED_S."""
+    path = Path(checkpoint)
+    return (
+        not is_remote(checkpoint) and path.parent.name == SNAPSHOTS and bool(_SNAPSHOT.fullmatch(path.name))
+    )
+
+
+def mark_snapshot_used(snapshot: str | os.PathLike) -> None:
+    """Mark the snapshot directory `snapshot` in use now: its modification time (one utime call; its files
+    are untouched). Raises OSError as os.utime (FileNotFoundError: it is gone; PermissionError: not ours)."""
+    os.utime(snapshot)
+
+
+def remove_unused_snapshots(
+    run_dir: str | os.PathLike, keep: str, unused_s: float = SNAPSHOT_UNUSED_S
+) -> list[str]:
+    """Delete the snapshots in the local <run_dir>/served/ (directories named checkpoint_<step>-<12 hex>, not
+    links) other than `keep` in which nothing has changed for `unused_s` seconds (raychat.atomic.last_change:
+    mark_snapshot_used changes the directory's time). Each is first renamed to a leftover name
+    (raychat.atomic.fresh_dir) and looked at again: one marked at that moment is renamed back, and a server
+    that marks it while it is renamed finds it gone and makes it again (snapshot_checkpoint). Nothing else in
+    served/, and nothing outside it, is touched; a snapshot that cannot be renamed (no permission) stays.
+    Returns the names deleted, sorted."""
+    served = Path(run_dir) / SNAPSHOTS
+    try:
+        names = sorted(n for n in os.listdir(served) if n != keep and _SNAPSHOT.fullmatch(n))
+    except OSError:  # no served/ (or not ours to read)
+        return []
+    removed = []
+    for name in names:
+        path = served / name
+        try:
+            if path.is_symlink() or not path.is_dir() or time.time() - last_change(path) < unused_s:
+                continue
+            old = fresh_dir(path)
+        except OSError:
+            continue
+        try:
+            os.replace(path, old)
+        except OSError:  # gone meanwhile, or not ours to rename
+            old.rmdir()
+            continue
+        if time.time() - last_change(old) < unused_s:  # marked between the look and the rename
+            try:
+                os.replace(old, path)
+                continue
+            except OSError:  # made again meanwhile: the one renamed away goes
+                shutil.rmtree(old, ignore_errors=True)
+                continue
+        shutil.rmtree(old, ignore_errors=True)
+        removed.append(name)
+    return removed
 
 
 def checkpoint_gone(checkpoint: str) -> bool:

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
+from support.stopped_writer import age
 
 from raychat.chat.turn import turn_parts
 from raychat.chat_template import TEMPLATE_VERSION, render_for_completion
@@ -278,16 +279,18 @@ def test_a_runs_checkpoint_is_served_from_a_snapshot_that_pruning_leaves(served,
     """`<run>/latest` pins the run's newest checkpoint when the app deploys, and build_app serves it from a
     snapshot (<run>/served/checkpoint_000001-<12 hex>: hard links). Training goes on and prunes that checkpoint
     (CheckpointManager keep=1, i.e. --keep-checkpoints 1), then the replica dies: the new replica loads the
-    snapshot and serves the same model (before, every new replica failed: checkpoint ... no longer exists)."""
+    snapshot and serves the same model (before, every new replica failed: checkpoint ... no longer exists).
+    The app marks its snapshot in use while it runs (every 0.5 s here), so a snapshot of the run's newer
+    checkpoint, which deletes the run's snapshots unused for a day, keeps it."""
     from ray import serve
 
-    from raychat.checkpoint_manager import CheckpointManager
+    from raychat.checkpoint_manager import SNAPSHOT_UNUSED_S, CheckpointManager, snapshot_checkpoint
     from raychat.serve.app import build_app
     from raychat.storage import open_storage
 
     first = write_tiny_checkpoint(tmp_path / "run" / "checkpoint_000001")
     args = {"checkpoint": f"{tmp_path}/run/latest", "num_cpus": 0.25, "torch_threads": 1, "max_slots": 1}
-    serve.run(build_app(args), name="pruned", route_prefix="/pruned")
+    serve.run(build_app(args, mark_every_s=0.5), name="pruned", route_prefix="/pruned")
     try:
         url = f"{served}/pruned"
         assert requests.get(f"{url}/health", timeout=30).json()["model_id"] == "checkpoint_000001"
@@ -295,8 +298,15 @@ def test_a_runs_checkpoint_is_served_from_a_snapshot_that_pruning_leaves(served,
         pid = handle.stats.remote().result(timeout_s=30)["pid"]
         (snapshot,) = (tmp_path / "run" / "served").iterdir()
         assert re.fullmatch(r"checkpoint_000001-[0-9a-f]{12}", snapshot.name), snapshot
-        write_tiny_checkpoint(tmp_path / "run" / "checkpoint_000002")  # training saves on and prunes
+        age(snapshot, SNAPSHOT_UNUSED_S + 60)  # as if unused for a day: the app marks it again
+        deadline = time.monotonic() + 30
+        while time.time() - snapshot.stat().st_mtime > 60:
+            assert time.monotonic() < deadline, "the app did not mark its snapshot in use within 30 s"
+            time.sleep(0.2)
+        second = write_tiny_checkpoint(tmp_path / "run" / "checkpoint_000002")  # training saves on and prunes
         assert CheckpointManager(open_storage(tmp_path), "run", keep=1).prune() == [str(first)]
+        newer = snapshot_checkpoint(second)  # another app serves the newer checkpoint: this one's stays
+        assert sorted(p.name for p in snapshot.parent.iterdir()) == sorted([snapshot.name, newer.name])
         os.kill(pid, signal.SIGKILL)  # the replica crashes: Serve starts a new one, from the snapshot
         deadline = time.monotonic() + 120
         while _replica_pid(handle) in (None, pid):

@@ -5,29 +5,36 @@ root is ever written, renamed or deleted."""
 from __future__ import annotations
 
 import errno
+import gc
 import hashlib
 import json
 import os
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from support.stopped_writer import Held, age, run_killed
 from test_checkpointer import tiny_model
 
+import raychat.checkpoint_manager as cm
 from raychat.atomic import STAGING_IDLE_S, is_leftover
 from raychat.checkpoint import check_model, load_model, read_meta, save_model
 from raychat.checkpoint_manager import (
     COMMIT_FILE,
+    SNAPSHOT_UNUSED_S,
     CheckpointError,
     CheckpointManager,
     checkpoint_gone,
     find_checkpoint,
     is_run_checkpoint,
+    mark_snapshot_used,
     resolve_checkpoint,
     snapshot_checkpoint,
 )
 from raychat.config import ConfigError
+from raychat.serve.in_use import MarkInUse
 from raychat.storage import open_storage
 
 
@@ -143,6 +150,88 @@ def test_a_snapshot_copies_where_links_are_refused_and_refuses_a_damaged_checkpo
     ):
         snapshot_checkpoint(second)
     assert [p.name for p in (first.parent / "served").iterdir()] == [snap.name]
+
+
+def test_the_runs_next_snapshot_deletes_snapshots_unused_for_a_day_and_nothing_else(tmp_path, monkeypatch):
+    """Each `raychat serve` of a newer checkpoint of a training run added a snapshot in <run>/served/ that nothing
+    deleted: once its checkpoint was pruned, a full copy's space for ever. The run's next snapshot deletes those
+    no app has marked in use (mark_snapshot_used) for SNAPSHOT_UNUSED_S; one marked within it stays, the one
+    being made or reused stays (also when it was unused that long), and so do a link named like a snapshot
+    (its target outside too) and any other name."""
+    manager = CheckpointManager(open_storage(tmp_path / "runs"), "run", keep=1)
+    first, second = (
+        snapshot_checkpoint(save(manager, tmp_path, 1)),
+        snapshot_checkpoint(save(manager, tmp_path, 2)),
+    )
+    third = save(manager, tmp_path, 3)  # keep=1: only checkpoint 3 is left, snapshots 1 and 2 hold 1 and 2
+    served = first.parent
+    outside = part(tmp_path / "outside", {"model.safetensors": b"theirs"})
+    (served / "checkpoint_000009-0123456789ab").symlink_to(outside)
+    (served / "mine").mkdir()
+    for path in (first, served / "mine", outside):
+        age(path, SNAPSHOT_UNUSED_S + 60)
+    age(second, SNAPSHOT_UNUSED_S - 600)  # its app marked it last 23 h 50 min ago
+    kept = tree(second)
+    snap = snapshot_checkpoint(third)
+    assert sorted(p.name for p in served.iterdir()) == sorted(
+        [second.name, snap.name, "checkpoint_000009-0123456789ab", "mine"]
+    )
+    assert tree(second) == kept and tree(outside) == {
+        "model.safetensors": hashlib.sha256(b"theirs").hexdigest()
+    }
+    # the snapshot being reused is marked first and stays, though unused for a day until now
+    age(snap, SNAPSHOT_UNUSED_S + 60)
+    age(second, SNAPSHOT_UNUSED_S + 60)
+    inode = (snap / "model.safetensors").stat().st_ino
+    assert snapshot_checkpoint(third) == snap and (snap / "model.safetensors").stat().st_ino == inode
+    assert time.time() - snap.stat().st_mtime < 60
+    assert sorted(p.name for p in served.iterdir()) == sorted(
+        [snap.name, "checkpoint_000009-0123456789ab", "mine"]
+    )
+    # a server that marks a snapshot just as it is judged unused keeps it: it is looked at again once renamed
+    again = snapshot_checkpoint(save(manager, tmp_path, 4))
+    age(snap, SNAPSHOT_UNUSED_S + 60)
+    files, real = tree(snap), cm.last_change
+
+    def marked_meanwhile(path):
+        seen = real(path)
+        if Path(path) == snap:
+            mark_snapshot_used(snap)  # after the look, before the rename
+        return seen
+
+    monkeypatch.setattr(cm, "last_change", marked_meanwhile)
+    assert cm.remove_unused_snapshots(served.parent, keep=again.name) == []
+    assert sorted(p.name for p in served.iterdir()) == sorted(
+        [snap.name, again.name, "checkpoint_000009-0123456789ab", "mine"]
+    )
+    assert tree(snap) == files
+    monkeypatch.undo()
+    age(snap, SNAPSHOT_UNUSED_S + 60)
+    assert cm.remove_unused_snapshots(served.parent, keep=again.name) == [snap.name]
+
+
+def test_a_served_snapshot_is_marked_in_use_until_its_holder_stops_or_is_gone(tmp_path):
+    """MarkInUse, which every ingress and ChatServer replica serving a snapshot holds: it marks the snapshot at
+    once and every `every_s`, and its thread ends with stop() or once the holder drops it (no thread left)."""
+    snap = part(tmp_path / "run" / "served" / "checkpoint_000001-0123456789ab", {"meta.json": b"{}"})
+    age(snap, SNAPSHOT_UNUSED_S + 60)
+    marker = MarkInUse(str(snap), every_s=0.05)
+    assert time.time() - snap.stat().st_mtime < 5
+    for _ in range(2):  # marked again every 0.05 s
+        age(snap, SNAPSHOT_UNUSED_S + 60)
+        deadline = time.monotonic() + 5
+        while time.time() - snap.stat().st_mtime > 60:
+            assert time.monotonic() < deadline, "not marked again within 5 s"
+            time.sleep(0.02)
+    marker.stop()
+    age(snap, SNAPSHOT_UNUSED_S + 60)
+    time.sleep(0.2)
+    assert time.time() - snap.stat().st_mtime > SNAPSHOT_UNUSED_S and not marker._thread.is_alive()
+    thread = MarkInUse(str(snap), every_s=0.05)._thread  # dropped at once, as a replica that is gone
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert not any(t.name == "mark-in-use" for t in threading.enumerate())
 
 
 SNAPSHOT_STOPPED_BEFORE_ITS_RENAME = """

@@ -21,8 +21,9 @@ ingress' max_ongoing_requests (at least 1000) follows args' max_replicas only.
 shared directory, s3:// or gs://): build_app resolves it once, so every replica serves the same checkpoint,
 and a replica on another node fetches a remote one itself (raychat.checkpoint.load_model). A run's local
 checkpoint (checkpoint_<step>) is served from a snapshot beside it that the run's pruning leaves (pinned), so
-replicas started later load it too; a remote one, or one deleted otherwise, fails every replica started after
-that with pruned_message. While ChatServer is failing so, /health and chat requests answer 503 with the
+replicas started later load it too; the ingress and the replicas mark it in use while the app runs
+(raychat.serve.in_use), and the run's next snapshot deletes only snapshots unmarked for a day. A remote one,
+or one deleted otherwise, fails every replica started after that with pruned_message. While ChatServer is failing so, /health and chat requests answer 503 with the
 Serve controller's reason within about `health_timeout_s` (HandleClient), where a request to replicas that
 are busy or starting waits.
 `max_replicas_per_node` spreads ChatServer replicas over nodes (Serve's deployment option of that name).
@@ -56,10 +57,12 @@ from ray.serve.config import BackpressureConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from raychat.checkpoint_manager import (
+    SNAPSHOT_MARK_S,
     CheckpointError,
     checkpoint_gone,
     find_checkpoint,
     is_run_checkpoint,
+    is_snapshot,
     snapshot_checkpoint,
 )
 from raychat.config import ConfigError, ServeConfig, from_dict
@@ -67,6 +70,7 @@ from raychat.gc_heap import freeze_gc_heap
 from raychat.serve.api import MAX_BODY_BYTES
 from raychat.serve.deployments import INGRESS_DEPLOYMENT, SERVER_DEPLOYMENT, deployment_options
 from raychat.serve.errors import EngineOverloadedError, EngineUnavailableError
+from raychat.serve.in_use import MarkInUse
 from raychat.serve.ingress import create_app
 from raychat.serve.server import ChatServer, merge_deltas
 
@@ -99,7 +103,8 @@ def serve_config(args: dict | ServeConfig | None) -> ServeConfig:
 
 @serve.deployment(name=SERVER_DEPLOYMENT)
 class ChatServerDeployment:
-    """One engine replica (a ChatServer); its methods are called through a DeploymentHandle."""
+    """One engine replica (a ChatServer); its methods are called through a DeploymentHandle. `snapshot`: the
+    run's snapshot it serves (None: not one), marked in use every `mark_every_s` seconds while it lives."""
 
     def __init__(
         self,
@@ -113,7 +118,10 @@ class ChatServerDeployment:
         dtype: str,
         prefill_chunk_tokens: int,
         limits: dict | None = None,
+        snapshot: str | None = None,
+        mark_every_s: float = SNAPSHOT_MARK_S,
     ):
+        self.in_use = MarkInUse(snapshot, mark_every_s) if snapshot else None
         # what this replica reserved (ray_actor_options: build_app's, or a Serve config's deployments: entry)
         reserved = ray.get_runtime_context().get_assigned_resources()
         device = device_for(reserved.get("GPU", 0))
@@ -330,7 +338,8 @@ class HandleClient:
 @serve.ingress()
 class ChatIngress:
     """HTTP ingress: the FastAPI app of raychat.serve.ingress over a handle to ChatServer; health_timeout_s:
-    HandleClient's timeout_s."""
+    HandleClient's timeout_s. `snapshot`: the run's snapshot the app serves (None: not one), marked in use
+    every `mark_every_s` seconds while the app runs, also while ChatServer has no replica."""
 
     def __init__(
         self,
@@ -338,7 +347,10 @@ class ChatIngress:
         api_key: str | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         health_timeout_s: float | None = None,
+        snapshot: str | None = None,
+        mark_every_s: float = SNAPSHOT_MARK_S,
     ):
+        self.in_use = MarkInUse(snapshot, mark_every_s) if snapshot else None
         self.client = HandleClient(engine, health_timeout_s)
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
 
@@ -375,9 +387,11 @@ def pinned(checkpoint: str) -> str:
         return checkpoint
 
 
-def build_app(args: dict | ServeConfig) -> Application:
+def build_app(args: dict | ServeConfig, mark_every_s: float = SNAPSHOT_MARK_S) -> Application:
     """The application for `serve run raychat.serve.app:build_app key=value ...` (keys: ServeConfig). A run's
-    local checkpoint is bound as its snapshot (pinned), reported under the checkpoint's own name.
+    local checkpoint is bound as its snapshot (pinned), reported under the checkpoint's own name; while the
+    app runs, its ingress and ChatServer replicas mark the snapshot (or a snapshot named directly) in use
+    every `mark_every_s` seconds (raychat.serve.in_use), so the run's next snapshot_checkpoint keeps it.
 
     Raises:
         ValueError: invalid args (see serve_config), or a checkpoint reference that names no committed
@@ -389,6 +403,7 @@ def build_app(args: dict | ServeConfig) -> Application:
     checkpoint = find_checkpoint(c.checkpoint, flag="checkpoint")
     model_id = c.model_id or Path(checkpoint).resolve().name  # a snapshot's name has a digest appended
     checkpoint = pinned(checkpoint)
+    in_use = {"snapshot": checkpoint if is_snapshot(checkpoint) else None, "mark_every_s": mark_every_s}
     options = deployment_options(c)  # what a Serve config's deployments: section may override in place
     backpressure = BackpressureConfig(status_code=429, retry_after_s=c.retry_after_s)
     limits = {"max_pending": r.max_pending, "request_timeout_s": r.request_timeout_s}
@@ -408,9 +423,10 @@ def build_app(args: dict | ServeConfig) -> Application:
         r.dtype,
         r.prefill_chunk_tokens,
         limits=limits,
+        **in_use,
     )
     return ChatIngress.options(
         **options[INGRESS_DEPLOYMENT],
         max_ongoing_requests=max(1000, 4 * r.max_ongoing_requests * a.max_replicas),
         backpressure_config=backpressure,
-    ).bind(engine, c.api_key, health_timeout_s=c.health_timeout_s)
+    ).bind(engine, c.api_key, health_timeout_s=c.health_timeout_s, **in_use)
