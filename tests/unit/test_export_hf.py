@@ -245,6 +245,15 @@ def test_export_rejects_small_vocab(tmp_path, tokenizer):
         export_hf.export_hf(GPT(cfg), tokenizer, tmp_path)
 
 
+@pytest.fixture(autouse=True)
+def staging(tmp_path_factory, monkeypatch) -> Path:
+    """Every export to object storage here stages under a home of its own, never the developer's
+    ~/.cache/raychat/exports (EXPORT_STAGING)."""
+    path = tmp_path_factory.mktemp("home") / ".cache" / "raychat" / "exports"
+    monkeypatch.setattr(export_hf, "EXPORT_STAGING", path)
+    return path
+
+
 @pytest.fixture
 def root(tmp_path, model, tokenizer):
     """A storage root with a committed checkpoint, prepared data, a tokenizer and eval results."""
@@ -415,12 +424,10 @@ def test_export_to_object_storage_says_how_to_download_it_before_loading(root, s
     )
 
 
-def test_export_to_object_storage_deletes_the_staging_a_killed_one_left(root, s3_env, tmp_path, monkeypatch):
+def test_export_to_object_storage_deletes_the_staging_a_killed_one_left(root, s3_env, staging):
     """An export to s3:// or gs:// staged in tempfile.TemporaryDirectory: one killed before its upload ended left
     /tmp/tmpXXXX (the whole model) behind for good. It stages under EXPORT_STAGING, and the next export there
     deletes a killed one's staging directory idle for an hour, not a younger one (another export's, running)."""
-    staging = tmp_path / "cache" / "raychat" / "exports"
-    monkeypatch.setattr(export_hf, "EXPORT_STAGING", staging)
     killed, running = staging / ".export.0123456789abcdef", staging / ".export.fedcba9876543210"
     for d in (killed, running):
         d.mkdir(parents=True)
@@ -433,6 +440,23 @@ def test_export_to_object_storage_deletes_the_staging_a_killed_one_left(root, s3
     assert raychat_main(argv) == 0
     assert sorted(p.name for p in staging.iterdir()) == [running.name]  # its own staging is gone too
     assert s3_env.filesystem().get_file_info(f"{bucket}/hf/model.safetensors").size > 0
+
+
+def test_an_export_to_object_storage_leaves_nothing_in_the_cache(root, s3_env, staging):
+    """The exports to s3:// here staged under the developer's ~/.cache/raychat/exports and left that directory
+    behind, empty (the export deleted its own staging directory, not EXPORT_STAGING): every test run, and every
+    user's export, left it in the home. The tests stage in a home of their own (the `staging` fixture) and an
+    export deletes EXPORT_STAGING once it is empty; not while another export stages there."""
+    cache = staging.parent
+    cache.mkdir(parents=True)  # the checkpoint cache's parent, ~/.cache/raychat
+    bucket = s3_env.make_bucket()
+    argv = ["export", "--checkpoint", "pretrain", "--storage-path", str(root), "--out", f"s3://{bucket}/hf"]
+    assert raychat_main(argv) == 0
+    assert list(cache.iterdir()) == []
+    running = staging / ".export.fedcba9876543210"  # another export's, staging now
+    running.mkdir(parents=True)
+    assert raychat_main(argv) == 0
+    assert list(cache.iterdir()) == [staging] and list(staging.iterdir()) == [running]
 
 
 def test_export_refuses_weights_changed_in_place(root, tmp_path, capsys):

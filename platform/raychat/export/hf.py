@@ -2,7 +2,7 @@
 <storage-path>/<run-name>/ or to --out, whole: a local one is assembled beside its target under a temporary
 name and renamed into place (raychat.atomic.atomic_write_dir: an export killed part-way leaves the earlier
 export as it was, never new files beside old ones), one on object storage (a --storage-path or an --out of
-s3://bucket/prefix or gs://bucket/prefix) is staged in a local .export.<16 hex> directory under EXPORT_STAGING, then uploaded (raychat.storage.upload_dir); the next such export deletes
+s3://bucket/prefix or gs://bucket/prefix) is staged in a local .export.<16 hex> directory under EXPORT_STAGING, then uploaded (raychat.storage.upload_dir) and deleted, and EXPORT_STAGING too once empty; the next such export deletes
 the staging directories a killed one left there (idle for an hour). A directory that holds anything but an earlier export is refused
 (check_export_target); --checkpoint is any reference raychat.checkpoint_manager resolves (`latest`: the newest checkpoint there).
 The files the export reads (raychat.checkpoint.MODEL_FILES) are checked against their sha256 digests in the
@@ -39,6 +39,7 @@ the escape after special tokens are matched, so the ids are raychat's for any co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -318,6 +319,8 @@ def main(args: argparse.Namespace) -> int:
             return upload_dir(export_hf(model, tokenizer, tmp), storage, path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):  # only when empty: no other export stages there now
+                EXPORT_STAGING.rmdir()
 
     if cfg.out and out_storage.is_local:
         atomic_write_dir(os.path.realpath(out_storage.path), write)  # where a link there leads, as before
@@ -339,12 +342,17 @@ EXPORT_STAGING = DEFAULT_CACHE.parent / "exports"
 
 
 def staging_dir() -> Path:
-    """A fresh local directory under EXPORT_STAGING for an export bound for object storage. The staging
-    directories of killed exports there, those nothing has changed in for STAGING_IDLE_S, are deleted first
-    (a younger one may be another export's, running now). Raises OSError as os.mkdir."""
-    EXPORT_STAGING.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(EXPORT_STAGING, of="export", idle_s=STAGING_IDLE_S)
-    return fresh_dir(EXPORT_STAGING / "export")
+    """A fresh local directory under EXPORT_STAGING (created) for an export bound for object storage. The
+    staging directories of killed exports there, those nothing has changed in for STAGING_IDLE_S, are deleted
+    first (a younger one may be another export's, running now). The export deletes its own once uploaded,
+    and EXPORT_STAGING too once empty. Raises OSError as os.mkdir."""
+    while True:
+        EXPORT_STAGING.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(EXPORT_STAGING, of="export", idle_s=STAGING_IDLE_S)
+        try:
+            return fresh_dir(EXPORT_STAGING / "export")
+        except FileNotFoundError:  # another export deleted the empty EXPORT_STAGING meanwhile
+            continue
 
 
 # how to copy a remote export to the local directory ./<its name>: transformers loads a local directory or a
