@@ -230,12 +230,16 @@ def delete_dir(storage: Storage, path: str) -> None:
         storage.fs.delete_dir(path)
 
 
-def upload_dir(local: str | os.PathLike, storage: Storage, path: str) -> str:
+def upload_dir(local: str | os.PathLike, storage: Storage, path: str, last: str | None = None) -> str:
     """Copy the local directory `local` to `path` (strictly below the root) on storage.fs, replacing what was
     there; returns its URI. Local storage: copied beside it under a temporary name, then renamed
     (raychat.atomic.atomic_write_dir: never half there, never a mix with what was there). Object storage: file
-    by file (a reader sees the new files appear one by one).
-    Raises ValueError for a path outside the root."""
+    by file (a reader sees the new files appear one by one), in this order: the file named `last` (a name
+    directly in `local`) is deleted at `path` first, every other file is uploaded, the files directly at `path`
+    that `local` does not hold are deleted (an earlier upload's; sub-directories there are left), and `last`
+    is uploaded last; so once `last` is there, so is the whole upload and nothing else, and an upload that
+    ended part-way lacks it.
+    Raises ValueError for a path outside the root; OSError as pyarrow raises it (the upload ended there)."""
     storage.inside(path)
     if storage.is_local:
 
@@ -246,10 +250,33 @@ def upload_dir(local: str | os.PathLike, storage: Storage, path: str) -> str:
 
         atomic_write_dir(path, copy)
     else:
-        pafs.copy_files(
-            str(local), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=storage.fs
-        )
+        names = sorted(p.relative_to(local).as_posix() for p in Path(local).rglob("*") if p.is_file())
+
+        def put(name: str) -> None:
+            pafs.copy_files(
+                str(Path(local) / name),
+                storage.inside(f"{path}/{name}"),
+                source_filesystem=pafs.LocalFileSystem(),
+                destination_filesystem=storage.fs,
+            )
+
+        if last is not None:
+            _delete_file(storage, f"{path}/{last}")
+        for name in names:
+            if name != last:
+                put(name)
+        for info in storage.fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
+            if info.type == pafs.FileType.File and info.base_name not in names:
+                _delete_file(storage, info.path)
+        if last in names:
+            put(last)
     return storage.uri_of(path)
+
+
+def _delete_file(storage: Storage, path: str) -> None:
+    """Delete the file at `path` (strictly below the root) on storage.fs; nothing when there is none."""
+    if storage.fs.get_file_info(storage.inside(path)).type == pafs.FileType.File:
+        storage.fs.delete_file(path)
 
 
 def download_dir(storage: Storage, path: str, dest: Path, check) -> Path:

@@ -459,6 +459,57 @@ def test_an_export_to_object_storage_leaves_nothing_in_the_cache(root, s3_env, s
     assert list(cache.iterdir()) == [staging] and list(staging.iterdir()) == [running]
 
 
+def test_an_export_to_object_storage_replaces_the_earlier_one_and_uploads_config_json_last(
+    root, s3_env, tmp_path, monkeypatch, capsys
+):
+    """An export to s3:// uploaded its files one by one over the earlier export's: a file the earlier export had
+    and the new one lacks (an older export format's) stayed beside the new files, and an upload that ended
+    part-way paired the new weights with the old config.json. Now config.json is deleted first and uploaded
+    last, after the files the new export lacks are deleted (directly under its prefix only: the sibling key and
+    the bucket's are kept); an upload that ended part-way lacks config.json, and the next export replaces it."""
+    bucket, fs = s3_env.make_bucket(), s3_env.filesystem()
+    for key in (f"{bucket}/notes.txt", f"{bucket}/x/notes.txt"):
+        with fs.open_output_stream(key) as f:
+            f.write(b"mine")
+    argv = ["export", "--checkpoint", "pretrain", "--storage-path", str(root), "--out", f"s3://{bucket}/x/hf"]
+
+    def remote() -> dict[str, bytes]:
+        infos = fs.get_file_info(pafs.FileSelector(f"{bucket}/x/hf"))
+        return {i.base_name: fs.open_input_stream(i.path).read() for i in infos}
+
+    assert raychat_main(argv) == 0 and set(remote()) == export_hf.EXPORT_FILES
+    real_export = export_hf.export_hf
+
+    def newer_format(model, tokenizer, out):  # a later export format without special_tokens_map.json
+        out = real_export(model, tokenizer, out)
+        (out / "special_tokens_map.json").unlink()
+        return out
+
+    monkeypatch.setattr(export_hf, "export_hf", newer_format)
+    assert raychat_main([*argv[:-1], str(tmp_path / "hf")]) == 0  # the same export, local
+    local = _files(tmp_path / "hf")
+    assert "special_tokens_map.json" not in local
+    real_copy, copied, cut = pafs.copy_files, [], ["tokenizer.json"]
+
+    def copy(source, destination, **kwargs):  # records each upload; the connection drops at `cut`
+        name = destination.rsplit("/", 1)[-1]
+        if name in cut:
+            raise OSError("connection reset by peer")
+        copied.append(name)
+        return real_copy(source, destination, **kwargs)
+
+    monkeypatch.setattr(pafs, "copy_files", copy)
+    capsys.readouterr()
+    assert raychat_main(argv) == 2  # the weights are up, tokenizer.json is not
+    assert "connection reset by peer" in capsys.readouterr().err
+    assert "config.json" not in remote() and remote()["model.safetensors"] == local["model.safetensors"]
+    copied.clear(), cut.clear()
+    assert raychat_main(argv) == 0  # the part-way upload is replaced as an earlier export
+    assert remote() == local and copied[-1] == "config.json"
+    assert fs.open_input_stream(f"{bucket}/notes.txt").read() == b"mine"
+    assert fs.open_input_stream(f"{bucket}/x/notes.txt").read() == b"mine"
+
+
 def test_export_refuses_weights_changed_in_place(root, tmp_path, capsys):
     """Bytes of model.safetensors overwritten at the same size pass the size and header checks of loading:
     the export used to write the damaged weights as a valid Hugging Face model. Nothing is written to --out."""

@@ -3,7 +3,10 @@
 name and renamed into place (raychat.atomic.atomic_write_dir: an export killed part-way leaves the earlier
 export as it was, never new files beside old ones), one on object storage (a --storage-path or an --out of
 s3://bucket/prefix or gs://bucket/prefix) is staged in a local .export.<16 hex> directory under EXPORT_STAGING, then uploaded (raychat.storage.upload_dir) and deleted, and EXPORT_STAGING too once empty; the next such export deletes
-the staging directories a killed one left there (idle for an hour). A directory that holds anything but an earlier export is refused
+the staging directories a killed one left there (idle for an hour). The upload deletes config.json there first,
+uploads the other files, deletes the files an earlier export left that this one lacks, and uploads config.json
+last: a prefix with a config.json holds one whole export, one without it an upload that ended part-way
+(transformers refuses it; the next export replaces it). A directory that holds anything but an earlier export is refused
 (check_export_target); --checkpoint is any reference raychat.checkpoint_manager resolves (`latest`: the newest checkpoint there).
 The files the export reads (raychat.checkpoint.MODEL_FILES) are checked against their sha256 digests in the
 checkpoint's commit.json first, so a checkpoint damaged in place (same size) is refused rather than exported.
@@ -273,22 +276,32 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | os.PathLike) -> Path:
     return out
 
 
-def is_earlier_export(entries: list[pafs.FileInfo], killed: bool) -> bool:
+def is_earlier_export(entries: list[pafs.FileInfo], killed: bool, remote: bool = False) -> bool:
     """Whether a directory's entries (its leftovers aside: check_output_target) are an earlier export: only
     EXPORT_FILES, config.json and model.safetensors among them; or, killed (a leftover of a killed write was
-    there), config.json among them (an export writes it first)."""
+    there), config.json among them (an export writes it first); or, remote (on object storage), no config.json
+    among them (an upload that ended part-way: it deletes config.json first and uploads it last)."""
     files = {e.base_name for e in entries if e.type == pafs.FileType.File}
+    if len(files) != len(entries) or not files <= EXPORT_FILES:
+        return False
     need = {"config.json"} if killed else REQUIRED_EXPORT_FILES
-    return len(files) == len(entries) and files <= EXPORT_FILES and need <= files
+    return need <= files or (remote and "config.json" not in files)
 
 
 def check_export_target(storage: Storage, target: str, flag: str) -> str:
     """`target` on storage.fs, where an export goes, replacing what is there: nothing, an empty directory or an
-    earlier export (is_earlier_export).
+    earlier export (is_earlier_export; on object storage also one whose upload ended part-way).
 
     Raises ValueError naming `flag`: a checkpoint, a training run's checkpoints or anything else there
     (prepared data, a tokenizer, eval results, other files, a file)."""
-    return check_output_target(storage, target, flag, "an export", "an earlier export", is_earlier_export)
+    return check_output_target(
+        storage,
+        target,
+        flag,
+        "an export",
+        "an earlier export",
+        lambda entries, killed: is_earlier_export(entries, killed, remote=not storage.is_local),
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -316,7 +329,7 @@ def main(args: argparse.Namespace) -> int:
     def upload(storage: Storage, path: str) -> str:
         tmp = staging_dir()
         try:
-            return upload_dir(export_hf(model, tokenizer, tmp), storage, path)
+            return upload_dir(export_hf(model, tokenizer, tmp), storage, path, last="config.json")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
             with contextlib.suppress(OSError):  # only when empty: no other export stages there now
