@@ -462,9 +462,9 @@ def snapshot_checkpoint(checkpoint: str | os.PathLike) -> Path:
     checkpoint's (a copy where the filesystem refuses a link), put together under a temporary name
     (raychat.atomic.fresh_dir), checked against the commit marker (verify: every file, its size), and then
     given the final name, commit.json last; a snapshot of the same commit marker already there is reused
-    (marked in use first: mark_snapshot_used). The staging directories of this snapshot left by a killed
-    process are deleted first, those idle for raychat.atomic.STAGING_IDLE_S only: another server may be
-    putting the same snapshot together right now. The run's other snapshots that no app has marked in use for
+    (marked in use first: mark_snapshot_used). The leftovers of killed processes in served/ (a snapshot's
+    staging, a stale snapshot renamed away to be deleted) are deleted first, those idle for
+    raychat.atomic.STAGING_IDLE_S only: another server may be putting a snapshot together right now. The run's other snapshots that no app has marked in use for
     SNAPSHOT_UNUSED_S are deleted last (remove_unused_snapshots).
 
     Raises CheckpointError: `checkpoint` is not committed, or a file differs from its marker; ValueError: a
@@ -476,7 +476,8 @@ def snapshot_checkpoint(checkpoint: str | os.PathLike) -> Path:
     run = open_storage(src.parent)
     name = f"{src.name}-{hashlib.sha256(commit).hexdigest()[:12]}"
     dest = Path(run.inside(f"{run.path}/{SNAPSHOTS}/{name}"))
-    remove_leftovers(dest.parent, of=dest.name, idle_s=STAGING_IDLE_S)  # of a snapshot that was killed
+    # of any snapshot killed while being made, or while remove_unused_snapshots deleted it
+    remove_leftovers(dest.parent, idle_s=STAGING_IDLE_S)
     if (dest / COMMIT_FILE).is_file() and (dest / COMMIT_FILE).read_bytes() == commit:
         try:
             _mark_reused(dest)  # first: remove_unused_snapshots of another server then keeps it

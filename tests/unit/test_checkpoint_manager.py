@@ -251,7 +251,8 @@ def test_a_killed_snapshots_staging_directory_is_removed_but_not_a_live_one(tmp_
     """A server killed while it snapshotted a checkpoint left `.checkpoint_000001-<hash>.<16 hex>` in served/
     for good: each one a full copy where hard links are refused. The next snapshot of that checkpoint removes
     it once it has been idle for STAGING_IDLE_S; the staging directory of a server snapshotting the same
-    checkpoint right now stays, and that server finishes; another checkpoint's leftover stays too."""
+    checkpoint right now stays, and that server finishes. An idle leftover of another checkpoint's snapshot (or
+    of a stale snapshot whose deletion was killed) goes too: nothing else in served/ would ever remove it."""
     manager = CheckpointManager(open_storage(tmp_path / "runs"), "run")
     first = save(manager, tmp_path, 1)
     served = Path(first).parent / "served"
@@ -261,14 +262,17 @@ def test_a_killed_snapshots_staging_directory_is_removed_but_not_a_live_one(tmp_
     assert is_leftover(killed.name) and sorted(p.name for p in killed.iterdir()) == sorted(tree(Path(first)))
     age(killed, STAGING_IDLE_S + 60)
     other = served / ".checkpoint_000009-0123456789ab.0123456789abcdef"  # another checkpoint's, as old
-    other.mkdir()
+    (other / "model.safetensors").parent.mkdir()
+    (other / "model.safetensors").write_bytes(b"w")
     age(other, STAGING_IDLE_S + 60)
+    recent = served / ".checkpoint_000009-0123456789ab.fedcba9876543210"  # another checkpoint's, live
+    recent.mkdir()
     live = Held(code, tmp_path / "live")  # another server, its snapshot staged, not renamed yet
-    (staging,) = set(served.iterdir()) - {killed, other}
+    (staging,) = set(served.iterdir()) - {killed, other, recent}
     snap = snapshot_checkpoint(first)
-    assert sorted(p.name for p in served.iterdir()) == sorted([snap.name, staging.name, other.name])
+    assert sorted(p.name for p in served.iterdir()) == sorted([snap.name, staging.name, recent.name])
     assert live.go() == (0, f"{snap}\n")  # it replaced the snapshot with its own, as before
-    assert sorted(p.name for p in served.iterdir()) == sorted([snap.name, other.name])
+    assert sorted(p.name for p in served.iterdir()) == sorted([snap.name, recent.name])
     assert tree(snap) == tree(Path(first))
 
 
