@@ -108,7 +108,7 @@ def rl_gauges(run_name: str):
         gauges.record(
             s["step"], s["reward_mean"], pass_at_1=s["pass_at_1"], staleness=s["staleness_mean"],
             sync_time_s=s["sync_time_s"], rollout_tokens_per_s=s["rollout_tokens_per_s"],
-            learner_wait_frac=s["learner_wait_frac"],
+            learner_wait_frac=s["learner_wait_frac"], zero_advantage_frac=s["zero_advantage_frac"],
         )  # fmt: skip
 
     return record
