@@ -10,6 +10,11 @@ from pathlib import Path
 # driver in this process.
 os.environ["RAY_AUTH_MODE"] = "token"
 
+from support.cluster import RAY_STARTUP_WAIT  # noqa: E402
+
+# and the start-up wait of every Ray node the tests start, a local ray.init()'s too (support.cluster)
+os.environ.update({k: os.environ.get(k, v) for k, v in RAY_STARTUP_WAIT.items()})
+
 import pytest  # noqa: E402
 import ray  # noqa: E402
 from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader  # noqa: E402

@@ -190,8 +190,8 @@ class ClusterStartError(OSError):
     """The local Ray cluster a command starts did not come up (start_local_cluster); the message is one line."""
 
 
-# Ray 2.60's raylet must register with the GCS within a fixed 30 s (ray/_private/node.py: a local
-# raylet_start_wait_time_s, no environment variable or config sets it); on an overloaded machine it does not.
+# Ray 2.60's raylet must register with the GCS in time; on an overloaded machine it does not. Each lookup of
+# the new node (ray/_private/node.py) waits RAY_raylet_start_wait_time_s, 30 s by default: raising it waits longer.
 STARTUP_TIMEOUT = "timed out during startup"
 
 
@@ -219,9 +219,9 @@ def start_failure(error: BaseException) -> str:
     first = next((ln.strip() for ln in str(error).splitlines() if ln.strip()), type(error).__name__)
     if STARTUP_TIMEOUT in str(error):
         hint = (
-            "this machine is likely overloaded: Ray gives its raylet a fixed 30 s to register (no setting "
-            "changes it); retry when the load is lower, or start a cluster with `ray start --head` and run "
-            "with RAY_ADDRESS=auto"
+            "this machine is likely overloaded: Ray gives its raylet RAY_raylet_start_wait_time_s (default "
+            "30) seconds to register; set it higher (e.g. RAY_raylet_start_wait_time_s=120), retry when the "
+            "load is lower, or start a cluster with `ray start --head` and run with RAY_ADDRESS=auto"
         )
     else:
         hint = "see Ray's logs under its temp dir, /tmp/ray by default"

@@ -14,7 +14,8 @@ Metrics (tags in brackets; units in the name or below):
   RL         [run]          raychat_rl_step, raychat_rl_reward_mean, raychat_rl_pass_at_1 (0..1),
                             raychat_rl_staleness (policy versions between the rollout's weights and the
                             learner's), raychat_rl_sync_time_seconds, raychat_rl_rollout_tokens_per_s,
-                            raychat_rl_learner_wait_frac (0..1)
+                            raychat_rl_learner_wait_frac (0..1), raychat_rl_zero_advantage_frac (0..1
+                            of the step's prompts whose samples all got the same reward: no signal)
   serving    [deployment]   raychat_serve_ttft_seconds (histogram: time to first token),
                             raychat_serve_inter_token_seconds (histogram), raychat_serve_running_requests,
                             raychat_serve_waiting_requests, raychat_serve_kv_slots_in_use,
@@ -77,6 +78,12 @@ RL_ROLLOUT_TPS = _spec(
 )
 RL_LEARNER_WAIT = _spec(
     "raychat_rl_learner_wait_frac", "gauge", "Fraction of learner time waiting for rollouts, 0..1.", _RL
+)
+RL_ZERO_ADVANTAGE = _spec(
+    "raychat_rl_zero_advantage_frac",
+    "gauge",
+    "Fraction of the step's prompts whose samples all got the same reward (no learning signal), 0..1.",
+    _RL,
 )
 
 _SERVE = ("deployment",)
@@ -226,9 +233,11 @@ class RLMetrics(_Recorder):
         sync_time_s: float | None = None,
         rollout_tokens_per_s: float | None = None,
         learner_wait_frac: float | None = None,
+        zero_advantage_frac: float | None = None,
     ) -> None:
         """Record one learner step; None leaves that gauge unchanged. Raises ValueError on out-of-range values
-        (pass_at_1 and learner_wait_frac in [0, 1]; staleness, sync_time_s, rollout_tokens_per_s >= 0)."""
+        (pass_at_1, learner_wait_frac and zero_advantage_frac in [0, 1]; staleness, sync_time_s,
+        rollout_tokens_per_s >= 0)."""
         opt = lambda field, v, **kw: None if v is None else _number(field, v, **kw)  # noqa: E731
         self._emit(
             {
@@ -239,6 +248,7 @@ class RLMetrics(_Recorder):
                 RL_SYNC_TIME: opt("sync_time_s", sync_time_s, lo=0.0),
                 RL_ROLLOUT_TPS: opt("rollout_tokens_per_s", rollout_tokens_per_s, lo=0.0),
                 RL_LEARNER_WAIT: opt("learner_wait_frac", learner_wait_frac, lo=0.0, hi=1.0),
+                RL_ZERO_ADVANTAGE: opt("zero_advantage_frac", zero_advantage_frac, lo=0.0, hi=1.0),
             }
         )
 

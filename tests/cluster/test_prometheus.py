@@ -93,6 +93,7 @@ class TinyJob:
             rl({
                 "step": step, "reward_mean": 0.25 * step, "pass_at_1": 0.5, "staleness_mean": 1.0,
                 "sync_time_s": 0.2, "rollout_tokens_per_s": 300.0, "learner_wait_frac": 0.4,
+                "zero_advantage_frac": 0.25,
             })  # fmt: skip
             time.sleep(1.5)  # a scrape (1 s) between steps
 

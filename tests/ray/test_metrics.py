@@ -10,10 +10,11 @@ import pytest
 
 from raychat import metrics
 from raychat.metrics import RLMetrics, ServeMetrics, TrainMetrics
+from raychat.rl.loop import rl_gauges
 
 
 def test_names_are_prefixed_and_unique():
-    assert len(metrics.METRIC_NAMES) == len(set(metrics.METRIC_NAMES)) == 23
+    assert len(metrics.METRIC_NAMES) == len(set(metrics.METRIC_NAMES)) == 24
     assert all(name.startswith("raychat_") for name in metrics.METRIC_NAMES)
 
 
@@ -43,6 +44,8 @@ def test_bad_values_name_the_field():
             t.record(**{**ok, field: bad})
     with pytest.raises(ValueError, match="pass_at_1"):
         RLMetrics("r").record(1, 0.5, pass_at_1=2.0)
+    with pytest.raises(ValueError, match="zero_advantage_frac"):
+        RLMetrics("r").record(1, 0.5, zero_advantage_frac=1.25)
     with pytest.raises(ValueError, match="n must be an int"):
         ServeMetrics("chat").set_running(-1)
     with pytest.raises(ValueError, match="deployment"):
@@ -104,10 +107,10 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
         data_wait_frac=0.05,
         bpb=1.1,
     )
-    RLMetrics("t1").record(
-        step=2, reward_mean=0.5, pass_at_1=0.25, staleness=1, sync_time_s=0.3, rollout_tokens_per_s=900.0,
-        learner_wait_frac=0.6,
-    )  # fmt: skip
+    rl_gauges("t1")({  # what the RL loop records each step with
+        "step": 2, "reward_mean": 0.5, "pass_at_1": 0.25, "staleness_mean": 1, "sync_time_s": 0.3,
+        "rollout_tokens_per_s": 900.0, "learner_wait_frac": 0.6, "zero_advantage_frac": 0.75,
+    })  # fmt: skip
     serve = ServeMetrics("chat")
     for ttft in (0.02, 0.2, 0.3):
         serve.observe_ttft(ttft)
@@ -125,6 +128,7 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
         "ray_raychat_train_loss",
         "ray_raychat_train_bpb",
         "ray_raychat_rl_learner_wait_frac",
+        "ray_raychat_rl_zero_advantage_frac",
         "ray_raychat_serve_generated_tokens_total",
         "ray_raychat_prefix_cache_queries_total",
         "ray_raychat_prefix_cache_hits_total",
@@ -147,6 +151,7 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
     assert got[("ray_raychat_rl_sync_time_seconds", rl)] == 0.3
     assert got[("ray_raychat_rl_rollout_tokens_per_s", rl)] == 900.0
     assert got[("ray_raychat_rl_learner_wait_frac", rl)] == 0.6
+    assert got[("ray_raychat_rl_zero_advantage_frac", rl)] == 0.75
     d = (("deployment", "chat"),)
     assert got[("ray_raychat_serve_generated_tokens_total", d)] == 12
     assert got[("ray_raychat_prefix_cache_queries_total", d)] == 140

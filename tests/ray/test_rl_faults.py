@@ -116,6 +116,10 @@ def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
     assert step_3[0]["reward_mean"] == step_3[1]["reward_mean"]
     assert float(step_3[1]["loss"]) == pytest.approx(float(step_3[0]["loss"]), rel=1e-5, abs=1e-7)
     assert (step_3[0]["failures"], step_3[1]["failures"]) == ("0", "1")
+    # the tiny model solves nothing: the run's 4 steps (1-3, then 3 and 4 redone) had no signal, warned once over
+    # them (the restarted loop warned over its own 2 steps, as if they were the run's first)
+    warned = [m for m in logs if m.startswith("warning: no learning signal")]
+    assert [m.split(": all ")[0] for m in warned] == ["warning: no learning signal in the first 4 step(s)"]
 
     lines = metric_lines(tmp_path / "t")
     assert [(x["step"], x["failures"], x["version"]) for x in lines] == [

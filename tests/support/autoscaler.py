@@ -38,6 +38,7 @@ from support.cluster import (
     _end_group,
     _kill_leftovers,
     free_ports,
+    start_with_retry,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,13 +166,25 @@ class AutoscalingCluster(LocalCluster):
     config: dict = field(default_factory=dict)
 
     def start(self, timeout_s: float = 90) -> AutoscalingCluster:  # type: ignore[override]
+        """Start the head (with its autoscaler) on fresh free ports; a start that hit Ray's startup timeout
+        is cleaned up and started again (support.cluster.start_with_retry)."""
         self.token_file.write_text(self.token + "\n")
-        ports = dict(zip(HEAD_PORTS + NODE_PORTS, free_ports(len(HEAD_PORTS + NODE_PORTS))))
         config = self.root / "autoscaling.yaml"
+        start_with_retry(
+            lambda: self._start_head(config, timeout_s), lambda: self._clean_failed("head"), "ray head"
+        )
+        self.config = yaml.safe_load(config.read_text())
+        if self.publish:
+            self.publish_node_types(self.config)
+        return self
+
+    def _start_head(self, config: Path, timeout_s: float) -> None:
+        ports = dict(zip(HEAD_PORTS + NODE_PORTS, free_ports(len(HEAD_PORTS + NODE_PORTS))))
         config.write_text(
             yaml.safe_dump(cluster_config(ports["port"], self.node_types, self.idle_timeout_minutes))
         )
         log = self.root / "head.log"
+        log_start = log.stat().st_size if log.exists() else 0
         cmd = [
             str(RAY), "start", "--head", "--block", f"--temp-dir={self.root}",
             "--node-ip-address=127.0.0.1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
@@ -184,12 +197,8 @@ class AutoscalingCluster(LocalCluster):
                 cmd, env={**self.env(), **AUTOSCALER_ENV}, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
-        self.nodes["head"] = Node("head", 0, {}, ports, proc, log)
+        self.nodes["head"] = Node("head", 0, {}, ports, proc, log, log_start=log_start)
         self._wait_dashboard(timeout_s)
-        self.config = yaml.safe_load(config.read_text())
-        if self.publish:
-            self.publish_node_types(self.config)
-        return self
 
     def publish_node_types(self, config: dict) -> None:
         """What ray_cluster.yaml's head does after `ray start`: `python -m raychat.capacity CONFIG` (the

@@ -5,7 +5,9 @@ Every node runs `ray start --block` in a process group of its own, on free loopb
 chosen by the OS), with token authentication on and a small object store (100 MB: Ray's minimum is 75 MB;
 the default, 30% of RAM per node, is not needed for tests). `stop()` ends each group (SIGTERM, then SIGKILL)
 and then kills any process left whose command line names the cluster's temp dir, so nothing outlives the
-cluster, also when a test failed. A node is lost the way a machine is lost: `kill_raylet(name)`.
+cluster, also when a test failed. A node is lost the way a machine is lost: `kill_raylet(name)`. A node start
+that hits Ray's startup timeout is cleaned up and tried again (start_with_retry), and every node gets a longer
+start-up wait than Ray's 30 s (RAY_STARTUP_WAIT).
 
 The temp dir is short on purpose: Ray puts AF_UNIX sockets under <temp>/session_<date>_<pid>/sockets/ and a
 socket path may hold at most 107 bytes on Linux.
@@ -26,10 +28,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
+T = TypeVar("T")
 VENV_BIN = Path(sys.executable).parent
 RAY = VENV_BIN / "ray"
 # The fixture cluster: a head with no CPUs (like the KubeRay head) and two workers with 2 logical CPUs each
@@ -41,11 +46,18 @@ CLUSTER_WORKERS = {"a": (2, {"node_a": 1}), "b": (2, {"node_b": 1})}
 # plasma_store.1) to it, and sun_path holds 107.
 MAX_TEMP_DIR_LEN = 36
 OBJECT_STORE_BYTES = 100 * 1024 * 1024
-# `ray start` gives its raylet 30 s to register with the GCS and exits when it does not; on a loaded 2-core
-# machine that happens now and then, so a node that failed to start is started once more.
-START_ATTEMPTS = 2
+# What a Ray node start (`ray start`, a local `ray.init()`) raises when its raylet did not register with the
+# GCS in time (ray/_private/node.py); a loaded 2-core machine makes it happen now and then.
+STARTUP_TIMEOUT = "The current node timed out during startup"
+# That time: each lookup of the new node waits RAY_raylet_start_wait_time_s (Ray's default 30 s; the knob its
+# own "GCS cannot find the node" message names). Measured: with a worker's raylet stopped for 45 s, `ray
+# start` exits at 30 s by default and comes up at 48 s with 60. Set for every Ray process the tests start.
+RAY_STARTUP_WAIT = {"RAY_raylet_start_wait_time_s": "60"}
+# A node start that still hit STARTUP_TIMEOUT is tried again: at most this many attempts in all.
+START_ATTEMPTS = 3
 # Ray system config through the environment (RAY_<name>), read by every Ray process of the nodes:
 NODE_RAY_CONFIG = {
+    **RAY_STARTUP_WAIT,
     # report metrics every second instead of every 10 s, so a scrape sees a value within seconds
     "RAY_metrics_report_interval_ms": "1000",
     # a lost node is DEAD after 5 missed 1 s health checks instead of 5 x 3 s
@@ -65,6 +77,28 @@ NODE_PORTS = (
 
 class NodeStartError(RuntimeError):
     """A node did not come up: `ray start` exited or the node was not ALIVE in time (its log follows)."""
+
+
+def start_with_retry(
+    start: Callable[[], T], clean: Callable[[], None], what: str, attempts: int = START_ATTEMPTS
+) -> T:
+    """start() once more, after clean(), each time it raised a RuntimeError whose message holds Ray's
+    STARTUP_TIMEOUT, at most `attempts` calls in all; prints one line on stderr per retry. Returns start()'s
+    result. Raises the error of the last attempt, and at once any other error (clean() is not called then:
+    the caller's stop() ends what is left)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return start()
+        except RuntimeError as e:
+            if STARTUP_TIMEOUT not in str(e) or attempt == attempts:
+                raise
+            clean()
+            print(
+                f"{what}: Ray's node start-up timed out (attempt {attempt} of {attempts}); starting it again",
+                file=sys.stderr,
+                flush=True,
+            )
+    raise ValueError(f"attempts must be >= 1, got {attempts}")
 
 
 def port_range() -> tuple[int, int]:
@@ -121,6 +155,7 @@ class Node:
     proc: subprocess.Popen
     log: Path
     node_id: str = ""
+    log_start: int = 0  # where this start's output begins in `log` (an earlier attempt's stays above it)
 
     @property
     def metrics_port(self) -> int:
@@ -232,23 +267,30 @@ class LocalCluster:
 
     # ------------------------------------------------------------------------------------------ helpers
     def _start_node(self, name, num_cpus, resources, port_names, flags, timeout_s, not_id="") -> Node:
-        """Launch a node on fresh free ports and wait until it is ALIVE, once more if it fails to start."""
-        for attempt in range(1, START_ATTEMPTS + 1):
+        """Launch a node on fresh free ports and wait until it is ALIVE; a start that hit Ray's startup timeout
+        is cleaned up and started again (start_with_retry)."""
+
+        def attempt() -> Node:
             ports = dict(zip(port_names, free_ports(len(port_names))))
             node = self._launch(name, num_cpus, resources, ports, flags)
-            try:
-                if name == "head":
-                    self._wait_dashboard(timeout_s)
-                node.node_id = self._wait_alive(node, timeout_s, not_id)
-                return node
-            except NodeStartError:
-                _end_group(self.nodes.pop(name).proc)
-                if attempt == START_ATTEMPTS:
-                    raise
-        raise AssertionError("unreachable")
+            if name == "head":
+                self._wait_dashboard(timeout_s)
+            node.node_id = self._wait_alive(node, timeout_s, not_id)
+            return node
+
+        return start_with_retry(attempt, lambda: self._clean_failed(name), f"ray node {name}")
+
+    def _clean_failed(self, name: str) -> None:
+        """End node `name`'s process group (every process of a node that did not come up); for the head, with
+        nothing else running yet, also any process naming the temp dir and Ray's session dirs in it."""
+        _end_group(self.nodes.pop(name).proc)
+        if name == "head":
+            _kill_leftovers(str(self.root))
+            remove_sessions(self.root)
 
     def _launch(self, name, num_cpus, resources, ports, flags) -> Node:
         log = self.root / f"{name}.log"
+        log_start = log.stat().st_size if log.exists() else 0
         cmd = [
             str(RAY), "start", "--block", *flags,
             f"--num-cpus={num_cpus}", "--num-gpus=0",
@@ -262,12 +304,13 @@ class LocalCluster:
             proc = subprocess.Popen(
                 cmd, env=self.env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
-        node = Node(name, num_cpus, dict(resources), dict(ports), proc, log)
+        node = Node(name, num_cpus, dict(resources), dict(ports), proc, log, log_start=log_start)
         self.nodes[name] = node
         return node
 
     def _fail(self, node: Node, why: str):
-        raise NodeStartError(f"ray node {node.name}: {why}\n{node.log.read_text()[-3000:]}")
+        output = node.log.read_bytes()[node.log_start :].decode(errors="replace")
+        raise NodeStartError(f"ray node {node.name}: {why}\n{output[-3000:]}")
 
     def _wait_dashboard(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -368,6 +411,15 @@ def _end_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
         pass
     if proc.poll() is None:
         proc.wait(10)
+
+
+def remove_sessions(root: Path) -> None:
+    """Remove Ray's session directories (and its session_latest link) under the temp dir `root`."""
+    for path in root.glob("session_*"):
+        if path.is_symlink():
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _kill_leftovers(marker: str) -> None:

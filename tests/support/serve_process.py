@@ -15,7 +15,7 @@ from pathlib import Path
 
 import requests
 
-from support.cluster import free_ports
+from support.cluster import RAY_STARTUP_WAIT, _kill_leftovers, free_ports, remove_sessions, start_with_retry
 
 
 def free_port() -> int:
@@ -25,7 +25,8 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """`python -m raychat.cli serve --checkpoint DIR --port P ARGS...`; `url` once /health answers 200.
+    """`python -m raychat.cli serve --checkpoint DIR --port P ARGS...`; `url` once /health answers 200. A start
+    whose local Ray node hit Ray's startup timeout is cleaned up and started again (start_with_retry).
 
     Args:
         checkpoint: raychat checkpoint directory.
@@ -41,19 +42,47 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.ray_tmp = tempfile.mkdtemp(prefix="rcserve-", dir="/tmp")  # short: Ray's socket paths
         self.log_path = Path(log or Path(self.ray_tmp) / "serve.log")
-        env = {**os.environ, "RAY_TMPDIR": self.ray_tmp, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-        env.pop("RAY_ADDRESS", None)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         command = [sys.executable, "-m", "raychat.cli", "serve", "--checkpoint", str(checkpoint),
                    "--port", str(self.port), *args]  # fmt: skip
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
         try:
-            self._wait_healthy(start_timeout_s)
+            start_with_retry(
+                lambda: self._start(command, start_timeout_s), self._clean_failed, "raychat serve"
+            )
         except BaseException:
             self.stop()
             raise
+
+    def _start(self, command: list[str], timeout_s: float) -> None:
+        env = {**os.environ, **RAY_STARTUP_WAIT, "RAY_TMPDIR": self.ray_tmp, "RAY_AUTH_MODE": "disabled",
+               "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        env.pop("RAY_ADDRESS", None)
+        self._log.flush()
+        self._log_start = self.log_path.stat().st_size  # an earlier attempt's output stays above it
+        self.proc = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self._wait_healthy(timeout_s)
+
+    def _end(self, timeout_s: float = 30.0) -> None:
+        """Ctrl-C (SIGINT) the server, SIGKILL its process group after timeout_s, then any process still naming
+        its Ray temp dir."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever the session left (raylet, workers of this cluster): they share its process group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        _kill_leftovers(self.ray_tmp)
+
+    def _clean_failed(self) -> None:
+        self._end()
+        remove_sessions(Path(self.ray_tmp))
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -70,20 +99,11 @@ class ServeProcess:
 
     def log_tail(self, lines: int = 40) -> str:
         self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        output = self.log_path.read_bytes()[self._log_start :].decode(errors="replace")
+        return "\n".join(output.splitlines()[-lines:])
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # whatever the session left (raylet, workers of this cluster): they share its process group
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+        self._end(timeout_s)
         self._log.close()
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 

@@ -1340,7 +1340,8 @@ def test_serves_local_ray_cluster_that_does_not_start_is_one_line_with_a_hint(tm
 
 def test_rays_startup_timeout_gets_the_overload_hint():
     """The exception Ray 2.60 raises when its raylet does not register in time (ray/_private/node.py, a bare
-    Exception), as start_local_cluster words it."""
+    Exception), as start_local_cluster words it: the hint named no setting ("no setting changes it"), but
+    RAY_raylet_start_wait_time_s does (docs/deployment.md)."""
     ray_error = Exception(
         "The current node timed out during startup. This could happen because some of the raylet failed to "
         "startup or the GCS has become overloaded."
@@ -1348,6 +1349,7 @@ def test_rays_startup_timeout_gets_the_overload_hint():
     assert start_failure(ray_error) == (
         "the local Ray cluster did not start: The current node timed out during startup. This could happen "
         "because some of the raylet failed to startup or the GCS has become overloaded. (this machine is likely "
-        "overloaded: Ray gives its raylet a fixed 30 s to register (no setting changes it); retry when the load "
-        "is lower, or start a cluster with `ray start --head` and run with RAY_ADDRESS=auto)"
+        "overloaded: Ray gives its raylet RAY_raylet_start_wait_time_s (default 30) seconds to register; set it "
+        "higher (e.g. RAY_raylet_start_wait_time_s=120), retry when the load is lower, or start a cluster with "
+        "`ray start --head` and run with RAY_ADDRESS=auto)"
     )

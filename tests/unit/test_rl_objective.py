@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from raychat.config import RLConfig, from_dict
-from raychat.rl.loop import NO_SIGNAL_STEPS, no_signal_warning
+from raychat.rl.loop import NO_SIGNAL_STEPS, NoSignalWatch, no_signal_warning
 from raychat.rl.objective import (
     collate,
     group_advantages,
@@ -134,18 +134,75 @@ def test_the_first_steps_without_a_learning_signal_are_warned_about_once():
     the policy gradient was 0. One warning line after the first NO_SIGNAL_STEPS such steps (or the whole run,
     when shorter), naming the flags to change; none when any step had a signal."""
     cfg = from_dict(RLConfig, {"samples_per_prompt": 4, "temperature": 0.7})
-    silent = {"reward_mean": 0.0, "zero_advantage_frac": 1.0}
+    silent = {"reward_mean": 0.0, "pass_at_1": 0.0, "zero_advantage_frac": 1.0}
     warnings = [no_signal_warning([silent] * n, cfg, 50) for n in range(1, NO_SIGNAL_STEPS + 3)]
     expected = (
-        "warning: no learning signal in the first 5 step(s): the 4 samples of every prompt got the same reward "
-        "(mean reward 0), so every advantage and the policy gradient were 0; try a stronger --init-from (a "
-        "checkpoint that solves some --task calculator prompts), more --samples-per-prompt (now 4) or a higher "
-        "--temperature (now 0.7)"
+        "warning: no learning signal in the first 5 step(s): all 4 samples of every prompt failed (mean reward "
+        "0), so every advantage and the policy gradient were 0; try a stronger --init-from (a checkpoint that "
+        "solves some --task calculator prompts), more --samples-per-prompt (now 4) or a higher --temperature "
+        "(now 0.7)"
     )
     assert warnings == [None] * (NO_SIGNAL_STEPS - 1) + [expected, None, None]
-    signal = {"reward_mean": 0.125, "zero_advantage_frac": 0.75}
+    signal = {"reward_mean": 0.125, "pass_at_1": 0.125, "zero_advantage_frac": 0.75}
     assert no_signal_warning([silent] * (NO_SIGNAL_STEPS - 1) + [signal], cfg, 50) is None
     # a run of 1 step (the tiny preset): warned after it
     assert no_signal_warning([silent], cfg, 1).startswith(
         "warning: no learning signal in the first 1 step(s): "
+    )
+
+
+def test_a_run_that_solves_every_sample_is_told_its_task_is_too_easy():
+    """Every sample of every prompt solved (reward 1) leaves no signal either, and was told the same as all
+    failed: a stronger --init-from, more samples, a higher temperature. It says the task is too easy and what
+    gives a signal: harder prompts (calculator: --max-operand) or another task."""
+    cfg = from_dict(RLConfig, {"samples_per_prompt": 4, "temperature": 0.7, "max_operand": 99})
+    solved = {"reward_mean": 1.0, "pass_at_1": 1.0, "zero_advantage_frac": 1.0}
+    assert no_signal_warning([solved] * NO_SIGNAL_STEPS, cfg, 50) == (
+        "warning: no learning signal in the first 5 step(s): all 4 samples of every prompt were solved (mean "
+        "reward 1), so every advantage and the policy gradient were 0: --task calculator is too easy for this "
+        "policy; give it harder prompts (a larger --max-operand (now 99) or another --task) or stop here. A "
+        "stronger --init-from cannot help, and more --samples-per-prompt (now 4) or a higher --temperature "
+        "(now 0.7) only finds a rare failure to learn from"
+    )
+    gsm8k = from_dict(RLConfig, {"task": "gsm8k", "samples_per_prompt": 4})
+    assert (
+        "--task gsm8k is too easy for this policy; give it harder prompts (another --task) or stop here"
+        in (no_signal_warning([solved] * NO_SIGNAL_STEPS, gsm8k, 50))
+    )
+    # some prompts all failed, the others all solved: only varied samples within a prompt give a signal
+    half = {"reward_mean": 0.5, "pass_at_1": 0.5, "zero_advantage_frac": 1.0}
+    failed = {"reward_mean": 0.0, "pass_at_1": 0.0, "zero_advantage_frac": 1.0}
+    assert no_signal_warning([failed, solved, half, failed, failed], cfg, 50) == (
+        "warning: no learning signal in the first 5 step(s): the 4 samples of each prompt got the same reward "
+        "(mean reward 0.3: some prompts all failed, the others all solved), so every advantage and the policy "
+        "gradient were 0; try more --samples-per-prompt (now 4) or a higher --temperature (now 0.7), so that "
+        "a prompt's samples differ"
+    )
+
+
+def test_the_no_signal_warning_is_printed_once_a_run():
+    """RLRun's loop started a new list of first steps each time it ran: after an actor group restart (resuming
+    from the checkpoint of step 2) the redone steps printed the warning again, and a run resumed by another
+    invocation printed it over its own first steps. NoSignalWatch (kept by RLRun across restarts) warns over the
+    run's steps 1..NO_SIGNAL_STEPS, once."""
+    cfg = from_dict(RLConfig, {"steps": 50, "samples_per_prompt": 4})
+    silent = {"reward_mean": 0.0, "pass_at_1": 0.0, "zero_advantage_frac": 1.0}
+    watch = NoSignalWatch(cfg)
+    printed = [watch.add(step, silent) for step in range(1, NO_SIGNAL_STEPS + 1)]
+    assert printed[:-1] == [None] * (NO_SIGNAL_STEPS - 1)
+    assert printed[-1].startswith("warning: no learning signal in the first 5 step(s): all 4 samples")
+    # an actor group restart resumes from checkpoint 2 and redoes steps 3..10
+    assert [watch.add(step, silent) for step in range(3, 11)] == [None] * 8
+    # another invocation resuming from checkpoint 2 never saw steps 1 and 2
+    resumed = NoSignalWatch(cfg)
+    assert [resumed.add(step, silent) for step in range(3, 11)] == [None] * 8
+    # a restart whose redone step 3 has a signal: the first steps were silent only before it, no warning
+    watch = NoSignalWatch(cfg)
+    assert [watch.add(step, silent) for step in (1, 2, 3, 4)] == [None] * 4
+    signal = {"reward_mean": 0.25, "pass_at_1": 0.25, "zero_advantage_frac": 0.5}
+    assert [watch.add(step, r) for step, r in ((3, signal), (4, silent), (5, silent))] == [None] * 3
+    # a run shorter than NO_SIGNAL_STEPS: warned after its last step
+    short = NoSignalWatch(from_dict(RLConfig, {"steps": 2, "samples_per_prompt": 4}))
+    assert short.add(1, silent) is None and short.add(2, silent).startswith(
+        "warning: no learning signal in the first 2 step(s)"
     )

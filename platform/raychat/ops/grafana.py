@@ -92,10 +92,11 @@ def build_dashboard() -> dict:
             "RL",
             [
                 (
-                    "Reward / pass@1",
+                    "Reward / pass@1 / prompts without signal",
                     [
                         (by_r + f"({_prom(m.RL_REWARD)}{tr})", "reward {{run}}"),
                         (by_r + f"({_prom(m.RL_PASS_AT_1)}{tr})", "pass@1 {{run}}"),
+                        (by_r + f"({_prom(m.RL_ZERO_ADVANTAGE)}{tr})", "no signal {{run}}"),
                     ],
                     "none",
                 ),

@@ -12,7 +12,8 @@ recorded per sample and the loss uses the clipped importance ratio against the b
 
 Per step (one JSON line in OUT/RUN_NAME/metrics.jsonl, and raychat_rl_* gauges): reward_mean, pass_at_1 (of
 the rollouts), zero_advantage_frac (of the prompts, those whose samples all got the same reward: no learning
-signal; when every prompt of the first steps had none, one warning line names what to try: no_signal_warning),
+signal; when every prompt of the run's first steps had none, one warning line says whether all failed or all
+were solved and what to try: no_signal_warning, once a run: NoSignalWatch),
 response_len_mean (completion tokens), rollout_tokens_per_s (completion tokens / the slowest
 chunk's generation seconds), learner_step_s, learner_wait_s (the driver waiting for rollouts between learner
 steps), learner_wait_frac (wait / (wait + step + sync), and cumulative in the summary), staleness_mean/max
@@ -107,7 +108,7 @@ def rl_gauges(run_name: str):
         gauges.record(
             s["step"], s["reward_mean"], pass_at_1=s["pass_at_1"], staleness=s["staleness_mean"],
             sync_time_s=s["sync_time_s"], rollout_tokens_per_s=s["rollout_tokens_per_s"],
-            learner_wait_frac=s["learner_wait_frac"],
+            learner_wait_frac=s["learner_wait_frac"], zero_advantage_frac=s["zero_advantage_frac"],
         )  # fmt: skip
 
     return record
@@ -139,6 +140,7 @@ class RLRun:
         self.version = 0
         self.failures = 0  # learner / weight-sync failures survived (actor group restarts), <= --max-failures
         self.evals: list[dict] = []  # {"step", "pass@k"...} of this run, a redone step's once
+        self.no_signal = NoSignalWatch(cfg)  # kept across actor group restarts: one warning a run
 
     @property
     def restarts(self) -> int:
@@ -269,7 +271,6 @@ class RLRun:
         inflight: deque = deque()
         ahead = cfg.asynchrony.max_staleness if is_async else 0
         next_submit = start
-        rollouts: list[dict] = []  # of this loop's first steps, for no_signal_warning
         for step in range(start, steps):
             while next_submit <= min(step + ahead, steps - 1):
                 inflight.append(self.dispatcher.submit(next_submit))
@@ -300,10 +301,8 @@ class RLRun:
             if "eval" in line:
                 self.log(f"eval step {step + 1}: {_fmt(evals[-1])}")
             metrics.log(line)
-            if len(rollouts) < NO_SIGNAL_STEPS:
-                rollouts.append(rollout)
-                if warning := no_signal_warning(rollouts, cfg, steps - start):
-                    self.log(warning)
+            if warning := self.no_signal.add(step + 1, rollout):
+                self.log(warning)
             if due(cfg.checkpoint.checkpoint_every, step + 1, steps):
                 self.save(step + 1, evals[-1] if evals else None)
         self.sync.drain()
@@ -327,18 +326,58 @@ NO_SIGNAL_STEPS = 5
 
 def no_signal_warning(rollouts: list[dict], cfg: RLConfig, steps: int) -> str | None:
     """The one warning line for a run whose first min(NO_SIGNAL_STEPS, steps) steps (`rollouts`: their
-    learner_step rollout dicts, in order; `steps`: the steps this run has left) all had zero_advantage_frac 1,
-    every prompt's samples rewarded alike: every advantage, so the policy gradient, was 0 and nothing was
-    learned. None otherwise, and for any other number of rollouts, so that it is printed once."""
+    learner_step rollout dicts, in order; `steps`: the run's --steps) all had zero_advantage_frac 1, every
+    prompt's samples rewarded alike: every advantage, so the policy gradient, was 0 and nothing was learned.
+    Its advice follows from the rewards (pass_at_1, the share of samples solved): all failed (the task is too
+    hard for this policy), all solved (too easy), or some prompts each. None otherwise, and for any other
+    number of rollouts, so that it is printed once."""
     if len(rollouts) != min(NO_SIGNAL_STEPS, steps) or any(r["zero_advantage_frac"] < 1 for r in rollouts):
         return None
-    g, reward = cfg.rollout.samples_per_prompt, float(np.mean([r["reward_mean"] for r in rollouts]))
+    g, task = cfg.rollout.samples_per_prompt, cfg.task.task
+    reward = float(np.mean([r["reward_mean"] for r in rollouts]))
+    solved = {r["pass_at_1"] for r in rollouts}
+    head = f"warning: no learning signal in the first {len(rollouts)} step(s): "
+    zero = "so every advantage and the policy gradient were 0"
+    more = f"more --samples-per-prompt (now {g}) or a higher --temperature (now {cfg.rollout.temperature:g})"
+    if solved == {0.0}:
+        return (
+            f"{head}all {g} samples of every prompt failed (mean reward {reward:.4g}), {zero}; try a stronger "
+            f"--init-from (a checkpoint that solves some --task {task} prompts), {more}"
+        )
+    if solved == {1.0}:
+        harder = f"a larger --max-operand (now {cfg.task.max_operand}) or " if task == "calculator" else ""
+        return (
+            f"{head}all {g} samples of every prompt were solved (mean reward {reward:.4g}), {zero}: --task {task} "
+            f"is too easy for this policy; give it harder prompts ({harder}another --task) or stop here. A "
+            f"stronger --init-from cannot help, and {more} only finds a rare failure to learn from"
+        )
     return (
-        f"warning: no learning signal in the first {len(rollouts)} step(s): the {g} samples of every prompt got "
-        f"the same reward (mean reward {reward:.4g}), so every advantage and the policy gradient were 0; try a "
-        f"stronger --init-from (a checkpoint that solves some --task {cfg.task.task} prompts), more "
-        f"--samples-per-prompt (now {g}) or a higher --temperature (now {cfg.rollout.temperature:g})"
+        f"{head}the {g} samples of each prompt got the same reward (mean reward {reward:.4g}: some prompts all "
+        f"failed, the others all solved), {zero}; try {more}, so that a prompt's samples differ"
     )
+
+
+class NoSignalWatch:
+    """Prints no_signal_warning once per run: over the run's first NO_SIGNAL_STEPS steps, as this invocation
+    ran them. A step redone after an actor group restart replaces its first record; an invocation that
+    resumed from a checkpoint did not see step 1 and prints nothing (the one that ran the steps did)."""
+
+    def __init__(self, cfg: RLConfig):
+        self.cfg = cfg
+        self.first: dict[int, dict] = {}  # step (1-based) -> its learner_step rollout dict
+        self.warned = False
+
+    def add(self, step: int, rollout: dict) -> str | None:
+        """Record step `step` (1-based); returns the warning line the first time it is due, else None."""
+        if self.warned or step > NO_SIGNAL_STEPS:
+            return None
+        self.first[step] = rollout
+        window = range(1, min(NO_SIGNAL_STEPS, self.cfg.rollout.steps) + 1)
+        if any(s not in self.first for s in window):
+            return None
+        warning = no_signal_warning([self.first[s] for s in window], self.cfg, self.cfg.rollout.steps)
+        self.warned = warning is not None
+        return warning
 
 
 _LOG_KEYS = (
