@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow.fs as pafs
 import pytest
 import ray
 import torch
@@ -1350,4 +1351,26 @@ def test_rays_startup_timeout_gets_the_overload_hint():
         "because some of the raylet failed to startup or the GCS has become overloaded. (this machine is likely "
         "overloaded: Ray gives its raylet a fixed 30 s to register (no setting changes it); retry when the load "
         "is lower, or start a cluster with `ray start --head` and run with RAY_ADDRESS=auto)"
+    )
+
+
+def test_sft_on_an_object_storage_root_does_not_resolve_pretrainings_data_dir(root, driver, s3_env, capsys):
+    """`raychat sft --storage-path s3://...` was refused for a flag it never reads and refuses when given
+    (`--data-dir: s3://.../data is on object storage`): its default, a run under the remote root, was resolved
+    as pretraining resolves it. SFT on object storage could not run at all; pretraining still refuses it."""
+    bucket = s3_env.make_bucket()
+    s3 = f"s3://{bucket}/runs"
+    pafs.copy_files(
+        str(root / "pretrain"), f"{bucket}/runs/pretrain", destination_filesystem=s3_env.filesystem()
+    )
+    argv = ["sft", "--preset", "tiny", "--storage-path", s3, "--run-name", "s", "--init-from", "latest",
+            "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    cfg, paths, _, _ = driver(argv)
+    assert cfg.run.init_from == paths.init_from == f"{s3}/pretrain/checkpoint_000004"
+    assert paths.run_dir == f"{s3}/s"
+    line = _fails_in_one_line(["pretrain", "--preset", "tiny", "--storage-path", s3, "--tokenizer-path",
+                               f"{root}/tokenizer"], capsys)  # fmt: skip
+    assert line == (
+        f"raychat pretrain: error: --data-dir: {s3}/data is on object storage; data and the tokenizer are read "
+        "as files by every node: give a local or NFS directory  (RAYCHAT_DEBUG=1 shows the traceback)"
     )

@@ -91,7 +91,7 @@ class RunPaths:
     driver and every worker read them from here.
 
     storage: the root (local, NFS, s3://, gs://); data_dir, tokenizer_path: absolute local paths (a run name
-    is a run under the root); init_from: the committed checkpoint --init-from names (a path or URI), or None;
+    is a run under the root; data_dir only for pretraining, as given for SFT, which reads no shards); init_from: the committed checkpoint --init-from names (a path or URI), or None;
     checkpoints: the run's CheckpointManager (<root>/<run>/checkpoint_<step:06d>, pruned to keep_checkpoints).
     """
 
@@ -121,7 +121,7 @@ def resolve_paths(cfg: TrainConfig, writable: bool = True) -> RunPaths:
     """Resolve --storage-path, --data-dir, --tokenizer-path, --init-from and --run-name into RunPaths; with
     `writable`, also create the root if needed and check that it can be written.
 
-    Raises ValueError naming the flag: an unsupported scheme, data on object storage, a run name that breaks
+    Raises ValueError naming the flag: an unsupported scheme, pretraining data on object storage, a run name that breaks
     the rule, a checkpoint reference that names nothing (`latest`: no committed pretraining checkpoint under
     the root), a root that cannot be written; CheckpointError naming the file: a local --init-from that
     could not load (raychat.checkpoint.check_model)."""
@@ -135,7 +135,11 @@ def resolve_paths(cfg: TrainConfig, writable: bool = True) -> RunPaths:
         check_model(init_from)
     paths = RunPaths(
         storage=storage,
-        data_dir=run_directory(cfg.data.data_dir, storage, "--data-dir"),
+        data_dir=(
+            run_directory(cfg.data.data_dir, storage, "--data-dir")
+            if cfg.run.stage == "pretrain"
+            else cfg.data.data_dir
+        ),
         tokenizer_path=run_directory(cfg.data.tokenizer_path, storage, "--tokenizer-path"),
         init_from=init_from,
         checkpoints=CheckpointManager(storage, cfg.run.run_name, cfg.train.checkpoint.keep_checkpoints),
