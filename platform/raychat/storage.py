@@ -318,11 +318,17 @@ def _first_line(e: BaseException) -> str:
 
 
 def why(e: OSError, storage: Storage) -> str:
-    """A short reason for a filesystem error (the bucket is missing, access denied, ...)."""
+    """A short reason for a filesystem error (the bucket is missing, access denied, the S3 endpoint does not
+    answer, ...)."""
     text = str(e)
     bucket = storage.path.split("/", 1)[0]
     if not storage.is_local and ("NO_SUCH_BUCKET" in text or f"Bucket '{bucket}' not found" in text):
         return f"bucket {bucket!r} does not exist"
+    if "NETWORK_CONNECTION" in text:  # pyarrow's S3: nothing answered (after the AWS SDK's retries)
+        detail = text.split("Details: ", 1)[-1].strip().splitlines()[0]
+        var = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)), None)
+        where = f"the S3 endpoint {os.environ[var]} (${var})" if var else "the S3 endpoint"
+        return f"cannot connect to {where}: {detail}"
     if "ACCESS_DENIED" in text or isinstance(e, PermissionError):
         return f"access denied ({_first_line(e)})"
     return _first_line(e)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1373,4 +1374,31 @@ def test_sft_on_an_object_storage_root_does_not_resolve_pretrainings_data_dir(ro
     assert line == (
         f"raychat pretrain: error: --data-dir: {s3}/data is on object storage; data and the tokenizer are read "
         "as files by every node: give a local or NFS directory  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, flag, where",
+    [
+        (["pretrain", "--preset", "tiny", "--storage-path", "{s3}", "--run-name", "p",
+          "--data-dir", "{root}/prepared", "--tokenizer-path", "{root}/tokenizer"], "--storage-path", "{s3}"),
+        (["export", "--checkpoint", "{root}/pretrain", "--out", "{s3}/hf"], "--out", "{s3}/hf"),
+    ],
+)  # fmt: skip
+def test_an_s3_endpoint_that_does_not_answer_is_named(argv, flag, where, root, monkeypatch, capsys):
+    """pretrain and export --out printed pyarrow's `When listing objects under key 'runs/p/' in bucket ...: AWS
+    Error NETWORK_CONNECTION ...`, naming neither the flag nor the endpoint (sft, rl, chat, serve named their
+    --init-from / --checkpoint but not the endpoint)."""
+    _good_input(root)
+    (port,) = free_ports(1)  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    for key, value in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
+                       "AWS_EC2_METADATA_DISABLED": "true"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    s3 = "s3://bucket/runs"
+    line = _fails_in_one_line([a.format(root=root, s3=s3) for a in argv], capsys)
+    assert re.sub(r"after \d+ ms", "after N ms", line) == (
+        f"raychat {argv[0]}: error: {flag}: cannot read {where.format(s3=s3)}: cannot connect to the S3 endpoint "
+        f"http://127.0.0.1:{port} ($AWS_ENDPOINT_URL): Failed to connect to 127.0.0.1:{port} after N ms: Could not "
+        "connect to server  (RAYCHAT_DEBUG=1 shows the traceback)"
     )

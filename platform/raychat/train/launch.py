@@ -44,7 +44,7 @@ from raychat.data.loader.row_source import RowSource, same_stream
 from raychat.data.loader.sft_rows import changed_task_files
 from raychat.log import log
 from raychat.model import ModelConfig
-from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory
+from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory, why
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import start_or_connect, worker_bundle
 from raychat.train.optim import lr_multiplier, lr_peak_from, warmdown_start
@@ -324,11 +324,15 @@ def resumable_checkpoint(checkpoints: CheckpointManager, run_name: str, stage: s
     Raises:
         CheckpointError: a file of the checkpoint is missing or of another size (named).
         ConfigError: the checkpoint is of another stage (one line naming --run-name and both stages).
+        ValueError: the storage root cannot be read (naming --storage-path and why: raychat.storage.why).
     """
-    newest = checkpoints.newest()
+    storage = checkpoints.storage
+    try:
+        newest = checkpoints.newest()
+    except OSError as e:
+        raise ValueError(f"--storage-path: cannot read {storage.uri}: {why(e, storage)}") from e
     if newest is None:
         return None
-    storage = checkpoints.storage
     where = storage.uri_of(newest.path)
     try:
         verify_stored(storage, newest.path)
