@@ -145,16 +145,21 @@ def open_storage(uri: str | os.PathLike, flag: str = "--storage-path") -> Storag
 def check_writable(storage: Storage, flag: str = "--storage-path") -> None:
     """Create the root if needed and write, then delete, a probe file in it. Nothing else is touched.
 
-    Raises ValueError naming `flag`: the bucket does not exist, access is denied, or the directory cannot
-    be created or written."""
+    Raises ValueError naming `flag`: the bucket does not exist, access is denied, the root is a file (on
+    object storage, too: an object there would not stop the run's objects from going under the same name), or
+    the directory cannot be created or written."""
     probe = f"{storage.path}/.raychat-write-probe-{uuid.uuid4().hex}"
     try:
-        storage.fs.create_dir(storage.path, recursive=True)
-        with storage.fs.open_output_stream(probe) as f:
-            f.write(b"ok")
-        storage.fs.delete_file(probe)
+        is_file = storage.fs.get_file_info(storage.path).type == pafs.FileType.File
+        if not is_file:
+            storage.fs.create_dir(storage.path, recursive=True)
+            with storage.fs.open_output_stream(probe) as f:
+                f.write(b"ok")
+            storage.fs.delete_file(probe)
     except OSError as e:
         raise ValueError(f"{flag}: {storage.uri} is not writable: {why(e, storage)}") from e
+    if is_file:
+        raise ValueError(f"{flag}: {storage.uri} is not writable: it is a file, not a directory")
 
 
 def is_remote(uri: str | os.PathLike) -> bool:
