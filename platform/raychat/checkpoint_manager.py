@@ -252,7 +252,16 @@ def check_output_target(
     run's checkpoints are never replaced.
 
     Raises ValueError naming `flag`: a checkpoint (it holds COMMIT_FILE), a directory of committed checkpoints,
-    a file, or a directory is_earlier does not accept (its listing in the message)."""
+    a file, a directory is_earlier does not accept (its listing in the message), or storage that cannot be read
+    (storage.why: the S3 endpoint does not answer, access denied, ...)."""
+    uri = storage.uri_of(target)
+    try:
+        return _check_output_target(storage, target, flag, output, earlier, is_earlier)
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {uri}: {why(e, storage)}") from e
+
+
+def _check_output_target(storage, target, flag, output, earlier, is_earlier) -> str:
     uri, kind = storage.uri_of(target), storage.fs.get_file_info(target).type
     if kind == pafs.FileType.NotFound:
         return target

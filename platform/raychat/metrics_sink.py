@@ -1,8 +1,12 @@
 """The metrics sink every stage logs its steps to (pretraining, SFT, RL): one place, three outputs.
 
-  1. metrics.jsonl: one JSON object per step, appended and flushed (local storage only); a resumed run
-     first drops the lines of the steps it redoes (`resume_at`), so each step is there once; the speedrun
-     report draws its curves from it (raychat.report.plot_stage).
+  1. metrics.jsonl: one JSON object per step; a resumed run first drops the lines of the steps it redoes
+     (`resume_at`), so each step is there once; the speedrun report draws its curves from it
+     (raychat.report.plot_stage). On a local or NFS run directory each line is appended as it comes. Object
+     storage cannot append: the sink holds the file's lines (those of an earlier run of the same name read
+     first) and PUTs the whole file at most every FLUSH_EVERY_S seconds, at `flush()` and at `close()`; the
+     stages flush before every checkpoint commit, so the lines of every committed step are stored and a run
+     resumed after a kill has each step once, with no gap.
   2. Ray gauges (raychat.metrics: raychat_train_* / raychat_rl_*) through a stage's `gauges(stats)` callable.
   3. On request (--tracker): TensorBoard event files (torch.utils.tensorboard, the `tensorboard` package) or
      Weights & Biases in offline mode (`wandb`, nothing leaves the machine; `wandb sync DIR` uploads later),
@@ -17,11 +21,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from collections.abc import Callable
 
 from raychat.atomic import atomic_write_text
+from raychat.storage import open_storage, read_bytes, write_bytes
 
 TRACKERS = ("none", "tensorboard", "wandb")
+FLUSH_EVERY_S = (
+    30.0  # object storage: the longest a logged line waits for its PUT (one PUT of the whole file)
+)
 
 
 def scalars(stats: dict, prefix: str = "") -> dict[str, float]:
@@ -74,13 +84,14 @@ class MetricsSink:
     """Per-step metrics of one run (see the module doc). Only rank 0 of a stage builds one.
 
     Args:
-        run_dir: the run's directory (storage_path/run_name); metrics.jsonl and tracker/ go there. A URL
-            (s3://...) or None writes no files (the gauges still get every step).
+        run_dir: the run's directory (storage_path/run_name): a local path, an s3:// or gs:// URI, or None
+            (no file; the gauges still get every step). metrics.jsonl and tracker/ go there.
         gauges: stats -> None, records the stage's Ray gauges (None: none).
-        tracker: "none" | "tensorboard" | "wandb".
+        tracker: "none" | "tensorboard" | "wandb" (a local run_dir only: the trackers write files).
         run_name, config: the tracker's run name and its config (a nested dict).
     Raises:
-        ValueError: an unknown tracker; ModuleNotFoundError: its library is not installed.
+        ValueError: an unknown tracker, or a tracker with a remote run_dir; ModuleNotFoundError: its library is
+        not installed; OSError: a remote run_dir's metrics.jsonl could not be read (pyarrow's error).
     """
 
     def __init__(
@@ -97,6 +108,14 @@ class MetricsSink:
         self.path = os.path.join(run_dir, "metrics.jsonl") if local else None
         if self.path:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.remote, self.lines, self.flushed_at, self.dirty = None, [], time.monotonic(), False
+        if run_dir is not None and not local:  # the run dir is the root: metrics.jsonl lies strictly below it
+            storage = open_storage(run_dir)
+            self.remote = (storage, f"{storage.path}/metrics.jsonl")
+            try:
+                self.lines = read_bytes(*self.remote).decode().splitlines(keepends=True)
+            except FileNotFoundError:
+                pass
         self.gauges = gauges
         self.tracker = None
         if tracker != "none":
@@ -107,7 +126,16 @@ class MetricsSink:
 
     def resume_at(self, step: int) -> int:
         """Drop the lines of steps after `step` (the checkpoint a run resumes from; 0 = a fresh start): they
-        are trained again and logged anew. Rewrites metrics.jsonl atomically; returns how many lines went."""
+        are trained again and logged anew. Rewrites a local metrics.jsonl atomically (a remote one at the next
+        flush); returns how many lines went."""
+        if self.remote:
+            rows = _parse(self.lines)
+            kept = [
+                line for line, row in zip(self.lines, rows, strict=True) if row and row.get("step", 0) <= step
+            ]
+            dropped, self.lines = len(self.lines) - len(kept), kept
+            self.dirty |= dropped > 0
+            return dropped
         if not self.path or not os.path.exists(self.path):
             return 0
         lines = read_jsonl(self.path)
@@ -117,16 +145,35 @@ class MetricsSink:
         return len(lines) - len(kept)
 
     def log(self, stats: dict) -> None:
-        """Record one step: `stats` holds "step" (int) and the step's values (JSON-serializable)."""
+        """Record one step: `stats` holds "step" (int) and the step's values (JSON-serializable). On object
+        storage the file is PUT when FLUSH_EVERY_S have passed since the last PUT (OSError: it failed)."""
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(stats) + "\n")
+        if self.remote:
+            self.lines.append(json.dumps(stats) + "\n")
+            self.dirty = True
+            if time.monotonic() - self.flushed_at >= FLUSH_EVERY_S:
+                self.flush()
         if self.gauges is not None:
             self.gauges(stats)
         if self.tracker is not None:
             self.tracker.log(scalars({k: v for k, v in stats.items() if k != "step"}), stats["step"])
 
+    def flush(self) -> None:
+        """Store every line logged so far: on object storage one PUT of the whole metrics.jsonl (OSError: it
+        failed); on a local directory the lines are already there."""
+        if self.remote and self.dirty:
+            write_bytes(*self.remote, "".join(self.lines).encode())
+            self.flushed_at, self.dirty = time.monotonic(), False
+
     def close(self) -> None:
+        """Flush and close the tracker. A failed last PUT is a warning on stderr, not an error: close runs on
+        every way out of a stage, its own failure included, and the lines of every committed step are stored."""
+        try:
+            self.flush()
+        except OSError as e:
+            print(f"warning: metrics.jsonl not stored at {self.remote[0].uri}: {e}", file=sys.stderr)
         if self.tracker is not None:
             self.tracker.close()
             self.tracker = None
@@ -134,11 +181,16 @@ class MetricsSink:
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """The lines of a metrics.jsonl; a torn last line (a crash while appending) is skipped."""
-    out = []
     with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+        return [row for row in _parse(f) if row is not None]
+
+
+def _parse(lines) -> list[dict | None]:
+    """Each line parsed (None: not valid JSON, e.g. torn)."""
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            out.append(None)
     return out

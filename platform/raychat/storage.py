@@ -145,16 +145,21 @@ def open_storage(uri: str | os.PathLike, flag: str = "--storage-path") -> Storag
 def check_writable(storage: Storage, flag: str = "--storage-path") -> None:
     """Create the root if needed and write, then delete, a probe file in it. Nothing else is touched.
 
-    Raises ValueError naming `flag`: the bucket does not exist, access is denied, or the directory cannot
-    be created or written."""
+    Raises ValueError naming `flag`: the bucket does not exist, access is denied, the root is a file (on
+    object storage, too: an object there would not stop the run's objects from going under the same name), or
+    the directory cannot be created or written."""
     probe = f"{storage.path}/.raychat-write-probe-{uuid.uuid4().hex}"
     try:
-        storage.fs.create_dir(storage.path, recursive=True)
-        with storage.fs.open_output_stream(probe) as f:
-            f.write(b"ok")
-        storage.fs.delete_file(probe)
+        is_file = storage.fs.get_file_info(storage.path).type == pafs.FileType.File
+        if not is_file:
+            storage.fs.create_dir(storage.path, recursive=True)
+            with storage.fs.open_output_stream(probe) as f:
+                f.write(b"ok")
+            storage.fs.delete_file(probe)
     except OSError as e:
         raise ValueError(f"{flag}: {storage.uri} is not writable: {why(e, storage)}") from e
+    if is_file:
+        raise ValueError(f"{flag}: {storage.uri} is not writable: it is a file, not a directory")
 
 
 def is_remote(uri: str | os.PathLike) -> bool:
@@ -345,11 +350,17 @@ def _first_line(e: BaseException) -> str:
 
 
 def why(e: OSError, storage: Storage) -> str:
-    """A short reason for a filesystem error (the bucket is missing, access denied, ...)."""
+    """A short reason for a filesystem error (the bucket is missing, access denied, the S3 endpoint does not
+    answer, ...)."""
     text = str(e)
     bucket = storage.path.split("/", 1)[0]
     if not storage.is_local and ("NO_SUCH_BUCKET" in text or f"Bucket '{bucket}' not found" in text):
         return f"bucket {bucket!r} does not exist"
+    if "NETWORK_CONNECTION" in text:  # pyarrow's S3: nothing answered (after the AWS SDK's retries)
+        detail = text.split("Details: ", 1)[-1].strip().splitlines()[0]
+        var = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)), None)
+        where = f"the S3 endpoint {os.environ[var]} (${var})" if var else "the S3 endpoint"
+        return f"cannot connect to {where}: {detail}"
     if "ACCESS_DENIED" in text or isinstance(e, PermissionError):
         return f"access denied ({_first_line(e)})"
     return _first_line(e)

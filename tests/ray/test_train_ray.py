@@ -13,6 +13,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import ray
@@ -90,18 +91,16 @@ def final_state(result, rank):
 
 
 class FailOnce(Callback):
-    """Fault injection: rank 1 (or 0 alone) dies with os._exit at step `at_step` the first time only, like
-    a lost node (the marker file remembers it); Ray Train then restarts the group from the last checkpoint."""
+    """Fault injection: rank 1 (or 0 alone; `rank` if given) dies with os._exit at step `at_step` the first time
+    only, like a lost node (the marker file remembers it); Ray Train then restarts the group from the last
+    checkpoint."""
 
-    def __init__(self, at_step: int, marker: str):
-        self.at_step, self.marker = at_step, marker
+    def __init__(self, at_step: int, marker: str, rank: int | None = None):
+        self.at_step, self.marker, self.rank = at_step, marker, rank
 
     def on_step_begin(self, trainer, step):
-        if (
-            step == self.at_step
-            and trainer.rank == min(1, trainer.world - 1)
-            and not os.path.exists(self.marker)
-        ):
+        rank = min(1, trainer.world - 1) if self.rank is None else self.rank
+        if step == self.at_step and trainer.rank == rank and not os.path.exists(self.marker):
             open(self.marker, "w").close()
             os._exit(1)
 
@@ -188,6 +187,18 @@ class CountLinears(Callback):
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(s3_server):
+    """tests/ray/conftest.py's 2-CPU Ray instance, its node holding the S3 test server's AWS variables, as a
+    cluster's nodes hold their own credentials: the workers of a run on s3:// open that storage themselves."""
+    with mock.patch.dict(os.environ, s3_server.env):
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +289,24 @@ def test_killed_worker_restarts_from_checkpoint_and_completes(ray_cluster, data,
     assert marker.exists()  # the worker did die once
     assert result.metrics["step"] == 6
     assert sorted(losses(tmp_path / "c"))[-1] == 6
+
+
+def test_a_run_on_object_storage_logs_each_step_once_across_a_worker_restart(
+    ray_cluster, data, s3_env, tmp_path
+):
+    """A run on s3:// wrote no metrics.jsonl. Rank 0, the one that logs, dies at step 5 as in a kill -9 (no
+    close, no finally); Ray Train restarts the group from the bucket's checkpoint 3. Step 4's line was logged but
+    never stored (object storage cannot append: the sink PUTs the whole file at intervals and before each
+    commit); the restarted rank 0 reads the stored lines 1-3 and logs 4-6 anew."""
+    bucket, marker = s3_env.make_bucket(), tmp_path / "died"
+    cfg = tiny_config(data, f"s3://{bucket}/runs", max_failures=1)
+    result = pretrain(cfg, callbacks=[FailOnce(4, str(marker), rank=0)])
+    assert marker.exists() and result.metrics["step"] == 6
+    assert result.checkpoint == f"s3://{bucket}/runs/t/checkpoint_000006"
+    with s3_env.filesystem().open_input_stream(f"{bucket}/runs/t/metrics.jsonl") as f:
+        lines = [json.loads(line) for line in f.read().decode().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert lines[-1]["loss"] == result.metrics["loss"] and lines[2]["val_bpb"] > 0
 
 
 # Relative difference of the FP8 loss from the fp32 loss at the same step. Measured (2026-12-03, this test):

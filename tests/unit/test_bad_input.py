@@ -15,9 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow.fs as pafs
 import pytest
 import ray
 import torch
@@ -1352,4 +1354,53 @@ def test_rays_startup_timeout_gets_the_overload_hint():
         "overloaded: Ray gives its raylet RAY_raylet_start_wait_time_s (default 30) seconds to register; set it "
         "higher (e.g. RAY_raylet_start_wait_time_s=120), retry when the load is lower, or start a cluster with "
         "`ray start --head` and run with RAY_ADDRESS=auto)"
+    )
+
+
+def test_sft_on_an_object_storage_root_does_not_resolve_pretrainings_data_dir(root, driver, s3_env, capsys):
+    """`raychat sft --storage-path s3://...` was refused for a flag it never reads and refuses when given
+    (`--data-dir: s3://.../data is on object storage`): its default, a run under the remote root, was resolved
+    as pretraining resolves it. SFT on object storage could not run at all; pretraining still refuses it."""
+    bucket = s3_env.make_bucket()
+    s3 = f"s3://{bucket}/runs"
+    pafs.copy_files(
+        str(root / "pretrain"), f"{bucket}/runs/pretrain", destination_filesystem=s3_env.filesystem()
+    )
+    argv = ["sft", "--preset", "tiny", "--storage-path", s3, "--run-name", "s", "--init-from", "latest",
+            "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    cfg, paths, _, _ = driver(argv)
+    assert cfg.run.init_from == paths.init_from == f"{s3}/pretrain/checkpoint_000004"
+    assert paths.run_dir == f"{s3}/s"
+    line = _fails_in_one_line(["pretrain", "--preset", "tiny", "--storage-path", s3, "--tokenizer-path",
+                               f"{root}/tokenizer"], capsys)  # fmt: skip
+    assert line == (
+        f"raychat pretrain: error: --data-dir: {s3}/data is on object storage; data and the tokenizer are read "
+        "as files by every node: give a local or NFS directory  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, flag, where",
+    [
+        (["pretrain", "--preset", "tiny", "--storage-path", "{s3}", "--run-name", "p",
+          "--data-dir", "{root}/prepared", "--tokenizer-path", "{root}/tokenizer"], "--storage-path", "{s3}"),
+        (["export", "--checkpoint", "{root}/pretrain", "--out", "{s3}/hf"], "--out", "{s3}/hf"),
+    ],
+)  # fmt: skip
+def test_an_s3_endpoint_that_does_not_answer_is_named(argv, flag, where, root, monkeypatch, capsys):
+    """pretrain and export --out printed pyarrow's `When listing objects under key 'runs/p/' in bucket ...: AWS
+    Error NETWORK_CONNECTION ...`, naming neither the flag nor the endpoint (sft, rl, chat, serve named their
+    --init-from / --checkpoint but not the endpoint)."""
+    _good_input(root)
+    (port,) = free_ports(1)  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    for key, value in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
+                       "AWS_EC2_METADATA_DISABLED": "true"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    s3 = "s3://bucket/runs"
+    line = _fails_in_one_line([a.format(root=root, s3=s3) for a in argv], capsys)
+    assert re.sub(r"after \d+ ms", "after N ms", line) == (
+        f"raychat {argv[0]}: error: {flag}: cannot read {where.format(s3=s3)}: cannot connect to the S3 endpoint "
+        f"http://127.0.0.1:{port} ($AWS_ENDPOINT_URL): Failed to connect to 127.0.0.1:{port} after N ms: Could not "
+        "connect to server  (RAYCHAT_DEBUG=1 shows the traceback)"
     )

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import pyarrow.fs as pafs
 import pytest
 import torch
 from support.engine_fixtures import byte_tokenizer, tiny_gpt
@@ -175,6 +176,23 @@ def test_a_run_dir_and_its_latest_name_its_newest_checkpoint(checkpoint, tmp_pat
         got = capsys.readouterr()
         assert got.out == want
         assert got.err == f"checkpoint: {tmp_path}/run/checkpoint_000003 ({stage} checkpoint, step 3){note}\n"
+
+
+def test_a_checkpoint_on_object_storage_is_named_by_its_uri(
+    checkpoint, s3_env, tmp_path, monkeypatch, capsys
+):
+    """chat of `s3://.../latest` named the node's cache copy on stderr (`checkpoint: ~/.cache/raychat/checkpoints/
+    3f2a...-checkpoint_000003 ...`), not the checkpoint the reference resolved to, as it does for a local one."""
+    monkeypatch.setattr("raychat.checkpoint_manager.DEFAULT_CACHE", tmp_path / "cache")
+    d, model, tok = checkpoint
+    save_model(tmp_path / "run" / "checkpoint_000003", model, tok, {"step": 3, "stage": "sft"}, commit=True)
+    bucket = s3_env.make_bucket()
+    pafs.copy_files(str(tmp_path / "run"), f"{bucket}/runs/run", destination_filesystem=s3_env.filesystem())
+    argv = ["chat", "--checkpoint", f"s3://{bucket}/runs/run/latest", "-p", "hi", "--temperature", "0"]
+    assert main([*argv, "--max-tokens", "5"]) == 0
+    got = capsys.readouterr()
+    assert got.out == expected_reply(model, tok, [{"role": "user", "content": "hi"}], 5).text + "\n"
+    assert got.err == f"checkpoint: s3://{bucket}/runs/run/checkpoint_000003 (sft checkpoint, step 3)\n"
 
 
 def test_ctrl_c_during_a_one_shot_reply_prints_what_came_and_exits_130(tmp_path):

@@ -10,6 +10,7 @@ import re
 import signal
 import time
 
+import pyarrow.fs as pafs
 import pytest
 from support.serve_helpers import write_tiny_checkpoint
 
@@ -262,5 +263,45 @@ def test_a_stopped_child_fails_the_health_check_and_ends_open_streams(long_check
         assert rejected == [{"type": "error", "status": 503, "param": None,
                              "message": f"engine unavailable: engine process is not running (stopped: {queued[-1].error})"}]  # fmt: skip
         assert server.stats()["in_flight"] == 0
+    finally:
+        server.shutdown()
+
+
+def test_a_checkpoint_on_object_storage_is_served_from_the_nodes_copy(
+    checkpoint, s3_env, tmp_path, monkeypatch
+):
+    """`raychat serve --checkpoint s3://...` deployed no replica: each one failed with `no tokenizer at
+    s3:/bucket/...` (the URI handed to a local file API). The replica fetches the checkpoint into its node's
+    cache once; its engine process, restarted too, loads that copy, so it serves on when the bucket's copy is
+    gone. The model id is the checkpoint's name, as for a local checkpoint."""
+    monkeypatch.setattr("raychat.checkpoint_manager.DEFAULT_CACHE", tmp_path / "cache")
+    bucket = s3_env.make_bucket()
+    fs, where = s3_env.filesystem(), f"{bucket}/runs/r/checkpoint_000000"
+    pafs.copy_files(str(checkpoint), where, destination_filesystem=fs)
+    request = {
+        "messages": [{"role": "user", "content": "Tell me about json."}],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+
+    async def reply(engine):
+        return [{k: v for k, v in e.items() if k != "usage"} async for e in engine.generate(request)]
+
+    local = ChatServer.from_checkpoint(checkpoint, max_slots=2)
+    try:
+        expected = asyncio.run(reply(local))
+    finally:
+        local.shutdown()
+    server = ChatServer.from_checkpoint(f"s3://{where}", engine_process=True, max_slots=2)
+    try:
+        assert server.info()["model_id"] == "checkpoint_000000"
+        assert asyncio.run(reply(server)) == expected and expected[-1]["finish_reason"] == "length"
+        fs.delete_dir(where)
+        os.kill(server.scheduler._proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while server.scheduler.restarts == 0 or not server.scheduler.running:
+            assert time.monotonic() < deadline, server.scheduler.last_error
+            time.sleep(0.05)
+        assert asyncio.run(reply(server)) == expected
     finally:
         server.shutdown()

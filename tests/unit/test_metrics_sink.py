@@ -3,11 +3,13 @@ offline runs read back through their own libraries; the report's curves as PNG."
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 from PIL import Image
 
+from raychat import metrics_sink
 from raychat.metrics_sink import MetricsSink, read_jsonl, scalars
 from raychat.report import plot_stage
 
@@ -31,9 +33,50 @@ def test_jsonl_and_gauges_get_every_step(tmp_path):
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "lo')  # a torn last line (crash while appending) is skipped
     assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
-    assert MetricsSink("s3://bucket/run").path is None  # object storage: no local file
     with pytest.raises(ValueError, match=r"--tracker must be one of \['none', 'tensorboard', 'wandb'\]"):
         MetricsSink(tmp_path, tracker="mlflow")
+
+
+def test_object_storage_gets_metrics_jsonl_and_a_resumed_run_keeps_each_step_once(s3_env, monkeypatch):
+    """A run on s3:// had no metrics.jsonl at all (only a local run directory got one). The sink PUTs the whole
+    file (object storage cannot append): at flush(), which the stages call before each checkpoint commit, at
+    close(), and at most FLUSH_EVERY_S after a line. A run started again reads the stored lines and drops those
+    after the checkpoint it resumes from; lines logged after the last flush of a killed run are lost, but they
+    were after its last commit and are logged anew."""
+    bucket = s3_env.make_bucket()
+    fs, run = s3_env.filesystem(), f"s3://{bucket}/runs/pre"
+
+    def stored():
+        with fs.open_input_stream(f"{bucket}/runs/pre/metrics.jsonl") as f:
+            return [json.loads(line) for line in f.read().decode().splitlines()]
+
+    sink = MetricsSink(run)
+    sink.log(STEPS[0])
+    sink.flush()  # checkpoint 1 is about to be committed
+    assert stored() == STEPS[:1]
+    sink.log(STEPS[1])
+    sink.log({"step": 3, "loss": 3.0})  # killed here: steps 2 and 3 were never stored
+    assert stored() == STEPS[:1] and sink.path is None
+
+    again = MetricsSink(run)  # the same run started again resumes from checkpoint 1
+    assert again.resume_at(1) == 0
+    monkeypatch.setattr(metrics_sink, "FLUSH_EVERY_S", 0.0)  # every line is PUT as it comes
+    again.log(STEPS[1])
+    assert stored() == STEPS
+    monkeypatch.setattr(metrics_sink, "FLUSH_EVERY_S", 3600.0)
+    again.log({"step": 3, "loss": 2.5})
+    assert stored() == STEPS
+    again.close()
+    assert stored() == [*STEPS, {"step": 3, "loss": 2.5}]
+
+    third = MetricsSink(run)  # a run whose checkpoint 1 is its newest again (the later ones lost): 2 and 3 go
+    assert third.resume_at(1) == 2
+    third.close()
+    assert stored() == STEPS[:1]
+    with pytest.raises(
+        ValueError, match="--tracker tensorboard writes files: it needs a local --storage-path"
+    ):
+        MetricsSink(run, tracker="tensorboard")
 
 
 def test_tensorboard_event_files_hold_the_scalars(tmp_path):

@@ -272,6 +272,23 @@ def test_s3_bad_input_names_the_flag(runs, s3_env, tmp_path):
     assert not (tmp_path / "cache").exists()  # nothing was downloaded
 
 
+def test_a_storage_path_that_is_a_file_is_refused_on_s3_as_on_a_local_disk(s3_env, tmp_path):
+    """An object at the root's name was accepted: the run's objects went to `<root>/...` beside it (a bucket
+    holding `afile` and `afile/p/checkpoint_000002/...`, which no mount or download can show as directories),
+    while a local file there is refused."""
+    bucket = s3_env.make_bucket()
+    with s3_env.filesystem().open_output_stream(f"{bucket}/afile") as f:
+        f.write(b"hi")
+    (tmp_path / "afile").write_text("hi")
+    for root in (f"s3://{bucket}/afile", str(tmp_path / "afile")):
+        with pytest.raises(ValueError) as e:
+            check_writable(open_storage(root))
+        assert str(e.value) == f"--storage-path: {root} is not writable: it is a file, not a directory"
+    assert [i.path for i in s3_env.filesystem().get_file_info(pafs.FileSelector(bucket, recursive=True))] == [
+        f"{bucket}/afile"
+    ]
+
+
 def test_a_relative_path_in_a_submitted_jobs_temporary_checkout_is_refused(tmp_path, monkeypatch, capsys):
     """`raychat submit data prepare --storage-path relruns` (or the default `runs`) wrote its shards into Ray's
     unpacked working_dir, which Ray deletes, and the job SUCCEEDED; nothing reached the user's directory."""

@@ -20,7 +20,7 @@ import torch
 from raychat.chat.turn import TurnParser, turn_parts
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
-from raychat.checkpoint_manager import described, resolve_checkpoint
+from raychat.checkpoint_manager import described, find_checkpoint, resolve_checkpoint
 from raychat.config import ChatConfig, from_args
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
 from raychat.gc_heap import freeze_gc_heap
@@ -128,8 +128,10 @@ def run_chat(args, stdin=None, out=None) -> int:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device on this machine (use --device cpu)")
-        checkpoint = resolve_checkpoint(cfg.checkpoint)
-        model, tokenizer, meta = load_model(checkpoint, device=device)
+        source = find_checkpoint(
+            cfg.checkpoint, None, "--checkpoint"
+        )  # named on stderr: the URI, not the cache
+        model, tokenizer, meta = load_model(resolve_checkpoint(source), device=device)
         params = SamplingParams(
             max_tokens=cfg.max_tokens,
             temperature=cfg.temperature,
@@ -140,7 +142,7 @@ def run_chat(args, stdin=None, out=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"raychat chat: error: {e}", file=sys.stderr)
         return 2
-    print(checkpoint_line(checkpoint, meta.get("stage", "")), file=sys.stderr)
+    print(checkpoint_line(source, meta.get("stage", "")), file=sys.stderr)
     sched = Scheduler(ModelRunner(model, tokenizer, dtype="auto", kv_dtype=cfg.kv_dtype), max_slots=1)
     freeze_gc_heap()
     system = [{"role": "system", "content": cfg.system}] if cfg.system else []

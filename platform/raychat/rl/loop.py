@@ -304,6 +304,7 @@ class RLRun:
             if warning := self.no_signal.add(step + 1, rollout):
                 self.log(warning)
             if due(cfg.checkpoint.checkpoint_every, step + 1, steps):
+                metrics.flush()  # every committed step's line stored first (object storage PUTs at intervals)
                 self.save(step + 1, evals[-1] if evals else None)
         self.sync.drain()
         newest = self.checkpoints.newest()

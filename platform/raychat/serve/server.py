@@ -39,6 +39,7 @@ from pathlib import Path
 from raychat.chat.turn import TurnParser
 from raychat.chat_template import MARKERS, TEMPLATE_VERSION, render_for_completion
 from raychat.checkpoint import load_model, read_meta
+from raychat.checkpoint_manager import resolve_checkpoint
 from raychat.engine import ModelRunner, Scheduler
 from raychat.engine.process import EngineProcess
 from raychat.engine.scheduler import QueueFullError
@@ -46,6 +47,7 @@ from raychat.metrics import ServeMetrics
 from raychat.serve.completion_server import completion_events
 from raychat.serve.engine_adapter import sampling_params, text_logprobs
 from raychat.serve.sse import usage_dict
+from raychat.storage import is_remote
 from raychat.tokenizer import Tokenizer
 
 
@@ -145,12 +147,18 @@ class ChatServer:
         torch_threads: int = 1,
         **kwargs,
     ) -> ChatServer:
-        """Load a raychat checkpoint directory (raychat.checkpoint.load_model) onto `device`.
+        """Load a raychat checkpoint directory (raychat.checkpoint.load_model) onto `device`. An s3:// or gs://
+        checkpoint is fetched once into this node's cache (raychat.checkpoint_manager.resolve_checkpoint) and
+        everything, a restarted engine process included, loads that copy.
 
         engine_process=True runs the model and Scheduler in a child process (raychat.engine.process,
         with `torch_threads` torch threads) so the decode step does not share this process' GIL with
         the event loop; only the tokenizer is loaded here.
+        Raises CheckpointError / ValueError / OSError as resolve_checkpoint and load_model.
         """
+        if is_remote(checkpoint):
+            kwargs.setdefault("model_id", Path(checkpoint).name)
+            checkpoint = resolve_checkpoint(checkpoint)
         kwargs.setdefault("model_id", Path(checkpoint).resolve().name or "raychat")
         if not engine_process:
             model, tokenizer, meta = load_model(checkpoint, device=device)

@@ -44,7 +44,7 @@ from raychat.data.loader.row_source import RowSource, same_stream
 from raychat.data.loader.sft_rows import changed_task_files
 from raychat.log import log
 from raychat.model import ModelConfig
-from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory
+from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory, why
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import start_or_connect, worker_bundle
 from raychat.train.optim import lr_multiplier, lr_peak_from, warmdown_start
@@ -91,7 +91,7 @@ class RunPaths:
     driver and every worker read them from here.
 
     storage: the root (local, NFS, s3://, gs://); data_dir, tokenizer_path: absolute local paths (a run name
-    is a run under the root); init_from: the committed checkpoint --init-from names (a path or URI), or None;
+    is a run under the root; data_dir only for pretraining, as given for SFT, which reads no shards); init_from: the committed checkpoint --init-from names (a path or URI), or None;
     checkpoints: the run's CheckpointManager (<root>/<run>/checkpoint_<step:06d>, pruned to keep_checkpoints).
     """
 
@@ -121,7 +121,7 @@ def resolve_paths(cfg: TrainConfig, writable: bool = True) -> RunPaths:
     """Resolve --storage-path, --data-dir, --tokenizer-path, --init-from and --run-name into RunPaths; with
     `writable`, also create the root if needed and check that it can be written.
 
-    Raises ValueError naming the flag: an unsupported scheme, data on object storage, a run name that breaks
+    Raises ValueError naming the flag: an unsupported scheme, pretraining data on object storage, a run name that breaks
     the rule, a checkpoint reference that names nothing (`latest`: no committed pretraining checkpoint under
     the root), a root that cannot be written; CheckpointError naming the file: a local --init-from that
     could not load (raychat.checkpoint.check_model)."""
@@ -135,7 +135,11 @@ def resolve_paths(cfg: TrainConfig, writable: bool = True) -> RunPaths:
         check_model(init_from)
     paths = RunPaths(
         storage=storage,
-        data_dir=run_directory(cfg.data.data_dir, storage, "--data-dir"),
+        data_dir=(
+            run_directory(cfg.data.data_dir, storage, "--data-dir")
+            if cfg.run.stage == "pretrain"
+            else cfg.data.data_dir
+        ),
         tokenizer_path=run_directory(cfg.data.tokenizer_path, storage, "--tokenizer-path"),
         init_from=init_from,
         checkpoints=CheckpointManager(storage, cfg.run.run_name, cfg.train.checkpoint.keep_checkpoints),
@@ -320,11 +324,15 @@ def resumable_checkpoint(checkpoints: CheckpointManager, run_name: str, stage: s
     Raises:
         CheckpointError: a file of the checkpoint is missing or of another size (named).
         ConfigError: the checkpoint is of another stage (one line naming --run-name and both stages).
+        ValueError: the storage root cannot be read (naming --storage-path and why: raychat.storage.why).
     """
-    newest = checkpoints.newest()
+    storage = checkpoints.storage
+    try:
+        newest = checkpoints.newest()
+    except OSError as e:
+        raise ValueError(f"--storage-path: cannot read {storage.uri}: {why(e, storage)}") from e
     if newest is None:
         return None
-    storage = checkpoints.storage
     where = storage.uri_of(newest.path)
     try:
         verify_stored(storage, newest.path)

@@ -232,9 +232,12 @@ class Trainer:
 
     def save(self, step: int, report: dict) -> None:
         """Write this rank's part of checkpoint `step`, commit it with every rank's (raychat.checkpoint_manager),
-        then report the step's metrics to Ray Train."""
+        then report the step's metrics to Ray Train. Rank 0 first stores metrics.jsonl (object storage: it is
+        PUT at intervals), so every committed step's line is stored and a resumed run's file has no gap."""
         for cb in self.callbacks:
             cb.on_save(self, step)
+        if self.metrics is not None:
+            self.metrics.flush()
         with tempfile.TemporaryDirectory() as tmp:
             state = {"rows": self.row_source.state_dict()}
             self.checkpointer.write(
