@@ -109,6 +109,7 @@ class MetricsSink:
         if self.path:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.remote, self.lines, self.flushed_at, self.dirty = None, [], time.monotonic(), False
+        self.failing = False  # the last periodic PUT failed (warned once)
         if run_dir is not None and not local:  # the run dir is the root: metrics.jsonl lies strictly below it
             storage = open_storage(run_dir)
             self.remote = (storage, f"{storage.path}/metrics.jsonl")
@@ -146,7 +147,8 @@ class MetricsSink:
 
     def log(self, stats: dict) -> None:
         """Record one step: `stats` holds "step" (int) and the step's values (JSON-serializable). On object
-        storage the file is PUT when FLUSH_EVERY_S have passed since the last PUT (OSError: it failed)."""
+        storage the file is PUT when FLUSH_EVERY_S have passed since the last PUT; a failed PUT is a warning
+        (the lines are PUT again later; flush() before a checkpoint commit raises)."""
         if self.path:
             with open(self.path, "a") as f:
                 f.write(json.dumps(stats) + "\n")
@@ -154,7 +156,7 @@ class MetricsSink:
             self.lines.append(json.dumps(stats) + "\n")
             self.dirty = True
             if time.monotonic() - self.flushed_at >= FLUSH_EVERY_S:
-                self.flush()
+                self._flush_or_warn()
         if self.gauges is not None:
             self.gauges(stats)
         if self.tracker is not None:
@@ -166,6 +168,21 @@ class MetricsSink:
         if self.remote and self.dirty:
             write_bytes(*self.remote, "".join(self.lines).encode())
             self.flushed_at, self.dirty = time.monotonic(), False
+
+    def _flush_or_warn(self) -> None:
+        """flush(); a failed PUT (the store's outage, a throttled request) is one warning on stderr until a PUT
+        succeeds again, and is tried again FLUSH_EVERY_S later: the step goes on, and the lines stay held."""
+        try:
+            self.flush()
+            self.failing = False
+        except OSError as e:
+            self.flushed_at = time.monotonic()
+            if not self.failing:
+                print(
+                    f"warning: metrics.jsonl not stored at {self.remote[0].uri} (tried again later): {e}",
+                    file=sys.stderr,
+                )
+            self.failing = True
 
     def close(self) -> None:
         """Flush and close the tracker. A failed last PUT is a warning on stderr, not an error: close runs on

@@ -79,6 +79,32 @@ def test_object_storage_gets_metrics_jsonl_and_a_resumed_run_keeps_each_step_onc
         MetricsSink(run, tracker="tensorboard")
 
 
+def test_a_failed_periodic_put_is_a_warning_and_the_lines_are_stored_later(s3_env, monkeypatch, capsys):
+    """A periodic PUT of metrics.jsonl that fails (here: the bucket is gone for a while) must not end the
+    training step that logged the line: one warning, the lines held, and the next PUT stores them all. A flush
+    before a checkpoint commit still raises (the commit would fail too)."""
+    bucket = s3_env.make_bucket()
+    fs = s3_env.filesystem(allow_bucket_creation=True, allow_bucket_deletion=True)
+    sink = MetricsSink(f"s3://{bucket}/runs/pre")
+    fs.delete_dir(bucket)
+    monkeypatch.setattr(metrics_sink, "FLUSH_EVERY_S", 0.0)
+    sink.log(STEPS[0])
+    sink.log(STEPS[1])
+    warned = capsys.readouterr().err
+    assert warned.count("warning: metrics.jsonl not stored at s3://") == 1, warned
+    with pytest.raises(OSError):
+        sink.flush()
+    fs.create_dir(bucket)
+    sink.log({"step": 3, "loss": 3.0})
+    with fs.open_input_stream(f"{bucket}/runs/pre/metrics.jsonl") as f:
+        assert [json.loads(line) for line in f.read().decode().splitlines()] == [
+            *STEPS,
+            {"step": 3, "loss": 3.0},
+        ]
+    sink.close()
+    assert capsys.readouterr().err == ""
+
+
 def test_tensorboard_event_files_hold_the_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
