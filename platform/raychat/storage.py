@@ -42,6 +42,14 @@ REMOTE_SCHEMES = ("s3", "gs")
 GCS_RETRY_LIMIT_S = 60
 # pyarrow's URI options that carry a credential (S3FileSystem, GcsFileSystem): never in a storage URI
 SECRET_OPTIONS = ("access_key", "secret_key", "session_token", "access_token")
+# the command that copies the directory {src} (a path or URI of its scheme; "" = a local path) into the directory
+# {into} as <into>/<name>, {name} being src's last part: what a user runs, e.g. to fetch a remote export, or to
+# copy a checkpoint out of the run that prunes it
+COPY_COMMANDS = {
+    "": "cp -r {src} {into}",
+    "s3": "aws s3 cp --recursive {src} {into}/{name}",
+    "gs": "gcloud storage cp -r {src} {into}",
+}
 # where a remote root's settings come from instead of its URI, per scheme
 SETTINGS_FROM = {
     "s3": "S3 settings come from the environment of every node: AWS_ENDPOINT_URL (its scheme, http or https, is "
@@ -205,6 +213,14 @@ def check_writable(storage: Storage, flag: str = "--storage-path") -> None:
 def is_remote(uri: str | os.PathLike) -> bool:
     """True for an s3:// or gs:// URI (what has to be fetched before a local file API can read it)."""
     return str(uri).split("://", 1)[0].lower() in REMOTE_SCHEMES if "://" in str(uri) else False
+
+
+def copy_command(src: str, into: str) -> str:
+    """The shell command (COPY_COMMANDS) that copies the directory `src` (a local path, s3:// or gs:// URI) into
+    the directory `into` (e.g. "."), as <into>/<src's last part>."""
+    scheme = src.split("://", 1)[0].lower() if is_remote(src) else ""
+    name = src.rstrip("/").rsplit("/", 1)[-1]
+    return COPY_COMMANDS[scheme].format(src=src, into=into, name=name)
 
 
 def is_bare_name(ref: str) -> bool:

@@ -11,7 +11,7 @@ from support.serve_helpers import write_tiny_checkpoint
 
 from raychat import checkpoint_manager
 from raychat.cli import main
-from raychat.serve.app import serve_config
+from raychat.serve.app import pruned_message, serve_config
 from raychat.serve.cli import check_checkpoint
 
 TAIL = "  (RAYCHAT_DEBUG=1 shows the traceback)\n"
@@ -178,3 +178,27 @@ def test_a_remote_checkpoint_is_checked_before_ray_without_fetching_its_weights(
         f"(truncated or replaced){TAIL}"
     )
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(
+    "checkpoint, command",
+    [
+        ("/data/runs/sft/checkpoint_000004", "cp -r /data/runs/sft/checkpoint_000004 DEST"),
+        (
+            "s3://b/runs/sft/checkpoint_000004",
+            "aws s3 cp --recursive s3://b/runs/sft/checkpoint_000004 DEST/checkpoint_000004",
+        ),
+        ("gs://b/runs/sft/checkpoint_000004", "gcloud storage cp -r gs://b/runs/sft/checkpoint_000004 DEST"),
+    ],
+)
+def test_a_pruned_checkpoints_message_copies_it_with_the_command_of_its_scheme(checkpoint, command):
+    """The error of a replica whose checkpoint was pruned said `cp -r it out of the run directory` for an s3://
+    or gs:// checkpoint too, a command that does not read a URI."""
+    assert pruned_message(checkpoint) == (
+        f"checkpoint {checkpoint} no longer exists: it was deleted after this app resolved its checkpoint "
+        "reference to it, most likely pruned by the training run that wrote it (pretrain, sft and rl keep only "
+        "their newest --keep-checkpoints checkpoints, default 2), so no new replica can load it. Serve a "
+        "checkpoint that nothing prunes (a finished run's, or a copy out of the run directory into a directory "
+        f"DEST, as `{command}` would have copied this one), or train with a larger --keep-checkpoints; then "
+        "deploy the app again"
+    )
