@@ -17,9 +17,11 @@ Every file is written to a unique temporary name, fsynced and renamed, so a cras
 file; optimizer and RNG state load with torch.load(weights_only=True), so a checkpoint from a shared volume
 or bucket never runs code. load_model checks first (check_model, which reads no tensor) every file's size
 against the commit marker, meta.json and the header of model.safetensors: a damaged file is a one-line
-CheckpointError naming the checkpoint and the file. read_meta and load_model also take the s3:// or gs://
-URI of a checkpoint dir: it is downloaded to this node's cache first
-(raychat.checkpoint_manager.resolve_checkpoint), so every node can load one from object storage.
+CheckpointError naming the checkpoint and the file. load_model also takes the s3:// or gs:// URI of a
+checkpoint dir: it is downloaded to this node's cache first (raychat.checkpoint_manager.resolve_checkpoint), so
+every node can load one from object storage. read_meta, read_tokenizer and check_model read such a URI's small
+files where they are (meta.json, tokenizer.json, commit.json and a listing of sizes), never its weights: the
+checks a driver makes before Ray starts are the same for a local and a remote checkpoint.
 """
 
 from __future__ import annotations
@@ -36,9 +38,16 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from raychat.atomic import atomic_write
-from raychat.checkpoint_manager import CheckpointError, commit_directory, resolve_checkpoint, verify
+from raychat.checkpoint_manager import (
+    CheckpointError,
+    commit_directory,
+    find_checkpoint,
+    resolve_checkpoint,
+    verify,
+    verify_stored,
+)
 from raychat.model import GPT, ModelConfig
-from raychat.storage import is_remote
+from raychat.storage import is_remote, open_storage, read_bytes
 from raychat.tokenizer import Tokenizer
 
 OPTIMIZER_FILE = "optim.pt"
@@ -223,18 +232,18 @@ def load_rank_states(directory: str | os.PathLike) -> list[dict]:
 
 
 def read_meta(directory: str | os.PathLike) -> dict:
-    """meta.json of a checkpoint (a local dir or a remote URI).
+    """meta.json of a checkpoint (a local dir, or a remote URI: that one file is read, nothing fetched).
 
     Raises:
         FileNotFoundError: no meta.json there. CheckpointError (a ValueError): meta.json is not valid JSON, or
             not an object.
-        ValueError: a remote URI that names no committed checkpoint.
+        ValueError: a remote URI that names no committed checkpoint. OSError: a remote one cannot be read.
     """
-    path = Path(_local(directory)) / "meta.json"
-    if not path.exists():
+    data = _small_file(directory, "meta.json")
+    if data is None:
         raise FileNotFoundError(f"{directory} is not a raychat checkpoint (no meta.json)")
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(data.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint {directory}: meta.json is not valid JSON ({e})") from None
     if not isinstance(meta, dict):
@@ -242,16 +251,48 @@ def read_meta(directory: str | os.PathLike) -> dict:
     return meta
 
 
+def read_tokenizer(directory: str | os.PathLike) -> Tokenizer:
+    """The tokenizer (tokenizer.json) of a checkpoint: a local dir, or a remote URI (that one file is read).
+
+    Raises FileNotFoundError: no tokenizer.json there; ValueError as Tokenizer.load, or read_meta's for a remote
+    URI."""
+    if not is_remote(directory):
+        return Tokenizer.load(directory)
+    data = _small_file(directory, "tokenizer.json")
+    if data is None:
+        raise FileNotFoundError(f"{directory} is not a raychat checkpoint (no tokenizer.json)")
+    return Tokenizer.from_json(data, f"{directory}/tokenizer.json")
+
+
+def _small_file(directory: str | os.PathLike, name: str) -> bytes | None:
+    """The bytes of the file `name` of a checkpoint (a local dir, or the URI of a committed remote one: one
+    read of that file), None when there is none."""
+    if not is_remote(directory):
+        path = Path(directory) / name
+        return path.read_bytes() if path.is_file() else None
+    where = open_storage(find_checkpoint(directory))
+    try:
+        return read_bytes(where, f"{where.path}/{name}")
+    except FileNotFoundError:
+        return None
+
+
 def check_model(directory: str | os.PathLike) -> dict:
-    """The meta of the committed local checkpoint `directory` once its model could load: every file as its
-    commit marker lists it (sizes), meta.json with a model_config, model.safetensors with a header that parses.
-    Reads no tensor.
+    """The meta of the committed checkpoint `directory` once its model could load: every file as its commit
+    marker lists it (sizes), meta.json with a model_config, and (local) model.safetensors with a header that
+    parses. Reads no tensor; of a remote URI, only commit.json, meta.json and a listing of sizes.
 
     Raises:
         CheckpointError (a ValueError) naming the checkpoint and the file: not committed, a file missing or of
             another size, meta.json or model.safetensors unreadable.
+        ValueError: a remote URI that names no committed checkpoint. OSError: a remote one cannot be read.
     """
-    verify(directory)
+    remote = is_remote(directory)
+    if remote:
+        where = open_storage(find_checkpoint(directory))
+        verify_stored(where, where.path)
+    else:
+        verify(directory)
     meta = read_meta(directory)
     try:
         ModelConfig(**meta["model_config"])
@@ -259,6 +300,8 @@ def check_model(directory: str | os.PathLike) -> dict:
         raise CheckpointError(
             f"checkpoint {directory}: meta.json has no valid model_config ({e!r})"
         ) from None
+    if remote:
+        return meta
     try:
         with safe_open(Path(directory) / "model.safetensors", framework="pt"):
             pass

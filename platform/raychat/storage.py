@@ -10,8 +10,12 @@ Filesystems are pyarrow.fs, the ones Ray Train uses (`Storage.ray_train_storage(
 arguments). S3 takes the standard AWS variables: AWS_ENDPOINT_URL or AWS_ENDPOINT_URL_S3 (an S3-compatible
 server: the scheme of that URL, http or https, is the one used), AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
 (or any other source of the AWS default chain) and AWS_REGION / AWS_DEFAULT_REGION (else the bucket's region
-is looked up). GCS takes Google's application default credentials; a GCS URI without `retry_limit_seconds`
-gets 60 s, so a missing credential fails within a minute instead of retrying for 15.
+is looked up). GCS takes Google's application default credentials; every GCS URI gets
+`retry_limit_seconds=60`, so a missing credential fails within a minute instead of retrying for 15. Every
+process that opens a root (the driver, Train workers, RL actors, serve replicas) reads these variables itself,
+so they must be set on every node. A root's URI holds no options: a query (`?endpoint_override=...`) would be
+lost where a worker reopens the root from Storage.uri, and keys in a URI would be written to logs, checkpoints'
+meta.json and job entrypoints; open_storage refuses both.
 
 A bad storage root is a ValueError of one line that names the flag and says what was found. Data directories
 (parquet shards, the tokenizer) are named like runs (`run_directory`: a path, or a run name under the storage
@@ -27,6 +31,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
 
 import pyarrow.fs as pafs
 
@@ -35,6 +40,23 @@ from raychat.config.schema import check_run_name
 
 REMOTE_SCHEMES = ("s3", "gs")
 GCS_RETRY_LIMIT_S = 60
+# pyarrow's URI options that carry a credential (S3FileSystem, GcsFileSystem): never in a storage URI
+SECRET_OPTIONS = ("access_key", "secret_key", "session_token", "access_token")
+# the command that copies the directory {src} (a path or URI of its scheme; "" = a local path) into the directory
+# {into} as <into>/<name>, {name} being src's last part: what a user runs, e.g. to fetch a remote export, or to
+# copy a checkpoint out of the run that prunes it
+COPY_COMMANDS = {
+    "": "cp -r {src} {into}",
+    "s3": "aws s3 cp --recursive {src} {into}/{name}",
+    "gs": "gcloud storage cp -r {src} {into}",
+}
+# where a remote root's settings come from instead of its URI, per scheme
+SETTINGS_FROM = {
+    "s3": "S3 settings come from the environment of every node: AWS_ENDPOINT_URL (its scheme, http or https, is "
+    "used), AWS_REGION, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an instance role",
+    "gs": "GCS takes Google's application default credentials on every node, and raychat sets "
+    "retry_limit_seconds=60 itself",
+}
 
 
 @dataclass(frozen=True)
@@ -115,8 +137,9 @@ def check_not_in_job_copy(path: str, flag: str) -> None:
 def open_storage(uri: str | os.PathLike, flag: str = "--storage-path") -> Storage:
     """The Storage for a local path, file://, s3:// or gs:// URI. Touches nothing (see check_writable).
 
-    Raises ValueError naming `flag` for an empty value, an unsupported scheme, or a relative path inside a
-    Ray job's temporary working_dir (check_not_in_job_copy)."""
+    Raises ValueError naming `flag` for an empty value, an unsupported scheme, options or keys in an s3:// /
+    gs:// URI (check_bare_uri), or a relative path inside a Ray job's temporary working_dir
+    (check_not_in_job_copy)."""
     text = str(uri).strip()
     if not text:
         raise ValueError(f"{flag}: empty; give a directory, s3://bucket/prefix or gs://bucket/prefix")
@@ -130,8 +153,9 @@ def open_storage(uri: str | os.PathLike, flag: str = "--storage-path") -> Storag
         raise ValueError(
             f"{flag}: scheme {scheme}:// of {text!r} is not supported; use a directory, s3:// or gs://"
         )
-    if scheme == "gs" and "retry_limit_seconds=" not in text:
-        text += ("&" if "?" in text else "?") + f"retry_limit_seconds={GCS_RETRY_LIMIT_S}"
+    check_bare_uri(text, scheme, flag)
+    if scheme == "gs":
+        text += f"?retry_limit_seconds={GCS_RETRY_LIMIT_S}"
     try:
         fs, path = pafs.FileSystem.from_uri(text)
     except (OSError, ValueError) as e:  # pyarrow.lib.ArrowInvalid is a ValueError
@@ -140,6 +164,30 @@ def open_storage(uri: str | os.PathLike, flag: str = "--storage-path") -> Storag
     if not path:
         raise ValueError(f"{flag}: {text!r} names no bucket")
     return Storage(f"{scheme}://{path}", fs, path)
+
+
+def check_bare_uri(text: str, scheme: str, flag: str) -> None:
+    """Refuse an s3:// / gs:// URI `text` with a query (pyarrow's options: `?endpoint_override=...&scheme=http`)
+    or a user part (`s3://KEY:SECRET@bucket`): the driver would open it, but every process that reopens the
+    root from its bare URI (Storage.uri: Train workers' metrics sink, a checkpoint fetch, RL actors, serve
+    replicas) would go without them; and keys in a URI would be written to logs, checkpoints' meta.json and
+    job entrypoints. The message names the options, never their values.
+
+    Raises ValueError naming `flag`, the options and where such settings go (SETTINGS_FROM)."""
+    parts = urlsplit(text)
+    bare = f"{scheme}://{parts.netloc.rsplit('@', 1)[-1]}{parts.path}"
+    names = list(dict.fromkeys(k for k, _ in parse_qsl(parts.query, keep_blank_values=True)))
+    if "@" in parts.netloc or any(n in SECRET_OPTIONS for n in names):
+        raise ValueError(
+            f"{flag}: {bare}: keys in a storage URI are refused (they would be written to logs, checkpoints' "
+            f"meta.json and job entrypoints); give {bare}: {SETTINGS_FROM[scheme]}"
+        )
+    if "?" in text:
+        raise ValueError(
+            f"{flag}: {bare}: options in a storage URI ({', '.join(names) or 'an empty query'}) are refused (the "
+            f"processes that reopen the root on other nodes would go without them); give {bare}: "
+            f"{SETTINGS_FROM[scheme]}"
+        )
 
 
 def check_writable(storage: Storage, flag: str = "--storage-path") -> None:
@@ -165,6 +213,14 @@ def check_writable(storage: Storage, flag: str = "--storage-path") -> None:
 def is_remote(uri: str | os.PathLike) -> bool:
     """True for an s3:// or gs:// URI (what has to be fetched before a local file API can read it)."""
     return str(uri).split("://", 1)[0].lower() in REMOTE_SCHEMES if "://" in str(uri) else False
+
+
+def copy_command(src: str, into: str) -> str:
+    """The shell command (COPY_COMMANDS) that copies the directory `src` (a local path, s3:// or gs:// URI) into
+    the directory `into` (e.g. "."), as <into>/<src's last part>."""
+    scheme = src.split("://", 1)[0].lower() if is_remote(src) else ""
+    name = src.rstrip("/").rsplit("/", 1)[-1]
+    return COPY_COMMANDS[scheme].format(src=src, into=into, name=name)
 
 
 def is_bare_name(ref: str) -> bool:

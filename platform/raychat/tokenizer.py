@@ -117,8 +117,17 @@ class Tokenizer:
             path = path / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"no tokenizer at {path} (train one with `raychat tokenizer train`)")
+        return cls.from_json(path.read_bytes(), str(path))
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str) -> Tokenizer:
+        """The tokenizer of the bytes of a tokenizer.json (`path` names where they came from in errors).
+
+        Raises:
+            ValueError: as load: not JSON, not this format, or other special tokens.
+        """
         try:
-            payload = json.loads(path.read_text())
+            payload = json.loads(data.decode())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not a raychat tokenizer: not JSON ({e})") from None
         fields = ["pattern", "mergeable_ranks", "special_tokens"]

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from support.cluster import free_ports
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 
+from raychat import checkpoint_manager
 from raychat.capacity import start_failure
 from raychat.checkpoint import save_model
 from raychat.checkpoint_manager import commit_directory
@@ -1377,6 +1378,97 @@ def test_sft_on_an_object_storage_root_does_not_resolve_pretrainings_data_dir(ro
         f"raychat pretrain: error: --data-dir: {s3}/data is on object storage; data and the tokenizer are read "
         "as files by every node: give a local or NFS directory  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
+
+
+@pytest.fixture
+def on_s3(s3_env, tmp_path, monkeypatch):
+    """put(local checkpoint dir, key) -> the s3:// URI of its copy in a new bucket; the node's checkpoint cache
+    is tmp_path/cache, which a check that downloads nothing leaves absent."""
+    bucket = s3_env.make_bucket()
+    monkeypatch.setattr(checkpoint_manager, "DEFAULT_CACHE", tmp_path / "cache")
+
+    def put(local: Path, key: str) -> str:
+        pafs.copy_files(str(local), f"{bucket}/{key}", destination_filesystem=s3_env.filesystem())
+        return f"s3://{bucket}/{key}"
+
+    return put
+
+
+def test_sft_from_a_remote_checkpoint_trained_with_another_tokenizer(root, driver, on_s3, tmp_path, capsys):
+    """check_tokenizer returned at once for an s3:// --init-from: SFT went on to Ray and trained on token ids
+    that meant other text to the model. Its meta.json is read where it is (the weights are not fetched)."""
+    other = write_tiny_checkpoint(tmp_path / "other" / "checkpoint_000004", stage="pretrain")
+    uri = on_s3(other, "runs/other/checkpoint_000004")
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s5", "--init-from", uri,
+            "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    before = _snapshot(root)
+    line = _fails_in_one_line(argv, capsys)
+    mine, theirs = Tokenizer.load(root / "tokenizer").version, Tokenizer.load(other).version
+    assert line == (
+        f"raychat sft: error: --tokenizer-path: {root}/tokenizer holds tokenizer {mine}, but the --init-from "
+        f"checkpoint {uri} was trained with tokenizer {theirs} (give --tokenizer-path the tokenizer it was "
+        f"trained with, e.g. a local copy of {uri}/tokenizer.json)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(root) == before and not (tmp_path / "cache").exists()
+    driver([*argv[:-1], str(other / "tokenizer.json")])  # its tokenizer: on to Ray
+
+
+@pytest.mark.parametrize(
+    "stage, flags, want",
+    [
+        ("sft", ["--seq-len", "512"], "--seq-len 512: the --init-from checkpoint {uri} has max_seq_len 256 (its "
+         "checkpoints keep it: serving and evaluation stop there); allowed: 1..256"),
+        ("pretrain", ["--depth", "7"], "--depth: the --init-from checkpoint {uri} has 2, given 7 (a run from a "
+         "checkpoint keeps its shape: leave the flag out, or start from scratch without --init-from)"),
+    ],
+)  # fmt: skip
+def test_the_shape_checks_of_a_remote_init_from_fetch_no_weights(
+    stage, flags, want, root, on_s3, tmp_path, capsys
+):
+    """make_plan's --seq-len check and check_shape_flags read an s3:// --init-from with read_meta, which
+    downloaded the whole checkpoint (weights and optimizer state) into the driver's cache to read meta.json."""
+    uri = on_s3(root / "pretrain" / "checkpoint_000004", "runs/pretrain/checkpoint_000004")
+    argv = [stage, "--storage-path", str(root), "--run-name", "s8", "--init-from", uri, "--dry-run"]
+    line = _fails_in_one_line([*argv, *flags], capsys)
+    assert line == f"raychat {stage}: error: {want.format(uri=uri)}  (RAYCHAT_DEBUG=1 shows the traceback)"
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_remote_init_from_with_a_truncated_file_is_refused_before_ray(root, driver, on_s3, s3_env, capsys):
+    """resolve_paths checked a local --init-from's files against its commit marker (check_model) and a remote
+    one not at all: every worker failed on it in turn, after Ray started."""
+    uri = on_s3(root / "pretrain" / "checkpoint_000004", "runs/pretrain/checkpoint_000004")
+    key = uri.removeprefix("s3://") + "/model.safetensors"
+    size = (root / "pretrain" / "checkpoint_000004" / "model.safetensors").stat().st_size
+    with s3_env.filesystem().open_output_stream(key) as f:
+        f.write(b"x" * 10)
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s9", "--init-from", uri,
+            "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat sft: error: checkpoint {uri}: model.safetensors has 10 bytes, committed with {size} (truncated "
+        "or replaced)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+
+
+def test_rl_checks_max_tokens_against_a_remote_init_from(root, on_s3, tmp_path, monkeypatch, capsys):
+    """check_generation_length returned at once for an s3:// --init-from: a --max-tokens past what the longest
+    prompt leaves went on to Ray. Its meta.json and tokenizer.json are read where they are."""
+
+    def reached(*args, **kwargs):
+        raise ReachedRay
+
+    monkeypatch.setattr(ray, "init", reached)
+    sft = write_tiny_checkpoint(tmp_path / "short" / "checkpoint_000001", max_seq_len=64, stage="sft")
+    uri = on_s3(sft, "runs/short/checkpoint_000001")
+    argv = ["rl", "--preset", "tiny", "--storage-path", str(root), "--run-name", "r9", "--init-from", uri]
+    line = _fails_in_one_line([*argv, "--max-tokens", "48"], capsys)
+    assert line == (
+        f"raychat rl: error: --max-tokens 48: the longest --task calculator prompt has 23 tokens and the "
+        f"--init-from checkpoint {uri} has max_seq_len 64, which must hold prompt and completion; allowed: 1..41"
+    )
+    with pytest.raises(ReachedRay):
+        raychat_main([*argv, "--max-tokens", "41"])
+    assert not (tmp_path / "cache").exists()
 
 
 @pytest.mark.parametrize(

@@ -4,12 +4,14 @@ build_app's args and a preset file keep their keys."""
 
 from __future__ import annotations
 
+import pyarrow.fs as pafs
 import pytest
 import ray
 from support.serve_helpers import write_tiny_checkpoint
 
+from raychat import checkpoint_manager
 from raychat.cli import main
-from raychat.serve.app import serve_config
+from raychat.serve.app import pruned_message, serve_config
 from raychat.serve.cli import check_checkpoint
 
 TAIL = "  (RAYCHAT_DEBUG=1 shows the traceback)\n"
@@ -152,3 +154,51 @@ def test_build_app_args_and_a_preset_keep_their_keys(ckpt, tmp_path, capsys):
 
 def test_a_sound_checkpoint_and_options_within_the_model_pass(ckpt):
     assert check_checkpoint(serve_config({"checkpoint": str(ckpt), "max_len": 256})) is None
+
+
+def test_a_remote_checkpoint_is_checked_before_ray_without_fetching_its_weights(
+    ckpt, s3_env, tmp_path, monkeypatch, capsys
+):
+    """check_checkpoint returned at once for an s3:// --checkpoint: a --max-len past its max_seq_len, or a
+    truncated file, failed in every replica after Ray started. Its commit marker, sizes and meta.json are read
+    where they are; the weights stay there (no cache copy)."""
+    monkeypatch.setattr(checkpoint_manager, "DEFAULT_CACHE", tmp_path / "cache")
+    bucket = s3_env.make_bucket()
+    pafs.copy_files(str(ckpt), f"{bucket}/run/checkpoint_000000", destination_filesystem=s3_env.filesystem())
+    uri = f"s3://{bucket}/run/checkpoint_000000"
+    assert serve_error(capsys, "--checkpoint", uri, "--max-len", "100000") == (
+        f"raychat serve: error: --max-len must be in 2..256 (the model's max_seq_len), got 100000{TAIL}"
+    )
+    assert check_checkpoint(serve_config({"checkpoint": uri, "max_len": 256})) is None
+    size = (ckpt / "model.safetensors").stat().st_size
+    with s3_env.filesystem().open_output_stream(f"{bucket}/run/checkpoint_000000/model.safetensors") as f:
+        f.write(b"x" * 10)
+    assert serve_error(capsys, "--checkpoint", uri) == (
+        f"raychat serve: error: checkpoint {uri}: model.safetensors has 10 bytes, committed with {size} "
+        f"(truncated or replaced){TAIL}"
+    )
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize(
+    "checkpoint, command",
+    [
+        ("/data/runs/sft/checkpoint_000004", "cp -r /data/runs/sft/checkpoint_000004 DEST"),
+        (
+            "s3://b/runs/sft/checkpoint_000004",
+            "aws s3 cp --recursive s3://b/runs/sft/checkpoint_000004 DEST/checkpoint_000004",
+        ),
+        ("gs://b/runs/sft/checkpoint_000004", "gcloud storage cp -r gs://b/runs/sft/checkpoint_000004 DEST"),
+    ],
+)
+def test_a_pruned_checkpoints_message_copies_it_with_the_command_of_its_scheme(checkpoint, command):
+    """The error of a replica whose checkpoint was pruned said `cp -r it out of the run directory` for an s3://
+    or gs:// checkpoint too, a command that does not read a URI."""
+    assert pruned_message(checkpoint) == (
+        f"checkpoint {checkpoint} no longer exists: it was deleted after this app resolved its checkpoint "
+        "reference to it, most likely pruned by the training run that wrote it (pretrain, sft and rl keep only "
+        "their newest --keep-checkpoints checkpoints, default 2), so no new replica can load it. Serve a "
+        "checkpoint that nothing prunes (a finished run's, or a copy out of the run directory into a directory "
+        f"DEST, as `{command}` would have copied this one), or train with a larger --keep-checkpoints; then "
+        "deploy the app again"
+    )

@@ -310,3 +310,55 @@ def test_a_relative_path_in_a_submitted_jobs_temporary_checkout_is_refused(tmp_p
     assert list(job_copy.iterdir()) == []  # nothing written into the copy
     monkeypatch.chdir(tmp_path)  # outside a job: a relative path is the working directory's, as before
     assert open_storage("relruns").path == str(tmp_path / "relruns")
+
+
+S3_SETTINGS = (
+    "S3 settings come from the environment of every node: AWS_ENDPOINT_URL (its scheme, http or https, is used), "
+    "AWS_REGION, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or an instance role"
+)
+
+
+def test_options_and_keys_in_a_storage_uri_are_refused_naming_the_flag(s3_server, tmp_path, capsys):
+    """`--storage-path "s3://b/runs?endpoint_override=...&scheme=http"` opened on the driver, but Storage.uri
+    dropped the query, so every process that reopened the root from it (a Train worker's metrics sink, a
+    checkpoint fetch, RL actors, serve replicas) went to AWS's endpoint instead; keys in a URI were written to
+    logs, checkpoints' meta.json and job entrypoints. The refusal names the options, never a key's value."""
+    bucket = s3_server.make_bucket()
+    endpoint = s3_server.endpoint.removeprefix("http://")
+    with pytest.raises(ValueError) as e:
+        open_storage(f"s3://{bucket}/runs?endpoint_override={endpoint}&scheme=http")
+    assert str(e.value) == (
+        f"--storage-path: s3://{bucket}/runs: options in a storage URI (endpoint_override, scheme) are refused (the "
+        f"processes that reopen the root on other nodes would go without them); give s3://{bucket}/runs: "
+        f"{S3_SETTINGS}"
+    )
+    keys = "access_key=AKIDNOTSHOWN&secret_key=SECRETNOTSHOWN"
+    for uri in (f"s3://{bucket}/runs?{keys}&scheme=http", f"s3://AKIDNOTSHOWN:SECRETNOTSHOWN@{bucket}/runs"):
+        with pytest.raises(ValueError) as e:
+            open_storage(uri, "--out")
+        assert str(e.value) == (
+            f"--out: s3://{bucket}/runs: keys in a storage URI are refused (they would be written to logs, "
+            f"checkpoints' meta.json and job entrypoints); give s3://{bucket}/runs: {S3_SETTINGS}"
+        )
+    argv = ["sft", "--storage-path", str(tmp_path / "runs"), "--init-from", f"s3://{bucket}/runs/pre?{keys}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"raychat sft: error: --init-from: s3://{bucket}/runs/pre: keys in a storage URI are "
+    )
+    assert "NOTSHOWN" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_gs_root_gets_raychats_retry_limit_and_no_other(tmp_path):
+    """raychat's retry_limit_seconds=60 is added to every gs:// root (the driver's and every worker's open alike);
+    one given in the URI would have held on the driver only."""
+    fs = open_storage("gs://bucket/runs").fs
+    assert fs.__reduce__()[1][0]["retry_time_limit"].total_seconds() == st.GCS_RETRY_LIMIT_S == 60
+    with pytest.raises(ValueError) as e:
+        open_storage("gs://bucket/runs?retry_limit_seconds=5")
+    assert str(e.value) == (
+        "--storage-path: gs://bucket/runs: options in a storage URI (retry_limit_seconds) are refused (the "
+        "processes that reopen the root on other nodes would go without them); give gs://bucket/runs: GCS takes "
+        "Google's application default credentials on every node, and raychat sets retry_limit_seconds=60 itself"
+    )

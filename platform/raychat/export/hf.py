@@ -67,7 +67,7 @@ from raychat.checkpoint import MODEL_FILES, load_model
 from raychat.checkpoint_manager import DEFAULT_CACHE, check_output_target, find_checkpoint, verify
 from raychat.config import ExportConfig, from_args
 from raychat.model import GPT
-from raychat.storage import Storage, check_writable, is_remote, open_storage, upload_dir
+from raychat.storage import Storage, check_writable, copy_command, is_remote, open_storage, upload_dir
 from raychat.tokenizer import BOS, Tokenizer
 
 ARCHITECTURE = "Qwen3ForCausalLM"
@@ -368,19 +368,14 @@ def staging_dir() -> Path:
             continue
 
 
-# how to copy a remote export to the local directory ./<its name>: transformers loads a local directory or a
-# Hub repo id, not a URI
-DOWNLOAD_COMMANDS = {"s3": "aws s3 cp --recursive {uri} ./{name}", "gs": "gcloud storage cp -r {uri} ."}
-
-
 def load_hint(out: str) -> str:
     """The line that says how to load the export at `out` (a local path, s3:// or gs:// URI) with transformers:
-    a URI is downloaded first (DOWNLOAD_COMMANDS) and loaded from ./<its last path segment>."""
-    scheme = out.split("://", 1)[0] if "://" in out else ""
-    if scheme not in DOWNLOAD_COMMANDS:
+    a URI is downloaded first (raychat.storage.copy_command: transformers loads a local directory or a Hub repo
+    id, not a URI) and loaded from ./<its last path segment>."""
+    if not is_remote(out):
         return f"load with: transformers.AutoModelForCausalLM.from_pretrained({out!r})"
-    name = out.rstrip("/").rsplit("/", 1)[-1]
-    fetch = DOWNLOAD_COMMANDS[scheme].format(uri=out, name=name)
+    scheme, name = out.split("://", 1)[0], out.rstrip("/").rsplit("/", 1)[-1]
+    fetch = copy_command(out, ".")
     return (
         f"load with: {fetch}, then transformers.AutoModelForCausalLM.from_pretrained({'./' + name!r}) "
         f"(transformers does not read {scheme}://)"

@@ -18,15 +18,14 @@ import ray
 
 from raychat.capacity import local_capacity, start_local_cluster
 from raychat.chat_template import render_for_completion
-from raychat.checkpoint import check_model, read_meta
+from raychat.checkpoint import check_model, read_meta, read_tokenizer
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import ConfigError, RLConfig, from_args, from_dict
 from raychat.ray_token import token_for
 from raychat.rl.actors import check_layout
 from raychat.rl.loop import RLRun
-from raychat.storage import check_writable, is_remote, open_storage
+from raychat.storage import check_writable, open_storage
 from raychat.tasks.registry import check_data
-from raychat.tokenizer import Tokenizer
 from raychat.train.layout import local_cores
 from raychat.train.plan import init_from_line
 
@@ -36,7 +35,8 @@ def resolve_inputs(cfg: RLConfig) -> RLConfig:
 
     Raises ValueError naming the flag: no --init-from, or one that names nothing; a hub --task whose train or
     test file is missing under --task-data-dir (raychat.tasks.registry.check_data); CheckpointError naming the
-    file: a local --init-from that could not load (raychat.checkpoint.check_model)."""
+    file: an --init-from that could not load (raychat.checkpoint.check_model; of a remote one, its sizes and
+    meta.json)."""
     if not cfg.run.init_from:
         raise ValueError(
             "--init-from: required: a chat (SFT) checkpoint, its run (dir or name), or latest (the newest SFT one)"
@@ -44,24 +44,21 @@ def resolve_inputs(cfg: RLConfig) -> RLConfig:
     check_data([cfg.task.task], ("train", "test"), cfg.task.task_data_dir, "--task")
     storage = open_storage(cfg.run.storage_path)
     init_from = find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("sft",))
-    if not is_remote(init_from):
-        check_model(init_from)
+    check_model(init_from)
     return from_dict(RLConfig, {"init_from": init_from, "storage_path": storage.uri}, base=cfg)
 
 
 def check_generation_length(cfg: RLConfig, tasks: dict) -> None:
     """Refuse a --max-tokens that does not fit after the longest prompt of `tasks` ({"train", "test": Task},
-    rendered as the rollout actors render them) within the local --init-from model's max_seq_len: the engine
+    rendered as the rollout actors render them) within the --init-from model's max_seq_len: the engine
     cut such completions short at max_seq_len without a word (a prompt that filled it failed in an actor,
-    after Ray started). A remote --init-from is not read here.
+    after Ray started). Of a remote --init-from only meta.json and tokenizer.json are read.
 
     Raises:
         ConfigError: naming --max-tokens, the longest prompt, the checkpoint's max_seq_len and the allowed range.
     """
-    if is_remote(cfg.run.init_from):
-        return
     max_seq_len = read_meta(cfg.run.init_from)["model_config"]["max_seq_len"]
-    tokenizer = Tokenizer.load(cfg.run.init_from)
+    tokenizer = read_tokenizer(cfg.run.init_from)
     longest = max(
         len(render_for_completion(tokenizer, task[i]["messages"][:-1]))
         for task in tasks.values()

@@ -73,6 +73,7 @@ from raychat.serve.errors import EngineOverloadedError, EngineUnavailableError
 from raychat.serve.in_use import MarkInUse
 from raychat.serve.ingress import create_app
 from raychat.serve.server import ChatServer, merge_deltas
+from raychat.storage import copy_command
 
 # what a handle raises when no ChatServer replica can take (or finish) a request: 503, retry later
 UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError)
@@ -201,14 +202,16 @@ class ChatServerDeployment:
 
 
 def pruned_message(checkpoint: str) -> str:
-    """Why a replica cannot start on `checkpoint`, which build_app resolved and which is gone since (one line,
-    what Serve's status message ends with)."""
+    """Why a replica cannot start on `checkpoint` (a local path, s3:// or gs:// URI), which build_app resolved
+    and which is gone since (one line, what Serve's status message ends with), with the copy command of its
+    scheme (raychat.storage.copy_command)."""
     return (
         f"checkpoint {checkpoint} no longer exists: it was deleted after this app resolved its checkpoint "
         "reference to it, most likely pruned by the training run that wrote it (pretrain, sft and rl keep only "
         "their newest --keep-checkpoints checkpoints, default 2), so no new replica can load it. Serve a "
-        "checkpoint that nothing prunes (a finished run's, or a copy of this run's: cp -r it out of the run "
-        "directory), or train with a larger --keep-checkpoints; then deploy the app again"
+        "checkpoint that nothing prunes (a finished run's, or a copy out of the run directory into a directory "
+        f"DEST, as `{copy_command(checkpoint, 'DEST')}` would have copied this one), or train with a larger "
+        "--keep-checkpoints; then deploy the app again"
     )
 
 

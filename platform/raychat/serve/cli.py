@@ -25,7 +25,6 @@ from raychat.config.schema import shown
 from raychat.ray_token import token_for
 from raychat.serve import vllm
 from raychat.serve.app import build_app, serve_config
-from raychat.storage import is_remote
 
 APP_NAME = "raychat"
 
@@ -101,17 +100,15 @@ def start(
 
 def check_checkpoint(config: ServeConfig) -> None:
     """Refuse, before Ray starts, what every replica would fail on: a --checkpoint that names no committed
-    checkpoint; for a local one, also a file that differs from its commit marker, an unreadable meta.json or
-    weights header (raychat.checkpoint.check_model, no tensor read) and a --max-len beyond the model's
-    max_seq_len. A remote one is checked file by file where a replica fetches it.
+    checkpoint, a file that differs from its commit marker (sizes), an unreadable meta.json or (local) weights
+    header (raychat.checkpoint.check_model, no tensor read; a remote one's weights are not fetched here, but
+    checked file by file where a replica fetches them) and a --max-len beyond the model's max_seq_len.
 
     Raises:
         ValueError (one line): naming --checkpoint, or the checkpoint and its file (CheckpointError), or
             --max-len.
     """
     checkpoint = find_checkpoint(config.checkpoint)
-    if is_remote(checkpoint):
-        return
     max_seq_len = check_model(checkpoint)["model_config"]["max_seq_len"]
     max_len = config.replica.max_len
     if max_len is not None and not 2 <= max_len <= max_seq_len:

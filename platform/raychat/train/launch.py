@@ -123,15 +123,15 @@ def resolve_paths(cfg: TrainConfig, writable: bool = True) -> RunPaths:
 
     Raises ValueError naming the flag: an unsupported scheme, pretraining data on object storage, a run name that breaks
     the rule, a checkpoint reference that names nothing (`latest`: no committed pretraining checkpoint under
-    the root), a root that cannot be written; CheckpointError naming the file: a local --init-from that
-    could not load (raychat.checkpoint.check_model)."""
+    the root), a root that cannot be written; CheckpointError naming the file: an --init-from that could not
+    load (raychat.checkpoint.check_model; a remote one's sizes and meta.json, its weights not fetched)."""
     storage = open_storage(cfg.run.storage_path)
     init_from = (
         find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("pretrain",))
         if cfg.run.init_from
         else None
     )
-    if init_from and not is_remote(init_from):
+    if init_from:
         check_model(init_from)
     paths = RunPaths(
         storage=storage,
@@ -150,20 +150,25 @@ def resolve_paths(cfg: TrainConfig, writable: bool = True) -> RunPaths:
 
 
 def check_tokenizer(paths: RunPaths, tokenizer: Tokenizer) -> None:
-    """Refuse a local --init-from checkpoint trained with another tokenizer than --tokenizer-path's (the same
-    vocabulary size loads, but every token id would mean other text). A remote --init-from is not read here.
+    """Refuse an --init-from checkpoint (local or remote: its meta.json is read) trained with another tokenizer
+    than --tokenizer-path's (the same vocabulary size loads, but every token id would mean other text).
 
     Raises:
         ConfigError: one line naming --tokenizer-path, --init-from and both tokenizer versions.
     """
-    if not paths.init_from or is_remote(paths.init_from):
+    if not paths.init_from:
         return
     trained = read_meta(paths.init_from).get("tokenizer_version")
     if trained not in (None, tokenizer.version):
+        own = (  # --tokenizer-path is read as files by every node: not a remote checkpoint itself
+            f"a local copy of {paths.init_from}/tokenizer.json"
+            if is_remote(paths.init_from)
+            else f"its own copy: {paths.init_from}"
+        )
         raise ConfigError(
             f"--tokenizer-path: {paths.tokenizer_path} holds tokenizer {tokenizer.version}, but the --init-from "
             f"checkpoint {paths.init_from} was trained with tokenizer {trained} (give --tokenizer-path the "
-            f"tokenizer it was trained with, e.g. its own copy: {paths.init_from})"
+            f"tokenizer it was trained with, e.g. {own})"
         )
 
 
