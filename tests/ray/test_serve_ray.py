@@ -285,12 +285,12 @@ def test_a_runs_checkpoint_is_served_from_a_snapshot_that_pruning_leaves(served,
     from ray import serve
 
     from raychat.checkpoint_manager import SNAPSHOT_UNUSED_S, CheckpointManager, snapshot_checkpoint
-    from raychat.serve.app import build_app
+    from raychat.serve.app import build_application
     from raychat.storage import open_storage
 
     first = write_tiny_checkpoint(tmp_path / "run" / "checkpoint_000001")
     args = {"checkpoint": f"{tmp_path}/run/latest", "num_cpus": 0.25, "torch_threads": 1, "max_slots": 1}
-    serve.run(build_app(args, mark_every_s=0.5), name="pruned", route_prefix="/pruned")
+    serve.run(build_application(args, mark_every_s=0.5), name="pruned", route_prefix="/pruned")
     try:
         url = f"{served}/pruned"
         assert requests.get(f"{url}/health", timeout=30).json()["model_id"] == "checkpoint_000001"

@@ -202,3 +202,18 @@ def test_a_pruned_checkpoints_message_copies_it_with_the_command_of_its_scheme(c
         f"DEST, as `{command}` would have copied this one), or train with a larger --keep-checkpoints; then "
         "deploy the app again"
     )
+
+
+def test_build_app_is_a_builder_serve_accepts(ckpt):
+    """`serve run` / `serve deploy serve/chat.yaml` call build_app through Serve's own builder check, which
+    refuses a function of more than one parameter (a TypeError at deploy, every replica of the app gone): the
+    check passes build_app and what it builds is an Application bound to the checkpoint."""
+    from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from raychat.serve.app import build_app
+
+    app = call_user_app_builder_with_args_if_necessary(build_app, {"checkpoint": str(ckpt), "max_slots": 1})
+    assert isinstance(app, Application)
+    with pytest.raises(ValueError, match="checkpoint"):
+        call_user_app_builder_with_args_if_necessary(build_app, {"checkpoint": str(ckpt / "nothing")})

@@ -390,11 +390,18 @@ def pinned(checkpoint: str) -> str:
         return checkpoint
 
 
-def build_app(args: dict | ServeConfig, mark_every_s: float = SNAPSHOT_MARK_S) -> Application:
-    """The application for `serve run raychat.serve.app:build_app key=value ...` (keys: ServeConfig). A run's
-    local checkpoint is bound as its snapshot (pinned), reported under the checkpoint's own name; while the
-    app runs, its ingress and ChatServer replicas mark the snapshot (or a snapshot named directly) in use
-    every `mark_every_s` seconds (raychat.serve.in_use), so the run's next snapshot_checkpoint keeps it.
+def build_app(args: dict | ServeConfig) -> Application:
+    """The application for `serve run raychat.serve.app:build_app key=value ...` and a Serve config's
+    import_path (keys: ServeConfig): build_application(args). Serve calls an application builder with exactly
+    one argument and refuses one that takes more (TypeError at deploy), so this takes `args` only."""
+    return build_application(args)
+
+
+def build_application(args: dict | ServeConfig, mark_every_s: float = SNAPSHOT_MARK_S) -> Application:
+    """The application of `args` (keys: ServeConfig). A run's local checkpoint is bound as its snapshot
+    (pinned), reported under the checkpoint's own name; while the app runs, its ingress and ChatServer
+    replicas mark the snapshot (or a snapshot named directly) in use every `mark_every_s` seconds
+    (raychat.serve.in_use), so the run's next snapshot_checkpoint keeps it.
 
     Raises:
         ValueError: invalid args (see serve_config), or a checkpoint reference that names no committed
