@@ -35,6 +35,7 @@ from raychat.cli import main as raychat_main
 from raychat.config import RLConfig, from_dict, to_dict
 from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.model import GPT, ModelConfig
+from raychat.speedrun import reused_tokenizer_line
 from raychat.tasks import spelling
 from raychat.tokenizer import Tokenizer
 from raychat.train import launch
@@ -811,6 +812,68 @@ def test_resuming_with_other_settings(flags, want, pretrained, capsys):
     argv, d = pretrained
     line = _fails_in_one_line([*argv, "--num-iterations", "6", *flags], capsys)
     assert line == f"raychat pretrain: error: {want.format(d=d)} {HINT}"
+
+
+@pytest.fixture
+def speedrun_out(tmp_path, small_tokenizer, driver, capsys) -> tuple[Path, Path]:
+    """(an --out of a tiny speedrun stopped in pretraining, its committed checkpoints/base/checkpoint_000002):
+    its data, and a tokenizer saved as before tokenizers recorded the vocabulary size they were trained for."""
+    out = tmp_path / "out"
+    Tokenizer(small_tokenizer.pattern, small_tokenizer.mergeable_ranks).save(out / "tokenizer")
+    entries = write_shards(
+        [GOOD_TEXT * 8] * 8, out / "data", num_shards=2, log=lambda *_: None
+    )  # rows of 257
+    write_manifest(out / "data", {"source": "test", "shards": entries})
+    argv = ["pretrain", "--preset", "tiny", "--storage-path", f"{out}/checkpoints", "--run-name", "base",
+            "--data-dir", f"{out}/data", "--tokenizer-path", f"{out}/tokenizer"]  # fmt: skip
+    d = _commit_step(*driver(argv))
+    capsys.readouterr()
+    return out, d
+
+
+def test_a_speedrun_after_a_preset_change_names_its_own_flags(speedrun_out, capsys):
+    """A speedrun of another preset on the same --out was refused with "(use another --run-name, ...)", a flag
+    the speedrun does not have; and it reused the tokenizer of 512 tokens where the preset asks for 4096
+    without a word."""
+    out, d = speedrun_out
+    before = _snapshot(out)
+    assert raychat_main(["speedrun", "--preset", "cpu", "--out", str(out)]) == 2
+    stdout, err = capsys.readouterr()
+    assert not ray.is_initialized()
+    assert err == (
+        f"raychat speedrun: error: --depth, --head-dim, --seq-len: the run's checkpoint {d} was made with 1, 32, "
+        "64, this run asks for 4, 64, 256 (use another --out, or the same --preset to resume)  (RAYCHAT_DEBUG=1 "
+        "shows the traceback)\n"
+    )
+    vocab = Tokenizer.load(out / "tokenizer").vocab_size
+    assert vocab < 4096
+    assert (
+        f"using existing tokenizer in {out}/tokenizer: vocabulary {vocab}, the preset asks for 4096: reused (use "
+        "another --out to train one for 4096)\n"
+    ) in stdout
+    assert _snapshot(out) == before
+
+
+def test_a_speedrun_refuses_a_tokenizer_trained_for_another_vocabulary(speedrun_out, small_tokenizer, capsys):
+    """A tokenizer that records the size it was trained for (512, the tiny preset's) is refused where the
+    preset asks for another; one that came out smaller than asked, on a small corpus, is no mismatch."""
+    out, _ = speedrun_out
+    small_tokenizer.save(out / "tokenizer")
+    before = _snapshot(out)
+    line = _fails_in_one_line(["speedrun", "--preset", "cpu", "--out", str(out)], capsys)
+    assert line == (
+        f"raychat speedrun: error: --preset cpu: the tokenizer in {out}/tokenizer was trained for a vocabulary of "
+        "512 tokens, the preset asks for 4096 (use another --out, or the same --preset to resume)  "
+        "(RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(out) == before
+    assert small_tokenizer.asked_vocab_size == 512 and small_tokenizer.vocab_size < 512
+    assert Tokenizer.load(out / "tokenizer").asked_vocab_size == 512
+    line = reused_tokenizer_line(small_tokenizer, out / "tokenizer", "tiny", 512)
+    assert line == (
+        f"using existing tokenizer in {out}/tokenizer: vocabulary {small_tokenizer.vocab_size} (asked 512: the "
+        "corpus supports no more)"
+    )
 
 
 def test_resuming_on_other_documents_under_the_same_names_and_layout(root, driver, pretrained, capsys):

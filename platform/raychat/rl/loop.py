@@ -54,7 +54,7 @@ from raychat.rl.objective import group_advantages, zero_advantage_frac
 from raychat.rl.sync import WeightSync
 from raychat.storage import open_storage, write_bytes
 from raychat.tasks.registry import make_task
-from raychat.train.launch import changed_options, refuse_resume, resumable_checkpoint
+from raychat.train.launch import OTHER_RUN, changed_options, refuse_resume, resumable_checkpoint
 from raychat.train.trainer import due
 
 MODES = ("sync", "async")  # --mode: on-policy | rollouts up to --max-staleness versions ahead
@@ -83,7 +83,7 @@ def check_resume(cfg: RLConfig) -> None:
     if meta["step"] > cfg.rollout.steps:
         raise ConfigError(
             f"--steps: the run's checkpoint {where} is at step {meta['step']}, this run asks for "
-            f"{cfg.rollout.steps}: nothing to train (ask for {meta['step']} or more, or use another --run-name)"
+            f"{cfg.rollout.steps}: nothing to train (ask for {meta['step']} or more, or use {OTHER_RUN})"
         )
 
 
