@@ -17,6 +17,8 @@ import json
 import time
 from pathlib import Path
 
+import ray
+
 from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import COMMIT_FILE, committed_checkpoints
 from raychat.config import ConfigError, RLConfig, SpeedrunConfig, TrainConfig, from_dict, to_dict
@@ -35,7 +37,8 @@ from raychat.tasks import Calculator
 from raychat.tokenizer import Tokenizer
 from raychat.tokenizer_cli import iter_texts, train_tokenizer
 from raychat.train.launch import OTHER_RUN, SAME_SETTINGS
-from raychat.train.pretrain import pretrain
+from raychat.train.layout import start_or_connect
+from raychat.train.pretrain import Pretraining, pretrain
 from raychat.train.sft import sft
 
 
@@ -117,7 +120,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
         t0 = banner("6/6 RL: rollout actors + learner")
         run = config.rl.run
         before = newest_commit(run.storage_path, run.run_name)
-        figures, final = run_rl_stage(config.rl, final)
+        figures, final = run_rl_stage(config.rl, final, cfg)
         after = newest_commit(run.storage_path, run.run_name)
         report["rl"] = settle("rl", t0, figures, after, after != before)
     if report["reused"]:
@@ -220,10 +223,21 @@ def with_accuracy_before(figures: dict, base_checkpoint: str) -> dict:
     return {**figures, "accuracy_before": before}
 
 
-def run_rl_stage(cfg: RLConfig, checkpoint: str) -> tuple[dict, str]:
-    """RL (`cfg`) from the SFT checkpoint; pass@1 on held-out problems before and after."""
-    cfg = from_dict(RLConfig, {"init_from": checkpoint}, base=cfg)
-    summary = RLRun(cfg).run()
+def connect(cfg: TrainConfig) -> None:
+    """Connect to the cluster pretraining (`cfg`) runs on, or start it (raychat.train.layout.start_or_connect),
+    unless a stage has: a finished pretraining or SFT run starts none."""
+    if not ray.is_initialized():
+        c = cfg.layout
+        log(start_or_connect(c.num_workers, c.cpus_per_worker, Pretraining.data_cpus, c.use_gpu)[0])
+
+
+def run_rl_stage(cfg: RLConfig, checkpoint: str, pretrain_cfg: TrainConfig) -> tuple[dict, str]:
+    """RL (`cfg`) from the SFT checkpoint, on pretraining's cluster (connect); pass@1 on held-out problems
+    before and after."""
+    run = RLRun(from_dict(RLConfig, {"init_from": checkpoint}, base=cfg))
+    if run.finished() is None:
+        connect(pretrain_cfg)
+    summary = run.run()
     final = summary["checkpoint"]  # the newest committed (raychat.checkpoint_manager)
     if not summary["evals"]:  # the run had already finished: nothing was trained or evaluated now
         return {"summary": f"already complete ({final})", **summary}, final

@@ -957,6 +957,29 @@ def test_stop_after_on_a_finished_run(pretrained, driver, capsys):
     )
 
 
+def test_a_finished_run_says_so_without_starting_ray(root, pretrained, driver, capsys):
+    """Pretraining (and SFT) run again at their last step started Ray (about 60 s) to resume into an empty loop."""
+    argv, _ = pretrained
+    argv = [*argv, "--run-name", "p5"]
+    d = _commit_step(*driver(argv), step=4)
+    capsys.readouterr()
+    assert raychat_main(argv) == 0  # the driver fixture's start_or_connect raises ReachedRay
+    assert capsys.readouterr().out.endswith(
+        f"finished: the run's checkpoint {d} is at step 4, the last of its 4 steps; nothing to train "
+        "(--num-iterations above 4 trains it longer)\n"
+    )
+    sft = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s6", "--init-from",
+           f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    d = _commit_step(*driver(sft), step=2)
+    capsys.readouterr()
+    assert raychat_main(sft) == 0
+    assert capsys.readouterr().out.endswith(
+        f"finished: the run's checkpoint {d} is at step 2, the last of its 2 steps; nothing to train "
+        "(--num-iterations above 2 trains it longer)\n"
+    )
+    driver([*sft, "--num-iterations", "3", "--allow-rewarm"])  # a longer run: on to Ray
+
+
 @pytest.mark.parametrize("step, lr", [(3, "0.5"), (4, "0")])
 def test_resuming_in_the_warmdown_with_a_longer_horizon(step, lr, pretrained, driver, capsys):
     """Step 3 of 4 is halfway down the warmdown (progress (4 - 3) / 2), step 4 (a finished run) at its end, 0;
@@ -1030,7 +1053,7 @@ def test_resuming_from_a_checkpoint_that_lost_a_file(pretrained, capsys):
 def test_resuming_sft_with_other_tasks_or_another_stage(root, driver, pretrained, capsys):
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s1", "--init-from",
             f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
-    d = _commit_step(*driver(argv))
+    d = _commit_step(*driver(argv), step=1)  # of its 2 steps: one to resume
     driver(argv)  # the same settings: resumes
     capsys.readouterr()
     line = _fails_in_one_line([*argv, "--sft-tasks", "calculator:300"], capsys)
@@ -1057,7 +1080,7 @@ def test_resuming_sft_on_other_task_data_under_the_same_mixture(
     monkeypatch.setattr(spelling, "DEFAULT_WORDS", str(words))
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s5", "--init-from",
             f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer", "--sft-tasks", "calculator:200,spelling:50"]  # fmt: skip
-    d = _commit_step(*driver(argv))
+    d = _commit_step(*driver(argv), step=1)  # of its 2 steps: one to resume
     driver(argv)  # the same word list: resumes
     words.write_text(words.read_text() + "zebra\n")
     spelling.load_words.cache_clear()  # a new process reads the file again
@@ -1102,7 +1125,7 @@ def test_resuming_sft_from_another_init_from(root, driver, capsys):
     _pretrained_with(Tokenizer.load(root / "tokenizer"), root / "pretrain2" / "checkpoint_000006", seed=1)
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s3", "--init-from",
             f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
-    d = _commit_step(*driver(argv))
+    d = _commit_step(*driver(argv), step=1)  # of its 2 steps: one to resume
     driver([*argv[:-3], "pretrain", *argv[-2:]])  # the same checkpoint, named by its run
     capsys.readouterr()
     line = _fails_in_one_line([*argv[:-3], "pretrain2", *argv[-2:]], capsys)
@@ -1162,6 +1185,20 @@ def test_resuming_rl_with_other_settings_or_another_stages_run(flags, want, root
     line = _fails_in_one_line([*argv, *flags], capsys)
     assert line == f"raychat rl: error: {want.format(d=d, root=root)}"
     assert _snapshot(root) == before
+
+
+def test_a_finished_rl_run_says_so_without_starting_ray(root, rl_run, capsys):
+    """rl at its --steps started Ray and every actor to resume into an empty loop."""
+    argv, d = rl_run
+    capsys.readouterr()
+    assert raychat_main([*argv, "--steps", "2"]) == 0  # the rl_run fixture's ray.init raises ReachedRay
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2] == (
+        f"finished: the run's checkpoint {d} is at step 2, the last of its 2 steps; nothing to train (--steps "
+        "above 2 trains it longer)"
+    )
+    assert json.loads(out[-1]) == {"steps": 2, "start_step": 2, "evals": [], "run_dir": str(root / "r1"),
+                                   "checkpoint": str(d)}  # fmt: skip
 
 
 def test_rl_names_what_its_init_from_resolved_to_and_takes_eval_every_0(root, rl_run, capsys):

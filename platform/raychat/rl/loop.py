@@ -206,12 +206,29 @@ class RLRun:
         return stats, rollout
 
     # ---- the loop --------------------------------------------------------------------------------------
+    def finished(self) -> dict | None:
+        """The summary of a run whose newest committed checkpoint is at --steps (check_resume found it to be one
+        this run resumes): nothing to train or evaluate ("evals" empty), so no Ray is needed; None when the run
+        has no checkpoint or steps left."""
+        newest, steps = self.checkpoints.newest(), self.cfg.rollout.steps
+        if newest is None or newest.step != steps:
+            return None
+        return {"steps": steps, "start_step": steps, "evals": [], "run_dir": self.run_dir,
+                "checkpoint": self.checkpoints.uri(steps)}  # fmt: skip
+
     def run(self) -> dict:
         """Run to --steps; returns the summary. The placement group and every actor are released on return
-        and on every error.
+        and on every error. A finished run (finished) logs one line saying so and returns without Ray.
 
         Raises ValueError before anything is written when no node type of the cluster can ever hold the
         placement group (ActorGroup.check_layout)."""
+        if (done := self.finished()) is not None:
+            n = done["steps"]
+            self.log(
+                f"finished: the run's checkpoint {done['checkpoint']} is at step {n}, the last of its {n} steps; "
+                f"nothing to train (--steps above {n} trains it longer)"
+            )
+            return done
         capacity = self.actors.check_layout()
         self.log(f"layout: {len(self.actors.bundles)} actors {self.actors.bundles} on {capacity.describe()}")
         c = self.checkpoints

@@ -449,6 +449,8 @@ def run_training(cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False) ->
 
     callbacks: raychat.train.trainer.Callback objects every worker runs (pickled to the workers).
     dry_run: make every check before Ray, print the plan and return None (nothing started or written).
+    A run whose checkpoint is at its last step logs one line saying so and returns its result without starting
+    Ray (finished_result).
     Raises ValueError (before Ray starts) for a reference that names nothing, a root that is not writable, an
     --init-from trained with another tokenizer (check_tokenizer), or a run directory whose newest checkpoint this
     run cannot resume (check_resume).
@@ -462,6 +464,13 @@ def run_training(cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False) ->
     if dry_run:
         print_plan(cfg, plan)
         return None
+    if (done := finished_result(paths, plan.num_iterations)) is not None:
+        n = plan.num_iterations
+        log(
+            f"finished: the run's checkpoint {done.checkpoint} is at step {n}, the last of its {n} steps; nothing "
+            f"to train (--num-iterations above {n} trains it longer)"
+        )
+        return done
     check_writable(paths.storage)  # creates the root: only once the inputs are known to be good
     print_plan(cfg, plan)
     mark("plan_printed")
@@ -501,6 +510,17 @@ def run_training(cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False) ->
     log(f"final checkpoint: {uri}")
     log(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
     return result
+
+
+def finished_result(paths: RunPaths, num_iterations: int) -> TrainingResult | None:
+    """The TrainingResult of a run whose newest committed checkpoint is at its last step, num_iterations
+    (check_resume found it to be one this run resumes): there is nothing to train, so no Ray to start; None when
+    the run has no checkpoint or steps left."""
+    newest = paths.checkpoints.newest()
+    if newest is None or newest.step != num_iterations:
+        return None
+    meta = json.loads(read_bytes(paths.storage, f"{newest.path}/meta.json"))
+    return TrainingResult(paths.storage.uri_of(newest.path), meta.get("metrics", {}))
 
 
 def placement_attempts(layout) -> tuple[float, int]:
