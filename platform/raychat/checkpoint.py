@@ -2,7 +2,9 @@
 
   model.safetensors      weights (rank 0), parameter names as Qwen3ForCausalLM
   meta.json              {"model_config", "tokenizer_version", "stage", "step", "world_size", "metrics",
-                         "config", ...} (raychat.train.checkpointer writes it)
+                         "config", ...} (raychat.train.checkpointer writes it); an RL checkpoint, whose config
+                         has no model.document_masking, also "document_masking": its --init-from's
+                         (document_masking reads either)
   tokenizer.json         the tokenizer the model was trained with
   optim.pt               optimizer state, ONE copy (rank 0): data-parallel ranks hold identical optimizer
                          state (gradients are all-reduced before the step; raychat's Muon keeps its momentum
@@ -275,6 +277,16 @@ def _small_file(directory: str | os.PathLike, name: str) -> bytes | None:
         return read_bytes(where, f"{where.path}/{name}")
     except FileNotFoundError:
         return None
+
+
+def document_masking(meta: dict) -> bool:
+    """Whether the model of the checkpoint whose meta.json is `meta` was trained with attention masked by
+    document (SFT always, pretraining with --document-masking): meta["document_masking"] where it is recorded
+    (RL, from the checkpoint it started from), else its config's model.document_masking; False where neither
+    is (a model-only checkpoint, an RL checkpoint written before it was recorded)."""
+    if "document_masking" in meta:
+        return bool(meta["document_masking"])
+    return bool(meta.get("config", {}).get("model", {}).get("document_masking", False))
 
 
 def check_model(directory: str | os.PathLike) -> dict:

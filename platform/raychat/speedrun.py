@@ -17,9 +17,11 @@ import json
 import time
 from pathlib import Path
 
+import ray
+
 from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import COMMIT_FILE, committed_checkpoints
-from raychat.config import RLConfig, SpeedrunConfig, TrainConfig, from_dict, to_dict
+from raychat.config import ConfigError, RLConfig, SpeedrunConfig, TrainConfig, from_dict, to_dict
 from raychat.data.corpus.prepare import prepare, prepare_kwargs
 from raychat.data.corpus.shards import list_shards
 from raychat.eval.bpb import unigram_bpb
@@ -34,7 +36,9 @@ from raychat.storage import open_storage
 from raychat.tasks import Calculator
 from raychat.tokenizer import Tokenizer
 from raychat.tokenizer_cli import iter_texts, train_tokenizer
-from raychat.train.pretrain import pretrain
+from raychat.train.launch import OTHER_RUN, SAME_SETTINGS
+from raychat.train.layout import start_or_connect
+from raychat.train.pretrain import Pretraining, pretrain
 from raychat.train.sft import sft
 
 
@@ -76,8 +80,9 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     t0 = banner("2/6 tokenizer: byte-level BPE")
     reused = (tok_dir / "tokenizer.json").exists()
     if reused:
-        log(f"using existing tokenizer in {tok_dir}")
-        figures = {"vocab_size": Tokenizer.load(tok_dir).vocab_size}
+        tokenizer = Tokenizer.load(tok_dir)
+        log(reused_tokenizer_line(tokenizer, tok_dir, preset, tok_cfg.vocab_size))
+        figures = {"vocab_size": tokenizer.vocab_size}
     else:
         figures = train_tokenizer(tok_cfg.data_dir, str(tok_dir), tok_cfg.vocab_size, tok_cfg.max_chars)
     report["tokenizer"] = settle("tokenizer", t0, figures, file_id(tok_dir / "tokenizer.json"), not reused)
@@ -115,7 +120,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
         t0 = banner("6/6 RL: rollout actors + learner")
         run = config.rl.run
         before = newest_commit(run.storage_path, run.run_name)
-        figures, final = run_rl_stage(config.rl, final)
+        figures, final = run_rl_stage(config.rl, final, cfg)
         after = newest_commit(run.storage_path, run.run_name)
         report["rl"] = settle("rl", t0, figures, after, after != before)
     if report["reused"]:
@@ -136,6 +141,29 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     print(f"chat with it:  raychat chat --checkpoint {final}")
     print(f"serve it:      raychat serve --checkpoint {final}   -> chat page at http://127.0.0.1:8000/")
     return report
+
+
+def reused_tokenizer_line(tokenizer: Tokenizer, tok_dir: Path, preset: str, asked: int) -> str:
+    """The line saying that the speedrun reuses `tokenizer` (the one in tok_dir) where `preset` asks for a
+    vocabulary of `asked` tokens: its vocabulary, and the preset's when they differ.
+
+    Raises:
+        ConfigError: the tokenizer was trained for another vocabulary size than `asked` (it records the size it
+            was asked for: Tokenizer.asked_vocab_size; a small corpus can leave the vocabulary below that size,
+            which is no mismatch).
+    """
+    was = tokenizer.asked_vocab_size
+    if was not in (None, asked):
+        raise ConfigError(
+            f"--preset {preset}: the tokenizer in {tok_dir} was trained for a vocabulary of {was} tokens, the "
+            f"preset asks for {asked} ({SPEEDRUN_HINT})"
+        )
+    line = f"using existing tokenizer in {tok_dir}: vocabulary {tokenizer.vocab_size}"
+    if tokenizer.vocab_size == asked:
+        return line
+    if was is None:  # saved before tokenizers recorded the size they were trained for
+        return f"{line}, the preset asks for {asked}: reused (use another --out to train one for {asked})"
+    return f"{line} (asked {asked}: the corpus supports no more)"
 
 
 def median_tokens_per_s(metrics_file: Path, key: str) -> float | None:
@@ -195,10 +223,21 @@ def with_accuracy_before(figures: dict, base_checkpoint: str) -> dict:
     return {**figures, "accuracy_before": before}
 
 
-def run_rl_stage(cfg: RLConfig, checkpoint: str) -> tuple[dict, str]:
-    """RL (`cfg`) from the SFT checkpoint; pass@1 on held-out problems before and after."""
-    cfg = from_dict(RLConfig, {"init_from": checkpoint}, base=cfg)
-    summary = RLRun(cfg).run()
+def connect(cfg: TrainConfig) -> None:
+    """Connect to the cluster pretraining (`cfg`) runs on, or start it (raychat.train.layout.start_or_connect),
+    unless a stage has: a finished pretraining or SFT run starts none."""
+    if not ray.is_initialized():
+        c = cfg.layout
+        log(start_or_connect(c.num_workers, c.cpus_per_worker, Pretraining.data_cpus, c.use_gpu)[0])
+
+
+def run_rl_stage(cfg: RLConfig, checkpoint: str, pretrain_cfg: TrainConfig) -> tuple[dict, str]:
+    """RL (`cfg`) from the SFT checkpoint, on pretraining's cluster (connect); pass@1 on held-out problems
+    before and after."""
+    run = RLRun(from_dict(RLConfig, {"init_from": checkpoint}, base=cfg))
+    if run.finished() is None:
+        connect(pretrain_cfg)
+    summary = run.run()
     final = summary["checkpoint"]  # the newest committed (raychat.checkpoint_manager)
     if not summary["evals"]:  # the run had already finished: nothing was trained or evaluated now
         return {"summary": f"already complete ({final})", **summary}, final
@@ -224,9 +263,33 @@ def unigram_baseline(data_dir: Path, tok_dir: Path, max_chars: int = 20_000_000)
     return unigram_bpb(train, val, tok.token_bytes())
 
 
+# What a speedrun's refusal to resume (or reuse) a stage's output says to do: its runs go under --out, their
+# settings come from --preset.
+SPEEDRUN_HINT = "use another --out, or the same --preset to resume"
+
+
+def reworded(e: ValueError) -> ValueError:
+    """A stage's refusal `e` worded for the speedrun's flags: the training commands' "another --run-name" and
+    "the same settings" (raychat.train.launch.OTHER_RUN, SAME_SETTINGS) become "another --out" and "the same
+    --preset"; `e` itself when it names neither."""
+    text = str(e)
+    if OTHER_RUN not in text:
+        return e
+    return type(e)(text.replace(OTHER_RUN, "another --out").replace(SAME_SETTINGS, "the same --preset"))
+
+
 def main(args) -> int:
     """`raychat speedrun` (its parser: raychat.commands.speedrun); the Ray auth token as `raychat pretrain`'s
-    (raychat.train.pretrain.main)."""
+    (raychat.train.pretrain.main).
+
+    Raises ValueError as each stage's command, a refusal to resume a stage's run worded for the speedrun
+    (reworded)."""
     with token_for(None, args.token_file):
-        run_speedrun(args.preset, args.out, args.num_iterations)
+        try:
+            run_speedrun(args.preset, args.out, args.num_iterations)
+        except ValueError as e:
+            again = reworded(e)
+            if again is e:
+                raise
+            raise again from e
     return 0

@@ -6,7 +6,8 @@ BPE vocabulary. Ordinary text is always encoded with `encode_ordinary`, so speci
 content (e.g. "a<|bos|>b") is plain text and never becomes a control token.
 
 Files written by `Tokenizer.save(dir)`:
-  tokenizer.json   {"pattern", "mergeable_ranks" (base64 bytes -> rank), "special_tokens", "version"}
+  tokenizer.json   {"pattern", "mergeable_ranks" (base64 bytes -> rank), "special_tokens", "version",
+                    "asked_vocab_size" (the vocab_size it was trained for; absent in a tokenizer saved before)}
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ class Tokenizer:
     Attributes:
         encoding: the tiktoken encoding (BPE ranks + special tokens).
         version: 16-hex-digit hash of pattern, ranks and special tokens; stored in every checkpoint.
+        asked_vocab_size: the vocab_size `train` was asked for (vocab_size can come out smaller on a small
+            corpus); None when unknown (a tokenizer saved before it was recorded). Not part of `version`.
     """
 
-    def __init__(self, pattern: str, mergeable_ranks: dict[bytes, int]):
+    def __init__(self, pattern: str, mergeable_ranks: dict[bytes, int], asked_vocab_size: int | None = None):
         n = len(mergeable_ranks)
         if sorted(mergeable_ranks.values()) != list(range(n)):
             raise ValueError("mergeable_ranks must map to the contiguous ids 0..n-1")
@@ -68,6 +71,7 @@ class Tokenizer:
             h.update(rank.to_bytes(4, "little") + len(token).to_bytes(2, "little") + token)
         h.update(json.dumps(self.special_tokens, sort_keys=True).encode())
         self.version = h.hexdigest()[:16]
+        self.asked_vocab_size = asked_vocab_size
 
     # ---- training -------------------------------------------------------------------------------
     @classmethod
@@ -84,7 +88,7 @@ class Tokenizer:
         trainer = rustbpe.Tokenizer()
         trainer.train_from_iterator(iter(texts), vocab_size=vocab_size - len(SPECIAL_TOKENS), pattern=pattern)
         ranks = {bytes(token): rank for token, rank in trainer.get_mergeable_ranks()}
-        return cls(pattern, ranks)
+        return cls(pattern, ranks, asked_vocab_size=vocab_size)
 
     # ---- io -------------------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike) -> Path:
@@ -100,6 +104,8 @@ class Tokenizer:
             "special_tokens": self.special_tokens,
             "version": self.version,
         }
+        if self.asked_vocab_size is not None:
+            payload["asked_vocab_size"] = self.asked_vocab_size
         path = directory / "tokenizer.json"
         return atomic_write_text(path, json.dumps(payload))
 
@@ -142,7 +148,7 @@ class Tokenizer:
                 "Face tokenizer.json, as `raychat export` writes, is for transformers and vLLM)"
             )
         ranks = {base64.b64decode(t): r for t, r in payload["mergeable_ranks"].items()}
-        tok = cls(payload["pattern"], ranks)
+        tok = cls(payload["pattern"], ranks, payload.get("asked_vocab_size"))
         if tok.special_tokens != payload["special_tokens"]:
             raise ValueError(
                 f"{path}: special tokens {payload['special_tokens']} differ from {tok.special_tokens}"

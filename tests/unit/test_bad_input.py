@@ -35,6 +35,7 @@ from raychat.cli import main as raychat_main
 from raychat.config import RLConfig, from_dict, to_dict
 from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.model import GPT, ModelConfig
+from raychat.speedrun import reused_tokenizer_line
 from raychat.tasks import spelling
 from raychat.tokenizer import Tokenizer
 from raychat.train import launch
@@ -813,6 +814,68 @@ def test_resuming_with_other_settings(flags, want, pretrained, capsys):
     assert line == f"raychat pretrain: error: {want.format(d=d)} {HINT}"
 
 
+@pytest.fixture
+def speedrun_out(tmp_path, small_tokenizer, driver, capsys) -> tuple[Path, Path]:
+    """(an --out of a tiny speedrun stopped in pretraining, its committed checkpoints/base/checkpoint_000002):
+    its data, and a tokenizer saved as before tokenizers recorded the vocabulary size they were trained for."""
+    out = tmp_path / "out"
+    Tokenizer(small_tokenizer.pattern, small_tokenizer.mergeable_ranks).save(out / "tokenizer")
+    entries = write_shards(
+        [GOOD_TEXT * 8] * 8, out / "data", num_shards=2, log=lambda *_: None
+    )  # rows of 257
+    write_manifest(out / "data", {"source": "test", "shards": entries})
+    argv = ["pretrain", "--preset", "tiny", "--storage-path", f"{out}/checkpoints", "--run-name", "base",
+            "--data-dir", f"{out}/data", "--tokenizer-path", f"{out}/tokenizer"]  # fmt: skip
+    d = _commit_step(*driver(argv))
+    capsys.readouterr()
+    return out, d
+
+
+def test_a_speedrun_after_a_preset_change_names_its_own_flags(speedrun_out, capsys):
+    """A speedrun of another preset on the same --out was refused with "(use another --run-name, ...)", a flag
+    the speedrun does not have; and it reused the tokenizer of 512 tokens where the preset asks for 4096
+    without a word."""
+    out, d = speedrun_out
+    before = _snapshot(out)
+    assert raychat_main(["speedrun", "--preset", "cpu", "--out", str(out)]) == 2
+    stdout, err = capsys.readouterr()
+    assert not ray.is_initialized()
+    assert err == (
+        f"raychat speedrun: error: --depth, --head-dim, --seq-len: the run's checkpoint {d} was made with 1, 32, "
+        "64, this run asks for 4, 64, 256 (use another --out, or the same --preset to resume)  (RAYCHAT_DEBUG=1 "
+        "shows the traceback)\n"
+    )
+    vocab = Tokenizer.load(out / "tokenizer").vocab_size
+    assert vocab < 4096
+    assert (
+        f"using existing tokenizer in {out}/tokenizer: vocabulary {vocab}, the preset asks for 4096: reused (use "
+        "another --out to train one for 4096)\n"
+    ) in stdout
+    assert _snapshot(out) == before
+
+
+def test_a_speedrun_refuses_a_tokenizer_trained_for_another_vocabulary(speedrun_out, small_tokenizer, capsys):
+    """A tokenizer that records the size it was trained for (512, the tiny preset's) is refused where the
+    preset asks for another; one that came out smaller than asked, on a small corpus, is no mismatch."""
+    out, _ = speedrun_out
+    small_tokenizer.save(out / "tokenizer")
+    before = _snapshot(out)
+    line = _fails_in_one_line(["speedrun", "--preset", "cpu", "--out", str(out)], capsys)
+    assert line == (
+        f"raychat speedrun: error: --preset cpu: the tokenizer in {out}/tokenizer was trained for a vocabulary of "
+        "512 tokens, the preset asks for 4096 (use another --out, or the same --preset to resume)  "
+        "(RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(out) == before
+    assert small_tokenizer.asked_vocab_size == 512 and small_tokenizer.vocab_size < 512
+    assert Tokenizer.load(out / "tokenizer").asked_vocab_size == 512
+    line = reused_tokenizer_line(small_tokenizer, out / "tokenizer", "tiny", 512)
+    assert line == (
+        f"using existing tokenizer in {out}/tokenizer: vocabulary {small_tokenizer.vocab_size} (asked 512: the "
+        "corpus supports no more)"
+    )
+
+
 def test_resuming_on_other_documents_under_the_same_names_and_layout(root, driver, pretrained, capsys):
     """`raychat data prepare --seed 1` into the run's --data-dir (or other shards of the same names and layout):
     the fingerprint held no content, so the run resumed on other documents without a word. A checkpoint
@@ -894,6 +957,29 @@ def test_stop_after_on_a_finished_run(pretrained, driver, capsys):
     )
 
 
+def test_a_finished_run_says_so_without_starting_ray(root, pretrained, driver, capsys):
+    """Pretraining (and SFT) run again at their last step started Ray (about 60 s) to resume into an empty loop."""
+    argv, _ = pretrained
+    argv = [*argv, "--run-name", "p5"]
+    d = _commit_step(*driver(argv), step=4)
+    capsys.readouterr()
+    assert raychat_main(argv) == 0  # the driver fixture's start_or_connect raises ReachedRay
+    assert capsys.readouterr().out.endswith(
+        f"finished: the run's checkpoint {d} is at step 4, the last of its 4 steps; nothing to train "
+        "(--num-iterations above 4 trains it longer)\n"
+    )
+    sft = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s6", "--init-from",
+           f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    d = _commit_step(*driver(sft), step=2)
+    capsys.readouterr()
+    assert raychat_main(sft) == 0
+    assert capsys.readouterr().out.endswith(
+        f"finished: the run's checkpoint {d} is at step 2, the last of its 2 steps; nothing to train "
+        "(--num-iterations above 2 trains it longer)\n"
+    )
+    driver([*sft, "--num-iterations", "3", "--allow-rewarm"])  # a longer run: on to Ray
+
+
 @pytest.mark.parametrize("step, lr", [(3, "0.5"), (4, "0")])
 def test_resuming_in_the_warmdown_with_a_longer_horizon(step, lr, pretrained, driver, capsys):
     """Step 3 of 4 is halfway down the warmdown (progress (4 - 3) / 2), step 4 (a finished run) at its end, 0;
@@ -967,7 +1053,7 @@ def test_resuming_from_a_checkpoint_that_lost_a_file(pretrained, capsys):
 def test_resuming_sft_with_other_tasks_or_another_stage(root, driver, pretrained, capsys):
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s1", "--init-from",
             f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
-    d = _commit_step(*driver(argv))
+    d = _commit_step(*driver(argv), step=1)  # of its 2 steps: one to resume
     driver(argv)  # the same settings: resumes
     capsys.readouterr()
     line = _fails_in_one_line([*argv, "--sft-tasks", "calculator:300"], capsys)
@@ -994,7 +1080,7 @@ def test_resuming_sft_on_other_task_data_under_the_same_mixture(
     monkeypatch.setattr(spelling, "DEFAULT_WORDS", str(words))
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s5", "--init-from",
             f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer", "--sft-tasks", "calculator:200,spelling:50"]  # fmt: skip
-    d = _commit_step(*driver(argv))
+    d = _commit_step(*driver(argv), step=1)  # of its 2 steps: one to resume
     driver(argv)  # the same word list: resumes
     words.write_text(words.read_text() + "zebra\n")
     spelling.load_words.cache_clear()  # a new process reads the file again
@@ -1039,7 +1125,7 @@ def test_resuming_sft_from_another_init_from(root, driver, capsys):
     _pretrained_with(Tokenizer.load(root / "tokenizer"), root / "pretrain2" / "checkpoint_000006", seed=1)
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s3", "--init-from",
             f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
-    d = _commit_step(*driver(argv))
+    d = _commit_step(*driver(argv), step=1)  # of its 2 steps: one to resume
     driver([*argv[:-3], "pretrain", *argv[-2:]])  # the same checkpoint, named by its run
     capsys.readouterr()
     line = _fails_in_one_line([*argv[:-3], "pretrain2", *argv[-2:]], capsys)
@@ -1099,6 +1185,20 @@ def test_resuming_rl_with_other_settings_or_another_stages_run(flags, want, root
     line = _fails_in_one_line([*argv, *flags], capsys)
     assert line == f"raychat rl: error: {want.format(d=d, root=root)}"
     assert _snapshot(root) == before
+
+
+def test_a_finished_rl_run_says_so_without_starting_ray(root, rl_run, capsys):
+    """rl at its --steps started Ray and every actor to resume into an empty loop."""
+    argv, d = rl_run
+    capsys.readouterr()
+    assert raychat_main([*argv, "--steps", "2"]) == 0  # the rl_run fixture's ray.init raises ReachedRay
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2] == (
+        f"finished: the run's checkpoint {d} is at step 2, the last of its 2 steps; nothing to train (--steps "
+        "above 2 trains it longer)"
+    )
+    assert json.loads(out[-1]) == {"steps": 2, "start_step": 2, "evals": [], "run_dir": str(root / "r1"),
+                                   "checkpoint": str(d)}  # fmt: skip
 
 
 def test_rl_names_what_its_init_from_resolved_to_and_takes_eval_every_0(root, rl_run, capsys):

@@ -17,10 +17,14 @@ import pytest
 import torch
 
 from raychat.checkpoint import save_model
+from raychat.checkpoint_manager import CheckpointManager
 from raychat.cli import main as raychat_main
-from raychat.config import TrainConfig, from_dict, to_dict
+from raychat.config import RLConfig, TrainConfig, from_dict, to_dict
+from raychat.config.train import SFT_DEFAULTS
 from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.model import GPT, ModelConfig
+from raychat.rl.learner import Learner
+from raychat.storage import open_storage
 from raychat.train.pretrain import Pretraining
 
 WORDS = "the a river stone light cloud tree bird wind fire water runs falls grows over under".split()
@@ -55,3 +59,36 @@ def test_eval_of_a_checkpoint_reproduces_the_val_bpb_its_run_logged(tmp_path, sm
     assert result["val_bpb"] == pytest.approx(logged, rel=1e-12)
     assert result["val_tokens"] == 9 * seq_len and result["val_bytes"] == nbytes
     assert result["val_document_masking"] is True
+
+
+def test_eval_of_an_rl_checkpoint_masks_documents_as_its_sft_parent(tmp_path, small_tokenizer, capsys):
+    """RL's checkpoints recorded no document_masking (RLConfig has no such option), so `raychat eval` ran an RL
+    checkpoint without it while its SFT parent, trained with it, was scored with it: the two rows of one model
+    differed in how they were measured. An RL checkpoint now carries its --init-from's setting: eval of an RL
+    checkpoint whose learner has not stepped (the SFT weights) gives the SFT checkpoint's BPB."""
+    rng = random.Random(1)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) + "." for _ in range(200)]
+    entries = write_shards(docs, tmp_path / "data", 2, log=lambda *_: None)
+    write_manifest(tmp_path / "data", {"source": "test", "shards": entries})
+    root = tmp_path / "runs"
+    sft = root / "sft" / "checkpoint_000002"
+    model = GPT(ModelConfig.from_depth(1, small_tokenizer.vocab_size, 32, aspect_ratio=64, head_dim=32))
+    with torch.no_grad():  # the init's zero projections would make every position's logits the same
+        for p in model.parameters():
+            p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    cfg = from_dict(TrainConfig, SFT_DEFAULTS)
+    save_model(sft, model, small_tokenizer, {"step": 2, "stage": "sft", "config": to_dict(cfg)},
+               commit=True)  # fmt: skip
+    learner = Learner(str(sft), from_dict(RLConfig, {"init_from": str(sft)}))
+    checkpoints = CheckpointManager(open_storage(root), "rl")
+    checkpoints.prepare(1)
+    checkpoints.commit(1, [learner.save(checkpoints, step=1)], "rl")  # what RLRun.save does with its learners
+    results = {}
+    for run in ("sft", "rl"):
+        argv = ["eval", "--storage-path", str(root), "--checkpoint", run, "--data-dir", str(tmp_path / "data"),
+                "--tasks", "", "--eval-tokens", "256"]  # fmt: skip
+        assert raychat_main(argv) == 0
+        results[run] = json.loads(capsys.readouterr().out)
+    assert results["rl"]["stage"] == "rl"
+    assert results["rl"]["val_document_masking"] is results["sft"]["val_document_masking"] is True
+    assert results["rl"]["val_bpb"] == results["sft"]["val_bpb"]

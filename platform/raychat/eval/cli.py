@@ -33,7 +33,7 @@ import pyarrow.fs as pafs
 import torch
 
 from raychat.atomic import remove_leftovers
-from raychat.checkpoint import load_model
+from raychat.checkpoint import document_masking, load_model
 from raychat.checkpoint_manager import check_output_target, find_checkpoint
 from raychat.config import EvalConfig, from_args
 from raychat.config.eval import CHATCORE
@@ -100,13 +100,6 @@ def task_scores(
         chat |= chat_cells(model, tokenizer, cfg.task_data_dir, chatcore[1], cfg.max_tokens, missing, cfg.seed,
                            log=lambda line: print(line, file=sys.stderr))  # fmt: skip
     return accuracy, chat
-
-
-def document_masking(meta: dict) -> bool:
-    """Whether the checkpoint's training masked attention by document (its config's model.document_masking:
-    SFT always, pretraining with --document-masking): BPB runs the model as its training validator did.
-    False where the checkpoint records none (RL)."""
-    return bool(meta.get("config", {}).get("model", {}).get("document_masking", False))
 
 
 def evaluate(

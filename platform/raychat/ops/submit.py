@@ -408,8 +408,11 @@ def cmd_jobs(args) -> int:
     try:
         client = make_client(args.address, args.token_file)
         if args.jobs_command == "list":
-            for job in client.list_jobs():
+            jobs = client.list_jobs()
+            for job in jobs:
                 print(f"{job.submission_id or job.job_id}\t{job.status.value}\t{job.entrypoint}")
+            if not jobs:
+                print(f"no jobs on the cluster at {client.get_address()} (`raychat submit` starts one)")
             return 0
         if args.jobs_command == "stop":
             pending = client.get_job_status(args.job_id) == JobStatus.PENDING

@@ -83,7 +83,7 @@ def main(args) -> int:
     """`raychat rl` (its parser: raychat.commands.rl). Without a cluster to connect to (--address,
     RAY_ADDRESS) it starts a local one of this machine's cores (raychat.train.layout.local_cores), with the
     dashboard as pretraining's (its metrics service discovery for Prometheus), after checking that the layout
-    fits it."""
+    fits it; a run already at its --steps says so in one line and starts none (RLRun.run)."""
     local = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     try:
         cfg = resolve_inputs(config_for(args))
@@ -96,7 +96,7 @@ def main(args) -> int:
         print(f"raychat rl: error: {e}", file=sys.stderr)
         return 2
     print(init_from_line(cfg.run.init_from))
-    started = not ray.is_initialized()
+    started = not ray.is_initialized() and run.finished() is None  # a finished run needs no cluster
     if started:
         with token_for(args.address, args.token_file):
             if local:

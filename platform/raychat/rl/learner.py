@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from raychat.checkpoint import load_model
+from raychat.checkpoint import document_masking, load_model
 from raychat.checkpoint_manager import CheckpointManager, resolve_checkpoint
 from raychat.config import RLConfig, to_dict
 from raychat.rl.objective import PolicyGradientLoss, collate
@@ -60,7 +60,7 @@ class Learner:
         if num_threads:
             torch.set_num_threads(int(num_threads))
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, torch.device(device)
-        model, self.tokenizer, _ = load_model(checkpoint, device=device)
+        model, self.tokenizer, meta = load_model(checkpoint, device=device)
         self.model = model.train()
         if cfg.model.fp8:
             convert_to_fp8(self.model, cfg.model.fp8_recipe)
@@ -76,7 +76,9 @@ class Learner:
             cfg.objective.clip_eps,
             cfg.denominator_length,
         )
-        self.checkpointer = Checkpointer("rl", to_dict(cfg), self.tokenizer)
+        # the model's setting, which RL's config has no option for: eval scores it as its training did
+        extra = {"document_masking": document_masking(meta)}
+        self.checkpointer = Checkpointer("rl", to_dict(cfg), self.tokenizer, extra)
         self.version = 0
 
     def address(self) -> tuple[str, int]:

@@ -54,7 +54,7 @@ from raychat.rl.objective import group_advantages, zero_advantage_frac
 from raychat.rl.sync import WeightSync
 from raychat.storage import open_storage, write_bytes
 from raychat.tasks.registry import make_task
-from raychat.train.launch import changed_options, refuse_resume, resumable_checkpoint
+from raychat.train.launch import OTHER_RUN, changed_options, refuse_resume, resumable_checkpoint
 from raychat.train.trainer import due
 
 MODES = ("sync", "async")  # --mode: on-policy | rollouts up to --max-staleness versions ahead
@@ -83,7 +83,7 @@ def check_resume(cfg: RLConfig) -> None:
     if meta["step"] > cfg.rollout.steps:
         raise ConfigError(
             f"--steps: the run's checkpoint {where} is at step {meta['step']}, this run asks for "
-            f"{cfg.rollout.steps}: nothing to train (ask for {meta['step']} or more, or use another --run-name)"
+            f"{cfg.rollout.steps}: nothing to train (ask for {meta['step']} or more, or use {OTHER_RUN})"
         )
 
 
@@ -206,12 +206,29 @@ class RLRun:
         return stats, rollout
 
     # ---- the loop --------------------------------------------------------------------------------------
+    def finished(self) -> dict | None:
+        """The summary of a run whose newest committed checkpoint is at --steps (check_resume found it to be one
+        this run resumes): nothing to train or evaluate ("evals" empty), so no Ray is needed; None when the run
+        has no checkpoint or steps left."""
+        newest, steps = self.checkpoints.newest(), self.cfg.rollout.steps
+        if newest is None or newest.step != steps:
+            return None
+        return {"steps": steps, "start_step": steps, "evals": [], "run_dir": self.run_dir,
+                "checkpoint": self.checkpoints.uri(steps)}  # fmt: skip
+
     def run(self) -> dict:
         """Run to --steps; returns the summary. The placement group and every actor are released on return
-        and on every error.
+        and on every error. A finished run (finished) logs one line saying so and returns without Ray.
 
         Raises ValueError before anything is written when no node type of the cluster can ever hold the
         placement group (ActorGroup.check_layout)."""
+        if (done := self.finished()) is not None:
+            n = done["steps"]
+            self.log(
+                f"finished: the run's checkpoint {done['checkpoint']} is at step {n}, the last of its {n} steps; "
+                f"nothing to train (--steps above {n} trains it longer)"
+            )
+            return done
         capacity = self.actors.check_layout()
         self.log(f"layout: {len(self.actors.bundles)} actors {self.actors.bundles} on {capacity.describe()}")
         c = self.checkpoints

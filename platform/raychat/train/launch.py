@@ -212,7 +212,10 @@ def check_shape_flags(cfg: TrainConfig, typed) -> None:
 SHAPE_OPTIONS = ("depth", "aspect_ratio", "head_dim", "kv_group", "seq_len", "tokenizer_path")
 # The options a stage's row source stream is made of (its fingerprint).
 DATA_OPTIONS = {"pretrain": ("data_dir", "seed"), "sft": ("sft_tasks", "seed", "seq_len", "task_data_dir")}
-RESUME_HINT = "(use another --run-name, or the same settings to resume)"
+# How a refusal to resume a run says to start another one, or to resume this one: in the flags of pretrain, sft and
+# rl; the speedrun, whose runs go under --out, words them its own way (raychat.speedrun.reworded).
+OTHER_RUN, SAME_SETTINGS = "another --run-name", "the same settings"
+RESUME_HINT = f"(use {OTHER_RUN}, or {SAME_SETTINGS} to resume)"
 # The options the lr schedule derives from: the horizon (a derived one divides by the total batch) and the
 # schedule's own; then those an automatic total batch, and so a derived horizon, also derives from.
 SCHEDULE_OPTIONS = (
@@ -267,7 +270,7 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
     except FileNotFoundError:
         raise CheckpointError(
             f"--run-name {cfg.run.run_name}: the run's checkpoint {where} holds no data state (state_rank0.npz), "
-            "so it cannot be resumed (use another --run-name)"
+            f"so it cannot be resumed (use {OTHER_RUN})"
         ) from None
     made_on, now = state["rows"].get(rows.fingerprint_key), rows.fingerprint()
     if not same_stream(made_on, now):
@@ -293,12 +296,12 @@ def _refuse_other_content(cfg: TrainConfig, where: str, made_on: dict, now: dict
     if sft:
         raise ConfigError(
             f"--sft-tasks: {names} now {holds} other content than when the run's checkpoint {where} was made "
-            "(another sha256): the run would go on with other conversations (use another --run-name, or restore "
+            f"(another sha256): the run would go on with other conversations (use {OTHER_RUN}, or restore "
             "the task data the run was made on)"
         )
     raise ConfigError(
         f"--data-dir: {names} of {cfg.data.data_dir} now {holds} other documents than when the run's checkpoint "
-        f"{where} was made (same names and layout, another sha256) (use another --run-name, or restore the data "
+        f"{where} was made (same names and layout, another sha256) (use {OTHER_RUN}, or restore the data "
         "the run was made on)"
     )
 
@@ -344,13 +347,13 @@ def resumable_checkpoint(checkpoints: CheckpointManager, run_name: str, stage: s
     except CheckpointError as e:
         raise CheckpointError(
             f"--run-name {run_name}: {e}: this run would resume from it (remove that checkpoint to resume "
-            "from the one before, or use another --run-name)"
+            f"from the one before, or use {OTHER_RUN})"
         ) from None
     meta = json.loads(read_bytes(storage, f"{newest.path}/meta.json"))
     if meta.get("stage") != stage:
         raise ConfigError(
             f"--run-name: the run's checkpoint {where} is a {meta.get('stage')} checkpoint, this run is "
-            f"{stage} (use another --run-name)"
+            f"{stage} (use {OTHER_RUN})"
         )
     return newest, where, meta
 
@@ -385,7 +388,7 @@ def _schedule_change(meta: dict, cfg: TrainConfig, plan: Plan, where: str) -> st
     if plan.num_iterations <= step and plan.num_iterations != was_steps:
         raise ConfigError(
             f"{what}: {plan.num_iterations} steps instead of {was_steps} leave nothing to train after step "
-            f"{step} (ask for more than {step} steps, or use another --run-name)"
+            f"{step} (ask for more than {step} steps, or use {OTHER_RUN})"
         )
     lr_was, lr_now = lr_multiplier(step, *old), lr_multiplier(step, *new)
     began, peak = warmdown_start(was_steps, was.warmdown_ratio), lr_peak_from(step, *new)
@@ -446,6 +449,8 @@ def run_training(cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False) ->
 
     callbacks: raychat.train.trainer.Callback objects every worker runs (pickled to the workers).
     dry_run: make every check before Ray, print the plan and return None (nothing started or written).
+    A run whose checkpoint is at its last step logs one line saying so and returns its result without starting
+    Ray (finished_result).
     Raises ValueError (before Ray starts) for a reference that names nothing, a root that is not writable, an
     --init-from trained with another tokenizer (check_tokenizer), or a run directory whose newest checkpoint this
     run cannot resume (check_resume).
@@ -459,6 +464,13 @@ def run_training(cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False) ->
     if dry_run:
         print_plan(cfg, plan)
         return None
+    if (done := finished_result(paths, plan.num_iterations)) is not None:
+        n = plan.num_iterations
+        log(
+            f"finished: the run's checkpoint {done.checkpoint} is at step {n}, the last of its {n} steps; nothing "
+            f"to train (--num-iterations above {n} trains it longer)"
+        )
+        return done
     check_writable(paths.storage)  # creates the root: only once the inputs are known to be good
     print_plan(cfg, plan)
     mark("plan_printed")
@@ -498,6 +510,17 @@ def run_training(cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False) ->
     log(f"final checkpoint: {uri}")
     log(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
     return result
+
+
+def finished_result(paths: RunPaths, num_iterations: int) -> TrainingResult | None:
+    """The TrainingResult of a run whose newest committed checkpoint is at its last step, num_iterations
+    (check_resume found it to be one this run resumes): there is nothing to train, so no Ray to start; None when
+    the run has no checkpoint or steps left."""
+    newest = paths.checkpoints.newest()
+    if newest is None or newest.step != num_iterations:
+        return None
+    meta = json.loads(read_bytes(paths.storage, f"{newest.path}/meta.json"))
+    return TrainingResult(paths.storage.uri_of(newest.path), meta.get("metrics", {}))
 
 
 def placement_attempts(layout) -> tuple[float, int]:
