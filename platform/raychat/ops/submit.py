@@ -412,7 +412,11 @@ def cmd_jobs(args) -> int:
             for job in jobs:
                 print(f"{job.submission_id or job.job_id}\t{job.status.value}\t{job.entrypoint}")
             if not jobs:
-                print(f"no jobs on the cluster at {client.get_address()} (`raychat submit` starts one)")
+                # on stderr: stdout holds job lines only, for scripts that split them by tab
+                print(
+                    f"no jobs on the cluster at {client.get_address()} (`raychat submit` starts one)",
+                    file=sys.stderr,
+                )
             return 0
         if args.jobs_command == "stop":
             pending = client.get_job_status(args.job_id) == JobStatus.PENDING
