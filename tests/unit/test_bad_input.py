@@ -1308,22 +1308,31 @@ def test_a_flag_the_stage_does_not_use_is_refused_not_ignored(stage, flags, why,
         assert "model: depth 2 " in capsys.readouterr().out  # the checkpoint's, whatever the preset's depth
 
 
-def test_sft_from_a_checkpoint_trained_with_another_tokenizer(root, driver, capsys):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_sft_from_a_checkpoint_trained_with_another_tokenizer(where, root, driver, tmp_path, capsys, request):
     """A model of the same vocabulary size loads over any tokenizer: SFT once trained a base model on token ids
-    that meant other text to it (e.g. after `raychat tokenizer train` rewrote the run's tokenizer)."""
+    that meant other text to it (e.g. after `raychat tokenizer train` rewrote the run's tokenizer). For an
+    s3:// --init-from check_tokenizer returned at once; its meta.json is read where it is (the weights are not
+    fetched)."""
     other = write_tiny_checkpoint(root / "other" / "checkpoint_000004", stage="pretrain")
-    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s5", "--init-from", "other",
+    ref, own = "other", other
+    if where == "s3":
+        ref = request.getfixturevalue("on_s3")(other, "runs/other/checkpoint_000004")
+        own = other / "tokenizer.json"
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s5", "--init-from", ref,
             "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
     before = _snapshot(root)
     line = _fails_in_one_line(argv, capsys)
     mine, theirs = Tokenizer.load(root / "tokenizer").version, Tokenizer.load(other).version
+    named = other if where == "local" else ref
+    copy = f"its own copy: {other}" if where == "local" else f"a local copy of {ref}/tokenizer.json"
     assert line == (
         f"raychat sft: error: --tokenizer-path: {root}/tokenizer holds tokenizer {mine}, but the --init-from "
-        f"checkpoint {other} was trained with tokenizer {theirs} (give --tokenizer-path the tokenizer it was "
-        f"trained with, e.g. its own copy: {other})  (RAYCHAT_DEBUG=1 shows the traceback)"
+        f"checkpoint {named} was trained with tokenizer {theirs} (give --tokenizer-path the tokenizer it was "
+        f"trained with, e.g. {copy})  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
-    assert _snapshot(root) == before
-    driver([*argv[:-1], str(other)])  # its own copy: on to Ray
+    assert _snapshot(root) == before and not (tmp_path / "cache").exists()
+    driver([*argv[:-1], str(own)])  # its own tokenizer: on to Ray
 
 
 @pytest.mark.parametrize("stage", ["sft", "pretrain"])
@@ -1492,25 +1501,6 @@ def on_s3(s3_env, tmp_path, monkeypatch):
         return f"s3://{bucket}/{key}"
 
     return put
-
-
-def test_sft_from_a_remote_checkpoint_trained_with_another_tokenizer(root, driver, on_s3, tmp_path, capsys):
-    """check_tokenizer returned at once for an s3:// --init-from: SFT went on to Ray and trained on token ids
-    that meant other text to the model. Its meta.json is read where it is (the weights are not fetched)."""
-    other = write_tiny_checkpoint(tmp_path / "other" / "checkpoint_000004", stage="pretrain")
-    uri = on_s3(other, "runs/other/checkpoint_000004")
-    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s5", "--init-from", uri,
-            "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
-    before = _snapshot(root)
-    line = _fails_in_one_line(argv, capsys)
-    mine, theirs = Tokenizer.load(root / "tokenizer").version, Tokenizer.load(other).version
-    assert line == (
-        f"raychat sft: error: --tokenizer-path: {root}/tokenizer holds tokenizer {mine}, but the --init-from "
-        f"checkpoint {uri} was trained with tokenizer {theirs} (give --tokenizer-path the tokenizer it was "
-        f"trained with, e.g. a local copy of {uri}/tokenizer.json)  (RAYCHAT_DEBUG=1 shows the traceback)"
-    )
-    assert _snapshot(root) == before and not (tmp_path / "cache").exists()
-    driver([*argv[:-1], str(other / "tokenizer.json")])  # its tokenizer: on to Ray
 
 
 @pytest.mark.parametrize(
