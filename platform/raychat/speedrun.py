@@ -22,6 +22,7 @@ import ray
 from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import COMMIT_FILE, committed_checkpoints
 from raychat.config import ConfigError, RLConfig, SpeedrunConfig, TrainConfig, from_dict, to_dict
+from raychat.config.data import PrepareConfig
 from raychat.data.corpus.prepare import prepare, prepare_kwargs
 from raychat.data.corpus.shards import list_shards
 from raychat.eval.bpb import unigram_bpb
@@ -70,8 +71,8 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     t0 = banner("1/6 data: corpus -> parquet shards")
     reused = (data_dir / "manifest.json").exists()
     if reused:
-        log(f"using existing shards in {data_dir}")
         manifest = json.loads((data_dir / "manifest.json").read_text())
+        log(reused_data_line(manifest, data_dir, preset, data_cfg))
     else:
         manifest = prepare(**prepare_kwargs(data_cfg))
     data = {k: manifest.get(k) for k in ("source", "license", "documents", "bytes")}
@@ -141,6 +142,25 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     print(f"chat with it:  raychat chat --checkpoint {final}")
     print(f"serve it:      raychat serve --checkpoint {final}   -> chat page at http://127.0.0.1:8000/")
     return report
+
+
+def reused_data_line(manifest: dict, data_dir: Path, preset: str, cfg: PrepareConfig) -> str:
+    """The line saying that the speedrun reuses the shards in `data_dir` (`manifest`: their manifest.json), and
+    what of them differs from what `preset` asks for (`cfg`: its source, number of train shards and seed): a
+    speedrun reuses whatever data its --out holds."""
+    shards = manifest.get("shards") or []
+    train = len(shards) - (1 if manifest.get("validation_shard") else 0)
+    have = {"source": manifest.get("source"), "train shards": train, "seed": manifest.get("seed")}
+    asked = {"source": cfg.source, "train shards": cfg.num_shards, "seed": cfg.seed}
+    line = f"using existing shards in {data_dir}: {train} train shards of {have['source']}"
+    differ = [
+        f"{key} {have[key]} where it asks for {asked[key]}"
+        for key in have
+        if have[key] is not None and asked[key] is not None and have[key] != asked[key]
+    ]
+    if not differ:
+        return line
+    return f"{line}, reused although --preset {preset} asks for other data: {', '.join(differ)} (use another --out to prepare the preset's)"
 
 
 def reused_tokenizer_line(tokenizer: Tokenizer, tok_dir: Path, preset: str, asked: int) -> str:

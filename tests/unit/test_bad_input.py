@@ -833,8 +833,8 @@ def speedrun_out(tmp_path, small_tokenizer, driver, capsys) -> tuple[Path, Path]
 
 def test_a_speedrun_after_a_preset_change_names_its_own_flags(speedrun_out, capsys):
     """A speedrun of another preset on the same --out was refused with "(use another --run-name, ...)", a flag
-    the speedrun does not have; and it reused the tokenizer of 512 tokens where the preset asks for 4096
-    without a word."""
+    the speedrun does not have; and it reused the data (2 shards of another source where the preset asks for 7)
+    and the tokenizer of 512 tokens where the preset asks for 4096 without a word."""
     out, d = speedrun_out
     before = _snapshot(out)
     assert raychat_main(["speedrun", "--preset", "cpu", "--out", str(out)]) == 2
@@ -845,6 +845,11 @@ def test_a_speedrun_after_a_preset_change_names_its_own_flags(speedrun_out, caps
         "64, this run asks for 4, 64, 256 (use another --out, or the same --preset to resume)  (RAYCHAT_DEBUG=1 "
         "shows the traceback)\n"
     )
+    assert (
+        f"using existing shards in {out}/data: 2 train shards of test, reused although --preset cpu asks for "
+        "other data: source test where it asks for debian-docs, train shards 2 where it asks for 7 (use "
+        "another --out to prepare the preset's)\n"
+    ) in stdout
     vocab = Tokenizer.load(out / "tokenizer").vocab_size
     assert vocab < 4096
     assert (
