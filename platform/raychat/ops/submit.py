@@ -278,11 +278,14 @@ def fixed_cluster_capacity(client) -> Capacity | None:
     provider (raychat.capacity.read_only_monitor), as on every head started without an autoscaling config.
 
     None when the cluster may grow or it cannot tell: an autoscaler of node types, KubeRay's v2 autoscaler
-    (which writes no such status), the monitor's first seconds, a dashboard that did not answer."""
+    (which writes no such status), the monitor's first seconds, a dashboard that did not answer, a Jobs client
+    without the private `_do_request` this reads through (a Ray that removed it)."""
     try:
         reply = client._do_request("GET", "/api/cluster_status")  # the Jobs client's session, token included
         status = reply.json()["data"]["clusterStatus"] or {}
-    except (OSError, ValueError, KeyError, TypeError):  # requests' errors are OSErrors
+    # requests' errors are OSErrors; AttributeError: a Ray whose Jobs client lacks the private _do_request
+    # cannot tell, which must not fail the submission
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     # the dashboard camel-cases keys that hold "_" (autoscaler_report -> autoscalerReport); node ids and CPU,
     # GPU hold none, so they come through as Ray wrote them
