@@ -1,5 +1,6 @@
 """`kubectl kustomize` of a k8s/ build, or, without kubectl, a small renderer (resources, namespace, images,
-JSON6902 `patches`: exactly the features k8s/ uses) that stands in; where kubectl exists the two must agree."""
+JSON6902 `patches`, `replacements` by kind and name with the options delimiter, index and create, local-config
+resources left out: exactly the features k8s/ uses) that stands in; where kubectl exists the two must agree."""
 
 from __future__ import annotations
 
@@ -42,6 +43,42 @@ def _set_images(node, images: list[dict]) -> None:
             _set_images(item, images)
 
 
+def _replace(docs: list[dict], replacements: list[dict]) -> None:
+    """kustomize `replacements`: each source field's value put in each target's fieldPaths (dotted, a list item
+    by its index); options: `create` missing fields, `delimiter` + `index`: replace that part of the string."""
+    for r in replacements:
+        src = r["source"]
+        (source,) = [d for d in docs if (d["kind"], d["metadata"]["name"]) == (src["kind"], src["name"])]
+        value = source
+        for part in src["fieldPath"].split("."):
+            value = value[part]
+        for t in r["targets"]:
+            select, options = t["select"], t.get("options", {})
+            for d in docs:
+                if (
+                    d["kind"] != select["kind"]
+                    or select.get("name", d["metadata"]["name"]) != d["metadata"]["name"]
+                ):
+                    continue
+                for field in t["fieldPaths"]:
+                    *parents, last = field.split(".")
+                    node = d
+                    for part in parents:
+                        node = node[int(part)] if isinstance(node, list) else node[part]
+                    if "delimiter" in options:
+                        parts = node[last].split(options["delimiter"])
+                        parts[options["index"]] = value
+                        node[last] = options["delimiter"].join(parts)
+                    elif last in node or options.get("create"):
+                        node[last] = value
+                    else:
+                        raise KeyError(f"replacement of missing {field} in {d['metadata']['name']}")
+
+
+def _local_config(d: dict) -> bool:
+    return (d["metadata"].get("annotations") or {}).get("config.kubernetes.io/local-config") == "true"
+
+
 def kustomize_fallback(path: Path) -> list[dict]:
     k = yaml.safe_load((path / "kustomization.yaml").read_text())
     docs: list[dict] = []
@@ -63,7 +100,8 @@ def kustomize_fallback(path: Path) -> list[dict]:
         for d in docs:
             if d["kind"] != "Namespace":
                 d["metadata"]["namespace"] = k["namespace"]
-    return docs
+    _replace(docs, k.get("replacements", []))
+    return [d for d in docs if not _local_config(d)]
 
 
 def _key(d: dict) -> tuple:

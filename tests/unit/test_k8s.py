@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shlex
+import shutil
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -24,13 +26,16 @@ import pytest
 import yaml
 from support.kustomize import kustomize_build
 
+from raychat.cli import build_parser
 from raychat.cli import main as raychat_main
-from raychat.config import TrainConfig, from_dict, preset_values, to_flat
+from raychat.commands import STAGE_CONFIGS
+from raychat.config import TrainConfig, from_args, from_dict, preset_values, to_flat
+from raychat.config.train import UNUSED_FLAGS
 from raychat.ops import k8s, k8s_cli
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = REPO.parent / "shared" / "kuberay-crds"
-BUILDS = ["k8s/base", "k8s/overlays/cpu-dev", "k8s/overlays/gpu"]
+BUILDS = ["k8s/base", "k8s/overlays/cpu-dev", "k8s/overlays/gpu", "k8s/overlays/object-storage"]
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +96,10 @@ def test_base_is_generated_from_code_and_serve_config():
     assert k8s.render_cpu_dev() == cpu_dev, "k8s/overlays/cpu-dev/kustomization.yaml is stale"
     gpu = (REPO / "k8s" / "overlays" / "gpu" / "kustomization.yaml").read_text()
     assert k8s.render_gpu(REPO) == gpu, "k8s/overlays/gpu/kustomization.yaml is stale"
+    object_storage = (REPO / "k8s" / "overlays" / "object-storage" / "kustomization.yaml").read_text()
+    assert k8s.render_object_storage(REPO) == object_storage, (
+        "k8s/overlays/object-storage/kustomization.yaml is stale"
+    )
     assert raychat_main(["k8s", "generate", "--check"]) == 0
 
 
@@ -100,7 +109,7 @@ def test_rayservice_serve_config_is_serve_chat_yaml_verbatim(builds):
     serve_text = (REPO / "serve" / "chat.yaml").read_text()
     for b, docs in builds.items():
         (svc,) = [d for d in docs if d["kind"] == "RayService" and d["metadata"]["name"] == "raychat-chat"]
-        if b != "k8s/overlays/gpu":
+        if b not in ("k8s/overlays/gpu", "k8s/overlays/object-storage"):  # they change it (tests below)
             assert svc["spec"]["serveConfigV2"] == serve_text, b
     app = ServeDeploySchema.model_validate(yaml.safe_load(serve_text)).applications[0]
     assert app.import_path == "raychat.serve.app:build_app"
@@ -175,6 +184,7 @@ def test_every_object_validates(builds, crd_schemas, build):
         "k8s/base": [],
         "k8s/overlays/cpu-dev": ["Namespace"],
         "k8s/overlays/gpu": ["Namespace", "RayService"],
+        "k8s/overlays/object-storage": [],  # its settings.yaml is local-config: kustomize reads it, never emits it
     }
     assert kinds == sorted(expected + extra[build])  # the gpu overlay's second RayService: the vLLM path
     for d in docs:
@@ -467,7 +477,7 @@ def test_the_network_policy_admits_only_what_the_cluster_needs(builds, build):
         for source, allowed in REACHES:
             reached = {port for port in [*RAY_PORTS, 8000] if admits(policy, labels, source, port)}
             assert reached == allowed, (source, sorted(reached))
-    if build != "k8s/base":
+    if build in ("k8s/overlays/cpu-dev", "k8s/overlays/gpu"):  # the overlays that set a namespace
         namespaces = {d["metadata"].get("namespace") for d in builds[build] if d["kind"] != "Namespace"}
         assert len(namespaces) == 1 and policy["metadata"]["namespace"] in namespaces
 
@@ -689,6 +699,125 @@ def test_the_vllm_rayservice_is_in_the_gpu_overlay_alone(builds, crd_schemas):
     images = {c["image"] for g in [spec["headGroupSpec"], *spec["workerGroupSpecs"]] for c in g["template"]["spec"]["containers"]}  # fmt: skip
     assert images == {"registry.example.com/raychat-vllm:0.1.0"}  # the image built with EXTRAS=vllm
     assert spec["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"  # fmt: skip
+
+
+# ---------------------------------------------------------------- the object-storage overlay
+
+OBJECT_STORAGE = "k8s/overlays/object-storage"
+PVC_ROOT, S3_ROOT = "/mnt/checkpoints/runs", "s3://my-bucket/raychat"
+
+
+def flag_values(entrypoint: str, flag: str) -> list[str]:
+    """The values of `flag` in a RayJob's entrypoint, in order."""
+    words = shlex.split(entrypoint)
+    return [words[i + 1] for i, w in enumerate(words) if w == flag]
+
+
+def resolved_paths(entrypoint: str) -> dict[str, dict]:
+    """{command: its storage_path, data_dir and tokenizer_path} of each command of an entrypoint, as the command
+    resolves them (its parser, the preset, the flags, the STORAGE_INPUTS rule), the leaves it reads only."""
+    out = {}
+    for command in entrypoint.split(" && "):
+        _, script, *words = shlex.split(command)
+        name = re.fullmatch(r"jobs/(\w+)\.py", script)[1]
+        cls, section, defaults = STAGE_CONFIGS[name]
+        base = from_dict(cls, defaults) if defaults else None
+        flat = to_flat(from_args(build_parser(name).parse_args([name, *words]), cls, section, base=base))
+        keys = [
+            k for k in ("storage_path", "data_dir", "tokenizer_path") if k not in UNUSED_FLAGS.get(name, {})
+        ]
+        out[name] = {k: flat[k] for k in keys if k in flat}
+    return out
+
+
+def test_the_object_storage_overlay_keeps_checkpoints_in_the_bucket_and_data_on_the_pvc(builds):
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in builds[OBJECT_STORAGE]}
+    entrypoints = {stage: docs[("RayJob", f"raychat-{stage}")]["spec"]["entrypoint"] for stage in k8s.CHAIN}
+    assert entrypoints == {
+        "data": f"python jobs/data.py prepare --preset cluster --storage-path {PVC_ROOT} && "
+        f"python jobs/tokenizer.py train --preset cluster --storage-path {PVC_ROOT}",
+        "pretrain": f"python jobs/pretrain.py --preset cluster --storage-path {S3_ROOT} --run-name pretrain "
+        f"--data-dir {PVC_ROOT}/data --tokenizer-path {PVC_ROOT}/tokenizer",
+        "sft": f"python jobs/sft.py --preset cluster --storage-path {S3_ROOT} --run-name sft --init-from latest "
+        f"--tokenizer-path {PVC_ROOT}/tokenizer",
+        "rl": f"python jobs/rl.py --preset cluster --storage-path {S3_ROOT} --run-name rl --init-from latest",
+        "eval": f"python jobs/eval.py --preset cluster --storage-path {S3_ROOT} --run-name eval --checkpoint latest "
+        f"--data-dir {PVC_ROOT}/data",
+        "export": f"python jobs/export.py --storage-path {S3_ROOT} --run-name hf --checkpoint latest",
+    }  # fmt: skip
+    every = " && ".join(entrypoints.values())
+    # data and tokenizer are written to the PVC, every checkpoint stage's run to the bucket
+    assert flag_values(every, "--storage-path") == [PVC_ROOT] * 2 + [S3_ROOT] * 5
+    assert flag_values(every, "--data-dir") == [f"{PVC_ROOT}/data"] * 2
+    assert flag_values(every, "--tokenizer-path") == [f"{PVC_ROOT}/tokenizer"] * 2
+    # what each command reads, defaults included (a --storage-path alone would put data and tokenizer under it)
+    resolved = {name: paths for e in entrypoints.values() for name, paths in resolved_paths(e).items()}
+    assert resolved == {
+        "data": {"storage_path": PVC_ROOT},
+        "tokenizer": {"storage_path": PVC_ROOT, "data_dir": f"{PVC_ROOT}/data"},
+        "pretrain": {"storage_path": S3_ROOT, "data_dir": f"{PVC_ROOT}/data", "tokenizer_path": f"{PVC_ROOT}/tokenizer"},
+        "sft": {"storage_path": S3_ROOT, "tokenizer_path": f"{PVC_ROOT}/tokenizer"},  # SFT reads no shards
+        "rl": {"storage_path": S3_ROOT},
+        "eval": {"storage_path": S3_ROOT, "data_dir": f"{PVC_ROOT}/data"},
+        "export": {"storage_path": S3_ROOT},
+    }  # fmt: skip
+    # the RayService serves the RL run's newest checkpoint from the bucket; the rest is serve/chat.yaml's config
+    text = docs[("RayService", "raychat-chat")]["spec"]["serveConfigV2"]
+    assert text == k8s.object_storage_serve_config((REPO / "serve" / "chat.yaml").read_text())
+    config, chat = yaml.safe_load(text), yaml.safe_load((REPO / "serve" / "chat.yaml").read_text())
+    assert config["applications"][0]["args"]["checkpoint"] == f"{S3_ROOT}/rl/latest"
+    chat["applications"][0]["args"]["checkpoint"] = f"{S3_ROOT}/rl/latest"
+    assert config == chat
+    # the base's NetworkPolicy: ingress only, so the pods' egress (HTTPS to the S3 endpoint) stays open
+    (policy,) = [d for d in builds[OBJECT_STORAGE] if d["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"] and "egress" not in policy["spec"]
+
+
+def test_every_ray_container_of_the_object_storage_overlay_reads_the_s3_secret(builds):
+    ray_pods = []
+    for build in BUILDS:
+        for d in builds[build]:
+            for where, template, _ in pods(d):
+                (container,) = template["spec"]["containers"]
+                if (
+                    build != OBJECT_STORAGE or where == "submitter"
+                ):  # `ray job submit` alone: opens no storage
+                    assert "envFrom" not in container and "serviceAccountName" not in template["spec"], where
+                    continue
+                assert container["envFrom"] == [{"secretRef": {"name": "raychat-s3"}}], (
+                    d["metadata"]["name"],
+                    where,
+                )
+                assert template["spec"]["serviceAccountName"] == "default"
+                ray_pods.append((d["kind"], d["metadata"]["name"], where))
+    # head and worker of the RayCluster, of each RayJob and of the RayService
+    assert len(ray_pods) == 2 * (1 + len(k8s.CHAIN) + 1) == len(set(ray_pods))
+    # the keys are never in the manifests, and settings.yaml (local-config) is not applied
+    assert [
+        d["kind"] for d in builds[OBJECT_STORAGE] if d["kind"] in ("Secret", "ConfigMap", "ServiceAccount")
+    ] == []
+
+
+def test_the_bucket_and_the_service_account_are_set_in_settings_yaml_alone(tmp_path):
+    shutil.copytree(REPO / "k8s", tmp_path / "k8s")
+    settings = tmp_path / OBJECT_STORAGE / "settings.yaml"
+    assert "overlays/object-storage/settings.yaml" not in k8s.render_all(REPO)  # generate keeps your values
+    text = settings.read_text()
+    assert "\n  bucket: my-bucket\n  serviceAccountName: default\n" in text
+    settings.write_text(text.replace("bucket: my-bucket", "bucket: team-bucket/exp1").replace(
+        "serviceAccountName: default", "serviceAccountName: raychat-irsa"))  # fmt: skip
+    docs = kustomize_build(tmp_path / OBJECT_STORAGE)  # kubectl's build and the fallback's agree
+    every = " && ".join(d["spec"]["entrypoint"] for d in docs if d["kind"] == "RayJob")
+    assert flag_values(every, "--storage-path") == [PVC_ROOT] * 2 + ["s3://team-bucket/exp1/raychat"] * 5
+    (svc,) = [d for d in docs if d["kind"] == "RayService"]
+    (app,) = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"]
+    assert app["args"]["checkpoint"] == "s3://team-bucket/exp1/raychat/rl/latest"
+    accounts = [t["spec"].get("serviceAccountName") for d in docs for w, t, _ in pods(d) if w != "submitter"]
+    assert accounts == ["raychat-irsa"] * 16
+    assert "my-bucket" not in yaml.safe_dump_all(docs)
+    # a replacement sets one '/'-separated part: the generator refuses a text with the bucket twice
+    with pytest.raises(ValueError, match="my-bucket must be one '/'-separated part, once"):
+        k8s.bucket_replacement("RayJob", "x", "spec.entrypoint", "a s3://my-bucket/r && b s3://my-bucket/r")
 
 
 MONITORING = "k8s/overlays/monitoring"

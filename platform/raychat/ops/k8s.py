@@ -26,6 +26,11 @@ The gpu overlay alone adds the vLLM path's RayService (raychat-vllm, rayservice_
 with the vLLM environment: EXTRAS=vllm, CONSTRAINTS=constraints-vllm.txt). k8s/overlays/monitoring holds a
 PodMonitor (Prometheus Operator) for port `metrics` of every raychat Ray pod (pod_monitor).
 
+k8s/overlays/object-storage keeps the run checkpoints in a bucket (render_object_storage): the chain's
+--storage-path from pretraining on and the RayService's checkpoint at s3://<bucket>/raychat, data and tokenizer on
+the PVC (every node reads them as files), AWS_* in every Ray container from the Secret raychat-s3 (envFrom), and
+the bucket and the Ray pods' service account (an IAM role's) set once, in the overlay's settings.yaml.
+
 Hardening (Pod Security "restricted"): every pod and container, the RayJobs' submitter pods and the autoscaler
 sidecar included, runs as the image's `ray` user (uid 1000, gid 100; fsGroup 100 so the PVC is writable), non-root,
 without privilege escalation, with every capability dropped and the RuntimeDefault seccomp profile. The RayService's
@@ -258,16 +263,24 @@ def raycluster(image: str = IMAGE) -> dict:
     }
 
 
-def chain_commands(preset: str, shape: tuple[str, ...] = (), root: str = STORAGE_ROOT) -> dict[str, list]:
+def chain_commands(
+    preset: str, shape: tuple[str, ...] = (), root: str = STORAGE_ROOT, inputs: str | None = None
+) -> dict[str, list]:
     """{RayJob stage: its commands ([stage, *args] each)}: the chain of CHAIN on one storage root. `shape`
-    (e.g. --num-workers 8) goes to the Ray Train stages, so they fit the RayJob's cluster."""
+    (e.g. --num-workers 8) goes to the Ray Train stages, so they fit the RayJob's cluster. `inputs`: the root of
+    the data and tokenizer runs when it is not `root` (checkpoints on object storage, whose data and tokenizer
+    every node reads as files: a local or NFS root), given to the stages that read them as --data-dir and
+    --tokenizer-path."""
     common = ["--preset", preset, "--storage-path", root]
+    data_dir = ["--data-dir", f"{inputs}/data"] if inputs else []
+    tokenizer = ["--tokenizer-path", f"{inputs}/tokenizer"] if inputs else []
+    data_stages = ["--preset", preset, "--storage-path", inputs or root]
     return {
-        "data": [["data", "prepare", *common], ["tokenizer", "train", *common]],
-        "pretrain": [["pretrain", *common, *shape, "--run-name", "pretrain"]],
-        "sft": [["sft", *common, *shape, "--run-name", "sft", "--init-from", "latest"]],
+        "data": [["data", "prepare", *data_stages], ["tokenizer", "train", *data_stages]],
+        "pretrain": [["pretrain", *common, *shape, "--run-name", "pretrain", *data_dir, *tokenizer]],
+        "sft": [["sft", *common, *shape, "--run-name", "sft", "--init-from", "latest", *tokenizer]],
         "rl": [["rl", *common, "--run-name", "rl", "--init-from", "latest"]],
-        "eval": [["eval", *common, "--run-name", "eval", "--checkpoint", "latest"]],
+        "eval": [["eval", *common, "--run-name", "eval", "--checkpoint", "latest", *data_dir]],
         "export": [["export", "--storage-path", root, "--run-name", "hf", "--checkpoint", "latest"]],
     }
 
@@ -499,6 +512,14 @@ GPU_NOTE = f"""# GPU cluster: the raychat image from your registry, GPU workers 
 """
 
 
+def _chat_apps(config: dict) -> list[dict]:
+    """The applications of a Serve config (a dict) that import SERVE_APP_IMPORT; ValueError when none does."""
+    apps = [a for a in config.get("applications") or [] if a.get("import_path") == SERVE_APP_IMPORT]
+    if not apps:
+        raise ValueError(f"serve config: no application with import_path {SERVE_APP_IMPORT}")
+    return apps
+
+
 def gpu_serve_config(serve_text: str, num_gpus: float = GPU_SERVE_GPUS) -> str:
     """serve/chat.yaml's config (`serve_text`, Serve's config file format) with each ChatServer replica of the
     raychat application reserving `num_gpus` GPUs: the ray_actor_options of its `deployments:` entry for
@@ -510,10 +531,7 @@ def gpu_serve_config(serve_text: str, num_gpus: float = GPU_SERVE_GPUS) -> str:
         ValueError: no application imports raychat.serve.app:build_app.
     """
     config = yaml.safe_load(serve_text)
-    apps = [a for a in config.get("applications") or [] if a.get("import_path") == SERVE_APP_IMPORT]
-    if not apps:
-        raise ValueError(f"serve config: no application with import_path {SERVE_APP_IMPORT}")
-    for app in apps:
+    for app in _chat_apps(config):
         entries = [d for d in app.get("deployments") or [] if d.get("name") == SERVE_SERVER_DEPLOYMENT]
         if entries and "ray_actor_options" in entries[0]:
             entries[0]["ray_actor_options"]["num_gpus"] = num_gpus
@@ -562,6 +580,108 @@ VLLM_HEADER = (
 def render_gpu_vllm(repo: Path) -> str:
     """k8s/overlays/gpu/rayservice-vllm.yaml: rayservice_vllm of repo/serve/vllm.yaml."""
     return VLLM_HEADER + to_yaml(rayservice_vllm((repo / VLLM_SERVE_CONFIG).read_text()))
+
+
+# k8s/overlays/object-storage: the run checkpoints in a bucket, data and tokenizer still on the PVC
+S3_SECRET = "raychat-s3"  # AWS_* of every Ray container (envFrom); the manifests do not create it
+# the overlay's settings.yaml (kept by hand, so `raychat k8s generate` keeps your values): a ConfigMap that
+# kustomize reads and never applies, whose `bucket` replaces the placeholder S3_BUCKET
+S3_SETTINGS = "raychat-object-storage"
+S3_BUCKET = "my-bucket"
+S3_ROOT = f"s3://{S3_BUCKET}/raychat"  # --storage-path of the checkpoint stages; the RayService's checkpoints
+CLUSTER_SPEC_AT = {
+    "RayCluster": "/spec",
+    "RayJob": "/spec/rayClusterSpec",
+    "RayService": "/spec/rayClusterConfig",
+}
+OBJECT_STORAGE_NOTE = f"""# Run checkpoints in a bucket: the --storage-path of the pretrain, sft, rl, eval and export RayJobs and the
+# RayService's checkpoint are {S3_ROOT}; data and tokenizer stay on the PVC ({STORAGE_ROOT}:
+# every node reads them as files). Every Ray container reads its AWS_* variables from the Secret {S3_SECRET}
+# (envFrom; not created here: docs/deployment.md). Your bucket, and the pods' service account for an IAM role, go
+# in settings.yaml alone (not generated: kept as you edit it).
+# Build: kubectl kustomize k8s/overlays/object-storage | kubectl apply -n raychat -f -
+"""
+
+
+def object_storage_serve_config(serve_text: str, root: str = S3_ROOT) -> str:
+    """serve/chat.yaml's config (`serve_text`) serving `root`/rl/latest: build_app's checkpoint arg of the raychat
+    application. Comments and the final line break are not kept (see gpu_serve_config).
+
+    Raises:
+        ValueError: no application imports raychat.serve.app:build_app.
+    """
+    config = yaml.safe_load(serve_text)
+    for app in _chat_apps(config):
+        app.setdefault("args", {})["checkpoint"] = f"{root}/rl/latest"
+    head = (
+        "# serve/chat.yaml serving the RL run's newest checkpoint on object storage (raychat k8s generate)\n"
+    )
+    return head + to_yaml(config).rstrip("\n")
+
+
+def bucket_replacement(kind: str, name: str, field: str, text: str) -> dict:
+    """A kustomize replacement target: the S3_BUCKET of `text` (object `name`'s `field`, dotted), found as the
+    '/'-separated part it is (s3://<bucket>/...), replaced by the settings' bucket.
+
+    Raises ValueError unless `text` holds S3_BUCKET as such a part exactly once (a replacement sets one part)."""
+    parts = text.split("/")
+    if parts.count(S3_BUCKET) != 1:
+        raise ValueError(
+            f"{kind} {name} {field}: {S3_BUCKET} must be one '/'-separated part, once; got {text!r}"
+        )
+    return {
+        "select": {"kind": kind, "name": name},
+        "fieldPaths": [field],
+        "options": {"delimiter": "/", "index": parts.index(S3_BUCKET)},
+    }
+
+
+def render_object_storage(repo: Path) -> str:
+    """k8s/overlays/object-storage/kustomization.yaml: the base with the chain's checkpoint stages and the
+    RayService on S3_ROOT (chain_commands with the PVC's STORAGE_ROOT as data and tokenizer root), every Ray
+    container's envFrom the Secret S3_SECRET (the RayJobs' submitters run `ray job submit` alone and open no
+    storage), and replacements that put settings.yaml's bucket and serviceAccountName in place. The base's
+    NetworkPolicy restricts ingress only, so the pods reach the S3 endpoint as they are."""
+    serve_config = object_storage_serve_config((repo / "serve" / "chat.yaml").read_text())
+    patches, bucket, account = [], [], []
+    for kind, at in CLUSTER_SPEC_AT.items():
+        pods = [f"{at}/headGroupSpec/template/spec", f"{at}/workerGroupSpecs/0/template/spec"]
+        ops = [
+            {
+                "op": "add",
+                "path": f"{pod}/containers/0/envFrom",
+                "value": [{"secretRef": {"name": S3_SECRET}}],
+            }
+            for pod in pods
+        ]
+        target = {"group": "ray.io", "version": "v1", "kind": kind}
+        patches.append({"target": target, "patch": to_yaml(ops).rstrip("\n")})
+        fields = [f"{pod.lstrip('/').replace('/', '.')}.serviceAccountName" for pod in pods]
+        account.append({"select": {"kind": kind}, "fieldPaths": fields, "options": {"create": True}})
+    for stage, commands in chain_commands("cluster", root=S3_ROOT, inputs=STORAGE_ROOT).items():
+        if stage == "data":  # data and tokenizer: on the PVC, as in the base
+            continue
+        name, text = f"raychat-{stage}", entrypoint(commands)
+        ops = [{"op": "replace", "path": "/spec/entrypoint", "value": text}]
+        patches.append({"target": {"group": "ray.io", "version": "v1", "kind": "RayJob", "name": name},
+                        "patch": to_yaml(ops).rstrip("\n")})  # fmt: skip
+        bucket.append(bucket_replacement("RayJob", name, "spec.entrypoint", text))
+    service = [{"op": "replace", "path": "/spec/serveConfigV2", "value": serve_config}]
+    patches.append({"target": {"group": "ray.io", "version": "v1", "kind": "RayService", "name": "raychat-chat"},
+                    "patch": to_yaml(service).rstrip("\n")})  # fmt: skip
+    bucket.append(bucket_replacement("RayService", "raychat-chat", "spec.serveConfigV2", serve_config))
+    source = {"kind": "ConfigMap", "name": S3_SETTINGS}
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": ["../../base", "settings.yaml"],
+        "patches": patches,
+        "replacements": [
+            {"source": {**source, "fieldPath": "data.bucket"}, "targets": bucket},
+            {"source": {**source, "fieldPath": "data.serviceAccountName"}, "targets": account},
+        ],
+    }
+    return HEADER + OBJECT_STORAGE_NOTE + to_yaml(kustomization)
 
 
 def pod_monitor() -> dict:
@@ -616,6 +736,7 @@ def render_all(repo: Path) -> dict[str, str]:
         "overlays/gpu/kustomization.yaml": render_gpu(repo),
         "overlays/gpu/rayservice-vllm.yaml": render_gpu_vllm(repo),
         **{f"overlays/monitoring/{name}": text for name, text in render_monitoring().items()},
+        "overlays/object-storage/kustomization.yaml": render_object_storage(repo),
     }
 
 
