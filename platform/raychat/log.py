@@ -4,11 +4,17 @@ A process's rank is the RANK variable that torch.distributed's launchers and Ray
 (0 where it is unset: the driver, a Ray actor, a plain script). RAYCHAT_LOG_ALL_RANKS=1 logs every rank, each
 line prefixed with "[rank N]". Lines go to sys.stdout through write(), not print(): Ray Train patches
 builtins.print on its workers to tee into its logger as well, which shows every printed line twice on the
-driver. A command's result (JSON, table rows, file lists, a dry run's plan) is printed, not logged.
+driver. A command's result (JSON, table rows, file lists, a dry run's plan) is printed, not logged. Counts in
+every user-visible line agree with their noun: plural.
 """
 
 import os
 import sys
+
+
+def plural(n: int, noun: str) -> str:
+    """A count in a line: '1 step', '2 steps' (`noun` singular, its plural with an s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def rank() -> int:

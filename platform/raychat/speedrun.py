@@ -23,12 +23,13 @@ from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import COMMIT_FILE, committed_checkpoints
 from raychat.config import ConfigError, RLConfig, SpeedrunConfig, TrainConfig, from_dict, to_dict
 from raychat.config.data import PrepareConfig
+from raychat.config.presets import preset_section
 from raychat.data.corpus.prepare import prepare, prepare_kwargs
 from raychat.data.corpus.shards import list_shards
 from raychat.eval.bpb import unigram_bpb
 from raychat.eval.report_card import checkpoint_row, format_markdown
 from raychat.eval.tasks import task_accuracy
-from raychat.log import log
+from raychat.log import log, plural
 from raychat.metrics_sink import read_jsonl
 from raychat.ray_token import token_for
 from raychat.report import file_id, read_state, run_total, settle_stage, write_report
@@ -37,7 +38,7 @@ from raychat.storage import open_storage
 from raychat.tasks import Calculator
 from raychat.tokenizer import Tokenizer
 from raychat.tokenizer_cli import iter_texts, train_tokenizer
-from raychat.train.launch import OTHER_RUN, SAME_SETTINGS
+from raychat.train.launch import Flags
 from raychat.train.layout import start_or_connect
 from raychat.train.pretrain import Pretraining, pretrain
 from raychat.train.sft import sft
@@ -90,7 +91,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
 
     t0 = banner("3/6 pretrain on Ray Train")
     before = newest_commit(cfg.run.storage_path, cfg.run.run_name)
-    result = pretrain(cfg)
+    result = pretrain(cfg, flags=speedrun_flags(preset, "pretrain"))
     after = newest_commit(cfg.run.storage_path, cfg.run.run_name)
     report["pretrain"] = settle(
         "pretrain", t0, {k: v for k, v in result.metrics.items() if k != "samples"}, after, after != before
@@ -111,7 +112,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
         t0 = banner("5/6 SFT on Ray Train (same loop, packed conversations)")
         run = config.sft.run
         before = newest_commit(run.storage_path, run.run_name)
-        figures, final = run_sft_stage(config.sft, report["checkpoint"])
+        figures, final = run_sft_stage(config.sft, report["checkpoint"], speedrun_flags(preset, "sft"))
         after = newest_commit(run.storage_path, run.run_name)
         record = state.get("sft", {})
         if after != before or record.get("output") != after:  # "before SFT" of this invocation's report
@@ -121,7 +122,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
         t0 = banner("6/6 RL: rollout actors + learner")
         run = config.rl.run
         before = newest_commit(run.storage_path, run.run_name)
-        figures, final = run_rl_stage(config.rl, final, cfg)
+        figures, final = run_rl_stage(config.rl, final, cfg, speedrun_flags(preset, "rl"))
         after = newest_commit(run.storage_path, run.run_name)
         report["rl"] = settle("rl", t0, figures, after, after != before)
     if report["reused"]:
@@ -152,7 +153,7 @@ def reused_data_line(manifest: dict, data_dir: Path, preset: str, cfg: PrepareCo
     train = len(shards) - (1 if manifest.get("validation_shard") else 0)
     have = {"source": manifest.get("source"), "train shards": train, "seed": manifest.get("seed")}
     asked = {"source": cfg.source, "train shards": cfg.num_shards, "seed": cfg.seed}
-    line = f"using existing shards in {data_dir}: {train} train shards of {have['source']}"
+    line = f"using existing shards in {data_dir}: {plural(train, 'train shard')} of {have['source']}"
     differ = [
         f"{key} {have[key]} where it asks for {asked[key]}"
         for key in have
@@ -176,7 +177,7 @@ def reused_tokenizer_line(tokenizer: Tokenizer, tok_dir: Path, preset: str, aske
     if was not in (None, asked):
         raise ConfigError(
             f"--preset {preset}: the tokenizer in {tok_dir} was trained for a vocabulary of {was} tokens, the "
-            f"preset asks for {asked} ({SPEEDRUN_HINT})"
+            f"preset asks for {asked} {speedrun_flags(preset, 'pretrain').resume_hint}"
         )
     line = f"using existing tokenizer in {tok_dir}: vocabulary {tokenizer.vocab_size}"
     if tokenizer.vocab_size == asked:
@@ -222,10 +223,11 @@ def calculator_accuracy(checkpoint: str, num_examples: int, seed: int = 0) -> fl
     return task_accuracy(model, tokenizer, Calculator(split="test", seed=seed), num_examples)
 
 
-def run_sft_stage(cfg: TrainConfig, base_checkpoint: str) -> tuple[dict, str]:
-    """SFT (`cfg`) from the pretraining checkpoint (resumed, or nothing to do when complete); its figures: the
-    final metrics, calculator accuracy on held-out problems after SFT (the loop's final evaluation)."""
-    result = sft(from_dict(TrainConfig, {"init_from": base_checkpoint}, base=cfg))
+def run_sft_stage(cfg: TrainConfig, base_checkpoint: str, flags: Flags) -> tuple[dict, str]:
+    """SFT (`cfg`) from the pretraining checkpoint (resumed, or nothing to do when complete; its lines name the
+    options as `flags` does); its figures: the final metrics, calculator accuracy on held-out problems after SFT
+    (the loop's final evaluation)."""
+    result = sft(from_dict(TrainConfig, {"init_from": base_checkpoint}, base=cfg), flags=flags)
     checkpoint = result.checkpoint
     metrics = {k: v for k, v in result.metrics.items() if k != "samples"}
     n = cfg.train.eval.eval_examples
@@ -238,7 +240,8 @@ def with_accuracy_before(figures: dict, base_checkpoint: str) -> dict:
     n = figures["eval_examples"]
     before = calculator_accuracy(base_checkpoint, n)
     log(
-        f"calculator accuracy: {before:.3f} before SFT, {figures['accuracy_after']:.3f} after ({n} held-out problems)"
+        f"calculator accuracy: {before:.3f} before SFT, {figures['accuracy_after']:.3f} after "
+        f"({plural(n, 'held-out problem')})"
     )
     return {**figures, "accuracy_before": before}
 
@@ -251,10 +254,10 @@ def connect(cfg: TrainConfig) -> None:
         log(start_or_connect(c.num_workers, c.cpus_per_worker, Pretraining.data_cpus, c.use_gpu)[0])
 
 
-def run_rl_stage(cfg: RLConfig, checkpoint: str, pretrain_cfg: TrainConfig) -> tuple[dict, str]:
+def run_rl_stage(cfg: RLConfig, checkpoint: str, pretrain_cfg: TrainConfig, flags: Flags) -> tuple[dict, str]:
     """RL (`cfg`) from the SFT checkpoint, on pretraining's cluster (connect); pass@1 on held-out problems
-    before and after."""
-    run = RLRun(from_dict(RLConfig, {"init_from": checkpoint}, base=cfg))
+    before and after. Its lines name the options as `flags` does."""
+    run = RLRun(from_dict(RLConfig, {"init_from": checkpoint}, base=cfg), flags=flags)
     if run.finished() is None:
         connect(pretrain_cfg)
     summary = run.run()
@@ -263,7 +266,8 @@ def run_rl_stage(cfg: RLConfig, checkpoint: str, pretrain_cfg: TrainConfig) -> t
         return {"summary": f"already complete ({final})", **summary}, final
     before, after = summary["evals"][0], summary["evals"][-1]
     line = (
-        f"{cfg.rollout.steps} steps, pass@1 on {cfg.eval.eval_examples} held-out problems {before['pass@1']:.3f} -> "
+        f"{plural(cfg.rollout.steps, 'step')}, pass@1 on {plural(cfg.eval.eval_examples, 'held-out problem')} "
+        f"{before['pass@1']:.3f} -> "
         f"{after['pass@1']:.3f}, learner wait {summary['learner_wait_frac']:.2f}, {summary['wall_s']:.0f} s"
     )
     log(f"RL: {line}")
@@ -283,33 +287,40 @@ def unigram_baseline(data_dir: Path, tok_dir: Path, max_chars: int = 20_000_000)
     return unigram_bpb(train, val, tok.token_bytes())
 
 
-# What a speedrun's refusal to resume (or reuse) a stage's output says to do: its runs go under --out, their
-# settings come from --preset.
-SPEEDRUN_HINT = "use another --out, or the same --preset to resume"
+# What a speedrun stage's lines call the options its --out lays out (a run by its name: "run base"), and the
+# checkpoint SFT and RL start from.
+OUT_OPTIONS = {"storage_path": "--out", "data_dir": "--out", "tokenizer_path": "--out", "run_name": "run"}
+STARTS_FROM = {"sft": "the pretraining checkpoint", "rl": "the SFT checkpoint"}
 
 
-def reworded(e: ValueError) -> ValueError:
-    """A stage's refusal `e` worded for the speedrun's flags: the training commands' "another --run-name" and
-    "the same settings" (raychat.train.launch.OTHER_RUN, SAME_SETTINGS) become "another --out" and "the same
-    --preset"; `e` itself when it names neither."""
-    text = str(e)
-    if OTHER_RUN not in text:
-        return e
-    return type(e)(text.replace(OTHER_RUN, "another --out").replace(SAME_SETTINGS, "the same --preset"))
+def speedrun_flags(preset: str, stage: str) -> Flags:
+    """How the lines of the speedrun's `stage` (pretrain, sft, rl) name what its user sets
+    (raychat.train.launch.Flags): pretraining's num_iterations by --num-iterations, what --out lays out as in
+    OUT_OPTIONS, the checkpoint SFT and RL start from as in STARTS_FROM, any other option by the key of `preset`
+    that sets it, <section>.<key> ("train.depth", "sft.num_iterations", "rl.steps"; SFT's settings are the train
+    section's with its own section's over them); another run is another --out, and this one resumes with the
+    same --preset."""
+    section = {"pretrain": "train", "rl": "rl"}.get(stage, "sft")
+    own = preset_section(preset, "sft") if stage == "sft" else {}
+
+    def option(name: str) -> str:
+        if stage == "pretrain" and name == "num_iterations":
+            return "--num-iterations"
+        if name == "init_from" and stage in STARTS_FROM:
+            return STARTS_FROM[stage]
+        if name in OUT_OPTIONS:
+            return OUT_OPTIONS[name]
+        return f"{'train' if stage == 'sft' and name not in own else section}.{name}"
+
+    return Flags(option, "another --out", "the same --preset")
 
 
 def main(args) -> int:
     """`raychat speedrun` (its parser: raychat.commands.speedrun); the Ray auth token as `raychat pretrain`'s
     (raychat.train.pretrain.main).
 
-    Raises ValueError as each stage's command, a refusal to resume a stage's run worded for the speedrun
-    (reworded)."""
+    Raises ValueError as each stage's command, its refusals naming the speedrun's flags and the preset's keys
+    (speedrun_flags)."""
     with token_for(None, args.token_file):
-        try:
-            run_speedrun(args.preset, args.out, args.num_iterations)
-        except ValueError as e:
-            again = reworded(e)
-            if again is e:
-                raise
-            raise again from e
+        run_speedrun(args.preset, args.out, args.num_iterations)
     return 0

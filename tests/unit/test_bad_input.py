@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +24,7 @@ import pyarrow.fs as pafs
 import pytest
 import ray
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 from support.cluster import free_ports
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
@@ -751,9 +753,9 @@ def driver(monkeypatch):
     source), the command stopped where it would start Ray."""
     seen, check = {}, launch.check_resume
 
-    def capture(*args):
+    def capture(*args, **kwargs):
         seen["args"] = args
-        check(*args)
+        check(*args, **kwargs)
 
     def reached(*args, **kwargs):
         raise ReachedRay
@@ -832,18 +834,19 @@ def speedrun_out(tmp_path, small_tokenizer, driver, capsys) -> tuple[Path, Path]
 
 
 def test_a_speedrun_after_a_preset_change_names_its_own_flags(speedrun_out, capsys):
-    """A speedrun of another preset on the same --out was refused with "(use another --run-name, ...)", a flag
-    the speedrun does not have; and it reused the data (2 shards of another source where the preset asks for 7)
-    and the tokenizer of 512 tokens where the preset asks for 4096 without a word."""
+    """A speedrun of another preset on the same --out was refused with "(use another --run-name, ...)", and
+    naming --depth, --head-dim and --seq-len: flags the speedrun does not have (the preset sets them); and it
+    reused the data (2 shards of another source where the preset asks for 7) and the tokenizer of 512 tokens
+    where the preset asks for 4096 without a word."""
     out, d = speedrun_out
     before = _snapshot(out)
     assert raychat_main(["speedrun", "--preset", "cpu", "--out", str(out)]) == 2
     stdout, err = capsys.readouterr()
     assert not ray.is_initialized()
     assert err == (
-        f"raychat speedrun: error: --depth, --head-dim, --seq-len: the run's checkpoint {d} was made with 1, 32, "
-        "64, this run asks for 4, 64, 256 (use another --out, or the same --preset to resume)  (RAYCHAT_DEBUG=1 "
-        "shows the traceback)\n"
+        f"raychat speedrun: error: train.depth, train.head_dim, train.seq_len: the run's checkpoint {d} was made "
+        "with 1, 32, 64, this run asks for 4, 64, 256 (use another --out, or the same --preset to resume)  "
+        "(RAYCHAT_DEBUG=1 shows the traceback)\n"
     )
     assert (
         f"using existing shards in {out}/data: 2 train shards of test, reused although --preset cpu asks for "
@@ -857,6 +860,28 @@ def test_a_speedrun_after_a_preset_change_names_its_own_flags(speedrun_out, caps
         "another --out to train one for 4096)\n"
     ) in stdout
     assert _snapshot(out) == before
+
+
+def test_a_speedrun_names_the_preset_key_of_sft_it_cannot_resume_with(speedrun_out, driver, tmp_path, capsys):
+    """A speedrun whose preset's SFT is shorter than its run's checkpoint was refused naming --num-iterations, which
+    in the speedrun sets pretraining's, and counted "1 steps"."""
+    out, _ = speedrun_out
+    argv = ["speedrun", "--preset", "tiny", "--out", str(out)]
+    _commit_step(*driver(argv), step=4)  # pretraining finished
+    sft = _commit_step(*driver(argv), step=2)  # SFT (the tiny preset's 2 steps) finished
+    assert sft == out / "checkpoints" / "sft" / "checkpoint_000002"
+    preset = yaml.safe_load(resources.files("raychat").joinpath("presets/tiny.yaml").read_text())
+    preset["sft"]["num_iterations"] = 1
+    (tmp_path / "short.yaml").write_text(yaml.safe_dump(preset))
+    capsys.readouterr()
+    line = _fails_in_one_line(
+        ["speedrun", "--preset", str(tmp_path / "short.yaml"), "--out", str(out)], capsys
+    )
+    assert line == (
+        f"raychat speedrun: error: sft.num_iterations: the run's checkpoint {sft} (step 2) was made with 2, this "
+        "run asks for 1: 1 step instead of 2 leave nothing to train after step 2 (ask for more than 2 steps, or "
+        "use another --out)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
 
 
 def test_a_speedrun_refuses_a_tokenizer_trained_for_another_vocabulary(speedrun_out, small_tokenizer, capsys):
@@ -924,14 +949,15 @@ def test_resuming_with_another_horizon_logs_the_lr_at_the_resume_step(pretrained
     assert "lr schedule" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("steps", [2, 1])
-def test_resuming_with_a_horizon_at_or_before_the_checkpoint(steps, pretrained, capsys):
-    """The run once resumed into an empty loop and reported the checkpoint as its result, nothing trained."""
+@pytest.mark.parametrize("steps, counted", [(2, "2 steps"), (1, "1 step")])
+def test_resuming_with_a_horizon_at_or_before_the_checkpoint(steps, counted, pretrained, capsys):
+    """The run once resumed into an empty loop and reported the checkpoint as its result, nothing trained (and
+    counted "1 steps")."""
     argv, d = pretrained
     line = _fails_in_one_line([*argv, "--num-iterations", str(steps)], capsys)
     assert line == (
         f"raychat pretrain: error: --num-iterations: the run's checkpoint {d} (step 2) was made with 4, this run "
-        f"asks for {steps}: {steps} steps instead of 4 leave nothing to train after step 2 (ask for more than 2 "
+        f"asks for {steps}: {counted} instead of 4 leave nothing to train after step 2 (ask for more than 2 "
         "steps, or use another --run-name)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
 
@@ -983,6 +1009,24 @@ def test_a_finished_run_says_so_without_starting_ray(root, pretrained, driver, c
         "(--num-iterations above 2 trains it longer)\n"
     )
     driver([*sft, "--num-iterations", "3", "--allow-rewarm"])  # a longer run: on to Ray
+
+
+def test_a_run_of_one_step_counts_one_step(root, pretrained, driver, capsys):
+    """A finished run of one step said "the last of its 1 steps" and "all 1 steps"."""
+    argv, _ = pretrained
+    argv = [*argv, "--run-name", "p7", "--num-iterations", "1"]
+    d = _commit_step(*driver(argv), step=1)
+    capsys.readouterr()
+    assert raychat_main(argv) == 0
+    assert capsys.readouterr().out.endswith(
+        f"finished: the run's checkpoint {d} is at step 1, the last of its 1 step; nothing to train "
+        "(--num-iterations above 1 trains it longer)\n"
+    )
+    assert _fails_in_one_line([*argv, "--stop-after", "1"], capsys) == (
+        f"raychat pretrain: error: --stop-after 1: the run resumes from its checkpoint {d} at step 1, so it would "
+        "stop before training a step; allowed: none, the run has trained all 1 step (leave --stop-after out)  "
+        "(RAYCHAT_DEBUG=1 shows the traceback)"
+    )
 
 
 @pytest.mark.parametrize("step, lr", [(3, "0.5"), (4, "0")])

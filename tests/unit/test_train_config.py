@@ -70,10 +70,16 @@ def test_round_to_micro_steps_by_hand():
 
 
 @pytest.mark.parametrize(
-    "workers, total, accum", [(1, 65536, 32), (2, 65536, 16), (3, 67584, 11), (6, 61440, 5)]
+    "workers, total, accum, counted",
+    [
+        (1, 65536, 32, "1 worker"),
+        (2, 65536, 16, "2 workers"),
+        (3, 67584, 11, "3 workers"),
+        (6, 61440, 5, "6 workers"),
+    ],
 )
 def test_automatic_batch_size_gives_a_valid_plan_for_any_worker_count(
-    workers, total, accum, capsys, tmp_path
+    workers, total, accum, counted, capsys, tmp_path
 ):
     # depth 4, 20 tokens/param: D = 20 x 4,262,656 = 85.3M tokens -> power law 2^19 (D / 1e10)^0.383 = 84,534
     # -> 2^16 = 65,536, then rounded to a multiple of 8 rows x 256 tokens x workers
@@ -85,7 +91,11 @@ def test_automatic_batch_size_gives_a_valid_plan_for_any_worker_count(
     print_plan(cfg, p)
     out = capsys.readouterr().out
     change = "kept" if total == 65536 else f"rounded to {total:,}"
-    assert f"power law 65,536 tokens, {change}: the nearest multiple of {workers} workers" in out
+    assert (  # counted: the plan once read "1 workers"
+        f"batch: {total:,} tokens/step = {counted} x 8 rows x 256 tokens x {accum} accumulation steps\n"
+        f"  (automatic: power law 65,536 tokens, {change}: the nearest multiple of {counted} x 8 rows x 256 "
+        f"tokens = {workers * 2048:,})\n"
+    ) in out
     assert not out.startswith("init from")
     ck = tmp_path / "long" / "checkpoint_000300"
     ck.mkdir(parents=True)

@@ -54,7 +54,14 @@ from raychat.rl.objective import group_advantages, zero_advantage_frac
 from raychat.rl.sync import WeightSync
 from raychat.storage import open_storage, write_bytes
 from raychat.tasks.registry import make_task
-from raychat.train.launch import OTHER_RUN, changed_options, refuse_resume, resumable_checkpoint
+from raychat.train.launch import (
+    COMMANDS,
+    Flags,
+    changed_options,
+    finished_line,
+    refuse_resume,
+    resumable_checkpoint,
+)
 from raychat.train.trainer import due
 
 MODES = ("sync", "async")  # --mode: on-policy | rollouts up to --max-staleness versions ahead
@@ -62,10 +69,11 @@ MODES = ("sync", "async")  # --mode: on-policy | rollouts up to --max-staleness 
 RESUME_OPTIONS = ("init_from", "task", "task_examples", "max_operand", "seed", "prompts_per_step")
 
 
-def check_resume(cfg: RLConfig) -> None:
+def check_resume(cfg: RLConfig, flags: Flags = COMMANDS) -> None:
     """Check that the run's newest committed checkpoint, if there is one, is one this run can resume: every
     file its commit marker lists is there with its size, it is an RL checkpoint, made with this run's
-    RESUME_OPTIONS (--init-from as resolved), at a step no later than --steps. Reads only storage.
+    RESUME_OPTIONS (--init-from as resolved), at a step no later than --steps. Reads only storage. The refusals
+    name the options as `flags` does (raychat.train.launch.Flags).
 
     Raises:
         CheckpointError: a file of the checkpoint is missing or of another size (named).
@@ -75,15 +83,15 @@ def check_resume(cfg: RLConfig) -> None:
     checkpoints = CheckpointManager(
         open_storage(cfg.run.storage_path), cfg.run.run_name, cfg.checkpoint.keep_checkpoints
     )
-    found = resumable_checkpoint(checkpoints, cfg.run.run_name, "rl")
+    found = resumable_checkpoint(checkpoints, cfg.run.run_name, "rl", flags)
     if found is None:
         return
     _, where, meta = found
-    refuse_resume(where, changed_options(meta, cfg, RESUME_OPTIONS))
+    refuse_resume(where, changed_options(meta, cfg, RESUME_OPTIONS, flags), flags)
     if meta["step"] > cfg.rollout.steps:
         raise ConfigError(
-            f"--steps: the run's checkpoint {where} is at step {meta['step']}, this run asks for "
-            f"{cfg.rollout.steps}: nothing to train (ask for {meta['step']} or more, or use {OTHER_RUN})"
+            f"{flags.option('steps')}: the run's checkpoint {where} is at step {meta['step']}, this run asks for "
+            f"{cfg.rollout.steps}: nothing to train (ask for {meta['step']} or more, or use {flags.other_run})"
         )
 
 
@@ -120,13 +128,16 @@ class RLRun:
 
     on_submitted(dispatcher, step, chunks): optional hook after a step's rollout chunks are submitted;
     on_evaluating(dispatcher, chunks): optional hook before an evaluation's chunks are issued.
+    flags: how the resume check's refusals and the finished line name the options (raychat.train.launch.Flags).
     """
 
-    def __init__(self, cfg: RLConfig, on_submitted=None, log=log, on_evaluating=None):
+    def __init__(
+        self, cfg: RLConfig, on_submitted=None, log=log, on_evaluating=None, flags: Flags = COMMANDS
+    ):
         if not cfg.run.init_from:
             raise ValueError("--init-from (a chat checkpoint directory) is required")
-        check_resume(cfg)
-        self.cfg, self.log = cfg, log
+        check_resume(cfg, flags)
+        self.cfg, self.log, self.flags = cfg, log, flags
         self.checkpoints = CheckpointManager(
             open_storage(cfg.run.storage_path), cfg.run.run_name, cfg.checkpoint.keep_checkpoints
         )
@@ -223,11 +234,7 @@ class RLRun:
         Raises ValueError before anything is written when no node type of the cluster can ever hold the
         placement group (ActorGroup.check_layout)."""
         if (done := self.finished()) is not None:
-            n = done["steps"]
-            self.log(
-                f"finished: the run's checkpoint {done['checkpoint']} is at step {n}, the last of its {n} steps; "
-                f"nothing to train (--steps above {n} trains it longer)"
-            )
+            self.log(finished_line(done["checkpoint"], done["steps"], self.flags.option("steps")))
             return done
         capacity = self.actors.check_layout()
         self.log(f"layout: {len(self.actors.bundles)} actors {self.actors.bundles} on {capacity.describe()}")

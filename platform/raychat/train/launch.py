@@ -42,7 +42,7 @@ from raychat.config.schema import flag_name, shown
 from raychat.data.loader.document_order import changed_shards
 from raychat.data.loader.row_source import RowSource, same_stream
 from raychat.data.loader.sft_rows import changed_task_files
-from raychat.log import log
+from raychat.log import log, plural
 from raychat.model import ModelConfig
 from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory, why
 from raychat.tokenizer import Tokenizer
@@ -212,10 +212,29 @@ def check_shape_flags(cfg: TrainConfig, typed) -> None:
 SHAPE_OPTIONS = ("depth", "aspect_ratio", "head_dim", "kv_group", "seq_len", "tokenizer_path")
 # The options a stage's row source stream is made of (its fingerprint).
 DATA_OPTIONS = {"pretrain": ("data_dir", "seed"), "sft": ("sft_tasks", "seed", "seq_len", "task_data_dir")}
-# How a refusal to resume a run says to start another one, or to resume this one: in the flags of pretrain, sft and
-# rl; the speedrun, whose runs go under --out, words them its own way (raychat.speedrun.reworded).
-OTHER_RUN, SAME_SETTINGS = "another --run-name", "the same settings"
-RESUME_HINT = f"(use {OTHER_RUN}, or {SAME_SETTINGS} to resume)"
+
+
+@dataclass(frozen=True)
+class Flags:
+    """How a stage's user-visible lines (refusals to resume, the finished line) name what its user sets.
+
+    option: an option's name (a config field: "depth") -> the text naming it ("--depth"); other_run: how to start
+    another run instead ("another --run-name"); same_settings: how to resume this one ("the same settings").
+    COMMANDS: the flags of pretrain, sft and rl; the speedrun's, whose runs go under --out and whose settings
+    come from --preset: raychat.speedrun.speedrun_flags.
+    """
+
+    option: Callable[[str], str] = flag_name
+    other_run: str = "another --run-name"
+    same_settings: str = "the same settings"
+
+    @property
+    def resume_hint(self) -> str:
+        """'(use <other_run>, or <same_settings> to resume)'."""
+        return f"(use {self.other_run}, or {self.same_settings} to resume)"
+
+
+COMMANDS = Flags()
 # The options the lr schedule derives from: the horizon (a derived one divides by the total batch) and the
 # schedule's own; then those an automatic total batch, and so a derived horizon, also derives from.
 SCHEDULE_OPTIONS = (
@@ -225,7 +244,13 @@ SCHEDULE_OPTIONS = (
 BATCH_OPTIONS = ("num_workers", "min_workers", "device_batch_size")
 
 
-def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Callable[[], RowSource]) -> None:
+def check_resume(
+    cfg: TrainConfig,
+    paths: RunPaths,
+    plan: Plan,
+    row_source: Callable[[], RowSource],
+    flags: Flags = COMMANDS,
+) -> None:
     """Check that the run's newest committed checkpoint, if there is one, is one this run can resume, before
     Ray starts (each worker would fail on it in turn, and the run retry until --max-failures): every file its
     commit marker lists is there with its size, it is of this stage, an SFT run's was made from this
@@ -234,7 +259,7 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
     raychat.data.loader.row_source.resume_cursor, same_stream: for pretraining, the shards' names, layout, seed
     and content, their sha256 from the data manifest; for SFT, the mixture, row length and the sha256 of the
     tasks' files; a checkpoint written before the fingerprint held the content is compared without it);
-    row_source() builds this run's row source (rank 0 of 1).
+    row_source() builds this run's row source (rank 0 of 1); every refusal names the options as `flags` does.
     When this run's lr schedule is not the checkpoint's (another horizon, given or derived, or other ratios),
     logs one line with the lr multiplier of the resume step under each (_schedule_change).
 
@@ -248,41 +273,41 @@ def check_resume(cfg: TrainConfig, paths: RunPaths, plan: Plan, row_source: Call
             after the checkpoint's warmdown began without --allow-rewarm; or a --stop-after at or before the
             checkpoint's step (nothing to train).
     """
-    found = resumable_checkpoint(paths.checkpoints, cfg.run.run_name, cfg.run.stage)
+    found = resumable_checkpoint(paths.checkpoints, cfg.run.run_name, cfg.run.stage, flags)
     if found is None:
         return
     newest, where, meta = found
     if cfg.run.stage == "sft":  # the same shape from another checkpoint: the run would go on from its own
-        refuse_resume(where, changed_options(meta, cfg, ("init_from",)))
+        refuse_resume(where, changed_options(meta, cfg, ("init_from",), flags), flags)
     if meta["model_config"] != plan.model_config:
         options = ("init_from",) if cfg.run.init_from else SHAPE_OPTIONS
-        changed = changed_options(meta, cfg, options) or [
+        changed = changed_options(meta, cfg, options, flags) or [
             (f"the model's {k}", v, plan.model_config.get(k))
             for k, v in meta["model_config"].items()
             if v != plan.model_config.get(k)
         ]
-        refuse_resume(where, changed)
-    schedule_line = _schedule_change(meta, cfg, plan, where)
-    _check_stop_after(cfg.train.horizon.stop_after, meta["step"], plan.num_iterations, where)
+        refuse_resume(where, changed, flags)
+    schedule_line = _schedule_change(meta, cfg, plan, where, flags)
+    _check_stop_after(cfg.train.horizon.stop_after, meta["step"], plan.num_iterations, where, flags)
     rows = row_source()
     try:
         state = load_tree(io.BytesIO(read_bytes(paths.storage, f"{newest.path}/state_rank0.npz")))
     except FileNotFoundError:
         raise CheckpointError(
-            f"--run-name {cfg.run.run_name}: the run's checkpoint {where} holds no data state (state_rank0.npz), "
-            f"so it cannot be resumed (use {OTHER_RUN})"
+            f"{flags.option('run_name')} {cfg.run.run_name}: the run's checkpoint {where} holds no data state "
+            f"(state_rank0.npz), so it cannot be resumed (use {flags.other_run})"
         ) from None
     made_on, now = state["rows"].get(rows.fingerprint_key), rows.fingerprint()
     if not same_stream(made_on, now):
-        changed = changed_options(meta, cfg, DATA_OPTIONS.get(cfg.run.stage, ()))
+        changed = changed_options(meta, cfg, DATA_OPTIONS.get(cfg.run.stage, ()), flags)
         if not changed and made_on is not None:
-            _refuse_other_content(cfg, where, made_on, now)
-        refuse_resume(where, changed or [("the data", made_on, now)])
+            _refuse_other_content(cfg, where, made_on, now, flags)
+        refuse_resume(where, changed or [("the data", made_on, now)], flags)
     if schedule_line:
         log(schedule_line)
 
 
-def _refuse_other_content(cfg: TrainConfig, where: str, made_on: dict, now: dict) -> None:
+def _refuse_other_content(cfg: TrainConfig, where: str, made_on: dict, now: dict, flags: Flags) -> None:
     """Refuse a stream made with the checkpoint's options whose data changed under the same names: the shards of
     --data-dir (pretraining) or the files the --sft-tasks tasks read (SFT), each named (at most 3).
 
@@ -295,39 +320,40 @@ def _refuse_other_content(cfg: TrainConfig, where: str, made_on: dict, now: dict
     holds = "holds" if len(changed) == 1 else "hold"
     if sft:
         raise ConfigError(
-            f"--sft-tasks: {names} now {holds} other content than when the run's checkpoint {where} was made "
-            f"(another sha256): the run would go on with other conversations (use {OTHER_RUN}, or restore "
-            "the task data the run was made on)"
+            f"{flags.option('sft_tasks')}: {names} now {holds} other content than when the run's checkpoint "
+            f"{where} was made (another sha256): the run would go on with other conversations (use "
+            f"{flags.other_run}, or restore the task data the run was made on)"
         )
     raise ConfigError(
-        f"--data-dir: {names} of {cfg.data.data_dir} now {holds} other documents than when the run's checkpoint "
-        f"{where} was made (same names and layout, another sha256) (use {OTHER_RUN}, or restore the data "
-        "the run was made on)"
+        f"{flags.option('data_dir')}: {names} of {cfg.data.data_dir} now {holds} other documents than when the "
+        f"run's checkpoint {where} was made (same names and layout, another sha256) (use {flags.other_run}, or "
+        "restore the data the run was made on)"
     )
 
 
-def _check_stop_after(stop_after: int, step: int, num_iterations: int, where: str) -> None:
+def _check_stop_after(stop_after: int, step: int, num_iterations: int, where: str, flags: Flags) -> None:
     """Refuse a --stop-after at or before the resume step `step` (the checkpoint's at `where`): the run would
     train nothing and end as if it had stopped there.
 
-    Raises ConfigError naming --stop-after, the resume step and the values allowed."""
+    Raises ConfigError naming --stop-after (as `flags` does), the resume step and the values allowed."""
     if stop_after == -1 or stop_after > step:
         return
+    name = flags.option("stop_after")
     allowed = (
         f"a step in {step + 1}..{num_iterations}, or -1 (run to the end)"
         if step < num_iterations
-        else f"none, the run has trained all {num_iterations} steps (leave --stop-after out)"
+        else f"none, the run has trained all {plural(num_iterations, 'step')} (leave {name} out)"
     )
     raise ConfigError(
-        f"--stop-after {stop_after}: the run resumes from its checkpoint {where} at step {step}, so it would "
+        f"{name} {stop_after}: the run resumes from its checkpoint {where} at step {step}, so it would "
         f"stop before training a step; allowed: {allowed}"
     )
 
 
-def resumable_checkpoint(checkpoints: CheckpointManager, run_name: str, stage: str):
+def resumable_checkpoint(checkpoints: CheckpointManager, run_name: str, stage: str, flags: Flags = COMMANDS):
     """(the Checkpoint, its URI, its meta) of the newest committed checkpoint of the run `checkpoints` manages,
     checked to be one a `stage` run can resume: every file its commit marker lists is there with its size and
-    it is of `stage`; None when the run has none.
+    it is of `stage`; None when the run has none. Errors name the options as `flags` does.
 
     Raises:
         CheckpointError: a file of the checkpoint is missing or of another size (named).
@@ -338,7 +364,9 @@ def resumable_checkpoint(checkpoints: CheckpointManager, run_name: str, stage: s
     try:
         newest = checkpoints.newest()
     except OSError as e:
-        raise ValueError(f"--storage-path: cannot read {storage.uri}: {why(e, storage)}") from e
+        raise ValueError(
+            f"{flags.option('storage_path')}: cannot read {storage.uri}: {why(e, storage)}"
+        ) from e
     if newest is None:
         return None
     where = storage.uri_of(newest.path)
@@ -346,22 +374,23 @@ def resumable_checkpoint(checkpoints: CheckpointManager, run_name: str, stage: s
         verify_stored(storage, newest.path)
     except CheckpointError as e:
         raise CheckpointError(
-            f"--run-name {run_name}: {e}: this run would resume from it (remove that checkpoint to resume "
-            f"from the one before, or use {OTHER_RUN})"
+            f"{flags.option('run_name')} {run_name}: {e}: this run would resume from it (remove that checkpoint to "
+            f"resume from the one before, or use {flags.other_run})"
         ) from None
     meta = json.loads(read_bytes(storage, f"{newest.path}/meta.json"))
     if meta.get("stage") != stage:
         raise ConfigError(
-            f"--run-name: the run's checkpoint {where} is a {meta.get('stage')} checkpoint, this run is "
-            f"{stage} (use {OTHER_RUN})"
+            f"{flags.option('run_name')}: the run's checkpoint {where} is a {meta.get('stage')} checkpoint, this "
+            f"run is {stage} (use {flags.other_run})"
         )
     return newest, where, meta
 
 
-def _schedule_change(meta: dict, cfg: TrainConfig, plan: Plan, where: str) -> str | None:
+def _schedule_change(meta: dict, cfg: TrainConfig, plan: Plan, where: str, flags: Flags) -> str | None:
     """The line telling how the lr of the resume step (the checkpoint's step s: the first step this run
     takes) changes when this run's schedule (plan.num_iterations, cfg's lr schedule) is not the checkpoint's
-    (its meta's plan and config); None when it is the same, or the checkpoint holds no plan.
+    (its meta's plan and config); None when it is the same, or the checkpoint holds no plan. The options are
+    named as `flags` does.
 
     Raises:
         ConfigError: the horizon changed to s steps or fewer (nothing to train); or s is in the checkpoint's
@@ -379,24 +408,24 @@ def _schedule_change(meta: dict, cfg: TrainConfig, plan: Plan, where: str) -> st
     if was_steps is None or old == new:
         return None
     changed = (
-        changed_options(meta, cfg, SCHEDULE_OPTIONS)
-        or changed_options(meta, cfg, BATCH_OPTIONS)
+        changed_options(meta, cfg, SCHEDULE_OPTIONS, flags)
+        or changed_options(meta, cfg, BATCH_OPTIONS, flags)
         or [("the horizon", was_steps, plan.num_iterations)]
     )
     names, made_with, asks_for = _values(changed)
     what = f"{names}: the run's checkpoint {where} (step {step}) was made with {made_with}, this run asks for {asks_for}"
     if plan.num_iterations <= step and plan.num_iterations != was_steps:
         raise ConfigError(
-            f"{what}: {plan.num_iterations} steps instead of {was_steps} leave nothing to train after step "
-            f"{step} (ask for more than {step} steps, or use {OTHER_RUN})"
+            f"{what}: {plural(plan.num_iterations, 'step')} instead of {was_steps} leave nothing to train after "
+            f"step {step} (ask for more than {plural(step, 'step')}, or use {flags.other_run})"
         )
     lr_was, lr_now = lr_multiplier(step, *old), lr_multiplier(step, *new)
     began, peak = warmdown_start(was_steps, was.warmdown_ratio), lr_peak_from(step, *new)
     if step >= began and peak > lr_was and not now.allow_rewarm:
         raise ConfigError(
             f"{what}: its lr warmdown began at step {began} and is at multiplier {lr_was:.4g}; this run's "
-            f"schedule would raise it to {peak:.4g} (--allow-rewarm to re-warm on purpose, or the checkpoint's "
-            "settings to finish the warmdown)"
+            f"schedule would raise it to {peak:.4g} ({flags.option('allow_rewarm')} to re-warm on purpose, or the "
+            "checkpoint's settings to finish the warmdown)"
         )
     starts = f"{began} -> {warmdown_start(plan.num_iterations, now.warmdown_ratio)}"
     return (
@@ -406,8 +435,9 @@ def _schedule_change(meta: dict, cfg: TrainConfig, plan: Plan, where: str) -> st
     )
 
 
-def changed_options(meta: dict, cfg, options) -> list[tuple[str, object, object]]:
-    """(--flag, the checkpoint's value, this run's) of each of `options` whose value differs from the config
+def changed_options(meta: dict, cfg, options, flags: Flags) -> list[tuple[str, object, object]]:
+    """(its name as `flags` gives it, the checkpoint's value, this run's) of each of `options` whose value differs
+    from the config
     (of cfg's class: TrainConfig, RLConfig) a checkpoint's meta.json holds; none when that config is absent or
     unreadable."""
     try:
@@ -415,7 +445,7 @@ def changed_options(meta: dict, cfg, options) -> list[tuple[str, object, object]
     except (KeyError, TypeError, ValueError):
         return []
     now = to_flat(cfg)
-    return [(flag_name(o), was[o], now[o]) for o in options if was[o] != now[o]]
+    return [(flags.option(o), was[o], now[o]) for o in options if was[o] != now[o]]
 
 
 def _values(changed: list[tuple[str, object, object]]) -> tuple[str, str, str]:
@@ -425,13 +455,14 @@ def _values(changed: list[tuple[str, object, object]]) -> tuple[str, str, str]:
     return names, was, now
 
 
-def refuse_resume(where: str, changed: list[tuple[str, object, object]]) -> None:
-    """Raise ConfigError naming each option of `changed` (none: return) with both values and RESUME_HINT."""
+def refuse_resume(where: str, changed: list[tuple[str, object, object]], flags: Flags) -> None:
+    """Raise ConfigError naming each option of `changed` (none: return) with both values and `flags`' resume
+    hint."""
     if not changed:
         return
     names, was, now = _values(changed)
     raise ConfigError(
-        f"{names}: the run's checkpoint {where} was made with {was}, this run asks for {now} {RESUME_HINT}"
+        f"{names}: the run's checkpoint {where} was made with {was}, this run asks for {now} {flags.resume_hint}"
     )
 
 
@@ -444,11 +475,14 @@ class TrainingResult:
     metrics: dict
 
 
-def run_training(cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False) -> TrainingResult | None:
+def run_training(
+    cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False, flags: Flags = COMMANDS
+) -> TrainingResult | None:
     """Run (or resume) training of `spec` on the current Ray cluster; returns its TrainingResult.
 
     callbacks: raychat.train.trainer.Callback objects every worker runs (pickled to the workers).
     dry_run: make every check before Ray, print the plan and return None (nothing started or written).
+    flags: how the refusals and the finished line name the options (Flags; the speedrun's name its own).
     A run whose checkpoint is at its last step logs one line saying so and returns its result without starting
     Ray (finished_result).
     Raises ValueError (before Ray starts) for a reference that names nothing, a root that is not writable, an
@@ -460,16 +494,12 @@ def run_training(cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False) ->
     tokenizer = Tokenizer.load(paths.tokenizer_path)
     check_tokenizer(paths, tokenizer)
     plan = make_plan(cfg, tokenizer.vocab_size)
-    check_resume(cfg, paths, plan, lambda: spec.row_source(cfg, tokenizer, 0, 1))
+    check_resume(cfg, paths, plan, lambda: spec.row_source(cfg, tokenizer, 0, 1), flags=flags)
     if dry_run:
         print_plan(cfg, plan)
         return None
     if (done := finished_result(paths, plan.num_iterations)) is not None:
-        n = plan.num_iterations
-        log(
-            f"finished: the run's checkpoint {done.checkpoint} is at step {n}, the last of its {n} steps; nothing "
-            f"to train (--num-iterations above {n} trains it longer)"
-        )
+        log(finished_line(done.checkpoint, plan.num_iterations, flags.option("num_iterations")))
         return done
     check_writable(paths.storage)  # creates the root: only once the inputs are known to be good
     print_plan(cfg, plan)
@@ -480,7 +510,10 @@ def run_training(cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False) ->
     log(line)
     accum = elastic_grad_accum(cfg, plan.total_batch_size)
     if len(accum) > 1:
-        log("elastic: " + ", ".join(f"{w} workers x {k} accumulation steps" for w, k in accum.items()))
+        log(
+            "elastic: "
+            + ", ".join(f"{plural(w, 'worker')} x {plural(k, 'accumulation step')}" for w, k in accum.items())
+        )
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -510,6 +543,15 @@ def run_training(cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False) ->
     log(f"final checkpoint: {uri}")
     log(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
     return result
+
+
+def finished_line(checkpoint: str, steps: int, horizon: str) -> str:
+    """The line of a run whose `checkpoint` is at its last step, `steps`; `horizon` names the option that trains
+    it longer (pretrain's and sft's --num-iterations, rl's --steps, as Flags name them)."""
+    return (
+        f"finished: the run's checkpoint {checkpoint} is at step {steps}, the last of its {plural(steps, 'step')}; "
+        f"nothing to train ({horizon} above {steps} trains it longer)"
+    )
 
 
 def finished_result(paths: RunPaths, num_iterations: int) -> TrainingResult | None:

@@ -15,6 +15,7 @@ import torch
 from raychat.checkpoint import read_meta
 from raychat.checkpoint_manager import described
 from raychat.config import ConfigError, TrainConfig
+from raychat.log import plural
 from raychat.model import GPT, ModelConfig
 from raychat.train.optim import planned_ns_choice
 
@@ -164,15 +165,16 @@ def print_plan(cfg: TrainConfig, p: Plan) -> None:
     print(f"parameters: {p.num_params:,} ({p.scaling_params:,} without the embedding)")
     print(f"FLOPs per token: {p.flops_per_token:,}")
     print(
-        f"batch: {p.total_batch_size:,} tokens/step = {cfg.layout.num_workers} workers x "
-        f"{cfg.train.batch.device_batch_size} rows x {cfg.model.seq_len} tokens x {p.grad_accum} accumulation steps"
+        f"batch: {p.total_batch_size:,} tokens/step = {plural(cfg.layout.num_workers, 'worker')} x "
+        f"{plural(cfg.train.batch.device_batch_size, 'row')} x {plural(cfg.model.seq_len, 'token')} x "
+        f"{plural(p.grad_accum, 'accumulation step')}"
     )
     if p.auto_batch_size:
         w, rows, seq = cfg.layout.num_workers, cfg.train.batch.device_batch_size, cfg.model.seq_len
         change = "kept" if p.auto_batch_size == p.total_batch_size else f"rounded to {p.total_batch_size:,}"
         print(
             f"  (automatic: power law {p.auto_batch_size:,} tokens, {change}: the nearest multiple of "
-            f"{w} workers x {rows} rows x {seq} tokens = {w * rows * seq:,})"
+            f"{plural(w, 'worker')} x {plural(rows, 'row')} x {plural(seq, 'token')} = {w * rows * seq:,})"
         )
     print(
         f"horizon ({p.horizon}): {p.num_iterations:,} steps, {p.tokens:,} tokens, "

@@ -15,7 +15,15 @@ from raychat.data.corpus.shards import list_shards
 from raychat.data.loader.pipeline import PretrainRows, validation_rows
 from raychat.ray_token import token_for
 from raychat.tokenizer import Tokenizer
-from raychat.train.launch import check_resume, check_shape_flags, config_from, resolve_paths, run_training
+from raychat.train.launch import (
+    COMMANDS,
+    Flags,
+    check_resume,
+    check_shape_flags,
+    config_from,
+    resolve_paths,
+    run_training,
+)
 from raychat.train.plan import make_plan, print_plan
 from raychat.train.replay_recorder import ReplayRecorder
 from raychat.train.startup_trace import mark
@@ -45,9 +53,10 @@ class Pretraining:
         return [bpb, SamplesValidator(tokenizer, cfg.train.eval.sample_every, device)] if rank == 0 else [bpb]
 
 
-def pretrain(cfg: TrainConfig, callbacks=(), typed=()):
+def pretrain(cfg: TrainConfig, callbacks=(), typed=(), flags: Flags = COMMANDS):
     """Run (or resume) pretraining on the current Ray cluster, with replay records; returns the
-    ray.train.Result. typed: the options typed on the command line (raychat.config.flags.TYPED).
+    ray.train.Result. typed: the options typed on the command line (raychat.config.flags.TYPED); flags: how the
+    refusals and the finished line name the options (raychat.train.launch.Flags).
 
     Raises:
         ValueError: (before Ray starts) as run_training, or --data-dir holds no prepared shards (no or a
@@ -65,7 +74,7 @@ def pretrain(cfg: TrainConfig, callbacks=(), typed=()):
         validation_rows(val_file, tokenizer, cfg.model.seq_len + 1, 1)
     except ValueError as e:
         raise ValueError(f"--data-dir: {e}") from None
-    return run_training(cfg, Pretraining(), [ReplayRecorder(), *callbacks])
+    return run_training(cfg, Pretraining(), [ReplayRecorder(), *callbacks], flags=flags)
 
 
 def dry_run_vocab_size(cfg: TrainConfig, preset: str | None) -> int:

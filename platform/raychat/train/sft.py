@@ -16,7 +16,7 @@ from raychat.ray_token import token_for
 from raychat.tasks.hub_data import task_data_dir
 from raychat.tasks.registry import check_data, graded, held_out, make_task, mixture_tasks, parse_mixture
 from raychat.tokenizer import Tokenizer
-from raychat.train.launch import config_from, run_training
+from raychat.train.launch import COMMANDS, Flags, config_from, run_training
 from raychat.train.replay_recorder import ReplayRecorder
 from raychat.train.validators import AccuracyValidator, BPBValidator, MeanBPBValidator
 
@@ -64,9 +64,10 @@ def sft_defaults() -> TrainConfig:
     return from_dict(TrainConfig, SFT_DEFAULTS)
 
 
-def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False):
+def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = COMMANDS):
     """Run (or resume) SFT of cfg.run.init_from on the current Ray cluster; returns its
-    raychat.train.launch.TrainingResult (None with `dry_run`: every check, then the plan printed).
+    raychat.train.launch.TrainingResult (None with `dry_run`: every check, then the plan printed). flags: how the
+    refusals and the finished line name the options (raychat.train.launch.Flags).
 
     Raises:
         ValueError (before Ray starts): no --init-from, or one that names no committed checkpoint; a hub
@@ -88,6 +89,7 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False):
         SFT(),
         [ReplayRecorder(), *callbacks],
         dry_run,
+        flags,
     )
 
 

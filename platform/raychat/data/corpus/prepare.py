@@ -40,13 +40,12 @@ from raychat.data.corpus.shards import (
     DataError,
     inspect_shard,
     is_shard_name,
-    plural,
     prepared_manifest,
     sha256_file,
     write_manifest,
     write_shards,
 )
-from raychat.log import log
+from raychat.log import log, plural
 from raychat.storage import check_writable, open_storage, output_directory
 
 _DEFAULTS = PrepareConfig()  # the defaults of `raychat data prepare` and prepare()

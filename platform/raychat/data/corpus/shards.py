@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from raychat.atomic import atomic_write, atomic_write_bytes
 from raychat.config.data import PrepareConfig
-from raychat.log import log
+from raychat.log import log, plural
 
 MANIFEST = "manifest.json"
 FORMAT = "raychat-text-shards/1"  # the manifest's "format": what tells a prepared data directory
@@ -86,11 +86,6 @@ def write_shard(texts: list[str], path: str | Path, row_group_size: int = ROW_GR
         Path(path),
         lambda tmp: pq.write_table(table, tmp, compression=COMPRESSION, row_group_size=row_group_size),
     )
-
-
-def plural(n: int, noun: str) -> str:
-    """'1 document', '2 documents'."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
