@@ -164,3 +164,22 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], object]) -
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def exclusive_write_bytes(path: str | os.PathLike, data: bytes) -> bool:
+    """Create the local file `path` holding `data` only if nothing is at `path`: the bytes go to a fresh
+    temporary file (fsync) that is then hard-linked to `path` (link(2) fails when `path` exists, as an O_EXCL
+    create does, also on NFS), so two writers cannot both create it and no reader sees half of it. Returns
+    False (nothing written) when `path` exists. Raises OSError as os.link (a filesystem without hard links)."""
+    tmp = fresh_file(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        Path(tmp).unlink(missing_ok=True)
