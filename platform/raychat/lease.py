@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 from raychat.atomic import exclusive_write_bytes
 from raychat.log import log
-from raychat.storage import Storage, read_bytes, write_bytes
+from raychat.storage import Storage, delete_file, read_bytes, write_bytes
 
 LEASE_FILE = "lease.json"
 # A holder renews every 30 s; one not renewed for 120 s (4 renewals missed: a slow object store or a clock
@@ -89,19 +89,19 @@ def _job_id() -> str | None:
         return None
 
 
-def _started(pid: int) -> float | None:
-    """The unix time process `pid` started (Linux /proc); None where that cannot be read."""
+def _proc_stat(pid: int) -> tuple[str, float] | None:
+    """(state, unix time it started) of process `pid` from Linux's /proc (proc(5)); None where it cannot be read."""
     try:
-        ticks = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
         btime = next(int(ln.split()[1]) for ln in open("/proc/stat") if ln.startswith("btime "))
+        return fields[0], btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
-    return btime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def pid_alive(pid: int, since: float) -> bool:
-    """Whether process `pid` of this host exists and is the one that was running at unix time `since` (a pid
-    that now names a process started after `since` was reused: its holder is gone)."""
+    """Whether process `pid` of this host runs and is the one that was running at unix time `since`: not gone,
+    not a zombie (killed, not yet reaped), not a process started after `since` that got the same pid."""
     if pid <= 0:
         return False
     try:
@@ -110,8 +110,11 @@ def pid_alive(pid: int, since: float) -> bool:
         return False
     except PermissionError:  # another user's process: it exists
         pass
-    started = _started(pid)
-    return started is None or started <= since + _PID_REUSE_SLACK_S
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True
+    state, started = stat
+    return state not in ("Z", "X") and started <= since + _PID_REUSE_SLACK_S
 
 
 def _ago(seconds: float) -> str:
@@ -127,8 +130,9 @@ class RunLease:
     """The lease of the run at `run_path` on `storage` (a context manager: `with RunLease(...):` acquires it and
     releases it on the way out).
 
-    command: what the lease says runs the run (default: this process's command line, at most 500 characters); other_run: how the
-    refusal says to start another run instead (the training commands' "another --run-name")."""
+    command: what the lease says runs the run (default: this process's command line, at most 500 characters);
+    other_run: how the refusal says to start another run instead (the training commands' "another --run-name").
+    Raises ValueError (Storage.inside) when <run_path>/lease.json is not below the root."""
 
     def __init__(
         self,
@@ -168,7 +172,7 @@ class RunLease:
             if data is None:  # released meanwhile: try again
                 continue
             found = Holder.parse(data)
-            why = self._gone(found, data)
+            why = self._gone(found)
             if why is None:
                 raise LeaseHeld(self.refusal(found))
             log(f"run lease: taking over {self.uri}: {why}")
@@ -178,6 +182,7 @@ class RunLease:
                 f"{self.uri}: another start took the run's lease at the same moment ({self._hint()})"
             )
         self.holder = mine
+        self._stop.clear()
         self._main_thread = threading.current_thread() is threading.main_thread()
         if self._main_thread and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             self._old_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -211,12 +216,12 @@ class RunLease:
             raise LeaseLost(self.lost) from None
 
     # ---- what a lease found says -----------------------------------------------------------------------
-    def _gone(self, found: Holder | None, data: bytes) -> str | None:
-        """Why the lease `found` (its bytes `data`) may be taken over; None when its holder is live."""
+    def _gone(self, found: Holder | None) -> str | None:
+        """Why the lease `found` (None: a file that is not one) may be taken over; None when its holder is live."""
         now = time.time()
         if found is None:  # not a lease raychat wrote: judged by the file's age
             age = now - self._mtime()
-            return f"it is not a lease raychat wrote and is {_ago(age)} old" if age > STALE_S else None
+            return f"it is not a lease raychat wrote, last changed {_ago(age)}" if age > STALE_S else None
         if found.host == socket.gethostname() and not pid_alive(found.pid, found.started_at):
             return f"its holder, pid {found.pid} on this host ({found.host}), is gone"
         if now - found.renewed_at > STALE_S:
@@ -271,7 +276,7 @@ class RunLease:
         """Write `mine` where no lease is; False when one is there (or, on object storage, another start's
         write won)."""
         parent = self.path.rsplit("/", 1)[0]
-        self.storage.fs.create_dir(parent, recursive=True)
+        self.storage.fs.create_dir(self.storage.inside(parent), recursive=True)
         if self.storage.is_local:
             return exclusive_write_bytes(self.path, mine.to_bytes())
         if self._read() is not None:
@@ -285,10 +290,7 @@ class RunLease:
         """Delete the lease if it still holds `data` (what was judged), so that a lease another start has just
         written in its place is kept."""
         if self._read() == data:
-            try:
-                self.storage.fs.delete_file(self.storage.inside(self.path))
-            except FileNotFoundError:
-                pass
+            delete_file(self.storage, self.path)
 
     # ---- renewal ---------------------------------------------------------------------------------------
     def _renew_loop(self) -> None:

@@ -822,7 +822,7 @@ def test_resuming_with_other_settings(flags, want, pretrained, capsys):
 
 # The driver of `raychat pretrain ARGV` (argv), stopped where it starts Ray until it gets SIGTERM.
 _HOLDER = """
-import signal, sys, time
+import sys, time
 from raychat.cli import main
 from raychat.train import launch
 def hold(*args, **kwargs):

@@ -4,6 +4,7 @@ holder's (kill -9, a reused pid) and a stale holder's lease taken over, renewal,
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -129,6 +130,36 @@ def test_a_killed_holders_lease_is_taken_over_at_once(tmp_path, capsys):
     )
 
 
+def test_a_killed_holder_not_yet_reaped_is_gone(tmp_path, capsys):
+    """A zombie (its parent has not waited for it yet) holds nothing."""
+    proc = _holder_process(tmp_path, "time.sleep(60)")
+    proc.kill()
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    try:
+        with _lease(tmp_path):
+            pass
+    finally:
+        proc.wait()
+    assert f"its holder, pid {proc.pid} on this host" in capsys.readouterr().out
+
+
+def test_without_hard_links_the_create_is_still_exclusive(tmp_path, monkeypatch):
+    """A filesystem without link(2) (EPERM, as some FUSE mounts answer): O_EXCL instead."""
+
+    def no_link(*args):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_link)
+    with _lease(tmp_path) as held:
+        assert Holder.parse((tmp_path / "r" / LEASE_FILE).read_bytes()) == held.holder
+        with pytest.raises(LeaseHeld, match=f"held by pid {os.getpid()}"):
+            _lease(tmp_path).acquire()
+    assert os.listdir(tmp_path / "r") == []
+
+
 def test_a_reused_pid_does_not_keep_a_dead_holders_lease(tmp_path, capsys):
     """The holder's pid now names a process that started after the lease (a restarted container's driver gets
     the same small pid): the holder is gone."""
@@ -155,6 +186,21 @@ def test_a_lease_not_renewed_for_120_s_is_stale_and_taken_over(tmp_path, capsys)
     assert capsys.readouterr().out == (
         f"run lease: taking over {path}: its holder, pid 4242 on node-b, last renewed it 150 s ago "
         "(stale after 120 s)\n"
+    )
+
+
+def test_a_file_that_is_not_a_lease_is_judged_by_its_age(tmp_path, capsys):
+    path = tmp_path / "r" / LEASE_FILE
+    path.parent.mkdir()
+    path.write_text("{half a lease")
+    with pytest.raises(LeaseHeld, match=r"the run is leased: .*lease.json \(not a lease raychat wrote\) is "
+                       "younger than 120 s"):  # fmt: skip
+        _lease(tmp_path).acquire()
+    os.utime(path, (time.time() - 300, time.time() - 300))
+    with _lease(tmp_path):
+        pass
+    assert capsys.readouterr().out == (
+        f"run lease: taking over {path}: it is not a lease raychat wrote, last changed 300 s ago\n"
     )
 
 
