@@ -16,6 +16,7 @@ STAGING_IDLE_S); no other name is ever taken for one. A whole directory is repla
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -164,3 +165,36 @@ def atomic_write_dir(path: str | os.PathLike, write: Callable[[Path], object]) -
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def exclusive_write_bytes(path: str | os.PathLike, data: bytes) -> bool:
+    """Create the local file `path` holding `data` only if nothing is at `path`: the bytes go to a fresh
+    temporary file (fsync) that is then hard-linked to `path` (link(2) fails when `path` exists, as an O_EXCL
+    create does, also on NFS), so two writers cannot both create it and no reader sees half of it. On a
+    filesystem without hard links (some FUSE mounts) `path` is created with O_EXCL and written in place (a
+    reader may see it empty for that moment). Returns False (nothing written) when `path` exists. Raises
+    OSError as os.open / os.link do."""
+    tmp = fresh_file(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return True

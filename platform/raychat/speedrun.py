@@ -259,8 +259,11 @@ def run_rl_stage(cfg: RLConfig, checkpoint: str, pretrain_cfg: TrainConfig, flag
     before and after. Its lines name the options as `flags` does."""
     run = RLRun(from_dict(RLConfig, {"init_from": checkpoint}, base=cfg), flags=flags)
     if run.finished() is None:
-        connect(pretrain_cfg)
-    summary = run.run()
+        with run.lease():  # before connect: a run another driver trains is refused before Ray starts
+            connect(pretrain_cfg)
+            summary = run.run()
+    else:
+        summary = run.run()
     final = summary["checkpoint"]  # the newest committed (raychat.checkpoint_manager)
     if not summary["evals"]:  # the run had already finished: nothing was trained or evaluated now
         return {"summary": f"already complete ({final})", **summary}, final

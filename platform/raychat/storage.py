@@ -322,19 +322,19 @@ def upload_dir(local: str | os.PathLike, storage: Storage, path: str, last: str 
             )
 
         if last is not None:
-            _delete_file(storage, f"{path}/{last}")
+            delete_file(storage, f"{path}/{last}")
         for name in names:
             if name != last:
                 put(name)
         for info in storage.fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
             if info.type == pafs.FileType.File and info.base_name not in names:
-                _delete_file(storage, info.path)
+                delete_file(storage, info.path)
         if last in names:
             put(last)
     return storage.uri_of(path)
 
 
-def _delete_file(storage: Storage, path: str) -> None:
+def delete_file(storage: Storage, path: str) -> None:
     """Delete the file at `path` (strictly below the root) on storage.fs; nothing when there is none."""
     if storage.fs.get_file_info(storage.inside(path)).type == pafs.FileType.File:
         storage.fs.delete_file(path)

@@ -16,6 +16,12 @@ import hashlib
 import json
 import os
 import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
 from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
@@ -814,6 +820,60 @@ def test_resuming_with_other_settings(flags, want, pretrained, capsys):
     argv, d = pretrained
     line = _fails_in_one_line([*argv, "--num-iterations", "6", *flags], capsys)
     assert line == f"raychat pretrain: error: {want.format(d=d)} {HINT}"
+
+
+# The driver of `raychat pretrain ARGV` (argv), stopped where it starts Ray until it gets SIGTERM.
+_HOLDER = """
+import sys, time
+from raychat.cli import main
+from raychat.train import launch
+def hold(*args, **kwargs):
+    print("holding the run", flush=True)
+    time.sleep(120)
+launch.start_or_connect = hold
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_second_start_of_a_running_run_is_refused_before_ray_starts(pretrained, driver, tmp_path, capsys):
+    """Two `raychat pretrain` of one run at once both resumed from its checkpoint and committed checkpoints,
+    metrics.jsonl and pruning into the same directory (every step twice in metrics.jsonl). The second now gets
+    one line naming the lease, its holder and what to do; nothing under the root changes. Once the first is
+    stopped (SIGTERM, as `raychat jobs stop` sends), its lease is gone and the run starts."""
+    argv, _ = pretrained
+    argv = [*argv, "--num-iterations", "6"]
+    root = Path(argv[argv.index("--storage-path") + 1])
+    script = tmp_path / "holder.py"
+    script.write_text(_HOLDER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(launch.__file__).parents[2]), *sys.path])}
+    first = subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        for line in first.stdout:
+            lines.append(line)
+            if line == "holding the run\n":
+                break
+        assert lines[-1:] == ["holding the run\n"], "".join(lines)
+        holder = json.loads((root / "p1" / "lease.json").read_text())
+        before = _snapshot(root)
+        line = _fails_in_one_line(argv, capsys)
+        assert _snapshot(root) == before
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started_at"]))
+        assert line == (
+            f"raychat pretrain: error: the run is already running: {root}/p1/lease.json is held by pid "
+            f"{first.pid} on {socket.gethostname()}, started {started}, renewed 0 s ago "
+            f"({shlex.join([str(script), *argv])}); wait for it to end, or use another "
+            "--run-name; if that process is gone, the lease is taken over at once on its own host, else once "
+            "it is 120 s without renewal  (RAYCHAT_DEBUG=1 shows the traceback)"
+        )
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 128 + signal.SIGTERM
+    finally:
+        first.kill()
+        first.wait()
+    assert not (root / "p1" / "lease.json").exists()
+    driver(argv)  # the run starts (reaches Ray) and releases its lease on the way out
+    assert not (root / "p1" / "lease.json").exists()
 
 
 @pytest.fixture

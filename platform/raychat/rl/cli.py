@@ -83,7 +83,8 @@ def main(args) -> int:
     """`raychat rl` (its parser: raychat.commands.rl). Without a cluster to connect to (--address,
     RAY_ADDRESS) it starts a local one of this machine's cores (raychat.train.layout.local_cores), with the
     dashboard as pretraining's (its metrics service discovery for Prometheus), after checking that the layout
-    fits it; a run already at its --steps says so in one line and starts none (RLRun.run)."""
+    fits it; a run already at its --steps says so in one line and starts none (RLRun.run). Any other run takes
+    its lease (RLRun.lease) before Ray starts: while another live driver trains it, one line and exit 2."""
     local = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     try:
         cfg = resolve_inputs(config_for(args))
@@ -96,7 +97,18 @@ def main(args) -> int:
         print(f"raychat rl: error: {e}", file=sys.stderr)
         return 2
     print(init_from_line(cfg.run.init_from))
-    started = not ray.is_initialized() and run.finished() is None  # a finished run needs no cluster
+    if run.finished() is not None:  # a finished run needs no cluster, nor the lease
+        summary = run.run()
+    else:
+        with run.lease():  # before Ray starts: a second start of the run is refused in one line
+            summary = _run_on_ray(run, args, local)
+    print(json.dumps(summary, default=str))
+    return 0
+
+
+def _run_on_ray(run: RLRun, args, local: bool) -> dict:
+    """run.run() on the cluster of --address / RAY_ADDRESS, or on a local one started here (and shut down after)."""
+    started = not ray.is_initialized()
     if started:
         with token_for(args.address, args.token_file):
             if local:
@@ -104,9 +116,7 @@ def main(args) -> int:
             else:
                 ray.init(address=args.address)
     try:
-        summary = run.run()
+        return run.run()
     finally:
         if started:
             ray.shutdown()
-    print(json.dumps(summary, default=str))
-    return 0

@@ -45,6 +45,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.checkpoint_manager import CheckpointManager
 from raychat.config import ConfigError, RLConfig, to_dict, to_yaml
+from raychat.lease import RunLease
 from raychat.log import log
 from raychat.metrics import RLMetrics
 from raychat.metrics_sink import MetricsSink
@@ -152,6 +153,7 @@ class RLRun:
         self.failures = 0  # learner / weight-sync failures survived (actor group restarts), <= --max-failures
         self.evals: list[dict] = []  # {"step", "pass@k"...} of this run, a redone step's once
         self.no_signal = NoSignalWatch(cfg)  # kept across actor group restarts: one warning a run
+        self._lease: RunLease | None = None
 
     @property
     def restarts(self) -> int:
@@ -229,13 +231,29 @@ class RLRun:
 
     def run(self) -> dict:
         """Run to --steps; returns the summary. The placement group and every actor are released on return
-        and on every error. A finished run (finished) logs one line saying so and returns without Ray.
+        and on every error. A finished run (finished) logs one line saying so and returns without Ray; any other
+        trains under the run's lease (lease()).
 
         Raises ValueError before anything is written when no node type of the cluster can ever hold the
-        placement group (ActorGroup.check_layout)."""
+        placement group (ActorGroup.check_layout), or another live driver trains the run (LeaseHeld)."""
         if (done := self.finished()) is not None:
             self.log(finished_line(done["checkpoint"], done["steps"], self.flags.option("steps")))
             return done
+        if self._lease is None or self._lease.holder is None:  # raychat.rl.cli takes it before it starts Ray
+            with self.lease():
+                return self._run()
+        return self._run()
+
+    def lease(self) -> RunLease:
+        """The run's lease (raychat.lease), held while it is in a `with` block: run() trains under it, taking it
+        itself unless the caller holds it (raychat.rl.cli, which takes it before it starts Ray). Raises
+        LeaseHeld (a ValueError) as it is entered when another live driver trains the run."""
+        self._lease = RunLease(
+            self.checkpoints.storage, self.checkpoints.run_path, other_run=self.flags.other_run
+        )
+        return self._lease
+
+    def _run(self) -> dict:
         capacity = self.actors.check_layout()
         self.log(f"layout: {len(self.actors.bundles)} actors {self.actors.bundles} on {capacity.describe()}")
         c = self.checkpoints

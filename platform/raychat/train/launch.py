@@ -42,6 +42,7 @@ from raychat.config.schema import flag_name, shown
 from raychat.data.loader.document_order import changed_shards
 from raychat.data.loader.row_source import RowSource, same_stream
 from raychat.data.loader.sft_rows import changed_task_files
+from raychat.lease import RunLease
 from raychat.log import log, plural
 from raychat.model import ModelConfig
 from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory, why
@@ -484,10 +485,12 @@ def run_training(
     dry_run: make every check before Ray, print the plan and return None (nothing started or written).
     flags: how the refusals and the finished line name the options (Flags; the speedrun's name its own).
     A run whose checkpoint is at its last step logs one line saying so and returns its result without starting
-    Ray (finished_result).
+    Ray (finished_result). Any other run trains under the run's lease (raychat.lease: <run>/lease.json, from
+    before Ray starts until it returns or raises).
     Raises ValueError (before Ray starts) for a reference that names nothing, a root that is not writable, an
-    --init-from trained with another tokenizer (check_tokenizer), or a run directory whose newest checkpoint this
-    run cannot resume (check_resume).
+    --init-from trained with another tokenizer (check_tokenizer), a run directory whose newest checkpoint this
+    run cannot resume (check_resume), or a run another live driver trains (raychat.lease.LeaseHeld); LeaseLost
+    (a ValueError) when another start took the lease over while this run was not renewing it.
     """
     paths = resolve_paths(cfg, writable=False)
     cfg = paths.config(cfg)
@@ -502,6 +505,12 @@ def run_training(
         log(finished_line(done.checkpoint, plan.num_iterations, flags.option("num_iterations")))
         return done
     check_writable(paths.storage)  # creates the root: only once the inputs are known to be good
+    with RunLease(paths.storage, paths.checkpoints.run_path, other_run=flags.other_run):
+        return _train(cfg, spec, callbacks, paths, plan)
+
+
+def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan) -> TrainingResult:
+    """run_training's part after the checks, under the run's lease: the plan printed, Ray Train run."""
     print_plan(cfg, plan)
     mark("plan_printed")
     c = cfg.layout

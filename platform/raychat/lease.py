@@ -1,0 +1,322 @@
+"""A run's lease: <root>/<run>/lease.json, held by the driver of a training run (pretrain, sft, rl) for as long as
+it trains, so that two drivers of one run never commit checkpoints, metrics.jsonl and pruning into the same run
+directory at once.
+
+The file is JSON: {"host", "pid", "started_at", "renewed_at" (unix seconds), "command", "job" (the Ray job's
+submission id, or null), "token" (the holder's own random id)}. The driver takes it once the cheap checks have
+passed and before Ray starts (a finished run takes none), renews it every RENEW_S from a daemon thread and
+deletes it on every way out it can see (return, exception, SIGINT, SIGTERM). A second start while it is held
+is refused in one line (LeaseHeld). A lease is taken over, with one line saying so, when its holder is
+provably dead (on this host, and its pid is gone or now a process started after the lease: a `kill -9` then a
+resume at once) or stale (not renewed for STALE_S: a holder on another host that died, or whose host did).
+
+Local storage (and NFS): the file is created exclusively, as os.link of a complete temporary file (atomic: two
+starts cannot both win, and no reader sees a half-written lease). Object storage has no conditional create in
+pyarrow: a start writes its lease, waits SETTLE_S, reads it back and backs out if another start's write won;
+best-effort, sound when both writes land within SETTLE_S. A takeover deletes the old lease only if it still
+holds what was judged dead or stale. Nothing but lease.json is ever written, and only through Storage.inside.
+"""
+
+from __future__ import annotations
+
+import _thread
+import json
+import os
+import secrets
+import shlex
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+from raychat.atomic import exclusive_write_bytes
+from raychat.log import log
+from raychat.storage import Storage, delete_file, read_bytes, write_bytes
+
+LEASE_FILE = "lease.json"
+# A holder renews every 30 s; one not renewed for 120 s (4 renewals missed: a slow object store or a clock
+# skew of tens of seconds between hosts leaves a live holder well inside it) is gone. A dead holder on the same
+# host is known at once, so 120 s is only what a lost holder on another host costs.
+RENEW_S = 30.0
+STALE_S = 120.0
+# Object storage: how long a start waits between writing its lease and reading it back.
+SETTLE_S = 2.0
+# A pid whose process started this long after the lease did is another process that got the same pid.
+_PID_REUSE_SLACK_S = 2.0
+_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor in a job's driver
+
+
+class LeaseHeld(ValueError):
+    """Another live driver holds the run's lease; the message names the file, the holder and what to do."""
+
+
+class LeaseLost(ValueError):
+    """This driver's lease was taken over by another start while it ran (it had not renewed it for STALE_S)."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """What lease.json holds (see the module doc)."""
+
+    host: str
+    pid: int
+    started_at: float
+    renewed_at: float
+    command: str
+    job: str | None
+    token: str
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), indent=1).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> Holder | None:
+        """The Holder of lease.json's bytes; None when they are not one (a file written by hand, truncated)."""
+        try:
+            d = json.loads(data)
+            return cls(str(d["host"]), int(d["pid"]), float(d["started_at"]), float(d["renewed_at"]),
+                       str(d.get("command", "")), d.get("job"), str(d["token"]))  # fmt: skip
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def _job_id() -> str | None:
+    try:
+        return json.loads(os.environ[_JOB_ENV])["metadata"]["job_submission_id"]
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def _proc_stat(pid: int) -> tuple[str, float] | None:
+    """(state, unix time it started) of process `pid` from Linux's /proc (proc(5)); None where it cannot be read."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        btime = next(int(ln.split()[1]) for ln in open("/proc/stat") if ln.startswith("btime "))
+        return fields[0], btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def pid_alive(pid: int, since: float) -> bool:
+    """Whether process `pid` of this host runs and is the one that was running at unix time `since`: not gone,
+    not a zombie (killed, not yet reaped), not a process started after `since` that got the same pid."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        pass
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True
+    state, started = stat
+    return state not in ("Z", "X") and started <= since + _PID_REUSE_SLACK_S
+
+
+def _ago(seconds: float) -> str:
+    s = max(0, round(seconds))
+    return f"{s} s ago" if s < 600 else f"{s // 60} min ago"
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+class RunLease:
+    """The lease of the run at `run_path` on `storage` (a context manager: `with RunLease(...):` acquires it and
+    releases it on the way out).
+
+    command: what the lease says runs the run (default: this process's command line, at most 500 characters);
+    other_run: how the refusal says to start another run instead (the training commands' "another --run-name").
+    Raises ValueError (Storage.inside) when <run_path>/lease.json is not below the root."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        run_path: str,
+        command: str | None = None,
+        other_run: str = "another --run-name",
+    ):
+        self.storage = storage
+        self.path = storage.inside(f"{run_path}/{LEASE_FILE}")
+        self.uri = storage.uri_of(self.path)
+        self.command = command if command is not None else shlex.join(sys.argv)[:500]
+        self.other_run = other_run
+        self.holder: Holder | None = None
+        self.lost: str | None = None  # the line saying who took the lease over while this driver held it
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._old_sigterm = None
+        self._main_thread = False
+
+    # ---- acquire / release -----------------------------------------------------------------------------
+    def acquire(self) -> RunLease:
+        """Take the lease (taking over a dead or stale holder's, with one line saying so) and start renewing it.
+
+        Raises:
+            LeaseHeld: a live holder has it (one line: the file, the holder, what to do).
+            OSError: the storage could not be written or read (as pyarrow raises it).
+        """
+        now = time.time()
+        mine = Holder(
+            socket.gethostname(), os.getpid(), now, now, self.command, _job_id(), secrets.token_hex(8)
+        )
+        for _ in range(5):
+            if self._create(mine):
+                break
+            data = self._read()
+            if data is None:  # released meanwhile: try again
+                continue
+            found = Holder.parse(data)
+            why = self._gone(found)
+            if why is None:
+                raise LeaseHeld(self.refusal(found))
+            log(f"run lease: taking over {self.uri}: {why}")
+            self._delete_if(data)
+        else:
+            raise LeaseHeld(
+                f"{self.uri}: another start took the run's lease at the same moment ({self._hint()})"
+            )
+        self.holder = mine
+        self._stop.clear()
+        self._main_thread = threading.current_thread() is threading.main_thread()
+        if self._main_thread and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._old_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        self._thread = threading.Thread(target=self._renew_loop, name="raychat-run-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease if it is still this driver's; restores SIGTERM's handler."""
+        if self.holder is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self._old_sigterm is not None and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+        try:
+            data = self._read()
+            if data is not None and self._is_mine(data):
+                self._delete_if(data)
+        except OSError as e:
+            log(f"run lease: could not delete {self.uri} ({e}); it goes stale in {STALE_S:g} s")
+        self.holder = None
+
+    def __enter__(self) -> RunLease:
+        return self.acquire()
+
+    def __exit__(self, kind, error, tb) -> None:
+        self.release()
+        if self.lost is not None and kind is KeyboardInterrupt:  # the renewal thread's interrupt_main
+            raise LeaseLost(self.lost) from None
+
+    # ---- what a lease found says -----------------------------------------------------------------------
+    def _gone(self, found: Holder | None) -> str | None:
+        """Why the lease `found` (None: a file that is not one) may be taken over; None when its holder is live."""
+        now = time.time()
+        if found is None:  # not a lease raychat wrote: judged by the file's age
+            age = now - self._mtime()
+            return f"it is not a lease raychat wrote, last changed {_ago(age)}" if age > STALE_S else None
+        if found.host == socket.gethostname() and not pid_alive(found.pid, found.started_at):
+            return f"its holder, pid {found.pid} on this host ({found.host}), is gone"
+        if now - found.renewed_at > STALE_S:
+            return (
+                f"its holder, pid {found.pid} on {found.host}, last renewed it {_ago(now - found.renewed_at)} "
+                f"(stale after {STALE_S:g} s)"
+            )
+        return None
+
+    def refusal(self, h: Holder | None) -> str:
+        """The one line refusing a start while `h` holds the lease."""
+        if h is None:
+            return (
+                f"the run is leased: {self.uri} (not a lease raychat wrote) is younger than {STALE_S:g} s "
+                f"({self._hint()})"
+            )
+        job = f", Ray job {h.job} (raychat jobs stop {h.job} ends it)" if h.job else ""
+        return (
+            f"the run is already running: {self.uri} is held by pid {h.pid} on {h.host}{job}, started "
+            f"{_when(h.started_at)}, renewed {_ago(time.time() - h.renewed_at)} ({h.command}); {self._hint()}"
+        )
+
+    def _hint(self) -> str:
+        return (
+            f"wait for it to end, or use {self.other_run}; if that process is gone, the lease is taken over at "
+            f"once on its own host, else once it is {STALE_S:g} s without renewal"
+        )
+
+    def lost_line(self, h: Holder | None) -> str:
+        who = f"pid {h.pid} on {h.host} ({h.command})" if h else "another start"
+        return (
+            f"run lease lost: {self.uri} was taken over by {who} while this run was not renewing it; this run "
+            "stopped so that two runs do not write its directory"
+        )
+
+    # ---- storage ---------------------------------------------------------------------------------------
+    def _read(self) -> bytes | None:
+        try:
+            return read_bytes(self.storage, self.path)
+        except FileNotFoundError:
+            return None
+
+    def _mtime(self) -> float:
+        info = self.storage.fs.get_file_info(self.path)
+        return info.mtime.timestamp() if info.mtime is not None else 0.0
+
+    def _is_mine(self, data: bytes) -> bool:
+        found = Holder.parse(data)
+        return found is not None and self.holder is not None and found.token == self.holder.token
+
+    def _create(self, mine: Holder) -> bool:
+        """Write `mine` where no lease is; False when one is there (or, on object storage, another start's
+        write won)."""
+        parent = self.path.rsplit("/", 1)[0]
+        self.storage.fs.create_dir(self.storage.inside(parent), recursive=True)
+        if self.storage.is_local:
+            return exclusive_write_bytes(self.path, mine.to_bytes())
+        if self._read() is not None:
+            return False
+        write_bytes(self.storage, self.path, mine.to_bytes())
+        time.sleep(SETTLE_S)
+        found = Holder.parse(self._read() or b"")
+        return found is not None and found.token == mine.token
+
+    def _delete_if(self, data: bytes) -> None:
+        """Delete the lease if it still holds `data` (what was judged), so that a lease another start has just
+        written in its place is kept."""
+        if self._read() == data:
+            delete_file(self.storage, self.path)
+
+    # ---- renewal ---------------------------------------------------------------------------------------
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(RENEW_S):
+            try:
+                if not self.renew():
+                    return
+            except OSError as e:  # a storage hiccup: the next renewal tries again
+                log(f"run lease: could not renew {self.uri} ({e}); trying again in {RENEW_S:g} s")
+
+    def renew(self) -> bool:
+        """Write renewed_at = now into the lease if it is still this driver's (or was deleted: written again);
+        False when another start has taken it over: logs one line and interrupts the main thread (the run
+        stops; __exit__ raises LeaseLost)."""
+        data = self._read()
+        if data is not None and not self._is_mine(data):
+            self.lost = self.lost_line(Holder.parse(data))
+            log(self.lost)
+            if self._main_thread:
+                _thread.interrupt_main()
+            return False
+        self.holder = Holder(**{**asdict(self.holder), "renewed_at": time.time()})
+        write_bytes(self.storage, self.path, self.holder.to_bytes())
+        return True
+
+
+def _exit_on_sigterm(signum, frame):
+    """SIGTERM (`raychat jobs stop`, `kill`) ends the driver through its finally blocks: the lease is released."""
+    sys.exit(128 + signum)

@@ -1,0 +1,281 @@
+"""A run's lease (raychat.lease): one driver at a time trains a run. Exclusive create, the refusal's line, a dead
+holder's (kill -9, a reused pid) and a stale holder's lease taken over, renewal, release on every way out
+(return, exception, SIGTERM), a lease taken over while held, and the same on s3:// (moto)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from raychat import lease as lease_module
+from raychat.lease import LEASE_FILE, Holder, LeaseHeld, LeaseLost, RunLease
+from raychat.storage import open_storage
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _lease(root, run: str = "r", **kwargs) -> RunLease:
+    storage = open_storage(str(root))
+    return RunLease(storage, storage.run_path(run), command="raychat pretrain --run-name r", **kwargs)
+
+
+def _write(path: Path, **fields) -> Holder:
+    """A lease at `path` as another driver wrote it (fields override a live holder on another host)."""
+    now = time.time()
+    h = Holder(**{"host": "node-b", "pid": 4242, "started_at": now - 60, "renewed_at": now - 10,
+                  "command": "raychat pretrain --run-name r", "job": None, "token": "0" * 16, **fields})  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(h.to_bytes())
+    return h
+
+
+def test_the_lease_holds_its_holder_and_is_deleted_on_return(tmp_path):
+    with _lease(tmp_path) as held:
+        data = json.loads((tmp_path / "r" / LEASE_FILE).read_text())
+        assert data["host"] == socket.gethostname() and data["pid"] == os.getpid()
+        assert data["command"] == "raychat pretrain --run-name r" and data["job"] is None
+        assert abs(data["started_at"] - time.time()) < 5 and data["renewed_at"] == data["started_at"]
+        assert data["token"] == held.holder.token
+    assert os.listdir(tmp_path / "r") == []  # nothing else was written, the lease is gone
+
+
+def test_a_second_start_is_refused_in_one_line_naming_the_file_holder_and_what_to_do(tmp_path):
+    """Exclusive create: the second start of a live holder's run (this process: its pid exists) is refused,
+    and the holder's lease is left as it was."""
+    with _lease(tmp_path) as first:
+        path = tmp_path / "r" / LEASE_FILE
+        before = path.read_bytes()
+        with pytest.raises(LeaseHeld) as e:
+            _lease(tmp_path).acquire()
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(first.holder.started_at))
+        assert str(e.value) == (
+            f"the run is already running: {path} is held by pid {os.getpid()} on {socket.gethostname()}, started "
+            f"{started}, renewed 0 s ago (raychat pretrain --run-name r); wait for it to end, or use another "
+            "--run-name; if that process is gone, the lease is taken over at once on its own host, else once it "
+            "is 120 s without renewal"
+        )
+        assert path.read_bytes() == before
+
+
+def test_two_starts_at_once_cannot_both_win(tmp_path):
+    """Eight threads start the same run at once: exactly one holds the lease, the others are refused."""
+    won, refused, go = [], [], threading.Barrier(8)
+
+    def start():
+        lease = _lease(tmp_path)
+        go.wait()
+        try:
+            lease.acquire()
+            won.append(lease)
+        except LeaseHeld:
+            refused.append(lease)
+
+    threads = [threading.Thread(target=start) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (len(won), len(refused)) == (1, 7)
+    assert json.loads((tmp_path / "r" / LEASE_FILE).read_text())["token"] == won[0].holder.token
+    won[0].release()
+
+
+def test_a_live_holder_on_another_host_is_refused_with_its_renewal_age_and_ray_job(tmp_path):
+    _write(tmp_path / "r" / LEASE_FILE, renewed_at=time.time() - 45, job="raysubmit_abc")
+    with pytest.raises(LeaseHeld, match=r"held by pid 4242 on node-b, Ray job raysubmit_abc \(raychat jobs stop "
+                       r"raysubmit_abc ends it\), started .*, renewed 45 s ago"):  # fmt: skip
+        _lease(tmp_path).acquire()
+
+
+def _holder_process(root: Path, then: str) -> subprocess.Popen:
+    """A Python process that takes the lease of run r under `root`, prints "held", then runs `then`."""
+    code = textwrap.dedent(f"""
+        import sys, time
+        from raychat.lease import RunLease
+        from raychat.storage import open_storage
+        s = open_storage({str(root)!r})
+        with RunLease(s, s.run_path("r"), command="holder"):
+            print("held", flush=True)
+            {then}
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "platform")}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_killed_holders_lease_is_taken_over_at_once(tmp_path, capsys):
+    """kill -9 of the driver, then the run started again at once: its pid is gone on this host."""
+    proc = _holder_process(tmp_path, "time.sleep(60)")
+    pid = proc.pid
+    proc.kill()
+    proc.wait()
+    assert (tmp_path / "r" / LEASE_FILE).exists()  # nothing ran on the way out
+    with _lease(tmp_path) as held:
+        assert json.loads((tmp_path / "r" / LEASE_FILE).read_text())["token"] == held.holder.token
+    assert capsys.readouterr().out == (
+        f"run lease: taking over {tmp_path}/r/{LEASE_FILE}: its holder, pid {pid} on this host "
+        f"({socket.gethostname()}), is gone\n"
+    )
+
+
+def test_a_killed_holder_not_yet_reaped_is_gone(tmp_path, capsys):
+    """A zombie (its parent has not waited for it yet) holds nothing."""
+    proc = _holder_process(tmp_path, "time.sleep(60)")
+    proc.kill()
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    try:
+        with _lease(tmp_path):
+            pass
+    finally:
+        proc.wait()
+    assert f"its holder, pid {proc.pid} on this host" in capsys.readouterr().out
+
+
+def test_without_hard_links_the_create_is_still_exclusive(tmp_path, monkeypatch):
+    """A filesystem without link(2) (EPERM, as some FUSE mounts answer): O_EXCL instead."""
+
+    def no_link(*args):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_link)
+    with _lease(tmp_path) as held:
+        assert Holder.parse((tmp_path / "r" / LEASE_FILE).read_bytes()) == held.holder
+        with pytest.raises(LeaseHeld, match=f"held by pid {os.getpid()}"):
+            _lease(tmp_path).acquire()
+    assert os.listdir(tmp_path / "r") == []
+
+
+def test_a_reused_pid_does_not_keep_a_dead_holders_lease(tmp_path, capsys):
+    """The holder's pid now names a process that started after the lease (a restarted container's driver gets
+    the same small pid): the holder is gone."""
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        _write(tmp_path / "r" / LEASE_FILE, host=socket.gethostname(), pid=other.pid,
+               started_at=time.time() - 600, renewed_at=time.time() - 5)  # fmt: skip
+        with _lease(tmp_path):
+            pass
+    finally:
+        other.kill()
+        other.wait()
+    assert f"its holder, pid {other.pid} on this host" in capsys.readouterr().out
+
+
+def test_a_lease_not_renewed_for_120_s_is_stale_and_taken_over(tmp_path, capsys):
+    path = tmp_path / "r" / LEASE_FILE
+    _write(path, renewed_at=time.time() - 119)
+    with pytest.raises(LeaseHeld, match="renewed 119 s ago"):
+        _lease(tmp_path).acquire()
+    _write(path, renewed_at=time.time() - 150)
+    with _lease(tmp_path) as held:
+        assert json.loads(path.read_text())["token"] == held.holder.token
+    assert capsys.readouterr().out == (
+        f"run lease: taking over {path}: its holder, pid 4242 on node-b, last renewed it 150 s ago "
+        "(stale after 120 s)\n"
+    )
+
+
+def test_a_file_that_is_not_a_lease_is_judged_by_its_age(tmp_path, capsys):
+    path = tmp_path / "r" / LEASE_FILE
+    path.parent.mkdir()
+    path.write_text("{half a lease")
+    with pytest.raises(LeaseHeld, match=r"the run is leased: .*lease.json \(not a lease raychat wrote\) is "
+                       "younger than 120 s"):  # fmt: skip
+        _lease(tmp_path).acquire()
+    os.utime(path, (time.time() - 300, time.time() - 300))
+    with _lease(tmp_path):
+        pass
+    assert capsys.readouterr().out == (
+        f"run lease: taking over {path}: it is not a lease raychat wrote, last changed 300 s ago\n"
+    )
+
+
+def test_the_lease_is_renewed_and_released_on_an_exception(tmp_path, monkeypatch):
+    monkeypatch.setattr(lease_module, "RENEW_S", 0.05)
+    path = tmp_path / "r" / LEASE_FILE
+    with pytest.raises(RuntimeError, match="a worker failed"), _lease(tmp_path):
+        first = json.loads(path.read_text())["renewed_at"]
+        time.sleep(0.5)
+        assert json.loads(path.read_text())["renewed_at"] > first
+        raise RuntimeError("a worker failed")
+    assert not path.exists()
+
+
+def test_sigterm_releases_the_lease(tmp_path):
+    """`raychat jobs stop` (Ray sends SIGTERM) or `kill`: the driver leaves through its finally blocks."""
+    proc = _holder_process(tmp_path, "time.sleep(60)")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    assert not (tmp_path / "r" / LEASE_FILE).exists()
+
+
+def test_a_lease_taken_over_while_held_stops_the_run(tmp_path, capsys):
+    """A driver that did not renew for 120 s (stopped, its storage unreachable) and whose lease another start
+    took over stops at its next renewal rather than write the run beside the new holder."""
+    path = tmp_path / "r" / LEASE_FILE
+    with pytest.raises(LeaseLost) as e, _lease(tmp_path) as held:
+        other = _write(path)
+        assert held.renew() is False
+        time.sleep(5)  # the interrupt comes before this ends
+    assert str(e.value) == (
+        f"run lease lost: {path} was taken over by pid 4242 on node-b (raychat pretrain --run-name r) while this "
+        "run was not renewing it; this run stopped so that two runs do not write its directory"
+    )
+    assert Holder.parse(path.read_bytes()) == other  # the new holder's lease is kept
+    assert capsys.readouterr().out == str(e.value) + "\n"
+
+
+def test_the_lease_on_s3(s3_env, monkeypatch, capsys):
+    """On object storage (moto): written, read back, refused to a second start, deleted at exit; a stale one is
+    taken over."""
+    monkeypatch.setattr(lease_module, "SETTLE_S", 0.1)
+    bucket = s3_env.make_bucket()
+    fs = s3_env.filesystem()
+    key = f"{bucket}/runs/r/{LEASE_FILE}"
+    with _lease(f"s3://{bucket}/runs") as held:
+        with fs.open_input_stream(key) as f:
+            assert Holder.parse(f.read()) == held.holder
+        with pytest.raises(LeaseHeld, match=f"s3://{key} is held by pid {os.getpid()}"):
+            _lease(f"s3://{bucket}/runs").acquire()
+    assert fs.get_file_info(key).type.name == "NotFound"
+    now = time.time()
+    with fs.open_output_stream(key) as f:
+        f.write(Holder("node-b", 7, now - 1800, now - 900, "x", None, "1" * 16).to_bytes())
+    with _lease(f"s3://{bucket}/runs") as held:
+        with fs.open_input_stream(key) as f:
+            assert Holder.parse(f.read()).token == held.holder.token
+    assert "last renewed it 15 min ago (stale after 120 s)" in capsys.readouterr().out
+    assert fs.get_file_info(key).type.name == "NotFound"
+
+
+def test_an_s3_start_whose_write_lost_backs_out(s3_env, monkeypatch):
+    """No conditional create on object storage: a start whose write another start's overwrote (between its
+    write and its read back) backs out and is refused."""
+    bucket = s3_env.make_bucket()
+    fs = s3_env.filesystem()
+    key = f"{bucket}/runs/r/{LEASE_FILE}"
+    theirs = Holder("node-b", 7, time.time(), time.time(), "the other start", None, "2" * 16)
+
+    def overwrite(seconds):  # the other start's PUT lands while this one waits to read its own back
+        with fs.open_output_stream(key) as f:
+            f.write(theirs.to_bytes())
+
+    monkeypatch.setattr(lease_module.time, "sleep", overwrite)
+    with pytest.raises(LeaseHeld, match=r"held by pid 7 on node-b, .*\(the other start\)"):
+        _lease(f"s3://{bucket}/runs").acquire()
+    with fs.open_input_stream(key) as f:
+        assert Holder.parse(f.read()) == theirs
