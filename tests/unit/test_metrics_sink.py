@@ -59,7 +59,7 @@ def test_object_storage_gets_metrics_jsonl_and_a_resumed_run_keeps_each_step_onc
     assert stored() == STEPS[:1] and sink.path is None
 
     again = MetricsSink(run)  # the same run started again resumes from checkpoint 1
-    assert again.resume_at(1) == 0
+    assert again.resume_at(1) == 0 and again.logged() == STEPS[:1]  # what RL reads its evaluations back from
     monkeypatch.setattr(metrics_sink, "FLUSH_EVERY_S", 0.0)  # every line is PUT as it comes
     again.log(STEPS[1])
     assert stored() == STEPS
@@ -164,6 +164,7 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
         sink.log({"step": step, "loss": 10.0 - step})
     resumed = MetricsSink(tmp_path / "run")
     assert resumed.resume_at(3) == 2
+    assert resumed.logged() == [{"step": step, "loss": 10.0 - step} for step in (1, 2, 3)]
     for step in (4, 5, 6):
         resumed.log({"step": step, "loss": 0.5 * step})
     lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")
