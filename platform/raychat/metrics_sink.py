@@ -145,6 +145,13 @@ class MetricsSink:
             atomic_write_text(self.path, "".join(json.dumps(line) + "\n" for line in kept))
         return len(lines) - len(kept)
 
+    def logged(self) -> list[dict]:
+        """The lines stored (a local file) or held (object storage) so far, parsed, a torn one skipped: after
+        resume_at, those of the steps a resumed run keeps."""
+        if self.remote:
+            return [row for row in _parse(self.lines) if row is not None]
+        return read_jsonl(self.path) if self.path and os.path.exists(self.path) else []
+
     def log(self, stats: dict) -> None:
         """Record one step: `stats` holds "step" (int) and the step's values (JSON-serializable). On object
         storage the file is PUT when FLUSH_EVERY_S have passed since the last PUT; a failed PUT is a warning

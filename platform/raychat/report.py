@@ -3,7 +3,7 @@ sink (raychat.metrics_sink: metrics.jsonl) as PNG pictures with matplotlib (Agg 
 
 curves_<stage>.png: left, the training loss per step (and its smoothed value where the stage logs one); right,
 validation BPB at each evaluation (pretraining, SFT: "val_bpb" and every "<task>_val_bpb") or, for RL, the
-rollouts' mean reward per step and held-out pass@1 at each evaluation.
+rollouts' mean reward per step and held-out pass@1 at each evaluation, the baseline (step 0) first.
 
 The run's report state, stages.json in the output directory: {stage: {"output", "wall_s", "figures"}}, written
 (atomically) as each stage finishes by the invocation that ran it, so that a resumed speedrun reports a stage it
@@ -103,6 +103,7 @@ def run_total(t: dict) -> float:
 
 def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
     """Write curves_<stage>.png of a stage's metrics lines (module doc); None when there are no lines."""
+    evals = [x["eval"] for x in lines if isinstance(x.get("eval"), dict)]  # RL's, its baseline (step 0) first
     lines = [x for x in lines if isinstance(x.get("step"), int) and x.get("loss") is not None]
     if not lines:
         return None
@@ -119,7 +120,6 @@ def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
     left.legend()
     if stage == "rl":
         right.plot(steps, [x["reward_mean"] for x in lines], lw=1, label="rollout reward (mean)")
-        evals = [x["eval"] for x in lines if isinstance(x.get("eval"), dict)]
         if evals:
             right.plot(
                 [e["step"] for e in evals], [e["pass@1"] for e in evals], "o-", label="held-out pass@1"

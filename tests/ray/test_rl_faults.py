@@ -33,7 +33,10 @@ def live_placement_groups() -> set[str]:
 
 
 def metric_lines(run_dir) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The lines of the run's steps (the first line, step 0, holds only the baseline evaluation)."""
+    baseline, *lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert list(baseline) == ["step", "eval"] and baseline["step"] == 0
+    return lines
 
 
 @pytest.fixture(scope="module")

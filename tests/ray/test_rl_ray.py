@@ -73,7 +73,8 @@ def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, t
     run = RLRun(cfg, on_submitted=kill_at_step_1, log=lambda m: print(f"{time.perf_counter() - t0:.2f} {m}"))
     summary = run.run()
     assert killed and summary["restarts"] >= 1 and summary["version"] == 3
-    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    baseline, *lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert baseline == {"step": 0, "eval": summary["evals"][0]}  # the baseline evaluation, stored
     assert lines[0]["restarts"] == 0 and lines[1]["restarts"] >= 1  # detected while collecting step 2
     assert [x["step"] for x in lines] == [1, 2, 3]
     # the killed actor's prompts of step 2 (index 1) were re-issued and completed: every prompt, G samples each
@@ -88,7 +89,10 @@ def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, t
     resumed = RLRun(tiny_config(checkpoint, str(tmp_path), steps=4, max_tokens=24)).run()
     assert resumed["start_step"] == 3 and resumed["version"] == 4
     lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert [x["step"] for x in lines] == [0, 1, 2, 3, 4]
+    # the run's evaluations, not this invocation's alone ([4]): the baseline (step 0) and step 3's are read
+    # back, so the speedrun's "pass@1 before -> after" of a resumed RL stage starts at the baseline
+    assert resumed["evals"][:2] == summary["evals"] and [e["step"] for e in resumed["evals"]] == [0, 3, 4]
 
 
 def restart(actor, timeout_s: float = 120) -> tuple[dict, dict]:
@@ -127,7 +131,7 @@ def test_an_actor_restarted_after_a_sync_is_resynced_before_it_generates(
     run.dispatcher.submit = kill_then_submit
     summary = run.run()
     assert (seen["before"]["version"], seen["after"]["version"]) == (2, 0)  # synced, then restarted
-    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    _, *lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]  # step 0
     assert [x["staleness_max"] for x in lines] == [0, 0, 0]  # no sample of older weights trained
     assert lines[2]["num_samples"] == 4 * 2 and lines[2]["prompts"] == sorted(run.dispatcher.prompts_for(2))
     # one chunk refused (nothing generated, nothing to drop), then re-issued after the re-sync
@@ -191,7 +195,7 @@ def test_async_mode_records_staleness_within_k(ray_cluster, checkpoint, tmp_path
     logged = []
     summary = RLRun(cfg, log=logged.append).run()
     assert [e["step"] for e in summary["evals"]] == [0, 3]  # --eval-every 0: only at step 0 and the end
-    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    _, *lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]  # step 0
     # step 1 trains on version-0 samples at learner version 0; later steps on samples one version old
     assert [x["staleness_max"] for x in lines] == [0, 1, 1] and summary["version"] == 3
     assert all(x["mode"] == "async" and x["normalization"] == "token" for x in lines)

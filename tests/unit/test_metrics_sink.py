@@ -59,7 +59,7 @@ def test_object_storage_gets_metrics_jsonl_and_a_resumed_run_keeps_each_step_onc
     assert stored() == STEPS[:1] and sink.path is None
 
     again = MetricsSink(run)  # the same run started again resumes from checkpoint 1
-    assert again.resume_at(1) == 0
+    assert again.resume_at(1) == 0 and again.logged() == STEPS[:1]  # what RL reads its evaluations back from
     monkeypatch.setattr(metrics_sink, "FLUSH_EVERY_S", 0.0)  # every line is PUT as it comes
     again.log(STEPS[1])
     assert stored() == STEPS
@@ -141,10 +141,20 @@ def test_curves_png_per_stage(tmp_path):
     path = plot_stage("pretrain", lines, tmp_path / "curves_pretrain.png")
     with Image.open(path) as im:
         assert im.format == "PNG" and im.size == (1100, 396)  # 10 x 3.6 inches at 110 dpi
-    rl = [{"step": 1, "loss": 0.0, "reward_mean": 0.25}, {"step": 2, "loss": 0.1, "reward_mean": 0.5,
-                                                         "eval": {"step": 2, "pass@1": 0.5}}]  # fmt: skip
-    assert plot_stage("rl", rl, tmp_path / "curves_rl.png").exists()
     assert plot_stage("sft", [], tmp_path / "curves_sft.png") is None
+
+
+def test_the_rl_curve_starts_at_the_baseline_evaluation(tmp_path, monkeypatch):
+    """An RL run's metrics.jsonl starts with the baseline evaluation's line (step 0, no loss): its pass@1 is the
+    curve's first point, not dropped with the lines that have no loss."""
+    figures = []
+    monkeypatch.setattr("raychat.report.plt.close", figures.append)
+    rl = [{"step": 0, "eval": {"step": 0, "pass@1": 0.125}}, {"step": 1, "loss": 0.0, "reward_mean": 0.25},
+          {"step": 2, "loss": 0.1, "reward_mean": 0.5, "eval": {"step": 2, "pass@1": 0.5}}]  # fmt: skip
+    assert plot_stage("rl", rl, tmp_path / "curves_rl.png").exists()
+    (curve,) = [line for line in figures[0].axes[1].lines if line.get_label() == "held-out pass@1"]
+    assert (list(curve.get_xdata()), list(curve.get_ydata())) == ([0, 2], [0.125, 0.5])
+    assert list(figures[0].axes[0].lines[0].get_xdata()) == [1, 2]  # the loss: of the steps only
 
 
 def test_a_resumed_run_logs_each_step_once(tmp_path):
@@ -154,6 +164,7 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
         sink.log({"step": step, "loss": 10.0 - step})
     resumed = MetricsSink(tmp_path / "run")
     assert resumed.resume_at(3) == 2
+    assert resumed.logged() == [{"step": step, "loss": 10.0 - step} for step in (1, 2, 3)]
     for step in (4, 5, 6):
         resumed.log({"step": step, "loss": 0.5 * step})
     lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")

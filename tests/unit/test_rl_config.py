@@ -8,7 +8,7 @@ from support.rl_fixtures import rl_config
 from raychat.cli import build_parser
 from raychat.config import RLConfig, from_dict, preset_values, to_yaml
 from raychat.rl.cli import config_for
-from raychat.rl.dispatcher import split_even
+from raychat.rl.dispatcher import RolloutDispatcher, split_even
 
 
 def test_yaml_round_trip(tmp_path):
@@ -96,3 +96,21 @@ def test_the_old_rl_flags_are_deprecated_aliases(tmp_path, capsys):
 def test_split_even():
     assert split_even(list(range(5)), 2) == [[0, 1, 2], [3, 4]]
     assert split_even([1], 3) == [[1]]
+
+
+def test_a_greedy_eval_temperature_samples_each_held_out_prompt_once(capsys):
+    """The engine decodes greedily below TEMPERATURE_EPS (1e-5), not only at 0: --eval-temperature 1e-6 with
+    --eval-samples 4 sampled 4 identical completions a prompt and reported pass@1..4, all equal. `rl --help` says
+    what a greedy evaluation does to --eval-samples."""
+    from raychat.cli import main
+
+    def samples(**kw):
+        return RolloutDispatcher(rl_config(eval_samples=4, **kw), None, None, 8).eval_samples
+
+    assert (samples(), samples(eval_temperature=1e-5), samples(eval_temperature=1e-6)) == (4, 4, 1)
+    assert samples(eval_temperature=0) == 1
+    with pytest.raises(SystemExit):
+        main(["rl", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "0 (below 1e-5) = greedy: one sample per held-out prompt, pass@1 only" in out
+    assert "pass@k for k = 1..this (1 with a greedy --eval-temperature)" in out

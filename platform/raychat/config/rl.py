@@ -123,8 +123,13 @@ class RLEvalSection(Section):
         "and the end)", ge=0,
     )  # fmt: skip
     eval_examples: int = option(64, "held-out (test split) prompts per evaluation", ge=1)
-    eval_samples: int = option(8, "samples per held-out prompt; pass@k for k = 1..this", ge=1)
-    eval_temperature: float = option(1.0, "sampling temperature of the evaluation", ge=0)
+    eval_samples: int = option(
+        8, "samples per held-out prompt; pass@k for k = 1..this (1 with a greedy --eval-temperature)", ge=1
+    )
+    eval_temperature: float = option(
+        1.0, "sampling temperature of the evaluation; 0 (below 1e-5) = greedy: one sample per held-out prompt, "
+        "pass@1 only", ge=0,
+    )  # fmt: skip
 
 
 @dataclass

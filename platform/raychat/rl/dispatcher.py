@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raychat.config import RLConfig
+from raychat.engine.sampling import is_greedy
 from raychat.log import log
 from raychat.rl.actors import ActorGroup, ActorsLost
 from raychat.rl.objective import pass_at_k
@@ -76,8 +77,9 @@ class RolloutDispatcher:
 
     @property
     def eval_samples(self) -> int:
-        """Samples per held-out prompt: --eval-samples, or 1 when greedy (--eval-temperature 0)."""
-        return 1 if self.cfg.eval.eval_temperature == 0 else self.cfg.eval.eval_samples
+        """Samples per held-out prompt: --eval-samples, or 1 when the engine decodes greedily (an
+        --eval-temperature below raychat.engine.sampling.TEMPERATURE_EPS: every sample would be the same)."""
+        return 1 if is_greedy(self.cfg.eval.eval_temperature) else self.cfg.eval.eval_samples
 
     def prompts_for(self, step: int) -> list[int]:
         P, n = self.cfg.rollout.prompts_per_step, len(self.order)

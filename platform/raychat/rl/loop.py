@@ -20,7 +20,9 @@ steps), learner_wait_frac (wait / (wait + step + sync), and cumulative in the su
 (of the samples trained), sync_time_s (put + slowest actor's fetch+load), loss, grad_norm, normalization,
 restarts, stale_chunks and dropped_samples (cumulative: rollouts refused or dropped because the actor's
 weights were older than the staleness bound, raychat.rl.dispatcher; all re-issued). Every --eval-every
-steps: pass@k, k = 1..--eval-samples, on held-out prompts. Checkpoints go to OUT/RUN_NAME/checkpoint_<step:06d>
+steps, and at step 0 (the baseline): pass@k, k = 1..--eval-samples, on held-out prompts, as "eval" in the step's
+line (the baseline's line, step 0, holds only it); the summary's "evals" are every evaluation of the run, those
+before a resume included (read back from metrics.jsonl). Checkpoints go to OUT/RUN_NAME/checkpoint_<step:06d>
 on any storage root (a directory, NFS, s3://, gs://) through raychat.checkpoint_manager: every learner uploads
 its part, the driver commits; a run started again with the same --storage-path and --run-name resumes from the newest
 committed one, when it asks for the same --init-from, task and prompt order (check_resume; refused
@@ -114,6 +116,8 @@ def rl_gauges(run_name: str):
     gauges = RLMetrics(run_name)
 
     def record(s: dict) -> None:
+        if "reward_mean" not in s:  # the baseline evaluation's line (step 0): no rollouts, no step
+            return
         gauges.record(
             s["step"], s["reward_mean"], pass_at_1=s["pass_at_1"], staleness=s["staleness_mean"],
             sync_time_s=s["sync_time_s"], rollout_tokens_per_s=s["rollout_tokens_per_s"],
@@ -299,14 +303,17 @@ class RLRun:
     def _loop(self, metrics: MetricsSink) -> dict:
         cfg, steps, is_async = self.cfg, self.cfg.rollout.steps, self.cfg.asynchrony.mode == "async"
         start = self.resume()
-        metrics.resume_at(start)
+        metrics.resume_at(start if start else -1)  # a fresh start redoes the baseline evaluation (step 0) too
         sync = self.sync.publish(self.version)
         self.log(f"rl: {cfg.asynchrony.mode} mode, normalization={cfg.objective.normalization}, version "
                  f"{self.version}, initial sync {sync['sync_time_s']:.3f}s hash {sync['hash']}")  # fmt: skip
         evals = self.evals
-        evals[:] = [e for e in evals if e["step"] <= start]  # a restart redoes the steps after `start`
+        # the run's evaluations up to `start`, stored with their steps' lines (a restart, in this process or
+        # another, redoes the steps after it): a resumed run's summary has them all, the baseline first
+        evals[:] = [x["eval"] for x in metrics.logged() if isinstance(x.get("eval"), dict)]
         if start == 0:
             evals.append({"step": 0, **self.dispatcher.evaluate(len(self.tasks["test"]))})
+            metrics.log({"step": 0, "eval": evals[-1]})
             self.log(f"eval step 0: {_fmt(evals[-1])}")
         t_loop = time.perf_counter()
         total_wait = total_busy = 0.0
