@@ -4,7 +4,9 @@ OpenAI's parameter list classified, auth, body limit, SSE framing, and every 5xx
 from __future__ import annotations
 
 import json
+import re
 import typing
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -605,3 +607,20 @@ def test_models_health_page(client):
     responses = schema["paths"][V1]["post"]["responses"]
     assert set(responses) == {"200", "400", "401", "404", "413", "429", "500", "503", "504"}  # never 422
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+
+
+def test_details_as_documented(client):
+    """docs/openai.md's `details` example is the server's answer to the request the doc names; a field that
+    fails both members of a union (a number given as a string) is listed once; JSON that does not parse is
+    "body" in details too, with where and why."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "openai.md").read_text()
+    asked = re.search(r"Asked `(\{.*?\})`, the server answers", doc, re.S)
+    answer = re.search(r"the server answers .*?```json\n(.*?)```", doc, re.S)
+    resp = post(client, json.loads(asked.group(1)), path=V1)
+    assert resp.status_code == 400 and resp.json() == json.loads(answer.group(1))
+    resp = post(client, {"messages": USER, "temperature": "hot"}, path=V1)
+    assert resp.json()["error"]["details"] == ["temperature: Input should be a valid number"]
+    resp = client.post(V1, content=b'{"messages": [', headers={"content-type": "application/json"})
+    error = resp.json()["error"]
+    assert error["message"] == "body: invalid JSON at character 14 (Expecting value)"
+    assert error["details"] == [error["message"]]

@@ -99,17 +99,28 @@ _MESSAGES = {
 
 
 def _reason(error: dict) -> str:
+    if error.get("type") == "json_invalid":  # loc ("body", character offset), ctx {"error": json's message}
+        loc, why = error.get("loc", ()), (error.get("ctx") or {}).get("error")
+        where = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return f"invalid JSON{where}" + (f" ({why})" if why else "")
     if error.get("type") in _MESSAGES:
         return _MESSAGES[error["type"]]
     return error.get("msg", "invalid value").removeprefix("Value error, ")
 
 
 def validation_error_body(errors: list[dict]) -> dict:
-    """400 body from pydantic/FastAPI errors: the first error, "field: reason", plus every error listed."""
+    """400 body from pydantic/FastAPI errors: the first error, "field: reason", and `details`: one "field:
+    reason" per field in error, in the order pydantic reports them (the first is the message). A field that
+    failed every member of a union (a number that is neither float nor int) is listed once, with its first
+    reason."""
     first = errors[0]
     param = "body" if first.get("type") == "json_invalid" else field_path(first.get("loc", ()))
     body = error_body(f"{param}: {_reason(first)}", param)
-    body["error"]["details"] = [f"{field_path(e.get('loc', ()))}: {_reason(e)}" for e in errors]
+    details: dict[str, str] = {}
+    for e in errors:
+        field = "body" if e.get("type") == "json_invalid" else field_path(e.get("loc", ()))
+        details.setdefault(field, _reason(e))
+    body["error"]["details"] = [f"{field}: {reason}" for field, reason in details.items()]
     return body
 
 
