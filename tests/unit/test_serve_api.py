@@ -301,8 +301,17 @@ def test_missing_messages_and_bad_json(client, fake):
     not_utf8 = client.post(V1, content=b'{"messages": "\xff"}', headers={"content-type": "application/json"})
     assert not_utf8.status_code == 400
     assert not_utf8.json()["error"] == {
-        "message": "There was an error parsing the body", "type": "invalid_request_error", "param": "body", "code": None
+        "message": "body: not UTF-8: byte 0xff at offset 14 (send JSON in UTF-8)", "type": "invalid_request_error",
+        "param": "body", "code": None,
     }  # fmt: skip
+    valid = json.dumps({"messages": USER}).encode()
+    for path in ("/chat/completions", V1, "/v1/completions"):  # `curl -d` sends a form's Content-Type
+        form = client.post(path, content=valid, headers={"content-type": "application/x-www-form-urlencoded"})
+        message = "Content-Type: send the body as application/json, got 'application/x-www-form-urlencoded'"
+        assert_error(form, 415, None, message)
+        assert_error(client.post(path, content=valid), 415, None, "application/json, got none")
+    resp = post(client, {"prompt": "hi", "messages": USER}, path="/v1/completions")
+    assert resp.json()["error"]["details"] == ["messages: unknown field (not a parameter of this endpoint)"]
     assert_error(client.get("/no-such-page"), 404, None, "Not Found")
     assert_error(client.get(V1), 405, None, "Method Not Allowed")
     assert fake.requests == []
@@ -311,8 +320,7 @@ def test_missing_messages_and_bad_json(client, fake):
 def test_oversized_body_is_413_before_parsing(client, fake):
     big = b"{" + b" " * MAX_BODY_BYTES + b"}"  # not even valid as a request: parsing never happens
     resp = client.post("/chat/completions", content=big, headers={"content-type": "application/json"})
-    assert resp.status_code == 413
-    assert resp.json()["error"]["message"] == f"request body exceeds {MAX_BODY_BYTES} bytes"
+    assert_error(resp, 413, "body", f"body: request body exceeds {MAX_BODY_BYTES} bytes")
 
     def chunked():  # no Content-Length: the middleware counts the bytes
         for _ in range(9):
@@ -605,7 +613,7 @@ def test_models_health_page(client):
         assert element in page
     schema = client.get("/openapi.json").json()
     responses = schema["paths"][V1]["post"]["responses"]
-    assert set(responses) == {"200", "400", "401", "404", "413", "429", "500", "503", "504"}  # never 422
+    assert set(responses) == {"200", "400", "401", "404", "413", "415", "429", "500", "503", "504"}  # never 422
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
 
 

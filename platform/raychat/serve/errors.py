@@ -94,7 +94,7 @@ def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "StrictStr"}
 _MESSAGES = {
     "missing": "field required",
-    "extra_forbidden": "unknown field (not part of the OpenAI Chat Completions request)",
+    "extra_forbidden": "unknown field (not a parameter of this endpoint)",
 }
 
 
@@ -144,6 +144,7 @@ ERROR_STATUSES = {
     401: "missing or invalid bearer token (when the server has an API key)",
     404: "model not served here",
     413: "request body too large",
+    415: "request body not sent as application/json (its Content-Type)",
     429: "overloaded (the engine's or Serve's queue is full): retry after Retry-After",
     500: "engine failure: the message names only a request id (error.request_id); the detail is in the server log",
     503: "engine unavailable (restarting, or no replica can take the request): retry after Retry-After",
