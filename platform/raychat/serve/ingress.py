@@ -438,8 +438,8 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
             failed = await _collect(streams, firsts, states)
             return failed or chat_completion(cid, model, states)
 
-        chunks = Chunks(cid, model)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = Chunks(cid, model, include_usage)
 
         async def frames():
             for i in range(len(states)):
@@ -479,8 +479,8 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
             failed = await _collect(streams, firsts, states)
             return failed or completion(cid, model, states)
 
-        chunks = CompletionChunks(cid, model)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = CompletionChunks(cid, model, include_usage)
 
         async def frames():
             failed = False
