@@ -187,6 +187,19 @@ def test_bad_requests_name_the_field(client, body, param, fragment):
     assert err["message"].startswith(f"{param}: ")
 
 
+def test_a_prompt_over_the_context_is_context_length_exceeded(client):
+    """OpenAI's code, as chat's over-long conversation has it (a client or harness drops or truncates on it)."""
+    for body, param in [
+        ({"prompt": [5] * 300}, "prompt"),
+        ({"prompt": [[5], [5] * 300]}, "prompt[1]"),
+        ({"prompt": [5] * 300, "max_tokens": 0, "echo": True, "logprobs": 0}, "prompt"),
+    ]:
+        err = client.post(URL, json=body).json()["error"]
+        assert (err["code"], err["param"]) == ("context_length_exceeded", param), err
+        assert err["message"] == f"{param}: prompt has 300 tokens; rows hold max_len 256 tokens in total"
+    assert client.post(URL, json={"prompt": [5, 600]}).json()["error"]["code"] is None  # not about length
+
+
 def test_auth_and_unknown_model(tiny):
     engine = ChatServer(*tiny, max_slots=1, model_id="tiny")
     try:

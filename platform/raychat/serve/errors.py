@@ -50,6 +50,13 @@ def error_headers(event: dict) -> dict | None:
     return None
 
 
+class ContextLengthError(ValueError):
+    """A prompt that leaves no room for a completion in a row of max_len tokens: answered 400 with OpenAI's
+    code "context_length_exceeded" (CODE)."""
+
+    CODE = "context_length_exceeded"
+
+
 class ParamError(ValueError):
     """A request the engine cannot serve, blamed on one field (`param`): answered 400."""
 
