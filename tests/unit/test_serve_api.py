@@ -613,7 +613,18 @@ def test_models_health_page(client):
         assert element in page
     schema = client.get("/openapi.json").json()
     responses = schema["paths"][V1]["post"]["responses"]
-    assert set(responses) == {"200", "400", "401", "404", "413", "415", "429", "500", "503", "504"}  # never 422
+    assert set(responses) == {
+        "200",
+        "400",
+        "401",
+        "404",
+        "413",
+        "415",
+        "429",
+        "500",
+        "503",
+        "504",
+    }  # never 422
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
 
 
@@ -632,3 +643,17 @@ def test_details_as_documented(client):
     error = resp.json()["error"]
     assert error["message"] == "body: invalid JSON at character 14 (Expecting value)"
     assert error["details"] == [error["message"]]
+
+
+def test_a_lone_surrogate_in_content_is_refused_by_name(client, fake):
+    """JSON's "\\ud800" escape decodes to a lone surrogate, which has no UTF-8 encoding: the template read it as
+    U+FFFD, so the model answered other text than sent; refused as /v1/completions refuses it in a prompt."""
+    for content, where in [
+        ('"ab\\ud800cd"', 2),
+        ('[{"type": "text", "text": "ok"}, {"type": "text", "text": "\\udfff"}]', 3),
+    ]:
+        body = f'{{"messages": [{{"role": "user", "content": {content}}}]}}'.encode()
+        resp = client.post(V1, content=body, headers={"content-type": "application/json"})
+        assert_400(resp, "messages[0].content", "has a lone surrogate (U+D")
+        assert f"at character {where}: not valid Unicode text" in resp.json()["error"]["message"]
+    assert fake.requests == []
