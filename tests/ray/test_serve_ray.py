@@ -279,7 +279,8 @@ def test_a_runs_checkpoint_is_served_from_a_snapshot_that_pruning_leaves(served,
     """`<run>/latest` pins the run's newest checkpoint when the app deploys, and build_app serves it from a
     snapshot (<run>/served/checkpoint_000001-<12 hex>: hard links). Training goes on and prunes that checkpoint
     (CheckpointManager keep=1, i.e. --keep-checkpoints 1), then the replica dies: the new replica loads the
-    snapshot and serves the same model (before, every new replica failed: checkpoint ... no longer exists).
+    snapshot and serves the same model (before, every new replica failed: checkpoint ... no longer exists); the
+    request the dead replica held is answered 503 in one line (it carried Ray's actor id, pid and node IP).
     The app marks its snapshot in use while it runs (every 0.5 s here), so a snapshot of the run's newer
     checkpoint, which deletes the run's snapshots unused for a day, keeps it."""
     from ray import serve
@@ -307,7 +308,11 @@ def test_a_runs_checkpoint_is_served_from_a_snapshot_that_pruning_leaves(served,
         assert CheckpointManager(open_storage(tmp_path), "run", keep=1).prune() == [str(first)]
         newer = snapshot_checkpoint(second)  # another app serves the newer checkpoint: this one's stays
         assert sorted(p.name for p in snapshot.parent.iterdir()) == sorted([snapshot.name, newer.name])
-        os.kill(pid, signal.SIGKILL)  # the replica crashes: Serve starts a new one, from the snapshot
+        resp = _request_in_flight_when_the_replica_dies(url, handle, pid)
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "5", resp.text
+        # one line of Ray's ActorDiedError: the rest (the replica's actor id, pid, node IP) is the log's
+        died = "engine unavailable: ActorDiedError: The actor died unexpectedly before finishing this task."
+        assert resp.json()["error"]["message"] == died, resp.text
         deadline = time.monotonic() + 120
         while _replica_pid(handle) in (None, pid):
             assert time.monotonic() < deadline, (
@@ -325,6 +330,25 @@ def test_a_runs_checkpoint_is_served_from_a_snapshot_that_pruning_leaves(served,
         assert not first.exists() and (snapshot / "commit.json").is_file()
     finally:
         serve.delete("pruned")
+
+
+def _request_in_flight_when_the_replica_dies(url: str, handle, pid: int) -> requests.Response:
+    """The answer to a chat request that the replica `pid` holds when it is killed (SIGKILL): its engine
+    process is stopped (SIGSTOP) first, so the request waits there for its first token; killed after."""
+    engine = handle.stats.remote().result(timeout_s=30)["child_pids"][0]
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            answer = pool.submit(requests.post, f"{url}/v1/chat/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 30
+            while handle.stats.remote().result(timeout_s=10)["in_flight"] < 1:
+                assert time.monotonic() < deadline, "the request did not reach the replica within 30 s"
+                time.sleep(0.1)
+            os.kill(pid, signal.SIGKILL)
+            return answer.result()
+    finally:
+        os.kill(engine, signal.SIGKILL)
 
 
 def _replica_pid(handle) -> int | None:

@@ -4,7 +4,9 @@ OpenAI's parameter list classified, auth, body limit, SSE framing, and every 5xx
 from __future__ import annotations
 
 import json
+import re
 import typing
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -299,8 +301,17 @@ def test_missing_messages_and_bad_json(client, fake):
     not_utf8 = client.post(V1, content=b'{"messages": "\xff"}', headers={"content-type": "application/json"})
     assert not_utf8.status_code == 400
     assert not_utf8.json()["error"] == {
-        "message": "There was an error parsing the body", "type": "invalid_request_error", "param": "body", "code": None
+        "message": "body: not UTF-8: byte 0xff at offset 14 (send JSON in UTF-8)", "type": "invalid_request_error",
+        "param": "body", "code": None,
     }  # fmt: skip
+    valid = json.dumps({"messages": USER}).encode()
+    for path in ("/chat/completions", V1, "/v1/completions"):  # `curl -d` sends a form's Content-Type
+        form = client.post(path, content=valid, headers={"content-type": "application/x-www-form-urlencoded"})
+        message = "Content-Type: send the body as application/json, got 'application/x-www-form-urlencoded'"
+        assert_error(form, 415, None, message)
+        assert_error(client.post(path, content=valid), 415, None, "application/json, got none")
+    resp = post(client, {"prompt": "hi", "messages": USER}, path="/v1/completions")
+    assert resp.json()["error"]["details"] == ["messages: unknown field (not a parameter of this endpoint)"]
     assert_error(client.get("/no-such-page"), 404, None, "Not Found")
     assert_error(client.get(V1), 405, None, "Method Not Allowed")
     assert fake.requests == []
@@ -309,8 +320,7 @@ def test_missing_messages_and_bad_json(client, fake):
 def test_oversized_body_is_413_before_parsing(client, fake):
     big = b"{" + b" " * MAX_BODY_BYTES + b"}"  # not even valid as a request: parsing never happens
     resp = client.post("/chat/completions", content=big, headers={"content-type": "application/json"})
-    assert resp.status_code == 413
-    assert resp.json()["error"]["message"] == f"request body exceeds {MAX_BODY_BYTES} bytes"
+    assert_error(resp, 413, "body", f"body: request body exceeds {MAX_BODY_BYTES} bytes")
 
     def chunked():  # no Content-Length: the middleware counts the bytes
         for _ in range(9):
@@ -603,5 +613,47 @@ def test_models_health_page(client):
         assert element in page
     schema = client.get("/openapi.json").json()
     responses = schema["paths"][V1]["post"]["responses"]
-    assert set(responses) == {"200", "400", "401", "404", "413", "429", "500", "503", "504"}  # never 422
+    assert set(responses) == {
+        "200",
+        "400",
+        "401",
+        "404",
+        "413",
+        "415",
+        "429",
+        "500",
+        "503",
+        "504",
+    }  # never 422
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+
+
+def test_details_as_documented(client):
+    """docs/openai.md's `details` example is the server's answer to the request the doc names; a field that
+    fails both members of a union (a number given as a string) is listed once; JSON that does not parse is
+    "body" in details too, with where and why."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "openai.md").read_text()
+    asked = re.search(r"Asked `(\{.*?\})`, the server answers", doc, re.S)
+    answer = re.search(r"the server answers .*?```json\n(.*?)```", doc, re.S)
+    resp = post(client, json.loads(asked.group(1)), path=V1)
+    assert resp.status_code == 400 and resp.json() == json.loads(answer.group(1))
+    resp = post(client, {"messages": USER, "temperature": "hot"}, path=V1)
+    assert resp.json()["error"]["details"] == ["temperature: Input should be a valid number"]
+    resp = client.post(V1, content=b'{"messages": [', headers={"content-type": "application/json"})
+    error = resp.json()["error"]
+    assert error["message"] == "body: invalid JSON at character 14 (Expecting value)"
+    assert error["details"] == [error["message"]]
+
+
+def test_a_lone_surrogate_in_content_is_refused_by_name(client, fake):
+    """JSON's "\\ud800" escape decodes to a lone surrogate, which has no UTF-8 encoding: the template read it as
+    U+FFFD, so the model answered other text than sent; refused as /v1/completions refuses it in a prompt."""
+    for content, where in [
+        ('"ab\\ud800cd"', 2),
+        ('[{"type": "text", "text": "ok"}, {"type": "text", "text": "\\udfff"}]', 3),
+    ]:
+        body = f'{{"messages": [{{"role": "user", "content": {content}}}]}}'.encode()
+        resp = client.post(V1, content=body, headers={"content-type": "application/json"})
+        assert_400(resp, "messages[0].content", "has a lone surrogate (U+D")
+        assert f"at character {where}: not valid Unicode text" in resp.json()["error"]["message"]
+    assert fake.requests == []

@@ -23,9 +23,10 @@ from raychat.chat.turn import turn_parts
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
 from raychat.engine import ModelRunner
+from raychat.metrics import ServeMetrics
 from raychat.serve.errors import INTERNAL_ERROR
 from raychat.serve.ingress import LocalClient, create_app
-from raychat.serve.server import ChatServer, merge_deltas
+from raychat.serve.server import GAUGE_PERIOD_S, ChatServer, merge_deltas
 from raychat.serve.sse import parse_sse
 
 USER = [{"role": "user", "content": "hi"}]
@@ -168,9 +169,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_disconnect_mid_stream_frees_the_row(real_engine):
-    """A real HTTP server (uvicorn on loopback): the client reads two events and hangs up."""
+def test_disconnect_mid_stream_frees_the_row(real_engine, monkeypatch):
+    """A real HTTP server (uvicorn on loopback): the client reads two events and hangs up. The replica's
+    gauges then read 0 (running, waiting, KV slots): they kept the request's "waiting 1" of its submit for
+    ever, as its end (a cancel the engine takes at its next step) published nothing."""
     import uvicorn
+
+    gauges = {}
+    for name in ("set_running", "set_waiting", "set_kv_slots_in_use"):
+        monkeypatch.setattr(ServeMetrics, name, lambda _self, n, name=name: gauges.__setitem__(name, n))
 
     port = _free_port()
     server = uvicorn.Server(
@@ -195,6 +202,8 @@ def test_disconnect_mid_stream_frees_the_row(real_engine):
         stats = real_engine.stats()
         assert stats["cancelled"] == before + 1 and stats["running"] == 0
         assert stats["free_rows"] == stats["max_slots"]
+        time.sleep(2 * GAUGE_PERIOD_S)
+        assert gauges == {"set_running": 0, "set_waiting": 0, "set_kv_slots_in_use": 0}
     finally:
         server.should_exit = True
         thread.join(10)

@@ -59,6 +59,13 @@ def test_text_reply_with_and_without_streaming():
     details = {"cached_tokens": 0}
     assert raw["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9, "prompt_tokens_details": details}  # fmt: skip
     got, _ = chunks(HELLO, stream_options={"include_usage": True})
+    raw_chunks = parse_sse(
+        TestClient(create_app(FakeEngine(HELLO)))
+        .post(V1, json={"messages": USER, "stream": True, "stream_options": {"include_usage": True}})
+        .text
+    )[:-1]
+    # with include_usage every chunk has "usage": null but the last (OpenAI's stream_options documentation)
+    assert [json.loads(c)["usage"] for c in raw_chunks][:-1] == [None] * (len(raw_chunks) - 1)
     assert len({c.id for c in got}) == 1 and got[0].choices[0].delta.role == "assistant"
     assert got[-2].choices[0].finish_reason == "stop"
     assert got[-1].choices == [] and got[-1].usage.total_tokens == 9

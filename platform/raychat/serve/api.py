@@ -20,7 +20,8 @@ Numbers are strict: "0.5" (a string) or true is a wrong type, not a number; inte
 NaN and Infinity (tokens Python's JSON parser reads) are refused as not finite.
 
 Messages (1..500): roles system | developer (the same thing here) | user | assistant | tool. `content` is a
-string or a list of {"type": "text", "text"} parts (joined with "\\n"), at most 8000 characters; null only for
+string or a list of {"type": "text", "text"} parts (joined with "\\n"), at most 8000 characters, valid Unicode
+(no lone surrogate, which a JSON "\\ud800" escape can carry); null only for
 an assistant message with tool_calls. All text together (contents, tool call arguments) is at most 32000
 characters. Tool calls and their raychat form: docs/openai.md (raychat.serve.openai_messages renders them).
 
@@ -150,6 +151,16 @@ def only_noop(value, allowed: tuple):
     return value
 
 
+def lone_surrogate(text: str) -> str | None:
+    """Why `text` is not valid Unicode text (a lone UTF-16 surrogate, which JSON's "\\ud800" escape can carry
+    and which has no UTF-8 encoding), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"has a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}: not valid Unicode text"
+    return None
+
+
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     """`stop` of a request as a list (0 to MAX_STOP strings of 1 to MAX_STOP_CHARS characters each).
     Raises ValueError naming the limit that is broken."""
@@ -249,9 +260,12 @@ class Message(_Strict):
     def _content(cls, content, info: ValidationInfo):
         if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
             raise ValueError("field required (null only for an assistant message with tool_calls)")
-        n = len(content_text(content) or "")
-        if n > MAX_CONTENT_CHARS:
-            raise ValueError(f"{n} characters; at most {MAX_CONTENT_CHARS} allowed")
+        text = content_text(content) or ""
+        if len(text) > MAX_CONTENT_CHARS:
+            raise ValueError(f"{len(text)} characters; at most {MAX_CONTENT_CHARS} allowed")
+        why = lone_surrogate(text)  # the template would encode it as U+FFFD: the model reads other text
+        if why:
+            raise ValueError(why)
         return content
 
     @field_validator("name")

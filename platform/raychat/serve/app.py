@@ -237,6 +237,17 @@ async def _awaited(awaitable):
     return await awaitable
 
 
+def unavailable(e: Exception) -> EngineUnavailableError:
+    """A handle's exception (UNAVAILABLE) as raychat's 503, in one line a client may see: its type and its
+    message's first line. Ray's ActorDiedError goes on with the dead replica's actor id, pid, node IP and
+    namespace; those are logged here (a warning), not answered."""
+    log.warning(
+        "no %s replica could take or finish a request: %s: %s", SERVER_DEPLOYMENT, type(e).__name__, e
+    )
+    first = next(iter(str(e).strip().splitlines()), "")
+    return EngineUnavailableError(f"{type(e).__name__}: {first}" if first else type(e).__name__)
+
+
 def overloaded(e: BackPressureError) -> EngineOverloadedError:
     """Serve's BackPressureError as raychat's 429, with its Retry-After in whole seconds (>= 1)."""
     return EngineOverloadedError(str(e), max(1, math.ceil(e.retry_after_s or 1)))
@@ -271,7 +282,7 @@ class HandleClient:
         except BackPressureError as e:
             raise overloaded(e) from e
         except UNAVAILABLE as e:
-            raise EngineUnavailableError(f"{type(e).__name__}: {e}") from e
+            raise unavailable(e) from e
         except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             raise EngineUnavailableError(await self._no_answer()) from None
 
@@ -331,7 +342,7 @@ class HandleClient:
             raise overloaded(e) from e
         except UNAVAILABLE as e:
             finished = True
-            raise EngineUnavailableError(f"{type(e).__name__}: {e}") from e
+            raise unavailable(e) from e
         finally:
             if not finished:
                 gen.cancel()  # client left or the consumer stopped early: cancel the replica's generator

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 import time
 
 import ray
@@ -204,11 +205,29 @@ def _serve(args: argparse.Namespace) -> int:
     return _block()
 
 
+class _Terminated(Exception):
+    """SIGTERM arrived (raised by the handler _block installs)."""
+
+
+def _terminated(_signum, _frame):
+    raise _Terminated
+
+
 def _block() -> int:
-    """Wait until Ctrl-C, then shut Serve down."""
+    """Wait until Ctrl-C (SIGINT) or SIGTERM (`kill`, `docker stop`, Kubernetes), then shut Serve and this
+    process' Ray down and print one line, "raychat serve: stopped (SIGTERM); Serve shut down"; returns 0.
+    SIGTERM gets a handler of its own here: Ray's (installed by ray.init) prints a native stack trace and exits
+    without shutting Serve down. A second SIGTERM during the shutdown ends the process at once."""
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        serve.shutdown()
+        name = "SIGINT"
+    except _Terminated:
+        name = "SIGTERM"
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    serve.shutdown()
+    ray.shutdown()  # before the line: nothing of Ray's (its shutdown warnings) prints after it
+    print(f"raychat serve: stopped ({name}); Serve shut down", flush=True)
     return 0

@@ -7,7 +7,8 @@ Events (the vocabulary of raychat.serve.server, plus "prompt"):
         logprobs, one ENTRY per prompt token (the first one's logprob and top_logprobs are None)
   {"type": "delta", "text": str, "tokens": int, "logprobs": [ENTRY] | None}     completion tokens
   {"type": "done", "finish_reason": "stop" | "length", "usage": USAGE}           last event of a success
-  {"type": "error", "status": 400 | 429 | 500 | 503 | 504, "message", "param"[, "retry_after"]}
+  {"type": "error", "status": 400 | 429 | 500 | 503 | 504, "message", "param"[, "code"][, "retry_after"]}
+        code "context_length_exceeded": a prompt of max_len tokens or more (OpenAI's code, as chat's)
   ENTRY = {"token": str, "logprob": float | None, "top_logprobs": {token: logprob} | None}
         the token's text (its bytes decoded, invalid UTF-8 replaced), its logprob (-inf sent as MIN_LOGPROB)
         and the request's `logprobs` most likely alternatives plus the token itself (a text shared by two
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator
 
 from raychat.engine.scheduler import QueueFullError, check_fits_row
 from raychat.serve.engine_adapter import MIN_LOGPROB, sampling_params
+from raychat.serve.errors import ContextLengthError
 from raychat.serve.sse import usage_dict
 
 
@@ -34,7 +36,8 @@ def prompt_ids(tokenizer, prompt: str | list[int], max_len: int) -> list[int]:
     echo decodes them).
 
     Raises:
-        ValueError: an empty prompt, an id outside 0..vocab_size-1, or max_len tokens or more.
+        ValueError: an empty prompt, an id outside 0..vocab_size-1; ContextLengthError (a ValueError): max_len
+            tokens or more.
     """
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
@@ -42,7 +45,10 @@ def prompt_ids(tokenizer, prompt: str | list[int], max_len: int) -> list[int]:
     bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
     if bad:
         raise ValueError(f"has token ids outside 0..{tokenizer.vocab_size - 1}: {bad[:5]}")
-    return check_fits_row(ids, max_len)
+    try:
+        return check_fits_row(ids, max_len)
+    except ValueError as e:
+        raise ContextLengthError(str(e)) from None
 
 
 def _text(tokenizer, token_id: int) -> str:
@@ -67,6 +73,8 @@ def legacy_entry(tokenizer, token_id: int, entry) -> dict:
 def _rejection(server, e: Exception, param: str) -> dict:
     """The error event of an exception from Scheduler.submit / score (as ChatServer.generate answers)."""
     server.rejected += 1
+    if isinstance(e, ContextLengthError):
+        return {"type": "error", "status": 400, "message": str(e), "param": param, "code": e.CODE}
     if isinstance(e, ValueError):
         return {"type": "error", "status": 400, "message": str(e), "param": param}
     if isinstance(e, QueueFullError):

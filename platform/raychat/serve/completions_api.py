@@ -36,6 +36,7 @@ from raychat.serve.api import (
     Number,
     StreamOptions,
     _Strict,
+    lone_surrogate,
     only_noop,
     stop_strings,
 )
@@ -76,11 +77,7 @@ def _prompt_error(prompt) -> str | None:
 def _string_error(text: str) -> str | None:
     if len(text) > MAX_PROMPT_CHARS:
         return f"has {len(text)} characters; at most {MAX_PROMPT_CHARS} allowed"
-    try:
-        text.encode("utf-8")  # echo sends the prompt back as UTF-8
-    except UnicodeEncodeError as e:
-        return f"has a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}: not valid Unicode text"
-    return None
+    return lone_surrogate(text)  # echo sends the prompt back as UTF-8
 
 
 def _ids_error(ids: list) -> str | None:

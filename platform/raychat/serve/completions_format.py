@@ -95,14 +95,17 @@ def completion(cid: str, model: str, states: list[CompletionState]) -> dict:
 
 
 class CompletionChunks:
-    """The "text_completion" chunks of one streamed response (same id and created)."""
+    """The "text_completion" chunks of one streamed response (same id and created); with include_usage
+    (stream_options.include_usage), every chunk before the usage chunk has "usage": null, as OpenAI's."""
 
-    def __init__(self, cid: str, model: str):
+    def __init__(self, cid: str, model: str, include_usage: bool = False):
         self.id, self.model, self.created = cid, model, int(time.time())
+        self.include_usage = include_usage
 
     def chunk(self, choices: list[dict], **extra) -> dict:
+        usage = {"usage": None} if self.include_usage else {}
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, **extra}  # fmt: skip
+                "choices": choices, **usage, **extra}  # fmt: skip
 
     def text(self, index: int, text: str, logprobs: dict | None = None, finish: str | None = None) -> dict:
         return self.chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}])

@@ -50,6 +50,13 @@ def error_headers(event: dict) -> dict | None:
     return None
 
 
+class ContextLengthError(ValueError):
+    """A prompt that leaves no room for a completion in a row of max_len tokens: answered 400 with OpenAI's
+    code "context_length_exceeded" (CODE)."""
+
+    CODE = "context_length_exceeded"
+
+
 class ParamError(ValueError):
     """A request the engine cannot serve, blamed on one field (`param`): answered 400."""
 
@@ -94,22 +101,33 @@ def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "StrictStr"}
 _MESSAGES = {
     "missing": "field required",
-    "extra_forbidden": "unknown field (not part of the OpenAI Chat Completions request)",
+    "extra_forbidden": "unknown field (not a parameter of this endpoint)",
 }
 
 
 def _reason(error: dict) -> str:
+    if error.get("type") == "json_invalid":  # loc ("body", character offset), ctx {"error": json's message}
+        loc, why = error.get("loc", ()), (error.get("ctx") or {}).get("error")
+        where = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return f"invalid JSON{where}" + (f" ({why})" if why else "")
     if error.get("type") in _MESSAGES:
         return _MESSAGES[error["type"]]
     return error.get("msg", "invalid value").removeprefix("Value error, ")
 
 
 def validation_error_body(errors: list[dict]) -> dict:
-    """400 body from pydantic/FastAPI errors: the first error, "field: reason", plus every error listed."""
+    """400 body from pydantic/FastAPI errors: the first error, "field: reason", and `details`: one "field:
+    reason" per field in error, in the order pydantic reports them (the first is the message). A field that
+    failed every member of a union (a number that is neither float nor int) is listed once, with its first
+    reason."""
     first = errors[0]
     param = "body" if first.get("type") == "json_invalid" else field_path(first.get("loc", ()))
     body = error_body(f"{param}: {_reason(first)}", param)
-    body["error"]["details"] = [f"{field_path(e.get('loc', ()))}: {_reason(e)}" for e in errors]
+    details: dict[str, str] = {}
+    for e in errors:
+        field = "body" if e.get("type") == "json_invalid" else field_path(e.get("loc", ()))
+        details.setdefault(field, _reason(e))
+    body["error"]["details"] = [f"{field}: {reason}" for field, reason in details.items()]
     return body
 
 
@@ -133,6 +151,7 @@ ERROR_STATUSES = {
     401: "missing or invalid bearer token (when the server has an API key)",
     404: "model not served here",
     413: "request body too large",
+    415: "request body not sent as application/json (its Content-Type)",
     429: "overloaded (the engine's or Serve's queue is full): retry after Retry-After",
     500: "engine failure: the message names only a request id (error.request_id); the detail is in the server log",
     503: "engine unavailable (restarting, or no replica can take the request): retry after Retry-After",

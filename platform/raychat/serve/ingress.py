@@ -128,7 +128,7 @@ class BodyLimitAndAuth:
                 return await _send_json(send, 401, body, {"www-authenticate": "Bearer"})
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        too_big = error_body(f"request body exceeds {self.max_body_bytes} bytes", "body", "request_too_large")
+        too_big = error_body(f"body: request body exceeds {self.max_body_bytes} bytes", "body")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await _send_json(send, 413, too_big)
@@ -324,16 +324,25 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
         return cache["info"]
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError):
-        return JSONResponse(validation_error_body(list(exc.errors())), status_code=400)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        """400 naming the field (validation_error_body); 415 for a body FastAPI did not read as JSON because
+        of its Content-Type (`curl -d` sends application/x-www-form-urlencoded)."""
+        errors = list(exc.errors())
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if errors[0].get("loc") == ("body",) and not _is_json(media_type):
+            got = repr(media_type) if media_type else "none"
+            message = f"Content-Type: send the body as application/json, got {got}"
+            return JSONResponse(error_body(message, None), status_code=415)
+        return JSONResponse(validation_error_body(errors), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException):
-        """FastAPI's own errors (unknown path, bad method, a body that is not JSON/UTF-8) in the same shape."""
-        param = "body" if exc.status_code == 400 else None
-        return JSONResponse(
-            error_body(str(exc.detail), param), status_code=exc.status_code, headers=exc.headers
+        """FastAPI's own errors (unknown path, bad method, a body that is not UTF-8) in the same shape; a 400
+        is the body's, named first in the message."""
+        param, message = (
+            ("body", f"body: {_unreadable(exc)}") if exc.status_code == 400 else (None, exc.detail)
         )
+        return JSONResponse(error_body(str(message), param), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(ParamError)
     async def _param_error(_request: Request, exc: ParamError):
@@ -429,8 +438,8 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
             failed = await _collect(streams, firsts, states)
             return failed or chat_completion(cid, model, states)
 
-        chunks = Chunks(cid, model)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = Chunks(cid, model, include_usage)
 
         async def frames():
             for i in range(len(states)):
@@ -470,8 +479,8 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
             failed = await _collect(streams, firsts, states)
             return failed or completion(cid, model, states)
 
-        chunks = CompletionChunks(cid, model)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = CompletionChunks(cid, model, include_usage)
 
         async def frames():
             failed = False
@@ -491,6 +500,23 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
         return StreamingResponse(frames(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     return app
+
+
+def _is_json(media_type: str) -> bool:
+    """Whether FastAPI reads a body of this media type as JSON (application/json or application/*+json)."""
+    kind, _, subtype = media_type.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def _unreadable(exc: StarletteHTTPException) -> str:
+    """Why FastAPI could not read a body (its HTTPException 400 "There was an error parsing the body", raised
+    from the cause): bytes that are not UTF-8 say which byte, where."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return (
+            f"not UTF-8: byte 0x{cause.object[cause.start]:02x} at offset {cause.start} (send JSON in UTF-8)"
+        )
+    return str(exc.detail)
 
 
 def _openapi(app: FastAPI) -> dict:

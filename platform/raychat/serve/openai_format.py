@@ -127,10 +127,13 @@ def chat_completion(cid: str, model: str, states: list[ChoiceState]) -> dict:
 
 
 class Chunks:
-    """The "chat.completion.chunk" objects of one streamed response (same id and created)."""
+    """The "chat.completion.chunk" objects of one streamed response (same id and created); with
+    include_usage (stream_options.include_usage), every chunk before the usage chunk has "usage": null, as
+    OpenAI's."""
 
-    def __init__(self, cid: str, model: str):
+    def __init__(self, cid: str, model: str, include_usage: bool = False):
         self.id, self.model, self.created = cid, model, int(time.time())
+        self.include_usage = include_usage
 
     def chunk(self, choices: list[dict], **extra) -> dict:
         return {
@@ -139,6 +142,7 @@ class Chunks:
             "created": self.created,
             "model": self.model,
             "choices": choices,
+            **({"usage": None} if self.include_usage else {}),
             **extra,
         }
 

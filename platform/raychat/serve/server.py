@@ -50,6 +50,8 @@ from raychat.serve.sse import usage_dict
 from raychat.storage import is_remote
 from raychat.tokenizer import Tokenizer
 
+GAUGE_PERIOD_S = 0.5  # seconds between two publications of the gauges while requests live
+
 
 class ChatServer:
     """A Scheduler (started in a daemon thread) over a model and tokenizer.
@@ -137,6 +139,7 @@ class ChatServer:
         self.completed = 0
         self.cancelled = 0
         self.rejected = 0
+        self._gauges: asyncio.Task | None = None  # the task of _publish_until_idle, while one runs
 
     @classmethod
     def from_checkpoint(
@@ -218,9 +221,28 @@ class ChatServer:
         self.metrics.set_waiting(s.num_pending)
         self.metrics.set_kv_slots_in_use(s.num_active)
 
+    def _watch_gauges(self) -> None:
+        """Keep the running / waiting / KV-slot gauges true while requests live (_publish_until_idle in a task
+        of the running loop, one at a time): a request's submit and end alone miss its admission, and a
+        cancelled request leaves the engine at its next step, after its consumer has gone."""
+        if self._gauges is None or self._gauges.done():
+            self._gauges = asyncio.get_running_loop().create_task(self._publish_until_idle())
+
+    async def _publish_until_idle(self) -> None:
+        """Publish the gauges every GAUGE_PERIOD_S until no request is in flight and the engine holds none
+        (or has stopped), then once more: the idle gauges read 0."""
+        s = self.scheduler
+        while True:
+            self._publish_gauges()
+            idle = self.in_flight == 0 and s.num_active == 0 and s.num_pending == 0
+            if idle or not (s.running or s.restarting):
+                return
+            await asyncio.sleep(GAUGE_PERIOD_S)
+
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """Stream the reply to `request` (see the module doc for the events); never raises for bad input.
         A request with "prompt" instead of "messages" is a raw completion (raychat.serve.completion_server)."""
+        self._watch_gauges()
         if "prompt" in request:
             self.in_flight += 1
             try:
