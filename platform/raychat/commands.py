@@ -202,7 +202,8 @@ def eval_(subparsers) -> None:
     parser = subparsers.add_parser(
         "eval",
         help="a checkpoint's BPB, task accuracy and report card (chat evals, ChatCORE, CORE with --core-bundle)",
-        description="Evaluate one checkpoint: BPB on the validation shard of --data-dir and greedy accuracy on "
+        description="Evaluate one checkpoint: BPB on the validation shard of --data-dir (--eval-tokens 0: no BPB, "
+        "and --data-dir is not read: a chat checkpoint scored without the pretraining data) and greedy accuracy on "
         "the held-out split of --tasks, and the report card. Prints the JSON on stdout and the card's table on "
         "stderr, and writes them to <storage-path>/<run-name>/eval.json and report_card.md. "
         "Example: raychat eval --checkpoint latest --storage-path runs/checkpoints --tasks calculator:64",

@@ -33,7 +33,10 @@ class EvalConfig(Section):
         "runs/data", "shards whose validation shard BPB is measured on: a directory or a run name under "
         "--storage-path (given --storage-path and not this: the run 'data' there)",
     )  # fmt: skip
-    eval_tokens: int = option(65536, "validation tokens for BPB", positive=True)
+    eval_tokens: int = option(
+        65536, "validation tokens for BPB on the validation shard of --data-dir; 0 = no BPB (val_bpb null in "
+        "the JSON): only --tasks and the report card are measured and --data-dir is not read", ge=0,
+    )  # fmt: skip
     tasks: str = option(
         "calculator:64", "held-out tasks for accuracy: task[:examples],... ('' = none); chatcore[:examples] = "
         "the report card's six chat evals (a task whose files are missing: 'n/a: no data', not an error)",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import ConfigError, Section, option, owned_choices, section
+from raychat.config.schema import ConfigError, Section, option, owned_choices, owned_literal, section
 from raychat.config.train import SCHEDULE_TIMEOUT_S, CheckpointSection, OptimSection, RunSection
 
 
@@ -53,6 +53,12 @@ class RolloutSection(Section):
     )
     max_tokens: int = option(48, "completion budget per sample, tokens (sampled + tool output)", ge=1)
     temperature: float = option(1.0, "rollout sampling temperature (> 0)", gt=0)
+    max_slots: int = option(
+        64, "KV-cache rows each rollout actor decodes at once (serve's --max-slots): its share of a step's "
+        "prompts x --samples-per-prompt, or of an evaluation's prompts x --eval-samples, beyond this is "
+        "generated in batches of whole prompts; an actor's KV cache is at most this x the model's max_seq_len "
+        "x bytes per token", ge=1,
+    )  # fmt: skip
 
 
 @dataclass
@@ -160,6 +166,18 @@ class RLConfig(Section):
                 f"--learner-workers {self.layout.learner_workers} (each needs at least one)"
             )
 
+        r = self.rollout
+        if r.samples_per_prompt > r.max_slots:
+            raise ConfigError(
+                f"--samples-per-prompt {r.samples_per_prompt} exceeds --max-slots {r.max_slots}: a prompt's "
+                "samples are decoded together; raise --max-slots or lower --samples-per-prompt"
+            )
+        e, greedy_below = self.eval, owned_literal("raychat.engine.sampling", "TEMPERATURE_EPS")
+        if e.eval_temperature >= greedy_below and e.eval_samples > r.max_slots:  # greedy: one sample a prompt
+            raise ConfigError(
+                f"--eval-samples {e.eval_samples} exceeds --max-slots {r.max_slots}: a held-out prompt's samples "
+                "are decoded together; raise --max-slots or lower --eval-samples"
+            )
         t = self.layout
         if t.weight_sync == "collective" and not t.use_gpu and t.learner_workers > 1:
             raise ConfigError(

@@ -428,26 +428,47 @@ class ModelRunner:
         top_p: float | None = None,
         seed: int | None = None,
         stop: str | tuple[str, ...] | list[str] = (),
+        max_rows: int | None = None,
     ) -> list[GenerationResult]:
         """Generate `num_samples` completions of every prompt; the contract: docs/engine.md. The sampling
         arguments are SamplingParams' fields, checked as it checks them (`stop`: a str is one stop string).
+        max_rows: None (one batch of len(prompts) * num_samples rows) or an int >= num_samples: KV-cache rows
+        decoded at once; the prompts are generated in batches of max_rows // num_samples whole prompts, each
+        prompt seeded from (seed, its index in `prompts`) as in one batch.
 
         Returns:
             list of len(prompts) * num_samples GenerationResult, results[i * num_samples + j].
         Raises:
             ValueError: prompts not a non-empty list of token-id sequences (text must be encoded first;
-                check_prompt), num_samples < 1, bad sampling parameters (naming the argument).
-            KVBudgetError: the batch's cache exceeds kv_budget_bytes.
+                check_prompt), num_samples < 1, max_rows not None or an int >= num_samples, bad sampling
+                parameters (naming the argument).
+            KVBudgetError: a batch's cache exceeds kv_budget_bytes.
         """
         params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, stop)
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+        if max_rows is not None and (type(max_rows) is not int or max_rows < num_samples):
+            raise ValueError(
+                f"max_rows must be None or an int >= num_samples {num_samples} (a prompt's samples are decoded "
+                f"together), got {max_rows!r}"
+            )
         if isinstance(prompts, (str, bytes)):
             raise ValueError(f"prompts is a {type(prompts).__name__}, not lists of token ids; {ENCODE_FIRST}")
         if not prompts:
             raise ValueError("prompts is empty; pass at least one list of token ids")
         prompts = [self.check_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
-        n, P = num_samples, len(prompts)
+        per = len(prompts) if max_rows is None else max_rows // num_samples
+        results = []
+        for first in range(0, len(prompts), per):
+            results += self._generate(prompts[first : first + per], num_samples, params, first)
+        return results
+
+    def _generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, first: int
+    ) -> list[GenerationResult]:
+        """generate_batch of checked `prompts` in one batch of len(prompts) * n rows; prompt i is prompt
+        first + i of the call (its seed and its results' prompt_index)."""
+        P = len(prompts)
         max_len = max(len(p) for p in prompts) + params.max_tokens
         if self.compile_decode:  # compiled graphs are specialized on the cache length: reuse a few
             max_len = -(-max_len // COMPILED_LEN_MULTIPLE) * COMPILED_LEN_MULTIPLE
@@ -458,7 +479,7 @@ class ModelRunner:
         for i in reversed(range(P)):  # row i -> rows i*n .. i*n+n-1 (never over a row still to copy)
             cache.replicate(i, list(range(i * n, (i + 1) * n)))
         logits = logits.repeat_interleave(n, dim=0)
-        gens = [make_generator(derive_seed(params.seed, i), self.device) for i in range(P)]
+        gens = [make_generator(derive_seed(params.seed, first + i), self.device) for i in range(P)]
         states = [RowState(self.tokenizer, prompts[r // n], params, max_len) for r in range(P * n)]
 
         slot = list(range(P * n))  # logical row r (= i * n + j) lives in cache row slot[r]
@@ -466,10 +487,12 @@ class ModelRunner:
         while active:
             batch = SamplingBatch()
             for r in active:
-                batch.add(temperature, top_k, top_p, gens[r // n], states[r].forced_token)
+                batch.add(
+                    params.temperature, params.top_k, params.top_p, gens[r // n], states[r].forced_token
+                )
             for r, s in zip(active, batch.sample(logits)):
                 if s.error:
-                    raise RuntimeError(f"prompt {r // n} sample {r % n}: {s.error}")
+                    raise RuntimeError(f"prompt {first + r // n} sample {r % n}: {s.error}")
                 states[r].step(s.token)
             done = [slot[r] for r in active if states[r].finished]
             active = [r for r in active if not states[r].finished]
@@ -484,7 +507,7 @@ class ModelRunner:
 
         return [
             GenerationResult(
-                prompt_index=r // n,
+                prompt_index=first + r // n,
                 sample_index=r % n,
                 tokens=s.tokens,
                 mask=s.mask,

@@ -5,7 +5,9 @@
                     max_seq_len + 1 tokens (raychat.data.loader.pipeline.validation_rows, the pretraining validator's
                     rows), --eval-tokens of them (raychat.eval.bpb: nats / (ln 2 * UTF-8 bytes) over the
                     target tokens), with the checkpoint's document masking: a pretraining checkpoint's logged
-                    val_bpb at the same --eval-tokens
+                    val_bpb at the same --eval-tokens. --eval-tokens 0: none (a chat checkpoint scored without
+                    the pretraining data, as nanochat's chat_eval): --data-dir is not read, val_bpb is null and
+                    val_bpb_note says why
   accuracy          the test split of each --tasks entry (raychat.eval.tasks.task_accuracy: greedy, exact
                     answer for generative tasks, argmax over the letters for categorical ones); a generative
                     task's completion budget: --max-tokens for every task when given, else the task's own
@@ -18,7 +20,8 @@ The result goes to stdout (one JSON document, its "report_card" the card's row) 
 <storage-path>/<run-name>/eval.json (written whole: raychat.storage.write_bytes); the card's markdown table to
 stderr and to <storage-path>/<run-name>/report_card.md. Every input is resolved and the root checked for writing before the model
 loads: a bad flag fails in one line naming it. A model whose validation loss is not finite (NaN or inf weights) is
-refused after the BPB pass, before the tasks run and before anything is written (JSON has no NaN).
+refused after the BPB pass (without BPB: before the tasks, from its weights), before anything is written (JSON has
+no NaN).
 """
 
 from __future__ import annotations
@@ -40,7 +43,15 @@ from raychat.config.eval import CHATCORE
 from raychat.data.corpus.shards import list_shards
 from raychat.data.loader.pipeline import validation_rows
 from raychat.eval.bpb import bpb_sums
-from raychat.eval.report_card import CHAT_TASKS, card_row, cell, chat_cells, core_cell, format_markdown
+from raychat.eval.report_card import (
+    CHAT_TASKS,
+    bundle_path,
+    card_row,
+    cell,
+    chat_cells,
+    core_cell,
+    format_markdown,
+)
 from raychat.eval.tasks import task_accuracy, task_budget
 from raychat.storage import Storage, check_writable, open_storage, run_directory, write_bytes
 from raychat.tasks.registry import check_data, graded, held_out, make_task, parse_mixture
@@ -48,6 +59,7 @@ from raychat.tasks.registry import check_data, graded, held_out, make_task, pars
 RESULT_FILE = "eval.json"
 CARD_FILE = "report_card.md"
 CARD_NAMES = {name: column for column, (name, _) in CHAT_TASKS.items()}
+BPB_SKIPPED = "not measured: --eval-tokens 0"  # eval.json's val_bpb_note when val_bpb is null
 
 
 def check_eval_target(storage: Storage, run_name: str) -> str:
@@ -102,52 +114,91 @@ def task_scores(
     return accuracy, chat
 
 
+def validation_bpb(model, tokenizer, val_file: str, masking: bool, cfg: EvalConfig) -> dict:
+    """{"val_bpb", "val_bpb_note" (None), "val_tokens", "val_bytes"} of `model` on cfg.eval_tokens of the
+    validation shard `val_file` (module doc); val_bpb may be NaN or inf (a model that is not finite).
+
+    Raises ValueError naming --data-dir when the shard is too small for one row of the model's length."""
+    seq_len = model.config.max_seq_len
+    try:
+        rows = validation_rows(val_file, tokenizer, seq_len + 1, cfg.eval_tokens)
+    except ValueError as e:
+        raise ValueError(f"--data-dir: {e}") from None
+    token_bytes = torch.tensor(tokenizer.token_bytes(), dtype=torch.int64)
+    nats, nbytes = bpb_sums(
+        model, rows, token_bytes, tokenizer.bos_id, cfg.device_batch_size, masking, device=cfg.device
+    )
+    return {
+        "val_bpb": nats / (math.log(2) * nbytes),
+        "val_bpb_note": None,
+        "val_tokens": int(rows["input_ids"].shape[0] * seq_len),
+        "val_bytes": int(nbytes),
+    }
+
+
 def evaluate(
     checkpoint: str,
-    val_file: str,
+    val_file: str | None,
     tasks: list[tuple[str, int | None]],
     cfg: EvalConfig,
     chatcore: tuple[bool, int | None] = (False, None),
 ) -> dict:
-    """{"checkpoint", "stage", "step", "val_bpb", "val_tokens", "val_bytes", "val_document_masking", "tasks":
-    {name: {"accuracy", "examples", "max_tokens"}}, "report_card": {column: cell}, "seconds"} of the checkpoint at
-    `checkpoint` (a local dir or a remote URI); val_tokens: target positions of the BPB rows (rows x T), val_bytes:
-    the UTF-8 bytes of their targets (BPB's denominator), val_document_masking: the checkpoint's (document_masking);
-    max_tokens: the completion budget a generative task was measured at (None: categorical); chatcore: (whether to
-    run the six chat evals, their examples cap).
+    """{"checkpoint", "stage", "step", "val_bpb", "val_bpb_note", "val_tokens", "val_bytes",
+    "val_document_masking", "tasks": {name: {"accuracy", "examples", "max_tokens"}}, "report_card": {column: cell},
+    "seconds"} of the checkpoint at `checkpoint` (a local dir or a remote URI); val_tokens: target positions of the
+    BPB rows (rows x T), val_bytes: the UTF-8 bytes of their targets (BPB's denominator), val_document_masking: the
+    checkpoint's (document_masking); val_file None (--eval-tokens 0): no BPB, every val_* None but val_bpb_note
+    "not measured: --eval-tokens 0" (None when measured); max_tokens: the completion budget a generative task was
+    measured at (None: categorical); chatcore: (whether to run the six chat evals, their examples cap).
 
-    Raises ValueError naming --checkpoint when the model's validation loss is not finite (NaN or inf)."""
+    Raises ValueError naming --checkpoint when the model's validation loss (without BPB: a weight) is not finite
+    (NaN or inf)."""
     t0 = time.perf_counter()
     model, tokenizer, meta = load_model(checkpoint, device=cfg.device)
-    seq_len = model.config.max_seq_len
-    try:
-        rows = validation_rows(val_file, tokenizer, seq_len + 1, cfg.eval_tokens)
-    except ValueError as e:  # a shard too small for one row of the model's length
-        raise ValueError(f"--data-dir: {e}") from None
-    token_bytes = torch.tensor(tokenizer.token_bytes(), dtype=torch.int64)
     masking = document_masking(meta)
-    nats, nbytes = bpb_sums(
-        model, rows, token_bytes, tokenizer.bos_id, cfg.device_batch_size, masking, device=cfg.device
-    )
-    if not math.isfinite(nats):  # before the tasks, whose generation would fail on the same logits
-        raise ValueError(
-            f"--checkpoint {checkpoint}: the model's validation loss is {nats} (its logits are not finite: "
-            "NaN or inf in the weights, e.g. a diverged run); nothing evaluated or written"
-        )
+    # a model that is not finite is refused before the tasks, whose generation would fail on its logits
+    if val_file:
+        val = validation_bpb(model, tokenizer, val_file, masking, cfg)
+        if not math.isfinite(val["val_bpb"]):
+            raise ValueError(
+                f"--checkpoint {checkpoint}: the model's validation loss is {val['val_bpb']} (its logits are not "
+                "finite: NaN or inf in the weights, e.g. a diverged run); nothing evaluated or written"
+            )
+    else:
+        val = {"val_bpb": None, "val_bpb_note": BPB_SKIPPED, "val_tokens": None, "val_bytes": None,
+               "val_document_masking": None}  # fmt: skip
+        if not all(torch.isfinite(p).all() for p in model.parameters()):
+            raise ValueError(
+                f"--checkpoint {checkpoint}: the model's weights are not finite (NaN or inf, e.g. a diverged "
+                "run); nothing evaluated or written"
+            )
     accuracy, chat = task_scores(model, tokenizer, tasks, cfg, chatcore)
     core = core_cell(model, tokenizer, cfg.core_bundle or None, cfg.core_max_per_task)
     return {
         "checkpoint": checkpoint,
         "stage": meta.get("stage"),
         "step": meta.get("step"),
-        "val_bpb": nats / (math.log(2) * nbytes),
-        "val_tokens": int(rows["input_ids"].shape[0] * seq_len),
-        "val_bytes": int(nbytes),
         "val_document_masking": masking,
+        **val,
         "tasks": accuracy,
         "report_card": card_row(core, chat),
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def validation_shard(cfg: EvalConfig, storage: Storage) -> str:
+    """The validation shard of --data-dir (a directory, or a run name under --storage-path) that BPB reads.
+
+    Raises ValueError naming --data-dir (and --eval-tokens 0, which skips BPB) when it holds no prepared shards
+    or is on object storage."""
+    data_dir = run_directory(cfg.data_dir, storage, "--data-dir")
+    try:
+        return list_shards(data_dir)[1]
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"--data-dir: {e} (BPB needs the pretraining data's validation shard; --eval-tokens 0 skips BPB and "
+            "scores only --tasks and the report card)"
+        ) from e
 
 
 def main(args) -> int:
@@ -176,13 +227,14 @@ def main(args) -> int:
             f"--core-bundle {cfg.core_bundle}: {why} (give the CORE bundle's directory: core.yaml, "
             "eval_meta_data.csv, eval_data/; or leave the flag out)"
         )
+    if not cfg.eval_tokens and not tasks and not named and bundle_path(cfg.core_bundle or None) is None:
+        raise ValueError(
+            "--eval-tokens 0 with --tasks '' and no CORE bundle (--core-bundle): nothing to measure; give --tasks "
+            "or an --eval-tokens above 0"
+        )
     check_eval_target(storage, cfg.run_name)  # before the evaluation runs
     checkpoint = find_checkpoint(cfg.checkpoint, storage, "--checkpoint")
-    data_dir = run_directory(cfg.data_dir, storage, "--data-dir")
-    try:
-        _, val_file = list_shards(data_dir)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--data-dir: {e}") from e
+    val_file = validation_shard(cfg, storage) if cfg.eval_tokens else None
     check_writable(storage)
     result = evaluate(checkpoint, val_file, tasks, cfg, (named, cap))
     if storage.is_local:  # object storage writes in one PUT: no leftovers there
@@ -193,5 +245,7 @@ def main(args) -> int:
     card = write_bytes(storage, f"{storage.run_path(cfg.run_name)}/{CARD_FILE}", (table + "\n").encode())
     print(text)
     print(table, file=sys.stderr)
+    if result["val_bpb"] is None:
+        print(f"validation BPB: {BPB_SKIPPED}", file=sys.stderr)
     print(f"wrote {where} and {card}", file=sys.stderr)
     return 0

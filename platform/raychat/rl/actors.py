@@ -169,7 +169,7 @@ class ActorGroup:
             RolloutActor.options(
                 **self._options(t.learner_workers + i, t.cpus_per_rollout, max_restarts=t.max_restarts,
                                 max_task_retries=0)
-            ).remote(init, self.tasks, i, device, threads(t.cpus_per_rollout))
+            ).remote(init, self.tasks, i, device, threads(t.cpus_per_rollout), self.cfg.rollout.max_slots)
             for i in range(t.rollout_workers)
         ]  # fmt: skip
         ray.get([w.info.remote() for w in self.rollouts] + [lr.pid.remote() for lr in self.learners])

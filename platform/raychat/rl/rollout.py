@@ -25,7 +25,7 @@ import torch
 
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
-from raychat.engine import ModelRunner
+from raychat.engine import KVCache, ModelRunner
 from raychat.gc_heap import freeze_gc_heap
 from raychat.rl.objective import collate, token_logprobs
 from raychat.rl.weights import collective_broadcast, leave_collective_group, load_published, weights_hash
@@ -40,10 +40,20 @@ class RolloutWorker:
         worker_index: this actor's index (tagged on samples).
         device: "cpu" or "cuda".
         num_threads: torch intra-op threads (None = leave torch's default).
+        max_slots: KV-cache rows decoded at once (--max-slots, >= every call's num_samples; None = no bound): a
+            rollout or evaluation of more prompts x samples is generated in batches of whole prompts
+            (ModelRunner.generate_batch's max_rows), and the engine's kv_budget_bytes is serving's slot budget,
+            max_slots x the model's max_seq_len x KVCache.bytes_per_token (a batch beyond it: KVBudgetError).
     """
 
     def __init__(
-        self, checkpoint: str, tasks: dict, worker_index: int = 0, device: str = "cpu", num_threads=None
+        self,
+        checkpoint: str,
+        tasks: dict,
+        worker_index: int = 0,
+        device: str = "cpu",
+        num_threads=None,
+        max_slots: int | None = None,
     ):
         if num_threads:
             torch.set_num_threads(int(num_threads))
@@ -51,6 +61,10 @@ class RolloutWorker:
         self.model, self.tokenizer, self.tasks = model.eval(), tokenizer, tasks
         # the learner's dtype ("model"), never cast: on-policy samples come from the weights it trains
         self.engine = ModelRunner(model, tokenizer, dtype="model")
+        self.max_slots = max_slots
+        if max_slots is not None:
+            per_row = model.config.max_seq_len * KVCache.bytes_per_token(model.config, self.engine.kv_dtype)
+            self.engine.kv_budget_bytes = max_slots * per_row
         self.worker_index, self.version = worker_index, 0
         self.hash = weights_hash(model.state_dict())
         freeze_gc_heap()  # the actor's model and imports: never scanned by the cyclic GC again
@@ -115,7 +129,12 @@ class RolloutWorker:
         conversations, prompts = self._prompts(split, indices)
         t0 = time.perf_counter()
         results = self.engine.generate_batch(
-            prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, seed=seed
+            prompts,
+            num_samples=num_samples,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            max_rows=self.max_slots,
         )
         seconds = time.perf_counter() - t0
         task = self.tasks[split]
@@ -178,7 +197,12 @@ class RolloutWorker:
             return {"correct": [], "version": self.version, "worker": self.worker_index}
         conversations, prompts = self._prompts("test", indices)
         results = self.engine.generate_batch(
-            prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, seed=seed
+            prompts,
+            num_samples=num_samples,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            max_rows=self.max_slots,
         )
         correct = [0] * len(indices)
         for r in results:

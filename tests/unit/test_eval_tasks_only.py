@@ -1,0 +1,92 @@
+"""`raychat eval` of a chat checkpoint without the pretraining data: --eval-tokens 0 measures no BPB (val_bpb null,
+val_bpb_note says why) and never reads --data-dir; BPB asked for without the data names --data-dir and the way to
+skip it."""
+
+import json
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file, save_file
+from support.serve_helpers import write_tiny_checkpoint
+
+from raychat.checkpoint_manager import commit_directory
+from raychat.cli import main as raychat_main
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    """A storage root with one SFT checkpoint and nothing else: no data, no tokenizer, no CORE bundle."""
+    monkeypatch.setenv("RAYCHAT_TASK_DATA", str(tmp_path / "task_data"))  # the default CORE bundle: none
+    write_tiny_checkpoint(tmp_path / "runs" / "sft" / "checkpoint_000001", stage="sft")
+    return tmp_path / "runs"
+
+
+def _fails_in_one_line(argv: list[str], capsys) -> str:
+    rc = raychat_main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and not out, out + err
+    assert not ray.is_initialized()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_eval_tokens_0_scores_the_tasks_of_a_checkpoint_without_pretraining_data(root, tmp_path, capsys):
+    """Before, --eval-tokens 0 was refused ('must be a positive integer') and any other value needed prepared
+    shards at --data-dir: a user with only an SFT or RL checkpoint could not score task accuracy."""
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "sft", "--data-dir", str(tmp_path / "nowhere"),
+            "--tasks", "calculator:2", "--eval-tokens", "0"]  # fmt: skip
+    assert raychat_main(argv) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert {k: result[k] for k in ("val_bpb", "val_bpb_note", "val_tokens", "val_bytes", "val_document_masking")} == {
+        "val_bpb": None, "val_bpb_note": "not measured: --eval-tokens 0", "val_tokens": None, "val_bytes": None,
+        "val_document_masking": None,
+    }  # fmt: skip
+    assert result["stage"] == "sft" and result["tasks"]["calculator"]["examples"] == 2
+    assert 0 <= result["tasks"]["calculator"]["accuracy"] <= 1
+    assert "validation BPB: not measured: --eval-tokens 0" in err.splitlines()
+    assert json.loads((root / "eval" / "eval.json").read_text()) == result
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_bpb_without_pretraining_data_names_data_dir_and_how_to_skip_it(root, tmp_path, capsys):
+    """Before, the line named --data-dir but not --eval-tokens 0 (which it refused besides)."""
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "sft", "--data-dir", str(tmp_path / "nowhere"),
+            "--tasks", "calculator:2"]  # fmt: skip
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat eval: error: --data-dir: {tmp_path}/nowhere/manifest.json not found: run `raychat data prepare "
+        f"--out {tmp_path}/nowhere` first (BPB needs the pretraining data's validation shard; --eval-tokens 0 "
+        "skips BPB and scores only --tasks and the report card)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert not (root / "eval").exists()
+
+
+def test_eval_tokens_0_with_no_task_is_refused(root, capsys):
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "sft", "--tasks", "", "--eval-tokens", "0"]
+    assert _fails_in_one_line(argv, capsys) == (
+        "raychat eval: error: --eval-tokens 0 with --tasks '' and no CORE bundle (--core-bundle): nothing to "
+        "measure; give --tasks or an --eval-tokens above 0  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert not (root / "eval").exists()
+
+
+def test_eval_tokens_0_refuses_a_model_with_nan_weights_before_the_tasks(root, capsys):
+    """Without the BPB pass, which refused it before, a diverged checkpoint would fail in the tasks' sampling."""
+    ckpt = root / "sft" / "checkpoint_000001"
+    weights = load_file(ckpt / "model.safetensors")
+    weights["lm_head.weight"][0, 0] = float("nan")
+    save_file(weights, ckpt / "model.safetensors")
+    (ckpt / "commit.json").unlink()
+    commit_directory(ckpt, 1, "sft")
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "sft", "--tasks", "calculator:2",
+            "--eval-tokens", "0"]  # fmt: skip
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat eval: error: --checkpoint {ckpt}: the model's weights are not finite (NaN or inf, e.g. a "
+        "diverged run); nothing evaluated or written  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert (
+        not (root / "eval").exists()
+        and torch.isnan(load_file(ckpt / "model.safetensors")["lm_head.weight"]).any()
+    )

@@ -1,0 +1,91 @@
+"""A rollout actor decodes at most --max-slots KV-cache rows at once (serving's slot budget): a larger share of
+prompts x samples is generated in batches of whole prompts, seeded as one batch; a group larger than the slots is
+refused with the config."""
+
+import pytest
+from support.rl_fixtures import rl_config, tiny_checkpoint
+
+from raychat.rl.rollout import RolloutWorker
+from raychat.tasks.registry import make_task
+
+
+@pytest.fixture
+def checkpoint(tmp_path, small_tokenizer) -> str:
+    return tiny_checkpoint(tmp_path / "ck", small_tokenizer)  # 1 layer, 2 kv heads x 32, max_seq_len 96, fp32
+
+
+def _tasks() -> dict:
+    return {split: make_task("calculator", split, 16, 0, max_operand=9) for split in ("train", "test")}
+
+
+def _rows_per_batch(worker: RolloutWorker) -> list[int]:
+    """Records the rows of every KV cache the worker's engine allocates from now on."""
+    rows, new_cache = [], worker.engine.new_cache
+
+    def recording(batch_size, max_len, budget_bytes=None):
+        rows.append(batch_size)
+        return new_cache(batch_size, max_len, budget_bytes)
+
+    worker.engine.new_cache = recording
+    return rows
+
+
+def test_a_rollout_beyond_max_slots_is_generated_in_batches_of_whole_prompts(checkpoint):
+    """5 prompts x 2 samples = 10 rows with --max-slots 4: batches of 2 prompts (4, 4, then 2 rows), under a KV
+    budget of 4 slots x 96 tokens x 512 bytes/token (2 k/v x 1 layer x 2 kv heads x 32 head_dim x 4 bytes) =
+    196,608 bytes; the samples are those of one unbounded batch (each prompt seeded by its index). Before, the
+    actor decoded all 10 rows at once, whatever their number (out of memory on a GPU at the cluster preset's
+    evaluation: 67 prompts x 8 samples a rollout actor)."""
+    tasks, indices = _tasks(), [3, 0, 7, 1, 5]
+    bounded = RolloutWorker(checkpoint, tasks, max_slots=4)
+    assert bounded.engine.kv_budget_bytes == 196_608
+    rows = _rows_per_batch(bounded)
+    got = bounded.rollout(indices, num_samples=2, max_tokens=8, temperature=1.0, seed=11)["samples"]
+    assert rows == [4, 4, 2]
+    assert [(s["prompt_index"], s["sample_index"]) for s in got] == [
+        (i, j) for i in indices for j in range(2)
+    ]
+
+    whole = RolloutWorker(checkpoint, tasks)
+    assert whole.engine.kv_budget_bytes is None
+    rows = _rows_per_batch(whole)
+    want = whole.rollout(indices, num_samples=2, max_tokens=8, temperature=1.0, seed=11)["samples"]
+    assert rows == [10]
+    assert [s["tokens"] for s in got] == [s["tokens"] for s in want]
+
+    evaluation = _rows_per_batch(bounded)
+    correct = bounded.evaluate(indices, num_samples=4, max_tokens=8, temperature=1.0, seed=2)["correct"]
+    assert evaluation == [4] * 5 and len(correct) == 5  # 4 samples a prompt: one prompt a batch
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"samples_per_prompt": 8, "max_slots": 4},
+         "--samples-per-prompt 8 exceeds --max-slots 4: a prompt's samples are decoded together; raise "
+         "--max-slots or lower --samples-per-prompt"),
+        ({"eval_samples": 8, "max_slots": 4, "samples_per_prompt": 4},
+         "--eval-samples 8 exceeds --max-slots 4: a held-out prompt's samples are decoded together; raise "
+         "--max-slots or lower --eval-samples"),
+    ],
+)  # fmt: skip
+def test_a_group_larger_than_max_slots_is_refused_with_the_config(kw, message):
+    with pytest.raises(ValueError) as e:
+        rl_config(**kw)
+    assert str(e.value) == message
+
+
+def test_a_greedy_evaluation_needs_one_slot_a_prompt():
+    """Below 1e-5 the evaluation samples each held-out prompt once (RolloutDispatcher.eval_samples)."""
+    cfg = rl_config(eval_samples=8, max_slots=4, samples_per_prompt=4, eval_temperature=1e-6)
+    assert (cfg.rollout.max_slots, cfg.eval.eval_samples) == (4, 8)
+    assert rl_config().rollout.max_slots == 64
+
+
+def test_generate_batch_refuses_fewer_rows_than_a_prompts_samples(checkpoint):
+    engine = RolloutWorker(checkpoint, _tasks()).engine
+    with pytest.raises(ValueError) as e:
+        engine.generate_batch([[1, 2, 3]], num_samples=4, max_tokens=2, max_rows=3)
+    assert str(e.value) == (
+        "max_rows must be None or an int >= num_samples 4 (a prompt's samples are decoded together), got 3"
+    )
