@@ -8,6 +8,7 @@ import pytest
 import ray
 import torch
 from safetensors.torch import load_file, save_file
+from support.core_fixtures import write_bundle
 from support.serve_helpers import write_tiny_checkpoint
 
 from raychat.checkpoint_manager import commit_directory
@@ -90,3 +91,17 @@ def test_eval_tokens_0_refuses_a_model_with_nan_weights_before_the_tasks(root, c
         not (root / "eval").exists()
         and torch.isnan(load_file(ckpt / "model.safetensors")["lm_head.weight"]).any()
     )
+
+
+def test_the_core_bundle_is_found_under_the_task_data_dir_given(root, tmp_path, capsys):
+    """--core-bundle '' reads <task data dir>/eval_bundle; before, the task data dir of --task-data-dir was left
+    out of that lookup (only $RAYCHAT_TASK_DATA / runs/task_data were looked in): 'n/a: no data', and with
+    --tasks '' --eval-tokens 0 a refusal saying there was no CORE bundle."""
+    items = [{"context": "1 + 1 =", "continuation": " 2"}, {"context": "2 + 2 =", "continuation": " 4"}]
+    write_bundle(tmp_path / "mine" / "eval_bundle", {"lm": {"type": "language_modeling", "items": items}})
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "sft", "--task-data-dir", str(tmp_path / "mine"),
+            "--tasks", "", "--eval-tokens", "0"]  # fmt: skip
+    assert raychat_main(argv) == 0, capsys.readouterr().err
+    core = json.loads(capsys.readouterr().out)["report_card"]["CORE"]
+    assert core["examples"] == 2 and core["note"] is None
+    assert core["value"] in (0.0, 0.5, 1.0)  # one language-modeling task of 2 items, random baseline 0

@@ -173,7 +173,9 @@ def evaluate(
                 "run); nothing evaluated or written"
             )
     accuracy, chat = task_scores(model, tokenizer, tasks, cfg, chatcore)
-    core = core_cell(model, tokenizer, cfg.core_bundle or None, cfg.core_max_per_task)
+    core = core_cell(
+        model, tokenizer, cfg.core_bundle or None, cfg.core_max_per_task, cfg.task_data_dir or None
+    )
     return {
         "checkpoint": checkpoint,
         "stage": meta.get("stage"),
@@ -227,7 +229,12 @@ def main(args) -> int:
             f"--core-bundle {cfg.core_bundle}: {why} (give the CORE bundle's directory: core.yaml, "
             "eval_meta_data.csv, eval_data/; or leave the flag out)"
         )
-    if not cfg.eval_tokens and not tasks and not named and bundle_path(cfg.core_bundle or None) is None:
+    if (
+        not cfg.eval_tokens
+        and not tasks
+        and not named
+        and bundle_path(cfg.core_bundle or None, cfg.task_data_dir or None) is None
+    ):
         raise ValueError(
             "--eval-tokens 0 with --tasks '' and no CORE bundle (--core-bundle): nothing to measure; give --tasks "
             "or an --eval-tokens above 0"

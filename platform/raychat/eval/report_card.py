@@ -108,10 +108,18 @@ def bundle_path(bundle_dir: str | None = None, data_dir: str | None = None) -> P
     return root if (root / "core.yaml").exists() else None
 
 
-def core_cell(model, tokenizer, bundle_dir: str | None = None, max_per_task: int = -1, **core_kw) -> dict:
-    """The CORE cell: core_scores on the bundle at bundle_dir ('' / None: <task data dir>/eval_bundle); "n/a:
-    no data" when no bundle is there."""
-    root = bundle_path(bundle_dir)
+def core_cell(
+    model,
+    tokenizer,
+    bundle_dir: str | None = None,
+    max_per_task: int = -1,
+    data_dir: str | None = None,
+    **core_kw,
+) -> dict:
+    """The CORE cell: core_scores on the bundle at bundle_dir ('' / None: <task data dir>/eval_bundle, the task
+    data dir being data_dir's as raychat.tasks.hub_data.task_data_dir reads it); "n/a: no data" when no bundle
+    is there."""
+    root = bundle_path(bundle_dir, data_dir)
     if root is None:
         return cell(note=NO_DATA)
     scores = core_scores(model, tokenizer, root, max_per_task=max_per_task, **core_kw)
