@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 
+from raychat.log import RunGaveUp
 from raychat.ops.job_python import missing_dependency_message
 
 # command -> its line in `raychat --help` (tests/unit/test_cli.py keeps each equal to its parser's own help)
@@ -105,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except (
+        RunGaveUp
+    ) as e:  # the run failed past --max-failures: its line (the failure was logged in full above)
+        if os.environ.get("RAYCHAT_DEBUG"):
+            raise
+        print(f"raychat {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as e:  # bad input (or a file in the way): a clear message, no traceback
         if os.environ.get("RAYCHAT_DEBUG"):
             raise

@@ -5,6 +5,7 @@ group is left behind)."""
 
 import json
 import re
+import time
 
 import pytest
 import ray
@@ -12,6 +13,7 @@ from ray.exceptions import RayActorError
 from ray.util import placement_group_table
 from support.rl_fixtures import tiny_checkpoint, tiny_config
 
+from raychat.log import RunGaveUp
 from raychat.rl.actors import ActorGroup
 from raychat.rl.loop import RLRun, rl_tasks
 
@@ -91,12 +93,13 @@ def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
     """4 steps, checkpoints at 2 and 4; the last learner is killed when step 4's rollouts are submitted (step 3
     done, not checkpointed); with 2 learners the surviving rank may raise its own error (its DDP peer is gone). The run stops every actor, starts them again, resumes from checkpoint_000002 and
     redoes steps 3 and 4: the redone step 3 has the same rewards and loss as the first (same state, prompts
-    and seeds), one failure is counted and the run completes at version 4."""
+    and seeds), one failure is counted and the run completes at version 4. The summary covers the whole
+    invocation (its start_step, wall_s and learner_wait_frac were the restarted attempt's alone: start_step 2)."""
     logs, killed = [], []
 
     def kill_learner_at_step_4(dispatcher, step, chunks):
         if step == 3 and not killed:
-            killed.append(step)
+            killed.append(time.perf_counter())
             ray.kill(dispatcher.actors.learners[-1])
 
     cfg = tiny_config(
@@ -104,10 +107,21 @@ def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
         rollout_workers=1 if learners == 2 else 2,
     )  # fmt: skip
     before = live_placement_groups()
+    began = time.perf_counter()
     summary = RLRun(cfg, on_submitted=kill_learner_at_step_4, log=logs.append).run()
+    ended = time.perf_counter()
     print("\n".join(logs))
-    assert killed == [3]
-    assert (summary["failures"], summary["start_step"], summary["version"]) == (1, 2, 4)
+    assert len(killed) == 1
+    # the summary covers the invocation: it started at step 0 (the restart resumed at 2), its wall time began
+    # before the kill (it was the restarted loop's alone, after it), and the learner's wait is over every
+    # learner step of both attempts: the 5 step lines (1-3, then 3 and 4 redone), busy = wait / frac - wait
+    assert (summary["failures"], summary["start_step"], summary["version"]) == (1, 0, 4)
+    assert ended - killed[0] < summary["wall_s"] <= ended - began
+    steps = [dict(re.findall(r"(\w+)=(\S+)", m)) for m in logs if m.startswith("step=")]
+    assert [s["step"] for s in steps] == ["1", "2", "3", "3", "4"]
+    waited = sum(float(s["learner_wait_s"]) for s in steps)
+    spent = sum(float(s["learner_wait_s"]) / float(s["learner_wait_frac"]) for s in steps)
+    assert summary["learner_wait_frac"] == pytest.approx(waited / spent, rel=2e-3)
     restart = next(i for i, m in enumerate(logs) if "restart 1 of --max-failures 1" in m)
     # 2 learners: whichever error reaches the driver first, the dead rank's or its DDP peer's own
     assert "ActorDiedError" in logs[restart] or (learners == 2 and "RayTaskError" in logs[restart])
@@ -138,20 +152,34 @@ def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
     assert live_placement_groups() == before
 
 
-def test_past_max_failures_the_run_fails_naming_the_option_and_releases_its_placement_group(
+def test_past_max_failures_the_run_gives_up_in_one_line_and_releases_its_placement_group(
     ray_cluster, checkpoint, tmp_path
 ):
+    """The learner is killed (ray.kill, as a kill -9) as step 2's rollouts are submitted, with --max-failures 0.
+    `raychat rl` ended in ~50 lines of two chained tracebacks; now RunGaveUp is one line (`raychat` prints it
+    last: tests/unit/test_cli.py) naming the actor, the error, the failure count and budget and the checkpoint a
+    new start resumes from, the error logged once in full above it."""
+
     def kill_learner_at_step_2(dispatcher, step, chunks):
         if step == 1:
             ray.kill(dispatcher.actors.learners[0])
 
     cfg = tiny_config(checkpoint, str(tmp_path), steps=2, max_failures=0)
     before = live_placement_groups()
-    run = RLRun(cfg, on_submitted=kill_learner_at_step_2, log=print)
-    with pytest.raises(
-        RuntimeError, match=r"RL run 't' failed after 0 restart\(s\), --max-failures 0 \(Actor"
-    ):
+    logs = []
+    run = RLRun(cfg, on_submitted=kill_learner_at_step_2, log=logs.append)
+    with pytest.raises(RunGaveUp) as e:
         run.run()
+    print("\n".join(logs))
+    assert str(e.value) == (
+        "rl run 't' gave up: learner 0 was lost (ActorDiedError: The actor died unexpectedly before finishing "
+        "this task.), failure 1 where --max-failures 0 allows 0 failures; started again (a higher --max-failures "
+        f"survives more), it resumes from its newest committed checkpoint {tmp_path}/t/checkpoint_000001"
+    )
+    full = [
+        m for m in logs if m.startswith("rl run 't': the failure that ended it, in full:\nActorDiedError: ")
+    ]
+    assert len(full) == 1 and "class_name: Learner\n" in full[0], logs
     assert run.failures == 0 and run.actors.pg is None and run.actors.learners == []
     assert live_placement_groups() == before
     assert [x["step"] for x in metric_lines(tmp_path / "t")] == [1]  # step 1 done and checkpointed

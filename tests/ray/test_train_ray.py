@@ -27,6 +27,7 @@ from torchao.float8.float8_linear import Float8Linear
 from raychat.checkpoint import load_tree, read_meta
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import TrainConfig, from_dict
+from raychat.log import RunGaveUp
 from raychat.rl.weights import weights_hash
 from raychat.train.pretrain import pretrain
 from raychat.train.step import NonFiniteError
@@ -92,16 +93,18 @@ def final_state(result, rank):
 
 class FailOnce(Callback):
     """Fault injection: rank 1 (or 0 alone; `rank` if given) dies with os._exit at step `at_step` the first time
-    only, like a lost node (the marker file remembers it); Ray Train then restarts the group from the last
-    checkpoint."""
+    only (the first `times` times), like a lost node or a kill -9 (the marker file counts them, a line each); Ray
+    Train then restarts the group from the last checkpoint."""
 
-    def __init__(self, at_step: int, marker: str, rank: int | None = None):
-        self.at_step, self.marker, self.rank = at_step, marker, rank
+    def __init__(self, at_step: int, marker: str, rank: int | None = None, times: int = 1):
+        self.at_step, self.marker, self.rank, self.times = at_step, marker, rank, times
 
     def on_step_begin(self, trainer, step):
         rank = min(1, trainer.world - 1) if self.rank is None else self.rank
-        if step == self.at_step and trainer.rank == rank and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
+        died = len(open(self.marker).readlines()) if os.path.exists(self.marker) else 0
+        if step == self.at_step and trainer.rank == rank and died < self.times:
+            with open(self.marker, "a") as f:
+                f.write(f"{step}\n")
             os._exit(1)
 
 
@@ -283,12 +286,33 @@ def test_a_non_finite_step_stops_the_run_without_a_retry(data, straight, tmp_pat
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
 
 
-def test_killed_worker_restarts_from_checkpoint_and_completes(ray_cluster, data, tmp_path):
-    marker = tmp_path / "died"
-    result = pretrain(tiny_config(data, tmp_path / "c", max_failures=1), callbacks=[FailOnce(4, str(marker))])
-    assert marker.exists()  # the worker did die once
+def test_killed_worker_restarts_from_checkpoint_gives_up_past_max_failures_and_resumes(
+    ray_cluster, data, tmp_path, capsys
+):
+    """The worker dies (os._exit, as a kill -9) as step 5 (0-based 4) begins, twice. Ray Train restarts it from
+    checkpoint 3 once (--max-failures 1); at the second death the run gives up. It ended in ~50 lines of two
+    chained tracebacks; now RunGaveUp is one line (`raychat` prints it last: tests/unit/test_cli.py) naming the
+    worker, the error, the failure count and budget and the checkpoint a new start resumes from, and Ray Train's
+    error is logged once in full above it. Started again, the run resumes from that checkpoint and completes.
+    (One worker: with two, the dead rank's DDP peer raises its own error, which may reach Ray Train first.)"""
+    marker, root = tmp_path / "died", tmp_path / "c"
+    cfg = tiny_config(data, root, max_failures=1, num_workers=1)
+    with pytest.raises(RunGaveUp) as e:
+        pretrain(cfg, callbacks=[FailOnce(4, str(marker), times=2)])
+    assert marker.read_text().split() == ["4", "4"]  # died, restarted from checkpoint 3, died again
+    assert str(e.value) == (
+        "pretrain run 't' gave up: worker rank 0 was lost (ActorDiedError: The actor died unexpectedly before "
+        "finishing this task.), failure 2 where --max-failures 1 allows 1 failure; started again (a higher "
+        f"--max-failures survives more), it resumes from its newest committed checkpoint {root}/t/checkpoint_000003"
+    )
+    _, full = capsys.readouterr().out.split("pretrain run 't': the failure that ended it, in full:\n")
+    assert full.startswith(
+        "WorkerGroupError: Training failed due to worker errors:\n[Rank 0 Error Snippet]:\n"
+    )
+    assert "The actor died unexpectedly before finishing this task." in full
+    result = pretrain(cfg, callbacks=[FailOnce(4, str(marker), times=2)])
     assert result.metrics["step"] == 6
-    assert sorted(losses(tmp_path / "c"))[-1] == 6
+    assert sorted(losses(root))[-1] == 6
 
 
 def test_a_run_on_object_storage_logs_each_step_once_across_a_worker_restart(

@@ -7,14 +7,18 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import runpy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from raychat.cli import COMMANDS, load, main
 from raychat.commands import CANARIES, PARSERS
+from raychat.log import RunGaveUp
 
+REPO = Path(__file__).resolve().parents[2]
 ROOT = "/mnt/checkpoints/runs"  # a storage root every node of the documented clusters mounts
 
 HEAVY = ("torch", "ray", "pyarrow", "numpy")
@@ -425,3 +429,30 @@ def test_a_required_flags_help_shows_no_empty_default(command, capsys):
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(required)" in text and "(required) (default: '')" not in text
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "sft", "rl"])
+def test_a_run_that_gave_up_ends_in_its_one_line_and_exit_status_1(stage, monkeypatch, capsys):
+    """A training run past --max-failures (RunGaveUp, its failure the cause: tests/ray/test_train_ray.py and
+    test_rl_faults.py make them) ended `raychat <stage>` and its Ray job (jobs/<stage>.py, whose output is the
+    job's logs) in two chained tracebacks; now in the run's one line, exit status 1. RAYCHAT_DEBUG=1 raises it,
+    its cause with it."""
+    line = f"{stage} run 't' gave up: worker rank 0 was lost (ActorDiedError: The actor died unexpectedly)"
+
+    def gives_up(args):
+        try:
+            raise ConnectionError("the worker's node went away")
+        except ConnectionError as e:
+            raise RunGaveUp(line) from e
+
+    module = {"pretrain": "raychat.train.pretrain", "sft": "raychat.train.sft", "rl": "raychat.rl.cli"}[stage]
+    monkeypatch.setattr(f"{module}.main", gives_up)
+    monkeypatch.setattr(sys, "argv", [f"jobs/{stage}.py", "--run-name", "t"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(REPO / "jobs" / f"{stage}.py"), run_name="__main__")
+    assert e.value.code == 1
+    assert capsys.readouterr().err == f"raychat {stage}: error: {line}\n"
+    monkeypatch.setenv("RAYCHAT_DEBUG", "1")
+    with pytest.raises(RunGaveUp) as raised:
+        main([stage, "--run-name", "t"])
+    assert isinstance(raised.value.__cause__, ConnectionError)

@@ -186,14 +186,24 @@ class ActorGroup:
         self.generation += 1
         create_collective_group(self.learners[0], self.rollouts, self.backend, self.group_name)
 
-    def learners_alive(self, timeout_s: float = 30.0) -> bool:
-        """Whether every learner actor still answers (False as soon as one is dead or does not answer within
-        timeout_s): tells a learner's own error from the one its DDP peers raise when it is lost."""
-        try:
-            ray.get([lr.pid.remote() for lr in self.learners], timeout=timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return False
-        return True
+    def lost_learner(self, timeout_s: float = 30.0) -> int | None:
+        """The index of the first learner that is dead or does not answer within timeout_s; None when every
+        learner answers: tells a learner's own error from the one its DDP peers raise when it is lost."""
+        for i, lr in enumerate(self.learners):
+            try:
+                ray.get(lr.pid.remote(), timeout=timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return i
+        return None
+
+    def name_of(self, actor_id: str | None) -> str:
+        """ "learner i" or "rollout actor i" of the actor whose id is `actor_id` (hex, as Ray's actor errors
+        carry it), "an actor of the run" for any other."""
+        for role, actors in (("learner", self.learners), ("rollout actor", self.rollouts)):
+            for i, a in enumerate(actors):
+                if a._actor_id.hex() == actor_id:
+                    return f"{role} {i}"
+        return "an actor of the run"
 
     def stop(self) -> None:
         """Kill every actor, forget the broadcast group and remove the placement group (safe to call again, and

@@ -16,13 +16,16 @@ signal; when every prompt of the run's first steps had none, one warning line sa
 were solved and what to try: no_signal_warning, once a run: NoSignalWatch),
 response_len_mean (completion tokens), rollout_tokens_per_s (completion tokens / the slowest
 chunk's generation seconds), learner_step_s, learner_wait_s (the driver waiting for rollouts between learner
-steps), learner_wait_frac (wait / (wait + step + sync), and cumulative in the summary), staleness_mean/max
+steps), learner_wait_frac (wait / (wait + step + sync)), staleness_mean/max
 (of the samples trained), sync_time_s (put + slowest actor's fetch+load), loss, grad_norm, normalization,
 restarts, stale_chunks and dropped_samples (cumulative: rollouts refused or dropped because the actor's
 weights were older than the staleness bound, raychat.rl.dispatcher; all re-issued). Every --eval-every
 steps, and at step 0 (the baseline): pass@k, k = 1..--eval-samples, on held-out prompts, as "eval" in the step's
 line (the baseline's line, step 0, holds only it); the summary's "evals" are every evaluation of the run, those
-before a resume included (read back from metrics.jsonl). Checkpoints go to OUT/RUN_NAME/checkpoint_<step:06d>
+before a resume included (read back from metrics.jsonl). The summary covers the whole invocation, every actor
+group restart included: start_step (where this invocation started), wall_s (seconds from run()'s start: the
+actor group's start, the baseline evaluation and restarts included) and learner_wait_frac (over every learner
+step of every attempt, redone ones too). Checkpoints go to OUT/RUN_NAME/checkpoint_<step:06d>
 on any storage root (a directory, NFS, s3://, gs://) through raychat.checkpoint_manager: every learner uploads
 its part, the driver commits; a run started again with the same --storage-path and --run-name resumes from the newest
 committed one, when it asks for the same --init-from, task and prompt order (check_resume; refused
@@ -32,8 +35,9 @@ Faults: a rollout actor that dies during a rollout or an evaluation is restarted
 re-synced and its prompts re-issued (raychat.rl.dispatcher). Any other lost actor (a learner, one lost during
 weight sync, every rollout actor) stops the whole actor group; it is started again and the run resumes from the
 newest committed checkpoint, redoing the steps after it, up to --max-failures times (`failures` in every
-line and the summary); past that the run fails naming the option. The placement group is removed on every
-path out (raychat.rl.actors).
+line and the summary); past that the run gives up: RunGaveUp (raychat.log), one line naming the lost actor, the
+error, the failure count, --max-failures and the checkpoint a new start resumes from, the error logged in full
+above it. The placement group is removed on every path out (raychat.rl.actors).
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ from raychat.train.launch import (
     Flags,
     changed_options,
     finished_line,
+    first_line,
+    gave_up,
     refuse_resume,
     resumable_checkpoint,
 )
@@ -243,6 +249,8 @@ class RLRun:
         if (done := self.finished()) is not None:
             self.log(finished_line(done["checkpoint"], done["steps"], self.flags.option("steps")))
             return done
+        self._began, self._start_step = time.perf_counter(), None  # of this invocation, across restarts
+        self._waited = self._busy = 0.0  # the learner's seconds waiting for rollouts / stepping and syncing
         if self._lease is None or self._lease.holder is None:  # raychat.rl.cli takes it before it starts Ray
             with self.lease():
                 return self._run()
@@ -275,7 +283,9 @@ class RLRun:
         in place (a learner, weight sync, every rollout actor), stop everything, start again and resume from
         the newest committed checkpoint, up to --max-failures times.
 
-        Raises RuntimeError naming --max-failures once the budget is spent (the last failure as its cause)."""
+        Raises RunGaveUp (raychat.log) once the budget is spent: one line naming the lost actor, the error, the
+        failure count and --max-failures, and the checkpoint a new start resumes from; the error (its __cause__)
+        logged in full above it."""
         budget = self.cfg.layout.max_failures
         while True:
             try:
@@ -284,25 +294,33 @@ class RLRun:
             except (RayActorError, ActorUnavailableError, ActorsLost, RayTaskError) as e:
                 # a surviving DDP rank raises its own error (gloo: the peer closed the connection) when a
                 # learner is lost: a restart then too; any other task error is the run's own and ends it
-                if isinstance(e, RayTaskError) and self.actors.learners_alive():
-                    raise
+                if isinstance(e, RayTaskError):
+                    if (learner := self.actors.lost_learner()) is None:
+                        raise
+                    lost = f"learner {learner} was lost"
+                elif isinstance(e, ActorsLost):
+                    lost = "the rollout actors were lost"
+                else:
+                    lost = f"{self.actors.name_of(getattr(e, 'actor_id', None))} was lost"
                 self.actors.stop()
                 self.sync.reset()
-                cause = f"{type(e).__name__}: {_first_line(e)}"
                 if self.failures >= budget:
-                    raise RuntimeError(
-                        f"RL run {self.cfg.run.run_name!r} failed after {self.failures} restart(s), "
-                        f"--max-failures {budget} ({cause}); raise --max-failures to survive more"
+                    newest = self.checkpoints.newest()
+                    checkpoint = self.checkpoints.uri(newest.step) if newest else None
+                    run = f"rl run {self.cfg.run.run_name!r}"
+                    raise gave_up(
+                        run, lost, e, self.failures + 1, budget, self.flags, checkpoint, log=self.log
                     ) from e
                 self.failures += 1
                 self.log(
-                    f"an actor was lost ({cause}); restart {self.failures} of --max-failures {budget}: "
-                    "starting every actor again and resuming from the newest committed checkpoint"
+                    f"{lost} ({type(e).__name__}: {first_line(e)}); restart {self.failures} of --max-failures "
+                    f"{budget}: starting every actor again and resuming from the newest committed checkpoint"
                 )
 
     def _loop(self, metrics: MetricsSink) -> dict:
         cfg, steps, is_async = self.cfg, self.cfg.rollout.steps, self.cfg.asynchrony.mode == "async"
         start = self.resume()
+        self._start_step = start if self._start_step is None else self._start_step
         metrics.resume_at(start if start else -1)  # a fresh start redoes the baseline evaluation (step 0) too
         sync = self.sync.publish(self.version)
         self.log(f"rl: {cfg.asynchrony.mode} mode, normalization={cfg.objective.normalization}, version "
@@ -315,8 +333,6 @@ class RLRun:
             evals.append({"step": 0, **self.dispatcher.evaluate(len(self.tasks["test"]))})
             metrics.log({"step": 0, "eval": evals[-1]})
             self.log(f"eval step 0: {_fmt(evals[-1])}")
-        t_loop = time.perf_counter()
-        total_wait = total_busy = 0.0
         inflight: deque = deque()
         ahead = cfg.asynchrony.max_staleness if is_async else 0
         next_submit = start
@@ -333,8 +349,8 @@ class RLRun:
             t1 = time.perf_counter()
             sync = self.sync.publish(self.version, block=not is_async) or last_ack
             sync_wall = time.perf_counter() - t1
-            total_wait += wait_s
-            total_busy += stats["step_s"] + sync_wall
+            self._waited += wait_s
+            self._busy += stats["step_s"] + sync_wall
             line = {
                 "step": step + 1, "version": self.version, "mode": cfg.asynchrony.mode, **rollout, **stats,
                 "learner_step_s": stats["step_s"], "learner_wait_s": wait_s,
@@ -358,11 +374,11 @@ class RLRun:
         self.sync.drain()
         newest = self.checkpoints.newest()
         return {
-            "steps": steps, "start_step": start, "version": self.version, "restarts": self.restarts,
+            "steps": steps, "start_step": self._start_step, "version": self.version, "restarts": self.restarts,
             "failures": self.failures,
             "stale_chunks": self.dispatcher.stale_chunks, "dropped_samples": self.dispatcher.dropped_samples,
-            "evals": evals, "learner_wait_frac": total_wait / max(total_wait + total_busy, 1e-9),
-            "wall_s": time.perf_counter() - t_loop, "run_dir": self.run_dir,
+            "evals": evals, "learner_wait_frac": self._waited / max(self._waited + self._busy, 1e-9),
+            "wall_s": time.perf_counter() - self._began, "run_dir": self.run_dir,
             "checkpoint": self.checkpoints.uri(newest.step) if newest else None,
         }  # fmt: skip
 
@@ -432,14 +448,9 @@ class NoSignalWatch:
 
 _LOG_KEYS = (
     "step", "reward_mean", "response_len_mean", "loss", "grad_norm", "rollout_tokens_per_s", "learner_step_s",
-    "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts", "failures", "stale_chunks",
+    "learner_wait_s", "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts", "failures", "stale_chunks",
 )  # fmt: skip
 
 
 def _fmt(d: dict) -> str:
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
-
-
-def _first_line(e: BaseException) -> str:
-    """The first line of an exception's message (Ray's actor errors carry a long traceback)."""
-    return (str(e).strip().splitlines() or [""])[0]

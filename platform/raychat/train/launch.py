@@ -24,8 +24,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import ray
 from ray.data._internal.stats import get_or_create_stats_actor
-from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, WorkerGroupError
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raychat.capacity import (
@@ -43,7 +44,7 @@ from raychat.data.loader.document_order import changed_shards
 from raychat.data.loader.row_source import RowSource, same_stream
 from raychat.data.loader.sft_rows import changed_task_files
 from raychat.lease import RunLease
-from raychat.log import log, plural
+from raychat.log import RunGaveUp, log, plural
 from raychat.model import ModelConfig
 from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory, why
 from raychat.tokenizer import Tokenizer
@@ -490,7 +491,9 @@ def run_training(
     Raises ValueError (before Ray starts) for a reference that names nothing, a root that is not writable, an
     --init-from trained with another tokenizer (check_tokenizer), a run directory whose newest checkpoint this
     run cannot resume (check_resume), or a run another live driver trains (raychat.lease.LeaseHeld); LeaseLost
-    (a ValueError) when another start took the lease over while this run was not renewing it.
+    (a ValueError) when another start took the lease over while this run was not renewing it; RunGaveUp
+    (raychat.log) when the worker group failed once more than --max-failures allows (Ray Train restarts it
+    from the newest committed checkpoint until then): one line (gave_up), the failure logged in full above it.
     """
     paths = resolve_paths(cfg, writable=False)
     cfg = paths.config(cfg)
@@ -506,14 +509,17 @@ def run_training(
         return done
     check_writable(paths.storage)  # creates the root: only once the inputs are known to be good
     with RunLease(paths.storage, paths.checkpoints.run_path, other_run=flags.other_run):
-        return _train(cfg, spec, callbacks, paths, plan)
+        return _train(cfg, spec, callbacks, paths, plan, flags)
 
 
-def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan) -> TrainingResult:
-    """run_training's part after the checks, under the run's lease: the plan printed, Ray Train run."""
+def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags: Flags) -> TrainingResult:
+    """run_training's part after the checks, under the run's lease: the plan printed, Ray Train run. A worker
+    group failure past --max-failures is logged in full and raised as RunGaveUp (gave_up), the local Ray
+    cluster this run started stopped first (Ray forwards its workers' log lines for seconds after)."""
     print_plan(cfg, plan)
     mark("plan_printed")
     c = cfg.layout
+    started = not ray.is_initialized()
     line, capacity = start_or_connect(c.num_workers, c.cpus_per_worker, spec.data_cpus, c.use_gpu)
     mark("ray_connected")
     log(line)
@@ -541,7 +547,20 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan) -> Tr
             failure_config=failure_config(c),
         ),
     )
-    fault = getattr(fit(trainer, cfg, capacity), "return_value", None)  # rank 0's NonFiniteError, returned
+    try:
+        fault = getattr(
+            fit(trainer, cfg, capacity), "return_value", None
+        )  # rank 0's NonFiniteError, returned
+    except WorkerGroupError as e:  # Ray Train retried --max-failures times (failure_config)
+        failed, error = failed_worker(e)
+        newest = paths.checkpoints.newest()
+        checkpoint = paths.storage.uri_of(newest.path) if newest else None
+        run = f"{cfg.run.stage} run {cfg.run.run_name!r}"
+        if (
+            started
+        ):  # the run's own local cluster: stopped first, so that no worker's log line follows the run's
+            ray.shutdown()
+        raise gave_up(run, failed, error, c.max_failures + 1, c.max_failures, flags, checkpoint, e) from e
     newest = paths.checkpoints.newest()
     uri = paths.storage.uri_of(newest.path) if newest else None
     if isinstance(fault, NonFiniteError):
@@ -552,6 +571,56 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan) -> Tr
     log(f"final checkpoint: {uri}")
     log(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
     return result
+
+
+def failed_worker(error: WorkerGroupError) -> tuple[str, BaseException]:
+    """(what failed, its error) of a worker group failure: a worker whose process was lost (Ray Train's health
+    check of it failed: a kill, a lost node; its error is the health check's, e.g. ActorDiedError) before one
+    whose training function raised (as a lost rank's DDP peers do), the lowest rank first."""
+    failures = error.worker_failures
+    lost = {r: e.health_check_failure for r, e in failures.items() if hasattr(e, "health_check_failure")}
+    if lost:
+        return f"worker rank {min(lost)} was lost", lost[min(lost)]
+    if failures:
+        return f"worker rank {min(failures)} failed", failures[min(failures)]
+    return "the worker group failed", error
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (Ray's errors carry a long traceback or actor description)."""
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def gave_up(
+    run: str,
+    failed: str,
+    error: BaseException,
+    failures: int,
+    allowed: int,
+    flags: Flags,
+    checkpoint: str | None,
+    full: BaseException | None = None,
+    log: Callable[[str], None] = log,
+) -> RunGaveUp:
+    """Log `full` (default `error`: what ended the run, with every rank's or the actor's traceback) in full
+    through `log`,
+    then return the RunGaveUp to raise, of one line: `run` ("rl run 't'") gave up, `failed` ("worker rank 1 was
+    lost"), `error`'s type and first line, failure `failures` where --max-failures (as `flags` names it) allows
+    `allowed`, and the newest committed `checkpoint` the run resumes from when started again (None: it starts
+    over)."""
+    full = error if full is None else full
+    log(f"{run}: the failure that ended it, in full:\n{type(full).__name__}: {full}")
+    option = flags.option("max_failures")
+    resumes = (
+        f"it resumes from its newest committed checkpoint {checkpoint}"
+        if checkpoint
+        else "it starts over (no checkpoint was committed)"
+    )
+    return RunGaveUp(
+        f"{run} gave up: {failed} ({type(error).__name__}: {first_line(error)}), failure {failures} where "
+        f"{option} {allowed} allows {plural(allowed, 'failure')}; started again (a higher {option} survives more), "
+        f"{resumes}"
+    )
 
 
 def finished_line(checkpoint: str, steps: int, horizon: str) -> str:
@@ -604,7 +673,8 @@ def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity):
     Raises:
         ValueError: the worker group was not placed in time: one line naming the flags and the missing
             resource (raychat.capacity.missing_resources), or the GPU workers could not use CUDA.
-        ray.train.TrainingFailedError: any other failure, once the budget of failure_config is spent.
+        ray.train.TrainingFailedError: any other failure, once the budget of failure_config is spent (a
+            WorkerGroupError: past --max-failures, which _train raises as RunGaveUp).
     """
     c = cfg.layout
     os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = f"{placement_attempts(c)[0]:g}"
