@@ -603,11 +603,10 @@ def gave_up(
     log: Callable[[str], None] = log,
 ) -> RunGaveUp:
     """Log `full` (default `error`: what ended the run, with every rank's or the actor's traceback) in full
-    through `log`,
-    then return the RunGaveUp to raise, of one line: `run` ("rl run 't'") gave up, `failed` ("worker rank 1 was
-    lost"), `error`'s type and first line, failure `failures` where --max-failures (as `flags` names it) allows
-    `allowed`, and the newest committed `checkpoint` the run resumes from when started again (None: it starts
-    over)."""
+    through `log`, then return the RunGaveUp to raise, of one line: `run` ("rl run 't'") gave up, `failed`
+    ("worker rank 1 was lost"), `error`'s type and first line, failure `failures` where --max-failures (as
+    `flags` names it) allows `allowed`, and the newest committed `checkpoint` the run resumes from when started
+    again (None: it starts over)."""
     full = error if full is None else full
     log(f"{run}: the failure that ended it, in full:\n{type(full).__name__}: {full}")
     option = flags.option("max_failures")
