@@ -142,7 +142,7 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
         t0 = banner("6/6 RL: rollout actors + learner")
         run = config.rl.run
         before = newest_commit(run.storage_path, run.run_name)
-        figures, final = run_rl_stage(config.rl, final, cfg, speedrun_flags(preset, "rl"))
+        figures, final = run_rl_stage(config.rl, final, cfg, speedrun_flags(preset, "rl"), preset)
         after = newest_commit(run.storage_path, run.run_name)
         report["rl"] = settle("rl", t0, figures, after, after != before)
     if report["reused"]:
@@ -266,21 +266,24 @@ def with_accuracy_before(figures: dict, base_checkpoint: str) -> dict:
     return {**figures, "accuracy_before": before}
 
 
-def connect(cfg: TrainConfig) -> None:
-    """Connect to the cluster pretraining (`cfg`) runs on, or start it (raychat.train.layout.start_or_connect),
-    unless a stage has: a finished pretraining or SFT run starts none."""
+def connect(cfg: TrainConfig, preset: str) -> None:
+    """Connect to the cluster pretraining (`cfg`, of `preset`) runs on, or start it
+    (raychat.train.layout.start_or_connect; its refusals name the preset's keys: train.num_workers), unless a
+    stage has: a finished pretraining or SFT run starts none."""
     if not ray.is_initialized():
-        c = cfg.layout
-        log(start_or_connect(c.num_workers, c.cpus_per_worker, Pretraining.data_cpus, c.use_gpu)[0])
+        c, option = cfg.layout, speedrun_flags(preset, "pretrain").option
+        log(start_or_connect(c.num_workers, c.cpus_per_worker, Pretraining.data_cpus, c.use_gpu, option)[0])
 
 
-def run_rl_stage(cfg: RLConfig, checkpoint: str, pretrain_cfg: TrainConfig, flags: Flags) -> tuple[dict, str]:
-    """RL (`cfg`) from the SFT checkpoint, on pretraining's cluster (connect); pass@1 on held-out problems
-    before and after. Its lines name the options as `flags` does."""
+def run_rl_stage(
+    cfg: RLConfig, checkpoint: str, pretrain_cfg: TrainConfig, flags: Flags, preset: str
+) -> tuple[dict, str]:
+    """RL (`cfg`) from the SFT checkpoint, on pretraining's cluster (connect: `pretrain_cfg` of `preset`);
+    pass@1 on held-out problems before and after. Its lines name the options as `flags` does."""
     run = RLRun(from_dict(RLConfig, {"init_from": checkpoint}, base=cfg), flags=flags)
     if run.finished() is None:
         with run.lease():  # before connect: a run another driver trains is refused before Ray starts
-            connect(pretrain_cfg)
+            connect(pretrain_cfg, preset)
             summary = run.run()
     else:
         summary = run.run()

@@ -1004,6 +1004,32 @@ def test_a_second_speedrun_of_one_out_is_refused_before_any_stage(tmp_path, smal
     assert not (out / "lease.json").exists() and not (out / "checkpoints" / "base" / "lease.json").exists()
 
 
+@pytest.mark.parametrize(
+    "command, names",
+    [("pretrain", "--num-workers 2 x --cpus-per-worker 99"), ("speedrun", "train.num_workers 2 x train.cpus_per_worker 99")],
+)  # fmt: skip
+def test_a_layout_the_local_cluster_cannot_hold_is_named_as_its_command_sets_it(
+    command, names, tmp_path, small_tokenizer, monkeypatch, capsys
+):
+    """A worker larger than this machine, refused before the local Ray cluster starts (layout.start_or_connect).
+    In the speedrun it named --num-workers and --cpus-per-worker, flags the speedrun does not have: its
+    preset's train section sets them."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = _speedrun_inputs(tmp_path / "out", small_tokenizer)
+    preset = yaml.safe_load(resources.files("raychat").joinpath("presets/tiny.yaml").read_text())
+    preset["train"]["cpus_per_worker"] = 99
+    (tmp_path / "big.yaml").write_text(yaml.safe_dump(preset))
+    argv = {
+        "pretrain": ["pretrain", "--preset", "tiny", "--cpus-per-worker", "99", "--storage-path", str(out),
+                     "--run-name", "base", "--data-dir", f"{out}/data", "--tokenizer-path", f"{out}/tokenizer"],
+        "speedrun": ["speedrun", "--preset", str(tmp_path / "big.yaml"), "--out", str(out)],
+    }[command]  # fmt: skip
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat {command}: error: {names}: one worker needs 99 CPUs, the largest node has {local_cores() + 1}  "
+        "(RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+
+
 def test_resuming_on_other_documents_under_the_same_names_and_layout(root, driver, pretrained, capsys):
     """`raychat data prepare --seed 1` into the run's --data-dir (or other shards of the same names and layout):
     the fingerprint held no content, so the run resumed on other documents without a word. A checkpoint
