@@ -179,7 +179,7 @@ def test_presets_are_package_data_found_from_any_directory(tmp_path):
     ).stdout  # fmt: skip
     # depth 26, head_dim 128: width 26 * 64 = 1664 (a multiple of 128), 13 heads; 32 x 16 x 2048 tokens a step
     assert "model: depth 26 width 1664 heads 13" in out
-    assert "batch: 1,048,576 tokens/step = 32 workers x 16 rows x 2,048 tokens x 1 accumulation steps" in out
+    assert "batch: 1,048,576 tokens/step = 32 workers x 16 rows x 2,048 tokens x 1 accumulation step" in out
 
 
 def test_a_preset_file_that_is_not_yaml_is_one_line_naming_the_line(tmp_path):
