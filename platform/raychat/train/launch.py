@@ -544,9 +544,8 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
             failure_config=failure_config(c),
         ),
     )
-    fault = getattr(
-        fit(trainer, cfg, capacity, flags), "return_value", None
-    )  # rank 0's NonFiniteError, returned
+    fitted = fit(trainer, cfg, capacity, flags)
+    fault = getattr(fitted, "return_value", None)  # rank 0's NonFiniteError, returned
     newest = paths.checkpoints.newest()
     uri = paths.storage.uri_of(newest.path) if newest else None
     if isinstance(fault, NonFiniteError):
