@@ -1,6 +1,6 @@
 """A run's lease: <root>/<run>/lease.json, held by the driver of a training run (pretrain, sft, rl) for as long as
 it trains, so that two drivers of one run never commit checkpoints, metrics.jsonl and pruning into the same run
-directory at once.
+directory at once; and <out>/lease.json, held by a speedrun for its whole invocation (raychat.speedrun).
 
 The file is JSON: {"host", "pid", "started_at", "renewed_at" (unix seconds), "command", "job" (the Ray job's
 submission id, or null), "token" (the holder's own random id)}. The driver takes it once the cheap checks have
@@ -128,7 +128,8 @@ def _when(t: float) -> str:
 
 class RunLease:
     """The lease of the run at `run_path` on `storage` (a context manager: `with RunLease(...):` acquires it and
-    releases it on the way out).
+    releases it on the way out). run_path is <root>/<run>, or the root itself (storage.path: the speedrun's lease
+    on its --out, raychat.speedrun.out_lease).
 
     command: what the lease says runs the run (default: this process's command line, at most 500 characters);
     other_run: how the refusal says to start another run instead (the training commands' "another --run-name").
@@ -276,7 +277,10 @@ class RunLease:
         """Write `mine` where no lease is; False when one is there (or, on object storage, another start's
         write won)."""
         parent = self.path.rsplit("/", 1)[0]
-        self.storage.fs.create_dir(self.storage.inside(parent), recursive=True)
+        # the root's own lease (the speedrun's <out>/lease.json) creates the root, as check_writable does
+        self.storage.fs.create_dir(
+            parent if parent == self.storage.path else self.storage.inside(parent), recursive=True
+        )
         if self.storage.is_local:
             return exclusive_write_bytes(self.path, mine.to_bytes())
         if self._read() is not None:

@@ -14,8 +14,9 @@ import sys
 
 
 def plural(n: int, noun: str) -> str:
-    """A count in a line: '1 step', '2 steps' (`noun` singular, its plural with an s)."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+    """A count in a line: '1 step', '2 steps', '1,000 steps' (`noun` singular, its plural with an s; the count
+    with thousands separators, as the plan's other figures)."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
 
 
 def rank() -> int:

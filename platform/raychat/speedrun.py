@@ -29,6 +29,7 @@ from raychat.data.corpus.shards import list_shards
 from raychat.eval.bpb import unigram_bpb
 from raychat.eval.report_card import checkpoint_row, format_markdown
 from raychat.eval.tasks import task_accuracy
+from raychat.lease import RunLease
 from raychat.log import log, plural
 from raychat.metrics_sink import read_jsonl
 from raychat.ray_token import token_for
@@ -56,8 +57,27 @@ def newest_commit(storage_path: str, run_name: str) -> str | None:
     return file_id(Path(found[-1].path) / COMMIT_FILE) if found else None
 
 
+def out_lease(out: str) -> RunLease:
+    """The speedrun's lease on its --out `out` (a local directory): <out>/lease.json (raychat.lease), so that two
+    speedruns of one --out never prepare data, train a tokenizer or train into it at once; its refusal says to
+    use another --out. The training stages' own leases (<out>/checkpoints/base/lease.json, ...) are other files,
+    taken inside it."""
+    storage = open_storage(out, "--out")
+    return RunLease(storage, storage.path, other_run=OTHER_OUT)
+
+
 def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> dict:
+    """Every stage of the speedrun of `preset` under `out` (module doc); returns its report (report.md's dict).
+
+    The preset and --out are checked first; then the speedrun holds its lease on --out (out_lease) until it
+    returns or raises. Raises ValueError as each stage's command; raychat.lease.LeaseHeld, before any stage,
+    while another speedrun of the same --out holds its lease."""
     config = SpeedrunConfig.from_preset(preset, out, num_iterations)
+    with out_lease(config.out):
+        return _run_stages(preset, config)
+
+
+def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     data_cfg, tok_cfg, cfg = config.data, config.tokenizer, config.pretrain
@@ -122,7 +142,7 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
         t0 = banner("6/6 RL: rollout actors + learner")
         run = config.rl.run
         before = newest_commit(run.storage_path, run.run_name)
-        figures, final = run_rl_stage(config.rl, final, cfg, speedrun_flags(preset, "rl"))
+        figures, final = run_rl_stage(config.rl, final, cfg, speedrun_flags(preset, "rl"), preset)
         after = newest_commit(run.storage_path, run.run_name)
         report["rl"] = settle("rl", t0, figures, after, after != before)
     if report["reused"]:
@@ -246,21 +266,24 @@ def with_accuracy_before(figures: dict, base_checkpoint: str) -> dict:
     return {**figures, "accuracy_before": before}
 
 
-def connect(cfg: TrainConfig) -> None:
-    """Connect to the cluster pretraining (`cfg`) runs on, or start it (raychat.train.layout.start_or_connect),
-    unless a stage has: a finished pretraining or SFT run starts none."""
+def connect(cfg: TrainConfig, preset: str) -> None:
+    """Connect to the cluster pretraining (`cfg`, of `preset`) runs on, or start it
+    (raychat.train.layout.start_or_connect; its refusals name the preset's keys: train.num_workers), unless a
+    stage has: a finished pretraining or SFT run starts none."""
     if not ray.is_initialized():
-        c = cfg.layout
-        log(start_or_connect(c.num_workers, c.cpus_per_worker, Pretraining.data_cpus, c.use_gpu)[0])
+        c, option = cfg.layout, speedrun_flags(preset, "pretrain").option
+        log(start_or_connect(c.num_workers, c.cpus_per_worker, Pretraining.data_cpus, c.use_gpu, option)[0])
 
 
-def run_rl_stage(cfg: RLConfig, checkpoint: str, pretrain_cfg: TrainConfig, flags: Flags) -> tuple[dict, str]:
-    """RL (`cfg`) from the SFT checkpoint, on pretraining's cluster (connect); pass@1 on held-out problems
-    before and after. Its lines name the options as `flags` does."""
+def run_rl_stage(
+    cfg: RLConfig, checkpoint: str, pretrain_cfg: TrainConfig, flags: Flags, preset: str
+) -> tuple[dict, str]:
+    """RL (`cfg`) from the SFT checkpoint, on pretraining's cluster (connect: `pretrain_cfg` of `preset`);
+    pass@1 on held-out problems before and after. Its lines name the options as `flags` does."""
     run = RLRun(from_dict(RLConfig, {"init_from": checkpoint}, base=cfg), flags=flags)
     if run.finished() is None:
         with run.lease():  # before connect: a run another driver trains is refused before Ray starts
-            connect(pretrain_cfg)
+            connect(pretrain_cfg, preset)
             summary = run.run()
     else:
         summary = run.run()
@@ -294,6 +317,7 @@ def unigram_baseline(data_dir: Path, tok_dir: Path, max_chars: int = 20_000_000)
 # checkpoint SFT and RL start from.
 OUT_OPTIONS = {"storage_path": "--out", "data_dir": "--out", "tokenizer_path": "--out", "run_name": "run"}
 STARTS_FROM = {"sft": "the pretraining checkpoint", "rl": "the SFT checkpoint"}
+OTHER_OUT = "another --out"  # how the speedrun's refusals say to start another speedrun
 
 
 def speedrun_flags(preset: str, stage: str) -> Flags:
@@ -315,7 +339,7 @@ def speedrun_flags(preset: str, stage: str) -> Flags:
             return OUT_OPTIONS[name]
         return f"{'train' if stage == 'sft' and name not in own else section}.{name}"
 
-    return Flags(option, "another --out", "the same --preset")
+    return Flags(option, OTHER_OUT, "the same --preset")
 
 
 def main(args) -> int:

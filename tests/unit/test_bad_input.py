@@ -42,8 +42,10 @@ from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
 from raychat.config import RLConfig, from_dict, to_dict
 from raychat.data.corpus.shards import write_manifest, write_shards
+from raychat.lease import RunLease
 from raychat.model import GPT, ModelConfig
 from raychat.speedrun import reused_tokenizer_line
+from raychat.storage import open_storage
 from raychat.tasks import spelling
 from raychat.tokenizer import Tokenizer
 from raychat.train import launch
@@ -876,16 +878,22 @@ def test_a_second_start_of_a_running_run_is_refused_before_ray_starts(pretrained
     assert not (root / "p1" / "lease.json").exists()
 
 
-@pytest.fixture
-def speedrun_out(tmp_path, small_tokenizer, driver, capsys) -> tuple[Path, Path]:
-    """(an --out of a tiny speedrun stopped in pretraining, its committed checkpoints/base/checkpoint_000002):
-    its data, and a tokenizer saved as before tokenizers recorded the vocabulary size they were trained for."""
-    out = tmp_path / "out"
+def _speedrun_inputs(out: Path, small_tokenizer: Tokenizer) -> Path:
+    """`out` holding a speedrun's data and tokenizer (saved as before tokenizers recorded the vocabulary size
+    they were trained for): its data and tokenizer stages reuse them."""
     Tokenizer(small_tokenizer.pattern, small_tokenizer.mergeable_ranks).save(out / "tokenizer")
     entries = write_shards(
         [GOOD_TEXT * 8] * 8, out / "data", num_shards=2, log=lambda *_: None
     )  # rows of 257
     write_manifest(out / "data", {"source": "test", "shards": entries})
+    return out
+
+
+@pytest.fixture
+def speedrun_out(tmp_path, small_tokenizer, driver, capsys) -> tuple[Path, Path]:
+    """(an --out of a tiny speedrun stopped in pretraining, its committed checkpoints/base/checkpoint_000002):
+    its data, and a tokenizer saved as before tokenizers recorded the vocabulary size they were trained for."""
+    out = _speedrun_inputs(tmp_path / "out", small_tokenizer)
     argv = ["pretrain", "--preset", "tiny", "--storage-path", f"{out}/checkpoints", "--run-name", "base",
             "--data-dir", f"{out}/data", "--tokenizer-path", f"{out}/tokenizer"]  # fmt: skip
     d = _commit_step(*driver(argv))
@@ -963,6 +971,62 @@ def test_a_speedrun_refuses_a_tokenizer_trained_for_another_vocabulary(speedrun_
     assert line == (
         f"using existing tokenizer in {out}/tokenizer: vocabulary {small_tokenizer.vocab_size} (asked 512: the "
         "corpus supports no more)"
+    )
+
+
+def test_a_second_speedrun_of_one_out_is_refused_before_any_stage(tmp_path, small_tokenizer, driver, capsys):
+    """Two `raychat speedrun --out X` at once: only the training stages took leases, so both prepared data and
+    trained a tokenizer into X before the second was refused at pretraining. The speedrun holds <out>/lease.json
+    from before its data stage: the second is refused in one line, before any stage, nothing under X changed.
+    Once released, a speedrun takes it, its pretraining stage takes the run's own lease inside it (reaching Ray),
+    and both are gone on the way out (here an exception)."""
+    out = _speedrun_inputs(tmp_path / "out", small_tokenizer)
+    argv = ["speedrun", "--preset", "tiny", "--out", str(out)]
+    storage = open_storage(str(out))
+    with RunLease(
+        storage, storage.path, command="raychat speedrun --out X", other_run="another --out"
+    ) as held:
+        before, started = _snapshot(out), held.holder.started_at
+        assert raychat_main(argv) == 2
+        assert _snapshot(out) == before
+    stdout, err = capsys.readouterr()
+    assert not ray.is_initialized() and "=== 1/6" not in stdout, stdout
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+    assert err == (
+        f"raychat speedrun: error: the run is already running: {out}/lease.json is held by pid {os.getpid()} on "
+        f"{socket.gethostname()}, started {started}, renewed 0 s ago (raychat speedrun --out X); wait for it to "
+        "end, or use another --out; if that process is gone, the lease is taken over at once on its own host, "
+        "else once it is 120 s without renewal  (RAYCHAT_DEBUG=1 shows the traceback)\n"
+    )
+    assert not (out / "lease.json").exists()
+    driver(argv)  # data and tokenizer reused; pretraining takes checkpoints/base/lease.json and reaches Ray
+    assert "=== 3/6 pretrain" in capsys.readouterr().out
+    assert not (out / "lease.json").exists() and not (out / "checkpoints" / "base" / "lease.json").exists()
+
+
+@pytest.mark.parametrize(
+    "command, names",
+    [("pretrain", "--num-workers 2 x --cpus-per-worker 99"), ("speedrun", "train.num_workers 2 x train.cpus_per_worker 99")],
+)  # fmt: skip
+def test_a_layout_the_local_cluster_cannot_hold_is_named_as_its_command_sets_it(
+    command, names, tmp_path, small_tokenizer, monkeypatch, capsys
+):
+    """A worker larger than this machine, refused before the local Ray cluster starts (layout.start_or_connect).
+    In the speedrun it named --num-workers and --cpus-per-worker, flags the speedrun does not have: its
+    preset's train section sets them."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = _speedrun_inputs(tmp_path / "out", small_tokenizer)
+    preset = yaml.safe_load(resources.files("raychat").joinpath("presets/tiny.yaml").read_text())
+    preset["train"]["cpus_per_worker"] = 99
+    (tmp_path / "big.yaml").write_text(yaml.safe_dump(preset))
+    argv = {
+        "pretrain": ["pretrain", "--preset", "tiny", "--cpus-per-worker", "99", "--storage-path", str(out),
+                     "--run-name", "base", "--data-dir", f"{out}/data", "--tokenizer-path", f"{out}/tokenizer"],
+        "speedrun": ["speedrun", "--preset", str(tmp_path / "big.yaml"), "--out", str(out)],
+    }[command]  # fmt: skip
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat {command}: error: {names}: one worker needs 99 CPUs, the largest node has {local_cores() + 1}  "
+        "(RAYCHAT_DEBUG=1 shows the traceback)"
     )
 
 

@@ -31,7 +31,7 @@ from raychat.config.data import TokenizerConfig
 from raychat.config.schema import leaves, shown
 from raychat.storage import run_directory
 from raychat.tokenizer import MIN_VOCAB_SIZE
-from raychat.train.plan import make_plan
+from raychat.train.plan import make_plan, print_plan
 
 
 def test_nested_flat_and_alias_keys_build_the_same_config():
@@ -179,7 +179,7 @@ def test_presets_are_package_data_found_from_any_directory(tmp_path):
     ).stdout  # fmt: skip
     # depth 26, head_dim 128: width 26 * 64 = 1664 (a multiple of 128), 13 heads; 32 x 16 x 2048 tokens a step
     assert "model: depth 26 width 1664 heads 13" in out
-    assert "batch: 1,048,576 tokens/step = 32 workers x 16 rows x 2048 tokens x 1 accumulation steps" in out
+    assert "batch: 1,048,576 tokens/step = 32 workers x 16 rows x 2,048 tokens x 1 accumulation step" in out
 
 
 def test_a_preset_file_that_is_not_yaml_is_one_line_naming_the_line(tmp_path):
@@ -314,3 +314,12 @@ def test_meaningless_horizons_and_peak_flops_are_refused(flags, message):
     assert str(e.value) == message
     assert from_args(build_parser("pretrain").parse_args(["pretrain", "--stop-after", "10", "--num-iterations",
                      "10", "--peak-flops", "1e12"]), TrainConfig, "pretrain").train.horizon.stop_after == 10  # fmt: skip
+
+
+@pytest.mark.parametrize("steps, horizon", [(1, "1 step, "), (1000, "1,000 steps, ")])
+def test_the_plans_horizon_counts_its_steps(steps, horizon, capsys):
+    """The plan printed "horizon (num_iterations): 1 steps"."""
+    cfg = from_dict(TrainConfig, {"depth": 1, "num_iterations": steps})
+    print_plan(cfg, make_plan(cfg, 512))
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("horizon"))
+    assert line.startswith(f"horizon (num_iterations): {horizon}"), line

@@ -4,7 +4,7 @@ import builtins
 
 import pytest
 
-from raychat.log import log
+from raychat.log import log, plural
 
 
 @pytest.mark.parametrize("rank, printed", [(None, "hello\n"), ("0", "hello\n"), ("1", "")])
@@ -35,3 +35,9 @@ def test_a_ray_train_workers_line_is_written_once(monkeypatch, capsys):
     log("step 1/10")
     assert teed == []
     assert capsys.readouterr().out == "step 1/10\n"
+
+
+@pytest.mark.parametrize("n, line", [(0, "0 steps"), (1, "1 step"), (2, "2 steps"), (1000, "1,000 steps"),
+                                     (18327, "18,327 steps")])  # fmt: skip
+def test_plural_counts_with_thousands_separators(n, line):
+    assert plural(n, "step") == line

@@ -48,7 +48,7 @@ from raychat.log import RunGaveUp, log, plural
 from raychat.model import ModelConfig
 from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory, why
 from raychat.tokenizer import Tokenizer
-from raychat.train.layout import start_or_connect, worker_bundle
+from raychat.train.layout import layout_flags, start_or_connect, worker_bundle
 from raychat.train.optim import lr_multiplier, lr_peak_from, warmdown_start
 from raychat.train.plan import Plan, make_plan, print_plan
 from raychat.train.startup_trace import mark
@@ -513,14 +513,17 @@ def run_training(
 
 
 def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags: Flags) -> TrainingResult:
-    """run_training's part after the checks, under the run's lease: the plan printed, Ray Train run. A worker
-    group failure past --max-failures is logged in full and raised as RunGaveUp (gave_up), the local Ray
-    cluster this run started stopped first (Ray forwards its workers' log lines for seconds after)."""
+    """run_training's part after the checks, under the run's lease: the plan printed, Ray Train run; its
+    layout and placement refusals name the options as `flags` does. A worker group failure past --max-failures
+    is logged in full and raised as RunGaveUp (gave_up), the local Ray cluster this run started stopped first
+    (Ray forwards its workers' log lines for seconds after)."""
     print_plan(cfg, plan)
     mark("plan_printed")
     c = cfg.layout
     started = not ray.is_initialized()
-    line, capacity = start_or_connect(c.num_workers, c.cpus_per_worker, spec.data_cpus, c.use_gpu)
+    line, capacity = start_or_connect(
+        c.num_workers, c.cpus_per_worker, spec.data_cpus, c.use_gpu, flags.option
+    )
     mark("ray_connected")
     log(line)
     accum = elastic_grad_accum(cfg, plan.total_batch_size)
@@ -548,9 +551,7 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
         ),
     )
     try:
-        fault = getattr(
-            fit(trainer, cfg, capacity), "return_value", None
-        )  # rank 0's NonFiniteError, returned
+        fitted = fit(trainer, cfg, capacity, flags)
     except WorkerGroupError as e:  # Ray Train retried --max-failures times (failure_config)
         failed, error = failed_worker(e)
         newest = paths.checkpoints.newest()
@@ -561,6 +562,7 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
         ):  # the run's own local cluster: stopped first, so that no worker's log line follows the run's
             ray.shutdown()
         raise gave_up(run, failed, error, c.max_failures + 1, c.max_failures, flags, checkpoint, e) from e
+    fault = getattr(fitted, "return_value", None)  # rank 0's NonFiniteError, returned
     newest = paths.checkpoints.newest()
     uri = paths.storage.uri_of(newest.path) if newest else None
     if isinstance(fault, NonFiniteError):
@@ -664,14 +666,14 @@ def failure_config(layout) -> FailureConfig:
     return FailureConfig(max_failures=layout.max_failures, controller_failure_limit=retries)
 
 
-def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity):
+def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity, flags: Flags = COMMANDS):
     """trainer.fit() with the placement bounded by --schedule-timeout-s (Ray Train's worker group start timeout,
     RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, which Ray Train passes from this process to its controller) and,
     while the group waits for nodes, a line every few seconds saying what it waits for and for how long.
 
     Raises:
-        ValueError: the worker group was not placed in time: one line naming the flags and the missing
-            resource (raychat.capacity.missing_resources), or the GPU workers could not use CUDA.
+        ValueError: the worker group was not placed in time: one line naming the options as `flags` does and
+            the missing resource (raychat.capacity.missing_resources), or the GPU workers could not use CUDA.
         ray.train.TrainingFailedError: any other failure, once the budget of failure_config is spent (a
             WorkerGroupError: past --max-failures, which _train raises as RunGaveUp).
     """
@@ -692,13 +694,13 @@ def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity):
         if "WorkerGroupStartupTimeoutError" in text or "worker group startup timed out" in text:
             missing = missing_resources(bundle, read_capacity()) or "room on the nodes that are up"
             raise ValueError(
-                f"--num-workers {c.num_workers} x --cpus-per-worker {c.cpus_per_worker:g}"
-                f"{' --use-gpu' if c.use_gpu else ''} ({_describe(bundle)} each): not placed within --schedule-timeout-s "
-                f"{c.schedule_timeout_s:g}; missing: {missing}"
+                f"{layout_flags(c.num_workers, c.cpus_per_worker, c.use_gpu, flags.option)} ({_describe(bundle)} "
+                f"each): not placed within {flags.option('schedule_timeout_s')} {c.schedule_timeout_s:g}; "
+                f"missing: {missing}"
             ) from None
         if c.use_gpu and ("CUDA" in text or "NCCL" in text or "nccl" in text):
             raise ValueError(
-                f"--use-gpu: the workers were placed on GPU nodes but CUDA is not usable there: "
+                f"{flags.option('use_gpu')}: the workers were placed on GPU nodes but CUDA is not usable there: "
                 f"{_cuda_line(text)}"
             ) from None
         raise

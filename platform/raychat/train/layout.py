@@ -24,6 +24,7 @@ import os
 import ray
 
 from raychat.capacity import Capacity, check_bundles, fmt_bundle, read_capacity, start_local_cluster
+from raychat.config.schema import flag_name
 
 RAY_DATA_MIN_CPUS = (
     1.0  # Ray 2.60 read_parquet's ListFiles task (ray/data/_internal/planner/plan_list_files_op.py)
@@ -47,8 +48,21 @@ def local_cluster_cpus() -> int:
     return local_cores() + LOCAL_DATA_CPUS
 
 
+def layout_flags(num_workers: int, cpus_per_worker: float, use_gpu: bool = False, option=flag_name) -> str:
+    """The worker group as its user set it, '--num-workers 2 x --cpus-per-worker 1' (+ ' --use-gpu'), each
+    option named by `option` (raychat.train.launch.Flags.option: the speedrun's are its preset's keys,
+    'train.num_workers')."""
+    gpu = f" {option('use_gpu')}" if use_gpu else ""
+    return f"{option('num_workers')} {num_workers} x {option('cpus_per_worker')} {cpus_per_worker:g}{gpu}"
+
+
 def check_cpu_layout(
-    num_workers: int, cpus_per_worker: float, data_cpus: float, cluster_cpus: float, node_cpus: float
+    num_workers: int,
+    cpus_per_worker: float,
+    data_cpus: float,
+    cluster_cpus: float,
+    node_cpus: float,
+    option=flag_name,
 ) -> str:
     """Refuse a layout that could never be scheduled; returns its description for the printed plan.
 
@@ -56,13 +70,14 @@ def check_cpu_layout(
         num_workers, cpus_per_worker: the Ray Train worker group (--num-workers, --cpus-per-worker).
         data_cpus: what each of the stage's Ray Data tasks reserves (0 = the stage has no Ray Data).
         cluster_cpus: the cluster's logical CPUs; node_cpus: the largest node's.
+        option: how the refusals name an option (layout_flags).
     Raises:
         ValueError: the workers plus data_reservation(data_cpus) need more CPUs than the cluster has, or one
-            worker needs more than any node has (the message names the flags and the CPUs it would need).
+            worker needs more than any node has (the message names the options and the CPUs it would need).
     """
     data = data_reservation(data_cpus)
     needed = num_workers * cpus_per_worker + data
-    layout = f"--num-workers {num_workers} x --cpus-per-worker {cpus_per_worker:g}"
+    layout = layout_flags(num_workers, cpus_per_worker, option=option)
     if cpus_per_worker > node_cpus + 1e-9:
         raise ValueError(
             f"{layout}: one worker needs {cpus_per_worker:g} CPUs, the largest node has {node_cpus:g}"
@@ -71,9 +86,9 @@ def check_cpu_layout(
         why = f" plus {data:g} CPU for Ray Data (its read_parquet lists files in 1-CPU tasks)" if data else ""
         most = (cluster_cpus - data) / num_workers
         raise ValueError(
-            f"{layout}{why} needs {needed:g} CPUs; the cluster has {cluster_cpus:g}: lower --cpus-per-worker "
-            f"to at most {most:g} or --num-workers, or the data tasks would never be scheduled and the run "
-            "would wait forever"
+            f"{layout}{why} needs {needed:g} CPUs; the cluster has {cluster_cpus:g}: lower "
+            f"{option('cpus_per_worker')} to at most {most:g} or {option('num_workers')}, or the data tasks would "
+            "never be scheduled and the run would wait forever"
         )
     threads = max(1, round(cpus_per_worker))
     return (
@@ -89,7 +104,7 @@ def worker_bundle(cpus_per_worker: float, use_gpu: bool) -> dict:
 
 
 def start_or_connect(
-    num_workers: int, cpus_per_worker: float, data_cpus: float, use_gpu: bool = False
+    num_workers: int, cpus_per_worker: float, data_cpus: float, use_gpu: bool = False, option=flag_name
 ) -> tuple[str, Capacity]:
     """Use the Ray cluster this process is connected to, connect to RAY_ADDRESS, or start the local cluster
     (local_cluster_cpus); check the layout against what the cluster can become (raychat.capacity: the
@@ -98,22 +113,21 @@ def start_or_connect(
     On a cluster whose node types are known, the layout is checked against them (check_bundles, then
     check_cpu_layout with the largest type that holds a worker and the most CPUs the types hold together);
     on an autoscaling cluster whose node types are not published, every layout is accepted here and the wait
-    is bounded by --schedule-timeout-s (raychat.train.launch).
+    is bounded by --schedule-timeout-s (raychat.train.launch). option: how the refusals name an option
+    (layout_flags).
 
     Raises:
-        ValueError: the layout does not fit; for a local cluster before Ray starts; one line naming the flags,
+        ValueError: the layout does not fit; for a local cluster before Ray starts; one line naming the options,
             the need and the largest node type.
         raychat.capacity.ClusterStartError: the local cluster did not start (one line, with a hint).
     """
-    flags = f"--num-workers {num_workers} x --cpus-per-worker {cpus_per_worker:g}" + (
-        " --use-gpu" if use_gpu else ""
-    )
+    flags = layout_flags(num_workers, cpus_per_worker, use_gpu, option)
     if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
         cpus = local_cluster_cpus()
         if use_gpu:
-            raise ValueError(f"{flags}: --use-gpu needs a Ray cluster with GPU nodes (RAY_ADDRESS); this machine's "
-                             "local cluster has none")  # fmt: skip
-        line = check_cpu_layout(num_workers, cpus_per_worker, data_cpus, cpus, cpus)
+            raise ValueError(f"{flags}: {option('use_gpu')} needs a Ray cluster with GPU nodes (RAY_ADDRESS); this "
+                             "machine's local cluster has none")  # fmt: skip
+        line = check_cpu_layout(num_workers, cpus_per_worker, data_cpus, cpus, cpus, option)
         start_local_cluster(num_cpus=cpus)
         line = f"{line} (a local Ray cluster: {local_cores()} cores + {LOCAL_DATA_CPUS} for Ray Data)"
         return line, read_capacity()
@@ -127,5 +141,5 @@ def start_or_connect(
         return line, capacity
     largest = capacity.largest(bundle)
     node_cpus = largest.resources.get("CPU", 0.0) if largest else 0.0
-    line = check_cpu_layout(num_workers, cpus_per_worker, data_cpus, capacity.total("CPU"), node_cpus)
+    line = check_cpu_layout(num_workers, cpus_per_worker, data_cpus, capacity.total("CPU"), node_cpus, option)
     return f"{line} ({capacity.describe()})", capacity

@@ -177,7 +177,7 @@ def print_plan(cfg: TrainConfig, p: Plan) -> None:
             f"{plural(w, 'worker')} x {plural(rows, 'row')} x {plural(seq, 'token')} = {w * rows * seq:,})"
         )
     print(
-        f"horizon ({p.horizon}): {p.num_iterations:,} steps, {p.tokens:,} tokens, "
+        f"horizon ({p.horizon}): {plural(p.num_iterations, 'step')}, {p.tokens:,} tokens, "
         f"{p.tokens_per_param:.2f} tokens/param, {p.total_flops:.3g} FLOPs"
     )
     print(
