@@ -1,7 +1,10 @@
 """How `raychat serve` ends: Ctrl-C (SIGINT) and SIGTERM (`kill`, `docker stop`, Kubernetes) both shut Serve down
-and print one line, with no traceback (raychat.serve.cli._block). The wait loop runs in a child process over a
-real local Ray with Serve started (no app: the shutdown path is the same), so the signal meets Ray's own
-handlers as it does in `raychat serve`."""
+and print one line, with no traceback (raychat.serve.cli._block), and so does SIGTERM while it is still starting
+(raychat.serve.cli.main). The wait loop runs in a child process over a real local Ray with Serve started (no
+app: the shutdown path is the same), so the signal meets Ray's own handlers as it does in `raychat serve`; the
+start-up case is a real `raychat serve` signalled while its local Ray is being started (ray.init), which
+ends it long before any Serve start-up.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +15,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-from support.cluster import RAY_STARTUP_WAIT, _kill_leftovers
+from support.cluster import RAY_STARTUP_WAIT, _cmdline, _kill_leftovers
+from support.serve_helpers import write_tiny_checkpoint
 from support.serve_process import free_port
 
 SCRIPT = """
@@ -27,34 +32,71 @@ sys.exit(_block())
 """
 
 
-def test_serve_ends_on_sigterm_as_on_ctrl_c_with_one_line():
+def test_serve_ends_on_sigterm_as_on_ctrl_c_with_one_line(tmp_path):
     """SIGTERM ends the wait loop as Ctrl-C does (Ray's own SIGTERM handler printed a native stack trace and
-    left Serve up); both go the same way from there (_block)."""
-    sig = signal.SIGTERM
+    left Serve up); both go the same way from there (_block). SIGTERM during start-up, inside ray.init (its
+    Ray session directory exists, so Ray's handler is in place), ends the command the same way in one line,
+    exit 0, with every process of its Ray gone (it hung: Ray's handler raised SystemExit within ray.init)."""
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt")
+    command = [sys.executable, "-m", "raychat.cli", "serve", "--checkpoint", str(checkpoint)]
+    out, code, left = _signalled(command + ["--port", str(free_port())], _wait_ray_starting)
+    assert code == 0, out
+    assert "Traceback" not in out and "SIGTERM received" not in out, out
+    assert (
+        out.strip().splitlines()[-1] == "raychat serve: stopped (SIGTERM) while starting; Serve shut down"
+    ), out
+    assert left == [], out
+
+    out, code, left = _signalled([sys.executable, "-c", SCRIPT, str(free_port())], _wait_ready)
+    assert code == 0, out
+    assert "received" not in out and "Traceback" not in out, out
+    assert out.strip().splitlines()[-1] == "raychat serve: stopped (SIGTERM); Serve shut down", out
+
+
+def _signalled(command: list[str], wait) -> tuple[str, int, list[int]]:
+    """Run `command` over a Ray temp dir of its own, SIGTERM it once wait(proc, ray_tmp) returned; its
+    output, exit status and the processes still naming its Ray temp dir 5 s after it exited."""
     ray_tmp = tempfile.mkdtemp(prefix="rcsig-", dir="/tmp")  # short: Ray's socket paths
     env = {**os.environ, **RAY_STARTUP_WAIT, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, str(free_port())],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-    )  # fmt: skip
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
-        _wait_ready(proc)
-        proc.send_signal(sig)
+        wait(proc, ray_tmp)
+        proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=90)
+        deadline = time.monotonic() + 5  # a node process killed as its parent exits is gone within moments
+        while (left := _naming(ray_tmp)) and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         _kill_leftovers(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    name = signal.Signals(sig).name
-    assert proc.returncode == 0, out
-    assert "received" not in out and "Traceback" not in out, out
-    assert out.strip().splitlines()[-1] == f"raychat serve: stopped ({name}); Serve shut down", out
+    return out, proc.returncode, left
 
 
-def _wait_ready(proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+def _naming(marker: str) -> list[int]:
+    """Ids of the processes whose command line contains `marker`."""
+    pids = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
+    return [pid for pid in pids if marker in " ".join(_cmdline(pid))]
+
+
+def _wait_ray_starting(proc: subprocess.Popen, ray_tmp: str, timeout_s: float = 120.0) -> None:
+    """Wait until the child's ray.init has created its session directory under `ray_tmp` (Ray's SIGTERM
+    handler is in place from ray.init's start; its node processes are starting)."""
+    deadline = time.monotonic() + timeout_s
+    while not list(Path(ray_tmp).glob("ray/session_*")):
+        if proc.poll() is not None:
+            raise AssertionError(f"the child exited with {proc.returncode} first: {proc.stdout.read()}")
+        if time.monotonic() > deadline:
+            raise AssertionError("the child's Ray did not start in time")
+        time.sleep(0.01)
+
+
+def _wait_ready(proc: subprocess.Popen, _ray_tmp: str, timeout_s: float = 120.0) -> None:
     """Read the child's output until its "ready" line (Ray logs a line or two before it)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

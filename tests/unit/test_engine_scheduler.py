@@ -76,6 +76,23 @@ def test_cancel_frees_row_within_one_step_and_is_idempotent(tok, engine):
     events = drain(stream)
     assert events[-1].finish_reason == "cancelled" and events[-1].usage.completion_tokens == 2
     assert sched.step() == 0
+    # its first token's event, and that one alone, carries the usage a replica's TTFT / prefix-cache
+    # metrics count (StreamEvent.first): a request cancelled after its first token is counted once
+    assert [e.first is not None for e in events] == [True, False, False]
+    first = events[0].first
+    assert (first.prompt_tokens, first.completion_tokens, first.cached_tokens) == (
+        len(prompt(tok, "long")),
+        1,
+        0,
+    )
+    assert first.ttft_s == events[-1].usage.ttft_s > 0 and first.total_s == first.ttft_s
+
+
+def test_a_one_token_request_carries_first_on_its_final_event(tok, engine):
+    sched = Scheduler(engine, max_slots=1, max_len=64)
+    (event,) = drain(sched.submit(prompt(tok, "one"), SamplingParams(max_tokens=1, temperature=0.0)))
+    assert event.finish_reason == "length" and event.first.completion_tokens == 1
+    assert event.first.ttft_s == event.usage.ttft_s
 
 
 def test_cancel_pending_request(tok, engine):
@@ -88,6 +105,7 @@ def test_cancel_pending_request(tok, engine):
     assert sched.num_pending == 0
     (last,) = [e for e in waiting._events]
     assert last.finish_reason == "cancelled" and last.usage.completion_tokens == 0
+    assert last.first is None and last.usage.ttft_s is None  # no first token: counted in no TTFT
 
 
 def test_tool_and_stop_through_scheduler(tok):

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import requests
 import torch
 from fastapi.testclient import TestClient
 from openai.lib.streaming.chat import ChatCompletionStreamState
@@ -169,15 +170,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _hang_up_after_first_event(engine: ChatServer, port: int, path: str, body: dict) -> float:
+    """POST `body` as JSON over a raw socket and close it once the first `data: ` event arrived (a client that
+    stops generation; `engine` still serves it then); returns the seconds from sending to that event."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sent = time.perf_counter()
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
+        got = b""
+        while b"data: " not in got:
+            chunk = sock.recv(4096)
+            assert chunk, got
+            got += chunk
+        first_s = time.perf_counter() - sent
+        assert engine.stats()["in_flight"] == 1
+    return first_s
+
+
 def test_disconnect_mid_stream_frees_the_row(real_engine, monkeypatch):
-    """A real HTTP server (uvicorn on loopback): the client reads two events and hangs up. The replica's
-    gauges then read 0 (running, waiting, KV slots): they kept the request's "waiting 1" of its submit for
-    ever, as its end (a cancel the engine takes at its next step) published nothing."""
+    """A real HTTP server (uvicorn on loopback): of five chat streams and one /v1/completions stream, sent one
+    after another, four hang up after their first event. The replica's gauges then read 0 (running,
+    waiting, KV slots): they kept the request's "waiting 1" of its submit for ever, as its end (a cancel the
+    engine takes at its next step) published nothing. TTFT and the prefix-cache counters count every
+    request once, at its first token, those whose client left too (they were counted only from a finished
+    request's usage): six TTFT observations, the finished streams' equal to their usage's ttft_s, the others
+    no later than their client saw its first event; queries = each prompt's tokens, hits = the whole blocks
+    of the earlier identical prompts (16 * ((n - 1) // 16), the last prompt token is always recomputed)."""
     import uvicorn
 
-    gauges = {}
+    gauges, ttfts, cache = {}, [], []
     for name in ("set_running", "set_waiting", "set_kv_slots_in_use"):
         monkeypatch.setattr(ServeMetrics, name, lambda _self, n, name=name: gauges.__setitem__(name, n))
+    monkeypatch.setattr(ServeMetrics, "observe_ttft", lambda _self, seconds: ttfts.append(seconds))
+    monkeypatch.setattr(
+        ServeMetrics, "add_prefix_cache", lambda _self, queries, hits: cache.append((queries, hits))
+    )
 
     port = _free_port()
     server = uvicorn.Server(
@@ -190,20 +218,36 @@ def test_disconnect_mid_stream_frees_the_row(real_engine, monkeypatch):
         while not server.started and time.time() < deadline:
             time.sleep(0.05)
         before = real_engine.stats()["cancelled"]
-        body = json.dumps({"messages": USER, "max_tokens": 250, "temperature": 1.0, "seed": 1}).encode()
-        with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(b"POST /chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
-            got = b""
-            while got.count(b"data: ") < 2:
-                got += sock.recv(4096)
-            assert real_engine.stats()["in_flight"] == 1
+        messages = [{"role": "user", "content": "Tell me when to stop. " * 4}]  # no other test sends it
+        n = len(render_for_completion(real_engine.tokenizer, messages))
+        assert n > 32
+        stream = {"messages": messages, "temperature": 1.0, "seed": 1}
+        hang_ups, finished = [], []
+        for i, hang_up in enumerate((True, False, True, True, False)):
+            body = {**stream, "max_tokens": 150 if hang_up else 6}
+            if hang_up:
+                hang_ups.append((i, _hang_up_after_first_event(real_engine, port, "/chat/completions", body)))
+            else:
+                reply = requests.post(f"http://127.0.0.1:{port}/chat/completions", json=body, timeout=60)
+                finished.append((i, json.loads(parse_sse(reply.text)[-1])["usage"]["ttft_s"]))
+        ids = list(range(300, 340))  # a 40-token completions prompt no other test sends
+        body = {"prompt": ids, "max_tokens": 150, "temperature": 1.0, "seed": 1, "stream": True}
+        hang_ups.append((5, _hang_up_after_first_event(real_engine, port, "/v1/completions", body)))
         assert asyncio.run(real_engine.wait_idle(10.0)), real_engine.stats()
         stats = real_engine.stats()
-        assert stats["cancelled"] == before + 1 and stats["running"] == 0
+        assert stats["cancelled"] == before + 4 and stats["running"] == 0
         assert stats["free_rows"] == stats["max_slots"]
         time.sleep(2 * GAUGE_PERIOD_S)
         assert gauges == {"set_running": 0, "set_waiting": 0, "set_kv_slots_in_use": 0}
+        assert len(ttfts) == 6  # the histogram's count: every request that got a token, once
+        for i, ttft_s in finished:
+            assert ttfts[i] == pytest.approx(ttft_s, abs=1e-6)
+        for i, first_s in hang_ups:
+            assert 0 < ttfts[i] <= first_s
+        finished_s = sum(t for _, t in finished)  # the histogram's sum: the hang-ups' add to it
+        assert finished_s < sum(ttfts) <= finished_s + sum(t for _, t in hang_ups) + 1e-6
+        hit = 16 * ((n - 1) // 16)
+        assert cache == [(n, 0), (n, hit), (n, hit), (n, hit), (n, hit), (40, 0)]
     finally:
         server.should_exit = True
         thread.join(10)

@@ -465,16 +465,20 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - this request's bookkeeping (tool, detokenizer) failed
                 failed.append((req, e))
                 continue
+            first = None
             if req.first_token is None:
                 req.first_token = time.perf_counter()
+                first = self._usage(req, req.first_token)
             lps = [TokenLogprob(token, s.logprob, s.top_logprobs)] if s.logprob is not None else None
             if req.state.finished:
-                finished.append((req, token, delta, lps))
+                finished.append((req, token, delta, lps, first))
             else:
-                req.stream._push(StreamEvent(req.id, delta, [token], logprobs=lps))
+                req.stream._push(StreamEvent(req.id, delta, [token], logprobs=lps, first=first))
         with self._lock:
-            for req, token, delta, lps in finished:
-                self._finish(req, req.state.finish_reason, text=delta, token_ids=[token], logprobs=lps)
+            for req, token, delta, lps, first in finished:
+                self._finish(
+                    req, req.state.finish_reason, text=delta, token_ids=[token], logprobs=lps, first=first
+                )
         for req, e in failed:
             self._fail([req], e)
 
@@ -512,8 +516,9 @@ class Scheduler:
             for req in requests:
                 self._finish(req, "error", error=f"{type(error).__name__}: {error}")
 
-    def _finish(self, req, reason, text="", token_ids=(), error=None, logprobs=None) -> None:
-        """Free the request's slot and send its final event. Caller holds self._lock."""
+    def _finish(self, req, reason, text="", token_ids=(), error=None, logprobs=None, first=None) -> None:
+        """Free the request's slot and send its final event (`first`: StreamEvent.first, when this event
+        carries the first token). Caller holds self._lock."""
         if self._live.pop(req.id, None) is None:
             return
         pc = self.engine.prefix_cache
@@ -532,13 +537,17 @@ class Scheduler:
         if req in self._prefilling:
             self._prefilling.remove(req)
         req.logits = None
-        done = time.perf_counter()
-        usage = Usage(
+        usage = self._usage(req, time.perf_counter())
+        event = StreamEvent(req.id, text, list(token_ids), True, reason, usage, error, logprobs, first=first)
+        req.stream._push(event)
+
+    @staticmethod
+    def _usage(req: _Request, now: float) -> Usage:
+        """`req`'s Usage at perf_counter() time `now`."""
+        return Usage(
             prompt_tokens=len(req.prompt),
             completion_tokens=req.state.num_completion_tokens if req.state else 0,
             ttft_s=None if req.first_token is None else req.first_token - req.submitted,
-            total_s=done - req.submitted,
+            total_s=now - req.submitted,
             cached_tokens=req.cached_tokens,
         )
-        event = StreamEvent(req.id, text, list(token_ids), True, reason, usage, error, logprobs)
-        req.stream._push(event)

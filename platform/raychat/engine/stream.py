@@ -34,7 +34,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Usage:
-    """Token counts and timings (seconds) of one finished request. ttft_s: submit -> first token.
+    """Token counts and timings (seconds) of one request, finished or at its first token (StreamEvent.first).
+    ttft_s: submit -> first token sampled (None: no token yet); total_s: submit -> this event.
     cached_tokens: prompt tokens whose keys/values came from the prefix cache (engine/prefix_cache.py)."""
 
     prompt_tokens: int
@@ -55,6 +56,10 @@ class StreamEvent:
     on). logprobs: one TokenLogprob per entry of token_ids when the request set SamplingParams.logprobs,
     else None. prompt_logprobs: only on the final event of a scoring request (Scheduler.score): one entry
     per prompt token (None for the first, engine/scoring.py).
+    first: only on the event carrying the request's first token (once per request, the final event too when
+    it is that one): its Usage then, with prompt_tokens and cached_tokens final (its prefill is complete) and
+    completion_tokens 1. A consumer that counts at `first` counts every request that got a token, whether
+    it later finishes, fails, times out or is cancelled, and none that never got one.
     """
 
     request_id: str
@@ -66,6 +71,7 @@ class StreamEvent:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    first: Usage | None = None
 
 
 class RequestStream:

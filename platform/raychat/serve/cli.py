@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import os
 import signal
+import threading
 import time
 
 import ray
@@ -52,9 +54,9 @@ def start(
     application = build_app(config)
     local = not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
     if local:  # Ray's own choice without an address: a `ray start` cluster of this machine, else a new one
-        start_local_cluster(address=None, include_dashboard=False, log_to_driver=False)
+        _init_ray(start_local_cluster, address=None, include_dashboard=False, log_to_driver=False)
     elif not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        _init_ray(ray.init, address=address, include_dashboard=False, log_to_driver=False)
     if local:  # a cluster of this machine only never grows: refuse what would wait forever for CPUs
         replicas, cpus = max(1, config.autoscaling.min_replicas), config.replica.num_cpus
         need = replicas * cpus + config.ingress_num_cpus
@@ -97,6 +99,53 @@ def start(
     serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
     page_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{page_host}:{port}/"
+
+
+def _init_ray(init, **kwargs) -> None:
+    """init(**kwargs) (ray.init or start_local_cluster). Under main's SIGTERM handler it runs in a thread of its
+    own while this (main) thread waits and keeps main's handler in place: in the main thread ray.init installs
+    Ray's, whose SystemExit, raised amid its process starts (in a fork handler), hung the command, and Ray's
+    core worker a native one (a stack trace, an abort). A SIGTERM (or Ctrl-C) meanwhile lets ray.init end,
+    then raises _Terminated (KeyboardInterrupt); a second SIGTERM ends the process at once. Raises what init
+    raises."""
+    if signal.getsignal(signal.SIGTERM) is not _terminated:
+        init(**kwargs)
+        return
+    failed: list[BaseException] = []
+    done = threading.Event()  # not Thread.join: a signal's exception within it marks a live thread ended
+
+    def run() -> None:
+        try:
+            init(**kwargs)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+            failed.append(e)
+        finally:
+            done.set()
+        # stay: the node processes a local ray.init starts are killed when the THREAD that started them
+        # ends (their PR_SET_PDEATHSIG), so this one lives as long as the process
+        threading.Event().wait()
+
+    ray_log = logging.getLogger("ray._private.worker")
+    ray_log.addFilter(_not_main_thread_warning)  # misleading: SIGTERM has main's handler
+    thread = threading.Thread(target=run, name="raychat-ray-init", daemon=True)
+    thread.start()
+    try:
+        while not done.is_set():
+            signal.signal(signal.SIGTERM, _terminated)  # again: the core worker's native one replaced it
+            done.wait(0.05)
+        signal.signal(signal.SIGTERM, _terminated)
+    except (_Terminated, KeyboardInterrupt):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        done.wait()  # ray.init cannot be stopped part way; what it started is shut down after it
+        raise
+    finally:
+        ray_log.removeFilter(_not_main_thread_warning)
+    if failed:
+        raise failed[0]
+
+
+def _not_main_thread_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("SIGTERM handler is not set because current thread")
 
 
 def check_checkpoint(config: ServeConfig) -> None:
@@ -171,13 +220,24 @@ def start_vllm(args: argparse.Namespace) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """`raychat serve`. The Ray auth token (--token-file, else where Ray looks: raychat.ray_token) is handed to
-    Ray before it connects; a cluster that refuses it raises ConnectionError naming where it came from."""
+    Ray before it connects; a cluster that refuses it raises ConnectionError naming where it came from.
+
+    SIGTERM from here on stops the command in one line and returns 0: while it starts (Ray, Serve, the app;
+    "raychat serve: stopped (SIGTERM) while starting; Serve shut down", after shutting down what started:
+    _init_ray keeps Ray's own handlers out of the way) as once it serves (_block). The handler this process
+    had before is back when main returns."""
     if args.no_block and not (args.address or os.environ.get("RAY_ADDRESS")):
         raise ValueError(
             "--no-block needs --address (or RAY_ADDRESS): a local cluster ends with this process"
         )
-    with token_for(args.address, args.token_file):
-        return _serve(args)
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        with token_for(args.address, args.token_file):
+            return _serve(args)
+    except _Terminated:
+        return _stop("SIGTERM", " while starting")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -205,8 +265,9 @@ def _serve(args: argparse.Namespace) -> int:
     return _block()
 
 
-class _Terminated(Exception):
-    """SIGTERM arrived (raised by the handler _block installs)."""
+class _Terminated(BaseException):
+    """SIGTERM arrived (raised by the handler main and _block install). A BaseException, as KeyboardInterrupt:
+    Ray's waits within start-up catch Exception."""
 
 
 def _terminated(_signum, _frame):
@@ -226,8 +287,16 @@ def _block() -> int:
         name = "SIGINT"
     except _Terminated:
         name = "SIGTERM"
+    return _stop(name)
+
+
+def _stop(name: str, when: str = "") -> int:
+    """Shut down Serve (when Ray is up) and this process' Ray (a local cluster with it), then print
+    "raychat serve: stopped (<name>)<when>; Serve shut down"; returns 0. A second SIGTERM meanwhile ends the
+    process at once."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    serve.shutdown()
+    if ray.is_initialized():
+        serve.shutdown()
     ray.shutdown()  # before the line: nothing of Ray's (its shutdown warnings) prints after it
-    print(f"raychat serve: stopped ({name}); Serve shut down", flush=True)
+    print(f"raychat serve: stopped ({name}){when}; Serve shut down", flush=True)
     return 0

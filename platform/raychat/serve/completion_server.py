@@ -135,6 +135,7 @@ async def completion_events(server, request: dict) -> AsyncIterator[dict]:
             yield {"type": "done", "finish_reason": "length", "usage": usage_dict(len(ids), 0)}
             return
         async for ev in stream:
+            server.count_first_token(ev)
             if ev.token_ids:
                 server.metrics.add_tokens(len(ev.token_ids))
             if ev.token_ids or ev.text:
@@ -146,8 +147,6 @@ async def completion_events(server, request: dict) -> AsyncIterator[dict]:
                 continue
             finished = True
             u = ev.usage
-            if u is not None and u.ttft_s is not None:
-                server.metrics.observe_ttft(u.ttft_s)
             if ev.finish_reason in ("stop", "length"):
                 server.completed += 1
                 usage = usage_dict(u.prompt_tokens, u.completion_tokens, u.ttft_s, u.cached_tokens)

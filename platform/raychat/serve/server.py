@@ -76,8 +76,8 @@ class ChatServer:
             "float16". The model is cast in place.
         prefill_chunk_tokens: prompt tokens prefilled per scheduler step at most (chunked prefill, >= 1).
         prefix_cache_tokens: the ModelRunner's prefix-cache capacity (engine/prefix_cache.py): "auto"
-            (default), a token count >= 16, or 0 = off. Finished requests' usage counts the prompt tokens
-            it served (raychat_prefix_cache_hits / raychat_prefix_cache_queries).
+            (default), a token count >= 16, or 0 = off. Each request's prompt tokens, and those the cache
+            served, are counted at its first token (count_first_token: raychat_prefix_cache_queries / _hits).
         kv_dtype: the ModelRunner's KV-cache dtype (engine/runner.py resolve_kv_dtype): "model" (default)
             = the weights' (`dtype`); "auto" = bfloat16 where the device has native bf16 math
             (raychat.model.fast_bf16), else float32; or "float32" / "bfloat16" / "float16". Accuracy cost of
@@ -318,6 +318,7 @@ class ChatServer:
             return out
 
         async for ev in stream:
+            self.count_first_token(ev)
             if ev.token_ids:
                 self.metrics.add_tokens(len(ev.token_ids))
                 last_token = ev.token_ids[-1]
@@ -348,9 +349,6 @@ class ChatServer:
                 continue
             self._publish_gauges()
             u = ev.usage
-            if u is not None and u.ttft_s is not None:
-                self.metrics.observe_ttft(u.ttft_s)  # its prompt was prefilled (and looked up in the cache):
-                self.metrics.add_prefix_cache(queries=u.prompt_tokens, hits=u.cached_tokens)
             if ev.finish_reason in ("stop", "length"):
                 self.completed += 1
                 reason = ev.finish_reason
@@ -367,6 +365,17 @@ class ChatServer:
                 message = ev.error or "generation failed"
                 yield {"type": "error", "status": status, "message": message, "param": None}
             return
+
+    def count_first_token(self, ev) -> None:
+        """Record the request's TTFT (raychat_serve_ttft_seconds: the engine's submit -> first token, seconds)
+        and its prompt's prefix-cache queries / hits when the event carrying its first token reaches this
+        replica (StreamEvent.first; no-op for every other event). So each request is counted once, before
+        its first delta is sent, whether its client then stays or leaves, and one that never got a token
+        (cancelled or failed while queued or prefilling, rejected) is not counted."""
+        u = ev.first
+        if u is not None:
+            self.metrics.observe_ttft(u.ttft_s)
+            self.metrics.add_prefix_cache(queries=u.prompt_tokens, hits=u.cached_tokens)
 
     async def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until no request is in flight and every row is free (True), or timeout_s passes (False)."""
