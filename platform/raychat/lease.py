@@ -20,6 +20,7 @@ holds what was judged dead or stale. Nothing but lease.json is ever written, and
 from __future__ import annotations
 
 import _thread
+import contextlib
 import json
 import os
 import secrets
@@ -153,6 +154,7 @@ class RunLease:
         self._thread: threading.Thread | None = None
         self._old_sigterm = None
         self._main_thread = False
+        self._made_dir: str | None = None
 
     # ---- acquire / release -----------------------------------------------------------------------------
     def acquire(self) -> RunLease:
@@ -166,6 +168,10 @@ class RunLease:
         mine = Holder(
             socket.gethostname(), os.getpid(), now, now, self.command, _job_id(), secrets.token_hex(8)
         )
+        parent = self.path.rsplit("/", 1)[0]
+        # a run directory this start makes goes again with the lease if nothing was written into it (a refusal
+        # after the lease, e.g. a layout no node can hold, leaves the root as it found it)
+        self._made_dir = parent if self.storage.is_local and not os.path.isdir(parent) else None
         for _ in range(5):
             if self._create(mine):
                 break
@@ -206,6 +212,9 @@ class RunLease:
                 self._delete_if(data)
         except OSError as e:
             log(f"run lease: could not delete {self.uri} ({e}); it goes stale in {STALE_S:g} s")
+        if self._made_dir is not None:
+            with contextlib.suppress(OSError):  # not empty: the run wrote into it
+                os.rmdir(self._made_dir)
         self.holder = None
 
     def __enter__(self) -> RunLease:
@@ -213,8 +222,8 @@ class RunLease:
 
     def __exit__(self, kind, error, tb) -> None:
         self.release()
-        if self.lost is not None and kind is KeyboardInterrupt:  # the renewal thread's interrupt_main
-            raise LeaseLost(self.lost) from None
+        if self.lost is not None:  # however the interrupt ended the block (a SIGINT handler of Ray Train's
+            raise LeaseLost(self.lost) from None  # aborts its run and returns), the run did not finish
 
     # ---- what a lease found says -----------------------------------------------------------------------
     def _gone(self, found: Holder | None) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
+from support.cluster import init_local_ray
 from support.core_fixtures import byte_tokenizer, write_bundle
 
 from raychat.eval.core import score_tasks
@@ -15,7 +16,7 @@ from raychat.model import GPT, ModelConfig
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support.cluster import init_local_ray
 
 from raychat.cli import main
 from raychat.data.corpus.corpora import local_folder
@@ -426,7 +427,7 @@ def test_ray_data_reads_the_shards(tmp_path):
     (src / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     prepare(str(src), tmp_path / "out", num_shards=2, row_group_size=64, log=quiet)
     train, val = list_shards(tmp_path / "out")
-    ray.init(num_cpus=2, include_dashboard=False)
+    init_local_ray(num_cpus=2, include_dashboard=False)
     try:
         rows = ray.data.read_parquet(train + [val]).select_columns(["text"]).take_all()
     finally:

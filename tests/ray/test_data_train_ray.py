@@ -10,6 +10,7 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 import ray
+from support.cluster import init_local_ray
 
 from raychat.cli import main
 from raychat.config import TrainConfig, from_dict
@@ -26,7 +27,7 @@ WORDS = "alpha beta gamma delta river stone light cloud tree bird wind fire wate
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)  # 3 ranks x 0.5 + 1 for Ray Data
+    init_local_ray(num_cpus=3, include_dashboard=False, log_to_driver=False)  # 3 ranks x 0.5 + 1 for Ray Data
     try:
         yield
     finally:

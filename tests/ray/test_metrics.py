@@ -7,6 +7,7 @@ import time
 import urllib.request
 
 import pytest
+from support.cluster import init_local_ray
 
 from raychat import metrics
 from raychat.metrics import RLMetrics, ServeMetrics, TrainMetrics
@@ -69,7 +70,7 @@ def ray_with_metrics_port():
     import ray
 
     port = _free_port()
-    ray.init(num_cpus=1, include_dashboard=False, _metrics_export_port=port)
+    init_local_ray(num_cpus=1, include_dashboard=False, _metrics_export_port=port)
     try:
         yield port
     finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.cluster import init_local_ray
 from support.serve_helpers import write_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # about 60 s: Ray, Serve, three deploys of the tiny model's app
@@ -73,7 +74,7 @@ def test_a_new_max_replicas_updates_in_place_and_a_new_arg_restarts(tmp_path):
     if ray.is_initialized():
         pytest.skip("needs to start its own local cluster")
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 0})
         client = _get_global_client()

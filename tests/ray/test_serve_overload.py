@@ -22,6 +22,7 @@ import pytest
 import requests
 from fastapi.testclient import TestClient
 from ray.serve.exceptions import BackPressureError
+from support.cluster import init_local_ray
 from support.serve_helpers import HELLO, FakeEngine, write_tiny_checkpoint
 
 import raychat.serve.app as serve_app
@@ -255,7 +256,7 @@ def test_serve_refuses_a_burst_beyond_its_queue_with_429(tmp_path):
     from ray import serve
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", max_seq_len=4096)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from support.cluster import init_local_ray
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 from support.stopped_writer import age
 
@@ -48,7 +49,7 @@ def served(tmp_path_factory):
     }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app(

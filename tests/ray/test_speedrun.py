@@ -9,6 +9,7 @@ import shutil
 import pytest
 import ray
 import yaml
+from support.cluster import init_local_ray
 
 from raychat.checkpoint_manager import COMMIT_FILE
 from raychat.cli import main as raychat_main
@@ -76,7 +77,7 @@ def speedrun(tiny_preset):
     with pytest.MonkeyPatch.context() as monkeypatch:
         # no hub files, no CORE bundle
         monkeypatch.setenv("RAYCHAT_TASK_DATA", str(tiny_preset.parent / "no-task-data"))
-        ray.init(num_cpus=2, include_dashboard=False)
+        init_local_ray(num_cpus=2, include_dashboard=False)
         try:
             report = run_speedrun(str(tiny_preset), str(out))
             with contextlib.redirect_stdout(io.StringIO()) as printed:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from support.autoscaling_requests import data_requesters
+from support.cluster import init_local_ray
 from torch import nn
 from torchao.float8.float8_linear import Float8Linear
 
@@ -197,7 +198,7 @@ def ray_cluster(s3_server):
     """tests/ray/conftest.py's 2-CPU Ray instance, its node holding the S3 test server's AWS variables, as a
     cluster's nodes hold their own credentials: the workers of a run on s3:// open that storage themselves."""
     with mock.patch.dict(os.environ, s3_server.env):
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import ray
+
 T = TypeVar("T")
 VENV_BIN = Path(sys.executable).parent
 RAY = VENV_BIN / "ray"
@@ -82,14 +84,14 @@ class NodeStartError(RuntimeError):
 def start_with_retry(
     start: Callable[[], T], clean: Callable[[], None], what: str, attempts: int = START_ATTEMPTS
 ) -> T:
-    """start() once more, after clean(), each time it raised a RuntimeError whose message holds Ray's
-    STARTUP_TIMEOUT, at most `attempts` calls in all; prints one line on stderr per retry. Returns start()'s
+    """start() once more, after clean(), each time it raised an error whose message holds Ray's STARTUP_TIMEOUT
+    (a RuntimeError from `ray start`'s helpers, a bare Exception from a local ray.init()), at most `attempts` calls in all; prints one line on stderr per retry. Returns start()'s
     result. Raises the error of the last attempt, and at once any other error (clean() is not called then:
     the caller's stop() ends what is left)."""
     for attempt in range(1, attempts + 1):
         try:
             return start()
-        except RuntimeError as e:
+        except Exception as e:  # noqa: BLE001 - ray.init raises a bare Exception; the message decides
             if STARTUP_TIMEOUT not in str(e) or attempt == attempts:
                 raise
             clean()
@@ -99,6 +101,12 @@ def start_with_retry(
                 flush=True,
             )
     raise ValueError(f"attempts must be >= 1, got {attempts}")
+
+
+def init_local_ray(**kwargs) -> None:
+    """ray.init(**kwargs) of a new local instance, started again (ray.shutdown first) when its node start-up
+    timed out (start_with_retry), as the tests' `ray start` nodes are."""
+    start_with_retry(lambda: ray.init(**kwargs), ray.shutdown, "local ray.init")
 
 
 def port_range() -> tuple[int, int]:

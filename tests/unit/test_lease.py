@@ -47,7 +47,7 @@ def test_the_lease_holds_its_holder_and_is_deleted_on_return(tmp_path):
         assert data["command"] == "raychat pretrain --run-name r" and data["job"] is None
         assert abs(data["started_at"] - time.time()) < 5 and data["renewed_at"] == data["started_at"]
         assert data["token"] == held.holder.token
-    assert os.listdir(tmp_path / "r") == []  # nothing else was written, the lease is gone
+    assert os.listdir(tmp_path) == []  # nothing else was written: the lease and the run dir it made are gone
 
 
 def test_a_second_start_is_refused_in_one_line_naming_the_file_holder_and_what_to_do(tmp_path):
@@ -157,7 +157,7 @@ def test_without_hard_links_the_create_is_still_exclusive(tmp_path, monkeypatch)
         assert Holder.parse((tmp_path / "r" / LEASE_FILE).read_bytes()) == held.holder
         with pytest.raises(LeaseHeld, match=f"held by pid {os.getpid()}"):
             _lease(tmp_path).acquire()
-    assert os.listdir(tmp_path / "r") == []
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_reused_pid_does_not_keep_a_dead_holders_lease(tmp_path, capsys):
@@ -227,10 +227,16 @@ def test_a_lease_taken_over_while_held_stops_the_run(tmp_path, capsys):
     """A driver that did not renew for 120 s (stopped, its storage unreachable) and whose lease another start
     took over stops at its next renewal rather than write the run beside the new holder."""
     path = tmp_path / "r" / LEASE_FILE
-    with pytest.raises(LeaseLost) as e, _lease(tmp_path) as held:
-        other = _write(path)
-        assert held.renew() is False
-        time.sleep(5)  # the interrupt comes before this ends
+    # the interrupt goes to SIGINT's handler: Python's own here (Ray Train's, left by a trainer that ran in this
+    # process, would abort that run and start Ray to do so)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(LeaseLost) as e, _lease(tmp_path) as held:
+            other = _write(path)
+            assert held.renew() is False
+            time.sleep(5)  # the interrupt comes before this ends
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert str(e.value) == (
         f"run lease lost: {path} was taken over by pid 4242 on node-b (raychat pretrain --run-name r) while this "
         "run was not renewing it; this run stopped so that two runs do not write its directory"
@@ -279,3 +285,18 @@ def test_an_s3_start_whose_write_lost_backs_out(s3_env, monkeypatch):
         _lease(f"s3://{bucket}/runs").acquire()
     with fs.open_input_stream(key) as f:
         assert Holder.parse(f.read()) == theirs
+
+
+def test_a_run_directory_the_lease_made_goes_with_it_when_nothing_was_written(tmp_path):
+    """A start refused after taking the lease (a layout no node can hold) left an empty <run> directory behind;
+    a directory that was there, or that the run wrote into, stays."""
+    with _lease(tmp_path, "fresh"):
+        assert (tmp_path / "fresh" / LEASE_FILE).is_file()
+    assert not (tmp_path / "fresh").exists()
+    with _lease(tmp_path, "wrote"):
+        (tmp_path / "wrote" / "config.yaml").write_text("x")
+    assert sorted(p.name for p in (tmp_path / "wrote").iterdir()) == ["config.yaml"]
+    (tmp_path / "there").mkdir()
+    with _lease(tmp_path, "there"):
+        pass
+    assert (tmp_path / "there").is_dir()
