@@ -128,14 +128,7 @@ class RolloutWorker:
                     "version": self.version}  # fmt: skip
         conversations, prompts = self._prompts(split, indices)
         t0 = time.perf_counter()
-        results = self.engine.generate_batch(
-            prompts,
-            num_samples=num_samples,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            seed=seed,
-            max_rows=self.max_slots,
-        )
+        results = self._generate(prompts, num_samples, max_tokens, temperature, seed)
         seconds = time.perf_counter() - t0
         task = self.tasks[split]
         samples = []
@@ -167,6 +160,13 @@ class RolloutWorker:
             "version": self.version,
         }
 
+    def _generate(self, prompts, num_samples: int, max_tokens: int, temperature: float, seed: int | None):
+        """The engine's generate_batch of `prompts`, at most --max-slots KV-cache rows decoding at once."""
+        return self.engine.generate_batch(
+            prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, seed=seed,
+            max_rows=self.max_slots,
+        )  # fmt: skip
+
     @torch.inference_mode()
     def logprobs(self, samples: list[dict], temperature: float, chunk: int = 16) -> list[list[float]]:
         """log softmax(logits / temperature)[label] of tokens[1:] for every sample (one forward per chunk)."""
@@ -196,14 +196,7 @@ class RolloutWorker:
         if self.version < min_version:
             return {"correct": [], "version": self.version, "worker": self.worker_index}
         conversations, prompts = self._prompts("test", indices)
-        results = self.engine.generate_batch(
-            prompts,
-            num_samples=num_samples,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            seed=seed,
-            max_rows=self.max_slots,
-        )
+        results = self._generate(prompts, num_samples, max_tokens, temperature, seed)
         correct = [0] * len(indices)
         for r in results:
             correct[r.prompt_index] += int(
