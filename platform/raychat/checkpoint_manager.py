@@ -36,6 +36,7 @@ each snapshot_checkpoint deletes the run's other snapshots unmarked for SNAPSHOT
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -425,7 +426,10 @@ def resolve_checkpoint(
     """A local directory holding the checkpoint find_checkpoint(ref, storage, flag, stages) names: the
     directory itself when local; a remote one downloaded to <cache_dir>/<sha256(uri)[:16]>-<name> (default
     cache: $XDG_CACHE_HOME or ~/.cache, then raychat/checkpoints), checked against its commit marker's sizes
-    and sha256 digests before it takes that name.
+    and sha256 digests before it takes that name. The processes of a node (the Train workers of a restarted
+    group) fetch one checkpoint once: each holds an exclusive flock on <cache_dir>/.<that name>.lock while it
+    checks the cache and downloads, so the others wait and then find the copy; a copy that a reader may hold
+    open is never replaced while it matches the marker.
 
     Raises ValueError as find_checkpoint; CheckpointError: a downloaded file differs from the marker; OSError:
     the download failed (nothing is left under the final name)."""
@@ -436,13 +440,22 @@ def resolve_checkpoint(
     commit = read_bytes(where, f"{where.path}/{COMMIT_FILE}")
     cache = Path(cache_dir) if cache_dir else DEFAULT_CACHE
     dest = cache / f"{hashlib.sha256(uri.encode()).hexdigest()[:16]}-{where.path.rsplit('/', 1)[-1]}"
-    if (dest / COMMIT_FILE).is_file() and (dest / COMMIT_FILE).read_bytes() == commit:
-        try:
-            verify(dest)
-            return dest
-        except CheckpointError:  # a damaged cached copy: fetched again
-            pass
-    return download_dir(where, where.path, dest, check=lambda d: verify(d, checksums=True))
+
+    def check(d: Path) -> None:
+        if (d / COMMIT_FILE).read_bytes() != commit:
+            raise CheckpointError(f"{d} holds another commit of {uri}")
+        verify(d, checksums=True)
+
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f".{dest.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its process dies
+        if (dest / COMMIT_FILE).is_file() and (dest / COMMIT_FILE).read_bytes() == commit:
+            try:
+                verify(dest)
+                return dest
+            except CheckpointError:  # a damaged cached copy: fetched again
+                pass
+        return download_dir(where, where.path, dest, check=check)
 
 
 def described(checkpoint: str) -> str:

@@ -342,7 +342,9 @@ def delete_file(storage: Storage, path: str) -> None:
 
 def download_dir(storage: Storage, path: str, dest: Path, check) -> Path:
     """Copy the remote directory `path` to the local `dest` whole or not at all: into a temporary sibling,
-    `check(tmp)` (which raises to refuse it), then renamed over whatever `dest` held. The temporaries of `dest`
+    `check(tmp)` (which raises ValueError or OSError to refuse it), then renamed over whatever `dest` held,
+    unless what `dest` holds by then passes `check` too: another process of the node fetched the same
+    directory meanwhile and may be reading it, so it is kept and the copy is dropped. The temporaries of `dest`
     left by a killed process are deleted first, those idle for raychat.atomic.STAGING_IDLE_S only: another
     process of the node may be fetching the same directory right now.
 
@@ -356,6 +358,11 @@ def download_dir(storage: Storage, path: str, dest: Path, check) -> Path:
         )
         check(tmp)
         if dest.exists():
+            try:
+                check(dest)
+                return dest
+            except (ValueError, OSError):  # refused: replaced
+                pass
             old = fresh_dir(dest)  # a leftover's name, should a kill come before the rmtree
             os.replace(dest, old)
             shutil.rmtree(old, ignore_errors=True)

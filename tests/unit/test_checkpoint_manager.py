@@ -448,4 +448,9 @@ def test_a_remote_checkpoint_is_checked_against_its_digests(tmp_path, s3_env):
         f.write(b"x" * 5)
     with pytest.raises(CheckpointError, match="model.safetensors differs from its committed sha256"):
         resolve_checkpoint("pre", storage, cache_dir=tmp_path / "other-cache")
-    assert list((tmp_path / "other-cache").iterdir()) == []
+    (lock,) = (tmp_path / "other-cache").iterdir()  # the fetch's flock file only: no copy, no staging
+    assert (
+        lock.name.startswith(".")
+        and lock.name.endswith("-checkpoint_000005.lock")
+        and lock.stat().st_size == 0
+    )

@@ -7,6 +7,8 @@ import json
 import os
 import re
 import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -194,7 +196,7 @@ def test_s3_root_resolves_downloads_once_and_never_uses_a_half_download(runs, s3
     monkeypatch.setattr(st.pafs, "copy_files", broken_copy)
     with pytest.raises(OSError, match="connection reset"):
         resolve_checkpoint(f"s3://{bucket}/runs/pre/latest", cache_dir=cache)
-    assert sorted(p.name for p in cache.iterdir()) == [got.name]  # no temporary dir left behind
+    assert sorted(p.name for p in cache.iterdir()) == [f".{got.name}.lock", got.name]  # no temporary dir
     monkeypatch.setattr(st.pafs, "copy_files", real_copy)
     again = resolve_checkpoint(f"s3://{bucket}/runs/pre/latest", cache_dir=cache)
     assert again == got and (again / "meta.json").read_text() == (src / "meta.json").read_text()
@@ -217,29 +219,67 @@ print(cm.resolve_checkpoint(sys.argv[3], cache_dir=sys.argv[4]))
 """
 
 
-def test_a_killed_fetchs_staging_directory_is_removed_but_not_a_live_one(runs, s3_env, tmp_path):
+def test_a_killed_fetchs_staging_is_removed_and_a_fetch_beside_a_live_one_waits_for_its_copy(
+    runs, s3_env, tmp_path, monkeypatch
+):
     """A process killed while it fetched a remote checkpoint left a full copy under `.<dest>.<16 hex>` in the
-    cache for good. The next fetch of that checkpoint removes it once it has been idle for STAGING_IDLE_S; the
-    staging directory of another process fetching it right now stays, and that process finishes."""
+    cache for good (and its lock, released by its death); the next fetch removes it once it has been idle for
+    STAGING_IDLE_S. A fetch while another process of the node fetches the same checkpoint (the two Train
+    workers of a restarted group: CI once saw the second to finish rename the first's copy away while the first
+    opened model.safetensors) waits for that one and uses its copy: one download, nothing renamed under a
+    reader."""
     bucket = s3_env.make_bucket()
     _upload(runs, s3_env.filesystem(), f"{bucket}/runs")
     ref, cache = f"s3://{bucket}/runs/pre/latest", tmp_path / "cache"
     code = FETCH_STOPPED_BEFORE_ITS_RENAME.replace("sys.argv[3]", repr(ref)).replace(
         "sys.argv[4]", repr(str(cache))
     )
+
+    def staged() -> list[Path]:
+        return [p for p in cache.iterdir() if is_leftover(p.name)]
+
     run_killed(code, tmp_path / "killed")
-    (killed,) = cache.iterdir()
-    assert is_leftover(killed.name) and (killed / "model.safetensors").is_file()
+    (killed,) = staged()
+    assert (killed / "model.safetensors").is_file()
     age(killed, STAGING_IDLE_S + 60)
-    live = Held(code, tmp_path / "live")
-    (staging,) = set(cache.iterdir()) - {killed}
-    got = resolve_checkpoint(ref, cache_dir=cache)
-    assert got.name.endswith("-checkpoint_000005")
-    assert sorted(p.name for p in cache.iterdir()) == sorted([got.name, staging.name])
-    assert live.go() == (0, f"{got}\n")
-    assert sorted(p.name for p in cache.iterdir()) == [got.name]
+    live = Held(code, tmp_path / "live")  # removed the killed one's staging, stopped before renaming its own
+    (staging,) = staged()
+    assert staging != killed
+    copies = []
+    real_copy = st.pafs.copy_files
+    monkeypatch.setattr(st.pafs, "copy_files", lambda *a, **kw: (copies.append(a), real_copy(*a, **kw)))
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(resolve_checkpoint, ref, cache_dir=cache)
+        time.sleep(1.0)
+        assert not waiting.done() and staged() == [staging]
+        status, out = live.go()
+        got = waiting.result(timeout=60)
+    assert (status, out) == (0, f"{got}\n") and got.name.endswith("-checkpoint_000005")
+    assert copies == []  # the waiting fetch found the live one's copy
+    assert sorted(p.name for p in cache.iterdir()) == [f".{got.name}.lock", got.name]
     src = runs / "pre" / "checkpoint_000005"
     assert {p.name: p.read_bytes() for p in got.iterdir()} == {p.name: p.read_bytes() for p in src.iterdir()}
+
+
+def test_a_fetch_keeps_a_copy_already_there_that_passes_its_check_and_replaces_one_that_fails(tmp_path):
+    """download_dir finishing after another process put the same directory under `dest` keeps that copy (a
+    reader may have it open: its files keep their inodes) and drops its own; a copy that fails the check is
+    replaced."""
+    src = write_checkpoint(tmp_path / "runs" / "pre" / "checkpoint_000002", 2)
+    root, dest = open_storage(tmp_path / "runs"), tmp_path / "cache" / "pre-2"
+
+    def check(d: Path) -> None:
+        if (d / "model.safetensors").read_bytes() != (src / "model.safetensors").read_bytes():
+            raise CheckpointError(f"{d}: model.safetensors differs")
+
+    first = st.download_dir(root, str(src), dest, check)
+    inode = (first / "model.safetensors").stat().st_ino
+    assert st.download_dir(root, str(src), dest, check) == dest
+    assert (dest / "model.safetensors").stat().st_ino == inode
+    (dest / "model.safetensors").write_bytes(b"damaged")
+    assert st.download_dir(root, str(src), dest, check) == dest
+    assert (dest / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["pre-2"]
 
 
 def test_s3_bad_input_names_the_flag(runs, s3_env, tmp_path):
