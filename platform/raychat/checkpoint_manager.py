@@ -484,9 +484,11 @@ def snapshot_checkpoint(checkpoint: str | os.PathLike) -> Path:
     checkpoint's (a copy where the filesystem refuses a link), put together under a temporary name
     (raychat.atomic.fresh_dir), checked against the commit marker (verify: every file, its size), and then
     given the final name, commit.json last; a snapshot of the same commit marker already there is reused
-    (marked in use first: mark_snapshot_used). The leftovers of killed processes in served/ (a snapshot's
-    staging, a stale snapshot renamed away to be deleted) are deleted first, those idle for
-    raychat.atomic.STAGING_IDLE_S only: another server may be putting a snapshot together right now. The run's other snapshots that no app has marked in use for
+    (marked in use first: mark_snapshot_used), also one that another server made while this one put its own
+    together (its replicas may be opening its files: it is never renamed away while it passes verify). The
+    leftovers of killed processes in served/ (a snapshot's staging, a stale snapshot renamed away to be
+    deleted) are deleted first, those idle for raychat.atomic.STAGING_IDLE_S only: another server may be
+    putting a snapshot together right now. The run's other snapshots that no app has marked in use for
     SNAPSHOT_UNUSED_S are deleted last (remove_unused_snapshots).
 
     Raises CheckpointError: `checkpoint` is not committed, or a file differs from its marker; ValueError: a
@@ -528,15 +530,27 @@ def snapshot_checkpoint(checkpoint: str | os.PathLike) -> Path:
                     os.fsync(f.fileno())
         atomic_write_bytes(tmp / COMMIT_FILE, commit)
         verify(tmp)
-        if dest.exists():
-            old = fresh_dir(dest)
-            os.replace(dest, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, dest)
+        if not _holds(
+            dest, commit
+        ):  # else another server made it meanwhile, whose replicas may be loading it
+            if dest.exists():
+                old = fresh_dir(dest)
+                os.replace(dest, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     remove_unused_snapshots(dest.parent.parent, keep=dest.name)
     return dest
+
+
+def _holds(snapshot: Path, commit: bytes) -> bool:
+    """Whether the snapshot directory `snapshot` holds commit marker `commit` and every file it lists, of its
+    size (verify)."""
+    try:
+        return (snapshot / COMMIT_FILE).read_bytes() == commit and bool(verify(snapshot))
+    except (CheckpointError, OSError):
+        return False
 
 
 def _mark_reused(snapshot: Path) -> None:
@@ -577,7 +591,8 @@ def remove_unused_snapshots(
     links) other than `keep` in which nothing has changed for `unused_s` seconds (raychat.atomic.last_change:
     mark_snapshot_used changes the directory's time). Each is first renamed to a leftover name
     (raychat.atomic.fresh_dir) and looked at again: one marked at that moment is renamed back, and a server
-    that marks it while it is renamed finds it gone and makes it again (snapshot_checkpoint). Nothing else in
+    that marks it while it is renamed finds it gone and makes it again (snapshot_checkpoint); one that another
+    server's snapshot_checkpoint deletes as a leftover meanwhile is passed over. Nothing else in
     served/, and nothing outside it, is touched; a snapshot that cannot be renamed (no permission) stays.
     Returns the names deleted, sorted."""
     served = Path(run_dir) / SNAPSHOTS
@@ -599,7 +614,11 @@ def remove_unused_snapshots(
         except OSError:  # gone meanwhile, or not ours to rename
             old.rmdir()
             continue
-        if time.time() - last_change(old) < unused_s:  # marked between the look and the rename
+        try:
+            recent = time.time() - last_change(old) < unused_s  # marked between the look and the rename
+        except FileNotFoundError:  # deleted meanwhile as a leftover by another server's snapshot_checkpoint
+            continue
+        if recent:
             try:
                 os.replace(old, path)
                 continue

@@ -19,7 +19,7 @@ from support.stopped_writer import Held, age, run_killed
 from test_checkpointer import tiny_model
 
 import raychat.checkpoint_manager as cm
-from raychat.atomic import STAGING_IDLE_S, is_leftover
+from raychat.atomic import STAGING_IDLE_S, is_leftover, remove_leftovers
 from raychat.checkpoint import check_model, load_model, read_meta, save_model
 from raychat.checkpoint_manager import (
     COMMIT_FILE,
@@ -210,6 +210,27 @@ def test_the_runs_next_snapshot_deletes_snapshots_unused_for_a_day_and_nothing_e
     assert cm.remove_unused_snapshots(served.parent, keep=again.name) == [snap.name]
 
 
+def test_a_snapshot_another_server_deletes_while_it_is_judged_unused_is_no_error(tmp_path, monkeypatch):
+    """Two servers of one run start at once. One's remove_unused_snapshots renames a snapshot unused for a day
+    to a leftover name to look at it again; the other's snapshot_checkpoint deletes that leftover just then (its
+    files are idle for STAGING_IDLE_S). The first found it gone and failed its deploy (FileNotFoundError); it
+    goes on now, and only the snapshot kept is left."""
+    manager = CheckpointManager(open_storage(tmp_path / "runs"), "run", keep=1)
+    unused = snapshot_checkpoint(save(manager, tmp_path, 1))
+    kept = snapshot_checkpoint(save(manager, tmp_path, 2))
+    age(unused, SNAPSHOT_UNUSED_S + 60)
+    real = os.replace
+
+    def replace(src, dst):
+        real(src, dst)
+        if Path(src) == unused:  # renamed away, not looked at again yet: the other server's first step
+            assert remove_leftovers(unused.parent, idle_s=STAGING_IDLE_S) == [Path(dst).name]
+
+    monkeypatch.setattr(cm.os, "replace", replace)
+    assert cm.remove_unused_snapshots(unused.parent.parent, keep=kept.name) == []
+    assert os.listdir(unused.parent) == [kept.name]
+
+
 def test_a_served_snapshot_is_marked_in_use_until_its_holder_stops_or_is_gone(tmp_path):
     """MarkInUse, which every ingress and ChatServer replica serving a snapshot holds: it marks the snapshot at
     once and every `every_s`, and its thread ends with stop() or once the holder drops it (no thread left)."""
@@ -247,12 +268,14 @@ print(cm.snapshot_checkpoint(sys.argv[3]))
 """
 
 
-def test_a_killed_snapshots_staging_directory_is_removed_but_not_a_live_one(tmp_path):
+def test_a_killed_snapshots_staging_is_removed_and_a_live_one_keeps_the_snapshot_made_meanwhile(tmp_path):
     """A server killed while it snapshotted a checkpoint left `.checkpoint_000001-<hash>.<16 hex>` in served/
     for good: each one a full copy where hard links are refused. The next snapshot of that checkpoint removes
     it once it has been idle for STAGING_IDLE_S; the staging directory of a server snapshotting the same
     checkpoint right now stays, and that server finishes. An idle leftover of another checkpoint's snapshot (or
-    of a stale snapshot whose deletion was killed) goes too: nothing else in served/ would ever remove it."""
+    of a stale snapshot whose deletion was killed) goes too: nothing else in served/ would ever remove it.
+    The live server, finishing after the snapshot was made by the other, keeps that one (its replicas may be
+    opening its files) and drops its own: it renamed it away, leaving served/ without it for a moment, before."""
     manager = CheckpointManager(open_storage(tmp_path / "runs"), "run")
     first = save(manager, tmp_path, 1)
     served = Path(first).parent / "served"
@@ -271,7 +294,9 @@ def test_a_killed_snapshots_staging_directory_is_removed_but_not_a_live_one(tmp_
     (staging,) = set(served.iterdir()) - {killed, other, recent}
     snap = snapshot_checkpoint(first)
     assert sorted(p.name for p in served.iterdir()) == sorted([snap.name, staging.name, recent.name])
-    assert live.go() == (0, f"{snap}\n")  # it replaced the snapshot with its own, as before
+    made = snap.stat().st_ino
+    assert live.go() == (0, f"{snap}\n")
+    assert snap.stat().st_ino == made  # the snapshot made meanwhile, never renamed away
     assert sorted(p.name for p in served.iterdir()) == sorted([snap.name, recent.name])
     assert tree(snap) == tree(Path(first))
 
