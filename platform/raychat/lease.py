@@ -14,7 +14,9 @@ Local storage (and NFS): the file is created exclusively, as os.link of a comple
 starts cannot both win, and no reader sees a half-written lease). Object storage has no conditional create in
 pyarrow: a start writes its lease, waits SETTLE_S, reads it back and backs out if another start's write won;
 best-effort, sound when both writes land within SETTLE_S. A takeover deletes the old lease only if it still
-holds what was judged dead or stale. Nothing but lease.json is ever written, and only through Storage.inside.
+holds what was judged dead or stale (locally: renamed to a temporary name first, then compared, so two starts
+taking one lease over cannot delete each other's new one). Nothing but lease.json and its temporaries
+(raychat.atomic) is ever written, and only through Storage.inside.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from raychat.atomic import exclusive_write_bytes
+from raychat.atomic import exclusive_write_bytes, fresh_file
 from raychat.log import log
 from raychat.storage import Storage, delete_file, read_bytes, write_bytes
 
@@ -301,9 +303,24 @@ class RunLease:
 
     def _delete_if(self, data: bytes) -> None:
         """Delete the lease if it still holds `data` (what was judged), so that a lease another start has just
-        written in its place is kept."""
-        if self._read() == data:
-            delete_file(self.storage, self.path)
+        written in its place is kept. A local lease is first renamed to a name of this start's own (atomic:
+        of two starts deleting one lease, one gets it) and compared there; one that is not `data` is put back
+        unless another lease is there by then (its holder then stops at its next renewal). Object storage has
+        no atomic rename: read, compared, then deleted (best-effort, as its create)."""
+        if not self.storage.is_local:
+            if self._read() == data:
+                delete_file(self.storage, self.path)
+            return
+        aside = str(fresh_file(self.path))
+        try:
+            os.replace(self.path, aside)
+        except FileNotFoundError:  # deleted meanwhile
+            os.unlink(aside)
+            return
+        taken = read_bytes(self.storage, aside)
+        if taken != data:
+            exclusive_write_bytes(self.path, taken)
+        delete_file(self.storage, aside)
 
     # ---- renewal ---------------------------------------------------------------------------------------
     def _renew_loop(self) -> None:

@@ -189,6 +189,30 @@ def test_a_lease_not_renewed_for_120_s_is_stale_and_taken_over(tmp_path, capsys)
     )
 
 
+def test_two_starts_taking_over_one_stale_lease_cannot_both_win(tmp_path, monkeypatch):
+    """Two starts judge one stale lease at once. The second takes it over and writes its own lease at the moment
+    the first deletes the one it judged: the first deleted the second's lease instead (it had read the file, then
+    deleted whatever was there) and both held the run, writing it side by side until the second's next renewal.
+    Now the first deletes only the lease it judged: the second holds the run and the first is refused."""
+    path = tmp_path / "r" / LEASE_FILE
+    _write(path, renewed_at=time.time() - 150)
+    first, second = _lease(tmp_path), _lease(tmp_path)
+    real, calls, won = lease_module.delete_file, [], []
+
+    def delete_file(storage, at):
+        calls.append(at)
+        if len(calls) == 1:  # the first start's deletion: the second start runs to its end first
+            won.append(second.acquire())
+        real(storage, at)
+
+    monkeypatch.setattr(lease_module, "delete_file", delete_file)
+    with pytest.raises(LeaseHeld, match=f"is held by pid {os.getpid()} on {socket.gethostname()}"):
+        first.acquire()
+    assert won == [second] and Holder.parse(path.read_bytes()) == second.holder
+    second.release()
+    assert sorted(os.listdir(tmp_path / "r")) == []
+
+
 def test_a_file_that_is_not_a_lease_is_judged_by_its_age(tmp_path, capsys):
     path = tmp_path / "r" / LEASE_FILE
     path.parent.mkdir()
