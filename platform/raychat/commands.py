@@ -596,7 +596,7 @@ def k8s(subparsers) -> None:
     s.add_argument("stage", choices=STAGES)
     s.add_argument("stage_args", nargs=argparse.REMAINDER, action=StageArgs)
     s.add_argument("--namespace", default="default")
-    s.add_argument("--name", help="RayJob name (default raychat-<stage>-<YYYYmmdd-HHMMSS>)")
+    s.add_argument("--name", help="RayJob name (default raychat-<stage>-<YYYYmmdd-HHMMSS>-<6 hex>)")
     s.add_argument(
         "--image",
         type=image_ref,

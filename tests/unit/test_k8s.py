@@ -495,6 +495,19 @@ def test_the_policy_check_sees_an_open_rule(builds):
 SFT = ["sft", "--storage-path", "/mnt/checkpoints/runs"]
 
 
+def test_two_submits_in_one_second_name_two_rayjobs(capsys, monkeypatch):
+    """The default RayJob name was raychat-<stage>-<time to the second>: two submits of one stage in the same
+    second (a loop over presets) named the same RayJob, and the API server refused the second (409). A random
+    suffix makes them two."""
+    monkeypatch.setattr(k8s_cli.time, "strftime", lambda fmt, *t: "20261205-213400")
+    names = []
+    for _ in range(2):
+        assert raychat_main(["k8s", "submit", "--dry-run", *SFT]) == 0
+        names.append(yaml.safe_load(capsys.readouterr().out)["metadata"]["name"])
+    assert all(re.fullmatch(r"raychat-sft-20261205-213400-[0-9a-f]{6}", n) for n in names), names
+    assert names[0] != names[1]
+
+
 def test_k8s_submit_dry_run_prints_a_valid_rayjob(capsys, crd_schemas):
     rc = raychat_main(
         [

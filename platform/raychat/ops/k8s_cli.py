@@ -5,6 +5,7 @@ a RayJob through the official `kubernetes` client (CustomObjectsApi, the optiona
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -98,7 +99,8 @@ def cmd_generate(args) -> int:
 
 def cmd_submit(args) -> int:
     stage_args = list(args.stage_args)
-    name = args.name or f"raychat-{args.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # the random part: two submits of one stage in the same second name two RayJobs
+    name = args.name or f"raychat-{args.stage}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     try:
         check_label(args.namespace, "--namespace")
         if args.name:
