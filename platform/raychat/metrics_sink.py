@@ -128,7 +128,7 @@ class MetricsSink:
     def resume_at(self, step: int) -> int:
         """Drop the lines of steps after `step` (the checkpoint a run resumes from; 0 = a fresh start): they
         are trained again and logged anew. Rewrites a local metrics.jsonl atomically (a remote one at the next
-        flush); returns how many lines went."""
+        flush), without a line torn by a crash while appending; returns how many steps' lines went."""
         if self.remote:
             rows = _parse(self.lines)
             kept = [
@@ -139,9 +139,11 @@ class MetricsSink:
             return dropped
         if not self.path or not os.path.exists(self.path):
             return 0
-        lines = read_jsonl(self.path)
+        with open(self.path) as f:
+            raw = f.readlines()
+        lines = [row for row in _parse(raw) if row is not None]
         kept = [line for line in lines if line.get("step", 0) <= step]
-        if len(kept) < len(lines):
+        if len(kept) < len(raw):  # also a line torn by a crash: the next append would join it
             atomic_write_text(self.path, "".join(json.dumps(line) + "\n" for line in kept))
         return len(lines) - len(kept)
 

@@ -178,3 +178,18 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     ]
     assert MetricsSink(tmp_path / "run").resume_at(0) == 6  # a run that starts over keeps nothing
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""
+
+
+def test_a_line_torn_by_a_crash_goes_on_resume_and_the_next_step_is_logged_whole(tmp_path):
+    """Rank 0 died while appending step 4 (checkpoint 3 committed): the torn line had no newline, so the resumed
+    run's step 4 was appended onto it and both read as one bad line: step 4 was missing from metrics.jsonl.
+    resume_at drops the torn line too."""
+    path = tmp_path / "run" / "metrics.jsonl"
+    sink = MetricsSink(tmp_path / "run")
+    for step in (1, 2, 3):
+        sink.log({"step": step, "loss": 10.0 - step})
+    with open(path, "a") as f:
+        f.write('{"step": 4, "lo')
+    assert MetricsSink(tmp_path / "run").resume_at(3) == 0
+    MetricsSink(tmp_path / "run").log({"step": 4, "loss": 1.0})
+    assert [(x["step"], x["loss"]) for x in read_jsonl(path)] == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 1.0)]
