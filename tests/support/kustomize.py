@@ -1,6 +1,7 @@
-"""`kubectl kustomize` of a k8s/ build, or, without kubectl, a small renderer (resources, namespace, images,
-JSON6902 `patches`, `replacements` by kind and name with the options delimiter, index and create, local-config
-resources left out: exactly the features k8s/ uses) that stands in; where kubectl exists the two must agree."""
+"""`kubectl kustomize` of a k8s/ build, or, without kubectl, a small renderer (resources, `components`, namespace,
+images, JSON6902 `patches`, `replacements` by kind and name with the options delimiter, index and create,
+local-config resources left out: exactly the features k8s/ uses) that stands in; where kubectl exists the two
+must agree."""
 
 from __future__ import annotations
 
@@ -79,15 +80,19 @@ def _local_config(d: dict) -> bool:
     return (d["metadata"].get("annotations") or {}).get("config.kubernetes.io/local-config") == "true"
 
 
-def kustomize_fallback(path: Path) -> list[dict]:
+def _accumulate(path: Path, docs: list[dict]) -> list[dict]:
+    """Kustomization (or Component) `path` applied to `docs`: its resources added, its components applied in
+    order (each to what the kustomization holds so far), then its own patches, images, namespace, replacements."""
     k = yaml.safe_load((path / "kustomization.yaml").read_text())
-    docs: list[dict] = []
     for res in k.get("resources", []):
         target = path / res
         if target.is_dir():
             docs += kustomize_fallback(target)
         else:
             docs += [d for d in yaml.safe_load_all(target.read_text()) if d]
+    for component in k.get("components", []):
+        assert yaml.safe_load((path / component / "kustomization.yaml").read_text())["kind"] == "Component"
+        docs = _accumulate(path / component, docs)
     for patch in k.get("patches", []):
         ops = yaml.safe_load(patch["patch"] if "patch" in patch else (path / patch["path"]).read_text())
         t = patch["target"]
@@ -101,7 +106,12 @@ def kustomize_fallback(path: Path) -> list[dict]:
             if d["kind"] != "Namespace":
                 d["metadata"]["namespace"] = k["namespace"]
     _replace(docs, k.get("replacements", []))
-    return [d for d in docs if not _local_config(d)]
+    return docs
+
+
+def kustomize_fallback(path: Path) -> list[dict]:
+    """The objects of the build at `path`; local-config ones (a replacement's source) are read, never output."""
+    return [d for d in _accumulate(path, []) if not _local_config(d)]
 
 
 def _key(d: dict) -> tuple:

@@ -35,7 +35,10 @@ from raychat.ops import k8s, k8s_cli
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = REPO.parent / "shared" / "kuberay-crds"
-BUILDS = ["k8s/base", "k8s/overlays/cpu-dev", "k8s/overlays/gpu", "k8s/overlays/object-storage"]
+# the object-storage overlays: {build: (on the gpu overlay, credentials component)}
+OBJECT_STORAGE_BUILDS = {f"k8s/overlays/{o}": v for o, v in k8s.OBJECT_STORAGE_OVERLAYS.items()}
+BUILDS = ["k8s/base", "k8s/overlays/cpu-dev", "k8s/overlays/gpu", *OBJECT_STORAGE_BUILDS]
+GPU_BUILDS = ["k8s/overlays/gpu", *(b for b, (gpu, _) in OBJECT_STORAGE_BUILDS.items() if gpu)]
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +99,8 @@ def test_base_is_generated_from_code_and_serve_config():
     assert k8s.render_cpu_dev() == cpu_dev, "k8s/overlays/cpu-dev/kustomization.yaml is stale"
     gpu = (REPO / "k8s" / "overlays" / "gpu" / "kustomization.yaml").read_text()
     assert k8s.render_gpu(REPO) == gpu, "k8s/overlays/gpu/kustomization.yaml is stale"
-    object_storage = (REPO / "k8s" / "overlays" / "object-storage" / "kustomization.yaml").read_text()
-    assert k8s.render_object_storage(REPO) == object_storage, (
-        "k8s/overlays/object-storage/kustomization.yaml is stale"
-    )
+    for name, text in k8s.render_all(REPO).items():  # the components and the object-storage overlays too
+        assert (REPO / "k8s" / name).read_text() == text, f"k8s/{name} is stale"
     assert raychat_main(["k8s", "generate", "--check"]) == 0
 
 
@@ -109,7 +110,7 @@ def test_rayservice_serve_config_is_serve_chat_yaml_verbatim(builds):
     serve_text = (REPO / "serve" / "chat.yaml").read_text()
     for b, docs in builds.items():
         (svc,) = [d for d in docs if d["kind"] == "RayService" and d["metadata"]["name"] == "raychat-chat"]
-        if b not in ("k8s/overlays/gpu", "k8s/overlays/object-storage"):  # they change it (tests below)
+        if b not in GPU_BUILDS and b not in OBJECT_STORAGE_BUILDS:  # they change it (tests below)
             assert svc["spec"]["serveConfigV2"] == serve_text, b
     app = ServeDeploySchema.model_validate(yaml.safe_load(serve_text)).applications[0]
     assert app.import_path == "raychat.serve.app:build_app"
@@ -184,7 +185,8 @@ def test_every_object_validates(builds, crd_schemas, build):
         "k8s/base": [],
         "k8s/overlays/cpu-dev": ["Namespace"],
         "k8s/overlays/gpu": ["Namespace", "RayService"],
-        "k8s/overlays/object-storage": [],  # its settings.yaml is local-config: kustomize reads it, never emits it
+        # settings.yaml is local-config: kustomize reads it, never emits it
+        **{b: ["Namespace", "RayService"] if gpu else [] for b, (gpu, _) in OBJECT_STORAGE_BUILDS.items()},
     }
     assert kinds == sorted(expected + extra[build])  # the gpu overlay's second RayService: the vLLM path
     for d in docs:
@@ -362,7 +364,7 @@ def test_every_pod_meets_pod_security_restricted(builds, build):
                 assert sc["capabilities"] == {"drop": ["ALL"]}
                 assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
     # head + worker of the RayCluster, each RayJob (+ its submitter) and the RayService(s: gpu adds vLLM's)
-    assert len(seen) == 2 + 3 * len(k8s.CHAIN) + 2 * (1 + (build == "k8s/overlays/gpu"))
+    assert len(seen) == 2 + 3 * len(k8s.CHAIN) + 2 * (1 + (build in GPU_BUILDS))
     for job in [d for d in builds[build] if d["kind"] == "RayJob"]:  # the submitter runs the head's image
         images = [
             t["spec"]["containers"][0]["image"] for where, t, _ in pods(job) if where in ("head", "submitter")
@@ -470,14 +472,14 @@ def test_the_network_policy_admits_only_what_the_cluster_needs(builds, build):
     (policy,) = [d for d in builds[build] if d["kind"] == "NetworkPolicy"]
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     templates = [t for d in builds[build] for _, t, _ in pods(d)]
-    assert len(templates) == 2 + 3 * len(k8s.CHAIN) + 2 * (1 + (build == "k8s/overlays/gpu"))
+    assert len(templates) == 2 + 3 * len(k8s.CHAIN) + 2 * (1 + (build in GPU_BUILDS))
     for template in templates:  # the policy covers every pod, the RayJobs' submitters included
         labels = template["metadata"]["labels"]
         assert _selects(policy["spec"]["podSelector"], labels)
         for source, allowed in REACHES:
             reached = {port for port in [*RAY_PORTS, 8000] if admits(policy, labels, source, port)}
             assert reached == allowed, (source, sorted(reached))
-    if build in ("k8s/overlays/cpu-dev", "k8s/overlays/gpu"):  # the overlays that set a namespace
+    if build in ("k8s/overlays/cpu-dev", *GPU_BUILDS):  # the overlays that set a namespace
         namespaces = {d["metadata"].get("namespace") for d in builds[build] if d["kind"] != "Namespace"}
         assert len(namespaces) == 1 and policy["metadata"]["namespace"] in namespaces
 
@@ -699,8 +701,9 @@ def test_the_vllm_rayservice_is_in_the_gpu_overlay_alone(builds, crd_schemas):
     )
     assert "accelerator_type" not in llm  # any GPU the cluster has
     assert ServeDeploySchema.model_validate(config).applications[0].name == "raychat-vllm"
-    for build in ("k8s/base", "k8s/overlays/cpu-dev"):  # no GPUs there: no vLLM
-        assert [d for d in builds[build] if d["metadata"]["name"] == "raychat-vllm"] == []
+    for build in BUILDS:  # no GPUs elsewhere: no vLLM
+        if build not in GPU_BUILDS:
+            assert [d for d in builds[build] if d["metadata"]["name"] == "raychat-vllm"] == [], build
     (svc,) = [d for d in builds["k8s/overlays/gpu"] if d["metadata"]["name"] == "raychat-vllm"]
     validate_object(svc, crd_schemas)
     assert (svc["kind"], svc["metadata"]["namespace"], svc["spec"]["serveConfigV2"]) == (
@@ -714,9 +717,8 @@ def test_the_vllm_rayservice_is_in_the_gpu_overlay_alone(builds, crd_schemas):
     assert spec["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"  # fmt: skip
 
 
-# ---------------------------------------------------------------- the object-storage overlay
+# ---------------------------------------------------------------- the object-storage overlays
 
-OBJECT_STORAGE = "k8s/overlays/object-storage"
 PVC_ROOT, S3_ROOT = "/mnt/checkpoints/runs", "s3://my-bucket/raychat"
 
 
@@ -743,21 +745,31 @@ def resolved_paths(entrypoint: str) -> dict[str, dict]:
     return out
 
 
-def test_the_object_storage_overlay_keeps_checkpoints_in_the_bucket_and_data_on_the_pvc(builds):
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in builds[OBJECT_STORAGE]}
-    entrypoints = {stage: docs[("RayJob", f"raychat-{stage}")]["spec"]["entrypoint"] for stage in k8s.CHAIN}
-    assert entrypoints == {
+def chain_on_the_bucket(root: str = S3_ROOT, export_out: str | None = None) -> dict[str, str]:
+    """The RayJob entrypoints of an object-storage overlay, by hand: data and tokenizer on the PVC, every
+    checkpoint stage's run on `root`, the export to `export_out` when given."""
+    out = f" --out {export_out}" if export_out else ""
+    return {
         "data": f"python jobs/data.py prepare --preset cluster --storage-path {PVC_ROOT} && "
         f"python jobs/tokenizer.py train --preset cluster --storage-path {PVC_ROOT}",
-        "pretrain": f"python jobs/pretrain.py --preset cluster --storage-path {S3_ROOT} --run-name pretrain "
+        "pretrain": f"python jobs/pretrain.py --preset cluster --storage-path {root} --run-name pretrain "
         f"--data-dir {PVC_ROOT}/data --tokenizer-path {PVC_ROOT}/tokenizer",
-        "sft": f"python jobs/sft.py --preset cluster --storage-path {S3_ROOT} --run-name sft --init-from latest "
+        "sft": f"python jobs/sft.py --preset cluster --storage-path {root} --run-name sft --init-from latest "
         f"--tokenizer-path {PVC_ROOT}/tokenizer",
-        "rl": f"python jobs/rl.py --preset cluster --storage-path {S3_ROOT} --run-name rl --init-from latest",
-        "eval": f"python jobs/eval.py --preset cluster --storage-path {S3_ROOT} --run-name eval --checkpoint latest "
+        "rl": f"python jobs/rl.py --preset cluster --storage-path {root} --run-name rl --init-from latest",
+        "eval": f"python jobs/eval.py --preset cluster --storage-path {root} --run-name eval --checkpoint latest "
         f"--data-dir {PVC_ROOT}/data",
-        "export": f"python jobs/export.py --storage-path {S3_ROOT} --run-name hf --checkpoint latest",
+        "export": f"python jobs/export.py --storage-path {root} --run-name hf --checkpoint latest{out}",
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("build", OBJECT_STORAGE_BUILDS)
+def test_each_object_storage_overlay_keeps_checkpoints_in_the_bucket_and_data_on_the_pvc(builds, build):
+    gpu, _ = OBJECT_STORAGE_BUILDS[build]
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in builds[build]}
+    entrypoints = {stage: docs[("RayJob", f"raychat-{stage}")]["spec"]["entrypoint"] for stage in k8s.CHAIN}
+    # on GPUs the export goes to the PVC, where the vLLM RayService reads it (serve/vllm.yaml)
+    assert entrypoints == chain_on_the_bucket(export_out=f"{PVC_ROOT}/hf" if gpu else None)
     every = " && ".join(entrypoints.values())
     # data and tokenizer are written to the PVC, every checkpoint stage's run to the bucket
     assert flag_values(every, "--storage-path") == [PVC_ROOT] * 2 + [S3_ROOT] * 5
@@ -774,63 +786,126 @@ def test_the_object_storage_overlay_keeps_checkpoints_in_the_bucket_and_data_on_
         "eval": {"storage_path": S3_ROOT, "data_dir": f"{PVC_ROOT}/data"},
         "export": {"storage_path": S3_ROOT},
     }  # fmt: skip
-    # the RayService serves the RL run's newest checkpoint from the bucket; the rest is serve/chat.yaml's config
+    # the chat RayService serves the RL run's newest checkpoint from the bucket, on a GPU a replica on the gpu
+    # overlays; the rest is serve/chat.yaml's config
     text = docs[("RayService", "raychat-chat")]["spec"]["serveConfigV2"]
-    assert text == k8s.object_storage_serve_config((REPO / "serve" / "chat.yaml").read_text())
     config, chat = yaml.safe_load(text), yaml.safe_load((REPO / "serve" / "chat.yaml").read_text())
     assert config["applications"][0]["args"]["checkpoint"] == f"{S3_ROOT}/rl/latest"
     chat["applications"][0]["args"]["checkpoint"] = f"{S3_ROOT}/rl/latest"
+    if gpu:
+        (server,) = [d for d in chat["applications"][0]["deployments"] if d["name"] == "ChatServer"]
+        server["ray_actor_options"]["num_gpus"] = 1
     assert config == chat
+    if gpu:  # the vLLM RayService reads the export the export RayJob wrote
+        (llm,) = yaml.safe_load(docs[("RayService", "raychat-vllm")]["spec"]["serveConfigV2"])["applications"]
+        source = llm["args"]["llm_configs"][0]["model_loading_config"]["model_source"]
+        assert flag_values(entrypoints["export"], "--out") == [source] == [f"{PVC_ROOT}/hf"]
     # the base's NetworkPolicy: ingress only, so the pods' egress (HTTPS to the S3 endpoint) stays open
-    (policy,) = [d for d in builds[OBJECT_STORAGE] if d["kind"] == "NetworkPolicy"]
+    (policy,) = [d for d in builds[build] if d["kind"] == "NetworkPolicy"]
     assert policy["spec"]["policyTypes"] == ["Ingress"] and "egress" not in policy["spec"]
 
 
-def test_every_ray_container_of_the_object_storage_overlay_reads_the_s3_secret(builds):
-    ray_pods = []
-    for build in BUILDS:
+@pytest.mark.parametrize("build", OBJECT_STORAGE_BUILDS)
+def test_an_object_storage_overlay_is_its_base_with_the_bucket_and_one_kind_of_credentials(builds, build):
+    """Every object is the base's (the gpu overlay's) but for the entrypoints and serve config checked above
+    and, in each Ray pod, envFrom the Secret (s3-secret) or the serviceAccountName (service-account), not both:
+    the GPUs, tolerations, images and namespace of the gpu overlay stay as they are."""
+    gpu, credentials = OBJECT_STORAGE_BUILDS[build]
+    under = {(d["kind"], d["metadata"]["name"]): d for d in builds["k8s/overlays/gpu" if gpu else "k8s/base"]}
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in builds[build]) == sorted(under)
+    with_credentials = []
+    for d in builds[build]:
+        key = (d["kind"], d["metadata"]["name"])
+        stripped = copy.deepcopy(d)
+        for where, template, _ in pods(stripped):
+            (container,) = template["spec"]["containers"]
+            env_from, account = (
+                container.pop("envFrom", None),
+                template["spec"].pop("serviceAccountName", None),
+            )
+            if where == "submitter":  # `ray job submit` alone: opens no storage
+                assert (env_from, account) == (None, None), key
+                continue
+            if credentials == "s3-secret":
+                assert (env_from, account) == ([{"secretRef": {"name": "raychat-s3"}}], None), (key, where)
+            else:
+                assert (env_from, account) == (None, "raychat"), (key, where)  # settings.yaml's default
+            with_credentials.append((*key, where))
+        if d["kind"] == "RayJob" and d["metadata"]["name"] != "raychat-data":
+            stripped["spec"]["entrypoint"] = under[key]["spec"]["entrypoint"]
+        if key == ("RayService", "raychat-chat"):
+            stripped["spec"]["serveConfigV2"] = under[key]["spec"]["serveConfigV2"]
+        assert stripped == under[key], key
+    # head and worker of the RayCluster, of each RayJob and of the RayService(s: the gpu overlay's vLLM one)
+    assert len(with_credentials) == 2 * (1 + len(k8s.CHAIN) + 1 + gpu) == len(set(with_credentials))
+    if (
+        gpu
+    ):  # what the gpu overlay gives them, kept: whole 8-GPU pods on the tainted GPU nodes, in its namespace
         for d in builds[build]:
             for where, template, _ in pods(d):
-                (container,) = template["spec"]["containers"]
-                if (
-                    build != OBJECT_STORAGE or where == "submitter"
-                ):  # `ray job submit` alone: opens no storage
-                    assert "envFrom" not in container and "serviceAccountName" not in template["spec"], where
-                    continue
-                assert container["envFrom"] == [{"secretRef": {"name": "raychat-s3"}}], (
-                    d["metadata"]["name"],
-                    where,
-                )
-                assert template["spec"]["serviceAccountName"] == "default"
-                ray_pods.append((d["kind"], d["metadata"]["name"], where))
-    # head and worker of the RayCluster, of each RayJob and of the RayService
-    assert len(ray_pods) == 2 * (1 + len(k8s.CHAIN) + 1) == len(set(ray_pods))
+                if where.startswith("worker"):
+                    spec = template["spec"]
+                    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8", d[
+                        "metadata"
+                    ]
+                    assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]  # fmt: skip
+                    assert "nodeSelector" not in spec  # neither base nor gpu overlay pins nodes
+            assert d["metadata"].get("namespace") == "raychat" or d["kind"] == "Namespace"
     # the keys are never in the manifests, and settings.yaml (local-config) is not applied
-    assert [
-        d["kind"] for d in builds[OBJECT_STORAGE] if d["kind"] in ("Secret", "ConfigMap", "ServiceAccount")
-    ] == []
+    assert [d["kind"] for d in builds[build] if d["kind"] in ("Secret", "ConfigMap", "ServiceAccount")] == []
+
+
+def test_only_the_object_storage_overlays_give_the_ray_pods_credentials(builds):
+    for build in BUILDS:
+        if build in OBJECT_STORAGE_BUILDS:
+            continue
+        for d in builds[build]:
+            for where, template, _ in pods(d):
+                assert "envFrom" not in template["spec"]["containers"][0], (build, where)
+                assert "serviceAccountName" not in template["spec"], (build, where)  # KubeRay's own SA
 
 
 def test_the_bucket_and_the_service_account_are_set_in_settings_yaml_alone(tmp_path):
     shutil.copytree(REPO / "k8s", tmp_path / "k8s")
-    settings = tmp_path / OBJECT_STORAGE / "settings.yaml"
-    assert "overlays/object-storage/settings.yaml" not in k8s.render_all(REPO)  # generate keeps your values
+    settings = tmp_path / "k8s" / "components" / "object-storage" / "settings.yaml"
+    assert not [n for n in k8s.render_all(REPO) if n.endswith("settings.yaml")]  # generate keeps your values
     text = settings.read_text()
-    assert "\n  bucket: my-bucket\n  serviceAccountName: default\n" in text
+    assert "\n  bucket: my-bucket\n  serviceAccountName: raychat\n" in text
     settings.write_text(text.replace("bucket: my-bucket", "bucket: team-bucket/exp1").replace(
-        "serviceAccountName: default", "serviceAccountName: raychat-irsa"))  # fmt: skip
-    docs = kustomize_build(tmp_path / OBJECT_STORAGE)  # kubectl's build and the fallback's agree
-    every = " && ".join(d["spec"]["entrypoint"] for d in docs if d["kind"] == "RayJob")
-    assert flag_values(every, "--storage-path") == [PVC_ROOT] * 2 + ["s3://team-bucket/exp1/raychat"] * 5
-    (svc,) = [d for d in docs if d["kind"] == "RayService"]
-    (app,) = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"]
-    assert app["args"]["checkpoint"] == "s3://team-bucket/exp1/raychat/rl/latest"
-    accounts = [t["spec"].get("serviceAccountName") for d in docs for w, t, _ in pods(d) if w != "submitter"]
-    assert accounts == ["raychat-irsa"] * 16
-    assert "my-bucket" not in yaml.safe_dump_all(docs)
+        "serviceAccountName: raychat", "serviceAccountName: raychat-irsa"))  # fmt: skip
+    root = "s3://team-bucket/exp1/raychat"
+    for build, (gpu, credentials) in OBJECT_STORAGE_BUILDS.items():
+        docs = kustomize_build(tmp_path / build)  # kubectl's build and the fallback's agree
+        entrypoints = {d["metadata"]["labels"]["raychat.io/stage"]: d["spec"]["entrypoint"] for d in docs if d["kind"] == "RayJob"}  # fmt: skip
+        assert entrypoints == chain_on_the_bucket(root, export_out=f"{PVC_ROOT}/hf" if gpu else None), build
+        (app,) = yaml.safe_load(next(d for d in docs if d["metadata"]["name"] == "raychat-chat")["spec"]["serveConfigV2"])["applications"]  # fmt: skip
+        assert app["args"]["checkpoint"] == f"{root}/rl/latest"
+        accounts = [
+            t["spec"].get("serviceAccountName") for d in docs for w, t, _ in pods(d) if w != "submitter"
+        ]
+        want = "raychat-irsa" if credentials == "service-account" else None
+        assert accounts == [want] * 2 * (1 + len(k8s.CHAIN) + 1 + gpu), build
+        assert "my-bucket" not in yaml.safe_dump_all(docs), build
     # a replacement sets one '/'-separated part: the generator refuses a text with the bucket twice
     with pytest.raises(ValueError, match="my-bucket must be one '/'-separated part, once"):
         k8s.bucket_replacement("RayJob", "x", "spec.entrypoint", "a s3://my-bucket/r && b s3://my-bucket/r")
+
+
+def test_the_object_storage_component_alone_on_the_gpu_overlay_would_serve_from_cpus(tmp_path):
+    """Why the gpu-object-storage overlays set the chat serve config themselves: the component's and the gpu
+    overlay's are each a patch of the whole serveConfigV2 text, so stacked, the later one wins."""
+    shutil.copytree(REPO / "k8s", tmp_path / "k8s")
+    stack = tmp_path / "k8s" / "overlays" / "mine"
+    stack.mkdir()
+    (stack / "kustomization.yaml").write_text(
+        "resources: [../gpu]\ncomponents: [../../components/object-storage, ../../components/s3-secret]\n"
+    )
+    (svc,) = [d for d in kustomize_build(stack) if d["metadata"]["name"] == "raychat-chat"]
+    (app,) = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"]
+    (server,) = [d for d in app["deployments"] if d["name"] == "ChatServer"]
+    assert (
+        app["args"]["checkpoint"] == f"{S3_ROOT}/rl/latest" and "num_gpus" not in server["ray_actor_options"]
+    )
 
 
 MONITORING = "k8s/overlays/monitoring"
@@ -958,7 +1033,7 @@ def test_the_pod_monitor_scrapes_the_metrics_port_of_every_ray_pod(builds):
                 # the named port is the one Ray exports its metrics on
                 assert ports["metrics"] == int(group["rayStartParams"]["metrics-export-port"]) == 8080
                 scraped += 1
-        assert scraped == 2 + 2 * len(k8s.CHAIN) + 2 * (1 + (build == "k8s/overlays/gpu")), build
+        assert scraped == 2 + 2 * len(k8s.CHAIN) + 2 * (1 + (build in GPU_BUILDS)), build
     # what the selector leaves out: other apps' pods, a raychat pod that is not a Ray node
     assert not selects(selector, {"app.kubernetes.io/name": "notebook", "ray.io/cluster": "x"})
     assert not selects(selector, dict(k8s.LABELS))

@@ -26,10 +26,14 @@ The gpu overlay alone adds the vLLM path's RayService (raychat-vllm, rayservice_
 with the vLLM environment: EXTRAS=vllm, CONSTRAINTS=constraints-vllm.txt). k8s/overlays/monitoring holds a
 PodMonitor (Prometheus Operator) for port `metrics` of every raychat Ray pod (pod_monitor).
 
-k8s/overlays/object-storage keeps the run checkpoints in a bucket (render_object_storage): the chain's
---storage-path from pretraining on and the RayService's checkpoint at s3://<bucket>/raychat, data and tokenizer on
-the PVC (every node reads them as files), AWS_* in every Ray container from the Secret raychat-s3 (envFrom), and
-the bucket and the Ray pods' service account (an IAM role's) set once, in the overlay's settings.yaml.
+The run checkpoints in a bucket come from kustomize components (k8s/components, kind Component) that four
+overlays stack (OBJECT_STORAGE_OVERLAYS: on the base or the gpu overlay, with either credentials component):
+components/object-storage (render_object_storage_component: the chain's --storage-path from pretraining on and
+the chat RayService's checkpoint at s3://<bucket>/raychat, data and tokenizer on the PVC, which every node reads
+as files; the bucket set once, in its hand-kept settings.yaml), components/s3-secret (AWS_* in every Ray container
+from the Secret raychat-s3, envFrom) and components/service-account (every Ray pod's serviceAccountName from
+settings.yaml: an IAM role's, no Secret). The gpu ones also set the chat serve config on the bucket and on GPUs,
+and the export's --out on the PVC that the vLLM RayService reads (render_object_storage_overlay).
 
 Hardening (Pod Security "restricted"): every pod and container, the RayJobs' submitter pods and the autoscaler
 sidecar included, runs as the image's `ray` user (uid 1000, gid 100; fsGroup 100 so the PVC is writable), non-root,
@@ -520,23 +524,30 @@ def _chat_apps(config: dict) -> list[dict]:
     return apps
 
 
-def gpu_serve_config(serve_text: str, num_gpus: float = GPU_SERVE_GPUS) -> str:
-    """serve/chat.yaml's config (`serve_text`, Serve's config file format) with each ChatServer replica of the
-    raychat application reserving `num_gpus` GPUs: the ray_actor_options of its `deployments:` entry for
-    ChatServer where it sets them (Serve's own option: a replica puts its model on cuda when Ray assigned it a
-    GPU, raychat.serve.app.device_for), else build_app's args.num_gpus. Comments are not kept (a YAML round
-    trip), nor the final line break (kubectl kustomize drops it from a patch's value).
-
-    Raises:
-        ValueError: no application imports raychat.serve.app:build_app.
-    """
-    config = yaml.safe_load(serve_text)
+def _put_server_on_gpus(config: dict, num_gpus: float) -> None:
+    """Each ChatServer replica of the raychat application of `config` (a Serve config dict) reserves `num_gpus`
+    GPUs: the ray_actor_options of its `deployments:` entry for ChatServer where it sets them, else build_app's
+    args.num_gpus (adding ray_actor_options would drop num_cpus). ValueError when no application is raychat's."""
     for app in _chat_apps(config):
         entries = [d for d in app.get("deployments") or [] if d.get("name") == SERVE_SERVER_DEPLOYMENT]
         if entries and "ray_actor_options" in entries[0]:
             entries[0]["ray_actor_options"]["num_gpus"] = num_gpus
         else:
             app.setdefault("args", {})["num_gpus"] = num_gpus
+
+
+def gpu_serve_config(serve_text: str, num_gpus: float = GPU_SERVE_GPUS) -> str:
+    """serve/chat.yaml's config (`serve_text`, Serve's config file format) with each ChatServer replica of the
+    raychat application reserving `num_gpus` GPUs (_put_server_on_gpus: Serve's own option where the file sets
+    ray_actor_options; a replica puts its model on cuda when Ray assigned it a GPU, raychat.serve.app.device_for).
+    Comments are not kept (a YAML round trip), nor the final line break (kubectl kustomize drops it from a
+    patch's value).
+
+    Raises:
+        ValueError: no application imports raychat.serve.app:build_app.
+    """
+    config = yaml.safe_load(serve_text)
+    _put_server_on_gpus(config, num_gpus)
     head = f"# serve/chat.yaml with each {SERVE_SERVER_DEPLOYMENT} replica on {num_gpus} GPU (raychat k8s generate)\n"
     return head + to_yaml(config).rstrip("\n")  # no final line break: kustomize drops it from a patch value
 
@@ -582,10 +593,14 @@ def render_gpu_vllm(repo: Path) -> str:
     return VLLM_HEADER + to_yaml(rayservice_vllm((repo / VLLM_SERVE_CONFIG).read_text()))
 
 
-# k8s/overlays/object-storage: the run checkpoints in a bucket, data and tokenizer still on the PVC
+# Checkpoints in a bucket, built from kustomize components (k8s/components, kind Component) that the overlays
+# stack: object-storage (the chain's checkpoint stages and the chat RayService on the bucket; settings.yaml),
+# and one way for the Ray pods to get credentials, s3-secret (envFrom the Secret S3_SECRET) or service-account
+# (the pods' serviceAccountName: an IAM role bound to it, no Secret). OBJECT_STORAGE_OVERLAYS names the overlays.
 S3_SECRET = "raychat-s3"  # AWS_* of every Ray container (envFrom); the manifests do not create it
-# the overlay's settings.yaml (kept by hand, so `raychat k8s generate` keeps your values): a ConfigMap that
-# kustomize reads and never applies, whose `bucket` replaces the placeholder S3_BUCKET
+# components/object-storage/settings.yaml (kept by hand, so `raychat k8s generate` keeps your values): a ConfigMap
+# that kustomize reads and never applies, whose `bucket` replaces the placeholder S3_BUCKET and whose
+# `serviceAccountName` the service-account component gives every Ray pod
 S3_SETTINGS = "raychat-object-storage"
 S3_BUCKET = "my-bucket"
 S3_ROOT = f"s3://{S3_BUCKET}/raychat"  # --storage-path of the checkpoint stages; the RayService's checkpoints
@@ -594,18 +609,37 @@ CLUSTER_SPEC_AT = {
     "RayJob": "/spec/rayClusterSpec",
     "RayService": "/spec/rayClusterConfig",
 }
-OBJECT_STORAGE_NOTE = f"""# Run checkpoints in a bucket: the --storage-path of the pretrain, sft, rl, eval and export RayJobs and the
-# RayService's checkpoint are {S3_ROOT}; data and tokenizer stay on the PVC ({STORAGE_ROOT}:
-# every node reads them as files). Every Ray container reads its AWS_* variables from the Secret {S3_SECRET}
-# (envFrom; not created here: docs/deployment.md). Your bucket, and the pods' service account for an IAM role, go
-# in settings.yaml alone (not generated: kept as you edit it).
-# Build: kubectl kustomize k8s/overlays/object-storage | kubectl apply -n raychat -f -
+COMPONENT_API = "kustomize.config.k8s.io/v1alpha1"  # kind: Component
+# {overlay: (on the gpu overlay, credentials component)}
+OBJECT_STORAGE_OVERLAYS = {
+    "object-storage": (False, "s3-secret"),
+    "object-storage-service-account": (False, "service-account"),
+    "gpu-object-storage": (True, "s3-secret"),
+    "gpu-object-storage-service-account": (True, "service-account"),
+}
+VLLM_EXPORT = f"{STORAGE_ROOT}/hf"  # where the vLLM RayService reads the export (serve/vllm.yaml): the PVC
+OBJECT_STORAGE_COMPONENT_NOTE = f"""# Run checkpoints in a bucket (a kustomize Component: the overlays object-storage* and gpu-object-storage* list
+# it): the --storage-path of the pretrain, sft, rl, eval and export RayJobs and the chat RayService's checkpoint
+# are {S3_ROOT}; data and tokenizer stay on the PVC ({STORAGE_ROOT}: every node reads
+# them as files). Your bucket, and the service account of the service-account component, go in settings.yaml
+# alone (not generated: kept as you edit it). Credentials: the s3-secret or the service-account component,
+# listed after this one.
+"""
+S3_SECRET_NOTE = f"""# Credentials from the Secret {S3_SECRET} (a kustomize Component): every Ray container (head and worker of the
+# RayCluster, the RayJobs and the RayServices) reads its AWS_* variables from it (envFrom). Not created here:
+# docs/deployment.md. The RayJobs' submitters run `ray job submit` alone and open no storage.
+"""
+SERVICE_ACCOUNT_NOTE = """# Credentials from the pods' identity, no Secret (a kustomize Component): every Ray pod (head and worker of the
+# RayCluster, the RayJobs and the RayServices) runs as the service account serviceAccountName of
+# ../object-storage/settings.yaml, bound to an IAM role (EKS IAM roles for service accounts, EKS Pod Identity).
+# Not created here: docs/deployment.md. The RayJobs' submitters run `ray job submit` alone and keep the default.
 """
 
 
-def object_storage_serve_config(serve_text: str, root: str = S3_ROOT) -> str:
+def object_storage_serve_config(serve_text: str, root: str = S3_ROOT, num_gpus: float = 0) -> str:
     """serve/chat.yaml's config (`serve_text`) serving `root`/rl/latest: build_app's checkpoint arg of the raychat
-    application. Comments and the final line break are not kept (see gpu_serve_config).
+    application, each ChatServer replica on `num_gpus` GPUs when > 0 (see gpu_serve_config). Comments and the
+    final line break are not kept (see gpu_serve_config).
 
     Raises:
         ValueError: no application imports raychat.serve.app:build_app.
@@ -613,9 +647,11 @@ def object_storage_serve_config(serve_text: str, root: str = S3_ROOT) -> str:
     config = yaml.safe_load(serve_text)
     for app in _chat_apps(config):
         app.setdefault("args", {})["checkpoint"] = f"{root}/rl/latest"
-    head = (
-        "# serve/chat.yaml serving the RL run's newest checkpoint on object storage (raychat k8s generate)\n"
-    )
+    on = ""
+    if num_gpus:
+        _put_server_on_gpus(config, num_gpus)
+        on = f", each {SERVE_SERVER_DEPLOYMENT} replica on {num_gpus} GPU"
+    head = f"# serve/chat.yaml serving the RL run's newest checkpoint on object storage{on} (raychat k8s generate)\n"
     return head + to_yaml(config).rstrip("\n")
 
 
@@ -636,52 +672,147 @@ def bucket_replacement(kind: str, name: str, field: str, text: str) -> dict:
     }
 
 
-def render_object_storage(repo: Path) -> str:
-    """k8s/overlays/object-storage/kustomization.yaml: the base with the chain's checkpoint stages and the
-    RayService on S3_ROOT (chain_commands with the PVC's STORAGE_ROOT as data and tokenizer root), every Ray
-    container's envFrom the Secret S3_SECRET (the RayJobs' submitters run `ray job submit` alone and open no
-    storage), and replacements that put settings.yaml's bucket and serviceAccountName in place. The base's
-    NetworkPolicy restricts ingress only, so the pods reach the S3 endpoint as they are."""
-    serve_config = object_storage_serve_config((repo / "serve" / "chat.yaml").read_text())
-    patches, bucket, account = [], [], []
-    for kind, at in CLUSTER_SPEC_AT.items():
-        pods = [f"{at}/headGroupSpec/template/spec", f"{at}/workerGroupSpecs/0/template/spec"]
+def _ray_target(kind: str, name: str | None = None) -> dict:
+    return {"group": "ray.io", "version": "v1", "kind": kind, **({"name": name} if name else {})}
+
+
+def _patch(target: dict, ops: list[dict]) -> dict:
+    return {"target": target, "patch": to_yaml(ops).rstrip("\n")}
+
+
+def _ray_pod_specs(kind: str) -> list[str]:
+    """The JSON pointers of the head's and the worker group's pod spec in a KubeRay object of `kind`."""
+    at = CLUSTER_SPEC_AT[kind]
+    return [f"{at}/headGroupSpec/template/spec", f"{at}/workerGroupSpecs/0/template/spec"]
+
+
+def _settings(field: str, targets: list[dict]) -> dict:
+    """A replacement of settings.yaml's `field` (data.<field> of the ConfigMap S3_SETTINGS) into `targets`."""
+    return {
+        "source": {"kind": "ConfigMap", "name": S3_SETTINGS, "fieldPath": f"data.{field}"},
+        "targets": targets,
+    }
+
+
+def _chain_on_bucket(export_out: str | None = None) -> dict[str, str]:
+    """{stage: RayJob entrypoint} of the checkpoint stages on S3_ROOT (chain_commands with the PVC's STORAGE_ROOT
+    as data and tokenizer root; the data stage stays the base's), the export to `export_out` when given."""
+    commands = chain_commands("cluster", root=S3_ROOT, inputs=STORAGE_ROOT)
+    if export_out:
+        commands["export"][0] += ["--out", export_out]
+    return {stage: entrypoint(c) for stage, c in commands.items() if stage != "data"}
+
+
+def _entrypoint_patches(entrypoints: dict[str, str]) -> tuple[list[dict], list[dict]]:
+    """(patches, bucket replacement targets) that set each RayJob raychat-<stage>'s entrypoint."""
+    patches, bucket = [], []
+    for stage, text in entrypoints.items():
+        name = f"raychat-{stage}"
+        patches.append(_patch(_ray_target("RayJob", name), [{"op": "replace", "path": "/spec/entrypoint", "value": text}]))  # fmt: skip
+        bucket.append(bucket_replacement("RayJob", name, "spec.entrypoint", text))
+    return patches, bucket
+
+
+def _serve_patch(serve_config: str) -> tuple[dict, dict]:
+    """(patch, bucket replacement target) that set the chat RayService's serveConfigV2."""
+    ops = [{"op": "replace", "path": "/spec/serveConfigV2", "value": serve_config}]
+    target = bucket_replacement("RayService", "raychat-chat", "spec.serveConfigV2", serve_config)
+    return _patch(_ray_target("RayService", "raychat-chat"), ops), target
+
+
+def render_object_storage_component(repo: Path) -> str:
+    """k8s/components/object-storage/kustomization.yaml (a Component): settings.yaml, the chain's checkpoint
+    stages and the chat RayService on S3_ROOT (_chain_on_bucket, object_storage_serve_config of
+    repo/serve/chat.yaml: replicas on CPUs, as the base's), and replacements that put settings.yaml's bucket in
+    every URI. The base's NetworkPolicy restricts ingress only, so the pods reach the S3 endpoint as they are."""
+    patches, bucket = _entrypoint_patches(_chain_on_bucket())
+    serve, target = _serve_patch(object_storage_serve_config((repo / "serve" / "chat.yaml").read_text()))
+    component = {
+        "apiVersion": COMPONENT_API,
+        "kind": "Component",
+        "resources": ["settings.yaml"],
+        "patches": [*patches, serve],
+        "replacements": [_settings("bucket", [*bucket, target])],
+    }
+    return HEADER + OBJECT_STORAGE_COMPONENT_NOTE + to_yaml(component)
+
+
+def render_s3_secret_component() -> str:
+    """k8s/components/s3-secret/kustomization.yaml (a Component): envFrom the Secret S3_SECRET in the head's and
+    the worker group's container of every KubeRay object."""
+    patches = []
+    for kind in CLUSTER_SPEC_AT:
         ops = [
             {
                 "op": "add",
                 "path": f"{pod}/containers/0/envFrom",
                 "value": [{"secretRef": {"name": S3_SECRET}}],
             }
-            for pod in pods
+            for pod in _ray_pod_specs(kind)
         ]
-        target = {"group": "ray.io", "version": "v1", "kind": kind}
-        patches.append({"target": target, "patch": to_yaml(ops).rstrip("\n")})
-        fields = [f"{pod.lstrip('/').replace('/', '.')}.serviceAccountName" for pod in pods]
-        account.append({"select": {"kind": kind}, "fieldPaths": fields, "options": {"create": True}})
-    for stage, commands in chain_commands("cluster", root=S3_ROOT, inputs=STORAGE_ROOT).items():
-        if stage == "data":  # data and tokenizer: on the PVC, as in the base
-            continue
-        name, text = f"raychat-{stage}", entrypoint(commands)
-        ops = [{"op": "replace", "path": "/spec/entrypoint", "value": text}]
-        patches.append({"target": {"group": "ray.io", "version": "v1", "kind": "RayJob", "name": name},
-                        "patch": to_yaml(ops).rstrip("\n")})  # fmt: skip
-        bucket.append(bucket_replacement("RayJob", name, "spec.entrypoint", text))
-    service = [{"op": "replace", "path": "/spec/serveConfigV2", "value": serve_config}]
-    patches.append({"target": {"group": "ray.io", "version": "v1", "kind": "RayService", "name": "raychat-chat"},
-                    "patch": to_yaml(service).rstrip("\n")})  # fmt: skip
-    bucket.append(bucket_replacement("RayService", "raychat-chat", "spec.serveConfigV2", serve_config))
-    source = {"kind": "ConfigMap", "name": S3_SETTINGS}
+        patches.append(_patch(_ray_target(kind), ops))
+    component = {"apiVersion": COMPONENT_API, "kind": "Component", "patches": patches}
+    return HEADER + S3_SECRET_NOTE + to_yaml(component)
+
+
+def render_service_account_component() -> str:
+    """k8s/components/service-account/kustomization.yaml (a Component): settings.yaml's serviceAccountName as
+    the serviceAccountName of the head's and the worker group's pod of every KubeRay object (a replacement:
+    the object-storage component, listed before it, brings the settings)."""
+    targets = [
+        {
+            "select": {"kind": kind},
+            "fieldPaths": [
+                f"{pod.lstrip('/').replace('/', '.')}.serviceAccountName" for pod in _ray_pod_specs(kind)
+            ],
+            "options": {"create": True},
+        }
+        for kind in CLUSTER_SPEC_AT
+    ]
+    component = {"apiVersion": COMPONENT_API, "kind": "Component", "replacements": [_settings("serviceAccountName", targets)]}  # fmt: skip
+    return HEADER + SERVICE_ACCOUNT_NOTE + to_yaml(component)
+
+
+CREDENTIALS_NOTE = {
+    "s3-secret": f"the Ray pods' credentials from the Secret {S3_SECRET} (components/s3-secret: AWS_* by envFrom).\n",
+    "service-account": "the Ray pods' credentials from their service account (components/service-account:\n"
+    "# the serviceAccountName of settings.yaml, bound to an IAM role; no Secret).\n",
+}
+GPU_OBJECT_STORAGE_NOTE = f"""# Also here, after the components: the chat RayService's serve config on the bucket and on GPUs at once (each
+# is a patch of the whole serveConfigV2 text), and the export RayJob's --out on the PVC, where the vLLM
+# RayService reads it ({VLLM_EXPORT}).
+"""
+
+
+def _object_storage_note(overlay: str, gpu: bool, credentials: str) -> str:
+    under, namespace = ("The gpu overlay", "") if gpu else ("The base", " -n raychat")
+    return (
+        f"# {under} with the run checkpoints in a bucket (components/object-storage; your bucket in its\n"
+        f"# settings.yaml), {CREDENTIALS_NOTE[credentials]}{GPU_OBJECT_STORAGE_NOTE if gpu else ''}"
+        f"# Build: kubectl kustomize k8s/overlays/{overlay} | kubectl apply{namespace} -f -\n"
+    )
+
+
+def render_object_storage_overlay(repo: Path, overlay: str) -> str:
+    """k8s/overlays/<overlay>/kustomization.yaml of OBJECT_STORAGE_OVERLAYS: the base (or the gpu overlay) with
+    the components object-storage and its credentials component. On the gpu overlay it also sets, after the
+    components, the chat RayService's serve config on the bucket with each ChatServer replica on GPU_SERVE_GPUS
+    GPUs, and the export RayJob's --out VLLM_EXPORT (the vLLM RayService reads the PVC), each with its bucket
+    replacement (the component's ran before these patches)."""
+    gpu, credentials = OBJECT_STORAGE_OVERLAYS[overlay]
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
-        "resources": ["../../base", "settings.yaml"],
-        "patches": patches,
-        "replacements": [
-            {"source": {**source, "fieldPath": "data.bucket"}, "targets": bucket},
-            {"source": {**source, "fieldPath": "data.serviceAccountName"}, "targets": account},
-        ],
+        "resources": ["../gpu" if gpu else "../../base"],
+        "components": ["../../components/object-storage", f"../../components/{credentials}"],
     }
-    return HEADER + OBJECT_STORAGE_NOTE + to_yaml(kustomization)
+    if gpu:
+        patches, bucket = _entrypoint_patches({"export": _chain_on_bucket(VLLM_EXPORT)["export"]})
+        serve_text = (repo / "serve" / "chat.yaml").read_text()
+        serve, target = _serve_patch(object_storage_serve_config(serve_text, num_gpus=GPU_SERVE_GPUS))
+        kustomization["patches"] = [*patches, serve]
+        kustomization["replacements"] = [_settings("bucket", [*bucket, target])]
+    return HEADER + _object_storage_note(overlay, gpu, credentials) + to_yaml(kustomization)
 
 
 def pod_monitor() -> dict:
@@ -736,7 +867,13 @@ def render_all(repo: Path) -> dict[str, str]:
         "overlays/gpu/kustomization.yaml": render_gpu(repo),
         "overlays/gpu/rayservice-vllm.yaml": render_gpu_vllm(repo),
         **{f"overlays/monitoring/{name}": text for name, text in render_monitoring().items()},
-        "overlays/object-storage/kustomization.yaml": render_object_storage(repo),
+        "components/object-storage/kustomization.yaml": render_object_storage_component(repo),
+        "components/s3-secret/kustomization.yaml": render_s3_secret_component(),
+        "components/service-account/kustomization.yaml": render_service_account_component(),
+        **{
+            f"overlays/{o}/kustomization.yaml": render_object_storage_overlay(repo, o)
+            for o in OBJECT_STORAGE_OVERLAYS
+        },
     }
 
 
