@@ -73,8 +73,9 @@ def expected(tool_checkpoint) -> dict:
                 {"bytes": list(b"".join(tokenizer.iter_tokens([best]))), "logprob": float(lp[best])}
             )
             ids.append(best)
-    return {"model": Path(tool_checkpoint).name, "story5": story5,
-            "story_before_upon": story40[: story40.index("upon")], "logprobs": logprobs}  # fmt: skip
+    return {"model": Path(tool_checkpoint).name, "story5": story5, "story_tokens": len(prompt),
+            "context": model.config.max_seq_len, "story_before_upon": story40[: story40.index("upon")],
+            "logprobs": logprobs}  # fmt: skip
 
 
 def test_openai_python_client(served, expected):
@@ -92,6 +93,27 @@ def test_openai_python_client(served, expected):
                                                  stream=True, stream_options={"include_usage": True}))  # fmt: skip
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["story5"]
     assert chunks[-1].usage.completion_tokens == 5
+
+    # a completion budget the context cannot hold after the prompt: OpenAI's 400, raised by the client
+    # (streaming too: the status comes before any chunk), naming the field sent and the numbers
+    n, ctx = expected["story_tokens"], expected["context"]
+    over = ctx - n + 1
+    for create, kw, param, tokens in [
+        (client.chat.completions.create, {"messages": STORY, "max_tokens": over}, "max_tokens", n),
+        (client.chat.completions.create, {"messages": STORY, "max_completion_tokens": over, "stream": True},
+         "max_completion_tokens", n),
+        (client.completions.create, {"prompt": [1] * 10, "max_tokens": ctx - 9}, "max_tokens", 10),
+    ]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            create(model=model, **kw)
+        assert (err.value.status_code, err.value.code, err.value.param) == (
+            400,
+            "context_length_exceeded",
+            param,
+        )
+        room = ctx - tokens
+        assert f"the model's context length is {ctx} tokens" in err.value.message
+        assert f"({tokens} + {room + 1} > {ctx}): at most {room} fit" in err.value.message
 
     def sample(seed, **kw):
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "xyzzy"}],

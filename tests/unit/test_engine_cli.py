@@ -76,6 +76,13 @@ def test_fit_history_drops_the_oldest_exchanges_first(checkpoint):
         convo[3:],
         2,
     )  # no system prompt
+    # --max-tokens 3: the prompt must leave 3 tokens, not 1
+    assert chat_cli.fit_history(tok, convo, 1, length(convo) + 3, reply_tokens=3) == (convo, 0)
+    assert chat_cli.fit_history(tok, convo, 1, length(convo) + 2, reply_tokens=3) == (
+        [system, u[1], a[1], u[2]],
+        2,
+    )
+    assert chat_cli.fit_history(tok, convo, 1, length([system, u[2]]) + 2, reply_tokens=3) is None
 
 
 def test_interactive_outgrowing_the_context_keeps_the_session(checkpoint, capsys, monkeypatch):
@@ -89,14 +96,14 @@ def test_interactive_outgrowing_the_context_keeps_the_session(checkpoint, capsys
     n = len(render_for_completion(tok, [{"role": "user", "content": "x" * 200}]))
     assert out.startswith(
         f"you> (not sent: this message takes {n} tokens; the model holds 128 per "
-        "conversation, reply included: shorten it)\nyou> raychat> "
+        "conversation, reply included (--max-tokens 3): shorten it)\nyou> raychat> "
     )
     assert out.count("raychat> ") == 40 and out.endswith("you> ")
     assert "(dropped the 2 oldest messages: the conversation outgrew the model's 128 tokens)\n" in out
 
 
 def test_a_reply_cut_by_the_context_says_so(checkpoint, capsys):
-    """A prompt 2 tokens short of the model's 128 leaves room for 2 of --max-tokens 50: the reply used to end
+    """A prompt 2 tokens short of the model's 128 leaves room for 2 of the default 256: the reply used to end
     there as if the model had finished."""
     d, model, tok = checkpoint
     prompt = "x" * 122
@@ -104,11 +111,41 @@ def test_a_reply_cut_by_the_context_says_so(checkpoint, capsys):
     assert len(render_for_completion(tok, msgs)) == 126
     res = expected_reply(model, tok, msgs, 50)
     assert (res.finish_reason, len(res.completion_tokens)) == ("length", 2)
-    argv = ["chat", "--checkpoint", str(d), "-p", prompt, "--temperature", "0", "--max-tokens", "50"]
+    argv = ["chat", "--checkpoint", str(d), "-p", prompt, "--temperature", "0"]
     assert main(argv) == 0
     assert capsys.readouterr().out == res.text + " [cut: the conversation filled the model's 128 tokens]\n"
-    assert main([*argv[:-1], "1"]) == 0  # --max-tokens ended it, before the context: no mark
+    assert main([*argv, "--max-tokens", "1"]) == 0  # --max-tokens ended it, before the context: no mark
     assert capsys.readouterr().out == expected_reply(model, tok, msgs, 1).text + "\n"
+
+
+def test_max_tokens_beyond_the_context_is_refused_at_start(checkpoint, capsys, monkeypatch):
+    """--max-tokens 50 after a 126-token prompt in 128 (as the server's 400: context length, prompt tokens,
+    completion tokens); interactively the shortest prompt is an empty message, 4 tokens (<|bos|> <|user_start|>
+    <|user_end|> <|assistant_start|>), 14 with the system message "be brief" (+ 8 bytes + "\\n\\n"): refused
+    before the first "you> ", nothing read. 126 + 2 = 128 fits."""
+    d, model, tok = checkpoint
+    argv = ["chat", "--checkpoint", str(d), "--temperature", "0"]
+    assert main([*argv, "-p", "x" * 122, "--max-tokens", "50"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        "raychat chat: error: --max-tokens: 50 completion tokens requested, but the model's context length is "
+        "128 tokens and the prompt has 126 (126 + 50 > 128): at most 2 fit\n"
+    )
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main([*argv, "--max-tokens", "125"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        "raychat chat: error: --max-tokens: 125 completion tokens requested, but the model's context length is "
+        "128 tokens and an empty message has 4 (4 + 125 > 128): at most 124 fit\n"
+    )
+    assert main([*argv, "--max-tokens", "115", "--system", "be brief"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "an empty message with the system message has 14 (14 + 115 > 128): at most 114 fit\n"
+    )
+    assert sys.stdin.read() == "hello\n"  # never read: refused at start
+    msgs = [{"role": "user", "content": "x" * 122}]
+    assert main([*argv, "-p", "x" * 122, "--max-tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith(expected_reply(model, tok, msgs, 2).text)
 
 
 @pytest.fixture(scope="module")

@@ -270,7 +270,7 @@ def test_engine_request_from_an_openai_request(client, fake):
             {"role": "user", "content": "And 1+1?"},
         ],
         "temperature": None, "top_k": None, "top_p": None, "max_tokens": 9, "stop": ["END"], "logprobs": False,
-        "top_logprobs": 0, "client_tools": False, "seed": 5,
+        "top_logprobs": 0, "client_tools": False, "seed": 5, "max_tokens_param": "max_completion_tokens",
     }  # fmt: skip
     from raychat.engine.runner import derive_seed
 

@@ -5,7 +5,8 @@ conversation, whose call and result show as a block of their own and go back to 
 The page and API come from the same FastAPI app and ChatServer that the Ray Serve ingress and replicas run,
 served here by uvicorn on loopback (test_serve_ray.py covers the Ray transport). Each engine event is
 delayed by 40 ms so that streaming is slow enough to watch and to stop, and the stopped reply is long: the
-random model of seed 1 answers the question greedily with 243 tokens (max_tokens; ~10 s of streaming), so
+random model of seed 1 answers the question greedily with 243 tokens (max tokens left empty, the page's default:
+the rest of the 256-token context; ~10 s of streaming), so
 Stop lands mid-stream also on a loaded machine (seed 0's reply is 22 tokens, under a second: a slow browser
 step let it finish before Stop and no cancellation was counted).
 """

@@ -231,3 +231,35 @@ def test_poisoned_scoring_fails_alone():
         )
     finally:
         engine.shutdown()
+
+
+def test_max_tokens_beyond_the_context_is_context_length_exceeded(client):
+    """A 250-token prompt leaves 6 of the 256: max_tokens 7 was accepted and cut short at 6 ("length"); now a
+    400 naming max_tokens and the numbers (the prompt of a batch by its index), streaming or not. Not given,
+    max_tokens is 16 (OpenAI's default), or the 6 the row leaves."""
+    for body, prompt in [
+        ({"prompt": [5] * 250, "max_tokens": 7}, "the prompt"),
+        ({"prompt": [[5], [5] * 250], "max_tokens": 7, "stream": True}, "prompt[1]"),
+        ({"prompt": [5] * 250, "max_tokens": 7, "echo": True, "logprobs": 1}, "the prompt"),
+    ]:
+        resp = client.post(URL, json=body)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"] == {
+            "message": f"max_tokens: 7 completion tokens requested, but the model's context length is 256 tokens "
+            f"and {prompt} has 250 (250 + 7 > 256): at most 6 fit",
+            "type": "invalid_request_error", "param": "max_tokens", "code": "context_length_exceeded",
+        }  # fmt: skip
+    for body, completion_tokens in [
+        ({"prompt": [5] * 250, "max_tokens": 6}, 6),
+        ({"prompt": [5] * 250}, 6),
+        ({"prompt": [5] * 10}, 16),
+        ({"prompt": [5] * 255, "max_tokens": 0, "echo": True}, 0),
+    ]:
+        resp = client.post(URL, json={**body, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        usage = resp.json()["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
+            len(body["prompt"]),
+            completion_tokens,
+        )
+        assert resp.json()["choices"][0]["finish_reason"] == "length"

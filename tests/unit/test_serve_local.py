@@ -463,3 +463,65 @@ def test_a_conversation_beyond_the_context_is_openais_context_length_exceeded(ti
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     finally:
         engine.shutdown()
+
+
+def test_max_tokens_beyond_the_context_is_refused_before_the_engine_sees_it(tiny):
+    """prompt + max_tokens over the context was accepted and cut short ("length") at the row's end; now it is
+    OpenAI's and vLLM's 400 naming the field as sent and the numbers, on every chat route, streaming or not,
+    and the request never reaches the engine, so a request decoding beside it runs on untouched. "hi" renders
+    to 5 tokens (<|bos|> <|user_start|> hi <|user_end|> <|assistant_start|>): 27 of the 32 are left."""
+    model, tok = tiny
+    engine = ChatServer(model, tok, max_slots=2, max_len=32, model_id="tiny")
+    submitted = []
+    submit = engine.scheduler.submit
+    engine.scheduler.submit = lambda prompt, *a, **kw: (
+        submitted.append(list(prompt)) or submit(prompt, *a, **kw)
+    )
+    hi = [{"role": "user", "content": "hi"}]
+    assert len(render_for_completion(tok, hi)) == 5
+    try:
+        client = TestClient(create_app(LocalClient(engine)))
+        for path, body, param, n in [
+            (V1, {"max_tokens": 28}, "max_tokens", 28),
+            (V1, {"max_completion_tokens": 40, "stream": True}, "max_completion_tokens", 40),
+            (V1, {"max_tokens": 30, "max_completion_tokens": 30}, "max_completion_tokens", 30),
+            ("/chat/completions", {"max_tokens": 4096}, "max_tokens", 4096),
+        ]:
+            resp = client.post(path, json={"messages": hi, **body})
+            assert resp.status_code == 400, resp.text
+            assert resp.json()["error"] == {
+                "message": f"{param}: {n} completion tokens requested, but the model's context length is 32 "
+                f"tokens and the conversation has 5 (5 + {n} > 32): at most 27 fit",
+                "type": "invalid_request_error", "param": param, "code": "context_length_exceeded",
+            }  # fmt: skip
+        assert submitted == [] and engine.stats()["rejected"] == 4
+        for body in ({"max_tokens": 27}, {}):  # exactly the rest of the row; not given: the rest of the row
+            ok = client.post(V1, json={"messages": hi, "temperature": 0, **body})
+            assert ok.status_code == 200, ok.text
+            usage, choice = ok.json()["usage"], ok.json()["choices"][0]
+            assert (usage["prompt_tokens"], usage["completion_tokens"], choice["finish_reason"]) == (
+                5,
+                27,
+                "length",
+            )
+
+        async def beside():
+            reference = ModelRunner(model, tok).generate_batch(
+                [render_for_completion(tok, hi)], max_tokens=20, temperature=0
+            )[0]
+            good = engine.generate({"messages": hi, "max_tokens": 20, "temperature": 0})
+            events = [await anext(good)]  # decoding in the engine now
+            bad = [e async for e in engine.generate({"messages": hi, "max_tokens": 28, "temperature": 0})]
+            events += [e async for e in good]
+            return reference, bad, events
+
+        submitted.clear()
+        reference, bad, events = asyncio.run(beside())
+        assert [(e["type"], e["status"], e["param"], e["code"]) for e in bad] == [
+            ("error", 400, "max_tokens", "context_length_exceeded")
+        ]
+        assert submitted == [render_for_completion(tok, hi)]  # the good one only
+        assert "".join(e["text"] for e in events if e["type"] == "delta") == reference.text
+        assert events[-1]["usage"]["completion_tokens"] == len(reference.completion_tokens) == 20
+    finally:
+        engine.shutdown()

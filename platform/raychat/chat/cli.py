@@ -4,11 +4,14 @@ Prompts are rendered with the ONE chat template (`raychat.chat_template.render_f
 stream through the engine's Scheduler (one row, driven inline) and are shown part by part
 (raychat.chat.turn): text as it comes, a calculator call with its result as "[calculator] 12 * 34 = 408" on
 its own line; control tokens never appear. In interactive mode the conversation grows
-turn by turn, its oldest exchanges dropped (and said so) when it outgrows the model's context; a message too
-long on its own is not sent and the session goes on; /clear starts over, /quit or end of input leaves;
-Ctrl-C stops the current reply (with -p it then exits 130, as Ctrl-C at the prompt does). The checkpoint
-chat resolved to is named first, on stderr. A reply that fills the model's context ends with "[cut: ...]"; one the engine
-fails on (non-finite logits) is an error on stderr, is left out of the conversation, and makes -p exit 1.
+turn by turn, its oldest exchanges dropped (and said so) when it outgrows the model's context (with
+--max-tokens N: when it leaves less than N tokens for the reply); a message too long on its own is not sent
+and the session goes on; a --max-tokens that even the shortest prompt leaves no room for (the -p prompt, or
+an empty message) is an error naming it at start (exit 2), as the server's 400; /clear starts over, /quit or
+end of input leaves; Ctrl-C stops the current reply (with -p it then exits 130, as Ctrl-C at the prompt
+does). The checkpoint chat resolved to is named first, on stderr. A reply that fills the model's context ends
+with "[cut: ...]"; one the engine fails on (non-finite logits) is an error on stderr, is left out of the
+conversation, and makes -p exit 1.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import described, find_checkpoint, resolve_checkpoint
 from raychat.config import ChatConfig, from_args
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
+from raychat.engine.scheduler import completion_overflow
 from raychat.gc_heap import freeze_gc_heap
 
 PART_TYPES = {"text": "text", "tool_call": "python", "tool_result": "python_output"}
+DEFAULT_REPLY_TOKENS = 256  # a reply's limit without --max-tokens (the context's end may come first)
 
 
 def assistant_message(tokenizer, completion_tokens: list[int]) -> dict:
@@ -102,13 +107,15 @@ def checkpoint_line(checkpoint: str, stage: str) -> str:
     return line
 
 
-def fit_history(tokenizer, messages: list[dict], keep: int, max_len: int) -> tuple[list[dict], int] | None:
+def fit_history(
+    tokenizer, messages: list[dict], keep: int, max_len: int, reply_tokens: int = 1
+) -> tuple[list[dict], int] | None:
     """The conversation `messages` (its first `keep` messages the system prompt, its last the new user message)
     with its oldest exchanges dropped, a user message and the replies after it at a time, until the prompt
-    leaves room to generate in a row of `max_len` tokens: (messages, how many were dropped); None when the
-    system prompt and the new message alone leave no room."""
+    leaves room for `reply_tokens` completion tokens in a row of `max_len` tokens: (messages, how many were
+    dropped); None when the system prompt and the new message alone leave no such room."""
     dropped = 0
-    while len(render_for_completion(tokenizer, messages)) >= max_len:
+    while len(render_for_completion(tokenizer, messages)) + reply_tokens > max_len:
         if len(messages) <= keep + 1:
             return None
         end = keep + 1
@@ -117,6 +124,24 @@ def fit_history(tokenizer, messages: list[dict], keep: int, max_len: int) -> tup
         dropped += end - keep
         messages = messages[:keep] + messages[end:]
     return messages, dropped
+
+
+def check_max_tokens(
+    tokenizer, max_tokens: int, max_len: int, system: list[dict], prompt: str | None
+) -> None:
+    """Refuse, before the first reply, a --max-tokens that cannot follow the shortest prompt the session
+    sends in a row of max_len tokens: the -p prompt, or interactively an empty message (each with the
+    system message, if any).
+
+    Raises:
+        ValueError: "--max-tokens: N completion tokens requested, but ..." (context length, prompt tokens).
+    """
+    shortest = [*system, {"role": "user", "content": prompt or ""}]
+    what = "the prompt" if prompt is not None else "an empty message"
+    what += " with the system message" if system else ""
+    why = completion_overflow(len(render_for_completion(tokenizer, shortest)), max_tokens, max_len, what)
+    if why:
+        raise ValueError(f"--max-tokens: {why}")
 
 
 def run_chat(args, stdin=None, out=None) -> int:
@@ -132,8 +157,11 @@ def run_chat(args, stdin=None, out=None) -> int:
             cfg.checkpoint, None, "--checkpoint"
         )  # named on stderr: the URI, not the cache
         model, tokenizer, meta = load_model(resolve_checkpoint(source), device=device)
+        system = [{"role": "system", "content": cfg.system}] if cfg.system else []
+        if cfg.max_tokens is not None:
+            check_max_tokens(tokenizer, cfg.max_tokens, model.config.max_seq_len, system, cfg.prompt)
         params = SamplingParams(
-            max_tokens=cfg.max_tokens,
+            max_tokens=cfg.max_tokens or DEFAULT_REPLY_TOKENS,
             temperature=cfg.temperature,
             top_k=cfg.top_k,
             top_p=cfg.top_p,
@@ -145,7 +173,6 @@ def run_chat(args, stdin=None, out=None) -> int:
     print(checkpoint_line(source, meta.get("stage", "")), file=sys.stderr)
     sched = Scheduler(ModelRunner(model, tokenizer, dtype="auto", kv_dtype=cfg.kv_dtype), max_slots=1)
     freeze_gc_heap()
-    system = [{"role": "system", "content": cfg.system}] if cfg.system else []
     if cfg.prompt is not None:
         messages = [*system, {"role": "user", "content": cfg.prompt}]
         reply = _reply(sched, tokenizer, messages, params, out, one_shot=True)
@@ -163,14 +190,16 @@ def run_chat(args, stdin=None, out=None) -> int:
             continue
         if not text.strip():
             continue
+        reserve = cfg.max_tokens or 1
         fitted = fit_history(
-            tokenizer, [*messages, {"role": "user", "content": text}], len(system), sched.max_len
+            tokenizer, [*messages, {"role": "user", "content": text}], len(system), sched.max_len, reserve
         )
         if fitted is None:
             n = len(render_for_completion(tokenizer, [*system, {"role": "user", "content": text}]))
             with_system = " with the system prompt" if system else ""
+            budget = f" (--max-tokens {cfg.max_tokens})" if cfg.max_tokens else ""
             out.write(f"(not sent: this message takes {n} tokens{with_system}; the model holds "
-                      f"{sched.max_len} per conversation, reply included: shorten it)\n")  # fmt: skip
+                      f"{sched.max_len} per conversation, reply included{budget}: shorten it)\n")  # fmt: skip
             continue
         messages, dropped = fitted
         if dropped:

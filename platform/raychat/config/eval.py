@@ -102,7 +102,11 @@ class ChatConfig(Section):
     temperature: float = option(0.6, "sampling temperature; 0 = greedy", ge=0)
     top_k: int = option(50, "sample among the k most likely tokens; 0 = off", ge=0)
     top_p: float | None = option(None, "nucleus mass in (0, 1]; None = off", gt=0, le=1)
-    max_tokens: int = option(256, "completion tokens per reply", positive=True)
+    max_tokens: int | None = option(
+        None, "completion tokens per reply; it must fit in the model's context with the prompt (else an error at "
+        "start), and older exchanges are dropped to keep room for it; not given: 256, or until the context is full",
+        positive=True,
+    )  # fmt: skip
     seed: int | None = option(None, "sampling seed (None = a fresh one)", ge=0, le=SEED_MAX)
     device: str = option(
         "auto", "where the model runs (auto: cuda when there is one, else cpu)", ("auto", *DEVICES)

@@ -61,6 +61,7 @@ __all__ = [
     "TokenLogprob",
     "Usage",
     "check_fits_row",
+    "completion_overflow",
     "check_limits",
     "check_queue",
 ]
@@ -95,6 +96,21 @@ def check_fits_row(ids: list[int], max_len: int) -> list[int]:
     if len(ids) >= max_len:
         raise ValueError(f"prompt has {len(ids)} tokens; rows hold max_len {max_len} tokens in total")
     return ids
+
+
+def completion_overflow(
+    prompt_tokens: int, max_tokens: int, max_len: int, prompt: str = "the prompt"
+) -> str | None:
+    """Why `max_tokens` completion tokens do not fit after a prompt of `prompt_tokens` tokens in a row of
+    `max_len` (the context length, tokens), naming the three numbers as OpenAI's and vLLM's 400 does; None when
+    prompt_tokens + max_tokens <= max_len. `prompt` names the prompt in the message ("the conversation")."""
+    if prompt_tokens + max_tokens <= max_len:
+        return None
+    return (
+        f"{max_tokens} completion tokens requested, but the model's context length is {max_len} tokens and "
+        f"{prompt} has {prompt_tokens} ({prompt_tokens} + {max_tokens} > {max_len}): at most "
+        f"{max(max_len - prompt_tokens, 0)} fit"
+    )
 
 
 class _Request:

@@ -4,11 +4,13 @@ A request outside any limit is answered 400 in the error shape of raychat.serve.
 field (e.g. "messages[3].content", "top_logprobs"). Every OpenAI Chat Completions parameter is one of:
   honoured    model, messages, temperature 0..2 (default 1; 0 = greedy), top_p (0, 1] (default 1),
               max_completion_tokens and max_tokens 1..4096 (equal if both are given; default: until the
-              model ends its turn or the row's context is full), n 1..8, seed 0..2**63-1, stop (a string or a
-              list of 0..4 strings of 1..64 characters), stream, stream_options {include_usage,
-              include_obfuscation} (only with stream), logprobs, top_logprobs 0..20 (needs logprobs),
-              tools (only the built-in "calculator" function), tool_choice ("auto"; needs tools),
-              parallel_tool_calls, response_format ({"type": "text"}); and raychat's top_k 0..200 (0 = off)
+              model ends its turn or the row's context is full; the rendered conversation plus the value
+              over max_seq_len is a 400 context_length_exceeded naming the field sent), n 1..8,
+              seed 0..2**63-1, stop (a string or a list of 0..4 strings of 1..64 characters), stream,
+              stream_options {include_usage, include_obfuscation} (only with stream), logprobs,
+              top_logprobs 0..20 (needs logprobs), tools (only the built-in "calculator" function),
+              tool_choice ("auto"; needs tools), parallel_tool_calls, response_format ({"type": "text"}); and
+              raychat's top_k 0..200 (0 = off)
   no effect   user, safety_identifier, prompt_cache_key, prompt_cache_retention, prompt_cache_options,
               metadata, store (false), service_tier ("auto" | "default"): accepted; nothing in the reply
               depends on them (raychat keeps no prompt cache and stores nothing)

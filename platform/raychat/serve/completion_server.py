@@ -8,15 +8,17 @@ Events (the vocabulary of raychat.serve.server, plus "prompt"):
   {"type": "delta", "text": str, "tokens": int, "logprobs": [ENTRY] | None}     completion tokens
   {"type": "done", "finish_reason": "stop" | "length", "usage": USAGE}           last event of a success
   {"type": "error", "status": 400 | 429 | 500 | 503 | 504, "message", "param"[, "code"][, "retry_after"]}
-        code "context_length_exceeded": a prompt of max_len tokens or more (OpenAI's code, as chat's)
+        code "context_length_exceeded": a prompt of max_len tokens or more (OpenAI's code, as chat's), or a
+        max_tokens the row cannot hold after the prompt (prompt + max_tokens > max_len: param "max_tokens")
   ENTRY = {"token": str, "logprob": float | None, "top_logprobs": {token: logprob} | None}
         the token's text (its bytes decoded, invalid UTF-8 replaced), its logprob (-inf sent as MIN_LOGPROB)
         and the request's `logprobs` most likely alternatives plus the token itself (a text shared by two
         tokens keeps the larger logprob): OpenAI's legacy logprobs, one token at a time.
-max_tokens 0 finishes with "length" and no completion token. The same bounds as chat requests: the prompt
-scoring and the generation are each one engine request (Scheduler.score / submit: 400 for a bad prompt,
-429 when the engine's queue is full, 503 while the engine process is down); the scoring is one forward
-bounded by request_timeout_s (504 past it), and the generation ends at its own deadline.
+max_tokens 0 finishes with "length" and no completion token; max_tokens None (not sent) is
+DEFAULT_MAX_TOKENS, or fewer when the row has less room left after the prompt. The same bounds as chat
+requests: the prompt scoring and the generation are each one engine request (Scheduler.score / submit: 400
+for a bad prompt, 429 when the engine's queue is full, 503 while the engine process is down); the scoring is
+one forward bounded by request_timeout_s (504 past it), and the generation ends at its own deadline.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from raychat.engine.scheduler import QueueFullError, check_fits_row
-from raychat.serve.engine_adapter import MIN_LOGPROB, sampling_params
+from raychat.serve.completions_api import DEFAULT_MAX_TOKENS
+from raychat.serve.engine_adapter import MIN_LOGPROB, check_max_tokens, sampling_params
 from raychat.serve.errors import ContextLengthError
 from raychat.serve.sse import usage_dict
 
@@ -74,7 +77,7 @@ def _rejection(server, e: Exception, param: str) -> dict:
     """The error event of an exception from Scheduler.submit / score (as ChatServer.generate answers)."""
     server.rejected += 1
     if isinstance(e, ContextLengthError):
-        return {"type": "error", "status": 400, "message": str(e), "param": param, "code": e.CODE}
+        return {"type": "error", "status": 400, "message": str(e), "param": e.param or param, "code": e.CODE}
     if isinstance(e, ValueError):
         return {"type": "error", "status": 400, "message": str(e), "param": param}
     if isinstance(e, QueueFullError):
@@ -97,11 +100,16 @@ async def completion_events(server, request: dict) -> AsyncIterator[dict]:
     metrics, counters and retry_after_s); never raises for bad input. Closing it early cancels the request."""
     scheduler, tokenizer = server.scheduler, server.tokenizer
     param, k, echo = request.get("param") or "prompt", request.get("logprobs"), bool(request.get("echo"))
-    max_tokens = request["max_tokens"]
     stream, finished = None, False
     try:
         try:
             ids = prompt_ids(tokenizer, request["prompt"], scheduler.max_len)
+            check_max_tokens(
+                len(ids), request, scheduler.max_len, "the prompt" if param == "prompt" else param
+            )
+            max_tokens = request["max_tokens"]
+            if max_tokens is None:  # not sent: the default, or what the row leaves
+                max_tokens = min(DEFAULT_MAX_TOKENS, scheduler.max_len - len(ids))
             scored = None
             if echo and k is not None:
                 timeout = getattr(scheduler, "request_timeout_s", None)
@@ -116,9 +124,8 @@ async def completion_events(server, request: dict) -> AsyncIterator[dict]:
                     yield {"type": "error", "status": status, "message": scored.error, "param": None}
                     return
             if max_tokens > 0:
-                params = sampling_params(
-                    {**request, "logprobs": k is not None, "top_logprobs": k or 0}, scheduler.max_len
-                )
+                budget = {"max_tokens": max_tokens, "logprobs": k is not None, "top_logprobs": k or 0}
+                params = sampling_params({**request, **budget}, scheduler.max_len)
                 stream = scheduler.submit(ids, params, wake_every=server.stream_interval)
         except (ValueError, QueueFullError, RuntimeError, OSError) as e:
             yield _rejection(server, e, param)

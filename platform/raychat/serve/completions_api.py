@@ -7,7 +7,9 @@ Parameters:
               <|bos|> added (as the HF export's tokenizer does: add_bos_token false); send ids to start with
               <|bos|>. At most MAX_PROMPT_CHARS characters per string; ids must be in 0..vocab_size-1 and a
               prompt must leave room in a row of max_seq_len tokens (else 400 naming "prompt" / "prompt[i]").
-              model, max_tokens 0..4096 (default 16; 0 = no completion: with echo, the prompt alone),
+              model, max_tokens 0..4096 (default 16, or what the row leaves after the prompt when that is
+              less; 0 = no completion: with echo, the prompt alone; prompt + max_tokens over max_seq_len: 400
+              context_length_exceeded naming max_tokens),
               temperature 0..2 (default 1; 0 = greedy), top_p (0, 1], seed, stop (a string or 0..4 strings of
               1..64 characters, never part of the text), stream, stream_options {include_usage} (only with
               stream), echo (the choice's text starts with the prompt; with logprobs, the prompt's tokens get
@@ -150,13 +152,14 @@ class CompletionRequest(_Strict):
 def engine_requests(body: CompletionRequest) -> list[dict]:
     """The engine requests (raychat.serve.server: the "prompt" form) of a validated request, one per prompt:
     {"prompt": str | [int], "param": "prompt" | "prompt[i]" (the field an error names), "echo", "max_tokens"
-    (>= 0), "logprobs" (None or 0..MAX_LOGPROBS), "temperature", "top_k", "top_p", "seed", "stop"}."""
+    (>= 0, or None when not sent: the server's default), "logprobs" (None or 0..MAX_LOGPROBS), "temperature",
+    "top_k", "top_p", "seed", "stop"}."""
     return [
         {
             "prompt": p,
             "param": f"prompt[{i}]" if body.batched else "prompt",
             "echo": bool(body.echo),
-            "max_tokens": DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
+            "max_tokens": body.max_tokens,
             "logprobs": body.logprobs,
             "temperature": None if body.temperature is None else float(body.temperature),
             "top_k": body.top_k,

@@ -16,6 +16,8 @@ import math
 from raychat.chat.turn import TEXT
 from raychat.chat_template import MARKERS
 from raychat.engine import SamplingParams, stop_strings
+from raychat.engine.scheduler import completion_overflow
+from raychat.serve.errors import ContextLengthError
 
 # OpenAI's stand-in for a logprob that is -inf (a token the filters excluded): JSON has no infinity
 MIN_LOGPROB = -9999.0
@@ -42,6 +44,21 @@ def sampling_params(request: dict, max_len: int) -> SamplingParams:
     if request.get("logprobs"):
         kwargs.update(logprobs=True, top_logprobs=request.get("top_logprobs") or 0)
     return SamplingParams(**kwargs)
+
+
+def check_max_tokens(prompt_tokens: int, request: dict, max_len: int, prompt: str) -> None:
+    """Refuse an engine request whose max_tokens (None: not sent, the default fills what is left) does not fit
+    after its prompt of `prompt_tokens` tokens in a row of `max_len` tokens (OpenAI's and vLLM's 400), before
+    the engine sees it. `prompt` names the prompt in the message ("the conversation", "prompt[1]").
+
+    Raises:
+        ContextLengthError: prompt_tokens + max_tokens > max_len; its param is request["max_tokens_param"] (the
+            field the client sent: "max_tokens" or "max_completion_tokens"), default "max_tokens".
+    """
+    max_tokens = request.get("max_tokens")
+    why = None if max_tokens is None else completion_overflow(prompt_tokens, max_tokens, max_len, prompt)
+    if why:
+        raise ContextLengthError(why, request.get("max_tokens_param") or "max_tokens")
 
 
 def _finite(logprob: float) -> float:

@@ -51,10 +51,15 @@ def error_headers(event: dict) -> dict | None:
 
 
 class ContextLengthError(ValueError):
-    """A prompt that leaves no room for a completion in a row of max_len tokens: answered 400 with OpenAI's
-    code "context_length_exceeded" (CODE)."""
+    """A prompt that leaves no room for a completion in a row of max_len tokens, or for the max_tokens asked:
+    answered 400 with OpenAI's code "context_length_exceeded" (CODE); `param` the field to blame, when it is
+    not the prompt (max_tokens or max_completion_tokens, as sent)."""
 
     CODE = "context_length_exceeded"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ParamError(ValueError):

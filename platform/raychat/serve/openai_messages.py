@@ -127,6 +127,9 @@ def engine_requests(body: ChatRequest) -> list[dict]:
         "top_k": body.top_k,
         "top_p": None if body.top_p is None else float(body.top_p),
         "max_tokens": body.max_completion,
+        "max_tokens_param": "max_completion_tokens"
+        if body.max_completion_tokens is not None
+        else "max_tokens",
         "stop": list(body.stop or []),
         "logprobs": bool(body.logprobs),
         "top_logprobs": body.top_logprobs or 0,

@@ -4,7 +4,8 @@ raychat.serve.app wraps it), so tests can drive it in-process.
 
 `ChatServer.generate(request)` takes the ingress' engine request:
   {"messages": template messages (raychat.chat_template), "temperature", "top_k", "top_p", "max_tokens"
-   (None = until the row is full), "seed", "stop": [str], "logprobs": bool, "top_logprobs": int,
+   (None = until the row is full), "max_tokens_param" (the field max_tokens came in, named by its error),
+   "seed", "stop": [str], "logprobs": bool, "top_logprobs": int,
    "client_tools": bool (stop right after a calculator call: the client runs it; docs/openai.md)}
 (or the "prompt" form of POST /v1/completions: raychat.serve.completion_server has its request and events)
 and yields (the completion read by raychat.chat.turn.TurnParser, so no control-token text is ever sent):
@@ -18,7 +19,8 @@ and yields (the completion read by raychat.chat.turn.TurnParser, so no control-t
    completion_tokens, total_tokens, ttft_s, cached_tokens}}       last event of a success (cached_tokens:
                                  prompt tokens served by the prefix cache)
   {"type": "error", "status": 400|429|500|503|504, "message": str, "param": str|None, "code": str (optional:
-   "context_length_exceeded" for a conversation that leaves no room for a reply)
+   "context_length_exceeded" for a conversation that leaves no room for a reply, param "messages", or for
+   its max_tokens: prompt + max_tokens > max_len, param "max_tokens_param"; both before the engine sees it)
    [, "retry_after": seconds]}   first and only event of a rejected request (400; 429 with retry_after when
                                  the engine's queue is full (max_pending); 503 while the engine process is
                                  down), or last event of a failed one (500; 503 when the engine process died
@@ -45,7 +47,8 @@ from raychat.engine.process import EngineProcess
 from raychat.engine.scheduler import QueueFullError
 from raychat.metrics import ServeMetrics
 from raychat.serve.completion_server import completion_events
-from raychat.serve.engine_adapter import sampling_params, text_logprobs
+from raychat.serve.engine_adapter import check_max_tokens, sampling_params, text_logprobs
+from raychat.serve.errors import ContextLengthError
 from raychat.serve.sse import usage_dict
 from raychat.storage import is_remote
 from raychat.tokenizer import Tokenizer
@@ -268,7 +271,12 @@ class ChatServer:
                            "message": f"the conversation is {len(prompt)} tokens; rows hold max_len "
                            f"{self.scheduler.max_len} tokens, the reply included: drop earlier messages"}  # fmt: skip
                     return
+                check_max_tokens(len(prompt), request, self.scheduler.max_len, "the conversation")
                 stream = self.scheduler.submit(prompt, params, wake_every=self.stream_interval)
+            except ContextLengthError as e:  # max_tokens beyond what the context leaves: named as sent
+                self.rejected += 1
+                yield {"type": "error", "status": 400, "message": str(e), "param": e.param, "code": e.CODE}
+                return
             except ValueError as e:
                 self.rejected += 1
                 yield {"type": "error", "status": 400, "message": str(e), "param": getattr(e, "param", param)}
