@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (
         RunGaveUp
-    ) as e:  # the run failed past --max-failures: its line (the failure was logged in full above)
+    ) as e:  # the run ended on a failure it does not retry: its line (a Ray error logged above)
         if os.environ.get("RAYCHAT_DEBUG"):
             raise
         print(f"raychat {args.command}: error: {e}", file=sys.stderr)

@@ -5,8 +5,9 @@ A process's rank is the RANK variable that torch.distributed's launchers and Ray
 line prefixed with "[rank N]". Lines go to sys.stdout through write(), not print(): Ray Train patches
 builtins.print on its workers to tee into its logger as well, which shows every printed line twice on the
 driver. A command's result (JSON, table rows, file lists, a dry run's plan) is printed, not logged. Counts in
-every user-visible line agree with their noun: plural. A training run out of its failure budget raises RunGaveUp,
-whose message is the one line the `raychat` command ends with (raychat.cli).
+every user-visible line agree with their noun: plural. A training run that ends on a failure it does not retry
+(out of its failure budget, a controller failure, a non-finite loss) raises RunGaveUp, whose message is the one
+line the `raychat` command ends with (raychat.cli).
 """
 
 import os
@@ -35,7 +36,10 @@ def log(message: str) -> None:
 
 
 class RunGaveUp(RuntimeError):
-    """A training run (pretrain, sft, rl) failed more times than its failure budget (--max-failures) allows. Its
-    message is one line: what failed, the error's type and first line, the failure count and budget, and the
-    checkpoint the run resumes from when started again; the failure itself is its __cause__, logged in full
-    before it is raised. `raychat` prints the line and exits 1 (RAYCHAT_DEBUG=1: the traceback)."""
+    """A training run (pretrain, sft, rl) ended on a failure it does not retry again: it failed more times than
+    its failure budget (--max-failures) allows, Ray Train's controller failed, or a step's loss or gradient norm
+    was not finite (raychat.train.step.NonFiniteError: a retry would meet it again). Its message is one line:
+    the run, what failed (the error's type and first line, the failure count and budget; or the step and what was
+    not finite, and the learning rates to lower), and the checkpoint the run resumes from when started again; the
+    failure itself is its __cause__, a Ray error logged in full before it is raised. `raychat` prints the line
+    and exits 1 (RAYCHAT_DEBUG=1: the traceback)."""

@@ -13,9 +13,12 @@ from ray.exceptions import RayActorError
 from ray.util import placement_group_table
 from support.rl_fixtures import tiny_checkpoint, tiny_config
 
+from raychat.capacity import read_capacity
 from raychat.log import RunGaveUp
 from raychat.rl.actors import ActorGroup
 from raychat.rl.loop import RLRun, rl_tasks
+from raychat.speedrun import speedrun_flags
+from raychat.train.step import NonFiniteError
 
 pytestmark = pytest.mark.ray
 
@@ -226,3 +229,57 @@ def test_a_placement_timeout_names_the_part_that_found_no_room(ray_cluster, chec
         f"node {node} {{CPU: 0.5}} x 1)"
     )
     assert actors.pg is None
+
+
+class PoisonedRewards(RLRun):
+    """A run whose step 2 (0-based 1) rewards are NaN: so are its advantages, its loss and its gradient norm."""
+
+    def learner_step(self, results, step):
+        if step == 1:
+            for r in results:
+                for sample in r["samples"]:
+                    sample["reward"] = float("nan")
+        return super().learner_step(results, step)
+
+
+def test_a_non_finite_learner_step_ends_the_run_in_one_line(ray_cluster, checkpoint, tmp_path):
+    """The learner's NonFiniteError (a NaN gradient norm at step 2) came out of `raychat rl` as a RayTaskError
+    traceback. Now the run ends at once in RunGaveUp's one line (not retried, though --max-failures allows one:
+    the same samples would fail again), naming the step, what was not finite, the learning rates to lower and the
+    checkpoint a new start resumes from (step 1's); its placement group is released."""
+    before = live_placement_groups()
+    run = PoisonedRewards(tiny_config(checkpoint, str(tmp_path), max_failures=1), log=print)
+    with pytest.raises(RunGaveUp) as e:
+        run.run()
+    assert str(e.value) == (
+        "rl run 't' stopped at step 2: its grad norm was nan, so that update was skipped and the run not retried "
+        "(the same step would fail again); lower the learning rates (now --matrix-lr 0.0002, --embedding-lr "
+        "0.001, --unembedding-lr 0.001, --scalar-lr 0.001) and start it again: it resumes from its newest "
+        f"committed checkpoint {tmp_path}/t/checkpoint_000001"
+    )
+    assert isinstance(e.value.__cause__.cause, NonFiniteError)
+    assert run.failures == 0 and run.actors.pg is None and live_placement_groups() == before
+    assert [x["step"] for x in metric_lines(tmp_path / "t")] == [1]
+
+
+def test_the_speedrun_names_its_rl_layout_by_its_preset_keys(ray_cluster, checkpoint, tmp_path):
+    """The speedrun's RL stage refused a layout naming `raychat rl`'s flags (--rollout-workers ...), which the
+    speedrun does not have, as pretraining and SFT no longer do: the run's refusals (the check before any actor
+    starts, the placement timeout) name the keys of its preset (speedrun_flags: rl.rollout_workers)."""
+    flags = speedrun_flags("tiny", "rl")
+    run = RLRun(tiny_config(checkpoint, str(tmp_path), cpus_per_rollout=5), flags=flags)
+    with pytest.raises(ValueError) as e:
+        run.run()
+    assert str(e.value) == (
+        "rl.rollout_workers 2 x rl.cpus_per_rollout 5: one of them needs {CPU: 5}; no node type has room: CPU (need "
+        f"5, the most a node has is 2); largest node type: {read_capacity().largest().describe()}"
+    )
+    cfg = tiny_config(checkpoint, str(tmp_path), use_gpu=True)
+    actors = ActorGroup(cfg, rl_tasks(cfg), flags.option)
+    with pytest.raises(ValueError) as e:
+        actors.start(ready_timeout_s=2)
+    assert re.fullmatch(
+        r"rl\.learner_workers 1 x rl\.cpus_per_learner 0\.5 rl\.use_gpu: the RL placement group .* was not "
+        r"placed within rl\.schedule_timeout_s 2; missing: GPU \(need 1, the most a node has is 0\)",
+        str(e.value),
+    ), str(e.value)

@@ -19,6 +19,7 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
+from ray.train import ControllerError, RunConfig, UserCallback
 from safetensors.torch import load_file
 from support.autoscaling_requests import data_requesters
 from support.cluster import init_local_ray
@@ -30,6 +31,7 @@ from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import TrainConfig, from_dict
 from raychat.log import RunGaveUp
 from raychat.rl.weights import weights_hash
+from raychat.train import launch
 from raychat.train.pretrain import pretrain
 from raychat.train.step import NonFiniteError
 from raychat.train.trainer import Callback
@@ -264,15 +266,27 @@ def test_a_checkpoint_holds_one_optimizer_state_for_both_ranks(straight):
     }
 
 
-def test_a_non_finite_step_stops_the_run_without_a_retry(data, straight, tmp_path):
-    """Step 5's (0-based 4) loss turns non-finite on one rank: no update, the run stops with the step in the
-    message, Ray Train does not retry though max_failures allows it, and the last checkpoint is step 3's,
-    finite and equal to the straight run's step 3. (A non-finite gradient norm raises the same NonFiniteError
-    from optimizer_step, the same step on every rank, since DDP all-reduces the gradients:
-    tests/unit/test_train_step.py.)"""
+def test_a_non_finite_step_stops_the_run_in_one_line_without_a_retry_and_resumes_with_a_lower_lr(
+    data, straight, tmp_path
+):
+    """Step 5's (0-based 4) loss turns non-finite on one rank: no update, Ray Train does not retry though
+    max_failures allows it, and the last checkpoint is step 3's, finite and equal to the straight run's step 3.
+    The NonFiniteError reached `raychat pretrain` as a traceback; now the run ends in RunGaveUp's one line (exit
+    status 1: tests/unit/test_cli.py), naming the run, the step, what was not finite, the learning rates to lower
+    and the checkpoint a new start resumes from; its cause is the NonFiniteError. Started again with a lower
+    --matrix-lr (no poison this time), the run resumes from step 3 and completes. (A non-finite gradient norm
+    raises the same NonFiniteError from optimizer_step, the same step on every rank, since DDP all-reduces the
+    gradients: tests/unit/test_train_step.py.)"""
     attempts = tmp_path / "attempts"
-    with pytest.raises(NonFiniteError, match="loss is nan at step 5: the update was skipped"):
+    with pytest.raises(RunGaveUp) as e:
         pretrain(tiny_config(data, tmp_path, max_failures=2), callbacks=[Poison(4, str(attempts))])
+    assert str(e.value) == (
+        "pretrain run 't' stopped at step 5: its loss was nan, so that update was skipped and the run not retried "
+        "(the same step would fail again); lower the learning rates (now --matrix-lr 0.02, --embedding-lr 0.2, "
+        "--unembedding-lr 0.004, --scalar-lr 0.02) and start it again: it resumes from its newest committed "
+        f"checkpoint {tmp_path}/t/checkpoint_000003"
+    )
+    assert isinstance(e.value.__cause__, NonFiniteError) and e.value.__cause__.step == 5
     assert attempts.read_text().split() == ["0"]  # one attempt: not retried
     assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
     last = Path(find_checkpoint(str(tmp_path / "t")))
@@ -285,6 +299,37 @@ def test_a_non_finite_step_stops_the_run_without_a_retry(data, straight, tmp_pat
     assert read_meta(straight_3)["step"] == 3
     expected = load_file(str(straight_3 / "model.safetensors"))
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
+    result = pretrain(  # Poison at no step: it records where the attempt starts
+        tiny_config(data, tmp_path, max_failures=2, matrix_lr=0.01), callbacks=[Poison(-1, str(attempts))]
+    )
+    assert attempts.read_text().split() == ["0", "3"]
+    assert result.metrics["step"] == 6 and sorted(losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
+
+
+class FailingReport(UserCallback):
+    """Ray Train's controller runs this callback on every report (a checkpoint's); it raises, a controller error."""
+
+    def after_report(self, run_context, metrics, checkpoint):
+        raise RuntimeError("the report callback failed")
+
+
+def test_a_controller_error_ends_the_run_in_one_line(ray_cluster, data, tmp_path, capsys):
+    """Ray Train's controller fails (a UserCallback of its RunConfig raises at the report of checkpoint 3, the
+    run's last): Ray Train does not retry it (controller_failure_limit 0), and its ControllerError reached
+    `raychat pretrain` as a traceback. Now RunGaveUp's one line names the run, the controller's own error and the
+    checkpoint a new start resumes from, the ControllerError logged once in full above it."""
+    with_callback = lambda **kw: RunConfig(callbacks=[FailingReport()], **kw)  # noqa: E731
+    with mock.patch.object(launch, "RunConfig", with_callback), pytest.raises(RunGaveUp) as e:
+        pretrain(tiny_config(data, tmp_path, num_workers=1, num_iterations=3))
+    assert str(e.value) == (
+        "pretrain run 't' gave up: Ray Train's controller failed (RuntimeError: the report callback failed), not "
+        f"retried; started again, it resumes from its newest committed checkpoint {tmp_path}/t/checkpoint_000003"
+    )
+    assert isinstance(e.value.__cause__, ControllerError)
+    _, full = capsys.readouterr().out.split("pretrain run 't': the failure that ended it, in full:\n")
+    assert full.startswith(
+        "ControllerError: Training failed due to controller error:\nthe report callback failed"
+    )
 
 
 def test_killed_worker_restarts_from_checkpoint_gives_up_past_max_failures_and_resumes(

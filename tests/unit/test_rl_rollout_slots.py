@@ -5,6 +5,8 @@ refused with the config."""
 import pytest
 from support.rl_fixtures import rl_config, tiny_checkpoint
 
+from raychat.rl.dispatcher import RolloutDispatcher, chunk_seed
+from raychat.rl.loop import RESUME_OPTIONS, rl_tasks
 from raychat.rl.rollout import RolloutWorker
 from raychat.tasks.registry import make_task
 
@@ -89,3 +91,35 @@ def test_generate_batch_refuses_fewer_rows_than_a_prompts_samples(checkpoint):
     assert str(e.value) == (
         "max_rows must be None or an int >= num_samples 4 (a prompt's samples are decoded together), got 3"
     )
+
+
+def test_max_slots_changes_no_rollout_so_rl_resumes_under_another(checkpoint):
+    """Is --max-slots part of RL's resume check (RESUME_OPTIONS)? Only if it changed what a step samples. It
+    does not: the prompts of a step come from the dispatcher (--seed, --prompts-per-step), a chunk's seed from
+    (seed, step, chunk), and within the chunk the engine seeds each prompt from (chunk seed, its index in the
+    chunk) whichever batch it lands in. A run's step 3 chunk, 5 prompts x 2 samples, generated with --max-slots 2
+    (a prompt a batch), 4 (2 + 2 + 1 prompts) and 64 (one batch): the same samples in the same order, and the
+    same held-out counts; so a run may resume with another --max-slots (docs: README.md)."""
+    cfg = rl_config(task_examples=16, max_operand=9, prompts_per_step=5, samples_per_prompt=2, seed=3)
+    dispatcher = RolloutDispatcher(cfg, actors=None, sync=None, num_prompts=cfg.task.task_examples)
+    indices, seed = dispatcher.prompts_for(3), chunk_seed(cfg.run.seed, 3, 0)
+    tasks = rl_tasks(cfg)
+    samples, correct, batches = {}, {}, {}
+    for slots in (2, 4, 64):
+        worker = RolloutWorker(checkpoint, tasks, max_slots=slots)
+        rows = _rows_per_batch(worker)
+        got = worker.rollout(indices, num_samples=2, max_tokens=8, temperature=1.0, seed=seed)["samples"]
+        batches[slots] = list(rows)
+        samples[slots] = [
+            (s["prompt_index"], s["sample_index"], s["tokens"], s["mask"], s["reward"], s["finish_reason"])
+            for s in got
+        ]
+        correct[slots] = worker.evaluate(indices, num_samples=2, max_tokens=8, temperature=1.0, seed=7)[
+            "correct"
+        ]
+    assert batches == {2: [2, 2, 2, 2, 2], 4: [4, 4, 2], 64: [10]}
+    assert [s[:2] for s in samples[64]] == [(i, j) for i in indices for j in range(2)]
+    assert len({tuple(s[2]) for s in samples[64]}) > 5  # sampled, not one greedy completion per prompt
+    assert samples[2] == samples[4] == samples[64]
+    assert correct[2] == correct[4] == correct[64]
+    assert "max_slots" not in RESUME_OPTIONS

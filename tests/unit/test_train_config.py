@@ -224,8 +224,16 @@ def test_elastic_flag_scaling_config_and_batch_on_every_world_size():
     assert elastic_grad_accum(cfg(num_workers=2), 384) == {2: 3}
     with pytest.raises(ValueError, match=r"--total-batch-size 256 .* = 2 x 32 x 3 = 192"):
         elastic_grad_accum(cfg(num_workers=3, min_workers=1), 256)
-    with pytest.raises(ValueError, match="--min-workers 3 is more than --num-workers 2"):
+    with pytest.raises(
+        ValueError
+    ) as e:  # the flag, the values allowed, the value given (as the range checks)
         cfg(num_workers=2, min_workers=3)
+    assert str(e.value) == (
+        "--min-workers must be 0 (fixed at --num-workers) or 1..2 (elastic, at most --num-workers 2), got 3"
+    )
+    with pytest.raises(ValueError) as e:
+        cfg(num_workers=2, min_workers=-1)
+    assert str(e.value) == "--min-workers must be >= 0, got -1"
 
 
 def test_automatic_batch_of_an_elastic_run_divides_on_every_world_size():

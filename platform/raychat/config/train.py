@@ -162,8 +162,8 @@ class LayoutSection(Section):
             )
         if self.min_workers > self.num_workers:
             raise ConfigError(
-                f"--min-workers {self.min_workers} is more than --num-workers {self.num_workers}: "
-                "choose 0 (fixed) or 1..num_workers"
+                f"--min-workers must be 0 (fixed at --num-workers) or 1..{self.num_workers} (elastic, at most "
+                f"--num-workers {self.num_workers}), got {self.min_workers}"
             )
 
     @property

@@ -5,6 +5,8 @@ generation's name) when a rollout actor restarted."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import ray
 from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -20,7 +22,7 @@ from raychat.capacity import (
     read_capacity,
 )
 from raychat.config import RLConfig
-from raychat.config.schema import shown
+from raychat.config.schema import flag_name, shown
 from raychat.rl.learner import LearnerActor
 from raychat.rl.rollout import RolloutActor
 from raychat.rl.weights import create_collective_group
@@ -33,38 +35,43 @@ def role_bundles(cfg: RLConfig) -> tuple[list[dict], list[dict]]:
     return learners, [{"CPU": t.cpus_per_rollout, **gpu}] * t.rollout_workers
 
 
-def layout_parts(cfg: RLConfig) -> list[tuple[str, list[dict]]]:
+def layout_parts(cfg: RLConfig, option: Callable[[str], str] = flag_name) -> list[tuple[str, list[dict]]]:
     """(the flags that size it, its bundles) of each part of the placement group in the order they are checked:
     the learners (--learner-workers x --cpus-per-learner), the rollout actors (--rollout-workers x
-    --cpus-per-rollout), then both together."""
+    --cpus-per-rollout), then both together; each option named by `option` (raychat.train.launch.Flags.option:
+    the speedrun's are its preset's keys, 'rl.rollout_workers')."""
     t = cfg.layout
-    on_gpu = " --use-gpu" if t.use_gpu else ""
+    on_gpu = f" {option('use_gpu')}" if t.use_gpu else ""
     learners = (
-        f"--learner-workers {t.learner_workers} x --cpus-per-learner {shown(t.cpus_per_learner)}{on_gpu}"
+        f"{option('learner_workers')} {t.learner_workers} x {option('cpus_per_learner')} "
+        f"{shown(t.cpus_per_learner)}{on_gpu}"
     )
     rollouts = (
-        f"--rollout-workers {t.rollout_workers} x --cpus-per-rollout {shown(t.cpus_per_rollout)}{on_gpu}"
+        f"{option('rollout_workers')} {t.rollout_workers} x {option('cpus_per_rollout')} "
+        f"{shown(t.cpus_per_rollout)}{on_gpu}"
     )
     learner_bundles, rollout_bundles = role_bundles(cfg)
     both = (f"{learners} + {rollouts}", learner_bundles + rollout_bundles)
     return [(learners, learner_bundles), (rollouts, rollout_bundles), both]
 
 
-def check_layout(cfg: RLConfig, capacity: Capacity) -> None:
+def check_layout(cfg: RLConfig, capacity: Capacity, option: Callable[[str], str] = flag_name) -> None:
     """Refuse a placement group of `cfg` that `capacity` can never hold, naming the flags of the part that does
-    not fit (layout_parts, in order).
+    not fit (layout_parts, in order, its options named by `option`).
 
     Raises ValueError: one line naming those flags, the need and the largest node (raychat.capacity.check_bundles).
     """
-    for flags, bundles in layout_parts(cfg):
+    for flags, bundles in layout_parts(cfg, option):
         check_bundles(bundles, capacity, flags)
 
 
-def unplaced_part(cfg: RLConfig, capacity: Capacity, free: Capacity) -> tuple[str, list[dict]]:
-    """The part of cfg's placement group (layout_parts) that waits in vain: the first that `capacity` cannot
-    hold, else the first that what the nodes have free now (`free`: raychat.capacity.free_capacity) cannot,
-    else both together."""
-    parts = layout_parts(cfg)
+def unplaced_part(
+    cfg: RLConfig, capacity: Capacity, free: Capacity, option: Callable[[str], str] = flag_name
+) -> tuple[str, list[dict]]:
+    """The part of cfg's placement group (layout_parts, its options named by `option`) that waits in vain: the
+    first that `capacity` cannot hold, else the first that what the nodes have free now (`free`:
+    raychat.capacity.free_capacity) cannot, else both together."""
+    parts = layout_parts(cfg, option)
     for where in (capacity, free):
         for flags, bundles in parts:
             try:
@@ -80,10 +87,11 @@ class ActorsLost(RuntimeError):
 
 
 class ActorGroup:
-    """The learner and rollout actors of one run: `start()`, then `.learners` and `.rollouts`; `stop()`."""
+    """The learner and rollout actors of one run: `start()`, then `.learners` and `.rollouts`; `stop()`.
+    `option` names the options in its refusals (layout_parts; the speedrun's name its preset's keys)."""
 
-    def __init__(self, cfg: RLConfig, tasks: dict):
-        self.cfg, self.tasks = cfg, tasks
+    def __init__(self, cfg: RLConfig, tasks: dict, option: Callable[[str], str] = flag_name):
+        self.cfg, self.tasks, self.option = cfg, tasks, option
         self.pg = None
         self.learners: list = []
         self.rollouts: list = []
@@ -118,7 +126,7 @@ class ActorGroup:
 
         Raises ValueError: as check_layout."""
         capacity = read_capacity()
-        check_layout(self.cfg, capacity)
+        check_layout(self.cfg, capacity, self.option)
         return capacity
 
     def start(self, ready_timeout_s: float | None = None) -> None:
@@ -146,10 +154,10 @@ class ActorGroup:
             placed = True
         except GetTimeoutError:
             capacity, free = read_capacity(), free_capacity()
-            flags, part = unplaced_part(self.cfg, capacity, free)
+            flags, part = unplaced_part(self.cfg, capacity, free, self.option)
             missing = "; ".join(dict.fromkeys(filter(None, (missing_resources(b, capacity) for b in part))))
             raise ValueError(
-                f"{flags}: the RL placement group {bundles} was not placed within --schedule-timeout-s "
+                f"{flags}: the RL placement group {bundles} was not placed within {self.option('schedule_timeout_s')} "
                 f"{ready_timeout_s:g}; missing: {missing or f'room for {fmt_bundle(_summed(part))} ({free.describe()})'}"
             ) from None
         finally:

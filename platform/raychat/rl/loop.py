@@ -37,7 +37,9 @@ weight sync, every rollout actor) stops the whole actor group; it is started aga
 newest committed checkpoint, redoing the steps after it, up to --max-failures times (`failures` in every
 line and the summary); past that the run gives up: RunGaveUp (raychat.log), one line naming the lost actor, the
 error, the failure count, --max-failures and the checkpoint a new start resumes from, the error logged in full
-above it. The placement group is removed on every path out (raychat.rl.actors).
+above it. A learner step whose loss or gradient norm is not finite ends the run at once, not retried (the same
+samples would fail again): RunGaveUp naming the step, the learning rates to lower and that checkpoint, the last
+good one. The placement group is removed on every path out (raychat.rl.actors).
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ from raychat.train.launch import (
     gave_up,
     refuse_resume,
     resumable_checkpoint,
+    stopped_on_fault,
 )
+from raychat.train.step import NonFiniteError
 from raychat.train.trainer import due
 
 MODES = ("sync", "async")  # --mode: on-policy | rollouts up to --max-staleness versions ahead
@@ -154,7 +158,7 @@ class RLRun:
         )
         self.run_dir = self.checkpoints.storage.uri_of(self.checkpoints.run_path)
         self.tasks = rl_tasks(cfg)
-        self.actors = ActorGroup(cfg, self.tasks)
+        self.actors = ActorGroup(cfg, self.tasks, flags.option)
         self.sync = WeightSync(self.actors, cfg.layout.weight_sync, log)
         self.dispatcher = RolloutDispatcher(
             cfg, self.actors, self.sync, len(self.tasks["train"]), on_submitted, log, on_evaluating
@@ -285,13 +289,18 @@ class RLRun:
 
         Raises RunGaveUp (raychat.log) once the budget is spent: one line naming the lost actor, the error, the
         failure count and --max-failures, and the checkpoint a new start resumes from; the error (its __cause__)
-        logged in full above it."""
+        logged in full above it. A learner's non-finite loss or gradient norm (NonFiniteError) is not retried
+        (the same samples would fail again): RunGaveUp at once, of one line naming the step, the learning rates
+        to lower and that checkpoint (raychat.train.launch.stopped_on_fault)."""
         budget = self.cfg.layout.max_failures
         while True:
             try:
                 self.actors.start()
                 return self._loop(metrics)
             except (RayActorError, ActorUnavailableError, ActorsLost, RayTaskError) as e:
+                run = f"rl run {self.cfg.run.run_name!r}"
+                if isinstance(fault := getattr(e, "cause", None), NonFiniteError):  # a learner's step
+                    raise stopped_on_fault(run, fault, self.cfg.optim, self.newest_uri(), self.flags) from e
                 # a surviving DDP rank raises its own error (gloo: the peer closed the connection) when a
                 # learner is lost: a restart then too; any other task error is the run's own and ends it
                 if isinstance(e, RayTaskError):
@@ -305,17 +314,20 @@ class RLRun:
                 self.actors.stop()
                 self.sync.reset()
                 if self.failures >= budget:
-                    newest = self.checkpoints.newest()
-                    checkpoint = self.checkpoints.uri(newest.step) if newest else None
-                    run = f"rl run {self.cfg.run.run_name!r}"
                     raise gave_up(
-                        run, lost, e, self.failures + 1, budget, self.flags, checkpoint, log=self.log
+                        run, lost, e, self.failures + 1, budget, self.flags, self.newest_uri(), log=self.log
                     ) from e
                 self.failures += 1
                 self.log(
-                    f"{lost} ({type(e).__name__}: {first_line(e)}); restart {self.failures} of --max-failures "
-                    f"{budget}: starting every actor again and resuming from the newest committed checkpoint"
+                    f"{lost} ({type(e).__name__}: {first_line(e)}); restart {self.failures} of "
+                    f"{self.flags.option('max_failures')} {budget}: starting every actor again and resuming from "
+                    "the newest committed checkpoint"
                 )
+
+    def newest_uri(self) -> str | None:
+        """The URI of the run's newest committed checkpoint (None: none was committed)."""
+        newest = self.checkpoints.newest()
+        return self.checkpoints.uri(newest.step) if newest else None
 
     def _loop(self, metrics: MetricsSink) -> dict:
         cfg, steps, is_async = self.cfg, self.cfg.rollout.steps, self.cfg.asynchrony.mode == "async"

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 
 import ray
 from ray.data._internal.stats import get_or_create_stats_actor
-from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError, WorkerGroupError
+from ray.train import (
+    ControllerError,
+    FailureConfig,
+    RunConfig,
+    ScalingConfig,
+    TrainingFailedError,
+    WorkerGroupError,
+)
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raychat.capacity import (
@@ -492,8 +499,11 @@ def run_training(
     --init-from trained with another tokenizer (check_tokenizer), a run directory whose newest checkpoint this
     run cannot resume (check_resume), or a run another live driver trains (raychat.lease.LeaseHeld); LeaseLost
     (a ValueError) when another start took the lease over while this run was not renewing it; RunGaveUp
-    (raychat.log) when the worker group failed once more than --max-failures allows (Ray Train restarts it
-    from the newest committed checkpoint until then): one line (gave_up), the failure logged in full above it.
+    (raychat.log), one line naming the run and the checkpoint a new start resumes from, when the worker group
+    failed once more than --max-failures allows (Ray Train restarts it from the newest committed checkpoint until
+    then: gave_up, the failure logged in full above it), when Ray Train's controller failed (not retried:
+    controller_gave_up, logged in full above it too), or when a step's loss or gradient norm was not finite
+    (not retried: stopped_on_fault, its __cause__ the NonFiniteError).
     """
     paths = resolve_paths(cfg, writable=False)
     cfg = paths.config(cfg)
@@ -515,8 +525,8 @@ def run_training(
 def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags: Flags) -> TrainingResult:
     """run_training's part after the checks, under the run's lease: the plan printed, Ray Train run; its
     layout and placement refusals name the options as `flags` does. A worker group failure past --max-failures
-    is logged in full and raised as RunGaveUp (gave_up), the local Ray cluster this run started stopped first
-    (Ray forwards its workers' log lines for seconds after)."""
+    (gave_up), a controller failure (controller_gave_up) and a non-finite step (stopped_on_fault) are raised as
+    RunGaveUp, the local Ray cluster this run started stopped first (_stop_own_cluster)."""
     print_plan(cfg, plan)
     mark("plan_printed")
     c = cfg.layout
@@ -550,29 +560,42 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
             failure_config=failure_config(c),
         ),
     )
+    run = f"{cfg.run.stage} run {cfg.run.run_name!r}"
     try:
         fitted = fit(trainer, cfg, capacity, flags)
     except WorkerGroupError as e:  # Ray Train retried --max-failures times (failure_config)
         failed, error = failed_worker(e)
-        newest = paths.checkpoints.newest()
-        checkpoint = paths.storage.uri_of(newest.path) if newest else None
-        run = f"{cfg.run.stage} run {cfg.run.run_name!r}"
-        if (
-            started
-        ):  # the run's own local cluster: stopped first, so that no worker's log line follows the run's
-            ray.shutdown()
+        _stop_own_cluster(started)
+        checkpoint = newest_uri(paths.checkpoints)
         raise gave_up(run, failed, error, c.max_failures + 1, c.max_failures, flags, checkpoint, e) from e
+    except ControllerError as e:  # the controller's own failure (fit raised a placement timeout's line)
+        _stop_own_cluster(started)
+        retries = placement_attempts(c)[1]
+        raise controller_gave_up(run, e, retries, newest_uri(paths.checkpoints)) from e
     fault = getattr(fitted, "return_value", None)  # rank 0's NonFiniteError, returned
-    newest = paths.checkpoints.newest()
-    uri = paths.storage.uri_of(newest.path) if newest else None
+    uri = newest_uri(paths.checkpoints)
     if isinstance(fault, NonFiniteError):
-        log(f"stopped: {fault}; last checkpoint: {uri}")
-        raise fault
+        _stop_own_cluster(started)
+        raise stopped_on_fault(run, fault, cfg.optim, uri, flags) from fault
+    newest = paths.checkpoints.newest()
     meta = json.loads(read_bytes(paths.storage, f"{newest.path}/meta.json")) if newest else {}
     result = TrainingResult(uri, meta.get("metrics", {}))
     log(f"final checkpoint: {uri}")
     log(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
     return result
+
+
+def _stop_own_cluster(started: bool) -> None:
+    """Shut down the local Ray cluster this run started (`started`) before its last line: Ray forwards its
+    workers' log lines for seconds after, which would follow the line the run ends with."""
+    if started:
+        ray.shutdown()
+
+
+def newest_uri(checkpoints: CheckpointManager) -> str | None:
+    """The URI of the run's newest committed checkpoint (None: none was committed)."""
+    newest = checkpoints.newest()
+    return checkpoints.storage.uri_of(newest.path) if newest else None
 
 
 def failed_worker(error: WorkerGroupError) -> tuple[str, BaseException]:
@@ -612,15 +635,57 @@ def gave_up(
     full = error if full is None else full
     log(f"{run}: the failure that ended it, in full:\n{type(full).__name__}: {full}")
     option = flags.option("max_failures")
-    resumes = (
-        f"it resumes from its newest committed checkpoint {checkpoint}"
-        if checkpoint
-        else "it starts over (no checkpoint was committed)"
-    )
     return RunGaveUp(
         f"{run} gave up: {failed} ({type(error).__name__}: {first_line(error)}), failure {failures} where "
         f"{option} {allowed} allows {plural(allowed, 'failure')}; started again (a higher {option} survives more), "
-        f"{resumes}"
+        f"{resumes(checkpoint)}"
+    )
+
+
+def resumes(checkpoint: str | None) -> str:
+    """What a run does when started again: resume from its newest committed `checkpoint`, or (None) start over."""
+    if checkpoint:
+        return f"it resumes from its newest committed checkpoint {checkpoint}"
+    return "it starts over (no checkpoint was committed)"
+
+
+# The learning rates of the optimizers (OptimSection, of TrainConfig and RLConfig alike).
+LR_OPTIONS = ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr")
+
+
+def stopped_on_fault(
+    run: str, fault: NonFiniteError, optim, checkpoint: str | None, flags: Flags
+) -> RunGaveUp:
+    """The RunGaveUp of a run (`run`: "sft run 's'") that stopped on `fault`, a non-finite loss or gradient norm
+    (never retried: the same step would meet it again), in one line: the step, what was non-finite, the
+    learning rates to lower (`optim`: the run's OptimSection, each named as `flags` does; a resume may change
+    them) and the newest committed `checkpoint` a new start resumes from (the last good one; None: it starts
+    over)."""
+    lrs = ", ".join(f"{flags.option(k)} {shown(getattr(optim, k))}" for k in LR_OPTIONS)
+    return RunGaveUp(
+        f"{run} stopped at step {fault.step}: its {fault.what} was {fault.value}, so that update was skipped and "
+        f"the run not retried (the same step would fail again); lower the learning rates (now {lrs}) and start "
+        f"it again: {resumes(checkpoint)}"
+    )
+
+
+def controller_gave_up(
+    run: str,
+    error: ControllerError,
+    retries: int,
+    checkpoint: str | None,
+    log: Callable[[str], None] = log,
+) -> RunGaveUp:
+    """Log `error` (Ray Train's ControllerError: the controller's own failure, not a worker's) in full through
+    `log`, then return the RunGaveUp of one line: `run` gave up, the controller's own error (its type
+    and first line), retried `retries` times (failure_config: 0 for a fixed-size run, whose controller
+    failures --max-failures does not count) and the newest committed `checkpoint` a new start resumes from."""
+    log(f"{run}: the failure that ended it, in full:\n{type(error).__name__}: {error}")
+    cause = error.controller_failure
+    retried = f"retried {plural(retries, 'time')}" if retries else "not retried"
+    return RunGaveUp(
+        f"{run} gave up: Ray Train's controller failed ({type(cause).__name__}: {first_line(cause)}), "
+        f"{retried}; started again, {resumes(checkpoint)}"
     )
 
 
@@ -675,7 +740,8 @@ def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity, flags: Flag
         ValueError: the worker group was not placed in time: one line naming the options as `flags` does and
             the missing resource (raychat.capacity.missing_resources), or the GPU workers could not use CUDA.
         ray.train.TrainingFailedError: any other failure, once the budget of failure_config is spent (a
-            WorkerGroupError: past --max-failures, which _train raises as RunGaveUp).
+            WorkerGroupError: past --max-failures; a ControllerError: retried as placement_attempts allows;
+            _train raises either as RunGaveUp).
     """
     c = cfg.layout
     os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = f"{placement_attempts(c)[0]:g}"
