@@ -117,7 +117,10 @@ class DataSection(Section):
     )
     sft_tasks: str = option(
         "calculator:4000,chatterbot,spelling:2000",
-        "SFT mixture: task[:examples],... (examples >= 1)",
+        "SFT mixture: task[:examples],... (examples >= 1) of "
+        + ", ".join(owned_choices("raychat.tasks.registry", "TASK_NAMES"))
+        + " (humaneval: eval only); your own conversations are smoltalk's files under --task-data-dir (README: "
+        "Your own conversations)",
         blank_ok=True,  # parse_task_spec names what a blank mixture lacks
     )
     task_data_dir: str = option(
