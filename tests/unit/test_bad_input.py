@@ -770,6 +770,15 @@ def test_sft_on_own_conversations_with_one_bad_record(root, tmp_path, capsys):
         "'user', 'assistant', 'tool'], got 'bot' (1 of 3 records is bad)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
     assert _snapshot(root) == before
+    # good records, but no held-out conversation fits a row of the tiny preset's 65 tokens: it failed in each
+    # worker after Ray started ("need at least one array to stack"), retried to the failure budget
+    (d / "train.jsonl").write_text(good)
+    (d / "test.jsonl").write_text(good.replace('"Hi"', json.dumps("Hi " * 100)))
+    assert _fails_in_one_line(argv, capsys) == (
+        "raychat sft: error: --sft-tasks: task smoltalk's held-out conversations (1) fill no row of 65 tokens: the "
+        "last exchange of each is longer (a longer --seq-len keeps some)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(root) == before
     # eval has no accuracy to measure on them (README: the run's smoltalk_val_bpb does)
     argv = ["eval", "--checkpoint", f"{root}/pretrain", "--storage-path", str(root), "--tasks", "smoltalk",
             "--eval-tokens", "0", "--task-data-dir", str(tmp_path / "task_data")]  # fmt: skip

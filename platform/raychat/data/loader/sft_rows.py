@@ -175,8 +175,17 @@ def _item_refs(buffer: Sequence) -> list[Ref]:
 def validation_rows(task: Task, tokenizer: Tokenizer, row_len: int, world_size: int) -> dict[str, np.ndarray]:
     """Every conversation of `task` packed into rows of row_len = T+1 tokens, the row count rounded down to a
     multiple of world_size (at least world_size): {"input_ids", "supervised", "segment_ids": (N, row_len)
-    int32}."""
+    int32}.
+
+    Raises:
+        ValueError: no conversation of the task fits a row (each one's last exchange is longer than row_len).
+    """
     items = render_samples(tokenizer, ((task[i]["id"], task[i]) for i in range(len(task))), row_len)
     rows = list(SamplePacker.from_items(items, row_len, pad_id=tokenizer.bos_id))
+    if not rows:
+        raise ValueError(
+            f"task {task.name}'s held-out conversations ({len(task):,}) fill no row of {row_len} tokens: the last "
+            "exchange of each is longer"
+        )
     n = max(world_size, len(rows) // world_size * world_size)
     return {k: np.stack([r[k] for r in rows[:n]]) for k in ROW_KEYS}
