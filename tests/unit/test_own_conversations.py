@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from raychat.chat_template import render_conversation, render_for_completion
+from raychat.config import TrainConfig, from_dict
 from raychat.data.loader.sft_rows import SFTRows
 from raychat.masks import make_batch
 from raychat.serve.api import ChatRequest
 from raychat.serve.openai_messages import template_messages
 from raychat.tasks.registry import check_data, mixture_tasks
+from raychat.train.sft import sft_defaults, validation_size
 
 TOOL_TURN = [
     {"role": "system", "content": "Be brief."},
@@ -166,3 +168,10 @@ def test_a_conversation_longer_than_the_row_is_skipped_with_a_count(tmp_path, sm
         f"sft data: 1 conversation skipped so far by rank 0 (latest: {train} line 2: the most recent exchange "
         "does not fit in max_tokens=16; a longer --seq-len keeps more)"
     )
+
+
+@pytest.mark.parametrize("eval_tokens, conversations", [(65536, 2048), (4096, 128), (100, 64)])
+def test_eval_tokens_sets_the_held_out_conversations_of_each_task(eval_tokens, conversations):
+    """What `raychat sft --help` says of --eval-tokens: eval_tokens // 32 conversations, at least 64."""
+    cfg = from_dict(TrainConfig, {"eval_tokens": eval_tokens}, base=sft_defaults())
+    assert validation_size(cfg) == conversations
