@@ -130,7 +130,7 @@ ROLES = "['system', 'user', 'assistant', 'tool']"
         ({"messages": [{"role": "user", "content": "only a question"}]},
          "messages: no 'assistant' message (nothing to train on) (1 of 3 records is bad)"),
         ({"conversation": []}, "lacks column(s) ['messages']; expected ['messages']"),
-        ([1, 2], "a record must be a JSON object, got list"),
+        ([1, 2], "each line is one JSON object, got a list"),
     ],
 )  # fmt: skip
 def test_a_bad_record_is_named_by_file_line_and_field(tmp_path, record, error):
@@ -143,8 +143,12 @@ def test_a_bad_record_is_named_by_file_line_and_field(tmp_path, record, error):
 def test_a_line_that_is_not_json_and_a_bad_parquet_row(tmp_path):
     data_dir, train = own_data(tmp_path, [GOOD, GOOD])
     train.write_text(train.read_text() + '{"messages": [\n')
-    with pytest.raises(ValueError, match=rf"^--sft-tasks: {train} line 3: not JSON \(Expecting value: "):
+    with pytest.raises(ValueError) as e:
         check_data(["smoltalk"], ("train",), str(data_dir))
+    assert str(e.value) == (
+        f"--sft-tasks: {train} line 3: not JSON (Expecting value: line 1 column 15 (char 14)); each line is one "
+        "JSON object"
+    )
     train.unlink()
     bad = [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]
     pq.write_table(pa.table({"messages": [GOOD["messages"], bad, bad]}), train.with_suffix(".parquet"))

@@ -102,9 +102,9 @@ def _json_record(line: str, where: str) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON ({e})") from None
+        raise ValueError(f"{where}: not JSON ({e}); each line is one JSON object") from None
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
+        raise ValueError(f"{where}: each line is one JSON object, got a {type(record).__name__}")
     return record
 
 
