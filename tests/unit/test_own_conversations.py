@@ -96,6 +96,8 @@ def test_a_directory_of_jsonl_and_parquet_files(tmp_path):
     second = [{"role": "user", "content": "ça va?"}, {"role": "assistant", "content": "oui"}]
     ends_with_user = [*first, {"role": "user", "content": "Bye"}]  # the last message is not supervised
     write_jsonl(d / "train-00000-of-00002.jsonl", [{"messages": first}, {"messages": ends_with_user}])
+    windows = (d / "train-00000-of-00002.jsonl").read_text().replace("\n", "\r\n")
+    (d / "train-00000-of-00002.jsonl").write_text("\ufeff" + windows, newline="")  # a byte order mark, CRLF
     pq.write_table(pa.table({"messages": [second]}), d / "train-00001-of-00002.parquet")
     (task,) = mixture_tasks("smoltalk", "train", 0, str(tmp_path))
     assert sorted(len(task[i]["messages"]) * task[i]["messages"][1]["content"] for i in range(len(task))) == [

@@ -80,7 +80,9 @@ def located_records(
             wheres.extend(f"{f} row {i}" for i in range(len(table)))
             rows.extend(table)
         elif f.suffix in (".jsonl", ".json"):
-            for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            for n, line in enumerate(
+                f.read_text(encoding="utf-8-sig").splitlines(), 1
+            ):  # a leading BOM dropped
                 if line.strip():
                     wheres.append(f"{f} line {n}")
                     rows.append(_json_record(line, wheres[-1]))
