@@ -750,6 +750,45 @@ def test_rl_on_a_task_without_its_files(root, tmp_path, capsys):
     assert not (root / "r").exists()
 
 
+def test_sft_on_own_conversations_with_one_bad_record(root, tmp_path, capsys):
+    """A user's conversations (smoltalk's layout) with one bad line among good ones: it was read in the workers,
+    after Ray started, and failed there as `message 1: role must be one of [...]` with no file or line, retried
+    to the failure budget (tests/unit/test_own_conversations.py has each kind of bad record)."""
+    d = tmp_path / "task_data" / "smol-smoltalk" / "data"
+    d.mkdir(parents=True)
+    good = '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}\n'
+    (d / "test.jsonl").write_text(good)
+    (d / "train.jsonl").write_text(good + '{"messages": [{"role": "user", "content": "x"}, {"role": "bot", '
+                                   '"content": "y"}]}\n' + good)  # fmt: skip
+    before = _snapshot(root)
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--init-from", "pretrain", "--tokenizer-path",
+            f"{root}/tokenizer", "--run-name", "mine", "--sft-tasks", "smoltalk", "--task-data-dir",
+            str(tmp_path / "task_data")]  # fmt: skip
+    line = _fails_in_one_line(argv, capsys)
+    assert line == (
+        f"raychat sft: error: --sft-tasks: {d}/train.jsonl line 2: messages[1]: role must be one of ['system', "
+        "'user', 'assistant', 'tool'], got 'bot' (1 of 3 records is bad)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(root) == before
+    # good records, but no held-out conversation fits a row of the tiny preset's 65 tokens: it failed in each
+    # worker after Ray started ("need at least one array to stack"), retried to the failure budget
+    (d / "train.jsonl").write_text(good)
+    (d / "test.jsonl").write_text(good.replace('"Hi"', json.dumps("Hi " * 100)))
+    assert _fails_in_one_line(argv, capsys) == (
+        "raychat sft: error: --sft-tasks: task smoltalk's held-out conversations (1) fill no row of 65 tokens: the "
+        "last exchange of each is longer (a longer --seq-len keeps some)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(root) == before
+    # eval has no accuracy to measure on them (README: the run's smoltalk_val_bpb does)
+    argv = ["eval", "--checkpoint", f"{root}/pretrain", "--storage-path", str(root), "--tasks", "smoltalk",
+            "--eval-tokens", "0", "--task-data-dir", str(tmp_path / "task_data")]  # fmt: skip
+    assert _fails_in_one_line(argv, capsys) == (
+        "raychat eval: error: --tasks: 'smoltalk' has no checker to measure accuracy with  (RAYCHAT_DEBUG=1 "
+        "shows the traceback)"
+    )
+    assert _snapshot(root) == before
+
+
 # ---- resuming a run whose newest checkpoint this run cannot resume ---------------------------------------
 class ReachedRay(Exception):
     """Raised where the driver would start Ray: every check before it passed."""

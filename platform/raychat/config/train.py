@@ -117,7 +117,10 @@ class DataSection(Section):
     )
     sft_tasks: str = option(
         "calculator:4000,chatterbot,spelling:2000",
-        "SFT mixture: task[:examples],... (examples >= 1)",
+        "SFT mixture: task[:examples],... (examples >= 1) of "
+        + ", ".join(owned_choices("raychat.tasks.registry", "TASK_NAMES"))
+        + " (humaneval: eval only); your own conversations are smoltalk's files under --task-data-dir (README: "
+        "Your own conversations)",
         blank_ok=True,  # parse_task_spec names what a blank mixture lacks
     )
     task_data_dir: str = option(
@@ -247,7 +250,10 @@ class EvalSection(Section):
     eval_every: int = option(
         50, "steps between validation evaluations (and at the end; 0 = only at the end)", ge=0
     )
-    eval_tokens: int = option(65536, "validation tokens per evaluation (over all workers)", positive=True)
+    eval_tokens: int = option(
+        65536, "validation tokens per evaluation (over all workers); SFT: eval_tokens // 32 held-out "
+        "conversations of each task (at least 64), packed", positive=True,
+    )  # fmt: skip
     eval_examples: int = option(64, "task examples per accuracy evaluation (SFT)", positive=True)
     sample_every: int = option(0, "steps between greedy samples (0 = only at the end)", ge=0)
 

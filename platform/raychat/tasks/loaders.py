@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 
+from raychat.chat_template import validate_messages
 from raychat.tasks.base import Task, extract_answer
 
 GSM8K_CALC_RE = re.compile(r"<<([^=<>]*)=([^<>]*)>>")
@@ -54,28 +56,96 @@ def read_records(path: str | Path | list[Path], columns: list[str], seed: int | 
     `seed`, in a seeded order (numpy PCG64 permutation).
 
     Raises:
-        FileNotFoundError: nothing at path. ValueError: unknown suffix, no record at all, or a required
-            column is missing.
+        FileNotFoundError: nothing at path. ValueError: unknown suffix, no record at all, a line that is not a
+            JSON object, or a required column is missing (located_records).
     """
+    return located_records(path, columns, seed)[1]
+
+
+def located_records(
+    path: str | Path | list[Path], columns: list[str], seed: int | None = None
+) -> tuple[list[str], list[dict]]:
+    """(where, rows): read_records' rows and, for each, where it is: "FILE line N" (JSON lines, 1-based, as an
+    editor counts) or "FILE row N" (parquet, 0-based, as pyarrow and pandas count).
+
+    Raises:
+        FileNotFoundError: nothing at path. ValueError: unknown suffix, no record at all, or one line naming
+            the file and line/row of the first record that is not a JSON object or lacks a column.
+    """
+    wheres: list[str] = []
     rows: list[dict] = []
     for f in record_files(path):
         if f.suffix == ".parquet":
-            rows.extend(pq.read_table(f).to_pylist())
+            table = pq.read_table(f).to_pylist()
+            wheres.extend(f"{f} row {i}" for i in range(len(table)))
+            rows.extend(table)
         elif f.suffix in (".jsonl", ".json"):
-            rows.extend(
-                json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()
-            )
+            for n, line in enumerate(
+                f.read_text(encoding="utf-8-sig").splitlines(), 1
+            ):  # a leading BOM dropped
+                if line.strip():
+                    wheres.append(f"{f} line {n}")
+                    rows.append(_json_record(line, wheres[-1]))
         else:
             raise ValueError(f"{f}: suffix must be one of ['.parquet', '.jsonl', '.json']")
     if not rows:
         raise ValueError(f"{path}: no records (an empty dataset file)")
-    for i, r in enumerate(rows):
+    for where, r in zip(wheres, rows):
         missing = [c for c in columns if c not in r]
         if missing:
-            raise ValueError(f"{path}: record {i} lacks column(s) {missing}; expected {columns}")
+            raise ValueError(f"{where}: lacks column(s) {missing}; expected {columns}")
     if seed is not None:
-        rows = [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
-    return rows
+        order = np.random.default_rng(seed).permutation(len(rows))
+        wheres, rows = [wheres[i] for i in order], [rows[i] for i in order]
+    return wheres, rows
+
+
+def _json_record(line: str, where: str) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e}); each line is one JSON object") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: each line is one JSON object, got a {type(record).__name__}")
+    return record
+
+
+def conversation_error(messages) -> str | None:
+    """Why a `messages` value is no conversation SFT can train on (chat template rules, naming the field as
+    "messages[i].content"), or None. An OpenAI `tool_calls` message is refused by name: training data write the
+    call as the assistant's {"type": "python", "text": EXPR} content part (raychat.chat_template)."""
+    if isinstance(messages, str | bytes | dict) or not isinstance(messages, Sequence):
+        return f"messages must be a list of {{'role', 'content'}} objects, got {type(messages).__name__}"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"messages[{i}] must be an object with 'role' and 'content', got {type(m).__name__}"
+        if m.get("tool_calls"):
+            return (
+                f"messages[{i}].tool_calls: not read in training data; write the call as a content part "
+                '{"type": "python", "text": EXPR} and its result as the next "tool" message'
+            )
+        for key in ("role", "content"):
+            if key not in m:
+                return f"messages[{i}] lacks {key!r}"
+    try:
+        validate_messages(messages)
+    except ValueError as e:
+        return re.sub(r"^message (\d+)(?: part (\d+))?", _field, str(e))
+    if not any(m["role"] == "assistant" for m in messages):
+        return "messages: no 'assistant' message (nothing to train on)"
+    return None
+
+
+def _file_order(where: str) -> tuple[str, int]:
+    """A located_records "where" as (file, line or row), to name the first bad record of a file."""
+    file, _, n = where.rpartition(" ")
+    return file, int(n)
+
+
+def _field(m: re.Match) -> str:
+    """chat_template's "message 3 part 1" -> "messages[3].content[1]" (the field as the record spells it)."""
+    i, part = m.groups()
+    return f"messages[{i}]" + (f".content[{part}]" if part else "")
 
 
 class SmolTalk(Task):
@@ -83,7 +153,22 @@ class SmolTalk(Task):
     eval_type = "generative"
 
     def __init__(self, path: str | Path | list[Path], seed: int | None = None, **slice_kw):
-        self.rows = read_records(path, ["messages"], seed)
+        """Every record is checked as it is read (conversation_error), so a bad one stops the stage before any
+        work and none is trained on; SmolTalk's own files and a user's conversations in its layout alike.
+
+        Raises:
+            ValueError: one line: the first bad record's file and line (row for parquet), the field and what
+                is allowed there, and how many records are bad in all, e.g. `.../train.jsonl line 9:
+                messages[1]: role must be one of ['system', 'user', 'assistant', 'tool'], got 'bot' (1 of 12
+                records is bad)`; or as located_records.
+        """
+        self.wheres, self.rows = located_records(path, ["messages"], seed)
+        bad = [(w, e) for w, r in zip(self.wheres, self.rows) if (e := conversation_error(r["messages"]))]
+        if bad:
+            (where, error), n = min(bad, key=lambda b: _file_order(b[0])), len(bad)
+            raise ValueError(
+                f"{where}: {error} ({n} of {len(self.rows)} records {'is' if n == 1 else 'are'} bad)"
+            )
         self.source_files = tuple(str(f) for f in record_files(path))
         super().__init__(**slice_kw)
 
@@ -91,8 +176,9 @@ class SmolTalk(Task):
         return len(self.rows)
 
     def get_example(self, index: int) -> dict:
+        """{"id", "messages", "where": its file and line (parquet: row), as located_records says}."""
         messages = [{"role": m["role"], "content": m["content"]} for m in self.rows[index]["messages"]]
-        return {"id": self._id(index), "messages": messages}
+        return {"id": self._id(index), "messages": messages, "where": self.wheres[index]}
 
 
 def gsm8k_parts(answer: str) -> list[dict]:

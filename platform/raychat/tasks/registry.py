@@ -14,7 +14,8 @@ read from the task data directory, raychat.tasks.hub_data, option data_dir = --t
 gsm8k, mmlu (train: cais/mmlu all/auxiliary_train), arc-easy, arc-challenge, humaneval (test only). A hub
 task's rows are put in a fixed seeded order (HUB_ORDER_SEED, as nanochat's shuffle(seed=42)), so `name:N`
 takes a sample across the whole file; the same N examples whatever the run's seed. A missing file raises
-FileNotFoundError in one line naming the expected path (check_data checks a whole spec up front).
+FileNotFoundError in one line naming the expected path (check_data checks a whole spec up front, and every
+record of smoltalk's files, which may be a user's own conversations: README "Your own conversations").
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ EVAL_ONLY = ("humaneval",)
 UNGRADED = ("chatterbot", "smoltalk")  # conversations without a checker
 REWARD_TASKS = ("calculator", "gsm8k")  # the tasks whose reward RL can optimize (raychat rl --task)
 HUB_TASKS = tuple(sorted({name for name, _ in HUB_SPLITS}))
+# hub tasks whose files may be a user's own conversations: check_data reads and checks every record up front
+CONVERSATION_FILES = ("smoltalk",)
 
 
 def make_task(name: str, split: str = "train", size: int | None = None, seed: int = 0, **options) -> Task:
@@ -105,11 +108,13 @@ def graded(name: str) -> bool:
 
 
 def check_data(names, splits=("train",), data_dir: str | None = None, flag: str = "--sft-tasks") -> None:
-    """Check, before any stage starts, that every hub task in `names` has its files for `splits`.
+    """Check, before any stage starts, that every hub task in `names` has its files for `splits`, and that
+    every record of a CONVERSATION_FILES task's files is a conversation the chat template takes.
 
     Raises:
-        ValueError: "<flag>: <the missing file's line>" (raychat.tasks.hub_data.split_files), or a task that
-            has no such split ("humaneval is for evaluation only").
+        ValueError: "<flag>: <the missing file's line>" (raychat.tasks.hub_data.split_files), "<flag>: <file>
+            line <n>: <field>: <what is wrong>" (raychat.tasks.loaders.SmolTalk), or a task that has no such
+            split ("humaneval is for evaluation only").
     """
     for name in dict.fromkeys(names):
         for split in splits:
@@ -118,7 +123,9 @@ def check_data(names, splits=("train",), data_dir: str | None = None, flag: str 
             if name in HUB_TASKS:
                 try:
                     split_files(name, HUB_SPLITS[name, split], data_dir)
-                except FileNotFoundError as e:
+                    if name in CONVERSATION_FILES:
+                        make_task(name, split, data_dir=data_dir)
+                except (FileNotFoundError, ValueError) as e:
                     raise ValueError(f"{flag}: {e}") from None
 
 

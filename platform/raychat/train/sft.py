@@ -16,7 +16,7 @@ from raychat.ray_token import token_for
 from raychat.tasks.hub_data import task_data_dir
 from raychat.tasks.registry import check_data, graded, held_out, make_task, mixture_tasks, parse_mixture
 from raychat.tokenizer import Tokenizer
-from raychat.train.launch import COMMANDS, Flags, config_from, run_training
+from raychat.train.launch import COMMANDS, Flags, config_from, resolve_paths, run_training
 from raychat.train.replay_recorder import ReplayRecorder
 from raychat.train.validators import AccuracyValidator, BPBValidator, MeanBPBValidator
 
@@ -31,7 +31,7 @@ class SFT:
     def validators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
         names = [name for name, _ in parse_mixture(cfg.data.sft_tasks) if held_out(name)]
         names = list(dict.fromkeys(names))
-        size, seed = max(64, cfg.train.eval.eval_tokens // 32), cfg.run.seed
+        size, seed = validation_size(cfg), cfg.run.seed
         bpb = []
         for name in names:
             rows = validation_rows(
@@ -60,6 +60,11 @@ class SFT:
         return out
 
 
+def validation_size(cfg: TrainConfig) -> int:
+    """Held-out conversations of each task that SFT's validators measure BPB on."""
+    return max(64, cfg.train.eval.eval_tokens // 32)
+
+
 def sft_defaults() -> TrainConfig:
     return from_dict(TrainConfig, SFT_DEFAULTS)
 
@@ -71,8 +76,10 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
 
     Raises:
         ValueError (before Ray starts): no --init-from, or one that names no committed checkpoint; a hub
-            task of --sft-tasks whose file is missing under --task-data-dir (one line naming it); or as
-            run_training (a run directory whose newest checkpoint this run cannot resume).
+            task of --sft-tasks whose file is missing under --task-data-dir (one line naming it), a bad record
+            of smoltalk's files (its file, line and field: raychat.tasks.registry.check_data), a held-out task
+            none of whose conversations fits a row (check_validation_rows); or as run_training (a run
+            directory whose newest checkpoint this run cannot resume).
     """
     if not cfg.run.init_from:
         raise ValueError("--init-from: required: a pretraining checkpoint, its run (name or dir), or latest")
@@ -80,17 +87,31 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
     names = [name for name, _ in parse_mixture(cfg.data.sft_tasks)]
     check_data(names, ("train",), data_dir)
     check_data([n for n in names if held_out(n)], ("test",), data_dir)
-    return run_training(
-        from_dict(
-            TrainConfig,
-            {"stage": "sft", "document_masking": True, "task_data_dir": data_dir},
-            base=cfg,
-        ),
-        SFT(),
-        [ReplayRecorder(), *callbacks],
-        dry_run,
-        flags,
+    cfg = from_dict(
+        TrainConfig, {"stage": "sft", "document_masking": True, "task_data_dir": data_dir}, base=cfg
     )
+    check_validation_rows(cfg)
+    return run_training(cfg, SFT(), [ReplayRecorder(), *callbacks], dry_run, flags)
+
+
+def check_validation_rows(cfg: TrainConfig) -> None:
+    """What every worker's validators build first (SFT.validators), built here to fail in one line, not in each
+    worker after Ray started: each held-out task's packed conversations.
+
+    Raises:
+        ValueError: "--sft-tasks: task <name>'s held-out conversations (N) fill no row of <T+1> tokens: ..." (a
+            longer --seq-len or shorter conversations in its test split keep some), or as resolve_paths.
+    """
+    names = list(dict.fromkeys(name for name, _ in parse_mixture(cfg.data.sft_tasks) if held_out(name)))
+    if not names:
+        return
+    tokenizer = Tokenizer.load(resolve_paths(cfg, writable=False).tokenizer_path)
+    for name in names:
+        task = make_task(name, "test", validation_size(cfg), cfg.run.seed, data_dir=cfg.data.task_data_dir)
+        try:
+            validation_rows(task, tokenizer, cfg.model.seq_len + 1, 1)
+        except ValueError as e:
+            raise ValueError(f"--sft-tasks: {e} (a longer --seq-len keeps some)") from None
 
 
 def main(args) -> int:

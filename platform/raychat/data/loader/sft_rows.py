@@ -22,6 +22,7 @@ from raychat.data.corpus.shards import sha256_file
 from raychat.data.loader.cursor import Deal, RankCursor, Ref, epoch_permutation
 from raychat.data.loader.row_source import cursor_state, resume_cursor
 from raychat.data.loader.sample_packing import PackItem, SamplePacker, SampleStats, render_samples
+from raychat.log import log, plural
 from raychat.tasks import Task, TaskMixture
 from raychat.tokenizer import Tokenizer
 
@@ -33,6 +34,10 @@ class SFTRows:
 
     `next_batch(n)` -> {"input_ids", "supervised", "segment_ids": (n, row_len) int32 arrays, "replay": per row,
     its samples' replay-record columns}.
+
+    A conversation that truncation drops (its last exchange does not fit in row_len) is skipped, counted in
+    the packer's stats, and logged when the count reaches 1, 2, 4, 8, ... ("sft data: 4 conversations skipped so
+    far by rank 0 (latest: <file> line <n>: <reason>; ...)", the conversation's "where" if its task gives one).
 
     Args:
         tasks, seed: the mixture (TaskMixture(tasks, seed=seed)); the seed also orders every epoch.
@@ -77,9 +82,19 @@ class SFTRows:
         for _ in range(len(self.mixture) + 1):
             (g, _), = self.cursor.upcoming(1)  # fmt: skip
             self.cursor.take((g, 0))
-            item = self.render(g, self.packer.stats)
+            stats = self.packer.stats
+            before = dict(stats.drop_reasons)
+            item = self.render(g, stats)
             if item is not None:
                 return item
+            n = stats.dropped
+            if n & (n - 1) == 0:  # a line at 1, 2, 4, 8, ... skipped: every doubling, not every conversation
+                reason = next(r for r, k in stats.drop_reasons.items() if k > before.get(r, 0))
+                conv = self.mixture[self.locate(g)[1]]
+                log(
+                    f"sft data: {plural(n, 'conversation')} skipped so far by rank {self.rank} (latest: "
+                    f"{conv.get('where', conv['id'])}: {reason}; a longer --seq-len keeps more)"
+                )
         raise RuntimeError("every SFT sample was dropped by truncation: raise --seq-len")
 
     def next_batch(self, n: int) -> dict:
@@ -160,8 +175,17 @@ def _item_refs(buffer: Sequence) -> list[Ref]:
 def validation_rows(task: Task, tokenizer: Tokenizer, row_len: int, world_size: int) -> dict[str, np.ndarray]:
     """Every conversation of `task` packed into rows of row_len = T+1 tokens, the row count rounded down to a
     multiple of world_size (at least world_size): {"input_ids", "supervised", "segment_ids": (N, row_len)
-    int32}."""
+    int32}.
+
+    Raises:
+        ValueError: no conversation of the task fits a row (each one's last exchange is longer than row_len).
+    """
     items = render_samples(tokenizer, ((task[i]["id"], task[i]) for i in range(len(task))), row_len)
     rows = list(SamplePacker.from_items(items, row_len, pad_id=tokenizer.bos_id))
+    if not rows:
+        raise ValueError(
+            f"task {task.name}'s held-out conversations ({len(task):,}) fill no row of {row_len} tokens: the last "
+            "exchange of each is longer"
+        )
     n = max(world_size, len(rows) // world_size * world_size)
     return {k: np.stack([r[k] for r in rows[:n]]) for k in ROW_KEYS}
