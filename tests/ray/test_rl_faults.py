@@ -33,6 +33,21 @@ def checkpoint(tmp_path_factory, small_tokenizer):
     return tiny_checkpoint(tmp_path_factory.mktemp("rl") / "ck", small_tokenizer, seed=1)
 
 
+def kill_and_wait(actor, timeout_s: float = 60) -> None:
+    """ray.kill(actor) (a kill -9), returning once the actor is dead: ray.kill only asks the actor's raylet,
+    so a call made right after could still run (under CI's load a learner killed as step 2's rollouts were
+    submitted still took step 2). Calls are made until one fails."""
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.pid.remote(), timeout=timeout_s)
+        except RayActorError:
+            return
+        assert time.monotonic() < deadline, "the killed actor still answers"
+        time.sleep(0.05)
+
+
 def live_placement_groups() -> set[str]:
     return {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
 
@@ -103,7 +118,7 @@ def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
     def kill_learner_at_step_4(dispatcher, step, chunks):
         if step == 3 and not killed:
             killed.append(time.perf_counter())
-            ray.kill(dispatcher.actors.learners[-1])
+            kill_and_wait(dispatcher.actors.learners[-1])
 
     cfg = tiny_config(
         checkpoint, str(tmp_path), steps=4, checkpoint_every=2, max_failures=1, learner_workers=learners,
@@ -165,7 +180,7 @@ def test_past_max_failures_the_run_gives_up_in_one_line_and_releases_its_placeme
 
     def kill_learner_at_step_2(dispatcher, step, chunks):
         if step == 1:
-            ray.kill(dispatcher.actors.learners[0])
+            kill_and_wait(dispatcher.actors.learners[0])
 
     cfg = tiny_config(checkpoint, str(tmp_path), steps=2, max_failures=0)
     before = live_placement_groups()
