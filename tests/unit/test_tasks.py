@@ -211,6 +211,64 @@ def test_multiple_choice_mmlu_parquet_and_arc_jsonl(tmp_path):
         MultipleChoice(tmp_path / "arc.jsonl", format="hellaswag")
 
 
+def test_hub_task_errors_name_the_file_and_line_not_the_shuffled_index(tmp_path):
+    """GSM8K, MMLU and ARC said `gsm8k record 7` where 7 was the index in the seeded order, which names no line
+    of any file. Their errors now name the file and line (JSON lines, 1-based) or row (parquet, 0-based), as
+    SmolTalk's do, whatever the seed; a missing column names the first such record in file order."""
+    gsm = tmp_path / "gsm8k.jsonl"
+    rows = [GSM8K_ROW] * 3 + [{**GSM8K_ROW, "answer": "72 clips"}] + [GSM8K_ROW] * 4
+    gsm.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = GSM8K(gsm, seed=1)
+    (bad,) = [i for i in range(len(t)) if t.rows[i]["answer"] == "72 clips"]
+    assert bad != 3  # the shuffled index is not the line's
+    with pytest.raises(ValueError) as e:
+        t.get_example(bad)
+    assert str(e.value) == f"{gsm} line 4: answer has no final '#### <number>'"
+
+    mmlu = tmp_path / "mmlu.parquet"
+    answers = [0, 1, 2, 3, 4, 1]  # row 4's answer is past the 4 choices
+    pq.write_table(pa.table({"question": [f"q{i}" for i in range(6)], "choices": [["a", "b", "c", "d"]] * 6,
+                             "answer": answers}), mmlu)  # fmt: skip
+    t = MultipleChoice(mmlu, format="mmlu", seed=3)
+    (bad,) = [i for i in range(len(t)) if t.rows[i]["question"] == "q4"]
+    assert bad != 4
+    with pytest.raises(ValueError) as e:
+        t.get_example(bad)
+    assert str(e.value) == f"{mmlu} row 4: answer 4 is not the index of one of the 4 choices (0..3)"
+
+    arc = {
+        "question": "Which is red?",
+        "choices": {"text": ["Mars", "Venus"], "label": ["A", "B"]},
+        "answerKey": "A",
+    }
+    (tmp_path / "arc").mkdir()
+    first, second = tmp_path / "arc" / "a.jsonl", tmp_path / "arc" / "b.jsonl"
+    first.write_text(json.dumps(arc) + "\n")
+    second.write_text("\n" + json.dumps(arc) + "\n" + json.dumps({**arc, "answerKey": "C"}) + "\n")
+    t = MultipleChoice(tmp_path / "arc", format="arc", seed=0)
+    (bad,) = [i for i in range(len(t)) if t.rows[i]["answerKey"] == "C"]
+    with pytest.raises(ValueError) as e:
+        t.get_example(bad)
+    assert str(e.value) == f"{second} line 3: answerKey 'C' not in labels ['A', 'B']"
+
+    (tmp_path / "arc" / "c.jsonl").write_text(json.dumps({"question": "q", "choices": arc["choices"]}) + "\n")
+    with pytest.raises(ValueError) as e:
+        MultipleChoice(tmp_path / "arc", format="arc", seed=0)
+    assert str(e.value) == (
+        f"{tmp_path / 'arc' / 'c.jsonl'} line 1: lacks column(s) ['answerKey']; expected ['question', 'choices', "
+        "'answerKey']"
+    )
+    nested = [{"train": {"question": "q", "choices": ["a", "b"], "answer": 0}}, {"train": {"question": "q"}},
+              {"train": {"question": "q", "choices": ["a"]}}]  # fmt: skip
+    (tmp_path / "aux.jsonl").write_text("".join(json.dumps(r) + "\n" for r in nested))
+    with pytest.raises(ValueError) as e:  # cais/mmlu's auxiliary_train rows, nested in `train`
+        MultipleChoice(tmp_path / "aux.jsonl", format="mmlu", seed=5)
+    assert str(e.value) == (
+        f"{tmp_path / 'aux.jsonl'} line 2: lacks column(s) ['choices', 'answer']; expected ['question', "
+        "'choices', 'answer']"
+    )
+
+
 def test_mixture_report_shares(small_tokenizer):
     a, b = Numbers("a", 3), Numbers("b", 1)
     report = mixture_report(small_tokenizer, TaskMixture([a, b], seed=0))

@@ -200,7 +200,8 @@ class GSM8K(Task):
     eval_type = "generative"
 
     def __init__(self, path: str | Path | list[Path], seed: int | None = None, **slice_kw):
-        self.rows = read_records(path, ["question", "answer"], seed)
+        """Raises ValueError as located_records (a missing column, naming the file and line or row)."""
+        self.wheres, self.rows = located_records(path, ["question", "answer"], seed)
         self.source_files = tuple(str(f) for f in record_files(path))
         super().__init__(**slice_kw)
 
@@ -208,10 +209,12 @@ class GSM8K(Task):
         return len(self.rows)
 
     def get_example(self, index: int) -> dict:
+        """{"id", "messages", "answer"}; raises ValueError naming the record's file and line (parquet: row), as
+        located_records says, when its answer has no final "#### <number>"."""
         row = self.rows[index]
         reference = extract_answer(row["answer"])
         if reference is None:
-            raise ValueError(f"gsm8k record {index}: answer has no final '#### <number>'")
+            raise ValueError(f"{self.wheres[index]}: answer has no final '#### <number>'")
         messages = [
             {"role": "user", "content": row["question"]},
             {"role": "assistant", "content": gsm8k_parts(row["answer"])},
@@ -230,7 +233,11 @@ def render_multiple_choice(question: str, letters: list[str], choices: list[str]
 
 
 class MultipleChoice(Task):
-    """MMLU (`format="mmlu"`) or ARC (`format="arc"`) items as categorical tasks; the reply is the letter."""
+    """MMLU (`format="mmlu"`) or ARC (`format="arc"`) items as categorical tasks; the reply is the letter.
+
+    Errors about a record name its file and line (parquet: row), as located_records says: a missing column
+    (ValueError when constructed), an MMLU answer that is not the index of a choice or an ARC answerKey that is
+    not one of its labels (ValueError from get_example)."""
 
     eval_type = "categorical"
 
@@ -246,14 +253,14 @@ class MultipleChoice(Task):
             raise ValueError(f"format must be one of ['mmlu', 'arc'], got {format!r}")
         self.name, self.format = name or format, format
         cols = ["question", "choices", "answer"] if format == "mmlu" else ["question", "choices", "answerKey"]
-        self.rows = read_records(path, cols if format == "arc" else [], seed)
+        self.wheres, rows = located_records(path, cols if format == "arc" else [], seed)
         self.source_files = tuple(str(f) for f in record_files(path))
         # cais/mmlu's `auxiliary_train` config nests each row in a `train` column
-        self.rows = [r["train"] if "train" in r and "question" not in r else r for r in self.rows]
-        for i, r in enumerate(self.rows):
-            missing = [c for c in cols if c not in r]
-            if missing:
-                raise ValueError(f"{path}: record {i} lacks column(s) {missing}; expected {cols}")
+        self.rows = [r["train"] if "train" in r and "question" not in r else r for r in rows]
+        bad = [(w, m) for w, r in zip(self.wheres, self.rows) if (m := [c for c in cols if c not in r])]
+        if bad:
+            where, missing = min(bad, key=lambda b: _file_order(b[0]))
+            raise ValueError(f"{where}: lacks column(s) {missing}; expected {cols}")
         super().__init__(**slice_kw)
 
     def num_examples(self) -> int:
@@ -264,17 +271,21 @@ class MultipleChoice(Task):
         if self.format == "mmlu":
             choices = list(row["choices"])
             letters = list(LETTERS[: len(choices)])
-            if not 0 <= int(row["answer"]) < len(choices):
+            try:
+                choice = int(row["answer"])
+            except (TypeError, ValueError):  # not a number: named below
+                choice = -1
+            if not 0 <= choice < len(choices):
                 raise ValueError(
-                    f"mmlu record {index}: answer index {row['answer']} is not one of the "
+                    f"{self.wheres[index]}: answer {row['answer']!r} is not the index of one of the "
                     f"{len(choices)} choices (0..{len(choices) - 1})"
                 )
-            answer = letters[int(row["answer"])]
+            answer = letters[choice]
         else:
             choices, letters = list(row["choices"]["text"]), list(row["choices"]["label"])
             if row["answerKey"] not in letters:
                 raise ValueError(
-                    f"arc record {index}: answerKey {row['answerKey']!r} not in labels {letters}"
+                    f"{self.wheres[index]}: answerKey {row['answerKey']!r} not in labels {letters}"
                 )
             answer = row["answerKey"]
         messages = [
