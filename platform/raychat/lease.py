@@ -1,6 +1,9 @@
 """A run's lease: <root>/<run>/lease.json, held by the driver of a training run (pretrain, sft, rl) for as long as
 it trains, so that two drivers of one run never commit checkpoints, metrics.jsonl and pruning into the same run
-directory at once; and <out>/lease.json, held by a speedrun for its whole invocation (raychat.speedrun).
+directory at once; and <out>/lease.json on a whole output directory (output_lease): held by a speedrun on its
+--out for its whole invocation (raychat.speedrun), and by `raychat data prepare` and `raychat tokenizer train` on
+their output while they write it, so that a second writer never deletes the first's live temporaries as a killed
+run's leftovers, nor puts its shards beside the first's manifest.
 
 The file is JSON: {"host", "pid", "started_at", "renewed_at" (unix seconds), "command", "job" (the Ray job's
 submission id, or null), "token" (the holder's own random id)}. The driver takes it once the cheap checks have
@@ -36,7 +39,7 @@ from dataclasses import asdict, dataclass
 
 from raychat.atomic import exclusive_write_bytes, fresh_file
 from raychat.log import log
-from raychat.storage import Storage, delete_file, read_bytes, write_bytes
+from raychat.storage import Storage, delete_file, open_storage, read_bytes, write_bytes
 
 LEASE_FILE = "lease.json"
 # A holder renews every 30 s; one not renewed for 120 s (4 renewals missed: a slow object store or a clock
@@ -132,7 +135,7 @@ def _when(t: float) -> str:
 class RunLease:
     """The lease of the run at `run_path` on `storage` (a context manager: `with RunLease(...):` acquires it and
     releases it on the way out). run_path is <root>/<run>, or the root itself (storage.path: the speedrun's lease
-    on its --out, raychat.speedrun.out_lease).
+    on its --out, a data or tokenizer output: output_lease).
 
     command: what the lease says runs the run (default: this process's command line, at most 500 characters);
     other_run: how the refusal says to start another run instead (the training commands' "another --run-name").
@@ -345,6 +348,13 @@ class RunLease:
         self.holder = Holder(**{**asdict(self.holder), "renewed_at": time.time()})
         write_bytes(self.storage, self.path, self.holder.to_bytes())
         return True
+
+
+def output_lease(out: str | os.PathLike, flag: str = "--out") -> RunLease:
+    """The lease on the whole local output directory `out`: <out>/lease.json (a RunLease on the root `out`).
+    `flag` is the option a second writer changes to write elsewhere: its refusal says "use another {flag}"."""
+    storage = open_storage(out, flag)
+    return RunLease(storage, storage.path, other_run=f"another {flag}")
 
 
 def _exit_on_sigterm(signum, frame):

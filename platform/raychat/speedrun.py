@@ -29,7 +29,7 @@ from raychat.data.corpus.shards import list_shards
 from raychat.eval.bpb import unigram_bpb
 from raychat.eval.report_card import checkpoint_row, format_markdown
 from raychat.eval.tasks import task_accuracy
-from raychat.lease import RunLease
+from raychat.lease import RunLease, output_lease
 from raychat.log import log, plural
 from raychat.metrics_sink import read_jsonl
 from raychat.ray_token import token_for
@@ -62,8 +62,7 @@ def out_lease(out: str) -> RunLease:
     speedruns of one --out never prepare data, train a tokenizer or train into it at once; its refusal says to
     use another --out. The training stages' own leases (<out>/checkpoints/base/lease.json, ...) are other files,
     taken inside it."""
-    storage = open_storage(out, "--out")
-    return RunLease(storage, storage.path, other_run=OTHER_OUT)
+    return output_lease(out, "--out")
 
 
 def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> dict:

@@ -1,7 +1,8 @@
 """`raychat tokenizer train`: train the BPE on the training shards and report bytes per token.
 
 Reads --data-dir (a run under --storage-path, default `data`, or a directory) and writes
-<storage-path>/<run-name>/tokenizer.json (default runs/tokenizer) or --out."""
+<storage-path>/<run-name>/tokenizer.json (default runs/tokenizer) or --out, holding the lease on that directory
+(raychat.lease.output_lease: <out>/lease.json) from before it trains until tokenizer.json is saved."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from raychat.checkpoint_manager import check_output_target
 from raychat.config import from_args
 from raychat.config.data import TokenizerConfig
 from raychat.data.corpus.shards import DataError, check_text_column, list_shards, null_text_message
+from raychat.lease import LEASE_FILE, output_lease
 from raychat.log import log
 from raychat.storage import check_writable, open_storage, output_directory, run_directory
 from raychat.tokenizer import Tokenizer
@@ -51,26 +53,36 @@ def bytes_per_token(tokenizer: Tokenizer, texts: list[str]) -> float:
 
 
 def train_tokenizer(
-    data_dir: str, out: str, vocab_size: int, max_chars: int = TokenizerConfig().max_chars
+    data_dir: str,
+    out: str,
+    vocab_size: int,
+    max_chars: int = TokenizerConfig().max_chars,
+    out_flag: str = "--out",
 ) -> dict:
     """Train on at most `max_chars` characters (<= 0: all) of the training shards of `data_dir`, in order, the
     document that reaches the cap cut there (iter_texts); save to `out` (the leftovers of killed writes there
-    removed first: raychat.atomic.remove_leftovers); returns the report dict.
+    removed first: raychat.atomic.remove_leftovers); returns the report dict. Holds the lease on `out`
+    (output_lease; a refusal says to use another `out_flag`) from before it trains until it has saved.
 
     Raises:
         DataError: a shard whose `text` is not strings or holds a null (check_text_column: naming the shard
             and the row), before any work.
+        raychat.lease.LeaseHeld (a ValueError): another live run writes `out` (one line: its lease, the holder
+            and what to do), before any work.
     """
     train_files, val_file = list_shards(data_dir)
     for shard in [*train_files, val_file]:
         check_text_column(shard)
-    t0 = time.perf_counter()
-    tokenizer = Tokenizer.train(iter_texts(train_files, max_chars), vocab_size)
-    seconds = time.perf_counter() - t0
-    if tokenizer.vocab_size < vocab_size:
-        log(f"warning: the corpus supports only {tokenizer.vocab_size} tokens (asked {vocab_size})")
-    remove_leftovers(out)  # of a run that was killed while saving
-    path = tokenizer.save(out)
+    with output_lease(out, out_flag):
+        remove_leftovers(
+            out
+        )  # of a run that was killed while saving (a live run's are not: it holds the lease)
+        t0 = time.perf_counter()
+        tokenizer = Tokenizer.train(iter_texts(train_files, max_chars), vocab_size)
+        seconds = time.perf_counter() - t0
+        if tokenizer.vocab_size < vocab_size:
+            log(f"warning: the corpus supports only {tokenizer.vocab_size} tokens (asked {vocab_size})")
+        path = tokenizer.save(out)
     sample = list(iter_texts(train_files, 5_000_000))
     val = list(iter_texts([val_file], 5_000_000))
     report = {
@@ -97,6 +109,13 @@ def is_raychat_tokenizer(directory: str) -> bool:
     return True
 
 
+def is_earlier_tokenizer(directory: str, names: list[str]) -> bool:
+    """Whether a directory holding the files `names` (its leftovers aside) is an earlier tokenizer's: a raychat
+    tokenizer.json, its lease (LEASE_FILE: a live run's, or a killed one's) aside."""
+    names = [n for n in names if n != LEASE_FILE]
+    return not names or (names == ["tokenizer.json"] and is_raychat_tokenizer(directory))
+
+
 def main(args) -> int:
     """`raychat tokenizer train` (its parser: raychat.commands.tokenizer).
 
@@ -104,8 +123,9 @@ def main(args) -> int:
     not strings or holds a null (naming the shard and the row: raychat data prepare writes neither); the
     output is on object storage, lies through a symbolic link out of the storage root, cannot be written, or
     holds anything but an earlier tokenizer (a raychat tokenizer.json alone) or nothing, the leftovers of a
-    killed write aside (removed before the new tokenizer.json is saved): a checkpoint, a training run's
-    checkpoints, prepared data, other files (--out or --run-name). Nothing is written before."""
+    killed write and a lease aside (removed before the new tokenizer.json is saved): a checkpoint, a training
+    run's checkpoints, prepared data, other files (--out or --run-name); raychat.lease.LeaseHeld: another
+    live run writes the output (train_tokenizer). Nothing is written before."""
     c = from_args(args, TokenizerConfig, "tokenizer", where="tokenizer settings")
     storage = open_storage(c.storage_path)
     data_dir = run_directory(c.data_dir, storage, "--data-dir")
@@ -116,16 +136,15 @@ def main(args) -> int:
     except (OSError, ValueError) as e:
         raise ValueError(f"--data-dir: {e}") from e
     out, flag = output_directory(c.out, c.storage_path, c.run_name)
+    out_flag = "--out" if c.out else "--run-name"
     check_output_target(
         open_storage(out),
         out,
-        "--out" if c.out else "--run-name",
+        out_flag,
         "a tokenizer",
         "an earlier tokenizer",
-        lambda entries, killed: (
-            [e.base_name for e in entries] == ["tokenizer.json"] and is_raychat_tokenizer(out)
-        ),
+        lambda entries, killed: is_earlier_tokenizer(out, [e.base_name for e in entries]),
     )
     check_writable(open_storage(out, flag), flag)
-    train_tokenizer(data_dir, out, c.vocab_size, c.max_chars)
+    train_tokenizer(data_dir, out, c.vocab_size, c.max_chars, out_flag)
     return 0

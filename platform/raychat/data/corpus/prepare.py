@@ -10,6 +10,10 @@ The manifest is written last and the previous one is removed first, so `shards.l
 sees a finished directory. Once it is written, every shard file in the directory that it does not list is
 deleted (remove_stale_shards): those of a previous manifest, or of a run killed before writing its own
 (only in a directory that was prepare's when the run started: holds_earlier_data).
+
+A run holds the lease on its output (raychat.lease.output_lease: <out>/lease.json) from before it removes the
+manifest until it has written the new one: a second run into the same directory at once is refused in one line
+naming the holder, before it touches anything; a dead holder's lease is taken over.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from raychat.data.corpus.shards import (
     write_manifest,
     write_shards,
 )
+from raychat.lease import LEASE_FILE, output_lease
 from raychat.log import log, plural
 from raychat.storage import check_writable, open_storage, output_directory
 
@@ -65,9 +70,10 @@ VALIDATION_MIN_BYTES = 100_000
 def is_earlier_data(out: Path, entries: list) -> bool:
     """Whether `out`, whose entries (pafs.FileInfo, its leftovers aside: check_output_target) are given, is
     prepare's: it holds a manifest prepare wrote, or only shard files (a run that stopped between removing the
-    old manifest and writing the new one)."""
+    old manifest and writing the new one), its lease (LEASE_FILE: a live run's, or a killed one's) aside."""
     return prepared_manifest(out) is not None or all(
-        e.type == pafs.FileType.File and is_shard_name(e.base_name) for e in entries
+        e.type == pafs.FileType.File and (is_shard_name(e.base_name) or e.base_name == LEASE_FILE)
+        for e in entries
     )
 
 
@@ -301,6 +307,8 @@ def prepare(
     or little text is a warning in the log (validation_warnings); the cut stays as it is.
     Raises:
         ValueError: bad arguments (the message names the flag), `out` cannot be written (names out_flag);
+        raychat.lease.LeaseHeld (a ValueError): another live run writes `out` (one line: its lease, the holder
+            and what to do), raised once the input is checked, before anything in `out` changes;
         DataError: unreadable input (names the file), a local source with no usable document (no_documents:
             the skips by reason) or too few for its shards (count_shards, with the skips by reason);
         corpora.CorpusNotInstalled: a Debian package is missing; DownloadError: a shard could not be fetched.
@@ -308,8 +316,6 @@ def prepare(
     out = Path(out)
     if row_group_size < 1:
         raise ValueError(f"--row-group-size must be >= 1, got {row_group_size}")
-    old = prepared_manifest(out)
-    ours = holds_earlier_data(out)  # before anything is written
     if source in HUB_SOURCES:
         if rows_per_shard is not None:
             raise ValueError(
@@ -319,11 +325,12 @@ def prepare(
         shard_indices(num, HUB_SOURCES[source].val_index)  # fail before touching `out`
         if url_pattern is not None:
             check_url_pattern(url_pattern)
-        start_writing(out, out_flag)
         download_opts = {"attempts": attempts, "backoff_s": backoff_s}
         if workers is not None:
             download_opts["workers"] = workers
-        manifest = prepare_hub(source, out, num, url_pattern, old, download_opts, log)
+
+        def write(old: dict | None) -> dict:
+            return prepare_hub(source, out, num, url_pattern, old, download_opts, log)
     else:
         for flag, value in (("--url-pattern", url_pattern), ("--workers", workers)):
             if value is not None:
@@ -340,10 +347,21 @@ def prepare(
             if corpus.skips.total:
                 raise DataError(f"--source {source}: {e}; {skipped_summary(corpus.skips)}") from e
             raise
-        start_writing(out, out_flag)
-        manifest = prepare_corpus(corpus, out, num_shards, rows_per_shard, seed, row_group_size, log)
-    write_manifest(out, manifest)
-    stale = remove_stale_shards(out, manifest) if ours else []
+
+        def write(old: dict | None) -> dict:
+            return prepare_corpus(corpus, out, num_shards, rows_per_shard, seed, row_group_size, log)
+
+    check_writable(open_storage(out, out_flag), out_flag)
+    with output_lease(out, "--run-name" if out_flag == "--storage-path" else out_flag):
+        old = prepared_manifest(out)
+        ours = holds_earlier_data(out)  # before anything but the lease is written
+        (out / MANIFEST).unlink(
+            missing_ok=True
+        )  # no reader takes the directory for finished until the new one
+        remove_leftovers(out)  # of a run that was killed (a live run's are not: it holds the lease)
+        manifest = write(old)
+        write_manifest(out, manifest)
+        stale = remove_stale_shards(out, manifest) if ours else []
     if stale:
         shown = ", ".join(stale[: corpora.EXAMPLES_PER_REASON]) + (
             ", ..." if len(stale) > corpora.EXAMPLES_PER_REASON else ""
@@ -351,15 +369,6 @@ def prepare(
         log(f"removed {plural(len(stale), 'earlier shard')} that {MANIFEST} does not list ({shown})")
     report(out, manifest, log)
     return manifest
-
-
-def start_writing(out: Path, out_flag: str) -> None:
-    """Check that `out` can be written (ValueError naming out_flag), then remove its manifest (so no reader
-    takes the directory for finished until the new one is written) and the leftovers of a run that was killed
-    (raychat.atomic.remove_leftovers)."""
-    check_writable(open_storage(out, out_flag), out_flag)
-    (out / MANIFEST).unlink(missing_ok=True)
-    remove_leftovers(out)
 
 
 def remove_stale_shards(out: Path, manifest: dict) -> list[str]:
