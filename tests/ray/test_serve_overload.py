@@ -143,12 +143,13 @@ def back_pressure() -> BackPressureError:
 
 
 class BackPressureHandle:
-    """A DeploymentHandle stand-in whose streaming generate call (and, with info_too, its info call: both
-    share the replicas' queue) raises back_pressure()."""
+    """A DeploymentHandle stand-in whose streaming generate call and check call (and, with info_too, its
+    info call: all share the replicas' queue) raise back_pressure()."""
 
     def __init__(self, info_too: bool):
         self.info = SimpleNamespace(remote=self._refuse if info_too else FakeEngine().info)
         self.generate = SimpleNamespace(remote=lambda _request: self._stream())
+        self.check = SimpleNamespace(remote=lambda _requests: self._refuse())
 
     def options(self, **_):
         return self
@@ -164,8 +165,8 @@ class BackPressureHandle:
 @pytest.mark.parametrize("info_too", [False, True])
 def test_serve_backpressure_at_the_ingress_is_a_429_with_retry_after(info_too):
     http = TestClient(create_app(serve_app.HandleClient(BackPressureHandle(info_too))))
-    for path in ("/v1/chat/completions", "/chat/completions"):
-        resp = http.post(path, json={"messages": USER})
+    for path, n in [("/v1/chat/completions", 1), ("/chat/completions", 1), ("/v1/chat/completions", 2)]:
+        resp = http.post(path, json={"messages": USER, "n": n})  # n=2: refused at the check of its choices
         assert resp.status_code == 429 and resp.headers["retry-after"] == "2"  # 1.5 s rounded up
         assert resp.json()["error"] == {
             "message": "overloaded: Request dropped due to backpressure (num_queued_requests=64, "

@@ -63,6 +63,9 @@ class FakeEngine:
     async def stats(self):
         return {"in_flight": 0}
 
+    async def check(self, requests):
+        return None  # refuses nothing: the script's events answer each request
+
     async def generate(self, request):
         self.requests.append(request)
         script = self.script(request) if callable(self.script) else self.script

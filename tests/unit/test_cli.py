@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from raychat.cli import COMMANDS, load, main
-from raychat.commands import CANARIES, PARSERS
+from raychat.cli import COMMANDS, build_parser, load, main
+from raychat.commands import CANARIES, PARSERS, STAGE_CONFIGS
+from raychat.config import ChatConfig, ServeConfig, from_dict
+from raychat.config.schema import flag_name, to_flat
 from raychat.log import RunGaveUp
 
 REPO = Path(__file__).resolve().parents[2]
@@ -429,6 +431,46 @@ def test_a_required_flags_help_shows_no_empty_default(command, capsys):
         main([command, "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(required)" in text and "(required) (default: '')" not in text
+
+
+def test_no_help_shows_default_none(capsys):
+    """`chat --help` showed `--max-tokens ... not given: 256, or until the context is full (default: None)`, and
+    18 other options of data prepare, tokenizer train, chat, serve and export a "(default: None)" that says
+    nothing (a user types no None): a None default is left out of every command's and subcommand's --help."""
+    for argv in every_help_argv():
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = " ".join(capsys.readouterr().out.split())  # argparse wraps "(default:" and "None)" apart
+        assert text.startswith(f"usage: raychat {argv[0]}") and "(default: None)" not in text, argv
+
+
+def test_every_option_whose_default_is_none_says_what_not_given_means():
+    """Each config option that defaults to None (the value its command's --help would show, from the config
+    class and the command's own defaults: sft's) says in its help what happens when it is not given, in the
+    one phrase "not given: ..."; the list is worked out from the configs, not the parsers."""
+    configs = {name: from_dict(cls, defaults) for name, (cls, _, defaults) in STAGE_CONFIGS.items()}
+    configs |= {"chat": ChatConfig(), "serve": ServeConfig()}
+    with_configs, checked = set(), []
+    for name in PARSERS:
+        parsers, helps = [build_parser(name)], {}
+        while parsers:  # the command's parser and its subcommands'
+            p = parsers.pop()
+            parsers += [
+                c for a in p._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices.values()
+            ]
+            helps |= {a.option_strings[0]: a.help for a in p._actions if a.option_strings}
+            if any((g.title or "").split(".")[0].endswith("Config") for g in p._action_groups):
+                with_configs.add(name)  # it has config flags
+        nones = (
+            [leaf for leaf, value in to_flat(configs[name]).items() if value is None]
+            if name in configs
+            else []
+        )
+        for leaf in nones:
+            assert "not given: " in helps[flag_name(leaf)], (name, leaf, helps[flag_name(leaf)])
+        checked += [(name, leaf) for leaf in nones]
+    assert with_configs == set(configs)  # every command with config flags is checked
+    assert ("chat", "max_tokens") in checked and len(checked) == 19, checked
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "sft", "rl"])

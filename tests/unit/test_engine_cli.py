@@ -95,8 +95,8 @@ def test_interactive_outgrowing_the_context_keeps_the_session(checkpoint, capsys
     out = capsys.readouterr().out
     n = len(render_for_completion(tok, [{"role": "user", "content": "x" * 200}]))
     assert out.startswith(
-        f"you> (not sent: this message takes {n} tokens; the model holds 128 per "
-        "conversation, reply included (--max-tokens 3): shorten it)\nyou> raychat> "
+        f"you> (not sent: this message has {n} tokens, but the model's context length is 128 tokens and at least "
+        f"3 completion tokens must follow ({n} + 3 > 128): at most 125 fit; shorten it)\nyou> raychat> "
     )
     assert out.count("raychat> ") == 40 and out.endswith("you> ")
     assert "(dropped the 2 oldest messages: the conversation outgrew the model's 128 tokens)\n" in out
@@ -146,6 +146,32 @@ def test_max_tokens_beyond_the_context_is_refused_at_start(checkpoint, capsys, m
     msgs = [{"role": "user", "content": "x" * 122}]
     assert main([*argv, "-p", "x" * 122, "--max-tokens", "2"]) == 0
     assert capsys.readouterr().out.startswith(expected_reply(model, tok, msgs, 2).text)
+
+
+def test_a_prompt_the_context_cannot_hold_is_refused_at_start(checkpoint, capsys, monkeypatch):
+    """A -p prompt of 128 tokens in the 128-token model ("x" * 124 + <|bos|> <|user_start|> <|user_end|>
+    <|assistant_start|>) leaves no room for a reply: it reached the engine and failed there after the checkpoint
+    line, as "prompt has 128 tokens; rows hold max_len 128 tokens in total"; now refused first, naming --prompt
+    in the voice of --max-tokens' refusal, and before --max-tokens (the prompt is what does not fit). A system
+    message that fills the context leaves an empty message no room: --system (130 bytes + 2 + 4 tokens)."""
+    d, _, tok = checkpoint
+    argv = ["chat", "--checkpoint", str(d), "--temperature", "0"]
+    assert len(render_for_completion(tok, [{"role": "user", "content": "x" * 124}])) == 128
+    for extra in ([], ["--max-tokens", "50"]):
+        assert main([*argv, "-p", "x" * 124, *extra]) == 2
+        assert capsys.readouterr() == (
+            "",
+            "raychat chat: error: --prompt: the prompt has 128 tokens, but the model's context length is 128 "
+            "tokens and at least 1 completion token must follow (128 + 1 > 128): at most 127 fit\n",
+        )
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main([*argv, "--system", "y" * 130]) == 2
+    assert capsys.readouterr().err == (
+        "raychat chat: error: --system: an empty message with the system message has 136 tokens, but the "
+        "model's context length is 128 tokens and at least 1 completion token must follow (136 + 1 > 128): at "
+        "most 127 fit\n"
+    )
+    assert sys.stdin.read() == "hello\n"  # never read: refused at start
 
 
 @pytest.fixture(scope="module")

@@ -498,11 +498,12 @@ def test_unknown_model_is_404(client, fake):
 
 
 def test_engine_rejection_is_400_not_a_stream():
-    reject = {"type": "error", "status": 400, "message": "prompt has 300 tokens; rows hold max_len 256", "param": "messages"}  # fmt: skip
+    why = "the prompt has 300 tokens, but the model's context length is 256 tokens"
+    reject = {"type": "error", "status": 400, "message": why, "param": "messages"}
     fake = FakeEngine([reject])
     client = TestClient(create_app(fake))
     for path in ("/chat/completions", V1):
-        assert_400(post(client, {"messages": USER}, path=path), "messages", "prompt has 300 tokens")
+        assert_400(post(client, {"messages": USER}, path=path), "messages", why)
     assert fake.closed == 2
 
 

@@ -196,7 +196,10 @@ def test_a_prompt_over_the_context_is_context_length_exceeded(client):
     ]:
         err = client.post(URL, json=body).json()["error"]
         assert (err["code"], err["param"]) == ("context_length_exceeded", param), err
-        assert err["message"] == f"{param}: prompt has 300 tokens; rows hold max_len 256 tokens in total"
+        assert err["message"] == (
+            f"{param}: the prompt has 300 tokens, but the model's context length is 256 tokens and at least 1 "
+            "completion token must follow (300 + 1 > 256): at most 255 fit"
+        )
     assert client.post(URL, json={"prompt": [5, 600]}).json()["error"]["code"] is None  # not about length
 
 
@@ -263,3 +266,49 @@ def test_max_tokens_beyond_the_context_is_context_length_exceeded(client):
             completion_tokens,
         )
         assert resp.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_batch_is_checked_whole_before_any_prompt_reaches_the_engine(tiny):
+    """A batch whose prompt[1] is refused was a 400, but prompt[0] had been submitted (and scored, with echo
+    and logprobs) before its sibling's refusal came back and the ingress cancelled it. Now every prompt is
+    checked first (ChatServer.check, one rejection per request), so a refused batch costs the engine nothing:
+    the spies on Scheduler.submit and .score see nothing until a batch that passes."""
+    model, tok = tiny
+    engine = ChatServer(model, tok, max_slots=2, model_id="tiny")
+    work = []
+    submit, score = engine.scheduler.submit, engine.scheduler.score
+    engine.scheduler.submit = lambda ids, *a, **kw: (
+        work.append(("submit", list(ids))) or submit(ids, *a, **kw)
+    )
+    engine.scheduler.score = lambda ids, *a, **kw: work.append(("score", list(ids))) or score(ids, *a, **kw)
+    over = (
+        "prompt[1]: the prompt has 300 tokens, but the model's context length is 256 tokens and at least 1 "
+        "completion token must follow (300 + 1 > 256): at most 255 fit"
+    )
+    budget = (
+        "max_tokens: 7 completion tokens requested, but the model's context length is 256 tokens and prompt[1] "
+        "has 250 (250 + 7 > 256): at most 6 fit"
+    )
+    try:
+        client = TestClient(create_app(LocalClient(engine)))
+        for body, message, param, code in [
+            ({"prompt": [[5] * 3, [5] * 300]}, over, "prompt[1]", "context_length_exceeded"),
+            ({"prompt": [[5] * 3, [5] * 300], "echo": True, "logprobs": 1}, over, "prompt[1]",
+             "context_length_exceeded"),
+            ({"prompt": [[5] * 3, [5] * 250], "max_tokens": 7, "stream": True}, budget, "max_tokens",
+             "context_length_exceeded"),
+            ({"prompt": [[5] * 3, [5, 600]]}, f"prompt[1]: has token ids outside 0..{tok.vocab_size - 1}: [600]",
+             "prompt[1]", None),
+        ]:  # fmt: skip
+            resp = client.post(URL, json={**body, "temperature": 0})
+            assert resp.status_code == 400, resp.text
+            assert resp.json()["error"] == {
+                "message": message, "type": "invalid_request_error", "param": param, "code": code
+            }  # fmt: skip
+        assert work == [] and engine.stats()["rejected"] == 4
+        ok = client.post(URL, json={"prompt": [[5] * 3, [5] * 4], "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+        assert sorted(work) == [("submit", [5] * 3), ("submit", [5] * 4)]
+        assert engine.stats()["rejected"] == 4
+    finally:
+        engine.shutdown()

@@ -80,10 +80,12 @@ def test_real_engine_greedy_matches_generate_batch(tiny, real_engine):
     assert events[-1]["usage"]["completion_tokens"] == len(expected.completion_tokens)
     assert events[-1]["usage"]["prompt_tokens"] == expected.num_prompt_tokens
     too_long = [{"role": "user", "content": "json " * 400}]
+    n = len(render_for_completion(tokenizer, too_long))
     assert_400(
         client.post("/chat/completions", json={"messages": too_long}),
         "messages",
-        "rows hold max_len 256 tokens, the reply included: drop earlier messages",
+        f"the conversation has {n} tokens, but the model's context length is 256 tokens and at least 1 "
+        f"completion token must follow ({n} + 1 > 256): at most 255 fit; drop earlier messages",
     )
     assert real_engine.stats()["in_flight"] == 0 and real_engine.stats()["rejected"] == 1
 
@@ -442,7 +444,9 @@ def test_an_engine_process_that_died_under_a_submit_is_a_503():
 
 def test_a_conversation_beyond_the_context_is_openais_context_length_exceeded(tiny):
     """Code context_length_exceeded (OpenAI's), so clients know to drop earlier messages (the chat page does:
-    test_serve_browser.py); before, the 400 carried code None and the engine's "prompt has N tokens"."""
+    test_serve_browser.py); before, the 400 carried code None and the engine's "prompt has N tokens". The
+    message is in the voice of max_tokens' refusal (the field, the context length, the prompt's tokens, what
+    fits); it said "rows hold max_len 32 tokens, the reply included"."""
     model, tok = tiny
     engine = ChatServer(model, tok, max_slots=1, max_len=32, model_id="tiny")
     try:
@@ -455,8 +459,9 @@ def test_a_conversation_beyond_the_context_is_openais_context_length_exceeded(ti
             resp = client.post(path, json={"messages": long, "max_tokens": 2})
             assert resp.status_code == 400, resp.text
             assert resp.json()["error"] == {
-                "message": f"messages: the conversation is {n} tokens; rows hold max_len 32 tokens, the reply "
-                "included: drop earlier messages",
+                "message": f"messages: the conversation has {n} tokens, but the model's context length is 32 "
+                f"tokens and at least 1 completion token must follow ({n} + 1 > 32): at most 31 fit; drop "
+                "earlier messages",
                 "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded",
             }  # fmt: skip
         ok = client.post(V1, json={"messages": fits, "max_tokens": 2, "temperature": 0})
@@ -523,5 +528,47 @@ def test_max_tokens_beyond_the_context_is_refused_before_the_engine_sees_it(tiny
         assert submitted == [render_for_completion(tok, hi)]  # the good one only
         assert "".join(e["text"] for e in events if e["type"] == "delta") == reference.text
         assert events[-1]["usage"]["completion_tokens"] == len(reference.completion_tokens) == 20
+    finally:
+        engine.shutdown()
+
+
+def test_n_choices_are_checked_together_before_any_reaches_the_engine(tiny):
+    """The n choices of a request the engine refuses (a conversation over the context, a max_tokens beyond
+    it) fail it whole, as one refusal (ChatServer.check, asked once for all of them: `rejected` counts 1 per
+    request, not n), and none is submitted, streaming or not; n=3 that fits submits its 3 choices."""
+    model, tok = tiny
+    engine = ChatServer(model, tok, max_slots=4, max_len=32, model_id="tiny")
+    submitted = []
+    submit = engine.scheduler.submit
+    engine.scheduler.submit = lambda prompt, *a, **kw: (
+        submitted.append(list(prompt)) or submit(prompt, *a, **kw)
+    )
+    hi, long = USER, [{"role": "user", "content": "tell me about the json module " * 3}]
+    n = len(render_for_completion(tok, long))
+    over = (
+        f"messages: the conversation has {n} tokens, but the model's context length is 32 tokens and at least 1 "
+        f"completion token must follow ({n} + 1 > 32): at most 31 fit; drop earlier messages"
+    )
+    budget = (
+        "max_tokens: 28 completion tokens requested, but the model's context length is 32 tokens and the "
+        "conversation has 5 (5 + 28 > 32): at most 27 fit"
+    )
+    try:
+        client = TestClient(create_app(LocalClient(engine)))
+        for body, message, param in [
+            ({"messages": long, "n": 3}, over, "messages"),
+            ({"messages": long, "n": 2, "stream": True}, over, "messages"),
+            ({"messages": hi, "n": 3, "max_tokens": 28}, budget, "max_tokens"),
+        ]:
+            resp = client.post(V1, json=body)
+            assert resp.status_code == 400, resp.text
+            assert resp.json()["error"] == {
+                "message": message, "type": "invalid_request_error", "param": param,
+                "code": "context_length_exceeded",
+            }  # fmt: skip
+        assert submitted == [] and engine.stats()["rejected"] == 3
+        ok = client.post(V1, json={"messages": hi, "n": 3, "max_tokens": 2, "seed": 1})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 3, ok.text
+        assert submitted == [render_for_completion(tok, hi)] * 3 and engine.stats()["rejected"] == 3
     finally:
         engine.shutdown()

@@ -6,8 +6,9 @@ stream through the engine's Scheduler (one row, driven inline) and are shown par
 its own line; control tokens never appear. In interactive mode the conversation grows
 turn by turn, its oldest exchanges dropped (and said so) when it outgrows the model's context (with
 --max-tokens N: when it leaves less than N tokens for the reply); a message too long on its own is not sent
-and the session goes on; a --max-tokens that even the shortest prompt leaves no room for (the -p prompt, or
-an empty message) is an error naming it at start (exit 2), as the server's 400; /clear starts over, /quit or
+and the session goes on; a -p prompt the context cannot hold, or a --max-tokens that even the shortest prompt
+leaves no room for (the -p prompt, or an empty message), is an error naming the flag at start (exit 2), in
+the words of the server's 400 (context length, prompt tokens, what fits); /clear starts over, /quit or
 end of input leaves; Ctrl-C stops the current reply (with -p it then exits 130, as Ctrl-C at the prompt
 does). The checkpoint chat resolved to is named first, on stderr. A reply that fills the model's context ends
 with "[cut: ...]"; one the engine fails on (non-finite logits) is an error on stderr, is left out of the
@@ -26,7 +27,7 @@ from raychat.checkpoint import load_model
 from raychat.checkpoint_manager import described, find_checkpoint, resolve_checkpoint
 from raychat.config import ChatConfig, from_args
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
-from raychat.engine.scheduler import completion_overflow
+from raychat.engine.scheduler import completion_overflow, prompt_overflow
 from raychat.gc_heap import freeze_gc_heap
 
 PART_TYPES = {"text": "text", "tool_call": "python", "tool_result": "python_output"}
@@ -126,20 +127,26 @@ def fit_history(
     return messages, dropped
 
 
-def check_max_tokens(
-    tokenizer, max_tokens: int, max_len: int, system: list[dict], prompt: str | None
+def check_fits(
+    tokenizer, max_tokens: int | None, max_len: int, system: list[dict], prompt: str | None
 ) -> None:
-    """Refuse, before the first reply, a --max-tokens that cannot follow the shortest prompt the session
-    sends in a row of max_len tokens: the -p prompt, or interactively an empty message (each with the
-    system message, if any).
+    """Refuse, before the first reply, what the shortest prompt the session sends leaves no room for in a row
+    of max_len tokens: that prompt (the -p prompt, or interactively an empty message, each with the system
+    message, if any) with not even one completion token after it, or a --max-tokens (None: not given).
 
     Raises:
-        ValueError: "--max-tokens: N completion tokens requested, but ..." (context length, prompt tokens).
+        ValueError: "--prompt: the prompt has N tokens, but ..." (--system when an empty message with the
+            system message is too long), else "--max-tokens: N completion tokens requested, but ..."
+            (context length, prompt tokens, what fits).
     """
     shortest = [*system, {"role": "user", "content": prompt or ""}]
     what = "the prompt" if prompt is not None else "an empty message"
     what += " with the system message" if system else ""
-    why = completion_overflow(len(render_for_completion(tokenizer, shortest)), max_tokens, max_len, what)
+    n = len(render_for_completion(tokenizer, shortest))
+    too_long = prompt_overflow(n, max_len, what)
+    if too_long:
+        raise ValueError(f"{'--prompt' if prompt is not None else '--system'}: {too_long}")
+    why = None if max_tokens is None else completion_overflow(n, max_tokens, max_len, what)
     if why:
         raise ValueError(f"--max-tokens: {why}")
 
@@ -158,8 +165,7 @@ def run_chat(args, stdin=None, out=None) -> int:
         )  # named on stderr: the URI, not the cache
         model, tokenizer, meta = load_model(resolve_checkpoint(source), device=device)
         system = [{"role": "system", "content": cfg.system}] if cfg.system else []
-        if cfg.max_tokens is not None:
-            check_max_tokens(tokenizer, cfg.max_tokens, model.config.max_seq_len, system, cfg.prompt)
+        check_fits(tokenizer, cfg.max_tokens, model.config.max_seq_len, system, cfg.prompt)
         params = SamplingParams(
             max_tokens=cfg.max_tokens or DEFAULT_REPLY_TOKENS,
             temperature=cfg.temperature,
@@ -196,10 +202,8 @@ def run_chat(args, stdin=None, out=None) -> int:
         )
         if fitted is None:
             n = len(render_for_completion(tokenizer, [*system, {"role": "user", "content": text}]))
-            with_system = " with the system prompt" if system else ""
-            budget = f" (--max-tokens {cfg.max_tokens})" if cfg.max_tokens else ""
-            out.write(f"(not sent: this message takes {n} tokens{with_system}; the model holds "
-                      f"{sched.max_len} per conversation, reply included{budget}: shorten it)\n")  # fmt: skip
+            what = "this message" + (" with the system message" if system else "")
+            out.write(f"(not sent: {prompt_overflow(n, sched.max_len, what, reserve)}; shorten it)\n")
             continue
         messages, dropped = fitted
         if dropped:

@@ -21,21 +21,24 @@ class PrepareConfig(Section):
     source: str = option("debian-docs", "debian-docs | fineweb-edu | climbmix | DIR")
     storage_path: str = option("runs", "storage root (a local or NFS directory) the shards go under")
     run_name: str = option("data", "run name: the shards go to <storage-path>/<run-name>", kind="run_name")
-    out: str | None = option(None, "output directory instead of <storage-path>/<run-name>")
+    out: str | None = option(None, "output directory; not given: <storage-path>/<run-name>")
     num_shards: int | None = option(
-        None, "train shards (one validation shard is always added); hub sources: how many to download "
-        "(default 1); local sources: instead of --rows-per-shard", ge=1,
+        None, "train shards (one validation shard is always added); hub sources: how many to download; "
+        "local sources: instead of --rows-per-shard; not given: 1 for a hub source, and for a local one as "
+        "many as --rows-per-shard needs", ge=1,
     )  # fmt: skip
     rows_per_shard: int | None = option(
-        None, "local sources: at most this many documents a shard; None = 1024", ge=1
+        None, "local sources: at most this many documents a shard; not given: 1024", ge=1
     )
     seed: int = option(0, "shuffle seed for local sources", ge=0, le=SEED_MAX)
     row_group_size: int = option(1024, "rows per parquet row group", ge=1)
     url_pattern: str | None = option(
-        None, "hub sources: a mirror URL with {index}, e.g. http://host/shard_{index:05d}.parquet"
+        None,
+        "hub sources: a mirror URL with {index}, e.g. http://host/shard_{index:05d}.parquet; not "
+        "given: the source's own URL",
     )
     workers: int | None = option(
-        None, "hub sources only: parallel downloads; None = "
+        None, "hub sources only: parallel downloads; not given: "
         f"{owned_literal('raychat.data.corpus.download', 'DOWNLOAD_WORKERS')}", ge=1,
     )  # fmt: skip
 
@@ -55,7 +58,7 @@ class TokenizerConfig(Section):
         "runs/data", "shards from `raychat data prepare`: a directory or a run name under --storage-path "
         "(given --storage-path and not this: the run 'data' there)",
     )  # fmt: skip
-    out: str | None = option(None, "output directory instead of <storage-path>/<run-name>")
+    out: str | None = option(None, "output directory; not given: <storage-path>/<run-name>")
     vocab_size: int = option(
         4096, "total vocabulary incl. special tokens (gpu8: 65536), 265 (256 bytes + 9 specials) to 2**20",
         ge=265, le=2**20,  # raychat.tokenizer.MIN_VOCAB_SIZE; test_config checks that they agree

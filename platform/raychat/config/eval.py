@@ -85,7 +85,7 @@ class ExportConfig(Section):
     run_name: str = option("hf", "run name: the files go to <storage-path>/<run-name>/", kind="run_name")
     out: str | None = option(
         None,
-        "output directory (local, s3://bucket/prefix or gs://bucket/prefix) instead of <storage-path>/<run-name>",
+        "output directory (local, s3://bucket/prefix or gs://bucket/prefix); not given: <storage-path>/<run-name>",
     )
 
 
@@ -97,17 +97,19 @@ class ChatConfig(Section):
         "",
         "the checkpoint: a checkpoint dir, a run dir or <run dir>/latest (paths, s3:// or gs://) (required)",
     )
-    prompt: str | None = option(None, "one-shot (also -p): answer this prompt and exit")
-    system: str | None = option(None, "system message placed before the first user turn")
+    prompt: str | None = option(
+        None, "one-shot (also -p): answer this prompt and exit; not given: an interactive session"
+    )
+    system: str | None = option(None, "system message placed before the first user turn; not given: none")
     temperature: float = option(0.6, "sampling temperature; 0 = greedy", ge=0)
     top_k: int = option(50, "sample among the k most likely tokens; 0 = off", ge=0)
-    top_p: float | None = option(None, "nucleus mass in (0, 1]; None = off", gt=0, le=1)
+    top_p: float | None = option(None, "nucleus mass in (0, 1]; not given: off", gt=0, le=1)
     max_tokens: int | None = option(
         None, "completion tokens per reply; it must fit in the model's context with the prompt (else an error at "
         "start), and older exchanges are dropped to keep room for it; not given: 256, or until the context is full",
         positive=True,
     )  # fmt: skip
-    seed: int | None = option(None, "sampling seed (None = a fresh one)", ge=0, le=SEED_MAX)
+    seed: int | None = option(None, "sampling seed; not given: a fresh one", ge=0, le=SEED_MAX)
     device: str = option(
         "auto", "where the model runs (auto: cuda when there is one, else cpu)", ("auto", *DEVICES)
     )

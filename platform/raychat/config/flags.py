@@ -116,7 +116,9 @@ def _add_section(
             continue
         default = getattr(defaults, f.name)
         required = "(required)" in f.metadata["help"] and default == ""
-        help = f.metadata["help"] if required else f"{f.metadata['help']} (default: {shown(default)})"
+        # a None default is not shown: the option's help says what "not given" means (test_cli checks it)
+        plain = required or default is None
+        help = f.metadata["help"] if plain else f"{f.metadata['help']} (default: {shown(default)})"
         primary = flag_name(f.name)
         _add_flag(group, [primary, *old[f.name]], f, hints[f.name], help, old[f.name])
         for alias in f.metadata.get("aliases", ()):  # a flag of its own, so that its errors name it

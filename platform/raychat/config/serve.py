@@ -36,7 +36,7 @@ class ReplicaSection(Section):
         8, "KV-cache slots per replica: sequences decoded at once (1 = one request at a time)", ge=1,
         aliases=("max_rows",),
     )  # fmt: skip
-    max_len: int | None = option(None, "tokens per slot (default: the model's max_seq_len)", ge=1)
+    max_len: int | None = option(None, "tokens per slot; not given: the model's max_seq_len", ge=1)
     stream_interval: int = option(
         4, "completion tokens per streamed event after the first (1 = every token)", ge=1
     )
@@ -53,7 +53,7 @@ class ReplicaSection(Section):
     )  # fmt: skip
     prefix_cache_tokens: int | None = option(
         None, "prefix cache capacity in tokens: KV blocks of earlier prompts and replies (a conversation's "
-        "history, a shared system prompt) reused instead of prefilled again; default: 8 x max_seq_len, "
+        "history, a shared system prompt) reused instead of prefilled again; not given: 8 x max_seq_len, "
         "allocated as it fills; 0 = off", ge=0,
     )  # fmt: skip
     engine_process: bool = option(
@@ -62,7 +62,7 @@ class ReplicaSection(Section):
     num_cpus: float = option(1.0, "CPUs each ChatServer replica reserves", ge=0)
     num_gpus: float = option(0.0, "GPUs each ChatServer replica reserves (> 0 puts the model on cuda)", ge=0)
     torch_threads: int | None = option(
-        None, "torch threads per replica (default: the CPUs it reserved)", ge=1
+        None, "torch threads per replica; not given: the CPUs it reserved", ge=1
     )
     max_ongoing_requests: int = option(32, "requests per replica (queued at the ingress beyond it)", ge=1)
     max_queued_requests: int = option(
@@ -82,7 +82,9 @@ class ReplicaSection(Section):
         "check fails and its open streams end with an error (Serve then replaces the replica)", gt=0,
     )  # fmt: skip
     max_replicas_per_node: int | None = option(
-        None, "most ChatServer replicas on one node (1 = each on a node of its own); default: no limit", ge=1
+        None,
+        "most ChatServer replicas on one node (1 = each on a node of its own); not given: no limit",
+        ge=1,
     )
 
     def __post_init__(self):
@@ -125,9 +127,12 @@ class ServeConfig(Section):
     )  # fmt: skip
     replica: ReplicaSection = section(ReplicaSection)
     autoscaling: AutoscalingSection = section(AutoscalingSection)
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (or env RAYCHAT_API_KEY)")
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer KEY'; not given: env RAYCHAT_API_KEY, else no key (every route open)",
+    )
     model_id: str | None = option(
-        None, "name reported by /v1/models (default: the checkpoint directory's name)"
+        None, "name reported by /v1/models; not given: the checkpoint directory's name"
     )
     ingress_num_cpus: float = option(0.1, "CPUs the ChatIngress replica reserves", ge=0)
     ingress_max_queued_requests: int = option(

@@ -63,6 +63,7 @@ __all__ = [
     "check_fits_row",
     "completion_overflow",
     "check_limits",
+    "prompt_overflow",
     "check_queue",
 ]
 
@@ -92,10 +93,29 @@ def check_limits(max_pending: int | None, request_timeout_s: float | None, stall
 
 
 def check_fits_row(ids: list[int], max_len: int) -> list[int]:
-    """`ids`, or ValueError if a row of max_len tokens leaves no room to generate after them."""
-    if len(ids) >= max_len:
-        raise ValueError(f"prompt has {len(ids)} tokens; rows hold max_len {max_len} tokens in total")
+    """`ids`, or ValueError (prompt_overflow's message) if a row of max_len tokens leaves no room to generate
+    after them."""
+    why = prompt_overflow(len(ids), max_len)
+    if why:
+        raise ValueError(why)
     return ids
+
+
+def prompt_overflow(
+    prompt_tokens: int, max_len: int, prompt: str = "the prompt", reply_tokens: int = 1
+) -> str | None:
+    """Why a prompt of `prompt_tokens` tokens leaves no room for `reply_tokens` (>= 1) completion tokens in a
+    row of `max_len` (the context length, tokens), in completion_overflow's words: the prompt is to blame, so
+    "at most N fit" counts prompt tokens; None when prompt_tokens + reply_tokens <= max_len. `prompt` names
+    the prompt in the message ("the conversation")."""
+    if prompt_tokens + reply_tokens <= max_len:
+        return None
+    need = f"at least {reply_tokens} completion token{'s' if reply_tokens != 1 else ''}"
+    room = max(max_len - reply_tokens, 0)
+    return (
+        f"{prompt} has {prompt_tokens} tokens, but the model's context length is {max_len} tokens and {need} "
+        f"must follow ({prompt_tokens} + {reply_tokens} > {max_len}): at most {room} fit"
+    )
 
 
 def completion_overflow(

@@ -180,6 +180,10 @@ class ChatServerDeployment:
     def info(self) -> dict:
         return self.engine.info()
 
+    def check(self, requests: list[dict]) -> dict | None:
+        """ChatServer.check: the error event of the first of `requests` the engine would refuse, else None."""
+        return self.engine.check(requests)
+
     def stats(self) -> dict:
         """ChatServer.stats plus rss_bytes: resident memory of this replica process and its children (the
         engine process, which holds the model and KV cache), child_pids: their process ids (an engine
@@ -256,10 +260,10 @@ def overloaded(e: BackPressureError) -> EngineOverloadedError:
 class HandleClient:
     """The ingress' engine client over a DeploymentHandle to ChatServer (protocol in raychat.serve.ingress).
 
-    timeout_s: seconds info() and stats() wait for a replica's answer, and how often generate() asks the
-        Serve controller whether ChatServer is failing while its request waits for a first event (None: as
-        long as Serve routes the call, which is for ever while no replica runs, e.g. while each new one fails
-        to start).
+    timeout_s: seconds info() and stats() wait for a replica's answer, and how often check() and generate()
+        ask the Serve controller whether ChatServer is failing while their call waits for a replica's answer
+        (None: as long as Serve routes the call, which is for ever while no replica runs, e.g. while each new
+        one fails to start).
     """
 
     def __init__(self, handle, timeout_s: float | None = None):
@@ -272,6 +276,16 @@ class HandleClient:
 
     async def stats(self) -> dict:
         return await self._call(self.handle.stats)
+
+    async def check(self, requests: list[dict]) -> dict | None:
+        """ChatServer.check on a replica, waited for as generate()'s first event is (a request waits for a
+        busy replica, never for one that cannot start); errors as generate()'s."""
+        try:
+            return await self._answer(self.handle.check.remote(requests))
+        except BackPressureError as e:
+            raise overloaded(e) from e
+        except UNAVAILABLE as e:
+            raise unavailable(e) from e
 
     async def _call(self, method):
         """`await method.remote()`; the replicas' queue being full (these calls share it with generate)
@@ -305,24 +319,29 @@ class HandleClient:
         return await asyncio.shield(self._asking)
 
     async def _first(self, gen) -> list:
-        """The first batch of the stream `gen` ([] if it ends without one). While it has not come, every
-        timeout_s the Serve controller is asked whether ChatServer is failing (server_state); if it is, the
-        wait ends in EngineUnavailableError with /health's reason (a request waits for a replica that is busy,
-        starting or being added, never for one that cannot start)."""
-        batch = asyncio.ensure_future(_awaited(anext(gen)))
+        """The first batch of the stream `gen` ([] if it ends without one), waited for by _answer."""
         try:
-            while not (await asyncio.wait({batch}, timeout=self.timeout_s))[0]:
+            return await self._answer(anext(gen))
+        except StopAsyncIteration:
+            return []
+
+    async def _answer(self, awaitable):
+        """What `awaitable` (a replica's answer) gives. While it has not come, every timeout_s the Serve
+        controller is asked whether ChatServer is failing (server_state); if it is, the wait ends in
+        EngineUnavailableError with /health's reason (a request waits for a replica that is busy, starting or
+        being added, never for one that cannot start)."""
+        answer = asyncio.ensure_future(_awaited(awaitable))
+        try:
+            while not (await asyncio.wait({answer}, timeout=self.timeout_s))[0]:
                 try:
                     failing = (await self._state())[1]
                 except Exception:  # noqa: BLE001 - the controller's silence is no reason to fail the request
                     continue
                 if failing:
                     raise EngineUnavailableError(await self._no_answer())
-            return batch.result()
-        except StopAsyncIteration:
-            return []
+            return answer.result()
         finally:
-            batch.cancel()  # nothing once it is done; else the caller stopped waiting
+            answer.cancel()  # nothing once it is done; else the caller stopped waiting
 
     async def generate(self, request: dict):
         """The replica's events; a full queue (Serve's max_queued_requests) raises EngineOverloadedError

@@ -9,7 +9,8 @@ Events (the vocabulary of raychat.serve.server, plus "prompt"):
   {"type": "done", "finish_reason": "stop" | "length", "usage": USAGE}           last event of a success
   {"type": "error", "status": 400 | 429 | 500 | 503 | 504, "message", "param"[, "code"][, "retry_after"]}
         code "context_length_exceeded": a prompt of max_len tokens or more (OpenAI's code, as chat's), or a
-        max_tokens the row cannot hold after the prompt (prompt + max_tokens > max_len: param "max_tokens")
+        max_tokens the row cannot hold after the prompt (prompt + max_tokens > max_len: param "max_tokens");
+        both in one voice: "the prompt has 300 tokens, but the model's context length is 256 tokens and ..."
   ENTRY = {"token": str, "logprob": float | None, "top_logprobs": {token: logprob} | None}
         the token's text (its bytes decoded, invalid UTF-8 replaced), its logprob (-inf sent as MIN_LOGPROB)
         and the request's `logprobs` most likely alternatives plus the token itself (a text shared by two
@@ -26,10 +27,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from raychat.engine.scheduler import QueueFullError, check_fits_row
+from raychat.engine.scheduler import QueueFullError, prompt_overflow
 from raychat.serve.completions_api import DEFAULT_MAX_TOKENS
 from raychat.serve.engine_adapter import MIN_LOGPROB, check_max_tokens, sampling_params
-from raychat.serve.errors import ContextLengthError
+from raychat.serve.errors import ContextLengthError, refusal
 from raychat.serve.sse import usage_dict
 
 
@@ -48,10 +49,28 @@ def prompt_ids(tokenizer, prompt: str | list[int], max_len: int) -> list[int]:
     bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
     if bad:
         raise ValueError(f"has token ids outside 0..{tokenizer.vocab_size - 1}: {bad[:5]}")
-    try:
-        return check_fits_row(ids, max_len)
-    except ValueError as e:
-        raise ContextLengthError(str(e)) from None
+    why = prompt_overflow(len(ids), max_len)
+    if why:
+        raise ContextLengthError(why)
+    return ids
+
+
+def checked_prompt(tokenizer, request: dict, max_len: int) -> tuple[list[int], int]:
+    """(prompt ids, max_tokens) of a prompt-form request, checked as the engine would be asked (prompt_ids,
+    then check_max_tokens), before any engine work; max_tokens not sent is DEFAULT_MAX_TOKENS, or what the row
+    leaves after the prompt when that is less.
+
+    Raises:
+        ValueError: prompt_ids' (a ContextLengthError for a prompt over the context) or check_max_tokens'
+            ContextLengthError (param "max_tokens").
+    """
+    param = request.get("param") or "prompt"
+    ids = prompt_ids(tokenizer, request["prompt"], max_len)
+    check_max_tokens(len(ids), request, max_len, "the prompt" if param == "prompt" else param)
+    max_tokens = request["max_tokens"]
+    if max_tokens is None:  # not sent: the default, or what the row leaves
+        max_tokens = min(DEFAULT_MAX_TOKENS, max_len - len(ids))
+    return ids, max_tokens
 
 
 def _text(tokenizer, token_id: int) -> str:
@@ -76,10 +95,8 @@ def legacy_entry(tokenizer, token_id: int, entry) -> dict:
 def _rejection(server, e: Exception, param: str) -> dict:
     """The error event of an exception from Scheduler.submit / score (as ChatServer.generate answers)."""
     server.rejected += 1
-    if isinstance(e, ContextLengthError):
-        return {"type": "error", "status": 400, "message": str(e), "param": e.param or param, "code": e.CODE}
     if isinstance(e, ValueError):
-        return {"type": "error", "status": 400, "message": str(e), "param": param}
+        return refusal(e, param)
     if isinstance(e, QueueFullError):
         return {"type": "error", "status": 429, "message": str(e), "param": None,
                 "retry_after": server.retry_after_s}  # fmt: skip
@@ -103,13 +120,7 @@ async def completion_events(server, request: dict) -> AsyncIterator[dict]:
     stream, finished = None, False
     try:
         try:
-            ids = prompt_ids(tokenizer, request["prompt"], scheduler.max_len)
-            check_max_tokens(
-                len(ids), request, scheduler.max_len, "the prompt" if param == "prompt" else param
-            )
-            max_tokens = request["max_tokens"]
-            if max_tokens is None:  # not sent: the default, or what the row leaves
-                max_tokens = min(DEFAULT_MAX_TOKENS, scheduler.max_len - len(ids))
+            ids, max_tokens = checked_prompt(tokenizer, request, scheduler.max_len)
             scored = None
             if echo and k is not None:
                 timeout = getattr(scheduler, "request_timeout_s", None)

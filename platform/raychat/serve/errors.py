@@ -70,6 +70,15 @@ class ParamError(ValueError):
         self.param = param
 
 
+def refusal(e: ValueError, param: str | None) -> dict:
+    """The 400 error event (raychat.serve.server's vocabulary) of a request refused before the engine took it:
+    `e`'s message and the field to blame: a ContextLengthError's own param, else `param`, with its code
+    context_length_exceeded; a ParamError's param; any other ValueError's `param`."""
+    if isinstance(e, ContextLengthError):
+        return {"type": "error", "status": 400, "message": str(e), "param": e.param or param, "code": e.CODE}
+    return {"type": "error", "status": 400, "message": str(e), "param": getattr(e, "param", param)}
+
+
 def error_body(
     message: str,
     param: str | None = None,

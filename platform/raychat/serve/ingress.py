@@ -35,6 +35,11 @@ Client protocol (duck-typed):
   generate(request: dict)     async iterator of event dicts (raychat.serve.server); closing it early
                               (aclose) must cancel the request; raises EngineUnavailableError when no
                               replica can take it
+  async check(requests) -> dict | None   the 400 error event of the first of `requests` an engine would
+                              refuse before submitting it, else None; submits nothing (ChatServer.check).
+                              Asked first when a request opens several engine requests (n > 1, a
+                              completions batch), so one refused prompt fails the request before any of
+                              its siblings reaches the engine
 """
 
 from __future__ import annotations
@@ -224,12 +229,16 @@ def _stream_error(event: dict) -> bytes:
 
 async def _open(engine, requests: list[dict]) -> tuple[list, list[dict]]:
     """Open one engine stream per request (the n choices, submitted together) and wait for each first event,
-    so that a rejection becomes an HTTP error status instead of an event inside a 200 stream. Returns
-    (streams, first events); when a first event is an error, or opening raises, every stream is closed and the
-    result is ([], [that error])."""
+    so that a rejection becomes an HTTP error status instead of an event inside a 200 stream. Several requests
+    are checked first, all of them in one engine.check, so that a refused one fails the whole request before
+    any is submitted. Returns (streams, first events); when the check refuses, a first event is an error, or
+    opening raises, every stream is closed and the result is ([], [that error])."""
     streams: list = []
     no_event = {"type": "error", "status": 500, "message": NO_FINAL_EVENT}
     try:
+        refused = await engine.check(requests) if len(requests) > 1 else None
+        if refused is not None:
+            return [], [_public(refused)]
         streams = [engine.generate(request) for request in requests]
         firsts = await asyncio.gather(*(anext(s, no_event) for s in streams), return_exceptions=True)
     except Exception as e:  # noqa: BLE001 - generate() itself raised: answered in the error shape
@@ -543,6 +552,9 @@ class LocalClient:
 
     async def stats(self) -> dict:
         return self.engine.stats()
+
+    async def check(self, requests: list[dict]) -> dict | None:
+        return self.engine.check(requests)
 
     def generate(self, request: dict):
         return self.engine.generate(request)

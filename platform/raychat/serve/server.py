@@ -20,11 +20,15 @@ and yields (the completion read by raychat.chat.turn.TurnParser, so no control-t
                                  prompt tokens served by the prefix cache)
   {"type": "error", "status": 400|429|500|503|504, "message": str, "param": str|None, "code": str (optional:
    "context_length_exceeded" for a conversation that leaves no room for a reply, param "messages", or for
-   its max_tokens: prompt + max_tokens > max_len, param "max_tokens_param"; both before the engine sees it)
+   its max_tokens: prompt + max_tokens > max_len, param "max_tokens_param"; both before the engine sees it,
+   in one voice: "the conversation has 40 tokens, but the model's context length is 32 tokens and ...")
    [, "retry_after": seconds]}   first and only event of a rejected request (400; 429 with retry_after when
                                  the engine's queue is full (max_pending); 503 while the engine process is
                                  down), or last event of a failed one (500; 503 when the engine process died
                                  or stalled under it; 504 when it ran past request_timeout_s)
+`ChatServer.check(requests)` answers, without submitting anything, the 400 event generate() would give the
+first of a request's choices (or of a completions batch's prompts) that it refuses, or None: the ingress asks
+it before opening any of them, so one bad prompt of a batch costs the engine nothing.
 In-flight accounting: `in_flight` counts generate() calls between entry and exit (success, rejection,
 error, cancellation alike); it returns to 0 when every consumer has finished or left.
 """
@@ -42,13 +46,13 @@ from raychat.chat.turn import TurnParser
 from raychat.chat_template import MARKERS, TEMPLATE_VERSION, render_for_completion
 from raychat.checkpoint import load_model, read_meta
 from raychat.checkpoint_manager import resolve_checkpoint
-from raychat.engine import ModelRunner, Scheduler
+from raychat.engine import ModelRunner, SamplingParams, Scheduler
 from raychat.engine.process import EngineProcess
-from raychat.engine.scheduler import QueueFullError
+from raychat.engine.scheduler import QueueFullError, prompt_overflow
 from raychat.metrics import ServeMetrics
-from raychat.serve.completion_server import completion_events
+from raychat.serve.completion_server import checked_prompt, completion_events
 from raychat.serve.engine_adapter import check_max_tokens, sampling_params, text_logprobs
-from raychat.serve.errors import ContextLengthError
+from raychat.serve.errors import ContextLengthError, ParamError, refusal
 from raychat.serve.sse import usage_dict
 from raychat.storage import is_remote
 from raychat.tokenizer import Tokenizer
@@ -258,28 +262,14 @@ class ChatServer:
         stream = None
         finished = False
         try:
-            param = None
+            param = None  # a sampling parameter's error names no field
             try:
-                params = sampling_params(request, self.scheduler.max_len)
-                param = "messages"  # from here on, errors are about the conversation or its length
-                prompt = render_for_completion(self.tokenizer, request["messages"])
-                if (
-                    len(prompt) >= self.scheduler.max_len
-                ):  # OpenAI's code: clients drop earlier messages on it
-                    self.rejected += 1
-                    yield {"type": "error", "status": 400, "param": "messages", "code": "context_length_exceeded",
-                           "message": f"the conversation is {len(prompt)} tokens; rows hold max_len "
-                           f"{self.scheduler.max_len} tokens, the reply included: drop earlier messages"}  # fmt: skip
-                    return
-                check_max_tokens(len(prompt), request, self.scheduler.max_len, "the conversation")
+                prompt, params = self._chat_prompt(request)
+                param = "messages"  # from here on, errors are about the conversation
                 stream = self.scheduler.submit(prompt, params, wake_every=self.stream_interval)
-            except ContextLengthError as e:  # max_tokens beyond what the context leaves: named as sent
-                self.rejected += 1
-                yield {"type": "error", "status": 400, "message": str(e), "param": e.param, "code": e.CODE}
-                return
             except ValueError as e:
                 self.rejected += 1
-                yield {"type": "error", "status": 400, "message": str(e), "param": getattr(e, "param", param)}
+                yield refusal(e, param)
                 return
             except QueueFullError as e:  # overloaded: retry after retry_after_s
                 self.rejected += 1
@@ -304,6 +294,46 @@ class ChatServer:
                 except OSError:  # the engine process died under it: its rows are gone with it
                     pass
             self.in_flight -= 1
+
+    def _chat_prompt(self, request: dict) -> tuple[list[int], SamplingParams]:
+        """The prompt tokens and SamplingParams of a chat request, checked as far as they can be before the
+        engine sees it.
+
+        Raises:
+            ValueError: SamplingParams' own checks (no field named); ParamError("messages"): the template
+                refuses the conversation; ContextLengthError: the conversation leaves no room for a reply
+                (param "messages": OpenAI's code, on which clients drop earlier messages), or for its
+                max_tokens (param: request["max_tokens_param"]).
+        """
+        max_len = self.scheduler.max_len
+        params = sampling_params(request, max_len)
+        try:
+            prompt = render_for_completion(self.tokenizer, request["messages"])
+        except ValueError as e:
+            raise ParamError("messages", str(e)) from None
+        why = prompt_overflow(len(prompt), max_len, "the conversation")
+        if why:
+            raise ContextLengthError(f"{why}; drop earlier messages", "messages")
+        check_max_tokens(len(prompt), request, max_len, "the conversation")
+        return prompt, params
+
+    def check(self, requests: list[dict]) -> dict | None:
+        """The error event generate() would answer first for the first of `requests` (the choices of one
+        request, or the prompts of a completions batch) that it refuses before submitting: a bad conversation
+        or prompt, one over the context, a max_tokens beyond what it leaves (a 400); None when every one
+        passes. Submits nothing, so the ingress asks this before opening any of the requests, and a refused
+        request costs the engine no work (a refusal counts once in `rejected`)."""
+        for request in requests:
+            prompt_form = "prompt" in request
+            try:
+                if prompt_form:
+                    checked_prompt(self.tokenizer, request, self.scheduler.max_len)
+                else:
+                    self._chat_prompt(request)
+            except ValueError as e:
+                self.rejected += 1
+                return refusal(e, (request.get("param") or "prompt") if prompt_form else None)
+        return None
 
     async def _events(self, stream, request: dict) -> AsyncIterator[dict]:
         """Engine StreamEvents -> the event dicts of the module doc (text buffered per stream_interval)."""
