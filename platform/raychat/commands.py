@@ -156,12 +156,13 @@ def sft(subparsers) -> None:
     parser = subparsers.add_parser(
         "sft",
         help="supervised fine-tuning of a pretrained checkpoint into a chat model",
-        description="Fine-tune on packed conversations (--sft-tasks) with the pretraining Trainer on Ray Train. "
+        description="Fine-tune on packed conversations (--sft-tasks, and your own: --sft-data) with the pretraining "
+        "Trainer on Ray Train. "
         "Needs --init-from: a pretraining checkpoint dir, its run (dir or name under --storage-path), or `latest` "
         "(the newest pretraining checkpoint under --storage-path); a checkpoint of another stage (SFT, RL) named "
         "explicitly is fine-tuned further (the `init from:` line names its stage). The model's shape is the "
-        "checkpoint's and the data are --sft-tasks: the shape and pretraining-data flags are refused. Running again "
-        "with the same --run-name resumes.",
+        "checkpoint's and the data are --sft-tasks and --sft-data: the shape and pretraining-data flags are "
+        "refused. Running again with the same --run-name resumes.",
     )  # fmt: skip
     add_flags(
         parser,
@@ -349,8 +350,8 @@ def job_inputs(config) -> list[tuple[str, str, str]]:
 
 def check_shared_paths(stage: str, args: argparse.Namespace, config=None) -> None:
     """Refuse a submitted stage whose output path (the default `runs...` of every preset but cluster and gpu8)
-    or input path (job_inputs: --data-dir, --tokenizer-path, --init-from, --checkpoint) is relative: the job
-    runs in Ray's temporary copy of the checkout, where the job itself refuses it
+    or input path (job_inputs: --data-dir, --tokenizer-path, --init-from, --checkpoint; each path of --sft-data)
+    is relative: the job runs in Ray's temporary copy of the checkout, where the job itself refuses it
     (raychat.storage.check_not_in_job_copy), but only after the job (a RayJob's whole cluster) started.
 
     Raises ValueError naming the flag, its value and what it takes."""
@@ -358,7 +359,16 @@ def check_shared_paths(stage: str, args: argparse.Namespace, config=None) -> Non
         (flag, path, f"storage every node mounts (e.g. {flag} {STORAGE_ROOT}) or s3:// / gs://")
         for flag, path in shared_output(stage, args, config)
     ]
-    for flag, path, what in outputs + (job_inputs(config) if config is not None else []):
+    own = to_flat(config).get("sft_data", "") if config is not None else ""
+    files = [
+        (
+            "--sft-data",
+            path.strip(),
+            "files every node mounts: absolute paths (e.g. --sft-data /mnt/data/mine.jsonl)",
+        )
+        for path in own.split(",")
+    ]
+    for flag, path, what in outputs + (job_inputs(config) if config is not None else []) + files:
         if path and "://" not in path and not path.startswith(("/", "~")):
             default = "" if getattr(args, flag[2:].replace("-", "_"), None) else " (the default: not given)"
             raise ValueError(

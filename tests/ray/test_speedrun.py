@@ -33,6 +33,11 @@ def tiny_preset(tmp_path_factory):
     for i in range(300):
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 80))) + "."
         (corpus / f"doc{i:03d}.txt").write_text(text)
+    mine = tmp_path / "mine.jsonl"  # a user's own conversations, added to the SFT mixture (--sft-data)
+    mine.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"{w}?"}, {"role": "assistant", "content": w}]}) + "\n"
+        for w in WORDS[:20]
+    ))  # fmt: skip
     preset = {
         "data": {"source": str(corpus), "num_shards": 3},
         "tokenizer": {"vocab_size": 320},
@@ -51,7 +56,12 @@ def tiny_preset(tmp_path_factory):
             checkpoint_every=4,
             buffer_size=16,
         ),
-        "sft": {"num_iterations": 3, "sft_tasks": "calculator:200", "eval_examples": 4},
+        "sft": {
+            "num_iterations": 3,
+            "sft_tasks": "calculator:200",
+            "sft_data": str(mine),
+            "eval_examples": 4,
+        },
         "rl": {
             "steps": 2,
             "prompts_per_step": 2,
@@ -99,6 +109,11 @@ def test_speedrun_end_to_end(speedrun):
     assert report["pretrain"]["step"] == 8
     assert 0 < report["pretrain"]["val_bpb"] < 20 and 0 < report["unigram_bpb"] < 20
     assert report["sft"]["step"] == 3
+    assert 0 < report["sft"]["sft-data_val_bpb"] < 20 and 0 < report["sft"]["calculator_val_bpb"] < 20
+    assert (
+        "sft data: --sft-data: 19 conversations to train on, 1 held out for sft-data_val_bpb (--sft-test-size "
+        "0.05 of 20, in seed 42's order)"
+    ) in lines  # logged again as the second invocation checks that SFT has nothing left to train
     assert 0.0 <= report["sft"]["accuracy_after"] <= 1.0
     assert report["rl"]["steps"] == 2 and 0.0 <= report["rl"]["pass@1_after"] <= 1.0
     assert report["final_checkpoint"].endswith("checkpoint_000002")

@@ -1305,6 +1305,39 @@ def test_resuming_sft_on_other_task_data_under_the_same_mixture(
     )
 
 
+def test_sft_on_your_own_file_checks_it_splits_it_and_resumes_on_it_alone(
+    root, driver, tmp_path, monkeypatch, capsys
+):
+    """`raychat sft --sft-data mine.jsonl --sft-tasks ''`: the mixture is the file's conversations alone (named
+    relative to the working directory, read by absolute path), the driver logs the split, and the file's sha256
+    is in the resume check: an edited conversation under the same name refuses the resume, naming --sft-data."""
+    mine = tmp_path / "mine.jsonl"
+    talk = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    mine.write_text(json.dumps({"messages": talk}) + "\n" + "".join(
+        json.dumps({"messages": [{"role": "user", "content": f"{i}?"}, {"role": "assistant", "content": f"{i}"}]})
+        + "\n" for i in range(19)
+    ))  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s8", "--init-from",
+            f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer", "--sft-data", "mine.jsonl", "--sft-tasks", ""]  # fmt: skip
+    cfg, paths, plan, rows = driver(argv)
+    assert cfg.data.sft_data == str(mine) and cfg.data.sft_tasks == ""
+    assert [t["name"] for t in rows().fingerprint()["mixture"]["tasks"]] == ["sft-data"]
+    assert (
+        "sft data: --sft-data: 19 conversations to train on, 1 held out for sft-data_val_bpb (--sft-test-size "
+        "0.05 of 20, in seed 42's order)"
+    ) in capsys.readouterr().out.splitlines()
+    d = _commit_step(cfg, paths, plan, rows, step=1)  # of its 2 steps: one to resume
+    driver(argv)  # the same file: resumes
+    mine.write_text(mine.read_text().replace("Hello", "Hello there"))
+    capsys.readouterr()
+    assert _fails_in_one_line(argv, capsys) == (
+        "raychat sft: error: --sft-data: task sft-data's file mine.jsonl now holds other content than when the "
+        f"run's checkpoint {d} was made (another sha256): the run would go on with other conversations (use "
+        "another --run-name, or restore the task data the run was made on)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+
+
 def test_resuming_a_run_whose_checkpoint_has_no_data_state(root, capsys):
     """A committed model-only checkpoint (save_model, as an export of weights would write) under the run: a
     training run cannot resume it; it was "[Errno 2] Failed to open local file .../state_rank0.npz"."""
@@ -1501,6 +1534,7 @@ SFT_DATA = "SFT's data are its --sft-tasks conversations (pretraining's shards a
         ("sft", ["--no-document-masking"],
          "SFT always masks documents (each conversation attends only to itself)"),
         ("pretrain", ["--sft-tasks", "spelling:5"], "pretraining reads --data-dir's shards (the tasks are SFT's data)"),
+        ("pretrain", ["--sft-data", "mine.jsonl"], "pretraining reads --data-dir's shards (the tasks are SFT's data)"),
     ],
 )  # fmt: skip
 def test_a_flag_the_stage_does_not_use_is_refused_not_ignored(stage, flags, why, root, capsys):

@@ -361,6 +361,8 @@ REFERENCE = "an absolute path, s3:// / gs://, a run name under --storage-path or
         (["eval", "--storage-path", ROOT, "--checkpoint", "runs/pretrain/checkpoint_000004"], "--checkpoint",
          "runs/pretrain/checkpoint_000004", REFERENCE),
         (["export", "--storage-path", ROOT, "--checkpoint", "sft/latest"], "--checkpoint", "sft/latest", REFERENCE),
+        (["sft", "--preset", "cluster", "--init-from", "latest", "--sft-data", "/mnt/data/a.jsonl, mine.jsonl"],
+         "--sft-data", "mine.jsonl", "files every node mounts: absolute paths (e.g. --sft-data /mnt/data/mine.jsonl)"),
     ],
 )  # fmt: skip
 def test_a_submitted_stage_with_a_relative_input_path_is_refused(
@@ -415,7 +417,15 @@ def test_a_submitted_stages_valid_arguments_and_help_pass_unchanged(capsys):
         # inputs the job takes (test_a_submitted_stage_with_a_relative_input_path_is_refused): run names, `latest`,
         # absolute paths, ~ and URIs
         ["pretrain", "--storage-path", ROOT, "--data-dir", "shards", "--tokenizer-path", "~/tok"],
-        ["sft", "--preset", "cluster", "--init-from", "pretrain"],
+        [
+            "sft",
+            "--preset",
+            "cluster",
+            "--init-from",
+            "pretrain",
+            "--sft-data",
+            "/mnt/data/mine.jsonl,~/more",
+        ],
         ["rl", "--storage-path", ROOT, "--init-from", f"{ROOT}/sft/latest"],
         ["eval", "--storage-path", ROOT, "--checkpoint", "latest"],
         ["export", "--storage-path", ROOT, "--checkpoint", "gs://bucket/runs/sft"],

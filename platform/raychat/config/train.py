@@ -119,10 +119,20 @@ class DataSection(Section):
         "calculator:4000,chatterbot,spelling:2000",
         "SFT mixture: task[:examples],... (examples >= 1) of "
         + ", ".join(owned_choices("raychat.tasks.registry", "TASK_NAMES"))
-        + " (humaneval: eval only); your own conversations are smoltalk's files under --task-data-dir (README: "
-        "Your own conversations)",
+        + " (humaneval: eval only); '' = none, with --sft-data (your own conversations)",
         blank_ok=True,  # parse_task_spec names what a blank mixture lacks
     )
+    sft_data: str = option(
+        "", "your own conversations: PATH[,PATH...], each a .jsonl/.parquet file of {\"messages\": [...]} records "
+        "or a directory of them, on a path every node mounts; added to the --sft-tasks mixture as the task "
+        "'sft-data' (--sft-tasks '' trains on them alone); held out for sft-data_val_bpb: the test.jsonl / "
+        "test-* files beside them, else --sft-test-size of them (README: Your own conversations)",
+    )  # fmt: skip
+    sft_test_size: float = option(
+        0.05, "--sft-data with no test file: the conversations held out (never trained on), carved off in a "
+        "fixed seeded order: a fraction in (0, 1) of them (rounded up), a whole count >= 1, or 0 for none",
+        ge=0,
+    )  # fmt: skip
     task_data_dir: str = option(
         "", "directory of the hub tasks' files (smoltalk, gsm8k, mmlu, arc-*, humaneval; layouts: "
         "raychat.tasks.hub_data); '' = $RAYCHAT_TASK_DATA, else runs/task_data",
@@ -130,7 +140,17 @@ class DataSection(Section):
 
     def __post_init__(self):
         super().__post_init__()
-        parse_task_spec(self.sft_tasks, "--sft-tasks", owned_choices("raychat.tasks.registry", "TASK_NAMES"))
+        names = owned_choices("raychat.tasks.registry", "TASK_NAMES")
+        parse_task_spec(self.sft_tasks, "--sft-tasks", names, empty_ok=bool(self.sft_data.strip()))
+        if "://" in self.sft_data:
+            raise ConfigError(
+                f"--sft-data must be local or NFS paths (every worker reads the files), got {self.sft_data!r}"
+            )
+        if self.sft_test_size >= 1 and not self.sft_test_size.is_integer():
+            raise ConfigError(
+                "--sft-test-size must be a fraction in (0, 1), a whole count >= 1 or 0, got "
+                f"{shown(self.sft_test_size)}"
+            )
 
 
 @dataclass
@@ -325,6 +345,8 @@ UNUSED_FLAGS = {
     "pretrain": {
         "sft_tasks": _SFT_TASKS,
         "task_data_dir": _SFT_TASKS,
+        "sft_data": _SFT_TASKS,
+        "sft_test_size": _SFT_TASKS,
         "eval_examples": "pretraining evaluates BPB and greedy samples, no task accuracy",
     },
     "sft": {

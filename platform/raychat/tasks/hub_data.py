@@ -73,7 +73,7 @@ def split_files(task: str, spec: HubSplit, root: str | os.PathLike | None = None
     base = task_data_dir(str(root) if root else None)
     repo_dir, cache_dir = spec.candidates(base)
     files = sorted(
-        p for p in repo_dir.glob(f"{spec.split}*") if p.suffix in SUFFIXES and _is_split(p.name, spec.split)
+        p for p in repo_dir.glob(f"{spec.split}*") if p.suffix in SUFFIXES and is_split(p.name, spec.split)
     )
     if not files and cache_dir.is_dir():
         files = sorted(p for p in cache_dir.iterdir() if p.suffix in SUFFIXES)
@@ -86,7 +86,7 @@ def split_files(task: str, spec: HubSplit, root: str | os.PathLike | None = None
     return files
 
 
-def _is_split(filename: str, split: str) -> bool:
+def is_split(filename: str, split: str) -> bool:
     """`<split>-00000-of-00001.parquet` or `<split>.jsonl`, not another split that starts alike."""
     stem = filename.split(".")[0]
     return stem == split or stem.startswith(f"{split}-")

@@ -15,7 +15,8 @@ gsm8k, mmlu (train: cais/mmlu all/auxiliary_train), arc-easy, arc-challenge, hum
 task's rows are put in a fixed seeded order (HUB_ORDER_SEED, as nanochat's shuffle(seed=42)), so `name:N`
 takes a sample across the whole file; the same N examples whatever the run's seed. A missing file raises
 FileNotFoundError in one line naming the expected path (check_data checks a whole spec up front, and every
-record of smoltalk's files, which may be a user's own conversations: README "Your own conversations").
+record of smoltalk's files). A user's own conversations are --sft-data's (raychat.tasks.sft_data), the task
+'sft-data' that mixture_tasks adds (README "Your own conversations").
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from raychat.tasks.chatterbot import ChatterbotConversations
 from raychat.tasks.hub_data import HUB_SPLITS, split_files
 from raychat.tasks.humaneval import HumanEval
 from raychat.tasks.loaders import GSM8K, MultipleChoice, SmolTalk
+from raychat.tasks.sft_data import sft_data_split
 from raychat.tasks.spelling import Spelling
 
 HUB_ORDER_SEED = 42  # nanochat's tasks: load_dataset(...).shuffle(seed=42)
@@ -141,6 +143,27 @@ def parse_mixture(
     return parse_task_spec(spec, flag, TASK_NAMES, empty_ok)
 
 
-def mixture_tasks(spec: str, split: str = "train", seed: int = 0, data_dir: str | None = None) -> list[Task]:
-    """The tasks of a mixture spec (parse_mixture), each with its examples count; data_dir: hub tasks' files."""
-    return [make_task(name, split, n, seed, data_dir=data_dir) for name, n in parse_mixture(spec)]
+def mixture_tasks(
+    spec: str,
+    split: str = "train",
+    seed: int = 0,
+    data_dir: str | None = None,
+    sft_data: str = "",
+    sft_test_size: float = 0.0,
+) -> list[Task]:
+    """The tasks of a mixture spec (parse_mixture), each with its examples count; data_dir: hub tasks' files.
+    With `sft_data` (--sft-data), its conversations of `split` come last as the task 'sft-data'
+    (raychat.tasks.sft_data.sft_data_split; none for a test split with no held-out conversations), and the
+    spec may be empty.
+
+    Raises:
+        ValueError: as parse_mixture, make_task and sft_data_split. FileNotFoundError: as make_task.
+    """
+    tasks = [
+        make_task(name, split, n, seed, data_dir=data_dir)
+        for name, n in parse_mixture(spec, empty_ok=bool(sft_data))
+    ]
+    if sft_data:
+        own = sft_data_split(sft_data, sft_test_size)
+        tasks += [own.train] if split == "train" else [own.test] if own.test is not None else []
+    return tasks

@@ -54,6 +54,7 @@ from raychat.lease import RunLease
 from raychat.log import RunGaveUp, log, plural
 from raychat.model import ModelConfig
 from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory, why
+from raychat.tasks.sft_data import SFT_DATA
 from raychat.tokenizer import Tokenizer
 from raychat.train.layout import layout_flags, start_or_connect, worker_bundle
 from raychat.train.optim import lr_multiplier, lr_peak_from, warmdown_start
@@ -220,7 +221,10 @@ def check_shape_flags(cfg: TrainConfig, typed) -> None:
 # The options a model's shape derives from (ModelConfig.from_depth and the vocabulary); SFT's is --init-from's.
 SHAPE_OPTIONS = ("depth", "aspect_ratio", "head_dim", "kv_group", "seq_len", "tokenizer_path")
 # The options a stage's row source stream is made of (its fingerprint).
-DATA_OPTIONS = {"pretrain": ("data_dir", "seed"), "sft": ("sft_tasks", "seed", "seq_len", "task_data_dir")}
+DATA_OPTIONS = {
+    "pretrain": ("data_dir", "seed"),
+    "sft": ("sft_tasks", "sft_data", "sft_test_size", "seed", "seq_len", "task_data_dir"),
+}
 
 
 @dataclass(frozen=True)
@@ -328,8 +332,11 @@ def _refuse_other_content(cfg: TrainConfig, where: str, made_on: dict, now: dict
     names = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
     holds = "holds" if len(changed) == 1 else "hold"
     if sft:
+        flag = flags.option(
+            "sft_data" if all(c.startswith(f"task {SFT_DATA}'s ") for c in changed) else "sft_tasks"
+        )
         raise ConfigError(
-            f"{flags.option('sft_tasks')}: {names} now {holds} other content than when the run's checkpoint "
+            f"{flag}: {names} now {holds} other content than when the run's checkpoint "
             f"{where} was made (another sha256): the run would go on with other conversations (use "
             f"{flags.other_run}, or restore the task data the run was made on)"
         )

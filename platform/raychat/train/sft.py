@@ -1,4 +1,5 @@
-"""Supervised fine-tuning: the Trainer fed with packed conversations of a task mixture (--sft-tasks).
+"""Supervised fine-tuning: the Trainer fed with packed conversations of a task mixture (--sft-tasks, and a
+user's own conversations: --sft-data, the task 'sft-data').
 
 Components: SFTRows (raychat.data.loader.sft_rows: the rank's share of the global mixture stream) for training,
 with replay records of every step (raychat.train.replay_recorder); for every mixture task with a held-out split,
@@ -10,11 +11,17 @@ checkpoint under --storage-path); the checkpoint's meta.stage is "sft".
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from raychat.config import SFT_DEFAULTS, TrainConfig, from_dict
+from raychat.config.schema import shown
 from raychat.data.loader.sft_rows import SFTRows, validation_rows
+from raychat.log import log, plural
 from raychat.ray_token import token_for
+from raychat.tasks import Task
 from raychat.tasks.hub_data import task_data_dir
 from raychat.tasks.registry import check_data, graded, held_out, make_task, mixture_tasks, parse_mixture
+from raychat.tasks.sft_data import SFT_DATA, SPLIT_SEED, absolute, sft_data_split
 from raychat.tokenizer import Tokenizer
 from raychat.train.launch import COMMANDS, Flags, config_from, resolve_paths, run_training
 from raychat.train.replay_recorder import ReplayRecorder
@@ -25,28 +32,23 @@ class SFT:
     data_cpus = 0.0  # no Ray Data: conversations are rendered in the workers
 
     def row_source(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int) -> SFTRows:
-        tasks = mixture_tasks(cfg.data.sft_tasks, "train", cfg.run.seed, cfg.data.task_data_dir)
+        d = cfg.data
+        tasks = mixture_tasks(
+            d.sft_tasks, "train", cfg.run.seed, d.task_data_dir, d.sft_data, d.sft_test_size
+        )
         return SFTRows(tasks, cfg.run.seed, tokenizer, cfg.model.seq_len + 1, rank, world)
 
     def validators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
-        names = [name for name, _ in parse_mixture(cfg.data.sft_tasks) if held_out(name)]
-        names = list(dict.fromkeys(names))
-        size, seed = validation_size(cfg), cfg.run.seed
         bpb = []
-        for name in names:
-            rows = validation_rows(
-                make_task(name, "test", size, seed, data_dir=cfg.data.task_data_dir),
-                tokenizer,
-                cfg.model.seq_len + 1,
-                world,
-            )
+        for name, task in validation_tasks(cfg, validation_size(cfg)):
+            rows = validation_rows(task, tokenizer, cfg.model.seq_len + 1, world)
             bpb.append(BPBValidator(
                 f"{name}_val_bpb", {k: v[rank::world] for k, v in rows.items()}, tokenizer,
                 cfg.train.batch.device_batch_size, True, device, autocast,
             ))  # fmt: skip
         out = [*bpb, MeanBPBValidator("val_bpb", bpb)] if bpb else []
         if rank == 0:
-            n = cfg.train.eval.eval_examples
+            n, seed = cfg.train.eval.eval_examples, cfg.run.seed
             out += [
                 AccuracyValidator(
                     f"{m}_accuracy",
@@ -54,10 +56,31 @@ class SFT:
                     tokenizer,
                     n,
                 )
-                for m in names
+                for m in held_out_names(cfg)
                 if graded(m)
             ]
         return out
+
+
+def held_out_names(cfg: TrainConfig) -> list[str]:
+    """The --sft-tasks tasks that have a test split, each once, in the mixture's order."""
+    names = parse_mixture(cfg.data.sft_tasks, empty_ok=True)
+    return list(dict.fromkeys(name for name, _ in names if held_out(name)))
+
+
+def validation_tasks(cfg: TrainConfig, size: int) -> list[tuple[str, Task]]:
+    """[(name, held-out task)] of what SFT measures BPB on ("<name>_val_bpb"), at most `size` conversations each:
+    held_out_names' test splits, then --sft-data's held-out conversations ("sft-data") where it has some
+    (raychat.tasks.sft_data)."""
+    d = cfg.data
+    tasks = [
+        (name, make_task(name, "test", size, cfg.run.seed, data_dir=d.task_data_dir))
+        for name in held_out_names(cfg)
+    ]
+    if d.sft_data:
+        test = sft_data_split(d.sft_data, d.sft_test_size, size).test
+        tasks += [(SFT_DATA, test)] if test is not None else []
+    return tasks
 
 
 def validation_size(cfg: TrainConfig) -> int:
@@ -77,19 +100,23 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
     Raises:
         ValueError (before Ray starts): no --init-from, or one that names no committed checkpoint; a hub
             task of --sft-tasks whose file is missing under --task-data-dir (one line naming it), a bad record
-            of smoltalk's files (its file, line and field: raychat.tasks.registry.check_data), a held-out task
+            of smoltalk's files (its file, line and field: raychat.tasks.registry.check_data) or of --sft-data's
+            (raychat.tasks.sft_data.sft_data_split), an --sft-test-size that leaves nothing to train on, a held-out task
             none of whose conversations fits a row (check_validation_rows); or as run_training (a run
             directory whose newest checkpoint this run cannot resume).
     """
     if not cfg.run.init_from:
         raise ValueError("--init-from: required: a pretraining checkpoint, its run (name or dir), or latest")
     data_dir = str(task_data_dir(cfg.data.task_data_dir))  # resolved here: workers run elsewhere
-    names = [name for name, _ in parse_mixture(cfg.data.sft_tasks)]
+    names = [name for name, _ in parse_mixture(cfg.data.sft_tasks, empty_ok=True)]
     check_data(names, ("train",), data_dir)
     check_data([n for n in names if held_out(n)], ("test",), data_dir)
-    cfg = from_dict(
-        TrainConfig, {"stage": "sft", "document_masking": True, "task_data_dir": data_dir}, base=cfg
-    )
+    values = {"stage": "sft", "document_masking": True, "task_data_dir": data_dir}
+    if cfg.data.sft_data:
+        values["sft_data"] = absolute(cfg.data.sft_data)
+    cfg = from_dict(TrainConfig, values, base=cfg)
+    if cfg.data.sft_data:
+        log(sft_data_line(cfg))
     check_validation_rows(cfg)
     return run_training(cfg, SFT(), [ReplayRecorder(), *callbacks], dry_run, flags)
 
@@ -102,16 +129,35 @@ def check_validation_rows(cfg: TrainConfig) -> None:
         ValueError: "--sft-tasks: task <name>'s held-out conversations (N) fill no row of <T+1> tokens: ..." (a
             longer --seq-len or shorter conversations in its test split keep some), or as resolve_paths.
     """
-    names = list(dict.fromkeys(name for name, _ in parse_mixture(cfg.data.sft_tasks) if held_out(name)))
-    if not names:
+    tasks = validation_tasks(cfg, validation_size(cfg))
+    if not tasks:
         return
     tokenizer = Tokenizer.load(resolve_paths(cfg, writable=False).tokenizer_path)
-    for name in names:
-        task = make_task(name, "test", validation_size(cfg), cfg.run.seed, data_dir=cfg.data.task_data_dir)
+    for name, task in tasks:
         try:
             validation_rows(task, tokenizer, cfg.model.seq_len + 1, 1)
         except ValueError as e:
-            raise ValueError(f"--sft-tasks: {e} (a longer --seq-len keeps some)") from None
+            flag = "--sft-data" if name == SFT_DATA else "--sft-tasks"
+            raise ValueError(f"{flag}: {e} (a longer --seq-len keeps some)") from None
+
+
+def sft_data_line(cfg: TrainConfig) -> str:
+    """The line that says how --sft-data splits: how many conversations are trained on, how many held out
+    and from where (its test files, or carved off by --sft-test-size).
+
+    Raises:
+        ValueError: as raychat.tasks.sft_data.sft_data_split (a bad record, a missing file: one line)."""
+    d = cfg.data
+    split = sft_data_split(d.sft_data, d.sft_test_size)
+    line = f"sft data: --sft-data: {plural(len(split.train), 'conversation')} to train on, "
+    if split.test is None:
+        return line + "none held out (--sft-test-size 0: no sft-data_val_bpb)"
+    held = f"{len(split.test):,} held out for sft-data_val_bpb"
+    if split.carved:
+        total = len(split.train) + len(split.test)
+        return f"{line}{held} (--sft-test-size {shown(d.sft_test_size)} of {total:,}, in seed {SPLIT_SEED}'s order)"
+    files = ", ".join(Path(f).name for f in split.test.source_files)
+    return f"{line}{held} (from {files})"
 
 
 def main(args) -> int:

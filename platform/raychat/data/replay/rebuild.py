@@ -70,8 +70,12 @@ def rebuild_pretrain(records: Sequence[Mapping], meta: Mapping, data_dir: str, t
 def rebuild_sft(records: Sequence[Mapping], meta: Mapping, tokenizer: Tokenizer) -> dict:
     """{"input_ids", "supervised", "segment_ids": (n, row_len) int32} of the records' rows (as SamplePacker
     assembles them: padding = bos_id in a segment of its own, not supervised). Raises ReplayError."""
+    own = {"sft_data": meta.get("sft_data", ""), "sft_test_size": meta.get("sft_test_size", 0.0)}
     source = SFTRows(
-        mixture_tasks(meta["sft_tasks"], "train", meta["seed"]), meta["seed"], tokenizer, meta["row_len"]
+        mixture_tasks(meta["sft_tasks"], "train", meta["seed"], **own),
+        meta["seed"],
+        tokenizer,
+        meta["row_len"],
     )
     if not same_stream(meta["data"], source.fingerprint()):
         raise ReplayError(f"the SFT mixture is now {source.fingerprint()}, the record has {meta['data']}")

@@ -20,7 +20,7 @@ One parquet row per packed row:
   document masking): hashes of the row's raychat.masks.make_batch tensors.
 File metadata (key "raychat", JSON, `replay_meta`): stage, seed, template_version, tokenizer_version, bos_id,
 row_len, document_masking, data_dir, tokenizer_path, data (the row source's fingerprint: shards or mixture)
-and, for pretraining, overflow and min_fragment; for SFT, sft_tasks.
+and, for pretraining, overflow and min_fragment; for SFT, sft_tasks, sft_data and sft_test_size.
 
 Hash of a tensor = sha256 over "<name>|<shape>|" followed by its values as little-endian int64 bytes
 (bool -> 0/1), so it does not depend on the device or the in-memory dtype.
@@ -101,7 +101,7 @@ def replay_meta(cfg: TrainConfig, tokenizer_version: str, bos_id: int, data: dic
         "data": data,
     }  # fmt: skip
     if cfg.run.stage == "sft":
-        return {**meta, "sft_tasks": d.sft_tasks}
+        return {**meta, "sft_tasks": d.sft_tasks, "sft_data": d.sft_data, "sft_test_size": d.sft_test_size}
     return {**meta, "overflow": d.overflow, "min_fragment": d.min_fragment}
 
 
