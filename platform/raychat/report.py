@@ -188,8 +188,15 @@ def write_report(out_dir: Path, r: dict, metrics_files: dict[str, Path] | None =
             [
                 f"| SFT steps | {r['sft'].get('step')} (val BPB on held-out conversations of its tasks "
                 f"{r['sft'].get('val_bpb', float('nan')):.4f}) |",
-                f"| calculator accuracy before / after SFT | {r['sft']['accuracy_before']:.3f} / "
-                f"{r['sft']['accuracy_after']:.3f} ({r['sft']['eval_examples']} held-out problems) |",
+                *(
+                    [
+                        f"| {r['sft'].get('accuracy_task', 'calculator')} accuracy before / after SFT | "
+                        f"{r['sft']['accuracy_before']:.3f} / {r['sft']['accuracy_after']:.3f} "
+                        f"({r['sft']['eval_examples']} held-out problems) |"
+                    ]
+                    if "accuracy_before" in r["sft"]
+                    else []
+                ),
             ]
             if r.get("sft")
             else []

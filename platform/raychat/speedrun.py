@@ -36,7 +36,7 @@ from raychat.ray_token import token_for
 from raychat.report import file_id, read_state, run_total, settle_stage, write_report
 from raychat.rl.loop import RLRun
 from raychat.storage import open_storage
-from raychat.tasks import Calculator
+from raychat.tasks.registry import graded, held_out, make_task, parse_mixture
 from raychat.tokenizer import Tokenizer
 from raychat.tokenizer_cli import iter_texts, train_tokenizer
 from raychat.train.launch import Flags
@@ -135,7 +135,7 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
         after = newest_commit(run.storage_path, run.run_name)
         record = state.get("sft", {})
         if after != before or record.get("output") != after:  # "before SFT" of this invocation's report
-            figures = with_accuracy_before(figures, report["checkpoint"])
+            figures = with_accuracy_before(figures, report["checkpoint"], config.sft)
         report["sft"] = settle("sft", t0, figures, after, after != before)
     if config.rl and report.get("sft"):
         t0 = banner("6/6 RL: rollout actors + learner")
@@ -236,31 +236,47 @@ def report_card(config: SpeedrunConfig, report: dict, metrics_files: dict[str, P
     return {"rows": rows, "markdown": markdown}
 
 
-def calculator_accuracy(checkpoint: str, num_examples: int, seed: int = 0) -> float:
-    """Greedy exact-answer accuracy on held-out calculator problems (raychat.eval.tasks)."""
+def accuracy_task(cfg: TrainConfig) -> str | None:
+    """The task whose held-out accuracy the speedrun reports before and after SFT: the first graded task of
+    the SFT mixture (calculator in the cpu and tiny presets, mmlu in gpu8 and cluster), or None when the
+    mixture has none (then no accuracy is reported)."""
+    return next(
+        (name for name, _ in parse_mixture(cfg.data.sft_tasks) if held_out(name) and graded(name)), None
+    )
+
+
+def held_out_accuracy(checkpoint: str, cfg: TrainConfig, task: str) -> float:
+    """Greedy accuracy of `checkpoint` on the held-out examples of `task` that SFT's own validator scores
+    (raychat.train.sft: make_task(task, "test") in the run's seed's order, the first --eval-examples)."""
     model, tokenizer, _ = load_model(checkpoint)
-    return task_accuracy(model, tokenizer, Calculator(split="test", seed=seed), num_examples)
+    examples = make_task(task, "test", None, cfg.run.seed, data_dir=cfg.data.task_data_dir)
+    return task_accuracy(model, tokenizer, examples, cfg.train.eval.eval_examples)
 
 
 def run_sft_stage(cfg: TrainConfig, base_checkpoint: str, flags: Flags) -> tuple[dict, str]:
     """SFT (`cfg`) from the pretraining checkpoint (resumed, or nothing to do when complete; its lines name the
-    options as `flags` does); its figures: the final metrics, calculator accuracy on held-out problems after SFT
-    (the loop's final evaluation)."""
+    options as `flags` does); its figures: the final metrics and, when the mixture has a graded task
+    (accuracy_task), that task's held-out accuracy after SFT (the loop's final evaluation)."""
     result = sft(from_dict(TrainConfig, {"init_from": base_checkpoint}, base=cfg), flags=flags)
     checkpoint = result.checkpoint
-    metrics = {k: v for k, v in result.metrics.items() if k != "samples"}
-    n = cfg.train.eval.eval_examples
-    return {**metrics, "accuracy_after": result.metrics["calculator_accuracy"], "eval_examples": n,
-            "checkpoint": checkpoint}, checkpoint  # fmt: skip
+    figures = {k: v for k, v in result.metrics.items() if k != "samples"}
+    figures |= {"eval_examples": cfg.train.eval.eval_examples, "checkpoint": checkpoint}
+    task = accuracy_task(cfg)
+    if task:
+        figures |= {"accuracy_task": task, "accuracy_after": result.metrics[f"{task}_accuracy"]}
+    return figures, checkpoint
 
 
-def with_accuracy_before(figures: dict, base_checkpoint: str) -> dict:
-    """SFT's figures with the base checkpoint's calculator accuracy on the same held-out problems."""
-    n = figures["eval_examples"]
-    before = calculator_accuracy(base_checkpoint, n)
+def with_accuracy_before(figures: dict, base_checkpoint: str, cfg: TrainConfig) -> dict:
+    """SFT's figures with the base checkpoint's accuracy on the same held-out examples (nothing to add when
+    the SFT mixture has no graded task)."""
+    task = figures.get("accuracy_task")
+    if task is None:
+        return figures
+    before = held_out_accuracy(base_checkpoint, cfg, task)
     log(
-        f"calculator accuracy: {before:.3f} before SFT, {figures['accuracy_after']:.3f} after "
-        f"({plural(n, 'held-out problem')})"
+        f"{task} accuracy: {before:.3f} before SFT, {figures['accuracy_after']:.3f} after "
+        f"({plural(figures['eval_examples'], 'held-out problem')})"
     )
     return {**figures, "accuracy_before": before}
 

@@ -5,14 +5,16 @@ old figures. The report is assembled from hand-written stage results; no stage r
 import json
 
 from raychat.checkpoint_manager import commit_directory
+from raychat.config import SpeedrunConfig, TrainConfig, from_dict
 from raychat.report import STATE_FILE, read_state, settle_stage, write_report
-from raychat.speedrun import newest_commit
+from raychat.speedrun import accuracy_task, newest_commit
 
 TOKENIZER = {"vocab_size": 4096, "version": "abc", "train_seconds": 28.5, "val_bytes_per_token": 4.321}
 RL = {"summary": "20 steps, pass@1 on 64 held-out problems 0.125 -> 0.250, learner wait 0.10, 70 s",
       "pass@1_before": 0.125, "pass@1_after": 0.25}  # fmt: skip
 SFT = {"step": 30, "val_bpb": 1.5, "accuracy_before": 0.0, "accuracy_after": 0.5, "eval_examples": 64}
 PRETRAIN = {"step": 600, "loss": 3.25, "val_bpb": 1.75, "tokens_per_s": 15000.0, "data_wait_frac": 0.01}
+PRESETS = ("tiny", "cpu", "gpu8", "cluster")
 OUTPUTS = {"data": "m1", "tokenizer": "t1", "pretrain": "c600", "sft": "c30", "rl": "c20"}
 
 
@@ -89,3 +91,26 @@ def test_newest_commit_changes_only_when_a_stage_commits_a_checkpoint(tmp_path):
     assert two is not None and newest_commit(str(tmp_path), "base") == two  # nothing trained: the same
     commit_directory(tmp_path / "base/checkpoint_000004", 4, "pretrain")
     assert newest_commit(str(tmp_path), "base") not in (None, two)
+
+
+def test_the_accuracy_before_and_after_sft_is_of_the_mixtures_first_graded_task(tmp_path):
+    """run_sft_stage read calculator_accuracy whatever the mixture: gpu8 and cluster train SFT on nanochat's
+    mixture (smoltalk, mmlu, gsm8k, spelling), which has no calculator, and the speedrun failed with a KeyError
+    after SFT had trained. The figure is now the first graded task's, and the report's row names it; a mixture
+    with no graded task reports no accuracy."""
+    tasks = {p: accuracy_task(SpeedrunConfig.from_preset(p, str(tmp_path)).sft) for p in PRESETS}
+    assert tasks == {"tiny": "calculator", "cpu": "calculator", "gpu8": "mmlu", "cluster": "mmlu"}
+    assert (
+        accuracy_task(from_dict(TrainConfig, {"sft_tasks": "smoltalk,chatterbot,spelling:10"})) == "spelling"
+    )
+    assert accuracy_task(from_dict(TrainConfig, {"sft_tasks": "smoltalk,chatterbot"})) is None
+    sft = {**SFT, "accuracy_task": "mmlu", "accuracy_before": 0.25, "accuracy_after": 0.375}
+    data = {"source": "corpus", "license": "CC", "documents": 300, "bytes": 2_000_000}
+    walls = {"data": 1.0, "tokenizer": 2.0, "pretrain": 3.0, "sft": 4.0, "rl": 5.0}
+    figures = {"data": data, "tokenizer": TOKENIZER, "pretrain": PRETRAIN, "sft": sft, "rl": RL}
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    rows = table(tmp_path / "a", invocation(tmp_path / "a", walls, figures, ran=True))
+    assert rows["mmlu accuracy before / after SFT"] == "0.250 / 0.375 (64 held-out problems)"
+    no_task = {k: v for k, v in SFT.items() if not k.startswith("accuracy")}
+    rows = table(tmp_path / "b", invocation(tmp_path / "b", walls, figures | {"sft": no_task}, ran=True))
+    assert not any("accuracy" in k for k in rows) and rows["SFT steps"].startswith("30 ")
