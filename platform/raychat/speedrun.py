@@ -13,7 +13,9 @@ as it finishes); a later invocation that reuses the stage's output reports those
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import time
 from pathlib import Path
 
@@ -24,6 +26,8 @@ from raychat.checkpoint_manager import COMMIT_FILE, committed_checkpoints
 from raychat.config import ConfigError, RLConfig, SpeedrunConfig, TrainConfig, from_dict, to_dict
 from raychat.config.data import PrepareConfig
 from raychat.config.presets import preset_section
+from raychat.config.schema import leaves
+from raychat.config.speedrun import StageConfigError
 from raychat.data.corpus.prepare import prepare, prepare_kwargs
 from raychat.data.corpus.shards import list_shards
 from raychat.eval.bpb import unigram_bpb
@@ -71,7 +75,10 @@ def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> di
     The preset and --out are checked first; then the speedrun holds its lease on --out (out_lease) until it
     returns or raises. Raises ValueError as each stage's command; raychat.lease.LeaseHeld, before any stage,
     while another speedrun of the same --out holds its lease."""
-    config = SpeedrunConfig.from_preset(preset, out, num_iterations)
+    try:
+        config = SpeedrunConfig.from_preset(preset, out, num_iterations)
+    except StageConfigError as e:
+        raise named_by_keys(e, preset, e.stage) from e
     with out_lease(config.out):
         return _run_stages(preset, config)
 
@@ -110,7 +117,8 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
 
     t0 = banner("3/6 pretrain on Ray Train")
     before = newest_commit(cfg.run.storage_path, cfg.run.run_name)
-    result = pretrain(cfg, flags=speedrun_flags(preset, "pretrain"))
+    with stage_keys(preset, "pretrain"):
+        result = pretrain(cfg, flags=speedrun_flags(preset, "pretrain"))
     after = newest_commit(cfg.run.storage_path, cfg.run.run_name)
     report["pretrain"] = settle(
         "pretrain", t0, {k: v for k, v in result.metrics.items() if k != "samples"}, after, after != before
@@ -131,7 +139,8 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
         t0 = banner("5/6 SFT on Ray Train (same loop, packed conversations)")
         run = config.sft.run
         before = newest_commit(run.storage_path, run.run_name)
-        figures, final = run_sft_stage(config.sft, report["checkpoint"], speedrun_flags(preset, "sft"))
+        with stage_keys(preset, "sft"):
+            figures, final = run_sft_stage(config.sft, report["checkpoint"], speedrun_flags(preset, "sft"))
         after = newest_commit(run.storage_path, run.run_name)
         record = state.get("sft", {})
         if after != before or record.get("output") != after:  # "before SFT" of this invocation's report
@@ -141,7 +150,8 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
         t0 = banner("6/6 RL: rollout actors + learner")
         run = config.rl.run
         before = newest_commit(run.storage_path, run.run_name)
-        figures, final = run_rl_stage(config.rl, final, cfg, speedrun_flags(preset, "rl"), preset)
+        with stage_keys(preset, "rl"):
+            figures, final = run_rl_stage(config.rl, final, cfg, speedrun_flags(preset, "rl"), preset)
         after = newest_commit(run.storage_path, run.run_name)
         report["rl"] = settle("rl", t0, figures, after, after != before)
     if report["reused"]:
@@ -355,6 +365,37 @@ def speedrun_flags(preset: str, stage: str) -> Flags:
         return f"{'train' if stage == 'sft' and name not in own else section}.{name}"
 
     return Flags(option, OTHER_OUT, "the same --preset")
+
+
+_FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+_STAGE_CONFIGS = {"pretrain": TrainConfig, "sft": TrainConfig, "rl": RLConfig}
+
+
+def named_by_keys(error: ConfigError, preset: str, stage: str) -> ConfigError:
+    """`error` (a configuration error of the speedrun's `stage`: pretrain, sft, rl) with every --flag of that
+    stage's options in its message named as the speedrun names them (speedrun_flags: the preset's key,
+    "train.min_workers"); `error` itself when it names none."""
+    options, option = leaves(_STAGE_CONFIGS[stage]), speedrun_flags(preset, stage).option
+
+    def named(flag: re.Match) -> str:
+        name = flag.group(1).replace("-", "_")
+        return option(name) if name in options else flag.group(0)
+
+    message = _FLAG.sub(named, str(error))
+    return error if message == str(error) else ConfigError(message)
+
+
+@contextlib.contextmanager
+def stage_keys(preset: str, stage: str):
+    """Within: a ConfigError (a bad setting found while the stage plans or starts: a total batch that does not
+    divide, a --seq-len the model cannot hold...) is raised again naming the preset's keys (named_by_keys)."""
+    try:
+        yield
+    except ConfigError as e:
+        named = named_by_keys(e, preset, stage)
+        if named is e:
+            raise
+        raise named from e
 
 
 def main(args) -> int:

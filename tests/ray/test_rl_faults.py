@@ -11,16 +11,19 @@ import pytest
 import ray
 from ray.exceptions import RayActorError
 from ray.util import placement_group_table
-from support.rl_fixtures import tiny_checkpoint, tiny_config
+from support import rl_fixtures
+from support.rl_fixtures import BadTask, FullDisk, tiny_checkpoint, tiny_config
 
 from raychat.capacity import read_capacity
 from raychat.log import RunGaveUp
 from raychat.rl.actors import ActorGroup
 from raychat.rl.loop import RLRun, rl_tasks
 from raychat.speedrun import speedrun_flags
+from raychat.storage import open_storage
 from raychat.train.step import NonFiniteError
 
 pytestmark = pytest.mark.ray
+ray.cloudpickle.register_pickle_by_value(rl_fixtures)  # BadTask, FullDisk: the actors cannot import tests/
 
 # evaluations long enough that a kill lands while they run: 8 prompts x 16 samples x up to 24 tokens, 1,536
 # tokens for each of the 2 actors (with 4 samples, under `make test`'s 2 workers, actor 1 once finished its part
@@ -190,8 +193,8 @@ def test_past_max_failures_the_run_gives_up_in_one_line_and_releases_its_placeme
         run.run()
     print("\n".join(logs))
     assert str(e.value) == (
-        "rl run 't' gave up: learner 0 was lost (ActorDiedError: The actor died unexpectedly before finishing "
-        "this task.), failure 1 where --max-failures 0 allows 0 failures; started again (a higher --max-failures "
+        "rl run 't' gave up: learner 0 was lost at step 2 (ActorDiedError: The actor died unexpectedly before "
+        "finishing this task.), failure 1 where --max-failures 0 allows 0 failures; started again (a higher --max-failures "
         f"survives more), it resumes from its newest committed checkpoint {tmp_path}/t/checkpoint_000001"
     )
     full = [
@@ -298,3 +301,111 @@ def test_the_speedrun_names_its_rl_layout_by_its_preset_keys(ray_cluster, checkp
         r"placed within rl\.schedule_timeout_s 2; missing: GPU \(need 1, the most a node has is 0\)",
         str(e.value),
     ), str(e.value)
+
+
+def test_a_reward_raising_on_some_samples_scores_them_0_and_on_every_sample_stops_the_run(
+    ray_cluster, checkpoint, tmp_path
+):
+    """A reward function that raised on one sample ended `raychat rl` in a RayTaskError traceback. Now a sample
+    whose reward raises scores 0 and is counted: step 1's first prompt (2 samples of 8) is, in one line and in
+    reward_errors; a reward that raises on every sample of a step (step 2's prompts) is broken, not a sample's
+    fault, and ends the run in one line, not retried, the traceback logged in full above it."""
+    before = live_placement_groups()
+    logs = []
+    run = RLRun(tiny_config(checkpoint, str(tmp_path), max_failures=1), log=logs.append)
+    step_1, step_2 = run.dispatcher.prompts_for(0), run.dispatcher.prompts_for(1)
+    train = run.tasks["train"]
+    run.tasks["train"] = BadTask(train, bad_reward=[step_1[0], *step_2])  # the dict the actors are given
+    with pytest.raises(RunGaveUp) as e:
+        run.run()
+    print("\n".join(logs))
+    first = train[step_1[0]]["id"]
+    assert [m for m in logs if "task's reward raised" in m] == [
+        "the calculator task's reward raised on 2 of 8 samples of the step's rollouts, scored 0 (2 in all so far; "
+        f"first: ValueError: no reward for {first}, on prompt {step_1[0]})"
+    ]
+    assert str(e.value) == (
+        "rl run 't' stopped at step 2: the calculator task's reward raised on all 8 samples of the step's rollouts "
+        f"(ValueError: no reward for {train[step_2[0]]['id']}), not retried (no sample could be scored: the "
+        "function is broken, not a sample); fix the calculator task's reward and start it again: it resumes from "
+        f"its newest committed checkpoint {tmp_path}/t/checkpoint_000001"
+    )
+    full = [m for m in logs if m.startswith("rl run 't': the failure that ended it, in full:\nTraceback")]
+    assert len(full) == 1 and "ValueError: no reward for" in full[0], logs
+    [line] = metric_lines(tmp_path / "t")
+    assert (line["step"], line["reward_errors"], line["failures"]) == (1, 2, 0)
+    assert run.failures == 0 and live_placement_groups() == before
+
+
+def test_a_rollout_actor_that_raises_stops_the_run_in_one_line(ray_cluster, checkpoint, tmp_path):
+    """A prompt that raises inside a rollout actor (here: its conversation does not parse) came out of
+    `raychat rl` as a RayTaskError traceback. Now one line names the step, the actor and its prompts, the error,
+    that it was not retried (the same prompts and seeds would raise again) and the checkpoint a new start
+    resumes from; the Ray error, with the actor's traceback, is logged in full above it."""
+    before = live_placement_groups()
+    logs = []
+    run = RLRun(tiny_config(checkpoint, str(tmp_path), max_failures=1), log=logs.append)
+    step_2 = run.dispatcher.prompts_for(1)
+    run.tasks["train"] = BadTask(run.tasks["train"], unreadable=[step_2[3]])  # actor 1's part: prompts 3, 4
+    with pytest.raises(RunGaveUp) as e:
+        run.run()
+    print("\n".join(logs))
+    assert str(e.value) == (
+        f"rl run 't' stopped at step 2: rollout actor 1 raised in its rollout of prompts {step_2[2:]} (ValueError: "
+        f"conversation {step_2[3]} does not parse), not retried (the same prompts and seeds would raise again); fix "
+        "what raised (its traceback is logged above) and start it again: it resumes from its newest committed "
+        f"checkpoint {tmp_path}/t/checkpoint_000001"
+    )
+    full = [m for m in logs if m.startswith("rl run 't': the failure that ended it, in full:\nRayTaskError")]
+    assert len(full) == 1 and "RolloutWorker.rollout" in full[0] and "does not parse" in full[0], logs
+    assert run.failures == 0 and run.actors.pg is None and live_placement_groups() == before
+
+
+def test_a_checkpoint_the_storage_refuses_stops_the_run_in_one_line(ray_cluster, checkpoint, tmp_path):
+    """Checkpoint 2's files cannot be written (ENOSPC, as on a full disk: FullDisk). The learner's upload error
+    came out as a RayTaskError traceback; now one line names the step, the learner, the checkpoint, the error,
+    that it was not retried (the storage would refuse it again), the storage root to make room on and the
+    checkpoint a new start resumes from (step 1's, still the newest committed one)."""
+    before = live_placement_groups()
+    logs = []
+    cfg = tiny_config(checkpoint, str(tmp_path), max_failures=1)
+    run = RLRun(cfg, log=logs.append)
+    run.checkpoints = FullDisk(open_storage(str(tmp_path)), "t", cfg.checkpoint.keep_checkpoints, full_step=2)
+    with pytest.raises(RunGaveUp) as e:
+        run.run()
+    print("\n".join(logs))
+    assert str(e.value) == (
+        f"rl run 't' stopped at step 2: learner 0 could not upload its part of checkpoint {tmp_path}/t/"
+        "checkpoint_000002 (OSError: [Errno 28] No space left on device), not retried (the storage would refuse the "
+        f"same checkpoint again); make room on --storage-path {tmp_path} (or let this run write there) and start "
+        f"it again: it resumes from its newest committed checkpoint {tmp_path}/t/checkpoint_000001"
+    )
+    assert run.failures == 0 and live_placement_groups() == before
+    assert [x["step"] for x in metric_lines(tmp_path / "t")] == [1, 2]
+
+
+def test_a_failed_weight_sync_restarts_the_actor_group(ray_cluster, checkpoint, tmp_path):
+    """Rollout actor 1 breaks (its engine gone: its next set_weights raises AttributeError) after its step 2
+    rollout. The weight sync's RayTaskError ended the run in a traceback; now it counts as a failure, like a lost
+    actor: one line names the sync, the actor, the step and the error, every actor is started again (new
+    processes) and the run resumes from checkpoint 1 and completes."""
+    logs, broken = [], []
+
+    def break_actor_1(dispatcher, step, chunks):
+        if step == 1 and not broken:  # queued after its rollout: it raises in the sync that follows
+            broken.append(
+                dispatcher.actors.rollouts[1].__ray_call__.remote(lambda w: setattr(w, "engine", None))
+            )
+
+    run = RLRun(
+        tiny_config(checkpoint, str(tmp_path), max_failures=1), on_submitted=break_actor_1, log=logs.append
+    )
+    summary = run.run()
+    print("\n".join(logs))
+    assert [m for m in logs if "restart 1 of" in m] == [
+        "the weight sync to version 2 failed in rollout actor 1 at step 2 (AttributeError: 'NoneType' object has "
+        "no attribute 'refresh_weights'); restart 1 of --max-failures 1: starting every actor again and resuming "
+        "from the newest committed checkpoint"
+    ]
+    assert (summary["failures"], summary["version"], summary["reward_errors"]) == (1, 2, 0)
+    assert [(x["step"], x["failures"]) for x in metric_lines(tmp_path / "t")] == [(1, 0), (2, 1)]

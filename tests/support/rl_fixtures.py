@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from raychat.checkpoint import save_model
+from raychat.checkpoint_manager import CheckpointManager
 from raychat.config import RLConfig, from_dict
 from raychat.model import GPT, ModelConfig
 
@@ -34,3 +35,46 @@ def tiny_config(checkpoint: str, out: str, **kw) -> RLConfig:
     )  # fmt: skip
     base.update(kw)
     return from_dict(RLConfig, base)
+
+
+class BadTask:
+    """A task that behaves as `task` but for a few conversations (by index): `bad_reward`'s reward raises
+    ValueError, `unreadable` ones raise ValueError when an actor reads them (a bad sample inside generation).
+    Picklable by value for Ray actors (tests register this module: ray.cloudpickle.register_pickle_by_value)."""
+
+    def __init__(self, task, bad_reward=(), unreadable=()):
+        self.task, self.unreadable = task, set(unreadable)
+        self.bad_ids = {task[i]["id"] for i in bad_reward}
+
+    def __len__(self) -> int:
+        return len(self.task)
+
+    def __getitem__(self, i: int) -> dict:
+        if i in self.unreadable:
+            raise ValueError(f"conversation {i} does not parse")
+        return self.task[i]
+
+    def reward(self, conversation: dict, completion: str) -> float:
+        if conversation["id"] in self.bad_ids:
+            raise ValueError(f"no reward for {conversation['id']}")
+        return self.task.reward(conversation, completion)
+
+    def is_correct(self, conversation: dict, completion: str) -> bool:
+        return self.task.is_correct(conversation, completion)
+
+
+class FullDisk(CheckpointManager):
+    """A run's CheckpointManager on which checkpoint `full_step` cannot be written, as on a full disk: once
+    prepare() has cleared its directory, the first file every upload writes there (meta.json, the first by
+    name) is a symlink to /dev/full, whose every write fails with ENOSPC."""
+
+    def __init__(self, storage, run_name: str, keep: int, full_step: int):
+        super().__init__(storage, run_name, keep)
+        self.full_step = full_step
+
+    def prepare(self, step: int) -> None:
+        super().prepare(step)
+        if step == self.full_step:
+            directory = Path(self.storage.inside(self.path(step)))
+            directory.mkdir(parents=True)
+            (directory / "meta.json").symlink_to("/dev/full")

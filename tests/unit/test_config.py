@@ -7,8 +7,10 @@ import argparse
 import os
 import subprocess
 import sys
+from importlib.resources import files
 
 import pytest
+import yaml
 
 from raychat.cli import build_parser
 from raychat.config import (
@@ -29,8 +31,10 @@ from raychat.config import (
 )
 from raychat.config.data import TokenizerConfig
 from raychat.config.schema import leaves, shown
+from raychat.speedrun import run_speedrun, stage_keys
 from raychat.storage import run_directory
 from raychat.tokenizer import MIN_VOCAB_SIZE
+from raychat.train.launch import elastic_grad_accum
 from raychat.train.plan import make_plan, print_plan
 
 
@@ -323,3 +327,42 @@ def test_the_plans_horizon_counts_its_steps(steps, horizon, capsys):
     print_plan(cfg, make_plan(cfg, 512))
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("horizon"))
     assert line.startswith(f"horizon (num_iterations): {horizon}"), line
+
+
+def test_the_speedrun_names_its_preset_keys_in_configuration_errors(tmp_path):
+    """The speedrun's stage configs are built from its preset, but their errors said `--min-workers`, a flag
+    `raychat speedrun` does not have. They name the preset's keys, as its layout errors do (speedrun_flags),
+    whether found as the preset is read (before anything is written under --out) or as a stage plans (the total
+    batch of pretraining)."""
+    tiny = yaml.safe_load((files("raychat") / "presets" / "tiny.yaml").read_text())
+
+    def preset(section: str, **values) -> str:
+        path = tmp_path / f"{section}.yaml"
+        path.write_text(yaml.safe_dump({**tiny, section: {**tiny[section], **values}}))
+        return str(path)
+
+    out = tmp_path / "out"
+    for path, line in [
+        (
+            preset("train", min_workers=5),
+            "train.min_workers must be 0 (fixed at train.num_workers) or 1..2 (elastic, at most train.num_workers "
+            "2), got 5",
+        ),
+        (
+            preset("sft", min_workers=3),
+            "sft.min_workers must be 0 (fixed at train.num_workers) or 1..2 (elastic, at most train.num_workers 2), "
+            "got 3",
+        ),
+        (preset("rl", prompts_per_step=0), "rl.prompts_per_step must be >= 1, got 0"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            run_speedrun(path, str(out))
+        assert str(e.value) == line
+        assert not out.exists()
+    path = preset("train", total_batch_size=500)
+    cfg = SpeedrunConfig.from_preset(path, str(out)).pretrain
+    with pytest.raises(ConfigError) as e, stage_keys(path, "pretrain"):
+        elastic_grad_accum(cfg, cfg.train.batch.total_batch_size)
+    assert str(e.value) == (
+        "train.total_batch_size 500 is not a multiple of device_batch_size x seq_len x num_workers = 4 x 64 x 2 = 512"
+    )

@@ -14,6 +14,24 @@ from raychat.config.schema import ConfigError, from_dict
 from raychat.config.train import SFT_DEFAULTS, TrainConfig
 
 
+class StageConfigError(ConfigError):
+    """A ConfigError raised while one training stage's config was built from the preset: `stage` is "pretrain",
+    "sft" or "rl"; the message names the options as that stage's command does (--flags): raychat.speedrun names
+    them by the preset's keys (raychat.speedrun.stage_keys)."""
+
+    def __init__(self, message: str, stage: str):
+        super().__init__(message)
+        self.stage = stage
+
+
+def _stage(stage: str, cls, values: dict, **kw):
+    """from_dict(cls, values, **kw); its ConfigError as StageConfigError of `stage`."""
+    try:
+        return from_dict(cls, values, **kw)
+    except ConfigError as e:
+        raise StageConfigError(str(e), stage) from e
+
+
 @dataclass
 class SpeedrunConfig:
     """The stages of the speedrun; sft and rl are None when the preset does not run them (its `sft` section
@@ -32,7 +50,8 @@ class SpeedrunConfig:
         pretraining's.
 
         Raises:
-            ConfigError: an unknown key or a bad value in a section (the message names the section); a blank
+            ConfigError: an unknown key or a bad value in a section (the message names the section; of the
+                train, sft and rl sections a StageConfigError naming the stage); a blank
                 `out` (which would put the runs in the current directory), a file, or a URI (s3://, gs://).
         """
         if not out.strip() or (Path(out).exists() and not Path(out).is_dir()):
@@ -56,14 +75,14 @@ class SpeedrunConfig:
         values = {**preset_values(preset, "pretrain"), **layout, "run_name": "base", "stage": "pretrain"}
         if num_iterations is not None:
             values["num_iterations"] = num_iterations
-        pretrain = from_dict(TrainConfig, values, where="train settings")
+        pretrain = _stage("pretrain", TrainConfig, values, where="train settings")
         sft_values, rl_values = preset_section(preset, "sft"), preset_section(preset, "rl")
         sft = None
         if sft_values.get("num_iterations", 0) > 0:
             sft_values = {"eval_every": 0, "checkpoint_every": 0, **sft_values, **SFT_DEFAULTS}
-            sft = from_dict(TrainConfig, sft_values, base=pretrain, where="sft settings")
+            sft = _stage("sft", TrainConfig, sft_values, base=pretrain, where="sft settings")
         rl = None
         if rl_values.get("steps", 0) > 0:
             rl_values = {**rl_values, "storage_path": str(root / "rl"), "run_name": "rl"}
-            rl = from_dict(RLConfig, rl_values, where="rl settings")
+            rl = _stage("rl", RLConfig, rl_values, where="rl settings")
         return cls(str(root), data, tokenizer, pretrain, sft, rl)

@@ -5,6 +5,7 @@ generation's name) when a rollout actor restarted."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import ray
@@ -84,6 +85,22 @@ def unplaced_part(
 class ActorsLost(RuntimeError):
     """Rollout actors are gone for good (out of --max-restarts, or none alive): the run restarts its actor group
     within --max-failures (raychat.rl.loop)."""
+
+
+class StepFailed(RuntimeError):
+    """A part of an RL step failed without losing an actor: an actor raised (a Ray task error), the weight sync
+    was refused, or the task scored none of a step's samples (raychat.rl.rollout.ScoreErrors). `failed` says
+    which actor and what it did ("rollout actor 1 raised in its rollout of prompts [3, 7]"); `error` is the
+    exception raised there (a Ray task error's cause), `full` what to log in full (the Ray error with the actor's
+    traceback, or a traceback's text; default `error`); `why` why a retry would not help and `fix` what to do
+    before starting again. `restart`: the run restarts its actor group within --max-failures (the weight sync:
+    new actors, a new publish) instead of stopping at once (raychat.rl.loop)."""
+
+    def __init__(self, failed: str, error: BaseException, full=None, why: str = "", fix: str = "",
+                 restart: bool = False):  # fmt: skip
+        super().__init__(f"{failed} ({type(error).__name__}: {error})")
+        self.failed, self.error, self.full, self.why, self.fix = failed, error, full, why, fix
+        self.restart = restart
 
 
 class ActorGroup:
@@ -212,6 +229,19 @@ class ActorGroup:
                 if a._actor_id.hex() == actor_id:
                     return f"{role} {i}"
         return "an actor of the run"
+
+    def learner_raised(self, error: BaseException) -> str:
+        """ "learner i" of the live learner whose process raised `error` (a Ray task error: its message names the
+        process id), "a learner" when none matches."""
+        found = re.search(r"\(pid=(\d+),", str(error))
+        if found:
+            for i, lr in enumerate(self.learners):
+                try:
+                    if ray.get(lr.pid.remote(), timeout=30) == int(found.group(1)):
+                        return f"learner {i}"
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    continue
+        return "a learner"
 
     def stop(self) -> None:
         """Kill every actor, forget the broadcast group and remove the placement group (safe to call again, and

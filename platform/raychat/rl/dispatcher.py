@@ -13,6 +13,12 @@ rollout, so it holds the checkpoint's weights, version 0) generates nothing, and
 older than the bound, re-syncs the actor and issues the chunk again. `stale_chunks` and `dropped_samples`
 count them.
 
+A rollout actor that raises (its own error, not its death: a bug, a prompt the engine refuses) is not
+retried: the same prompts and seeds would raise again; collect raises StepFailed naming it (the run stops). A
+sample whose Task.reward (or, in an evaluation, Task.is_correct) raises is scored 0 and counted
+(`reward_errors`, one line per step that had any), unless every sample of the step or evaluation raised: that is
+a broken reward function, not a bad sample, and StepFailed stops the run.
+
 Evaluation goes the same way: its chunks (split "test", min_version = the current version, a seed per part
 of the held-out prompts) are collected, re-synced and re-issued like a step's, so an actor lost during an
 evaluation costs a re-run of its part, with the same result.
@@ -24,14 +30,15 @@ import hashlib
 
 import numpy as np
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.config import RLConfig
 from raychat.engine.sampling import is_greedy
-from raychat.log import log
-from raychat.rl.actors import ActorGroup, ActorsLost
+from raychat.log import log, plural
+from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed
 from raychat.rl.objective import pass_at_k
 from raychat.rl.sync import WeightSync
+from raychat.train.launch import first_line
 
 
 def chunk_seed(seed: int, step: int, chunk: int) -> int:
@@ -51,7 +58,7 @@ def split_even(items: list, n: int) -> list[list]:
 
 class RolloutDispatcher:
     """Submits and collects the rollout chunks of each step and of each evaluation (module doc); `restarts`
-    counts dead actors met.
+    counts dead actors met, `reward_errors` the samples whose reward or checker raised (scored 0).
 
     on_submitted(dispatcher, step, chunks): optional hook after a step's chunks are submitted;
     on_evaluating(dispatcher, chunks): optional hook before an evaluation's chunks are issued (tests kill an
@@ -73,7 +80,7 @@ class RolloutDispatcher:
         self.order = np.random.default_rng(cfg.run.seed).permutation(num_prompts)
         self.version = 0  # the policy version the rollout actors hold (re-syncs load this one)
         self.bound = cfg.asynchrony.max_staleness if cfg.asynchrony.mode == "async" else 0
-        self.restarts = self.stale_chunks = self.dropped_samples = 0
+        self.restarts = self.stale_chunks = self.dropped_samples = self.reward_errors = 0
 
     @property
     def eval_samples(self) -> int:
@@ -115,13 +122,23 @@ class RolloutDispatcher:
         """Results of every chunk (training or evaluation), all from policy versions within the bound (module
         doc); a chunk whose actor died, or whose weights were too old, is re-issued after a re-sync.
 
-        Raises ActorsLost when a chunk fails --max-restarts + 2 times or no rollout actor is alive."""
+        Raises ActorsLost when a chunk fails --max-restarts + 2 times or no rollout actor is alive; StepFailed
+        when an actor raised (not retried) or every sample's reward or checker raised (module doc)."""
         tries = self.cfg.layout.max_restarts + 2
         out = []
         for chunk in chunks:
             for attempt in range(tries):
                 try:
                     result = ray.get(chunk["ref"])
+                except RayTaskError as e:
+                    what = "evaluation of held-out" if chunk["split"] == "test" else "rollout of"
+                    raise StepFailed(
+                        f"rollout actor {chunk['worker']} raised in its {what} prompts {chunk['indices']}",
+                        getattr(e, "cause", None) or e,
+                        e,
+                        why="the same prompts and seeds would raise again",
+                        fix="fix what raised (its traceback is logged above)",
+                    ) from e
                 except (RayActorError, ActorUnavailableError) as e:
                     self.restarts += 1
                     self.log(
@@ -146,7 +163,35 @@ class RolloutDispatcher:
                 raise ActorsLost(
                     f"prompts {chunk['indices']} failed after {tries} tries (--max-restarts + 2)"
                 )
+        self._count_reward_errors(out, chunks[0]["split"] if chunks else "train")
         return out
+
+    def _count_reward_errors(self, results: list[dict], split: str) -> None:
+        """Count and log the samples of `results` whose reward (split "train") or checker ("test") raised, each
+        scored 0 by the actor (raychat.rl.rollout.ScoreErrors).
+
+        Raises StepFailed when every sample's did (a broken reward function: the run stops)."""
+        raised = sum(r.get("reward_errors", 0) for r in results)
+        if not raised:
+            return
+        scored = sum(r["scored"] for r in results)
+        first = next(r for r in results if r.get("reward_errors"))
+        fn = "reward" if split == "train" else "checker (is_correct)"
+        what = f"the {self.cfg.task.task} task's {fn}"
+        of = "the step's rollouts" if split == "train" else "the evaluation"
+        if raised == scored:
+            raise StepFailed(
+                f"{what} raised on all {plural(scored, 'sample')} of {of}", first["reward_error"],
+                first["reward_traceback"], why="no sample could be scored: the function is broken, not a sample",
+                fix=f"fix {what}",
+            )  # fmt: skip
+        self.reward_errors += raised
+        error = first["reward_error"]
+        self.log(
+            f"{what} raised on {raised} of {plural(scored, 'sample')} of {of}, "
+            f"{'scored 0' if split == 'train' else 'counted incorrect'} ({self.reward_errors} in all so far; "
+            f"first: {type(error).__name__}: {first_line(error)}, on prompt {first['reward_error_prompt']})"
+        )
 
     def _recover(self, chunk: dict, attempt: int) -> None:
         """Re-sync the (restarting) actor to the current weights and re-issue the chunk; after a failed re-sync

@@ -35,15 +35,23 @@ Faults: a rollout actor that dies during a rollout or an evaluation is restarted
 re-synced and its prompts re-issued (raychat.rl.dispatcher). Any other lost actor (a learner, one lost during
 weight sync, every rollout actor) stops the whole actor group; it is started again and the run resumes from the
 newest committed checkpoint, redoing the steps after it, up to --max-failures times (`failures` in every
-line and the summary); past that the run gives up: RunGaveUp (raychat.log), one line naming the lost actor, the
-error, the failure count, --max-failures and the checkpoint a new start resumes from, the error logged in full
-above it. A learner step whose loss or gradient norm is not finite ends the run at once, not retried (the same
-samples would fail again): RunGaveUp naming the step, the learning rates to lower and that checkpoint, the last
-good one. The placement group is removed on every path out (raychat.rl.actors).
+line and the summary); so does a weight sync that an actor raised in or that loaded other weights (new actors and
+a new publish may succeed). Past that the run gives up: RunGaveUp (raychat.log), one line naming the lost actor
+or failed sync, the step, the error, the failure count, --max-failures and the checkpoint a new start resumes
+from, the error logged in full above it. What a retry would meet again ends the run at once, not retried, in
+RunGaveUp's one line naming the step, what failed (its error's type and first line, logged in full above),
+what to fix and the checkpoint a new start resumes from, the last good one: a learner step whose loss or
+gradient norm is not finite (the learning rates to lower), a rollout actor's or a learner's own error (the same
+prompts, seeds and samples would raise again), a checkpoint upload or commit the storage refused (full,
+permission denied), and a task whose reward raised on every sample of a step (or whose checker did on every
+sample of an evaluation). A reward that raises on some samples scores them 0 (an evaluation's checker: counted
+incorrect): counted in `reward_errors` (every line and the summary), one line each step that had any
+(raychat.rl.dispatcher). The placement group is removed on every path out (raychat.rl.actors).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 
@@ -57,7 +65,7 @@ from raychat.lease import RunLease
 from raychat.log import log
 from raychat.metrics import RLMetrics
 from raychat.metrics_sink import MetricsSink
-from raychat.rl.actors import ActorGroup, ActorsLost
+from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
 from raychat.rl.objective import group_advantages, zero_advantage_frac
 from raychat.rl.sync import WeightSync
@@ -72,6 +80,7 @@ from raychat.train.launch import (
     gave_up,
     refuse_resume,
     resumable_checkpoint,
+    stopped_on_error,
     stopped_on_fault,
 )
 from raychat.train.step import NonFiniteError
@@ -164,6 +173,7 @@ class RLRun:
             cfg, self.actors, self.sync, len(self.tasks["train"]), on_submitted, log, on_evaluating
         )
         self.version = 0
+        self.step = 0  # the step in progress (1-based; before the first: the step resumed from, 0 at a start)
         self.failures = 0  # learner / weight-sync failures survived (actor group restarts), <= --max-failures
         self.evals: list[dict] = []  # {"step", "pass@k"...} of this run, a redone step's once
         self.no_signal = NoSignalWatch(cfg)  # kept across actor group restarts: one warning a run
@@ -178,12 +188,30 @@ class RLRun:
 
     # ---- checkpoints (the trainer's Checkpointer in every learner, committed here) ------------------------
     def save(self, step: int, evaluation: dict | None) -> str:
-        """Every learner uploads its part of checkpoint `step`; once all have, the driver commits it."""
-        self.checkpoints.prepare(step)
-        parts = ray.get(
-            [lr.save.remote(self.checkpoints, step, {"eval": evaluation}) for lr in self.actors.learners]
-        )
-        return self.checkpoints.commit(step, parts, "rl")
+        """Every learner uploads its part of checkpoint `step`; once all have, the driver commits it.
+
+        Raises StepFailed (not retried: the storage would refuse it again) naming the learner whose upload
+        raised, or the driver's step (prepare, commit) that raised OSError."""
+        c, storage = self.checkpoints, self.checkpoints.storage
+        uri = c.uri(step)
+        why = "the storage would refuse the same checkpoint again"
+        fix = f"make room on {self.flags.option('storage_path')} {storage.uri} (or let this run write there)"
+        try:
+            c.prepare(step)
+        except OSError as e:
+            raise StepFailed(f"the driver could not clear checkpoint {uri}", e, why=why, fix=fix) from e
+        refs = [lr.save.remote(c, step, {"eval": evaluation}) for lr in self.actors.learners]
+        parts = []
+        for i, ref in enumerate(refs):
+            try:
+                parts.append(ray.get(ref))
+            except RayTaskError as e:
+                raise StepFailed(f"learner {i} could not upload its part of checkpoint {uri}",
+                                 getattr(e, "cause", None) or e, e, why=why, fix=fix) from e  # fmt: skip
+        try:
+            return c.commit(step, parts, "rl")
+        except OSError as e:
+            raise StepFailed(f"the driver could not commit checkpoint {uri}", e, why=why, fix=fix) from e
 
     def resume(self) -> int:
         """Restore every learner from the newest committed checkpoint; returns its step (0 when there is none:
@@ -215,7 +243,19 @@ class RLRun:
         learners = self.actors.learners
         shards = split_even(samples, len(learners))
         shards += [[] for _ in range(len(learners) - len(shards))]
-        stats = ray.get([lr.step.remote(sh) for lr, sh in zip(learners, shards)])[0]
+        try:
+            stats = ray.get([lr.step.remote(sh) for lr, sh in zip(learners, shards)])[0]
+        except RayTaskError as e:  # a non-finite step, or a lost learner's DDP peer: the caller's to handle
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, NonFiniteError) or self.actors.lost_learner() is not None:
+                raise
+            raise StepFailed(
+                f"{self.actors.learner_raised(e)} raised in its update",
+                cause or e,
+                e,
+                why="the same samples would raise again",
+                fix="fix what raised (its traceback is logged above)",
+            ) from e
         staleness = [self.version - s["version"] for s in samples]
         tokens = sum(r["completion_tokens"] for r in results)
         rollout = {
@@ -284,45 +324,87 @@ class RLRun:
 
     def _run_within_budget(self, metrics: MetricsSink) -> dict:
         """Start the actor group and run the loop; when an actor is lost beyond what the rollout dispatcher recovers
-        in place (a learner, weight sync, every rollout actor), stop everything, start again and resume from
-        the newest committed checkpoint, up to --max-failures times.
+        in place (a learner, weight sync, every rollout actor), or the weight sync fails, stop everything, start
+        again and resume from the newest committed checkpoint, up to --max-failures times.
 
-        Raises RunGaveUp (raychat.log) once the budget is spent: one line naming the lost actor, the error, the
-        failure count and --max-failures, and the checkpoint a new start resumes from; the error (its __cause__)
-        logged in full above it. A learner's non-finite loss or gradient norm (NonFiniteError) is not retried
-        (the same samples would fail again): RunGaveUp at once, of one line naming the step, the learning rates
-        to lower and that checkpoint (raychat.train.launch.stopped_on_fault)."""
+        Raises RunGaveUp (raychat.log) once the budget is spent: one line naming the lost actor or the failed
+        sync, the step, the error, the failure count and --max-failures, and the checkpoint a new start resumes
+        from; the error (its __cause__) logged in full above it. What a retry would meet again ends the run at
+        once, RunGaveUp of one line naming the step and that checkpoint: a learner's non-finite loss or gradient
+        norm (NonFiniteError: the learning rates to lower; raychat.train.launch.stopped_on_fault), an actor's own
+        error (a rollout, evaluation or learner update that raised), a checkpoint the storage refused, every
+        sample's reward raising (raychat.train.launch.stopped_on_error: what failed, its error's type and first
+        line, why it is not retried, what to fix)."""
         budget = self.cfg.layout.max_failures
         while True:
             try:
                 self.actors.start()
                 return self._loop(metrics)
-            except (RayActorError, ActorUnavailableError, ActorsLost, RayTaskError) as e:
-                run = f"rl run {self.cfg.run.run_name!r}"
-                if isinstance(fault := getattr(e, "cause", None), NonFiniteError):  # a learner's step
-                    raise stopped_on_fault(run, fault, self.cfg.optim, self.newest_uri(), self.flags) from e
-                # a surviving DDP rank raises its own error (gloo: the peer closed the connection) when a
-                # learner is lost: a restart then too; any other task error is the run's own and ends it
-                if isinstance(e, RayTaskError):
-                    if (learner := self.actors.lost_learner()) is None:
-                        raise
-                    lost = f"learner {learner} was lost"
-                elif isinstance(e, ActorsLost):
-                    lost = "the rollout actors were lost"
-                else:
-                    lost = f"{self.actors.name_of(getattr(e, 'actor_id', None))} was lost"
+            except (StepFailed, RayActorError, ActorUnavailableError, ActorsLost, RayTaskError) as e:
+                lost, error, full = self._restartable(e)
                 self.actors.stop()
                 self.sync.reset()
                 if self.failures >= budget:
                     raise gave_up(
-                        run, lost, e, self.failures + 1, budget, self.flags, self.newest_uri(), log=self.log
+                        self.label,
+                        lost,
+                        error,
+                        self.failures + 1,
+                        budget,
+                        self.flags,
+                        self.newest_uri(),
+                        full,
+                        log=self.log,
                     ) from e
                 self.failures += 1
                 self.log(
-                    f"{lost} ({type(e).__name__}: {first_line(e)}); restart {self.failures} of "
+                    f"{lost} ({type(error).__name__}: {first_line(error)}); restart {self.failures} of "
                     f"{self.flags.option('max_failures')} {budget}: starting every actor again and resuming from "
                     "the newest committed checkpoint"
                 )
+
+    @property
+    def label(self) -> str:
+        """How the run's last lines name it: "rl run 't'"."""
+        return f"rl run {self.cfg.run.run_name!r}"
+
+    def _restartable(self, e: BaseException) -> tuple[str, BaseException, object]:
+        """(what failed and at which step, its error, what to log in full: None for the error) of a failure the
+        run restarts its actor group for: a lost actor (a learner: also when the error is its DDP peer's), a
+        failed weight sync (StepFailed.restart).
+
+        Raises RunGaveUp for one it stops on at once: a non-finite step (stopped_on_fault), any other StepFailed
+        (stopped_on_error: an actor's own error, a checkpoint the storage refused, a broken reward function) and
+        any other actor's own error (a Ray task error; named by its method, "Learner.restore")."""
+        at = f"at step {self.step}"
+        if isinstance(e, StepFailed):
+            if e.restart:
+                return f"{e.failed} {at}", e.error, e.full
+            raise stopped_on_error(
+                self.label, self.step, e.failed, e.error, e.why, e.fix, self.newest_uri(), e.full, self.log
+            ) from e
+        if isinstance(fault := getattr(e, "cause", None), NonFiniteError):  # a learner's step
+            raise stopped_on_fault(self.label, fault, self.cfg.optim, self.newest_uri(), self.flags) from e
+        if isinstance(e, RayTaskError):
+            # a surviving DDP rank raises its own error (gloo: the peer closed the connection) when a learner
+            # is lost: a restart then too; any other task error is the actor's own and ends the run
+            if (learner := self.actors.lost_learner()) is not None:
+                return f"learner {learner} was lost {at}", e, None
+            method = re.search(r"ray::(\w+\.\w+)\(", str(e))
+            raise stopped_on_error(
+                self.label,
+                self.step,
+                f"{method.group(1) if method else 'an actor'} raised",
+                fault or e,
+                "it would raise again",
+                "fix what raised (its traceback is logged above)",
+                self.newest_uri(),
+                e,
+                self.log,
+            ) from e
+        if isinstance(e, ActorsLost):
+            return f"the rollout actors were lost {at}", e, None
+        return f"{self.actors.name_of(getattr(e, 'actor_id', None))} was lost {at}", e, None
 
     def newest_uri(self) -> str | None:
         """The URI of the run's newest committed checkpoint (None: none was committed)."""
@@ -332,6 +414,7 @@ class RLRun:
     def _loop(self, metrics: MetricsSink) -> dict:
         cfg, steps, is_async = self.cfg, self.cfg.rollout.steps, self.cfg.asynchrony.mode == "async"
         start = self.resume()
+        self.step = start
         self._start_step = start if self._start_step is None else self._start_step
         metrics.resume_at(start if start else -1)  # a fresh start redoes the baseline evaluation (step 0) too
         sync = self.sync.publish(self.version)
@@ -349,6 +432,7 @@ class RLRun:
         ahead = cfg.asynchrony.max_staleness if is_async else 0
         next_submit = start
         for step in range(start, steps):
+            self.step = step + 1
             while next_submit <= min(step + ahead, steps - 1):
                 inflight.append(self.dispatcher.submit(next_submit))
                 next_submit += 1
@@ -370,6 +454,7 @@ class RLRun:
                 "sync_time_s": sync["sync_time_s"] if sync else None, "restarts": self.restarts,
                 "failures": self.failures,
                 "stale_chunks": self.dispatcher.stale_chunks, "dropped_samples": self.dispatcher.dropped_samples,
+                "reward_errors": self.dispatcher.reward_errors,
             }  # fmt: skip
             if due(cfg.eval.eval_every, step + 1, steps):
                 evals.append({"step": step + 1, **self.dispatcher.evaluate(len(self.tasks["test"]))})
@@ -389,7 +474,7 @@ class RLRun:
             "steps": steps, "start_step": self._start_step, "version": self.version, "restarts": self.restarts,
             "failures": self.failures,
             "stale_chunks": self.dispatcher.stale_chunks, "dropped_samples": self.dispatcher.dropped_samples,
-            "evals": evals, "learner_wait_frac": self._waited / max(self._waited + self._busy, 1e-9),
+            "reward_errors": self.dispatcher.reward_errors, "evals": evals, "learner_wait_frac": self._waited / max(self._waited + self._busy, 1e-9),
             "wall_s": time.perf_counter() - self._began, "run_dir": self.run_dir,
             "checkpoint": self.checkpoints.uri(newest.step) if newest else None,
         }  # fmt: skip

@@ -5,7 +5,7 @@ Sample (a dict, what the learner consumes):
     prompt_index: int      the prompt's index in the task (train or test split)
     sample_index: int      j of the prompt's G samples
     tokens, mask: list[int]  prompt + completion, mask 1 = sampled, 0 = prompt / forced tool output (engine)
-    reward: float          Task.reward(conversation, completion text)
+    reward: float          Task.reward(conversation, completion text); 0 when it raised (the result counts it)
     version: int           policy version of the weights that generated it (0 = the checkpoint's weights,
                            which a restarted actor holds until it is synced)
     worker: int            rollout actor index
@@ -18,7 +18,9 @@ Sample (a dict, what the learner consumes):
 from __future__ import annotations
 
 import os
+import pickle
 import time
+import traceback
 
 import ray
 import torch
@@ -121,7 +123,8 @@ class RolloutWorker:
         version, and the dispatcher re-syncs it and issues the prompts again.
 
         Returns {"samples": list[Sample dict] (prompt-major), "seconds": generation wall time,
-        "completion_tokens": int, "worker": int, "version": int}.
+        "completion_tokens": int, "worker": int, "version": int} and ScoreErrors.result()'s keys (the samples
+        whose Task.reward raised: scored 0).
         """
         if self.version < min_version:
             return {"samples": [], "seconds": 0.0, "completion_tokens": 0, "worker": self.worker_index,
@@ -131,7 +134,7 @@ class RolloutWorker:
         results = self._generate(prompts, num_samples, max_tokens, temperature, seed)
         seconds = time.perf_counter() - t0
         task = self.tasks[split]
-        samples = []
+        samples, errors = [], ScoreErrors()
         for r in results:
             conv = conversations[r.prompt_index]
             samples.append(
@@ -140,7 +143,7 @@ class RolloutWorker:
                     "sample_index": r.sample_index,
                     "tokens": r.tokens,
                     "mask": r.mask,
-                    "reward": float(task.reward(conv, r.text)),
+                    "reward": errors.score(task.reward, conv, r.text, indices[r.prompt_index]),
                     "version": self.version,
                     "worker": self.worker_index,
                     "completion_tokens": len(r.completion_tokens),
@@ -158,6 +161,7 @@ class RolloutWorker:
             "completion_tokens": sum(s["completion_tokens"] for s in samples),
             "worker": self.worker_index,
             "version": self.version,
+            **errors.result(),
         }
 
     def _generate(self, prompts, num_samples: int, max_tokens: int, temperature: float, seed: int | None):
@@ -191,18 +195,56 @@ class RolloutWorker:
         """Correct completions (Task.evaluate) per held-out prompt, out of num_samples each.
 
         min_version: as in rollout(): an actor holding older weights (restarted) evaluates nothing.
-        Returns {"correct": list[int] (one count per index; [] when refused), "version": int, "worker": int}.
+        Returns {"correct": list[int] (one count per index; [] when refused), "version": int, "worker": int} and
+        ScoreErrors.result()'s keys (the samples whose Task.is_correct raised: counted incorrect).
         """
         if self.version < min_version:
             return {"correct": [], "version": self.version, "worker": self.worker_index}
         conversations, prompts = self._prompts("test", indices)
         results = self._generate(prompts, num_samples, max_tokens, temperature, seed)
-        correct = [0] * len(indices)
+        correct, errors = [0] * len(indices), ScoreErrors()
         for r in results:
+            conv = conversations[r.prompt_index]
             correct[r.prompt_index] += int(
-                self.tasks["test"].is_correct(conversations[r.prompt_index], r.text)
+                errors.score(self.tasks["test"].is_correct, conv, r.text, indices[r.prompt_index])
             )
-        return {"correct": correct, "version": self.version, "worker": self.worker_index}
+        return {"correct": correct, "version": self.version, "worker": self.worker_index, **errors.result()}
+
+
+class ScoreErrors:
+    """Scores completions with a task's reward or checker, a call that raises scoring 0 (one bad sample does not
+    end the run); counts them and keeps the first error."""
+
+    def __init__(self):
+        self.scored = self.raised = 0
+        self.first: BaseException | None = None
+        self.first_traceback = ""
+        self.first_prompt: int | None = None
+
+    def score(self, fn, conversation: dict, completion: str, prompt_index: int) -> float:
+        """float(fn(conversation, completion)); 0.0 when it raises an Exception (counted, the first kept)."""
+        self.scored += 1
+        try:
+            return float(fn(conversation, completion))
+        except Exception as e:
+            self.raised += 1
+            if self.first is None:
+                self.first, self.first_prompt = e, int(prompt_index)
+                self.first_traceback = traceback.format_exc()
+            return 0.0
+
+    def result(self) -> dict:
+        """{"scored": completions scored, "reward_errors": how many raised, "reward_error": the first error
+        (None if none; a RuntimeError with its type and message when it does not pickle), "reward_traceback": its
+        traceback (text), "reward_error_prompt": its prompt's index}."""
+        error = self.first
+        if error is not None:
+            try:
+                pickle.dumps(error)
+            except Exception:
+                error = RuntimeError(f"{type(error).__name__}: {error}")
+        return {"scored": self.scored, "reward_errors": self.raised, "reward_error": error,
+                "reward_traceback": self.first_traceback, "reward_error_prompt": self.first_prompt}  # fmt: skip
 
 
 RolloutActor = ray.remote(RolloutWorker)

@@ -6,6 +6,10 @@ In async mode the acks are collected later (`drain`): they arrive after the roll
 Collective: learner rank 0 broadcasts over a ray.util.collective group (raychat.rl.weights). A restarted
 actor cannot rejoin the group: the group is declared again with every current actor process and the
 current weights are broadcast to all of them (the others receive the same weights again).
+
+An actor that raises during a sync (its own error, not its death), and acks of other weights than those
+published, are StepFailed with restart set: the run starts its actor group again (new actors, a new publish)
+within --max-failures (raychat.rl.loop).
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ import time
 from collections import deque
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.log import log
-from raychat.rl.actors import ActorGroup, ActorsLost
+from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed
 from raychat.rl.weights import check_acks
 
 WEIGHT_SYNCS = ("object_store", "collective")  # --weight-sync: one ray.put every rollout reads | a broadcast
@@ -46,27 +50,28 @@ class WeightSync:
         learner, rollouts = self.actors.learners[0], self.actors.rollouts
         if self.mode == "collective":
             return self._broadcast(version, t0)
-        self.refs, self.digest, put_s = ray.get(learner.publish.remote())
+        self.refs, self.digest, put_s = _get(learner.publish.remote(), "learner 0", version)
         acks = [w.set_weights.remote(self.refs, version) for w in rollouts]
         if not block:
             self.pending.append((acks, self.digest, version, put_s, t0))
             return None
-        return check_acks(self._acks(acks, version), self.digest, version, put_s, time.perf_counter() - t0)
+        return _checked(self._acks(acks, version), self.digest, version, put_s, time.perf_counter() - t0)
 
     def _broadcast(self, version: int, t0: float) -> dict:
         name = self.actors.group_name
         sent = self.actors.learners[0].broadcast.remote(name)
         acks = [w.receive_broadcast.remote(name, version) for w in self.actors.rollouts]
-        s = ray.get(sent)
+        s = _get(sent, "learner 0", version)
         self.digest = s["hash"]
-        return check_acks(ray.get(acks), s["hash"], version, s["put_s"], time.perf_counter() - t0)
+        got = [_get(a, f"rollout actor {w}", version) for w, a in enumerate(acks)]
+        return _checked(got, s["hash"], version, s["put_s"], time.perf_counter() - t0)
 
     def _acks(self, acks: list, version: int) -> list[dict]:
         """Acks of set_weights; an actor that died meanwhile is waited for (restart) and re-synced."""
         out = []
         for w, ref in enumerate(acks):
             try:
-                out.append(ray.get(ref))
+                out.append(_get(ref, f"rollout actor {w}", version))
             except (RayActorError, ActorUnavailableError):
                 self.restarts += 1
                 self.log(f"rollout actor {w} died during weight sync; re-syncing after its restart")
@@ -81,9 +86,10 @@ class WeightSync:
         while self.pending:
             acks, digest, version, put_s, t0 = self.pending.popleft()
             try:
-                last = check_acks(ray.get(acks), digest, version, put_s, time.perf_counter() - t0)
+                got = [_get(a, f"rollout actor {w}", version) for w, a in enumerate(acks)]
             except (RayActorError, ActorUnavailableError):
                 continue  # an actor restarted; it is re-synced when its chunk is re-issued
+            last = _checked(got, digest, version, put_s, time.perf_counter() - t0)
         return last
 
     def resync(self, w: int, version: int, timeout_s: float = 120.0) -> bool:
@@ -95,7 +101,11 @@ class WeightSync:
                 if self.mode == "collective":
                     self.actors.rebuild_collective_group()
                     return self._broadcast(version, time.perf_counter())["version"] == version
-                ack = ray.get(self.actors.rollouts[w].set_weights.remote(self.refs, version))
+                ack = _get(
+                    self.actors.rollouts[w].set_weights.remote(self.refs, version),
+                    f"rollout actor {w}",
+                    version,
+                )
                 return ack["version"] == version and ack["hash"] == self.digest
             except ActorUnavailableError:
                 if time.monotonic() > deadline:
@@ -103,3 +113,25 @@ class WeightSync:
                 time.sleep(0.2)
             except RayActorError:
                 return False
+
+
+def _get(ref, who: str, version: int):
+    """ray.get(ref) of `who`'s part of the weight sync to `version`; its own error (a Ray task error) is
+    StepFailed naming it, restart set. Its death propagates (RayActorError), for the caller to recover."""
+    try:
+        return ray.get(ref)
+    except RayTaskError as e:
+        raise StepFailed(
+            f"the weight sync to version {version} failed in {who}",
+            getattr(e, "cause", None) or e,
+            e,
+            restart=True,
+        ) from e
+
+
+def _checked(acks: list[dict], digest: str, version: int, put_s: float, wall_s: float) -> dict:
+    """check_acks; acks of other weights than those published are StepFailed, restart set."""
+    try:
+        return check_acks(acks, digest, version, put_s, wall_s)
+    except RuntimeError as e:
+        raise StepFailed(f"the weight sync to version {version} was not acknowledged", e, restart=True) from e

@@ -676,6 +676,33 @@ def stopped_on_fault(
     )
 
 
+def stopped_on_error(
+    run: str,
+    step: int,
+    failed: str,
+    error: BaseException,
+    why: str,
+    fix: str,
+    checkpoint: str | None,
+    full: BaseException | str | None = None,
+    log: Callable[[str], None] = log,
+) -> RunGaveUp:
+    """Log `full` (default `error`: the Ray error with the actor's traceback, or a traceback's text) in full
+    through `log`, then return the RunGaveUp of a run that stopped on an error it does not retry (the same
+    inputs would raise it again), of one line: `run` stopped at `step`, `failed` ("rollout actor 1 raised in its
+    rollout of prompts [3, 7]"), `error`'s type and first line, not retried (`why`), `fix` (what to do first)
+    and the newest committed `checkpoint` a new start resumes from (None: it starts over)."""
+    full = error if full is None else full
+    log(
+        f"{run}: the failure that ended it, in full:\n"
+        + (full if isinstance(full, str) else f"{type(full).__name__}: {full}")
+    )
+    return RunGaveUp(
+        f"{run} stopped at step {step}: {failed} ({type(error).__name__}: {first_line(error)}), not retried "
+        f"({why}); {fix} and start it again: {resumes(checkpoint)}"
+    )
+
+
 def controller_gave_up(
     run: str,
     error: ControllerError,
