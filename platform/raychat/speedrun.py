@@ -9,6 +9,22 @@
 Stages whose outputs already exist are skipped (the run is resumable: run the same command again). A stage
 that did its work records its wall time and figures in the run's report state (raychat.report: <out>/stages.json,
 as it finishes); a later invocation that reuses the stage's output reports those, marked reused.
+
+A bad preset is refused before the first stage, not when the stage that reads it starts (after data
+preparation and tokenizer training): check_stages makes every check of a stage's start that needs no earlier
+stage's output, its refusals naming the preset's keys (speedrun_flags): the total batch of pretraining and of SFT
+against device_batch_size x seq_len x workers (every worker count of an elastic run), the model's shape
+(make_plan with the preset's tokenizer.vocab_size), SFT's seq_len against pretraining's (the max_seq_len of the
+checkpoint SFT starts from), the files of the SFT mixture's hub tasks and of RL's task under their
+task_data_dir, sft_data's records, and on the local cluster a run starts (no Ray connected, no RAY_ADDRESS) the
+layout of each stage; then, under the lease on --out, that the storage roots under it can be written
+(check_roots). What needs an earlier stage's output stays where the stage starts: pretraining's shards and
+validation rows (the data stage), the plan it prints (its parameters, FLOPs, a derived horizon and automatic
+batch count the trained tokenizer's vocabulary, which a small corpus leaves below the preset's vocab_size; the
+batch arithmetic and the shape checks do not need it), SFT's held-out rows (the tokenizer), the resolution of
+the checkpoint SFT and RL start from and every check that reads it (its tokenizer, its model), the resume
+checks of a run an earlier invocation left, a reused tokenizer trained for another vocabulary, and the layout
+on a connected cluster (what it can become is read once connected).
 """
 
 from __future__ import annotations
@@ -38,15 +54,23 @@ from raychat.log import log, plural
 from raychat.metrics_sink import read_jsonl
 from raychat.ray_token import token_for
 from raychat.report import file_id, read_state, run_total, settle_stage, write_report
+from raychat.rl.actors import check_layout
 from raychat.rl.loop import RLRun
-from raychat.storage import open_storage
-from raychat.tasks.registry import graded, held_out, make_task, parse_mixture
+from raychat.storage import check_writable, open_storage
+from raychat.tasks.registry import check_data, graded, held_out, make_task, parse_mixture
+from raychat.tasks.sft_data import sft_data_split
 from raychat.tokenizer import Tokenizer
 from raychat.tokenizer_cli import iter_texts, train_tokenizer
-from raychat.train.launch import Flags
-from raychat.train.layout import start_or_connect
+from raychat.train.launch import Flags, elastic_grad_accum
+from raychat.train.layout import (
+    check_local_layout,
+    local_cluster_capacity,
+    start_or_connect,
+    starts_local_cluster,
+)
+from raychat.train.plan import make_plan
 from raychat.train.pretrain import Pretraining, pretrain
-from raychat.train.sft import sft
+from raychat.train.sft import SFT, check_task_files, sft
 
 
 def banner(title: str):
@@ -72,15 +96,103 @@ def out_lease(out: str) -> RunLease:
 def run_speedrun(preset: str, out: str, num_iterations: int | None = None) -> dict:
     """Every stage of the speedrun of `preset` under `out` (module doc); returns its report (report.md's dict).
 
-    The preset and --out are checked first; then the speedrun holds its lease on --out (out_lease) until it
-    returns or raises. Raises ValueError as each stage's command; raychat.lease.LeaseHeld, before any stage,
+    The preset and --out are checked first, then every stage's settings that need no earlier stage's output
+    (check_stages); then the speedrun holds its lease on --out (out_lease) until it returns or raises, and
+    checks first that the stages' storage roots under it can be written (check_roots). Raises ValueError as each stage's command; raychat.lease.LeaseHeld, before any stage,
     while another speedrun of the same --out holds its lease."""
     try:
         config = SpeedrunConfig.from_preset(preset, out, num_iterations)
     except StageConfigError as e:
         raise named_by_keys(e, preset, e.stage) from e
+    check_stages(config, preset)
     with out_lease(config.out):
+        check_roots(config)
         return _run_stages(preset, config)
+
+
+def check_stages(config: SpeedrunConfig, preset: str) -> None:
+    """Every check of a stage's start that needs no earlier stage's output (module doc), made before the first
+    stage (nothing under --out is read or written); its refusals name the keys of `preset` (speedrun_flags).
+
+    Raises:
+        ValueError (ConfigError for a setting): one line: a pretraining or SFT total_batch_size that is not a multiple of device_batch_size
+            x seq_len x workers (for every worker count of an elastic run: elastic_grad_accum); a model that
+            cannot be built (make_plan); an SFT seq_len above pretraining's; a hub task of sft_tasks or RL's task
+            whose files are missing under its task_data_dir, or a bad record of them or of sft_data
+            (raychat.tasks.registry.check_data, raychat.tasks.sft_data.sft_data_split); on the local cluster a
+            run would start (raychat.train.layout.starts_local_cluster), a stage's layout it cannot hold.
+    """
+    local = starts_local_cluster()
+    cfg = config.pretrain
+    with stage_keys(preset, "pretrain", ValueError):
+        check_batch(cfg)
+        make_plan(cfg, config.tokenizer.vocab_size)
+        if local:
+            check_local_layout(
+                *_layout(cfg), Pretraining.data_cpus, cfg.layout.use_gpu, _option(preset, "pretrain")
+            )
+    if config.sft:
+        sft_cfg = config.sft
+        with stage_keys(preset, "sft", ValueError):
+            check_sft_seq_len(sft_cfg, cfg, preset)
+            check_batch(sft_cfg)
+            check_task_files(sft_cfg)
+            if sft_cfg.data.sft_data:
+                sft_data_split(sft_cfg.data.sft_data, sft_cfg.data.sft_test_size)
+            if local:
+                check_local_layout(
+                    *_layout(sft_cfg), SFT.data_cpus, sft_cfg.layout.use_gpu, _option(preset, "sft")
+                )
+    if config.sft and config.rl:  # RL runs after SFT only
+        rl = config.rl
+        with stage_keys(preset, "rl", ValueError):
+            check_data([rl.task.task], ("train", "test"), rl.task.task_data_dir, "--task")
+            if local:
+                check_layout(rl, local_cluster_capacity(), _option(preset, "rl"))
+
+
+def _layout(cfg: TrainConfig) -> tuple[int, float]:
+    return cfg.layout.num_workers, cfg.layout.cpus_per_worker
+
+
+def _option(preset: str, stage: str):
+    return speedrun_flags(preset, stage).option
+
+
+def check_batch(cfg: TrainConfig) -> None:
+    """A given total batch divides into device_batch_size x seq_len x workers for every worker count the run may
+    train on (elastic_grad_accum); an automatic one (-1) is rounded to such a multiple (make_plan).
+
+    Raises:
+        ConfigError: naming --total-batch-size and the product it is not a multiple of."""
+    if cfg.train.batch.total_batch_size > 0:
+        elastic_grad_accum(cfg, cfg.train.batch.total_batch_size)
+
+
+def check_sft_seq_len(sft_cfg: TrainConfig, pretrain_cfg: TrainConfig, preset: str) -> None:
+    """SFT's seq_len is at most pretraining's: the max_seq_len of the pretraining checkpoint SFT starts from
+    (SFT's make_plan refuses a longer one once that checkpoint exists: raychat.train.plan.check_seq_len).
+
+    Raises:
+        ConfigError: naming the preset's keys, both lengths and the allowed range."""
+    seq_len, most = sft_cfg.model.seq_len, pretrain_cfg.model.seq_len
+    if seq_len > most:
+        sft_key, train_key = _option(preset, "sft")("seq_len"), _option(preset, "pretrain")("seq_len")
+        raise ConfigError(
+            f"{sft_key} {seq_len}: SFT starts from the pretraining checkpoint, whose max_seq_len is {train_key} "
+            f"{most} (its checkpoints keep it: serving and evaluation stop there); allowed: 1..{most}"
+        )
+
+
+def check_roots(config: SpeedrunConfig) -> None:
+    """The storage roots of the stages that run (<out>/checkpoints, <out>/rl) can be written: each is created
+    and a probe file written and deleted (raychat.storage.check_writable), before the first stage.
+
+    Raises:
+        ValueError: "--out: <root> is not writable: <why>"."""
+    stages = [config.pretrain, config.sft, config.rl if config.sft else None]
+    for root in dict.fromkeys(c.run.storage_path for c in stages if c):
+        check_writable(open_storage(root), OUT_OPTIONS["storage_path"])
 
 
 def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
@@ -371,7 +483,7 @@ _FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
 _STAGE_CONFIGS = {"pretrain": TrainConfig, "sft": TrainConfig, "rl": RLConfig}
 
 
-def named_by_keys(error: ConfigError, preset: str, stage: str) -> ConfigError:
+def named_by_keys(error: ValueError, preset: str, stage: str) -> ValueError:
     """`error` (a configuration error of the speedrun's `stage`: pretrain, sft, rl) with every --flag of that
     stage's options in its message named as the speedrun names them (speedrun_flags: the preset's key,
     "train.min_workers"); `error` itself when it names none."""
@@ -386,12 +498,13 @@ def named_by_keys(error: ConfigError, preset: str, stage: str) -> ConfigError:
 
 
 @contextlib.contextmanager
-def stage_keys(preset: str, stage: str):
+def stage_keys(preset: str, stage: str, errors: type[ValueError] = ConfigError):
     """Within: a ConfigError (a bad setting found while the stage plans or starts: a total batch that does not
-    divide, a --seq-len the model cannot hold...) is raised again naming the preset's keys (named_by_keys)."""
+    divide, a --seq-len the model cannot hold...), or any of `errors` (check_stages: ValueError, the one-line
+    refusals of task files and layouts), is raised again naming the preset's keys (named_by_keys)."""
     try:
         yield
-    except ConfigError as e:
+    except errors as e:
         named = named_by_keys(e, preset, stage)
         if named is e:
             raise

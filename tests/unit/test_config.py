@@ -31,10 +31,9 @@ from raychat.config import (
 )
 from raychat.config.data import TokenizerConfig
 from raychat.config.schema import leaves, shown
-from raychat.speedrun import run_speedrun, stage_keys
+from raychat.speedrun import run_speedrun
 from raychat.storage import run_directory
 from raychat.tokenizer import MIN_VOCAB_SIZE
-from raychat.train.launch import elastic_grad_accum
 from raychat.train.plan import make_plan, print_plan
 
 
@@ -332,12 +331,12 @@ def test_the_plans_horizon_counts_its_steps(steps, horizon, capsys):
 def test_the_speedrun_names_its_preset_keys_in_configuration_errors(tmp_path):
     """The speedrun's stage configs are built from its preset, but their errors said `--min-workers`, a flag
     `raychat speedrun` does not have. They name the preset's keys, as its layout errors do (speedrun_flags),
-    whether found as the preset is read (before anything is written under --out) or as a stage plans (the total
-    batch of pretraining)."""
+    whether found as the preset is read or as a stage would plan (the total batch of pretraining): both before
+    anything is written under --out."""
     tiny = yaml.safe_load((files("raychat") / "presets" / "tiny.yaml").read_text())
 
     def preset(section: str, **values) -> str:
-        path = tmp_path / f"{section}.yaml"
+        path = tmp_path / f"{section}-{'-'.join(values)}.yaml"
         path.write_text(yaml.safe_dump({**tiny, section: {**tiny[section], **values}}))
         return str(path)
 
@@ -354,15 +353,13 @@ def test_the_speedrun_names_its_preset_keys_in_configuration_errors(tmp_path):
             "got 3",
         ),
         (preset("rl", prompts_per_step=0), "rl.prompts_per_step must be >= 1, got 0"),
+        (  # found as pretraining plans, checked before the first stage (tests/unit/test_speedrun_checks.py)
+            preset("train", total_batch_size=500),
+            "train.total_batch_size 500 is not a multiple of device_batch_size x seq_len x num_workers = "
+            "4 x 64 x 2 = 512",
+        ),
     ]:
         with pytest.raises(ConfigError) as e:
             run_speedrun(path, str(out))
         assert str(e.value) == line
         assert not out.exists()
-    path = preset("train", total_batch_size=500)
-    cfg = SpeedrunConfig.from_preset(path, str(out)).pretrain
-    with pytest.raises(ConfigError) as e, stage_keys(path, "pretrain"):
-        elastic_grad_accum(cfg, cfg.train.batch.total_batch_size)
-    assert str(e.value) == (
-        "train.total_batch_size 500 is not a multiple of device_batch_size x seq_len x num_workers = 4 x 64 x 2 = 512"
-    )

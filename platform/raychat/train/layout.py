@@ -23,7 +23,14 @@ import os
 
 import ray
 
-from raychat.capacity import Capacity, check_bundles, fmt_bundle, read_capacity, start_local_cluster
+from raychat.capacity import (
+    Capacity,
+    check_bundles,
+    fmt_bundle,
+    local_capacity,
+    read_capacity,
+    start_local_cluster,
+)
 from raychat.config.schema import flag_name
 
 RAY_DATA_MIN_CPUS = (
@@ -98,6 +105,37 @@ def check_cpu_layout(
     )
 
 
+def local_cluster_capacity() -> Capacity:
+    """The local cluster a run starts (local_cluster_cpus), as raychat.capacity describes a cluster, known before
+    it starts."""
+    return local_capacity(local_cluster_cpus())
+
+
+def starts_local_cluster() -> bool:
+    """Whether a run of this process would start the local cluster (start_or_connect): it is connected to no Ray
+    cluster and RAY_ADDRESS names none."""
+    return not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+
+
+def check_local_layout(
+    num_workers: int, cpus_per_worker: float, data_cpus: float, use_gpu: bool = False, option=flag_name
+) -> str:
+    """check_cpu_layout on the local cluster a run starts (one node of local_cluster_cpus CPUs), which is known
+    before Ray starts; returns its description.
+
+    Raises:
+        ValueError: as check_cpu_layout; `use_gpu` (the local cluster has no GPU nodes). One line naming the
+            options as `option` does (layout_flags).
+    """
+    cpus = local_cluster_cpus()
+    if use_gpu:
+        raise ValueError(
+            f"{layout_flags(num_workers, cpus_per_worker, use_gpu, option)}: {option('use_gpu')} needs a Ray "
+            "cluster with GPU nodes (RAY_ADDRESS); this machine's local cluster has none"
+        )
+    return check_cpu_layout(num_workers, cpus_per_worker, data_cpus, cpus, cpus, option)
+
+
 def worker_bundle(cpus_per_worker: float, use_gpu: bool) -> dict:
     """What one Ray Train worker reserves: {"CPU": cpus_per_worker} plus {"GPU": 1} with --use-gpu."""
     return {"CPU": cpus_per_worker, **({"GPU": 1.0} if use_gpu else {})}
@@ -122,13 +160,9 @@ def start_or_connect(
         raychat.capacity.ClusterStartError: the local cluster did not start (one line, with a hint).
     """
     flags = layout_flags(num_workers, cpus_per_worker, use_gpu, option)
-    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
-        cpus = local_cluster_cpus()
-        if use_gpu:
-            raise ValueError(f"{flags}: {option('use_gpu')} needs a Ray cluster with GPU nodes (RAY_ADDRESS); this "
-                             "machine's local cluster has none")  # fmt: skip
-        line = check_cpu_layout(num_workers, cpus_per_worker, data_cpus, cpus, cpus, option)
-        start_local_cluster(num_cpus=cpus)
+    if starts_local_cluster():
+        line = check_local_layout(num_workers, cpus_per_worker, data_cpus, use_gpu, option)
+        start_local_cluster(num_cpus=local_cluster_cpus())
         line = f"{line} (a local Ray cluster: {local_cores()} cores + {LOCAL_DATA_CPUS} for Ray Data)"
         return line, read_capacity()
     if not ray.is_initialized():

@@ -107,10 +107,7 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
     """
     if not cfg.run.init_from:
         raise ValueError("--init-from: required: a pretraining checkpoint, its run (name or dir), or latest")
-    data_dir = str(task_data_dir(cfg.data.task_data_dir))  # resolved here: workers run elsewhere
-    names = [name for name, _ in parse_mixture(cfg.data.sft_tasks, empty_ok=True)]
-    check_data(names, ("train",), data_dir)
-    check_data([n for n in names if held_out(n)], ("test",), data_dir)
+    data_dir = check_task_files(cfg)
     values = {"stage": "sft", "document_masking": True, "task_data_dir": data_dir}
     if cfg.data.sft_data:
         values["sft_data"] = absolute(cfg.data.sft_data)
@@ -119,6 +116,22 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
         log(sft_data_line(cfg))
     check_validation_rows(cfg)
     return run_training(cfg, SFT(), [ReplayRecorder(), *callbacks], dry_run, flags)
+
+
+def check_task_files(cfg: TrainConfig) -> str:
+    """Check that every hub task of --sft-tasks has its train files under --task-data-dir, and each with a
+    held-out split its test files, every record of a conversation task's files included
+    (raychat.tasks.registry.check_data); returns --task-data-dir resolved (hub_data.task_data_dir: the workers
+    run elsewhere). raychat.speedrun makes this check before its first stage.
+
+    Raises:
+        ValueError: as check_data, naming --sft-tasks.
+    """
+    data_dir = str(task_data_dir(cfg.data.task_data_dir))
+    names = [name for name, _ in parse_mixture(cfg.data.sft_tasks, empty_ok=True)]
+    check_data(names, ("train",), data_dir)
+    check_data([n for n in names if held_out(n)], ("test",), data_dir)
+    return data_dir
 
 
 def check_validation_rows(cfg: TrainConfig) -> None:

@@ -1,0 +1,124 @@
+"""The speedrun refuses a bad preset before its first stage (raychat.speedrun.check_stages, check_roots): each
+check was made only when its stage started, after data preparation and tokenizer training (minutes to hours)
+had run; its line names the preset's keys, and nothing is written under --out."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+import pytest
+import yaml
+
+from raychat.config import SpeedrunConfig
+from raychat.speedrun import check_stages, run_speedrun
+from raychat.train.layout import local_cores
+
+TINY = yaml.safe_load((files("raychat") / "presets" / "tiny.yaml").read_text())
+
+
+def _preset(tmp_path, **sections) -> str:
+    """The tiny preset with each of `sections`' values over its section's; returns its path."""
+    path = tmp_path / "preset.yaml"
+    path.write_text(yaml.safe_dump({k: {**v, **sections.get(k, {})} for k, v in TINY.items()}))
+    return str(path)
+
+
+def _gsm8k_missing(data: str, key: str) -> str:
+    """raychat.tasks.hub_data.split_files' line for gsm8k's train split missing under `data`, its directory
+    option named `key`."""
+    return (
+        f"task 'gsm8k' (train split): no data file at {data}/gsm8k/main/train-*.parquet or "
+        f"{data}/openai--gsm8k/main/train/*.parquet (download: huggingface-cli download openai/gsm8k --repo-type "
+        f"dataset --local-dir {data}/gsm8k; the directory: {key} or $RAYCHAT_TASK_DATA)"
+    )
+
+
+@pytest.mark.parametrize(
+    "sections, line",
+    [
+        (  # was refused only as pretraining planned, after the data and tokenizer stages
+            {"train": {"total_batch_size": 500}},
+            "train.total_batch_size 500 is not a multiple of device_batch_size x seq_len x num_workers = "
+            "4 x 64 x 2 = 512",
+        ),
+        (  # elastic 2..3 workers: 768 = 4 x 64 x 3 but not a multiple of 4 x 64 x 2 (was found after Ray started)
+            {"train": {"num_workers": 3, "min_workers": 2, "total_batch_size": 768}},
+            "train.total_batch_size 768 is not a multiple of device_batch_size x seq_len x num_workers = "
+            "4 x 64 x 2 = 512",
+        ),
+        (  # was refused as SFT planned, after pretraining had trained
+            {"sft": {"total_batch_size": 1000}},
+            "sft.total_batch_size 1000 is not a multiple of device_batch_size x seq_len x num_workers = "
+            "4 x 64 x 2 = 512",
+        ),
+        (  # the pretraining checkpoint SFT starts from has max_seq_len train.seq_len
+            {"sft": {"seq_len": 128, "total_batch_size": 1024}},
+            "sft.seq_len 128: SFT starts from the pretraining checkpoint, whose max_seq_len is train.seq_len 64 "
+            "(its checkpoints keep it: serving and evaluation stop there); allowed: 1..64",
+        ),
+    ],
+)
+def test_batch_and_sequence_arithmetic_is_refused_before_the_first_stage(sections, line, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError) as e:
+        run_speedrun(_preset(tmp_path, **sections), str(out))
+    assert str(e.value) == line
+    assert not out.exists() and "===" not in capsys.readouterr().out
+
+
+def test_missing_task_files_of_sft_and_rl_are_refused_before_the_first_stage(tmp_path):
+    """SFT's mixture checked its hub tasks' files as SFT started (after pretraining); RL's task had no such
+    check in the speedrun at all (its make_task failed as RL started)."""
+    data, out = tmp_path / "task_data", tmp_path / "out"
+    data.mkdir()
+    sft = {"sft_tasks": "calculator:200,gsm8k:10", "task_data_dir": str(data)}
+    with pytest.raises(ValueError) as e:
+        run_speedrun(_preset(tmp_path, sft=sft), str(out))
+    assert str(e.value) == f"sft.sft_tasks: {_gsm8k_missing(data, 'sft.task_data_dir')}"
+    with pytest.raises(ValueError) as e:
+        run_speedrun(_preset(tmp_path, rl={"task": "gsm8k", "task_data_dir": str(data)}), str(out))
+    assert str(e.value) == f"rl.task: {_gsm8k_missing(data, 'rl.task_data_dir')}"
+    assert not out.exists()
+
+
+def test_a_layout_the_local_cluster_cannot_hold_is_refused_before_the_first_stage(tmp_path, monkeypatch):
+    """On the local cluster a speedrun starts (no RAY_ADDRESS), SFT's workers and RL's actors were checked as
+    their stage started, an hour into a cpu run."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out, cpus = tmp_path / "out", local_cores() + 1
+    with pytest.raises(ValueError) as e:
+        run_speedrun(_preset(tmp_path, sft={"num_workers": 1, "cpus_per_worker": 99}), str(out))
+    assert (
+        str(e.value)
+        == f"sft.num_workers 1 x sft.cpus_per_worker 99: one worker needs 99 CPUs, the largest node has {cpus}"
+    )
+    with pytest.raises(ValueError) as e:
+        run_speedrun(_preset(tmp_path, rl={"rollout_workers": 2, "cpus_per_rollout": 99}), str(out))
+    assert str(e.value) == (
+        "rl.rollout_workers 2 x rl.cpus_per_rollout 99: one of them needs {CPU: 99}; no node type has room: CPU "
+        f"(need 99, the most a node has is {cpus}); largest node type: this machine {{CPU: {cpus}}}"
+    )
+    assert not out.exists()
+
+
+def test_a_storage_root_that_cannot_be_written_is_refused_before_the_first_stage(tmp_path, capsys):
+    """RL's root (<out>/rl) was never checked in the speedrun: its first checkpoint failed, after every other
+    stage. The file in its way is left as it was, and the speedrun's lease released."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "rl").write_text("mine")
+    with pytest.raises(ValueError) as e:
+        run_speedrun(_preset(tmp_path), str(out))
+    assert str(e.value) == f"--out: {out}/rl is not writable: it is a file, not a directory"
+    assert (
+        sorted(p.name for p in out.rglob("*") if p.is_file()) == ["rl"] and (out / "rl").read_text() == "mine"
+    )
+    assert "===" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("preset", ["tiny", "cpu"])
+def test_the_shipped_cpu_presets_pass_the_checks(preset, tmp_path, monkeypatch):
+    """Their SFT and RL tasks need no hub data; the layout is checked on the cluster of RAY_ADDRESS (not here)."""
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    check_stages(SpeedrunConfig.from_preset(preset, str(tmp_path / "out")), preset)
+    assert not (tmp_path / "out").exists()
