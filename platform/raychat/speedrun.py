@@ -493,7 +493,10 @@ def named_by_keys(error: ValueError, preset: str, stage: str) -> ValueError:
         name = flag.group(1).replace("-", "_")
         return option(name) if name in options else flag.group(0)
 
-    message = _FLAG.sub(named, str(error))
+    message = str(error)
+    if stage in STARTS_FROM:  # not "the the pretraining checkpoint checkpoint"
+        message = message.replace("the --init-from checkpoint", STARTS_FROM[stage])
+    message = _FLAG.sub(named, message)
     return error if message == str(error) else ConfigError(message)
 
 

@@ -9,8 +9,8 @@ from importlib.resources import files
 import pytest
 import yaml
 
-from raychat.config import SpeedrunConfig
-from raychat.speedrun import check_stages, run_speedrun
+from raychat.config import ConfigError, SpeedrunConfig
+from raychat.speedrun import check_stages, named_by_keys, run_speedrun
 from raychat.train.layout import local_cores
 
 TINY = yaml.safe_load((files("raychat") / "presets" / "tiny.yaml").read_text())
@@ -122,3 +122,18 @@ def test_the_shipped_cpu_presets_pass_the_checks(preset, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     check_stages(SpeedrunConfig.from_preset(preset, str(tmp_path / "out")), preset)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_stage_line_about_the_checkpoint_it_starts_from_names_that_checkpoint_once():
+    """The speedrun names --init-from as the checkpoint a stage starts from; a line that said "the --init-from
+    checkpoint X" read "the the pretraining checkpoint checkpoint X"."""
+    seq_len = (
+        "--seq-len 512: the --init-from checkpoint /c/checkpoint_000005 has max_seq_len 256 (its checkpoints keep "
+        "it: serving and evaluation stop there); allowed: 1..256"
+    )
+    assert str(named_by_keys(ConfigError(seq_len), "tiny", "sft")) == (
+        "train.seq_len 512: the pretraining checkpoint /c/checkpoint_000005 has max_seq_len 256 (its checkpoints "
+        "keep it: serving and evaluation stop there); allowed: 1..256"
+    )
+    depth = ConfigError("--depth: the --init-from checkpoint /c has 2, given 7")
+    assert str(named_by_keys(depth, "tiny", "rl")) == "--depth: the SFT checkpoint /c has 2, given 7"
