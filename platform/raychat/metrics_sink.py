@@ -6,7 +6,10 @@
      storage cannot append: the sink holds the file's lines (those of an earlier run of the same name read
      first) and PUTs the whole file at most every FLUSH_EVERY_S seconds, at `flush()` and at `close()`; the
      stages flush before every checkpoint commit, so the lines of every committed step are stored and a run
-     resumed after a kill has each step once, with no gap.
+     resumed after a kill has each step once, with no gap. A failed write (a full disk, an unwritable file, the
+     store's outage) is one warning on stderr naming the file and the error, not an error: the run goes on (a
+     checkpoint matters more than its log lines), the lines are kept and written at the next flush (local: the
+     next step), and a local file is cut back to its last whole line.
   2. Ray gauges (raychat.metrics: raychat_train_* / raychat_rl_*) through a stage's `gauges(stats)` callable.
   3. On request (--tracker): TensorBoard event files (torch.utils.tensorboard, the `tensorboard` package) or
      Weights & Biases in offline mode (`wandb`, nothing leaves the machine; `wandb sync DIR` uploads later),
@@ -24,6 +27,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from contextlib import suppress
 
 from raychat.atomic import atomic_write_text
 from raychat.storage import open_storage, read_bytes, write_bytes
@@ -109,7 +113,8 @@ class MetricsSink:
         if self.path:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.remote, self.lines, self.flushed_at, self.dirty = None, [], time.monotonic(), False
-        self.failing = False  # the last periodic PUT failed (warned once)
+        self.pending: list[str] = []  # local: lines whose append failed, written at the next flush
+        self.failing = False  # the last write failed (warned once until one succeeds)
         if run_dir is not None and not local:  # the run dir is the root: metrics.jsonl lies strictly below it
             storage = open_storage(run_dir)
             self.remote = (storage, f"{storage.path}/metrics.jsonl")
@@ -117,6 +122,7 @@ class MetricsSink:
                 self.lines = read_bytes(*self.remote).decode().splitlines(keepends=True)
             except FileNotFoundError:
                 pass
+        self.where = self.path or (f"{self.remote[0].uri}/metrics.jsonl" if self.remote else None)
         self.gauges = gauges
         self.tracker = None
         if tracker != "none":
@@ -155,54 +161,80 @@ class MetricsSink:
         return read_jsonl(self.path) if self.path and os.path.exists(self.path) else []
 
     def log(self, stats: dict) -> None:
-        """Record one step: `stats` holds "step" (int) and the step's values (JSON-serializable). On object
-        storage the file is PUT when FLUSH_EVERY_S have passed since the last PUT; a failed PUT is a warning
-        (the lines are PUT again later; flush() before a checkpoint commit raises)."""
+        """Record one step: `stats` holds "step" (int) and the step's values (JSON-serializable). A local file
+        gets the line (and any kept by a failed write) appended now; object storage gets the whole file PUT when
+        FLUSH_EVERY_S have passed since the last PUT. A failed write is a warning (see flush)."""
+        line = json.dumps(stats) + "\n"
         if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(stats) + "\n")
+            self.pending.append(line)
+            self.flush()
         if self.remote:
-            self.lines.append(json.dumps(stats) + "\n")
+            self.lines.append(line)
             self.dirty = True
             if time.monotonic() - self.flushed_at >= FLUSH_EVERY_S:
-                self._flush_or_warn()
+                self.flush()
         if self.gauges is not None:
             self.gauges(stats)
         if self.tracker is not None:
             self.tracker.log(scalars({k: v for k, v in stats.items() if k != "step"}), stats["step"])
 
-    def flush(self) -> None:
-        """Store every line logged so far: on object storage one PUT of the whole metrics.jsonl (OSError: it
-        failed); on a local directory the lines are already there."""
-        if self.remote and self.dirty:
-            write_bytes(*self.remote, "".join(self.lines).encode())
-            self.flushed_at, self.dirty = time.monotonic(), False
-
-    def _flush_or_warn(self) -> None:
-        """flush(); a failed PUT (the store's outage, a throttled request) is one warning on stderr until a PUT
-        succeeds again, and is tried again FLUSH_EVERY_S later: the step goes on, and the lines stay held."""
+    def flush(self) -> bool:
+        """Store every line logged so far (the stages call it before each checkpoint commit): on object storage
+        one PUT of the whole metrics.jsonl, on a local directory an append of the lines a failed write kept.
+        Returns whether they are stored. A failed write (OSError: a full disk, an unwritable file, the store's
+        outage) raises nothing: one warning on stderr naming the file and the error until a write succeeds
+        again, the lines kept for the next flush, and the run goes on."""
         try:
-            self.flush()
-            self.failing = False
+            self._write()
         except OSError as e:
-            self.flushed_at = time.monotonic()
             if not self.failing:
                 print(
-                    f"warning: metrics.jsonl not stored at {self.remote[0].uri} (tried again later): {e}",
+                    f"warning: metrics not written to {self.where} (kept for the next flush): {e}",
                     file=sys.stderr,
                 )
             self.failing = True
+            return False
+        self.failing = False
+        return True
+
+    def _write(self) -> None:
+        """Append the kept lines (local) or PUT the whole file (object storage, when a line is new); OSError."""
+        if self.pending:
+            _append(self.path, "".join(self.pending))
+            self.pending = []
+        if self.remote and self.dirty:
+            self.flushed_at = time.monotonic()
+            write_bytes(*self.remote, "".join(self.lines).encode())
+            self.dirty = False
 
     def close(self) -> None:
-        """Flush and close the tracker. A failed last PUT is a warning on stderr, not an error: close runs on
-        every way out of a stage, its own failure included, and the lines of every committed step are stored."""
+        """Flush and close the tracker. A failed last write is a warning on stderr (the lines held are lost), not an
+        error: close runs on every way out of a stage, its own failure included, and the lines of every
+        committed step were stored at the flush before its commit (or warned about there)."""
         try:
-            self.flush()
+            self._write()
         except OSError as e:
-            print(f"warning: metrics.jsonl not stored at {self.remote[0].uri}: {e}", file=sys.stderr)
+            print(f"warning: metrics not written to {self.where} at close (lines lost): {e}", file=sys.stderr)
         if self.tracker is not None:
             self.tracker.close()
             self.tracker = None
+
+
+def _append(path: str, text: str) -> None:
+    """Append `text` to the file at `path` (created if missing); OSError: the write failed, and whatever part of
+    it reached the file (a disk that filled midway) is cut off again, so the next append starts a whole line."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        end, data = os.lseek(fd, 0, os.SEEK_END), text.encode()
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+        except OSError:
+            with suppress(OSError):  # /dev/full and the like cannot be truncated: nothing reached them
+                os.ftruncate(fd, end)
+            raise
+    finally:
+        os.close(fd)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

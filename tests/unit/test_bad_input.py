@@ -46,12 +46,13 @@ from raychat.lease import RunLease
 from raychat.model import GPT, ModelConfig
 from raychat.speedrun import reused_tokenizer_line
 from raychat.storage import open_storage
-from raychat.tasks import spelling
+from raychat.tasks import loaders, spelling
 from raychat.tokenizer import Tokenizer
-from raychat.train import launch
+from raychat.train import launch, sft
 from raychat.train.checkpointer import Checkpointer
 from raychat.train.layout import local_cores
 from raychat.train.optim import build_optimizers
+from raychat.train.step import autocast_for
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, str]]:
@@ -1336,6 +1337,34 @@ def test_sft_on_your_own_file_checks_it_splits_it_and_resumes_on_it_alone(
         f"run's checkpoint {d} was made (another sha256): the run would go on with other conversations (use "
         "another --run-name, or restore the task data the run was made on)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
+
+
+def test_sft_data_is_read_once_by_the_driver_and_once_by_each_worker(root, driver, tmp_path, monkeypatch):
+    """`raychat sft --sft-data` read and checked every file three times in the driver (the split's log line, the
+    held-out rows check, the resume check's row source) and twice in each worker (row source, validators). Now
+    once in each process: a spy on the function that reads a data file (located_records) counts the reads."""
+    for name, n in (("train.jsonl", 12), ("test.jsonl", 2)):
+        (tmp_path / name).write_text("".join(json.dumps({"messages": [
+            {"role": "user", "content": f"{i}?"}, {"role": "assistant", "content": f"{i}"}]}) + "\n" for i in range(n)))  # fmt: skip
+    reads, read, specs, train = [], loaders.located_records, [], sft.run_training
+    monkeypatch.setattr(loaders, "located_records", lambda path, *a: reads.append(path) or read(path, *a))
+    monkeypatch.setattr(sft, "run_training", lambda cfg, spec, *a: specs.append(spec) or train(cfg, spec, *a))
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s9", "--init-from",
+            f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer", "--sft-data", str(tmp_path / "train.jsonl"),
+            "--sft-tasks", ""]  # fmt: skip
+    _commit_step(*driver(argv), step=1)  # of its 2 steps: the run below resumes it
+    reads.clear()
+    cfg, _, _, _ = driver(argv)
+    each_once = [[tmp_path / "train.jsonl"], [tmp_path / "test.jsonl"]]
+    assert reads == each_once
+    reads.clear()
+    worker = ray.cloudpickle.loads(ray.cloudpickle.dumps(specs[-1]))  # as Ray Train hands it to each worker
+    tokenizer, cpu = Tokenizer.load(cfg.data.tokenizer_path), torch.device("cpu")
+    assert len(worker.row_source(cfg, tokenizer, 0, 1).fingerprint()["mixture"]["tasks"]) == 1
+    assert [v.name for v in worker.validators(cfg, tokenizer, 0, 1, cpu, autocast_for(cpu))] == [
+        "sft-data_val_bpb", "val_bpb"
+    ]  # fmt: skip
+    assert reads == each_once
 
 
 def test_resuming_a_run_whose_checkpoint_has_no_data_state(root, capsys):

@@ -258,6 +258,29 @@ def test_hub_task_errors_name_the_file_and_line_not_the_shuffled_index(tmp_path)
         f"{tmp_path / 'arc' / 'c.jsonl'} line 1: lacks column(s) ['answerKey']; expected ['question', 'choices', "
         "'answerKey']"
     )
+    (tmp_path / "arc" / "c.jsonl").unlink()
+    for choices, message in [
+        ({"text": ["Mars", "Venus"]}, "choices lacks field(s) ['label']"),
+        ({"label": ["A", "B"]}, "choices lacks field(s) ['text']"),
+        (["Mars", "Venus"], "choices is a list"),
+        ({"text": "Mars", "label": "A"}, "choices' text and label must be lists"),
+    ]:  # each was a KeyError or TypeError naming no file (or, a string, a wrong prompt)
+        second.write_text(json.dumps(arc) + "\n\n" + json.dumps({**arc, "choices": choices}) + "\n")
+        with pytest.raises(ValueError) as e:
+            MultipleChoice(tmp_path / "arc", format="arc", seed=0)
+        assert str(e.value) == f'{second} line 3: {message}; expected {{"text": [...], "label": [...]}}'
+    second.write_text(json.dumps({**arc, "choices": {"text": ["Mars", "Venus"], "label": ["A"]}}) + "\n")
+    with pytest.raises(ValueError) as e:  # was: Venus silently dropped from the prompt
+        MultipleChoice(tmp_path / "arc", format="arc", seed=0)
+    assert str(e.value) == f"{second} line 1: choices has 2 text(s) and 1 label(s); one label per text"
+    pq.write_table(pa.table({"question": ["q", "q"], "answerKey": ["A", "A"],
+                             "choices": [arc["choices"], {"text": ["Mars"], "label": None}]}), tmp_path / "arc.parquet")  # fmt: skip
+    with pytest.raises(ValueError) as e:  # parquet: the row, 0-based
+        MultipleChoice(tmp_path / "arc.parquet", format="arc")
+    assert str(e.value) == (
+        f"{tmp_path / 'arc.parquet'} row 1: choices' text and label must be lists; "
+        'expected {"text": [...], "label": [...]}'
+    )
     nested = [{"train": {"question": "q", "choices": ["a", "b"], "answer": 0}}, {"train": {"question": "q"}},
               {"train": {"question": "q", "choices": ["a"]}}]  # fmt: skip
     (tmp_path / "aux.jsonl").write_text("".join(json.dumps(r) + "\n" for r in nested))

@@ -232,11 +232,28 @@ def render_multiple_choice(question: str, letters: list[str], choices: list[str]
     return "\n".join(lines)
 
 
+def _arc_choices_error(choices) -> str | None:
+    """What is wrong with an ARC record's `choices` (None: nothing): it must be {"text": [...], "label": [...]},
+    one label per text."""
+    expected = 'expected {"text": [...], "label": [...]}'
+    if not isinstance(choices, dict):
+        return f"choices is a {type(choices).__name__}; {expected}"
+    missing = [k for k in ("text", "label") if k not in choices]
+    if missing:
+        return f"choices lacks field(s) {missing}; {expected}"
+    if not all(isinstance(choices[k], list) for k in ("text", "label")):
+        return f"choices' text and label must be lists; {expected}"
+    if len(choices["text"]) != len(choices["label"]):
+        return f"choices has {len(choices['text'])} text(s) and {len(choices['label'])} label(s); one label per text"
+    return None
+
+
 class MultipleChoice(Task):
     """MMLU (`format="mmlu"`) or ARC (`format="arc"`) items as categorical tasks; the reply is the letter.
 
-    Errors about a record name its file and line (parquet: row), as located_records says: a missing column
-    (ValueError when constructed), an MMLU answer that is not the index of a choice or an ARC answerKey that is
+    Errors about a record name its file and line (parquet: row), as located_records says: a missing column or
+    ARC `choices` that are not {"text": [...], "label": [...]} with one label per text (ValueError when
+    constructed, the first bad record in file order), an MMLU answer that is not the index of a choice or an ARC answerKey that is
     not one of its labels (ValueError from get_example)."""
 
     eval_type = "categorical"
@@ -261,6 +278,11 @@ class MultipleChoice(Task):
         if bad:
             where, missing = min(bad, key=lambda b: _file_order(b[0]))
             raise ValueError(f"{where}: lacks column(s) {missing}; expected {cols}")
+        if format == "arc":
+            bad = [(w, m) for w, r in zip(self.wheres, self.rows) if (m := _arc_choices_error(r["choices"]))]
+            if bad:
+                where, message = min(bad, key=lambda b: _file_order(b[0]))
+                raise ValueError(f"{where}: {message}")
         super().__init__(**slice_kw)
 
     def num_examples(self) -> int:

@@ -28,7 +28,7 @@ from raychat.tasks.chatterbot import ChatterbotConversations
 from raychat.tasks.hub_data import HUB_SPLITS, split_files
 from raychat.tasks.humaneval import HumanEval
 from raychat.tasks.loaders import GSM8K, MultipleChoice, SmolTalk
-from raychat.tasks.sft_data import sft_data_split
+from raychat.tasks.sft_data import SFTDataRead, sft_data_split
 from raychat.tasks.spelling import Spelling
 
 HUB_ORDER_SEED = 42  # nanochat's tasks: load_dataset(...).shuffle(seed=42)
@@ -148,13 +148,13 @@ def mixture_tasks(
     split: str = "train",
     seed: int = 0,
     data_dir: str | None = None,
-    sft_data: str = "",
+    sft_data: str | SFTDataRead = "",
     sft_test_size: float = 0.0,
 ) -> list[Task]:
     """The tasks of a mixture spec (parse_mixture), each with its examples count; data_dir: hub tasks' files.
-    With `sft_data` (--sft-data), its conversations of `split` come last as the task 'sft-data'
-    (raychat.tasks.sft_data.sft_data_split; none for a test split with no held-out conversations), and the
-    spec may be empty.
+    With `sft_data` (--sft-data, or its conversations read already: raychat.tasks.sft_data.read_sft_data), its
+    conversations of `split` come last as the task 'sft-data' (raychat.tasks.sft_data.sft_data_split; none for
+    a test split with no held-out conversations), and the spec may be empty.
 
     Raises:
         ValueError: as parse_mixture, make_task and sft_data_split. FileNotFoundError: as make_task.

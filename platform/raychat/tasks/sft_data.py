@@ -104,25 +104,45 @@ def held_out_count(n: int, test_size: float) -> int:
     return k
 
 
-def sft_data_split(value: str, test_size: float, size: int | None = None) -> SFTDataSplit:
-    """The conversations of an --sft-data value split into train and test (module doc); the test split holds
-    at most `size` of them (None: all). Every record is checked first, train and test files alike.
+class SFTDataRead(NamedTuple):
+    """An --sft-data value's conversations as read_sft_data read and checked them, not yet split: train: those
+    of its train files; test: those of its test files (None: none)."""
+
+    train: SFTData
+    test: SFTData | None
+
+
+def read_sft_data(value: str) -> SFTDataRead:
+    """Read the files of an --sft-data value and check every record, train and test files alike, in a seeded
+    order (SPLIT_SEED). A stage reads them once per process and splits what it read (sft_data_split).
 
     Raises:
         ValueError: one line: as sft_data_files; "--sft-data: <file> line <n>: <field>: <what is wrong> (K of N
-            records are bad)" (SmolTalk), an empty file; or as held_out_count.
+            records are bad)" (SmolTalk), an empty file.
     """
     files = sft_data_files(value)
     try:
         train = SFTData(list(files.train), seed=SPLIT_SEED)
-        test = SFTData(list(files.test), seed=SPLIT_SEED, stop=size) if files.test else None
+        test = SFTData(list(files.test), seed=SPLIT_SEED) if files.test else None
     except (FileNotFoundError, ValueError) as e:
         raise ValueError(f"--sft-data: {e}") from None
+    return SFTDataRead(train, test)
+
+
+def sft_data_split(data: str | SFTDataRead, test_size: float, size: int | None = None) -> SFTDataSplit:
+    """The conversations of an --sft-data value split into train and test (module doc); the test split holds
+    at most `size` of them (None: all). data: the value (its files read and checked here: read_sft_data) or
+    what read_sft_data read of it (its tasks shared, not read again).
+
+    Raises:
+        ValueError: one line: as read_sft_data, or as held_out_count.
+    """
+    train, test = read_sft_data(data) if isinstance(data, str) else data
     if test is not None:
-        return SFTDataSplit(train, test, False)
+        return SFTDataSplit(_view(train, 0, None), _view(test, 0, size), False)
     k = held_out_count(len(train), test_size)
     if k == 0:
-        return SFTDataSplit(train, None, True)
+        return SFTDataSplit(_view(train, 0, None), None, True)
     return SFTDataSplit(_view(train, k, None), _view(train, 0, k if size is None else min(k, size)), True)
 
 

@@ -21,7 +21,7 @@ from raychat.ray_token import token_for
 from raychat.tasks import Task
 from raychat.tasks.hub_data import task_data_dir
 from raychat.tasks.registry import check_data, graded, held_out, make_task, mixture_tasks, parse_mixture
-from raychat.tasks.sft_data import SFT_DATA, SPLIT_SEED, absolute, sft_data_split
+from raychat.tasks.sft_data import SFT_DATA, SPLIT_SEED, SFTDataRead, absolute, read_sft_data, sft_data_split
 from raychat.tokenizer import Tokenizer
 from raychat.train.launch import COMMANDS, Flags, config_from, resolve_paths, run_training
 from raychat.train.replay_recorder import ReplayRecorder
@@ -29,18 +29,38 @@ from raychat.train.validators import AccuracyValidator, BPBValidator, MeanBPBVal
 
 
 class SFT:
+    """SFT's train spec (raychat.train.launch). --sft-data's files are read and checked once per process (the
+    driver's checks, each worker's row source and validators) and not pickled to the workers: each reads them."""
+
     data_cpus = 0.0  # no Ray Data: conversations are rendered in the workers
 
+    def __init__(self):
+        self.read: tuple[str, SFTDataRead] | None = None  # (--sft-data, its conversations read_sft_data read)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "read": None}
+
+    def own_data(self, cfg: TrainConfig) -> SFTDataRead | None:
+        """cfg's --sft-data conversations, read and checked at the first call (None: no --sft-data).
+
+        Raises:
+            ValueError: as raychat.tasks.sft_data.read_sft_data.
+        """
+        value = cfg.data.sft_data
+        if not value:
+            return None
+        if self.read is None or self.read[0] != value:
+            self.read = (value, read_sft_data(value))
+        return self.read[1]
+
     def row_source(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int) -> SFTRows:
-        d = cfg.data
-        tasks = mixture_tasks(
-            d.sft_tasks, "train", cfg.run.seed, d.task_data_dir, d.sft_data, d.sft_test_size
-        )
+        d, own = cfg.data, self.own_data(cfg)
+        tasks = mixture_tasks(d.sft_tasks, "train", cfg.run.seed, d.task_data_dir, own or "", d.sft_test_size)
         return SFTRows(tasks, cfg.run.seed, tokenizer, cfg.model.seq_len + 1, rank, world)
 
     def validators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
         bpb = []
-        for name, task in validation_tasks(cfg, validation_size(cfg)):
+        for name, task in validation_tasks(cfg, validation_size(cfg), self.own_data(cfg)):
             rows = validation_rows(task, tokenizer, cfg.model.seq_len + 1, world)
             bpb.append(BPBValidator(
                 f"{name}_val_bpb", {k: v[rank::world] for k, v in rows.items()}, tokenizer,
@@ -68,17 +88,17 @@ def held_out_names(cfg: TrainConfig) -> list[str]:
     return list(dict.fromkeys(name for name, _ in names if held_out(name)))
 
 
-def validation_tasks(cfg: TrainConfig, size: int) -> list[tuple[str, Task]]:
+def validation_tasks(cfg: TrainConfig, size: int, own: SFTDataRead | None = None) -> list[tuple[str, Task]]:
     """[(name, held-out task)] of what SFT measures BPB on ("<name>_val_bpb"), at most `size` conversations each:
     held_out_names' test splits, then --sft-data's held-out conversations ("sft-data") where it has some
-    (raychat.tasks.sft_data)."""
+    (raychat.tasks.sft_data; own: its conversations read already, None: read here)."""
     d = cfg.data
     tasks = [
         (name, make_task(name, "test", size, cfg.run.seed, data_dir=d.task_data_dir))
         for name in held_out_names(cfg)
     ]
     if d.sft_data:
-        test = sft_data_split(d.sft_data, d.sft_test_size, size).test
+        test = sft_data_split(own or d.sft_data, d.sft_test_size, size).test
         tasks += [(SFT_DATA, test)] if test is not None else []
     return tasks
 
@@ -112,10 +132,11 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
     if cfg.data.sft_data:
         values["sft_data"] = absolute(cfg.data.sft_data)
     cfg = from_dict(TrainConfig, values, base=cfg)
-    if cfg.data.sft_data:
-        log(sft_data_line(cfg))
-    check_validation_rows(cfg)
-    return run_training(cfg, SFT(), [ReplayRecorder(), *callbacks], dry_run, flags)
+    spec = SFT()  # reads --sft-data once: the line, the checks and the resume check's row source share it
+    if own := spec.own_data(cfg):
+        log(sft_data_line(cfg, own))
+    check_validation_rows(cfg, own)
+    return run_training(cfg, spec, [ReplayRecorder(), *callbacks], dry_run, flags)
 
 
 def check_task_files(cfg: TrainConfig) -> str:
@@ -134,15 +155,15 @@ def check_task_files(cfg: TrainConfig) -> str:
     return data_dir
 
 
-def check_validation_rows(cfg: TrainConfig) -> None:
+def check_validation_rows(cfg: TrainConfig, own: SFTDataRead | None = None) -> None:
     """What every worker's validators build first (SFT.validators), built here to fail in one line, not in each
-    worker after Ray started: each held-out task's packed conversations.
+    worker after Ray started: each held-out task's packed conversations (own: as validation_tasks).
 
     Raises:
         ValueError: "--sft-tasks: task <name>'s held-out conversations (N) fill no row of <T+1> tokens: ..." (a
             longer --seq-len or shorter conversations in its test split keep some), or as resolve_paths.
     """
-    tasks = validation_tasks(cfg, validation_size(cfg))
+    tasks = validation_tasks(cfg, validation_size(cfg), own)
     if not tasks:
         return
     tokenizer = Tokenizer.load(resolve_paths(cfg, writable=False).tokenizer_path)
@@ -154,14 +175,14 @@ def check_validation_rows(cfg: TrainConfig) -> None:
             raise ValueError(f"{flag}: {e} (a longer --seq-len keeps some)") from None
 
 
-def sft_data_line(cfg: TrainConfig) -> str:
+def sft_data_line(cfg: TrainConfig, own: SFTDataRead | None = None) -> str:
     """The line that says how --sft-data splits: how many conversations are trained on, how many held out
-    and from where (its test files, or carved off by --sft-test-size).
+    and from where (its test files, or carved off by --sft-test-size); own: as validation_tasks.
 
     Raises:
         ValueError: as raychat.tasks.sft_data.sft_data_split (a bad record, a missing file: one line)."""
     d = cfg.data
-    split = sft_data_split(d.sft_data, d.sft_test_size)
+    split = sft_data_split(own or d.sft_data, d.sft_test_size)
     line = f"sft data: --sft-data: {plural(len(split.train), 'conversation')} to train on, "
     if split.test is None:
         return line + "none held out (--sft-test-size 0: no sft-data_val_bpb)"

@@ -233,7 +233,8 @@ class Trainer:
     def save(self, step: int, report: dict) -> None:
         """Write this rank's part of checkpoint `step`, commit it with every rank's (raychat.checkpoint_manager),
         then report the step's metrics to Ray Train. Rank 0 first stores metrics.jsonl (object storage: it is
-        PUT at intervals), so every committed step's line is stored and a resumed run's file has no gap."""
+        PUT at intervals), so every committed step's line is stored and a resumed run's file has no gap (a failed
+        write is a warning and the commit goes on: raychat.metrics_sink)."""
         for cb in self.callbacks:
             cb.on_save(self, step)
         if self.metrics is not None:
