@@ -81,6 +81,20 @@ def _refusals(out: Path, flags: Path, pid: int, suffix: str = "") -> set[str]:
     }
 
 
+def _second_is_refused(
+    argv: list[str], prog: str, out: Path, flags: Path, first: Held, capsys, suffix=""
+) -> None:
+    """`raychat <argv>` while `first` holds <out>/lease.json exits 2 with the refusal (_refusals) after
+    "<prog>: error: ", and leaves `out` as it was."""
+    before = _files(out)
+    refusals = _refusals(out, flags, first.proc.pid, suffix)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{prog}: error: ") and err.removeprefix(f"{prog}: error: ") in refusals, err
+    assert _files(out) == before
+
+
 @pytest.fixture
 def source(tmp_path) -> Path:
     src = tmp_path / "src"
@@ -112,13 +126,8 @@ def test_a_second_prepare_into_a_live_ones_out_is_refused_and_the_first_finishes
         (temporary,) = [n for n in before if is_leftover(n)]
         assert sorted(before) == sorted(["lease.json", "shard_00000.parquet", temporary])
         assert temporary.startswith(".shard_00001.parquet.")
-        refusals = _refusals(out, flags, first.proc.pid, "")
-        capsys.readouterr()
-        assert main(["data", "prepare", "--source", str(source), "--out", str(out), "--num-shards", "1"]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("raychat data prepare: error: ")
-        assert err.removeprefix("raychat data prepare: error: ") in refusals, err
-        assert _files(out) == before
+        argv = ["data", "prepare", "--source", str(source), "--out", str(out), "--num-shards", "1"]
+        _second_is_refused(argv, "raychat data prepare", out, flags, first, capsys)
         status, printed = first.go()
     finally:
         first.proc.kill()
@@ -155,14 +164,9 @@ def test_a_second_tokenizer_train_into_a_live_ones_out_is_refused_and_the_first_
         before = _files(out)
         (temporary,) = [n for n in before if is_leftover(n)]
         assert sorted(before) == sorted(["lease.json", temporary])
-        refusals = _refusals(out, flags, first.proc.pid, "  (RAYCHAT_DEBUG=1 shows the traceback)")
         argv = ["tokenizer", "train", "--data-dir", str(data), "--out", str(out), "--vocab-size", "280"]
-        capsys.readouterr()
-        assert main(argv) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("raychat tokenizer: error: ")
-        assert err.removeprefix("raychat tokenizer: error: ") in refusals, err
-        assert _files(out) == before
+        suffix = "  (RAYCHAT_DEBUG=1 shows the traceback)"
+        _second_is_refused(argv, "raychat tokenizer", out, flags, first, capsys, suffix)
         status, printed = first.go()
     finally:
         first.proc.kill()

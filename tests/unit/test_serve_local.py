@@ -470,6 +470,16 @@ def test_a_conversation_beyond_the_context_is_openais_context_length_exceeded(ti
         engine.shutdown()
 
 
+def spy_submits(engine: ChatServer) -> list[list[int]]:
+    """The prompts `engine`'s scheduler is asked to submit from now on, in order (a spy over its submit)."""
+    submitted = []
+    submit = engine.scheduler.submit
+    engine.scheduler.submit = lambda prompt, *a, **kw: (
+        submitted.append(list(prompt)) or submit(prompt, *a, **kw)
+    )
+    return submitted
+
+
 def test_max_tokens_beyond_the_context_is_refused_before_the_engine_sees_it(tiny):
     """prompt + max_tokens over the context was accepted and cut short ("length") at the row's end; now it is
     OpenAI's and vLLM's 400 naming the field as sent and the numbers, on every chat route, streaming or not,
@@ -477,11 +487,7 @@ def test_max_tokens_beyond_the_context_is_refused_before_the_engine_sees_it(tiny
     to 5 tokens (<|bos|> <|user_start|> hi <|user_end|> <|assistant_start|>): 27 of the 32 are left."""
     model, tok = tiny
     engine = ChatServer(model, tok, max_slots=2, max_len=32, model_id="tiny")
-    submitted = []
-    submit = engine.scheduler.submit
-    engine.scheduler.submit = lambda prompt, *a, **kw: (
-        submitted.append(list(prompt)) or submit(prompt, *a, **kw)
-    )
+    submitted = spy_submits(engine)
     hi = [{"role": "user", "content": "hi"}]
     assert len(render_for_completion(tok, hi)) == 5
     try:
@@ -538,11 +544,7 @@ def test_n_choices_are_checked_together_before_any_reaches_the_engine(tiny):
     request, not n), and none is submitted, streaming or not; n=3 that fits submits its 3 choices."""
     model, tok = tiny
     engine = ChatServer(model, tok, max_slots=4, max_len=32, model_id="tiny")
-    submitted = []
-    submit = engine.scheduler.submit
-    engine.scheduler.submit = lambda prompt, *a, **kw: (
-        submitted.append(list(prompt)) or submit(prompt, *a, **kw)
-    )
+    submitted = spy_submits(engine)
     hi, long = USER, [{"role": "user", "content": "tell me about the json module " * 3}]
     n = len(render_for_completion(tok, long))
     over = (
