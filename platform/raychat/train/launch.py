@@ -639,14 +639,20 @@ def gave_up(
     ("worker rank 1 was lost"), `error`'s type and first line, failure `failures` where --max-failures (as
     `flags` names it) allows `allowed`, and the newest committed `checkpoint` the run resumes from when started
     again (None: it starts over)."""
-    full = error if full is None else full
-    log(f"{run}: the failure that ended it, in full:\n{type(full).__name__}: {full}")
+    log_in_full(run, error if full is None else full, log)
     option = flags.option("max_failures")
     return RunGaveUp(
         f"{run} gave up: {failed} ({type(error).__name__}: {first_line(error)}), failure {failures} where "
         f"{option} {allowed} allows {plural(allowed, 'failure')}; started again (a higher {option} survives more), "
         f"{resumes(checkpoint)}"
     )
+
+
+def log_in_full(run: str, full: BaseException | str, log: Callable[[str], None] = log) -> None:
+    """Log what ended `run` in full, above the one line it ends in: an error as "<type>: <message>" (a Ray error's
+    message holds the worker's or actor's traceback), or a traceback's text as it is."""
+    text = full if isinstance(full, str) else f"{type(full).__name__}: {full}"
+    log(f"{run}: the failure that ended it, in full:\n{text}")
 
 
 def resumes(checkpoint: str | None) -> str:
@@ -692,11 +698,7 @@ def stopped_on_error(
     inputs would raise it again), of one line: `run` stopped at `step`, `failed` ("rollout actor 1 raised in its
     rollout of prompts [3, 7]"), `error`'s type and first line, not retried (`why`), `fix` (what to do first)
     and the newest committed `checkpoint` a new start resumes from (None: it starts over)."""
-    full = error if full is None else full
-    log(
-        f"{run}: the failure that ended it, in full:\n"
-        + (full if isinstance(full, str) else f"{type(full).__name__}: {full}")
-    )
+    log_in_full(run, error if full is None else full, log)
     return RunGaveUp(
         f"{run} stopped at step {step}: {failed} ({type(error).__name__}: {first_line(error)}), not retried "
         f"({why}); {fix} and start it again: {resumes(checkpoint)}"
@@ -714,7 +716,7 @@ def controller_gave_up(
     `log`, then return the RunGaveUp of one line: `run` gave up, the controller's own error (its type
     and first line), retried `retries` times (failure_config: 0 for a fixed-size run, whose controller
     failures --max-failures does not count) and the newest committed `checkpoint` a new start resumes from."""
-    log(f"{run}: the failure that ended it, in full:\n{type(error).__name__}: {error}")
+    log_in_full(run, error, log)
     cause = error.controller_failure
     retried = f"retried {plural(retries, 'time')}" if retries else "not retried"
     return RunGaveUp(
