@@ -21,14 +21,19 @@ from support.cluster import RAY_STARTUP_WAIT, _cmdline, _kill_leftovers
 from support.serve_helpers import write_tiny_checkpoint
 from support.serve_process import free_port
 
+# "ready" is printed by _block's first sleep, after _block installed its handler: printed before _block, a
+# SIGTERM could come first and meet the core worker's native handler (abort, exit -6)
 SCRIPT = """
-import sys, ray
+import sys, time, types, ray
 from ray import serve
-from raychat.serve.cli import _block
+from raychat.serve import cli
 ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
 serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[1])})
-print("ready", flush=True)
-sys.exit(_block())
+def sleep_when_ready(seconds):
+    print("ready", flush=True)
+    time.sleep(seconds)
+cli.time = types.SimpleNamespace(sleep=sleep_when_ready)  # cli's own name only: Ray's threads sleep too
+sys.exit(cli._block())
 """
 
 
