@@ -38,7 +38,7 @@ from raychat.log import log, plural
 from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed
 from raychat.rl.objective import pass_at_k
 from raychat.rl.sync import WeightSync
-from raychat.train.launch import first_line
+from raychat.train.launch import error_line
 
 
 def chunk_seed(seed: int, step: int, chunk: int) -> int:
@@ -190,7 +190,7 @@ class RolloutDispatcher:
         self.log(
             f"{what} raised on {raised} of {plural(scored, 'sample')} of {of}, "
             f"{'scored 0' if split == 'train' else 'counted incorrect'} ({self.reward_errors} in all so far; "
-            f"first: {type(error).__name__}: {first_line(error)}, on prompt {first['reward_error_prompt']})"
+            f"first: {error_line(error)}, on prompt {first['reward_error_prompt']})"
         )
 
     def _recover(self, chunk: dict, attempt: int) -> None:

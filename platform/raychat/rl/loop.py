@@ -75,8 +75,8 @@ from raychat.train.launch import (
     COMMANDS,
     Flags,
     changed_options,
+    error_line,
     finished_line,
-    first_line,
     gave_up,
     refuse_resume,
     resumable_checkpoint,
@@ -358,7 +358,7 @@ class RLRun:
                     ) from e
                 self.failures += 1
                 self.log(
-                    f"{lost} ({type(error).__name__}: {first_line(error)}); restart {self.failures} of "
+                    f"{lost} ({error_line(error)}); restart {self.failures} of "
                     f"{self.flags.option('max_failures')} {budget}: starting every actor again and resuming from "
                     "the newest committed checkpoint"
                 )

@@ -623,6 +623,12 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0]
 
 
+def error_line(error: BaseException) -> str:
+    """An exception in one line, as the runs' last lines name it: its type and first_line ("ActorDiedError:
+    The actor died unexpectedly before finishing this task.")."""
+    return f"{type(error).__name__}: {first_line(error)}"
+
+
 def gave_up(
     run: str,
     failed: str,
@@ -642,7 +648,7 @@ def gave_up(
     log_in_full(run, error if full is None else full, log)
     option = flags.option("max_failures")
     return RunGaveUp(
-        f"{run} gave up: {failed} ({type(error).__name__}: {first_line(error)}), failure {failures} where "
+        f"{run} gave up: {failed} ({error_line(error)}), failure {failures} where "
         f"{option} {allowed} allows {plural(allowed, 'failure')}; started again (a higher {option} survives more), "
         f"{resumes(checkpoint)}"
     )
@@ -700,7 +706,7 @@ def stopped_on_error(
     and the newest committed `checkpoint` a new start resumes from (None: it starts over)."""
     log_in_full(run, error if full is None else full, log)
     return RunGaveUp(
-        f"{run} stopped at step {step}: {failed} ({type(error).__name__}: {first_line(error)}), not retried "
+        f"{run} stopped at step {step}: {failed} ({error_line(error)}), not retried "
         f"({why}); {fix} and start it again: {resumes(checkpoint)}"
     )
 
@@ -720,7 +726,7 @@ def controller_gave_up(
     cause = error.controller_failure
     retried = f"retried {plural(retries, 'time')}" if retries else "not retried"
     return RunGaveUp(
-        f"{run} gave up: Ray Train's controller failed ({type(cause).__name__}: {first_line(cause)}), "
+        f"{run} gave up: Ray Train's controller failed ({error_line(cause)}), "
         f"{retried}; started again, {resumes(checkpoint)}"
     )
 
