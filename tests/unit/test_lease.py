@@ -281,13 +281,18 @@ def test_a_renewal_that_read_its_lease_is_not_overwritten_by_a_takeover_nor_over
     assert os.listdir(tmp_path) == ["flags"]  # A released it and the run dir it made: no lock file was left
 
 
-def _starts_at_once(storage, run: str, commands: list[str]) -> tuple[list[RunLease], dict[str, str]]:
-    """One thread per command acquires the lease of `run` at once; (the leases won, {command: refusal})."""
+def _starts_at_once(
+    storage, run: str, commands: list[str], rng: random.Random
+) -> tuple[list[RunLease], dict[str, str]]:
+    """One thread per command acquires the lease of `run` at once, after a delay of up to 5 ms drawn from `rng`;
+    (the leases won, {command: refusal})."""
     won, refused, go = [], {}, threading.Barrier(len(commands))
+    delays = {c: rng.uniform(0, 0.005) for c in commands}
 
     def start(command):
         lease = RunLease(storage, storage.run_path(run), command=command)
         go.wait()
+        time.sleep(delays[command])
         try:
             won.append(lease.acquire())
         except LeaseHeld as e:
@@ -302,9 +307,9 @@ def _starts_at_once(storage, run: str, commands: list[str]) -> tuple[list[RunLea
 
 
 def test_three_starts_taking_over_one_stale_lease_one_wins_in_any_order(tmp_path, monkeypatch):
-    """A's lease is stale and starts B and C take it over at the same moment, 20 times over, each read of the
-    lease delayed by up to 5 ms at random to vary who reads, judges, deletes and creates when: each time exactly
-    one holds the run and the lease file, and the other is refused in one line naming it."""
+    """A's lease is stale and starts B and C take it over at the same moment, 20 times over, each start and each
+    read of the lease delayed by up to 5 ms at random to vary who reads, judges, deletes and creates when: each
+    time exactly one holds the run and the lease file, and the other is refused in one line naming it."""
     rng = random.Random(0)
     real_read = lease_module.read_bytes
 
@@ -318,7 +323,7 @@ def test_three_starts_taking_over_one_stale_lease_one_wins_in_any_order(tmp_path
     for i in range(20):
         path = tmp_path / f"r{i}" / LEASE_FILE
         _write(path, renewed_at=time.time() - 150)
-        won, refused = _starts_at_once(storage, f"r{i}", ["start B", "start C"])
+        won, refused = _starts_at_once(storage, f"r{i}", ["start B", "start C"], rng)
         assert len(won) == 1 and len(refused) == 1, (won, refused)
         (winner,) = won
         (loser_line,) = refused.values()
