@@ -27,11 +27,12 @@ References (find_checkpoint names one; resolve_checkpoint also fetches a remote 
                             the stages asked for (SFT takes a pretraining checkpoint, RL an SFT one)
 A bad reference is a ValueError of one line that names the flag and says what was found (uncommitted
 directories marked as such). A remote checkpoint is downloaded into a cache directory whole or not at all,
-and again only when its commit marker changes. A server pins a run's local checkpoint as a snapshot in
-<run>/served/ (snapshot_checkpoint: hard links, whole or not at all), which pruning never touches. A running
-app marks its snapshot in use every SNAPSHOT_MARK_S (mark_snapshot_used: the directory's modification time);
-each snapshot_checkpoint deletes the run's other snapshots unmarked for SNAPSHOT_UNUSED_S
-(remove_unused_snapshots).
+and again only when its commit marker changes: a new commit under the same name goes to a directory of its
+own, beside the earlier commit's copy, which its readers keep until it is a day unused (resolve_checkpoint).
+A server pins a run's local checkpoint as a snapshot in <run>/served/ (snapshot_checkpoint: hard links, whole
+or not at all), which pruning never touches. A running app marks its snapshot in use every SNAPSHOT_MARK_S
+(mark_snapshot_used: the directory's modification time); each snapshot_checkpoint deletes the run's other
+snapshots unmarked for SNAPSHOT_UNUSED_S (remove_unused_snapshots).
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ _SNAPSHOT = re.compile(rf"{CHECKPOINT_PREFIX}\d+-[0-9a-f]{{12}}")
 # makes its snapshot again).
 SNAPSHOT_MARK_S = 300.0
 SNAPSHOT_UNUSED_S = 24 * 3600.0
+# A cached copy of a remote checkpoint that no resolve_checkpoint has returned for this long, while another
+# commit of that checkpoint's URI is cached, is deleted (remove_unused_versions): a reader that resolved it a
+# day ago has long loaded it.
+CACHE_UNUSED_S = 24 * 3600.0
 
 
 class CheckpointError(ValueError):
@@ -424,12 +429,18 @@ def resolve_checkpoint(
     stages: tuple[str, ...] | None = None,
 ) -> Path:
     """A local directory holding the checkpoint find_checkpoint(ref, storage, flag, stages) names: the
-    directory itself when local; a remote one downloaded to <cache_dir>/<sha256(uri)[:16]>-<name> (default
-    cache: $XDG_CACHE_HOME or ~/.cache, then raychat/checkpoints), checked against its commit marker's sizes
-    and sha256 digests before it takes that name. The processes of a node (the Train workers of a restarted
-    group) fetch one checkpoint once: each holds an exclusive flock on <cache_dir>/.<that name>.lock while it
-    checks the cache and downloads, so the others wait and then find the copy; a copy that a reader may hold
-    open is never replaced while it matches the marker.
+    directory itself when local; a remote one downloaded to
+    <cache_dir>/<key>-<sha256(commit.json)[:12]>-<name> (key: sha256(uri)[:16]; default cache:
+    $XDG_CACHE_HOME or ~/.cache, then raychat/checkpoints), checked against its commit marker's sizes and
+    sha256 digests before it takes that name. A checkpoint committed
+    again under the same URI (a run that re-saved a step after a restart) is another commit marker, so it goes
+    to a directory of its own: the copy of the earlier commit stays as it was for the readers that have it (a
+    serving replica, an eval), until a later resolve of that URI finds it returned by no resolve for
+    CACHE_UNUSED_S (remove_unused_versions). The processes of a node (the Train workers of a restarted group)
+    fetch one checkpoint once: each holds an exclusive flock on <cache_dir>/.<key>-<name>.lock while it checks
+    the cache, downloads and removes unused versions, so the others wait and then find the copy; a copy that a
+    reader may hold open is never replaced while it matches the marker. Each return marks the copy in use
+    (its directory's modification time).
 
     Raises ValueError as find_checkpoint; CheckpointError: a downloaded file differs from the marker; OSError:
     the download failed (nothing is left under the final name)."""
@@ -439,7 +450,8 @@ def resolve_checkpoint(
     where = open_storage(uri, flag)
     commit = read_bytes(where, f"{where.path}/{COMMIT_FILE}")
     cache = Path(cache_dir) if cache_dir else DEFAULT_CACHE
-    dest = cache / f"{hashlib.sha256(uri.encode()).hexdigest()[:16]}-{where.path.rsplit('/', 1)[-1]}"
+    key, name = hashlib.sha256(uri.encode()).hexdigest()[:16], where.path.rsplit("/", 1)[-1]
+    dest = cache / f"{key}-{hashlib.sha256(commit).hexdigest()[:12]}-{name}"
 
     def check(d: Path) -> None:
         if (d / COMMIT_FILE).read_bytes() != commit:
@@ -447,15 +459,39 @@ def resolve_checkpoint(
         verify(d, checksums=True)
 
     cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f".{dest.name}.lock", "a") as lock:
+    with open(cache / f".{key}-{name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its process dies
+        got = None
         if (dest / COMMIT_FILE).is_file() and (dest / COMMIT_FILE).read_bytes() == commit:
             try:
                 verify(dest)
-                return dest
+                got = dest
             except CheckpointError:  # a damaged cached copy: fetched again
                 pass
-        return download_dir(where, where.path, dest, check=check)
+        got = got or download_dir(where, where.path, dest, check=check)
+        os.utime(got)
+        remove_unused_versions(cache, key, name, keep=got.name)
+        return got
+
+
+def remove_unused_versions(
+    cache: Path, key: str, name: str, keep: str, unused_s: float | None = None
+) -> list[str]:
+    """Delete the copies in the checkpoint cache `cache` of the checkpoint whose URI's key is `key` and whose
+    name is `name` (<key>-<12 hex>-<name>, and <key>-<name> of raychat versions that kept one copy per URI),
+    other than `keep`, in which nothing has changed for `unused_s` seconds (default CACHE_UNUSED_S;
+    raychat.atomic.last_change: resolve_checkpoint marks the one it returns). The caller holds the URI's
+    flock. Returns the names deleted, sorted."""
+    unused_s = CACHE_UNUSED_S if unused_s is None else unused_s
+    version = re.compile(rf"{re.escape(key)}(-[0-9a-f]{{12}})?-{re.escape(name)}")
+    removed = []
+    for path in sorted(cache.iterdir()):
+        if path.name == keep or not version.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
+            continue
+        if time.time() - last_change(path) >= unused_s:
+            shutil.rmtree(path, ignore_errors=True)  # a reader's open files keep their data until closed
+            removed.append(path.name)
+    return removed
 
 
 def described(checkpoint: str) -> str:

@@ -18,14 +18,27 @@ starts cannot both win, and no reader sees a half-written lease). Object storage
 pyarrow: a start writes its lease, waits SETTLE_S, reads it back and backs out if another start's write won;
 best-effort, sound when both writes land within SETTLE_S. A takeover deletes the old lease only if it still
 holds what was judged dead or stale (locally: renamed to a temporary name first, then compared, so two starts
-taking one lease over cannot delete each other's new one). Nothing but lease.json and its temporaries
-(raychat.atomic) is ever written, and only through Storage.inside.
+taking one lease over cannot delete each other's new one).
+
+Locally, every read-judge-write of the lease (a start's create or takeover, a renewal, the release) holds an
+exclusive flock on <dir>/.lease.json.lock for those milliseconds (the lock file is deleted by its holder as it
+lets go; a waiter that then finds another file under that name locks that one instead). So a renewal that read
+its own lease cannot write it back over a lease that another start took over meanwhile: the start waits for the
+renewal and then finds a live lease (refused), or the renewal comes after the takeover and finds the new
+holder's lease (this driver stops: LeaseLost). Of two starts taking over one stale lease, the second finds the
+first's new lease and is refused naming it. flock reaches other NFS clients through the server's locking
+(NFSv4, or v3 with lockd; a mount with `nolock` locks per host, where the rename aside above still keeps two
+takeovers from both winning). On object storage a renewal reads, compares and writes; a renewal that overwrites
+a takeover's lease lands within the taking start's SETTLE_S, whose read back then backs it out.
+Nothing but lease.json, its lock file and its temporaries (raychat.atomic) is ever written, and only through
+Storage.inside.
 """
 
 from __future__ import annotations
 
 import _thread
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -42,6 +55,7 @@ from raychat.log import log
 from raychat.storage import Storage, delete_file, open_storage, read_bytes, write_bytes
 
 LEASE_FILE = "lease.json"
+LOCK_FILE = f".{LEASE_FILE}.lock"  # beside the lease: see the module doc
 # A holder renews every 30 s; one not renewed for 120 s (4 renewals missed: a slow object store or a clock
 # skew of tens of seconds between hosts leaves a live holder well inside it) is gone. A dead holder on the same
 # host is known at once, so 120 s is only what a lost holder on another host costs.
@@ -177,18 +191,23 @@ class RunLease:
         # a run directory this start makes goes again with the lease if nothing was written into it (a refusal
         # after the lease, e.g. a layout no node can hold, leaves the root as it found it)
         self._made_dir = parent if self.storage.is_local and not os.path.isdir(parent) else None
+        # the root's own lease (the speedrun's <out>/lease.json) creates the root, as check_writable does
+        self.storage.fs.create_dir(
+            parent if parent == self.storage.path else self.storage.inside(parent), recursive=True
+        )
         for _ in range(5):
-            if self._create(mine):
-                break
-            data = self._read()
-            if data is None:  # released meanwhile: try again
-                continue
-            found = Holder.parse(data)
-            why = self._gone(found)
-            if why is None:
-                raise LeaseHeld(self.refusal(found))
-            log(f"run lease: taking over {self.uri}: {why}")
-            self._delete_if(data)
+            with self._locked():
+                if self._create(mine):
+                    break
+                data = self._read()
+                if data is None:  # released meanwhile: try again
+                    continue
+                found = Holder.parse(data)
+                why = self._gone(found)
+                if why is None:
+                    raise LeaseHeld(self.refusal(found))
+                log(f"run lease: taking over {self.uri}: {why}")
+                self._delete_if(data)
         else:
             raise LeaseHeld(
                 f"{self.uri}: another start took the run's lease at the same moment ({self._hint()})"
@@ -212,9 +231,10 @@ class RunLease:
         if self._old_sigterm is not None and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
             signal.signal(signal.SIGTERM, self._old_sigterm)
         try:
-            data = self._read()
-            if data is not None and self._is_mine(data):
-                self._delete_if(data)
+            with self._locked():
+                data = self._read()
+                if data is not None and self._is_mine(data):
+                    self._delete_if(data)
         except OSError as e:
             log(f"run lease: could not delete {self.uri} ({e}); it goes stale in {STALE_S:g} s")
         if self._made_dir is not None:
@@ -288,13 +308,8 @@ class RunLease:
         return found is not None and self.holder is not None and found.token == self.holder.token
 
     def _create(self, mine: Holder) -> bool:
-        """Write `mine` where no lease is; False when one is there (or, on object storage, another start's
-        write won)."""
-        parent = self.path.rsplit("/", 1)[0]
-        # the root's own lease (the speedrun's <out>/lease.json) creates the root, as check_writable does
-        self.storage.fs.create_dir(
-            parent if parent == self.storage.path else self.storage.inside(parent), recursive=True
-        )
+        """Write `mine` where no lease is (its directory exists); False when one is there (or, on object
+        storage, another start's write won)."""
         if self.storage.is_local:
             return exclusive_write_bytes(self.path, mine.to_bytes())
         if self._read() is not None:
@@ -303,6 +318,35 @@ class RunLease:
         time.sleep(SETTLE_S)
         found = Holder.parse(self._read() or b"")
         return found is not None and found.token == mine.token
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Hold the exclusive flock on the local lease's LOCK_FILE for the block (nothing on object storage);
+        the file is deleted as the block ends. Raises OSError as os.open / fcntl.flock (the lease's directory
+        is gone: FileNotFoundError)."""
+        if not self.storage.is_local:
+            yield
+            return
+        path = self.storage.inside(f"{self.path.rsplit('/', 1)[0]}/{LOCK_FILE}")
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # let go when fd closes, or when this process dies
+                try:
+                    if os.path.samestat(os.fstat(fd), os.stat(path)):
+                        break
+                except FileNotFoundError:  # its holder deleted it as it let go
+                    pass
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.close(fd)
 
     def _delete_if(self, data: bytes) -> None:
         """Delete the lease if it still holds `data` (what was judged), so that a lease another start has just
@@ -335,19 +379,21 @@ class RunLease:
                 log(f"run lease: could not renew {self.uri} ({e}); trying again in {RENEW_S:g} s")
 
     def renew(self) -> bool:
-        """Write renewed_at = now into the lease if it is still this driver's (or was deleted: written again);
-        False when another start has taken it over: logs one line and interrupts the main thread (the run
-        stops; __exit__ raises LeaseLost)."""
-        data = self._read()
-        if data is not None and not self._is_mine(data):
-            self.lost = self.lost_line(Holder.parse(data))
-            log(self.lost)
-            if self._main_thread:
-                _thread.interrupt_main()
-            return False
-        self.holder = Holder(**{**asdict(self.holder), "renewed_at": time.time()})
-        write_bytes(self.storage, self.path, self.holder.to_bytes())
-        return True
+        """Write renewed_at = now into the lease if it is still this driver's (or was deleted: written again),
+        read, compared and written under the lease's lock (see the module doc); False when another start has
+        taken it over: logs one line naming the new holder and interrupts the main thread (the run stops;
+        __exit__ raises LeaseLost). Raises OSError as the storage does (the renewal loop tries again)."""
+        with self._locked():
+            data = self._read()
+            if data is None or self._is_mine(data):
+                self.holder = Holder(**{**asdict(self.holder), "renewed_at": time.time()})
+                write_bytes(self.storage, self.path, self.holder.to_bytes())
+                return True
+        self.lost = self.lost_line(Holder.parse(data))
+        log(self.lost)
+        if self._main_thread:
+            _thread.interrupt_main()
+        return False
 
 
 def output_lease(out: str | os.PathLike, flag: str = "--out") -> RunLease:

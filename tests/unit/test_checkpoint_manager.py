@@ -479,3 +479,69 @@ def test_a_remote_checkpoint_is_checked_against_its_digests(tmp_path, s3_env):
         and lock.name.endswith("-checkpoint_000005.lock")
         and lock.stat().st_size == 0
     )
+
+
+READER_STOPPED_MID_READ = """
+import json
+from raychat.checkpoint_manager import resolve_checkpoint
+d = resolve_checkpoint(REF, cache_dir=CACHE)
+with open(os.path.join(d, "model.safetensors"), "rb") as f:
+    weights = f.read(2)
+    stop()  # the remote is committed again meanwhile, and resolved again
+    weights += f.read()
+with open(os.path.join(d, "meta.json"), "rb") as f:  # opened by its path once the weights are read
+    meta = f.read()
+print(json.dumps({"dir": str(d), "weights": weights.decode(), "meta": meta.decode()}))
+"""
+
+
+def test_a_remote_checkpoint_committed_again_goes_to_a_new_copy_beside_the_one_a_reader_reads(
+    tmp_path, s3_env
+):
+    """A step committed again under the same name on S3 (a run restarted from an earlier step re-saves it)
+    while a reader in another process (an eval, a serving replica) reads the node's cached copy: its files were
+    replaced under it (renamed away and deleted, the new copy under the same name), so a file it opened next by
+    its path was the new commit's (new meta.json beside the old weights). Now each commit has a copy of its own:
+    the reader reads the old one whole, a second resolve gets the new one, and the old copy goes only once no
+    resolve has returned it for CACHE_UNUSED_S (at the next resolve of that checkpoint)."""
+    bucket = s3_env.make_bucket()
+    manager = CheckpointManager(open_storage(f"s3://{bucket}/runs"), "pre")
+
+    def commit_step_3(weights: bytes, meta: dict) -> str:
+        manager.prepare(3)
+        files = manager.upload(
+            part(
+                tmp_path / weights.decode(),
+                {"model.safetensors": weights, "meta.json": json.dumps(meta).encode()},
+            ),
+            3,
+        )
+        return manager.commit(3, [files], "pretrain")
+
+    uri = commit_step_3(b"old weights", {"run": "first"})
+    cache = tmp_path / "cache"
+    code = READER_STOPPED_MID_READ.replace("REF", repr(uri)).replace("CACHE", repr(str(cache)))
+    reader = Held(code, tmp_path / "reader")
+    assert commit_step_3(b"new weights", {"run": "restarted"}) == uri
+    new = resolve_checkpoint(uri, cache_dir=cache)
+    assert (new / "model.safetensors").read_bytes() == b"new weights"
+    assert json.loads((new / "meta.json").read_text()) == {"run": "restarted"}
+    status, out = reader.go()
+    assert status == 0, out
+    read = json.loads(out)
+    assert (read["weights"], json.loads(read["meta"])) == ("old weights", {"run": "first"})
+    old = Path(read["dir"])
+    assert old != new and old.parent == new.parent == cache
+    assert (old / "model.safetensors").read_bytes() == b"old weights"  # still there for its readers
+    key = old.name.split("-")[0]
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [f".{key}-checkpoint_000003.lock", old.name, new.name]
+    )
+    age(old, cm.CACHE_UNUSED_S - 60)
+    assert (
+        resolve_checkpoint(uri, cache_dir=cache) == new and old.is_dir()
+    )  # unused for less than a day: kept
+    age(old, cm.CACHE_UNUSED_S + 60)
+    assert resolve_checkpoint(uri, cache_dir=cache) == new
+    assert sorted(p.name for p in cache.iterdir()) == sorted([f".{key}-checkpoint_000003.lock", new.name])
+    assert (new / "model.safetensors").read_bytes() == b"new weights"

@@ -4,9 +4,11 @@ holder's (kill -9, a reused pid) and a stale holder's lease taken over, renewal,
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.stopped_writer import Held
 
 from raychat import lease as lease_module
 from raychat.lease import LEASE_FILE, Holder, LeaseHeld, LeaseLost, RunLease
@@ -189,14 +192,16 @@ def test_a_lease_not_renewed_for_120_s_is_stale_and_taken_over(tmp_path, capsys)
     )
 
 
-def test_two_starts_taking_over_one_stale_lease_cannot_both_win(tmp_path, monkeypatch):
-    """Two starts judge one stale lease at once. The second takes it over and writes its own lease at the moment
-    the first deletes the one it judged: the first deleted the second's lease instead (it had read the file, then
+def test_two_starts_taking_over_one_stale_lease_cannot_both_win_without_a_shared_lock(tmp_path, monkeypatch):
+    """Two starts judge one stale lease at once, where the lease's flock is not shared between them (an NFS
+    mount with `nolock` locks per host). The second takes it over and writes its own lease at the moment the
+    first deletes the one it judged: the first deleted the second's lease instead (it had read the file, then
     deleted whatever was there) and both held the run, writing it side by side until the second's next renewal.
     Now the first deletes only the lease it judged: the second holds the run and the first is refused."""
     path = tmp_path / "r" / LEASE_FILE
     _write(path, renewed_at=time.time() - 150)
     first, second = _lease(tmp_path), _lease(tmp_path)
+    second._locked = contextlib.nullcontext  # the other host's start: the first's lock does not hold it back
     real, calls, won = lease_module.delete_file, [], []
 
     def delete_file(storage, at):
@@ -211,6 +216,124 @@ def test_two_starts_taking_over_one_stale_lease_cannot_both_win(tmp_path, monkey
     assert won == [second] and Holder.parse(path.read_bytes()) == second.holder
     second.release()
     assert sorted(os.listdir(tmp_path / "r")) == []
+
+
+RENEW_STOPPED_AFTER_ITS_READ = """
+from dataclasses import replace
+from raychat import lease as lease_module
+from raychat.lease import RunLease
+from raychat.storage import open_storage, write_bytes
+lease_module.RENEW_S = 3600.0  # renew() is called below, once
+s = open_storage(ROOT)
+lease = RunLease(s, s.run_path("r"), command="holder A").acquire()
+lease.holder = replace(lease.holder, renewed_at=time.time() - 150)  # not renewed for 150 s (a stopped process)
+write_bytes(s, lease.path, lease.holder.to_bytes())
+real = lease._read
+def read():
+    data = real()
+    stop()
+    return data
+lease._read = read
+print(lease.renew(), flush=True)
+lease._read = real
+while not os.path.exists(os.path.join(FLAGS, "end")):
+    time.sleep(0.05)
+lease.release()
+"""
+
+
+def test_a_renewal_that_read_its_lease_is_not_overwritten_by_a_takeover_nor_overwrites_it(tmp_path):
+    """Driver A (a process of its own) has not renewed for 150 s and renews just as start B takes its stale lease
+    over: A reads its own lease and stops there. B took the lease over in that moment and A then wrote its renewed
+    lease over B's (a read, then a write): both held the run. Now A holds the lease's lock from its read to its
+    write, so B waits for A's renewal and then finds a live lease: refused, naming A; A goes on holding it."""
+    held = Held(RENEW_STOPPED_AFTER_ITS_READ.replace("ROOT", repr(str(tmp_path))), tmp_path / "flags")
+    path = tmp_path / "r" / LEASE_FILE
+    a = Holder.parse(path.read_bytes())
+    assert a.command == "holder A" and time.time() - a.renewed_at > 149
+    refused: list[str] = []
+    b = _lease(tmp_path)
+
+    def start_b():
+        try:
+            b.acquire()
+        except LeaseHeld as e:
+            refused.append(str(e))
+
+    thread = threading.Thread(target=start_b)
+    try:
+        thread.start()
+        thread.join(timeout=1.0)
+        assert thread.is_alive()  # B waits for the lock A holds mid-renewal
+        (held.flags / "go").touch()
+        assert held.proc.stdout.readline() == "True\n"  # A renewed its own lease
+        thread.join(timeout=30)
+        assert b.holder is None and len(refused) == 1
+        assert f"is held by pid {held.proc.pid} on {socket.gethostname()}, started " in refused[0]
+        assert refused[0].split(", renewed ")[1].startswith("0 s ago (holder A); wait for it to end")
+        now = Holder.parse(path.read_bytes())
+        assert now.token == a.token and time.time() - now.renewed_at < 30
+    finally:
+        (held.flags / "go").touch()
+        (held.flags / "end").touch()
+        assert held.proc.wait(30) == 0
+        b.release()
+    assert os.listdir(tmp_path) == ["flags"]  # A released it and the run dir it made: no lock file was left
+
+
+def _starts_at_once(
+    storage, run: str, commands: list[str], rng: random.Random
+) -> tuple[list[RunLease], dict[str, str]]:
+    """One thread per command acquires the lease of `run` at once, after a delay of up to 5 ms drawn from `rng`;
+    (the leases won, {command: refusal})."""
+    won, refused, go = [], {}, threading.Barrier(len(commands))
+    delays = {c: rng.uniform(0, 0.005) for c in commands}
+
+    def start(command):
+        lease = RunLease(storage, storage.run_path(run), command=command)
+        go.wait()
+        time.sleep(delays[command])
+        try:
+            won.append(lease.acquire())
+        except LeaseHeld as e:
+            refused[command] = str(e)
+
+    threads = [threading.Thread(target=start, args=(c,)) for c in commands]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return won, refused
+
+
+def test_three_starts_taking_over_one_stale_lease_one_wins_in_any_order(tmp_path, monkeypatch):
+    """A's lease is stale and starts B and C take it over at the same moment, 20 times over, each start and each
+    read of the lease delayed by up to 5 ms at random to vary who reads, judges, deletes and creates when: each
+    time exactly one holds the run and the lease file, and the other is refused in one line naming it."""
+    rng = random.Random(0)
+    real_read = lease_module.read_bytes
+
+    def jittered_read(storage, path):
+        time.sleep(rng.uniform(0, 0.005))
+        return real_read(storage, path)
+
+    monkeypatch.setattr(lease_module, "read_bytes", jittered_read)
+    storage = open_storage(tmp_path)
+    winners = set()
+    for i in range(20):
+        path = tmp_path / f"r{i}" / LEASE_FILE
+        _write(path, renewed_at=time.time() - 150)
+        won, refused = _starts_at_once(storage, f"r{i}", ["start B", "start C"], rng)
+        assert len(won) == 1 and len(refused) == 1, (won, refused)
+        (winner,) = won
+        (loser_line,) = refused.values()
+        assert Holder.parse(path.read_bytes()) == winner.holder
+        assert f"is held by pid {os.getpid()} on {socket.gethostname()}," in loser_line
+        assert f"({winner.command}); wait for it to end" in loser_line and "\n" not in loser_line
+        winners.add(winner.command)
+        winner.release()
+        assert os.listdir(tmp_path / f"r{i}") == []
+    assert winners == {"start B", "start C"}  # both orders were seen
 
 
 def test_a_file_that_is_not_a_lease_is_judged_by_its_age(tmp_path, capsys):

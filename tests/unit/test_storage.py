@@ -160,6 +160,12 @@ def test_an_uploaded_directory_is_readable_by_others_not_private_like_its_stagin
 # ---------------------------------------------------------------------------------------------- S3 (moto)
 
 
+def lock_of(copy: Path) -> str:
+    """The flock file's name of the cached copy `copy` (<key>-<12 hex>-<name>): one per URI, .<key>-<name>.lock"""
+    key, _, name = copy.name.split("-", 2)
+    return f".{key}-{name}.lock"
+
+
 def _upload(local: Path, fs: pafs.FileSystem, dest: str) -> None:
     pafs.copy_files(str(local), dest, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
 
@@ -196,7 +202,7 @@ def test_s3_root_resolves_downloads_once_and_never_uses_a_half_download(runs, s3
     monkeypatch.setattr(st.pafs, "copy_files", broken_copy)
     with pytest.raises(OSError, match="connection reset"):
         resolve_checkpoint(f"s3://{bucket}/runs/pre/latest", cache_dir=cache)
-    assert sorted(p.name for p in cache.iterdir()) == [f".{got.name}.lock", got.name]  # no temporary dir
+    assert sorted(p.name for p in cache.iterdir()) == [lock_of(got), got.name]  # no temporary dir
     monkeypatch.setattr(st.pafs, "copy_files", real_copy)
     again = resolve_checkpoint(f"s3://{bucket}/runs/pre/latest", cache_dir=cache)
     assert again == got and (again / "meta.json").read_text() == (src / "meta.json").read_text()
@@ -256,7 +262,7 @@ def test_a_killed_fetchs_staging_is_removed_and_a_fetch_beside_a_live_one_waits_
         got = waiting.result(timeout=60)
     assert (status, out) == (0, f"{got}\n") and got.name.endswith("-checkpoint_000005")
     assert copies == []  # the waiting fetch found the live one's copy
-    assert sorted(p.name for p in cache.iterdir()) == [f".{got.name}.lock", got.name]
+    assert sorted(p.name for p in cache.iterdir()) == [lock_of(got), got.name]
     src = runs / "pre" / "checkpoint_000005"
     assert {p.name: p.read_bytes() for p in got.iterdir()} == {p.name: p.read_bytes() for p in src.iterdir()}
 
