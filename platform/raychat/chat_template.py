@@ -389,6 +389,23 @@ def render_conversation(
     return rendered
 
 
+def fewest_tokens(tokenizer: Tokenizer, conversation: Mapping | Sequence) -> int:
+    """The smallest max_tokens (a row's T+1) at which render_conversation keeps `conversation`, not dropped: its
+    most recent exchanges, as few as hold a supervised token, with BOS and the system message.
+
+    Raises:
+        ValueError: as render_conversation (an invalid conversation)."""
+    messages = messages_of(conversation)
+    validate_messages(messages)
+    system = 0 if messages and messages[0]["role"] == "system" else None
+    groups = _exchanges(messages)
+    for first in range(len(groups) - 1, 0, -1):
+        b = _build(tokenizer, messages, groups[first:], system)
+        if any(s.supervised and s.end > s.start for s in b.spans):
+            return len(b)
+    return len(_build(tokenizer, messages, groups, system))
+
+
 def check_supervision(ids: Sequence[int], supervised: Sequence[int], roles: Sequence[str]) -> None:
     """Guard: a sample holding assistant tokens must have at least one supervised token.
 

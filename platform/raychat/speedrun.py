@@ -68,7 +68,7 @@ from raychat.train.layout import (
     start_or_connect,
     starts_local_cluster,
 )
-from raychat.train.plan import make_plan
+from raychat.train.plan import check_seq_len, make_plan
 from raychat.train.pretrain import Pretraining, pretrain
 from raychat.train.sft import SFT, check_task_files, sft
 
@@ -137,7 +137,7 @@ def check_stages(config: SpeedrunConfig, preset: str) -> None:
             check_sft_seq_len(sft_cfg, cfg, preset)
             check_batch(sft_cfg)
             check_task_files(sft_cfg)
-            if sft_cfg.data.sft_data:
+            if sft_cfg.data.sft_data:  # read once per process: the SFT stage splits what this read
                 sft_data_split(sft_cfg.data.sft_data, sft_cfg.data.sft_test_size)
             if local:
                 check_local_layout(
@@ -171,17 +171,15 @@ def check_batch(cfg: TrainConfig) -> None:
 
 def check_sft_seq_len(sft_cfg: TrainConfig, pretrain_cfg: TrainConfig, preset: str) -> None:
     """SFT's seq_len is at most pretraining's: the max_seq_len of the pretraining checkpoint SFT starts from
-    (SFT's make_plan refuses a longer one once that checkpoint exists: raychat.train.plan.check_seq_len).
+    (raychat.train.plan.check_seq_len, made before that checkpoint exists, naming the preset's keys).
 
     Raises:
-        ConfigError: naming the preset's keys, both lengths and the allowed range."""
-    seq_len, most = sft_cfg.model.seq_len, pretrain_cfg.model.seq_len
-    if seq_len > most:
-        sft_key, train_key = _option(preset, "sft")("seq_len"), _option(preset, "pretrain")("seq_len")
-        raise ConfigError(
-            f"{sft_key} {seq_len}: SFT starts from the pretraining checkpoint, whose max_seq_len is {train_key} "
-            f"{most} (its checkpoints keep it: serving and evaluation stop there); allowed: 1..{most}"
-        )
+        ConfigError: "sft.seq_len 128: the pretraining checkpoint (train.seq_len) has max_seq_len 64 (...);
+            allowed: 1..64"."""
+    sft_key, train_key = _option(preset, "sft")("seq_len"), _option(preset, "pretrain")("seq_len")
+    check_seq_len(
+        sft_cfg.model.seq_len, pretrain_cfg.model.seq_len, f"{STARTS_FROM['sft']} ({train_key})", sft_key
+    )
 
 
 def check_roots(config: SpeedrunConfig) -> None:

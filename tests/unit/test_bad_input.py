@@ -47,6 +47,7 @@ from raychat.model import GPT, ModelConfig
 from raychat.speedrun import reused_tokenizer_line
 from raychat.storage import open_storage
 from raychat.tasks import loaders, spelling
+from raychat.tasks.sft_data import forget_read
 from raychat.tokenizer import Tokenizer
 from raychat.train import launch, sft
 from raychat.train.checkpointer import Checkpointer
@@ -1353,11 +1354,13 @@ def test_sft_data_is_read_once_by_the_driver_and_once_by_each_worker(root, drive
             f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer", "--sft-data", str(tmp_path / "train.jsonl"),
             "--sft-tasks", ""]  # fmt: skip
     _commit_step(*driver(argv), step=1)  # of its 2 steps: the run below resumes it
+    forget_read()  # the run below is a new process
     reads.clear()
     cfg, _, _, _ = driver(argv)
     each_once = [[tmp_path / "train.jsonl"], [tmp_path / "test.jsonl"]]
     assert reads == each_once
     reads.clear()
+    forget_read()  # a worker is another process
     worker = ray.cloudpickle.loads(ray.cloudpickle.dumps(specs[-1]))  # as Ray Train hands it to each worker
     tokenizer, cpu = Tokenizer.load(cfg.data.tokenizer_path), torch.device("cpu")
     assert len(worker.row_source(cfg, tokenizer, 0, 1).fingerprint()["mixture"]["tasks"]) == 1
@@ -1365,6 +1368,88 @@ def test_sft_data_is_read_once_by_the_driver_and_once_by_each_worker(root, drive
         "sft-data_val_bpb", "val_bpb"
     ]  # fmt: skip
     assert reads == each_once
+
+
+def test_a_speedrun_reads_its_sft_data_once(speedrun_out, driver, tmp_path, monkeypatch):
+    """The speedrun read --sft-data's files in its check before the first stage and again when SFT started (in
+    the same process): now once (raychat.tasks.sft_data.read_sft_data), counted by a spy on the function that
+    reads a data file."""
+    out, _ = speedrun_out
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"{i}?"}, {"role": "assistant", "content": f"{i}"}]}) + "\n" for i in range(12)))  # fmt: skip
+    preset = yaml.safe_load(resources.files("raychat").joinpath("presets/tiny.yaml").read_text())
+    preset["sft"]["sft_data"] = str(tmp_path / "train.jsonl")
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(preset))
+    argv = ["speedrun", "--preset", str(tmp_path / "mine.yaml"), "--out", str(out)]
+    _commit_step(*driver(argv), step=4)  # pretraining finished: the next invocation reaches SFT's Ray
+    forget_read()  # the invocation below is a new process
+    reads, read = [], loaders.located_records
+    monkeypatch.setattr(loaders, "located_records", lambda path, *a: reads.append(path) or read(path, *a))
+    cfg, _, _, _ = driver(argv)
+    assert cfg.run.stage == "sft" and reads == [[tmp_path / "train.jsonl"]]
+
+
+def _too_long(n: int, words: int) -> list[dict]:
+    """n one-exchange conversations whose user message is `words` + i words, answered "ok"."""
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": "word " * (words + i)},
+                {"role": "assistant", "content": "ok"},
+            ]
+        }
+        for i in range(n)
+    ]
+
+
+def _tokens(tokenizer: Tokenizer, conversation: dict) -> int:
+    """A one-exchange conversation's rendered length: its text's tokens and 5 markers (BOS, user start and end,
+    assistant start and end)."""
+    return sum(len(tokenizer.encode(m["content"])) for m in conversation["messages"]) + 5
+
+
+@pytest.mark.parametrize("words", [40, 400])
+def test_sft_on_conversations_none_of_which_fits_a_row_is_refused_before_ray(words, root, tmp_path, capsys):
+    """Every conversation longer than --seq-len + 1, even its one exchange: each worker's row source skipped them
+    all and raised "every SFT sample was dropped by truncation", after Ray and the worker group had started. Now
+    the driver refuses in one line: how many, how long, and the --seq-len that keeps some, or, past the
+    checkpoint's max_seq_len (256), that shorter conversations are needed."""
+    convs = _too_long(20, words)
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
+    tok = Tokenizer.load(root / "tokenizer")
+    lengths = sorted(_tokens(tok, c) for c in convs)
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s11", "--init-from",
+            f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer", "--sft-data", str(tmp_path / "mine.jsonl"),
+            "--sft-test-size", "0", "--sft-tasks", "", "--seq-len", "32"]  # fmt: skip
+    line = _fails_in_one_line(argv, capsys)
+    head = (
+        "raychat sft: error: --seq-len 32: none of the 20 training conversations (--sft-data) fits a row of 33 "
+        f"tokens, not even its most recent exchange: they hold {lengths[0]}..{lengths[-1]} tokens, and keeping "
+        f"one needs a row of {lengths[0]}"
+    )
+    tail = "  (RAYCHAT_DEBUG=1 shows the traceback)"
+    if lengths[0] <= 257:
+        assert line == f"{head}: --seq-len {lengths[0] - 1}..256 keeps some{tail}"
+    else:
+        assert line == (
+            f"{head} (--seq-len {lengths[0] - 1}), above the --init-from checkpoint {root}/pretrain/checkpoint_000004's "
+            f"max_seq_len 256 (allowed: 1..256): shorter conversations are needed{tail}"
+        )
+    assert (lengths[0] <= 257) == (words == 40)
+    assert not (root / "s11").exists()
+
+
+def test_sft_on_conversations_some_of_which_fit_a_row_starts(root, driver, tmp_path, capsys):
+    """One conversation that fits, or a mixture task whose conversations fit, is enough: the others are skipped and
+    counted by the workers as before (README "Your own conversations")."""
+    short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(c) + "\n" for c in [*_too_long(19, 40), short]))
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s12", "--init-from",
+            f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer", "--sft-data", str(tmp_path / "mine.jsonl"),
+            "--sft-test-size", "0", "--seq-len", "32"]  # fmt: skip
+    driver([*argv, "--sft-tasks", ""])  # reaches Ray
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(c) + "\n" for c in _too_long(20, 40)))
+    driver([*argv, "--sft-tasks", "spelling:50"])  # some of spelling's fit
 
 
 def test_resuming_a_run_whose_checkpoint_has_no_data_state(root, capsys):

@@ -3,6 +3,7 @@ import pytest
 from raychat.chat_template import (
     TEMPLATE_VERSION,
     check_supervision,
+    fewest_tokens,
     render_conversation,
     render_for_completion,
     render_tool_output,
@@ -264,3 +265,19 @@ def test_zero_target_samples_are_dropped_and_counted(small_tokenizer):
     assert (stats.samples, stats.dropped, stats.truncated) == (3, 2, 0)
     assert stats.targets_after == len(tok.encode("r")) + 1
     assert stats.targets_before == 2 * (len(tok.encode("word " * 100)) + 1) + (len(tok.encode("r")) + 1)
+
+
+def test_fewest_tokens_is_the_row_that_keeps_a_conversation(small_tokenizer):
+    """The row length at which truncation keeps a conversation: its system message and most recent exchange
+    rendered alone; when that exchange has no target (the conversation ends with a user message), the one before
+    it too. One token less and the conversation is dropped."""
+    tok = small_tokenizer
+    system = {"role": "system", "content": "Be brief."}
+    ends_answered = [system, u("first " * 9), a("one " * 9), u("second"), a("two")]
+    ends_asking = [u("first"), a("one " * 5), u("second " * 9)]
+    for conversation, kept in ((ends_answered, [system, u("second"), a("two")]), (ends_asking, ends_asking)):
+        fewest = fewest_tokens(tok, conversation)
+        assert fewest == len(render_conversation(tok, kept).ids)
+        assert not render_conversation(tok, conversation, max_tokens=fewest).dropped
+        assert render_conversation(tok, conversation, max_tokens=fewest - 1).dropped
+    assert fewest_tokens(tok, ends_answered) < len(render_conversation(tok, ends_answered).ids)

@@ -3,15 +3,26 @@ their byte-weighted mean as val_bpb, and rank 0's greedy accuracy per task."""
 
 from __future__ import annotations
 
+import json
 import math
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from raychat.config import from_dict
 from raychat.model import GPT, ModelConfig
+from raychat.tokenizer import Tokenizer
 from raychat.train.sft import SFT, sft_defaults
 from raychat.train.validators import AccuracyValidator, BPBValidator, MeanBPBValidator
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def validators(tokenizer, tasks: str, rank: int = 0, world: int = 1):
@@ -64,3 +75,58 @@ def test_val_bpb_is_the_byte_weighted_mean_of_the_tasks(small_tokenizer):
     assert values["val_bpb"] == pytest.approx((n1 + n2) / (math.log(2) * (b1 + b2)))
     assert min(values["calculator_val_bpb"], values["spelling_val_bpb"]) < values["val_bpb"]
     assert values["val_bpb"] < max(values["calculator_val_bpb"], values["spelling_val_bpb"])
+
+
+ANSWERS = ["a" * 30, "b" * 34, "c" * 38]  # one row each (seq_len below): no two fit together
+
+
+def _held_out_rows(rank: int, port: int, tok_dir: str, data: str, seq_len: int, out) -> None:
+    """Rank `rank` of 2 gloo ranks: SFT's validators of --sft-data `data` (as each Ray Train worker builds them)
+    on a model whose lm_head is all zeros; out[rank]: its rows and the all-reduced sums."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        tok = Tokenizer.load(tok_dir)
+        cfg = from_dict(
+            type(sft_defaults()),
+            {"sft_tasks": "", "sft_data": data, "seq_len": seq_len, "tokenizer_path": tok_dir},
+            base=sft_defaults(),
+        )
+        bpb, mean = SFT().validators(cfg, tok, rank, 2, torch.device("cpu"), None)
+        model = GPT(ModelConfig.from_depth(1, tok.vocab_size, seq_len, aspect_ratio=64, head_dim=32))
+        torch.nn.init.zeros_(model.init_weights(0).lm_head.weight)
+        values = {**bpb.validate(model, 1, 1), **mean.validate(model, 1, 1)}
+        out[rank] = {"rows": len(bpb.rows["input_ids"]), "sums": bpb.last_sums, "values": values}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("held_out", [1, 3])
+def test_validation_bpb_is_over_every_held_out_row_on_two_workers(held_out, small_tokenizer, tmp_path):
+    """Held-out rows fewer than the workers (1 row, 2 workers: rank 1's share is empty) or not a multiple of them
+    (3 rows: the third was dropped, the row count rounded down to a multiple of the workers, so the BPB depended
+    on the number of workers). Every row counts now, on 2 real gloo ranks: with lm_head all zeros each target
+    costs ln(V) nats, and the targets with bytes are the answers' tokens (each <|assistant_end|> has 0 bytes), so
+    the sums are ln(V) x their tokens and their UTF-8 bytes, worked out from the answers alone."""
+    tok = small_tokenizer
+    tok.save(tmp_path / "tok")
+    chat = lambda a: {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": a}]}  # noqa: E731
+    (tmp_path / "train.jsonl").write_text(json.dumps(chat("t")) + "\n")
+    answers = ANSWERS[:held_out]
+    (tmp_path / "test.jsonl").write_text("".join(json.dumps(chat(a)) + "\n" for a in answers))
+    lengths = [len(tok.encode("q")) + len(tok.encode(a)) + 5 for a in ANSWERS]  # 5 markers: BOS, 2 per turn
+    assert max(lengths) < min(lengths) * 2  # a row of max(lengths) tokens holds one conversation, never two
+    with mp.Manager() as manager:
+        out = manager.dict()
+        args = (_free_port(), str(tmp_path / "tok"), str(tmp_path / "train.jsonl"), max(lengths) - 1, out)
+        mp.spawn(_held_out_rows, args=args, nprocs=2, join=True)
+        results = dict(out)
+    assert sorted(results[r]["rows"] for r in (0, 1)) == ([0, 1] if held_out == 1 else [1, 2])
+    tokens = sum(len(tok.encode(a)) for a in answers)
+    nbytes = sum(len(a.encode()) for a in answers)
+    assert nbytes == {1: 30, 3: 102}[held_out]
+    for r in (0, 1):
+        nats, got_bytes = results[r]["sums"]
+        assert got_bytes == nbytes and nats == pytest.approx(tokens * math.log(tok.vocab_size), rel=1e-6)
+        want = tokens * math.log2(tok.vocab_size) / nbytes
+        assert results[r]["values"]["sft-data_val_bpb"] == pytest.approx(want, rel=1e-6)
+        assert results[r]["values"]["val_bpb"] == pytest.approx(want, rel=1e-6)

@@ -53,8 +53,8 @@ def _gsm8k_missing(data: str, key: str) -> str:
         ),
         (  # the pretraining checkpoint SFT starts from has max_seq_len train.seq_len
             {"sft": {"seq_len": 128, "total_batch_size": 1024}},
-            "sft.seq_len 128: SFT starts from the pretraining checkpoint, whose max_seq_len is train.seq_len 64 "
-            "(its checkpoints keep it: serving and evaluation stop there); allowed: 1..64",
+            "sft.seq_len 128: the pretraining checkpoint (train.seq_len) has max_seq_len 64 (its checkpoints keep "
+            "it: serving and evaluation stop there); allowed: 1..64",
         ),
     ],
 )

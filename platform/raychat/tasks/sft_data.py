@@ -27,6 +27,7 @@ from raychat.tasks.loaders import SmolTalk
 
 SFT_DATA = "sft-data"  # the task's name: its examples' ids, its metrics ("sft-data_val_bpb")
 SPLIT_SEED = 42  # the order the held-out conversations are carved off in (as the hub tasks' HUB_ORDER_SEED)
+_read: list = []  # [the files' (path, size, mtime_ns), what read_sft_data read of them]: this process's read
 
 
 class SFTData(SmolTalk):
@@ -114,19 +115,34 @@ class SFTDataRead(NamedTuple):
 
 def read_sft_data(value: str) -> SFTDataRead:
     """Read the files of an --sft-data value and check every record, train and test files alike, in a seeded
-    order (SPLIT_SEED). A stage reads them once per process and splits what it read (sft_data_split).
+    order (SPLIT_SEED). Read once per process: a later call for the same files (by absolute path, the value
+    named relative or not) returns what the first read while none of them changed (size and mtime); the
+    latest read is kept, one value's. Every stage's reader (the driver's checks, the speedrun's check before
+    its first stage, each worker's row source and validators) comes here and splits what it read
+    (sft_data_split).
 
     Raises:
         ValueError: one line: as sft_data_files; "--sft-data: <file> line <n>: <field>: <what is wrong> (K of N
             records are bad)" (SmolTalk), an empty file.
     """
     files = sft_data_files(value)
+    key = tuple(
+        (str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in (*files.train, *files.test)
+    )
+    if _read and _read[0] == key:
+        return _read[1]
     try:
         train = SFTData(list(files.train), seed=SPLIT_SEED)
         test = SFTData(list(files.test), seed=SPLIT_SEED) if files.test else None
     except (FileNotFoundError, ValueError) as e:
         raise ValueError(f"--sft-data: {e}") from None
-    return SFTDataRead(train, test)
+    _read[:] = [key, SFTDataRead(train, test)]
+    return _read[1]
+
+
+def forget_read() -> None:
+    """Drop this process's read (read_sft_data): the next call reads the files again, as a new process would."""
+    _read.clear()
 
 
 def sft_data_split(data: str | SFTDataRead, test_size: float, size: int | None = None) -> SFTDataSplit:

@@ -79,7 +79,7 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
     m, h, batch = cfg.model, cfg.train.horizon, cfg.train.batch
     if cfg.run.init_from:
         model_config = ModelConfig(**read_meta(cfg.run.init_from)["model_config"])
-        check_seq_len(m.seq_len, model_config.max_seq_len, cfg.run.init_from)
+        check_seq_len(m.seq_len, model_config.max_seq_len, f"the --init-from checkpoint {cfg.run.init_from}")
     else:
         model_config = ModelConfig.from_depth(
             m.depth, vocab_size, m.seq_len, m.aspect_ratio, m.head_dim, m.kv_group
@@ -134,17 +134,24 @@ def make_plan(cfg: TrainConfig, vocab_size: int) -> Plan:
     )
 
 
-def check_seq_len(seq_len: int, max_seq_len: int, init_from: str) -> None:
-    """Refuse rows longer than the --init-from model's max_seq_len: the run would train positions past it while
-    its checkpoints keep the init's max_seq_len, so serving and evaluation never use them.
+def check_seq_len(seq_len: int, max_seq_len: int, checkpoint: str, option: str = "--seq-len") -> None:
+    """Refuse rows longer than the max_seq_len of the checkpoint a run starts from: the run would train positions
+    past it while its checkpoints keep that max_seq_len, so serving and evaluation never use them. The one
+    check of this for every command: `raychat sft` / `pretrain --init-from` (make_plan) and the speedrun's
+    SFT before its first stage (raychat.speedrun.check_stages).
 
+    Args:
+        checkpoint: how the line names that checkpoint ("the --init-from checkpoint <path>"; the speedrun's
+            "the pretraining checkpoint (train.seq_len)"). option: how it names --seq-len (the speedrun:
+            "sft.seq_len").
     Raises:
-        ConfigError: naming --seq-len, the checkpoint's max_seq_len and the allowed range.
+        ConfigError: "<option> <seq_len>: <checkpoint> has max_seq_len <max_seq_len> (...); allowed:
+            1..<max_seq_len>".
     """
     if seq_len > max_seq_len:
         raise ConfigError(
-            f"--seq-len {seq_len}: the --init-from checkpoint {init_from} has max_seq_len {max_seq_len} (its "
-            f"checkpoints keep it: serving and evaluation stop there); allowed: 1..{max_seq_len}"
+            f"{option} {seq_len}: {checkpoint} has max_seq_len {max_seq_len} (its checkpoints keep it: serving "
+            f"and evaluation stop there); allowed: 1..{max_seq_len}"
         )
 
 

@@ -13,14 +13,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from raychat.config import SFT_DEFAULTS, TrainConfig, from_dict
+from raychat.checkpoint import read_meta
+from raychat.config import SFT_DEFAULTS, ConfigError, TrainConfig, from_dict
 from raychat.config.schema import shown
-from raychat.data.loader.sft_rows import SFTRows, validation_rows
+from raychat.data.loader.sft_rows import SFTRows, none_fits, validation_rows
 from raychat.log import log, plural
+from raychat.model import ModelConfig
 from raychat.ray_token import token_for
 from raychat.tasks import Task
 from raychat.tasks.hub_data import task_data_dir
-from raychat.tasks.registry import check_data, graded, held_out, make_task, mixture_tasks, parse_mixture
+from raychat.tasks.registry import (
+    HUB_TASKS,
+    check_data,
+    graded,
+    held_out,
+    make_task,
+    mixture_tasks,
+    parse_mixture,
+)
 from raychat.tasks.sft_data import SFT_DATA, SPLIT_SEED, SFTDataRead, absolute, read_sft_data, sft_data_split
 from raychat.tokenizer import Tokenizer
 from raychat.train.launch import COMMANDS, Flags, config_from, resolve_paths, run_training
@@ -30,28 +40,17 @@ from raychat.train.validators import AccuracyValidator, BPBValidator, MeanBPBVal
 
 class SFT:
     """SFT's train spec (raychat.train.launch). --sft-data's files are read and checked once per process (the
-    driver's checks, each worker's row source and validators) and not pickled to the workers: each reads them."""
+    driver's checks, each worker's row source and validators: raychat.tasks.sft_data.read_sft_data)."""
 
     data_cpus = 0.0  # no Ray Data: conversations are rendered in the workers
 
-    def __init__(self):
-        self.read: tuple[str, SFTDataRead] | None = None  # (--sft-data, its conversations read_sft_data read)
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "read": None}
-
     def own_data(self, cfg: TrainConfig) -> SFTDataRead | None:
-        """cfg's --sft-data conversations, read and checked at the first call (None: no --sft-data).
+        """cfg's --sft-data conversations, as this process read and checked them (None: no --sft-data).
 
         Raises:
             ValueError: as raychat.tasks.sft_data.read_sft_data.
         """
-        value = cfg.data.sft_data
-        if not value:
-            return None
-        if self.read is None or self.read[0] != value:
-            self.read = (value, read_sft_data(value))
-        return self.read[1]
+        return read_sft_data(cfg.data.sft_data) if cfg.data.sft_data else None
 
     def row_source(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int) -> SFTRows:
         d, own = cfg.data, self.own_data(cfg)
@@ -61,7 +60,7 @@ class SFT:
     def validators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
         bpb = []
         for name, task in validation_tasks(cfg, validation_size(cfg), self.own_data(cfg)):
-            rows = validation_rows(task, tokenizer, cfg.model.seq_len + 1, world)
+            rows = validation_rows(task, tokenizer, cfg.model.seq_len + 1)
             bpb.append(BPBValidator(
                 f"{name}_val_bpb", {k: v[rank::world] for k, v in rows.items()}, tokenizer,
                 cfg.train.batch.device_batch_size, True, device, autocast,
@@ -121,9 +120,10 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
         ValueError (before Ray starts): no --init-from, or one that names no committed checkpoint; a hub
             task of --sft-tasks whose file is missing under --task-data-dir (one line naming it), a bad record
             of smoltalk's files (its file, line and field: raychat.tasks.registry.check_data) or of --sft-data's
-            (raychat.tasks.sft_data.sft_data_split), an --sft-test-size that leaves nothing to train on, a held-out task
-            none of whose conversations fits a row (check_validation_rows); or as run_training (a run
-            directory whose newest checkpoint this run cannot resume).
+            (raychat.tasks.sft_data.sft_data_split), an --sft-test-size that leaves nothing to train on; a
+            ConfigError naming --seq-len when no training conversation fits a row (check_training_rows); a
+            held-out task none of whose conversations fits a row (check_validation_rows); or as run_training (a
+            run directory whose newest checkpoint this run cannot resume).
     """
     if not cfg.run.init_from:
         raise ValueError("--init-from: required: a pretraining checkpoint, its run (name or dir), or latest")
@@ -132,10 +132,13 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
     if cfg.data.sft_data:
         values["sft_data"] = absolute(cfg.data.sft_data)
     cfg = from_dict(TrainConfig, values, base=cfg)
-    spec = SFT()  # reads --sft-data once: the line, the checks and the resume check's row source share it
+    spec = SFT()  # --sft-data read once: the line, the checks and the resume check's row source share it
     if own := spec.own_data(cfg):
         log(sft_data_line(cfg, own))
-    check_validation_rows(cfg, own)
+    paths = resolve_paths(cfg, writable=False)
+    tokenizer = Tokenizer.load(paths.tokenizer_path)
+    check_training_rows(cfg, tokenizer, paths.init_from, own)
+    check_validation_rows(cfg, own, tokenizer)
     return run_training(cfg, spec, [ReplayRecorder(), *callbacks], dry_run, flags)
 
 
@@ -155,9 +158,55 @@ def check_task_files(cfg: TrainConfig) -> str:
     return data_dir
 
 
-def check_validation_rows(cfg: TrainConfig, own: SFTDataRead | None = None) -> None:
+def check_training_rows(
+    cfg: TrainConfig, tokenizer: Tokenizer, init_from: str, own: SFTDataRead | None = None
+) -> None:
+    """Refuse, before Ray starts, a training mixture none of whose conversations fits a row of --seq-len + 1
+    tokens, not even its most recent exchange: every worker's row source would skip them all (and raise, after
+    Ray and the worker group had started). A conversation that fits once its oldest exchanges are truncated, or
+    that is skipped while others fit, is left to the row source (raychat.data.loader.sft_rows.SFTRows). The
+    tasks are built as the row source builds them (--sft-data's first: read already, own as validation_tasks;
+    then the generated ones, then the hub tasks, whose files are read only while nothing before them fits).
+
+    Raises:
+        ConfigError: "--seq-len T: none of the N training conversations (--sft-tasks, --sft-data) fits a row of
+            T+1 tokens, ...: they hold A..B tokens, and keeping one needs a row of S+1: --seq-len S..M keeps
+            some" (M: the --init-from checkpoint's max_seq_len), or, when S is above M, that shorter
+            conversations are needed.
+    """
+    d, seq_len = cfg.data, cfg.model.seq_len
+    names = parse_mixture(d.sft_tasks, empty_ok=bool(d.sft_data))
+
+    def tasks():
+        if d.sft_data:
+            yield sft_data_split(own or d.sft_data, d.sft_test_size).train
+        for name, n in sorted(names, key=lambda task: task[0] in HUB_TASKS):
+            yield make_task(name, "train", n, cfg.run.seed, data_dir=d.task_data_dir)
+
+    found = none_fits(tasks(), tokenizer, seq_len + 1)
+    if found is None:
+        return
+    sources = ", ".join(flag for flag, on in (("--sft-tasks", names), ("--sft-data", d.sft_data)) if on)
+    line = (
+        f"--seq-len {seq_len}: none of the {plural(found.conversations, 'training conversation')} ({sources}) "
+        f"fits a row of {seq_len + 1} tokens, not even its most recent exchange: they hold "
+        f"{found.shortest:,}..{found.longest:,} tokens, and keeping one needs a row of {found.fewest:,}"
+    )
+    need, most = found.fewest - 1, ModelConfig(**read_meta(init_from)["model_config"]).max_seq_len
+    if need <= most:
+        raise ConfigError(f"{line}: --seq-len {need}..{most} keeps some")
+    raise ConfigError(
+        f"{line} (--seq-len {need}), above the --init-from checkpoint {init_from}'s max_seq_len {most} (allowed: "
+        f"1..{most}): shorter conversations are needed"
+    )
+
+
+def check_validation_rows(
+    cfg: TrainConfig, own: SFTDataRead | None = None, tokenizer: Tokenizer | None = None
+) -> None:
     """What every worker's validators build first (SFT.validators), built here to fail in one line, not in each
-    worker after Ray started: each held-out task's packed conversations (own: as validation_tasks).
+    worker after Ray started: each held-out task's packed conversations (own: as validation_tasks; tokenizer:
+    the run's, None: loaded here).
 
     Raises:
         ValueError: "--sft-tasks: task <name>'s held-out conversations (N) fill no row of <T+1> tokens: ..." (a
@@ -166,10 +215,10 @@ def check_validation_rows(cfg: TrainConfig, own: SFTDataRead | None = None) -> N
     tasks = validation_tasks(cfg, validation_size(cfg), own)
     if not tasks:
         return
-    tokenizer = Tokenizer.load(resolve_paths(cfg, writable=False).tokenizer_path)
+    tokenizer = tokenizer or Tokenizer.load(resolve_paths(cfg, writable=False).tokenizer_path)
     for name, task in tasks:
         try:
-            validation_rows(task, tokenizer, cfg.model.seq_len + 1, 1)
+            validation_rows(task, tokenizer, cfg.model.seq_len + 1)
         except ValueError as e:
             flag = "--sft-data" if name == SFT_DATA else "--sft-tasks"
             raise ValueError(f"{flag}: {e} (a longer --seq-len keeps some)") from None

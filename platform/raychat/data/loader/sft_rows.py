@@ -13,11 +13,13 @@ validation_rows packs a held-out task into a fixed set of rows (the same rows at
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from raychat.chat_template import fewest_tokens, render_conversation
 from raychat.data.corpus.shards import sha256_file
 from raychat.data.loader.cursor import Deal, RankCursor, Ref, epoch_permutation
 from raychat.data.loader.row_source import cursor_state, resume_cursor
@@ -172,10 +174,11 @@ def _item_refs(buffer: Sequence) -> list[Ref]:
     return [(int(g), 0) for g in buffer]
 
 
-def validation_rows(task: Task, tokenizer: Tokenizer, row_len: int, world_size: int) -> dict[str, np.ndarray]:
-    """Every conversation of `task` packed into rows of row_len = T+1 tokens, the row count rounded down to a
-    multiple of world_size (at least world_size): {"input_ids", "supervised", "segment_ids": (N, row_len)
-    int32}.
+def validation_rows(task: Task, tokenizer: Tokenizer, row_len: int) -> dict[str, np.ndarray]:
+    """Every conversation of `task` packed into rows of row_len = T+1 tokens: {"input_ids", "supervised",
+    "segment_ids": (N, row_len) int32}. All N rows, whatever the number of workers that share them (rank r of W
+    measures rows r, r+W, ...: some ranks may have one row fewer, or none, and the BPB is still over all N:
+    raychat.eval.bpb.bpb_sums all-reduces sums, not means).
 
     Raises:
         ValueError: no conversation of the task fits a row (each one's last exchange is longer than row_len).
@@ -187,5 +190,31 @@ def validation_rows(task: Task, tokenizer: Tokenizer, row_len: int, world_size: 
             f"task {task.name}'s held-out conversations ({len(task):,}) fill no row of {row_len} tokens: the last "
             "exchange of each is longer"
         )
-    n = max(world_size, len(rows) // world_size * world_size)
-    return {k: np.stack([r[k] for r in rows[:n]]) for k in ROW_KEYS}
+    return {k: np.stack([r[k] for r in rows]) for k in ROW_KEYS}
+
+
+class NoneFits(NamedTuple):
+    """Conversations none of which fits a row (none_fits): how many, their rendered lengths (tokens, before
+    truncation) and the fewest tokens a row needs to keep one of them (chat_template.fewest_tokens)."""
+
+    conversations: int
+    shortest: int
+    longest: int
+    fewest: int
+
+
+def none_fits(tasks: Iterable[Task], tokenizer: Tokenizer, row_len: int) -> NoneFits | None:
+    """None as soon as one conversation of `tasks` is kept in a row of row_len = T+1 tokens (whole, or with its
+    oldest exchanges truncated: render_conversation); else every one of them is dropped (SFTRows would skip them
+    all, and raise) and NoneFits says by how much. `tasks` is read lazily: a task after one holding a
+    conversation that fits is never built."""
+    lengths, fewest = [], []
+    for task in tasks:
+        for i in range(len(task)):
+            conversation = task[i]
+            rendered = render_conversation(tokenizer, conversation, max_tokens=row_len)
+            if not rendered.dropped:
+                return None
+            lengths.append(rendered.truncation.tokens_before)
+            fewest.append(fewest_tokens(tokenizer, conversation))
+    return NoneFits(len(lengths), min(lengths), max(lengths), min(fewest)) if lengths else None
