@@ -28,8 +28,8 @@ actor group's start, the baseline evaluation and restarts included) and learner_
 step of every attempt, redone ones too). Checkpoints go to OUT/RUN_NAME/checkpoint_<step:06d>
 on any storage root (a directory, NFS, s3://, gs://) through raychat.checkpoint_manager: every learner uploads
 its part, the driver commits; a run started again with the same --storage-path and --run-name resumes from the newest
-committed one, when it asks for the same --init-from, task and prompt order (check_resume; refused
-before anything is written otherwise).
+committed one, when it asks for the same --init-from, task, prompt order and --rollout-workers (which prompts
+share a sampling seed; check_resume; refused before anything is written otherwise).
 
 Faults: a rollout actor that dies during a rollout or an evaluation is restarted by Ray (--max-restarts),
 re-synced and its prompts re-issued (raychat.rl.dispatcher). Any other lost actor (a learner, one lost during
@@ -87,8 +87,19 @@ from raychat.train.step import NonFiniteError
 from raychat.train.trainer import due
 
 MODES = ("sync", "async")  # --mode: on-policy | rollouts up to --max-staleness versions ahead
-# What a run's starting weights and its prompt stream (step s: prompts s*P.. of the --seed order) derive from.
-RESUME_OPTIONS = ("init_from", "task", "task_examples", "max_operand", "seed", "prompts_per_step")
+# What a run's starting weights, its prompt stream (step s: prompts s*P.. of the --seed order) and its samples'
+# seeds derive from: a step's prompts are split over the rollout actors, chunk c seeded (seed, step, c), so
+# another --rollout-workers samples other completions for the same prompts
+# (raychat.rl.dispatcher.RolloutDispatcher.chunks_for).
+RESUME_OPTIONS = (
+    "init_from",
+    "task",
+    "task_examples",
+    "max_operand",
+    "seed",
+    "prompts_per_step",
+    "rollout_workers",
+)
 
 
 def check_resume(cfg: RLConfig, flags: Flags = COMMANDS) -> None:
