@@ -16,13 +16,15 @@ stage's output, its refusals naming the preset's keys (speedrun_flags): the tota
 against device_batch_size x seq_len x workers (every worker count of an elastic run), the model's shape
 (make_plan with the preset's tokenizer.vocab_size), SFT's seq_len against pretraining's (the max_seq_len of the
 checkpoint SFT starts from), the files of the SFT mixture's hub tasks and of RL's task under their
-task_data_dir, sft_data's records, and on the local cluster a run starts (no Ray connected, no RAY_ADDRESS) the
+task_data_dir, sft_data's records, RL's max_tokens below pretraining's seq_len (the SFT checkpoint's
+max_seq_len, which must also hold a prompt), and on the local cluster a run starts (no Ray connected, no RAY_ADDRESS) the
 layout of each stage; then, under the lease on --out, that the storage roots under it can be written
 (check_roots). What needs an earlier stage's output stays where the stage starts: pretraining's shards and
 validation rows (the data stage), the plan it prints (its parameters, FLOPs, a derived horizon and automatic
 batch count the trained tokenizer's vocabulary, which a small corpus leaves below the preset's vocab_size; the
 batch arithmetic and the shape checks do not need it), SFT's held-out rows (the tokenizer), the resolution of
-the checkpoint SFT and RL start from and every check that reads it (its tokenizer, its model), the resume
+the checkpoint SFT and RL start from and every check that reads it (its tokenizer, its model: RL's max_tokens
+after the task's longest prompt, as `raychat rl` checks it), the resume
 checks of a run an earlier invocation left, a reused tokenizer trained for another vocabulary, and the layout
 on a connected cluster (what it can become is read once connected).
 """
@@ -55,6 +57,7 @@ from raychat.metrics_sink import read_jsonl
 from raychat.ray_token import token_for
 from raychat.report import file_id, read_state, run_total, settle_stage, write_report
 from raychat.rl.actors import check_layout
+from raychat.rl.cli import check_generation_length
 from raychat.rl.loop import RLRun
 from raychat.storage import check_writable, open_storage
 from raychat.tasks.registry import check_data, graded, held_out, make_task, parse_mixture
@@ -117,7 +120,8 @@ def check_stages(config: SpeedrunConfig, preset: str) -> None:
     Raises:
         ValueError (ConfigError for a setting): one line: a pretraining or SFT total_batch_size that is not a multiple of device_batch_size
             x seq_len x workers (for every worker count of an elastic run: elastic_grad_accum); a model that
-            cannot be built (make_plan); an SFT seq_len above pretraining's; a hub task of sft_tasks or RL's task
+            cannot be built (make_plan); an SFT seq_len above pretraining's; an RL max_tokens that leaves no
+            room for a prompt in it (check_rl_max_tokens); a hub task of sft_tasks or RL's task
             whose files are missing under its task_data_dir, or a bad record of them or of sft_data
             (raychat.tasks.registry.check_data, raychat.tasks.sft_data.sft_data_split); on the local cluster a
             run would start (raychat.train.layout.starts_local_cluster), a stage's layout it cannot hold.
@@ -147,6 +151,7 @@ def check_stages(config: SpeedrunConfig, preset: str) -> None:
         rl = config.rl
         with stage_keys(preset, "rl", ValueError):
             check_data([rl.task.task], ("train", "test"), rl.task.task_data_dir, "--task")
+            check_rl_max_tokens(rl, cfg, preset)
             if local:
                 check_layout(rl, local_cluster_capacity(), _option(preset, "rl"))
 
@@ -180,6 +185,23 @@ def check_sft_seq_len(sft_cfg: TrainConfig, pretrain_cfg: TrainConfig, preset: s
     check_seq_len(
         sft_cfg.model.seq_len, pretrain_cfg.model.seq_len, f"{STARTS_FROM['sft']} ({train_key})", sft_key
     )
+
+
+def check_rl_max_tokens(rl_cfg: RLConfig, pretrain_cfg: TrainConfig, preset: str) -> None:
+    """RL's max_tokens leaves room for a prompt (a token at least) in the max_seq_len of the SFT checkpoint RL
+    starts from, pretraining's seq_len (SFT keeps its init's). The check of the task's longest prompt needs the
+    trained tokenizer: it is `raychat rl`'s, made as the RL stage starts (run_rl_stage).
+
+    Raises:
+        ConfigError: naming the preset's keys, both values and the most max_tokens could be."""
+    max_tokens, seq_len = rl_cfg.rollout.max_tokens, pretrain_cfg.model.seq_len
+    if max_tokens >= seq_len:
+        rl_key, seq_key = _option(preset, "rl"), _option(preset, "pretrain")("seq_len")
+        raise ConfigError(
+            f"{rl_key('max_tokens')} {max_tokens}: RL starts from the SFT checkpoint, whose max_seq_len is {seq_key} "
+            f"{seq_len}, which must hold prompt and completion; allowed: 1..{seq_len - 1} (at most {seq_len} less "
+            f"the longest {rl_key('task')} {rl_cfg.task.task} prompt's tokens: checked as RL starts)"
+        )
 
 
 def check_roots(config: SpeedrunConfig) -> None:
@@ -414,8 +436,15 @@ def run_rl_stage(
     cfg: RLConfig, checkpoint: str, pretrain_cfg: TrainConfig, flags: Flags, preset: str
 ) -> tuple[dict, str]:
     """RL (`cfg`) from the SFT checkpoint, on pretraining's cluster (connect: `pretrain_cfg` of `preset`);
-    pass@1 on held-out problems before and after. Its lines name the options as `flags` does."""
-    run = RLRun(from_dict(RLConfig, {"init_from": checkpoint}, base=cfg), flags=flags)
+    pass@1 on held-out problems before and after. Its lines name the options as `flags` does. Before its lease
+    and any actor, `raychat rl`'s checks of its resume (RLRun) and of its max_tokens against the longest prompt
+    and the checkpoint's max_seq_len (raychat.rl.cli.check_generation_length; its --flags named by the preset's
+    keys through stage_keys, as _run_stages calls it).
+
+    Raises ConfigError as those checks."""
+    cfg = from_dict(RLConfig, {"init_from": checkpoint}, base=cfg)
+    run = RLRun(cfg, flags=flags)
+    check_generation_length(cfg, run.tasks)
     if run.finished() is None:
         with run.lease():  # before connect: a run another driver trains is refused before Ray starts
             connect(pretrain_cfg, preset)

@@ -409,3 +409,38 @@ def test_a_failed_weight_sync_restarts_the_actor_group(ray_cluster, checkpoint, 
     ]
     assert (summary["failures"], summary["version"], summary["reward_errors"]) == (1, 2, 0)
     assert [(x["step"], x["failures"]) for x in metric_lines(tmp_path / "t")] == [(1, 0), (2, 1)]
+
+
+def test_a_learner_that_raises_ends_a_ddp_run_at_once_in_one_line(ray_cluster, checkpoint, tmp_path):
+    """2 learners (DDP over gloo); learner 1 breaks after step 1 (its loss gone: its step 2 raises AttributeError
+    before the step's first all-reduce), learner 0 waits in that all-reduce for it (until gloo's timeout, 30
+    minutes). The driver took learner 0, which did not answer its 30 s ping, for lost: it restarted the actor
+    group and redid the step (a fault that repeats: the run gave up naming the wrong learner, minutes later).
+    Now it waits for the other learners PEER_GRACE_S (10 s) only (a lost learner's call fails within them) and the
+    run ends in stopped_on_error's one line naming learner 1, not retried (--max-failures 1 allows one: the same
+    samples would raise again), well within a minute of the break; learner 0 is killed with the actor group."""
+    logs, broken = [], []
+
+    def break_learner_1(dispatcher, step, chunks):
+        if step == 1 and not broken:  # queued before its step 2 update
+            broken.append(time.perf_counter())
+            dispatcher.actors.learners[1].__ray_call__.remote(lambda learner: setattr(learner, "loss", None))
+
+    cfg = tiny_config(checkpoint, str(tmp_path), learner_workers=2, rollout_workers=1, max_failures=1)
+    before = live_placement_groups()
+    run = RLRun(cfg, on_submitted=break_learner_1, log=lambda m: logs.append(m) or print(m))
+    with pytest.raises(RunGaveUp) as e:
+        run.run()
+    ended = time.perf_counter()
+    print(f"the run ended {ended - broken[0]:.1f} s after learner 1 broke")
+    assert ended - broken[0] < 60, f"the run ended {ended - broken[0]:.0f} s after learner 1 broke"
+    assert str(e.value) == (
+        "rl run 't' stopped at step 2: learner 1 raised in its update (AttributeError: 'NoneType' object has no "
+        "attribute 'counts'), not retried (the same samples would raise again); fix what raised (its traceback is "
+        f"logged above) and start it again: it resumes from its newest committed checkpoint {tmp_path}/t/"
+        "checkpoint_000001"
+    )
+    full = [m for m in logs if m.startswith("rl run 't': the failure that ended it, in full:\nRayTaskError")]
+    assert len(full) == 1 and "Learner.step" in full[0], logs
+    assert run.failures == 0 and run.actors.pg is None and live_placement_groups() == before
+    assert [x["step"] for x in metric_lines(tmp_path / "t")] == [1]

@@ -1507,7 +1507,7 @@ def rl_run(root, monkeypatch):
     argv = ["rl", "--preset", "tiny", "--storage-path", str(root), "--run-name", "r1", "--init-from", "sft",
             "--steps", "4"]  # fmt: skip
     cfg = from_dict(RLConfig, {"storage_path": str(root), "run_name": "r1", "init_from": str(sft), "steps": 4,
-                               "prompts_per_step": 2})  # fmt: skip
+                               "prompts_per_step": 2, "rollout_workers": 1})  # fmt: skip
     model, tokenizer = tiny_model_and_tokenizer()
     d = root / "r1" / "checkpoint_000002"
     save_model(
@@ -1527,6 +1527,9 @@ def rl_run(root, monkeypatch):
         (["--seed", "1", "--prompts-per-step", "4"],
          "--seed, --prompts-per-step: the run's checkpoint {d} was made with 0, 2, this run asks for 1, 4 (use "
          "another --run-name, or the same settings to resume)"),
+        (["--rollout-workers", "2"],  # another sampling seed for the second half of each step's prompts
+         "--rollout-workers: the run's checkpoint {d} was made with 1, this run asks for 2 (use another "
+         "--run-name, or the same settings to resume)"),
         (["--steps", "1"],
          "--steps: the run's checkpoint {d} is at step 2, this run asks for 1: nothing to train (ask for 2 or "
          "more, or use another --run-name)"),

@@ -2,6 +2,8 @@
 prompts x samples is generated in batches of whole prompts, seeded as one batch; a group larger than the slots is
 refused with the config."""
 
+from types import SimpleNamespace
+
 import pytest
 from support.rl_fixtures import rl_config, tiny_checkpoint
 
@@ -123,3 +125,39 @@ def test_max_slots_changes_no_rollout_so_rl_resumes_under_another(checkpoint):
     assert samples[2] == samples[4] == samples[64]
     assert correct[2] == correct[4] == correct[64]
     assert "max_slots" not in RESUME_OPTIONS
+
+
+def test_rollout_workers_change_a_steps_samples_so_rl_refuses_to_resume_under_another(checkpoint):
+    """Is --rollout-workers part of RL's resume check? It is: a step's prompts (the same under any number of
+    actors) are split over the actors and chunk c is seeded (seed, step, c) (RolloutDispatcher.chunks_for), each
+    prompt then from (chunk seed, its index in the chunk). Step 3's 4 prompts x 2 samples under 1 actor (one
+    chunk) and 2 (2 + 2 prompts): the learner's batch (ordered by prompt, then sample, as RLRun.learner_step
+    orders it) holds the same prompts in the same order, the first two with the same completions (chunk 0 both
+    times, same positions) and the last two with other ones (chunk 1's seed, not chunk 0's); so a resumed run
+    with another --rollout-workers would train on other samples than it would have, and is refused
+    (tests/unit/test_bad_input.py)."""
+    cfg = rl_config(task_examples=16, max_operand=9, prompts_per_step=4, samples_per_prompt=2, seed=3)
+    worker = RolloutWorker(checkpoint, rl_tasks(cfg))
+    batches, seeds = {}, {}
+    for n in (1, 2):
+        actors = SimpleNamespace(rollouts=[None] * n)
+        dispatcher = RolloutDispatcher(cfg, actors=actors, sync=None, num_prompts=cfg.task.task_examples)
+        chunks = dispatcher.chunks_for(3)
+        seeds[n] = [(c["worker"], c["indices"], c["seed"]) for c in chunks]
+        order = dispatcher.prompts_for(3)
+        samples = [s for c in chunks for s in worker.rollout(c["indices"], 2, 8, 1.0, c["seed"])["samples"]]
+        samples.sort(key=lambda s: (order.index(s["prompt_index"]), s["sample_index"]))
+        batches[n] = [(s["prompt_index"], s["sample_index"], s["tokens"]) for s in samples]
+    prompts = dispatcher.prompts_for(3)
+    assert seeds == {
+        1: [(0, prompts, chunk_seed(3, 3, 0))],
+        2: [(0, prompts[:2], chunk_seed(3, 3, 0)), (1, prompts[2:], chunk_seed(3, 3, 1))],
+    }
+    assert (
+        [b[:2] for b in batches[1]]
+        == [b[:2] for b in batches[2]]
+        == [(i, j) for i in prompts for j in (0, 1)]
+    )
+    assert batches[1][:4] == batches[2][:4]
+    assert all(one[2] != two[2] for one, two in zip(batches[1][4:], batches[2][4:]))
+    assert "rollout_workers" in RESUME_OPTIONS

@@ -7,10 +7,19 @@ from __future__ import annotations
 from importlib.resources import files
 
 import pytest
+import ray
 import yaml
+from support.serve_helpers import write_tiny_checkpoint
 
 from raychat.config import ConfigError, SpeedrunConfig
-from raychat.speedrun import check_stages, named_by_keys, run_speedrun
+from raychat.speedrun import (
+    check_stages,
+    named_by_keys,
+    run_rl_stage,
+    run_speedrun,
+    speedrun_flags,
+    stage_keys,
+)
 from raychat.train.layout import local_cores
 
 TINY = yaml.safe_load((files("raychat") / "presets" / "tiny.yaml").read_text())
@@ -50,6 +59,12 @@ def _gsm8k_missing(data: str, key: str) -> str:
             {"sft": {"total_batch_size": 1000}},
             "sft.total_batch_size 1000 is not a multiple of device_batch_size x seq_len x num_workers = "
             "4 x 64 x 2 = 512",
+        ),
+        (  # RL's actors cut every completion at the SFT checkpoint's max_seq_len (train.seq_len) without a word
+            {"rl": {"max_tokens": 64}},
+            "rl.max_tokens 64: RL starts from the SFT checkpoint, whose max_seq_len is train.seq_len 64, which must "
+            "hold prompt and completion; allowed: 1..63 (at most 64 less the longest rl.task calculator prompt's "
+            "tokens: checked as RL starts)",
         ),
         (  # the pretraining checkpoint SFT starts from has max_seq_len train.seq_len
             {"sft": {"seq_len": 128, "total_batch_size": 1024}},
@@ -137,3 +152,35 @@ def test_a_stage_line_about_the_checkpoint_it_starts_from_names_that_checkpoint_
     )
     depth = ConfigError("--depth: the --init-from checkpoint /c has 2, given 7")
     assert str(named_by_keys(depth, "tiny", "rl")) == "--depth: the SFT checkpoint /c has 2, given 7"
+
+
+def _rl_stage(tmp_path, sft, max_tokens: int) -> None:
+    """The tiny preset's RL stage with rl.max_tokens `max_tokens`, from the SFT checkpoint `sft`, after the checks
+    before the first stage, run as _run_stages runs it (its ConfigErrors naming the preset's keys: stage_keys)."""
+    preset = _preset(tmp_path, rl={"max_tokens": max_tokens})
+    config = SpeedrunConfig.from_preset(preset, str(tmp_path / "out"))
+    check_stages(config, preset)
+    with stage_keys(preset, "rl"):
+        run_rl_stage(config.rl, str(sft), config.pretrain, speedrun_flags(preset, "rl"), preset)
+
+
+def test_the_rl_stage_checks_max_tokens_after_the_longest_prompt_before_its_actors(tmp_path, monkeypatch):
+    """`raychat rl` refuses a max_tokens that does not fit after the task's longest prompt within its
+    --init-from's max_seq_len; the speedrun's RL stage did not (its rollouts were cut short without a word, and a
+    prompt that filled max_seq_len failed in an actor). rl.max_tokens 48 passes the check before the first stage
+    (below train.seq_len 64), but the tiny preset's longest calculator prompt has 23 tokens (this tokenizer, as
+    tests/unit/test_bad_input.py's `raychat rl` finds), so 41 is the most: refused as the stage starts, naming the
+    preset's keys, before its lease, Ray or any file under --out."""
+    sft = write_tiny_checkpoint(tmp_path / "sft" / "checkpoint_000001", max_seq_len=64, stage="sft")
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
+    with pytest.raises(ConfigError) as e:
+        _rl_stage(tmp_path, sft, 48)
+    assert str(e.value) == (
+        f"rl.max_tokens 48: the longest rl.task calculator prompt has 23 tokens and the SFT checkpoint {sft} has "
+        "max_seq_len 64, which must hold prompt and completion; allowed: 1..41"
+    )
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(
+        pytest.fail.Exception, match="Ray started"
+    ):  # 23 + 41 tokens fill max_seq_len: on to Ray
+        _rl_stage(tmp_path, sft, 41)

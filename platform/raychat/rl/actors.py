@@ -5,11 +5,11 @@ generation's name) when a rollout actor restarted."""
 
 from __future__ import annotations
 
-import re
+import time
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import GetTimeoutError
+from ray.exceptions import GetTimeoutError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -101,6 +101,22 @@ class StepFailed(RuntimeError):
         super().__init__(f"{failed} ({type(error).__name__}: {error})")
         self.failed, self.error, self.full, self.why, self.fix = failed, error, full, why, fix
         self.restart = restart
+
+
+# Seconds the driver waits for the other learners once one learner's call raised: a learner that died fails its
+# call within them (Ray marks the actor dead as its process exits), while the peers of one that raised would wait
+# for it in a collective until the backend's timeout.
+PEER_GRACE_S = 10.0
+
+
+class LearnerRaised(RuntimeError):
+    """Learner `index`'s call raised `error` (a RayTaskError; `cause` its cause, the learner's own exception),
+    and no learner was lost (ActorGroup.learner_results)."""
+
+    def __init__(self, index: int, error: RayTaskError):
+        self.index, self.error = index, error
+        self.cause = getattr(error, "cause", None) or error
+        super().__init__(f"learner {index} raised ({type(self.cause).__name__}: {self.cause})")
 
 
 class ActorGroup:
@@ -230,18 +246,32 @@ class ActorGroup:
                     return f"{role} {i}"
         return "an actor of the run"
 
-    def learner_raised(self, error: BaseException) -> str:
-        """ "learner i" of the live learner whose process raised `error` (a Ray task error: its message names the
-        process id), "a learner" when none matches."""
-        found = re.search(r"\(pid=(\d+),", str(error))
-        if found:
-            for i, lr in enumerate(self.learners):
-                try:
-                    if ray.get(lr.pid.remote(), timeout=30) == int(found.group(1)):
-                        return f"learner {i}"
-                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                    continue
-        return "a learner"
+    def learner_results(self, refs: list) -> list:
+        """ray.get of one call on each learner (refs[i]: learners[i]'s) that does not wait out a collective:
+        once a learner's call raised, its DDP peers wait in the group's all-reduce or barrier for it until the
+        backend's timeout (gloo's: 30 minutes), so the others are waited for PEER_GRACE_S more only, within
+        which a lost learner's call fails (RayActorError), telling a learner that raised on its own from the peer
+        of a lost one. The caller stops the group, killing the waiting peers.
+
+        Raises:
+            RayActorError: a learner died (the first found).
+            LearnerRaised: learner i's call raised (the first to), no learner died.
+        """
+        index = {ref: i for i, ref in enumerate(refs)}
+        pending, raised, deadline = list(refs), None, None
+        while pending:
+            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            if not ready:  # the peers of the learner that raised, waiting for it in a collective
+                break
+            try:
+                ray.get(ready[0])
+            except RayTaskError as e:
+                if raised is None:
+                    raised, deadline = LearnerRaised(index[ready[0]], e), time.monotonic() + PEER_GRACE_S
+        if raised is not None:
+            raise raised
+        return ray.get(refs)
 
     def stop(self) -> None:
         """Kill every actor, forget the broadcast group and remove the placement group (safe to call again, and

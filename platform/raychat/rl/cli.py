@@ -58,19 +58,38 @@ def check_generation_length(cfg: RLConfig, tasks: dict) -> None:
         ConfigError: naming --max-tokens, the longest prompt, the checkpoint's max_seq_len and the allowed range.
     """
     max_seq_len = read_meta(cfg.run.init_from)["model_config"]["max_seq_len"]
-    tokenizer = read_tokenizer(cfg.run.init_from)
-    longest = max(
+    longest = longest_prompt(read_tokenizer(cfg.run.init_from), tasks)
+    check_generation_room(
+        cfg,
+        longest,
+        max_seq_len,
+        f"the --init-from checkpoint {cfg.run.init_from} has max_seq_len {max_seq_len}",
+    )
+
+
+def longest_prompt(tokenizer, tasks: dict) -> int:
+    """Tokens of the longest prompt of `tasks` ({"train", "test": Task}) rendered as the rollout actors render
+    them (raychat.chat_template.render_for_completion of a conversation's messages but its last)."""
+    return max(
         len(render_for_completion(tokenizer, task[i]["messages"][:-1]))
         for task in tasks.values()
         for i in range(len(task))
     )
+
+
+def check_generation_room(cfg: RLConfig, longest: int, max_seq_len: int, model: str) -> None:
+    """Refuse a --max-tokens above max_seq_len - `longest` (the longest prompt's tokens); `model` names where
+    max_seq_len comes from ("the --init-from checkpoint X has max_seq_len 64").
+
+    Raises:
+        ConfigError: naming --max-tokens, the longest prompt, `model` and the allowed range.
+    """
     room, max_tokens = max_seq_len - longest, cfg.rollout.max_tokens
     if max_tokens > room:
         allowed = f"1..{room}" if room >= 1 else "none: that prompt alone fills max_seq_len"
         raise ConfigError(
-            f"--max-tokens {max_tokens}: the longest --task {cfg.task.task} prompt has {longest} tokens and the "
-            f"--init-from checkpoint {cfg.run.init_from} has max_seq_len {max_seq_len}, which must hold prompt and "
-            f"completion; allowed: {allowed}"
+            f"--max-tokens {max_tokens}: the longest --task {cfg.task.task} prompt has {longest} tokens and "
+            f"{model}, which must hold prompt and completion; allowed: {allowed}"
         )
 
 

@@ -92,14 +92,19 @@ class RolloutDispatcher:
         P, n = self.cfg.rollout.prompts_per_step, len(self.order)
         return [int(self.order[(step * P + i) % n]) for i in range(P)]
 
+    def chunks_for(self, step: int) -> list[dict]:
+        """Step `step`'s rollout chunks, not yet issued: its prompts (prompts_for) split_even over the rollout
+        actors, chunk c to actor c, sampled with seed chunk_seed(seed, step, c). The number of actors thus
+        decides which prompt gets which seed (--rollout-workers is in RL's resume check: raychat.rl.loop)."""
+        n = len(self.actors.rollouts)
+        return [{"worker": c % n, "indices": idx, "seed": chunk_seed(self.cfg.run.seed, step, c), "ref": None,
+                 "min_version": max(0, step - self.bound), "split": "train"}
+                for c, idx in enumerate(split_even(self.prompts_for(step), n))]  # fmt: skip
+
     def submit(self, step: int) -> list[dict]:
-        rollouts = self.actors.rollouts
-        chunks = []
-        for c, idx in enumerate(split_even(self.prompts_for(step), len(rollouts))):
-            seed = chunk_seed(self.cfg.run.seed, step, c)
-            chunks.append({"worker": c % len(rollouts), "indices": idx, "seed": seed, "ref": None,
-                           "min_version": max(0, step - self.bound), "split": "train"})  # fmt: skip
-            self._issue(chunks[-1])
+        chunks = self.chunks_for(step)
+        for chunk in chunks:
+            self._issue(chunk)
         if self.on_submitted:
             self.on_submitted(self, step, chunks)
         return chunks

@@ -28,8 +28,8 @@ actor group's start, the baseline evaluation and restarts included) and learner_
 step of every attempt, redone ones too). Checkpoints go to OUT/RUN_NAME/checkpoint_<step:06d>
 on any storage root (a directory, NFS, s3://, gs://) through raychat.checkpoint_manager: every learner uploads
 its part, the driver commits; a run started again with the same --storage-path and --run-name resumes from the newest
-committed one, when it asks for the same --init-from, task and prompt order (check_resume; refused
-before anything is written otherwise).
+committed one, when it asks for the same --init-from, task, prompt order and --rollout-workers (which prompts
+share a sampling seed; check_resume; refused before anything is written otherwise).
 
 Faults: a rollout actor that dies during a rollout or an evaluation is restarted by Ray (--max-restarts),
 re-synced and its prompts re-issued (raychat.rl.dispatcher). Any other lost actor (a learner, one lost during
@@ -42,8 +42,9 @@ from, the error logged in full above it. What a retry would meet again ends the 
 RunGaveUp's one line naming the step, what failed (its error's type and first line, logged in full above),
 what to fix and the checkpoint a new start resumes from, the last good one: a learner step whose loss or
 gradient norm is not finite (the learning rates to lower), a rollout actor's or a learner's own error (the same
-prompts, seeds and samples would raise again), a checkpoint upload or commit the storage refused (full,
-permission denied), and a task whose reward raised on every sample of a step (or whose checker did on every
+prompts, seeds and samples would raise again; the other learners, waiting for it in a DDP collective, are
+waited for raychat.rl.actors.PEER_GRACE_S only: ActorGroup.learner_results), a checkpoint upload or commit
+the storage refused (full, permission denied), and a task whose reward raised on every sample of a step (or whose checker did on every
 sample of an evaluation). A reward that raises on some samples scores them 0 (an evaluation's checker: counted
 incorrect): counted in `reward_errors` (every line and the summary), one line each step that had any
 (raychat.rl.dispatcher). The placement group is removed on every path out (raychat.rl.actors).
@@ -65,7 +66,7 @@ from raychat.lease import RunLease
 from raychat.log import log
 from raychat.metrics import RLMetrics
 from raychat.metrics_sink import MetricsSink
-from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed
+from raychat.rl.actors import ActorGroup, ActorsLost, LearnerRaised, StepFailed
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
 from raychat.rl.objective import group_advantages, zero_advantage_frac
 from raychat.rl.sync import WeightSync
@@ -87,8 +88,19 @@ from raychat.train.step import NonFiniteError
 from raychat.train.trainer import due
 
 MODES = ("sync", "async")  # --mode: on-policy | rollouts up to --max-staleness versions ahead
-# What a run's starting weights and its prompt stream (step s: prompts s*P.. of the --seed order) derive from.
-RESUME_OPTIONS = ("init_from", "task", "task_examples", "max_operand", "seed", "prompts_per_step")
+# What a run's starting weights, its prompt stream (step s: prompts s*P.. of the --seed order) and its samples'
+# seeds derive from: a step's prompts are split over the rollout actors, chunk c seeded (seed, step, c), so
+# another --rollout-workers samples other completions for the same prompts
+# (raychat.rl.dispatcher.RolloutDispatcher.chunks_for).
+RESUME_OPTIONS = (
+    "init_from",
+    "task",
+    "task_examples",
+    "max_operand",
+    "seed",
+    "prompts_per_step",
+    "rollout_workers",
+)
 
 
 def check_resume(cfg: RLConfig, flags: Flags = COMMANDS) -> None:
@@ -201,13 +213,11 @@ class RLRun:
         except OSError as e:
             raise StepFailed(f"the driver could not clear checkpoint {uri}", e, why=why, fix=fix) from e
         refs = [lr.save.remote(c, step, {"eval": evaluation}) for lr in self.actors.learners]
-        parts = []
-        for i, ref in enumerate(refs):
-            try:
-                parts.append(ray.get(ref))
-            except RayTaskError as e:
-                raise StepFailed(f"learner {i} could not upload its part of checkpoint {uri}",
-                                 getattr(e, "cause", None) or e, e, why=why, fix=fix) from e  # fmt: skip
+        try:  # not waiting on the peers of a learner that raised (in the checkpointer's barrier)
+            parts = self.actors.learner_results(refs)
+        except LearnerRaised as e:
+            raise StepFailed(f"learner {e.index} could not upload its part of checkpoint {uri}", e.cause, e.error,
+                             why=why, fix=fix) from e.error  # fmt: skip
         try:
             return c.commit(step, parts, "rl")
         except OSError as e:
@@ -243,19 +253,18 @@ class RLRun:
         learners = self.actors.learners
         shards = split_even(samples, len(learners))
         shards += [[] for _ in range(len(learners) - len(shards))]
-        try:
-            stats = ray.get([lr.step.remote(sh) for lr, sh in zip(learners, shards)])[0]
-        except RayTaskError as e:  # a non-finite step, or a lost learner's DDP peer: the caller's to handle
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, NonFiniteError) or self.actors.lost_learner() is not None:
-                raise
+        try:  # a lost learner's RayActorError is the caller's to handle (a restart)
+            stats = self.actors.learner_results([lr.step.remote(sh) for lr, sh in zip(learners, shards)])[0]
+        except LearnerRaised as e:
+            if isinstance(e.cause, NonFiniteError):  # the caller's to handle (stopped_on_fault)
+                raise e.error from None
             raise StepFailed(
-                f"{self.actors.learner_raised(e)} raised in its update",
-                cause or e,
-                e,
+                f"learner {e.index} raised in its update",
+                e.cause,
+                e.error,
                 why="the same samples would raise again",
                 fix="fix what raised (its traceback is logged above)",
-            ) from e
+            ) from e.error
         staleness = [self.version - s["version"] for s in samples]
         tokens = sum(r["completion_tokens"] for r in results)
         rollout = {
