@@ -22,9 +22,10 @@ layout of each stage; then, under the lease on --out, that the storage roots und
 (check_roots). What needs an earlier stage's output stays where the stage starts: pretraining's shards and
 validation rows (the data stage), the plan it prints (its parameters, FLOPs, a derived horizon and automatic
 batch count the trained tokenizer's vocabulary, which a small corpus leaves below the preset's vocab_size; the
-batch arithmetic and the shape checks do not need it), SFT's held-out rows (the tokenizer), the resolution of
-the checkpoint SFT and RL start from and every check that reads it (its tokenizer, its model: RL's max_tokens
-after the task's longest prompt, as `raychat rl` checks it), the resume
+batch arithmetic and the shape checks do not need it), SFT's training rows of sft_data and held-out rows (the
+tokenizer: raychat.train.sft.check_own_rows, check_validation_rows), the resolution of the checkpoint SFT and
+RL start from and every check that reads it (its tokenizer, its model: RL's max_tokens after the task's
+longest prompt, as `raychat rl` checks it), the resume
 checks of a run an earlier invocation left, a reused tokenizer trained for another vocabulary, and the layout
 on a connected cluster (what it can become is read once connected).
 """

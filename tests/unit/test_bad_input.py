@@ -1403,9 +1403,10 @@ def _too_long(n: int, words: int) -> list[dict]:
 
 
 def _tokens(tokenizer: Tokenizer, conversation: dict) -> int:
-    """A one-exchange conversation's rendered length: its text's tokens and 5 markers (BOS, user start and end,
-    assistant start and end)."""
-    return sum(len(tokenizer.encode(m["content"])) for m in conversation["messages"]) + 5
+    """A user/assistant conversation's rendered length: its text's tokens, BOS and each message's start and end
+    markers (5 markers for one exchange)."""
+    messages = conversation["messages"]
+    return sum(len(tokenizer.encode(m["content"])) for m in messages) + 1 + 2 * len(messages)
 
 
 @pytest.mark.parametrize("words", [40, 400])
@@ -1439,17 +1440,145 @@ def test_sft_on_conversations_none_of_which_fits_a_row_is_refused_before_ray(wor
     assert not (root / "s11").exists()
 
 
-def test_sft_on_conversations_some_of_which_fit_a_row_starts(root, driver, tmp_path, capsys):
-    """One conversation that fits, or a mixture task whose conversations fit, is enough: the others are skipped and
-    counted by the workers as before (README "Your own conversations")."""
-    short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
-    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(c) + "\n" for c in [*_too_long(19, 40), short]))
-    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s12", "--init-from",
-            f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer", "--sft-data", str(tmp_path / "mine.jsonl"),
-            "--sft-test-size", "0", "--seq-len", "32"]  # fmt: skip
-    driver([*argv, "--sft-tasks", ""])  # reaches Ray
-    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(c) + "\n" for c in _too_long(20, 40)))
-    driver([*argv, "--sft-tasks", "spelling:50"])  # some of spelling's fit
+def _short(n: int) -> list[dict]:
+    """n one-exchange conversations "<i>?" answered "<i>": a few tokens each."""
+    return [
+        {"messages": [{"role": "user", "content": f"{i}?"}, {"role": "assistant", "content": f"{i}"}]}
+        for i in range(n)
+    ]
+
+
+def _own_sft(root: Path, mine: Path, run: str, tasks: str) -> list[str]:
+    """The argv of `raychat sft` on --sft-data `mine` (none held out) and --sft-tasks `tasks`, rows of 33 tokens."""
+    return ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", run, "--init-from",
+            f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer", "--sft-data", str(mine),
+            "--sft-test-size", "0", "--sft-tasks", tasks, "--seq-len", "32"]  # fmt: skip
+
+
+SHORTENED = {"messages": [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "ok"},
+                          {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}  # fmt: skip
+
+
+@pytest.mark.parametrize("words", [40, 400])
+def test_sft_data_partly_too_long_for_a_row_is_a_warning_before_ray(words, root, driver, tmp_path, capsys):
+    """Some of the user's own conversations longer than a row (--seq-len 32: 33 tokens): the workers alone logged
+    the ones they skipped. Now the driver says before Ray starts how many of them will be skipped (2 whose one
+    exchange is longer than a row) and shortened (1 whose last exchange fits), and the --seq-len that keeps them
+    all whole (the longest's length - 1), or, past the checkpoint's max_seq_len 256, how many rows of 257 keep
+    whole. The run starts; with only the shortened one too long, it alone is named; conversations that all fit
+    say nothing."""
+    tok, mine = Tokenizer.load(root / "tokenizer"), tmp_path / "mine.jsonl"
+    convs = [*_short(17), *_too_long(2, words), SHORTENED]
+    mine.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    lengths = [_tokens(tok, c) for c in convs]
+    last = SHORTENED["messages"][2:]
+    assert max(lengths[:17]) <= 33 < min(lengths[17:]) and _tokens(tok, {"messages": last}) <= 33
+    argv = _own_sft(root, mine, "s13", "")
+    driver(argv)  # reaches Ray
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    head = (
+        f"warning: --sft-data {mine}: 3 of its 20 training conversations are longer than a row of 33 tokens "
+        "(--seq-len 32): 2 will be skipped (too long even without their oldest exchanges) and 1 shortened (oldest "
+        f"exchanges dropped); they hold up to {max(lengths)} tokens"
+    )
+    if words == 40:
+        assert max(lengths) - 1 <= 256 and warnings == [
+            f"{head}: --seq-len {max(lengths) - 1} keeps them all whole"
+        ]
+    else:
+        whole = sum(n <= 257 for n in lengths)
+        assert whole == 18 and warnings == [
+            f"{head}: keeping them all whole needs --seq-len {max(lengths) - 1}, above the --init-from checkpoint "
+            f"{root}/pretrain/checkpoint_000004's max_seq_len 256: --seq-len 256 keeps 18 of the 20 whole"
+        ]
+    mine.write_text("".join(json.dumps(c) + "\n" for c in [*_short(19), SHORTENED]))
+    driver(argv)
+    longest = _tokens(tok, SHORTENED)
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")] == [
+        f"warning: --sft-data {mine}: 1 of its 20 training conversations is longer than a row of 33 tokens "
+        f"(--seq-len 32): 1 will be shortened (oldest exchanges dropped); they hold up to {longest} tokens: "
+        f"--seq-len {longest - 1} keeps them all whole"
+    ]
+    mine.write_text("".join(json.dumps(c) + "\n" for c in _short(20)))
+    driver(argv)
+    assert "warning:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("words", [40, 400])
+def test_sft_data_none_of_which_fits_a_row_is_refused_although_other_tasks_fit(
+    words, root, driver, tmp_path, capsys
+):
+    """Every one of the user's own conversations longer than a row, even its one exchange, while spelling's fit:
+    training ran on spelling alone and skipped all of --sft-data (only the workers logged it). Now refused before
+    Ray in one line naming --sft-data, how many, how long, and the --seq-len that keeps some or, past the
+    checkpoint's max_seq_len 256, that shorter conversations are needed. With one conversation that fits, the
+    run starts (the others in the warning line)."""
+    tok, mine = Tokenizer.load(root / "tokenizer"), tmp_path / "mine.jsonl"
+    convs = _too_long(20, words)
+    mine.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    lengths = sorted(_tokens(tok, c) for c in convs)
+    argv = _own_sft(root, mine, "s12", "spelling:50")
+    line = _fails_in_one_line(argv, capsys)
+    head = (
+        f"raychat sft: error: --sft-data {mine}: none of its 20 training conversations fits a row of 33 tokens "
+        "(--seq-len 32), not even its most recent exchange (training would skip them all and learn from "
+        f"--sft-tasks alone): they hold {lengths[0]}..{lengths[-1]} tokens, and keeping one needs a row of "
+        f"{lengths[0]}"
+    )
+    tail = "  (RAYCHAT_DEBUG=1 shows the traceback)"
+    if words == 40:
+        assert lengths[0] <= 257 and line == f"{head}: --seq-len {lengths[0] - 1}..256 keeps some{tail}"
+    else:
+        assert lengths[0] > 257 and line == (
+            f"{head} (--seq-len {lengths[0] - 1}), above the --init-from checkpoint "
+            f"{root}/pretrain/checkpoint_000004's max_seq_len 256 (allowed: 1..256): shorter conversations are "
+            f"needed{tail}"
+        )
+    assert not (root / "s12").exists()
+    mine.write_text("".join(json.dumps(c) + "\n" for c in [*convs[:19], *_short(1)]))
+    driver(argv)  # one that fits: reaches Ray
+    assert (
+        f"warning: --sft-data {mine}: 19 of its 20 training conversations are longer"
+        in capsys.readouterr().out
+    )
+
+
+@pytest.mark.parametrize("fits", [0, 1])
+def test_a_speedrun_names_its_preset_keys_for_sft_data_longer_than_a_row(
+    fits, speedrun_out, driver, tmp_path, capsys
+):
+    """The speedrun's SFT stage makes the same check when it starts (it needs the trained tokenizer), naming the
+    preset's keys: sft.sft_data, sft.seq_len (32 here), sft.sft_tasks (spelling:50 fits), and the pretraining
+    checkpoint, whose max_seq_len is train.seq_len 64. None fits: refused; one fits: a warning, and SFT starts."""
+    out, _ = speedrun_out
+    tok, mine = Tokenizer.load(out / "tokenizer"), tmp_path / "mine.jsonl"
+    convs = [*_too_long(20 - fits, 40), *_short(fits)]
+    mine.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    lengths = sorted(_tokens(tok, c) for c in convs)
+    preset = yaml.safe_load(resources.files("raychat").joinpath("presets/tiny.yaml").read_text())
+    preset["sft"] |= {"sft_data": str(mine), "sft_test_size": 0, "seq_len": 32, "sft_tasks": "spelling:50"}
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(preset))
+    argv = ["speedrun", "--preset", str(tmp_path / "mine.yaml"), "--out", str(out)]
+    _commit_step(*driver(argv), step=4)  # pretraining finished: the next invocation starts SFT
+    capsys.readouterr()
+    base = out / "checkpoints" / "base" / "checkpoint_000004"
+    if not fits:
+        assert lengths[0] - 1 <= 64 and _fails_in_one_line(argv, capsys) == (
+            f"raychat speedrun: error: sft.sft_data {mine}: none of its 20 training conversations fits a row of 33 "
+            "tokens (sft.seq_len 32), not even its most recent exchange (training would skip them all and learn "
+            f"from sft.sft_tasks alone): they hold {lengths[0]}..{lengths[-1]} tokens, and keeping one needs a row "
+            f"of {lengths[0]}: sft.seq_len {lengths[0] - 1}..64 keeps some  (RAYCHAT_DEBUG=1 shows the traceback)"
+        )
+        assert not (out / "checkpoints" / "sft").exists()
+        return
+    cfg, _, _, _ = driver(argv)
+    assert cfg.run.stage == "sft" and lengths[-1] - 1 > 64
+    assert (
+        f"warning: sft.sft_data {mine}: 19 of its 20 training conversations are longer than a row of 33 tokens "
+        "(sft.seq_len 32): 19 will be skipped (too long even without their oldest exchanges); they hold up to "
+        f"{lengths[-1]} tokens: keeping them all whole needs sft.seq_len {lengths[-1] - 1}, above the pretraining "
+        f"checkpoint {base}'s max_seq_len 64: sft.seq_len 64 keeps {sum(n <= 65 for n in lengths)} of the 20 whole"
+    ) in capsys.readouterr().out.splitlines()
 
 
 def test_resuming_a_run_whose_checkpoint_has_no_data_state(root, capsys):

@@ -16,7 +16,7 @@ from pathlib import Path
 from raychat.checkpoint import read_meta
 from raychat.config import SFT_DEFAULTS, ConfigError, TrainConfig, from_dict
 from raychat.config.schema import shown
-from raychat.data.loader.sft_rows import SFTRows, none_fits, validation_rows
+from raychat.data.loader.sft_rows import SFTRows, none_fits, row_fit, validation_rows
 from raychat.log import log, plural
 from raychat.model import ModelConfig
 from raychat.ray_token import token_for
@@ -121,9 +121,11 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
             task of --sft-tasks whose file is missing under --task-data-dir (one line naming it), a bad record
             of smoltalk's files (its file, line and field: raychat.tasks.registry.check_data) or of --sft-data's
             (raychat.tasks.sft_data.sft_data_split), an --sft-test-size that leaves nothing to train on; a
-            ConfigError naming --seq-len when no training conversation fits a row (check_training_rows); a
-            held-out task none of whose conversations fits a row (check_validation_rows); or as run_training (a
-            run directory whose newest checkpoint this run cannot resume).
+            ConfigError naming --seq-len when no training conversation fits a row (check_training_rows), or
+            naming --sft-data when none of its training conversations does (check_own_rows: some that do not
+            fit are a warning line); a held-out task none of whose conversations fits a row
+            (check_validation_rows); or as run_training (a run directory whose newest checkpoint this run
+            cannot resume).
     """
     if not cfg.run.init_from:
         raise ValueError("--init-from: required: a pretraining checkpoint, its run (name or dir), or latest")
@@ -138,6 +140,7 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
     paths = resolve_paths(cfg, writable=False)
     tokenizer = Tokenizer.load(paths.tokenizer_path)
     check_training_rows(cfg, tokenizer, paths.init_from, own)
+    check_own_rows(cfg, tokenizer, paths.init_from, own, flags)
     check_validation_rows(cfg, own, tokenizer)
     return run_training(cfg, spec, [ReplayRecorder(), *callbacks], dry_run, flags)
 
@@ -192,13 +195,87 @@ def check_training_rows(
         f"fits a row of {seq_len + 1} tokens, not even its most recent exchange: they hold "
         f"{found.shortest:,}..{found.longest:,} tokens, and keeping one needs a row of {found.fewest:,}"
     )
-    need, most = found.fewest - 1, ModelConfig(**read_meta(init_from)["model_config"]).max_seq_len
-    if need <= most:
-        raise ConfigError(f"{line}: --seq-len {need}..{most} keeps some")
     raise ConfigError(
-        f"{line} (--seq-len {need}), above the --init-from checkpoint {init_from}'s max_seq_len {most} (allowed: "
-        f"1..{most}): shorter conversations are needed"
+        line + keeping_one(found.fewest, init_from, "--seq-len", f"the --init-from checkpoint {init_from}")
     )
+
+
+def keeping_one(fewest: int, init_from: str, seq_len: str, checkpoint: str) -> str:
+    """What ends a line saying that keeping one conversation needs a row of `fewest` tokens: ": --seq-len S..M
+    keeps some" (S = fewest - 1; M: the max_seq_len of `init_from`, the checkpoint SFT starts from), or, S above
+    M, that shorter conversations are needed. seq_len, checkpoint: how the line names --seq-len and that
+    checkpoint."""
+    need, most = fewest - 1, max_seq_len(init_from)
+    if need <= most:
+        return f": {seq_len} {need}..{most} keeps some"
+    return (
+        f" ({seq_len} {need}), above {checkpoint}'s max_seq_len {most} (allowed: 1..{most}): shorter "
+        "conversations are needed"
+    )
+
+
+def max_seq_len(init_from: str) -> int:
+    """The max_seq_len of checkpoint `init_from` (its meta's model_config)."""
+    return ModelConfig(**read_meta(init_from)["model_config"]).max_seq_len
+
+
+def check_own_rows(
+    cfg: TrainConfig,
+    tokenizer: Tokenizer,
+    init_from: str,
+    own: SFTDataRead | None = None,
+    flags: Flags = COMMANDS,
+) -> None:
+    """--sft-data's training conversations against rows of --seq-len + 1 tokens, in the driver before Ray starts
+    (after check_training_rows: some conversation of the mixture fits), so that the user's own data is never
+    dropped silently while the other tasks of the mixture train. Every one of them is rendered as the row source
+    renders it (raychat.data.loader.sft_rows.row_fit; own: as validation_tasks). None fits, not even its most
+    recent exchange: refused. Some longer than a row: one warning line, how many of them will be skipped and how
+    many shortened (oldest exchanges dropped), and the --seq-len that keeps them all whole, or, past the
+    max_seq_len of `init_from` (the checkpoint SFT starts from), how many that max_seq_len keeps whole. Lines
+    name the options as `flags` does (the speedrun: its preset's keys).
+
+    Raises:
+        ConfigError: "--sft-data <value>: none of its N training conversations fits a row of T+1 tokens
+            (--seq-len T), not even its most recent exchange (training would skip them all and learn from
+            --sft-tasks alone): they hold A..B tokens, and keeping one needs a row of S+1" and what
+            keeping_one says.
+    """
+    d, seq_len = cfg.data, cfg.model.seq_len
+    if not d.sft_data:
+        return
+    train = sft_data_split(own or d.sft_data, d.sft_test_size).train
+    fit = row_fit(train, tokenizer, seq_len + 1)
+    n, over = len(fit.lengths), fit.shortened + fit.skipped
+    if not over:
+        return
+    data, seq, start = flags.option("sft_data"), flags.option("seq_len"), flags.option("init_from")
+    checkpoint = f"the {start} checkpoint {init_from}" if start.startswith("--") else f"{start} {init_from}"
+    if fit.skipped == n:
+        found = none_fits([train], tokenizer, seq_len + 1)
+        raise ConfigError(
+            f"{data} {d.sft_data}: none of its {plural(n, 'training conversation')} fits a row of {seq_len + 1} "
+            f"tokens ({seq} {seq_len}), not even its most recent exchange (training would skip them all and learn "
+            f"from {flags.option('sft_tasks')} alone): they hold {found.shortest:,}..{found.longest:,} tokens, and "
+            f"keeping one needs a row of {found.fewest:,}"
+            + keeping_one(found.fewest, init_from, seq, checkpoint)
+        )
+    skipped = f"{fit.skipped:,} will be skipped (too long even without their oldest exchanges)"
+    shortened = f"{fit.shortened:,} {'' if fit.skipped else 'will be '}shortened (oldest exchanges dropped)"
+    what = " and ".join(text for k, text in ((fit.skipped, skipped), (fit.shortened, shortened)) if k)
+    line = (
+        f"warning: {data} {d.sft_data}: {over:,} of its {plural(n, 'training conversation')} "
+        f"{'is' if over == 1 else 'are'} longer than a row of {seq_len + 1} tokens ({seq} {seq_len}): "
+        f"{what}; they hold up to {max(fit.lengths):,} tokens"
+    )
+    need, most = max(fit.lengths) - 1, max_seq_len(init_from)
+    if need <= most:
+        log(f"{line}: {seq} {need} keeps them all whole")
+        return
+    line += f": keeping them all whole needs {seq} {need}, above {checkpoint}'s max_seq_len {most}"
+    if seq_len < most:
+        line += f": {seq} {most} keeps {sum(k <= most + 1 for k in fit.lengths):,} of the {n:,} whole"
+    log(line)
 
 
 def check_validation_rows(

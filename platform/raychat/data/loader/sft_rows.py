@@ -218,3 +218,29 @@ def none_fits(tasks: Iterable[Task], tokenizer: Tokenizer, row_len: int) -> None
             lengths.append(rendered.truncation.tokens_before)
             fewest.append(fewest_tokens(tokenizer, conversation))
     return NoneFits(len(lengths), min(lengths), max(lengths), min(fewest)) if lengths else None
+
+
+class RowFit(NamedTuple):
+    """How the conversations of a task fit rows of row_len = T+1 tokens (row_fit): lengths: each one's rendered
+    length (tokens, whole, before truncation), in the task's order; shortened: how many lose their oldest
+    exchanges to fit; skipped: how many are dropped (not even their most recent exchange fits, or no supervised
+    token is left: SFTRows skips them)."""
+
+    lengths: tuple[int, ...]
+    shortened: int
+    skipped: int
+
+
+def row_fit(task: Task, tokenizer: Tokenizer, row_len: int) -> RowFit:
+    """Every conversation of `task` rendered as SFTRows renders it (render_conversation, max_tokens=row_len),
+    counted by how it fits (RowFit).
+
+    Raises:
+        ValueError: as render_conversation (an invalid conversation)."""
+    lengths, shortened, skipped = [], 0, 0
+    for i in range(len(task)):
+        t = render_conversation(tokenizer, task[i], max_tokens=row_len).truncation
+        lengths.append(t.tokens_before)
+        skipped += t.dropped
+        shortened += not t.dropped and t.dropped_exchanges > 0
+    return RowFit(tuple(lengths), shortened, skipped)
