@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         rc = func(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a stage's own line (a training run's: where it resumes) when it has one
+        print(f"raychat {args.command}: interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return 130
     except (
         RunGaveUp
