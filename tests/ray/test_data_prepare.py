@@ -235,7 +235,8 @@ def test_count_shards_and_split_evenly():
         count_shards(4, 4, None)
     assert (
         str(e.value)
-        == "4 documents are too few for 5 shards (train + validation: one document at least each)"
+        == "4 documents are too few for 5 shards (train + validation: one document at least each); give "
+        "--num-shards 3 at most"  # it named no flag
     )
 
 

@@ -130,9 +130,10 @@ def count_shards(documents: int, num_shards: int | None, rows_per_shard: int | N
     )
     if documents < total:
         are = "is" if documents == 1 else "are"
+        fix = f"; give --num-shards {documents - 1} at most" if num_shards and documents >= 2 else ""
         raise ValueError(
             f"{plural(documents, 'document')} {are} too few for {total} shards (train + validation: one "
-            "document at least each)"
+            f"document at least each){fix}"
         )
     return total
 
