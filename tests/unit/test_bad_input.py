@@ -26,7 +26,9 @@ from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
@@ -214,6 +216,18 @@ def test_data_prepare_checks_its_input_before_it_creates_the_root(argv, want, tm
     argv = ["data", "prepare", *(a.format(tmp=tmp_path) for a in argv), "--storage-path", str(new_root)]
     assert _fails_in_one_line(argv, capsys) == f"raychat data prepare: error: {want.format(tmp=tmp_path)}"
     assert not new_root.exists()
+
+
+def test_a_parquet_file_of_another_text_type_is_named_with_its_source_flag(tmp_path, capsys):
+    """It read "i.parquet: the `text` column holds int64 ...": a name within a folder no flag was said to give."""
+    (tmp_path / "src").mkdir()
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "src" / "i.parquet")
+    assert _fails_in_one_line(["data", "prepare", "--source", str(tmp_path / "src"), "--out", str(tmp_path / "d")],
+                              capsys) == (
+        f"raychat data prepare: error: --source {tmp_path}/src: i.parquet: the `text` column holds int64, not "
+        "strings (string or UTF-8 binary)"
+    )  # fmt: skip
+    assert not (tmp_path / "d").exists()
 
 
 def test_a_mistyped_source_name_is_not_read_as_a_folder(tmp_path, capsys):
