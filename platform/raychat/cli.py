@@ -55,6 +55,23 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but an unrecognized argument is refused by the (sub)command's parser it was given to, so
+        the line names `raychat pretrain` and its --help, whose flags it lists, not `raychat`'s."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._chosen(namespace).error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace
+
+    def _chosen(self, namespace) -> argparse.ArgumentParser:
+        """The innermost subcommand parser `namespace` was parsed by (self when there is none)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(namespace, action.dest, None))
+                if isinstance(chosen, OneLineParser):
+                    return chosen._chosen(namespace)
+        return self
+
     def parse_known_args(self, args=None, namespace=None):
         namespace, extras = super().parse_known_args(args, namespace)
         for action in self._actions:
@@ -103,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         rc = func(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a stage's own line (a training run's: where it resumes) when it has one
+        print(f"raychat {args.command}: interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return 130
     except (
         RunGaveUp

@@ -235,7 +235,8 @@ def test_count_shards_and_split_evenly():
         count_shards(4, 4, None)
     assert (
         str(e.value)
-        == "4 documents are too few for 5 shards (train + validation: one document at least each)"
+        == "4 documents are too few for 5 shards (train + validation: one document at least each); give "
+        "--num-shards 3 at most"  # it named no flag
     )
 
 
@@ -405,7 +406,10 @@ def test_cli(mixed_folder, tmp_path, capsys):
         and "unsupported_file: 1  (e.g. notes.csv)" in printed
     )
     assert main(["data", "prepare", "--source", str(tmp_path / "nope"), "--out", str(out)]) == 2
-    assert "nope: not a directory" in capsys.readouterr().err
+    assert (
+        "nope: no such directory; give debian-docs, fineweb-edu, climbmix or a directory of documents"
+        in capsys.readouterr().err
+    )
     assert main(["data", "prepare", "--source", str(mixed_folder), "--out", str(mixed_folder / "out")]) == 2
     assert f"error: the output {mixed_folder / 'out'} (--out) lies inside --source" in capsys.readouterr().err
     inside = ["--storage-path", str(mixed_folder), "--run-name", "data"]  # no --out: the flag that placed it

@@ -4,6 +4,7 @@ the layout that used to hang (1 worker x 1.75 CPUs on 2 cores, issue 15) trains 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -123,3 +124,43 @@ def test_a_layout_beyond_the_local_cluster_is_refused_before_ray_starts(corpus, 
     assert done.returncode != 0
     assert "needs 4 CPUs; the cluster has 3: lower --cpus-per-worker to at most 1 " in done.stderr
     assert os.listdir(ray_tmp) == []  # Ray never started
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_ctrl_c_mid_run_ends_in_one_line_naming_the_checkpoint_it_resumes_from(corpus, tmp_path, ray_tmp):
+    """Ctrl-C met Ray Train's SIGINT handler, which aborts the run and makes ray.get raise SystemExit(1): the
+    command ended with no line of its own, exit status 1. Now: exit 130 and one line saying where the same
+    command resumes (raychat.train.launch.interrupted), the run's lease gone."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYCHAT_THREADS")}
+    env.update(RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled")
+    cmd = [
+        sys.executable, "-m", "raychat.cli", "pretrain", "--preset", "none",
+        "--data-dir", str(corpus / "shards"), "--tokenizer-path", str(corpus / "tok"),
+        "--storage-path", str(tmp_path / "runs"), "--run-name", "sigint",
+        "--depth", "1", "--aspect-ratio", "64", "--head-dim", "32", "--seq-len", "32", "--device-batch-size", "2",
+        "--total-batch-size", "128", "--num-iterations", "100000", "--eval-every", "0", "--eval-tokens", "64",
+        "--checkpoint-every", "1", "--buffer-size", "8", "--num-workers", "1", "--cpus-per-worker", "1",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not inherited ignored from a shell
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if "step     2/" in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    run = tmp_path / "runs" / "sigint"
+    committed = sorted(p for p in run.glob("checkpoint_*") if (p / "commit.json").exists())
+    assert proc.returncode == 130 and committed, out[-3000:] + err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "raychat pretrain: interrupted: pretrain run 'sigint' stopped before its last step; the same command "
+        f"starts it again: it resumes from its newest committed checkpoint {committed[-1]}"
+    ), err[-3000:]
+    assert not (run / "lease.json").exists()

@@ -26,7 +26,9 @@ from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
@@ -193,7 +195,12 @@ def test_a_new_storage_root_is_not_created_for_a_run_that_fails_its_checks(root,
 @pytest.mark.parametrize(
     "argv, want",
     [
-        (["--source", "{tmp}/nope"], "--source {tmp}/nope: not a directory (and not one of the named sources)"),
+        (["--source", "{tmp}/nope"], "--source {tmp}/nope: no such directory; give debian-docs, fineweb-edu, "
+         "climbmix or a directory of documents"),
+        (["--source", "fineweb"], "--source fineweb: no such directory; give debian-docs, fineweb-edu, climbmix or a "
+         "directory of documents"),
+        (["--source", "{tmp}/texts/a.txt"], "--source {tmp}/texts/a.txt: a file; give debian-docs, fineweb-edu, "
+         "climbmix or a directory of documents"),
         (["--source", "{tmp}/texts", "--num-shards", "2", "--rows-per-shard", "5"],
          "give --num-shards or --rows-per-shard for a local source, not both"),
         (["--source", "{tmp}/empty"], "--source {tmp}/empty: no usable documents: it holds no text (documents are "
@@ -210,6 +217,27 @@ def test_data_prepare_checks_its_input_before_it_creates_the_root(argv, want, tm
     argv = ["data", "prepare", *(a.format(tmp=tmp_path) for a in argv), "--storage-path", str(new_root)]
     assert _fails_in_one_line(argv, capsys) == f"raychat data prepare: error: {want.format(tmp=tmp_path)}"
     assert not new_root.exists()
+
+
+def test_a_parquet_file_of_another_text_type_is_named_with_its_source_flag(tmp_path, capsys):
+    """It read "i.parquet: the `text` column holds int64 ...": a name within a folder no flag was said to give."""
+    (tmp_path / "src").mkdir()
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "src" / "i.parquet")
+    assert _fails_in_one_line(["data", "prepare", "--source", str(tmp_path / "src"), "--out", str(tmp_path / "d")],
+                              capsys) == (
+        f"raychat data prepare: error: --source {tmp_path}/src: i.parquet: the `text` column holds int64, not "
+        "strings (string or UTF-8 binary)"
+    )  # fmt: skip
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_mistyped_source_name_is_not_read_as_a_folder(tmp_path, capsys):
+    """`--source fineweb` logged "loading documents from folder fineweb", then refused it as "not a directory (and
+    not one of the named sources)", naming none of them."""
+    assert raychat_main(["data", "prepare", "--source", "fineweb", "--out", str(tmp_path / "d")]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", "raychat data prepare: error: --source fineweb: no such directory; give debian-docs, "
+                              "fineweb-edu, climbmix or a directory of documents\n")  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -508,3 +508,23 @@ def test_a_run_that_gave_up_ends_in_its_one_line_and_exit_status_1(stage, monkey
     with pytest.raises(RunGaveUp) as raised:
         main([stage, "--run-name", "t"])
     assert isinstance(raised.value.__cause__, ConnectionError)
+
+
+@pytest.mark.parametrize(
+    "argv, prog, extra",
+    [
+        (["pretrain", "--nosuch"], "raychat pretrain", "--nosuch"),
+        (["rl", "--dry-run"], "raychat rl", "--dry-run"),  # pretrain's and sft's flag, not rl's
+        (["data", "prepare", "--bogus", "1"], "raychat data prepare", "--bogus 1"),
+        (["jobs", "list", "--nosuch"], "raychat jobs list", "--nosuch"),
+    ],
+)
+def test_an_unknown_flag_is_refused_by_its_commands_parser(argv, prog, extra, capsys):
+    """It read `raychat: error: unrecognized arguments: --nosuch (`raychat --help` lists the flags)`, whose
+    --help lists the commands, not the flags."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        f"{prog}: error: unrecognized arguments: {extra} (`{prog} --help` lists the flags)\n"
+    )

@@ -4,15 +4,18 @@ build_app's args and a preset file keep their keys."""
 
 from __future__ import annotations
 
+import socket
+
 import pyarrow.fs as pafs
 import pytest
 import ray
 from support.serve_helpers import write_tiny_checkpoint
+from support.serve_process import free_port
 
 from raychat import checkpoint_manager
 from raychat.cli import main
 from raychat.serve.app import pruned_message, serve_config
-from raychat.serve.cli import check_checkpoint
+from raychat.serve.cli import check_checkpoint, check_port_free
 
 TAIL = "  (RAYCHAT_DEBUG=1 shows the traceback)\n"
 
@@ -217,3 +220,32 @@ def test_build_app_is_a_builder_serve_accepts(ckpt):
     assert isinstance(app, Application)
     with pytest.raises(ValueError, match="checkpoint"):
         call_user_app_builder_with_args_if_necessary(build_app, {"checkpoint": str(ckpt / "nothing")})
+
+
+def _listener(reuse_port: bool) -> socket.socket:
+    """A socket listening on a free loopback port; with SO_REUSEPORT (and SO_REUSEADDR), as Serve's HTTP proxy
+    binds (ray.serve._private.http_util.set_socket_reuse_port)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if reuse_port:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", free_port()))
+    s.listen()
+    return s
+
+
+@pytest.mark.parametrize("reuse_port", [True, False])
+def test_a_port_another_server_listens_on_is_in_use_a_serve_proxys_too(reuse_port):
+    """A second `raychat serve` on the port of a running one started: Serve's proxies bind with SO_REUSEPORT, so
+    the kernel split the connections between the two apps, and the second printed a URL the first answered."""
+    with _listener(reuse_port) as held:
+        port = held.getsockname()[1]
+        with pytest.raises(OSError) as e:
+            check_port_free("127.0.0.1", port)
+        assert str(e.value) == (
+            f"--port {port}: 127.0.0.1:{port} is in use (another raychat serve, or another program, listens "
+            "there); pick another --port"
+        )
+        with pytest.raises(OSError):
+            check_port_free("0.0.0.0", port)  # every address includes loopback's
+    check_port_free("127.0.0.1", port)  # closed: free again

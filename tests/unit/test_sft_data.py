@@ -251,3 +251,18 @@ def test_a_step_trained_on_sft_data_replays(tmp_path, small_tokenizer):
     assert verify_step(*read_step(str(tmp_path / "run"), 1))[1] == []
     write_jsonl(mine, [chat(i) for i in range(11)])  # another split: the records no longer match
     assert verify_step(*read_step(str(tmp_path / "run"), 1))[1] != []
+
+
+def test_empty_files_are_named_as_paths_not_as_a_python_list(tmp_path):
+    """An empty --sft-data file was refused as "[PosixPath('.../empty.jsonl')]: no records"."""
+    (tmp_path / "a.jsonl").write_text("")
+    (tmp_path / "b.jsonl").write_text("\n\n")
+    with pytest.raises(ValueError) as e:
+        sft_data_split(str(tmp_path / "a.jsonl"), 0.05)
+    assert str(e.value) == f"--sft-data: {tmp_path}/a.jsonl: no records (an empty file)"
+    with pytest.raises(ValueError) as e:
+        sft_data_split(f"{tmp_path}/a.jsonl,{tmp_path}/b.jsonl", 0.05)
+    assert (
+        str(e.value)
+        == f"--sft-data: {tmp_path}/a.jsonl, {tmp_path}/b.jsonl: no records (every file is empty)"
+    )

@@ -10,10 +10,12 @@ token of --token-file (else $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_t
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -45,7 +47,8 @@ def start(
     cluster: when it already runs there, its proxies stay as they are and the app is added to them.
     Raises: ValueError / FileNotFoundError from check_checkpoint or build_app, before Ray starts, for bad args
         or a checkpoint no replica could load; ValueError when Serve already runs on the cluster with its
-        proxies on another host:port (the URL would be wrong);
+        proxies on another host:port (the URL would be wrong); OSError naming --port when, on a local
+        cluster, host:port has a listener of its own (check_port_free), or Serve cannot bind it;
         ValueError naming the flags when no node type of a connected cluster can ever hold a replica
         (replica_bundles; raychat.capacity.check_bundles).
     """
@@ -89,16 +92,46 @@ def start(
             f"into it (this replaces its application {APP_NAME!r}, if it serves one), or stop it first "
             "(`serve shutdown`)"
         )
+    if local and running is None and proxy_location != "Disabled":  # this machine's proxy is about to bind
+        try:
+            check_port_free(host, port)
+        except OSError:
+            ray.shutdown()
+            raise
     try:
         serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
     except RuntimeError as e:
         if "Failed to bind" not in str(e):
             raise
         ray.shutdown()
-        raise OSError(f"cannot listen on {host}:{port} (in use?); pick another with --port") from None
+        raise OSError(port_in_use(host, port)) from None
     serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
     page_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{page_host}:{port}/"
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises OSError (port_in_use) when something listens on host:port, another Serve's HTTP proxy included:
+    Serve's proxies bind with SO_REUSEPORT, so a second `raychat serve` on a port the first holds started, the
+    kernel splitting its connections between the two apps, and printed a URL the other one answered. This
+    socket binds without SO_REUSEPORT, which no listener's port admits. Other bind errors (an address not on
+    this machine, a port below 1024 without the privilege) are left to Serve's own bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR, as Serve's proxy sets it: a port in TIME_WAIT is free
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise OSError(port_in_use(host, port)) from None
+
+
+def port_in_use(host: str, port: int) -> str:
+    return (
+        f"--port {port}: {host}:{port} is in use (another raychat serve, or another program, listens there); "
+        "pick another --port"
+    )
 
 
 def _init_ray(init, **kwargs) -> None:

@@ -38,7 +38,9 @@ def record_files(path: str | Path | list[Path]) -> list[Path]:
         files = [Path(f) for f in path]
         missing = [f for f in files if not f.exists()]
         if not files or missing:
-            raise FileNotFoundError(f"no .parquet/.jsonl/.json data at {missing or path}")
+            raise FileNotFoundError(
+                f"no .parquet/.jsonl/.json data at {named(missing)}" if missing else "no data file named"
+            )
     else:
         p = Path(path)
         files = (
@@ -49,6 +51,11 @@ def record_files(path: str | Path | list[Path]) -> list[Path]:
         if not p.exists() or not files:
             raise FileNotFoundError(f"no .parquet/.jsonl/.json data at {path}")
     return files
+
+
+def named(files: Sequence[Path]) -> str:
+    """Files as a message names them: comma-separated paths (not a list's repr)."""
+    return ", ".join(str(f) for f in files)
 
 
 def read_records(path: str | Path | list[Path], columns: list[str], seed: int | None = None) -> list[dict]:
@@ -74,7 +81,8 @@ def located_records(
     """
     wheres: list[str] = []
     rows: list[dict] = []
-    for f in record_files(path):
+    files = record_files(path)
+    for f in files:
         if f.suffix == ".parquet":
             table = pq.read_table(f).to_pylist()
             wheres.extend(f"{f} row {i}" for i in range(len(table)))
@@ -89,7 +97,9 @@ def located_records(
         else:
             raise ValueError(f"{f}: suffix must be one of ['.parquet', '.jsonl', '.json']")
     if not rows:
-        raise ValueError(f"{path}: no records (an empty dataset file)")
+        raise ValueError(
+            f"{named(files)}: no records ({'every file is empty' if len(files) > 1 else 'an empty file'})"
+        )
     for where, r in zip(wheres, rows):
         missing = [c for c in columns if c not in r]
         if missing:

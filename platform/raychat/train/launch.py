@@ -533,7 +533,9 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
     """run_training's part after the checks, under the run's lease: the plan printed, Ray Train run; its
     layout and placement refusals name the options as `flags` does. A worker group failure past --max-failures
     (gave_up), a controller failure (controller_gave_up) and a non-finite step (stopped_on_fault) are raised as
-    RunGaveUp, the local Ray cluster this run started stopped first (_stop_own_cluster)."""
+    RunGaveUp, the local Ray cluster this run started stopped first (_stop_own_cluster); Ctrl-C as
+    KeyboardInterrupt of one line (interrupted: the checkpoint a new start resumes from), which Ray Train ended
+    in a bare SystemExit(1): no line, exit status 1."""
     print_plan(cfg, plan)
     mark("plan_printed")
     c = cfg.layout
@@ -570,6 +572,9 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
     run = f"{cfg.run.stage} run {cfg.run.run_name!r}"
     try:
         fitted = fit(trainer, cfg, capacity, flags)
+    except SystemExit:  # Ctrl-C: Ray Train's SIGINT handler aborts the run, then ray.get raises SystemExit(1)
+        _stop_own_cluster(started)
+        raise KeyboardInterrupt(interrupted(run, newest_uri(paths.checkpoints))) from None
     except WorkerGroupError as e:  # Ray Train retried --max-failures times (failure_config)
         failed, error = failed_worker(e)
         _stop_own_cluster(started)
@@ -659,6 +664,12 @@ def log_in_full(run: str, full: BaseException | str, log: Callable[[str], None] 
     message holds the worker's or actor's traceback), or a traceback's text as it is."""
     text = full if isinstance(full, str) else f"{type(full).__name__}: {full}"
     log(f"{run}: the failure that ended it, in full:\n{text}")
+
+
+def interrupted(run: str, checkpoint: str | None) -> str:
+    """The line of a run (`run`: "pretrain run 'r'") stopped by Ctrl-C before its last step, and what starting it
+    again does (resumes)."""
+    return f"{run} stopped before its last step; the same command starts it again: {resumes(checkpoint)}"
 
 
 def resumes(checkpoint: str | None) -> str:

@@ -308,7 +308,10 @@ def local_folder(folder: str | Path) -> Corpus:
         elif suffix == ".jsonl":
             jsonl_documents(path, name, documents, skips)
         elif suffix == ".parquet":
-            parquet_documents(path, name, documents, skips)
+            try:
+                parquet_documents(path, name, documents, skips)
+            except DataError as e:  # named by its path within the folder: say which flag gave the folder
+                raise DataError(f"--source {folder!s}: {e}") from None
         else:
             skips.add("unsupported_file", name)
     comp = {

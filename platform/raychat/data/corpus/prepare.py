@@ -130,9 +130,10 @@ def count_shards(documents: int, num_shards: int | None, rows_per_shard: int | N
     )
     if documents < total:
         are = "is" if documents == 1 else "are"
+        fix = f"; give --num-shards {documents - 1} at most" if num_shards and documents >= 2 else ""
         raise ValueError(
             f"{plural(documents, 'document')} {are} too few for {total} shards (train + validation: one "
-            "document at least each)"
+            f"document at least each){fix}"
         )
     return total
 
@@ -189,7 +190,12 @@ def load_corpus(source: str, out: Path, log, out_flag: str = "--out") -> corpora
         log("loading the default corpus: Debian python3.11-doc (reST, cleaned) + wordnet-base glosses")
         return corpora.debian_docs()
     folder = Path(source)
-    if folder.is_dir() and out.resolve().is_relative_to(folder.resolve()):
+    if not folder.is_dir():  # before the "loading" line: a mistyped source name is not a folder being read
+        what = "a file" if folder.is_file() else "no such directory"
+        raise ValueError(
+            f"--source {source}: {what}; give debian-docs, {', '.join(HUB_SOURCES)} or a directory of documents"
+        )
+    if out.resolve().is_relative_to(folder.resolve()):
         raise ValueError(
             f"the output {out} ({out_flag}) lies inside --source {source}: the shards would be read as input "
             "next time"
