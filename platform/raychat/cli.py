@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from raychat.log import RunGaveUp
 from raychat.ops.job_python import missing_dependency_message
+from raychat.sigterm import Terminated
 
 # command -> its line in `raychat --help` (tests/unit/test_cli.py keeps each equal to its parser's own help)
 COMMANDS = {
@@ -123,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # a stage's own line (a training run's: where it resumes) when it has one
         print(f"raychat {args.command}: interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return 130
+    except (
+        Terminated
+    ) as e:  # SIGTERM (`ray job stop`, kill, docker stop, Kubernetes), where a stage catches it
+        print(f"raychat {args.command}: terminated (SIGTERM): {e}".removesuffix(": "), file=sys.stderr)
+        return 128 + signal.SIGTERM
     except (
         RunGaveUp
     ) as e:  # the run ended on a failure it does not retry: its line (a Ray error logged above)

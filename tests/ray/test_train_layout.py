@@ -3,14 +3,17 @@ the layout that used to hang (1 worker x 1.75 CPUs on 2 cores, issue 15) trains 
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import ray
-from support.cluster import short_temp_dir
+from support.cluster import _cmdline, _kill_leftovers, short_temp_dir
 
 from raychat.train import layout
 from raychat.train.layout import check_cpu_layout, data_reservation, start_or_connect
@@ -128,39 +131,68 @@ def test_a_layout_beyond_the_local_cluster_is_refused_before_ray_starts(corpus, 
 
 @pytest.mark.ray
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
-def test_ctrl_c_mid_run_ends_in_one_line_naming_the_checkpoint_it_resumes_from(corpus, tmp_path, ray_tmp):
-    """Ctrl-C met Ray Train's SIGINT handler, which aborts the run and makes ray.get raise SystemExit(1): the
-    command ended with no line of its own, exit status 1. Now: exit 130 and one line saying where the same
-    command resumes (raychat.train.launch.interrupted), the run's lease gone."""
+def test_sigterm_then_ctrl_c_mid_run_end_in_one_line_naming_the_checkpoint_it_resumes_from(
+    corpus, tmp_path, ray_tmp
+):
+    """SIGTERM (`ray job stop`, kill, docker stop) met Ray's native handler: `*** SIGTERM received ***`, the
+    workers trained on, exit status -6. Ctrl-C met Ray Train's SIGINT handler, which aborts the run and makes
+    ray.get raise SystemExit(1): no line, exit status 1. Now a run SIGTERMed at step 2 ends with exit 143 and
+    one line saying where the same command resumes (raychat.train.launch.interrupted), its lease gone; the same
+    command resumes after that checkpoint, and Ctrl-C ends it with exit 130 and the same line."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYCHAT_THREADS")}
     env.update(RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled")
     cmd = [
         sys.executable, "-m", "raychat.cli", "pretrain", "--preset", "none",
         "--data-dir", str(corpus / "shards"), "--tokenizer-path", str(corpus / "tok"),
-        "--storage-path", str(tmp_path / "runs"), "--run-name", "sigint",
+        "--storage-path", str(tmp_path / "runs"), "--run-name", "stop",
         "--depth", "1", "--aspect-ratio", "64", "--head-dim", "32", "--seq-len", "32", "--device-batch-size", "2",
         "--total-batch-size", "128", "--num-iterations", "100000", "--eval-every", "0", "--eval-tokens", "64",
         "--checkpoint-every", "1", "--buffer-size", "8", "--num-workers", "1", "--cpus-per-worker", "1",
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not inherited ignored from a shell
-    )  # fmt: skip
-    try:
-        for line in proc.stdout:
-            if "step     2/" in line:
-                proc.send_signal(signal.SIGINT)
-                break
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    run = tmp_path / "runs" / "sigint"
-    committed = sorted(p for p in run.glob("checkpoint_*") if (p / "commit.json").exists())
-    assert proc.returncode == 130 and committed, out[-3000:] + err[-3000:]
-    assert err.strip().splitlines()[-1] == (
-        "raychat pretrain: interrupted: pretrain run 'sigint' stopped before its last step; the same command "
-        f"starts it again: it resumes from its newest committed checkpoint {committed[-1]}"
-    ), err[-3000:]
-    assert not (run / "lease.json").exists()
+    run = tmp_path / "runs" / "stop"
+    resumed_after = 0
+    for signum, status, said in (
+        (signal.SIGTERM, 143, "terminated (SIGTERM)"),
+        (signal.SIGINT, 130, "interrupted"),
+    ):
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not inherited ignored from a shell
+        )  # fmt: skip
+        steps = []
+        try:
+            for line in proc.stdout:
+                if m := re.search(r"\bstep +(\d+)/", line):
+                    steps.append(int(m.group(1)))
+                if len(steps) == 2:
+                    proc.send_signal(signum)
+                    break
+            out, err = proc.communicate(timeout=120)
+            deadline = (
+                time.monotonic() + 5
+            )  # a node process killed as its parent exits is gone within moments
+            while (left := _naming(ray_tmp)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = [_cmdline(pid) for pid in left]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            _kill_leftovers(ray_tmp)
+        committed = sorted(p for p in run.glob("checkpoint_*") if (p / "commit.json").exists())
+        assert proc.returncode == status and committed, out[-3000:] + err[-3000:]
+        assert steps[0] == resumed_after + 1, steps  # the second run resumes after the first one's checkpoint
+        assert err.strip().splitlines()[-1] == (
+            f"raychat pretrain: {said}: pretrain run 'stop' stopped before its last step; the same command "
+            f"starts it again: it resumes from its newest committed checkpoint {committed[-1]}"
+        ), err[-3000:]
+        assert "SIGTERM received" not in err
+        assert not (run / "lease.json").exists()
+        assert left == [], left  # the worker group and the local Ray: stopped
+        resumed_after = int(committed[-1].name.split("_")[1])
+
+
+def _naming(marker: str) -> list[int]:
+    """Ids of the processes whose command line contains `marker` (this test's Ray temp dir)."""
+    pids = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and int(e.name) != os.getpid()]
+    return [pid for pid in pids if marker in " ".join(_cmdline(pid))]

@@ -70,6 +70,7 @@ from raychat.rl.actors import ActorGroup, ActorsLost, LearnerRaised, StepFailed
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
 from raychat.rl.objective import group_advantages, zero_advantage_frac
 from raychat.rl.sync import WeightSync
+from raychat.sigterm import SigtermAsSigint, Terminated
 from raychat.storage import open_storage, write_bytes
 from raychat.tasks.registry import make_task
 from raychat.train.launch import (
@@ -79,6 +80,7 @@ from raychat.train.launch import (
     error_line,
     finished_line,
     gave_up,
+    interrupted,
     refuse_resume,
     resumable_checkpoint,
     stopped_on_error,
@@ -306,8 +308,19 @@ class RLRun:
         self._waited = self._busy = 0.0  # the learner's seconds waiting for rollouts / stepping and syncing
         if self._lease is None or self._lease.holder is None:  # raychat.rl.cli takes it before it starts Ray
             with self.lease():
+                return self._run_to_a_stop()
+        return self._run_to_a_stop()
+
+    def _run_to_a_stop(self) -> dict:
+        """_run with SIGTERM raising Terminated (raychat.sigterm; Ray's native handler, installed at ray.init,
+        aborted the driver, its actors still running), and Ctrl-C (KeyboardInterrupt) and SIGTERM (Terminated)
+        raised again, once every actor is stopped, with the line of interrupted: the checkpoint the same command
+        resumes from (Ctrl-C's used to be a bare "interrupted")."""
+        try:
+            with SigtermAsSigint():
                 return self._run()
-        return self._run()
+        except (KeyboardInterrupt, Terminated) as e:
+            raise type(e)(interrupted(self.label, self.newest_uri())) from None
 
     def lease(self) -> RunLease:
         """The run's lease (raychat.lease), held while it is in a `with` block: run() trains under it, taking it

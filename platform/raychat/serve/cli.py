@@ -12,11 +12,9 @@ from __future__ import annotations
 import argparse
 import errno
 import ipaddress
-import logging
 import os
 import signal
 import socket
-import threading
 import time
 
 import ray
@@ -30,6 +28,7 @@ from raychat.config.schema import shown
 from raychat.ray_token import token_for
 from raychat.serve import vllm
 from raychat.serve.app import build_app, serve_config
+from raychat.sigterm import Terminated, init_keeping_handler, raise_terminated
 
 APP_NAME = "raychat"
 
@@ -57,9 +56,9 @@ def start(
     application = build_app(config)
     local = not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
     if local:  # Ray's own choice without an address: a `ray start` cluster of this machine, else a new one
-        _init_ray(start_local_cluster, address=None, include_dashboard=False, log_to_driver=False)
+        init_keeping_handler(start_local_cluster, address=None, include_dashboard=False, log_to_driver=False)
     elif not ray.is_initialized():
-        _init_ray(ray.init, address=address, include_dashboard=False, log_to_driver=False)
+        init_keeping_handler(ray.init, address=address, include_dashboard=False, log_to_driver=False)
     if local:  # a cluster of this machine only never grows: refuse what would wait forever for CPUs
         replicas, cpus = max(1, config.autoscaling.min_replicas), config.replica.num_cpus
         need = replicas * cpus + config.ingress_num_cpus
@@ -132,53 +131,6 @@ def port_in_use(host: str, port: int) -> str:
         f"--port {port}: {host}:{port} is in use (another raychat serve, or another program, listens there); "
         "pick another --port"
     )
-
-
-def _init_ray(init, **kwargs) -> None:
-    """init(**kwargs) (ray.init or start_local_cluster). Under main's SIGTERM handler it runs in a thread of its
-    own while this (main) thread waits and keeps main's handler in place: in the main thread ray.init installs
-    Ray's, whose SystemExit, raised amid its process starts (in a fork handler), hung the command, and Ray's
-    core worker a native one (a stack trace, an abort). A SIGTERM (or Ctrl-C) meanwhile lets ray.init end,
-    then raises _Terminated (KeyboardInterrupt); a second SIGTERM ends the process at once. Raises what init
-    raises."""
-    if signal.getsignal(signal.SIGTERM) is not _terminated:
-        init(**kwargs)
-        return
-    failed: list[BaseException] = []
-    done = threading.Event()  # not Thread.join: a signal's exception within it marks a live thread ended
-
-    def run() -> None:
-        try:
-            init(**kwargs)
-        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
-            failed.append(e)
-        finally:
-            done.set()
-        # stay: the node processes a local ray.init starts are killed when the THREAD that started them
-        # ends (their PR_SET_PDEATHSIG), so this one lives as long as the process
-        threading.Event().wait()
-
-    ray_log = logging.getLogger("ray._private.worker")
-    ray_log.addFilter(_not_main_thread_warning)  # misleading: SIGTERM has main's handler
-    thread = threading.Thread(target=run, name="raychat-ray-init", daemon=True)
-    thread.start()
-    try:
-        while not done.is_set():
-            signal.signal(signal.SIGTERM, _terminated)  # again: the core worker's native one replaced it
-            done.wait(0.05)
-        signal.signal(signal.SIGTERM, _terminated)
-    except (_Terminated, KeyboardInterrupt):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        done.wait()  # ray.init cannot be stopped part way; what it started is shut down after it
-        raise
-    finally:
-        ray_log.removeFilter(_not_main_thread_warning)
-    if failed:
-        raise failed[0]
-
-
-def _not_main_thread_warning(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("SIGTERM handler is not set because current thread")
 
 
 def check_checkpoint(config: ServeConfig) -> None:
@@ -257,17 +209,17 @@ def main(args: argparse.Namespace) -> int:
 
     SIGTERM from here on stops the command in one line and returns 0: while it starts (Ray, Serve, the app;
     "raychat serve: stopped (SIGTERM) while starting; Serve shut down", after shutting down what started:
-    _init_ray keeps Ray's own handlers out of the way) as once it serves (_block). The handler this process
+    init_keeping_handler keeps Ray's own handlers out of the way) as once it serves (_block). The handler this process
     had before is back when main returns."""
     if args.no_block and not (args.address or os.environ.get("RAY_ADDRESS")):
         raise ValueError(
             "--no-block needs --address (or RAY_ADDRESS): a local cluster ends with this process"
         )
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         with token_for(args.address, args.token_file):
             return _serve(args)
-    except _Terminated:
+    except Terminated:
         return _stop("SIGTERM", " while starting")
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -298,27 +250,18 @@ def _serve(args: argparse.Namespace) -> int:
     return _block()
 
 
-class _Terminated(BaseException):
-    """SIGTERM arrived (raised by the handler main and _block install). A BaseException, as KeyboardInterrupt:
-    Ray's waits within start-up catch Exception."""
-
-
-def _terminated(_signum, _frame):
-    raise _Terminated
-
-
 def _block() -> int:
     """Wait until Ctrl-C (SIGINT) or SIGTERM (`kill`, `docker stop`, Kubernetes), then shut Serve and this
     process' Ray down and print one line, "raychat serve: stopped (SIGTERM); Serve shut down"; returns 0.
     SIGTERM gets a handler of its own here: Ray's (installed by ray.init) prints a native stack trace and exits
     without shutting Serve down. A second SIGTERM during the shutdown ends the process at once."""
-    signal.signal(signal.SIGTERM, _terminated)
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         name = "SIGINT"
-    except _Terminated:
+    except Terminated:
         name = "SIGTERM"
     return _stop(name)
 

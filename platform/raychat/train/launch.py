@@ -53,6 +53,7 @@ from raychat.data.loader.sft_rows import changed_task_files
 from raychat.lease import RunLease
 from raychat.log import RunGaveUp, log, plural
 from raychat.model import ModelConfig
+from raychat.sigterm import SigtermAsSigint, Terminated
 from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory, why
 from raychat.tasks.sft_data import SFT_DATA
 from raychat.tokenizer import Tokenizer
@@ -535,7 +536,9 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
     (gave_up), a controller failure (controller_gave_up) and a non-finite step (stopped_on_fault) are raised as
     RunGaveUp, the local Ray cluster this run started stopped first (_stop_own_cluster); Ctrl-C as
     KeyboardInterrupt of one line (interrupted: the checkpoint a new start resumes from), which Ray Train ended
-    in a bare SystemExit(1): no line, exit status 1."""
+    in a bare SystemExit(1): no line, exit status 1; SIGTERM once Ray is up as Ctrl-C (raychat.sigterm:
+    SigtermAsSigint: Ray Train's controller stops the worker group), raised as Terminated of that line, where
+    Ray's native handler aborted the driver (exit status -6) with the workers still training."""
     print_plan(cfg, plan)
     mark("plan_printed")
     c = cfg.layout
@@ -544,46 +547,50 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
         c.num_workers, c.cpus_per_worker, spec.data_cpus, c.use_gpu, flags.option
     )
     mark("ray_connected")
-    log(line)
-    accum = elastic_grad_accum(cfg, plan.total_batch_size)
-    if len(accum) > 1:
-        log(
-            "elastic: "
-            + ", ".join(f"{plural(w, 'worker')} x {plural(k, 'accumulation step')}" for w, k in accum.items())
+    with SigtermAsSigint() as sigterm:  # after ray.init: Ray's native SIGTERM handler aborted the process
+        log(line)
+        accum = elastic_grad_accum(cfg, plan.total_batch_size)
+        if len(accum) > 1:
+            log(
+                "elastic: "
+                + ", ".join(
+                    f"{plural(w, 'worker')} x {plural(k, 'accumulation step')}" for w, k in accum.items()
+                )
+            )
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config={
+                "train": to_dict(cfg),
+                "plan": plan.to_dict(),
+                "checkpoints": paths.checkpoints,
+                "spec": spec,
+                "callbacks": list(callbacks),
+                "progress_bar": sys.stdout.isatty(),
+            },
+            scaling_config=scaling_config(cfg),
+            torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
+            run_config=RunConfig(
+                name=cfg.run.run_name,
+                **paths.storage.ray_train_storage(),
+                failure_config=failure_config(c),
+            ),
         )
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={
-            "train": to_dict(cfg),
-            "plan": plan.to_dict(),
-            "checkpoints": paths.checkpoints,
-            "spec": spec,
-            "callbacks": list(callbacks),
-            "progress_bar": sys.stdout.isatty(),
-        },
-        scaling_config=scaling_config(cfg),
-        torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
-        run_config=RunConfig(
-            name=cfg.run.run_name,
-            **paths.storage.ray_train_storage(),
-            failure_config=failure_config(c),
-        ),
-    )
-    run = f"{cfg.run.stage} run {cfg.run.run_name!r}"
-    try:
-        fitted = fit(trainer, cfg, capacity, flags)
-    except SystemExit:  # Ctrl-C: Ray Train's SIGINT handler aborts the run, then ray.get raises SystemExit(1)
-        _stop_own_cluster(started)
-        raise KeyboardInterrupt(interrupted(run, newest_uri(paths.checkpoints))) from None
-    except WorkerGroupError as e:  # Ray Train retried --max-failures times (failure_config)
-        failed, error = failed_worker(e)
-        _stop_own_cluster(started)
-        checkpoint = newest_uri(paths.checkpoints)
-        raise gave_up(run, failed, error, c.max_failures + 1, c.max_failures, flags, checkpoint, e) from e
-    except ControllerError as e:  # the controller's own failure (fit raised a placement timeout's line)
-        _stop_own_cluster(started)
-        retries = placement_attempts(c)[1]
-        raise controller_gave_up(run, e, retries, newest_uri(paths.checkpoints)) from e
+        run = f"{cfg.run.stage} run {cfg.run.run_name!r}"
+        try:
+            fitted = fit(trainer, cfg, capacity, flags)
+        except (SystemExit, Terminated):  # Ray Train's SIGINT handler aborted the run (Ctrl-C or SIGTERM)
+            _stop_own_cluster(started)
+            stopped = Terminated if sigterm.received else KeyboardInterrupt
+            raise stopped(interrupted(run, newest_uri(paths.checkpoints))) from None
+        except WorkerGroupError as e:  # Ray Train retried --max-failures times (failure_config)
+            failed, error = failed_worker(e)
+            _stop_own_cluster(started)
+            checkpoint = newest_uri(paths.checkpoints)
+            raise gave_up(run, failed, error, c.max_failures + 1, c.max_failures, flags, checkpoint, e) from e
+        except ControllerError as e:  # the controller's own failure (fit raised a placement timeout's line)
+            _stop_own_cluster(started)
+            retries = placement_attempts(c)[1]
+            raise controller_gave_up(run, e, retries, newest_uri(paths.checkpoints)) from e
     fault = getattr(fitted, "return_value", None)  # rank 0's NonFiniteError, returned
     uri = newest_uri(paths.checkpoints)
     if isinstance(fault, NonFiniteError):
