@@ -50,7 +50,7 @@ from raychat.config.speedrun import StageConfigError
 from raychat.data.corpus.prepare import prepare, prepare_kwargs
 from raychat.data.corpus.shards import list_shards
 from raychat.eval.bpb import unigram_bpb
-from raychat.eval.report_card import checkpoint_row, format_markdown
+from raychat.eval.report_card import checkpoint_row, format_markdown, no_data_lines
 from raychat.eval.tasks import task_accuracy
 from raychat.lease import RunLease, output_lease
 from raychat.log import log, plural
@@ -374,6 +374,8 @@ def report_card(config: SpeedrunConfig, report: dict, metrics_files: dict[str, P
             wall_s=report["timings_s"].get(stage),
             tokens_per_s=median_tokens_per_s(path, key) if path and path.exists() else None,
         )  # fmt: skip
+    for line in no_data_lines(rows, data_dir):
+        log(line)
     markdown = format_markdown(rows)
     log(markdown)
     return {"rows": rows, "markdown": markdown}

@@ -1376,7 +1376,9 @@ def test_sft_data_is_read_once_by_the_driver_and_once_by_each_worker(root, drive
         (tmp_path / name).write_text("".join(json.dumps({"messages": [
             {"role": "user", "content": f"{i}?"}, {"role": "assistant", "content": f"{i}"}]}) + "\n" for i in range(n)))  # fmt: skip
     reads, read, specs, train = [], loaders.located_records, [], sft.run_training
-    monkeypatch.setattr(loaders, "located_records", lambda path, *a: reads.append(path) or read(path, *a))
+    monkeypatch.setattr(
+        loaders, "located_records", lambda path, *a, **kw: reads.append(path) or read(path, *a, **kw)
+    )
     monkeypatch.setattr(sft, "run_training", lambda cfg, spec, *a: specs.append(spec) or train(cfg, spec, *a))
     argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s9", "--init-from",
             f"{root}/pretrain", "--tokenizer-path", f"{root}/tokenizer", "--sft-data", str(tmp_path / "train.jsonl"),
@@ -1412,7 +1414,9 @@ def test_a_speedrun_reads_its_sft_data_once(speedrun_out, driver, tmp_path, monk
     _commit_step(*driver(argv), step=4)  # pretraining finished: the next invocation reaches SFT's Ray
     forget_read()  # the invocation below is a new process
     reads, read = [], loaders.located_records
-    monkeypatch.setattr(loaders, "located_records", lambda path, *a: reads.append(path) or read(path, *a))
+    monkeypatch.setattr(
+        loaders, "located_records", lambda path, *a, **kw: reads.append(path) or read(path, *a, **kw)
+    )
     cfg, _, _, _ = driver(argv)
     assert cfg.run.stage == "sft" and reads == [[tmp_path / "train.jsonl"]]
 

@@ -131,8 +131,8 @@ ROLES = "['system', 'user', 'assistant', 'tool']"
          "records is bad)"),
         ({"messages": [{"role": "user", "content": "only a question"}]},
          "messages: no 'assistant' message (nothing to train on) (1 of 3 records is bad)"),
-        ({"conversation": []}, "lacks column(s) ['messages']; expected ['messages']"),
-        ([1, 2], "each line is one JSON object, got a list"),
+        ({"conversation": []}, "lacks column(s) ['messages']; expected ['messages'] (1 of 3 records is bad)"),
+        ([1, 2], "each line is one JSON object, got a list (1 of 3 records is bad)"),
     ],
 )  # fmt: skip
 def test_a_bad_record_is_named_by_file_line_and_field(tmp_path, record, error):
@@ -149,7 +149,7 @@ def test_a_line_that_is_not_json_and_a_bad_parquet_row(tmp_path):
         check_data(["smoltalk"], ("train",), str(data_dir))
     assert str(e.value) == (
         f"--sft-tasks: {train} line 3: not JSON (Expecting value: line 1 column 15 (char 14)); each line is one "
-        "JSON object"
+        "JSON object (1 of 3 records is bad)"
     )
     train.unlink()
     bad = [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]

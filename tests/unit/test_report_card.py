@@ -21,6 +21,7 @@ from raychat.eval.report_card import (
     chat_cells,
     chatcore,
     format_markdown,
+    no_data_lines,
 )
 from raychat.eval.tasks import prompt_messages, task_budget
 from raychat.tasks.registry import check_data, make_task, mixture_tasks, parse_mixture
@@ -200,3 +201,35 @@ def test_chatcore_and_the_table_by_hand():
     assert lines[3] == (
         "| sft | - | 0.5000 | 0.2500 | n/a: no data | 0.5000 | 0.0000 | 1.0000 | n/a: needs all six | 30 | n/a |"
     )
+
+
+def test_the_missing_chat_data_is_said_once_with_the_stages_that_wanted_it(tmp_path):
+    no_data = {c: cell(note=NO_DATA) for c in ("ARC-Easy", "ARC-Challenge", "MMLU", "GSM8K", "HumanEval")}
+    spelling = {"SpellingBee": cell(0.5, examples=4)}
+    rows = {
+        "base": card_row(cell(note=NO_DATA)),  # CORE's bundle is not a chat eval's file; "-" is no gap
+        "sft": card_row(None, no_data | spelling),
+        "rl": card_row(None, no_data | spelling),
+    }
+    get = f"huggingface-cli download {{}} --repo-type dataset --local-dir {tmp_path}/{{}}"
+    assert no_data_lines(rows, str(tmp_path)) == [
+        "report card: n/a: no data for ARC-Easy, ARC-Challenge, MMLU, GSM8K, HumanEval (sft, rl); get their "
+        f"files into the task data directory {tmp_path} (--task-data-dir or $RAYCHAT_TASK_DATA; layouts: "
+        "raychat.tasks.hub_data):",
+        "  ARC-Easy, ARC-Challenge: " + get.format("allenai/ai2_arc", "ai2_arc"),
+        "  MMLU: " + get.format("cais/mmlu", "mmlu"),
+        "  GSM8K: " + get.format("openai/gsm8k", "gsm8k"),
+        "  HumanEval: " + get.format("openai/openai_humaneval", "openai_humaneval"),
+    ]
+    # stages that wanted different files are named per group; one stage (raychat eval) names none
+    rows["rl"] = card_row(None, {"GSM8K": cell(note=NO_DATA), "SpellingBee": cell(note=NO_DATA)})
+    assert no_data_lines(rows, str(tmp_path))[0].startswith(
+        "report card: n/a: no data for ARC-Easy, ARC-Challenge, MMLU, HumanEval (sft); GSM8K (sft, rl); "
+        "SpellingBee (rl); get their files"
+    )
+    assert no_data_lines({"eval": {"SpellingBee": cell(note=NO_DATA)}}, str(tmp_path)) == [
+        f"report card: n/a: no data for SpellingBee; get their files into the task data directory {tmp_path} "
+        "(--task-data-dir or $RAYCHAT_TASK_DATA; layouts: raychat.tasks.hub_data):",
+        "  SpellingBee: /usr/share/dict/words: install the Debian package `wamerican`",
+    ]
+    assert no_data_lines({"sft": card_row(None, spelling)}, str(tmp_path)) == []

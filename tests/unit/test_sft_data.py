@@ -140,7 +140,29 @@ def test_every_record_is_checked_before_any_work_test_files_too(tmp_path):
         sft_data_split(str(d), 0.05)
     assert str(e.value) == (
         f"--sft-data: {d}/test.jsonl line 2: not JSON (Expecting ',' delimiter: line 1 column 16 (char 15)); "
-        "each line is one JSON object"
+        "each line is one JSON object (1 of 2 records is bad)"
+    )
+
+
+def test_the_first_bad_line_in_file_order_is_named_whatever_its_fault(tmp_path):
+    """One pass over every record: a bad role on line 2 is named before a line 4 that is not JSON (a JSON pass
+    ran first and named line 4), and every fault counts; a record without `messages` likewise."""
+    d = tmp_path / "data"
+    bad_role = {"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]}
+    write_jsonl(d / "train.jsonl", [chat(0), bad_role, chat(1)])
+    (d / "train.jsonl").write_text((d / "train.jsonl").read_text() + '{"messages": [\n' + json.dumps(chat(2)))
+    with pytest.raises(ValueError) as e:
+        sft_data_split(str(d), 0.05)
+    assert str(e.value) == (
+        f"--sft-data: {d}/train.jsonl line 2: messages[1]: role must be one of ['system', 'user', 'assistant', "
+        "'tool'], got 'bot' (2 of 5 records are bad)"
+    )
+    write_jsonl(d / "train.jsonl", [chat(0), {"conversation": []}, chat(1), [1], bad_role])
+    with pytest.raises(ValueError) as e:
+        sft_data_split(str(d), 0.05)
+    assert str(e.value) == (
+        f"--sft-data: {d}/train.jsonl line 2: lacks column(s) ['messages']; expected ['messages'] (3 of 5 "
+        "records are bad)"
     )
 
 

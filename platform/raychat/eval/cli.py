@@ -51,6 +51,7 @@ from raychat.eval.report_card import (
     chat_cells,
     core_cell,
     format_markdown,
+    no_data_lines,
 )
 from raychat.eval.tasks import task_accuracy, task_budget
 from raychat.storage import Storage, check_writable, open_storage, run_directory, write_bytes
@@ -111,6 +112,8 @@ def task_scores(
         missing = [c for c in CHAT_TASKS if c not in chat]
         chat |= chat_cells(model, tokenizer, cfg.task_data_dir, chatcore[1], cfg.max_tokens, missing, cfg.seed,
                            log=lambda line: print(line, file=sys.stderr))  # fmt: skip
+        for line in no_data_lines({"eval": chat}, cfg.task_data_dir):
+            print(line, file=sys.stderr)
     return accuracy, chat
 
 

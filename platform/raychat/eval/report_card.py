@@ -26,8 +26,9 @@ from pathlib import Path
 from raychat.checkpoint import load_model
 from raychat.eval.core import core_scores
 from raychat.eval.tasks import task_accuracy, task_budget
-from raychat.tasks.hub_data import task_data_dir
+from raychat.tasks.hub_data import HUB_SPLITS, TASK_DATA_ENV, download_command, task_data_dir
 from raychat.tasks.registry import make_task
+from raychat.tasks.spelling import DEFAULT_WORDS
 
 # column -> (registry task, random baseline accuracy): nanochat scripts/chat_eval.py baseline_accuracies
 CHAT_TASKS = {
@@ -75,18 +76,17 @@ def chat_cells(
     max_tokens: int | None = None, columns=tuple(CHAT_TASKS), seed: int = 0, log=None,
 ) -> dict:  # fmt: skip
     """{column: cell} of the chat evals in `columns` on the test splits: a task whose files are missing under
-    the task data directory gets "n/a: no data" (never 0). max_problems caps the items of each task
-    (None: all, SpellingBee 256); max_tokens: the completion budget of every generative one (None: each its
-    own, raychat.eval.tasks.task_budget), recorded in its cell."""
+    the task data directory gets "n/a: no data" (never 0; no_data_lines says where its files go). max_problems
+    caps the items of each task (None: all, SpellingBee 256); max_tokens: the completion budget of every
+    generative one (None: each its own, raychat.eval.tasks.task_budget), recorded in its cell; log: a
+    callable given each measured column's line."""
     out = {}
     for column in columns:
         name, _ = CHAT_TASKS[column]
         try:
             task = make_task(name, "test", None, seed, data_dir=data_dir)
-        except FileNotFoundError as e:
+        except FileNotFoundError:
             out[column] = cell(note=NO_DATA)
-            if log:
-                log(f"report card: {column}: {e}")
             continue
         n = len(task) if name != "spelling" else SPELLING_EXAMPLES
         n = min(n, max_problems or n, len(task))
@@ -100,6 +100,44 @@ def chat_cells(
                 f"report card: {column} {out[column]['value']:.4f} ({n} items, {time.perf_counter() - t0:.1f} s)"
             )
     return out
+
+
+def no_data_lines(rows: dict[str, dict], data_dir: str | None = None) -> list[str]:
+    """The lines saying which chat evals of `rows` ({stage: row or {column: cell}}) read "n/a: no data": one
+    summary line naming each column once (with the stages that wanted it when `rows` has several stages),
+    then one line per missing source: the hub repo's download into the task data directory
+    (raychat.tasks.hub_data; ARC-Easy and ARC-Challenge share one), or the word list's package. [] when every
+    chat column had its data."""
+    wanted: dict[str, list[str]] = {}
+    for stage, row in rows.items():
+        for column in CHAT_TASKS:
+            if row.get(column, {}).get("note") == NO_DATA:
+                wanted.setdefault(column, []).append(stage)
+    if not wanted:
+        return []
+    base = task_data_dir(data_dir)
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for column, stages in wanted.items():
+        groups.setdefault(tuple(stages), []).append(column)
+    named = "; ".join(
+        ", ".join(columns) + (f" ({', '.join(stages)})" if len(rows) > 1 else "")
+        for stages, columns in groups.items()
+    )
+    sources: dict[str, list[str]] = {}
+    for column in wanted:
+        name = CHAT_TASKS[column][0]
+        spec = HUB_SPLITS.get((name, "test"))
+        where = (
+            download_command(spec, base)
+            if spec
+            else f"{DEFAULT_WORDS}: install the Debian package `wamerican`"
+        )
+        sources.setdefault(where, []).append(column)
+    return [
+        f"report card: {NO_DATA} for {named}; get their files into the task data directory {base} "
+        f"(--task-data-dir or ${TASK_DATA_ENV}; layouts: raychat.tasks.hub_data):",
+        *(f"  {', '.join(columns)}: {where}" for where, columns in sources.items()),
+    ]
 
 
 def bundle_path(bundle_dir: str | None = None, data_dir: str | None = None) -> Path | None:

@@ -104,6 +104,8 @@ def start(
             raise
         ray.shutdown()
         raise OSError(port_in_use(host, port)) from None
+    # serve.run takes no HTTP options: it reconnects to the Serve started above, logging Ray's "Connecting to
+    # existing Serve app ... New http_options ... will not be applied" (--host/--port did apply)
     serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
     page_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{page_host}:{port}/"

@@ -80,10 +80,15 @@ def split_files(task: str, spec: HubSplit, root: str | os.PathLike | None = None
     if not files:
         raise FileNotFoundError(
             f"task {task!r} ({spec.split} split): no data file at {repo_dir}/{spec.split}-*.parquet "
-            f"or {cache_dir}/*.parquet (download: huggingface-cli download {spec.repo} --repo-type dataset "
-            f"--local-dir {base / spec.name}; the directory: --task-data-dir or ${TASK_DATA_ENV})"
+            f"or {cache_dir}/*.parquet (download: {download_command(spec, base)}; the directory: --task-data-dir "
+            f"or ${TASK_DATA_ENV})"
         )
     return files
+
+
+def download_command(spec: HubSplit, base: Path) -> str:
+    """The command that puts `spec`'s hub repo in the task data directory `base` (the hub repo's layout)."""
+    return f"huggingface-cli download {spec.repo} --repo-type dataset --local-dir {base / spec.name}"
 
 
 def is_split(filename: str, split: str) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -70,17 +70,25 @@ def read_records(path: str | Path | list[Path], columns: list[str], seed: int | 
 
 
 def located_records(
-    path: str | Path | list[Path], columns: list[str], seed: int | None = None
+    path: str | Path | list[Path],
+    columns: list[str],
+    seed: int | None = None,
+    check: Callable[[dict], str | None] | None = None,
 ) -> tuple[list[str], list[dict]]:
     """(where, rows): read_records' rows and, for each, where it is: "FILE line N" (JSON lines, 1-based, as an
-    editor counts) or "FILE row N" (parquet, 0-based, as pyarrow and pandas count).
+    editor counts) or "FILE row N" (parquet, 0-based, as pyarrow and pandas count). check: why a record (a
+    dict with `columns`) is bad, or None; with it every record is checked in one pass, whatever its fault.
 
     Raises:
         FileNotFoundError: nothing at path. ValueError: unknown suffix, no record at all, or one line naming
-            the file and line/row of the first record that is not a JSON object or lacks a column.
+            the file and line/row of the first record that is not a JSON object or lacks a column; with
+            `check`, of the first bad record in file order, whatever its fault (not JSON, not an object, a
+            missing column, check's reason), and how many are bad: "FILE line N: <fault> (K of M records are
+            bad)".
     """
     wheres: list[str] = []
     rows: list[dict] = []
+    unread: dict[int, str] = {}  # the index of a line that is no JSON object -> why
     files = record_files(path)
     for f in files:
         if f.suffix == ".parquet":
@@ -93,31 +101,52 @@ def located_records(
             ):  # a leading BOM dropped
                 if line.strip():
                     wheres.append(f"{f} line {n}")
-                    rows.append(_json_record(line, wheres[-1]))
+                    record, error = _json_record(line)
+                    if error and check is None:
+                        raise ValueError(f"{wheres[-1]}: {error}")
+                    if error:
+                        unread[len(rows)] = error
+                    rows.append(record)
         else:
             raise ValueError(f"{f}: suffix must be one of ['.parquet', '.jsonl', '.json']")
     if not rows:
         raise ValueError(
             f"{named(files)}: no records ({'every file is empty' if len(files) > 1 else 'an empty file'})"
         )
-    for where, r in zip(wheres, rows):
-        missing = [c for c in columns if c not in r]
-        if missing:
-            raise ValueError(f"{where}: lacks column(s) {missing}; expected {columns}")
+    if check is None:
+        for where, r in zip(wheres, rows):
+            missing = [c for c in columns if c not in r]
+            if missing:
+                raise ValueError(f"{where}: lacks column(s) {missing}; expected {columns}")
+    else:
+        bad = [
+            (w, e)
+            for i, (w, r) in enumerate(zip(wheres, rows))
+            if (e := unread.get(i) or _fault(r, columns, check))
+        ]
+        if bad:
+            (where, error), n = bad[0], len(bad)
+            raise ValueError(f"{where}: {error} ({n} of {len(rows)} records {'is' if n == 1 else 'are'} bad)")
     if seed is not None:
         order = np.random.default_rng(seed).permutation(len(rows))
         wheres, rows = [wheres[i] for i in order], [rows[i] for i in order]
     return wheres, rows
 
 
-def _json_record(line: str, where: str) -> dict:
+def _fault(record: dict, columns: list[str], check: Callable[[dict], str | None]) -> str | None:
+    missing = [c for c in columns if c not in record]
+    return f"lacks column(s) {missing}; expected {columns}" if missing else check(record)
+
+
+def _json_record(line: str) -> tuple[dict | None, str | None]:
+    """(the line's JSON object, None) or (None, why it is none)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON ({e}); each line is one JSON object") from None
+        return None, f"not JSON ({e}); each line is one JSON object"
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: each line is one JSON object, got a {type(record).__name__}")
-    return record
+        return None, f"each line is one JSON object, got a {type(record).__name__}"
+    return record, None
 
 
 def conversation_error(messages) -> str | None:
@@ -170,15 +199,12 @@ class SmolTalk(Task):
             ValueError: one line: the first bad record's file and line (row for parquet), the field and what
                 is allowed there, and how many records are bad in all, e.g. `.../train.jsonl line 9:
                 messages[1]: role must be one of ['system', 'user', 'assistant', 'tool'], got 'bot' (1 of 12
-                records is bad)`; or as located_records.
+                records is bad)`; the first in file order whatever its fault, a line that is not JSON or a
+                record without `messages` alike (located_records with a check); or an empty file.
         """
-        self.wheres, self.rows = located_records(path, ["messages"], seed)
-        bad = [(w, e) for w, r in zip(self.wheres, self.rows) if (e := conversation_error(r["messages"]))]
-        if bad:
-            (where, error), n = min(bad, key=lambda b: _file_order(b[0])), len(bad)
-            raise ValueError(
-                f"{where}: {error} ({n} of {len(self.rows)} records {'is' if n == 1 else 'are'} bad)"
-            )
+        self.wheres, self.rows = located_records(
+            path, ["messages"], seed, check=lambda r: conversation_error(r["messages"])
+        )
         self.source_files = tuple(str(f) for f in record_files(path))
         super().__init__(**slice_kw)
 
