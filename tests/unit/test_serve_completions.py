@@ -219,14 +219,17 @@ def test_auth_and_unknown_model(tiny):
 def test_poisoned_scoring_fails_alone():
     """A prompt whose logits are NaN (token 66 poisons its row) is a 500 naming only a request id; the
     engine goes on: a clean prompt scored after it gets its hand-worked logprobs (token 65 certain: logit
-    5 against -5 for the 258 others -> ln(e^5 / (e^5 + 258 e^-5)))."""
+    5 against -5 for the 258 others -> ln(e^5 / (e^5 + 258 e^-5)); greedy: sampled at temperature 1, another
+    token comes 1.2% of the time)."""
     tokenizer = byte_tokenizer()
     engine = ChatServer(PoisonModel(tokenizer.vocab_size, 65, 66, "nan"), tokenizer, max_slots=2)
     try:
         client = TestClient(create_app(LocalClient(engine)))
         bad = client.post(URL, json={"prompt": [65, 66, 65], "max_tokens": 0, "echo": True, "logprobs": 0})
         assert bad.status_code == 500 and bad.json()["error"]["message"].startswith(INTERNAL_ERROR)
-        good = client.post(URL, json={"prompt": [65, 65], "max_tokens": 1, "echo": True, "logprobs": 0})
+        good = client.post(
+            URL, json={"prompt": [65, 65], "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
+        )
         assert good.status_code == 200
         expected = 5 - math.log(math.exp(5) + (tokenizer.vocab_size - 1) * math.exp(-5))
         assert good.json()["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
