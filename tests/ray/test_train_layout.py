@@ -89,20 +89,30 @@ def ray_tmp():
 def _pretrain_on_two_cores(corpus, tmp_path, ray_tmp, *flags):
     """`raychat pretrain` in a child process restricted to CPUs {0, 1} (a 2-core machine), no RAY_ADDRESS:
     it starts its own local Ray cluster (temp dir ray_tmp) and stops it when it exits."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYCHAT_THREADS")}
-    env.update(RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled")
-    cmd = [
-        sys.executable, "-m", "raychat.cli", "pretrain", "--preset", "none",
-        "--data-dir", str(corpus / "shards"), "--tokenizer-path", str(corpus / "tok"),
-        "--storage-path", str(tmp_path / "runs"), "--run-name", "layout",
-        "--depth", "1", "--aspect-ratio", "64", "--head-dim", "32", "--seq-len", "32", "--device-batch-size", "2",
-        "--total-batch-size", "128", "--num-iterations", "2", "--eval-every", "0", "--eval-tokens", "64",
-        "--checkpoint-every", "0", "--buffer-size", "8", "--max-failures", "0", *flags,
-    ]  # fmt: skip
+    cmd = _pretrain_command(corpus, tmp_path, "layout", "--num-iterations", "2", "--checkpoint-every", "0",
+                            "--max-failures", "0", *flags)  # fmt: skip
     return subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=600,
+        cmd, env=_local_env(ray_tmp), capture_output=True, text=True, timeout=600,
         preexec_fn=lambda: os.sched_setaffinity(0, {0, 1}),
     )  # fmt: skip
+
+
+def _local_env(ray_tmp: str) -> dict[str, str]:
+    """This environment without RAY_ADDRESS (the command starts its own local cluster, temp dir ray_tmp)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYCHAT_THREADS")}
+    env.update(RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled")
+    return env
+
+
+def _pretrain_command(corpus, tmp_path, run_name: str, *flags: str) -> list[str]:
+    """`raychat pretrain` of a depth-1 model on the corpus fixture into tmp_path/runs/<run_name>, then `flags`."""
+    return [
+        sys.executable, "-m", "raychat.cli", "pretrain", "--preset", "none",
+        "--data-dir", str(corpus / "shards"), "--tokenizer-path", str(corpus / "tok"),
+        "--storage-path", str(tmp_path / "runs"), "--run-name", run_name,
+        "--depth", "1", "--aspect-ratio", "64", "--head-dim", "32", "--seq-len", "32", "--device-batch-size", "2",
+        "--total-batch-size", "128", "--eval-every", "0", "--eval-tokens", "64", "--buffer-size", "8", *flags,
+    ]  # fmt: skip
 
 
 @pytest.mark.ray
@@ -139,16 +149,9 @@ def test_sigterm_then_ctrl_c_mid_run_end_in_one_line_naming_the_checkpoint_it_re
     ray.get raise SystemExit(1): no line, exit status 1. Now a run SIGTERMed at step 2 ends with exit 143 and
     one line saying where the same command resumes (raychat.train.launch.interrupted), its lease gone; the same
     command resumes after that checkpoint, and Ctrl-C ends it with exit 130 and the same line."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYCHAT_THREADS")}
-    env.update(RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled")
-    cmd = [
-        sys.executable, "-m", "raychat.cli", "pretrain", "--preset", "none",
-        "--data-dir", str(corpus / "shards"), "--tokenizer-path", str(corpus / "tok"),
-        "--storage-path", str(tmp_path / "runs"), "--run-name", "stop",
-        "--depth", "1", "--aspect-ratio", "64", "--head-dim", "32", "--seq-len", "32", "--device-batch-size", "2",
-        "--total-batch-size", "128", "--num-iterations", "100000", "--eval-every", "0", "--eval-tokens", "64",
-        "--checkpoint-every", "1", "--buffer-size", "8", "--num-workers", "1", "--cpus-per-worker", "1",
-    ]  # fmt: skip
+    env = _local_env(ray_tmp)
+    cmd = _pretrain_command(corpus, tmp_path, "stop", "--num-iterations", "100000", "--checkpoint-every", "1",
+                            "--num-workers", "1", "--cpus-per-worker", "1")  # fmt: skip
     run = tmp_path / "runs" / "stop"
     resumed_after = 0
     for signum, status, said in (
