@@ -5,6 +5,9 @@ the engine's greedy output with packing equals the plain path's."""
 
 from __future__ import annotations
 
+import ctypes
+
+import psutil
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +20,7 @@ from raychat.engine.packed_weights import (
     PackedGPT,
     PackedMatmul,
     available,
+    onednn_rows,
     small_matmul,
     supports,
 )
@@ -153,3 +157,47 @@ def test_refresh_weights_picks_up_a_write_the_version_counter_misses():
     assert model.lm_head.weight._version == version
     engine.refresh_weights()
     assert torch.equal(engine.forward_rows(engine.new_cache(1, 8), 0, prompt), torch.zeros(1, tok.vocab_size))
+
+
+def test_onednn_rows_round_up_to_8_sizes_per_power_of_two():
+    """onednn_rows: exact below 16, else up to the next 2**n + j * 2**(n - 3); at most 12.5% padding, and
+    rows 1..8,192 take 88 shapes: 15 exact (1..15), 8 per power of two from 16 to 4,096 (72), and 8,192."""
+    assert [onednn_rows(r) for r in (1, 15, 16, 17, 33, 65, 129, 300, 520, 1024, 1025)] == [
+        1, 15, 16, 18, 36, 72, 144, 320, 576, 1024, 1152,
+    ]  # fmt: skip
+    buckets = {onednn_rows(r) for r in range(1, 8193)}
+    assert len(buckets) == 15 + 8 * 9 + 1 == 88
+    assert all(r <= onednn_rows(r) < 1.125 * r for r in range(1, 8193))
+    assert sorted(b for b in buckets if 64 < b <= 128) == [72, 80, 88, 96, 104, 112, 120, 128]
+
+
+@torch.no_grad()
+def test_onednn_memory_stays_bounded_over_many_row_counts():
+    """oneDNN keeps ~0.6 MiB for every input shape it meets (engine/packed_weights.py: Memory). 400 row counts
+    (155..554) reach it as 16 shapes (160..256 by 16, 288..512 by 32, 576): the process grows by ~10 MiB,
+    where one shape per row count grew it by ~230 MiB (measured before onednn_rows). Results equal F.linear.
+    A weight shape no other test uses, so no cached shape is shared."""
+    libc = ctypes.CDLL("libc.so.6")
+    weight = torch.randn(200, 136, generator=torch.Generator().manual_seed(0)) / 12
+    matmul = PackedMatmul(weight)
+    assert matmul.small_rows == 154  # 2**22 // (200 * 136): rows above go to oneDNN
+    rows = range(155, 555)
+    assert len({onednn_rows(r) for r in rows}) == 16
+
+    def rss_mib() -> float:
+        libc.malloc_trim(0)  # freed memory back to the system: what is left is held
+        return psutil.Process().memory_info().rss / 2**20
+
+    matmul(torch.randn(2000, 136))  # a first call: oneDNN's own start-up, not a shape's cost
+    before = rss_mib()
+    for r in rows:
+        matmul(torch.randn(r, 136))
+    assert rss_mib() - before < 64
+    for r in (
+        155,
+        161,
+        300,
+        554,
+    ):  # the zero rows change nothing (F.linear keeps state per shape too: not above)
+        x = torch.randn(r, 136)
+        torch.testing.assert_close(matmul(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)

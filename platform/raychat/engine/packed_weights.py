@@ -17,6 +17,14 @@ for large products (a prefill chunk, many rows on a wide model) but costs ~20-30
 small ones (a decode step of a few rows). Everything stays fp32: the result equals GPT.forward's up to
 summation order (~1e-6 relative). Measured: bench/results/decode_overhead.md.
 
+Memory: oneDNN keeps what it builds for each input shape it has met, ~0.5-0.7 MiB a shape whatever the
+weight's size, up to ~1,024 shapes (bench/results/serve_hostile_soak.md), and an engine meets a new row count
+at nearly every prefill (rows x tokens of its chunks) and decode step (busy rows). Called at each row count
+as it came, a serving engine's memory grew by several hundred MiB, and past the cap the evicted and rebuilt
+entries fragmented the heap further. So a oneDNN call runs at `onednn_rows(rows)` rows, the rows beyond
+`rows` zero and their outputs dropped: at most 8 shapes per power of two per weight (rows 1..8,192: 88), for
+< 12.5% more rows (0-16% more CPU time for a forward at a row count that pads).
+
 The copies (twice the projection weights' memory again) are re-made whenever a weight changed: a
 parameter's version counter (every in-place update: load_state_dict, optimizer steps, copy_) or storage (a
 new tensor assigned) differs from when they were made; `refresh()` forces that after writes the counter does
@@ -68,6 +76,14 @@ def small_matmul(rows: int, in_features: int, out_features: int) -> bool:
     return rows * in_features * out_features <= SMALL_MATMUL_MACS
 
 
+def onednn_rows(rows: int) -> int:
+    """The row count a oneDNN matmul of `rows` rows runs at (the rows past `rows` are zeros): `rows` rounded up
+    to the next of 8 evenly spaced sizes per power of two, 2**n + j * 2**(n - 3) (j = 0..7); exact below 16.
+    So padding is < 12.5% of the rows, and rows 1..8192 take 88 distinct shapes (module docstring: Memory)."""
+    step = 1 << max(0, rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
 class PackedMatmul:
     """x (..., in) -> x @ weight.T (..., out) for an fp32 weight (out, in), by the kernel rule of
     small_matmul; holds the oneDNN-packed weight and the (in, out) copy."""
@@ -79,9 +95,14 @@ class PackedMatmul:
         self.small_rows = SMALL_MATMUL_MACS // (weight.shape[0] * weight.shape[1])  # small_matmul for rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.small_rows * x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if rows <= self.small_rows:
             return torch.matmul(x, self.in_out)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        x2, padded = x.reshape(rows, -1), onednn_rows(rows)
+        if padded > rows:  # zero rows up to the bucket's shape (module docstring: Memory)
+            x2 = F.pad(x2, (0, 0, 0, padded - rows))
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
+        return y[:rows].view(*x.shape[:-1], -1)
 
 
 @dataclass
