@@ -202,39 +202,36 @@ def test_multiple_choice_mmlu_parquet_and_arc_jsonl(tmp_path):
         "choices": {"text": ["Mars", "Venus", "Earth"], "label": ["1", "2", "3"]},
         "answerKey": "1",
     }
-    (tmp_path / "arc.jsonl").write_text(json.dumps(arc) + "\n" + json.dumps({**arc, "answerKey": "E"}) + "\n")
+    (tmp_path / "arc.jsonl").write_text(json.dumps(arc) + "\n")
     t = MultipleChoice(tmp_path / "arc.jsonl", format="arc")
     assert t[0]["letters"] == ["1", "2", "3"] and t[0]["answer"] == "1"
-    with pytest.raises(ValueError, match="answerKey 'E' not in labels"):
-        t[1]
     with pytest.raises(ValueError, match="format must be one of"):
         MultipleChoice(tmp_path / "arc.jsonl", format="hellaswag")
 
 
 def test_hub_task_errors_name_the_file_and_line_not_the_shuffled_index(tmp_path):
     """GSM8K, MMLU and ARC said `gsm8k record 7` where 7 was the index in the seeded order, which names no line
-    of any file. Their errors now name the file and line (JSON lines, 1-based) or row (parquet, 0-based), as
-    SmolTalk's do, whatever the seed; a missing column names the first such record in file order."""
+    of any file. Every record is now checked when the task is read, as SmolTalk's are (located_records with a
+    check): the first bad record in file order whatever its fault, by file and line (JSON lines, 1-based) or
+    row (parquet, 0-based) whatever the seed, with how many records are bad. A bad answer was found only when
+    its record was used, and without a count."""
     gsm = tmp_path / "gsm8k.jsonl"
-    rows = [GSM8K_ROW] * 3 + [{**GSM8K_ROW, "answer": "72 clips"}] + [GSM8K_ROW] * 4
-    gsm.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    t = GSM8K(gsm, seed=1)
-    (bad,) = [i for i in range(len(t)) if t.rows[i]["answer"] == "72 clips"]
-    assert bad != 3  # the shuffled index is not the line's
-    with pytest.raises(ValueError) as e:
-        t.get_example(bad)
-    assert str(e.value) == f"{gsm} line 4: answer has no final '#### <number>'"
+    rows = [GSM8K_ROW] * 3 + [{**GSM8K_ROW, "answer": "72 clips"}] + [GSM8K_ROW] * 2 + [{"question": "q"}]
+    gsm.write_text("".join(json.dumps(r) + "\n" for r in [*rows, GSM8K_ROW]))
+    with pytest.raises(ValueError) as e:  # line 7's missing column is counted, line 4 named
+        GSM8K(gsm, seed=1)
+    assert str(e.value) == f"{gsm} line 4: answer has no final '#### <number>' (2 of 8 records are bad)"
 
     mmlu = tmp_path / "mmlu.parquet"
     answers = [0, 1, 2, 3, 4, 1]  # row 4's answer is past the 4 choices
     pq.write_table(pa.table({"question": [f"q{i}" for i in range(6)], "choices": [["a", "b", "c", "d"]] * 6,
                              "answer": answers}), mmlu)  # fmt: skip
-    t = MultipleChoice(mmlu, format="mmlu", seed=3)
-    (bad,) = [i for i in range(len(t)) if t.rows[i]["question"] == "q4"]
-    assert bad != 4
     with pytest.raises(ValueError) as e:
-        t.get_example(bad)
-    assert str(e.value) == f"{mmlu} row 4: answer 4 is not the index of one of the 4 choices (0..3)"
+        MultipleChoice(mmlu, format="mmlu", seed=3)
+    assert (
+        str(e.value)
+        == f"{mmlu} row 4: answer 4 is not the index of one of the 4 choices (0..3) (1 of 6 records is bad)"
+    )
 
     arc = {
         "question": "Which is red?",
@@ -245,20 +242,24 @@ def test_hub_task_errors_name_the_file_and_line_not_the_shuffled_index(tmp_path)
     first, second = tmp_path / "arc" / "a.jsonl", tmp_path / "arc" / "b.jsonl"
     first.write_text(json.dumps(arc) + "\n")
     second.write_text("\n" + json.dumps(arc) + "\n" + json.dumps({**arc, "answerKey": "C"}) + "\n")
-    t = MultipleChoice(tmp_path / "arc", format="arc", seed=0)
-    (bad,) = [i for i in range(len(t)) if t.rows[i]["answerKey"] == "C"]
     with pytest.raises(ValueError) as e:
-        t.get_example(bad)
-    assert str(e.value) == f"{second} line 3: answerKey 'C' not in labels ['A', 'B']"
-
-    (tmp_path / "arc" / "c.jsonl").write_text(json.dumps({"question": "q", "choices": arc["choices"]}) + "\n")
+        MultipleChoice(tmp_path / "arc", format="arc", seed=0)
+    assert str(e.value) == f"{second} line 3: answerKey 'C' not in labels ['A', 'B'] (1 of 3 records is bad)"
+    third = tmp_path / "arc" / "c.jsonl"
+    third.write_text(json.dumps({"question": "q", "choices": arc["choices"]}) + "\n")
+    with pytest.raises(
+        ValueError
+    ) as e:  # b.jsonl comes first, whatever the fault: a column was checked first
+        MultipleChoice(tmp_path / "arc", format="arc", seed=0)
+    assert str(e.value) == f"{second} line 3: answerKey 'C' not in labels ['A', 'B'] (2 of 4 records are bad)"
+    second.write_text("\n" + json.dumps(arc) + "\n" + json.dumps({**arc, "answerKey": "B"}) + "\n")
     with pytest.raises(ValueError) as e:
         MultipleChoice(tmp_path / "arc", format="arc", seed=0)
     assert str(e.value) == (
-        f"{tmp_path / 'arc' / 'c.jsonl'} line 1: lacks column(s) ['answerKey']; expected ['question', 'choices', "
-        "'answerKey']"
+        f"{third} line 1: lacks column(s) ['answerKey']; expected ['question', 'choices', 'answerKey'] (1 of 4 "
+        "records is bad)"
     )
-    (tmp_path / "arc" / "c.jsonl").unlink()
+    third.unlink()
     for choices, message in [
         ({"text": ["Mars", "Venus"]}, "choices lacks field(s) ['label']"),
         ({"label": ["A", "B"]}, "choices lacks field(s) ['text']"),
@@ -268,28 +269,42 @@ def test_hub_task_errors_name_the_file_and_line_not_the_shuffled_index(tmp_path)
         second.write_text(json.dumps(arc) + "\n\n" + json.dumps({**arc, "choices": choices}) + "\n")
         with pytest.raises(ValueError) as e:
             MultipleChoice(tmp_path / "arc", format="arc", seed=0)
-        assert str(e.value) == f'{second} line 3: {message}; expected {{"text": [...], "label": [...]}}'
+        assert str(e.value) == (
+            f'{second} line 3: {message}; expected {{"text": [...], "label": [...]}} (1 of 3 records is bad)'
+        )
     second.write_text(json.dumps({**arc, "choices": {"text": ["Mars", "Venus"], "label": ["A"]}}) + "\n")
     with pytest.raises(ValueError) as e:  # was: Venus silently dropped from the prompt
         MultipleChoice(tmp_path / "arc", format="arc", seed=0)
-    assert str(e.value) == f"{second} line 1: choices has 2 text(s) and 1 label(s); one label per text"
+    assert str(e.value) == (
+        f"{second} line 1: choices has 2 text(s) and 1 label(s); one label per text (1 of 2 records is bad)"
+    )
+    second.write_text(json.dumps(arc) + "\n[1]\n")  # a line that is no object is one more bad record
+    assert len(MultipleChoice(first, format="arc")) == 1
+    with pytest.raises(ValueError) as e:
+        MultipleChoice(tmp_path / "arc", format="arc", seed=0)
+    assert (
+        str(e.value) == f"{second} line 2: each line is one JSON object, got a list (1 of 3 records is bad)"
+    )
     pq.write_table(pa.table({"question": ["q", "q"], "answerKey": ["A", "A"],
                              "choices": [arc["choices"], {"text": ["Mars"], "label": None}]}), tmp_path / "arc.parquet")  # fmt: skip
     with pytest.raises(ValueError) as e:  # parquet: the row, 0-based
         MultipleChoice(tmp_path / "arc.parquet", format="arc")
     assert str(e.value) == (
         f"{tmp_path / 'arc.parquet'} row 1: choices' text and label must be lists; "
-        'expected {"text": [...], "label": [...]}'
+        'expected {"text": [...], "label": [...]} (1 of 2 records is bad)'
     )
     nested = [{"train": {"question": "q", "choices": ["a", "b"], "answer": 0}}, {"train": {"question": "q"}},
-              {"train": {"question": "q", "choices": ["a"]}}]  # fmt: skip
+              {"train": {"question": "q", "choices": ["a"], "answer": 1}}]  # fmt: skip
     (tmp_path / "aux.jsonl").write_text("".join(json.dumps(r) + "\n" for r in nested))
     with pytest.raises(ValueError) as e:  # cais/mmlu's auxiliary_train rows, nested in `train`
         MultipleChoice(tmp_path / "aux.jsonl", format="mmlu", seed=5)
     assert str(e.value) == (
         f"{tmp_path / 'aux.jsonl'} line 2: lacks column(s) ['choices', 'answer']; expected ['question', "
-        "'choices', 'answer']"
+        "'choices', 'answer'] (2 of 3 records are bad)"
     )
+    (tmp_path / "aux.jsonl").write_text(json.dumps(nested[0]) + "\n")
+    (good,) = MultipleChoice(tmp_path / "aux.jsonl", format="mmlu")
+    assert good["answer"] == "A" and good["letters"] == ["A", "B"]
 
 
 def test_mixture_report_shares(small_tokenizer):

@@ -175,12 +175,6 @@ def conversation_error(messages) -> str | None:
     return None
 
 
-def _file_order(where: str) -> tuple[str, int]:
-    """A located_records "where" as (file, line or row), to name the first bad record of a file."""
-    file, _, n = where.rpartition(" ")
-    return file, int(n)
-
-
 def _field(m: re.Match) -> str:
     """chat_template's "message 3 part 1" -> "messages[3].content[1]" (the field as the record spells it)."""
     i, part = m.groups()
@@ -231,13 +225,28 @@ def gsm8k_parts(answer: str) -> list[dict]:
     return parts
 
 
+def gsm8k_error(record: dict) -> str | None:
+    """Why a GSM8K record is bad (its answer has no final "#### <number>"), or None."""
+    answer = record["answer"]
+    if isinstance(answer, str) and extract_answer(answer) is not None:
+        return None
+    return "answer has no final '#### <number>'"
+
+
 class GSM8K(Task):
     name = "gsm8k"
     eval_type = "generative"
 
     def __init__(self, path: str | Path | list[Path], seed: int | None = None, **slice_kw):
-        """Raises ValueError as located_records (a missing column, naming the file and line or row)."""
-        self.wheres, self.rows = located_records(path, ["question", "answer"], seed)
+        """Every record is checked as it is read (gsm8k_error).
+
+        Raises:
+            ValueError: one line: the first bad record in file order, its file and line (parquet: row), what is
+                wrong and how many records are bad, e.g. `.../test.jsonl line 4: answer has no final '####
+                <number>' (1 of 8 records is bad)`; a line that is not JSON or a missing column alike
+                (located_records with a check); or an empty file.
+        """
+        self.wheres, self.rows = located_records(path, ["question", "answer"], seed, check=gsm8k_error)
         self.source_files = tuple(str(f) for f in record_files(path))
         super().__init__(**slice_kw)
 
@@ -245,17 +254,13 @@ class GSM8K(Task):
         return len(self.rows)
 
     def get_example(self, index: int) -> dict:
-        """{"id", "messages", "answer"}; raises ValueError naming the record's file and line (parquet: row), as
-        located_records says, when its answer has no final "#### <number>"."""
+        """{"id", "messages", "answer": the number after the answer's final "#### "}."""
         row = self.rows[index]
-        reference = extract_answer(row["answer"])
-        if reference is None:
-            raise ValueError(f"{self.wheres[index]}: answer has no final '#### <number>'")
         messages = [
             {"role": "user", "content": row["question"]},
             {"role": "assistant", "content": gsm8k_parts(row["answer"])},
         ]
-        return {"id": self._id(index), "messages": messages, "answer": reference}
+        return {"id": self._id(index), "messages": messages, "answer": extract_answer(row["answer"])}
 
     def is_correct(self, conversation: dict, completion: str) -> bool:
         return extract_answer(completion) == conversation["answer"]
@@ -284,13 +289,57 @@ def _arc_choices_error(choices) -> str | None:
     return None
 
 
+def arc_error(record: dict) -> str | None:
+    """Why an ARC record is bad (its `choices` are not {"text": [...], "label": [...]} with one label per text,
+    or its answerKey is not one of the labels), or None."""
+    error = _arc_choices_error(record["choices"])
+    if error is None and record["answerKey"] not in record["choices"]["label"]:
+        return f"answerKey {record['answerKey']!r} not in labels {record['choices']['label']}"
+    return error
+
+
+MMLU_COLUMNS = ["question", "choices", "answer"]
+
+
+def _unnested(record: dict) -> dict:
+    """The record; cais/mmlu's `auxiliary_train` config nests each in a `train` column."""
+    return record["train"] if "train" in record and "question" not in record else record
+
+
+def mmlu_error(record: dict) -> str | None:
+    """Why an MMLU record (nested or not: _unnested) is bad (a missing column, or an answer that is not the
+    index of one of its choices), or None."""
+    row = _unnested(record)
+    missing = [c for c in MMLU_COLUMNS if c not in row]
+    if missing:
+        return f"lacks column(s) {missing}; expected {MMLU_COLUMNS}"
+    n = len(row["choices"])
+    if 0 <= _choice(row["answer"]) < n:
+        return None
+    return f"answer {row['answer']!r} is not the index of one of the {n} choices (0..{n - 1})"
+
+
+def _choice(answer) -> int:
+    """An MMLU answer as a choice's index (-1: not a number)."""
+    try:
+        return int(answer)
+    except (TypeError, ValueError):
+        return -1
+
+
 class MultipleChoice(Task):
     """MMLU (`format="mmlu"`) or ARC (`format="arc"`) items as categorical tasks; the reply is the letter.
 
-    Errors about a record name its file and line (parquet: row), as located_records says: a missing column or
-    ARC `choices` that are not {"text": [...], "label": [...]} with one label per text (ValueError when
-    constructed, the first bad record in file order), an MMLU answer that is not the index of a choice or an ARC answerKey that is
-    not one of its labels (ValueError from get_example)."""
+    Every record is checked as it is read (mmlu_error, arc_error).
+
+    Raises:
+        ValueError: an unknown format; or one line: the first bad record in file order, its file and line
+            (parquet: row), what is wrong and how many records are bad (located_records with a check): a
+            missing column, ARC `choices` that are not {"text": [...], "label": [...]} with one label per text,
+            an ARC answerKey that is not one of its labels or an MMLU answer that is not the index of a choice,
+            e.g. `.../mmlu.parquet row 4: answer 4 is not the index of one of the 4 choices (0..3) (1 of 6
+            records is bad)`; or an empty file.
+    """
 
     eval_type = "categorical"
 
@@ -305,20 +354,14 @@ class MultipleChoice(Task):
         if format not in ("mmlu", "arc"):
             raise ValueError(f"format must be one of ['mmlu', 'arc'], got {format!r}")
         self.name, self.format = name or format, format
-        cols = ["question", "choices", "answer"] if format == "mmlu" else ["question", "choices", "answerKey"]
-        self.wheres, rows = located_records(path, cols if format == "arc" else [], seed)
+        if format == "mmlu":  # its columns are checked by mmlu_error, after un-nesting
+            self.wheres, rows = located_records(path, [], seed, check=mmlu_error)
+        else:
+            self.wheres, rows = located_records(
+                path, ["question", "choices", "answerKey"], seed, check=arc_error
+            )
+        self.rows = [_unnested(r) for r in rows] if format == "mmlu" else rows
         self.source_files = tuple(str(f) for f in record_files(path))
-        # cais/mmlu's `auxiliary_train` config nests each row in a `train` column
-        self.rows = [r["train"] if "train" in r and "question" not in r else r for r in rows]
-        bad = [(w, m) for w, r in zip(self.wheres, self.rows) if (m := [c for c in cols if c not in r])]
-        if bad:
-            where, missing = min(bad, key=lambda b: _file_order(b[0]))
-            raise ValueError(f"{where}: lacks column(s) {missing}; expected {cols}")
-        if format == "arc":
-            bad = [(w, m) for w, r in zip(self.wheres, self.rows) if (m := _arc_choices_error(r["choices"]))]
-            if bad:
-                where, message = min(bad, key=lambda b: _file_order(b[0]))
-                raise ValueError(f"{where}: {message}")
         super().__init__(**slice_kw)
 
     def num_examples(self) -> int:
@@ -329,22 +372,9 @@ class MultipleChoice(Task):
         if self.format == "mmlu":
             choices = list(row["choices"])
             letters = list(LETTERS[: len(choices)])
-            try:
-                choice = int(row["answer"])
-            except (TypeError, ValueError):  # not a number: named below
-                choice = -1
-            if not 0 <= choice < len(choices):
-                raise ValueError(
-                    f"{self.wheres[index]}: answer {row['answer']!r} is not the index of one of the "
-                    f"{len(choices)} choices (0..{len(choices) - 1})"
-                )
-            answer = letters[choice]
+            answer = letters[_choice(row["answer"])]
         else:
             choices, letters = list(row["choices"]["text"]), list(row["choices"]["label"])
-            if row["answerKey"] not in letters:
-                raise ValueError(
-                    f"{self.wheres[index]}: answerKey {row['answerKey']!r} not in labels {letters}"
-                )
             answer = row["answerKey"]
         messages = [
             {"role": "user", "content": render_multiple_choice(row["question"], letters, choices)},
