@@ -370,7 +370,7 @@ def report_card(config: SpeedrunConfig, report: dict, metrics_files: dict[str, P
     for name, (stage, checkpoint, chat, key) in stages.items():
         path = metrics_files.get(stage)
         rows[name] = checkpoint_row(
-            checkpoint, chat, data_dir, max_problems=examples, log=log,
+            checkpoint, chat, data_dir, max_problems=examples, log=log, stage=name,
             wall_s=report["timings_s"].get(stage),
             tokens_per_s=median_tokens_per_s(path, key) if path and path.exists() else None,
         )  # fmt: skip

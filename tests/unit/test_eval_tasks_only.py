@@ -52,6 +52,28 @@ def test_eval_tokens_0_scores_the_tasks_of_a_checkpoint_without_pretraining_data
     assert not (tmp_path / "nowhere").exists()
 
 
+def test_each_report_card_line_names_the_checkpoint_and_its_stage(root, capsys):
+    """Only SpellingBee has data here (the word list); its line names the SFT checkpoint it scored."""
+    argv = [
+        "eval",
+        "--storage-path",
+        str(root),
+        "--checkpoint",
+        "sft",
+        "--tasks",
+        "chatcore:1",
+        "--eval-tokens",
+        "0",
+    ]
+    assert raychat_main(argv) == 0
+    out, err = capsys.readouterr()
+    value = json.loads(out)["report_card"]["SpellingBee"]["value"]
+    (line,) = [line for line in err.splitlines() if "SpellingBee" in line and "items" in line]
+    assert line.startswith(
+        f"report card, sft checkpoint {root}/sft/checkpoint_000001: SpellingBee {value:.4f} (1 items, "
+    ), line
+
+
 def test_bpb_without_pretraining_data_names_data_dir_and_how_to_skip_it(root, tmp_path, capsys):
     """Before, the line named --data-dir but not --eval-tokens 0 (which it refused besides)."""
     argv = ["eval", "--storage-path", str(root), "--checkpoint", "sft", "--data-dir", str(tmp_path / "nowhere"),

@@ -20,7 +20,9 @@ from raychat.eval.report_card import (
     cell,
     chat_cells,
     chatcore,
+    checkpoint_row,
     format_markdown,
+    measured_line,
     no_data_lines,
 )
 from raychat.eval.tasks import prompt_messages, task_budget
@@ -130,6 +132,23 @@ def test_gsm8k_generative_with_the_calculator(data_dir, tool_checkpoint):
     cells = chat_cells(model, tokenizer, str(data_dir), columns=("GSM8K",), max_tokens=40)
     # item 1: the model calls the calculator and ends with #### 564 (correct); item 2: it tells its story
     assert cells["GSM8K"] == cell(0.5, examples=2, max_tokens=40)
+
+
+def test_each_measured_line_names_the_stage_and_checkpoint_it_scored(data_dir, tool_checkpoint):
+    """The speedrun logged `report card: SpellingBee 0.0000 (...)` after SFT and again after RL, two lines that
+    read as one printed twice; each now names the stage and the checkpoint it scored."""
+    assert measured_line("sft", "/r/sft/checkpoint_000002", "SpellingBee", cell(0.0, examples=256), 1.26) == (
+        "report card, sft checkpoint /r/sft/checkpoint_000002: SpellingBee 0.0000 (256 items, 1.3 s)"
+    )
+    assert measured_line("", "/r/c", "MMLU", cell(2 / 3, examples=3), 0.04) == (
+        "report card, checkpoint /r/c: MMLU 0.6667 (3 items, 0.0 s)"
+    )
+    lines = []
+    row = checkpoint_row(tool_checkpoint, True, str(data_dir), max_problems=1, log=lines.append, stage="rl")
+    measured = ("ARC-Easy", "MMLU", "GSM8K", "SpellingBee")  # the columns with data here, in the card's order
+    assert [line.split(": ")[0] for line in lines] == [f"report card, rl checkpoint {tool_checkpoint}"] * 4
+    assert [line.split(": ")[1].split(" ")[0] for line in lines] == list(measured)
+    assert all(f" {row[c]['value']:.4f} (1 items, " in line for c, line in zip(measured, lines))
 
 
 LONG_SOLUTION = (

@@ -90,12 +90,14 @@ def split_card_tasks(spec: str) -> tuple[str, int | None, bool]:
 
 
 def task_scores(
-    model, tokenizer, tasks: list[tuple[str, int | None]], cfg: EvalConfig, chatcore: tuple[bool, int | None]
-) -> tuple[dict, dict]:
+    model, tokenizer, tasks: list[tuple[str, int | None]], cfg: EvalConfig, chatcore: tuple[bool, int | None],
+    scored: tuple[str, str] = ("", ""),
+) -> tuple[dict, dict]:  # fmt: skip
     """({name: {"accuracy", "examples", "max_tokens"}} of `tasks`, {column: cell} of the report card's chat
     evals): a generative task at task_budget(name, cfg.max_tokens), its budget recorded (None: categorical); a
     card task named in `tasks` fills its column, chatcore (whether, examples cap) measures the other columns at
-    the same budgets (raychat.eval.report_card.chat_cells)."""
+    the same budgets (raychat.eval.report_card.chat_cells), their lines on stderr naming `scored`: (stage,
+    checkpoint)."""
     accuracy = {}
     for name, n in tasks:
         task = make_task(name, "test", None, cfg.seed, data_dir=cfg.task_data_dir)
@@ -111,7 +113,7 @@ def task_scores(
     if chatcore[0]:
         missing = [c for c in CHAT_TASKS if c not in chat]
         chat |= chat_cells(model, tokenizer, cfg.task_data_dir, chatcore[1], cfg.max_tokens, missing, cfg.seed,
-                           log=lambda line: print(line, file=sys.stderr))  # fmt: skip
+                           log=lambda line: print(line, file=sys.stderr), scored=scored)  # fmt: skip
         for line in no_data_lines({"eval": chat}, cfg.task_data_dir):
             print(line, file=sys.stderr)
     return accuracy, chat
@@ -175,7 +177,9 @@ def evaluate(
                 f"--checkpoint {checkpoint}: the model's weights are not finite (NaN or inf, e.g. a diverged "
                 "run); nothing evaluated or written"
             )
-    accuracy, chat = task_scores(model, tokenizer, tasks, cfg, chatcore)
+    accuracy, chat = task_scores(
+        model, tokenizer, tasks, cfg, chatcore, (meta.get("stage") or "", checkpoint)
+    )
     core = core_cell(
         model, tokenizer, cfg.core_bundle or None, cfg.core_max_per_task, cfg.task_data_dir or None
     )

@@ -71,15 +71,26 @@ def chatcore(cells: dict) -> dict:
     return cell(sum(terms) / len(terms))
 
 
+def measured_line(stage: str, checkpoint: str, column: str, c: dict, seconds: float) -> str:
+    """The line logged when chat eval `column` of the `stage` checkpoint at `checkpoint` is measured: its cell
+    `c`'s accuracy and items, and the wall time in seconds, e.g. `report card, sft checkpoint
+    runs/sft/checkpoint_000002: SpellingBee 0.0000 (256 items, 1.2 s)` (stage '': `report card, checkpoint
+    ...`)."""
+    named = f"{stage} checkpoint" if stage else "checkpoint"
+    return f"report card, {named} {checkpoint}: {column} {c['value']:.4f} ({c['examples']} items, {seconds:.1f} s)"
+
+
 def chat_cells(
     model, tokenizer, data_dir: str | None = None, max_problems: int | None = None,
     max_tokens: int | None = None, columns=tuple(CHAT_TASKS), seed: int = 0, log=None,
+    scored: tuple[str, str] = ("", ""),
 ) -> dict:  # fmt: skip
     """{column: cell} of the chat evals in `columns` on the test splits: a task whose files are missing under
     the task data directory gets "n/a: no data" (never 0; no_data_lines says where its files go). max_problems
     caps the items of each task (None: all, SpellingBee 256); max_tokens: the completion budget of every
     generative one (None: each its own, raychat.eval.tasks.task_budget), recorded in its cell; log: a
-    callable given each measured column's line."""
+    callable given each measured column's line (measured_line), which names `scored`: (stage, checkpoint) of
+    the model."""
     out = {}
     for column in columns:
         name, _ = CHAT_TASKS[column]
@@ -96,9 +107,7 @@ def chat_cells(
             task_accuracy(model, tokenizer, task, n, max_tokens=budget), examples=n, max_tokens=budget
         )
         if log:
-            log(
-                f"report card: {column} {out[column]['value']:.4f} ({n} items, {time.perf_counter() - t0:.1f} s)"
-            )
+            log(measured_line(*scored, column, out[column], time.perf_counter() - t0))
     return out
 
 
@@ -169,10 +178,11 @@ def core_cell(
 
 def checkpoint_row(
     checkpoint: str, chat: bool, data_dir: str | None = None, bundle_dir: str | None = None,
-    max_problems: int | None = None, log=None, **extra,
+    max_problems: int | None = None, log=None, stage: str = "", **extra,
 ) -> dict:  # fmt: skip
     """The card row of one checkpoint: CORE when `chat` is False (a base model), the chat evals when True; the
-    model is loaded only when a cell has data to score."""
+    model is loaded only when a cell has data to score; log: given each measured chat column's line, naming
+    `stage` and the checkpoint (measured_line)."""
     core, chat_row, model = None, None, None
     if not chat and bundle_path(bundle_dir, data_dir) is not None:
         model, tokenizer, _ = load_model(checkpoint)
@@ -181,7 +191,7 @@ def checkpoint_row(
         core = cell(note=NO_DATA)
     if chat:
         model, tokenizer, _ = load_model(checkpoint)
-        chat_row = chat_cells(model, tokenizer, data_dir, max_problems, log=log)
+        chat_row = chat_cells(model, tokenizer, data_dir, max_problems, log=log, scored=(stage, checkpoint))
     return card_row(core, chat_row, checkpoint=checkpoint, **extra)
 
 
