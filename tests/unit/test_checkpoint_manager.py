@@ -545,3 +545,37 @@ def test_a_remote_checkpoint_committed_again_goes_to_a_new_copy_beside_the_one_a
     assert resolve_checkpoint(uri, cache_dir=cache) == new
     assert sorted(p.name for p in cache.iterdir()) == sorted([f".{key}-checkpoint_000003.lock", new.name])
     assert (new / "model.safetensors").read_bytes() == b"new weights"
+
+
+def test_a_live_servers_cached_copy_survives_new_commits_past_cache_unused_s(tmp_path, s3_env):
+    """A serving replica resolves a remote checkpoint once, at start, and its engine process loads the
+    node's cached copy again by path each time it restarts. A new commit of that checkpoint resolved more
+    than CACHE_UNUSED_S later deleted that copy under it (nothing had marked it since its resolve), so the
+    engine's next restart failed. Now the server marks its copy in use every SNAPSHOT_MARK_S (MarkInUse,
+    which ChatServer.from_checkpoint holds: tests/unit/test_engine_process.py): that copy stays, an unmarked
+    copy of another commit as old goes, and the copy goes too once its marker stopped a day ago."""
+    bucket = s3_env.make_bucket()
+    manager = CheckpointManager(open_storage(f"s3://{bucket}/runs"), "pre")
+    cache = tmp_path / "cache"
+
+    def commit_and_resolve(weights: bytes) -> Path:
+        manager.prepare(3)
+        files = manager.upload(part(tmp_path / weights.decode(), {"model.safetensors": weights}), 3)
+        return resolve_checkpoint(manager.commit(3, [files], "pretrain"), cache_dir=cache)
+
+    served = commit_and_resolve(b"served")
+    marker = MarkInUse(str(served), every_s=0.05)  # as the replica's ChatServer holds it
+    unmarked = commit_and_resolve(b"unmarked")  # resolved once by a reader long gone
+    for copy in (served, unmarked):
+        age(copy, cm.CACHE_UNUSED_S + 60)
+    deadline = time.monotonic() + 5
+    while time.time() - served.stat().st_mtime > 60:  # the marker's next period, a day after the resolve
+        assert time.monotonic() < deadline, "not marked again within 5 s"
+        time.sleep(0.02)
+    newest = commit_and_resolve(b"newest")
+    assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == sorted([served.name, newest.name])
+    assert (served / "model.safetensors").read_bytes() == b"served"
+    marker.stop()
+    age(served, cm.CACHE_UNUSED_S + 60)
+    assert resolve_checkpoint(f"s3://{bucket}/runs/pre/checkpoint_000003", cache_dir=cache) == newest
+    assert [p.name for p in cache.iterdir() if p.is_dir()] == [newest.name]

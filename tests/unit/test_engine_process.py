@@ -5,16 +5,20 @@ making progress (SIGSTOP), fails the health check and ends the open streams with
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
 from support.serve_helpers import write_tiny_checkpoint
+from support.stopped_writer import age
 
 from raychat.checkpoint import load_model
+from raychat.checkpoint_manager import CACHE_UNUSED_S, resolve_checkpoint
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
 from raychat.engine.process import EngineProcess
 from raychat.engine.scheduler import QueueFullError
@@ -277,8 +281,11 @@ def test_a_checkpoint_on_object_storage_is_served_from_the_nodes_copy(
     """`raychat serve --checkpoint s3://...` deployed no replica: each one failed with `no tokenizer at
     s3:/bucket/...` (the URI handed to a local file API). The replica fetches the checkpoint into its node's
     cache once; its engine process, restarted too, loads that copy, so it serves on when the bucket's copy is
-    gone. The model id is the checkpoint's name, as for a local checkpoint."""
+    gone. The model id is the checkpoint's name, as for a local checkpoint. The server marks that copy in use
+    while it runs (every SNAPSHOT_MARK_S, here 0.05 s), so a new commit of the checkpoint resolved a day after
+    the server's resolve keeps it: it was deleted, and the engine's next restart failed."""
     monkeypatch.setattr("raychat.checkpoint_manager.DEFAULT_CACHE", tmp_path / "cache")
+    monkeypatch.setattr("raychat.serve.server.SNAPSHOT_MARK_S", 0.05)
     bucket = s3_env.make_bucket()
     fs, where = s3_env.filesystem(), f"{bucket}/runs/r/checkpoint_000000"
     pafs.copy_files(str(checkpoint), where, destination_filesystem=fs)
@@ -300,6 +307,17 @@ def test_a_checkpoint_on_object_storage_is_served_from_the_nodes_copy(
     try:
         assert server.info()["model_id"] == "checkpoint_000000"
         assert asyncio.run(reply(server)) == expected and expected[-1]["finish_reason"] == "length"
+        copy = Path(server.in_use.snapshot)
+        assert copy.parent == tmp_path / "cache" and (copy / "model.safetensors").is_file()
+        age(copy, CACHE_UNUSED_S + 60)
+        deadline = time.monotonic() + 5
+        while time.time() - copy.stat().st_mtime > 60:  # the server's next mark
+            assert time.monotonic() < deadline, "the server did not mark its copy within 5 s"
+            time.sleep(0.02)
+        commit = json.loads(fs.open_input_file(f"{where}/commit.json").read())
+        with fs.open_output_stream(f"{where}/commit.json") as f:  # committed again, a day later
+            f.write(json.dumps({**commit, "committed_at": commit["committed_at"] + 1}).encode())
+        assert resolve_checkpoint(f"s3://{where}") != copy and (copy / "model.safetensors").is_file()
         fs.delete_dir(where)
         os.kill(server.scheduler._proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 60

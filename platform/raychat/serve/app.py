@@ -22,8 +22,10 @@ shared directory, s3:// or gs://): build_app resolves it once, so every replica 
 and a replica on another node fetches a remote one itself (raychat.checkpoint.load_model). A run's local
 checkpoint (checkpoint_<step>) is served from a snapshot beside it that the run's pruning leaves (pinned), so
 replicas started later load it too; the ingress and the replicas mark it in use while the app runs
-(raychat.serve.in_use), and the run's next snapshot deletes only snapshots unmarked for a day. A remote one,
-or one deleted otherwise, fails every replica started after that with pruned_message. While ChatServer is failing so, /health and chat requests answer 503 with the
+(raychat.serve.in_use), and the run's next snapshot deletes only snapshots unmarked for a day. Each replica
+marks its node's cached copy of a remote one in use the same way (raychat.serve.server.ChatServer), so a new
+commit of it resolved later keeps that copy. A remote one, or one deleted otherwise, fails every replica
+started after that with pruned_message. While ChatServer is failing so, /health and chat requests answer 503 with the
 Serve controller's reason within about `health_timeout_s` (HandleClient), where a request to replicas that
 are busy or starting waits.
 `max_replicas_per_node` spreads ChatServer replicas over nodes (Serve's deployment option of that name).

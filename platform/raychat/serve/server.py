@@ -45,7 +45,7 @@ from pathlib import Path
 from raychat.chat.turn import TurnParser
 from raychat.chat_template import MARKERS, TEMPLATE_VERSION, render_for_completion
 from raychat.checkpoint import load_model, read_meta
-from raychat.checkpoint_manager import resolve_checkpoint
+from raychat.checkpoint_manager import SNAPSHOT_MARK_S, resolve_checkpoint
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
 from raychat.engine.process import EngineProcess
 from raychat.engine.scheduler import QueueFullError, prompt_overflow
@@ -53,6 +53,7 @@ from raychat.metrics import ServeMetrics
 from raychat.serve.completion_server import checked_prompt, completion_events
 from raychat.serve.engine_adapter import check_max_tokens, sampling_params, text_logprobs
 from raychat.serve.errors import ContextLengthError, ParamError, refusal
+from raychat.serve.in_use import MarkInUse
 from raychat.serve.sse import usage_dict
 from raychat.storage import is_remote
 from raychat.tokenizer import Tokenizer
@@ -147,6 +148,9 @@ class ChatServer:
         self.cancelled = 0
         self.rejected = 0
         self._gauges: asyncio.Task | None = None  # the task of _publish_until_idle, while one runs
+        self.in_use: MarkInUse | None = (
+            None  # from_checkpoint: the marker of a remote checkpoint's cached copy
+        )
 
     @classmethod
     def from_checkpoint(
@@ -159,27 +163,34 @@ class ChatServer:
     ) -> ChatServer:
         """Load a raychat checkpoint directory (raychat.checkpoint.load_model) onto `device`. An s3:// or gs://
         checkpoint is fetched once into this node's cache (raychat.checkpoint_manager.resolve_checkpoint) and
-        everything, a restarted engine process included, loads that copy.
+        everything, a restarted engine process included, loads that copy, which the server marks in use every
+        SNAPSHOT_MARK_S until shutdown (`in_use`, raychat.serve.in_use), so that a later resolve of a new
+        commit of that checkpoint keeps it (remove_unused_versions deletes copies unmarked for a day).
 
         engine_process=True runs the model and Scheduler in a child process (raychat.engine.process,
         with `torch_threads` torch threads) so the decode step does not share this process' GIL with
         the event loop; only the tokenizer is loaded here.
         Raises CheckpointError / ValueError / OSError as resolve_checkpoint and load_model.
         """
+        copy = None
         if is_remote(checkpoint):
             kwargs.setdefault("model_id", Path(checkpoint).name)
-            checkpoint = resolve_checkpoint(checkpoint)
+            checkpoint = copy = resolve_checkpoint(checkpoint)
         kwargs.setdefault("model_id", Path(checkpoint).resolve().name or "raychat")
         if not engine_process:
             model, tokenizer, meta = load_model(checkpoint, device=device)
-            return cls(model, tokenizer, meta=meta, **kwargs)
-        rows, max_len = kwargs.pop("max_slots", 8), kwargs.pop("max_len", None)
-        names = ("dtype", "prefill_chunk_tokens", "max_pending", "request_timeout_s", "stall_timeout_s")
-        names += ("prefix_cache_tokens", "kv_dtype")
-        engine = {k: kwargs.pop(k) for k in names if k in kwargs}
-        scheduler = EngineProcess(checkpoint, device, rows, max_len, torch_threads, **engine)
-        meta = read_meta(checkpoint)
-        return cls(None, Tokenizer.load(checkpoint), meta=meta, scheduler=scheduler, **kwargs)
+            server = cls(model, tokenizer, meta=meta, **kwargs)
+        else:
+            rows, max_len = kwargs.pop("max_slots", 8), kwargs.pop("max_len", None)
+            names = ("dtype", "prefill_chunk_tokens", "max_pending", "request_timeout_s", "stall_timeout_s")
+            names += ("prefix_cache_tokens", "kv_dtype")
+            engine = {k: kwargs.pop(k) for k in names if k in kwargs}
+            scheduler = EngineProcess(checkpoint, device, rows, max_len, torch_threads, **engine)
+            meta = read_meta(checkpoint)
+            server = cls(None, Tokenizer.load(checkpoint), meta=meta, scheduler=scheduler, **kwargs)
+        if copy is not None:
+            server.in_use = MarkInUse(str(copy), SNAPSHOT_MARK_S)
+        return server
 
     def info(self) -> dict:
         return {
@@ -425,7 +436,10 @@ class ChatServer:
         return False
 
     def shutdown(self) -> None:
+        """Stop the engine (and the marking of a cached copy: `in_use`)."""
         self.scheduler.stop()
+        if self.in_use is not None:
+            self.in_use.stop()
 
 
 def merge_deltas(events: list[dict]) -> list[dict]:
