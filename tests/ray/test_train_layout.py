@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 from support.cluster import _cmdline, _kill_leftovers, short_temp_dir
+from support.serve_process import sigint_as_default
 
 from raychat.train import layout
 from raychat.train.layout import check_cpu_layout, data_reservation, start_or_connect
@@ -160,7 +161,7 @@ def test_sigterm_then_ctrl_c_mid_run_end_in_one_line_naming_the_checkpoint_it_re
     ):
         proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not inherited ignored from a shell
+            preexec_fn=sigint_as_default,
         )  # fmt: skip
         steps = []
         try:

@@ -60,8 +60,9 @@ class ServeProcess:
         self._log.flush()
         self._log_start = self.log_path.stat().st_size  # an earlier attempt's output stays above it
         self.proc = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=sigint_as_default,
+        )  # fmt: skip
         self._wait_healthy(timeout_s)
 
     def _end(self, timeout_s: float = 30.0) -> None:
@@ -112,3 +113,10 @@ class ServeProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def sigint_as_default() -> None:
+    """preexec_fn of a child a test stops with SIGINT (Ctrl-C): SIGINT's default action, not the SIG_IGN that a
+    non-interactive shell gives a background job (`cmd &`) and every process under it inherits, with which
+    Python installs no KeyboardInterrupt handler and the child never sees the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -1061,9 +1061,11 @@ def test_a_second_speedrun_of_one_out_is_refused_before_any_stage(tmp_path, smal
     stdout, err = capsys.readouterr()
     assert not ray.is_initialized() and "=== 1/6" not in stdout, stdout
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+    # renewed 0 or 1 s ago: the checks before the speedrun's lease take a moment
+    err = re.sub(r"renewed \d+ s ago", "renewed N s ago", err)
     assert err == (
         f"raychat speedrun: error: the run is already running: {out}/lease.json is held by pid {os.getpid()} on "
-        f"{socket.gethostname()}, started {started}, renewed 0 s ago (raychat speedrun --out X); wait for it to "
+        f"{socket.gethostname()}, started {started}, renewed N s ago (raychat speedrun --out X); wait for it to "
         "end, or use another --out; if that process is gone, the lease is taken over at once on its own host, "
         "else once it is 120 s without renewal  (RAYCHAT_DEBUG=1 shows the traceback)\n"
     )

@@ -217,7 +217,10 @@ def test_a_parquet_text_column_of_another_type_is_an_error_naming_file_and_type(
     (tmp_path / "sub").mkdir()
     pq.write_table(pa.table({"text": column}), tmp_path / "sub" / "x.parquet")
     pq.write_table(pa.table({"text": pa.array([b"bytes ok"], pa.large_binary())}), tmp_path / "y.parquet")
-    with pytest.raises(DataError, match=rf"^sub/x\.parquet: the `text` column holds {re.escape(kind)}, not"):
+    with pytest.raises(
+        DataError,
+        match=rf"^--source {re.escape(str(tmp_path))}: sub/x\.parquet: the `text` column holds {re.escape(kind)}, not",
+    ):
         corpora.local_folder(tmp_path)
     (tmp_path / "sub" / "x.parquet").unlink()
     assert corpora.local_folder(tmp_path).documents == ["bytes ok"]

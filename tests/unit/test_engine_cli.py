@@ -12,6 +12,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 from support.engine_fixtures import byte_tokenizer, tiny_gpt
+from support.serve_process import sigint_as_default
 
 from raychat.chat import cli as chat_cli
 from raychat.chat.cli import assistant_message
@@ -275,7 +276,10 @@ def test_ctrl_c_during_a_one_shot_reply_prints_what_came_and_exits_130(tmp_path)
         "8000",
     ]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "raychat.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, "-m", "raychat.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=sigint_as_default,
     )
     try:
         first = proc.stdout.read(1)  # the reply has begun (greedy: no special token, so it runs 8000 tokens)
