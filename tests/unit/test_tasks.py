@@ -232,6 +232,17 @@ def test_hub_task_errors_name_the_file_and_line_not_the_shuffled_index(tmp_path)
         str(e.value)
         == f"{mmlu} row 4: answer 4 is not the index of one of the 4 choices (0..3) (1 of 6 records is bad)"
     )
+    for choices, said in (
+        (None, "None"),
+        (list("abcdefghijk"), str(list("abcdefghijk"))),
+        ([1, 2], "[1, 2]"),
+    ):
+        bad = {"question": "q", "choices": choices, "answer": 0}  # a TypeError or a letter past J before
+        (tmp_path / "mmlu.jsonl").write_text(json.dumps(bad) + "\n")
+        with pytest.raises(ValueError) as e:
+            MultipleChoice(tmp_path / "mmlu.jsonl", format="mmlu")
+        expected = f"line 1: choices {said} are not a list of 1..10 strings (1 of 1 records is bad)"
+        assert str(e.value) == f"{tmp_path / 'mmlu.jsonl'} {expected}"
 
     arc = {
         "question": "Which is red?",

@@ -148,9 +148,7 @@ class ChatServer:
         self.cancelled = 0
         self.rejected = 0
         self._gauges: asyncio.Task | None = None  # the task of _publish_until_idle, while one runs
-        self.in_use: MarkInUse | None = (
-            None  # from_checkpoint: the marker of a remote checkpoint's cached copy
-        )
+        self.in_use: MarkInUse | None = None  # from_checkpoint: the marker of a remote checkpoint's copy
 
     @classmethod
     def from_checkpoint(

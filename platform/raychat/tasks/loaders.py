@@ -307,13 +307,19 @@ def _unnested(record: dict) -> dict:
 
 
 def mmlu_error(record: dict) -> str | None:
-    """Why an MMLU record (nested or not: _unnested) is bad (a missing column, or an answer that is not the
-    index of one of its choices), or None."""
+    """Why an MMLU record (nested or not: _unnested) is bad (a missing column, choices that are not a list of
+    1..10 strings (one per letter of LETTERS), or an answer that is not the index of one of its choices), or
+    None."""
     row = _unnested(record)
     missing = [c for c in MMLU_COLUMNS if c not in row]
     if missing:
         return f"lacks column(s) {missing}; expected {MMLU_COLUMNS}"
-    n = len(row["choices"])
+    choices = row["choices"]
+    if not (isinstance(choices, list) and 1 <= len(choices) <= len(LETTERS)) or not all(
+        isinstance(c, str) for c in choices
+    ):
+        return f"choices {str(choices)[:60]} are not a list of 1..{len(LETTERS)} strings"
+    n = len(choices)
     if 0 <= _choice(row["answer"]) < n:
         return None
     return f"answer {row['answer']!r} is not the index of one of the {n} choices (0..{n - 1})"
