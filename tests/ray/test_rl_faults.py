@@ -1,11 +1,14 @@
 """RL survives its actors, on a local Ray cluster: a rollout actor lost during an evaluation (the evaluation is
 re-run with the same result), a learner lost mid-run (the run resumes from its last committed checkpoint
-within --max-failures, and fails naming the option past it), and a actor group start that fails (no placement
-group is left behind)."""
+within --max-failures, and fails naming the option past it), a learner hung in its restore (named within the
+restore's deadline, the run restarted), lost learners pinged at once and every one named, and an actor group
+start that fails (no placement group is left behind)."""
 
 import json
 import re
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -16,7 +19,8 @@ from support.rl_fixtures import BadTask, FullDisk, tiny_checkpoint, tiny_config
 
 from raychat.capacity import read_capacity
 from raychat.log import RunGaveUp
-from raychat.rl.actors import ActorGroup
+from raychat.rl import actors as rl_actors
+from raychat.rl.actors import ActorGroup, ActorTimeout, lost_line
 from raychat.rl.loop import RLRun, rl_tasks
 from raychat.speedrun import speedrun_flags
 from raychat.storage import open_storage
@@ -206,9 +210,10 @@ def test_past_max_failures_the_run_gives_up_in_one_line_and_releases_its_placeme
     assert [x["step"] for x in metric_lines(tmp_path / "t")] == [1]  # step 1 done and checkpointed
 
 
-def test_a_failed_topology_start_leaves_no_placement_group(ray_cluster, checkpoint, tmp_path):
-    """An actor constructor that raises (a checkpoint directory that does not exist), and a placement group no
-    node can hold (a GPU on a CPU-only cluster): start() raises, and the group is removed either way."""
+def test_a_failed_topology_start_leaves_no_placement_group(ray_cluster, checkpoint, tmp_path, monkeypatch):
+    """An actor constructor that raises (a checkpoint directory that does not exist), a placement group no
+    node can hold (a GPU on a CPU-only cluster) and actors not started by their deadline: start() raises, and
+    the group is removed every way."""
     before = live_placement_groups()
     cfg = tiny_config(str(tmp_path / "missing"), str(tmp_path))
     actors = ActorGroup(cfg, rl_tasks(cfg))
@@ -225,6 +230,25 @@ def test_a_failed_topology_start_leaves_no_placement_group(ray_cluster, checkpoi
         r"placed within --schedule-timeout-s 2; missing: GPU \(need 1, the most a node has is 0\)$",
     ):
         actors.start(ready_timeout_s=2)
+    assert actors.pg is None and live_placement_groups() == before
+
+    # actors that do not start within START_S + READ_BASE_S + --init-from's bytes at READ_BYTES_PER_S (here
+    # 0.1 + 0.2 + 0.2 s: a process and torch take longer) are named, not waited for for ever
+    nbytes = sum(p.stat().st_size for p in Path(checkpoint).rglob("*") if p.is_file())
+    for name, value in (("START_S", 0.1), ("READ_BASE_S", 0.2), ("READ_BYTES_PER_S", nbytes / 0.2)):
+        monkeypatch.setattr(rl_actors, name, value)
+    cfg = tiny_config(checkpoint, str(tmp_path))
+    actors = ActorGroup(cfg, rl_tasks(cfg))
+    with pytest.raises(ActorTimeout) as e:
+        actors.start()
+    mb = f"{nbytes / 1e6:.3g}"
+    assert re.fullmatch(
+        rf"(.+) did not return its start within 0\.5 s \(0\.1 s to start \+ 0\.2 s \+ {mb} MB at "
+        rf"{nbytes / 0.2 / 1e6:.3g} MB/s of --init-from\); if it recurs, check that its node starts Ray workers "
+        rf"\(its raylet's log\) and reads {re.escape(checkpoint)} \(a hung mount\)",
+        str(e.value),
+    ), str(e.value)
+    assert e.value.who and set(e.value.who) <= {"rollout actor 0", "rollout actor 1", "learner 0"}
     assert actors.pg is None and live_placement_groups() == before
 
 
@@ -444,3 +468,78 @@ def test_a_learner_that_raises_ends_a_ddp_run_at_once_in_one_line(ray_cluster, c
     assert len(full) == 1 and "Learner.step" in full[0], logs
     assert run.failures == 0 and run.actors.pg is None and live_placement_groups() == before
     assert [x["step"] for x in metric_lines(tmp_path / "t")] == [1]
+
+
+def hang(actor, seconds: float = 60):
+    """Keep `actor` busy for `seconds` (asleep in a call of its own), so the driver's next calls wait behind it,
+    as behind a hung mount; alive, it answers no ping. The actor group's stop kills it."""
+    return actor.__ray_call__.remote(lambda _: time.sleep(seconds))
+
+
+class HungRestore(RLRun):
+    """A run whose learner 0 hangs (hang) as its first attempt restores the newest checkpoint."""
+
+    def resume(self):
+        if not getattr(self, "hung", None) and self.checkpoints.newest() is not None:
+            self.hung = (time.perf_counter(), hang(self.actors.learners[0]))
+        return super().resume()
+
+
+def test_a_learner_hung_in_restore_is_named_within_its_deadline_and_the_run_restarts(
+    ray_cluster, checkpoint, tmp_path, undisturbed, monkeypatch
+):
+    """Learner.restore was a plain ray.get: a learner hung while resuming hung the run for ever. Now it has a
+    deadline sized from the checkpoint (READ_BASE_S + its committed bytes at READ_BYTES_PER_S; here 2 s + its
+    bytes at that many bytes a second = 3 s): the undisturbed run, resumed for a third step, has learner 0 hang
+    as it restores checkpoint 2; 3 s later one line names it, the call, the checkpoint, the 3 s and how they were
+    sized, and what to check, and the run starts every actor again (the hung one killed), resumes and completes."""
+    shutil.copytree(undisturbed["run_dir"], tmp_path / "t")
+    ck = tmp_path / "t" / "checkpoint_000002"
+    nbytes = sum(f["size"] for f in json.loads((ck / "commit.json").read_text())["files"].values())
+    monkeypatch.setattr(rl_actors, "READ_BASE_S", 2.0)
+    monkeypatch.setattr(rl_actors, "READ_BYTES_PER_S", float(nbytes))
+    logs = []
+    run = HungRestore(tiny_config(checkpoint, str(tmp_path), steps=3, max_failures=1),
+                      log=lambda m: logs.append((time.perf_counter(), m)))  # fmt: skip
+    before = live_placement_groups()
+    summary = run.run()
+    print("\n".join(m for _, m in logs))
+    mb = f"{nbytes / 1e6:.3g}"
+    [(at, line)] = [(t, m) for t, m in logs if "restart 1 of" in m]
+    assert line == (
+        f"learner 0 hung at step 2 (ActorTimeout: learner 0 did not return Learner.restore of {ck} within 3 s (2 s "
+        f"+ {mb} MB at {mb} MB/s); if it recurs, check that its node reads --storage-path {tmp_path} (a hung mount, "
+        "an endpoint that does not answer)); restart 1 of --max-failures 1: starting every actor again and "
+        "resuming from the newest committed checkpoint"
+    )
+    assert 3 <= at - run.hung[0] < 13  # the deadline, not the 60 s learner 0 slept
+    assert [m for _, m in logs if m.startswith("resumed from ")] == [
+        f"resumed from {ck} at step 2 (version 2)"
+    ]
+    assert (summary["failures"], summary["start_step"], summary["version"]) == (1, 2, 3)
+    assert [(x["step"], x["failures"]) for x in metric_lines(tmp_path / "t")] == [(1, 0), (2, 0), (3, 1)]
+    assert live_placement_groups() == before
+
+
+def test_lost_learners_are_pinged_at_once_and_every_one_named(ray_cluster, checkpoint, tmp_path, monkeypatch):
+    """The check for lost learners (a learner's error may be its DDP peer's loss) pinged them one after another,
+    30 s each, and named the first: N hung learners took N x 30 s. Now one ping each, all at once, waited for
+    PING_S in all (here 3 s): of 3 learners, 0 killed and 1, 2 hung, all three are named within 3 s + slack
+    (one after another: 6 s)."""
+    monkeypatch.setattr(rl_actors, "PING_S", 3.0)
+    cfg = tiny_config(checkpoint, str(tmp_path), learner_workers=3, rollout_workers=1)
+    actors = ActorGroup(cfg, rl_tasks(cfg))
+    actors.start()
+    try:
+        kill_and_wait(actors.learners[0])
+        for lr in actors.learners[1:]:
+            hang(lr, 30)
+        t0 = time.perf_counter()
+        lost = actors.lost_learners()
+        took = time.perf_counter() - t0
+    finally:
+        actors.stop()
+    assert lost == {0: None, 1: "no answer within 3 s", 2: "no answer within 3 s"}
+    assert 3 <= took < 5.5, took
+    assert lost_line(lost) == "learners 0, 1 (no answer within 3 s) and 2 (no answer within 3 s) were lost"
+    assert lost_line({1: None}) == "learner 1 was lost"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
@@ -109,6 +110,77 @@ class StepFailed(RuntimeError):
 PEER_GRACE_S = 10.0
 
 
+# Deadlines of the driver's calls on the actors that take about as long whatever the run asks of them; past one,
+# ActorTimeout: the run stops its actor group and starts it again within --max-failures, as for a lost actor
+# (raychat.rl.loop). A learner step or checkpoint save, a rollout and a weight sync (queued behind the rollouts in
+# flight, in async mode) take as long as their work and have none; a learner's peers, once one raised, have
+# PEER_GRACE_S.
+PING_S = 30.0  # Learner.pid: it only answers (lost_learners)
+# a call that reads a checkpoint (Learner.restore; an actor's start, --init-from): READ_BASE_S plus the
+# checkpoint's bytes at READ_BYTES_PER_S, a floor of what a disk, NFS or object storage delivers (fetching a
+# remote checkpoint reads it twice: the download, then its sha256 check)
+READ_BASE_S = 60.0
+READ_BYTES_PER_S = 10e6
+# an actor's start before it reads --init-from: Ray gives up setting up its runtime env (a job's pip packages) after
+# this (RuntimeEnvConfig's setup_timeout_seconds default) and raises; the DDP group's rendezvous comes after
+START_S = 600.0
+
+
+def read_deadline_s(nbytes: int) -> float:
+    """Seconds a call that reads a checkpoint of `nbytes` bytes may take: READ_BASE_S + nbytes / READ_BYTES_PER_S."""
+    return READ_BASE_S + nbytes / READ_BYTES_PER_S
+
+
+def read_budget(nbytes: int) -> str:
+    """How read_deadline_s sized its deadline, for ActorTimeout's line: "60 s + 1.2 MB at 10 MB/s"."""
+    return f"{READ_BASE_S:g} s + {nbytes / 1e6:.3g} MB at {READ_BYTES_PER_S / 1e6:.3g} MB/s"
+
+
+class ActorTimeout(RuntimeError):
+    """The driver's `call` on the actors `who` (["learner 1"]) did not return within `waited_s` seconds
+    (`budget`: how the deadline was sized, "" for a fixed one), the actors alive, so hung (get_within); `fix`: what
+    to check when it recurs. The run stops its actor group (killing them) and starts it again within
+    --max-failures (raychat.rl.loop)."""
+
+    def __init__(self, who: list[str], call: str, waited_s: float, budget: str, fix: str):
+        self.who, self.call, self.waited_s = who, call, waited_s
+        sized = f" ({budget})" if budget else ""
+        super().__init__(
+            f"{self.named} did not return {call} within {waited_s:.3g} s{sized}; if it recurs, {fix}"
+        )
+
+    @property
+    def named(self) -> str:
+        """The actors as the line names them: "learner 0", "rollout actor 0, rollout actor 1 and learner 0"."""
+        return " and ".join(filter(None, (", ".join(self.who[:-1]), self.who[-1])))
+
+
+def get_within(
+    refs: list, who: list[str], call: str, timeout_s: float, budget: str = "", fix: str = ""
+) -> list:
+    """ray.get(refs) waiting timeout_s seconds in all (refs[i]: the call on the actor named who[i]); an actor's
+    death or error is raised as soon as it is found (RayActorError, RayTaskError), not after the deadline.
+
+    Raises ActorTimeout naming every actor whose call had not returned by the deadline."""
+    index = {ref: i for i, ref in enumerate(refs)}
+    pending, deadline = list(refs), time.monotonic() + timeout_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = sorted(index[r] for r in pending)
+            raise ActorTimeout([who[i] for i in late], call, timeout_s, budget, fix)
+        ray.get(ready[0])
+    return ray.get(refs)
+
+
+def lost_line(lost: dict[int, str | None]) -> str:
+    """ "learner 1 was lost", "learners 0 and 2 (no answer within 30 s) were lost" of lost_learners' answer."""
+    named = [f"{i}" if why is None else f"{i} ({why})" for i, why in lost.items()]
+    if len(named) == 1:
+        return f"learner {named[0]} was lost"
+    return f"learners {', '.join(named[:-1])} and {named[-1]} were lost"
+
+
 class LearnerRaised(RuntimeError):
     """Learner `index`'s call raised `error` (a RayTaskError; `cause` its cause, the learner's own exception),
     and no learner was lost (ActorGroup.learner_results)."""
@@ -170,7 +242,8 @@ class ActorGroup:
         the error propagates.
 
         Raises ValueError when the group is not placed in time (one line naming the flags that size it and the
-        missing resource); the actors' errors (ray.exceptions.RayActorError) as they are."""
+        missing resource); ActorTimeout naming the actors not started within START_S + read_deadline_s of
+        --init-from's bytes; the actors' errors (ray.exceptions.RayActorError) as they are."""
         try:
             self._start(self.cfg.layout.schedule_timeout_s if ready_timeout_s is None else ready_timeout_s)
         except BaseException:
@@ -197,6 +270,11 @@ class ActorGroup:
             reporter.stop(placed)
         device = "cuda" if gpu else "cpu"
         init = self.cfg.run.init_from
+        nbytes = local_bytes(init)
+        wait_s = START_S + read_deadline_s(nbytes)
+        budget = f"{START_S:g} s to start + {read_budget(nbytes)} of {self.option('init_from')}"
+        fix = f"check that its node starts Ray workers (its raylet's log) and reads {init} (a hung mount)"
+        learner_names = [f"learner {r}" for r in range(t.learner_workers)]
         self.learners = [
             LearnerActor.options(**self._options(r, t.cpus_per_learner)).remote(
                 init, self.cfg, r, t.learner_workers, device, threads(t.cpus_per_learner)
@@ -204,8 +282,12 @@ class ActorGroup:
             for r in range(t.learner_workers)
         ]
         if t.learner_workers > 1:
-            addr, port = ray.get(self.learners[0].address.remote())
-            ray.get([lr.init_group.remote(addr, port) for lr in self.learners])
+            [(addr, port)] = get_within([self.learners[0].address.remote()], learner_names[:1],
+                                        "Learner.address (its start)", wait_s, budget, fix)  # fmt: skip
+            refs = [lr.init_group.remote(addr, port) for lr in self.learners]
+            get_within(
+                refs, learner_names, "Learner.init_group (its start, the DDP rendezvous)", wait_s, budget, fix
+            )
         self.rollouts = [
             RolloutActor.options(
                 **self._options(t.learner_workers + i, t.cpus_per_rollout, max_restarts=t.max_restarts,
@@ -213,7 +295,9 @@ class ActorGroup:
             ).remote(init, self.tasks, i, device, threads(t.cpus_per_rollout), self.cfg.rollout.max_slots)
             for i in range(t.rollout_workers)
         ]  # fmt: skip
-        ray.get([w.info.remote() for w in self.rollouts] + [lr.pid.remote() for lr in self.learners])
+        refs = [w.info.remote() for w in self.rollouts] + [lr.pid.remote() for lr in self.learners]
+        names = [f"rollout actor {i}" for i in range(len(self.rollouts))] + learner_names
+        get_within(refs, names, "its start", wait_s, budget, fix)
         if t.weight_sync == "collective":
             create_collective_group(self.learners[0], self.rollouts, self.backend, self.group_name)
 
@@ -227,15 +311,22 @@ class ActorGroup:
         self.generation += 1
         create_collective_group(self.learners[0], self.rollouts, self.backend, self.group_name)
 
-    def lost_learner(self, timeout_s: float = 30.0) -> int | None:
-        """The index of the first learner that is dead or does not answer within timeout_s; None when every
-        learner answers: tells a learner's own error from the one its DDP peers raise when it is lost."""
-        for i, lr in enumerate(self.learners):
+    def lost_learners(self) -> dict[int, str | None]:
+        """{index: None (dead) or "no answer within PING_S s"} of every learner that is dead or does not answer a
+        ping (Learner.pid, all sent at once, waited for PING_S in all); {} when every learner answers: tells a
+        learner's own error from the one its DDP peers raise when it is lost."""
+        refs = [lr.pid.remote() for lr in self.learners]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PING_S)
+        lost: dict[int, str | None] = {}
+        for i, ref in enumerate(refs):
+            if ref not in ready:
+                lost[i] = f"no answer within {PING_S:g} s"
+                continue
             try:
-                ray.get(lr.pid.remote(), timeout=timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                return i
-        return None
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                lost[i] = None
+        return lost
 
     def name_of(self, actor_id: str | None) -> str:
         """ "learner i" or "rollout actor i" of the actor whose id is `actor_id` (hex, as Ray's actor errors
@@ -294,6 +385,12 @@ def forget_group(group_name: str) -> None:
         ray.kill(ray.get_actor(f"info_{group_name}"))
     except ValueError:
         pass
+
+
+def local_bytes(path: str) -> int:
+    """The bytes of the files under the local directory `path` (0 for anything else: a URI, a missing path)."""
+    root = Path(path)
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
 
 
 def threads(cpus: float) -> int:

@@ -36,9 +36,12 @@ re-synced and its prompts re-issued (raychat.rl.dispatcher). Any other lost acto
 weight sync, every rollout actor) stops the whole actor group; it is started again and the run resumes from the
 newest committed checkpoint, redoing the steps after it, up to --max-failures times (`failures` in every
 line and the summary); so does a weight sync that an actor raised in or that loaded other weights (new actors and
-a new publish may succeed). Past that the run gives up: RunGaveUp (raychat.log), one line naming the lost actor
-or failed sync, the step, the error, the failure count, --max-failures and the checkpoint a new start resumes
-from, the error logged in full above it. What a retry would meet again ends the run at once, not retried, in
+a new publish may succeed), and a hung actor: one whose start or Learner.restore did not return within its
+deadline (raychat.rl.actors.ActorTimeout, the deadline sized from the checkpoint's bytes: read_deadline_s). Lost
+learners are found with one ping each, all sent at once and waited for raychat.rl.actors.PING_S in all
+(ActorGroup.lost_learners), every one named. Past that the run gives up: RunGaveUp (raychat.log), one line
+naming the lost actor or failed sync, the step, the error, the failure count, --max-failures and the checkpoint
+a new start resumes from, the error logged in full above it. What a retry would meet again ends the run at once, not retried, in
 RunGaveUp's one line naming the step, what failed (its error's type and first line, logged in full above),
 what to fix and the checkpoint a new start resumes from, the last good one: a learner step whose loss or
 gradient norm is not finite (the learning rates to lower), a rollout actor's or a learner's own error (the same
@@ -57,7 +60,6 @@ import time
 from collections import deque
 
 import numpy as np
-import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.checkpoint_manager import CheckpointManager
@@ -66,7 +68,17 @@ from raychat.lease import RunLease
 from raychat.log import log
 from raychat.metrics import RLMetrics
 from raychat.metrics_sink import MetricsSink
-from raychat.rl.actors import ActorGroup, ActorsLost, LearnerRaised, StepFailed
+from raychat.rl.actors import (
+    ActorGroup,
+    ActorsLost,
+    ActorTimeout,
+    LearnerRaised,
+    StepFailed,
+    get_within,
+    lost_line,
+    read_budget,
+    read_deadline_s,
+)
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
 from raychat.rl.objective import group_advantages, zero_advantage_frac
 from raychat.rl.sync import WeightSync
@@ -227,13 +239,23 @@ class RLRun:
 
     def resume(self) -> int:
         """Restore every learner from the newest committed checkpoint; returns its step (0 when there is none:
-        the learners hold --init-from's weights, version 0)."""
+        the learners hold --init-from's weights, version 0).
+
+        Raises ActorTimeout (the run restarts its actor group) naming every learner whose Learner.restore did not
+        return within raychat.rl.actors.read_deadline_s of the checkpoint's bytes (its commit marker's sizes)."""
         newest = self.checkpoints.newest()
         if newest is None:
             self.set_version(0)
             return 0
-        uri = self.checkpoints.uri(newest.step)
-        states = ray.get([lr.restore.remote(uri) for lr in self.actors.learners])
+        uri, self.step = self.checkpoints.uri(newest.step), newest.step  # the step a hung restore is named at
+        nbytes = sum(f["size"] for f in newest.commit["files"].values())
+        learners = self.actors.learners
+        where = f"{self.flags.option('storage_path')} {self.checkpoints.storage.uri}"
+        states = get_within(
+            [lr.restore.remote(uri) for lr in learners], [f"learner {i}" for i in range(len(learners))],
+            f"Learner.restore of {uri}", read_deadline_s(nbytes), read_budget(nbytes),
+            f"check that its node reads {where} (a hung mount, an endpoint that does not answer)",
+        )  # fmt: skip
         self.set_version(int(states[0]["version"]))
         self.log(f"resumed from {uri} at step {states[0]['step']} (version {self.version})")
         return int(states[0]["step"])
@@ -346,8 +368,8 @@ class RLRun:
 
     def _run_within_budget(self, metrics: MetricsSink) -> dict:
         """Start the actor group and run the loop; when an actor is lost beyond what the rollout dispatcher recovers
-        in place (a learner, weight sync, every rollout actor), or the weight sync fails, stop everything, start
-        again and resume from the newest committed checkpoint, up to --max-failures times.
+        in place (a learner, weight sync, every rollout actor) or hung (ActorTimeout), or the weight sync fails,
+        stop everything, start again and resume from the newest committed checkpoint, up to --max-failures times.
 
         Raises RunGaveUp (raychat.log) once the budget is spent: one line naming the lost actor or the failed
         sync, the step, the error, the failure count and --max-failures, and the checkpoint a new start resumes
@@ -362,7 +384,14 @@ class RLRun:
             try:
                 self.actors.start()
                 return self._loop(metrics)
-            except (StepFailed, RayActorError, ActorUnavailableError, ActorsLost, RayTaskError) as e:
+            except (
+                StepFailed,
+                RayActorError,
+                ActorUnavailableError,
+                ActorsLost,
+                ActorTimeout,
+                RayTaskError,
+            ) as e:
                 lost, error, full = self._restartable(e)
                 self.actors.stop()
                 self.sync.reset()
@@ -392,8 +421,8 @@ class RLRun:
 
     def _restartable(self, e: BaseException) -> tuple[str, BaseException, object]:
         """(what failed and at which step, its error, what to log in full: None for the error) of a failure the
-        run restarts its actor group for: a lost actor (a learner: also when the error is its DDP peer's), a
-        failed weight sync (StepFailed.restart).
+        run restarts its actor group for: a lost actor (a learner: also when the error is its DDP peer's; every
+        lost learner named), a hung one (ActorTimeout), a failed weight sync (StepFailed.restart).
 
         Raises RunGaveUp for one it stops on at once: a non-finite step (stopped_on_fault), any other StepFailed
         (stopped_on_error: an actor's own error, a checkpoint the storage refused, a broken reward function) and
@@ -410,8 +439,8 @@ class RLRun:
         if isinstance(e, RayTaskError):
             # a surviving DDP rank raises its own error (gloo: the peer closed the connection) when a learner
             # is lost: a restart then too; any other task error is the actor's own and ends the run
-            if (learner := self.actors.lost_learner()) is not None:
-                return f"learner {learner} was lost {at}", e, None
+            if lost := self.actors.lost_learners():
+                return f"{lost_line(lost)} {at}", e, None
             method = re.search(r"ray::(\w+\.\w+)\(", str(e))
             raise stopped_on_error(
                 self.label,
@@ -426,6 +455,8 @@ class RLRun:
             ) from e
         if isinstance(e, ActorsLost):
             return f"the rollout actors were lost {at}", e, None
+        if isinstance(e, ActorTimeout):
+            return f"{e.named} hung {at}", e, None
         return f"{self.actors.name_of(getattr(e, 'actor_id', None))} was lost {at}", e, None
 
     def newest_uri(self) -> str | None:
