@@ -29,10 +29,10 @@ A bad reference is a ValueError of one line that names the flag and says what wa
 directories marked as such). A remote checkpoint is downloaded into a cache directory whole or not at all,
 and again only when its commit marker changes: a new commit under the same name goes to a directory of its
 own, beside the earlier commit's copy, which its readers keep until it is a day unused (resolve_checkpoint;
-a serving replica marks the copy it serves from in use every SNAPSHOT_MARK_S, as a snapshot).
+a serving replica marks the copy it serves from in use every IN_USE_MARK_S, as a snapshot).
 A server pins a run's local checkpoint as a snapshot in <run>/served/ (snapshot_checkpoint: hard links, whole
-or not at all), which pruning never touches. A running app marks its snapshot in use every SNAPSHOT_MARK_S
-(mark_snapshot_used: the directory's modification time); each snapshot_checkpoint deletes the run's other
+or not at all), which pruning never touches. A running app marks its snapshot in use every IN_USE_MARK_S
+(mark_in_use: the directory's modification time); each snapshot_checkpoint deletes the run's other
 snapshots unmarked for SNAPSHOT_UNUSED_S (remove_unused_snapshots).
 """
 
@@ -81,16 +81,16 @@ FORMAT = 1
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raychat" / "checkpoints"
 SNAPSHOTS = "served"  # <run dir>/served/<checkpoint name>-<12 hex>: snapshot_checkpoint
 _SNAPSHOT = re.compile(rf"{CHECKPOINT_PREFIX}\d+-[0-9a-f]{{12}}")
-# Every app serving a snapshot marks it in use this often (raychat.serve.in_use), as every server of a remote
-# checkpoint marks its node's cached copy (CACHE_UNUSED_S), and snapshot_checkpoint deletes the run's
-# snapshots unmarked for SNAPSHOT_UNUSED_S. A day is 288 missed marks, so only an app gone
+# Every app serving a snapshot marks it in use (mark_in_use) this often (raychat.serve.in_use), as every server
+# of a remote checkpoint marks its node's cached copy (CACHE_UNUSED_S), and snapshot_checkpoint deletes the
+# run's snapshots unmarked for SNAPSHOT_UNUSED_S. A day is 288 missed marks, so only an app gone
 # for a day (or a cluster down that long) loses its snapshot, while a pruned checkpoint's snapshot holds that
 # checkpoint's space for at most a day after its last app ended (a deploy of a checkpoint that still exists
 # makes its snapshot again).
-SNAPSHOT_MARK_S = 300.0
+IN_USE_MARK_S = 300.0
 SNAPSHOT_UNUSED_S = 24 * 3600.0
 # A cached copy of a remote checkpoint that no resolve_checkpoint has returned and no server has marked in use
-# (raychat.serve.server: every SNAPSHOT_MARK_S while it serves from it, as its engine process reloads it on a
+# (raychat.serve.server: every IN_USE_MARK_S while it serves from it, as its engine process reloads it on a
 # restart) for this long, while another commit of that checkpoint's URI is cached, is deleted
 # (remove_unused_versions): any other reader that resolved it a day ago has long loaded it.
 CACHE_UNUSED_S = 24 * 3600.0
@@ -443,8 +443,8 @@ def resolve_checkpoint(
     fetch one checkpoint once: each holds an exclusive flock on <cache_dir>/.<key>-<name>.lock while it checks
     the cache, downloads and removes unused versions, so the others wait and then find the copy; a copy that a
     reader may hold open is never replaced while it matches the marker. Each return marks the copy in use
-    (mark_snapshot_used: its directory's modification time), and a server that serves from it marks it every
-    SNAPSHOT_MARK_S while it runs (raychat.serve.server.ChatServer.from_checkpoint).
+    (mark_in_use: its directory's modification time), and a server that serves from it marks it every
+    IN_USE_MARK_S while it runs (raychat.serve.server.ChatServer.from_checkpoint).
 
     Raises ValueError as find_checkpoint; CheckpointError: a downloaded file differs from the marker; OSError:
     the download failed (nothing is left under the final name)."""
@@ -473,7 +473,7 @@ def resolve_checkpoint(
             except CheckpointError:  # a damaged cached copy: fetched again
                 pass
         got = got or download_dir(where, where.path, dest, check=check)
-        mark_snapshot_used(got)
+        mark_in_use(got)
         remove_unused_versions(cache, key, name, keep=got.name)
         return got
 
@@ -485,7 +485,7 @@ def remove_unused_versions(
     name is `name` (<key>-<12 hex>-<name>, and <key>-<name> of raychat versions that kept one copy per URI),
     other than `keep`, in which nothing has changed for `unused_s` seconds (default CACHE_UNUSED_S;
     raychat.atomic.last_change: resolve_checkpoint marks the one it returns, and a live server the one it
-    serves from, with mark_snapshot_used). The caller holds the URI's flock. Returns the names deleted,
+    serves from, with mark_in_use). The caller holds the URI's flock. Returns the names deleted,
     sorted."""
     unused_s = CACHE_UNUSED_S if unused_s is None else unused_s
     version = re.compile(rf"{re.escape(key)}(-[0-9a-f]{{12}})?-{re.escape(name)}")
@@ -525,7 +525,7 @@ def snapshot_checkpoint(checkpoint: str | os.PathLike) -> Path:
     checkpoint's (a copy where the filesystem refuses a link), put together under a temporary name
     (raychat.atomic.fresh_dir), checked against the commit marker (verify: every file, its size), and then
     given the final name, commit.json last; a snapshot of the same commit marker already there is reused
-    (marked in use first: mark_snapshot_used), also one that another server made while this one put its own
+    (marked in use first: mark_in_use), also one that another server made while this one put its own
     together (its replicas may be opening its files: it is never renamed away while it passes verify). The
     leftovers of killed processes in served/ (a snapshot's staging, a stale snapshot renamed away to be
     deleted) are deleted first, those idle for raychat.atomic.STAGING_IDLE_S only: another server may be
@@ -595,10 +595,10 @@ def _holds(snapshot: Path, commit: bytes) -> bool:
 
 
 def _mark_reused(snapshot: Path) -> None:
-    """mark_snapshot_used, where a snapshot this process may not mark (another user's, a read-only
+    """mark_in_use, where a snapshot this process may not mark (another user's, a read-only
     filesystem) is reused unmarked, with a warning. Raises FileNotFoundError: the snapshot is gone."""
     try:
-        mark_snapshot_used(snapshot)
+        mark_in_use(snapshot)
     except FileNotFoundError:
         raise
     except OSError as e:
@@ -619,11 +619,12 @@ def is_snapshot(checkpoint: str) -> bool:
     )
 
 
-def mark_snapshot_used(snapshot: str | os.PathLike) -> None:
-    """Mark the snapshot directory `snapshot` (or a cached copy of a remote checkpoint: resolve_checkpoint)
-    in use now: its modification time (one utime call; its files are untouched). Raises OSError as os.utime
-    (FileNotFoundError: it is gone; PermissionError: not ours)."""
-    os.utime(snapshot)
+def mark_in_use(directory: str | os.PathLike) -> None:
+    """Mark `directory` (a snapshot, or a cached copy of a remote checkpoint: resolve_checkpoint) in use now:
+    its modification time (one utime call; its files are untouched), which remove_unused_snapshots and
+    remove_unused_versions read. Raises OSError as os.utime (FileNotFoundError: it is gone; PermissionError:
+    not ours)."""
+    os.utime(directory)
 
 
 def remove_unused_snapshots(
@@ -631,7 +632,7 @@ def remove_unused_snapshots(
 ) -> list[str]:
     """Delete the snapshots in the local <run_dir>/served/ (directories named checkpoint_<step>-<12 hex>, not
     links) other than `keep` in which nothing has changed for `unused_s` seconds (raychat.atomic.last_change:
-    mark_snapshot_used changes the directory's time). Each is first renamed to a leftover name
+    mark_in_use changes the directory's time). Each is first renamed to a leftover name
     (raychat.atomic.fresh_dir) and looked at again: one marked at that moment is renamed back, and a server
     that marks it while it is renamed finds it gone and makes it again (snapshot_checkpoint); one that another
     server's snapshot_checkpoint deletes as a leftover meanwhile is passed over. Nothing else in

@@ -29,7 +29,7 @@ from raychat.checkpoint_manager import (
     checkpoint_gone,
     find_checkpoint,
     is_run_checkpoint,
-    mark_snapshot_used,
+    mark_in_use,
     resolve_checkpoint,
     snapshot_checkpoint,
 )
@@ -155,7 +155,7 @@ def test_a_snapshot_copies_where_links_are_refused_and_refuses_a_damaged_checkpo
 def test_the_runs_next_snapshot_deletes_snapshots_unused_for_a_day_and_nothing_else(tmp_path, monkeypatch):
     """Each `raychat serve` of a newer checkpoint of a training run added a snapshot in <run>/served/ that nothing
     deleted: once its checkpoint was pruned, a full copy's space for ever. The run's next snapshot deletes those
-    no app has marked in use (mark_snapshot_used) for SNAPSHOT_UNUSED_S; one marked within it stays, the one
+    no app has marked in use (mark_in_use) for SNAPSHOT_UNUSED_S; one marked within it stays, the one
     being made or reused stays (also when it was unused that long), and so do a link named like a snapshot
     (its target outside too) and any other name."""
     manager = CheckpointManager(open_storage(tmp_path / "runs"), "run", keep=1)
@@ -196,7 +196,7 @@ def test_the_runs_next_snapshot_deletes_snapshots_unused_for_a_day_and_nothing_e
     def marked_meanwhile(path):
         seen = real(path)
         if Path(path) == snap:
-            mark_snapshot_used(snap)  # after the look, before the rename
+            mark_in_use(snap)  # after the look, before the rename
         return seen
 
     monkeypatch.setattr(cm, "last_change", marked_meanwhile)
@@ -551,7 +551,7 @@ def test_a_live_servers_cached_copy_survives_new_commits_past_cache_unused_s(tmp
     """A serving replica resolves a remote checkpoint once, at start, and its engine process loads the
     node's cached copy again by path each time it restarts. A new commit of that checkpoint resolved more
     than CACHE_UNUSED_S later deleted that copy under it (nothing had marked it since its resolve), so the
-    engine's next restart failed. Now the server marks its copy in use every SNAPSHOT_MARK_S (MarkInUse,
+    engine's next restart failed. Now the server marks its copy in use every IN_USE_MARK_S (MarkInUse,
     which ChatServer.from_checkpoint holds: tests/unit/test_engine_process.py): that copy stays, an unmarked
     copy of another commit as old goes, and the copy goes too once its marker stopped a day ago."""
     bucket = s3_env.make_bucket()
