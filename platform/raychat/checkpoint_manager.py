@@ -435,16 +435,17 @@ def resolve_checkpoint(
     directory itself when local; a remote one downloaded to
     <cache_dir>/<key>-<sha256(commit.json)[:12]>-<name> (key: sha256(uri)[:16]; default cache:
     $XDG_CACHE_HOME or ~/.cache, then raychat/checkpoints), checked against its commit marker's sizes and
-    sha256 digests before it takes that name. A checkpoint committed
-    again under the same URI (a run that re-saved a step after a restart) is another commit marker, so it goes
-    to a directory of its own: the copy of the earlier commit stays as it was for the readers that have it (a
-    serving replica, an eval), until a later resolve of that URI finds it returned by no resolve for
-    CACHE_UNUSED_S (remove_unused_versions). The processes of a node (the Train workers of a restarted group)
-    fetch one checkpoint once: each holds an exclusive flock on <cache_dir>/.<key>-<name>.lock while it checks
-    the cache, downloads and removes unused versions, so the others wait and then find the copy; a copy that a
-    reader may hold open is never replaced while it matches the marker. Each return marks the copy in use
-    (mark_in_use: its directory's modification time), and a server that serves from it marks it every
-    IN_USE_MARK_S while it runs (raychat.serve.server.ChatServer.from_checkpoint).
+    sha256 digests before it takes that name. A checkpoint committed again under the same URI (a run that
+    re-saved a step after a restart) is another commit marker, so it goes to a directory of its own: the copy
+    of the earlier commit stays as it was for the readers that have it (a serving replica, an eval), until a
+    later resolve of that URI finds it returned by no resolve and marked by no server for CACHE_UNUSED_S
+    (remove_unused_versions: renamed to a tombstone, which no resolve returns, and looked at again before it
+    is deleted). The processes of a node (the Train workers of a restarted group) fetch one checkpoint once:
+    each holds an exclusive flock on <cache_dir>/.<key>-<name>.lock while it checks the cache, downloads and
+    removes unused versions, so the others wait and then find the copy; a copy that a reader may hold open is
+    never replaced while it matches the marker. Each return marks the copy in use (mark_in_use: its
+    directory's modification time), and a server that serves from it marks it every IN_USE_MARK_S while it
+    runs (raychat.serve.server.ChatServer.from_checkpoint).
 
     Raises ValueError as find_checkpoint; CheckpointError: a downloaded file differs from the marker; OSError:
     the download failed (nothing is left under the final name)."""
@@ -485,18 +486,54 @@ def remove_unused_versions(
     name is `name` (<key>-<12 hex>-<name>, and <key>-<name> of raychat versions that kept one copy per URI),
     other than `keep`, in which nothing has changed for `unused_s` seconds (default CACHE_UNUSED_S;
     raychat.atomic.last_change: resolve_checkpoint marks the one it returns, and a live server the one it
-    serves from, with mark_in_use). The caller holds the URI's flock. Returns the names deleted,
-    sorted."""
+    serves from, with mark_in_use). Each is first renamed to a tombstone, a leftover name beside it
+    (raychat.atomic.fresh_dir: `.<copy name>.<16 hex>`, a name resolve_checkpoint never returns), and looked
+    at again: one marked between the first look and the rename is renamed back and kept (_remove_if_unused).
+    The tombstones of a remover killed before its delete are deleted too, once idle for
+    raychat.atomic.STAGING_IDLE_S. The caller holds the URI's flock. Returns the names deleted, sorted (copies
+    only, not tombstones)."""
     unused_s = CACHE_UNUSED_S if unused_s is None else unused_s
-    version = re.compile(rf"{re.escape(key)}(-[0-9a-f]{{12}})?-{re.escape(name)}")
+    version = rf"{re.escape(key)}(-[0-9a-f]{{12}})?-{re.escape(name)}"
+    tombstone = re.compile(rf"\.{version}\.[0-9a-f]{{16}}")
     removed = []
     for path in sorted(cache.iterdir()):
-        if path.name == keep or not version.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
-            continue
-        if time.time() - last_change(path) >= unused_s:
-            shutil.rmtree(path, ignore_errors=True)  # a reader's open files keep their data until closed
+        if tombstone.fullmatch(path.name):  # of a remover (or a fetch) killed before its delete
+            if path.is_dir() and not path.is_symlink() and time.time() - last_change(path) >= STAGING_IDLE_S:
+                shutil.rmtree(path, ignore_errors=True)
+        elif path.name != keep and re.fullmatch(version, path.name) and _remove_if_unused(path, unused_s):
             removed.append(path.name)
     return removed
+
+
+def _remove_if_unused(path: Path, unused_s: float) -> bool:
+    """Delete the directory `path` (not a link) if nothing in it has changed for `unused_s` seconds
+    (raychat.atomic.last_change), looked at twice: it is renamed to a tombstone (raychat.atomic.fresh_dir)
+    and looked at again, and one marked in use between the two looks (mark_in_use) is renamed back. A mark
+    while it is renamed finds it gone (FileNotFoundError). Returns whether it was deleted: False also when it
+    is gone, cannot be renamed (not ours), or its tombstone was deleted meanwhile by another process."""
+    try:
+        if path.is_symlink() or not path.is_dir() or time.time() - last_change(path) < unused_s:
+            return False
+        tomb = fresh_dir(path)
+    except OSError:
+        return False
+    try:
+        os.replace(path, tomb)
+    except OSError:  # gone meanwhile, or not ours to rename
+        tomb.rmdir()
+        return False
+    try:
+        recent = time.time() - last_change(tomb) < unused_s  # marked between the look and the rename
+    except FileNotFoundError:  # deleted meanwhile as a leftover by another process
+        return False
+    if recent:
+        try:
+            os.replace(tomb, path)
+            return False
+        except OSError:  # made again meanwhile: the one renamed away goes
+            pass
+    shutil.rmtree(tomb, ignore_errors=True)
+    return not recent
 
 
 def described(checkpoint: str) -> str:
@@ -643,34 +680,7 @@ def remove_unused_snapshots(
         names = sorted(n for n in os.listdir(served) if n != keep and _SNAPSHOT.fullmatch(n))
     except OSError:  # no served/ (or not ours to read)
         return []
-    removed = []
-    for name in names:
-        path = served / name
-        try:
-            if path.is_symlink() or not path.is_dir() or time.time() - last_change(path) < unused_s:
-                continue
-            old = fresh_dir(path)
-        except OSError:
-            continue
-        try:
-            os.replace(path, old)
-        except OSError:  # gone meanwhile, or not ours to rename
-            old.rmdir()
-            continue
-        try:
-            recent = time.time() - last_change(old) < unused_s  # marked between the look and the rename
-        except FileNotFoundError:  # deleted meanwhile as a leftover by another server's snapshot_checkpoint
-            continue
-        if recent:
-            try:
-                os.replace(old, path)
-                continue
-            except OSError:  # made again meanwhile: the one renamed away goes
-                shutil.rmtree(old, ignore_errors=True)
-                continue
-        shutil.rmtree(old, ignore_errors=True)
-        removed.append(name)
-    return removed
+    return [name for name in names if _remove_if_unused(served / name, unused_s)]
 
 
 def checkpoint_gone(checkpoint: str) -> bool:
