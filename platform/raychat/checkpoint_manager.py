@@ -38,6 +38,7 @@ snapshots unmarked for SNAPSHOT_UNUSED_S (remove_unused_snapshots).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -498,8 +499,13 @@ def remove_unused_versions(
     removed = []
     for path in sorted(cache.iterdir()):
         if tombstone.fullmatch(path.name):  # of a remover (or a fetch) killed before its delete
-            if path.is_dir() and not path.is_symlink() and time.time() - last_change(path) >= STAGING_IDLE_S:
-                shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                if (
+                    path.is_dir()
+                    and not path.is_symlink()
+                    and time.time() - last_change(path) >= STAGING_IDLE_S
+                ):
+                    shutil.rmtree(path, ignore_errors=True)
         elif path.name != keep and re.fullmatch(version, path.name) and _remove_if_unused(path, unused_s):
             removed.append(path.name)
     return removed
