@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import ray
 import yaml
+from ray._private.services import find_bootstrap_address
 from ray._raylet import GcsClient
 from ray.autoscaler._private.util import format_readonly_node_type
 from ray.core.generated import autoscaler_pb2
@@ -211,6 +212,13 @@ def start_local_cluster(address: str | None = "local", **init_kwargs) -> None:
         if type(e) is not Exception and not isinstance(e, (OSError, RuntimeError)):
             raise
         raise ClusterStartError(start_failure(e)) from e
+
+
+def local_cluster_running() -> bool:
+    """Whether start_local_cluster(address=None) would join the cluster `ray start` runs on this machine (Ray's
+    ray_current_cluster file under its temp dir: $RAY_TMPDIR, else $TMPDIR, else /tmp, then ray/) rather than
+    start one; read before Ray starts, with no connection made."""
+    return find_bootstrap_address(None) is not None
 
 
 def start_failure(error: BaseException) -> str:

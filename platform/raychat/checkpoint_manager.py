@@ -29,15 +29,16 @@ A bad reference is a ValueError of one line that names the flag and says what wa
 directories marked as such). A remote checkpoint is downloaded into a cache directory whole or not at all,
 and again only when its commit marker changes: a new commit under the same name goes to a directory of its
 own, beside the earlier commit's copy, which its readers keep until it is a day unused (resolve_checkpoint;
-a serving replica marks the copy it serves from in use every SNAPSHOT_MARK_S, as a snapshot).
+a serving replica marks the copy it serves from in use every IN_USE_MARK_S, as a snapshot).
 A server pins a run's local checkpoint as a snapshot in <run>/served/ (snapshot_checkpoint: hard links, whole
-or not at all), which pruning never touches. A running app marks its snapshot in use every SNAPSHOT_MARK_S
-(mark_snapshot_used: the directory's modification time); each snapshot_checkpoint deletes the run's other
+or not at all), which pruning never touches. A running app marks its snapshot in use every IN_USE_MARK_S
+(mark_in_use: the directory's modification time); each snapshot_checkpoint deletes the run's other
 snapshots unmarked for SNAPSHOT_UNUSED_S (remove_unused_snapshots).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -81,16 +82,16 @@ FORMAT = 1
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "raychat" / "checkpoints"
 SNAPSHOTS = "served"  # <run dir>/served/<checkpoint name>-<12 hex>: snapshot_checkpoint
 _SNAPSHOT = re.compile(rf"{CHECKPOINT_PREFIX}\d+-[0-9a-f]{{12}}")
-# Every app serving a snapshot marks it in use this often (raychat.serve.in_use), as every server of a remote
-# checkpoint marks its node's cached copy (CACHE_UNUSED_S), and snapshot_checkpoint deletes the run's
-# snapshots unmarked for SNAPSHOT_UNUSED_S. A day is 288 missed marks, so only an app gone
+# Every app serving a snapshot marks it in use (mark_in_use) this often (raychat.serve.in_use), as every server
+# of a remote checkpoint marks its node's cached copy (CACHE_UNUSED_S), and snapshot_checkpoint deletes the
+# run's snapshots unmarked for SNAPSHOT_UNUSED_S. A day is 288 missed marks, so only an app gone
 # for a day (or a cluster down that long) loses its snapshot, while a pruned checkpoint's snapshot holds that
 # checkpoint's space for at most a day after its last app ended (a deploy of a checkpoint that still exists
 # makes its snapshot again).
-SNAPSHOT_MARK_S = 300.0
+IN_USE_MARK_S = 300.0
 SNAPSHOT_UNUSED_S = 24 * 3600.0
 # A cached copy of a remote checkpoint that no resolve_checkpoint has returned and no server has marked in use
-# (raychat.serve.server: every SNAPSHOT_MARK_S while it serves from it, as its engine process reloads it on a
+# (raychat.serve.server: every IN_USE_MARK_S while it serves from it, as its engine process reloads it on a
 # restart) for this long, while another commit of that checkpoint's URI is cached, is deleted
 # (remove_unused_versions): any other reader that resolved it a day ago has long loaded it.
 CACHE_UNUSED_S = 24 * 3600.0
@@ -435,16 +436,17 @@ def resolve_checkpoint(
     directory itself when local; a remote one downloaded to
     <cache_dir>/<key>-<sha256(commit.json)[:12]>-<name> (key: sha256(uri)[:16]; default cache:
     $XDG_CACHE_HOME or ~/.cache, then raychat/checkpoints), checked against its commit marker's sizes and
-    sha256 digests before it takes that name. A checkpoint committed
-    again under the same URI (a run that re-saved a step after a restart) is another commit marker, so it goes
-    to a directory of its own: the copy of the earlier commit stays as it was for the readers that have it (a
-    serving replica, an eval), until a later resolve of that URI finds it returned by no resolve for
-    CACHE_UNUSED_S (remove_unused_versions). The processes of a node (the Train workers of a restarted group)
-    fetch one checkpoint once: each holds an exclusive flock on <cache_dir>/.<key>-<name>.lock while it checks
-    the cache, downloads and removes unused versions, so the others wait and then find the copy; a copy that a
-    reader may hold open is never replaced while it matches the marker. Each return marks the copy in use
-    (mark_snapshot_used: its directory's modification time), and a server that serves from it marks it every
-    SNAPSHOT_MARK_S while it runs (raychat.serve.server.ChatServer.from_checkpoint).
+    sha256 digests before it takes that name. A checkpoint committed again under the same URI (a run that
+    re-saved a step after a restart) is another commit marker, so it goes to a directory of its own: the copy
+    of the earlier commit stays as it was for the readers that have it (a serving replica, an eval), until a
+    later resolve of that URI finds it returned by no resolve and marked by no server for CACHE_UNUSED_S
+    (remove_unused_versions: renamed to a tombstone, which no resolve returns, and looked at again before it
+    is deleted). The processes of a node (the Train workers of a restarted group) fetch one checkpoint once:
+    each holds an exclusive flock on <cache_dir>/.<key>-<name>.lock while it checks the cache, downloads and
+    removes unused versions, so the others wait and then find the copy; a copy that a reader may hold open is
+    never replaced while it matches the marker. Each return marks the copy in use (mark_in_use: its
+    directory's modification time), and a server that serves from it marks it every IN_USE_MARK_S while it
+    runs (raychat.serve.server.ChatServer.from_checkpoint).
 
     Raises ValueError as find_checkpoint; CheckpointError: a downloaded file differs from the marker; OSError:
     the download failed (nothing is left under the final name)."""
@@ -473,7 +475,7 @@ def resolve_checkpoint(
             except CheckpointError:  # a damaged cached copy: fetched again
                 pass
         got = got or download_dir(where, where.path, dest, check=check)
-        mark_snapshot_used(got)
+        mark_in_use(got)
         remove_unused_versions(cache, key, name, keep=got.name)
         return got
 
@@ -485,18 +487,59 @@ def remove_unused_versions(
     name is `name` (<key>-<12 hex>-<name>, and <key>-<name> of raychat versions that kept one copy per URI),
     other than `keep`, in which nothing has changed for `unused_s` seconds (default CACHE_UNUSED_S;
     raychat.atomic.last_change: resolve_checkpoint marks the one it returns, and a live server the one it
-    serves from, with mark_snapshot_used). The caller holds the URI's flock. Returns the names deleted,
-    sorted."""
+    serves from, with mark_in_use). Each is first renamed to a tombstone, a leftover name beside it
+    (raychat.atomic.fresh_dir: `.<copy name>.<16 hex>`, a name resolve_checkpoint never returns), and looked
+    at again: one marked between the first look and the rename is renamed back and kept (_remove_if_unused).
+    The tombstones of a remover killed before its delete are deleted too, once idle for
+    raychat.atomic.STAGING_IDLE_S. The caller holds the URI's flock. Returns the names deleted, sorted (copies
+    only, not tombstones)."""
     unused_s = CACHE_UNUSED_S if unused_s is None else unused_s
-    version = re.compile(rf"{re.escape(key)}(-[0-9a-f]{{12}})?-{re.escape(name)}")
+    version = rf"{re.escape(key)}(-[0-9a-f]{{12}})?-{re.escape(name)}"
+    tombstone = re.compile(rf"\.{version}\.[0-9a-f]{{16}}")
     removed = []
     for path in sorted(cache.iterdir()):
-        if path.name == keep or not version.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
-            continue
-        if time.time() - last_change(path) >= unused_s:
-            shutil.rmtree(path, ignore_errors=True)  # a reader's open files keep their data until closed
+        if tombstone.fullmatch(path.name):  # of a remover (or a fetch) killed before its delete
+            with contextlib.suppress(FileNotFoundError):
+                if (
+                    path.is_dir()
+                    and not path.is_symlink()
+                    and time.time() - last_change(path) >= STAGING_IDLE_S
+                ):
+                    shutil.rmtree(path, ignore_errors=True)
+        elif path.name != keep and re.fullmatch(version, path.name) and _remove_if_unused(path, unused_s):
             removed.append(path.name)
     return removed
+
+
+def _remove_if_unused(path: Path, unused_s: float) -> bool:
+    """Delete the directory `path` (not a link) if nothing in it has changed for `unused_s` seconds
+    (raychat.atomic.last_change), looked at twice: it is renamed to a tombstone (raychat.atomic.fresh_dir)
+    and looked at again, and one marked in use between the two looks (mark_in_use) is renamed back. A mark
+    while it is renamed finds it gone (FileNotFoundError). Returns whether it was deleted: False also when it
+    is gone, cannot be renamed (not ours), or its tombstone was deleted meanwhile by another process."""
+    try:
+        if path.is_symlink() or not path.is_dir() or time.time() - last_change(path) < unused_s:
+            return False
+        tomb = fresh_dir(path)
+    except OSError:
+        return False
+    try:
+        os.replace(path, tomb)
+    except OSError:  # gone meanwhile, or not ours to rename
+        tomb.rmdir()
+        return False
+    try:
+        recent = time.time() - last_change(tomb) < unused_s  # marked between the look and the rename
+    except FileNotFoundError:  # deleted meanwhile as a leftover by another process
+        return False
+    if recent:
+        try:
+            os.replace(tomb, path)
+            return False
+        except OSError:  # made again meanwhile: the one renamed away goes
+            pass
+    shutil.rmtree(tomb, ignore_errors=True)
+    return not recent
 
 
 def described(checkpoint: str) -> str:
@@ -525,7 +568,7 @@ def snapshot_checkpoint(checkpoint: str | os.PathLike) -> Path:
     checkpoint's (a copy where the filesystem refuses a link), put together under a temporary name
     (raychat.atomic.fresh_dir), checked against the commit marker (verify: every file, its size), and then
     given the final name, commit.json last; a snapshot of the same commit marker already there is reused
-    (marked in use first: mark_snapshot_used), also one that another server made while this one put its own
+    (marked in use first: mark_in_use), also one that another server made while this one put its own
     together (its replicas may be opening its files: it is never renamed away while it passes verify). The
     leftovers of killed processes in served/ (a snapshot's staging, a stale snapshot renamed away to be
     deleted) are deleted first, those idle for raychat.atomic.STAGING_IDLE_S only: another server may be
@@ -595,10 +638,10 @@ def _holds(snapshot: Path, commit: bytes) -> bool:
 
 
 def _mark_reused(snapshot: Path) -> None:
-    """mark_snapshot_used, where a snapshot this process may not mark (another user's, a read-only
+    """mark_in_use, where a snapshot this process may not mark (another user's, a read-only
     filesystem) is reused unmarked, with a warning. Raises FileNotFoundError: the snapshot is gone."""
     try:
-        mark_snapshot_used(snapshot)
+        mark_in_use(snapshot)
     except FileNotFoundError:
         raise
     except OSError as e:
@@ -619,11 +662,12 @@ def is_snapshot(checkpoint: str) -> bool:
     )
 
 
-def mark_snapshot_used(snapshot: str | os.PathLike) -> None:
-    """Mark the snapshot directory `snapshot` (or a cached copy of a remote checkpoint: resolve_checkpoint)
-    in use now: its modification time (one utime call; its files are untouched). Raises OSError as os.utime
-    (FileNotFoundError: it is gone; PermissionError: not ours)."""
-    os.utime(snapshot)
+def mark_in_use(directory: str | os.PathLike) -> None:
+    """Mark `directory` (a snapshot, or a cached copy of a remote checkpoint: resolve_checkpoint) in use now:
+    its modification time (one utime call; its files are untouched), which remove_unused_snapshots and
+    remove_unused_versions read. Raises OSError as os.utime (FileNotFoundError: it is gone; PermissionError:
+    not ours)."""
+    os.utime(directory)
 
 
 def remove_unused_snapshots(
@@ -631,7 +675,7 @@ def remove_unused_snapshots(
 ) -> list[str]:
     """Delete the snapshots in the local <run_dir>/served/ (directories named checkpoint_<step>-<12 hex>, not
     links) other than `keep` in which nothing has changed for `unused_s` seconds (raychat.atomic.last_change:
-    mark_snapshot_used changes the directory's time). Each is first renamed to a leftover name
+    mark_in_use changes the directory's time). Each is first renamed to a leftover name
     (raychat.atomic.fresh_dir) and looked at again: one marked at that moment is renamed back, and a server
     that marks it while it is renamed finds it gone and makes it again (snapshot_checkpoint); one that another
     server's snapshot_checkpoint deletes as a leftover meanwhile is passed over. Nothing else in
@@ -642,34 +686,7 @@ def remove_unused_snapshots(
         names = sorted(n for n in os.listdir(served) if n != keep and _SNAPSHOT.fullmatch(n))
     except OSError:  # no served/ (or not ours to read)
         return []
-    removed = []
-    for name in names:
-        path = served / name
-        try:
-            if path.is_symlink() or not path.is_dir() or time.time() - last_change(path) < unused_s:
-                continue
-            old = fresh_dir(path)
-        except OSError:
-            continue
-        try:
-            os.replace(path, old)
-        except OSError:  # gone meanwhile, or not ours to rename
-            old.rmdir()
-            continue
-        try:
-            recent = time.time() - last_change(old) < unused_s  # marked between the look and the rename
-        except FileNotFoundError:  # deleted meanwhile as a leftover by another server's snapshot_checkpoint
-            continue
-        if recent:
-            try:
-                os.replace(old, path)
-                continue
-            except OSError:  # made again meanwhile: the one renamed away goes
-                shutil.rmtree(old, ignore_errors=True)
-                continue
-        shutil.rmtree(old, ignore_errors=True)
-        removed.append(name)
-    return removed
+    return [name for name in names if _remove_if_unused(served / name, unused_s)]
 
 
 def checkpoint_gone(checkpoint: str) -> bool:

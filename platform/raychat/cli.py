@@ -49,10 +49,15 @@ def load(target: str):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (argparse prints the whole usage block first), and which
-    refuses a blank value for a plain text argument whose default is not blank (`--address ""`, `jobs stop ""`:
-    otherwise read as "not given", or passed on as ''). The subcommands' parsers are of the same class
-    (add_subparsers' default); the config flags check their own values (raychat.config.flags)."""
+    """An ArgumentParser whose errors are one line (argparse prints the whole usage block first), which takes
+    whole flag names only (allow_abbrev=False: `--num-it 3` is an unrecognized argument, not --num-iterations,
+    so a flag added later never changes what an abbreviated command line meant), and which refuses a blank
+    value for a plain text argument whose default is not blank (`--address ""`, `jobs stop ""`: otherwise read
+    as "not given", or passed on as ''). The subcommands' parsers are of the same class (add_subparsers'
+    default); the config flags check their own values (raychat.config.flags)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")

@@ -297,6 +297,12 @@ def image_ref(text: str) -> str:
 
 
 class _Refusing(argparse.ArgumentParser):
+    """A submitted stage's parser (StageArgs): whole flag names only, as the stage's own (raychat.cli's
+    OneLineParser); an error raises ValueError(message)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message: str):
         raise ValueError(message)
 

@@ -167,6 +167,7 @@ def test_num_gpus_reaches_the_replica_options_and_its_device(tmp_path, monkeypat
 def test_serve_refuses_gpus_this_machine_does_not_have(tmp_path, capsys, monkeypatch):
     import ray
     from support.serve_helpers import write_tiny_checkpoint
+    from support.serve_process import free_port
 
     from raychat.cli import main
 
@@ -174,7 +175,8 @@ def test_serve_refuses_gpus_this_machine_does_not_have(tmp_path, capsys, monkeyp
         pytest.skip("needs to start its own local cluster, on a machine without a GPU")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     ckpt = write_tiny_checkpoint(tmp_path)
-    assert main(["serve", "--checkpoint", str(ckpt), "--num-gpus", "1"]) == 2
+    # a free --port: a busy one (8000, another server's) is refused first, before Ray starts
+    assert main(["serve", "--checkpoint", str(ckpt), "--num-gpus", "1", "--port", str(free_port())]) == 2
     err = capsys.readouterr().err
     assert "--num-gpus 1 = 1 GPUs, but this machine's Ray cluster has 0" in err
     assert not ray.is_initialized()

@@ -4,7 +4,8 @@ and print one line, with no traceback (raychat.serve.cli._block), and so does SI
 app: the shutdown path is the same), so the signal meets Ray's own handlers as it does in `raychat serve`; the
 start-up case is a real `raychat serve` signalled while its local Ray is being started (ray.init), which
 ends it long before any Serve start-up. A second `raychat serve` on the port that Serve listens on is refused
-in one line (raychat.serve.cli.check_port_free): Serve's proxies share a port (SO_REUSEPORT).
+in one line before its Ray starts (raychat.serve.cli.check_port_free): Serve's proxies share a port
+(SO_REUSEPORT).
 """
 
 from __future__ import annotations
@@ -63,26 +64,29 @@ def test_serve_ends_on_sigterm_as_on_ctrl_c_with_one_line(tmp_path):
     assert code == 0, out
     assert "received" not in out and "Traceback" not in out, out
     assert out.strip().splitlines()[-1] == "raychat serve: stopped (SIGTERM); Serve shut down", out
-    # a second `raychat serve` on the port whose Serve proxy (SO_REUSEPORT) listens: it started beside it
-    ((out2, code2),) = second
-    assert code2 == 2, out2
+    # a second `raychat serve` on the port whose Serve proxy (SO_REUSEPORT) listens: it started beside it;
+    # refused now before its Ray starts (no session directory in its Ray temp dir)
+    ((out2, code2, ray_started),) = second
+    assert code2 == 2 and not ray_started, out2
     assert out2.strip().splitlines()[-1] == (
         f"raychat serve: error: --port {port}: 127.0.0.1:{port} is in use (another raychat serve, or another "
         "program, listens there); pick another --port  (RAYCHAT_DEBUG=1 shows the traceback)"
     ), out2
 
 
-def _run_on_own_ray(command: list[str]) -> tuple[str, int]:
-    """Run `command` to its end over a Ray temp dir of its own; its output and exit status."""
+def _run_on_own_ray(command: list[str]) -> tuple[str, int, bool]:
+    """Run `command` to its end over a Ray temp dir of its own; its output, exit status and whether it started
+    a Ray there (a session directory)."""
     ray_tmp = tempfile.mkdtemp(prefix="rcsig-", dir="/tmp")
     env = {**os.environ, **RAY_STARTUP_WAIT, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
+        started = bool(list(Path(ray_tmp).glob("ray/session_*")))
     finally:
         _kill_leftovers(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    return done.stdout + done.stderr, done.returncode
+    return done.stdout + done.stderr, done.returncode, started
 
 
 def _signalled(command: list[str], wait) -> tuple[str, int, list[int]]:

@@ -1964,13 +1964,14 @@ def test_a_local_ray_cluster_that_does_not_start_is_one_line_with_a_hint(root, t
 def test_serves_local_ray_cluster_that_does_not_start_is_one_line_with_a_hint(tmp_path, monkeypatch, capsys):
     """`raychat serve` without --address or RAY_ADDRESS starts Ray through start_local_cluster with address=None
     (Ray's choice: a `ray start` cluster of this machine, else a new one), so the same real failure as above
-    is the same one line (was Ray's bare errno line)."""
+    is the same one line (was Ray's bare errno line). A free --port: a busy one is refused before Ray starts."""
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("RAY_TMPDIR", f"{blocker}/ray")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
-    assert _fails_in_one_line(["serve", "--checkpoint", str(ckpt)], capsys) == (
+    argv = ["serve", "--checkpoint", str(ckpt), "--port", str(free_ports(1)[0])]
+    assert _fails_in_one_line(argv, capsys) == (
         f"raychat serve: error: the local Ray cluster did not start: [Errno 20] Not a directory: '{blocker}/ray' "
         "(see Ray's logs under its temp dir, /tmp/ray by default)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )

@@ -29,7 +29,7 @@ from raychat.checkpoint_manager import (
     checkpoint_gone,
     find_checkpoint,
     is_run_checkpoint,
-    mark_snapshot_used,
+    mark_in_use,
     resolve_checkpoint,
     snapshot_checkpoint,
 )
@@ -155,7 +155,7 @@ def test_a_snapshot_copies_where_links_are_refused_and_refuses_a_damaged_checkpo
 def test_the_runs_next_snapshot_deletes_snapshots_unused_for_a_day_and_nothing_else(tmp_path, monkeypatch):
     """Each `raychat serve` of a newer checkpoint of a training run added a snapshot in <run>/served/ that nothing
     deleted: once its checkpoint was pruned, a full copy's space for ever. The run's next snapshot deletes those
-    no app has marked in use (mark_snapshot_used) for SNAPSHOT_UNUSED_S; one marked within it stays, the one
+    no app has marked in use (mark_in_use) for SNAPSHOT_UNUSED_S; one marked within it stays, the one
     being made or reused stays (also when it was unused that long), and so do a link named like a snapshot
     (its target outside too) and any other name."""
     manager = CheckpointManager(open_storage(tmp_path / "runs"), "run", keep=1)
@@ -196,7 +196,7 @@ def test_the_runs_next_snapshot_deletes_snapshots_unused_for_a_day_and_nothing_e
     def marked_meanwhile(path):
         seen = real(path)
         if Path(path) == snap:
-            mark_snapshot_used(snap)  # after the look, before the rename
+            mark_in_use(snap)  # after the look, before the rename
         return seen
 
     monkeypatch.setattr(cm, "last_change", marked_meanwhile)
@@ -545,13 +545,71 @@ def test_a_remote_checkpoint_committed_again_goes_to_a_new_copy_beside_the_one_a
     assert resolve_checkpoint(uri, cache_dir=cache) == new
     assert sorted(p.name for p in cache.iterdir()) == sorted([f".{key}-checkpoint_000003.lock", new.name])
     assert (new / "model.safetensors").read_bytes() == b"new weights"
+    # a tombstone (the copy renamed away by a remover killed before its delete) is never resolved: the copy
+    # is fetched again under its own name, and the tombstone, idle for STAGING_IDLE_S, is deleted
+    tomb = cache / f".{new.name}.{'e' * 16}"
+    os.replace(new, tomb)
+    age(tomb, STAGING_IDLE_S + 60)
+    assert resolve_checkpoint(uri, cache_dir=cache) == new
+    assert sorted(p.name for p in cache.iterdir()) == sorted([f".{key}-checkpoint_000003.lock", new.name])
+    assert (new / "model.safetensors").read_bytes() == b"new weights"
+
+
+def test_a_cached_copy_is_renamed_and_looked_at_again_before_it_is_deleted(tmp_path, monkeypatch):
+    """remove_unused_versions deleted a cached copy of another commit unused for CACHE_UNUSED_S at once: a
+    server marking it between that look and the delete (MarkInUse) lost the copy its engine reloads. Now each
+    is renamed to a tombstone and looked at again: held between its look and its rename while the copy is
+    marked, the remover renames it back. Plain case: the copies of that URI and name unused for a day go (the
+    old one-copy-per-URI name too), the kept one, one marked within the day, another URI's, another
+    checkpoint's and a link stay; no tombstone is left, and a killed remover's tombstone goes once idle
+    STAGING_IDLE_S while a live fetch's staging stays."""
+    cache, key, name = tmp_path / "cache", "0123456789abcdef", "checkpoint_000003"
+
+    def copy(dirname: str) -> Path:
+        return part(cache / dirname, {"model.safetensors": dirname.encode(), COMMIT_FILE: b"{}"})
+
+    keep, unused, recent = (copy(f"{key}-{c * 12}-{name}") for c in "abc")
+    legacy, other_uri = copy(f"{key}-{name}"), copy(f"fedcba9876543210-{'b' * 12}-{name}")
+    other_step = copy(f"{key}-{'b' * 12}-checkpoint_000004")
+    outside = part(tmp_path / "outside", {"model.safetensors": b"theirs"})
+    (cache / f"{key}-{'d' * 12}-{name}").symlink_to(outside)
+    for path in (keep, unused, legacy, other_uri, other_step, outside):
+        age(path, cm.CACHE_UNUSED_S + 60)
+    age(recent, cm.CACHE_UNUSED_S - 600)  # its server marked it last 23 h 50 min ago
+    stays = sorted([keep.name, recent.name, other_uri.name, other_step.name, f"{key}-{'d' * 12}-{name}"])
+    assert cm.remove_unused_versions(cache, key, name, keep=keep.name) == sorted([legacy.name, unused.name])
+    assert sorted(os.listdir(cache)) == stays
+    assert tree(outside) == {"model.safetensors": hashlib.sha256(b"theirs").hexdigest()}
+
+    age(recent, cm.CACHE_UNUSED_S + 60)
+    files, real, held = tree(recent), cm.fresh_dir, []
+
+    def marked_meanwhile(target):  # the remover's step between its look and its rename
+        tomb = real(target)
+        if Path(target) == recent:
+            held.append(tomb)
+            mark_in_use(recent)  # the server's MarkInUse, just then
+        return tomb
+
+    monkeypatch.setattr(cm, "fresh_dir", marked_meanwhile)
+    assert cm.remove_unused_versions(cache, key, name, keep=keep.name) == []
+    assert held and held[0].parent == cache and is_leftover(held[0].name)  # it was renamed to a tombstone
+    assert sorted(os.listdir(cache)) == stays and tree(recent) == files
+    monkeypatch.undo()
+
+    tomb = cache / f".{recent.name}.{'e' * 16}"  # a remover killed between its rename and its delete
+    os.replace(recent, tomb)
+    staging = copy(f".{keep.name}.{'f' * 16}")  # a live fetch's staging, written just now
+    age(tomb, STAGING_IDLE_S + 60)
+    assert cm.remove_unused_versions(cache, key, name, keep=keep.name) == []
+    assert sorted(os.listdir(cache)) == sorted([*(set(stays) - {recent.name}), staging.name])
 
 
 def test_a_live_servers_cached_copy_survives_new_commits_past_cache_unused_s(tmp_path, s3_env):
     """A serving replica resolves a remote checkpoint once, at start, and its engine process loads the
     node's cached copy again by path each time it restarts. A new commit of that checkpoint resolved more
     than CACHE_UNUSED_S later deleted that copy under it (nothing had marked it since its resolve), so the
-    engine's next restart failed. Now the server marks its copy in use every SNAPSHOT_MARK_S (MarkInUse,
+    engine's next restart failed. Now the server marks its copy in use every IN_USE_MARK_S (MarkInUse,
     which ChatServer.from_checkpoint holds: tests/unit/test_engine_process.py): that copy stays, an unmarked
     copy of another commit as old goes, and the copy goes too once its marker stopped a day ago."""
     bucket = s3_env.make_bucket()

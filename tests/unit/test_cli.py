@@ -528,3 +528,50 @@ def test_an_unknown_flag_is_refused_by_its_commands_parser(argv, prog, extra, ca
     assert capsys.readouterr().err == (
         f"{prog}: error: unrecognized arguments: {extra} (`{prog} --help` lists the flags)\n"
     )
+
+
+def _parser_tree(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """`parser` and every (sub)command parser below it."""
+    return [parser, *(p for sub in subcommands(parser).values() for p in _parser_tree(sub))]
+
+
+def test_every_parser_takes_whole_flag_names_only():
+    """argparse's default reads a prefix of a flag as that flag (`--num-it 3` as --num-iterations 3), so a flag
+    added later with that prefix would change what a command line meant, or make it ambiguous."""
+    parsers = [p for command in [None, *COMMANDS] for p in _parser_tree(build_parser(command))]
+    assert len(parsers) > len(COMMANDS) + 1  # the subcommands' parsers too (data prepare, jobs stop, ...)
+    assert [p.prog for p in parsers if p.allow_abbrev] == []
+
+
+@pytest.mark.parametrize(
+    "argv, prog, extra",
+    [
+        (["pretrain", "--num-it", "3"], "raychat pretrain", "--num-it 3"),  # was --num-iterations 3
+        (["serve", "--checkp", "runs/sft"], "raychat serve", "--checkp runs/sft"),
+        (["data", "prepare", "--num-sh", "2"], "raychat data prepare", "--num-sh 2"),
+        (
+            ["jobs", "stop", "raysubmit_1", "--addr=http://h:8265"],
+            "raychat jobs stop",
+            "--addr=http://h:8265",
+        ),
+    ],
+)
+def test_an_abbreviated_flag_is_refused_by_its_commands_parser(argv, prog, extra, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        f"{prog}: error: unrecognized arguments: {extra} (`{prog} --help` lists the flags)\n"
+    )
+
+
+@pytest.mark.parametrize("submit", [["submit"], ["k8s", "submit", "--dry-run"]])
+def test_a_submitted_stages_abbreviated_flag_is_refused_before_submission(submit, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*submit, "pretrain", "--storage-path", ROOT, "--num-it", "3"])
+    assert e.value.code == 2
+    prog = "raychat " + " ".join(submit[:2])
+    assert capsys.readouterr().err == (
+        f"{prog}: error: stage pretrain: unrecognized arguments: --num-it 3 (`raychat pretrain --help` lists "
+        "its flags)\n"
+    )

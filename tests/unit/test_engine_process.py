@@ -282,10 +282,10 @@ def test_a_checkpoint_on_object_storage_is_served_from_the_nodes_copy(
     s3:/bucket/...` (the URI handed to a local file API). The replica fetches the checkpoint into its node's
     cache once; its engine process, restarted too, loads that copy, so it serves on when the bucket's copy is
     gone. The model id is the checkpoint's name, as for a local checkpoint. The server marks that copy in use
-    while it runs (every SNAPSHOT_MARK_S, here 0.05 s), so a new commit of the checkpoint resolved a day after
+    while it runs (every IN_USE_MARK_S, here 0.05 s), so a new commit of the checkpoint resolved a day after
     the server's resolve keeps it: it was deleted, and the engine's next restart failed."""
     monkeypatch.setattr("raychat.checkpoint_manager.DEFAULT_CACHE", tmp_path / "cache")
-    monkeypatch.setattr("raychat.serve.server.SNAPSHOT_MARK_S", 0.05)
+    monkeypatch.setattr("raychat.serve.server.IN_USE_MARK_S", 0.05)
     bucket = s3_env.make_bucket()
     fs, where = s3_env.filesystem(), f"{bucket}/runs/r/checkpoint_000000"
     pafs.copy_files(str(checkpoint), where, destination_filesystem=fs)
@@ -307,7 +307,7 @@ def test_a_checkpoint_on_object_storage_is_served_from_the_nodes_copy(
     try:
         assert server.info()["model_id"] == "checkpoint_000000"
         assert asyncio.run(reply(server)) == expected and expected[-1]["finish_reason"] == "length"
-        copy = Path(server.in_use.snapshot)
+        copy = Path(server.in_use.directory)
         assert copy.parent == tmp_path / "cache" and (copy / "model.safetensors").is_file()
         age(copy, CACHE_UNUSED_S + 60)
         deadline = time.monotonic() + 5

@@ -249,3 +249,22 @@ def test_a_port_another_server_listens_on_is_in_use_a_serve_proxys_too(reuse_por
         with pytest.raises(OSError):
             check_port_free("0.0.0.0", port)  # every address includes loopback's
     check_port_free("127.0.0.1", port)  # closed: free again
+
+
+def test_a_busy_port_is_refused_before_ray_starts(ckpt, capsys, tmp_path, monkeypatch):
+    """`raychat serve --port P` where P is busy started Ray (seconds, a minute on a loaded machine) before it
+    was refused; now, with no `ray start` cluster of this machine to join, the refusal comes first (no_ray's
+    tripwire: ray.init is never called). A `ray start` cluster joined may run the Serve that holds P (deploying
+    into it is allowed): then the port is checked once connected, so Ray is reached."""
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # Ray's temp dir: no ray_current_cluster in it
+    with _listener(reuse_port=True) as held:  # as a running Serve's proxy binds
+        port = held.getsockname()[1]
+        assert serve_error(capsys, "--checkpoint", str(ckpt), "--port", str(port)) == (
+            f"raychat serve: error: --port {port}: 127.0.0.1:{port} is in use (another raychat serve, or another "
+            f"program, listens there); pick another --port{TAIL}"
+        )
+        assert not ray.is_initialized()
+        (tmp_path / "ray").mkdir()
+        (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6379")  # a `ray start` cluster's
+        with pytest.raises(AssertionError, match="ray.init was called"):
+            main(["serve", "--checkpoint", str(ckpt), "--port", str(port)])

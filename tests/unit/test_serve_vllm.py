@@ -187,3 +187,14 @@ def test_escape_round_trips_and_leaves_no_marker_start():
             escaped = escape_marker_text(text)
             assert unescape_marker_text(escaped) == text and "<|" not in escaped
             assert hf.encode(escaped, add_special_tokens=False).ids == tokenizer.encode(text), repr(text)
+
+
+def test_an_abbreviated_flag_is_refused(hf_dir, tmp_path, capsys):
+    """`--hf x` was read as --hf-dir x: only whole flag names are taken."""
+    with pytest.raises(SystemExit) as e:
+        rv.main(["--hf", str(hf_dir), "--out", str(tmp_path / "vllm.yaml")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m raychat.serve.vllm: error: unrecognized arguments: --hf {hf_dir}"
+    )
+    assert not (tmp_path / "vllm.yaml").exists()

@@ -59,7 +59,7 @@ from ray.serve.config import BackpressureConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from raychat.checkpoint_manager import (
-    SNAPSHOT_MARK_S,
+    IN_USE_MARK_S,
     CheckpointError,
     checkpoint_gone,
     find_checkpoint,
@@ -122,7 +122,7 @@ class ChatServerDeployment:
         prefill_chunk_tokens: int,
         limits: dict | None = None,
         snapshot: str | None = None,
-        mark_every_s: float = SNAPSHOT_MARK_S,
+        mark_every_s: float = IN_USE_MARK_S,
     ):
         self.in_use = MarkInUse(snapshot, mark_every_s) if snapshot else None
         # what this replica reserved (ray_actor_options: build_app's, or a Serve config's deployments: entry)
@@ -383,7 +383,7 @@ class ChatIngress:
         max_body_bytes: int = MAX_BODY_BYTES,
         health_timeout_s: float | None = None,
         snapshot: str | None = None,
-        mark_every_s: float = SNAPSHOT_MARK_S,
+        mark_every_s: float = IN_USE_MARK_S,
     ):
         self.in_use = MarkInUse(snapshot, mark_every_s) if snapshot else None
         self.client = HandleClient(engine, health_timeout_s)
@@ -429,7 +429,7 @@ def build_app(args: dict | ServeConfig) -> Application:
     return build_application(args)
 
 
-def build_application(args: dict | ServeConfig, mark_every_s: float = SNAPSHOT_MARK_S) -> Application:
+def build_application(args: dict | ServeConfig, mark_every_s: float = IN_USE_MARK_S) -> Application:
     """The application of `args` (keys: ServeConfig). A run's local checkpoint is bound as its snapshot
     (pinned), reported under the checkpoint's own name; while the app runs, its ingress and ChatServer
     replicas mark the snapshot (or a snapshot named directly) in use every `mark_every_s` seconds

@@ -2,9 +2,11 @@
 one at --address / RAY_ADDRESS) and print the chat page's URL. Blocks until Ctrl-C unless --no-block.
 
 A --host beyond loopback (0.0.0.0, a LAN address, a host name) needs an API key (--api-key or
-RAYCHAT_API_KEY) or an explicit --allow-unauthenticated; the refusal comes before Ray starts, and so does the
-refusal of a checkpoint no replica could load (check_checkpoint). A cluster with token authentication gets the
-token of --token-file (else $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), as `raychat submit` does.
+RAYCHAT_API_KEY) or an explicit --allow-unauthenticated; the refusal comes before Ray starts, and so do the
+refusals of a checkpoint no replica could load (check_checkpoint) and of a --port something listens on
+(check_port_free; once connected where a `ray start` cluster of this machine is joined). A cluster with
+token authentication gets the token of --token-file (else $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH,
+~/.ray/auth_token), as `raychat submit` does.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 import ray
 from ray import serve
 
-from raychat.capacity import check_bundles, read_capacity, start_local_cluster
+from raychat.capacity import check_bundles, local_cluster_running, read_capacity, start_local_cluster
 from raychat.checkpoint import check_model
 from raychat.checkpoint_manager import find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_args
@@ -47,7 +49,8 @@ def start(
     Raises: ValueError / FileNotFoundError from check_checkpoint or build_app, before Ray starts, for bad args
         or a checkpoint no replica could load; ValueError when Serve already runs on the cluster with its
         proxies on another host:port (the URL would be wrong); OSError naming --port when, on a local
-        cluster, host:port has a listener of its own (check_port_free), or Serve cannot bind it;
+        cluster, host:port has a listener of its own (check_port_free: before Ray starts, unless a `ray start`
+        cluster of this machine is joined, whose Serve may hold that port), or Serve cannot bind it;
         ValueError naming the flags when no node type of a connected cluster can ever hold a replica
         (replica_bundles; raychat.capacity.check_bundles).
     """
@@ -55,6 +58,10 @@ def start(
     check_checkpoint(config)
     application = build_app(config)
     local = not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
+    # a local cluster started now has no Serve yet, so a listener on host:port is another server's: refused
+    # before Ray starts (the Serve of a `ray start` cluster joined may hold it: checked once connected, below)
+    if local and proxy_location != "Disabled" and not local_cluster_running():
+        check_port_free(host, port)
     if local:  # Ray's own choice without an address: a `ray start` cluster of this machine, else a new one
         init_keeping_handler(start_local_cluster, address=None, include_dashboard=False, log_to_driver=False)
     elif not ray.is_initialized():
@@ -91,7 +98,8 @@ def start(
             f"into it (this replaces its application {APP_NAME!r}, if it serves one), or stop it first "
             "(`serve shutdown`)"
         )
-    if local and running is None and proxy_location != "Disabled":  # this machine's proxy is about to bind
+    # this machine's proxy is about to bind: checked (again) as another server may have bound it meanwhile
+    if local and running is None and proxy_location != "Disabled":
         try:
             check_port_free(host, port)
         except OSError:

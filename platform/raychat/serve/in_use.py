@@ -13,22 +13,25 @@ import logging
 import threading
 import weakref
 
-from raychat.checkpoint_manager import CACHE_UNUSED_S, SNAPSHOT_MARK_S, SNAPSHOT_UNUSED_S, mark_snapshot_used
+from raychat.checkpoint_manager import CACHE_UNUSED_S, IN_USE_MARK_S, SNAPSHOT_UNUSED_S, mark_in_use
 
 log = logging.getLogger(__name__)
 
 
 class MarkInUse:
-    """Marks the directory `snapshot` (a snapshot, or a cached copy of a remote checkpoint) in use
-    (mark_snapshot_used) now and then every `every_s` seconds from a daemon thread, until stop() or until this
-    object is garbage collected (with the replica that holds it). A mark that fails is logged as a warning
-    (once, until one succeeds again) and tried again at the next period; nothing is raised."""
+    """Marks `directory` (a snapshot, or a cached copy of a remote checkpoint) in use (mark_in_use) now and
+    then every `every_s` seconds from a daemon thread, until stop() or until this object is garbage collected
+    (with the replica that holds it). A mark that fails is logged as a warning (once, until one succeeds
+    again) and tried again at the next period; nothing is raised."""
 
-    def __init__(self, snapshot: str, every_s: float = SNAPSHOT_MARK_S):
-        self.snapshot, self._stop = snapshot, threading.Event()
-        failing = _mark(snapshot, False)
+    def __init__(self, directory: str, every_s: float = IN_USE_MARK_S):
+        self.directory, self._stop = directory, threading.Event()
+        failing = _mark(directory, False)
         self._thread = threading.Thread(
-            target=_mark_every, args=(snapshot, every_s, self._stop, failing), daemon=True, name="mark-in-use"
+            target=_mark_every,
+            args=(directory, every_s, self._stop, failing),
+            daemon=True,
+            name="mark-in-use",
         )
         self._thread.start()
         weakref.finalize(self, self._stop.set)  # the thread holds no reference to self
@@ -39,22 +42,22 @@ class MarkInUse:
         self._thread.join()
 
 
-def _mark_every(snapshot: str, every_s: float, stop: threading.Event, failing: bool) -> None:
+def _mark_every(directory: str, every_s: float, stop: threading.Event, failing: bool) -> None:
     while not stop.wait(every_s):
-        failing = _mark(snapshot, failing)
+        failing = _mark(directory, failing)
 
 
-def _mark(snapshot: str, failing: bool) -> bool:
-    """mark_snapshot_used(snapshot); returns whether it failed, warning when it starts failing."""
+def _mark(directory: str, failing: bool) -> bool:
+    """mark_in_use(directory); returns whether it failed, warning when it starts failing."""
     try:
-        mark_snapshot_used(snapshot)
+        mark_in_use(directory)
         return False
     except OSError as e:
         if not failing:
             log.warning(
                 "%s: cannot mark it in use (%s); unmarked for %g h, it may be deleted (the run's next snapshot, "
                 "or the next resolve of a new commit of its remote checkpoint)",
-                snapshot,
+                directory,
                 e,
                 min(SNAPSHOT_UNUSED_S, CACHE_UNUSED_S) / 3600,
             )

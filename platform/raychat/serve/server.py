@@ -45,7 +45,7 @@ from pathlib import Path
 from raychat.chat.turn import TurnParser
 from raychat.chat_template import MARKERS, TEMPLATE_VERSION, render_for_completion
 from raychat.checkpoint import load_model, read_meta
-from raychat.checkpoint_manager import SNAPSHOT_MARK_S, resolve_checkpoint
+from raychat.checkpoint_manager import IN_USE_MARK_S, resolve_checkpoint
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
 from raychat.engine.process import EngineProcess
 from raychat.engine.scheduler import QueueFullError, prompt_overflow
@@ -162,7 +162,7 @@ class ChatServer:
         """Load a raychat checkpoint directory (raychat.checkpoint.load_model) onto `device`. An s3:// or gs://
         checkpoint is fetched once into this node's cache (raychat.checkpoint_manager.resolve_checkpoint) and
         everything, a restarted engine process included, loads that copy, which the server marks in use every
-        SNAPSHOT_MARK_S until shutdown (`in_use`, raychat.serve.in_use), so that a later resolve of a new
+        IN_USE_MARK_S until shutdown (`in_use`, raychat.serve.in_use), so that a later resolve of a new
         commit of that checkpoint keeps it (remove_unused_versions deletes copies unmarked for a day).
 
         engine_process=True runs the model and Scheduler in a child process (raychat.engine.process,
@@ -187,7 +187,7 @@ class ChatServer:
             meta = read_meta(checkpoint)
             server = cls(None, Tokenizer.load(checkpoint), meta=meta, scheduler=scheduler, **kwargs)
         if copy is not None:
-            server.in_use = MarkInUse(str(copy), SNAPSHOT_MARK_S)
+            server.in_use = MarkInUse(str(copy), IN_USE_MARK_S)
         return server
 
     def info(self) -> dict:

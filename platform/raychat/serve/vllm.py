@@ -178,7 +178,9 @@ def deploy(config: dict, host: str, port: int, address: str | None, app_name: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m raychat.serve.vllm", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m raychat.serve.vllm", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
     add_flags(p, VLLMConfig)
     c = from_args(p.parse_args(argv), VLLMConfig, "vllm")
     if not c.hf_dir:
