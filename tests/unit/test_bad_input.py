@@ -780,6 +780,58 @@ def test_rl_on_a_task_without_its_files(root, tmp_path, capsys):
     assert not (root / "r").exists()
 
 
+GSM8K_GOOD = json.dumps({"question": "What is 2 + 2?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"}) + "\n"
+GSM8K_BAD = json.dumps({"question": "What is 2 + 3?", "answer": "five"}) + "\n"
+NO_FINAL = "answer has no final '#### <number>'"
+
+
+@pytest.mark.parametrize(
+    "argv, bad, want",
+    [
+        (  # the calculator's conversations fit a row, so gsm8k's train file was first read in the workers
+            ["sft", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "pretrain", "--tokenizer-path",
+             "{root}/tokenizer", "--run-name", "mine", "--sft-tasks", "calculator:8,gsm8k"],
+            "gsm8k/main/train.jsonl", f"--sft-tasks: {{file}} line 2: {NO_FINAL} (1 of 3 records is bad)",
+        ),
+        (  # read in the driver before, but after the init checkpoint, and naming no flag
+            ["rl", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "sft", "--run-name", "r",
+             "--task", "gsm8k"],
+            "gsm8k/main/test.jsonl", f"--task: {{file}} line 2: {NO_FINAL} (1 of 3 records is bad)",
+        ),
+        (  # the report card's ARC-Easy was read after the model loaded; its missing files stay "n/a: no data"
+            ["eval", "--storage-path", "{root}", "--checkpoint", "sft", "--eval-tokens", "0", "--tasks", "chatcore"],
+            "ai2_arc/ARC-Easy/test.jsonl",
+            "--tasks chatcore: {file} line 2: answerKey 'E' not in labels ['A', 'B'] (1 of 3 records is bad)",
+        ),
+    ],
+    ids=["sft", "rl", "eval-chatcore"],
+)  # fmt: skip
+def test_a_bad_record_of_a_hub_task_is_refused_before_ray_starts(argv, bad, want, root, tmp_path, capsys):
+    """Every record of a hub task's files in the task data directory is checked in the driver before Ray
+    starts (raychat.tasks.registry.check_data), by every stage that reads them: not when a worker, an actor
+    or the report card first builds the task."""
+    data = tmp_path / "task_data"
+    arc = {"question": "Which is red?", "choices": {"text": ["Mars", "Venus"], "label": ["A", "B"]},
+           "answerKey": "A"}  # fmt: skip
+    good = {
+        "gsm8k/main/train.jsonl": GSM8K_GOOD,
+        "gsm8k/main/test.jsonl": GSM8K_GOOD,
+        "ai2_arc/ARC-Easy/test.jsonl": json.dumps(arc) + "\n",
+    }
+    record = GSM8K_BAD if bad.startswith("gsm8k") else json.dumps({**arc, "answerKey": "E"}) + "\n"
+    for name, text in good.items():  # the bad file: good, bad, good
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        (data / name).write_text(text + (record + text if name == bad else ""))
+    write_tiny_checkpoint(root / "sft" / "checkpoint_000001", stage="sft")
+    before = _snapshot(root)
+    argv = [a.replace("{root}", str(root)) for a in argv] + ["--task-data-dir", str(data)]
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat {argv[0]}: error: {want.format(file=data / bad)}"
+        + ("" if argv[0] == "rl" else "  (RAYCHAT_DEBUG=1 shows the traceback)")
+    )
+    assert _snapshot(root) == before
+
+
 def test_sft_on_own_conversations_with_one_bad_record(root, tmp_path, capsys):
     """A user's conversations (smoltalk's layout) with one bad line among good ones: it was read in the workers,
     after Ray started, and failed there as `message 1: role must be one of [...]` with no file or line, retried

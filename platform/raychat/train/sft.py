@@ -119,7 +119,7 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
     Raises:
         ValueError (before Ray starts): no --init-from, or one that names no committed checkpoint; a hub
             task of --sft-tasks whose file is missing under --task-data-dir (one line naming it), a bad record
-            of smoltalk's files (its file, line and field: raychat.tasks.registry.check_data) or of --sft-data's
+            of its files (its file, line and field: raychat.tasks.registry.check_data) or of --sft-data's
             (raychat.tasks.sft_data.sft_data_split), an --sft-test-size that leaves nothing to train on; a
             ConfigError naming --seq-len when no training conversation fits a row (check_training_rows), or
             naming --sft-data when none of its training conversations does (check_own_rows: some that do not
@@ -147,7 +147,7 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
 
 def check_task_files(cfg: TrainConfig) -> str:
     """Check that every hub task of --sft-tasks has its train files under --task-data-dir, and each with a
-    held-out split its test files, every record of a conversation task's files included
+    held-out split its test files, every record in them included
     (raychat.tasks.registry.check_data); returns --task-data-dir resolved (hub_data.task_data_dir: the workers
     run elsewhere). raychat.speedrun makes this check before its first stage.
 
