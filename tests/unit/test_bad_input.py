@@ -44,6 +44,7 @@ from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
 from raychat.config import RLConfig, from_dict, to_dict
 from raychat.data.corpus.shards import write_manifest, write_shards
+from raychat.data.loader import sft_rows
 from raychat.lease import RunLease
 from raychat.model import GPT, ModelConfig
 from raychat.speedrun import reused_tokenizer_line
@@ -1592,19 +1593,29 @@ def test_sft_data_partly_too_long_for_a_row_is_a_warning_before_ray(words, root,
 
 @pytest.mark.parametrize("words", [40, 400])
 def test_sft_data_none_of_which_fits_a_row_is_refused_although_other_tasks_fit(
-    words, root, driver, tmp_path, capsys
+    words, root, driver, tmp_path, monkeypatch, capsys
 ):
     """Every one of the user's own conversations longer than a row, even its one exchange, while spelling's fit:
     training ran on spelling alone and skipped all of --sft-data (only the workers logged it). Now refused before
     Ray in one line naming --sft-data, how many, how long, and the --seq-len that keeps some or, past the
     checkpoint's max_seq_len 256, that shorter conversations are needed. With one conversation that fits, the
-    run starts (the others in the warning line)."""
+    run starts (the others in the warning line). Each of them is rendered once for both row checks (they
+    rendered each three times: check_training_rows, then check_own_rows twice)."""
     tok, mine = Tokenizer.load(root / "tokenizer"), tmp_path / "mine.jsonl"
     convs = _too_long(20, words)
     mine.write_text("".join(json.dumps(c) + "\n" for c in convs))
     lengths = sorted(_tokens(tok, c) for c in convs)
     argv = _own_sft(root, mine, "s12", "spelling:50")
+    rendered, render = [], sft_rows.render_conversation
+    monkeypatch.setattr(
+        sft_rows,
+        "render_conversation",
+        lambda t, c, **kw: rendered.append(c["messages"][0]) or render(t, c, **kw),
+    )
     line = _fails_in_one_line(argv, capsys)
+    own = [c["messages"][0] for c in convs]
+    assert sorted(m["content"] for m in rendered if m in own) == sorted(m["content"] for m in own)
+    assert len(rendered) == len(own) + 1  # and spelling's first conversation, which fits
     head = (
         f"raychat sft: error: --sft-data {mine}: none of its 20 training conversations fits a row of 33 tokens "
         "(--seq-len 32), not even its most recent exchange (training would skip them all and learn from "
