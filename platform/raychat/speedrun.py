@@ -16,7 +16,8 @@ stage's output, its refusals naming the preset's keys (speedrun_flags): the tota
 against device_batch_size x seq_len x workers (every worker count of an elastic run), the model's shape
 (make_plan with the preset's tokenizer.vocab_size), SFT's seq_len against pretraining's (the max_seq_len of the
 checkpoint SFT starts from), the files of the SFT mixture's hub tasks and of RL's task under their
-task_data_dir, sft_data's records, RL's max_tokens below pretraining's seq_len (the SFT checkpoint's
+task_data_dir and every record in them, the records of the report card's chat evals whose files are there,
+sft_data's records, RL's max_tokens below pretraining's seq_len (the SFT checkpoint's
 max_seq_len, which must also hold a prompt), and on the local cluster a run starts (no Ray connected, no RAY_ADDRESS) the
 layout of each stage; then, under the lease on --out, that the storage roots under it can be written
 (check_roots). What needs an earlier stage's output stays where the stage starts: pretraining's shards and
@@ -50,7 +51,7 @@ from raychat.config.speedrun import StageConfigError
 from raychat.data.corpus.prepare import prepare, prepare_kwargs
 from raychat.data.corpus.shards import list_shards
 from raychat.eval.bpb import unigram_bpb
-from raychat.eval.report_card import checkpoint_row, format_markdown, no_data_lines
+from raychat.eval.report_card import CHAT_TASKS, checkpoint_row, format_markdown, no_data_lines
 from raychat.eval.tasks import task_accuracy
 from raychat.lease import RunLease, output_lease
 from raychat.log import log, plural
@@ -61,7 +62,7 @@ from raychat.rl.actors import check_layout
 from raychat.rl.cli import check_generation_length
 from raychat.rl.loop import RLRun
 from raychat.storage import check_writable, open_storage
-from raychat.tasks.registry import check_data, graded, held_out, make_task, parse_mixture
+from raychat.tasks.registry import check_data, check_present_data, graded, held_out, make_task, parse_mixture
 from raychat.tasks.sft_data import sft_data_split
 from raychat.tokenizer import Tokenizer
 from raychat.tokenizer_cli import iter_texts, train_tokenizer
@@ -123,8 +124,9 @@ def check_stages(config: SpeedrunConfig, preset: str) -> None:
             x seq_len x workers (for every worker count of an elastic run: elastic_grad_accum); a model that
             cannot be built (make_plan); an SFT seq_len above pretraining's; an RL max_tokens that leaves no
             room for a prompt in it (check_rl_max_tokens); a hub task of sft_tasks or RL's task
-            whose files are missing under its task_data_dir, or a bad record of them or of sft_data
-            (raychat.tasks.registry.check_data, raychat.tasks.sft_data.sft_data_split); on the local cluster a
+            whose files are missing under its task_data_dir, or a bad record of them, of the report card's chat
+            evals ("report card: <file> line <n>: ...") or of sft_data (raychat.tasks.registry.check_data,
+            check_present_data, raychat.tasks.sft_data.sft_data_split); on the local cluster a
             run would start (raychat.train.layout.starts_local_cluster), a stage's layout it cannot hold.
     """
     local = starts_local_cluster()
@@ -142,6 +144,8 @@ def check_stages(config: SpeedrunConfig, preset: str) -> None:
             check_sft_seq_len(sft_cfg, cfg, preset)
             check_batch(sft_cfg)
             check_task_files(sft_cfg)
+            # the report card's chat evals of the SFT and RL checkpoints: the files here (the rest: "n/a: no data")
+            check_present_data([name for name, _ in CHAT_TASKS.values()], "test", sft_cfg.data.task_data_dir)
             if sft_cfg.data.sft_data:  # read once per process: the SFT stage splits what this read
                 sft_data_split(sft_cfg.data.sft_data, sft_cfg.data.sft_test_size)
             if local:

@@ -44,6 +44,7 @@ from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
 from raychat.config import RLConfig, from_dict, to_dict
 from raychat.data.corpus.shards import write_manifest, write_shards
+from raychat.data.loader import sft_rows
 from raychat.lease import RunLease
 from raychat.model import GPT, ModelConfig
 from raychat.speedrun import reused_tokenizer_line
@@ -778,6 +779,58 @@ def test_rl_on_a_task_without_its_files(root, tmp_path, capsys):
         f"--repo-type dataset --local-dir {empty}/gsm8k; the directory: --task-data-dir or $RAYCHAT_TASK_DATA)"
     )
     assert not (root / "r").exists()
+
+
+GSM8K_GOOD = json.dumps({"question": "What is 2 + 2?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"}) + "\n"
+GSM8K_BAD = json.dumps({"question": "What is 2 + 3?", "answer": "five"}) + "\n"
+NO_FINAL = "answer has no final '#### <number>'"
+
+
+@pytest.mark.parametrize(
+    "argv, bad, want",
+    [
+        (  # the calculator's conversations fit a row, so gsm8k's train file was first read in the workers
+            ["sft", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "pretrain", "--tokenizer-path",
+             "{root}/tokenizer", "--run-name", "mine", "--sft-tasks", "calculator:8,gsm8k"],
+            "gsm8k/main/train.jsonl", f"--sft-tasks: {{file}} line 2: {NO_FINAL} (1 of 3 records is bad)",
+        ),
+        (  # read in the driver before, but after the init checkpoint, and naming no flag
+            ["rl", "--preset", "tiny", "--storage-path", "{root}", "--init-from", "sft", "--run-name", "r",
+             "--task", "gsm8k"],
+            "gsm8k/main/test.jsonl", f"--task: {{file}} line 2: {NO_FINAL} (1 of 3 records is bad)",
+        ),
+        (  # the report card's ARC-Easy was read after the model loaded; its missing files stay "n/a: no data"
+            ["eval", "--storage-path", "{root}", "--checkpoint", "sft", "--eval-tokens", "0", "--tasks", "chatcore"],
+            "ai2_arc/ARC-Easy/test.jsonl",
+            "--tasks chatcore: {file} line 2: answerKey 'E' not in labels ['A', 'B'] (1 of 3 records is bad)",
+        ),
+    ],
+    ids=["sft", "rl", "eval-chatcore"],
+)  # fmt: skip
+def test_a_bad_record_of_a_hub_task_is_refused_before_ray_starts(argv, bad, want, root, tmp_path, capsys):
+    """Every record of a hub task's files in the task data directory is checked in the driver before Ray
+    starts (raychat.tasks.registry.check_data), by every stage that reads them: not when a worker, an actor
+    or the report card first builds the task."""
+    data = tmp_path / "task_data"
+    arc = {"question": "Which is red?", "choices": {"text": ["Mars", "Venus"], "label": ["A", "B"]},
+           "answerKey": "A"}  # fmt: skip
+    good = {
+        "gsm8k/main/train.jsonl": GSM8K_GOOD,
+        "gsm8k/main/test.jsonl": GSM8K_GOOD,
+        "ai2_arc/ARC-Easy/test.jsonl": json.dumps(arc) + "\n",
+    }
+    record = GSM8K_BAD if bad.startswith("gsm8k") else json.dumps({**arc, "answerKey": "E"}) + "\n"
+    for name, text in good.items():  # the bad file: good, bad, good
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        (data / name).write_text(text + (record + text if name == bad else ""))
+    write_tiny_checkpoint(root / "sft" / "checkpoint_000001", stage="sft")
+    before = _snapshot(root)
+    argv = [a.replace("{root}", str(root)) for a in argv] + ["--task-data-dir", str(data)]
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat {argv[0]}: error: {want.format(file=data / bad)}"
+        + ("" if argv[0] == "rl" else "  (RAYCHAT_DEBUG=1 shows the traceback)")
+    )
+    assert _snapshot(root) == before
 
 
 def test_sft_on_own_conversations_with_one_bad_record(root, tmp_path, capsys):
@@ -1540,19 +1593,29 @@ def test_sft_data_partly_too_long_for_a_row_is_a_warning_before_ray(words, root,
 
 @pytest.mark.parametrize("words", [40, 400])
 def test_sft_data_none_of_which_fits_a_row_is_refused_although_other_tasks_fit(
-    words, root, driver, tmp_path, capsys
+    words, root, driver, tmp_path, monkeypatch, capsys
 ):
     """Every one of the user's own conversations longer than a row, even its one exchange, while spelling's fit:
     training ran on spelling alone and skipped all of --sft-data (only the workers logged it). Now refused before
     Ray in one line naming --sft-data, how many, how long, and the --seq-len that keeps some or, past the
     checkpoint's max_seq_len 256, that shorter conversations are needed. With one conversation that fits, the
-    run starts (the others in the warning line)."""
+    run starts (the others in the warning line). Each of them is rendered once for both row checks (they
+    rendered each three times: check_training_rows, then check_own_rows twice)."""
     tok, mine = Tokenizer.load(root / "tokenizer"), tmp_path / "mine.jsonl"
     convs = _too_long(20, words)
     mine.write_text("".join(json.dumps(c) + "\n" for c in convs))
     lengths = sorted(_tokens(tok, c) for c in convs)
     argv = _own_sft(root, mine, "s12", "spelling:50")
+    rendered, render = [], sft_rows.render_conversation
+    monkeypatch.setattr(
+        sft_rows,
+        "render_conversation",
+        lambda t, c, **kw: rendered.append(c["messages"][0]) or render(t, c, **kw),
+    )
     line = _fails_in_one_line(argv, capsys)
+    own = [c["messages"][0] for c in convs]
+    assert sorted(m["content"] for m in rendered if m in own) == sorted(m["content"] for m in own)
+    assert len(rendered) == len(own) + 1  # and spelling's first conversation, which fits
     head = (
         f"raychat sft: error: --sft-data {mine}: none of its 20 training conversations fits a row of 33 tokens "
         "(--seq-len 32), not even its most recent exchange (training would skip them all and learn from "

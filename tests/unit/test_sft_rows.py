@@ -6,11 +6,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from raychat.chat_template import fewest_tokens, render_conversation
 from raychat.config import TrainConfig, from_dict
 from raychat.data.loader.cursor import Deal, redeal
-from raychat.data.loader.sft_rows import SFTRows
+from raychat.data.loader.sft_rows import NoneFits, SFTRows, none_fits, row_fit
 from raychat.data.replay.rebuild import verify_step
 from raychat.data.replay.records import read_step, replay_meta, step_records, write_records
+from raychat.tasks import Task
 from raychat.tasks.registry import mixture_tasks
 
 SPEC, SEED, ROW_LEN = "calculator:30,spelling:20", 5, 128
@@ -128,3 +130,40 @@ def test_replay_records_rebuild_after_a_two_to_one_resume(small_tokenizer, tmp_p
     records, got_meta = read_step(str(tmp_path / "run"), 5)
     records[1]["sample_id"][0] = "calculator/tampered"
     assert any("renders as" in p for p in verify_step(records, got_meta)[1])
+
+
+class Said(Task):
+    """One one-exchange conversation per user text: "<text>" answered "ok"."""
+
+    def __init__(self, texts: list[str]):
+        self.name, self.texts = "said", texts
+        super().__init__()
+
+    def num_examples(self) -> int:
+        return len(self.texts)
+
+    def get_example(self, index: int) -> dict:
+        return {
+            "messages": [
+                {"role": "user", "content": self.texts[index]},
+                {"role": "assistant", "content": "ok"},
+            ]
+        }
+
+
+def test_a_row_fit_counts_for_none_fits_as_its_conversations_would(small_tokenizer):
+    """SFT renders --sft-data's conversations once (row_fit) for both of its row checks: what row_fit says of a
+    task none of whose conversations fits (none_fit) counts, handed to none_fits, as that task read again."""
+    tok, row_len = small_tokenizer, 16
+    own, other = Said(["word " * 20, "word " * 30]), Said(["many words " * 12])
+    lengths = [len(render_conversation(tok, own[i]).ids) for i in range(2)]
+    fewest = min(fewest_tokens(tok, own[i]) for i in range(2))
+    assert min(lengths) > row_len
+    fit = row_fit(own, tok, row_len)
+    assert fit == (tuple(lengths), 0, 2, NoneFits(2, min(lengths), max(lengths), fewest))
+    both = none_fits([own, other], tok, row_len)
+    assert both.conversations == 3 and none_fits([other], tok, row_len, fit.none_fit) == both
+    assert none_fits([], tok, row_len, fit.none_fit) == fit.none_fit
+    kept = Said(["hi"])  # one that fits: none_fits says None, seeded or not, and row_fit has no none_fit
+    assert none_fits([kept], tok, row_len, fit.none_fit) is None
+    assert row_fit(Said(["word " * 20, "hi"]), tok, row_len).none_fit is None

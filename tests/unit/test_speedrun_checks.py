@@ -4,6 +4,7 @@ had run; its line names the preset's keys, and nothing is written under --out.""
 
 from __future__ import annotations
 
+import json
 from importlib.resources import files
 
 import pytest
@@ -94,6 +95,44 @@ def test_missing_task_files_of_sft_and_rl_are_refused_before_the_first_stage(tmp
         run_speedrun(_preset(tmp_path, rl={"task": "gsm8k", "task_data_dir": str(data)}), str(out))
     assert str(e.value) == f"rl.task: {_gsm8k_missing(data, 'rl.task_data_dir')}"
     assert not out.exists()
+
+
+def test_a_bad_record_of_a_hub_task_is_refused_before_the_first_stage(tmp_path):
+    """A hub task's records were read as its stage built the task: SFT's mixture in the workers (after
+    pretraining, and after Ray and the worker group started), RL's task as RL started, the report card's chat
+    evals at the very end. Where the files are here, every record is checked before the first stage; the
+    report card's files that are missing stay "n/a: no data" (test_the_shipped_cpu_presets_pass_the_checks)."""
+    data, out = tmp_path / "task_data", tmp_path / "out"
+    gsm8k, humaneval = data / "gsm8k" / "main", data / "openai_humaneval" / "openai_humaneval"
+    gsm8k.mkdir(parents=True)
+    humaneval.mkdir(parents=True)
+    good = json.dumps({"question": "What is 2 + 2?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"}) + "\n"
+    bad = json.dumps({"question": "What is 2 + 3?", "answer": "five"}) + "\n"
+    (gsm8k / "train.jsonl").write_text(good + bad + good)
+    (gsm8k / "test.jsonl").write_text(good)
+    sft = {"sft_tasks": "calculator:200,gsm8k:10", "task_data_dir": str(data)}
+    with pytest.raises(ValueError) as e:
+        run_speedrun(_preset(tmp_path, sft=sft), str(out))
+    assert str(e.value) == (
+        f"sft.sft_tasks: {gsm8k}/train.jsonl line 2: answer has no final '#### <number>' (1 of 3 records is bad)"
+    )
+    (gsm8k / "train.jsonl").write_text(good)
+    (gsm8k / "test.jsonl").write_text(bad + good)
+    with pytest.raises(ValueError) as e:
+        run_speedrun(_preset(tmp_path, rl={"task": "gsm8k", "task_data_dir": str(data)}), str(out))
+    assert str(e.value) == (
+        f"rl.task: {gsm8k}/test.jsonl line 1: answer has no final '#### <number>' (1 of 2 records is bad)"
+    )
+    (gsm8k / "test.jsonl").write_text(good)
+    row = {"task_id": "HumanEval/0", "prompt": "def f():\n", "canonical_solution": "    return 1\n",
+           "test": "def check(candidate):\n    assert candidate() == 1\n", "entry_point": "f"}  # fmt: skip
+    (humaneval / "test.jsonl").write_text(json.dumps(row) + "\n" + json.dumps({**row, "prompt": None}) + "\n")
+    with pytest.raises(ValueError) as e:  # the report card's HumanEval, though no stage trains on it
+        run_speedrun(_preset(tmp_path, sft={"task_data_dir": str(data)}), str(out))
+    assert str(e.value) == (
+        f"report card: {humaneval}/test.jsonl line 2: prompt must be a string, got null (1 of 2 records is bad)"
+    )
+    assert not out.exists() and not ray.is_initialized()
 
 
 def test_a_layout_the_local_cluster_cannot_hold_is_refused_before_the_first_stage(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from raychat.tasks import (
     GSM8K,
     Calculator,
     ChatterbotConversations,
+    HumanEval,
     MultipleChoice,
     SmolTalk,
     Spelling,
@@ -316,6 +317,64 @@ def test_hub_task_errors_name_the_file_and_line_not_the_shuffled_index(tmp_path)
     (tmp_path / "aux.jsonl").write_text(json.dumps(nested[0]) + "\n")
     (good,) = MultipleChoice(tmp_path / "aux.jsonl", format="mmlu")
     assert good["answer"] == "A" and good["letters"] == ["A", "B"]
+
+
+HUMANEVAL_ROW = {
+    "task_id": "HumanEval/0",
+    "prompt": 'def add(a, b):\n    """a + b"""\n',
+    "canonical_solution": "    return a + b\n",
+    "test": "\n\nMETADATA = {}\n\n\ndef check(candidate):\n    assert candidate(2, 3) == 5\n",
+    "entry_point": "add",
+}
+
+
+def test_humaneval_records_are_checked_as_they_are_read(tmp_path):
+    """HumanEval's records were not checked: a null prompt was a TypeError while its example was built, and an
+    entry_point that is no name or a test without check(candidate) made every program fail, scoring each
+    completion 0 without a word. As GSM8K's, MMLU's and ARC's: the first bad record in file order, its field
+    and what is allowed, and how many records are bad."""
+    path = tmp_path / "test.jsonl"
+    rows = [HUMANEVAL_ROW, {**HUMANEVAL_ROW, "entry_point": "add numbers"}, HUMANEVAL_ROW,
+            {**HUMANEVAL_ROW, "test": "assert True\n"}, {**HUMANEVAL_ROW, "prompt": None}]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError) as e:  # line 2 named whatever the seed; lines 4 and 5 counted
+        HumanEval(path, seed=3)
+    assert str(e.value) == (
+        f"{path} line 2: entry_point 'add numbers' is not a Python identifier (the program calls "
+        "check(<entry_point>)) (3 of 5 records are bad)"
+    )
+    nested = "def helper():\n    def check(candidate):\n        pass\n"  # no top-level check(): a NameError
+    for bad, fault in [
+        ({"prompt": None}, "prompt must be a string, got null"),
+        ({"task_id": 0}, "task_id must be a string, got int"),
+        ({"canonical_solution": ["    return a + b"]}, "canonical_solution must be a string, got list"),
+        ({"entry_point": "def"}, "entry_point 'def' is not a Python identifier (the program calls "
+                                 "check(<entry_point>))"),
+        ({"test": nested}, "test defines no check(candidate) at its top level (the program calls "
+                           "check(<entry_point>))"),
+    ]:  # fmt: skip
+        path.write_text(json.dumps(HUMANEVAL_ROW) + "\n" + json.dumps({**HUMANEVAL_ROW, **bad}) + "\n")
+        with pytest.raises(ValueError) as e:
+            HumanEval(path)
+        assert str(e.value) == f"{path} line 2: {fault} (1 of 2 records is bad)"
+    path.write_text(json.dumps({k: v for k, v in HUMANEVAL_ROW.items() if k != "test"}) + "\n")
+    with pytest.raises(ValueError) as e:
+        HumanEval(path)
+    assert str(e.value) == (
+        f"{path} line 1: lacks column(s) ['test']; expected ['task_id', 'prompt', 'canonical_solution', 'test', "
+        "'entry_point'] (1 of 1 records is bad)"
+    )
+    parquet = tmp_path / "test-00000-of-00001.parquet"
+    pq.write_table(pa.Table.from_pylist([HUMANEVAL_ROW, {**HUMANEVAL_ROW, "entry_point": None}]), parquet)
+    with pytest.raises(ValueError) as e:  # parquet: the row, 0-based
+        HumanEval(parquet)
+    assert str(e.value) == f"{parquet} row 1: entry_point must be a string, got null (1 of 2 records is bad)"
+    pq.write_table(
+        pa.Table.from_pylist([HUMANEVAL_ROW, {**HUMANEVAL_ROW, "task_id": "HumanEval/1"}]), parquet
+    )
+    task = HumanEval(parquet)
+    assert [task[i]["id"] for i in range(2)] == ["HumanEval/0", "HumanEval/1"]
+    assert task[0]["entry_point"] == "add" and task[0]["test"] == HUMANEVAL_ROW["test"]
 
 
 def test_mixture_report_shares(small_tokenizer):

@@ -18,10 +18,11 @@
 
 The result goes to stdout (one JSON document, its "report_card" the card's row) and to
 <storage-path>/<run-name>/eval.json (written whole: raychat.storage.write_bytes); the card's markdown table to
-stderr and to <storage-path>/<run-name>/report_card.md. Every input is resolved and the root checked for writing before the model
-loads: a bad flag fails in one line naming it. A model whose validation loss is not finite (NaN or inf weights) is
-refused after the BPB pass (without BPB: before the tasks, from its weights), before anything is written (JSON has
-no NaN).
+stderr and to <storage-path>/<run-name>/report_card.md. Every input is resolved and the root checked for writing
+before the model loads: a bad flag fails in one line naming it, a bad record of a task's files (--tasks, and with
+chatcore every chat eval whose files are in the task data directory) in one line naming its file and line. A
+model whose validation loss is not finite (NaN or inf weights) is refused after the BPB pass (without BPB: before
+the tasks, from its weights), before anything is written (JSON has no NaN).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from raychat.eval.report_card import (
 )
 from raychat.eval.tasks import task_accuracy, task_budget
 from raychat.storage import Storage, check_writable, open_storage, run_directory, write_bytes
-from raychat.tasks.registry import check_data, graded, held_out, make_task, parse_mixture
+from raychat.tasks.registry import check_data, check_present_data, graded, held_out, make_task, parse_mixture
 
 RESULT_FILE = "eval.json"
 CARD_FILE = "report_card.md"
@@ -225,7 +226,11 @@ def main(args) -> int:
             raise ValueError(f"--tasks: {name!r} has no held-out split to measure accuracy on")
         if not graded(name):
             raise ValueError(f"--tasks: {name!r} has no checker to measure accuracy with")
-    check_data([name for name, _ in tasks], ("test",), cfg.task_data_dir, "--tasks")
+    names = [name for name, _ in tasks]
+    check_data(names, ("test",), cfg.task_data_dir, "--tasks")
+    if named:  # the card's other chat evals: those whose files are here, checked before the model loads
+        others = [name for name, _ in CHAT_TASKS.values() if name not in names]
+        check_present_data(others, "test", cfg.task_data_dir, f"--tasks {CHATCORE}")
     bundle = Path(cfg.core_bundle)
     # '' = the default place, which may hold none
     if cfg.core_bundle and not (bundle / "core.yaml").is_file():

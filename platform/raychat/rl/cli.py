@@ -34,7 +34,7 @@ def resolve_inputs(cfg: RLConfig) -> RLConfig:
     """--storage-path absolute (or its URI), --init-from the checkpoint it names; --task's files checked.
 
     Raises ValueError naming the flag: no --init-from, or one that names nothing; a hub --task whose train or
-    test file is missing under --task-data-dir (raychat.tasks.registry.check_data); CheckpointError naming the
+    test file is missing under --task-data-dir, or holds a bad record (raychat.tasks.registry.check_data); CheckpointError naming the
     file: an --init-from that could not load (raychat.checkpoint.check_model; of a remote one, its sizes and
     meta.json)."""
     if not cfg.run.init_from:

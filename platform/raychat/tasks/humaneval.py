@@ -7,19 +7,39 @@ assistant turn prompt + "\\n" + canonical_solution; a completion is graded by ru
     \\n check(<entry_point>)
 in the sandbox (raychat.tasks.sandbox.run_python): correct when it exits 0 within the limits. A program that
 hangs, forks without end, eats memory or touches files outside its directory fails; nothing else is affected.
+Every record is checked as it is read (humaneval_error): a record the program could not be built from would
+score every completion 0 without a word.
 """
 
 from __future__ import annotations
 
+import keyword
 import re
 from pathlib import Path
 
 from raychat.tasks.base import Task
-from raychat.tasks.loaders import read_records, record_files
+from raychat.tasks.loaders import located_records, record_files
 from raychat.tasks.sandbox import SandboxLimits, run_python
 
 COLUMNS = ["task_id", "prompt", "canonical_solution", "test", "entry_point"]
 CODE_BLOCK_RE = re.compile(r"```(?:python)?\s*\n(.*?)\n```", re.DOTALL)
+CHECK_RE = re.compile(r"^def check\(", re.MULTILINE)  # the test's top-level check(candidate)
+
+
+def humaneval_error(record: dict) -> str | None:
+    """Why a HumanEval record is bad, or None: a column that is not a string (null included), an entry_point
+    that is not a Python identifier, or a test that defines no top-level check(...) (the program calls
+    check(<entry_point>): module doc)."""
+    for column in COLUMNS:
+        value = record[column]
+        if not isinstance(value, str):
+            return f"{column} must be a string, got {'null' if value is None else type(value).__name__}"
+    entry = record["entry_point"]
+    if not entry.isidentifier() or keyword.iskeyword(entry):
+        return f"entry_point {entry!r} is not a Python identifier (the program calls check(<entry_point>))"
+    if not CHECK_RE.search(record["test"]):
+        return "test defines no check(candidate) at its top level (the program calls check(<entry_point>))"
+    return None
 
 
 def extract_imports(prompt: str) -> str:
@@ -60,7 +80,15 @@ class HumanEval(Task):
         limits: SandboxLimits | None = None,
         **slice_kw,
     ):
-        self.rows = read_records(path, COLUMNS, seed)
+        """Every record is checked as it is read (humaneval_error).
+
+        Raises:
+            ValueError: one line: the first bad record in file order, its file and line (parquet: row), what is
+                wrong and how many records are bad, e.g. `.../test.jsonl line 3: entry_point 'has space' is not
+                a Python identifier (the program calls check(<entry_point>)) (1 of 4 records is bad)`; a line
+                that is not JSON or a missing column alike (located_records with a check); or an empty file.
+        """
+        self.wheres, self.rows = located_records(path, COLUMNS, seed, check=humaneval_error)
         self.source_files = tuple(str(f) for f in record_files(path))
         self.limits = limits or SandboxLimits()
         super().__init__(**slice_kw)

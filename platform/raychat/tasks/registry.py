@@ -14,8 +14,8 @@ read from the task data directory, raychat.tasks.hub_data, option data_dir = --t
 gsm8k, mmlu (train: cais/mmlu all/auxiliary_train), arc-easy, arc-challenge, humaneval (test only). A hub
 task's rows are put in a fixed seeded order (HUB_ORDER_SEED, as nanochat's shuffle(seed=42)), so `name:N`
 takes a sample across the whole file; the same N examples whatever the run's seed. A missing file raises
-FileNotFoundError in one line naming the expected path (check_data checks a whole spec up front, and every
-record of smoltalk's files). A user's own conversations are --sft-data's (raychat.tasks.sft_data), the task
+FileNotFoundError in one line naming the expected path (check_data checks a whole spec up front: the files and
+every record in them). A user's own conversations are --sft-data's (raychat.tasks.sft_data), the task
 'sft-data' that mixture_tasks adds (README "Your own conversations").
 """
 
@@ -82,8 +82,6 @@ EVAL_ONLY = ("humaneval",)
 UNGRADED = ("chatterbot", "smoltalk")  # conversations without a checker
 REWARD_TASKS = ("calculator", "gsm8k")  # the tasks whose reward RL can optimize (raychat rl --task)
 HUB_TASKS = tuple(sorted({name for name, _ in HUB_SPLITS}))
-# hub tasks whose files may be a user's own conversations: check_data reads and checks every record up front
-CONVERSATION_FILES = ("smoltalk",)
 
 
 def make_task(name: str, split: str = "train", size: int | None = None, seed: int = 0, **options) -> Task:
@@ -110,13 +108,15 @@ def graded(name: str) -> bool:
 
 
 def check_data(names, splits=("train",), data_dir: str | None = None, flag: str = "--sft-tasks") -> None:
-    """Check, before any stage starts, that every hub task in `names` has its files for `splits`, and that
-    every record of a CONVERSATION_FILES task's files is a conversation the chat template takes.
+    """Check, before any stage starts (in the driver, before Ray), that every hub task in `names` has its files
+    for `splits`, and every record in them: each task is read as a stage reads it (make_task), so a bad record
+    stops the command here, not in a worker or actor after Ray started.
 
     Raises:
         ValueError: "<flag>: <the missing file's line>" (raychat.tasks.hub_data.split_files), "<flag>: <file>
-            line <n>: <field>: <what is wrong>" (raychat.tasks.loaders.SmolTalk), or a task that has no such
-            split ("humaneval is for evaluation only").
+            line <n>: <what is wrong> (K of N records are bad)" (the task's record check:
+            raychat.tasks.loaders, raychat.tasks.humaneval), or a task that has no such split ("humaneval is
+            for evaluation only").
     """
     for name in dict.fromkeys(names):
         for split in splits:
@@ -124,11 +124,26 @@ def check_data(names, splits=("train",), data_dir: str | None = None, flag: str 
                 raise ValueError(f"{flag}: task {name!r} has no {split} split (it is for evaluation only)")
             if name in HUB_TASKS:
                 try:
-                    split_files(name, HUB_SPLITS[name, split], data_dir)
-                    if name in CONVERSATION_FILES:
-                        make_task(name, split, data_dir=data_dir)
+                    make_task(name, split, data_dir=data_dir)
                 except (FileNotFoundError, ValueError) as e:
                     raise ValueError(f"{flag}: {e}") from None
+
+
+def check_present_data(names, split: str, data_dir: str | None = None, prefix: str = "report card") -> None:
+    """check_data's record check of the hub tasks in `names` whose `split` files are in the task data
+    directory; a task without its files is passed over (the report card scores it "n/a: no data").
+
+    Raises:
+        ValueError: "<prefix>: <file> line <n>: <what is wrong> (K of N records are bad)", or an empty file.
+    """
+    for name in dict.fromkeys(names):
+        if (name, split) in HUB_SPLITS:
+            try:
+                make_task(name, split, data_dir=data_dir)
+            except FileNotFoundError:
+                continue
+            except ValueError as e:
+                raise ValueError(f"{prefix}: {e}") from None
 
 
 def parse_mixture(

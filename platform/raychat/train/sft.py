@@ -16,7 +16,7 @@ from pathlib import Path
 from raychat.checkpoint import read_meta
 from raychat.config import SFT_DEFAULTS, ConfigError, TrainConfig, from_dict
 from raychat.config.schema import shown
-from raychat.data.loader.sft_rows import SFTRows, none_fits, row_fit, validation_rows
+from raychat.data.loader.sft_rows import RowFit, SFTRows, none_fits, row_fit, validation_rows
 from raychat.log import log, plural
 from raychat.model import ModelConfig
 from raychat.ray_token import token_for
@@ -119,7 +119,7 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
     Raises:
         ValueError (before Ray starts): no --init-from, or one that names no committed checkpoint; a hub
             task of --sft-tasks whose file is missing under --task-data-dir (one line naming it), a bad record
-            of smoltalk's files (its file, line and field: raychat.tasks.registry.check_data) or of --sft-data's
+            of its files (its file, line and field: raychat.tasks.registry.check_data) or of --sft-data's
             (raychat.tasks.sft_data.sft_data_split), an --sft-test-size that leaves nothing to train on; a
             ConfigError naming --seq-len when no training conversation fits a row (check_training_rows), or
             naming --sft-data when none of its training conversations does (check_own_rows: some that do not
@@ -139,15 +139,16 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
         log(sft_data_line(cfg, own))
     paths = resolve_paths(cfg, writable=False)
     tokenizer = Tokenizer.load(paths.tokenizer_path)
-    check_training_rows(cfg, tokenizer, paths.init_from, own)
-    check_own_rows(cfg, tokenizer, paths.init_from, own, flags)
+    own_fit = own_row_fit(cfg, tokenizer, own)
+    check_training_rows(cfg, tokenizer, paths.init_from, own_fit)
+    check_own_rows(cfg, tokenizer, paths.init_from, own_fit, flags)
     check_validation_rows(cfg, own, tokenizer)
     return run_training(cfg, spec, [ReplayRecorder(), *callbacks], dry_run, flags)
 
 
 def check_task_files(cfg: TrainConfig) -> str:
     """Check that every hub task of --sft-tasks has its train files under --task-data-dir, and each with a
-    held-out split its test files, every record of a conversation task's files included
+    held-out split its test files, every record in them included
     (raychat.tasks.registry.check_data); returns --task-data-dir resolved (hub_data.task_data_dir: the workers
     run elsewhere). raychat.speedrun makes this check before its first stage.
 
@@ -161,15 +162,29 @@ def check_task_files(cfg: TrainConfig) -> str:
     return data_dir
 
 
+def own_row_fit(cfg: TrainConfig, tokenizer: Tokenizer, own: SFTDataRead | None = None) -> RowFit | None:
+    """--sft-data's training conversations rendered as the row source renders them, in rows of --seq-len + 1
+    tokens (raychat.data.loader.sft_rows.row_fit; own: as validation_tasks), once for check_training_rows and
+    check_own_rows; None without --sft-data.
+
+    Raises:
+        ValueError: as raychat.tasks.sft_data.sft_data_split."""
+    d = cfg.data
+    if not d.sft_data:
+        return None
+    return row_fit(sft_data_split(own or d.sft_data, d.sft_test_size).train, tokenizer, cfg.model.seq_len + 1)
+
+
 def check_training_rows(
-    cfg: TrainConfig, tokenizer: Tokenizer, init_from: str, own: SFTDataRead | None = None
+    cfg: TrainConfig, tokenizer: Tokenizer, init_from: str, own_fit: RowFit | None
 ) -> None:
     """Refuse, before Ray starts, a training mixture none of whose conversations fits a row of --seq-len + 1
     tokens, not even its most recent exchange: every worker's row source would skip them all (and raise, after
     Ray and the worker group had started). A conversation that fits once its oldest exchanges are truncated, or
     that is skipped while others fit, is left to the row source (raychat.data.loader.sft_rows.SFTRows). The
-    tasks are built as the row source builds them (--sft-data's first: read already, own as validation_tasks;
-    then the generated ones, then the hub tasks, whose files are read only while nothing before them fits).
+    tasks are built as the row source builds them (--sft-data's first: rendered already, own_fit: own_row_fit,
+    None without --sft-data; then the generated ones, then the hub tasks, whose files are read only while
+    nothing before them fits).
 
     Raises:
         ConfigError: "--seq-len T: none of the N training conversations (--sft-tasks, --sft-data) fits a row of
@@ -179,14 +194,13 @@ def check_training_rows(
     """
     d, seq_len = cfg.data, cfg.model.seq_len
     names = parse_mixture(d.sft_tasks, empty_ok=bool(d.sft_data))
-
-    def tasks():
-        if d.sft_data:
-            yield sft_data_split(own or d.sft_data, d.sft_test_size).train
-        for name, n in sorted(names, key=lambda task: task[0] in HUB_TASKS):
-            yield make_task(name, "train", n, cfg.run.seed, data_dir=d.task_data_dir)
-
-    found = none_fits(tasks(), tokenizer, seq_len + 1)
+    if own_fit is not None and own_fit.none_fit is None:
+        return  # one of --sft-data's conversations fits
+    tasks = (
+        make_task(name, "train", n, cfg.run.seed, data_dir=d.task_data_dir)
+        for name, n in sorted(names, key=lambda task: task[0] in HUB_TASKS)
+    )
+    found = none_fits(tasks, tokenizer, seq_len + 1, own_fit.none_fit if own_fit else None)
     if found is None:
         return
     sources = ", ".join(flag for flag, on in (("--sft-tasks", names), ("--sft-data", d.sft_data)) if on)
@@ -220,16 +234,12 @@ def max_seq_len(init_from: str) -> int:
 
 
 def check_own_rows(
-    cfg: TrainConfig,
-    tokenizer: Tokenizer,
-    init_from: str,
-    own: SFTDataRead | None = None,
-    flags: Flags = COMMANDS,
+    cfg: TrainConfig, tokenizer: Tokenizer, init_from: str, own_fit: RowFit | None, flags: Flags = COMMANDS
 ) -> None:
     """--sft-data's training conversations against rows of --seq-len + 1 tokens, in the driver before Ray starts
     (after check_training_rows: some conversation of the mixture fits), so that the user's own data is never
     dropped silently while the other tasks of the mixture train. Every one of them is rendered as the row source
-    renders it (raychat.data.loader.sft_rows.row_fit; own: as validation_tasks). None fits, not even its most
+    renders it (own_fit: own_row_fit, None without --sft-data). None fits, not even its most
     recent exchange: refused. Some longer than a row: one warning line, how many of them will be skipped and how
     many shortened (oldest exchanges dropped), and the --seq-len that keeps them all whole, or, past the
     max_seq_len of `init_from` (the checkpoint SFT starts from), how many that max_seq_len keeps whole. Lines
@@ -241,18 +251,15 @@ def check_own_rows(
             --sft-tasks alone): they hold A..B tokens, and keeping one needs a row of S+1" and what
             keeping_one says.
     """
-    d, seq_len = cfg.data, cfg.model.seq_len
-    if not d.sft_data:
+    d, seq_len, fit = cfg.data, cfg.model.seq_len, own_fit
+    if fit is None:
         return
-    train = sft_data_split(own or d.sft_data, d.sft_test_size).train
-    fit = row_fit(train, tokenizer, seq_len + 1)
     n, over = len(fit.lengths), fit.shortened + fit.skipped
     if not over:
         return
     data, seq, start = flags.option("sft_data"), flags.option("seq_len"), flags.option("init_from")
     checkpoint = f"the {start} checkpoint {init_from}" if start.startswith("--") else f"{start} {init_from}"
-    if fit.skipped == n:
-        found = none_fits([train], tokenizer, seq_len + 1)
+    if (found := fit.none_fit) is not None:
         raise ConfigError(
             f"{data} {d.sft_data}: none of its {plural(n, 'training conversation')} fits a row of {seq_len + 1} "
             f"tokens ({seq} {seq_len}), not even its most recent exchange (training would skip them all and learn "

@@ -203,37 +203,51 @@ class NoneFits(NamedTuple):
     fewest: int
 
 
-def none_fits(tasks: Iterable[Task], tokenizer: Tokenizer, row_len: int) -> NoneFits | None:
+def none_fits(
+    tasks: Iterable[Task], tokenizer: Tokenizer, row_len: int, found: NoneFits | None = None
+) -> NoneFits | None:
     """None as soon as one conversation of `tasks` is kept in a row of row_len = T+1 tokens (whole, or with its
     oldest exchanges truncated: render_conversation); else every one of them is dropped (SFTRows would skip them
-    all, and raise) and NoneFits says by how much. `tasks` is read lazily: a task after one holding a
-    conversation that fits is never built."""
-    lengths, fewest = [], []
+    all, and raise) and NoneFits says by how much (None: `tasks` hold no conversation). `tasks` is read lazily:
+    a task after one holding a conversation that fits is never built. found: conversations already known to fit
+    no row (RowFit.none_fit of a task rendered before), counted with those of `tasks`."""
     for task in tasks:
         for i in range(len(task)):
             conversation = task[i]
             rendered = render_conversation(tokenizer, conversation, max_tokens=row_len)
             if not rendered.dropped:
                 return None
-            lengths.append(rendered.truncation.tokens_before)
-            fewest.append(fewest_tokens(tokenizer, conversation))
-    return NoneFits(len(lengths), min(lengths), max(lengths), min(fewest)) if lengths else None
+            length, fewest = rendered.truncation.tokens_before, fewest_tokens(tokenizer, conversation)
+            found = (
+                NoneFits(1, length, length, fewest)
+                if found is None
+                else NoneFits(
+                    found.conversations + 1,
+                    min(found.shortest, length),
+                    max(found.longest, length),
+                    min(found.fewest, fewest),
+                )
+            )
+    return found
 
 
 class RowFit(NamedTuple):
     """How the conversations of a task fit rows of row_len = T+1 tokens (row_fit): lengths: each one's rendered
     length (tokens, whole, before truncation), in the task's order; shortened: how many lose their oldest
     exchanges to fit; skipped: how many are dropped (not even their most recent exchange fits, or no supervised
-    token is left: SFTRows skips them)."""
+    token is left: SFTRows skips them); none_fit: when every one is dropped, what none_fits says of them (else
+    None)."""
 
     lengths: tuple[int, ...]
     shortened: int
     skipped: int
+    none_fit: NoneFits | None
 
 
 def row_fit(task: Task, tokenizer: Tokenizer, row_len: int) -> RowFit:
     """Every conversation of `task` rendered as SFTRows renders it (render_conversation, max_tokens=row_len),
-    counted by how it fits (RowFit).
+    counted by how it fits (RowFit); the fewest tokens a row needs to keep one (chat_template.fewest_tokens) are
+    worked out only when none is kept.
 
     Raises:
         ValueError: as render_conversation (an invalid conversation)."""
@@ -243,4 +257,8 @@ def row_fit(task: Task, tokenizer: Tokenizer, row_len: int) -> RowFit:
         lengths.append(t.tokens_before)
         skipped += t.dropped
         shortened += not t.dropped and t.dropped_exchanges > 0
-    return RowFit(tuple(lengths), shortened, skipped)
+    none_fit = None
+    if lengths and skipped == len(lengths):
+        fewest = min(fewest_tokens(tokenizer, task[i]) for i in range(len(task)))
+        none_fit = NoneFits(len(lengths), min(lengths), max(lengths), fewest)
+    return RowFit(tuple(lengths), shortened, skipped, none_fit)
