@@ -1,8 +1,9 @@
 """RL survives its actors, on a local Ray cluster: a rollout actor lost during an evaluation (the evaluation is
 re-run with the same result), a learner lost mid-run (the run resumes from its last committed checkpoint
 within --max-failures, and fails naming the option past it), a learner hung in its restore (named within the
-restore's deadline, the run restarted), lost learners pinged at once and every one named, and an actor group
-start that fails (no placement group is left behind)."""
+restore's deadline, the run restarted), a rollout actor hung mid-run (named within its chunk's deadline, the run
+restarted), lost learners pinged at once and every one named, and an actor group start that fails (no placement
+group is left behind)."""
 
 import json
 import re
@@ -21,7 +22,9 @@ from raychat.capacity import read_capacity
 from raychat.log import RunGaveUp
 from raychat.rl import actors as rl_actors
 from raychat.rl.actors import ActorGroup, ActorTimeout, lost_line
+from raychat.rl.dispatcher import RolloutDispatcher
 from raychat.rl.loop import RLRun, rl_tasks
+from raychat.rl.sync import WeightSync
 from raychat.speedrun import speedrun_flags
 from raychat.storage import open_storage
 from raychat.train.step import NonFiniteError
@@ -519,6 +522,85 @@ def test_a_learner_hung_in_restore_is_named_within_its_deadline_and_the_run_rest
     assert (summary["failures"], summary["start_step"], summary["version"]) == (1, 2, 3)
     assert [(x["step"], x["failures"]) for x in metric_lines(tmp_path / "t")] == [(1, 0), (2, 0), (3, 1)]
     assert live_placement_groups() == before
+
+
+def test_a_rollout_actor_hung_mid_run_is_named_within_its_deadline_and_the_run_restarts(
+    ray_cluster, checkpoint, tmp_path, monkeypatch
+):
+    """Collecting rollouts was a plain ray.get: a rollout actor hung mid-run (a deadlock in its engine) hung the
+    run for ever. Now a chunk has a deadline sized from the run's own chunks: ROLLOUT_FACTOR x the longest
+    training chunk so far, at least ROLLOUT_MIN_S (here 20 x step 1's longest chunk, at least 1 s). Rollout actor
+    0's engine hangs from step 2 on (its generate sleeps 60 s, inside RolloutWorker.rollout); within the deadline
+    one line names it, its prompts, the seconds and how they were sized, and the run starts every actor again (the
+    hung one killed), resumes from checkpoint 1 and completes."""
+    monkeypatch.setattr(rl_actors, "ROLLOUT_MIN_S", 1.0)
+    monkeypatch.setattr(rl_actors, "ROLLOUT_FACTOR", 20.0)
+    seen = {}
+
+    def hang_actor_0(dispatcher, step, chunks):
+        if step == 0 and not seen:  # queued after its step 1 rollout: its step 2 rollout hangs
+            seen["armed"] = dispatcher.actors.rollouts[0].__ray_call__.remote(
+                lambda w: setattr(w, "_generate", lambda *a, **k: time.sleep(60))
+            )
+        elif step == 1 and "at" not in seen:  # step 2's chunks submitted: step 1's sized its deadline
+            seen.update(
+                at=time.perf_counter(), longest=dispatcher.longest["train"], prompts=chunks[0]["indices"]
+            )
+
+    logs = []
+    run = RLRun(tiny_config(checkpoint, str(tmp_path), max_failures=1), on_submitted=hang_actor_0,
+                log=lambda m: logs.append((time.perf_counter(), m)))  # fmt: skip
+    before = live_placement_groups()
+    summary = run.run()
+    print("\n".join(m for _, m in logs))
+    waited = max(1.0, 20.0 * seen["longest"])
+    [(at, line)] = [(t, m) for t, m in logs if "restart 1 of" in m]
+    assert line == (
+        f"rollout actor 0 hung at step 2 (ActorTimeout: rollout actor 0 did not return its rollout of prompts "
+        f"{seen['prompts']} within {waited:.3g} s (at least 1 s, else 20 x the longest training chunk so far "
+        f"({seen['longest']:.3g} s)); if it recurs, see what its process does (py-spy dump: a deadlock, a stuck "
+        "device or node); a healthy chunk that needs longer: more --rollout-workers, fewer prompts each); restart "
+        "1 of --max-failures 1: starting every actor again and resuming from the newest committed checkpoint"
+    )
+    assert waited - 0.01 <= at - seen["at"] < waited + 10  # the deadline, not the 60 s the engine slept
+    assert [m for _, m in logs if m.startswith("resumed from ")] == [
+        f"resumed from {tmp_path}/t/checkpoint_000001 at step 1 (version 1)"
+    ]
+    assert (summary["failures"], summary["version"], summary["restarts"]) == (1, 2, 0)
+    assert [(x["step"], x["failures"]) for x in metric_lines(tmp_path / "t")] == [(1, 0), (2, 1)]
+    assert live_placement_groups() == before
+
+
+def test_a_chunk_queued_behind_others_on_its_actor_has_their_deadlines_too(
+    ray_cluster, checkpoint, tmp_path, monkeypatch
+):
+    """An evaluation issued in async mode waits on each actor behind the next steps' rollouts, so its deadline
+    adds up theirs and its own: ROLLOUT_FACTOR x the longest chunk of each kind so far (here 4 x (0.25 s + 0.5 s)
+    = 3 s; ROLLOUT_MIN_S 0.5 s). The one rollout actor is hung (hang), a step's training chunk then an evaluation
+    are issued to it: the evaluation is named after 3 s, the line saying how they were sized."""
+    monkeypatch.setattr(rl_actors, "ROLLOUT_MIN_S", 0.5)
+    monkeypatch.setattr(rl_actors, "ROLLOUT_FACTOR", 4.0)
+    cfg = tiny_config(checkpoint, str(tmp_path), rollout_workers=1)
+    actors = ActorGroup(cfg, rl_tasks(cfg))
+    actors.start()
+    try:
+        dispatcher = RolloutDispatcher(cfg, actors, WeightSync(actors, "object_store"), 64)
+        dispatcher.longest = {"train": 0.25, "test": 0.5}
+        hang(actors.rollouts[0], 30)
+        [chunk] = dispatcher.submit(0)
+        t0 = time.perf_counter()
+        with pytest.raises(ActorTimeout) as e:
+            dispatcher.evaluate(2)
+        took = time.perf_counter() - t0
+    finally:
+        actors.stop()
+    assert str(e.value) == (
+        "rollout actor 0 did not return its evaluation of held-out prompts [0, 1] within 3 s (at least 0.5 s, else "
+        "4 x the longest training chunk so far (0.25 s), the longest evaluation chunk so far (0.5 s): the 2 chunks "
+        "on its actor, this one last); if it recurs, see what its process does (py-spy dump: a deadlock, a stuck "
+        "device or node); a healthy chunk that needs longer: more --rollout-workers, fewer prompts each"
+    )
+    assert chunk["split"] == "train" and 2.99 <= took < 6, took  # (ray.wait returned 0.1 ms early once)
 
 
 def test_lost_learners_are_pinged_at_once_and_every_one_named(ray_cluster, checkpoint, tmp_path, monkeypatch):

@@ -112,9 +112,9 @@ PEER_GRACE_S = 10.0
 
 # Deadlines of the driver's calls on the actors that take about as long whatever the run asks of them; past one,
 # ActorTimeout: the run stops its actor group and starts it again within --max-failures, as for a lost actor
-# (raychat.rl.loop). A learner step or checkpoint save, a rollout and a weight sync (queued behind the rollouts in
-# flight, in async mode) take as long as their work and have none; a learner's peers, once one raised, have
-# PEER_GRACE_S.
+# (raychat.rl.loop). A rollout or evaluation chunk has one sized from the run's own chunks (rollout_deadline_s). A
+# learner step or checkpoint save and a weight sync (queued behind the rollouts in flight, in async mode) take as
+# long as their work and have none; a learner's peers, once one raised, have PEER_GRACE_S.
 PING_S = 30.0  # Learner.pid: it only answers (lost_learners)
 # a call that reads a checkpoint (Learner.restore; an actor's start, --init-from): READ_BASE_S plus the
 # checkpoint's bytes at READ_BYTES_PER_S, a floor of what a disk, NFS or object storage delivers (fetching a
@@ -124,6 +124,41 @@ READ_BYTES_PER_S = 10e6
 # an actor's start before it reads --init-from: Ray gives up setting up its runtime env (a job's pip packages) after
 # this (RuntimeEnvConfig's setup_timeout_seconds default) and raises; the DDP group's rendezvous comes after
 START_S = 600.0
+
+
+# A rollout or evaluation chunk takes as long as its work (its prompts x samples x --max-tokens on this model and
+# device), so the driver waits for it ROLLOUT_FACTOR x the longest chunk of its kind (a training rollout, an
+# evaluation) completed so far in this run, at least ROLLOUT_MIN_S; the first chunk of each kind has the minimum
+# only. ROLLOUT_FACTOR covers what makes a healthy chunk slower than the longest before it: measured (bench/
+# rl_chunk_times.py, bench/results/rl.md), at most 1.97x in async mode (the learner sharing the CPUs), 1.5x in sync
+# mode, over 100 chunks of 2 runs; and completions that grow to --max-tokens (a chunk decodes until its longest
+# completion ends; those runs' longest were 22-31 of 32 tokens, a policy may go from a fifth of --max-tokens to
+# all of it): 2 x 5. ROLLOUT_MIN_S covers a first chunk, a cold engine's warm-up in it: the presets' largest,
+# gpu8's evaluation (67 prompts x 8 samples x 256 tokens an actor), is ~30 s at that preset's assumed 5,000
+# tokens/s; 10 minutes, as an actor's start (START_S), leaves 20x of room and finds a hung actor within minutes.
+ROLLOUT_MIN_S = 600.0
+ROLLOUT_FACTOR = 10.0
+CHUNK_KINDS = {"train": "training", "test": "evaluation"}  # a chunk's split -> how its deadline names it
+
+
+def rollout_deadline(longest: dict[str, float], kinds: list[str]) -> tuple[float, str]:
+    """(seconds, how they were sized) the driver waits for a rollout chunk, from the moment it starts waiting:
+    max(ROLLOUT_MIN_S, ROLLOUT_FACTOR x the sum, over `kinds`, of longest[kind]). kinds: the split ("train",
+    "test") of every chunk its actor runs before it returns, the chunks issued there before it and not collected
+    yet, then its own (an evaluation issued in async mode waits behind the training chunks of the next
+    --max-staleness steps). longest: seconds of the longest chunk of each kind completed so far in the run (its
+    actor's wall time of the call); a kind not in it (none completed yet) counts 0. The line says how: "at least
+    600 s, else 10 x the longest training chunk so far (1.23 s)"."""
+    counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    measured = sum(longest.get(k, 0.0) * n for k, n in counts.items())
+    so_far = ", ".join(
+        f"{'' if n == 1 else f'{n} x '}the longest {CHUNK_KINDS[k]} chunk so far "
+        f"({f'{longest[k]:.3g} s' if k in longest else 'none yet'})"
+        for k, n in counts.items()
+    )
+    what = so_far if len(kinds) == 1 else f"{so_far}: the {len(kinds)} chunks on its actor, this one last"
+    budget = f"at least {ROLLOUT_MIN_S:g} s, else {ROLLOUT_FACTOR:g} x {what}"
+    return max(ROLLOUT_MIN_S, ROLLOUT_FACTOR * measured), budget
 
 
 def read_deadline_s(nbytes: int) -> float:

@@ -19,6 +19,11 @@ sample whose Task.reward (or, in an evaluation, Task.is_correct) raises is score
 (`reward_errors`, one line per step that had any), unless every sample of the step or evaluation raised: that is
 a broken reward function, not a bad sample, and StepFailed stops the run.
 
+Deadline: the driver waits for a chunk raychat.rl.actors.rollout_deadline, ROLLOUT_FACTOR x the longest chunk of
+its kind (training rollout or evaluation) completed so far in the run, summed over the chunks its actor runs
+before it (those issued there before it and not yet collected), at least ROLLOUT_MIN_S; past it, ActorTimeout
+naming the actor and its prompts: the run restarts its actor group within --max-failures (raychat.rl.loop).
+
 Evaluation goes the same way: its chunks (split "test", min_version = the current version, a seed per part
 of the held-out prompts) are collected, re-synced and re-issued like a step's, so an actor lost during an
 evaluation costs a re-run of its part, with the same result.
@@ -29,13 +34,12 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.config import RLConfig
 from raychat.engine.sampling import is_greedy
 from raychat.log import log, plural
-from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed
+from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed, get_within, rollout_deadline
 from raychat.rl.objective import pass_at_k
 from raychat.rl.sync import WeightSync
 from raychat.train.launch import error_line
@@ -58,7 +62,9 @@ def split_even(items: list, n: int) -> list[list]:
 
 class RolloutDispatcher:
     """Submits and collects the rollout chunks of each step and of each evaluation (module doc); `restarts`
-    counts dead actors met, `reward_errors` the samples whose reward or checker raised (scored 0).
+    counts dead actors met, `reward_errors` the samples whose reward or checker raised (scored 0); `longest`:
+    {split: seconds of its longest chunk completed so far} (the actor's wall time of the call), which sizes the
+    deadlines (module doc).
 
     on_submitted(dispatcher, step, chunks): optional hook after a step's chunks are submitted;
     on_evaluating(dispatcher, chunks): optional hook before an evaluation's chunks are issued (tests kill an
@@ -81,6 +87,12 @@ class RolloutDispatcher:
         self.version = 0  # the policy version the rollout actors hold (re-syncs load this one)
         self.bound = cfg.asynchrony.max_staleness if cfg.asynchrony.mode == "async" else 0
         self.restarts = self.stale_chunks = self.dropped_samples = self.reward_errors = 0
+        self.longest: dict[str, float] = {}  # kept across actor group restarts: the run's chunks
+        self.queued: dict[int, list[dict]] = {}  # worker -> its chunks issued and not yet collected, in order
+
+    def reset(self) -> None:
+        """Forget the chunks issued to the actors of a stopped actor group (the run restarts it)."""
+        self.queued = {}
 
     @property
     def eval_samples(self) -> int:
@@ -112,6 +124,8 @@ class RolloutDispatcher:
     def _issue(self, chunk: dict) -> None:
         r = self.cfg.rollout
         actor = self.actors.rollouts[chunk["worker"]]
+        self._unqueue(chunk)  # re-issued: off its former actor's queue, last in its new one's
+        self.queued.setdefault(chunk["worker"], []).append(chunk)
         if chunk["split"] == "test":
             chunk["ref"] = actor.evaluate.remote(
                 chunk["indices"], self.eval_samples, r.max_tokens, self.cfg.eval.eval_temperature, chunk["seed"],
@@ -128,13 +142,14 @@ class RolloutDispatcher:
         doc); a chunk whose actor died, or whose weights were too old, is re-issued after a re-sync.
 
         Raises ActorsLost when a chunk fails --max-restarts + 2 times or no rollout actor is alive; StepFailed
-        when an actor raised (not retried) or every sample's reward or checker raised (module doc)."""
+        when an actor raised (not retried) or every sample's reward or checker raised (module doc); ActorTimeout
+        when a chunk did not return within its deadline (_wait)."""
         tries = self.cfg.layout.max_restarts + 2
         out = []
         for chunk in chunks:
             for attempt in range(tries):
                 try:
-                    result = ray.get(chunk["ref"])
+                    result = self._wait(chunk)
                 except RayTaskError as e:
                     what = "evaluation of held-out" if chunk["split"] == "test" else "rollout of"
                     raise StepFailed(
@@ -154,6 +169,9 @@ class RolloutDispatcher:
                     continue
                 if result["version"] >= chunk["min_version"]:
                     out.append(result)
+                    kind = chunk["split"]
+                    self.longest[kind] = max(self.longest.get(kind, 0.0), result["wall_s"])
+                    self._unqueue(chunk)
                     break
                 dropped = len(result.get("samples", ()))
                 self.stale_chunks += 1
@@ -170,6 +188,28 @@ class RolloutDispatcher:
                 )
         self._count_reward_errors(out, chunks[0]["split"] if chunks else "train")
         return out
+
+    def _wait(self, chunk: dict) -> dict:
+        """The chunk's result (ray.get), waited for raychat.rl.actors.rollout_deadline of the chunks queued on its
+        actor ahead of it (issued there before it, not yet collected) and its own (module doc); its actor's death
+        or error is raised as soon as it is found.
+
+        Raises ActorTimeout naming the actor, its prompts, the seconds waited and how they were sized."""
+        w, queue = chunk["worker"], self.queued.get(chunk["worker"], [])
+        ids = [id(c) for c in queue]
+        ahead = queue[: ids.index(id(chunk))] if id(chunk) in ids else []
+        timeout_s, budget = rollout_deadline(self.longest, [c["split"] for c in ahead] + [chunk["split"]])
+        what = "evaluation of held-out" if chunk["split"] == "test" else "rollout of"
+        fix = (
+            "see what its process does (py-spy dump: a deadlock, a stuck device or node); a healthy chunk that "
+            f"needs longer: more {self.actors.option('rollout_workers')}, fewer prompts each"
+        )
+        call = f"its {what} prompts {chunk['indices']}"
+        return get_within([chunk["ref"]], [f"rollout actor {w}"], call, timeout_s, budget, fix)[0]
+
+    def _unqueue(self, chunk: dict) -> None:
+        for w, queue in self.queued.items():
+            self.queued[w] = [c for c in queue if c is not chunk]
 
     def _count_reward_errors(self, results: list[dict], split: str) -> None:
         """Count and log the samples of `results` whose reward (split "train") or checker ("test") raised, each

@@ -37,7 +37,8 @@ weight sync, every rollout actor) stops the whole actor group; it is started aga
 newest committed checkpoint, redoing the steps after it, up to --max-failures times (`failures` in every
 line and the summary); so does a weight sync that an actor raised in or that loaded other weights (new actors and
 a new publish may succeed), and a hung actor: one whose start or Learner.restore did not return within its
-deadline (raychat.rl.actors.ActorTimeout, the deadline sized from the checkpoint's bytes: read_deadline_s). Lost
+deadline (raychat.rl.actors.ActorTimeout, the deadline sized from the checkpoint's bytes: read_deadline_s), or
+whose rollout or evaluation chunk did not (sized from the run's longest chunks: rollout_deadline). Lost
 learners are found with one ping each, all sent at once and waited for raychat.rl.actors.PING_S in all
 (ActorGroup.lost_learners), every one named. Past that the run gives up: RunGaveUp (raychat.log), one line
 naming the lost actor or failed sync, the step, the error, the failure count, --max-failures and the checkpoint
@@ -395,6 +396,7 @@ class RLRun:
                 lost, error, full = self._restartable(e)
                 self.actors.stop()
                 self.sync.reset()
+                self.dispatcher.reset()
                 if self.failures >= budget:
                     raise gave_up(
                         self.label,

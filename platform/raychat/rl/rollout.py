@@ -122,13 +122,14 @@ class RolloutWorker:
         restarted one holds the checkpoint's, version 0) generates nothing: it returns no samples and its
         version, and the dispatcher re-syncs it and issues the prompts again.
 
-        Returns {"samples": list[Sample dict] (prompt-major), "seconds": generation wall time,
-        "completion_tokens": int, "worker": int, "version": int} and ScoreErrors.result()'s keys (the samples
-        whose Task.reward raised: scored 0).
+        Returns {"samples": list[Sample dict] (prompt-major), "seconds": generation wall time, "wall_s": the
+        call's wall time (generation, scoring, behavior log-probs; seconds), "completion_tokens": int, "worker":
+        int, "version": int} and ScoreErrors.result()'s keys (the samples whose Task.reward raised: scored 0).
         """
         if self.version < min_version:
-            return {"samples": [], "seconds": 0.0, "completion_tokens": 0, "worker": self.worker_index,
-                    "version": self.version}  # fmt: skip
+            return {"samples": [], "seconds": 0.0, "wall_s": 0.0, "completion_tokens": 0,
+                    "worker": self.worker_index, "version": self.version}  # fmt: skip
+        began = time.perf_counter()
         conversations, prompts = self._prompts(split, indices)
         t0 = time.perf_counter()
         results = self._generate(prompts, num_samples, max_tokens, temperature, seed)
@@ -158,6 +159,7 @@ class RolloutWorker:
         return {
             "samples": samples,
             "seconds": seconds,
+            "wall_s": time.perf_counter() - began,
             "completion_tokens": sum(s["completion_tokens"] for s in samples),
             "worker": self.worker_index,
             "version": self.version,
@@ -195,11 +197,13 @@ class RolloutWorker:
         """Correct completions (Task.evaluate) per held-out prompt, out of num_samples each.
 
         min_version: as in rollout(): an actor holding older weights (restarted) evaluates nothing.
-        Returns {"correct": list[int] (one count per index; [] when refused), "version": int, "worker": int} and
-        ScoreErrors.result()'s keys (the samples whose Task.is_correct raised: counted incorrect).
+        Returns {"correct": list[int] (one count per index; [] when refused), "version": int, "worker": int,
+        "wall_s": the call's wall time (seconds)} and ScoreErrors.result()'s keys (the samples whose
+        Task.is_correct raised: counted incorrect).
         """
         if self.version < min_version:
-            return {"correct": [], "version": self.version, "worker": self.worker_index}
+            return {"correct": [], "version": self.version, "worker": self.worker_index, "wall_s": 0.0}
+        began = time.perf_counter()
         conversations, prompts = self._prompts("test", indices)
         results = self._generate(prompts, num_samples, max_tokens, temperature, seed)
         correct, errors = [0] * len(indices), ScoreErrors()
@@ -208,7 +212,8 @@ class RolloutWorker:
             correct[r.prompt_index] += int(
                 errors.score(self.tasks["test"].is_correct, conv, r.text, indices[r.prompt_index])
             )
-        return {"correct": correct, "version": self.version, "worker": self.worker_index, **errors.result()}
+        return {"correct": correct, "version": self.version, "worker": self.worker_index,
+                "wall_s": time.perf_counter() - began, **errors.result()}  # fmt: skip
 
 
 class ScoreErrors:

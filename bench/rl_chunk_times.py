@@ -1,0 +1,79 @@
+"""How much longer than the longest chunk before it a healthy rollout or evaluation chunk takes: what
+raychat.rl.actors.ROLLOUT_FACTOR must cover (the deadline of a chunk is ROLLOUT_FACTOR x the longest chunk of its
+kind so far, at least ROLLOUT_MIN_S).
+
+    python bench/rl_tiny_sft.py --out runs/bench/tiny_sft --steps 250 --max-operand 99
+    python bench/rl_chunk_times.py --checkpoint runs/bench/tiny_sft --steps 20
+
+Runs the tiny calculator setup of bench/rl_outcome.py in sync and in async mode (--max-staleness 1, the learner
+sharing the CPUs with the rollouts) and records every chunk's wall time in its actor (the result's wall_s) and its
+longest completion, in the order the driver collected them. Prints, per mode and kind, the first chunk's time (a
+cold engine), the median and longest of the rest, and the largest ratio of a chunk to the longest of its kind
+before it (the deadline's factor over it: below 1 for most chunks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import ray
+
+from raychat.config import RLConfig, from_dict
+from raychat.rl.loop import RLRun
+
+
+def chunk_times(checkpoint: str, out: str, mode: str, steps: int) -> dict[str, list[tuple[float, int]]]:
+    """{split: [(wall_s, longest completion in tokens) of each chunk, in collection order]} of one run."""
+    cfg = from_dict(RLConfig, dict(
+        init_from=checkpoint, storage_path=out, run_name=mode, steps=steps, max_operand=99, prompts_per_step=32,
+        samples_per_prompt=8, max_tokens=32, eval_every=5, eval_examples=64, eval_samples=8, checkpoint_every=steps,
+        mode=mode, max_staleness=1,
+    ))  # fmt: skip
+    run = RLRun(cfg, log=lambda m: None)
+    seen: dict[str, list[tuple[float, int]]] = {"train": [], "test": []}
+    collect = run.dispatcher.collect
+
+    def recording(chunks):
+        results = collect(chunks)
+        for chunk, r in zip(chunks, results):
+            longest = max((s["completion_tokens"] for s in r.get("samples", [])), default=0)
+            seen[chunk["split"]].append((r["wall_s"], longest))
+        return results
+
+    run.dispatcher.collect = recording
+    run.run()
+    return seen
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--out", default="runs/bench/rl_chunk_times")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    ray.init(num_cpus=2, include_dashboard=False)
+    rows = []
+    for mode in ("sync", "async"):
+        for split, times in chunk_times(args.checkpoint, f"{args.out}", mode, args.steps).items():
+            walls = [t for t, _ in times]
+            ratios = [t / max(walls[:i]) for i, t in enumerate(walls) if i]
+            rows.append({
+                "mode": mode, "kind": split, "chunks": len(walls), "first s": walls[0],
+                "median s (rest)": statistics.median(walls[1:]), "longest s (rest)": max(walls[1:]),
+                "max ratio to the longest before": max(ratios),
+                "longest completion (min-max over chunks)": (
+                    f"{min(c for _, c in times)}-{max(c for _, c in times)}" if split == "train" else "n/a"
+                ),  # an evaluation's result holds counts, not samples
+            })  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    ray.shutdown()
+    print("| " + " | ".join(rows[0]) + " |")
+    print("|" + "---|" * len(rows[0]))
+    for r in rows:
+        print("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()
