@@ -50,6 +50,11 @@ COPY_COMMANDS = {
     "s3": "aws s3 cp --recursive {src} {into}/{name}",
     "gs": "gcloud storage cp -r {src} {into}",
 }
+# what gives the AWS SDK's default credential chain a credential, before an instance role
+AWS_CREDENTIAL_VARIABLES = (
+    "AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+)  # fmt: skip
 # where a remote root's settings come from instead of its URI, per scheme
 SETTINGS_FROM = {
     "s3": "S3 settings come from the environment of every node: AWS_ENDPOINT_URL (its scheme, http or https, is "
@@ -425,5 +430,22 @@ def why(e: OSError, storage: Storage) -> str:
         where = f"the S3 endpoint {os.environ[var]} (${var})" if var else "the S3 endpoint"
         return f"cannot connect to {where}: {detail}"
     if "ACCESS_DENIED" in text or isinstance(e, PermissionError):
-        return f"access denied ({_first_line(e)})"
+        hint = ""
+        if storage.uri.startswith("s3://") and not _aws_credentials_configured():
+            hint = (
+                "; this process found no AWS credentials (no AWS_ACCESS_KEY_ID, AWS_PROFILE or ~/.aws/credentials),"
+                " which every process that opens the root needs (a job's driver, Train workers, RL actors): set "
+                "them in the environment of every node's `ray start`, or pass them to a job with raychat submit "
+                "--env AWS_ACCESS_KEY_ID=... --env AWS_SECRET_ACCESS_KEY=..."
+            )
+        return f"access denied ({_first_line(e)}){hint}"
     return _first_line(e)
+
+
+def _aws_credentials_configured() -> bool:
+    """Whether the AWS SDK's credential chain has a source in this process's environment or files (an
+    instance role, the chain's last source, cannot be told without asking the metadata service)."""
+    if any(os.environ.get(v) for v in AWS_CREDENTIAL_VARIABLES):
+        return True
+    shared = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser("~/.aws/credentials")
+    return os.path.isfile(shared)

@@ -9,6 +9,9 @@ is last: it kills worker "b" and starts it again, so the session's cluster is wh
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
 import time
 import urllib.request
@@ -83,6 +86,30 @@ def test_metrics_scraped_from_the_worker_node_that_recorded_them(multinode_drive
     assert _scrape(c.head.metrics_port, run) == {}
     assert _scrape(c.nodes["b"].metrics_port, run) == {}
     ray.kill(recorder)
+
+
+# a job whose tasks print one line on node a and one on node b
+PRINTING_JOB = """import ray
+@ray.remote(num_cpus=0)
+def say(n):
+    print(f"printed-on-{n}")
+ray.get([say.options(resources={f"node_{n}": 0.01}).remote(n) for n in "ab"])
+"""
+
+
+def test_a_line_a_worker_node_prints_reaches_the_jobs_logs_once(multinode_cluster, tmp_path):
+    """Nodes on one machine that share a temp dir (docs/deployment.md section 1's commands did) each run a log
+    monitor over the same worker log files: `raychat submit` showed each such line once per node, 3 times."""
+    c = multinode_cluster
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["HOME"] = str(tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "raychat.cli", "submit", "--address", c.dashboard_url, "--token-file",
+         str(c.token_file), "command", "python", "-c", PRINTING_JOB],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(re.findall(r"printed-on-[ab]", r.stdout)) == ["printed-on-a", "printed-on-b"], r.stdout
 
 
 def test_killing_a_raylet_makes_its_node_dead_and_it_can_rejoin(multinode_driver):

@@ -128,8 +128,14 @@ def test_every_stage_succeeds_as_a_ray_job_chained_through_storage(chain):
 def test_ranks_of_pretraining_and_sft_ran_on_the_two_worker_nodes(chain):
     workers = {chain.cluster.nodes["a"].node_id, chain.cluster.nodes["b"].node_id}
     for key in ("raychat-pretrain:pretrain", "raychat-sft:sft"):
-        ranks = {int(r): node for r, world, node in RANK_LINE.findall(chain.runs[key].output) if world == "2"}
+        found = [
+            (int(r), node) for r, world, node in RANK_LINE.findall(chain.runs[key].output) if world == "2"
+        ]
+        ranks = dict(found)
         assert sorted(ranks) == [0, 1], chain.runs[key].output[-3000:]
+        assert (
+            len(found) == 2
+        )  # rank 0's one line, shown once (it was shown once per node sharing a temp dir)
         assert set(ranks.values()) == workers  # one rank on a, one on b: the head has no CPUs
 
 

@@ -14,8 +14,10 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from zipfile import ZipFile
 
 import pytest
+from ray._private.runtime_env.packaging import _zip_files
 from support.cluster import LocalCluster, short_temp_dir
 from support.serve_helpers import write_tiny_checkpoint
 
@@ -65,12 +67,30 @@ def test_runtime_env_for(tmp_path):
             ".mypy_cache",
             "node_modules",
             "bench/results",
+            "/token",
         ],
         "py_modules": [str(tmp_path / "platform" / "raychat")],
         "pip": ["tiktoken>=0.14,<0.15"],
         "env_vars": {"A": "1"},
     }
     assert "pip" not in submit.runtime_env_for(tmp_path)  # default: the image's environment
+
+
+def test_the_clusters_token_file_is_neither_uploaded_nor_committed(tmp_path):
+    """docs/deployment.md section 1 writes the cluster's token to `token` in the checkout; Ray zipped it into
+    every job's working_dir package (kept in the GCS) and `git add -A` took it. Zipped here by Ray's own
+    packaging with the job's excludes and without .gitignore (a checkout of an older .gitignore)."""
+    checkout = tmp_path / "checkout"
+    for rel in ("token", "docs/token", "platform/raychat/x.py", ".venv/bin/python"):
+        (checkout / rel).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / rel).write_text("x")
+    excludes = submit.runtime_env_for(checkout)["excludes"]
+    _zip_files(str(checkout), excludes, str(tmp_path / "pkg.zip"), include_gitignore=False)
+    assert sorted(ZipFile(tmp_path / "pkg.zip").namelist()) == ["docs/token", "platform/raychat/x.py"]
+    ignored = subprocess.run(
+        ["git", "check-ignore", "token", "docs/token"], cwd=REPO, capture_output=True, text=True
+    )
+    assert ignored.stdout == "token\n"
 
 
 def test_project_requirements_drop_torch_keep_the_rest(tmp_path):

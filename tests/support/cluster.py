@@ -45,7 +45,7 @@ RAY = VENV_BIN / "ray"
 # 1-CPU ListFiles task (raychat.train.layout); without it the chain's pretraining waited forever.
 CLUSTER_WORKERS = {"a": (2, {"node_a": 1}), "b": (2, {"node_b": 1})}
 # Budget of the temp dir's length: Ray appends ~70 bytes (session_2026-12-01_08-01-16_123456_12345/sockets/
-# plasma_store.1) to it, and sun_path holds 107.
+# plasma_store.1) to it, and sun_path holds 107; a worker node's dir, <temp dir>/<name>, adds 2 and drops ".1".
 MAX_TEMP_DIR_LEN = 36
 OBJECT_STORE_BYTES = 100 * 1024 * 1024
 # What a Ray node start (`ray start`, a local `ray.init()`) raises when its raylet did not register with the
@@ -255,7 +255,9 @@ class LocalCluster:
         old = self.nodes.pop(name, None)
         if old is not None:
             _end_group(old.proc)
-        flags = [f"--address={self.gcs_address}"]
+        # a temp dir of its own: nodes sharing one read each other's worker logs, and a job's logs showed every
+        # line a worker printed once per node (docs/deployment.md section 1)
+        flags = [f"--address={self.gcs_address}", f"--temp-dir={self.root / name}"]
         not_id = old.node_id if old else ""
         return self._start_node(name, num_cpus, resources, NODE_PORTS, flags, timeout_s, not_id)
 

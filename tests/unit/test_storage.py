@@ -318,6 +318,31 @@ def test_s3_bad_input_names_the_flag(runs, s3_env, tmp_path):
     assert not (tmp_path / "cache").exists()  # nothing was downloaded
 
 
+def test_s3_access_denied_without_credentials_says_where_they_come_from(s3_env, tmp_path, monkeypatch):
+    """docs/deployment.md's S3 job on section 1's cluster (nodes started without AWS variables, the job given
+    only --env AWS_ENDPOINT_URL) failed with a bare `access denied (... ACCESS_DENIED during PutObject ...)`."""
+    bucket = s3_env.make_bucket()
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws/credentials
+    with pytest.raises(ValueError) as e:
+        check_writable(open_storage(f"s3://{bucket}/runs"))
+    assert str(e.value).startswith(f"--storage-path: s3://{bucket}/runs is not writable: access denied (")
+    assert str(e.value).endswith(
+        "); this process found no AWS credentials (no AWS_ACCESS_KEY_ID, AWS_PROFILE or ~/.aws/credentials), "
+        "which every process that opens the root needs (a job's driver, Train workers, RL actors): set them in "
+        "the environment of every node's `ray start`, or pass them to a job with raychat submit --env "
+        "AWS_ACCESS_KEY_ID=... --env AWS_SECRET_ACCESS_KEY=..."
+    ), str(e.value)
+    (tmp_path / ".aws").mkdir()
+    (tmp_path / ".aws" / "credentials").write_text(
+        "[default]\naws_access_key_id = wrong\naws_secret_access_key = x\n"
+    )
+    check_writable(
+        open_storage(f"s3://{bucket}/runs")
+    )  # the same process with a credential file: moto takes it
+
+
 def test_a_storage_path_that_is_a_file_is_refused_on_s3_as_on_a_local_disk(s3_env, tmp_path):
     """An object at the root's name was accepted: the run's objects went to `<root>/...` beside it (a bucket
     holding `afile` and `afile/p/checkpoint_000002/...`, which no mount or download can show as directories),

@@ -10,9 +10,9 @@ the client's `headers=` argument; for a GCS address (HOST:6379), which the clien
 URL through the GCS, it is also handed to Ray's own GCS client (raychat.ray_token.hand_to_ray). With no token
 found no header is sent, which suits a cluster started with RAY_AUTH_MODE=disabled.
 
-The job's runtime_env: `working_dir` = the repository (without .venv, runs, .git and caches), `py_modules` =
-platform/raychat (so the job imports the submitted code, not whatever raychat the cluster has installed),
-and either the cluster image's Python environment (default) or `pip` requirements (`--pip`, `--pip-project`).
+The job's runtime_env: `working_dir` = the repository (without .venv, runs, .git, caches and the cluster's
+token file), `py_modules` = platform/raychat (so the job imports the submitted code, not whatever raychat the
+cluster has installed), and either the cluster image's Python environment (default) or `pip` requirements (`--pip`, `--pip-project`).
 
 The job's Python: Ray runs the entrypoint through a shell on the driver's node (the head by default), so a
 plain `python` is whatever that node's PATH finds, which need not be the Python that runs Ray (see
@@ -55,10 +55,12 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 # what a job never reads: environments, run outputs, caches, node_modules of the JS contract test (20 MB, most
-# of the checkout), benchmark results (bench/results/job_startup.md: the upload before / after)
+# of the checkout), benchmark results (bench/results/job_startup.md: the upload before / after), and the
+# cluster's token file where docs/deployment.md section 1 writes it (`token` in the checkout): uploaded, it
+# would sit in the GCS in every job's package
 WORKING_DIR_EXCLUDES = [
     ".venv", "runs", ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache", ".mypy_cache",
-    "node_modules", "bench/results",
+    "node_modules", "bench/results", "/token",
 ]  # fmt: skip
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
 EXIT_UNREACHABLE = 4
