@@ -117,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with terminating() if command in TERMINATING else contextlib.nullcontext():
             return _main(argv, command)
-    except (
-        Terminated
-    ) as e:  # SIGTERM (`ray job stop`, kill, docker stop, Kubernetes), where a stage catches it
+    except Terminated as e:  # SIGTERM (`ray job stop`, kill, docker stop, Kubernetes)
         print(f"raychat {command}: terminated (SIGTERM): {e}".removesuffix(": "), file=sys.stderr)
         return 128 + signal.SIGTERM
 

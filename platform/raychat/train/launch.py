@@ -540,7 +540,8 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
     SigtermAsSigint: Ray Train's controller stops the worker group), raised as Terminated of that line, where
     Ray's native handler aborted the driver (exit status -6) with the workers still training; SIGTERM while Ray
     starts (under raychat.sigterm.terminating: raychat.cli) as Terminated of that line too, once ray.init returned
-    and the local Ray it started is shut down (it met Ray's native handler: exit status -6)."""
+    and the local Ray it started is shut down (it ended in exit status 15 with no line, was lost while the run
+    trained on, or met Ray's native handler)."""
     print_plan(cfg, plan)
     mark("plan_printed")
     c = cfg.layout
