@@ -8,6 +8,7 @@ parser's `func` names the function that runs the command, "module:function", imp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import signal
@@ -15,7 +16,7 @@ import sys
 
 from raychat.log import RunGaveUp
 from raychat.ops.job_python import missing_dependency_message
-from raychat.sigterm import Terminated
+from raychat.sigterm import Terminated, terminating
 
 # command -> its line in `raychat --help` (tests/unit/test_cli.py keeps each equal to its parser's own help)
 COMMANDS = {
@@ -38,6 +39,9 @@ COMMANDS = {
     "k8s": "KubeRay: generate k8s/base, submit a stage as a RayJob",
     "grafana": "Grafana: write raychat's dashboard, provision a Grafana",
 }
+
+# the commands whose SIGTERM ends them in their line from their first moment on (main): the training runs
+TERMINATING = ("speedrun", "pretrain", "sft", "rl")
 
 
 def load(target: str):
@@ -110,8 +114,20 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`raychat ARGV`; returns the exit status. A TERMINATING command's SIGTERM raises Terminated from the start
+    (raychat.sigterm.terminating: its imports, its checks, its Ray's start, its run, its way out): the command
+    ends with its line (a training run's says where the same command resumes) and exit status 143."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        with terminating() if command in TERMINATING else contextlib.nullcontext():
+            return _main(argv, command)
+    except Terminated as e:  # SIGTERM (`ray job stop`, kill, docker stop, Kubernetes)
+        print(f"raychat {command}: terminated (SIGTERM): {e}".removesuffix(": "), file=sys.stderr)
+        return 128 + signal.SIGTERM
+
+
+def _main(argv: list[str], command: str | None) -> int:
     try:
         parser = build_parser(command)
         args = parser.parse_args(argv)
@@ -130,11 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # a stage's own line (a training run's: where it resumes) when it has one
         print(f"raychat {args.command}: interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return 130
-    except (
-        Terminated
-    ) as e:  # SIGTERM (`ray job stop`, kill, docker stop, Kubernetes), where a stage catches it
-        print(f"raychat {args.command}: terminated (SIGTERM): {e}".removesuffix(": "), file=sys.stderr)
-        return 128 + signal.SIGTERM
     except (
         RunGaveUp
     ) as e:  # the run ended on a failure it does not retry: its line (a Ray error logged above)

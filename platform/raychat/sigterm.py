@@ -5,11 +5,14 @@ local Ray shut down) and the command ends in one line of its own, exit status 14
 Ray's core worker installs a native SIGTERM handler at ray.init (a stack trace, `*** SIGTERM received ***`, an
 abort: exit status -6), replacing whatever Python had; a handler installed after ray.init replaces it in turn
 (signal.signal is sigaction). ray.init itself runs under init_keeping_handler when SIGTERM must be caught while
-Ray starts. Everything here acts in the main thread only (Python runs signal handlers there).
+Ray starts. The training commands (raychat.cli.TERMINATING) run under terminating() from their first moment, so
+that SIGTERM raises Terminated wherever it lands: their imports, checks, Ray's start, the run (SigtermAsSigint),
+their way out. Everything here acts in the main thread only (Python runs signal handlers there).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -23,6 +26,22 @@ class Terminated(BaseException):
 def raise_terminated(_signum, _frame):
     """The SIGTERM handler that raises Terminated."""
     raise Terminated
+
+
+@contextlib.contextmanager
+def terminating():
+    """In a `with` block, in the main thread: SIGTERM raises Terminated (raise_terminated), for a command's whole
+    life (raychat.cli: the training commands, from before their imports); its Ray starts through
+    init_keeping_handler, and SigtermAsSigint sets it back after a run. The handler of before is back on the way
+    out. Elsewhere (another thread) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 class SigtermAsSigint:

@@ -61,6 +61,7 @@ from raychat.report import file_id, read_state, run_total, settle_stage, write_r
 from raychat.rl.actors import check_layout
 from raychat.rl.cli import check_generation_length
 from raychat.rl.loop import RLRun
+from raychat.sigterm import Terminated
 from raychat.storage import check_writable, open_storage
 from raychat.tasks.registry import check_data, check_present_data, graded, held_out, make_task, parse_mixture
 from raychat.tasks.sft_data import sft_data_split
@@ -454,7 +455,10 @@ def run_rl_stage(
     check_generation_length(cfg, run.tasks)
     if run.finished() is None:
         with run.lease():  # before connect: a run another driver trains is refused before Ray starts
-            connect(pretrain_cfg, preset)
+            try:
+                connect(pretrain_cfg, preset)
+            except Terminated:  # SIGTERM while Ray started (raychat.sigterm.init_keeping_handler)
+                raise Terminated(run.interrupted_line()) from None
             summary = run.run()
     else:
         summary = run.run()

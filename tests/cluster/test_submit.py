@@ -93,6 +93,23 @@ def test_the_clusters_token_file_is_neither_uploaded_nor_committed(tmp_path):
     assert ignored.stdout == "token\n"
 
 
+def test_a_stage_job_is_given_a_stop_grace_its_driver_can_end_in():
+    """Ray SIGKILLs a stopped job's driver RAY_JOB_STOP_WAIT_TIME_S (3 s) after its SIGTERM; a pretrain driver
+    took 2.3-4.1 s to stop its workers, print its line, delete its lease and exit (docs/deployment.md), so a
+    stage's job gets 30 s, which --env overrides; a `command` job keeps Ray's default."""
+    assert submit.job_env_vars("pretrain", ["A=1"]) == {"A": "1", "RAY_JOB_STOP_WAIT_TIME_S": "30"}
+    assert submit.job_env_vars("speedrun", ["RAY_JOB_STOP_WAIT_TIME_S=0"]) == {
+        "RAY_JOB_STOP_WAIT_TIME_S": "0"
+    }
+    assert submit.job_env_vars("command", ["A=1"]) == {"A": "1"}
+    for bad in ("2.5", "-1", "", "ten"):
+        with pytest.raises(ValueError) as e:
+            submit.job_env_vars("command", [f"RAY_JOB_STOP_WAIT_TIME_S={bad}"])
+        assert str(e.value) == (
+            f"--env RAY_JOB_STOP_WAIT_TIME_S={bad}: Ray reads it as whole seconds; allowed: an integer >= 0"
+        )
+
+
 def test_project_requirements_drop_torch_keep_the_rest(tmp_path):
     (tmp_path / "pyproject.toml").write_text(
         '[project]\nname = "x"\ndependencies = ["torch>=2.13,<2.15", "torchao>=0.18,<0.19", "ray[serve]>=2.60"]\n'

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from support.cluster import RAY_STARTUP_WAIT, _cmdline, _kill_leftovers
+from support.cluster import RAY_STARTUP_WAIT, _kill_leftovers
 from support.serve_helpers import write_tiny_checkpoint
 from support.serve_process import free_port
+from support.signalled import signalled, wait_ray_starting
 
 # "ready" is printed by _block's first sleep, after _block installed its handler: printed before _block, a
 # SIGTERM could come first and meet the core worker's native handler (abort, exit -6)
@@ -46,7 +45,7 @@ def test_serve_ends_on_sigterm_as_on_ctrl_c_with_one_line(tmp_path):
     exit 0, with every process of its Ray gone (it hung: Ray's handler raised SystemExit within ray.init)."""
     checkpoint = write_tiny_checkpoint(tmp_path / "ckpt")
     command = [sys.executable, "-m", "raychat.cli", "serve", "--checkpoint", str(checkpoint)]
-    out, code, left = _signalled(command + ["--port", str(free_port())], _wait_ray_starting)
+    out, code, left = signalled(command + ["--port", str(free_port())], wait_ray_starting)
     assert code == 0, out
     assert "Traceback" not in out and "SIGTERM received" not in out, out
     assert (
@@ -60,7 +59,7 @@ def test_serve_ends_on_sigterm_as_on_ctrl_c_with_one_line(tmp_path):
         _wait_ready(proc, ray_tmp)
         second.append(_run_on_own_ray([*command, "--port", str(port)]))
 
-    out, code, left = _signalled([sys.executable, "-c", SCRIPT, str(port)], ready_then_serve_on_its_port)
+    out, code, left = signalled([sys.executable, "-c", SCRIPT, str(port)], ready_then_serve_on_its_port)
     assert code == 0, out
     assert "received" not in out and "Traceback" not in out, out
     assert out.strip().splitlines()[-1] == "raychat serve: stopped (SIGTERM); Serve shut down", out
@@ -87,49 +86,6 @@ def _run_on_own_ray(command: list[str]) -> tuple[str, int, bool]:
         _kill_leftovers(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     return done.stdout + done.stderr, done.returncode, started
-
-
-def _signalled(command: list[str], wait) -> tuple[str, int, list[int]]:
-    """Run `command` over a Ray temp dir of its own, SIGTERM it once wait(proc, ray_tmp) returned; its
-    output, exit status and the processes still naming its Ray temp dir 5 s after it exited."""
-    ray_tmp = tempfile.mkdtemp(prefix="rcsig-", dir="/tmp")  # short: Ray's socket paths
-    env = {**os.environ, **RAY_STARTUP_WAIT, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    try:
-        wait(proc, ray_tmp)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=90)
-        deadline = time.monotonic() + 5  # a node process killed as its parent exits is gone within moments
-        while (left := _naming(ray_tmp)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        _kill_leftovers(ray_tmp)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    return out, proc.returncode, left
-
-
-def _naming(marker: str) -> list[int]:
-    """Ids of the processes whose command line contains `marker`."""
-    pids = [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
-    return [pid for pid in pids if marker in " ".join(_cmdline(pid))]
-
-
-def _wait_ray_starting(proc: subprocess.Popen, ray_tmp: str, timeout_s: float = 120.0) -> None:
-    """Wait until the child's ray.init has created its session directory under `ray_tmp` (Ray's SIGTERM
-    handler is in place from ray.init's start; its node processes are starting)."""
-    deadline = time.monotonic() + timeout_s
-    while not list(Path(ray_tmp).glob("ray/session_*")):
-        if proc.poll() is not None:
-            raise AssertionError(f"the child exited with {proc.returncode} first: {proc.stdout.read()}")
-        if time.monotonic() > deadline:
-            raise AssertionError("the child's Ray did not start in time")
-        time.sleep(0.01)
 
 
 def _wait_ready(proc: subprocess.Popen, _ray_tmp: str, timeout_s: float = 120.0) -> None:

@@ -964,13 +964,19 @@ def test_a_second_start_of_a_running_run_is_refused_before_ray_starts(pretrained
     metrics.jsonl and pruning into the same directory (every step twice in metrics.jsonl). The second now gets
     one line naming the lease, its holder and what to do; nothing under the root changes. Once the first is
     stopped (SIGTERM, as `raychat jobs stop` sends), its lease is gone and the run starts."""
-    argv, _ = pretrained
+    argv, d = pretrained
     argv = [*argv, "--num-iterations", "6"]
     root = Path(argv[argv.index("--storage-path") + 1])
     script = tmp_path / "holder.py"
     script.write_text(_HOLDER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(launch.__file__).parents[2]), *sys.path])}
-    first = subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, text=True, env=env)
+    first = subprocess.Popen(
+        [sys.executable, str(script), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         lines = []
         for line in first.stdout:
@@ -992,6 +998,11 @@ def test_a_second_start_of_a_running_run_is_refused_before_ray_starts(pretrained
         )
         first.send_signal(signal.SIGTERM)
         assert first.wait(30) == 128 + signal.SIGTERM
+        # the run's line, as once it trains (raychat.sigterm.terminating): it had none while Ray started
+        assert first.stderr.read().strip().splitlines()[-1] == (
+            "raychat pretrain: terminated (SIGTERM): pretrain run 'p1' stopped before its last step; the same "
+            f"command starts it again: it resumes from its newest committed checkpoint {d}"
+        )
     finally:
         first.kill()
         first.wait()

@@ -25,6 +25,9 @@ runtime_env is set up, or until Ray's start timeout fails it (RAY_JOB_START_TIME
 default 900 s); following it says so every PENDING_REPORT_EVERY_S. On a cluster that cannot grow (Ray's
 read-only monitor: a head started without an autoscaling config) submit refuses resources no node has
 (fixed_cluster_capacity). Ray delivers a stop to a started driver only: `jobs stop` of a PENDING job says so.
+A stopped job's driver gets SIGTERM, and SIGKILL RAY_JOB_STOP_WAIT_TIME_S later (Ray's default 3 s, short of what a
+training driver needs to stop its workers, print its line, delete its lease and exit): a stage's job is submitted
+with RAY_JOB_STOP_WAIT_TIME_S=30 in its env_vars unless --env sets it (job_env_vars).
 
 Exit codes of `submit` and `jobs logs --follow`: 0 SUCCEEDED, 1 FAILED, 3 STOPPED, 4 cannot reach or
 authenticate to the cluster, 2 bad arguments; with --no-wait, 0 once the job is accepted.
@@ -65,6 +68,11 @@ WORKING_DIR_EXCLUDES = [
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
 EXIT_UNREACHABLE = 4
 EXIT_COMMAND_NOT_FOUND = 127  # what the job's shell returns when the entrypoint's program does not exist
+# Ray's job supervisor SIGKILLs a stopped job's driver RAY_JOB_STOP_WAIT_TIME_S after its SIGTERM (3 s in Ray
+# 2.60), read from its own environment, which the job's runtime_env env_vars reach; a stage's driver took up to
+# 4.1 s from SIGTERM to exit (docs/deployment.md): a stage's job gets 30 s
+STOP_WAIT_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
+STAGE_STOP_WAIT_S = 30
 # a followed job still PENDING after PENDING_REPORT_AFTER_S is reported, then every PENDING_REPORT_EVERY_S
 PENDING_REPORT_AFTER_S, PENDING_REPORT_EVERY_S = 5.0, 30.0
 # submit's flags -> the resource each reserves for the job's entrypoint
@@ -195,6 +203,23 @@ def project_requirements(working_dir: Path) -> list[str]:
     return [
         d for d in deps if not d.replace(" ", "").lower().startswith(("torch>", "torch=", "torch<", "torch;"))
     ]
+
+
+def job_env_vars(stage: str, items: list[str]) -> dict[str, str]:
+    """The job's environment variables (runtime_env env_vars): --env's KEY=VALUE `items`, and for a stage (not
+    `command`) RAY_JOB_STOP_WAIT_TIME_S=STAGE_STOP_WAIT_S unless --env sets it (module doc).
+
+    Raises ValueError: an item that is not KEY=VALUE; a RAY_JOB_STOP_WAIT_TIME_S that is not a whole number of
+    seconds >= 0 (Ray's supervisor would fail on it only when the job is stopped)."""
+    env = _parse_env(items)
+    wait = env.get(STOP_WAIT_ENV)
+    if wait is not None and not (wait.isascii() and wait.isdigit()):
+        raise ValueError(
+            f"--env {STOP_WAIT_ENV}={wait}: Ray reads it as whole seconds; allowed: an integer >= 0"
+        )
+    if stage != "command":
+        env.setdefault(STOP_WAIT_ENV, str(STAGE_STOP_WAIT_S))
+    return env
 
 
 def _parse_env(items: list[str]) -> dict[str, str]:
@@ -361,7 +386,7 @@ def cmd_submit(args) -> int:
         pip = list(args.pip or [])
         if args.pip_project:
             pip = project_requirements(working_dir) + pip
-        runtime_env = runtime_env_for(working_dir, pip, _parse_env(args.env or []))
+        runtime_env = runtime_env_for(working_dir, pip, job_env_vars(args.stage, args.env or []))
         client = make_client(args.address, args.token_file)
         resources, flags = entrypoint_resources(args)
         check_entrypoint_fits(client, resources, flags)

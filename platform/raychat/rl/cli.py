@@ -24,6 +24,7 @@ from raychat.config import ConfigError, RLConfig, from_args, from_dict
 from raychat.ray_token import token_for
 from raychat.rl.actors import check_layout
 from raychat.rl.loop import RLRun
+from raychat.sigterm import Terminated, init_keeping_handler
 from raychat.storage import check_writable, open_storage
 from raychat.tasks.registry import check_data
 from raychat.train.layout import local_cores
@@ -126,15 +127,20 @@ def main(args) -> int:
 
 
 def _run_on_ray(run: RLRun, args, local: bool) -> dict:
-    """run.run() on the cluster of --address / RAY_ADDRESS, or on a local one started here (and shut down after)."""
+    """run.run() on the cluster of --address / RAY_ADDRESS, or on a local one started here (and shut down after).
+    SIGTERM while Ray starts raises Terminated of run's interrupted line once ray.init returned (its Ray then shut
+    down: raychat.sigterm.init_keeping_handler)."""
     started = not ray.is_initialized()
-    if started:
-        with token_for(args.address, args.token_file):
-            if local:
-                start_local_cluster(num_cpus=local_cores())
-            else:
-                ray.init(address=args.address)
     try:
+        if started:
+            try:
+                with token_for(args.address, args.token_file):
+                    if local:
+                        init_keeping_handler(start_local_cluster, num_cpus=local_cores())
+                    else:
+                        init_keeping_handler(ray.init, address=args.address)
+            except Terminated:  # SIGTERM while Ray started (under raychat.sigterm.terminating: raychat.cli)
+                raise Terminated(run.interrupted_line()) from None
         return run.run()
     finally:
         if started:

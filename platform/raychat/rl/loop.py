@@ -343,7 +343,12 @@ class RLRun:
             with SigtermAsSigint():
                 return self._run()
         except (KeyboardInterrupt, Terminated) as e:
-            raise type(e)(interrupted(self.label, self.newest_uri())) from None
+            raise type(e)(self.interrupted_line()) from None
+
+    def interrupted_line(self) -> str:
+        """The line of this run stopped before its last step (Ctrl-C, SIGTERM): the checkpoint the same command
+        resumes from (raychat.train.launch.interrupted)."""
+        return interrupted(self.label, self.newest_uri())
 
     def lease(self) -> RunLease:
         """The run's lease (raychat.lease), held while it is in a `with` block: run() trains under it, taking it

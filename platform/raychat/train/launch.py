@@ -538,14 +538,22 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
     KeyboardInterrupt of one line (interrupted: the checkpoint a new start resumes from), which Ray Train ended
     in a bare SystemExit(1): no line, exit status 1; SIGTERM once Ray is up as Ctrl-C (raychat.sigterm:
     SigtermAsSigint: Ray Train's controller stops the worker group), raised as Terminated of that line, where
-    Ray's native handler aborted the driver (exit status -6) with the workers still training."""
+    Ray's native handler aborted the driver (exit status -6) with the workers still training; SIGTERM while Ray
+    starts (under raychat.sigterm.terminating: raychat.cli) as Terminated of that line too, once ray.init returned
+    and the local Ray it started is shut down (it ended in exit status 15 with no line, was lost while the run
+    trained on, or met Ray's native handler)."""
     print_plan(cfg, plan)
     mark("plan_printed")
     c = cfg.layout
     started = not ray.is_initialized()
-    line, capacity = start_or_connect(
-        c.num_workers, c.cpus_per_worker, spec.data_cpus, c.use_gpu, flags.option
-    )
+    run = f"{cfg.run.stage} run {cfg.run.run_name!r}"
+    try:
+        line, capacity = start_or_connect(
+            c.num_workers, c.cpus_per_worker, spec.data_cpus, c.use_gpu, flags.option
+        )
+    except Terminated:  # SIGTERM while Ray started (raychat.sigterm.init_keeping_handler) or was checked
+        _stop_own_cluster(started)
+        raise Terminated(interrupted(run, newest_uri(paths.checkpoints))) from None
     mark("ray_connected")
     with SigtermAsSigint() as sigterm:  # after ray.init: Ray's native SIGTERM handler aborted the process
         log(line)
@@ -575,7 +583,6 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
                 failure_config=failure_config(c),
             ),
         )
-        run = f"{cfg.run.stage} run {cfg.run.run_name!r}"
         try:
             fitted = fit(trainer, cfg, capacity, flags)
         except (SystemExit, Terminated):  # Ray Train's SIGINT handler aborted the run (Ctrl-C or SIGTERM)

@@ -32,6 +32,7 @@ from raychat.capacity import (
     start_local_cluster,
 )
 from raychat.config.schema import flag_name
+from raychat.sigterm import init_keeping_handler
 
 RAY_DATA_MIN_CPUS = (
     1.0  # Ray 2.60 read_parquet's ListFiles task (ray/data/_internal/planner/plan_list_files_op.py)
@@ -158,15 +159,17 @@ def start_or_connect(
         ValueError: the layout does not fit; for a local cluster before Ray starts; one line naming the options,
             the need and the largest node type.
         raychat.capacity.ClusterStartError: the local cluster did not start (one line, with a hint).
+        raychat.sigterm.Terminated: SIGTERM while Ray started, under raychat.sigterm.raise_terminated (Ray starts
+            through init_keeping_handler: Ray's native handler aborted the process), raised once ray.init returned.
     """
     flags = layout_flags(num_workers, cpus_per_worker, use_gpu, option)
     if starts_local_cluster():
         line = check_local_layout(num_workers, cpus_per_worker, data_cpus, use_gpu, option)
-        start_local_cluster(num_cpus=local_cluster_cpus())
+        init_keeping_handler(start_local_cluster, num_cpus=local_cluster_cpus())
         line = f"{line} (a local Ray cluster: {local_cores()} cores + {LOCAL_DATA_CPUS} for Ray Data)"
         return line, read_capacity()
     if not ray.is_initialized():
-        ray.init()
+        init_keeping_handler(ray.init)
     capacity = read_capacity()
     bundle = worker_bundle(cpus_per_worker, use_gpu)
     check_bundles([bundle] * num_workers, capacity, flags)
