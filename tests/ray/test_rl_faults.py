@@ -237,7 +237,9 @@ def test_a_failed_topology_start_leaves_no_placement_group(ray_cluster, checkpoi
 
     # actors that do not start within START_S + READ_BASE_S + --init-from's bytes at READ_BYTES_PER_S (here
     # 0.1 + 0.2 + 0.2 s: a process and torch take longer) are named, not waited for for ever
-    nbytes = sum(p.stat().st_size for p in Path(checkpoint).rglob("*") if p.is_file())
+    nbytes = sum(
+        f["size"] for f in json.loads((Path(checkpoint) / "commit.json").read_text())["files"].values()
+    )
     for name, value in (("START_S", 0.1), ("READ_BASE_S", 0.2), ("READ_BYTES_PER_S", nbytes / 0.2)):
         monkeypatch.setattr(rl_actors, name, value)
     cfg = tiny_config(checkpoint, str(tmp_path))
@@ -622,6 +624,6 @@ def test_lost_learners_are_pinged_at_once_and_every_one_named(ray_cluster, check
     finally:
         actors.stop()
     assert lost == {0: None, 1: "no answer within 4 s", 2: "no answer within 4 s"}
-    assert 4 <= took < 7.5, took
+    assert 3.99 <= took < 7.5, took  # (ray.wait may return 0.1 ms early: above)
     assert lost_line(lost) == "learners 0, 1 (no answer within 4 s) and 2 (no answer within 4 s) were lost"
     assert lost_line({1: None}) == "learner 1 was lost"

@@ -1,30 +1,46 @@
 """The deadline of a rollout chunk (raychat.rl.actors.rollout_deadline), worked out by hand: ROLLOUT_FACTOR (10) x
-the longest chunk of each kind so far, summed over the chunks on the actor up to this one, at least ROLLOUT_MIN_S
-(600 s); the line says how it was sized."""
+the longest chunk of each kind so far, or, of a kind none of which has completed yet, its completion budget
+(prompts x samples x --max-tokens) at FIRST_TOKENS_PER_S of the device, summed over the chunks on the actor up to
+this one, at least ROLLOUT_MIN_S (600 s); the line says how it was sized."""
 
+import pyarrow.fs as pafs
+from support.rl_fixtures import tiny_config
+
+from raychat.checkpoint_manager import commit_directory
 from raychat.rl import actors
-from raychat.rl.actors import rollout_deadline
+from raychat.rl.actors import committed_bytes, read_budget, read_deadline_s, rollout_deadline
+from raychat.rl.dispatcher import RolloutDispatcher
 
 
-def test_the_first_chunk_of_a_kind_has_the_minimum_only():
+def test_the_first_chunk_of_a_kind_is_sized_from_its_completion_budget():
+    """The baseline evaluation at step 0 had 600 s whatever its size: a CPU run's evaluation of 640 held-out
+    prompts x 8 samples x 256 tokens over 2 actors (655,360 tokens an actor, hours on a CPU) was killed at every
+    restart (it comes again after each) until the run gave up. Now its budget at 5 tokens/s (CPU) or 100 (GPU)."""
     assert (actors.ROLLOUT_MIN_S, actors.ROLLOUT_FACTOR) == (600.0, 10.0)
-    assert rollout_deadline({}, ["train"]) == (
+    assert actors.FIRST_TOKENS_PER_S == {"cpu": 5.0, "cuda": 100.0}
+    assert rollout_deadline({}, [("test", 320 * 8 * 256)], "cpu") == (
+        131072.0,
+        "at least 600 s, else 655,360 tokens at 5 tokens/s (no evaluation chunk done yet: prompts x samples x "
+        "--max-tokens)",
+    )
+    assert rollout_deadline({}, [("test", 320 * 8 * 256)], "cuda")[0] == 6553.6
+    # a small first chunk (the cpu preset's first rollout: 8 prompts x 8 samples x 40 tokens) keeps the minimum
+    assert rollout_deadline({}, [("train", 8 * 8 * 40)], "cpu") == (
         600.0,
-        "at least 600 s, else 10 x the longest training chunk so far (none yet)",
+        "at least 600 s, else 2,560 tokens at 5 tokens/s (no training chunk done yet: prompts x samples x "
+        "--max-tokens)",
     )
     # a training chunk measured says nothing of an evaluation's (another size: --eval-examples x --eval-samples)
-    assert rollout_deadline({"train": 90.0}, ["test"]) == (
-        600.0,
-        "at least 600 s, else 10 x the longest evaluation chunk so far (none yet)",
-    )
+    assert rollout_deadline({"train": 90.0}, [("test", 32 * 8 * 48)], "cpu")[0] == 2457.6
 
 
 def test_a_measured_chunk_sizes_the_next_of_its_kind():
-    assert rollout_deadline({"train": 1.5}, ["train"]) == (
+    """Once one chunk of its kind completed, its budget no longer counts: 10 x the longest, at least 600 s."""
+    assert rollout_deadline({"train": 1.5}, [("train", 10**6)], "cpu") == (
         600.0,
         "at least 600 s, else 10 x the longest training chunk so far (1.5 s)",
     )  # 15 s < the minimum
-    assert rollout_deadline({"train": 75.0, "test": 2.0}, ["train"]) == (
+    assert rollout_deadline({"train": 75.0, "test": 2.0}, [("train", 10**6)], "cpu") == (
         750.0,
         "at least 600 s, else 10 x the longest training chunk so far (75 s)",
     )
@@ -32,9 +48,52 @@ def test_a_measured_chunk_sizes_the_next_of_its_kind():
 
 def test_the_chunks_queued_on_its_actor_ahead_of_it_add_up():
     """An evaluation issued in async mode (--max-staleness 2) waits behind the next 2 steps' training chunks on
-    its actor: 10 x (2 x 40 s + 100 s) = 1,800 s."""
-    assert rollout_deadline({"train": 40.0, "test": 100.0}, ["train", "train", "test"]) == (
+    its actor: 10 x (2 x 40 s + 100 s) = 1,800 s; before any evaluation completed, 10 x 2 x 40 s + 20,000
+    tokens at 5 tokens/s = 4,800 s."""
+    assert rollout_deadline(
+        {"train": 40.0, "test": 100.0}, [("train", 1), ("train", 1), ("test", 1)], "cpu"
+    ) == (
         1800.0,
         "at least 600 s, else 10 x 2 x the longest training chunk so far (40 s), the longest evaluation chunk so "
         "far (100 s): the 3 chunks on its actor, this one last",
     )
+    assert rollout_deadline({"train": 40.0}, [("train", 1), ("train", 1), ("test", 20_000)], "cpu") == (
+        4800.0,
+        "at least 600 s, else 10 x 2 x the longest training chunk so far (40 s) + 20,000 tokens at 5 tokens/s (no "
+        "evaluation chunk done yet: prompts x samples x --max-tokens): the 3 chunks on its actor, this one last",
+    )
+
+
+def test_a_chunks_completion_budget_is_its_prompts_x_samples_x_max_tokens(tmp_path):
+    """What the dispatcher sizes a first chunk from: a training chunk's prompts x --samples-per-prompt x
+    --max-tokens, an evaluation's prompts x --eval-samples (1 when greedy) x --max-tokens."""
+    cfg = tiny_config("ck", str(tmp_path), samples_per_prompt=3, eval_samples=5, max_tokens=7)
+    work = RolloutDispatcher(cfg, None, None, 10)._work
+    assert work({"split": "train", "indices": [4, 1]}) == ("train", 2 * 3 * 7)
+    assert work({"split": "test", "indices": [0, 1, 2]}) == ("test", 3 * 5 * 7)
+    greedy = tiny_config(
+        "ck", str(tmp_path), samples_per_prompt=3, eval_samples=5, max_tokens=7, eval_temperature=0
+    )
+    assert RolloutDispatcher(greedy, None, None, 10)._work({"split": "test", "indices": [0, 1, 2]}) == (
+        "test",
+        21,
+    )
+
+
+def test_a_checkpoint_read_is_sized_from_its_commit_marker_twice_when_remote(tmp_path, s3_env):
+    """An actor's start waited START_S + READ_BASE_S + --init-from's bytes at READ_BYTES_PER_S, those bytes summed
+    from a local directory only: of an s3:// --init-from, 0 bytes, though each node downloads it and then reads
+    it again for its sha256 check. Now the bytes its commit marker lists (11 + 5 = 16 here), twice when remote."""
+    ck = tmp_path / "checkpoint_000003"
+    ck.mkdir()
+    (ck / "meta.json").write_bytes(b'{"step": 3}')  # 11 bytes
+    (ck / "model.safetensors").write_bytes(b"w" * 5)
+    commit_directory(ck, 3, "sft")
+    bucket = s3_env.make_bucket()
+    pafs.copy_files(str(ck), f"{bucket}/run/checkpoint_000003", destination_filesystem=s3_env.filesystem())
+    uri = f"s3://{bucket}/run/checkpoint_000003"
+    assert committed_bytes(str(ck)) == committed_bytes(uri) == 16
+    assert committed_bytes(str(tmp_path / "missing")) == 0  # the actors raise their own error
+    assert read_deadline_s(16 * 10**6) == 61.6 and read_budget(16 * 10**6) == "60 s + 16 MB at 10 MB/s"
+    assert read_deadline_s(16 * 10**6, remote=True) == 63.2
+    assert read_budget(16 * 10**6, remote=True) == "60 s + 2 x 16 MB at 10 MB/s (downloaded, then checked)"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
@@ -23,11 +22,13 @@ from raychat.capacity import (
     missing_resources,
     read_capacity,
 )
+from raychat.checkpoint_manager import COMMIT_FILE, parse_commit
 from raychat.config import RLConfig
 from raychat.config.schema import flag_name, shown
 from raychat.rl.learner import LearnerActor
 from raychat.rl.rollout import RolloutActor
 from raychat.rl.weights import create_collective_group
+from raychat.storage import is_remote, open_storage, read_bytes
 
 
 def role_bundles(cfg: RLConfig) -> tuple[list[dict], list[dict]]:
@@ -112,7 +113,7 @@ PEER_GRACE_S = 10.0
 
 # Deadlines of the driver's calls on the actors that take about as long whatever the run asks of them; past one,
 # ActorTimeout: the run stops its actor group and starts it again within --max-failures, as for a lost actor
-# (raychat.rl.loop). A rollout or evaluation chunk has one sized from the run's own chunks (rollout_deadline_s). A
+# (raychat.rl.loop). A rollout or evaluation chunk has one sized from the run's own chunks (rollout_deadline). A
 # learner step or checkpoint save and a weight sync (queued behind the rollouts in flight, in async mode) take as
 # long as their work and have none; a learner's peers, once one raised, have PEER_GRACE_S.
 PING_S = 30.0  # Learner.pid: it only answers (lost_learners)
@@ -128,47 +129,78 @@ START_S = 600.0
 
 # A rollout or evaluation chunk takes as long as its work (its prompts x samples x --max-tokens on this model and
 # device), so the driver waits for it ROLLOUT_FACTOR x the longest chunk of its kind (a training rollout, an
-# evaluation) completed so far in this run, at least ROLLOUT_MIN_S; the first chunk of each kind has the minimum
-# only. ROLLOUT_FACTOR covers what makes a healthy chunk slower than the longest before it: measured (bench/
-# rl_chunk_times.py, bench/results/rl.md), at most 1.97x in async mode (the learner sharing the CPUs), 1.5x in sync
-# mode, over 100 chunks of 2 runs; and completions that grow to --max-tokens (a chunk decodes until its longest
-# completion ends; those runs' longest were 22-31 of 32 tokens, a policy may go from a fifth of --max-tokens to
-# all of it): 2 x 5. ROLLOUT_MIN_S covers a first chunk, a cold engine's warm-up in it: the presets' largest,
-# gpu8's evaluation (67 prompts x 8 samples x 256 tokens an actor), is ~30 s at that preset's assumed 5,000
-# tokens/s; 10 minutes, as an actor's start (START_S), leaves 20x of room and finds a hung actor within minutes.
+# evaluation) completed so far in this run, at least ROLLOUT_MIN_S. ROLLOUT_FACTOR covers what makes a healthy
+# chunk slower than the longest before it: measured (bench/rl_chunk_times.py, bench/results/rl.md), at most 1.97x
+# in async mode (the learner sharing the CPUs), 1.5x in sync mode, over 100 chunks of 2 runs; and completions that
+# grow to --max-tokens (a chunk decodes until its longest completion ends; those runs' longest were 22-31 of 32
+# tokens, a policy may go from a fifth of --max-tokens to all of it): 2 x 5. ROLLOUT_MIN_S covers a cold engine's
+# warm-up: the presets' largest, gpu8's evaluation (67 prompts x 8 samples x 256 tokens an actor), is ~30 s at
+# that preset's assumed 5,000 tokens/s; 10 minutes, as an actor's start (START_S), leaves 20x of room and finds a
+# hung actor within minutes. A chunk of a kind none of which has completed yet (the baseline evaluation at step 0,
+# the first rollout) has no chunk to be sized from, and its size is the user's (--eval-examples x --eval-samples x
+# --max-tokens has no bound): it gets its completion budget (prompts x samples x --max-tokens tokens) at
+# FIRST_TOKENS_PER_S of its device, so that a large one is not killed at every restart (the baseline evaluation
+# comes again after each). CPU: 5 tokens/s, 2x below the wall rate of one request of a depth-8 model on a 2-core
+# machine at a load average of 10-16 (11 tokens/s; 31-61 with 8-64 requests together:
+# bench/results/engine_decode.md); GPU: 100 tokens/s, 50x below gpu8's assumed 5,000.
 ROLLOUT_MIN_S = 600.0
 ROLLOUT_FACTOR = 10.0
+FIRST_TOKENS_PER_S = {"cpu": 5.0, "cuda": 100.0}
 CHUNK_KINDS = {"train": "training", "test": "evaluation"}  # a chunk's split -> how its deadline names it
 
 
-def rollout_deadline(longest: dict[str, float], kinds: list[str]) -> tuple[float, str]:
-    """(seconds, how they were sized) the driver waits for a rollout chunk, from the moment it starts waiting:
-    max(ROLLOUT_MIN_S, ROLLOUT_FACTOR x the sum, over `kinds`, of longest[kind]). kinds: the split ("train",
-    "test") of every chunk its actor runs before it returns, the chunks issued there before it and not collected
-    yet, then its own (an evaluation issued in async mode waits behind the training chunks of the next
-    --max-staleness steps). longest: seconds of the longest chunk of each kind completed so far in the run (its
-    actor's wall time of the call); a kind not in it (none completed yet) counts 0. The line says how: "at least
-    600 s, else 10 x the longest training chunk so far (1.23 s)"."""
-    counts = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
-    measured = sum(longest.get(k, 0.0) * n for k, n in counts.items())
-    so_far = ", ".join(
-        f"{'' if n == 1 else f'{n} x '}the longest {CHUNK_KINDS[k]} chunk so far "
-        f"({f'{longest[k]:.3g} s' if k in longest else 'none yet'})"
-        for k, n in counts.items()
-    )
-    what = so_far if len(kinds) == 1 else f"{so_far}: the {len(kinds)} chunks on its actor, this one last"
-    budget = f"at least {ROLLOUT_MIN_S:g} s, else {ROLLOUT_FACTOR:g} x {what}"
-    return max(ROLLOUT_MIN_S, ROLLOUT_FACTOR * measured), budget
+def rollout_deadline(
+    longest: dict[str, float], chunks: list[tuple[str, int]], device: str
+) -> tuple[float, str]:
+    """(seconds, how they were sized) the driver waits for a rollout chunk, from the moment it starts waiting: at
+    least ROLLOUT_MIN_S, else the sum over `chunks` of ROLLOUT_FACTOR x longest[kind], or, for a kind not in
+    `longest` (none completed yet), of its tokens at FIRST_TOKENS_PER_S[device] ("cpu", "cuda").
+
+    chunks: (kind: the split, "train" or "test"; tokens: its completion budget, prompts x samples x --max-tokens)
+    of every chunk its actor runs before it returns, the chunks issued there before it and not collected yet,
+    then its own (an evaluation issued in async mode waits behind the training chunks of the next --max-staleness
+    steps). longest: seconds of the longest chunk of each kind completed so far in the run (its actor's wall time
+    of the call). The line says how: "at least 600 s, else 10 x the longest training chunk so far (1.23 s)",
+    "at least 600 s, else 16,384 tokens at 5 tokens/s (no evaluation chunk done yet: prompts x samples x
+    --max-tokens)"."""
+    kinds = [k for k, _ in chunks]
+    counts = {k: kinds.count(k) for k in dict.fromkeys(kinds) if k in longest}
+    first: dict[str, int] = {}
+    for kind, tokens in chunks:
+        if kind not in longest:
+            first[kind] = first.get(kind, 0) + tokens
+    rate = FIRST_TOKENS_PER_S[device]
+    seconds = ROLLOUT_FACTOR * sum(longest[k] * n for k, n in counts.items()) + sum(first.values()) / rate
+    terms = [
+        f"{ROLLOUT_FACTOR:g} x "
+        + ", ".join(
+            f"{'' if n == 1 else f'{n} x '}the longest {CHUNK_KINDS[k]} chunk so far ({longest[k]:.3g} s)"
+            for k, n in counts.items()
+        )
+    ] if counts else []  # fmt: skip
+    terms += [
+        f"{tokens:,} tokens at {rate:g} tokens/s (no {CHUNK_KINDS[k]} chunk done yet: prompts x samples x "
+        "--max-tokens)"
+        for k, tokens in first.items()
+    ]
+    what = " + ".join(terms)
+    if len(chunks) > 1:
+        what += f": the {len(chunks)} chunks on its actor, this one last"
+    return max(ROLLOUT_MIN_S, seconds), f"at least {ROLLOUT_MIN_S:g} s, else {what}"
 
 
-def read_deadline_s(nbytes: int) -> float:
-    """Seconds a call that reads a checkpoint of `nbytes` bytes may take: READ_BASE_S + nbytes / READ_BYTES_PER_S."""
-    return READ_BASE_S + nbytes / READ_BYTES_PER_S
+def read_deadline_s(nbytes: int, remote: bool = False) -> float:
+    """Seconds a call that reads a checkpoint of `nbytes` bytes may take: READ_BASE_S + nbytes / READ_BYTES_PER_S,
+    the bytes counted twice for a remote one (downloaded, then its sha256 checked:
+    raychat.checkpoint_manager.resolve_checkpoint)."""
+    return READ_BASE_S + (2 if remote else 1) * nbytes / READ_BYTES_PER_S
 
 
-def read_budget(nbytes: int) -> str:
-    """How read_deadline_s sized its deadline, for ActorTimeout's line: "60 s + 1.2 MB at 10 MB/s"."""
-    return f"{READ_BASE_S:g} s + {nbytes / 1e6:.3g} MB at {READ_BYTES_PER_S / 1e6:.3g} MB/s"
+def read_budget(nbytes: int, remote: bool = False) -> str:
+    """How read_deadline_s sized its deadline, for ActorTimeout's line: "60 s + 1.2 MB at 10 MB/s", of a remote
+    checkpoint "60 s + 2 x 1.2 MB at 10 MB/s (downloaded, then checked)"."""
+    twice, checked = ("2 x ", " (downloaded, then checked)") if remote else ("", "")
+    return f"{READ_BASE_S:g} s + {twice}{nbytes / 1e6:.3g} MB at {READ_BYTES_PER_S / 1e6:.3g} MB/s{checked}"
 
 
 class ActorTimeout(RuntimeError):
@@ -278,7 +310,8 @@ class ActorGroup:
 
         Raises ValueError when the group is not placed in time (one line naming the flags that size it and the
         missing resource); ActorTimeout naming the actors not started within START_S + read_deadline_s of
-        --init-from's bytes; the actors' errors (ray.exceptions.RayActorError) as they are."""
+        --init-from's bytes (its commit marker's sizes; twice, of a remote one); the actors' errors
+        (ray.exceptions.RayActorError) as they are."""
         try:
             self._start(self.cfg.layout.schedule_timeout_s if ready_timeout_s is None else ready_timeout_s)
         except BaseException:
@@ -305,9 +338,9 @@ class ActorGroup:
             reporter.stop(placed)
         device = "cuda" if gpu else "cpu"
         init = self.cfg.run.init_from
-        nbytes = local_bytes(init)
-        wait_s = START_S + read_deadline_s(nbytes)
-        budget = f"{START_S:g} s to start + {read_budget(nbytes)} of {self.option('init_from')}"
+        nbytes, remote = committed_bytes(init), is_remote(init)
+        wait_s = START_S + read_deadline_s(nbytes, remote)
+        budget = f"{START_S:g} s to start + {read_budget(nbytes, remote)} of {self.option('init_from')}"
         fix = f"check that its node starts Ray workers (its raylet's log) and reads {init} (a hung mount)"
         learner_names = [f"learner {r}" for r in range(t.learner_workers)]
         self.learners = [
@@ -422,10 +455,15 @@ def forget_group(group_name: str) -> None:
         pass
 
 
-def local_bytes(path: str) -> int:
-    """The bytes of the files under the local directory `path` (0 for anything else: a URI, a missing path)."""
-    root = Path(path)
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
+def committed_bytes(checkpoint: str) -> int:
+    """The bytes of the files the commit marker of `checkpoint` (a local directory or a remote URI) lists: one small
+    read; 0 when it cannot be read (the actors that read the checkpoint raise their own error)."""
+    try:
+        where = open_storage(checkpoint)
+        commit = parse_commit(read_bytes(where, f"{where.path}/{COMMIT_FILE}"), checkpoint)
+    except (OSError, ValueError):
+        return 0
+    return sum(f["size"] for f in commit["files"].values())
 
 
 def threads(cpus: float) -> int:

@@ -20,9 +20,10 @@ sample whose Task.reward (or, in an evaluation, Task.is_correct) raises is score
 a broken reward function, not a bad sample, and StepFailed stops the run.
 
 Deadline: the driver waits for a chunk raychat.rl.actors.rollout_deadline, ROLLOUT_FACTOR x the longest chunk of
-its kind (training rollout or evaluation) completed so far in the run, summed over the chunks its actor runs
-before it (those issued there before it and not yet collected), at least ROLLOUT_MIN_S; past it, ActorTimeout
-naming the actor and its prompts: the run restarts its actor group within --max-failures (raychat.rl.loop).
+its kind (training rollout or evaluation) completed so far in the run (of a kind none of which has completed yet:
+its completion budget at FIRST_TOKENS_PER_S), summed over the chunks its actor runs before it (those issued there
+before it and not yet collected), at least ROLLOUT_MIN_S; past it, ActorTimeout naming the actor and its prompts:
+the run restarts its actor group within --max-failures (raychat.rl.loop).
 
 Evaluation goes the same way: its chunks (split "test", min_version = the current version, a seed per part
 of the held-out prompts) are collected, re-synced and re-issued like a step's, so an actor lost during an
@@ -198,7 +199,8 @@ class RolloutDispatcher:
         w, queue = chunk["worker"], self.queued.get(chunk["worker"], [])
         ids = [id(c) for c in queue]
         ahead = queue[: ids.index(id(chunk))] if id(chunk) in ids else []
-        timeout_s, budget = rollout_deadline(self.longest, [c["split"] for c in ahead] + [chunk["split"]])
+        device = "cuda" if self.cfg.layout.use_gpu else "cpu"
+        timeout_s, budget = rollout_deadline(self.longest, [self._work(c) for c in [*ahead, chunk]], device)
         what = "evaluation of held-out" if chunk["split"] == "test" else "rollout of"
         fix = (
             "see what its process does (py-spy dump: a deadlock, a stuck device or node); a healthy chunk that "
@@ -206,6 +208,11 @@ class RolloutDispatcher:
         )
         call = f"its {what} prompts {chunk['indices']}"
         return get_within([chunk["ref"]], [f"rollout actor {w}"], call, timeout_s, budget, fix)[0]
+
+    def _work(self, chunk: dict) -> tuple[str, int]:
+        """(its kind: the split, its completion budget in tokens: prompts x samples x --max-tokens)."""
+        samples = self.eval_samples if chunk["split"] == "test" else self.cfg.rollout.samples_per_prompt
+        return chunk["split"], len(chunk["indices"]) * samples * self.cfg.rollout.max_tokens
 
     def _unqueue(self, chunk: dict) -> None:
         for w, queue in self.queued.items():

@@ -84,7 +84,7 @@ from raychat.rl.dispatcher import RolloutDispatcher, split_even
 from raychat.rl.objective import group_advantages, zero_advantage_frac
 from raychat.rl.sync import WeightSync
 from raychat.sigterm import SigtermAsSigint, Terminated
-from raychat.storage import open_storage, write_bytes
+from raychat.storage import is_remote, open_storage, write_bytes
 from raychat.tasks.registry import make_task
 from raychat.train.launch import (
     COMMANDS,
@@ -249,12 +249,12 @@ class RLRun:
             self.set_version(0)
             return 0
         uri, self.step = self.checkpoints.uri(newest.step), newest.step  # the step a hung restore is named at
-        nbytes = sum(f["size"] for f in newest.commit["files"].values())
+        nbytes, remote = sum(f["size"] for f in newest.commit["files"].values()), is_remote(uri)
         learners = self.actors.learners
         where = f"{self.flags.option('storage_path')} {self.checkpoints.storage.uri}"
         states = get_within(
             [lr.restore.remote(uri) for lr in learners], [f"learner {i}" for i in range(len(learners))],
-            f"Learner.restore of {uri}", read_deadline_s(nbytes), read_budget(nbytes),
+            f"Learner.restore of {uri}", read_deadline_s(nbytes, remote), read_budget(nbytes, remote),
             f"check that its node reads {where} (a hung mount, an endpoint that does not answer)",
         )  # fmt: skip
         self.set_version(int(states[0]["version"]))
