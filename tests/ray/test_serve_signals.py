@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from support.cluster import RAY_STARTUP_WAIT, _kill_leftovers
 from support.serve_helpers import write_tiny_checkpoint
