@@ -72,7 +72,7 @@ def _wait(predicate, what: str, timeout_s: float = 180):
         time.sleep(0.5)
 
 
-def test_a_new_max_replicas_updates_in_place_and_a_new_arg_restarts(tmp_path):
+def test_a_new_max_replicas_updates_in_place_and_a_new_arg_restarts(tmp_path, monkeypatch):
     import ray
     from ray import serve
     from ray.serve.context import _get_global_client
@@ -80,6 +80,7 @@ def test_a_new_max_replicas_updates_in_place_and_a_new_arg_restarts(tmp_path):
     if ray.is_initialized():
         pytest.skip("needs to start its own local cluster")
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt")
+    monkeypatch.delenv("RAYCHAT_API_KEY", raising=False)  # the local cluster's nodes inherit this environment
     init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 0})
