@@ -163,8 +163,10 @@ def deploy(
         raise SystemExit(
             f"--num-cpus {num_cpus} + the ingress' {ServeConfig().ingress_num_cpus} exceed the cluster's CPUs"
         )
+    # Serve's HTTP proxy listens on 127.0.0.1 only (main): no API key, so build_app's opt-out
     app = build_app({"checkpoint": checkpoint, "max_slots": max_slots, "num_cpus": num_cpus, "torch_threads": torch_threads,
-                     "stream_interval": stream_interval, "engine_process": engine_process, "min_replicas": 1, "max_replicas": 1, "max_ongoing_requests": 128})  # fmt: skip
+                     "stream_interval": stream_interval, "engine_process": engine_process, "min_replicas": 1, "max_replicas": 1, "max_ongoing_requests": 128,
+                     "allow_unauthenticated": True})  # fmt: skip
     serve.run(app, name="raychat", route_prefix="/")
 
 

@@ -431,9 +431,10 @@ def serve(subparsers) -> None:
         default="127.0.0.1",
         help="HTTP bind address (0.0.0.0 to expose: then an API key, or --allow-unauthenticated, is required)",
     )
-    p.add_argument(
+    p.add_argument(  # ServeConfig's allow_unauthenticated (from_args reads it by name; None: the preset's)
         "--allow-unauthenticated",
         action="store_true",
+        default=None,
         help="serve a --host beyond loopback without an API key (every route open to anyone who reaches it)",
     )
     p.add_argument("--port", type=port_number, default=8000, help="HTTP port, 1-65535 (default: 8000)")

@@ -149,7 +149,7 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(
     port = free_ports(1)[0]
     config = from_dict(ServeConfig, {
         "checkpoint": str(tool_checkpoint), "num_cpus": 0.5, "min_replicas": 1, "max_replicas": 1,
-        "ingress_num_cpus": 0.1,
+        "ingress_num_cpus": 0.1, "allow_unauthenticated": True,
     })  # fmt: skip
     url = start(config, port=port, address=c.gcs_address, proxy_location="HeadOnly")
     try:

@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -209,11 +210,13 @@ def _meta_of(uri: str) -> dict:
 # ---------------------------------------------------------------- serving from the storage root
 
 
-def _serve_requests(endpoint: str, deployment_port: dict[str, int], rounds: int = 6) -> dict[str, float]:
-    """Chat completions through the official openai client, 4 at a time, until each worker node's ChatServer
-    replica has answered one (Serve's request counter on that node's metrics port), at most `rounds` times;
-    returns {node: requests its replica answered}."""
-    client = openai.OpenAI(base_url=endpoint + "v1", api_key="unused", timeout=120, max_retries=2)
+def _serve_requests(
+    endpoint: str, deployment_port: dict[str, int], rounds: int = 6, api_key: str = "unused"
+) -> dict[str, float]:
+    """Chat completions through the official openai client (sending `api_key`), 4 at a time, until each worker
+    node's ChatServer replica has answered one (Serve's request counter on that node's metrics port), at most
+    `rounds` times; returns {node: requests its replica answered}."""
+    client = openai.OpenAI(base_url=endpoint + "v1", api_key=api_key, timeout=120, max_retries=2)
     model = client.models.list().data[0].id
 
     def ask(i: int) -> str:
@@ -274,9 +277,10 @@ def _wait_running(c, app: str, timeout_s: float = 300) -> None:
 def test_serve_deploy_of_chat_yaml_serves_the_rl_checkpoint_from_storage_on_two_nodes(
     chain, multinode_driver, tmp_path
 ):
-    """serve/chat.yaml as the RayService runs it (checkpoint <root>/rl/latest on the PVC, mount mapped), with
-    what one machine needs: the proxy on the head only (every node's proxy would bind the same port here), a
-    free port, and replicas that fit 1-CPU nodes: 2 of them, one a node (max_replicas_per_node: 1)."""
+    """serve/chat.yaml as the RayService runs it (checkpoint <root>/rl/latest on the PVC, mount mapped, and
+    RAYCHAT_API_KEY in its environment: here the app's runtime env), with what one machine needs: the proxy on
+    the head only (every node's proxy would bind the same port here), a free port, and replicas that fit 1-CPU
+    nodes: 2 of them, one a node (max_replicas_per_node: 1)."""
     c = multinode_driver
     config = yaml.safe_load((REPO / "serve" / "chat.yaml").read_text())
     args = config["applications"][0]["args"]
@@ -287,6 +291,8 @@ def test_serve_deploy_of_chat_yaml_serves_the_rl_checkpoint_from_storage_on_two_
     args.update(checkpoint=args["checkpoint"].replace(k8s.CHECKPOINTS_MOUNT, str(chain.root.parent)))
     server["ray_actor_options"]["num_cpus"] = 0.5
     server["autoscaling_config"].update(min_replicas=2, max_replicas=2)
+    key = uuid.uuid4().hex
+    config["applications"][0]["runtime_env"] = {"env_vars": {"RAYCHAT_API_KEY": key}}
     config.update(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     path = tmp_path / "chat.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -297,7 +303,10 @@ def test_serve_deploy_of_chat_yaml_serves_the_rl_checkpoint_from_storage_on_two_
         assert _replica_nodes(c.dashboard_url) == sorted([c.nodes["a"].node_id, c.nodes["b"].node_id])
         health = requests.get(f"http://127.0.0.1:{port}/health", timeout=30).json()
         assert health["status"] == "ok"
-        answered = _serve_requests(f"http://127.0.0.1:{port}/", {n: c.nodes[n].metrics_port for n in "ab"})
+        assert requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).status_code == 401  # no key
+        answered = _serve_requests(
+            f"http://127.0.0.1:{port}/", {n: c.nodes[n].metrics_port for n in "ab"}, api_key=key
+        )
         assert all(answered.values()), f"requests answered per node: {answered}"
     finally:  # as the docs stop Serve between the two (its proxies keep their port until Serve stops)
         _serve_cli(c, "shutdown", "-y")

@@ -44,7 +44,7 @@ def test_build_app_needs_a_checkpoint(tmp_path):
     with pytest.raises(
         ValueError, match=rf"^checkpoint: {tmp_path} has no committed checkpoint \({tmp_path} is empty\)$"
     ):
-        serve_app.build_app({"checkpoint": str(tmp_path)})
+        serve_app.build_app({"checkpoint": str(tmp_path), "allow_unauthenticated": True})
 
 
 def test_chat_yaml_is_valid_and_matches_build_app():
@@ -154,7 +154,7 @@ def test_num_gpus_reaches_the_replica_options_and_its_device(tmp_path, monkeypat
     args = build_parser("serve").parse_args(["serve", "--checkpoint", str(ckpt), "--num-gpus", "1", "--address", "ray://x", "--no-block"])  # fmt: skip
     assert serve_cli.main(args) == 0 and seen["num_gpus"] == 1.0
     for gpus, device in ((seen["num_gpus"], "cuda"), (0.0, "cpu"), (0.5, "cuda")):
-        app = serve_app.build_app({"checkpoint": str(ckpt), "num_gpus": gpus})
+        app = serve_app.build_app({"checkpoint": str(ckpt), "num_gpus": gpus, "allow_unauthenticated": True})
         engine = app._bound_deployment.init_args[0]._bound_deployment
         assert engine.name == serve_app.SERVER_DEPLOYMENT
         # the replica picks its device from the GPUs Ray assigned it (ray_actor_options)

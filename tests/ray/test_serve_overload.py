@@ -180,7 +180,7 @@ def test_serve_backpressure_at_the_ingress_is_a_429_with_retry_after(info_too):
 def test_build_app_bounds_serve_queues(checkpoint):
     args = {"checkpoint": str(checkpoint), "max_queued_requests": 16, "ingress_max_queued_requests": 100,
             "retry_after_s": 3, "max_pending": 5, "request_timeout_s": 30, "stall_timeout_s": 20,
-            "health_timeout_s": 2}  # fmt: skip
+            "health_timeout_s": 2, "allow_unauthenticated": True}  # fmt: skip
     ingress = serve_app.build_app(args)._bound_deployment
     engine = ingress.init_args[0]._bound_deployment
     assert (engine.max_queued_requests, ingress.max_queued_requests) == (16, 100)
@@ -196,7 +196,9 @@ def test_build_app_bounds_serve_queues(checkpoint):
         "prefix_cache_tokens": "auto",  # 8 x max_seq_len, allocated as it fills (docs/engine.md)
         "kv_dtype": "model",  # the weights' dtype (ServeConfig kv_dtype)
     }
-    default = serve_app.build_app({"checkpoint": str(checkpoint)})._bound_deployment
+    default = serve_app.build_app(
+        {"checkpoint": str(checkpoint), "allow_unauthenticated": True}
+    )._bound_deployment
     limits = default.init_args[0]._bound_deployment.init_kwargs["limits"]
     assert (default.max_queued_requests, limits["request_timeout_s"], limits["max_pending"]) == (
         256,
@@ -262,7 +264,8 @@ def test_serve_refuses_a_burst_beyond_its_queue_with_429(tmp_path):
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = {"checkpoint": str(ckpt), "max_slots": 1, "max_ongoing_requests": 1, "max_queued_requests": 1,
-                "num_cpus": 0.5, "torch_threads": 1, "retry_after_s": 2, "model_id": "tiny"}  # fmt: skip
+                "num_cpus": 0.5, "torch_threads": 1, "retry_after_s": 2, "model_id": "tiny",
+                "allow_unauthenticated": True}  # fmt: skip
         serve.run(serve_app.build_app(args), name="raychat", route_prefix="/")
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         body = {"messages": USER, "max_tokens": 1000, "temperature": 0}  # greedy: all 1000 tokens, seconds

@@ -65,6 +65,7 @@ def served(tmp_path_factory):
             "downscale_delay_s": 2,
             "look_back_period_s": 1,
             "model_id": "tiny",
+            "allow_unauthenticated": True,
         }
     )
     serve.run(app, name=APP, route_prefix="/")
@@ -229,7 +230,13 @@ def test_a_deleted_checkpoint_fails_new_replicas_by_name_and_every_route_answers
     from raychat.serve.app import build_app
 
     ckpt = write_tiny_checkpoint(tmp_path / "model")
-    args = {"checkpoint": str(ckpt), "num_cpus": 0.25, "torch_threads": 1, "max_slots": 1}
+    args = {
+        "checkpoint": str(ckpt),
+        "num_cpus": 0.25,
+        "torch_threads": 1,
+        "max_slots": 1,
+        "allow_unauthenticated": True,
+    }
     serve.run(build_app(args), name="gone", route_prefix="/gone")
     try:
         url = f"{served}/gone"
@@ -291,7 +298,13 @@ def test_a_runs_checkpoint_is_served_from_a_snapshot_that_pruning_leaves(served,
     from raychat.storage import open_storage
 
     first = write_tiny_checkpoint(tmp_path / "run" / "checkpoint_000001")
-    args = {"checkpoint": f"{tmp_path}/run/latest", "num_cpus": 0.25, "torch_threads": 1, "max_slots": 1}
+    args = {
+        "checkpoint": f"{tmp_path}/run/latest",
+        "num_cpus": 0.25,
+        "torch_threads": 1,
+        "max_slots": 1,
+        "allow_unauthenticated": True,
+    }
     serve.run(build_application(args, mark_every_s=0.5), name="pruned", route_prefix="/pruned")
     try:
         url = f"{served}/pruned"

@@ -214,7 +214,7 @@ def test_serving_option_reaches_the_engine(tmp_path):
     assert serve_config({"checkpoint": "c"}).replica.prefix_cache_tokens is None
     assert serve_config({"checkpoint": "c", "prefix_cache_tokens": "0"}).replica.prefix_cache_tokens == 0
     write_tiny_checkpoint(tmp_path)
-    app = build_app({"checkpoint": str(tmp_path), "prefix_cache_tokens": 256})
+    app = build_app({"checkpoint": str(tmp_path), "prefix_cache_tokens": 256, "allow_unauthenticated": True})
     engine = app._bound_deployment.init_args[0]._bound_deployment
     assert engine.init_kwargs["limits"]["prefix_cache_tokens"] == 256
     for cap, blocks in ((0, None), (256, 16), ("auto", None)):

@@ -417,6 +417,7 @@ def test_the_rayservice_takes_its_api_key_from_a_secret(builds, build):
     (svc,) = [d for d in docs if d["kind"] == "RayService" and d["metadata"]["name"] == "raychat-chat"]
     (app,) = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"]
     assert "api_key" not in app["args"]  # build_app reads RAYCHAT_API_KEY (raychat.serve.app.serve_config)
+    assert "allow_unauthenticated" not in app["args"]  # so build_app refuses to serve without the key
 
 
 def _selects(selector: dict, labels: dict) -> bool:

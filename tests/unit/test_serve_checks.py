@@ -5,19 +5,25 @@ build_app's args and a preset file keep their keys."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
 import ray
+import yaml
+from ray.serve import Application
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve.scripts import convert_args_to_dict
 from support.serve_helpers import write_tiny_checkpoint
 from support.serve_process import free_port
 
 from raychat import checkpoint_manager
 from raychat.cli import main
-from raychat.serve.app import pruned_message, serve_config
+from raychat.serve.app import build_app, pruned_message, serve_config
 from raychat.serve.cli import check_checkpoint, check_port_free
 
 TAIL = "  (RAYCHAT_DEBUG=1 shows the traceback)\n"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -211,15 +217,61 @@ def test_build_app_is_a_builder_serve_accepts(ckpt):
     """`serve run` / `serve deploy serve/chat.yaml` call build_app through Serve's own builder check, which
     refuses a function of more than one parameter (a TypeError at deploy, every replica of the app gone): the
     check passes build_app and what it builds is an Application bound to the checkpoint."""
-    from ray.serve import Application
-    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
-
-    from raychat.serve.app import build_app
-
-    app = call_user_app_builder_with_args_if_necessary(build_app, {"checkpoint": str(ckpt), "max_slots": 1})
+    args = {"checkpoint": str(ckpt), "max_slots": 1, "allow_unauthenticated": True}
+    app = call_user_app_builder_with_args_if_necessary(build_app, args)
     assert isinstance(app, Application)
     with pytest.raises(ValueError, match="checkpoint"):
-        call_user_app_builder_with_args_if_necessary(build_app, {"checkpoint": str(ckpt / "nothing")})
+        call_user_app_builder_with_args_if_necessary(build_app, args | {"checkpoint": str(ckpt / "nothing")})
+
+
+def _chat_yaml_args(checkpoint: str) -> dict:
+    """serve/chat.yaml's build_app args, its checkpoint replaced."""
+    (app,) = yaml.safe_load((REPO / "serve" / "chat.yaml").read_text())["applications"]
+    return app["args"] | {"checkpoint": checkpoint}
+
+
+def test_chat_yaml_without_an_api_key_is_refused_by_serves_builder_check(tmp_path):
+    """serve/chat.yaml binds 0.0.0.0 and names no key: where RAYCHAT_API_KEY is not set, Serve's builder check
+    (what `serve run serve/chat.yaml` and `serve deploy` run in their build task, whose error `serve status`
+    shows) gets one line naming where the key goes and the opt-out, before the checkpoint is looked at: a
+    run's checkpoint gets no snapshot."""
+    write_tiny_checkpoint(tmp_path / "run" / "checkpoint_000001")
+    with pytest.raises(ValueError) as refused:
+        call_user_app_builder_with_args_if_necessary(build_app, _chat_yaml_args(f"{tmp_path}/run/latest"))
+    assert str(refused.value) == (
+        "build_app: no API key, so every route would be open to anyone who reaches Serve's HTTP proxies: set "
+        "RAYCHAT_API_KEY (in the app's runtime_env env_vars, or in the environment of every node: Serve builds "
+        "the app on one of them) or args.api_key, or set args.allow_unauthenticated: true to serve without a key"
+    )
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint_000001"]  # no served/
+
+
+@pytest.mark.parametrize(
+    "extra,env_key,bound_key",
+    [
+        pytest.param({}, "k-env", "k-env", id="RAYCHAT_API_KEY"),  # as the RayService's Secret sets it
+        pytest.param({"api_key": "k-arg"}, "k-env", "k-arg", id="args.api_key"),
+        pytest.param({"allow_unauthenticated": True}, None, None, id="opt-out"),
+        pytest.param({"allow_unauthenticated": "true"}, None, None, id="opt-out-from-serve-run"),  # a string
+    ],
+)
+def test_a_key_or_the_explicit_opt_out_builds_the_app(ckpt, monkeypatch, extra, env_key, bound_key):
+    """The ingress is bound to the key (its 2nd argument), or to none with allow_unauthenticated."""
+    if env_key:
+        monkeypatch.setenv("RAYCHAT_API_KEY", env_key)
+    app = call_user_app_builder_with_args_if_necessary(build_app, _chat_yaml_args(str(ckpt)) | extra)
+    assert app._bound_deployment.init_args[1] == bound_key
+
+
+def test_serve_runs_key_value_args_reach_build_app_with_the_opt_out(ckpt):
+    """`serve run raychat.serve.app:build_app checkpoint=DIR allow_unauthenticated=true` (the import-path form:
+    every value a string) as Serve's CLI parses and builds it; `=false` is refused like no opt-out."""
+    words = (f"checkpoint={ckpt}", "allow_unauthenticated=true")
+    app = call_user_app_builder_with_args_if_necessary(build_app, convert_args_to_dict(words))
+    assert isinstance(app, Application) and app._bound_deployment.init_args[1] is None
+    words = (f"checkpoint={ckpt}", "allow_unauthenticated=false")
+    with pytest.raises(ValueError, match=r"^build_app: no API key, .*args\.allow_unauthenticated: true"):
+        call_user_app_builder_with_args_if_necessary(build_app, convert_args_to_dict(words))
 
 
 def _listener(reuse_port: bool) -> socket.socket:

@@ -13,6 +13,8 @@ from raychat.serve import server as server_module
 from raychat.serve.app import SERVER_DEPLOYMENT, build_app, serve_config
 from raychat.serve.server import ChatServer
 
+OPEN = {"allow_unauthenticated": True}  # no API key here: build_app refuses an app without one otherwise
+
 
 def test_serve_config_takes_dtype_and_prefill_chunk_tokens_and_refuses_bad_values():
     c = serve_config({"checkpoint": "ckpt", "dtype": "float32", "prefill_chunk_tokens": "64"})
@@ -57,7 +59,7 @@ def test_chat_server_defaults_to_auto_and_refuses_an_unknown_dtype():
 
 def test_build_app_binds_the_engine_options_to_the_chat_server_deployment(tmp_path):
     write_tiny_checkpoint(tmp_path)
-    app = build_app({"checkpoint": str(tmp_path), "dtype": "bfloat16", "prefill_chunk_tokens": 96})
+    app = build_app({"checkpoint": str(tmp_path), "dtype": "bfloat16", "prefill_chunk_tokens": 96, **OPEN})
     engine = app._bound_deployment.init_args[0]._bound_deployment
     assert engine.name == SERVER_DEPLOYMENT
     assert engine.init_args[-2:] == ("bfloat16", 96)  # the device: from the GPUs Ray assigns the replica
@@ -69,14 +71,18 @@ def test_build_app_binds_a_snapshot_of_a_runs_checkpoint_under_its_own_name(tmp_
     run is bound as it is."""
     write_tiny_checkpoint(tmp_path / "run" / "checkpoint_000003")
     engine = (
-        build_app({"checkpoint": f"{tmp_path}/run/latest"})._bound_deployment.init_args[0]._bound_deployment
+        build_app({"checkpoint": f"{tmp_path}/run/latest", **OPEN})
+        ._bound_deployment.init_args[0]
+        ._bound_deployment
     )
     (snapshot,) = (tmp_path / "run" / "served").iterdir()
     assert engine.init_args[0] == str(snapshot) and snapshot.name.startswith("checkpoint_000003-")
     assert engine.init_args[6] == "checkpoint_000003"  # model_id
     write_tiny_checkpoint(tmp_path / "model")
     engine = (
-        build_app({"checkpoint": str(tmp_path / "model")})._bound_deployment.init_args[0]._bound_deployment
+        build_app({"checkpoint": str(tmp_path / "model"), **OPEN})
+        ._bound_deployment.init_args[0]
+        ._bound_deployment
     )
     assert engine.init_args[0] == str(tmp_path / "model") and engine.init_args[6] == "model"
 
@@ -129,6 +135,6 @@ def test_engine_process_path_hands_kv_dtype_to_the_engine_process(tmp_path, monk
 
 def test_build_app_binds_kv_dtype(tmp_path):
     write_tiny_checkpoint(tmp_path)
-    app = build_app({"checkpoint": str(tmp_path), "kv_dtype": "bfloat16"})
+    app = build_app({"checkpoint": str(tmp_path), "kv_dtype": "bfloat16", **OPEN})
     engine = app._bound_deployment.init_args[0]._bound_deployment
     assert engine.init_kwargs["limits"]["kv_dtype"] == "bfloat16"

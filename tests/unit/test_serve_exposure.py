@@ -29,7 +29,10 @@ def started(monkeypatch) -> list[dict]:
     monkeypatch.setattr(
         serve_cli,
         "start",
-        lambda config, **kw: calls.append({"api_key": config.api_key, **kw}) or "http://x/",
+        lambda config, **kw: (
+            calls.append({"api_key": config.api_key, "open": config.allow_unauthenticated, **kw})
+            or "http://x/"
+        ),
     )
     return calls
 
@@ -61,17 +64,21 @@ def test_an_exposed_host_without_a_key_is_refused_before_ray_starts(tmp_path, ca
         (["--host", "localhost"], None, None),
         (["--host", "::1"], None, None),
         (["--host", "127.0.0.2"], None, None),
+        (["--api-key", "k3"], None, "k3"),
     ],
 )
 def test_loopback_a_key_or_the_explicit_flag_may_serve(
     tmp_path, monkeypatch, started, flags, env_key, api_key
 ):
+    """What the check lets through without a key is built with allow_unauthenticated (build_app refuses an
+    app without a key otherwise); an app with a key is not."""
     if env_key:
         monkeypatch.setenv("RAYCHAT_API_KEY", env_key)
     assert serve(tmp_path, *flags) == 0
     ((call,),) = [started]
     host = flags[flags.index("--host") + 1] if "--host" in flags else "127.0.0.1"
     assert (call["host"], call["api_key"], call["address"]) == (host, api_key, "ray://x")
+    assert call["open"] is (api_key is None)
 
 
 def test_the_refusal_in_docs_is_what_the_command_prints(capsys, started):
@@ -84,3 +91,13 @@ def test_the_refusal_in_docs_is_what_the_command_prints(capsys, started):
     assert main(argv[1:]) == 2
     assert capsys.readouterr().err == f"{printed}  (RAYCHAT_DEBUG=1 shows the traceback)\n"
     assert started == [] and not ray.is_initialized()
+
+
+def test_a_presets_allow_unauthenticated_is_the_flags_opt_out(tmp_path, started):
+    """A preset's `allow_unauthenticated: true` (build_app's opt-out, the same key as in a Serve config's args)
+    lets an exposed --host serve without a key, as --allow-unauthenticated does."""
+    preset = tmp_path / "open.yaml"
+    preset.write_text("serve:\n  allow_unauthenticated: true\n")
+    assert serve(tmp_path, "--host", "0.0.0.0", "--preset", str(preset)) == 0
+    ((call,),) = [started]
+    assert (call["host"], call["api_key"], call["open"]) == ("0.0.0.0", None, True)

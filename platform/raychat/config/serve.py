@@ -129,8 +129,15 @@ class ServeConfig(Section):
     autoscaling: AutoscalingSection = section(AutoscalingSection)
     api_key: str | None = option(
         None,
-        "require 'Authorization: Bearer KEY'; not given: env RAYCHAT_API_KEY, else no key (every route open)",
+        "require 'Authorization: Bearer KEY'; not given: env RAYCHAT_API_KEY, else no key (every route open), "
+        "which build_app refuses without allow_unauthenticated, and raychat serve on a --host beyond loopback "
+        "without --allow-unauthenticated",
     )
+    allow_unauthenticated: bool = option(
+        False, "serve every route without a key when neither api_key nor RAYCHAT_API_KEY gives one (else "
+        "build_app refuses); raychat serve: its --allow-unauthenticated (a --host beyond loopback), and set "
+        "where its --host check let no key through", flag=False,
+    )  # fmt: skip
     model_id: str | None = option(
         None, "name reported by /v1/models; not given: the checkpoint directory's name"
     )

@@ -2,8 +2,12 @@
 (ChatServer), both built by `build_app(args)` for `serve run` / `serve deploy` (serve/chat.yaml) and
 `raychat serve`.
 
-  serve run raychat.serve.app:build_app checkpoint=/path/to/ckpt
-  serve deploy serve/chat.yaml
+  serve run raychat.serve.app:build_app checkpoint=/path/to/ckpt api_key=KEY
+  serve deploy serve/chat.yaml      (RAYCHAT_API_KEY in the app's runtime env or every node's environment)
+
+Without a key (args api_key, else RAYCHAT_API_KEY) build_app refuses unless args allow_unauthenticated is
+true (`raychat serve` sets it where its own --host check let no key through): serve/chat.yaml binds 0.0.0.0,
+and a cluster whose nodes lacked the variable served every route to anyone.
 
 ChatIngress parses, validates and streams (raychat.serve.ingress); ChatServer replicas each hold the model
 and one continuous-batching Scheduler (raychat.serve.server). Streams go through a DeploymentHandle with
@@ -83,13 +87,19 @@ UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError, Rep
 FAILED = ("UNHEALTHY", "DEPLOY_FAILED")
 # seconds one controller answer (server_state) serves every request of this ingress that asks
 STATE_REUSE_S = 1.0
+# build_app without a key: `serve deploy serve/chat.yaml` (host 0.0.0.0) served every route to anyone
+NO_KEY = (
+    "build_app: no API key, so every route would be open to anyone who reaches Serve's HTTP proxies: set "
+    "RAYCHAT_API_KEY (in the app's runtime_env env_vars, or in the environment of every node: Serve builds the "
+    "app on one of them) or args.api_key, or set args.allow_unauthenticated: true to serve without a key"
+)
 log = logging.getLogger(__name__)
 
 
 def serve_config(args: dict | ServeConfig | None) -> ServeConfig:
     """The typed config of build_app's `args` (keys of raychat.config.ServeConfig by flat name; strings from
     `serve run key=value` are converted; max_rows is the old name of max_slots); api_key falls back to the
-    environment's RAYCHAT_API_KEY.
+    environment's RAYCHAT_API_KEY. A config without a key passes here (build_application refuses it).
 
     Raises:
         ValueError: missing checkpoint, an unknown key (naming the allowed keys) or a value of the wrong type.
@@ -425,7 +435,10 @@ def pinned(checkpoint: str) -> str:
 def build_app(args: dict | ServeConfig) -> Application:
     """The application for `serve run raychat.serve.app:build_app key=value ...` and a Serve config's
     import_path (keys: ServeConfig): build_application(args). Serve calls an application builder with exactly
-    one argument and refuses one that takes more (TypeError at deploy), so this takes `args` only."""
+    one argument and refuses one that takes more (TypeError at deploy), so this takes `args` only. Serve
+    builds a config file's app in a task on a node of the cluster, so RAYCHAT_API_KEY is read there (the
+    app's runtime_env, else that node's environment). Errors: build_application's; Serve shows them in the
+    app's DEPLOY_FAILED status (`serve status`), the exception's line last."""
     return build_application(args)
 
 
@@ -436,11 +449,14 @@ def build_application(args: dict | ServeConfig, mark_every_s: float = IN_USE_MAR
     (raychat.serve.in_use), so the run's next snapshot_checkpoint keeps it.
 
     Raises:
-        ValueError: invalid args (see serve_config), or a checkpoint reference that names no committed
-            checkpoint (one line naming `checkpoint` and what is there); CheckpointError (a ValueError): a
-            file of a run's checkpoint differs from its commit marker (named).
+        ValueError: invalid args (see serve_config); no API key (args api_key, else RAYCHAT_API_KEY) without
+            args allow_unauthenticated (NO_KEY), before the checkpoint is looked at; a checkpoint reference
+            that names no committed checkpoint (one line naming `checkpoint` and what is there);
+            CheckpointError (a ValueError): a file of a run's checkpoint differs from its commit marker (named).
     """
     c = serve_config(args)
+    if not c.api_key and not c.allow_unauthenticated:
+        raise ConfigError(NO_KEY)
     r, a = c.replica, c.autoscaling
     checkpoint = find_checkpoint(c.checkpoint, flag="checkpoint")
     model_id = c.model_id or Path(checkpoint).resolve().name  # a snapshot's name has a digest appended

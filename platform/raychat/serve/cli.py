@@ -4,7 +4,9 @@ one at --address / RAY_ADDRESS) and print the chat page's URL. Blocks until Ctrl
 A --host beyond loopback (0.0.0.0, a LAN address, a host name) needs an API key (--api-key or
 RAYCHAT_API_KEY) or an explicit --allow-unauthenticated; the refusal comes before Ray starts, and so do the
 refusals of a checkpoint no replica could load (check_checkpoint) and of a --port something listens on
-(check_port_free; once connected where a `ray start` cluster of this machine is joined). A cluster with
+(check_port_free; once connected where a `ray start` cluster of this machine is joined). Where it serves
+without a key (a loopback --host, or --allow-unauthenticated), the app is built with allow_unauthenticated:
+build_app refuses an app without a key otherwise. A cluster with
 token authentication gets the token of --token-file (else $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH,
 ~/.ray/auth_token), as `raychat submit` does.
 """
@@ -25,7 +27,7 @@ from ray import serve
 from raychat.capacity import check_bundles, local_cluster_running, read_capacity, start_local_cluster
 from raychat.checkpoint import check_model
 from raychat.checkpoint_manager import find_checkpoint
-from raychat.config import ConfigError, ServeConfig, from_args
+from raychat.config import ConfigError, ServeConfig, from_args, from_dict
 from raychat.config.schema import shown
 from raychat.ray_token import token_for
 from raychat.serve import vllm
@@ -42,7 +44,8 @@ def start(
     address: str | None = None,
     proxy_location: str = "EveryNode",
 ) -> str:
-    """Start Ray (if needed) and Serve, deploy the app of `config`; returns the page URL.
+    """Start Ray (if needed) and Serve, deploy the app of `config` (which needs an api_key or
+    allow_unauthenticated: build_app refuses one with neither); returns the page URL.
 
     host, port, proxy_location: Serve's HTTP proxies, set when Serve starts on the cluster. Serve is one per
     cluster: when it already runs there, its proxies stay as they are and the app is added to them.
@@ -248,7 +251,9 @@ def _serve(args: argparse.Namespace) -> int:
     if not config.checkpoint:
         raise ConfigError("--checkpoint: required: a checkpoint dir, a run dir or <run dir>/latest")
     config = serve_config(config)
-    check_exposure(args.host, config.api_key, args.allow_unauthenticated)
+    check_exposure(args.host, config.api_key, config.allow_unauthenticated)  # the flag, else the preset's
+    if not config.api_key:  # check_exposure let no key through (a loopback --host, --allow-unauthenticated)
+        config = from_dict(ServeConfig, {"allow_unauthenticated": True}, base=config)
     url = start(
         config, host=args.host, port=args.port, address=args.address, proxy_location=args.proxy_location
     )
