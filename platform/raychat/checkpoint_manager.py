@@ -38,7 +38,6 @@ snapshots unmarked for SNAPSHOT_UNUSED_S (remove_unused_snapshots).
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
@@ -95,6 +94,9 @@ SNAPSHOT_UNUSED_S = 24 * 3600.0
 # restart) for this long, while another commit of that checkpoint's URI is cached, is deleted
 # (remove_unused_versions): any other reader that resolved it a day ago has long loaded it.
 CACHE_UNUSED_S = 24 * 3600.0
+# A cached copy renamed away to be deleted (_remove_if_unused), or a fetch's staging (download_dir), of any URI:
+# `.<key>-[<12 hex>-]<name>.<16 hex>` (raychat.atomic.fresh_dir beside a copy's name).
+_TOMBSTONE = re.compile(r"\.(?P<key>[0-9a-f]{16})(-[0-9a-f]{12})?-(?P<name>.+)\.[0-9a-f]{16}")
 
 
 class CheckpointError(ValueError):
@@ -490,25 +492,49 @@ def remove_unused_versions(
     serves from, with mark_in_use). Each is first renamed to a tombstone, a leftover name beside it
     (raychat.atomic.fresh_dir: `.<copy name>.<16 hex>`, a name resolve_checkpoint never returns), and looked
     at again: one marked between the first look and the rename is renamed back and kept (_remove_if_unused).
-    The tombstones of a remover killed before its delete are deleted too, once idle for
-    raychat.atomic.STAGING_IDLE_S. The caller holds the URI's flock. Returns the names deleted, sorted (copies
-    only, not tombstones)."""
+    The tombstones of a remover (or the staging of a fetch) killed before its delete are deleted too, once idle
+    for raychat.atomic.STAGING_IDLE_S: those of every URI in the cache, not only this one's, so one left by a
+    URI never resolved again does not stay forever (_remove_idle_tombstones). The caller holds the URI's flock.
+    Returns the names deleted, sorted (copies only, not tombstones)."""
     unused_s = CACHE_UNUSED_S if unused_s is None else unused_s
     version = rf"{re.escape(key)}(-[0-9a-f]{{12}})?-{re.escape(name)}"
-    tombstone = re.compile(rf"\.{version}\.[0-9a-f]{{16}}")
     removed = []
     for path in sorted(cache.iterdir()):
-        if tombstone.fullmatch(path.name):  # of a remover (or a fetch) killed before its delete
-            with contextlib.suppress(FileNotFoundError):
-                if (
-                    path.is_dir()
-                    and not path.is_symlink()
-                    and time.time() - last_change(path) >= STAGING_IDLE_S
-                ):
-                    shutil.rmtree(path, ignore_errors=True)
-        elif path.name != keep and re.fullmatch(version, path.name) and _remove_if_unused(path, unused_s):
+        if path.name != keep and re.fullmatch(version, path.name) and _remove_if_unused(path, unused_s):
             removed.append(path.name)
+    _remove_idle_tombstones(cache, key, name)
     return removed
+
+
+def _remove_idle_tombstones(cache: Path, key: str, name: str) -> None:
+    """Delete the tombstones and fetch stagings in the checkpoint cache `cache` (directories, not links, named
+    `.<key>-[<12 hex>-]<name>.<16 hex>`) in which nothing has changed for raychat.atomic.STAGING_IDLE_S, of
+    any URI. Those of the URI whose key is `key` and whose name is `name` are deleted under its flock, which
+    the caller holds; another URI's only while this process holds that URI's flock too
+    (<cache>/.<key>-<name>.lock, taken without waiting): one that another process holds (it is resolving that
+    URI, maybe fetching into that staging right now) is passed over, and that process deletes it."""
+    for path in sorted(cache.iterdir()):
+        found = _TOMBSTONE.fullmatch(path.name)
+        if not found or not _idle_dir(path):
+            continue
+        if (found["key"], found["name"]) == (key, name):
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        with open(cache / f".{found['key']}-{found['name']}.lock", "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # that URI is being resolved now
+                continue
+            if _idle_dir(path):  # looked at again under its lock
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _idle_dir(path: Path) -> bool:
+    """Whether `path` is a directory (not a link) in which nothing has changed for STAGING_IDLE_S."""
+    try:
+        return path.is_dir() and not path.is_symlink() and time.time() - last_change(path) >= STAGING_IDLE_S
+    except FileNotFoundError:
+        return False
 
 
 def _remove_if_unused(path: Path, unused_s: float) -> bool:

@@ -5,6 +5,7 @@ root is ever written, renamed or deleted."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import hashlib
 import json
@@ -603,6 +604,42 @@ def test_a_cached_copy_is_renamed_and_looked_at_again_before_it_is_deleted(tmp_p
     age(tomb, STAGING_IDLE_S + 60)
     assert cm.remove_unused_versions(cache, key, name, keep=keep.name) == []
     assert sorted(os.listdir(cache)) == sorted([*(set(stays) - {recent.name}), staging.name])
+
+
+def test_idle_tombstones_of_every_uri_go_when_any_uri_is_resolved(tmp_path):
+    """A killed remover's tombstone was deleted only by a later resolve of its own URI, so one of a URI never
+    resolved again stayed forever. Now remove_unused_versions deletes the tombstones and stagings of every URI
+    in the cache idle for STAGING_IDLE_S, another URI's under that URI's flock taken without waiting: one
+    whose URI another process is resolving (its flock held), a fresh one and a link named like one stay."""
+    cache, key, name = tmp_path / "cache", "0123456789abcdef", "checkpoint_000003"
+    other, busy = "fedcba9876543210", "00112233aabbccdd"
+
+    def copy(dirname: str, seconds: float) -> Path:
+        path = part(cache / dirname, {"model.safetensors": dirname.encode(), COMMIT_FILE: b"{}"})
+        age(path, seconds)
+        return path
+
+    keep = copy(f"{key}-{'a' * 12}-{name}", 0)
+    gone = [
+        copy(f".{other}-{'b' * 12}-{name}.{'e' * 16}", STAGING_IDLE_S + 60).name,  # another URI's
+        copy(f".{other}-checkpoint_000007.{'e' * 16}", STAGING_IDLE_S + 60).name,  # one-copy-per-URI name
+        copy(f".{key}-{'c' * 12}-{name}.{'e' * 16}", STAGING_IDLE_S + 60).name,  # this URI's
+    ]
+    fresh = copy(f".{other}-{'d' * 12}-{name}.{'e' * 16}", STAGING_IDLE_S - 600)
+    held = copy(f".{busy}-{'b' * 12}-{name}.{'e' * 16}", STAGING_IDLE_S + 60)
+    outside = copy("outside", STAGING_IDLE_S + 60)
+    link = cache / f".{other}-{'f' * 12}-{name}.{'e' * 16}"
+    link.symlink_to(outside)
+    with open(cache / f".{busy}-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process resolving that URI
+        assert cm.remove_unused_versions(cache, key, name, keep=keep.name) == []
+    locks = {f".{other}-{name}.lock", f".{other}-checkpoint_000007.lock", f".{busy}-{name}.lock"}
+    assert set(os.listdir(cache)) == {keep.name, fresh.name, held.name, outside.name, link.name, *locks}
+    assert not set(gone) & set(os.listdir(cache))
+    assert tree(outside) == {"model.safetensors": hashlib.sha256(b"outside").hexdigest(),
+                             COMMIT_FILE: hashlib.sha256(b"{}").hexdigest()}  # fmt: skip
+    assert cm.remove_unused_versions(cache, key, name, keep=keep.name) == []  # its resolver is done
+    assert held.name not in os.listdir(cache) and fresh.is_dir() and link.is_symlink()
 
 
 def test_a_live_servers_cached_copy_survives_new_commits_past_cache_unused_s(tmp_path, s3_env):
