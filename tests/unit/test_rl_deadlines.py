@@ -8,7 +8,7 @@ from support.rl_fixtures import tiny_config
 
 from raychat.checkpoint_manager import commit_directory
 from raychat.rl import actors
-from raychat.rl.actors import committed_bytes, read_budget, read_deadline_s, rollout_deadline
+from raychat.rl.actors import ActorTimeout, committed_bytes, read_budget, read_deadline_s, rollout_deadline
 from raychat.rl.dispatcher import RolloutDispatcher
 
 
@@ -97,3 +97,31 @@ def test_a_checkpoint_read_is_sized_from_its_commit_marker_twice_when_remote(tmp
     assert read_deadline_s(16 * 10**6) == 61.6 and read_budget(16 * 10**6) == "60 s + 16 MB at 10 MB/s"
     assert read_deadline_s(16 * 10**6, remote=True) == 63.2
     assert read_budget(16 * 10**6, remote=True) == "60 s + 2 x 16 MB at 10 MB/s (downloaded, then checked)"
+
+
+def test_an_actor_timeouts_line_reads_well_for_one_two_and_more_actors():
+    """With several actors late the line read "rollout actor 0, rollout actor 1 and learner 0 did not return its
+    start": one actor's call and fix, worded for one, now named as one, neither/nor or none of, each fix."""
+    call, fix = "its start", "check that its node starts Ray workers"
+
+    def line(*who: str) -> str:
+        return str(ActorTimeout(list(who), call, 61.25, "60 s + 1.2 MB at 10 MB/s", fix))
+
+    assert line("learner 0") == (
+        "learner 0 did not return its start within 61.2 s (60 s + 1.2 MB at 10 MB/s); if it recurs, check that "
+        "its node starts Ray workers"
+    )
+    assert line("rollout actor 0", "learner 0") == (
+        "neither rollout actor 0 nor learner 0 returned its start within 61.2 s (60 s + 1.2 MB at 10 MB/s); if "
+        "it recurs, for each: check that its node starts Ray workers"
+    )
+    assert line("rollout actor 0", "rollout actor 1", "learner 0") == (
+        "none of rollout actor 0, rollout actor 1 and learner 0 returned its start within 61.2 s (60 s + 1.2 MB "
+        "at 10 MB/s); if it recurs, for each: check that its node starts Ray workers"
+    )
+    assert str(
+        ActorTimeout(["learner 0", "learner 1", "learner 2", "learner 3"], "Learner.restore of x", 3, "", fix)
+    ) == (
+        "none of learner 0, learner 1, learner 2 and learner 3 returned Learner.restore of x within 3 s; if it "
+        "recurs, for each: check that its node starts Ray workers"
+    )

@@ -206,15 +206,24 @@ def read_budget(nbytes: int, remote: bool = False) -> str:
 class ActorTimeout(RuntimeError):
     """The driver's `call` on the actors `who` (["learner 1"]) did not return within `waited_s` seconds
     (`budget`: how the deadline was sized, "" for a fixed one), the actors alive, so hung (get_within); `fix`: what
-    to check when it recurs. The run stops its actor group (killing them) and starts it again within
-    --max-failures (raychat.rl.loop)."""
+    to check when it recurs. `call` and `fix` speak of one actor ("its start", "check that its node ..."); the
+    line names one, two or more actors:
+      learner 0 did not return its start within 9 s; if it recurs, check ...
+      neither rollout actor 0 nor learner 0 returned its start within 9 s; if it recurs, for each: check ...
+      none of rollout actor 0, rollout actor 1 and learner 0 returned its start within 9 s; if it recurs, for
+      each: check ...
+    The run stops its actor group (killing them) and starts it again within --max-failures (raychat.rl.loop)."""
 
     def __init__(self, who: list[str], call: str, waited_s: float, budget: str, fix: str):
         self.who, self.call, self.waited_s = who, call, waited_s
         sized = f" ({budget})" if budget else ""
-        super().__init__(
-            f"{self.named} did not return {call} within {waited_s:.3g} s{sized}; if it recurs, {fix}"
-        )
+        if len(who) == 1:
+            late, each = f"{who[0]} did not return", ""
+        elif len(who) == 2:
+            late, each = f"neither {who[0]} nor {who[1]} returned", "for each: "
+        else:
+            late, each = f"none of {self.named} returned", "for each: "
+        super().__init__(f"{late} {call} within {waited_s:.3g} s{sized}; if it recurs, {each}{fix}")
 
     @property
     def named(self) -> str:
