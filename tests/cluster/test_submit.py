@@ -228,6 +228,7 @@ def test_submit_follow_and_jobs_commands(token_cluster):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "\n42\n" in r.stdout
     assert "job rc-ok SUCCEEDED" in r.stderr
+    assert "Uploading package gcs://" in r.stderr  # Ray's line of the working dir's upload (a fresh cluster)
 
     code = (
         "import os, sys, raychat; print('cwd-has-pyproject', os.path.isfile('pyproject.toml'));"
@@ -253,6 +254,7 @@ def test_submit_follow_and_jobs_commands(token_cluster):
         "raychat submit: error: --job-id rc-ok: a job with this submission id already exists on this cluster; choose "
         "another"
     ), r.stdout + r.stderr  # was "Request failed with status code 500: Traceback (most recent call last):"
+    assert "Uploading package" not in r.stderr and "skipping upload" not in r.stderr  # refused first
     for command in (["logs"], ["stop"], ["logs", "--follow"]):  # --follow: was aiohttp's traceback, exit 1
         r = _raychat(["jobs", *command, *conn, "rc-nosuchjob"], c["tmp"])
         assert (r.returncode, r.stderr.strip().splitlines()[-1]) == (

@@ -369,10 +369,30 @@ def job_refusal(e: Exception, job_id: str | None) -> str | None:
     if "status code 404" in text and "does not exist" in text:
         return f"no job {job_id!r} on this cluster (`raychat jobs list` shows its jobs)"
     if "already exists" in text and job_id:
-        return (
-            f"--job-id {job_id}: a job with this submission id already exists on this cluster; choose another"
-        )
+        return _taken(job_id)
     return None
+
+
+def _taken(job_id: str) -> str:
+    return f"--job-id {job_id}: a job with this submission id already exists on this cluster; choose another"
+
+
+def check_job_id_free(client, job_id: str | None) -> None:
+    """Refuse `--job-id job_id` that a job on the cluster behind `client` already has as its submission id, before
+    anything is uploaded (submit_job uploads the working dir and raychat first, then Ray refuses the id).
+
+    Raises ValueError: the id is taken; RuntimeError, ConnectionError as the Jobs client (other than its 404:
+    no such job, the id is free)."""
+    if job_id is None:
+        return
+    try:
+        info = client.get_job_info(job_id)
+    except RuntimeError as e:
+        if "status code 404" in str(e):
+            return
+        raise
+    if info.submission_id == job_id:  # get_job_info also finds a driver's Ray job id, which Ray allows
+        raise ValueError(_taken(job_id))
 
 
 def cmd_submit(args) -> int:
@@ -388,6 +408,7 @@ def cmd_submit(args) -> int:
             pip = project_requirements(working_dir) + pip
         runtime_env = runtime_env_for(working_dir, pip, job_env_vars(args.stage, args.env or []))
         client = make_client(args.address, args.token_file)
+        check_job_id_free(client, args.job_id)
         resources, flags = entrypoint_resources(args)
         check_entrypoint_fits(client, resources, flags)
     except (ValueError, FileNotFoundError) as e:
