@@ -4,12 +4,15 @@ LLMConfig model imports without vLLM, the built dict is validated against it."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 
 import pytest
 import yaml
 
 from raychat.serve import vllm as rv
+from raychat.sigterm import raise_terminated
 
 
 @pytest.fixture
@@ -198,3 +201,28 @@ def test_an_abbreviated_flag_is_refused(hf_dir, tmp_path, capsys):
         f"python -m raychat.serve.vllm: error: unrecognized arguments: --hf {hf_dir}"
     )
     assert not (tmp_path / "vllm.yaml").exists()
+
+
+def test_the_vllm_deploy_starts_ray_keeping_raychat_serves_sigterm_handler(hf_dir, monkeypatch):
+    """deploy ran ray.init (or start_local_cluster) in the main thread, under `raychat serve`'s SIGTERM handler:
+    Ray's core worker replaced it with its native one (an abort, no "stopped" line). Now it starts Ray through
+    raychat.sigterm.init_keeping_handler, as the raychat backend does: in a thread of its own while the
+    handler stays. Ray itself is not started: start_local_cluster (raychat's) records where it ran and stops."""
+    started = []
+
+    def start_local_cluster(**kwargs):
+        started.append((threading.current_thread().name, signal.getsignal(signal.SIGTERM), kwargs))
+        raise RuntimeError("stop here")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(rv, "require_vllm", lambda: None)
+    monkeypatch.setattr(rv, "build_openai_app", lambda args: args)  # None without vLLM (here)
+    monkeypatch.setattr(rv, "start_local_cluster", start_local_cluster)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        with pytest.raises(RuntimeError, match="stop here"):
+            rv.deploy(rv.llm_config(hf_dir), "127.0.0.1", 8000, address=None)
+        assert signal.getsignal(signal.SIGTERM) is raise_terminated
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert started == [("raychat-ray-init", raise_terminated, {"address": None, "log_to_driver": False})]

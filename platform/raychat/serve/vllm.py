@@ -59,6 +59,7 @@ except ImportError:  # "Neither vLLM nor SGLang is installed": the same pydantic
 from raychat.atomic import atomic_write_text
 from raychat.capacity import start_local_cluster
 from raychat.config import VLLMConfig, add_flags, from_args, from_dict, to_flat
+from raychat.sigterm import init_keeping_handler
 
 IMPORT_PATH = "ray.serve.llm:build_openai_app"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -166,11 +167,11 @@ def deploy(config: dict, host: str, port: int, address: str | None, app_name: st
     OpenAI base URL. Raises ValueError (require_vllm) before anything starts when vLLM is not installed."""
     require_vllm()
     app = build_openai_app({"llm_configs": [LLMConfig(**config)]})
-    if not ray.is_initialized():
+    if not ray.is_initialized():  # under `raychat serve`'s SIGTERM handler, kept while Ray starts
         if address or os.environ.get("RAY_ADDRESS"):
-            ray.init(address=address, log_to_driver=False)
+            init_keeping_handler(ray.init, address=address, log_to_driver=False)
         else:  # Ray's own choice without an address: a `ray start` cluster of this machine, else a new one
-            start_local_cluster(address=None, log_to_driver=False)
+            init_keeping_handler(start_local_cluster, address=None, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(app, name=app_name, route_prefix="/", blocking=False)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
