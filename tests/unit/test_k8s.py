@@ -236,7 +236,11 @@ def test_cluster_shapes(builds):
         spec = base[("RayJob", f"raychat-{stage}")]["spec"]
         assert spec["entrypoint"] == want[stage]
         assert spec.get("entrypointNumGpus", 0) == (1 if stage == "eval" else 0)  # the eval driver: cuda
-        assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"working_dir": "/home/ray/raychat"}
+        # a stopped stage's driver has 30 s (Ray's default 3 s) to print where it resumes, as `raychat submit`'s
+        assert yaml.safe_load(spec["runtimeEnvYAML"]) == {
+            "working_dir": "/home/ray/raychat",
+            "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "30"},
+        }
         assert (spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"], spec["backoffLimit"]) == (
             True,
             3600,
@@ -543,6 +547,10 @@ def test_k8s_submit_dry_run_prints_a_valid_rayjob(capsys, crd_schemas):
         == "python jobs/sft.py --storage-path /mnt/checkpoints/runs --num-iterations 4"
     )
     assert job["spec"]["ttlSecondsAfterFinished"] == 60
+    assert yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == {
+        "working_dir": "/home/ray/raychat",
+        "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "30"},  # was none: Ray's 3 s from SIGTERM to SIGKILL
+    }
     assert raychat_main(["k8s", "submit", "--dry-run", "--name", "Bad_Name", *SFT]) == 2
     capsys.readouterr()
     for flags in (["--ttl", "-5"], ["--retries", "-2"]):  # negative: the API server would refuse the RayJob

@@ -54,7 +54,7 @@ from pathlib import Path
 import yaml
 
 from raychat.atomic import atomic_write_text
-from raychat.ops.jobs import STAGES
+from raychat.ops.jobs import STAGE_STOP_WAIT_S, STAGES, STOP_WAIT_ENV
 
 RAY_VERSION = "2.60.0"
 IMAGE = "raychat:0.1.0"
@@ -317,7 +317,9 @@ def rayjob(
     deadline_s: int | None = None,
 ) -> dict:
     """A RayJob running `python jobs/<stage>.py ARGS` (or the chain of `commands`, see entrypoint) in
-    /home/ray/raychat on its own cluster, its driver reserving `num_gpus`, stopped (its cluster deleted)
+    /home/ray/raychat on its own cluster, its driver reserving `num_gpus` and given STAGE_STOP_WAIT_S seconds
+    from a stop's SIGTERM to its SIGKILL (RAY_JOB_STOP_WAIT_TIME_S in its runtime env, as `raychat submit`
+    gives a stage: time to print where it resumes), stopped (its cluster deleted)
     deadline_s seconds after it starts (default DEADLINES_S[stage]), deleted ttl_s seconds after the job
     finishes, retried backoff_limit times. Raises ValueError for an unknown stage, an invalid name or a negative
     ttl_s or backoff_limit."""
@@ -329,7 +331,9 @@ def rayjob(
         )
     spec = {
         "entrypoint": entrypoint(commands or [[stage, *(stage_args or [])]]),
-        "runtimeEnvYAML": yaml.safe_dump({"working_dir": APP_DIR}, sort_keys=False),
+        "runtimeEnvYAML": yaml.safe_dump(
+            {"working_dir": APP_DIR, "env_vars": {STOP_WAIT_ENV: str(STAGE_STOP_WAIT_S)}}, sort_keys=False
+        ),
         "submissionMode": "K8sJobMode",
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": ttl_s,

@@ -49,7 +49,7 @@ from ray.exceptions import AuthenticationError, RpcError
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from raychat.capacity import Capacity, NodeType, fmt_bundle, missing_resources, read_only_monitor
-from raychat.ops.jobs import DEFAULT_ADDRESS, STAGES, SUBMIT_CHOICES
+from raychat.ops.jobs import DEFAULT_ADDRESS, STAGE_STOP_WAIT_S, STAGES, STOP_WAIT_ENV, SUBMIT_CHOICES
 from raychat.ray_token import find_token, first_line, hand_to_ray, refused_message
 
 try:
@@ -68,11 +68,6 @@ WORKING_DIR_EXCLUDES = [
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
 EXIT_UNREACHABLE = 4
 EXIT_COMMAND_NOT_FOUND = 127  # what the job's shell returns when the entrypoint's program does not exist
-# Ray's job supervisor SIGKILLs a stopped job's driver RAY_JOB_STOP_WAIT_TIME_S after its SIGTERM (3 s in Ray
-# 2.60), read from its own environment, which the job's runtime_env env_vars reach; a stage's driver took up to
-# 4.1 s from SIGTERM to exit (docs/deployment.md): a stage's job gets 30 s
-STOP_WAIT_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
-STAGE_STOP_WAIT_S = 30
 # a followed job still PENDING after PENDING_REPORT_AFTER_S is reported, then every PENDING_REPORT_EVERY_S
 PENDING_REPORT_AFTER_S, PENDING_REPORT_EVERY_S = 5.0, 30.0
 # submit's flags -> the resource each reserves for the job's entrypoint
