@@ -429,7 +429,8 @@ def serve(subparsers) -> None:
         "--host",
         type=bind_host,
         default="127.0.0.1",
-        help="HTTP bind address (0.0.0.0 to expose: then an API key, or --allow-unauthenticated, is required)",
+        help="HTTP bind address (0.0.0.0 to expose: then an API key, or --allow-unauthenticated, is required; "
+        "--backend vllm checks no key: --allow-unauthenticated)",
     )
     p.add_argument(  # ServeConfig's allow_unauthenticated (from_args reads it by name; None: the preset's)
         "--allow-unauthenticated",

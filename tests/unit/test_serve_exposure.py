@@ -101,3 +101,56 @@ def test_a_presets_allow_unauthenticated_is_the_flags_opt_out(tmp_path, started)
     assert serve(tmp_path, "--host", "0.0.0.0", "--preset", str(preset)) == 0
     ((call,),) = [started]
     assert (call["host"], call["api_key"], call["open"]) == ("0.0.0.0", None, True)
+
+
+@pytest.fixture
+def vllm_started(monkeypatch) -> list[dict]:
+    """The vLLM backend's calls that got past the check: serve_cli.start_vllm recorded instead of run."""
+    monkeypatch.delenv("RAYCHAT_API_KEY", raising=False)
+    calls: list[dict] = []
+    monkeypatch.setattr(
+        serve_cli, "start_vllm", lambda args: calls.append({"host": args.host}) or "http://x/v1"
+    )
+    return calls
+
+
+def serve_vllm(*flags: str) -> int:
+    return main(
+        ["serve", "--backend", "vllm", "--hf-dir", "hf", "--address", "ray://x", "--no-block", *flags]
+    )
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3"])
+def test_the_vllm_backend_checks_no_key_so_an_exposed_host_needs_the_explicit_flag(
+    capsys, vllm_started, host
+):
+    """Ray Serve LLM's build_openai_app has no API key option: --backend vllm served an exposed --host given
+    --api-key, a key nothing checked. Now a key is refused, and an exposed --host needs --allow-unauthenticated;
+    a loopback --host serves as before."""
+    assert serve_vllm("--host", host) == 2
+    assert capsys.readouterr().err == (
+        f"raychat serve: error: --host {host} serves beyond this machine and the vLLM backend checks no API key "
+        "(Ray Serve LLM's build_openai_app has no key option): pass --allow-unauthenticated to serve every route "
+        "without a key, or serve on a loopback --host behind a proxy that checks one  (RAYCHAT_DEBUG=1 shows the "
+        "traceback)\n"
+    )
+    for flags in (["--host", host, "--api-key", "k1"], ["--api-key", "k1"]):
+        assert serve_vllm(*flags) == 2
+        assert capsys.readouterr().err.startswith(
+            "raychat serve: error: --api-key: the vLLM backend checks no API key (Ray Serve LLM's "
+            "build_openai_app has no key option); serve it on a loopback --host behind a proxy that checks one, "
+            "or drop --api-key  "
+        )
+    assert vllm_started == []
+    assert serve_vllm("--host", host, "--allow-unauthenticated") == 0
+    assert serve_vllm() == 0  # default 127.0.0.1
+    assert vllm_started == [{"host": host}, {"host": "127.0.0.1"}]
+
+
+def test_the_vllm_backend_ignores_raychat_api_key_so_it_does_not_open_a_host(
+    monkeypatch, capsys, vllm_started
+):
+    monkeypatch.setenv("RAYCHAT_API_KEY", "k2")  # raychat's key: vLLM does not read it
+    assert serve_vllm("--host", "0.0.0.0") == 2
+    assert "the vLLM backend checks no API key" in capsys.readouterr().err
+    assert vllm_started == []

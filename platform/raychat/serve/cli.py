@@ -192,6 +192,23 @@ def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) 
         )
 
 
+def check_vllm_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    """`--backend vllm`: Ray Serve LLM's OpenAI app (build_openai_app) checks no API key, so a key is refused
+    (it would not be checked), and `host` beyond loopback needs --allow-unauthenticated. Raises ValueError (one
+    line naming the flags)."""
+    if api_key:
+        raise ValueError(
+            "--api-key: the vLLM backend checks no API key (Ray Serve LLM's build_openai_app has no key "
+            "option); serve it on a loopback --host behind a proxy that checks one, or drop --api-key"
+        )
+    if exposed(host) and not allow_unauthenticated:
+        raise ValueError(
+            f"--host {host} serves beyond this machine and the vLLM backend checks no API key (Ray Serve LLM's "
+            "build_openai_app has no key option): pass --allow-unauthenticated to serve every route without a "
+            "key, or serve on a loopback --host behind a proxy that checks one"
+        )
+
+
 def _running_http_address() -> tuple[str, int] | None:
     """(host, port) of the HTTP proxies of the Serve already running on the connected cluster, or None."""
     # Ray has no public getter of a running Serve's HTTP options; serve.start only logs that they differ.
@@ -240,7 +257,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     if getattr(args, "backend", "raychat") == "vllm":
-        check_exposure(args.host, args.api_key, args.allow_unauthenticated)
+        check_vllm_exposure(args.host, args.api_key, args.allow_unauthenticated)
         url = start_vllm(args)
         print(f"vLLM is serving {args.hf_dir}")
         print(f"OpenAI API:   {url}  (model list: {url}/models)", flush=True)
