@@ -83,6 +83,19 @@ def append_result(out: str | Path, text: str) -> None:
         f.write(text.rstrip() + "\n\n")
 
 
+def markdown_table(rows: list[dict], float_format: str = ".4g") -> str:
+    """A markdown table of dict rows that share their keys (the first row's keys are the header); floats
+    formatted with float_format, everything else with str."""
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    for r in rows:
+        lines.append(
+            "| "
+            + " | ".join(format(v, float_format) if isinstance(v, float) else str(v) for v in r.values())
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def add_common_flags(ap: argparse.ArgumentParser) -> None:
     """--workdir, --data-dir, --tokenizer, --out: where the corpus, tokenizer, Ray and results go."""
     ap.add_argument("--workdir", default=None, help="corpus, tokenizer, Ray and runs go here (default: tmp)")

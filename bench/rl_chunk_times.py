@@ -19,6 +19,7 @@ import json
 import statistics
 
 import ray
+from _common import markdown_table
 
 from raychat.config import RLConfig, from_dict
 from raychat.rl.loop import RLRun
@@ -69,10 +70,7 @@ def main():
             })  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     ray.shutdown()
-    print("| " + " | ".join(rows[0]) + " |")
-    print("|" + "---|" * len(rows[0]))
-    for r in rows:
-        print("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    print(markdown_table(rows, ".3g"))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import json
 import statistics
 
 import ray
+from _common import markdown_table
 
 from raychat.config import RLConfig, from_dict
 from raychat.rl.loop import RLRun
@@ -52,10 +53,7 @@ def main():
         )
         print(json.dumps(rows[-1]), flush=True)
     ray.shutdown()
-    print("| " + " | ".join(rows[0]) + " |")
-    print("|" + "---|" * len(rows[0]))
-    for r in rows:
-        print("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    print(markdown_table(rows, ".4g"))
     gains = [r["pass@1 after"] - r["pass@1 before"] for r in rows]
     after = [r["pass@1 after"] for r in rows]
     print(f"pass@1 gain mean {statistics.mean(gains):.4f}; after-RL pass@1 across seeds: mean "
