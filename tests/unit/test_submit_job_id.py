@@ -1,11 +1,12 @@
 """`raychat submit --job-id ID` with ID taken: refused before anything is uploaded. The Jobs client is replaced
-(the order of its calls is what is tested); tests/cluster/test_submit.py refuses a taken id on a real cluster."""
+(the order of its calls is what is tested); tests/cluster/test_submit.py refuses a taken id on a real cluster. And `raychat jobs list`'s order."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+from ray.job_submission import JobDetails, JobStatus, JobType
 
 from raychat.cli import main as raychat_main
 from raychat.ops import submit
@@ -53,3 +54,25 @@ def test_a_free_job_id_is_submitted(client, capsys):
         ["submit", "--no-wait", "command", "python", "-c", "print(1)"]
     )  # no id: nothing to check
     assert (rc, client.calls[2:]) == (0, [("submit_job", None)])
+
+
+def test_jobs_list_prints_oldest_start_first():
+    """`raychat jobs list`: Ray's list_jobs returns jobs in no stated order; the lines come oldest start first
+    (ties by id), a job without a submission id under its job id."""
+
+    def job(sid, start, status=JobStatus.SUCCEEDED, job_id=None):
+        return JobDetails(type=JobType.SUBMISSION, submission_id=sid, job_id=job_id, status=status,
+                          entrypoint=f"run {sid or job_id}", start_time=start)  # fmt: skip
+
+    jobs = [
+        job("b", 2000),
+        job("c", 1000, JobStatus.RUNNING),
+        job(None, 1500, job_id="02000000"),
+        job("a", 2000),
+    ]
+    assert submit.job_lines(jobs) == [
+        "c\tRUNNING\trun c",
+        "02000000\tSUCCEEDED\trun 02000000",
+        "a\tSUCCEEDED\trun a",
+        "b\tSUCCEEDED\trun b",
+    ]

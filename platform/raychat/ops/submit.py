@@ -450,13 +450,20 @@ def cmd_submit(args) -> int:
     return EXIT_CODES.get(status, 1)
 
 
+def job_lines(jobs) -> list[str]:
+    """One line a job of the Jobs API's list_jobs (JobDetails): "<submission id or job id>\t<status>\t<entrypoint>",
+    oldest start first (Ray returns them in no stated order), ties by id."""
+    jobs = sorted(jobs, key=lambda j: (j.start_time or 0, j.submission_id or j.job_id or ""))
+    return [f"{j.submission_id or j.job_id}\t{j.status.value}\t{j.entrypoint}" for j in jobs]
+
+
 def cmd_jobs(args) -> int:
     try:
         client = make_client(args.address, args.token_file)
         if args.jobs_command == "list":
             jobs = client.list_jobs()
-            for job in jobs:
-                print(f"{job.submission_id or job.job_id}\t{job.status.value}\t{job.entrypoint}")
+            for line in job_lines(jobs):
+                print(line)
             if not jobs:
                 # on stderr: stdout holds job lines only, for scripts that split them by tab
                 print(
