@@ -467,7 +467,7 @@ def resolve_checkpoint(
         verify(d, checksums=True)
 
     cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f".{key}-{name}.lock", "a") as lock:
+    with open(_uri_lock(cache, key, name), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its process dies
         got = None
         if (dest / COMMIT_FILE).is_file() and (dest / COMMIT_FILE).read_bytes() == commit:
@@ -480,6 +480,11 @@ def resolve_checkpoint(
         mark_in_use(got)
         remove_unused_versions(cache, key, name, keep=got.name)
         return got
+
+
+def _uri_lock(cache: Path, key: str, name: str) -> Path:
+    """The file whose flock a process holds while it resolves the URI of key `key` and checkpoint name `name`."""
+    return cache / f".{key}-{name}.lock"
 
 
 def remove_unused_versions(
@@ -520,7 +525,7 @@ def _remove_idle_tombstones(cache: Path, key: str, name: str) -> None:
         if (found["key"], found["name"]) == (key, name):
             shutil.rmtree(path, ignore_errors=True)
             continue
-        with open(cache / f".{found['key']}-{found['name']}.lock", "a") as lock:
+        with open(_uri_lock(cache, found["key"], found["name"]), "a") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # that URI is being resolved now
@@ -573,9 +578,21 @@ def described(checkpoint: str) -> str:
     "runs/pretrain/checkpoint_000004 (pretrain checkpoint, step 4)": one small read, also of a remote one.
 
     Raises CheckpointError: an unreadable commit marker; OSError: it cannot be read."""
-    where = open_storage(checkpoint)
-    commit = parse_commit(read_bytes(where, f"{where.path}/{COMMIT_FILE}"), checkpoint)
+    commit = commit_of(checkpoint)
     return f"{checkpoint} ({commit.get('stage') or 'unknown'} checkpoint, step {commit['step']})"
+
+
+def commit_of(checkpoint: str) -> dict:
+    """The commit marker of `checkpoint` (a local checkpoint directory or an s3:// / gs:// URI): one small read.
+
+    Raises CheckpointError: an unreadable marker; OSError: it cannot be read."""
+    where = open_storage(checkpoint)
+    return parse_commit(read_bytes(where, f"{where.path}/{COMMIT_FILE}"), checkpoint)
+
+
+def committed_bytes(commit: dict) -> int:
+    """Bytes of the files a commit marker (parse_commit's dict) lists."""
+    return sum(f["size"] for f in commit["files"].values())
 
 
 def is_run_checkpoint(checkpoint: str) -> bool:

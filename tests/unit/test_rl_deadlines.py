@@ -8,7 +8,7 @@ from support.rl_fixtures import tiny_config
 
 from raychat.checkpoint_manager import commit_directory
 from raychat.rl import actors
-from raychat.rl.actors import ActorTimeout, committed_bytes, read_budget, read_deadline_s, rollout_deadline
+from raychat.rl.actors import ActorTimeout, checkpoint_bytes, read_budget, read_deadline_s, rollout_deadline
 from raychat.rl.dispatcher import RolloutDispatcher
 
 
@@ -92,8 +92,8 @@ def test_a_checkpoint_read_is_sized_from_its_commit_marker_twice_when_remote(tmp
     bucket = s3_env.make_bucket()
     pafs.copy_files(str(ck), f"{bucket}/run/checkpoint_000003", destination_filesystem=s3_env.filesystem())
     uri = f"s3://{bucket}/run/checkpoint_000003"
-    assert committed_bytes(str(ck)) == committed_bytes(uri) == 16
-    assert committed_bytes(str(tmp_path / "missing")) == 0  # the actors raise their own error
+    assert checkpoint_bytes(str(ck)) == checkpoint_bytes(uri) == 16
+    assert checkpoint_bytes(str(tmp_path / "missing")) == 0  # the actors raise their own error
     assert read_deadline_s(16 * 10**6) == 61.6 and read_budget(16 * 10**6) == "60 s + 16 MB at 10 MB/s"
     assert read_deadline_s(16 * 10**6, remote=True) == 63.2
     assert read_budget(16 * 10**6, remote=True) == "60 s + 2 x 16 MB at 10 MB/s (downloaded, then checked)"

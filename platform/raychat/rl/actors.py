@@ -22,13 +22,13 @@ from raychat.capacity import (
     missing_resources,
     read_capacity,
 )
-from raychat.checkpoint_manager import COMMIT_FILE, parse_commit
+from raychat.checkpoint_manager import commit_of, committed_bytes
 from raychat.config import RLConfig
 from raychat.config.schema import flag_name, shown
 from raychat.rl.learner import LearnerActor
 from raychat.rl.rollout import RolloutActor
 from raychat.rl.weights import create_collective_group
-from raychat.storage import is_remote, open_storage, read_bytes
+from raychat.storage import is_remote
 
 
 def role_bundles(cfg: RLConfig) -> tuple[list[dict], list[dict]]:
@@ -347,7 +347,7 @@ class ActorGroup:
             reporter.stop(placed)
         device = "cuda" if gpu else "cpu"
         init = self.cfg.run.init_from
-        nbytes, remote = committed_bytes(init), is_remote(init)
+        nbytes, remote = checkpoint_bytes(init), is_remote(init)
         wait_s = START_S + read_deadline_s(nbytes, remote)
         budget = f"{START_S:g} s to start + {read_budget(nbytes, remote)} of {self.option('init_from')}"
         fix = f"check that its node starts Ray workers (its raylet's log) and reads {init} (a hung mount)"
@@ -464,15 +464,13 @@ def forget_group(group_name: str) -> None:
         pass
 
 
-def committed_bytes(checkpoint: str) -> int:
+def checkpoint_bytes(checkpoint: str) -> int:
     """The bytes of the files the commit marker of `checkpoint` (a local directory or a remote URI) lists: one small
     read; 0 when it cannot be read (the actors that read the checkpoint raise their own error)."""
     try:
-        where = open_storage(checkpoint)
-        commit = parse_commit(read_bytes(where, f"{where.path}/{COMMIT_FILE}"), checkpoint)
+        return committed_bytes(commit_of(checkpoint))
     except (OSError, ValueError):
         return 0
-    return sum(f["size"] for f in commit["files"].values())
 
 
 def threads(cpus: float) -> int:

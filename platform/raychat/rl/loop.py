@@ -63,7 +63,7 @@ from collections import deque
 import numpy as np
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
-from raychat.checkpoint_manager import CheckpointManager
+from raychat.checkpoint_manager import CheckpointManager, committed_bytes
 from raychat.config import ConfigError, RLConfig, to_dict, to_yaml
 from raychat.lease import RunLease
 from raychat.log import log
@@ -249,7 +249,7 @@ class RLRun:
             self.set_version(0)
             return 0
         uri, self.step = self.checkpoints.uri(newest.step), newest.step  # the step a hung restore is named at
-        nbytes, remote = sum(f["size"] for f in newest.commit["files"].values()), is_remote(uri)
+        nbytes, remote = committed_bytes(newest.commit), is_remote(uri)
         learners = self.actors.learners
         where = f"{self.flags.option('storage_path')} {self.checkpoints.storage.uri}"
         states = get_within(
