@@ -16,27 +16,40 @@ from raychat.capacity import (
 )
 
 
+def said(out: io.StringIO, n: int, timeout_s: float = 60) -> list[str]:
+    """The reporter's lines once it has said `n` (it looks every second, slower on a loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while len(lines := out.getvalue().splitlines()) < n:
+        assert time.monotonic() < deadline, f"{n} line(s) not said within {timeout_s} s: {lines}"
+        time.sleep(0.1)
+    return lines
+
+
 def test_a_wait_is_reported_then_its_end_once(ray_cluster):
-    """While pending: a "waiting" line naming what and how many nodes are alive; the caller who saw the
-    placement first says "placed ... after N s" through stop(placed=True), once."""
+    """While pending: a "waiting" line naming what and how many nodes are alive, at the first look (not after
+    every_s); the caller who saw the placement first says "placed ... after N s" (stop(placed=True)), once."""
     out = io.StringIO()
     reporter = WaitReporter("2 worker(s) x CPU 0.5", lambda: "pending", every_s=60, out=out).start()
-    time.sleep(2.5)
+    said(out, 1)
     reporter.stop(placed=True)
     lines = out.getvalue().splitlines()
     assert len(lines) == 2, lines
-    assert re.fullmatch(
-        r"waiting [12] s for 2 worker\(s\) x CPU 0\.5: 1 alive node\(s\); the autoscaler may add more",
+    waiting = re.fullmatch(
+        r"waiting (\d+) s for 2 worker\(s\) x CPU 0\.5: 1 alive node\(s\); the autoscaler may add more",
         lines[0],
-    ), lines
-    assert re.fullmatch(r"placed 2 worker\(s\) x CPU 0\.5 after [23] s", lines[1]), lines
+    )
+    placed = re.fullmatch(r"placed 2 worker\(s\) x CPU 0\.5 after (\d+) s", lines[1])
+    assert waiting and placed, lines
+    assert 1 <= int(waiting[1]) <= int(placed[1]) < 60, lines  # the first look is 1 s in, not every_s
 
 
 def test_the_reporter_sees_the_placement_itself_and_nothing_is_said_without_a_wait(ray_cluster):
     states = iter(["pending", "placed"])
     out = io.StringIO()
     reporter = WaitReporter("the group", lambda: next(states, "placed"), out=out).start()
-    time.sleep(3)
+    said(out, 2)
+    reporter._thread.join(5)
+    assert not reporter._thread.is_alive()  # it said "placed" itself and ended, before any stop()
     reporter.stop(placed=True)
     assert [line.split(" s ")[0].split(" ")[0] for line in out.getvalue().splitlines()] == [
         "waiting",
