@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util import placement_group_table
 from support import rl_fixtures
 from support.rl_fixtures import BadTask, FullDisk, tiny_checkpoint, tiny_config
@@ -58,6 +58,25 @@ def kill_and_wait(actor, timeout_s: float = 60) -> None:
         time.sleep(0.05)
 
 
+def kill_and_wait_rollout(actor, no_restart: bool, timeout_s: float = 120) -> None:
+    """ray.kill(actor, no_restart=no_restart), returning once the kill has landed: the actor's calls fail
+    (no_restart) or Ray has restarted it (a new pid), so no call made after it runs in the old process."""
+    pid = ray.get(actor.info.remote(), timeout=timeout_s)["pid"]
+    ray.kill(actor, no_restart=no_restart)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if ray.get(actor.info.remote(), timeout=10)["pid"] != pid:
+                return
+        except (ActorUnavailableError, GetTimeoutError):  # restarting (a RayActorError too): ask again
+            pass
+        except RayActorError:  # the call meets the killed process: the actor is dead, or restarts
+            if no_restart:
+                return
+        assert time.monotonic() < deadline, f"rollout actor not {'dead' if no_restart else 'restarted'}"
+        time.sleep(0.05)
+
+
 def live_placement_groups() -> set[str]:
     return {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
 
@@ -81,17 +100,17 @@ def undisturbed(ray_cluster, checkpoint, tmp_path_factory):
 def test_a_rollout_actor_lost_during_evaluation_is_replaced_and_the_evaluation_rerun(
     ray_cluster, checkpoint, tmp_path, undisturbed, no_restart
 ):
-    """Rollout actor 1 is killed (ray.kill) right before the final evaluation's chunks are issued (killed after,
-    it once finished its part before the kill landed). Its part either meets the dead actor (RayActorError) or,
-    restarted by Ray, the checkpoint's weights (version 0 < 2): either way it is re-synced to version 2 and run
-    again, or, gone for good, runs on actor 0. The evaluation covers every held-out prompt with the same seeds
-    and weights: the same pass@k as the undisturbed run."""
+    """Rollout actor 1 is killed (ray.kill) right before the final evaluation's chunks are issued, and they
+    are issued once the kill has landed (ray.kill only asks: under load its part once ran before the kill). Its
+    part meets the dead actor (RayActorError) or, restarted by Ray, the checkpoint's weights (version 0 < 2):
+    either way it is re-synced to version 2 and run again, or, gone for good, runs on actor 0. The evaluation
+    covers every held-out prompt with the same seeds and weights: the same pass@k as the undisturbed run."""
     calls, logs = [], []
 
     def kill_during_final_eval(dispatcher, chunks):
         calls.append([c["indices"] for c in chunks])
         if len(calls) == 2:
-            ray.kill(dispatcher.actors.rollouts[1], no_restart=no_restart)
+            kill_and_wait_rollout(dispatcher.actors.rollouts[1], no_restart)
 
     cfg = tiny_config(checkpoint, str(tmp_path), **EVAL)
     before = live_placement_groups()
@@ -606,7 +625,8 @@ def test_a_chunk_queued_behind_others_on_its_actor_has_their_deadlines_too(
         "on its actor, this one last); if it recurs, see what its process does (py-spy dump: a deadlock, a stuck "
         "device or node); a healthy chunk that needs longer: more --rollout-workers, fewer prompts each"
     )
-    assert chunk["split"] == "train" and 2.99 <= took < 6, took  # (ray.wait returned 0.1 ms early once)
+    # the 3 s deadline (ray.wait returned 0.1 ms early once), not the 30 s hang; slack for a loaded machine
+    assert chunk["split"] == "train" and 2.99 <= took < 15, took
 
 
 def test_lost_learners_are_pinged_at_once_and_every_one_named(ray_cluster, checkpoint, tmp_path, monkeypatch):
