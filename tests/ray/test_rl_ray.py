@@ -71,6 +71,14 @@ def test_killed_rollout_actor_run_goes_on_and_resumes(ray_cluster, checkpoint, t
     cfg = tiny_config(checkpoint, str(tmp_path), steps=3, max_tokens=24)
     t0 = time.perf_counter()
     run = RLRun(cfg, on_submitted=kill_at_step_1, log=lambda m: print(f"{time.perf_counter() - t0:.2f} {m}"))
+    submit = run.dispatcher.submit
+
+    def stop_then_submit(step):
+        if step == 1 and not killed:  # stopped first: its chunk cannot run before the kill (SIGKILL)
+            os.kill(pids["pid"], signal.SIGSTOP)
+        return submit(step)
+
+    run.dispatcher.submit = stop_then_submit
     summary = run.run()
     assert killed and summary["restarts"] >= 1 and summary["version"] == 3
     baseline, *lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
