@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 
 import pytest
-from support.cluster import init_local_ray
+from support.cluster import free_ports, init_local_ray
 
 from raychat import metrics
 from raychat.metrics import RLMetrics, ServeMetrics, TrainMetrics
@@ -59,17 +58,11 @@ def test_bad_values_name_the_field():
         TrainMetrics("r", None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def ray_with_metrics_port():
     import ray
 
-    port = _free_port()
+    port = free_ports(1)[0]  # not an ephemeral port: Ray's start takes dozens of those
     init_local_ray(num_cpus=1, include_dashboard=False, _metrics_export_port=port)
     try:
         yield port

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -24,6 +23,7 @@ from fastapi.testclient import TestClient
 from ray.serve.exceptions import BackPressureError
 from support.cluster import init_local_ray
 from support.serve_helpers import HELLO, FakeEngine, write_tiny_checkpoint
+from support.serve_process import free_port
 
 import raychat.serve.app as serve_app
 from raychat.serve.ingress import LocalClient, create_app
@@ -244,12 +244,6 @@ def test_the_openai_client_retries_a_429_after_retry_after_and_not_a_504():
     assert isinstance(error, openai.InternalServerError) and error.status_code == 504 and calls == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.ray
 def test_serve_refuses_a_burst_beyond_its_queue_with_429(tmp_path):
     """One replica that takes one request at a time (max_ongoing_requests=1) and one more queued at the
@@ -261,7 +255,7 @@ def test_serve_refuses_a_burst_beyond_its_queue_with_429(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", max_seq_len=4096)
     init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = {"checkpoint": str(ckpt), "max_slots": 1, "max_ongoing_requests": 1, "max_queued_requests": 1,
                 "num_cpus": 0.5, "torch_threads": 1, "retry_after_s": 2, "model_id": "tiny",

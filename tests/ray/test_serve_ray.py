@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +14,7 @@ import pytest
 import requests
 from support.cluster import init_local_ray
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
+from support.serve_process import free_port
 from support.stopped_writer import age
 
 from raychat.chat.turn import turn_parts
@@ -25,12 +25,6 @@ from raychat.serve.sse import parse_sse
 pytestmark = pytest.mark.ray
 
 APP = "raychat"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +44,7 @@ def served(tmp_path_factory):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app(
         {
