@@ -172,9 +172,8 @@ def test_sigterm_then_ctrl_c_mid_run_end_in_one_line_naming_the_checkpoint_it_re
                     proc.send_signal(signum)
                     break
             out, err = proc.communicate(timeout=120)
-            deadline = (
-                time.monotonic() + 5
-            )  # a node process killed as its parent exits is gone within moments
+            # a node process killed as its parent exits is gone within moments (30 s on a loaded machine)
+            deadline = time.monotonic() + 30
             while (left := _naming(ray_tmp)) and time.monotonic() < deadline:
                 time.sleep(0.1)
             left = [_cmdline(pid) for pid in left]
