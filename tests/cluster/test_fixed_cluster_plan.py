@@ -49,4 +49,5 @@ def test_an_impossible_layout_on_a_fixed_cluster_is_refused_at_once(multinode_dr
         r"has room: GPU \(need 1, the most a node has is 0\); largest node type: alive node [\d.]+ \{CPU: 2\}",
         str(gpu.value),
     ), str(gpu.value)
-    assert time.monotonic() - t0 < 5
+    # at once, not after --schedule-timeout-s (600 s); the slack is a loaded machine's
+    assert time.monotonic() - t0 < 60

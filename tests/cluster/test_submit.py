@@ -428,13 +428,20 @@ def test_a_job_that_cannot_start_is_refused_or_reported(token_cluster):
     assert _raychat(hold, c["tmp"]).returncode == 0
     _wait_for_status(c, "rc-hold", "RUNNING")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(c["tmp"] / "home")}
-    waiting = subprocess.Popen(
-        [sys.executable, "-m", "raychat.cli", "submit", *conn, "--num-cpus", "1", "--job-id", "rc-wait",
-         "command", "sleep", "60"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    err_path = c["tmp"] / "rc-wait.err"  # read while it runs: its PENDING line is the moment to stop it
+    with open(err_path, "w") as err_file:
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "raychat.cli", "submit", *conn, "--num-cpus", "1", "--job-id", "rc-wait",
+             "command", "sleep", "60"],
+            env=env, stdout=subprocess.PIPE, stderr=err_file, text=True,
+        )  # fmt: skip
     try:
-        time.sleep(submit.PENDING_REPORT_AFTER_S + 3)
+        # its report comes PENDING_REPORT_AFTER_S after the submission, itself seconds after a loaded start
+        deadline = time.monotonic() + 120
+        while "job rc-wait still PENDING after " not in err_path.read_text():
+            assert waiting.poll() is None, err_path.read_text()
+            assert time.monotonic() < deadline, f"no PENDING report within 120 s: {err_path.read_text()}"
+            time.sleep(0.5)
         r = _raychat(["jobs", "stop", *conn, "rc-wait"], c["tmp"])
         assert (r.returncode, r.stdout) == (0, f"rc-wait: stop requested, but {submit.PENDING_STOP}\n"), (
             r.stderr
@@ -443,9 +450,10 @@ def test_a_job_that_cannot_start_is_refused_or_reported(token_cluster):
         assert _job_statuses(c)["rc-wait"] == "PENDING"  # the stop has not taken: Ray's behaviour
         r = _raychat(["jobs", "stop", *conn, "rc-hold"], c["tmp"])
         assert (r.returncode, r.stdout) == (0, "rc-hold: stop requested\n"), r.stderr
-        out, err = waiting.communicate(timeout=120)
+        out, _ = waiting.communicate(timeout=120)
     finally:
         waiting.kill()
+    err = err_path.read_text()
     assert waiting.returncode == 3, out + err  # STOPPED: the queued stop, once its driver started
     line = next(x for x in err.splitlines() if x.startswith("job rc-wait still PENDING after "))
     assert line.split(" s: ", 1)[1] == (
