@@ -167,8 +167,8 @@ def test_a_validation_shard_too_small_for_one_row_stops_pretraining_before_ray(r
 @pytest.mark.parametrize(
     "data, want",
     [
-        ("{root}/missing", "--data-dir: {root}/missing/manifest.json not found: run `raychat data prepare --out "
-         "{root}/missing` first"),
+        ("{root}/missing", "--data-dir: {root}/missing/manifest.json not found: give --data-dir a directory "
+         "`raychat data prepare` wrote, or run `raychat data prepare --out {root}/missing` first"),
         ("{root}/data", "--data-dir: {root}/data/manifest.json: needs >= 2 shards with the last one split='val'"),
     ],
 )  # fmt: skip
