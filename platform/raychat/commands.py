@@ -100,7 +100,13 @@ def speedrun(subparsers) -> None:
         help="output directory (default: runs): data/, tokenizer/, checkpoints/{base,sft}/, rl/, report.md; "
         "the same paths the other commands default to",
     )
-    parser.add_argument("--num-iterations", type=int, default=None, help="override the preset's steps")
+    parser.add_argument(
+        "--num-iterations",
+        type=int,
+        default=None,
+        help="pretraining's steps (the preset's train.num_iterations; SFT's and RL's stay the preset's "
+        "sft.num_iterations and rl.steps); not given: the preset's",
+    )
     add_token_file_flag(parser)
     parser.set_defaults(func="raychat.speedrun:main")
 
@@ -430,7 +436,7 @@ def serve(subparsers) -> None:
         type=bind_host,
         default="127.0.0.1",
         help="HTTP bind address (0.0.0.0 to expose: then an API key, or --allow-unauthenticated, is required; "
-        "--backend vllm checks no key: --allow-unauthenticated)",
+        "--backend vllm checks no key: --allow-unauthenticated) (default: 127.0.0.1, this machine only)",
     )
     p.add_argument(  # ServeConfig's allow_unauthenticated (from_args reads it by name; None: the preset's)
         "--allow-unauthenticated",
@@ -510,7 +516,7 @@ def inspect_batch(subparsers) -> None:
         "--vocab-size",
         type=at_least(265),
         default=512,
-        help="vocabulary of the on-the-fly tokenizer (>= 265)",
+        help="vocabulary of the on-the-fly tokenizer (>= 265) (default 512)",
     )
     p.add_argument(
         "--canary",
@@ -613,7 +619,9 @@ def k8s(subparsers) -> None:
     )
     s.add_argument("stage", choices=STAGES)
     s.add_argument("stage_args", nargs=argparse.REMAINDER, action=StageArgs)
-    s.add_argument("--namespace", default="default")
+    s.add_argument(
+        "--namespace", default="default", help="Kubernetes namespace of the RayJob (default: default)"
+    )
     s.add_argument("--name", help="RayJob name (default raychat-<stage>-<YYYYmmdd-HHMMSS>-<6 hex>)")
     s.add_argument(
         "--image",
@@ -621,8 +629,10 @@ def k8s(subparsers) -> None:
         default=IMAGE,
         help=f"container image with raychat installed (default {IMAGE})",
     )
-    s.add_argument("--ttl", type=int, default=3600, help="seconds to keep the finished RayJob's cluster")
-    s.add_argument("--retries", type=int, default=1, help="backoffLimit: retries of a failed job")
+    s.add_argument(
+        "--ttl", type=int, default=3600, help="seconds to keep the finished RayJob's cluster (default 3600)"
+    )
+    s.add_argument("--retries", type=int, default=1, help="backoffLimit: retries of a failed job (default 1)")
     s.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
     s.add_argument("--context", help="kubeconfig context")
     s.add_argument("--dry-run", action="store_true", help="print the RayJob YAML instead of creating it")

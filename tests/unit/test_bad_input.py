@@ -167,8 +167,8 @@ def test_a_validation_shard_too_small_for_one_row_stops_pretraining_before_ray(r
 @pytest.mark.parametrize(
     "data, want",
     [
-        ("{root}/missing", "--data-dir: {root}/missing/manifest.json not found: run `raychat data prepare --out "
-         "{root}/missing` first"),
+        ("{root}/missing", "--data-dir: {root}/missing/manifest.json not found: give --data-dir a directory "
+         "`raychat data prepare` wrote, or run `raychat data prepare --out {root}/missing` first"),
         ("{root}/data", "--data-dir: {root}/data/manifest.json: needs >= 2 shards with the last one split='val'"),
     ],
 )  # fmt: skip
@@ -2187,3 +2187,17 @@ def test_an_s3_endpoint_that_does_not_answer_is_named(argv, flag, where, root, m
         f"http://127.0.0.1:{port} ($AWS_ENDPOINT_URL): Failed to connect to 127.0.0.1:{port} after N ms: Could not "
         "connect to server  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
+
+
+def test_sft_without_a_tokenizer_names_the_init_from_checkpoints_copy(root, capsys):
+    """`raychat sft --init-from runs-tiny/checkpoints/base` run where `runs/tokenizer` does not exist said `no
+    tokenizer at .../runs/tokenizer (train one with raychat tokenizer train)`: no flag named, and a new tokenizer
+    would not match the checkpoint. The line names --tokenizer-path and the checkpoint's own copy."""
+    ckpt = root / "pretrain" / "checkpoint_000004"
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--run-name", "s", "--init-from", str(ckpt),
+            "--tokenizer-path", str(root / "none")]  # fmt: skip
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat sft: error: --tokenizer-path: no tokenizer at {root}/none: give the --init-from checkpoint's "
+        f"tokenizer, its copy: --tokenizer-path {ckpt}  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert not (root / "s").exists()

@@ -454,6 +454,33 @@ def test_no_help_shows_default_none(capsys):
         assert text.startswith(f"usage: raychat {argv[0]}") and "(default: None)" not in text, argv
 
 
+def test_every_option_with_a_default_shows_it_in_help():
+    """`serve --help` showed `--host` with no default (127.0.0.1: a newcomer could not tell whether the page is
+    reachable from elsewhere), and so did inspect-batch's --vocab-size and k8s submit's --namespace, --ttl and
+    --retries: every option whose default is a value (not None, False or '', which mean "not given") shows it,
+    whatever the parser (argparse's, or a config flag's "(default: ...)")."""
+
+    def options(parser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from options(sub)
+            elif action.option_strings and action.default not in (None, False, "", argparse.SUPPRESS):
+                yield parser.prog, action
+
+    def shows(default: str, text: str) -> bool:  # "(default: 8000)", "(default 1)", "x = ... (default)"
+        d = re.escape(default)
+        return bool(re.search(rf"\(default:? [`']?{d}[`']?[,;) ]|^{d} = [^;]*\(default\)", text + " "))
+
+    missing = [
+        (prog, action.option_strings[0], action.default)
+        for name in COMMANDS
+        for prog, action in options(build_parser(name))
+        if not shows(str(action.default), action.help or "")
+    ]
+    assert missing == []
+
+
 def test_every_option_whose_default_is_none_says_what_not_given_means():
     """Each config option that defaults to None (the value its command's --help would show, from the config
     class and the command's own defaults: sft's) says in its help what happens when it is not given, in the

@@ -79,8 +79,8 @@ def test_bpb_without_pretraining_data_names_data_dir_and_how_to_skip_it(root, tm
     argv = ["eval", "--storage-path", str(root), "--checkpoint", "sft", "--data-dir", str(tmp_path / "nowhere"),
             "--tasks", "calculator:2"]  # fmt: skip
     assert _fails_in_one_line(argv, capsys) == (
-        f"raychat eval: error: --data-dir: {tmp_path}/nowhere/manifest.json not found: run `raychat data prepare "
-        f"--out {tmp_path}/nowhere` first (BPB needs the pretraining data's validation shard; --eval-tokens 0 "
+        f"raychat eval: error: --data-dir: {tmp_path}/nowhere/manifest.json not found: give --data-dir a directory "
+        f"`raychat data prepare` wrote, or run `raychat data prepare --out {tmp_path}/nowhere` first (BPB needs the pretraining data's validation shard; --eval-tokens 0 "
         "skips BPB and scores only --tasks and the report card)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
     assert not (root / "eval").exists()

@@ -4,10 +4,11 @@ import re
 
 import pytest
 from support.rl_fixtures import rl_config
+from support.serve_helpers import write_tiny_checkpoint
 
 from raychat.cli import build_parser
 from raychat.config import RLConfig, from_dict, preset_values, to_yaml
-from raychat.rl.cli import config_for
+from raychat.rl.cli import base_model_warning, config_for
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
 
 
@@ -114,3 +115,21 @@ def test_a_greedy_eval_temperature_samples_each_held_out_prompt_once(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "0 (below 1e-5) = greedy: one sample per held-out prompt, pass@1 only" in out
     assert "pass@k for k = 1..this (1 with a greedy --eval-temperature)" in out
+
+
+def test_rl_from_a_pretraining_checkpoint_is_warned_about(tmp_path):
+    """`raychat rl --init-from runs/checkpoints/base` trained a base model, which never saw the chat template,
+    without a word (every reward 0); an SFT or RL checkpoint gets no warning."""
+    base = str(write_tiny_checkpoint(tmp_path / "base" / "checkpoint_000004", stage="pretrain"))
+    assert base_model_warning(base) == (
+        f"warning: --init-from {base} is a pretraining checkpoint, not fine-tuned for chat: RL samples "
+        "chat-template turns (and calculator calls) that SFT teaches, so expect no reward; give an SFT checkpoint "
+        "(raychat sft --init-from this one makes one)"
+    )
+    for stage in ("sft", "rl"):
+        assert (
+            base_model_warning(
+                str(write_tiny_checkpoint(tmp_path / stage / "checkpoint_000001", stage=stage))
+            )
+            is None
+        )

@@ -19,7 +19,7 @@ import ray
 from raychat.capacity import local_capacity, start_local_cluster
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import check_model, read_meta, read_tokenizer
-from raychat.checkpoint_manager import find_checkpoint
+from raychat.checkpoint_manager import commit_of, find_checkpoint
 from raychat.config import ConfigError, RLConfig, from_args, from_dict
 from raychat.ray_token import token_for
 from raychat.rl.actors import check_layout
@@ -99,6 +99,19 @@ def config_for(args: argparse.Namespace) -> RLConfig:
     return from_args(args, RLConfig, "rl", where="rl settings")
 
 
+def base_model_warning(checkpoint: str) -> str | None:
+    """A warning line when `checkpoint` (the resolved --init-from) is a pretraining checkpoint: RL samples
+    chat-template turns, which only SFT teaches, so a base model's rewards are all but certain to be 0 (it was
+    accepted without a word); None for any other stage's checkpoint. Raises as commit_of does."""
+    if commit_of(checkpoint).get("stage") != "pretrain":
+        return None
+    return (
+        f"warning: --init-from {checkpoint} is a pretraining checkpoint, not fine-tuned for chat: RL samples "
+        "chat-template turns (and calculator calls) that SFT teaches, so expect no reward; give an SFT checkpoint "
+        "(raychat sft --init-from this one makes one)"
+    )
+
+
 def main(args) -> int:
     """`raychat rl` (its parser: raychat.commands.rl). Without a cluster to connect to (--address,
     RAY_ADDRESS) it starts a local one of this machine's cores (raychat.train.layout.local_cores), with the
@@ -117,6 +130,8 @@ def main(args) -> int:
         print(f"raychat rl: error: {e}", file=sys.stderr)
         return 2
     print(init_from_line(cfg.run.init_from))
+    if warning := base_model_warning(cfg.run.init_from):
+        print(warning, file=sys.stderr)
     if run.finished() is not None:  # a finished run needs no cluster, nor the lease
         summary = run.run()
     else:

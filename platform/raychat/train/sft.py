@@ -111,6 +111,23 @@ def sft_defaults() -> TrainConfig:
     return from_dict(TrainConfig, SFT_DEFAULTS)
 
 
+def load_init_tokenizer(tokenizer_path: str, init_from: str) -> Tokenizer:
+    """The tokenizer at --tokenizer-path. Raises FileNotFoundError when there is none, naming the flag and the
+    tokenizer that always fits: the --init-from checkpoint's own copy (its directory; a remote checkpoint's
+    tokenizer.json copied here) rather than a new one (`raychat tokenizer train` makes another vocabulary)."""
+    try:
+        return Tokenizer.load(tokenizer_path)
+    except FileNotFoundError:
+        copy = (
+            f"its copy: --tokenizer-path {init_from}"
+            if "://" not in init_from
+            else "a local copy of its tokenizer.json"
+        )
+        raise FileNotFoundError(
+            f"--tokenizer-path: no tokenizer at {tokenizer_path}: give the --init-from checkpoint's tokenizer, {copy}"
+        ) from None
+
+
 def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = COMMANDS):
     """Run (or resume) SFT of cfg.run.init_from on the current Ray cluster; returns its
     raychat.train.launch.TrainingResult (None with `dry_run`: every check, then the plan printed). flags: how the
@@ -138,7 +155,7 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
     if own := spec.own_data(cfg):
         log(sft_data_line(cfg, own))
     paths = resolve_paths(cfg, writable=False)
-    tokenizer = Tokenizer.load(paths.tokenizer_path)
+    tokenizer = load_init_tokenizer(paths.tokenizer_path, paths.init_from)
     own_fit = own_row_fit(cfg, tokenizer, own)
     check_training_rows(cfg, tokenizer, paths.init_from, own_fit)
     check_own_rows(cfg, tokenizer, paths.init_from, own_fit, flags)

@@ -251,7 +251,10 @@ def read_manifest(data_dir: str | Path) -> dict:
     """
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run `raychat data prepare --out {data_dir}` first")
+        raise FileNotFoundError(
+            f"{path} not found: give --data-dir a directory `raychat data prepare` wrote, or run `raychat data "
+            f"prepare --out {data_dir}` first"
+        )
     manifest = json.loads(path.read_text())
     shards = manifest.get("shards") or []
     if len(shards) < 2 or shards[-1].get("split") != "val":
