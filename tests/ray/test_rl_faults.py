@@ -257,7 +257,7 @@ def test_a_failed_topology_start_leaves_no_placement_group(ray_cluster, checkpoi
     assert str(e.value) == (
         f"{late} its start within 0.5 s (0.1 s to start + 0.2 s + {mb} MB at {nbytes / 0.2 / 1e6:.3g} MB/s of "
         f"--init-from); if it recurs, {each}check that its node starts Ray workers (its raylet's log) and reads "
-        f"{checkpoint} (a hung mount)"
+        f"{checkpoint} (a hung mount); {SLOW}"
     )
     assert actors.pg is None and live_placement_groups() == before
 
