@@ -2,7 +2,7 @@
 re-run with the same result), a learner lost mid-run (the run resumes from its last committed checkpoint
 within --max-failures, and fails naming the option past it), a learner hung in its restore (named within the
 restore's deadline, the run restarted), a rollout actor hung mid-run (named within its chunk's deadline, the run
-restarted), lost learners pinged at once and every one named, and an actor group start that fails (no placement
+restarted), a learner hung in its step (named within the step's deadline x --deadline-factor, the run restarted), lost learners pinged at once and every one named, and an actor group start that fails (no placement
 group is left behind)."""
 
 import json
@@ -36,6 +36,7 @@ ray.cloudpickle.register_pickle_by_value(rl_fixtures)  # BadTask, FullDisk: the 
 # tokens for each of the 2 actors (with 4 samples, under `make test`'s 2 workers, actor 1 once finished its part
 # before the kill reached it)
 EVAL = dict(steps=2, max_tokens=24, eval_examples=8, eval_samples=16, checkpoint_every=100)
+SLOW = "on slow hardware, raise --deadline-factor (now 1), which multiplies every deadline"
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +276,7 @@ def test_a_failed_topology_start_leaves_no_placement_group(ray_cluster, checkpoi
     assert str(e.value) == (
         f"{late} its start within 0.5 s (0.1 s to start + 0.2 s + {mb} MB at {nbytes / 0.2 / 1e6:.3g} MB/s of "
         f"--init-from); if it recurs, {each}check that its node starts Ray workers (its raylet's log) and reads "
-        f"{checkpoint} (a hung mount)"
+        f"{checkpoint} (a hung mount); {SLOW}"
     )
     assert actors.pg is None and live_placement_groups() == before
 
@@ -537,7 +538,7 @@ def test_a_learner_hung_in_restore_is_named_within_its_deadline_and_the_run_rest
     assert line == (
         f"learner 0 hung at step 2 (ActorTimeout: learner 0 did not return Learner.restore of {ck} within 3 s (2 s "
         f"+ {mb} MB at {mb} MB/s); if it recurs, check that its node reads --storage-path {tmp_path} (a hung mount, "
-        "an endpoint that does not answer)); restart 1 of --max-failures 1: starting every actor again and "
+        f"an endpoint that does not answer); {SLOW}); restart 1 of --max-failures 1: starting every actor again and "
         "resuming from the newest committed checkpoint"
     )
     assert 3 <= at - run.hung[0] < 13  # the deadline, not the 60 s learner 0 slept
@@ -584,8 +585,9 @@ def test_a_rollout_actor_hung_mid_run_is_named_within_its_deadline_and_the_run_r
         f"rollout actor 0 hung at step 2 (ActorTimeout: rollout actor 0 did not return its rollout of prompts "
         f"{seen['prompts']} within {waited:.3g} s (at least 1 s, else 20 x the longest training chunk so far "
         f"({seen['longest']:.3g} s)); if it recurs, see what its process does (py-spy dump: a deadlock, a stuck "
-        "device or node); a healthy chunk that needs longer: more --rollout-workers, fewer prompts each); restart "
-        "1 of --max-failures 1: starting every actor again and resuming from the newest committed checkpoint"
+        "device or node); a healthy chunk that needs longer: more --rollout-workers, fewer prompts each; "
+        f"{SLOW}); restart 1 of --max-failures 1: starting every actor again and resuming from the newest committed "
+        "checkpoint"
     )
     assert waited - 0.01 <= at - seen["at"] < waited + 10  # the deadline, not the 60 s the engine slept
     assert [m for _, m in logs if m.startswith("resumed from ")] == [
@@ -594,6 +596,47 @@ def test_a_rollout_actor_hung_mid_run_is_named_within_its_deadline_and_the_run_r
     assert (summary["failures"], summary["version"], summary["restarts"]) == (1, 2, 0)
     assert [(x["step"], x["failures"]) for x in metric_lines(tmp_path / "t")] == [(1, 0), (2, 1)]
     assert live_placement_groups() == before
+
+
+def test_a_learner_hung_in_its_step_is_named_within_its_deadline_and_the_run_restarts(
+    ray_cluster, checkpoint, tmp_path, monkeypatch
+):
+    """A learner step was a plain wait: a learner hung in it (a deadlock, a hung all-reduce) hung the run for
+    ever. Now it has a deadline sized from the run's own steps, STEP_FACTOR x the longest learner step so far, at
+    least STEP_MIN_S, x --deadline-factor (here 2 x max(3 s, 2 x step 1's)). Learner 0 hangs (hang) as step 2's
+    rollouts are submitted, so its step 2 waits behind a 60 s sleep; within the deadline one line names it, the
+    step, the seconds, how they were sized (the factor too) and how to raise them, and the run starts every actor
+    again (the hung one killed), resumes from checkpoint 1 and completes."""
+    monkeypatch.setattr(rl_actors, "STEP_MIN_S", 3.0)
+    monkeypatch.setattr(rl_actors, "STEP_FACTOR", 2.0)
+    seen = {}
+
+    def hang_learner_0(dispatcher, step, chunks):
+        if step == 1 and not seen:  # step 1's learner step, publish and save are done: learner 0 is idle
+            seen.update(at=time.perf_counter(), longest=run.longest_step)
+            hang(run.actors.learners[0])
+
+    logs = []
+    run = RLRun(tiny_config(checkpoint, str(tmp_path), max_failures=1, deadline_factor=2), on_submitted=hang_learner_0,
+                log=lambda m: logs.append((time.perf_counter(), m)))  # fmt: skip
+    summary = run.run()
+    print("\n".join(m for _, m in logs))
+    waited = 2.0 * max(3.0, 2.0 * seen["longest"])
+    [(at, line)] = [(t, m) for t, m in logs if "restart 1 of" in m]
+    assert line == (
+        f"learner 0 hung at step 2 (ActorTimeout: learner 0 did not return Learner.step (the update of step 2) "
+        f"within {waited:.3g} s (--deadline-factor 2 x (at least 3 s, else 2 x the longest learner step so far "
+        f"({seen['longest']:.3g} s))); if it recurs, see what its process does (py-spy dump: a deadlock, a hung "
+        "all-reduce, a stuck device or node); on slow hardware, raise --deadline-factor (now 2), which multiplies "
+        "every deadline); restart 1 of --max-failures 1: starting every actor again and resuming from the newest "
+        "committed checkpoint"
+    )
+    assert waited - 0.01 <= at - seen["at"] < waited + 10  # the deadline, not the 60 s learner 0 slept
+    assert [m for _, m in logs if m.startswith("resumed from ")] == [
+        f"resumed from {tmp_path}/t/checkpoint_000001 at step 1 (version 1)"
+    ]
+    assert (summary["failures"], summary["version"]) == (1, 2)
+    assert [(x["step"], x["failures"]) for x in metric_lines(tmp_path / "t")] == [(1, 0), (2, 1)]
 
 
 def test_a_chunk_queued_behind_others_on_its_actor_has_their_deadlines_too(
@@ -623,7 +666,7 @@ def test_a_chunk_queued_behind_others_on_its_actor_has_their_deadlines_too(
         "rollout actor 0 did not return its evaluation of held-out prompts [0, 1] within 3 s (at least 0.5 s, else "
         "4 x the longest training chunk so far (0.25 s), the longest evaluation chunk so far (0.5 s): the 2 chunks "
         "on its actor, this one last); if it recurs, see what its process does (py-spy dump: a deadlock, a stuck "
-        "device or node); a healthy chunk that needs longer: more --rollout-workers, fewer prompts each"
+        f"device or node); a healthy chunk that needs longer: more --rollout-workers, fewer prompts each; {SLOW}"
     )
     # the 3 s deadline (ray.wait returned 0.1 ms early once), not the 30 s hang; slack for a loaded machine
     assert chunk["split"] == "train" and 2.99 <= took < 15, took

@@ -34,6 +34,8 @@ def test_yaml_round_trip(tmp_path):
         ({"temperature": 0.0}, "--temperature must be > 0"),
         ({"constant_length": 0}, "--constant-length"),
         ({"max_failures": -1}, "--max-failures must be >= 0"),
+        ({"deadline_factor": 0}, "^--deadline-factor must be > 0, got 0$"),
+        ({"deadline_factor": -2.5}, "^--deadline-factor must be > 0, got -2.5$"),
         (
             {"weight_sync": "collective", "learner_workers": 2},
             r"--weight-sync collective on CPU \(gloo\) needs --learner-workers 1, got 2",
@@ -46,12 +48,13 @@ def test_validation_names_the_flag(kw, match):
 
 
 def test_flags_override_yaml(tmp_path):
-    (tmp_path / "c.yaml").write_text("rl:\n  steps: 7\n  mode: async\n")
+    (tmp_path / "c.yaml").write_text("rl:\n  steps: 7\n  mode: async\n  deadline_factor: 3\n")
     parser = build_parser("rl")
     cfg = config_for(
         parser.parse_args(["rl", "--preset", str(tmp_path / "c.yaml"), "--steps", "9", "--scale-by-std"])
     )
     assert (cfg.rollout.steps, cfg.asynchrony.mode, cfg.objective.scale_by_std) == (9, "async", True)
+    assert cfg.layout.deadline_factor == 3.0  # a preset's rl section sets it too
     (tmp_path / "bad.yaml").write_text("rl:\n  stepz: 7\n")
     with pytest.raises(ValueError, match="unknown rl settings"):
         config_for(parser.parse_args(["rl", "--preset", str(tmp_path / "bad.yaml")]))
@@ -72,6 +75,10 @@ def test_cli_help_lists_the_rl_command(capsys):
     # the learner failure budget, with its default
     assert re.search(
         r"--max-failures INT\s+failures of a learner or of weight sync .*?\(default: 1\)", out, re.S
+    )
+    # the knob of every deadline the driver waits for its actors, with its default
+    assert re.search(
+        r"--deadline-factor FLOAT\s+multiplies every deadline .*?\(default: 1(\.0)?\)", out, re.S
     )
     assert main(["rl", "--steps", "3"]) == 2  # no --init-from
 

@@ -1,15 +1,30 @@
 """The deadline of a rollout chunk (raychat.rl.actors.rollout_deadline), worked out by hand: ROLLOUT_FACTOR (10) x
 the longest chunk of each kind so far, or, of a kind none of which has completed yet, its completion budget
 (prompts x samples x --max-tokens) at FIRST_TOKENS_PER_S of the device, summed over the chunks on the actor up to
-this one, at least ROLLOUT_MIN_S (600 s); the line says how it was sized."""
+this one, at least ROLLOUT_MIN_S (600 s); the line says how it was sized. Those of a learner step (step_deadline),
+a checkpoint save (save_deadline) and a weight sync (sync_deadline, WeightSync.deadlines), and --deadline-factor
+in the ActorTimeout line."""
 
 import pyarrow.fs as pafs
 from support.rl_fixtures import tiny_config
 
 from raychat.checkpoint_manager import commit_directory
 from raychat.rl import actors
-from raychat.rl.actors import ActorTimeout, checkpoint_bytes, read_budget, read_deadline_s, rollout_deadline
+from raychat.rl.actors import (
+    ActorGroup,
+    ActorTimeout,
+    checkpoint_bytes,
+    read_budget,
+    read_deadline_s,
+    rollout_deadline,
+    save_deadline,
+    step_deadline,
+    sync_deadline,
+)
 from raychat.rl.dispatcher import RolloutDispatcher
+from raychat.rl.sync import WeightSync
+
+SLOW = "on slow hardware, raise --deadline-factor (now 1), which multiplies every deadline"
 
 
 def test_the_first_chunk_of_a_kind_is_sized_from_its_completion_budget():
@@ -109,19 +124,90 @@ def test_an_actor_timeouts_line_reads_well_for_one_two_and_more_actors():
 
     assert line("learner 0") == (
         "learner 0 did not return its start within 61.2 s (60 s + 1.2 MB at 10 MB/s); if it recurs, check that "
-        "its node starts Ray workers"
+        f"its node starts Ray workers; {SLOW}"
     )
     assert line("rollout actor 0", "learner 0") == (
         "neither rollout actor 0 nor learner 0 returned its start within 61.2 s (60 s + 1.2 MB at 10 MB/s); if "
-        "it recurs, for each: check that its node starts Ray workers"
+        f"it recurs, for each: check that its node starts Ray workers; {SLOW}"
     )
     assert line("rollout actor 0", "rollout actor 1", "learner 0") == (
         "none of rollout actor 0, rollout actor 1 and learner 0 returned its start within 61.2 s (60 s + 1.2 MB "
-        "at 10 MB/s); if it recurs, for each: check that its node starts Ray workers"
+        f"at 10 MB/s); if it recurs, for each: check that its node starts Ray workers; {SLOW}"
     )
     assert str(
         ActorTimeout(["learner 0", "learner 1", "learner 2", "learner 3"], "Learner.restore of x", 3, "", fix)
     ) == (
         "none of learner 0, learner 1, learner 2 and learner 3 returned Learner.restore of x within 3 s; if it "
-        "recurs, for each: check that its node starts Ray workers"
+        f"recurs, for each: check that its node starts Ray workers; {SLOW}"
+    )
+
+
+def test_a_learner_step_is_sized_from_the_runs_longest_step_the_first_from_a_cold_start():
+    """A learner step was waited for with no deadline (a hung all-reduce hung the run for ever). Now 10 x the
+    longest step so far, at least 600 s; the first (cold: torch.compile, first allocations) 1,800 s."""
+    assert step_deadline(None) == (
+        1800.0,
+        "1800 s for the first learner step (a cold start: torch.compile, first allocations)",
+    )
+    assert step_deadline(1.5) == (600.0, "at least 600 s, else 10 x the longest learner step so far (1.5 s)")
+    assert step_deadline(75.0)[0] == 750.0
+
+
+def test_a_save_and_a_sync_are_sized_from_the_weights_bytes():
+    """A save writes at most 3 x the weights' bytes (the weights, AdamW's two moments) twice (a temporary
+    directory, then --storage-path): 60 s + 2 x 3 x 4 MB at 10 MB/s = 62.4 s. A sync moves them once: 60 s + 16 MB
+    at 10 MB/s = 61.6 s, plus the chunks queued on the actor before it: 10 x 2 x 75 s = 1,500 s."""
+    assert save_deadline(4 * 10**6) == (
+        62.4,
+        "60 s + 2 x 3 x 4 MB at 10 MB/s (written, then uploaded; the weights and their optimizer state)",
+    )
+    assert sync_deadline(16 * 10**6) == (61.6, "60 s + 16 MB at 10 MB/s of the weights")
+    ahead = rollout_deadline({"train": 75.0}, [("train", 1), ("train", 1)], "cpu", own=False)
+    assert ahead == (
+        1500.0,
+        "at least 600 s, else 10 x 2 x the longest training chunk so far (75 s): the 2 chunks on its actor",
+    )
+    assert sync_deadline(16 * 10**6, ahead) == (
+        1561.6,
+        "60 s + 16 MB at 10 MB/s of the weights + the chunks queued on its actor before it (at least 600 s, else "
+        "10 x 2 x the longest training chunk so far (75 s): the 2 chunks on its actor)",
+    )
+
+
+def test_a_syncs_part_on_an_actor_adds_the_chunks_issued_there_before_it(tmp_path):
+    """In async mode a rollout actor's set_weights ack queues behind the rollouts issued to it before: the sync's
+    deadline on actor 0, which holds a training chunk (10 x 100 s) and an evaluation chunk of 3 prompts x 5
+    samples x 7 tokens at 5 tokens/s (21 s) not yet collected, is 60 s + 16 MB at 10 MB/s + 1,021 s; actor 1, with
+    none queued, 61.6 s. The dispatcher gives the sync its queue (WeightSync.ahead)."""
+    cfg = tiny_config("ck", str(tmp_path), samples_per_prompt=3, eval_samples=5, max_tokens=7)
+    actors = ActorGroup(cfg, {})
+    actors.rollouts, actors.weight_bytes = [None, None], 16 * 10**6  # what start() sets: no Ray needed here
+    sync = WeightSync(actors, "object_store")
+    dispatcher = RolloutDispatcher(cfg, actors, sync, 10)
+    dispatcher.longest = {"train": 100.0}
+    dispatcher.queued = {0: [{"split": "train", "indices": [4, 1]}, {"split": "test", "indices": [0, 1, 2]}]}
+    assert dispatcher.ahead(1) is None
+    assert sync.deadlines() == [
+        (
+            1082.6,
+            "60 s + 16 MB at 10 MB/s of the weights + the chunks queued on its actor before it (at least 600 s, "
+            "else 10 x the longest training chunk so far (100 s) + 105 tokens at 5 tokens/s (no evaluation chunk "
+            "done yet: prompts x samples x --max-tokens): the 2 chunks on its actor)",
+        ),
+        (61.6, "60 s + 16 MB at 10 MB/s of the weights"),
+    ]
+
+
+def test_deadline_factor_multiplies_the_deadline_and_the_line_says_how_to_raise_it():
+    """--deadline-factor 2 doubles the 600 s of a learner step to 1,200 s; the line says so, and names the flag
+    as the command does (the speedrun's: its preset's key)."""
+    line = str(
+        ActorTimeout(["learner 0"], "Learner.step (the update of step 3)", 1200.0,
+                     "at least 600 s, else 10 x the longest learner step so far (1.5 s)", "see what it does", 2.0,
+                     "rl.deadline_factor")
+    )  # fmt: skip
+    assert line == (
+        "learner 0 did not return Learner.step (the update of step 3) within 1,200 s (rl.deadline_factor 2 x (at "
+        "least 600 s, else 10 x the longest learner step so far (1.5 s))); if it recurs, see what it does; on slow "
+        "hardware, raise rl.deadline_factor (now 2), which multiplies every deadline"
     )

@@ -118,6 +118,11 @@ class RLLayoutSection(Section):
         SCHEDULE_TIMEOUT_S, "seconds the placement group of learners and rollout actors may wait to be placed "
         "(nodes the autoscaler adds included) before the run ends FAILED naming the missing resource", gt=0,
     )  # fmt: skip
+    deadline_factor: float = option(
+        1.0, "multiplies every deadline the driver waits for an actor's call (its start, a checkpoint's restore "
+        "or save, a rollout or evaluation chunk, a learner step, a weight sync) before it restarts the actors as "
+        "hung: raise it on slower hardware than the deadlines assume", gt=0,
+    )  # fmt: skip
 
 
 @dataclass

@@ -113,10 +113,12 @@ PEER_GRACE_S = 10.0
 
 # Deadlines of the driver's calls on the actors that take about as long whatever the run asks of them; past one,
 # ActorTimeout: the run stops its actor group and starts it again within --max-failures, as for a lost actor
-# (raychat.rl.loop). A rollout or evaluation chunk has one sized from the run's own chunks (rollout_deadline). A
-# learner step or checkpoint save and a weight sync (queued behind the rollouts in flight, in async mode) take as
-# long as their work and have none; a learner's peers, once one raised, have PEER_GRACE_S.
-PING_S = 30.0  # Learner.pid: it only answers (lost_learners)
+# (raychat.rl.loop). A rollout or evaluation chunk has one sized from the run's own chunks (rollout_deadline), a
+# learner step from the run's own steps (step_deadline), a checkpoint save and a weight sync from the weights'
+# bytes (save_deadline, sync_deadline); a learner's peers, once one raised, have PEER_GRACE_S. --deadline-factor
+# (default 1) multiplies every deadline but PING_S and PEER_GRACE_S (get_within): what a user on slower hardware
+# than these numbers assume raises, as the ActorTimeout line says.
+PING_S = 30.0  # Learner.pid, RolloutActor.info: it only answers (lost_learners)
 # a call that reads a checkpoint (Learner.restore; an actor's start, --init-from): READ_BASE_S plus the
 # checkpoint's bytes at READ_BYTES_PER_S, a floor of what a disk, NFS or object storage delivers (fetching a
 # remote checkpoint reads it twice: the download, then its sha256 check)
@@ -125,8 +127,6 @@ READ_BYTES_PER_S = 10e6
 # an actor's start before it reads --init-from: Ray gives up setting up its runtime env (a job's pip packages) after
 # this (RuntimeEnvConfig's setup_timeout_seconds default) and raises; the DDP group's rendezvous comes after
 START_S = 600.0
-
-
 # A rollout or evaluation chunk takes as long as its work (its prompts x samples x --max-tokens on this model and
 # device), so the driver waits for it ROLLOUT_FACTOR x the longest chunk of its kind (a training rollout, an
 # evaluation) completed so far in this run, at least ROLLOUT_MIN_S. ROLLOUT_FACTOR covers what makes a healthy
@@ -147,10 +147,75 @@ ROLLOUT_MIN_S = 600.0
 ROLLOUT_FACTOR = 10.0
 FIRST_TOKENS_PER_S = {"cpu": 5.0, "cuda": 100.0}
 CHUNK_KINDS = {"train": "training", "test": "evaluation"}  # a chunk's split -> how its deadline names it
+# A checkpoint save (Learner.save) writes the learner's part into a temporary directory, then uploads it to
+# --storage-path: its bytes twice, at READ_BYTES_PER_S, plus READ_BASE_S. Its bytes are at most SAVE_STATE_X x the
+# weights' (the weights, and of the optimizers AdamW's two moments a weight, Muon's one; the tokenizer, meta and
+# RNG state are within READ_BASE_S), known before the first save.
+SAVE_STATE_X = 3
+# A weight sync (the learner's publish or broadcast, each rollout actor's set_weights or receive_broadcast) moves
+# the weights' bytes once: READ_BASE_S + its bytes at READ_BYTES_PER_S, 25-50x below what the object store path
+# was measured at on this machine (2-4 ms/MB end to end: bench/results/rl.md); an actor's part also waits for the
+# chunks issued to it before it (in async mode the rollouts in flight): their rollout_deadline adds up.
+# A learner step takes as long as its work (prompts x samples x their tokens, on this model and device), so the
+# driver waits STEP_FACTOR x the longest learner step completed so far in this run (the driver's wall time of the
+# call), at least STEP_MIN_S, as for a rollout chunk. STEP_FACTOR covers what makes a healthy step slower than the
+# longest before it: measured (bench/rl_chunk_times.py, bench/results/rl.md), at most 1.52x in async mode (the
+# rollouts sharing the CPUs), 0.82x in sync mode (the cold first step the longest), over 40 steps of 2 runs on a
+# loaded 2-core machine; and samples that grow to --max-tokens (a step's work is its tokens; a policy may go from a
+# fifth of --max-tokens to all of it): 2 x 5, the chunks' factor. The first step of a run has none to be sized from
+# and is cold (torch.compile, the first allocations, the first all-reduce): it gets STEP_FIRST_S, 1,800 s: the tiny
+# setup's first --compile step took 114 s on that loaded machine (the later ones 0.82 s), 3.9 s without --compile
+# (bench/results/rl.md), a cold compile of the cpu preset's model 43 s (bench/results/train_throughput.md); a GPU
+# preset's model compiles in minutes (not measured here), its step (gpu8: 16 x 16 samples of up to ~500 tokens on
+# 2 GPUs) in seconds. After a restart the new learners' first step is cold again: the run's longest (its cold
+# first step) sizes it.
+STEP_MIN_S = 600.0
+STEP_FACTOR = 10.0
+STEP_FIRST_S = 1800.0
+
+
+def step_deadline(longest: float | None) -> tuple[float, str]:
+    """(seconds, how they were sized) the driver waits for a learner step (Learner.step on every learner), from
+    the moment it starts waiting: STEP_FIRST_S while no step of the run has completed (`longest` None), else
+    STEP_FACTOR x `longest` (seconds of the longest learner step so far, the driver's wall time of the call), at
+    least STEP_MIN_S. The line: "at least 600 s, else 10 x the longest learner step so far (1.23 s)", "1800 s
+    for the first learner step (a cold start: torch.compile, first allocations)"."""
+    if longest is None:
+        return (
+            STEP_FIRST_S,
+            f"{STEP_FIRST_S:g} s for the first learner step (a cold start: torch.compile, first allocations)",
+        )
+    return (
+        max(STEP_MIN_S, STEP_FACTOR * longest),
+        f"at least {STEP_MIN_S:g} s, else {STEP_FACTOR:g} x the longest learner step so far ({longest:.3g} s)",
+    )
+
+
+def save_deadline(weight_bytes: int) -> tuple[float, str]:
+    """(seconds, how they were sized) the driver waits for a checkpoint save (Learner.save on every learner):
+    READ_BASE_S + 2 x SAVE_STATE_X x `weight_bytes` (the weights' bytes) at READ_BYTES_PER_S. The line:
+    "60 s + 2 x 3 x 1.2 MB at 10 MB/s (written, then uploaded; the weights and their optimizer state)"."""
+    seconds = READ_BASE_S + 2 * SAVE_STATE_X * weight_bytes / READ_BYTES_PER_S
+    return seconds, (
+        f"{READ_BASE_S:g} s + 2 x {SAVE_STATE_X} x {weight_bytes / 1e6:.3g} MB at {READ_BYTES_PER_S / 1e6:.3g} "
+        "MB/s (written, then uploaded; the weights and their optimizer state)"
+    )
+
+
+def sync_deadline(weight_bytes: int, ahead: tuple[float, str] | None = None) -> tuple[float, str]:
+    """(seconds, how they were sized) the driver waits for an actor's part of a weight sync: read_deadline_s of
+    the weights' bytes, plus `ahead`, the deadline (seconds, how sized: rollout_deadline) of the chunks issued to
+    that actor before it and not yet collected (None: none). The line: "60 s + 1.2 MB at 10 MB/s of the weights +
+    the chunks queued on its actor before it (at least 600 s, else 10 x the longest training chunk so far
+    (1.5 s))"."""
+    seconds, budget = read_deadline_s(weight_bytes), f"{read_budget(weight_bytes)} of the weights"
+    if ahead is None:
+        return seconds, budget
+    return seconds + ahead[0], f"{budget} + the chunks queued on its actor before it ({ahead[1]})"
 
 
 def rollout_deadline(
-    longest: dict[str, float], chunks: list[tuple[str, int]], device: str
+    longest: dict[str, float], chunks: list[tuple[str, int]], device: str, own: bool = True
 ) -> tuple[float, str]:
     """(seconds, how they were sized) the driver waits for a rollout chunk, from the moment it starts waiting: at
     least ROLLOUT_MIN_S, else the sum over `chunks` of ROLLOUT_FACTOR x longest[kind], or, for a kind not in
@@ -162,7 +227,8 @@ def rollout_deadline(
     steps). longest: seconds of the longest chunk of each kind completed so far in the run (its actor's wall time
     of the call). The line says how: "at least 600 s, else 10 x the longest training chunk so far (1.23 s)",
     "at least 600 s, else 16,384 tokens at 5 tokens/s (no evaluation chunk done yet: prompts x samples x
-    --max-tokens)"."""
+    --max-tokens)". own=False: `chunks` are those ahead of another call on their actor (a weight sync's, in async
+    mode: sync_deadline), none of them its own."""
     kinds = [k for k, _ in chunks]
     counts = {k: kinds.count(k) for k in dict.fromkeys(kinds) if k in longest}
     first: dict[str, int] = {}
@@ -185,7 +251,7 @@ def rollout_deadline(
     ]
     what = " + ".join(terms)
     if len(chunks) > 1:
-        what += f": the {len(chunks)} chunks on its actor, this one last"
+        what += f": the {len(chunks)} chunks on its actor{', this one last' if own else ''}"
     return max(ROLLOUT_MIN_S, seconds), f"at least {ROLLOUT_MIN_S:g} s, else {what}"
 
 
@@ -205,17 +271,25 @@ def read_budget(nbytes: int, remote: bool = False) -> str:
 
 class ActorTimeout(RuntimeError):
     """The driver's `call` on the actors `who` (["learner 1"]) did not return within `waited_s` seconds
-    (`budget`: how the deadline was sized, "" for a fixed one), the actors alive, so hung (get_within); `fix`: what
-    to check when it recurs. `call` and `fix` speak of one actor ("its start", "check that its node ..."); the
-    line names one, two or more actors:
-      learner 0 did not return its start within 9 s; if it recurs, check ...
-      neither rollout actor 0 nor learner 0 returned its start within 9 s; if it recurs, for each: check ...
+    (`budget`: how the deadline was sized, "" for a fixed one; `factor`: --deadline-factor, named `flag`, which
+    multiplied it), the actors alive, so hung (get_within); `fix`: what to check when it recurs. `call` and `fix`
+    speak of one actor ("its start", "check that its node ..."); the line names one, two or more actors and ends
+    saying how to raise the deadlines:
+      learner 0 did not return its start within 9 s; if it recurs, check ...; on slow hardware, raise
+      --deadline-factor (now 1), which multiplies every deadline
+      neither rollout actor 0 nor learner 0 returned its start within 18 s (--deadline-factor 2 x (9 s ...)); if
+      it recurs, for each: check ...; on slow hardware, raise --deadline-factor (now 2), ...
       none of rollout actor 0, rollout actor 1 and learner 0 returned its start within 9 s; if it recurs, for
-      each: check ...
+      each: check ...; on slow hardware, ...
     The run stops its actor group (killing them) and starts it again within --max-failures (raychat.rl.loop)."""
 
-    def __init__(self, who: list[str], call: str, waited_s: float, budget: str, fix: str):
+    def __init__(
+        self, who: list[str], call: str, waited_s: float, budget: str, fix: str, factor: float = 1.0,
+        flag: str = "--deadline-factor",
+    ):  # fmt: skip
         self.who, self.call, self.waited_s = who, call, waited_s
+        if factor != 1:
+            budget = f"{flag} {factor:g} x ({budget or f'{_seconds(waited_s / factor)} s'})"
         sized = f" ({budget})" if budget else ""
         if len(who) == 1:
             late, each = f"{who[0]} did not return", ""
@@ -223,7 +297,10 @@ class ActorTimeout(RuntimeError):
             late, each = f"neither {who[0]} nor {who[1]} returned", "for each: "
         else:
             late, each = f"none of {self.named} returned", "for each: "
-        super().__init__(f"{late} {call} within {waited_s:.3g} s{sized}; if it recurs, {each}{fix}")
+        super().__init__(
+            f"{late} {call} within {_seconds(waited_s)} s{sized}; if it recurs, {each}{fix}; on slow hardware, raise "
+            f"{flag} (now {factor:g}), which multiplies every deadline"
+        )
 
     @property
     def named(self) -> str:
@@ -232,19 +309,22 @@ class ActorTimeout(RuntimeError):
 
 
 def get_within(
-    refs: list, who: list[str], call: str, timeout_s: float, budget: str = "", fix: str = ""
-) -> list:
-    """ray.get(refs) waiting timeout_s seconds in all (refs[i]: the call on the actor named who[i]); an actor's
-    death or error is raised as soon as it is found (RayActorError, RayTaskError), not after the deadline.
+    refs: list, who: list[str], call: str, timeout_s: float, budget: str = "", fix: str = "",
+    factor: float = 1.0, flag: str = "--deadline-factor",
+) -> list:  # fmt: skip
+    """ray.get(refs) waiting factor x timeout_s seconds in all (refs[i]: the call on the actor named who[i];
+    factor: --deadline-factor, named `flag`); an actor's death or error is raised as soon as it is found
+    (RayActorError, RayTaskError), not after the deadline.
 
     Raises ActorTimeout naming every actor whose call had not returned by the deadline."""
     index = {ref: i for i, ref in enumerate(refs)}
-    pending, deadline = list(refs), time.monotonic() + timeout_s
+    wait_s = factor * timeout_s
+    pending, deadline = list(refs), time.monotonic() + wait_s
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             late = sorted(index[r] for r in pending)
-            raise ActorTimeout([who[i] for i in late], call, timeout_s, budget, fix)
+            raise ActorTimeout([who[i] for i in late], call, wait_s, budget, fix, factor, flag)
         ray.get(ready[0])
     return ray.get(refs)
 
@@ -277,6 +357,7 @@ class ActorGroup:
         self.learners: list = []
         self.rollouts: list = []
         self.generation = 0  # of the collective group: +1 at every rebuild
+        self.weight_bytes = 0  # of the learner's state dict, what a weight sync moves (read at start)
 
     @property
     def group_name(self) -> str:
@@ -299,6 +380,13 @@ class ActorGroup:
         """The placement group's bundles: W learners then R rollout actors, {"CPU": c} (+ {"GPU": 1})."""
         learners, rollouts = role_bundles(self.cfg)
         return learners + rollouts
+
+    def wait_for(
+        self, refs: list, who: list[str], call: str, timeout_s: float, budget: str = "", fix: str = ""
+    ) -> list:
+        """get_within with the run's --deadline-factor (named as `option` names it)."""
+        factor, flag = self.cfg.layout.deadline_factor, self.option("deadline_factor")
+        return get_within(refs, who, call, timeout_s, budget, fix, factor, flag)
 
     def check_layout(self) -> Capacity:
         """Refuse, before any actor starts, a placement group no node type of the cluster can ever hold
@@ -359,10 +447,10 @@ class ActorGroup:
             for r in range(t.learner_workers)
         ]
         if t.learner_workers > 1:
-            [(addr, port)] = get_within([self.learners[0].address.remote()], learner_names[:1],
-                                        "Learner.address (its start)", wait_s, budget, fix)  # fmt: skip
+            [(addr, port)] = self.wait_for([self.learners[0].address.remote()], learner_names[:1],
+                                           "Learner.address (its start)", wait_s, budget, fix)  # fmt: skip
             refs = [lr.init_group.remote(addr, port) for lr in self.learners]
-            get_within(
+            self.wait_for(
                 refs, learner_names, "Learner.init_group (its start, the DDP rendezvous)", wait_s, budget, fix
             )
         self.rollouts = [
@@ -372,18 +460,23 @@ class ActorGroup:
             ).remote(init, self.tasks, i, device, threads(t.cpus_per_rollout), self.cfg.rollout.max_slots)
             for i in range(t.rollout_workers)
         ]  # fmt: skip
-        refs = [w.info.remote() for w in self.rollouts] + [lr.pid.remote() for lr in self.learners]
+        refs = [w.info.remote() for w in self.rollouts] + [lr.weight_bytes.remote() for lr in self.learners]
         names = [f"rollout actor {i}" for i in range(len(self.rollouts))] + learner_names
-        get_within(refs, names, "its start", wait_s, budget, fix)
+        self.weight_bytes = self.wait_for(refs, names, "its start", wait_s, budget, fix)[len(self.rollouts)]
         if t.weight_sync == "collective":
             create_collective_group(self.learners[0], self.rollouts, self.backend, self.group_name)
 
-    def rebuild_collective_group(self) -> None:
+    def rebuild_collective_group(self, deadline: tuple[float, str], fix: str = "") -> None:
         """Declare the broadcast group again with the current actor processes (after a rollout actor
         restarted): every member leaves the old group, the new one has the next generation's name. Every
-        actor must be alive (a restarting one is waited for by the caller's ray.get)."""
+        actor must be alive (a restarting one: ActorUnavailableError, for the caller to retry).
+
+        Raises ActorTimeout naming the members that did not leave within `deadline` (seconds, how sized:
+        sync_deadline) x --deadline-factor."""
         members = [self.learners[0], *self.rollouts]
-        ray.get([a.leave_collective.remote(self.group_name) for a in members])
+        who = ["learner 0", *(f"rollout actor {i}" for i in range(len(self.rollouts)))]
+        refs = [a.leave_collective.remote(self.group_name) for a in members]
+        self.wait_for(refs, who, "leave_collective (the broadcast group's rebuild)", *deadline, fix)
         forget_group(self.group_name)
         self.generation += 1
         create_collective_group(self.learners[0], self.rollouts, self.backend, self.group_name)
@@ -414,29 +507,37 @@ class ActorGroup:
                     return f"{role} {i}"
         return "an actor of the run"
 
-    def learner_results(self, refs: list) -> list:
-        """ray.get of one call on each learner (refs[i]: learners[i]'s) that does not wait out a collective:
-        once a learner's call raised, its DDP peers wait in the group's all-reduce or barrier for it until the
-        backend's timeout (gloo's: 30 minutes), so the others are waited for PEER_GRACE_S more only, within
-        which a lost learner's call fails (RayActorError), telling a learner that raised on its own from the peer
-        of a lost one. The caller stops the group, killing the waiting peers.
+    def learner_results(self, refs: list, call: str, deadline: tuple[float, str], fix: str) -> list:
+        """ray.get of one call on each learner (refs[i]: learners[i]'s, `call`: what it is, "Learner.step (the
+        update of step 3)") that does not wait out a collective: once a learner's call raised, its DDP peers wait
+        in the group's all-reduce or barrier for it until the backend's timeout (gloo's: 30 minutes), so the
+        others are waited for PEER_GRACE_S more only, within which a lost learner's call fails (RayActorError),
+        telling a learner that raised on its own from the peer of a lost one. Until one raises, the calls are
+        waited for `deadline` (seconds, how they were sized: step_deadline, save_deadline) x --deadline-factor in
+        all, as get_within. The caller stops the group, killing the waiting peers.
 
         Raises:
             RayActorError: a learner died (the first found).
             LearnerRaised: learner i's call raised (the first to), no learner died.
+            ActorTimeout: no learner raised or died, and these did not return within the deadline (`fix`: what
+                to check when it recurs).
         """
+        factor, flag = self.cfg.layout.deadline_factor, self.option("deadline_factor")
         index = {ref: i for i, ref in enumerate(refs)}
-        pending, raised, deadline = list(refs), None, None
+        waited_s = factor * deadline[0]
+        pending, raised, until = list(refs), None, time.monotonic() + waited_s
         while pending:
-            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, until - time.monotonic()))
+            if not ready and raised is None:  # hung: no learner raised, the late ones alive
+                late = [f"learner {i}" for i in sorted(index[r] for r in pending)]
+                raise ActorTimeout(late, call, waited_s, deadline[1], fix, factor, flag)
             if not ready:  # the peers of the learner that raised, waiting for it in a collective
                 break
             try:
                 ray.get(ready[0])
             except RayTaskError as e:
                 if raised is None:
-                    raised, deadline = LearnerRaised(index[ready[0]], e), time.monotonic() + PEER_GRACE_S
+                    raised, until = LearnerRaised(index[ready[0]], e), time.monotonic() + PEER_GRACE_S
         if raised is not None:
             raise raised
         return ray.get(refs)
@@ -481,3 +582,8 @@ def threads(cpus: float) -> int:
 def _summed(bundles: list[dict]) -> dict:
     """{resource: its sum over `bundles`}."""
     return {k: sum(b.get(k, 0) for b in bundles) for k in {k for b in bundles for k in b}}
+
+
+def _seconds(s: float) -> str:
+    """Seconds as a line reads them: 3 significant digits ("61.2"), whole ones from 1,000 ("1,800")."""
+    return f"{s:.3g}" if s < 1000 else f"{s:,.0f}"

@@ -23,7 +23,9 @@ Deadline: the driver waits for a chunk raychat.rl.actors.rollout_deadline, ROLLO
 its kind (training rollout or evaluation) completed so far in the run (of a kind none of which has completed yet:
 its completion budget at FIRST_TOKENS_PER_S), summed over the chunks its actor runs before it (those issued there
 before it and not yet collected), at least ROLLOUT_MIN_S; past it, ActorTimeout naming the actor and its prompts:
-the run restarts its actor group within --max-failures (raychat.rl.loop).
+the run restarts its actor group within --max-failures (raychat.rl.loop). A weight sync's call on an actor queues
+behind the chunks issued to it before (in async mode, the rollouts in flight): its deadline adds theirs (ahead,
+which the dispatcher gives its WeightSync: raychat.rl.sync).
 
 Evaluation goes the same way: its chunks (split "test", min_version = the current version, a seed per part
 of the held-out prompts) are collected, re-synced and re-issued like a step's, so an actor lost during an
@@ -40,7 +42,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from raychat.config import RLConfig
 from raychat.engine.sampling import is_greedy
 from raychat.log import log, plural
-from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed, get_within, rollout_deadline
+from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed, rollout_deadline
 from raychat.rl.objective import pass_at_k
 from raychat.rl.sync import WeightSync
 from raychat.train.launch import error_line
@@ -90,10 +92,26 @@ class RolloutDispatcher:
         self.restarts = self.stale_chunks = self.dropped_samples = self.reward_errors = 0
         self.longest: dict[str, float] = {}  # kept across actor group restarts: the run's chunks
         self.queued: dict[int, list[dict]] = {}  # worker -> its chunks issued and not yet collected, in order
+        if sync is not None:  # a sync's call on an actor waits behind the chunks issued to it before
+            sync.ahead = self.ahead
 
     def reset(self) -> None:
         """Forget the chunks issued to the actors of a stopped actor group (the run restarts it)."""
         self.queued = {}
+
+    @property
+    def device(self) -> str:
+        """ "cuda" with --use-gpu, else "cpu": the rate of a first chunk's deadline (rollout_deadline)."""
+        return "cuda" if self.cfg.layout.use_gpu else "cpu"
+
+    def ahead(self, w: int) -> tuple[float, str] | None:
+        """rollout_deadline (seconds, how sized) of the chunks issued to rollout actor w and not yet collected,
+        what a call issued to it now waits behind (a weight sync's: raychat.rl.actors.sync_deadline); None when
+        there are none."""
+        queue = self.queued.get(w)
+        if not queue:
+            return None
+        return rollout_deadline(self.longest, [self._work(c) for c in queue], self.device, own=False)
 
     @property
     def eval_samples(self) -> int:
@@ -199,15 +217,16 @@ class RolloutDispatcher:
         w, queue = chunk["worker"], self.queued.get(chunk["worker"], [])
         ids = [id(c) for c in queue]
         ahead = queue[: ids.index(id(chunk))] if id(chunk) in ids else []
-        device = "cuda" if self.cfg.layout.use_gpu else "cpu"
-        timeout_s, budget = rollout_deadline(self.longest, [self._work(c) for c in [*ahead, chunk]], device)
+        timeout_s, budget = rollout_deadline(
+            self.longest, [self._work(c) for c in [*ahead, chunk]], self.device
+        )
         what = "evaluation of held-out" if chunk["split"] == "test" else "rollout of"
         fix = (
             "see what its process does (py-spy dump: a deadlock, a stuck device or node); a healthy chunk that "
             f"needs longer: more {self.actors.option('rollout_workers')}, fewer prompts each"
         )
         call = f"its {what} prompts {chunk['indices']}"
-        return get_within([chunk["ref"]], [f"rollout actor {w}"], call, timeout_s, budget, fix)[0]
+        return self.actors.wait_for([chunk["ref"]], [f"rollout actor {w}"], call, timeout_s, budget, fix)[0]
 
     def _work(self, chunk: dict) -> tuple[str, int]:
         """(its kind: the split, its completion budget in tokens: prompts x samples x --max-tokens)."""

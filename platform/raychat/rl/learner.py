@@ -148,6 +148,11 @@ class Learner:
     def weights_hash(self) -> str:
         return weights_hash(self.model.state_dict())
 
+    def weight_bytes(self) -> int:
+        """Bytes of the state dict a weight sync moves (its tensors' elements x their sizes): what the driver
+        sizes the deadlines of a sync and a checkpoint save from (raychat.rl.actors.sync_deadline)."""
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+
     # ---- checkpoints ---------------------------------------------------------------------------------
     def save(self, checkpoints: CheckpointManager, step: int, metrics: dict | None = None) -> dict[str, dict]:
         """Upload this rank's part of checkpoint `step` (the trainer's Checkpointer: rank 0 the model, meta

@@ -38,7 +38,10 @@ newest committed checkpoint, redoing the steps after it, up to --max-failures ti
 line and the summary); so does a weight sync that an actor raised in or that loaded other weights (new actors and
 a new publish may succeed), and a hung actor: one whose start or Learner.restore did not return within its
 deadline (raychat.rl.actors.ActorTimeout, the deadline sized from the checkpoint's bytes: read_deadline_s), or
-whose rollout or evaluation chunk did not (sized from the run's longest chunks: rollout_deadline). Lost
+whose rollout or evaluation chunk did not (sized from the run's longest chunks: rollout_deadline), or whose
+learner step (from the run's longest steps: step_deadline), checkpoint save or part of a weight sync (from the
+weights' bytes: save_deadline, sync_deadline; a sync's also from the chunks queued before it) did not; every
+deadline x --deadline-factor, for slower hardware. Lost
 learners are found with one ping each, all sent at once and waited for raychat.rl.actors.PING_S in all
 (ActorGroup.lost_learners), every one named. Past that the run gives up: RunGaveUp (raychat.log), one line
 naming the lost actor or failed sync, the step, the error, the failure count, --max-failures and the checkpoint
@@ -75,10 +78,11 @@ from raychat.rl.actors import (
     ActorTimeout,
     LearnerRaised,
     StepFailed,
-    get_within,
     lost_line,
     read_budget,
     read_deadline_s,
+    save_deadline,
+    step_deadline,
 )
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
 from raychat.rl.objective import group_advantages, zero_advantage_frac
@@ -103,6 +107,7 @@ from raychat.train.step import NonFiniteError
 from raychat.train.trainer import due
 
 MODES = ("sync", "async")  # --mode: on-policy | rollouts up to --max-staleness versions ahead
+STEP_FIX = "see what its process does (py-spy dump: a deadlock, a hung all-reduce, a stuck device or node)"
 # What a run's starting weights, its prompt stream (step s: prompts s*P.. of the --seed order) and its samples'
 # seeds derive from: a step's prompts are split over the rollout actors, chunk c seeded (seed, step, c), so
 # another --rollout-workers samples other completions for the same prompts
@@ -204,6 +209,7 @@ class RLRun:
         self.failures = 0  # learner / weight-sync failures survived (actor group restarts), <= --max-failures
         self.evals: list[dict] = []  # {"step", "pass@k"...} of this run, a redone step's once
         self.no_signal = NoSignalWatch(cfg)  # kept across actor group restarts: one warning a run
+        self.longest_step: float | None = None  # seconds of the run's longest learner step (step_deadline)
         self._lease: RunLease | None = None
 
     @property
@@ -218,7 +224,9 @@ class RLRun:
         """Every learner uploads its part of checkpoint `step`; once all have, the driver commits it.
 
         Raises StepFailed (not retried: the storage would refuse it again) naming the learner whose upload
-        raised, or the driver's step (prepare, commit) that raised OSError."""
+        raised, or the driver's step (prepare, commit) that raised OSError; ActorTimeout (the run restarts its
+        actor group) naming every learner whose Learner.save did not return within raychat.rl.actors.save_deadline
+        of the weights' bytes."""
         c, storage = self.checkpoints, self.checkpoints.storage
         uri = c.uri(step)
         why = "the storage would refuse the same checkpoint again"
@@ -228,8 +236,13 @@ class RLRun:
         except OSError as e:
             raise StepFailed(f"the driver could not clear checkpoint {uri}", e, why=why, fix=fix) from e
         refs = [lr.save.remote(c, step, {"eval": evaluation}) for lr in self.actors.learners]
+        hung = (
+            f"check that its node writes {self.flags.option('storage_path')} {storage.uri} (a hung mount, an "
+            "endpoint that does not answer)"
+        )
+        deadline = save_deadline(self.actors.weight_bytes)
         try:  # not waiting on the peers of a learner that raised (in the checkpointer's barrier)
-            parts = self.actors.learner_results(refs)
+            parts = self.actors.learner_results(refs, f"Learner.save of {uri}", deadline, hung)
         except LearnerRaised as e:
             raise StepFailed(f"learner {e.index} could not upload its part of checkpoint {uri}", e.cause, e.error,
                              why=why, fix=fix) from e.error  # fmt: skip
@@ -252,7 +265,7 @@ class RLRun:
         nbytes, remote = committed_bytes(newest.commit), is_remote(uri)
         learners = self.actors.learners
         where = f"{self.flags.option('storage_path')} {self.checkpoints.storage.uri}"
-        states = get_within(
+        states = self.actors.wait_for(
             [lr.restore.remote(uri) for lr in learners], [f"learner {i}" for i in range(len(learners))],
             f"Learner.restore of {uri}", read_deadline_s(nbytes, remote), read_budget(nbytes, remote),
             f"check that its node reads {where} (a hung mount, an endpoint that does not answer)",
@@ -278,8 +291,15 @@ class RLRun:
         learners = self.actors.learners
         shards = split_even(samples, len(learners))
         shards += [[] for _ in range(len(learners) - len(shards))]
-        try:  # a lost learner's RayActorError is the caller's to handle (a restart)
-            stats = self.actors.learner_results([lr.step.remote(sh) for lr, sh in zip(learners, shards)])[0]
+        refs = [lr.step.remote(sh) for lr, sh in zip(learners, shards)]
+        t0 = time.perf_counter()
+        try:  # a lost learner's RayActorError is the caller's to handle (a restart); a hung one's ActorTimeout too
+            stats = self.actors.learner_results(
+                refs,
+                f"Learner.step (the update of step {step + 1})",
+                step_deadline(self.longest_step),
+                STEP_FIX,
+            )[0]
         except LearnerRaised as e:
             if isinstance(e.cause, NonFiniteError):  # the caller's to handle (stopped_on_fault)
                 raise e.error from None
@@ -290,6 +310,7 @@ class RLRun:
                 why="the same samples would raise again",
                 fix="fix what raised (its traceback is logged above)",
             ) from e.error
+        self.longest_step = max(self.longest_step or 0.0, time.perf_counter() - t0)
         staleness = [self.version - s["version"] for s in samples]
         tokens = sum(r["completion_tokens"] for r in results)
         rollout = {

@@ -10,6 +10,12 @@ current weights are broadcast to all of them (the others receive the same weight
 An actor that raises during a sync (its own error, not its death), and acks of other weights than those
 published, are StepFailed with restart set: the run starts its actor group again (new actors, a new publish)
 within --max-failures (raychat.rl.loop).
+
+Deadline: every part of a sync is waited for raychat.rl.actors.sync_deadline: the weights' bytes at a floor rate
+plus a base, and for a rollout actor's part the deadline of the chunks issued to it before it and not yet
+collected (`ahead`, the dispatcher's: in async mode acks queue behind the rollouts in flight; in collective mode
+the learner's broadcast waits for its slowest receiver). Past it, ActorTimeout: the run restarts its actor group
+within --max-failures.
 """
 
 from __future__ import annotations
@@ -17,18 +23,20 @@ from __future__ import annotations
 import time
 from collections import deque
 
-import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.log import log
-from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed
+from raychat.rl.actors import PING_S, ActorGroup, ActorsLost, StepFailed, get_within, sync_deadline
 from raychat.rl.weights import check_acks
 
 WEIGHT_SYNCS = ("object_store", "collective")  # --weight-sync: one ray.put every rollout reads | a broadcast
+FIX = "see what its process does (py-spy dump: a hung object store or collective, a stuck device or node)"
 
 
 class WeightSync:
-    """Publishes weights through `actors` (module doc); counts actor restarts it met in `restarts`."""
+    """Publishes weights through `actors` (module doc); counts actor restarts it met in `restarts`. `ahead(w)`:
+    the deadline (seconds, how sized) of the chunks issued to rollout actor w and not yet collected, None when
+    none (the RolloutDispatcher sets it to its own: RolloutDispatcher.ahead)."""
 
     def __init__(self, actors: ActorGroup, mode: str, log=log):
         if mode not in WEIGHT_SYNCS:
@@ -38,6 +46,7 @@ class WeightSync:
         self.digest: str | None = None
         self.pending: deque = deque()
         self.restarts = 0
+        self.ahead = lambda w: None
 
     def reset(self) -> None:
         """Forget what was published to the actors of a stopped actor group (the run restarts it)."""
@@ -50,43 +59,63 @@ class WeightSync:
         learner, rollouts = self.actors.learners[0], self.actors.rollouts
         if self.mode == "collective":
             return self._broadcast(version, t0)
-        self.refs, self.digest, put_s = _get(learner.publish.remote(), "learner 0", version)
+        alone = sync_deadline(self.actors.weight_bytes)  # the learner is idle: nothing queued before it
+        published = self._get(learner.publish.remote(), "learner 0", "Learner.publish", version, alone)
+        self.refs, self.digest, put_s = published
+        deadlines = self.deadlines()  # the chunks issued before the acks, still on their actors
         acks = [w.set_weights.remote(self.refs, version) for w in rollouts]
         if not block:
-            self.pending.append((acks, self.digest, version, put_s, t0))
+            self.pending.append((acks, deadlines, self.digest, version, put_s, t0))
             return None
-        return _checked(self._acks(acks, version), self.digest, version, put_s, time.perf_counter() - t0)
+        return _checked(
+            self._acks(acks, deadlines, version), self.digest, version, put_s, time.perf_counter() - t0
+        )
+
+    def deadlines(self) -> list[tuple[float, str]]:
+        """sync_deadline (seconds, how sized) of each rollout actor's part of a sync issued now: the weights' bytes
+        (ActorGroup.weight_bytes) and the chunks issued to it before it (ahead)."""
+        return [
+            sync_deadline(self.actors.weight_bytes, self.ahead(w)) for w in range(len(self.actors.rollouts))
+        ]
 
     def _broadcast(self, version: int, t0: float) -> dict:
-        name = self.actors.group_name
+        name, deadlines = self.actors.group_name, self.deadlines()
         sent = self.actors.learners[0].broadcast.remote(name)
         acks = [w.receive_broadcast.remote(name, version) for w in self.actors.rollouts]
-        s = _get(sent, "learner 0", version)
+        slowest = max(deadlines)  # the sender waits for every receiver
+        s = self._get(sent, "learner 0", "Learner.broadcast", version, slowest)
         self.digest = s["hash"]
-        got = [_get(a, f"rollout actor {w}", version) for w, a in enumerate(acks)]
+        got = [self._get(a, f"rollout actor {w}", "RolloutActor.receive_broadcast", version, deadlines[w])
+               for w, a in enumerate(acks)]  # fmt: skip
         return _checked(got, s["hash"], version, s["put_s"], time.perf_counter() - t0)
 
-    def _acks(self, acks: list, version: int) -> list[dict]:
-        """Acks of set_weights; an actor that died meanwhile is waited for (restart) and re-synced."""
+    def _acks(self, acks: list, deadlines: list[tuple[float, str]], version: int) -> list[dict]:
+        """Acks of set_weights (acks[w]: rollout actor w's, waited for deadlines[w]); an actor that died
+        meanwhile is waited for (restart) and re-synced."""
         out = []
         for w, ref in enumerate(acks):
             try:
-                out.append(_get(ref, f"rollout actor {w}", version))
+                out.append(
+                    self._get(ref, f"rollout actor {w}", "RolloutActor.set_weights", version, deadlines[w])
+                )
             except (RayActorError, ActorUnavailableError):
                 self.restarts += 1
                 self.log(f"rollout actor {w} died during weight sync; re-syncing after its restart")
                 if not self.resync(w, version):
                     raise ActorsLost(f"rollout actor {w} is dead (out of --max-restarts)") from None
-                out.append(ray.get(self.actors.rollouts[w].info.remote()) | {"apply_s": 0.0})
+                [info] = get_within([self.actors.rollouts[w].info.remote()], [f"rollout actor {w}"],
+                                    "RolloutActor.info (after its re-sync)", PING_S, fix=FIX)  # fmt: skip
+                out.append(info | {"apply_s": 0.0})
         return out
 
     def drain(self) -> dict | None:
         """Check the acks of non-blocking publishes; returns the last SyncResult (None if none)."""
         last = None
         while self.pending:
-            acks, digest, version, put_s, t0 = self.pending.popleft()
+            acks, deadlines, digest, version, put_s, t0 = self.pending.popleft()
             try:
-                got = [_get(a, f"rollout actor {w}", version) for w, a in enumerate(acks)]
+                got = [self._get(a, f"rollout actor {w}", "RolloutActor.set_weights", version, deadlines[w])
+                       for w, a in enumerate(acks)]  # fmt: skip
             except (RayActorError, ActorUnavailableError):
                 continue  # an actor restarted; it is re-synced when its chunk is re-issued
             last = _checked(got, digest, version, put_s, time.perf_counter() - t0)
@@ -94,17 +123,21 @@ class WeightSync:
 
     def resync(self, w: int, version: int, timeout_s: float = 120.0) -> bool:
         """Bring rollout actor w to the current weights (`version`), waiting while it restarts; False if it is
-        dead. Collective: the group is rebuilt and every actor receives the weights again."""
+        dead. Collective: the group is rebuilt and every actor receives the weights again.
+
+        Raises ActorTimeout when an actor's part did not return within its deadline (deadlines)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 if self.mode == "collective":
-                    self.actors.rebuild_collective_group()
+                    self.actors.rebuild_collective_group(max(self.deadlines()), FIX)
                     return self._broadcast(version, time.perf_counter())["version"] == version
-                ack = _get(
+                ack = self._get(
                     self.actors.rollouts[w].set_weights.remote(self.refs, version),
                     f"rollout actor {w}",
+                    "RolloutActor.set_weights",
                     version,
+                    self.deadlines()[w],
                 )
                 return ack["version"] == version and ack["hash"] == self.digest
             except ActorUnavailableError:
@@ -114,19 +147,22 @@ class WeightSync:
             except RayActorError:
                 return False
 
+    def _get(self, ref, who: str, method: str, version: int, deadline: tuple[float, str]):
+        """The result of `who`'s part (`method`) of the weight sync to `version`, waited for `deadline` (seconds,
+        how sized: sync_deadline) x --deadline-factor (ActorGroup.wait_for); its own error (a Ray task error) is
+        StepFailed naming it, restart set. Its death propagates (RayActorError), for the caller to recover.
 
-def _get(ref, who: str, version: int):
-    """ray.get(ref) of `who`'s part of the weight sync to `version`; its own error (a Ray task error) is
-    StepFailed naming it, restart set. Its death propagates (RayActorError), for the caller to recover."""
-    try:
-        return ray.get(ref)
-    except RayTaskError as e:
-        raise StepFailed(
-            f"the weight sync to version {version} failed in {who}",
-            getattr(e, "cause", None) or e,
-            e,
-            restart=True,
-        ) from e
+        Raises ActorTimeout naming it past the deadline."""
+        call = f"{method} (the weight sync to version {version})"
+        try:
+            return self.actors.wait_for([ref], [who], call, *deadline, FIX)[0]
+        except RayTaskError as e:
+            raise StepFailed(
+                f"the weight sync to version {version} failed in {who}",
+                getattr(e, "cause", None) or e,
+                e,
+                restart=True,
+            ) from e
 
 
 def _checked(acks: list[dict], digest: str, version: int, put_s: float, wall_s: float) -> dict:
