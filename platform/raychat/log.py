@@ -12,6 +12,8 @@ line the `raychat` command ends with (raychat.cli).
 
 import os
 import sys
+import time
+from collections.abc import Callable
 
 
 def plural(n: int, noun: str) -> str:
@@ -33,6 +35,26 @@ def log(message: str) -> None:
         return
     sys.stdout.write(message + "\n")
     sys.stdout.flush()
+
+
+class StepClock:
+    """Seconds per step of a loop, for its progress line's ETA (eta = seconds_per_step x steps left): the mean
+    wall time of the steps after this process's first one, whose cold start (torch.compile, first allocations,
+    the data pipeline's warm-up) the steps left do not pay again; until a second step ends, the first one's.
+    A step's time is the loop's whole iteration: evaluations and checkpoint saves recur, so they count.
+    E.g. a first step of 10 s, then steps of 1 s: 10, 1, 1 s/step (the mean since the start: 10, 5.5, 4)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.started, self.warm, self.steps = clock(), 0.0, 0
+
+    def tick(self) -> float:
+        """A step ended: seconds per step (above) so far."""
+        now, self.steps = self.clock(), self.steps + 1
+        if self.steps == 1:
+            self.warm = now
+            return now - self.started
+        return (now - self.warm) / (self.steps - 1)
 
 
 class RunGaveUp(RuntimeError):

@@ -4,7 +4,7 @@ import builtins
 
 import pytest
 
-from raychat.log import log, plural
+from raychat.log import StepClock, log, plural
 
 
 @pytest.mark.parametrize("rank, printed", [(None, "hello\n"), ("0", "hello\n"), ("1", "")])
@@ -41,3 +41,11 @@ def test_a_ray_train_workers_line_is_written_once(monkeypatch, capsys):
                                      (18327, "18,327 steps")])  # fmt: skip
 def test_plural_counts_with_thousands_separators(n, line):
     assert plural(n, "step") == line
+
+
+def test_step_clock_leaves_the_cold_first_step_out_of_the_eta():
+    """A first step of 10 s (compile, warm-up), then steps of 1 s and 3 s: seconds per step 10, then the mean
+    of the warm ones, 1 and 2; the mean since the start (the old ETA) would say 10, 5.5, 4.67."""
+    times = iter([100.0, 110.0, 111.0, 114.0])
+    clock = StepClock(clock=lambda: next(times))
+    assert [clock.tick(), clock.tick(), clock.tick()] == [10.0, 1.0, 2.0]

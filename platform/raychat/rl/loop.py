@@ -69,7 +69,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from raychat.checkpoint_manager import CheckpointManager, committed_bytes
 from raychat.config import ConfigError, RLConfig, to_dict, to_yaml
 from raychat.lease import RunLease
-from raychat.log import log
+from raychat.log import StepClock, log
 from raychat.metrics import RLMetrics
 from raychat.metrics_sink import MetricsSink
 from raychat.rl.actors import (
@@ -512,6 +512,7 @@ class RLRun:
         inflight: deque = deque()
         ahead = cfg.asynchrony.max_staleness if is_async else 0
         next_submit = start
+        clock = StepClock()
         for step in range(start, steps):
             self.step = step + 1
             while next_submit <= min(step + ahead, steps - 1):
@@ -540,7 +541,8 @@ class RLRun:
             if due(cfg.eval.eval_every, step + 1, steps):
                 evals.append({"step": step + 1, **self.dispatcher.evaluate(len(self.tasks["test"]))})
                 line["eval"] = evals[-1]
-            self.log(_fmt({k: line[k] for k in _LOG_KEYS if line.get(k) is not None}))
+            eta_s = clock.tick() * (steps - step - 1)
+            self.log(_fmt({k: line[k] for k in _LOG_KEYS if line.get(k) is not None}) + f" eta={eta_s:.0f}s")
             if "eval" in line:
                 self.log(f"eval step {step + 1}: {_fmt(evals[-1])}")
             metrics.log(line)

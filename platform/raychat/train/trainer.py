@@ -29,7 +29,7 @@ from raychat.checkpoint_manager import CheckpointManager
 from raychat.config import TrainConfig
 from raychat.data.loader.row_source import RowSource
 from raychat.gc_heap import freeze_gc_heap
-from raychat.log import log
+from raychat.log import StepClock, log
 from raychat.loss import TokenCrossEntropy
 from raychat.masks import make_batch
 from raychat.metrics_sink import MetricsSink
@@ -127,7 +127,7 @@ class Trainer:
 
     # ---- the algorithm ---------------------------------------------------------------------------
     def train(self) -> None:
-        t_start = time.perf_counter()
+        clock = StepClock()
         for step in range(self.start_step, self.stop):
             for cb in self.callbacks:
                 cb.on_step_begin(self, step)
@@ -139,7 +139,7 @@ class Trainer:
             if self.due(self.config.train.eval.eval_every, done):
                 stats.update(validate_all(self.validators, self.model, done, self.plan.num_iterations))
             if self.rank == 0:
-                self.log_step(stats, (time.perf_counter() - t_start) / (done - self.start_step))
+                self.log_step(stats, clock.tick())
             report = {k: v for k, v in stats.items() if v is not None}
             if self.due(self.config.train.checkpoint.checkpoint_every, done):
                 self.save(done, report)
@@ -214,6 +214,9 @@ class Trainer:
 
     # ---- logging and checkpoints -------------------------------------------------------------------
     def log_step(self, stats: dict, seconds_per_step: float) -> None:
+        """The step's line (every --log-every steps, the last, and any with an evaluation) with its ETA:
+        seconds_per_step (StepClock) x the steps left to this run's end
+        (--stop-after's step, else the plan's last); its stats to the metrics sink."""
         done, n_iter = stats["step"], self.plan.num_iterations
         evaluated = {k: v for k, v in stats.items() if k.endswith(("val_bpb", "accuracy")) and v is not None}
         if done % self.config.train.logging.log_every == 0 or done == self.stop or evaluated:
@@ -222,7 +225,7 @@ class Trainer:
                 f"step {done:5d}/{n_iter} | loss {stats['loss']:.4f} | lr {stats['lr']:.3g} | "
                 f"grad_norm {stats['grad_norm']:.3f} | tok/s {stats['tokens_per_s']:,.0f} | "
                 f"mfu {f'{100 * mfu:.1f}%' if mfu else 'n/a'} | data wait {100 * stats['data_wait_frac']:.1f}% | "
-                f"eta {seconds_per_step * (n_iter - done):.0f}s"
+                f"eta {seconds_per_step * (self.stop - done):.0f}s"
                 + "".join(f" | {k} {v:.4f}" for k, v in evaluated.items())
             )
             for s in stats.get("samples", []):
