@@ -68,11 +68,31 @@ class OneLineParser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         """argparse's, but an unrecognized argument is refused by the (sub)command's parser it was given to, so
-        the line names `raychat pretrain` and its --help, whose flags it lists, not `raychat`'s."""
+        the line names `raychat pretrain` and its --help, whose flags it lists, not `raychat`'s; the line ends
+        with the flags its unknown ones are close to (did_you_mean)."""
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
-            self._chosen(namespace).error(f"unrecognized arguments: {' '.join(extras)}")
+            chosen = self._chosen(namespace)
+            flags = [s for a in chosen._actions for s in a.option_strings]
+            typed = [word.partition("=")[0] for word in extras if word.startswith("-")]
+            close = [(word, did_you_mean(word, flags)) for word in typed]
+            close = [(word, flag) for word, flag in close if flag]
+            hint = ", ".join(flag if len(typed) == 1 else f"{flag} for {word}" for word, flag in close)
+            chosen.error(
+                f"unrecognized arguments: {' '.join(extras)}" + (f" (did you mean {hint}?)" if hint else "")
+            )
         return namespace
+
+    def _check_value(self, action, value):
+        """argparse's check of a value against `action.choices` (a subcommand's name, a --flag's allowed
+        values), whose refusal ends with the choice `value` is close to (did_you_mean)."""
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as e:
+            close = did_you_mean(value, action.choices) if isinstance(value, str) else None
+            if not close:
+                raise
+            raise argparse.ArgumentError(action, f"{e.message} (did you mean {close}?)") from None
 
     def _chosen(self, namespace) -> argparse.ArgumentParser:
         """The innermost subcommand parser `namespace` was parsed by (self when there is none)."""
@@ -94,6 +114,19 @@ class OneLineParser(argparse.ArgumentParser):
             ):
                 self.error(f"argument {'/'.join(action.option_strings) or action.dest}: must not be blank")
         return namespace, extras
+
+
+def did_you_mean(word: str, choices) -> str | None:
+    """The one of `choices` (strings; others are skipped) closest to `word`, a mistyped command, flag or value,
+    or None when none is close: leading dashes are ignored on both sides (every flag starts with "--"), and a
+    choice must reach difflib's similarity ratio 0.75 (`pretrian` -> pretrain, `--checkpiont` -> --checkpoint,
+    `--checkp` -> --checkpoint; one wrong letter of a 4-letter word is 0.75, while another command's flag that is
+    no misspelling, `--port` for pretrain, `--backend` for chat, comes out below)."""
+    import difflib  # here, not at the top: on the error path only, so `raychat --help` never imports it
+
+    names = {choice.lstrip("-"): choice for choice in choices if isinstance(choice, str)}
+    close = difflib.get_close_matches(word.lstrip("-"), list(names), n=1, cutoff=0.75)
+    return names[close[0]] if close else None
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

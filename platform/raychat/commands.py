@@ -302,12 +302,10 @@ def image_ref(text: str) -> str:
     return text
 
 
-class _Refusing(argparse.ArgumentParser):
-    """A submitted stage's parser (StageArgs): whole flag names only, as the stage's own (raychat.cli's
-    OneLineParser); an error raises ValueError(message)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
+class _Refusing:
+    """Mixed into the class of the parser that reads a submitted stage (StageArgs: raychat.cli's OneLineParser,
+    so whole flag names only and the same "did you mean" hints as the stage's own command line): an error
+    raises ValueError(message)."""
 
     def error(self, message: str):
         raise ValueError(message)
@@ -404,7 +402,7 @@ class StageArgs(argparse.Action):
         setattr(namespace, self.dest, words)
         if stage not in PARSERS or {"-h", "--help"} & set(words):
             return
-        check = _Refusing(prog="raychat")
+        check = type("Refusing", (_Refusing, type(parser)), {})(prog="raychat")
         PARSERS[stage](check.add_subparsers(dest="command"))
         try:
             args = check.parse_args([stage, *words])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from raychat.cli import COMMANDS, build_parser, load, main
+from raychat.cli import COMMANDS, build_parser, did_you_mean, load, main
 from raychat.commands import CANARIES, PARSERS, STAGE_CONFIGS
 from raychat.config import ChatConfig, ServeConfig, from_dict
 from raychat.config.schema import flag_name, to_flat
@@ -23,7 +23,8 @@ from raychat.log import RunGaveUp
 REPO = Path(__file__).resolve().parents[2]
 ROOT = "/mnt/checkpoints/runs"  # a storage root every node of the documented clusters mounts
 
-HEAVY = ("torch", "ray", "pyarrow", "numpy")
+# the modules no --help imports; difflib only on the error path (raychat.cli.did_you_mean), for start-up time
+HEAVY = ("torch", "ray", "pyarrow", "numpy", "difflib")
 
 
 def imported_by(argv: list[str]) -> tuple[set[str], str]:
@@ -152,12 +153,73 @@ def test_inspect_batchs_help_shows_the_segments_as_it_prints_them():
     )
 
 
-def test_an_unknown_command_lists_the_known_ones(capsys):
+KNOWN = (
+    "'speedrun', 'data', 'tokenizer', 'pretrain', 'sft', 'rl', 'eval', 'chat', 'serve', 'export', "
+    "'inspect-batch', 'submit', 'jobs', 'k8s', 'grafana'"
+)
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["pretrian", "--depth", "4"],
+         f"raychat: error: argument <command>: invalid choice: 'pretrian' (choose from {KNOWN}) (did you mean "
+         "pretrain?) (`raychat --help` lists the flags)"),
+        (["sfr"],  # 0.67 from sft: no suggestion
+         f"raychat: error: argument <command>: invalid choice: 'sfr' (choose from {KNOWN}) (`raychat --help` lists "
+         "the flags)"),
+        (["data", "prepair"],
+         "raychat data: error: argument <subcommand>: invalid choice: 'prepair' (choose from 'prepare') (did you "
+         "mean prepare?) (`raychat data --help` lists the flags)"),
+        (["chat", "--checkpiont", "x"],
+         "raychat chat: error: unrecognized arguments: --checkpiont x (did you mean --checkpoint?) (`raychat chat "
+         "--help` lists the flags)"),
+        (["chat", "-p", "hi", "--max-tokenz=5"],
+         "raychat chat: error: unrecognized arguments: --max-tokenz=5 (did you mean --max-tokens?) (`raychat chat "
+         "--help` lists the flags)"),
+        (["chat", "--backend", "vllm"],  # serve's flag, close to none of chat's
+         "raychat chat: error: unrecognized arguments: --backend vllm (`raychat chat --help` lists the flags)"),
+        (["pretrain", "--port", "8000"],  # serve's flag, close to none of pretrain's
+         "raychat pretrain: error: unrecognized arguments: --port 8000 (`raychat pretrain --help` lists the flags)"),
+        (["serve", "--checkpoint", "x", "--backend", "vlm"],
+         "raychat serve: error: argument --backend: invalid choice: 'vlm' (choose from 'raychat', 'vllm') (did you "
+         "mean vllm?) (`raychat serve --help` lists the flags)"),
+        (["pretrain", "--tracker", "wandbb"],  # a config flag's choices (raychat.config.flags)
+         "raychat pretrain: error: argument --tracker: invalid choice: 'wandbb' (choose from 'none', "
+         "'tensorboard', 'wandb') (did you mean wandb?) (`raychat pretrain --help` lists the flags)"),
+        (["chat", "--checkpiont", "x", "--tempreture", "0.5"],
+         "raychat chat: error: unrecognized arguments: --checkpiont x --tempreture 0.5 (did you mean --checkpoint "
+         "for --checkpiont, --temperature for --tempreture?) (`raychat chat --help` lists the flags)"),
+        (["chat", "--checkpiont", "x", "--port", "1"],
+         "raychat chat: error: unrecognized arguments: --checkpiont x --port 1 (did you mean --checkpoint for "
+         "--checkpiont?) (`raychat chat --help` lists the flags)"),
+        (["submit", "pretrain", "--storage-path", ROOT, "--deptth", "4"],
+         "raychat submit: error: stage pretrain: unrecognized arguments: --deptth 4 (did you mean --depth?) "
+         "(`raychat pretrain --help` lists its flags)"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_command_flag_or_value_is_refused_with_the_closest_one(argv, line, capsys):
+    """It said only "invalid choice" / "unrecognized arguments"; now its one line ends with the command, flag or
+    value the parser knows that the mistyped one is close to (raychat.cli.did_you_mean), when one is."""
     with pytest.raises(SystemExit) as e:
-        main(["pretrian"])
+        main(argv)
     assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "invalid choice: 'pretrian'" in err and "'pretrain'" in err
+    assert capsys.readouterr().err == line + "\n"
+
+
+@pytest.mark.parametrize(
+    "word, choices, close",
+    [
+        ("chta", COMMANDS, "chat"),  # one swap in 4 letters: ratio 0.75, the cutoff
+        ("chatt", COMMANDS, "chat"),
+        ("sfr", COMMANDS, None),
+        ("--nosuch", ["--checkpoint", "--prompt", "-p"], None),
+        ("-checkpoint", ["--checkpoint", "--prompt", "-p"], "--checkpoint"),
+        ("3", [1, 2, 3], None),  # not strings: no suggestion
+    ],
+)
+def test_did_you_mean_names_the_closest_choice_above_its_cutoff(word, choices, close):
+    assert did_you_mean(word, choices) == close
 
 
 def test_a_sections_help_is_its_configs_first_paragraph_whole(capsys):
@@ -573,9 +635,18 @@ def test_every_parser_takes_whole_flag_names_only():
 @pytest.mark.parametrize(
     "argv, prog, extra",
     [
-        (["pretrain", "--num-it", "3"], "raychat pretrain", "--num-it 3"),  # was --num-iterations 3
-        (["serve", "--checkp", "runs/sft"], "raychat serve", "--checkp runs/sft"),
-        (["data", "prepare", "--num-sh", "2"], "raychat data prepare", "--num-sh 2"),
+        # was --num-iterations 3; num-it is 0.6 from num-iterations, below did_you_mean's cutoff
+        (["pretrain", "--num-it", "3"], "raychat pretrain", "--num-it 3"),
+        (
+            ["serve", "--checkp", "runs/sft"],
+            "raychat serve",
+            "--checkp runs/sft (did you mean --checkpoint?)",
+        ),
+        (
+            ["data", "prepare", "--num-sh", "2"],
+            "raychat data prepare",
+            "--num-sh 2 (did you mean --num-shards?)",
+        ),
         (
             ["jobs", "stop", "raysubmit_1", "--addr=http://h:8265"],
             "raychat jobs stop",
