@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import os
 import signal
@@ -122,8 +123,6 @@ def did_you_mean(word: str, choices) -> str | None:
     choice must reach difflib's similarity ratio 0.75 (`pretrian` -> pretrain, `--checkpiont` -> --checkpoint,
     `--checkp` -> --checkpoint; one wrong letter of a 4-letter word is 0.75, while another command's flag that is
     no misspelling, `--port` for pretrain, `--backend` for chat, comes out below)."""
-    import difflib  # here, not at the top: on the error path only, so `raychat --help` never imports it
-
     names = {choice.lstrip("-"): choice for choice in choices if isinstance(choice, str)}
     close = difflib.get_close_matches(word.lstrip("-"), list(names), n=1, cutoff=0.75)
     return names[close[0]] if close else None

@@ -321,8 +321,6 @@ LAZY = {
     "torch.nn.attention.flex_attention": "imports torch._dynamo (1-3.5 s); only the engine's GPU path uses it",
     "torch.nn.attention.bias": "imports torch._dynamo too; only a later prefill chunk uses it "
     "(bench/results/job_startup.md: every process importing raychat.engine paid for it)",
-    "difflib": "0.6 ms next to raychat.cli's 12 ms (python -X importtime, 5 runs); only a mistyped command line "
-    "needs it (raychat.cli.did_you_mean), never `raychat --help`",
 }
 
 

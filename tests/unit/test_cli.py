@@ -23,8 +23,7 @@ from raychat.log import RunGaveUp
 REPO = Path(__file__).resolve().parents[2]
 ROOT = "/mnt/checkpoints/runs"  # a storage root every node of the documented clusters mounts
 
-# the modules no --help imports; difflib only on the error path (raychat.cli.did_you_mean), for start-up time
-HEAVY = ("torch", "ray", "pyarrow", "numpy", "difflib")
+HEAVY = ("torch", "ray", "pyarrow", "numpy")
 
 
 def imported_by(argv: list[str]) -> tuple[set[str], str]:
