@@ -105,7 +105,7 @@ def test_lm_eval_local_completions_and_hf_match_raychat(setup, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)  # local-completions sends it as the bearer token
     with ServeProcess(checkpoint, args=["--api-key", KEY]) as server:
         model_args = (
-            f"model={checkpoint.name},base_url={server.url}/v1/completions,"
+            f"model={checkpoint},base_url={server.url}/v1/completions,"
             f"tokenizer_backend=huggingface,tokenizer={export},max_length=256"
         )
         api_acc, api_logliks = run_lm_eval("local-completions", model_args, tasks)

@@ -73,7 +73,7 @@ def expected(tool_checkpoint) -> dict:
                 {"bytes": list(b"".join(tokenizer.iter_tokens([best]))), "logprob": float(lp[best])}
             )
             ids.append(best)
-    return {"model": Path(tool_checkpoint).name, "story5": story5, "story_tokens": len(prompt),
+    return {"model": str(tool_checkpoint), "story5": story5, "story_tokens": len(prompt),
             "context": model.config.max_seq_len, "story_before_upon": story40[: story40.index("upon")],
             "logprobs": logprobs}  # fmt: skip
 

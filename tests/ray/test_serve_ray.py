@@ -234,8 +234,8 @@ def test_a_deleted_checkpoint_fails_new_replicas_by_name_and_every_route_answers
     serve.run(build_app(args), name="gone", route_prefix="/gone")
     try:
         url = f"{served}/gone"
-        assert (
-            requests.get(f"{url}/health", timeout=30).json()["model_id"] == "model"
+        assert requests.get(f"{url}/health", timeout=30).json()["model_id"] == str(
+            ckpt
         )  # caches the model info
         pid = (
             serve.get_deployment_handle("ChatServer", app_name="gone")
@@ -302,7 +302,7 @@ def test_a_runs_checkpoint_is_served_from_a_snapshot_that_pruning_leaves(served,
     serve.run(build_application(args, mark_every_s=0.5), name="pruned", route_prefix="/pruned")
     try:
         url = f"{served}/pruned"
-        assert requests.get(f"{url}/health", timeout=30).json()["model_id"] == "checkpoint_000001"
+        assert requests.get(f"{url}/health", timeout=30).json()["model_id"] == args["checkpoint"]
         handle = serve.get_deployment_handle("ChatServer", app_name="pruned")
         pid = handle.stats.remote().result(timeout_s=30)["pid"]
         (snapshot,) = (tmp_path / "run" / "served").iterdir()
@@ -328,13 +328,13 @@ def test_a_runs_checkpoint_is_served_from_a_snapshot_that_pruning_leaves(served,
             )
             time.sleep(0.5)
         health = requests.get(f"{url}/health", timeout=30)
-        assert health.status_code == 200 and health.json()["model_id"] == "checkpoint_000001", health.text
+        assert health.status_code == 200 and health.json()["model_id"] == args["checkpoint"], health.text
         resp = requests.post(
             f"{url}/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
             timeout=60,
         )
-        assert resp.status_code == 200 and resp.json()["model"] == "checkpoint_000001", resp.text
+        assert resp.status_code == 200 and resp.json()["model"] == args["checkpoint"], resp.text
         assert not first.exists() and (snapshot / "commit.json").is_file()
     finally:
         serve.delete("pruned")

@@ -281,7 +281,7 @@ def test_a_checkpoint_on_object_storage_is_served_from_the_nodes_copy(
     """`raychat serve --checkpoint s3://...` deployed no replica: each one failed with `no tokenizer at
     s3:/bucket/...` (the URI handed to a local file API). The replica fetches the checkpoint into its node's
     cache once; its engine process, restarted too, loads that copy, so it serves on when the bucket's copy is
-    gone. The model id is the checkpoint's name, as for a local checkpoint. The server marks that copy in use
+    gone. The model id is the URI as given (not the cached copy's name), as for a local checkpoint. The server marks that copy in use
     while it runs (every IN_USE_MARK_S, here 0.05 s), so a new commit of the checkpoint resolved a day after
     the server's resolve keeps it: it was deleted, and the engine's next restart failed."""
     monkeypatch.setattr("raychat.checkpoint_manager.DEFAULT_CACHE", tmp_path / "cache")
@@ -305,7 +305,7 @@ def test_a_checkpoint_on_object_storage_is_served_from_the_nodes_copy(
         local.shutdown()
     server = ChatServer.from_checkpoint(f"s3://{where}", engine_process=True, max_slots=2)
     try:
-        assert server.info()["model_id"] == "checkpoint_000000"
+        assert server.info()["model_id"] == f"s3://{where}"
         assert asyncio.run(reply(server)) == expected and expected[-1]["finish_reason"] == "length"
         copy = Path(server.in_use.directory)
         assert copy.parent == tmp_path / "cache" and (copy / "model.safetensors").is_file()

@@ -14,11 +14,13 @@ import yaml
 from ray.serve import Application
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.scripts import convert_args_to_dict
-from support.serve_helpers import write_tiny_checkpoint
+from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 from support.serve_process import free_port
 
 from raychat import checkpoint_manager
+from raychat.checkpoint import save_model
 from raychat.cli import main
+from raychat.serve import cli as serve_cli
 from raychat.serve.app import build_app, pruned_message, serve_config
 from raychat.serve.cli import check_checkpoint, check_port_free
 
@@ -320,3 +322,28 @@ def test_a_busy_port_is_refused_before_ray_starts(ckpt, capsys, tmp_path, monkey
         (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6379")  # a `ray start` cluster's
         with pytest.raises(AssertionError, match="ray.init was called"):
             main(["serve", "--checkpoint", str(ckpt), "--port", str(port)])
+
+
+def test_serve_says_what_it_serves_and_deploys_the_checkpoint_it_named(tmp_path, monkeypatch, capsys):
+    """`raychat serve` names the reference, the checkpoint it resolved to (stage and step, as `raychat chat`
+    does) and the model id clients send; the app it deploys is that checkpoint, under that id (one resolve:
+    a checkpoint the run commits meanwhile is not served under another's description)."""
+    model, tokenizer = tiny_model_and_tokenizer()
+    run = tmp_path / "runs" / "sft"
+    for step in (2, 4):
+        save_model(
+            run / f"checkpoint_00000{step}", model, tokenizer, {"step": step, "stage": "sft"}, commit=True
+        )
+    deployed = []
+    monkeypatch.setattr(
+        serve_cli, "start", lambda config, **kw: deployed.append(config) or "http://127.0.0.1:8000/"
+    )
+    monkeypatch.chdir(tmp_path)
+    for flags, model_id in (([], "runs/sft"), (["--model-id", "acme/chat-d4"], "acme/chat-d4")):
+        assert main(["serve", "--checkpoint", "runs/sft/", "--address", "ray://x", "--no-block", *flags]) == 0
+        assert capsys.readouterr().out.splitlines()[:3] == [
+            "raychat is serving runs/sft/",
+            f"checkpoint:   {run}/checkpoint_000004 (sft checkpoint, step 4)",
+            f'model id:     {model_id}  (what /v1/models lists and OpenAI requests\' "model" names)',
+        ]
+        assert (deployed[-1].checkpoint, deployed[-1].model_id) == (f"{run}/checkpoint_000004", model_id)

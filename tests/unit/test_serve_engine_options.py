@@ -4,6 +4,8 @@ is float32), in-process and through the engine process."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
@@ -65,26 +67,33 @@ def test_build_app_binds_the_engine_options_to_the_chat_server_deployment(tmp_pa
     assert engine.init_args[-2:] == ("bfloat16", 96)  # the device: from the GPUs Ray assigns the replica
 
 
-def test_build_app_binds_a_snapshot_of_a_runs_checkpoint_under_its_own_name(tmp_path):
-    """<run>/latest resolves to the run's newest checkpoint, which the replicas load from its snapshot
-    (checkpoint_manager.snapshot_checkpoint) and report under the checkpoint's name; a checkpoint outside a
-    run is bound as it is."""
-    write_tiny_checkpoint(tmp_path / "run" / "checkpoint_000003")
-    engine = (
-        build_app({"checkpoint": f"{tmp_path}/run/latest", **OPEN})
-        ._bound_deployment.init_args[0]
-        ._bound_deployment
+def bound(args: dict) -> tuple[str, str]:
+    """(the checkpoint, the model id) that build_app(args) binds to the ChatServer deployment."""
+    engine = build_app({**args, **OPEN})._bound_deployment.init_args[0]._bound_deployment
+    return engine.init_args[0], engine.init_args[6]
+
+
+def test_a_run_dir_served_at_two_checkpoints_keeps_the_reference_as_its_model_id(tmp_path, monkeypatch):
+    """The model id is the checkpoint reference as given (a trailing '/' dropped), not the resolved
+    checkpoint's name: a run dir served again after the run committed a newer checkpoint is the same model
+    to a client (it was "checkpoint_000003", then "checkpoint_000004"). Each deploy binds a snapshot of the
+    run's newest checkpoint (checkpoint_manager.snapshot_checkpoint); args model_id overrides the id."""
+    run = tmp_path / "run"
+    write_tiny_checkpoint(run / "checkpoint_000003")
+    first, first_id = bound({"checkpoint": f"{run}/"})
+    write_tiny_checkpoint(run / "checkpoint_000004")  # the run trains on; the app is deployed again
+    second, second_id = bound({"checkpoint": str(run)})
+    assert first_id == second_id == str(run)
+    assert Path(first).parent == Path(second).parent == run / "served"
+    assert Path(first).name.startswith("checkpoint_000003-") and Path(second).name.startswith(
+        "checkpoint_000004-"
     )
-    (snapshot,) = (tmp_path / "run" / "served").iterdir()
-    assert engine.init_args[0] == str(snapshot) and snapshot.name.startswith("checkpoint_000003-")
-    assert engine.init_args[6] == "checkpoint_000003"  # model_id
-    write_tiny_checkpoint(tmp_path / "model")
-    engine = (
-        build_app({"checkpoint": str(tmp_path / "model"), **OPEN})
-        ._bound_deployment.init_args[0]
-        ._bound_deployment
-    )
-    assert engine.init_args[0] == str(tmp_path / "model") and engine.init_args[6] == "model"
+    assert bound({"checkpoint": f"{run}/latest"})[1] == f"{run}/latest"
+    monkeypatch.chdir(tmp_path)
+    assert bound({"checkpoint": "run/latest"}) == (second, "run/latest")  # relative: as typed
+    assert bound({"checkpoint": "run", "model_id": "my-org/chat-d4"})[1] == "my-org/chat-d4"
+    write_tiny_checkpoint(tmp_path / "model")  # a checkpoint outside a run: bound in place
+    assert bound({"checkpoint": "model"}) == (str(tmp_path / "model"), "model")
 
 
 def test_serve_config_takes_kv_dtype_and_refuses_a_bad_value_in_one_line():

@@ -10,6 +10,7 @@ import pytest
 import ray
 
 import raychat.serve.cli as serve_cli
+from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +39,9 @@ def started(monkeypatch) -> list[dict]:
 
 
 def serve(tmp_path, *flags: str) -> int:
+    """`raychat serve` of a committed checkpoint in tmp_path (what the command names before it starts)."""
+    (tmp_path / "meta.json").write_text("{}")
+    commit_directory(tmp_path, 1, "sft")
     return main(["serve", "--checkpoint", str(tmp_path), "--address", "ray://x", "--no-block", *flags])
 
 

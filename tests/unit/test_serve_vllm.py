@@ -226,3 +226,23 @@ def test_the_vllm_deploy_starts_ray_keeping_raychat_serves_sigterm_handler(hf_di
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert started == [("raychat-ray-init", raise_terminated, {"address": None, "log_to_driver": False})]
+
+
+def test_raychat_serve_with_the_vllm_backend_says_the_model_id_it_deploys(hf_dir, monkeypatch, capsys):
+    """`raychat serve --backend vllm` names the model id clients send, the one its LLMConfig deploys: "raychat"
+    (VLLMConfig's default, as serve/vllm.yaml has it), else --model-id. Ray is not started: deploy records."""
+    from raychat.cli import main
+
+    deployed = []
+    monkeypatch.setattr(rv, "require_vllm", lambda: None)
+    monkeypatch.setattr(
+        rv, "deploy", lambda config, *args: deployed.append(config) or "http://127.0.0.1:8000/v1"
+    )
+    for flags, model_id in (([], "raychat"), (["--model-id", "acme/chat-d4"], "acme/chat-d4")):
+        argv = ["serve", "--backend", "vllm", "--hf-dir", str(hf_dir), "--address", "ray://x", "--no-block"]
+        assert main([*argv, *flags]) == 0
+        assert capsys.readouterr().out.splitlines()[:2] == [
+            f"vLLM is serving {hf_dir}",
+            f'model id:     {model_id}  (what /v1/models lists and requests\' "model" names)',
+        ]
+        assert deployed[-1]["model_loading_config"]["model_id"] == model_id

@@ -139,7 +139,9 @@ class ServeConfig(Section):
         "where its --host check let no key through", flag=False,
     )  # fmt: skip
     model_id: str | None = option(
-        None, "name reported by /v1/models; not given: the checkpoint directory's name"
+        None,
+        'the model id: what /v1/models lists and OpenAI requests\' "model" names; not given: the '
+        "checkpoint reference as given (a trailing '/' dropped), which stays when the run trains on",
     )
     ingress_num_cpus: float = option(0.1, "CPUs the ChatIngress replica reserves", ge=0)
     ingress_max_queued_requests: int = option(

@@ -21,9 +21,10 @@ belong in a Serve config's `deployments:` section instead (serve/chat.yaml puts 
 applies in place: args are hashed into the app's code version, so a changed arg restarts every replica. The
 ingress' max_ongoing_requests (at least 1000) follows args' max_replicas only.
 
-`checkpoint` is any reference raychat.checkpoint_manager resolves (a checkpoint dir, a run dir, <run dir>/latest, on a
-shared directory, s3:// or gs://): build_app resolves it once, so every replica serves the same checkpoint,
-and a replica on another node fetches a remote one itself (raychat.checkpoint.load_model). A run's local
+`checkpoint` is any reference raychat.checkpoint_manager resolves (a checkpoint dir, a run dir, <run dir>/latest,
+on a shared directory, s3:// or gs://); as given, it is the model id unless args model_id names one (a run dir
+served again at a newer checkpoint keeps its id). build_app resolves it once, so every replica serves the same
+checkpoint, and a replica on another node fetches a remote one itself (raychat.checkpoint.load_model). A run's local
 checkpoint (checkpoint_<step>) is served from a snapshot beside it that the run's pruning leaves (pinned), so
 replicas started later load it too; the ingress and the replicas mark it in use while the app runs
 (raychat.serve.in_use), and the run's next snapshot deletes only snapshots unmarked for a day. Each replica
@@ -51,7 +52,6 @@ import logging
 import math
 import os
 import time
-from pathlib import Path
 
 import psutil
 import ray
@@ -78,7 +78,7 @@ from raychat.serve.deployments import INGRESS_DEPLOYMENT, SERVER_DEPLOYMENT, dep
 from raychat.serve.errors import EngineOverloadedError, EngineUnavailableError
 from raychat.serve.in_use import MarkInUse
 from raychat.serve.ingress import create_app
-from raychat.serve.server import ChatServer, merge_deltas
+from raychat.serve.server import ChatServer, default_model_id, merge_deltas
 from raychat.storage import copy_command
 
 # what a handle raises when no ChatServer replica can take (or finish) a request: 503, retry later
@@ -443,10 +443,11 @@ def build_app(args: dict | ServeConfig) -> Application:
 
 
 def build_application(args: dict | ServeConfig, mark_every_s: float = IN_USE_MARK_S) -> Application:
-    """The application of `args` (keys: ServeConfig). A run's local checkpoint is bound as its snapshot
-    (pinned), reported under the checkpoint's own name; while the app runs, its ingress and ChatServer
-    replicas mark the snapshot (or a snapshot named directly) in use every `mark_every_s` seconds
-    (raychat.serve.in_use), so the run's next snapshot_checkpoint keeps it.
+    """The application of `args` (keys: ServeConfig). Its model id (/v1/models, each response's "model"):
+    args model_id, else args checkpoint as given (default_model_id), so a run dir served again at a newer
+    checkpoint keeps its id. A run's local checkpoint is bound as its snapshot (pinned); while the app runs,
+    its ingress and ChatServer replicas mark the snapshot (or a snapshot named directly) in use every
+    `mark_every_s` seconds (raychat.serve.in_use), so the run's next snapshot_checkpoint keeps it.
 
     Raises:
         ValueError: invalid args (see serve_config); no API key (args api_key, else RAYCHAT_API_KEY) without
@@ -459,7 +460,7 @@ def build_application(args: dict | ServeConfig, mark_every_s: float = IN_USE_MAR
         raise ConfigError(NO_KEY)
     r, a = c.replica, c.autoscaling
     checkpoint = find_checkpoint(c.checkpoint, flag="checkpoint")
-    model_id = c.model_id or Path(checkpoint).resolve().name  # a snapshot's name has a digest appended
+    model_id = c.model_id or default_model_id(c.checkpoint)  # not a snapshot's name: the run's reference
     checkpoint = pinned(checkpoint)
     in_use = {"snapshot": checkpoint if is_snapshot(checkpoint) else None, "mark_every_s": mark_every_s}
     options = deployment_options(c)  # what a Serve config's deployments: section may override in place

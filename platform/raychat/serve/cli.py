@@ -1,5 +1,7 @@
 """`raychat serve --checkpoint DIR`: run the chat app (raychat.serve.app) on a local Ray cluster (or the
-one at --address / RAY_ADDRESS) and print the chat page's URL. Blocks until Ctrl-C unless --no-block.
+one at --address / RAY_ADDRESS) and print what it serves (the --checkpoint reference, the checkpoint it
+resolved to with its stage and step, the model id: --model-id, else the reference as given) and the chat
+page's URL. Blocks until Ctrl-C unless --no-block.
 
 A --host beyond loopback (0.0.0.0, a LAN address, a host name) needs an API key (--api-key or
 RAYCHAT_API_KEY) or an explicit --allow-unauthenticated; the refusal comes before Ray starts, and so do the
@@ -26,15 +28,17 @@ from ray import serve
 
 from raychat.capacity import check_bundles, local_cluster_running, read_capacity, start_local_cluster
 from raychat.checkpoint import check_model
-from raychat.checkpoint_manager import find_checkpoint
+from raychat.checkpoint_manager import described, find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_args, from_dict
 from raychat.config.schema import shown
 from raychat.ray_token import token_for
 from raychat.serve import vllm
 from raychat.serve.app import build_app, serve_config
+from raychat.serve.server import default_model_id
 from raychat.sigterm import Terminated, init_keeping_handler, raise_terminated
 
 APP_NAME = "raychat"
+VLLM_MODEL_ID = "raychat"  # --backend vllm without --model-id, as VLLMConfig's default (serve/vllm.yaml)
 
 
 def start(
@@ -225,7 +229,7 @@ def start_vllm(args: argparse.Namespace) -> str:
         raise ValueError("--backend vllm needs --hf-dir DIR (the directory `raychat export` wrote)")
     vllm.require_vllm()
     options = {
-        "model_id": args.model_id or "raychat", "accelerator_type": "", "min_replicas": args.min_replicas,
+        "model_id": args.model_id or VLLM_MODEL_ID, "accelerator_type": "", "min_replicas": args.min_replicas,
         "max_replicas": args.max_replicas, "max_ongoing_requests": args.max_ongoing_requests,
         "tensor_parallel_size": max(1, int(args.num_gpus or 1)),
     }  # fmt: skip
@@ -260,6 +264,9 @@ def _serve(args: argparse.Namespace) -> int:
         check_vllm_exposure(args.host, args.api_key, args.allow_unauthenticated)
         url = start_vllm(args)
         print(f"vLLM is serving {args.hf_dir}")
+        print(
+            f'model id:     {args.model_id or VLLM_MODEL_ID}  (what /v1/models lists and requests\' "model" names)'
+        )
         print(f"OpenAI API:   {url}  (model list: {url}/models)", flush=True)
         return 0 if args.no_block else _block()
     if args.hf_dir:
@@ -271,10 +278,16 @@ def _serve(args: argparse.Namespace) -> int:
     check_exposure(args.host, config.api_key, config.allow_unauthenticated)  # the flag, else the preset's
     if not config.api_key:  # check_exposure let no key through (a loopback --host, --allow-unauthenticated)
         config = from_dict(ServeConfig, {"allow_unauthenticated": True}, base=config)
+    reference, model_id = config.checkpoint, config.model_id or default_model_id(config.checkpoint)
+    served = find_checkpoint(reference)  # checked, described and served: one resolve, so all three agree
+    about = described(served)
+    config = from_dict(ServeConfig, {"checkpoint": served, "model_id": model_id}, base=config)
     url = start(
         config, host=args.host, port=args.port, address=args.address, proxy_location=args.proxy_location
     )
-    print(f"raychat is serving {config.checkpoint}")
+    print(f"raychat is serving {reference}")
+    print(f"checkpoint:   {about}")
+    print(f'model id:     {model_id}  (what /v1/models lists and OpenAI requests\' "model" names)')
     print(f"chat page:    {url}")
     print(f"OpenAI API:   {url}v1  (model list: {url}v1/models, health: {url}health)", flush=True)
     if args.no_block:

@@ -40,7 +40,6 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from raychat.chat.turn import TurnParser
 from raychat.chat_template import MARKERS, TEMPLATE_VERSION, render_for_completion
@@ -61,6 +60,16 @@ from raychat.tokenizer import Tokenizer
 GAUGE_PERIOD_S = 0.5  # seconds between two publications of the gauges while requests live
 
 
+def default_model_id(checkpoint: str | os.PathLike) -> str:
+    """The model id a checkpoint is served under unless one is given: the reference as given (a run dir,
+    <run dir>/latest, a checkpoint dir, an s3:// or gs:// URI; relative stays relative), without surrounding
+    blanks and trailing '/' (a bare "/" stays). Like vLLM's default served_model_name (its model argument), it
+    stays the same while a run dir served again resolves to a newer checkpoint; OpenAI's API takes any
+    string as a model id ("org/model" is common)."""
+    text = str(checkpoint).strip()
+    return text.rstrip("/") or text
+
+
 class ChatServer:
     """A Scheduler (started in a daemon thread) over a model and tokenizer.
 
@@ -68,7 +77,7 @@ class ChatServer:
         model, tokenizer: a raychat GPT (eval mode) and Tokenizer.
         max_slots: concurrent decode rows of the KV cache (1 = one request at a time).
         max_len: tokens per row (prompt + completion), default model.config.max_seq_len.
-        model_id: the name reported by /v1/models.
+        model_id: the name reported by /v1/models and in each response's "model" (default_model_id).
         deployment: tag of the serving metrics (raychat_serve_*{deployment=...}).
         meta: checkpoint meta (its "tokenizer_version" and "step" are reported by info()).
         scheduler: run requests on this (an EngineProcess, see from_checkpoint) instead of a Scheduler
@@ -167,14 +176,14 @@ class ChatServer:
 
         engine_process=True runs the model and Scheduler in a child process (raychat.engine.process,
         with `torch_threads` torch threads) so the decode step does not share this process' GIL with
-        the event loop; only the tokenizer is loaded here.
+        the event loop; only the tokenizer is loaded here. The model id (not in kwargs): `checkpoint` as
+        given (default_model_id), not the cache copy's name.
         Raises CheckpointError / ValueError / OSError as resolve_checkpoint and load_model.
         """
+        kwargs.setdefault("model_id", default_model_id(checkpoint))
         copy = None
         if is_remote(checkpoint):
-            kwargs.setdefault("model_id", Path(checkpoint).name)
             checkpoint = copy = resolve_checkpoint(checkpoint)
-        kwargs.setdefault("model_id", Path(checkpoint).resolve().name or "raychat")
         if not engine_process:
             model, tokenizer, meta = load_model(checkpoint, device=device)
             server = cls(model, tokenizer, meta=meta, **kwargs)
