@@ -21,7 +21,7 @@ from support.rl_fixtures import BadTask, FullDisk, tiny_checkpoint, tiny_config
 from raychat.capacity import read_capacity
 from raychat.log import RunGaveUp
 from raychat.rl import actors as rl_actors
-from raychat.rl.actors import ActorGroup, ActorTimeout, lost_line
+from raychat.rl.actors import ActorGroup, ActorTimeout, get_within, lost_line
 from raychat.rl.dispatcher import RolloutDispatcher
 from raychat.rl.loop import RLRun, rl_tasks
 from raychat.rl.sync import WeightSync
@@ -694,3 +694,32 @@ def test_lost_learners_are_pinged_at_once_and_every_one_named(ray_cluster, check
     assert 3.99 <= took < 7.5, took  # (ray.wait may return 0.1 ms early: above)
     assert lost_line(lost) == "learners 0, 1 (no answer within 4 s) and 2 (no answer within 4 s) were lost"
     assert lost_line({1: None}) == "learner 1 was lost"
+
+
+def test_a_fixed_wait_is_not_multiplied_nor_offers_the_factor_and_a_multiplied_one_is(ray_cluster):
+    """get_within without a factor (the PING_S wait for a re-synced rollout actor's info: WeightSync._acks)
+    waits its timeout and its line ends at its fix: it used to say "raise --deadline-factor (now 1)" whatever
+    the run's factor, which did not lengthen that wait. With a factor (ActorGroup.wait_for: --deadline-factor 2)
+    it waits twice as long and the line says so. Each call waits behind a 30 s sleep on an actor of its own."""
+
+    @ray.remote(num_cpus=0)
+    class Sleeper:
+        def nap(self, seconds: float) -> None:
+            time.sleep(seconds)
+
+    fixed = "rollout actor 1 did not return RolloutActor.info within 0.5 s; if it recurs, see what it does"
+    multiplied = (
+        "rollout actor 1 did not return RolloutActor.info within 1 s (--deadline-factor 2 x (0.5 s)); if it "
+        "recurs, see what it does; on slow hardware, raise --deadline-factor (now 2), which multiplies every deadline"
+    )
+    for kw, waited, line in [({}, 0.5, fixed), ({"factor": 2.0}, 1.0, multiplied)]:
+        actor = Sleeper.remote()
+        ray.get(actor.nap.remote(0), timeout=60)  # started
+        ref = actor.nap.remote(30)
+        t0 = time.perf_counter()
+        with pytest.raises(ActorTimeout) as e:
+            get_within([ref], ["rollout actor 1"], "RolloutActor.info", 0.5, fix="see what it does", **kw)
+        took = time.perf_counter() - t0
+        ray.kill(actor)
+        assert str(e.value) == line
+        assert waited - 0.01 <= took < waited + 5, took  # (ray.wait may return 0.1 ms early: above)

@@ -211,3 +211,21 @@ def test_deadline_factor_multiplies_the_deadline_and_the_line_says_how_to_raise_
         "least 600 s, else 10 x the longest learner step so far (1.5 s))); if it recurs, see what it does; on slow "
         "hardware, raise rl.deadline_factor (now 2), which multiplies every deadline"
     )
+
+
+def test_a_deadline_the_factor_does_not_multiply_does_not_offer_it_and_seconds_near_1000_read_whole():
+    """The 30 s wait for a re-synced rollout actor's info (PING_S, not multiplied) said "raise
+    --deadline-factor (now 1)" whatever the run's factor, which would not have lengthened it: a fixed deadline
+    (factor None) ends at its fix. 999.6 s (1.666 x 600 s) read "1e+03 s"; now "1,000 s"."""
+    fix = "see what its process does"
+    assert str(
+        ActorTimeout(["rollout actor 1"], "RolloutActor.info (after its re-sync)", 30.0, "", fix, None)
+    ) == (
+        "rollout actor 1 did not return RolloutActor.info (after its re-sync) within 30 s; if it recurs, see what "
+        "its process does"
+    )
+    assert str(ActorTimeout(["learner 0"], "Learner.step", 1.666 * 600, "at least 600 s", fix, 1.666)) == (
+        "learner 0 did not return Learner.step within 1,000 s (--deadline-factor 1.666 x (at least 600 s)); if it "
+        "recurs, see what its process does; on slow hardware, raise --deadline-factor (now 1.666), which "
+        "multiplies every deadline"
+    )

@@ -272,23 +272,25 @@ def read_budget(nbytes: int, remote: bool = False) -> str:
 class ActorTimeout(RuntimeError):
     """The driver's `call` on the actors `who` (["learner 1"]) did not return within `waited_s` seconds
     (`budget`: how the deadline was sized, "" for a fixed one; `factor`: --deadline-factor, named `flag`, which
-    multiplied it), the actors alive, so hung (get_within); `fix`: what to check when it recurs. `call` and `fix`
-    speak of one actor ("its start", "check that its node ..."); the line names one, two or more actors and ends
-    saying how to raise the deadlines:
+    multiplied it, None for a deadline it does not multiply: PING_S), the actors alive, so hung (get_within);
+    `fix`: what to check when it recurs. `call` and `fix` speak of one actor ("its start", "check that its node
+    ..."); the line names one, two or more actors and, unless `factor` is None, ends saying how to raise the
+    deadlines:
       learner 0 did not return its start within 9 s; if it recurs, check ...; on slow hardware, raise
       --deadline-factor (now 1), which multiplies every deadline
       neither rollout actor 0 nor learner 0 returned its start within 18 s (--deadline-factor 2 x (9 s ...)); if
       it recurs, for each: check ...; on slow hardware, raise --deadline-factor (now 2), ...
       none of rollout actor 0, rollout actor 1 and learner 0 returned its start within 9 s; if it recurs, for
       each: check ...; on slow hardware, ...
+      rollout actor 1 did not return RolloutActor.info within 30 s; if it recurs, see ... (factor None)
     The run stops its actor group (killing them) and starts it again within --max-failures (raychat.rl.loop)."""
 
     def __init__(
-        self, who: list[str], call: str, waited_s: float, budget: str, fix: str, factor: float = 1.0,
+        self, who: list[str], call: str, waited_s: float, budget: str, fix: str, factor: float | None = 1.0,
         flag: str = "--deadline-factor",
     ):  # fmt: skip
         self.who, self.call, self.waited_s = who, call, waited_s
-        if factor != 1:
+        if factor not in (1, None):
             budget = f"{flag} {factor:g} x ({budget or f'{_seconds(waited_s / factor)} s'})"
         sized = f" ({budget})" if budget else ""
         if len(who) == 1:
@@ -297,10 +299,10 @@ class ActorTimeout(RuntimeError):
             late, each = f"neither {who[0]} nor {who[1]} returned", "for each: "
         else:
             late, each = f"none of {self.named} returned", "for each: "
-        super().__init__(
-            f"{late} {call} within {_seconds(waited_s)} s{sized}; if it recurs, {each}{fix}; on slow hardware, raise "
-            f"{flag} (now {factor:g}), which multiplies every deadline"
-        )
+        line = f"{late} {call} within {_seconds(waited_s)} s{sized}; if it recurs, {each}{fix}"
+        if factor is not None:
+            line += f"; on slow hardware, raise {flag} (now {factor:g}), which multiplies every deadline"
+        super().__init__(line)
 
     @property
     def named(self) -> str:
@@ -310,15 +312,16 @@ class ActorTimeout(RuntimeError):
 
 def get_within(
     refs: list, who: list[str], call: str, timeout_s: float, budget: str = "", fix: str = "",
-    factor: float = 1.0, flag: str = "--deadline-factor",
+    factor: float | None = None, flag: str = "--deadline-factor",
 ) -> list:  # fmt: skip
     """ray.get(refs) waiting factor x timeout_s seconds in all (refs[i]: the call on the actor named who[i];
-    factor: --deadline-factor, named `flag`); an actor's death or error is raised as soon as it is found
+    factor: --deadline-factor, named `flag`; None: timeout_s, a fixed deadline the flag does not multiply, whose
+    ActorTimeout line does not offer it); an actor's death or error is raised as soon as it is found
     (RayActorError, RayTaskError), not after the deadline.
 
     Raises ActorTimeout naming every actor whose call had not returned by the deadline."""
     index = {ref: i for i, ref in enumerate(refs)}
-    wait_s = factor * timeout_s
+    wait_s = timeout_s if factor is None else factor * timeout_s
     pending, deadline = list(refs), time.monotonic() + wait_s
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -586,4 +589,4 @@ def _summed(bundles: list[dict]) -> dict:
 
 def _seconds(s: float) -> str:
     """Seconds as a line reads them: 3 significant digits ("61.2"), whole ones from 1,000 ("1,800")."""
-    return f"{s:.3g}" if s < 1000 else f"{s:,.0f}"
+    return f"{s:.3g}" if s < 999.5 else f"{s:,.0f}"  # 999.6 s reads "1,000", not "1e+03"
