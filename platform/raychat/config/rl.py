@@ -121,7 +121,7 @@ class RLLayoutSection(Section):
     deadline_factor: float = option(
         1.0, "multiplies every deadline the driver waits for an actor's call (its start, a checkpoint's restore "
         "or save, a rollout or evaluation chunk, a learner step, a weight sync) before it restarts the actors as "
-        "hung: raise it on slower hardware than the deadlines assume", gt=0,
+        "hung: raise it on slower hardware than the deadlines assume", gt=0, le=1000,
     )  # fmt: skip
 
 
