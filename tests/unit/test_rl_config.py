@@ -36,7 +36,10 @@ def test_yaml_round_trip(tmp_path):
         ({"max_failures": -1}, "--max-failures must be >= 0"),
         ({"deadline_factor": 0}, "^--deadline-factor must be > 0, got 0$"),
         ({"deadline_factor": -2.5}, "^--deadline-factor must be > 0, got -2.5$"),
-        ({"deadline_factor": 1e308}, "^--deadline-factor must be <= 1000, got 1e308$"),  # not an infinite wait
+        (
+            {"deadline_factor": 1e308},
+            "^--deadline-factor must be <= 1000, got 1e308$",
+        ),  # not an infinite wait
         (
             {"weight_sync": "collective", "learner_workers": 2},
             r"--weight-sync collective on CPU \(gloo\) needs --learner-workers 1, got 2",

@@ -151,6 +151,14 @@ def test_a_learner_step_is_sized_from_the_runs_longest_step_the_first_from_a_col
     )
     assert step_deadline(1.5) == (600.0, "at least 600 s, else 10 x the longest learner step so far (1.5 s)")
     assert step_deadline(75.0)[0] == 750.0
+    # a restarted group's first step is cold again, whatever the run's longest step was (a compile cache on the
+    # first node made it fast): at least 1,800 s
+    assert step_deadline(1.5, cold=True) == (
+        1800.0,
+        "at least 1800 s for these learners' first step (a cold start), else 10 x the longest learner step so far "
+        "(1.5 s)",
+    )
+    assert step_deadline(200.0, cold=True)[0] == 2000.0
 
 
 def test_a_save_and_a_sync_are_sized_from_the_weights_bytes():

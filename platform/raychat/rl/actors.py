@@ -167,27 +167,32 @@ SAVE_STATE_X = 3
 # setup's first --compile step took 114 s on that loaded machine (the later ones 0.82 s), 3.9 s without --compile
 # (bench/results/rl.md), a cold compile of the cpu preset's model 43 s (bench/results/train_throughput.md); a GPU
 # preset's model compiles in minutes (not measured here), its step (gpu8: 16 x 16 samples of up to ~500 tokens on
-# 2 GPUs) in seconds. After a restart the new learners' first step is cold again: the run's longest (its cold
-# first step) sizes it.
+# 2 GPUs) in seconds. After a restart the new learners' first step is cold again (on a node perhaps without the
+# compile cache that made the run's first step fast): at least STEP_FIRST_S too.
 STEP_MIN_S = 600.0
 STEP_FACTOR = 10.0
 STEP_FIRST_S = 1800.0
 
 
-def step_deadline(longest: float | None) -> tuple[float, str]:
+def step_deadline(longest: float | None, cold: bool = False) -> tuple[float, str]:
     """(seconds, how they were sized) the driver waits for a learner step (Learner.step on every learner), from
-    the moment it starts waiting: STEP_FIRST_S while no step of the run has completed (`longest` None), else
-    STEP_FACTOR x `longest` (seconds of the longest learner step so far, the driver's wall time of the call), at
-    least STEP_MIN_S. The line: "at least 600 s, else 10 x the longest learner step so far (1.23 s)", "1800 s
-    for the first learner step (a cold start: torch.compile, first allocations)"."""
+    the moment it starts waiting: STEP_FACTOR x `longest` (seconds of the longest learner step so far in the run,
+    the driver's wall time of the call), at least STEP_MIN_S; the first step of a learner group (`cold`: none has
+    completed since it started; after a restart its node may lack the compile cache the run's first step had),
+    or of the run (`longest` None), at least STEP_FIRST_S. The line: "at least 600 s, else 10 x the longest
+    learner step so far (1.23 s)", "1800 s for the first learner step (a cold start: torch.compile, first
+    allocations)", "at least 1800 s for these learners' first step (a cold start), else 10 x ..."."""
     if longest is None:
         return (
             STEP_FIRST_S,
             f"{STEP_FIRST_S:g} s for the first learner step (a cold start: torch.compile, first allocations)",
         )
+    least, why = (
+        (STEP_FIRST_S, " for these learners' first step (a cold start)") if cold else (STEP_MIN_S, "")
+    )
     return (
-        max(STEP_MIN_S, STEP_FACTOR * longest),
-        f"at least {STEP_MIN_S:g} s, else {STEP_FACTOR:g} x the longest learner step so far ({longest:.3g} s)",
+        max(least, STEP_FACTOR * longest),
+        f"at least {least:g} s{why}, else {STEP_FACTOR:g} x the longest learner step so far ({longest:.3g} s)",
     )
 
 

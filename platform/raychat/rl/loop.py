@@ -210,6 +210,7 @@ class RLRun:
         self.evals: list[dict] = []  # {"step", "pass@k"...} of this run, a redone step's once
         self.no_signal = NoSignalWatch(cfg)  # kept across actor group restarts: one warning a run
         self.longest_step: float | None = None  # seconds of the run's longest learner step (step_deadline)
+        self.warm_learners = False  # a step completed since the actor group started (step_deadline's cold)
         self._lease: RunLease | None = None
 
     @property
@@ -297,7 +298,7 @@ class RLRun:
             stats = self.actors.learner_results(
                 refs,
                 f"Learner.step (the update of step {step + 1})",
-                step_deadline(self.longest_step),
+                step_deadline(self.longest_step, cold=not self.warm_learners),
                 STEP_FIX,
             )[0]
         except LearnerRaised as e:
@@ -311,6 +312,7 @@ class RLRun:
                 fix="fix what raised (its traceback is logged above)",
             ) from e.error
         self.longest_step = max(self.longest_step or 0.0, time.perf_counter() - t0)
+        self.warm_learners = True
         staleness = [self.version - s["version"] for s in samples]
         tokens = sum(r["completion_tokens"] for r in results)
         rollout = {
@@ -410,6 +412,7 @@ class RLRun:
         while True:
             try:
                 self.actors.start()
+                self.warm_learners = False
                 return self._loop(metrics)
             except (
                 StepFailed,
