@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import random
+import socket
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ray
@@ -198,20 +202,78 @@ STARTUP_TIMEOUT = "timed out during startup"
 
 def start_local_cluster(address: str | None = "local", **init_kwargs) -> None:
     """ray.init(address=address, **init_kwargs) for a Ray cluster of this machine: "local" (the default) starts
-    one for this process; None (with no RAY_ADDRESS) joins the cluster `ray start` runs on this machine (Ray's
-    ray_current_cluster file under its temp dir) when there is one, else starts one too.
+    one for this process, whose processes all know its address (own_address); None (with no RAY_ADDRESS) joins
+    the cluster `ray start` runs on this machine (Ray's ray_current_cluster file under its temp dir) when there
+    is one, else starts one too.
 
     Raises:
         ClusterStartError: Ray did not start (its node timed out during startup, a temp dir it cannot create,
             ...): one line, start_failure's; the original is its __cause__ (RAYCHAT_DEBUG=1 shows it).
     """
     try:
-        ray.init(address=address, **init_kwargs)
+        if address == "local":
+            with own_address():
+                ray.init(address=address, **init_kwargs)
+        else:
+            ray.init(address=address, **init_kwargs)
     except Exception as e:
         # what Ray's start-up raises: a bare Exception (STARTUP_TIMEOUT), OSError (ConnectionError), RuntimeError
         if type(e) is not Exception and not isinstance(e, (OSError, RuntimeError)):
             raise
         raise ClusterStartError(start_failure(e)) from e
+
+
+# Ray 2.60 reads the GCS port of a head it starts from this variable (ray/_private/node.py; 0 or unset: any port)
+GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"
+# Ray's worker ports are 10002-19999 (its min/max_worker_port defaults): the GCS port is chosen above them
+GCS_PORT_LOW = 20000
+
+
+@contextmanager
+def own_address():
+    """Within: RAY_ADDRESS=127.0.0.1:<port> and RAY_GCS_SERVER_PORT=<port> in this process's environment (the
+    user's RAY_GCS_SERVER_PORT if set, else free_port()), both as they were again on the way out. A local
+    ray.init(address="local") within binds its GCS to that port, and every process of that cluster (the
+    raylet, and from it each worker and actor) inherits the variables for its life. Ray code that looks the
+    address up instead of using its connection then finds this cluster even with others on the machine; Ray
+    Train's PlacementGroupCleaner actor (ray.util.state.get_actor(address=None)) otherwise died on "Found
+    multiple active Ray instances" and left the run's placement group unwatched. Ray resolves 127.0.0.1 to the
+    node's IP. This process keeps no RAY_ADDRESS: its next run, after ray.shutdown, starts a cluster again."""
+    port = int(os.environ.get(GCS_PORT_ENV) or 0) or free_port()
+    saved = {name: os.environ.get(name) for name in ("RAY_ADDRESS", GCS_PORT_ENV)}
+    os.environ.update(RAY_ADDRESS=f"127.0.0.1:{port}", **{GCS_PORT_ENV: str(port)})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def free_port() -> int:
+    """A TCP port nothing on this machine listens on now, from GCS_PORT_LOW up to below the kernel's ephemeral
+    range (/proc/sys/net/ipv4/ip_local_port_range): a starting Ray instance binds dozens of ephemeral ports,
+    and one chosen there could be taken before the GCS binds it; below it, a port is only taken by number.
+
+    Raises:
+        OSError: no free port found in 200 tries.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = int(f.read().split()[0]) - 1
+    except (OSError, ValueError, IndexError):
+        high = 32767
+    for _ in range(200):
+        port = random.randint(GCS_PORT_LOW, max(high, GCS_PORT_LOW + 1000))
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return port
+    raise OSError(f"no free TCP port for the local Ray cluster's GCS in {GCS_PORT_LOW}-{high}")
 
 
 def local_cluster_running() -> bool:
