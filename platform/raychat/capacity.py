@@ -227,20 +227,28 @@ def start_local_cluster(address: str | None = "local", **init_kwargs) -> None:
 GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"
 # Ray's worker ports are 10002-19999 (its min/max_worker_port defaults): the GCS port is chosen above them
 GCS_PORT_LOW = 20000
+# what Ray's state API (ray.util.state with no address) reads before RAY_ADDRESS (ray.dashboard.utils
+# get_address_for_submission_client): a dashboard URL, such as one a user sets for `raychat submit`
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
 
 
 @contextmanager
 def own_address():
     """Within: RAY_ADDRESS=127.0.0.1:<port> and RAY_GCS_SERVER_PORT=<port> in this process's environment (the
-    user's RAY_GCS_SERVER_PORT if set, else free_port()), both as they were again on the way out. A local
-    ray.init(address="local") within binds its GCS to that port, and every process of that cluster (the
-    raylet, and from it each worker and actor) inherits the variables for its life. Ray code that looks the
-    address up instead of using its connection then finds this cluster even with others on the machine; Ray
-    Train's PlacementGroupCleaner actor (ray.util.state.get_actor(address=None)) otherwise died on "Found
-    multiple active Ray instances" and left the run's placement group unwatched. Ray resolves 127.0.0.1 to the
-    node's IP. This process keeps no RAY_ADDRESS: its next run, after ray.shutdown, starts a cluster again."""
+    user's RAY_GCS_SERVER_PORT if set, else free_port()) and no RAY_API_SERVER_ADDRESS, all three as they were
+    again on the way out. A local ray.init(address="local") within binds its GCS to that port, and every
+    process of that cluster (the raylet, and from it each worker and actor) inherits that environment for its
+    life. Ray code that looks the address up instead of using its connection then finds this cluster even with
+    others on the machine; Ray Train's PlacementGroupCleaner actor (ray.util.state.get_actor(address=None))
+    otherwise died on "Found multiple active Ray instances" and left the run's placement group unwatched. The
+    state API reads RAY_API_SERVER_ADDRESS first: a user's (another cluster's dashboard, set for `raychat
+    submit`) sent the cleaner's lookups of the run's controller to that cluster, where it is not (no such
+    actor: "dead", so the running run's placement group removed; or an error, so never removed). Ray resolves
+    127.0.0.1 to the node's IP. This process keeps no RAY_ADDRESS: its next run, after ray.shutdown, starts a
+    cluster again."""
     port = int(os.environ.get(GCS_PORT_ENV) or 0) or free_port()
-    saved = {name: os.environ.get(name) for name in ("RAY_ADDRESS", GCS_PORT_ENV)}
+    saved = {name: os.environ.get(name) for name in ("RAY_ADDRESS", GCS_PORT_ENV, API_SERVER_ENV)}
+    os.environ.pop(API_SERVER_ENV, None)
     os.environ.update(RAY_ADDRESS=f"127.0.0.1:{port}", **{GCS_PORT_ENV: str(port)})
     try:
         yield

@@ -1,7 +1,8 @@
 """A local cluster a run starts (raychat.capacity.start_local_cluster) beside another Ray cluster of the machine:
 Ray code in its processes that looks the cluster's address up (ray.util.state with no address, as Ray Train's
-PlacementGroupCleaner actor does every second) finds this cluster, not "Found multiple active Ray instances",
-and the cleaner removes the placement group of a controller that died."""
+PlacementGroupCleaner actor does every second) finds this cluster, not "Found multiple active Ray instances"
+nor the cluster a user's RAY_API_SERVER_ADDRESS names, and the cleaner removes the placement group of a
+controller that died."""
 
 import os
 import time
@@ -46,11 +47,15 @@ def test_a_local_cluster_beside_another_is_found_by_its_processes_and_its_cleane
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("RAY_GCS_SERVER_PORT", raising=False)
     other = LocalCluster(short_temp_dir("other-")).start({})  # a `ray start --head`: another GCS here
+    # the user's dashboard address for `raychat submit` (ray.util.state reads it before RAY_ADDRESS): the state
+    # API of the local cluster's processes asked that cluster instead
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", other.dashboard_url)
     try:
         start_local_cluster(num_cpus=1, log_to_driver=False)
         try:
             assert len(find_gcs_addresses()) >= 2
             assert "RAY_ADDRESS" not in os.environ and "RAY_GCS_SERVER_PORT" not in os.environ
+            assert os.environ["RAY_API_SERVER_ADDRESS"] == other.dashboard_url
             address, state = ray.get(Probe.remote().lookup.remote(), timeout=60)
             assert address == ray.get_runtime_context().gcs_address
             assert state == "ALIVE"
