@@ -70,14 +70,18 @@ class OneLineParser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         """argparse's, but an unrecognized argument is refused by the (sub)command's parser it was given to, so
         the line names `raychat pretrain` and its --help, whose flags it lists, not `raychat`'s; the line ends
-        with the flags its unknown ones are close to (did_you_mean)."""
+        with the flags its unknown ones are close to (did_you_mean), or, for a flag of that (sub)command given
+        before its name (`raychat jobs --follow logs ID`), that it goes after the name."""
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
             chosen = self._chosen(namespace)
             flags = [s for a in chosen._actions for s in a.option_strings]
             typed = [word.partition("=")[0] for word in extras if word.startswith("-")]
             close = [(word, did_you_mean(word, flags)) for word in typed]
-            close = [(word, flag) for word, flag in close if flag]
+            after = chosen.prog.rpartition(" ")[2]  # the word a flag of `chosen` given before it goes after
+            close = [
+                (word, f"{flag} after {after}" if flag == word else flag) for word, flag in close if flag
+            ]
             hint = ", ".join(flag if len(typed) == 1 else f"{flag} for {word}" for word, flag in close)
             chosen.error(
                 f"unrecognized arguments: {' '.join(extras)}" + (f" (did you mean {hint}?)" if hint else "")

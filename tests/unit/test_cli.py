@@ -192,6 +192,9 @@ KNOWN = (
         (["chat", "--checkpiont", "x", "--port", "1"],
          "raychat chat: error: unrecognized arguments: --checkpiont x --port 1 (did you mean --checkpoint for "
          "--checkpiont?) (`raychat chat --help` lists the flags)"),
+        (["jobs", "--follow", "logs", "raysubmit_1"],  # logs' own flag before `logs`: where it goes, not itself
+         "raychat jobs logs: error: unrecognized arguments: --follow (did you mean --follow after logs?) "
+         "(`raychat jobs logs --help` lists the flags)"),
         (["submit", "pretrain", "--storage-path", ROOT, "--deptth", "4"],
          "raychat submit: error: stage pretrain: unrecognized arguments: --deptth 4 (did you mean --depth?) "
          "(`raychat pretrain --help` lists its flags)"),
