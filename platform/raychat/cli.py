@@ -76,7 +76,11 @@ class OneLineParser(argparse.ArgumentParser):
         if extras:
             chosen = self._chosen(namespace)
             flags = [s for a in chosen._actions for s in a.option_strings]
-            typed = [word.partition("=")[0] for word in extras if word.startswith("-")]
+            typed = [  # flags as typed: not a value such as -1 that follows one
+                word.partition("=")[0]
+                for word in extras
+                if word.startswith("-") and not chosen._negative_number_matcher.match(word)
+            ]
             close = [(word, did_you_mean(word, flags)) for word in typed]
             after = chosen.prog.rpartition(" ")[2]  # the word a flag of `chosen` given before it goes after
             close = [

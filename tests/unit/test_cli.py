@@ -192,6 +192,9 @@ KNOWN = (
         (["chat", "--checkpiont", "x", "--port", "1"],
          "raychat chat: error: unrecognized arguments: --checkpiont x --port 1 (did you mean --checkpoint for "
          "--checkpiont?) (`raychat chat --help` lists the flags)"),
+        (["chat", "--tempreture", "-1"],  # -1 is the value, no second unknown flag
+         "raychat chat: error: unrecognized arguments: --tempreture -1 (did you mean --temperature?) (`raychat chat "
+         "--help` lists the flags)"),
         (["jobs", "--follow", "logs", "raysubmit_1"],  # logs' own flag before `logs`: where it goes, not itself
          "raychat jobs logs: error: unrecognized arguments: --follow (did you mean --follow after logs?) "
          "(`raychat jobs logs --help` lists the flags)"),
