@@ -225,7 +225,8 @@ def start_local_cluster(address: str | None = "local", **init_kwargs) -> None:
 
 # Ray 2.60 reads the GCS port of a head it starts from this variable (ray/_private/node.py; 0 or unset: any port)
 GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"
-# Ray's worker ports are 10002-19999 (its min/max_worker_port defaults): the GCS port is chosen above them
+# a `ray start` node's worker ports are 10002-19999 (its --min/--max-worker-port defaults; a ray.init node's
+# workers take ephemeral ports): the GCS port is chosen above them, below the ephemeral range (free_port)
 GCS_PORT_LOW = 20000
 # what Ray's state API (ray.util.state with no address) reads before RAY_ADDRESS (ray.dashboard.utils
 # get_address_for_submission_client): a dashboard URL, such as one a user sets for `raychat submit`
