@@ -274,8 +274,10 @@ def free_port() -> int:
             high = int(f.read().split()[0]) - 1
     except (OSError, ValueError, IndexError):
         high = 32767
+    high = max(high, GCS_PORT_LOW + 1000)
+    pick = random.SystemRandom()  # not the module's generator, which a seeded run would make repeat
     for _ in range(200):
-        port = random.randint(GCS_PORT_LOW, max(high, GCS_PORT_LOW + 1000))
+        port = pick.randint(GCS_PORT_LOW, high)
         with socket.socket() as s:
             try:
                 s.bind(("", port))
