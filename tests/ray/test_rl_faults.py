@@ -2,8 +2,8 @@
 re-run with the same result), a learner lost mid-run (the run resumes from its last committed checkpoint
 within --max-failures, and fails naming the option past it), a learner hung in its restore (named within the
 restore's deadline, the run restarted), a rollout actor hung mid-run (named within its chunk's deadline, the run
-restarted), a learner hung in its step (named within the step's deadline x --deadline-factor, the run restarted), lost learners pinged at once and every one named, and an actor group start that fails (no placement
-group is left behind)."""
+restarted), a learner hung in its step (named within the step's deadline x --deadline-factor, the run restarted), lost learners pinged at once and every one named, a weight sync's hung acks named together at their own
+deadline, and an actor group start that fails (no placement group is left behind)."""
 
 import json
 import re
@@ -670,6 +670,41 @@ def test_a_chunk_queued_behind_others_on_its_actor_has_their_deadlines_too(
     )
     # the 3 s deadline (ray.wait returned 0.1 ms early once), not the 30 s hang; slack for a loaded machine
     assert chunk["split"] == "train" and 2.99 <= took < 15, took
+
+
+def test_a_syncs_acks_are_waited_for_together_each_for_its_own_deadline(ray_cluster, tmp_path, monkeypatch):
+    """A weight sync's acks were waited for one after another: with rollout actors 0 and 2 hung, actor 0 was named
+    alone, and actor 2's deadline would have started after actor 0's ran out. Now all are waited for from one
+    start, each for its own deadline (READ_BASE_S 1 s here; actor 1's ack queued behind a 2 s chunk: 3 s):
+    actors 0 and 2 are named together after 1 s, and actor 1, which acks at 1.5 s, is not named."""
+    monkeypatch.setattr(rl_actors, "READ_BASE_S", 1.0)
+
+    @ray.remote(num_cpus=0)
+    class Acker:
+        def set_weights(self, refs, version: int, nap: float) -> dict:
+            time.sleep(nap)
+            return {"version": version, "hash": "h", "apply_s": 0.0}
+
+    actors = ActorGroup(tiny_config("ck", str(tmp_path)), {})
+    actors.rollouts = [Acker.remote() for _ in range(3)]
+    sync = WeightSync(actors, "object_store")
+    sync.ahead = lambda w: (2.0, "a 2 s chunk") if w == 1 else None
+    try:
+        ray.get([a.set_weights.remote(None, 0, 0) for a in actors.rollouts], timeout=60)  # started
+        acks = [a.set_weights.remote(None, 1, nap) for a, nap in zip(actors.rollouts, [30, 1.5, 30])]
+        t0 = time.perf_counter()
+        with pytest.raises(ActorTimeout) as e:
+            sync._acks(acks, sync.deadlines(), 1)
+        took = time.perf_counter() - t0
+    finally:
+        for a in actors.rollouts:
+            ray.kill(a)
+    assert str(e.value) == (
+        "neither rollout actor 0 nor rollout actor 2 returned RolloutActor.set_weights (the weight sync to version "
+        "1) within 1 s (1 s + 0 MB at 10 MB/s of the weights); if it recurs, for each: see what its process does "
+        f"(py-spy dump: a hung object store or collective, a stuck device or node); {SLOW}"
+    )
+    assert 0.99 <= took < 6, took  # (ray.wait may return 0.1 ms early: above)
 
 
 def test_lost_learners_are_pinged_at_once_and_every_one_named(ray_cluster, checkpoint, tmp_path, monkeypatch):

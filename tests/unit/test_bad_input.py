@@ -47,7 +47,7 @@ from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.data.loader import sft_rows
 from raychat.lease import RunLease
 from raychat.model import GPT, ModelConfig
-from raychat.speedrun import reused_tokenizer_line
+from raychat.speedrun import reused_tokenizer_line, speedrun_flags
 from raychat.storage import open_storage
 from raychat.tasks import loaders, spelling
 from raychat.tasks.sft_data import forget_read
@@ -2201,3 +2201,22 @@ def test_sft_without_a_tokenizer_names_the_init_from_checkpoints_copy(root, caps
         f"tokenizer, its copy: --tokenizer-path {ckpt}  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
     assert not (root / "s").exists()
+
+
+def test_a_missing_sft_tokenizer_is_named_as_the_command_names_its_options(tmp_path):
+    """The line hard-coded --tokenizer-path and --init-from, so the speedrun's SFT (its tokenizer laid out by
+    --out, the checkpoint it starts from its pretraining's) named flags it has not. Now as the stage's Flags name
+    them; a remote --init-from's tokenizer is a local copy of its tokenizer.json."""
+    missing, ckpt = str(tmp_path / "none"), str(tmp_path / "ck")
+    with pytest.raises(FileNotFoundError) as e:
+        sft.load_init_tokenizer(missing, ckpt, speedrun_flags("tiny", "sft"))
+    assert str(e.value) == (
+        f"--out: no tokenizer at {missing}: give the pretraining checkpoint's tokenizer, its tokenizer.json copied "
+        f"to {missing}"
+    )
+    with pytest.raises(FileNotFoundError) as e:
+        sft.load_init_tokenizer(missing, "s3://bucket/runs/base/checkpoint_000004")
+    assert str(e.value) == (
+        f"--tokenizer-path: no tokenizer at {missing}: give the --init-from checkpoint's tokenizer, a local copy of "
+        "its tokenizer.json"
+    )

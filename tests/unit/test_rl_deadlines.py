@@ -2,8 +2,9 @@
 the longest chunk of each kind so far, or, of a kind none of which has completed yet, its completion budget
 (prompts x samples x --max-tokens) at FIRST_TOKENS_PER_S of the device, summed over the chunks on the actor up to
 this one, at least ROLLOUT_MIN_S (600 s); the line says how it was sized. Those of a learner step (step_deadline),
-a checkpoint save (save_deadline) and a weight sync (sync_deadline, WeightSync.deadlines), and --deadline-factor
-in the ActorTimeout line."""
+a checkpoint save (save_deadline) and a weight sync (sync_deadline, WeightSync.deadlines), --deadline-factor
+in the ActorTimeout line, and which of the calls waited for together, each for its own deadline, are named late
+first (late_calls, late_budget)."""
 
 import pyarrow.fs as pafs
 from support.rl_fixtures import tiny_config
@@ -14,6 +15,8 @@ from raychat.rl.actors import (
     ActorGroup,
     ActorTimeout,
     checkpoint_bytes,
+    late_budget,
+    late_calls,
     read_budget,
     read_deadline_s,
     rollout_deadline,
@@ -237,3 +240,27 @@ def test_a_deadline_the_factor_does_not_multiply_does_not_offer_it_and_seconds_n
         "recurs, see what its process does; on slow hardware, raise --deadline-factor (now 1.666), which "
         "multiplies every deadline"
     )
+
+
+def test_calls_waited_for_together_name_every_one_late_at_the_first_deadline_past():
+    """A weight sync's parts were waited for one after another: of 3 hung rollout actors only the first was named,
+    and actor 1's deadline started after actor 0's ran out. Now all are waited for from one start, each for its
+    own deadline (get_each_within): past the first (61.6 s), every pending call of that deadline is named (actors
+    0 and 2); actor 1, with a chunk queued ahead of its ack (661.6 s), is not late yet. The same seconds sized
+    differently (ROLLOUT_MIN_S: 1 or 2 chunks ahead, both 600 s) are named together, each with its sizing."""
+    waits = [61.6, 661.6, 61.6]
+    assert late_calls([0, 1, 2], waits) == [0, 2]
+    assert late_calls([2, 1], waits) == [2]  # actor 0 acked
+    assert late_calls([1], waits) == [1]
+    assert late_budget(["rollout actor 0", "rollout actor 2"], ["60 s + 16 MB"] * 2) == "60 s + 16 MB"
+    one, two = (
+        "at least 600 s, else 10 x the longest training chunk so far (1.5 s)",
+        "at least 600 s, else 10 x 2 x the longest training chunk so far (1.5 s): the 2 chunks on its actor",
+    )
+    budget = late_budget(["rollout actor 0", "rollout actor 1"], [one, two])
+    assert budget == f"rollout actor 0: {one}; rollout actor 1: {two}"
+    assert str(ActorTimeout(["rollout actor 0", "rollout actor 1"], "RolloutActor.set_weights", 661.6, budget,
+                            "see what its process does")) == (
+        "neither rollout actor 0 nor rollout actor 1 returned RolloutActor.set_weights within 662 s (rollout actor 0: "
+        f"{one}; rollout actor 1: {two}); if it recurs, for each: see what its process does; {SLOW}"
+    )  # fmt: skip

@@ -322,19 +322,63 @@ def get_within(
     """ray.get(refs) waiting factor x timeout_s seconds in all (refs[i]: the call on the actor named who[i];
     factor: --deadline-factor, named `flag`; None: timeout_s, a fixed deadline the flag does not multiply, whose
     ActorTimeout line does not offer it); an actor's death or error is raised as soon as it is found
-    (RayActorError, RayTaskError), not after the deadline.
+    (RayActorError, RayTaskError), not after the deadline: get_each_within with one deadline for all.
 
     Raises ActorTimeout naming every actor whose call had not returned by the deadline."""
+    return get_each_within(refs, who, call, [(timeout_s, budget)] * len(refs), fix, factor, flag)
+
+
+def get_each_within(
+    refs: list, who: list[str], call: str, deadlines: list[tuple[float, str]], fix: str = "",
+    factor: float | None = None, flag: str = "--deadline-factor", tolerate: tuple = (),
+) -> list:  # fmt: skip
+    """ray.get(refs), all waited for together, refs[i] (the call on the actor named who[i]) for its own deadline
+    (deadlines[i]: seconds, how they were sized) x factor (--deadline-factor, named `flag`; None: not multiplied,
+    the ActorTimeout line does not offer it), every deadline counted from this call (the calls run at once, each
+    on its actor). An actor's death or error is raised as soon as it is found (RayActorError, RayTaskError), not
+    after a deadline; one of a type in `tolerate` (an actor's death: RayActorError) is returned in its result's
+    place instead, the others still waited for.
+
+    Each call keeps its own deadline rather than all waiting for the longest: a hung actor with nothing queued
+    before its call is named at its own deadline, not at that of an actor with chunks queued ahead of its call
+    (at least ROLLOUT_MIN_S more). When the first pending call passes its deadline, ActorTimeout names it with every other
+    pending call of the same deadline (seconds: late at the same moment; late_calls); those of a longer one are not
+    late yet.
+
+    Raises ActorTimeout naming those actors, the seconds and how each was sized (late_budget)."""
+    waits = [s if factor is None else factor * s for s, _ in deadlines]
+    t0 = time.monotonic()
     index = {ref: i for i, ref in enumerate(refs)}
-    wait_s = timeout_s if factor is None else factor * timeout_s
-    pending, deadline = list(refs), time.monotonic() + wait_s
+    out: list = [None] * len(refs)
+    pending = list(refs)
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        first = min(waits[index[r]] for r in pending)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, t0 + first - time.monotonic()))
         if not ready:
-            late = sorted(index[r] for r in pending)
-            raise ActorTimeout([who[i] for i in late], call, wait_s, budget, fix, factor, flag)
-        ray.get(ready[0])
-    return ray.get(refs)
+            late = late_calls([index[r] for r in pending], waits)
+            budget = late_budget([who[i] for i in late], [deadlines[i][1] for i in late])
+            raise ActorTimeout([who[i] for i in late], call, waits[late[0]], budget, fix, factor, flag)
+        try:
+            out[index[ready[0]]] = ray.get(ready[0])
+        except tolerate as e:
+            out[index[ready[0]]] = e
+    return out
+
+
+def late_calls(pending: list[int], waits: list[float]) -> list[int]:
+    """The indices, in order, of the calls in `pending` (indices into `waits`: each call's seconds, all counted
+    from the same start) late first: those of the shortest wait among them (get_each_within)."""
+    first = min(waits[i] for i in pending)
+    return sorted(i for i in pending if waits[i] == first)
+
+
+def late_budget(who: list[str], budgets: list[str]) -> str:
+    """How the deadline of the late calls of the actors `who` was sized, for ActorTimeout's line: their budget
+    when they share one, else each actor's ("rollout actor 0: 60 s + ...; rollout actor 1: 60 s + ... + the
+    chunks queued on its actor before it (...)"): the same seconds may be sized differently (ROLLOUT_MIN_S)."""
+    if len(set(budgets)) == 1:
+        return budgets[0]
+    return "; ".join(f"{w}: {b}" for w, b in zip(who, budgets))
 
 
 def lost_line(lost: dict[int, str | None]) -> str:
@@ -393,8 +437,15 @@ class ActorGroup:
         self, refs: list, who: list[str], call: str, timeout_s: float, budget: str = "", fix: str = ""
     ) -> list:
         """get_within with the run's --deadline-factor (named as `option` names it)."""
+        return self.wait_each(refs, who, call, [(timeout_s, budget)] * len(refs), fix)
+
+    def wait_each(
+        self, refs: list, who: list[str], call: str, deadlines: list[tuple[float, str]], fix: str = "",
+        tolerate: tuple = (),
+    ) -> list:  # fmt: skip
+        """get_each_within with the run's --deadline-factor (named as `option` names it)."""
         factor, flag = self.cfg.layout.deadline_factor, self.option("deadline_factor")
-        return get_within(refs, who, call, timeout_s, budget, fix, factor, flag)
+        return get_each_within(refs, who, call, deadlines, fix, factor, flag, tolerate)
 
     def check_layout(self) -> Capacity:
         """Refuse, before any actor starts, a placement group no node type of the cluster can ever hold
@@ -474,17 +525,19 @@ class ActorGroup:
         if t.weight_sync == "collective":
             create_collective_group(self.learners[0], self.rollouts, self.backend, self.group_name)
 
-    def rebuild_collective_group(self, deadline: tuple[float, str], fix: str = "") -> None:
+    def rebuild_collective_group(self, deadlines: list[tuple[float, str]], fix: str = "") -> None:
         """Declare the broadcast group again with the current actor processes (after a rollout actor
         restarted): every member leaves the old group, the new one has the next generation's name. Every
         actor must be alive (a restarting one: ActorUnavailableError, for the caller to retry).
 
-        Raises ActorTimeout naming the members that did not leave within `deadline` (seconds, how sized:
-        sync_deadline) x --deadline-factor."""
+        Raises ActorTimeout naming the members that did not leave within their deadline x --deadline-factor
+        (wait_each; deadlines[i]: rollout actor i's, seconds and how sized: sync_deadline; learner 0's the
+        longest of them)."""
         members = [self.learners[0], *self.rollouts]
         who = ["learner 0", *(f"rollout actor {i}" for i in range(len(self.rollouts)))]
         refs = [a.leave_collective.remote(self.group_name) for a in members]
-        self.wait_for(refs, who, "leave_collective (the broadcast group's rebuild)", *deadline, fix)
+        call = "leave_collective (the broadcast group's rebuild)"
+        self.wait_each(refs, who, call, [max(deadlines), *deadlines], fix)
         forget_group(self.group_name)
         self.generation += 1
         create_collective_group(self.learners[0], self.rollouts, self.backend, self.group_name)

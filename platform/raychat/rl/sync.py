@@ -14,8 +14,9 @@ within --max-failures (raychat.rl.loop).
 Deadline: every part of a sync is waited for raychat.rl.actors.sync_deadline: the weights' bytes at a floor rate
 plus a base, and for a rollout actor's part the deadline of the chunks issued to it before it and not yet
 collected (`ahead`, the dispatcher's: in async mode acks queue behind the rollouts in flight; in collective mode
-the learner's broadcast waits for its slowest receiver). Past it, ActorTimeout: the run restarts its actor group
-within --max-failures.
+the learner's broadcast waits for its slowest receiver). The parts are waited for together, each for its own
+deadline from the same start (raychat.rl.actors.get_each_within): past the first, ActorTimeout names every actor
+late then, and the run restarts its actor group within --max-failures.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.log import log
@@ -31,6 +33,8 @@ from raychat.rl.weights import check_acks
 
 WEIGHT_SYNCS = ("object_store", "collective")  # --weight-sync: one ray.put every rollout reads | a broadcast
 FIX = "see what its process does (py-spy dump: a hung object store or collective, a stuck device or node)"
+# an actor's death (or restart) during a sync: re-synced after it (_acks), or by the dispatcher (drain)
+LOST = (RayActorError, ActorUnavailableError)
 
 
 class WeightSync:
@@ -60,7 +64,9 @@ class WeightSync:
         if self.mode == "collective":
             return self._broadcast(version, t0)
         alone = sync_deadline(self.actors.weight_bytes)  # the learner is idle: nothing queued before it
-        published = self._get(learner.publish.remote(), "learner 0", "Learner.publish", version, alone)
+        [published] = self._parts(
+            [learner.publish.remote()], ["learner 0"], "Learner.publish", version, [alone]
+        )
         self.refs, self.digest, put_s = published
         deadlines = self.deadlines()  # the chunks issued before the acks, still on their actors
         acks = [w.set_weights.remote(self.refs, version) for w in rollouts]
@@ -79,44 +85,45 @@ class WeightSync:
         ]
 
     def _broadcast(self, version: int, t0: float) -> dict:
+        """Learner 0's broadcast and every rollout actor's receive, waited for together (_parts): each receiver
+        for its deadline, the sender, which waits for every receiver, for the slowest's."""
         name, deadlines = self.actors.group_name, self.deadlines()
-        sent = self.actors.learners[0].broadcast.remote(name)
-        acks = [w.receive_broadcast.remote(name, version) for w in self.actors.rollouts]
-        slowest = max(deadlines)  # the sender waits for every receiver
-        s = self._get(sent, "learner 0", "Learner.broadcast", version, slowest)
+        refs = [self.actors.learners[0].broadcast.remote(name)]
+        refs += [w.receive_broadcast.remote(name, version) for w in self.actors.rollouts]
+        method = "Learner.broadcast / RolloutActor.receive_broadcast"
+        s, *got = self._parts(
+            refs, ["learner 0", *self._names()], method, version, [max(deadlines), *deadlines]
+        )
         self.digest = s["hash"]
-        got = [self._get(a, f"rollout actor {w}", "RolloutActor.receive_broadcast", version, deadlines[w])
-               for w, a in enumerate(acks)]  # fmt: skip
         return _checked(got, s["hash"], version, s["put_s"], time.perf_counter() - t0)
 
+    def _names(self) -> list[str]:
+        return [f"rollout actor {w}" for w in range(len(self.actors.rollouts))]
+
     def _acks(self, acks: list, deadlines: list[tuple[float, str]], version: int) -> list[dict]:
-        """Acks of set_weights (acks[w]: rollout actor w's, waited for deadlines[w]); an actor that died
-        meanwhile is waited for (restart) and re-synced."""
-        out = []
-        for w, ref in enumerate(acks):
-            try:
-                out.append(
-                    self._get(ref, f"rollout actor {w}", "RolloutActor.set_weights", version, deadlines[w])
-                )
-            except (RayActorError, ActorUnavailableError):
-                self.restarts += 1
-                self.log(f"rollout actor {w} died during weight sync; re-syncing after its restart")
-                if not self.resync(w, version):
-                    raise ActorsLost(f"rollout actor {w} is dead (out of --max-restarts)") from None
-                [info] = get_within([self.actors.rollouts[w].info.remote()], [f"rollout actor {w}"],
-                                    "RolloutActor.info (after its re-sync)", PING_S, fix=FIX)  # fmt: skip
-                out.append(info | {"apply_s": 0.0})
+        """Acks of set_weights (acks[w]: rollout actor w's, waited for deadlines[w], all together: _parts); an
+        actor that died meanwhile is waited for (restart) and re-synced once the others' acks are in."""
+        out = self._parts(acks, self._names(), "RolloutActor.set_weights", version, deadlines, LOST)
+        for w, ack in enumerate(out):
+            if not isinstance(ack, LOST):
+                continue
+            self.restarts += 1
+            self.log(f"rollout actor {w} died during weight sync; re-syncing after its restart")
+            if not self.resync(w, version):
+                raise ActorsLost(f"rollout actor {w} is dead (out of --max-restarts)") from None
+            [info] = get_within([self.actors.rollouts[w].info.remote()], [f"rollout actor {w}"],
+                                "RolloutActor.info (after its re-sync)", PING_S, fix=FIX)  # fmt: skip
+            out[w] = info | {"apply_s": 0.0}
         return out
 
     def drain(self) -> dict | None:
-        """Check the acks of non-blocking publishes; returns the last SyncResult (None if none)."""
+        """Check the acks of non-blocking publishes (each publish's waited for together: _parts); returns the
+        last SyncResult (None if none)."""
         last = None
         while self.pending:
             acks, deadlines, digest, version, put_s, t0 = self.pending.popleft()
-            try:
-                got = [self._get(a, f"rollout actor {w}", "RolloutActor.set_weights", version, deadlines[w])
-                       for w, a in enumerate(acks)]  # fmt: skip
-            except (RayActorError, ActorUnavailableError):
+            got = self._parts(acks, self._names(), "RolloutActor.set_weights", version, deadlines, LOST)
+            if any(isinstance(ack, LOST) for ack in got):
                 continue  # an actor restarted; it is re-synced when its chunk is re-issued
             last = _checked(got, digest, version, put_s, time.perf_counter() - t0)
         return last
@@ -130,14 +137,14 @@ class WeightSync:
         while True:
             try:
                 if self.mode == "collective":
-                    self.actors.rebuild_collective_group(max(self.deadlines()), FIX)
+                    self.actors.rebuild_collective_group(self.deadlines(), FIX)
                     return self._broadcast(version, time.perf_counter())["version"] == version
-                ack = self._get(
-                    self.actors.rollouts[w].set_weights.remote(self.refs, version),
-                    f"rollout actor {w}",
+                [ack] = self._parts(
+                    [self.actors.rollouts[w].set_weights.remote(self.refs, version)],
+                    [f"rollout actor {w}"],
                     "RolloutActor.set_weights",
                     version,
-                    self.deadlines()[w],
+                    [self.deadlines()[w]],
                 )
                 return ack["version"] == version and ack["hash"] == self.digest
             except ActorUnavailableError:
@@ -147,22 +154,41 @@ class WeightSync:
             except RayActorError:
                 return False
 
-    def _get(self, ref, who: str, method: str, version: int, deadline: tuple[float, str]):
-        """The result of `who`'s part (`method`) of the weight sync to `version`, waited for `deadline` (seconds,
-        how sized: sync_deadline) x --deadline-factor (ActorGroup.wait_for); its own error (a Ray task error) is
-        StepFailed naming it, restart set. Its death propagates (RayActorError), for the caller to recover.
+    def _parts(
+        self, refs: list, who: list[str], method: str, version: int, deadlines: list[tuple[float, str]],
+        tolerate: tuple = (),
+    ) -> list:  # fmt: skip
+        """The results of the parts (`method`) of the weight sync to `version`, refs[i] on the actor named who[i],
+        waited for together, each for deadlines[i] (seconds, how sized: sync_deadline) x --deadline-factor from
+        the same start (ActorGroup.wait_each). An actor's own error (a Ray task error) is StepFailed naming it,
+        restart set, as soon as it is found; its death is returned in its result's place when of a type in
+        `tolerate` (LOST), else propagates (RayActorError), for the caller to recover.
 
-        Raises ActorTimeout naming it past the deadline."""
+        Raises ActorTimeout naming, past the first deadline, every actor then late (get_each_within)."""
         call = f"{method} (the weight sync to version {version})"
         try:
-            return self.actors.wait_for([ref], [who], call, *deadline, FIX)[0]
+            return self.actors.wait_each(refs, who, call, deadlines, FIX, tolerate)
         except RayTaskError as e:
             raise StepFailed(
-                f"the weight sync to version {version} failed in {who}",
+                f"the weight sync to version {version} failed in {_raiser(refs, who)}",
                 getattr(e, "cause", None) or e,
                 e,
                 restart=True,
             ) from e
+
+
+def _raiser(refs: list, who: list[str]) -> str:
+    """The name (who[i]) of the first actor whose finished call refs[i] raised a Ray task error (one did)."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    for ref, name in zip(refs, who):
+        if ref in done:
+            try:
+                ray.get(ref)
+            except RayTaskError:
+                return name
+            except RayActorError:
+                pass
+    return "an actor of the weight sync"
 
 
 def _checked(acks: list[dict], digest: str, version: int, put_s: float, wall_s: float) -> dict:

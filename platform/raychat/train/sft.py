@@ -15,7 +15,7 @@ from pathlib import Path
 
 from raychat.checkpoint import read_meta
 from raychat.config import SFT_DEFAULTS, ConfigError, TrainConfig, from_dict
-from raychat.config.schema import shown
+from raychat.config.schema import flag_name, shown
 from raychat.data.loader.sft_rows import RowFit, SFTRows, none_fits, row_fit, validation_rows
 from raychat.log import log, plural
 from raychat.model import ModelConfig
@@ -111,20 +111,25 @@ def sft_defaults() -> TrainConfig:
     return from_dict(TrainConfig, SFT_DEFAULTS)
 
 
-def load_init_tokenizer(tokenizer_path: str, init_from: str) -> Tokenizer:
-    """The tokenizer at --tokenizer-path. Raises FileNotFoundError when there is none, naming the flag and the
+def load_init_tokenizer(tokenizer_path: str, init_from: str, flags: Flags = COMMANDS) -> Tokenizer:
+    """The tokenizer at --tokenizer-path. Raises FileNotFoundError when there is none, naming the option and the
     tokenizer that always fits: the --init-from checkpoint's own copy (its directory; a remote checkpoint's
-    tokenizer.json copied here) rather than a new one (`raychat tokenizer train` makes another vocabulary)."""
+    tokenizer.json copied here) rather than a new one (`raychat tokenizer train` makes another vocabulary); the
+    options named as `flags` names them (the speedrun, whose --out lays out the tokenizer's directory: its
+    tokenizer.json copied to `tokenizer_path`)."""
     try:
         return Tokenizer.load(tokenizer_path)
     except FileNotFoundError:
-        copy = (
-            f"its copy: --tokenizer-path {init_from}"
-            if "://" not in init_from
-            else "a local copy of its tokenizer.json"
-        )
+        tok, start = flags.option("tokenizer_path"), flags.option("init_from")
+        checkpoint = f"the {start} checkpoint" if start.startswith("--") else start
+        if tok != flag_name("tokenizer_path"):  # an option that lays the path out (the speedrun's --out)
+            copy = f"its tokenizer.json copied to {tokenizer_path}"
+        elif "://" in init_from:
+            copy = "a local copy of its tokenizer.json"
+        else:
+            copy = f"its copy: {tok} {init_from}"
         raise FileNotFoundError(
-            f"--tokenizer-path: no tokenizer at {tokenizer_path}: give the --init-from checkpoint's tokenizer, {copy}"
+            f"{tok}: no tokenizer at {tokenizer_path}: give {checkpoint}'s tokenizer, {copy}"
         ) from None
 
 
@@ -155,7 +160,7 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
     if own := spec.own_data(cfg):
         log(sft_data_line(cfg, own))
     paths = resolve_paths(cfg, writable=False)
-    tokenizer = load_init_tokenizer(paths.tokenizer_path, paths.init_from)
+    tokenizer = load_init_tokenizer(paths.tokenizer_path, paths.init_from, flags)
     own_fit = own_row_fit(cfg, tokenizer, own)
     check_training_rows(cfg, tokenizer, paths.init_from, own_fit)
     check_own_rows(cfg, tokenizer, paths.init_from, own_fit, flags)
