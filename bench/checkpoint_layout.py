@@ -29,7 +29,6 @@ import inspect
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import time
 from pathlib import Path
 
 from _common import append_result, command_line, machine, uptime
+
+from raychat.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,17 +131,11 @@ def run_rank(args) -> None:
 
 
 # ---- the driver ------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(layout: str, platform_dir: Path, args, work: Path, tokenizer: Path) -> dict:
     """One save + restore of `layout` on args.workers rank processes; the directory's files and sizes."""
     d = work / f"ckpt_{layout}"
     shutil.rmtree(d, ignore_errors=True)
-    port = free_port()
+    (port,) = free_ports(1)
     env = {
         **os.environ,
         "PYTHONPATH": str(platform_dir),

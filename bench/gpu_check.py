@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +43,7 @@ from raychat.checkpoint import save_model
 from raychat.config.train import OptimSection
 from raychat.engine.runner import ModelRunner
 from raychat.model import GPT, ModelConfig
+from raychat.ports import free_ports
 from raychat.train.fp8 import convert_to_fp8
 from raychat.train.optim import build_optimizers
 from raychat.train.trainer import PEAK_FLOPS
@@ -122,26 +121,12 @@ def vllm_decode(c: dict, tok) -> dict:
     return {str(k): round(v, 1) for k, v in vllm_tps(tok, c["depth"], args).items()}
 
 
-def free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range (32768-60999 on Linux by default) and above Ray's
-    worker ports: `raychat serve`'s own ray.init takes dozens of ephemeral ports before Serve binds this one,
-    and a port the kernel handed out here could be among them."""
-    while True:
-        port = random.randint(20000, 32767)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-
-
 def serve_streams(c: dict, checkpoint: Path, log: Path) -> dict:
     """`raychat serve --checkpoint DIR --num-gpus N` on a local Ray, then c["streams"] concurrent streams."""
     import openai
     import requests
 
-    port = free_port()
+    (port,) = free_ports(1)
     cmd = [sys.executable, "-m", "raychat.cli", "serve", "--checkpoint", str(checkpoint), "--port", str(port),
            "--num-gpus", str(c["serve_gpus"]), "--max-slots", str(c["streams"]), "--num-cpus", "1"]  # fmt: skip
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}

@@ -14,7 +14,7 @@ OUT=${1:-bench/results/serve_hostile_soak_gpu.md}
 PY=${PY:-.venv/bin/python}
 WORK=$(mktemp -d /tmp/rc-gpu-XXXXXX)
 export RAY_TMPDIR=$WORK/ray RAY_AUTH_MODE=disabled
-PORT=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+PORT=$($PY -c 'from raychat.ports import free_ports; print(free_ports(1)[0])')
 URL=http://127.0.0.1:$PORT
 SERVER=
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from _common import append_result, command_line, machine, uptime
 from raychat.loss import cross_entropy_sum, normalize
 from raychat.masks import make_batch
 from raychat.model import GPT, ModelConfig
+from raychat.ports import free_ports
 from raychat.train.muon import Muon
 from raychat.train.optim import muon_ns_choice, split_parameters
 
@@ -94,9 +94,7 @@ def muon_times(args, device: torch.device) -> str:
         f"| forward+backward, {args.rows} x {args.seq_len} tokens | {1e3 * timed(fwd_bwd, device, args.steps):.2f} |"
     ]
     backend = "nccl" if device.type == "cuda" else "gloo"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (port,) = free_ports(1)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         for name, (cls, dtype, shard) in VARIANTS.items():

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import socket
 import statistics
 import time
 
@@ -40,6 +39,7 @@ from raychat.config import TrainConfig, from_dict
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.masks import make_batch
 from raychat.model import GPT, ModelConfig
+from raychat.ports import free_ports
 from raychat.train.optim import build_optimizers, muon_ns_choice
 
 CFG = TrainConfig().optim  # the preset's learning rates (cpu.yaml keeps TrainConfig's optimizer defaults)
@@ -126,12 +126,6 @@ def run_variants(variants: list[str], steps: int, rank: int = 0, world: int = 1)
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank, world, port, variants, steps, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -196,7 +190,7 @@ def main() -> None:
     variants = [base, "ours fp32 unsharded", "ours fp32 sharded", f"{auto} sharded"]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_rank, args=(2, _free_port(), variants, args.steps, out), nprocs=2, join=True)
+        mp.spawn(_rank, args=(2, free_ports(1)[0], variants, args.steps, out), nprocs=2, join=True)
         two = dict(out)["result"]
     w = two["weights"]
     sharding_diff = max(

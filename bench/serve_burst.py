@@ -37,7 +37,9 @@ import aiohttp
 import httpx
 import psutil
 from _common import machine, uptime
-from serve_load import free_port, percentile, tiny_checkpoint
+from serve_load import percentile, tiny_checkpoint
+
+from raychat.ports import free_ports
 
 REFUSED = (429, 503)
 
@@ -157,7 +159,7 @@ def main() -> int:
         return 0
 
     ckpt = a.checkpoint or str(tiny_checkpoint(Path(tempfile.mkdtemp(prefix="raychat-burst-")), a.depth))
-    port = free_port()
+    (port,) = free_ports(1)
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, __file__, "--serve", str(port), "--checkpoint", ckpt,
             "--max-slots", str(a.max_slots), "--max-pending", str(a.max_pending)]  # fmt: skip

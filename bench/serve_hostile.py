@@ -36,7 +36,9 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-from serve_load import deploy, free_port, percentile, tiny_checkpoint
+from serve_load import deploy, percentile, tiny_checkpoint
+
+from raychat.ports import free_ports
 
 KINDS = ("tiny_temperature", "huge_max_tokens", "invalid_utf8", "disconnect", "oversized")
 EXPECTED = {"tiny_temperature": "200", "huge_max_tokens": "400", "invalid_utf8": "400", "disconnect": "dropped",
@@ -194,7 +196,7 @@ def main() -> int:
 
         ckpt = a.checkpoint or str(tiny_checkpoint(Path(tempfile.mkdtemp(prefix="raychat-bench-")), a.depth))
         ray.init(include_dashboard=False, log_to_driver=False)
-        port = free_port()
+        (port,) = free_ports(1)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
         deploy(ckpt, a.max_slots, a.num_cpus, None, 4, True)

@@ -29,7 +29,6 @@ import itertools
 import json
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from pathlib import Path
 import httpx
 
 from raychat.config import ServeConfig
+from raychat.ports import free_ports
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -119,12 +119,6 @@ async def run_level(url: str, concurrency: int, duration_s: float, max_tokens: i
         "itl_p99_ms": 1000 * percentile(gaps, 99),
         "itl_mean_ms": 1000 * statistics.fmean(gaps),
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_checkpoint(directory: Path, depth: int) -> Path:
@@ -227,7 +221,7 @@ def main() -> int:
 
     ckpt = a.checkpoint or str(tiny_checkpoint(Path(tempfile.mkdtemp(prefix="raychat-bench-")), a.depth))
     ray.init(include_dashboard=False, log_to_driver=False)
-    port = free_port()
+    (port,) = free_ports(1)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     report = [f"command: `python {' '.join(sys.argv)}`", f"machine: {os.cpu_count()} CPUs, torch CPU; checkpoint: {a.checkpoint or f'random depth {a.depth}'}",

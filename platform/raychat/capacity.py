@@ -27,8 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
-import socket
 import sys
 import threading
 import time
@@ -42,6 +40,8 @@ from ray._raylet import GcsClient
 from ray.autoscaler._private.util import format_readonly_node_type
 from ray.core.generated import autoscaler_pb2
 from ray.experimental.internal_kv import _internal_kv_get
+
+from raychat.ports import free_ports
 
 AUTOSCALER_STATUS_KEY = "__autoscaling_status"  # ray._private.ray_constants.DEBUG_AUTOSCALING_STATUS
 WAIT_REPORT_EVERY_S = 10.0  # how often a run that waits for nodes says so
@@ -225,9 +225,6 @@ def start_local_cluster(address: str | None = "local", **init_kwargs) -> None:
 
 # Ray 2.60 reads the GCS port of a head it starts from this variable (ray/_private/node.py; 0 or unset: any port)
 GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"
-# a `ray start` node's worker ports are 10002-19999 (its --min/--max-worker-port defaults; a ray.init node's
-# workers take ephemeral ports): the GCS port is chosen above them, below the ephemeral range (free_port)
-GCS_PORT_LOW = 20000
 # what Ray's state API (ray.util.state with no address) reads before RAY_ADDRESS (ray.dashboard.utils
 # get_address_for_submission_client): a dashboard URL, such as one a user sets for `raychat submit`
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
@@ -236,8 +233,8 @@ API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
 @contextmanager
 def own_address():
     """Within: RAY_ADDRESS=127.0.0.1:<port> and RAY_GCS_SERVER_PORT=<port> in this process's environment (the
-    user's RAY_GCS_SERVER_PORT if set, else free_port()) and no RAY_API_SERVER_ADDRESS, all three as they were
-    again on the way out. A local ray.init(address="local") within binds its GCS to that port, and every
+    user's RAY_GCS_SERVER_PORT if set, else a free one below the ephemeral range: raychat.ports.free_ports) and
+    no RAY_API_SERVER_ADDRESS, all three as they were again on the way out. A local ray.init(address="local") within binds its GCS to that port, and every
     process of that cluster (the raylet, and from it each worker and actor) inherits that environment for its
     life. Ray code that looks the address up instead of using its connection then finds this cluster even with
     others on the machine; Ray Train's PlacementGroupCleaner actor (ray.util.state.get_actor(address=None))
@@ -247,7 +244,7 @@ def own_address():
     actor: "dead", so the running run's placement group removed; or an error, so never removed). Ray resolves
     127.0.0.1 to the node's IP. This process keeps no RAY_ADDRESS: its next run, after ray.shutdown, starts a
     cluster again."""
-    port = int(os.environ.get(GCS_PORT_ENV) or 0) or free_port()
+    port = int(os.environ.get(GCS_PORT_ENV) or 0) or free_ports(1)[0]
     saved = {name: os.environ.get(name) for name in ("RAY_ADDRESS", GCS_PORT_ENV, API_SERVER_ENV)}
     os.environ.pop(API_SERVER_ENV, None)
     os.environ.update(RAY_ADDRESS=f"127.0.0.1:{port}", **{GCS_PORT_ENV: str(port)})
@@ -259,32 +256,6 @@ def own_address():
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def free_port() -> int:
-    """A TCP port nothing on this machine listens on now, from GCS_PORT_LOW up to below the kernel's ephemeral
-    range (/proc/sys/net/ipv4/ip_local_port_range): a starting Ray instance binds dozens of ephemeral ports,
-    and one chosen there could be taken before the GCS binds it; below it, a port is only taken by number.
-
-    Raises:
-        OSError: no free port found in 200 tries.
-    """
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            high = int(f.read().split()[0]) - 1
-    except (OSError, ValueError, IndexError):
-        high = 32767
-    high = max(high, GCS_PORT_LOW + 1000)
-    pick = random.SystemRandom()  # not the module's generator, which a seeded run would make repeat
-    for _ in range(200):
-        port = pick.randint(GCS_PORT_LOW, high)
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-        return port
-    raise OSError(f"no free TCP port for the local Ray cluster's GCS in {GCS_PORT_LOW}-{high}")
 
 
 def local_cluster_running() -> bool:

@@ -8,6 +8,7 @@ import argparse
 import ipaddress
 import re
 
+from raychat.cli_parser import OneLineParser
 from raychat.config import (
     SFT_DEFAULTS,
     ChatConfig,
@@ -302,10 +303,10 @@ def image_ref(text: str) -> str:
     return text
 
 
-class _Refusing:
-    """Mixed into the class of the parser that reads a submitted stage (StageArgs: raychat.cli's OneLineParser,
-    so whole flag names only and the same "did you mean" hints as the stage's own command line): an error
-    raises ValueError(message)."""
+class RefusingParser(OneLineParser):
+    """The parser that reads a submitted stage's words (StageArgs): the stage's own command line's rules (whole
+    flag names only, the same "did you mean" hints), but an error raises ValueError(message) instead of exiting,
+    so that StageArgs names the stage in its line."""
 
     def error(self, message: str):
         raise ValueError(message)
@@ -402,7 +403,7 @@ class StageArgs(argparse.Action):
         setattr(namespace, self.dest, words)
         if stage not in PARSERS or {"-h", "--help"} & set(words):
             return
-        check = type("Refusing", (_Refusing, type(parser)), {})(prog="raychat")
+        check = RefusingParser(prog="raychat")
         PARSERS[stage](check.add_subparsers(dest="command"))
         try:
             args = check.parse_args([stage, *words])

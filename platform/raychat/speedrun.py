@@ -501,7 +501,7 @@ def speedrun_flags(preset: str, stage: str) -> Flags:
     OUT_OPTIONS, the checkpoint SFT and RL start from as in STARTS_FROM, any other option by the key of `preset`
     that sets it, <section>.<key> ("train.depth", "sft.num_iterations", "rl.steps"; SFT's settings are the train
     section's with its own section's over them); another run is another --out, and this one resumes with the
-    same --preset."""
+    same --preset; OUT_OPTIONS are laid out (Flags.laid_out)."""
     section = {"pretrain": "train", "rl": "rl"}.get(stage, "sft")
     own = preset_section(preset, "sft") if stage == "sft" else {}
 
@@ -514,7 +514,7 @@ def speedrun_flags(preset: str, stage: str) -> Flags:
             return OUT_OPTIONS[name]
         return f"{'train' if stage == 'sft' and name not in own else section}.{name}"
 
-    return Flags(option, OTHER_OUT, "the same --preset")
+    return Flags(option, OTHER_OUT, "the same --preset", laid_out=frozenset(OUT_OPTIONS))
 
 
 _FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")

@@ -34,12 +34,13 @@ from support.autoscaler import (
     scaled_node_types,
     shipped_node_types,
 )
-from support.cluster import VENV_BIN, free_ports, short_temp_dir
+from support.cluster import VENV_BIN, short_temp_dir
 from support.rl_fixtures import tiny_checkpoint
 from support.serve_helpers import write_tiny_checkpoint
 from support.stage_chain import submit
 
 from raychat.checkpoint_manager import find_checkpoint
+from raychat.ports import free_ports
 
 IDLE_TIMEOUT_MIN = 0.1  # 6 s: a node idle this long is removed (the shipped clusters: 10 min / 60 s)
 CHAT_YAML = Path(__file__).resolve().parents[2] / "serve" / "chat.yaml"

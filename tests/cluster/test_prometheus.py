@@ -26,11 +26,11 @@ import openai
 import pytest
 import ray
 from ray import serve
-from support.cluster import free_ports
 from support.prometheus import start_prometheus
 
 from raychat.config import ServeConfig, from_dict
 from raychat.ops.grafana import build_dashboard
+from raychat.ports import free_ports
 from raychat.serve.cli import start
 
 pytestmark = pytest.mark.ray

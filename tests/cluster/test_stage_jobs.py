@@ -31,12 +31,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from ray.util.state import list_actors
 from safetensors.torch import load_file
-from support.cluster import VENV_BIN, free_ports
+from support.cluster import VENV_BIN
 from support.stage_chain import RAYCHAT, REPO, run_chain, submit
 
 from raychat.checkpoint import load_rank_states
 from raychat.checkpoint_manager import find_checkpoint, resolve_checkpoint
 from raychat.ops import k8s
+from raychat.ports import free_ports
 from raychat.storage import open_storage, read_bytes
 from raychat.tokenizer import Tokenizer
 

@@ -6,10 +6,11 @@ import time
 import urllib.request
 
 import pytest
-from support.cluster import free_ports, init_local_ray
+from support.cluster import init_local_ray
 
 from raychat import metrics
 from raychat.metrics import RLMetrics, ServeMetrics, TrainMetrics
+from raychat.ports import free_ports
 from raychat.rl.loop import rl_gauges
 
 

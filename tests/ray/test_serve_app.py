@@ -167,16 +167,16 @@ def test_num_gpus_reaches_the_replica_options_and_its_device(tmp_path, monkeypat
 def test_serve_refuses_gpus_this_machine_does_not_have(tmp_path, capsys, monkeypatch):
     import ray
     from support.serve_helpers import write_tiny_checkpoint
-    from support.serve_process import free_port
 
     from raychat.cli import main
+    from raychat.ports import free_ports
 
     if ray.is_initialized() or torch.cuda.is_available():
         pytest.skip("needs to start its own local cluster, on a machine without a GPU")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     ckpt = write_tiny_checkpoint(tmp_path)
     # a free --port: a busy one (8000, another server's) is refused first, before Ray starts
-    assert main(["serve", "--checkpoint", str(ckpt), "--num-gpus", "1", "--port", str(free_port())]) == 2
+    assert main(["serve", "--checkpoint", str(ckpt), "--num-gpus", "1", "--port", str(free_ports(1)[0])]) == 2
     err = capsys.readouterr().err
     assert "--num-gpus 1 = 1 GPUs, but this machine's Ray cluster has 0" in err
     assert not ray.is_initialized()

@@ -23,9 +23,9 @@ from fastapi.testclient import TestClient
 from ray.serve.exceptions import BackPressureError
 from support.cluster import init_local_ray
 from support.serve_helpers import HELLO, FakeEngine, write_tiny_checkpoint
-from support.serve_process import free_port
 
 import raychat.serve.app as serve_app
+from raychat.ports import free_ports
 from raychat.serve.ingress import LocalClient, create_app
 from raychat.serve.server import ChatServer
 from raychat.serve.sse import parse_sse
@@ -255,7 +255,7 @@ def test_serve_refuses_a_burst_beyond_its_queue_with_429(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", max_seq_len=4096)
     init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        port = free_port()
+        port = free_ports(1)[0]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = {"checkpoint": str(ckpt), "max_slots": 1, "max_ongoing_requests": 1, "max_queued_requests": 1,
                 "num_cpus": 0.5, "torch_threads": 1, "retry_after_s": 2, "model_id": "tiny",

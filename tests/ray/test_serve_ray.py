@@ -14,12 +14,12 @@ import pytest
 import requests
 from support.cluster import init_local_ray
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
-from support.serve_process import free_port
 from support.stopped_writer import age
 
 from raychat.chat.turn import turn_parts
 from raychat.chat_template import TEMPLATE_VERSION, render_for_completion
 from raychat.engine import ModelRunner
+from raychat.ports import free_ports
 from raychat.serve.sse import parse_sse
 
 pytestmark = pytest.mark.ray
@@ -44,7 +44,7 @@ def served(tmp_path_factory):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-    port = free_port()
+    port = free_ports(1)[0]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = build_app(
         {

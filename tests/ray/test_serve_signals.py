@@ -20,8 +20,9 @@ from pathlib import Path
 
 from support.cluster import RAY_STARTUP_WAIT, _kill_leftovers
 from support.serve_helpers import write_tiny_checkpoint
-from support.serve_process import free_port
 from support.signalled import signalled, wait_ray_starting
+
+from raychat.ports import free_ports
 
 # "ready" is printed by _block's first sleep, after _block installed its handler: printed before _block, a
 # SIGTERM could come first and meet the core worker's native handler (abort, exit -6)
@@ -46,7 +47,7 @@ def test_serve_ends_on_sigterm_as_on_ctrl_c_with_one_line(tmp_path):
     exit 0, with every process of its Ray gone (it hung: Ray's handler raised SystemExit within ray.init)."""
     checkpoint = write_tiny_checkpoint(tmp_path / "ckpt")
     command = [sys.executable, "-m", "raychat.cli", "serve", "--checkpoint", str(checkpoint)]
-    out, code, left = signalled(command + ["--port", str(free_port())], wait_ray_starting)
+    out, code, left = signalled(command + ["--port", str(free_ports(1)[0])], wait_ray_starting)
     assert code == 0, out
     assert "Traceback" not in out and "SIGTERM received" not in out, out
     assert (
@@ -54,7 +55,7 @@ def test_serve_ends_on_sigterm_as_on_ctrl_c_with_one_line(tmp_path):
     ), out
     assert left == [], out
 
-    port, second = free_port(), []
+    port, second = free_ports(1)[0], []
 
     def ready_then_serve_on_its_port(proc: subprocess.Popen, ray_tmp: str) -> None:
         _wait_ready(proc, ray_tmp)

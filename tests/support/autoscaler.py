@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from raychat.ops import k8s
+from raychat.ports import free_ports
 from support.cluster import (
     HEAD_PORTS,
     NODE_PORTS,
@@ -37,7 +38,6 @@ from support.cluster import (
     Node,
     _end_group,
     _kill_leftovers,
-    free_ports,
     start_with_retry,
 )
 

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,12 +27,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 import ray
+
+from raychat.ports import free_ports
 
 T = TypeVar("T")
 VENV_BIN = Path(sys.executable).parent
@@ -107,39 +106,6 @@ def init_local_ray(**kwargs) -> None:
     """ray.init(**kwargs) of a new local instance, started again (ray.shutdown first) when its node start-up
     timed out (start_with_retry), as the tests' `ray start` nodes are."""
     start_with_retry(lambda: ray.init(**kwargs), ray.shutdown, "local ray.init")
-
-
-def port_range() -> tuple[int, int]:
-    """Where free_ports picks: above Ray's worker ports (10002-19999) and below the kernel's ephemeral range
-    (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by default). The kernel hands out ephemeral ports to
-    every bind to port 0 and outgoing connection, and a starting Ray instance takes dozens: a port chosen
-    there and released can be taken before the service it was chosen for binds it (seen: `raychat serve`
-    "cannot listen on 127.0.0.1:37889 (in use?)" after its own ray.init). Below that range, a port is only
-    ever taken by number."""
-    try:
-        ephemeral_start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_start = 32768
-    return 20000, max(ephemeral_start - 1, 21000)
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct loopback ports that nothing listens on now, from port_range() (the sockets stay open until
-    all are chosen, so none repeats)."""
-    low, high = port_range()
-    ports: list[int] = []
-    with ExitStack() as stack:
-        while len(ports) < n:
-            port = random.randint(low, high)
-            if port in ports:
-                continue
-            s = stack.enter_context(socket.socket())
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            ports.append(port)
-    return ports
 
 
 def short_temp_dir(prefix: str) -> Path:

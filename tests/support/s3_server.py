@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from support.cluster import free_ports
+from raychat.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 MOTO_SERVER = Path(os.environ.get("MOTO_SERVER") or REPO / ".venv" / "s3" / "bin" / "moto_server")

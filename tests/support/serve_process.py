@@ -15,13 +15,8 @@ from pathlib import Path
 
 import requests
 
-from support.cluster import RAY_STARTUP_WAIT, _kill_leftovers, free_ports, remove_sessions, start_with_retry
-
-
-def free_port() -> int:
-    """A port nothing listens on now, outside the kernel's ephemeral range and Ray's default ports
-    (support.cluster.free_ports)."""
-    return free_ports(1)[0]
+from raychat.ports import free_ports
+from support.cluster import RAY_STARTUP_WAIT, _kill_leftovers, remove_sessions, start_with_retry
 
 
 class ServeProcess:
@@ -38,7 +33,7 @@ class ServeProcess:
     """
 
     def __init__(self, checkpoint, args=(), log: Path | None = None, start_timeout_s: float = 240.0):
-        self.port = free_port()
+        (self.port,) = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
         self.ray_tmp = tempfile.mkdtemp(prefix="rcserve-", dir="/tmp")  # short: Ray's socket paths
         self.log_path = Path(log or Path(self.ray_tmp) / "serve.log")

@@ -34,7 +34,6 @@ import ray
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
-from support.cluster import free_ports
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 
 from raychat import checkpoint_manager
@@ -47,6 +46,7 @@ from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.data.loader import sft_rows
 from raychat.lease import RunLease
 from raychat.model import GPT, ModelConfig
+from raychat.ports import free_ports
 from raychat.speedrun import reused_tokenizer_line, speedrun_flags
 from raychat.storage import open_storage
 from raychat.tasks import loaders, spelling

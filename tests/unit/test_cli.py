@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from raychat.cli import COMMANDS, build_parser, did_you_mean, load, main
+from raychat.cli import COMMANDS, build_parser, load, main
+from raychat.cli_parser import did_you_mean
 from raychat.commands import CANARIES, PARSERS, STAGE_CONFIGS
 from raychat.config import ChatConfig, ServeConfig, from_dict
 from raychat.config.schema import flag_name, to_flat
@@ -205,7 +206,7 @@ KNOWN = (
 )  # fmt: skip
 def test_a_mistyped_command_flag_or_value_is_refused_with_the_closest_one(argv, line, capsys):
     """It said only "invalid choice" / "unrecognized arguments"; now its one line ends with the command, flag or
-    value the parser knows that the mistyped one is close to (raychat.cli.did_you_mean), when one is."""
+    value the parser knows that the mistyped one is close to (raychat.cli_parser.did_you_mean), when one is."""
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2

@@ -1,5 +1,4 @@
 import math
-import socket
 
 import pytest
 import torch
@@ -8,6 +7,7 @@ import torch.multiprocessing as mp
 
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.model import GPT, ModelConfig
+from raychat.ports import free_ports
 
 
 def test_cross_entropy_sum_hand_values():
@@ -103,12 +103,6 @@ def test_grad_accumulation_1_vs_4_is_identical():
     assert abs(sum(s.item() / k.item() for s, k in means) / 4 - full_loss) > 1e-2
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_worker(rank, world, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -133,7 +127,7 @@ def test_one_rank_vs_two_ranks_is_identical():
 
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_rank_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+        mp.spawn(_rank_worker, args=(2, free_ports(1)[0], out), nprocs=2, join=True)
         results = dict(out)
     assert results[0]["n"] == results[1]["n"] == 14
     for r in (0, 1):

@@ -3,13 +3,13 @@ same update as torch's (bit for bit in bf16, and in fp32 with torch's bf16 cast 
 values that the quintic predicts, the sharded update on 2 gloo ranks equal to the unsharded one."""
 
 import io
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from raychat.ports import free_ports
 from raychat.train.muon import (
     NS_COEFFICIENTS,
     Muon,
@@ -204,12 +204,6 @@ class _CountingMuon(Muon):
         return super()._orthogonalize(group, u)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 DTYPE_CASES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]  # (rank 0's, rank 1's)
 
 
@@ -238,7 +232,7 @@ def test_sharded_update_equals_unsharded_on_two_gloo_ranks():
     unsharded Muon. With a different ns_dtype per rank, rank 0's wins on both."""
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_sharded_rank, args=(2, _free_port(), out), nprocs=2, join=True)
+        mp.spawn(_sharded_rank, args=(2, free_ports(1)[0], out), nprocs=2, join=True)
         results = dict(out)
     owners = assign_owners(SHAPES, 2)
     assert 0 < owners.count(0) < len(SHAPES)

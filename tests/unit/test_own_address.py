@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from raychat.capacity import GCS_PORT_LOW, own_address
+from raychat.capacity import own_address
+from raychat.ports import PORT_LOW
 
 
 def test_a_local_cluster_gets_its_own_address_and_no_users_api_server_and_the_environment_comes_back(
@@ -21,7 +22,7 @@ def test_a_local_cluster_gets_its_own_address_and_no_users_api_server_and_the_en
     ephemeral_start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     with pytest.raises(RuntimeError, match="ray.init failed"), own_address():
         port = int(os.environ["RAY_GCS_SERVER_PORT"])
-        assert GCS_PORT_LOW <= port < ephemeral_start
+        assert PORT_LOW <= port < ephemeral_start
         assert os.environ["RAY_ADDRESS"] == f"127.0.0.1:{port}"
         assert "RAY_API_SERVER_ADDRESS" not in os.environ
         raise RuntimeError("ray.init failed")

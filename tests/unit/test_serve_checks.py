@@ -15,11 +15,11 @@ from ray.serve import Application
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.scripts import convert_args_to_dict
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
-from support.serve_process import free_port
 
 from raychat import checkpoint_manager
 from raychat.checkpoint import save_model
 from raychat.cli import main
+from raychat.ports import free_ports
 from raychat.serve import cli as serve_cli
 from raychat.serve.app import build_app, pruned_message, serve_config
 from raychat.serve.cli import check_checkpoint, check_port_free
@@ -283,7 +283,7 @@ def _listener(reuse_port: bool) -> socket.socket:
     if reuse_port:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    s.bind(("127.0.0.1", free_port()))
+    s.bind(("127.0.0.1", free_ports(1)[0]))
     s.listen()
     return s
 

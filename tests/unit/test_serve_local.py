@@ -25,6 +25,7 @@ from raychat.chat_template import render_for_completion
 from raychat.checkpoint import load_model
 from raychat.engine import ModelRunner
 from raychat.metrics import ServeMetrics
+from raychat.ports import free_ports
 from raychat.serve.errors import INTERNAL_ERROR
 from raychat.serve.ingress import LocalClient, create_app
 from raychat.serve.server import GAUGE_PERIOD_S, ChatServer, merge_deltas
@@ -166,12 +167,6 @@ def test_a_failing_forward_is_a_500_in_the_error_shape_not_a_crash(caplog):
         engine.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _hang_up_after_first_event(engine: ChatServer, port: int, path: str, body: dict) -> float:
     """POST `body` as JSON over a raw socket and close it once the first `data: ` event arrived (a client that
     stops generation; `engine` still serves it then); returns the seconds from sending to that event."""
@@ -209,7 +204,7 @@ def test_disconnect_mid_stream_frees_the_row(real_engine, monkeypatch):
         ServeMetrics, "add_prefix_cache", lambda _self, queries, hits: cache.append((queries, hits))
     )
 
-    port = _free_port()
+    port = free_ports(1)[0]
     server = uvicorn.Server(
         uvicorn.Config(create_app(LocalClient(real_engine)), host="127.0.0.1", port=port, log_level="warning")
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 
 import pytest
 import torch
@@ -14,15 +13,10 @@ import torch.multiprocessing as mp
 
 from raychat.config import from_dict
 from raychat.model import GPT, ModelConfig
+from raychat.ports import free_ports
 from raychat.tokenizer import Tokenizer
 from raychat.train.sft import SFT, sft_defaults
 from raychat.train.validators import AccuracyValidator, BPBValidator, MeanBPBValidator
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def validators(tokenizer, tasks: str, rank: int = 0, world: int = 1):
@@ -117,7 +111,7 @@ def test_validation_bpb_is_over_every_held_out_row_on_two_workers(held_out, smal
     assert max(lengths) < min(lengths) * 2  # a row of max(lengths) tokens holds one conversation, never two
     with mp.Manager() as manager:
         out = manager.dict()
-        args = (_free_port(), str(tmp_path / "tok"), str(tmp_path / "train.jsonl"), max(lengths) - 1, out)
+        args = (free_ports(1)[0], str(tmp_path / "tok"), str(tmp_path / "train.jsonl"), max(lengths) - 1, out)
         mp.spawn(_held_out_rows, args=args, nprocs=2, join=True)
         results = dict(out)
     assert sorted(results[r]["rows"] for r in (0, 1)) == ([0, 1] if held_out == 1 else [1, 2])

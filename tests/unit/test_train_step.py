@@ -7,7 +7,6 @@ on Ray Train, without a retry, is tests/ray/test_train_ray.py's)."""
 
 import contextlib
 import math
-import socket
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from raychat.loss import TokenCrossEntropy, cross_entropy_sum, global_target_count, normalize
 from raychat.masks import make_batch
 from raychat.model import GPT, ModelConfig
+from raychat.ports import free_ports
 from raychat.rl.objective import (
     PolicyGradientLoss,
     collate,
@@ -130,12 +130,6 @@ def test_policy_gradient_equals_the_former_learner_loop_bit_for_bit():
     assert sums.stats[1:] == [12.0, 0.0, 12.0]  # ratios all 1, none clipped, 12 sampled tokens
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, world: int, port: int, out) -> None:
     """Rank `rank` of 2: DDP over its half of the micro-batches of each loss; the gradient all-reduces counted."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -161,7 +155,7 @@ def _rank(rank: int, world: int, port: int, out) -> None:
 def test_two_ddp_ranks_give_the_gradient_of_one_process():
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_rank, args=(2, _free_port(), out), nprocs=2, join=True)
+        mp.spawn(_rank, args=(2, free_ports(1)[0], out), nprocs=2, join=True)
         results = dict(out)
     for name, micro, loss in (("ce", _ce_micro(), TokenCrossEntropy()), ("pg", _pg_micro(1), PG)):
         model = _model()

@@ -17,7 +17,6 @@ rank into the run's CheckpointManager, which the driver commits (raychat.rl.loop
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 
@@ -29,18 +28,13 @@ from torch.nn.parallel import DistributedDataParallel
 from raychat.checkpoint import document_masking, load_model
 from raychat.checkpoint_manager import CheckpointManager, resolve_checkpoint
 from raychat.config import RLConfig, to_dict
+from raychat.ports import free_ports
 from raychat.rl.objective import PolicyGradientLoss, collate
 from raychat.rl.weights import collective_broadcast, leave_collective_group, publish, weights_hash
 from raychat.train.checkpointer import Checkpointer
 from raychat.train.fp8 import convert_to_fp8
 from raychat.train.optim import build_optimizers
 from raychat.train.step import autocast_for, forward_backward, optimizer_step
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class Learner:
@@ -83,7 +77,7 @@ class Learner:
 
     def address(self) -> tuple[str, int]:
         """(node IP, free port) for rank 0's rendezvous."""
-        return (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"), free_port()
+        return (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"), free_ports(1)[0]
 
     def init_group(self, master_addr: str, master_port: int) -> str:
         """Join the learners' torch.distributed group (call on every rank at once when world_size > 1).

@@ -233,14 +233,17 @@ class Flags:
     """How a stage's user-visible lines (refusals to resume, the finished line) name what its user sets.
 
     option: an option's name (a config field: "depth") -> the text naming it ("--depth"); other_run: how to start
-    another run instead ("another --run-name"); same_settings: how to resume this one ("the same settings").
-    COMMANDS: the flags of pretrain, sft and rl; the speedrun's, whose runs go under --out and whose settings
-    come from --preset: raychat.speedrun.speedrun_flags.
+    another run instead ("another --run-name"); same_settings: how to resume this one ("the same settings");
+    laid_out: the options (config fields) whose values another option lays out, which its user cannot give
+    (the speedrun's --out lays out "tokenizer_path", "data_dir", ...). COMMANDS: the flags of pretrain, sft
+    and rl; the speedrun's, whose runs go under --out and whose settings come from --preset:
+    raychat.speedrun.speedrun_flags.
     """
 
     option: Callable[[str], str] = flag_name
     other_run: str = "another --run-name"
     same_settings: str = "the same settings"
+    laid_out: frozenset[str] = frozenset()
 
     @property
     def resume_hint(self) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from raychat.checkpoint import read_meta
 from raychat.config import SFT_DEFAULTS, ConfigError, TrainConfig, from_dict
-from raychat.config.schema import flag_name, shown
+from raychat.config.schema import shown
 from raychat.data.loader.sft_rows import RowFit, SFTRows, none_fits, row_fit, validation_rows
 from raychat.log import log, plural
 from raychat.model import ModelConfig
@@ -115,14 +115,14 @@ def load_init_tokenizer(tokenizer_path: str, init_from: str, flags: Flags = COMM
     """The tokenizer at --tokenizer-path. Raises FileNotFoundError when there is none, naming the option and the
     tokenizer that always fits: the --init-from checkpoint's own copy (its directory; a remote checkpoint's
     tokenizer.json copied here) rather than a new one (`raychat tokenizer train` makes another vocabulary); the
-    options named as `flags` names them (the speedrun, whose --out lays out the tokenizer's directory: its
-    tokenizer.json copied to `tokenizer_path`)."""
+    options named as `flags` names them. Where `flags` lays out tokenizer_path (Flags.laid_out: the speedrun's
+    --out), the fix is the checkpoint's tokenizer.json copied to `tokenizer_path`."""
     try:
         return Tokenizer.load(tokenizer_path)
     except FileNotFoundError:
         tok, start = flags.option("tokenizer_path"), flags.option("init_from")
         checkpoint = f"the {start} checkpoint" if start.startswith("--") else start
-        if tok != flag_name("tokenizer_path"):  # an option that lays the path out (the speedrun's --out)
+        if "tokenizer_path" in flags.laid_out:
             copy = f"its tokenizer.json copied to {tokenizer_path}"
         elif "://" in init_from:
             copy = "a local copy of its tokenizer.json"
