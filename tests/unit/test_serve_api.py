@@ -214,7 +214,7 @@ def test_every_openai_parameter_is_classified():
     }
     ours = set(api.HONOURED) | set(api.NO_EFFECT) | set(api.REFUSED)
     assert ours == openai_params
-    assert set(api.ChatRequest.model_fields) == ours | set(api.EXTENSIONS)
+    assert set(api.ChatRequest.model_fields) == ours | set(api.EXTENSIONS) | set(api.VLLM_CHAT_NOOP)
 
 
 WRONG_TYPES = [
@@ -346,6 +346,7 @@ PROTECTED = [
     ("POST", "/chat/completions", {"messages": USER}),
     ("POST", V1, {"messages": USER}),
     ("GET", "/v1/models", None),
+    ("GET", "/v1/models/tiny", None),
 ]
 
 
@@ -607,6 +608,8 @@ def test_health_and_models_survive_a_failing_engine_client(caplog):
 def test_models_health_page(client):
     card = client.get("/v1/models").json()["data"][0]
     assert card["id"] == "tiny" and card["template_version"] == TEMPLATE_VERSION
+    assert client.get("/v1/models/tiny").json() == card
+    assert client.get("/v1/models/", follow_redirects=False).json() == {"object": "list", "data": [card]}
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["template_version"] == TEMPLATE_VERSION
     page = client.get("/").text

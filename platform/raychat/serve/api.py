@@ -17,6 +17,10 @@ field (e.g. "messages[3].content", "top_logprobs"). Every OpenAI Chat Completion
   refused     frequency_penalty, presence_penalty, logit_bias, functions, function_call, audio, modalities,
               prediction, reasoning_effort, verbosity, web_search_options, moderation: 400 naming the
               parameter unless it is null or the value that changes nothing (REFUSED below)
+  vLLM's      min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
+              skip_special_tokens, add_generation_prompt, continue_final_message (what a vLLM client sends
+              in extra_body): accepted at vLLM's default, which is raychat's behaviour, else refused like
+              the group above (VLLM_CHAT_NOOP below)
 A field that is none of these is an unknown field (400). `null` means "the default" for every optional field.
 Numbers are strict: "0.5" (a string) or true is a wrong type, not a number; integers are accepted for floats;
 NaN and Infinity (tokens Python's JSON parser reads) are refused as not finite.
@@ -83,6 +87,24 @@ REFUSED: dict[str, tuple] = {
     "web_search_options": (None,),
     "moderation": (None,),
 }
+# vLLM's sampling extensions (its SamplingParams, which the openai clients send in extra_body) -> the values
+# that change nothing here: vLLM's defaults, which are raychat's behaviour (generation ends at the model's end
+# of turn; a stop string is never part of the text)
+VLLM_NOOP: dict[str, tuple] = {
+    "min_p": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "ignore_eos": (None, False),
+    "stop_token_ids": (None, []),
+    "include_stop_str_in_output": (None, False),
+}
+# and on the chat routes, where no control token reaches the client and the template always opens the reply
+VLLM_CHAT_NOOP = {
+    **VLLM_NOOP,
+    "skip_special_tokens": (None, True),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+}
 # parameter -> (the parameter it needs true, the message when it is not)
 NEEDS = {
     "stream_options": ("stream", "only allowed when stream is true"),
@@ -148,7 +170,8 @@ def only_noop(value, allowed: tuple):
     """`value` when it equals (with its type) one of `allowed`, the values of an OpenAI field that change
     nothing here; raises ValueError naming them otherwise (the field raychat does not support)."""
     if not any(value == a and type(value) is type(a) for a in allowed):
-        noop = " or ".join("null" if a is None else json.dumps(a) for a in allowed)
+        shown = [a for a in allowed if not (isinstance(a, float) and int(a) in allowed)]  # 0, not 0 or 0.0
+        noop = " or ".join("null" if a is None else json.dumps(a) for a in shown)
         raise ValueError(f"not supported by raychat; only {noop} is accepted")
     return value
 
@@ -364,6 +387,16 @@ class ChatRequest(_Strict):
     verbosity: None = None
     web_search_options: None = None
     moderation: None = None
+    # vLLM's extensions: the schema admits only the values that change nothing (VLLM_CHAT_NOOP)
+    min_p: Literal[0] | None = None
+    repetition_penalty: Literal[1] | None = None
+    min_tokens: Literal[0] | None = None
+    ignore_eos: Literal[False] | None = None
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=0)] | None = None
+    include_stop_str_in_output: Literal[False] | None = None
+    skip_special_tokens: Literal[True] | None = None
+    add_generation_prompt: Literal[True] | None = None
+    continue_final_message: Literal[False] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -405,10 +438,10 @@ class ChatRequest(_Strict):
             raise ValueError(f"only 'auto' is supported (the model decides when to call), got {choice!r}")
         return choice
 
-    @field_validator(*REFUSED, mode="before")
+    @field_validator(*REFUSED, *VLLM_CHAT_NOOP, mode="before")
     @classmethod
     def _refused(cls, value, info: ValidationInfo):
-        return only_noop(value, REFUSED[info.field_name])
+        return only_noop(value, {**REFUSED, **VLLM_CHAT_NOOP}[info.field_name])
 
     @property
     def max_completion(self) -> int | None:
