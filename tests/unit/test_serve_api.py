@@ -116,7 +116,8 @@ BOUNDS = [
     ({"temperature": 2.01}, "temperature", "less than or equal to 2"),
     ({"top_k": 0}, None, None),
     ({"top_k": 200}, None, None),
-    ({"top_k": -1}, "top_k", "greater than or equal to 0"),
+    ({"top_k": -1}, None, None),  # vLLM's "off": the engine gets 0 (tests/unit/test_serve_openai.py)
+    ({"top_k": -2}, "top_k", "greater than or equal to -1"),
     ({"top_k": 201}, "top_k", "less than or equal to 200"),
     ({"top_p": 1.0}, None, None),
     ({"top_p": 1e-6}, None, None),

@@ -153,7 +153,7 @@ def test_openai_client(tiny, client):
     assert out.choices[0].logprobs.token_logprobs[1:] == pytest.approx(direct_logprobs(model, ids), abs=1e-5)
     # a vLLM user's extra_body at vLLM's defaults changes nothing
     vllm = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": [],
-            "include_stop_str_in_output": False}  # fmt: skip
+            "include_stop_str_in_output": False, "top_k": -1}  # fmt: skip
     greedy = {"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 1}
     plain, same = (openai.completions.create(**greedy, extra_body=extra) for extra in (None, vllm))
     assert same.choices[0].text == plain.choices[0].text and same.usage.completion_tokens == 6

@@ -104,12 +104,26 @@ def test_vllm_extensions_work_at_their_default_and_are_refused_by_name_otherwise
     defaults = {name: default for name, (default, _, _) in VLLM_DEFAULT_AND_OTHER.items()}
     reply = client.chat.completions.create(model="tiny", messages=USER, extra_body=defaults)
     assert reply.choices[0].message.content == "Hello\nworld" and fake.requests[-1] == plain
+    client.chat.completions.create(model="tiny", messages=USER, extra_body={"top_k": -1})  # vLLM's "off"
+    assert plain["top_k"] is None and fake.requests[-1] == {**plain, "top_k": 0}  # raychat's "off"
     for name, (_, other, allowed) in VLLM_DEFAULT_AND_OTHER.items():
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="tiny", messages=USER, extra_body={name: other})
         assert err.value.param == name
         assert err.value.body["message"] == f"{name}: not supported by raychat; only {allowed} is accepted"
-    assert len(fake.requests) == 2  # the refused ones never reached the engine
+    # vLLM's stream option: usage in every chunk
+    stream = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    assert (
+        list(client.chat.completions.create(model="tiny", messages=USER, **stream))[-1].usage.total_tokens
+        == 9
+    )
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=USER, stream=True,
+                                       stream_options={"continuous_usage_stats": True})  # fmt: skip
+    assert err.value.body["message"] == (
+        "stream_options.continuous_usage_stats: not supported by raychat; only null or false is accepted"
+    )
+    assert len(fake.requests) == 4  # the refused ones never reached the engine
 
 
 def test_text_reply_with_and_without_streaming():

@@ -7,10 +7,11 @@ field (e.g. "messages[3].content", "top_logprobs"). Every OpenAI Chat Completion
               model ends its turn or the row's context is full; the rendered conversation plus the value
               over max_seq_len is a 400 context_length_exceeded naming the field sent), n 1..8,
               seed 0..2**63-1, stop (a string or a list of 0..4 strings of 1..64 characters), stream,
-              stream_options {include_usage, include_obfuscation} (only with stream), logprobs,
+              stream_options {include_usage, include_obfuscation; vLLM's continuous_usage_stats only
+              false} (only with stream), logprobs,
               top_logprobs 0..20 (needs logprobs), tools (only the built-in "calculator" function),
               tool_choice ("auto"; needs tools), parallel_tool_calls, response_format ({"type": "text"}); and
-              raychat's top_k 0..200 (0 = off)
+              raychat's top_k -1..200 (0 = off; -1, vLLM's other "off", is read as 0)
   no effect   user, safety_identifier, prompt_cache_key, prompt_cache_retention, prompt_cache_options,
               metadata, store (false), service_tier ("auto" | "default"): accepted; nothing in the reply
               depends on them (raychat keeps no prompt cache and stores nothing)
@@ -42,6 +43,7 @@ import json
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -71,6 +73,8 @@ MAX_ARGUMENTS_NESTING = 32  # a calculator call's arguments are one flat object;
 
 Number = Annotated[StrictFloat, Field(allow_inf_nan=False)] | StrictInt  # NaN (JSON's NaN token) read ">= 0"
 Id = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+# top_k 0 = off; vLLM's other "off", -1, is read as 0
+TopK = Annotated[StrictInt, Field(ge=-1, le=MAX_TOP_K), AfterValidator(lambda k: max(k, 0))]
 
 # refused parameter -> the values that change nothing (accepted)
 REFUSED: dict[str, tuple] = {
@@ -308,6 +312,12 @@ class Message(_Strict):
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = None
     include_obfuscation: StrictBool | None = None  # no effect: chunks carry no obfuscation padding
+    continuous_usage_stats: Literal[False] | None = None  # vLLM's usage in every chunk: not supported
+
+    @field_validator("continuous_usage_stats", mode="before")
+    @classmethod
+    def _vllm(cls, value):
+        return only_noop(value, (None, False))
 
 
 class ToolFunction(_Strict):
@@ -352,7 +362,7 @@ class ChatRequest(_Strict):
     model: StrictStr | None = None
     temperature: Annotated[Number, Field(ge=0.0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_K)] | None = None
+    top_k: TopK | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None

@@ -15,7 +15,7 @@ Parameters:
               stream), echo (the choice's text starts with the prompt; with logprobs, the prompt's tokens get
               logprobs too: the first token's is null), logprobs 0..MAX_LOGPROBS (token_logprobs of every
               token, top_logprobs: that many most likely alternatives per token plus the token itself, so up
-              to logprobs + 1 entries), n and best_of (only 1); and raychat's top_k 0..200
+              to logprobs + 1 entries), n and best_of (only 1); and raychat's top_k -1..200 (0 or -1 = off)
   no effect   user
   refused     suffix, frequency_penalty, presence_penalty, logit_bias: 400 unless null or the value that
               changes nothing
@@ -35,12 +35,12 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, fi
 from raychat.serve.api import (
     MAX_TEMPERATURE,
     MAX_TOKENS,
-    MAX_TOP_K,
     MAX_TOTAL_CHARS,
     VLLM_NOOP,
     Id,
     Number,
     StreamOptions,
+    TopK,
     _Strict,
     lone_surrogate,
     only_noop,
@@ -102,7 +102,7 @@ class CompletionRequest(_Strict):
     max_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS)] | None = None
     temperature: Annotated[Number, Field(ge=0.0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_K)] | None = None
+    top_k: TopK | None = None
     n: Literal[1] | None = None
     best_of: Literal[1] | None = None
     seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] | None = None
