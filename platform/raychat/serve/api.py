@@ -171,8 +171,8 @@ class ToolCall(_Strict):
 
 
 def only_noop(value, allowed: tuple):
-    """`value` when it equals (with its type) one of `allowed`, the values of an OpenAI field that change
-    nothing here; raises ValueError naming them otherwise (the field raychat does not support)."""
+    """`value` when it equals (with its type) one of `allowed`, the values of an OpenAI or vLLM field that
+    change nothing here; raises ValueError naming them otherwise (the field raychat does not support)."""
     if not any(value == a and type(value) is type(a) for a in allowed):
         shown = [a for a in allowed if not (isinstance(a, float) and int(a) in allowed)]  # 0, not 0 or 0.0
         noop = " or ".join("null" if a is None else json.dumps(a) for a in shown)
