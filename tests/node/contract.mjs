@@ -38,10 +38,19 @@ async function collect(stream) {
   return chunks;
 }
 
-await check("models.list names the served model", async () => {
-  const ids = [];
-  for await (const m of client.models.list()) ids.push(m.id);
-  assert.deepEqual(ids, [model]);
+await check("models.list and models.retrieve name the served model", async () => {
+  const listed = [];
+  for await (const m of client.models.list()) listed.push(m);
+  assert.deepEqual(listed.map((m) => m.id), [model]);
+  // the id is the checkpoint's absolute path: the client sends each "/" as %2F
+  assert.deepEqual(await client.models.retrieve(model), listed[0]);
+  try {
+    await client.models.retrieve(`${model}/other`);
+    assert.fail("an unknown model was found");
+  } catch (err) {
+    assert.ok(err instanceof OpenAI.NotFoundError, `not a NotFoundError: ${err}`);
+    assert.equal(err.code, "model_not_found", err.message);
+  }
 });
 
 await check("max_completion_tokens and max_tokens limit the reply", async () => {

@@ -82,6 +82,11 @@ def test_openai_python_client(served, expected):
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
     model = expected["model"]
     assert [m.id for m in client.models.list()] == [model]
+    # the id is the checkpoint's absolute path: the client sends each "/" as %2F, through Serve's proxy
+    assert client.models.retrieve(model).model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve(f"{model}/other")
+    assert (missing.value.code, missing.value.param) == ("model_not_found", "model")
     for limit in ({"max_completion_tokens": 5}, {"max_tokens": 5}):
         reply = client.chat.completions.create(model=model, messages=STORY, temperature=0, **limit)
         assert reply.choices[0].message.content == expected["story5"]
@@ -197,6 +202,7 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/chat/completions"),
     ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model}"),
     ("GET", "/health"),
 ]
 EXAMPLES = 30
@@ -213,7 +219,7 @@ def test_schemathesis_fuzzing(served, mode):
     codes: dict[int, int] = {}
     for method, path in OPERATIONS:
         if mode is GenerationMode.NEGATIVE and method == "GET":
-            continue  # no parameters to get wrong
+            continue  # no parameters to get wrong (a model id is any string)
 
         @given(case=schema[path][method].as_strategy(generation_mode=mode))
         @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,

@@ -116,7 +116,8 @@ BOUNDS = [
     ({"temperature": 2.01}, "temperature", "less than or equal to 2"),
     ({"top_k": 0}, None, None),
     ({"top_k": 200}, None, None),
-    ({"top_k": -1}, "top_k", "greater than or equal to 0"),
+    ({"top_k": -1}, None, None),  # vLLM's "off": the engine gets 0 (tests/unit/test_serve_openai.py)
+    ({"top_k": -2}, "top_k", "greater than or equal to -1"),
     ({"top_k": 201}, "top_k", "less than or equal to 200"),
     ({"top_p": 1.0}, None, None),
     ({"top_p": 1e-6}, None, None),
@@ -214,7 +215,7 @@ def test_every_openai_parameter_is_classified():
     }
     ours = set(api.HONOURED) | set(api.NO_EFFECT) | set(api.REFUSED)
     assert ours == openai_params
-    assert set(api.ChatRequest.model_fields) == ours | set(api.EXTENSIONS)
+    assert set(api.ChatRequest.model_fields) == ours | set(api.EXTENSIONS) | set(api.VLLM_CHAT_NOOP)
 
 
 WRONG_TYPES = [
@@ -346,6 +347,7 @@ PROTECTED = [
     ("POST", "/chat/completions", {"messages": USER}),
     ("POST", V1, {"messages": USER}),
     ("GET", "/v1/models", None),
+    ("GET", "/v1/models/tiny", None),
 ]
 
 
@@ -607,6 +609,8 @@ def test_health_and_models_survive_a_failing_engine_client(caplog):
 def test_models_health_page(client):
     card = client.get("/v1/models").json()["data"][0]
     assert card["id"] == "tiny" and card["template_version"] == TEMPLATE_VERSION
+    assert client.get("/v1/models/tiny").json() == card
+    assert client.get("/v1/models/", follow_redirects=False).json() == {"object": "list", "data": [card]}
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["template_version"] == TEMPLATE_VERSION
     page = client.get("/").text

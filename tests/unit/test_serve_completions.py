@@ -151,6 +151,13 @@ def test_openai_client(tiny, client):
     out = openai.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1)
     assert out.choices[0].text == tokenizer.decode(ids)
     assert out.choices[0].logprobs.token_logprobs[1:] == pytest.approx(direct_logprobs(model, ids), abs=1e-5)
+    # a vLLM user's extra_body at vLLM's defaults changes nothing
+    vllm = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "ignore_eos": False, "stop_token_ids": [],
+            "include_stop_str_in_output": False, "top_k": -1}  # fmt: skip
+    greedy = {"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    plain, same = (openai.completions.create(**greedy, extra_body=extra) for extra in (None, vllm))
+    assert same.choices[0].text == plain.choices[0].text and same.usage.completion_tokens == 6
+    assert same.choices[0].logprobs.token_logprobs == plain.choices[0].logprobs.token_logprobs
 
 
 @pytest.mark.parametrize(
@@ -176,6 +183,14 @@ def test_openai_client(tiny, client):
         ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
         ({"prompt": "x", "temperature": "0"}, "temperature", "valid number"),
         ({"prompt": "x", "best_of": 3}, "best_of", "Input should be 1"),
+        (
+            {"prompt": "x", "ignore_eos": True},
+            "ignore_eos",
+            "not supported by raychat; only null or false is accepted",
+        ),
+        ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty", "only null or 1 is accepted"),
+        # an echoed prompt of ids keeps its control tokens as text: vLLM's default (skip them) is not this route's
+        ({"prompt": "x", "skip_special_tokens": True}, "skip_special_tokens", "unknown field"),
     ],
 )
 def test_bad_requests_name_the_field(client, body, param, fragment):

@@ -1,17 +1,21 @@
 """OpenAI response shapes over a scripted engine, each validated with openai's own types (ChatCompletion,
 ChatCompletionChunk) and streams accumulated by openai's own ChatCompletionStreamState: text, tool calls the
 server ran (with the "raychat" record), client-run calls (finish_reason "tool_calls"), n choices, logprobs,
-and a returned message sent back as history."""
+and a returned message sent back as history. The official client itself: models.retrieve (ids holding "/"),
+and vLLM's extra_body parameters, accepted at vLLM's defaults and refused by name otherwise."""
 
 from __future__ import annotations
 
 import json
 
+import openai
+import pytest
 from fastapi.testclient import TestClient
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from support.serve_helpers import HELLO, FakeEngine
 
+from raychat.serve import api
 from raychat.serve.engine_adapter import MIN_LOGPROB, sampling_params, text_logprobs
 from raychat.serve.ingress import create_app
 from raychat.serve.sse import parse_sse
@@ -49,6 +53,77 @@ def accumulated(chunk_list):
     for c in chunk_list:
         state.handle_chunk(c)
     return state.get_final_completion()
+
+
+def official_client(engine) -> openai.OpenAI:
+    """openai's own client over the app (no network: TestClient is an httpx.Client)."""
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
+                         http_client=TestClient(create_app(engine)))  # fmt: skip
+
+
+# the default id is --checkpoint as typed: relative, absolute and URI ids hold "/" (the client sends %2F)
+@pytest.mark.parametrize(
+    "model_id", ["tiny", "runs/sft", "/mnt/checkpoints/runs/rl/latest", "s3://b/runs/rl/latest"]
+)
+def test_models_retrieve_finds_the_served_id_and_names_it_for_another(model_id):
+    client = official_client(FakeEngine(model_id=model_id))
+    listed = client.models.list().data
+    card = client.models.retrieve(model_id)
+    assert [m.id for m in listed] == [card.id] == [model_id]
+    assert card.model_dump() == listed[0].model_dump()
+    assert (card.object, card.owned_by) == ("model", "raychat")
+    assert card.model_extra["max_seq_len"] == card.model_extra["max_model_len"] == 256  # vLLM's name too
+    for other in ("gpt-4", f"{model_id}/x", "runs"):
+        with pytest.raises(openai.NotFoundError) as err:
+            client.models.retrieve(other)
+        assert err.value.status_code == 404 and err.value.code == "model_not_found"
+        assert err.value.param == "model"
+        assert err.value.body["message"] == f"model: {other!r} is not served here; available: [{model_id!r}]"
+
+
+# vLLM's extensions as a vLLM user sends them (extra_body): its default, and a value that would change the reply
+VLLM_DEFAULT_AND_OTHER = {
+    "min_p": (0.0, 0.1, "null or 0"),
+    "repetition_penalty": (1.0, 1.1, "null or 1"),
+    "min_tokens": (0, 2, "null or 0"),
+    "ignore_eos": (False, True, "null or false"),
+    "stop_token_ids": ([], [5], "null or []"),
+    "include_stop_str_in_output": (False, True, "null or false"),
+    "skip_special_tokens": (True, False, "null or true"),
+    "add_generation_prompt": (True, False, "null or true"),
+    "continue_final_message": (False, True, "null or false"),
+}
+
+
+def test_vllm_extensions_work_at_their_default_and_are_refused_by_name_otherwise():
+    assert set(VLLM_DEFAULT_AND_OTHER) == set(api.VLLM_CHAT_NOOP)
+    fake = FakeEngine(HELLO)
+    client = official_client(fake)
+    client.chat.completions.create(model="tiny", messages=USER)
+    plain = fake.requests[-1]
+    defaults = {name: default for name, (default, _, _) in VLLM_DEFAULT_AND_OTHER.items()}
+    reply = client.chat.completions.create(model="tiny", messages=USER, extra_body=defaults)
+    assert reply.choices[0].message.content == "Hello\nworld" and fake.requests[-1] == plain
+    client.chat.completions.create(model="tiny", messages=USER, extra_body={"top_k": -1})  # vLLM's "off"
+    assert plain["top_k"] is None and fake.requests[-1] == {**plain, "top_k": 0}  # raychat's "off"
+    for name, (_, other, allowed) in VLLM_DEFAULT_AND_OTHER.items():
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=USER, extra_body={name: other})
+        assert err.value.param == name
+        assert err.value.body["message"] == f"{name}: not supported by raychat; only {allowed} is accepted"
+    # vLLM's stream option: usage in every chunk
+    stream = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    assert (
+        list(client.chat.completions.create(model="tiny", messages=USER, **stream))[-1].usage.total_tokens
+        == 9
+    )
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=USER, stream=True,
+                                       stream_options={"continuous_usage_stats": True})  # fmt: skip
+    assert err.value.body["message"] == (
+        "stream_options.continuous_usage_stats: not supported by raychat; only null or false is accepted"
+    )
+    assert len(fake.requests) == 4  # the refused ones never reached the engine
 
 
 def test_text_reply_with_and_without_streaming():

@@ -7,16 +7,21 @@ field (e.g. "messages[3].content", "top_logprobs"). Every OpenAI Chat Completion
               model ends its turn or the row's context is full; the rendered conversation plus the value
               over max_seq_len is a 400 context_length_exceeded naming the field sent), n 1..8,
               seed 0..2**63-1, stop (a string or a list of 0..4 strings of 1..64 characters), stream,
-              stream_options {include_usage, include_obfuscation} (only with stream), logprobs,
+              stream_options {include_usage, include_obfuscation; vLLM's continuous_usage_stats only
+              false} (only with stream), logprobs,
               top_logprobs 0..20 (needs logprobs), tools (only the built-in "calculator" function),
               tool_choice ("auto"; needs tools), parallel_tool_calls, response_format ({"type": "text"}); and
-              raychat's top_k 0..200 (0 = off)
+              raychat's top_k -1..200 (0 = off; -1, vLLM's other "off", is read as 0)
   no effect   user, safety_identifier, prompt_cache_key, prompt_cache_retention, prompt_cache_options,
               metadata, store (false), service_tier ("auto" | "default"): accepted; nothing in the reply
               depends on them (raychat keeps no prompt cache and stores nothing)
   refused     frequency_penalty, presence_penalty, logit_bias, functions, function_call, audio, modalities,
               prediction, reasoning_effort, verbosity, web_search_options, moderation: 400 naming the
               parameter unless it is null or the value that changes nothing (REFUSED below)
+  vLLM's      min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
+              skip_special_tokens, add_generation_prompt, continue_final_message (what a vLLM client sends
+              in extra_body): accepted at vLLM's default, which is raychat's behaviour, else refused like
+              the group above (VLLM_CHAT_NOOP below)
 A field that is none of these is an unknown field (400). `null` means "the default" for every optional field.
 Numbers are strict: "0.5" (a string) or true is a wrong type, not a number; integers are accepted for floats;
 NaN and Infinity (tokens Python's JSON parser reads) are refused as not finite.
@@ -38,6 +43,7 @@ import json
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -67,6 +73,8 @@ MAX_ARGUMENTS_NESTING = 32  # a calculator call's arguments are one flat object;
 
 Number = Annotated[StrictFloat, Field(allow_inf_nan=False)] | StrictInt  # NaN (JSON's NaN token) read ">= 0"
 Id = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+# top_k 0 = off; vLLM's other "off", -1, is read as 0
+TopK = Annotated[StrictInt, Field(ge=-1, le=MAX_TOP_K), AfterValidator(lambda k: max(k, 0))]
 
 # refused parameter -> the values that change nothing (accepted)
 REFUSED: dict[str, tuple] = {
@@ -82,6 +90,24 @@ REFUSED: dict[str, tuple] = {
     "verbosity": (None,),
     "web_search_options": (None,),
     "moderation": (None,),
+}
+# vLLM's sampling extensions (its SamplingParams, which the openai clients send in extra_body) -> the values
+# that change nothing here: vLLM's defaults, which are raychat's behaviour (generation ends at the model's end
+# of turn; a stop string is never part of the text)
+VLLM_NOOP: dict[str, tuple] = {
+    "min_p": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "ignore_eos": (None, False),
+    "stop_token_ids": (None, []),
+    "include_stop_str_in_output": (None, False),
+}
+# and on the chat routes, where no control token reaches the client and the template always opens the reply
+VLLM_CHAT_NOOP = {
+    **VLLM_NOOP,
+    "skip_special_tokens": (None, True),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
 }
 # parameter -> (the parameter it needs true, the message when it is not)
 NEEDS = {
@@ -145,10 +171,11 @@ class ToolCall(_Strict):
 
 
 def only_noop(value, allowed: tuple):
-    """`value` when it equals (with its type) one of `allowed`, the values of an OpenAI field that change
-    nothing here; raises ValueError naming them otherwise (the field raychat does not support)."""
+    """`value` when it equals (with its type) one of `allowed`, the values of an OpenAI or vLLM field that
+    change nothing here; raises ValueError naming them otherwise (the field raychat does not support)."""
     if not any(value == a and type(value) is type(a) for a in allowed):
-        noop = " or ".join("null" if a is None else json.dumps(a) for a in allowed)
+        shown = [a for a in allowed if not (isinstance(a, float) and int(a) in allowed)]  # 0, not 0 or 0.0
+        noop = " or ".join("null" if a is None else json.dumps(a) for a in shown)
         raise ValueError(f"not supported by raychat; only {noop} is accepted")
     return value
 
@@ -285,6 +312,12 @@ class Message(_Strict):
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = None
     include_obfuscation: StrictBool | None = None  # no effect: chunks carry no obfuscation padding
+    continuous_usage_stats: Literal[False] | None = None  # vLLM's usage in every chunk: not supported
+
+    @field_validator("continuous_usage_stats", mode="before")
+    @classmethod
+    def _vllm(cls, value):
+        return only_noop(value, (None, False))
 
 
 class ToolFunction(_Strict):
@@ -329,7 +362,7 @@ class ChatRequest(_Strict):
     model: StrictStr | None = None
     temperature: Annotated[Number, Field(ge=0.0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_K)] | None = None
+    top_k: TopK | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
@@ -364,6 +397,16 @@ class ChatRequest(_Strict):
     verbosity: None = None
     web_search_options: None = None
     moderation: None = None
+    # vLLM's extensions: the schema admits only the values that change nothing (VLLM_CHAT_NOOP)
+    min_p: Literal[0] | None = None
+    repetition_penalty: Literal[1] | None = None
+    min_tokens: Literal[0] | None = None
+    ignore_eos: Literal[False] | None = None
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=0)] | None = None
+    include_stop_str_in_output: Literal[False] | None = None
+    skip_special_tokens: Literal[True] | None = None
+    add_generation_prompt: Literal[True] | None = None
+    continue_final_message: Literal[False] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -405,10 +448,10 @@ class ChatRequest(_Strict):
             raise ValueError(f"only 'auto' is supported (the model decides when to call), got {choice!r}")
         return choice
 
-    @field_validator(*REFUSED, mode="before")
+    @field_validator(*REFUSED, *VLLM_CHAT_NOOP, mode="before")
     @classmethod
     def _refused(cls, value, info: ValidationInfo):
-        return only_noop(value, REFUSED[info.field_name])
+        return only_noop(value, {**REFUSED, **VLLM_CHAT_NOOP}[info.field_name])
 
     @property
     def max_completion(self) -> int | None:

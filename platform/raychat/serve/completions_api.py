@@ -15,10 +15,13 @@ Parameters:
               stream), echo (the choice's text starts with the prompt; with logprobs, the prompt's tokens get
               logprobs too: the first token's is null), logprobs 0..MAX_LOGPROBS (token_logprobs of every
               token, top_logprobs: that many most likely alternatives per token plus the token itself, so up
-              to logprobs + 1 entries), n and best_of (only 1); and raychat's top_k 0..200
+              to logprobs + 1 entries), n and best_of (only 1); and raychat's top_k -1..200 (0 or -1 = off)
   no effect   user
   refused     suffix, frequency_penalty, presence_penalty, logit_bias: 400 unless null or the value that
               changes nothing
+  vLLM's      min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output:
+              accepted at vLLM's default (raychat's behaviour), else refused the same way
+              (raychat.serve.api.VLLM_NOOP)
 Logprobs are the model's log-softmax (fp32): for the prompt its raw distribution (engine/scoring.py), for
 completion tokens the temperature-scaled one (engine/sampling.py). An -inf logprob is sent as -9999.0.
 """
@@ -32,11 +35,12 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationInfo, fi
 from raychat.serve.api import (
     MAX_TEMPERATURE,
     MAX_TOKENS,
-    MAX_TOP_K,
     MAX_TOTAL_CHARS,
+    VLLM_NOOP,
     Id,
     Number,
     StreamOptions,
+    TopK,
     _Strict,
     lone_surrogate,
     only_noop,
@@ -98,7 +102,7 @@ class CompletionRequest(_Strict):
     max_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS)] | None = None
     temperature: Annotated[Number, Field(ge=0.0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_K)] | None = None
+    top_k: TopK | None = None
     n: Literal[1] | None = None
     best_of: Literal[1] | None = None
     seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] | None = None
@@ -112,6 +116,13 @@ class CompletionRequest(_Strict):
     frequency_penalty: Literal[0] | None = None
     presence_penalty: Literal[0] | None = None
     logit_bias: Annotated[dict[StrictStr, Number], Field(max_length=0)] | None = None
+    # vLLM's extensions: only the values that change nothing (raychat.serve.api.VLLM_NOOP)
+    min_p: Literal[0] | None = None
+    repetition_penalty: Literal[1] | None = None
+    min_tokens: Literal[0] | None = None
+    ignore_eos: Literal[False] | None = None
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=0)] | None = None
+    include_stop_str_in_output: Literal[False] | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -133,10 +144,10 @@ class CompletionRequest(_Strict):
             raise ValueError("only allowed when stream is true")
         return value
 
-    @field_validator(*REFUSED, mode="before")
+    @field_validator(*REFUSED, *VLLM_NOOP, mode="before")
     @classmethod
     def _refused(cls, value, info: ValidationInfo):
-        return only_noop(value, REFUSED[info.field_name])
+        return only_noop(value, {**REFUSED, **VLLM_NOOP}[info.field_name])
 
     @property
     def batched(self) -> bool:

@@ -8,7 +8,10 @@ Endpoints
                              parameter; docs/openai.md the tool-call shapes)
   POST /v1/completions       OpenAI legacy Completions: raw prompt (text or token ids, batched), echo,
                              prompt logprobs, stream true or false (raychat.serve.completions_api)
-  GET  /v1/models            the served model, with template_version and tokenizer_version
+  GET  /v1/models            the served model, with template_version, tokenizer_version and its context length
+                             (max_seq_len, and vLLM's name for it, max_model_len)
+  GET  /v1/models/{model}    that model's card (openai's models.retrieve); the id may hold "/"; another id
+                             -> 404 model_not_found naming the id served
   GET  /health               {"status": "ok", template_version, ..., "engine": replica stats}; 503,
                              "unavailable" and a "reason" while the replica's engine process is down or no
                              replica answers (the engine client's stats() raising EngineUnavailableError: with
@@ -56,7 +59,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
-from openai.types import Completion
+from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -180,6 +183,14 @@ def _error_response(event: dict) -> JSONResponse:
         headers = {"X-Request-Id": event["request_id"]}
     body = error_body(message, param, kind, event.get("request_id"), event.get("code"))
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _model_card(meta: dict) -> dict:
+    """OpenAI's Model object of the served model (engine info `meta`), with raychat's template_version,
+    tokenizer_version and max_seq_len (the context length in tokens), which vLLM's card calls max_model_len."""
+    card = {"id": meta["model_id"], "object": "model", "created": 0, "owned_by": "raychat"}
+    card |= {k: meta.get(k) for k in ("template_version", "tokenizer_version", "max_seq_len")}
+    return card | {"max_model_len": meta.get("max_seq_len")}
 
 
 def _model_not_found(requested: str, served: str) -> JSONResponse:
@@ -397,10 +408,23 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
 
     @app.get("/v1/models")
     async def models():
+        return {"object": "list", "data": [_model_card(await info())]}
+
+    @app.get(
+        "/v1/models/{model:path}",
+        response_model=None,
+        responses={200: {"model": Model}, 401: ERRORS[401], 404: ERRORS[404]},
+    )
+    async def retrieve_model(model: str):
+        """The served model's card (as /v1/models lists it) when `model` is its id, else 404 model_not_found
+        naming the id served. `model` may hold "/" (the default id is the checkpoint path); "" (the path
+        /v1/models/) is the list."""
+        if not model:
+            return await models()
         meta = await info()
-        card = {"id": meta["model_id"], "object": "model", "created": 0, "owned_by": "raychat"}
-        card.update({k: meta.get(k) for k in ("template_version", "tokenizer_version", "max_seq_len")})
-        return {"object": "list", "data": [card]}
+        if model != meta["model_id"]:
+            return _model_not_found(model, meta["model_id"])
+        return _model_card(meta)
 
     @app.post("/chat/completions", responses={200: {"content": SSE_SCHEMA}, **ERRORS})
     async def chat(body: ChatRequest):
