@@ -22,7 +22,8 @@ field (e.g. "messages[3].content", "top_logprobs"). Every OpenAI Chat Completion
               skip_special_tokens, add_generation_prompt, continue_final_message (what a vLLM client sends
               in extra_body): accepted at vLLM's default, which is raychat's behaviour, else refused like
               the group above (VLLM_CHAT_NOOP below)
-A field that is none of these is an unknown field (400). `null` means "the default" for every optional field.
+A field that is none of these is an unknown field (400; raychat.serve.errors.unknown_field: the field it
+misspells, else where the accepted fields are listed). `null` means "the default" for every optional field.
 Numbers are strict: "0.5" (a string) or true is a wrong type, not a number; integers are accepted for floats;
 NaN and Infinity (tokens Python's JSON parser reads) are refused as not finite.
 

@@ -379,7 +379,9 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
             got = repr(media_type) if media_type else "none"
             message = f"Content-Type: send the body as application/json, got {got}"
             return JSONResponse(error_body(message, None), status_code=415)
-        return JSONResponse(validation_error_body(errors), status_code=400)
+        body_field = getattr(request.scope.get("route"), "body_field", None)
+        model = body_field.field_info.annotation if body_field is not None else None
+        return JSONResponse(validation_error_body(errors, model), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException):
