@@ -312,7 +312,9 @@ def test_missing_messages_and_bad_json(client, fake):
         assert_error(form, 415, None, message)
         assert_error(client.post(path, content=valid), 415, None, "application/json, got none")
     resp = post(client, {"prompt": "hi", "messages": USER}, path="/v1/completions")
-    assert resp.json()["error"]["details"] == ["messages: unknown field (not a parameter of this endpoint)"]
+    assert resp.json()["error"]["details"] == [
+        "messages: unknown field (raychat does not support it here; docs/openai.md lists the accepted fields)"
+    ]
     assert_error(client.get("/no-such-page"), 404, None, "Not Found")
     assert_error(client.get(V1), 405, None, "Method Not Allowed")
     assert fake.requests == []

@@ -2,11 +2,13 @@
 ChatCompletionChunk) and streams accumulated by openai's own ChatCompletionStreamState: text, tool calls the
 server ran (with the "raychat" record), client-run calls (finish_reason "tool_calls"), n choices, logprobs,
 and a returned message sent back as history. The official client itself: models.retrieve (ids holding "/"),
-and vLLM's extra_body parameters, accepted at vLLM's defaults and refused by name otherwise."""
+and vLLM's extra_body parameters, accepted at vLLM's defaults and refused by name otherwise; an unknown
+field refused with the field it misspells or where the accepted ones are listed."""
 
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import openai
 import pytest
@@ -124,6 +126,63 @@ def test_vllm_extensions_work_at_their_default_and_are_refused_by_name_otherwise
         "stream_options.continuous_usage_stats: not supported by raychat; only null or false is accepted"
     )
     assert len(fake.requests) == 4  # the refused ones never reached the engine
+
+
+VLLM_UNSUPPORTED = {
+    "best_of": 2,
+    "use_beam_search": True,
+    "guided_json": {"type": "object"},
+    "chat_template_kwargs": {"enable_thinking": False},
+    "priority": 1,
+    "prompt_logprobs": 1,
+    "truncate_prompt_tokens": 8,
+}
+NOT_SUPPORTED = "unknown field (raychat does not support it here; docs/openai.md lists the accepted fields)"
+
+
+def refusal(name: str, reason: str) -> dict:
+    return {"message": f"{name}: {reason}", "type": "invalid_request_error", "param": name, "code": None,
+            "details": [f"{name}: {reason}"]}  # fmt: skip
+
+
+def misspelt(name: str, meant: str) -> dict:
+    return refusal(name, f"unknown field; did you mean {meant}?")
+
+
+def test_an_unknown_field_is_refused_with_the_field_meant_or_where_the_accepted_ones_are():
+    fake = FakeEngine(HELLO)
+    client = official_client(fake)
+    chat = partial(client.chat.completions.create, model="tiny", messages=USER)  # messages=... overrides
+    text = partial(client.completions.create, model="tiny", prompt="2*3=")
+    refused = []
+    for name, value in VLLM_UNSUPPORTED.items():  # vLLM's own parameters: no near miss of raychat's
+        refused += [(chat, {"extra_body": {name: value}}, refusal(name, NOT_SUPPORTED))]
+        if name != "best_of":  # a Completions parameter (only 1)
+            refused += [(text, {"extra_body": {name: value}}, refusal(name, NOT_SUPPORTED))]
+    for create in (chat, text):  # misspelt: the field meant, also inside a nested object
+        refused += [
+            (create, {"extra_body": {"max_token": 5}}, misspelt("max_token", "max_tokens")),
+            (create, {"extra_body": {"temprature": 0}}, misspelt("temprature", "temperature")),
+            (create, {"stream": True, "stream_options": {"include_usages": True}},
+             misspelt("stream_options.include_usages", "include_usage")),
+        ]  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "calculator", "descripton": "2*3"}}]
+    refused += [
+        (
+            text,
+            {"extra_body": {"messages": USER}},
+            refusal("messages", NOT_SUPPORTED),
+        ),  # chat's, not this route's
+        (chat, {"messages": [{**USER[0], "nmae": "ann"}]}, misspelt("messages[0].nmae", "name")),
+        (chat, {"tools": tools}, misspelt("tools[0].function.descripton", "description")),
+    ]
+    for create, kwargs, body in refused:
+        with pytest.raises(openai.BadRequestError) as err:
+            create(**kwargs)
+        assert err.value.status_code == 400 and err.value.body == body
+    # a refused request harms no other: the next one is answered as if it were the first
+    assert chat().choices[0].message.content == "Hello\nworld"
+    assert len(fake.requests) == 1
 
 
 def test_text_reply_with_and_without_streaming():

@@ -22,7 +22,8 @@ field (e.g. "messages[3].content", "top_logprobs"). Every OpenAI Chat Completion
               skip_special_tokens, add_generation_prompt, continue_final_message (what a vLLM client sends
               in extra_body): accepted at vLLM's default, which is raychat's behaviour, else refused like
               the group above (VLLM_CHAT_NOOP below)
-A field that is none of these is an unknown field (400). `null` means "the default" for every optional field.
+A field that is none of these is an unknown field (400; raychat.serve.errors.unknown_field: the field it
+misspells, else where the accepted fields are listed). `null` means "the default" for every optional field.
 Numbers are strict: "0.5" (a string) or true is a wrong type, not a number; integers are accepted for floats;
 NaN and Infinity (tokens Python's JSON parser reads) are refused as not finite.
 
@@ -180,6 +181,16 @@ def only_noop(value, allowed: tuple):
     return value
 
 
+def noop_validator(noop: dict[str, tuple]):
+    """A request model's "before" validator of the fields in `noop` (field -> the values that change nothing):
+    each accepts only its no-op values (only_noop), else ValueError naming them. Assign it in the class body."""
+
+    def refused(cls, value, info: ValidationInfo):
+        return only_noop(value, noop[info.field_name])
+
+    return field_validator(*noop, mode="before")(refused)
+
+
 def lone_surrogate(text: str) -> str | None:
     """Why `text` is not valid Unicode text (a lone UTF-16 surrogate, which JSON's "\\ud800" escape can carry
     and which has no UTF-8 encoding), or None."""
@@ -200,6 +211,9 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
         if not 1 <= len(s) <= MAX_STOP_CHARS:
             raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
     return items
+
+
+Stop = Annotated[StrictStr | list[StrictStr] | None, AfterValidator(stop_strings)]
 
 
 def _nesting(text: str) -> int:
@@ -314,10 +328,7 @@ class StreamOptions(_Strict):
     include_obfuscation: StrictBool | None = None  # no effect: chunks carry no obfuscation padding
     continuous_usage_stats: Literal[False] | None = None  # vLLM's usage in every chunk: not supported
 
-    @field_validator("continuous_usage_stats", mode="before")
-    @classmethod
-    def _vllm(cls, value):
-        return only_noop(value, (None, False))
+    _vllm = noop_validator({"continuous_usage_stats": (None, False)})
 
 
 class ToolFunction(_Strict):
@@ -367,7 +378,7 @@ class ChatRequest(_Strict):
     max_completion_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
     seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Stop = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     logprobs: StrictBool | None = None
@@ -424,11 +435,6 @@ class ChatRequest(_Strict):
             raise ValueError(f"conflicts with max_tokens ({other}); send one of them (or equal values)")
         return value
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, stop):
-        return stop_strings(stop)
-
     @field_validator(*NEEDS)
     @classmethod
     def _needs(cls, value, info: ValidationInfo):
@@ -448,10 +454,7 @@ class ChatRequest(_Strict):
             raise ValueError(f"only 'auto' is supported (the model decides when to call), got {choice!r}")
         return choice
 
-    @field_validator(*REFUSED, *VLLM_CHAT_NOOP, mode="before")
-    @classmethod
-    def _refused(cls, value, info: ValidationInfo):
-        return only_noop(value, {**REFUSED, **VLLM_CHAT_NOOP}[info.field_name])
+    _refused = noop_validator({**REFUSED, **VLLM_CHAT_NOOP})
 
     @property
     def max_completion(self) -> int | None:

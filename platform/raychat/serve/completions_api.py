@@ -39,12 +39,12 @@ from raychat.serve.api import (
     VLLM_NOOP,
     Id,
     Number,
+    Stop,
     StreamOptions,
     TopK,
     _Strict,
     lone_surrogate,
-    only_noop,
-    stop_strings,
+    noop_validator,
 )
 
 MAX_PROMPTS = 32
@@ -106,7 +106,7 @@ class CompletionRequest(_Strict):
     n: Literal[1] | None = None
     best_of: Literal[1] | None = None
     seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Stop = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     echo: StrictBool | None = None
@@ -132,11 +132,6 @@ class CompletionRequest(_Strict):
             raise ValueError(why)
         return prompt
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, stop):
-        return stop_strings(stop)
-
     @field_validator("stream_options")
     @classmethod
     def _needs_stream(cls, value, info: ValidationInfo):
@@ -144,10 +139,7 @@ class CompletionRequest(_Strict):
             raise ValueError("only allowed when stream is true")
         return value
 
-    @field_validator(*REFUSED, *VLLM_NOOP, mode="before")
-    @classmethod
-    def _refused(cls, value, info: ValidationInfo):
-        return only_noop(value, {**REFUSED, **VLLM_NOOP}[info.field_name])
+    _refused = noop_validator({**REFUSED, **VLLM_NOOP})
 
     @property
     def batched(self) -> bool:

@@ -107,8 +107,11 @@ class CompletionChunks:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, **usage, **extra}  # fmt: skip
 
-    def text(self, index: int, text: str, logprobs: dict | None = None, finish: str | None = None) -> dict:
+    def delta(self, index: int, text: str, logprobs: dict | None = None, finish: str | None = None) -> dict:
         return self.chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}])
+
+    def finish(self, index: int, finish_reason: str) -> dict:
+        return self.delta(index, "", None, finish_reason)
 
     def usage(self, usage: dict) -> dict:
         return self.chunk([], usage=usage)

@@ -9,11 +9,14 @@ error.request_id); the server logs the detail under that id.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel
 
+from raychat.cli_parser import did_you_mean
+
 INTERNAL_ERROR = "internal server error"
+FIELDS_DOC = "docs/openai.md"  # where the fields each endpoint accepts are listed
 
 
 class EngineUnavailableError(RuntimeError):
@@ -113,34 +116,63 @@ def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "StrictStr"}
-_MESSAGES = {
-    "missing": "field required",
-    "extra_forbidden": "unknown field (not a parameter of this endpoint)",
-}
+_MESSAGES = {"missing": "field required"}
 
 
-def _reason(error: dict) -> str:
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The pydantic models a field's type holds (through Optional, unions, lists and Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def _fields_around(model: type[BaseModel], loc: tuple | list) -> list[str]:
+    """The fields of the (nested) model that holds the field at pydantic's `loc` ("body" first, then field
+    names, list indices and union tags), given the request's model."""
+    models = [model]
+    for part in loc[1:-1] if loc[:1] == ("body",) else loc[:-1]:
+        fields = [parent.model_fields[part] for parent in models if part in parent.model_fields]
+        inner = [m for field in fields for m in _models_in(field.annotation)]
+        models = inner or models  # an index or a union tag stays in the same model
+    return [name for m in models for name in m.model_fields]
+
+
+def unknown_field(name: str, accepted: list[str]) -> str:
+    """The reason given for a field the request model does not have: the accepted field it misspells (the
+    closest of `accepted` by cli_parser.did_you_mean), else that raychat does not support it and where the
+    accepted fields are listed (FIELDS_DOC)."""
+    close = did_you_mean(name, [a for a in accepted if a != name])
+    if close:
+        return f"unknown field; did you mean {close}?"
+    return f"unknown field (raychat does not support it here; {FIELDS_DOC} lists the accepted fields)"
+
+
+def _reason(error: dict, model: type[BaseModel] | None = None) -> str:
     if error.get("type") == "json_invalid":  # loc ("body", character offset), ctx {"error": json's message}
         loc, why = error.get("loc", ()), (error.get("ctx") or {}).get("error")
         where = f" at character {loc[1]}" if len(loc) > 1 else ""
         return f"invalid JSON{where}" + (f" ({why})" if why else "")
+    if error.get("type") == "extra_forbidden":
+        loc = tuple(error.get("loc", ()))
+        return unknown_field(str(loc[-1]), _fields_around(model, loc) if model and loc else [])
     if error.get("type") in _MESSAGES:
         return _MESSAGES[error["type"]]
     return error.get("msg", "invalid value").removeprefix("Value error, ")
 
 
-def validation_error_body(errors: list[dict]) -> dict:
+def validation_error_body(errors: list[dict], model: type[BaseModel] | None = None) -> dict:
     """400 body from pydantic/FastAPI errors: the first error, "field: reason", and `details`: one "field:
     reason" per field in error, in the order pydantic reports them (the first is the message). A field that
     failed every member of a union (a number that is neither float nor int) is listed once, with its first
-    reason."""
+    reason. An unknown field's reason (unknown_field) suggests the field of `model`, the request's body model
+    (or of the nested model holding it), it misspells."""
     first = errors[0]
     param = "body" if first.get("type") == "json_invalid" else field_path(first.get("loc", ()))
-    body = error_body(f"{param}: {_reason(first)}", param)
+    body = error_body(f"{param}: {_reason(first, model)}", param)
     details: dict[str, str] = {}
     for e in errors:
         field = "body" if e.get("type") == "json_invalid" else field_path(e.get("loc", ()))
-        details.setdefault(field, _reason(e))
+        details.setdefault(field, _reason(e, model))
     body["error"]["details"] = [f"{field}: {reason}" for field, reason in details.items()]
     return body
 

@@ -287,6 +287,32 @@ async def _collect(streams, firsts, states):
     return None
 
 
+def _include_usage(body: ChatRequest | CompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+async def _chunk_frames(streams, firsts, states, chunks, usage, opening=()) -> AsyncIterator[bytes]:
+    """The SSE frames of a streamed OpenAI response: the `opening` chunks, then per event of choice i the
+    chunks.delta of each (piece, logprobs) that states[i].add returns and chunks.finish on its final event;
+    the chunks.usage of usage(states) when chunks.include_usage; "[DONE]". The first error event ends the
+    stream with an error frame, no usage chunk, then "[DONE]"."""
+    for chunk in opening:
+        yield sse_event(chunk)
+    failed = False
+    async for i, ev in _events(streams, firsts):
+        if ev["type"] == "error":
+            failed = True
+            yield _stream_error(ev)
+            break
+        for piece, logprobs in states[i].add(ev):
+            yield sse_event(chunks.delta(i, piece, logprobs))
+        if ev["type"] == "done":
+            yield sse_event(chunks.finish(i, ev["finish_reason"]))
+    if chunks.include_usage and not failed:
+        yield sse_event(chunks.usage(usage(states)))
+    yield sse_event("[DONE]")
+
+
 async def _events(streams: list, firsts: list[dict]) -> AsyncIterator[tuple[int, dict]]:
     """(choice index, event) of every stream, each stream's first event first, then as they come; ends with
     an error event if a stream fails (any exception) or ends without its final event. Closes every stream
@@ -353,7 +379,9 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
             got = repr(media_type) if media_type else "none"
             message = f"Content-Type: send the body as application/json, got {got}"
             return JSONResponse(error_body(message, None), status_code=415)
-        return JSONResponse(validation_error_body(errors), status_code=400)
+        body_field = getattr(request.scope.get("route"), "body_field", None)
+        model = body_field.field_info.annotation if body_field is not None else None
+        return JSONResponse(validation_error_body(errors, model), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException):
@@ -471,27 +499,10 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
             failed = await _collect(streams, firsts, states)
             return failed or chat_completion(cid, model, states)
 
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = Chunks(cid, model, include_usage)
-
-        async def frames():
-            for i in range(len(states)):
-                yield sse_event(chunks.role(i))
-            failed = False
-            async for i, ev in _events(streams, firsts):
-                if ev["type"] == "error":
-                    failed = True
-                    yield _stream_error(ev)
-                    break
-                for delta, logprobs in states[i].add(ev):
-                    yield sse_event(chunks.delta(i, delta, logprobs))
-                if ev["type"] == "done":
-                    yield sse_event(chunks.finish(i, ev["finish_reason"]))
-            if include_usage and not failed:
-                yield sse_event(chunks.usage(total_usage(states)))
-            yield sse_event("[DONE]")
-
-        return StreamingResponse(frames(), media_type="text/event-stream", headers=SSE_HEADERS)
+        chunks = Chunks(cid, model, _include_usage(body))
+        roles = [chunks.role(i) for i in range(len(states))]
+        frames = _chunk_frames(streams, firsts, states, chunks, total_usage, roles)
+        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
 
     @app.post(
         "/v1/completions",
@@ -512,25 +523,9 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
             failed = await _collect(streams, firsts, states)
             return failed or completion(cid, model, states)
 
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = CompletionChunks(cid, model, include_usage)
-
-        async def frames():
-            failed = False
-            async for i, ev in _events(streams, firsts):
-                if ev["type"] == "error":
-                    failed = True
-                    yield _stream_error(ev)
-                    break
-                for text, logprobs in states[i].add(ev):
-                    yield sse_event(chunks.text(i, text, logprobs))
-                if ev["type"] == "done":
-                    yield sse_event(chunks.text(i, "", None, ev["finish_reason"]))
-            if include_usage and not failed:
-                yield sse_event(chunks.usage(completion_usage(states)))
-            yield sse_event("[DONE]")
-
-        return StreamingResponse(frames(), media_type="text/event-stream", headers=SSE_HEADERS)
+        chunks = CompletionChunks(cid, model, _include_usage(body))
+        frames = _chunk_frames(streams, firsts, states, chunks, completion_usage)
+        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
 
     return app
 

@@ -45,7 +45,7 @@ from raychat.data.corpus.shards import (
     inspect_shard,
     is_shard_name,
     prepared_manifest,
-    sha256_file,
+    shard_entry,
     write_manifest,
     write_shards,
 )
@@ -251,15 +251,7 @@ def prepare_hub(name, out: Path, num_shards, url_pattern, old: dict | None, down
         documents, text_bytes = inspect_shard(path)
         split = "val" if i == len(paths) - 1 else "train"
         entries.append(
-            {
-                "file": path.name,
-                "split": split,
-                "documents": documents,
-                "bytes": text_bytes,
-                "file_bytes": path.stat().st_size,
-                "sha256": sha256_file(path),
-                "url": pattern.format(index=indices[i]),
-            }
+            shard_entry(path, split, documents, text_bytes) | {"url": pattern.format(index=indices[i])}
         )
     return {
         "format": FORMAT,
