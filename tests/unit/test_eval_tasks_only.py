@@ -3,6 +3,8 @@ val_bpb_note says why) and never reads --data-dir; BPB asked for without the dat
 skip it."""
 
 import json
+import math
+from datetime import datetime, timezone
 
 import pytest
 import ray
@@ -127,3 +129,31 @@ def test_the_core_bundle_is_found_under_the_task_data_dir_given(root, tmp_path, 
     core = json.loads(capsys.readouterr().out)["report_card"]["CORE"]
     assert core["examples"] == 2 and core["note"] is None
     assert core["value"] in (0.0, 0.5, 1.0)  # one language-modeling task of 2 items, random baseline 0
+
+
+def test_eval_json_records_its_settings_standard_errors_and_time_and_the_card_names_the_checkpoint(
+    root, tmp_path, capsys
+):
+    """Two evaluations of one checkpoint (another --seed, --max-tokens, tasks) wrote files that differed only
+    in their scores: nothing said which flags made which, nor when; report_card.md named the stage alone, so
+    the cards of two RL checkpoints read the same; a score came without its standard error (lm_eval's
+    acc_stderr)."""
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "latest", "--tasks", "calculator:3",
+            "--eval-tokens", "0", "--seed", "7", "--max-tokens", "8", "--run-name", "seed7"]  # fmt: skip
+    before = datetime.now(timezone.utc).replace(microsecond=0)
+    assert raychat_main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    calculator = result["tasks"]["calculator"]
+    p = calculator["accuracy"]
+    assert calculator == {"accuracy": p, "stderr": pytest.approx(math.sqrt(p * (1 - p) / 2)), "examples": 3,
+                          "max_tokens": 8}  # fmt: skip
+    assert result["settings"] == {
+        "checkpoint": "latest", "storage_path": str(root), "run_name": "seed7", "data_dir": str(root / "data"),
+        "eval_tokens": 0, "tasks": "calculator:3", "task_data_dir": str(tmp_path / "task_data"), "core_bundle": "",
+        "core_max_per_task": -1, "device_batch_size": 8, "max_tokens": 8, "device": "cpu", "seed": 7,
+    }  # fmt: skip
+    assert before <= datetime.fromisoformat(result["finished_at"]) <= datetime.now(timezone.utc)
+    card = (root / "seed7" / "report_card.md").read_text().splitlines()  # its meta says step 0
+    assert card[-1] == (
+        f"checkpoint {root}/sft/checkpoint_000001 (sft, step 0), evaluated {result['finished_at']}"
+    )

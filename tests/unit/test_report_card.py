@@ -7,6 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from lm_eval.api.metrics import mean_stderr
 from support.engine_fixtures import byte_tokenizer, scripted_model
 
 from raychat.chat_template import render_conversation, render_for_completion
@@ -25,7 +26,7 @@ from raychat.eval.report_card import (
     measured_line,
     no_data_lines,
 )
-from raychat.eval.tasks import prompt_messages, task_budget
+from raychat.eval.tasks import accuracy_stderr, prompt_messages, task_budget
 from raychat.tasks.registry import check_data, make_task, mixture_tasks, parse_mixture
 
 
@@ -116,8 +117,9 @@ def test_categorical_scores_by_hand(data_dir, small_tokenizer):
     letter = {c: small_tokenizer.encode(c)[0] for c in "ABCD"}
     model = LetterModel(small_tokenizer.vocab_size, letter["B"], letter["C"])
     cells = chat_cells(model, small_tokenizer, str(data_dir), columns=("ARC-Easy", "MMLU", "ARC-Challenge"))
-    assert cells["ARC-Easy"] == cell(2 / 3, examples=3)  # answers B, C, B; the model says B
-    assert cells["MMLU"] == cell(1.0, examples=1)  # the answer is B
+    # answers B, C, B; the model says B: 2 of 3, standard error sqrt(2/3 * 1/3 / 2) = 1/3 (lm_eval's acc_stderr)
+    assert cells["ARC-Easy"] == {"value": 2 / 3, "note": None, "examples": 3, "stderr": pytest.approx(1 / 3)}
+    assert cells["MMLU"] == cell(1.0, examples=1)  # the answer is B; one item: no standard error
     assert cells["ARC-Challenge"] == cell(note=NO_DATA)
     # the letters restrict the choice: an item whose letters exclude B gets C (the model's second choice)
     write_parquet(data_dir / "ai2_arc/ARC-Challenge/test-00000-of-00001.parquet",
@@ -127,11 +129,18 @@ def test_categorical_scores_by_hand(data_dir, small_tokenizer):
     ] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("scores", [[1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 0], [1] * 5, [0, 1]])
+def test_an_accuracys_standard_error_is_lm_evals_acc_stderr(scores):
+    """lm-evaluation-harness's mean_stderr of the same 0/1 item scores (1/3 at 1 of 3, as its table prints)."""
+    assert accuracy_stderr(sum(scores) / len(scores), len(scores)) == pytest.approx(mean_stderr(scores))
+    assert accuracy_stderr(1.0, 1) is None  # one item: lm_eval's stderr is N/A
+
+
 def test_gsm8k_generative_with_the_calculator(data_dir, tool_checkpoint):
     model, tokenizer, _ = load_model(tool_checkpoint)
     cells = chat_cells(model, tokenizer, str(data_dir), columns=("GSM8K",), max_tokens=40)
     # item 1: the model calls the calculator and ends with #### 564 (correct); item 2: it tells its story
-    assert cells["GSM8K"] == cell(0.5, examples=2, max_tokens=40)
+    assert cells["GSM8K"] == cell(0.5, examples=2, max_tokens=40, stderr=0.5)  # sqrt(0.5 * 0.5 / 1)
 
 
 def test_each_measured_line_names_the_stage_and_checkpoint_it_scored(data_dir, tool_checkpoint):
@@ -177,13 +186,13 @@ def test_a_long_gold_answer_scores_the_same_from_tasks_and_from_chatcore(tmp_pat
     model = gold_model(tok, item)
     cfg = from_dict(EvalConfig, {"task_data_dir": str(tmp_path), "tasks": "gsm8k,chatcore:1"})
     accuracy, chat = task_scores(model, tok, [("gsm8k", None)], cfg, (True, 1))
-    assert accuracy == {"gsm8k": {"accuracy": 1.0, "examples": 1, "max_tokens": 512}}
+    assert accuracy == {"gsm8k": {"accuracy": 1.0, "stderr": None, "examples": 1, "max_tokens": 512}}
     _, alone = task_scores(model, tok, [], cfg, (True, 1))  # --tasks chatcore
     assert chat["GSM8K"] == alone["GSM8K"] == cell(1.0, examples=1, max_tokens=512)
     assert chat["ARC-Easy"] == cell(note=NO_DATA)  # categorical cells carry no budget
     cut = from_dict(EvalConfig, {"task_data_dir": str(tmp_path), "tasks": "gsm8k", "max_tokens": 48})
     accuracy, chat = task_scores(model, tok, [("gsm8k", None)], cut, (True, 1))
-    assert accuracy["gsm8k"] == {"accuracy": 0.0, "examples": 1, "max_tokens": 48}
+    assert accuracy["gsm8k"] == {"accuracy": 0.0, "stderr": None, "examples": 1, "max_tokens": 48}
     assert chat["GSM8K"] == cell(0.0, examples=1, max_tokens=48)
     line = format_markdown({"sft": card_row(None, chat)}).splitlines()[2]
     assert line.split(" | ")[5] == "0.0000 (48 tok)"  # not the task's own budget: said in the table

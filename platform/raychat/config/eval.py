@@ -38,8 +38,11 @@ class EvalConfig(Section):
         "the JSON): only --tasks and the report card are measured and --data-dir is not read", ge=0,
     )  # fmt: skip
     tasks: str = option(
-        "calculator:64", "held-out tasks for accuracy: task[:examples],... ('' = none); chatcore[:examples] = "
-        "the report card's six chat evals (a task whose files are missing: 'n/a: no data', not an error)",
+        "calculator:64", "held-out tasks for accuracy: task[:examples],... of "
+        f"{', '.join(owned_choices('raychat.tasks.registry', 'EVAL_TASK_NAMES'))} ('' = none; examples: the first "
+        "N of the test split, default all: calculator's and spelling's in --seed's order, a hub task's in its fixed "
+        "one); chatcore[:examples] = the report card's six chat "
+        "evals (a task whose files are missing: 'n/a: no data', not an error)",
         blank_ok=True,
     )  # fmt: skip
     task_data_dir: str = option(
@@ -61,11 +64,22 @@ class EvalConfig(Section):
         positive=True,
     )  # fmt: skip
     device: str = option("cpu", "where the model runs", DEVICES)
-    seed: int = option(0, "seed of the held-out examples' order", ge=0, le=SEED_MAX)
+    seed: int = option(
+        0, "seed of calculator's and spelling's held-out examples (a hub task's order is fixed: nanochat's seed 42)",
+        ge=0, le=SEED_MAX,
+    )  # fmt: skip
 
     def __post_init__(self):
         super().__post_init__()
-        names = (*owned_choices("raychat.tasks.registry", "TASK_NAMES"), CHATCORE)
+        names = (*owned_choices("raychat.tasks.registry", "EVAL_TASK_NAMES"), CHATCORE)
+        training_only = set(owned_choices("raychat.tasks.registry", "TASK_NAMES")) - set(names)
+        for item in self.tasks.split(","):
+            name = item.partition(":")[0].strip()
+            if name in training_only:  # chatterbot: no held-out split; smoltalk: no checker
+                raise ConfigError(
+                    f"--tasks: {name!r} is a training task, with no held-out split and checker to measure accuracy "
+                    f"with; tasks: {', '.join(names)}"
+                )
         given = [name for name, _ in parse_task_spec(self.tasks, "--tasks", names, empty_ok=True)]
         twice = sorted({name for name in given if given.count(name) > 1})
         if twice:  # one accuracy per task: a second count would silently replace the first

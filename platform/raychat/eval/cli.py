@@ -31,6 +31,7 @@ import json
 import math
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -39,24 +40,25 @@ import torch
 from raychat.atomic import remove_leftovers
 from raychat.checkpoint import document_masking, load_model
 from raychat.checkpoint_manager import check_output_target, find_checkpoint
-from raychat.config import EvalConfig, from_args
+from raychat.config import EvalConfig, from_args, to_dict
 from raychat.config.eval import CHATCORE
 from raychat.data.corpus.shards import list_shards
 from raychat.data.loader.pipeline import validation_rows
 from raychat.eval.bpb import bpb_sums
 from raychat.eval.report_card import (
     CHAT_TASKS,
+    accuracy_cell,
     bundle_path,
     card_row,
-    cell,
     chat_cells,
     core_cell,
     format_markdown,
     no_data_lines,
 )
-from raychat.eval.tasks import task_accuracy, task_budget
+from raychat.eval.tasks import accuracy_stderr, task_accuracy, task_budget
 from raychat.storage import Storage, check_writable, open_storage, run_directory, write_bytes
-from raychat.tasks.registry import check_data, check_present_data, graded, held_out, make_task, parse_mixture
+from raychat.tasks.hub_data import task_data_dir
+from raychat.tasks.registry import check_data, check_present_data, make_task, parse_mixture
 
 RESULT_FILE = "eval.json"
 CARD_FILE = "report_card.md"
@@ -94,22 +96,24 @@ def task_scores(
     model, tokenizer, tasks: list[tuple[str, int | None]], cfg: EvalConfig, chatcore: tuple[bool, int | None],
     scored: tuple[str, str] = ("", ""),
 ) -> tuple[dict, dict]:  # fmt: skip
-    """({name: {"accuracy", "examples", "max_tokens"}} of `tasks`, {column: cell} of the report card's chat
-    evals): a generative task at task_budget(name, cfg.max_tokens), its budget recorded (None: categorical); a
-    card task named in `tasks` fills its column, chatcore (whether, examples cap) measures the other columns at
-    the same budgets (raychat.eval.report_card.chat_cells), their lines on stderr naming `scored`: (stage,
-    checkpoint)."""
+    """({name: {"accuracy", "stderr", "examples", "max_tokens"}} of `tasks`, {column: cell} of the report card's
+    chat evals): stderr the accuracy's standard error (raychat.eval.tasks.accuracy_stderr); a generative task
+    at task_budget(name, cfg.max_tokens), its budget recorded (None: categorical); a card task named in `tasks`
+    fills its column, chatcore (whether, examples cap) measures the other columns at the same budgets
+    (raychat.eval.report_card.chat_cells), their lines on stderr naming `scored`: (stage, checkpoint)."""
     accuracy = {}
     for name, n in tasks:
         task = make_task(name, "test", None, cfg.seed, data_dir=cfg.task_data_dir)
         examples = min(n or len(task), len(task))
         budget = task_budget(name, cfg.max_tokens) if task.eval_type == "generative" else None
+        score = task_accuracy(model, tokenizer, task, examples, max_tokens=budget)
         accuracy[name] = {
-            "accuracy": task_accuracy(model, tokenizer, task, examples, max_tokens=budget),
+            "accuracy": score,
+            "stderr": accuracy_stderr(score, examples),
             "examples": examples,
             "max_tokens": budget,
         }
-    chat = {CARD_NAMES[n]: cell(a["accuracy"], examples=a["examples"], max_tokens=a["max_tokens"])
+    chat = {CARD_NAMES[n]: accuracy_cell(a["accuracy"], a["examples"], a["max_tokens"])
             for n, a in accuracy.items() if n in CARD_NAMES}  # fmt: skip
     if chatcore[0]:
         missing = [c for c in CHAT_TASKS if c not in chat]
@@ -150,12 +154,14 @@ def evaluate(
     chatcore: tuple[bool, int | None] = (False, None),
 ) -> dict:
     """{"checkpoint", "stage", "step", "val_bpb", "val_bpb_note", "val_tokens", "val_bytes",
-    "val_document_masking", "tasks": {name: {"accuracy", "examples", "max_tokens"}}, "report_card": {column: cell},
-    "seconds"} of the checkpoint at `checkpoint` (a local dir or a remote URI); val_tokens: target positions of the
-    BPB rows (rows x T), val_bytes: the UTF-8 bytes of their targets (BPB's denominator), val_document_masking: the
-    checkpoint's (document_masking); val_file None (--eval-tokens 0): no BPB, every val_* None but val_bpb_note
-    "not measured: --eval-tokens 0" (None when measured); max_tokens: the completion budget a generative task was
-    measured at (None: categorical); chatcore: (whether to run the six chat evals, their examples cap).
+    "val_document_masking", "tasks": {name: {"accuracy", "stderr", "examples", "max_tokens"}}, "report_card":
+    {column: cell}, "seconds", "settings", "finished_at"} of the checkpoint at `checkpoint` (a local dir or a
+    remote URI); val_tokens: target positions of the BPB rows (rows x T), val_bytes: the UTF-8 bytes of their
+    targets (BPB's denominator), val_document_masking: the checkpoint's (document_masking); val_file None
+    (--eval-tokens 0): no BPB, every val_* None but val_bpb_note "not measured: --eval-tokens 0" (None when
+    measured); max_tokens: the completion budget a generative task was measured at (None: categorical); chatcore: (whether to run the six chat evals, their examples cap);
+    settings: every EvalConfig field as given (checkpoint as typed, e.g. latest), task_data_dir resolved to the
+    directory read; finished_at: UTC, ISO 8601 to the second.
 
     Raises ValueError naming --checkpoint when the model's validation loss (without BPB: a weight) is not finite
     (NaN or inf)."""
@@ -193,7 +199,17 @@ def evaluate(
         "tasks": accuracy,
         "report_card": card_row(core, chat),
         "seconds": round(time.perf_counter() - t0, 2),
+        "settings": to_dict(cfg) | {"task_data_dir": str(task_data_dir(cfg.task_data_dir))},
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def card_source(result: dict) -> str:
+    """The line under report_card.md's table naming what was scored and when, e.g. `checkpoint
+    runs/rl/rl50/checkpoint_000050 (rl, step 50), evaluated 2026-12-06T09:30:00+00:00`."""
+    step = None if result["step"] is None else f"step {result['step']}"
+    kind = ", ".join(x for x in (result["stage"], step) if x) or "no stage recorded"
+    return f"checkpoint {result['checkpoint']} ({kind}), evaluated {result['finished_at']}"
 
 
 def validation_shard(cfg: EvalConfig, storage: Storage) -> str:
@@ -221,11 +237,6 @@ def main(args) -> int:
     storage = open_storage(cfg.storage_path)
     spec, cap, named = split_card_tasks(cfg.tasks)
     tasks = parse_mixture(spec, "--tasks", empty_ok=True)
-    for name, _ in tasks:
-        if not held_out(name):
-            raise ValueError(f"--tasks: {name!r} has no held-out split to measure accuracy on")
-        if not graded(name):
-            raise ValueError(f"--tasks: {name!r} has no checker to measure accuracy with")
     names = [name for name, _ in tasks]
     check_data(names, ("test",), cfg.task_data_dir, "--tasks")
     if named:  # the card's other chat evals: those whose files are here, checked before the model loads
@@ -261,7 +272,10 @@ def main(args) -> int:
     text = json.dumps(result, indent=2)
     where = write_bytes(storage, f"{storage.run_path(cfg.run_name)}/{RESULT_FILE}", (text + "\n").encode())
     table = format_markdown({result["stage"] or "checkpoint": result["report_card"]})
-    card = write_bytes(storage, f"{storage.run_path(cfg.run_name)}/{CARD_FILE}", (table + "\n").encode())
+    scored = card_source(result)
+    card = write_bytes(
+        storage, f"{storage.run_path(cfg.run_name)}/{CARD_FILE}", f"{table}\n\n{scored}\n".encode()
+    )
     print(text)
     print(table, file=sys.stderr)
     if result["val_bpb"] is None:

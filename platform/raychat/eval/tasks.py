@@ -9,6 +9,8 @@ included) is the task's own, MAX_TOKENS, unless one budget is given for every ta
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from raychat.chat_template import render_for_completion
@@ -24,6 +26,13 @@ def task_budget(name: str, given: int | None = None) -> int | None:
     """The completion budget (tokens) task `name` (a registry name) is measured at: `given` (one budget for
     every task) when set, else the task's own (MAX_TOKENS); None for a task that generates nothing."""
     return given if given is not None else MAX_TOKENS.get(name)
+
+
+def accuracy_stderr(accuracy: float, n: int) -> float | None:
+    """The standard error of an accuracy over `n` items each scored 0 or 1: their sample standard deviation
+    over sqrt(n), sqrt(p (1 - p) / (n - 1)) (lm-evaluation-harness's mean_stderr, its `acc_stderr`); None for
+    one item (no spread to measure)."""
+    return math.sqrt(accuracy * (1.0 - accuracy) / (n - 1)) if n > 1 else None
 
 
 def prompt_messages(conversation: dict) -> list[dict]:
