@@ -142,11 +142,15 @@ def test_eval_json_records_its_settings_standard_errors_and_time_and_the_card_na
             "--eval-tokens", "0", "--seed", "7", "--max-tokens", "8", "--run-name", "seed7"]  # fmt: skip
     before = datetime.now(timezone.utc).replace(microsecond=0)
     assert raychat_main(argv) == 0
-    result = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    result = json.loads(out)
     calculator = result["tasks"]["calculator"]
-    p = calculator["accuracy"]
-    assert calculator == {"accuracy": p, "stderr": pytest.approx(math.sqrt(p * (1 - p) / 2)), "examples": 3,
-                          "max_tokens": 8}  # fmt: skip
+    p, se = calculator["accuracy"], math.sqrt(calculator["accuracy"] * (1 - calculator["accuracy"]) / 2)
+    assert calculator == {"accuracy": p, "stderr": pytest.approx(se), "examples": 3, "max_tokens": 8}
+    (line,) = [line for line in err.splitlines() if line.startswith("eval, ")]  # each --tasks score on stderr
+    assert line.startswith(
+        f"eval, sft checkpoint {root}/sft/checkpoint_000001: calculator {p:.4f} ± {se:.4f} (3 items, "
+    )
     assert result["settings"] == {
         "checkpoint": "latest", "storage_path": str(root), "run_name": "seed7", "data_dir": str(root / "data"),
         "eval_tokens": 0, "tasks": "calculator:3", "task_data_dir": str(tmp_path / "task_data"), "core_bundle": "",

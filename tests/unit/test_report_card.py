@@ -17,6 +17,7 @@ from raychat.eval.cli import task_scores
 from raychat.eval.report_card import (
     NEEDS_ALL,
     NO_DATA,
+    accuracy_cell,
     card_row,
     cell,
     chat_cells,
@@ -151,6 +152,10 @@ def test_each_measured_line_names_the_stage_and_checkpoint_it_scored(data_dir, t
     )
     assert measured_line("", "/r/c", "MMLU", cell(2 / 3, examples=3), 0.04) == (
         "report card, checkpoint /r/c: MMLU 0.6667 (3 items, 0.0 s)"
+    )
+    # with its standard error: 16 of 256, sqrt(0.0625 * 0.9375 / 255) = 0.01516
+    assert measured_line("rl", "/r/c", "spelling", accuracy_cell(16 / 256, 256), 2.0, what="eval") == (
+        "eval, rl checkpoint /r/c: spelling 0.0625 ± 0.0152 (256 items, 2.0 s)"
     )
     lines = []
     row = checkpoint_row(tool_checkpoint, True, str(data_dir), max_problems=1, log=lines.append, stage="rl")

@@ -53,6 +53,7 @@ from raychat.eval.report_card import (
     chat_cells,
     core_cell,
     format_markdown,
+    measured_line,
     no_data_lines,
 )
 from raychat.eval.tasks import accuracy_stderr, task_accuracy, task_budget
@@ -100,12 +101,14 @@ def task_scores(
     chat evals): stderr the accuracy's standard error (raychat.eval.tasks.accuracy_stderr); a generative task
     at task_budget(name, cfg.max_tokens), its budget recorded (None: categorical); a card task named in `tasks`
     fills its column, chatcore (whether, examples cap) measures the other columns at the same budgets
-    (raychat.eval.report_card.chat_cells), their lines on stderr naming `scored`: (stage, checkpoint)."""
+    (raychat.eval.report_card.chat_cells); each score's line on stderr (raychat.eval.report_card.measured_line:
+    `eval, ...` for `tasks`, `report card, ...` for chatcore's) names `scored`: (stage, checkpoint)."""
     accuracy = {}
     for name, n in tasks:
         task = make_task(name, "test", None, cfg.seed, data_dir=cfg.task_data_dir)
         examples = min(n or len(task), len(task))
         budget = task_budget(name, cfg.max_tokens) if task.eval_type == "generative" else None
+        t0 = time.perf_counter()
         score = task_accuracy(model, tokenizer, task, examples, max_tokens=budget)
         accuracy[name] = {
             "accuracy": score,
@@ -113,6 +116,8 @@ def task_scores(
             "examples": examples,
             "max_tokens": budget,
         }
+        measured = {"value": score, "stderr": accuracy[name]["stderr"], "examples": examples}
+        print(measured_line(*scored, name, measured, time.perf_counter() - t0, what="eval"), file=sys.stderr)
     chat = {CARD_NAMES[n]: accuracy_cell(a["accuracy"], a["examples"], a["max_tokens"])
             for n, a in accuracy.items() if n in CARD_NAMES}  # fmt: skip
     if chatcore[0]:

@@ -80,13 +80,16 @@ def chatcore(cells: dict) -> dict:
     return cell(sum(terms) / len(terms))
 
 
-def measured_line(stage: str, checkpoint: str, column: str, c: dict, seconds: float) -> str:
+def measured_line(
+    stage: str, checkpoint: str, column: str, c: dict, seconds: float, what: str = "report card"
+) -> str:
     """The line logged when chat eval `column` of the `stage` checkpoint at `checkpoint` is measured: its cell
-    `c`'s accuracy and items, and the wall time in seconds, e.g. `report card, sft checkpoint
-    runs/sft/checkpoint_000002: SpellingBee 0.0000 (256 items, 1.2 s)` (stage '': `report card, checkpoint
-    ...`)."""
+    `c`'s accuracy, its standard error when it has one, its items, and the wall time in seconds, e.g. `report
+    card, sft checkpoint runs/sft/checkpoint_000002: SpellingBee 0.0625 ± 0.0152 (256 items, 1.2 s)` (stage '':
+    `report card, checkpoint ...`; `what` in place of "report card": raychat eval's --tasks lines)."""
     named = f"{stage} checkpoint" if stage else "checkpoint"
-    return f"report card, {named} {checkpoint}: {column} {c['value']:.4f} ({c['examples']} items, {seconds:.1f} s)"
+    spread = f" ± {c['stderr']:.4f}" if c.get("stderr") is not None else ""
+    return f"{what}, {named} {checkpoint}: {column} {c['value']:.4f}{spread} ({c['examples']} items, {seconds:.1f} s)"
 
 
 def chat_cells(
