@@ -161,3 +161,11 @@ def test_eval_json_records_its_settings_standard_errors_and_time_and_the_card_na
     assert card[-1] == (
         f"checkpoint {root}/sft/checkpoint_000001 (sft, step 0), evaluated {result['finished_at']}"
     )
+    # the same run name again replaces these results: stderr says whose, before the evaluation runs
+    assert raychat_main([*argv[:-6], "--seed", "8", "--run-name", "seed7"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0] == (
+        f"eval: replacing {root}/seed7's results (sft checkpoint {root}/sft/checkpoint_000001, "
+        f"{result['finished_at']}); give another --run-name to keep both"
+    )
+    assert json.loads((root / "seed7" / "eval.json").read_text())["settings"]["seed"] == 8

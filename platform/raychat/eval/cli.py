@@ -57,7 +57,7 @@ from raychat.eval.report_card import (
     no_data_lines,
 )
 from raychat.eval.tasks import accuracy_stderr, task_accuracy, task_budget
-from raychat.storage import Storage, check_writable, open_storage, run_directory, write_bytes
+from raychat.storage import Storage, check_writable, open_storage, read_bytes, run_directory, write_bytes
 from raychat.tasks.hub_data import task_data_dir
 from raychat.tasks.registry import check_data, check_present_data, make_task, parse_mixture
 
@@ -79,6 +79,23 @@ def check_eval_target(storage: Storage, run_name: str) -> str:
         storage, storage.writable_run_path(run_name), "--run-name", "eval results", "an earlier eval's results",
         lambda entries, killed: all(e.type == pafs.FileType.File and e.base_name in own for e in entries),
     )  # fmt: skip
+
+
+def replaced_line(storage: Storage, run_name: str) -> str | None:
+    """The stderr line saying which earlier evaluation this one's files replace at <root>/<run_name>, e.g.
+    `eval: replacing runs/checkpoints/eval's results (rl checkpoint .../checkpoint_000050, 2026-12-06T09:30:00+00:00);
+    give another --run-name to keep both`; None when there is no earlier eval.json there."""
+    path = f"{storage.run_path(run_name)}/{RESULT_FILE}"
+    try:
+        earlier = json.loads(read_bytes(storage, path))
+    except (OSError, ValueError):  # none there, or a half-written one: nothing to name
+        return None
+    scored = " ".join(str(x) for x in (earlier.get("stage"), "checkpoint", earlier.get("checkpoint")) if x)
+    when = f", {earlier['finished_at']}" if earlier.get("finished_at") else ""
+    return (
+        f"eval: replacing {storage.uri_of(storage.run_path(run_name))}'s results ({scored}{when}); give another "
+        "--run-name to keep both"
+    )
 
 
 def split_card_tasks(spec: str) -> tuple[str, int | None, bool]:
@@ -268,9 +285,12 @@ def main(args) -> int:
             "or an --eval-tokens above 0"
         )
     check_eval_target(storage, cfg.run_name)  # before the evaluation runs
+    replacing = replaced_line(storage, cfg.run_name)
     checkpoint = find_checkpoint(cfg.checkpoint, storage, "--checkpoint")
     val_file = validation_shard(cfg, storage) if cfg.eval_tokens else None
     check_writable(storage)
+    if replacing:
+        print(replacing, file=sys.stderr)
     result = evaluate(checkpoint, val_file, tasks, cfg, (named, cap))
     if storage.is_local:  # object storage writes in one PUT: no leftovers there
         remove_leftovers(storage.run_path(cfg.run_name))
