@@ -169,3 +169,16 @@ def test_eval_json_records_its_settings_standard_errors_and_time_and_the_card_na
         f"{result['finished_at']}); give another --run-name to keep both"
     )
     assert json.loads((root / "seed7" / "eval.json").read_text())["settings"]["seed"] == 8
+
+
+def test_bpb_without_data_under_a_speedruns_checkpoints_names_the_data_beside_them(root, tmp_path, capsys):
+    """After `raychat speedrun --out X`, `raychat eval --storage-path X/checkpoints` looked for X/checkpoints/data
+    and told the user to prepare data there; the speedrun's shards are in X/data."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "manifest.json").write_text("{}")  # the hint only looks for the manifest
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "sft", "--tasks", "calculator:2"]
+    assert _fails_in_one_line(argv, capsys).endswith(
+        f"--eval-tokens 0 skips BPB and scores only --tasks and the report card; the speedrun's data beside "
+        f"--storage-path is {tmp_path}/data: --data-dir {tmp_path}/data)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert not (root / "eval").exists()

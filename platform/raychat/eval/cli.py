@@ -243,9 +243,16 @@ def validation_shard(cfg: EvalConfig, storage: Storage) -> str:
     try:
         return list_shards(data_dir)[1]
     except (OSError, ValueError) as e:
+        # a speedrun's --out X holds X/checkpoints (the storage root given) beside X/data
+        beside = Path(storage.path).parent / "data"
+        hint = (
+            f"; the speedrun's data beside --storage-path is {beside}: --data-dir {beside}"
+            if storage.is_local and beside != Path(data_dir) and (beside / "manifest.json").is_file()
+            else ""
+        )
         raise ValueError(
             f"--data-dir: {e} (BPB needs the pretraining data's validation shard; --eval-tokens 0 skips BPB and "
-            "scores only --tasks and the report card)"
+            f"scores only --tasks and the report card{hint})"
         ) from e
 
 
