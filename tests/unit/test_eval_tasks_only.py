@@ -70,9 +70,9 @@ def test_each_report_card_line_names_the_checkpoint_and_its_stage(root, capsys):
     assert raychat_main(argv) == 0
     out, err = capsys.readouterr()
     value = json.loads(out)["report_card"]["SpellingBee"]["value"]
-    (line,) = [line for line in err.splitlines() if "SpellingBee" in line and "items" in line]
+    (line,) = [line for line in err.splitlines() if "SpellingBee" in line and "item" in line]
     assert line.startswith(
-        f"report card, sft checkpoint {root}/sft/checkpoint_000001: SpellingBee {value:.4f} (1 items, "
+        f"report card, sft checkpoint {root}/sft/checkpoint_000001: SpellingBee {value:.4f} (1 item, "
     ), line
 
 

@@ -162,7 +162,7 @@ def test_each_measured_line_names_the_stage_and_checkpoint_it_scored(data_dir, t
     measured = ("ARC-Easy", "MMLU", "GSM8K", "SpellingBee")  # the columns with data here, in the card's order
     assert [line.split(": ")[0] for line in lines] == [f"report card, rl checkpoint {tool_checkpoint}"] * 4
     assert [line.split(": ")[1].split(" ")[0] for line in lines] == list(measured)
-    assert all(f" {row[c]['value']:.4f} (1 items, " in line for c, line in zip(measured, lines))
+    assert all(f" {row[c]['value']:.4f} (1 item, " in line for c, line in zip(measured, lines))
 
 
 LONG_SOLUTION = (

@@ -89,7 +89,8 @@ def measured_line(
     `report card, checkpoint ...`; `what` in place of "report card": raychat eval's --tasks lines)."""
     named = f"{stage} checkpoint" if stage else "checkpoint"
     spread = f" ± {c['stderr']:.4f}" if c.get("stderr") is not None else ""
-    return f"{what}, {named} {checkpoint}: {column} {c['value']:.4f}{spread} ({c['examples']} items, {seconds:.1f} s)"
+    items = f"{c['examples']} item{'' if c['examples'] == 1 else 's'}"
+    return f"{what}, {named} {checkpoint}: {column} {c['value']:.4f}{spread} ({items}, {seconds:.1f} s)"
 
 
 def chat_cells(
