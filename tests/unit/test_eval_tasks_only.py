@@ -154,7 +154,7 @@ def test_eval_json_records_its_settings_standard_errors_and_time_and_the_card_na
     assert result["settings"] == {
         "checkpoint": "latest", "storage_path": str(root), "run_name": "seed7", "data_dir": str(root / "data"),
         "eval_tokens": 0, "tasks": "calculator:3", "task_data_dir": str(tmp_path / "task_data"), "core_bundle": "",
-        "core_max_per_task": -1, "device_batch_size": 8, "max_tokens": 8, "device": "cpu", "seed": 7,
+        "core_max_per_task": -1, "device_batch_size": 8, "max_tokens": 8, "samples": 1, "temperature": 0.0, "device": "cpu", "seed": 7,
     }  # fmt: skip
     assert before <= datetime.fromisoformat(result["finished_at"]) <= datetime.now(timezone.utc)
     card = (root / "seed7" / "report_card.md").read_text().splitlines()  # its meta says step 0
@@ -182,3 +182,28 @@ def test_bpb_without_data_under_a_speedruns_checkpoints_names_the_data_beside_th
         f"--storage-path is {tmp_path}/data: --data-dir {tmp_path}/data)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
     assert not (root / "eval").exists()
+
+
+def test_sampled_pass_at_k_is_recorded_per_task_and_stays_off_the_greedy_report_card(root, capsys):
+    """nanochat's chat_eval and lm_eval's generate tasks sample k completions for pass@k; eval was greedy only.
+    The arithmetic: tests/unit/test_report_card.py::test_pass_at_k_of_sampled_completions_by_hand."""
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "sft", "--tasks", "calculator:2,spelling:2",
+            "--eval-tokens", "0", "--samples", "3"]  # fmt: skip
+    assert _fails_in_one_line(argv, capsys) == (
+        "raychat eval: error: --samples 3 needs a --temperature above 0: greedy decoding writes the same completion "
+        "every time (e.g. --temperature 0.8; or --samples 1)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert raychat_main([*argv, "--temperature", "0.7"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    for name in ("calculator", "spelling"):
+        entry = result["tasks"][name]
+        passes = entry.pop("pass@k")
+        assert list(passes) == ["pass@1", "pass@2", "pass@3"] and list(passes.values()) == sorted(
+            passes.values()
+        )
+        assert entry == {"accuracy": passes["pass@1"], "stderr": entry["stderr"], "examples": 2, "max_tokens": 128,
+                         "samples": 3, "temperature": 0.7}  # fmt: skip
+        assert f"  {name} at temperature 0.7, 3 samples an item: pass@1 {passes['pass@1']:.4f}, " in err
+    assert result["report_card"]["SpellingBee"]["note"] == "-"  # the card's SpellingBee is greedy
+    assert (result["settings"]["samples"], result["settings"]["temperature"]) == (3, 0.7)

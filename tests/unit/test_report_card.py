@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from lm_eval.api.metrics import mean_stderr
+from lm_eval.api.metrics import mean_stderr as lm_eval_mean_stderr
 from support.engine_fixtures import byte_tokenizer, scripted_model
 
 from raychat.chat_template import render_conversation, render_for_completion
@@ -27,7 +27,8 @@ from raychat.eval.report_card import (
     measured_line,
     no_data_lines,
 )
-from raychat.eval.tasks import accuracy_stderr, prompt_messages, task_budget
+from raychat.eval.tasks import accuracy_stderr, mean_stderr, prompt_messages, task_budget, task_pass_at_k
+from raychat.tasks.calculator import Calculator
 from raychat.tasks.registry import check_data, make_task, mixture_tasks, parse_mixture
 
 
@@ -133,7 +134,9 @@ def test_categorical_scores_by_hand(data_dir, small_tokenizer):
 @pytest.mark.parametrize("scores", [[1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 0], [1] * 5, [0, 1]])
 def test_an_accuracys_standard_error_is_lm_evals_acc_stderr(scores):
     """lm-evaluation-harness's mean_stderr of the same 0/1 item scores (1/3 at 1 of 3, as its table prints)."""
-    assert accuracy_stderr(sum(scores) / len(scores), len(scores)) == pytest.approx(mean_stderr(scores))
+    assert accuracy_stderr(sum(scores) / len(scores), len(scores)) == pytest.approx(
+        lm_eval_mean_stderr(scores)
+    )
     assert accuracy_stderr(1.0, 1) is None  # one item: lm_eval's stderr is N/A
 
 
@@ -265,3 +268,29 @@ def test_the_missing_chat_data_is_said_once_with_the_stages_that_wanted_it(tmp_p
         "  SpellingBee: /usr/share/dict/words: install the Debian package `wamerican`",
     ]
     assert no_data_lines({"sft": card_row(None, spelling)}, str(tmp_path)) == []
+
+
+class GradedInOrder(Calculator):
+    """Two calculator items whose completions are graded by a fixed list of verdicts, in the order the engine
+    returns them (item 0's samples, then item 1's): the pass@k arithmetic is then known whatever is sampled."""
+
+    def __init__(self, verdicts: list[bool]):
+        super().__init__(split="test", size=2)
+        self.verdicts = iter(verdicts)
+
+    def is_correct(self, conversation, text):
+        return next(self.verdicts)
+
+
+def test_pass_at_k_of_sampled_completions_by_hand():
+    """Item 0: 2 of 4 samples correct, item 1: none. pass@1 = (2/4 + 0) / 2 = 0.25; pass@2 = (1 - C(2,2)/C(4,2)
+    + 0) / 2 = (5/6) / 2; pass@3 = pass@4 = (1 + 0) / 2 (fewer than k wrong samples: 1). The items' pass@1, 0.5
+    and 0, have a standard error of sqrt(2 * 0.25**2 / 1 / 2) = 0.25."""
+    tok = byte_tokenizer()
+    model = scripted_model(tok.vocab_size, {}, tok.special_id("<|assistant_end|>"))
+    task = GradedInOrder([True, False, False, True] + [False] * 4)
+    passes, per_item = task_pass_at_k(model, tok, task, 2, samples=4, temperature=1.0, seed=0, max_tokens=4)
+    assert passes == pytest.approx({"pass@1": 0.25, "pass@2": 5 / 12, "pass@3": 0.5, "pass@4": 0.5})
+    assert per_item == [0.5, 0.0] and mean_stderr(per_item) == pytest.approx(0.25)
+    assert mean_stderr(per_item) == pytest.approx(lm_eval_mean_stderr(per_item))
+    assert mean_stderr([1.0, 0.0, 0.0]) == pytest.approx(accuracy_stderr(1 / 3, 3))  # 0/1 scores: the same

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import SEED_MAX, ConfigError, Section, option, owned_choices, parse_task_spec
+from raychat.config.schema import (
+    SEED_MAX,
+    ConfigError,
+    Section,
+    option,
+    owned_choices,
+    owned_literal,
+    parse_task_spec,
+)
 from raychat.config.serve import KV_DTYPE_HELP
 
 DEVICES = ("cpu", "cuda")
@@ -63,10 +71,19 @@ class EvalConfig(Section):
         "128: room for any gold answer); the budget is recorded with each score",
         positive=True,
     )  # fmt: skip
+    samples: int = option(
+        1, "completions per item of a generative task (gsm8k, humaneval, spelling, calculator); above 1: pass@k for "
+        "k = 1..this (Chen et al.'s unbiased estimator), at a --temperature above 0; categorical tasks are scored "
+        "greedily whatever this", positive=True,
+    )  # fmt: skip
+    temperature: float = option(
+        0.0, "sampling temperature of the generative tasks' completions (seeded by --seed); 0 (below 1e-5) = "
+        "greedy, nanochat's chat_eval and the report card's", ge=0,
+    )  # fmt: skip
     device: str = option("cpu", "where the model runs", DEVICES)
     seed: int = option(
-        0, "seed of calculator's and spelling's held-out examples (a hub task's order is fixed: nanochat's seed 42)",
-        ge=0, le=SEED_MAX,
+        0, "seed of calculator's and spelling's held-out examples (a hub task's order is fixed: nanochat's seed 42) "
+        "and of the sampling at a --temperature above 0", ge=0, le=SEED_MAX,
     )  # fmt: skip
 
     def __post_init__(self):
@@ -84,6 +101,13 @@ class EvalConfig(Section):
         twice = sorted({name for name in given if given.count(name) > 1})
         if twice:  # one accuracy per task: a second count would silently replace the first
             raise ConfigError(f"--tasks: {', '.join(map(repr, twice))} given twice; name each task once")
+        if self.samples > 1 and self.temperature < owned_literal(
+            "raychat.engine.sampling", "TEMPERATURE_EPS"
+        ):
+            raise ConfigError(
+                f"--samples {self.samples} needs a --temperature above 0: greedy decoding writes the same "
+                "completion every time (e.g. --temperature 0.8; or --samples 1)"
+            )
         if (
             self.core_max_per_task == 0
         ):  # the bundle loader reads 0 as "all": a run meant to skip CORE ran all of it

@@ -11,7 +11,9 @@
   accuracy          the test split of each --tasks entry (raychat.eval.tasks.task_accuracy: greedy, exact
                     answer for generative tasks, argmax over the letters for categorical ones); a generative
                     task's completion budget: --max-tokens for every task when given, else the task's own
-                    (raychat.eval.tasks.task_budget), the same as the report card's, recorded in the result
+                    (raychat.eval.tasks.task_budget), the same as the report card's, recorded in the result;
+                    --temperature above 0: --samples completions of each generative item, pass@1..pass@samples
+                    (raychat.eval.tasks.task_pass_at_k), which the greedy report card does not take
 
   report card       raychat.eval.report_card: CORE (when the bundle is at --core-bundle) and the chat evals
                     of --tasks (chatcore[:N]: all six, "n/a: no data" for those whose files are missing)
@@ -44,6 +46,7 @@ from raychat.config import EvalConfig, from_args, to_dict
 from raychat.config.eval import CHATCORE
 from raychat.data.corpus.shards import list_shards
 from raychat.data.loader.pipeline import validation_rows
+from raychat.engine.sampling import is_greedy
 from raychat.eval.bpb import bpb_sums
 from raychat.eval.report_card import (
     CHAT_TASKS,
@@ -56,7 +59,7 @@ from raychat.eval.report_card import (
     measured_line,
     no_data_lines,
 )
-from raychat.eval.tasks import accuracy_stderr, task_accuracy, task_budget
+from raychat.eval.tasks import accuracy_stderr, mean_stderr, task_accuracy, task_budget, task_pass_at_k
 from raychat.storage import Storage, check_writable, open_storage, read_bytes, run_directory, write_bytes
 from raychat.tasks.hub_data import task_data_dir
 from raychat.tasks.registry import check_data, check_present_data, make_task, parse_mixture
@@ -116,27 +119,44 @@ def task_scores(
 ) -> tuple[dict, dict]:  # fmt: skip
     """({name: {"accuracy", "stderr", "examples", "max_tokens"}} of `tasks`, {column: cell} of the report card's
     chat evals): stderr the accuracy's standard error (raychat.eval.tasks.accuracy_stderr); a generative task
-    at task_budget(name, cfg.max_tokens), its budget recorded (None: categorical); a card task named in `tasks`
-    fills its column, chatcore (whether, examples cap) measures the other columns at the same budgets
-    (raychat.eval.report_card.chat_cells); each score's line on stderr (raychat.eval.report_card.measured_line:
-    `eval, ...` for `tasks`, `report card, ...` for chatcore's) names `scored`: (stage, checkpoint)."""
+    at task_budget(name, cfg.max_tokens), its budget recorded (None: categorical); at a cfg.temperature above
+    0 a generative task's entry also holds "samples", "temperature" and "pass@k" ({"pass@1": ...,
+    f"pass@{samples}": ...}; raychat.eval.tasks.task_pass_at_k), its accuracy pass@1 and stderr that of the
+    items' pass@1 (mean_stderr); a greedy card task named in `tasks` fills its column, chatcore (whether,
+    examples cap) measures the other columns at the same budgets (raychat.eval.report_card.chat_cells); each
+    score's line on stderr (raychat.eval.report_card.measured_line: `eval, ...` for `tasks`, `report card,
+    ...` for chatcore's) names `scored`: (stage, checkpoint)."""
     accuracy = {}
     for name, n in tasks:
         task = make_task(name, "test", None, cfg.seed, data_dir=cfg.task_data_dir)
         examples = min(n or len(task), len(task))
         budget = task_budget(name, cfg.max_tokens) if task.eval_type == "generative" else None
         t0 = time.perf_counter()
-        score = task_accuracy(model, tokenizer, task, examples, max_tokens=budget)
+        if budget is not None and not is_greedy(cfg.temperature):
+            passes, per_item = task_pass_at_k(
+                model, tokenizer, task, examples, cfg.samples, cfg.temperature, cfg.seed, max_tokens=budget
+            )
+            score, stderr = passes["pass@1"], mean_stderr(per_item)
+            sampled = {"samples": cfg.samples, "temperature": cfg.temperature, "pass@k": passes}
+        else:
+            score = task_accuracy(model, tokenizer, task, examples, max_tokens=budget)
+            stderr, sampled = accuracy_stderr(score, examples), {}
         accuracy[name] = {
             "accuracy": score,
-            "stderr": accuracy_stderr(score, examples),
+            "stderr": stderr,
             "examples": examples,
             "max_tokens": budget,
+            **sampled,
         }
-        measured = {"value": score, "stderr": accuracy[name]["stderr"], "examples": examples}
-        print(measured_line(*scored, name, measured, time.perf_counter() - t0, what="eval"), file=sys.stderr)
+        label = f"{name} pass@1" if sampled else name
+        measured = {"value": score, "stderr": stderr, "examples": examples}
+        print(measured_line(*scored, label, measured, time.perf_counter() - t0, what="eval"), file=sys.stderr)
+        if sampled:
+            print(f"  {name} at temperature {cfg.temperature:g}, {cfg.samples} samples an item: "
+                  + ", ".join(f"{k} {v:.4f}" for k, v in passes.items()), file=sys.stderr)  # fmt: skip
+    # the report card is greedy (nanochat's): a sampled score does not fill its column
     chat = {CARD_NAMES[n]: accuracy_cell(a["accuracy"], a["examples"], a["max_tokens"])
-            for n, a in accuracy.items() if n in CARD_NAMES}  # fmt: skip
+            for n, a in accuracy.items() if n in CARD_NAMES and "samples" not in a}  # fmt: skip
     if chatcore[0]:
         missing = [c for c in CHAT_TASKS if c not in chat]
         chat |= chat_cells(model, tokenizer, cfg.task_data_dir, chatcore[1], cfg.max_tokens, missing, cfg.seed,
@@ -181,12 +201,13 @@ def evaluate(
     remote URI); val_tokens: target positions of the BPB rows (rows x T), val_bytes: the UTF-8 bytes of their
     targets (BPB's denominator), val_document_masking: the checkpoint's (document_masking); val_file None
     (--eval-tokens 0): no BPB, every val_* None but val_bpb_note "not measured: --eval-tokens 0" (None when
-    measured); max_tokens: the completion budget a generative task was measured at (None: categorical); chatcore: (whether to run the six chat evals, their examples cap);
-    settings: every EvalConfig field as given (checkpoint as typed, e.g. latest), task_data_dir resolved to the
-    directory read; finished_at: UTC, ISO 8601 to the second.
+    measured); max_tokens: the completion budget a generative task was measured at (None: categorical), a
+    sampled task's "samples", "temperature" and "pass@k" (task_scores); chatcore: (whether to run the six chat
+    evals, their examples cap); settings: every EvalConfig field as given (checkpoint as typed, e.g. latest),
+    task_data_dir resolved to the directory read; finished_at: UTC, ISO 8601 to the second.
 
-    Raises ValueError naming --checkpoint when the model's validation loss (without BPB: a weight) is not finite
-    (NaN or inf)."""
+    Raises ValueError naming --checkpoint when the model's validation loss (without BPB: a weight) is not
+    finite (NaN or inf)."""
     t0 = time.perf_counter()
     model, tokenizer, meta = load_model(checkpoint, device=cfg.device)
     masking = document_masking(meta)
