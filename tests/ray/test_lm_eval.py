@@ -11,6 +11,7 @@ import json
 
 import lm_eval
 import pytest
+import requests
 import torch
 from lm_eval.tasks import TaskManager
 from support.serve_helpers import write_tiny_checkpoint
@@ -104,9 +105,16 @@ def test_lm_eval_local_completions_and_hf_match_raychat(setup, monkeypatch):
 
     monkeypatch.setenv("OPENAI_API_KEY", KEY)  # local-completions sends it as the bearer token
     with ServeProcess(checkpoint, args=["--api-key", KEY]) as server:
+        # docs/openai.md's model arguments: the model id and max_length (the context; lm_eval's default, 2048, sent
+        # longer prompts than a 256-token model takes, refused as context_length_exceeded) from /v1/models
+        models = requests.get(
+            f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10
+        )
+        (model,) = models.json()["data"]
+        assert (model["id"], model["max_seq_len"]) == (str(checkpoint), 256)
         model_args = (
-            f"model={checkpoint},base_url={server.url}/v1/completions,"
-            f"tokenizer_backend=huggingface,tokenizer={export},max_length=256"
+            f"model={model['id']},base_url={server.url}/v1/completions,"
+            f"tokenizer_backend=huggingface,tokenizer={export},max_length={model['max_seq_len']}"
         )
         api_acc, api_logliks = run_lm_eval("local-completions", model_args, tasks)
     assert api_acc == pytest.approx(expected_acc)

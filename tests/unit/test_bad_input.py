@@ -719,6 +719,7 @@ def test_an_init_from_whose_weights_are_damaged_is_refused_before_ray(stage, roo
 
 
 TASKS = "calculator, chatterbot, spelling, smoltalk, gsm8k, mmlu, arc-easy, arc-challenge, humaneval"
+EVAL_TASKS = "calculator, spelling, gsm8k, mmlu, arc-easy, arc-challenge, humaneval, chatcore"
 
 
 @pytest.mark.parametrize(
@@ -738,23 +739,31 @@ TASKS = "calculator, chatterbot, spelling, smoltalk, gsm8k, mmlu, arc-easy, arc-
          "--sft-tasks: 'calculatr:10': unknown task 'calculatr'; the form is name[:count],...; tasks: {tasks}"),
         (["eval", "--tasks", "calculator:x"],
          "--tasks: 'calculator:x': the count must be a positive integer; the form is name[:count],...; "
-         "tasks: {tasks}, chatcore"),
+         "tasks: {eval_tasks}"),
         (["eval", "--tasks", "calculator:-1"],
          "--tasks: 'calculator:-1': the count must be a positive integer; the form is name[:count],...; "
-         "tasks: {tasks}, chatcore"),
+         "tasks: {eval_tasks}"),
+        (["eval", "--tasks", "calculatr:4"],
+         "--tasks: 'calculatr:4': unknown task 'calculatr'; the form is name[:count],...; tasks: {eval_tasks}"),
+        (["eval", "--tasks", "calculator:4,chatterbot"],
+         "--tasks: 'chatterbot' is a training task, with no held-out split and checker to measure accuracy with; "
+         "tasks: {eval_tasks}"),
         (["eval", "--tasks", "chatcore:x"],
          "--tasks: 'chatcore:x': the count must be a positive integer; the form is name[:count],...; "
-         "tasks: {tasks}, chatcore"),
+         "tasks: {eval_tasks}"),
     ],
 )  # fmt: skip
 def test_a_task_spec_that_does_not_parse(argv, want, root, capsys):
     """Checked as the config is built: a worker once met '' (TaskMixture needs at least one task) or a count
-    of -5 after Ray had started, and 'abc' failed on int() without naming the flag."""
+    of -5 after Ray had started, and 'abc' failed on int() without naming the flag. eval's list named chatterbot
+    and smoltalk, which it then refused (no held-out split, no checker); it names the tasks it measures."""
     flags = ["--init-from", f"{root}/pretrain"] if argv[0] == "sft" else ["--checkpoint", f"{root}/pretrain"]
     argv = [argv[0], "--storage-path", str(root), *flags, *argv[1:]]
     line = _fails_in_one_line(argv, capsys)
     assert (
-        line == f"raychat {argv[0]}: error: {want.format(tasks=TASKS)}  (RAYCHAT_DEBUG=1 shows the traceback)"
+        line
+        == f"raychat {argv[0]}: error: {want.format(tasks=TASKS, eval_tasks=EVAL_TASKS)}  (RAYCHAT_DEBUG=1 shows "
+        "the traceback)"
     )
 
 
@@ -866,8 +875,8 @@ def test_sft_on_own_conversations_with_one_bad_record(root, tmp_path, capsys):
     argv = ["eval", "--checkpoint", f"{root}/pretrain", "--storage-path", str(root), "--tasks", "smoltalk",
             "--eval-tokens", "0", "--task-data-dir", str(tmp_path / "task_data")]  # fmt: skip
     assert _fails_in_one_line(argv, capsys) == (
-        "raychat eval: error: --tasks: 'smoltalk' has no checker to measure accuracy with  (RAYCHAT_DEBUG=1 "
-        "shows the traceback)"
+        f"raychat eval: error: --tasks: 'smoltalk' is a training task, with no held-out split and checker to "
+        f"measure accuracy with; tasks: {EVAL_TASKS}  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
     assert _snapshot(root) == before
 

@@ -3,6 +3,8 @@ val_bpb_note says why) and never reads --data-dir; BPB asked for without the dat
 skip it."""
 
 import json
+import math
+from datetime import datetime, timezone
 
 import pytest
 import ray
@@ -68,9 +70,9 @@ def test_each_report_card_line_names_the_checkpoint_and_its_stage(root, capsys):
     assert raychat_main(argv) == 0
     out, err = capsys.readouterr()
     value = json.loads(out)["report_card"]["SpellingBee"]["value"]
-    (line,) = [line for line in err.splitlines() if "SpellingBee" in line and "items" in line]
+    (line,) = [line for line in err.splitlines() if "SpellingBee" in line and "item" in line]
     assert line.startswith(
-        f"report card, sft checkpoint {root}/sft/checkpoint_000001: SpellingBee {value:.4f} (1 items, "
+        f"report card, sft checkpoint {root}/sft/checkpoint_000001: SpellingBee {value:.4f} (1 item, "
     ), line
 
 
@@ -127,3 +129,81 @@ def test_the_core_bundle_is_found_under_the_task_data_dir_given(root, tmp_path, 
     core = json.loads(capsys.readouterr().out)["report_card"]["CORE"]
     assert core["examples"] == 2 and core["note"] is None
     assert core["value"] in (0.0, 0.5, 1.0)  # one language-modeling task of 2 items, random baseline 0
+
+
+def test_eval_json_records_its_settings_standard_errors_and_time_and_the_card_names_the_checkpoint(
+    root, tmp_path, capsys
+):
+    """Two evaluations of one checkpoint (another --seed, --max-tokens, tasks) wrote files that differed only
+    in their scores: nothing said which flags made which, nor when; report_card.md named the stage alone, so
+    the cards of two RL checkpoints read the same; a score came without its standard error (lm_eval's
+    acc_stderr)."""
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "latest", "--tasks", "calculator:3",
+            "--eval-tokens", "0", "--seed", "7", "--max-tokens", "8", "--run-name", "seed7"]  # fmt: skip
+    before = datetime.now(timezone.utc).replace(microsecond=0)
+    assert raychat_main(argv) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    calculator = result["tasks"]["calculator"]
+    p, se = calculator["accuracy"], math.sqrt(calculator["accuracy"] * (1 - calculator["accuracy"]) / 2)
+    assert calculator == {"accuracy": p, "stderr": pytest.approx(se), "examples": 3, "max_tokens": 8}
+    (line,) = [line for line in err.splitlines() if line.startswith("eval, ")]  # each --tasks score on stderr
+    assert line.startswith(
+        f"eval, sft checkpoint {root}/sft/checkpoint_000001: calculator {p:.4f} ± {se:.4f} (3 items, "
+    )
+    assert result["settings"] == {
+        "checkpoint": "latest", "storage_path": str(root), "run_name": "seed7", "data_dir": str(root / "data"),
+        "eval_tokens": 0, "tasks": "calculator:3", "task_data_dir": str(tmp_path / "task_data"), "core_bundle": "",
+        "core_max_per_task": -1, "device_batch_size": 8, "max_tokens": 8, "samples": 1, "temperature": 0.0, "device": "cpu", "seed": 7,
+    }  # fmt: skip
+    assert before <= datetime.fromisoformat(result["finished_at"]) <= datetime.now(timezone.utc)
+    card = (root / "seed7" / "report_card.md").read_text().splitlines()  # its meta says step 0
+    assert card[-1] == (
+        f"checkpoint {root}/sft/checkpoint_000001 (sft, step 0), evaluated {result['finished_at']}"
+    )
+    # the same run name again replaces these results: stderr says whose, before the evaluation runs
+    assert raychat_main([*argv[:-6], "--seed", "8", "--run-name", "seed7"]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0] == (
+        f"eval: replacing {root}/seed7's results (sft checkpoint {root}/sft/checkpoint_000001, "
+        f"{result['finished_at']}); give another --run-name to keep both"
+    )
+    assert json.loads((root / "seed7" / "eval.json").read_text())["settings"]["seed"] == 8
+
+
+def test_bpb_without_data_under_a_speedruns_checkpoints_names_the_data_beside_them(root, tmp_path, capsys):
+    """After `raychat speedrun --out X`, `raychat eval --storage-path X/checkpoints` looked for X/checkpoints/data
+    and told the user to prepare data there; the speedrun's shards are in X/data."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "manifest.json").write_text("{}")  # the hint only looks for the manifest
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "sft", "--tasks", "calculator:2"]
+    assert _fails_in_one_line(argv, capsys).endswith(
+        f"--eval-tokens 0 skips BPB and scores only --tasks and the report card; the speedrun's data beside "
+        f"--storage-path is {tmp_path}/data: --data-dir {tmp_path}/data)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert not (root / "eval").exists()
+
+
+def test_sampled_pass_at_k_is_recorded_per_task_and_stays_off_the_greedy_report_card(root, capsys):
+    """nanochat's chat_eval and lm_eval's generate tasks sample k completions for pass@k; eval was greedy only.
+    The arithmetic: tests/unit/test_report_card.py::test_pass_at_k_of_sampled_completions_by_hand."""
+    argv = ["eval", "--storage-path", str(root), "--checkpoint", "sft", "--tasks", "calculator:2,spelling:2",
+            "--eval-tokens", "0", "--samples", "3"]  # fmt: skip
+    assert _fails_in_one_line(argv, capsys) == (
+        "raychat eval: error: --samples 3 needs a --temperature above 0: greedy decoding writes the same completion "
+        "every time (e.g. --temperature 0.8; or --samples 1)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert raychat_main([*argv, "--temperature", "0.7"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    for name in ("calculator", "spelling"):
+        entry = result["tasks"][name]
+        passes = entry.pop("pass@k")
+        assert list(passes) == ["pass@1", "pass@2", "pass@3"] and list(passes.values()) == sorted(
+            passes.values()
+        )
+        assert entry == {"accuracy": passes["pass@1"], "stderr": entry["stderr"], "examples": 2, "max_tokens": 128,
+                         "samples": 3, "temperature": 0.7}  # fmt: skip
+        assert f"  {name} at temperature 0.7, 3 samples an item: pass@1 {passes['pass@1']:.4f}, " in err
+    assert result["report_card"]["SpellingBee"]["note"] == "-"  # the card's SpellingBee is greedy
+    assert (result["settings"]["samples"], result["settings"]["temperature"]) == (3, 0.7)

@@ -7,6 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from lm_eval.api.metrics import mean_stderr as lm_eval_mean_stderr
 from support.engine_fixtures import byte_tokenizer, scripted_model
 
 from raychat.chat_template import render_conversation, render_for_completion
@@ -16,6 +17,7 @@ from raychat.eval.cli import task_scores
 from raychat.eval.report_card import (
     NEEDS_ALL,
     NO_DATA,
+    accuracy_cell,
     card_row,
     cell,
     chat_cells,
@@ -25,7 +27,8 @@ from raychat.eval.report_card import (
     measured_line,
     no_data_lines,
 )
-from raychat.eval.tasks import prompt_messages, task_budget
+from raychat.eval.tasks import accuracy_stderr, mean_stderr, prompt_messages, task_budget, task_pass_at_k
+from raychat.tasks.calculator import Calculator
 from raychat.tasks.registry import check_data, make_task, mixture_tasks, parse_mixture
 
 
@@ -116,8 +119,9 @@ def test_categorical_scores_by_hand(data_dir, small_tokenizer):
     letter = {c: small_tokenizer.encode(c)[0] for c in "ABCD"}
     model = LetterModel(small_tokenizer.vocab_size, letter["B"], letter["C"])
     cells = chat_cells(model, small_tokenizer, str(data_dir), columns=("ARC-Easy", "MMLU", "ARC-Challenge"))
-    assert cells["ARC-Easy"] == cell(2 / 3, examples=3)  # answers B, C, B; the model says B
-    assert cells["MMLU"] == cell(1.0, examples=1)  # the answer is B
+    # answers B, C, B; the model says B: 2 of 3, standard error sqrt(2/3 * 1/3 / 2) = 1/3 (lm_eval's acc_stderr)
+    assert cells["ARC-Easy"] == {"value": 2 / 3, "note": None, "examples": 3, "stderr": pytest.approx(1 / 3)}
+    assert cells["MMLU"] == cell(1.0, examples=1)  # the answer is B; one item: no standard error
     assert cells["ARC-Challenge"] == cell(note=NO_DATA)
     # the letters restrict the choice: an item whose letters exclude B gets C (the model's second choice)
     write_parquet(data_dir / "ai2_arc/ARC-Challenge/test-00000-of-00001.parquet",
@@ -127,11 +131,20 @@ def test_categorical_scores_by_hand(data_dir, small_tokenizer):
     ] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("scores", [[1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 0], [1] * 5, [0, 1]])
+def test_an_accuracys_standard_error_is_lm_evals_acc_stderr(scores):
+    """lm-evaluation-harness's mean_stderr of the same 0/1 item scores (1/3 at 1 of 3, as its table prints)."""
+    assert accuracy_stderr(sum(scores) / len(scores), len(scores)) == pytest.approx(
+        lm_eval_mean_stderr(scores)
+    )
+    assert accuracy_stderr(1.0, 1) is None  # one item: lm_eval's stderr is N/A
+
+
 def test_gsm8k_generative_with_the_calculator(data_dir, tool_checkpoint):
     model, tokenizer, _ = load_model(tool_checkpoint)
     cells = chat_cells(model, tokenizer, str(data_dir), columns=("GSM8K",), max_tokens=40)
     # item 1: the model calls the calculator and ends with #### 564 (correct); item 2: it tells its story
-    assert cells["GSM8K"] == cell(0.5, examples=2, max_tokens=40)
+    assert cells["GSM8K"] == cell(0.5, examples=2, max_tokens=40, stderr=0.5)  # sqrt(0.5 * 0.5 / 1)
 
 
 def test_each_measured_line_names_the_stage_and_checkpoint_it_scored(data_dir, tool_checkpoint):
@@ -143,12 +156,16 @@ def test_each_measured_line_names_the_stage_and_checkpoint_it_scored(data_dir, t
     assert measured_line("", "/r/c", "MMLU", cell(2 / 3, examples=3), 0.04) == (
         "report card, checkpoint /r/c: MMLU 0.6667 (3 items, 0.0 s)"
     )
+    # with its standard error: 16 of 256, sqrt(0.0625 * 0.9375 / 255) = 0.01516
+    assert measured_line("rl", "/r/c", "spelling", accuracy_cell(16 / 256, 256), 2.0, what="eval") == (
+        "eval, rl checkpoint /r/c: spelling 0.0625 ± 0.0152 (256 items, 2.0 s)"
+    )
     lines = []
     row = checkpoint_row(tool_checkpoint, True, str(data_dir), max_problems=1, log=lines.append, stage="rl")
     measured = ("ARC-Easy", "MMLU", "GSM8K", "SpellingBee")  # the columns with data here, in the card's order
     assert [line.split(": ")[0] for line in lines] == [f"report card, rl checkpoint {tool_checkpoint}"] * 4
     assert [line.split(": ")[1].split(" ")[0] for line in lines] == list(measured)
-    assert all(f" {row[c]['value']:.4f} (1 items, " in line for c, line in zip(measured, lines))
+    assert all(f" {row[c]['value']:.4f} (1 item, " in line for c, line in zip(measured, lines))
 
 
 LONG_SOLUTION = (
@@ -177,13 +194,13 @@ def test_a_long_gold_answer_scores_the_same_from_tasks_and_from_chatcore(tmp_pat
     model = gold_model(tok, item)
     cfg = from_dict(EvalConfig, {"task_data_dir": str(tmp_path), "tasks": "gsm8k,chatcore:1"})
     accuracy, chat = task_scores(model, tok, [("gsm8k", None)], cfg, (True, 1))
-    assert accuracy == {"gsm8k": {"accuracy": 1.0, "examples": 1, "max_tokens": 512}}
+    assert accuracy == {"gsm8k": {"accuracy": 1.0, "stderr": None, "examples": 1, "max_tokens": 512}}
     _, alone = task_scores(model, tok, [], cfg, (True, 1))  # --tasks chatcore
     assert chat["GSM8K"] == alone["GSM8K"] == cell(1.0, examples=1, max_tokens=512)
     assert chat["ARC-Easy"] == cell(note=NO_DATA)  # categorical cells carry no budget
     cut = from_dict(EvalConfig, {"task_data_dir": str(tmp_path), "tasks": "gsm8k", "max_tokens": 48})
     accuracy, chat = task_scores(model, tok, [("gsm8k", None)], cut, (True, 1))
-    assert accuracy["gsm8k"] == {"accuracy": 0.0, "examples": 1, "max_tokens": 48}
+    assert accuracy["gsm8k"] == {"accuracy": 0.0, "stderr": None, "examples": 1, "max_tokens": 48}
     assert chat["GSM8K"] == cell(0.0, examples=1, max_tokens=48)
     line = format_markdown({"sft": card_row(None, chat)}).splitlines()[2]
     assert line.split(" | ")[5] == "0.0000 (48 tok)"  # not the task's own budget: said in the table
@@ -251,3 +268,29 @@ def test_the_missing_chat_data_is_said_once_with_the_stages_that_wanted_it(tmp_p
         "  SpellingBee: /usr/share/dict/words: install the Debian package `wamerican`",
     ]
     assert no_data_lines({"sft": card_row(None, spelling)}, str(tmp_path)) == []
+
+
+class GradedInOrder(Calculator):
+    """Two calculator items whose completions are graded by a fixed list of verdicts, in the order the engine
+    returns them (item 0's samples, then item 1's): the pass@k arithmetic is then known whatever is sampled."""
+
+    def __init__(self, verdicts: list[bool]):
+        super().__init__(split="test", size=2)
+        self.verdicts = iter(verdicts)
+
+    def is_correct(self, conversation, text):
+        return next(self.verdicts)
+
+
+def test_pass_at_k_of_sampled_completions_by_hand():
+    """Item 0: 2 of 4 samples correct, item 1: none. pass@1 = (2/4 + 0) / 2 = 0.25; pass@2 = (1 - C(2,2)/C(4,2)
+    + 0) / 2 = (5/6) / 2; pass@3 = pass@4 = (1 + 0) / 2 (fewer than k wrong samples: 1). The items' pass@1, 0.5
+    and 0, have a standard error of sqrt(2 * 0.25**2 / 1 / 2) = 0.25."""
+    tok = byte_tokenizer()
+    model = scripted_model(tok.vocab_size, {}, tok.special_id("<|assistant_end|>"))
+    task = GradedInOrder([True, False, False, True] + [False] * 4)
+    passes, per_item = task_pass_at_k(model, tok, task, 2, samples=4, temperature=1.0, seed=0, max_tokens=4)
+    assert passes == pytest.approx({"pass@1": 0.25, "pass@2": 5 / 12, "pass@3": 0.5, "pass@4": 0.5})
+    assert per_item == [0.5, 0.0] and mean_stderr(per_item) == pytest.approx(0.25)
+    assert mean_stderr(per_item) == pytest.approx(lm_eval_mean_stderr(per_item))
+    assert mean_stderr([1.0, 0.0, 0.0]) == pytest.approx(accuracy_stderr(1 / 3, 3))  # 0/1 scores: the same

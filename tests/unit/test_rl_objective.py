@@ -11,11 +11,11 @@ from raychat.rl.objective import (
     collate,
     group_advantages,
     normalized_loss,
-    pass_at_k,
     per_token_loss,
     token_logprobs,
     zero_advantage_frac,
 )
+from raychat.tasks.pass_at_k import pass_at_k
 
 
 def _rows(lengths, values, T):

@@ -20,7 +20,7 @@ from raychat.tasks import (
     extract_answer,
     mixture_report,
 )
-from raychat.tasks.registry import TASK_NAMES, TASKS, parse_mixture
+from raychat.tasks.registry import EVAL_TASK_NAMES, TASK_NAMES, TASKS, graded, held_out, parse_mixture
 from raychat.tasks.spelling import split_of as word_split
 
 
@@ -394,6 +394,8 @@ def test_mixture_report_shares(small_tokenizer):
 def test_the_names_task_specs_are_checked_against_are_the_registrys():
     """The configs check --sft-tasks / --tasks against TASK_NAMES without importing the tasks."""
     assert TASK_NAMES == tuple(TASKS)
+    # eval's --tasks: those with a held-out split and a checker (not chatterbot, smoltalk)
+    assert EVAL_TASK_NAMES == tuple(n for n in TASK_NAMES if held_out(n) and graded(n))
     assert parse_mixture(" calculator : 5 ,spelling,, calculator") == [
         ("calculator", 5), ("spelling", None), ("calculator", None)
     ]  # fmt: skip

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import SEED_MAX, ConfigError, Section, option, owned_choices, parse_task_spec
+from raychat.config.schema import (
+    SEED_MAX,
+    ConfigError,
+    Section,
+    option,
+    owned_choices,
+    owned_literal,
+    parse_task_spec,
+)
 from raychat.config.serve import KV_DTYPE_HELP
 
 DEVICES = ("cpu", "cuda")
@@ -38,8 +46,11 @@ class EvalConfig(Section):
         "the JSON): only --tasks and the report card are measured and --data-dir is not read", ge=0,
     )  # fmt: skip
     tasks: str = option(
-        "calculator:64", "held-out tasks for accuracy: task[:examples],... ('' = none); chatcore[:examples] = "
-        "the report card's six chat evals (a task whose files are missing: 'n/a: no data', not an error)",
+        "calculator:64", "held-out tasks for accuracy: task[:examples],... of "
+        f"{', '.join(owned_choices('raychat.tasks.registry', 'EVAL_TASK_NAMES'))} ('' = none; examples: the first "
+        "N of the test split, default all: calculator's and spelling's in --seed's order, a hub task's in its fixed "
+        "one); chatcore[:examples] = the report card's six chat "
+        "evals (a task whose files are missing: 'n/a: no data', not an error)",
         blank_ok=True,
     )  # fmt: skip
     task_data_dir: str = option(
@@ -60,16 +71,43 @@ class EvalConfig(Section):
         "128: room for any gold answer); the budget is recorded with each score",
         positive=True,
     )  # fmt: skip
+    samples: int = option(
+        1, "completions per item of a generative task (gsm8k, humaneval, spelling, calculator); above 1: pass@k for "
+        "k = 1..this (Chen et al.'s unbiased estimator), at a --temperature above 0; categorical tasks are scored "
+        "greedily whatever this", positive=True,
+    )  # fmt: skip
+    temperature: float = option(
+        0.0, "sampling temperature of the generative tasks' completions (seeded by --seed); 0 (below 1e-5) = "
+        "greedy, nanochat's chat_eval and the report card's", ge=0,
+    )  # fmt: skip
     device: str = option("cpu", "where the model runs", DEVICES)
-    seed: int = option(0, "seed of the held-out examples' order", ge=0, le=SEED_MAX)
+    seed: int = option(
+        0, "seed of calculator's and spelling's held-out examples (a hub task's order is fixed: nanochat's seed 42) "
+        "and of the sampling at a --temperature above 0", ge=0, le=SEED_MAX,
+    )  # fmt: skip
 
     def __post_init__(self):
         super().__post_init__()
-        names = (*owned_choices("raychat.tasks.registry", "TASK_NAMES"), CHATCORE)
+        names = (*owned_choices("raychat.tasks.registry", "EVAL_TASK_NAMES"), CHATCORE)
+        training_only = set(owned_choices("raychat.tasks.registry", "TASK_NAMES")) - set(names)
+        for item in self.tasks.split(","):
+            name = item.partition(":")[0].strip()
+            if name in training_only:  # chatterbot: no held-out split; smoltalk: no checker
+                raise ConfigError(
+                    f"--tasks: {name!r} is a training task, with no held-out split and checker to measure accuracy "
+                    f"with; tasks: {', '.join(names)}"
+                )
         given = [name for name, _ in parse_task_spec(self.tasks, "--tasks", names, empty_ok=True)]
         twice = sorted({name for name in given if given.count(name) > 1})
         if twice:  # one accuracy per task: a second count would silently replace the first
             raise ConfigError(f"--tasks: {', '.join(map(repr, twice))} given twice; name each task once")
+        if self.samples > 1 and self.temperature < owned_literal(
+            "raychat.engine.sampling", "TEMPERATURE_EPS"
+        ):
+            raise ConfigError(
+                f"--samples {self.samples} needs a --temperature above 0: greedy decoding writes the same "
+                "completion every time (e.g. --temperature 0.8; or --samples 1)"
+            )
         if (
             self.core_max_per_task == 0
         ):  # the bundle loader reads 0 as "all": a run meant to skip CORE ran all of it

@@ -11,7 +11,9 @@
   accuracy          the test split of each --tasks entry (raychat.eval.tasks.task_accuracy: greedy, exact
                     answer for generative tasks, argmax over the letters for categorical ones); a generative
                     task's completion budget: --max-tokens for every task when given, else the task's own
-                    (raychat.eval.tasks.task_budget), the same as the report card's, recorded in the result
+                    (raychat.eval.tasks.task_budget), the same as the report card's, recorded in the result;
+                    --temperature above 0: --samples completions of each generative item, pass@1..pass@samples
+                    (raychat.eval.tasks.task_pass_at_k), which the greedy report card does not take
 
   report card       raychat.eval.report_card: CORE (when the bundle is at --core-bundle) and the chat evals
                     of --tasks (chatcore[:N]: all six, "n/a: no data" for those whose files are missing)
@@ -31,6 +33,7 @@ import json
 import math
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -39,24 +42,27 @@ import torch
 from raychat.atomic import remove_leftovers
 from raychat.checkpoint import document_masking, load_model
 from raychat.checkpoint_manager import check_output_target, find_checkpoint
-from raychat.config import EvalConfig, from_args
+from raychat.config import EvalConfig, from_args, to_dict
 from raychat.config.eval import CHATCORE
 from raychat.data.corpus.shards import list_shards
 from raychat.data.loader.pipeline import validation_rows
+from raychat.engine.sampling import is_greedy
 from raychat.eval.bpb import bpb_sums
 from raychat.eval.report_card import (
     CHAT_TASKS,
+    accuracy_cell,
     bundle_path,
     card_row,
-    cell,
     chat_cells,
     core_cell,
     format_markdown,
+    measured_line,
     no_data_lines,
 )
-from raychat.eval.tasks import task_accuracy, task_budget
-from raychat.storage import Storage, check_writable, open_storage, run_directory, write_bytes
-from raychat.tasks.registry import check_data, check_present_data, graded, held_out, make_task, parse_mixture
+from raychat.eval.tasks import accuracy_stderr, mean_stderr, task_accuracy, task_budget, task_pass_at_k
+from raychat.storage import Storage, check_writable, open_storage, read_bytes, run_directory, write_bytes
+from raychat.tasks.hub_data import task_data_dir
+from raychat.tasks.registry import check_data, check_present_data, make_task, parse_mixture
 
 RESULT_FILE = "eval.json"
 CARD_FILE = "report_card.md"
@@ -78,6 +84,23 @@ def check_eval_target(storage: Storage, run_name: str) -> str:
     )  # fmt: skip
 
 
+def replaced_line(storage: Storage, run_name: str) -> str | None:
+    """The stderr line saying which earlier evaluation this one's files replace at <root>/<run_name>, e.g.
+    `eval: replacing runs/checkpoints/eval's results (rl checkpoint .../checkpoint_000050, 2026-12-06T09:30:00+00:00);
+    give another --run-name to keep both`; None when there is no earlier eval.json there."""
+    path = f"{storage.run_path(run_name)}/{RESULT_FILE}"
+    try:
+        earlier = json.loads(read_bytes(storage, path))
+    except (OSError, ValueError):  # none there, or a half-written one: nothing to name
+        return None
+    scored = " ".join(str(x) for x in (earlier.get("stage"), "checkpoint", earlier.get("checkpoint")) if x)
+    when = f", {earlier['finished_at']}" if earlier.get("finished_at") else ""
+    return (
+        f"eval: replacing {storage.uri_of(storage.run_path(run_name))}'s results ({scored}{when}); give another "
+        "--run-name to keep both"
+    )
+
+
 def split_card_tasks(spec: str) -> tuple[str, int | None, bool]:
     """(--tasks without its chatcore entry, chatcore's examples cap, whether chatcore was named)."""
     rest, cap, named = [], None, False
@@ -94,23 +117,46 @@ def task_scores(
     model, tokenizer, tasks: list[tuple[str, int | None]], cfg: EvalConfig, chatcore: tuple[bool, int | None],
     scored: tuple[str, str] = ("", ""),
 ) -> tuple[dict, dict]:  # fmt: skip
-    """({name: {"accuracy", "examples", "max_tokens"}} of `tasks`, {column: cell} of the report card's chat
-    evals): a generative task at task_budget(name, cfg.max_tokens), its budget recorded (None: categorical); a
-    card task named in `tasks` fills its column, chatcore (whether, examples cap) measures the other columns at
-    the same budgets (raychat.eval.report_card.chat_cells), their lines on stderr naming `scored`: (stage,
-    checkpoint)."""
+    """({name: {"accuracy", "stderr", "examples", "max_tokens"}} of `tasks`, {column: cell} of the report card's
+    chat evals): stderr the accuracy's standard error (raychat.eval.tasks.accuracy_stderr); a generative task
+    at task_budget(name, cfg.max_tokens), its budget recorded (None: categorical); at a cfg.temperature above
+    0 a generative task's entry also holds "samples", "temperature" and "pass@k" ({"pass@1": ...,
+    f"pass@{samples}": ...}; raychat.eval.tasks.task_pass_at_k), its accuracy pass@1 and stderr that of the
+    items' pass@1 (mean_stderr); a greedy card task named in `tasks` fills its column, chatcore (whether,
+    examples cap) measures the other columns at the same budgets (raychat.eval.report_card.chat_cells); each
+    score's line on stderr (raychat.eval.report_card.measured_line: `eval, ...` for `tasks`, `report card,
+    ...` for chatcore's) names `scored`: (stage, checkpoint)."""
     accuracy = {}
     for name, n in tasks:
         task = make_task(name, "test", None, cfg.seed, data_dir=cfg.task_data_dir)
         examples = min(n or len(task), len(task))
         budget = task_budget(name, cfg.max_tokens) if task.eval_type == "generative" else None
+        t0 = time.perf_counter()
+        if budget is not None and not is_greedy(cfg.temperature):
+            passes, per_item = task_pass_at_k(
+                model, tokenizer, task, examples, cfg.samples, cfg.temperature, cfg.seed, max_tokens=budget
+            )
+            score, stderr = passes["pass@1"], mean_stderr(per_item)
+            sampled = {"samples": cfg.samples, "temperature": cfg.temperature, "pass@k": passes}
+        else:
+            score = task_accuracy(model, tokenizer, task, examples, max_tokens=budget)
+            stderr, sampled = accuracy_stderr(score, examples), {}
         accuracy[name] = {
-            "accuracy": task_accuracy(model, tokenizer, task, examples, max_tokens=budget),
+            "accuracy": score,
+            "stderr": stderr,
             "examples": examples,
             "max_tokens": budget,
+            **sampled,
         }
-    chat = {CARD_NAMES[n]: cell(a["accuracy"], examples=a["examples"], max_tokens=a["max_tokens"])
-            for n, a in accuracy.items() if n in CARD_NAMES}  # fmt: skip
+        label = f"{name} pass@1" if sampled else name
+        measured = {"value": score, "stderr": stderr, "examples": examples}
+        print(measured_line(*scored, label, measured, time.perf_counter() - t0, what="eval"), file=sys.stderr)
+        if sampled:
+            print(f"  {name} at temperature {cfg.temperature:g}, {cfg.samples} samples an item: "
+                  + ", ".join(f"{k} {v:.4f}" for k, v in passes.items()), file=sys.stderr)  # fmt: skip
+    # the report card is greedy (nanochat's): a sampled score does not fill its column
+    chat = {CARD_NAMES[n]: accuracy_cell(a["accuracy"], a["examples"], a["max_tokens"])
+            for n, a in accuracy.items() if n in CARD_NAMES and "samples" not in a}  # fmt: skip
     if chatcore[0]:
         missing = [c for c in CHAT_TASKS if c not in chat]
         chat |= chat_cells(model, tokenizer, cfg.task_data_dir, chatcore[1], cfg.max_tokens, missing, cfg.seed,
@@ -150,15 +196,18 @@ def evaluate(
     chatcore: tuple[bool, int | None] = (False, None),
 ) -> dict:
     """{"checkpoint", "stage", "step", "val_bpb", "val_bpb_note", "val_tokens", "val_bytes",
-    "val_document_masking", "tasks": {name: {"accuracy", "examples", "max_tokens"}}, "report_card": {column: cell},
-    "seconds"} of the checkpoint at `checkpoint` (a local dir or a remote URI); val_tokens: target positions of the
-    BPB rows (rows x T), val_bytes: the UTF-8 bytes of their targets (BPB's denominator), val_document_masking: the
-    checkpoint's (document_masking); val_file None (--eval-tokens 0): no BPB, every val_* None but val_bpb_note
-    "not measured: --eval-tokens 0" (None when measured); max_tokens: the completion budget a generative task was
-    measured at (None: categorical); chatcore: (whether to run the six chat evals, their examples cap).
+    "val_document_masking", "tasks": {name: {"accuracy", "stderr", "examples", "max_tokens"}}, "report_card":
+    {column: cell}, "seconds", "settings", "finished_at"} of the checkpoint at `checkpoint` (a local dir or a
+    remote URI); val_tokens: target positions of the BPB rows (rows x T), val_bytes: the UTF-8 bytes of their
+    targets (BPB's denominator), val_document_masking: the checkpoint's (document_masking); val_file None
+    (--eval-tokens 0): no BPB, every val_* None but val_bpb_note "not measured: --eval-tokens 0" (None when
+    measured); max_tokens: the completion budget a generative task was measured at (None: categorical), a
+    sampled task's "samples", "temperature" and "pass@k" (task_scores); chatcore: (whether to run the six chat
+    evals, their examples cap); settings: every EvalConfig field as given (checkpoint as typed, e.g. latest),
+    task_data_dir resolved to the directory read; finished_at: UTC, ISO 8601 to the second.
 
-    Raises ValueError naming --checkpoint when the model's validation loss (without BPB: a weight) is not finite
-    (NaN or inf)."""
+    Raises ValueError naming --checkpoint when the model's validation loss (without BPB: a weight) is not
+    finite (NaN or inf)."""
     t0 = time.perf_counter()
     model, tokenizer, meta = load_model(checkpoint, device=cfg.device)
     masking = document_masking(meta)
@@ -193,7 +242,17 @@ def evaluate(
         "tasks": accuracy,
         "report_card": card_row(core, chat),
         "seconds": round(time.perf_counter() - t0, 2),
+        "settings": to_dict(cfg) | {"task_data_dir": str(task_data_dir(cfg.task_data_dir))},
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def card_source(result: dict) -> str:
+    """The line under report_card.md's table naming what was scored and when, e.g. `checkpoint
+    runs/rl/rl50/checkpoint_000050 (rl, step 50), evaluated 2026-12-06T09:30:00+00:00`."""
+    step = None if result["step"] is None else f"step {result['step']}"
+    kind = ", ".join(x for x in (result["stage"], step) if x) or "no stage recorded"
+    return f"checkpoint {result['checkpoint']} ({kind}), evaluated {result['finished_at']}"
 
 
 def validation_shard(cfg: EvalConfig, storage: Storage) -> str:
@@ -205,9 +264,16 @@ def validation_shard(cfg: EvalConfig, storage: Storage) -> str:
     try:
         return list_shards(data_dir)[1]
     except (OSError, ValueError) as e:
+        # a speedrun's --out X holds X/checkpoints (the storage root given) beside X/data
+        beside = Path(storage.path).parent / "data"
+        hint = (
+            f"; the speedrun's data beside --storage-path is {beside}: --data-dir {beside}"
+            if storage.is_local and beside != Path(data_dir) and (beside / "manifest.json").is_file()
+            else ""
+        )
         raise ValueError(
             f"--data-dir: {e} (BPB needs the pretraining data's validation shard; --eval-tokens 0 skips BPB and "
-            "scores only --tasks and the report card)"
+            f"scores only --tasks and the report card{hint})"
         ) from e
 
 
@@ -221,11 +287,6 @@ def main(args) -> int:
     storage = open_storage(cfg.storage_path)
     spec, cap, named = split_card_tasks(cfg.tasks)
     tasks = parse_mixture(spec, "--tasks", empty_ok=True)
-    for name, _ in tasks:
-        if not held_out(name):
-            raise ValueError(f"--tasks: {name!r} has no held-out split to measure accuracy on")
-        if not graded(name):
-            raise ValueError(f"--tasks: {name!r} has no checker to measure accuracy with")
     names = [name for name, _ in tasks]
     check_data(names, ("test",), cfg.task_data_dir, "--tasks")
     if named:  # the card's other chat evals: those whose files are here, checked before the model loads
@@ -252,16 +313,22 @@ def main(args) -> int:
             "or an --eval-tokens above 0"
         )
     check_eval_target(storage, cfg.run_name)  # before the evaluation runs
+    replacing = replaced_line(storage, cfg.run_name)
     checkpoint = find_checkpoint(cfg.checkpoint, storage, "--checkpoint")
     val_file = validation_shard(cfg, storage) if cfg.eval_tokens else None
     check_writable(storage)
+    if replacing:
+        print(replacing, file=sys.stderr)
     result = evaluate(checkpoint, val_file, tasks, cfg, (named, cap))
     if storage.is_local:  # object storage writes in one PUT: no leftovers there
         remove_leftovers(storage.run_path(cfg.run_name))
     text = json.dumps(result, indent=2)
     where = write_bytes(storage, f"{storage.run_path(cfg.run_name)}/{RESULT_FILE}", (text + "\n").encode())
     table = format_markdown({result["stage"] or "checkpoint": result["report_card"]})
-    card = write_bytes(storage, f"{storage.run_path(cfg.run_name)}/{CARD_FILE}", (table + "\n").encode())
+    scored = card_source(result)
+    card = write_bytes(
+        storage, f"{storage.run_path(cfg.run_name)}/{CARD_FILE}", f"{table}\n\n{scored}\n".encode()
+    )
     print(text)
     print(table, file=sys.stderr)
     if result["val_bpb"] is None:

@@ -10,8 +10,9 @@ that had it, commit 950a1dc^):
   ChatCORE       the mean over the six chat evals of (accuracy - baseline) / (1 - baseline), baseline 0.25
                  for the categorical ones (nanochat's "multiple choice 1 of 4"), 0 for the generative ones;
                  only when all six were measured (nanochat computes it only then)
-A cell is {"value": float or None, "note": why there is no value, "examples": items scored}, and for a
-generative column "max_tokens": the completion budget it was measured at (each task's own,
+A cell is {"value": float or None, "note": why there is no value, "examples": items scored, "stderr": the
+standard error of a chat eval's accuracy (raychat.eval.tasks.accuracy_stderr; None for one item, for CORE and
+ChatCORE, and without a value)}, and for a generative column "max_tokens": the completion budget it was measured at (each task's own,
 raychat.eval.tasks.MAX_TOKENS: GSM8K, HumanEval 512 as nanochat's chat_eval, SpellingBee 128, unless one budget
 was given for every task; the table shows a budget other than the task's own after the value). Notes:
 "n/a: no data" (the task's files or the CORE bundle are not on this machine), "-" (not measured at this
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from raychat.checkpoint import load_model
 from raychat.eval.core import core_scores
-from raychat.eval.tasks import task_accuracy, task_budget
+from raychat.eval.tasks import accuracy_stderr, task_accuracy, task_budget
 from raychat.tasks.hub_data import HUB_SPLITS, TASK_DATA_ENV, download_command, task_data_dir
 from raychat.tasks.registry import make_task
 from raychat.tasks.spelling import DEFAULT_WORDS
@@ -50,10 +51,18 @@ def cell(
     note: str | None = None,
     examples: int | None = None,
     max_tokens: int | None = None,
+    stderr: float | None = None,
 ) -> dict:
     """A card cell (module doc); "max_tokens" only when given (a generative column's budget)."""
-    return {"value": value, "note": note, "examples": examples} | (
+    return {"value": value, "note": note, "examples": examples, "stderr": stderr} | (
         {"max_tokens": max_tokens} if max_tokens else {}
+    )
+
+
+def accuracy_cell(accuracy: float, examples: int, max_tokens: int | None = None) -> dict:
+    """The cell of a chat eval's `accuracy` over `examples` items, with its standard error."""
+    return cell(
+        accuracy, examples=examples, max_tokens=max_tokens, stderr=accuracy_stderr(accuracy, examples)
     )
 
 
@@ -71,13 +80,17 @@ def chatcore(cells: dict) -> dict:
     return cell(sum(terms) / len(terms))
 
 
-def measured_line(stage: str, checkpoint: str, column: str, c: dict, seconds: float) -> str:
+def measured_line(
+    stage: str, checkpoint: str, column: str, c: dict, seconds: float, what: str = "report card"
+) -> str:
     """The line logged when chat eval `column` of the `stage` checkpoint at `checkpoint` is measured: its cell
-    `c`'s accuracy and items, and the wall time in seconds, e.g. `report card, sft checkpoint
-    runs/sft/checkpoint_000002: SpellingBee 0.0000 (256 items, 1.2 s)` (stage '': `report card, checkpoint
-    ...`)."""
+    `c`'s accuracy, its standard error when it has one, its items, and the wall time in seconds, e.g. `report
+    card, sft checkpoint runs/sft/checkpoint_000002: SpellingBee 0.0625 ± 0.0152 (256 items, 1.2 s)` (stage '':
+    `report card, checkpoint ...`; `what` in place of "report card": raychat eval's --tasks lines)."""
     named = f"{stage} checkpoint" if stage else "checkpoint"
-    return f"report card, {named} {checkpoint}: {column} {c['value']:.4f} ({c['examples']} items, {seconds:.1f} s)"
+    spread = f" ± {c['stderr']:.4f}" if c.get("stderr") is not None else ""
+    items = f"{c['examples']} item{'' if c['examples'] == 1 else 's'}"
+    return f"{what}, {named} {checkpoint}: {column} {c['value']:.4f}{spread} ({items}, {seconds:.1f} s)"
 
 
 def chat_cells(
@@ -103,9 +116,7 @@ def chat_cells(
         n = min(n, max_problems or n, len(task))
         t0 = time.perf_counter()
         budget = task_budget(name, max_tokens) if task.eval_type == "generative" else None
-        out[column] = cell(
-            task_accuracy(model, tokenizer, task, n, max_tokens=budget), examples=n, max_tokens=budget
-        )
+        out[column] = accuracy_cell(task_accuracy(model, tokenizer, task, n, max_tokens=budget), n, budget)
         if log:
             log(measured_line(*scored, column, out[column], time.perf_counter() - t0))
     return out

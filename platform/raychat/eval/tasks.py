@@ -5,14 +5,19 @@ the highest logit among the task's `letters`; accuracy = fraction equal to `answ
 generative: greedy completion through the engine (tool calls evaluated); accuracy = fraction that
 `task.is_correct(conversation, completion_text)` accepts. Its completion budget (tokens, forced tool output
 included) is the task's own, MAX_TOKENS, unless one budget is given for every task (task_budget).
+sampled (task_pass_at_k): k completions of each generative item at a temperature, pass@1..pass@k by the
+unbiased estimator (raychat.tasks.pass_at_k, RL's held-out evaluation's).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from raychat.chat_template import render_for_completion
 from raychat.engine import ModelRunner
+from raychat.tasks.pass_at_k import pass_at_k
 
 # a generative task's own completion budget, tokens, by registry name: nanochat's chat_eval --max-new-tokens
 # (512) for GSM8K and HumanEval; 128 for the local tasks, above their longest gold answer at one token per
@@ -24,6 +29,23 @@ def task_budget(name: str, given: int | None = None) -> int | None:
     """The completion budget (tokens) task `name` (a registry name) is measured at: `given` (one budget for
     every task) when set, else the task's own (MAX_TOKENS); None for a task that generates nothing."""
     return given if given is not None else MAX_TOKENS.get(name)
+
+
+def accuracy_stderr(accuracy: float, n: int) -> float | None:
+    """The standard error of an accuracy over `n` items each scored 0 or 1: their sample standard deviation
+    over sqrt(n), sqrt(p (1 - p) / (n - 1)) (lm-evaluation-harness's mean_stderr, its `acc_stderr`); None for
+    one item (no spread to measure)."""
+    return math.sqrt(accuracy * (1.0 - accuracy) / (n - 1)) if n > 1 else None
+
+
+def mean_stderr(values: list[float]) -> float | None:
+    """The standard error of the mean of per-item scores: their sample standard deviation over sqrt(n)
+    (lm-evaluation-harness's mean_stderr); None for one item."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
 
 
 def prompt_messages(conversation: dict) -> list[dict]:
@@ -69,3 +91,40 @@ def task_accuracy(
         raise ValueError(f"task {task.name!r}: eval_type must be 'categorical' or 'generative'")
     model.train(was_training)
     return correct / n
+
+
+@torch.no_grad()
+def task_pass_at_k(
+    model, tokenizer, task, num_examples: int, samples: int, temperature: float, seed: int,
+    max_tokens: int | None = 128, batch_size: int = 16,
+) -> tuple[dict[str, float], list[float]]:  # fmt: skip
+    """({"pass@1": ..., ..., f"pass@{samples}": ...}, each item's pass@1) over the first `num_examples` items of
+    generative `task` (fewer if the task is smaller): `samples` completions of each at `temperature`, seeded by
+    `seed` (item i's from (seed, i), whatever the batching: raychat.engine.ModelRunner.generate_batch), scored by
+    task.is_correct; pass@k = the mean over items of the unbiased pass_at_k(samples, correct, k); max_tokens:
+    the completion budget, tokens. batch_size: items decoded at once.
+
+    Raises:
+        ValueError: num_examples or samples < 1, a categorical task, or a bad temperature (the engine's).
+    """
+    if num_examples < 1 or samples < 1:
+        raise ValueError(f"num_examples and samples must be >= 1, got {num_examples} and {samples}")
+    if task.eval_type != "generative":
+        raise ValueError(f"task {task.name!r}: pass@k needs a generative task, not {task.eval_type!r}")
+    n = min(num_examples, len(task))
+    conversations = [task[i] for i in range(n)]
+    prompts = [render_for_completion(tokenizer, prompt_messages(c)) for c in conversations]
+    was_training = model.training
+    model.eval()
+    engine = ModelRunner(model, tokenizer, dtype="model")  # evaluate the weights as they are
+    results = engine.generate_batch(
+        prompts, num_samples=samples, max_tokens=max_tokens, temperature=temperature, seed=seed,
+        max_rows=batch_size * samples,
+    )  # fmt: skip
+    model.train(was_training)
+    correct = [
+        sum(bool(task.is_correct(conv, r.text)) for r in results[i * samples : (i + 1) * samples])
+        for i, conv in enumerate(conversations)
+    ]
+    scores = {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in correct) / n for k in range(1, samples + 1)}
+    return scores, [c / samples for c in correct]

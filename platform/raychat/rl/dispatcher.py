@@ -43,8 +43,8 @@ from raychat.config import RLConfig
 from raychat.engine.sampling import is_greedy
 from raychat.log import log, plural
 from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed, rollout_deadline
-from raychat.rl.objective import pass_at_k
 from raychat.rl.sync import WeightSync
+from raychat.tasks.pass_at_k import pass_at_k
 from raychat.train.launch import error_line
 
 

@@ -80,6 +80,9 @@ TASKS = {
 HELD_OUT = {name: True for name in TASKS} | {"chatterbot": False}
 EVAL_ONLY = ("humaneval",)
 UNGRADED = ("chatterbot", "smoltalk")  # conversations without a checker
+# the tasks whose accuracy `raychat eval --tasks` measures (a held-out split and a checker), in TASK_NAMES' order:
+# a literal, as TASK_NAMES
+EVAL_TASK_NAMES = ("calculator", "spelling", "gsm8k", "mmlu", "arc-easy", "arc-challenge", "humaneval")
 REWARD_TASKS = ("calculator", "gsm8k")  # the tasks whose reward RL can optimize (raychat rl --task)
 HUB_TASKS = tuple(sorted({name for name, _ in HUB_SPLITS}))
 
