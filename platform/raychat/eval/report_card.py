@@ -12,9 +12,10 @@ that had it, commit 950a1dc^):
                  only when all six were measured (nanochat computes it only then)
 A cell is {"value": float or None, "note": why there is no value, "examples": items scored, "stderr": the
 standard error of a chat eval's accuracy (raychat.eval.tasks.accuracy_stderr; None for one item, for CORE and
-ChatCORE, and without a value)}, and for a generative column "max_tokens": the completion budget it was measured at (each task's own,
-raychat.eval.tasks.MAX_TOKENS: GSM8K, HumanEval 512 as nanochat's chat_eval, SpellingBee 128, unless one budget
-was given for every task; the table shows a budget other than the task's own after the value). Notes:
+ChatCORE, and without a value)}, and for a generative column "max_tokens": the completion budget it was
+measured at (each task's own, raychat.eval.tasks.MAX_TOKENS: GSM8K, HumanEval 512 as nanochat's chat_eval,
+SpellingBee 128, unless one budget was given for every task; the table shows a budget other than the task's
+own after the value). Notes:
 "n/a: no data" (the task's files or the CORE bundle are not on this machine), "-" (not measured at this
 stage: CORE on base checkpoints, the chat evals on chat checkpoints, as in nanochat), "n/a: needs all six".
 """
