@@ -182,6 +182,35 @@ def test_pretraining_data_that_is_not_prepared(data, want, root, capsys):
     assert _snapshot(root) == before and not (root / "p").exists()
 
 
+def test_pretraining_without_a_tokenizer_names_the_flag_and_the_command_that_trains_one(
+    root, tmp_path, capsys
+):
+    """Prepared data but no tokenizer: the run said `no tokenizer at ... (train one with `raychat tokenizer
+    train`)`, which writes runs/tokenizer, not the path the run reads; --dry-run with a preset that sets no
+    vocabulary said `no tokenizer.json in ... (--tokenizer-path)`, and nothing of what to do."""
+    _good_input(root)
+    missing = tmp_path / "no-tokenizer"
+    argv = ["pretrain", "--storage-path", str(root), "--run-name", "p", "--data-dir", f"{root}/prepared",
+            "--tokenizer-path", str(missing)]  # fmt: skip
+    want = (
+        f"raychat pretrain: error: --tokenizer-path: no tokenizer.json in {missing}: give --tokenizer-path a "
+        f"directory `raychat tokenizer train` wrote, or run `raychat tokenizer train --data-dir {root}/prepared "
+        f"--out {missing}` first"
+    )
+    before = _snapshot(root)
+    assert (
+        _fails_in_one_line([*argv, "--preset", "tiny"], capsys)
+        == f"{want}  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    preset = tmp_path / "mine.yaml"  # a user's preset: a train section, no tokenizer section
+    preset.write_text("train:\n  depth: 2\n  seq_len: 64\n")
+    assert _fails_in_one_line([*argv, "--preset", str(preset), "--dry-run"], capsys) == (
+        f"{want} (or, to size the plan without one, a --preset whose tokenizer section sets vocab_size)  "
+        "(RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(root) == before and not (root / "p").exists() and not missing.exists()
+
+
 def test_a_new_storage_root_is_not_created_for_a_run_that_fails_its_checks(root, tmp_path, capsys):
     """The root a run would create (--storage-path of a directory that does not exist yet) is created only once
     the inputs passed their checks: unprepared data leaves nothing behind."""

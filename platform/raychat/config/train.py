@@ -260,7 +260,10 @@ class LRScheduleSection(Section):
     def __post_init__(self):
         super().__post_init__()
         if not 0 <= self.warmup_ratio + self.warmdown_ratio <= 1:
-            raise ConfigError("--warmup-ratio + --warmdown-ratio must lie in [0, 1]")
+            raise ConfigError(
+                f"--warmup-ratio {shown(self.warmup_ratio)} + --warmdown-ratio {shown(self.warmdown_ratio)} must "
+                "lie in [0, 1]: both are fractions of the run's steps, and the warmup ends before the warmdown starts"
+            )
 
 
 @dataclass

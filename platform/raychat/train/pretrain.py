@@ -69,7 +69,7 @@ def pretrain(cfg: TrainConfig, callbacks=(), typed=(), flags: Flags = COMMANDS):
         _, val_file = list_shards(paths.data_dir)
     except (OSError, ValueError) as e:
         raise ValueError(f"--data-dir: {e}") from None
-    tokenizer = Tokenizer.load(paths.tokenizer_path)
+    tokenizer = load_tokenizer(paths.tokenizer_path, paths.data_dir, flags)
     try:
         validation_rows(val_file, tokenizer, cfg.model.seq_len + 1, 1)
     except ValueError as e:
@@ -77,17 +77,42 @@ def pretrain(cfg: TrainConfig, callbacks=(), typed=(), flags: Flags = COMMANDS):
     return run_training(cfg, Pretraining(), [ReplayRecorder(), *callbacks], flags=flags)
 
 
+def load_tokenizer(path: str, data_dir: str, flags: Flags = COMMANDS) -> Tokenizer:
+    """The tokenizer at `path` (--tokenizer-path, resolved); data_dir: the run's --data-dir, which the command
+    that trains a missing one reads.
+
+    Raises:
+        FileNotFoundError: no tokenizer.json there: one line naming --tokenizer-path (as `flags` does) and the
+            command that trains one there.
+        ValueError: as Tokenizer.load.
+    """
+    try:
+        return Tokenizer.load(path)
+    except FileNotFoundError:
+        flag = flags.option("tokenizer_path")
+        raise FileNotFoundError(
+            f"{flag}: no tokenizer.json in {path}: give {flag} a directory `raychat tokenizer train` wrote, or "
+            f"run `raychat tokenizer train --data-dir {data_dir} --out {path}` first"
+        ) from None
+
+
 def dry_run_vocab_size(cfg: TrainConfig, preset: str | None) -> int:
     """The vocabulary of the run's tokenizer, or (before one is trained) the preset's tokenizer.vocab_size.
 
     Raises:
-        FileNotFoundError: no tokenizer at --tokenizer-path and no vocab_size in the preset.
+        FileNotFoundError: no tokenizer at --tokenizer-path and no vocab_size in the preset (load_tokenizer's
+            line, which adds that a preset's tokenizer.vocab_size sizes the plan without one).
     """
     if (Path(cfg.data.tokenizer_path) / "tokenizer.json").exists():
         return Tokenizer.load(cfg.data.tokenizer_path).vocab_size
     size = preset_section(preset, "tokenizer").get("vocab_size") if preset and preset != "none" else None
     if not size:
-        raise FileNotFoundError(f"no tokenizer.json in {cfg.data.tokenizer_path} (--tokenizer-path)")
+        try:
+            load_tokenizer(cfg.data.tokenizer_path, cfg.data.data_dir)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"{e} (or, to size the plan without one, a --preset whose tokenizer section sets vocab_size)"
+            ) from None
     print(f"(no tokenizer in {cfg.data.tokenizer_path} yet: sizes for the preset's vocab_size {size})")
     return int(size)
 
@@ -112,7 +137,7 @@ def _pretrain(args) -> int:
         if (
             paths.checkpoints.newest() is not None
         ):  # a run to resume: its check, as the real run makes it first
-            tokenizer = Tokenizer.load(paths.tokenizer_path)
+            tokenizer = load_tokenizer(paths.tokenizer_path, paths.data_dir)
             check_resume(cfg, paths, plan, lambda: Pretraining().row_source(cfg, tokenizer, 0, 1))
         print_plan(cfg, plan)
         return 0
