@@ -1744,6 +1744,21 @@ def test_a_dry_run_of_a_run_to_resume_makes_its_resume_check(pretrained, capsys)
     assert "lr multiplier at the resume step 2: 1 -> 1\n" in out and "num_iterations" in out
 
 
+def test_a_run_resumed_with_other_lrs_says_which_settings_changed(pretrained, capsys):
+    """--matrix-lr, --grad-clip, --fp8 ... may change on resume (and now take effect:
+    test_train_optim.py::test_a_run_resumed_with_other_lrs_and_weight_decay_trains_with_them), but nothing said
+    so; the same settings print no such line."""
+    argv, d = pretrained  # tiny: matrix_lr 0.02, grad_clip 1, total_batch_size 512; checkpoint at step 2
+    assert raychat_main([*argv, "--num-iterations", "6", "--dry-run"]) == 0
+    assert "settings changed" not in capsys.readouterr().out
+    changed = ["--matrix-lr", "0.05", "--grad-clip", "0", "--total-batch-size", "1024", "--fp8"]
+    assert raychat_main([*argv, "--num-iterations", "6", *changed, "--dry-run"]) == 0
+    assert (
+        "settings changed on resume: --matrix-lr 0.02 -> 0.05, --grad-clip 1 -> 0, --total-batch-size 512 -> 1024, "
+        "--fp8 False -> True (from step 3 on; the steps before kept theirs)\n"
+    ) in capsys.readouterr().out
+
+
 def test_resuming_sft_from_another_init_from(root, driver, capsys):
     """Another pretraining checkpoint of the same shape (a newer `latest`, another run): the run once went on
     from its own checkpoint without a word, its result claiming a start it never had."""

@@ -191,7 +191,7 @@ def test_step_loss_is_token_normalized_over_micro_batches():
 def test_fp8_filter_and_eval_swap_share_weights():
     from torchao.float8.float8_linear import Float8Linear
 
-    from raychat.train.fp8 import convert_to_fp8, fp8_filter, high_precision_linears
+    from raychat.train.fp8 import convert_to_fp8, fp8_filter, fp8_line, high_precision_linears
 
     keep = fp8_filter()
     assert keep(nn.Linear(64, 128), "model.layers.0.mlp.up_proj")
@@ -204,6 +204,15 @@ def test_fp8_filter_and_eval_swap_share_weights():
     net.add_module("lm_head", nn.Linear(15, 64, bias=False))
     assert convert_to_fp8(net, emulate=True) == 1
     assert isinstance(net.big, Float8Linear) and type(net.small) is nn.Linear
+    assert fp8_line(net, "tensorwise") == (  # the run logs it: which layers --fp8 reached
+        "FP8 (tensorwise): 1 of the model's 3 Linear layers train in FP8 (lm_head and layers with a dimension "
+        "below 64 or not a multiple of 16 stay in high precision)"
+    )
+    narrow = nn.Sequential(nn.Linear(32, 48, bias=False))
+    convert_to_fp8(narrow, emulate=True)
+    assert fp8_line(narrow, "rowwise").startswith(
+        "warning: --fp8: none of the model's 1 Linear layers trains in FP8"
+    )
     x = torch.randn(4, 64)
     net(x).sum().backward()  # trains through torchao's emulated FP8 matmul on CPU
     weight = net.big.weight

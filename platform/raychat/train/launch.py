@@ -256,6 +256,11 @@ SCHEDULE_OPTIONS = (
     "warmdown_ratio", "final_lr_frac",
 )  # fmt: skip
 BATCH_OPTIONS = ("num_workers", "min_workers", "device_batch_size")
+# What else a resumed run may change that changes its updates: told in one line (settings_change), not refused.
+UPDATE_OPTIONS = (
+    "matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay", "grad_clip", "ns_dtype",
+    "total_batch_size", "fp8", "fp8_recipe", "compile",
+)  # fmt: skip
 
 
 def check_resume(
@@ -319,6 +324,21 @@ def check_resume(
         refuse_resume(where, changed or [("the data", made_on, now)], flags)
     if schedule_line:
         log(schedule_line)
+    settings_line = settings_change(meta, cfg, flags)
+    if settings_line:
+        log(settings_line)
+
+
+def settings_change(meta: dict, cfg: TrainConfig, flags: Flags = COMMANDS) -> str | None:
+    """The line telling which of UPDATE_OPTIONS (learning rates, weight decay, clipping, the total batch, FP8,
+    compile) this run sets otherwise than the checkpoint (its meta.json's config) was made with, as `flags`
+    names them, each with both values; None when none differs. A total batch that changed the horizon is in
+    the schedule's line too (_schedule_change)."""
+    changed = changed_options(meta, cfg, UPDATE_OPTIONS, flags)
+    if not changed:
+        return None
+    values = ", ".join(f"{name} {shown(was)} -> {shown(now)}" for name, was, now in changed)
+    return f"settings changed on resume: {values} (from step {meta['step'] + 1} on; the steps before kept theirs)"
 
 
 def _refuse_other_content(cfg: TrainConfig, where: str, made_on: dict, now: dict, flags: Flags) -> None:

@@ -35,7 +35,7 @@ from raychat.metrics_sink import MetricsSink
 from raychat.model import GPT, ModelConfig
 from raychat.tokenizer import Tokenizer
 from raychat.train.checkpointer import Checkpointer, restore_rows
-from raychat.train.fp8 import convert_to_fp8
+from raychat.train.fp8 import convert_to_fp8, fp8_line
 from raychat.train.optim import build_optimizers, muon_ns_choice
 from raychat.train.plan import Plan
 from raychat.train.startup_trace import mark
@@ -124,6 +124,8 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
         model.load_state_dict(load_file(os.path.join(d, "model.safetensors"), device=str(device)))
     if cfg.model.fp8:
         convert_to_fp8(model, cfg.model.fp8_recipe)
+        if rank == 0:
+            log(fp8_line(model, cfg.model.fp8_recipe))
     optimizers = build_optimizers(model, cfg.optim)
     if rank == 0:
         log(f"Muon on rank 0: {muon_ns_choice(model, cfg.optim.ns_dtype).describe()}")
