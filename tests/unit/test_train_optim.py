@@ -200,3 +200,23 @@ def test_the_plan_shows_the_settings_the_run_trains_with(capsys):
     assert "regularization: Muon weight decay 0.1, no grad clipping\n" in out
     assert "precision: float32 on CPU, FP8 off, torch.compile off\n" in out
     assert "evaluation at the end only; checkpoint at the end only, the newest 1 kept\n" in out
+
+
+def test_pretrain_help_shows_the_flags_defaults_and_the_plan_the_presets(tmp_path, capsys):
+    """`pretrain --help` says `--checkpoint-every ... (default: 100)`, the flag's own default, while a run with
+    the default --preset cpu checkpoints every 125 steps: the help says so, and --dry-run's plan shows 125."""
+    from raychat.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "steps between checkpoints (and at the end; 0 = only at the end) (default: 100)" in flat
+    assert (
+        "The defaults shown below are the flags' own: the preset (--preset, default cpu) sets many of them"
+        in flat
+    )
+    assert main(["pretrain", "--storage-path", str(tmp_path / "runs"), "--dry-run"]) == 0
+    assert (
+        "cadence: a log line every 1 step; evaluation every 50 steps and at the end; checkpoint every 125 steps "
+        "and at the end, the newest 2 kept\n" in capsys.readouterr().out
+    )

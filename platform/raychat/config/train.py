@@ -82,10 +82,13 @@ class OptimSection(Section):
     """Muon for hidden matrices, AdamW for the rest (raychat.train.optim.build_optimizers), and clipping."""
 
     matrix_lr: float = option(0.02, "Muon learning rate for hidden weight matrices", ge=0)
-    embedding_lr: float = option(0.2, "AdamW learning rate for the token embedding", ge=0)
-    unembedding_lr: float = option(0.004, "AdamW learning rate for lm_head", ge=0)
-    scalar_lr: float = option(0.02, "AdamW learning rate for norm weights", ge=0)
-    weight_decay: float = option(0.0, "Muon weight decay", ge=0)
+    embedding_lr: float = option(
+        0.2, "AdamW learning rate for the token embedding, x (width / 768) ** -0.5 (nanochat's scaling, as the "
+        "other AdamW lrs; the plan prints the result)", ge=0,
+    )  # fmt: skip
+    unembedding_lr: float = option(0.004, "AdamW learning rate for lm_head, x (width / 768) ** -0.5", ge=0)
+    scalar_lr: float = option(0.02, "AdamW learning rate for norm weights, x (width / 768) ** -0.5", ge=0)
+    weight_decay: float = option(0.0, "Muon weight decay (of the hidden matrices; AdamW's is 0)", ge=0)
     grad_clip: float = option(1.0, "clip the global grad norm to this (0 = off)", ge=0)
     ns_dtype: str = option(
         "auto",
