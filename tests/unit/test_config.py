@@ -69,6 +69,9 @@ def test_strings_are_converted_and_bad_values_name_the_flag():
         "--warmup-ratio 0.7 + --warmdown-ratio 0.4 must lie in [0, 1]: both are fractions of the run's steps, and "
         "the warmup ends before the warmdown starts"
     )
+    with pytest.raises(ConfigError) as e:  # a "warmdown" that rose to 2 x the peak, which the resume check's
+        from_dict(TrainConfig, {"final_lr_frac": 2})  # rule (the lr rises only in the warmup) did not foresee
+    assert str(e.value) == "--final-lr-frac must be <= 1, got 2"
     with pytest.raises(
         ConfigError, match=r"^unknown TrainConfig settings \['deph'\] \(did you mean depth\?\); allowed: "
     ):
