@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from raychat.checkpoint import check_model, load_model
 from raychat.checkpoint_manager import CheckpointManager, resolve_checkpoint
 from raychat.config import TrainConfig, from_dict, to_dict
-from raychat.log import log
+from raychat.log import log, plural
 from raychat.metrics import TrainMetrics
 from raychat.metrics_sink import MetricsSink
 from raychat.model import GPT, ModelConfig
@@ -134,7 +134,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
         if rank == 0:
             old = meta.get("world_size", world)
             log(
-                f"resumed from {checkpoints.uri(newest.step)} at step {start_step} on {world} workers "
+                f"resumed from {checkpoints.uri(newest.step)} at step {start_step} on {plural(world, 'worker')} "
                 f"(written by {old})"
             )
     train_model = torch.compile(model) if cfg.model.compile else model
