@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from importlib.resources import files
@@ -351,8 +352,14 @@ def test_the_plans_horizon_counts_its_steps(steps, horizon, capsys):
     """The plan printed "horizon (num_iterations): 1 steps"."""
     cfg = from_dict(TrainConfig, {"depth": 1, "num_iterations": steps})
     print_plan(cfg, make_plan(cfg, 512))
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("horizon"))
+    out = capsys.readouterr().out.splitlines()
+    line = next(ln for ln in out if ln.startswith("horizon"))
     assert line.startswith(f"horizon (num_iterations): {horizon}"), line
+    # "tokens/param" was per parameter of the count printed "without the embedding", not of the total before it
+    params = next(ln for ln in out if ln.startswith("parameters: "))
+    scaling = int(re.search(r"\(([\d,]+) without the embedding\)", params).group(1).replace(",", ""))
+    tokens = int(re.search(r"steps?, ([\d,]+) tokens, ", line).group(1).replace(",", ""))
+    assert f", {tokens / scaling:.2f} tokens per parameter (without the embedding), " in line, line
 
 
 def test_the_speedrun_names_its_preset_keys_in_configuration_errors(tmp_path):

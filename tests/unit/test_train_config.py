@@ -6,10 +6,12 @@ from torch import nn
 
 from raychat.checkpoint_manager import commit_directory
 from raychat.config import TrainConfig, add_flags, from_dict, preset_values
+from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.loss import cross_entropy_sum, normalize
 from raychat.train.launch import config_from, elastic_grad_accum, scaling_config
 from raychat.train.optim import lr_multiplier, lr_peak_from, warmdown_start
 from raychat.train.plan import make_plan, power_law_batch_size, print_plan, round_to_micro_steps
+from raychat.train.pretrain import data_line
 
 
 def test_lr_schedule_by_hand():
@@ -252,3 +254,29 @@ def test_automatic_batch_of_an_elastic_run_divides_on_every_world_size():
     p = make_plan(cfg, vocab_size=4096)
     assert (p.auto_batch_size, p.total_batch_size) == (65536, 61440)
     assert elastic_grad_accum(cfg, p.total_batch_size) == {2: 15, 3: 10}
+
+
+def test_the_data_line_says_how_many_epochs_the_run_reads(tmp_path, small_tokenizer):
+    """Nothing said that a run's tokens were more than its data: the stream silently went round again. 8 equal
+    documents of 800 bytes, n tokens each with its BOS; 4 of them train (3,200 bytes), 4 validate: 800 / n
+    bytes a token, so 4n tokens of training text; --overflow crop keeps one row of 65 of each: 260 an epoch."""
+    doc = "a b c d " * 100
+    n = len(small_tokenizer.encode(doc)) + 1
+    assert n > 65  # longer than a row: crop keeps 65 of each
+    write_manifest(
+        tmp_path, {"source": "t", "shards": write_shards([doc] * 8, tmp_path, 2, log=lambda *_: None)}
+    )
+
+    def cfg(overflow: str) -> TrainConfig:
+        return from_dict(TrainConfig, {"data_dir": str(tmp_path), "seq_len": 64, "overflow": overflow})
+
+    head = (
+        f"data: 1 training shard, 0.0032 MB of text, about {4 * n:,} tokens ({800 / n:.2f} bytes/token on the "
+        "validation shard)"
+    )
+    assert data_line(cfg("crop"), small_tokenizer, 520) == (
+        f"{head}; --overflow crop keeps at most a row (65 tokens) of each document, about {100 * 65 / n:.2g}% of "
+        "them: 260 tokens an epoch; the run's 520 tokens are 2 epochs: from the second on the same documents "
+        "repeat, each epoch in another order"
+    )
+    assert data_line(cfg("split"), small_tokenizer, n) == f"{head}; the run's {n:,} tokens are 0.25 epochs"

@@ -186,7 +186,7 @@ def print_plan(cfg: TrainConfig, p: Plan) -> None:
         )
     print(
         f"horizon ({p.horizon}): {plural(p.num_iterations, 'step')}, {p.tokens:,} tokens, "
-        f"{p.tokens_per_param:.2f} tokens/param, {p.total_flops:.3g} FLOPs"
+        f"{p.tokens_per_param:.2f} tokens per parameter (without the embedding), {p.total_flops:.3g} FLOPs"
     )
     print(
         f"optimizer: Muon for the hidden matrices, {planned_ns_choice(cfg.optim.ns_dtype, cfg.layout.use_gpu)}; "
@@ -215,7 +215,7 @@ def settings_lines(cfg: TrainConfig, p: Plan) -> list[str]:
         f"lr (peak): Muon {o.matrix_lr:g} for the hidden matrices; AdamW x {scale:.4g} (= (width {width} / 768) "
         f"** -0.5): embedding {o.embedding_lr * scale:.4g}, lm_head {o.unembedding_lr * scale:.4g}, norms "
         f"{o.scalar_lr * scale:.4g}",
-        f"lr schedule: warmup {plural(warmup, 'step')} ({s.warmup_ratio:g} of {n:,}), constant, warmdown "
+        f"schedule: lr warmup {plural(warmup, 'step')} ({s.warmup_ratio:g} of {n:,}), constant, warmdown "
         f"{plural(warmdown, 'step')} ({s.warmdown_ratio:g}) to {s.final_lr_frac:g} x peak",
         f"regularization: Muon weight decay {o.weight_decay:g}, "
         + (f"grad clipping at global norm {o.grad_clip:g}" if o.grad_clip else "no grad clipping"),
