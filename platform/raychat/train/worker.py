@@ -57,6 +57,19 @@ class ProgressBar(Callback):
         self.bar.close()
 
 
+# Ray Train's per-report logger (named by its file's path): each rank's "Reporting training result N:
+# TrainingReport(... every metric and sample ...)" at INFO, at every checkpoint, repeats the step line
+RAY_TRAIN_REPORTS = os.path.join("ray", "train", "v2", "_internal", "execution", "context.py")
+
+
+def quiet_ray_train_reports() -> None:
+    """Raise Ray Train's per-report logger (RAY_TRAIN_REPORTS, created as Ray Train imports it) to WARNING: its
+    warnings and errors still show."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.endswith(RAY_TRAIN_REPORTS):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def log_placement(rank: int, world: int) -> None:
     """Rank 0 prints every rank's node in one line, "placement: rank 0/2 on node <id>, rank 1/2 on node <id>"
     (one line per rank would not do: Ray's log deduplication merges lines that differ only in words with
@@ -107,6 +120,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     device = ray.train.torch.get_device()
     torch.set_num_threads(int(os.environ.get("RAYCHAT_THREADS", max(1, round(cfg.layout.cpus_per_worker)))))
     logging.getLogger("ray.data").setLevel(logging.WARNING)
+    quiet_ray_train_reports()
     tokenizer = Tokenizer.load(cfg.data.tokenizer_path)
 
     model = build_model(cfg, plan, device)
