@@ -99,7 +99,12 @@ def data_line(cfg: TrainConfig, tokenizer: Tokenizer, tokens: int, flags: Flags 
     _, val_file = list_shards(cfg.data.data_dir)
     row = cfg.model.seq_len + 1
     sample_bytes = sample_tokens = kept = 0
-    for text in pq.read_table(val_file, columns=["text"]).column("text").to_pylist():
+    texts = (
+        t
+        for b in pq.ParquetFile(val_file).iter_batches(64, columns=["text"])
+        for t in b.column(0).to_pylist()
+    )
+    for text in texts:  # a hub shard is ~100 MB: read its first batches only
         if sample_bytes >= SAMPLE_BYTES:
             break
         n = len(tokenizer.encode(text)) + 1  # with its BOS
