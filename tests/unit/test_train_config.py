@@ -8,7 +8,7 @@ from raychat.checkpoint_manager import commit_directory
 from raychat.config import TrainConfig, add_flags, from_dict, preset_values
 from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.loss import cross_entropy_sum, normalize
-from raychat.train.launch import config_from, elastic_grad_accum, scaling_config
+from raychat.train.launch import config_from, elastic_grad_accum, scaling_config, stopped_early_line
 from raychat.train.optim import lr_multiplier, lr_peak_from, warmdown_start
 from raychat.train.plan import make_plan, power_law_batch_size, print_plan, round_to_micro_steps
 from raychat.train.pretrain import data_line
@@ -280,3 +280,13 @@ def test_the_data_line_says_how_many_epochs_the_run_reads(tmp_path, small_tokeni
         "repeat, each epoch in another order"
     )
     assert data_line(cfg("split"), small_tokenizer, n) == f"{head}; the run's {n:,} tokens are 0.25 epochs"
+
+
+def test_a_run_stopped_by_stop_after_says_it_is_not_finished():
+    """`--stop-after 14` of 40 steps ended with `final checkpoint: ...` and `final metrics: ...` alone, as a
+    finished run does."""
+    assert stopped_early_line(14, 40, 14) == (
+        "stopped at step 14 of 40 (--stop-after 14): the run is not finished; the same command without "
+        "--stop-after (or with a later one) resumes it to step 40"
+    )
+    assert stopped_early_line(40, 40, 40) is None and stopped_early_line(40, 40, -1) is None

@@ -628,7 +628,25 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
     result = TrainingResult(uri, meta.get("metrics", {}))
     log(f"final checkpoint: {uri}")
     log(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
+    if newest and (
+        line := stopped_early_line(newest.step, plan.num_iterations, cfg.train.horizon.stop_after, flags)
+    ):
+        log(line)
     return result
+
+
+def stopped_early_line(
+    step: int, num_iterations: int, stop_after: int, flags: Flags = COMMANDS
+) -> str | None:
+    """The last line of a run that --stop-after ended at `step` before its last step (`num_iterations`): that it
+    is not finished and how to go on (the options named as `flags` does); None for a run that reached its end."""
+    if stop_after == -1 or step >= num_iterations:
+        return None
+    name = flags.option("stop_after")
+    return (
+        f"stopped at step {step} of {num_iterations} ({name} {stop_after}): the run is not finished; the same "
+        f"command without {name} (or with a later one) resumes it to step {num_iterations}"
+    )
 
 
 def _stop_own_cluster(started: bool) -> None:
