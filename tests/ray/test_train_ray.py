@@ -304,6 +304,10 @@ def test_a_non_finite_step_stops_the_run_in_one_line_without_a_retry_and_resumes
     )
     assert attempts.read_text().split() == ["0", "3"]
     assert result.metrics["step"] == 6 and sorted(losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
+    # the lower lr is the one trained with: the optimizer state loaded at the resume put the checkpoint's 0.02
+    # back (the warmdown, round(0.4 x 6) = 2 steps, halves the last step's)
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["lr"] for x in lines] == [0.02, 0.02, 0.02, 0.01, 0.01, 0.005]
 
 
 class FailingReport(UserCallback):
