@@ -183,7 +183,13 @@ def test_the_plan_shows_the_settings_the_run_trains_with(capsys):
         "lr"
     ] == pytest.approx(0.2 * 6**0.5)  # what the plan's embedding lr says
     print_plan(cfg, plan)
-    assert capsys.readouterr().out.splitlines()[-5:] == [
+    out = capsys.readouterr().out
+    # 6N + 12 x layers x heads x head_dim x T (4 heads of 32, T 256): forward and backward, as MFU counts them
+    assert (
+        f"FLOPs per token: {6 * plan.scaling_params + 12 * 2 * 4 * 32 * 256:,} (training: 6 x parameters without "
+        "the embedding + attention)\n" in out
+    )
+    assert out.splitlines()[-5:] == [
         "lr (peak): Muon 0.03 for the hidden matrices; AdamW x 2.449 (= (width 128 / 768) ** -0.5): embedding "
         "0.4899, lm_head 0.009798, norms 0.04899",
         "schedule: lr warmup 10 steps (0.25 of 40), constant, warmdown 20 steps (0.5) to 0.1 x peak",

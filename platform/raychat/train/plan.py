@@ -171,7 +171,9 @@ def print_plan(cfg: TrainConfig, p: Plan) -> None:
         f"head_dim {m['head_dim']} mlp {m['intermediate_size']} vocab {m['vocab_size']}"
     )
     print(f"parameters: {p.num_params:,} ({p.scaling_params:,} without the embedding)")
-    print(f"FLOPs per token: {p.flops_per_token:,}")
+    print(
+        f"FLOPs per token: {p.flops_per_token:,} (training: 6 x parameters without the embedding + attention)"
+    )
     print(
         f"batch: {p.total_batch_size:,} tokens/step = {plural(cfg.layout.num_workers, 'worker')} x "
         f"{plural(cfg.train.batch.device_batch_size, 'row')} x {plural(cfg.model.seq_len, 'token')} x "
