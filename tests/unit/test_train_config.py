@@ -290,3 +290,15 @@ def test_a_run_stopped_by_stop_after_says_it_is_not_finished():
         "--stop-after (or with a later one) resumes it to step 40"
     )
     assert stopped_early_line(40, 40, 40) is None and stopped_early_line(40, 40, -1) is None
+
+
+def test_a_written_shards_line_says_text_and_disk(tmp_path):
+    """`wrote shard_00000.parquet: train, 1,940 documents, 2.70 MB` was the compressed file's size, beside a
+    summary of `21.15 MB of text`: a shard of 7 MB of text read as 2.7."""
+    lines = []
+    entries = write_shards(["a" * 600_000, "b" * 400_000], tmp_path, 2, log=lines.append)
+    assert lines[0] == (
+        f"  wrote shard_00000.parquet: train, 1 document, 0.60 MB of text, {entries[0]['file_bytes'] / 1e6:.2f} MB "
+        "on disk"
+    )
+    assert entries[0]["file_bytes"] < 100_000  # zstd: the disk figure is not the text's
