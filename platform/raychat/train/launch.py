@@ -329,12 +329,14 @@ def check_resume(
         log(settings_line)
 
 
-def settings_change(meta: dict, cfg: TrainConfig, flags: Flags = COMMANDS) -> str | None:
+def settings_change(meta: dict, cfg, flags: Flags = COMMANDS) -> str | None:
     """The line telling which of UPDATE_OPTIONS (learning rates, weight decay, clipping, the total batch, FP8,
-    compile) this run sets otherwise than the checkpoint (its meta.json's config) was made with, as `flags`
+    compile) that cfg (TrainConfig, RLConfig) has this run sets otherwise than the checkpoint (its meta.json's
+    config) was made with, as `flags`
     names them, each with both values; None when none differs. A total batch that changed the horizon is in
     the schedule's line too (_schedule_change)."""
-    changed = changed_options(meta, cfg, UPDATE_OPTIONS, flags)
+    options = to_flat(cfg)  # RLConfig has the optimizer's options, not the batch's, FP8's or compile's
+    changed = changed_options(meta, cfg, [o for o in UPDATE_OPTIONS if o in options], flags)
     if not changed:
         return None
     values = ", ".join(f"{name} {shown(was)} -> {shown(now)}" for name, was, now in changed)
