@@ -110,6 +110,7 @@ class Trainer:
         world: int,
         device: torch.device,
         start_step: int = 0,
+        smooth_loss: float | None = None,
     ):
         self.config, self.plan = config, plan
         self.model, self.train_model, self.optimizers = model, train_model, optimizers
@@ -123,7 +124,9 @@ class Trainer:
         self.stop = (
             min(plan.num_iterations, horizon.stop_after) if horizon.stop_after > 0 else plan.num_iterations
         )
-        self.smooth_loss: float | None = None
+        # the loss's moving average (0.9) goes on from the resumed checkpoint's: it restarted at the first
+        # resumed step's loss, a step in the curve at every resume
+        self.smooth_loss: float | None = smooth_loss
 
     # ---- the algorithm ---------------------------------------------------------------------------
     def train(self) -> None:

@@ -169,6 +169,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     trainer = Trainer(
         cfg, plan, model, train_model, optimizers, rows, validators, checkpointer, checkpoints, metrics, callbacks,
         bos_id=tokenizer.bos_id, rank=rank, world=world, device=device, start_step=start_step,
+        smooth_loss=meta.get("metrics", {}).get("smooth_loss") if d else None,
     )  # fmt: skip
     try:
         mark("train_start")
