@@ -179,7 +179,11 @@ def save_optimizers(directory: str | os.PathLike, optimizers: list) -> None:
 
 
 def load_optimizers(directory: str | os.PathLike, optimizers: list) -> None:
-    """Load optim.pt into `optimizers` in place (tensors and plain containers only: weights_only=True).
+    """Load optim.pt into `optimizers` in place (tensors and plain containers only: weights_only=True): the
+    per-parameter state (momentum buffers, Adam moments, step counts). Each param group keeps the
+    hyperparameters `optimizers` were built with (lr, initial_lr, weight_decay, momentum, betas, ...), so a run
+    resumed with another --matrix-lr or --weight-decay trains with it (torch's load_state_dict put the
+    checkpoint's back, and the run went on with the old values while its meta.json recorded the new).
 
     Raises:
         FileNotFoundError: the checkpoint has no optimizer state.
@@ -192,7 +196,10 @@ def load_optimizers(directory: str | os.PathLike, optimizers: list) -> None:
     # device of its parameter
     states = torch.load(path, map_location="cpu", weights_only=True)
     for opt, state in zip(optimizers, states, strict=True):
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
         opt.load_state_dict(state)
+        for group, own in zip(opt.param_groups, settings, strict=True):
+            group.update(own)
 
 
 def save_rank_state(directory: str | os.PathLike, rank: int, data_state: dict) -> None:

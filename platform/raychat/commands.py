@@ -141,12 +141,20 @@ def tokenizer(subparsers) -> None:
     train.set_defaults(func="raychat.tokenizer_cli:main")
 
 
+# pretrain's and sft's --help: the defaults it shows are not all a run's
+PRESET_DEFAULTS = (
+    "The defaults shown below are the flags' own: the preset (--preset, default cpu) sets many of them, and a "
+    "flag overrides both; the plan printed first, and by --dry-run, shows the values the run uses."
+)
+
+
 def pretrain(subparsers) -> None:
     parser = subparsers.add_parser(
         "pretrain",
         help="pretrain the base model on Ray Train (DDP)",
         description="Pretrain on packed parquet shards with Ray Train. Sizes derive from --depth; every derived "
-        "number is printed first. Running again with the same --run-name and --storage-path resumes.",
+        "number is printed first. Running again with the same --run-name and --storage-path resumes. "
+        f"{PRESET_DEFAULTS}",
     )
     add_flags(parser, TrainConfig, defaults=TrainConfig(), preset="cpu", unused=UNUSED_FLAGS["pretrain"])
     parser.add_argument(
@@ -169,7 +177,7 @@ def sft(subparsers) -> None:
         "(the newest pretraining checkpoint under --storage-path); a checkpoint of another stage (SFT, RL) named "
         "explicitly is fine-tuned further (the `init from:` line names its stage). The model's shape is the "
         "checkpoint's and the data are --sft-tasks and --sft-data: the shape and pretraining-data flags are "
-        "refused. Running again with the same --run-name resumes.",
+        f"refused. Running again with the same --run-name resumes. {PRESET_DEFAULTS}",
     )  # fmt: skip
     add_flags(
         parser,

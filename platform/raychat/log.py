@@ -22,6 +22,17 @@ def plural(n: int, noun: str) -> str:
     return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
 
 
+def duration(seconds: float) -> str:
+    """A span of time in a progress line (an ETA): '45s', '12m05s', '3h07m' (seconds rounded; hours past 99
+    keep counting: '153h20m')."""
+    s = round(max(seconds, 0))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 

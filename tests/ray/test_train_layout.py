@@ -128,6 +128,9 @@ def test_the_layout_that_hung_trains_two_steps_on_the_local_cluster(corpus, tmp_
         in done.stdout
     )
     assert "(a local Ray cluster: 2 cores + 1 for Ray Data)" in done.stdout
+    assert done.stdout.startswith("data: 2 training shards, ")  # how many epochs, before the plan
+    # Ray Train's INFO line of each rank's report (every metric and sample again) is left out
+    assert "Reporting training result" not in done.stdout + done.stderr
     lines = (tmp_path / "runs" / "layout" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
 

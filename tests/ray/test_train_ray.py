@@ -90,6 +90,10 @@ def losses(storage, name="t"):
     return {json.loads(x)["step"]: json.loads(x)["loss"] for x in lines}
 
 
+def smooth_losses(storage, name="t"):
+    return [json.loads(x)["smooth_loss"] for x in (storage / name / "metrics.jsonl").read_text().splitlines()]
+
+
 def final_state(result, rank):
     return load_tree(f"{result.checkpoint}/state_rank{rank}.npz")
 
@@ -241,6 +245,8 @@ def test_exact_resume_matches_a_straight_run(data, straight, tmp_path):
     a, b = losses(storage), losses(tmp_path / "b")
     assert sorted(b) == [1, 2, 3, 4, 5, 6]
     assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # bitwise equal on CPU
+    # the loss's moving average goes on from the checkpoint's (it restarted at step 4's loss: a step in its curve)
+    assert smooth_losses(tmp_path / "b") == smooth_losses(storage)
     for rank in (0, 1):  # same documents consumed, same packer buffer
         assert json.dumps(final_state(result, rank), sort_keys=True) == json.dumps(
             final_state(resumed, rank), sort_keys=True
@@ -304,6 +310,10 @@ def test_a_non_finite_step_stops_the_run_in_one_line_without_a_retry_and_resumes
     )
     assert attempts.read_text().split() == ["0", "3"]
     assert result.metrics["step"] == 6 and sorted(losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
+    # the lower lr is the one trained with: the optimizer state loaded at the resume put the checkpoint's 0.02
+    # back (the warmdown, round(0.4 x 6) = 2 steps, halves the last step's)
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["lr"] for x in lines] == [0.02, 0.02, 0.02, 0.01, 0.01, 0.005]
 
 
 class FailingReport(UserCallback):

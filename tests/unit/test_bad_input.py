@@ -182,6 +182,35 @@ def test_pretraining_data_that_is_not_prepared(data, want, root, capsys):
     assert _snapshot(root) == before and not (root / "p").exists()
 
 
+def test_pretraining_without_a_tokenizer_names_the_flag_and_the_command_that_trains_one(
+    root, tmp_path, capsys
+):
+    """Prepared data but no tokenizer: the run said `no tokenizer at ... (train one with `raychat tokenizer
+    train`)`, which writes runs/tokenizer, not the path the run reads; --dry-run with a preset that sets no
+    vocabulary said `no tokenizer.json in ... (--tokenizer-path)`, and nothing of what to do."""
+    _good_input(root)
+    missing = tmp_path / "no-tokenizer"
+    argv = ["pretrain", "--storage-path", str(root), "--run-name", "p", "--data-dir", f"{root}/prepared",
+            "--tokenizer-path", str(missing)]  # fmt: skip
+    want = (
+        f"raychat pretrain: error: --tokenizer-path: no tokenizer.json in {missing}: give --tokenizer-path a "
+        f"directory `raychat tokenizer train` wrote, or run `raychat tokenizer train --data-dir {root}/prepared "
+        f"--out {missing}` first"
+    )
+    before = _snapshot(root)
+    assert (
+        _fails_in_one_line([*argv, "--preset", "tiny"], capsys)
+        == f"{want}  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    preset = tmp_path / "mine.yaml"  # a user's preset: a train section, no tokenizer section
+    preset.write_text("train:\n  depth: 2\n  seq_len: 64\n")
+    assert _fails_in_one_line([*argv, "--preset", str(preset), "--dry-run"], capsys) == (
+        f"{want} (or, to size the plan without one, a --preset whose tokenizer section sets vocab_size)  "
+        "(RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(root) == before and not (root / "p").exists() and not missing.exists()
+
+
 def test_a_new_storage_root_is_not_created_for_a_run_that_fails_its_checks(root, tmp_path, capsys):
     """The root a run would create (--storage-path of a directory that does not exist yet) is created only once
     the inputs passed their checks: unprepared data leaves nothing behind."""
@@ -1724,6 +1753,21 @@ def test_a_dry_run_of_a_run_to_resume_makes_its_resume_check(pretrained, capsys)
     assert "lr multiplier at the resume step 2: 1 -> 1\n" in out and "num_iterations" in out
 
 
+def test_a_run_resumed_with_other_lrs_says_which_settings_changed(pretrained, capsys):
+    """--matrix-lr, --grad-clip, --fp8 ... may change on resume (and now take effect:
+    test_train_optim.py::test_a_run_resumed_with_other_lrs_and_weight_decay_trains_with_them), but nothing said
+    so; the same settings print no such line."""
+    argv, d = pretrained  # tiny: matrix_lr 0.02, grad_clip 1, total_batch_size 512; checkpoint at step 2
+    assert raychat_main([*argv, "--num-iterations", "6", "--dry-run"]) == 0
+    assert "settings changed" not in capsys.readouterr().out
+    changed = ["--matrix-lr", "0.05", "--grad-clip", "0", "--total-batch-size", "1024", "--fp8"]
+    assert raychat_main([*argv, "--num-iterations", "6", *changed, "--dry-run"]) == 0
+    assert (
+        "settings changed on resume: --matrix-lr 0.02 -> 0.05, --grad-clip 1 -> 0, --total-batch-size 512 -> 1024, "
+        "--fp8 False -> True (from step 3 on; the steps before kept theirs)\n"
+    ) in capsys.readouterr().out
+
+
 def test_resuming_sft_from_another_init_from(root, driver, capsys):
     """Another pretraining checkpoint of the same shape (a newer `latest`, another run): the run once went on
     from its own checkpoint without a word, its result claiming a start it never had."""
@@ -1793,6 +1837,19 @@ def test_resuming_rl_with_other_settings_or_another_stages_run(flags, want, root
     line = _fails_in_one_line([*argv, *flags], capsys)
     assert line == f"raychat rl: error: {want.format(d=d, root=root)}"
     assert _snapshot(root) == before
+
+
+def test_rl_resumed_with_another_lr_says_so(root, rl_run, capsys):
+    """rl resumed with another --matrix-lr went on with the checkpoint's (its optimizer state's lr); it now
+    trains with the one given (load_optimizers), and says so as pretrain does."""
+    argv, _ = rl_run
+    capsys.readouterr()
+    with pytest.raises(ReachedRay):
+        raychat_main([*argv, "--matrix-lr", "0.0001"])
+    assert (
+        "settings changed on resume: --matrix-lr 0.0002 -> 0.0001 (from step 3 on; the steps before kept theirs)\n"
+        in capsys.readouterr().out
+    )
 
 
 def test_a_finished_rl_run_says_so_without_starting_ray(root, rl_run, capsys):

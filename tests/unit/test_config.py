@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from importlib.resources import files
@@ -63,9 +64,18 @@ def test_strings_are_converted_and_bad_values_name_the_flag():
         from_dict(TrainConfig, {"fp8_recipe": "bogus"})
     with pytest.raises(ConfigError, match=r"--seq-len must be an integer, got 'long'"):
         from_dict(TrainConfig, {"seq_len": "long"})
-    with pytest.raises(ConfigError, match=r"--warmup-ratio \+ --warmdown-ratio must lie in \[0, 1\]"):
+    with pytest.raises(ConfigError) as e:  # the message named neither value
         from_dict(TrainConfig, {"warmup_ratio": 0.7, "warmdown_ratio": 0.4})
-    with pytest.raises(ConfigError, match=r"unknown TrainConfig settings \['deph'\]"):
+    assert str(e.value) == (
+        "--warmup-ratio 0.7 + --warmdown-ratio 0.4 must lie in [0, 1]: both are fractions of the run's steps, and "
+        "the warmup ends before the warmdown starts"
+    )
+    with pytest.raises(ConfigError) as e:  # a "warmdown" that rose to 2 x the peak, which the resume check's
+        from_dict(TrainConfig, {"final_lr_frac": 2})  # rule (the lr rises only in the warmup) did not foresee
+    assert str(e.value) == "--final-lr-frac must be <= 1, got 2"
+    with pytest.raises(
+        ConfigError, match=r"^unknown TrainConfig settings \['deph'\] \(did you mean depth\?\); allowed: "
+    ):
         from_dict(TrainConfig, {"deph": 3})
     with pytest.raises(ConfigError, match="cannot feed --learner-workers 4"):
         from_dict(RLConfig, {"prompts_per_step": 1, "samples_per_prompt": 2, "learner_workers": 4})
@@ -219,6 +229,24 @@ def test_a_preset_of_the_wrong_shape_is_one_line_naming_it(tmp_path, text, messa
     assert str(e.value) == message.format(f=bad)
 
 
+def test_a_mistyped_preset_key_names_the_one_meant(tmp_path):
+    """The line listed 60 allowed names and said nothing of which one was meant; each unknown key close to one
+    (difflib's ratio >= 0.75, as a mistyped flag) gets it, one close to none (`lr`: there are four) none."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("train:\n  num_iters: 10\n  grad_clip_norm: 1.0\n  lr: 0.001\n")
+    with pytest.raises(ConfigError) as e:
+        from_args(argparse.Namespace(preset=str(mine)), TrainConfig, "pretrain", where="pretrain settings")
+    head, _, allowed = str(e.value).partition("; allowed: ")
+    assert head == (
+        "unknown pretrain settings ['grad_clip_norm', 'lr', 'num_iters'] (did you mean grad_clip for "
+        "grad_clip_norm, num_iterations for num_iters?)"
+    )
+    assert "'matrix_lr'" in allowed and "'warmup_ratio'" in allowed
+    mine.write_text("train:\n  lr: 0.001\n")
+    with pytest.raises(ConfigError, match=r"^unknown pretrain settings \['lr'\]; allowed: "):
+        from_args(argparse.Namespace(preset=str(mine)), TrainConfig, "pretrain", where="pretrain settings")
+
+
 def test_speedrun_config_composes_the_stage_configs_on_one_root(tmp_path):
     """SpeedrunConfig: each stage's typed config from the preset, on the layout under --out (README)."""
     c = SpeedrunConfig.from_preset("tiny", str(tmp_path), num_iterations=5)
@@ -324,8 +352,14 @@ def test_the_plans_horizon_counts_its_steps(steps, horizon, capsys):
     """The plan printed "horizon (num_iterations): 1 steps"."""
     cfg = from_dict(TrainConfig, {"depth": 1, "num_iterations": steps})
     print_plan(cfg, make_plan(cfg, 512))
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("horizon"))
+    out = capsys.readouterr().out.splitlines()
+    line = next(ln for ln in out if ln.startswith("horizon"))
     assert line.startswith(f"horizon (num_iterations): {horizon}"), line
+    # "tokens/param" was per parameter of the count printed "without the embedding", not of the total before it
+    params = next(ln for ln in out if ln.startswith("parameters: "))
+    scaling = int(re.search(r"\(([\d,]+) without the embedding\)", params).group(1).replace(",", ""))
+    tokens = int(re.search(r"steps?, ([\d,]+) tokens, ", line).group(1).replace(",", ""))
+    assert f", {tokens / scaling:.2f} tokens per parameter (without the embedding), " in line, line
 
 
 def test_the_speedrun_names_its_preset_keys_in_configuration_errors(tmp_path):

@@ -4,7 +4,7 @@ import builtins
 
 import pytest
 
-from raychat.log import StepClock, log, plural
+from raychat.log import StepClock, duration, log, plural
 
 
 @pytest.mark.parametrize("rank, printed", [(None, "hello\n"), ("0", "hello\n"), ("1", "")])
@@ -49,3 +49,13 @@ def test_step_clock_leaves_the_cold_first_step_out_of_the_eta():
     times = iter([100.0, 110.0, 111.0, 114.0])
     clock = StepClock(clock=lambda: next(times))
     assert [clock.tick(), clock.tick(), clock.tick()] == [10.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "seconds, shown",
+    [(0, "0s"), (44.6, "45s"), (59.4, "59s"), (60, "1m00s"), (725, "12m05s"), (3599.6, "1h00m"),
+     (11_220, "3h07m"), (552_000, "153h20m"), (-3, "0s")],
+)  # fmt: skip
+def test_an_eta_reads_in_hours_and_minutes(seconds, shown):
+    """The step line's ETA was seconds alone: a run of hours read `eta 24513s`."""
+    assert duration(seconds) == shown

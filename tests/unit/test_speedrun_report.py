@@ -6,7 +6,7 @@ import json
 
 from raychat.checkpoint_manager import commit_directory
 from raychat.config import SpeedrunConfig, TrainConfig, from_dict
-from raychat.report import STATE_FILE, read_state, settle_stage, write_report
+from raychat.report import STATE_FILE, main, read_state, settle_stage, write_report
 from raychat.speedrun import accuracy_task, newest_commit
 
 TOKENIZER = {"vocab_size": 4096, "version": "abc", "train_seconds": 28.5, "val_bytes_per_token": 4.321}
@@ -114,3 +114,23 @@ def test_the_accuracy_before_and_after_sft_is_of_the_mixtures_first_graded_task(
     no_task = {k: v for k, v in SFT.items() if not k.startswith("accuracy")}
     rows = table(tmp_path / "b", invocation(tmp_path / "b", walls, figures | {"sft": no_task}, ran=True))
     assert not any("accuracy" in k for k in rows) and rows["SFT steps"].startswith("30 ")
+
+
+def test_the_curves_of_a_run_of_ones_own(tmp_path, capsys):
+    """Only the speedrun drew curves: `python -m raychat.report RUN_DIR` draws a pretrain run's, 10 x 3.6
+    inches at 110 dpi (plot_stage): a PNG of 1100 x 396 pixels; a directory without steps is named, exit 2."""
+    run = tmp_path / "mine"
+    run.mkdir()
+    rows = [{"step": s, "loss": 6.0 - s, "smooth_loss": 6.0 - s / 2} for s in (1, 2, 3)]
+    rows[-1]["val_bpb"] = 3.1
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([str(run), str(tmp_path / "none")]) == 2
+    out, err = capsys.readouterr()
+    assert out == f"wrote {run}/curves.png (3 steps, 1..3)\n"
+    assert err == (
+        f"python -m raychat.report: {tmp_path}/none/metrics.jsonl is not there (give a pretrain, sft or rl run "
+        "directory)\n"
+    )
+    png = (run / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (1100, 396)

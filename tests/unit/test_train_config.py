@@ -6,10 +6,12 @@ from torch import nn
 
 from raychat.checkpoint_manager import commit_directory
 from raychat.config import TrainConfig, add_flags, from_dict, preset_values
+from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.loss import cross_entropy_sum, normalize
-from raychat.train.launch import config_from, elastic_grad_accum, scaling_config
+from raychat.train.launch import config_from, elastic_grad_accum, scaling_config, stopped_early_line
 from raychat.train.optim import lr_multiplier, lr_peak_from, warmdown_start
 from raychat.train.plan import make_plan, power_law_batch_size, print_plan, round_to_micro_steps
+from raychat.train.pretrain import data_line
 
 
 def test_lr_schedule_by_hand():
@@ -191,7 +193,7 @@ def test_step_loss_is_token_normalized_over_micro_batches():
 def test_fp8_filter_and_eval_swap_share_weights():
     from torchao.float8.float8_linear import Float8Linear
 
-    from raychat.train.fp8 import convert_to_fp8, fp8_filter, high_precision_linears
+    from raychat.train.fp8 import convert_to_fp8, fp8_filter, fp8_line, high_precision_linears
 
     keep = fp8_filter()
     assert keep(nn.Linear(64, 128), "model.layers.0.mlp.up_proj")
@@ -204,6 +206,15 @@ def test_fp8_filter_and_eval_swap_share_weights():
     net.add_module("lm_head", nn.Linear(15, 64, bias=False))
     assert convert_to_fp8(net, emulate=True) == 1
     assert isinstance(net.big, Float8Linear) and type(net.small) is nn.Linear
+    assert fp8_line(net, "tensorwise") == (  # the run logs it: which layers --fp8 reached
+        "FP8 (tensorwise): 1 of the model's 3 Linear layers train in FP8 (lm_head and layers with a dimension "
+        "below 64 or not a multiple of 16 stay in high precision)"
+    )
+    narrow = nn.Sequential(nn.Linear(32, 48, bias=False))
+    convert_to_fp8(narrow, emulate=True)
+    assert fp8_line(narrow, "rowwise").startswith(
+        "warning: --fp8: none of the model's 1 Linear layers trains in FP8"
+    )
     x = torch.randn(4, 64)
     net(x).sum().backward()  # trains through torchao's emulated FP8 matmul on CPU
     weight = net.big.weight
@@ -243,3 +254,51 @@ def test_automatic_batch_of_an_elastic_run_divides_on_every_world_size():
     p = make_plan(cfg, vocab_size=4096)
     assert (p.auto_batch_size, p.total_batch_size) == (65536, 61440)
     assert elastic_grad_accum(cfg, p.total_batch_size) == {2: 15, 3: 10}
+
+
+def test_the_data_line_says_how_many_epochs_the_run_reads(tmp_path, small_tokenizer):
+    """Nothing said that a run's tokens were more than its data: the stream silently went round again. 8 equal
+    documents of 800 bytes, n tokens each with its BOS; 4 of them train (3,200 bytes), 4 validate: 800 / n
+    bytes a token, so 4n tokens of training text; --overflow crop keeps one row of 65 of each: 260 an epoch."""
+    doc = "a b c d " * 100
+    n = len(small_tokenizer.encode(doc)) + 1
+    assert n > 65  # longer than a row: crop keeps 65 of each
+    write_manifest(
+        tmp_path, {"source": "t", "shards": write_shards([doc] * 8, tmp_path, 2, log=lambda *_: None)}
+    )
+
+    def cfg(overflow: str) -> TrainConfig:
+        return from_dict(TrainConfig, {"data_dir": str(tmp_path), "seq_len": 64, "overflow": overflow})
+
+    head = (
+        f"data: 1 training shard, 0.0032 MB of text, about {4 * n:,} tokens ({800 / n:.2f} bytes/token on the "
+        "validation shard)"
+    )
+    assert data_line(cfg("crop"), small_tokenizer, 520) == (
+        f"{head}; --overflow crop keeps at most a row (65 tokens) of each document, about {100 * 65 / n:.2g}% of "
+        "them: 260 tokens an epoch; the run's 520 tokens are 2 epochs: from the second on the same documents "
+        "repeat, each epoch in another order"
+    )
+    assert data_line(cfg("split"), small_tokenizer, n) == f"{head}; the run's {n:,} tokens are 0.25 epochs"
+
+
+def test_a_run_stopped_by_stop_after_says_it_is_not_finished():
+    """`--stop-after 14` of 40 steps ended with `final checkpoint: ...` and `final metrics: ...` alone, as a
+    finished run does."""
+    assert stopped_early_line(14, 40, 14) == (
+        "stopped at step 14 of 40 (--stop-after 14): the run is not finished; the same command without "
+        "--stop-after (or with a later one) resumes it to step 40"
+    )
+    assert stopped_early_line(40, 40, 40) is None and stopped_early_line(40, 40, -1) is None
+
+
+def test_a_written_shards_line_says_text_and_disk(tmp_path):
+    """`wrote shard_00000.parquet: train, 1,940 documents, 2.70 MB` was the compressed file's size, beside a
+    summary of `21.15 MB of text`: a shard of 7 MB of text read as 2.7."""
+    lines = []
+    entries = write_shards(["a" * 600_000, "b" * 400_000], tmp_path, 2, log=lines.append)
+    assert lines[0] == (
+        f"  wrote shard_00000.parquet: train, 1 document, 0.60 MB of text, {entries[0]['file_bytes'] / 1e6:.2f} MB "
+        "on disk"
+    )
+    assert entries[0]["file_bytes"] < 100_000  # zstd: the disk figure is not the text's

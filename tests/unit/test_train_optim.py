@@ -113,6 +113,26 @@ def test_resume_from_checkpoint_gives_bit_identical_steps(tmp_path, ns_dtype):
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(b.state[q][key])), key
 
 
+def test_a_run_resumed_with_other_lrs_and_weight_decay_trains_with_them(tmp_path):
+    """torch's load_state_dict put the checkpoint's lr, initial_lr and weight_decay back into every param group:
+    `pretrain` resumed with --matrix-lr 0.05 --weight-decay 0 went on at 0.02 and 0.1, while its next
+    checkpoint's meta.json recorded 0.05 and 0. The moments still come from the checkpoint."""
+    model = _model()
+    optimizers = build_optimizers(model, _cfg("float32"))
+    _train(model, optimizers, range(2))
+    save_optimizers(tmp_path, optimizers)
+    changed = {**LRS, "matrix_lr": 0.05, "embedding_lr": 0.5, "weight_decay": 0.0, "ns_dtype": "float32"}
+    resumed = build_optimizers(model, from_dict(TrainConfig, changed).optim)
+    load_optimizers(tmp_path, resumed)
+    muon, adamw = resumed
+    assert (muon.param_groups[0]["initial_lr"], muon.param_groups[0]["weight_decay"]) == (0.05, 0.0)
+    assert adamw.param_groups[0]["initial_lr"] == pytest.approx(0.5 * (768 / 128) ** 0.5)  # width 128
+    assert set_lr(resumed, 0.5) == 0.025  # the schedule scales this run's peak
+    p, q = optimizers[0].param_groups[0]["params"][0], muon.param_groups[0]["params"][0]
+    assert torch.equal(optimizers[0].state[p]["momentum_buffer"], muon.state[q]["momentum_buffer"])
+    assert adamw.state[adamw.param_groups[0]["params"][0]]["step"] == 2
+
+
 @pytest.mark.parametrize(
     ("avx512_bf16", "ns_dtype", "expected"),
     [
@@ -147,4 +167,62 @@ def test_the_plan_of_a_gpu_run_on_a_driver_without_cuda_names_the_workers_rule(c
     assert (
         "Muon for the hidden matrices, Newton-Schulz dtype chosen on each GPU worker: bfloat16 at compute "
         "capability >= 8.0, else float32; AdamW" in capsys.readouterr().out
+    )
+
+
+def test_the_plan_shows_the_settings_the_run_trains_with(capsys):
+    """`--dry-run` printed sizes only: a user's preset (its lrs, schedule, clipping, FP8, cadence) was
+    nowhere to check, and --help shows the flags' defaults, not the preset's. The AdamW lrs are printed as
+    applied: x (768 / width) ** 0.5 = sqrt(6) = 2.449 at width 128 (depth 2 x aspect ratio 64)."""
+    values = dict(depth=2, aspect_ratio=64, head_dim=32, num_iterations=40, total_batch_size=4096,
+                  matrix_lr=0.03, warmup_ratio=0.25, warmdown_ratio=0.5, final_lr_frac=0.1, weight_decay=0.1,
+                  grad_clip=0.5, fp8=True, eval_every=4, checkpoint_every=2, keep_checkpoints=1, log_every=5)  # fmt: skip
+    cfg = from_dict(TrainConfig, values)
+    plan = make_plan(cfg, VOCAB)
+    assert build_optimizers(GPT(ModelConfig(**plan.model_config)), cfg.optim)[1].param_groups[0][
+        "lr"
+    ] == pytest.approx(0.2 * 6**0.5)  # what the plan's embedding lr says
+    print_plan(cfg, plan)
+    out = capsys.readouterr().out
+    # 6N + 12 x layers x heads x head_dim x T (4 heads of 32, T 256): forward and backward, as MFU counts them
+    assert (
+        f"FLOPs per token: {6 * plan.scaling_params + 12 * 2 * 4 * 32 * 256:,} (training: 6 x parameters without "
+        "the embedding + attention)\n" in out
+    )
+    assert out.splitlines()[-5:] == [
+        "lr (peak): Muon 0.03 for the hidden matrices; AdamW x 2.449 (= (width 128 / 768) ** -0.5): embedding "
+        "0.4899, lm_head 0.009798, norms 0.04899",
+        "schedule: lr warmup 10 steps (0.25 of 40), constant, warmdown 20 steps (0.5) to 0.1 x peak",
+        "regularization: Muon weight decay 0.1, grad clipping at global norm 0.5",
+        "precision: float32 on CPU, FP8 tensorwise (torchao, emulated on CPU), torch.compile off",
+        "cadence: a log line every 5 steps; evaluation every 4 steps and at the end; checkpoint every 2 steps "
+        "and at the end, the newest 1 kept",
+    ]
+    off = from_dict(
+        TrainConfig, {**values, "grad_clip": 0, "eval_every": 0, "checkpoint_every": 0, "fp8": False}
+    )
+    print_plan(off, make_plan(off, VOCAB))
+    out = capsys.readouterr().out
+    assert "regularization: Muon weight decay 0.1, no grad clipping\n" in out
+    assert "precision: float32 on CPU, FP8 off, torch.compile off\n" in out
+    assert "evaluation at the end only; checkpoint at the end only, the newest 1 kept\n" in out
+
+
+def test_pretrain_help_shows_the_flags_defaults_and_the_plan_the_presets(tmp_path, capsys):
+    """`pretrain --help` says `--checkpoint-every ... (default: 100)`, the flag's own default, while a run with
+    the default --preset cpu checkpoints every 125 steps: the help says so, and --dry-run's plan shows 125."""
+    from raychat.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "steps between checkpoints (and at the end; 0 = only at the end) (default: 100)" in flat
+    assert (
+        "The defaults shown below are the flags' own: the preset (--preset, default cpu) sets many of them"
+        in flat
+    )
+    assert main(["pretrain", "--storage-path", str(tmp_path / "runs"), "--dry-run"]) == 0
+    assert (
+        "cadence: a log line every 1 step; evaluation every 50 steps and at the end; checkpoint every 125 steps "
+        "and at the end, the newest 2 kept\n" in capsys.readouterr().out
     )

@@ -17,6 +17,7 @@ import ast
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -354,9 +355,21 @@ def flatten(cls, values: dict, where: str | None = None, spelled: dict | None = 
     if unknown:
         allowed = sorted(set(names) | set(alias) | sections)
         raise ConfigError(
-            f"unknown {where or cls.__name__ + ' settings'} {sorted(unknown)}; allowed: {allowed}"
+            f"unknown {where or cls.__name__ + ' settings'} {sorted(unknown)}{_close_keys(sorted(unknown), allowed)}; "
+            f"allowed: {allowed}"
         )
     return out
+
+
+def _close_keys(unknown: list[str], allowed: list[str]) -> str:
+    """' (did you mean depth?)' for the keys of `unknown` close to one of `allowed` (difflib's ratio of at least
+    0.75, as the command line's flags: `deph`, `num_iters`, `grad_clip_norm`); '' when none is."""
+    close = [(key, difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)) for key in unknown]
+    close = [(key, match[0]) for key, match in close if match]
+    if not close:
+        return ""
+    hint = ", ".join(match if len(unknown) == 1 else f"{match} for {key}" for key, match in close)
+    return f" (did you mean {hint}?)"
 
 
 def from_dict(cls, values: dict | None = None, base=None, where: str | None = None):

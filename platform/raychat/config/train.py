@@ -82,10 +82,13 @@ class OptimSection(Section):
     """Muon for hidden matrices, AdamW for the rest (raychat.train.optim.build_optimizers), and clipping."""
 
     matrix_lr: float = option(0.02, "Muon learning rate for hidden weight matrices", ge=0)
-    embedding_lr: float = option(0.2, "AdamW learning rate for the token embedding", ge=0)
-    unembedding_lr: float = option(0.004, "AdamW learning rate for lm_head", ge=0)
-    scalar_lr: float = option(0.02, "AdamW learning rate for norm weights", ge=0)
-    weight_decay: float = option(0.0, "Muon weight decay", ge=0)
+    embedding_lr: float = option(
+        0.2, "AdamW learning rate for the token embedding, x (width / 768) ** -0.5 (nanochat's scaling, as the "
+        "other AdamW lrs; the plan prints the result)", ge=0,
+    )  # fmt: skip
+    unembedding_lr: float = option(0.004, "AdamW learning rate for lm_head, x (width / 768) ** -0.5", ge=0)
+    scalar_lr: float = option(0.02, "AdamW learning rate for norm weights, x (width / 768) ** -0.5", ge=0)
+    weight_decay: float = option(0.0, "Muon weight decay (of the hidden matrices; AdamW's is 0)", ge=0)
     grad_clip: float = option(1.0, "clip the global grad norm to this (0 = off)", ge=0)
     ns_dtype: str = option(
         "auto",
@@ -251,7 +254,7 @@ class LRScheduleSection(Section):
 
     warmup_ratio: float = option(0.0, "fraction of steps of linear warmup", ge=0)
     warmdown_ratio: float = option(0.4, "fraction of steps of linear decay at the end", ge=0)
-    final_lr_frac: float = option(0.0, "lr at the end as a fraction of the peak", ge=0)
+    final_lr_frac: float = option(0.0, "lr at the end as a fraction of the peak (0..1)", ge=0, le=1)
     allow_rewarm: bool = option(
         False, "resume with a schedule (e.g. a longer --num-iterations) that raises the lr again after the "
         "checkpoint's warmdown began; without it such a resume is refused",
@@ -260,7 +263,10 @@ class LRScheduleSection(Section):
     def __post_init__(self):
         super().__post_init__()
         if not 0 <= self.warmup_ratio + self.warmdown_ratio <= 1:
-            raise ConfigError("--warmup-ratio + --warmdown-ratio must lie in [0, 1]")
+            raise ConfigError(
+                f"--warmup-ratio {shown(self.warmup_ratio)} + --warmdown-ratio {shown(self.warmdown_ratio)} must "
+                "lie in [0, 1]: both are fractions of the run's steps, and the warmup ends before the warmdown starts"
+            )
 
 
 @dataclass

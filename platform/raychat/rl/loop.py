@@ -100,6 +100,7 @@ from raychat.train.launch import (
     interrupted,
     refuse_resume,
     resumable_checkpoint,
+    settings_change,
     stopped_on_error,
     stopped_on_fault,
 )
@@ -147,6 +148,8 @@ def check_resume(cfg: RLConfig, flags: Flags = COMMANDS) -> None:
             f"{flags.option('steps')}: the run's checkpoint {where} is at step {meta['step']}, this run asks for "
             f"{cfg.rollout.steps}: nothing to train (ask for {meta['step']} or more, or use {flags.other_run})"
         )
+    if line := settings_change(meta, cfg, flags):  # they apply from the resume step (load_optimizers)
+        log(line)
 
 
 def rl_tasks(cfg: RLConfig) -> dict:

@@ -69,3 +69,16 @@ def high_precision_linears(model: nn.Module):
     finally:
         for parent, name, child in swapped:
             setattr(parent, name, child)
+
+
+def fp8_line(model: nn.Module, recipe: str, min_features: int = 64) -> str:
+    """The line a run logs once `model` is converted (convert_to_fp8): how many of its Linear layers train in
+    FP8 and why the others do not; a warning when none does (a model too narrow: --fp8 then changes nothing)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, Float8Linear))]
+    converted = sum(1 for m in linears if isinstance(m, Float8Linear))
+    why = f"lm_head and layers with a dimension below {min_features} or not a multiple of 16 stay in high precision"
+    if not converted:
+        return f"warning: --fp8: none of the model's {len(linears)} Linear layers trains in FP8 ({why})"
+    return f"FP8 ({recipe}): {converted} of the model's {len(linears)} Linear layers train in FP8 ({why})"

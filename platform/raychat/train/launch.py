@@ -259,6 +259,11 @@ SCHEDULE_OPTIONS = (
     "warmdown_ratio", "final_lr_frac",
 )  # fmt: skip
 BATCH_OPTIONS = ("num_workers", "min_workers", "device_batch_size")
+# What else a resumed run may change that changes its updates: told in one line (settings_change), not refused.
+UPDATE_OPTIONS = (
+    "matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay", "grad_clip", "ns_dtype",
+    "total_batch_size", "fp8", "fp8_recipe", "compile",
+)  # fmt: skip
 
 
 def check_resume(
@@ -322,6 +327,23 @@ def check_resume(
         refuse_resume(where, changed or [("the data", made_on, now)], flags)
     if schedule_line:
         log(schedule_line)
+    settings_line = settings_change(meta, cfg, flags)
+    if settings_line:
+        log(settings_line)
+
+
+def settings_change(meta: dict, cfg, flags: Flags = COMMANDS) -> str | None:
+    """The line telling which of UPDATE_OPTIONS (learning rates, weight decay, clipping, the total batch, FP8,
+    compile) that cfg (TrainConfig, RLConfig) has this run sets otherwise than the checkpoint (its meta.json's
+    config) was made with, as `flags`
+    names them, each with both values; None when none differs. A total batch that changed the horizon is in
+    the schedule's line too (_schedule_change)."""
+    options = to_flat(cfg)  # RLConfig has the optimizer's options, not the batch's, FP8's or compile's
+    changed = changed_options(meta, cfg, [o for o in UPDATE_OPTIONS if o in options], flags)
+    if not changed:
+        return None
+    values = ", ".join(f"{name} {shown(was)} -> {shown(now)}" for name, was, now in changed)
+    return f"settings changed on resume: {values} (from step {meta['step'] + 1} on; the steps before kept theirs)"
 
 
 def _refuse_other_content(cfg: TrainConfig, where: str, made_on: dict, now: dict, flags: Flags) -> None:
@@ -611,7 +633,25 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
     result = TrainingResult(uri, meta.get("metrics", {}))
     log(f"final checkpoint: {uri}")
     log(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
+    if newest and (
+        line := stopped_early_line(newest.step, plan.num_iterations, cfg.train.horizon.stop_after, flags)
+    ):
+        log(line)
     return result
+
+
+def stopped_early_line(
+    step: int, num_iterations: int, stop_after: int, flags: Flags = COMMANDS
+) -> str | None:
+    """The last line of a run that --stop-after ended at `step` before its last step (`num_iterations`): that it
+    is not finished and how to go on (the options named as `flags` does); None for a run that reached its end."""
+    if stop_after == -1 or step >= num_iterations:
+        return None
+    name = flags.option("stop_after")
+    return (
+        f"stopped at step {step} of {num_iterations} ({name} {stop_after}): the run is not finished; the same "
+        f"command without {name} (or with a later one) resumes it to step {num_iterations}"
+    )
 
 
 def _stop_own_cluster(started: bool) -> None:

@@ -51,6 +51,12 @@ def planned_ns_choice(ns_dtype: str, use_gpu: bool) -> str:
     return choose_ns_dtype(ns_dtype, "cuda" if use_gpu else "cpu").describe()
 
 
+def adamw_lr_scale(width: int) -> float:
+    """The factor AdamW's learning rates (--embedding-lr, --unembedding-lr, --scalar-lr) are multiplied by for a
+    model of `width` (n_embd): (width / 768) ** -0.5, nanochat's, so the defaults transfer across depths."""
+    return (width / 768) ** -0.5
+
+
 def build_optimizers(model: GPT, cfg, *, shard: bool = True) -> list[torch.optim.Optimizer]:
     """[Muon(hidden matrices), AdamW(embedding, lm_head, norms)]; each group records its peak lr as 'initial_lr'.
 
@@ -64,7 +70,7 @@ def build_optimizers(model: GPT, cfg, *, shard: bool = True) -> list[torch.optim
     Raises:
         ValueError: cfg.ns_dtype not in "auto", "float32", "bfloat16".
     """
-    scale = (model.config.n_embd / 768) ** -0.5
+    scale = adamw_lr_scale(model.config.n_embd)
     matrices, embedding, head, scalars = split_parameters(model)
     muon = Muon(
         matrices,

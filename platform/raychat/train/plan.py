@@ -1,7 +1,8 @@
 """The run's derived sizes (a pure function of the config and the vocabulary), printed before training.
 
 Every derived number (width, heads, parameters, FLOPs per token, batch, grad accumulation, steps, tokens,
-tokens per parameter) is in Plan and printed by print_plan.
+tokens per parameter) is in Plan and printed by print_plan, followed by the settings the run trains with
+(settings_lines: learning rates as applied, schedule, regularization, precision, evaluation and checkpoints).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from raychat.checkpoint_manager import described
 from raychat.config import ConfigError, TrainConfig
 from raychat.log import plural
 from raychat.model import GPT, ModelConfig
-from raychat.train.optim import planned_ns_choice
+from raychat.train.optim import adamw_lr_scale, planned_ns_choice
 
 
 class ShapesOnly(torch.overrides.TorchFunctionMode):
@@ -170,7 +171,9 @@ def print_plan(cfg: TrainConfig, p: Plan) -> None:
         f"head_dim {m['head_dim']} mlp {m['intermediate_size']} vocab {m['vocab_size']}"
     )
     print(f"parameters: {p.num_params:,} ({p.scaling_params:,} without the embedding)")
-    print(f"FLOPs per token: {p.flops_per_token:,}")
+    print(
+        f"FLOPs per token: {p.flops_per_token:,} (training: 6 x parameters without the embedding + attention)"
+    )
     print(
         f"batch: {p.total_batch_size:,} tokens/step = {plural(cfg.layout.num_workers, 'worker')} x "
         f"{plural(cfg.train.batch.device_batch_size, 'row')} x {plural(cfg.model.seq_len, 'token')} x "
@@ -185,9 +188,42 @@ def print_plan(cfg: TrainConfig, p: Plan) -> None:
         )
     print(
         f"horizon ({p.horizon}): {plural(p.num_iterations, 'step')}, {p.tokens:,} tokens, "
-        f"{p.tokens_per_param:.2f} tokens/param, {p.total_flops:.3g} FLOPs"
+        f"{p.tokens_per_param:.2f} tokens per parameter (without the embedding), {p.total_flops:.3g} FLOPs"
     )
     print(
         f"optimizer: Muon for the hidden matrices, {planned_ns_choice(cfg.optim.ns_dtype, cfg.layout.use_gpu)}; "
         "AdamW for the embedding, lm_head and norms"
     )
+    for line in settings_lines(cfg, p):
+        print(line)
+
+
+def settings_lines(cfg: TrainConfig, p: Plan) -> list[str]:
+    """The lines of the plan that say what the run trains with, whichever of flag, preset or default set it: the
+    peak learning rates as the optimizers apply them (AdamW's scaled by adamw_lr_scale), the schedule in steps,
+    weight decay and clipping, precision, and how often it logs, evaluates and checkpoints."""
+    o, s, t, n = cfg.optim, cfg.train.lr_schedule, cfg.train, p.num_iterations
+    width = p.model_config["n_embd"]
+    scale = adamw_lr_scale(width)
+    warmup, warmdown = round(s.warmup_ratio * n), round(s.warmdown_ratio * n)
+    fp8 = "off"
+    if cfg.model.fp8:
+        fp8 = f"{cfg.model.fp8_recipe} (torchao{'' if cfg.layout.use_gpu else ', emulated on CPU'})"
+    every = t.eval.eval_every
+    evals = f"every {plural(every, 'step')} and at the end" if every else "at the end only"
+    keep = t.checkpoint.keep_checkpoints
+    saves = t.checkpoint.checkpoint_every
+    return [
+        f"lr (peak): Muon {o.matrix_lr:g} for the hidden matrices; AdamW x {scale:.4g} (= (width {width} / 768) "
+        f"** -0.5): embedding {o.embedding_lr * scale:.4g}, lm_head {o.unembedding_lr * scale:.4g}, norms "
+        f"{o.scalar_lr * scale:.4g}",
+        f"schedule: lr warmup {plural(warmup, 'step')} ({s.warmup_ratio:g} of {n:,}), constant, warmdown "
+        f"{plural(warmdown, 'step')} ({s.warmdown_ratio:g}) to {s.final_lr_frac:g} x peak",
+        f"regularization: Muon weight decay {o.weight_decay:g}, "
+        + (f"grad clipping at global norm {o.grad_clip:g}" if o.grad_clip else "no grad clipping"),
+        f"precision: {'bf16 autocast on GPU' if cfg.layout.use_gpu else 'float32 on CPU'}, FP8 {fp8}, "
+        f"torch.compile {'on' if cfg.model.compile else 'off'}",
+        f"cadence: a log line every {plural(t.logging.log_every, 'step')}; evaluation {evals}; checkpoint "
+        + (f"every {plural(saves, 'step')} and at the end" if saves else "at the end only")
+        + f", the newest {keep} kept",
+    ]

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from raychat.config import TrainConfig, preset_section
 from raychat.config.flags import TYPED
-from raychat.data.corpus.shards import list_shards
+from raychat.data.corpus.shards import list_shards, read_manifest
 from raychat.data.loader.pipeline import PretrainRows, validation_rows
+from raychat.log import plural
 from raychat.ray_token import token_for
 from raychat.tokenizer import Tokenizer
 from raychat.train.launch import (
@@ -69,25 +72,103 @@ def pretrain(cfg: TrainConfig, callbacks=(), typed=(), flags: Flags = COMMANDS):
         _, val_file = list_shards(paths.data_dir)
     except (OSError, ValueError) as e:
         raise ValueError(f"--data-dir: {e}") from None
-    tokenizer = Tokenizer.load(paths.tokenizer_path)
+    tokenizer = load_tokenizer(paths.tokenizer_path, paths.data_dir, flags)
     try:
         validation_rows(val_file, tokenizer, cfg.model.seq_len + 1, 1)
     except ValueError as e:
         raise ValueError(f"--data-dir: {e}") from None
+    resolved = paths.config(cfg)
+    print(data_line(resolved, tokenizer, make_plan(resolved, tokenizer.vocab_size).tokens, flags))
     return run_training(cfg, Pretraining(), [ReplayRecorder(), *callbacks], flags=flags)
+
+
+SAMPLE_BYTES = 1_000_000  # of the validation shard's text, tokenized for the bytes per token of data_line
+
+
+def data_line(cfg: TrainConfig, tokenizer: Tokenizer, tokens: int, flags: Flags = COMMANDS) -> str:
+    """The line saying how much of --data-dir's training text the run's `tokens` (the plan's) read, in epochs,
+    about: the training shards' UTF-8 bytes (the manifest's) over the bytes per token of the validation
+    shard's first documents (SAMPLE_BYTES of them, or all); with --overflow crop, of which only the share a
+    row (--seq-len + 1 tokens, BOS included) holds of each of those documents. Past 1 epoch the stream goes on
+    with the same documents in another order (raychat.data.loader.cursor), which nothing else says. --overflow is
+    named as `flags` names it.
+
+    Raises ValueError/FileNotFoundError as list_shards (a run checks the data before)."""
+    train = [e for e in read_manifest(cfg.data.data_dir)["shards"] if e.get("split") == "train"]
+    text_bytes = sum(e["bytes"] for e in train)
+    _, val_file = list_shards(cfg.data.data_dir)
+    row = cfg.model.seq_len + 1
+    sample_bytes = sample_tokens = kept = 0
+    texts = (
+        t
+        for b in pq.ParquetFile(val_file).iter_batches(64, columns=["text"])
+        for t in b.column(0).to_pylist()
+    )
+    for text in texts:  # a hub shard is ~100 MB: read its first batches only
+        if sample_bytes >= SAMPLE_BYTES:
+            break
+        n = len(tokenizer.encode(text)) + 1  # with its BOS
+        sample_bytes, sample_tokens, kept = (
+            sample_bytes + len(text.encode()),
+            sample_tokens + n,
+            kept + min(n, row),
+        )
+    per_token = sample_bytes / max(sample_tokens, 1)
+    available = text_bytes / per_token
+    line = (
+        f"data: {plural(len(train), 'training shard')}, {text_bytes / 1e6:.3g} MB of text, about {available:,.0f} "
+        f"tokens ({per_token:.2f} bytes/token on the validation shard)"
+    )
+    if cfg.data.overflow == "crop":
+        share = kept / max(sample_tokens, 1)
+        available *= share
+        line += (
+            f"; {flags.option('overflow')} crop keeps at most a row ({row} tokens) of each document, about {100 * share:.2g}% of "
+            f"them: {available:,.0f} tokens an epoch"
+        )
+    epochs = tokens / max(available, 1)
+    line += f"; the run's {tokens:,} tokens are {epochs:.3g} epochs"
+    if epochs > 1:
+        line += ": from the second on the same documents repeat, each epoch in another order"
+    return line
+
+
+def load_tokenizer(path: str, data_dir: str, flags: Flags = COMMANDS) -> Tokenizer:
+    """The tokenizer at `path` (--tokenizer-path, resolved); data_dir: the run's --data-dir, which the command
+    that trains a missing one reads.
+
+    Raises:
+        FileNotFoundError: no tokenizer.json there: one line naming --tokenizer-path (as `flags` does) and the
+            command that trains one there.
+        ValueError: as Tokenizer.load.
+    """
+    try:
+        return Tokenizer.load(path)
+    except FileNotFoundError:
+        flag = flags.option("tokenizer_path")
+        raise FileNotFoundError(
+            f"{flag}: no tokenizer.json in {path}: give {flag} a directory `raychat tokenizer train` wrote, or "
+            f"run `raychat tokenizer train --data-dir {data_dir} --out {path}` first"
+        ) from None
 
 
 def dry_run_vocab_size(cfg: TrainConfig, preset: str | None) -> int:
     """The vocabulary of the run's tokenizer, or (before one is trained) the preset's tokenizer.vocab_size.
 
     Raises:
-        FileNotFoundError: no tokenizer at --tokenizer-path and no vocab_size in the preset.
+        FileNotFoundError: no tokenizer at --tokenizer-path and no vocab_size in the preset (load_tokenizer's
+            line, which adds that a preset's tokenizer.vocab_size sizes the plan without one).
     """
     if (Path(cfg.data.tokenizer_path) / "tokenizer.json").exists():
         return Tokenizer.load(cfg.data.tokenizer_path).vocab_size
     size = preset_section(preset, "tokenizer").get("vocab_size") if preset and preset != "none" else None
     if not size:
-        raise FileNotFoundError(f"no tokenizer.json in {cfg.data.tokenizer_path} (--tokenizer-path)")
+        try:
+            load_tokenizer(cfg.data.tokenizer_path, cfg.data.data_dir)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"{e} (or, to size the plan without one, a --preset whose tokenizer section sets vocab_size)"
+            ) from None
     print(f"(no tokenizer in {cfg.data.tokenizer_path} yet: sizes for the preset's vocab_size {size})")
     return int(size)
 
@@ -109,10 +190,14 @@ def _pretrain(args) -> int:
         cfg = paths.config(cfg)
         check_shape_flags(cfg, typed)
         plan = make_plan(cfg, dry_run_vocab_size(cfg, args.preset))
+        try:  # as the run prints it first; the run checks the data, a dry run plans without them
+            print(data_line(cfg, Tokenizer.load(cfg.data.tokenizer_path), plan.tokens))
+        except (OSError, ValueError):
+            pass
         if (
             paths.checkpoints.newest() is not None
         ):  # a run to resume: its check, as the real run makes it first
-            tokenizer = Tokenizer.load(paths.tokenizer_path)
+            tokenizer = load_tokenizer(paths.tokenizer_path, paths.data_dir)
             check_resume(cfg, paths, plan, lambda: Pretraining().row_source(cfg, tokenizer, 0, 1))
         print_plan(cfg, plan)
         return 0

@@ -29,7 +29,7 @@ from raychat.checkpoint_manager import CheckpointManager
 from raychat.config import TrainConfig
 from raychat.data.loader.row_source import RowSource
 from raychat.gc_heap import freeze_gc_heap
-from raychat.log import StepClock, log
+from raychat.log import StepClock, duration, log
 from raychat.loss import TokenCrossEntropy
 from raychat.masks import make_batch
 from raychat.metrics_sink import MetricsSink
@@ -110,6 +110,7 @@ class Trainer:
         world: int,
         device: torch.device,
         start_step: int = 0,
+        smooth_loss: float | None = None,
     ):
         self.config, self.plan = config, plan
         self.model, self.train_model, self.optimizers = model, train_model, optimizers
@@ -123,7 +124,9 @@ class Trainer:
         self.stop = (
             min(plan.num_iterations, horizon.stop_after) if horizon.stop_after > 0 else plan.num_iterations
         )
-        self.smooth_loss: float | None = None
+        # the loss's moving average (0.9) goes on from the resumed checkpoint's: it restarted at the first
+        # resumed step's loss, a step in the curve at every resume
+        self.smooth_loss: float | None = smooth_loss
 
     # ---- the algorithm ---------------------------------------------------------------------------
     def train(self) -> None:
@@ -225,7 +228,7 @@ class Trainer:
                 f"step {done:5d}/{n_iter} | loss {stats['loss']:.4f} | lr {stats['lr']:.3g} | "
                 f"grad_norm {stats['grad_norm']:.3f} | tok/s {stats['tokens_per_s']:,.0f} | "
                 f"mfu {f'{100 * mfu:.1f}%' if mfu else 'n/a'} | data wait {100 * stats['data_wait_frac']:.1f}% | "
-                f"eta {seconds_per_step * (self.stop - done):.0f}s"
+                f"eta {duration(seconds_per_step * (self.stop - done))}"
                 + "".join(f" | {k} {v:.4f}" for k, v in evaluated.items())
             )
             for s in stats.get("samples", []):

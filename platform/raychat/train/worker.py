@@ -29,13 +29,13 @@ from safetensors.torch import load_file
 from raychat.checkpoint import check_model, load_model
 from raychat.checkpoint_manager import CheckpointManager, resolve_checkpoint
 from raychat.config import TrainConfig, from_dict, to_dict
-from raychat.log import log
+from raychat.log import log, plural
 from raychat.metrics import TrainMetrics
 from raychat.metrics_sink import MetricsSink
 from raychat.model import GPT, ModelConfig
 from raychat.tokenizer import Tokenizer
 from raychat.train.checkpointer import Checkpointer, restore_rows
-from raychat.train.fp8 import convert_to_fp8
+from raychat.train.fp8 import convert_to_fp8, fp8_line
 from raychat.train.optim import build_optimizers, muon_ns_choice
 from raychat.train.plan import Plan
 from raychat.train.startup_trace import mark
@@ -55,6 +55,19 @@ class ProgressBar(Callback):
 
     def on_train_end(self, trainer) -> None:
         self.bar.close()
+
+
+# Ray Train's per-report logger (named by its file's path): each rank's "Reporting training result N:
+# TrainingReport(... every metric and sample ...)" at INFO, at every checkpoint, repeats the step line
+RAY_TRAIN_REPORTS = os.path.join("ray", "train", "v2", "_internal", "execution", "context.py")
+
+
+def quiet_ray_train_reports() -> None:
+    """Raise Ray Train's per-report logger (RAY_TRAIN_REPORTS, created as Ray Train imports it) to WARNING: its
+    warnings and errors still show."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.endswith(RAY_TRAIN_REPORTS):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def log_placement(rank: int, world: int) -> None:
@@ -107,6 +120,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     device = ray.train.torch.get_device()
     torch.set_num_threads(int(os.environ.get("RAYCHAT_THREADS", max(1, round(cfg.layout.cpus_per_worker)))))
     logging.getLogger("ray.data").setLevel(logging.WARNING)
+    quiet_ray_train_reports()
     tokenizer = Tokenizer.load(cfg.data.tokenizer_path)
 
     model = build_model(cfg, plan, device)
@@ -124,6 +138,8 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
         model.load_state_dict(load_file(os.path.join(d, "model.safetensors"), device=str(device)))
     if cfg.model.fp8:
         convert_to_fp8(model, cfg.model.fp8_recipe)
+        if rank == 0:
+            log(fp8_line(model, cfg.model.fp8_recipe))
     optimizers = build_optimizers(model, cfg.optim)
     if rank == 0:
         log(f"Muon on rank 0: {muon_ns_choice(model, cfg.optim.ns_dtype).describe()}")
@@ -132,7 +148,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
         if rank == 0:
             old = meta.get("world_size", world)
             log(
-                f"resumed from {checkpoints.uri(newest.step)} at step {start_step} on {world} workers "
+                f"resumed from {checkpoints.uri(newest.step)} at step {start_step} on {plural(world, 'worker')} "
                 f"(written by {old})"
             )
     train_model = torch.compile(model) if cfg.model.compile else model
@@ -153,6 +169,7 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
     trainer = Trainer(
         cfg, plan, model, train_model, optimizers, rows, validators, checkpointer, checkpoints, metrics, callbacks,
         bos_id=tokenizer.bos_id, rank=rank, world=world, device=device, start_step=start_step,
+        smooth_loss=meta.get("metrics", {}).get("smooth_loss") if d else None,
     )  # fmt: skip
     try:
         mark("train_start")

@@ -144,7 +144,7 @@ def write_shards(
         entries.append(shard_entry(path, split, len(texts), sum(len(t.encode()) for t in texts)))
         log(
             f"  wrote {path.name}: {split}, {plural(len(texts), 'document')}, "
-            f"{entries[-1]['file_bytes'] / 1e6:.2f} MB"
+            f"{entries[-1]['bytes'] / 1e6:.2f} MB of text, {entries[-1]['file_bytes'] / 1e6:.2f} MB on disk"
         )
     return entries
 
