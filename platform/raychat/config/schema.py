@@ -17,7 +17,6 @@ import ast
 import contextlib
 import contextvars
 import dataclasses
-import difflib
 import math
 import re
 import types
@@ -28,6 +27,8 @@ from functools import cache
 from pathlib import Path
 
 import yaml
+
+from raychat.cli_parser import did_you_mean
 
 
 class ConfigError(ValueError):
@@ -362,10 +363,10 @@ def flatten(cls, values: dict, where: str | None = None, spelled: dict | None = 
 
 
 def _close_keys(unknown: list[str], allowed: list[str]) -> str:
-    """' (did you mean depth?)' for the keys of `unknown` close to one of `allowed` (difflib's ratio of at least
-    0.75, as the command line's flags: `deph`, `num_iters`, `grad_clip_norm`); '' when none is."""
-    close = [(key, difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)) for key in unknown]
-    close = [(key, match[0]) for key, match in close if match]
+    """' (did you mean depth?)' for the keys of `unknown` close to one of `allowed` (raychat.cli_parser's
+    did_you_mean, as the command line's flags: `deph`, `num_iters`, `grad_clip_norm`); '' when none is."""
+    close = [(key, did_you_mean(key, allowed)) for key in unknown]
+    close = [(key, match) for key, match in close if match]
     if not close:
         return ""
     hint = ", ".join(match if len(unknown) == 1 else f"{match} for {key}" for key, match in close)
