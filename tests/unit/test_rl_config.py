@@ -1,14 +1,15 @@
 """RLConfig: validation messages, YAML round trip, the `raychat rl` flags."""
 
 import re
+from pathlib import Path
 
 import pytest
 from support.rl_fixtures import rl_config
 from support.serve_helpers import write_tiny_checkpoint
 
-from raychat.cli import build_parser
+from raychat.cli import build_parser, main
 from raychat.config import RLConfig, from_dict, preset_values, to_yaml
-from raychat.rl.cli import base_model_warning, config_for
+from raychat.rl.cli import base_model_warning, config_for, resolve_inputs
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
 
 
@@ -65,8 +66,6 @@ def test_flags_override_yaml(tmp_path):
 
 
 def test_cli_help_lists_the_rl_command(capsys):
-    from raychat.cli import main
-
     with pytest.raises(SystemExit):
         main(["rl", "--help"])
     out = capsys.readouterr().out
@@ -114,7 +113,6 @@ def test_a_greedy_eval_temperature_samples_each_held_out_prompt_once(capsys):
     """The engine decodes greedily below TEMPERATURE_EPS (1e-5), not only at 0: --eval-temperature 1e-6 with
     --eval-samples 4 sampled 4 identical completions a prompt and reported pass@1..4, all equal. `rl --help` says
     what a greedy evaluation does to --eval-samples."""
-    from raychat.cli import main
 
     def samples(**kw):
         return RolloutDispatcher(rl_config(eval_samples=4, **kw), None, None, 8).eval_samples
@@ -144,3 +142,39 @@ def test_rl_from_a_pretraining_checkpoint_is_warned_about(tmp_path):
             )
             is None
         )
+
+
+def test_init_from_latest_that_finds_no_sft_run_says_where_sft_runs_are(tmp_path, capsys):
+    """`raychat rl --init-from latest` searches rl's --storage-path (runs/rl), where sft writes nothing: the
+    refusal named only that directory, so a user of the speedrun's layout was left guessing; it now says where
+    sft's runs are, and that run resolves."""
+    sft = str(write_tiny_checkpoint(tmp_path / "checkpoints" / "sft" / "checkpoint_000002", stage="sft"))
+    rl_root = tmp_path / "rl"
+    assert main(["rl", "--init-from", "latest", "--storage-path", str(rl_root)]) == 2
+    assert capsys.readouterr().err == (
+        f"raychat rl: error: --init-from: latest: no committed sft checkpoint under {rl_root} ({rl_root} does "
+        "not exist); latest searches rl's --storage-path, and raychat sft writes its runs under its own (default "
+        "runs/checkpoints): give the SFT run, e.g. --init-from runs/checkpoints/sft/latest (the speedrun's), or "
+        "give sft and rl one --storage-path\n"
+    )
+    given = from_dict(
+        RLConfig, {"init_from": f"{tmp_path}/checkpoints/sft/latest", "storage_path": str(rl_root)}
+    )
+    assert resolve_inputs(given).run.init_from == sft
+
+
+def test_the_readmes_table_for_openrlhf_and_verl_users_names_rls_flags_and_none_it_lacks(capsys):
+    """README's RL table maps OpenRLHF / verl knobs to `raychat rl`'s: every flag it names is one of rl's, and
+    the knobs it says rl lacks (KL and its reference model, entropy, top-p / top-k, PPO epochs, warmup) have no
+    flag, so the table goes stale in this test's sight when either changes."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme.split("### RL (`raychat rl`) for OpenRLHF and verl users", 1)[1].split("\n\n")[2]
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    named = {flag for _, ours in rows for flag in re.findall(r"`(--[a-z-]+)", ours)}
+    with pytest.raises(SystemExit):
+        main(["rl", "--help"])
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out))
+    assert len(rows) == 14 and len(named) == 22 and named <= flags, named - flags
+    lacking = [ours for _, ours in rows if ours.startswith("none") or "no " in ours]
+    assert len(lacking) == 8
+    assert not [f for f in flags if re.search(r"kl|ref|entropy|top|epoch|warmup|mini|critic|gae", f)]

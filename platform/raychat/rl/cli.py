@@ -20,7 +20,7 @@ from raychat.capacity import local_capacity, start_local_cluster
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import check_model, read_meta, read_tokenizer
 from raychat.checkpoint_manager import commit_of, find_checkpoint
-from raychat.config import ConfigError, RLConfig, from_args, from_dict
+from raychat.config import ConfigError, RLConfig, TrainConfig, from_args, from_dict
 from raychat.ray_token import token_for
 from raychat.rl.actors import check_layout
 from raychat.rl.loop import RLRun
@@ -34,7 +34,8 @@ from raychat.train.plan import init_from_line
 def resolve_inputs(cfg: RLConfig) -> RLConfig:
     """--storage-path absolute (or its URI), --init-from the checkpoint it names; --task's files checked.
 
-    Raises ValueError naming the flag: no --init-from, or one that names nothing; a hub --task whose train or
+    Raises ValueError naming the flag: no --init-from, or one that names nothing (a `latest` that finds no SFT
+    checkpoint under --storage-path also says where sft's runs are: LATEST_HINT); a hub --task whose train or
     test file is missing under --task-data-dir, or holds a bad record (raychat.tasks.registry.check_data); CheckpointError naming the
     file: an --init-from that could not load (raychat.checkpoint.check_model; of a remote one, its sizes and
     meta.json)."""
@@ -44,9 +45,23 @@ def resolve_inputs(cfg: RLConfig) -> RLConfig:
         )
     check_data([cfg.task.task], ("train", "test"), cfg.task.task_data_dir, "--task")
     storage = open_storage(cfg.run.storage_path)
-    init_from = find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("sft",))
+    try:
+        init_from = find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("sft",))
+    except ValueError as e:
+        if cfg.run.init_from.strip() == "latest" and "no committed sft checkpoint" in str(e):
+            raise ValueError(f"{e}; {LATEST_HINT}") from None
+        raise
     check_model(init_from)
     return from_dict(RLConfig, {"init_from": init_from, "storage_path": storage.uri}, base=cfg)
+
+
+# `raychat rl --init-from latest` searches rl's --storage-path (runs/rl), which holds RL runs; sft's runs are
+# under its own (runs/checkpoints) unless both stages were given one root (raychat submit's chain)
+LATEST_HINT = (
+    "latest searches rl's --storage-path, and raychat sft writes its runs under its own (default "
+    f"{TrainConfig().run.storage_path}): give the SFT run, e.g. --init-from "
+    f"{TrainConfig().run.storage_path}/sft/latest (the speedrun's), or give sft and rl one --storage-path"
+)
 
 
 def check_generation_length(cfg: RLConfig, tasks: dict) -> None:
@@ -130,6 +145,8 @@ def main(args) -> int:
         print(f"raychat rl: error: {e}", file=sys.stderr)
         return 2
     print(init_from_line(cfg.run.init_from))
+    if run.resume_changes:
+        print(run.resume_changes)
     if warning := base_model_warning(cfg.run.init_from):
         print(warning, file=sys.stderr)
     if run.finished() is not None:  # a finished run needs no cluster, nor the lease
