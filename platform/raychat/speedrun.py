@@ -453,6 +453,8 @@ def run_rl_stage(
     cfg = from_dict(RLConfig, {"init_from": checkpoint}, base=cfg)
     run = RLRun(cfg, flags=flags)
     check_generation_length(cfg, run.tasks)
+    if run.resume_changes:
+        log(run.resume_changes)
     if run.finished() is None:
         with run.lease():  # before connect: a run another driver trains is refused before Ray starts
             try:

@@ -42,7 +42,7 @@ from raychat.capacity import start_failure
 from raychat.checkpoint import save_model
 from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
-from raychat.config import RLConfig, from_dict, to_dict
+from raychat.config import RLConfig, from_dict, preset_values, to_dict
 from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.data.loader import sft_rows
 from raychat.lease import RunLease
@@ -1743,8 +1743,8 @@ def rl_run(root, monkeypatch):
     sft = write_tiny_checkpoint(root / "sft" / "checkpoint_000001", stage="sft")
     argv = ["rl", "--preset", "tiny", "--storage-path", str(root), "--run-name", "r1", "--init-from", "sft",
             "--steps", "4"]  # fmt: skip
-    cfg = from_dict(RLConfig, {"storage_path": str(root), "run_name": "r1", "init_from": str(sft), "steps": 4,
-                               "prompts_per_step": 2, "rollout_workers": 1})  # fmt: skip
+    cfg = from_dict(RLConfig, preset_values("tiny", "rl") | {"storage_path": str(root), "run_name": "r1",
+                                                            "init_from": str(sft), "steps": 4})  # fmt: skip
     model, tokenizer = tiny_model_and_tokenizer()
     d = root / "r1" / "checkpoint_000002"
     save_model(
@@ -1798,6 +1798,27 @@ def test_a_finished_rl_run_says_so_without_starting_ray(root, rl_run, capsys):
     )
     assert json.loads(out[-1]) == {"steps": 2, "start_step": 2, "evals": [], "run_dir": str(root / "r1"),
                                    "checkpoint": str(d)}  # fmt: skip
+
+
+def test_resuming_rl_with_other_sampling_or_eval_settings_names_each(root, rl_run, capsys):
+    """RL resumed with another --temperature, --max-tokens or --eval-samples without a word, the checkpoint's
+    values overwritten in config.yaml: a reward or pass@k curve that moved at the resume step had no cause in
+    the log. The resume goes on, after one line naming each (the tiny preset's 1, 8, 2 in the checkpoint)."""
+    argv, d = rl_run
+    capsys.readouterr()
+    with pytest.raises(ReachedRay):
+        raychat_main([*argv, "--temperature", "0.7", "--max-tokens", "6", "--eval-samples", "4"])
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"resuming with other settings than the run's checkpoint {d} was made with: --max-tokens 8 -> 6, "
+        "--temperature 1 -> 0.7, --eval-samples 2 -> 4; the steps after 2 use this run's, and pass@k after step 2 "
+        "is not measured as before it"
+    )
+    with pytest.raises(ReachedRay):
+        raychat_main([*argv, "--matrix-lr", "1e-3"])
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"resuming with other settings than the run's checkpoint {d} was made with: --matrix-lr 0.0002 -> 0.001; the "
+        "steps after 2 use this run's"
+    )
 
 
 def test_rl_names_what_its_init_from_resolved_to_and_takes_eval_every_0(root, rl_run, capsys):

@@ -68,6 +68,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.checkpoint_manager import CheckpointManager, committed_bytes
 from raychat.config import ConfigError, RLConfig, to_dict, to_yaml
+from raychat.config.schema import shown
 from raychat.lease import RunLease
 from raychat.log import StepClock, log
 from raychat.metrics import RLMetrics
@@ -121,13 +122,26 @@ RESUME_OPTIONS = (
     "prompts_per_step",
     "rollout_workers",
 )
+# What a resumed run may change (not RESUME_OPTIONS): how its remaining steps sample, weigh and update, and how
+# its evaluations are taken; a resume that changes any names each in one line (check_resume's), so that a
+# reward or pass@k curve that moves at the resume step has its cause in the log
+NOTED_OPTIONS = (
+    "samples_per_prompt", "max_tokens", "temperature", "matrix_lr", "embedding_lr", "unembedding_lr",
+    "scalar_lr", "weight_decay", "grad_clip", "normalization", "scale_by_std", "constant_length", "clip_eps",
+    "mode", "max_staleness", "eval_examples", "eval_samples", "eval_temperature",
+)  # fmt: skip
+EVAL_OPTIONS = ("eval_examples", "eval_samples", "eval_temperature")
 
 
-def check_resume(cfg: RLConfig, flags: Flags = COMMANDS) -> None:
+def check_resume(cfg: RLConfig, flags: Flags = COMMANDS) -> str | None:
     """Check that the run's newest committed checkpoint, if there is one, is one this run can resume: every
     file its commit marker lists is there with its size, it is an RL checkpoint, made with this run's
     RESUME_OPTIONS (--init-from as resolved), at a step no later than --steps. Reads only storage. The refusals
     name the options as `flags` does (raychat.train.launch.Flags).
+
+    Returns the line naming each of NOTED_OPTIONS this run sets otherwise than the checkpoint was made with
+    ("resuming with other settings than ...: --temperature 1 -> 0.5; ..."), None when none differs or there is
+    no checkpoint.
 
     Raises:
         CheckpointError: a file of the checkpoint is missing or of another size (named).
@@ -147,6 +161,21 @@ def check_resume(cfg: RLConfig, flags: Flags = COMMANDS) -> None:
             f"{flags.option('steps')}: the run's checkpoint {where} is at step {meta['step']}, this run asks for "
             f"{cfg.rollout.steps}: nothing to train (ask for {meta['step']} or more, or use {flags.other_run})"
         )
+    return resume_changes_line(where, meta["step"], changed_options(meta, cfg, NOTED_OPTIONS, flags), flags)
+
+
+def resume_changes_line(where: str, step: int, changed: list[tuple[str, object, object]], flags: Flags):
+    """The line of check_resume's return for `changed` (changed_options' list), None when it is empty."""
+    if not changed:
+        return None
+    values = ", ".join(f"{name} {shown(was)} -> {shown(now)}" for name, was, now in changed)
+    line = (
+        f"resuming with other settings than the run's checkpoint {where} was made with: {values}; the steps "
+        f"after {step} use this run's"
+    )
+    if {flags.option(o) for o in EVAL_OPTIONS} & {name for name, _, _ in changed}:
+        line += f", and pass@k after step {step} is not measured as before it"
+    return line
 
 
 def rl_tasks(cfg: RLConfig) -> dict:
@@ -192,7 +221,7 @@ class RLRun:
     ):
         if not cfg.run.init_from:
             raise ValueError("--init-from (a chat checkpoint directory) is required")
-        check_resume(cfg, flags)
+        self.resume_changes = check_resume(cfg, flags)  # printed by the command, after its init line
         self.cfg, self.log, self.flags = cfg, log, flags
         self.checkpoints = CheckpointManager(
             open_storage(cfg.run.storage_path), cfg.run.run_name, cfg.checkpoint.keep_checkpoints
