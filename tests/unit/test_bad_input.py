@@ -1821,6 +1821,33 @@ def test_resuming_rl_with_other_sampling_or_eval_settings_names_each(root, rl_ru
     )
 
 
+def test_rl_says_when_its_held_out_split_has_fewer_problems_than_eval_examples(
+    root, tmp_path, monkeypatch, capsys
+):
+    """--eval-examples 64 on a GSM8K test file of 3 problems measured pass@k on those 3 without a word (the
+    speedrun's line said "64 held-out problems"); one warning line now says so, and the run goes on."""
+    write_tiny_checkpoint(root / "sft" / "checkpoint_000001", stage="sft")
+    data = tmp_path / "task_data"
+    for split in ("train", "test"):
+        (data / "gsm8k" / "main").mkdir(parents=True, exist_ok=True)
+        (data / "gsm8k" / "main" / f"{split}.jsonl").write_text(GSM8K_GOOD * 3)
+
+    def reached(*args, **kwargs):
+        raise ReachedRay
+
+    monkeypatch.setattr(ray, "init", reached)
+    argv = ["rl", "--preset", "tiny", "--storage-path", str(root), "--init-from", "sft", "--run-name", "r",
+            "--task", "gsm8k", "--task-data-dir", str(data)]  # fmt: skip
+    with pytest.raises(ReachedRay):
+        raychat_main([*argv, "--eval-examples", "64"])
+    assert capsys.readouterr().err == (
+        "warning: --eval-examples 64: --task gsm8k's test split has 3 problems; pass@k is over those 3\n"
+    )
+    with pytest.raises(ReachedRay):
+        raychat_main([*argv, "--eval-examples", "3"])
+    assert capsys.readouterr().err == ""
+
+
 def test_rl_names_what_its_init_from_resolved_to_and_takes_eval_every_0(root, rl_run, capsys):
     """rl printed no `init from:` line (sft does), so what `latest` resolved to went unseen; and --eval-every 0 was
     refused (">= 1") while its --checkpoint-every 0, and training's --eval-every 0, mean "only at the end"."""

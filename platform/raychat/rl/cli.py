@@ -21,6 +21,7 @@ from raychat.chat_template import render_for_completion
 from raychat.checkpoint import check_model, read_meta, read_tokenizer
 from raychat.checkpoint_manager import commit_of, find_checkpoint
 from raychat.config import ConfigError, RLConfig, TrainConfig, from_args, from_dict
+from raychat.config.schema import flag_name
 from raychat.ray_token import token_for
 from raychat.rl.actors import check_layout
 from raychat.rl.loop import RLRun
@@ -109,6 +110,20 @@ def check_generation_room(cfg: RLConfig, longest: int, max_seq_len: int, model: 
         )
 
 
+def short_eval_split_warning(cfg: RLConfig, tasks: dict, option=flag_name) -> str | None:
+    """A warning line when --eval-examples is above the number of problems of --task's test split (a hub task's
+    file; `tasks`: {"train", "test": Task}): pass@k was over the split's problems without a word, and the
+    speedrun's line counted --eval-examples held-out problems. None otherwise. `option` names a config field as
+    the command's lines do."""
+    have, asked = len(tasks["test"]), cfg.eval.eval_examples
+    if have >= asked:
+        return None
+    return (
+        f"warning: {option('eval_examples')} {asked}: --task {cfg.task.task}'s test split has {have} problems; "
+        f"pass@k is over those {have}"
+    )
+
+
 def config_for(args: argparse.Namespace) -> RLConfig:
     """The command's RLConfig: flags > --preset (its rl section, or the whole file) > defaults."""
     return from_args(args, RLConfig, "rl", where="rl settings")
@@ -147,8 +162,9 @@ def main(args) -> int:
     print(init_from_line(cfg.run.init_from))
     if run.resume_changes:
         print(run.resume_changes)
-    if warning := base_model_warning(cfg.run.init_from):
-        print(warning, file=sys.stderr)
+    for warning in [base_model_warning(cfg.run.init_from), short_eval_split_warning(cfg, run.tasks)]:
+        if warning:
+            print(warning, file=sys.stderr)
     if run.finished() is not None:  # a finished run needs no cluster, nor the lease
         summary = run.run()
     else:
