@@ -11,6 +11,7 @@ from raychat.cli import build_parser, main
 from raychat.config import RLConfig, from_dict, preset_values, to_yaml
 from raychat.rl.cli import base_model_warning, config_for, resolve_inputs
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
+from raychat.rl.loop import layout_line
 
 
 def test_yaml_round_trip(tmp_path):
@@ -178,3 +179,14 @@ def test_the_readmes_table_for_openrlhf_and_verl_users_names_rls_flags_and_none_
     lacking = [ours for _, ours in rows if ours.startswith("none") or "no " in ours]
     assert len(lacking) == 8
     assert not [f for f in flags if re.search(r"kl|ref|entropy|top|epoch|warmup|mini|critic|gae", f)]
+
+
+def test_the_layout_line_names_each_actor_by_its_role():
+    """The run's first line after Ray started read `layout: 2 actors [{'CPU': 0.5}, {'CPU': 0.5}]` for one learner
+    and one rollout actor: neither role was named."""
+    assert (
+        layout_line(rl_config(rollout_workers=1)) == "1 learner x {CPU: 0.5} + 1 rollout actor x {CPU: 0.5}"
+    )
+    assert layout_line(rl_config(learner_workers=2, cpus_per_learner=2, use_gpu=True)) == (
+        "2 learners x {CPU: 2, GPU: 1} + 2 rollout actors x {CPU: 0.5, GPU: 1}"
+    )

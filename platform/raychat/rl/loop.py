@@ -66,11 +66,12 @@ from collections import deque
 import numpy as np
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+from raychat.capacity import fmt_bundle
 from raychat.checkpoint_manager import CheckpointManager, committed_bytes
 from raychat.config import ConfigError, RLConfig, to_dict, to_yaml
 from raychat.config.schema import shown
 from raychat.lease import RunLease
-from raychat.log import StepClock, log
+from raychat.log import StepClock, log, plural
 from raychat.metrics import RLMetrics
 from raychat.metrics_sink import MetricsSink
 from raychat.rl.actors import (
@@ -82,6 +83,7 @@ from raychat.rl.actors import (
     lost_line,
     read_budget,
     read_deadline_s,
+    role_bundles,
     save_deadline,
     step_deadline,
 )
@@ -176,6 +178,16 @@ def resume_changes_line(where: str, step: int, changed: list[tuple[str, object, 
     if {flags.option(o) for o in EVAL_OPTIONS} & {name for name, _, _ in changed}:
         line += f", and pass@k after step {step} is not measured as before it"
     return line
+
+
+def layout_line(cfg: RLConfig) -> str:
+    """The run's actors by role, '1 learner x {CPU: 0.5} + 2 rollout actors x {CPU: 0.5}' (it read '3 actors
+    [{'CPU': 0.5}, ...]', which said neither)."""
+    learners, rollouts = role_bundles(cfg)
+    return (
+        f"{plural(len(learners), 'learner')} x {fmt_bundle(learners[0])} + "
+        f"{plural(len(rollouts), 'rollout actor')} x {fmt_bundle(rollouts[0])}"
+    )
 
 
 def rl_tasks(cfg: RLConfig) -> dict:
@@ -413,7 +425,7 @@ class RLRun:
 
     def _run(self) -> dict:
         capacity = self.actors.check_layout()
-        self.log(f"layout: {len(self.actors.bundles)} actors {self.actors.bundles} on {capacity.describe()}")
+        self.log(f"layout: {layout_line(self.cfg)} on {capacity.describe()}")
         c = self.checkpoints
         write_bytes(c.storage, f"{c.run_path}/config.yaml", to_yaml(self.cfg, "rl").encode())
         metrics = MetricsSink(self.run_dir, rl_gauges(self.cfg.run.run_name), self.cfg.run.tracker,
