@@ -1848,6 +1848,34 @@ def test_rl_says_when_its_held_out_split_has_fewer_problems_than_eval_examples(
     assert capsys.readouterr().err == ""
 
 
+def test_an_rl_dry_run_checks_and_prints_its_plan_without_ray_or_writes(root, rl_run, capsys):
+    """rl had no --dry-run (pretrain and sft do): its settings and a resume were checked only by starting it.
+    The plan line counts what the run would do from where it resumes; a new run's starts at step 1 with the
+    baseline evaluation; a finished run's dry run prints its finished line. Ray is never started (rl_run's
+    ray.init raises) and nothing is written."""
+    argv, d = rl_run
+    before = _snapshot(root)
+    capsys.readouterr()
+    assert raychat_main([*argv, "--steps", "6", "--eval-every", "2", "--dry-run"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        f"plan: steps 3..6 (resuming from {d}) of 2 prompts x 2 samples = 4 rollouts a step, at most 8 tokens each "
+        "at --temperature 1; pass@1..2 on 4 held-out problems every 2 steps and at the end; a checkpoint every step "
+        "(the newest 2 kept); 1 learner x {CPU: 0.5} + 1 rollout actor x {CPU: 0.5}"
+    ]
+    new = [a if a != "r1" else "r2" for a in argv]
+    assert raychat_main([*new, "--eval-every", "0", "--eval-temperature", "0", "--dry-run"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "plan: steps 1..4 of 2 prompts x 2 samples = 4 rollouts a step, at most 8 tokens each at --temperature 1; "
+        "pass@1 on 4 held-out problems at step 0 and at the end; a checkpoint every step (the newest 2 kept); "
+        "1 learner x {CPU: 0.5} + 1 rollout actor x {CPU: 0.5}"
+    )
+    assert raychat_main([*argv, "--steps", "2", "--dry-run"]) == 0
+    assert (
+        capsys.readouterr().out.splitlines()[1].startswith(f"finished: the run's checkpoint {d} is at step 2")
+    )
+    assert _snapshot(root) == before and not (root / "r2").exists()
+
+
 def test_rl_names_what_its_init_from_resolved_to_and_takes_eval_every_0(root, rl_run, capsys):
     """rl printed no `init from:` line (sft does), so what `latest` resolved to went unseen; and --eval-every 0 was
     refused (">= 1") while its --checkpoint-every 0, and training's --eval-every 0, mean "only at the end"."""

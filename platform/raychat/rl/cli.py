@@ -22,9 +22,10 @@ from raychat.checkpoint import check_model, read_meta, read_tokenizer
 from raychat.checkpoint_manager import commit_of, find_checkpoint
 from raychat.config import ConfigError, RLConfig, TrainConfig, from_args, from_dict
 from raychat.config.schema import flag_name
+from raychat.log import plural
 from raychat.ray_token import token_for
 from raychat.rl.actors import check_layout
-from raychat.rl.loop import RLRun
+from raychat.rl.loop import RLRun, layout_line
 from raychat.sigterm import Terminated, init_keeping_handler
 from raychat.storage import check_writable, open_storage
 from raychat.tasks.registry import check_data
@@ -147,7 +148,9 @@ def main(args) -> int:
     RAY_ADDRESS) it starts a local one of this machine's cores (raychat.train.layout.local_cores), with the
     dashboard as pretraining's (its metrics service discovery for Prometheus), after checking that the layout
     fits it; a run already at its --steps says so in one line and starts none (RLRun.run). Any other run takes
-    its lease (RLRun.lease) before Ray starts: while another live driver trains it, one line and exit 2."""
+    its lease (RLRun.lease) before Ray starts: while another live driver trains it, one line and exit 2.
+    --dry-run makes every check but the storage root's write probe, prints plan_line and exits 0: no lease, no
+    Ray, nothing written."""
     local = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     try:
         cfg = resolve_inputs(config_for(args))
@@ -155,7 +158,8 @@ def main(args) -> int:
         check_generation_length(cfg, run.tasks)
         if local:  # a cluster of this machine never grows: refuse now what it could never place
             check_layout(cfg, local_capacity(local_cores()))
-        check_writable(open_storage(cfg.run.storage_path))
+        if not args.dry_run:  # creates the root
+            check_writable(open_storage(cfg.run.storage_path))
     except (ValueError, FileNotFoundError) as e:
         print(f"raychat rl: error: {e}", file=sys.stderr)
         return 2
@@ -165,6 +169,12 @@ def main(args) -> int:
     for warning in [base_model_warning(cfg.run.init_from), short_eval_split_warning(cfg, run.tasks)]:
         if warning:
             print(warning, file=sys.stderr)
+    if args.dry_run:
+        if run.finished() is None:
+            print(plan_line(cfg, run))
+        else:
+            run.run()  # its finished line, without Ray
+        return 0
     if run.finished() is not None:  # a finished run needs no cluster, nor the lease
         summary = run.run()
     else:
@@ -172,6 +182,34 @@ def main(args) -> int:
             summary = _run_on_ray(run, args, local)
     print(json.dumps(summary, default=str))
     return 0
+
+
+def plan_line(cfg: RLConfig, run: RLRun) -> str:
+    """What `run` would do, in one line (`raychat rl --dry-run`): its steps from where it resumes, each step's
+    rollouts and their budget, its evaluations, checkpoints and layout, e.g. "plan: steps 1..50 of 8 prompts x
+    8 samples = 64 rollouts a step, at most 48 tokens each at --temperature 1; pass@1..8 on 64 held-out problems
+    at step 0 and every 10 steps and at the end; a checkpoint every 10 steps and at the end (the newest 2 kept);
+    1 learner x {CPU: 0.5} + 2 rollout actors x {CPU: 0.5}"."""
+    r, c = cfg.rollout, cfg.checkpoint
+    newest = run.checkpoints.newest()
+    start = newest.step if newest else 0
+    resuming = f" (resuming from {run.checkpoints.uri(start)})" if newest else ""
+    k = run.dispatcher.eval_samples
+    evals = f"pass@1{f'..{k}' if k > 1 else ''} on {plural(len(run.tasks['test']), 'held-out problem')} "
+    return (
+        f"plan: steps {start + 1}..{r.steps}{resuming} of {plural(r.prompts_per_step, 'prompt')} x "
+        f"{plural(r.samples_per_prompt, 'sample')} = {r.prompts_per_step * r.samples_per_prompt} rollouts a step, "
+        f"at most {r.max_tokens} tokens each at --temperature {r.temperature:g}; {evals}"
+        f"{'' if newest else 'at step 0 and '}{_when(cfg.eval.eval_every)}; a checkpoint "
+        f"{_when(c.checkpoint_every)} (the newest {c.keep_checkpoints} kept); {layout_line(cfg)}"
+    )
+
+
+def _when(every: int) -> str:
+    """When an --eval-every / --checkpoint-every of `every` steps comes due (0: only at the end)."""
+    return (
+        "at the end" if every == 0 else "every step" if every == 1 else f"every {every} steps and at the end"
+    )
 
 
 def _run_on_ray(run: RLRun, args, local: bool) -> dict:
