@@ -34,6 +34,11 @@ def test_yaml_round_trip(tmp_path):
             "--samples-per-prompt must be >= 2, got 1",
         ),  # a group of one learns nothing
         ({"temperature": 0.0}, "--temperature must be > 0"),
+        (  # greedy below raychat.engine.sampling.TEMPERATURE_EPS: G identical samples, no learning signal
+            {"temperature": 1e-6},
+            "^--temperature must be >= 1e-05, got 1e-06: below it the engine decodes greedily, so a prompt's "
+            "--samples-per-prompt samples would be identical and every advantage 0$",
+        ),
         ({"constant_length": 0}, "--constant-length"),
         ({"max_failures": -1}, "--max-failures must be >= 0"),
         ({"deadline_factor": 0}, "^--deadline-factor must be > 0, got 0$"),
