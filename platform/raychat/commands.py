@@ -195,7 +195,8 @@ def rl(subparsers) -> None:
         "use, Task.reward scores them, advantages are reward minus the group mean, the learner takes a "
         "policy-gradient step over sampled tokens only, and the new weights are published to every rollout "
         "actor: one optimizer step a step, at constant learning rates, with no reference model, KL term or "
-        "entropy bonus (README: RL for OpenRLHF and verl users). Writes STORAGE_PATH/RUN_NAME/{config.yaml,metrics.jsonl,checkpoint_<step>}; running again with "
+        "entropy bonus (README: RL for OpenRLHF and verl users). Writes "
+        "STORAGE_PATH/RUN_NAME/{config.yaml,metrics.jsonl,checkpoint_<step>}; running again with "
         "the same --storage-path and --run-name resumes (--checkpoint, --out and --config: deprecated aliases of "
         "--init-from, --storage-path and --preset). Example: raychat rl --init-from runs/checkpoints/sft/latest "
         "--task calculator --steps 50",

@@ -59,10 +59,11 @@ def resolve_inputs(cfg: RLConfig) -> RLConfig:
 
 # `raychat rl --init-from latest` searches rl's --storage-path (runs/rl), which holds RL runs; sft's runs are
 # under its own (runs/checkpoints) unless both stages were given one root (raychat submit's chain)
+SFT_STORAGE = TrainConfig().run.storage_path
 LATEST_HINT = (
-    "latest searches rl's --storage-path, and raychat sft writes its runs under its own (default "
-    f"{TrainConfig().run.storage_path}): give the SFT run, e.g. --init-from "
-    f"{TrainConfig().run.storage_path}/sft/latest (the speedrun's), or give sft and rl one --storage-path"
+    f"latest searches rl's --storage-path, and raychat sft writes its runs under its own (default {SFT_STORAGE}): "
+    f"give the SFT run, e.g. --init-from {SFT_STORAGE}/sft/latest (the speedrun's), or give sft and rl one "
+    "--storage-path"
 )
 
 

@@ -166,7 +166,9 @@ def check_resume(cfg: RLConfig, flags: Flags = COMMANDS) -> str | None:
     return resume_changes_line(where, meta["step"], changed_options(meta, cfg, NOTED_OPTIONS, flags), flags)
 
 
-def resume_changes_line(where: str, step: int, changed: list[tuple[str, object, object]], flags: Flags):
+def resume_changes_line(
+    where: str, step: int, changed: list[tuple[str, object, object]], flags: Flags
+) -> str | None:
     """The line of check_resume's return for `changed` (changed_options' list), None when it is empty."""
     if not changed:
         return None
