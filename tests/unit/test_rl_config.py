@@ -11,7 +11,7 @@ from raychat.cli import build_parser, main
 from raychat.config import RLConfig, from_dict, preset_values, to_yaml
 from raychat.rl.cli import base_model_warning, config_for, resolve_inputs
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
-from raychat.rl.loop import layout_line
+from raychat.rl.loop import layout_line, step_line
 
 
 def test_yaml_round_trip(tmp_path):
@@ -194,4 +194,14 @@ def test_the_layout_line_names_each_actor_by_its_role():
     )
     assert layout_line(rl_config(learner_workers=2, cpus_per_learner=2, use_gpu=True)) == (
         "2 learners x {CPU: 2, GPU: 1} + 2 rollout actors x {CPU: 0.5, GPU: 1}"
+    )
+
+
+def test_a_steps_line_shows_the_share_of_prompts_without_a_learning_signal():
+    """zero_advantage_frac, GRPO's first diagnostic (groups whose samples all scored alike teach nothing), was in
+    metrics.jsonl only; the step's stdout line shows it after reward_mean."""
+    line = {"step": 3, "version": 3, "reward_mean": 0.25, "pass_at_1": 0.25, "zero_advantage_frac": 0.5,
+            "response_len_mean": 31.5, "loss": -0.002, "grad_norm": 0.03, "sync_time_s": None}  # fmt: skip
+    assert step_line(line, 12.4) == (
+        "step=3 reward_mean=0.25 zero_advantage_frac=0.5 response_len_mean=31.5 loss=-0.002 grad_norm=0.03 eta=12s"
     )

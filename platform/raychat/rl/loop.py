@@ -588,7 +588,7 @@ class RLRun:
                 evals.append({"step": step + 1, **self.dispatcher.evaluate(len(self.tasks["test"]))})
                 line["eval"] = evals[-1]
             eta_s = clock.tick() * (steps - step - 1)
-            self.log(_fmt({k: line[k] for k in _LOG_KEYS if line.get(k) is not None}) + f" eta={eta_s:.0f}s")
+            self.log(step_line(line, eta_s))
             if "eval" in line:
                 self.log(f"eval step {step + 1}: {_fmt(evals[-1])}")
             metrics.log(line)
@@ -673,9 +673,15 @@ class NoSignalWatch:
 
 
 _LOG_KEYS = (
-    "step", "reward_mean", "response_len_mean", "loss", "grad_norm", "rollout_tokens_per_s", "learner_step_s",
-    "learner_wait_s", "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts", "failures", "stale_chunks",
+    "step", "reward_mean", "zero_advantage_frac", "response_len_mean", "loss", "grad_norm", "rollout_tokens_per_s",
+    "learner_step_s", "learner_wait_s", "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts", "failures",
+    "stale_chunks",
 )  # fmt: skip
+
+
+def step_line(line: dict, eta_s: float) -> str:
+    """A step's stdout line: the _LOG_KEYS of its metrics.jsonl `line` (those set), then its ETA in seconds."""
+    return _fmt({k: line[k] for k in _LOG_KEYS if line.get(k) is not None}) + f" eta={eta_s:.0f}s"
 
 
 def _fmt(d: dict) -> str:
