@@ -11,7 +11,7 @@ from raychat.cli import build_parser, main
 from raychat.config import RLConfig, from_dict, preset_values, to_yaml
 from raychat.rl.cli import base_model_warning, config_for, resolve_inputs
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
-from raychat.rl.loop import layout_line, step_line
+from raychat.rl.loop import RLRun, layout_line, step_line
 
 
 def test_yaml_round_trip(tmp_path):
@@ -205,3 +205,21 @@ def test_a_steps_line_shows_the_share_of_prompts_without_a_learning_signal():
     assert step_line(line, 12.4) == (
         "step=3 reward_mean=0.25 zero_advantage_frac=0.5 response_len_mean=31.5 loss=-0.002 grad_norm=0.03 eta=12s"
     )
+
+
+def test_an_evaluations_line_says_what_it_measured(tmp_path):
+    """`eval step 5: step=5 pass@1=0.25 ...` named the step twice and neither the held-out problems nor the
+    samples that pass@k is over; a greedy evaluation samples each problem once."""
+    sft = str(write_tiny_checkpoint(tmp_path / "sft" / "checkpoint_000001", stage="sft"))
+    evaluation = {"step": 5, "pass@1": 0.25, "pass@2": 0.375}
+
+    def line(**kw):
+        return RLRun(
+            rl_config(init_from=sft, storage_path=str(tmp_path / "rl"), eval_examples=16, **kw)
+        ).eval_line(evaluation)
+
+    assert line(eval_samples=2) == "eval step 5 (16 held-out problems x 2 samples): pass@1=0.25 pass@2=0.375"
+    assert line(eval_samples=2, eval_temperature=0).startswith(
+        "eval step 5 (16 held-out problems x 1 sample): "
+    )
+    assert not (tmp_path / "rl").exists()

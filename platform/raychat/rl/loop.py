@@ -533,6 +533,14 @@ class RLRun:
             return f"{e.named} hung {at}", e, None
         return f"{self.actors.name_of(getattr(e, 'actor_id', None))} was lost {at}", e, None
 
+    def eval_line(self, evaluation: dict) -> str:
+        """An evaluation's stdout line: 'eval step 5 (16 held-out problems x 4 samples): pass@1=0.25 ...'."""
+        samples = self.dispatcher.eval_samples
+        return (
+            f"eval step {evaluation['step']} ({plural(len(self.tasks['test']), 'held-out problem')} x "
+            f"{plural(samples, 'sample')}): {_fmt({k: v for k, v in evaluation.items() if k != 'step'})}"
+        )
+
     def newest_uri(self) -> str | None:
         """The URI of the run's newest committed checkpoint (None: none was committed)."""
         newest = self.checkpoints.newest()
@@ -554,7 +562,7 @@ class RLRun:
         if start == 0:
             evals.append({"step": 0, **self.dispatcher.evaluate(len(self.tasks["test"]))})
             metrics.log({"step": 0, "eval": evals[-1]})
-            self.log(f"eval step 0: {_fmt(evals[-1])}")
+            self.log(self.eval_line(evals[-1]))
         inflight: deque = deque()
         ahead = cfg.asynchrony.max_staleness if is_async else 0
         next_submit = start
@@ -590,7 +598,7 @@ class RLRun:
             eta_s = clock.tick() * (steps - step - 1)
             self.log(step_line(line, eta_s))
             if "eval" in line:
-                self.log(f"eval step {step + 1}: {_fmt(evals[-1])}")
+                self.log(self.eval_line(evals[-1]))
             metrics.log(line)
             if warning := self.no_signal.add(step + 1, rollout):
                 self.log(warning)
