@@ -453,7 +453,8 @@ def run_rl_stage(
     cfg = from_dict(RLConfig, {"init_from": checkpoint}, base=cfg)
     run = RLRun(cfg, flags=flags)
     check_generation_length(cfg, run.tasks)
-    for line in [run.resume_changes, short_eval_split_warning(cfg, run.tasks, flags.option)]:
+    resuming = run.resume_changes if run.finished() is None else None
+    for line in [resuming, short_eval_split_warning(cfg, run.tasks, flags.option)]:
         if line:
             log(line)
     if run.finished() is None:

@@ -230,7 +230,9 @@ def test_the_rl_stage_names_the_settings_it_resumes_with_by_the_presets_keys(tmp
     """A speedrun run again with another rl.max_tokens resumed its RL run's steps with it without a word, as
     `raychat rl` did (tests/unit/test_bad_input.py): the stage says so in one line, naming the preset's key."""
     sft = write_tiny_checkpoint(tmp_path / "sft" / "checkpoint_000001", max_seq_len=64, stage="sft")
-    made = SpeedrunConfig.from_preset(_preset(tmp_path), str(tmp_path / "out")).rl  # rl.max_tokens 8
+    made = SpeedrunConfig.from_preset(
+        _preset(tmp_path), str(tmp_path / "out")
+    ).rl  # rl.max_tokens 8, rl.steps 1
     rl = tmp_path / "out" / "rl" / "rl" / "checkpoint_000001"
     config = to_dict(from_dict(RLConfig, {"init_from": str(sft)}, base=made))
     save_model(
@@ -241,7 +243,12 @@ def test_the_rl_stage_names_the_settings_it_resumes_with_by_the_presets_keys(tmp
     )
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
     capsys.readouterr()
-    _rl_stage(tmp_path, sft, 6)  # at its 1 step: finished, no Ray
+    _rl_stage(tmp_path, sft, 6)  # at its 1 step: finished (no Ray), nothing resumed, so no line
+    assert capsys.readouterr().out.startswith("finished: ")
+    preset = _preset(tmp_path, rl={"max_tokens": 6, "steps": 2})
+    config = SpeedrunConfig.from_preset(preset, str(tmp_path / "out"))
+    with stage_keys(preset, "rl"), pytest.raises(pytest.fail.Exception, match="Ray started"):
+        run_rl_stage(config.rl, str(sft), config.pretrain, speedrun_flags(preset, "rl"), preset)
     assert capsys.readouterr().out.splitlines()[0] == (
         f"resuming with other settings than the run's checkpoint {rl} was made with: rl.max_tokens 8 -> 6; the "
         "steps after 1 use this run's"

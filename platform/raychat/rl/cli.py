@@ -165,7 +165,7 @@ def main(args) -> int:
         print(f"raychat rl: error: {e}", file=sys.stderr)
         return 2
     print(init_from_line(cfg.run.init_from))
-    if run.resume_changes:
+    if run.resume_changes and run.finished() is None:
         print(run.resume_changes)
     for warning in [base_model_warning(cfg.run.init_from), short_eval_split_warning(cfg, run.tasks)]:
         if warning:

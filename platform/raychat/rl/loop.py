@@ -235,7 +235,7 @@ class RLRun:
     ):
         if not cfg.run.init_from:
             raise ValueError("--init-from (a chat checkpoint directory) is required")
-        self.resume_changes = check_resume(cfg, flags)  # printed by the command, after its init line
+        self.resume_changes = check_resume(cfg, flags)  # printed by the command (a run with steps left)
         self.cfg, self.log, self.flags = cfg, log, flags
         self.checkpoints = CheckpointManager(
             open_storage(cfg.run.storage_path), cfg.run.run_name, cfg.checkpoint.keep_checkpoints
