@@ -40,6 +40,11 @@ def test_yaml_round_trip(tmp_path):
             "--samples-per-prompt samples would be identical and every advantage 0$",
         ),
         ({"constant_length": 0}, "--constant-length"),
+        (  # step 0 sampled prompts [0, 1, 0, 1]: each prompt in two groups
+            {"task_examples": 2, "prompts_per_step": 4},
+            r"^--prompts-per-step 4 exceeds --task-examples 2: a step's prompts would repeat \(one prompt in several "
+            r"groups\); raise --task-examples or lower --prompts-per-step$",
+        ),
         ({"max_failures": -1}, "--max-failures must be >= 0"),
         ({"deadline_factor": 0}, "^--deadline-factor must be > 0, got 0$"),
         ({"deadline_factor": -2.5}, "^--deadline-factor must be > 0, got -2.5$"),

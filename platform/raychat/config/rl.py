@@ -174,6 +174,12 @@ class RLConfig(Section):
             )
 
         r = self.rollout
+        if r.prompts_per_step > self.task.task_examples:
+            raise ConfigError(
+                f"--prompts-per-step {r.prompts_per_step} exceeds --task-examples {self.task.task_examples}: a "
+                "step's prompts would repeat (one prompt in several groups); raise --task-examples or lower "
+                "--prompts-per-step"
+            )
         if r.samples_per_prompt > r.max_slots:
             raise ConfigError(
                 f"--samples-per-prompt {r.samples_per_prompt} exceeds --max-slots {r.max_slots}: a prompt's "
