@@ -185,7 +185,7 @@ def test_the_readmes_table_for_openrlhf_and_verl_users_names_rls_flags_and_none_
     with pytest.raises(SystemExit):
         main(["rl", "--help"])
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out))
-    assert len(rows) == 14 and len(named) == 22 and named <= flags, named - flags
+    assert len(rows) == 14 and len(named) == 24 and named <= flags, named - flags
     lacking = [ours for _, ours in rows if ours.startswith("none") or "no " in ours]
     assert len(lacking) == 8
     assert not [f for f in flags if re.search(r"kl|ref|entropy|top|epoch|warmup|mini|critic|gae", f)]
