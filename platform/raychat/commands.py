@@ -203,12 +203,20 @@ def rl(subparsers) -> None:
         description="GRPO-style RL: rollout actors sample --samples-per-prompt completions per prompt with tool "
         "use, Task.reward scores them, advantages are reward minus the group mean, the learner takes a "
         "policy-gradient step over sampled tokens only, and the new weights are published to every rollout "
-        "actor. Writes STORAGE_PATH/RUN_NAME/{config.yaml,metrics.jsonl,checkpoint_<step>}; running again with "
+        "actor: one optimizer step a step, at constant learning rates, with no reference model, KL term or "
+        "entropy bonus (README: RL for OpenRLHF and verl users). Writes "
+        "STORAGE_PATH/RUN_NAME/{config.yaml,metrics.jsonl,checkpoint_<step>}; running again with "
         "the same --storage-path and --run-name resumes (--checkpoint, --out and --config: deprecated aliases of "
         "--init-from, --storage-path and --preset). Example: raychat rl --init-from runs/checkpoints/sft/latest "
         "--task calculator --steps 50",
     )
     add_flags(parser, RLConfig, preset="none", preset_aliases=("--config",))
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the inputs (and a run to resume: its resume check), print the plan and exit (nothing started "
+        "or written)",
+    )
     parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
     add_token_file_flag(parser)
     parser.set_defaults(func="raychat.rl.cli:main")

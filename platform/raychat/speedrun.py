@@ -59,7 +59,7 @@ from raychat.metrics_sink import read_jsonl
 from raychat.ray_token import token_for
 from raychat.report import file_id, read_state, run_total, settle_stage, write_report
 from raychat.rl.actors import check_layout
-from raychat.rl.cli import check_generation_length
+from raychat.rl.cli import check_generation_length, short_eval_split_warning
 from raychat.rl.loop import RLRun
 from raychat.sigterm import Terminated
 from raychat.storage import check_writable, open_storage
@@ -453,6 +453,10 @@ def run_rl_stage(
     cfg = from_dict(RLConfig, {"init_from": checkpoint}, base=cfg)
     run = RLRun(cfg, flags=flags)
     check_generation_length(cfg, run.tasks)
+    resuming = run.resume_changes if run.finished() is None else None
+    for line in [resuming, short_eval_split_warning(cfg, run.tasks, flags.option)]:
+        if line:
+            log(line)
     if run.finished() is None:
         with run.lease():  # before connect: a run another driver trains is refused before Ray starts
             try:
@@ -467,7 +471,7 @@ def run_rl_stage(
         return {"summary": f"already complete ({final})", **summary}, final
     before, after = summary["evals"][0], summary["evals"][-1]
     line = (
-        f"{plural(cfg.rollout.steps, 'step')}, pass@1 on {plural(cfg.eval.eval_examples, 'held-out problem')} "
+        f"{plural(cfg.rollout.steps, 'step')}, pass@1 on {plural(len(run.tasks['test']), 'held-out problem')} "
         f"{before['pass@1']:.3f} -> "
         f"{after['pass@1']:.3f}, learner wait {summary['learner_wait_frac']:.2f}, {summary['wall_s']:.0f} s"
     )

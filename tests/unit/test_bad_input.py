@@ -41,7 +41,7 @@ from raychat.capacity import start_failure
 from raychat.checkpoint import save_model
 from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
-from raychat.config import RLConfig, from_dict, to_dict
+from raychat.config import RLConfig, from_dict, preset_values, to_dict
 from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.data.loader import sft_rows
 from raychat.lease import RunLease
@@ -1796,8 +1796,8 @@ def rl_run(root, monkeypatch):
     sft = write_tiny_checkpoint(root / "sft" / "checkpoint_000001", stage="sft")
     argv = ["rl", "--preset", "tiny", "--storage-path", str(root), "--run-name", "r1", "--init-from", "sft",
             "--steps", "4"]  # fmt: skip
-    cfg = from_dict(RLConfig, {"storage_path": str(root), "run_name": "r1", "init_from": str(sft), "steps": 4,
-                               "prompts_per_step": 2, "rollout_workers": 1})  # fmt: skip
+    cfg = from_dict(RLConfig, preset_values("tiny", "rl") | {"storage_path": str(root), "run_name": "r1",
+                                                            "init_from": str(sft), "steps": 4})  # fmt: skip
     model, tokenizer = tiny_model_and_tokenizer()
     d = root / "r1" / "checkpoint_000002"
     save_model(
@@ -1864,6 +1864,82 @@ def test_a_finished_rl_run_says_so_without_starting_ray(root, rl_run, capsys):
     )
     assert json.loads(out[-1]) == {"steps": 2, "start_step": 2, "evals": [], "run_dir": str(root / "r1"),
                                    "checkpoint": str(d)}  # fmt: skip
+
+
+def test_resuming_rl_with_other_sampling_or_eval_settings_names_each(root, rl_run, capsys):
+    """RL resumed with another --temperature, --max-tokens or --eval-samples without a word, the checkpoint's
+    values overwritten in config.yaml: a reward or pass@k curve that moved at the resume step had no cause in
+    the log. The resume goes on, after one line naming each (the tiny preset's 1, 8, 2 in the checkpoint)."""
+    argv, d = rl_run
+    capsys.readouterr()
+    with pytest.raises(ReachedRay):
+        raychat_main([*argv, "--temperature", "0.7", "--max-tokens", "6", "--eval-samples", "4"])
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"resuming with other settings than the run's checkpoint {d} was made with: --max-tokens 8 -> 6, "
+        "--temperature 1 -> 0.7, --eval-samples 2 -> 4; the steps after 2 use this run's, and pass@k after step 2 "
+        "is not measured as before it"
+    )
+    with pytest.raises(ReachedRay):
+        raychat_main([*argv, "--matrix-lr", "1e-3"])
+    assert capsys.readouterr().out.splitlines()[1] == (
+        f"resuming with other settings than the run's checkpoint {d} was made with: --matrix-lr 0.0002 -> 0.001; the "
+        "steps after 2 use this run's"
+    )
+
+
+def test_rl_says_when_its_held_out_split_has_fewer_problems_than_eval_examples(
+    root, tmp_path, monkeypatch, capsys
+):
+    """--eval-examples 64 on a GSM8K test file of 3 problems measured pass@k on those 3 without a word (the
+    speedrun's line said "64 held-out problems"); one warning line now says so, and the run goes on."""
+    write_tiny_checkpoint(root / "sft" / "checkpoint_000001", stage="sft")
+    data = tmp_path / "task_data"
+    for split in ("train", "test"):
+        (data / "gsm8k" / "main").mkdir(parents=True, exist_ok=True)
+        (data / "gsm8k" / "main" / f"{split}.jsonl").write_text(GSM8K_GOOD * 3)
+
+    def reached(*args, **kwargs):
+        raise ReachedRay
+
+    monkeypatch.setattr(ray, "init", reached)
+    argv = ["rl", "--preset", "tiny", "--storage-path", str(root), "--init-from", "sft", "--run-name", "r",
+            "--task", "gsm8k", "--task-data-dir", str(data)]  # fmt: skip
+    with pytest.raises(ReachedRay):
+        raychat_main([*argv, "--eval-examples", "64"])
+    assert capsys.readouterr().err == (
+        "warning: --eval-examples 64: --task gsm8k's test split has 3 problems; pass@k is over those 3\n"
+    )
+    with pytest.raises(ReachedRay):
+        raychat_main([*argv, "--eval-examples", "3"])
+    assert capsys.readouterr().err == ""
+
+
+def test_an_rl_dry_run_checks_and_prints_its_plan_without_ray_or_writes(root, rl_run, capsys):
+    """rl had no --dry-run (pretrain and sft do): its settings and a resume were checked only by starting it.
+    The plan line counts what the run would do from where it resumes; a new run's starts at step 1 with the
+    baseline evaluation; a finished run's dry run prints its finished line. Ray is never started (rl_run's
+    ray.init raises) and nothing is written."""
+    argv, d = rl_run
+    before = _snapshot(root)
+    capsys.readouterr()
+    assert raychat_main([*argv, "--steps", "6", "--eval-every", "2", "--dry-run"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        f"plan: steps 3..6 (resuming from {d}) of 2 prompts x 2 samples = 4 rollouts a step, at most 8 tokens each "
+        "at --temperature 1; pass@1..2 on 4 held-out problems every 2 steps and at the end; a checkpoint every step "
+        "(the newest 2 kept); 1 learner x {CPU: 0.5} + 1 rollout actor x {CPU: 0.5}"
+    ]
+    new = [a if a != "r1" else "r2" for a in argv]
+    assert raychat_main([*new, "--eval-every", "0", "--eval-temperature", "0", "--dry-run"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "plan: steps 1..4 of 2 prompts x 2 samples = 4 rollouts a step, at most 8 tokens each at --temperature 1; "
+        "pass@1 on 4 held-out problems at step 0 and at the end; a checkpoint every step (the newest 2 kept); "
+        "1 learner x {CPU: 0.5} + 1 rollout actor x {CPU: 0.5}"
+    )
+    assert raychat_main([*argv, "--steps", "2", "--dry-run"]) == 0
+    assert (
+        capsys.readouterr().out.splitlines()[1].startswith(f"finished: the run's checkpoint {d} is at step 2")
+    )
+    assert _snapshot(root) == before and not (root / "r2").exists()
 
 
 def test_rl_names_what_its_init_from_resolved_to_and_takes_eval_every_0(root, rl_run, capsys):

@@ -610,7 +610,7 @@ def test_a_run_that_gave_up_ends_in_its_one_line_and_exit_status_1(stage, monkey
     "argv, prog, extra",
     [
         (["pretrain", "--nosuch"], "raychat pretrain", "--nosuch"),
-        (["rl", "--dry-run"], "raychat rl", "--dry-run"),  # pretrain's and sft's flag, not rl's
+        (["rl", "--num-iterations", "3"], "raychat rl", "--num-iterations 3"),  # pretrain's flag, not rl's
         (["data", "prepare", "--bogus", "1"], "raychat data prepare", "--bogus 1"),
         (["jobs", "list", "--nosuch"], "raychat jobs list", "--nosuch"),
     ],

@@ -1,15 +1,17 @@
 """RLConfig: validation messages, YAML round trip, the `raychat rl` flags."""
 
 import re
+from pathlib import Path
 
 import pytest
 from support.rl_fixtures import rl_config
 from support.serve_helpers import write_tiny_checkpoint
 
-from raychat.cli import build_parser
+from raychat.cli import build_parser, main
 from raychat.config import RLConfig, from_dict, preset_values, to_yaml
-from raychat.rl.cli import base_model_warning, config_for
+from raychat.rl.cli import base_model_warning, config_for, resolve_inputs
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
+from raychat.rl.loop import RLRun, layout_line, step_line
 
 
 def test_yaml_round_trip(tmp_path):
@@ -32,7 +34,17 @@ def test_yaml_round_trip(tmp_path):
             "--samples-per-prompt must be >= 2, got 1",
         ),  # a group of one learns nothing
         ({"temperature": 0.0}, "--temperature must be > 0"),
+        (  # greedy below raychat.engine.sampling.TEMPERATURE_EPS: G identical samples, no learning signal
+            {"temperature": 1e-6},
+            "^--temperature must be >= 1e-05, got 1e-06: below it the engine decodes greedily, so a prompt's "
+            "--samples-per-prompt samples would be identical and every advantage 0$",
+        ),
         ({"constant_length": 0}, "--constant-length"),
+        (  # step 0 sampled prompts [0, 1, 0, 1]: each prompt in two groups
+            {"task_examples": 2, "prompts_per_step": 4},
+            r"^--prompts-per-step 4 exceeds --task-examples 2: a step's prompts would repeat \(one prompt in several "
+            r"groups\); raise --task-examples or lower --prompts-per-step$",
+        ),
         ({"max_failures": -1}, "--max-failures must be >= 0"),
         ({"deadline_factor": 0}, "^--deadline-factor must be > 0, got 0$"),
         ({"deadline_factor": -2.5}, "^--deadline-factor must be > 0, got -2.5$"),
@@ -65,8 +77,6 @@ def test_flags_override_yaml(tmp_path):
 
 
 def test_cli_help_lists_the_rl_command(capsys):
-    from raychat.cli import main
-
     with pytest.raises(SystemExit):
         main(["rl", "--help"])
     out = capsys.readouterr().out
@@ -114,7 +124,6 @@ def test_a_greedy_eval_temperature_samples_each_held_out_prompt_once(capsys):
     """The engine decodes greedily below TEMPERATURE_EPS (1e-5), not only at 0: --eval-temperature 1e-6 with
     --eval-samples 4 sampled 4 identical completions a prompt and reported pass@1..4, all equal. `rl --help` says
     what a greedy evaluation does to --eval-samples."""
-    from raychat.cli import main
 
     def samples(**kw):
         return RolloutDispatcher(rl_config(eval_samples=4, **kw), None, None, 8).eval_samples
@@ -144,3 +153,80 @@ def test_rl_from_a_pretraining_checkpoint_is_warned_about(tmp_path):
             )
             is None
         )
+
+
+def test_init_from_latest_that_finds_no_sft_run_says_where_sft_runs_are(tmp_path, capsys):
+    """`raychat rl --init-from latest` searches rl's --storage-path (runs/rl), where sft writes nothing: the
+    refusal named only that directory, so a user of the speedrun's layout was left guessing; it now says where
+    sft's runs are, and that run resolves."""
+    sft = str(write_tiny_checkpoint(tmp_path / "checkpoints" / "sft" / "checkpoint_000002", stage="sft"))
+    rl_root = tmp_path / "rl"
+    assert main(["rl", "--init-from", "latest", "--storage-path", str(rl_root)]) == 2
+    assert capsys.readouterr().err == (
+        f"raychat rl: error: --init-from: latest: no committed sft checkpoint under {rl_root} ({rl_root} does "
+        "not exist); latest searches rl's --storage-path, and raychat sft writes its runs under its own (default "
+        "runs/checkpoints): give the SFT run, e.g. --init-from runs/checkpoints/sft/latest (the speedrun's), or "
+        "give sft and rl one --storage-path\n"
+    )
+    given = from_dict(
+        RLConfig, {"init_from": f"{tmp_path}/checkpoints/sft/latest", "storage_path": str(rl_root)}
+    )
+    assert resolve_inputs(given).run.init_from == sft
+
+
+def test_the_readmes_table_for_openrlhf_and_verl_users_names_rls_flags_and_none_it_lacks(capsys):
+    """README's RL table maps OpenRLHF / verl knobs to `raychat rl`'s: every flag it names is one of rl's, and
+    the knobs it says rl lacks (KL and its reference model, entropy, top-p / top-k, PPO epochs, warmup) have no
+    flag, so the table goes stale in this test's sight when either changes."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme.split("### RL (`raychat rl`) for OpenRLHF and verl users", 1)[1].split("\n\n")[2]
+    rows = [line.split(" | ") for line in table.splitlines()[2:]]
+    named = {flag for _, ours in rows for flag in re.findall(r"`(--[a-z-]+)", ours)}
+    with pytest.raises(SystemExit):
+        main(["rl", "--help"])
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out))
+    core = {"--samples-per-prompt", "--prompts-per-step", "--max-tokens", "--temperature", "--scale-by-std",
+            "--normalization", "--clip-eps", "--matrix-lr", "--eval-samples", "--eval-temperature"}  # fmt: skip
+    assert len(rows) == 14 and core <= named <= flags, (core - named, named - flags)
+    lacking = [ours for _, ours in rows if ours.startswith("none") or "no " in ours]
+    assert len(lacking) == 8
+    assert not [f for f in flags if re.search(r"kl|ref|entropy|top|epoch|warmup|mini|critic|gae", f)]
+
+
+def test_the_layout_line_names_each_actor_by_its_role():
+    """The run's first line after Ray started read `layout: 2 actors [{'CPU': 0.5}, {'CPU': 0.5}]` for one learner
+    and one rollout actor: neither role was named."""
+    assert (
+        layout_line(rl_config(rollout_workers=1)) == "1 learner x {CPU: 0.5} + 1 rollout actor x {CPU: 0.5}"
+    )
+    assert layout_line(rl_config(learner_workers=2, cpus_per_learner=2, use_gpu=True)) == (
+        "2 learners x {CPU: 2, GPU: 1} + 2 rollout actors x {CPU: 0.5, GPU: 1}"
+    )
+
+
+def test_a_steps_line_shows_the_share_of_prompts_without_a_learning_signal():
+    """zero_advantage_frac, GRPO's first diagnostic (groups whose samples all scored alike teach nothing), was in
+    metrics.jsonl only; the step's stdout line shows it after reward_mean."""
+    line = {"step": 3, "version": 3, "reward_mean": 0.25, "pass_at_1": 0.25, "zero_advantage_frac": 0.5,
+            "response_len_mean": 31.5, "loss": -0.002, "grad_norm": 0.03, "sync_time_s": None}  # fmt: skip
+    assert step_line(line, 12.4) == (
+        "step=3 reward_mean=0.25 zero_advantage_frac=0.5 response_len_mean=31.5 loss=-0.002 grad_norm=0.03 eta=12s"
+    )
+
+
+def test_an_evaluations_line_says_what_it_measured(tmp_path):
+    """`eval step 5: step=5 pass@1=0.25 ...` named the step twice and neither the held-out problems nor the
+    samples that pass@k is over; a greedy evaluation samples each problem once."""
+    sft = str(write_tiny_checkpoint(tmp_path / "sft" / "checkpoint_000001", stage="sft"))
+    evaluation = {"step": 5, "pass@1": 0.25, "pass@2": 0.375}
+
+    def line(**kw):
+        return RLRun(
+            rl_config(init_from=sft, storage_path=str(tmp_path / "rl"), eval_examples=16, **kw)
+        ).eval_line(evaluation)
+
+    assert line(eval_samples=2) == "eval step 5 (16 held-out problems x 2 samples): pass@1=0.25 pass@2=0.375"
+    assert line(eval_samples=2, eval_temperature=0).startswith(
+        "eval step 5 (16 held-out problems x 1 sample): "
+    )
+    assert not (tmp_path / "rl").exists()

@@ -10,9 +10,10 @@ from importlib.resources import files
 import pytest
 import ray
 import yaml
-from support.serve_helpers import write_tiny_checkpoint
+from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 
-from raychat.config import ConfigError, SpeedrunConfig
+from raychat.checkpoint import save_model
+from raychat.config import ConfigError, RLConfig, SpeedrunConfig, from_dict, to_dict
 from raychat.speedrun import (
     check_stages,
     named_by_keys,
@@ -223,3 +224,32 @@ def test_the_rl_stage_checks_max_tokens_after_the_longest_prompt_before_its_acto
         pytest.fail.Exception, match="Ray started"
     ):  # 23 + 41 tokens fill max_seq_len: on to Ray
         _rl_stage(tmp_path, sft, 41)
+
+
+def test_the_rl_stage_names_the_settings_it_resumes_with_by_the_presets_keys(tmp_path, monkeypatch, capsys):
+    """A speedrun run again with another rl.max_tokens resumed its RL run's steps with it without a word, as
+    `raychat rl` did (tests/unit/test_bad_input.py): the stage says so in one line, naming the preset's key."""
+    sft = write_tiny_checkpoint(tmp_path / "sft" / "checkpoint_000001", max_seq_len=64, stage="sft")
+    made = SpeedrunConfig.from_preset(
+        _preset(tmp_path), str(tmp_path / "out")
+    ).rl  # rl.max_tokens 8, rl.steps 1
+    rl = tmp_path / "out" / "rl" / "rl" / "checkpoint_000001"
+    config = to_dict(from_dict(RLConfig, {"init_from": str(sft)}, base=made))
+    save_model(
+        rl,
+        *tiny_model_and_tokenizer(),
+        {"step": 1, "stage": "rl", "version": 1, "config": config},
+        commit=True,
+    )
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
+    capsys.readouterr()
+    _rl_stage(tmp_path, sft, 6)  # at its 1 step: finished (no Ray), nothing resumed, so no line
+    assert capsys.readouterr().out.startswith("finished: ")
+    preset = _preset(tmp_path, rl={"max_tokens": 6, "steps": 2})
+    config = SpeedrunConfig.from_preset(preset, str(tmp_path / "out"))
+    with stage_keys(preset, "rl"), pytest.raises(pytest.fail.Exception, match="Ray started"):
+        run_rl_stage(config.rl, str(sft), config.pretrain, speedrun_flags(preset, "rl"), preset)
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"resuming with other settings than the run's checkpoint {rl} was made with: rl.max_tokens 8 -> 6; the "
+        "steps after 1 use this run's"
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import ConfigError, Section, option, owned_choices, owned_literal, section
+from raychat.config.schema import ConfigError, Section, option, owned_choices, owned_literal, section, shown
 from raychat.config.train import SCHEDULE_TIMEOUT_S, CheckpointSection, OptimSection, RunSection
 
 
@@ -52,7 +52,9 @@ class RolloutSection(Section):
         8, "G: samples per prompt (the advantage group; reward minus the group's mean is 0 for G = 1)", ge=2
     )
     max_tokens: int = option(48, "completion budget per sample, tokens (sampled + tool output)", ge=1)
-    temperature: float = option(1.0, "rollout sampling temperature (> 0)", gt=0)
+    temperature: float = option(
+        1.0, "rollout sampling temperature (>= 1e-5: below it decoding is greedy, every sample alike)", gt=0
+    )
     max_slots: int = option(
         64, "KV-cache rows each rollout actor decodes at once (serve's --max-slots): its share of a step's "
         "prompts x --samples-per-prompt, or of an evaluation's prompts x --eval-samples, beyond this is "
@@ -172,12 +174,23 @@ class RLConfig(Section):
             )
 
         r = self.rollout
+        if r.prompts_per_step > self.task.task_examples:
+            raise ConfigError(
+                f"--prompts-per-step {r.prompts_per_step} exceeds --task-examples {self.task.task_examples}: a "
+                "step's prompts would repeat (one prompt in several groups); raise --task-examples or lower "
+                "--prompts-per-step"
+            )
         if r.samples_per_prompt > r.max_slots:
             raise ConfigError(
                 f"--samples-per-prompt {r.samples_per_prompt} exceeds --max-slots {r.max_slots}: a prompt's "
                 "samples are decoded together; raise --max-slots or lower --samples-per-prompt"
             )
         e, greedy_below = self.eval, owned_literal("raychat.engine.sampling", "TEMPERATURE_EPS")
+        if r.temperature < greedy_below:  # gt=0 let 1e-6 through
+            raise ConfigError(
+                f"--temperature must be >= {greedy_below:g}, got {shown(r.temperature)}: below it the engine decodes "
+                "greedily, so a prompt's --samples-per-prompt samples would be identical and every advantage 0"
+            )
         if e.eval_temperature >= greedy_below and e.eval_samples > r.max_slots:  # greedy: one sample a prompt
             raise ConfigError(
                 f"--eval-samples {e.eval_samples} exceeds --max-slots {r.max_slots}: a held-out prompt's samples "

@@ -20,10 +20,12 @@ from raychat.capacity import local_capacity, start_local_cluster
 from raychat.chat_template import render_for_completion
 from raychat.checkpoint import check_model, read_meta, read_tokenizer
 from raychat.checkpoint_manager import commit_of, find_checkpoint
-from raychat.config import ConfigError, RLConfig, from_args, from_dict
+from raychat.config import ConfigError, RLConfig, TrainConfig, from_args, from_dict
+from raychat.config.schema import flag_name
+from raychat.log import plural
 from raychat.ray_token import token_for
 from raychat.rl.actors import check_layout
-from raychat.rl.loop import RLRun
+from raychat.rl.loop import RLRun, layout_line
 from raychat.sigterm import Terminated, init_keeping_handler
 from raychat.storage import check_writable, open_storage
 from raychat.tasks.registry import check_data
@@ -34,7 +36,8 @@ from raychat.train.plan import init_from_line
 def resolve_inputs(cfg: RLConfig) -> RLConfig:
     """--storage-path absolute (or its URI), --init-from the checkpoint it names; --task's files checked.
 
-    Raises ValueError naming the flag: no --init-from, or one that names nothing; a hub --task whose train or
+    Raises ValueError naming the flag: no --init-from, or one that names nothing (a `latest` that finds no SFT
+    checkpoint under --storage-path also says where sft's runs are: LATEST_HINT); a hub --task whose train or
     test file is missing under --task-data-dir, or holds a bad record (raychat.tasks.registry.check_data); CheckpointError naming the
     file: an --init-from that could not load (raychat.checkpoint.check_model; of a remote one, its sizes and
     meta.json)."""
@@ -44,9 +47,24 @@ def resolve_inputs(cfg: RLConfig) -> RLConfig:
         )
     check_data([cfg.task.task], ("train", "test"), cfg.task.task_data_dir, "--task")
     storage = open_storage(cfg.run.storage_path)
-    init_from = find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("sft",))
+    try:
+        init_from = find_checkpoint(cfg.run.init_from, storage, "--init-from", stages=("sft",))
+    except ValueError as e:
+        if cfg.run.init_from.strip() == "latest" and "no committed sft checkpoint" in str(e):
+            raise ValueError(f"{e}; {LATEST_HINT}") from None
+        raise
     check_model(init_from)
     return from_dict(RLConfig, {"init_from": init_from, "storage_path": storage.uri}, base=cfg)
+
+
+# `raychat rl --init-from latest` searches rl's --storage-path (runs/rl), which holds RL runs; sft's runs are
+# under its own (runs/checkpoints) unless both stages were given one root (raychat submit's chain)
+SFT_STORAGE = TrainConfig().run.storage_path
+LATEST_HINT = (
+    f"latest searches rl's --storage-path, and raychat sft writes its runs under its own (default {SFT_STORAGE}): "
+    f"give the SFT run, e.g. --init-from {SFT_STORAGE}/sft/latest (the speedrun's), or give sft and rl one "
+    "--storage-path"
+)
 
 
 def check_generation_length(cfg: RLConfig, tasks: dict) -> None:
@@ -94,6 +112,20 @@ def check_generation_room(cfg: RLConfig, longest: int, max_seq_len: int, model: 
         )
 
 
+def short_eval_split_warning(cfg: RLConfig, tasks: dict, option=flag_name) -> str | None:
+    """A warning line when --eval-examples is above the number of problems of --task's test split (a hub task's
+    file; `tasks`: {"train", "test": Task}): pass@k was over the split's problems without a word, and the
+    speedrun's line counted --eval-examples held-out problems. None otherwise. `option` names a config field as
+    the command's lines do."""
+    have, asked = len(tasks["test"]), cfg.eval.eval_examples
+    if have >= asked:
+        return None
+    return (
+        f"warning: {option('eval_examples')} {asked}: --task {cfg.task.task}'s test split has {have} problems; "
+        f"pass@k is over those {have}"
+    )
+
+
 def config_for(args: argparse.Namespace) -> RLConfig:
     """The command's RLConfig: flags > --preset (its rl section, or the whole file) > defaults."""
     return from_args(args, RLConfig, "rl", where="rl settings")
@@ -117,7 +149,9 @@ def main(args) -> int:
     RAY_ADDRESS) it starts a local one of this machine's cores (raychat.train.layout.local_cores), with the
     dashboard as pretraining's (its metrics service discovery for Prometheus), after checking that the layout
     fits it; a run already at its --steps says so in one line and starts none (RLRun.run). Any other run takes
-    its lease (RLRun.lease) before Ray starts: while another live driver trains it, one line and exit 2."""
+    its lease (RLRun.lease) before Ray starts: while another live driver trains it, one line and exit 2.
+    --dry-run makes every check but the storage root's write probe, prints plan_line and exits 0: no lease, no
+    Ray, nothing written."""
     local = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     try:
         cfg = resolve_inputs(config_for(args))
@@ -125,13 +159,23 @@ def main(args) -> int:
         check_generation_length(cfg, run.tasks)
         if local:  # a cluster of this machine never grows: refuse now what it could never place
             check_layout(cfg, local_capacity(local_cores()))
-        check_writable(open_storage(cfg.run.storage_path))
+        if not args.dry_run:  # creates the root
+            check_writable(open_storage(cfg.run.storage_path))
     except (ValueError, FileNotFoundError) as e:
         print(f"raychat rl: error: {e}", file=sys.stderr)
         return 2
     print(init_from_line(cfg.run.init_from))
-    if warning := base_model_warning(cfg.run.init_from):
-        print(warning, file=sys.stderr)
+    if run.resume_changes and run.finished() is None:
+        print(run.resume_changes)
+    for warning in [base_model_warning(cfg.run.init_from), short_eval_split_warning(cfg, run.tasks)]:
+        if warning:
+            print(warning, file=sys.stderr)
+    if args.dry_run:
+        if run.finished() is None:
+            print(plan_line(cfg, run))
+        else:
+            run.run()  # its finished line, without Ray
+        return 0
     if run.finished() is not None:  # a finished run needs no cluster, nor the lease
         summary = run.run()
     else:
@@ -139,6 +183,34 @@ def main(args) -> int:
             summary = _run_on_ray(run, args, local)
     print(json.dumps(summary, default=str))
     return 0
+
+
+def plan_line(cfg: RLConfig, run: RLRun) -> str:
+    """What `run` would do, in one line (`raychat rl --dry-run`): its steps from where it resumes, each step's
+    rollouts and their budget, its evaluations, checkpoints and layout, e.g. "plan: steps 1..50 of 8 prompts x
+    8 samples = 64 rollouts a step, at most 48 tokens each at --temperature 1; pass@1..8 on 64 held-out problems
+    at step 0 and every 10 steps and at the end; a checkpoint every 10 steps and at the end (the newest 2 kept);
+    1 learner x {CPU: 0.5} + 2 rollout actors x {CPU: 0.5}"."""
+    r, c = cfg.rollout, cfg.checkpoint
+    newest = run.checkpoints.newest()
+    start = newest.step if newest else 0
+    resuming = f" (resuming from {run.checkpoints.uri(start)})" if newest else ""
+    k = run.dispatcher.eval_samples
+    evals = f"pass@1{f'..{k}' if k > 1 else ''} on {plural(len(run.tasks['test']), 'held-out problem')} "
+    return (
+        f"plan: steps {start + 1}..{r.steps}{resuming} of {plural(r.prompts_per_step, 'prompt')} x "
+        f"{plural(r.samples_per_prompt, 'sample')} = {r.prompts_per_step * r.samples_per_prompt} rollouts a step, "
+        f"at most {r.max_tokens} tokens each at --temperature {r.temperature:g}; {evals}"
+        f"{'' if newest else 'at step 0 and '}{_when(cfg.eval.eval_every)}; a checkpoint "
+        f"{_when(c.checkpoint_every)} (the newest {c.keep_checkpoints} kept); {layout_line(cfg)}"
+    )
+
+
+def _when(every: int) -> str:
+    """When an --eval-every / --checkpoint-every of `every` steps comes due (0: only at the end)."""
+    return (
+        "at the end" if every == 0 else "every step" if every == 1 else f"every {every} steps and at the end"
+    )
 
 
 def _run_on_ray(run: RLRun, args, local: bool) -> dict:

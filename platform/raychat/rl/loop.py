@@ -66,10 +66,12 @@ from collections import deque
 import numpy as np
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+from raychat.capacity import fmt_bundle
 from raychat.checkpoint_manager import CheckpointManager, committed_bytes
 from raychat.config import ConfigError, RLConfig, to_dict, to_yaml
+from raychat.config.schema import shown
 from raychat.lease import RunLease
-from raychat.log import StepClock, log
+from raychat.log import StepClock, log, plural
 from raychat.metrics import RLMetrics
 from raychat.metrics_sink import MetricsSink
 from raychat.rl.actors import (
@@ -81,6 +83,7 @@ from raychat.rl.actors import (
     lost_line,
     read_budget,
     read_deadline_s,
+    role_bundles,
     save_deadline,
     step_deadline,
 )
@@ -100,7 +103,6 @@ from raychat.train.launch import (
     interrupted,
     refuse_resume,
     resumable_checkpoint,
-    settings_change,
     stopped_on_error,
     stopped_on_fault,
 )
@@ -122,13 +124,26 @@ RESUME_OPTIONS = (
     "prompts_per_step",
     "rollout_workers",
 )
+# What a resumed run may change (not RESUME_OPTIONS): how its remaining steps sample, weigh and update, and how
+# its evaluations are taken; a resume that changes any names each in one line (check_resume's), so that a
+# reward or pass@k curve that moves at the resume step has its cause in the log
+NOTED_OPTIONS = (
+    "samples_per_prompt", "max_tokens", "temperature", "matrix_lr", "embedding_lr", "unembedding_lr",
+    "scalar_lr", "weight_decay", "grad_clip", "normalization", "scale_by_std", "constant_length", "clip_eps",
+    "mode", "max_staleness", "eval_examples", "eval_samples", "eval_temperature",
+)  # fmt: skip
+EVAL_OPTIONS = ("eval_examples", "eval_samples", "eval_temperature")
 
 
-def check_resume(cfg: RLConfig, flags: Flags = COMMANDS) -> None:
+def check_resume(cfg: RLConfig, flags: Flags = COMMANDS) -> str | None:
     """Check that the run's newest committed checkpoint, if there is one, is one this run can resume: every
     file its commit marker lists is there with its size, it is an RL checkpoint, made with this run's
     RESUME_OPTIONS (--init-from as resolved), at a step no later than --steps. Reads only storage. The refusals
     name the options as `flags` does (raychat.train.launch.Flags).
+
+    Returns the line naming each of NOTED_OPTIONS this run sets otherwise than the checkpoint was made with
+    ("resuming with other settings than ...: --temperature 1 -> 0.5; ..."), None when none differs or there is
+    no checkpoint.
 
     Raises:
         CheckpointError: a file of the checkpoint is missing or of another size (named).
@@ -148,8 +163,33 @@ def check_resume(cfg: RLConfig, flags: Flags = COMMANDS) -> None:
             f"{flags.option('steps')}: the run's checkpoint {where} is at step {meta['step']}, this run asks for "
             f"{cfg.rollout.steps}: nothing to train (ask for {meta['step']} or more, or use {flags.other_run})"
         )
-    if line := settings_change(meta, cfg, flags):  # they apply from the resume step (load_optimizers)
-        log(line)
+    return resume_changes_line(where, meta["step"], changed_options(meta, cfg, NOTED_OPTIONS, flags), flags)
+
+
+def resume_changes_line(
+    where: str, step: int, changed: list[tuple[str, object, object]], flags: Flags
+) -> str | None:
+    """The line of check_resume's return for `changed` (changed_options' list), None when it is empty."""
+    if not changed:
+        return None
+    values = ", ".join(f"{name} {shown(was)} -> {shown(now)}" for name, was, now in changed)
+    line = (
+        f"resuming with other settings than the run's checkpoint {where} was made with: {values}; the steps "
+        f"after {step} use this run's"
+    )
+    if {flags.option(o) for o in EVAL_OPTIONS} & {name for name, _, _ in changed}:
+        line += f", and pass@k after step {step} is not measured as before it"
+    return line
+
+
+def layout_line(cfg: RLConfig) -> str:
+    """The run's actors by role, '1 learner x {CPU: 0.5} + 2 rollout actors x {CPU: 0.5}' (it read '3 actors
+    [{'CPU': 0.5}, ...]', which said neither)."""
+    learners, rollouts = role_bundles(cfg)
+    return (
+        f"{plural(len(learners), 'learner')} x {fmt_bundle(learners[0])} + "
+        f"{plural(len(rollouts), 'rollout actor')} x {fmt_bundle(rollouts[0])}"
+    )
 
 
 def rl_tasks(cfg: RLConfig) -> dict:
@@ -195,7 +235,7 @@ class RLRun:
     ):
         if not cfg.run.init_from:
             raise ValueError("--init-from (a chat checkpoint directory) is required")
-        check_resume(cfg, flags)
+        self.resume_changes = check_resume(cfg, flags)  # printed by the command (a run with steps left)
         self.cfg, self.log, self.flags = cfg, log, flags
         self.checkpoints = CheckpointManager(
             open_storage(cfg.run.storage_path), cfg.run.run_name, cfg.checkpoint.keep_checkpoints
@@ -387,7 +427,7 @@ class RLRun:
 
     def _run(self) -> dict:
         capacity = self.actors.check_layout()
-        self.log(f"layout: {len(self.actors.bundles)} actors {self.actors.bundles} on {capacity.describe()}")
+        self.log(f"layout: {layout_line(self.cfg)} on {capacity.describe()}")
         c = self.checkpoints
         write_bytes(c.storage, f"{c.run_path}/config.yaml", to_yaml(self.cfg, "rl").encode())
         metrics = MetricsSink(self.run_dir, rl_gauges(self.cfg.run.run_name), self.cfg.run.tracker,
@@ -493,6 +533,14 @@ class RLRun:
             return f"{e.named} hung {at}", e, None
         return f"{self.actors.name_of(getattr(e, 'actor_id', None))} was lost {at}", e, None
 
+    def eval_line(self, evaluation: dict) -> str:
+        """An evaluation's stdout line: 'eval step 5 (16 held-out problems x 4 samples): pass@1=0.25 ...'."""
+        samples = self.dispatcher.eval_samples
+        return (
+            f"eval step {evaluation['step']} ({plural(len(self.tasks['test']), 'held-out problem')} x "
+            f"{plural(samples, 'sample')}): {_fmt({k: v for k, v in evaluation.items() if k != 'step'})}"
+        )
+
     def newest_uri(self) -> str | None:
         """The URI of the run's newest committed checkpoint (None: none was committed)."""
         newest = self.checkpoints.newest()
@@ -514,7 +562,7 @@ class RLRun:
         if start == 0:
             evals.append({"step": 0, **self.dispatcher.evaluate(len(self.tasks["test"]))})
             metrics.log({"step": 0, "eval": evals[-1]})
-            self.log(f"eval step 0: {_fmt(evals[-1])}")
+            self.log(self.eval_line(evals[-1]))
         inflight: deque = deque()
         ahead = cfg.asynchrony.max_staleness if is_async else 0
         next_submit = start
@@ -548,9 +596,9 @@ class RLRun:
                 evals.append({"step": step + 1, **self.dispatcher.evaluate(len(self.tasks["test"]))})
                 line["eval"] = evals[-1]
             eta_s = clock.tick() * (steps - step - 1)
-            self.log(_fmt({k: line[k] for k in _LOG_KEYS if line.get(k) is not None}) + f" eta={eta_s:.0f}s")
+            self.log(step_line(line, eta_s))
             if "eval" in line:
-                self.log(f"eval step {step + 1}: {_fmt(evals[-1])}")
+                self.log(self.eval_line(evals[-1]))
             metrics.log(line)
             if warning := self.no_signal.add(step + 1, rollout):
                 self.log(warning)
@@ -633,9 +681,15 @@ class NoSignalWatch:
 
 
 _LOG_KEYS = (
-    "step", "reward_mean", "response_len_mean", "loss", "grad_norm", "rollout_tokens_per_s", "learner_step_s",
-    "learner_wait_s", "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts", "failures", "stale_chunks",
+    "step", "reward_mean", "zero_advantage_frac", "response_len_mean", "loss", "grad_norm", "rollout_tokens_per_s",
+    "learner_step_s", "learner_wait_s", "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts", "failures",
+    "stale_chunks",
 )  # fmt: skip
+
+
+def step_line(line: dict, eta_s: float) -> str:
+    """A step's stdout line: the _LOG_KEYS of its metrics.jsonl `line` (those set), then its ETA in seconds."""
+    return _fmt({k: line[k] for k in _LOG_KEYS if line.get(k) is not None}) + f" eta={eta_s:.0f}s"
 
 
 def _fmt(d: dict) -> str:
