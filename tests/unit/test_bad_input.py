@@ -1839,19 +1839,6 @@ def test_resuming_rl_with_other_settings_or_another_stages_run(flags, want, root
     assert _snapshot(root) == before
 
 
-def test_rl_resumed_with_another_lr_says_so(root, rl_run, capsys):
-    """rl resumed with another --matrix-lr went on with the checkpoint's (its optimizer state's lr); it now
-    trains with the one given (load_optimizers), and says so as pretrain does."""
-    argv, _ = rl_run
-    capsys.readouterr()
-    with pytest.raises(ReachedRay):
-        raychat_main([*argv, "--matrix-lr", "0.0001"])
-    assert (
-        "settings changed on resume: --matrix-lr 0.0002 -> 0.0001 (from step 3 on; the steps before kept theirs)\n"
-        in capsys.readouterr().out
-    )
-
-
 def test_a_finished_rl_run_says_so_without_starting_ray(root, rl_run, capsys):
     """rl at its --steps started Ray and every actor to resume into an empty loop."""
     argv, d = rl_run
