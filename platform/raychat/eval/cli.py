@@ -50,9 +50,11 @@ from raychat.engine.sampling import is_greedy
 from raychat.eval.bpb import bpb_sums
 from raychat.eval.report_card import (
     CHAT_TASKS,
+    SAMPLED,
     accuracy_cell,
     bundle_path,
     card_row,
+    cell,
     chat_cells,
     core_cell,
     format_markdown,
@@ -122,8 +124,9 @@ def task_scores(
     at task_budget(name, cfg.max_tokens), its budget recorded (None: categorical); at a cfg.temperature above
     0 a generative task's entry also holds "samples", "temperature" and "pass@k" ({"pass@1": ...,
     f"pass@{samples}": ...}; raychat.eval.tasks.task_pass_at_k), its accuracy pass@1 and stderr that of the
-    items' pass@1 (mean_stderr); a greedy card task named in `tasks` fills its column, chatcore (whether,
-    examples cap) measures the other columns at the same budgets (raychat.eval.report_card.chat_cells); each
+    items' pass@1 (mean_stderr); a greedy card task named in `tasks` fills its column, a sampled one's column
+    reads "n/a: sampled" (the card is greedy), chatcore (whether, examples cap) measures the other columns
+    greedily at the same budgets (raychat.eval.report_card.chat_cells); each
     score's line on stderr (raychat.eval.report_card.measured_line: `eval, ...` for `tasks`, `report card,
     ...` for chatcore's) names `scored`: (stage, checkpoint)."""
     accuracy = {}
@@ -154,7 +157,8 @@ def task_scores(
         if sampled:
             print(f"  {name} at temperature {cfg.temperature:g}, {cfg.samples} samples an item: "
                   + ", ".join(f"{k} {v:.4f}" for k, v in passes.items()), file=sys.stderr)  # fmt: skip
-    # the report card is greedy (nanochat's): a sampled score does not fill its column
+    # the report card is greedy (nanochat's): a sampled score does not fill its column ("n/a: sampled" unless
+    # chatcore measures it greedily)
     chat = {CARD_NAMES[n]: accuracy_cell(a["accuracy"], a["examples"], a["max_tokens"])
             for n, a in accuracy.items() if n in CARD_NAMES and "samples" not in a}  # fmt: skip
     if chatcore[0]:
@@ -163,7 +167,10 @@ def task_scores(
                            log=lambda line: print(line, file=sys.stderr), scored=scored)  # fmt: skip
         for line in no_data_lines({"eval": chat}, cfg.task_data_dir):
             print(line, file=sys.stderr)
-    return accuracy, chat
+    kept_off = {
+        CARD_NAMES[n]: cell(note=SAMPLED) for n, a in accuracy.items() if n in CARD_NAMES and "samples" in a
+    }
+    return accuracy, kept_off | chat
 
 
 def validation_bpb(model, tokenizer, val_file: str, masking: bool, cfg: EvalConfig) -> dict:
