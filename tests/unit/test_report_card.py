@@ -132,6 +132,30 @@ def test_categorical_scores_by_hand(data_dir, small_tokenizer):
     ] == pytest.approx(1.0)
 
 
+def test_sampling_asked_of_categorical_tasks_says_they_are_measured_greedily(
+    data_dir, small_tokenizer, capsys
+):
+    """`raychat eval --tasks mmlu,arc-easy --samples 4 --temperature 0.8` scored both greedily without a word."""
+    letter = {c: small_tokenizer.encode(c)[0] for c in "ABCD"}
+    model = LetterModel(small_tokenizer.vocab_size, letter["B"], letter["C"])
+    tasks = [("mmlu", None), ("arc-easy", None)]
+    values = {"task_data_dir": str(data_dir), "tasks": "mmlu,arc-easy", "samples": 4, "temperature": 0.8}
+    accuracy, chat = task_scores(model, small_tokenizer, tasks, from_dict(EvalConfig, values), (False, None))
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "eval: mmlu, arc-easy measured greedily, as accuracy: a categorical task's answer is the letter with the "
+        "highest logit, with no completion to sample (--samples 4 --temperature 0.8 sample the generative tasks "
+        "only)"
+    )
+    # as test_categorical_scores_by_hand: MMLU's answer is B, ARC-Easy's B, C, B; greedy, so on the card
+    assert accuracy["mmlu"] == {"accuracy": 1.0, "stderr": None, "examples": 1, "max_tokens": None}
+    assert accuracy["arc-easy"] == {"accuracy": 2 / 3, "stderr": pytest.approx(1 / 3), "examples": 3,
+                                    "max_tokens": None}  # fmt: skip
+    assert chat == {"MMLU": cell(1.0, examples=1), "ARC-Easy": accuracy_cell(2 / 3, 3)}
+    greedy = from_dict(EvalConfig, {"task_data_dir": str(data_dir), "tasks": "mmlu,arc-easy"})
+    task_scores(model, small_tokenizer, tasks, greedy, (False, None))
+    assert "measured greedily" not in capsys.readouterr().err  # nothing asked for sampling
+
+
 @pytest.mark.parametrize("scores", [[1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 0], [1] * 5, [0, 1]])
 def test_an_accuracys_standard_error_is_lm_evals_acc_stderr(scores):
     """lm-evaluation-harness's mean_stderr of the same 0/1 item scores (1/3 at 1 of 3, as its table prints)."""

@@ -115,6 +115,20 @@ def split_card_tasks(spec: str) -> tuple[str, int | None, bool]:
     return ",".join(rest), cap, named
 
 
+def categorical_line(categorical: list[str], cfg: EvalConfig) -> str | None:
+    """The stderr line saying that the `categorical` tasks (their names) are scored greedily though cfg asks for
+    sampling (a --temperature above 0), e.g. `eval: mmlu, arc-easy measured greedily, as accuracy: a categorical
+    task's answer is the letter with the highest logit, with no completion to sample (--samples 4 --temperature
+    0.8 sample the generative tasks only)`; None at temperature 0 or without a categorical task."""
+    if is_greedy(cfg.temperature) or not categorical:
+        return None
+    return (
+        f"eval: {', '.join(categorical)} measured greedily, as accuracy: a categorical task's answer is the letter "
+        f"with the highest logit, with no completion to sample (--samples {cfg.samples} --temperature "
+        f"{cfg.temperature:g} sample the generative tasks only)"
+    )
+
+
 def task_scores(
     model, tokenizer, tasks: list[tuple[str, int | None]], cfg: EvalConfig, chatcore: tuple[bool, int | None],
     scored: tuple[str, str] = ("", ""),
@@ -128,10 +142,15 @@ def task_scores(
     reads "n/a: sampled" (the card is greedy), chatcore (whether, examples cap) measures the other columns
     greedily at the same budgets (raychat.eval.report_card.chat_cells); each
     score's line on stderr (raychat.eval.report_card.measured_line: `eval, ...` for `tasks`, `report card,
-    ...` for chatcore's) names `scored`: (stage, checkpoint)."""
+    ...` for chatcore's) names `scored`: (stage, checkpoint); at a cfg.temperature above 0, first a line naming
+    the categorical tasks of `tasks`, scored greedily (categorical_line)."""
+    built = {name: make_task(name, "test", None, cfg.seed, data_dir=cfg.task_data_dir) for name, _ in tasks}
+    line = categorical_line([name for name, task in built.items() if task.eval_type == "categorical"], cfg)
+    if line:
+        print(line, file=sys.stderr)
     accuracy = {}
     for name, n in tasks:
-        task = make_task(name, "test", None, cfg.seed, data_dir=cfg.task_data_dir)
+        task = built[name]
         examples = min(n or len(task), len(task))
         budget = task_budget(name, cfg.max_tokens) if task.eval_type == "generative" else None
         t0 = time.perf_counter()
