@@ -105,7 +105,7 @@ def test_the_task_data_directory_is_under_out_unless_the_preset_or_the_environme
 ):
     """`raychat speedrun --out X` read the hub tasks' files from runs/task_data of the current directory, and
     named that directory in its download commands, while all else it reads and writes is under X. Its default is
-    now X/task_data (for SFT, RL and the report card); $RAYCHAT_TASK_DATA, then a preset's own, win over it."""
+    now X/task_data (for SFT, RL and the report card); a preset's own, else $RAYCHAT_TASK_DATA, wins over it."""
     monkeypatch.delenv(TASK_DATA_ENV, raising=False)
     monkeypatch.chdir(tmp_path)  # the old default: tmp_path/runs/task_data
     out = tmp_path / "elsewhere" / "out"
