@@ -3,7 +3,8 @@ sink (raychat.metrics_sink: metrics.jsonl) as PNG pictures with matplotlib (Agg 
 
 curves_<stage>.png: left, the training loss per step (and its smoothed value where the stage logs one); right,
 validation BPB at each evaluation (pretraining, SFT: "val_bpb" and every "<task>_val_bpb") or, for RL, the
-rollouts' mean reward per step and held-out pass@1 at each evaluation, the baseline (step 0) first.
+rollouts' mean reward per step and held-out pass@1 at each evaluation, the baseline (step 0) first. Every step
+axis is ticked at whole steps only (a curve of one point, val_bpb measured once: that step alone).
 
 The run's report state, stages.json in the output directory: {stage: {"output", "wall_s", "figures"}}, written
 (atomically) as each stage finishes by the invocation that ran it, so that a resumed speedrun reports a stage it
@@ -140,7 +141,8 @@ def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
         right.legend()
     for ax in (left, right):
         ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        # min_n_ticks=1: a view holding one whole step (one evaluation) gets it alone, not 3.8, 3.9, ... 4.2
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)

@@ -205,5 +205,9 @@ def test_sampled_pass_at_k_is_recorded_per_task_and_stays_off_the_greedy_report_
         assert entry == {"accuracy": passes["pass@1"], "stderr": entry["stderr"], "examples": 2, "max_tokens": 128,
                          "samples": 3, "temperature": 0.7}  # fmt: skip
         assert f"  {name} at temperature 0.7, 3 samples an item: pass@1 {passes['pass@1']:.4f}, " in err
-    assert result["report_card"]["SpellingBee"]["note"] == "-"  # the card's SpellingBee is greedy
+    card = result["report_card"]  # greedy: SpellingBee's sampled score is not its value, and says so
+    spelling, gsm8k = card["SpellingBee"], card["GSM8K"]  # GSM8K: not named in --tasks
+    assert (spelling["note"], spelling["value"], gsm8k["note"]) == ("n/a: sampled", None, "-")
+    row = "| sft | n/a: no data | - | - | - | - | - | n/a: sampled | n/a: needs all six |"
+    assert row in err.splitlines()
     assert (result["settings"]["samples"], result["settings"]["temperature"]) == (3, 0.7)

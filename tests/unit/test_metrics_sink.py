@@ -148,6 +148,30 @@ def test_curves_png_per_stage(tmp_path):
     assert plot_stage("sft", [], tmp_path / "curves_sft.png") is None
 
 
+def _step_ticks(ax) -> list[float]:
+    """The step axis' tick values inside its view (the locator also returns ticks just outside it)."""
+    ax.figure.canvas.draw()
+    low, high = ax.get_xlim()
+    return [t for t in ax.get_xticks() if low <= t <= high]
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "rl"])
+def test_every_step_axis_has_whole_step_ticks(stage, tmp_path, monkeypatch):
+    """val_bpb measured once (step 5 of 10) was drawn on an axis ticked 4.74, 4.80, ... 5.22, and a run of one
+    step on two such axes (matplotlib's MaxNLocator(integer=True) keeps fractional ticks where its view holds
+    fewer than two whole steps)."""
+    figures = []
+    monkeypatch.setattr("raychat.report.plt.close", figures.append)
+    lines = [{"step": i, "loss": 4 - i / 10, "reward_mean": i / 10} for i in range(1, 11)]
+    lines[4] |= {"val_bpb": 2.0, "eval": {"step": 5, "pass@1": 0.5}}
+    plot_stage(stage, lines, tmp_path / "many.png")
+    plot_stage(stage, [{"step": 3, "loss": 2.5, "reward_mean": 0.25, "val_bpb": 1.5}], tmp_path / "one.png")
+    many, one = ([_step_ticks(ax) for ax in fig.axes] for fig in figures)
+    steps = list(range(1, 11))
+    assert many == [steps, [5] if stage == "pretrain" else steps]  # loss; val_bpb once (rl: reward each step)
+    assert one == [[3], [3]]  # a run of one step
+
+
 def test_the_rl_curve_starts_at_the_baseline_evaluation(tmp_path, monkeypatch):
     """An RL run's metrics.jsonl starts with the baseline evaluation's line (step 0, no loss): its pass@1 is the
     curve's first point, not dropped with the lines that have no loss."""

@@ -17,6 +17,7 @@ from raychat.eval.cli import task_scores
 from raychat.eval.report_card import (
     NEEDS_ALL,
     NO_DATA,
+    SAMPLED,
     accuracy_cell,
     card_row,
     cell,
@@ -131,6 +132,30 @@ def test_categorical_scores_by_hand(data_dir, small_tokenizer):
     ] == pytest.approx(1.0)
 
 
+def test_sampling_asked_of_categorical_tasks_says_they_are_measured_greedily(
+    data_dir, small_tokenizer, capsys
+):
+    """`raychat eval --tasks mmlu,arc-easy --samples 4 --temperature 0.8` scored both greedily without a word."""
+    letter = {c: small_tokenizer.encode(c)[0] for c in "ABCD"}
+    model = LetterModel(small_tokenizer.vocab_size, letter["B"], letter["C"])
+    tasks = [("mmlu", None), ("arc-easy", None)]
+    values = {"task_data_dir": str(data_dir), "tasks": "mmlu,arc-easy", "samples": 4, "temperature": 0.8}
+    accuracy, chat = task_scores(model, small_tokenizer, tasks, from_dict(EvalConfig, values), (False, None))
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "eval: mmlu, arc-easy measured greedily, as accuracy: a categorical task's answer is the letter with the "
+        "highest logit, with no completion to sample (--samples 4 --temperature 0.8 sample the generative tasks "
+        "only)"
+    )
+    # as test_categorical_scores_by_hand: MMLU's answer is B, ARC-Easy's B, C, B; greedy, so on the card
+    assert accuracy["mmlu"] == {"accuracy": 1.0, "stderr": None, "examples": 1, "max_tokens": None}
+    assert accuracy["arc-easy"] == {"accuracy": 2 / 3, "stderr": pytest.approx(1 / 3), "examples": 3,
+                                    "max_tokens": None}  # fmt: skip
+    assert chat == {"MMLU": cell(1.0, examples=1), "ARC-Easy": accuracy_cell(2 / 3, 3)}
+    greedy = from_dict(EvalConfig, {"task_data_dir": str(data_dir), "tasks": "mmlu,arc-easy"})
+    task_scores(model, small_tokenizer, tasks, greedy, (False, None))
+    assert "measured greedily" not in capsys.readouterr().err  # nothing asked for sampling
+
+
 @pytest.mark.parametrize("scores", [[1, 0, 0], [1, 1, 0, 0, 1, 0, 0, 0], [1] * 5, [0, 1]])
 def test_an_accuracys_standard_error_is_lm_evals_acc_stderr(scores):
     """lm-evaluation-harness's mean_stderr of the same 0/1 item scores (1/3 at 1 of 3, as its table prints)."""
@@ -205,6 +230,33 @@ def test_a_long_gold_answer_scores_the_same_from_tasks_and_from_chatcore(tmp_pat
     line = format_markdown({"sft": card_row(None, chat)}).splitlines()[2]
     assert line.split(" | ")[5] == "0.0000 (48 tok)"  # not the task's own budget: said in the table
     assert format_markdown({"sft": card_row(None, alone)}).splitlines()[2].split(" | ")[5] == "1.0000"
+
+
+def test_a_sampled_score_is_kept_off_the_greedy_card_under_its_own_note(tmp_path):
+    """`raychat eval --tasks gsm8k --samples 2 --temperature T` left the GSM8K cell `-`, which the legend read as
+    "not measured at this stage" (of a chat checkpoint, whose chat evals the card does measure). The cell now
+    reads "n/a: sampled", the legend says what each note means, and chatcore still measures the column greedily."""
+    write_parquet(tmp_path / "openai--gsm8k/main/test/00000.parquet",
+                  [{"question": "What is 2 + 2?", "answer": "#### 4"}])  # fmt: skip
+    tok = byte_tokenizer()
+    model = gold_model(tok, make_task("gsm8k", "test", None, 0, data_dir=str(tmp_path))[0])
+    cfg = from_dict(
+        EvalConfig, {"task_data_dir": str(tmp_path), "tasks": "gsm8k", "samples": 2, "temperature": 0.01}
+    )  # logit 10 at 0.01: the gold token at every draw
+    accuracy, chat = task_scores(model, tok, [("gsm8k", None)], cfg, (False, None))
+    assert accuracy["gsm8k"]["pass@k"] == {"pass@1": 1.0, "pass@2": 1.0}
+    assert chat == {"GSM8K": cell(note=SAMPLED)} and SAMPLED == "n/a: sampled"
+    table = format_markdown({"sft": card_row(None, chat)}).splitlines()
+    assert table[2] == "| sft | - | - | - | - | n/a: sampled | - | - | n/a: needs all six |"
+    assert table[-1] == (
+        "-: not measured (the speedrun: CORE on the base model, chat evals on chat models; raychat eval: the "
+        "columns --tasks names); n/a: no data: the files are not on this machine (README: nanochat's full "
+        "table); n/a: sampled: scored by sampling (--temperature above 0), kept off this greedy card "
+        "(eval.json's tasks hold it); n/a: needs all six: ChatCORE averages all six chat evals; (N tok): "
+        "measured at a completion budget of N tokens, not the task's own."
+    )
+    _, greedy = task_scores(model, tok, [("gsm8k", None)], cfg, (True, 1))
+    assert greedy["GSM8K"] == cell(1.0, examples=1, max_tokens=512)
 
 
 def test_the_local_tasks_budgets_hold_every_gold_answer_at_one_token_per_byte():

@@ -8,6 +8,7 @@ field refused with the field it misspells or where the accepted ones are listed.
 from __future__ import annotations
 
 import json
+import time
 from functools import partial
 
 import openai
@@ -15,11 +16,13 @@ import pytest
 from fastapi.testclient import TestClient
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from support.serve_helpers import HELLO, FakeEngine
+from support.serve_helpers import HELLO, FakeEngine, write_tiny_checkpoint
 
+from raychat.checkpoint_manager import snapshot_checkpoint
 from raychat.serve import api
 from raychat.serve.engine_adapter import MIN_LOGPROB, sampling_params, text_logprobs
-from raychat.serve.ingress import create_app
+from raychat.serve.ingress import LocalClient, create_app
+from raychat.serve.server import ChatServer, committed_at
 from raychat.serve.sse import parse_sse
 
 USER = [{"role": "user", "content": "What is 2*3?"}]
@@ -81,6 +84,33 @@ def test_models_retrieve_finds_the_served_id_and_names_it_for_another(model_id):
         assert err.value.status_code == 404 and err.value.code == "model_not_found"
         assert err.value.param == "model"
         assert err.value.body["message"] == f"model: {other!r} is not served here; available: [{model_id!r}]"
+
+
+def test_the_model_card_is_created_when_its_checkpoint_was_committed(tmp_path):
+    """`created` was 0 (1970) in both routes: it is the Unix time (whole seconds) the served checkpoint's commit
+    marker records, else, for an engine that does not know it, the time the app started."""
+    ckpt = write_tiny_checkpoint(tmp_path / "checkpoint_000000")
+    marker = json.loads((ckpt / "commit.json").read_text())
+    marker["committed_at"] = 1767225600.75  # 2026-01-01T00:00:00.75Z
+    (ckpt / "commit.json").write_text(json.dumps(marker))
+    served = snapshot_checkpoint(ckpt)  # what serve deploys of a run's checkpoint: its marker as it is
+    server = ChatServer.from_checkpoint(served, model_id="tiny", max_slots=1)
+    try:
+        client = official_client(LocalClient(server))
+        (listed,) = client.models.list().data
+        assert listed.created == client.models.retrieve("tiny").created == 1767225600
+    finally:
+        server.shutdown()
+    del marker["committed_at"]  # a marker written without it
+    (ckpt / "commit.json").write_text(json.dumps(marker))
+    assert committed_at(ckpt) is None
+    (ckpt / "commit.json").unlink()  # none at all (the engine process' child refuses to load it)
+    assert committed_at(ckpt) is None
+    before = int(time.time())
+    client = official_client(FakeEngine())  # its info() has no "created"
+    after = int(time.time())
+    (listed,) = client.models.list().data
+    assert before <= listed.created <= after and client.models.retrieve("tiny").created == listed.created
 
 
 # vLLM's extensions as a vLLM user sends them (extra_body): its default, and a value that would change the reply

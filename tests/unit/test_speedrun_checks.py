@@ -17,11 +17,13 @@ from raychat.config import ConfigError, RLConfig, SpeedrunConfig, from_dict, to_
 from raychat.speedrun import (
     check_stages,
     named_by_keys,
+    report_card,
     run_rl_stage,
     run_speedrun,
     speedrun_flags,
     stage_keys,
 )
+from raychat.tasks.hub_data import TASK_DATA_ENV
 from raychat.train.layout import local_cores
 
 TINY = yaml.safe_load((files("raychat") / "presets" / "tiny.yaml").read_text())
@@ -96,6 +98,47 @@ def test_missing_task_files_of_sft_and_rl_are_refused_before_the_first_stage(tmp
         run_speedrun(_preset(tmp_path, rl={"task": "gsm8k", "task_data_dir": str(data)}), str(out))
     assert str(e.value) == f"rl.task: {_gsm8k_missing(data, 'rl.task_data_dir')}"
     assert not out.exists()
+
+
+def test_the_task_data_directory_is_under_out_unless_the_preset_or_the_environment_names_one(
+    tmp_path, monkeypatch, capsys
+):
+    """`raychat speedrun --out X` read the hub tasks' files from runs/task_data of the current directory, and
+    named that directory in its download commands, while all else it reads and writes is under X. Its default is
+    now X/task_data (for SFT, RL and the report card); a preset's own, else $RAYCHAT_TASK_DATA, wins over it."""
+    monkeypatch.delenv(TASK_DATA_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)  # the old default: tmp_path/runs/task_data
+    out = tmp_path / "elsewhere" / "out"
+    data = out / "task_data"
+    config = SpeedrunConfig.from_preset("tiny", str(out))
+    assert (config.sft.data.task_data_dir, config.rl.task.task_data_dir) == (str(data), str(data))
+    mixture = {"sft_tasks": "calculator:200,gsm8k:10"}
+    with pytest.raises(ValueError) as e:
+        run_speedrun(_preset(tmp_path, sft=mixture), str(out))
+    assert str(e.value) == f"sft.sft_tasks: {_gsm8k_missing(data, 'train.task_data_dir')}"
+    assert not out.exists()
+    # the report card's lines on the chat evals without data name the downloads into X/task_data
+    base = write_tiny_checkpoint(tmp_path / "base" / "checkpoint_000001")
+    sft = write_tiny_checkpoint(tmp_path / "sft" / "checkpoint_000001", stage="sft")
+    report = {"checkpoint": str(base), "sft": {"checkpoint": str(sft)}, "timings_s": {}}
+    card = report_card(config, report, {})
+    assert card["rows"]["sft"]["GSM8K"]["note"] == "n/a: no data"
+    printed = capsys.readouterr().out.splitlines()
+    assert (
+        f"  GSM8K: huggingface-cli download openai/gsm8k --repo-type dataset --local-dir {data}/gsm8k"
+        in printed
+    )
+    # $RAYCHAT_TASK_DATA names the directory ('' = hub_data's default: the variable)
+    monkeypatch.setenv(TASK_DATA_ENV, str(tmp_path / "env"))
+    config = SpeedrunConfig.from_preset("tiny", str(out))
+    assert (config.sft.data.task_data_dir, config.rl.task.task_data_dir) == ("", "")
+    with pytest.raises(ValueError) as e:
+        run_speedrun(_preset(tmp_path, sft=mixture), str(out))
+    assert str(e.value) == f"sft.sft_tasks: {_gsm8k_missing(tmp_path / 'env', 'train.task_data_dir')}"
+    # a preset's own: SFT's from its train section (or its sft section), RL's from its rl section
+    mine = {"task_data_dir": str(tmp_path / "mine")}
+    config = SpeedrunConfig.from_preset(_preset(tmp_path, train=mine, rl=mine), str(out))
+    assert (config.sft.data.task_data_dir, config.rl.task.task_data_dir) == (mine["task_data_dir"],) * 2
 
 
 def test_a_bad_record_of_a_hub_task_is_refused_before_the_first_stage(tmp_path):

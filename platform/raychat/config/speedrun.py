@@ -1,17 +1,22 @@
 """The speedrun's configuration (`raychat speedrun`): each stage's own config, built once from a preset on one
 output root in the layout README documents (<out>/data, <out>/tokenizer, <out>/checkpoints/{base,sft},
-<out>/rl/rl). A stage's input checkpoint is the stage before's result, set when that stage has run."""
+<out>/rl/rl, and the task data directory of SFT, RL and the report card: <out>/task_data unless the preset or
+$RAYCHAT_TASK_DATA names one). A stage's input checkpoint is the stage before's result, set when that stage has
+run."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from raychat.config.data import PrepareConfig, TokenizerConfig
 from raychat.config.presets import preset_section, preset_values
 from raychat.config.rl import RLConfig
-from raychat.config.schema import ConfigError, from_dict
+from raychat.config.schema import ConfigError, from_dict, owned_literal
 from raychat.config.train import SFT_DEFAULTS, TrainConfig
+
+TASK_DATA = "task_data"  # the speedrun's task data directory under --out
 
 
 class StageConfigError(ConfigError):
@@ -47,7 +52,8 @@ class SpeedrunConfig:
     @classmethod
     def from_preset(cls, preset: str, out: str = "runs", num_iterations: int | None = None) -> SpeedrunConfig:
         """The preset's stage sections on the layout under `out` (made absolute); `num_iterations` replaces
-        pretraining's.
+        pretraining's. SFT's and RL's task_data_dir: the preset's (SFT's: its sft section's, else its train
+        section's), else '' when $RAYCHAT_TASK_DATA is set (which then names it), else <out>/task_data.
 
         Raises:
             ConfigError: an unknown key or a bad value in a section (the message names the section; of the
@@ -77,12 +83,21 @@ class SpeedrunConfig:
             values["num_iterations"] = num_iterations
         pretrain = _stage("pretrain", TrainConfig, values, where="train settings")
         sft_values, rl_values = preset_section(preset, "sft"), preset_section(preset, "rl")
+        env = owned_literal("raychat.tasks.hub_data", "TASK_DATA_ENV")
+        task_data = "" if os.environ.get(env) else str(root / TASK_DATA)  # '': the variable names it
         sft = None
         if sft_values.get("num_iterations", 0) > 0:
-            sft_values = {"eval_every": 0, "checkpoint_every": 0, **sft_values, **SFT_DEFAULTS}
+            tasks_dir = pretrain.data.task_data_dir or task_data  # the train section's, else the speedrun's
+            sft_values = {"eval_every": 0, "checkpoint_every": 0, "task_data_dir": tasks_dir, **sft_values}
+            sft_values |= SFT_DEFAULTS
             sft = _stage("sft", TrainConfig, sft_values, base=pretrain, where="sft settings")
         rl = None
         if rl_values.get("steps", 0) > 0:
-            rl_values = {**rl_values, "storage_path": str(root / "rl"), "run_name": "rl"}
+            rl_values = {
+                "task_data_dir": task_data,
+                **rl_values,
+                "storage_path": str(root / "rl"),
+                "run_name": "rl",
+            }
             rl = _stage("rl", RLConfig, rl_values, where="rl settings")
         return cls(str(root), data, tokenizer, pretrain, sft, rl)

@@ -50,9 +50,11 @@ from raychat.engine.sampling import is_greedy
 from raychat.eval.bpb import bpb_sums
 from raychat.eval.report_card import (
     CHAT_TASKS,
+    SAMPLED,
     accuracy_cell,
     bundle_path,
     card_row,
+    cell,
     chat_cells,
     core_cell,
     format_markdown,
@@ -113,6 +115,20 @@ def split_card_tasks(spec: str) -> tuple[str, int | None, bool]:
     return ",".join(rest), cap, named
 
 
+def categorical_line(categorical: list[str], cfg: EvalConfig) -> str | None:
+    """The stderr line saying that the `categorical` tasks (their names) are scored greedily though cfg asks for
+    sampling (a --temperature above 0), e.g. `eval: mmlu, arc-easy measured greedily, as accuracy: a categorical
+    task's answer is the letter with the highest logit, with no completion to sample (--samples 4 --temperature
+    0.8 sample the generative tasks only)`; None at temperature 0 or without a categorical task."""
+    if is_greedy(cfg.temperature) or not categorical:
+        return None
+    return (
+        f"eval: {', '.join(categorical)} measured greedily, as accuracy: a categorical task's answer is the letter "
+        f"with the highest logit, with no completion to sample (--samples {cfg.samples} --temperature "
+        f"{cfg.temperature:g} sample the generative tasks only)"
+    )
+
+
 def task_scores(
     model, tokenizer, tasks: list[tuple[str, int | None]], cfg: EvalConfig, chatcore: tuple[bool, int | None],
     scored: tuple[str, str] = ("", ""),
@@ -122,13 +138,19 @@ def task_scores(
     at task_budget(name, cfg.max_tokens), its budget recorded (None: categorical); at a cfg.temperature above
     0 a generative task's entry also holds "samples", "temperature" and "pass@k" ({"pass@1": ...,
     f"pass@{samples}": ...}; raychat.eval.tasks.task_pass_at_k), its accuracy pass@1 and stderr that of the
-    items' pass@1 (mean_stderr); a greedy card task named in `tasks` fills its column, chatcore (whether,
-    examples cap) measures the other columns at the same budgets (raychat.eval.report_card.chat_cells); each
+    items' pass@1 (mean_stderr); a greedy card task named in `tasks` fills its column, a sampled one's column
+    reads "n/a: sampled" (the card is greedy), chatcore (whether, examples cap) measures the other columns
+    greedily at the same budgets (raychat.eval.report_card.chat_cells); each
     score's line on stderr (raychat.eval.report_card.measured_line: `eval, ...` for `tasks`, `report card,
-    ...` for chatcore's) names `scored`: (stage, checkpoint)."""
+    ...` for chatcore's) names `scored`: (stage, checkpoint); at a cfg.temperature above 0, first a line naming
+    the categorical tasks of `tasks`, scored greedily (categorical_line)."""
+    built = {name: make_task(name, "test", None, cfg.seed, data_dir=cfg.task_data_dir) for name, _ in tasks}
+    line = categorical_line([name for name, task in built.items() if task.eval_type == "categorical"], cfg)
+    if line:
+        print(line, file=sys.stderr)
     accuracy = {}
     for name, n in tasks:
-        task = make_task(name, "test", None, cfg.seed, data_dir=cfg.task_data_dir)
+        task = built[name]
         examples = min(n or len(task), len(task))
         budget = task_budget(name, cfg.max_tokens) if task.eval_type == "generative" else None
         t0 = time.perf_counter()
@@ -154,7 +176,8 @@ def task_scores(
         if sampled:
             print(f"  {name} at temperature {cfg.temperature:g}, {cfg.samples} samples an item: "
                   + ", ".join(f"{k} {v:.4f}" for k, v in passes.items()), file=sys.stderr)  # fmt: skip
-    # the report card is greedy (nanochat's): a sampled score does not fill its column
+    # the report card is greedy (nanochat's): a sampled score does not fill its column ("n/a: sampled" unless
+    # chatcore measures it greedily)
     chat = {CARD_NAMES[n]: accuracy_cell(a["accuracy"], a["examples"], a["max_tokens"])
             for n, a in accuracy.items() if n in CARD_NAMES and "samples" not in a}  # fmt: skip
     if chatcore[0]:
@@ -163,7 +186,10 @@ def task_scores(
                            log=lambda line: print(line, file=sys.stderr), scored=scored)  # fmt: skip
         for line in no_data_lines({"eval": chat}, cfg.task_data_dir):
             print(line, file=sys.stderr)
-    return accuracy, chat
+    kept_off = {
+        CARD_NAMES[n]: cell(note=SAMPLED) for n, a in accuracy.items() if n in CARD_NAMES and "samples" in a
+    }
+    return accuracy, kept_off | chat
 
 
 def validation_bpb(model, tokenizer, val_file: str, masking: bool, cfg: EvalConfig) -> dict:

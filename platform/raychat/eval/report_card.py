@@ -16,8 +16,10 @@ ChatCORE, and without a value)}, and for a generative column "max_tokens": the c
 measured at (each task's own, raychat.eval.tasks.MAX_TOKENS: GSM8K, HumanEval 512 as nanochat's chat_eval,
 SpellingBee 128, unless one budget was given for every task; the table shows a budget other than the task's
 own after the value). Notes:
-"n/a: no data" (the task's files or the CORE bundle are not on this machine), "-" (not measured at this
-stage: CORE on base checkpoints, the chat evals on chat checkpoints, as in nanochat), "n/a: needs all six".
+"n/a: no data" (the task's files or the CORE bundle are not on this machine), "-" (not measured: the speedrun
+measures CORE on base checkpoints and the chat evals on chat checkpoints, as nanochat; `raychat eval` the columns
+its --tasks name, all six with chatcore), "n/a: sampled" (`raychat eval` scored the task by sampling, --temperature
+above 0: its pass@1 is in eval.json's tasks, not on this greedy card), "n/a: needs all six".
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ CHAT_TASKS = {
 SPELLING_EXAMPLES = 256  # nanochat: SpellingBee(size=256, split="test")
 COLUMNS = ("CORE", *CHAT_TASKS, "ChatCORE")
 NO_DATA, NOT_MEASURED, NEEDS_ALL = "n/a: no data", "-", "n/a: needs all six"
+SAMPLED = "n/a: sampled"  # raychat eval's sampled score of a card task, kept off the greedy card
 BUNDLE_DIR = "eval_bundle"  # CORE's default place: <task data dir>/eval_bundle
 
 
@@ -217,6 +220,15 @@ def card_row(core: dict | None = None, chat: dict | None = None, **extra) -> dic
     return row | extra
 
 
+LEGEND = (
+    f"{NOT_MEASURED}: not measured (the speedrun: CORE on the base model, chat evals on chat models; raychat eval: "
+    f"the columns --tasks names); {NO_DATA}: the files are not on this machine (README: nanochat's full table); "
+    f"{SAMPLED}: scored by sampling (--temperature above 0), kept off this greedy card (eval.json's tasks hold "
+    f"it); {NEEDS_ALL}: ChatCORE averages all six chat evals; (N tok): measured at a completion budget of N "
+    "tokens, not the task's own."
+)
+
+
 def _text(c: dict, column: str) -> str:
     if c.get("value") is None:
         return c.get("note") or NOT_MEASURED
@@ -239,11 +251,5 @@ def format_markdown(rows: dict[str, dict]) -> str:
         if timed:
             cells += [_number(r.get("wall_s"), ".0f"), _number(r.get("tokens_per_s"), ",.0f")]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        f"{NOT_MEASURED}: not measured at this stage (CORE on the base model, chat evals on chat models); "
-        f"{NO_DATA}: the files are not on this machine (README: nanochat's full table); {NEEDS_ALL}: "
-        "ChatCORE averages all six chat evals; (N tok): measured at a completion budget of N tokens, not the "
-        "task's own.",
-    ]
+    lines += ["", LEGEND]
     return "\n".join(lines)

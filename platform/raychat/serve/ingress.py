@@ -9,7 +9,8 @@ Endpoints
   POST /v1/completions       OpenAI legacy Completions: raw prompt (text or token ids, batched), echo,
                              prompt logprobs, stream true or false (raychat.serve.completions_api)
   GET  /v1/models            the served model, with template_version, tokenizer_version and its context length
-                             (max_seq_len, and vLLM's name for it, max_model_len)
+                             (max_seq_len, and vLLM's name for it, max_model_len); "created": when its
+                             checkpoint was committed (the engine's info), else when this app started
   GET  /v1/models/{model}    that model's card (openai's models.retrieve); the id may hold "/"; another id
                              -> 404 model_not_found naming the id served
   GET  /health               {"status": "ok", template_version, ..., "engine": replica stats}; 503,
@@ -32,7 +33,8 @@ stream has started, a failure is an error event in it. A client that disconnects
 engine streams, which frees their rows.
 
 Client protocol (duck-typed):
-  async info() -> dict        {model_id, template_version, tokenizer_version, max_seq_len, ...}
+  async info() -> dict        {model_id, template_version, tokenizer_version, max_seq_len, created (Unix
+                              seconds the served checkpoint was committed; absent or None: unknown), ...}
   async stats() -> dict       the replica's counters (ChatServer.stats); info() and stats() raise
                               EngineUnavailableError when no replica answers
   generate(request: dict)     async iterator of event dicts (raychat.serve.server); closing it early
@@ -51,6 +53,7 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -185,10 +188,13 @@ def _error_response(event: dict) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _model_card(meta: dict) -> dict:
+def _model_card(meta: dict, started: int) -> dict:
     """OpenAI's Model object of the served model (engine info `meta`), with raychat's template_version,
-    tokenizer_version and max_seq_len (the context length in tokens), which vLLM's card calls max_model_len."""
-    card = {"id": meta["model_id"], "object": "model", "created": 0, "owned_by": "raychat"}
+    tokenizer_version and max_seq_len (the context length in tokens), which vLLM's card calls max_model_len;
+    created: the Unix time (int seconds) its checkpoint was committed (meta's "created"), else `started`."""
+    created = meta.get("created")
+    card = {"id": meta["model_id"], "object": "model", "created": started if created is None else created}
+    card["owned_by"] = "raychat"
     card |= {k: meta.get(k) for k in ("template_version", "tokenizer_version", "max_seq_len")}
     return card | {"max_model_len": meta.get("max_seq_len")}
 
@@ -363,6 +369,7 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
     app.add_middleware(BodyLimitAndAuth, max_body_bytes=max_body_bytes, api_key=api_key)
     app.openapi = lambda: _openapi(app)
     cache: dict = {}
+    started = int(time.time())  # the card's "created" when the engine does not know its checkpoint's commit
 
     async def info() -> dict:
         if "info" not in cache:
@@ -436,7 +443,7 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model_card(await info())]}
+        return {"object": "list", "data": [_model_card(await info(), started)]}
 
     @app.get(
         "/v1/models/{model:path}",
@@ -452,7 +459,7 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
         meta = await info()
         if model != meta["model_id"]:
             return _model_not_found(model, meta["model_id"])
-        return _model_card(meta)
+        return _model_card(meta, started)
 
     @app.post("/chat/completions", responses={200: {"content": SSE_SCHEMA}, **ERRORS})
     async def chat(body: ChatRequest):

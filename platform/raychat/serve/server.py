@@ -44,7 +44,7 @@ from collections.abc import AsyncIterator
 from raychat.chat.turn import TurnParser
 from raychat.chat_template import MARKERS, TEMPLATE_VERSION, render_for_completion
 from raychat.checkpoint import load_model, read_meta
-from raychat.checkpoint_manager import IN_USE_MARK_S, resolve_checkpoint
+from raychat.checkpoint_manager import IN_USE_MARK_S, CheckpointError, read_commit, resolve_checkpoint
 from raychat.engine import ModelRunner, SamplingParams, Scheduler
 from raychat.engine.process import EngineProcess
 from raychat.engine.scheduler import QueueFullError, prompt_overflow
@@ -70,6 +70,16 @@ def default_model_id(checkpoint: str | os.PathLike) -> str:
     return text.rstrip("/") or text
 
 
+def committed_at(checkpoint: str | os.PathLike) -> int | None:
+    """The Unix time, whole seconds, the local checkpoint was committed (its commit marker's committed_at); None
+    for a marker without it, or none that can be read (loading the checkpoint names what is wrong with it)."""
+    try:
+        when = read_commit(checkpoint).get("committed_at")
+    except CheckpointError:
+        return None
+    return int(when) if isinstance(when, (int, float)) else None
+
+
 class ChatServer:
     """A Scheduler (started in a daemon thread) over a model and tokenizer.
 
@@ -80,6 +90,8 @@ class ChatServer:
         model_id: the name reported by /v1/models and in each response's "model" (default_model_id).
         deployment: tag of the serving metrics (raychat_serve_*{deployment=...}).
         meta: checkpoint meta (its "tokenizer_version" and "step" are reported by info()).
+        created: the Unix time, whole seconds, the served checkpoint was committed (from_checkpoint: its
+            commit marker's committed_at), reported by info() as the model card's "created"; None: unknown.
         scheduler: run requests on this (an EngineProcess, see from_checkpoint) instead of a Scheduler
             built over `model` (then model, max_slots and max_len are ignored).
         stream_interval: completion tokens per delta event after the first (>= 1). The first delta is sent
@@ -127,6 +139,7 @@ class ChatServer:
         retry_after_s: int = 1,
         prefix_cache_tokens="auto",
         kv_dtype: str = "model",
+        created: int | None = None,
     ):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
@@ -136,6 +149,7 @@ class ChatServer:
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.meta = meta or {}
+        self.created = created
         if scheduler is None:
             runner = ModelRunner(
                 model, tokenizer, dtype=dtype, prefix_cache_tokens=prefix_cache_tokens, kv_dtype=kv_dtype
@@ -186,7 +200,7 @@ class ChatServer:
             checkpoint = copy = resolve_checkpoint(checkpoint)
         if not engine_process:
             model, tokenizer, meta = load_model(checkpoint, device=device)
-            server = cls(model, tokenizer, meta=meta, **kwargs)
+            server = cls(model, tokenizer, meta=meta, created=committed_at(checkpoint), **kwargs)
         else:
             rows, max_len = kwargs.pop("max_slots", 8), kwargs.pop("max_len", None)
             names = ("dtype", "prefill_chunk_tokens", "max_pending", "request_timeout_s", "stall_timeout_s")
@@ -194,7 +208,10 @@ class ChatServer:
             engine = {k: kwargs.pop(k) for k in names if k in kwargs}
             scheduler = EngineProcess(checkpoint, device, rows, max_len, torch_threads, **engine)
             meta = read_meta(checkpoint)
-            server = cls(None, Tokenizer.load(checkpoint), meta=meta, scheduler=scheduler, **kwargs)
+            created = committed_at(checkpoint)
+            server = cls(
+                None, Tokenizer.load(checkpoint), meta=meta, scheduler=scheduler, created=created, **kwargs
+            )
         if copy is not None:
             server.in_use = MarkInUse(str(copy), IN_USE_MARK_S)
         return server
@@ -208,6 +225,7 @@ class ChatServer:
             "max_slots": self.scheduler.max_slots,
             "stream_interval": self.stream_interval,
             "step": self.meta.get("step"),
+            "created": self.created,
         }
 
     def stats(self) -> dict:

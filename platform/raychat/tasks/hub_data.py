@@ -1,7 +1,8 @@
 """Where the Hugging Face hub datasets of the real tasks live on disk (the hub cannot be reached from here).
 
 The task data directory: the `--task-data-dir` flag of a stage, else $RAYCHAT_TASK_DATA, else runs/task_data
-(made absolute against the current directory). A split of a dataset is found there in either layout:
+(made absolute against the current directory); the speedrun sets <out>/task_data unless its preset names one or
+$RAYCHAT_TASK_DATA is set (raychat.config.speedrun). A split of a dataset is found there in either layout:
   <dir>/<name>/<folder>/<split>-*.parquet|.jsonl|.json or <split>.jsonl   `huggingface-cli download <repo>
         --repo-type dataset --local-dir <dir>/<name>` (the hub repo's own files; folder = the config name, or
         "data" for single-config repos such as smol-smoltalk)
