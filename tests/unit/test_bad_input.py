@@ -222,6 +222,19 @@ def test_a_new_storage_root_is_not_created_for_a_run_that_fails_its_checks(root,
     assert not new_root.exists()
 
 
+def test_a_total_batch_that_does_not_divide_names_the_flags_as_typed(tmp_path, capsys):
+    """It named `device_batch_size x seq_len x num_workers`, which are no flags. The tiny preset: 4 rows x 64
+    tokens x 2 workers = 512 a micro-step; 1000 // 512 = 1, so 512 or 1024."""
+    argv = ["pretrain", "--preset", "tiny", "--storage-path", str(tmp_path), "--total-batch-size", "1000",
+            "--dry-run"]  # fmt: skip
+    assert _fails_in_one_line(argv, capsys) == (
+        "raychat pretrain: error: --total-batch-size 1000 is not a multiple of --device-batch-size x --seq-len x "
+        "--num-workers = 4 x 64 x 2 = 512; allowed: a multiple of 512, e.g. 512 or 1024  (RAYCHAT_DEBUG=1 shows "
+        "the traceback)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "argv, want",
     [
