@@ -156,11 +156,19 @@ def test_a_validation_shard_too_small_for_one_row_stops_pretraining_before_ray(r
     argv = ["pretrain", "--preset", "tiny", "--storage-path", str(root), "--run-name", "p", "--data-dir",
             str(small), "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
     before = _snapshot(root)
-    assert _fails_in_one_line(argv, capsys) == (
-        f"raychat pretrain: error: --data-dir: the validation shard {small}/shard_00001.parquet holds too "
-        "little text for one row of 65 tokens (4 documents): prepare more text (a larger validation shard) or use "
-        "a shorter sequence length  (RAYCHAT_DEBUG=1 shows the traceback)"
+    why = (
+        f"--data-dir: the validation shard {small}/shard_00001.parquet holds too little text for one row of 65 "
+        "tokens (4 documents): prepare more text (a larger validation shard) or use a shorter sequence length"
     )
+    assert (
+        _fails_in_one_line(argv, capsys)
+        == f"raychat pretrain: error: {why}  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert raychat_main([*argv, "--dry-run"]) == 0  # the dry run says it where the run prints its data line
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("data:")] == [
+        f"data: not ready; the run would refuse it: {why}"
+    ]
     assert _snapshot(root) == before and not (root / "p").exists()
 
 
@@ -169,16 +177,27 @@ def test_a_validation_shard_too_small_for_one_row_stops_pretraining_before_ray(r
     [
         ("{root}/missing", "--data-dir: {root}/missing/manifest.json not found: give --data-dir a directory "
          "`raychat data prepare` wrote, or run `raychat data prepare --out {root}/missing` first"),
-        ("{root}/data", "--data-dir: {root}/data/manifest.json: needs >= 2 shards with the last one split='val'"),
+        ("{root}/data", "--data-dir: {root}/data/manifest.json: needs >= 2 shards with the last one split='val', "
+         "got []"),
     ],
 )  # fmt: skip
 def test_pretraining_data_that_is_not_prepared(data, want, root, capsys):
-    """Checked in the driver, before Ray: each worker would otherwise fail on it in turn, with tracebacks."""
+    """Checked in the driver, before Ray: each worker would otherwise fail on it in turn, with tracebacks. The
+    dry run printed no data line at all; it plans without the data (exit 0) and says in one line what the run
+    would refuse them with."""
     argv = ["pretrain", "--preset", "tiny", "--storage-path", "{root}", "--run-name", "p", "--data-dir", data,
             "--tokenizer-path", "{root}/tokenizer"]  # fmt: skip
+    argv, want = [a.format(root=root) for a in argv], want.format(root=root)
     before = _snapshot(root)
-    line = _fails_in_one_line([a.format(root=root) for a in argv], capsys)
-    assert want.format(root=root) in line, line
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat pretrain: error: {want}  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert raychat_main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("data:")] == [
+        f"data: not ready; the run would refuse it: {want}"
+    ]
+    assert "\nmodel: depth 1 width 64" in out  # the plan follows
     assert _snapshot(root) == before and not (root / "p").exists()
 
 
