@@ -860,7 +860,7 @@ def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity, flags: Flag
     # (tests/cluster/test_autoscaling.py saw a worker node kept forever by it).
     get_or_create_stats_actor()
     bundle = worker_bundle(c.cpus_per_worker, c.use_gpu)
-    what = f"{c.num_workers} worker(s) x {', '.join(f'{k} {v:g}' for k, v in bundle.items())}"
+    what = f"{plural(c.num_workers, 'worker')} x {', '.join(f'{k} {v:g}' for k, v in bundle.items())}"
     reporter = WaitReporter(what, placement_state).start()
     try:
         mark("fit_called")
