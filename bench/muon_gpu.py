@@ -13,7 +13,7 @@
    --depth 12 --compile --use-gpu --num-workers 1 ...`) on a small corpus made here from the Python
    standard library's sources (one document per .py file; MFU does not depend on the text) unless
    --data-dir and --tokenizer are given. MFU = the loop's per-step `mfu` in metrics.jsonl (model FLOPs
-   6N + attention per token over the peak bf16 FLOP/s of the GPU, raychat.train.trainer.PEAK_FLOPS), median
+   6N + attention per token over the peak bf16 FLOP/s of the GPU, raychat.train.plan.PEAK_FLOPS), median
    over the steps after --mfu-skip (compile happens in the first steps).
 
 Smoke check without a GPU (what was run when this was written): `python bench/muon_gpu.py --device cpu

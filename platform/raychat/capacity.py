@@ -41,6 +41,7 @@ from ray.autoscaler._private.util import format_readonly_node_type
 from ray.core.generated import autoscaler_pb2
 from ray.experimental.internal_kv import _internal_kv_get
 
+from raychat.log import plural
 from raychat.ports import free_ports
 
 AUTOSCALER_STATUS_KEY = "__autoscaling_status"  # ray._private.ray_constants.DEBUG_AUTOSCALING_STATUS
@@ -335,7 +336,7 @@ def fmt_bundle(bundle: dict) -> str:
 
 class WaitReporter:
     """Says, every `every_s` while `state()` is "pending", what a run waits for and for how long, e.g.
-    "waiting 20 s for 2 worker(s) x CPU 0.5: 1 alive node(s); the autoscaler may add more"; when the state
+    "waiting 20 s for 2 workers x CPU 0.5: 1 alive node; the autoscaler may add more"; when the state
     turns "placed" after a wait, how long it waited, and ends. state() returns "pending", "placed" or "none"
     (nothing requested yet, or the request gone). Runs in a daemon thread between start() and stop();
     stop(placed=True) says the "placed" line itself when the caller saw the placement first."""
@@ -375,7 +376,7 @@ class WaitReporter:
             if state == "pending" and (self._said is None or now - self._said >= self.every_s):
                 alive = sum(1 for n in ray.nodes() if n["Alive"])
                 self._say(
-                    f"waiting {now - self.t0:.0f} s for {self.what}: {alive} alive node(s); the autoscaler "
+                    f"waiting {now - self.t0:.0f} s for {self.what}: {plural(alive, 'alive node')}; the autoscaler "
                     "may add more"
                 )
                 self._said = now
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with open(argv[0]) as f:
         msg = publish_node_types(yaml.safe_load(f), argv[1] if len(argv) > 1 else "127.0.0.1:6379")
-    print(f"published {len(msg.node_group_configs)} node type(s) to the GCS")
+    print(f"published {plural(len(msg.node_group_configs), 'node type')} to the GCS")
     return 0
 
 

@@ -16,10 +16,13 @@ import time
 from collections.abc import Callable
 
 
-def plural(n: int, noun: str) -> str:
+def plural(n: int | float, noun: str) -> str:
     """A count in a line: '1 step', '2 steps', '1,000 steps' (`noun` singular, its plural with an s; the count
-    with thousands separators, as the plan's other figures)."""
-    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+    with thousands separators, as the plan's other figures); an amount of a float such as CPUs as Ray takes it:
+    '0.5 CPUs', '1 CPU', '1.75 CPUs' (a whole float as an int)."""
+    if isinstance(n, float) and not n.is_integer():
+        return f"{n:g} {noun}s"
+    return f"{int(n):,} {noun}" if n == 1 else f"{int(n):,} {noun}s"
 
 
 def duration(seconds: float) -> str:

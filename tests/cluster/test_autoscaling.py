@@ -125,8 +125,8 @@ def test_pretrain_from_zero_workers_scales_up_succeeds_and_the_node_goes_away(cl
     assert run.returncode == 0, run.output[-4000:]
     # planned against the node types, not the (absent) workers
     assert f"node types: {CPU_TYPE} {{CPU: {NODE_CPUS}}} x 2, {GPU_TYPE} {{CPU: 2, GPU: 1}} x 1" in run.output
-    assert "waiting " in run.output and " for 2 worker(s) x CPU 0.5" in run.output, run.output[-4000:]
-    assert "placed 2 worker(s) x CPU 0.5 after " in run.output
+    assert "waiting " in run.output and " for 2 workers x CPU 0.5" in run.output, run.output[-4000:]
+    assert "placed 2 workers x CPU 0.5 after " in run.output
     assert (corpus / "cold" / "metrics.jsonl").read_text().count('"step"') == 2
     seen = [n for n in cluster.list_nodes() if not n["is_head_node"]]
     assert seen and all("GPU" not in n["resources_total"] for n in seen)  # CPU work got the CPU type
@@ -144,7 +144,7 @@ def test_pretrain_from_zero_workers_scales_up_succeeds_and_the_node_goes_away(cl
         cluster.token_file,
     )  # fmt: skip
     assert sft.returncode == 0, sft.output[-4000:]
-    assert "placed 2 worker(s) x CPU 0.5 after " in sft.output, sft.output[-4000:]
+    assert "placed 2 workers x CPU 0.5 after " in sft.output, sft.output[-4000:]
     assert (corpus / "cold-sft" / "metrics.jsonl").read_text().count('"step"') == 2
     cluster.wait_workers(lambda nodes: not nodes, timeout_s=120)
 

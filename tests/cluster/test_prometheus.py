@@ -36,7 +36,7 @@ from raychat.serve.cli import start
 pytestmark = pytest.mark.ray
 SD_FILE = "prom_metrics_service_discovery.json"
 # MFU = achieved FLOP/s / the device's peak (raychat.train.trainer.Trainer.step_stats): the peak is known for
-# GPUs of raychat.train.trainer.PEAK_FLOPS or given with --peak-flops; on CPU it is unknown, the Trainer
+# GPUs of raychat.train.plan.PEAK_FLOPS or given with --peak-flops; on CPU it is unknown, the Trainer
 # reports mfu None and the gauge is never set. Only bench/gpu_check.sh (a GPU) can show this panel's data.
 CPU_ONLY_EMPTY = {"MFU"}
 SYSTEM = "You are a careful assistant who answers arithmetic questions with the calculator. " * 4

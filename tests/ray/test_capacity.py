@@ -29,16 +29,16 @@ def test_a_wait_is_reported_then_its_end_once(ray_cluster):
     """While pending: a "waiting" line naming what and how many nodes are alive, at the first look (not after
     every_s); the caller who saw the placement first says "placed ... after N s" (stop(placed=True)), once."""
     out = io.StringIO()
-    reporter = WaitReporter("2 worker(s) x CPU 0.5", lambda: "pending", every_s=60, out=out).start()
+    reporter = WaitReporter("2 workers x CPU 0.5", lambda: "pending", every_s=60, out=out).start()
     said(out, 1)
     reporter.stop(placed=True)
     lines = out.getvalue().splitlines()
     assert len(lines) == 2, lines
     waiting = re.fullmatch(
-        r"waiting (\d+) s for 2 worker\(s\) x CPU 0\.5: 1 alive node\(s\); the autoscaler may add more",
+        r"waiting (\d+) s for 2 workers x CPU 0\.5: 1 alive node; the autoscaler may add more",
         lines[0],
     )
-    placed = re.fullmatch(r"placed 2 worker\(s\) x CPU 0\.5 after (\d+) s", lines[1])
+    placed = re.fullmatch(r"placed 2 workers x CPU 0\.5 after (\d+) s", lines[1])
     assert waiting and placed, lines
     assert 1 <= int(waiting[1]) <= int(placed[1]) < 60, lines  # the first look is 1 s in, not every_s
 

@@ -184,7 +184,7 @@ def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
     # the tiny model solves nothing: the run's 4 steps (1-3, then 3 and 4 redone) had no signal, warned once over
     # them (the restarted loop warned over its own 2 steps, as if they were the run's first)
     warned = [m for m in logs if m.startswith("warning: no learning signal")]
-    assert [m.split(": all ")[0] for m in warned] == ["warning: no learning signal in the first 4 step(s)"]
+    assert [m.split(": all ")[0] for m in warned] == ["warning: no learning signal in the first 4 steps"]
 
     lines = metric_lines(tmp_path / "t")
     assert [(x["step"], x["failures"], x["version"]) for x in lines] == [

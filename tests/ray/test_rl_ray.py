@@ -209,7 +209,7 @@ def test_async_mode_records_staleness_within_k(ray_cluster, checkpoint, tmp_path
     assert all(x["mode"] == "async" and x["normalization"] == "token" for x in lines)
     # the share of prompts without a learning signal, each step; one warning when all 3 steps had none
     assert all(4 * x["zero_advantage_frac"] in (0, 1, 2, 3, 4) for x in lines), lines  # of 4 prompts a step
-    warned = [m for m in logged if m.startswith("warning: no learning signal in the first 3 step(s)")]
+    warned = [m for m in logged if m.startswith("warning: no learning signal in the first 3 steps")]
     assert len(warned) == all(x["zero_advantage_frac"] == 1.0 for x in lines), logged
 
 

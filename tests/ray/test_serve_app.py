@@ -178,5 +178,5 @@ def test_serve_refuses_gpus_this_machine_does_not_have(tmp_path, capsys, monkeyp
     # a free --port: a busy one (8000, another server's) is refused first, before Ray starts
     assert main(["serve", "--checkpoint", str(ckpt), "--num-gpus", "1", "--port", str(free_ports(1)[0])]) == 2
     err = capsys.readouterr().err
-    assert "--num-gpus 1 = 1 GPUs, but this machine's Ray cluster has 0" in err
+    assert "1 engine replica x --num-gpus 1 = 1 GPU, but this machine's Ray cluster has 0" in err
     assert not ray.is_initialized()

@@ -13,6 +13,7 @@ from support.cluster import init_local_ray
 
 from raychat.checkpoint_manager import COMMIT_FILE
 from raychat.cli import main as raychat_main
+from raychat.log import plural
 from raychat.speedrun import run_speedrun
 from raychat.train.layout import LOCAL_DATA_CPUS, local_cores
 
@@ -170,7 +171,7 @@ def test_a_speedrun_starts_ray_for_rl_alone(speedrun, tiny_preset, capsys):
         "(sft.num_iterations above 3 trains it longer)"
     ) in lines
     rl = lines.index(next(line for line in lines if line.startswith("=== 6/6 RL")))
-    local = f"(a local Ray cluster: {local_cores()} cores + {LOCAL_DATA_CPUS} for Ray Data)"
+    local = f"(a local Ray cluster: {plural(local_cores(), 'core')} + {LOCAL_DATA_CPUS} for Ray Data)"
     started = [i for i, line in enumerate(lines) if line.endswith(local)]  # Ray, started once: for RL
     assert len(started) == 1 and started[0] > rl, lines
     assert [line for line in lines if line.startswith("RL: ")][0].startswith(

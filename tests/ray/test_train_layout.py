@@ -31,13 +31,17 @@ def test_data_reservation_covers_ray_datas_one_cpu_listing_task():
 def test_layouts_that_fit_are_described():
     # the former preset on 2 CPUs: 2 x 0.5 + 1 for Ray Data = 2 of 2
     assert check_cpu_layout(2, 0.5, Pretraining.data_cpus, 2, 2) == (
-        "layout: 2 worker(s) x 0.5 CPUs (1 torch thread(s) each) + 1 CPU for Ray Data of 2 CPUs"
+        "layout: 2 workers x 0.5 CPUs (1 torch thread each) + 1 CPU for Ray Data of 2 CPUs"
     )
     # one worker with both cores on the local cluster of 2 cores + 1 logical CPU for Ray Data: 2 + 1 = 3 of 3
     assert check_cpu_layout(1, 2, Pretraining.data_cpus, 3, 3) == (
-        "layout: 1 worker(s) x 2 CPUs (2 torch thread(s) each) + 1 CPU for Ray Data of 3 CPUs"
+        "layout: 1 worker x 2 CPUs (2 torch threads each) + 1 CPU for Ray Data of 3 CPUs"
     )
-    assert check_cpu_layout(1, 2, SFT.data_cpus, 2, 2).endswith("(2 torch thread(s) each) of 2 CPUs")
+    assert check_cpu_layout(1, 2, SFT.data_cpus, 2, 2).endswith("(2 torch threads each) of 2 CPUs")
+    # the cpu preset on 2 cores: 2 x 1 + 1 = 3 of 3 (it said `2 worker(s) x 1 CPUs (1 torch thread(s) each)`)
+    assert check_cpu_layout(2, 1.0, Pretraining.data_cpus, 3, 3) == (
+        "layout: 2 workers x 1 CPU (1 torch thread each) + 1 CPU for Ray Data of 3 CPUs"
+    )
 
 
 def test_layouts_that_would_hang_are_refused_with_the_reason():
@@ -123,10 +127,7 @@ def test_the_layout_that_hung_trains_two_steps_on_the_local_cluster(corpus, tmp_
         corpus, tmp_path, ray_tmp, "--num-workers", "1", "--cpus-per-worker", "1.75"
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (
-        "layout: 1 worker(s) x 1.75 CPUs (2 torch thread(s) each) + 1 CPU for Ray Data of 3 CPUs"
-        in done.stdout
-    )
+    assert "layout: 1 worker x 1.75 CPUs (2 torch threads each) + 1 CPU for Ray Data of 3 CPUs" in done.stdout
     assert "(a local Ray cluster: 2 cores + 1 for Ray Data)" in done.stdout
     assert done.stdout.startswith("data: 2 training shards, ")  # how many epochs, before the plan
     # Ray Train's INFO line of each rank's report (every metric and sample again) is left out

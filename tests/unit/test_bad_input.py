@@ -156,11 +156,19 @@ def test_a_validation_shard_too_small_for_one_row_stops_pretraining_before_ray(r
     argv = ["pretrain", "--preset", "tiny", "--storage-path", str(root), "--run-name", "p", "--data-dir",
             str(small), "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
     before = _snapshot(root)
-    assert _fails_in_one_line(argv, capsys) == (
-        f"raychat pretrain: error: --data-dir: the validation shard {small}/shard_00001.parquet holds too "
-        "little text for one row of 65 tokens (4 documents): prepare more text (a larger validation shard) or use "
-        "a shorter sequence length  (RAYCHAT_DEBUG=1 shows the traceback)"
+    why = (
+        f"--data-dir: the validation shard {small}/shard_00001.parquet holds too little text for one row of 65 "
+        "tokens (4 documents): prepare more text (a larger validation shard) or use a shorter sequence length"
     )
+    assert (
+        _fails_in_one_line(argv, capsys)
+        == f"raychat pretrain: error: {why}  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert raychat_main([*argv, "--dry-run"]) == 0  # the dry run says it where the run prints its data line
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("data:")] == [
+        f"data: not ready; the run would refuse it: {why}"
+    ]
     assert _snapshot(root) == before and not (root / "p").exists()
 
 
@@ -169,16 +177,27 @@ def test_a_validation_shard_too_small_for_one_row_stops_pretraining_before_ray(r
     [
         ("{root}/missing", "--data-dir: {root}/missing/manifest.json not found: give --data-dir a directory "
          "`raychat data prepare` wrote, or run `raychat data prepare --out {root}/missing` first"),
-        ("{root}/data", "--data-dir: {root}/data/manifest.json: needs >= 2 shards with the last one split='val'"),
+        ("{root}/data", "--data-dir: {root}/data/manifest.json: needs >= 2 shards with the last one split='val', "
+         "got []"),
     ],
 )  # fmt: skip
 def test_pretraining_data_that_is_not_prepared(data, want, root, capsys):
-    """Checked in the driver, before Ray: each worker would otherwise fail on it in turn, with tracebacks."""
+    """Checked in the driver, before Ray: each worker would otherwise fail on it in turn, with tracebacks. The
+    dry run printed no data line at all; it plans without the data (exit 0) and says in one line what the run
+    would refuse them with."""
     argv = ["pretrain", "--preset", "tiny", "--storage-path", "{root}", "--run-name", "p", "--data-dir", data,
             "--tokenizer-path", "{root}/tokenizer"]  # fmt: skip
+    argv, want = [a.format(root=root) for a in argv], want.format(root=root)
     before = _snapshot(root)
-    line = _fails_in_one_line([a.format(root=root) for a in argv], capsys)
-    assert want.format(root=root) in line, line
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat pretrain: error: {want}  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert raychat_main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("data:")] == [
+        f"data: not ready; the run would refuse it: {want}"
+    ]
+    assert "\nmodel: depth 1 width 64" in out  # the plan follows
     assert _snapshot(root) == before and not (root / "p").exists()
 
 
@@ -220,6 +239,19 @@ def test_a_new_storage_root_is_not_created_for_a_run_that_fails_its_checks(root,
     line = _fails_in_one_line(argv, capsys)
     assert f"--data-dir: {root}/missing/manifest.json not found" in line, line
     assert not new_root.exists()
+
+
+def test_a_total_batch_that_does_not_divide_names_the_flags_as_typed(tmp_path, capsys):
+    """It named `device_batch_size x seq_len x num_workers`, which are no flags. The tiny preset: 4 rows x 64
+    tokens x 2 workers = 512 a micro-step; 1000 // 512 = 1, so 512 or 1024."""
+    argv = ["pretrain", "--preset", "tiny", "--storage-path", str(tmp_path), "--total-batch-size", "1000",
+            "--dry-run"]  # fmt: skip
+    assert _fails_in_one_line(argv, capsys) == (
+        "raychat pretrain: error: --total-batch-size 1000 is not a multiple of --device-batch-size x --seq-len x "
+        "--num-workers = 4 x 64 x 2 = 512; allowed: a multiple of 512, e.g. 512 or 1024  (RAYCHAT_DEBUG=1 shows "
+        "the traceback)"
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

@@ -389,8 +389,8 @@ def test_the_speedrun_names_its_preset_keys_in_configuration_errors(tmp_path):
         (preset("rl", prompts_per_step=0), "rl.prompts_per_step must be >= 1, got 0"),
         (  # found as pretraining plans, checked before the first stage (tests/unit/test_speedrun_checks.py)
             preset("train", total_batch_size=500),
-            "train.total_batch_size 500 is not a multiple of device_batch_size x seq_len x num_workers = "
-            "4 x 64 x 2 = 512",
+            "train.total_batch_size 500 is not a multiple of train.device_batch_size x train.seq_len x "
+            "train.num_workers = 4 x 64 x 2 = 512; allowed: a multiple of 512, e.g. 512",
         ),
     ]:
         with pytest.raises(ConfigError) as e:

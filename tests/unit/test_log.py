@@ -43,6 +43,13 @@ def test_plural_counts_with_thousands_separators(n, line):
     assert plural(n, "step") == line
 
 
+@pytest.mark.parametrize("n, line", [(0.5, "0.5 CPUs"), (1.0, "1 CPU"), (1.75, "1.75 CPUs"), (2.0, "2 CPUs"),
+                                     (0.0, "0 CPUs"), (1000.0, "1,000 CPUs")])  # fmt: skip
+def test_plural_of_a_float_amount(n, line):
+    """The layout line said `1 CPUs` of --cpus-per-worker 1 (a float)."""
+    assert plural(n, "CPU") == line
+
+
 def test_step_clock_leaves_the_cold_first_step_out_of_the_eta():
     """A first step of 10 s (compile, warm-up), then steps of 1 s and 3 s: seconds per step 10, then the mean
     of the warm ones, 1 and 2; the mean since the start (the old ETA) would say 10, 5.5, 4.67."""

@@ -137,7 +137,7 @@ def test_the_first_steps_without_a_learning_signal_are_warned_about_once():
     silent = {"reward_mean": 0.0, "pass_at_1": 0.0, "zero_advantage_frac": 1.0}
     warnings = [no_signal_warning([silent] * n, cfg, 50) for n in range(1, NO_SIGNAL_STEPS + 3)]
     expected = (
-        "warning: no learning signal in the first 5 step(s): all 4 samples of every prompt failed (mean reward "
+        "warning: no learning signal in the first 5 steps: all 4 samples of every prompt failed (mean reward "
         "0), so every advantage and the policy gradient were 0; try a stronger --init-from (a checkpoint that "
         "solves some --task calculator prompts), more --samples-per-prompt (now 4) or a higher --temperature "
         "(now 0.7)"
@@ -146,9 +146,7 @@ def test_the_first_steps_without_a_learning_signal_are_warned_about_once():
     signal = {"reward_mean": 0.125, "pass_at_1": 0.125, "zero_advantage_frac": 0.75}
     assert no_signal_warning([silent] * (NO_SIGNAL_STEPS - 1) + [signal], cfg, 50) is None
     # a run of 1 step (the tiny preset): warned after it
-    assert no_signal_warning([silent], cfg, 1).startswith(
-        "warning: no learning signal in the first 1 step(s): "
-    )
+    assert no_signal_warning([silent], cfg, 1).startswith("warning: no learning signal in the first 1 step: ")
 
 
 def test_a_run_that_solves_every_sample_is_told_its_task_is_too_easy():
@@ -158,7 +156,7 @@ def test_a_run_that_solves_every_sample_is_told_its_task_is_too_easy():
     cfg = from_dict(RLConfig, {"samples_per_prompt": 4, "temperature": 0.7, "max_operand": 99})
     solved = {"reward_mean": 1.0, "pass_at_1": 1.0, "zero_advantage_frac": 1.0}
     assert no_signal_warning([solved] * NO_SIGNAL_STEPS, cfg, 50) == (
-        "warning: no learning signal in the first 5 step(s): all 4 samples of every prompt were solved (mean "
+        "warning: no learning signal in the first 5 steps: all 4 samples of every prompt were solved (mean "
         "reward 1), so every advantage and the policy gradient were 0: --task calculator is too easy for this "
         "policy; give it harder prompts (a larger --max-operand (now 99) or another --task) or stop here. A "
         "stronger --init-from cannot help, and more --samples-per-prompt (now 4) or a higher --temperature "
@@ -173,7 +171,7 @@ def test_a_run_that_solves_every_sample_is_told_its_task_is_too_easy():
     half = {"reward_mean": 0.5, "pass_at_1": 0.5, "zero_advantage_frac": 1.0}
     failed = {"reward_mean": 0.0, "pass_at_1": 0.0, "zero_advantage_frac": 1.0}
     assert no_signal_warning([failed, solved, half, failed, failed], cfg, 50) == (
-        "warning: no learning signal in the first 5 step(s): the 4 samples of each prompt got the same reward "
+        "warning: no learning signal in the first 5 steps: the 4 samples of each prompt got the same reward "
         "(mean reward 0.3: some prompts all failed, the others all solved), so every advantage and the policy "
         "gradient were 0; try more --samples-per-prompt (now 4) or a higher --temperature (now 0.7), so that "
         "a prompt's samples differ"
@@ -190,7 +188,7 @@ def test_the_no_signal_warning_is_printed_once_a_run():
     watch = NoSignalWatch(cfg)
     printed = [watch.add(step, silent) for step in range(1, NO_SIGNAL_STEPS + 1)]
     assert printed[:-1] == [None] * (NO_SIGNAL_STEPS - 1)
-    assert printed[-1].startswith("warning: no learning signal in the first 5 step(s): all 4 samples")
+    assert printed[-1].startswith("warning: no learning signal in the first 5 steps: all 4 samples")
     # an actor group restart resumes from checkpoint 2 and redoes steps 3..10
     assert [watch.add(step, silent) for step in range(3, 11)] == [None] * 8
     # another invocation resuming from checkpoint 2 never saw steps 1 and 2
@@ -204,5 +202,5 @@ def test_the_no_signal_warning_is_printed_once_a_run():
     # a run shorter than NO_SIGNAL_STEPS: warned after its last step
     short = NoSignalWatch(from_dict(RLConfig, {"steps": 2, "samples_per_prompt": 4}))
     assert short.add(1, silent) is None and short.add(2, silent).startswith(
-        "warning: no learning signal in the first 2 step(s)"
+        "warning: no learning signal in the first 2 steps"
     )

@@ -51,18 +51,19 @@ def _gsm8k_missing(data: str, key: str) -> str:
     [
         (  # was refused only as pretraining planned, after the data and tokenizer stages
             {"train": {"total_batch_size": 500}},
-            "train.total_batch_size 500 is not a multiple of device_batch_size x seq_len x num_workers = "
-            "4 x 64 x 2 = 512",
+            "train.total_batch_size 500 is not a multiple of train.device_batch_size x train.seq_len x "
+            "train.num_workers = 4 x 64 x 2 = 512; allowed: a multiple of 512, e.g. 512",
         ),
-        (  # elastic 2..3 workers: 768 = 4 x 64 x 3 but not a multiple of 4 x 64 x 2 (was found after Ray started)
+        (  # elastic 2..3 workers: 768 = 4 x 64 x 3 but not a multiple of 4 x 64 x 2 (was found after Ray started);
+            # both divide 4 x 64 x lcm(2, 3) = 1536
             {"train": {"num_workers": 3, "min_workers": 2, "total_batch_size": 768}},
-            "train.total_batch_size 768 is not a multiple of device_batch_size x seq_len x num_workers = "
-            "4 x 64 x 2 = 512",
+            "train.total_batch_size 768 is not a multiple of train.device_batch_size x train.seq_len x workers "
+            "(train.min_workers..train.num_workers) = 4 x 64 x 2 = 512; allowed: a multiple of 1536, e.g. 1536",
         ),
         (  # was refused as SFT planned, after pretraining had trained
             {"sft": {"total_batch_size": 1000}},
-            "sft.total_batch_size 1000 is not a multiple of device_batch_size x seq_len x num_workers = "
-            "4 x 64 x 2 = 512",
+            "sft.total_batch_size 1000 is not a multiple of train.device_batch_size x train.seq_len x "
+            "train.num_workers = 4 x 64 x 2 = 512; allowed: a multiple of 512, e.g. 512 or 1024",
         ),
         (  # RL's actors cut every completion at the SFT checkpoint's max_seq_len (train.seq_len) without a word
             {"rl": {"max_tokens": 64}},

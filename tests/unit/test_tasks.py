@@ -288,7 +288,7 @@ def test_hub_task_errors_name_the_file_and_line_not_the_shuffled_index(tmp_path)
     with pytest.raises(ValueError) as e:  # was: Venus silently dropped from the prompt
         MultipleChoice(tmp_path / "arc", format="arc", seed=0)
     assert str(e.value) == (
-        f"{second} line 1: choices has 2 text(s) and 1 label(s); one label per text (1 of 2 records is bad)"
+        f"{second} line 1: choices has 2 texts and 1 label; one label per text (1 of 2 records is bad)"
     )
     second.write_text(json.dumps(arc) + "\n[1]\n")  # a line that is no object is one more bad record
     assert len(MultipleChoice(first, format="arc")) == 1

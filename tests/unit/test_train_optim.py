@@ -10,9 +10,10 @@ from raychat.config import ConfigError, TrainConfig, from_dict
 from raychat.loss import cross_entropy_sum, global_target_count, normalize
 from raychat.masks import make_batch
 from raychat.model import GPT, ModelConfig
+from raychat.speedrun import speedrun_flags
 from raychat.train.muon import Muon
 from raychat.train.optim import build_optimizers, lr_multiplier, muon_ns_choice, set_lr
-from raychat.train.plan import make_plan, print_plan
+from raychat.train.plan import make_plan, mfu_line, print_plan
 
 LRS = {
     "matrix_lr": 0.02,
@@ -189,7 +190,7 @@ def test_the_plan_shows_the_settings_the_run_trains_with(capsys):
         f"FLOPs per token: {6 * plan.scaling_params + 12 * 2 * 4 * 32 * 256:,} (training: 6 x parameters without "
         "the embedding + attention)\n" in out
     )
-    assert out.splitlines()[-5:] == [
+    assert out.splitlines()[-6:-1] == [
         "lr (peak): Muon 0.03 for the hidden matrices; AdamW x 2.449 (= (width 128 / 768) ** -0.5): embedding "
         "0.4899, lm_head 0.009798, norms 0.04899",
         "schedule: lr warmup 10 steps (0.25 of 40), constant, warmdown 20 steps (0.5) to 0.1 x peak",
@@ -206,6 +207,28 @@ def test_the_plan_shows_the_settings_the_run_trains_with(capsys):
     assert "regularization: Muon weight decay 0.1, no grad clipping\n" in out
     assert "precision: float32 on CPU, FP8 off, torch.compile off\n" in out
     assert "evaluation at the end only; checkpoint at the end only, the newest 1 kept\n" in out
+    assert out.splitlines()[-1] == CPU_MFU
+
+
+CPU_MFU = (
+    "mfu: n/a on CPU (a CPU has no known peak FLOP/s): give --peak-flops, the peak FLOP/s of one worker's device, "
+    "to get it"
+)
+
+
+def test_the_plan_says_once_what_mfu_is_measured_against():
+    """A CPU run's step lines said `mfu n/a` every step and nothing why; the plan now says it once, with the flag
+    that gets MFU (as the speedrun names it: its preset's key), and what a GPU run's MFU divides by."""
+    cfg = lambda **kw: from_dict(TrainConfig, kw)  # noqa: E731
+    assert mfu_line(cfg()) == CPU_MFU
+    assert mfu_line(cfg(peak_flops=2e12)) == "mfu: over --peak-flops 2e12 FLOP/s a device"
+    assert mfu_line(cfg(use_gpu=True)) == (
+        "mfu: over the dense bf16 peak of a known GPU (H100, H200, A100, L4, A10G); n/a on another: give "
+        "--peak-flops, the peak FLOP/s of one worker's device, to get it"
+    )
+    assert mfu_line(cfg(), speedrun_flags("tiny", "pretrain").option) == CPU_MFU.replace(
+        "--peak-flops", "train.peak_flops"
+    )
 
 
 def test_pretrain_help_shows_the_flags_defaults_and_the_plan_the_presets(tmp_path, capsys):

@@ -6,12 +6,14 @@ logging). Every leaf is a --flag of its flat name (raychat.config.schema); prese
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from raychat.config.schema import (
     SEED_MAX,
     ConfigError,
     Section,
+    flag_name,
     option,
     owned_choices,
     parse_task_spec,
@@ -204,7 +206,9 @@ class BatchSection(Section):
 
     device_batch_size: int = option(8, "rows per micro-batch per worker", positive=True)
     total_batch_size: int = option(
-        -1, "tokens per optimizer step over all workers; -1 = power law in data size"
+        -1,
+        "tokens per optimizer step over all workers, a multiple of --device-batch-size x --seq-len x "
+        "--num-workers; -1 = power law in data size",
     )
 
     def __post_init__(self):
@@ -331,9 +335,17 @@ class TrainConfig(Section):
         workers = workers or self.layout.num_workers
         per_micro = rows * seq * workers
         if total_batch_size % per_micro:
+            count = flag_name("num_workers")
+            if workers != self.layout.num_workers:  # one world size of an elastic run
+                count = f"workers ({flag_name('min_workers')}..{count})"
+            fewest, most = self.layout.worker_range
+            every = rows * seq * math.lcm(*range(fewest, most + 1))  # divides on every world size
+            below = total_batch_size // every * every
+            nearest = f"{below} or {below + every}" if below else f"{every}"
             raise ConfigError(
-                f"--total-batch-size {total_batch_size} is not a multiple of device_batch_size x seq_len x "
-                f"num_workers = {rows} x {seq} x {workers} = {per_micro}"
+                f"{flag_name('total_batch_size')} {total_batch_size} is not a multiple of "
+                f"{flag_name('device_batch_size')} x {flag_name('seq_len')} x {count} = {rows} x {seq} x "
+                f"{workers} = {per_micro}; allowed: a multiple of {every}, e.g. {nearest}"
             )
         return total_batch_size // per_micro
 

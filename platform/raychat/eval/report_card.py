@@ -30,6 +30,7 @@ from pathlib import Path
 from raychat.checkpoint import load_model
 from raychat.eval.core import core_scores
 from raychat.eval.tasks import accuracy_stderr, task_accuracy, task_budget
+from raychat.log import plural
 from raychat.tasks.hub_data import HUB_SPLITS, TASK_DATA_ENV, download_command, task_data_dir
 from raychat.tasks.registry import make_task
 from raychat.tasks.spelling import DEFAULT_WORDS
@@ -187,7 +188,7 @@ def core_cell(
     scores = core_scores(model, tokenizer, root, max_per_task=max_per_task, **core_kw)
     examples = sum(t["examples"] for t in scores["tasks"].values())
     if scores["core_metric"] is None:
-        return cell(note=f"n/a: {len(scores['errors'])} task(s) failed", examples=examples)
+        return cell(note=f"n/a: {plural(len(scores['errors']), 'task')} failed", examples=examples)
     return cell(scores["core_metric"], examples=examples)
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from raychat.log import plural
 from raychat.ops.k8s import check_label, rayjob, render_all, to_yaml, write_generated
 from raychat.ops.submit import repo_root
 
@@ -93,7 +94,7 @@ def cmd_generate(args) -> int:
             return 1
         return 0
     changed = write_generated(repo)
-    print(f"k8s/: {len(changed)} file(s) written" + (f": {', '.join(changed)}" if changed else ""))
+    print(f"k8s/: {plural(len(changed), 'file')} written" + (f": {', '.join(changed)}" if changed else ""))
     return 0
 
 

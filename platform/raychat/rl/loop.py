@@ -636,7 +636,7 @@ def no_signal_warning(rollouts: list[dict], cfg: RLConfig, steps: int) -> str | 
     g, task = cfg.rollout.samples_per_prompt, cfg.task.task
     reward = float(np.mean([r["reward_mean"] for r in rollouts]))
     solved = {r["pass_at_1"] for r in rollouts}
-    head = f"warning: no learning signal in the first {len(rollouts)} step(s): "
+    head = f"warning: no learning signal in the first {plural(len(rollouts), 'step')}: "
     zero = "so every advantage and the policy gradient were 0"
     more = f"more --samples-per-prompt (now {g}) or a higher --temperature (now {cfg.rollout.temperature:g})"
     if solved == {0.0}:

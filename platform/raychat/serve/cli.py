@@ -31,6 +31,7 @@ from raychat.checkpoint import check_model
 from raychat.checkpoint_manager import described, find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_args, from_dict
 from raychat.config.schema import shown
+from raychat.log import plural
 from raychat.ray_token import token_for
 from raychat.serve import vllm
 from raychat.serve.app import build_app, serve_config
@@ -82,12 +83,14 @@ def start(
             ray.shutdown()
             if gpus_needed > gpus:
                 raise ValueError(
-                    f"{replicas} engine replica(s) x --num-gpus {shown(config.replica.num_gpus)} = {gpus_needed:g} GPUs, but this "
+                    f"{plural(replicas, 'engine replica')} x --num-gpus {shown(config.replica.num_gpus)} = "
+                    f"{plural(gpus_needed, 'GPU')}, but this "
                     f"machine's Ray cluster has {gpus:g}; lower --num-gpus (0 = CPU) or --min-replicas"
                 )
             raise ValueError(
-                f"{replicas} engine replica(s) x --num-cpus {shown(cpus)} + the ingress' "
-                f"{shown(config.ingress_num_cpus)} CPU = {need:g} CPUs, but this machine's Ray cluster has {have:g}; "
+                f"{plural(replicas, 'engine replica')} x --num-cpus {shown(cpus)} + the ingress' "
+                f"{plural(config.ingress_num_cpus, 'CPU')} = {plural(need, 'CPU')}, but this machine's Ray cluster "
+                f"has {have:g}; "
                 "lower --min-replicas or --num-cpus"
             )
     else:  # a connected cluster: planned against what it can become (its node types), not what is alive

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from raychat.chat_template import validate_messages
+from raychat.log import plural
 from raychat.tasks.base import Task, extract_answer
 
 GSM8K_CALC_RE = re.compile(r"<<([^=<>]*)=([^<>]*)>>")
@@ -285,7 +286,8 @@ def _arc_choices_error(choices) -> str | None:
     if not all(isinstance(choices[k], list) for k in ("text", "label")):
         return f"choices' text and label must be lists; {expected}"
     if len(choices["text"]) != len(choices["label"]):
-        return f"choices has {len(choices['text'])} text(s) and {len(choices['label'])} label(s); one label per text"
+        texts, labels = plural(len(choices["text"]), "text"), plural(len(choices["label"]), "label")
+        return f"choices has {texts} and {labels}; one label per text"
     return None
 
 

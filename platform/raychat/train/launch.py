@@ -545,7 +545,7 @@ def run_training(
     plan = make_plan(cfg, tokenizer.vocab_size)
     check_resume(cfg, paths, plan, lambda: spec.row_source(cfg, tokenizer, 0, 1), flags=flags)
     if dry_run:
-        print_plan(cfg, plan)
+        print_plan(cfg, plan, flags.option)
         return None
     if (done := finished_result(paths, plan.num_iterations)) is not None:
         log(finished_line(done.checkpoint, plan.num_iterations, flags.option("num_iterations")))
@@ -567,7 +567,7 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
     starts (under raychat.sigterm.terminating: raychat.cli) as Terminated of that line too, once ray.init returned
     and the local Ray it started is shut down (it ended in exit status 15 with no line, was lost while the run
     trained on, or met Ray's native handler)."""
-    print_plan(cfg, plan)
+    print_plan(cfg, plan, flags.option)
     mark("plan_printed")
     c = cfg.layout
     started = not ray.is_initialized()
@@ -860,7 +860,7 @@ def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity, flags: Flag
     # (tests/cluster/test_autoscaling.py saw a worker node kept forever by it).
     get_or_create_stats_actor()
     bundle = worker_bundle(c.cpus_per_worker, c.use_gpu)
-    what = f"{c.num_workers} worker(s) x {', '.join(f'{k} {v:g}' for k, v in bundle.items())}"
+    what = f"{plural(c.num_workers, 'worker')} x {', '.join(f'{k} {v:g}' for k, v in bundle.items())}"
     reporter = WaitReporter(what, placement_state).start()
     try:
         mark("fit_called")

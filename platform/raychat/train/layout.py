@@ -32,6 +32,7 @@ from raychat.capacity import (
     start_local_cluster,
 )
 from raychat.config.schema import flag_name
+from raychat.log import plural
 from raychat.sigterm import init_keeping_handler
 
 RAY_DATA_MIN_CPUS = (
@@ -88,21 +89,26 @@ def check_cpu_layout(
     layout = layout_flags(num_workers, cpus_per_worker, option=option)
     if cpus_per_worker > node_cpus + 1e-9:
         raise ValueError(
-            f"{layout}: one worker needs {cpus_per_worker:g} CPUs, the largest node has {node_cpus:g}"
+            f"{layout}: one worker needs {plural(cpus_per_worker, 'CPU')}, the largest node has {node_cpus:g}"
         )
     if needed > cluster_cpus + 1e-9:
-        why = f" plus {data:g} CPU for Ray Data (its read_parquet lists files in 1-CPU tasks)" if data else ""
+        why = (
+            f" plus {plural(data, 'CPU')} for Ray Data (its read_parquet lists files in 1-CPU tasks)"
+            if data
+            else ""
+        )
         most = (cluster_cpus - data) / num_workers
         raise ValueError(
-            f"{layout}{why} needs {needed:g} CPUs; the cluster has {cluster_cpus:g}: lower "
+            f"{layout}{why} needs {plural(needed, 'CPU')}; the cluster has {cluster_cpus:g}: lower "
             f"{option('cpus_per_worker')} to at most {most:g} or {option('num_workers')}, or the data tasks would "
             "never be scheduled and the run would wait forever"
         )
     threads = max(1, round(cpus_per_worker))
     return (
-        f"layout: {num_workers} worker(s) x {cpus_per_worker:g} CPUs ({threads} torch thread(s) each)"
-        + (f" + {data:g} CPU for Ray Data" if data else "")
-        + f" of {cluster_cpus:g} CPUs"
+        f"layout: {plural(num_workers, 'worker')} x {plural(cpus_per_worker, 'CPU')} "
+        f"({plural(threads, 'torch thread')} each)"
+        + (f" + {plural(data, 'CPU')} for Ray Data" if data else "")
+        + f" of {plural(cluster_cpus, 'CPU')}"
     )
 
 
@@ -166,7 +172,9 @@ def start_or_connect(
     if starts_local_cluster():
         line = check_local_layout(num_workers, cpus_per_worker, data_cpus, use_gpu, option)
         init_keeping_handler(start_local_cluster, num_cpus=local_cluster_cpus())
-        line = f"{line} (a local Ray cluster: {local_cores()} cores + {LOCAL_DATA_CPUS} for Ray Data)"
+        line = (
+            f"{line} (a local Ray cluster: {plural(local_cores(), 'core')} + {LOCAL_DATA_CPUS} for Ray Data)"
+        )
         return line, read_capacity()
     if not ray.is_initialized():
         init_keeping_handler(ray.init)
@@ -174,7 +182,7 @@ def start_or_connect(
     bundle = worker_bundle(cpus_per_worker, use_gpu)
     check_bundles([bundle] * num_workers, capacity, flags)
     if not capacity.known:
-        line = f"layout: {num_workers} worker(s) x {fmt_bundle(bundle)} on {capacity.describe()}"
+        line = f"layout: {plural(num_workers, 'worker')} x {fmt_bundle(bundle)} on {capacity.describe()}"
         return line, capacity
     largest = capacity.largest(bundle)
     node_cpus = largest.resources.get("CPU", 0.0) if largest else 0.0

@@ -2,7 +2,8 @@
 
 Every derived number (width, heads, parameters, FLOPs per token, batch, grad accumulation, steps, tokens,
 tokens per parameter) is in Plan and printed by print_plan, followed by the settings the run trains with
-(settings_lines: learning rates as applied, schedule, regularization, precision, evaluation and checkpoints).
+(settings_lines: learning rates as applied, schedule, regularization, precision, evaluation and checkpoints) and
+what the step lines' MFU is measured against (mfu_line).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from raychat.checkpoint import read_meta
 from raychat.checkpoint_manager import described
 from raychat.config import ConfigError, TrainConfig
+from raychat.config.schema import flag_name, shown
 from raychat.log import plural
 from raychat.model import GPT, ModelConfig
 from raychat.train.optim import adamw_lr_scale, planned_ns_choice
@@ -33,6 +35,10 @@ class ShapesOnly(torch.overrides.TorchFunctionMode):
         if getattr(func, "__name__", "") in self.SKIPPED:  # torch.nn.init.normal_(tensor=...), Tensor.normal_
             return args[0] if args else kwargs["tensor"]
         return func(*args, **(kwargs or {}))
+
+
+# Dense bf16 peak FLOP/s of one device (for MFU), from the vendors' data sheets: a GPU whose name holds a key.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 70e12}
 
 
 @dataclass(frozen=True)
@@ -162,7 +168,9 @@ def init_from_line(checkpoint: str) -> str:
     return f"init from: {described(checkpoint)}"
 
 
-def print_plan(cfg: TrainConfig, p: Plan) -> None:
+def print_plan(cfg: TrainConfig, p: Plan, option=flag_name) -> None:
+    """The plan's lines to stdout: the sizes, settings_lines and mfu_line (its flag named by `option`:
+    raychat.train.launch.Flags.option)."""
     m = p.model_config
     if cfg.run.init_from:
         print(init_from_line(cfg.run.init_from))
@@ -196,6 +204,23 @@ def print_plan(cfg: TrainConfig, p: Plan) -> None:
     )
     for line in settings_lines(cfg, p):
         print(line)
+    print(mfu_line(cfg, option))
+
+
+def mfu_line(cfg: TrainConfig, option=flag_name) -> str:
+    """What the step lines' `mfu` (FLOPs per token x tok/s / (peak FLOP/s of one device x workers)) divides by,
+    said once here rather than as a bare `n/a` on every step: --peak-flops, else the data-sheet peak of a known
+    GPU (PEAK_FLOPS), else nothing (a CPU's peak is unknown) and how to give one. --peak-flops is named by
+    `option`."""
+    flag, peak = option("peak_flops"), cfg.layout.peak_flops
+    if peak > 0:
+        return f"mfu: over {flag} {shown(peak)} FLOP/s a device"
+    how = f"give {flag}, the peak FLOP/s of one worker's device, to get it"
+    if cfg.layout.use_gpu:
+        return (
+            f"mfu: over the dense bf16 peak of a known GPU ({', '.join(PEAK_FLOPS)}); n/a on another: {how}"
+        )
+    return f"mfu: n/a on CPU (a CPU has no known peak FLOP/s): {how}"
 
 
 def settings_lines(cfg: TrainConfig, p: Plan) -> list[str]:

@@ -68,18 +68,56 @@ def pretrain(cfg: TrainConfig, callbacks=(), typed=(), flags: Flags = COMMANDS):
     """
     paths = resolve_paths(cfg, writable=False)
     check_shape_flags(paths.config(cfg), typed)
-    try:  # what every worker reads first: fail here, in one line, not in each of them
-        _, val_file = list_shards(paths.data_dir)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--data-dir: {e}") from None
+    val_file = validation_shard(paths.data_dir)
     tokenizer = load_tokenizer(paths.tokenizer_path, paths.data_dir, flags)
-    try:
-        validation_rows(val_file, tokenizer, cfg.model.seq_len + 1, 1)
-    except ValueError as e:
-        raise ValueError(f"--data-dir: {e}") from None
+    check_validation_rows(val_file, tokenizer, cfg.model.seq_len)
     resolved = paths.config(cfg)
     print(data_line(resolved, tokenizer, make_plan(resolved, tokenizer.vocab_size).tokens, flags))
     return run_training(cfg, Pretraining(), [ReplayRecorder(), *callbacks], flags=flags)
+
+
+def validation_shard(data_dir: str) -> str:
+    """The validation shard of --data-dir, whose manifest and shards every worker reads first: checked here, in
+    one line, not in each of them.
+
+    Raises:
+        ValueError: "--data-dir: <why>": no or a malformed manifest.json (its line names the command that
+            prepares the directory), or a listed shard missing (raychat.data.corpus.shards.list_shards).
+    """
+    try:
+        return list_shards(data_dir)[1]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--data-dir: {e}") from None
+
+
+def check_validation_rows(val_file: str, tokenizer: Tokenizer, seq_len: int) -> None:
+    """Refuse a validation shard that packs into no row of seq_len + 1 tokens (every rank's validator packs it
+    first).
+
+    Raises:
+        ValueError: "--data-dir: the validation shard ... holds too little text for one row ...".
+    """
+    try:
+        validation_rows(val_file, tokenizer, seq_len + 1, 1)
+    except ValueError as e:
+        raise ValueError(f"--data-dir: {e}") from None
+
+
+def dry_run_data_line(cfg: TrainConfig, tokens: int) -> str | None:
+    """What a dry run says of --data-dir before the plan: the run's data_line where the data and the tokenizer
+    are there, else the one line the run would refuse the data with ("data: not ready; the run would refuse it:
+    --data-dir: .../manifest.json not found: ... run `raychat data prepare --out ...` first"), without failing
+    the dry run (it plans before the data are prepared); None where the data are good but no tokenizer is there
+    yet to measure them (the dry run's tokenizer line says so)."""
+    try:
+        val_file = validation_shard(cfg.data.data_dir)
+        if not (Path(cfg.data.tokenizer_path) / "tokenizer.json").exists():
+            return None
+        tokenizer = Tokenizer.load(cfg.data.tokenizer_path)
+        check_validation_rows(val_file, tokenizer, cfg.model.seq_len)
+        return data_line(cfg, tokenizer, tokens)
+    except ValueError as e:
+        return f"data: not ready; the run would refuse it: {e}"
 
 
 SAMPLE_BYTES = 1_000_000  # of the validation shard's text, tokenized for the bytes per token of data_line
@@ -190,10 +228,8 @@ def _pretrain(args) -> int:
         cfg = paths.config(cfg)
         check_shape_flags(cfg, typed)
         plan = make_plan(cfg, dry_run_vocab_size(cfg, args.preset))
-        try:  # as the run prints it first; the run checks the data, a dry run plans without them
-            print(data_line(cfg, Tokenizer.load(cfg.data.tokenizer_path), plan.tokens))
-        except (OSError, ValueError):
-            pass
+        if (line := dry_run_data_line(cfg, plan.tokens)) is not None:  # as the run prints it first
+            print(line)
         if (
             paths.checkpoints.newest() is not None
         ):  # a run to resume: its check, as the real run makes it first

@@ -35,7 +35,7 @@ from raychat.masks import make_batch
 from raychat.metrics_sink import MetricsSink
 from raychat.train.checkpointer import Checkpointer, commit_ranks
 from raychat.train.optim import lr_multiplier, set_lr
-from raychat.train.plan import Plan
+from raychat.train.plan import PEAK_FLOPS, Plan
 from raychat.train.startup_trace import mark
 from raychat.train.step import NonFiniteError, autocast_for, clear_grads, forward_backward, optimizer_step
 from raychat.train.validators import Validator, validate_all
@@ -252,7 +252,3 @@ class Trainer:
             )
             commit_ranks(self.checkpoints, tmp, step, self.rank, self.world, self.config.run.stage)
         ray.train.report(report)
-
-
-# Dense bf16 peak FLOP/s of one device (for MFU), from the vendors' data sheets.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 70e12}

@@ -131,7 +131,7 @@ def write_shards(
         )
     if len(documents) < num_shards:
         raise ValueError(
-            f"{len(documents)} documents cannot fill {num_shards} shards (one document at least each)"
+            f"{plural(len(documents), 'document')} cannot fill {num_shards} shards (one document at least each)"
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

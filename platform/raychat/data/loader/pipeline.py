@@ -40,6 +40,7 @@ from raychat.data.loader.cursor import Deal, RankCursor, Ref
 from raychat.data.loader.document_order import DocumentOrder
 from raychat.data.loader.packing import BestFitPacker, Piece, piece_tokens
 from raychat.data.loader.row_source import cursor_state, resume_cursor
+from raychat.log import plural
 from raychat.tokenizer import Tokenizer
 
 CHUNK = 64  # stream references per Ray Data read+tokenize call
@@ -309,7 +310,7 @@ def validation_rows(val_file: str, tokenizer: Tokenizer, row_len: int, num_token
     if not rows:
         raise ValueError(
             f"the validation shard {val_file} holds too little text for one row of {row_len} tokens "
-            f"({len(texts)} documents): prepare more text (a larger validation shard) or use a shorter sequence "
+            f"({plural(len(texts), 'document')}): prepare more text (a larger validation shard) or use a shorter sequence "
             "length"
         )
     return {"input_ids": np.stack(rows)}
