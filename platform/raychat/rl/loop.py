@@ -596,7 +596,7 @@ class RLRun:
                 evals.append({"step": step + 1, **self.dispatcher.evaluate(len(self.tasks["test"]))})
                 line["eval"] = evals[-1]
             eta_s = clock.tick() * (steps - step - 1)
-            self.log(step_line(line, eta_s))
+            self.log(step_line(line, steps, eta_s))
             if "eval" in line:
                 self.log(self.eval_line(evals[-1]))
             metrics.log(line)
@@ -687,9 +687,11 @@ _LOG_KEYS = (
 )  # fmt: skip
 
 
-def step_line(line: dict, eta_s: float) -> str:
-    """A step's stdout line: the _LOG_KEYS of its metrics.jsonl `line` (those set), then its ETA in seconds."""
-    return _fmt({k: line[k] for k in _LOG_KEYS if line.get(k) is not None}) + f" eta={eta_s:.0f}s"
+def step_line(line: dict, steps: int, eta_s: float) -> str:
+    """A step's stdout line: the _LOG_KEYS of its metrics.jsonl `line` (those set), its step out of the run's
+    `steps` as pretraining's line counts them ("step=15/50"), then its ETA in seconds."""
+    shown = {k: line[k] for k in _LOG_KEYS if line.get(k) is not None} | {"step": f"{line['step']}/{steps}"}
+    return _fmt(shown) + f" eta={eta_s:.0f}s"
 
 
 def _fmt(d: dict) -> str:
