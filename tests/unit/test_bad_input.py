@@ -1916,7 +1916,12 @@ def test_an_rl_dry_run_checks_and_prints_its_plan_without_ray_or_writes(root, rl
         "(the newest 2 kept); 1 learner x {CPU: 0.5} + 1 rollout actor x {CPU: 0.5}"
     ]
     new = [a if a != "r1" else "r2" for a in argv]
-    assert raychat_main([*new, "--eval-every", "0", "--eval-temperature", "0", "--dry-run"]) == 0
+    assert (
+        raychat_main(
+            [*new, "--eval-every", "0", "--eval-temperature", "0", "--eval-samples", "1", "--dry-run"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.splitlines()[1] == (
         "plan: steps 1..4 of 2 prompts x 2 samples = 4 rollouts a step, at most 8 tokens each at --temperature 1; "
         "pass@1 on 4 held-out problems at step 0 and at the end; a checkpoint every step (the newest 2 kept); "
@@ -1966,6 +1971,23 @@ def test_rl_refuses_a_layout_the_local_cluster_cannot_hold_before_ray_starts(
     before = _snapshot(root)
     line = _fails_in_one_line([*argv, *(f.format(**values) for f in flags)], capsys)
     assert line == f"raychat rl: error: {want.format(**values)}"
+    assert _snapshot(root) == before
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        (["--eval-temperature", "0"],  # the tiny preset's --eval-samples 2
+         "--eval-samples 2 needs an --eval-temperature above 0 (at least 1e-05), got 0: greedy decoding writes the "
+         "same completion every time (e.g. --eval-temperature 1; or --eval-samples 1)"),
+    ],
+)  # fmt: skip
+def test_rl_refuses_settings_it_cannot_honour_in_one_line(flags, want, root, capsys):
+    """rl took --eval-samples 2 at --eval-temperature 0 as one sample without a word (raychat eval refuses
+    --samples above 1 at --temperature 0)."""
+    argv = ["rl", "--preset", "tiny", "--storage-path", str(root), "--init-from", "sft", "--run-name", "r"]
+    before = _snapshot(root)
+    assert _fails_in_one_line([*argv, *flags], capsys) == f"raychat rl: error: {want}"
     assert _snapshot(root) == before
 
 

@@ -79,13 +79,6 @@ def test_a_group_larger_than_max_slots_is_refused_with_the_config(kw, message):
     assert str(e.value) == message
 
 
-def test_a_greedy_evaluation_needs_one_slot_a_prompt():
-    """Below 1e-5 the evaluation samples each held-out prompt once (RolloutDispatcher.eval_samples)."""
-    cfg = rl_config(eval_samples=8, max_slots=4, samples_per_prompt=4, eval_temperature=1e-6)
-    assert (cfg.rollout.max_slots, cfg.eval.eval_samples) == (4, 8)
-    assert rl_config().rollout.max_slots == 64
-
-
 def test_generate_batch_refuses_fewer_rows_than_a_prompts_samples(checkpoint):
     engine = RolloutWorker(checkpoint, _tasks()).engine
     with pytest.raises(ValueError) as e:

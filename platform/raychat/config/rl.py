@@ -137,11 +137,13 @@ class RLEvalSection(Section):
     )  # fmt: skip
     eval_examples: int = option(64, "held-out (test split) prompts per evaluation", ge=1)
     eval_samples: int = option(
-        8, "samples per held-out prompt; pass@k for k = 1..this (1 with a greedy --eval-temperature)", ge=1
+        8,
+        "samples per held-out prompt; pass@k for k = 1..this; above 1 at an --eval-temperature above 0",
+        ge=1,
     )
     eval_temperature: float = option(
-        1.0, "sampling temperature of the evaluation; 0 (below 1e-5) = greedy: one sample per held-out prompt, "
-        "pass@1 only", ge=0,
+        1.0, "sampling temperature of the evaluation; 0 (below 1e-5) = greedy, with --eval-samples 1: pass@1 "
+        "only", ge=0,
     )  # fmt: skip
 
 
@@ -191,7 +193,13 @@ class RLConfig(Section):
                 f"--temperature must be >= {greedy_below:g}, got {shown(r.temperature)}: below it the engine decodes "
                 "greedily, so a prompt's --samples-per-prompt samples would be identical and every advantage 0"
             )
-        if e.eval_temperature >= greedy_below and e.eval_samples > r.max_slots:  # greedy: one sample a prompt
+        if e.eval_samples > 1 and e.eval_temperature < greedy_below:  # as raychat eval's --samples
+            raise ConfigError(
+                f"--eval-samples {e.eval_samples} needs an --eval-temperature above 0 (at least {greedy_below:g}), "
+                f"got {shown(e.eval_temperature)}: greedy decoding writes the same completion every time (e.g. "
+                "--eval-temperature 1; or --eval-samples 1)"
+            )
+        if e.eval_samples > r.max_slots:
             raise ConfigError(
                 f"--eval-samples {e.eval_samples} exceeds --max-slots {r.max_slots}: a held-out prompt's samples "
                 "are decoded together; raise --max-slots or lower --eval-samples"

@@ -40,7 +40,6 @@ import numpy as np
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.config import RLConfig
-from raychat.engine.sampling import is_greedy
 from raychat.log import log, plural
 from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed, rollout_deadline
 from raychat.rl.sync import WeightSync
@@ -115,9 +114,8 @@ class RolloutDispatcher:
 
     @property
     def eval_samples(self) -> int:
-        """Samples per held-out prompt: --eval-samples, or 1 when the engine decodes greedily (an
-        --eval-temperature below raychat.engine.sampling.TEMPERATURE_EPS: every sample would be the same)."""
-        return 1 if is_greedy(self.cfg.eval.eval_temperature) else self.cfg.eval.eval_samples
+        """Samples per held-out prompt: --eval-samples (1 at a greedy --eval-temperature: RLConfig refuses more)."""
+        return self.cfg.eval.eval_samples
 
     def prompts_for(self, step: int) -> list[int]:
         P, n = self.cfg.rollout.prompts_per_step, len(self.order)
