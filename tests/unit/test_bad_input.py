@@ -1980,11 +1980,24 @@ def test_rl_refuses_a_layout_the_local_cluster_cannot_hold_before_ray_starts(
         (["--eval-temperature", "0"],  # the tiny preset's --eval-samples 2
          "--eval-samples 2 needs an --eval-temperature above 0 (at least 1e-05), got 0: greedy decoding writes the "
          "same completion every time (e.g. --eval-temperature 1; or --eval-samples 1)"),
+        (["--task", "spelling"],
+         "--task spelling: rl rewards only calculator and gsm8k, math problems whose reward is 1 when the number "
+         "after a completion's last #### is the answer; spelling has answers that are not numbers after #### (sft "
+         "trains on it, raychat eval measures it)"),
+        (["--task", "smoltalk"],
+         "--task smoltalk: rl rewards only calculator and gsm8k, math problems whose reward is 1 when the number "
+         "after a completion's last #### is the answer; smoltalk has no checker to score a completion with"),
+        (["--task", "humaneval"],
+         "--task humaneval: rl rewards only calculator and gsm8k, math problems whose reward is 1 when the number "
+         "after a completion's last #### is the answer; humaneval has no train split to take prompts from"),
+        (["--task", "calculater"],
+         "--task must be one of ['calculator', 'gsm8k'], got 'calculater' (did you mean calculator?)"),
     ],
 )  # fmt: skip
 def test_rl_refuses_settings_it_cannot_honour_in_one_line(flags, want, root, capsys):
     """rl took --eval-samples 2 at --eval-temperature 0 as one sample without a word (raychat eval refuses
-    --samples above 1 at --temperature 0)."""
+    --samples above 1 at --temperature 0); --task spelling was argparse's "invalid choice: 'spelling' (choose
+    from 'calculator', 'gsm8k')", which did not say why the other tasks cannot be rewarded."""
     argv = ["rl", "--preset", "tiny", "--storage-path", str(root), "--init-from", "sft", "--run-name", "r"]
     before = _snapshot(root)
     assert _fails_in_one_line([*argv, *flags], capsys) == f"raychat rl: error: {want}"
