@@ -1840,8 +1840,16 @@ def test_resuming_rl_with_other_settings_or_another_stages_run(flags, want, root
 
 
 def test_a_finished_rl_run_says_so_without_starting_ray(root, rl_run, capsys):
-    """rl at its --steps started Ray and every actor to resume into an empty loop."""
+    """rl at its --steps started Ray and every actor to resume into an empty loop. Its summary said `"evals": []`
+    although its metrics.jsonl holds them: they are read back from there (a torn last line skipped), and
+    `already_complete` says that nothing was trained now (the speedrun's signal)."""
     argv, d = rl_run
+    evals = [{"step": 0, "pass@1": 0.25, "pass@2": 0.5}, {"step": 2, "pass@1": 0.5, "pass@2": 0.75}]
+    lines = [{"step": 0, "eval": evals[0]}, {"step": 1, "reward_mean": 0.0}, {"step": 2, "reward_mean": 0.5,
+             "eval": evals[1]}]  # fmt: skip
+    (root / "r1" / "metrics.jsonl").write_text(
+        "".join(json.dumps(x) + "\n" for x in lines) + '{"step": 3, "ev'
+    )
     capsys.readouterr()
     assert raychat_main([*argv, "--steps", "2"]) == 0  # the rl_run fixture's ray.init raises ReachedRay
     out = capsys.readouterr().out.splitlines()
@@ -1849,8 +1857,8 @@ def test_a_finished_rl_run_says_so_without_starting_ray(root, rl_run, capsys):
         f"finished: the run's checkpoint {d} is at step 2, the last of its 2 steps; nothing to train (--steps "
         "above 2 trains it longer)"
     )
-    assert json.loads(out[-1]) == {"steps": 2, "start_step": 2, "evals": [], "run_dir": str(root / "r1"),
-                                   "checkpoint": str(d)}  # fmt: skip
+    assert json.loads(out[-1]) == {"steps": 2, "start_step": 2, "already_complete": True, "evals": evals,
+                                   "run_dir": str(root / "r1"), "checkpoint": str(d)}  # fmt: skip
 
 
 def test_resuming_rl_with_other_sampling_or_eval_settings_names_each(root, rl_run, capsys):

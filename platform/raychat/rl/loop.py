@@ -22,7 +22,8 @@ restarts, stale_chunks and dropped_samples (cumulative: rollouts refused or drop
 weights were older than the staleness bound, raychat.rl.dispatcher; all re-issued). Every --eval-every
 steps, and at step 0 (the baseline): pass@k, k = 1..--eval-samples, on held-out prompts, as "eval" in the step's
 line (the baseline's line, step 0, holds only it); the summary's "evals" are every evaluation of the run, those
-before a resume included (read back from metrics.jsonl). The summary covers the whole invocation, every actor
+before a resume included (read back from metrics.jsonl; so are a finished run's, whose summary has
+"already_complete" true: RLRun.finished). The summary covers the whole invocation, every actor
 group restart included: start_step (where this invocation started), wall_s (seconds from run()'s start: the
 actor group's start, the baseline evaluation and restarts included) and learner_wait_frac (over every learner
 step of every attempt, redone ones too). Checkpoints go to OUT/RUN_NAME/checkpoint_<step:06d>
@@ -73,7 +74,7 @@ from raychat.config.schema import shown
 from raychat.lease import RunLease
 from raychat.log import StepClock, log, plural
 from raychat.metrics import RLMetrics
-from raychat.metrics_sink import MetricsSink
+from raychat.metrics_sink import MetricsSink, read_logged
 from raychat.rl.actors import (
     ActorGroup,
     ActorsLost,
@@ -375,13 +376,17 @@ class RLRun:
     # ---- the loop --------------------------------------------------------------------------------------
     def finished(self) -> dict | None:
         """The summary of a run whose newest committed checkpoint is at --steps (check_resume found it to be one
-        this run resumes): nothing to train or evaluate ("evals" empty), so no Ray is needed; None when the run
-        has no checkpoint or steps left."""
-        newest, steps = self.checkpoints.newest(), self.cfg.rollout.steps
+        this run resumes): nothing to train or evaluate, so no Ray is needed; "already_complete" true, "evals"
+        the run's evaluations read back from its metrics.jsonl (as a resumed run's). None when the run has no
+        checkpoint or steps left."""
+        c, steps = self.checkpoints, self.cfg.rollout.steps
+        newest = c.newest()
         if newest is None or newest.step != steps:
             return None
-        return {"steps": steps, "start_step": steps, "evals": [], "run_dir": self.run_dir,
-                "checkpoint": self.checkpoints.uri(steps)}  # fmt: skip
+        logged = read_logged(c.storage, f"{c.run_path}/metrics.jsonl")
+        evals = [x["eval"] for x in logged if isinstance(x.get("eval"), dict) and x["step"] <= steps]
+        return {"steps": steps, "start_step": steps, "already_complete": True, "evals": evals,
+                "run_dir": self.run_dir, "checkpoint": c.uri(steps)}  # fmt: skip
 
     def run(self) -> dict:
         """Run to --steps; returns the summary. The placement group and every actor are released on return
@@ -608,7 +613,8 @@ class RLRun:
         self.sync.drain()
         newest = self.checkpoints.newest()
         return {
-            "steps": steps, "start_step": self._start_step, "version": self.version, "restarts": self.restarts,
+            "steps": steps, "start_step": self._start_step, "already_complete": False, "version": self.version,
+            "restarts": self.restarts,
             "failures": self.failures,
             "stale_chunks": self.dispatcher.stale_chunks, "dropped_samples": self.dispatcher.dropped_samples,
             "reward_errors": self.dispatcher.reward_errors, "evals": evals, "learner_wait_frac": self._waited / max(self._waited + self._busy, 1e-9),
