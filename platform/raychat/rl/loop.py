@@ -88,7 +88,7 @@ from raychat.rl.actors import (
     save_deadline,
     step_deadline,
 )
-from raychat.rl.dispatcher import RolloutDispatcher, split_even
+from raychat.rl.dispatcher import EvalProgress, RolloutDispatcher, split_even
 from raychat.rl.objective import group_advantages, zero_advantage_frac
 from raychat.rl.sync import WeightSync
 from raychat.sigterm import SigtermAsSigint, Terminated
@@ -538,6 +538,14 @@ class RLRun:
             return f"{e.named} hung {at}", e, None
         return f"{self.actors.name_of(getattr(e, 'actor_id', None))} was lost {at}", e, None
 
+    def evaluate(self, step: int) -> dict:
+        """{"step": step, "pass@1": ..., ...}: pass@k on the held-out problems from the current weights, with
+        progress lines while it runs long (raychat.rl.dispatcher.EvalProgress: "eval step 10: 120/400 held-out
+        problems (30%) in 1m02s, eta 2m25s")."""
+        total = len(self.tasks["test"])
+        progress = EvalProgress(f"eval step {step}", total, self.log)
+        return {"step": step, **self.dispatcher.evaluate(total, progress)}
+
     def eval_line(self, evaluation: dict) -> str:
         """An evaluation's stdout line: 'eval step 5 (16 held-out problems x 4 samples): pass@1=0.25 ...'."""
         samples = self.dispatcher.eval_samples
@@ -565,7 +573,7 @@ class RLRun:
         # another, redoes the steps after it): a resumed run's summary has them all, the baseline first
         evals[:] = [x["eval"] for x in metrics.logged() if isinstance(x.get("eval"), dict)]
         if start == 0:
-            evals.append({"step": 0, **self.dispatcher.evaluate(len(self.tasks["test"]))})
+            evals.append(self.evaluate(0))
             metrics.log({"step": 0, "eval": evals[-1]})
             self.log(self.eval_line(evals[-1]))
         inflight: deque = deque()
@@ -598,7 +606,7 @@ class RLRun:
                 "reward_errors": self.dispatcher.reward_errors,
             }  # fmt: skip
             if due(cfg.eval.eval_every, step + 1, steps):
-                evals.append({"step": step + 1, **self.dispatcher.evaluate(len(self.tasks["test"]))})
+                evals.append(self.evaluate(step + 1))
                 line["eval"] = evals[-1]
             eta_s = clock.tick() * (steps - step - 1)
             self.log(step_line(line, steps, eta_s))
