@@ -48,8 +48,8 @@ def chunk_times(
     }
     collect = run.dispatcher.collect
 
-    def recording(chunks):
-        results = collect(chunks)
+    def recording(chunks, progress=None):
+        results = collect(chunks, progress)
         for chunk, r in zip(chunks, results):
             longest = max((s["completion_tokens"] for s in r.get("samples", [])), default=0)
             seen[chunk["split"]].append((r["wall_s"], longest))

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from contextlib import suppress
 
 from raychat.atomic import atomic_write_text
-from raychat.storage import open_storage, read_bytes, write_bytes
+from raychat.storage import Storage, open_storage, read_bytes, write_bytes
 
 TRACKERS = ("none", "tensorboard", "wandb")
 FLUSH_EVERY_S = (
@@ -235,6 +235,16 @@ def _append(path: str, text: str) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def read_logged(storage: Storage, path: str) -> list[dict]:
+    """The lines of the metrics.jsonl at `path` on `storage` (any storage root: a directory, s3://, gs://),
+    parsed, a torn one skipped; [] when there is no such file. Raises OSError as raychat.storage.read_bytes."""
+    try:
+        text = read_bytes(storage, path).decode()
+    except FileNotFoundError:
+        return []
+    return [row for row in _parse(text.splitlines()) if row is not None]
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

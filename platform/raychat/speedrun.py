@@ -467,7 +467,7 @@ def run_rl_stage(
     else:
         summary = run.run()
     final = summary["checkpoint"]  # the newest committed (raychat.checkpoint_manager)
-    if not summary["evals"]:  # the run had already finished: nothing was trained or evaluated now
+    if summary["already_complete"]:  # nothing was trained or evaluated now
         return {"summary": f"already complete ({final})", **summary}, final
     before, after = summary["evals"][0], summary["evals"][-1]
     line = (

@@ -166,7 +166,7 @@ def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
     assert (summary["failures"], summary["start_step"], summary["version"]) == (1, 0, 4)
     assert ended - killed[0] < summary["wall_s"] <= ended - began
     steps = [dict(re.findall(r"(\w+)=(\S+)", m)) for m in logs if m.startswith("step=")]
-    assert [s["step"] for s in steps] == ["1", "2", "3", "3", "4"]
+    assert [s["step"] for s in steps] == ["1/4", "2/4", "3/4", "3/4", "4/4"]
     waited = sum(float(s["learner_wait_s"]) for s in steps)
     spent = sum(float(s["learner_wait_s"]) / float(s["learner_wait_frac"]) for s in steps)
     assert summary["learner_wait_frac"] == pytest.approx(waited / spent, rel=2e-3)
@@ -176,7 +176,7 @@ def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
     resumed = [m for m in logs[restart:] if m.startswith("resumed from ")]
     assert resumed == [f"resumed from {summary['run_dir']}/checkpoint_000002 at step 2 (version 2)"]
 
-    step_3 = [dict(re.findall(r"(\w+)=(\S+)", m)) for m in logs if m.startswith("step=3 ")]
+    step_3 = [dict(re.findall(r"(\w+)=(\S+)", m)) for m in logs if m.startswith("step=3/4 ")]
     assert len(step_3) == 2  # done, then redone after the restart
     assert step_3[0]["reward_mean"] == step_3[1]["reward_mean"]
     assert float(step_3[1]["loss"]) == pytest.approx(float(step_3[0]["loss"]), rel=1e-5, abs=1e-7)

@@ -3,6 +3,7 @@ rollout, and between a weight sync and its next rollout, on both sync paths), re
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from support.cluster import short_temp_dir
 from support.rl_fixtures import rl_config, tiny_checkpoint, tiny_config
 
+from raychat.rl import dispatcher as rl_dispatcher
 from raychat.rl.actors import ActorGroup
 from raychat.rl.dispatcher import RolloutDispatcher
 from raychat.rl.learner import LearnerActor
@@ -196,13 +198,21 @@ def test_collective_broadcast_path_with_gloo(ray_cluster, checkpoint):
         ray.kill(a)
 
 
-def test_async_mode_records_staleness_within_k(ray_cluster, checkpoint, tmp_path):
+def test_async_mode_records_staleness_within_k(ray_cluster, checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(rl_dispatcher, "EVAL_QUIET_S", 0.0)  # every evaluation long enough for progress lines
     cfg = tiny_config(
-        checkpoint, str(tmp_path), steps=3, mode="async", max_staleness=1, checkpoint_every=100, eval_every=0
-    )
+        checkpoint, str(tmp_path), steps=3, mode="async", max_staleness=1, checkpoint_every=100, eval_every=0,
+        max_slots=2,
+    )  # fmt: skip
     logged = []
     summary = RLRun(cfg, log=logged.append).run()
     assert [e["step"] for e in summary["evals"]] == [0, 3]  # --eval-every 0: only at step 0 and the end
+    # each evaluation's 4 problems x 2 samples in 4 chunks of one --max-slots 2 batch (2 a rollout actor, queued
+    # behind the async rollouts): a progress line as each comes back but the last
+    progress = [re.sub(r"in \S+, eta \S+$", "", m) for m in logged if re.match(r"eval step \d+: ", m)]
+    assert progress == [
+        f"eval step {s}: {n}/4 held-out problems ({25 * n}%) " for s in (0, 3) for n in (1, 2, 3)
+    ], logged
     _, *lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]  # step 0
     # step 1 trains on version-0 samples at learner version 0; later steps on samples one version old
     assert [x["staleness_max"] for x in lines] == [0, 1, 1] and summary["version"] == 3

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 CPU_DEV = REPO / "k8s" / "overlays" / "cpu-dev"
 RAYCHAT = [sys.executable, "-m", "raychat.cli"]
 # the first step line of a Ray Train worker (raychat.train.trainer.Trainer.log_step) or of RL (raychat.rl.loop)
-FIRST_STEP = re.compile(r"\bstep\s+1/\d+ \||\bstep=1 ")
+FIRST_STEP = re.compile(r"\bstep\s+1/\d+ \||\bstep=1/\d+ ")
 JOB_TIMEOUT_S = 900
 
 

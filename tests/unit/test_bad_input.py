@@ -1872,8 +1872,16 @@ def test_resuming_rl_with_other_settings_or_another_stages_run(flags, want, root
 
 
 def test_a_finished_rl_run_says_so_without_starting_ray(root, rl_run, capsys):
-    """rl at its --steps started Ray and every actor to resume into an empty loop."""
+    """rl at its --steps started Ray and every actor to resume into an empty loop. Its summary said `"evals": []`
+    although its metrics.jsonl holds them: they are read back from there (a torn last line skipped), and
+    `already_complete` says that nothing was trained now (the speedrun's signal)."""
     argv, d = rl_run
+    evals = [{"step": 0, "pass@1": 0.25, "pass@2": 0.5}, {"step": 2, "pass@1": 0.5, "pass@2": 0.75}]
+    lines = [{"step": 0, "eval": evals[0]}, {"step": 1, "reward_mean": 0.0}, {"step": 2, "reward_mean": 0.5,
+             "eval": evals[1]}]  # fmt: skip
+    (root / "r1" / "metrics.jsonl").write_text(
+        "".join(json.dumps(x) + "\n" for x in lines) + '{"step": 3, "ev'
+    )
     capsys.readouterr()
     assert raychat_main([*argv, "--steps", "2"]) == 0  # the rl_run fixture's ray.init raises ReachedRay
     out = capsys.readouterr().out.splitlines()
@@ -1881,8 +1889,8 @@ def test_a_finished_rl_run_says_so_without_starting_ray(root, rl_run, capsys):
         f"finished: the run's checkpoint {d} is at step 2, the last of its 2 steps; nothing to train (--steps "
         "above 2 trains it longer)"
     )
-    assert json.loads(out[-1]) == {"steps": 2, "start_step": 2, "evals": [], "run_dir": str(root / "r1"),
-                                   "checkpoint": str(d)}  # fmt: skip
+    assert json.loads(out[-1]) == {"steps": 2, "start_step": 2, "already_complete": True, "evals": evals,
+                                   "run_dir": str(root / "r1"), "checkpoint": str(d)}  # fmt: skip
 
 
 def test_resuming_rl_with_other_sampling_or_eval_settings_names_each(root, rl_run, capsys):
@@ -1948,7 +1956,12 @@ def test_an_rl_dry_run_checks_and_prints_its_plan_without_ray_or_writes(root, rl
         "(the newest 2 kept); 1 learner x {CPU: 0.5} + 1 rollout actor x {CPU: 0.5}"
     ]
     new = [a if a != "r1" else "r2" for a in argv]
-    assert raychat_main([*new, "--eval-every", "0", "--eval-temperature", "0", "--dry-run"]) == 0
+    assert (
+        raychat_main(
+            [*new, "--eval-every", "0", "--eval-temperature", "0", "--eval-samples", "1", "--dry-run"]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.splitlines()[1] == (
         "plan: steps 1..4 of 2 prompts x 2 samples = 4 rollouts a step, at most 8 tokens each at --temperature 1; "
         "pass@1 on 4 held-out problems at step 0 and at the end; a checkpoint every step (the newest 2 kept); "
@@ -1998,6 +2011,36 @@ def test_rl_refuses_a_layout_the_local_cluster_cannot_hold_before_ray_starts(
     before = _snapshot(root)
     line = _fails_in_one_line([*argv, *(f.format(**values) for f in flags)], capsys)
     assert line == f"raychat rl: error: {want.format(**values)}"
+    assert _snapshot(root) == before
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        (["--eval-temperature", "0"],  # the tiny preset's --eval-samples 2
+         "--eval-samples 2 needs an --eval-temperature above 0 (at least 1e-05), got 0: greedy decoding writes the "
+         "same completion every time (e.g. --eval-temperature 1; or --eval-samples 1)"),
+        (["--task", "spelling"],
+         "--task spelling: rl rewards only calculator and gsm8k, math problems whose reward is 1 when the number "
+         "after a completion's last #### is the answer; spelling has answers that are not numbers after #### (sft "
+         "trains on it, raychat eval measures it)"),
+        (["--task", "smoltalk"],
+         "--task smoltalk: rl rewards only calculator and gsm8k, math problems whose reward is 1 when the number "
+         "after a completion's last #### is the answer; smoltalk has no checker to score a completion with"),
+        (["--task", "humaneval"],
+         "--task humaneval: rl rewards only calculator and gsm8k, math problems whose reward is 1 when the number "
+         "after a completion's last #### is the answer; humaneval has no train split to take prompts from"),
+        (["--task", "calculater"],
+         "--task must be one of ['calculator', 'gsm8k'], got 'calculater' (did you mean calculator?)"),
+    ],
+)  # fmt: skip
+def test_rl_refuses_settings_it_cannot_honour_in_one_line(flags, want, root, capsys):
+    """rl took --eval-samples 2 at --eval-temperature 0 as one sample without a word (raychat eval refuses
+    --samples above 1 at --temperature 0); --task spelling was argparse's "invalid choice: 'spelling' (choose
+    from 'calculator', 'gsm8k')", which did not say why the other tasks cannot be rewarded."""
+    argv = ["rl", "--preset", "tiny", "--storage-path", str(root), "--init-from", "sft", "--run-name", "r"]
+    before = _snapshot(root)
+    assert _fails_in_one_line([*argv, *flags], capsys) == f"raychat rl: error: {want}"
     assert _snapshot(root) == before
 
 

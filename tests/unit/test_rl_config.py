@@ -8,7 +8,7 @@ from support.rl_fixtures import rl_config
 from support.serve_helpers import write_tiny_checkpoint
 
 from raychat.cli import build_parser, main
-from raychat.config import RLConfig, from_dict, preset_values, to_yaml
+from raychat.config import ConfigError, RLConfig, from_dict, preset_values, to_yaml
 from raychat.rl.cli import base_model_warning, config_for, resolve_inputs
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
 from raychat.rl.loop import RLRun, layout_line, step_line
@@ -120,21 +120,26 @@ def test_split_even():
     assert split_even([1], 3) == [[1]]
 
 
-def test_a_greedy_eval_temperature_samples_each_held_out_prompt_once(capsys):
-    """The engine decodes greedily below TEMPERATURE_EPS (1e-5), not only at 0: --eval-temperature 1e-6 with
-    --eval-samples 4 sampled 4 identical completions a prompt and reported pass@1..4, all equal. `rl --help` says
-    what a greedy evaluation does to --eval-samples."""
-
-    def samples(**kw):
-        return RolloutDispatcher(rl_config(eval_samples=4, **kw), None, None, 8).eval_samples
-
-    assert (samples(), samples(eval_temperature=1e-5), samples(eval_temperature=1e-6)) == (4, 4, 1)
-    assert samples(eval_temperature=0) == 1
+def test_more_eval_samples_than_one_at_a_greedy_eval_temperature_are_refused(capsys):
+    """The engine decodes greedily below TEMPERATURE_EPS (1e-5), not only at 0, and rl took --eval-samples 4 at
+    --eval-temperature 0 (or 1e-6) as 1 sample without a word, while `raychat eval` refuses --samples above 1 at
+    --temperature 0: now rl refuses it in one line naming both flags. `rl --help` says so."""
+    assert (
+        RolloutDispatcher(rl_config(eval_samples=4, eval_temperature=1e-5), None, None, 8).eval_samples == 4
+    )
+    assert rl_config(eval_samples=1, eval_temperature=0).eval.eval_samples == 1
+    for greedy in (0, 1e-6):
+        with pytest.raises(ConfigError) as e:
+            rl_config(eval_samples=4, eval_temperature=greedy)
+        assert str(e.value) == (
+            f"--eval-samples 4 needs an --eval-temperature above 0 (at least 1e-05), got {greedy}: greedy decoding "
+            "writes the same completion every time (e.g. --eval-temperature 1; or --eval-samples 1)"
+        )
     with pytest.raises(SystemExit):
         main(["rl", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "0 (below 1e-5) = greedy: one sample per held-out prompt, pass@1 only" in out
-    assert "pass@k for k = 1..this (1 with a greedy --eval-temperature)" in out
+    assert "0 (below 1e-5) = greedy, with --eval-samples 1: pass@1 only" in out
+    assert "pass@k for k = 1..this; above 1 at an --eval-temperature above 0" in out
 
 
 def test_rl_from_a_pretraining_checkpoint_is_warned_about(tmp_path):
@@ -204,13 +209,15 @@ def test_the_layout_line_names_each_actor_by_its_role():
     )
 
 
-def test_a_steps_line_shows_the_share_of_prompts_without_a_learning_signal():
+def test_a_steps_line_shows_the_share_of_prompts_without_a_learning_signal_and_the_steps_in_all():
     """zero_advantage_frac, GRPO's first diagnostic (groups whose samples all scored alike teach nothing), was in
-    metrics.jsonl only; the step's stdout line shows it after reward_mean."""
+    metrics.jsonl only; the step's stdout line shows it after reward_mean. The step was `step=3`, without the
+    run's steps that pretraining's `step 3/50` shows."""
     line = {"step": 3, "version": 3, "reward_mean": 0.25, "pass_at_1": 0.25, "zero_advantage_frac": 0.5,
             "response_len_mean": 31.5, "loss": -0.002, "grad_norm": 0.03, "sync_time_s": None}  # fmt: skip
-    assert step_line(line, 12.4) == (
-        "step=3 reward_mean=0.25 zero_advantage_frac=0.5 response_len_mean=31.5 loss=-0.002 grad_norm=0.03 eta=12s"
+    assert step_line(line, 50, 12.4) == (
+        "step=3/50 reward_mean=0.25 zero_advantage_frac=0.5 response_len_mean=31.5 loss=-0.002 grad_norm=0.03 "
+        "eta=12s"
     )
 
 
@@ -226,7 +233,7 @@ def test_an_evaluations_line_says_what_it_measured(tmp_path):
         ).eval_line(evaluation)
 
     assert line(eval_samples=2) == "eval step 5 (16 held-out problems x 2 samples): pass@1=0.25 pass@2=0.375"
-    assert line(eval_samples=2, eval_temperature=0).startswith(
+    assert line(eval_samples=1, eval_temperature=0).startswith(
         "eval step 5 (16 held-out problems x 1 sample): "
     )
     assert not (tmp_path / "rl").exists()

@@ -84,18 +84,11 @@ def test_the_chunks_queued_on_its_actor_ahead_of_it_add_up():
 
 def test_a_chunks_completion_budget_is_its_prompts_x_samples_x_max_tokens(tmp_path):
     """What the dispatcher sizes a first chunk from: a training chunk's prompts x --samples-per-prompt x
-    --max-tokens, an evaluation's prompts x --eval-samples (1 when greedy) x --max-tokens."""
+    --max-tokens, an evaluation's prompts x --eval-samples x --max-tokens."""
     cfg = tiny_config("ck", str(tmp_path), samples_per_prompt=3, eval_samples=5, max_tokens=7)
     work = RolloutDispatcher(cfg, None, None, 10)._work
     assert work({"split": "train", "indices": [4, 1]}) == ("train", 2 * 3 * 7)
     assert work({"split": "test", "indices": [0, 1, 2]}) == ("test", 3 * 5 * 7)
-    greedy = tiny_config(
-        "ck", str(tmp_path), samples_per_prompt=3, eval_samples=5, max_tokens=7, eval_temperature=0
-    )
-    assert RolloutDispatcher(greedy, None, None, 10)._work({"split": "test", "indices": [0, 1, 2]}) == (
-        "test",
-        21,
-    )
 
 
 def test_a_checkpoint_read_is_sized_from_its_commit_marker_twice_when_remote(tmp_path, s3_env):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from support.rl_fixtures import rl_config, tiny_checkpoint
 
-from raychat.rl.dispatcher import RolloutDispatcher, chunk_seed
+from raychat.rl.dispatcher import EvalProgress, RolloutDispatcher, chunk_seed, split_batches
 from raychat.rl.loop import RESUME_OPTIONS, rl_tasks
 from raychat.rl.rollout import RolloutWorker
 from raychat.tasks.registry import make_task
@@ -77,13 +77,6 @@ def test_a_group_larger_than_max_slots_is_refused_with_the_config(kw, message):
     with pytest.raises(ValueError) as e:
         rl_config(**kw)
     assert str(e.value) == message
-
-
-def test_a_greedy_evaluation_needs_one_slot_a_prompt():
-    """Below 1e-5 the evaluation samples each held-out prompt once (RolloutDispatcher.eval_samples)."""
-    cfg = rl_config(eval_samples=8, max_slots=4, samples_per_prompt=4, eval_temperature=1e-6)
-    assert (cfg.rollout.max_slots, cfg.eval.eval_samples) == (4, 8)
-    assert rl_config().rollout.max_slots == 64
 
 
 def test_generate_batch_refuses_fewer_rows_than_a_prompts_samples(checkpoint):
@@ -161,3 +154,66 @@ def test_rollout_workers_change_a_steps_samples_so_rl_refuses_to_resume_under_an
     assert batches[1][:4] == batches[2][:4]
     assert all(one[2] != two[2] for one, two in zip(batches[1][4:], batches[2][4:]))
     assert "rollout_workers" in RESUME_OPTIONS
+
+
+def test_an_evaluation_in_chunks_samples_what_one_call_of_each_part_samples(checkpoint):
+    """An evaluation was one call a rollout actor (its part of the held-out prompts), so a long one said nothing
+    until it ended; it is now issued in about EVAL_CHUNKS chunks of whole --max-slots batches, round by round,
+    and each chunk's prompts are seeded at their place in the part (the engine's seed_offset): 25 problems on 2
+    actors with --max-slots 4 x 2 samples (2 prompts a batch): parts of 13 and 12 prompts, chunks of 2 batches.
+    Every prompt's samples, so its correct count, are those of one call of its part; without the offset they
+    are not."""
+    cfg = rl_config(eval_examples=25, eval_samples=2, max_slots=4, samples_per_prompt=2, task_examples=16)
+    dispatcher = RolloutDispatcher(cfg, SimpleNamespace(rollouts=[None, None]), None, 16)
+    chunks = dispatcher.eval_chunks(25)
+    seeds = [chunk_seed(cfg.run.seed, -1, i) for i in (0, 1)]
+    assert [(c["worker"], c["indices"], c["offset"], c["seed"]) for c in chunks] == [
+        (0, [0, 1, 2, 3], 0, seeds[0]), (1, [13, 14, 15, 16], 0, seeds[1]),
+        (0, [4, 5, 6, 7], 4, seeds[0]), (1, [17, 18, 19, 20], 4, seeds[1]),
+        (0, [8, 9, 10, 11], 8, seeds[0]), (1, [21, 22, 23, 24], 8, seeds[1]),
+        (0, [12], 12, seeds[0]),
+    ]  # fmt: skip
+    assert split_batches(list(range(4)), 32, 5) == [
+        (0, [0, 1, 2, 3])
+    ]  # the tiny preset's: one chunk an actor
+
+    tasks = {split: make_task("calculator", split, 25, 0, max_operand=9) for split in ("train", "test")}
+    tasks["test"].is_correct = lambda conversation, completion: len(completion) % 2 == 0  # differs by sample
+    worker = RolloutWorker(checkpoint, tasks, max_slots=4)
+
+    def counts(chunk, offset):
+        return worker.evaluate(chunk["indices"], 2, 8, 1.0, chunk["seed"], 0, offset)["correct"]
+
+    whole = [n for i, part in enumerate(([*range(13)], [*range(13, 25)])) for n in counts(
+        {"indices": part, "seed": seeds[i]}, 0)]  # fmt: skip
+    by_chunk = sorted((c["indices"][0], counts(c, c["offset"])) for c in chunks)
+    assert [n for _, part in by_chunk for n in part] == whole
+    assert len(set(whole)) > 1  # the checker tells the samples apart
+    unseeded = sorted((c["indices"][0], counts(c, 0)) for c in chunks)
+    assert [n for _, part in unseeded for n in part] != whole
+
+
+def test_generate_batch_refuses_a_negative_seed_offset(checkpoint):
+    engine = RolloutWorker(checkpoint, _tasks()).engine
+    with pytest.raises(ValueError) as e:
+        engine.generate_batch([[1, 2, 3]], max_tokens=2, seed_offset=-1)
+    assert str(e.value) == "seed_offset must be an int >= 0, got -1"
+
+
+def test_a_long_evaluation_logs_its_progress_every_tenth_and_a_short_one_nothing():
+    """A held-out evaluation of the GPU presets (400 problems x 8 samples) printed nothing until it ended. Once it
+    has run EVAL_QUIET_S (30 s), a line each time the problems done reach another tenth, with an ETA from its
+    rate so far; none at the end (the evaluation's own line follows) nor in a short one."""
+    now, lines = [0.0], []
+    progress = EvalProgress("eval step 10", 400, lines.append, clock=lambda: now[0])
+    for seconds, problems in [(20, 36), (40, 36), (50, 36), (60, 10), (200, 62), (210, 220)]:
+        now[0] = seconds
+        progress.add(problems)
+    assert lines == [
+        "eval step 10: 72/400 held-out problems (18%) in 40s, eta 3m02s",  # 40 s x 328 / 72 = 182 s
+        "eval step 10: 108/400 held-out problems (27%) in 50s, eta 2m15s",
+        "eval step 10: 180/400 held-out problems (45%) in 3m20s, eta 4m04s",  # 118 at 60 s crossed no tenth
+    ]
+    quiet = []  # 2 of 4 problems at once: a tenth crossed, but in under EVAL_QUIET_S
+    EvalProgress("eval step 0", 4, quiet.append, clock=lambda: 1.0).add(2)
+    assert quiet == []

@@ -238,14 +238,15 @@ def test_a_stage_line_about_the_checkpoint_it_starts_from_names_that_checkpoint_
     assert str(named_by_keys(depth, "tiny", "rl")) == "--depth: the SFT checkpoint /c has 2, given 7"
 
 
-def _rl_stage(tmp_path, sft, max_tokens: int) -> None:
+def _rl_stage(tmp_path, sft, max_tokens: int) -> tuple[dict, str]:
     """The tiny preset's RL stage with rl.max_tokens `max_tokens`, from the SFT checkpoint `sft`, after the checks
-    before the first stage, run as _run_stages runs it (its ConfigErrors naming the preset's keys: stage_keys)."""
+    before the first stage, run as _run_stages runs it (its ConfigErrors naming the preset's keys: stage_keys);
+    its (figures, final checkpoint)."""
     preset = _preset(tmp_path, rl={"max_tokens": max_tokens})
     config = SpeedrunConfig.from_preset(preset, str(tmp_path / "out"))
     check_stages(config, preset)
     with stage_keys(preset, "rl"):
-        run_rl_stage(config.rl, str(sft), config.pretrain, speedrun_flags(preset, "rl"), preset)
+        return run_rl_stage(config.rl, str(sft), config.pretrain, speedrun_flags(preset, "rl"), preset)
 
 
 def test_the_rl_stage_checks_max_tokens_after_the_longest_prompt_before_its_actors(tmp_path, monkeypatch):
@@ -287,8 +288,14 @@ def test_the_rl_stage_names_the_settings_it_resumes_with_by_the_presets_keys(tmp
     )
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started"))
     capsys.readouterr()
-    _rl_stage(tmp_path, sft, 6)  # at its 1 step: finished (no Ray), nothing resumed, so no line
+    (rl.parent / "metrics.jsonl").write_text('{"step": 0, "eval": {"step": 0, "pass@1": 0.5}}\n')
+    figures, final = _rl_stage(
+        tmp_path, sft, 6
+    )  # at its 1 step: finished (no Ray), nothing resumed, so no line
     assert capsys.readouterr().out.startswith("finished: ")
+    # its summary's evals are read back from metrics.jsonl; already_complete, not an empty list, says so
+    assert (figures["summary"], final) == (f"already complete ({rl})", str(rl))
+    assert figures["evals"] == [{"step": 0, "pass@1": 0.5}]
     preset = _preset(tmp_path, rl={"max_tokens": 6, "steps": 2})
     config = SpeedrunConfig.from_preset(preset, str(tmp_path / "out"))
     with stage_keys(preset, "rl"), pytest.raises(pytest.fail.Exception, match="Ray started"):

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raychat.config.schema import ConfigError, Section, option, owned_choices, owned_literal, section, shown
+from raychat.cli_parser import did_you_mean
+from raychat.config.schema import (
+    ConfigError,
+    Section,
+    label,
+    option,
+    owned_choices,
+    owned_literal,
+    section,
+    shown,
+)
 from raychat.config.train import SCHEDULE_TIMEOUT_S, CheckpointSection, OptimSection, RunSection
 
 
@@ -30,16 +40,38 @@ class TaskSection(Section):
     """The task the prompts, rewards and held-out problems come from."""
 
     task: str = option(
-        "calculator",
-        "task the prompts and rewards come from",
-        owned_choices("raychat.tasks.registry", "REWARD_TASKS"),
-    )
+        "calculator", "task the prompts and rewards come from: "
+        f"{' or '.join(owned_choices('raychat.tasks.registry', 'REWARD_TASKS'))} (math problems whose reward is 1 "
+        "when the number after a completion's last #### is the answer)",
+    )  # fmt: skip
     task_examples: int = option(10_000, "training prompts (train split)", ge=1)
     max_operand: int = option(999, "calculator: operands are drawn from 0..max_operand", ge=1)
     task_data_dir: str = option(
         "", "directory of the hub tasks' files (smoltalk, gsm8k, mmlu, arc-*, humaneval; layouts: "
         "raychat.tasks.hub_data); '' = $RAYCHAT_TASK_DATA, else runs/task_data",
     )  # fmt: skip
+
+    def __post_init__(self):
+        super().__post_init__()
+        rewarded = owned_choices("raychat.tasks.registry", "REWARD_TASKS")
+        if self.task in rewarded:
+            return
+        flag = label(TaskSection, "task")
+        if self.task not in owned_choices("raychat.tasks.registry", "TASK_NAMES"):
+            close = did_you_mean(self.task, rewarded)
+            hint = f" (did you mean {close}?)" if close else ""
+            raise ConfigError(f"{flag} must be one of {list(rewarded)}, got {self.task!r}{hint}")
+        why = (
+            "has no checker to score a completion with"
+            if self.task in owned_choices("raychat.tasks.registry", "UNGRADED")
+            else "has no train split to take prompts from"
+            if self.task in owned_choices("raychat.tasks.registry", "EVAL_ONLY")
+            else "has answers that are not numbers after #### (sft trains on it, raychat eval measures it)"
+        )
+        raise ConfigError(
+            f"{flag} {self.task}: rl rewards only {' and '.join(rewarded)}, math problems whose reward is 1 when the "
+            f"number after a completion's last #### is the answer; {self.task} {why}"
+        )
 
 
 @dataclass
@@ -137,11 +169,13 @@ class RLEvalSection(Section):
     )  # fmt: skip
     eval_examples: int = option(64, "held-out (test split) prompts per evaluation", ge=1)
     eval_samples: int = option(
-        8, "samples per held-out prompt; pass@k for k = 1..this (1 with a greedy --eval-temperature)", ge=1
+        8,
+        "samples per held-out prompt; pass@k for k = 1..this; above 1 at an --eval-temperature above 0",
+        ge=1,
     )
     eval_temperature: float = option(
-        1.0, "sampling temperature of the evaluation; 0 (below 1e-5) = greedy: one sample per held-out prompt, "
-        "pass@1 only", ge=0,
+        1.0, "sampling temperature of the evaluation; 0 (below 1e-5) = greedy, with --eval-samples 1: pass@1 "
+        "only", ge=0,
     )  # fmt: skip
 
 
@@ -191,7 +225,13 @@ class RLConfig(Section):
                 f"--temperature must be >= {greedy_below:g}, got {shown(r.temperature)}: below it the engine decodes "
                 "greedily, so a prompt's --samples-per-prompt samples would be identical and every advantage 0"
             )
-        if e.eval_temperature >= greedy_below and e.eval_samples > r.max_slots:  # greedy: one sample a prompt
+        if e.eval_samples > 1 and e.eval_temperature < greedy_below:  # as raychat eval's --samples
+            raise ConfigError(
+                f"--eval-samples {e.eval_samples} needs an --eval-temperature above 0 (at least {greedy_below:g}), "
+                f"got {shown(e.eval_temperature)}: greedy decoding writes the same completion every time (e.g. "
+                "--eval-temperature 1; or --eval-samples 1)"
+            )
+        if e.eval_samples > r.max_slots:
             raise ConfigError(
                 f"--eval-samples {e.eval_samples} exceeds --max-slots {r.max_slots}: a held-out prompt's samples "
                 "are decoded together; raise --max-slots or lower --eval-samples"

@@ -429,19 +429,22 @@ class ModelRunner:
         seed: int | None = None,
         stop: str | tuple[str, ...] | list[str] = (),
         max_rows: int | None = None,
+        seed_offset: int = 0,
     ) -> list[GenerationResult]:
         """Generate `num_samples` completions of every prompt; the contract: docs/engine.md. The sampling
         arguments are SamplingParams' fields, checked as it checks them (`stop`: a str is one stop string).
         max_rows: None (one batch of len(prompts) * num_samples rows) or an int >= num_samples: KV-cache rows
         decoded at once; the prompts are generated in batches of max_rows // num_samples whole prompts, each
-        prompt seeded from (seed, its index in `prompts`) as in one batch.
+        prompt seeded from (seed, seed_offset + its index in `prompts`) as in one batch.
+        seed_offset: an int >= 0; a call of prompts[k:] of a list with seed_offset k samples what a call of the
+        whole list samples for them (RL's evaluation, issued in chunks: raychat.rl.dispatcher).
 
         Returns:
             list of len(prompts) * num_samples GenerationResult, results[i * num_samples + j].
         Raises:
             ValueError: prompts not a non-empty list of token-id sequences (text must be encoded first;
-                check_prompt), num_samples < 1, max_rows not None or an int >= num_samples, bad sampling
-                parameters (naming the argument).
+                check_prompt), num_samples < 1, max_rows not None or an int >= num_samples, seed_offset not an
+                int >= 0, bad sampling parameters (naming the argument).
             KVBudgetError: a batch's cache exceeds kv_budget_bytes.
         """
         params = SamplingParams(max_tokens, temperature, top_k, top_p, seed, stop)
@@ -452,6 +455,8 @@ class ModelRunner:
                 f"max_rows must be None or an int >= num_samples {num_samples} (a prompt's samples are decoded "
                 f"together), got {max_rows!r}"
             )
+        if type(seed_offset) is not int or seed_offset < 0:
+            raise ValueError(f"seed_offset must be an int >= 0, got {seed_offset!r}")
         if isinstance(prompts, (str, bytes)):
             raise ValueError(f"prompts is a {type(prompts).__name__}, not lists of token ids; {ENCODE_FIRST}")
         if not prompts:
@@ -460,14 +465,14 @@ class ModelRunner:
         per = len(prompts) if max_rows is None else max_rows // num_samples
         results = []
         for first in range(0, len(prompts), per):
-            results += self._generate(prompts[first : first + per], num_samples, params, first)
+            results += self._generate(prompts[first : first + per], num_samples, params, first, seed_offset)
         return results
 
     def _generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, first: int
+        self, prompts: list[list[int]], n: int, params: SamplingParams, first: int, seed_offset: int = 0
     ) -> list[GenerationResult]:
         """generate_batch of checked `prompts` in one batch of len(prompts) * n rows; prompt i is prompt
-        first + i of the call (its seed and its results' prompt_index)."""
+        first + i of the call (its results' prompt_index), seeded from (seed, seed_offset + first + i)."""
         P = len(prompts)
         max_len = max(len(p) for p in prompts) + params.max_tokens
         if self.compile_decode:  # compiled graphs are specialized on the cache length: reuse a few
@@ -479,7 +484,9 @@ class ModelRunner:
         for i in reversed(range(P)):  # row i -> rows i*n .. i*n+n-1 (never over a row still to copy)
             cache.replicate(i, list(range(i * n, (i + 1) * n)))
         logits = logits.repeat_interleave(n, dim=0)
-        gens = [make_generator(derive_seed(params.seed, first + i), self.device) for i in range(P)]
+        gens = [
+            make_generator(derive_seed(params.seed, seed_offset + first + i), self.device) for i in range(P)
+        ]
         states = [RowState(self.tokenizer, prompts[r // n], params, max_len) for r in range(P * n)]
 
         slot = list(range(P * n))  # logical row r (= i * n + j) lives in cache row slot[r]

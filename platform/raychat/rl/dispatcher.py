@@ -29,23 +29,30 @@ which the dispatcher gives its WeightSync: raychat.rl.sync).
 
 Evaluation goes the same way: its chunks (split "test", min_version = the current version, a seed per part
 of the held-out prompts) are collected, re-synced and re-issued like a step's, so an actor lost during an
-evaluation costs a re-run of its part, with the same result.
+evaluation costs a re-run of its chunk, with the same result. Each actor's part is issued in about
+EVAL_CHUNKS / actors chunks of whole --max-slots batches, each prompt sampled as in one call of the part (the
+engine's seed_offset), so that a long evaluation reports its progress (EvalProgress) as its chunks come back.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
+from itertools import zip_longest
 
 import numpy as np
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.config import RLConfig
-from raychat.engine.sampling import is_greedy
-from raychat.log import log, plural
+from raychat.log import duration, log, plural
 from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed, rollout_deadline
 from raychat.rl.sync import WeightSync
 from raychat.tasks.pass_at_k import pass_at_k
 from raychat.train.launch import error_line
+
+# an evaluation is issued in about this many chunks (at least one an actor): the steps of its progress lines
+EVAL_CHUNKS = 10
+EVAL_QUIET_S = 30.0  # an evaluation that has run for less prints no progress line (a tiny run's take seconds)
 
 
 def chunk_seed(seed: int, step: int, chunk: int) -> int:
@@ -61,6 +68,41 @@ def split_even(items: list, n: int) -> list[list]:
         parts.append(items[start:end])
         start = end
     return [p for p in parts if p]
+
+
+def split_batches(part: list, per_batch: int, pieces: int) -> list[tuple[int, list]]:
+    """(offset in `part`, its items) of at most `pieces` contiguous chunks of `part`, each of ceil(batches /
+    pieces) whole batches of `per_batch` items but the last (so the batches are those of one call of the whole
+    part): split_batches(list(range(10)), 2, 3) -> [(0, [0, 1, 2, 3]), (4, [4, 5, 6, 7]), (8, [8, 9])]."""
+    batches = -(-len(part) // per_batch)
+    size = -(-batches // max(1, min(pieces, batches))) * per_batch
+    return [(o, part[o : o + size]) for o in range(0, len(part), size)]
+
+
+class EvalProgress:
+    """The progress lines of one evaluation of `total` held-out problems, logged as its chunks are collected
+    (add): once it has run EVAL_QUIET_S and the problems done have reached another tenth of `total`, and not at
+    the end (the evaluation's own line follows), e.g. "eval step 10: 120/400 held-out problems (30%) in 1m02s, eta
+    2m25s". The ETA is the evaluation's mean rate so far x the problems left: its chunks come back in rounds, one
+    from each rollout actor at about the same time, so the time between two collected chunks (StepClock's step)
+    is not a chunk's time. `clock`: seconds (time.perf_counter)."""
+
+    def __init__(self, label: str, total: int, log=log, clock=time.perf_counter):
+        self.label, self.total, self.log, self.clock = label, total, log, clock
+        self.started, self.done, self.tenths = clock(), 0, 0
+
+    def add(self, problems: int) -> None:
+        """`problems` more held-out problems evaluated: logs a line when one is due (above)."""
+        self.done += problems
+        elapsed, tenths = self.clock() - self.started, 10 * self.done // self.total
+        if self.done >= self.total or tenths <= self.tenths or elapsed < EVAL_QUIET_S:
+            return
+        self.tenths = tenths
+        self.log(
+            f"{self.label}: {self.done:,}/{plural(self.total, 'held-out problem')} "
+            f"({100 * self.done // self.total}%) in {duration(elapsed)}, eta "
+            f"{duration(elapsed * (self.total - self.done) / self.done)}"
+        )
 
 
 class RolloutDispatcher:
@@ -115,9 +157,8 @@ class RolloutDispatcher:
 
     @property
     def eval_samples(self) -> int:
-        """Samples per held-out prompt: --eval-samples, or 1 when the engine decodes greedily (an
-        --eval-temperature below raychat.engine.sampling.TEMPERATURE_EPS: every sample would be the same)."""
-        return 1 if is_greedy(self.cfg.eval.eval_temperature) else self.cfg.eval.eval_samples
+        """Samples per held-out prompt: --eval-samples (1 at a greedy --eval-temperature: RLConfig refuses more)."""
+        return self.cfg.eval.eval_samples
 
     def prompts_for(self, step: int) -> list[int]:
         P, n = self.cfg.rollout.prompts_per_step, len(self.order)
@@ -148,7 +189,7 @@ class RolloutDispatcher:
         if chunk["split"] == "test":
             chunk["ref"] = actor.evaluate.remote(
                 chunk["indices"], self.eval_samples, r.max_tokens, self.cfg.eval.eval_temperature, chunk["seed"],
-                chunk["min_version"],
+                chunk["min_version"], chunk["offset"],
             )  # fmt: skip
             return
         chunk["ref"] = actor.rollout.remote(
@@ -156,9 +197,10 @@ class RolloutDispatcher:
             self.cfg.asynchrony.mode == "async", chunk["min_version"],
         )  # fmt: skip
 
-    def collect(self, chunks: list[dict]) -> list[dict]:
-        """Results of every chunk (training or evaluation), all from policy versions within the bound (module
-        doc); a chunk whose actor died, or whose weights were too old, is re-issued after a re-sync.
+    def collect(self, chunks: list[dict], progress: EvalProgress | None = None) -> list[dict]:
+        """Results of every chunk (training or evaluation), in the order of `chunks`, all from policy versions
+        within the bound (module doc); a chunk whose actor died, or whose weights were too old, is re-issued after
+        a re-sync. `progress` is told the prompts of each chunk as it is collected.
 
         Raises ActorsLost when a chunk fails --max-restarts + 2 times or no rollout actor is alive; StepFailed
         when an actor raised (not retried) or every sample's reward or checker raised (module doc); ActorTimeout
@@ -191,6 +233,8 @@ class RolloutDispatcher:
                     kind = chunk["split"]
                     self.longest[kind] = max(self.longest.get(kind, 0.0), result["wall_s"])
                     self._unqueue(chunk)
+                    if progress is not None:
+                        progress.add(len(chunk["indices"]))
                     break
                 dropped = len(result.get("samples", ()))
                 self.stale_chunks += 1
@@ -276,18 +320,38 @@ class RolloutDispatcher:
                 return
         raise ActorsLost("no rollout actor is alive")
 
-    def evaluate(self, test_size: int) -> dict:
-        """pass@k (k = 1..eval_samples) over the held-out prompts 0..test_size-1 (test split), from the current
-        policy version. Part i of the prompts is sampled with seed (seed, -1, i) whichever actor runs it, so an
-        evaluation whose actor died is re-run (collect: re-synced restarted actor, or the next live one) with
-        the same result as an undisturbed one."""
+    def eval_chunks(self, test_size: int) -> list[dict]:
+        """The chunks of an evaluation of held-out prompts 0..test_size-1, not yet issued: split_even over the
+        rollout actors, part i seeded (seed, -1, i) whichever actor runs it, and each part split_batches into
+        about EVAL_CHUNKS / actors chunks of whole --max-slots batches (--max-slots // eval_samples prompts),
+        chunk k of a part at "offset" k's first prompt in it (the engine's seed_offset: sampled as in one call of
+        the part). Ordered round by round (every part's first chunk, then every part's second...), as the actors
+        return them."""
         parts = split_even(list(range(test_size)), len(self.actors.rollouts))
-        chunks = [{"worker": i, "indices": p, "seed": chunk_seed(self.cfg.run.seed, -1, i), "ref": None,
-                   "min_version": self.version, "split": "test"} for i, p in enumerate(parts)]  # fmt: skip
+        per_batch, pieces = (
+            self.cfg.rollout.max_slots // self.eval_samples,
+            -(-EVAL_CHUNKS // max(1, len(parts))),
+        )
+        by_part = [
+            [{"worker": i, "indices": idx, "seed": chunk_seed(self.cfg.run.seed, -1, i), "offset": offset,
+              "ref": None, "min_version": self.version, "split": "test"}
+             for offset, idx in split_batches(part, per_batch, pieces)]
+            for i, part in enumerate(parts)
+        ]  # fmt: skip
+        return [c for round_ in zip_longest(*by_part) for c in round_ if c is not None]
+
+    def evaluate(self, test_size: int, progress: EvalProgress | None = None) -> dict:
+        """pass@k (k = 1..eval_samples) over the held-out prompts 0..test_size-1 (test split), from the current
+        policy version, in eval_chunks' chunks (`progress`: told each one's prompts as it is collected). Each
+        prompt is sampled from its part's seed and its place in the part whichever actor runs its chunk, so an
+        evaluation whose actor died is re-run (collect: re-synced restarted actor, or the next live one) with the
+        same result as an undisturbed one."""
+        chunks = self.eval_chunks(test_size)
         if self.on_evaluating:
             self.on_evaluating(self, chunks)
         for chunk in chunks:
             self._issue(chunk)
-        correct = [c for result in self.collect(chunks) for c in result["correct"]]
+        results = sorted(zip(chunks, self.collect(chunks, progress)), key=lambda cr: cr[0]["indices"][0])
+        correct = [c for _, result in results for c in result["correct"]]  # in the prompts' order
         n = self.eval_samples
         return {f"pass@{k}": float(np.mean([pass_at_k(n, c, k) for c in correct])) for k in range(1, n + 1)}

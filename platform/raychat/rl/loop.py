@@ -22,7 +22,8 @@ restarts, stale_chunks and dropped_samples (cumulative: rollouts refused or drop
 weights were older than the staleness bound, raychat.rl.dispatcher; all re-issued). Every --eval-every
 steps, and at step 0 (the baseline): pass@k, k = 1..--eval-samples, on held-out prompts, as "eval" in the step's
 line (the baseline's line, step 0, holds only it); the summary's "evals" are every evaluation of the run, those
-before a resume included (read back from metrics.jsonl). The summary covers the whole invocation, every actor
+before a resume included (read back from metrics.jsonl; so are a finished run's, whose summary has
+"already_complete" true: RLRun.finished). The summary covers the whole invocation, every actor
 group restart included: start_step (where this invocation started), wall_s (seconds from run()'s start: the
 actor group's start, the baseline evaluation and restarts included) and learner_wait_frac (over every learner
 step of every attempt, redone ones too). Checkpoints go to OUT/RUN_NAME/checkpoint_<step:06d>
@@ -73,7 +74,7 @@ from raychat.config.schema import shown
 from raychat.lease import RunLease
 from raychat.log import StepClock, log, plural
 from raychat.metrics import RLMetrics
-from raychat.metrics_sink import MetricsSink
+from raychat.metrics_sink import MetricsSink, read_logged
 from raychat.rl.actors import (
     ActorGroup,
     ActorsLost,
@@ -87,7 +88,7 @@ from raychat.rl.actors import (
     save_deadline,
     step_deadline,
 )
-from raychat.rl.dispatcher import RolloutDispatcher, split_even
+from raychat.rl.dispatcher import EvalProgress, RolloutDispatcher, split_even
 from raychat.rl.objective import group_advantages, zero_advantage_frac
 from raychat.rl.sync import WeightSync
 from raychat.sigterm import SigtermAsSigint, Terminated
@@ -375,13 +376,17 @@ class RLRun:
     # ---- the loop --------------------------------------------------------------------------------------
     def finished(self) -> dict | None:
         """The summary of a run whose newest committed checkpoint is at --steps (check_resume found it to be one
-        this run resumes): nothing to train or evaluate ("evals" empty), so no Ray is needed; None when the run
-        has no checkpoint or steps left."""
-        newest, steps = self.checkpoints.newest(), self.cfg.rollout.steps
+        this run resumes): nothing to train or evaluate, so no Ray is needed; "already_complete" true, "evals"
+        the run's evaluations read back from its metrics.jsonl (as a resumed run's). None when the run has no
+        checkpoint or steps left."""
+        c, steps = self.checkpoints, self.cfg.rollout.steps
+        newest = c.newest()
         if newest is None or newest.step != steps:
             return None
-        return {"steps": steps, "start_step": steps, "evals": [], "run_dir": self.run_dir,
-                "checkpoint": self.checkpoints.uri(steps)}  # fmt: skip
+        logged = read_logged(c.storage, f"{c.run_path}/metrics.jsonl")
+        evals = [x["eval"] for x in logged if isinstance(x.get("eval"), dict) and x["step"] <= steps]
+        return {"steps": steps, "start_step": steps, "already_complete": True, "evals": evals,
+                "run_dir": self.run_dir, "checkpoint": c.uri(steps)}  # fmt: skip
 
     def run(self) -> dict:
         """Run to --steps; returns the summary. The placement group and every actor are released on return
@@ -533,6 +538,14 @@ class RLRun:
             return f"{e.named} hung {at}", e, None
         return f"{self.actors.name_of(getattr(e, 'actor_id', None))} was lost {at}", e, None
 
+    def evaluate(self, step: int) -> dict:
+        """{"step": step, "pass@1": ..., ...}: pass@k on the held-out problems from the current weights, with
+        progress lines while it runs long (raychat.rl.dispatcher.EvalProgress: "eval step 10: 120/400 held-out
+        problems (30%) in 1m02s, eta 2m25s")."""
+        total = len(self.tasks["test"])
+        progress = EvalProgress(f"eval step {step}", total, self.log)
+        return {"step": step, **self.dispatcher.evaluate(total, progress)}
+
     def eval_line(self, evaluation: dict) -> str:
         """An evaluation's stdout line: 'eval step 5 (16 held-out problems x 4 samples): pass@1=0.25 ...'."""
         samples = self.dispatcher.eval_samples
@@ -560,7 +573,7 @@ class RLRun:
         # another, redoes the steps after it): a resumed run's summary has them all, the baseline first
         evals[:] = [x["eval"] for x in metrics.logged() if isinstance(x.get("eval"), dict)]
         if start == 0:
-            evals.append({"step": 0, **self.dispatcher.evaluate(len(self.tasks["test"]))})
+            evals.append(self.evaluate(0))
             metrics.log({"step": 0, "eval": evals[-1]})
             self.log(self.eval_line(evals[-1]))
         inflight: deque = deque()
@@ -593,10 +606,10 @@ class RLRun:
                 "reward_errors": self.dispatcher.reward_errors,
             }  # fmt: skip
             if due(cfg.eval.eval_every, step + 1, steps):
-                evals.append({"step": step + 1, **self.dispatcher.evaluate(len(self.tasks["test"]))})
+                evals.append(self.evaluate(step + 1))
                 line["eval"] = evals[-1]
             eta_s = clock.tick() * (steps - step - 1)
-            self.log(step_line(line, eta_s))
+            self.log(step_line(line, steps, eta_s))
             if "eval" in line:
                 self.log(self.eval_line(evals[-1]))
             metrics.log(line)
@@ -608,7 +621,8 @@ class RLRun:
         self.sync.drain()
         newest = self.checkpoints.newest()
         return {
-            "steps": steps, "start_step": self._start_step, "version": self.version, "restarts": self.restarts,
+            "steps": steps, "start_step": self._start_step, "already_complete": False, "version": self.version,
+            "restarts": self.restarts,
             "failures": self.failures,
             "stale_chunks": self.dispatcher.stale_chunks, "dropped_samples": self.dispatcher.dropped_samples,
             "reward_errors": self.dispatcher.reward_errors, "evals": evals, "learner_wait_frac": self._waited / max(self._waited + self._busy, 1e-9),
@@ -687,9 +701,11 @@ _LOG_KEYS = (
 )  # fmt: skip
 
 
-def step_line(line: dict, eta_s: float) -> str:
-    """A step's stdout line: the _LOG_KEYS of its metrics.jsonl `line` (those set), then its ETA in seconds."""
-    return _fmt({k: line[k] for k in _LOG_KEYS if line.get(k) is not None}) + f" eta={eta_s:.0f}s"
+def step_line(line: dict, steps: int, eta_s: float) -> str:
+    """A step's stdout line: the _LOG_KEYS of its metrics.jsonl `line` (those set), its step out of the run's
+    `steps` as pretraining's line counts them ("step=15/50"), then its ETA in seconds."""
+    shown = {k: line[k] for k in _LOG_KEYS if line.get(k) is not None} | {"step": f"{line['step']}/{steps}"}
+    return _fmt(shown) + f" eta={eta_s:.0f}s"
 
 
 def _fmt(d: dict) -> str:

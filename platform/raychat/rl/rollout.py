@@ -166,11 +166,19 @@ class RolloutWorker:
             **errors.result(),
         }
 
-    def _generate(self, prompts, num_samples: int, max_tokens: int, temperature: float, seed: int | None):
+    def _generate(
+        self,
+        prompts,
+        num_samples: int,
+        max_tokens: int,
+        temperature: float,
+        seed: int | None,
+        seed_offset: int = 0,
+    ):
         """The engine's generate_batch of `prompts`, at most --max-slots KV-cache rows decoding at once."""
         return self.engine.generate_batch(
             prompts, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, seed=seed,
-            max_rows=self.max_slots,
+            max_rows=self.max_slots, seed_offset=seed_offset,
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -193,10 +201,13 @@ class RolloutWorker:
         temperature: float,
         seed: int | None = None,
         min_version: int = 0,
+        seed_offset: int = 0,
     ) -> dict:
         """Correct completions (Task.evaluate) per held-out prompt, out of num_samples each.
 
         min_version: as in rollout(): an actor holding older weights (restarted) evaluates nothing.
+        seed_offset: prompt i is sampled as prompt seed_offset + i of a call seeded `seed` (the engine's
+        generate_batch): a part of the held-out prompts evaluated in chunks samples what it samples in one call.
         Returns {"correct": list[int] (one count per index; [] when refused), "version": int, "worker": int,
         "wall_s": the call's wall time (seconds)} and ScoreErrors.result()'s keys (the samples whose
         Task.is_correct raised: counted incorrect).
@@ -205,7 +216,7 @@ class RolloutWorker:
             return {"correct": [], "version": self.version, "worker": self.worker_index, "wall_s": 0.0}
         began = time.perf_counter()
         conversations, prompts = self._prompts("test", indices)
-        results = self._generate(prompts, num_samples, max_tokens, temperature, seed)
+        results = self._generate(prompts, num_samples, max_tokens, temperature, seed, seed_offset)
         correct, errors = [0] * len(indices), ScoreErrors()
         for r in results:
             conv = conversations[r.prompt_index]
