@@ -779,7 +779,9 @@ def _find(storage: Storage, target: str, flag: str) -> str:
             f"{flag}: checkpoint {shown} is not committed (no {COMMIT_FILE}): a save that did not finish, or a "
             "checkpoint written before commit markers"
         )
-    raise ValueError(f"{flag}: {shown} has no committed checkpoint ({_listing(storage, target)})")
+    runs = [storage.uri_of(run) for run in children(storage, target) if committed_checkpoints(storage, run)]
+    hint = f"; run dirs in it that have some: {', '.join(runs)}" if runs else ""
+    raise ValueError(f"{flag}: {shown} has no committed checkpoint ({_listing(storage, target)}){hint}")
 
 
 def _latest_of_runs(storage: Storage, stages: tuple[str, ...] | None, flag: str) -> str:

@@ -443,7 +443,8 @@ def serve(subparsers) -> None:
         help="serve a checkpoint: streaming chat page + OpenAI-compatible API",
         description="Start the chat app (FastAPI ingress + autoscaled engine replicas) on Ray Serve and print "
         "the URL of the chat page. Endpoints: / (page), /chat/completions (SSE), /v1/chat/completions, "
-        "/v1/completions, /v1/models, /v1/models/{model}, /health.",
+        "/v1/completions, /v1/models, /v1/models/{model}, /health. Metrics (TTFT, tokens, prefix cache hits) are "
+        "on this Ray node's Prometheus port, whose URL it prints, not on --port.",
     )
     add_flags(p, ServeConfig, preset="none")
     p.add_argument(

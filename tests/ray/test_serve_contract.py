@@ -264,3 +264,36 @@ def test_readme_tool_call_example_runs_as_written(served):
     assert re.fullmatch(r"call_[0-9a-f]{24}", call_id)
     shown["tool_calls"][0]["id"] = call_id
     assert printed == shown
+
+
+def _serve_counts(metrics_url: str) -> tuple[float, float]:
+    """(TTFT observations, generated tokens) summed over the replicas in the node's Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = httpx.get(metrics_url, timeout=10).text
+    counts = {"ray_raychat_serve_ttft_seconds_count": 0.0, "ray_raychat_serve_generated_tokens_total": 0.0}
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            if sample.name in counts:
+                counts[sample.name] += sample.value
+    return counts["ray_raychat_serve_ttft_seconds_count"], counts["ray_raychat_serve_generated_tokens_total"]
+
+
+def test_the_printed_metrics_url_counts_a_request(served):
+    """`raychat serve` prints the Prometheus endpoint of its node (a port Ray picks: a vLLM user's /metrics on
+    the API port is not there): one streamed request of 5 tokens adds one TTFT observation and 5 generated
+    tokens to what it serves (Ray exports every few seconds, so it is polled)."""
+    line, deadline = re.compile(r"^metrics: +(http://\S+/metrics)  \(Prometheus", re.M), time.monotonic() + 30
+    while not (found := line.search(served.log_tail(200))) and time.monotonic() < deadline:
+        time.sleep(0.5)  # /health answers a moment before `raychat serve` prints its lines
+    assert found, served.log_tail(200)
+    ttft, tokens = _serve_counts(found[1])
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    chunks = list(client.chat.completions.create(messages=STORY, model=model, temperature=0, max_tokens=5,
+                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].usage.completion_tokens == 5
+    deadline = time.monotonic() + 60
+    while (now := _serve_counts(found[1])) != (ttft + 1, tokens + 5) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert now == (ttft + 1, tokens + 5)

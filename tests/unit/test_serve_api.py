@@ -17,7 +17,7 @@ from raychat.chat_template import TEMPLATE_VERSION
 from raychat.serve import api
 from raychat.serve.api import MAX_BODY_BYTES
 from raychat.serve.errors import INTERNAL_ERROR, EngineUnavailableError, ErrorResponse, field_path
-from raychat.serve.ingress import NO_FINAL_EVENT, create_app
+from raychat.serve.ingress import METRICS_ELSEWHERE, NO_FINAL_EVENT, create_app
 from raychat.serve.sse import parse_sse, sse_event
 
 USER = [{"role": "user", "content": "hi"}]
@@ -316,6 +316,7 @@ def test_missing_messages_and_bad_json(client, fake):
         "messages: unknown field (raychat does not support it here; docs/openai.md lists the accepted fields)"
     ]
     assert_error(client.get("/no-such-page"), 404, None, "Not Found")
+    assert_error(client.get("/metrics"), 404, None, METRICS_ELSEWHERE)  # where vLLM serves them
     assert_error(client.get(V1), 405, None, "Method Not Allowed")
     assert fake.requests == []
 

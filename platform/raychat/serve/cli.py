@@ -292,10 +292,27 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"checkpoint:   {about}")
     print(f'model id:     {model_id}  (what /v1/models lists and OpenAI requests\' "model" names)')
     print(f"chat page:    {url}")
-    print(f"OpenAI API:   {url}v1  (model list: {url}v1/models, health: {url}health)", flush=True)
+    print(f"OpenAI API:   {url}v1  (model list: {url}v1/models, health: {url}health)")
+    metrics = metrics_url()
+    if metrics:
+        print(f"metrics:      {metrics}  (Prometheus, this node's Ray: ray_raychat_serve_ttft_seconds, ...)")
+    print(end="", flush=True)
     if args.no_block:
         return 0
     return _block()
+
+
+def metrics_url() -> str | None:
+    """The Prometheus endpoint of the Ray node this process runs on (its metrics export port, which Ray picks
+    at start: TTFT, tokens, prefix cache hits of the replicas on this node; docs/deployment.md section 5), e.g.
+    "http://127.0.0.1:51234/metrics"; None without Ray or through a ray:// client (no node of its own)."""
+    if not ray.is_initialized() or ray.util.client.ray.is_connected():
+        return None
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id and node.get("MetricsExportPort"):
+            return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    return None
 
 
 def _block() -> int:

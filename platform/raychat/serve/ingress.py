@@ -92,6 +92,10 @@ from raychat.serve.sse import sse_event
 
 STATIC_DIR = Path(__file__).parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+METRICS_ELSEWHERE = (
+    "Not Found: raychat's metrics are on each Ray node's Prometheus endpoint (its metrics export port), not on "
+    "this port; `raychat serve` prints its node's as `metrics: http://HOST:PORT/metrics` (docs/deployment.md §5)"
+)
 # the only paths answered without the key when one is set ("" is the route prefix itself, e.g. /api)
 OPEN_PATHS = frozenset({"", "/", "/health", "/openapi.json"})
 NO_FINAL_EVENT = "the engine's stream ended without a final event"
@@ -391,12 +395,14 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
         return JSONResponse(validation_error_body(errors, model), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException):
+    async def _http_error(request: Request, exc: StarletteHTTPException):
         """FastAPI's own errors (unknown path, bad method, a body that is not UTF-8) in the same shape; a 400
-        is the body's, named first in the message."""
+        is the body's, named first in the message; a 404 for /metrics (vLLM's place) says where they are."""
         param, message = (
             ("body", f"body: {_unreadable(exc)}") if exc.status_code == 400 else (None, exc.detail)
         )
+        if exc.status_code == 404 and route_path(request.scope) == "/metrics":
+            message = METRICS_ELSEWHERE
         return JSONResponse(error_body(str(message), param), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(ParamError)
