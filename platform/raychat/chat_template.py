@@ -47,6 +47,9 @@ from raychat.tokenizer import BOS, Tokenizer
 ROLES = ("system", "user", "assistant", "tool")
 PART_TYPES = ("text", "python", "python_output")
 SYSTEM_SEPARATOR = "\n\n"
+PARTS_FORM = (
+    '[{"type": "text"|"python"|"python_output", "text": STR}, ...]'  # an assistant content's, in errors
+)
 
 # role that may follow each role (None = start of conversation)
 NEXT_ROLES: dict[str | None, tuple[str, ...]] = {
@@ -192,7 +195,7 @@ def _parts(message: Mapping, i: int) -> list[tuple[str, str]]:
     if message["role"] != "assistant" or not isinstance(content, Sequence):
         raise ValueError(
             f"message {i} ({message['role']}): content must be a string"
-            + (" or a list of parts" if message["role"] == "assistant" else "")
+            + (f" or a list of parts {PARTS_FORM}" if message["role"] == "assistant" else "")
             + f", got {type(content).__name__}"
         )
     parts = []

@@ -66,7 +66,8 @@ segments: pretraining `shard:row_group:row[doc_offset:+length]@row_offset decisi
 when anything differs. --data-dir / --tokenizer point at the data if it moved since the run; a shard of the
 step that is not there (moved, or the wrong --data-dir) is an error naming --data-dir (exit 2).
 
-Without --run, the canaries:
+Without --run, the canaries (or, with --sft-data, your own conversations: the first --examples of them,
+each headed by its file and line, rendered, truncated to --row-len and padded to a row as SFT trains on them):
 
 For each canary (short text, empty fields, multi-turn tool use, Unicode, code, an over-long conversation
 and a packed multi-sample row) the conversation is rendered by the chat template, truncated to the row
@@ -539,6 +540,19 @@ def inspect_batch(subparsers) -> None:
         action="append",
         choices=[*CANARIES, "packed"],
         help="canary to print (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--sft-data",
+        default="",
+        help="instead of the canaries, your conversations (a `raychat sft --sft-data` value: files of "
+        '{"messages": [...]} records, checked as sft checks them), rendered and padded to a row as SFT '
+        "trains on them, each headed by its file and line",
+    )
+    p.add_argument(
+        "--examples",
+        type=at_least(1),
+        default=None,
+        help="with --sft-data: how many of the conversations to print, from the first (default 4)",
     )
     p.set_defaults(func="raychat.data.replay.inspect_batch:run")
 

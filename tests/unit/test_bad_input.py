@@ -929,7 +929,8 @@ def test_sft_on_own_conversations_with_one_bad_record(root, tmp_path, capsys):
     (d / "test.jsonl").write_text(good.replace('"Hi"', json.dumps("Hi " * 100)))
     assert _fails_in_one_line(argv, capsys) == (
         "raychat sft: error: --sft-tasks: task smoltalk's held-out conversations (1) fill no row of 65 tokens: the "
-        "last exchange of each is longer (a longer --seq-len keeps some)  (RAYCHAT_DEBUG=1 shows the traceback)"
+        "last exchange of each is longer (a longer --seq-len, up to the --init-from checkpoint's max_seq_len, or "
+        "shorter held-out conversations keep some)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
     assert _snapshot(root) == before
     # eval has no accuracy to measure on them (README: the run's smoltalk_val_bpb does)

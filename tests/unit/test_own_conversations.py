@@ -115,7 +115,13 @@ ROLES = "['system', 'user', 'assistant', 'tool']"
         ({"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]},
          f"messages[1]: role must be one of {ROLES}, got 'bot' (1 of 3 records is bad)"),
         ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]},
-         "messages[1] lacks 'content' (1 of 3 records is bad)"),
+         "messages[1] lacks 'content' (a string; an assistant's may be a list of parts: [{\"type\": \"text\"|"
+         "\"python\"|\"python_output\", \"text\": STR}, ...]) (1 of 3 records is bad)"),
+        ({"messages": [{"content": "x"}, {"role": "assistant", "content": "y"}]},
+         f"messages[0] lacks 'role' (one of {ROLES}) (1 of 3 records is bad)"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]},
+         "messages[1] (assistant): content must be a string or a list of parts [{\"type\": \"text\"|\"python\"|"
+         "\"python_output\", \"text\": STR}, ...], got NoneType (1 of 3 records is bad)"),
         ({"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]},
          "messages[0]: role 'assistant' not allowed at the start; allowed: ['system', 'user'] (1 of 3 records is bad)"),
         ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},

@@ -1,4 +1,6 @@
+import ast
 import hashlib
+import json
 import re
 import shutil
 
@@ -185,3 +187,73 @@ def test_inspect_batch_cli_trains_a_tokenizer_when_none_given(capsys, tmp_path, 
     assert main(["inspect-batch", "--tokenizer", str(tmp_path), "--canary", "empty", "--row-len", "16"]) == 0
     out = capsys.readouterr().out
     assert f"tokenizer {small_tokenizer.version}" in out and "row_len 16" in out
+
+
+def test_inspect_batch_prints_your_own_conversations_with_the_tokens_that_carry_loss(
+    capsys, tmp_path, small_tokenizer
+):
+    """`--sft-data` prints the user's own conversations as SFT trains on them: the labels (the tokens trained
+    to predict) are exactly the assistant's text, its calculator call and each <|assistant_end|>; the system,
+    user and tool tokens are never labels. An SFT user could print only the canaries."""
+    tool_turn = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "3*7?"},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "Ok. "}, {"type": "python", "text": "3*7"}],
+        },
+        {"role": "tool", "content": "21"},
+        {"role": "assistant", "content": "It is 21."},
+        {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "Bye."},
+    ]
+    short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (tool_turn, short, short)))
+    small_tokenizer.save(tmp_path / "tok")
+    argv = [
+        "inspect-batch",
+        "--sft-data",
+        str(path),
+        "--tokenizer",
+        str(tmp_path / "tok"),
+        "--row-len",
+        "128",
+    ]
+    assert main([*argv, "--examples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "the first 2 of 3 conversations" in out
+    assert f"=== {path} line 1 ===" in out and f"=== {path} line 2 ===" in out and "line 3 ===" not in out
+    first = out.split(f"=== {path} line 2 ===")[0].split(f"=== {path} line 1 ===")[1]
+    # (text, role, label) of each position: fixed columns (format_row), the texts and labels as repr
+    rows = [
+        (ast.literal_eval(ln[12:34].strip()), ln[35:44].strip(), ln[69:])
+        for ln in first.splitlines()
+        if re.match(r"\s+\d+\s+\d+\s", ln) and "label only" not in ln
+    ]
+    targets = [(text, role, ast.literal_eval(label)) for text, role, label in rows if label != "-"]
+    assert "".join(t[2] for t in targets) == (
+        "Ok. <|python_start|>3*7<|python_end|>It is 21.<|assistant_end|>Bye.<|assistant_end|>"
+    )
+    assert {t[1] for t in targets} == {"assistant", "tool"}  # <|assistant_start|>, <|output_end|> predict
+    assert all(label == "-" for _, role, label in rows if role in ("system", "user", "bos"))
+    tool_labelled = [(text, label) for text, role, label in targets if role == "tool"]
+    assert len(tool_labelled) == 1 and tool_labelled[0][0] == "<|output_end|>"  # the tool output is no target
+    assert "It is 21.".startswith(tool_labelled[0][1])
+
+    path.write_text(
+        json.dumps({"messages": short})
+        + "\n"
+        + json.dumps({"messages": [short[0], {"role": "bot", "content": "x"}]})
+        + "\n"
+    )
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"raychat inspect-batch: error: --sft-data: {path} line 2: messages[1]: role must be one of "
+        "['system', 'user', 'assistant', 'tool'], got 'bot' (1 of 2 records is bad)  "
+        "(RAYCHAT_DEBUG=1 shows the traceback)\n"
+    )
+    assert main(["inspect-batch", "--examples", "2"]) == 2
+    assert "error: --examples goes with --sft-data" in capsys.readouterr().err
+    assert main([*argv, "--canary", "short"]) == 2
+    assert "error: --canary prints canary samples, --sft-data your conversations" in capsys.readouterr().err

@@ -249,7 +249,8 @@ def test_held_out_conversations_that_fill_no_row_are_refused_naming_sft_data(tmp
         check_validation_rows(cfg)
     assert str(e.value) == (
         "--sft-data: task sft-data's held-out conversations (1) fill no row of 65 tokens: the last exchange of "
-        "each is longer (a longer --seq-len keeps some)"
+        "each is longer (a longer --seq-len, up to the --init-from checkpoint's max_seq_len, or shorter held-out "
+        "conversations keep some)"
     )
 
 

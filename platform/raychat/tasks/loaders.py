@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from raychat.chat_template import validate_messages
+from raychat.chat_template import PARTS_FORM, ROLES, validate_messages
 from raychat.log import plural
 from raychat.tasks.base import Task, extract_answer
 
@@ -164,9 +164,10 @@ def conversation_error(messages) -> str | None:
                 f"messages[{i}].tool_calls: not read in training data; write the call as a content part "
                 '{"type": "python", "text": EXPR} and its result as the next "tool" message'
             )
-        for key in ("role", "content"):
-            if key not in m:
-                return f"messages[{i}] lacks {key!r}"
+        if "role" not in m:
+            return f"messages[{i}] lacks 'role' (one of {list(ROLES)})"
+        if "content" not in m:
+            return f"messages[{i}] lacks 'content' (a string; an assistant's may be a list of parts: {PARTS_FORM})"
     try:
         validate_messages(messages)
     except ValueError as e:

@@ -327,7 +327,10 @@ def check_validation_rows(
             validation_rows(task, tokenizer, cfg.model.seq_len + 1)
         except ValueError as e:
             flag = "--sft-data" if name == SFT_DATA else "--sft-tasks"
-            raise ValueError(f"{flag}: {e} (a longer --seq-len keeps some)") from None
+            raise ValueError(
+                f"{flag}: {e} (a longer --seq-len, up to the --init-from checkpoint's max_seq_len, or shorter "
+                "held-out conversations keep some)"
+            ) from None
 
 
 def sft_data_line(cfg: TrainConfig, own: SFTDataRead | None = None) -> str:

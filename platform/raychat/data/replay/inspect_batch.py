@@ -1,5 +1,5 @@
-"""`raychat inspect-batch`: the batch of a training step rebuilt from its replay record, or canary samples
-token by token (what it prints: `raychat inspect-batch --help`, raychat.commands.INSPECT_BATCH_DESCRIPTION)."""
+"""`raychat inspect-batch`: the batch of a training step rebuilt from its replay record, or canary samples (or
+your --sft-data conversations) token by token (what it prints: `raychat inspect-batch --help`, raychat.commands.INSPECT_BATCH_DESCRIPTION)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from raychat.data.loader.sample_packing import PackItem, SamplePacker, rows_to_b
 from raychat.data.replay.rebuild import verify_step
 from raychat.data.replay.records import read_step
 from raychat.masks import document_causal_mask
+from raychat.tasks.sft_data import SFTData, sft_data_files
 from raychat.tokenizer import Tokenizer
 
 PACKED_MEMBERS = ("short", "unicode", "code")
@@ -105,24 +106,48 @@ def inspect_canaries(tokenizer: Tokenizer, row_len: int, names: list[str] | None
     out = [f"template {TEMPLATE_VERSION}  tokenizer {tokenizer.version}  row_len {row_len} (T={row_len - 1})"]
     for name in names:
         members = PACKED_MEMBERS if name == "packed" else (name,)
-        rendered = {
-            convs[m]["id"]: render_conversation(tokenizer, convs[m], max_tokens=row_len) for m in members
-        }
         out.append(f"\n=== canary {name} ===")
-        for sid, r in rendered.items():
-            out.append(
-                f"{sid}: {len(r)} tokens, {r.num_targets} targets, truncation {r.truncation.to_dict()}"
-            )
-        items = [PackItem.from_rendered(sid, r) for sid, r in rendered.items() if not r.dropped]
-        if not items:
-            out.append("dropped: not trained on")
-            continue
-        packer = SamplePacker.from_items(
-            items, row_len, tokenizer.bos_id, mode="bestfit" if name == "packed" else "pad"
-        )
-        for row in packer:
-            out.append(format_row(tokenizer, row, rendered))
+        out += _section(tokenizer, row_len, [convs[m] for m in members], packed=name == "packed")
     return "\n".join(out)
+
+
+def inspect_sft_data(tokenizer: Tokenizer, row_len: int, value: str, examples: int) -> str:
+    """The first `examples` conversations of an --sft-data value (its train files, then its test files, each in
+    file order), each rendered, truncated to `row_len` and padded to a row as SFT trains on it, as a table like
+    the canaries'; each headed by its file and line.
+
+    Raises:
+        ValueError: one line, as `raychat sft --sft-data` refuses the value (a missing file, a bad record).
+    """
+    files = sft_data_files(value)
+    try:
+        task = SFTData([*files.train, *files.test])
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"--sft-data: {e}") from None
+    n = min(examples, len(task))
+    out = [
+        f"template {TEMPLATE_VERSION}  tokenizer {tokenizer.version}  row_len {row_len} (T={row_len - 1}); "
+        f"the first {n} of {len(task)} conversations"
+    ]
+    for i in range(n):
+        example = task.get_example(i)
+        out.append(f"\n=== {example['where']} ===")
+        out += _section(tokenizer, row_len, [example], packed=False)
+    return "\n".join(out)
+
+
+def _section(tokenizer: Tokenizer, row_len: int, conversations: list[dict], packed: bool) -> list[str]:
+    """Lines: each conversation's rendering summary, then its row(s) (one per row, or best-fit `packed`)."""
+    rendered = {c["id"]: render_conversation(tokenizer, c, max_tokens=row_len) for c in conversations}
+    out = [
+        f"{sid}: {len(r)} tokens, {r.num_targets} targets, truncation {r.truncation.to_dict()}"
+        for sid, r in rendered.items()
+    ]
+    items = [PackItem.from_rendered(sid, r) for sid, r in rendered.items() if not r.dropped]
+    if not items:
+        return [*out, "dropped: not trained on"]
+    packer = SamplePacker.from_items(items, row_len, tokenizer.bos_id, mode="bestfit" if packed else "pad")
+    return out + [format_row(tokenizer, row, rendered) for row in packer]
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
@@ -212,11 +237,16 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 "--run and --step go together: --run RUN_DIR --step N rebuilds that step's batch"
             )
-        if args.canary:
-            raise ValueError("--canary prints canary samples; it does not go with --run and --step")
+        if args.canary or args.sft_data:
+            flag = "--canary prints canary samples" if args.canary else "--sft-data prints your conversations"
+            raise ValueError(f"{flag}; it does not go with --run and --step")
         report, identical = inspect_step(args.run, args.step, args.data_dir, args.tokenizer or None)
         print(report)
         return 0 if identical else 1
+    if args.examples is not None and not args.sft_data:
+        raise ValueError("--examples goes with --sft-data (how many of your conversations to print)")
+    if args.sft_data and args.canary:
+        raise ValueError("--canary prints canary samples, --sft-data your conversations: give one of them")
     if args.data_dir is not None:
         raise ValueError(
             "--data-dir goes with --run and --step (the shards of that run's step); canaries read none"
@@ -226,5 +256,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         tokenizer = Tokenizer.train(canary_texts() * 4, vocab_size=args.vocab_size)
         print(f"(no --tokenizer: trained a {tokenizer.vocab_size}-token BPE on the canary texts)")
-    print(inspect_canaries(tokenizer, args.row_len, args.canary))
+    if args.sft_data:
+        print(inspect_sft_data(tokenizer, args.row_len, args.sft_data, args.examples or 4))
+    else:
+        print(inspect_canaries(tokenizer, args.row_len, args.canary))
     return 0
