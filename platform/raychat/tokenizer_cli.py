@@ -17,7 +17,7 @@ from raychat.config import from_args
 from raychat.config.data import TokenizerConfig
 from raychat.data.corpus.shards import DataError, check_text_column, list_shards, null_text_message
 from raychat.lease import LEASE_FILE, output_lease
-from raychat.log import log
+from raychat.log import log, plural
 from raychat.storage import check_writable, open_storage, output_directory, run_directory
 from raychat.tokenizer import Tokenizer
 
@@ -60,7 +60,8 @@ def train_tokenizer(
     out_flag: str = "--out",
 ) -> dict:
     """Train on at most `max_chars` characters (<= 0: all) of the training shards of `data_dir`, in order, the
-    document that reaches the cap cut there (iter_texts); save to `out` (the leftovers of killed writes there
+    document that reaches the cap cut there (iter_texts), saying so in a line first (BPE training prints
+    nothing until it ends); save to `out` (the leftovers of killed writes there
     removed first: raychat.atomic.remove_leftovers); returns the report dict. Holds the lease on `out`
     (output_lease; a refusal says to use another `out_flag`) from before it trains until it has saved.
 
@@ -77,6 +78,11 @@ def train_tokenizer(
         remove_leftovers(
             out
         )  # of a run that was killed while saving (a live run's are not: it holds the lease)
+        limit = f"at most {max_chars:,} characters" if max_chars > 0 else "all the text"
+        log(
+            f"training the tokenizer (vocabulary {vocab_size}) on {limit} of "
+            f"{plural(len(train_files), 'train shard')} in {data_dir} ..."
+        )
         t0 = time.perf_counter()
         tokenizer = Tokenizer.train(iter_texts(train_files, max_chars), vocab_size)
         seconds = time.perf_counter() - t0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -9,8 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from raychat.cli import main
 from raychat.data.corpus import corpora
 from raychat.data.corpus.corpora import CorpusNotInstalled, python_docs, wordnet_entry, wordnet_glosses
+from raychat.data.corpus.prepare import prepare
 from raychat.data.corpus.rst_clean import clean_rst, split_sections
 from raychat.data.corpus.shards import DataError
 
@@ -245,3 +248,94 @@ def test_symlinked_directories_and_broken_links_are_counted_skips(tmp_path):
         "not_a_file": ["gone.txt", "pipe.txt"],
         "symlinked_directory": ["linked"],
     }
+
+
+def test_text_field_reads_another_jsonl_field_and_parquet_column(tmp_path):
+    """An HF-style export keeps its documents under another name ("content"): --text-field reads that JSON
+    field and parquet column (string or binary); .txt files are read whole either way, and a line or file
+    lacking the field is the usual skip."""
+    (tmp_path / "a.jsonl").write_text('{"content": "j1", "text": "not me"}\n{"text": "no content"}\n')
+    pq.write_table(pa.table({"id": [1, 2], "content": ["p1", None]}), tmp_path / "b.parquet")
+    pq.write_table(pa.table({"content": pa.array([b"p2"], pa.binary())}), tmp_path / "c.parquet")
+    (tmp_path / "d.txt").write_text("whole file")
+    corpus = corpora.local_folder(tmp_path, text_field="content")
+    assert corpus.documents == ["j1", "p1", "p2", "whole file"]
+    assert dict(corpus.skips.counts) == {"no_text_field": 1, "null_text": 1}
+    assert corpus.skips.examples == {
+        "no_text_field": ["a.jsonl:line=2"],
+        "null_text": ["b.parquet:row_group=0:row=1"],
+    }
+
+
+def test_a_parquet_file_without_the_text_column_names_its_columns_and_the_flag(tmp_path):
+    pq.write_table(pa.table({"id": [1], "content": ["p1"]}), tmp_path / "b.parquet")
+    with pytest.raises(DataError) as e:
+        corpora.local_folder(tmp_path)
+    assert str(e.value) == (
+        f"--source {tmp_path}: b.parquet: no `text` column (columns: ['id', 'content']); give --text-field with "
+        "the column that holds the documents"
+    )
+    with pytest.raises(
+        DataError, match=r"b\.parquet: no `body` column \(columns: \['id', 'content'\]\); give"
+    ):
+        corpora.local_folder(tmp_path, text_field="body")
+
+
+def test_data_prepare_text_field_end_to_end(tmp_path, capsys):
+    """JSONL lines keyed "content": without the flag every line is a no_text_field skip and the error names the
+    flag; with it the shards hold the documents under `text` and the manifest records the field. A named source
+    refuses the flag."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    (src / "a.jsonl").write_text("".join(f'{{"content": "doc {i}"}}\n' for i in range(3)))
+    assert main(["data", "prepare", "--source", str(src), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"raychat data prepare: error: --source {src}: no usable documents: skipped 3 documents (no_text_field: "
+        "3 (e.g. a.jsonl:line=1, a.jsonl:line=2, a.jsonl:line=3)); a .jsonl line's document is its 'text' "
+        "field: give --text-field with the field that holds it\n"
+    )
+    assert not out.exists()
+    assert main(["data", "prepare", "--source", str(src), "--out", str(out), "--text-field", "content"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["text_field"] == "content" and manifest["documents"] == 3
+    texts = [t for s in manifest["shards"] for t in pq.read_table(out / s["file"]).column("text").to_pylist()]
+    assert sorted(texts) == ["doc 0", "doc 1", "doc 2"]
+    for source in ("debian-docs", "fineweb-edu"):
+        assert (
+            main(["data", "prepare", "--source", source, "--out", str(out), "--text-field", "content"]) == 2
+        )
+        assert capsys.readouterr().err.endswith(
+            f"error: --text-field applies to a --source DIR (its .jsonl and .parquet files), not to --source "
+            f"{source}\n"
+        )
+    assert (out / "manifest.json").exists()
+
+
+def test_ctrl_c_during_prepare_says_what_is_left_and_the_rerun_finishes(tmp_path):
+    """Ctrl-C as the second shard is written (after the earlier manifest was removed): the interrupt says that
+    the directory holds no finished data and to run again; the lease is released, and the same prepare then
+    writes the same shards as an uninterrupted one and removes the extra shard of the earlier, larger run."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    for i in range(8):
+        (src / f"{i}.txt").write_text(f"document {i}")
+    prepare(str(src), out, num_shards=3, log=lambda m: None)  # 4 shards
+
+    def interrupt(message: str) -> None:
+        if "wrote shard_00001" in message:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as e:
+        prepare(str(src), out, num_shards=2, log=interrupt)
+    assert str(e.value) == (
+        f"{out} holds no finished data now (no manifest.json: the earlier one was removed as the run started); "
+        "run the same command again, which prepares it from the start"
+    )
+    assert sorted(p.name for p in out.iterdir()) == [f"shard_0000{i}.parquet" for i in range(4)]
+    lines: list[str] = []
+    manifest = prepare(str(src), out, num_shards=2, log=lines.append)
+    assert [s["documents"] for s in manifest["shards"]] == [3, 3, 2]
+    assert "removed 1 earlier shard that manifest.json does not list (shard_00003.parquet)" in lines
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"] + [
+        f"shard_0000{i}.parquet" for i in range(3)
+    ]

@@ -130,6 +130,53 @@ def test_inspect_batch_cli_rebuilds_a_step(sft_run, capsys):
     assert "error: --data-dir goes with --run and --step" in capsys.readouterr().err
 
 
+def test_inspect_batch_row_prints_the_rebuilt_row_token_by_token(sft_run, small_tokenizer, capsys):
+    """--row R shows what the trainer's batch held at each position of row R: its input ids hash to the record
+    written in training; each label is the next position's token, or "-" (loss_mask False) at a segment's end
+    and on user tokens; positions restart at 0 with each segment, whose first token is BOS."""
+    run, _ = sft_run
+    records, _ = read_step(str(run), 2)
+    assert main(["inspect-batch", "--run", str(run), "--step", "2", "--row", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    head = out.index(
+        "row 3 (rank 0 micro 1 row 1) as trained on: input_ids, labels, loss_mask (label -: not in the loss), "
+        "segment_ids, position_ids"
+    )
+    assert out[head + 1] == f"{'pos':>5} {'id':>6}  {'text':<22} {'seg':>3} {'position':>8}  label"
+    table = out[head + 2 :]
+    assert len(table) == ROW_LEN - 1
+    pos, ids, text = (
+        [int(ln[:5]) for ln in table],
+        [int(ln[6:12]) for ln in table],
+        [ln[14:36] for ln in table],
+    )
+    seg, position, label = (
+        [int(ln[37:40]) for ln in table],
+        [int(ln[41:49]) for ln in table],
+        [ln[51:] for ln in table],
+    )
+    assert pos == list(range(ROW_LEN - 1))
+    assert tensor_sha256("input_ids", torch.tensor(ids)) == records[3]["input_ids_sha256"]
+    starts = [p for p in pos if p == 0 or seg[p] != seg[p - 1]]
+    samples = len(records[3]["doc"])  # the row's samples, then padding (BOS tokens, a segment of its own)
+    assert starts[:samples] == list(records[3]["row_offset"]) and len(starts) <= samples + 1
+    assert all(label[p] == "-" for p in pos if p >= starts[samples - 1] + records[3]["length"][-1] - 1)
+    for p in pos:
+        start = max(s for s in starts if s <= p)
+        assert position[p] == p - start
+        if p in starts:
+            assert ids[p] == small_tokenizer.bos_id
+        if p + 1 in starts:
+            assert label[p] == "-"  # no label across a segment boundary
+        elif label[p] != "-" and p + 1 < len(pos):
+            assert label[p] == text[p + 1].rstrip()
+    assert 0 < sum(lbl != "-" for lbl in label) < len(label)  # assistant tokens are targets, user tokens not
+    assert main(["inspect-batch", "--run", str(run), "--step", "2", "--row", "4"]) == 2
+    assert "error: --row 4: step 2 has 4 rows; allowed: 0..3" in capsys.readouterr().err
+    assert main(["inspect-batch", "--row", "0", "--canary", "short"]) == 2
+    assert "error: --row goes with --run and --step" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "stages, why",
     [

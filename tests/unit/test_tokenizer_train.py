@@ -45,8 +45,9 @@ def test_max_chars_is_documented_as_a_cap():
     )
 
 
-def test_train_tokenizer_reads_only_max_chars(tmp_path, monkeypatch):
-    """The one long document of the reported case: 1000 characters of it are trained on, not all of it."""
+def test_train_tokenizer_reads_only_max_chars(tmp_path, monkeypatch, capsys):
+    """The one long document of the reported case: 1000 characters of it are trained on, not all of it. A line
+    says so before the training, which prints nothing until it ends (minutes on a large corpus)."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "long.txt").write_text("word " * 20_000)  # 100000 characters
@@ -66,6 +67,9 @@ def test_train_tokenizer_reads_only_max_chars(tmp_path, monkeypatch):
     monkeypatch.setattr(tokenizer_cli.Tokenizer, "train", recording_train)
     train_tokenizer(str(tmp_path / "data"), str(tmp_path / "tok"), 300, max_chars=1000)
     assert trained == [("word " * 20_000)[:1000]]
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"training the tokenizer (vocabulary 300) on at most 1,000 characters of 1 train shard in {tmp_path / 'data'} ..."
+    )
 
 
 def _data_dir_with_a_null(tmp_path) -> tuple[Path, Path]:

@@ -37,6 +37,10 @@ class PrepareConfig(Section):
         "hub sources: a mirror URL with {index}, e.g. http://host/shard_{index:05d}.parquet; not "
         "given: the source's own URL",
     )
+    text_field: str | None = option(
+        None, "a --source DIR only: the .jsonl field and .parquet column that hold each document (.txt, .md "
+        "and .rst files are read whole); not given: text",
+    )  # fmt: skip
     workers: int | None = option(
         None, "hub sources only: parallel downloads; not given: "
         f"{owned_literal('raychat.data.corpus.download', 'DOWNLOAD_WORKERS')}", ge=1,

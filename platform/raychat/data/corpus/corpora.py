@@ -12,7 +12,7 @@ Default corpus ("debian-docs"), real human-written English installable on Debian
 
 Local folder: every *.txt, *.md, *.rst file is one document (kept verbatim but for a leading UTF-8 byte order
 mark); every line of a *.jsonl file is one document (its "text" field); every row of a *.parquet file is one
-document (its `text` column).
+document (its `text` column). `--text-field NAME` reads another JSON field and parquet column instead.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ WORDNET_FILES = ("noun", "verb", "adj", "adv")  # /usr/share/wordnet/data.<name>
 EXAMPLES_PER_REASON = 5
 # The `text` column types a local .parquet file may have; binary values are decoded as UTF-8.
 TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
+TEXT_FIELD = "text"  # the .jsonl field and .parquet column read unless --text-field names another
 
 
 class CorpusNotInstalled(DataError):
@@ -199,19 +200,26 @@ def component(package: str, license: str, path: Path, docs: list[str]) -> dict:
     }
 
 
-def parquet_documents(path: Path, name: str, documents: list[str], skips: Skips) -> None:
-    """Rows of a parquet file's `text` column, row group by row group.
+def parquet_documents(
+    path: Path, name: str, documents: list[str], skips: Skips, text_field: str = TEXT_FIELD
+) -> None:
+    """Rows of a parquet file's `text_field` column (default `text`), row group by row group.
 
     Raises:
-        DataError: not a readable parquet file, no `text` column, a `text` column that is neither string nor
-            binary (naming its type), or a row group that cannot be read.
+        DataError: not a readable parquet file, no such column (its columns listed, and the --text-field
+            that reads another), a column that is neither string nor binary (naming its type), or a row group
+            that cannot be read.
     """
-    pf = open_text_shard(path, name)
-    kind = pf.schema_arrow.field("text").type
+    pf = open_text_shard(
+        path, name, text_field, "; give --text-field with the column that holds the documents"
+    )
+    kind = pf.schema_arrow.field(text_field).type
     if not any(is_type(kind) for is_type in TEXT_TYPES):
-        raise DataError(f"{name}: the `text` column holds {kind}, not strings (string or UTF-8 binary)")
+        raise DataError(
+            f"{name}: the `{text_field}` column holds {kind}, not strings (string or UTF-8 binary)"
+        )
     for g in range(pf.num_row_groups):
-        column = read_text_column(pf, g, name).cast(pa.binary())
+        column = read_text_column(pf, g, name, text_field).cast(pa.binary())
         for row, value in enumerate(column.to_pylist()):
             where = f"{name}:row_group={g}:row={row}"
             if value is None:
@@ -233,9 +241,11 @@ def is_utf8_encodable(text: str) -> bool:
     return True
 
 
-def jsonl_documents(path: Path, name: str, documents: list[str], skips: Skips) -> None:
-    """The "text" field of each JSON line (a UTF-8 byte order mark before a line, as Windows editors write
-    before the first, is ignored); bad lines are counted skips: invalid_utf8 (a line that is not UTF-8, or a
+def jsonl_documents(
+    path: Path, name: str, documents: list[str], skips: Skips, text_field: str = TEXT_FIELD
+) -> None:
+    """The `text_field` (default "text") of each JSON line (a UTF-8 byte order mark before a line, as Windows
+    editors write before the first, is ignored); bad lines are counted skips: invalid_utf8 (a line that is not UTF-8, or a
     text with a lone surrogate escape such as "\\ud800", which has no UTF-8 encoding), invalid_json,
     no_text_field, empty."""
     with open(path, "rb") as f:
@@ -249,7 +259,7 @@ def jsonl_documents(path: Path, name: str, documents: list[str], skips: Skips) -
             except json.JSONDecodeError:
                 skips.add("invalid_json", where)
                 continue
-            text = record.get("text") if isinstance(record, dict) else None
+            text = record.get(text_field) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 skips.add("no_text_field", where)
                 continue
@@ -259,8 +269,9 @@ def jsonl_documents(path: Path, name: str, documents: list[str], skips: Skips) -
             keep(text, where, documents, skips)
 
 
-def local_folder(folder: str | Path) -> Corpus:
-    """All documents in the files under `folder` (recursively, files sorted by relative path).
+def local_folder(folder: str | Path, text_field: str = TEXT_FIELD) -> Corpus:
+    """All documents in the files under `folder` (recursively, files sorted by relative path); a .jsonl line's
+    and a .parquet row's document is its `text_field` (default "text").
 
     A leading UTF-8 byte order mark of a text file or a .jsonl line is dropped. Files with other suffixes are
     counted as skips ("unsupported_file"); so are a symbolic link to a directory, which is not followed
@@ -273,7 +284,7 @@ def local_folder(folder: str | Path) -> Corpus:
 
     Raises:
         DataError: `folder` is not a directory or is itself a prepared data directory; a parquet file is
-            corrupt, lacks a `text` column or holds neither strings nor binary in it (parquet_documents).
+            corrupt, lacks the `text_field` column or holds neither strings nor binary in it (parquet_documents).
     """
     root = Path(folder)
     if not root.is_dir():
@@ -306,10 +317,10 @@ def local_folder(folder: str | Path) -> Corpus:
             except UnicodeDecodeError:
                 skips.add("invalid_utf8", name)
         elif suffix == ".jsonl":
-            jsonl_documents(path, name, documents, skips)
+            jsonl_documents(path, name, documents, skips, text_field)
         elif suffix == ".parquet":
             try:
-                parquet_documents(path, name, documents, skips)
+                parquet_documents(path, name, documents, skips, text_field)
             except DataError as e:  # named by its path within the folder: say which flag gave the folder
                 raise DataError(f"--source {folder!s}: {e}") from None
         else:

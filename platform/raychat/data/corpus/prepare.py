@@ -148,14 +148,22 @@ def skipped_summary(skips: corpora.Skips) -> str:
     return f"skipped {plural(skips.total, 'document')} ({reasons})"
 
 
-def no_documents(source: str, skips: corpora.Skips) -> str:
-    """The error for a source that gave no document: what was skipped, by reason, with examples."""
+def no_documents(source: str, skips: corpora.Skips, text_field: str = corpora.TEXT_FIELD) -> str:
+    """The error for a source that gave no document: what was skipped, by reason, with examples, and where
+    .jsonl lines lacked `text_field`, the flag that reads another field."""
     if not skips.total:
         return (
             f"--source {source}: no usable documents: it holds no text (documents are .txt, .md and .rst "
             "files, .jsonl lines and .parquet rows)"
         )
-    return f"--source {source}: no usable documents: {skipped_summary(skips)}"
+    return f"--source {source}: no usable documents: {skipped_summary(skips)}{text_field_hint(skips, text_field)}"
+
+
+def text_field_hint(skips: corpora.Skips, text_field: str) -> str:
+    """'; a .jsonl line's document is its 'text' field: give --text-field ...' where lines lacked it, else ''."""
+    if not skips.counts.get("no_text_field"):
+        return ""
+    return f"; a .jsonl line's document is its {text_field!r} field: give --text-field with the field that holds it"
 
 
 def validation_warnings(entries: list[dict]) -> list[str]:
@@ -183,7 +191,9 @@ def validation_warnings(entries: list[dict]) -> list[str]:
     return warnings
 
 
-def load_corpus(source: str, out: Path, log, out_flag: str = "--out") -> corpora.Corpus:
+def load_corpus(
+    source: str, out: Path, log, out_flag: str = "--out", text_field: str = corpora.TEXT_FIELD
+) -> corpora.Corpus:
     if not source.strip():
         raise ValueError(f"--source: empty; give debian-docs, {', '.join(HUB_SOURCES)} or a directory")
     if source == "debian-docs":
@@ -201,11 +211,11 @@ def load_corpus(source: str, out: Path, log, out_flag: str = "--out") -> corpora
             "next time"
         )
     log(f"loading documents from folder {folder}")
-    return corpora.local_folder(folder)
+    return corpora.local_folder(folder, text_field)
 
 
 def prepare_corpus(
-    corpus: corpora.Corpus, out: Path, num_shards, rows_per_shard, seed, row_group_size, log
+    corpus: corpora.Corpus, out: Path, num_shards, rows_per_shard, seed, row_group_size, log, text_field=None
 ) -> dict:
     documents = corpus.documents
     total = count_shards(len(documents), num_shards, rows_per_shard)
@@ -222,6 +232,7 @@ def prepare_corpus(
         "source": corpus.source,
         "license": corpus.license,
         "components": corpus.components,
+        **({"text_field": text_field} if text_field is not None else {}),
         "seed": seed,
         "shuffle": "random.Random(seed).shuffle over all documents before sharding",
         "compression": COMPRESSION,
@@ -279,6 +290,7 @@ def prepare(
     row_group_size: int = _DEFAULTS.row_group_size,
     url_pattern: str | None = _DEFAULTS.url_pattern,
     workers: int | None = _DEFAULTS.workers,
+    text_field: str | None = _DEFAULTS.text_field,
     attempts: int = 5,
     backoff_s: float = 1.0,
     out_flag: str = "--out",
@@ -297,6 +309,8 @@ def prepare(
         seed: the shuffle seed (local sources).
         row_group_size: rows per parquet row group (local sources).
         url_pattern: hub sources only: a mirror's URL pattern with an {index} field.
+        text_field: a folder source only: the .jsonl field and .parquet column holding each document
+            (None: "text"); recorded in the manifest when given.
         workers, attempts, backoff_s: hub sources: parallel downloads (None: download_shards' default), tries
             per shard, first retry delay (s). A local source refuses workers (it is read in this process).
         out_flag: the flag an error about `out` names.
@@ -309,11 +323,17 @@ def prepare(
             and what to do), raised once the input is checked, before anything in `out` changes;
         DataError: unreadable input (names the file), a local source with no usable document (no_documents:
             the skips by reason) or too few for its shards (count_shards, with the skips by reason);
-        corpora.CorpusNotInstalled: a Debian package is missing; DownloadError: a shard could not be fetched.
+        corpora.CorpusNotInstalled: a Debian package is missing; DownloadError: a shard could not be fetched;
+        KeyboardInterrupt (Ctrl-C) once `out` is being written: its message says that `out` holds no finished
+            data and to run the command again (the lease is released, the shards left are removed then).
     """
     out = Path(out)
     if row_group_size < 1:
         raise ValueError(f"--row-group-size must be >= 1, got {row_group_size}")
+    if text_field is not None and (source in HUB_SOURCES or source == "debian-docs"):
+        raise ValueError(
+            f"--text-field applies to a --source DIR (its .jsonl and .parquet files), not to --source {source}"
+        )
     if source in HUB_SOURCES:
         if rows_per_shard is not None:
             raise ValueError(
@@ -336,18 +356,22 @@ def prepare(
                     f"{flag} applies to hub sources only ({', '.join(HUB_SOURCES)}), not to --source {source}"
                 )
         check_shard_options(num_shards, rows_per_shard)  # before the corpus is loaded
-        corpus = load_corpus(source, out, log, out_flag)
+        field = corpora.TEXT_FIELD if text_field is None else text_field
+        corpus = load_corpus(source, out, log, out_flag, field)
         if not corpus.documents:
-            raise DataError(no_documents(source, corpus.skips))
+            raise DataError(no_documents(source, corpus.skips, field))
         try:  # fail before touching `out`
             count_shards(len(corpus.documents), num_shards, rows_per_shard)
         except ValueError as e:  # too few documents: say what was skipped, as no_documents does
             if corpus.skips.total:
-                raise DataError(f"--source {source}: {e}; {skipped_summary(corpus.skips)}") from e
+                hint = text_field_hint(corpus.skips, field)
+                raise DataError(f"--source {source}: {e}; {skipped_summary(corpus.skips)}{hint}") from e
             raise
 
         def write(old: dict | None) -> dict:
-            return prepare_corpus(corpus, out, num_shards, rows_per_shard, seed, row_group_size, log)
+            return prepare_corpus(
+                corpus, out, num_shards, rows_per_shard, seed, row_group_size, log, text_field
+            )
 
     check_writable(open_storage(out, out_flag), out_flag)
     with output_lease(out, "--run-name" if out_flag == "--storage-path" else out_flag):
@@ -357,8 +381,15 @@ def prepare(
             missing_ok=True
         )  # no reader takes the directory for finished until the new one
         remove_leftovers(out)  # of a run that was killed (a live run's are not: it holds the lease)
-        manifest = write(old)
-        write_manifest(out, manifest)
+        try:
+            manifest = write(old)
+            write_manifest(out, manifest)
+        except KeyboardInterrupt:  # Ctrl-C: say what the directory holds now
+            removed = ": the earlier one was removed as the run started" if old is not None else ""
+            raise KeyboardInterrupt(
+                f"{out} holds no finished data now (no {MANIFEST}{removed}); run the same command again, "
+                "which prepares it from the start"
+            ) from None
         stale = remove_stale_shards(out, manifest) if ours else []
     if stale:
         shown = ", ".join(stale[: corpora.EXAMPLES_PER_REASON]) + (

@@ -149,24 +149,28 @@ def write_shards(
     return entries
 
 
-def open_text_shard(path: str | Path, name: str | Path | None = None) -> pq.ParquetFile:
+def open_text_shard(
+    path: str | Path, name: str | Path | None = None, column: str = "text", fix: str = ""
+) -> pq.ParquetFile:
     """The parquet file at `path`; DataError naming it (as `name`, default the path) when it cannot be read or has
-    no `text` column."""
+    no `column` (its columns listed, then `fix`)."""
     name = path if name is None else name
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:
         raise DataError(f"{name}: not a readable parquet file ({e})") from e
-    if "text" not in pf.schema_arrow.names:
-        raise DataError(f"{name}: no `text` column (columns: {pf.schema_arrow.names})")
+    if column not in pf.schema_arrow.names:
+        raise DataError(f"{name}: no `{column}` column (columns: {pf.schema_arrow.names}){fix}")
     return pf
 
 
-def read_text_column(pf: pq.ParquetFile, group: int, name: str | Path) -> pa.ChunkedArray:
-    """The `text` column of row group `group`; DataError naming the file (`name`) and the group when it cannot be
-    read."""
+def read_text_column(
+    pf: pq.ParquetFile, group: int, name: str | Path, column: str = "text"
+) -> pa.ChunkedArray:
+    """The `column` (default `text`) of row group `group`; DataError naming the file (`name`) and the group when
+    it cannot be read."""
     try:
-        return pf.read_row_group(group, columns=["text"]).column("text")
+        return pf.read_row_group(group, columns=[column]).column(column)
     except Exception as e:
         raise DataError(
             f"{name}: row group {group} of {pf.num_row_groups} cannot be read ({str(e).strip()})"

@@ -10,7 +10,7 @@ import torch
 from raychat.chat_template import TEMPLATE_VERSION, messages_of, render_conversation
 from raychat.data.loader.sample_packing import PackItem, SamplePacker, rows_to_batch, stack_rows
 from raychat.data.replay.rebuild import verify_step
-from raychat.data.replay.records import read_step
+from raychat.data.replay.records import read_step, rows_batch
 from raychat.masks import document_causal_mask
 from raychat.tasks.sft_data import SFTData, sft_data_files
 from raychat.tokenizer import Tokenizer
@@ -208,12 +208,38 @@ def segment_text(record: dict, k: int, files: list[str]) -> str:
     return f"{doc}[{record['doc_offset'][k]}:+{record['length'][k]}]{where} {record['decision'][k]}{tail}"
 
 
+def rebuilt_row_table(tokenizer: Tokenizer, batch: dict, i: int) -> list[str]:
+    """Row `i` of a step's make_batch tensors (records.rows_batch), one line a position: pos, input id, its
+    text, segment (- without document masking), position, label (its text; "-" where loss_mask is False)."""
+    lines = [f"{'pos':>5} {'id':>6}  {'text':<22} {'seg':>3} {'position':>8}  label"]
+    for p in range(batch["input_ids"].shape[1]):
+        token = int(batch["input_ids"][i, p])
+        seg = int(batch["segment_ids"][i, p]) if "segment_ids" in batch else "-"
+        label = token_text(tokenizer, int(batch["labels"][i, p])) if batch["loss_mask"][i, p] else "-"
+        lines.append(
+            f"{p:>5} {token:>6}  {token_text(tokenizer, token):<22} {seg:>3} "
+            f"{int(batch['position_ids'][i, p]):>8}  {label}"
+        )
+    return lines
+
+
 def inspect_step(
-    run_dir: str, step: int, data_dir: str | None = None, tokenizer: str | None = None
+    run_dir: str,
+    step: int,
+    data_dir: str | None = None,
+    tokenizer: str | None = None,
+    row: int | None = None,
 ) -> tuple[str, bool]:
-    """(report, identical): step `step`'s records listed row by row and verified against the rebuilt rows."""
+    """(report, identical): step `step`'s records listed row by row and verified against the rebuilt rows;
+    with `row` (0-based, in the listing's order), that rebuilt row token by token (rebuilt_row_table).
+
+    Raises:
+        ValueError: `row` outside the step's rows (naming --row and the allowed range).
+    """
     records, meta = read_step(run_dir, step)
-    _, problems = verify_step(records, meta, data_dir, tokenizer)
+    if row is not None and not 0 <= row < len(records):
+        raise ValueError(f"--row {row}: step {step} has {len(records)} rows; allowed: 0..{len(records) - 1}")
+    rows, problems = verify_step(records, meta, data_dir, tokenizer)
     files = meta["data"].get("files", [])
     out = [
         f"{run_dir} step {step}: {records[0]['world']} ranks, {len(records)} rows of {meta['row_len']} tokens; "
@@ -228,6 +254,16 @@ def inspect_step(
         out += ["DIFFERS from the record:", *(f"  {p}" for p in problems)]
     else:
         out.append(f"rebuilt {len(records)} rows from the data: {names} hashes equal to the record")
+    if row is not None and rows:
+        r = records[row]
+        out.append(
+            f"row {row} (rank {r['rank']} micro {r['micro']} row {r['row']}) as trained on: input_ids, labels, "
+            "loss_mask (label -: not in the loss), segment_ids, position_ids"
+        )
+        batch = rows_batch(rows, meta["bos_id"], meta["document_masking"])
+        out += rebuilt_row_table(Tokenizer.load(tokenizer or meta["tokenizer_path"]), batch, row)
+    elif row is not None:
+        out.append(f"row {row}: not shown, the step's rows could not be rebuilt")
     return "\n".join(out), not problems
 
 
@@ -240,9 +276,13 @@ def run(args: argparse.Namespace) -> int:
         if args.canary or args.sft_data:
             flag = "--canary prints canary samples" if args.canary else "--sft-data prints your conversations"
             raise ValueError(f"{flag}; it does not go with --run and --step")
-        report, identical = inspect_step(args.run, args.step, args.data_dir, args.tokenizer or None)
+        report, identical = inspect_step(args.run, args.step, args.data_dir, args.tokenizer or None, args.row)
         print(report)
         return 0 if identical else 1
+    if args.row is not None:
+        raise ValueError(
+            "--row goes with --run and --step (a row of that step); the canaries print every row"
+        )
     if args.examples is not None and not args.sft_data:
         raise ValueError("--examples goes with --sft-data (how many of your conversations to print)")
     if args.sft_data and args.canary:

@@ -59,16 +59,23 @@ def tensor_sha256(name: str, t: torch.Tensor | np.ndarray) -> str:
     return h.hexdigest()
 
 
-def row_hashes(rows: Mapping, bos_id: int, document_masking: bool) -> list[dict[str, str]]:
-    """Per row of a row-source batch ({"input_ids": (n, T+1)} and, for SFT, "supervised", "segment_ids"):
-    {"<name>_sha256": hash} of that row's make_batch tensors (the ones the trainer builds)."""
+def rows_batch(rows: Mapping, bos_id: int, document_masking: bool) -> dict[str, torch.Tensor]:
+    """The make_batch tensors the trainer builds from a row-source batch ({"input_ids": (n, T+1)} and, for SFT,
+    "supervised", "segment_ids"): input_ids, labels, loss_mask, position_ids (n, T) and, with document masking,
+    segment_ids."""
     as_tensor = {k: torch.from_numpy(np.asarray(rows[k])) for k in ("supervised", "segment_ids") if k in rows}
-    batch = make_batch(
+    return make_batch(
         torch.from_numpy(np.asarray(rows["input_ids"])),
         bos_id,
         document_masking=document_masking,
         **as_tensor,
     )
+
+
+def row_hashes(rows: Mapping, bos_id: int, document_masking: bool) -> list[dict[str, str]]:
+    """Per row of a row-source batch (rows_batch's `rows`): {"<name>_sha256": hash} of that row's make_batch
+    tensors (the ones the trainer builds)."""
+    batch = rows_batch(rows, bos_id, document_masking)
     names = [k for k in HASHED if k in batch and (k != "segment_ids" or document_masking)]
     return [
         {f"{k}_sha256": tensor_sha256(k, batch[k][i]) for k in names} for i in range(len(rows["input_ids"]))
