@@ -279,6 +279,19 @@ def _serve_counts(metrics_url: str) -> tuple[float, float]:
     return counts["ray_raychat_serve_ttft_seconds_count"], counts["ray_raychat_serve_generated_tokens_total"]
 
 
+def _settled_counts(metrics_url: str, quiet_s: float = 15.0, within_s: float = 90.0) -> tuple[float, float]:
+    """_serve_counts once they have not moved for `quiet_s` seconds (longer than Ray's 10 s metrics export
+    interval): the earlier tests' requests on this server are all exported by then (seen: a CI run's counts
+    still rising by 3 TTFTs and 44 tokens after this test's request)."""
+    counts, since, deadline = _serve_counts(metrics_url), time.monotonic(), time.monotonic() + within_s
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"serve counts still moving after {within_s:g} s: {counts}"
+        time.sleep(1)
+        if (now := _serve_counts(metrics_url)) != counts:
+            counts, since = now, time.monotonic()
+    return counts
+
+
 def test_the_printed_metrics_url_counts_a_request(served):
     """`raychat serve` prints the Prometheus endpoint of its node (a port Ray picks: a vLLM user's /metrics on
     the API port is not there): one streamed request of 5 tokens adds one TTFT observation and 5 generated
@@ -287,7 +300,7 @@ def test_the_printed_metrics_url_counts_a_request(served):
     while not (found := line.search(served.log_tail(200))) and time.monotonic() < deadline:
         time.sleep(0.5)  # /health answers a moment before `raychat serve` prints its lines
     assert found, served.log_tail(200)
-    ttft, tokens = _serve_counts(found[1])
+    ttft, tokens = _settled_counts(found[1])
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     chunks = list(client.chat.completions.create(messages=STORY, model=model, temperature=0, max_tokens=5,
