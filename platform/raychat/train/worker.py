@@ -24,6 +24,7 @@ import ray.train
 import ray.train.torch
 import torch
 from ray.experimental import tqdm_ray
+from ray.train.v2._internal.execution import context as ray_train_context
 from safetensors.torch import load_file
 
 from raychat.checkpoint import check_model, load_model
@@ -57,17 +58,11 @@ class ProgressBar(Callback):
         self.bar.close()
 
 
-# Ray Train's per-report logger (named by its file's path): each rank's "Reporting training result N:
-# TrainingReport(... every metric and sample ...)" at INFO, at every checkpoint, repeats the step line
-RAY_TRAIN_REPORTS = os.path.join("ray", "train", "v2", "_internal", "execution", "context.py")
-
-
 def quiet_ray_train_reports() -> None:
-    """Raise Ray Train's per-report logger (RAY_TRAIN_REPORTS, created as Ray Train imports it) to WARNING: its
-    warnings and errors still show."""
-    for name in list(logging.root.manager.loggerDict):
-        if name.endswith(RAY_TRAIN_REPORTS):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    """Raise Ray Train's per-report logger to WARNING: its warnings and errors still show. At INFO it writes each
+    rank's "Reporting training result N: TrainingReport(... every metric and sample ...)" at every checkpoint,
+    which repeats the step line. Ray names that logger by its module's file path (logging.getLogger(__file__))."""
+    logging.getLogger(ray_train_context.__file__).setLevel(logging.WARNING)
 
 
 def log_placement(rank: int, world: int) -> None:
