@@ -28,7 +28,14 @@ from raychat.eval.report_card import (
     measured_line,
     no_data_lines,
 )
-from raychat.eval.tasks import accuracy_stderr, mean_stderr, prompt_messages, task_budget, task_pass_at_k
+from raychat.eval.tasks import (
+    accuracy_stderr,
+    eval_mode,
+    mean_stderr,
+    prompt_messages,
+    task_budget,
+    task_pass_at_k,
+)
 from raychat.tasks.calculator import Calculator
 from raychat.tasks.registry import check_data, make_task, mixture_tasks, parse_mixture
 
@@ -346,3 +353,17 @@ def test_pass_at_k_of_sampled_completions_by_hand():
     assert per_item == [0.5, 0.0] and mean_stderr(per_item) == pytest.approx(0.25)
     assert mean_stderr(per_item) == pytest.approx(lm_eval_mean_stderr(per_item))
     assert mean_stderr([1.0, 0.0, 0.0]) == pytest.approx(accuracy_stderr(1 / 3, 3))  # 0/1 scores: the same
+
+
+def test_scoring_leaves_the_model_in_the_mode_it_found_it_even_after_an_error():
+    model = torch.nn.Linear(1, 1)  # in train mode
+    with eval_mode(model):
+        assert not model.training
+    assert model.training
+    with pytest.raises(RuntimeError, match="mid-scoring"), eval_mode(model):
+        raise RuntimeError("mid-scoring")
+    assert model.training
+    model.eval()
+    with eval_mode(model):
+        pass
+    assert not model.training

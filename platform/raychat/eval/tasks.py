@@ -11,6 +11,7 @@ unbiased estimator (raychat.tasks.pass_at_k, RL's held-out evaluation's).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -54,6 +55,24 @@ def prompt_messages(conversation: dict) -> list[dict]:
     return messages[:-1] if messages and messages[-1]["role"] == "assistant" else messages
 
 
+def first_items(tokenizer, task, num_examples: int) -> tuple[list[dict], list[list[int]]]:
+    """The first `num_examples` conversations of `task` (fewer if the task is smaller) and each one's prompt,
+    token ids rendered for completion (raychat.chat_template.render_for_completion)."""
+    conversations = [task[i] for i in range(min(num_examples, len(task)))]
+    return conversations, [render_for_completion(tokenizer, prompt_messages(c)) for c in conversations]
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """`model` in eval mode inside the block, back in the mode it was in (train or eval) after it."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def task_accuracy(
     model, tokenizer, task, num_examples: int, max_tokens: int | None = 48, batch_size: int = 16
@@ -66,31 +85,27 @@ def task_accuracy(
     """
     if num_examples < 1:
         raise ValueError(f"num_examples must be >= 1, got {num_examples}")
-    n = min(num_examples, len(task))
-    conversations = [task[i] for i in range(n)]
-    prompts = [render_for_completion(tokenizer, prompt_messages(c)) for c in conversations]
-    was_training = model.training
-    model.eval()
-    correct = 0
-    if task.eval_type == "categorical":
-        device = next(model.parameters()).device
-        for conv, ids in zip(conversations, prompts):
-            logits = model(torch.tensor([ids], device=device))[0, -1]
-            letter_ids = [tokenizer.encode(letter)[0] for letter in conv["letters"]]
-            choice = conv["letters"][int(torch.argmax(logits[letter_ids]))]
-            correct += choice == conv["answer"]
-    elif task.eval_type == "generative":
-        engine = ModelRunner(model, tokenizer, dtype="model")  # evaluate the weights as they are
-        for i in range(0, n, batch_size):
-            results = engine.generate_batch(
-                prompts[i : i + batch_size], max_tokens=max_tokens, temperature=0.0
-            )
-            for conv, r in zip(conversations[i : i + batch_size], results):
-                correct += bool(task.is_correct(conv, r.text))
-    else:
+    if task.eval_type not in ("categorical", "generative"):
         raise ValueError(f"task {task.name!r}: eval_type must be 'categorical' or 'generative'")
-    model.train(was_training)
-    return correct / n
+    conversations, prompts = first_items(tokenizer, task, num_examples)
+    correct = 0
+    with eval_mode(model):
+        if task.eval_type == "categorical":
+            device = next(model.parameters()).device
+            for conv, ids in zip(conversations, prompts):
+                logits = model(torch.tensor([ids], device=device))[0, -1]
+                letter_ids = [tokenizer.encode(letter)[0] for letter in conv["letters"]]
+                choice = conv["letters"][int(torch.argmax(logits[letter_ids]))]
+                correct += choice == conv["answer"]
+        else:
+            engine = ModelRunner(model, tokenizer, dtype="model")  # evaluate the weights as they are
+            for i in range(0, len(prompts), batch_size):
+                results = engine.generate_batch(
+                    prompts[i : i + batch_size], max_tokens=max_tokens, temperature=0.0
+                )
+                for conv, r in zip(conversations[i : i + batch_size], results):
+                    correct += bool(task.is_correct(conv, r.text))
+    return correct / len(prompts)
 
 
 @torch.no_grad()
@@ -111,20 +126,17 @@ def task_pass_at_k(
         raise ValueError(f"num_examples and samples must be >= 1, got {num_examples} and {samples}")
     if task.eval_type != "generative":
         raise ValueError(f"task {task.name!r}: pass@k needs a generative task, not {task.eval_type!r}")
-    n = min(num_examples, len(task))
-    conversations = [task[i] for i in range(n)]
-    prompts = [render_for_completion(tokenizer, prompt_messages(c)) for c in conversations]
-    was_training = model.training
-    model.eval()
-    engine = ModelRunner(model, tokenizer, dtype="model")  # evaluate the weights as they are
-    results = engine.generate_batch(
-        prompts, num_samples=samples, max_tokens=max_tokens, temperature=temperature, seed=seed,
-        max_rows=batch_size * samples,
-    )  # fmt: skip
-    model.train(was_training)
+    conversations, prompts = first_items(tokenizer, task, num_examples)
+    with eval_mode(model):
+        engine = ModelRunner(model, tokenizer, dtype="model")  # evaluate the weights as they are
+        results = engine.generate_batch(
+            prompts, num_samples=samples, max_tokens=max_tokens, temperature=temperature, seed=seed,
+            max_rows=batch_size * samples,
+        )  # fmt: skip
     correct = [
         sum(bool(task.is_correct(conv, r.text)) for r in results[i * samples : (i + 1) * samples])
         for i, conv in enumerate(conversations)
     ]
+    n = len(conversations)
     scores = {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in correct) / n for k in range(1, samples + 1)}
     return scores, [c / samples for c in correct]
