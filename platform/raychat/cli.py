@@ -28,6 +28,7 @@ COMMANDS = {
     "sft": "supervised fine-tuning of a pretrained checkpoint into a chat model",
     "rl": "reinforcement learning of a chat checkpoint on a task (rollout actors + learner on Ray)",
     "eval": "a checkpoint's BPB, task accuracy and report card (chat evals, ChatCORE, CORE with --core-bundle)",
+    "report": "draw the loss and validation curves of run directories from their metrics.jsonl",
     "chat": "chat with a checkpoint (interactive, or one-shot with -p)",
     "serve": "serve a checkpoint: streaming chat page + OpenAI-compatible API",
     "export": "export a checkpoint to the Hugging Face layout (Qwen3)",

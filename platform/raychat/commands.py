@@ -238,6 +238,23 @@ def eval_(subparsers) -> None:
     parser.set_defaults(func="raychat.eval.cli:main")
 
 
+def report(subparsers) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="draw the loss and validation curves of run directories from their metrics.jsonl",
+        description="Draw the curves of each RUN_DIR (a pretrain, sft or rl run directory, <storage-path>/"
+        "<run-name>, on a local or mounted filesystem) from its metrics.jsonl, as the speedrun's report draws a "
+        "stage's: left, the training loss per step (and its smoothed value); right, the validation BPB at each "
+        "evaluation (val_bpb and every <task>_val_bpb) or, for an RL run, the rollouts' mean reward per step "
+        "and the held-out pass@1. Writes RUN_DIR/curves.png (PNG, 1100 x 396 pixels), replacing an older one, "
+        "and one line per directory: `wrote RUN_DIR/curves.png (N steps, FIRST..LAST)`. A directory with no "
+        "metrics.jsonl or no step in it is an error line naming it (exit status 2); the others are still "
+        "drawn. Example: raychat report runs/checkpoints/longer",
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory holding a metrics.jsonl")
+    p.set_defaults(func="raychat.report:main")
+
+
 def chat(subparsers) -> None:
     p = subparsers.add_parser("chat", help="chat with a checkpoint (interactive, or one-shot with -p)")
     add_flags(p, ChatConfig, preset=None)
@@ -707,6 +724,7 @@ PARSERS = {
     "sft": sft,
     "rl": rl,
     "eval": eval_,
+    "report": report,
     "chat": chat,
     "serve": serve,
     "export": export,

@@ -12,7 +12,7 @@ reused (its output already made) with the wall time and figures measured when it
 is the identity of what the stage made (file_id: the data manifest, tokenizer.json, the final checkpoint's
 commit marker): a record whose output has since been replaced is not used.
 
-`python -m raychat.report RUN_DIR ...` draws the same curves for runs of your own (main): RUN_DIR/curves.png.
+`raychat report RUN_DIR ...` draws the same curves for runs of your own (main): RUN_DIR/curves.png.
 """
 
 from __future__ import annotations
@@ -222,17 +222,14 @@ def write_report(out_dir: Path, r: dict, metrics_files: dict[str, Path] | None =
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m raychat.report RUN_DIR [RUN_DIR ...]`: the curves of each run directory of pretrain, sft or rl
-    (on a local or mounted filesystem) from its metrics.jsonl, as the speedrun draws a stage's (plot_stage; the
-    title is the directory's name, or rl for an RL run's lines), written to RUN_DIR/curves.png; one line for each.
-    Exit status 2, naming the directory, when one holds no metrics.jsonl or no step in it (the others are drawn)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        print("usage: python -m raychat.report RUN_DIR [RUN_DIR ...]", file=sys.stderr)
-        return 2
+def main(args) -> int:
+    """`raychat report RUN_DIR [RUN_DIR ...]` (args.run_dirs): the curves of each run directory of pretrain, sft
+    or rl (on a local or mounted filesystem) from its metrics.jsonl, as the speedrun draws a stage's (plot_stage;
+    the title is the directory's name, or rl for an RL run's lines), written to RUN_DIR/curves.png; one line on
+    stdout for each. Returns exit status 2, with a line on stderr naming the directory, when one holds no
+    metrics.jsonl or no step in it (the others are drawn); 0 otherwise."""
     status = 0
-    for run in map(Path, argv):
+    for run in map(Path, args.run_dirs):
         metrics = run / "metrics.jsonl"
         lines = read_jsonl(metrics) if metrics.is_file() else []
         steps = [x for x in lines if isinstance(x.get("step"), int) and x.get("loss") is not None]
@@ -242,14 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                 if metrics.is_file()
                 else "is not there (give a pretrain, sft or rl run directory)"
             )
-            print(f"python -m raychat.report: {metrics} {why}", file=sys.stderr)
+            print(f"raychat report: error: {metrics} {why}", file=sys.stderr)
             status = 2
             continue
         stage = "rl" if any("reward_mean" in x for x in steps) else run.resolve().name
         path = plot_stage(stage, lines, run / "curves.png")
         print(f"wrote {path} ({len(steps)} steps, {steps[0]['step']}..{steps[-1]['step']})")
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

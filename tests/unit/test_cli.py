@@ -155,7 +155,7 @@ def test_inspect_batchs_help_shows_the_segments_as_it_prints_them():
 
 
 KNOWN = (
-    "'speedrun', 'data', 'tokenizer', 'pretrain', 'sft', 'rl', 'eval', 'chat', 'serve', 'export', "
+    "'speedrun', 'data', 'tokenizer', 'pretrain', 'sft', 'rl', 'eval', 'report', 'chat', 'serve', 'export', "
     "'inspect-batch', 'submit', 'jobs', 'k8s', 'grafana'"
 )
 

@@ -4,9 +4,12 @@ old figures. The report is assembled from hand-written stage results; no stage r
 
 import json
 
+import pytest
+
 from raychat.checkpoint_manager import commit_directory
+from raychat.cli import main as raychat_main
 from raychat.config import SpeedrunConfig, TrainConfig, from_dict
-from raychat.report import STATE_FILE, main, read_state, settle_stage, write_report
+from raychat.report import STATE_FILE, read_state, settle_stage, write_report
 from raychat.speedrun import accuracy_task, newest_commit
 
 TOKENIZER = {"vocab_size": 4096, "version": "abc", "train_seconds": 28.5, "val_bytes_per_token": 4.321}
@@ -117,20 +120,35 @@ def test_the_accuracy_before_and_after_sft_is_of_the_mixtures_first_graded_task(
 
 
 def test_the_curves_of_a_run_of_ones_own(tmp_path, capsys):
-    """Only the speedrun drew curves: `python -m raychat.report RUN_DIR` draws a pretrain run's, 10 x 3.6
-    inches at 110 dpi (plot_stage): a PNG of 1100 x 396 pixels; a directory without steps is named, exit 2."""
-    run = tmp_path / "mine"
-    run.mkdir()
+    """Only the speedrun drew curves: `raychat report RUN_DIR ...` draws a pretrain run's, 10 x 3.6 inches at
+    110 dpi (plot_stage): a PNG of 1100 x 396 pixels; a directory without steps (no metrics.jsonl, or one whose
+    lines hold no step: a torn first line) is named on stderr, exit 2, and the others are drawn."""
+    run, torn = tmp_path / "mine", tmp_path / "torn"
+    run.mkdir(), torn.mkdir()
     rows = [{"step": s, "loss": 6.0 - s, "smooth_loss": 6.0 - s / 2} for s in (1, 2, 3)]
     rows[-1]["val_bpb"] = 3.1
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main([str(run), str(tmp_path / "none")]) == 2
+    (torn / "metrics.jsonl").write_text('{"step": 1, "lo')
+    assert raychat_main(["report", str(tmp_path / "none"), str(run), str(torn)]) == 2
     out, err = capsys.readouterr()
     assert out == f"wrote {run}/curves.png (3 steps, 1..3)\n"
     assert err == (
-        f"python -m raychat.report: {tmp_path}/none/metrics.jsonl is not there (give a pretrain, sft or rl run "
+        f"raychat report: error: {tmp_path}/none/metrics.jsonl is not there (give a pretrain, sft or rl run "
         "directory)\n"
+        f"raychat report: error: {torn}/metrics.jsonl holds no step yet\n"
     )
     png = (run / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (1100, 396)
+    assert not (torn / "curves.png").exists()
+    assert raychat_main(["report", str(run)]) == 0
+
+
+def test_report_without_a_run_directory_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        raychat_main(["report"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "raychat report: error: the following arguments are required: RUN_DIR (`raychat report --help` lists "
+        "the flags)\n"
+    )
