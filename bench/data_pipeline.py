@@ -68,7 +68,7 @@ def produced(data_dir: str, tok_dir: str) -> dict:
         n += 1
     seconds = time.perf_counter() - t0
     source.close()  # before ray.shutdown(): see PretrainRows.close
-    buffered = sum(length for length, _ in source.packer._keys)
+    buffered = sum(len(piece) for piece in source.packer.buffered())
     doc_tokens = source.packer.stats.consumed + buffered
     return {
         "first_row_s": first,

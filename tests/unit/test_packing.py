@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from raychat.data.loader.best_fit import BestFitBuffer
 from raychat.data.loader.packing import BestFitPacker, Piece, piece_tokens
 
 BOS = 0
@@ -13,6 +14,19 @@ def doc(n, tag):
 def stream(docs):
     it = iter(docs)
     return lambda: next(it, None)
+
+
+def test_the_buffer_gives_the_longest_that_fits_the_earliest_of_equal_lengths_first():
+    """Both packers' buffer: lengths 3, 5, 5, 2, 2 arrive as a, b, c, d, e."""
+    buffer = BestFitBuffer()
+    for item in ("aaa", "bbbbb", "ccccc", "dd", "ee"):
+        buffer.push(item)
+    assert buffer.take_fitting(1) is None  # nothing that short
+    assert [buffer.take_fitting(4), buffer.take_fitting(9)] == ["aaa", "bbbbb"]
+    assert buffer.take_shortest() == "dd"
+    assert len(buffer) == 2 and buffer.in_arrival_order() == ["ccccc", "ee"]
+    buffer.push("ff")  # the newest arrival: after e among the 2-token items
+    assert [buffer.take_fitting(2), buffer.take_fitting(2), buffer.take_fitting(2)] == ["ee", "ff", None]
 
 
 def test_best_fit_crops_the_shortest_when_nothing_fits():

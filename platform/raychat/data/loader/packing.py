@@ -20,11 +20,12 @@ deterministic: ties go to the piece buffered first; a requeued tail counts as th
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from raychat.data.loader.best_fit import BestFitBuffer
 
 # What happens to a document longer than the row's free space (--overflow): dropped past the row, or cut and
 # its tail returned to the buffer as a new BOS-prefixed document.
@@ -125,14 +126,12 @@ class BestFitPacker:
         self.next_document = next_document
         self.row_len, self.buffer_size = row_len, buffer_size
         self.overflow, self.min_fragment = overflow, min_fragment
-        self._keys: list[tuple[int, int]] = []  # sorted (length, arrival) for bisect
-        self._pieces: dict[int, Piece] = {}  # arrival -> piece
-        self._arrivals = 0
+        self._buffer: BestFitBuffer[Piece] = BestFitBuffer()
         self._exhausted = False
         self.stats = PackingStats()
 
     def _refill(self) -> None:
-        while not self._exhausted and len(self._keys) < self.buffer_size:
+        while not self._exhausted and len(self._buffer) < self.buffer_size:
             doc = self.next_document()
             if doc is None:
                 self._exhausted = True
@@ -142,17 +141,7 @@ class BestFitPacker:
             )
             self.stats.documents += 1
             if len(piece):
-                self._push(piece)
-
-    def _push(self, piece: Piece) -> None:
-        key = (len(piece), self._arrivals)
-        self._arrivals += 1
-        bisect.insort(self._keys, key)
-        self._pieces[key[1]] = piece
-
-    def _pop(self, index: int) -> Piece:
-        _, arrival = self._keys.pop(index)
-        return self._pieces.pop(arrival)
+                self._buffer.push(piece)
 
     def pack_row(self) -> tuple[np.ndarray, list[Segment]]:
         """The next row, int32 of shape (row_len,) starting with BOS, and its segments in row order.
@@ -163,21 +152,19 @@ class BestFitPacker:
         filled = consumed = 0
         while filled < self.row_len:
             self._refill()
-            if not self._keys:  # the end of a finite stream: the partial row's (whole) pieces stay buffered
+            if not self._buffer:  # the end of a finite stream: the partial row's (whole) pieces stay buffered
                 for piece in taken:
-                    self._push(piece)
+                    self._buffer.push(piece)
                 raise StopIteration
             space = self.row_len - filled
-            # longest piece with length <= space, earliest arrival among equal lengths
-            i = bisect.bisect_right(self._keys, (space, float("inf"))) - 1
-            if i >= 0:
-                piece = self._pop(bisect.bisect_left(self._keys, (self._keys[i][0], -1)))
+            piece = self._buffer.take_fitting(space)
+            if piece is not None:
                 taken.append(piece)
                 parts.append(piece.tokens)
                 segments.append(Segment(piece.doc, piece.offset, filled, len(piece), "whole", 0))
                 n = len(piece)
             else:  # nothing fits: the shortest fills the row, its tail overflows
-                piece = self._pop(0)
+                piece = self._buffer.take_shortest()
                 parts.append(piece.tokens[:space])
                 segments.append(
                     Segment(piece.doc, piece.offset, filled, space, *self._overflow(piece, space))
@@ -194,7 +181,7 @@ class BestFitPacker:
         tail = piece.tokens[space:]
         if self.overflow == "split" and len(tail) >= self.min_fragment:
             offset = piece.offset + space - (1 if piece.offset else 0)  # document index of tail[0]
-            self._push(Piece(piece.doc, offset, np.concatenate([piece.tokens[:1], tail])))
+            self._buffer.push(Piece(piece.doc, offset, np.concatenate([piece.tokens[:1], tail])))
             self.stats.requeued += len(tail)
             self.stats.splits += 1
             return "split", len(tail)
@@ -218,7 +205,7 @@ class BestFitPacker:
     # ---- exact resume ------------------------------------------------------------------------------
     def buffered(self) -> list[Piece]:
         """The buffered pieces in arrival order."""
-        return [self._pieces[a] for a in sorted(self._pieces)]
+        return self._buffer.in_arrival_order()
 
     def state_dict(self) -> dict:
         """References only (no tokens): {"buffer": [[doc, offset], ...] in arrival order, "stats": {...}}."""
@@ -232,7 +219,7 @@ class BestFitPacker:
         """
         if [[p.doc, p.offset] for p in pieces] != [list(r) for r in state["buffer"]]:
             raise ValueError("the rebuilt pieces do not match the packer state's buffer")
-        self._keys, self._pieces, self._arrivals = [], {}, 0
+        self._buffer = BestFitBuffer()
         for piece in pieces:
-            self._push(piece)
+            self._buffer.push(piece)
         self.stats = PackingStats(**state["stats"])

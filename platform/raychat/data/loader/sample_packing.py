@@ -21,7 +21,6 @@ Token efficiency = real tokens / tensor tokens, tensor tokens = rows * row_len.
 
 from __future__ import annotations
 
-import bisect
 import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 
 from raychat.chat_template import RenderedConversation, render_conversation
+from raychat.data.loader.best_fit import BestFitBuffer
 from raychat.masks import make_batch
 from raychat.tokenizer import Tokenizer
 
@@ -148,9 +148,7 @@ class SamplePacker:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
         self.next_item, self.row_len, self.pad_id, self.mode = next_item, row_len, pad_id, mode
         self.buffer_size = buffer_size if mode == "bestfit" else 1
-        self._keys: list[tuple[int, int]] = []  # sorted (length, arrival)
-        self._items: dict[int, PackItem] = {}
-        self._arrivals = 0
+        self._buffer: BestFitBuffer[PackItem] = BestFitBuffer()
         self._exhausted = False
         self.stats = SampleStats()
 
@@ -160,7 +158,7 @@ class SamplePacker:
         return cls(lambda: next(it, None), row_len, pad_id, **kw)
 
     def _refill(self) -> None:
-        while not self._exhausted and len(self._keys) < self.buffer_size:
+        while not self._exhausted and len(self._buffer) < self.buffer_size:
             item = self.next_item()
             if item is None:
                 self._exhausted = True
@@ -170,20 +168,7 @@ class SamplePacker:
                     f"sample {item.sample_id!r} has {len(item)} tokens; packing needs 1..row_len={self.row_len} "
                     "(truncate or drop it first: render_samples / render_conversation(max_tokens=row_len))"
                 )
-            self._push(item)
-
-    def _push(self, item: PackItem) -> None:
-        key = (len(item), self._arrivals)
-        self._arrivals += 1
-        bisect.insort(self._keys, key)
-        self._items[key[1]] = item
-
-    def _take_fitting(self, space: int) -> PackItem | None:
-        i = bisect.bisect_right(self._keys, (space, float("inf"))) - 1
-        if i < 0:
-            return None
-        i = bisect.bisect_left(self._keys, (self._keys[i][0], -1))  # earliest arrival of that length
-        return self._items.pop(self._keys.pop(i)[1])
+            self._buffer.push(item)
 
     def next_row(self) -> dict:
         """The next row. Raises StopIteration when no sample is left.
@@ -197,7 +182,7 @@ class SamplePacker:
         filled = 0
         while filled < self.row_len and not (self.mode == "pad" and placed):
             self._refill()
-            item = self._take_fitting(self.row_len - filled)
+            item = self._buffer.take_fitting(self.row_len - filled)
             if item is None:
                 break
             placed.append(item)
@@ -250,7 +235,7 @@ class SamplePacker:
     # ---- exact resume ----------------------------------------------------------------------------------
     def buffered(self) -> list[PackItem]:
         """The buffered items in arrival order."""
-        return [self._items[a] for a in sorted(self._items)]
+        return self._buffer.in_arrival_order()
 
     def state_dict(self) -> dict:
         """References, not tokens: {"buffer": [PackItem.ref, ...] in arrival order, "stats", "exhausted"}
@@ -267,9 +252,9 @@ class SamplePacker:
         """
         if [it.ref for it in items] != list(state["buffer"]):
             raise ValueError("the rebuilt items do not match the packer state's buffer")
-        self._keys, self._items, self._arrivals = [], {}, 0
+        self._buffer = BestFitBuffer()
         for it in items:
-            self._push(it)
+            self._buffer.push(it)
         self.stats = SampleStats(**state["stats"])
         self._exhausted = bool(state.get("exhausted", False))
 
