@@ -13,6 +13,7 @@ starts as the identity; lm_head N(0, 0.001); norm weights 1.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 
@@ -290,3 +291,14 @@ class GPT(nn.Module):
         c = self.config
         t = seq_len or c.max_seq_len
         return 6 * self.num_params(exclude_embedding=True) + 12 * c.n_layer * c.n_head * c.head_dim * t
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """`model` in eval mode inside the block, back in the mode it was in (train or eval) after it."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)

@@ -246,3 +246,7 @@ def main(args) -> int:
         path = plot_stage(stage, lines, run / "curves.png")
         print(f"wrote {path} ({len(steps)} steps, {steps[0]['step']}..{steps[-1]['step']})")
     return status
+
+
+if __name__ == "__main__":  # the command it was before
+    sys.exit("python -m raychat.report is now `raychat report RUN_DIR [RUN_DIR ...]`")

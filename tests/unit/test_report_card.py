@@ -30,12 +30,12 @@ from raychat.eval.report_card import (
 )
 from raychat.eval.tasks import (
     accuracy_stderr,
-    eval_mode,
     mean_stderr,
     prompt_messages,
     task_budget,
     task_pass_at_k,
 )
+from raychat.model import eval_mode
 from raychat.tasks.calculator import Calculator
 from raychat.tasks.registry import check_data, make_task, mixture_tasks, parse_mixture
 

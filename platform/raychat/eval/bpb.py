@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from raychat.masks import make_batch
+from raychat.model import eval_mode
 
 
 @torch.no_grad()
@@ -42,19 +43,20 @@ def bpb_sums(
     nats = torch.zeros((), dtype=torch.float64, device=device)
     nbytes = torch.zeros((), dtype=torch.float64, device=device)
     token_bytes = token_bytes.to(device)
-    model.eval()
-    for i in range(0, len(rows["input_ids"]), batch_size):
-        part = {k: torch.from_numpy(np.asarray(v[i : i + batch_size])) for k, v in rows.items()}
-        b = make_batch(part.pop("input_ids"), bos_id, document_masking=document_masking, **part)
-        b = {k: v.to(device) for k, v in b.items()}
-        with autocast() if autocast else torch.autocast("cpu", enabled=False):
-            logits = model(b["input_ids"], position_ids=b["position_ids"], segment_ids=b.get("segment_ids"))
-        loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), reduction="none")
-        nb = token_bytes[b["labels"].flatten()] * b["loss_mask"].flatten()
-        keep = nb > 0
-        nats += loss[keep].double().sum()
-        nbytes += nb[keep].double().sum()
-    model.train()
+    with eval_mode(model):
+        for i in range(0, len(rows["input_ids"]), batch_size):
+            part = {k: torch.from_numpy(np.asarray(v[i : i + batch_size])) for k, v in rows.items()}
+            b = make_batch(part.pop("input_ids"), bos_id, document_masking=document_masking, **part)
+            b = {k: v.to(device) for k, v in b.items()}
+            with autocast() if autocast else torch.autocast("cpu", enabled=False):
+                logits = model(
+                    b["input_ids"], position_ids=b["position_ids"], segment_ids=b.get("segment_ids")
+                )
+            loss = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), reduction="none")
+            nb = token_bytes[b["labels"].flatten()] * b["loss_mask"].flatten()
+            keep = nb > 0
+            nats += loss[keep].double().sum()
+            nbytes += nb[keep].double().sum()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(nats)
         torch.distributed.all_reduce(nbytes)

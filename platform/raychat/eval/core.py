@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from ray.exceptions import GetTimeoutError
 
 from raychat.eval.core_bundle import CoreTask, load_bundle
+from raychat.model import eval_mode
 
 FEWSHOT_SEED = 1234  # nanochat's evaluate_example: random.Random(1234 + idx)
 SHOT_SEPARATOR = "\n\n"
@@ -179,19 +180,17 @@ def score_share(
         item that fails (message: "file:line: what"); tasks that failed to load are skipped.
     """
     model = model.to(device)
-    was_training = model.training
-    model.eval()
     out = {t.label: {"correct": [], "error": None} for t in tasks}
     units = [(t, i) for t in tasks if t.error is None for i in range(len(t.items))]
-    for task, i in units[rank::world]:
-        share = out[task.label]
-        if share["error"] is not None:
-            continue
-        try:
-            share["correct"].append((i, evaluate_item(model, tokenizer, task, i, device, max_seq_len)))
-        except Exception as e:  # one bad item fails its task, never the others
-            share["error"] = (i, f"{task.path}:{task.lines[i]}: {type(e).__name__}: {e}")
-    model.train(was_training)
+    with eval_mode(model):
+        for task, i in units[rank::world]:
+            share = out[task.label]
+            if share["error"] is not None:
+                continue
+            try:
+                share["correct"].append((i, evaluate_item(model, tokenizer, task, i, device, max_seq_len)))
+            except Exception as e:  # one bad item fails its task, never the others
+                share["error"] = (i, f"{task.path}:{task.lines[i]}: {type(e).__name__}: {e}")
     return out
 
 

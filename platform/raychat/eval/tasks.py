@@ -11,13 +11,13 @@ unbiased estimator (raychat.tasks.pass_at_k, RL's held-out evaluation's).
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 
 from raychat.chat_template import render_for_completion
 from raychat.engine import ModelRunner
+from raychat.model import eval_mode
 from raychat.tasks.pass_at_k import pass_at_k
 
 # a generative task's own completion budget, tokens, by registry name: nanochat's chat_eval --max-new-tokens
@@ -60,17 +60,6 @@ def first_items(tokenizer, task, num_examples: int) -> tuple[list[dict], list[li
     token ids rendered for completion (raychat.chat_template.render_for_completion)."""
     conversations = [task[i] for i in range(min(num_examples, len(task)))]
     return conversations, [render_for_completion(tokenizer, prompt_messages(c)) for c in conversations]
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """`model` in eval mode inside the block, back in the mode it was in (train or eval) after it."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
 
 
 @torch.no_grad()
