@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raychat.cli import main
-from raychat.data.corpus import corpora
+from raychat.data.corpus import corpora, shards
 from raychat.data.corpus.corpora import CorpusNotInstalled, python_docs, wordnet_entry, wordnet_glosses
 from raychat.data.corpus.prepare import prepare
 from raychat.data.corpus.rst_clean import clean_rst, split_sections
@@ -339,3 +339,27 @@ def test_ctrl_c_during_prepare_says_what_is_left_and_the_rerun_finishes(tmp_path
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json"] + [
         f"shard_0000{i}.parquet" for i in range(3)
     ]
+
+
+def test_ctrl_c_during_prepare_ends_in_a_line_named_as_its_errors_are(tmp_path, monkeypatch, capsys):
+    """Its Ctrl-C line read `raychat data: interrupted: ...`, its errors `raychat data prepare: error: ...`; both
+    now name the command as its parser does, and so does every command's (`raychat tokenizer train: error:`)."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    for i in range(4):
+        (src / f"{i}.txt").write_text(f"document {i}")
+    write_shard = shards.write_shard
+
+    def interrupted_at_the_second(texts, path, row_group_size):
+        if path.name == "shard_00001.parquet":
+            raise KeyboardInterrupt
+        write_shard(texts, path, row_group_size)
+
+    monkeypatch.setattr(shards, "write_shard", interrupted_at_the_second)
+    assert main(["data", "prepare", "--source", str(src), "--out", str(out)]) == 130
+    assert capsys.readouterr().err == (
+        f"raychat data prepare: interrupted: {out} holds no finished data now (no manifest.json); run the same "
+        "command again, which prepares it from the start\n"
+    )
+    assert main(["data", "prepare", "--source", str(src), "--out", str(out), "--num-shards", "0"]) == 2
+    assert capsys.readouterr().err.startswith("raychat data prepare: error: --num-shards must be >= 1")
