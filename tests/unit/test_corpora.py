@@ -13,7 +13,7 @@ import pytest
 from raychat.cli import main
 from raychat.data.corpus import corpora, shards
 from raychat.data.corpus.corpora import CorpusNotInstalled, python_docs, wordnet_entry, wordnet_glosses
-from raychat.data.corpus.prepare import prepare
+from raychat.data.corpus.prepare import prepare, split_line
 from raychat.data.corpus.rst_clean import clean_rst, split_sections
 from raychat.data.corpus.shards import DataError
 
@@ -363,3 +363,25 @@ def test_ctrl_c_during_prepare_ends_in_a_line_named_as_its_errors_are(tmp_path, 
     )
     assert main(["data", "prepare", "--source", str(src), "--out", str(out), "--num-shards", "0"]) == 2
     assert capsys.readouterr().err.startswith("raychat data prepare: error: --num-shards must be >= 1")
+
+
+def test_the_line_that_announces_the_cut_says_how_much_is_held_out_of_training(tmp_path):
+    """A folder of 37 documents gets 2 shards (1024 documents a shard at most, 2 at least): its validation shard
+    is half of it, which the line said only as `into 2 shards (1 train + 1 validation)`."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "d.jsonl").write_text("".join(json.dumps({"text": f"doc {i:02d}"}) + "\n" for i in range(37)))
+    lines = []
+    prepare(str(src), tmp_path / "out", log=lines.append)
+    assert [line for line in lines if line.startswith("shuffling")] == [
+        "shuffling 37 documents (seed 0) into 2 shards: 1 train of 19 documents + 1 validation of 18 documents "
+        "(49%, held out of training)"  # 18 / 37 = 48.6%
+    ]
+    assert split_line(5_900, 6, 7) == (  # 5,900 = 2 x 984 + 4 x 983
+        "shuffling 5,900 documents (seed 7) into 6 shards: 5 train of 983-984 documents + 1 validation of 983 "
+        "documents (17%, held out of training)"  # 983 / 5,900 = 16.7%
+    )
+    assert split_line(2, 2, 0) == (
+        "shuffling 2 documents (seed 0) into 2 shards: 1 train of 1 document + 1 validation of 1 document (50%, "
+        "held out of training)"
+    )

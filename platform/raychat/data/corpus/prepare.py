@@ -46,6 +46,7 @@ from raychat.data.corpus.shards import (
     is_shard_name,
     prepared_manifest,
     shard_entry,
+    split_evenly,
     write_manifest,
     write_shards,
 )
@@ -138,6 +139,23 @@ def count_shards(documents: int, num_shards: int | None, rows_per_shard: int | N
     return total
 
 
+def split_line(documents: int, total: int, seed: int) -> str:
+    """The line that announces a local corpus's cut of `documents` into `total` shards (count_shards), the last
+    the validation one (write_shards: split_evenly), with the share held out of training, e.g. "shuffling 37
+    documents (seed 0) into 2 shards: 1 train of 19 documents + 1 validation of 18 documents (49%, held out
+    of training)"; a train count that varies by shard reads "5 train of 983-984 documents"."""
+    sizes = [end - start for start, end in split_evenly(documents, total)]
+    train, val = sizes[:-1], sizes[-1]
+    each = plural(max(train), "document")
+    if min(train) != max(train):
+        each = f"{min(train):,}-{each}"
+    return (
+        f"shuffling {plural(documents, 'document')} (seed {seed}) into {total} shards: {total - 1} train of "
+        f"{each} + 1 validation of {plural(val, 'document')} ({val / documents:.0%}, held out of "
+        "training)"
+    )
+
+
 def skipped_summary(skips: corpora.Skips) -> str:
     """'skipped 3 documents (empty: 1 (e.g. a.txt); invalid_utf8: 2 (e.g. b.txt, c.txt))': by reason, with
     examples."""
@@ -219,9 +237,7 @@ def prepare_corpus(
 ) -> dict:
     documents = corpus.documents
     total = count_shards(len(documents), num_shards, rows_per_shard)
-    log(
-        f"shuffling {len(documents)} documents (seed {seed}) into {total} shards ({total - 1} train + 1 validation)"
-    )
+    log(split_line(len(documents), total, seed))
     documents = list(documents)
     random.Random(seed).shuffle(documents)
     entries = write_shards(documents, out, total, row_group_size, log)
