@@ -385,3 +385,35 @@ def test_the_line_that_announces_the_cut_says_how_much_is_held_out_of_training(t
         "shuffling 2 documents (seed 0) into 2 shards: 1 train of 1 document + 1 validation of 1 document (50%, "
         "held out of training)"
     )
+
+
+def test_reading_a_folder_logs_its_progress_each_tenth_after_a_quiet_start_then_its_end(tmp_path):
+    """`data prepare` from a folder printed nothing while it read. Files of 100, 300, 500 and 100 bytes, a
+    clock 3 s on at each look: at 3 s (10%) it is still quiet (READ_QUIET_S), at 6 s 40% is read (eta 6 s x
+    0.6 / 0.4 = 9 s), at 9 s 90% (eta 1 s); the last file logs only the end line. notes.csv is not read."""
+    for name, n in [("a.txt", 100), ("b.txt", 300), ("c.txt", 500), ("d.txt", 100), ("notes.csv", 50)]:
+        (tmp_path / name).write_text("x" * n)
+    ticks = iter(range(0, 100, 3))
+    lines = []
+    corpus = corpora.local_folder(tmp_path, log=lines.append, clock=lambda: next(ticks))
+    assert len(corpus.documents) == 4 and dict(corpus.skips.counts) == {"unsupported_file": 1}
+    assert lines == [
+        "read 2/4 files (40% of 1.0 kB) in 6s, eta 9s",
+        "read 3/4 files (90% of 1.0 kB) in 9s, eta 1s",
+        "read 4 files (1.0 kB) in 12s",
+    ]
+
+
+def test_a_small_folder_prepares_with_one_reading_line(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"{i}.txt").write_text(f"document {i}")  # 10 bytes
+    lines = []
+    prepare(str(src), tmp_path / "out", log=lines.append)
+    assert lines[:3] == [
+        f"loading documents from folder {src}",
+        "read 3 files (30 bytes) in 0s",
+        "shuffling 3 documents (seed 0) into 2 shards: 1 train of 2 documents + 1 validation of 1 document (33%, "
+        "held out of training)",
+    ]

@@ -51,7 +51,7 @@ from raychat.data.corpus.shards import (
     write_shards,
 )
 from raychat.lease import LEASE_FILE, output_lease
-from raychat.log import log, plural
+from raychat.log import log, plural, size
 from raychat.storage import check_writable, open_storage, output_directory
 
 _DEFAULTS = PrepareConfig()  # the defaults of `raychat data prepare` and prepare()
@@ -89,13 +89,6 @@ def holds_earlier_data(out: Path) -> bool:
     except OSError:
         return False
     return is_earlier_data(out, [e for e in entries if not is_leftover(e.base_name)])
-
-
-def size(n_bytes: int) -> str:
-    """'8 bytes', '12.3 kB', '56.00 MB' (decimal units, as the report's MB)."""
-    if n_bytes < 1000:
-        return plural(n_bytes, "byte")
-    return f"{n_bytes / 1e3:.1f} kB" if n_bytes < 1_000_000 else f"{n_bytes / 1e6:.2f} MB"
 
 
 def check_shard_options(num_shards: int | None, rows_per_shard: int | None) -> None:
@@ -229,7 +222,7 @@ def load_corpus(
             "next time"
         )
     log(f"loading documents from folder {folder}")
-    return corpora.local_folder(folder, text_field)
+    return corpora.local_folder(folder, text_field, log)
 
 
 def prepare_corpus(
