@@ -334,7 +334,8 @@ def prepare(
             the skips by reason) or too few for its shards (count_shards, with the skips by reason);
         corpora.CorpusNotInstalled: a Debian package is missing; DownloadError: a shard could not be fetched;
         KeyboardInterrupt (Ctrl-C) once `out` is being written: its message says that `out` holds no finished
-            data and to run the command again (the lease is released, the shards left are removed then).
+            data and to run the command again (the lease is released; a local source's shards left are
+            removed then, a hub source's downloaded whole are reused: download_shards).
     """
     out = Path(out)
     if row_group_size < 1:
@@ -395,9 +396,13 @@ def prepare(
             write_manifest(out, manifest)
         except KeyboardInterrupt:  # Ctrl-C: say what the directory holds now
             removed = ": the earlier one was removed as the run started" if old is not None else ""
+            again = (
+                "which downloads only the shards not yet downloaded whole"
+                if source in HUB_SOURCES
+                else "which prepares it from the start"
+            )
             raise KeyboardInterrupt(
-                f"{out} holds no finished data now (no {MANIFEST}{removed}); run the same command again, "
-                "which prepares it from the start"
+                f"{out} holds no finished data now (no {MANIFEST}{removed}); run the same command again, {again}"
             ) from None
         stale = remove_stale_shards(out, manifest) if ours else []
     if stale:
