@@ -99,24 +99,33 @@ def _main(argv: list[str], command: str | None) -> int:
     if not func:
         parser.print_help()
         return 2
+    name = command_name(args)
     try:
         rc = func(args)
     except KeyboardInterrupt as e:  # a stage's own line (a training run's: where it resumes) when it has one
-        print(f"raychat {args.command}: interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+        print(f"{name}: interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return 130
     except (
         RunGaveUp
     ) as e:  # the run ended on a failure it does not retry: its line (a Ray error logged above)
         if os.environ.get("RAYCHAT_DEBUG"):
             raise
-        print(f"raychat {args.command}: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as e:  # bad input (or a file in the way): a clear message, no traceback
         if os.environ.get("RAYCHAT_DEBUG"):
             raise
-        print(f"raychat {args.command}: error: {e}  (RAYCHAT_DEBUG=1 shows the traceback)", file=sys.stderr)
+        print(f"{name}: error: {e}  (RAYCHAT_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
     return int(rc or 0)
+
+
+def command_name(args: argparse.Namespace) -> str:
+    """The command as its parser's errors name it (its prog): "raychat rl", "raychat data prepare" (a
+    command's subcommand is its `<command>_command` argument: raychat.commands), the prefix of the lines the
+    command ends with ("raychat data prepare: interrupted: ...", "raychat tokenizer train: error: ...")."""
+    sub = getattr(args, f"{args.command}_command", None)
+    return f"raychat {args.command} {sub}" if sub else f"raychat {args.command}"
 
 
 if __name__ == "__main__":

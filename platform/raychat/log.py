@@ -25,6 +25,13 @@ def plural(n: int | float, noun: str) -> str:
     return f"{int(n):,} {noun}" if n == 1 else f"{int(n):,} {noun}s"
 
 
+def size(n_bytes: int) -> str:
+    """An amount of data in a line: '8 bytes', '12.3 kB', '56.00 MB' (decimal units, as the report's MB)."""
+    if n_bytes < 1000:
+        return plural(n_bytes, "byte")
+    return f"{n_bytes / 1e3:.1f} kB" if n_bytes < 1_000_000 else f"{n_bytes / 1e6:.2f} MB"
+
+
 def duration(seconds: float) -> str:
     """A span of time in a progress line (an ETA): '45s', '12m05s', '3h07m' (seconds rounded; hours past 99
     keep counting: '153h20m')."""

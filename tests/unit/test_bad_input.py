@@ -305,7 +305,7 @@ def test_a_mistyped_source_name_is_not_read_as_a_folder(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, error",
     [
-        (["tokenizer", "train", "--data-dir", "{root}/prepared", "--vocab-size", "300"], "raychat tokenizer: error"),
+        (["tokenizer", "train", "--data-dir", "{root}/prepared", "--vocab-size", "300"], "raychat tokenizer train: error"),
         (["data", "prepare", "--source", "{root}/texts", "--num-shards", "1"], "raychat data prepare: error"),
         (["export", "--checkpoint", "pretrain"], "raychat export: error"),
         (["eval", "--checkpoint", "pretrain", "--data-dir", "{root}/prepared"], "raychat eval: error"),
@@ -436,7 +436,7 @@ def test_a_stage_refuses_an_output_directory_of_another_kind(argv, want, root, c
     (root / "proj" / "manifest.json").write_text('{"shards": [{"file": "precious.txt"}]}\n')
     before = _snapshot(root)
     line = _fails_in_one_line([a.format(root=root) for a in argv], capsys)
-    command = "data prepare" if argv[0] == "data" else argv[0]
+    command = " ".join(argv[:2]) if argv[0] in ("data", "tokenizer") else argv[0]
     suffix = "" if argv[0] == "data" else "  (RAYCHAT_DEBUG=1 shows the traceback)"
     assert line == f"raychat {command}: error: {want.format(root=root)}{suffix}"
     assert _snapshot(root) == before

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from raychat.cli import main
-from raychat.data.corpus import corpora
+from raychat.data.corpus import corpora, shards
 from raychat.data.corpus.corpora import CorpusNotInstalled, python_docs, wordnet_entry, wordnet_glosses
-from raychat.data.corpus.prepare import prepare
+from raychat.data.corpus.prepare import prepare, split_line
 from raychat.data.corpus.rst_clean import clean_rst, split_sections
 from raychat.data.corpus.shards import DataError
 
@@ -338,4 +338,82 @@ def test_ctrl_c_during_prepare_says_what_is_left_and_the_rerun_finishes(tmp_path
     assert "removed 1 earlier shard that manifest.json does not list (shard_00003.parquet)" in lines
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json"] + [
         f"shard_0000{i}.parquet" for i in range(3)
+    ]
+
+
+def test_ctrl_c_during_prepare_ends_in_a_line_named_as_its_errors_are(tmp_path, monkeypatch, capsys):
+    """Its Ctrl-C line read `raychat data: interrupted: ...`, its errors `raychat data prepare: error: ...`; both
+    now name the command as its parser does, and so does every command's (`raychat tokenizer train: error:`)."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    for i in range(4):
+        (src / f"{i}.txt").write_text(f"document {i}")
+    write_shard = shards.write_shard
+
+    def interrupted_at_the_second(texts, path, row_group_size):
+        if path.name == "shard_00001.parquet":
+            raise KeyboardInterrupt
+        write_shard(texts, path, row_group_size)
+
+    monkeypatch.setattr(shards, "write_shard", interrupted_at_the_second)
+    assert main(["data", "prepare", "--source", str(src), "--out", str(out)]) == 130
+    assert capsys.readouterr().err == (
+        f"raychat data prepare: interrupted: {out} holds no finished data now (no manifest.json); run the same "
+        "command again, which prepares it from the start\n"
+    )
+    assert main(["data", "prepare", "--source", str(src), "--out", str(out), "--num-shards", "0"]) == 2
+    assert capsys.readouterr().err.startswith("raychat data prepare: error: --num-shards must be >= 1")
+
+
+def test_the_line_that_announces_the_cut_says_how_much_is_held_out_of_training(tmp_path):
+    """A folder of 37 documents gets 2 shards (1024 documents a shard at most, 2 at least): its validation shard
+    is half of it, which the line said only as `into 2 shards (1 train + 1 validation)`."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "d.jsonl").write_text("".join(json.dumps({"text": f"doc {i:02d}"}) + "\n" for i in range(37)))
+    lines = []
+    prepare(str(src), tmp_path / "out", log=lines.append)
+    assert [line for line in lines if line.startswith("shuffling")] == [
+        "shuffling 37 documents (seed 0) into 2 shards: 1 train of 19 documents + 1 validation of 18 documents "
+        "(49%, held out of training)"  # 18 / 37 = 48.6%
+    ]
+    assert split_line(5_900, 6, 7) == (  # 5,900 = 2 x 984 + 4 x 983
+        "shuffling 5,900 documents (seed 7) into 6 shards: 5 train of 983-984 documents + 1 validation of 983 "
+        "documents (17%, held out of training)"  # 983 / 5,900 = 16.7%
+    )
+    assert split_line(2, 2, 0) == (
+        "shuffling 2 documents (seed 0) into 2 shards: 1 train of 1 document + 1 validation of 1 document (50%, "
+        "held out of training)"
+    )
+
+
+def test_reading_a_folder_logs_its_progress_each_tenth_after_a_quiet_start_then_its_end(tmp_path):
+    """`data prepare` from a folder printed nothing while it read. Files of 100, 300, 500 and 100 bytes, a
+    clock 3 s on at each look: at 3 s (10%) it is still quiet (READ_QUIET_S), at 6 s 40% is read (eta 6 s x
+    0.6 / 0.4 = 9 s), at 9 s 90% (eta 1 s); the last file logs only the end line. notes.csv is not read."""
+    for name, n in [("a.txt", 100), ("b.txt", 300), ("c.txt", 500), ("d.txt", 100), ("notes.csv", 50)]:
+        (tmp_path / name).write_text("x" * n)
+    ticks = iter(range(0, 100, 3))
+    lines = []
+    corpus = corpora.local_folder(tmp_path, log=lines.append, clock=lambda: next(ticks))
+    assert len(corpus.documents) == 4 and dict(corpus.skips.counts) == {"unsupported_file": 1}
+    assert lines == [
+        "read 2/4 files (40% of 1.0 kB) in 6s, eta 9s",
+        "read 3/4 files (90% of 1.0 kB) in 9s, eta 1s",
+        "read 4 files (1.0 kB) in 12s",
+    ]
+
+
+def test_a_small_folder_prepares_with_one_reading_line(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"{i}.txt").write_text(f"document {i}")  # 10 bytes
+    lines = []
+    prepare(str(src), tmp_path / "out", log=lines.append)
+    assert lines[:3] == [
+        f"loading documents from folder {src}",
+        "read 3 files (30 bytes) in 0s",
+        "shuffling 3 documents (seed 0) into 2 shards: 1 train of 2 documents + 1 validation of 1 document (33%, "
+        "held out of training)",
     ]

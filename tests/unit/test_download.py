@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import io
 import threading
@@ -34,19 +35,40 @@ class Server:
     """Serves `files` (URL path -> bytes). `plan[path]` is a list of behaviours for the next requests of that
     path, used up one per request: "500" (HTTP 500), "truncate" (full Content-Length, half the body, then
     close), "404"; once the list is empty the file is served normally. While answering a request, it records
-    whether the download's final file already exists (`final_seen`), which must never be True."""
+    whether the download's final file already exists (`final_seen`), which must never be True. HEAD requests
+    (`heads`) answer a file's size as its Content-Length (`head` "size"), with its sha256 as the hub gives it
+    ("sha256": X-Linked-Etag), or as the hub does ("hub": a redirect with X-Linked-Size and X-Linked-Etag to a
+    CDN URL that refuses a HEAD, 403); `delay_s[path]` delays each GET."""
 
-    def __init__(self, files: dict[str, bytes], watch_dir: Path | None = None):
+    def __init__(self, files: dict[str, bytes], watch_dir: Path | None = None, head: str = "size"):
         self.files, self.plan, self.requests, self.final_seen = files, {}, [], []
-        self.watch_dir = watch_dir
+        self.watch_dir, self.heads, self.delay_s = watch_dir, [], {}
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
 
+            def do_HEAD(self):
+                server.heads.append(self.path)
+                if self.path.startswith("/cdn/"):  # the hub's CDN URLs are signed for GET
+                    self.send_response(403)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                body = server.files.get(self.path)
+                self.send_response(404 if body is None else 302 if head == "hub" else 200)
+                if body is not None and head == "hub":
+                    self.send_header("Location", "/cdn" + self.path)
+                    self.send_header("X-Linked-Size", str(len(body)))
+                self.send_header("Content-Length", str(len(body or b"")))
+                if body is not None and head != "size":
+                    self.send_header("X-Linked-Etag", f'"{hashlib.sha256(body).hexdigest()}"')
+                self.end_headers()
+
             def do_GET(self):
                 server.requests.append(self.path)
+                threading.Event().wait(server.delay_s.get(self.path, 0))  # no_sleep patches time.sleep
                 if server.watch_dir is not None:
                     server.final_seen.append((server.watch_dir / Path(self.path).name).exists())
                 steps = server.plan.get(self.path) or []
@@ -288,3 +310,77 @@ def test_prepare_hub_source_from_a_mirror(tmp_path, no_sleep):
     assert [Path(f).name for f in train] == ["shard_00000.parquet", "shard_00001.parquet"]
     assert Path(val).name == "shard_01822.parquet"
     assert all(Path(f).read_bytes() == files["/" + Path(f).name] for f in train + [val])  # kept byte for byte
+
+
+@pytest.mark.parametrize("head", ["size", "sha256", "hub"])
+def test_shards_present_before_a_download_are_reused_when_the_server_says_they_match(
+    head, tmp_path, no_sleep
+):
+    """Without a manifest (a run stopped before writing it) every shard was downloaded again. A present shard is
+    now checked with a HEAD request: by its size, or by its sha256 where the server gives one. shard 0 is
+    whole; shard 1 holds its first half (what a partial download would be; prepare's are under a temporary
+    name: never reused); with a checksum, shard 2 has its size but one byte changed, which its size alone
+    cannot tell. The hub gives both in its redirect to a CDN URL that refuses the HEAD."""
+    files = {
+        f"/shard_{i:05d}.parquet": parquet_bytes([f"shard {i} doc {j}" for j in range(5)]) for i in (0, 1, 2)
+    }
+    (tmp_path / "shard_00000.parquet").write_bytes(files["/shard_00000.parquet"])
+    (tmp_path / "shard_00001.parquet").write_bytes(files["/shard_00001.parquet"][:100])
+    changed = bytearray(files["/shard_00002.parquet"])
+    changed[50] ^= 1
+    if head != "size":
+        (tmp_path / "shard_00002.parquet").write_bytes(bytes(changed))
+    lines = []
+    with Server(files, head=head) as srv:
+        paths = download_shards(
+            f"{srv.url}/shard_{{index:05d}}.parquet", [0, 1, 2], tmp_path, log=lines.append
+        )
+    assert all(p.read_bytes() == files["/" + p.name] for p in paths)
+    assert sorted(srv.requests) == ["/shard_00001.parquet", "/shard_00002.parquet"]
+    if head != "size":
+        cdn = ["/cdn" + f for f in files] if head == "hub" else []  # where the hub redirects (a 403)
+        assert sorted(srv.heads) == sorted([*files, *cdn])
+        assert lines[0] == (
+            f"reusing 1 of 3 shards already in {tmp_path} (1 by the server's sha256); 2 other present differ and "
+            "are downloaded again"
+        )
+    else:
+        assert sorted(srv.heads) == ["/shard_00000.parquet", "/shard_00001.parquet"]
+        assert lines[0] == (
+            f"reusing 1 of 3 shards already in {tmp_path} (1 by the server's size); 1 other present differs and is "
+            "downloaded again"
+        )
+
+
+def test_a_prepare_stopped_while_downloading_reuses_the_shards_it_finished(tmp_path, no_sleep):
+    """Ctrl-C once shard 0 is downloaded, shard 1 under way (a slow one): shard 1 ends whole, the validation
+    shard is not started; the same command again downloads only the validation shard."""
+    files = {
+        f"/shard_{i:05d}.parquet": parquet_bytes([f"shard {i} doc {j}" for j in range(3)])
+        for i in (0, 1, 1822)
+    }
+    out = tmp_path / "data"
+
+    def interrupt(message: str) -> None:
+        if "downloaded shard_00000" in message:
+            raise KeyboardInterrupt
+
+    with Server(files) as srv:
+        pattern = f"{srv.url}/shard_{{index:05d}}.parquet"
+        srv.delay_s["/shard_00001.parquet"] = 1.0  # under way when Ctrl-C comes
+        with pytest.raises(KeyboardInterrupt) as e:
+            prepare("fineweb-edu", out, num_shards=2, url_pattern=pattern, workers=1, log=interrupt)
+        assert str(e.value) == (
+            f"{out} holds no finished data now (no manifest.json); run the same command again, which downloads "
+            "only the shards not yet downloaded whole"
+        )
+        assert visible_files(out) == ["shard_00000.parquet", "shard_00001.parquet"]
+        assert srv.requests == ["/shard_00000.parquet", "/shard_00001.parquet"]
+        srv.requests.clear()
+        lines = []
+        manifest = prepare("fineweb-edu", out, num_shards=2, url_pattern=pattern, log=lines.append)
+    assert f"reusing 2 of 3 shards already in {out} (2 by the server's size)" in lines
+    assert srv.requests == ["/shard_01822.parquet"]
+    assert [s["documents"] for s in manifest["shards"]] == [3, 3, 3]
+    train, val = list_shards(out, verify=True)
+    assert all(Path(f).read_bytes() == files["/" + Path(f).name] for f in train + [val])

@@ -1067,7 +1067,7 @@ def test_the_pod_monitor_schema_catches_mistakes():
 def test_k8s_generate_from_a_folder_that_is_not_a_checkout(tmp_path, capsys):
     assert raychat_main(["k8s", "generate", "--repo", str(tmp_path)]) == 2  # was "[Errno 2] No such file ..."
     assert capsys.readouterr().err == (
-        f"raychat k8s: error: --repo {tmp_path}: not a raychat checkout (no serve/chat.yaml to render from)  "
+        f"raychat k8s generate: error: --repo {tmp_path}: not a raychat checkout (no serve/chat.yaml to render from)  "
         "(RAYCHAT_DEBUG=1 shows the traceback)\n"
     )
     assert list(tmp_path.iterdir()) == []

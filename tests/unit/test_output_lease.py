@@ -166,7 +166,7 @@ def test_a_second_tokenizer_train_into_a_live_ones_out_is_refused_and_the_first_
         assert sorted(before) == sorted(["lease.json", temporary])
         argv = ["tokenizer", "train", "--data-dir", str(data), "--out", str(out), "--vocab-size", "280"]
         suffix = "  (RAYCHAT_DEBUG=1 shows the traceback)"
-        _second_is_refused(argv, "raychat tokenizer", out, flags, first, capsys, suffix)
+        _second_is_refused(argv, "raychat tokenizer train", out, flags, first, capsys, suffix)
         status, printed = first.go()
     finally:
         first.proc.kill()
@@ -212,7 +212,9 @@ def test_an_output_placed_by_run_name_is_refused_naming_run_name(command, source
         assert sorted(p.name for p in (root / "out").iterdir()) == ["lease.json"]
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held_by.started_at))
     err = capsys.readouterr().err
-    prefix = {"data": "raychat data prepare: error: ", "tokenizer": "raychat tokenizer: error: "}[command]
+    prefix = {"data": "raychat data prepare: error: ", "tokenizer": "raychat tokenizer train: error: "}[
+        command
+    ]
     suffix = {"data": "\n", "tokenizer": "  (RAYCHAT_DEBUG=1 shows the traceback)\n"}[command]
     assert err == (
         f"{prefix}the run is already running: {root}/out/lease.json is held by pid {held_by.pid} on "

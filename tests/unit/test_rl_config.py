@@ -212,13 +212,16 @@ def test_the_layout_line_names_each_actor_by_its_role():
 def test_a_steps_line_shows_the_share_of_prompts_without_a_learning_signal_and_the_steps_in_all():
     """zero_advantage_frac, GRPO's first diagnostic (groups whose samples all scored alike teach nothing), was in
     metrics.jsonl only; the step's stdout line shows it after reward_mean. The step was `step=3`, without the
-    run's steps that pretraining's `step 3/50` shows."""
+    run's steps that pretraining's `step 3/50` shows; its ETA was seconds alone (`eta=11220s`), pretraining's
+    reads in minutes and hours."""
     line = {"step": 3, "version": 3, "reward_mean": 0.25, "pass_at_1": 0.25, "zero_advantage_frac": 0.5,
             "response_len_mean": 31.5, "loss": -0.002, "grad_norm": 0.03, "sync_time_s": None}  # fmt: skip
     assert step_line(line, 50, 12.4) == (
         "step=3/50 reward_mean=0.25 zero_advantage_frac=0.5 response_len_mean=31.5 loss=-0.002 grad_norm=0.03 "
         "eta=12s"
     )
+    assert step_line(line, 50, 725).endswith(" eta=12m05s")
+    assert step_line(line, 5000, 11_220.4).endswith(" eta=3h07m")
 
 
 def test_an_evaluations_line_says_what_it_measured(tmp_path):

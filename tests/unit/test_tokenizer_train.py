@@ -93,7 +93,7 @@ def test_a_null_text_is_one_line_naming_the_shard_and_row_and_nothing_is_written
     assert raychat_main(argv) == 2
     err = capsys.readouterr().err
     assert err == (
-        f"raychat tokenizer: error: --data-dir: {shard}: row 2: `text` is null: this shard was not written by "
+        f"raychat tokenizer train: error: --data-dir: {shard}: row 2: `text` is null: this shard was not written by "
         "raychat data prepare, which skips a document without text  (RAYCHAT_DEBUG=1 shows the traceback)\n"
     )
     assert not out.exists()

@@ -72,7 +72,7 @@ from raychat.checkpoint_manager import CheckpointManager, committed_bytes
 from raychat.config import ConfigError, RLConfig, to_dict, to_yaml
 from raychat.config.schema import shown
 from raychat.lease import RunLease
-from raychat.log import StepClock, log, plural
+from raychat.log import StepClock, duration, log, plural
 from raychat.metrics import RLMetrics
 from raychat.metrics_sink import MetricsSink, read_logged
 from raychat.rl.actors import (
@@ -703,9 +703,10 @@ _LOG_KEYS = (
 
 def step_line(line: dict, steps: int, eta_s: float) -> str:
     """A step's stdout line: the _LOG_KEYS of its metrics.jsonl `line` (those set), its step out of the run's
-    `steps` as pretraining's line counts them ("step=15/50"), then its ETA in seconds."""
+    `steps` as pretraining's line counts them ("step=15/50"), then its ETA of `eta_s` seconds as pretraining's
+    line shows it ("eta=42s", "eta=12m05s", "eta=3h07m": raychat.log.duration)."""
     shown = {k: line[k] for k in _LOG_KEYS if line.get(k) is not None} | {"step": f"{line['step']}/{steps}"}
-    return _fmt(shown) + f" eta={eta_s:.0f}s"
+    return _fmt(shown) + f" eta={duration(eta_s)}"
 
 
 def _fmt(d: dict) -> str:

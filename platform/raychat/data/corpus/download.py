@@ -10,11 +10,17 @@ parquet, `text` column, every row group decodes), and only then renamed into pla
 shard under its final name is always complete. Failed attempts (connection errors, HTTP 429/5xx, truncated
 or corrupt bodies) are retried with exponential backoff: attempt k waits backoff_s * 2**(k-1) seconds
 before attempt k+1. HTTP 400/401/403/404/410 are not retried: asking again cannot help.
+
+A shard already under its final name (a run stopped before its end downloaded it whole) is reused, not
+fetched again, when it matches: the sha256 a previous manifest of the same URL pattern records for it, else
+what the server says of the file (a HEAD request: server_facts): its sha256 where it gives one (the hub's
+X-Linked-Etag), else its size. One line says how many were reused.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -25,7 +31,7 @@ import requests
 
 from raychat.atomic import fresh_file
 from raychat.data.corpus.shards import DataError, inspect_shard, sha256_file, shard_name
-from raychat.log import log
+from raychat.log import log, plural
 
 ATTEMPTS = 5
 DOWNLOAD_WORKERS = 4  # shards downloaded at once (raychat.config.data: --workers' default)
@@ -165,6 +171,63 @@ def check_url_pattern(url_pattern: str, flag: str = "--url-pattern") -> str:
     return url_pattern
 
 
+def server_facts(response: requests.Response) -> tuple[int | None, str | None]:
+    """(size in bytes, sha256) that a HEAD response, redirects followed, gives of the file; None each where it
+    does not. The hub's redirect to its CDN carries both (X-Linked-Size; X-Linked-Etag: the sha256 in quotes
+    of a file stored with Git LFS or Xet), and the CDN's URL may refuse a HEAD (signed for GET); another
+    server gives the size as the Content-Length of a 2xx answer."""
+    size = sha256 = None
+    for r in [*response.history, response]:
+        tag = r.headers.get("X-Linked-Etag", "").removeprefix("W/").strip('"').lower()
+        sha256 = tag if re.fullmatch(r"[0-9a-f]{64}", tag) else sha256
+        linked = r.headers.get("X-Linked-Size", "")
+        size = int(linked) if linked.isdigit() else size
+    length = response.headers.get("Content-Length", "")
+    if size is None and response.ok and length.isdigit():
+        size = int(length)
+    return size, sha256
+
+
+def reusable(url: str, dest: Path, known_sha256: dict[str, str], timeout_s: float = TIMEOUT_S) -> str | None:
+    """How the file `dest`, already under its final name, was found to be `url`'s ("manifest": the sha256
+    `known_sha256` records for it; "sha256": the server's sha256; "size": the server's size: server_facts),
+    or None where it was not: it differs, or the server said neither (a HEAD request that failed) and a
+    previous manifest of this pattern does not list it."""
+    if dest.name in known_sha256:
+        return "manifest" if sha256_file(dest) == known_sha256[dest.name] else None
+    try:
+        with requests.head(url, allow_redirects=True, timeout=timeout_s) as r:
+            size, sha256 = server_facts(r)
+    except requests.RequestException:
+        return None
+    if sha256 is not None:
+        return "sha256" if sha256_file(dest) == sha256 else None
+    if size is not None:
+        return "size" if dest.stat().st_size == size else None
+    return None
+
+
+def reused_line(checks: dict[int, str | None], total: int, out: Path) -> str:
+    """The one line of the shards found in `out` before downloading: `checks` (index -> reusable's answer)
+    of each present one, of `total` shards, e.g. "reusing 2 of 3 shards already in runs/data (1 by the
+    previous manifest's sha256, 1 by the server's size); 1 other present differs and is downloaded again"."""
+    ways = {
+        "manifest": "the previous manifest's sha256",
+        "sha256": "the server's sha256",
+        "size": "the server's size",
+    }
+    counts = {way: n for way in ways if (n := sum(c == way for c in checks.values()))}
+    reused = sum(counts.values())
+    line = f"reusing {reused} of {plural(total, 'shard')} already in {out}"
+    if counts:
+        line += " (" + ", ".join(f"{n} by {ways[way]}" for way, n in counts.items()) + ")"
+    if stale := len(checks) - reused:
+        line += (
+            f"; {stale} other present {'differs and is' if stale == 1 else 'differ and are'} downloaded again"
+        )
+    return line
+
+
 def download_shards(
     url_pattern: str,
     indices: list[int],
@@ -181,7 +244,9 @@ def download_shards(
     Args:
         url_pattern: e.g. HUB_SOURCES["fineweb-edu"].url_pattern; `{index}` is filled with each index.
         known_sha256: file name -> sha256 of shards already downloaded from this same pattern (from a
-            previous manifest); a present file with that hash is reused, not fetched again.
+            previous manifest). A file present under its final name is reused, not fetched again, where it
+            matches that sha256, or, where none is known, what the server says of it (reusable); the
+            log's one line says how many (reused_line).
     Raises:
         ValueError: url_pattern is not an http(s) pattern with an {index} field (check_url_pattern), or
             workers < 1.
@@ -193,15 +258,19 @@ def download_shards(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     known = known_sha256 or {}
-    todo = []
-    for index in indices:
-        dest = out / shard_name(index)
-        if dest.name in known and dest.is_file() and sha256_file(dest) == known[dest.name]:
-            log(f"  {dest.name}: already downloaded (sha256 matches the previous manifest)")
-        else:
-            todo.append(index)
+    present = [i for i in indices if (out / shard_name(i)).is_file()]
+
+    def check(i: int) -> str | None:
+        return reusable(url_pattern.format(index=i), out / shard_name(i), known, timeout_s)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(present)))) as pool:
+        checks = dict(zip(present, pool.map(check, present)))
+    if present:
+        log(reused_line(checks, len(indices), out))
+    todo = [i for i in indices if not checks.get(i)]
     errors = []
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo))))
+    try:
         futures = {
             pool.submit(
                 download_file,
@@ -220,6 +289,8 @@ def download_shards(
                 log(f"  downloaded {path.name} ({path.stat().st_size / 1e6:.1f} MB) [{done}/{len(todo)}]")
             except DownloadError as e:
                 errors.append(str(e))
+    finally:  # Ctrl-C: the shards not started are not fetched; those under way end whole (or not at all)
+        pool.shutdown(cancel_futures=True)
     if errors:
         raise DownloadError(
             f"{len(errors)} of {len(indices)} shards failed:\n  " + "\n  ".join(sorted(errors))

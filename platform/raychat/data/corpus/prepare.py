@@ -46,11 +46,12 @@ from raychat.data.corpus.shards import (
     is_shard_name,
     prepared_manifest,
     shard_entry,
+    split_evenly,
     write_manifest,
     write_shards,
 )
 from raychat.lease import LEASE_FILE, output_lease
-from raychat.log import log, plural
+from raychat.log import log, plural, size
 from raychat.storage import check_writable, open_storage, output_directory
 
 _DEFAULTS = PrepareConfig()  # the defaults of `raychat data prepare` and prepare()
@@ -88,13 +89,6 @@ def holds_earlier_data(out: Path) -> bool:
     except OSError:
         return False
     return is_earlier_data(out, [e for e in entries if not is_leftover(e.base_name)])
-
-
-def size(n_bytes: int) -> str:
-    """'8 bytes', '12.3 kB', '56.00 MB' (decimal units, as the report's MB)."""
-    if n_bytes < 1000:
-        return plural(n_bytes, "byte")
-    return f"{n_bytes / 1e3:.1f} kB" if n_bytes < 1_000_000 else f"{n_bytes / 1e6:.2f} MB"
 
 
 def check_shard_options(num_shards: int | None, rows_per_shard: int | None) -> None:
@@ -136,6 +130,23 @@ def count_shards(documents: int, num_shards: int | None, rows_per_shard: int | N
             f"document at least each){fix}"
         )
     return total
+
+
+def split_line(documents: int, total: int, seed: int) -> str:
+    """The line that announces a local corpus's cut of `documents` into `total` shards (count_shards), the last
+    the validation one (write_shards: split_evenly), with the share held out of training, e.g. "shuffling 37
+    documents (seed 0) into 2 shards: 1 train of 19 documents + 1 validation of 18 documents (49%, held out
+    of training)"; a train count that varies by shard reads "5 train of 983-984 documents"."""
+    sizes = [end - start for start, end in split_evenly(documents, total)]
+    train, val = sizes[:-1], sizes[-1]
+    each = plural(max(train), "document")
+    if min(train) != max(train):
+        each = f"{min(train):,}-{each}"
+    return (
+        f"shuffling {plural(documents, 'document')} (seed {seed}) into {total} shards: {total - 1} train of "
+        f"{each} + 1 validation of {plural(val, 'document')} ({val / documents:.0%}, held out of "
+        "training)"
+    )
 
 
 def skipped_summary(skips: corpora.Skips) -> str:
@@ -211,7 +222,7 @@ def load_corpus(
             "next time"
         )
     log(f"loading documents from folder {folder}")
-    return corpora.local_folder(folder, text_field)
+    return corpora.local_folder(folder, text_field, log)
 
 
 def prepare_corpus(
@@ -219,9 +230,7 @@ def prepare_corpus(
 ) -> dict:
     documents = corpus.documents
     total = count_shards(len(documents), num_shards, rows_per_shard)
-    log(
-        f"shuffling {len(documents)} documents (seed {seed}) into {total} shards ({total - 1} train + 1 validation)"
-    )
+    log(split_line(len(documents), total, seed))
     documents = list(documents)
     random.Random(seed).shuffle(documents)
     entries = write_shards(documents, out, total, row_group_size, log)
@@ -325,7 +334,8 @@ def prepare(
             the skips by reason) or too few for its shards (count_shards, with the skips by reason);
         corpora.CorpusNotInstalled: a Debian package is missing; DownloadError: a shard could not be fetched;
         KeyboardInterrupt (Ctrl-C) once `out` is being written: its message says that `out` holds no finished
-            data and to run the command again (the lease is released, the shards left are removed then).
+            data and to run the command again (the lease is released; a local source's shards left are
+            removed then, a hub source's downloaded whole are reused: download_shards).
     """
     out = Path(out)
     if row_group_size < 1:
@@ -386,9 +396,13 @@ def prepare(
             write_manifest(out, manifest)
         except KeyboardInterrupt:  # Ctrl-C: say what the directory holds now
             removed = ": the earlier one was removed as the run started" if old is not None else ""
+            again = (
+                "which downloads only the shards not yet downloaded whole"
+                if source in HUB_SOURCES
+                else "which prepares it from the start"
+            )
             raise KeyboardInterrupt(
-                f"{out} holds no finished data now (no {MANIFEST}{removed}); run the same command again, "
-                "which prepares it from the start"
+                f"{out} holds no finished data now (no {MANIFEST}{removed}); run the same command again, {again}"
             ) from None
         stale = remove_stale_shards(out, manifest) if ours else []
     if stale:
