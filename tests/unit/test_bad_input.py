@@ -2056,6 +2056,13 @@ def test_an_sft_dry_run_makes_the_checks_and_prints_the_plan(root, driver, capsy
         f"init from: {root}/pretrain/checkpoint_000004 (pretrain checkpoint, step 4)\n" in out
         and "horizon (num_iterations): 2 steps" in out
     )
+    # 2 steps x 512 tokens / 64 a row: the epochs of calculator:200 (tests/unit/test_sft_overfit.py counts them)
+    assert re.search(
+        r"^sft data: the run's 16 rows of 65 tokens hold ~\d+ conversations: ~[\d.]+ epochs of its mixture's 200 "
+        r"training conversations \(~[\d.]+ a row\)$",
+        out,
+        re.M,
+    )
     assert not ray.is_initialized() and _snapshot(root) == before
     d = _commit_step(*driver(argv))
     capsys.readouterr()
