@@ -943,6 +943,29 @@ def test_sft_on_own_conversations_with_one_bad_record(root, tmp_path, capsys):
     assert _snapshot(root) == before
 
 
+def test_sft_data_with_a_calculator_call_left_unanswered(root, tmp_path, capsys):
+    """A conversation whose assistant ends on a calculator call with no tool reply trained the model to end its
+    turn (or go on) right after <|python_end|>, where the engine forces the call's result at inference: refused
+    before Ray in one line naming the file, line and part (tests/unit/test_own_conversations.py has each
+    case)."""
+    mine = tmp_path / "mine.jsonl"
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    call = [{"type": "text", "text": "Let me. "}, {"type": "python", "text": "7*12"}]
+    bad = {"messages": [{"role": "user", "content": "7*12?"}, {"role": "assistant", "content": call}]}
+    mine.write_text("".join(json.dumps(r) + "\n" for r in (good, bad, good)))
+    before = _snapshot(root)
+    argv = ["sft", "--preset", "tiny", "--storage-path", str(root), "--init-from", "pretrain", "--tokenizer-path",
+            f"{root}/tokenizer", "--run-name", "mine", "--sft-tasks", "", "--sft-data", str(mine)]  # fmt: skip
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat sft: error: --sft-data: {mine} line 2: messages[1].content[1]: the python call '7*12' ends the "
+        "conversation with no result after it: at inference the engine answers a call with its result right "
+        'after it and the assistant goes on, so give the result right after the call, as the next message {"role": '
+        '"tool", "content": RESULT} (or a {"type": "python_output", "text": RESULT} part), then the assistant\'s '
+        "reply (1 of 3 records is bad)  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(root) == before
+
+
 # ---- resuming a run whose newest checkpoint this run cannot resume ---------------------------------------
 class ReachedRay(Exception):
     """Raised where the driver would start Ray: every check before it passed."""
@@ -2055,6 +2078,13 @@ def test_an_sft_dry_run_makes_the_checks_and_prints_the_plan(root, driver, capsy
     assert (
         f"init from: {root}/pretrain/checkpoint_000004 (pretrain checkpoint, step 4)\n" in out
         and "horizon (num_iterations): 2 steps" in out
+    )
+    # 2 steps x 512 tokens / 64 a row: the epochs of calculator:200 (tests/unit/test_sft_overfit.py counts them)
+    assert re.search(
+        r"^sft data: the run's 16 rows of 65 tokens hold ~\d+ conversations: ~[\d.]+ epochs of its mixture's 200 "
+        r"training conversations \(~[\d.]+ a row\)$",
+        out,
+        re.M,
     )
     assert not ray.is_initialized() and _snapshot(root) == before
     d = _commit_step(*driver(argv))

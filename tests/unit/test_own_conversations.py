@@ -107,6 +107,13 @@ def test_a_directory_of_jsonl_and_parquet_files(tmp_path):
 
 GOOD = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
 ROLES = "['system', 'user', 'assistant', 'tool']"
+# a calculator call with no result right after it: the engine answers every call there at inference
+# (raychat.engine.row_state forces <|output_start|> result <|output_end|> after <|python_end|>)
+UNANSWERED = (
+    "at inference the engine answers a call with its result right after it and the assistant goes on, so give the "
+    'result right after the call, as the next message {"role": "tool", "content": RESULT} (or a {"type": '
+    '"python_output", "text": RESULT} part), then the assistant\'s reply (1 of 3 records is bad)'
+)
 
 
 @pytest.mark.parametrize(
@@ -135,6 +142,17 @@ ROLES = "['system', 'user', 'assistant', 'tool']"
         ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [{"type": "code"}]}]},
          "messages[1].content[0]: type must be one of ['text', 'python', 'python_output'], got 'code' (1 of 3 "
          "records is bad)"),
+        ({"messages": [{"role": "user", "content": "7*12?"}, {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me. "}, {"type": "python", "text": "7*12"}]}]},
+         f"messages[1].content[1]: the python call '7*12' ends the conversation with no result after it: {UNANSWERED}"),
+        ({"messages": [{"role": "user", "content": "7*12?"}, {"role": "assistant", "content": [
+            {"type": "python", "text": "7*12"}]}, {"role": "user", "content": "so?"},
+            {"role": "assistant", "content": "84"}]},
+         "messages[1].content[0]: the python call '7*12' ends the assistant's turn with no result after it (a "
+         f"'user' message follows): {UNANSWERED}"),
+        ({"messages": [{"role": "user", "content": "7*12?"}, {"role": "assistant", "content": [
+            {"type": "python", "text": "7*12"}, {"type": "text", "text": "It is 84."}]}]},
+         f"messages[1].content[0]: the python call '7*12' is followed by a text part, not by its result: {UNANSWERED}"),
         ({"messages": [{"role": "user", "content": "only a question"}]},
          "messages: no 'assistant' message (nothing to train on) (1 of 3 records is bad)"),
         ({"conversation": []}, "lacks column(s) ['messages']; expected ['messages'] (1 of 3 records is bad)"),

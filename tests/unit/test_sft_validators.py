@@ -12,10 +12,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raychat.config import from_dict
+from raychat.loss import TokenCrossEntropy
 from raychat.model import GPT, ModelConfig
 from raychat.ports import free_ports
 from raychat.tokenizer import Tokenizer
 from raychat.train.sft import SFT, sft_defaults
+from raychat.train.trainer import to_batch
 from raychat.train.validators import AccuracyValidator, BPBValidator, MeanBPBValidator
 
 
@@ -124,3 +126,66 @@ def test_validation_bpb_is_over_every_held_out_row_on_two_workers(held_out, smal
         want = tokens * math.log2(tok.vocab_size) / nbytes
         assert results[r]["values"]["sft-data_val_bpb"] == pytest.approx(want, rel=1e-6)
         assert results[r]["values"]["val_bpb"] == pytest.approx(want, rel=1e-6)
+
+
+class Bigram(torch.nn.Module):
+    """A fixed model whose logits at a position depend only on that position's input token: row `prev` of
+    `table` (V, V); every other logit is 0."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.register_buffer("table", table)
+
+    def forward(self, input_ids, position_ids=None, segment_ids=None):
+        return self.table[input_ids]
+
+
+def test_held_out_rows_are_built_masked_and_scored_as_training_rows_by_hand(small_tokenizer, tmp_path):
+    """A tiny SFT trial's sft-data_val_bpb rose 5.71 -> 8.49 while the loss fell: a defect, or overfitting? The
+    same conversation, once in --sft-data's train file and once in its test file, gives the same row in the
+    training stream (SFTRows) and in the held-out rows (SFT.validators), the same loss_mask (the assistant's
+    tokens " Mars", "." and <|assistant_end|>, never BOS, the user's "red?" or the markers around it), and
+    the BPB worked out by hand. The model is a bigram table: after <|assistant_start|> it puts logit ln(V-1) on
+    " Mars" (p = (V-1) / (V-1 + V-1) = 1/2), after " Mars" ln((V-1)/3) on "." (p = 1/4), after "." ln(V-1) on
+    <|assistant_end|> (p = 1/2); every other logit is 0, so a user token would cost ln V. BPB = (ln 2 + ln 4)
+    nats / ln 2 / (5 + 1) bytes = 0.5 (<|assistant_end|> has 0 bytes: in neither sum); the training loss is the
+    mean over the 3 targets, (ln 2 + ln 4 + ln 2) / 3 = 4/3 ln 2 nats. The rise of the trial was the model
+    memorizing its 19 answers (exp: the same validator on the training conversations fell 3.0 -> 0.03 as the
+    held-out one rose), not a difference in how the rows are scored."""
+    tok = small_tokenizer
+    tok.save(tmp_path / "tok")
+    mars, dot = tok.encode(" Mars.")
+    end, start = tok.special_id("<|assistant_end|>"), tok.special_id("<|assistant_start|>")
+    assert tok.token_bytes()[mars] == 5 and tok.token_bytes()[dot] == 1 and tok.token_bytes()[end] == 0
+    chat = {"messages": [{"role": "user", "content": "red?"}, {"role": "assistant", "content": " Mars."}]}
+    for name in ("train.jsonl", "test.jsonl"):
+        (tmp_path / name).write_text(json.dumps(chat) + "\n")
+    # BOS, <|user_start|>, "re" "d" "?", <|user_end|>, <|assistant_start|>, " Mars" ".", <|assistant_end|>
+    length = 10
+    cfg = from_dict(
+        type(sft_defaults()),
+        {"sft_tasks": "", "sft_data": str(tmp_path / "train.jsonl"), "seq_len": length - 1,
+         "tokenizer_path": str(tmp_path / "tok")},
+        base=sft_defaults(),
+    )  # fmt: skip
+    bpb, _ = SFT().validators(cfg, tok, 0, 1, torch.device("cpu"), None)
+    train = SFT().row_source(cfg, tok, 0, 1).next_batch(1)
+    for k in ("input_ids", "supervised", "segment_ids"):
+        assert train[k].tolist() == bpb.rows[k].tolist(), k  # one conversation a row, no padding
+    batch = to_batch(train, tok.bos_id, True, torch.device("cpu"))
+    assert batch["labels"][batch["loss_mask"]].tolist() == [mars, dot, end]
+    assert batch["input_ids"][batch["loss_mask"]].tolist() == [start, mars, dot]
+
+    v = tok.vocab_size
+    table = torch.zeros(v, v)
+    table[start, mars], table[mars, dot], table[dot, end] = (
+        math.log(v - 1),
+        math.log((v - 1) / 3),
+        math.log(v - 1),
+    )
+    model = Bigram(table)
+    assert bpb.validate(model, 1, 1) == {"sft-data_val_bpb": pytest.approx(0.5, rel=1e-6)}
+    assert bpb.last_sums == pytest.approx((3 * math.log(2), 6), rel=1e-6)
+    share, stats = TokenCrossEntropy()(model(batch["input_ids"]), batch, [3])
+    assert share.item() == pytest.approx(4 / 3 * math.log(2), rel=1e-6)
+    assert stats.tolist() == pytest.approx([4 * math.log(2)], rel=1e-6)

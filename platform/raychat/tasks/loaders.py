@@ -152,8 +152,9 @@ def _json_record(line: str) -> tuple[dict | None, str | None]:
 
 def conversation_error(messages) -> str | None:
     """Why a `messages` value is no conversation SFT can train on (chat template rules, naming the field as
-    "messages[i].content"), or None. An OpenAI `tool_calls` message is refused by name: training data write the
-    call as the assistant's {"type": "python", "text": EXPR} content part (raychat.chat_template)."""
+    "messages[i].content"; a call with no result right after it: unanswered_call), or None. An OpenAI
+    `tool_calls` message is refused by name: training data write the call as the assistant's {"type": "python",
+    "text": EXPR} content part (raychat.chat_template)."""
     if isinstance(messages, str | bytes | dict) or not isinstance(messages, Sequence):
         return f"messages must be a list of {{'role', 'content'}} objects, got {type(messages).__name__}"
     for i, m in enumerate(messages):
@@ -174,6 +175,38 @@ def conversation_error(messages) -> str | None:
         return re.sub(r"^message (\d+)(?: part (\d+))?", _field, str(e))
     if not any(m["role"] == "assistant" for m in messages):
         return "messages: no 'assistant' message (nothing to train on)"
+    return unanswered_call(messages)
+
+
+def unanswered_call(messages: Sequence[dict]) -> str | None:
+    """Why a conversation (valid for the chat template) trains on a turn the engine never produces: a python
+    call not followed right away by its result (the next part a python_output part, or the call the last part of
+    its message and the next message a tool message), e.g. `messages[1].content[1]: the python call '12*7' ends
+    the assistant's turn with no result after it (a 'user' message follows): ...`; or None. At inference the
+    engine answers a call as soon as the model emits <|python_end|>, forcing <|output_start|> result
+    <|output_end|>, and the model goes on after it in the same turn (raychat.engine.row_state); a call the
+    engine's calculator cannot compute gets no output there, and is no training data either."""
+    for i, m in enumerate(messages):
+        parts = m["content"] if m["role"] == "assistant" and not isinstance(m["content"], str) else []
+        for j, part in enumerate(parts):
+            if part["type"] != "python":
+                continue
+            after = parts[j + 1]["type"] if j + 1 < len(parts) else None
+            role = messages[i + 1]["role"] if i + 1 < len(messages) else None
+            if after == "python_output" or (after is None and role == "tool"):
+                continue
+            if after is not None:
+                what = f"is followed by a {after} part, not by its result"
+            elif role is None:
+                what = "ends the conversation with no result after it"
+            else:
+                what = f"ends the assistant's turn with no result after it (a {role!r} message follows)"
+            return (
+                f"messages[{i}].content[{j}]: the python call {part['text']!r} {what}: at inference the engine "
+                "answers a call with its result right after it and the assistant goes on, so give the result "
+                'right after the call, as the next message {"role": "tool", "content": RESULT} (or a '
+                '{"type": "python_output", "text": RESULT} part), then the assistant\'s reply'
+            )
     return None
 
 

@@ -21,7 +21,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import ray
@@ -52,6 +52,7 @@ from raychat.data.loader.row_source import RowSource, same_stream
 from raychat.data.loader.sft_rows import changed_task_files
 from raychat.lease import RunLease
 from raychat.log import RunGaveUp, log, plural
+from raychat.metrics_sink import read_logged
 from raychat.model import ModelConfig
 from raychat.sigterm import SigtermAsSigint, Terminated
 from raychat.storage import Storage, check_writable, is_remote, open_storage, read_bytes, run_directory, why
@@ -518,13 +519,19 @@ class TrainingResult:
 
 
 def run_training(
-    cfg: TrainConfig, spec, callbacks=(), dry_run: bool = False, flags: Flags = COMMANDS
+    cfg: TrainConfig,
+    spec,
+    callbacks=(),
+    dry_run: bool = False,
+    flags: Flags = COMMANDS,
+    data_lines: Sequence[str] = (),
 ) -> TrainingResult | None:
     """Run (or resume) training of `spec` on the current Ray cluster; returns its TrainingResult.
 
     callbacks: raychat.train.trainer.Callback objects every worker runs (pickled to the workers).
     dry_run: make every check before Ray, print the plan and return None (nothing started or written).
     flags: how the refusals and the finished line name the options (Flags; the speedrun's name its own).
+    data_lines: the stage's lines of the plan, after its horizon (raychat.train.plan.print_plan).
     A run whose checkpoint is at its last step logs one line saying so and returns its result without starting
     Ray (finished_result). Any other run trains under the run's lease (raychat.lease: <run>/lease.json, from
     before Ray starts until it returns or raises).
@@ -545,17 +552,25 @@ def run_training(
     plan = make_plan(cfg, tokenizer.vocab_size)
     check_resume(cfg, paths, plan, lambda: spec.row_source(cfg, tokenizer, 0, 1), flags=flags)
     if dry_run:
-        print_plan(cfg, plan, flags.option)
+        print_plan(cfg, plan, flags.option, data_lines)
         return None
     if (done := finished_result(paths, plan.num_iterations)) is not None:
         log(finished_line(done.checkpoint, plan.num_iterations, flags.option("num_iterations")))
         return done
     check_writable(paths.storage)  # creates the root: only once the inputs are known to be good
     with RunLease(paths.storage, paths.checkpoints.run_path, other_run=flags.other_run):
-        return _train(cfg, spec, callbacks, paths, plan, flags)
+        return _train(cfg, spec, callbacks, paths, plan, flags, data_lines)
 
 
-def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags: Flags) -> TrainingResult:
+def _train(
+    cfg: TrainConfig,
+    spec,
+    callbacks,
+    paths: RunPaths,
+    plan: Plan,
+    flags: Flags,
+    data_lines: Sequence[str] = (),
+) -> TrainingResult:
     """run_training's part after the checks, under the run's lease: the plan printed, Ray Train run; its
     layout and placement refusals name the options as `flags` does. A worker group failure past --max-failures
     (gave_up), a controller failure (controller_gave_up) and a non-finite step (stopped_on_fault) are raised as
@@ -566,8 +581,8 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
     Ray's native handler aborted the driver (exit status -6) with the workers still training; SIGTERM while Ray
     starts (under raychat.sigterm.terminating: raychat.cli) as Terminated of that line too, once ray.init returned
     and the local Ray it started is shut down (it ended in exit status 15 with no line, was lost while the run
-    trained on, or met Ray's native handler)."""
-    print_plan(cfg, plan, flags.option)
+    trained on, or met Ray's native handler). data_lines: as run_training's."""
+    print_plan(cfg, plan, flags.option, data_lines)
     mark("plan_printed")
     c = cfg.layout
     started = not ray.is_initialized()
@@ -633,11 +648,58 @@ def _train(cfg: TrainConfig, spec, callbacks, paths: RunPaths, plan: Plan, flags
     result = TrainingResult(uri, meta.get("metrics", {}))
     log(f"final checkpoint: {uri}")
     log(f"final metrics: {json.dumps({k: v for k, v in result.metrics.items() if k != 'samples'})}")
+    try:
+        logged = read_logged(paths.storage, f"{paths.checkpoints.run_path}/metrics.jsonl")
+    except OSError:  # the curve is in the metrics sink's file only: no line, the run itself is done
+        logged = []
+    kept = {c.step: paths.checkpoints.uri(c.step) for c in paths.checkpoints.committed()}
+    if line := held_out_line(logged, kept, flags):
+        log(line)
     if newest and (
         line := stopped_early_line(newest.step, plan.num_iterations, cfg.train.horizon.stop_after, flags)
     ):
         log(line)
     return result
+
+
+def held_out_line(logged: list[dict], kept: dict[int, str], flags: Flags = COMMANDS) -> str | None:
+    """The line after a run's final metrics that names the step of its best held-out BPB: "held-out BPB: <key>
+    best B at step S, E at the end (step L); ..." for each "*val_bpb" of `logged` (the run's metrics.jsonl
+    rows, oldest first) measured at two steps or more ("val_bpb" left out when it is one task's alone: the
+    same numbers), then, when one rose after its best step, what that means and where that step's weights
+    are: the checkpoint of `kept` (step -> uri: the run's committed checkpoints) that holds it, or that none
+    does (--checkpoint-every and --keep-checkpoints named as `flags` names them). None: no BPB measured twice.
+    """
+    keys = list(dict.fromkeys(k for row in logged for k in row if k.endswith("val_bpb")))
+    if len(keys) == 2 and "val_bpb" in keys:
+        keys.remove("val_bpb")
+    parts, rose = [], []
+    for key in keys:
+        curve = [(row["step"], row[key]) for row in logged if row.get(key) is not None and "step" in row]
+        if len(curve) < 2:
+            continue
+        (best_step, best), (last_step, last) = min(curve, key=lambda c: c[1]), curve[-1]
+        if best_step == last_step:
+            parts.append(f"{key} best {best:.4f} at the end (step {last_step})")
+            continue
+        parts.append(f"{key} best {best:.4f} at step {best_step}, {last:.4f} at the end (step {last_step})")
+        rose.append((key, best_step))
+    if not parts:
+        return None
+    line = "held-out BPB: " + "; ".join(parts)
+    if not rose:
+        return line
+    key, step = next((r for r in rose if r[0] == "val_bpb"), rose[0])
+    where = (
+        f"checkpoint {kept[step]} holds step {step}"
+        if step in kept
+        else f"no checkpoint of step {step} is kept ({flags.option('checkpoint_every')}, "
+        f"{flags.option('keep_checkpoints')})"
+    )
+    return (
+        f"{line}: {key} rose after step {step} while training went on: the model learned its training data "
+        f"rather than what carries over to held-out data (overfitting: fewer steps or more data); {where}"
+    )
 
 
 def stopped_early_line(

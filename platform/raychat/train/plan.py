@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -168,8 +169,9 @@ def init_from_line(checkpoint: str) -> str:
     return f"init from: {described(checkpoint)}"
 
 
-def print_plan(cfg: TrainConfig, p: Plan, option=flag_name) -> None:
-    """The plan's lines to stdout: the sizes, settings_lines and mfu_line (its flag named by `option`:
+def print_plan(cfg: TrainConfig, p: Plan, option=flag_name, data_lines: Sequence[str] = ()) -> None:
+    """The plan's lines to stdout: the sizes, the stage's data_lines after the horizon (SFT's epochs:
+    raychat.train.sft.epochs_line), settings_lines and mfu_line (its flag named by `option`:
     raychat.train.launch.Flags.option)."""
     m = p.model_config
     if cfg.run.init_from:
@@ -198,6 +200,8 @@ def print_plan(cfg: TrainConfig, p: Plan, option=flag_name) -> None:
         f"horizon ({p.horizon}): {plural(p.num_iterations, 'step')}, {p.tokens:,} tokens, "
         f"{p.tokens_per_param:.2f} tokens per parameter (without the embedding), {p.total_flops:.3g} FLOPs"
     )
+    for line in data_lines:
+        print(line)
     print(
         f"optimizer: Muon for the hidden matrices, {planned_ns_choice(cfg.optim.ns_dtype, cfg.layout.use_gpu)}; "
         "AdamW for the embedding, lm_head and norms"

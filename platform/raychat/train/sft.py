@@ -16,7 +16,7 @@ from pathlib import Path
 from raychat.checkpoint import read_meta
 from raychat.config import SFT_DEFAULTS, ConfigError, TrainConfig, from_dict
 from raychat.config.schema import shown
-from raychat.data.loader.sft_rows import RowFit, SFTRows, none_fits, row_fit, validation_rows
+from raychat.data.loader.sft_rows import RowFit, SFTRows, none_fits, row_fit, run_epochs, validation_rows
 from raychat.log import log, plural
 from raychat.model import ModelConfig
 from raychat.ray_token import token_for
@@ -34,6 +34,7 @@ from raychat.tasks.registry import (
 from raychat.tasks.sft_data import SFT_DATA, SPLIT_SEED, SFTDataRead, absolute, read_sft_data, sft_data_split
 from raychat.tokenizer import Tokenizer
 from raychat.train.launch import COMMANDS, Flags, config_from, resolve_paths, run_training
+from raychat.train.plan import make_plan
 from raychat.train.replay_recorder import ReplayRecorder
 from raychat.train.validators import AccuracyValidator, BPBValidator, MeanBPBValidator
 
@@ -79,6 +80,30 @@ class SFT:
                 if graded(m)
             ]
         return out
+
+
+def epochs_line(cfg: TrainConfig, tokenizer: Tokenizer) -> str:
+    """ "sft data: the run's R rows of T+1 tokens hold ~K conversations: ~E epochs of its mixture's N training
+    conversations (~C a row)": how many times the run (cfg resolved: its plan's steps x total batch / seq_len
+    rows) goes through its mixture (the global stream: rank 0 of 1), as
+    raychat.data.loader.sft_rows.run_epochs counts them; past one epoch, that the same conversations repeat
+    and what a held-out BPB that rises while the loss falls then means (SFT on few conversations: the model
+    memorizes them). A line of the plan, after its horizon."""
+    plan = make_plan(cfg, tokenizer.vocab_size)
+    rows = SFT().row_source(cfg, tokenizer, 0, 1)
+    n, run_rows = len(rows.mixture), plan.num_iterations * plan.total_batch_size // cfg.model.seq_len
+    epochs = run_epochs(rows, run_rows)
+    line = (
+        f"sft data: the run's {plural(run_rows, 'row')} of {cfg.model.seq_len + 1} tokens hold "
+        f"~{round(epochs * n):,} conversations: ~{epochs:.3g} epochs of its mixture's "
+        f"{plural(n, 'training conversation')} (~{epochs * n / run_rows:.3g} a row)"
+    )
+    if epochs > 1:
+        line += (
+            ": from the second epoch on the same conversations repeat, so a held-out val_bpb that rises while "
+            "the loss falls is the model memorizing them"
+        )
+    return line
 
 
 def held_out_names(cfg: TrainConfig) -> list[str]:
@@ -165,7 +190,8 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
     check_training_rows(cfg, tokenizer, paths.init_from, own_fit)
     check_own_rows(cfg, tokenizer, paths.init_from, own_fit, flags)
     check_validation_rows(cfg, own, tokenizer)
-    return run_training(cfg, spec, [ReplayRecorder(), *callbacks], dry_run, flags)
+    epochs = epochs_line(paths.config(cfg), tokenizer)
+    return run_training(cfg, spec, [ReplayRecorder(), *callbacks], dry_run, flags, [epochs])
 
 
 def check_task_files(cfg: TrainConfig) -> str:

@@ -7,7 +7,8 @@
 SFTRows is the training row source (a raychat.data.loader.row_source.RowSource); its state is references only
 (cursor position, buffered items' stream items) and resumes on any number of ranks like the pretraining rows
 (raychat.data.loader.row_source): same world bit for bit, another world re-dealt with no example repeated or skipped.
-validation_rows packs a held-out task into a fixed set of rows (the same rows at every evaluation).
+validation_rows packs a held-out task into a fixed set of rows (the same rows at every evaluation); run_epochs
+says how many times a run of so many rows goes through the mixture.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from raychat.tasks import Task, TaskMixture
 from raychat.tokenizer import Tokenizer
 
 ROW_KEYS = ("input_ids", "supervised", "segment_ids")
+EPOCH_SAMPLE_ROWS = 64  # rows of the first epoch run_epochs packs to count conversations a row
 
 
 class SFTRows:
@@ -167,6 +169,40 @@ def changed_task_files(was: dict, now: dict) -> list[str]:
         for name, f in dict.fromkeys([*a, *b])
         if a.get((name, f)) != b.get((name, f))
     ]
+
+
+def run_epochs(rows: SFTRows, run_rows: int, sample_rows: int = EPOCH_SAMPLE_ROWS) -> float:
+    """Epochs of `rows`' mixture (each one every conversation once) that `run_rows` rows go through: the stream
+    from its start (epoch after epoch, in its order), rendered and packed as SFTRows packs it (truncation, best
+    fit from a buffer of the same size), up to min(run_rows, sample_rows) rows; the conversations placed a row,
+    times run_rows, over the mixture's conversations that fit a row (its size less the share of the first epoch
+    skipped as too long, of what was read of it): exact for one rank when run_rows <= sample_rows. `rows` is
+    only read (its stream is not advanced). run_rows: the run's optimizer steps x rows a step (all ranks)."""
+    n, row_len = len(rows.mixture), rows.row_len
+    read, skipped = [0], []
+
+    def items():
+        # every row holds at most row_len conversations, and each epoch places one at least (else the run is
+        # refused before): the stream is read no further than this
+        for g in range(n * (1 + sample_rows * row_len)):
+            read[0] = g + 1
+            if (item := rows.render(g)) is None:
+                skipped.append(g)
+            else:
+                yield item
+
+    packer = SamplePacker.from_items(
+        items(), row_len, rows.tokenizer.bos_id, buffer_size=rows.packer.buffer_size
+    )
+    made = placed = 0
+    try:
+        while made < min(run_rows, sample_rows):
+            placed += len(packer.next_row()["sample_ids"])
+            made += 1
+    except StopIteration:  # nothing of the stream fits a row
+        return 0.0
+    first = min(n, read[0])
+    return run_rows * placed / made / (n * (1 - sum(g < first for g in skipped) / first))
 
 
 def _item_refs(buffer: Sequence) -> list[Ref]:
