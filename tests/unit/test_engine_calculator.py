@@ -23,6 +23,11 @@ from raychat.engine import calculate, eval_expression
         ("+5", "5"),
         ("0.1*3", "0.3"),
         ("(((1)))", "1"),
+        ("'apple'.count('p')", "2"),  # the spelling task's call
+        ("'strawberry'.count('r')", "3"),
+        ("'banana'.count('an')", "2"),
+        (" 'kiwi'.count('z') ", "0"),
+        ("''.count('a')", "0"),
     ],
 )
 def test_allowed(expression, expected):
@@ -43,6 +48,13 @@ def test_allowed(expression, expected):
         "1,2",  # a tuple, not a thousands separator
         "1<2",
         "'a'*3",
+        "'apple'.count(p)",
+        "'apple'.count('')",
+        "'apple'.count('p', 2)",
+        '"apple".count("p")',
+        "'apple'.upper()",
+        "'ap\\'ple'.count('p')",
+        "'apple'.count('p')+1",
         "1/0",
         "5%0",
         "",

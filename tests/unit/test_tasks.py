@@ -6,6 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raychat.chat_template import render_conversation
+from raychat.engine import calculate
 from raychat.tasks import (
     GSM8K,
     Calculator,
@@ -120,6 +121,9 @@ def test_spelling_real_word_list_counts_letters():
         ex = task[i]
         word, letter = ex["messages"][0]["content"].split('"')[3], ex["messages"][0]["content"].split('"')[1]
         assert ex["answer"] == str(word.count(letter)) and word_split(word) == "train"
+        parts = ex["messages"][1]["content"]
+        call, output = (next(p["text"] for p in parts if p["type"] == t) for t in ("python", "python_output"))
+        assert calculate(call) == output == ex["answer"]  # the engine computes what SFT trains on
 
 
 def test_chatterbot_real_corpus_and_format(tmp_path):

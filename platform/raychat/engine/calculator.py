@@ -1,8 +1,10 @@
 """Safe arithmetic for the calculator tool: walks Python's syntax tree, never calls eval.
 
 Accepted: integer and decimal literals, + - * / // %, parentheses, unary + and -, and thousands separators
-("1,000" means 1000: a comma between a digit and exactly three digits). Everything else (names, calls,
-attributes, subscripts, powers, comparisons, strings, tuples, ...) gives None.
+("1,000" means 1000: a comma between a digit and exactly three digits); and one letter count,
+`'<word>'.count('<letters>')` with single-quoted literals (the spelling task's call: str.count, an int), as
+nanochat's calculator allows. Everything else (names, other calls, attributes, subscripts, powers,
+comparisons, other strings, tuples, ...) gives None.
 Bounds: at most MAX_CHARS characters, and every intermediate |value| <= MAX_MAGNITUDE, so no input can
 allocate huge integers or loop long. Errors (syntax, division by zero, recursion, overflow) give None:
 no exception escapes `eval_expression` or `calculate`.
@@ -20,6 +22,7 @@ MAX_MAGNITUDE = 10**18
 
 _ALLOWED_CHARS = re.compile(r"[0-9+\-*/%()., \t]*")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_LETTER_COUNT = re.compile(r"'([^'\\]*)'\.count\('([^'\\]+)'\)")
 _BINOPS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -67,6 +70,8 @@ def eval_expression(expression: str) -> int | float | None:
     try:
         if not isinstance(expression, str) or len(expression) > MAX_CHARS:
             return None
+        if count := _LETTER_COUNT.fullmatch(expression.strip()):
+            return count.group(1).count(count.group(2))
         if not _ALLOWED_CHARS.fullmatch(expression):
             return None
         text = _THOUSANDS.sub("", expression).strip()
