@@ -233,10 +233,12 @@ def follow(client, job_id: str, out=None, poll_s: float = 0.5, waits_for: str | 
     on `err` (default stderr) after PENDING_REPORT_AFTER_S and every PENDING_REPORT_EVERY_S, with `waits_for`
     (what its entrypoint reserves, e.g. "{GPU: 1} (--num-gpus 1)"; "" nothing; None not known here).
 
-    Raises RuntimeError (job_refusal's 404) for a job the cluster does not have: asked first, since the log
-    stream of an unknown job fails with aiohttp's WSServerHandshakeError, which says nothing of the job."""
+    Raises RuntimeError (job_refusal's 404) for a job the cluster does not have, ValueError for a driver's job
+    (no submission id: the Jobs API streams no logs of it): asked first, since the log stream of either fails
+    with aiohttp's WSServerHandshakeError, which says nothing of the job."""
     out, err = out or sys.stdout, err or sys.stderr
-    client.get_job_status(job_id)
+    if client.get_job_info(job_id).submission_id is None:
+        raise ValueError(_driver_job(job_id))
 
     async def _tail():
         async for chunk in client.tail_job_logs(job_id):
@@ -358,14 +360,24 @@ def _connection_errors():
 
 def job_refusal(e: Exception, job_id: str | None) -> str | None:
     """The one-line reason when the Jobs API answered about the job itself (a bad request, exit 2), not about
-    reaching the cluster: no such job (404), or a submission id already taken (Ray answers 500 with its
-    traceback, whose first line says nothing). None otherwise."""
+    reaching the cluster: no such job (404), a submission id already taken (Ray answers 500 with its
+    traceback, whose first line says nothing), or the logs or stop of a driver's job (400). None otherwise."""
     text = str(e)
     if "status code 404" in text and "does not exist" in text:
         return f"no job {job_id!r} on this cluster (`raychat jobs list` shows its jobs)"
+    if "status code 400" in text and "submission type jobs" in text:  # "Can only get logs of / stop ..."
+        return _driver_job(job_id)
     if "already exists" in text and job_id:
         return _taken(job_id)
     return None
+
+
+def _driver_job(job_id: str | None) -> str:
+    return (
+        f"job {job_id!r} was not submitted: it is a Ray driver that connected to the cluster itself (ray.init: "
+        "`raychat serve`, a script), listed by its Ray job id; the Jobs API has no logs of it and cannot stop it: "
+        "its output is where that process runs"
+    )
 
 
 def _taken(job_id: str) -> str:
