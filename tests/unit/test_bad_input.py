@@ -46,6 +46,7 @@ from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.data.loader import sft_rows
 from raychat.lease import RunLease
 from raychat.model import GPT, ModelConfig
+from raychat.ops import submit
 from raychat.ports import free_ports
 from raychat.speedrun import reused_tokenizer_line, speedrun_flags
 from raychat.storage import open_storage
@@ -601,6 +602,29 @@ def test_the_address_flag_wins_over_ray_address_variables(monkeypatch, capsys):
         f"address: {flag}.\n"
     )  # was "... at {flag}: Failed to connect to Ray at address: {env}."
     assert os.environ["RAY_ADDRESS"] == env  # the variables are left as they were
+
+
+def test_an_unreachable_address_from_a_variable_or_the_default_is_named_so(monkeypatch, capsys):
+    """Without --address the line names where the address came from: the variable, or the default that the
+    docs' chain (`raychat submit data prepare ...`, no --address) reaches (it named --address, not given)."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    env = f"http://127.0.0.1:{free_ports(1)[0]}"
+    monkeypatch.setenv("RAY_ADDRESS", env)
+    assert raychat_main(["jobs", "list"]) == 4
+    assert capsys.readouterr().err == (
+        f"raychat jobs: error: RAY_ADDRESS: cannot reach the Ray dashboard at {env}: Failed to connect to Ray at "
+        f"address: {env}.\n"
+    )
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setattr(
+        submit, "DEFAULT_ADDRESS", env
+    )  # nothing listens there (8265 may be a cluster's here)
+    assert raychat_main(["jobs", "list"]) == 4
+    assert capsys.readouterr().err == (
+        "raychat jobs: error: --address (not given, and neither RAY_API_SERVER_ADDRESS nor RAY_ADDRESS is set: the "
+        f"default): cannot reach the Ray dashboard at {env}: Failed to connect to Ray at address: {env}.\n"
+    )
 
 
 def test_a_gcs_address_nothing_listens_on(monkeypatch, capsys):
