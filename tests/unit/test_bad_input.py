@@ -604,6 +604,26 @@ def test_the_address_flag_wins_over_ray_address_variables(monkeypatch, capsys):
     assert os.environ["RAY_ADDRESS"] == env  # the variables are left as they were
 
 
+def test_jobs_takes_the_connection_flags_before_its_subcommand_too(monkeypatch, capsys):
+    """`raychat jobs --address URL --token-file F list`, the order `raychat submit` takes them in, was refused
+    with "argument <list|stop|logs>: invalid choice: 'URL'"; after the subcommand they win."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")
+    before, after = (f"http://127.0.0.1:{port}" for port in free_ports(2))
+    assert raychat_main(["jobs", "--address", before, "logs", "some-job"]) == 4
+    assert capsys.readouterr().err.startswith(
+        f"raychat jobs: error: --address: cannot reach the Ray dashboard at {before}: "
+    )
+    assert raychat_main(["jobs", "--address", before, "list", "--address", after]) == 4
+    assert capsys.readouterr().err.startswith(
+        f"raychat jobs: error: --address: cannot reach the Ray dashboard at {after}: "
+    )
+    assert raychat_main(["jobs", "--token-file", "/nonexistent/token", "stop", "--address", after, "j"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "raychat jobs: error: --token-file: token file /nonexistent/token does not exist\n"
+    )
+
+
 def test_an_unreachable_address_from_a_variable_or_the_default_is_named_so(monkeypatch, capsys):
     """Without --address the line names where the address came from: the variable, or the default that the
     docs' chain (`raychat submit data prepare ...`, no --address) reaches (it named --address, not given)."""
