@@ -624,6 +624,33 @@ def test_jobs_takes_the_connection_flags_before_its_subcommand_too(monkeypatch, 
     )
 
 
+def test_serve_and_rl_refuse_a_dashboard_url_as_address(tmp_path, capsys):
+    """`raychat serve/rl --address http://HEAD:8265` (the URL submit and jobs take): one line naming --address,
+    before Ray starts or anything is written (Ray's error said "It looks like you set RAY_ADDRESS to an HTTP
+    address", over three lines)."""
+    url = "http://127.0.0.1:8265"
+    line = (
+        f"--address {url} is a Ray dashboard URL (what `raychat submit` and `raychat jobs` take); this command "
+        "connects to the cluster's GCS: give HOST:PORT, e.g. 127.0.0.1:6379 (what `ray start --address` takes)"
+    )
+    assert (
+        raychat_main(["serve", "--checkpoint", str(tmp_path / "ckpt"), "--address", url, "--no-block"]) == 2
+    )
+    assert capsys.readouterr().err == f"raychat serve: error: {line}  (RAYCHAT_DEBUG=1 shows the traceback)\n"
+    argv = [
+        "rl",
+        "--preset",
+        "tiny",
+        "--storage-path",
+        str(tmp_path / "runs"),
+        "--init-from",
+        str(tmp_path / "sft"),
+    ]
+    assert raychat_main([*argv, "--address", url.replace("http", "HTTPS")]) == 2
+    assert capsys.readouterr().err == f"raychat rl: error: {line.replace('http', 'HTTPS', 1)}\n"
+    assert not ray.is_initialized() and list(tmp_path.iterdir()) == []
+
+
 def test_an_unreachable_address_from_a_variable_or_the_default_is_named_so(monkeypatch, capsys):
     """Without --address the line names where the address came from: the variable, or the default that the
     docs' chain (`raychat submit data prepare ...`, no --address) reaches (it named --address, not given)."""

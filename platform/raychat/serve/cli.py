@@ -33,7 +33,7 @@ from raychat.checkpoint_manager import described, find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_args, from_dict
 from raychat.config.schema import shown
 from raychat.log import plural
-from raychat.ray_token import token_for
+from raychat.ray_token import check_gcs_address, token_for
 from raychat.serve import vllm
 from raychat.serve.app import build_app, serve_config
 from raychat.serve.deployments import SERVER_DEPLOYMENT
@@ -254,6 +254,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             "--no-block needs --address (or RAY_ADDRESS): a local cluster ends with this process"
         )
+    check_gcs_address(args.address)
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         with token_for(args.address, args.token_file):
