@@ -590,7 +590,8 @@ def submit(subparsers) -> None:
         help="submit a stage as a Ray job and follow its logs",
         usage=f"raychat submit [options] {{{','.join(SUBMIT_CHOICES)}}} [stage args...]",
         description="Submit `python jobs/<stage>.py ARGS` as a Ray job. raychat's options come BEFORE the "
-        "stage; everything after the stage goes to the stage unchanged. Exit code: 0 SUCCEEDED, 1 FAILED, 3 STOPPED, 4 unreachable/unauthorized.",
+        "stage; everything after the stage goes to the stage unchanged. Exit code: 0 SUCCEEDED, 1 FAILED, 2 bad "
+        "input (refused before submission), 3 STOPPED, 4 unreachable/unauthorized.",
     )
     p.add_argument("stage", choices=SUBMIT_CHOICES)
     p.add_argument(
