@@ -582,18 +582,21 @@ def inspect_batch(subparsers) -> None:
     p.set_defaults(func="raychat.data.replay.inspect_batch:run")
 
 
-def add_connection_flags(p: argparse.ArgumentParser) -> None:
+def add_connection_flags(p: argparse.ArgumentParser, default=None) -> None:
+    """--address and --token-file; `default` argparse.SUPPRESS on a subcommand whose parent takes them too."""
     p.add_argument(
         "--address",
+        default=default,
         help=f"dashboard URL (default: $RAY_API_SERVER_ADDRESS, $RAY_ADDRESS, else {DEFAULT_ADDRESS})",
     )
-    add_token_file_flag(p)
+    add_token_file_flag(p, default)
 
 
-def add_token_file_flag(p: argparse.ArgumentParser) -> None:
+def add_token_file_flag(p: argparse.ArgumentParser, default=None) -> None:
     """--token-file of every command that connects to a Ray cluster (raychat.ray_token)."""
     p.add_argument(
         "--token-file",
+        default=default,
         help="Ray auth token file (default: $RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token)",
     )
 
@@ -604,7 +607,8 @@ def submit(subparsers) -> None:
         help="submit a stage as a Ray job and follow its logs",
         usage=f"raychat submit [options] {{{','.join(SUBMIT_CHOICES)}}} [stage args...]",
         description="Submit `python jobs/<stage>.py ARGS` as a Ray job. raychat's options come BEFORE the "
-        "stage; everything after the stage goes to the stage unchanged. Exit code: 0 SUCCEEDED, 1 FAILED, 3 STOPPED, 4 unreachable/unauthorized.",
+        "stage; everything after the stage goes to the stage unchanged. Exit code: 0 SUCCEEDED, 1 FAILED, 2 bad "
+        "input (refused before submission), 3 STOPPED, 4 unreachable/unauthorized.",
     )
     p.add_argument("stage", choices=SUBMIT_CHOICES)
     p.add_argument(
@@ -642,10 +646,11 @@ def submit(subparsers) -> None:
 
 def jobs(subparsers) -> None:
     j = subparsers.add_parser("jobs", help="list, stop or show the logs of Ray jobs")
+    add_connection_flags(j)  # before the subcommand, as `raychat submit` takes them, or after it
     jsub = j.add_subparsers(dest="jobs_command", metavar="<list|stop|logs>", required=True)
     for name, help_ in (("list", "list jobs"), ("stop", "stop a job"), ("logs", "print a job's logs")):
         q = jsub.add_parser(name, help=help_)
-        add_connection_flags(q)
+        add_connection_flags(q, default=argparse.SUPPRESS)
         if name != "list":
             q.add_argument("job_id")
         if name == "logs":

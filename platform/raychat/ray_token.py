@@ -69,6 +69,18 @@ def hand_to_ray(token_file: str | None = None) -> tuple[str | None, str]:
     return token, source
 
 
+def check_gcs_address(address: str | None) -> None:
+    """Refuse an --address that is a dashboard URL (http:// or https://: what `raychat submit` and `raychat jobs`
+    take) for a command that connects to the cluster's GCS (ray.init), where Ray's own error blames RAY_ADDRESS,
+    over three lines. Raises ValueError naming --address."""
+    if address and address.partition("://")[0].lower() in ("http", "https"):
+        raise ValueError(
+            f"--address {address} is a Ray dashboard URL (what `raychat submit` and `raychat jobs` take); this "
+            "command connects to the cluster's GCS: give HOST:PORT, e.g. 127.0.0.1:6379 (what `ray start "
+            "--address` takes)"
+        )
+
+
 @contextlib.contextmanager
 def token_for(address: str | None, token_file: str | None = None):
     """Within: this process's Ray GCS clients send the token (hand_to_ray(token_file)), for a `ray.init` of

@@ -329,6 +329,11 @@ def test_raychat_serve_of_a_run_latest_on_two_nodes(chain, multinode_driver):
     rl = find_checkpoint("rl", str(chain.root))
     assert f"raychat is serving {chain.root}/rl/latest" in r.stdout
     assert f"chat page:    http://127.0.0.1:{port}/" in r.stdout
+    # the replicas' nodes export their TTFT and tokens, not the head this command ran on
+    metrics = re.findall(
+        r"^metrics: +http://[^:]+:(\d+)/metrics  \(Prometheus, the Ray node of 1 ChatServer", r.stdout, re.M
+    )
+    assert sorted(map(int, metrics)) == sorted(c.nodes[n].metrics_port for n in "ab"), r.stdout
     try:
         again = [*cmd[: cmd.index("--port") + 1], str(other), *cmd[cmd.index("--port") + 2 :]]
         r = subprocess.run(again, env=c.env(), capture_output=True, text=True, timeout=600)

@@ -287,6 +287,19 @@ def test_a_gcs_address_takes_the_token_file_and_serve_has_one_too(token_cluster,
         "node type has room: GPU (need 1, the most a node has is 0); largest node type: alive node "
     ), r.stdout + r.stderr  # was "unrecognized arguments: --token-file"
 
+    # `raychat serve` connected as a driver: `jobs list` shows its Ray job id, which logs and stop refuse in a line
+    r = _raychat(["jobs", "list", "--address", gcs, "--token-file", token_file], c["tmp"])
+    (driver,) = [
+        line.split("\t")[0] for line in r.stdout.splitlines() if f"serve --checkpoint {ckpt}" in line
+    ]
+    for command in (["logs"], ["logs", "--follow"], ["stop"]):  # was Ray's 400, exit 4; --follow a traceback
+        r = _raychat(["jobs", *command, "--address", gcs, "--token-file", token_file, driver], c["tmp"])
+        assert (r.returncode, r.stderr.strip().splitlines()[-1]) == (
+            2, f"raychat jobs: error: job '{driver}' was not submitted: it is a Ray driver that connected to the "
+            "cluster itself (ray.init: `raychat serve`, a script), listed by its Ray job id; the Jobs API has no logs "
+            "of it and cannot stop it: its output is where that process runs"
+        ), r.stdout + r.stderr  # fmt: skip
+
     _wrong_token_is_refused_in_one_line(serve, c, tmp_path)
 
 

@@ -46,6 +46,7 @@ from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.data.loader import sft_rows
 from raychat.lease import RunLease
 from raychat.model import GPT, ModelConfig
+from raychat.ops import submit
 from raychat.ports import free_ports
 from raychat.speedrun import reused_tokenizer_line, speedrun_flags
 from raychat.storage import open_storage
@@ -601,6 +602,76 @@ def test_the_address_flag_wins_over_ray_address_variables(monkeypatch, capsys):
         f"address: {flag}.\n"
     )  # was "... at {flag}: Failed to connect to Ray at address: {env}."
     assert os.environ["RAY_ADDRESS"] == env  # the variables are left as they were
+
+
+def test_jobs_takes_the_connection_flags_before_its_subcommand_too(monkeypatch, capsys):
+    """`raychat jobs --address URL --token-file F list`, the order `raychat submit` takes them in, was refused
+    with "argument <list|stop|logs>: invalid choice: 'URL'"; after the subcommand they win."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")
+    before, after = (f"http://127.0.0.1:{port}" for port in free_ports(2))
+    assert raychat_main(["jobs", "--address", before, "logs", "some-job"]) == 4
+    assert capsys.readouterr().err.startswith(
+        f"raychat jobs: error: --address: cannot reach the Ray dashboard at {before}: "
+    )
+    assert raychat_main(["jobs", "--address", before, "list", "--address", after]) == 4
+    assert capsys.readouterr().err.startswith(
+        f"raychat jobs: error: --address: cannot reach the Ray dashboard at {after}: "
+    )
+    assert raychat_main(["jobs", "--token-file", "/nonexistent/token", "stop", "--address", after, "j"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "raychat jobs: error: --token-file: token file /nonexistent/token does not exist\n"
+    )
+
+
+def test_serve_and_rl_refuse_a_dashboard_url_as_address(tmp_path, capsys):
+    """`raychat serve/rl --address http://HEAD:8265` (the URL submit and jobs take): one line naming --address,
+    before Ray starts or anything is written (Ray's error said "It looks like you set RAY_ADDRESS to an HTTP
+    address", over three lines)."""
+    url = "http://127.0.0.1:8265"
+    line = (
+        f"--address {url} is a Ray dashboard URL (what `raychat submit` and `raychat jobs` take); this command "
+        "connects to the cluster's GCS: give HOST:PORT, e.g. 127.0.0.1:6379 (what `ray start --address` takes)"
+    )
+    assert (
+        raychat_main(["serve", "--checkpoint", str(tmp_path / "ckpt"), "--address", url, "--no-block"]) == 2
+    )
+    assert capsys.readouterr().err == f"raychat serve: error: {line}  (RAYCHAT_DEBUG=1 shows the traceback)\n"
+    argv = [
+        "rl",
+        "--preset",
+        "tiny",
+        "--storage-path",
+        str(tmp_path / "runs"),
+        "--init-from",
+        str(tmp_path / "sft"),
+    ]
+    assert raychat_main([*argv, "--address", url.replace("http", "HTTPS")]) == 2
+    assert capsys.readouterr().err == f"raychat rl: error: {line.replace('http', 'HTTPS', 1)}\n"
+    assert not ray.is_initialized() and list(tmp_path.iterdir()) == []
+
+
+def test_an_unreachable_address_from_a_variable_or_the_default_is_named_so(monkeypatch, capsys):
+    """Without --address the line names where the address came from: the variable, or the default that the
+    docs' chain (`raychat submit data prepare ...`, no --address) reaches (it named --address, not given)."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    env = f"http://127.0.0.1:{free_ports(1)[0]}"
+    monkeypatch.setenv("RAY_ADDRESS", env)
+    assert raychat_main(["jobs", "list"]) == 4
+    assert capsys.readouterr().err == (
+        f"raychat jobs: error: RAY_ADDRESS: cannot reach the Ray dashboard at {env}: Failed to connect to Ray at "
+        f"address: {env}.\n"
+    )
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setattr(
+        submit, "DEFAULT_ADDRESS", env
+    )  # nothing listens there (8265 may be a cluster's here)
+    assert raychat_main(["jobs", "list"]) == 4
+    assert capsys.readouterr().err == (
+        "raychat jobs: error: --address (not given, and neither RAY_API_SERVER_ADDRESS nor RAY_ADDRESS is set: the "
+        f"default): cannot reach the Ray dashboard at {env}: Failed to connect to Ray at address: {env}.\n"
+    )
 
 
 def test_a_gcs_address_nothing_listens_on(monkeypatch, capsys):

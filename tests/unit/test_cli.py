@@ -242,6 +242,17 @@ def test_a_sections_help_is_its_configs_first_paragraph_whole(capsys):
     ) in out
 
 
+def test_submits_help_lists_every_exit_code(capsys):
+    """docs/deployment.md's exit codes of `submit`: the help left out 2, what bad input exits with."""
+    with pytest.raises(SystemExit):
+        main(["submit", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "Exit code: 0 SUCCEEDED, 1 FAILED, 2 bad input (refused before submission), 3 STOPPED, 4 "
+        "unreachable/unauthorized."
+    ) in out
+
+
 @pytest.mark.parametrize("command", ["pretrain", "sft", "rl", "eval", "chat", "serve", "inspect-batch"])
 def test_every_flag_section_says_what_it_holds_not_its_dataclass_signature(capsys, command):
     """A dataclass without a docstring gets `Name(field: 'type' = default, ...)` as its __doc__, which --help

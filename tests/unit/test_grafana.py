@@ -205,6 +205,11 @@ def test_provision_errors(fake_grafana, tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == (
         f"raychat grafana provision: error: --url: cannot reach Grafana at {closed}: [Errno 111] Connection refused\n"
     )
+    monkeypatch.setenv("GRAFANA_URL", closed)  # the docs' way: the line names the variable the URL came from
+    assert raychat_main(["grafana", "provision", "--no-ray-dashboards"]) == 4
+    assert capsys.readouterr().err == (
+        f"raychat grafana provision: error: GRAFANA_URL: cannot reach Grafana at {closed}: [Errno 111] Connection refused\n"
+    )
 
 
 def test_provision_url_sub_path_bad_url_and_credentials(fake_grafana, monkeypatch, capsys):

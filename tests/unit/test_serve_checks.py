@@ -347,3 +347,35 @@ def test_serve_says_what_it_serves_and_deploys_the_checkpoint_it_named(tmp_path,
             f'model id:     {model_id}  (what /v1/models lists and OpenAI requests\' "model" names)',
         ]
         assert (deployed[-1].checkpoint, deployed[-1].model_id) == (f"{run}/checkpoint_000004", model_id)
+
+
+def test_the_metrics_lines_name_the_nodes_of_the_chat_replicas_not_the_commands_node():
+    """A node exports only what its own processes record, so on a cluster `raychat serve` prints the metrics
+    endpoint of each node that holds a ChatServer replica (seen on a 3-node cluster: the head's, which it used
+    to print, had none of the replicas' TTFT), and this node's only where no replica is found. The entries are
+    shaped as Ray's actor table and `ray.nodes()` give them."""
+
+    def node(node_id, ip, port, alive=True):
+        return {"NodeID": node_id, "Alive": alive, "NodeManagerAddress": ip, "MetricsExportPort": port}
+
+    def actor(cls, node_id):
+        return {"ActorClassName": cls, "State": "ALIVE", "Address": {"NodeID": node_id, "IPAddress": "x"}}
+
+    nodes = [node("head", "10.0.0.1", 8080), node("a", "10.0.0.2", 8081), node("b", "10.0.0.3", 8082)]
+    nodes.append(node("gone", "10.0.0.4", 8083, alive=False))
+    actors = [
+        actor("ServeReplica:raychat:ChatServer", "b"),
+        actor("ServeReplica:raychat:ChatServer", "a"),
+        actor("ServeReplica:raychat:ChatServer", "b"),
+        actor("ServeReplica:raychat:ChatIngress", "head"),
+        actor("ServeReplica:other:ChatServer", "head"),  # another application's deployment
+        actor("ServeReplica:raychat:ChatServer", "gone"),  # an actor of a node already dead: no endpoint
+    ]
+    assert serve_cli.replica_endpoints(actors, nodes, "head") == [
+        ("http://10.0.0.2:8081/metrics", "the Ray node of 1 ChatServer replica"),
+        ("http://10.0.0.3:8082/metrics", "the Ray node of 2 ChatServer replicas"),
+    ]
+    assert serve_cli.replica_endpoints(actors[3:5], nodes, "head") == [
+        ("http://10.0.0.1:8080/metrics", "this node's Ray")
+    ]
+    assert serve_cli.replica_endpoints([], [node("head", "10.0.0.1", 0)], "head") == []

@@ -361,7 +361,8 @@ def cmd_provision(args) -> int:
     except niquests.exceptions.ConnectionError as e:  # refused, unresolvable, timed out: as `submit`, exit 4
         why = re.search(r"\[Errno -?\d+\] [^'\")]+|Failed to resolve '[^']+'|timed out", str(e))
         print(
-            f"raychat grafana provision: error: --url: cannot reach Grafana at {shown}: {why[0] if why else type(e).__name__}",
+            f"raychat grafana provision: error: {'--url' if args.url else 'GRAFANA_URL'}: cannot reach Grafana at "
+            f"{shown}: {why[0] if why else type(e).__name__}",
             file=sys.stderr,
         )
         return 4

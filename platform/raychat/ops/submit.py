@@ -97,6 +97,16 @@ def resolve_address(address: str | None) -> str:
     return address or next((os.environ[k] for k in ADDRESS_ENV if os.environ.get(k)), DEFAULT_ADDRESS)
 
 
+def address_source(address: str | None) -> str:
+    """Where resolve_address(address) came from, as an error line names it: "--address", the variable it was
+    read from ("RAY_ADDRESS"), or the default's note ("--address (not given, and neither RAY_API_SERVER_ADDRESS
+    nor RAY_ADDRESS is set: the default)")."""
+    if address:
+        return "--address"
+    found = next((k for k in ADDRESS_ENV if os.environ.get(k)), None)
+    return found or f"--address (not given, and neither {' nor '.join(ADDRESS_ENV)} is set: the default)"
+
+
 @contextlib.contextmanager
 def _only(url: str):
     """Within: ADDRESS_ENV unset in this process, so a JobSubmissionClient talks to `url`: Ray's
@@ -109,16 +119,17 @@ def _only(url: str):
         os.environ.update(saved)
 
 
-def _probe_gcs(url: str) -> None:
-    """Raise ConnectionError naming --address when nothing accepts a TCP connection at the GCS address `url`
-    (HOST:PORT) within GCS_CONNECT_TIMEOUT_S: Ray's GCS client would wait ~35 s and raise its RpcError."""
+def _probe_gcs(url: str, source: str = "--address") -> None:
+    """Raise ConnectionError naming `source` (address_source) when nothing accepts a TCP connection at the GCS
+    address `url` (HOST:PORT) within GCS_CONNECT_TIMEOUT_S: Ray's GCS client would wait ~35 s and raise its
+    RpcError."""
     host, _, port = url.rpartition(":")
     if not host or not port.isdigit():
         return  # not HOST:PORT (e.g. "auto"): Ray's own parsing names the problem
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=GCS_CONNECT_TIMEOUT_S).close()
     except OSError as e:
-        raise ConnectionError(f"--address: cannot reach the Ray cluster's GCS at {url}: {e}") from e
+        raise ConnectionError(f"{source}: cannot reach the Ray cluster's GCS at {url}: {e}") from e
 
 
 def make_client(address: str | None = None, token_file: str | None = None):
@@ -127,16 +138,17 @@ def make_client(address: str | None = None, token_file: str | None = None):
     The client talks to resolve_address(address) alone: --address wins over RAY_API_SERVER_ADDRESS and
     RAY_ADDRESS, which Ray's client would otherwise put in its place.
 
-    Raises ConnectionError with one line naming the flag: the dashboard or the GCS cannot be reached, or no
+    Raises ConnectionError with one line naming the flag (or the variable the address came from,
+    address_source): the dashboard or the GCS cannot be reached, or no
     GCS answers at a GCS address (--address), or the cluster refuses the token (--token-file or wherever the
     token came from); ValueError: an address Ray cannot parse, a token file that is not a regular file or is
     empty; FileNotFoundError: a missing token file."""
-    url = resolve_address(address)
+    url, named = resolve_address(address), address_source(address)
     # a GCS address (HOST:6379): the client asks the GCS for the dashboard's URL, over Ray's own gRPC client
     token, source = find_token(token_file) if "://" in url else hand_to_ray(token_file)
     headers = {"Authorization": f"Bearer {token}"} if token else None
     if "://" not in url:
-        _probe_gcs(url)
+        _probe_gcs(url, named)
     try:
         with _only(url):
             return JobSubmissionClient(url, headers=headers)
@@ -144,14 +156,14 @@ def make_client(address: str | None = None, token_file: str | None = None):
         raise ConnectionError(refused_message(url, source, first_line(e))) from e
     except RpcError as e:  # a GCS address where something else listens (e.g. the dashboard's port)
         raise ConnectionError(
-            f"--address {url}: no Ray GCS answered there ({first_line(e)}); a GCS address is HOST:6379, the "
+            f"{named} {url}: no Ray GCS answered there ({first_line(e)}); a GCS address is HOST:6379, the "
             "dashboard's is http://HOST:8265"
         ) from e
     except ConnectionError as e:
-        raise ConnectionError(f"--address: cannot reach the Ray dashboard at {url}: {first_line(e)}") from e
+        raise ConnectionError(f"{named}: cannot reach the Ray dashboard at {url}: {first_line(e)}") from e
     except ValueError as e:  # Ray's "Invalid address format: ..."
         raise ValueError(
-            f"--address {url}: {first_line(e)}; give the Ray dashboard's address, e.g. http://HEAD:8265"
+            f"{named} {url}: {first_line(e)}; give the Ray dashboard's address, e.g. http://HEAD:8265"
         ) from e
 
 
@@ -233,10 +245,12 @@ def follow(client, job_id: str, out=None, poll_s: float = 0.5, waits_for: str | 
     on `err` (default stderr) after PENDING_REPORT_AFTER_S and every PENDING_REPORT_EVERY_S, with `waits_for`
     (what its entrypoint reserves, e.g. "{GPU: 1} (--num-gpus 1)"; "" nothing; None not known here).
 
-    Raises RuntimeError (job_refusal's 404) for a job the cluster does not have: asked first, since the log
-    stream of an unknown job fails with aiohttp's WSServerHandshakeError, which says nothing of the job."""
+    Raises RuntimeError (job_refusal's 404) for a job the cluster does not have, ValueError for a driver's job
+    (no submission id: the Jobs API streams no logs of it): asked first, since the log stream of either fails
+    with aiohttp's WSServerHandshakeError, which says nothing of the job."""
     out, err = out or sys.stdout, err or sys.stderr
-    client.get_job_status(job_id)
+    if client.get_job_info(job_id).submission_id is None:
+        raise ValueError(_driver_job(job_id))
 
     async def _tail():
         async for chunk in client.tail_job_logs(job_id):
@@ -358,14 +372,24 @@ def _connection_errors():
 
 def job_refusal(e: Exception, job_id: str | None) -> str | None:
     """The one-line reason when the Jobs API answered about the job itself (a bad request, exit 2), not about
-    reaching the cluster: no such job (404), or a submission id already taken (Ray answers 500 with its
-    traceback, whose first line says nothing). None otherwise."""
+    reaching the cluster: no such job (404), a submission id already taken (Ray answers 500 with its
+    traceback, whose first line says nothing), or the logs or stop of a driver's job (400). None otherwise."""
     text = str(e)
     if "status code 404" in text and "does not exist" in text:
         return f"no job {job_id!r} on this cluster (`raychat jobs list` shows its jobs)"
+    if "status code 400" in text and "submission type jobs" in text:  # "Can only get logs of / stop ..."
+        return _driver_job(job_id)
     if "already exists" in text and job_id:
         return _taken(job_id)
     return None
+
+
+def _driver_job(job_id: str | None) -> str:
+    return (
+        f"job {job_id!r} was not submitted: it is a Ray driver that connected to the cluster itself (ray.init: "
+        "`raychat serve`, a script), listed by its Ray job id; the Jobs API has no logs of it and cannot stop it: "
+        "its output is where that process runs"
+    )
 
 
 def _taken(job_id: str) -> str:

@@ -23,7 +23,7 @@ from raychat.checkpoint_manager import commit_of, find_checkpoint
 from raychat.config import ConfigError, RLConfig, TrainConfig, from_args, from_dict
 from raychat.config.schema import flag_name
 from raychat.log import plural
-from raychat.ray_token import token_for
+from raychat.ray_token import check_gcs_address, token_for
 from raychat.rl.actors import check_layout
 from raychat.rl.loop import RLRun, layout_line
 from raychat.sigterm import Terminated, init_keeping_handler
@@ -154,6 +154,7 @@ def main(args) -> int:
     Ray, nothing written."""
     local = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     try:
+        check_gcs_address(args.address)
         cfg = resolve_inputs(config_for(args))
         run = RLRun(cfg)  # the resume check (raychat.rl.loop.check_resume), before Ray starts
         check_generation_length(cfg, run.tasks)

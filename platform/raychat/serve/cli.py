@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import time
+from collections import Counter
 
 import ray
 from ray import serve
@@ -32,9 +33,10 @@ from raychat.checkpoint_manager import described, find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_args, from_dict
 from raychat.config.schema import shown
 from raychat.log import plural
-from raychat.ray_token import token_for
+from raychat.ray_token import check_gcs_address, token_for
 from raychat.serve import vllm
 from raychat.serve.app import build_app, serve_config
+from raychat.serve.deployments import SERVER_DEPLOYMENT
 from raychat.serve.server import default_model_id
 from raychat.sigterm import Terminated, init_keeping_handler, raise_terminated
 
@@ -252,6 +254,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             "--no-block needs --address (or RAY_ADDRESS): a local cluster ends with this process"
         )
+    check_gcs_address(args.address)
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         with token_for(args.address, args.token_file):
@@ -293,26 +296,45 @@ def _serve(args: argparse.Namespace) -> int:
     print(f'model id:     {model_id}  (what /v1/models lists and OpenAI requests\' "model" names)')
     print(f"chat page:    {url}")
     print(f"OpenAI API:   {url}v1  (model list: {url}v1/models, health: {url}health)")
-    metrics = metrics_url()
-    if metrics:
-        print(f"metrics:      {metrics}  (Prometheus, this node's Ray: ray_raychat_serve_ttft_seconds, ...)")
+    for metrics, where in metrics_endpoints():
+        print(f"metrics:      {metrics}  (Prometheus, {where}: ray_raychat_serve_ttft_seconds, ...)")
     print(end="", flush=True)
     if args.no_block:
         return 0
     return _block()
 
 
-def metrics_url() -> str | None:
-    """The Prometheus endpoint of the Ray node this process runs on (its metrics export port, which Ray picks
-    at start: TTFT, tokens, prefix cache hits of the replicas on this node; docs/deployment.md section 5), e.g.
-    "http://127.0.0.1:51234/metrics"; None without Ray or through a ray:// client (no node of its own)."""
+def metrics_endpoints() -> list[tuple[str, str]]:
+    """Where the served app's metrics are: (Prometheus endpoint, what runs there) for each Ray node that runs a
+    ChatServer replica of it, e.g. [("http://10.0.0.5:51234/metrics", "the Ray node of 1 ChatServer replica")],
+    ordered by endpoint. A node exports only what its own processes record (TTFT, tokens, prefix cache hits are
+    the replicas'; docs/deployment.md section 5), so on a multi-node cluster the endpoints are the replicas'
+    nodes, not this process' node. Without a replica found, this process' node ("this node's Ray"); [] without
+    Ray or through a ray:// client (no node of its own)."""
     if not ray.is_initialized() or ray.util.client.ray.is_connected():
-        return None
-    node_id = ray.get_runtime_context().get_node_id()
-    for node in ray.nodes():
-        if node["NodeID"] == node_id and node.get("MetricsExportPort"):
-            return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-    return None
+        return []
+    replicas = ray._private.state.actors(actor_state_name="ALIVE").values()
+    return replica_endpoints(replicas, ray.nodes(), ray.get_runtime_context().get_node_id())
+
+
+def replica_endpoints(actors, nodes: list[dict], this_node: str) -> list[tuple[str, str]]:
+    """metrics_endpoints from Ray's actor table entries (`ActorClassName`, `Address.NodeID`) and `ray.nodes()`:
+    the endpoint of each node holding a ChatServer replica of APP_NAME, else `this_node`'s."""
+    endpoint = {
+        node["NodeID"]: f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+        for node in nodes
+        if node.get("Alive", True) and node.get("MetricsExportPort")
+    }
+    replica_class = f"ServeReplica:{APP_NAME}:{SERVER_DEPLOYMENT}"
+    on_node = Counter(a["Address"]["NodeID"] for a in actors if a["ActorClassName"] == replica_class)
+    found = sorted(
+        (endpoint[node], f"the Ray node of {plural(n, f'{SERVER_DEPLOYMENT} replica')}")
+        for node, n in on_node.items()
+        if node in endpoint
+    )
+    if found:
+        return found
+    return [(endpoint[this_node], "this node's Ray")] if this_node in endpoint else []
 
 
 def _block() -> int:

@@ -94,7 +94,7 @@ STATIC_DIR = Path(__file__).parent / "static"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 METRICS_ELSEWHERE = (
     "Not Found: raychat's metrics are on each Ray node's Prometheus endpoint (its metrics export port), not on "
-    "this port; `raychat serve` prints its node's as `metrics: http://HOST:PORT/metrics` (docs/deployment.md §5)"
+    "this port; `raychat serve` prints its replicas' nodes' as `metrics: http://HOST:PORT/metrics` (docs/deployment.md §5)"
 )
 # the only paths answered without the key when one is set ("" is the route prefix itself, e.g. /api)
 OPEN_PATHS = frozenset({"", "/", "/health", "/openapi.json"})
