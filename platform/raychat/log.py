@@ -80,11 +80,11 @@ class StepClock:
 
 class TenthsProgress:
     """When a long loop's progress line is due, and its ETA: each time the units done (any unit: bytes, files,
-    problems) reach another tenth of `total` units, once `quiet_s` seconds have passed since it was made (a loop
-    quicker than that logs no such line). The ETA is the mean rate so far x the units left: seconds elapsed x
-    (total - done) / done. `clock`: seconds (time.perf_counter). E.g. total 100, quiet_s 5: 30 done at 2 s ->
-    None (quiet); 35 at 6 s -> (6.0, 11.14...) (the 3rd tenth); 38 at 7 s -> None (still the 3rd tenth).
-    `total` may be 0 only for a loop that never calls due (an empty folder's reading)."""
+    problems) reach another tenth of `total` units, once `quiet_s` seconds have passed since it was made (a
+    loop quicker than that logs no such line). The ETA is the mean rate so far x the units left: seconds
+    elapsed x (total - done) / done. `clock`: seconds (time.perf_counter). E.g. total 100, quiet_s 5: 30 done
+    at 2 s -> None (quiet); 35 at 6 s -> (6.0, 11.14...) (the 3rd tenth); 38 at 7 s -> None (still the 3rd
+    tenth). `total` may be 0 only for a loop that never calls due (an empty folder's reading)."""
 
     def __init__(self, total: int, quiet_s: float, clock: Callable[[], float] = time.perf_counter):
         self.total, self.quiet_s, self.clock = total, quiet_s, clock

@@ -294,10 +294,10 @@ def test_empty_files_are_named_as_paths_not_as_a_python_list(tmp_path):
 def test_the_run_says_how_many_conversations_tokens_and_bytes_sft_data_val_bpb_scores(
     tmp_path, small_tokenizer
 ):
-    """The default --sft-test-size 0.05 holds out 1 of 20 conversations: its BPB is over a few bytes, so the run
-    says how much it covers. Two held-out conversations whose answers, 'a2' and 'Très bien', are all that is
-    scored (their tokens as the tokenizer encodes them; 2 + 10 UTF-8 bytes, è being 2; <|assistant_end|> has
-    none): the bytes BPB divides by."""
+    """The default --sft-test-size 0.05 holds out 1 of 20 conversations: its BPB is over a few bytes, so the
+    run says how much it covers. Two held-out conversations whose answers, 'a2' and 'Très bien', are all that
+    is scored (their tokens as the tokenizer encodes them; 2 + 10 UTF-8 bytes, è being 2; <|assistant_end|>
+    has none): the bytes BPB divides by."""
     small_tokenizer.save(tmp_path / "tok")
     write_jsonl(tmp_path / "train.jsonl", [chat(0), chat(1)])
     fine = {
@@ -317,8 +317,8 @@ def test_the_run_says_how_many_conversations_tokens_and_bytes_sft_data_val_bpb_s
     cfg = from_dict(TrainConfig, {"sft_data": str(tmp_path / "mine" / "chats.jsonl")}, base=cfg)
     assert questions(sft_data_split(cfg.data.sft_data, 0.05).test) == ["q15"]  # ceil(0.05 x 20) = 1 held out
     assert check_validation_rows(cfg) == (
-        f"sft data: sft-data_val_bpb scores 1 held-out conversation: {len(small_tokenizer.encode('a15'))} tokens, "
-        "3 bytes"
+        "sft data: sft-data_val_bpb scores 1 held-out conversation: "
+        f"{len(small_tokenizer.encode('a15'))} tokens, 3 bytes"
     )
     cfg = from_dict(TrainConfig, {"sft_test_size": 0}, base=cfg)
     assert check_validation_rows(cfg) is None  # nothing held out: no sft-data_val_bpb

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from itertools import zip_longest
 
 import numpy as np
@@ -87,7 +88,13 @@ class EvalProgress:
     from each rollout actor at about the same time, so the time between two collected chunks (StepClock's step)
     is not a chunk's time. `clock`: seconds (time.perf_counter); raychat.log.TenthsProgress says when."""
 
-    def __init__(self, label: str, total: int, log=log, clock=time.perf_counter):
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        log: Callable[[str], None] = log,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.label, self.total, self.log = label, total, log
         self.done, self.pace = 0, TenthsProgress(total, EVAL_QUIET_S, clock)
 

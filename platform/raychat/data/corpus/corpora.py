@@ -21,6 +21,7 @@ import json
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -273,7 +274,10 @@ def jsonl_documents(
 
 
 def local_folder(
-    folder: str | Path, text_field: str = TEXT_FIELD, log=None, clock=time.perf_counter
+    folder: str | Path,
+    text_field: str = TEXT_FIELD,
+    log: Callable[[str], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Corpus:
     """All documents in the files under `folder` (recursively, files sorted by relative path); a .jsonl line's
     and a .parquet row's document is its `text_field` (default "text").
@@ -362,7 +366,13 @@ class ReadProgress:
     (done), also for a folder read faster than READ_QUIET_S: "read 1,200 files (812.40 MB) in 3m27s". `clock`:
     seconds."""
 
-    def __init__(self, files: int, total_bytes: int, log, clock=time.perf_counter):
+    def __init__(
+        self,
+        files: int,
+        total_bytes: int,
+        log: Callable[[str], None],
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.files, self.total_bytes, self.log = files, total_bytes, log
         self.read, self.read_bytes = 0, 0
         self.pace = TenthsProgress(total_bytes or files, READ_QUIET_S, clock)
