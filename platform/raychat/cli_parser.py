@@ -76,7 +76,8 @@ class OneLineParser(argparse.ArgumentParser):
             if any(
                 isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])
             ):
-                self.error(f"argument {'/'.join(action.option_strings) or action.dest}: must not be blank")
+                # named as argparse's own errors name it: the flag, else the metavar that usage shows
+                self.error(str(argparse.ArgumentError(action, "must not be blank")))
         return namespace, extras
 
 

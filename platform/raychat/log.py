@@ -78,6 +78,32 @@ class StepClock:
         return (now - self.warm) / (self.steps - 1)
 
 
+class TenthsProgress:
+    """When a long loop's progress line is due, and its ETA: each time the units done (any unit: bytes, files,
+    problems) reach another tenth of `total` units, once `quiet_s` seconds have passed since it was made (a
+    loop quicker than that logs no such line). The ETA is the mean rate so far x the units left: seconds
+    elapsed x (total - done) / done. `clock`: seconds (time.perf_counter). E.g. total 100, quiet_s 5: 30 done
+    at 2 s -> None (quiet); 35 at 6 s -> (6.0, 11.14...) (the 3rd tenth); 38 at 7 s -> None (still the 3rd
+    tenth). `total` may be 0 only for a loop that never calls due (an empty folder's reading)."""
+
+    def __init__(self, total: int, quiet_s: float, clock: Callable[[], float] = time.perf_counter):
+        self.total, self.quiet_s, self.clock = total, quiet_s, clock
+        self.started, self.tenths = clock(), 0
+
+    def due(self, done: int) -> tuple[float, float] | None:
+        """`done` units of `total` done so far: (seconds elapsed, ETA in seconds) when a line is due (above),
+        else None. Reads the clock once."""
+        elapsed, tenths = self.elapsed(), 10 * done // self.total
+        if tenths <= self.tenths or elapsed < self.quiet_s:
+            return None
+        self.tenths = tenths
+        return elapsed, elapsed * (self.total - done) / done
+
+    def elapsed(self) -> float:
+        """Seconds since this was made."""
+        return self.clock() - self.started
+
+
 class RunGaveUp(RuntimeError):
     """A training run (pretrain, sft, rl) ended on a failure it does not retry again: it failed more times than
     its failure budget (--max-failures) allows, Ray Train's controller failed, or a step's loss or gradient norm

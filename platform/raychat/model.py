@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -294,7 +295,7 @@ class GPT(nn.Module):
 
 
 @contextlib.contextmanager
-def eval_mode(model):
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     """`model` in eval mode inside the block, back in the mode it was in (train or eval) after it."""
     was_training = model.training
     model.eval()

@@ -1584,10 +1584,13 @@ def test_sft_on_your_own_file_checks_it_splits_it_and_resumes_on_it_alone(
     cfg, paths, plan, rows = driver(argv)
     assert cfg.data.sft_data == str(mine) and cfg.data.sft_tasks == ""
     assert [t["name"] for t in rows().fingerprint()["mixture"]["tasks"]] == ["sft-data"]
+    lines = capsys.readouterr().out.splitlines()
     assert (
         "sft data: --sft-data: 19 conversations to train on, 1 held out for sft-data_val_bpb (--sft-test-size "
         "0.05 of 20, in seed 42's order)"
-    ) in capsys.readouterr().out.splitlines()
+    ) in lines
+    tokens = len(Tokenizer.load(f"{root}/tokenizer").encode("14"))  # the held-out one: 14? -> 14, 2 bytes
+    assert f"sft data: sft-data_val_bpb scores 1 held-out conversation: {tokens} tokens, 2 bytes" in lines
     d = _commit_step(cfg, paths, plan, rows, step=1)  # of its 2 steps: one to resume
     driver(argv)  # the same file: resumes
     mine.write_text(mine.read_text().replace("Hello", "Hello there"))

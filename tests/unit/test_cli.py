@@ -289,6 +289,8 @@ def test_a_flag_the_parser_refuses_is_one_line_not_the_usage_block(capsys):
         ),  # the entrypoint `' ' jobs/pretrain.py`
         (["submit", "--pip", "", "pretrain", "--storage-path", ROOT], "--pip"),
         (["jobs", "stop", ""], "job_id"),
+        (["report", ""], "RUN_DIR"),  # as its usage names it, not by its dest (run_dirs)
+        (["report", "runs/a", " "], "RUN_DIR"),
         (["k8s", "submit", "--dry-run", "--image", "", "rl"], "--image"),
         (["serve", "--host", ""], "--host"),
         (["chat", "-p", ""], "-p"),
@@ -299,7 +301,7 @@ def test_a_blank_text_argument_is_refused_by_the_parser(argv, flag, capsys):
         main(argv)
     assert e.value.code == 2
     prog = "raychat " + " ".join(
-        a for a in argv[:2] if a in ("submit", "jobs", "stop", "k8s", "serve", "chat")
+        a for a in argv[:2] if a in ("submit", "jobs", "stop", "k8s", "serve", "chat", "report")
     )
     assert capsys.readouterr().err == (
         f"{prog}: error: argument {flag}: must not be blank (`{prog} --help` lists the flags)\n"

@@ -4,7 +4,7 @@ import builtins
 
 import pytest
 
-from raychat.log import StepClock, duration, log, plural
+from raychat.log import StepClock, TenthsProgress, duration, log, plural
 
 
 @pytest.mark.parametrize("rank, printed", [(None, "hello\n"), ("0", "hello\n"), ("1", "")])
@@ -66,3 +66,14 @@ def test_step_clock_leaves_the_cold_first_step_out_of_the_eta():
 def test_an_eta_reads_in_hours_and_minutes(seconds, shown):
     """The step line's ETA was seconds alone: a run of hours read `eta 24513s`."""
     assert duration(seconds) == shown
+
+
+def test_tenths_progress_is_due_at_each_further_tenth_after_its_quiet_seconds():
+    """Made at 100 s, 1,000 units, 5 s quiet: 300 done at 102 s is quiet; 350 at 106 s is the 3rd tenth (eta 6
+    s x 650 / 350 = 11.14 s); 380 at 107 s is still the 3rd; 990 at 120 s jumps to the 9th (eta 20 x 10 /
+    990); 999 at 130 s is still the 9th. The readings of folders and the held-out evaluations share it."""
+    times = iter([100.0, 102.0, 106.0, 107.0, 120.0, 130.0, 131.5])
+    pace = TenthsProgress(1_000, 5.0, clock=lambda: next(times))
+    due = [pace.due(done) for done in (300, 350, 380, 990, 999)]
+    assert due == [None, (6.0, 6.0 * 650 / 350), None, (20.0, 20.0 * 10 / 990), None]
+    assert pace.elapsed() == 31.5

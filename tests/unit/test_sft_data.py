@@ -289,3 +289,36 @@ def test_empty_files_are_named_as_paths_not_as_a_python_list(tmp_path):
         str(e.value)
         == f"--sft-data: {tmp_path}/a.jsonl, {tmp_path}/b.jsonl: no records (every file is empty)"
     )
+
+
+def test_the_run_says_how_many_conversations_tokens_and_bytes_sft_data_val_bpb_scores(
+    tmp_path, small_tokenizer
+):
+    """The default --sft-test-size 0.05 holds out 1 of 20 conversations: its BPB is over a few bytes, so the
+    run says how much it covers. Two held-out conversations whose answers, 'a2' and 'Très bien', are all that
+    is scored (their tokens as the tokenizer encodes them; 2 + 10 UTF-8 bytes, è being 2; <|assistant_end|>
+    has none): the bytes BPB divides by."""
+    small_tokenizer.save(tmp_path / "tok")
+    write_jsonl(tmp_path / "train.jsonl", [chat(0), chat(1)])
+    fine = {
+        "messages": [{"role": "user", "content": "Ça va?"}, {"role": "assistant", "content": "Très bien"}]
+    }
+    write_jsonl(tmp_path / "test.jsonl", [chat(2), fine])
+    cfg = from_dict(
+        TrainConfig,
+        {"sft_data": str(tmp_path / "train.jsonl"), "tokenizer_path": str(tmp_path / "tok"), "seq_len": 64},
+        base=sft_defaults(),
+    )
+    tokens = len(small_tokenizer.encode("a2")) + len(small_tokenizer.encode("Très bien"))
+    assert check_validation_rows(cfg) == (
+        f"sft data: sft-data_val_bpb scores 2 held-out conversations: {tokens} tokens, 12 bytes"
+    )
+    write_jsonl(tmp_path / "mine" / "chats.jsonl", [chat(i) for i in range(20)])
+    cfg = from_dict(TrainConfig, {"sft_data": str(tmp_path / "mine" / "chats.jsonl")}, base=cfg)
+    assert questions(sft_data_split(cfg.data.sft_data, 0.05).test) == ["q15"]  # ceil(0.05 x 20) = 1 held out
+    assert check_validation_rows(cfg) == (
+        "sft data: sft-data_val_bpb scores 1 held-out conversation: "
+        f"{len(small_tokenizer.encode('a15'))} tokens, 3 bytes"
+    )
+    cfg = from_dict(TrainConfig, {"sft_test_size": 0}, base=cfg)
+    assert check_validation_rows(cfg) is None  # nothing held out: no sft-data_val_bpb

@@ -12,11 +12,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raychat.config import from_dict
+from raychat.eval.bpb import bpb_coverage
 from raychat.loss import TokenCrossEntropy
 from raychat.model import GPT, ModelConfig
 from raychat.ports import free_ports
 from raychat.tokenizer import Tokenizer
-from raychat.train.sft import SFT, sft_defaults
+from raychat.train.sft import SFT, check_validation_rows, sft_defaults
 from raychat.train.trainer import to_batch
 from raychat.train.validators import AccuracyValidator, BPBValidator, MeanBPBValidator
 
@@ -186,6 +187,12 @@ def test_held_out_rows_are_built_masked_and_scored_as_training_rows_by_hand(smal
     model = Bigram(table)
     assert bpb.validate(model, 1, 1) == {"sft-data_val_bpb": pytest.approx(0.5, rel=1e-6)}
     assert bpb.last_sums == pytest.approx((3 * math.log(2), 6), rel=1e-6)
+    # what the run says the score covers: the bytes are the sum above, the tokens " Mars" and "."
+    assert bpb_coverage(bpb.rows, tok.token_bytes(), tok.bos_id) == (1, 2, 6)
+    assert (
+        check_validation_rows(cfg)
+        == "sft data: sft-data_val_bpb scores 1 held-out conversation: 2 tokens, 6 bytes"
+    )
     share, stats = TokenCrossEntropy()(model(batch["input_ids"]), batch, [3])
     assert share.item() == pytest.approx(4 / 3 * math.log(2), rel=1e-6)
     assert stats.tolist() == pytest.approx([4 * math.log(2)], rel=1e-6)

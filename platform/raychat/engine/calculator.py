@@ -70,8 +70,8 @@ def eval_expression(expression: str) -> int | float | None:
     try:
         if not isinstance(expression, str) or len(expression) > MAX_CHARS:
             return None
-        if count := _LETTER_COUNT.fullmatch(expression.strip()):
-            return count.group(1).count(count.group(2))
+        if letter_count := _LETTER_COUNT.fullmatch(expression.strip()):
+            return letter_count.group(1).count(letter_count.group(2))
         if not _ALLOWED_CHARS.fullmatch(expression):
             return None
         text = _THOUSANDS.sub("", expression).strip()

@@ -65,6 +65,19 @@ def bpb_sums(
     return nats.item(), nbytes.item()
 
 
+def bpb_coverage(rows: dict[str, np.ndarray], token_bytes: list[int], bos_id: int) -> tuple[int, int, int]:
+    """What bpb_sums scores of `rows`, all of them: (samples, tokens, bytes): the documents or conversations
+    (segments of a row) with at least one scored target, the targets in the loss mask with at least one UTF-8
+    byte, and those bytes (the sum BPB divides by). rows: as bpb_sums; token_bytes: (vocab_size,) UTF-8 length
+    of each token, 0 for special tokens (Tokenizer.token_bytes)."""
+    part = {k: torch.from_numpy(np.asarray(v)) for k, v in rows.items()}
+    b = make_batch(part.pop("input_ids"), bos_id, document_masking=True, **part)
+    nb = torch.tensor(token_bytes, dtype=torch.int64)[b["labels"]] * b["loss_mask"]
+    rows_at, _ = torch.nonzero(nb > 0, as_tuple=True)
+    samples = torch.stack([rows_at, b["segment_ids"][nb > 0]]).unique(dim=1).shape[1]
+    return samples, int((nb > 0).sum()), int(nb.sum())
+
+
 def unigram_bpb(
     train_docs: Iterable[list[int]], val_docs: Iterable[list[int]], token_bytes: list[int]
 ) -> float:

@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from itertools import zip_longest
 
 import numpy as np
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
 from raychat.config import RLConfig
-from raychat.log import duration, log, plural
+from raychat.log import TenthsProgress, duration, log, plural
 from raychat.rl.actors import ActorGroup, ActorsLost, StepFailed, rollout_deadline
 from raychat.rl.sync import WeightSync
 from raychat.tasks.pass_at_k import pass_at_k
@@ -85,23 +86,28 @@ class EvalProgress:
     the end (the evaluation's own line follows), e.g. "eval step 10: 120/400 held-out problems (30%) in 1m02s, eta
     2m25s". The ETA is the evaluation's mean rate so far x the problems left: its chunks come back in rounds, one
     from each rollout actor at about the same time, so the time between two collected chunks (StepClock's step)
-    is not a chunk's time. `clock`: seconds (time.perf_counter)."""
+    is not a chunk's time. `clock`: seconds (time.perf_counter); raychat.log.TenthsProgress says when."""
 
-    def __init__(self, label: str, total: int, log=log, clock=time.perf_counter):
-        self.label, self.total, self.log, self.clock = label, total, log, clock
-        self.started, self.done, self.tenths = clock(), 0, 0
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        log: Callable[[str], None] = log,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.label, self.total, self.log = label, total, log
+        self.done, self.pace = 0, TenthsProgress(total, EVAL_QUIET_S, clock)
 
     def add(self, problems: int) -> None:
         """`problems` more held-out problems evaluated: logs a line when one is due (above)."""
         self.done += problems
-        elapsed, tenths = self.clock() - self.started, 10 * self.done // self.total
-        if self.done >= self.total or tenths <= self.tenths or elapsed < EVAL_QUIET_S:
+        due = None if self.done >= self.total else self.pace.due(self.done)
+        if due is None:
             return
-        self.tenths = tenths
+        elapsed, eta = due
         self.log(
             f"{self.label}: {self.done:,}/{plural(self.total, 'held-out problem')} "
-            f"({100 * self.done // self.total}%) in {duration(elapsed)}, eta "
-            f"{duration(elapsed * (self.total - self.done) / self.done)}"
+            f"({100 * self.done // self.total}%) in {duration(elapsed)}, eta {duration(eta)}"
         )
 
 

@@ -17,6 +17,7 @@ from raychat.checkpoint import read_meta
 from raychat.config import SFT_DEFAULTS, ConfigError, TrainConfig, from_dict
 from raychat.config.schema import shown
 from raychat.data.loader.sft_rows import RowFit, SFTRows, none_fits, row_fit, run_epochs, validation_rows
+from raychat.eval.bpb import bpb_coverage
 from raychat.log import log, plural
 from raychat.model import ModelConfig
 from raychat.ray_token import token_for
@@ -189,7 +190,8 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
     own_fit = own_row_fit(cfg, tokenizer, own)
     check_training_rows(cfg, tokenizer, paths.init_from, own_fit)
     check_own_rows(cfg, tokenizer, paths.init_from, own_fit, flags)
-    check_validation_rows(cfg, own, tokenizer)
+    if held_out := check_validation_rows(cfg, own, tokenizer):
+        log(held_out)
     epochs = epochs_line(paths.config(cfg), tokenizer)
     return run_training(cfg, spec, [ReplayRecorder(), *callbacks], dry_run, flags, [epochs])
 
@@ -335,10 +337,12 @@ def check_own_rows(
 
 def check_validation_rows(
     cfg: TrainConfig, own: SFTDataRead | None = None, tokenizer: Tokenizer | None = None
-) -> None:
+) -> str | None:
     """What every worker's validators build first (SFT.validators), built here to fail in one line, not in each
     worker after Ray started: each held-out task's packed conversations (own: as validation_tasks; tokenizer:
-    the run's, None: loaded here).
+    the run's, None: loaded here). Returns the line that says what sft-data_val_bpb scores, as the validators
+    score it (raychat.eval.bpb.bpb_coverage), "sft data: sft-data_val_bpb scores 1 held-out conversation: 2
+    tokens, 5 bytes"; None when there is none (no --sft-data, or none held out).
 
     Raises:
         ValueError: "--sft-tasks: task <name>'s held-out conversations (N) fill no row of <T+1> tokens: ..." (a
@@ -346,17 +350,25 @@ def check_validation_rows(
     """
     tasks = validation_tasks(cfg, validation_size(cfg), own)
     if not tasks:
-        return
+        return None
     tokenizer = tokenizer or Tokenizer.load(resolve_paths(cfg, writable=False).tokenizer_path)
+    line = None
     for name, task in tasks:
         try:
-            validation_rows(task, tokenizer, cfg.model.seq_len + 1)
+            rows = validation_rows(task, tokenizer, cfg.model.seq_len + 1)
         except ValueError as e:
             flag = "--sft-data" if name == SFT_DATA else "--sft-tasks"
             raise ValueError(
                 f"{flag}: {e} (a longer --seq-len, up to the --init-from checkpoint's max_seq_len, or shorter "
                 "held-out conversations keep some)"
             ) from None
+        if name == SFT_DATA:
+            conversations, tokens, n_bytes = bpb_coverage(rows, tokenizer.token_bytes(), tokenizer.bos_id)
+            line = (
+                f"sft data: {SFT_DATA}_val_bpb scores {plural(conversations, 'held-out conversation')}: "
+                f"{plural(tokens, 'token')}, {plural(n_bytes, 'byte')}"
+            )
+    return line
 
 
 def sft_data_line(cfg: TrainConfig, own: SFTDataRead | None = None) -> str:

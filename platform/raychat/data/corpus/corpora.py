@@ -21,6 +21,7 @@ import json
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from raychat.data.corpus.shards import (
     prepared_manifest,
     read_text_column,
 )
-from raychat.log import duration, plural, size
+from raychat.log import TenthsProgress, duration, plural, size
 
 PYTHON_DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
 WORDNET_DIR = Path("/usr/share/wordnet")
@@ -273,7 +274,10 @@ def jsonl_documents(
 
 
 def local_folder(
-    folder: str | Path, text_field: str = TEXT_FIELD, log=None, clock=time.perf_counter
+    folder: str | Path,
+    text_field: str = TEXT_FIELD,
+    log: Callable[[str], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Corpus:
     """All documents in the files under `folder` (recursively, files sorted by relative path); a .jsonl line's
     and a .parquet row's document is its `text_field` (default "text").
@@ -357,30 +361,38 @@ def document_files(root: Path, skips: Skips) -> list[Path]:
 class ReadProgress:
     """The progress lines of reading `files` files of `total_bytes` (their sizes on disk), logged as each is
     read (add): once reading has run READ_QUIET_S and the bytes read have reached another tenth of
-    total_bytes (files when total_bytes is 0), e.g. "read 120/1,200 files (30% of 812.40 MB) in 1m02s, eta
-    2m25s", the ETA the mean rate so far x the bytes left; then one line at the end (done), also for a folder
-    read faster than READ_QUIET_S: "read 1,200 files (812.40 MB) in 3m27s". `clock`: seconds."""
+    total_bytes (files when total_bytes is 0; raychat.log.TenthsProgress), e.g. "read 120/1,200 files (30% of
+    812.40 MB) in 1m02s, eta 2m25s", the ETA the mean rate so far x the bytes left; then one line at the end
+    (done), also for a folder read faster than READ_QUIET_S: "read 1,200 files (812.40 MB) in 3m27s". `clock`:
+    seconds."""
 
-    def __init__(self, files: int, total_bytes: int, log, clock=time.perf_counter):
-        self.files, self.total_bytes, self.log, self.clock = files, total_bytes, log, clock
-        self.started, self.read, self.read_bytes, self.tenths = clock(), 0, 0, 0
+    def __init__(
+        self,
+        files: int,
+        total_bytes: int,
+        log: Callable[[str], None],
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.files, self.total_bytes, self.log = files, total_bytes, log
+        self.read, self.read_bytes = 0, 0
+        self.pace = TenthsProgress(total_bytes or files, READ_QUIET_S, clock)
 
     def add(self, n_bytes: int) -> None:
         """One more file, of `n_bytes` on disk, read: logs a line when one is due (above)."""
         self.read, self.read_bytes = self.read + 1, self.read_bytes + n_bytes
         if self.read >= self.files:  # the end line follows
             return
-        share = self.read_bytes / self.total_bytes if self.total_bytes else self.read / self.files
-        elapsed, tenths = self.clock() - self.started, int(10 * share)
-        if tenths <= self.tenths or elapsed < READ_QUIET_S:
+        due = self.pace.due(self.read_bytes if self.total_bytes else self.read)
+        if due is None:
             return
-        self.tenths = tenths
+        share = self.read_bytes / self.total_bytes if self.total_bytes else self.read / self.files
+        elapsed, eta = due
         self.log(
             f"read {self.read:,}/{plural(self.files, 'file')} ({share:.0%} of {size(self.total_bytes)}) in "
-            f"{duration(elapsed)}, eta {duration(elapsed * (1 - share) / share)}"
+            f"{duration(elapsed)}, eta {duration(eta)}"
         )
 
     def done(self) -> None:
         """The reading's last line."""
-        elapsed = self.clock() - self.started
+        elapsed = self.pace.elapsed()
         self.log(f"read {plural(self.files, 'file')} ({size(self.total_bytes)}) in {duration(elapsed)}")

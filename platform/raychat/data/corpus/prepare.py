@@ -132,19 +132,20 @@ def count_shards(documents: int, num_shards: int | None, rows_per_shard: int | N
     return total
 
 
-def split_line(documents: int, total: int, seed: int) -> str:
-    """The line that announces a local corpus's cut of `documents` into `total` shards (count_shards), the last
-    the validation one (write_shards: split_evenly), with the share held out of training, e.g. "shuffling 37
-    documents (seed 0) into 2 shards: 1 train of 19 documents + 1 validation of 18 documents (49%, held out
-    of training)"; a train count that varies by shard reads "5 train of 983-984 documents"."""
-    sizes = [end - start for start, end in split_evenly(documents, total)]
+def split_line(n_documents: int, n_shards: int, seed: int) -> str:
+    """The line that announces a local corpus's cut of `n_documents` documents into `n_shards` shards
+    (count_shards), the last the validation one (write_shards: split_evenly), with the share held out of
+    training, e.g. "shuffling 37 documents (seed 0) into 2 shards: 1 train of 19 documents + 1 validation of
+    18 documents (49%, held out of training)"; a train count that varies by shard reads "5 train of 983-984
+    documents"."""
+    sizes = [end - start for start, end in split_evenly(n_documents, n_shards)]
     train, val = sizes[:-1], sizes[-1]
     each = plural(max(train), "document")
     if min(train) != max(train):
         each = f"{min(train):,}-{each}"
     return (
-        f"shuffling {plural(documents, 'document')} (seed {seed}) into {total} shards: {total - 1} train of "
-        f"{each} + 1 validation of {plural(val, 'document')} ({val / documents:.0%}, held out of "
+        f"shuffling {plural(n_documents, 'document')} (seed {seed}) into {n_shards} shards: {n_shards - 1} "
+        f"train of {each} + 1 validation of {plural(val, 'document')} ({val / n_documents:.0%}, held out of "
         "training)"
     )
 

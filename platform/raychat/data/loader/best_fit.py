@@ -14,7 +14,7 @@ Item = TypeVar("Item", bound=Sized)
 class BestFitBuffer(Generic[Item]):
     """Buffered items (anything with a len(): its tokens), in arrival order and by length."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._keys: list[tuple[int, int]] = []  # sorted (length, arrival)
         self._items: dict[int, Item] = {}  # arrival -> item
         self._arrivals = 0
