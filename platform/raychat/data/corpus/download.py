@@ -218,13 +218,11 @@ def reused_line(checks: dict[int, str | None], total: int, out: Path) -> str:
     }
     counts = {way: n for way in ways if (n := sum(c == way for c in checks.values()))}
     reused = sum(counts.values())
-    line = f"reusing {reused} of {plural(total, 'shard')} already in {out}"
+    line = f"reusing {reused:,} of {plural(total, 'shard')} already in {out}"
     if counts:
-        line += " (" + ", ".join(f"{n} by {ways[way]}" for way, n in counts.items()) + ")"
+        line += " (" + ", ".join(f"{n:,} by {ways[way]}" for way, n in counts.items()) + ")"
     if stale := len(checks) - reused:
-        line += (
-            f"; {stale} other present {'differs and is' if stale == 1 else 'differ and are'} downloaded again"
-        )
+        line += f"; {stale:,} other present {'differs and is' if stale == 1 else 'differ and are'} downloaded again"
     return line
 
 

@@ -179,13 +179,14 @@ def run_epochs(rows: SFTRows, run_rows: int, sample_rows: int = EPOCH_SAMPLE_ROW
     skipped as too long, of what was read of it): exact for one rank when run_rows <= sample_rows. `rows` is
     only read (its stream is not advanced). run_rows: the run's optimizer steps x rows a step (all ranks)."""
     n, row_len = len(rows.mixture), rows.row_len
-    read, skipped = [0], []
+    read, skipped = 0, []
 
     def items():
+        nonlocal read
         # every row holds at most row_len conversations, and each epoch places one at least (else the run is
         # refused before): the stream is read no further than this
         for g in range(n * (1 + sample_rows * row_len)):
-            read[0] = g + 1
+            read = g + 1
             if (item := rows.render(g)) is None:
                 skipped.append(g)
             else:
@@ -201,7 +202,7 @@ def run_epochs(rows: SFTRows, run_rows: int, sample_rows: int = EPOCH_SAMPLE_ROW
             made += 1
     except StopIteration:  # nothing of the stream fits a row
         return 0.0
-    first = min(n, read[0])
+    first = min(n, read)
     return run_rows * placed / made / (n * (1 - sum(g < first for g in skipped) / first))
 
 
