@@ -127,3 +127,16 @@ def test_the_line_after_the_final_metrics_names_the_step_of_the_best_held_out_bp
     falling = [row for row in logged if row["step"] < 6]
     assert held_out_line(falling, kept) == "held-out BPB: sft-data_val_bpb best 5.5000 at the end (step 4)"
     assert held_out_line(logged[:2], kept) is None  # measured once: nothing to compare
+
+
+def test_a_held_out_bpb_that_ends_at_its_best_value_did_not_rise():
+    """A BPB equal at its last two evaluations (5.5 at steps 4 and 6) was named "best at step 4, 5.5000 at the
+    end: rose after step 4 ... overfitting": a tie is best at the end, and nothing rose."""
+    logged = [
+        {"step": 2, "loss": 2.0, "sft-data_val_bpb": 5.71},
+        {"step": 4, "loss": 1.0, "sft-data_val_bpb": 5.5},
+        {"step": 6, "loss": 0.5, "sft-data_val_bpb": 5.5},
+    ]
+    assert held_out_line(logged, {4: "/runs/s/checkpoint_000004"}) == (
+        "held-out BPB: sft-data_val_bpb best 5.5000 at the end (step 6)"
+    )
