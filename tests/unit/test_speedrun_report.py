@@ -152,3 +152,14 @@ def test_report_without_a_run_directory_is_one_line(capsys):
         "raychat report: error: the following arguments are required: RUN_DIR (`raychat report --help` lists "
         "the flags)\n"
     )
+
+
+def test_report_skips_a_line_that_is_json_but_no_object(tmp_path, capsys):
+    """A metrics.jsonl line that parses but is no object (a hand-edited file: `5`, `[1, 2]`, `"x"`) ended the
+    report in a traceback (AttributeError: 'int' object has no attribute 'get'); it is skipped as a torn line
+    is."""
+    run = tmp_path / "mine"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n5\n[1, 2]\n"x"\n{"step": 2, "loss": 1.5}\n')
+    assert raychat_main(["report", str(run)]) == 0
+    assert capsys.readouterr().out == f"wrote {run}/curves.png (2 steps, 1..2)\n"
