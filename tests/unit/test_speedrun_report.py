@@ -154,6 +154,26 @@ def test_report_without_a_run_directory_is_one_line(capsys):
     )
 
 
+def test_report_of_a_uri_or_a_file_says_what_it_reads(tmp_path, capsys):
+    """`raychat report s3://bucket/runs/r` (a run of --storage-path s3://bucket/runs) read s3:/bucket/runs/r, a
+    local path, and said its metrics.jsonl "is not there"; a file given as RUN_DIR was a directory with no
+    metrics.jsonl. Each is named as what it is, with how to report it; the other directories are drawn."""
+    run = tmp_path / "mine"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "afile").write_text("x")
+    assert raychat_main(["report", "s3://bucket/runs/r", str(tmp_path / "afile"), str(run)]) == 2
+    out, err = capsys.readouterr()
+    assert out == f"wrote {run}/curves.png (1 steps, 1..1)\n"
+    assert err == (
+        "raychat report: error: s3://bucket/runs/r is a URI: raychat report reads a run directory on a local or "
+        "mounted filesystem; copy it here first (aws s3 cp --recursive s3://bucket/runs/r ./r), then raychat "
+        "report r\n"
+        f"raychat report: error: {tmp_path}/afile is a file, not a run directory (give a pretrain, sft or rl run "
+        "directory)\n"
+    )
+
+
 def test_report_skips_a_line_that_is_json_but_no_object(tmp_path, capsys):
     """A metrics.jsonl line that parses but is no object (a hand-edited file: `5`, `[1, 2]`, `"x"`) ended the
     report in a traceback (AttributeError: 'int' object has no attribute 'get'); it is skipped as a torn line
