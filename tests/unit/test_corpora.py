@@ -385,6 +385,11 @@ def test_the_line_that_announces_the_cut_says_how_much_is_held_out_of_training(t
         "shuffling 2 documents (seed 0) into 2 shards: 1 train of 1 document + 1 validation of 1 document (50%, "
         "held out of training)"
     )
+    # under 1% held out read "0%": nothing held out, where 200 documents are
+    assert split_line(100_000, 500, 0) == (
+        "shuffling 100,000 documents (seed 0) into 500 shards: 499 train of 200 documents + 1 validation of 200 "
+        "documents (0.2%, held out of training)"
+    )
 
 
 def test_reading_a_folder_logs_its_progress_each_tenth_after_a_quiet_start_then_its_end(tmp_path):

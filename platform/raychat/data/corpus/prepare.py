@@ -136,16 +136,18 @@ def split_line(documents: int, total: int, seed: int) -> str:
     """The line that announces a local corpus's cut of `documents` into `total` shards (count_shards), the last
     the validation one (write_shards: split_evenly), with the share held out of training, e.g. "shuffling 37
     documents (seed 0) into 2 shards: 1 train of 19 documents + 1 validation of 18 documents (49%, held out
-    of training)"; a train count that varies by shard reads "5 train of 983-984 documents"."""
+    of training)"; a train count that varies by shard reads "5 train of 983-984 documents"; a share under 1%
+    has one significant digit (0.2%)."""
     sizes = [end - start for start, end in split_evenly(documents, total)]
     train, val = sizes[:-1], sizes[-1]
     each = plural(max(train), "document")
     if min(train) != max(train):
         each = f"{min(train):,}-{each}"
+    share = 100 * val / documents
+    share_text = f"{share:.0f}%" if share >= 1 else f"{share:.1g}%"  # 0.2%, not 0%
     return (
         f"shuffling {plural(documents, 'document')} (seed {seed}) into {total} shards: {total - 1} train of "
-        f"{each} + 1 validation of {plural(val, 'document')} ({val / documents:.0%}, held out of "
-        "training)"
+        f"{each} + 1 validation of {plural(val, 'document')} ({share_text}, held out of training)"
     )
 
 
