@@ -145,8 +145,10 @@ def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
         # min_n_ticks=1: a view holding one whole step (one evaluation) gets it alone, not 3.8, 3.9, ... 4.2
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -242,8 +244,8 @@ def main(args) -> int:
     or rl (on a local or mounted filesystem) from its metrics.jsonl, as the speedrun draws a stage's (plot_stage;
     the title is the directory's name, or rl for an RL run's lines), written to RUN_DIR/curves.png; one line on
     stdout for each. Returns exit status 2, with a line on stderr naming the directory, when one holds no
-    metrics.jsonl or no step in it, or is no local directory (not_a_run_directory) (the others are drawn); 0
-    otherwise."""
+    metrics.jsonl or no step in it, or is no local directory (not_a_run_directory), or its curves.png cannot be
+    written (the others are drawn); 0 otherwise."""
     status = 0
     for text in args.run_dirs:
         if why := not_a_run_directory(text):
@@ -264,7 +266,12 @@ def main(args) -> int:
             status = 2
             continue
         stage = "rl" if any("reward_mean" in x for x in steps) else run.resolve().name
-        path = plot_stage(stage, lines, run / "curves.png")
+        try:
+            path = plot_stage(stage, lines, run / "curves.png")
+        except OSError as e:  # a read-only mount, a directory in the way: this one only, the others are drawn
+            print(f"raychat report: error: {run / 'curves.png'} cannot be written: {e}", file=sys.stderr)
+            status = 2
+            continue
         print(f"wrote {path} ({len(steps)} steps, {steps[0]['step']}..{steps[-1]['step']})")
     return status
 

@@ -3,6 +3,7 @@ it (the run's report state, stages.json), reused stages are marked, a replaced o
 old figures. The report is assembled from hand-written stage results; no stage runs."""
 
 import json
+import os
 
 import pytest
 
@@ -183,3 +184,22 @@ def test_report_skips_a_line_that_is_json_but_no_object(tmp_path, capsys):
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n5\n[1, 2]\n"x"\n{"step": 2, "loss": 1.5}\n')
     assert raychat_main(["report", str(run)]) == 0
     assert capsys.readouterr().out == f"wrote {run}/curves.png (2 steps, 1..2)\n"
+
+
+def test_a_run_directory_whose_curves_cannot_be_written_is_named_and_the_others_are_drawn(tmp_path, capsys):
+    """A RUN_DIR where curves.png cannot be written (here a directory of that name; a read-only mount alike)
+    ended the command at that directory, the ones after it not drawn: it is an error line naming the file, and
+    the others are drawn."""
+    stuck, run = tmp_path / "stuck", tmp_path / "mine"
+    for d in (stuck, run):
+        d.mkdir()
+        (d / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (stuck / "curves.png").mkdir()
+    assert raychat_main(["report", str(stuck), str(run)]) == 2
+    out, err = capsys.readouterr()
+    assert out == f"wrote {run}/curves.png (1 steps, 1..1)\n"
+    assert err.startswith(
+        f"raychat report: error: {stuck}/curves.png cannot be written: [Errno 21] Is a directory"
+    )
+    assert err.count("\n") == 1 and (stuck / "curves.png").is_dir() and os.listdir(stuck / "curves.png") == []
+    assert sorted(os.listdir(stuck)) == ["curves.png", "metrics.jsonl"]  # no temporary file left
