@@ -103,7 +103,7 @@ def _main(argv: list[str], command: str | None) -> int:
     try:
         rc = func(args)
     except KeyboardInterrupt as e:  # a stage's own line (a training run's: where it resumes) when it has one
-        print(f"{name}: interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
+        print(f"{name}: interrupted: {e}" if str(e) else f"{name}: interrupted", file=sys.stderr)
         return 130
     except (
         RunGaveUp

@@ -248,8 +248,8 @@ def report(subparsers) -> None:
         "evaluation (val_bpb and every <task>_val_bpb) or, for an RL run, the rollouts' mean reward per step "
         "and the held-out pass@1. Writes RUN_DIR/curves.png (PNG, 1100 x 396 pixels), replacing an older one, "
         "and one line per directory: `wrote RUN_DIR/curves.png (N steps, FIRST..LAST)`. A directory with no "
-        "metrics.jsonl or no step in it is an error line naming it (exit status 2); the others are still "
-        "drawn. Example: raychat report runs/checkpoints/longer",
+        "metrics.jsonl or no step in it is an error line naming it (exit status 2), as is one whose curves.png "
+        "cannot be written, and an s3:// or gs:// URI (with the command that copies it here); the others are still drawn. Example: raychat report runs/checkpoints/longer",
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory holding a metrics.jsonl")
     p.set_defaults(func="raychat.report:main")

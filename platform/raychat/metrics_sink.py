@@ -248,17 +248,19 @@ def read_logged(storage: Storage, path: str) -> list[dict]:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The lines of a metrics.jsonl; a torn last line (a crash while appending) is skipped."""
+    """The lines of a metrics.jsonl; a torn last line (a crash while appending) and a line that is no JSON
+    object are skipped."""
     with open(path) as f:
         return [row for row in _parse(f) if row is not None]
 
 
 def _parse(lines) -> list[dict | None]:
-    """Each line parsed (None: not valid JSON, e.g. torn)."""
+    """Each line parsed (None: not valid JSON, e.g. torn, or JSON but no object, e.g. a hand-edited `5`)."""
     out = []
     for line in lines:
         try:
-            out.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            out.append(None)
+            row = None
+        out.append(row if isinstance(row, dict) else None)
     return out

@@ -30,6 +30,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from raychat.atomic import atomic_write, atomic_write_text  # noqa: E402
 from raychat.metrics_sink import read_jsonl  # noqa: E402
+from raychat.storage import copy_command, is_remote  # noqa: E402
 
 STATE_FILE = "stages.json"
 # the wall-time line's order
@@ -144,8 +145,10 @@ def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
         # min_n_ticks=1: a view holding one whole step (one evaluation) gets it alone, not 3.8, 3.9, ... 4.2
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -222,14 +225,34 @@ def write_report(out_dir: Path, r: dict, metrics_files: dict[str, Path] | None =
     return path
 
 
+def not_a_run_directory(run: str) -> str | None:
+    """Why `raychat report` cannot read `run` as a run directory (an s3:// or gs:// URI, with the command that
+    copies it here; a file), or None."""
+    if is_remote(run):
+        name = run.rstrip("/").rsplit("/", 1)[-1]
+        return (
+            f"{run} is a URI: raychat report reads a run directory on a local or mounted filesystem; copy it here "
+            f"first ({copy_command(run, '.')}), then raychat report {name}"
+        )
+    if Path(run).exists() and not Path(run).is_dir():
+        return f"{run} is a file, not a run directory (give a pretrain, sft or rl run directory)"
+    return None
+
+
 def main(args) -> int:
     """`raychat report RUN_DIR [RUN_DIR ...]` (args.run_dirs): the curves of each run directory of pretrain, sft
     or rl (on a local or mounted filesystem) from its metrics.jsonl, as the speedrun draws a stage's (plot_stage;
     the title is the directory's name, or rl for an RL run's lines), written to RUN_DIR/curves.png; one line on
     stdout for each. Returns exit status 2, with a line on stderr naming the directory, when one holds no
-    metrics.jsonl or no step in it (the others are drawn); 0 otherwise."""
+    metrics.jsonl or no step in it, or is no local directory (not_a_run_directory), or its curves.png cannot be
+    written (the others are drawn); 0 otherwise."""
     status = 0
-    for run in map(Path, args.run_dirs):
+    for text in args.run_dirs:
+        if why := not_a_run_directory(text):
+            print(f"raychat report: error: {why}", file=sys.stderr)
+            status = 2
+            continue
+        run = Path(text)
         metrics = run / "metrics.jsonl"
         lines = read_jsonl(metrics) if metrics.is_file() else []
         steps = [x for x in lines if isinstance(x.get("step"), int) and x.get("loss") is not None]
@@ -243,7 +266,12 @@ def main(args) -> int:
             status = 2
             continue
         stage = "rl" if any("reward_mean" in x for x in steps) else run.resolve().name
-        path = plot_stage(stage, lines, run / "curves.png")
+        try:
+            path = plot_stage(stage, lines, run / "curves.png")
+        except OSError as e:  # a read-only mount, a directory in the way: this one only, the others are drawn
+            print(f"raychat report: error: {run / 'curves.png'} cannot be written: {e}", file=sys.stderr)
+            status = 2
+            continue
         print(f"wrote {path} ({len(steps)} steps, {steps[0]['step']}..{steps[-1]['step']})")
     return status
 

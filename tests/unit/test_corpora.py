@@ -365,6 +365,22 @@ def test_ctrl_c_during_prepare_ends_in_a_line_named_as_its_errors_are(tmp_path, 
     assert capsys.readouterr().err.startswith("raychat data prepare: error: --num-shards must be >= 1")
 
 
+def test_ctrl_c_while_reading_the_folder_is_named_too(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the folder is read (minutes for a large one: its progress lines), before anything is written,
+    ended in a bare `interrupted`; it names the command as every other line does."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("document")
+
+    def ctrl_c(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(corpora, "keep", ctrl_c)
+    assert main(["data", "prepare", "--source", str(src), "--out", str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err == "raychat data prepare: interrupted\n"
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_line_that_announces_the_cut_says_how_much_is_held_out_of_training(tmp_path):
     """A folder of 37 documents gets 2 shards (1024 documents a shard at most, 2 at least): its validation shard
     is half of it, which the line said only as `into 2 shards (1 train + 1 validation)`."""
@@ -384,6 +400,11 @@ def test_the_line_that_announces_the_cut_says_how_much_is_held_out_of_training(t
     assert split_line(2, 2, 0) == (
         "shuffling 2 documents (seed 0) into 2 shards: 1 train of 1 document + 1 validation of 1 document (50%, "
         "held out of training)"
+    )
+    # under 1% held out read "0%": nothing held out, where 200 documents are
+    assert split_line(100_000, 500, 0) == (
+        "shuffling 100,000 documents (seed 0) into 500 shards: 499 train of 200 documents + 1 validation of 200 "
+        "documents (0.2%, held out of training)"
     )
 
 

@@ -38,7 +38,7 @@ class Server:
     whether the download's final file already exists (`final_seen`), which must never be True. HEAD requests
     (`heads`) answer a file's size as its Content-Length (`head` "size"), with its sha256 as the hub gives it
     ("sha256": X-Linked-Etag), or as the hub does ("hub": a redirect with X-Linked-Size and X-Linked-Etag to a
-    CDN URL that refuses a HEAD, 403); `delay_s[path]` delays each GET."""
+    CDN URL that refuses a HEAD, 403), or refuses it ("refused": 405); `delay_s[path]` delays each GET."""
 
     def __init__(self, files: dict[str, bytes], watch_dir: Path | None = None, head: str = "size"):
         self.files, self.plan, self.requests, self.final_seen = files, {}, [], []
@@ -57,12 +57,14 @@ class Server:
                     self.end_headers()
                     return
                 body = server.files.get(self.path)
-                self.send_response(404 if body is None else 302 if head == "hub" else 200)
+                self.send_response(
+                    404 if body is None else 302 if head == "hub" else 405 if head == "refused" else 200
+                )
                 if body is not None and head == "hub":
                     self.send_header("Location", "/cdn" + self.path)
                     self.send_header("X-Linked-Size", str(len(body)))
                 self.send_header("Content-Length", str(len(body or b"")))
-                if body is not None and head != "size":
+                if body is not None and head in ("sha256", "hub"):
                     self.send_header("X-Linked-Etag", f'"{hashlib.sha256(body).hexdigest()}"')
                 self.end_headers()
 
@@ -350,6 +352,23 @@ def test_shards_present_before_a_download_are_reused_when_the_server_says_they_m
             f"reusing 1 of 3 shards already in {tmp_path} (1 by the server's size); 1 other present differs and is "
             "downloaded again"
         )
+
+
+def test_a_present_shard_the_server_says_nothing_of_is_not_said_to_differ(tmp_path, no_sleep):
+    """A server that refuses HEAD (405) gives neither size nor sha256: the present shard, whole, is downloaded
+    again, and the line said it "differs"; it says it could not be checked."""
+    files = {
+        f"/shard_{i:05d}.parquet": parquet_bytes([f"shard {i} doc {j}" for j in range(5)]) for i in (0, 1)
+    }
+    (tmp_path / "shard_00000.parquet").write_bytes(files["/shard_00000.parquet"])
+    lines = []
+    with Server(files, head="refused") as srv:
+        download_shards(f"{srv.url}/shard_{{index:05d}}.parquet", [0, 1], tmp_path, log=lines.append)
+    assert sorted(srv.requests) == ["/shard_00000.parquet", "/shard_00001.parquet"]
+    assert lines[0] == (
+        f"reusing 0 of 2 shards already in {tmp_path}; 1 other present could not be checked (the server gave "
+        "neither its size nor its sha256) and is downloaded again"
+    )
 
 
 def test_a_prepare_stopped_while_downloading_reuses_the_shards_it_finished(tmp_path, no_sleep):

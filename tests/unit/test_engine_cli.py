@@ -289,7 +289,7 @@ def test_ctrl_c_during_a_one_shot_reply_prints_what_came_and_exits_130(tmp_path)
         proc.kill()
     assert proc.returncode == 130, err
     assert first and (first + out).endswith(b" [stopped]\n") and len(first + out) > len(b" [stopped]\n")
-    assert err.decode().splitlines()[-1] == "interrupted"
+    assert err.decode().splitlines()[-1] == "raychat chat: interrupted"
 
 
 def test_assistant_message_parts():

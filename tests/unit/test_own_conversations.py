@@ -114,6 +114,11 @@ UNANSWERED = (
     'result right after the call, as the next message {"role": "tool", "content": RESULT} (or a {"type": '
     '"python_output", "text": RESULT} part), then the assistant\'s reply (1 of 3 records is bad)'
 )
+# a result with no call right before it: the engine gives one only as the answer of the call just made
+NO_CALL = (
+    "the engine gives a result only right after the call that asks for it, so put the call "
+    '({"type": "python", "text": EXPR}) right before it, or leave the result out (1 of 3 records is bad)'
+)
 
 
 @pytest.mark.parametrize(
@@ -153,6 +158,13 @@ UNANSWERED = (
         ({"messages": [{"role": "user", "content": "7*12?"}, {"role": "assistant", "content": [
             {"type": "python", "text": "7*12"}, {"type": "text", "text": "It is 84."}]}]},
          f"messages[1].content[0]: the python call '7*12' is followed by a text part, not by its result: {UNANSWERED}"),
+        ({"messages": [{"role": "user", "content": "7*12?"}, {"role": "assistant", "content": [
+            {"type": "text", "text": "It is "}, {"type": "python_output", "text": "84"}]}]},
+         f"messages[1].content[1]: a python_output part with no python call right before it: {NO_CALL}"),
+        ({"messages": [{"role": "user", "content": "7*12?"}, {"role": "assistant", "content": [
+            {"type": "python", "text": "7*12"}]}, {"role": "tool", "content": "84"}, {"role": "assistant",
+            "content": [{"type": "python_output", "text": "84"}, {"type": "text", "text": "84"}]}]},
+         f"messages[3].content[0]: a python_output part with no python call right before it: {NO_CALL}"),
         ({"messages": [{"role": "user", "content": "only a question"}]},
          "messages: no 'assistant' message (nothing to train on) (1 of 3 records is bad)"),
         ({"conversation": []}, "lacks column(s) ['messages']; expected ['messages'] (1 of 3 records is bad)"),

@@ -77,14 +77,14 @@ def test_the_epochs_of_a_run_are_counted_by_hand(small_tokenizer, tmp_path):
     <|user_end|>, <|assistant_start|>, " Mars" ".", <|assistant_end|>): a row of 20 holds two. 4 of them fill 2
     rows an epoch, so 12 rows make 6 epochs, 100 rows (sampled: 64 rows, 128 conversations) 50; a fifth
     conversation too long for a row (skipped, as SFTRows skips it) is still one of the epoch's 5 stream items:
-    2.5 a row, 12 rows go through the 5 six times."""
+    12 rows (2 a row: it is in none) go through the 5 six times."""
     tok = small_tokenizer
     assert len(tok.encode("red?")) == 3 and len(tok.encode(" Mars.")) == 2
     four = SFTData(_chats(tmp_path / "four.jsonl", [" Mars."] * 4))
     rows = SFTRows([four], 0, tok, 20)
-    assert run_epochs(rows, 12) == 6 and run_epochs(rows, 100) == 50
+    assert run_epochs(rows, 12) == (6, 2) and run_epochs(rows, 100) == (50, 2)
     five = SFTData(_chats(tmp_path / "five.jsonl", [" Mars."] * 4 + [" Mars." * 10]))
-    assert run_epochs(SFTRows([five], 0, tok, 20), 12) == 6
+    assert run_epochs(SFTRows([five], 0, tok, 20), 12) == (6, 2)
     tok.save(tmp_path / "tok")
     cfg = from_dict(TrainConfig, {
         "sft_tasks": "", "sft_data": str(tmp_path / "four.jsonl"), "sft_test_size": 0, "seq_len": 19,
@@ -95,6 +95,23 @@ def test_the_epochs_of_a_run_are_counted_by_hand(small_tokenizer, tmp_path):
         "sft data: the run's 12 rows of 20 tokens hold ~24 conversations: ~6 epochs of its mixture's 4 training "
         "conversations (~2 a row): from the second epoch on the same conversations repeat, so a held-out val_bpb "
         "that rises while the loss falls is the model memorizing them"
+    )
+
+
+def test_the_epochs_line_counts_only_the_conversations_the_rows_hold(small_tokenizer, tmp_path):
+    """A conversation too long for a row is skipped: it is one of the epoch's 5 (6 epochs, as above) but no row
+    holds it. The line said the 12 rows of 20 tokens "hold ~30 conversations (~2.5 a row)" (6 x 5); they hold
+    24, 2 a row (a row of 20 holds two 10-token ones); of 100 with 99 too long, "~2,400 (~200 a row)"."""
+    tok = small_tokenizer
+    tok.save(tmp_path / "tok")
+    five = _chats(tmp_path / "five.jsonl", [" Mars."] * 4 + [" Mars." * 10])
+    cfg = from_dict(TrainConfig, {
+        "sft_tasks": "", "sft_data": five, "sft_test_size": 0, "seq_len": 19, "num_workers": 1,
+        "device_batch_size": 2, "total_batch_size": 76, "num_iterations": 3, "tokenizer_path": str(tmp_path / "tok"),
+    }, base=sft_defaults())  # fmt: skip
+    assert epochs_line(cfg, tok).startswith(
+        "sft data: the run's 12 rows of 20 tokens hold ~24 conversations: ~6 epochs of its mixture's 5 training "
+        "conversations (~2 a row): "
     )
 
 
@@ -127,3 +144,16 @@ def test_the_line_after_the_final_metrics_names_the_step_of_the_best_held_out_bp
     falling = [row for row in logged if row["step"] < 6]
     assert held_out_line(falling, kept) == "held-out BPB: sft-data_val_bpb best 5.5000 at the end (step 4)"
     assert held_out_line(logged[:2], kept) is None  # measured once: nothing to compare
+
+
+def test_a_held_out_bpb_that_ends_at_its_best_value_did_not_rise():
+    """A BPB equal at its last two evaluations (5.5 at steps 4 and 6) was named "best at step 4, 5.5000 at the
+    end: rose after step 4 ... overfitting": a tie is best at the end, and nothing rose."""
+    logged = [
+        {"step": 2, "loss": 2.0, "sft-data_val_bpb": 5.71},
+        {"step": 4, "loss": 1.0, "sft-data_val_bpb": 5.5},
+        {"step": 6, "loss": 0.5, "sft-data_val_bpb": 5.5},
+    ]
+    assert held_out_line(logged, {4: "/runs/s/checkpoint_000004"}) == (
+        "held-out BPB: sft-data_val_bpb best 5.5000 at the end (step 6)"
+    )

@@ -3,6 +3,7 @@ it (the run's report state, stages.json), reused stages are marked, a replaced o
 old figures. The report is assembled from hand-written stage results; no stage runs."""
 
 import json
+import os
 
 import pytest
 
@@ -152,3 +153,53 @@ def test_report_without_a_run_directory_is_one_line(capsys):
         "raychat report: error: the following arguments are required: RUN_DIR (`raychat report --help` lists "
         "the flags)\n"
     )
+
+
+def test_report_of_a_uri_or_a_file_says_what_it_reads(tmp_path, capsys):
+    """`raychat report s3://bucket/runs/r` (a run of --storage-path s3://bucket/runs) read s3:/bucket/runs/r, a
+    local path, and said its metrics.jsonl "is not there"; a file given as RUN_DIR was a directory with no
+    metrics.jsonl. Each is named as what it is, with how to report it; the other directories are drawn."""
+    run = tmp_path / "mine"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "afile").write_text("x")
+    assert raychat_main(["report", "s3://bucket/runs/r", str(tmp_path / "afile"), str(run)]) == 2
+    out, err = capsys.readouterr()
+    assert out == f"wrote {run}/curves.png (1 steps, 1..1)\n"
+    assert err == (
+        "raychat report: error: s3://bucket/runs/r is a URI: raychat report reads a run directory on a local or "
+        "mounted filesystem; copy it here first (aws s3 cp --recursive s3://bucket/runs/r ./r), then raychat "
+        "report r\n"
+        f"raychat report: error: {tmp_path}/afile is a file, not a run directory (give a pretrain, sft or rl run "
+        "directory)\n"
+    )
+
+
+def test_report_skips_a_line_that_is_json_but_no_object(tmp_path, capsys):
+    """A metrics.jsonl line that parses but is no object (a hand-edited file: `5`, `[1, 2]`, `"x"`) ended the
+    report in a traceback (AttributeError: 'int' object has no attribute 'get'); it is skipped as a torn line
+    is."""
+    run = tmp_path / "mine"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n5\n[1, 2]\n"x"\n{"step": 2, "loss": 1.5}\n')
+    assert raychat_main(["report", str(run)]) == 0
+    assert capsys.readouterr().out == f"wrote {run}/curves.png (2 steps, 1..2)\n"
+
+
+def test_a_run_directory_whose_curves_cannot_be_written_is_named_and_the_others_are_drawn(tmp_path, capsys):
+    """A RUN_DIR where curves.png cannot be written (here a directory of that name; a read-only mount alike)
+    ended the command at that directory, the ones after it not drawn: it is an error line naming the file, and
+    the others are drawn."""
+    stuck, run = tmp_path / "stuck", tmp_path / "mine"
+    for d in (stuck, run):
+        d.mkdir()
+        (d / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (stuck / "curves.png").mkdir()
+    assert raychat_main(["report", str(stuck), str(run)]) == 2
+    out, err = capsys.readouterr()
+    assert out == f"wrote {run}/curves.png (1 steps, 1..1)\n"
+    assert err.startswith(
+        f"raychat report: error: {stuck}/curves.png cannot be written: [Errno 21] Is a directory"
+    )
+    assert err.count("\n") == 1 and (stuck / "curves.png").is_dir() and os.listdir(stuck / "curves.png") == []
+    assert sorted(os.listdir(stuck)) == ["curves.png", "metrics.jsonl"]  # no temporary file left

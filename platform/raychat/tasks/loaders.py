@@ -182,13 +182,20 @@ def unanswered_call(messages: Sequence[dict]) -> str | None:
     """Why a conversation (valid for the chat template) trains on a turn the engine never produces: a python
     call not followed right away by its result (the next part a python_output part, or the call the last part of
     its message and the next message a tool message), e.g. `messages[1].content[1]: the python call '12*7' ends
-    the assistant's turn with no result after it (a 'user' message follows): ...`; or None. At inference the
+    the assistant's turn with no result after it (a 'user' message follows): ...`, or a python_output part
+    with no call right before it in its message (a result the engine never gives); or None. At inference the
     engine answers a call as soon as the model emits <|python_end|>, forcing <|output_start|> result
     <|output_end|>, and the model goes on after it in the same turn (raychat.engine.row_state); a call the
     engine's calculator cannot compute gets no output there, and is no training data either."""
     for i, m in enumerate(messages):
         parts = m["content"] if m["role"] == "assistant" and not isinstance(m["content"], str) else []
         for j, part in enumerate(parts):
+            if part["type"] == "python_output" and (j == 0 or parts[j - 1]["type"] != "python"):
+                return (
+                    f"messages[{i}].content[{j}]: a python_output part with no python call right before it: the "
+                    "engine gives a result only right after the call that asks for it, so put the call "
+                    '({"type": "python", "text": EXPR}) right before it, or leave the result out'
+                )
             if part["type"] != "python":
                 continue
             after = parts[j + 1]["type"] if j + 1 < len(parts) else None

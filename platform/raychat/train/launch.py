@@ -678,7 +678,8 @@ def held_out_line(logged: list[dict], kept: dict[int, str], flags: Flags = COMMA
         curve = [(row["step"], row[key]) for row in logged if row.get(key) is not None and "step" in row]
         if len(curve) < 2:
             continue
-        (best_step, best), (last_step, last) = min(curve, key=lambda c: c[1]), curve[-1]
+        best_step, best = min(curve, key=lambda c: (c[1], -c[0]))  # of equal values the latest: nothing rose
+        last_step, last = curve[-1]
         if best_step == last_step:
             parts.append(f"{key} best {best:.4f} at the end (step {last_step})")
             continue

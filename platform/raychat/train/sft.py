@@ -93,11 +93,11 @@ def epochs_line(cfg: TrainConfig, tokenizer: Tokenizer) -> str:
     plan = make_plan(cfg, tokenizer.vocab_size)
     rows = SFT().row_source(cfg, tokenizer, 0, 1)
     n, run_rows = len(rows.mixture), plan.num_iterations * plan.total_batch_size // cfg.model.seq_len
-    epochs = run_epochs(rows, run_rows)
+    epochs, per_row = run_epochs(rows, run_rows)
     line = (
         f"sft data: the run's {plural(run_rows, 'row')} of {cfg.model.seq_len + 1} tokens hold "
-        f"~{round(epochs * n):,} conversations: ~{epochs:.3g} epochs of its mixture's "
-        f"{plural(n, 'training conversation')} (~{epochs * n / run_rows:.3g} a row)"
+        f"~{round(per_row * run_rows):,} conversations: ~{epochs:.3g} epochs of its mixture's "
+        f"{plural(n, 'training conversation')} (~{per_row:.3g} a row)"
     )
     if epochs > 1:
         line += (

@@ -171,6 +171,9 @@ def check_url_pattern(url_pattern: str, flag: str = "--url-pattern") -> str:
     return url_pattern
 
 
+REUSED = ("manifest", "sha256", "size")  # reusable's answers that reuse a present shard
+
+
 def server_facts(response: requests.Response) -> tuple[int | None, str | None]:
     """(size in bytes, sha256) that a HEAD response, redirects followed, gives of the file; None each where it
     does not. The hub's redirect to its CDN carries both (X-Linked-Size; X-Linked-Etag: the sha256 in quotes
@@ -190,27 +193,28 @@ def server_facts(response: requests.Response) -> tuple[int | None, str | None]:
 
 def reusable(url: str, dest: Path, known_sha256: dict[str, str], timeout_s: float = TIMEOUT_S) -> str | None:
     """How the file `dest`, already under its final name, was found to be `url`'s ("manifest": the sha256
-    `known_sha256` records for it; "sha256": the server's sha256; "size": the server's size: server_facts),
-    or None where it was not: it differs, or the server said neither (a HEAD request that failed) and a
-    previous manifest of this pattern does not list it."""
+    `known_sha256` records for it; "sha256": the server's sha256; "size": the server's size: server_facts);
+    None where it differs; "unchecked" where the server said neither (a HEAD request that failed or was
+    refused) and a previous manifest of this pattern does not list it. Only REUSED answers reuse the file."""
     if dest.name in known_sha256:
         return "manifest" if sha256_file(dest) == known_sha256[dest.name] else None
     try:
         with requests.head(url, allow_redirects=True, timeout=timeout_s) as r:
             size, sha256 = server_facts(r)
     except requests.RequestException:
-        return None
+        return "unchecked"
     if sha256 is not None:
         return "sha256" if sha256_file(dest) == sha256 else None
     if size is not None:
         return "size" if dest.stat().st_size == size else None
-    return None
+    return "unchecked"
 
 
 def reused_line(checks: dict[int, str | None], total: int, out: Path) -> str:
     """The one line of the shards found in `out` before downloading: `checks` (index -> reusable's answer)
     of each present one, of `total` shards, e.g. "reusing 2 of 3 shards already in runs/data (1 by the
-    previous manifest's sha256, 1 by the server's size); 1 other present differs and is downloaded again"."""
+    previous manifest's sha256, 1 by the server's size); 1 other present differs and is downloaded again"; the
+    shards the server said nothing of are said apart ("could not be checked")."""
     ways = {
         "manifest": "the previous manifest's sha256",
         "sha256": "the server's sha256",
@@ -221,8 +225,14 @@ def reused_line(checks: dict[int, str | None], total: int, out: Path) -> str:
     line = f"reusing {reused:,} of {plural(total, 'shard')} already in {out}"
     if counts:
         line += " (" + ", ".join(f"{n:,} by {ways[way]}" for way, n in counts.items()) + ")"
-    if stale := len(checks) - reused:
+    if stale := sum(c is None for c in checks.values()):
         line += f"; {stale:,} other present {'differs and is' if stale == 1 else 'differ and are'} downloaded again"
+    if unchecked := sum(c == "unchecked" for c in checks.values()):
+        line += (
+            f"; {unchecked:,} other present could not be checked (the server gave neither "
+            f"{'its size nor its sha256) and is' if unchecked == 1 else 'their sizes nor sha256s) and are'} "
+            "downloaded again"
+        )
     return line
 
 
@@ -265,7 +275,7 @@ def download_shards(
         checks = dict(zip(present, pool.map(check, present)))
     if present:
         log(reused_line(checks, len(indices), out))
-    todo = [i for i in indices if not checks.get(i)]
+    todo = [i for i in indices if checks.get(i) not in REUSED]
     errors = []
     pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo))))
     try:

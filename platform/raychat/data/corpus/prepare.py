@@ -137,16 +137,17 @@ def split_line(n_documents: int, n_shards: int, seed: int) -> str:
     (count_shards), the last the validation one (write_shards: split_evenly), with the share held out of
     training, e.g. "shuffling 37 documents (seed 0) into 2 shards: 1 train of 19 documents + 1 validation of
     18 documents (49%, held out of training)"; a train count that varies by shard reads "5 train of 983-984
-    documents"."""
+    documents"; a share under 1% has one significant digit (0.2%)."""
     sizes = [end - start for start, end in split_evenly(n_documents, n_shards)]
     train, val = sizes[:-1], sizes[-1]
     each = plural(max(train), "document")
     if min(train) != max(train):
         each = f"{min(train):,}-{each}"
+    share = 100 * val / n_documents
+    share_text = f"{share:.0f}%" if share >= 1 else f"{share:.1g}%"  # 0.2%, not 0%
     return (
         f"shuffling {plural(n_documents, 'document')} (seed {seed}) into {n_shards} shards: {n_shards - 1} "
-        f"train of {each} + 1 validation of {plural(val, 'document')} ({val / n_documents:.0%}, held out of "
-        "training)"
+        f"train of {each} + 1 validation of {plural(val, 'document')} ({share_text}, held out of training)"
     )
 
 

@@ -171,8 +171,14 @@ def changed_task_files(was: dict, now: dict) -> list[str]:
     ]
 
 
-def run_epochs(rows: SFTRows, run_rows: int, sample_rows: int = EPOCH_SAMPLE_ROWS) -> float:
-    """Epochs of `rows`' mixture (each one every conversation once) that `run_rows` rows go through: the stream
+class RunEpochs(NamedTuple):
+    epochs: float  # times the run goes through its mixture
+    per_row: float  # conversations a row holds (those too long for a row, skipped, are in no row)
+
+
+def run_epochs(rows: SFTRows, run_rows: int, sample_rows: int = EPOCH_SAMPLE_ROWS) -> RunEpochs:
+    """Epochs of `rows`' mixture (each one every conversation once) that `run_rows` rows go through, and the
+    conversations a row holds (RunEpochs): the stream
     from its start (epoch after epoch, in its order), rendered and packed as SFTRows packs it (truncation, best
     fit from a buffer of the same size), up to min(run_rows, sample_rows) rows; the conversations placed a row,
     times run_rows, over the mixture's conversations that fit a row (its size less the share of the first epoch
@@ -201,9 +207,10 @@ def run_epochs(rows: SFTRows, run_rows: int, sample_rows: int = EPOCH_SAMPLE_ROW
             placed += len(packer.next_row()["sample_ids"])
             made += 1
     except StopIteration:  # nothing of the stream fits a row
-        return 0.0
+        return RunEpochs(0.0, 0.0)
     first = min(n, read)
-    return run_rows * placed / made / (n * (1 - sum(g < first for g in skipped) / first))
+    per_row = placed / made
+    return RunEpochs(run_rows * per_row / (n * (1 - sum(g < first for g in skipped) / first)), per_row)
 
 
 def _item_refs(buffer: Sequence) -> list[Ref]:
