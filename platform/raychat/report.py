@@ -234,18 +234,27 @@ def main(args) -> int:
         lines = read_jsonl(metrics) if metrics.is_file() else []
         steps = [x for x in lines if isinstance(x.get("step"), int) and x.get("loss") is not None]
         if not steps:
+            below = ", ".join(str(m.parent) for m in runs_below(run))
             why = (
                 "holds no step yet"
                 if metrics.is_file()
-                else "is not there (give a pretrain, sft or rl run directory)"
+                else "is not there (give a pretrain, sft or rl run directory"
+                + (f"; run directories under {run}: {below})" if below else ")")
             )
             print(f"raychat report: error: {metrics} {why}", file=sys.stderr)
             status = 2
             continue
         stage = "rl" if any("reward_mean" in x for x in steps) else run.resolve().name
         path = plot_stage(stage, lines, run / "curves.png")
-        print(f"wrote {path} ({len(steps)} steps, {steps[0]['step']}..{steps[-1]['step']})")
+        n = len(steps)
+        print(f"wrote {path} ({n} step{'s' if n != 1 else ''}, {steps[0]['step']}..{steps[-1]['step']})")
     return status
+
+
+def runs_below(root: Path) -> list[Path]:
+    """The metrics.jsonl files one to three directories below root, sorted: the run directories a speedrun's
+    --out holds (checkpoints/base, checkpoints/sft, rl/rl), for an error that names them."""
+    return sorted(m for depth in (1, 2, 3) for m in root.glob("/".join(["*"] * depth) + "/metrics.jsonl"))
 
 
 if __name__ == "__main__":  # the command it was before

@@ -144,6 +144,28 @@ def test_the_curves_of_a_run_of_ones_own(tmp_path, capsys):
     assert raychat_main(["report", str(run)]) == 0
 
 
+def test_report_of_a_speedrun_out_names_its_run_directories(tmp_path, capsys):
+    """`raychat report runs-tiny` (a speedrun's --out, not a run directory) said only that runs-tiny/metrics.jsonl
+    is not there: the error now names the run directories under it, as the speedrun lays them out; and a run of
+    one step is "1 step", not "1 steps"."""
+    out_dir = tmp_path / "runs-tiny"
+    for run in ("checkpoints/base", "checkpoints/sft", "rl/rl"):
+        (out_dir / run).mkdir(parents=True)
+        line = {"step": 1, "loss": 0.0, "reward_mean": 0.5} if run == "rl/rl" else {"step": 1, "loss": 5.0}
+        (out_dir / run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    (out_dir / "data").mkdir()
+    assert raychat_main(["report", str(out_dir), str(out_dir / "rl/rl"), str(out_dir / "data")]) == 2
+    out, err = capsys.readouterr()
+    assert out == f"wrote {out_dir}/rl/rl/curves.png (1 step, 1..1)\n"
+    assert err == (
+        f"raychat report: error: {out_dir}/metrics.jsonl is not there (give a pretrain, sft or rl run directory; "
+        f"run directories under {out_dir}: {out_dir}/checkpoints/base, {out_dir}/checkpoints/sft, "
+        f"{out_dir}/rl/rl)\n"
+        f"raychat report: error: {out_dir}/data/metrics.jsonl is not there (give a pretrain, sft or rl run "
+        "directory)\n"
+    )
+
+
 def test_report_without_a_run_directory_is_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         raychat_main(["report"])
