@@ -36,6 +36,8 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -307,9 +309,29 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
     report["train_config"] = to_dict(cfg)
     path = write_report(out_dir, report, curves)
     print(f"\nreport: {path}\nfinal checkpoint: {final}")
-    print(f"chat with it:  raychat chat --checkpoint {final}")
-    print(f"serve it:      raychat serve --checkpoint {final}   -> chat page at http://127.0.0.1:8000/")
+    for line in next_steps(final):
+        print(line)
     return report
+
+
+def invoked_as() -> str:
+    """How to type this raychat again: `raychat` when it was not started by its script or that script is the
+    `raychat` on PATH, else the script's path as typed (`.venv/bin/raychat` in a shell whose PATH lacks .venv/bin,
+    as the README's quick start runs it)."""
+    script = sys.argv[0]
+    if Path(script).name != "raychat":
+        return "raychat"
+    on_path = shutil.which("raychat")
+    return "raychat" if on_path and Path(on_path).resolve() == Path(script).resolve() else script
+
+
+def next_steps(final: str) -> list[str]:
+    """The speedrun's last lines: the commands that chat with and serve its final checkpoint."""
+    raychat = invoked_as()
+    return [
+        f"chat with it:  {raychat} chat --checkpoint {final}",
+        f"serve it:      {raychat} serve --checkpoint {final}   -> chat page at http://127.0.0.1:8000/",
+    ]
 
 
 def reused_data_line(manifest: dict, data_dir: Path, preset: str, cfg: PrepareConfig) -> str:

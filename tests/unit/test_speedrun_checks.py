@@ -17,6 +17,7 @@ from raychat.config import ConfigError, RLConfig, SpeedrunConfig, from_dict, to_
 from raychat.speedrun import (
     check_stages,
     named_by_keys,
+    next_steps,
     report_card,
     run_rl_stage,
     run_speedrun,
@@ -304,3 +305,25 @@ def test_the_rl_stage_names_the_settings_it_resumes_with_by_the_presets_keys(tmp
         f"resuming with other settings than the run's checkpoint {rl} was made with: rl.max_tokens 8 -> 6; the "
         "steps after 1 use this run's"
     )
+
+
+def test_the_closing_lines_name_raychat_as_the_user_ran_it(tmp_path, monkeypatch):
+    """The README's quick start runs `.venv/bin/raychat speedrun --preset tiny --out runs-tiny` without activating
+    the venv; the speedrun ended with `chat with it:  raychat chat --checkpoint ...`, which such a shell answers
+    with "raychat: command not found". The closing lines now name the script as typed unless PATH's raychat is it."""
+    script = tmp_path / ".venv" / "bin" / "raychat"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    final = "/w/runs-tiny/rl/rl/checkpoint_000001"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", [".venv/bin/raychat", "speedrun", "--preset", "tiny"])
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert next_steps(final) == [
+        f"chat with it:  .venv/bin/raychat chat --checkpoint {final}",
+        f"serve it:      .venv/bin/raychat serve --checkpoint {final}   -> chat page at http://127.0.0.1:8000/",
+    ]
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")  # an activated venv
+    assert next_steps(final)[0] == f"chat with it:  raychat chat --checkpoint {final}"
+    monkeypatch.setattr("sys.argv", ["/opt/job/driver.py"])  # not its script (a Ray job's entrypoint)
+    assert next_steps(final)[1].startswith("serve it:      raychat serve --checkpoint ")
