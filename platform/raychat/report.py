@@ -111,6 +111,7 @@ def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
     lines = [x for x in lines if isinstance(x.get("step"), int) and x.get("loss") is not None]
     if not lines:
         return None
+    rl = all("reward_mean" in x for x in lines)  # not by its name: a pretraining run may be named "rl"
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=110)
     steps = [x["step"] for x in lines]
     left.plot(steps, [x["loss"] for x in lines], lw=1, label="loss")
@@ -119,10 +120,10 @@ def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
     left.set(
         title=f"{stage}: training loss",
         xlabel="step",
-        ylabel="loss (nats/token)" if stage != "rl" else "loss",
+        ylabel="loss (nats/token)" if not rl else "loss",
     )
     left.legend()
-    if stage == "rl":
+    if rl:
         right.plot(steps, [x["reward_mean"] for x in lines], lw=1, label="rollout reward (mean)")
         if evals:
             right.plot(

@@ -166,6 +166,18 @@ def test_report_of_a_speedrun_out_names_its_run_directories(tmp_path, capsys):
     )
 
 
+def test_a_pretraining_run_named_rl_is_drawn_as_pretraining(tmp_path, capsys):
+    """`raychat pretrain --run-name rl` then `raychat report runs/checkpoints/rl` ended in a traceback (KeyError:
+    'reward_mean'): the RL panel was chosen by the directory's name. Its lines hold no reward: validation BPB."""
+    run = tmp_path / "rl"
+    run.mkdir()
+    rows = [{"step": 1, "loss": 8.3}, {"step": 2, "loss": 8.1, "val_bpb": 2.3}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert raychat_main(["report", str(run)]) == 0
+    assert capsys.readouterr() == (f"wrote {run}/curves.png (2 steps, 1..2)\n", "")
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_report_without_a_run_directory_is_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         raychat_main(["report"])
