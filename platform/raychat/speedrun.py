@@ -223,6 +223,9 @@ def check_roots(config: SpeedrunConfig) -> None:
         check_writable(open_storage(root), OUT_OPTIONS["storage_path"])
 
 
+SPEEDRUN_SHARD_OPTIONS = "data.num_shards, or a smaller data.rows_per_shard"  # the preset's keys
+
+
 def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -241,7 +244,7 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
         manifest = json.loads((data_dir / "manifest.json").read_text())
         log(reused_data_line(manifest, data_dir, preset, data_cfg))
     else:
-        manifest = prepare(**prepare_kwargs(data_cfg))
+        manifest = prepare(**prepare_kwargs(data_cfg), shard_options=SPEEDRUN_SHARD_OPTIONS)
     data = {k: manifest.get(k) for k in ("source", "license", "documents", "bytes")}
     report["data"] = settle("data", t0, data, file_id(data_dir / "manifest.json"), not reused)
 

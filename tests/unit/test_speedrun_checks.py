@@ -14,7 +14,10 @@ from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoin
 
 from raychat.checkpoint import save_model
 from raychat.config import ConfigError, RLConfig, SpeedrunConfig, from_dict, to_dict
+from raychat.data.corpus.prepare import validation_warnings
+from raychat.data.corpus.shards import write_shards
 from raychat.speedrun import (
+    SPEEDRUN_SHARD_OPTIONS,
     check_stages,
     named_by_keys,
     next_steps,
@@ -327,3 +330,18 @@ def test_the_closing_lines_name_raychat_as_the_user_ran_it(tmp_path, monkeypatch
     assert next_steps(final)[0] == f"chat with it:  raychat chat --checkpoint {final}"
     monkeypatch.setattr("sys.argv", ["/opt/job/driver.py"])  # not its script (a Ray job's entrypoint)
     assert next_steps(final)[1].startswith("serve it:      raychat serve --checkpoint ")
+
+
+def test_the_speedruns_validation_share_warning_names_its_preset_keys(tmp_path):
+    """The tiny preset's 2 train shards hold out a third of the corpus, and its data stage warned to give
+    --num-shards or --rows-per-shard, which the speedrun does not take: it names data.num_shards and
+    data.rows_per_shard (prepare(shard_options=SPEEDRUN_SHARD_OPTIONS)), as its other lines name the preset's keys."""
+    entries = write_shards([f"doc {i:02d}" for i in range(30)], tmp_path / "data", 3, log=lambda *_: None)
+    assert validation_warnings(entries, SPEEDRUN_SHARD_OPTIONS)[0] == (
+        "warning: the validation shard shard_00002.parquet holds 10 of 30 documents (33%) and 60 bytes of 180 "
+        "bytes of text (33%), held out of training: more shards (data.num_shards, or a smaller "
+        "data.rows_per_shard) hold out less"
+    )
+    assert validation_warnings(entries)[0].endswith(
+        "more shards (--num-shards, or a smaller --rows-per-shard) hold out less"
+    )  # raychat data prepare's own
