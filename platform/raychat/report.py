@@ -114,9 +114,10 @@ def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
     rl = all("reward_mean" in x for x in lines)  # not by its name: a pretraining run may be named "rl"
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=110)
     steps = [x["step"] for x in lines]
-    left.plot(steps, [x["loss"] for x in lines], lw=1, label="loss")
+    dot = "o" if len(steps) == 1 else None  # a line of one point draws nothing: the tiny preset's 1 RL step
+    left.plot(steps, [x["loss"] for x in lines], lw=1, marker=dot, label="loss")
     if all("smooth_loss" in x for x in lines):
-        left.plot(steps, [x["smooth_loss"] for x in lines], lw=1.5, label="smoothed")
+        left.plot(steps, [x["smooth_loss"] for x in lines], lw=1.5, marker=dot, label="smoothed")
     left.set(
         title=f"{stage}: training loss",
         xlabel="step",
@@ -124,7 +125,7 @@ def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
     )
     left.legend()
     if rl:
-        right.plot(steps, [x["reward_mean"] for x in lines], lw=1, label="rollout reward (mean)")
+        right.plot(steps, [x["reward_mean"] for x in lines], lw=1, marker=dot, label="rollout reward (mean)")
         if evals:
             right.plot(
                 [e["step"] for e in evals], [e["pass@1"] for e in evals], "o-", label="held-out pass@1"

@@ -9,7 +9,7 @@ import pytest
 from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
 from raychat.config import SpeedrunConfig, TrainConfig, from_dict
-from raychat.report import STATE_FILE, read_state, settle_stage, write_report
+from raychat.report import STATE_FILE, plot_stage, read_state, settle_stage, write_report
 from raychat.speedrun import accuracy_task, newest_commit
 
 TOKENIZER = {"vocab_size": 4096, "version": "abc", "train_seconds": 28.5, "val_bytes_per_token": 4.321}
@@ -176,6 +176,19 @@ def test_a_pretraining_run_named_rl_is_drawn_as_pretraining(tmp_path, capsys):
     assert raychat_main(["report", str(run)]) == 0
     assert capsys.readouterr() == (f"wrote {run}/curves.png (2 steps, 1..2)\n", "")
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_of_one_step_is_drawn_as_points(tmp_path, monkeypatch):
+    """The tiny speedrun's RL has 1 step: its loss and reward panels were empty (a line through one point draws
+    nothing). A run of one step marks its points; a longer run's lines have no markers."""
+    figures = []
+    monkeypatch.setattr("raychat.report.plt.close", figures.append)
+    one = [{"step": 1, "loss": 0.0, "reward_mean": 0.0, "eval": {"step": 1, "pass@1": 0.0}}]
+    plot_stage("rl", one, tmp_path / "one.png")
+    plot_stage("base", [{"step": 1, "loss": 6.0}, {"step": 2, "loss": 5.0}], tmp_path / "two.png")
+    (left, right), (left2, _) = figures[0].axes, figures[1].axes
+    assert [line.get_marker() for line in left.lines + right.lines] == ["o", "o", "o"]  # loss, reward, pass@1
+    assert [line.get_marker() for line in left2.lines] == ["None"]
 
 
 def test_report_without_a_run_directory_is_one_line(capsys):
