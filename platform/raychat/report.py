@@ -111,7 +111,7 @@ def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
     lines = [x for x in lines if isinstance(x.get("step"), int) and x.get("loss") is not None]
     if not lines:
         return None
-    rl = all("reward_mean" in x for x in lines)  # not by its name: a pretraining run may be named "rl"
+    rl = stage == "rl" and all("reward_mean" in x for x in lines)  # a pretraining run may be named "rl"
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=110)
     steps = [x["step"] for x in lines]
     dot = "o" if len(steps) == 1 else None  # a line of one point draws nothing: the tiny preset's 1 RL step
