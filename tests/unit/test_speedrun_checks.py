@@ -45,7 +45,7 @@ def _gsm8k_missing(data: str, key: str) -> str:
     option named `key`."""
     return (
         f"task 'gsm8k' (train split): no data file at {data}/gsm8k/main/train-*.parquet or "
-        f"{data}/openai--gsm8k/main/train/*.parquet (download: huggingface-cli download openai/gsm8k --repo-type "
+        f"{data}/openai--gsm8k/main/train/*.parquet (download: hf download openai/gsm8k --repo-type "
         f"dataset --local-dir {data}/gsm8k; the directory: {key} or $RAYCHAT_TASK_DATA)"
     )
 
@@ -129,10 +129,7 @@ def test_the_task_data_directory_is_under_out_unless_the_preset_or_the_environme
     card = report_card(config, report, {})
     assert card["rows"]["sft"]["GSM8K"]["note"] == "n/a: no data"
     printed = capsys.readouterr().out.splitlines()
-    assert (
-        f"  GSM8K: huggingface-cli download openai/gsm8k --repo-type dataset --local-dir {data}/gsm8k"
-        in printed
-    )
+    assert f"  GSM8K: hf download openai/gsm8k --repo-type dataset --local-dir {data}/gsm8k" in printed
     # $RAYCHAT_TASK_DATA names the directory ('' = hub_data's default: the variable)
     monkeypatch.setenv(TASK_DATA_ENV, str(tmp_path / "env"))
     config = SpeedrunConfig.from_preset("tiny", str(out))
