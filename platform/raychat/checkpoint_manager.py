@@ -781,6 +781,10 @@ def _find(storage: Storage, target: str, flag: str) -> str:
         )
     runs = [storage.uri_of(run) for run in children(storage, target) if committed_checkpoints(storage, run)]
     hint = f"; run dirs in it that have some: {', '.join(runs)}" if runs else ""
+    if not runs:  # a speedrun's --out: its runs are checkpoints/base, checkpoints/sft, rl/rl
+        below = [run for sub in children(storage, target) for run in children(storage, sub)]
+        runs = [storage.uri_of(run) for run in below if committed_checkpoints(storage, run)]
+        hint = f"; run dirs below it that have some: {', '.join(runs)}" if runs else ""
     raise ValueError(f"{flag}: {shown} has no committed checkpoint ({_listing(storage, target)}){hint}")
 
 

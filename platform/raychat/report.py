@@ -112,19 +112,21 @@ def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
     lines = [x for x in lines if isinstance(x.get("step"), int) and x.get("loss") is not None]
     if not lines:
         return None
+    rl = stage == "rl" and all("reward_mean" in x for x in lines)  # a pretraining run may be named "rl"
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=110)
     steps = [x["step"] for x in lines]
-    left.plot(steps, [x["loss"] for x in lines], lw=1, label="loss")
+    dot = "o" if len(steps) == 1 else None  # a line of one point draws nothing: the tiny preset's 1 RL step
+    left.plot(steps, [x["loss"] for x in lines], lw=1, marker=dot, label="loss")
     if all("smooth_loss" in x for x in lines):
-        left.plot(steps, [x["smooth_loss"] for x in lines], lw=1.5, label="smoothed")
+        left.plot(steps, [x["smooth_loss"] for x in lines], lw=1.5, marker=dot, label="smoothed")
     left.set(
         title=f"{stage}: training loss",
         xlabel="step",
-        ylabel="loss (nats/token)" if stage != "rl" else "loss",
+        ylabel="loss (nats/token)" if not rl else "loss",
     )
     left.legend()
-    if stage == "rl":
-        right.plot(steps, [x["reward_mean"] for x in lines], lw=1, label="rollout reward (mean)")
+    if rl:
+        right.plot(steps, [x["reward_mean"] for x in lines], lw=1, marker=dot, label="rollout reward (mean)")
         if evals:
             right.plot(
                 [e["step"] for e in evals], [e["pass@1"] for e in evals], "o-", label="held-out pass@1"
@@ -257,10 +259,12 @@ def main(args) -> int:
         lines = read_jsonl(metrics) if metrics.is_file() else []
         steps = [x for x in lines if isinstance(x.get("step"), int) and x.get("loss") is not None]
         if not steps:
+            below = ", ".join(str(m.parent) for m in runs_below(run))
             why = (
                 "holds no step yet"
                 if metrics.is_file()
-                else "is not there (give a pretrain, sft or rl run directory)"
+                else "is not there (give a pretrain, sft or rl run directory"
+                + (f"; run directories under {run}: {below})" if below else ")")
             )
             print(f"raychat report: error: {metrics} {why}", file=sys.stderr)
             status = 2
@@ -272,8 +276,15 @@ def main(args) -> int:
             print(f"raychat report: error: {run / 'curves.png'} cannot be written: {e}", file=sys.stderr)
             status = 2
             continue
-        print(f"wrote {path} ({len(steps)} steps, {steps[0]['step']}..{steps[-1]['step']})")
+        n = len(steps)
+        print(f"wrote {path} ({n} step{'s' if n != 1 else ''}, {steps[0]['step']}..{steps[-1]['step']})")
     return status
+
+
+def runs_below(root: Path) -> list[Path]:
+    """The metrics.jsonl files one to three directories below root, sorted: the run directories a speedrun's
+    --out holds (checkpoints/base, checkpoints/sft, rl/rl), for an error that names them."""
+    return sorted(m for depth in (1, 2, 3) for m in root.glob("/".join(["*"] * depth) + "/metrics.jsonl"))
 
 
 if __name__ == "__main__":  # the command it was before

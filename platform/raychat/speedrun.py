@@ -36,6 +36,8 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -221,6 +223,9 @@ def check_roots(config: SpeedrunConfig) -> None:
         check_writable(open_storage(root), OUT_OPTIONS["storage_path"])
 
 
+SPEEDRUN_SHARD_OPTIONS = "data.num_shards, or a smaller data.rows_per_shard"  # the preset's keys
+
+
 def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
     out_dir = Path(config.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -239,7 +244,7 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
         manifest = json.loads((data_dir / "manifest.json").read_text())
         log(reused_data_line(manifest, data_dir, preset, data_cfg))
     else:
-        manifest = prepare(**prepare_kwargs(data_cfg))
+        manifest = prepare(**prepare_kwargs(data_cfg), shard_options=SPEEDRUN_SHARD_OPTIONS)
     data = {k: manifest.get(k) for k in ("source", "license", "documents", "bytes")}
     report["data"] = settle("data", t0, data, file_id(data_dir / "manifest.json"), not reused)
 
@@ -307,9 +312,29 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
     report["train_config"] = to_dict(cfg)
     path = write_report(out_dir, report, curves)
     print(f"\nreport: {path}\nfinal checkpoint: {final}")
-    print(f"chat with it:  raychat chat --checkpoint {final}")
-    print(f"serve it:      raychat serve --checkpoint {final}   -> chat page at http://127.0.0.1:8000/")
+    for line in next_steps(final):
+        print(line)
     return report
+
+
+def invoked_as() -> str:
+    """How to type this raychat again: `raychat` when it was not started by its script or that script is the
+    `raychat` on PATH, else the script's path as typed (`.venv/bin/raychat` in a shell whose PATH lacks .venv/bin,
+    as the README's quick start runs it)."""
+    script = sys.argv[0]
+    if Path(script).name != "raychat":
+        return "raychat"
+    on_path = shutil.which("raychat")
+    return "raychat" if on_path and Path(on_path).resolve() == Path(script).resolve() else script
+
+
+def next_steps(final: str) -> list[str]:
+    """The speedrun's last lines: the commands that chat with and serve its final checkpoint."""
+    raychat = invoked_as()
+    return [
+        f"chat with it:  {raychat} chat --checkpoint {final}",
+        f"serve it:      {raychat} serve --checkpoint {final}   -> chat page at http://127.0.0.1:8000/",
+    ]
 
 
 def reused_data_line(manifest: dict, data_dir: Path, preset: str, cfg: PrepareConfig) -> str:

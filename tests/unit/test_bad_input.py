@@ -916,7 +916,7 @@ def test_rl_on_a_task_without_its_files(root, tmp_path, capsys):
     line = _fails_in_one_line(argv, capsys)
     assert line == (
         f"raychat rl: error: --task: task 'gsm8k' (train split): no data file at {empty}/gsm8k/main/train-*.parquet "
-        f"or {empty}/openai--gsm8k/main/train/*.parquet (download: huggingface-cli download openai/gsm8k "
+        f"or {empty}/openai--gsm8k/main/train/*.parquet (download: hf download openai/gsm8k "
         f"--repo-type dataset --local-dir {empty}/gsm8k; the directory: --task-data-dir or $RAYCHAT_TASK_DATA)"
     )
     assert not (root / "r").exists()

@@ -184,6 +184,27 @@ def test_bpb_without_data_under_a_speedruns_checkpoints_names_the_data_beside_th
     assert not (root / "eval").exists()
 
 
+def test_bpb_without_data_names_the_data_of_the_speedrun_above_the_checkpoint(tmp_path, capsys, monkeypatch):
+    """After the README's `raychat speedrun --preset tiny --out runs-tiny`, `raychat eval --checkpoint
+    runs-tiny/rl/rl` looked for the default runs/data and said only to prepare data there; the data of the
+    speedrun that made the checkpoint is runs-tiny/data."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAYCHAT_TASK_DATA", str(tmp_path / "task_data"))
+    write_tiny_checkpoint(tmp_path / "runs-tiny" / "rl" / "rl" / "checkpoint_000001", stage="rl")
+    (tmp_path / "runs-tiny" / "data").mkdir()
+    (tmp_path / "runs-tiny" / "data" / "manifest.json").write_text(
+        "{}"
+    )  # the hint only looks for the manifest
+    argv = ["eval", "--checkpoint", "runs-tiny/rl/rl", "--tasks", "calculator:2"]
+    data = tmp_path / "runs-tiny" / "data"
+    assert _fails_in_one_line(argv, capsys).endswith(
+        f"--eval-tokens 0 skips BPB and scores only --tasks and the report card; the checkpoint's speedrun "
+        f"(--out {tmp_path}/runs-tiny) has its data in {data}: --data-dir {data})  (RAYCHAT_DEBUG=1 shows the "
+        "traceback)"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
 def test_sampled_pass_at_k_is_recorded_per_task_and_stays_off_the_greedy_report_card(root, capsys):
     """nanochat's chat_eval and lm_eval's generate tasks sample k completions for pass@k; eval was greedy only.
     The arithmetic: tests/unit/test_report_card.py::test_pass_at_k_of_sampled_completions_by_hand."""

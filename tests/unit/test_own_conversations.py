@@ -17,8 +17,9 @@ from raychat.data.loader.sft_rows import SFTRows
 from raychat.masks import make_batch
 from raychat.serve.api import ChatRequest
 from raychat.serve.openai_messages import template_messages
+from raychat.speedrun import speedrun_flags
 from raychat.tasks.registry import check_data, mixture_tasks
-from raychat.train.sft import sft_defaults, validation_size
+from raychat.train.sft import SFT, sft_defaults, validation_size
 
 TOOL_TURN = [
     {"role": "system", "content": "Be brief."},
@@ -209,6 +210,17 @@ def test_a_conversation_longer_than_the_row_is_skipped_with_a_count(tmp_path, sm
     assert capsys.readouterr().out.splitlines()[0] == (
         f"sft data: 1 conversation skipped so far by rank 0 (latest: {train} line 2: the most recent exchange "
         "does not fit in max_tokens=16; a longer --seq-len keeps more)"
+    )
+    # the speedrun's SFT (sft(flags=speedrun_flags(...)) builds SFT(flags.option("seq_len"))) names its preset's
+    # key: its tiny preset printed these lines telling its user to raise --seq-len, a flag it does not take
+    cfg = from_dict(TrainConfig, {"sft_tasks": "smoltalk", "task_data_dir": str(data_dir), "seq_len": 15,
+                                  "sft_test_size": 0}, base=sft_defaults())  # fmt: skip
+    source = SFT(speedrun_flags("tiny", "sft").option("seq_len")).row_source(cfg, small_tokenizer, 0, 1)
+    source.packer.buffer_size = 1
+    [source.next_batch(1) for _ in range(3)]
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"sft data: 1 conversation skipped so far by rank 0 (latest: {train} line 2: the most recent exchange "
+        "does not fit in max_tokens=16; a longer train.seq_len keeps more)"
     )
 
 

@@ -2,6 +2,7 @@
 generative scores, ChatCORE and the table, worked out by hand on tiny files and tiny models."""
 
 import json
+from importlib.metadata import entry_points
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -37,6 +38,7 @@ from raychat.eval.tasks import (
 )
 from raychat.model import eval_mode
 from raychat.tasks.calculator import Calculator
+from raychat.tasks.hub_data import HUB_SPLITS, download_command
 from raychat.tasks.registry import check_data, make_task, mixture_tasks, parse_mixture
 
 
@@ -81,12 +83,22 @@ def test_the_registry_reads_both_hub_layouts(data_dir):
     assert [len(t) for t in mixture_tasks("gsm8k,gsm8k,calculator:3", "train", 0, str(data_dir))] == [2, 2, 3]
 
 
+def test_the_download_command_is_the_installed_hf_cli(tmp_path):
+    """The speedrun's report card printed `huggingface-cli download ...` for each missing hub repo: the pinned
+    huggingface_hub (2.x) has no huggingface-cli (removed in 1.0), only `hf`, installed beside raychat."""
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
+    assert scripts["hf"].startswith("huggingface_hub.") and "huggingface-cli" not in scripts
+    assert download_command(HUB_SPLITS[("arc-easy", "test")], tmp_path) == (
+        f"hf download allenai/ai2_arc --repo-type dataset --local-dir {tmp_path}/ai2_arc"
+    )
+
+
 def test_a_missing_file_is_one_line_naming_it(data_dir, monkeypatch):
     with pytest.raises(FileNotFoundError) as e:
         make_task("arc-challenge", "test", None, 0, data_dir=str(data_dir))
     message = str(e.value)
     assert "\n" not in message and f"{data_dir}/ai2_arc/ARC-Challenge/test-*.parquet" in message
-    assert "huggingface-cli download allenai/ai2_arc" in message
+    assert "hf download allenai/ai2_arc" in message
     with pytest.raises(ValueError, match=r"^--sft-tasks: task 'smoltalk' \(train split\): no data file at"):
         check_data(["smoltalk"], ("train",), str(data_dir))
     with pytest.raises(ValueError, match="humaneval' has no train split"):
@@ -305,7 +317,7 @@ def test_the_missing_chat_data_is_said_once_with_the_stages_that_wanted_it(tmp_p
         "sft": card_row(None, no_data | spelling),
         "rl": card_row(None, no_data | spelling),
     }
-    get = f"huggingface-cli download {{}} --repo-type dataset --local-dir {tmp_path}/{{}}"
+    get = f"hf download {{}} --repo-type dataset --local-dir {tmp_path}/{{}}"
     assert no_data_lines(rows, str(tmp_path)) == [
         "report card: n/a: no data for ARC-Easy, ARC-Challenge, MMLU, GSM8K, HumanEval (sft, rl); get their "
         f"files into the task data directory {tmp_path} (--task-data-dir or $RAYCHAT_TASK_DATA; layouts: "

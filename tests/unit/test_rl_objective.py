@@ -15,6 +15,7 @@ from raychat.rl.objective import (
     token_logprobs,
     zero_advantage_frac,
 )
+from raychat.speedrun import speedrun_flags
 from raychat.tasks.pass_at_k import pass_at_k
 
 
@@ -147,6 +148,34 @@ def test_the_first_steps_without_a_learning_signal_are_warned_about_once():
     assert no_signal_warning([silent] * (NO_SIGNAL_STEPS - 1) + [signal], cfg, 50) is None
     # a run of 1 step (the tiny preset): warned after it
     assert no_signal_warning([silent], cfg, 1).startswith("warning: no learning signal in the first 1 step: ")
+
+
+def test_the_speedruns_no_signal_warning_names_its_preset_keys():
+    """The README's tiny speedrun ends its RL stage with this warning, which told its user to change
+    --samples-per-prompt and --temperature, flags the speedrun does not take: it names the preset's keys, as the
+    speedrun's other lines do (speedrun_flags), and the start it lays out."""
+    cfg = from_dict(RLConfig, {"samples_per_prompt": 2, "temperature": 1.0, "max_operand": 99})
+    option = speedrun_flags("tiny", "rl").option
+    failed = {"reward_mean": 0.0, "pass_at_1": 0.0, "zero_advantage_frac": 1.0}
+    assert no_signal_warning([failed], cfg, 1, option) == (
+        "warning: no learning signal in the first 1 step: all 2 samples of every prompt failed (mean reward 0), "
+        "so every advantage and the policy gradient were 0; try a stronger start than the SFT checkpoint (a "
+        "checkpoint that solves some rl.task calculator prompts), more rl.samples_per_prompt (now 2) or a "
+        "higher rl.temperature (now 1)"
+    )
+    solved = {"reward_mean": 1.0, "pass_at_1": 1.0, "zero_advantage_frac": 1.0}
+    assert no_signal_warning([solved], cfg, 1, option) == (
+        "warning: no learning signal in the first 1 step: all 2 samples of every prompt were solved (mean reward "
+        "1), so every advantage and the policy gradient were 0: rl.task calculator is too easy for this policy; "
+        "give it harder prompts (a larger rl.max_operand (now 99) or another rl.task) or stop here. A stronger "
+        "start than the SFT checkpoint cannot help, and more rl.samples_per_prompt (now 2) or a higher "
+        "rl.temperature (now 1) only finds a rare failure to learn from"
+    )
+    one_step = from_dict(
+        RLConfig, {"samples_per_prompt": 2, "temperature": 1.0, "steps": 1}
+    )  # the tiny preset's
+    watch = NoSignalWatch(one_step, option)  # RLRun's, made with the speedrun's flags
+    assert watch.add(1, failed) == no_signal_warning([failed], cfg, 1, option)
 
 
 def test_a_run_that_solves_every_sample_is_told_its_task_is_too_easy():

@@ -14,9 +14,13 @@ from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoin
 
 from raychat.checkpoint import save_model
 from raychat.config import ConfigError, RLConfig, SpeedrunConfig, from_dict, to_dict
+from raychat.data.corpus.prepare import validation_warnings
+from raychat.data.corpus.shards import write_shards
 from raychat.speedrun import (
+    SPEEDRUN_SHARD_OPTIONS,
     check_stages,
     named_by_keys,
+    next_steps,
     report_card,
     run_rl_stage,
     run_speedrun,
@@ -41,7 +45,7 @@ def _gsm8k_missing(data: str, key: str) -> str:
     option named `key`."""
     return (
         f"task 'gsm8k' (train split): no data file at {data}/gsm8k/main/train-*.parquet or "
-        f"{data}/openai--gsm8k/main/train/*.parquet (download: huggingface-cli download openai/gsm8k --repo-type "
+        f"{data}/openai--gsm8k/main/train/*.parquet (download: hf download openai/gsm8k --repo-type "
         f"dataset --local-dir {data}/gsm8k; the directory: {key} or $RAYCHAT_TASK_DATA)"
     )
 
@@ -125,10 +129,7 @@ def test_the_task_data_directory_is_under_out_unless_the_preset_or_the_environme
     card = report_card(config, report, {})
     assert card["rows"]["sft"]["GSM8K"]["note"] == "n/a: no data"
     printed = capsys.readouterr().out.splitlines()
-    assert (
-        f"  GSM8K: huggingface-cli download openai/gsm8k --repo-type dataset --local-dir {data}/gsm8k"
-        in printed
-    )
+    assert f"  GSM8K: hf download openai/gsm8k --repo-type dataset --local-dir {data}/gsm8k" in printed
     # $RAYCHAT_TASK_DATA names the directory ('' = hub_data's default: the variable)
     monkeypatch.setenv(TASK_DATA_ENV, str(tmp_path / "env"))
     config = SpeedrunConfig.from_preset("tiny", str(out))
@@ -304,3 +305,40 @@ def test_the_rl_stage_names_the_settings_it_resumes_with_by_the_presets_keys(tmp
         f"resuming with other settings than the run's checkpoint {rl} was made with: rl.max_tokens 8 -> 6; the "
         "steps after 1 use this run's"
     )
+
+
+def test_the_closing_lines_name_raychat_as_the_user_ran_it(tmp_path, monkeypatch):
+    """The README's quick start runs `.venv/bin/raychat speedrun --preset tiny --out runs-tiny` without activating
+    the venv; the speedrun ended with `chat with it:  raychat chat --checkpoint ...`, which such a shell answers
+    with "raychat: command not found". The closing lines now name the script as typed unless PATH's raychat is it."""
+    script = tmp_path / ".venv" / "bin" / "raychat"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    final = "/w/runs-tiny/rl/rl/checkpoint_000001"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", [".venv/bin/raychat", "speedrun", "--preset", "tiny"])
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert next_steps(final) == [
+        f"chat with it:  .venv/bin/raychat chat --checkpoint {final}",
+        f"serve it:      .venv/bin/raychat serve --checkpoint {final}   -> chat page at http://127.0.0.1:8000/",
+    ]
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")  # an activated venv
+    assert next_steps(final)[0] == f"chat with it:  raychat chat --checkpoint {final}"
+    monkeypatch.setattr("sys.argv", ["/opt/job/driver.py"])  # not its script (a Ray job's entrypoint)
+    assert next_steps(final)[1].startswith("serve it:      raychat serve --checkpoint ")
+
+
+def test_the_speedruns_validation_share_warning_names_its_preset_keys(tmp_path):
+    """The tiny preset's 2 train shards hold out a third of the corpus, and its data stage warned to give
+    --num-shards or --rows-per-shard, which the speedrun does not take: it names data.num_shards and
+    data.rows_per_shard (prepare(shard_options=SPEEDRUN_SHARD_OPTIONS)), as its other lines name the preset's keys."""
+    entries = write_shards([f"doc {i:02d}" for i in range(30)], tmp_path / "data", 3, log=lambda *_: None)
+    assert validation_warnings(entries, SPEEDRUN_SHARD_OPTIONS)[0] == (
+        "warning: the validation shard shard_00002.parquet holds 10 of 30 documents (33%) and 60 bytes of 180 "
+        "bytes of text (33%), held out of training: more shards (data.num_shards, or a smaller "
+        "data.rows_per_shard) hold out less"
+    )
+    assert validation_warnings(entries)[0].endswith(
+        "more shards (--num-shards, or a smaller --rows-per-shard) hold out less"
+    )  # raychat data prepare's own

@@ -10,7 +10,7 @@ import pytest
 from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
 from raychat.config import SpeedrunConfig, TrainConfig, from_dict
-from raychat.report import STATE_FILE, read_state, settle_stage, write_report
+from raychat.report import STATE_FILE, plot_stage, read_state, settle_stage, write_report
 from raychat.speedrun import accuracy_task, newest_commit
 
 TOKENIZER = {"vocab_size": 4096, "version": "abc", "train_seconds": 28.5, "val_bytes_per_token": 4.321}
@@ -143,6 +143,53 @@ def test_the_curves_of_a_run_of_ones_own(tmp_path, capsys):
     assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (1100, 396)
     assert not (torn / "curves.png").exists()
     assert raychat_main(["report", str(run)]) == 0
+
+
+def test_report_of_a_speedrun_out_names_its_run_directories(tmp_path, capsys):
+    """`raychat report runs-tiny` (a speedrun's --out, not a run directory) said only that runs-tiny/metrics.jsonl
+    is not there: the error now names the run directories under it, as the speedrun lays them out; and a run of
+    one step is "1 step", not "1 steps"."""
+    out_dir = tmp_path / "runs-tiny"
+    for run in ("checkpoints/base", "checkpoints/sft", "rl/rl"):
+        (out_dir / run).mkdir(parents=True)
+        line = {"step": 1, "loss": 0.0, "reward_mean": 0.5} if run == "rl/rl" else {"step": 1, "loss": 5.0}
+        (out_dir / run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    (out_dir / "data").mkdir()
+    assert raychat_main(["report", str(out_dir), str(out_dir / "rl/rl"), str(out_dir / "data")]) == 2
+    out, err = capsys.readouterr()
+    assert out == f"wrote {out_dir}/rl/rl/curves.png (1 step, 1..1)\n"
+    assert err == (
+        f"raychat report: error: {out_dir}/metrics.jsonl is not there (give a pretrain, sft or rl run directory; "
+        f"run directories under {out_dir}: {out_dir}/checkpoints/base, {out_dir}/checkpoints/sft, "
+        f"{out_dir}/rl/rl)\n"
+        f"raychat report: error: {out_dir}/data/metrics.jsonl is not there (give a pretrain, sft or rl run "
+        "directory)\n"
+    )
+
+
+def test_a_pretraining_run_named_rl_is_drawn_as_pretraining(tmp_path, capsys):
+    """`raychat pretrain --run-name rl` then `raychat report runs/checkpoints/rl` ended in a traceback (KeyError:
+    'reward_mean'): the RL panel was chosen by the directory's name. Its lines hold no reward: validation BPB."""
+    run = tmp_path / "rl"
+    run.mkdir()
+    rows = [{"step": 1, "loss": 8.3}, {"step": 2, "loss": 8.1, "val_bpb": 2.3}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert raychat_main(["report", str(run)]) == 0
+    assert capsys.readouterr() == (f"wrote {run}/curves.png (2 steps, 1..2)\n", "")
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_of_one_step_is_drawn_as_points(tmp_path, monkeypatch):
+    """The tiny speedrun's RL has 1 step: its loss and reward panels were empty (a line through one point draws
+    nothing). A run of one step marks its points; a longer run's lines have no markers."""
+    figures = []
+    monkeypatch.setattr("raychat.report.plt.close", figures.append)
+    one = [{"step": 1, "loss": 0.0, "reward_mean": 0.0, "eval": {"step": 1, "pass@1": 0.0}}]
+    plot_stage("rl", one, tmp_path / "one.png")
+    plot_stage("base", [{"step": 1, "loss": 6.0}, {"step": 2, "loss": 5.0}], tmp_path / "two.png")
+    (left, right), (left2, _) = figures[0].axes, figures[1].axes
+    assert [line.get_marker() for line in left.lines + right.lines] == ["o", "o", "o"]  # loss, reward, pass@1
+    assert [line.get_marker() for line in left2.lines] == ["None"]
 
 
 def test_report_without_a_run_directory_is_one_line(capsys):

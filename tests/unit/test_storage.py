@@ -88,6 +88,8 @@ def test_bad_references_fail_in_one_line_naming_the_flag_and_what_exists(runs):
         (f"{runs}/nope/latest", f"--checkpoint: {runs}/nope does not exist ({runs} holds: empty/, pre/, sft/)"),
         (str(runs), f"--checkpoint: {runs} has no committed checkpoint ({runs} holds: empty/, pre/, sft/); run "
          f"dirs in it that have some: {runs}/pre, {runs}/sft"),  # a stage dir given for its run dir
+        (str(runs.parent), f"--checkpoint: {runs.parent} has no committed checkpoint ({runs.parent} holds: runs/); "
+         f"run dirs below it that have some: {runs}/pre, {runs}/sft"),  # a speedrun's --out (runs-tiny/rl/rl)
         (f"{runs}/pre/checkpoint_000007", f"--checkpoint: checkpoint {runs}/pre/checkpoint_000007 is not "
          "committed (no commit.json): a save that did not finish, or a checkpoint written before commit markers"),
         (f"{runs}/sft/{LEGACY_NAME}", f"--checkpoint: checkpoint {runs}/sft/{LEGACY_NAME} is not "

@@ -55,9 +55,15 @@ def test_eval_of_a_checkpoint_reproduces_the_val_bpb_its_run_logged(tmp_path, sm
     argv = ["eval", "--storage-path", str(root), "--checkpoint", "base", "--data-dir", str(tmp_path / "data"),
             "--tasks", "", "--eval-tokens", str(9 * seq_len)]  # fmt: skip
     assert raychat_main(argv) == 0
-    result = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    result = json.loads(out)
     assert result["val_bpb"] == pytest.approx(logged, rel=1e-12)
     assert result["val_tokens"] == 9 * seq_len and result["val_bytes"] == nbytes
+    # stderr said only "validation BPB: not measured" when skipped; a measured one was in the JSON alone
+    assert (
+        f"validation BPB: {logged:.4f} (288 tokens, {int(nbytes):,} bytes of {(tmp_path / 'data').resolve() / entries[-1]['file']})"
+        in (err.splitlines())
+    )
     assert result["val_document_masking"] is True
 
 

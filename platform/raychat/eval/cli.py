@@ -281,22 +281,32 @@ def card_source(result: dict) -> str:
     return f"checkpoint {result['checkpoint']} ({kind}), evaluated {result['finished_at']}"
 
 
-def validation_shard(cfg: EvalConfig, storage: Storage) -> str:
+def speedrun_data_hint(storage: Storage, checkpoint: str, data_dir: str) -> str:
+    """'; ... --data-dir X/data' when a speedrun's data (X/data holding a manifest.json) is beside --storage-path
+    (X/checkpoints) or above the checkpoint (X/rl/rl/checkpoint_000001), and is not data_dir; else ''."""
+    beside = Path(storage.path).parent / "data"
+    if storage.is_local and beside != Path(data_dir) and (beside / "manifest.json").is_file():
+        return f"; the speedrun's data beside --storage-path is {beside}: --data-dir {beside}"
+    if "://" in checkpoint:
+        return ""
+    for out in Path(checkpoint).parents:
+        data = out / "data"
+        if data != Path(data_dir).absolute() and (data / "manifest.json").is_file():
+            return f"; the checkpoint's speedrun (--out {out}) has its data in {data}: --data-dir {data}"
+    return ""
+
+
+def validation_shard(cfg: EvalConfig, storage: Storage, checkpoint: str) -> str:
     """The validation shard of --data-dir (a directory, or a run name under --storage-path) that BPB reads.
 
     Raises ValueError naming --data-dir (and --eval-tokens 0, which skips BPB) when it holds no prepared shards
-    or is on object storage."""
+    or is on object storage, and the speedrun's data directory where one is beside the storage root or above
+    the checkpoint (speedrun_data_hint)."""
     data_dir = run_directory(cfg.data_dir, storage, "--data-dir")
     try:
         return list_shards(data_dir)[1]
     except (OSError, ValueError) as e:
-        # a speedrun's --out X holds X/checkpoints (the storage root given) beside X/data
-        beside = Path(storage.path).parent / "data"
-        hint = (
-            f"; the speedrun's data beside --storage-path is {beside}: --data-dir {beside}"
-            if storage.is_local and beside != Path(data_dir) and (beside / "manifest.json").is_file()
-            else ""
-        )
+        hint = speedrun_data_hint(storage, checkpoint, data_dir)
         raise ValueError(
             f"--data-dir: {e} (BPB needs the pretraining data's validation shard; --eval-tokens 0 skips BPB and "
             f"scores only --tasks and the report card{hint})"
@@ -341,7 +351,7 @@ def main(args) -> int:
     check_eval_target(storage, cfg.run_name)  # before the evaluation runs
     replacing = replaced_line(storage, cfg.run_name)
     checkpoint = find_checkpoint(cfg.checkpoint, storage, "--checkpoint")
-    val_file = validation_shard(cfg, storage) if cfg.eval_tokens else None
+    val_file = validation_shard(cfg, storage, checkpoint) if cfg.eval_tokens else None
     check_writable(storage)
     if replacing:
         print(replacing, file=sys.stderr)
@@ -359,5 +369,11 @@ def main(args) -> int:
     print(table, file=sys.stderr)
     if result["val_bpb"] is None:
         print(f"validation BPB: {BPB_SKIPPED}", file=sys.stderr)
+    else:
+        print(
+            f"validation BPB: {result['val_bpb']:.4f} ({result['val_tokens']:,} tokens, {result['val_bytes']:,} "
+            f"bytes of {val_file})",
+            file=sys.stderr,
+        )
     print(f"wrote {where} and {card}", file=sys.stderr)
     return 0

@@ -63,6 +63,7 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
@@ -252,7 +253,9 @@ class RLRun:
         self.step = 0  # the step in progress (1-based; before the first: the step resumed from, 0 at a start)
         self.failures = 0  # learner / weight-sync failures survived (actor group restarts), <= --max-failures
         self.evals: list[dict] = []  # {"step", "pass@k"...} of this run, a redone step's once
-        self.no_signal = NoSignalWatch(cfg)  # kept across actor group restarts: one warning a run
+        self.no_signal = NoSignalWatch(
+            cfg, flags.option
+        )  # kept across actor group restarts: one warning a run
         self.longest_step: float | None = None  # seconds of the run's longest learner step (step_deadline)
         self.warm_learners = False  # a step completed since the actor group started (step_deadline's cold)
         self._lease: RunLease | None = None
@@ -638,32 +641,44 @@ class RLRun:
 NO_SIGNAL_STEPS = 5
 
 
-def no_signal_warning(rollouts: list[dict], cfg: RLConfig, steps: int) -> str | None:
+def no_signal_warning(
+    rollouts: list[dict], cfg: RLConfig, steps: int, option: Callable[[str], str] = COMMANDS.option
+) -> str | None:
     """The one warning line for a run whose first min(NO_SIGNAL_STEPS, steps) steps (`rollouts`: their
     learner_step rollout dicts, in order; `steps`: the run's --steps) all had zero_advantage_frac 1, every
     prompt's samples rewarded alike: every advantage, so the policy gradient, was 0 and nothing was learned.
     Its advice follows from the rewards (pass_at_1, the share of samples solved): all failed (the task is too
-    hard for this policy), all solved (too easy), or some prompts each. None otherwise, and for any other
-    number of rollouts, so that it is printed once."""
+    hard for this policy), all solved (too easy), or some prompts each, naming the options as `option` does
+    (Flags.option: "--temperature", the speedrun's "rl.temperature"). None otherwise, and for any other number
+    of rollouts, so that it is printed once."""
     if len(rollouts) != min(NO_SIGNAL_STEPS, steps) or any(r["zero_advantage_frac"] < 1 for r in rollouts):
         return None
-    g, task = cfg.rollout.samples_per_prompt, cfg.task.task
+    g, task = cfg.rollout.samples_per_prompt, f"{option('task')} {cfg.task.task}"
     reward = float(np.mean([r["reward_mean"] for r in rollouts]))
     solved = {r["pass_at_1"] for r in rollouts}
     head = f"warning: no learning signal in the first {plural(len(rollouts), 'step')}: "
     zero = "so every advantage and the policy gradient were 0"
-    more = f"more --samples-per-prompt (now {g}) or a higher --temperature (now {cfg.rollout.temperature:g})"
+    more = (
+        f"more {option('samples_per_prompt')} (now {g}) or a higher {option('temperature')} "
+        f"(now {cfg.rollout.temperature:g})"
+    )
+    start = option("init_from")  # the speedrun's: "the SFT checkpoint", which it lays out
+    stronger = f"a stronger {start}" if start.startswith("--") else f"a stronger start than {start}"
     if solved == {0.0}:
         return (
-            f"{head}all {g} samples of every prompt failed (mean reward {reward:.4g}), {zero}; try a stronger "
-            f"--init-from (a checkpoint that solves some --task {task} prompts), {more}"
+            f"{head}all {g} samples of every prompt failed (mean reward {reward:.4g}), {zero}; try {stronger} "
+            f"(a checkpoint that solves some {task} prompts), {more}"
         )
     if solved == {1.0}:
-        harder = f"a larger --max-operand (now {cfg.task.max_operand}) or " if task == "calculator" else ""
+        harder = (
+            f"a larger {option('max_operand')} (now {cfg.task.max_operand}) or "
+            if cfg.task.task == "calculator"
+            else ""
+        )
         return (
-            f"{head}all {g} samples of every prompt were solved (mean reward {reward:.4g}), {zero}: --task {task} "
-            f"is too easy for this policy; give it harder prompts ({harder}another --task) or stop here. A "
-            f"stronger --init-from cannot help, and {more} only finds a rare failure to learn from"
+            f"{head}all {g} samples of every prompt were solved (mean reward {reward:.4g}), {zero}: {task} "
+            f"is too easy for this policy; give it harder prompts ({harder}another {option('task')}) or stop "
+            f"here. A {stronger[2:]} cannot help, and {more} only finds a rare failure to learn from"
         )
     return (
         f"{head}the {g} samples of each prompt got the same reward (mean reward {reward:.4g}: some prompts all "
@@ -676,8 +691,8 @@ class NoSignalWatch:
     ran them. A step redone after an actor group restart replaces its first record; an invocation that
     resumed from a checkpoint did not see step 1 and prints nothing (the one that ran the steps did)."""
 
-    def __init__(self, cfg: RLConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: RLConfig, option: Callable[[str], str] = COMMANDS.option):
+        self.cfg, self.option = cfg, option
         self.first: dict[int, dict] = {}  # step (1-based) -> its learner_step rollout dict
         self.warned = False
 
@@ -689,7 +704,9 @@ class NoSignalWatch:
         window = range(1, min(NO_SIGNAL_STEPS, self.cfg.rollout.steps) + 1)
         if any(s not in self.first for s in window):
             return None
-        warning = no_signal_warning([self.first[s] for s in window], self.cfg, self.cfg.rollout.steps)
+        warning = no_signal_warning(
+            [self.first[s] for s in window], self.cfg, self.cfg.rollout.steps, self.option
+        )
         self.warned = warning is not None
         return warning
 

@@ -3,7 +3,7 @@
 The task data directory: the `--task-data-dir` flag of a stage, else $RAYCHAT_TASK_DATA, else runs/task_data
 (made absolute against the current directory); the speedrun sets <out>/task_data unless its preset names one or
 $RAYCHAT_TASK_DATA is set (raychat.config.speedrun). A split of a dataset is found there in either layout:
-  <dir>/<name>/<folder>/<split>-*.parquet|.jsonl|.json or <split>.jsonl   `huggingface-cli download <repo>
+  <dir>/<name>/<folder>/<split>-*.parquet|.jsonl|.json or <split>.jsonl   `hf download <repo>
         --repo-type dataset --local-dir <dir>/<name>` (the hub repo's own files; folder = the config name, or
         "data" for single-config repos such as smol-smoltalk)
   <dir>/<owner>--<name>/<config>/<split>/*.parquet                        nanochat's task_data cache and the
@@ -89,7 +89,7 @@ def split_files(task: str, spec: HubSplit, root: str | os.PathLike | None = None
 
 def download_command(spec: HubSplit, base: Path) -> str:
     """The command that puts `spec`'s hub repo in the task data directory `base` (the hub repo's layout)."""
-    return f"huggingface-cli download {spec.repo} --repo-type dataset --local-dir {base / spec.name}"
+    return f"hf download {spec.repo} --repo-type dataset --local-dir {base / spec.name}"
 
 
 def is_split(filename: str, split: str) -> bool:

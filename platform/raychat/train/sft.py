@@ -46,6 +46,9 @@ class SFT:
 
     data_cpus = 0.0  # no Ray Data: conversations are rendered in the workers
 
+    def __init__(self, seq_len_flag: str = "--seq-len"):
+        self.seq_len_flag = seq_len_flag  # the workers' skip lines name it (Flags.option: the speedrun's key)
+
     def own_data(self, cfg: TrainConfig) -> SFTDataRead | None:
         """cfg's --sft-data conversations, as this process read and checked them (None: no --sft-data).
 
@@ -57,7 +60,9 @@ class SFT:
     def row_source(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int) -> SFTRows:
         d, own = cfg.data, self.own_data(cfg)
         tasks = mixture_tasks(d.sft_tasks, "train", cfg.run.seed, d.task_data_dir, own or "", d.sft_test_size)
-        return SFTRows(tasks, cfg.run.seed, tokenizer, cfg.model.seq_len + 1, rank, world)
+        return SFTRows(
+            tasks, cfg.run.seed, tokenizer, cfg.model.seq_len + 1, rank, world, seq_len_flag=self.seq_len_flag
+        )
 
     def validators(self, cfg: TrainConfig, tokenizer: Tokenizer, rank: int, world: int, device, autocast):
         bpb = []
@@ -182,7 +187,9 @@ def sft(cfg: TrainConfig, callbacks=(), dry_run: bool = False, flags: Flags = CO
     if cfg.data.sft_data:
         values["sft_data"] = absolute(cfg.data.sft_data)
     cfg = from_dict(TrainConfig, values, base=cfg)
-    spec = SFT()  # --sft-data read once: the line, the checks and the resume check's row source share it
+    spec = SFT(
+        flags.option("seq_len")
+    )  # --sft-data read once: the line, the checks and the resume check's row source share it
     if own := spec.own_data(cfg):
         log(sft_data_line(cfg, own))
     paths = resolve_paths(cfg, writable=False)

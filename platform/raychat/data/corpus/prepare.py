@@ -179,10 +179,15 @@ def text_field_hint(skips: corpora.Skips, text_field: str) -> str:
     return f"; a .jsonl line's document is its {text_field!r} field: give --text-field with the field that holds it"
 
 
-def validation_warnings(entries: list[dict]) -> list[str]:
+SHARD_OPTIONS = (
+    "--num-shards, or a smaller --rows-per-shard"  # what makes more shards, as `data prepare` names it
+)
+
+
+def validation_warnings(entries: list[dict], shard_options: str = SHARD_OPTIONS) -> list[str]:
     """Warnings about the validation shard (the last of `entries`, write_shards's) of a local corpus: it
-    holds more than VALIDATION_MAX_SHARE of the documents or of the text, or less than VALIDATION_MIN_BYTES
-    of text. None when it is neither."""
+    holds more than VALIDATION_MAX_SHARE of the documents or of the text (naming shard_options, what gives more
+    shards), or less than VALIDATION_MIN_BYTES of text. None when it is neither."""
     val = entries[-1]
     documents = sum(e["documents"] for e in entries)
     text = sum(e["bytes"] for e in entries)
@@ -193,7 +198,7 @@ def validation_warnings(entries: list[dict]) -> list[str]:
         warnings.append(
             f"warning: the validation shard {val['file']} holds {val['documents']} of {documents} documents "
             f"({doc_share:.0%}) and {size(val['bytes'])} of {size(text)} of text ({byte_share:.0%}), held out "
-            "of training: more shards (--num-shards, or a smaller --rows-per-shard) hold out less"
+            f"of training: more shards ({shard_options}) hold out less"
         )
     if val["bytes"] < VALIDATION_MIN_BYTES:
         warnings.append(
@@ -228,7 +233,15 @@ def load_corpus(
 
 
 def prepare_corpus(
-    corpus: corpora.Corpus, out: Path, num_shards, rows_per_shard, seed, row_group_size, log, text_field=None
+    corpus: corpora.Corpus,
+    out: Path,
+    num_shards,
+    rows_per_shard,
+    seed,
+    row_group_size,
+    log,
+    text_field=None,
+    shard_options: str = SHARD_OPTIONS,
 ) -> dict:
     documents = corpus.documents
     total = count_shards(len(documents), num_shards, rows_per_shard)
@@ -236,7 +249,7 @@ def prepare_corpus(
     documents = list(documents)
     random.Random(seed).shuffle(documents)
     entries = write_shards(documents, out, total, row_group_size, log)
-    for warning in validation_warnings(entries):
+    for warning in validation_warnings(entries, shard_options):
         log(warning)
     return {
         "format": FORMAT,
@@ -306,6 +319,7 @@ def prepare(
     backoff_s: float = 1.0,
     out_flag: str = "--out",
     log=log,
+    shard_options: str = SHARD_OPTIONS,
 ) -> dict:
     """Prepare a data directory of parquet text shards; returns the manifest (also written to out/manifest.json).
 
@@ -325,6 +339,8 @@ def prepare(
         workers, attempts, backoff_s: hub sources: parallel downloads (None: download_shards' default), tries
             per shard, first retry delay (s). A local source refuses workers (it is read in this process).
         out_flag: the flag an error about `out` names.
+        shard_options: what the warning about a large validation share names to make more shards (the
+            speedrun's: its preset's keys, "data.num_shards, or a smaller data.rows_per_shard").
     Nothing is created before the arguments and a local source are checked; the shard options of a local
     source are checked before it is loaded. A local corpus's validation shard that holds a large share of it
     or little text is a warning in the log (validation_warnings); the cut stays as it is.
@@ -382,7 +398,7 @@ def prepare(
 
         def write(old: dict | None) -> dict:
             return prepare_corpus(
-                corpus, out, num_shards, rows_per_shard, seed, row_group_size, log, text_field
+                corpus, out, num_shards, rows_per_shard, seed, row_group_size, log, text_field, shard_options
             )
 
     check_writable(open_storage(out, out_flag), out_flag)

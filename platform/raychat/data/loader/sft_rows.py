@@ -46,6 +46,8 @@ class SFTRows:
     Args:
         tasks, seed: the mixture (TaskMixture(tasks, seed=seed)); the seed also orders every epoch.
         row_len: T+1; rank, world_size: this worker's place; buffer_size: best-fit buffer (samples).
+        seq_len_flag: what the skip line and the error tell the user to raise (sft's "--seq-len", the
+            speedrun's preset key "train.seq_len").
     """
 
     fingerprint_key = "mixture"  # the state_dict key of fingerprint()
@@ -59,7 +61,9 @@ class SFTRows:
         rank: int = 0,
         world_size: int = 1,
         buffer_size: int = 64,
+        seq_len_flag: str = "--seq-len",
     ):
+        self.seq_len_flag = seq_len_flag
         self.mixture, self.seed = TaskMixture(tasks, seed=seed), seed
         self.content = task_content(tasks)
         self.tokenizer, self.row_len = tokenizer, row_len
@@ -97,9 +101,9 @@ class SFTRows:
                 conv = self.mixture[self.locate(g)[1]]
                 log(
                     f"sft data: {plural(n, 'conversation')} skipped so far by rank {self.rank} (latest: "
-                    f"{conv.get('where', conv['id'])}: {reason}; a longer --seq-len keeps more)"
+                    f"{conv.get('where', conv['id'])}: {reason}; a longer {self.seq_len_flag} keeps more)"
                 )
-        raise RuntimeError("every SFT sample was dropped by truncation: raise --seq-len")
+        raise RuntimeError(f"every SFT sample was dropped by truncation: raise {self.seq_len_flag}")
 
     def next_batch(self, n: int) -> dict:
         rows = self.packer.next_batch(n)
