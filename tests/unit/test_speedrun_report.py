@@ -212,7 +212,7 @@ def test_report_of_a_uri_or_a_file_says_what_it_reads(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert raychat_main(["report", "s3://bucket/runs/r", str(tmp_path / "afile"), str(run)]) == 2
     out, err = capsys.readouterr()
-    assert out == f"wrote {run}/curves.png (1 steps, 1..1)\n"
+    assert out == f"wrote {run}/curves.png (1 step, 1..1)\n"
     assert err == (
         "raychat report: error: s3://bucket/runs/r is a URI: raychat report reads a run directory on a local or "
         "mounted filesystem; copy it here first (aws s3 cp --recursive s3://bucket/runs/r ./r), then raychat "
@@ -244,7 +244,7 @@ def test_a_run_directory_whose_curves_cannot_be_written_is_named_and_the_others_
     (stuck / "curves.png").mkdir()
     assert raychat_main(["report", str(stuck), str(run)]) == 2
     out, err = capsys.readouterr()
-    assert out == f"wrote {run}/curves.png (1 steps, 1..1)\n"
+    assert out == f"wrote {run}/curves.png (1 step, 1..1)\n"
     assert err.startswith(
         f"raychat report: error: {stuck}/curves.png cannot be written: [Errno 21] Is a directory"
     )
