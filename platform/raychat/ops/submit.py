@@ -11,8 +11,9 @@ URL through the GCS, it is also handed to Ray's own GCS client (raychat.ray_toke
 found no header is sent, which suits a cluster started with RAY_AUTH_MODE=disabled.
 
 The job's runtime_env: `working_dir` = the repository (without .venv, runs, .git, caches and the cluster's
-token file: WORKING_DIR_EXCLUDES, and what its .gitignore files ignore), `py_modules` = platform/raychat (so the job imports the submitted code, not whatever raychat the
-cluster has installed), and either the cluster image's Python environment (default) or `pip` requirements (`--pip`, `--pip-project`).
+token file: WORKING_DIR_EXCLUDES, and what its .gitignore files ignore), `py_modules` = platform/raychat (so
+the job imports the submitted code, not whatever raychat the cluster has installed), and either the cluster
+image's Python environment (default) or `pip` requirements (`--pip`, `--pip-project`).
 
 The job's Python: Ray runs the entrypoint through a shell on the driver's node (the head by default), so a
 plain `python` is whatever that node's PATH finds, which need not be the Python that runs Ray (see
