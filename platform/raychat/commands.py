@@ -24,7 +24,7 @@ from raychat.config import (
 )
 from raychat.config.data import PrepareConfig, TokenizerConfig
 from raychat.config.presets import PRESET_HELP
-from raychat.config.train import UNUSED_FLAGS
+from raychat.config.train import UNUSED_FLAGS, check_batch
 from raychat.ops.jobs import DEFAULT_ADDRESS, STAGES, SUBMIT_CHOICES
 from raychat.ops.k8s import IMAGE, STORAGE_ROOT
 
@@ -426,9 +426,10 @@ def check_shared_paths(stage: str, args: argparse.Namespace, config=None) -> Non
 class StageArgs(argparse.Action):
     """The words after a submitted stage (nargs REMAINDER), parsed by the stage's own parser as the command
     line is, then built into the stage's config (STAGE_CONFIGS: a shipped preset, each value's range and
-    the config's own checks, and output and input paths every node can reach: check_shared_paths), so that an
-    unknown flag, a bad value, an unknown shipped preset or a relative path (--storage-path, --data-dir, ...) fails here, in one
-    line naming the stage, not after the job's cluster starts. `command`, and a stage given -h/--help,
+    the config's own checks, output and input paths every node can reach: check_shared_paths, and for pretrain
+    and sft the batch arithmetic: raychat.config.train.check_batch), so that an unknown flag, a bad value, an
+    unknown shipped preset, a relative path (--storage-path, --data-dir, ...) or a --total-batch-size that
+    --num-workers does not divide fails here, in one line naming the stage, not after the job's cluster starts. `command`, and a stage given -h/--help,
     are passed on unparsed; a preset given as a file and values checked against the cluster's files (paths,
     checkpoints) are left to the job. Stores the words without a leading "--" (argparse keeps it in a
     REMAINDER)."""
@@ -450,6 +451,8 @@ class StageArgs(argparse.Action):
                 base = from_dict(cls, defaults) if defaults else None
                 config = from_args(args, cls, section, base=base, where=f"{section} settings")
                 check_shared_paths(stage, args, config)
+                if isinstance(config, TrainConfig):
+                    check_batch(config)
         except (ValueError, FileNotFoundError) as e:
             parser.exit(
                 2, f"{parser.prog}: error: stage {stage}: {e} (`raychat {stage} --help` lists its flags)\n"

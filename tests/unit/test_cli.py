@@ -371,6 +371,15 @@ def test_numbers_the_parser_checks_name_their_flag(argv, message, capsys):
         (["rl", "--preset", "nosuch"],
          "stage rl: --preset: no preset 'nosuch'; known presets: ['cluster', 'cpu', 'gpu8', 'tiny']"),
         (["data"], "stage data: the following arguments are required: <subcommand>"),
+        # the batch arithmetic (raychat.config.train.check_batch): the cluster trial's sft job failed on it in the
+        # cluster (tests/unit/test_train_config.py: the stage's own plan raises this very line)
+        (["sft", "--preset", "tiny", "--storage-path", ROOT, "--init-from", "latest", "--num-workers", "8"],
+         "stage sft: --total-batch-size 512 is not a multiple of --device-batch-size x --seq-len x --num-workers = "
+         "4 x 64 x 8 = 2048; allowed: a multiple of 2048, e.g. 2048"),
+        (["pretrain", "--preset", "tiny", "--storage-path", ROOT, "--num-workers", "3", "--min-workers", "2",
+          "--total-batch-size", "768"],
+         "stage pretrain: --total-batch-size 768 is not a multiple of --device-batch-size x --seq-len x workers "
+         "(--min-workers..--num-workers) = 4 x 64 x 2 = 512; allowed: a multiple of 1536, e.g. 1536"),
     ],
 )  # fmt: skip
 def test_a_submitted_stages_arguments_are_parsed_before_submission(submit, stage_args, message, capsys):
@@ -484,6 +493,33 @@ def test_a_submitted_stages_valid_arguments_and_help_pass_unchanged(capsys):
         stage_args
     ) in (  # outputs every node reaches (test_a_submitted_stage_with_a_relative_storage_path_...)
         ["pretrain", "--preset", "tiny", "--storage-path", ROOT],
+        # a total batch every world size of the run divides (as the invalid ones above: 2 x 768 = 1536)
+        [
+            "pretrain",
+            "--preset",
+            "tiny",
+            "--storage-path",
+            ROOT,
+            "--num-workers",
+            "3",
+            "--min-workers",
+            "2",
+            "--total-batch-size",
+            "1536",
+        ],
+        [
+            "sft",
+            "--preset",
+            "tiny",
+            "--storage-path",
+            ROOT,
+            "--init-from",
+            "latest",
+            "--num-workers",
+            "8",
+            "--total-batch-size",
+            "-1",
+        ],  # automatic: rounded to a multiple by the run's plan
         ["rl", "--storage-path", "s3://bucket/runs"],
         ["data", "prepare", "--out", "/mnt/shards"],  # data's --out replaces its --storage-path
         [
