@@ -460,6 +460,8 @@ def cmd_submit(args) -> int:
             raise ValueError(f"--working-dir {args.working_dir}: {why} (the checkout the job runs in)")
         stage_args = list(args.stage_args)
         entrypoint = entrypoint_for(args.stage, stage_args, working_dir, args.python)
+        for note in args.stage_notes:  # raychat.commands.StageArgs
+            print(f"raychat submit: note: {note}", file=sys.stderr)
         pip = list(args.pip or [])
         if args.pip_project:
             pip = project_requirements(working_dir) + pip
