@@ -29,7 +29,7 @@ from raychat.config.presets import PRESET_HELP
 from raychat.config.schema import owned_choices, owned_literal
 from raychat.config.train import UNUSED_FLAGS, check_batch
 from raychat.ops.jobs import DEFAULT_ADDRESS, STAGES, SUBMIT_CHOICES
-from raychat.ops.k8s import IMAGE, STORAGE_ROOT
+from raychat.ops.k8s import CHECKPOINTS_MOUNT, IMAGE, STORAGE_ROOT
 
 # the canaries of raychat.data.replay.inspect_batch.canary_conversations (tests/unit/test_cli.py keeps them equal)
 CANARIES = ("short", "empty", "tool_use", "unicode", "code", "overlong", "overlong_turn")
@@ -462,7 +462,7 @@ def task_data_note(stage: str, config, env_items: list[str] | None = None) -> st
     return (
         f"stage {stage} reads {' and '.join(reads)} from the task data directory, {where} the job's temporary "
         f"copy of the checkout, uploaded without runs/ ({missing}); to read them from storage every node mounts "
-        f"give --task-data-dir, e.g. --task-data-dir {STORAGE_ROOT}/task_data"
+        f"give --task-data-dir, e.g. --task-data-dir {CHECKPOINTS_MOUNT}/task_data"
     )
 
 

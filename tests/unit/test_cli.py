@@ -471,7 +471,7 @@ def test_a_submitted_stage_with_a_relative_input_path_is_refused(
 TASK_DATA_NOTE = (
     "stage {stage} reads {reads} from the task data directory, {where} the job's temporary copy of the checkout, "
     "uploaded without runs/ ({missing}); to read them from storage every node mounts give --task-data-dir, e.g. "
-    f"--task-data-dir {ROOT}/task_data"
+    "--task-data-dir /mnt/checkpoints/task_data"  # README's $D: the task data beside the storage root
 )
 NOT_GIVEN = "--task-data-dir not given: $RAYCHAT_TASK_DATA of the node it runs on, else runs/task_data in"
 NO_DATA, FAILS = "what is not there scores 'n/a: no data'", "the job fails without them"
