@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import re
 
 from raychat.cli_parser import OneLineParser
@@ -23,10 +24,12 @@ from raychat.config import (
     to_flat,
 )
 from raychat.config.data import PrepareConfig, TokenizerConfig
+from raychat.config.eval import CHATCORE
 from raychat.config.presets import PRESET_HELP
-from raychat.config.train import UNUSED_FLAGS
+from raychat.config.schema import owned_choices, owned_literal
+from raychat.config.train import UNUSED_FLAGS, check_batch
 from raychat.ops.jobs import DEFAULT_ADDRESS, STAGES, SUBMIT_CHOICES
-from raychat.ops.k8s import IMAGE, STORAGE_ROOT
+from raychat.ops.k8s import CHECKPOINTS_MOUNT, IMAGE, STORAGE_ROOT
 
 # the canaries of raychat.data.replay.inspect_batch.canary_conversations (tests/unit/test_cli.py keeps them equal)
 CANARIES = ("short", "empty", "tool_use", "unicode", "code", "overlong", "overlong_turn")
@@ -423,12 +426,53 @@ def check_shared_paths(stage: str, args: argparse.Namespace, config=None) -> Non
             )
 
 
+def task_data_note(stage: str, config, env_items: list[str] | None = None) -> str | None:
+    """The note `raychat submit` prints for a stage that reads the task data directory (sft, rl: their hub
+    tasks' files; eval: those of --tasks and the CORE bundle, unless --core-bundle names it) when that
+    directory is not an absolute path: --task-data-dir not given (and no absolute RAYCHAT_TASK_DATA among
+    `env_items`, --env's KEY=VALUE) is the node's $RAYCHAT_TASK_DATA, else runs/task_data, which in a job is
+    Ray's temporary copy of the checkout, uploaded without runs/. None when the stage reads none of it or
+    reads it from an absolute path."""
+    flat = to_flat(config)
+    spec = {"sft": "sft_tasks", "rl": "task", "eval": "tasks"}.get(stage)
+    if spec is None:
+        return None
+    local = owned_choices("raychat.tasks.registry", "LOCAL_TASKS")
+    names = [item.partition(":")[0].strip() for item in flat[spec].split(",")]
+    hub = [
+        "the chat evals (chatcore)" if name == CHATCORE else name
+        for name in dict.fromkeys(names)
+        if name and name not in local
+    ]
+    reads = [f"the files of {', '.join(hub)}"] if hub else []
+    if stage == "eval" and not flat["core_bundle"]:
+        reads.append("the CORE bundle (eval_bundle/)")
+    variable = owned_literal("raychat.tasks.hub_data", "TASK_DATA_ENV")
+    env = dict(item.partition("=")[::2] for item in env_items or ()).get(variable, "")
+    given = flat["task_data_dir"]
+    if not reads or os.path.isabs(given or env):
+        return None
+    if given:
+        where = f"--task-data-dir {given!r}, relative: in"
+    elif env:
+        where = f"--env {variable}={env}, relative: in"
+    else:
+        where = f"--task-data-dir not given: ${variable} of the node it runs on, else runs/task_data in"
+    missing = "what is not there scores 'n/a: no data'" if stage == "eval" else "the job fails without them"
+    return (
+        f"stage {stage} reads {' and '.join(reads)} from the task data directory, {where} the job's temporary "
+        f"copy of the checkout, uploaded without runs/ ({missing}); to read them from storage every node mounts "
+        f"give --task-data-dir, e.g. --task-data-dir {CHECKPOINTS_MOUNT}/task_data"
+    )
+
+
 class StageArgs(argparse.Action):
     """The words after a submitted stage (nargs REMAINDER), parsed by the stage's own parser as the command
     line is, then built into the stage's config (STAGE_CONFIGS: a shipped preset, each value's range and
-    the config's own checks, and output and input paths every node can reach: check_shared_paths), so that an
-    unknown flag, a bad value, an unknown shipped preset or a relative path (--storage-path, --data-dir, ...) fails here, in one
-    line naming the stage, not after the job's cluster starts. `command`, and a stage given -h/--help,
+    the config's own checks, output and input paths every node can reach: check_shared_paths, and for pretrain
+    and sft the batch arithmetic: raychat.config.train.check_batch), so that an unknown flag, a bad value, an
+    unknown shipped preset, a relative path (--storage-path, --data-dir, ...) or a --total-batch-size that
+    --num-workers does not divide fails here, in one line naming the stage, not after the job's cluster starts. `command`, and a stage given -h/--help,
     are passed on unparsed; a preset given as a file and values checked against the cluster's files (paths,
     checkpoints) are left to the job. Stores the words without a leading "--" (argparse keeps it in a
     REMAINDER)."""
@@ -450,6 +494,10 @@ class StageArgs(argparse.Action):
                 base = from_dict(cls, defaults) if defaults else None
                 config = from_args(args, cls, section, base=base, where=f"{section} settings")
                 check_shared_paths(stage, args, config)
+                if isinstance(config, TrainConfig):
+                    check_batch(config)
+                note = task_data_note(stage, config, getattr(namespace, "env", None))
+                namespace.stage_notes = [note] if note else []
         except (ValueError, FileNotFoundError) as e:
             parser.exit(
                 2, f"{parser.prog}: error: stage {stage}: {e} (`raychat {stage} --help` lists its flags)\n"
@@ -641,7 +689,7 @@ def submit(subparsers) -> None:
         help="submission id: letters, digits, '.', '_', '-' (default: generated by Ray, raysubmit_...)",
     )
     p.add_argument("--no-wait", action="store_true", help="print the job id and return once accepted")
-    p.set_defaults(func="raychat.ops.submit:cmd_submit")
+    p.set_defaults(func="raychat.ops.submit:cmd_submit", stage_notes=[])
 
 
 def jobs(subparsers) -> None:

@@ -50,6 +50,7 @@ from raychat.config.data import PrepareConfig
 from raychat.config.presets import preset_section
 from raychat.config.schema import leaves
 from raychat.config.speedrun import StageConfigError
+from raychat.config.train import check_batch
 from raychat.data.corpus.prepare import prepare, prepare_kwargs
 from raychat.data.corpus.shards import list_shards
 from raychat.eval.bpb import unigram_bpb
@@ -69,7 +70,7 @@ from raychat.tasks.registry import check_data, check_present_data, graded, held_
 from raychat.tasks.sft_data import sft_data_split
 from raychat.tokenizer import Tokenizer
 from raychat.tokenizer_cli import iter_texts, train_tokenizer
-from raychat.train.launch import Flags, elastic_grad_accum
+from raychat.train.launch import Flags
 from raychat.train.layout import (
     check_local_layout,
     local_cluster_capacity,
@@ -170,16 +171,6 @@ def _layout(cfg: TrainConfig) -> tuple[int, float]:
 
 def _option(preset: str, stage: str):
     return speedrun_flags(preset, stage).option
-
-
-def check_batch(cfg: TrainConfig) -> None:
-    """A given total batch divides into device_batch_size x seq_len x workers for every worker count the run may
-    train on (elastic_grad_accum); an automatic one (-1) is rounded to such a multiple (make_plan).
-
-    Raises:
-        ConfigError: naming --total-batch-size and the product it is not a multiple of."""
-    if cfg.train.batch.total_batch_size > 0:
-        elastic_grad_accum(cfg, cfg.train.batch.total_batch_size)
 
 
 def check_sft_seq_len(sft_cfg: TrainConfig, pretrain_cfg: TrainConfig, preset: str) -> None:

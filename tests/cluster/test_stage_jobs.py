@@ -101,7 +101,7 @@ def test_every_stage_succeeds_as_a_ray_job_chained_through_storage(chain):
         assert f"job {run.job_id} SUCCEEDED" in run.output
     root = chain.root
     manifest = json.loads((root / "data" / "manifest.json").read_text())
-    assert [s["split"] for s in manifest["shards"]] == ["train", "train", "val"]  # tiny: 2 train shards
+    assert [s["split"] for s in manifest["shards"]] == ["train"] * 5 + ["val"]  # tiny: 5 train shards
     assert Tokenizer.load(root / "tokenizer").vocab_size == 512  # BPE + specials
 
     pretrain = find_checkpoint("pretrain", str(root))

@@ -8,6 +8,7 @@ PATH whose `python` is a bare Python without raychat's dependencies.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,7 +18,9 @@ from pathlib import Path
 from zipfile import ZipFile
 
 import pytest
+from ray._private.ray_constants import RAY_RUNTIME_ENV_DEFAULT_EXCLUDES, get_runtime_env_default_excludes
 from ray._private.runtime_env.packaging import _zip_files
+from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
 from support.cluster import LocalCluster, short_temp_dir
 from support.serve_helpers import write_tiny_checkpoint
 
@@ -58,6 +61,7 @@ def test_runtime_env_for(tmp_path):
         "working_dir": str(tmp_path),
         "excludes": [
             ".venv",
+            "venv",
             "runs",
             ".git",
             "__pycache__",
@@ -91,6 +95,52 @@ def test_the_clusters_token_file_is_neither_uploaded_nor_committed(tmp_path):
         ["git", "check-ignore", "token", "docs/token"], cwd=REPO, capture_output=True, text=True
     )
     assert ignored.stdout == "token\n"
+
+
+def test_submits_packaging_uploads_the_same_files_without_rays_default_exclude_warnings(tmp_path, caplog):
+    """Every `raychat submit` printed Ray's "Directory '.git' is now ignored by default ..." (and '.venv'), which
+    Ray logs for each of its default excludes the checkout holds whatever the runtime_env's own excludes say, and
+    its INFO line "Ignoring upload to cluster for these files: [.../.gitignore]" for the checkout's .gitignore
+    and those of .pytest_cache and .ruff_cache. Within
+    packaging_quiet Ray adds no default exclude (WORKING_DIR_EXCLUDES lists them) and the INFO line is left out:
+    the working dir packaged by Ray's own code has the same URI (a hash of every file's path and content) and the
+    same files as with Ray's defaults on."""
+    checkout = tmp_path / "checkout"
+    kept = ["jobs/pretrain.py", "platform/raychat/x.py", "docs/a.md", ".gitignore"]
+    left_out = [".git/HEAD", ".venv/bin/python", "venv/bin/python", "__pycache__/a.pyc",
+                "platform/raychat/__pycache__/x.pyc", "build/lib/x.py", "token"]  # fmt: skip
+    for rel in kept + left_out:
+        (checkout / rel).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / rel).write_text(rel)
+    (checkout / ".gitignore").write_text((REPO / ".gitignore").read_text())  # build/ is ignored there only
+
+    excludes_seen = []
+
+    def packaged(name: str) -> tuple[str, list[str], list[str]]:
+        """(the working_dir's URI, the zip's files, Ray's log lines) as submit_job packages it."""
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ray"):
+            env = upload_working_dir_if_needed(
+                submit.runtime_env_for(checkout),
+                include_gitignore=True,
+                upload_fn=lambda _dir, excludes=None, is_file=False: excludes_seen.append(excludes),
+            )
+            excludes = excludes_seen.pop()
+            _zip_files(str(checkout), excludes, str(tmp_path / name), include_gitignore=True)
+        files = sorted(n for n in ZipFile(tmp_path / name).namelist() if not n.endswith("/"))
+        return env["working_dir"], files, [r.getMessage() for r in caplog.records]
+
+    before = packaged("before.zip")
+    assert any(line.startswith(submit.GITIGNORE_LINE) for line in before[2])  # Ray's line, without the fix
+    with submit.packaging_quiet():
+        assert get_runtime_env_default_excludes() == []  # nothing for Ray to warn about
+        after = packaged("after.zip")
+    assert after[:2] == before[:2]
+    assert after[1] == sorted(kept)
+    assert not any(submit.GITIGNORE_LINE in line or "ignored by default" in line for line in after[2])
+    assert submit.DEFAULT_EXCLUDES_ENV not in os.environ  # restored
+    # every default exclude of this Ray is one of the job's own: the upload stays the same
+    assert set(RAY_RUNTIME_ENV_DEFAULT_EXCLUDES.split(",")) <= set(submit.WORKING_DIR_EXCLUDES)
 
 
 def test_a_stage_job_is_given_a_stop_grace_its_driver_can_end_in():
@@ -229,6 +279,8 @@ def test_submit_follow_and_jobs_commands(token_cluster):
     assert "\n42\n" in r.stdout
     assert "job rc-ok SUCCEEDED" in r.stderr
     assert "Uploading package gcs://" in r.stderr  # Ray's line of the working dir's upload (a fresh cluster)
+    # Ray's warning of each default exclude the checkout holds (.git, .venv) and its .gitignore line (3 times)
+    assert "is now ignored by default" not in r.stderr and submit.GITIGNORE_LINE not in r.stderr, r.stderr
 
     code = (
         "import os, sys, raychat; print('cwd-has-pyproject', os.path.isfile('pyproject.toml'));"

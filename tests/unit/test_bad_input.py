@@ -589,6 +589,32 @@ def test_an_unreachable_cluster(monkeypatch, capsys):
     assert len(err.strip().splitlines()) == 1, err
 
 
+def test_a_submitted_eval_says_where_its_job_looks_for_task_data(monkeypatch, capsys):
+    """docs/deployment.md's eval step (no --task-data-dir): a note line before anything else, then on as before
+    (tests/unit/test_cli.py::test_a_submitted_stage_that_reads_task_data_from_the_jobs_copy_gets_a_note)."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")
+    url = f"http://127.0.0.1:{free_ports(1)[0]}"
+    stage = [
+        "eval",
+        "--preset",
+        "tiny",
+        "--storage-path",
+        "/mnt/runs",
+        "--run-name",
+        "eval",
+        "--checkpoint",
+        "latest",
+    ]
+    assert raychat_main(["submit", "--address", url, *stage]) == 4
+    note, error = capsys.readouterr().err.splitlines()
+    assert note.startswith(
+        "raychat submit: note: stage eval reads the CORE bundle (eval_bundle/) from the task data directory, "
+        "--task-data-dir not given: $RAYCHAT_TASK_DATA of the node it runs on, else runs/task_data in the job's "
+        "temporary copy of the checkout"
+    ), note
+    assert error.startswith("raychat submit: error: --address: cannot reach the Ray dashboard at "), error
+
+
 def test_the_address_flag_wins_over_ray_address_variables(monkeypatch, capsys):
     """--address names the cluster even with RAY_API_SERVER_ADDRESS / RAY_ADDRESS set: Ray's Jobs client put
     those in its place, so `jobs stop --address http://B` stopped a job on the cluster in RAY_ADDRESS."""

@@ -20,6 +20,7 @@ from raychat.commands import CANARIES, PARSERS, STAGE_CONFIGS
 from raychat.config import ChatConfig, ServeConfig, from_dict
 from raychat.config.schema import flag_name, to_flat
 from raychat.log import RunGaveUp
+from raychat.ops.jobs import STAGES
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = "/mnt/checkpoints/runs"  # a storage root every node of the documented clusters mounts
@@ -373,6 +374,15 @@ def test_numbers_the_parser_checks_name_their_flag(argv, message, capsys):
         (["rl", "--preset", "nosuch"],
          "stage rl: --preset: no preset 'nosuch'; known presets: ['cluster', 'cpu', 'gpu8', 'tiny']"),
         (["data"], "stage data: the following arguments are required: <subcommand>"),
+        # the batch arithmetic (raychat.config.train.check_batch): the cluster trial's sft job failed on it in the
+        # cluster (tests/unit/test_train_config.py: the stage's own plan raises this very line)
+        (["sft", "--preset", "tiny", "--storage-path", ROOT, "--init-from", "latest", "--num-workers", "8"],
+         "stage sft: --total-batch-size 512 is not a multiple of --device-batch-size x --seq-len x --num-workers = "
+         "4 x 64 x 8 = 2048; allowed: a multiple of 2048, e.g. 2048"),
+        (["pretrain", "--preset", "tiny", "--storage-path", ROOT, "--num-workers", "3", "--min-workers", "2",
+          "--total-batch-size", "768"],
+         "stage pretrain: --total-batch-size 768 is not a multiple of --device-batch-size x --seq-len x workers "
+         "(--min-workers..--num-workers) = 4 x 64 x 2 = 512; allowed: a multiple of 1536, e.g. 1536"),
     ],
 )  # fmt: skip
 def test_a_submitted_stages_arguments_are_parsed_before_submission(submit, stage_args, message, capsys):
@@ -460,6 +470,47 @@ def test_a_submitted_stage_with_a_relative_input_path_is_refused(
     )
 
 
+TASK_DATA_NOTE = (
+    "stage {stage} reads {reads} from the task data directory, {where} the job's temporary copy of the checkout, "
+    "uploaded without runs/ ({missing}); to read them from storage every node mounts give --task-data-dir, e.g. "
+    "--task-data-dir /mnt/checkpoints/task_data"  # README's $D: the task data beside the storage root
+)
+NOT_GIVEN = "--task-data-dir not given: $RAYCHAT_TASK_DATA of the node it runs on, else runs/task_data in"
+NO_DATA, FAILS = "what is not there scores 'n/a: no data'", "the job fails without them"
+
+
+@pytest.mark.parametrize(
+    "argv, note",
+    [
+        # docs/deployment.md's chain: a submitted eval showed "n/a: no data" for CORE, and no line said why
+        (["eval", "--preset", "tiny", "--storage-path", ROOT, "--run-name", "eval", "--checkpoint", "latest"],
+         dict(reads="the CORE bundle (eval_bundle/)", where=NOT_GIVEN, missing=NO_DATA)),
+        (["sft", "--preset", "tiny", "--storage-path", ROOT, "--init-from", "latest", "--sft-tasks",
+          "gsm8k:10,calculator,gsm8k,mmlu"], dict(reads="the files of gsm8k, mmlu", where=NOT_GIVEN, missing=FAILS)),
+        (["rl", "--storage-path", ROOT, "--task", "gsm8k", "--task-data-dir", "task_data"],
+         dict(reads="the files of gsm8k", where="--task-data-dir 'task_data', relative: in", missing=FAILS)),
+        (["--env", "RAYCHAT_TASK_DATA=td", "eval", "--storage-path", ROOT, "--checkpoint", "latest", "--tasks",
+          "chatcore,calculator", "--core-bundle", "/mnt/bundle"],
+         dict(reads="the files of the chat evals (chatcore)", where="--env RAYCHAT_TASK_DATA=td, relative: in",
+              missing=NO_DATA)),
+        # nothing read from it (the tiny preset's SFT and RL tasks are local; the bundle named), or an absolute one
+        (["sft", "--preset", "tiny", "--storage-path", ROOT, "--init-from", "latest"], None),
+        (["rl", "--preset", "tiny", "--storage-path", ROOT], None),
+        (["eval", "--storage-path", ROOT, "--checkpoint", "latest", "--core-bundle", "/mnt/b"], None),
+        (["eval", "--storage-path", ROOT, "--checkpoint", "latest", "--task-data-dir", f"{ROOT}/task_data"], None),
+        (["--env", f"RAYCHAT_TASK_DATA={ROOT}/td", "eval", "--storage-path", ROOT, "--checkpoint", "latest"], None),
+        (["pretrain", "--preset", "tiny", "--storage-path", ROOT], None),
+    ],
+)  # fmt: skip
+def test_a_submitted_stage_that_reads_task_data_from_the_jobs_copy_gets_a_note(argv, note):
+    """The stages' --task-data-dir defaults to runs/task_data, relative: in a job, Ray's temporary copy of the
+    checkout (without runs/). Not refused (the nodes may set $RAYCHAT_TASK_DATA, a missing file of eval is
+    'n/a: no data'): `raychat submit` prints where the job will look and how to point it at shared storage."""
+    args = build_parser("submit").parse_args(["submit", *argv])
+    stage = next(a for a in argv if a in STAGES)
+    assert args.stage_notes == ([TASK_DATA_NOTE.format(stage=stage, **note)] if note else [])
+
+
 def test_a_submitted_stages_valid_arguments_and_help_pass_unchanged(capsys):
     assert main(["k8s", "submit", "--dry-run", "pretrain", "--", "--depth", "3", "--help"]) == 0
     assert "entrypoint: python jobs/pretrain.py --depth 3 --help" in capsys.readouterr().out
@@ -486,6 +537,33 @@ def test_a_submitted_stages_valid_arguments_and_help_pass_unchanged(capsys):
         stage_args
     ) in (  # outputs every node reaches (test_a_submitted_stage_with_a_relative_storage_path_...)
         ["pretrain", "--preset", "tiny", "--storage-path", ROOT],
+        # a total batch every world size of the run divides (as the invalid ones above: 2 x 768 = 1536)
+        [
+            "pretrain",
+            "--preset",
+            "tiny",
+            "--storage-path",
+            ROOT,
+            "--num-workers",
+            "3",
+            "--min-workers",
+            "2",
+            "--total-batch-size",
+            "1536",
+        ],
+        [
+            "sft",
+            "--preset",
+            "tiny",
+            "--storage-path",
+            ROOT,
+            "--init-from",
+            "latest",
+            "--num-workers",
+            "8",
+            "--total-batch-size",
+            "-1",
+        ],  # automatic: rounded to a multiple by the run's plan
         ["rl", "--storage-path", "s3://bucket/runs"],
         ["data", "prepare", "--out", "/mnt/shards"],  # data's --out replaces its --storage-path
         [

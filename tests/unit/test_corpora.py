@@ -11,9 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from raychat.cli import main
+from raychat.config.presets import preset_names, preset_values
 from raychat.data.corpus import corpora, shards
 from raychat.data.corpus.corpora import CorpusNotInstalled, python_docs, wordnet_entry, wordnet_glosses
-from raychat.data.corpus.prepare import prepare, split_line
+from raychat.data.corpus.download import HUB_SOURCES
+from raychat.data.corpus.prepare import VALIDATION_MAX_SHARE, prepare, split_line
 from raychat.data.corpus.rst_clean import clean_rst, split_sections
 from raychat.data.corpus.shards import DataError
 
@@ -183,6 +185,39 @@ def test_real_default_corpus_is_at_least_10_mb():
     docs = corpus.documents[: corpus.components[0]["documents"]]
     marked = [d for d in docs if ":func:`" in d or "\n.. " in d or "\n=====" in d]
     assert len(marked) < 0.01 * len(docs)
+
+
+@pytest.mark.skipif(
+    not (corpora.PYTHON_DOCS_DIR.is_dir() and corpora.WORDNET_DIR.is_dir()),
+    reason="needs the Debian packages python3.11-doc and wordnet-base (make corpus-deps)",
+)
+def test_the_tiny_presets_cut_of_the_default_corpus_is_not_warned_about(tmp_path, capsys):
+    """`raychat data prepare --preset tiny` (the first job of docs/deployment.md's chain) warned that its
+    validation shard held 1940 of 5820 documents (33%): 2 train shards + 1 validation shard. 5 + 1 hold out a
+    sixth, as the default --rows-per-shard 1024 cuts this corpus."""
+    assert main(["data", "prepare", "--preset", "tiny", "--out", str(tmp_path / "data")]) == 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert (
+        "shuffling 5,820 documents (seed 0) into 6 shards: 5 train of 970 documents + 1 validation of 970 "
+        "documents (17%, held out of training)"
+    ) in text
+    assert "warning" not in text
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    val = manifest["shards"][-1]
+    assert val["split"] == "val" and val["bytes"] / sum(s["bytes"] for s in manifest["shards"]) < 0.2
+
+
+def test_no_shipped_presets_local_cut_holds_out_more_than_the_warning_allows():
+    """A shipped preset's --num-shards on a local corpus (hub sources take whole shards as published) keeps the
+    validation shard's document share (1 of num_shards + 1 equal shards) within VALIDATION_MAX_SHARE."""
+    local = {
+        name: values["num_shards"]
+        for name in preset_names()
+        if (values := preset_values(name, "data")).get("source") not in HUB_SOURCES
+    }
+    assert local == {"cpu": 7, "tiny": 5}
+    assert all(1 / (n + 1) <= VALIDATION_MAX_SHARE for n in local.values())
 
 
 def test_a_lone_surrogate_escape_in_jsonl_is_an_invalid_utf8_skip(tmp_path):

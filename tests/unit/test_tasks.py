@@ -21,7 +21,16 @@ from raychat.tasks import (
     extract_answer,
     mixture_report,
 )
-from raychat.tasks.registry import EVAL_TASK_NAMES, TASK_NAMES, TASKS, graded, held_out, parse_mixture
+from raychat.tasks.registry import (
+    EVAL_TASK_NAMES,
+    HUB_TASKS,
+    LOCAL_TASKS,
+    TASK_NAMES,
+    TASKS,
+    graded,
+    held_out,
+    parse_mixture,
+)
 from raychat.tasks.spelling import split_of as word_split
 
 
@@ -400,6 +409,9 @@ def test_the_names_task_specs_are_checked_against_are_the_registrys():
     assert TASK_NAMES == tuple(TASKS)
     # eval's --tasks: those with a held-out split and a checker (not chatterbot, smoltalk)
     assert EVAL_TASK_NAMES == tuple(n for n in TASK_NAMES if held_out(n) and graded(n))
+    # `raychat submit`'s task data note (raychat.commands.task_data_note): the tasks that read no files
+    assert set(TASK_NAMES) - set(LOCAL_TASKS) == set(HUB_TASKS)
+    assert set(LOCAL_TASKS) < set(TASK_NAMES)
     assert parse_mixture(" calculator : 5 ,spelling,, calculator") == [
         ("calculator", 5), ("spelling", None), ("calculator", None)
     ]  # fmt: skip

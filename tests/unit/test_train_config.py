@@ -5,6 +5,8 @@ import torch
 from torch import nn
 
 from raychat.checkpoint_manager import commit_directory
+from raychat.cli import main as raychat_main
+from raychat.commands import PARSERS
 from raychat.config import TrainConfig, add_flags, from_dict, preset_values
 from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.loss import cross_entropy_sum, normalize
@@ -12,6 +14,7 @@ from raychat.train.launch import config_from, elastic_grad_accum, scaling_config
 from raychat.train.optim import lr_multiplier, lr_peak_from, warmdown_start
 from raychat.train.plan import make_plan, power_law_batch_size, print_plan, round_to_micro_steps
 from raychat.train.pretrain import data_line
+from raychat.train.sft import sft_defaults
 
 
 def test_lr_schedule_by_hand():
@@ -255,6 +258,27 @@ def test_elastic_flag_scaling_config_and_batch_on_every_world_size():
     with pytest.raises(ValueError) as e:
         cfg(num_workers=2, min_workers=-1)
     assert str(e.value) == "--min-workers must be >= 0, got -1"
+
+
+def test_the_batch_line_submit_refuses_with_is_the_stages_own(capsys):
+    """`raychat submit sft --preset tiny ... --num-workers 8` was accepted and the job failed in the cluster on its
+    plan's line; submit now refuses it first (tests/unit/test_cli.py::test_a_submitted_stages_arguments_are_...)
+    with what the stage's plan (make_plan, as `raychat sft` builds its config) raises."""
+    parser = argparse.ArgumentParser()
+    PARSERS["sft"](
+        parser.add_subparsers()
+    )  # `raychat sft`'s parser, and its config as raychat.train.sft.main
+    cfg = config_from(
+        parser.parse_args(["sft", "--preset", "tiny", "--num-workers", "8"]), sft_defaults(), "sft"
+    )
+    with pytest.raises(ValueError) as stage:
+        make_plan(cfg, vocab_size=512)
+    with pytest.raises(SystemExit):
+        raychat_main(["submit", "sft", "--preset", "tiny", "--storage-path", "/mnt/r", "--num-workers", "8"])
+    assert capsys.readouterr().err == (
+        f"raychat submit: error: stage sft: {stage.value} (`raychat sft --help` lists its flags)\n"
+    )
+    assert str(stage.value).startswith("--total-batch-size 512 is not a multiple of ")
 
 
 def test_automatic_batch_of_an_elastic_run_divides_on_every_world_size():

@@ -350,6 +350,31 @@ class TrainConfig(Section):
         return total_batch_size // per_micro
 
 
+def elastic_grad_accum(cfg: TrainConfig, total_batch_size: int) -> dict[int, int]:
+    """{workers: micro-batches per step} for every world size the run may train on (one entry unless
+    --min-workers makes it elastic): the total batch, and so the optimization, stays the same on each.
+
+    Raises:
+        ConfigError: the total batch does not divide by device_batch_size x seq_len x workers for one of them.
+    """
+    fewest, most = cfg.layout.worker_range
+    return {w: cfg.grad_accum_steps(total_batch_size, w) for w in range(fewest, most + 1)}
+
+
+def check_batch(cfg: TrainConfig) -> None:
+    """A given total batch divides into device_batch_size x seq_len x workers for every worker count the run may
+    train on (elastic_grad_accum); an automatic one (-1) is rounded to such a multiple (raychat.train.plan).
+    The speedrun checks each stage's before its first stage, `raychat submit` a submitted stage's before it
+    submits it.
+
+    Raises:
+        ConfigError: naming --total-batch-size and the product it is not a multiple of."""
+    total = cfg.train.batch.total_batch_size
+    if total > 0:
+        cfg.grad_accum_steps(total)  # --num-workers first, as the run's plan (raychat.train.plan) checks it
+        elastic_grad_accum(cfg, total)
+
+
 # The SFT command's own defaults (on top of TrainConfig's, under the preset and the flags).
 SFT_DEFAULTS = {"run_name": "sft", "stage": "sft", "document_masking": True}
 

@@ -11,8 +11,9 @@ URL through the GCS, it is also handed to Ray's own GCS client (raychat.ray_toke
 found no header is sent, which suits a cluster started with RAY_AUTH_MODE=disabled.
 
 The job's runtime_env: `working_dir` = the repository (without .venv, runs, .git, caches and the cluster's
-token file), `py_modules` = platform/raychat (so the job imports the submitted code, not whatever raychat the
-cluster has installed), and either the cluster image's Python environment (default) or `pip` requirements (`--pip`, `--pip-project`).
+token file: WORKING_DIR_EXCLUDES, and what its .gitignore files ignore), `py_modules` = platform/raychat (so
+the job imports the submitted code, not whatever raychat the cluster has installed), and either the cluster
+image's Python environment (default) or `pip` requirements (`--pip`, `--pip-project`).
 
 The job's Python: Ray runs the entrypoint through a shell on the driver's node (the head by default), so a
 plain `python` is whatever that node's PATH finds, which need not be the Python that runs Ray (see
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shlex
 import socket
@@ -60,11 +62,18 @@ except ModuleNotFoundError:  # Python 3.10
 # what a job never reads: environments, run outputs, caches, node_modules of the JS contract test (20 MB, most
 # of the checkout), benchmark results (bench/results/job_startup.md: the upload before / after), and the
 # cluster's token file where docs/deployment.md section 1 writes it (`token` in the checkout): uploaded, it
-# would sit in the GCS in every job's package
+# would sit in the GCS in every job's package. It holds Ray's default excludes (.git, .venv, venv, __pycache__),
+# which submit turns off (packaging_quiet), so that Ray does not warn about each one it finds.
 WORKING_DIR_EXCLUDES = [
-    ".venv", "runs", ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache", ".mypy_cache",
+    ".venv", "venv", "runs", ".git", "__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache", ".mypy_cache",
     "node_modules", "bench/results", "/token",
 ]  # fmt: skip
+# Ray's INFO line that a .gitignore is honoured, logged for each folder that holds one (the checkout's and the
+# excluded .pytest_cache's and .ruff_cache's: 3 lines) each time the package is hashed: the upload honours
+# them (module doc), the line is left out
+GITIGNORE_LINE = "Ignoring upload to cluster for these files"
+DEFAULT_EXCLUDES_ENV = "RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES"
+PACKAGING_LOGGER = "ray._private.runtime_env.packaging"
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 3}
 EXIT_UNREACHABLE = 4
 EXIT_COMMAND_NOT_FOUND = 127  # what the job's shell returns when the entrypoint's program does not exist
@@ -201,6 +210,35 @@ def runtime_env_for(
     if env_vars:
         env["env_vars"] = dict(env_vars)
     return env
+
+
+class _DropLine(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def packaging_quiet():
+    """Within: Ray's packaging of a runtime_env (what submit_job uploads) without its default excludes
+    ($RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES empty, unless set in this environment), which
+    WORKING_DIR_EXCLUDES lists itself, and without its GITIGNORE_LINE: the same files uploaded, but no
+    "Directory '.git' is now ignored by default" warning for each such directory of the checkout, nor the
+    INFO line of each .gitignore."""
+    saved = os.environ.get(DEFAULT_EXCLUDES_ENV)
+    os.environ.setdefault(DEFAULT_EXCLUDES_ENV, "")
+    packaging = logging.getLogger(PACKAGING_LOGGER)
+    drop = _DropLine(GITIGNORE_LINE)
+    packaging.addFilter(drop)
+    try:
+        yield
+    finally:
+        packaging.removeFilter(drop)
+        if saved is None:
+            os.environ.pop(DEFAULT_EXCLUDES_ENV, None)
 
 
 def project_requirements(working_dir: Path) -> list[str]:
@@ -422,6 +460,8 @@ def cmd_submit(args) -> int:
             raise ValueError(f"--working-dir {args.working_dir}: {why} (the checkout the job runs in)")
         stage_args = list(args.stage_args)
         entrypoint = entrypoint_for(args.stage, stage_args, working_dir, args.python)
+        for note in args.stage_notes:  # raychat.commands.StageArgs
+            print(f"raychat submit: note: {note}", file=sys.stderr)
         pip = list(args.pip or [])
         if args.pip_project:
             pip = project_requirements(working_dir) + pip
@@ -442,9 +482,10 @@ def cmd_submit(args) -> int:
     if args.num_gpus is not None:
         kwargs["entrypoint_num_gpus"] = args.num_gpus
     try:
-        job_id = client.submit_job(
-            entrypoint=entrypoint, runtime_env=runtime_env, submission_id=args.job_id, **kwargs
-        )
+        with packaging_quiet():
+            job_id = client.submit_job(
+                entrypoint=entrypoint, runtime_env=runtime_env, submission_id=args.job_id, **kwargs
+            )
     except _connection_errors() as e:
         if why := job_refusal(e, args.job_id):
             print(f"raychat submit: error: {why}", file=sys.stderr)

@@ -77,6 +77,8 @@ TASKS = {
     ),
     "humaneval": _hub("humaneval", HumanEval),
 }
+# the tasks that read nothing from the task data directory (the others are HUB_TASKS): a literal, as TASK_NAMES
+LOCAL_TASKS = ("calculator", "chatterbot", "spelling")
 HELD_OUT = {name: True for name in TASKS} | {"chatterbot": False}
 EVAL_ONLY = ("humaneval",)
 UNGRADED = ("chatterbot", "smoltalk")  # conversations without a checker

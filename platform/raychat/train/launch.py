@@ -47,6 +47,7 @@ from raychat.checkpoint import check_model, load_tree, read_meta
 from raychat.checkpoint_manager import CheckpointError, CheckpointManager, find_checkpoint, verify_stored
 from raychat.config import ConfigError, TrainConfig, from_args, from_dict, to_dict, to_flat
 from raychat.config.schema import flag_name, shown
+from raychat.config.train import elastic_grad_accum
 from raychat.data.loader.document_order import changed_shards
 from raychat.data.loader.row_source import RowSource, same_stream
 from raychat.data.loader.sft_rows import changed_task_files
@@ -71,17 +72,6 @@ WORKER_GROUP_START_TIMEOUT_ENV = (
 # An elastic run (--min-workers) places its worker group in attempts of at most this long: after a lost node
 # Ray Train's next attempt asks for the workers the cluster has (Ray's own start timeout is 60 s).
 ELASTIC_ATTEMPT_S = 60.0
-
-
-def elastic_grad_accum(cfg: TrainConfig, total_batch_size: int) -> dict[int, int]:
-    """{workers: micro-batches per step} for every world size the run may train on (one entry unless
-    --min-workers makes it elastic): the total batch, and so the optimization, stays the same on each.
-
-    Raises:
-        ConfigError: the total batch does not divide by device_batch_size x seq_len x workers for one of them.
-    """
-    fewest, most = cfg.layout.worker_range
-    return {w: cfg.grad_accum_steps(total_batch_size, w) for w in range(fewest, most + 1)}
 
 
 def scaling_config(cfg: TrainConfig) -> ScalingConfig:
