@@ -24,7 +24,7 @@ from raychat.config import (
     to_flat,
 )
 from raychat.config.data import PrepareConfig, TokenizerConfig
-from raychat.config.eval import CHATCORE
+from raychat.config.eval import CHATCORE, CHECKPOINTS_ROOT
 from raychat.config.presets import PRESET_HELP
 from raychat.config.schema import owned_choices, owned_literal
 from raychat.config.train import UNUSED_FLAGS, check_batch
@@ -234,7 +234,8 @@ def eval_(subparsers) -> None:
         description="Evaluate one checkpoint: BPB on the validation shard of --data-dir (--eval-tokens 0: no BPB, "
         "and --data-dir is not read: a chat checkpoint scored without the pretraining data) and greedy accuracy on "
         "the held-out split of --tasks, and the report card. Prints the JSON on stdout and the card's table on "
-        "stderr, and writes them to <storage-path>/<run-name>/eval.json and report_card.md. "
+        "stderr, and writes them to <storage-path>/<run-name>/eval.json and report_card.md (not given: beside the "
+        "checkpoint's run, <run>-eval-step<step>/). "
         "Example: raychat eval --checkpoint latest --storage-path runs/checkpoints --tasks calculator:64",
     )
     add_flags(parser, EvalConfig, preset="none")
@@ -364,10 +365,14 @@ STAGE_CONFIGS = {
 
 def shared_output(stage: str, args: argparse.Namespace, config) -> list[tuple[str, str]]:
     """(flag, path) of what a submitted stage writes under: speedrun's --out; --out when given, and but for
-    data (whose --out replaces it) --storage-path, which the others read even then; else --storage-path."""
+    data (whose --out replaces it) --storage-path, which the others read even then; else --storage-path (eval's,
+    not given: its look-up root for `latest` or a run name, else none: it writes beside the checkpoint)."""
     if stage == "speedrun":
         return [("--out", args.out)]
-    storage = ("--storage-path", (config.run if hasattr(config, "run") else config).storage_path)
+    root = (config.run if hasattr(config, "run") else config).storage_path
+    if stage == "eval" and not root and "/" not in config.checkpoint:  # latest or a run name: looked up there
+        root = CHECKPOINTS_ROOT
+    storage = ("--storage-path", root)
     out = getattr(config, "out", None)
     if not out:
         return [storage]

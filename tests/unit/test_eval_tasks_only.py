@@ -13,8 +13,11 @@ from safetensors.torch import load_file, save_file
 from support.core_fixtures import write_bundle
 from support.serve_helpers import write_tiny_checkpoint
 
+from raychat import checkpoint_manager
 from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
+from raychat.eval.cli import results_place
+from raychat.storage import open_storage, upload_dir
 
 
 @pytest.fixture
@@ -23,6 +26,10 @@ def root(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYCHAT_TASK_DATA", str(tmp_path / "task_data"))  # the default CORE bundle: none
     write_tiny_checkpoint(tmp_path / "runs" / "sft" / "checkpoint_000001", stage="sft")
     return tmp_path / "runs"
+
+
+def _listing(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
 
 
 def _fails_in_one_line(argv: list[str], capsys) -> str:
@@ -50,7 +57,11 @@ def test_eval_tokens_0_scores_the_tasks_of_a_checkpoint_without_pretraining_data
     assert result["stage"] == "sft" and result["tasks"]["calculator"]["examples"] == 2
     assert 0 <= result["tasks"]["calculator"]["accuracy"] <= 1
     assert "validation BPB: not measured: --eval-tokens 0" in err.splitlines()
-    assert json.loads((root / "eval" / "eval.json").read_text()) == result
+    # --storage-path given, --run-name not: the checkpoint's run and step name the results' directory
+    assert json.loads((root / "sft-eval-step1" / "eval.json").read_text()) == result
+    assert err.splitlines()[-1] == (
+        f"wrote {root}/sft-eval-step1/eval.json and {root}/sft-eval-step1/report_card.md"
+    )
     assert not (tmp_path / "nowhere").exists()
 
 
@@ -85,7 +96,7 @@ def test_bpb_without_pretraining_data_names_data_dir_and_how_to_skip_it(root, tm
         f"`raychat data prepare` wrote, or run `raychat data prepare --out {tmp_path}/nowhere` first (BPB needs the pretraining data's validation shard; --eval-tokens 0 "
         "skips BPB and scores only --tasks and the report card)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
-    assert not (root / "eval").exists()
+    assert _listing(root) == ["sft"]  # nothing written
 
 
 def test_eval_tokens_0_with_no_task_is_refused(root, capsys):
@@ -94,7 +105,7 @@ def test_eval_tokens_0_with_no_task_is_refused(root, capsys):
         "raychat eval: error: --eval-tokens 0 with --tasks '' and no CORE bundle (--core-bundle): nothing to "
         "measure; give --tasks or an --eval-tokens above 0  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
-    assert not (root / "eval").exists()
+    assert _listing(root) == ["sft"]  # nothing written
 
 
 def test_eval_tokens_0_refuses_a_model_with_nan_weights_before_the_tasks(root, capsys):
@@ -112,7 +123,7 @@ def test_eval_tokens_0_refuses_a_model_with_nan_weights_before_the_tasks(root, c
         "diverged run); nothing evaluated or written  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
     assert (
-        not (root / "eval").exists()
+        _listing(root) == ["sft"]
         and torch.isnan(load_file(ckpt / "model.safetensors")["lm_head.weight"]).any()
     )
 
@@ -181,7 +192,7 @@ def test_bpb_without_data_under_a_speedruns_checkpoints_names_the_data_beside_th
         f"--eval-tokens 0 skips BPB and scores only --tasks and the report card; the speedrun's data beside "
         f"--storage-path is {tmp_path}/data: --data-dir {tmp_path}/data)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
-    assert not (root / "eval").exists()
+    assert _listing(root) == ["sft"]  # nothing written
 
 
 def test_bpb_without_data_names_the_data_of_the_speedrun_above_the_checkpoint(tmp_path, capsys, monkeypatch):
@@ -203,6 +214,88 @@ def test_bpb_without_data_names_the_data_of_the_speedrun_above_the_checkpoint(tm
         "traceback)"
     )
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_eval_writes_beside_its_checkpoints_run_and_keeps_each_checkpoints_results(
+    tmp_path, capsys, monkeypatch
+):
+    """The README's tiny run: `raychat eval --checkpoint runs-tiny/rl/rl` wrote runs/checkpoints/eval/eval.json,
+    making the runs/ the README says to keep the tiny run out of, and every eval replaced the last one's files
+    unless --run-name was given. Not given, --storage-path and --run-name are now the checkpoint's: the run's
+    root and <run>-eval-step<step>; given, each decides alone."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAYCHAT_TASK_DATA", str(tmp_path / "task_data"))
+    out = tmp_path / "runs-tiny"
+    for ckpt, stage in [("rl/rl/checkpoint_000001", "rl"), ("rl/rl/checkpoint_000002", "rl"),
+                        ("checkpoints/sft/checkpoint_000003", "sft")]:  # fmt: skip
+        write_tiny_checkpoint(out / ckpt, stage=stage)
+    flags = ["--tasks", "calculator:1", "--eval-tokens", "0"]
+
+    def evaluate(*argv: str) -> tuple[dict, list[str]]:
+        assert raychat_main(["eval", *argv, *flags]) == 0
+        stdout, stderr = capsys.readouterr()
+        return json.loads(stdout), stderr.splitlines()
+
+    first, err = evaluate("--checkpoint", "runs-tiny/rl/rl/checkpoint_000001")
+    place = out / "rl" / "rl-eval-step1"
+    assert err[-1] == f"wrote {place}/eval.json and {place}/report_card.md"
+    assert json.loads((place / "eval.json").read_text()) == first
+    assert first["checkpoint"] == f"{out}/rl/rl/checkpoint_000001" and first["settings"]["run_name"] is None
+    assert _listing(tmp_path) == ["runs-tiny"]  # no runs/
+    newest, err = evaluate("--checkpoint", "runs-tiny/rl/rl")  # the run: its newest checkpoint, step 2
+    assert err[-1] == f"wrote {out}/rl/rl-eval-step2/eval.json and {out}/rl/rl-eval-step2/report_card.md"
+    assert not any(line.startswith("eval: replacing") for line in err)
+    assert json.loads((place / "eval.json").read_text()) == first  # the first is kept
+    evaluate("--checkpoint", "runs-tiny/checkpoints/sft")
+    assert _listing(out / "rl") == ["rl", "rl-eval-step1", "rl-eval-step2"]
+    assert _listing(out / "checkpoints") == ["sft", "sft-eval-step3"]
+    # the same checkpoint again replaces its own results, and says so first
+    again, err = evaluate("--checkpoint", "runs-tiny/rl/rl")
+    assert err[0] == (
+        f"eval: replacing {out}/rl/rl-eval-step2's results (rl checkpoint {out}/rl/rl/checkpoint_000002, "
+        f"{newest['finished_at']}); give another --run-name to keep both"
+    )
+    # --run-name alone: beside the run under that name; --storage-path alone: there, under the derived name
+    evaluate("--checkpoint", "runs-tiny/rl/rl", "--run-name", "mine")
+    assert (out / "rl" / "mine" / "eval.json").is_file()
+    _, err = evaluate("--checkpoint", "runs-tiny/rl/rl", "--storage-path", "evals")
+    assert err[-1] == (
+        f"wrote {tmp_path}/evals/rl-eval-step2/eval.json and {tmp_path}/evals/rl-eval-step2/report_card.md"
+    )
+    assert _listing(tmp_path) == ["evals", "runs-tiny"] and _listing(tmp_path / "evals") == ["rl-eval-step2"]
+
+
+def test_an_eval_of_a_checkpoint_on_s3_writes_beside_its_run_there(s3_env, tmp_path, capsys, monkeypatch):
+    """Not given --storage-path, the results of a remote checkpoint go beside its run on the same storage
+    (s3:// stays s3://, nothing written here but the checkpoint's cached copy); results_place never goes above
+    a bucket, and names a copied checkpoint directory's results after it."""
+    monkeypatch.setenv("RAYCHAT_TASK_DATA", str(tmp_path / "task_data"))
+    monkeypatch.setattr(checkpoint_manager, "DEFAULT_CACHE", tmp_path / "cache")
+    monkeypatch.chdir(tmp_path)
+    bucket, fs = s3_env.make_bucket(), s3_env.filesystem()
+    local = write_tiny_checkpoint(tmp_path / "ckpt", stage="rl")
+    upload_dir(
+        local, open_storage(f"s3://{bucket}/runs"), f"{bucket}/runs/rl/rl50/checkpoint_000050", "commit.json"
+    )
+    assert raychat_main(["eval", "--checkpoint", f"s3://{bucket}/runs/rl/rl50", "--tasks", "calculator:1",
+                         "--eval-tokens", "0"]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    place = f"s3://{bucket}/runs/rl/rl50-eval-step50"
+    assert err.splitlines()[-1] == f"wrote {place}/eval.json and {place}/report_card.md"
+    assert json.loads(
+        fs.open_input_stream(f"{bucket}/runs/rl/rl50-eval-step50/eval.json").read()
+    ) == json.loads(out)
+    assert _listing(tmp_path) == ["cache", "ckpt"]
+    storage, name, _ = results_place(f"s3://{bucket}/rl/checkpoint_000001", None, None)
+    assert (storage.uri, name) == (f"s3://{bucket}", "rl-eval-step1")
+    storage, name, _ = results_place(f"{tmp_path}/my model", None, None)  # a checkpoint dir of its own
+    assert (storage.uri, name) == (str(tmp_path), "my_model-eval")
+    with pytest.raises(ValueError) as e:
+        results_place(f"s3://{bucket}/checkpoint_000001", None, None)
+    assert str(e.value) == (
+        f"--storage-path: not given, and s3://{bucket}/checkpoint_000001 lies at the top of its bucket, with no "
+        "directory beside its run for the results: give --storage-path"
+    )
 
 
 def test_sampled_pass_at_k_is_recorded_per_task_and_stays_off_the_greedy_report_card(root, capsys):

@@ -19,6 +19,8 @@ from raychat.config.schema import (
 from raychat.config.serve import KV_DTYPE_HELP
 
 DEVICES = ("cpu", "cuda")
+# eval's root for --checkpoint latest, a run name and --data-dir's run name when --storage-path is not given
+CHECKPOINTS_ROOT = "runs/checkpoints"
 CHATCORE = "chatcore"  # --tasks chatcore[:N]: the six chat evals of the report card (raychat.eval.cli)
 CHECKPOINT_HELP = (
     "the checkpoint: a checkpoint dir, a run dir, <run dir>/latest (paths, s3:// or gs://), a run name "
@@ -33,13 +35,19 @@ class EvalConfig(Section):
     and to <storage-path>/<run-name>/report_card.md."""
 
     checkpoint: str = option("", CHECKPOINT_HELP, kind="reference")
-    storage_path: str = option("runs/checkpoints", "storage root (a directory, s3:// or gs://)")
-    run_name: str = option(
-        "eval", "run name: the results go to <storage-path>/<run-name>/eval.json", kind="run_name"
-    )
+    storage_path: str | None = option(
+        None, "storage root (a directory, s3:// or gs://) where --checkpoint latest and a run name are looked up "
+        f"and the results go: <storage-path>/<run-name>/; not given: {CHECKPOINTS_ROOT} for the look-up, and the "
+        "results go beside the checkpoint's run (the directory that holds its run dir)",
+    )  # fmt: skip
+    run_name: str | None = option(
+        None, "run name: the results go to <storage-path>/<run-name>/eval.json; not given: the checkpoint's run "
+        "and step, <run>-eval-step<step> (a directory not named checkpoint_<step>: <its name>-eval)",
+        kind="run_name",
+    )  # fmt: skip
     data_dir: str = option(
         "runs/data", "shards whose validation shard BPB is measured on: a directory or a run name under "
-        "--storage-path (given --storage-path and not this: the run 'data' there)",
+        f"--storage-path (not given: {CHECKPOINTS_ROOT}) (given --storage-path and not this: the run 'data' there)",
     )  # fmt: skip
     eval_tokens: int = option(
         65536, "validation tokens for BPB on the validation shard of --data-dir; 0 = no BPB (val_bpb null in "

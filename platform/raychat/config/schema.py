@@ -212,7 +212,7 @@ def check(f: dataclasses.Field, value, flag: str) -> None:
     m = f.metadata
     if m.get("choices") and value not in m["choices"]:
         raise ConfigError(f"{flag} must be one of {list(m['choices'])}, got {value!r}")
-    if m.get("kind") == "run_name":
+    if m.get("kind") == "run_name" and value is not None:
         check_run_name(value, flag)
     elif m.get("kind") == "reference" and value is not None:
         check_reference(value, flag)
