@@ -25,6 +25,8 @@ References (find_checkpoint names one; resolve_checkpoint also fetches a remote 
   <run name> + storage      <storage>/<run name>, as a run dir (the run-name rule applies)
   latest + storage          the most recently committed of the runs' newest checkpoints under <storage>, of
                             the stages asked for (SFT takes a pretraining checkpoint, RL an SFT one)
+What eval and export write from a checkpoint goes, with neither --storage-path nor --run-name, beside its
+run: <root>/<run>/checkpoint_<step> -> <root>/<run>-eval-step<step>, <root>/<run>-hf-step<step> (output_place).
 A bad reference is a ValueError of one line that names the flag and says what was found (uncommitted
 directories marked as such). A remote checkpoint is downloaded into a cache directory whole or not at all,
 and again only when its commit marker changes: a new commit under the same name goes to a directory of its
@@ -246,6 +248,40 @@ def committed_checkpoints(storage: Storage, run_path: str) -> list[Committed]:
             continue
         found.append(Committed(int(commit["step"]), path, commit))
     return sorted(found, key=lambda c: (c.step, c.path))
+
+
+CHECKPOINT_DIR = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)")  # a run's checkpoint dir: checkpoint_<step:06d>
+RUN_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # what a derived run name may not hold (RUN_NAME_RULE)
+
+
+def output_place(
+    checkpoint: str, storage_path: str | None, run_name: str | None, kind: str
+) -> tuple[Storage, str, str]:
+    """(the storage root, the run name, the --storage-path flag as errors name it) of what a command of `kind`
+    ("eval": raychat eval's results, "hf": raychat export's directory) writes from `checkpoint` (a resolved
+    checkpoint dir: absolute path or URI). Given, --storage-path and --run-name decide; not given, the
+    checkpoint's run decides: <root>/<run>/checkpoint_<step> writes <root>/<run>-<kind>-step<step> (beside its
+    run, so two checkpoints' outputs are both kept), a checkpoint dir of another name, <parent>/<name>, writes
+    <parent>/<name>-<kind>. Touches nothing.
+
+    Raises ValueError naming --storage-path: not given, and the checkpoint lies at the top of its bucket (no
+    directory beside it to write to)."""
+    parts = checkpoint.rstrip("/").split("/")
+    step = CHECKPOINT_DIR.fullmatch(parts[-1])
+    beside, name = parts[:-1], f"{parts[-1]}-{kind}"
+    if step:  # <run>/checkpoint_<step>: beside the run
+        beside, name = parts[:-2], f"{parts[-2]}-{kind}-step{int(step[1])}"
+    if storage_path:
+        storage, flag = open_storage(storage_path), "--storage-path"
+    else:
+        if "://" in checkpoint and len(beside) < 3:  # "s3:", "", the bucket
+            raise ValueError(
+                f"--storage-path: not given, and {checkpoint} lies at the top of its bucket, with no directory "
+                "beside its run for the output: give --storage-path"
+            )
+        storage = open_storage("/".join(beside) or "/")
+        flag = "--storage-path (not given: beside the checkpoint's run)"
+    return storage, run_name or RUN_NAME_UNSAFE.sub("_", name).lstrip("."), flag
 
 
 def check_output_target(

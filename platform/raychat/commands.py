@@ -365,12 +365,14 @@ STAGE_CONFIGS = {
 
 def shared_output(stage: str, args: argparse.Namespace, config) -> list[tuple[str, str]]:
     """(flag, path) of what a submitted stage writes under: speedrun's --out; --out when given, and but for
-    data (whose --out replaces it) --storage-path, which the others read even then; else --storage-path (eval's,
-    not given: its look-up root for `latest` or a run name, else none: it writes beside the checkpoint)."""
+    data (whose --out replaces it) --storage-path, which the others read even then; else --storage-path (eval's and
+    export's, not given: its look-up root for `latest` or a run name, else none: it writes beside the checkpoint)."""
     if stage == "speedrun":
         return [("--out", args.out)]
     root = (config.run if hasattr(config, "run") else config).storage_path
-    if stage == "eval" and not root and "/" not in config.checkpoint:  # latest or a run name: looked up there
+    if (
+        stage in ("eval", "export") and not root and "/" not in config.checkpoint
+    ):  # latest or a run name: looked up there
         root = CHECKPOINTS_ROOT
     storage = ("--storage-path", root)
     out = getattr(config, "out", None)
@@ -564,7 +566,8 @@ def export(subparsers) -> None:
         "export",
         help="export a checkpoint to the Hugging Face layout (Qwen3)",
         description="Write config.json, model.safetensors, the tokenizer and the chat template of a checkpoint "
-        "to <storage-path>/<run-name>/ (or --out). Example: raychat export --checkpoint latest",
+        "to <storage-path>/<run-name>/ (or --out; with neither --storage-path nor --run-name: beside the "
+        "checkpoint's run, <run>-hf-step<step>/). Example: raychat export --checkpoint latest",
     )
     add_flags(p, ExportConfig, preset=None)
     p.set_defaults(func="raychat.export.hf:main")

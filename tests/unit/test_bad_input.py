@@ -774,7 +774,10 @@ def test_a_half_written_checkpoint_is_never_loaded(root, tmp_path, capsys):
 def test_an_hf_export_given_as_a_checkpoint_is_named_as_one_not_as_a_half_written_save(command, root, capsys):
     """`raychat export`'s directory has model.safetensors and no commit marker: it was called a save that did
     not finish, which sent the user looking for a broken export."""
-    assert raychat_main(["export", "--storage-path", str(root), "--checkpoint", "latest"]) == 0
+    assert (
+        raychat_main(["export", "--storage-path", str(root), "--run-name", "hf", "--checkpoint", "latest"])
+        == 0
+    )
     capsys.readouterr()
     hf = root / "hf"
     flag = "--init-from" if command == "sft" else "--checkpoint"
@@ -829,7 +832,10 @@ def test_eval_of_a_model_with_nan_weights_is_refused_before_anything_is_written(
 def test_eval_refuses_to_write_its_results_into_another_stages_directory(root, capsys):
     """eval.json in an export made `raychat export` refuse its own directory ever after (likewise data
     prepare and tokenizer train); a training run's directory is no place for them either."""
-    assert raychat_main(["export", "--storage-path", str(root), "--checkpoint", "latest"]) == 0
+    assert (
+        raychat_main(["export", "--storage-path", str(root), "--run-name", "hf", "--checkpoint", "latest"])
+        == 0
+    )
     entries = write_shards(
         ["the json module encodes objects. " * 20] * 8, root / "text", 2, log=lambda *_: None
     )
@@ -850,7 +856,8 @@ def test_eval_refuses_to_write_its_results_into_another_stages_directory(root, c
         assert line.startswith(f"raychat eval: error: --run-name: {want.format(d=root / run)}"), line
     assert _snapshot(root) == before
     assert (
-        raychat_main(["export", "--storage-path", str(root), "--checkpoint", "latest"]) == 0
+        raychat_main(["export", "--storage-path", str(root), "--run-name", "hf", "--checkpoint", "latest"])
+        == 0
     )  # still its own
     for _ in range(2):  # a new directory, then eval's own earlier results
         assert raychat_main(argv[:-1] + ["ev"]) == 0

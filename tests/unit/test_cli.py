@@ -420,6 +420,8 @@ JOB_COPY = "is relative: a job runs in a temporary copy of the checkout that Ray
         (["rl"], f"--storage-path 'runs/rl' (the default: not given) {JOB_COPY} (e.g. --storage-path {ROOT})"),
         (["eval", "--checkpoint", "latest", "--data-dir", "/mnt/data"],  # latest is looked up in runs/checkpoints
          f"--storage-path 'runs/checkpoints' (the default: not given) {JOB_COPY} (e.g. --storage-path {ROOT})"),
+        (["export", "--checkpoint", "latest", "--out", "/mnt/hf"],  # latest is looked up in runs/checkpoints
+         f"--storage-path 'runs/checkpoints' (the default: not given) {JOB_COPY} (e.g. --storage-path {ROOT})"),
         (["data", "prepare", "--out", "shards"], f"--out 'shards' {JOB_COPY} (e.g. --out {ROOT})"),
         (["export", "--checkpoint", "latest", "--out", "/mnt/hf", "--storage-path", "ckpt"],
          f"--storage-path 'ckpt' {JOB_COPY} (e.g. --storage-path {ROOT})"),  # export reads it even with --out
@@ -593,6 +595,11 @@ def test_a_submitted_stages_valid_arguments_and_help_pass_unchanged(capsys):
         # no --storage-path: the results go beside the checkpoint, an absolute path
         ["eval", "--checkpoint", f"{ROOT}/rl/rl", "--data-dir", f"{ROOT}/data"],
         ["export", "--storage-path", ROOT, "--checkpoint", "gs://bucket/runs/sft"],
+        [
+            "export",
+            "--checkpoint",
+            f"{ROOT}/rl/rl",
+        ],  # no --storage-path: beside the checkpoint, an absolute path
     ):
         assert main(["k8s", "submit", "--dry-run", *stage_args]) == 0, capsys.readouterr().err
         assert f"entrypoint: python jobs/{stage_args[0]}.py" in capsys.readouterr().out
@@ -671,7 +678,9 @@ def test_every_option_whose_default_is_none_says_what_not_given_means():
             assert "not given: " in helps[flag_name(leaf)], (name, leaf, helps[flag_name(leaf)])
         checked += [(name, leaf) for leaf in nones]
     assert with_configs == set(configs)  # every command with config flags is checked
-    assert ("chat", "max_tokens") in checked and len(checked) == 22, checked  # eval: storage_path, run_name
+    assert ("chat", "max_tokens") in checked and len(checked) == 24, (
+        checked
+    )  # eval, export: storage_path, run_name
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "sft", "rl"])

@@ -14,9 +14,8 @@ from support.core_fixtures import write_bundle
 from support.serve_helpers import write_tiny_checkpoint
 
 from raychat import checkpoint_manager
-from raychat.checkpoint_manager import commit_directory
+from raychat.checkpoint_manager import commit_directory, output_place
 from raychat.cli import main as raychat_main
-from raychat.eval.cli import results_place
 from raychat.storage import open_storage, upload_dir
 
 
@@ -267,7 +266,7 @@ def test_an_eval_writes_beside_its_checkpoints_run_and_keeps_each_checkpoints_re
 
 def test_an_eval_of_a_checkpoint_on_s3_writes_beside_its_run_there(s3_env, tmp_path, capsys, monkeypatch):
     """Not given --storage-path, the results of a remote checkpoint go beside its run on the same storage
-    (s3:// stays s3://, nothing written here but the checkpoint's cached copy); results_place never goes above
+    (s3:// stays s3://, nothing written here but the checkpoint's cached copy); output_place never goes above
     a bucket, and names a copied checkpoint directory's results after it."""
     monkeypatch.setenv("RAYCHAT_TASK_DATA", str(tmp_path / "task_data"))
     monkeypatch.setattr(checkpoint_manager, "DEFAULT_CACHE", tmp_path / "cache")
@@ -286,15 +285,15 @@ def test_an_eval_of_a_checkpoint_on_s3_writes_beside_its_run_there(s3_env, tmp_p
         fs.open_input_stream(f"{bucket}/runs/rl/rl50-eval-step50/eval.json").read()
     ) == json.loads(out)
     assert _listing(tmp_path) == ["cache", "ckpt"]
-    storage, name, _ = results_place(f"s3://{bucket}/rl/checkpoint_000001", None, None)
+    storage, name, _ = output_place(f"s3://{bucket}/rl/checkpoint_000001", None, None, "eval")
     assert (storage.uri, name) == (f"s3://{bucket}", "rl-eval-step1")
-    storage, name, _ = results_place(f"{tmp_path}/my model", None, None)  # a checkpoint dir of its own
+    storage, name, _ = output_place(f"{tmp_path}/my model", None, None, "eval")  # a checkpoint dir of its own
     assert (storage.uri, name) == (str(tmp_path), "my_model-eval")
     with pytest.raises(ValueError) as e:
-        results_place(f"s3://{bucket}/checkpoint_000001", None, None)
+        output_place(f"s3://{bucket}/checkpoint_000001", None, None, "eval")
     assert str(e.value) == (
         f"--storage-path: not given, and s3://{bucket}/checkpoint_000001 lies at the top of its bucket, with no "
-        "directory beside its run for the results: give --storage-path"
+        "directory beside its run for the output: give --storage-path"
     )
 
 

@@ -24,6 +24,7 @@ import torch
 from raychat.atomic import STAGING_IDLE_S
 from raychat.chat_template import render_conversation, render_for_completion
 from raychat.checkpoint import save_model
+from raychat.checkpoint_manager import output_place
 from raychat.cli import main as raychat_main
 from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.export import hf as export_hf
@@ -306,6 +307,56 @@ def test_export_replaces_an_earlier_export(root, capsys):
         capsys.readouterr().out.splitlines()[-2]
         == f"exported {root}/pretrain/checkpoint_000007 (step 7) -> {root}/hf"
     )
+
+
+def test_export_without_storage_path_or_run_name_goes_beside_the_checkpoints_run(
+    root, model, tokenizer, tmp_path, monkeypatch, capsys
+):
+    """As eval's results: <root>/<run>/checkpoint_<step> exports to <root>/<run>-hf-step<step>/, so a second
+    checkpoint's export keeps the first and nothing goes to ./runs/checkpoints/hf; --storage-path alone names the
+    root, --run-name alone the directory beside the run; latest is looked up in runs/checkpoints."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert raychat_main(["export", "--checkpoint", f"{root}/pretrain/checkpoint_000007"]) == 0
+    save_model(
+        root / "pretrain" / "checkpoint_000009",
+        model,
+        tokenizer,
+        {"step": 9, "stage": "pretrain"},
+        commit=True,
+    )
+    assert raychat_main(["export", "--checkpoint", f"{root}/pretrain"]) == 0  # its newest: step 9
+    assert raychat_main(["export", "--checkpoint", "pretrain", "--storage-path", str(root)]) == 0
+    assert raychat_main(["export", "--checkpoint", f"{root}/pretrain", "--run-name", "mine"]) == 0
+    outs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("exported")]
+    assert outs == [
+        f"exported {root}/pretrain/checkpoint_000007 (step 7) -> {root}/pretrain-hf-step7",
+        f"exported {root}/pretrain/checkpoint_000009 (step 9) -> {root}/pretrain-hf-step9",
+        f"exported {root}/pretrain/checkpoint_000009 (step 9) -> {root}/pretrain-hf-step9",  # replaced
+        f"exported {root}/pretrain/checkpoint_000009 (step 9) -> {root}/mine",
+    ]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "data", "ev", "mine", "pretrain", "pretrain-hf-step7", "pretrain-hf-step9", "tok"
+    ]  # fmt: skip
+    for name in ("pretrain-hf-step7", "pretrain-hf-step9", "mine"):
+        assert sorted(_files(root / name)) == sorted(export_hf.EXPORT_FILES)
+    assert json.loads((root / "pretrain-hf-step7" / "config.json").read_text())["architectures"] == [
+        "Qwen3ForCausalLM"
+    ]
+    assert list(work.iterdir()) == []  # no runs/ where the command ran
+    # latest: the newest checkpoint under runs/checkpoints (here work/runs/checkpoints), exported beside its run
+    save_model(
+        work / "runs" / "checkpoints" / "sft" / "checkpoint_000003", model, tokenizer, {"step": 3, "stage": "sft"},
+        commit=True,
+    )  # fmt: skip
+    assert raychat_main(["export", "--checkpoint", "latest"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"exported {work}/runs/checkpoints/sft/checkpoint_000003 (step 3) -> {work}/runs/checkpoints/sft-hf-step3"
+    )
+    assert sorted(p.name for p in (work / "runs" / "checkpoints").iterdir()) == ["sft", "sft-hf-step3"]
+    storage, name, _ = output_place(f"{tmp_path}/my model", None, None, "hf")  # a checkpoint dir of its own
+    assert (storage.uri, name) == (str(tmp_path), "my_model-hf")
 
 
 @pytest.mark.parametrize(

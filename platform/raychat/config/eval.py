@@ -19,7 +19,7 @@ from raychat.config.schema import (
 from raychat.config.serve import KV_DTYPE_HELP
 
 DEVICES = ("cpu", "cuda")
-# eval's root for --checkpoint latest, a run name and --data-dir's run name when --storage-path is not given
+# eval's and export's root for --checkpoint latest, a run name and --data-dir's run name when --storage-path is not given
 CHECKPOINTS_ROOT = "runs/checkpoints"
 CHATCORE = "chatcore"  # --tasks chatcore[:N]: the six chat evals of the report card (raychat.eval.cli)
 CHECKPOINT_HELP = (
@@ -124,11 +124,20 @@ class EvalConfig(Section):
 
 @dataclass
 class ExportConfig(Section):
-    """A checkpoint as a Hugging Face directory (Qwen3 layout) at <storage-path>/<run-name>/ or --out."""
+    """A checkpoint as a Hugging Face directory (Qwen3 layout) at <storage-path>/<run-name>/ or --out; with
+    neither flag, beside the checkpoint's run (<run>-hf-step<step>/), as eval's results."""
 
     checkpoint: str = option("", CHECKPOINT_HELP, kind="reference")
-    storage_path: str = option("runs/checkpoints", "storage root (a directory, s3:// or gs://)")
-    run_name: str = option("hf", "run name: the files go to <storage-path>/<run-name>/", kind="run_name")
+    storage_path: str | None = option(
+        None, "storage root (a directory, s3:// or gs://) where --checkpoint latest and a run name are looked up "
+        f"and the files go: <storage-path>/<run-name>/; not given: {CHECKPOINTS_ROOT} for the look-up, and the "
+        "files go beside the checkpoint's run (the directory that holds its run dir)",
+    )  # fmt: skip
+    run_name: str | None = option(
+        None, "run name: the files go to <storage-path>/<run-name>/; not given: the checkpoint's run and step, "
+        "<run>-hf-step<step> (a directory not named checkpoint_<step>: <its name>-hf)",
+        kind="run_name",
+    )  # fmt: skip
     out: str | None = option(
         None,
         "output directory (local, s3://bucket/prefix or gs://bucket/prefix); not given: <storage-path>/<run-name>",

@@ -22,7 +22,7 @@ The result goes to stdout (one JSON document, its "report_card" the card's row) 
 <storage-path>/<run-name>/eval.json (written whole: raychat.storage.write_bytes); the card's markdown table to
 stderr and to <storage-path>/<run-name>/report_card.md; the last line of stderr names both files. Not given,
 the two are the checkpoint's: <root>/<run>/checkpoint_<step> writes <root>/<run>-eval-step<step>/
-(results_place). Every input is resolved and the root checked for writing
+(raychat.checkpoint_manager.output_place). Every input is resolved and the root checked for writing
 before the model loads: a bad flag fails in one line naming it, a bad record of a task's files (--tasks, and with
 chatcore every chat eval whose files are in the task data directory) in one line naming its file and line. A
 model whose validation loss is not finite (NaN or inf weights) is refused after the BPB pass (without BPB: before
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 import time
 from datetime import datetime, timezone
@@ -44,7 +43,7 @@ import torch
 
 from raychat.atomic import remove_leftovers
 from raychat.checkpoint import document_masking, load_model
-from raychat.checkpoint_manager import CHECKPOINT_PREFIX, check_output_target, find_checkpoint
+from raychat.checkpoint_manager import check_output_target, find_checkpoint, output_place
 from raychat.config import EvalConfig, from_args, to_dict
 from raychat.config.eval import CHATCORE, CHECKPOINTS_ROOT
 from raychat.data.corpus.shards import list_shards
@@ -69,8 +68,6 @@ from raychat.storage import Storage, check_writable, open_storage, read_bytes, r
 from raychat.tasks.hub_data import task_data_dir
 from raychat.tasks.registry import check_data, check_present_data, make_task, parse_mixture
 
-CHECKPOINT_DIR = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)")  # a run's checkpoint dir: checkpoint_<step:06d>
-RUN_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # what a derived run name may not hold (RUN_NAME_RULE)
 RESULT_FILE = "eval.json"
 CARD_FILE = "report_card.md"
 CARD_NAMES = {name: column for column, (name, _) in CHAT_TASKS.items()}
@@ -89,35 +86,6 @@ def check_eval_target(storage: Storage, run_name: str) -> str:
         storage, storage.writable_run_path(run_name), "--run-name", "eval results", "an earlier eval's results",
         lambda entries, killed: all(e.type == pafs.FileType.File and e.base_name in own for e in entries),
     )  # fmt: skip
-
-
-def results_place(
-    checkpoint: str, storage_path: str | None, run_name: str | None
-) -> tuple[Storage, str, str]:
-    """(the storage root, the run name, the --storage-path flag as errors name it) of the results of an eval of
-    `checkpoint` (a resolved checkpoint dir: absolute path or URI). Given, --storage-path and --run-name decide;
-    not given, the checkpoint's run decides: <root>/<run>/checkpoint_<step> writes <root>/<run>-eval-step<step>
-    (beside its run, so evals of two checkpoints keep both), a checkpoint dir of another name,
-    <parent>/<name>, writes <parent>/<name>-eval. Touches nothing.
-
-    Raises ValueError naming --storage-path: not given, and the checkpoint lies at the top of its bucket (no
-    directory beside it to write to)."""
-    parts = checkpoint.rstrip("/").split("/")
-    step = CHECKPOINT_DIR.fullmatch(parts[-1])
-    beside, name = parts[:-1], f"{parts[-1]}-eval"
-    if step:  # <run>/checkpoint_<step>: beside the run
-        beside, name = parts[:-2], f"{parts[-2]}-eval-step{int(step[1])}"
-    if storage_path:
-        storage, flag = open_storage(storage_path), "--storage-path"
-    else:
-        if "://" in checkpoint and len(beside) < 3:  # "s3:", "", the bucket
-            raise ValueError(
-                f"--storage-path: not given, and {checkpoint} lies at the top of its bucket, with no directory "
-                "beside its run for the results: give --storage-path"
-            )
-        storage = open_storage("/".join(beside) or "/")
-        flag = "--storage-path (not given: beside the checkpoint's run)"
-    return storage, run_name or RUN_NAME_UNSAFE.sub("_", name).lstrip("."), flag
 
 
 def replaced_line(storage: Storage, run_name: str) -> str | None:
@@ -383,7 +351,7 @@ def main(args) -> int:
             "or an --eval-tokens above 0"
         )
     checkpoint = find_checkpoint(cfg.checkpoint, lookup, "--checkpoint")
-    storage, run_name, storage_flag = results_place(checkpoint, cfg.storage_path, cfg.run_name)
+    storage, run_name, storage_flag = output_place(checkpoint, cfg.storage_path, cfg.run_name, "eval")
     check_eval_target(storage, run_name)  # before the evaluation runs
     replacing = replaced_line(storage, run_name)
     val_file = validation_shard(cfg, lookup, checkpoint) if cfg.eval_tokens else None

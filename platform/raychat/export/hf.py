@@ -1,5 +1,7 @@
 """Export a raychat checkpoint to the Hugging Face layout (`raychat export --checkpoint REF`): the files go to
-<storage-path>/<run-name>/ or to --out, whole: a local one is assembled beside its target under a temporary
+<storage-path>/<run-name>/ or to --out (with none of the three, beside the checkpoint's run:
+<root>/<run>/checkpoint_<step> goes to <root>/<run>-hf-step<step>/, raychat.checkpoint_manager.output_place;
+latest and a run name are looked up under runs/checkpoints), whole: a local one is assembled beside its target under a temporary
 name and renamed into place (raychat.atomic.atomic_write_dir: an export killed part-way leaves the earlier
 export as it was, never new files beside old ones), one on object storage (a --storage-path or an --out of
 s3://bucket/prefix or gs://bucket/prefix) is staged in a local .export.<16 hex> directory under EXPORT_STAGING, then uploaded (raychat.storage.upload_dir) and deleted, and EXPORT_STAGING too once empty; the next such export deletes
@@ -64,8 +66,15 @@ from raychat.atomic import (
 )
 from raychat.chat_template import TEMPLATE_VERSION
 from raychat.checkpoint import MODEL_FILES, load_model
-from raychat.checkpoint_manager import DEFAULT_CACHE, check_output_target, find_checkpoint, verify
+from raychat.checkpoint_manager import (
+    DEFAULT_CACHE,
+    check_output_target,
+    find_checkpoint,
+    output_place,
+    verify,
+)
 from raychat.config import ExportConfig, from_args
+from raychat.config.eval import CHECKPOINTS_ROOT
 from raychat.model import GPT
 from raychat.storage import Storage, check_writable, copy_command, is_remote, open_storage, upload_dir
 from raychat.tokenizer import BOS, Tokenizer
@@ -308,8 +317,8 @@ def main(args: argparse.Namespace) -> int:
     cfg = from_args(args, ExportConfig, "export", where="export settings")
     if not cfg.checkpoint:
         raise ValueError("--checkpoint: required: a checkpoint, its run (dir or name), or latest")
-    storage = open_storage(cfg.storage_path)
-    checkpoint = find_checkpoint(cfg.checkpoint, storage, "--checkpoint")
+    lookup = open_storage(cfg.storage_path or CHECKPOINTS_ROOT)  # latest, a run name
+    checkpoint = find_checkpoint(cfg.checkpoint, lookup, "--checkpoint")
     if not is_remote(checkpoint):  # a remote one is checked against its digests as it downloads
         verify(checkpoint, checksums=MODEL_FILES)  # the weights leave raychat: bytes flipped in place too
     if cfg.out:
@@ -319,8 +328,9 @@ def main(args: argparse.Namespace) -> int:
         check_export_target(out_storage, out_storage.path, "--out")
         check_writable(out_storage, "--out")
     else:
-        check_export_target(storage, storage.writable_run_path(cfg.run_name), "--run-name")
-        check_writable(storage)
+        storage, run_name, storage_flag = output_place(checkpoint, cfg.storage_path, cfg.run_name, "hf")
+        check_export_target(storage, storage.writable_run_path(run_name), "--run-name")
+        check_writable(storage, storage_flag)
     model, tokenizer, meta = load_model(checkpoint)
 
     def write(tmp: Path) -> None:
@@ -342,9 +352,9 @@ def main(args: argparse.Namespace) -> int:
         parent = out_storage.path.rsplit("/", 1)[0]
         out = upload(replace(out_storage, uri=out_storage.uri_of(parent), path=parent), out_storage.path)
     elif storage.is_local:
-        out = str(atomic_write_dir(storage.run_path(cfg.run_name), write))
+        out = str(atomic_write_dir(storage.run_path(run_name), write))
     else:
-        out = upload(storage, storage.run_path(cfg.run_name))
+        out = upload(storage, storage.run_path(run_name))
     print(f"exported {checkpoint} (step {meta.get('step', '?')}) -> {out}")
     print(load_hint(out))
     return 0
