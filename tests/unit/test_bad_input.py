@@ -356,8 +356,6 @@ def test_a_latest_that_resolves_to_nothing(argv, want, root, capsys):
 @pytest.mark.parametrize(
     "argv, want",
     [
-        (["export", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", ""],
-         "--run-name: '' is not a run name (letters, digits and '._-', not starting with '.')"),
         (["export", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", ".."],
          "--run-name: '..' is not a run name"),
         (["export", "--storage-path", "{root}", "--checkpoint", "pretrain", "--run-name", "../escape"],
@@ -2217,6 +2215,21 @@ def test_sft_of_another_stages_checkpoint_names_its_stage(root, capsys):
 
 
 SFT_DATA = "SFT's data are its --sft-tasks conversations (pretraining's shards and packer are not read)"
+
+
+@pytest.mark.parametrize("command", ["eval", "export"])
+def test_a_blank_run_name_of_eval_or_export_is_refused_by_the_parser(command, root, capsys):
+    """eval's and export's --run-name may be left out (their output goes beside the checkpoint's run), so a blank
+    one is refused as every optional text flag's is, before anything is read or written."""
+    before = _snapshot(root)
+    with pytest.raises(SystemExit) as e:
+        raychat_main([command, "--storage-path", str(root), "--checkpoint", "pretrain", "--run-name", ""])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        f"raychat {command}: error: argument --run-name: --run-name must be a non-blank string, or 'none' for no "
+        f"value; got '' (`raychat {command} --help` lists the flags)\n"
+    )
+    assert _snapshot(root) == before
 
 
 @pytest.mark.parametrize(
