@@ -28,6 +28,25 @@ CHECKPOINT_HELP = (
 )
 
 
+def output_root_help(what: str) -> str:
+    """--storage-path's help of eval and export, whose outputs (`what`) go beside the checkpoint's run when
+    neither --storage-path nor --run-name is given (raychat.checkpoint_manager.output_place)."""
+    return (
+        "storage root (a directory, s3:// or gs://) where --checkpoint latest and a run name are looked up and "
+        f"{what} go: <storage-path>/<run-name>/; not given: {CHECKPOINTS_ROOT} for the look-up, and {what} go "
+        "beside the checkpoint's run (the directory that holds its run dir)"
+    )
+
+
+def run_name_help(what: str, file: str, kind: str) -> str:
+    """--run-name's help of eval (kind "eval", its `file` eval.json) and export (kind "hf"): the default name
+    output_place gives."""
+    return (
+        f"run name: {what} go to <storage-path>/<run-name>/{file}; not given: the checkpoint's run and step, "
+        f"<run>-{kind}-step<step> (a directory not named checkpoint_<step>: <its name>-{kind})"
+    )
+
+
 @dataclass
 class EvalConfig(Section):
     """Validation BPB, held-out task accuracy and the report card (raychat.eval.report_card) of one
@@ -35,16 +54,8 @@ class EvalConfig(Section):
     and to <storage-path>/<run-name>/report_card.md."""
 
     checkpoint: str = option("", CHECKPOINT_HELP, kind="reference")
-    storage_path: str | None = option(
-        None, "storage root (a directory, s3:// or gs://) where --checkpoint latest and a run name are looked up "
-        f"and the results go: <storage-path>/<run-name>/; not given: {CHECKPOINTS_ROOT} for the look-up, and the "
-        "results go beside the checkpoint's run (the directory that holds its run dir)",
-    )  # fmt: skip
-    run_name: str | None = option(
-        None, "run name: the results go to <storage-path>/<run-name>/eval.json; not given: the checkpoint's run "
-        "and step, <run>-eval-step<step> (a directory not named checkpoint_<step>: <its name>-eval)",
-        kind="run_name",
-    )  # fmt: skip
+    storage_path: str | None = option(None, output_root_help("the results"))
+    run_name: str | None = option(None, run_name_help("the results", "eval.json", "eval"), kind="run_name")
     data_dir: str = option(
         "runs/data", "shards whose validation shard BPB is measured on: a directory or a run name under "
         f"--storage-path (not given: {CHECKPOINTS_ROOT}) (given --storage-path and not this: the run 'data' there)",
@@ -128,16 +139,8 @@ class ExportConfig(Section):
     neither flag, beside the checkpoint's run (<run>-hf-step<step>/), as eval's results."""
 
     checkpoint: str = option("", CHECKPOINT_HELP, kind="reference")
-    storage_path: str | None = option(
-        None, "storage root (a directory, s3:// or gs://) where --checkpoint latest and a run name are looked up "
-        f"and the files go: <storage-path>/<run-name>/; not given: {CHECKPOINTS_ROOT} for the look-up, and the "
-        "files go beside the checkpoint's run (the directory that holds its run dir)",
-    )  # fmt: skip
-    run_name: str | None = option(
-        None, "run name: the files go to <storage-path>/<run-name>/; not given: the checkpoint's run and step, "
-        "<run>-hf-step<step> (a directory not named checkpoint_<step>: <its name>-hf)",
-        kind="run_name",
-    )  # fmt: skip
+    storage_path: str | None = option(None, output_root_help("the files"))
+    run_name: str | None = option(None, run_name_help("the files", "", "hf"), kind="run_name")
     out: str | None = option(
         None,
         "output directory (local, s3://bucket/prefix or gs://bucket/prefix); not given: <storage-path>/<run-name>",
