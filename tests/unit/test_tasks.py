@@ -5,8 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from raychat.calculator import calculate
 from raychat.chat_template import render_conversation
-from raychat.engine import calculate
 from raychat.tasks import (
     GSM8K,
     Calculator,

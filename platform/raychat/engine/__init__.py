@@ -1,6 +1,5 @@
 """Inference engine (API: docs/engine.md): KV cache, sampling, ModelRunner, Scheduler, EngineProcess."""
 
-from raychat.engine.calculator import calculate, eval_expression
 from raychat.engine.detokenize import StreamDecoder, stop_strings
 from raychat.engine.kv_cache import KVBudgetError, KVCache
 from raychat.engine.runner import GenerationResult, ModelRunner, SamplingParams
@@ -22,8 +21,6 @@ __all__ = [
     "TEMPERATURE_EPS",
     "TokenLogprob",
     "Usage",
-    "calculate",
-    "eval_expression",
     "make_generator",
     "sample_next",
     "stop_strings",

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from raychat.calculator import calculate
 from raychat.chat_template import render_tool_output
-from raychat.engine.calculator import calculate
 from raychat.engine.detokenize import StreamDecoder
 from raychat.engine.sampling import SamplingParams
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raychat.engine import calculate, eval_expression
+from raychat.calculator import calculate, eval_expression
 
 
 @pytest.mark.parametrize(
