@@ -121,6 +121,14 @@ NO_CALL = (
     '({"type": "python", "text": EXPR}) right before it, or leave the result out (1 of 3 records is bad)'
 )
 
+# a result that is not the text the engine injects for its call (raychat.calculator.calculate)
+NOT_THE_ENGINES = "is not the engine's: at inference the engine answers that call with"
+NEVER_GIVEN = (
+    "is one the engine never gives: its calculator cannot compute that expression and answers nothing at inference, "
+    "so write the call as arithmetic it computes (integers and decimals, + - * / // %, parentheses, 1,000, or "
+    "'word'.count('letters')), or leave the call and its result out (1 of 3 records is bad)"
+)
+
 
 @pytest.mark.parametrize(
     "record, error",
@@ -166,6 +174,20 @@ NO_CALL = (
             {"type": "python", "text": "7*12"}]}, {"role": "tool", "content": "84"}, {"role": "assistant",
             "content": [{"type": "python_output", "text": "84"}, {"type": "text", "text": "84"}]}]},
          f"messages[3].content[0]: a python_output part with no python call right before it: {NO_CALL}"),
+        ({"messages": [{"role": "user", "content": "47 * 12?"}, {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me. "}, {"type": "python", "text": "47 * 12"},
+            {"type": "python_output", "text": "564.0"}, {"type": "text", "text": "564"}]}]},
+         f"messages[1].content[2]: the result '564.0' of the python call '47 * 12' {NOT_THE_ENGINES} '564', so "
+         "write '564' (1 of 3 records is bad)"),
+        ({"messages": [{"role": "user", "content": "7/2?"}, {"role": "assistant", "content": [
+            {"type": "python", "text": "7/2"}]}, {"role": "tool", "content": "3"},
+            {"role": "assistant", "content": "3"}]},
+         f"messages[2].content: the result '3' of the python call '7/2' {NOT_THE_ENGINES} '3.5', so write '3.5' "
+         "(1 of 3 records is bad)"),
+        ({"messages": [{"role": "user", "content": "2 to the 10th?"}, {"role": "assistant", "content": [
+            {"type": "python", "text": "2**10"}, {"type": "python_output", "text": "1024"},
+            {"type": "text", "text": "1024"}]}]},
+         f"messages[1].content[1]: the result '1024' of the python call '2**10' {NEVER_GIVEN}"),
         ({"messages": [{"role": "user", "content": "only a question"}]},
          "messages: no 'assistant' message (nothing to train on) (1 of 3 records is bad)"),
         ({"conversation": []}, "lacks column(s) ['messages']; expected ['messages'] (1 of 3 records is bad)"),
@@ -177,6 +199,31 @@ def test_a_bad_record_is_named_by_file_line_and_field(tmp_path, record, error):
     with pytest.raises(ValueError) as e:
         check_data(["smoltalk"], ("train",), str(data_dir))
     assert str(e.value) == f"--sft-tasks: {train} line 2: {error}"
+
+
+def test_results_the_engine_gives_are_accepted(tmp_path):
+    """Each result is the engine's text for its call, worked out by hand: 47*12 = 564; 84/2 = 42 exactly (an
+    int); 1/3 to 12 significant digits; 1,000 + 1 with a thousands separator; 'strawberry' holds 3 r's; a tool
+    message answering a call as a python_output part does."""
+    calls = [("47 * 12", "564"), ("84/2", "42"), ("1/3", "0.333333333333"), ("1,000 + 1", "1001"),
+             ("'strawberry'.count('r')", "3")]  # fmt: skip
+    records = [
+        {"messages": [{"role": "user", "content": "?"}, {"role": "assistant", "content": [
+            {"type": "python", "text": call}, {"type": "python_output", "text": result}]}]}
+        for call, result in calls
+    ]  # fmt: skip
+    records.append({"messages": TOOL_TURN})
+    data_dir, _ = own_data(tmp_path, records)
+    check_data(["smoltalk"], ("train",), str(data_dir))
+    (task,) = mixture_tasks("smoltalk", "train", 0, str(data_dir))
+    results = sorted(  # the python_output parts and tool messages trained on, as written
+        p["text"] if isinstance(p, dict) else m["content"]
+        for i in range(len(task))
+        for m in task[i]["messages"]
+        for p in (m["content"] if isinstance(m["content"], list) else [None] if m["role"] == "tool" else [])
+        if p is None or p["type"] == "python_output"
+    )
+    assert results == ["0.333333333333", "1001", "3", "3", "42", "564"]
 
 
 def test_a_line_that_is_not_json_and_a_bad_parquet_row(tmp_path):

@@ -21,6 +21,7 @@ from raychat.tasks import (
     extract_answer,
     mixture_report,
 )
+from raychat.tasks.loaders import conversation_error
 from raychat.tasks.registry import (
     EVAL_TASK_NAMES,
     HUB_TASKS,
@@ -95,6 +96,9 @@ def test_calculator_uses_tool_calls_and_held_out_split(small_tokenizer):
     assert ex["answer"] == str(expected)
     assert ex["messages"][1]["content"][2] == {"type": "python_output", "text": str(expected)}
     assert train.is_correct(ex, f"blah #### {expected}") and not train.is_correct(ex, f"#### {expected + 1}")
+    for i in range(300):  # every result is the engine's for its call, and the user-file check accepts it
+        call, output = (p["text"] for p in train[i]["messages"][1]["content"][1:3])
+        assert calculate(call) == output and conversation_error(train[i]["messages"]) is None
     train_exprs = {train.problem(i)[0] for i in range(300)}
     test_exprs = {test.problem(i)[0] for i in range(30)}
     assert not train_exprs & test_exprs
@@ -194,6 +198,33 @@ def test_gsm8k_jsonl_turns_calculator_annotations_into_tool_calls(tmp_path):
     ]
     assert t.is_correct(ex, "so #### 72") and not t.is_correct(ex, "#### 71") and not t.is_correct(ex, "72")
     assert extract_answer("#### 1,234") == "1234"
+
+
+def test_gsm8k_trains_on_the_engines_results_and_leaves_out_calls_it_cannot_compute(tmp_path):
+    """GSM8K's hand-written results ("144.00", ".4", "3/4": openai/gsm8k's own records) become the text the engine
+    injects for their call at inference, worked out by hand: 8*18 = 144, 2*20*.01 = 0.4, 3/4 = 0.75. An
+    annotation the engine cannot compute ("2**3": a power) is left out, call and result, its text around it
+    joined; the record still loads (one odd record never fails a hub dataset) and still has its answer."""
+    answer = (
+        "8*18 = <<8*18=144.00>>144.00 and 2*20*.01 = <<2*20*.01=.4>>.4 and 3/4 = <<3/4=3/4>>3/4 of it.\n"
+        "2**3 = <<2**3=8>>8 apples.\n#### 8"
+    )
+    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "q", "answer": answer}) + "\n")
+    ex = GSM8K(tmp_path / "train.jsonl")[0]
+    assert ex["answer"] == "8"
+    assert ex["messages"][1]["content"] == [
+        {"type": "text", "text": "8*18 = "},
+        {"type": "python", "text": "8*18"},
+        {"type": "python_output", "text": "144"},
+        {"type": "text", "text": "144.00 and 2*20*.01 = "},
+        {"type": "python", "text": "2*20*.01"},
+        {"type": "python_output", "text": "0.4"},
+        {"type": "text", "text": ".4 and 3/4 = "},
+        {"type": "python", "text": "3/4"},
+        {"type": "python_output", "text": "0.75"},
+        {"type": "text", "text": "3/4 of it.\n2**3 = 8 apples.\n#### 8"},
+    ]
+    assert conversation_error(ex["messages"]) is None  # what a user's file is checked with accepts it
 
 
 def test_multiple_choice_mmlu_parquet_and_arc_jsonl(tmp_path):

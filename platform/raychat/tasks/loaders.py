@@ -3,7 +3,8 @@
 - SmolTalk (HuggingFaceTB/smol-smoltalk): parquet with a `messages` column, list of {"role", "content"}.
 - GSM8K (openai/gsm8k): jsonl (or parquet) with `question` and `answer`; the answer holds calculator
   annotations "<<48/2=24>>" and ends with "#### 72". Each annotation becomes a python call (expr) plus its
-  output (result); the text around it is kept, so the final text part ends with "#### 72".
+  output: the engine's result for that call (gsm8k_parts); the text around it is kept, so the final text
+  part ends with "#### 72".
 - MMLU (cais/mmlu): `question`, `choices` (list of str), `answer` (int index), `subject`.
 - ARC (allenai/ai2_arc): `id`, `question`, `choices` {"text": [...], "label": [...]}, `answerKey`.
 - HumanEval (openai/openai_humaneval): `task_id`, `prompt`, `canonical_solution`, `test`, `entry_point`
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from raychat.calculator import calculate
 from raychat.chat_template import PARTS_FORM, ROLES, validate_messages
 from raychat.log import plural
 from raychat.tasks.base import Task, extract_answer
@@ -152,9 +154,9 @@ def _json_record(line: str) -> tuple[dict | None, str | None]:
 
 def conversation_error(messages) -> str | None:
     """Why a `messages` value is no conversation SFT can train on (chat template rules, naming the field as
-    "messages[i].content"; a call with no result right after it: unanswered_call), or None. An OpenAI
-    `tool_calls` message is refused by name: training data write the call as the assistant's {"type": "python",
-    "text": EXPR} content part (raychat.chat_template)."""
+    "messages[i].content"; a call with no result right after it: unanswered_call; a result that is not the
+    engine's: engine_result_error), or None. An OpenAI `tool_calls` message is refused by name: training data
+    write the call as the assistant's {"type": "python", "text": EXPR} content part (raychat.chat_template)."""
     if isinstance(messages, str | bytes | dict) or not isinstance(messages, Sequence):
         return f"messages must be a list of {{'role', 'content'}} objects, got {type(messages).__name__}"
     for i, m in enumerate(messages):
@@ -175,7 +177,7 @@ def conversation_error(messages) -> str | None:
         return re.sub(r"^message (\d+)(?: part (\d+))?", _field, str(e))
     if not any(m["role"] == "assistant" for m in messages):
         return "messages: no 'assistant' message (nothing to train on)"
-    return unanswered_call(messages)
+    return unanswered_call(messages) or engine_result_error(messages)
 
 
 def unanswered_call(messages: Sequence[dict]) -> str | None:
@@ -217,6 +219,41 @@ def unanswered_call(messages: Sequence[dict]) -> str | None:
     return None
 
 
+def engine_result_error(messages: Sequence[dict]) -> str | None:
+    """Why a conversation whose every call is answered right away (unanswered_call found nothing) trains on a
+    result the engine never gives, or None. At inference the engine injects `raychat.calculator.calculate(call)`
+    as the result ("47 * 12" -> "564", "7/2" -> "3.5", "84/2" -> "42"), and nothing at all for a call it cannot
+    compute (calculate -> None: e.g. "2**10", "sqrt(2)"). So a result (a python_output part, or the tool message
+    that answers a call ending its message) must be that text exactly, e.g. `messages[1].content[2]: the result
+    '564.0' of the python call '47 * 12' is not the engine's: at inference the engine answers that call with
+    '564', so write '564'`; and a call the engine cannot compute is refused with its result, naming the result's
+    field: the model would learn to lean on a result it never gets."""
+    for i, m in enumerate(messages):
+        parts = m["content"] if m["role"] == "assistant" and not isinstance(m["content"], str) else []
+        for j, part in enumerate(parts):
+            if part["type"] != "python":
+                continue
+            if j + 1 < len(parts):
+                field, given = f"messages[{i}].content[{j + 1}]", parts[j + 1]["text"]
+            else:
+                field, given = f"messages[{i + 1}].content", messages[i + 1]["content"]
+            engine = calculate(part["text"])
+            if engine == given:
+                continue
+            if engine is None:
+                return (
+                    f"{field}: the result {given!r} of the python call {part['text']!r} is one the engine never "
+                    "gives: its calculator cannot compute that expression and answers nothing at inference, so "
+                    "write the call as arithmetic it computes (integers and decimals, + - * / // %, parentheses, "
+                    "1,000, or 'word'.count('letters')), or leave the call and its result out"
+                )
+            return (
+                f"{field}: the result {given!r} of the python call {part['text']!r} is not the engine's: at "
+                f"inference the engine answers that call with {engine!r}, so write {engine!r}"
+            )
+    return None
+
+
 def _field(m: re.Match) -> str:
     """chat_template's "message 3 part 1" -> "messages[3].content[1]" (the field as the record spells it)."""
     i, part = m.groups()
@@ -254,17 +291,45 @@ class SmolTalk(Task):
 
 
 def gsm8k_parts(answer: str) -> list[dict]:
-    """GSM8K answer text -> assistant parts; "<<a*b=c>>" -> python "a*b" then python_output "c"."""
+    """GSM8K answer text -> assistant parts: each calculator annotation "<<a*b=c>>" becomes a python call "a*b"
+    and, as its python_output, the text the engine injects for that call at inference
+    (raychat.calculator.calculate), not GSM8K's "c"; the text around it is kept.
+
+    GSM8K writes its results by hand: in openai/gsm8k's main config (openai/grade-school-math's train.jsonl and
+    test.jsonl), 667 of the train split's 23,716 annotations (2.8%, in 295 of 7,473 records) and 156 of the
+    test split's 4,282 (3.6%, in 63 of 1,319) are not the engine's text for their call, every one the same number written otherwise ("<<8*18=144.00>>":
+    the engine injects "144"; "<<2*20*.01=.4>>": "0.4"; "<<3/4=3/4>>": "0.75"), and none is a call the engine
+    cannot compute. Trained as written, the model would condition on results it never sees at inference
+    (nanochat's tasks/gsm8k.py keeps GSM8K's text; its engine injects str(eval(call)), "24.0" for "48/2"), so
+    the engine's text replaces them. An annotation whose call the engine cannot compute (calculate -> None: it
+    injects nothing at inference) is left out, call and result, so the model never learns to make a call that
+    goes unanswered; GSM8K repeats each result in the text after its annotation ("<<48/2=24>>24 clips"), so
+    the solution still reads whole. No record is refused for its annotations: a dataset the hub provides
+    always loads.
+    """
     parts, pos = [], 0
     for m in GSM8K_CALC_RE.finditer(answer):
         if m.start() > pos:
             parts.append({"type": "text", "text": answer[pos : m.start()]})
-        parts.append({"type": "python", "text": m.group(1)})
-        parts.append({"type": "python_output", "text": m.group(2)})
         pos = m.end()
+        result = calculate(m.group(1))
+        if result is not None:
+            parts.append({"type": "python", "text": m.group(1)})
+            parts.append({"type": "python_output", "text": result})
     if pos < len(answer):
         parts.append({"type": "text", "text": answer[pos:]})
-    return parts
+    return _merged_text(parts)
+
+
+def _merged_text(parts: list[dict]) -> list[dict]:
+    """parts with adjacent text parts joined (a left-out annotation leaves its two sides next to each other)."""
+    out: list[dict] = []
+    for part in parts:
+        if out and part["type"] == out[-1]["type"] == "text":
+            out[-1] = {"type": "text", "text": out[-1]["text"] + part["text"]}
+        else:
+            out.append(part)
+    return out
 
 
 def gsm8k_error(record: dict) -> str | None:
