@@ -123,10 +123,13 @@ NO_CALL = (
 
 # a result that is not the text the engine injects for its call (raychat.calculator.calculate)
 NOT_THE_ENGINES = "is not the engine's: at inference the engine answers that call with"
+COMPUTED_FORMS = (
+    "write the call as arithmetic it computes (integers and decimals, + - * / // %, parentheses, 1,000, or "
+    "'word'.count('letters'))"
+)
 NEVER_GIVEN = (
     "is one the engine never gives: its calculator cannot compute that expression and answers nothing at inference, "
-    "so write the call as arithmetic it computes (integers and decimals, + - * / // %, parentheses, 1,000, or "
-    "'word'.count('letters')), or leave the call and its result out (1 of 3 records is bad)"
+    f"so {COMPUTED_FORMS}, or leave the call and its result out (1 of 3 records is bad)"
 )
 
 
@@ -188,6 +191,11 @@ NEVER_GIVEN = (
             {"type": "python", "text": "2**10"}, {"type": "python_output", "text": "1024"},
             {"type": "text", "text": "1024"}]}]},
          f"messages[1].content[1]: the result '1024' of the python call '2**10' {NEVER_GIVEN}"),
+        ({"messages": [{"role": "user", "content": "2 to the 10th?"}, {"role": "assistant", "content": [
+            {"type": "python", "text": "2**10"}, {"type": "text", "text": "It is 1024."}]}]},
+         "messages[1].content[0]: the python call '2**10' is one the engine's calculator cannot compute (it answers "
+         f"nothing at inference): {COMPUTED_FORMS}, with its result right after it, or leave the call out (1 of 3 "
+         "records is bad)"),
         ({"messages": [{"role": "user", "content": "only a question"}]},
          "messages: no 'assistant' message (nothing to train on) (1 of 3 records is bad)"),
         ({"conversation": []}, "lacks column(s) ['messages']; expected ['messages'] (1 of 3 records is bad)"),

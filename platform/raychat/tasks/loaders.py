@@ -30,6 +30,10 @@ from raychat.log import plural
 from raychat.tasks.base import Task, extract_answer
 
 GSM8K_CALC_RE = re.compile(r"<<([^=<>]*)=([^<>]*)>>")
+COMPUTED_FORMS = (  # what raychat.calculator computes, as a refusal tells it
+    "write the call as arithmetic it computes (integers and decimals, + - * / // %, parentheses, 1,000, or "
+    "'word'.count('letters'))"
+)
 LETTERS = "ABCDEFGHIJ"
 
 
@@ -188,7 +192,8 @@ def unanswered_call(messages: Sequence[dict]) -> str | None:
     with no call right before it in its message (a result the engine never gives); or None. At inference the
     engine answers a call as soon as the model emits <|python_end|>, forcing <|output_start|> result
     <|output_end|>, and the model goes on after it in the same turn (raychat.engine.row_state); a call the
-    engine's calculator cannot compute gets no output there, and is no training data either."""
+    engine's calculator cannot compute gets no output there, and is no training data either: left unanswered,
+    it is refused as one the calculator cannot compute (answered, by engine_result_error)."""
     for i, m in enumerate(messages):
         parts = m["content"] if m["role"] == "assistant" and not isinstance(m["content"], str) else []
         for j, part in enumerate(parts):
@@ -204,6 +209,12 @@ def unanswered_call(messages: Sequence[dict]) -> str | None:
             role = messages[i + 1]["role"] if i + 1 < len(messages) else None
             if after == "python_output" or (after is None and role == "tool"):
                 continue
+            if calculate(part["text"]) is None:
+                return (
+                    f"messages[{i}].content[{j}]: the python call {part['text']!r} is one the engine's calculator "
+                    f"cannot compute (it answers nothing at inference): {COMPUTED_FORMS}, with its result right "
+                    "after it, or leave the call out"
+                )
             if after is not None:
                 what = f"is followed by a {after} part, not by its result"
             elif role is None:
@@ -244,8 +255,7 @@ def engine_result_error(messages: Sequence[dict]) -> str | None:
                 return (
                     f"{field}: the result {given!r} of the python call {part['text']!r} is one the engine never "
                     "gives: its calculator cannot compute that expression and answers nothing at inference, so "
-                    "write the call as arithmetic it computes (integers and decimals, + - * / // %, parentheses, "
-                    "1,000, or 'word'.count('letters')), or leave the call and its result out"
+                    f"{COMPUTED_FORMS}, or leave the call and its result out"
                 )
             return (
                 f"{field}: the result {given!r} of the python call {part['text']!r} is not the engine's: at "
