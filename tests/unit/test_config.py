@@ -397,3 +397,17 @@ def test_the_speedrun_names_its_preset_keys_in_configuration_errors(tmp_path):
             run_speedrun(path, str(out))
         assert str(e.value) == line
         assert not out.exists()
+
+
+def test_rl_max_operand_keeps_every_calculator_call_computable():
+    """rl.max_operand is capped at 10**9: the largest product, 10**9 * 10**9 = 10**18, is the calculator's bound
+    (raychat.calculator.MAX_MAGNITUDE), so every call of a calculator prompt gets its result; one more and a
+    product the engine answers with nothing could be drawn."""
+    from raychat.calculator import MAX_MAGNITUDE, calculate
+
+    assert from_dict(RLConfig, {"max_operand": 10**9}).task.max_operand == 10**9
+    assert calculate(f"{10**9} * {10**9}") == str(MAX_MAGNITUDE) == "1000000000000000000"
+    assert calculate(f"{10**9 + 1} * {10**9 + 1}") is None
+    with pytest.raises(ConfigError) as e:
+        from_dict(RLConfig, {"max_operand": 10**9 + 1})
+    assert str(e.value) == "--max-operand must be <= 1000000000, got 1000000001"

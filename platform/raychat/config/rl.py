@@ -45,7 +45,13 @@ class TaskSection(Section):
         "when the number after a completion's last #### is the answer)",
     )  # fmt: skip
     task_examples: int = option(10_000, "training prompts (train split)", ge=1)
-    max_operand: int = option(999, "calculator: operands are drawn from 0..max_operand", ge=1)
+    max_operand: int = option(
+        999,
+        "calculator: operands are drawn from 0..max_operand (at most 10**9, so a product stays within the "
+        "engine calculator's bound of 10**18 and every call gets its result)",
+        ge=1,
+        le=10**9,
+    )
     task_data_dir: str = option(
         "", "directory of the hub tasks' files (smoltalk, gsm8k, mmlu, arc-*, humaneval; layouts: "
         "raychat.tasks.hub_data); '' = $RAYCHAT_TASK_DATA, else runs/task_data",
