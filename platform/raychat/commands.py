@@ -434,9 +434,9 @@ def check_shared_paths(stage: str, args: argparse.Namespace, config=None) -> Non
 
 
 def task_data_note(stage: str, config, env_items: list[str] | None = None) -> str | None:
-    """The note `raychat submit` prints for a stage that reads the task data directory (sft, rl: their hub
-    tasks' files; eval: those of --tasks and the CORE bundle, unless --core-bundle names it) when that
-    directory is not an absolute path: --task-data-dir not given (and no absolute RAYCHAT_TASK_DATA among
+    """The note `raychat submit` and `raychat k8s submit` print for a stage that reads the task data directory
+    (sft, rl: their hub tasks' files; eval: those of --tasks and the CORE bundle, unless --core-bundle names it)
+    when that directory is not an absolute path: --task-data-dir not given (and no absolute RAYCHAT_TASK_DATA among
     `env_items`, --env's KEY=VALUE) is the node's $RAYCHAT_TASK_DATA, else runs/task_data, which in a job is
     Ray's temporary copy of the checkout, uploaded without runs/. None when the stage reads none of it or
     reads it from an absolute path."""
@@ -752,7 +752,7 @@ def k8s(subparsers) -> None:
     s.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
     s.add_argument("--context", help="kubeconfig context")
     s.add_argument("--dry-run", action="store_true", help="print the RayJob YAML instead of creating it")
-    s.set_defaults(func="raychat.ops.k8s_cli:cmd_submit")
+    s.set_defaults(func="raychat.ops.k8s_cli:cmd_submit", stage_notes=[])
 
 
 def grafana(subparsers) -> None:

@@ -159,6 +159,9 @@ def write_report(out_dir: Path, r: dict, metrics_files: dict[str, Path] | None =
     the curves of every stage, greedy samples) and report.json in out_dir.
 
     metrics_files: {stage: its metrics.jsonl}; each stage found gets curves_<stage>.png (plot_stage).
+    A stage's figures are the metrics of its final checkpoint (Ray Train's last report): "step" counts the
+    optimizer steps done (from 1, resumes included: the whole plan, as a speedrun sets no --stop-after), and
+    "loss", "val_bpb", "tokens_per_s", "data_wait_frac" are those of that last step; each row names its stage.
     """
     p, t = r["pretrain"], r["timings_s"]
     curves = []
@@ -179,12 +182,12 @@ def write_report(out_dir: Path, r: dict, metrics_files: dict[str, Path] | None =
         f"{r['data'].get('documents'):,} documents, {r['data'].get('bytes', 0) / 1e6:.1f} MB |",
         f"| tokenizer | vocab {r['tokenizer'].get('vocab_size')}, "
         f"{r['tokenizer'].get('val_bytes_per_token', 'n/a')} bytes/token (val) |",
-        f"| steps | {p.get('step')} |",
-        f"| final train loss | {p.get('loss', float('nan')):.4f} |",
-        f"| validation BPB | {p.get('val_bpb', float('nan')):.4f} |",
+        f"| pretrain optimizer steps | {p.get('step')} |",
+        f"| pretrain train loss (last step) | {p.get('loss', float('nan')):.4f} |",
+        f"| pretrain validation BPB (last step) | {p.get('val_bpb', float('nan')):.4f} |",
         f"| unigram baseline BPB | {r['unigram_bpb']:.4f} |",
-        f"| tokens/s (last step, all workers) | {p.get('tokens_per_s', 0):,.0f} |",
-        f"| data wait (last step) | {100 * p.get('data_wait_frac', 0):.1f}% |",
+        f"| pretrain tokens/s (last step, all workers) | {p.get('tokens_per_s', 0):,.0f} |",
+        f"| pretrain data wait (last step) | {100 * p.get('data_wait_frac', 0):.1f}% |",
         f"| wall time | {wall_line(t, r.get('reused', []))} |",
         *(
             [
@@ -193,10 +196,10 @@ def write_report(out_dir: Path, r: dict, metrics_files: dict[str, Path] | None =
             if r.get("reused")
             else []
         ),
-        f"| checkpoint | `{r['checkpoint']}` |",
+        f"| pretrain checkpoint | `{r['checkpoint']}` |",
         *(
             [
-                f"| SFT steps | {r['sft'].get('step')} (val BPB on held-out conversations of its tasks "
+                f"| SFT optimizer steps | {r['sft'].get('step')} (val BPB on held-out conversations of its tasks "
                 f"{r['sft'].get('val_bpb', float('nan')):.4f}) |",
                 *(
                     [

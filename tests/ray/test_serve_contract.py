@@ -300,6 +300,9 @@ def test_the_printed_metrics_url_counts_a_request(served):
     while not (found := line.search(served.log_tail(200))) and time.monotonic() < deadline:
         time.sleep(0.5)  # /health answers a moment before `raychat serve` prints its lines
     assert found, served.log_tail(200)
+    # Ray Serve's reconnect line of serve.run, although --port applied (raychat.serve.cli.drop_reconnect_line)
+    log = served.log_tail(200)
+    assert "will not be applied" not in log and f"Application 'raychat' is ready at {served.url}/" in log, log
     ttft, tokens = _settled_counts(found[1])
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id

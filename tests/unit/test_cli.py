@@ -383,6 +383,12 @@ def test_numbers_the_parser_checks_name_their_flag(argv, message, capsys):
           "--total-batch-size", "768"],
          "stage pretrain: --total-batch-size 768 is not a multiple of --device-batch-size x --seq-len x workers "
          "(--min-workers..--num-workers) = 4 x 64 x 2 = 512; allowed: a multiple of 1536, e.g. 1536"),
+        # the model's shape (raychat.config.train.ModelSection; tests/unit/test_train_config.py works it by hand)
+        (["pretrain", "--preset", "tiny", "--storage-path", ROOT, "--kv-group", "3"],
+         "stage pretrain: --kv-group 3 does not divide the 2 query heads (width 64: --depth 1 x --aspect-ratio 64 = "
+         "64 rounded up to a multiple of --head-dim 32; 64 / 32 = 2); allowed: 1, 2"),
+        (["pretrain", "--storage-path", ROOT, "--head-dim", "33"],
+         "stage pretrain: --head-dim must be even (RoPE rotates pairs of dimensions), got 33"),
     ],
 )  # fmt: skip
 def test_a_submitted_stages_arguments_are_parsed_before_submission(submit, stage_args, message, capsys):

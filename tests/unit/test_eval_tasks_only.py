@@ -16,6 +16,7 @@ from support.serve_helpers import write_tiny_checkpoint
 from raychat import checkpoint_manager
 from raychat.checkpoint_manager import commit_directory, output_place
 from raychat.cli import main as raychat_main
+from raychat.eval import cli as eval_cli
 from raychat.storage import open_storage, upload_dir
 
 
@@ -192,6 +193,25 @@ def test_bpb_without_data_under_a_speedruns_checkpoints_names_the_data_beside_th
         f"--storage-path is {tmp_path}/data: --data-dir {tmp_path}/data)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
     assert _listing(root) == ["sft"]  # nothing written
+
+
+def test_the_data_hint_names_storage_path_only_when_it_was_given(tmp_path, monkeypatch):
+    """The hint said "beside --storage-path" of the default root runs/checkpoints too, which no flag named."""
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "runs" / "data"
+    data.mkdir(parents=True)
+    (data / "manifest.json").write_text("{}")  # the hint only looks for the manifest
+    checkpoint, elsewhere = str(tmp_path / "ck" / "checkpoint_000001"), str(tmp_path / "other")
+    given = f"{tmp_path}/runs/checkpoints"
+    assert eval_cli.speedrun_data_hint(open_storage(given), checkpoint, elsewhere, given) == (
+        f"; the speedrun's data beside --storage-path is {data}: --data-dir {data}"
+    )
+    default = open_storage("runs/checkpoints")  # what eval looks in without --storage-path
+    assert eval_cli.speedrun_data_hint(default, checkpoint, elsewhere, None) == (
+        f"; the data beside runs/checkpoints (the storage root: --storage-path not given) is {data}: "
+        f"--data-dir {data}"
+    )
+    assert eval_cli.speedrun_data_hint(default, checkpoint, str(data), None) == ""  # --data-dir is that data
 
 
 def test_bpb_without_data_names_the_data_of_the_speedrun_above_the_checkpoint(tmp_path, capsys, monkeypatch):

@@ -565,6 +565,29 @@ def test_k8s_submit_dry_run_prints_a_valid_rayjob(capsys, crd_schemas):
     )
 
 
+def test_k8s_submit_says_where_its_job_looks_for_task_data(capsys):
+    """StageArgs built `raychat submit`'s task data note for `raychat k8s submit` too, which printed none: a
+    RayJob's eval reads the CORE bundle from runs/task_data of its copy of /home/ray/raychat (the image holds no
+    runs/, its pods set no $RAYCHAT_TASK_DATA) and scored it "n/a: no data" with no line saying why."""
+    stage = ["eval", "--storage-path", "/mnt/checkpoints/runs", "--checkpoint", "latest"]
+    assert raychat_main(["k8s", "submit", "--dry-run", "--name", "e1", *stage]) == 0
+    out, err = capsys.readouterr()
+    assert yaml.safe_load(out)["spec"]["entrypoint"] == (
+        "python jobs/eval.py --storage-path /mnt/checkpoints/runs --checkpoint latest"
+    )
+    assert err == (
+        "raychat k8s submit: note: stage eval reads the CORE bundle (eval_bundle/) from the task data directory, "
+        "--task-data-dir not given: $RAYCHAT_TASK_DATA of the node it runs on, else runs/task_data in the job's "
+        "temporary copy of the checkout, uploaded without runs/ (what is not there scores 'n/a: no data'); to "
+        "read them from storage every node mounts give --task-data-dir, e.g. --task-data-dir "
+        "/mnt/checkpoints/task_data\n"
+    )
+    # the PVC's task data (every pod mounts /mnt/checkpoints), or a stage that reads none: no note
+    for argv in ([*stage, "--task-data-dir", "/mnt/checkpoints/task_data"], SFT):
+        assert raychat_main(["k8s", "submit", "--dry-run", "--name", "e1", *argv]) == 0
+        assert capsys.readouterr().err == ""
+
+
 # exactly the command of docs/deployment.md
 RL_ARGS = ["rl", "--storage-path", "/mnt/checkpoints/runs", "--init-from", "latest"]
 

@@ -4,6 +4,7 @@ build_app's args and a preset file keep their keys."""
 
 from __future__ import annotations
 
+import logging
 import socket
 from pathlib import Path
 
@@ -379,3 +380,19 @@ def test_the_metrics_lines_name_the_nodes_of_the_chat_replicas_not_the_commands_
         ("http://10.0.0.1:8080/metrics", "this node's Ray")
     ]
     assert serve_cli.replica_endpoints([], [node("head", "10.0.0.1", 0)], "head") == []
+
+
+def test_only_ray_serves_reconnect_line_is_dropped():
+    """raychat.serve.cli.drop_reconnect_line filters Ray Serve's logger during serve.run: its line that New
+    http_options will not be applied (--host/--port did) goes, any other line of that logger stays."""
+
+    def record(message: str, *args) -> logging.LogRecord:
+        return logging.LogRecord("ray.serve", logging.INFO, "api.py", 1, message, args, None)
+
+    reconnect = 'Connecting to existing Serve app in namespace "%s". New http_options/controller_options will not be applied.'
+    assert serve_cli.drop_reconnect_line(record(reconnect, "serve")) is False
+    for kept in (
+        'Started Serve in namespace "serve".',
+        "Application 'raychat' is ready at http://127.0.0.1:8000/.",
+    ):
+        assert serve_cli.drop_reconnect_line(record(kept)) is True

@@ -63,6 +63,16 @@ def test_a_resumed_run_reports_the_figures_of_the_invocation_that_ran_each_stage
     assert rows["wall time"] == ("592 s (data 12 reused, tokenizer 30 reused, pretrain 412 reused, eval 5, "
                                  "sft 60 reused, rl 70 reused, report card 3); this invocation 72 s")  # fmt: skip
     assert rows["RL"] == RL["summary"]
+    # each label names its stage and what it counts: "| steps | 600 |" said neither (PRETRAIN's figures: the
+    # final checkpoint's metrics, step = optimizer steps done, the whole plan's in a speedrun)
+    assert {k: rows[k] for k in list(rows)[3:8]} == {
+        "pretrain optimizer steps": "600", "pretrain train loss (last step)": "3.2500",
+        "pretrain validation BPB (last step)": "1.7500", "unigram baseline BPB": "2.5000",
+        "pretrain tokens/s (last step, all workers)": "15,000",
+    }  # fmt: skip
+    assert rows["pretrain data wait (last step)"] == "1.0%"
+    assert rows["pretrain checkpoint"] == "`/runs/checkpoints/base/checkpoint_000600`"
+    assert rows["SFT optimizer steps"] == "30 (val BPB on held-out conversations of its tasks 1.5000)"
     assert rows["reused stages"].startswith(
         "data, tokenizer, pretrain, sft, rl (made by an earlier invocation"
     )
@@ -117,7 +127,7 @@ def test_the_accuracy_before_and_after_sft_is_of_the_mixtures_first_graded_task(
     assert rows["mmlu accuracy before / after SFT"] == "0.250 / 0.375 (64 held-out problems)"
     no_task = {k: v for k, v in SFT.items() if not k.startswith("accuracy")}
     rows = table(tmp_path / "b", invocation(tmp_path / "b", walls, figures | {"sft": no_task}, ran=True))
-    assert not any("accuracy" in k for k in rows) and rows["SFT steps"].startswith("30 ")
+    assert not any("accuracy" in k for k in rows) and rows["SFT optimizer steps"].startswith("30 ")
 
 
 def test_the_curves_of_a_run_of_ones_own(tmp_path, capsys):

@@ -7,9 +7,10 @@ from torch import nn
 from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
 from raychat.commands import PARSERS
-from raychat.config import TrainConfig, add_flags, from_dict, preset_values
+from raychat.config import ConfigError, TrainConfig, add_flags, from_dict, preset_values
 from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.loss import cross_entropy_sum, normalize
+from raychat.model import ModelConfig
 from raychat.train.launch import config_from, elastic_grad_accum, scaling_config, stopped_early_line
 from raychat.train.optim import lr_multiplier, lr_peak_from, warmdown_start
 from raychat.train.plan import make_plan, power_law_batch_size, print_plan, round_to_micro_steps
@@ -155,6 +156,46 @@ def test_bad_flags_are_clear_errors(flags, message, capsys):
         return
     with pytest.raises(ValueError, match=message):
         config_from(args, TrainConfig(), "pretrain")
+
+
+@pytest.mark.parametrize(
+    "depth, ratio, head_dim, group, width, heads, allowed",
+    [
+        (1, 64, 32, 3, 64, 2, "1, 2"),  # the tiny preset's shape
+        (3, 40, 32, 3, 128, 4, "1, 2, 4"),  # 120 rounded up to a multiple of 32
+        (26, 64, 128, 2, 1664, 13, "1, 13"),  # the cluster preset's shape: 13 heads, a prime
+        (2, 64, 64, 4, 128, 2, "1, 2"),  # a group larger than the heads
+    ],
+)
+def test_a_kv_group_that_does_not_divide_the_heads_is_refused_by_the_config(
+    depth, ratio, head_dim, group, width, heads, allowed, tmp_path, capsys
+):
+    """--kv-group was checked only when the model was built (raychat.model.ModelConfig.from_depth, with torch):
+    `raychat submit` submitted the stage and the job failed in the cluster; a local run said "kv_group=3 must
+    divide n_head=2", naming no flag. The config refuses it now, with the model's arithmetic worked by hand."""
+    shape = {"depth": depth, "aspect_ratio": ratio, "head_dim": head_dim}
+    message = (
+        f"--kv-group {group} does not divide the {heads} query heads (width {width}: --depth {depth} x "
+        f"--aspect-ratio {ratio} = {depth * ratio} rounded up to a multiple of --head-dim {head_dim}; {width} / "
+        f"{head_dim} = {heads}); allowed: {allowed}"
+    )
+    with pytest.raises(ConfigError) as refused:
+        from_dict(TrainConfig, {**shape, "kv_group": group})
+    assert str(refused.value) == message
+    with pytest.raises(
+        ValueError, match=f"^kv_group={group} must divide n_head={heads}$"
+    ):  # the model agrees
+        ModelConfig.from_depth(depth, 512, 64, ratio, head_dim, group)
+    largest = int(allowed.split(", ")[-1])  # the most KV sharing allowed: both build it
+    assert from_dict(TrainConfig, {**shape, "kv_group": largest}).model.kv_group == largest
+    assert ModelConfig.from_depth(depth, 512, 64, ratio, head_dim, largest).n_kv_head == 1
+    if depth == 1:  # a local run refuses it at once with the same line, writing nothing
+        argv = ["pretrain", "--preset", "tiny", "--storage-path", str(tmp_path / "runs"), "--kv-group", "3"]
+        assert raychat_main(argv) == 2
+        assert capsys.readouterr().err == (
+            f"raychat pretrain: error: {message}  (RAYCHAT_DEBUG=1 shows the traceback)\n"
+        )
+        assert list(tmp_path.iterdir()) == []
 
 
 def test_presets_load_and_validate():

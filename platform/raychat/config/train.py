@@ -72,10 +72,24 @@ class ModelSection(Section):
     compile: bool = option(False, "torch.compile the model")
 
     def __post_init__(self):
+        """Raises ConfigError: an odd --head-dim, or a --kv-group that does not divide the query heads (the
+        checks of raychat.model.ModelConfig.from_depth, here so that a submitted stage is refused before it is
+        submitted; an --init-from run's shape is its checkpoint's, checked against these by the run)."""
         super().__post_init__()
         if self.head_dim % 2:
             raise ConfigError(
                 f"--head-dim must be even (RoPE rotates pairs of dimensions), got {self.head_dim}"
+            )
+        depth, ratio, head_dim, group = self.depth, self.aspect_ratio, self.head_dim, self.kv_group
+        width = math.ceil(depth * ratio / head_dim) * head_dim  # as ModelConfig.from_depth
+        heads = width // head_dim
+        if heads % group:
+            allowed = ", ".join(str(g) for g in range(1, heads + 1) if heads % g == 0)
+            raise ConfigError(
+                f"{flag_name('kv_group')} {group} does not divide the {heads} query heads (width {width}: "
+                f"{flag_name('depth')} {depth} x {flag_name('aspect_ratio')} {ratio} = {depth * ratio} rounded up "
+                f"to a multiple of {flag_name('head_dim')} {head_dim}; {width} / {head_dim} = {heads}); allowed: "
+                f"{allowed}"
             )
 
 

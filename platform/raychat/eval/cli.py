@@ -283,12 +283,18 @@ def card_source(result: dict) -> str:
     return f"checkpoint {result['checkpoint']} ({kind}), evaluated {result['finished_at']}"
 
 
-def speedrun_data_hint(storage: Storage, checkpoint: str, data_dir: str) -> str:
-    """'; ... --data-dir X/data' when a speedrun's data (X/data holding a manifest.json) is beside --storage-path
-    (X/checkpoints) or above the checkpoint (X/rl/rl/checkpoint_000001), and is not data_dir; else ''."""
+def speedrun_data_hint(storage: Storage, checkpoint: str, data_dir: str, storage_path: str | None) -> str:
+    """'; ... --data-dir X/data' when prepared data (X/data holding a manifest.json) is beside the storage root
+    `storage` (X/checkpoints: --storage-path `storage_path`, or CHECKPOINTS_ROOT when it is None) or a speedrun's
+    is above the checkpoint (X/rl/rl/checkpoint_000001), and is not data_dir; else ''."""
     beside = Path(storage.path).parent / "data"
     if storage.is_local and beside != Path(data_dir) and (beside / "manifest.json").is_file():
-        return f"; the speedrun's data beside --storage-path is {beside}: --data-dir {beside}"
+        if storage_path:
+            return f"; the speedrun's data beside --storage-path is {beside}: --data-dir {beside}"
+        return (
+            f"; the data beside {CHECKPOINTS_ROOT} (the storage root: --storage-path not given) is {beside}: "
+            f"--data-dir {beside}"
+        )
     if "://" in checkpoint:
         return ""
     for out in Path(checkpoint).parents:
@@ -308,7 +314,7 @@ def validation_shard(cfg: EvalConfig, storage: Storage, checkpoint: str) -> str:
     try:
         return list_shards(data_dir)[1]
     except (OSError, ValueError) as e:
-        hint = speedrun_data_hint(storage, checkpoint, data_dir)
+        hint = speedrun_data_hint(storage, checkpoint, data_dir, cfg.storage_path)
         raise ValueError(
             f"--data-dir: {e} (BPB needs the pretraining data's validation shard; --eval-tokens 0 skips BPB and "
             f"scores only --tasks and the report card{hint})"

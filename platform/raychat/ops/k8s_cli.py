@@ -112,6 +112,8 @@ def cmd_submit(args) -> int:
     except ValueError as e:
         print(f"raychat k8s submit: error: {e}", file=sys.stderr)
         return 2
+    for note in args.stage_notes:  # raychat.commands.StageArgs, as `raychat submit` prints them
+        print(f"raychat k8s submit: note: {note}", file=sys.stderr)
     if args.dry_run:
         body["metadata"]["namespace"] = args.namespace
         sys.stdout.write(to_yaml(body))

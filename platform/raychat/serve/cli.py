@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import errno
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -41,6 +42,7 @@ from raychat.serve.server import default_model_id
 from raychat.sigterm import Terminated, init_keeping_handler, raise_terminated
 
 APP_NAME = "raychat"
+SERVE_LOGGER = "ray.serve"  # Ray Serve's own logger (ray.serve._private.constants.SERVE_LOGGER_NAME)
 VLLM_MODEL_ID = "raychat"  # --backend vllm without --model-id, as VLLMConfig's default (serve/vllm.yaml)
 
 
@@ -117,18 +119,30 @@ def start(
         except OSError:
             ray.shutdown()
             raise
-    try:
-        serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
-    except RuntimeError as e:
-        if "Failed to bind" not in str(e):
-            raise
-        ray.shutdown()
-        raise OSError(port_in_use(host, port)) from None
-    # serve.run takes no HTTP options: it reconnects to the Serve started above, logging Ray's "Connecting to
-    # existing Serve app ... New http_options ... will not be applied" (--host/--port did apply)
-    serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
+    if running is None:  # a running Serve's proxies are on host:port (checked above): nothing to start
+        try:
+            serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
+        except RuntimeError as e:
+            if "Failed to bind" not in str(e):
+                raise
+            ray.shutdown()
+            raise OSError(port_in_use(host, port)) from None
+    serve_logger = logging.getLogger(SERVE_LOGGER)
+    serve_logger.addFilter(drop_reconnect_line)
+    try:  # serve.run takes no HTTP options: it reconnects to the Serve on host:port
+        serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
+    finally:
+        serve_logger.removeFilter(drop_reconnect_line)
     page_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{page_host}:{port}/"
+
+
+def drop_reconnect_line(record: logging.LogRecord) -> bool:
+    """A filter of Ray Serve's logger (SERVE_LOGGER) that drops its line 'Connecting to existing Serve app in
+    namespace "serve". New http_options/controller_options will not be applied.', which serve.run logs each
+    time, reconnecting to the Serve whose proxies start() checked are on --host/--port; keeps every other."""
+    message = record.getMessage()
+    return not (message.startswith("Connecting to existing Serve app") and "will not be applied" in message)
 
 
 def check_port_free(host: str, port: int) -> None:
