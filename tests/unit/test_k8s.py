@@ -226,10 +226,12 @@ def test_cluster_shapes(builds):
         "data": "python jobs/data.py prepare --preset cluster --storage-path /mnt/checkpoints/runs && "
         "python jobs/tokenizer.py train --preset cluster --storage-path /mnt/checkpoints/runs",
         "pretrain": "python jobs/pretrain.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name pretrain",
-        "sft": "python jobs/sft.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name sft --init-from latest",
-        "rl": "python jobs/rl.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name rl --init-from latest",
+        "sft": "python jobs/sft.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name sft --init-from latest "
+        "--task-data-dir /mnt/checkpoints/task_data",
+        "rl": "python jobs/rl.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name rl --init-from latest "
+        "--task-data-dir /mnt/checkpoints/task_data",
         "eval": "python jobs/eval.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name eval "
-        "--checkpoint latest",
+        "--checkpoint latest --task-data-dir /mnt/checkpoints/task_data",
         "export": "python jobs/export.py --storage-path /mnt/checkpoints/runs --run-name hf --checkpoint latest",
     }  # fmt: skip
     for stage in k8s.CHAIN:
@@ -752,6 +754,7 @@ def test_the_vllm_rayservice_is_in_the_gpu_overlay_alone(builds, crd_schemas):
 # ---------------------------------------------------------------- the object-storage overlays
 
 PVC_ROOT, S3_ROOT = "/mnt/checkpoints/runs", "s3://my-bucket/raychat"
+TASK_DATA = "/mnt/checkpoints/task_data"  # the hub tasks' files on the PVC (k8s.TASK_DATA, by hand)
 
 
 def flag_values(entrypoint: str, flag: str) -> list[str]:
@@ -771,7 +774,9 @@ def resolved_paths(entrypoint: str) -> dict[str, dict]:
         base = from_dict(cls, defaults) if defaults else None
         flat = to_flat(from_args(build_parser(name).parse_args([name, *words]), cls, section, base=base))
         keys = [
-            k for k in ("storage_path", "data_dir", "tokenizer_path") if k not in UNUSED_FLAGS.get(name, {})
+            k
+            for k in ("storage_path", "data_dir", "tokenizer_path", "task_data_dir")
+            if k not in UNUSED_FLAGS.get(name, {})
         ]
         out[name] = {k: flat[k] for k in keys if k in flat}
     return out
@@ -787,10 +792,11 @@ def chain_on_the_bucket(root: str = S3_ROOT, export_out: str | None = None) -> d
         "pretrain": f"python jobs/pretrain.py --preset cluster --storage-path {root} --run-name pretrain "
         f"--data-dir {PVC_ROOT}/data --tokenizer-path {PVC_ROOT}/tokenizer",
         "sft": f"python jobs/sft.py --preset cluster --storage-path {root} --run-name sft --init-from latest "
-        f"--tokenizer-path {PVC_ROOT}/tokenizer",
-        "rl": f"python jobs/rl.py --preset cluster --storage-path {root} --run-name rl --init-from latest",
+        f"--tokenizer-path {PVC_ROOT}/tokenizer --task-data-dir {TASK_DATA}",
+        "rl": f"python jobs/rl.py --preset cluster --storage-path {root} --run-name rl --init-from latest "
+        f"--task-data-dir {TASK_DATA}",
         "eval": f"python jobs/eval.py --preset cluster --storage-path {root} --run-name eval --checkpoint latest "
-        f"--data-dir {PVC_ROOT}/data",
+        f"--data-dir {PVC_ROOT}/data --task-data-dir {TASK_DATA}",
         "export": f"python jobs/export.py --storage-path {root} --run-name hf --checkpoint latest{out}",
     }  # fmt: skip
 
@@ -813,9 +819,9 @@ def test_each_object_storage_overlay_keeps_checkpoints_in_the_bucket_and_data_on
         "data": {"storage_path": PVC_ROOT},
         "tokenizer": {"storage_path": PVC_ROOT, "data_dir": f"{PVC_ROOT}/data"},
         "pretrain": {"storage_path": S3_ROOT, "data_dir": f"{PVC_ROOT}/data", "tokenizer_path": f"{PVC_ROOT}/tokenizer"},
-        "sft": {"storage_path": S3_ROOT, "tokenizer_path": f"{PVC_ROOT}/tokenizer"},  # SFT reads no shards
-        "rl": {"storage_path": S3_ROOT},
-        "eval": {"storage_path": S3_ROOT, "data_dir": f"{PVC_ROOT}/data"},
+        "sft": {"storage_path": S3_ROOT, "tokenizer_path": f"{PVC_ROOT}/tokenizer", "task_data_dir": TASK_DATA},  # no shards
+        "rl": {"storage_path": S3_ROOT, "task_data_dir": TASK_DATA},
+        "eval": {"storage_path": S3_ROOT, "data_dir": f"{PVC_ROOT}/data", "task_data_dir": TASK_DATA},
         "export": {"storage_path": S3_ROOT},
     }  # fmt: skip
     # the chat RayService serves the RL run's newest checkpoint from the bucket, on a GPU a replica on the gpu

@@ -65,6 +65,9 @@ APP_DIR = "/home/ray/raychat"
 CHECKPOINTS_PVC = "raychat-checkpoints"
 CHECKPOINTS_MOUNT = "/mnt/checkpoints"
 STORAGE_ROOT = f"{CHECKPOINTS_MOUNT}/runs"  # --storage-path of every RayJob; the RayService's checkpoints
+# --task-data-dir of sft, rl and eval: the hub tasks' files and the CORE bundle on the PVC (the image has no
+# runs/task_data and the pods set no $RAYCHAT_TASK_DATA); README "nanochat's full report card" fills it
+TASK_DATA = f"{CHECKPOINTS_MOUNT}/task_data"
 # The base's GPU group: whole 8-GPU nodes, one pod each, as many as the `cluster` preset's 32 ranks take. A pod
 # asks for what an 8-GPU node (H100/A100 class: 96-208 CPUs, >= 1 TiB) can give a pod and Ray's CPUs match
 # ray_cluster.yaml's GPU node (48): 8 ranks x 5 CPUs + 8 for Ray Data.
@@ -274,17 +277,20 @@ def chain_commands(
     (e.g. --num-workers 8) goes to the Ray Train stages, so they fit the RayJob's cluster. `inputs`: the root of
     the data and tokenizer runs when it is not `root` (checkpoints on object storage, whose data and tokenizer
     every node reads as files: a local or NFS root), given to the stages that read them as --data-dir and
-    --tokenizer-path."""
+    --tokenizer-path. sft, rl and eval read the hub tasks' files from TASK_DATA (--task-data-dir)."""
     common = ["--preset", preset, "--storage-path", root]
+    task_data = ["--task-data-dir", TASK_DATA]
     data_dir = ["--data-dir", f"{inputs}/data"] if inputs else []
     tokenizer = ["--tokenizer-path", f"{inputs}/tokenizer"] if inputs else []
     data_stages = ["--preset", preset, "--storage-path", inputs or root]
     return {
         "data": [["data", "prepare", *data_stages], ["tokenizer", "train", *data_stages]],
         "pretrain": [["pretrain", *common, *shape, "--run-name", "pretrain", *data_dir, *tokenizer]],
-        "sft": [["sft", *common, *shape, "--run-name", "sft", "--init-from", "latest", *tokenizer]],
-        "rl": [["rl", *common, "--run-name", "rl", "--init-from", "latest"]],
-        "eval": [["eval", *common, "--run-name", "eval", "--checkpoint", "latest", *data_dir]],
+        "sft": [
+            ["sft", *common, *shape, "--run-name", "sft", "--init-from", "latest", *tokenizer, *task_data]
+        ],
+        "rl": [["rl", *common, "--run-name", "rl", "--init-from", "latest", *task_data]],
+        "eval": [["eval", *common, "--run-name", "eval", "--checkpoint", "latest", *data_dir, *task_data]],
         "export": [["export", "--storage-path", root, "--run-name", "hf", "--checkpoint", "latest"]],
     }
 
