@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 
 import pyarrow as pa
@@ -473,3 +474,49 @@ def test_a_small_folder_prepares_with_one_reading_line(tmp_path):
         "shuffling 3 documents (seed 0) into 2 shards: 1 train of 2 documents + 1 validation of 1 document (33%, "
         "held out of training)",
     ]
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_reading_one_large_file_logs_its_progress_within_it(tmp_path, suffix):
+    """A folder of one large file logged nothing until the whole file was read. One file of 4 equal parts: 4
+    row groups of 4 equal rows, or 4 .jsonl lines of READ_STEP_BYTES (1 MiB) each, whose reading tells its place
+    before the 2nd, 3rd and 4th part; a clock 3 s on at each look: 25% at 3 s is quiet, 50% at 6 s (eta 6 s x
+    0.5 / 0.5 = 6 s), 75% at 9 s (eta 9 s x 0.25 / 0.75 = 3 s), the end line at 12 s."""
+    path = tmp_path / f"big{suffix}"
+    if suffix == ".parquet":
+        with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as writer:
+            for _ in range(4):
+                writer.write_table(pa.table({"text": ["a document"] * 4}))
+        assert pq.ParquetFile(path).num_row_groups == 4
+    else:
+        line = json.dumps({"text": ""}) + "\n"  # 13 bytes: the text fills each line to exactly 1 MiB
+        text = "x" * (corpora.READ_STEP_BYTES - len(line))
+        path.write_text((json.dumps({"text": text}) + "\n") * 4)
+        assert path.stat().st_size == 4 * corpora.READ_STEP_BYTES
+    ticks = iter(range(0, 100, 3))
+    lines = []
+    corpus = corpora.local_folder(tmp_path, log=lines.append, clock=lambda: next(ticks))
+    assert len(corpus.documents) == (16 if suffix == ".parquet" else 4)
+    total = corpora.size(path.stat().st_size)
+    assert lines == [
+        f"read 0/1 file (50% of {total}) in 6s, eta 6s",
+        f"read 0/1 file (75% of {total}) in 9s, eta 3s",
+        f"read 1 file ({total}) in 12s",
+    ]
+
+
+def test_a_parquet_files_row_groups_end_at_their_share_of_its_compressed_size(tmp_path):
+    """row_group_ends: the place in the file on disk where each row group ends, by the compressed sizes its
+    footer records, not by rows: a group of 1 row of 3,000 random letters (stored plain) then one of 3 rows of
+    1,000 end halfway (by rows: a quarter) and at the end (a page header and a length per row aside)."""
+    rng = random.Random(0)
+    text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(6000))
+    path = tmp_path / "two.parquet"
+    schema = pa.schema([("text", pa.string())])
+    with pq.ParquetWriter(
+        path, schema, compression="none", use_dictionary=False, write_statistics=False
+    ) as writer:
+        writer.write_table(pa.table({"text": [text[:3000]]}))
+        writer.write_table(pa.table({"text": [text[3000:4000], text[4000:5000], text[5000:]]}))
+    first, second = corpora.row_group_ends(pq.ParquetFile(path), 10_000)
+    assert second == 10_000 and first == pytest.approx(5_000, abs=50)
