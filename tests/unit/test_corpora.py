@@ -520,3 +520,30 @@ def test_a_parquet_files_row_groups_end_at_their_share_of_its_compressed_size(tm
         writer.write_table(pa.table({"text": [text[3000:4000], text[4000:5000], text[5000:]]}))
     first, second = corpora.row_group_ends(pq.ParquetFile(path), 10_000)
     assert second == 10_000 and first == pytest.approx(5_000, abs=50)
+
+
+def test_the_prepared_lines_count_with_separators_and_size_small_amounts(tmp_path):
+    """A folder of 1,200 documents of 10 bytes read `prepared ...: 1200 documents, 0.01 MB of text` and `holds 600
+    of 1200 documents`: the count without its separator, 12 kB as 0.01 MB (and 44 bytes as 0.00 MB)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "d.jsonl").write_text("".join(json.dumps({"text": f"doc {i:06d}"}) + "\n" for i in range(1_200)))
+    lines = []
+    manifest = prepare(str(src), tmp_path / "out", log=lines.append)
+    on_disk = sum(s["file_bytes"] for s in manifest["shards"])
+    assert [
+        line for line in lines if line.startswith(("  wrote", "warning: the validation shard", "prepared"))
+    ] == [
+        f"  wrote shard_00000.parquet: train, 600 documents, 6.0 kB of text, "
+        f"{corpora.size(manifest['shards'][0]['file_bytes'])} on disk",
+        f"  wrote shard_00001.parquet: val, 600 documents, 6.0 kB of text, "
+        f"{corpora.size(manifest['shards'][1]['file_bytes'])} on disk",
+        "warning: the validation shard shard_00001.parquet holds 600 of 1,200 documents (50%) and 6.0 kB of "
+        "12.0 kB of text (50%), held out of training: more shards (--num-shards, or a smaller --rows-per-shard) "
+        "hold out less",
+        "warning: the validation shard shard_00001.parquet holds only 6.0 kB of text (600 documents): a validation "
+        "loss measured on less than 100.0 kB is noise; a larger corpus gives a larger one",
+        f"prepared {tmp_path / 'out'}: 1,200 documents, 12.0 kB of text, 2 shards (1 train + validation "
+        f"shard_00001.parquet), {corpora.size(on_disk)} on disk; source {src} (as licensed by the files' owners "
+        "(local folder))",
+    ]

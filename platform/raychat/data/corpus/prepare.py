@@ -196,7 +196,7 @@ def validation_warnings(entries: list[dict], shard_options: str = SHARD_OPTIONS)
     warnings = []
     if doc_share > VALIDATION_MAX_SHARE or byte_share > VALIDATION_MAX_SHARE:
         warnings.append(
-            f"warning: the validation shard {val['file']} holds {val['documents']} of {documents} documents "
+            f"warning: the validation shard {val['file']} holds {val['documents']:,} of {documents:,} documents "
             f"({doc_share:.0%}) and {size(val['bytes'])} of {size(text)} of text ({byte_share:.0%}), held out "
             f"of training: more shards ({shard_options}) hold out less"
         )
@@ -451,15 +451,15 @@ def report(out: Path, manifest: dict, log) -> None:
     shards = manifest["shards"]
     on_disk = sum(s["file_bytes"] for s in shards)
     log(
-        f"prepared {out}: {manifest['documents']} documents, {manifest['bytes'] / 1e6:.2f} MB of text, "
-        f"{len(shards)} shards ({len(shards) - 1} train + validation {manifest['validation_shard']}), "
-        f"{on_disk / 1e6:.2f} MB on disk; source {manifest['source']} ({manifest['license']})"
+        f"prepared {out}: {plural(manifest['documents'], 'document')}, {size(manifest['bytes'])} of text, "
+        f"{plural(len(shards), 'shard')} ({len(shards) - 1:,} train + validation {manifest['validation_shard']}), "
+        f"{size(on_disk)} on disk; source {manifest['source']} ({manifest['license']})"
     )
     skipped = manifest["skipped"]
     if skipped:
         log(f"skipped {plural(sum(skipped.values()), 'document')}:")
         for reason, n in skipped.items():
-            log(f"  {reason}: {n}  (e.g. {', '.join(manifest['skipped_examples'].get(reason, []))})")
+            log(f"  {reason}: {n:,}  (e.g. {', '.join(manifest['skipped_examples'].get(reason, []))})")
     else:
         log("skipped 0 documents")
 

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from raychat.atomic import atomic_write, atomic_write_bytes
 from raychat.config.data import PrepareConfig
-from raychat.log import log, plural
+from raychat.log import log, plural, size
 
 MANIFEST = "manifest.json"
 FORMAT = "raychat-text-shards/1"  # the manifest's "format": what tells a prepared data directory
@@ -144,7 +144,7 @@ def write_shards(
         entries.append(shard_entry(path, split, len(texts), sum(len(t.encode()) for t in texts)))
         log(
             f"  wrote {path.name}: {split}, {plural(len(texts), 'document')}, "
-            f"{entries[-1]['bytes'] / 1e6:.2f} MB of text, {entries[-1]['file_bytes'] / 1e6:.2f} MB on disk"
+            f"{size(entries[-1]['bytes'])} of text, {size(entries[-1]['file_bytes'])} on disk"
         )
     return entries
 
