@@ -547,3 +547,19 @@ def test_the_prepared_lines_count_with_separators_and_size_small_amounts(tmp_pat
         f"shard_00001.parquet), {corpora.size(on_disk)} on disk; source {src} (as licensed by the files' owners "
         "(local folder))",
     ]
+
+
+def test_a_jsonl_or_parquet_file_of_no_documents_is_an_empty_skip(tmp_path):
+    """An empty .txt was an `empty` skip, but a .jsonl of no lines and a .parquet of no rows were counted nowhere:
+    a folder of the three was refused naming only the .txt."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("")
+    (src / "b.jsonl").write_text("")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), src / "c.parquet")
+    with pytest.raises(DataError) as e:
+        prepare(str(src), tmp_path / "out", log=lambda m: None)
+    assert str(e.value) == (
+        f"--source {src}: no usable documents: skipped 3 documents (empty: 3 (e.g. a.txt, b.jsonl, c.parquet))"
+    )
+    assert not (tmp_path / "out").exists()

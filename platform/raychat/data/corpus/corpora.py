@@ -219,7 +219,7 @@ def parquet_documents(
 ) -> None:
     """Rows of a parquet file's `text_field` column (default `text`), row group by row group. Before each row
     group after the first, `place` gets the bytes of the file read so far: the file's size on disk x the share
-    of its row groups' compressed size read (row_group_ends).
+    of its row groups' compressed size read (row_group_ends). A file of no rows is an "empty" skip.
 
     Raises:
         DataError: not a readable parquet file, no such column (its columns listed, and the --text-field
@@ -234,6 +234,8 @@ def parquet_documents(
         raise DataError(
             f"{name}: the `{text_field}` column holds {kind}, not strings (string or UTF-8 binary)"
         )
+    if pf.metadata.num_rows == 0:
+        skips.add("empty", name)
     ends = row_group_ends(pf, path.stat().st_size)
     for g in range(pf.num_row_groups):
         if g:
@@ -284,7 +286,7 @@ def jsonl_documents(
     """The `text_field` (default "text") of each JSON line (a UTF-8 byte order mark before a line, as Windows
     editors write before the first, is ignored); bad lines are counted skips: invalid_utf8 (a line that is not UTF-8, or a
     text with a lone surrogate escape such as "\\ud800", which has no UTF-8 encoding), invalid_json,
-    no_text_field, empty. Before a line that starts READ_STEP_BYTES or more after the last place told, `place`
+    no_text_field, empty (also a file of no lines). Before a line that starts READ_STEP_BYTES or more after the last place told, `place`
     gets the bytes of the file read so far."""
     read = told = 0
     with open(path, "rb") as f:
@@ -310,6 +312,8 @@ def jsonl_documents(
                 skips.add("invalid_utf8", where)
                 continue
             keep(text, where, documents, skips)
+    if not read:
+        skips.add("empty", name)
 
 
 def local_folder(
@@ -327,7 +331,7 @@ def local_folder(
     (shards.prepared_manifest), none of whose files is read ("prepared_dataset", once per folder: its shards,
     the validation shard included, would leak into training), a broken symbolic link, a pipe or a socket
     ("not_a_file"), documents that are not valid UTF-8 ("invalid_utf8": a file, a .jsonl line or a parquet
-    value that does not decode, a .jsonl text with a lone surrogate escape), empty documents ("empty") and
+    value that does not decode, a .jsonl text with a lone surrogate escape), empty documents ("empty"; also a .jsonl or .parquet file of no line or row) and
     those of parquet_documents and jsonl_documents. Hidden files and folders are read as any other.
     `log` (None: silent) receives the reading's progress lines (ReadProgress; `clock`: seconds).
 
