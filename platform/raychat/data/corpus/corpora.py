@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 
 from raychat.data.corpus.rst_clean import clean_rst, split_sections
 from raychat.data.corpus.shards import (
+    DOCUMENT_SUFFIXES,
     MANIFEST,
     DataError,
     open_text_shard,
@@ -394,7 +395,7 @@ def document_files(root: Path, skips: Skips) -> list[Path]:
                 prepared.append(path)
         elif not path.is_file():
             skips.add("not_a_file", name)
-        elif path.suffix.lower() in (*TEXT_SUFFIXES, ".jsonl", ".parquet"):
+        elif path.suffix.lower() in DOCUMENT_SUFFIXES:
             files.append(path)
         else:
             skips.add("unsupported_file", name)

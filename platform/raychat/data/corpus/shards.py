@@ -30,6 +30,13 @@ FORMAT = "raychat-text-shards/1"  # the manifest's "format": what tells a prepar
 ROW_GROUP_SIZE = PrepareConfig().row_group_size
 COMPRESSION = "zstd"
 SCHEMA = pa.schema([pa.field("text", pa.string())])
+DOCUMENT_SUFFIXES = (
+    ".txt",
+    ".md",
+    ".rst",
+    ".jsonl",
+    ".parquet",
+)  # the files a --source DIR gives documents from
 
 
 class DataError(ValueError):
@@ -250,10 +257,16 @@ def read_manifest(data_dir: str | Path) -> dict:
     """The manifest of a prepared data directory.
 
     Raises:
-        FileNotFoundError: no manifest.json (the directory was never prepared, or preparing did not finish).
+        FileNotFoundError: no manifest.json (the directory was never prepared, or preparing did not finish; a
+            folder of documents is told to be given to `raychat data prepare --source`).
         ValueError: the manifest lists no shards, or its last shard is not the validation split.
     """
     path = Path(data_dir) / MANIFEST
+    if not path.is_file() and holds_documents(data_dir):
+        raise FileNotFoundError(
+            f"{path} not found: {data_dir} holds documents, not the shards `raychat data prepare` writes: run "
+            f"`raychat data prepare --source {data_dir} --out DIR` and give --data-dir DIR"
+        )
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: give --data-dir a directory `raychat data prepare` wrote, or run `raychat data "
@@ -266,6 +279,15 @@ def read_manifest(data_dir: str | Path) -> dict:
             f"{path}: needs >= 2 shards with the last one split='val', got {[s.get('split') for s in shards]}"
         )
     return manifest
+
+
+def holds_documents(directory: str | Path) -> bool:
+    """Whether `directory` (or a folder under it) holds a file a --source DIR reads (DOCUMENT_SUFFIXES) that is
+    not a shard of a prepare that did not finish (is_shard_name)."""
+    return any(
+        p.suffix.lower() in DOCUMENT_SUFFIXES and not is_shard_name(p.name) and p.is_file()
+        for p in Path(directory).rglob("*")
+    )
 
 
 def list_shards(data_dir: str | Path, verify: bool = False) -> tuple[list[str], str]:
