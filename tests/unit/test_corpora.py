@@ -563,3 +563,23 @@ def test_a_jsonl_or_parquet_file_of_no_documents_is_an_empty_skip(tmp_path):
         f"--source {src}: no usable documents: skipped 3 documents (empty: 3 (e.g. a.txt, b.jsonl, c.parquet))"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_jsonl_lines_skipped_for_want_of_the_field_are_a_warning_when_the_rest_prepares(tmp_path):
+    """A mistyped --text-field (`body` for `text`) on a folder of 2 .txt files and a .jsonl of 3 lines prepared
+    the 2 .txt files alone, the 3 lines only counted as no_text_field skips: the refusal's advice to give
+    --text-field came only where too few documents were left."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("first document")
+    (src / "b.txt").write_text("second document")
+    (src / "c.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(3)))
+    lines = []
+    manifest = prepare(str(src), tmp_path / "out", text_field="body", log=lines.append)
+    assert manifest["documents"] == 2 and manifest["skipped"] == {"no_text_field": 3}
+    assert lines[-3:] == [
+        "skipped 3 documents:",
+        "  no_text_field: 3  (e.g. c.jsonl:line=1, c.jsonl:line=2, c.jsonl:line=3)",
+        "warning: 3 .jsonl lines without a 'body' string field were skipped: where documents are under another "
+        "field, give --text-field with the field that holds it",
+    ]

@@ -462,6 +462,12 @@ def report(out: Path, manifest: dict, log) -> None:
             log(f"  {reason}: {n:,}  (e.g. {', '.join(manifest['skipped_examples'].get(reason, []))})")
     else:
         log("skipped 0 documents")
+    if skipped.get("no_text_field"):  # a mistyped --text-field, or one not given, still prepares the rest
+        field = manifest.get("text_field", corpora.TEXT_FIELD)
+        log(
+            f"warning: {plural(skipped['no_text_field'], '.jsonl line')} without a {field!r} string field "
+            "were skipped: where documents are under another field, give --text-field with the field that holds it"
+        )
 
 
 def prepare_kwargs(config: PrepareConfig) -> dict:
