@@ -583,3 +583,19 @@ def test_jsonl_lines_skipped_for_want_of_the_field_are_a_warning_when_the_rest_p
         "warning: 3 .jsonl lines without a 'body' string field were skipped: where documents are under another "
         "field, give --text-field with the field that holds it",
     ]
+
+
+def test_a_folder_of_one_large_text_file_is_told_that_a_file_is_one_document(tmp_path, capsys):
+    """A folder of one 3-line .txt file (a corpus in one file, as users bring it) was refused with `1 document is
+    too few for 2 shards (...)` alone, naming neither the flag nor why: a .txt file is one document, whole."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "corpus.txt").write_text("first line\nsecond line\nthird line\n")
+    out = tmp_path / "out"
+    assert main(["data", "prepare", "--source", str(src), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"raychat data prepare: error: --source {src}: 1 document is too few for 2 shards (train + validation: one "
+        "document at least each); a .txt, .md or .rst file is one document, whole (1 file here): split a large one "
+        'into a file a document, or into a .jsonl of a {"text": ...} a line\n'
+    )
+    assert not out.exists()

@@ -84,6 +84,7 @@ class Corpus:
     """Documents in a deterministic order (not yet shuffled) and where they came from.
 
     components: one dict per sub-source (name, license, path, package version, documents, bytes).
+    whole_files: of the documents, those that are a whole .txt, .md or .rst file of a local folder.
     """
 
     source: str
@@ -91,6 +92,7 @@ class Corpus:
     documents: list[str]
     skips: Skips = field(default_factory=Skips)
     components: list[dict] = field(default_factory=list)
+    whole_files: int = 0
 
 
 def keep(text: str, where: str, documents: list[str], skips: Skips) -> None:
@@ -350,16 +352,19 @@ def local_folder(
         )
     documents: list[str] = []
     skips = Skips()
+    whole_files = 0
     files = document_files(root, skips)
     progress = ReadProgress(len(files), sum(p.stat().st_size for p in files), log or (lambda m: None), clock)
     for path in files:
         name = str(path.relative_to(root))
         suffix = path.suffix.lower()
         if suffix in TEXT_SUFFIXES:
+            kept = len(documents)
             try:
                 keep(path.read_bytes().decode("utf-8-sig"), name, documents, skips)
             except UnicodeDecodeError:
                 skips.add("invalid_utf8", name)
+            whole_files += len(documents) - kept
         elif suffix == ".jsonl":
             jsonl_documents(path, name, documents, skips, text_field, progress.within)
         else:
@@ -374,7 +379,9 @@ def local_folder(
         "documents": len(documents),
         "bytes": sum(len(d.encode()) for d in documents),
     }
-    return Corpus(str(root), "as licensed by the files' owners (local folder)", documents, skips, [comp])
+    return Corpus(
+        str(root), "as licensed by the files' owners (local folder)", documents, skips, [comp], whole_files
+    )
 
 
 def document_files(root: Path, skips: Skips) -> list[Path]:

@@ -391,10 +391,14 @@ def prepare(
         try:  # fail before touching `out`
             count_shards(len(corpus.documents), num_shards, rows_per_shard)
         except ValueError as e:  # too few documents: say what was skipped, as no_documents does
-            if corpus.skips.total:
-                hint = text_field_hint(corpus.skips, field)
-                raise DataError(f"--source {source}: {e}; {skipped_summary(corpus.skips)}{hint}") from e
-            raise
+            skipped = f"; {skipped_summary(corpus.skips)}" if corpus.skips.total else ""
+            hint = text_field_hint(corpus.skips, field)
+            if corpus.whole_files:  # e.g. one large .txt file, which is one document
+                hint += (
+                    f"; a .txt, .md or .rst file is one document, whole ({plural(corpus.whole_files, 'file')} "
+                    'here): split a large one into a file a document, or into a .jsonl of a {"text": ...} a line'
+                )
+            raise DataError(f"--source {source}: {e}{skipped}{hint}") from e
 
         def write(old: dict | None) -> dict:
             return prepare_corpus(
