@@ -205,10 +205,11 @@ def test_pretraining_data_that_is_not_prepared(data, want, root, capsys):
 def test_a_folder_of_documents_given_as_data_dir_is_told_to_be_prepared_first(tmp_path, capsys):
     """A user's own folder of texts given to --data-dir was told to run `raychat data prepare --out` that folder,
     which refuses it (not an earlier data directory); it is prepare's --source. Shards of a prepare that did not
-    finish (no manifest) are not documents: that folder keeps the old advice."""
+    finish (no manifest) are not documents, nor is what a folder below holds (a storage root's runs hold .md
+    files): those keep the old advice."""
     docs = tmp_path / "my_texts"
-    (docs / "sub").mkdir(parents=True)
-    (docs / "sub" / "a.jsonl").write_text('{"text": "a document"}\n')
+    docs.mkdir()
+    (docs / "a.jsonl").write_text('{"text": "a document"}\n')
     argv = ["tokenizer", "train", "--data-dir", str(docs), "--out", str(tmp_path / "tok")]
     assert _fails_in_one_line(argv, capsys) == (
         f"raychat tokenizer train: error: --data-dir: {docs}/manifest.json not found: {docs} holds documents, not "
@@ -216,8 +217,9 @@ def test_a_folder_of_documents_given_as_data_dir_is_told_to_be_prepared_first(tm
         "--data-dir DIR  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
     half = tmp_path / "half"
-    half.mkdir()
+    (half / "run").mkdir(parents=True)
     (half / "shard_00000.parquet").write_bytes(b"")
+    (half / "run" / "report_card.md").write_text("# a run's report card")
     argv = ["tokenizer", "train", "--data-dir", str(half), "--out", str(tmp_path / "tok")]
     assert _fails_in_one_line(argv, capsys) == (
         f"raychat tokenizer train: error: --data-dir: {half}/manifest.json not found: give --data-dir a directory "

@@ -282,11 +282,13 @@ def read_manifest(data_dir: str | Path) -> dict:
 
 
 def holds_documents(directory: str | Path) -> bool:
-    """Whether `directory` (or a folder under it) holds a file a --source DIR reads (DOCUMENT_SUFFIXES) that is
-    not a shard of a prepare that did not finish (is_shard_name)."""
-    return any(
+    """Whether `directory` holds a file a --source DIR reads (DOCUMENT_SUFFIXES) that is not a shard of a prepare
+    that did not finish (is_shard_name). Its folders are not looked into: a storage root's runs hold .md and
+    .json files that are no corpus."""
+    root = Path(directory)
+    return root.is_dir() and any(
         p.suffix.lower() in DOCUMENT_SUFFIXES and not is_shard_name(p.name) and p.is_file()
-        for p in Path(directory).rglob("*")
+        for p in root.iterdir()
     )
 
 
