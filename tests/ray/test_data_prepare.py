@@ -281,7 +281,9 @@ def test_too_few_documents_for_the_shards_says_what_was_skipped(tmp_path, capsys
     assert main(["data", "prepare", "--source", str(src), "--out", str(out)]) == 2
     assert capsys.readouterr().err == (
         f"raychat data prepare: error: --source {src}: 1 document is too few for 2 shards (train + validation: "
-        "one document at least each); skipped 2 documents (invalid_utf8: 2 (e.g. b.txt, c.txt))\n"
+        "one document at least each); skipped 2 documents (invalid_utf8: 2 (e.g. b.txt, c.txt)); a .txt, .md or .rst "
+        "file is one document, whole (1 file here): split a large one into a file a document, or into a .jsonl of a "
+        '{"text": ...} a line\n'
     )
     assert not out.exists()
 

@@ -202,6 +202,33 @@ def test_pretraining_data_that_is_not_prepared(data, want, root, capsys):
     assert _snapshot(root) == before and not (root / "p").exists()
 
 
+def test_a_folder_of_documents_given_as_data_dir_is_told_to_be_prepared_first(tmp_path, capsys):
+    """A user's own folder of texts given to --data-dir was told to run `raychat data prepare --out` that folder,
+    which refuses it (not an earlier data directory); it is prepare's --source. Shards of a prepare that did not
+    finish (no manifest) are not documents, nor is what a folder below holds (a storage root's runs hold .md
+    files): those keep the old advice."""
+    docs = tmp_path / "my_texts"
+    docs.mkdir()
+    (docs / "a.jsonl").write_text('{"text": "a document"}\n')
+    argv = ["tokenizer", "train", "--data-dir", str(docs), "--out", str(tmp_path / "tok")]
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat tokenizer train: error: --data-dir: {docs}/manifest.json not found: {docs} holds documents, not "
+        f"the shards `raychat data prepare` writes: run `raychat data prepare --source {docs} --out DIR` and give "
+        "--data-dir DIR  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    half = tmp_path / "half"
+    (half / "run").mkdir(parents=True)
+    (half / "shard_00000.parquet").write_bytes(b"")
+    (half / "run" / "report_card.md").write_text("# a run's report card")
+    argv = ["tokenizer", "train", "--data-dir", str(half), "--out", str(tmp_path / "tok")]
+    assert _fails_in_one_line(argv, capsys) == (
+        f"raychat tokenizer train: error: --data-dir: {half}/manifest.json not found: give --data-dir a directory "
+        f"`raychat data prepare` wrote, or run `raychat data prepare --out {half}` first  (RAYCHAT_DEBUG=1 shows "
+        "the traceback)"
+    )
+    assert not (tmp_path / "tok").exists()
+
+
 def test_pretraining_without_a_tokenizer_names_the_flag_and_the_command_that_trains_one(
     root, tmp_path, capsys
 ):

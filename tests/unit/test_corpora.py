@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 
 import pyarrow as pa
@@ -473,3 +474,128 @@ def test_a_small_folder_prepares_with_one_reading_line(tmp_path):
         "shuffling 3 documents (seed 0) into 2 shards: 1 train of 2 documents + 1 validation of 1 document (33%, "
         "held out of training)",
     ]
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_reading_one_large_file_logs_its_progress_within_it(tmp_path, suffix):
+    """A folder of one large file logged nothing until the whole file was read. One file of 4 equal parts: 4
+    row groups of 4 equal rows, or 4 .jsonl lines of READ_STEP_BYTES (1 MiB) each, whose reading tells its place
+    before the 2nd, 3rd and 4th part; a clock 3 s on at each look: 25% at 3 s is quiet, 50% at 6 s (eta 6 s x
+    0.5 / 0.5 = 6 s), 75% at 9 s (eta 9 s x 0.25 / 0.75 = 3 s), the end line at 12 s."""
+    path = tmp_path / f"big{suffix}"
+    if suffix == ".parquet":
+        with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as writer:
+            for _ in range(4):
+                writer.write_table(pa.table({"text": ["a document"] * 4}))
+        assert pq.ParquetFile(path).num_row_groups == 4
+    else:
+        line = json.dumps({"text": ""}) + "\n"  # 13 bytes: the text fills each line to exactly 1 MiB
+        text = "x" * (corpora.READ_STEP_BYTES - len(line))
+        path.write_text((json.dumps({"text": text}) + "\n") * 4)
+        assert path.stat().st_size == 4 * corpora.READ_STEP_BYTES
+    ticks = iter(range(0, 100, 3))
+    lines = []
+    corpus = corpora.local_folder(tmp_path, log=lines.append, clock=lambda: next(ticks))
+    assert len(corpus.documents) == (16 if suffix == ".parquet" else 4)
+    total = corpora.size(path.stat().st_size)
+    assert lines == [
+        f"read 0/1 file (50% of {total}) in 6s, eta 6s",
+        f"read 0/1 file (75% of {total}) in 9s, eta 3s",
+        f"read 1 file ({total}) in 12s",
+    ]
+
+
+def test_a_parquet_files_row_groups_end_at_their_share_of_its_compressed_size(tmp_path):
+    """row_group_ends: the place in the file on disk where each row group ends, by the compressed sizes its
+    footer records, not by rows: a group of 1 row of 3,000 random letters (stored plain) then one of 3 rows of
+    1,000 end halfway (by rows: a quarter) and at the end (a page header and a length per row aside)."""
+    rng = random.Random(0)
+    text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(6000))
+    path = tmp_path / "two.parquet"
+    schema = pa.schema([("text", pa.string())])
+    with pq.ParquetWriter(
+        path, schema, compression="none", use_dictionary=False, write_statistics=False
+    ) as writer:
+        writer.write_table(pa.table({"text": [text[:3000]]}))
+        writer.write_table(pa.table({"text": [text[3000:4000], text[4000:5000], text[5000:]]}))
+    first, second = corpora.row_group_ends(pq.ParquetFile(path), 10_000)
+    assert second == 10_000 and first == pytest.approx(5_000, abs=50)
+
+
+def test_the_prepared_lines_count_with_separators_and_size_small_amounts(tmp_path):
+    """A folder of 1,200 documents of 10 bytes read `prepared ...: 1200 documents, 0.01 MB of text` and `holds 600
+    of 1200 documents`: the count without its separator, 12 kB as 0.01 MB (and 44 bytes as 0.00 MB)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "d.jsonl").write_text("".join(json.dumps({"text": f"doc {i:06d}"}) + "\n" for i in range(1_200)))
+    lines = []
+    manifest = prepare(str(src), tmp_path / "out", log=lines.append)
+    on_disk = sum(s["file_bytes"] for s in manifest["shards"])
+    assert [
+        line for line in lines if line.startswith(("  wrote", "warning: the validation shard", "prepared"))
+    ] == [
+        f"  wrote shard_00000.parquet: train, 600 documents, 6.0 kB of text, "
+        f"{corpora.size(manifest['shards'][0]['file_bytes'])} on disk",
+        f"  wrote shard_00001.parquet: val, 600 documents, 6.0 kB of text, "
+        f"{corpora.size(manifest['shards'][1]['file_bytes'])} on disk",
+        "warning: the validation shard shard_00001.parquet holds 600 of 1,200 documents (50%) and 6.0 kB of "
+        "12.0 kB of text (50%), held out of training: more shards (--num-shards, or a smaller --rows-per-shard) "
+        "hold out less",
+        "warning: the validation shard shard_00001.parquet holds only 6.0 kB of text (600 documents): a validation "
+        "loss measured on less than 100.0 kB is noise; a larger corpus gives a larger one",
+        f"prepared {tmp_path / 'out'}: 1,200 documents, 12.0 kB of text, 2 shards (1 train + validation "
+        f"shard_00001.parquet), {corpora.size(on_disk)} on disk; source {src} (as licensed by the files' owners "
+        "(local folder))",
+    ]
+
+
+def test_a_jsonl_or_parquet_file_of_no_documents_is_an_empty_skip(tmp_path):
+    """An empty .txt was an `empty` skip, but a .jsonl of no lines and a .parquet of no rows were counted nowhere:
+    a folder of the three was refused naming only the .txt."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("")
+    (src / "b.jsonl").write_text("")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), src / "c.parquet")
+    with pytest.raises(DataError) as e:
+        prepare(str(src), tmp_path / "out", log=lambda m: None)
+    assert str(e.value) == (
+        f"--source {src}: no usable documents: skipped 3 documents (empty: 3 (e.g. a.txt, b.jsonl, c.parquet))"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_jsonl_lines_skipped_for_want_of_the_field_are_a_warning_when_the_rest_prepares(tmp_path):
+    """A mistyped --text-field (`body` for `text`) on a folder of 2 .txt files and a .jsonl of 3 lines prepared
+    the 2 .txt files alone, the 3 lines only counted as no_text_field skips: the refusal's advice to give
+    --text-field came only where too few documents were left."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("first document")
+    (src / "b.txt").write_text("second document")
+    (src / "c.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(3)))
+    lines = []
+    manifest = prepare(str(src), tmp_path / "out", text_field="body", log=lines.append)
+    assert manifest["documents"] == 2 and manifest["skipped"] == {"no_text_field": 3}
+    assert lines[-3:] == [
+        "skipped 3 documents:",
+        "  no_text_field: 3  (e.g. c.jsonl:line=1, c.jsonl:line=2, c.jsonl:line=3)",
+        "warning: 3 .jsonl lines without a 'body' string field were skipped: where documents are under another "
+        "field, give --text-field with the field that holds it",
+    ]
+
+
+def test_a_folder_of_one_large_text_file_is_told_that_a_file_is_one_document(tmp_path, capsys):
+    """A folder of one 3-line .txt file (a corpus in one file, as users bring it) was refused with `1 document is
+    too few for 2 shards (...)` alone, naming neither the flag nor why: a .txt file is one document, whole."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "corpus.txt").write_text("first line\nsecond line\nthird line\n")
+    out = tmp_path / "out"
+    assert main(["data", "prepare", "--source", str(src), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"raychat data prepare: error: --source {src}: 1 document is too few for 2 shards (train + validation: one "
+        "document at least each); a .txt, .md or .rst file is one document, whole (1 file here): split a large one "
+        'into a file a document, or into a .jsonl of a {"text": ...} a line\n'
+    )
+    assert not out.exists()

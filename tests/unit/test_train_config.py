@@ -9,6 +9,7 @@ from raychat.cli import main as raychat_main
 from raychat.commands import PARSERS
 from raychat.config import ConfigError, TrainConfig, add_flags, from_dict, preset_values
 from raychat.data.corpus.shards import write_manifest, write_shards
+from raychat.log import size
 from raychat.loss import cross_entropy_sum, normalize
 from raychat.model import ModelConfig
 from raychat.train.launch import config_from, elastic_grad_accum, scaling_config, stopped_early_line
@@ -373,7 +374,6 @@ def test_a_written_shards_line_says_text_and_disk(tmp_path):
     lines = []
     entries = write_shards(["a" * 600_000, "b" * 400_000], tmp_path, 2, log=lines.append)
     assert lines[0] == (
-        f"  wrote shard_00000.parquet: train, 1 document, 0.60 MB of text, {entries[0]['file_bytes'] / 1e6:.2f} MB "
-        "on disk"
+        f"  wrote shard_00000.parquet: train, 1 document, 600.0 kB of text, {size(entries[0]['file_bytes'])} on disk"
     )
     assert entries[0]["file_bytes"] < 100_000  # zstd: the disk figure is not the text's

@@ -17,6 +17,7 @@ document (its `text` column). `--text-field NAME` reads another JSON field and p
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import time
@@ -26,9 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from raychat.data.corpus.rst_clean import clean_rst, split_sections
 from raychat.data.corpus.shards import (
+    DOCUMENT_SUFFIXES,
     MANIFEST,
     DataError,
     open_text_shard,
@@ -46,6 +49,9 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst")
 WORDNET_FILES = ("noun", "verb", "adj", "adv")  # /usr/share/wordnet/data.<name>
 EXAMPLES_PER_REASON = 5
 READ_QUIET_S = 5.0  # a folder read faster than this logs only the last line of its reading (ReadProgress)
+READ_STEP_BYTES = (
+    1 << 20
+)  # a .jsonl file's reading tells ReadProgress its place each time it reads this much more
 # The `text` column types a local .parquet file may have; binary values are decoded as UTF-8.
 TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
 TEXT_FIELD = "text"  # the .jsonl field and .parquet column read unless --text-field names another
@@ -78,6 +84,7 @@ class Corpus:
     """Documents in a deterministic order (not yet shuffled) and where they came from.
 
     components: one dict per sub-source (name, license, path, package version, documents, bytes).
+    whole_files: of the documents, those that are a whole .txt, .md or .rst file of a local folder.
     """
 
     source: str
@@ -85,6 +92,7 @@ class Corpus:
     documents: list[str]
     skips: Skips = field(default_factory=Skips)
     components: list[dict] = field(default_factory=list)
+    whole_files: int = 0
 
 
 def keep(text: str, where: str, documents: list[str], skips: Skips) -> None:
@@ -205,9 +213,16 @@ def component(package: str, license: str, path: Path, docs: list[str]) -> dict:
 
 
 def parquet_documents(
-    path: Path, name: str, documents: list[str], skips: Skips, text_field: str = TEXT_FIELD
+    path: Path,
+    name: str,
+    documents: list[str],
+    skips: Skips,
+    text_field: str = TEXT_FIELD,
+    place: Callable[[int], None] = lambda n_bytes: None,
 ) -> None:
-    """Rows of a parquet file's `text_field` column (default `text`), row group by row group.
+    """Rows of a parquet file's `text_field` column (default `text`), row group by row group. Before each row
+    group after the first, `place` gets the bytes of the file read so far: the file's size on disk x the share
+    of its row groups' compressed size read (row_group_ends). A file of no rows is an "empty" skip.
 
     Raises:
         DataError: not a readable parquet file, no such column (its columns listed, and the --text-field
@@ -222,7 +237,12 @@ def parquet_documents(
         raise DataError(
             f"{name}: the `{text_field}` column holds {kind}, not strings (string or UTF-8 binary)"
         )
+    if pf.metadata.num_rows == 0:
+        skips.add("empty", name)
+    ends = row_group_ends(pf, path.stat().st_size)
     for g in range(pf.num_row_groups):
+        if g:
+            place(ends[g - 1])
         column = read_text_column(pf, g, name, text_field).cast(pa.binary())
         for row, value in enumerate(column.to_pylist()):
             where = f"{name}:row_group={g}:row={row}"
@@ -233,6 +253,19 @@ def parquet_documents(
                 keep(value.decode("utf-8"), where, documents, skips)
             except UnicodeDecodeError:
                 skips.add("invalid_utf8", where)
+
+
+def row_group_ends(pf: pq.ParquetFile, n_bytes: int) -> list[int]:
+    """Where in a parquet file of `n_bytes` on disk each row group ends, for a progress line: `n_bytes` x the
+    compressed size of the row groups up to it / that of all of them (the footer's metadata; the last one ends at
+    `n_bytes`). E.g. 4 row groups of one size in 1,000 bytes: [250, 500, 750, 1000]."""
+    meta = pf.metadata
+    sizes = [
+        sum(meta.row_group(g).column(c).total_compressed_size for c in range(meta.num_columns))
+        for g in range(meta.num_row_groups)
+    ]
+    total = sum(sizes) or 1
+    return [n_bytes * read // total for read in itertools.accumulate(sizes)]
 
 
 def is_utf8_encodable(text: str) -> bool:
@@ -246,14 +279,25 @@ def is_utf8_encodable(text: str) -> bool:
 
 
 def jsonl_documents(
-    path: Path, name: str, documents: list[str], skips: Skips, text_field: str = TEXT_FIELD
+    path: Path,
+    name: str,
+    documents: list[str],
+    skips: Skips,
+    text_field: str = TEXT_FIELD,
+    place: Callable[[int], None] = lambda n_bytes: None,
 ) -> None:
     """The `text_field` (default "text") of each JSON line (a UTF-8 byte order mark before a line, as Windows
     editors write before the first, is ignored); bad lines are counted skips: invalid_utf8 (a line that is not UTF-8, or a
     text with a lone surrogate escape such as "\\ud800", which has no UTF-8 encoding), invalid_json,
-    no_text_field, empty."""
+    no_text_field, empty (also a file of no lines). Before a line that starts READ_STEP_BYTES or more after the last place told, `place`
+    gets the bytes of the file read so far."""
+    read = told = 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
+            if read - told >= READ_STEP_BYTES:
+                place(read)
+                told = read
+            read += len(raw)
             where = f"{name}:line={number}"
             try:
                 record = json.loads(raw.decode("utf-8-sig")) if raw.strip() else {"text": ""}
@@ -271,6 +315,8 @@ def jsonl_documents(
                 skips.add("invalid_utf8", where)
                 continue
             keep(text, where, documents, skips)
+    if not read:
+        skips.add("empty", name)
 
 
 def local_folder(
@@ -288,7 +334,7 @@ def local_folder(
     (shards.prepared_manifest), none of whose files is read ("prepared_dataset", once per folder: its shards,
     the validation shard included, would leak into training), a broken symbolic link, a pipe or a socket
     ("not_a_file"), documents that are not valid UTF-8 ("invalid_utf8": a file, a .jsonl line or a parquet
-    value that does not decode, a .jsonl text with a lone surrogate escape), empty documents ("empty") and
+    value that does not decode, a .jsonl text with a lone surrogate escape), empty documents ("empty"; also a .jsonl or .parquet file of no line or row) and
     those of parquet_documents and jsonl_documents. Hidden files and folders are read as any other.
     `log` (None: silent) receives the reading's progress lines (ReadProgress; `clock`: seconds).
 
@@ -306,21 +352,24 @@ def local_folder(
         )
     documents: list[str] = []
     skips = Skips()
+    whole_files = 0
     files = document_files(root, skips)
     progress = ReadProgress(len(files), sum(p.stat().st_size for p in files), log or (lambda m: None), clock)
     for path in files:
         name = str(path.relative_to(root))
         suffix = path.suffix.lower()
         if suffix in TEXT_SUFFIXES:
+            kept = len(documents)
             try:
                 keep(path.read_bytes().decode("utf-8-sig"), name, documents, skips)
             except UnicodeDecodeError:
                 skips.add("invalid_utf8", name)
+            whole_files += len(documents) - kept
         elif suffix == ".jsonl":
-            jsonl_documents(path, name, documents, skips, text_field)
+            jsonl_documents(path, name, documents, skips, text_field, progress.within)
         else:
             try:
-                parquet_documents(path, name, documents, skips, text_field)
+                parquet_documents(path, name, documents, skips, text_field, progress.within)
             except DataError as e:  # named by its path within the folder: say which flag gave the folder
                 raise DataError(f"--source {folder!s}: {e}") from None
         progress.add(path.stat().st_size)
@@ -330,7 +379,9 @@ def local_folder(
         "documents": len(documents),
         "bytes": sum(len(d.encode()) for d in documents),
     }
-    return Corpus(str(root), "as licensed by the files' owners (local folder)", documents, skips, [comp])
+    return Corpus(
+        str(root), "as licensed by the files' owners (local folder)", documents, skips, [comp], whole_files
+    )
 
 
 def document_files(root: Path, skips: Skips) -> list[Path]:
@@ -351,7 +402,7 @@ def document_files(root: Path, skips: Skips) -> list[Path]:
                 prepared.append(path)
         elif not path.is_file():
             skips.add("not_a_file", name)
-        elif path.suffix.lower() in (*TEXT_SUFFIXES, ".jsonl", ".parquet"):
+        elif path.suffix.lower() in DOCUMENT_SUFFIXES:
             files.append(path)
         else:
             skips.add("unsupported_file", name)
@@ -360,11 +411,13 @@ def document_files(root: Path, skips: Skips) -> list[Path]:
 
 class ReadProgress:
     """The progress lines of reading `files` files of `total_bytes` (their sizes on disk), logged as each is
-    read (add): once reading has run READ_QUIET_S and the bytes read have reached another tenth of
-    total_bytes (files when total_bytes is 0; raychat.log.TenthsProgress), e.g. "read 120/1,200 files (30% of
-    812.40 MB) in 1m02s, eta 2m25s", the ETA the mean rate so far x the bytes left; then one line at the end
-    (done), also for a folder read faster than READ_QUIET_S: "read 1,200 files (812.40 MB) in 3m27s". `clock`:
-    seconds."""
+    read (add) and within a large one (within: a .jsonl file every READ_STEP_BYTES, a .parquet file at each row
+    group): once reading has run READ_QUIET_S and the bytes read have reached another tenth of total_bytes
+    (files when total_bytes is 0; raychat.log.TenthsProgress), e.g. "read 120/1,200 files (30% of 812.40 MB)
+    in 1m02s, eta 2m25s" (the files read whole, the share of the bytes), the ETA the mean rate so far x the bytes
+    left; then one line at the end (done), also for a folder read faster than READ_QUIET_S: "read 1,200 files
+    (812.40 MB) in 3m27s". A folder of one 200 MB file reads "read 0/1 file (40% of 200.00 MB) in 6s, eta
+    9s" while it reads it. `clock`: seconds."""
 
     def __init__(
         self,
@@ -377,15 +430,22 @@ class ReadProgress:
         self.read, self.read_bytes = 0, 0
         self.pace = TenthsProgress(total_bytes or files, READ_QUIET_S, clock)
 
+    def within(self, n_bytes: int) -> None:
+        """`n_bytes` of the file being read are read: logs a line when one is due (above)."""
+        if self.total_bytes:
+            self.line(self.read_bytes + n_bytes)
+
     def add(self, n_bytes: int) -> None:
         """One more file, of `n_bytes` on disk, read: logs a line when one is due (above)."""
         self.read, self.read_bytes = self.read + 1, self.read_bytes + n_bytes
-        if self.read >= self.files:  # the end line follows
-            return
-        due = self.pace.due(self.read_bytes if self.total_bytes else self.read)
+        if self.read < self.files:  # else the end line follows
+            self.line(self.read_bytes if self.total_bytes else self.read)
+
+    def line(self, done: int) -> None:
+        due = self.pace.due(done)
         if due is None:
             return
-        share = self.read_bytes / self.total_bytes if self.total_bytes else self.read / self.files
+        share = done / (self.total_bytes or self.files)
         elapsed, eta = due
         self.log(
             f"read {self.read:,}/{plural(self.files, 'file')} ({share:.0%} of {size(self.total_bytes)}) in "

@@ -196,7 +196,7 @@ def validation_warnings(entries: list[dict], shard_options: str = SHARD_OPTIONS)
     warnings = []
     if doc_share > VALIDATION_MAX_SHARE or byte_share > VALIDATION_MAX_SHARE:
         warnings.append(
-            f"warning: the validation shard {val['file']} holds {val['documents']} of {documents} documents "
+            f"warning: the validation shard {val['file']} holds {val['documents']:,} of {documents:,} documents "
             f"({doc_share:.0%}) and {size(val['bytes'])} of {size(text)} of text ({byte_share:.0%}), held out "
             f"of training: more shards ({shard_options}) hold out less"
         )
@@ -391,10 +391,14 @@ def prepare(
         try:  # fail before touching `out`
             count_shards(len(corpus.documents), num_shards, rows_per_shard)
         except ValueError as e:  # too few documents: say what was skipped, as no_documents does
-            if corpus.skips.total:
-                hint = text_field_hint(corpus.skips, field)
-                raise DataError(f"--source {source}: {e}; {skipped_summary(corpus.skips)}{hint}") from e
-            raise
+            skipped = f"; {skipped_summary(corpus.skips)}" if corpus.skips.total else ""
+            hint = text_field_hint(corpus.skips, field)
+            if corpus.whole_files:  # e.g. one large .txt file, which is one document
+                hint += (
+                    f"; a .txt, .md or .rst file is one document, whole ({plural(corpus.whole_files, 'file')} "
+                    'here): split a large one into a file a document, or into a .jsonl of a {"text": ...} a line'
+                )
+            raise DataError(f"--source {source}: {e}{skipped}{hint}") from e
 
         def write(old: dict | None) -> dict:
             return prepare_corpus(
@@ -451,17 +455,23 @@ def report(out: Path, manifest: dict, log) -> None:
     shards = manifest["shards"]
     on_disk = sum(s["file_bytes"] for s in shards)
     log(
-        f"prepared {out}: {manifest['documents']} documents, {manifest['bytes'] / 1e6:.2f} MB of text, "
-        f"{len(shards)} shards ({len(shards) - 1} train + validation {manifest['validation_shard']}), "
-        f"{on_disk / 1e6:.2f} MB on disk; source {manifest['source']} ({manifest['license']})"
+        f"prepared {out}: {plural(manifest['documents'], 'document')}, {size(manifest['bytes'])} of text, "
+        f"{plural(len(shards), 'shard')} ({len(shards) - 1:,} train + validation {manifest['validation_shard']}), "
+        f"{size(on_disk)} on disk; source {manifest['source']} ({manifest['license']})"
     )
     skipped = manifest["skipped"]
     if skipped:
         log(f"skipped {plural(sum(skipped.values()), 'document')}:")
         for reason, n in skipped.items():
-            log(f"  {reason}: {n}  (e.g. {', '.join(manifest['skipped_examples'].get(reason, []))})")
+            log(f"  {reason}: {n:,}  (e.g. {', '.join(manifest['skipped_examples'].get(reason, []))})")
     else:
         log("skipped 0 documents")
+    if skipped.get("no_text_field"):  # a mistyped --text-field, or one not given, still prepares the rest
+        field = manifest.get("text_field", corpora.TEXT_FIELD)
+        log(
+            f"warning: {plural(skipped['no_text_field'], '.jsonl line')} without a {field!r} string field "
+            "were skipped: where documents are under another field, give --text-field with the field that holds it"
+        )
 
 
 def prepare_kwargs(config: PrepareConfig) -> dict:

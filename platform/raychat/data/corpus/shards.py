@@ -23,13 +23,20 @@ import pyarrow.parquet as pq
 
 from raychat.atomic import atomic_write, atomic_write_bytes
 from raychat.config.data import PrepareConfig
-from raychat.log import log, plural
+from raychat.log import log, plural, size
 
 MANIFEST = "manifest.json"
 FORMAT = "raychat-text-shards/1"  # the manifest's "format": what tells a prepared data directory
 ROW_GROUP_SIZE = PrepareConfig().row_group_size
 COMPRESSION = "zstd"
 SCHEMA = pa.schema([pa.field("text", pa.string())])
+DOCUMENT_SUFFIXES = (
+    ".txt",
+    ".md",
+    ".rst",
+    ".jsonl",
+    ".parquet",
+)  # the files a --source DIR gives documents from
 
 
 class DataError(ValueError):
@@ -144,7 +151,7 @@ def write_shards(
         entries.append(shard_entry(path, split, len(texts), sum(len(t.encode()) for t in texts)))
         log(
             f"  wrote {path.name}: {split}, {plural(len(texts), 'document')}, "
-            f"{entries[-1]['bytes'] / 1e6:.2f} MB of text, {entries[-1]['file_bytes'] / 1e6:.2f} MB on disk"
+            f"{size(entries[-1]['bytes'])} of text, {size(entries[-1]['file_bytes'])} on disk"
         )
     return entries
 
@@ -250,10 +257,16 @@ def read_manifest(data_dir: str | Path) -> dict:
     """The manifest of a prepared data directory.
 
     Raises:
-        FileNotFoundError: no manifest.json (the directory was never prepared, or preparing did not finish).
+        FileNotFoundError: no manifest.json (the directory was never prepared, or preparing did not finish; a
+            folder of documents is told to be given to `raychat data prepare --source`).
         ValueError: the manifest lists no shards, or its last shard is not the validation split.
     """
     path = Path(data_dir) / MANIFEST
+    if not path.is_file() and holds_documents(data_dir):
+        raise FileNotFoundError(
+            f"{path} not found: {data_dir} holds documents, not the shards `raychat data prepare` writes: run "
+            f"`raychat data prepare --source {data_dir} --out DIR` and give --data-dir DIR"
+        )
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: give --data-dir a directory `raychat data prepare` wrote, or run `raychat data "
@@ -266,6 +279,17 @@ def read_manifest(data_dir: str | Path) -> dict:
             f"{path}: needs >= 2 shards with the last one split='val', got {[s.get('split') for s in shards]}"
         )
     return manifest
+
+
+def holds_documents(directory: str | Path) -> bool:
+    """Whether `directory` holds a file a --source DIR reads (DOCUMENT_SUFFIXES) that is not a shard of a prepare
+    that did not finish (is_shard_name). Its folders are not looked into: a storage root's runs hold .md and
+    .json files that are no corpus."""
+    root = Path(directory)
+    return root.is_dir() and any(
+        p.suffix.lower() in DOCUMENT_SUFFIXES and not is_shard_name(p.name) and p.is_file()
+        for p in root.iterdir()
+    )
 
 
 def list_shards(data_dir: str | Path, verify: bool = False) -> tuple[list[str], str]:
