@@ -240,3 +240,18 @@ def test_an_evaluations_line_says_what_it_measured(tmp_path):
         "eval step 5 (16 held-out problems x 1 sample): "
     )
     assert not (tmp_path / "rl").exists()
+
+
+def test_a_steps_line_shows_rollout_tokens_per_s_of_10000_or_more_as_a_whole_number():
+    """A tiny run's step line read `rollout_tokens_per_s=1.629e+04` (4 significant digits in exponent form) beside
+    `rollout_tokens_per_s=7344` a step later; pretraining's line shows tok/s whole. Values of a real run's
+    metrics.jsonl line (tiny preset, 2 prompts x 4 samples of 24 tokens)."""
+    line = {"step": 1, "reward_mean": 0.0, "zero_advantage_frac": 1.0, "response_len_mean": 24.0,
+            "rollout_tokens_per_s": 16285.825741734929, "learner_step_s": 0.016566411999519914}  # fmt: skip
+    assert step_line(line, 6, 0.2) == (
+        "step=1/6 reward_mean=0 zero_advantage_frac=1 response_len_mean=24 rollout_tokens_per_s=16286 "
+        "learner_step_s=0.01657 eta=0s"
+    )
+    slower = line | {"rollout_tokens_per_s": 7344.4, "loss": -12345.6}
+    assert " rollout_tokens_per_s=7344 " in step_line(slower, 6, 0.2)
+    assert " loss=-12346 " in step_line(slower, 6, 0.2)

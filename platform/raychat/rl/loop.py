@@ -721,10 +721,16 @@ _LOG_KEYS = (
 def step_line(line: dict, steps: int, eta_s: float) -> str:
     """A step's stdout line: the _LOG_KEYS of its metrics.jsonl `line` (those set), its step out of the run's
     `steps` as pretraining's line counts them ("step=15/50"), then its ETA of `eta_s` seconds as pretraining's
-    line shows it ("eta=42s", "eta=12m05s", "eta=3h07m": raychat.log.duration)."""
+    line shows it ("eta=42s", "eta=12m05s", "eta=3h07m": raychat.log.duration). Floats have 4 significant
+    digits, those of 10,000 or more are rounded to whole numbers ("rollout_tokens_per_s=16286", not
+    "1.629e+04")."""
     shown = {k: line[k] for k in _LOG_KEYS if line.get(k) is not None} | {"step": f"{line['step']}/{steps}"}
     return _fmt(shown) + f" eta={duration(eta_s)}"
 
 
 def _fmt(d: dict) -> str:
-    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
+    return " ".join(f"{k}={_number(v)}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
+
+
+def _number(v: float) -> str:
+    return f"{v:.0f}" if abs(v) >= 1e4 else f"{v:.4g}"
