@@ -255,3 +255,18 @@ def test_a_steps_line_shows_rollout_tokens_per_s_of_10000_or_more_as_a_whole_num
     slower = line | {"rollout_tokens_per_s": 7344.4, "loss": -12345.6}
     assert " rollout_tokens_per_s=7344 " in step_line(slower, 6, 0.2)
     assert " loss=-12346 " in step_line(slower, 6, 0.2)
+
+
+def test_an_async_steps_line_shows_the_importance_ratio_and_the_share_clipped():
+    """--mode async trains on samples up to --max-staleness versions old through --clip-eps's clipped ratio, but
+    its step line showed staleness_mean alone: ratio_mean and clip_frac (PPO's clipfrac, which OpenRLHF and verl
+    print) were in metrics.jsonl only. A sync run's ratio is 1 by construction and its line stays as it was."""
+    line = {"step": 2, "mode": "async", "reward_mean": 0.25, "loss": -0.01, "staleness_mean": 0.5,
+            "staleness_max": 1, "ratio_mean": 1.0123, "clip_frac": 0.0625, "restarts": 0}  # fmt: skip
+    assert step_line(line, 4, 3) == (
+        "step=2/4 reward_mean=0.25 loss=-0.01 staleness_mean=0.5 staleness_max=1 ratio_mean=1.012 clip_frac=0.0625 "
+        "restarts=0 eta=3s"
+    )
+    assert step_line(line | {"mode": "sync"}, 4, 3) == (
+        "step=2/4 reward_mean=0.25 loss=-0.01 staleness_mean=0.5 restarts=0 eta=3s"
+    )
