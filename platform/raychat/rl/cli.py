@@ -150,8 +150,8 @@ def main(args) -> int:
     dashboard as pretraining's (its metrics service discovery for Prometheus), after checking that the layout
     fits it; a run already at its --steps says so in one line and starts none (RLRun.run). Any other run takes
     its lease (RLRun.lease) before Ray starts: while another live driver trains it, one line and exit 2.
-    --dry-run makes every check but the storage root's write probe, prints plan_line and exits 0: no lease, no
-    Ray, nothing written."""
+    A run with steps left prints plan_line and run_dir_line first; --dry-run makes every check but the storage
+    root's write probe, prints them and exits 0: no lease, no Ray, nothing written."""
     local = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     try:
         check_gcs_address(args.address)
@@ -171,10 +171,11 @@ def main(args) -> int:
     for warning in [base_model_warning(cfg.run.init_from), short_eval_split_warning(cfg, run.tasks)]:
         if warning:
             print(warning, file=sys.stderr)
+    if run.finished() is None:
+        print(plan_line(cfg, run))
+        print(run_dir_line(run))
     if args.dry_run:
-        if run.finished() is None:
-            print(plan_line(cfg, run))
-        else:
+        if run.finished() is not None:
             run.run()  # its finished line, without Ray
         return 0
     if run.finished() is not None:  # a finished run needs no cluster, nor the lease
@@ -204,6 +205,16 @@ def plan_line(cfg: RLConfig, run: RLRun) -> str:
         f"at most {r.max_tokens} tokens each at --temperature {r.temperature:g}; {evals}"
         f"{'' if newest else 'at step 0 and '}{_when(cfg.eval.eval_every)}; a checkpoint "
         f"{_when(c.checkpoint_every)} (the newest {c.keep_checkpoints} kept); {layout_line(cfg)}"
+    )
+
+
+def run_dir_line(run: RLRun) -> str:
+    """Where `run` writes and how it resumes, e.g. "run dir: /home/me/runs/rl/rl (config.yaml, metrics.jsonl:
+    a line a step, checkpoint_<step>; rollouts are not kept; the same command resumes from the newest
+    checkpoint)"."""
+    return (
+        f"run dir: {run.run_dir} (config.yaml, metrics.jsonl: a line a step, checkpoint_<step>; rollouts are not "
+        "kept; the same command resumes from the newest checkpoint)"
     )
 
 
