@@ -9,7 +9,7 @@ from support.serve_helpers import write_tiny_checkpoint
 
 from raychat.cli import build_parser, main
 from raychat.config import ConfigError, RLConfig, from_dict, preset_values, to_yaml
-from raychat.rl.cli import base_model_warning, config_for, resolve_inputs
+from raychat.rl.cli import base_model_warning, check_flags_used, config_for, resolve_inputs
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
 from raychat.rl.loop import RLRun, layout_line, step_line
 
@@ -270,3 +270,36 @@ def test_an_async_steps_line_shows_the_importance_ratio_and_the_share_clipped():
     assert step_line(line | {"mode": "sync"}, 4, 3) == (
         "step=2/4 reward_mean=0.25 loss=-0.01 staleness_mean=0.5 restarts=0 eta=3s"
     )
+
+
+def test_a_flag_of_another_mode_is_refused_naming_the_mode_it_needs(tmp_path):
+    """`--max-staleness 2` or `--clip-eps 0.1` (OpenRLHF's eps_clip) in the default sync mode, or `--constant-length`
+    without `--normalization constant`, changed nothing without a word. Typed, each is refused naming the mode it
+    needs; in that mode, or as a preset's value (the file below sets all three), it is accepted."""
+    parser = build_parser("rl")
+
+    def check(*flags):
+        args = parser.parse_args(["rl", *flags])
+        check_flags_used(args, config_for(args))
+
+    with pytest.raises(ConfigError) as e:
+        check("--max-staleness", "2")
+    assert str(e.value) == (
+        "--max-staleness 2: used only with --mode async; this run is --mode sync (on-policy: every sample comes "
+        "from the current weights, its importance ratio 1, nothing to clip): add --mode async, or leave "
+        "--max-staleness out"
+    )
+    with pytest.raises(
+        ConfigError, match=r"^--clip-eps 0.1: used only with --mode async; this run is --mode sync"
+    ):
+        check("--clip-eps", "0.1")
+    with pytest.raises(ConfigError) as e:
+        check("--normalization", "sequence", "--constant-length", "32")
+    assert str(e.value) == (
+        "--constant-length 32: used only with --normalization constant; this run's is sequence: add "
+        "--normalization constant, or leave --constant-length out"
+    )
+    check("--mode", "async", "--max-staleness", "2", "--clip-eps", "0.1")
+    check("--normalization", "constant", "--constant-length", "32")
+    (tmp_path / "p.yaml").write_text("rl:\n  max_staleness: 2\n  clip_eps: 0.1\n  constant_length: 32\n")
+    check("--preset", str(tmp_path / "p.yaml"))

@@ -21,6 +21,7 @@ from raychat.chat_template import render_for_completion
 from raychat.checkpoint import check_model, read_meta, read_tokenizer
 from raychat.checkpoint_manager import commit_of, find_checkpoint
 from raychat.config import ConfigError, RLConfig, TrainConfig, from_args, from_dict
+from raychat.config.flags import given
 from raychat.config.schema import flag_name
 from raychat.log import plural
 from raychat.ray_token import check_gcs_address, token_for
@@ -126,6 +127,30 @@ def short_eval_split_warning(cfg: RLConfig, tasks: dict, option=flag_name) -> st
     )
 
 
+def check_flags_used(args: argparse.Namespace, cfg: RLConfig) -> None:
+    """Refuse a flag typed for a mode the run is not in, which changed nothing without a word: --max-staleness or
+    --clip-eps in --mode sync (on-policy: every sample is the current policy's, its ratio 1, nothing clipped),
+    --constant-length without --normalization constant. A preset's values for them stay accepted.
+
+    Raises:
+        ConfigError: naming the flag, the mode it needs and the run's.
+    """
+    typed = given(args, RLConfig)
+    mode, normalization = cfg.asynchrony.mode, cfg.objective.normalization
+    for name in ("max_staleness", "clip_eps"):
+        if name in typed and mode == "sync":
+            raise ConfigError(
+                f"{flag_name(name)} {typed[name]}: used only with --mode async; this run is --mode sync (on-policy: "
+                f"every sample comes from the current weights, its importance ratio 1, nothing to clip): add "
+                f"--mode async, or leave {flag_name(name)} out"
+            )
+    if "constant_length" in typed and normalization != "constant":
+        raise ConfigError(
+            f"--constant-length {typed['constant_length']}: used only with --normalization constant; this run's "
+            f"is {normalization}: add --normalization constant, or leave --constant-length out"
+        )
+
+
 def config_for(args: argparse.Namespace) -> RLConfig:
     """The command's RLConfig: flags > --preset (its rl section, or the whole file) > defaults."""
     return from_args(args, RLConfig, "rl", where="rl settings")
@@ -156,6 +181,7 @@ def main(args) -> int:
     try:
         check_gcs_address(args.address)
         cfg = resolve_inputs(config_for(args))
+        check_flags_used(args, cfg)
         run = RLRun(cfg)  # the resume check (raychat.rl.loop.check_resume), before Ray starts
         check_generation_length(cfg, run.tasks)
         if local:  # a cluster of this machine never grows: refuse now what it could never place
