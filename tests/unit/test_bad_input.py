@@ -2079,13 +2079,17 @@ def test_an_rl_dry_run_checks_and_prints_its_plan_without_ray_or_writes(root, rl
     before = _snapshot(root)
     capsys.readouterr()
     assert raychat_main([*argv, "--steps", "6", "--eval-every", "2", "--dry-run"]) == 0
-    assert capsys.readouterr().out.splitlines()[1:] == [
+    plan, optimizer, run_dir = capsys.readouterr().out.splitlines()[1:]
+    assert plan == (
         f"plan: steps 3..6 (resuming from {d}) of 2 prompts x 2 samples = 4 rollouts a step, at most 8 tokens each "
         "at --temperature 1; pass@1..2 on 4 held-out problems every 2 steps and at the end; a checkpoint every step "
-        "(the newest 2 kept); 1 learner x {CPU: 0.5} + 1 rollout actor x {CPU: 0.5}",
+        "(the newest 2 kept); 1 learner x {CPU: 0.5} + 1 rollout actor x {CPU: 0.5}"
+    )
+    assert optimizer.startswith("optimizer: Muon 0.0002 for the hidden matrices, Newton-Schulz in ")
+    assert run_dir == (
         f"run dir: {root / 'r1'} (config.yaml, metrics.jsonl: a line a step, checkpoint_<step>; rollouts are not "
-        "kept; the same command resumes from the newest checkpoint)",
-    ]
+        "kept; the same command resumes from the newest checkpoint)"
+    )
     new = [a if a != "r1" else "r2" for a in argv]
     assert (
         raychat_main(
@@ -2108,15 +2112,19 @@ def test_an_rl_dry_run_checks_and_prints_its_plan_without_ray_or_writes(root, rl
 def test_an_rl_run_prints_its_plan_and_run_dir_before_ray_starts(root, rl_run, capsys):
     """Only --dry-run printed the plan: a real run started Ray with no word of its rollouts a step, their token
     budget or where its checkpoints go (pretraining prints its plan first); its run directory was named only in
-    the summary at the end. rl_run's ray.init raises: both lines come before Ray starts."""
+    the summary at the end. rl_run's ray.init raises: the lines come before Ray starts."""
     argv, d = rl_run
     capsys.readouterr()
     with pytest.raises(ReachedRay):
-        raychat_main([*argv, "--steps", "5"])
+        raychat_main([*argv, "--steps", "5", "--ns-dtype", "float32"])
     assert capsys.readouterr().out.splitlines()[1:] == [
         f"plan: steps 3..5 (resuming from {d}) of 2 prompts x 2 samples = 4 rollouts a step, at most 8 tokens each "
         "at --temperature 1; pass@1..2 on 4 held-out problems every step; a checkpoint every step "
         "(the newest 2 kept); 1 learner x {CPU: 0.5} + 1 rollout actor x {CPU: 0.5}",
+        # the test checkpoint's width 64: AdamW x (64 / 768) ** -0.5 = sqrt(12) = 3.464; 0.001 x 3.464 = 0.003464
+        "optimizer: Muon 0.0002 for the hidden matrices, Newton-Schulz in float32 on cpu (requested); AdamW x 3.464 "
+        "(= (width 64 / 768) ** -0.5): embedding 0.003464, lm_head 0.003464, norms 0.003464; constant lrs (no "
+        "warmup or decay); Muon weight decay 0, grad clipping at global norm 1",
         f"run dir: {root / 'r1'} (config.yaml, metrics.jsonl: a line a step, checkpoint_<step>; rollouts are not "
         "kept; the same command resumes from the newest checkpoint)",
     ]

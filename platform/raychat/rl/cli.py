@@ -31,6 +31,7 @@ from raychat.sigterm import Terminated, init_keeping_handler
 from raychat.storage import check_writable, open_storage
 from raychat.tasks.registry import check_data
 from raychat.train.layout import local_cores
+from raychat.train.optim import adamw_lr_scale, planned_ns_choice
 from raychat.train.plan import init_from_line
 
 
@@ -175,7 +176,7 @@ def main(args) -> int:
     dashboard as pretraining's (its metrics service discovery for Prometheus), after checking that the layout
     fits it; a run already at its --steps says so in one line and starts none (RLRun.run). Any other run takes
     its lease (RLRun.lease) before Ray starts: while another live driver trains it, one line and exit 2.
-    A run with steps left prints plan_line and run_dir_line first; --dry-run makes every check but the storage
+    A run with steps left prints plan_line, optimizer_line and run_dir_line first; --dry-run makes every check but the storage
     root's write probe, prints them and exits 0: no lease, no Ray, nothing written."""
     local = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     try:
@@ -199,6 +200,7 @@ def main(args) -> int:
             print(warning, file=sys.stderr)
     if run.finished() is None:
         print(plan_line(cfg, run))
+        print(optimizer_line(cfg, read_meta(cfg.run.init_from)["model_config"]["n_embd"]))
         print(run_dir_line(run))
     if args.dry_run:
         if run.finished() is not None:
@@ -231,6 +233,24 @@ def plan_line(cfg: RLConfig, run: RLRun) -> str:
         f"at most {r.max_tokens} tokens each at --temperature {r.temperature:g}; {evals}"
         f"{'' if newest else 'at step 0 and '}{_when(cfg.eval.eval_every)}; a checkpoint "
         f"{_when(c.checkpoint_every)} (the newest {c.keep_checkpoints} kept); {layout_line(cfg)}"
+    )
+
+
+def optimizer_line(cfg: RLConfig, width: int) -> str:
+    """The learner's optimizer as it applies the flags to a model of `width` (n_embd): Muon's lr and
+    Newton-Schulz dtype, AdamW's lrs x adamw_lr_scale (the plan training prints too), constant (RL has no
+    schedule), weight decay and clipping, e.g. "optimizer: Muon 0.0002 for the hidden matrices, Newton-Schulz in
+    float32 on cpu ...; AdamW x 3.464 (= (width 64 / 768) ** -0.5): embedding 0.003464, lm_head 0.003464, norms
+    0.003464; constant lrs (no warmup or decay); Muon weight decay 0, grad clipping at global norm 1"."""
+    o, scale = cfg.optim, adamw_lr_scale(width)
+    ns = planned_ns_choice(o.ns_dtype, cfg.layout.use_gpu)
+    clip = f"grad clipping at global norm {o.grad_clip:g}" if o.grad_clip else "no grad clipping"
+    return (
+        f"optimizer: Muon {o.matrix_lr:g} for the hidden matrices, {ns}; AdamW x {scale:.4g} (= (width "
+        f"{width} / 768) ** -0.5): embedding {o.embedding_lr * scale:.4g}, lm_head "
+        f"{o.unembedding_lr * scale:.4g}, norms {o.scalar_lr * scale:.4g}; constant lrs (no warmup or decay); "
+        f"Muon weight decay "
+        f"{o.weight_decay:g}, {clip}"
     )
 
 
