@@ -181,8 +181,8 @@ def test_init_from_latest_that_finds_no_sft_run_says_where_sft_runs_are(tmp_path
 
 def test_the_readmes_table_for_openrlhf_and_verl_users_names_rls_flags_and_none_it_lacks(capsys):
     """README's RL table maps OpenRLHF / verl knobs to `raychat rl`'s: every flag it names is one of rl's, and
-    the knobs it says rl lacks (KL and its reference model, entropy, top-p / top-k, PPO epochs, warmup) have no
-    flag, so the table goes stale in this test's sight when either changes."""
+    the knobs it says rl lacks (KL and its reference model, entropy, top-p / top-k, PPO epochs, warmup, rollout
+    dumps) have no flag, so the table goes stale in this test's sight when either changes."""
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     table = readme.split("### RL (`raychat rl`) for OpenRLHF and verl users", 1)[1].split("\n\n")[2]
     rows = [line.split(" | ") for line in table.splitlines()[2:]]
@@ -192,9 +192,9 @@ def test_the_readmes_table_for_openrlhf_and_verl_users_names_rls_flags_and_none_
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out))
     core = {"--samples-per-prompt", "--prompts-per-step", "--max-tokens", "--temperature", "--scale-by-std",
             "--normalization", "--clip-eps", "--matrix-lr", "--eval-samples", "--eval-temperature"}  # fmt: skip
-    assert len(rows) == 14 and core <= named <= flags, (core - named, named - flags)
+    assert len(rows) == 16 and core <= named <= flags, (core - named, named - flags)
     lacking = [ours for _, ours in rows if ours.startswith("none") or "no " in ours]
-    assert len(lacking) == 8
+    assert len(lacking) == 9
     assert not [f for f in flags if re.search(r"kl|ref|entropy|top|epoch|warmup|mini|critic|gae", f)]
 
 
