@@ -2106,11 +2106,17 @@ def test_an_rl_dry_run_checks_and_prints_its_plan_without_ray_or_writes(root, rl
     before = _snapshot(root)
     capsys.readouterr()
     assert raychat_main([*argv, "--steps", "6", "--eval-every", "2", "--dry-run"]) == 0
-    assert capsys.readouterr().out.splitlines()[1:] == [
+    plan, optimizer, run_dir = capsys.readouterr().out.splitlines()[1:]
+    assert plan == (
         f"plan: steps 3..6 (resuming from {d}) of 2 prompts x 2 samples = 4 rollouts a step, at most 8 tokens each "
         "at --temperature 1; pass@1..2 on 4 held-out problems every 2 steps and at the end; a checkpoint every step "
         "(the newest 2 kept); 1 learner x {CPU: 0.5} + 1 rollout actor x {CPU: 0.5}"
-    ]
+    )
+    assert optimizer.startswith("optimizer: Muon 0.0002 for the hidden matrices, Newton-Schulz in ")
+    assert run_dir == (
+        f"run dir: {root / 'r1'} (config.yaml, metrics.jsonl: a line a step, checkpoint_<step>; rollouts are not "
+        "kept; the same command resumes from the newest checkpoint)"
+    )
     new = [a if a != "r1" else "r2" for a in argv]
     assert (
         raychat_main(
@@ -2130,6 +2136,27 @@ def test_an_rl_dry_run_checks_and_prints_its_plan_without_ray_or_writes(root, rl
     assert _snapshot(root) == before and not (root / "r2").exists()
 
 
+def test_an_rl_run_prints_its_plan_and_run_dir_before_ray_starts(root, rl_run, capsys):
+    """Only --dry-run printed the plan: a real run started Ray with no word of its rollouts a step, their token
+    budget or where its checkpoints go (pretraining prints its plan first); its run directory was named only in
+    the summary at the end. rl_run's ray.init raises: the lines come before Ray starts."""
+    argv, d = rl_run
+    capsys.readouterr()
+    with pytest.raises(ReachedRay):
+        raychat_main([*argv, "--steps", "5", "--ns-dtype", "float32"])
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        f"plan: steps 3..5 (resuming from {d}) of 2 prompts x 2 samples = 4 rollouts a step, at most 8 tokens each "
+        "at --temperature 1; pass@1..2 on 4 held-out problems every step; a checkpoint every step "
+        "(the newest 2 kept); 1 learner x {CPU: 0.5} + 1 rollout actor x {CPU: 0.5}",
+        # the test checkpoint's width 64: AdamW x (64 / 768) ** -0.5 = sqrt(12) = 3.464; 0.001 x 3.464 = 0.003464
+        "optimizer: Muon 0.0002 for the hidden matrices, Newton-Schulz in float32 on cpu (requested); AdamW x 3.464 "
+        "(= (width 64 / 768) ** -0.5): embedding 0.003464, lm_head 0.003464, norms 0.003464; constant lrs (no "
+        "warmup or decay); Muon weight decay 0, grad clipping at global norm 1",
+        f"run dir: {root / 'r1'} (config.yaml, metrics.jsonl: a line a step, checkpoint_<step>; rollouts are not "
+        "kept; the same command resumes from the newest checkpoint)",
+    ]
+
+
 def test_rl_names_what_its_init_from_resolved_to_and_takes_eval_every_0(root, rl_run, capsys):
     """rl printed no `init from:` line (sft does), so what `latest` resolved to went unseen; and --eval-every 0 was
     refused (">= 1") while its --checkpoint-every 0, and training's --eval-every 0, mean "only at the end"."""
@@ -2138,7 +2165,7 @@ def test_rl_names_what_its_init_from_resolved_to_and_takes_eval_every_0(root, rl
     with pytest.raises(ReachedRay):
         raychat_main([*(a if a != "sft" else "latest" for a in argv), "--eval-every", "0"])
     sft = root / "sft" / "checkpoint_000001"
-    assert capsys.readouterr().out == f"init from: {sft} (sft checkpoint, step 0)\n"
+    assert capsys.readouterr().out.splitlines()[0] == f"init from: {sft} (sft checkpoint, step 0)"
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from raychat.checkpoint import load_model
 from raychat.config import EvalConfig, from_dict
 from raychat.eval.cli import task_scores
 from raychat.eval.report_card import (
+    LEGEND,
     NEEDS_ALL,
     NO_DATA,
     SAMPLED,
@@ -307,6 +308,14 @@ def test_chatcore_and_the_table_by_hand():
     assert lines[3] == (
         "| sft | - | 0.5000 | 0.2500 | n/a: no data | 0.5000 | 0.0000 | 1.0000 | n/a: needs all six | 30 | n/a |"
     )
+    # the speedrun's rl row puts rollout tokens/s in the column of training tokens/s: the legend says which is which
+    assert lines[-1] == LEGEND + (
+        " wall time (s): the stage's; tokens/s: its median step's, training tokens over all workers for "
+        "pretraining (base) and SFT, completion tokens the rollout actors generated for RL."
+    )
+    assert (
+        format_markdown({"sft": card_row(None, chat)}).splitlines()[-1] == LEGEND
+    )  # raychat eval's: no times
 
 
 def test_the_missing_chat_data_is_said_once_with_the_stages_that_wanted_it(tmp_path):

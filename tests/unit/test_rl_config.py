@@ -9,7 +9,7 @@ from support.serve_helpers import write_tiny_checkpoint
 
 from raychat.cli import build_parser, main
 from raychat.config import ConfigError, RLConfig, from_dict, preset_values, to_yaml
-from raychat.rl.cli import base_model_warning, config_for, resolve_inputs
+from raychat.rl.cli import base_model_warning, check_flags_used, config_for, resolve_inputs
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
 from raychat.rl.loop import RLRun, layout_line, step_line
 
@@ -181,8 +181,8 @@ def test_init_from_latest_that_finds_no_sft_run_says_where_sft_runs_are(tmp_path
 
 def test_the_readmes_table_for_openrlhf_and_verl_users_names_rls_flags_and_none_it_lacks(capsys):
     """README's RL table maps OpenRLHF / verl knobs to `raychat rl`'s: every flag it names is one of rl's, and
-    the knobs it says rl lacks (KL and its reference model, entropy, top-p / top-k, PPO epochs, warmup) have no
-    flag, so the table goes stale in this test's sight when either changes."""
+    the knobs it says rl lacks (KL and its reference model, entropy, top-p / top-k, PPO epochs, warmup, rollout
+    dumps) have no flag, so the table goes stale in this test's sight when either changes."""
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     table = readme.split("### RL (`raychat rl`) for OpenRLHF and verl users", 1)[1].split("\n\n")[2]
     rows = [line.split(" | ") for line in table.splitlines()[2:]]
@@ -192,9 +192,9 @@ def test_the_readmes_table_for_openrlhf_and_verl_users_names_rls_flags_and_none_
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out))
     core = {"--samples-per-prompt", "--prompts-per-step", "--max-tokens", "--temperature", "--scale-by-std",
             "--normalization", "--clip-eps", "--matrix-lr", "--eval-samples", "--eval-temperature"}  # fmt: skip
-    assert len(rows) == 14 and core <= named <= flags, (core - named, named - flags)
+    assert len(rows) == 16 and core <= named <= flags, (core - named, named - flags)
     lacking = [ours for _, ours in rows if ours.startswith("none") or "no " in ours]
-    assert len(lacking) == 8
+    assert len(lacking) == 9
     assert not [f for f in flags if re.search(r"kl|ref|entropy|top|epoch|warmup|mini|critic|gae", f)]
 
 
@@ -240,3 +240,66 @@ def test_an_evaluations_line_says_what_it_measured(tmp_path):
         "eval step 5 (16 held-out problems x 1 sample): "
     )
     assert not (tmp_path / "rl").exists()
+
+
+def test_a_steps_line_shows_rollout_tokens_per_s_of_10000_or_more_as_a_whole_number():
+    """A tiny run's step line read `rollout_tokens_per_s=1.629e+04` (4 significant digits in exponent form) beside
+    `rollout_tokens_per_s=7344` a step later; pretraining's line shows tok/s whole. Values of a real run's
+    metrics.jsonl line (tiny preset, 2 prompts x 4 samples of 24 tokens)."""
+    line = {"step": 1, "reward_mean": 0.0, "zero_advantage_frac": 1.0, "response_len_mean": 24.0,
+            "rollout_tokens_per_s": 16285.825741734929, "learner_step_s": 0.016566411999519914}  # fmt: skip
+    assert step_line(line, 6, 0.2) == (
+        "step=1/6 reward_mean=0 zero_advantage_frac=1 response_len_mean=24 rollout_tokens_per_s=16286 "
+        "learner_step_s=0.01657 eta=0s"
+    )
+    slower = line | {"rollout_tokens_per_s": 7344.4, "loss": -12345.6}
+    assert " rollout_tokens_per_s=7344 " in step_line(slower, 6, 0.2)
+    assert " loss=-12346 " in step_line(slower, 6, 0.2)
+
+
+def test_an_async_steps_line_shows_the_importance_ratio_and_the_share_clipped():
+    """--mode async trains on samples up to --max-staleness versions old through --clip-eps's clipped ratio, but
+    its step line showed staleness_mean alone: ratio_mean and clip_frac (PPO's clipfrac, which OpenRLHF and verl
+    print) were in metrics.jsonl only. A sync run's ratio is 1 by construction and its line stays as it was."""
+    line = {"step": 2, "mode": "async", "reward_mean": 0.25, "loss": -0.01, "staleness_mean": 0.5,
+            "staleness_max": 1, "ratio_mean": 1.0123, "clip_frac": 0.0625, "restarts": 0}  # fmt: skip
+    assert step_line(line, 4, 3) == (
+        "step=2/4 reward_mean=0.25 loss=-0.01 staleness_mean=0.5 staleness_max=1 ratio_mean=1.012 clip_frac=0.0625 "
+        "restarts=0 eta=3s"
+    )
+    assert step_line(line | {"mode": "sync"}, 4, 3) == (
+        "step=2/4 reward_mean=0.25 loss=-0.01 staleness_mean=0.5 restarts=0 eta=3s"
+    )
+
+
+def test_a_flag_of_another_mode_is_refused_naming_the_mode_it_needs(tmp_path):
+    """`--max-staleness 2` or `--clip-eps 0.1` (OpenRLHF's eps_clip) in the default sync mode, or `--constant-length`
+    without `--normalization constant`, changed nothing without a word. Typed, each is refused naming the mode it
+    needs; in that mode, or as a preset's value (the file below sets all three), it is accepted."""
+    parser = build_parser("rl")
+
+    def check(*flags):
+        args = parser.parse_args(["rl", *flags])
+        check_flags_used(args, config_for(args))
+
+    with pytest.raises(ConfigError) as e:
+        check("--max-staleness", "2")
+    assert str(e.value) == (
+        "--max-staleness 2: used only with --mode async; this run is --mode sync (on-policy: every sample comes "
+        "from the current weights, its importance ratio 1, nothing to clip): add --mode async, or leave "
+        "--max-staleness out"
+    )
+    with pytest.raises(
+        ConfigError, match=r"^--clip-eps 0.1: used only with --mode async; this run is --mode sync"
+    ):
+        check("--clip-eps", "0.1")
+    with pytest.raises(ConfigError) as e:
+        check("--normalization", "sequence", "--constant-length", "32")
+    assert str(e.value) == (
+        "--constant-length 32: used only with --normalization constant; this run's is sequence: add "
+        "--normalization constant, or leave --constant-length out"
+    )
+    check("--mode", "async", "--max-staleness", "2", "--clip-eps", "0.1")
+    check("--normalization", "constant", "--constant-length", "32")
+    (tmp_path / "p.yaml").write_text("rl:\n  max_staleness: 2\n  clip_eps: 0.1\n  constant_length: 32\n")
+    check("--preset", str(tmp_path / "p.yaml"))

@@ -229,6 +229,12 @@ LEGEND = (
     "tokens, not the task's own."
 )
 
+# the speedrun's timed columns (raychat.speedrun.report_card): one column of two throughputs
+TIMED_LEGEND = (
+    "wall time (s): the stage's; tokens/s: its median step's, training tokens over all workers for pretraining "
+    "(base) and SFT, completion tokens the rollout actors generated for RL."
+)
+
 
 def _text(c: dict, column: str) -> str:
     if c.get("value") is None:
@@ -243,7 +249,7 @@ def _number(value, fmt: str) -> str:
 
 def format_markdown(rows: dict[str, dict]) -> str:
     """A markdown table: one line per stage (row name), the COLUMNS, then wall time (s) and tokens/s when a
-    row has them (wall_s, tokens_per_s), and a legend line."""
+    row has them (wall_s, tokens_per_s), and a legend line (with those columns, TIMED_LEGEND after it)."""
     timed = any("wall_s" in r or "tokens_per_s" in r for r in rows.values())
     head = ["stage", *COLUMNS, *(["wall time (s)", "tokens/s"] if timed else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -252,5 +258,5 @@ def format_markdown(rows: dict[str, dict]) -> str:
         if timed:
             cells += [_number(r.get("wall_s"), ".0f"), _number(r.get("tokens_per_s"), ",.0f")]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", LEGEND]
+    lines += ["", LEGEND + (f" {TIMED_LEGEND}" if timed else "")]
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from raychat.chat_template import render_for_completion
 from raychat.checkpoint import check_model, read_meta, read_tokenizer
 from raychat.checkpoint_manager import commit_of, find_checkpoint
 from raychat.config import ConfigError, RLConfig, TrainConfig, from_args, from_dict
+from raychat.config.flags import given
 from raychat.config.schema import flag_name
 from raychat.log import plural
 from raychat.ray_token import check_gcs_address, token_for
@@ -30,6 +31,7 @@ from raychat.sigterm import Terminated, init_keeping_handler
 from raychat.storage import check_writable, open_storage
 from raychat.tasks.registry import check_data
 from raychat.train.layout import local_cores
+from raychat.train.optim import adamw_lr_scale, planned_ns_choice
 from raychat.train.plan import init_from_line
 
 
@@ -126,6 +128,30 @@ def short_eval_split_warning(cfg: RLConfig, tasks: dict, option=flag_name) -> st
     )
 
 
+def check_flags_used(args: argparse.Namespace, cfg: RLConfig) -> None:
+    """Refuse a flag typed for a mode the run is not in, which changed nothing without a word: --max-staleness or
+    --clip-eps in --mode sync (on-policy: every sample is the current policy's, its ratio 1, nothing clipped),
+    --constant-length without --normalization constant. A preset's values for them stay accepted.
+
+    Raises:
+        ConfigError: naming the flag, the mode it needs and the run's.
+    """
+    typed = given(args, RLConfig)
+    mode, normalization = cfg.asynchrony.mode, cfg.objective.normalization
+    for name in ("max_staleness", "clip_eps"):
+        if name in typed and mode == "sync":
+            raise ConfigError(
+                f"{flag_name(name)} {typed[name]}: used only with --mode async; this run is --mode sync (on-policy: "
+                f"every sample comes from the current weights, its importance ratio 1, nothing to clip): add "
+                f"--mode async, or leave {flag_name(name)} out"
+            )
+    if "constant_length" in typed and normalization != "constant":
+        raise ConfigError(
+            f"--constant-length {typed['constant_length']}: used only with --normalization constant; this run's "
+            f"is {normalization}: add --normalization constant, or leave --constant-length out"
+        )
+
+
 def config_for(args: argparse.Namespace) -> RLConfig:
     """The command's RLConfig: flags > --preset (its rl section, or the whole file) > defaults."""
     return from_args(args, RLConfig, "rl", where="rl settings")
@@ -150,12 +176,13 @@ def main(args) -> int:
     dashboard as pretraining's (its metrics service discovery for Prometheus), after checking that the layout
     fits it; a run already at its --steps says so in one line and starts none (RLRun.run). Any other run takes
     its lease (RLRun.lease) before Ray starts: while another live driver trains it, one line and exit 2.
-    --dry-run makes every check but the storage root's write probe, prints plan_line and exits 0: no lease, no
-    Ray, nothing written."""
+    A run with steps left prints plan_line, optimizer_line and run_dir_line first; --dry-run makes every check but the storage
+    root's write probe, prints them and exits 0: no lease, no Ray, nothing written."""
     local = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     try:
         check_gcs_address(args.address)
         cfg = resolve_inputs(config_for(args))
+        check_flags_used(args, cfg)
         run = RLRun(cfg)  # the resume check (raychat.rl.loop.check_resume), before Ray starts
         check_generation_length(cfg, run.tasks)
         if local:  # a cluster of this machine never grows: refuse now what it could never place
@@ -171,10 +198,12 @@ def main(args) -> int:
     for warning in [base_model_warning(cfg.run.init_from), short_eval_split_warning(cfg, run.tasks)]:
         if warning:
             print(warning, file=sys.stderr)
+    if run.finished() is None:
+        print(plan_line(cfg, run))
+        print(optimizer_line(cfg, read_meta(cfg.run.init_from)["model_config"]["n_embd"]))
+        print(run_dir_line(run))
     if args.dry_run:
-        if run.finished() is None:
-            print(plan_line(cfg, run))
-        else:
+        if run.finished() is not None:
             run.run()  # its finished line, without Ray
         return 0
     if run.finished() is not None:  # a finished run needs no cluster, nor the lease
@@ -204,6 +233,34 @@ def plan_line(cfg: RLConfig, run: RLRun) -> str:
         f"at most {r.max_tokens} tokens each at --temperature {r.temperature:g}; {evals}"
         f"{'' if newest else 'at step 0 and '}{_when(cfg.eval.eval_every)}; a checkpoint "
         f"{_when(c.checkpoint_every)} (the newest {c.keep_checkpoints} kept); {layout_line(cfg)}"
+    )
+
+
+def optimizer_line(cfg: RLConfig, width: int) -> str:
+    """The learner's optimizer as it applies the flags to a model of `width` (n_embd): Muon's lr and
+    Newton-Schulz dtype, AdamW's lrs x adamw_lr_scale (the plan training prints too), constant (RL has no
+    schedule), weight decay and clipping, e.g. "optimizer: Muon 0.0002 for the hidden matrices, Newton-Schulz in
+    float32 on cpu ...; AdamW x 3.464 (= (width 64 / 768) ** -0.5): embedding 0.003464, lm_head 0.003464, norms
+    0.003464; constant lrs (no warmup or decay); Muon weight decay 0, grad clipping at global norm 1"."""
+    o, scale = cfg.optim, adamw_lr_scale(width)
+    ns = planned_ns_choice(o.ns_dtype, cfg.layout.use_gpu)
+    clip = f"grad clipping at global norm {o.grad_clip:g}" if o.grad_clip else "no grad clipping"
+    return (
+        f"optimizer: Muon {o.matrix_lr:g} for the hidden matrices, {ns}; AdamW x {scale:.4g} (= (width "
+        f"{width} / 768) ** -0.5): embedding {o.embedding_lr * scale:.4g}, lm_head "
+        f"{o.unembedding_lr * scale:.4g}, norms {o.scalar_lr * scale:.4g}; constant lrs (no warmup or decay); "
+        f"Muon weight decay "
+        f"{o.weight_decay:g}, {clip}"
+    )
+
+
+def run_dir_line(run: RLRun) -> str:
+    """Where `run` writes and how it resumes, e.g. "run dir: /home/me/runs/rl/rl (config.yaml, metrics.jsonl:
+    a line a step, checkpoint_<step>; rollouts are not kept; the same command resumes from the newest
+    checkpoint)"."""
+    return (
+        f"run dir: {run.run_dir} (config.yaml, metrics.jsonl: a line a step, checkpoint_<step>; rollouts are not "
+        "kept; the same command resumes from the newest checkpoint)"
     )
 
 

@@ -716,15 +716,29 @@ _LOG_KEYS = (
     "learner_step_s", "learner_wait_s", "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts", "failures",
     "stale_chunks",
 )  # fmt: skip
+# async mode's off-policy samples: the largest staleness, their mean importance ratio and the share of tokens
+# --clip-eps clipped (PPO's clipfrac), after staleness_mean; on-policy (sync) the ratio is 1 and none is clipped
+_ASYNC_KEYS = ("staleness_max", "ratio_mean", "clip_frac")
 
 
 def step_line(line: dict, steps: int, eta_s: float) -> str:
-    """A step's stdout line: the _LOG_KEYS of its metrics.jsonl `line` (those set), its step out of the run's
-    `steps` as pretraining's line counts them ("step=15/50"), then its ETA of `eta_s` seconds as pretraining's
-    line shows it ("eta=42s", "eta=12m05s", "eta=3h07m": raychat.log.duration)."""
-    shown = {k: line[k] for k in _LOG_KEYS if line.get(k) is not None} | {"step": f"{line['step']}/{steps}"}
+    """A step's stdout line: the _LOG_KEYS of its metrics.jsonl `line` (those set; with "mode" "async" also
+    _ASYNC_KEYS after staleness_mean), its step out of the run's `steps` as pretraining's line counts them
+    ("step=15/50"), then its ETA of `eta_s` seconds as pretraining's
+    line shows it ("eta=42s", "eta=12m05s", "eta=3h07m": raychat.log.duration). Floats have 4 significant
+    digits, those of 10,000 or more are rounded to whole numbers ("rollout_tokens_per_s=16286", not
+    "1.629e+04")."""
+    keys = list(_LOG_KEYS)
+    if line.get("mode") == "async":
+        at = keys.index("staleness_mean") + 1
+        keys[at:at] = _ASYNC_KEYS
+    shown = {k: line[k] for k in keys if line.get(k) is not None} | {"step": f"{line['step']}/{steps}"}
     return _fmt(shown) + f" eta={duration(eta_s)}"
 
 
 def _fmt(d: dict) -> str:
-    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
+    return " ".join(f"{k}={_number(v)}" if isinstance(v, float) else f"{k}={v}" for k, v in d.items())
+
+
+def _number(v: float) -> str:
+    return f"{v:.0f}" if abs(v) >= 1e4 else f"{v:.4g}"
