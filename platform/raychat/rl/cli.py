@@ -176,8 +176,8 @@ def main(args) -> int:
     dashboard as pretraining's (its metrics service discovery for Prometheus), after checking that the layout
     fits it; a run already at its --steps says so in one line and starts none (RLRun.run). Any other run takes
     its lease (RLRun.lease) before Ray starts: while another live driver trains it, one line and exit 2.
-    A run with steps left prints plan_line, optimizer_line and run_dir_line first; --dry-run makes every check but the storage
-    root's write probe, prints them and exits 0: no lease, no Ray, nothing written."""
+    A run with steps left prints plan_line, optimizer_line and run_dir_line first; --dry-run makes every check
+    but the storage root's write probe, prints them and exits 0: no lease, no Ray, nothing written."""
     local = not ray.is_initialized() and not (args.address or os.environ.get("RAY_ADDRESS"))
     try:
         check_gcs_address(args.address)
@@ -249,8 +249,7 @@ def optimizer_line(cfg: RLConfig, width: int) -> str:
         f"optimizer: Muon {o.matrix_lr:g} for the hidden matrices, {ns}; AdamW x {scale:.4g} (= (width "
         f"{width} / 768) ** -0.5): embedding {o.embedding_lr * scale:.4g}, lm_head "
         f"{o.unembedding_lr * scale:.4g}, norms {o.scalar_lr * scale:.4g}; constant lrs (no warmup or decay); "
-        f"Muon weight decay "
-        f"{o.weight_decay:g}, {clip}"
+        f"Muon weight decay {o.weight_decay:g}, {clip}"
     )
 
 
