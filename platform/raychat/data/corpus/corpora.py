@@ -49,9 +49,8 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst")
 WORDNET_FILES = ("noun", "verb", "adj", "adv")  # /usr/share/wordnet/data.<name>
 EXAMPLES_PER_REASON = 5
 READ_QUIET_S = 5.0  # a folder read faster than this logs only the last line of its reading (ReadProgress)
-READ_STEP_BYTES = (
-    1 << 20
-)  # a .jsonl file's reading tells ReadProgress its place each time it reads this much more
+# a .jsonl file's reading tells ReadProgress its place each time it reads this much more
+READ_STEP_BYTES = 1 << 20
 # The `text` column types a local .parquet file may have; binary values are decoded as UTF-8.
 TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
 TEXT_FIELD = "text"  # the .jsonl field and .parquet column read unless --text-field names another
@@ -289,8 +288,8 @@ def jsonl_documents(
     """The `text_field` (default "text") of each JSON line (a UTF-8 byte order mark before a line, as Windows
     editors write before the first, is ignored); bad lines are counted skips: invalid_utf8 (a line that is not UTF-8, or a
     text with a lone surrogate escape such as "\\ud800", which has no UTF-8 encoding), invalid_json,
-    no_text_field, empty (also a file of no lines). Before a line that starts READ_STEP_BYTES or more after the last place told, `place`
-    gets the bytes of the file read so far."""
+    no_text_field, empty (also a file of no lines). Before a line that starts READ_STEP_BYTES or more after the
+    last place told, `place` gets the bytes of the file read so far."""
     read = told = 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
@@ -334,9 +333,9 @@ def local_folder(
     (shards.prepared_manifest), none of whose files is read ("prepared_dataset", once per folder: its shards,
     the validation shard included, would leak into training), a broken symbolic link, a pipe or a socket
     ("not_a_file"), documents that are not valid UTF-8 ("invalid_utf8": a file, a .jsonl line or a parquet
-    value that does not decode, a .jsonl text with a lone surrogate escape), empty documents ("empty"; also a .jsonl or .parquet file of no line or row) and
-    those of parquet_documents and jsonl_documents. Hidden files and folders are read as any other.
-    `log` (None: silent) receives the reading's progress lines (ReadProgress; `clock`: seconds).
+    value that does not decode, a .jsonl text with a lone surrogate escape), empty documents ("empty"; also a
+    .jsonl or .parquet file of no line or row) and those of parquet_documents and jsonl_documents. Hidden files
+    and folders are read as any other. `log` (None: silent) receives the reading's progress lines (ReadProgress; `clock`: seconds).
 
     Raises:
         DataError: `folder` is not a directory or is itself a prepared data directory; a parquet file is
