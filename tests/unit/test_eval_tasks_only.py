@@ -5,6 +5,7 @@ skip it."""
 import json
 import math
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 import ray
@@ -16,6 +17,7 @@ from support.serve_helpers import write_tiny_checkpoint
 from raychat import checkpoint_manager
 from raychat.checkpoint_manager import commit_directory, output_place
 from raychat.cli import main as raychat_main
+from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.eval import cli as eval_cli
 from raychat.storage import open_storage, upload_dir
 
@@ -26,6 +28,9 @@ def root(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYCHAT_TASK_DATA", str(tmp_path / "task_data"))  # the default CORE bundle: none
     write_tiny_checkpoint(tmp_path / "runs" / "sft" / "checkpoint_000001", stage="sft")
     return tmp_path / "runs"
+
+
+GSM8K_ITEM = json.dumps({"question": "What is 2 + 2?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"}) + "\n"
 
 
 def _listing(directory) -> list[str]:
@@ -214,25 +219,102 @@ def test_the_data_hint_names_storage_path_only_when_it_was_given(tmp_path, monke
     assert eval_cli.speedrun_data_hint(default, checkpoint, str(data), None) == ""  # --data-dir is that data
 
 
-def test_bpb_without_data_names_the_data_of_the_speedrun_above_the_checkpoint(tmp_path, capsys, monkeypatch):
-    """After the README's `raychat speedrun --preset tiny --out runs-tiny`, `raychat eval --checkpoint
-    runs-tiny/rl/rl` looked for the default runs/data and said only to prepare data there; the data of the
-    speedrun that made the checkpoint is runs-tiny/data."""
+def test_a_data_dir_given_beside_the_speedrun_above_the_checkpoint_is_refused_naming_its_data(
+    tmp_path, capsys, monkeypatch
+):
+    """A --data-dir given wins over the data of the speedrun that made the checkpoint (runs-tiny/data); given
+    without shards, the error names that data."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RAYCHAT_TASK_DATA", str(tmp_path / "task_data"))
     write_tiny_checkpoint(tmp_path / "runs-tiny" / "rl" / "rl" / "checkpoint_000001", stage="rl")
-    (tmp_path / "runs-tiny" / "data").mkdir()
-    (tmp_path / "runs-tiny" / "data" / "manifest.json").write_text(
-        "{}"
-    )  # the hint only looks for the manifest
-    argv = ["eval", "--checkpoint", "runs-tiny/rl/rl", "--tasks", "calculator:2"]
     data = tmp_path / "runs-tiny" / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")  # the hint only looks for the manifest
+    argv = ["eval", "--checkpoint", "runs-tiny/rl/rl", "--data-dir", "runs/data", "--tasks", "calculator:2"]
     assert _fails_in_one_line(argv, capsys).endswith(
         f"--eval-tokens 0 skips BPB and scores only --tasks and the report card; the checkpoint's speedrun "
         f"(--out {tmp_path}/runs-tiny) has its data in {data}: --data-dir {data})  (RAYCHAT_DEBUG=1 shows the "
         "traceback)"
     )
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "checkpoint, out",
+    [
+        ("/x/runs-tiny/rl/rl/checkpoint_000001", "/x/runs-tiny"),
+        ("/x/runs-tiny/checkpoints/sft/checkpoint_000002", "/x/runs-tiny"),
+        ("/x/runs/sft/checkpoint_000001", None),  # a run under another storage root
+        ("/x/runs-tiny/rl/rl/served/checkpoint_000001-0123456789ab", None),  # a served snapshot
+        ("/x/runs-tiny/rl/rl/copy", None),  # a checkpoint directory of another name
+        ("s3://bucket/runs-tiny/rl/rl/checkpoint_000001", None),  # no local data beside it
+    ],
+)
+def test_a_speedruns_out_is_found_from_its_checkpoints_path_only(checkpoint, out):
+    assert eval_cli.speedrun_out(checkpoint) == (out and Path(out))
+
+
+def _speedrun_data(directory, text: str) -> None:
+    """Prepared shards at `directory` (2: train, val) of eight copies of `text`, as `raychat data prepare`."""
+    entries = write_shards([text * 40] * 8, directory, 2, log=lambda *_: None)
+    write_manifest(directory, {"source": "test", "shards": entries})
+
+
+def test_an_eval_of_a_speedruns_checkpoint_reads_its_data_and_task_data_unless_a_flag_names_others(
+    tmp_path, capsys, monkeypatch
+):
+    """After the README's `raychat speedrun --preset tiny --out runs-tiny`, `raychat eval --checkpoint
+    runs-tiny/rl/rl` read runs/data and runs/task_data, and was refused until --data-dir runs-tiny/data was
+    given. Not given, both are now the speedrun's, each named on stderr; a flag (or $RAYCHAT_TASK_DATA) still
+    wins."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAYCHAT_TASK_DATA", raising=False)
+    out = tmp_path / "runs-tiny"
+    write_tiny_checkpoint(out / "rl" / "rl" / "checkpoint_000001", max_seq_len=32, stage="rl")
+    _speedrun_data(out / "data", "the json module encodes objects. ")
+    _speedrun_data(tmp_path / "other", "textwrap fills paragraphs of text. ")
+    for tasks in (out / "task_data", tmp_path / "other_tasks"):  # one gsm8k test item each
+        (tasks / "gsm8k" / "main").mkdir(parents=True)
+        (tasks / "gsm8k" / "main" / "test.jsonl").write_text(GSM8K_ITEM)
+    flags = ["--tasks", "gsm8k:1", "--max-tokens", "2", "--eval-tokens", "64"]
+
+    def evaluate(*argv: str) -> tuple[dict, list[str]]:
+        assert raychat_main(["eval", "--checkpoint", "runs-tiny/rl/rl", *flags, *argv]) == 0
+        stdout, stderr = capsys.readouterr()
+        return json.loads(stdout), stderr.splitlines()
+
+    followed, err = evaluate()
+    assert err[:2] == [
+        f"data: {out}/data (the speedrun's, beside the checkpoint; --data-dir to choose another)",
+        f"task data: {out}/task_data (the speedrun's, beside the checkpoint; --task-data-dir to choose another)",
+    ]
+    settings = followed["settings"]
+    assert (settings["data_dir"], settings["task_data_dir"]) == (str(out / "data"), str(out / "task_data"))
+    assert followed["tasks"]["gsm8k"]["examples"] == 1  # read from runs-tiny/task_data: runs/ holds none
+    assert followed["val_tokens"] == 64  # 2 rows of T = 32 targets
+    assert f"bytes of {out}/data/shard_00001.parquet)" in err[-2]
+    assert not (tmp_path / "runs").exists()
+    # the same data given as flags: the same BPB, and no line says where the inputs came from
+    given, err = evaluate(
+        "--data-dir", "runs-tiny/data", "--task-data-dir", "runs-tiny/task_data", "--run-name", "g"
+    )
+    assert given["val_bpb"] == followed["val_bpb"] and given["val_bytes"] == followed["val_bytes"]
+    assert not [line for line in err if "the speedrun's" in line]
+    # other data given: those are read
+    other, err = evaluate("--data-dir", "other", "--task-data-dir", "other_tasks", "--run-name", "o")
+    assert (other["settings"]["data_dir"], other["settings"]["task_data_dir"]) == (
+        "other",
+        str(tmp_path / "other_tasks"),
+    )
+    assert other["val_bpb"] != followed["val_bpb"]
+    assert f"bytes of {tmp_path}/other/shard_00001.parquet)" in err[-2]
+    assert not [line for line in err if "the speedrun's" in line]
+    # $RAYCHAT_TASK_DATA names the task data as --task-data-dir does; --eval-tokens 0 reads no data
+    monkeypatch.setenv("RAYCHAT_TASK_DATA", str(tmp_path / "other_tasks"))
+    env, err = evaluate("--eval-tokens", "0", "--run-name", "e")
+    assert env["settings"]["task_data_dir"] == str(tmp_path / "other_tasks")
+    assert (env["settings"]["data_dir"], env["val_bpb"]) == ("runs/data", None)
+    assert not [line for line in err if "the speedrun's" in line]
 
 
 def test_an_eval_writes_beside_its_checkpoints_run_and_keeps_each_checkpoints_results(

@@ -58,7 +58,9 @@ class EvalConfig(Section):
     run_name: str | None = option(None, run_name_help("the results", "eval.json", "eval"), kind="run_name")
     data_dir: str = option(
         "runs/data", "shards whose validation shard BPB is measured on: a directory or a run name under "
-        f"--storage-path (not given: {CHECKPOINTS_ROOT}) (given --storage-path and not this: the run 'data' there)",
+        f"--storage-path (not given: {CHECKPOINTS_ROOT}); not given: the data of the speedrun whose --out holds "
+        "the checkpoint (<out>/data, beside its checkpoints/ and rl/), else the run 'data' under a given "
+        "--storage-path, else this",
     )  # fmt: skip
     eval_tokens: int = option(
         65536, "validation tokens for BPB on the validation shard of --data-dir; 0 = no BPB (val_bpb null in "
@@ -74,7 +76,8 @@ class EvalConfig(Section):
     )  # fmt: skip
     task_data_dir: str = option(
         "", "directory of the hub tasks' files (smoltalk, gsm8k, mmlu, arc-*, humaneval; layouts: "
-        "raychat.tasks.hub_data); '' = $RAYCHAT_TASK_DATA, else runs/task_data",
+        "raychat.tasks.hub_data); '' = $RAYCHAT_TASK_DATA, else the task_data/ of the speedrun whose --out "
+        "holds the checkpoint, else runs/task_data",
     )  # fmt: skip
     core_bundle: str = option(
         "", "the CORE eval bundle directory (core.yaml, eval_meta_data.csv, eval_data/); '' = "

@@ -153,6 +153,14 @@ def given(args: argparse.Namespace, cls) -> dict:
     return {name: getattr(args, name) for name in leaves(cls) if getattr(args, name, None) is not None}
 
 
+def chosen(args: argparse.Namespace, cls, section: str) -> set[str]:
+    """The flat names of `cls` that the command line sets: a flag given, or a key of the preset's `section`
+    (--preset, not 'none'); the others hold the config's defaults (or the STORAGE_INPUTS rule's)."""
+    name = getattr(args, "preset", None)
+    preset = preset_values(name, section) if name and name.strip() and name != "none" else {}
+    return {*preset, *given(args, cls)}
+
+
 def _as_typed(args: argparse.Namespace, cls, flags: dict) -> dict:
     """`flags` ({flat name: value}) keyed by the alias a flag was typed as, where it was (see TYPED)."""
     typed, alias = getattr(args, TYPED, {}), aliases(cls)
@@ -182,12 +190,12 @@ def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str
     flags = given(args, cls)
     with flag_naming():
         config = from_dict(cls, _as_typed(args, cls, flags), base=config)
-    chosen = {*preset, *flags}
-    if "storage_path" in chosen:
+    picked = chosen(args, cls, section)
+    if "storage_path" in picked:
         root = to_flat(config)["storage_path"].rstrip("/")
         # a path, not the bare run name: a bare name that exists in the working directory is read from there
         inputs = {
-            k: f"{root}/{run}" for k, run in STORAGE_INPUTS.items() if k in leaves(cls) and k not in chosen
+            k: f"{root}/{run}" for k, run in STORAGE_INPUTS.items() if k in leaves(cls) and k not in picked
         }
         config = from_dict(cls, inputs, base=config)
     return config

@@ -16,7 +16,11 @@ from raychat.config.rl import RLConfig
 from raychat.config.schema import ConfigError, from_dict, owned_literal
 from raychat.config.train import SFT_DEFAULTS, TrainConfig
 
+DATA = "data"  # the speedrun's prepared data under --out
 TASK_DATA = "task_data"  # the speedrun's task data directory under --out
+# the storage roots of its runs under --out: checkpoints/{base,sft}, rl/rl
+CHECKPOINTS = "checkpoints"
+RL = "rl"
 
 
 class StageConfigError(ConfigError):
@@ -68,7 +72,7 @@ class SpeedrunConfig:
                 f"files), got {out!r}"
             )
         root = Path(out).resolve()
-        data_dir, tok_dir, checkpoints = root / "data", root / "tokenizer", root / "checkpoints"
+        data_dir, tok_dir, checkpoints = root / DATA, root / "tokenizer", root / CHECKPOINTS
         data = from_dict(
             PrepareConfig, {**preset_section(preset, "data"), "out": str(data_dir)}, where="data settings"
         )
@@ -96,7 +100,7 @@ class SpeedrunConfig:
             rl_values = {
                 "task_data_dir": task_data,
                 **rl_values,
-                "storage_path": str(root / "rl"),
+                "storage_path": str(root / RL),
                 "run_name": "rl",
             }
             rl = _stage("rl", RLConfig, rl_values, where="rl settings")

@@ -18,6 +18,11 @@
   report card       raychat.eval.report_card: CORE (when the bundle is at --core-bundle) and the chat evals
                     of --tasks (chatcore[:N]: all six, "n/a: no data" for those whose files are missing)
 
+  inputs            not given, --data-dir and the task data directory (--task-data-dir, $RAYCHAT_TASK_DATA)
+                    are those of the speedrun whose --out holds the checkpoint (X/checkpoints/<run>/ or
+                    X/rl/<run>/: X/data with a manifest.json, X/task_data), each named in one stderr line
+                    (speedrun_inputs); else runs/data (--storage-path's run 'data') and runs/task_data
+
 The result goes to stdout (one JSON document, its "report_card" the card's row) and to
 <storage-path>/<run-name>/eval.json (written whole: raychat.storage.write_bytes); the card's markdown table to
 stderr and to <storage-path>/<run-name>/report_card.md; the last line of stderr names both files. Not given,
@@ -31,8 +36,10 @@ the tasks, from its weights), before anything is written (JSON has no NaN).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -43,9 +50,11 @@ import torch
 
 from raychat.atomic import remove_leftovers
 from raychat.checkpoint import document_masking, load_model
-from raychat.checkpoint_manager import check_output_target, find_checkpoint, output_place
+from raychat.checkpoint_manager import check_output_target, find_checkpoint, is_run_checkpoint, output_place
 from raychat.config import EvalConfig, from_args, to_dict
 from raychat.config.eval import CHATCORE, CHECKPOINTS_ROOT
+from raychat.config.flags import chosen
+from raychat.config.speedrun import CHECKPOINTS, DATA, RL, TASK_DATA
 from raychat.data.corpus.shards import list_shards
 from raychat.data.loader.pipeline import validation_rows
 from raychat.engine.sampling import is_greedy
@@ -65,7 +74,7 @@ from raychat.eval.report_card import (
 )
 from raychat.eval.tasks import accuracy_stderr, mean_stderr, task_accuracy, task_budget, task_pass_at_k
 from raychat.storage import Storage, check_writable, open_storage, read_bytes, run_directory, write_bytes
-from raychat.tasks.hub_data import task_data_dir
+from raychat.tasks.hub_data import TASK_DATA_ENV, task_data_dir
 from raychat.tasks.registry import check_data, check_present_data, make_task, parse_mixture
 
 RESULT_FILE = "eval.json"
@@ -231,8 +240,9 @@ def evaluate(
     (--eval-tokens 0): no BPB, every val_* None but val_bpb_note "not measured: --eval-tokens 0" (None when
     measured); max_tokens: the completion budget a generative task was measured at (None: categorical), a
     sampled task's "samples", "temperature" and "pass@k" (task_scores); chatcore: (whether to run the six chat
-    evals, their examples cap); settings: every EvalConfig field as given (checkpoint as typed, e.g. latest),
-    task_data_dir resolved to the directory read; finished_at: UTC, ISO 8601 to the second.
+    evals, their examples cap); settings: every EvalConfig field as given (checkpoint as typed, e.g. latest;
+    data_dir and task_data_dir the speedrun's where speedrun_inputs chose them), task_data_dir resolved to the
+    directory read; finished_at: UTC, ISO 8601 to the second.
 
     Raises ValueError naming --checkpoint when the model's validation loss (without BPB: a weight) is not
     finite (NaN or inf)."""
@@ -304,6 +314,38 @@ def speedrun_data_hint(storage: Storage, checkpoint: str, data_dir: str, storage
     return ""
 
 
+def speedrun_out(checkpoint: str) -> Path | None:
+    """The --out of the speedrun whose layout holds `checkpoint` (what find_checkpoint returned): X of a local
+    X/checkpoints/<run>/checkpoint_<step> or X/rl/<run>/checkpoint_<step> (raychat.config.speedrun); else None."""
+    if not is_run_checkpoint(checkpoint):
+        return None
+    roots = Path(checkpoint).parents[1]
+    return roots.parent if roots.name in (CHECKPOINTS, RL) else None
+
+
+def speedrun_inputs(cfg: EvalConfig, checkpoint: str, given: set[str]) -> tuple[EvalConfig, list[str]]:
+    """(cfg, the stderr lines that say so) with the inputs of the speedrun whose --out holds `checkpoint`
+    (speedrun_out) in place of the defaults: its X/data when BPB is measured (cfg.eval_tokens above 0), X/data
+    holds a manifest.json and --data-dir is not in `given` (the flat names the command line sets:
+    raychat.config.flags.chosen), e.g. `data: /home/me/runs-tiny/data (the speedrun's, beside the checkpoint;
+    --data-dir to choose another)`; its X/task_data when that is a directory, --task-data-dir is not given and
+    $RAYCHAT_TASK_DATA is not set, as `task data: ...` naming --task-data-dir. Unchanged cfg and no line for a
+    checkpoint outside a speedrun's layout."""
+    out = speedrun_out(checkpoint)
+    if out is None:
+        return cfg, []
+    found = {}
+    if cfg.eval_tokens and "data_dir" not in given and (out / DATA / "manifest.json").is_file():
+        found["data_dir"] = ("data", out / DATA, "--data-dir")
+    if "task_data_dir" not in given and not os.environ.get(TASK_DATA_ENV) and (out / TASK_DATA).is_dir():
+        found["task_data_dir"] = ("task data", out / TASK_DATA, "--task-data-dir")
+    lines = [
+        f"{what}: {path} (the speedrun's, beside the checkpoint; {flag} to choose another)"
+        for what, path, flag in found.values()
+    ]
+    return dataclasses.replace(cfg, **{name: str(path) for name, (_, path, _) in found.items()}), lines
+
+
 def validation_shard(cfg: EvalConfig, storage: Storage, checkpoint: str) -> str:
     """The validation shard of --data-dir (a directory, or a run name under --storage-path) that BPB reads.
 
@@ -329,6 +371,8 @@ def main(args) -> int:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device: cuda, but this machine has no CUDA device")
     lookup = open_storage(cfg.storage_path or CHECKPOINTS_ROOT)  # latest, a run name, --data-dir's run name
+    checkpoint = find_checkpoint(cfg.checkpoint, lookup, "--checkpoint")
+    cfg, followed = speedrun_inputs(cfg, checkpoint, chosen(args, EvalConfig, "eval"))
     spec, cap, named = split_card_tasks(cfg.tasks)
     tasks = parse_mixture(spec, "--tasks", empty_ok=True)
     names = [name for name, _ in tasks]
@@ -356,14 +400,13 @@ def main(args) -> int:
             "--eval-tokens 0 with --tasks '' and no CORE bundle (--core-bundle): nothing to measure; give --tasks "
             "or an --eval-tokens above 0"
         )
-    checkpoint = find_checkpoint(cfg.checkpoint, lookup, "--checkpoint")
     storage, run_name, storage_flag = output_place(checkpoint, cfg.storage_path, cfg.run_name, "eval")
     check_eval_target(storage, run_name)  # before the evaluation runs
     replacing = replaced_line(storage, run_name)
     val_file = validation_shard(cfg, lookup, checkpoint) if cfg.eval_tokens else None
     check_writable(storage, storage_flag)
-    if replacing:
-        print(replacing, file=sys.stderr)
+    for line in filter(None, [*followed, replacing]):
+        print(line, file=sys.stderr)
     result = evaluate(checkpoint, val_file, tasks, cfg, (named, cap))
     if storage.is_local:  # object storage writes in one PUT: no leftovers there
         remove_leftovers(storage.run_path(run_name))
