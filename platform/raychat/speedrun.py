@@ -246,7 +246,13 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
         log(reused_tokenizer_line(tokenizer, tok_dir, preset, tok_cfg.vocab_size))
         figures = {"vocab_size": tokenizer.vocab_size}
     else:
-        figures = train_tokenizer(tok_cfg.data_dir, str(tok_dir), tok_cfg.vocab_size, tok_cfg.max_chars)
+        figures = train_tokenizer(
+            tok_cfg.data_dir,
+            str(tok_dir),
+            tok_cfg.vocab_size,
+            tok_cfg.max_chars,
+            options=("tokenizer.vocab_size", "tokenizer.max_chars"),
+        )
     report["tokenizer"] = settle("tokenizer", t0, figures, file_id(tok_dir / "tokenizer.json"), not reused)
 
     t0 = banner("3/6 pretrain on Ray Train")

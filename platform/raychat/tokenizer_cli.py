@@ -21,6 +21,8 @@ from raychat.log import log, plural
 from raychat.storage import check_writable, open_storage, output_directory, run_directory
 from raychat.tokenizer import Tokenizer
 
+TOKENIZER_OPTIONS = ("--vocab-size", "--max-chars")  # what small_vocabulary_warning names by default
+
 
 def iter_texts(files: list[str], max_chars: int) -> Iterator[str]:
     """Texts of the `text` column of `files`, in order, at most max_chars characters in all (<= 0: no limit):
@@ -52,18 +54,39 @@ def bytes_per_token(tokenizer: Tokenizer, texts: list[str]) -> float:
     return n_bytes / max(n_tokens, 1)
 
 
+def small_vocabulary_warning(
+    got: int, asked: int, chars: int, capped: bool, options: tuple[str, str] = TOKENIZER_OPTIONS
+) -> str:
+    """The warning of a tokenizer trained for `asked` tokens that came out with `got` (fewer) from `chars`
+    characters of training text, `capped` when --max-chars cut it: what it means (BPE ran out of pairs to merge;
+    the file, and the embedding of a model pretrained with it, have `got`) and what to do (more text, or ask for
+    `got`), naming `options` (the options of the vocabulary and of the cap: the speedrun's preset keys)."""
+    vocab_option, cap_option = options
+    more = f"a {cap_option} above {chars:,}, which cut it, or " if capped else ""
+    return (
+        f"warning: the training text ({chars:,} characters) supports only {got:,} tokens, not the {asked:,} "
+        f"asked: BPE ran out of pairs to merge (every distinct word of it is one token), so tokenizer.json has "
+        f"{got:,} tokens and a model pretrained with it an embedding of {got:,} rows; for {asked:,}, train on "
+        f"more text ({more}a larger, more varied corpus), or give {vocab_option} {got} to ask for what this "
+        "text gives"
+    )
+
+
 def train_tokenizer(
     data_dir: str,
     out: str,
     vocab_size: int,
     max_chars: int = TokenizerConfig().max_chars,
     out_flag: str = "--out",
+    options: tuple[str, str] = TOKENIZER_OPTIONS,
 ) -> dict:
     """Train on at most `max_chars` characters (<= 0: all) of the training shards of `data_dir`, in order, the
     document that reaches the cap cut there (iter_texts), saying so in a line first (BPE training prints
     nothing until it ends); save to `out` (the leftovers of killed writes there
     removed first: raychat.atomic.remove_leftovers); returns the report dict. Holds the lease on `out`
-    (output_lease; a refusal says to use another `out_flag`) from before it trains until it has saved.
+    (output_lease; a refusal says to use another `out_flag`) from before it trains until it has saved. A text
+    that supports fewer than `vocab_size` tokens gives a smaller tokenizer, with a warning
+    (small_vocabulary_warning, naming `options`: the options of the vocabulary and of max_chars).
 
     Raises:
         DataError: a shard whose `text` is not strings or holds a null (check_text_column: naming the shard
@@ -83,11 +106,20 @@ def train_tokenizer(
             f"training the tokenizer (vocabulary {vocab_size}) on {limit} of "
             f"{plural(len(train_files), 'train shard')} in {data_dir} ..."
         )
+        chars = 0
+
+        def texts() -> Iterator[str]:
+            nonlocal chars
+            for text in iter_texts(train_files, max_chars):
+                chars += len(text)
+                yield text
+
         t0 = time.perf_counter()
-        tokenizer = Tokenizer.train(iter_texts(train_files, max_chars), vocab_size)
+        tokenizer = Tokenizer.train(texts(), vocab_size)
         seconds = time.perf_counter() - t0
         if tokenizer.vocab_size < vocab_size:
-            log(f"warning: the corpus supports only {tokenizer.vocab_size} tokens (asked {vocab_size})")
+            capped = 0 < max_chars <= chars
+            log(small_vocabulary_warning(tokenizer.vocab_size, vocab_size, chars, capped, options))
         path = tokenizer.save(out)
     sample = list(iter_texts(train_files, 5_000_000))
     val = list(iter_texts([val_file], 5_000_000))

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -458,6 +459,73 @@ def test_reading_a_folder_logs_its_progress_each_tenth_after_a_quiet_start_then_
         "read 2/4 files (40% of 1.0 kB) in 6s, eta 9s",
         "read 3/4 files (90% of 1.0 kB) in 9s, eta 1s",
         "read 4 files (1.0 kB) in 12s",
+    ]
+
+
+def test_writing_many_shards_logs_tenths_then_one_end_line(tmp_path):
+    """A 278 MB corpus printed 196 `wrote shard_...` lines. 40 documents of 6 bytes into 20 shards of 2 (more
+    than SHARD_LINES_MAX), a clock 1 s on at each look: shard k ends at k s with 2k documents, the k//2-th
+    tenth; quiet until 5 s (WRITE_QUIET_S), then a line at each new tenth: shards 5, 6, 8, ..., 18 (8 lines,
+    eta k s x (40 - 2k) / 2k); the 20th logs only the end line, at 20 s."""
+    documents = [f"doc {i:02d}" for i in range(40)]
+    ticks = iter(range(100))
+    lines: list[str] = []
+    entries = shards.write_shards(documents, tmp_path, 20, log=lines.append, clock=lambda: next(ticks))
+    on_disk = corpora.size(sum(e["file_bytes"] for e in entries))
+    assert lines == [
+        "wrote 5/20 shards (25% of 40 documents) in 5s, eta 15s",
+        "wrote 6/20 shards (30% of 40 documents) in 6s, eta 14s",
+        "wrote 8/20 shards (40% of 40 documents) in 8s, eta 12s",
+        "wrote 10/20 shards (50% of 40 documents) in 10s, eta 10s",
+        "wrote 12/20 shards (60% of 40 documents) in 12s, eta 8s",
+        "wrote 14/20 shards (70% of 40 documents) in 14s, eta 6s",
+        "wrote 16/20 shards (80% of 40 documents) in 16s, eta 4s",
+        "wrote 18/20 shards (90% of 40 documents) in 18s, eta 2s",
+        f"wrote 20 shards (40 documents, 240 bytes of text, {on_disk} on disk) in 20s",
+    ]
+
+
+def test_a_cut_into_few_shards_keeps_a_line_a_shard_and_a_quick_large_one_only_its_end_line(tmp_path):
+    """Up to SHARD_LINES_MAX (10) shards, a line each (the split and size of each, beside the cut line), then the
+    end line; 11 shards written within WRITE_QUIET_S log only the end line."""
+    assert shards.SHARD_LINES_MAX == 10
+    documents = [f"doc {i:02d}" for i in range(22)]
+    lines: list[str] = []
+    entries = shards.write_shards(documents, tmp_path / "ten", 10, log=lines.append, clock=lambda: 0.0)
+    assert len(lines) == 11 and lines[-1].startswith("wrote 10 shards (22 documents, 132 bytes of text, ")
+    assert (
+        lines[0]
+        == f"  wrote shard_00000.parquet: train, 3 documents, 18 bytes of text, {corpora.size(entries[0]['file_bytes'])} on disk"
+    )
+    assert lines[9].startswith("  wrote shard_00009.parquet: val, 2 documents, 12 bytes of text, ")
+    lines.clear()
+    shards.write_shards(documents, tmp_path / "eleven", 11, log=lines.append, clock=lambda: 0.0)
+    assert len(lines) == 1 and lines[0].startswith("wrote 11 shards (22 documents, 132 bytes of text, ")
+    assert lines[0].endswith(" on disk) in 0s")
+
+
+def test_a_folder_larger_than_the_memory_available_is_warned_about_before_it_is_read(tmp_path, monkeypatch):
+    """prepare holds the whole corpus in memory to shuffle it, which nothing said. By the measured rule (150 MB +
+    2.3 x a .jsonl's bytes + 6.1 x a .parquet's): a 100 MB .jsonl and a 10 MB .parquet need 150 + 230 + 61 =
+    441 MB, a warning where 400 MB are available, none where 441 MB are. A folder of two 10-byte files, with
+    100 MB available, warns of 150 MB (150,000,046 bytes) before its reading line."""
+    assert corpora.memory_needed([(".jsonl", 100_000_000), (".parquet", 10_000_000)]) == 441_000_000
+    assert corpora.memory_warning(110_000_000, 441_000_000, 400_000_000) == (
+        "warning: preparing 110.00 MB of documents may take up to 441.00 MB of memory (they are held whole to be "
+        "shuffled; README: Data), more than the 400.00 MB available: it may be killed for memory; free some, or "
+        "prepare a part of the folder"
+    )
+    assert corpora.memory_warning(110_000_000, 441_000_000, 441_000_000) is None
+    for name in ("a.txt", "b.md"):
+        (tmp_path / name).write_text("x" * 10)
+    monkeypatch.setattr(corpora.psutil, "virtual_memory", lambda: SimpleNamespace(available=100_000_000))
+    lines: list[str] = []
+    corpora.local_folder(tmp_path, log=lines.append)
+    assert lines == [
+        "warning: preparing 20 bytes of documents may take up to 150.00 MB of memory (they are held whole to be "
+        "shuffled; README: Data), more than the 100.00 MB available: it may be killed for memory; free some, or "
+        "prepare a part of the folder",
+        "read 2 files (20 bytes) in 0s",
     ]
 
 

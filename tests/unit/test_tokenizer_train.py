@@ -13,7 +13,8 @@ from raychat.cli import main as raychat_main
 from raychat.config.data import TokenizerConfig
 from raychat.data.corpus.prepare import prepare
 from raychat.data.corpus.shards import DataError, check_text_column, write_shard
-from raychat.tokenizer_cli import iter_texts, train_tokenizer
+from raychat.tokenizer import Tokenizer
+from raychat.tokenizer_cli import iter_texts, small_vocabulary_warning, train_tokenizer
 
 
 def quiet(message: str) -> None:
@@ -130,3 +131,59 @@ def test_check_text_column(tmp_path):
     pq.write_table(pa.table({"body": ["x"]}), path)
     with pytest.raises(DataError, match=r"s\.parquet: no `text` column \(columns: \['body'\]\)$"):
         check_text_column(path)
+
+
+def test_a_corpus_too_small_for_the_vocabulary_says_what_it_means_and_what_to_do(tmp_path, capsys):
+    """A small corpus said `warning: the corpus supports only 375 tokens (asked 1024)` and no more. Three files
+    of "hello world" cut into 2 shards: the train shard holds 2 of them, 22 characters. BPE merges every pair
+    of a word, even one seen once, until each word is one token: "hello" takes 4 merges and " world" 5, so the
+    tokenizer has 256 bytes + 9 merges + 9 special tokens = 274 tokens; tokenizer.json records the 1024 asked.
+    Asked for 274, it trains the same tokenizer, with no warning. Pretraining sizes its model with the 274
+    (the plan's `vocab 274`: embedding and output layer)."""
+    src, data, tok = tmp_path / "src", tmp_path / "data", tmp_path / "tok"
+    src.mkdir()
+    for i in range(3):
+        (src / f"{i}.txt").write_text("hello world")
+    prepare(str(src), data, log=quiet)
+    report = train_tokenizer(str(data), str(tok), 1024)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (
+        "warning: the training text (22 characters) supports only 274 tokens, not the 1,024 asked: BPE ran out "
+        "of pairs to merge (every distinct word of it is one token), so tokenizer.json has 274 tokens and a model "
+        "pretrained with it an embedding of 274 rows; for 1,024, train on more text (a larger, more varied "
+        "corpus), or give --vocab-size 274 to ask for what this text gives"
+    )
+    saved = Tokenizer.load(tok)
+    assert (report["vocab_size"], saved.vocab_size, len(saved.mergeable_ranks)) == (274, 274, 256 + 9)
+    assert saved.asked_vocab_size == 1024
+    assert [saved.decode([i]) for i in saved.encode("hello world")] == ["hello", " world"]  # a token a word
+
+    again = train_tokenizer(str(data), str(tmp_path / "tok274"), 274)
+    assert again["version"] == report["version"]
+    assert "warning" not in capsys.readouterr().out
+
+    argv = [
+        "pretrain",
+        "--dry-run",
+        "--preset",
+        "tiny",
+        "--data-dir",
+        str(data),
+        "--tokenizer-path",
+        str(tok),
+    ]
+    assert raychat_main([*argv, "--storage-path", str(tmp_path / "runs")]) == 0
+    assert "vocab 274\n" in capsys.readouterr().out
+
+
+def test_a_vocabulary_cut_short_by_max_chars_names_the_cap():
+    """Where --max-chars cut the text, a larger one is the first thing to try; the speedrun names its keys."""
+    assert small_vocabulary_warning(
+        400, 512, 1_000, True, ("tokenizer.vocab_size", "tokenizer.max_chars")
+    ) == (
+        "warning: the training text (1,000 characters) supports only 400 tokens, not the 512 asked: BPE ran out "
+        "of pairs to merge (every distinct word of it is one token), so tokenizer.json has 400 tokens and a model "
+        "pretrained with it an embedding of 400 rows; for 512, train on more text (a tokenizer.max_chars above "
+        "1,000, which cut it, or a larger, more varied corpus), or give tokenizer.vocab_size 400 to ask for what "
+        "this text gives"
+    )

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -54,6 +55,13 @@ READ_STEP_BYTES = 1 << 20
 # The `text` column types a local .parquet file may have; binary values are decoded as UTF-8.
 TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
 TEXT_FIELD = "text"  # the .jsonl field and .parquet column read unless --text-field names another
+# `raychat data prepare` holds a folder's documents whole, as Python strings, to shuffle them. Its peak memory
+# (RSS), measured (README: Data): 148 MB for 2 small files; a .jsonl of English (ASCII) text, 1.2 x its size on
+# disk more, of Cyrillic text 2.3 x (a str of 2 bytes a character, and the UTF-8 copy that pyarrow's conversion
+# caches in it); a zstd .parquet file up to 6.1 x (its text is ~1.8 x its size, and a row group is read whole).
+MEMORY_BASE_BYTES = 150_000_000
+MEMORY_PER_BYTE = 2.3  # of a .txt, .md, .rst or .jsonl file
+MEMORY_PER_PARQUET_BYTE = 6.1
 
 
 class CorpusNotInstalled(DataError):
@@ -335,7 +343,9 @@ def local_folder(
     ("not_a_file"), documents that are not valid UTF-8 ("invalid_utf8": a file, a .jsonl line or a parquet
     value that does not decode, a .jsonl text with a lone surrogate escape), empty documents ("empty"; also a
     .jsonl or .parquet file of no line or row) and those of parquet_documents and jsonl_documents. Hidden files
-    and folders are read as any other. `log` (None: silent) receives the reading's progress lines (ReadProgress; `clock`: seconds).
+    and folders are read as any other. `log` (None: silent) receives the reading's progress lines (ReadProgress;
+    `clock`: seconds), after, where the memory available now (psutil) is less than reading the files may take
+    (memory_needed), memory_warning's line.
 
     Raises:
         DataError: `folder` is not a directory or is itself a prepared data directory; a parquet file is
@@ -353,7 +363,12 @@ def local_folder(
     skips = Skips()
     whole_files = 0
     files = document_files(root, skips)
-    progress = ReadProgress(len(files), sum(p.stat().st_size for p in files), log or (lambda m: None), clock)
+    sizes = [p.stat().st_size for p in files]
+    total_bytes = sum(sizes)
+    need = memory_needed([(p.suffix.lower(), n) for p, n in zip(files, sizes)])
+    if log is not None and (warning := memory_warning(total_bytes, need, psutil.virtual_memory().available)):
+        log(warning)
+    progress = ReadProgress(len(files), total_bytes, log or (lambda m: None), clock)
     for path in files:
         name = str(path.relative_to(root))
         suffix = path.suffix.lower()
@@ -380,6 +395,27 @@ def local_folder(
     }
     return Corpus(
         str(root), "as licensed by the files' owners (local folder)", documents, skips, [comp], whole_files
+    )
+
+
+def memory_needed(files: list[tuple[str, int]]) -> int:
+    """The most memory (bytes) preparing `files` ((suffix, bytes on disk) each) was measured to take:
+    MEMORY_BASE_BYTES + MEMORY_PER_BYTE x a text or .jsonl file's bytes + MEMORY_PER_PARQUET_BYTE x a .parquet
+    file's. E.g. a 100 MB .jsonl and a 10 MB .parquet: 150 + 230 + 61 = 441 MB."""
+    per_byte = {".parquet": MEMORY_PER_PARQUET_BYTE}
+    return round(MEMORY_BASE_BYTES + sum(per_byte.get(suffix, MEMORY_PER_BYTE) * n for suffix, n in files))
+
+
+def memory_warning(folder_bytes: int, need: int, available: int) -> str | None:
+    """The warning, before a folder of `folder_bytes` (its document files on disk) is read, that preparing it
+    takes up to `need` bytes of memory (memory_needed), more than the `available` (psutil's figure); None where it
+    fits."""
+    if need <= available:
+        return None
+    return (
+        f"warning: preparing {size(folder_bytes)} of documents may take up to {size(need)} of memory (they are "
+        f"held whole to be shuffled; README: Data), more than the {size(available)} available: it may be "
+        "killed for memory; free some, or prepare a part of the folder"
     )
 
 
