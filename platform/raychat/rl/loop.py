@@ -17,7 +17,8 @@ all were solved and what to try: no_signal_warning, once a run: NoSignalWatch), 
 response_len_mean/min/max (completion tokens; these: rollout_stats), rollout_tokens_per_s (completion tokens /
 the slowest chunk's generation seconds), learner_step_s, learner_wait_s (the driver waiting for rollouts between learner
 steps), learner_wait_frac (wait / (wait + step + sync)), staleness_mean/max
-(of the samples trained), sync_time_s (put + slowest actor's fetch+load), loss, grad_norm, normalization,
+(of the samples trained), sync_time_s (put + slowest actor's fetch+load), loss, grad_norm, entropy (the
+policy's, nats a sampled token, at the rollout temperature: raychat.rl.objective.entropy_sum), normalization,
 restarts, stale_chunks and dropped_samples (cumulative: rollouts refused or dropped because the actor's
 weights were older than the staleness bound, raychat.rl.dispatcher; all re-issued). Every --eval-every
 steps, and at step 0 (the baseline): pass@k, k = 1..--eval-samples, on held-out prompts, as "eval" in the step's
@@ -634,8 +635,8 @@ def rollout_stats(samples: list[dict], results: list[dict], version: int, group_
     response_len_mean, response_len_min, response_len_max (completion tokens a sample, tool output included;
     verl's response_length/mean, min, max), rollout_tokens_per_s (completion tokens / the slowest chunk's
     generation seconds), rollout_tokens, staleness_mean, staleness_max (version - each sample's), num_samples,
-    prompts (their indices in the task's train split). Rewards, advantages and lengths are floats or ints; no
-    KL or entropy: the loss has neither (no reference model) and they are not computed."""
+    prompts (their indices in the task's train split). The policy's entropy is the learner's (Learner.step's
+    stats); there is no KL: no reference model is loaded."""
     rewards = np.array([s["reward"] for s in samples], dtype=np.float64)
     advantages = np.array([s["advantage"] for s in samples], dtype=np.float64)
     lengths = [s["completion_tokens"] for s in samples]
@@ -739,7 +740,7 @@ class NoSignalWatch:
 
 _LOG_KEYS = (
     "step", "reward_mean", "reward_std", "zero_advantage_frac", "advantage_std", "response_len_mean",
-    "response_len_min", "response_len_max", "loss", "grad_norm", "rollout_tokens_per_s",
+    "response_len_min", "response_len_max", "loss", "grad_norm", "entropy", "rollout_tokens_per_s",
     "learner_step_s", "learner_wait_s", "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts", "failures",
     "stale_chunks",
 )  # fmt: skip
