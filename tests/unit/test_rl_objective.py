@@ -104,8 +104,10 @@ def test_temperature_logprobs():
 def test_entropy_of_the_sampled_tokens_by_hand():
     """verl's actor/entropy, TRL's entropy: logits (0, ln 3) are p = (1/4, 3/4), H = -(1/4 ln 1/4 + 3/4 ln 3/4)
     = 0.5623 nats; at temperature 0.5 (0, 2 ln 3): p = (1/10, 9/10), H = 0.3251; uniform logits over 5: ln 5.
-    Masked tokens add nothing (the second row's first token, its second: huge logits, not counted)."""
-    logits = torch.tensor([[[0.0, math.log(3), -1e9, -1e9, -1e9], [0.0] * 5],
+    Masked tokens add nothing (the second row's first token, its huge logit not counted), nor do tokens of
+    probability 0 (a -inf logit, as a banned token's)."""
+    inf = float("inf")
+    logits = torch.tensor([[[0.0, math.log(3), -inf, -inf, -inf], [0.0] * 5],
                            [[1e4, 0.0, 0.0, 0.0, 0.0], [0.0] * 5]])  # fmt: skip
     mask = torch.tensor([[True, True], [False, True]])
     quarter = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))

@@ -129,8 +129,8 @@ def entropy_sum(logits: torch.Tensor, loss_mask: torch.Tensor, temperature: floa
     total = torch.zeros((), dtype=torch.float64, device=logits.device)
     with torch.no_grad():
         for row, mask in zip(logits, loss_mask.bool()):
-            logp = F.log_softmax(row[mask].float() / temperature, dim=-1)
-            total += -(logp.exp() * logp).sum().double()
+            p = F.softmax(row[mask].float() / temperature, dim=-1)
+            total += torch.special.entr(p).sum().double()  # -p log p, 0 where p is 0 (a -inf logit)
     return total
 
 
