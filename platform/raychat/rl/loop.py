@@ -626,7 +626,7 @@ def rollout_stats(samples: list[dict], results: list[dict], version: int, group_
     trains them: each with "reward", "advantage", "completion_tokens", "version", "prompt_index") and the
     rollout chunks' `results` ("completion_tokens", "seconds"); `version`: the policy's, that the step trains.
 
-    reward_mean, reward_std (population std over the samples; OpenRLHF's and TRL's reward, reward_std),
+    reward_mean, reward_std (population std over the step's samples; TRL's reward_std is its groups' mean std),
     pass_at_1 (the share with reward > 0), zero_advantage_frac (raychat.rl.objective), advantage_mean and
     advantage_std (population, over the samples: verl's critic/advantages; the advantage is
     raychat.rl.objective.group_advantages', A_i = r_i - mean(group), GRPO (Shao et al. 2024) with its /std,
