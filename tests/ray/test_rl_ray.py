@@ -217,6 +217,11 @@ def test_async_mode_records_staleness_within_k(ray_cluster, checkpoint, tmp_path
     # step 1 trains on version-0 samples at learner version 0; later steps on samples one version old
     assert [x["staleness_max"] for x in lines] == [0, 1, 1] and summary["version"] == 3
     assert all(x["mode"] == "async" and x["normalization"] == "token" for x in lines)
+    # each step's spread: lengths in order, advantages spread exactly when some prompt's samples differ, the
+    # policy's entropy a positive number of nats (of the tiny model, near the uniform ln(vocab) at its start)
+    assert all(x["response_len_min"] <= x["response_len_mean"] <= x["response_len_max"] for x in lines), lines
+    assert all((x["advantage_std"] == 0) == (x["zero_advantage_frac"] == 1) for x in lines), lines
+    assert all(0 < x["entropy"] < 20 and x["reward_std"] >= 0 for x in lines), lines
     # the share of prompts without a learning signal, each step; one warning when all 3 steps had none
     assert all(4 * x["zero_advantage_frac"] in (0, 1, 2, 3, 4) for x in lines), lines  # of 4 prompts a step
     warned = [m for m in logged if m.startswith("warning: no learning signal in the first 3 steps")]

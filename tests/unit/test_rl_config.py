@@ -11,7 +11,8 @@ from raychat.cli import build_parser, main
 from raychat.config import ConfigError, RLConfig, from_dict, preset_values, to_yaml
 from raychat.rl.cli import base_model_warning, check_flags_used, config_for, resolve_inputs
 from raychat.rl.dispatcher import RolloutDispatcher, split_even
-from raychat.rl.loop import RLRun, layout_line, step_line
+from raychat.rl.loop import RLRun, layout_line, rollout_stats, step_line
+from raychat.rl.objective import group_advantages
 
 
 def test_yaml_round_trip(tmp_path):
@@ -182,7 +183,7 @@ def test_init_from_latest_that_finds_no_sft_run_says_where_sft_runs_are(tmp_path
 def test_the_readmes_table_for_openrlhf_and_verl_users_names_rls_flags_and_none_it_lacks(capsys):
     """README's RL table maps OpenRLHF / verl knobs to `raychat rl`'s: every flag it names is one of rl's, and
     the knobs it says rl lacks (KL and its reference model, entropy, top-p / top-k, PPO epochs, warmup, rollout
-    dumps) have no flag, so the table goes stale in this test's sight when either changes."""
+    dumps; KL and entropy among the step metrics) have no flag, so the table goes stale in this test's sight when either changes."""
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     table = readme.split("### RL (`raychat rl`) for OpenRLHF and verl users", 1)[1].split("\n\n")[2]
     rows = [line.split(" | ") for line in table.splitlines()[2:]]
@@ -192,9 +193,9 @@ def test_the_readmes_table_for_openrlhf_and_verl_users_names_rls_flags_and_none_
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out))
     core = {"--samples-per-prompt", "--prompts-per-step", "--max-tokens", "--temperature", "--scale-by-std",
             "--normalization", "--clip-eps", "--matrix-lr", "--eval-samples", "--eval-temperature"}  # fmt: skip
-    assert len(rows) == 16 and core <= named <= flags, (core - named, named - flags)
+    assert len(rows) == 17 and core <= named <= flags, (core - named, named - flags)
     lacking = [ours for _, ours in rows if ours.startswith("none") or "no " in ours]
-    assert len(lacking) == 9
+    assert len(lacking) == 10
     assert not [f for f in flags if re.search(r"kl|ref|entropy|top|epoch|warmup|mini|critic|gae", f)]
 
 
@@ -222,6 +223,46 @@ def test_a_steps_line_shows_the_share_of_prompts_without_a_learning_signal_and_t
     )
     assert step_line(line, 50, 725).endswith(" eta=12m05s")
     assert step_line(line, 5000, 11_220.4).endswith(" eta=3h07m")
+
+
+def hand_made_rollouts(scale_by_std: bool = False) -> list[dict]:
+    """2 prompts x 4 samples, prompt-major: prompt 7 solved by samples 0 and 3, prompt 2 by none; the samples
+    of prompt 7 from version 5, those of prompt 2 from version 4 (an async step)."""
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    lengths = [10, 24, 7, 24, 12, 12, 3, 16]
+    advantages = group_advantages(rewards, 4, scale_by_std)
+    return [
+        {"prompt_index": 7 if i < 4 else 2, "sample_index": i % 4, "reward": r, "advantage": a,
+         "completion_tokens": n, "version": 5 if i < 4 else 4}
+        for i, (r, a, n) in enumerate(zip(rewards, advantages, lengths))
+    ]  # fmt: skip
+
+
+def test_a_steps_rollout_stats_have_the_spread_of_rewards_advantages_and_lengths():
+    """The step line had reward_mean and zero_advantage_frac but no spread, which OpenRLHF's, verl's and TRL's
+    logs show. By hand: rewards 1 0 0 1 | 0 0 0 0: mean 2/8 = 0.25, population std sqrt((2 x 0.75^2 + 6 x
+    0.25^2) / 8) = sqrt(0.1875); advantages (Dr. GRPO, r - group mean) 0.5 -0.5 -0.5 0.5 | 0 0 0 0: mean 0, std
+    sqrt(4 x 0.25 / 8) = sqrt(0.125); with --scale-by-std group 7's are +-0.5 / (0.5 + 1e-6), std sqrt(4 x
+    (0.5 / 0.500001)^2 / 8). Lengths 10 24 7 24 12 12 3 16: mean 108 / 8 = 13.5, min 3, max 24; chunks of 65 and
+    43 tokens in 2 s and 4 s: 108 / 4 = 27 tokens/s; staleness from version 5: 0 x 4, 1 x 4."""
+    assert [s["advantage"] for s in hand_made_rollouts()] == [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]
+    results = [{"completion_tokens": 65, "seconds": 2.0}, {"completion_tokens": 43, "seconds": 4.0}]
+    stats = rollout_stats(hand_made_rollouts(), results, 5, 4)
+    assert stats == {
+        "reward_mean": 0.25, "reward_std": pytest.approx(0.1875**0.5), "pass_at_1": 0.25,
+        "zero_advantage_frac": 0.5, "advantage_mean": 0.0, "advantage_std": pytest.approx(0.125**0.5),
+        "response_len_mean": 13.5, "response_len_min": 3, "response_len_max": 24, "rollout_tokens_per_s": 27.0,
+        "rollout_tokens": 108, "staleness_mean": 0.5, "staleness_max": 1, "num_samples": 8, "prompts": [2, 7],
+    }  # fmt: skip
+    scaled = rollout_stats(hand_made_rollouts(scale_by_std=True), results, 5, 4)
+    assert scaled["advantage_std"] == pytest.approx((0.5 * (0.5 / 0.500001) ** 2) ** 0.5)
+    assert scaled["advantage_mean"] == pytest.approx(0.0, abs=1e-12)
+    line = {"step": 3, "mode": "sync", **stats, "loss": -0.002}
+    assert step_line(line, 50, 12.4) == (
+        "step=3/50 reward_mean=0.25 reward_std=0.433 zero_advantage_frac=0.5 advantage_std=0.3536 "
+        "response_len_mean=13.5 response_len_min=3 response_len_max=24 loss=-0.002 rollout_tokens_per_s=27 "
+        "staleness_mean=0.5 eta=12s"
+    )
 
 
 def test_an_evaluations_line_says_what_it_measured(tmp_path):

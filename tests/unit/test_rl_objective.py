@@ -9,6 +9,7 @@ from raychat.config import RLConfig, from_dict
 from raychat.rl.loop import NO_SIGNAL_STEPS, NoSignalWatch, no_signal_warning
 from raychat.rl.objective import (
     collate,
+    entropy_sum,
     group_advantages,
     normalized_loss,
     per_token_loss,
@@ -98,6 +99,22 @@ def test_temperature_logprobs():
     logits = torch.tensor([[[2.0, 0.0]]])
     lp = token_logprobs(logits, torch.tensor([[0]]), temperature=2.0)
     assert lp.item() == pytest.approx(math.log(math.e / (math.e + 1)))
+
+
+def test_entropy_of_the_sampled_tokens_by_hand():
+    """verl's actor/entropy, TRL's entropy: logits (0, ln 3) are p = (1/4, 3/4), H = -(1/4 ln 1/4 + 3/4 ln 3/4)
+    = 0.5623 nats; at temperature 0.5 (0, 2 ln 3): p = (1/10, 9/10), H = 0.3251; uniform logits over 5: ln 5.
+    Masked tokens add nothing (the second row's first token, its huge logit not counted), nor do tokens of
+    probability 0 (a -inf logit, as a banned token's)."""
+    inf = float("inf")
+    logits = torch.tensor([[[0.0, math.log(3), -inf, -inf, -inf], [0.0] * 5],
+                           [[1e4, 0.0, 0.0, 0.0, 0.0], [0.0] * 5]])  # fmt: skip
+    mask = torch.tensor([[True, True], [False, True]])
+    quarter = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert entropy_sum(logits, mask).item() == pytest.approx(quarter + 2 * math.log(5), rel=1e-6)
+    tenth = -(0.1 * math.log(0.1) + 0.9 * math.log(0.9))
+    assert entropy_sum(logits[:1, :1], mask[:1, :1], 0.5).item() == pytest.approx(tenth, rel=1e-6)
+    assert entropy_sum(logits, torch.zeros_like(mask)).item() == 0.0
 
 
 def test_pass_at_k():

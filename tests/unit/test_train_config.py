@@ -14,7 +14,13 @@ from raychat.loss import cross_entropy_sum, normalize
 from raychat.model import ModelConfig
 from raychat.train.launch import config_from, elastic_grad_accum, scaling_config, stopped_early_line
 from raychat.train.optim import lr_multiplier, lr_peak_from, warmdown_start
-from raychat.train.plan import make_plan, power_law_batch_size, print_plan, round_to_micro_steps
+from raychat.train.plan import (
+    make_plan,
+    power_law_batch_size,
+    print_plan,
+    round_to_micro_steps,
+    schedule_line,
+)
 from raychat.train.pretrain import data_line
 from raychat.train.sft import sft_defaults
 
@@ -25,6 +31,52 @@ def test_lr_schedule_by_hand():
     assert lrs[:2] == [0.5, 1.0]
     assert lrs[2:6] == [1.0] * 4
     assert lrs[6:] == pytest.approx([1.0, 0.775, 0.55, 0.325])
+
+
+@pytest.mark.parametrize(
+    "n, multipliers, last_words",
+    [
+        (1, [1.0], "warmdown 0 steps (0.4): the last step trains at 1 x peak"),  # W = round(0.4) = 0
+        (2, [1.0, 1.0], "warmdown 1 step (0.4) to 0 x peak after the last step, which trains at 1 x peak"),
+        (3, [1.0] * 3, "warmdown 1 step (0.4) to 0 x peak after the last step, which trains at 1 x peak"),
+        (5, [1.0] * 4 + [0.5], "warmdown 2 steps (0.4) to 0 x peak after the last step, which trains at 0.5 x peak"),
+        (10, [1.0] * 7 + [0.75, 0.5, 0.25], "warmdown 4 steps (0.4) to 0 x peak after the last step, which trains "
+         "at 0.25 x peak"),
+    ],
+)  # fmt: skip
+def test_the_warmdown_of_a_small_run_by_hand(n, multipliers, last_words):
+    """A user's 2-step SFT run planned "warmdown 1 step (0.4) ... to 0 x peak" and trained both steps at the
+    peak. The lr is nanochat's (base_train.py's get_lr_multiplier): warmdown W = round(0.4 n) steps from step
+    n - W at (n - step) / W, 1 at its first step, 1 / W at the last; 0 (final_lr_frac) only at step n, after the
+    last update, so no step is wasted at lr 0 and a 1-step warmdown keeps the peak. The plan now says so."""
+    assert [lr_multiplier(s, n, 0.0, 0.4, 0.0) for s in range(n)] == multipliers
+    line = schedule_line(from_dict(TrainConfig, {"num_iterations": n}), n)
+    assert line == f"schedule: lr warmup 0 steps (0 of {n}), constant, {last_words}"
+
+
+def test_the_schedule_of_a_normal_run_and_a_warmup_by_hand():
+    """1000 steps, warmdown 400 from step 600: step 600 at 1, step 800 at 200 / 400, the last (999) at 1 / 400;
+    with final_lr_frac 0.1 the last is 0.0025 + 0.9975 x 0.1 = 0.10225. A warmup of 2 of 8 steps starts at
+    1 / 2 and a 1-step one at the peak, as a 1-step warmdown ends there."""
+    assert [lr_multiplier(s, 1000, 0.0, 0.4, 0.0) for s in (599, 600, 601, 800, 999, 1000)] == pytest.approx(
+        [1.0, 1.0, 0.9975, 0.5, 0.0025, 0.0]
+    )
+    assert lr_multiplier(999, 1000, 0.0, 0.4, 0.1) == pytest.approx(0.10225)
+    assert schedule_line(from_dict(TrainConfig, {"final_lr_frac": 0.1}), 1000) == (
+        "schedule: lr warmup 0 steps (0 of 1,000), constant, warmdown 400 steps (0.4) to 0.1 x peak after the "
+        "last step, which trains at 0.1023 x peak"
+    )
+    assert [lr_multiplier(s, 8, 0.25, 0.5, 0.1) for s in range(8)] == pytest.approx(
+        [0.5, 1, 1, 1, 1, 0.775, 0.55, 0.325]
+    )
+    assert schedule_line(from_dict(TrainConfig, {"warmup_ratio": 0.25, "warmdown_ratio": 0.5}), 8).startswith(
+        "schedule: lr warmup 2 steps (0.25 of 8) from 0.5 x peak, constant, warmdown 4 steps (0.5) to 0 x peak"
+    )
+    assert [lr_multiplier(s, 4, 0.25, 0.25, 0.0) for s in range(4)] == [1.0] * 4  # U = W = 1: all at the peak
+    assert schedule_line(from_dict(TrainConfig, {"warmup_ratio": 0.25, "warmdown_ratio": 0.25}), 4) == (
+        "schedule: lr warmup 1 step (0.25 of 4) from 1 x peak, constant, warmdown 1 step (0.25) to 0 x peak "
+        "after the last step, which trains at 1 x peak"
+    )
 
 
 def test_lr_at_a_resume_step_under_another_horizon_by_hand():

@@ -193,7 +193,8 @@ def test_the_plan_shows_the_settings_the_run_trains_with(capsys):
     assert out.splitlines()[-6:-1] == [
         "lr (peak): Muon 0.03 for the hidden matrices; AdamW x 2.449 (= (width 128 / 768) ** -0.5): embedding "
         "0.4899, lm_head 0.009798, norms 0.04899",
-        "schedule: lr warmup 10 steps (0.25 of 40), constant, warmdown 20 steps (0.5) to 0.1 x peak",
+        "schedule: lr warmup 10 steps (0.25 of 40) from 0.1 x peak, constant, warmdown 20 steps (0.5) to 0.1 x "
+        "peak after the last step, which trains at 0.145 x peak",
         "regularization: Muon weight decay 0.1, grad clipping at global norm 0.5",
         "precision: float32 on CPU, FP8 tensorwise (torchao, emulated on CPU), torch.compile off",
         "cadence: a log line every 5 steps; evaluation every 4 steps and at the end; checkpoint every 2 steps "

@@ -110,24 +110,30 @@ def test_policy_gradient_equals_the_former_learner_loop_bit_for_bit():
 
     model.zero_grad(set_to_none=True)  # the Learner's loop before the one step function (world 1)
     num_tokens = sum(int(b["loss_mask"].sum()) for b in micro)
-    stats = torch.zeros(4, dtype=torch.float64)
+    stats = torch.zeros(5, dtype=torch.float64)
     for b in micro:
-        logp = token_logprobs(model(b["input_ids"]), b["labels"], 0.7)
+        logits = model(b["input_ids"])
+        logp = token_logprobs(logits, b["labels"], 0.7)
         loss_tok, ratio = per_token_loss(logp, b["advantages"], None, 0.2)
         loss = normalized_loss(loss_tok, b["loss_mask"], "token", num_tokens, 4, 8)
         (loss * 1).backward()
         m = b["loss_mask"]
         clipped = ((ratio - 1).abs() > 0.2) & m
+        full = F.log_softmax(logits.detach()[m] / 0.7, dim=-1)  # the sampled tokens' distributions
+        entropy = -(full.exp() * full).sum()
         stats += torch.tensor(
-            [loss.item(), float(ratio[m].sum()), float(clipped.sum()), float(m.sum())], dtype=torch.float64
+            [loss.item(), float(ratio[m].sum()), float(clipped.sum()), float(m.sum()), float(entropy)],
+            dtype=torch.float64,
         )
     assert sums.totals == [num_tokens, 4] and num_tokens == 12
-    assert sums.stats == stats.tolist()
+    assert sums.stats[:4] == stats.tolist()[:4]
+    assert sums.stats[4] == pytest.approx(stats[4].item(), rel=1e-6)  # summed a row at a time there
     for a, b in zip(got, _grads(model)):
         assert torch.equal(a, b)
     # on-policy the surrogate's value is -sum(A over sampled tokens) / N: rows -3, +0.5, +1.5, -3 -> -4 / 12
     assert sums.stats[0] == pytest.approx(-4 / 12, abs=1e-6)
-    assert sums.stats[1:] == [12.0, 0.0, 12.0]  # ratios all 1, none clipped, 12 sampled tokens
+    assert sums.stats[1:4] == [12.0, 0.0, 12.0]  # ratios all 1, none clipped, 12 sampled tokens
+    assert 0 < sums.stats[4] / 12 < math.log(VOCAB)  # a mean entropy below the uniform distribution's
 
 
 def _rank(rank: int, world: int, port: int, out) -> None:

@@ -272,7 +272,9 @@ class LRScheduleSection(Section):
 
     warmup_ratio: float = option(0.0, "fraction of steps of linear warmup", ge=0)
     warmdown_ratio: float = option(0.4, "fraction of steps of linear decay at the end", ge=0)
-    final_lr_frac: float = option(0.0, "lr at the end as a fraction of the peak (0..1)", ge=0, le=1)
+    final_lr_frac: float = option(
+        0.0, "lr the warmdown reaches after the last step, as a fraction of the peak (0..1)", ge=0, le=1
+    )
     allow_rewarm: bool = option(
         False, "resume with a schedule (e.g. a longer --num-iterations) that raises the lr again after the "
         "checkpoint's warmdown began; without it such a resume is refused",

@@ -98,8 +98,9 @@ class Learner:
     def step(self, samples: list[dict]) -> dict:
         """One optimizer step on this rank's shard (each sample: tokens, mask, advantage, optional
         behavior_logprobs). Returns stats: loss (the step loss, summed over ranks), grad_norm (before
-        clipping), num_tokens N, num_sequences S, ratio_mean, clip_frac, step_s, version (after the step),
-        normalization."""
+        clipping), num_tokens N, num_sequences S, ratio_mean, clip_frac, entropy (the policy's before the update,
+        at the rollout temperature, nats a sampled token: raychat.rl.objective.entropy_sum), step_s, version
+        (after the step), normalization."""
         t0 = time.perf_counter()
         mb = self.cfg.objective.micro_batch_size
         micro = [
@@ -112,7 +113,7 @@ class Learner:
         )
         self.version += 1
         num_tokens, num_sequences = sums.totals
-        loss_sum, ratio_sum, clipped, tokens = sums.stats
+        loss_sum, ratio_sum, clipped, tokens, entropy_sum = sums.stats
         return {
             "loss": loss_sum,
             "grad_norm": grad_norm,
@@ -120,6 +121,7 @@ class Learner:
             "num_sequences": num_sequences,
             "ratio_mean": ratio_sum / max(tokens, 1),
             "clip_frac": clipped / max(tokens, 1),
+            "entropy": entropy_sum / max(tokens, 1),
             "step_s": time.perf_counter() - t0,
             "version": self.version,
             "normalization": self.cfg.objective.normalization,

@@ -10,14 +10,15 @@ Asynchronous mode (--mode async --max-staleness k): the rollout batches of the n
 while the learner trains, so a sample trained at step s came from version v >= s - k; staleness s - v is
 recorded per sample and the loss uses the clipped importance ratio against the behavior log-probs.
 
-Per step (one JSON line in OUT/RUN_NAME/metrics.jsonl, and raychat_rl_* gauges): reward_mean, pass_at_1 (of
-the rollouts), zero_advantage_frac (of the prompts, those whose samples all got the same reward: no learning
-signal; when every prompt of the run's first steps had none, one warning line says whether all failed or all
-were solved and what to try: no_signal_warning, once a run: NoSignalWatch),
-response_len_mean (completion tokens), rollout_tokens_per_s (completion tokens / the slowest
-chunk's generation seconds), learner_step_s, learner_wait_s (the driver waiting for rollouts between learner
+Per step (one JSON line in OUT/RUN_NAME/metrics.jsonl, and raychat_rl_* gauges): reward_mean, reward_std,
+pass_at_1 (of the rollouts), zero_advantage_frac (of the prompts, those whose samples all got the same reward: no
+learning signal; when every prompt of the run's first steps had none, one warning line says whether all failed or
+all were solved and what to try: no_signal_warning, once a run: NoSignalWatch), advantage_mean, advantage_std,
+response_len_mean/min/max (completion tokens; these: rollout_stats), rollout_tokens_per_s (completion tokens /
+the slowest chunk's generation seconds), learner_step_s, learner_wait_s (the driver waiting for rollouts between learner
 steps), learner_wait_frac (wait / (wait + step + sync)), staleness_mean/max
-(of the samples trained), sync_time_s (put + slowest actor's fetch+load), loss, grad_norm, normalization,
+(of the samples trained), sync_time_s (put + slowest actor's fetch+load), loss, grad_norm, entropy (the
+policy's, nats a sampled token, at the rollout temperature: raychat.rl.objective.entropy_sum), normalization,
 restarts, stale_chunks and dropped_samples (cumulative: rollouts refused or dropped because the actor's
 weights were older than the staleness bound, raychat.rl.dispatcher; all re-issued). Every --eval-every
 steps, and at step 0 (the baseline): pass@k, k = 1..--eval-samples, on held-out prompts, as "eval" in the step's
@@ -360,21 +361,7 @@ class RLRun:
             ) from e.error
         self.longest_step = max(self.longest_step or 0.0, time.perf_counter() - t0)
         self.warm_learners = True
-        staleness = [self.version - s["version"] for s in samples]
-        tokens = sum(r["completion_tokens"] for r in results)
-        rollout = {
-            "reward_mean": float(np.mean(rewards)),
-            "pass_at_1": float(np.mean([r > 0 for r in rewards])),
-            "zero_advantage_frac": zero_advantage_frac(rewards, cfg.rollout.samples_per_prompt),
-            "response_len_mean": float(np.mean([s["completion_tokens"] for s in samples])),
-            "rollout_tokens_per_s": tokens / max(max(r["seconds"] for r in results), 1e-9),
-            "rollout_tokens": tokens,
-            "staleness_mean": float(np.mean(staleness)),
-            "staleness_max": int(max(staleness)),
-            "num_samples": len(samples),
-            "prompts": sorted({s["prompt_index"] for s in samples}),
-        }
-        return stats, rollout
+        return stats, rollout_stats(samples, results, self.version, cfg.rollout.samples_per_prompt)
 
     # ---- the loop --------------------------------------------------------------------------------------
     def finished(self) -> dict | None:
@@ -634,6 +621,46 @@ class RLRun:
         }  # fmt: skip
 
 
+def rollout_stats(samples: list[dict], results: list[dict], version: int, group_size: int) -> dict:
+    """A step's rollout fields of its metrics.jsonl line, from its `samples` (prompt-major, as the learner
+    trains them: each with "reward", "advantage", "completion_tokens", "version", "prompt_index") and the
+    rollout chunks' `results` ("completion_tokens", "seconds"); `version`: the policy's, that the step trains.
+
+    reward_mean, reward_std (population std over the step's samples; TRL's reward_std is its groups' mean std),
+    pass_at_1 (the share with reward > 0), zero_advantage_frac (raychat.rl.objective), advantage_mean and
+    advantage_std (population, over the samples: verl's critic/advantages; the advantage is
+    raychat.rl.objective.group_advantages', A_i = r_i - mean(group), GRPO (Shao et al. 2024) with its /std,
+    Dr. GRPO (Liu et al. 2025) without, so advantage_mean is 0 up to rounding, and without --scale-by-std
+    advantage_std is the root mean within-group variance of the rewards, the step's learning signal),
+    response_len_mean, response_len_min, response_len_max (completion tokens a sample, tool output included;
+    verl's response_length/mean, min, max), rollout_tokens_per_s (completion tokens / the slowest chunk's
+    generation seconds), rollout_tokens, staleness_mean, staleness_max (version - each sample's), num_samples,
+    prompts (their indices in the task's train split). The policy's entropy is the learner's (Learner.step's
+    stats); there is no KL: no reference model is loaded."""
+    rewards = np.array([s["reward"] for s in samples], dtype=np.float64)
+    advantages = np.array([s["advantage"] for s in samples], dtype=np.float64)
+    lengths = [s["completion_tokens"] for s in samples]
+    staleness = [version - s["version"] for s in samples]
+    tokens = sum(r["completion_tokens"] for r in results)
+    return {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "pass_at_1": float(np.mean(rewards > 0)),
+        "zero_advantage_frac": zero_advantage_frac(rewards.tolist(), group_size),
+        "advantage_mean": float(advantages.mean()),
+        "advantage_std": float(advantages.std()),
+        "response_len_mean": float(np.mean(lengths)),
+        "response_len_min": int(min(lengths)),
+        "response_len_max": int(max(lengths)),
+        "rollout_tokens_per_s": tokens / max(max(r["seconds"] for r in results), 1e-9),
+        "rollout_tokens": tokens,
+        "staleness_mean": float(np.mean(staleness)),
+        "staleness_max": int(max(staleness)),
+        "num_samples": len(samples),
+        "prompts": sorted({s["prompt_index"] for s in samples}),
+    }
+
+
 # Steps without a learning signal that no_signal_warning waits for: with the default 8 prompts x 8 samples, 5
 # steps are 40 groups, and a policy that solves 5% of its samples leaves all 40 without a signal with probability
 # (0.95^8)^40 < 1e-7; one that solves 1% with 4%. Fewer steps than that rarely mean anything; many more are
@@ -712,7 +739,8 @@ class NoSignalWatch:
 
 
 _LOG_KEYS = (
-    "step", "reward_mean", "zero_advantage_frac", "response_len_mean", "loss", "grad_norm", "rollout_tokens_per_s",
+    "step", "reward_mean", "reward_std", "zero_advantage_frac", "advantage_std", "response_len_mean",
+    "response_len_min", "response_len_max", "loss", "grad_norm", "entropy", "rollout_tokens_per_s",
     "learner_step_s", "learner_wait_s", "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts", "failures",
     "stale_chunks",
 )  # fmt: skip

@@ -121,6 +121,19 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
+def entropy_sum(logits: torch.Tensor, loss_mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Sum over the mask-True tokens of the policy's entropy -sum_v p_v log p_v, p = softmax(logits /
+    temperature) (the distribution the rollout sampled from), in nats: (B, T, V) float, (B, T) bool -> float64
+    scalar, no grad. From the logits the loss already has (no extra forward pass), a row at a time, so it holds
+    at most T x V floats more."""
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    with torch.no_grad():
+        for row, mask in zip(logits, loss_mask.bool()):
+            p = F.softmax(row[mask].float() / temperature, dim=-1)
+            total += torch.special.entr(p).sum().double()  # -p log p, 0 where p is 0 (a -inf logit)
+    return total
+
+
 def per_token_loss(
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -186,8 +199,9 @@ class PolicyGradientLoss:
 
     counts(batch) -> int64 (2,): [sampled tokens (loss_mask True), sequences] of the micro-batch.
     __call__(logits, batch, totals) -> (share, stats): share = normalized_loss of the micro-batch with
-    N, S = totals (all micro-batches and ranks), a float32 scalar with grad; stats = float64 (4,) [share,
-    sum of the importance ratios over sampled tokens, sampled tokens whose ratio is clipped, sampled tokens].
+    N, S = totals (all micro-batches and ranks), a float32 scalar with grad; stats = float64 (5,) [share,
+    sum of the importance ratios over sampled tokens, sampled tokens whose ratio is clipped, sampled tokens,
+    sum of the policy's entropy over sampled tokens (entropy_sum)].
     batch: collate's tensors; logits (B, T, V).
 
     Fields: normalization (NORMALIZATIONS), temperature (the rollout's, > 0), clip_eps (PPO clip),
@@ -214,5 +228,6 @@ class PolicyGradientLoss:
             loss, mask, self.normalization, num_tokens, num_sequences, self.constant_length
         )
         clipped = ((ratio - 1).abs() > self.clip_eps) & mask
-        stats = (share.detach(), ratio[mask].sum(), clipped.sum(), mask.sum())
+        entropy = entropy_sum(logits, mask, self.temperature)
+        stats = (share.detach(), ratio[mask].sum(), clipped.sum(), mask.sum(), entropy)
         return share, torch.stack([x.double() for x in stats])

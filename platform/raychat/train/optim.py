@@ -100,8 +100,14 @@ def build_optimizers(model: GPT, cfg, *, shard: bool = True) -> list[torch.optim
 def lr_multiplier(
     step: int, num_iterations: int, warmup_ratio: float, warmdown_ratio: float, final_lr_frac: float
 ) -> float:
-    """Warmup (linear from 1/warmup) -> constant 1 -> warmdown (linear to final_lr_frac) at `step` (0-based);
-    a step at or past the end gets the end's value (final_lr_frac; 1 without a warmdown)."""
+    """The lr multiplier (a float, 1 = the peak) of optimizer step `step` (0-based) of `num_iterations`:
+    warmup U = round(warmup_ratio x N) steps at (step + 1) / U, so from 1 / U up to 1 at step U - 1; then 1;
+    then warmdown W = round(warmdown_ratio x N) steps from step N - W at p + (1 - p) x final_lr_frac,
+    p = (N - step) / W: 1 at step N - W, down to 1 / W + (1 - 1 / W) x final_lr_frac at the last step, N - 1.
+    The schedule reaches final_lr_frac at step N, after the last update, so no step trains at lr 0 with the
+    default final_lr_frac 0, and a warmdown (or warmup) of 1 step leaves the lr at the peak: nanochat's
+    get_lr_multiplier (scripts/base_train.py), its warmup in ratios. A step at or past the end gets the end's
+    value (final_lr_frac; 1 without a warmdown)."""
     warmup = round(warmup_ratio * num_iterations)
     warmdown = round(warmdown_ratio * num_iterations)
     if step < warmup:

@@ -21,7 +21,7 @@ from raychat.config import ConfigError, TrainConfig
 from raychat.config.schema import flag_name, shown
 from raychat.log import plural
 from raychat.model import GPT, ModelConfig
-from raychat.train.optim import adamw_lr_scale, planned_ns_choice
+from raychat.train.optim import adamw_lr_scale, lr_multiplier, planned_ns_choice
 
 
 class ShapesOnly(torch.overrides.TorchFunctionMode):
@@ -227,14 +227,34 @@ def mfu_line(cfg: TrainConfig, option=flag_name) -> str:
     return f"mfu: n/a on CPU (a CPU has no known peak FLOP/s): {how}"
 
 
+def schedule_line(cfg: TrainConfig, n: int) -> str:
+    """The plan's line of the lr schedule over `n` steps (raychat.train.optim.lr_multiplier): the warmup from its
+    first step's multiplier, the warmdown to final_lr_frac, which the schedule reaches after the last step, and
+    the multiplier that last step trains at ("warmdown 1 step (0.4)" of a 2-step run read as a step below the
+    peak; both trained at it)."""
+    s = cfg.train.lr_schedule
+    ratios = (s.warmup_ratio, s.warmdown_ratio, s.final_lr_frac)
+    warmup, warmdown = round(s.warmup_ratio * n), round(s.warmdown_ratio * n)
+    start = f" from {lr_multiplier(0, n, *ratios):.4g} x peak" if warmup else ""
+    last = f"{lr_multiplier(n - 1, n, *ratios):.4g} x peak"
+    end = (
+        f" to {s.final_lr_frac:g} x peak after the last step, which trains at"
+        if warmdown
+        else ": the last step trains at"
+    )
+    return (
+        f"schedule: lr warmup {plural(warmup, 'step')} ({s.warmup_ratio:g} of {n:,}){start}, constant, warmdown "
+        f"{plural(warmdown, 'step')} ({s.warmdown_ratio:g}){end} {last}"
+    )
+
+
 def settings_lines(cfg: TrainConfig, p: Plan) -> list[str]:
     """The lines of the plan that say what the run trains with, whichever of flag, preset or default set it: the
     peak learning rates as the optimizers apply them (AdamW's scaled by adamw_lr_scale), the schedule in steps,
     weight decay and clipping, precision, and how often it logs, evaluates and checkpoints."""
-    o, s, t, n = cfg.optim, cfg.train.lr_schedule, cfg.train, p.num_iterations
+    o, t, n = cfg.optim, cfg.train, p.num_iterations
     width = p.model_config["n_embd"]
     scale = adamw_lr_scale(width)
-    warmup, warmdown = round(s.warmup_ratio * n), round(s.warmdown_ratio * n)
     fp8 = "off"
     if cfg.model.fp8:
         fp8 = f"{cfg.model.fp8_recipe} (torchao{'' if cfg.layout.use_gpu else ', emulated on CPU'})"
@@ -246,8 +266,7 @@ def settings_lines(cfg: TrainConfig, p: Plan) -> list[str]:
         f"lr (peak): Muon {o.matrix_lr:g} for the hidden matrices; AdamW x {scale:.4g} (= (width {width} / 768) "
         f"** -0.5): embedding {o.embedding_lr * scale:.4g}, lm_head {o.unembedding_lr * scale:.4g}, norms "
         f"{o.scalar_lr * scale:.4g}",
-        f"schedule: lr warmup {plural(warmup, 'step')} ({s.warmup_ratio:g} of {n:,}), constant, warmdown "
-        f"{plural(warmdown, 'step')} ({s.warmdown_ratio:g}) to {s.final_lr_frac:g} x peak",
+        schedule_line(cfg, n),
         f"regularization: Muon weight decay {o.weight_decay:g}, "
         + (f"grad clipping at global norm {o.grad_clip:g}" if o.grad_clip else "no grad clipping"),
         f"precision: {'bf16 autocast on GPU' if cfg.layout.use_gpu else 'float32 on CPU'}, FP8 {fp8}, "
