@@ -15,7 +15,10 @@ Metrics (tags in brackets; units in the name or below):
                             raychat_rl_staleness (policy versions between the rollout's weights and the
                             learner's), raychat_rl_sync_time_seconds, raychat_rl_rollout_tokens_per_s,
                             raychat_rl_learner_wait_frac (0..1), raychat_rl_zero_advantage_frac (0..1
-                            of the step's prompts whose samples all got the same reward: no signal)
+                            of the step's prompts whose samples all got the same reward: no signal),
+                            raychat_rl_reward_std and raychat_rl_advantage_std (population stds over the
+                            step's samples), raychat_rl_entropy (the policy's, nats a sampled token),
+                            raychat_rl_response_len_mean / _min / _max (completion tokens a sample)
   serving    [deployment]   raychat_serve_ttft_seconds (histogram: time to first token),
                             raychat_serve_inter_token_seconds (histogram), raychat_serve_running_requests,
                             raychat_serve_waiting_requests, raychat_serve_kv_slots_in_use,
@@ -84,6 +87,22 @@ RL_ZERO_ADVANTAGE = _spec(
     "gauge",
     "Fraction of the step's prompts whose samples all got the same reward (no learning signal), 0..1.",
     _RL,
+)
+RL_REWARD_STD = _spec("raychat_rl_reward_std", "gauge", "Population std of the step's rollout rewards.", _RL)
+RL_ADVANTAGE_STD = _spec(
+    "raychat_rl_advantage_std", "gauge", "Population std of the step's advantages (learning signal).", _RL
+)
+RL_ENTROPY = _spec(
+    "raychat_rl_entropy", "gauge", "Policy entropy before the update, nats per sampled token.", _RL
+)
+RL_RESPONSE_LEN_MEAN = _spec(
+    "raychat_rl_response_len_mean", "gauge", "Mean completion tokens of the step's samples.", _RL
+)
+RL_RESPONSE_LEN_MIN = _spec(
+    "raychat_rl_response_len_min", "gauge", "Fewest completion tokens of a step's sample.", _RL
+)
+RL_RESPONSE_LEN_MAX = _spec(
+    "raychat_rl_response_len_max", "gauge", "Most completion tokens of a step's sample.", _RL
 )
 
 _SERVE = ("deployment",)
@@ -234,10 +253,17 @@ class RLMetrics(_Recorder):
         rollout_tokens_per_s: float | None = None,
         learner_wait_frac: float | None = None,
         zero_advantage_frac: float | None = None,
+        reward_std: float | None = None,
+        advantage_std: float | None = None,
+        entropy: float | None = None,
+        response_len_mean: float | None = None,
+        response_len_min: int | None = None,
+        response_len_max: int | None = None,
     ) -> None:
-        """Record one learner step; None leaves that gauge unchanged. Raises ValueError on out-of-range values
-        (pass_at_1, learner_wait_frac and zero_advantage_frac in [0, 1]; staleness, sync_time_s,
-        rollout_tokens_per_s >= 0)."""
+        """Record one learner step; None leaves that gauge unchanged. entropy (nats a sampled token) may be
+        NaN/inf, as the loss may. Raises ValueError on out-of-range values (pass_at_1, learner_wait_frac and
+        zero_advantage_frac in [0, 1]; staleness, sync_time_s, rollout_tokens_per_s, the stds, entropy and the
+        response lengths (completion tokens) >= 0)."""
         opt = lambda field, v, **kw: None if v is None else _number(field, v, **kw)  # noqa: E731
         self._emit(
             {
@@ -249,6 +275,12 @@ class RLMetrics(_Recorder):
                 RL_ROLLOUT_TPS: opt("rollout_tokens_per_s", rollout_tokens_per_s, lo=0.0),
                 RL_LEARNER_WAIT: opt("learner_wait_frac", learner_wait_frac, lo=0.0, hi=1.0),
                 RL_ZERO_ADVANTAGE: opt("zero_advantage_frac", zero_advantage_frac, lo=0.0, hi=1.0),
+                RL_REWARD_STD: opt("reward_std", reward_std, lo=0.0),
+                RL_ADVANTAGE_STD: opt("advantage_std", advantage_std, lo=0.0),
+                RL_ENTROPY: opt("entropy", entropy, lo=0.0, finite=False),
+                RL_RESPONSE_LEN_MEAN: opt("response_len_mean", response_len_mean, lo=0.0),
+                RL_RESPONSE_LEN_MIN: opt("response_len_min", response_len_min, lo=0.0),
+                RL_RESPONSE_LEN_MAX: opt("response_len_max", response_len_max, lo=0.0),
             }
         )
 

@@ -3,8 +3,9 @@ sink (raychat.metrics_sink: metrics.jsonl) as PNG pictures with matplotlib (Agg 
 
 curves_<stage>.png: left, the training loss per step (and its smoothed value where the stage logs one); right,
 validation BPB at each evaluation (pretraining, SFT: "val_bpb" and every "<task>_val_bpb") or, for RL, the
-rollouts' mean reward per step and held-out pass@1 at each evaluation, the baseline (step 0) first. Every step
-axis is ticked at whole steps only (a curve of one point, val_bpb measured once: that step alone).
+rollouts' mean reward per step, shaded +- its reward_std where the lines have one (reward_band; a run of one
+step: an error bar), and held-out pass@1 at each evaluation, the baseline (step 0) first. Every step axis is
+ticked at whole steps only (a curve of one point, val_bpb measured once: that step alone).
 
 The run's report state, stages.json in the output directory: {stage: {"output", "wall_s", "figures"}}, written
 (atomically) as each stage finishes by the invocation that ran it, so that a resumed speedrun reports a stage it
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -106,6 +108,20 @@ def run_total(t: dict) -> float:
     return sum(t.get(stage) or 0.0 for stage in WALL_STAGES)
 
 
+def reward_band(lines: list[dict]) -> tuple[list[int], list[float], list[float]] | None:
+    """The band drawn around an RL run's reward curve: (steps, reward_mean - reward_std, reward_mean +
+    reward_std) of its step `lines` (each with "step" and "reward_mean"), NaN (no band there) at a line
+    without reward_std, written before RL logged it; None when no line has one."""
+    if not any(x.get("reward_std") is not None for x in lines):
+        return None
+    std = [x.get("reward_std") for x in lines]
+    return (
+        [x["step"] for x in lines],
+        [math.nan if s is None else x["reward_mean"] - s for x, s in zip(lines, std)],
+        [math.nan if s is None else x["reward_mean"] + s for x, s in zip(lines, std)],
+    )
+
+
 def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
     """Write curves_<stage>.png of a stage's metrics lines (module doc); None when there are no lines."""
     evals = [x["eval"] for x in lines if isinstance(x.get("eval"), dict)]  # RL's, its baseline (step 0) first
@@ -127,6 +143,11 @@ def plot_stage(stage: str, lines: list[dict], path: Path) -> Path | None:
     left.legend()
     if rl:
         right.plot(steps, [x["reward_mean"] for x in lines], lw=1, marker=dot, label="rollout reward (mean)")
+        if (band := reward_band(lines)) and dot:  # one step: a band of one point draws nothing
+            mean, std = lines[0]["reward_mean"], lines[0]["reward_std"]
+            right.errorbar(steps, [mean], yerr=[std], fmt="none", capsize=4, label="reward ± std")
+        elif band:
+            right.fill_between(*band, alpha=0.2, lw=0, label="reward ± std")
         if evals:
             right.plot(
                 [e["step"] for e in evals], [e["pass@1"] for e in evals], "o-", label="held-out pass@1"

@@ -93,7 +93,8 @@ class TinyJob:
             rl({
                 "step": step, "reward_mean": 0.25 * step, "pass_at_1": 0.5, "staleness_mean": 1.0,
                 "sync_time_s": 0.2, "rollout_tokens_per_s": 300.0, "learner_wait_frac": 0.4,
-                "zero_advantage_frac": 0.25,
+                "zero_advantage_frac": 0.25, "reward_std": 0.5, "advantage_std": 0.25, "entropy": 1.5,
+                "response_len_mean": 12.0, "response_len_min": 4, "response_len_max": 24,
             })  # fmt: skip
             time.sleep(1.5)  # a scrape (1 s) between steps
 
@@ -157,8 +158,8 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(
         assert len(replies) == 4 and all(isinstance(r, str) for r in replies)
         ray.get(finished, timeout=60)
         queries = dashboard_queries()
-        # 7 training panels (8 queries), 6 RL (7), 6 serving (9) when this was written
-        assert len(queries) >= 24, queries
+        # 7 training panels (8 queries), 9 RL (14), 6 serving (9) when this was written
+        assert len(queries) >= 31, queries
         expected = [e for title, e in queries if title not in CPU_ONLY_EMPTY]
         counts = _wait_series(prometheus, expected, start_s, timeout_s=40)
         empty = [f"{title}: {e}" for title, e in queries if e in counts and not counts[e]]

@@ -15,7 +15,7 @@ from raychat.rl.loop import rl_gauges
 
 
 def test_names_are_prefixed_and_unique():
-    assert len(metrics.METRIC_NAMES) == len(set(metrics.METRIC_NAMES)) == 24
+    assert len(metrics.METRIC_NAMES) == len(set(metrics.METRIC_NAMES)) == 30
     assert all(name.startswith("raychat_") for name in metrics.METRIC_NAMES)
 
 
@@ -47,6 +47,11 @@ def test_bad_values_name_the_field():
         RLMetrics("r").record(1, 0.5, pass_at_1=2.0)
     with pytest.raises(ValueError, match="zero_advantage_frac"):
         RLMetrics("r").record(1, 0.5, zero_advantage_frac=1.25)
+    with pytest.raises(ValueError, match="reward_std must be >= 0.0, got -0.5"):
+        RLMetrics("r").record(1, 0.5, reward_std=-0.5)
+    with pytest.raises(ValueError, match="response_len_max must be a number"):
+        RLMetrics("r").record(1, 0.5, response_len_max="24")
+    RLMetrics("r").record(1, 0.5, entropy=float("nan"))  # a diverged policy is shown, as a NaN loss is
     with pytest.raises(ValueError, match="n must be an int"):
         ServeMetrics("chat").set_running(-1)
     with pytest.raises(ValueError, match="deployment"):
@@ -105,6 +110,8 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
     rl_gauges("t1")({  # what the RL loop records each step with
         "step": 2, "reward_mean": 0.5, "pass_at_1": 0.25, "staleness_mean": 1, "sync_time_s": 0.3,
         "rollout_tokens_per_s": 900.0, "learner_wait_frac": 0.6, "zero_advantage_frac": 0.75,
+        "reward_std": 0.433, "advantage_std": 0.3536, "entropy": 1.25, "response_len_mean": 13.5,
+        "response_len_min": 3, "response_len_max": 24,
     })  # fmt: skip
     serve = ServeMetrics("chat")
     for ttft in (0.02, 0.2, 0.3):
@@ -124,6 +131,8 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
         "ray_raychat_train_bpb",
         "ray_raychat_rl_learner_wait_frac",
         "ray_raychat_rl_zero_advantage_frac",
+        "ray_raychat_rl_entropy",
+        "ray_raychat_rl_response_len_max",
         "ray_raychat_serve_generated_tokens_total",
         "ray_raychat_prefix_cache_queries_total",
         "ray_raychat_prefix_cache_hits_total",
@@ -147,6 +156,12 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
     assert got[("ray_raychat_rl_rollout_tokens_per_s", rl)] == 900.0
     assert got[("ray_raychat_rl_learner_wait_frac", rl)] == 0.6
     assert got[("ray_raychat_rl_zero_advantage_frac", rl)] == 0.75
+    assert got[("ray_raychat_rl_reward_std", rl)] == 0.433
+    assert got[("ray_raychat_rl_advantage_std", rl)] == 0.3536
+    assert got[("ray_raychat_rl_entropy", rl)] == 1.25
+    assert got[("ray_raychat_rl_response_len_mean", rl)] == 13.5
+    assert got[("ray_raychat_rl_response_len_min", rl)] == 3
+    assert got[("ray_raychat_rl_response_len_max", rl)] == 24
     d = (("deployment", "chat"),)
     assert got[("ray_raychat_serve_generated_tokens_total", d)] == 12
     assert got[("ray_raychat_prefix_cache_queries_total", d)] == 140

@@ -31,7 +31,18 @@ def test_dashboard_file_is_current_and_covers_every_metric():
     plotted = {re.sub(r"_(bucket|total)$", "", x) for x in re.findall(r"ray_raychat_[a-z0-9_]+", exprs)}
     assert plotted == scraped
     ids = [p["id"] for p in d["panels"]]
-    assert len(ids) == len(set(ids)) == 22  # 3 rows + 19 panels
+    assert len(ids) == len(set(ids)) == 25  # 3 rows + 22 panels
+    rows = [i for i, p in enumerate(d["panels"]) if p["type"] == "row"]
+    assert [d["panels"][i]["title"] for i in rows] == ["Training", "RL", "Serving"]
+    rl = d["panels"][rows[1] + 1 : rows[2]]
+    assert [p["title"] for p in rl] == [
+        "Reward / pass@1 / prompts without signal", "Reward / advantage std", "Policy entropy (nats/token)",
+        "Response length (completion tokens)", "Staleness (policy versions)", "Weight sync time",
+        "Rollout tokens/s", "Learner wait", "RL step",
+    ]  # fmt: skip
+    assert [t["expr"] for t in rl[3]["targets"]] == [
+        f'max by (run) (ray_raychat_rl_response_len_{x}{{run=~"$run"}})' for x in ("min", "mean", "max")
+    ]
     assert all(
         p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
         for p in d["panels"]

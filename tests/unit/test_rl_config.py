@@ -306,10 +306,27 @@ def test_an_async_steps_line_shows_the_importance_ratio_and_the_share_clipped():
             "staleness_max": 1, "ratio_mean": 1.0123, "clip_frac": 0.0625, "restarts": 0}  # fmt: skip
     assert step_line(line, 4, 3) == (
         "step=2/4 reward_mean=0.25 loss=-0.01 staleness_mean=0.5 staleness_max=1 ratio_mean=1.012 clip_frac=0.0625 "
-        "restarts=0 eta=3s"
+        "eta=3s"
     )
     assert step_line(line | {"mode": "sync"}, 4, 3) == (
-        "step=2/4 reward_mean=0.25 loss=-0.01 staleness_mean=0.5 restarts=0 eta=3s"
+        "step=2/4 reward_mean=0.25 loss=-0.01 staleness_mean=0.5 eta=3s"
+    )
+
+
+def test_a_steps_line_shows_a_fault_counter_only_once_it_is_above_0():
+    """Every step line ended `restarts=0 failures=0 stale_chunks=0`: noise in a healthy run, and a fault hid
+    among them. A counter is shown once nonzero (cumulative: it stays on the line after); metrics.jsonl keeps all."""
+    line = {"step": 4, "mode": "sync", "reward_mean": 0.5, "staleness_mean": 0.0, "restarts": 0, "failures": 0,
+            "stale_chunks": 0, "dropped_samples": 0}  # fmt: skip
+    assert step_line(line, 8, 5) == "step=4/8 reward_mean=0.5 staleness_mean=0 eta=5s"
+    faulty = line | {"failures": 1, "stale_chunks": 2}
+    assert (
+        step_line(faulty, 8, 5)
+        == "step=4/8 reward_mean=0.5 staleness_mean=0 failures=1 stale_chunks=2 eta=5s"
+    )
+    assert (
+        step_line(line | {"restarts": 3}, 8, 5)
+        == "step=4/8 reward_mean=0.5 staleness_mean=0 restarts=3 eta=5s"
     )
 
 

@@ -3,6 +3,7 @@ it (the run's report state, stages.json), reused stages are marked, a replaced o
 old figures. The report is assembled from hand-written stage results; no stage runs."""
 
 import json
+import math
 import os
 
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
 from raychat.config import SpeedrunConfig, TrainConfig, from_dict
-from raychat.report import STATE_FILE, plot_stage, read_state, settle_stage, write_report
+from raychat.metrics_sink import read_jsonl
+from raychat.report import STATE_FILE, plot_stage, read_state, reward_band, settle_stage, write_report
 from raychat.speedrun import accuracy_task, newest_commit
 
 TOKENIZER = {"vocab_size": 4096, "version": "abc", "train_seconds": 28.5, "val_bytes_per_token": 4.321}
@@ -200,6 +202,37 @@ def test_a_run_of_one_step_is_drawn_as_points(tmp_path, monkeypatch):
     (left, right), (left2, _) = figures[0].axes, figures[1].axes
     assert [line.get_marker() for line in left.lines + right.lines] == ["o", "o", "o"]  # loss, reward, pass@1
     assert [line.get_marker() for line in left2.lines] == ["None"]
+
+
+def test_the_rl_reward_curve_has_a_band_of_one_reward_std(tmp_path, monkeypatch, capsys):
+    """RL logs each step's reward_std (population, over its samples) but `raychat report` drew the mean alone:
+    the band mean +- std is drawn where the lines have it. Hand-written metrics.jsonl: the baseline, step 1 of an
+    older raychat (no reward_std: no band there), step 2 mean 0.5 std 0.25 (0.25..0.75), step 3 mean 0.75 std
+    0.125 (0.625..0.875); a run of older lines only is drawn as before; a run of one step gets an error bar."""
+    figures = []
+    monkeypatch.setattr("raychat.report.plt.close", figures.append)
+    rows = [{"step": 0, "eval": {"step": 0, "pass@1": 0.0}}, {"step": 1, "loss": 0.1, "reward_mean": 0.25},
+            {"step": 2, "loss": 0.0, "reward_mean": 0.5, "reward_std": 0.25},
+            {"step": 3, "loss": -0.1, "reward_mean": 0.75, "reward_std": 0.125}]  # fmt: skip
+    older = [rows[0], rows[1], {k: v for k, v in rows[2].items() if k != "reward_std"}]
+    runs = {"new": rows, "old": older, "one": [rows[0], rows[2] | {"step": 1}]}
+    for name, lines in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        assert raychat_main(["report", str(tmp_path / name)]) == 0
+    assert capsys.readouterr().out.count("curves.png") == 3
+    new, old, one = (fig.axes[1] for fig in figures)
+    band = reward_band(read_jsonl(tmp_path / "new" / "metrics.jsonl")[1:])
+    assert band[0] == [1, 2, 3] and band[1][1:] == [0.25, 0.625] and band[2][1:] == [0.75, 0.875]
+    assert math.isnan(band[1][0]) and math.isnan(band[2][0])
+    (drawn,) = new.collections
+    assert drawn.get_label() == "reward ± std"
+    assert {tuple(v) for v in drawn.get_paths()[0].vertices} == {(2, 0.25), (3, 0.625), (3, 0.875), (2, 0.75)}
+    assert reward_band(older[1:]) is None and len(old.collections) == 0
+    assert [line.get_label() for line in old.lines] == ["rollout reward (mean)", "held-out pass@1"]
+    (bars,) = one.collections  # step 1: 0.5 +- 0.25
+    assert bars.get_segments()[0].tolist() == [[1, 0.25], [1, 0.75]]
+    assert [c.get_label() for c in one.containers] == ["reward ± std"]
 
 
 def test_report_without_a_run_directory_is_one_line(capsys):

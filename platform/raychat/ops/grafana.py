@@ -101,6 +101,24 @@ def build_dashboard() -> dict:
                     "none",
                 ),
                 (
+                    "Reward / advantage std",
+                    [
+                        (by_r + f"({_prom(m.RL_REWARD_STD)}{tr})", "reward std {{run}}"),
+                        (by_r + f"({_prom(m.RL_ADVANTAGE_STD)}{tr})", "advantage std {{run}}"),
+                    ],
+                    "none",
+                ),
+                ("Policy entropy (nats/token)", [(by_r + f"({_prom(m.RL_ENTROPY)}{tr})", "{{run}}")], "none"),
+                (
+                    "Response length (completion tokens)",
+                    [
+                        (by_r + f"({_prom(m.RL_RESPONSE_LEN_MIN)}{tr})", "min {{run}}"),
+                        (by_r + f"({_prom(m.RL_RESPONSE_LEN_MEAN)}{tr})", "mean {{run}}"),
+                        (by_r + f"({_prom(m.RL_RESPONSE_LEN_MAX)}{tr})", "max {{run}}"),
+                    ],
+                    "none",
+                ),
+                (
                     "Staleness (policy versions)",
                     [(by_r + f"({_prom(m.RL_STALENESS)}{tr})", "{{run}}")],
                     "none",

@@ -219,6 +219,9 @@ def rl_gauges(run_name: str):
             s["step"], s["reward_mean"], pass_at_1=s["pass_at_1"], staleness=s["staleness_mean"],
             sync_time_s=s["sync_time_s"], rollout_tokens_per_s=s["rollout_tokens_per_s"],
             learner_wait_frac=s["learner_wait_frac"], zero_advantage_frac=s["zero_advantage_frac"],
+            reward_std=s["reward_std"], advantage_std=s["advantage_std"], entropy=s["entropy"],
+            response_len_mean=s["response_len_mean"], response_len_min=s["response_len_min"],
+            response_len_max=s["response_len_max"],
         )  # fmt: skip
 
     return record
@@ -747,20 +750,23 @@ _LOG_KEYS = (
 # async mode's off-policy samples: the largest staleness, their mean importance ratio and the share of tokens
 # --clip-eps clipped (PPO's clipfrac), after staleness_mean; on-policy (sync) the ratio is 1 and none is clipped
 _ASYNC_KEYS = ("staleness_max", "ratio_mean", "clip_frac")
+# cumulative fault counters: on the line only once nonzero, so that a fault stands out (metrics.jsonl has all)
+_FAULT_KEYS = ("restarts", "failures", "stale_chunks")
 
 
 def step_line(line: dict, steps: int, eta_s: float) -> str:
-    """A step's stdout line: the _LOG_KEYS of its metrics.jsonl `line` (those set; with "mode" "async" also
-    _ASYNC_KEYS after staleness_mean), its step out of the run's `steps` as pretraining's line counts them
-    ("step=15/50"), then its ETA of `eta_s` seconds as pretraining's
-    line shows it ("eta=42s", "eta=12m05s", "eta=3h07m": raychat.log.duration). Floats have 4 significant
+    """A step's stdout line: the _LOG_KEYS of its metrics.jsonl `line` (those set, and of the _FAULT_KEYS those
+    above 0; with "mode" "async" also _ASYNC_KEYS after staleness_mean), its step out of the run's `steps` as
+    pretraining's line counts them ("step=15/50"), then its ETA of `eta_s` seconds as pretraining's line shows it
+    ("eta=42s", "eta=12m05s", "eta=3h07m": raychat.log.duration). Floats have 4 significant
     digits, those of 10,000 or more are rounded to whole numbers ("rollout_tokens_per_s=16286", not
     "1.629e+04")."""
     keys = list(_LOG_KEYS)
     if line.get("mode") == "async":
         at = keys.index("staleness_mean") + 1
         keys[at:at] = _ASYNC_KEYS
-    shown = {k: line[k] for k in keys if line.get(k) is not None} | {"step": f"{line['step']}/{steps}"}
+    shown = {k: line[k] for k in keys if line.get(k) is not None and not (k in _FAULT_KEYS and line[k] == 0)}
+    shown |= {"step": f"{line['step']}/{steps}"}
     return _fmt(shown) + f" eta={duration(eta_s)}"
 
 
