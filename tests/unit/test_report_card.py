@@ -271,7 +271,7 @@ def test_a_sampled_score_is_kept_off_the_greedy_card_under_its_own_note(tmp_path
     assert table[-1] == (
         "-: not measured (the speedrun: CORE on the base model, chat evals on chat models; raychat eval: the "
         "columns --tasks names); n/a: no data: the files are not on this machine (README: nanochat's full "
-        "table); n/a: sampled: scored by sampling (--temperature above 0), kept off this greedy card "
+        "report card); n/a: sampled: scored by sampling (--temperature above 0), kept off this greedy card "
         "(eval.json's tasks hold it); n/a: needs all six: ChatCORE averages all six chat evals; (N tok): "
         "measured at a completion budget of N tokens, not the task's own."
     )

@@ -223,9 +223,9 @@ def card_row(core: dict | None = None, chat: dict | None = None, **extra) -> dic
 
 LEGEND = (
     f"{NOT_MEASURED}: not measured (the speedrun: CORE on the base model, chat evals on chat models; raychat eval: "
-    f"the columns --tasks names); {NO_DATA}: the files are not on this machine (README: nanochat's full table); "
-    f"{SAMPLED}: scored by sampling (--temperature above 0), kept off this greedy card (eval.json's tasks hold "
-    f"it); {NEEDS_ALL}: ChatCORE averages all six chat evals; (N tok): measured at a completion budget of N "
+    f"the columns --tasks names); {NO_DATA}: the files are not on this machine (README: nanochat's full report "
+    f"card); {SAMPLED}: scored by sampling (--temperature above 0), kept off this greedy card (eval.json's tasks "
+    f"hold it); {NEEDS_ALL}: ChatCORE averages all six chat evals; (N tok): measured at a completion budget of N "
     "tokens, not the task's own."
 )
 
