@@ -178,13 +178,13 @@ def test_missing_debian_package_says_how_to_install(tmp_path):
 )
 def test_real_default_corpus_is_at_least_10_mb():
     corpus = corpora.debian_docs()
-    total = sum(len(d.encode()) for d in corpus.documents)
+    total = sum(len(d.encode()) for d in corpus.documents.to_pylist())
     assert total >= 10_000_000
     assert [c["package"] for c in corpus.components] == ["python3.11-doc", "wordnet-base"]
     assert sum(c["bytes"] for c in corpus.components) == total
     assert all(c["bytes"] >= 5_000_000 for c in corpus.components)
     # markup is gone from the prose: no role, directive or heading underline survives in most documents
-    docs = corpus.documents[: corpus.components[0]["documents"]]
+    docs = corpus.documents.to_pylist()[: corpus.components[0]["documents"]]
     marked = [d for d in docs if ":func:`" in d or "\n.. " in d or "\n=====" in d]
     assert len(marked) < 0.01 * len(docs)
 
@@ -231,7 +231,7 @@ def test_a_lone_surrogate_escape_in_jsonl_is_an_invalid_utf8_skip(tmp_path):
     )
     (tmp_path / "y.txt").write_bytes("a \ud800 b".encode("utf-8", "surrogatepass"))
     corpus = corpora.local_folder(tmp_path)
-    assert corpus.documents == ["pair \U0001f600", "ok"]
+    assert corpus.documents.to_pylist() == ["pair \U0001f600", "ok"]
     assert dict(corpus.skips.counts) == {"invalid_utf8": 3}
     assert corpus.skips.examples == {"invalid_utf8": ["x.jsonl:line=1", "x.jsonl:line=3", "y.txt"]}
     assert corpus.components[0]["bytes"] == len("pair \U0001f600".encode()) + 2
@@ -244,7 +244,7 @@ def test_a_utf8_byte_order_mark_is_dropped_from_text_files_and_jsonl_lines(tmp_p
     (tmp_path / "a.txt").write_bytes(bom + b"first document\r\n")
     (tmp_path / "b.jsonl").write_bytes(bom + b'{"text": "line one"}\n{"text": "line two"}\n')
     corpus = corpora.local_folder(tmp_path)
-    assert corpus.documents == ["first document\r\n", "line one", "line two"]
+    assert corpus.documents.to_pylist() == ["first document\r\n", "line one", "line two"]
     assert dict(corpus.skips.counts) == {}
 
 
@@ -263,7 +263,7 @@ def test_a_parquet_text_column_of_another_type_is_an_error_naming_file_and_type(
     ):
         corpora.local_folder(tmp_path)
     (tmp_path / "sub" / "x.parquet").unlink()
-    assert corpora.local_folder(tmp_path).documents == ["bytes ok"]
+    assert corpora.local_folder(tmp_path).documents.to_pylist() == ["bytes ok"]
 
 
 def test_symlinked_directories_and_broken_links_are_counted_skips(tmp_path):
@@ -279,7 +279,7 @@ def test_symlinked_directories_and_broken_links_are_counted_skips(tmp_path):
     (root / "b.txt").symlink_to(root / "a.txt")
     os.mkfifo(root / "pipe.txt")
     corpus = corpora.local_folder(root)
-    assert corpus.documents == ["inside", "inside"]
+    assert corpus.documents.to_pylist() == ["inside", "inside"]
     assert dict(corpus.skips.counts) == {"symlinked_directory": 1, "not_a_file": 2}
     assert corpus.skips.examples == {
         "not_a_file": ["gone.txt", "pipe.txt"],
@@ -296,7 +296,7 @@ def test_text_field_reads_another_jsonl_field_and_parquet_column(tmp_path):
     pq.write_table(pa.table({"content": pa.array([b"p2"], pa.binary())}), tmp_path / "c.parquet")
     (tmp_path / "d.txt").write_text("whole file")
     corpus = corpora.local_folder(tmp_path, text_field="content")
-    assert corpus.documents == ["j1", "p1", "p2", "whole file"]
+    assert corpus.documents.to_pylist() == ["j1", "p1", "p2", "whole file"]
     assert dict(corpus.skips.counts) == {"no_text_field": 1, "null_text": 1}
     assert corpus.skips.examples == {
         "no_text_field": ["a.jsonl:line=2"],

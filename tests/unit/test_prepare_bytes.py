@@ -11,11 +11,12 @@ import hashlib
 import json
 import random
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raychat.data.corpus import corpora
+from raychat.data.corpus import corpora, documents
 from raychat.data.corpus.prepare import prepare
 
 ENGLISH = "the of and to in is was for on that with as by at from it an be this which or are".split()
@@ -122,13 +123,16 @@ DEBIAN_DOCS = {
 
 
 @pytest.mark.parametrize(
-    "name, build, options",
+    "name, build, options, flush_chars",
     [
-        ("mixed", mixed_folder, {"num_shards": 3, "row_group_size": 16, "seed": 0}),
-        ("cyrillic", cyrillic_folder, {"rows_per_shard": 100, "row_group_size": 32, "seed": 7}),
+        ("mixed", mixed_folder, {"num_shards": 3, "row_group_size": 16, "seed": 0}, documents.FLUSH_CHARS),
+        # every document of a .txt or .jsonl file an Arrow chunk of its own: the shards gather across 191 chunks
+        ("mixed", mixed_folder, {"num_shards": 3, "row_group_size": 16, "seed": 0}, 1),
+        ("cyrillic", cyrillic_folder, {"rows_per_shard": 100, "row_group_size": 32, "seed": 7}, 1000),
     ],
 )
-def test_a_folder_prepares_to_the_same_bytes(tmp_path, name, build, options):
+def test_a_folder_prepares_to_the_same_bytes(tmp_path, monkeypatch, name, build, options, flush_chars):
+    monkeypatch.setattr(documents, "FLUSH_CHARS", flush_chars)
     build(tmp_path / "src")
     manifest = prepare(str(tmp_path / "src"), tmp_path / "out", log=lambda *_: None, **options)
     assert manifest["skipped"] == (MIXED_SKIPPED if name == "mixed" else {})
@@ -143,3 +147,10 @@ def test_the_default_corpus_prepares_to_the_same_bytes(tmp_path):
     manifest = prepare("debian-docs", tmp_path / "out", num_shards=3, log=lambda *_: None)
     assert manifest["documents"] == 5820
     assert digests(tmp_path / "out") == DEBIAN_DOCS
+
+
+def test_take_gathers_across_chunks_in_the_order_asked():
+    texts = pa.chunked_array([["a", "b"], ["c"], ["d", "e", "f"]], type=pa.large_string())
+    taken = documents.take(texts, np.array([5, 0, 2, 3, 1]))
+    assert taken.type == pa.large_string() and taken.to_pylist() == ["f", "a", "c", "d", "b"]
+    assert documents.take(texts, np.array([4, 3])).to_pylist() == ["e", "d"]  # from one chunk
