@@ -63,7 +63,8 @@ def text_bytes(texts: pa.Array | pa.ChunkedArray) -> int:
 
 def take(documents: pa.ChunkedArray, indices: np.ndarray) -> pa.Array:
     """[documents[i] for i in indices] as one large_string array, gathered chunk by chunk: only the documents
-    taken are copied (pyarrow's ChunkedArray.take may concatenate all the chunks first).
+    taken are copied (pyarrow 26's ChunkedArray.take of strings concatenates all the chunks first: a copy of the
+    whole corpus for each shard).
 
     Args:
         documents: a ChunkedArray of large_string.
@@ -83,6 +84,7 @@ def take(documents: pa.ChunkedArray, indices: np.ndarray) -> pa.Array:
     if len(pieces) == 1:  # in the order of `indices` already (the sort is stable)
         return pieces[0]
     gathered = pa.concat_arrays(pieces)  # the documents of the first chunk, then of the next...
+    del pieces
     inverse = np.empty_like(by_chunk)
     inverse[by_chunk] = np.arange(len(by_chunk))
     return gathered.take(pa.array(inverse))

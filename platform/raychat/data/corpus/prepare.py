@@ -249,7 +249,8 @@ def prepare_corpus(
     log(split_line(n, total, seed))
     order = list(range(n))  # shuffled as the documents themselves were: the same seed gives the same shards
     random.Random(seed).shuffle(order)
-    entries = write_shards(corpus.documents, out, total, row_group_size, log, order=np.array(order, np.int64))
+    order = np.array(order, np.int64)  # 8 bytes a document, not a Python int's 36
+    entries = write_shards(corpus.documents, out, total, row_group_size, log, order=order)
     for warning in validation_warnings(entries, shard_options):
         log(warning)
     return {
