@@ -506,16 +506,16 @@ def test_a_cut_into_few_shards_keeps_a_line_a_shard_and_a_quick_large_one_only_i
 
 def test_a_folder_larger_than_the_memory_available_is_warned_about_before_it_is_read(tmp_path, monkeypatch):
     """prepare holds the whole corpus in memory to shuffle it, which nothing said. By the measured rule (150 MB +
-    2.3 x a .jsonl's bytes + 6.1 x a .parquet's): a 100 MB .jsonl and a 10 MB .parquet need 150 + 230 + 61 =
-    441 MB, a warning where 400 MB are available, none where 441 MB are. A folder of two 10-byte files, with
-    100 MB available, warns of 150 MB (150,000,046 bytes) before its reading line."""
-    assert corpora.memory_needed([(".jsonl", 100_000_000), (".parquet", 10_000_000)]) == 441_000_000
-    assert corpora.memory_warning(110_000_000, 441_000_000, 400_000_000) == (
-        "warning: preparing 110.00 MB of documents may take up to 441.00 MB of memory (they are held whole to be "
-        "shuffled; README: Data), more than the 400.00 MB available: it may be killed for memory; free some, or "
+    1.4 x a .jsonl's bytes + 5.2 x a .parquet's): a 100 MB .jsonl and a 10 MB .parquet need 150 + 140 + 52 =
+    342 MB, a warning where 300 MB are available, none where 342 MB are. A folder of two 10-byte files, with
+    100 MB available, warns of 150 MB (150,000,028 bytes) before its reading line."""
+    assert corpora.memory_needed([(".jsonl", 100_000_000), (".parquet", 10_000_000)]) == 342_000_000
+    assert corpora.memory_warning(110_000_000, 342_000_000, 300_000_000) == (
+        "warning: preparing 110.00 MB of documents may take up to 342.00 MB of memory (they are held whole to be "
+        "shuffled; README: Data), more than the 300.00 MB available: it may be killed for memory; free some, or "
         "prepare a part of the folder"
     )
-    assert corpora.memory_warning(110_000_000, 441_000_000, 441_000_000) is None
+    assert corpora.memory_warning(110_000_000, 342_000_000, 342_000_000) is None
     for name in ("a.txt", "b.md"):
         (tmp_path / name).write_text("x" * 10)
     monkeypatch.setattr(corpora.psutil, "virtual_memory", lambda: SimpleNamespace(available=100_000_000))

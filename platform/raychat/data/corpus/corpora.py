@@ -29,9 +29,10 @@ from pathlib import Path
 
 import psutil
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from raychat.data.corpus.documents import DocumentsBuilder, text_bytes
+from raychat.data.corpus.documents import POOL, DocumentsBuilder, text_bytes
 from raychat.data.corpus.rst_clean import clean_rst, split_sections
 from raychat.data.corpus.shards import (
     DOCUMENT_SUFFIXES,
@@ -60,13 +61,13 @@ PARQUET_SLICE_ROWS = 256
 # The `text` column types a local .parquet file may have; binary values are decoded as UTF-8.
 TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
 TEXT_FIELD = "text"  # the .jsonl field and .parquet column read unless --text-field names another
-# `raychat data prepare` holds a folder's documents whole, as Python strings, to shuffle them. Its peak memory
-# (RSS), measured (README: Data): 148 MB for 2 small files; a .jsonl of English (ASCII) text, 1.2 x its size on
-# disk more, of Cyrillic text 2.3 x (a str of 2 bytes a character, and the UTF-8 copy that pyarrow's conversion
-# caches in it); a zstd .parquet file up to 6.1 x (its text is ~1.8 x its size, and a row group is read whole).
+# `raychat data prepare` holds a folder's documents whole, as Arrow UTF-8 text (documents.py), to shuffle them.
+# Its peak memory (RSS), measured (README: Data): 152 MB for 2 small files; a .jsonl of English (ASCII) text,
+# 1.2-1.35 x its size on disk more, of Cyrillic text 1.2 x; a zstd .parquet file up to 5.2 x (its text is ~2.2 x
+# its size, and a row group is read whole).
 MEMORY_BASE_BYTES = 150_000_000
-MEMORY_PER_BYTE = 2.3  # of a .txt, .md, .rst or .jsonl file
-MEMORY_PER_PARQUET_BYTE = 6.1
+MEMORY_PER_BYTE = 1.4  # of a .txt, .md, .rst or .jsonl file
+MEMORY_PER_PARQUET_BYTE = 5.2
 
 
 class CorpusNotInstalled(DataError):
@@ -259,7 +260,9 @@ def parquet_documents(
             place(ends[g - 1])
         column = read_text_column(pf, g, name, text_field).cast(pa.large_binary()).combine_chunks()
         kept = [usable(value, f"{name}:row_group={g}:row={row}", skips) for row, value in rows(column)]
-        documents.extend(column if all(kept) else column.filter(pa.array(kept, pa.bool_())))
+        documents.extend(
+            column if all(kept) else pc.filter(column, pa.array(kept, pa.bool_()), memory_pool=POOL)
+        )
 
 
 def rows(column: pa.Array) -> Iterator[tuple[int, bytes | None]]:
@@ -421,7 +424,7 @@ def local_folder(
 def memory_needed(files: list[tuple[str, int]]) -> int:
     """The most memory (bytes) preparing `files` ((suffix, bytes on disk) each) was measured to take:
     MEMORY_BASE_BYTES + MEMORY_PER_BYTE x a text or .jsonl file's bytes + MEMORY_PER_PARQUET_BYTE x a .parquet
-    file's. E.g. a 100 MB .jsonl and a 10 MB .parquet: 150 + 230 + 61 = 441 MB."""
+    file's. E.g. a 100 MB .jsonl and a 10 MB .parquet: 150 + 140 + 52 = 342 MB."""
     per_byte = {".parquet": MEMORY_PER_PARQUET_BYTE}
     return round(MEMORY_BASE_BYTES + sum(per_byte.get(suffix, MEMORY_PER_BYTE) * n for suffix, n in files))
 
