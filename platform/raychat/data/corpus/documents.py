@@ -87,9 +87,8 @@ def take(documents: pa.ChunkedArray, indices: np.ndarray) -> pa.Array:
     ]
     if len(pieces) == 1:  # in the order of `indices` already (the sort is stable)
         return pieces[0]
-    gathered = pa.concat_arrays(
-        pieces, memory_pool=POOL
-    )  # the documents of the first chunk, then of the next...
+    # the documents taken from the first chunk, then from the next...
+    gathered = pa.concat_arrays(pieces, memory_pool=POOL)
     del pieces
     inverse = np.empty_like(by_chunk)
     inverse[by_chunk] = np.arange(len(by_chunk))
