@@ -178,13 +178,13 @@ def test_missing_debian_package_says_how_to_install(tmp_path):
 )
 def test_real_default_corpus_is_at_least_10_mb():
     corpus = corpora.debian_docs()
-    total = sum(len(d.encode()) for d in corpus.documents)
+    total = sum(len(d.encode()) for d in corpus.documents.to_pylist())
     assert total >= 10_000_000
     assert [c["package"] for c in corpus.components] == ["python3.11-doc", "wordnet-base"]
     assert sum(c["bytes"] for c in corpus.components) == total
     assert all(c["bytes"] >= 5_000_000 for c in corpus.components)
     # markup is gone from the prose: no role, directive or heading underline survives in most documents
-    docs = corpus.documents[: corpus.components[0]["documents"]]
+    docs = corpus.documents.to_pylist()[: corpus.components[0]["documents"]]
     marked = [d for d in docs if ":func:`" in d or "\n.. " in d or "\n=====" in d]
     assert len(marked) < 0.01 * len(docs)
 
@@ -231,7 +231,7 @@ def test_a_lone_surrogate_escape_in_jsonl_is_an_invalid_utf8_skip(tmp_path):
     )
     (tmp_path / "y.txt").write_bytes("a \ud800 b".encode("utf-8", "surrogatepass"))
     corpus = corpora.local_folder(tmp_path)
-    assert corpus.documents == ["pair \U0001f600", "ok"]
+    assert corpus.documents.to_pylist() == ["pair \U0001f600", "ok"]
     assert dict(corpus.skips.counts) == {"invalid_utf8": 3}
     assert corpus.skips.examples == {"invalid_utf8": ["x.jsonl:line=1", "x.jsonl:line=3", "y.txt"]}
     assert corpus.components[0]["bytes"] == len("pair \U0001f600".encode()) + 2
@@ -244,7 +244,7 @@ def test_a_utf8_byte_order_mark_is_dropped_from_text_files_and_jsonl_lines(tmp_p
     (tmp_path / "a.txt").write_bytes(bom + b"first document\r\n")
     (tmp_path / "b.jsonl").write_bytes(bom + b'{"text": "line one"}\n{"text": "line two"}\n')
     corpus = corpora.local_folder(tmp_path)
-    assert corpus.documents == ["first document\r\n", "line one", "line two"]
+    assert corpus.documents.to_pylist() == ["first document\r\n", "line one", "line two"]
     assert dict(corpus.skips.counts) == {}
 
 
@@ -263,7 +263,7 @@ def test_a_parquet_text_column_of_another_type_is_an_error_naming_file_and_type(
     ):
         corpora.local_folder(tmp_path)
     (tmp_path / "sub" / "x.parquet").unlink()
-    assert corpora.local_folder(tmp_path).documents == ["bytes ok"]
+    assert corpora.local_folder(tmp_path).documents.to_pylist() == ["bytes ok"]
 
 
 def test_symlinked_directories_and_broken_links_are_counted_skips(tmp_path):
@@ -279,7 +279,7 @@ def test_symlinked_directories_and_broken_links_are_counted_skips(tmp_path):
     (root / "b.txt").symlink_to(root / "a.txt")
     os.mkfifo(root / "pipe.txt")
     corpus = corpora.local_folder(root)
-    assert corpus.documents == ["inside", "inside"]
+    assert corpus.documents.to_pylist() == ["inside", "inside"]
     assert dict(corpus.skips.counts) == {"symlinked_directory": 1, "not_a_file": 2}
     assert corpus.skips.examples == {
         "not_a_file": ["gone.txt", "pipe.txt"],
@@ -296,7 +296,7 @@ def test_text_field_reads_another_jsonl_field_and_parquet_column(tmp_path):
     pq.write_table(pa.table({"content": pa.array([b"p2"], pa.binary())}), tmp_path / "c.parquet")
     (tmp_path / "d.txt").write_text("whole file")
     corpus = corpora.local_folder(tmp_path, text_field="content")
-    assert corpus.documents == ["j1", "p1", "p2", "whole file"]
+    assert corpus.documents.to_pylist() == ["j1", "p1", "p2", "whole file"]
     assert dict(corpus.skips.counts) == {"no_text_field": 1, "null_text": 1}
     assert corpus.skips.examples == {
         "no_text_field": ["a.jsonl:line=2"],
@@ -506,16 +506,16 @@ def test_a_cut_into_few_shards_keeps_a_line_a_shard_and_a_quick_large_one_only_i
 
 def test_a_folder_larger_than_the_memory_available_is_warned_about_before_it_is_read(tmp_path, monkeypatch):
     """prepare holds the whole corpus in memory to shuffle it, which nothing said. By the measured rule (150 MB +
-    2.3 x a .jsonl's bytes + 6.1 x a .parquet's): a 100 MB .jsonl and a 10 MB .parquet need 150 + 230 + 61 =
-    441 MB, a warning where 400 MB are available, none where 441 MB are. A folder of two 10-byte files, with
-    100 MB available, warns of 150 MB (150,000,046 bytes) before its reading line."""
-    assert corpora.memory_needed([(".jsonl", 100_000_000), (".parquet", 10_000_000)]) == 441_000_000
-    assert corpora.memory_warning(110_000_000, 441_000_000, 400_000_000) == (
-        "warning: preparing 110.00 MB of documents may take up to 441.00 MB of memory (they are held whole to be "
-        "shuffled; README: Data), more than the 400.00 MB available: it may be killed for memory; free some, or "
+    1.4 x a .jsonl's bytes + 5.2 x a .parquet's): a 100 MB .jsonl and a 10 MB .parquet need 150 + 140 + 52 =
+    342 MB, a warning where 300 MB are available, none where 342 MB are. A folder of two 10-byte files, with
+    100 MB available, warns of 150 MB (150,000,028 bytes) before its reading line."""
+    assert corpora.memory_needed([(".jsonl", 100_000_000), (".parquet", 10_000_000)]) == 342_000_000
+    assert corpora.memory_warning(110_000_000, 342_000_000, 300_000_000) == (
+        "warning: preparing 110.00 MB of documents may take up to 342.00 MB of memory (they are held whole to be "
+        "shuffled; README: Data), more than the 300.00 MB available: it may be killed for memory; free some, or "
         "prepare a part of the folder"
     )
-    assert corpora.memory_warning(110_000_000, 441_000_000, 441_000_000) is None
+    assert corpora.memory_warning(110_000_000, 342_000_000, 342_000_000) is None
     for name in ("a.txt", "b.md"):
         (tmp_path / name).write_text("x" * 10)
     monkeypatch.setattr(corpora.psutil, "virtual_memory", lambda: SimpleNamespace(available=100_000_000))

@@ -1,7 +1,8 @@
 """Where the documents come from: the default Debian corpus, or a local folder of text files.
 
-A corpus is a list of documents (str) in a deterministic order, plus what was skipped and why. Nothing is
-dropped silently: every document that is not kept is counted under a reason in `Skips`.
+A corpus is its documents (Arrow UTF-8 text: documents.DocumentsBuilder) in a deterministic order, plus what
+was skipped and why. Nothing is dropped silently: every document that is not kept is counted under a reason in
+`Skips`.
 
 Default corpus ("debian-docs"), real human-written English installable on Debian/Ubuntu:
   - python3.11-doc: the reST sources of the Python 3.11 documentation (PSF-2.0), cleaned of markup by
@@ -22,14 +23,16 @@ import json
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from raychat.data.corpus.documents import POOL, DocumentsBuilder, text_bytes
 from raychat.data.corpus.rst_clean import clean_rst, split_sections
 from raychat.data.corpus.shards import (
     DOCUMENT_SUFFIXES,
@@ -52,16 +55,19 @@ EXAMPLES_PER_REASON = 5
 READ_QUIET_S = 5.0  # a folder read faster than this logs only the last line of its reading (ReadProgress)
 # a .jsonl file's reading tells ReadProgress its place each time it reads this much more
 READ_STEP_BYTES = 1 << 20
+# A parquet row group's values are checked (null, UTF-8, empty) this many rows at a time as Python bytes; the
+# documents kept stay in Arrow.
+PARQUET_SLICE_ROWS = 256
 # The `text` column types a local .parquet file may have; binary values are decoded as UTF-8.
 TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
 TEXT_FIELD = "text"  # the .jsonl field and .parquet column read unless --text-field names another
-# `raychat data prepare` holds a folder's documents whole, as Python strings, to shuffle them. Its peak memory
-# (RSS), measured (README: Data): 148 MB for 2 small files; a .jsonl of English (ASCII) text, 1.2 x its size on
-# disk more, of Cyrillic text 2.3 x (a str of 2 bytes a character, and the UTF-8 copy that pyarrow's conversion
-# caches in it); a zstd .parquet file up to 6.1 x (its text is ~1.8 x its size, and a row group is read whole).
+# `raychat data prepare` holds a folder's documents whole, as Arrow UTF-8 text (documents.py), to shuffle them.
+# Its peak memory (RSS), measured (README: Data): 152 MB for 2 small files; a .jsonl of English (ASCII) text,
+# 1.2-1.35 x its size on disk more, of Cyrillic text 1.3 x; a zstd .parquet file up to 5.2 x (its text is ~2.2 x
+# its size, and a row group is read whole).
 MEMORY_BASE_BYTES = 150_000_000
-MEMORY_PER_BYTE = 2.3  # of a .txt, .md, .rst or .jsonl file
-MEMORY_PER_PARQUET_BYTE = 6.1
+MEMORY_PER_BYTE = 1.4  # of a .txt, .md, .rst or .jsonl file
+MEMORY_PER_PARQUET_BYTE = 5.2
 
 
 class CorpusNotInstalled(DataError):
@@ -90,19 +96,20 @@ class Skips:
 class Corpus:
     """Documents in a deterministic order (not yet shuffled) and where they came from.
 
+    documents: one large_string value a document (documents.DocumentsBuilder.finish).
     components: one dict per sub-source (name, license, path, package version, documents, bytes).
     whole_files: of the documents, those that are a whole .txt, .md or .rst file of a local folder.
     """
 
     source: str
     license: str
-    documents: list[str]
+    documents: pa.ChunkedArray
     skips: Skips = field(default_factory=Skips)
     components: list[dict] = field(default_factory=list)
     whole_files: int = 0
 
 
-def keep(text: str, where: str, documents: list[str], skips: Skips) -> None:
+def keep(text: str, where: str, documents: DocumentsBuilder, skips: Skips) -> None:
     """Append `text` to documents unless it is empty or whitespace only (then count a skip)."""
     if text.strip():
         documents.append(text)
@@ -205,7 +212,8 @@ def debian_docs(python_root: Path = PYTHON_DOCS_DIR, wordnet_root: Path = WORDNE
         component("python3.11-doc", "PSF-2.0", python_root, docs),
         component("wordnet-base", "WordNet-3.0 (Princeton)", wordnet_root, glosses),
     ]
-    return Corpus("debian-docs", "PSF-2.0 AND WordNet-3.0", docs + glosses, skips, components)
+    documents = pa.chunked_array([pa.array(docs + glosses, pa.large_string())])
+    return Corpus("debian-docs", "PSF-2.0 AND WordNet-3.0", documents, skips, components)
 
 
 def component(package: str, license: str, path: Path, docs: list[str]) -> dict:
@@ -222,7 +230,7 @@ def component(package: str, license: str, path: Path, docs: list[str]) -> dict:
 def parquet_documents(
     path: Path,
     name: str,
-    documents: list[str],
+    documents: DocumentsBuilder,
     skips: Skips,
     text_field: str = TEXT_FIELD,
     place: Callable[[int], None] = lambda n_bytes: None,
@@ -250,16 +258,34 @@ def parquet_documents(
     for g in range(pf.num_row_groups):
         if g:
             place(ends[g - 1])
-        column = read_text_column(pf, g, name, text_field).cast(pa.binary())
-        for row, value in enumerate(column.to_pylist()):
-            where = f"{name}:row_group={g}:row={row}"
-            if value is None:
-                skips.add("null_text", where)
-                continue
-            try:
-                keep(value.decode("utf-8"), where, documents, skips)
-            except UnicodeDecodeError:
-                skips.add("invalid_utf8", where)
+        column = read_text_column(pf, g, name, text_field).cast(pa.large_binary()).combine_chunks()
+        kept = [usable(value, f"{name}:row_group={g}:row={row}", skips) for row, value in rows(column)]
+        documents.extend(
+            column if all(kept) else pc.filter(column, pa.array(kept, pa.bool_()), memory_pool=POOL)
+        )
+
+
+def rows(column: pa.Array) -> Iterator[tuple[int, bytes | None]]:
+    """(row, value) of each row of a binary array, read PARQUET_SLICE_ROWS rows at a time as Python bytes."""
+    for start in range(0, len(column), PARQUET_SLICE_ROWS):
+        yield from enumerate(column.slice(start, PARQUET_SLICE_ROWS).to_pylist(), start)
+
+
+def usable(value: bytes | None, where: str, skips: Skips) -> bool:
+    """Whether a parquet value is a document: not null ("null_text"), UTF-8 ("invalid_utf8"), neither empty
+    nor whitespace only ("empty"); a skip is counted in `skips` at `where`."""
+    if value is None:
+        skips.add("null_text", where)
+        return False
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        skips.add("invalid_utf8", where)
+        return False
+    if not text.strip():
+        skips.add("empty", where)
+        return False
+    return True
 
 
 def row_group_ends(pf: pq.ParquetFile, n_bytes: int) -> list[int]:
@@ -288,7 +314,7 @@ def is_utf8_encodable(text: str) -> bool:
 def jsonl_documents(
     path: Path,
     name: str,
-    documents: list[str],
+    documents: DocumentsBuilder,
     skips: Skips,
     text_field: str = TEXT_FIELD,
     place: Callable[[int], None] = lambda n_bytes: None,
@@ -359,7 +385,7 @@ def local_folder(
             f"--source {folder!s}: a data directory raychat data prepare wrote ({MANIFEST}): its shards are "
             "prepared already (train on it with --data-dir); give the folder of the original documents"
         )
-    documents: list[str] = []
+    documents = DocumentsBuilder()
     skips = Skips()
     whole_files = 0
     files = document_files(root, skips)
@@ -388,20 +414,17 @@ def local_folder(
                 raise DataError(f"--source {folder!s}: {e}") from None
         progress.add(path.stat().st_size)
     progress.done()
-    comp = {
-        "path": str(root.resolve()),
-        "documents": len(documents),
-        "bytes": sum(len(d.encode()) for d in documents),
-    }
+    texts = documents.finish()
+    comp = {"path": str(root.resolve()), "documents": len(texts), "bytes": text_bytes(texts)}
     return Corpus(
-        str(root), "as licensed by the files' owners (local folder)", documents, skips, [comp], whole_files
+        str(root), "as licensed by the files' owners (local folder)", texts, skips, [comp], whole_files
     )
 
 
 def memory_needed(files: list[tuple[str, int]]) -> int:
     """The most memory (bytes) preparing `files` ((suffix, bytes on disk) each) was measured to take:
     MEMORY_BASE_BYTES + MEMORY_PER_BYTE x a text or .jsonl file's bytes + MEMORY_PER_PARQUET_BYTE x a .parquet
-    file's. E.g. a 100 MB .jsonl and a 10 MB .parquet: 150 + 230 + 61 = 441 MB."""
+    file's. E.g. a 100 MB .jsonl and a 10 MB .parquet: 150 + 140 + 52 = 342 MB."""
     per_byte = {".parquet": MEMORY_PER_PARQUET_BYTE}
     return round(MEMORY_BASE_BYTES + sum(per_byte.get(suffix, MEMORY_PER_BYTE) * n for suffix, n in files))
 

@@ -19,12 +19,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from raychat.atomic import atomic_write, atomic_write_bytes
 from raychat.config.data import PrepareConfig
+from raychat.data.corpus.documents import take, text_bytes
 from raychat.log import TenthsProgress, duration, log, plural, size
 
 MANIFEST = "manifest.json"
@@ -93,9 +95,11 @@ def shard_digests(files: list[str]) -> list[str]:
     return digests
 
 
-def write_shard(texts: list[str], path: str | Path, row_group_size: int = ROW_GROUP_SIZE) -> None:
-    """Write one shard: a parquet file with a single `text` string column, zstd, `row_group_size` rows a group."""
-    table = pa.table({"text": pa.array(texts, type=pa.string())}, schema=SCHEMA)
+def write_shard(texts: list[str] | pa.Array, path: str | Path, row_group_size: int = ROW_GROUP_SIZE) -> None:
+    """Write one shard: a parquet file with a single `text` string column, zstd, `row_group_size` rows a group.
+    `texts`: the documents, str each, or an Arrow string array (large or not) of them."""
+    column = texts.cast(pa.string()) if isinstance(texts, pa.Array) else pa.array(texts, type=pa.string())
+    table = pa.table({"text": column}, schema=SCHEMA)
     atomic_write(
         Path(path),
         lambda tmp: pq.write_table(table, tmp, compression=COMPRESSION, row_group_size=row_group_size),
@@ -125,14 +129,18 @@ def shard_entry(path: Path, split: str, documents: int, text_bytes: int) -> dict
 
 
 def write_shards(
-    documents: list[str],
+    documents: list[str] | pa.ChunkedArray,
     out_dir: str | Path,
     num_shards: int,
     row_group_size: int = ROW_GROUP_SIZE,
     log=log,
     clock: Callable[[], float] = time.perf_counter,
+    order: np.ndarray | None = None,
 ) -> list[dict]:
-    """Cut `documents` (already shuffled) into `num_shards` shards of near-equal document counts, in order.
+    """Cut `documents` (str each, or a ChunkedArray of large_string: corpora.Corpus.documents) in the order
+    `order` gives (int64 positions in `documents`, shape (len(documents),); None: their own order, already
+    shuffled) into `num_shards` shards of near-equal document counts, in order; a shard's documents are
+    gathered from `documents` as it is written (documents.take).
 
     The last shard is the validation split; the others are "train". Logs a line a shard where num_shards is at
     most SHARD_LINES_MAX ("  wrote shard_00000.parquet: train, 240 documents, 222.6 kB of text, 64.3 kB on
@@ -154,14 +162,17 @@ def write_shards(
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if isinstance(documents, list):
+        documents = pa.chunked_array([pa.array(documents, pa.large_string())], type=pa.large_string())
+    order = np.arange(len(documents)) if order is None else order
     pace = TenthsProgress(len(documents), WRITE_QUIET_S, clock)
     entries = []
     for i, (start, end) in enumerate(split_evenly(len(documents), num_shards)):
         path = out / shard_name(i)
-        texts = documents[start:end]
+        texts = take(documents, order[start:end])
         write_shard(texts, path, row_group_size)
         split = "val" if i == num_shards - 1 else "train"
-        entries.append(shard_entry(path, split, len(texts), sum(len(t.encode()) for t in texts)))
+        entries.append(shard_entry(path, split, len(texts), text_bytes(texts)))
         if num_shards <= SHARD_LINES_MAX:
             log(
                 f"  wrote {path.name}: {split}, {plural(len(texts), 'document')}, "
