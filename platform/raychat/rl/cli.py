@@ -31,7 +31,7 @@ from raychat.sigterm import Terminated, init_keeping_handler
 from raychat.storage import check_writable, open_storage
 from raychat.tasks.registry import check_data
 from raychat.train.layout import local_cores
-from raychat.train.optim import adamw_lr_scale, planned_ns_choice
+from raychat.train.optim import peak_lrs_text, planned_ns_choice
 from raychat.train.plan import init_from_line
 
 
@@ -237,19 +237,17 @@ def plan_line(cfg: RLConfig, run: RLRun) -> str:
 
 
 def optimizer_line(cfg: RLConfig, width: int) -> str:
-    """The learner's optimizer as it applies the flags to a model of `width` (n_embd): Muon's lr and
-    Newton-Schulz dtype, AdamW's lrs x adamw_lr_scale (the plan training prints too), constant (RL has no
-    schedule), weight decay and clipping, e.g. "optimizer: Muon 0.0002 for the hidden matrices, Newton-Schulz in
-    float32 on cpu ...; AdamW x 3.464 (= (width 64 / 768) ** -0.5): embedding 0.003464, lm_head 0.003464, norms
-    0.003464; constant lrs (no warmup or decay); Muon weight decay 0, grad clipping at global norm 1"."""
-    o, scale = cfg.optim, adamw_lr_scale(width)
+    """The learner's optimizer as it applies the flags to a model of `width` (n_embd): its peak lrs as training's
+    plan prints them (raychat.train.optim.peak_lrs_text), the Newton-Schulz dtype, constant (RL has no
+    schedule), weight decay and clipping, e.g. "optimizer: Muon 0.0002 for the hidden matrices; AdamW x 3.464 (=
+    (width 64 / 768) ** -0.5): embedding 0.003464, lm_head 0.003464, norms 0.003464; Newton-Schulz in float32 on
+    cpu (requested); constant lrs (no warmup or decay); Muon weight decay 0, grad clipping at global norm 1"."""
+    o = cfg.optim
     ns = planned_ns_choice(o.ns_dtype, cfg.layout.use_gpu)
     clip = f"grad clipping at global norm {o.grad_clip:g}" if o.grad_clip else "no grad clipping"
     return (
-        f"optimizer: Muon {o.matrix_lr:g} for the hidden matrices, {ns}; AdamW x {scale:.4g} (= (width "
-        f"{width} / 768) ** -0.5): embedding {o.embedding_lr * scale:.4g}, lm_head "
-        f"{o.unembedding_lr * scale:.4g}, norms {o.scalar_lr * scale:.4g}; constant lrs (no warmup or decay); "
-        f"Muon weight decay {o.weight_decay:g}, {clip}"
+        f"optimizer: {peak_lrs_text(o, width)}; {ns}; constant lrs (no warmup or decay); Muon weight decay "
+        f"{o.weight_decay:g}, {clip}"
     )
 
 

@@ -57,6 +57,18 @@ def adamw_lr_scale(width: int) -> float:
     return (width / 768) ** -0.5
 
 
+def peak_lrs_text(o, width: int) -> str:
+    """The peak learning rates as the optimizers apply them to a model of `width` (n_embd), as training's and
+    RL's plans print them; `o`: a config OptimSection. E.g. "Muon 0.0002 for the hidden matrices; AdamW x 3.464
+    (= (width 64 / 768) ** -0.5): embedding 0.003464, lm_head 0.003464, norms 0.003464"."""
+    scale = adamw_lr_scale(width)
+    return (
+        f"Muon {o.matrix_lr:g} for the hidden matrices; AdamW x {scale:.4g} (= (width {width} / 768) ** -0.5): "
+        f"embedding {o.embedding_lr * scale:.4g}, lm_head {o.unembedding_lr * scale:.4g}, norms "
+        f"{o.scalar_lr * scale:.4g}"
+    )
+
+
 def build_optimizers(model: GPT, cfg, *, shard: bool = True) -> list[torch.optim.Optimizer]:
     """[Muon(hidden matrices), AdamW(embedding, lm_head, norms)]; each group records its peak lr as 'initial_lr'.
 

@@ -21,7 +21,7 @@ from raychat.config import ConfigError, TrainConfig
 from raychat.config.schema import flag_name, shown
 from raychat.log import plural
 from raychat.model import GPT, ModelConfig
-from raychat.train.optim import adamw_lr_scale, lr_multiplier, planned_ns_choice
+from raychat.train.optim import lr_multiplier, peak_lrs_text, planned_ns_choice
 
 
 class ShapesOnly(torch.overrides.TorchFunctionMode):
@@ -253,8 +253,6 @@ def settings_lines(cfg: TrainConfig, p: Plan) -> list[str]:
     peak learning rates as the optimizers apply them (AdamW's scaled by adamw_lr_scale), the schedule in steps,
     weight decay and clipping, precision, and how often it logs, evaluates and checkpoints."""
     o, t, n = cfg.optim, cfg.train, p.num_iterations
-    width = p.model_config["n_embd"]
-    scale = adamw_lr_scale(width)
     fp8 = "off"
     if cfg.model.fp8:
         fp8 = f"{cfg.model.fp8_recipe} (torchao{'' if cfg.layout.use_gpu else ', emulated on CPU'})"
@@ -263,9 +261,7 @@ def settings_lines(cfg: TrainConfig, p: Plan) -> list[str]:
     keep = t.checkpoint.keep_checkpoints
     saves = t.checkpoint.checkpoint_every
     return [
-        f"lr (peak): Muon {o.matrix_lr:g} for the hidden matrices; AdamW x {scale:.4g} (= (width {width} / 768) "
-        f"** -0.5): embedding {o.embedding_lr * scale:.4g}, lm_head {o.unembedding_lr * scale:.4g}, norms "
-        f"{o.scalar_lr * scale:.4g}",
+        f"lr (peak): {peak_lrs_text(o, p.model_config['n_embd'])}",
         schedule_line(cfg, n),
         f"regularization: Muon weight decay {o.weight_decay:g}, "
         + (f"grad clipping at global norm {o.grad_clip:g}" if o.grad_clip else "no grad clipping"),
