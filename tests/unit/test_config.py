@@ -183,6 +183,39 @@ def test_precedence_flags_over_preset_over_command_defaults(tmp_path):
     assert from_dict(TrainConfig, preset_values("cpu", "sft")).train.horizon.num_iterations == 120
 
 
+def test_a_flag_mends_a_preset_value_that_is_invalid_on_its_own(tmp_path):
+    """The preset was checked before the flags were applied: a preset whose kv_group 3 does not divide its 4
+    heads was refused with --kv-group 1 or --depth 6 (6 heads) on the same line. The merged config (defaults
+    <- preset <- flags) is checked once; an error still names a preset's value as the config names its keys
+    (ServeConfig: by key) and a flag's by its --flag."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("train:\n  depth: 4\n  kv_group: 3\nserve:\n  min_replicas: 3\n")
+
+    def config(command, cls, *flags):
+        args = build_parser(command).parse_args([command, "--preset", str(mine), *flags])
+        return from_args(args, cls, command, where=f"{command} settings")
+
+    assert config("pretrain", TrainConfig, "--kv-group", "1").model.kv_group == 1
+    assert (config("pretrain", TrainConfig, "--depth", "6").model.kv_group, 6 * 64 // 64 % 3) == (3, 0)
+    with pytest.raises(ConfigError) as e:
+        config("pretrain", TrainConfig, "--depth", "8")  # width 8 x 64 = 512: 8 heads
+    assert str(e.value) == (
+        "--kv-group 3 does not divide the 8 query heads (width 512: --depth 8 x --aspect-ratio 64 = 512 rounded "
+        "up to a multiple of --head-dim 64; 512 / 64 = 8); allowed: 1, 2, 4, 8"
+    )
+    serve = config("serve", ServeConfig, "--checkpoint", "c", "--max-replicas", "4").autoscaling
+    assert (serve.min_replicas, serve.max_replicas) == (3, 4)
+    with pytest.raises(ConfigError) as e:
+        config("serve", ServeConfig, "--checkpoint", "c", "--max-replicas", "2")
+    assert str(e.value) == "min_replicas 3 exceeds --max-replicas 2; need min_replicas <= --max-replicas"
+    args = build_parser("serve").parse_args(
+        ["serve", "--preset", "none", "--checkpoint", "c", "--min-replicas", "2"]
+    )
+    with pytest.raises(ConfigError) as e:  # a default on the command line: named by its flag
+        from_args(args, ServeConfig, "serve")
+    assert str(e.value) == "--min-replicas 2 exceeds --max-replicas 1; need --min-replicas <= --max-replicas"
+
+
 def test_presets_are_package_data_found_from_any_directory(tmp_path):
     assert preset_names() == ["cluster", "cpu", "gpu8", "tiny"]
     env = {**os.environ, "PYTHONPATH": ""}

@@ -7,7 +7,7 @@ from torch import nn
 from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
 from raychat.commands import PARSERS
-from raychat.config import ConfigError, TrainConfig, add_flags, from_dict, preset_values
+from raychat.config import ConfigError, TrainConfig, add_flags, from_dict, preset_names, preset_values
 from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.log import size
 from raychat.loss import cross_entropy_sum, normalize
@@ -252,7 +252,9 @@ def test_a_kv_group_that_does_not_divide_the_heads_is_refused_by_the_config(
 
 
 def test_presets_load_and_validate():
-    for name in ("cpu", "gpu8", "cluster"):
+    """Each shipped preset is valid on its own (a command checks it merged with its flags)."""
+    assert preset_names() == ["cluster", "cpu", "gpu8", "tiny"]
+    for name in preset_names():
         for stage in ("pretrain", "sft"):
             from_dict(TrainConfig, preset_values(name, stage))  # validated in __post_init__
     with pytest.raises(FileNotFoundError, match="known presets"):

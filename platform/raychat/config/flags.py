@@ -23,7 +23,6 @@ from raychat.config.schema import (
     coerce,
     deprecated,
     flag_name,
-    flag_naming,
     from_dict,
     leaves,
     shown,
@@ -173,7 +172,8 @@ def _as_typed(args: argparse.Namespace, cls, flags: dict) -> dict:
 
 def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str | None = None):
     """The config of a command: `base` (default `cls()`), the preset's `section` (when --preset is given and
-    not 'none'), then the flags given, then the STORAGE_INPUTS rule (see the module doc).
+    not 'none'), then the flags given, checked once merged (a flag may mend a preset's value that is invalid
+    on its own), then the STORAGE_INPUTS rule (see the module doc).
 
     Raises:
         ConfigError: an unknown preset key or a bad value; a flag's is named as --flag, also in a config
@@ -185,11 +185,8 @@ def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str
     if name is not None and not name.strip():
         raise ConfigError(f"--preset must not be blank: {PRESET_HELP}")
     preset = preset_values(name, section) if name and name != "none" else {}
-    if preset:
-        config = from_dict(cls, preset, base=config, where=where)
-    flags = given(args, cls)
-    with flag_naming():
-        config = from_dict(cls, _as_typed(args, cls, flags), base=config)
+    flags = _as_typed(args, cls, given(args, cls))
+    config = from_dict(cls, preset, base=config, where=where, flags=flags)
     picked = chosen(args, cls, section)
     if "storage_path" in picked:
         root = to_flat(config)["storage_path"].rstrip("/")

@@ -14,7 +14,6 @@ value raises ConfigError naming the flag and the allowed values.
 from __future__ import annotations
 
 import ast
-import contextlib
 import contextvars
 import dataclasses
 import math
@@ -154,29 +153,21 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-_NAMING: contextvars.ContextVar[str | None] = contextvars.ContextVar("naming", default=None)
 # flat name -> the alias its value was given under, while from_dict builds a config
 _SPELLED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("spelled", default=None)
+# while from_dict builds a command line's config (flags given): the flat names whose values came from its preset
+_PRESET: contextvars.ContextVar[frozenset | None] = contextvars.ContextVar("preset", default=None)
 
 
 def label(cls, name: str) -> str:
     """How errors name option `name` of section `cls`: its --flag, or its key where the section's NAMING is
-    "key" (build_app args and keyword arguments are written as keys) outside flag_naming(); under the alias
-    the value was given as (`--replicas`, `max_rows:`), where it was."""
-    naming = _NAMING.get() or getattr(cls, "NAMING", "flag")
+    "key" (build_app args and keyword arguments are written as keys), except in a command line's config, which
+    names by key only the values its preset gave; under the alias the value was given as (`--replicas`,
+    `max_rows:`), where it was."""
+    preset = _PRESET.get()
+    naming = getattr(cls, "NAMING", "flag") if preset is None or name in preset else "flag"
     name = (_SPELLED.get() or {}).get(name, name)
     return name if naming == "key" else flag_name(name)
-
-
-@contextlib.contextmanager
-def flag_naming():
-    """Within: every option is named by its --flag in errors, whatever its section's NAMING (values that came
-    from a command line)."""
-    token = _NAMING.set("flag")
-    try:
-        yield
-    finally:
-        _NAMING.reset(token)
 
 
 class Section:
@@ -373,20 +364,31 @@ def _close_keys(unknown: list[str], allowed: list[str]) -> str:
     return f" (did you mean {hint}?)"
 
 
-def from_dict(cls, values: dict | None = None, base=None, where: str | None = None):
-    """A `cls` instance: `base` (an instance, default `cls()`) with `values` (see flatten) on top.
+def from_dict(
+    cls, values: dict | None = None, base=None, where: str | None = None, flags: dict | None = None
+):
+    """A `cls` instance: `base` (an instance, default `cls()`) with `values` (see flatten) on top, then `flags`
+    (None, or {flat name or alias: value} given on a command line, `values` being its preset's). The result is
+    checked once, whole: a flag may mend a value that `values` alone makes invalid (a preset's kv_group with
+    --depth).
 
     Raises:
         ConfigError: an unknown key, a value of the wrong type, or a value outside its allowed set; a value
-            given under an alias is named by that alias.
+            given under an alias is named by that alias; given flags, every option but those `values` set is
+            named by its --flag, whatever its section's NAMING.
     """
     spelled: dict[str, str] = {}
     flat = flatten(cls, values or {}, where, spelled)
-    token = _SPELLED.set(spelled)
+    typed: dict[str, str] = {}
+    given = flatten(cls, flags or {}, where, typed)
+    spelled = {name: alias for name, alias in spelled.items() if name not in given} | typed
+    preset = None if flags is None else frozenset(flat) - frozenset(given)
+    tokens = _SPELLED.set(spelled), _PRESET.set(preset)
     try:
-        return _build(cls, flat, base)
+        return _build(cls, flat | given, base)
     finally:
-        _SPELLED.reset(token)
+        _SPELLED.reset(tokens[0])
+        _PRESET.reset(tokens[1])
 
 
 def _build(cls, flat: dict, base):
