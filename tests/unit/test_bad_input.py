@@ -1411,21 +1411,21 @@ def test_resuming_on_other_documents_under_the_same_names_and_layout(root, drive
 
 
 def test_resuming_with_another_horizon_logs_the_lr_at_the_resume_step(pretrained, driver, capsys):
-    """The tiny preset's 4 steps warm down from step 2 (round(0.4 x 4) = 2 steps), whose multiplier is still 1;
-    6 steps warm down from step 4: the resume at step 2 stays at 1. A warmdown ratio of 0.8 starts it at step 1:
-    step 2 drops to (4 - 2) / 3 = 0.6667."""
+    """The tiny preset's 4 steps warm down from step 3 (round(0.4 x 4) = 2 steps, counted from 1 as the step
+    lines), whose multiplier is still 1; 6 steps warm down from step 5: step 3, the first after the checkpoint
+    of step 2, stays at 1. A warmdown ratio of 0.8 starts it at step 2: step 3 drops to (4 - 2) / 3 = 0.6667."""
     argv, d = pretrained
     driver([*argv, "--num-iterations", "6"])
     out = capsys.readouterr().out
     assert (
-        "lr schedule changed on resume (--num-iterations: 4 -> 6): 4 -> 6 steps, warmdown from step 2 -> 4; "
-        "lr multiplier at the resume step 2: 1 -> 1\n"
+        "lr schedule changed on resume (--num-iterations: 4 -> 6): 4 -> 6 steps, warmdown from step 3 -> 5; "
+        "lr multiplier of step 3 (the first this run trains): 1 -> 1\n"
     ) in out
     driver([*argv, "--warmdown-ratio", "0.8"])
     out = capsys.readouterr().out
     assert (
-        "lr schedule changed on resume (--warmdown-ratio: 0.4 -> 0.8): 4 -> 4 steps, warmdown from step 2 -> 1; "
-        "lr multiplier at the resume step 2: 1 -> 0.6667\n"
+        "lr schedule changed on resume (--warmdown-ratio: 0.4 -> 0.8): 4 -> 4 steps, warmdown from step 3 -> 2; "
+        "lr multiplier of step 3 (the first this run trains): 1 -> 0.6667\n"
     ) in out
     driver(argv)  # the checkpoint's schedule: no line
     assert "lr schedule" not in capsys.readouterr().out
@@ -1513,8 +1513,9 @@ def test_a_run_of_one_step_counts_one_step(root, pretrained, driver, capsys):
 
 @pytest.mark.parametrize("step, lr", [(3, "0.5"), (4, "0")])
 def test_resuming_in_the_warmdown_with_a_longer_horizon(step, lr, pretrained, driver, capsys):
-    """Step 3 of 4 is halfway down the warmdown (progress (4 - 3) / 2), step 4 (a finished run) at its end, 0;
-    under 6 steps (warmdown from step 4) both are back at the peak, 1: refused unless --allow-rewarm."""
+    """After a checkpoint of step 3 of 4, step 4 is halfway down the warmdown (progress (4 - 3) / 2); after one
+    of step 4 (a finished run) the schedule is at its end, 0; under 6 steps (warmdown from step 5) both are back
+    at the peak, 1: refused unless --allow-rewarm."""
     argv, _ = pretrained
     argv = [*argv, "--run-name", "p2"]
     d = _commit_step(*driver(argv), step=step)
@@ -1522,14 +1523,14 @@ def test_resuming_in_the_warmdown_with_a_longer_horizon(step, lr, pretrained, dr
     line = _fails_in_one_line([*argv, "--num-iterations", "6"], capsys)
     assert line == (
         f"raychat pretrain: error: --num-iterations: the run's checkpoint {d} (step {step}) was made with 4, this "
-        f"run asks for 6: its lr warmdown began at step 2 and is at multiplier {lr}; this run's schedule would "
+        f"run asks for 6: its lr warmdown began at step 3 and is at multiplier {lr}; this run's schedule would "
         "raise it to 1 (--allow-rewarm to re-warm on purpose, or the checkpoint's settings to finish the "
         "warmdown)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
     driver([*argv, "--num-iterations", "6", "--allow-rewarm"])
     assert (
-        "lr schedule changed on resume (--num-iterations: 4 -> 6): 4 -> 6 steps, warmdown from step 2 -> 4; "
-        f"lr multiplier at the resume step {step}: {lr} -> 1\n"
+        "lr schedule changed on resume (--num-iterations: 4 -> 6): 4 -> 6 steps, warmdown from step 3 -> 5; "
+        f"lr multiplier of step {step + 1} (the first this run trains): {lr} -> 1\n"
     ) in capsys.readouterr().out
 
 
@@ -1541,8 +1542,8 @@ def test_resuming_in_the_warmdown_with_a_longer_horizon(step, lr, pretrained, dr
 def test_resuming_with_another_derived_horizon(flag, values, pretrained, driver, capsys):
     """A horizon derived from tokens per parameter or FLOPs follows --num-iterations' rule. The tiny model has
     82,752 parameters without the embedding, 545,664 FLOPs per token, 512 tokens a step: the first values
-    give 16 steps (warmdown 6 from step 10; step 12 at (16 - 12) / 6), then 32 (warmdown from 19), 8 and
-    15 (warmdown 6 from step 9: (15 - 12) / 6 = 0.5)."""
+    give 16 steps (warmdown 6 from step 11, counted from 1; step 13, after the checkpoint of step 12, at
+    (16 - 12) / 6), then 32 (warmdown from 20), 8 and 15 (warmdown 6 from step 10: (15 - 12) / 6 = 0.5)."""
     argv, _ = pretrained
     argv = [*argv, "--run-name", "p3", "--num-iterations", "-1"]
     made, longer, shorter, lower = values
@@ -1553,7 +1554,7 @@ def test_resuming_with_another_derived_horizon(flag, values, pretrained, driver,
     what = f"raychat pretrain: error: {flag}: the run's checkpoint {d} (step 12) was made with {made}, this run asks for"
     line = _fails_in_one_line([*argv, flag, longer], capsys)
     assert line == (
-        f"{what} {longer}: its lr warmdown began at step 10 and is at multiplier 0.6667; this run's schedule would "
+        f"{what} {longer}: its lr warmdown began at step 11 and is at multiplier 0.6667; this run's schedule would "
         "raise it to 1 (--allow-rewarm to re-warm on purpose, or the checkpoint's settings to finish the "
         "warmdown)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
@@ -1564,8 +1565,8 @@ def test_resuming_with_another_derived_horizon(flag, values, pretrained, driver,
     )
     driver([*argv, flag, lower])
     assert (
-        f"lr schedule changed on resume ({flag}: {made} -> {lower}): 16 -> 15 steps, warmdown from step 10 -> 9; "
-        "lr multiplier at the resume step 12: 0.6667 -> 0.5\n"
+        f"lr schedule changed on resume ({flag}: {made} -> {lower}): 16 -> 15 steps, warmdown from step 11 -> 10; "
+        "lr multiplier of step 13 (the first this run trains): 0.6667 -> 0.5\n"
     ) in capsys.readouterr().out
 
 
@@ -1938,7 +1939,7 @@ def test_a_dry_run_of_a_run_to_resume_makes_its_resume_check(pretrained, capsys)
     )
     assert raychat_main([*argv, "--num-iterations", "6", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "lr multiplier at the resume step 2: 1 -> 1\n" in out and "num_iterations" in out
+    assert "lr multiplier of step 3 (the first this run trains): 1 -> 1\n" in out and "num_iterations" in out
 
 
 def test_a_run_resumed_with_other_lrs_says_which_settings_changed(pretrained, capsys):

@@ -1,4 +1,5 @@
 import argparse
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -7,12 +8,27 @@ from torch import nn
 from raychat.checkpoint_manager import commit_directory
 from raychat.cli import main as raychat_main
 from raychat.commands import PARSERS
-from raychat.config import ConfigError, TrainConfig, add_flags, from_dict, preset_names, preset_values
+from raychat.config import (
+    ConfigError,
+    TrainConfig,
+    add_flags,
+    from_dict,
+    preset_names,
+    preset_values,
+    to_dict,
+)
 from raychat.data.corpus.shards import write_manifest, write_shards
 from raychat.log import size
 from raychat.loss import cross_entropy_sum, normalize
 from raychat.model import ModelConfig
-from raychat.train.launch import config_from, elastic_grad_accum, scaling_config, stopped_early_line
+from raychat.train.launch import (
+    COMMANDS,
+    config_from,
+    elastic_grad_accum,
+    scaling_config,
+    schedule_change,
+    stopped_early_line,
+)
 from raychat.train.optim import lr_multiplier, lr_peak_from, warmdown_start
 from raychat.train.plan import (
     make_plan,
@@ -96,6 +112,41 @@ def test_lr_at_a_resume_step_under_another_horizon_by_hand():
     assert lr_multiplier(9, 10, *schedule) == pytest.approx(0.325)
     assert lr_multiplier(9, 1000, *schedule) == pytest.approx(0.05)
     assert lr_peak_from(9, 1000, *schedule) == 1.0
+
+
+def test_the_resume_line_numbers_steps_as_the_step_lines_do():
+    """Step lines count from 1 ("step 10/10" is the last), but the resume line said "warmdown from step 8" of a
+    10-step run whose plan says "warmdown 2 steps (0.2)": 0-based. Those 2 steps are 9 (still at the peak) and
+    10 (0.5: the first lowered); a checkpoint of step 9 resumes with step 10 at (10 - 9) / 2 = 0.5, or
+    (10 - 9) / 4 = 0.25 under a warmdown of 0.4 (4 steps: 7..10)."""
+    was = from_dict(TrainConfig, {"num_iterations": 10, "warmup_ratio": 0, "warmdown_ratio": 0.2})
+    assert schedule_line(was, 10).startswith(
+        "schedule: lr warmup 0 steps (0 of 10), constant, warmdown 2 steps"
+    )
+    assert [lr_multiplier(s, 10, 0, 0.2, 0) for s in (7, 8, 9)] == [1, 1, 0.5]  # 0-based: steps 8, 9, 10
+
+    def line(step: int, **now):
+        cfg = from_dict(TrainConfig, {**to_dict(was), **now})
+        meta = {"step": step, "plan": {"num_iterations": 10}, "config": to_dict(was)}
+        return schedule_change(
+            meta, cfg, SimpleNamespace(num_iterations=cfg.train.horizon.num_iterations), "d", COMMANDS
+        )
+
+    assert line(9, warmdown_ratio=0.4) == (
+        "lr schedule changed on resume (--warmdown-ratio: 0.2 -> 0.4): 10 -> 10 steps, warmdown from step 9 -> 7; "
+        "lr multiplier of step 10 (the first this run trains): 0.5 -> 0.25"
+    )
+    assert line(5, num_iterations=20) == (  # 20 steps: warmdown 4 steps, 17..20
+        "lr schedule changed on resume (--num-iterations: 10 -> 20): 10 -> 20 steps, warmdown from step 9 -> 17; "
+        "lr multiplier of step 6 (the first this run trains): 1 -> 1"
+    )
+    with pytest.raises(ConfigError) as refused:
+        line(9, num_iterations=20)
+    assert str(refused.value) == (
+        "--num-iterations: the run's checkpoint d (step 9) was made with 10, this run asks for 20: its lr warmdown "
+        "began at step 9 and is at multiplier 0.5; this run's schedule would raise it to 1 (--allow-rewarm to "
+        "re-warm on purpose, or the checkpoint's settings to finish the warmdown)"
+    )
 
 
 def test_lr_at_or_past_the_last_step_is_the_schedules_end():

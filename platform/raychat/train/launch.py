@@ -274,7 +274,7 @@ def check_resume(
     tasks' files; a checkpoint written before the fingerprint held the content is compared without it);
     row_source() builds this run's row source (rank 0 of 1); every refusal names the options as `flags` does.
     When this run's lr schedule is not the checkpoint's (another horizon, given or derived, or other ratios),
-    logs one line with the lr multiplier of the resume step under each (_schedule_change).
+    logs one line with the lr multiplier of the resume step under each (schedule_change).
 
     Raises:
         CheckpointError: a file of the checkpoint is missing or of another size (named).
@@ -300,7 +300,7 @@ def check_resume(
             if v != plan.model_config.get(k)
         ]
         refuse_resume(where, changed, flags)
-    schedule_line = _schedule_change(meta, cfg, plan, where, flags)
+    schedule_line = schedule_change(meta, cfg, plan, where, flags)
     _check_stop_after(cfg.train.horizon.stop_after, meta["step"], plan.num_iterations, where, flags)
     rows = row_source()
     try:
@@ -328,7 +328,7 @@ def settings_change(meta: dict, cfg, flags: Flags = COMMANDS) -> str | None:
     compile) that cfg (TrainConfig, RLConfig) has this run sets otherwise than the checkpoint (its meta.json's
     config) was made with, as `flags`
     names them, each with both values; None when none differs. A total batch that changed the horizon is in
-    the schedule's line too (_schedule_change)."""
+    the schedule's line too (schedule_change)."""
     options = to_flat(cfg)  # RLConfig has the optimizer's options, not the batch's, FP8's or compile's
     changed = changed_options(meta, cfg, [o for o in UPDATE_OPTIONS if o in options], flags)
     if not changed:
@@ -419,11 +419,11 @@ def resumable_checkpoint(checkpoints: CheckpointManager, run_name: str, stage: s
     return newest, where, meta
 
 
-def _schedule_change(meta: dict, cfg: TrainConfig, plan: Plan, where: str, flags: Flags) -> str | None:
-    """The line telling how the lr of the resume step (the checkpoint's step s: the first step this run
-    takes) changes when this run's schedule (plan.num_iterations, cfg's lr schedule) is not the checkpoint's
-    (its meta's plan and config); None when it is the same, or the checkpoint holds no plan. The options are
-    named as `flags` does.
+def schedule_change(meta: dict, cfg: TrainConfig, plan: Plan, where: str, flags: Flags) -> str | None:
+    """The line telling how the lr of the first step this run trains (the checkpoint's step s done: step s + 1
+    as the step lines count, from 1) changes when this run's schedule (plan.num_iterations, cfg's lr schedule)
+    is not the checkpoint's (its meta's plan and config); None when it is the same, or the checkpoint holds no
+    plan. Its steps count from 1, as the step lines and the plan do. The options are named as `flags` does.
 
     Raises:
         ConfigError: the horizon changed to s steps or fewer (nothing to train); or s is in the checkpoint's
@@ -456,15 +456,15 @@ def _schedule_change(meta: dict, cfg: TrainConfig, plan: Plan, where: str, flags
     began, peak = warmdown_start(was_steps, was.warmdown_ratio), lr_peak_from(step, *new)
     if step >= began and peak > lr_was and not now.allow_rewarm:
         raise ConfigError(
-            f"{what}: its lr warmdown began at step {began} and is at multiplier {lr_was:.4g}; this run's "
+            f"{what}: its lr warmdown began at step {began + 1} and is at multiplier {lr_was:.4g}; this run's "
             f"schedule would raise it to {peak:.4g} ({flags.option('allow_rewarm')} to re-warm on purpose, or the "
             "checkpoint's settings to finish the warmdown)"
         )
-    starts = f"{began} -> {warmdown_start(plan.num_iterations, now.warmdown_ratio)}"
+    starts = f"{began + 1} -> {warmdown_start(plan.num_iterations, now.warmdown_ratio) + 1}"
     return (
         f"lr schedule changed on resume ({names}: {made_with} -> {asks_for}): {was_steps} -> "
-        f"{plan.num_iterations} steps, warmdown from step {starts}; lr multiplier at the resume step {step}: "
-        f"{lr_was:.4g} -> {lr_now:.4g}"
+        f"{plan.num_iterations} steps, warmdown from step {starts}; lr multiplier of step {step + 1} (the first "
+        f"this run trains): {lr_was:.4g} -> {lr_now:.4g}"
     )
 
 

@@ -131,7 +131,8 @@ def lr_multiplier(
 
 
 def warmdown_start(num_iterations: int, warmdown_ratio: float) -> int:
-    """The warmdown's first step (0-based; its multiplier is still 1, each later one is lower)."""
+    """The warmdown's first step (0-based, as lr_multiplier's: add 1 for the step lines' count; its multiplier is
+    still 1, each later one is lower)."""
     return num_iterations - round(warmdown_ratio * num_iterations)
 
 
