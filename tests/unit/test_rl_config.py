@@ -315,10 +315,18 @@ def test_an_async_steps_line_shows_the_importance_ratio_and_the_share_clipped():
 
 def test_a_steps_line_shows_a_fault_counter_only_once_it_is_above_0():
     """Every step line ended `restarts=0 failures=0 stale_chunks=0`: noise in a healthy run, and a fault hid
-    among them. A counter is shown once nonzero (cumulative: it stays on the line after); metrics.jsonl keeps all."""
+    among them. A counter is shown once nonzero (cumulative: it stays on the line after); metrics.jsonl keeps all.
+    dropped_samples and reward_errors were in metrics.jsonl only: they are counters as the others."""
     line = {"step": 4, "mode": "sync", "reward_mean": 0.5, "staleness_mean": 0.0, "restarts": 0, "failures": 0,
-            "stale_chunks": 0, "dropped_samples": 0}  # fmt: skip
+            "stale_chunks": 0, "dropped_samples": 0, "reward_errors": 0}  # fmt: skip
     assert step_line(line, 8, 5) == "step=4/8 reward_mean=0.5 staleness_mean=0 eta=5s"
+    assert step_line(line | {"dropped_samples": 6, "reward_errors": 2, "failures": 1}, 8, 5) == (
+        "step=4/8 reward_mean=0.5 staleness_mean=0 failures=1 dropped_samples=6 reward_errors=2 eta=5s"
+    )
+    assert (
+        step_line(line | {"reward_errors": 1}, 8, 5)
+        == "step=4/8 reward_mean=0.5 staleness_mean=0 reward_errors=1 eta=5s"
+    )
     faulty = line | {"failures": 1, "stale_chunks": 2}
     assert (
         step_line(faulty, 8, 5)

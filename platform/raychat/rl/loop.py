@@ -745,13 +745,13 @@ _LOG_KEYS = (
     "step", "reward_mean", "reward_std", "zero_advantage_frac", "advantage_std", "response_len_mean",
     "response_len_min", "response_len_max", "loss", "grad_norm", "entropy", "rollout_tokens_per_s",
     "learner_step_s", "learner_wait_s", "learner_wait_frac", "sync_time_s", "staleness_mean", "restarts", "failures",
-    "stale_chunks",
+    "stale_chunks", "dropped_samples", "reward_errors",
 )  # fmt: skip
 # async mode's off-policy samples: the largest staleness, their mean importance ratio and the share of tokens
 # --clip-eps clipped (PPO's clipfrac), after staleness_mean; on-policy (sync) the ratio is 1 and none is clipped
 _ASYNC_KEYS = ("staleness_max", "ratio_mean", "clip_frac")
 # cumulative fault counters: on the line only once nonzero, so that a fault stands out (metrics.jsonl has all)
-_FAULT_KEYS = ("restarts", "failures", "stale_chunks")
+_FAULT_KEYS = ("restarts", "failures", "stale_chunks", "dropped_samples", "reward_errors")
 
 
 def step_line(line: dict, steps: int, eta_s: float) -> str:
