@@ -4,6 +4,7 @@ LLMConfig model imports without vLLM, the built dict is validated against it."""
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import sys
 import threading
@@ -11,6 +12,8 @@ import threading
 import pytest
 import yaml
 
+from raychat.cli import build_parser
+from raychat.serve import cli as serve_cli
 from raychat.serve import vllm as rv
 from raychat.sigterm import raise_terminated
 
@@ -203,7 +206,7 @@ def test_an_abbreviated_flag_is_refused(hf_dir, tmp_path, capsys):
     assert not (tmp_path / "vllm.yaml").exists()
 
 
-def test_the_vllm_deploy_starts_ray_keeping_raychat_serves_sigterm_handler(hf_dir, monkeypatch):
+def test_the_vllm_backend_starts_ray_keeping_raychat_serves_sigterm_handler(hf_dir, monkeypatch):
     """deploy ran ray.init (or start_local_cluster) in the main thread, under `raychat serve`'s SIGTERM handler:
     Ray's core worker replaced it with its native one (an abort, no "stopped" line). Now it starts Ray through
     raychat.sigterm.init_keeping_handler, as the raychat backend does: in a thread of its own while the
@@ -217,26 +220,75 @@ def test_the_vllm_deploy_starts_ray_keeping_raychat_serves_sigterm_handler(hf_di
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(rv, "require_vllm", lambda: None)
     monkeypatch.setattr(rv, "build_openai_app", lambda args: args)  # None without vLLM (here)
-    monkeypatch.setattr(rv, "start_local_cluster", start_local_cluster)
+    monkeypatch.setattr(serve_cli, "start_local_cluster", start_local_cluster)
+    monkeypatch.setattr(serve_cli, "local_cluster_running", lambda: False)
+    monkeypatch.setattr(serve_cli, "check_port_free", lambda host, port: None)
+    args = build_parser("serve").parse_args(["serve", "--backend", "vllm", "--hf-dir", str(hf_dir)])
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         with pytest.raises(RuntimeError, match="stop here"):
-            rv.deploy(rv.llm_config(hf_dir), "127.0.0.1", 8000, address=None)
+            serve_cli.start_vllm(args)
         assert signal.getsignal(signal.SIGTERM) is raise_terminated
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert started == [("raychat-ray-init", raise_terminated, {"address": None, "log_to_driver": False})]
 
 
+def test_the_vllm_backend_starts_serve_through_the_raychat_backends_path(hf_dir, monkeypatch, capsys):
+    """deploy called serve.start and serve.run itself, so Ray Serve's 'Connecting to existing Serve app ...
+    New http_options/controller_options will not be applied.' line, which the raychat backend drops
+    (drop_reconnect_line), was printed, although --host/--port applied. Both backends now deploy through
+    serve_cli.run_app: Serve as the fakes below record it, and its logger's lines during serve.run less that one."""
+    from raychat.cli import main
+
+    calls, lines = [], []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    serve_logger = logging.getLogger(serve_cli.SERVE_LOGGER)
+
+    def run(app, **kwargs):
+        calls.append(("run", kwargs))
+        serve_logger.warning('Connecting to existing Serve app in namespace "serve". New http_options/'
+                             "controller_options will not be applied.")  # fmt: skip
+        serve_logger.warning("Application 'raychat-vllm' is ready at http://127.0.0.1:8001/.")
+
+    monkeypatch.setattr(rv, "require_vllm", lambda: None)
+    monkeypatch.setattr(rv, "build_openai_app", lambda args: args)
+    monkeypatch.setattr(
+        serve_cli, "init_keeping_handler", lambda *args, **kwargs: calls.append(("ray", kwargs))
+    )
+    monkeypatch.setattr(serve_cli, "_running_http_address", lambda: None)
+    monkeypatch.setattr(serve_cli.serve, "start", lambda **kwargs: calls.append(("start", kwargs)))
+    monkeypatch.setattr(serve_cli.serve, "run", run)
+    serve_logger.addHandler(handler)
+    try:
+        argv = ["serve", "--backend", "vllm", "--hf-dir", str(hf_dir), "--address", "ray://x", "--no-block"]
+        assert main([*argv, "--port", "8001"]) == 0
+    finally:
+        serve_logger.removeHandler(handler)
+    assert calls == [
+        ("ray", {"address": "ray://x", "log_to_driver": False}),
+        ("start", {"http_options": {"host": "127.0.0.1", "port": 8001}, "proxy_location": "EveryNode"}),
+        ("run", {"name": "raychat-vllm", "route_prefix": "/", "blocking": False}),
+    ]
+    assert lines == ["Application 'raychat-vllm' is ready at http://127.0.0.1:8001/."]
+    assert serve_cli.drop_reconnect_line not in serve_logger.filters
+    assert "OpenAI API:   http://127.0.0.1:8001/v1  (model list: http://127.0.0.1:8001/v1/models)" in (
+        capsys.readouterr().out.splitlines()
+    )
+
+
 def test_raychat_serve_with_the_vllm_backend_says_the_model_id_it_deploys(hf_dir, monkeypatch, capsys):
     """`raychat serve --backend vllm` names the model id clients send, the one its LLMConfig deploys: "raychat"
-    (VLLMConfig's default, as serve/vllm.yaml has it), else --model-id. Ray is not started: deploy records."""
+    (VLLMConfig's default, as serve/vllm.yaml has it), else --model-id. Ray is not started: run_app records."""
     from raychat.cli import main
 
     deployed = []
     monkeypatch.setattr(rv, "require_vllm", lambda: None)
+    monkeypatch.setattr(rv, "build_openai_app", lambda args: args["llm_configs"][0])
+    monkeypatch.setattr(serve_cli, "connect", lambda *args, **kwargs: False)
     monkeypatch.setattr(
-        rv, "deploy", lambda config, *args: deployed.append(config) or "http://127.0.0.1:8000/v1"
+        serve_cli, "run_app", lambda app, *args: deployed.append(app) or "http://127.0.0.1:8000/"
     )
     for flags, model_id in (([], "raychat"), (["--model-id", "acme/chat-d4"], "acme/chat-d4")):
         argv = ["serve", "--backend", "vllm", "--hf-dir", str(hf_dir), "--address", "ray://x", "--no-block"]
@@ -245,4 +297,4 @@ def test_raychat_serve_with_the_vllm_backend_says_the_model_id_it_deploys(hf_dir
             f"vLLM is serving {hf_dir}",
             f'model id:     {model_id}  (what /v1/models lists and requests\' "model" names)',
         ]
-        assert deployed[-1]["model_loading_config"]["model_id"] == model_id
+        assert deployed[-1].model_loading_config.model_id == model_id

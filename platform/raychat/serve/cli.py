@@ -69,15 +69,7 @@ def start(
     config = serve_config(config)
     check_checkpoint(config)
     application = build_app(config)
-    local = not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
-    # a local cluster started now has no Serve yet, so a listener on host:port is another server's: refused
-    # before Ray starts (the Serve of a `ray start` cluster joined may hold it: checked once connected, below)
-    if local and proxy_location != "Disabled" and not local_cluster_running():
-        check_port_free(host, port)
-    if local:  # Ray's own choice without an address: a `ray start` cluster of this machine, else a new one
-        init_keeping_handler(start_local_cluster, address=None, include_dashboard=False, log_to_driver=False)
-    elif not ray.is_initialized():
-        init_keeping_handler(ray.init, address=address, include_dashboard=False, log_to_driver=False)
+    local = connect(address, host, port, proxy_location, include_dashboard=False)
     if local:  # a cluster of this machine only never grows: refuse what would wait forever for CPUs
         replicas, cpus = max(1, config.autoscaling.min_replicas), config.replica.num_cpus
         need = replicas * cpus + config.ingress_num_cpus
@@ -103,13 +95,41 @@ def start(
         except ValueError:
             ray.shutdown()
             raise
+    return run_app(application, APP_NAME, host, port, proxy_location, local)
+
+
+def connect(address: str | None, host: str, port: int, proxy_location: str, **init) -> bool:
+    """Connect this process to Ray (both backends): the cluster at `address` (else RAY_ADDRESS), else Ray's own
+    choice, a `ray start` cluster of this machine or a new one (start_local_cluster), unless it is connected
+    already; `init`: more ray.init arguments. Returns whether the cluster is this machine's (local).
+
+    Raises OSError (check_port_free) before Ray starts when a local cluster has no Serve yet and something
+    listens on host:port: another server's."""
+    local = not ray.is_initialized() and not (address or os.environ.get("RAY_ADDRESS"))
+    if local and proxy_location != "Disabled" and not local_cluster_running():
+        check_port_free(host, port)
+    if local:
+        init_keeping_handler(start_local_cluster, address=None, log_to_driver=False, **init)
+    elif not ray.is_initialized():
+        init_keeping_handler(ray.init, address=address, log_to_driver=False, **init)
+    return local
+
+
+def run_app(application, name: str, host: str, port: int, proxy_location: str, local: bool) -> str:
+    """Deploy `application` as Serve application `name` at route "/" on the connected cluster (both backends:
+    the one place they start Serve), Serve started with its HTTP proxies on host:port unless it runs there
+    already; Serve's reconnect line dropped (drop_reconnect_line). `local`: connect()'s. Returns the page URL,
+    "http://host:port/" (a wildcard host as 127.0.0.1).
+
+    Raises ValueError when Serve already runs with its proxies on another host:port (the URL would be wrong);
+    OSError naming --port when this machine's proxy cannot bind host:port (check_port_free, port_in_use)."""
     running = _running_http_address()
     if running is not None and running != (host, port):
         ray.shutdown()
         raise ValueError(
             f"Serve already runs on this Ray cluster with its HTTP proxies on {running[0]}:{running[1]}, and "
             f"--host/--port apply only when Serve starts: pass --host {running[0]} --port {running[1]} to deploy "
-            f"into it (this replaces its application {APP_NAME!r}, if it serves one), or stop it first "
+            f"into it (this replaces its application {name!r}, if it serves one), or stop it first "
             "(`serve shutdown`)"
         )
     # this machine's proxy is about to bind: checked (again) as another server may have bound it meanwhile
@@ -130,7 +150,7 @@ def start(
     serve_logger = logging.getLogger(SERVE_LOGGER)
     serve_logger.addFilter(drop_reconnect_line)
     try:  # serve.run takes no HTTP options: it reconnects to the Serve on host:port
-        serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
+        serve.run(application, name=name, route_prefix="/", blocking=False)
     finally:
         serve_logger.removeFilter(drop_reconnect_line)
     page_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
@@ -253,7 +273,9 @@ def start_vllm(args: argparse.Namespace) -> str:
         "tensor_parallel_size": max(1, int(args.num_gpus or 1)),
     }  # fmt: skip
     config = vllm.llm_config(args.hf_dir, **{k: v for k, v in options.items() if v is not None})
-    return vllm.deploy(config, args.host, args.port, args.address)
+    application = vllm.application(config)
+    local = connect(args.address, args.host, args.port, args.proxy_location)
+    return run_app(application, vllm.APP_NAME, args.host, args.port, args.proxy_location, local) + "v1"
 
 
 def main(args: argparse.Namespace) -> int:

@@ -42,9 +42,7 @@ import os
 import sys
 from pathlib import Path
 
-import ray
 import yaml
-from ray import serve
 
 try:  # the public name: it imports only where vLLM (or SGLang) is installed
     from ray.serve.llm import LLMConfig, build_openai_app
@@ -57,11 +55,10 @@ except ImportError:  # "Neither vLLM nor SGLang is installed": the same pydantic
     LLM_CONFIG_SOURCE = "ray.llm._internal.serve.core.configs.llm_config"
 
 from raychat.atomic import atomic_write_text
-from raychat.capacity import start_local_cluster
 from raychat.config import VLLMConfig, add_flags, from_args, from_dict, to_flat
-from raychat.sigterm import init_keeping_handler
 
 IMPORT_PATH = "ray.serve.llm:build_openai_app"
+APP_NAME = "raychat-vllm"  # the Serve application's name: serve_config's and `raychat serve --backend vllm`'s
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 INSTALL_HINT = 'pip install -c constraints-vllm.txt -e ".[vllm]" on a CUDA machine (docs/deployment.md)'
 
@@ -140,9 +137,7 @@ def llm_config(hf_dir: str | os.PathLike, check_files: bool = True, **options) -
     return config
 
 
-def serve_config(
-    hf_dir: str | os.PathLike, port: int = 8000, app_name: str = "raychat-vllm", **kwargs
-) -> dict:
+def serve_config(hf_dir: str | os.PathLike, port: int = 8000, app_name: str = APP_NAME, **kwargs) -> dict:
     """The whole Serve config file (dict) for `serve run` / `serve deploy` / a KubeRay RayService; its LLMConfig
     is validated by Ray's model first (validate()), so a field Ray rejects fails here, not at deploy time."""
     config = llm_config(hf_dir, **kwargs)
@@ -161,21 +156,12 @@ def serve_config(
     }
 
 
-def deploy(config: dict, host: str, port: int, address: str | None, app_name: str = "raychat-vllm") -> str:
-    """Deploy one LLMConfig (an llm_config() dict) with the public Ray Serve LLM API (`LLMConfig`,
-    `build_openai_app`) on the Ray cluster at `address` (None: RAY_ADDRESS or a new local one); returns the
-    OpenAI base URL. Raises ValueError (require_vllm) before anything starts when vLLM is not installed."""
+def application(config: dict):
+    """The Ray Serve application of one LLMConfig (an llm_config() dict), built with the public Ray Serve LLM API
+    (`LLMConfig`, `build_openai_app`); `raychat serve --backend vllm` deploys it as the raychat backend deploys
+    its own (raychat.serve.cli.run_app). Raises ValueError (require_vllm) when vLLM is not installed."""
     require_vllm()
-    app = build_openai_app({"llm_configs": [LLMConfig(**config)]})
-    if not ray.is_initialized():  # under `raychat serve`'s SIGTERM handler, kept while Ray starts
-        if address or os.environ.get("RAY_ADDRESS"):
-            init_keeping_handler(ray.init, address=address, log_to_driver=False)
-        else:  # Ray's own choice without an address: a `ray start` cluster of this machine, else a new one
-            init_keeping_handler(start_local_cluster, address=None, log_to_driver=False)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(app, name=app_name, route_prefix="/", blocking=False)
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return f"http://{shown}:{port}/v1"
+    return build_openai_app({"llm_configs": [LLMConfig(**config)]})
 
 
 def main(argv: list[str] | None = None) -> int:
