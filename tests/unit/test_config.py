@@ -196,7 +196,7 @@ def test_a_flag_mends_a_preset_value_that_is_invalid_on_its_own(tmp_path):
         return from_args(args, cls, command, where=f"{command} settings")
 
     assert config("pretrain", TrainConfig, "--kv-group", "1").model.kv_group == 1
-    assert (config("pretrain", TrainConfig, "--depth", "6").model.kv_group, 6 * 64 // 64 % 3) == (3, 0)
+    assert config("pretrain", TrainConfig, "--depth", "6").model.kv_group == 3  # width 6 x 64: 6 heads
     with pytest.raises(ConfigError) as e:
         config("pretrain", TrainConfig, "--depth", "8")  # width 8 x 64 = 512: 8 heads
     assert str(e.value) == (
