@@ -423,6 +423,21 @@ def test_logprobs_end_where_a_stop_string_ends_the_content(real_engine):
     assert at_start["message"]["content"] == "" and at_start["logprobs"]["content"] == []
 
 
+def test_logprobs_of_a_calculator_turn_cover_its_content(calc):
+    """Around a call the server ran (whose tokens have no entry), the text tokens' entries spell the content,
+    streamed or not, and end where a stop string after the call ends it."""
+    client = calc[0]
+    body = {"messages": [{"role": "user", "content": Q1}], "temperature": 0, "logprobs": True}
+    for extra, content in (({}, "Let me compute it. #### 564"), ({"stop": "56"}, "Let me compute it. #### ")):
+        reply = client.post(V1, json={**body, **extra}).json()["choices"][0]
+        assert reply["message"]["content"] == content
+        assert "".join(e["token"] for e in reply["logprobs"]["content"]) == content
+        resp = client.post(V1, json={**body, **extra, "stream": True})
+        streamed = [e for c in parse_sse(resp.text) if c != "[DONE]" for ch in json.loads(c)["choices"]
+                    if ch["logprobs"] for e in ch["logprobs"]["content"]]  # fmt: skip
+        assert streamed == reply["logprobs"]["content"]
+
+
 def test_an_engine_process_that_died_under_a_submit_is_a_503():
     """EngineProcess.submit raises RuntimeError while a new child loads, and the pipe's BrokenPipeError when
     the child died a moment before: both are "retry later" (503 + Retry-After), never a 500."""
