@@ -481,6 +481,19 @@ def test_raychat_stream_carries_tool_calls_and_results():
     assert "".join(e.get("text", "") for e in events) == "Let me. #### 6"
 
 
+def test_raychat_stream_carries_logprobs_when_asked():
+    """logprobs: true on POST /chat/completions puts each delta's entries (OpenAI's per-token shape) in its
+    event; they were dropped, the request answered without them (a field accepted and ignored)."""
+    entry = {"token": "Hi", "bytes": [72, 105], "logprob": -0.5, "top_logprobs": []}
+    script = [{"type": "delta", "text": "Hi", "tokens": 1, "logprobs": [entry]},
+              {"type": "done", "finish_reason": "stop", "usage": {"prompt_tokens": 5, "completion_tokens": 1}}]  # fmt: skip
+    client = TestClient(create_app(FakeEngine(script)))
+    events = [json.loads(e) for e in parse_sse(post(client, {"messages": USER, "logprobs": True}).text)]
+    assert events[0] == {"type": "delta", "index": 0, "text": "Hi", "logprobs": [entry]}
+    events = [json.loads(e) for e in parse_sse(post(client, {"messages": USER}).text)]
+    assert events[0] == {"type": "delta", "index": 0, "text": "Hi"}
+
+
 def test_sse_event_roundtrip():
     for data in ['{"a":1}', "x\ny\n", "", "[DONE]"]:
         assert parse_sse(sse_event(data).decode()) == ([data] if data else [""])

@@ -478,7 +478,10 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
                 kind = ev["type"]
                 if kind == "delta":
                     if ev["text"]:
-                        yield sse_event({"type": "delta", "index": i, "text": ev["text"]})
+                        delta = {"type": "delta", "index": i, "text": ev["text"]}
+                        if body.logprobs:
+                            delta["logprobs"] = ev.get("logprobs") or []
+                        yield sse_event(delta)
                 elif kind == "tool_call":
                     call = {"id": ev["id"], "name": "calculator", "expression": ev["expression"]}
                     yield sse_event({"type": "tool_call", "index": i, **call})
