@@ -510,9 +510,12 @@ def test_sse_json_survives_splitlines_readers():
 
 
 def test_unknown_model_is_404(client, fake):
-    resp = post(client, {"model": "gpt-4", "messages": USER}, path=V1)
-    assert_error(resp, 404, "model", "'tiny'")
-    assert resp.json()["error"]["code"] == "model_not_found" and fake.requests == []
+    """On both chat routes (POST /chat/completions answered another model's name with this one's reply)."""
+    for path in (V1, "/chat/completions"):
+        resp = post(client, {"model": "gpt-4", "messages": USER}, path=path)
+        assert_error(resp, 404, "model", "'tiny'")
+        assert resp.json()["error"]["code"] == "model_not_found" and fake.requests == []
+    assert post(client, {"model": "tiny", "messages": USER}).status_code == 200
 
 
 def test_engine_rejection_is_400_not_a_stream():

@@ -469,6 +469,9 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
 
     @app.post("/chat/completions", responses={200: {"content": SSE_SCHEMA}, **ERRORS})
     async def chat(body: ChatRequest):
+        meta = await info()
+        if body.model is not None and body.model != meta["model_id"]:
+            return _model_not_found(body.model, meta["model_id"])
         streams, firsts = await _open(engine, engine_requests(body))
         if firsts[0]["type"] == "error":
             return _error_response(firsts[0])
