@@ -481,6 +481,19 @@ def test_raychat_stream_carries_tool_calls_and_results():
     assert "".join(e.get("text", "") for e in events) == "Let me. #### 6"
 
 
+def test_raychat_stream_carries_logprobs_when_asked():
+    """logprobs: true on POST /chat/completions puts each delta's entries (OpenAI's per-token shape) in its
+    event; they were dropped, the request answered without them (a field accepted and ignored)."""
+    entry = {"token": "Hi", "bytes": [72, 105], "logprob": -0.5, "top_logprobs": []}
+    script = [{"type": "delta", "text": "Hi", "tokens": 1, "logprobs": [entry]},
+              {"type": "done", "finish_reason": "stop", "usage": {"prompt_tokens": 5, "completion_tokens": 1}}]  # fmt: skip
+    client = TestClient(create_app(FakeEngine(script)))
+    events = [json.loads(e) for e in parse_sse(post(client, {"messages": USER, "logprobs": True}).text)]
+    assert events[0] == {"type": "delta", "index": 0, "text": "Hi", "logprobs": [entry]}
+    events = [json.loads(e) for e in parse_sse(post(client, {"messages": USER}).text)]
+    assert events[0] == {"type": "delta", "index": 0, "text": "Hi"}
+
+
 def test_sse_event_roundtrip():
     for data in ['{"a":1}', "x\ny\n", "", "[DONE]"]:
         assert parse_sse(sse_event(data).decode()) == ([data] if data else [""])
@@ -497,9 +510,12 @@ def test_sse_json_survives_splitlines_readers():
 
 
 def test_unknown_model_is_404(client, fake):
-    resp = post(client, {"model": "gpt-4", "messages": USER}, path=V1)
-    assert_error(resp, 404, "model", "'tiny'")
-    assert resp.json()["error"]["code"] == "model_not_found" and fake.requests == []
+    """On both chat routes (POST /chat/completions answered another model's name with this one's reply)."""
+    for path in (V1, "/chat/completions"):
+        resp = post(client, {"model": "gpt-4", "messages": USER}, path=path)
+        assert_error(resp, 404, "model", "'tiny'")
+        assert resp.json()["error"]["code"] == "model_not_found" and fake.requests == []
+    assert post(client, {"model": "tiny", "messages": USER}).status_code == 200
 
 
 def test_engine_rejection_is_400_not_a_stream():

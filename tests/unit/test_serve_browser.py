@@ -102,6 +102,32 @@ def short_context_server():
         yield url, engine, client
 
 
+class FirstEventLate(SlowClient):
+    """Holds each reply's first event back `delay_s` (then streams the rest at once), so Stop lands before any
+    text arrives."""
+
+    async def generate(self, request):
+        self.requests.append(request)
+        events = self.engine.generate(request)
+        try:
+            first = True
+            async for ev in events:
+                if first:
+                    await asyncio.sleep(self.delay_s)
+                    first = False
+                yield ev
+        finally:
+            await events.aclose()
+
+
+@pytest.fixture(scope="module")
+def late_server():
+    engine = ChatServer(*tiny_model_and_tokenizer(seed=1), max_slots=1, model_id="tiny")
+    client = FirstEventLate(engine, delay_s=1.5)
+    for url in serve_page(engine, client):
+        yield url, client
+
+
 @pytest.fixture(scope="module")
 def browser():
     from selenium.webdriver.chrome.options import Options
@@ -249,3 +275,43 @@ def test_a_conversation_beyond_the_context_drops_its_oldest_exchanges(short_cont
     assert sent[0]["content"] != questions[0]  # the first exchange was dropped
     assert engine.stats()["rejected"] >= len(notes)
     assert asyncio.run(engine.wait_idle(10.0))
+
+
+def test_a_question_stopped_before_any_answer_leaves_the_page(late_server, browser):
+    """A question stopped before its reply's first text is not sent again (the next question replaces it in
+    the history, as two user turns in a row cannot be rendered); its bubble goes too, as does a failed
+    question's with its error (they stayed on the page, which then showed a conversation other than the one
+    the model was asked). A max tokens the context cannot hold is shown as the server's error, the history
+    kept (the page dropped every earlier exchange, which could never make it fit)."""
+    from selenium.webdriver.common.by import By
+
+    url, client = late_server
+    browser.get(url)
+    el = lambda css: browser.find_element(By.CSS_SELECTOR, css)  # noqa: E731
+    el("#max_tokens").clear()
+    el("#max_tokens").send_keys("8")
+    el("#input").send_keys("first question")
+    el("#send").click()
+    el("#stop").click()
+    wait_for(lambda: el("#send").is_enabled(), what="the page to leave the generating state")
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg.assistant") == []
+    el("#input").send_keys("second question")
+    el("#send").click()
+    wait_for(lambda: el("#status").text.endswith("tokens"), what="the second reply")
+    assert [b.text for b in browser.find_elements(By.CSS_SELECTOR, ".msg.user")] == ["second question"]
+    assert client.requests[-1]["messages"] == [{"role": "user", "content": "second question"}]
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == 1
+    el("#max_tokens").clear()
+    el("#max_tokens").send_keys("4096")  # more than the 256-token context holds after the question: a 400
+    el("#input").send_keys("third question")
+    el("#send").click()
+    wait_for(lambda: el("#status").text == "error", what="the refusal")
+    assert "context length" in el(".msg.error").text
+    el("#max_tokens").clear()
+    el("#input").send_keys("fourth question")
+    el("#send").click()
+    wait_for(lambda: el("#status").text.endswith("tokens"), what="the fourth reply")
+    questions = [b.text for b in browser.find_elements(By.CSS_SELECTOR, ".msg.user")]
+    assert questions == ["second question", "fourth question"]
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg.error") == []
+    assert [m["content"] for m in client.requests[-1]["messages"] if m["role"] == "user"] == questions

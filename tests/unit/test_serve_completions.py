@@ -122,6 +122,22 @@ def test_greedy_text_equals_generate_batch_and_stop(tiny, client):
     assert stopped["choices"][0]["finish_reason"] == "stop"
 
 
+def test_logprobs_end_where_a_stop_string_ends_the_text(client):
+    """A completion's logprobs cover the text a stop string leaves and nothing past it, streamed or not: the
+    token the stop string cuts keeps its entry; the tokens after it were sent too, text_offset past the text."""
+    body = {"prompt": "Tell me about json.", "temperature": 0, "max_tokens": 16, "logprobs": 1}
+    full = client.post(URL, json=body).json()["choices"][0]
+    assert full["text"].startswith("ss\ufffd'Fdth\u03a1\ufffd\ufffd [object used")
+    assert full["logprobs"]["tokens"][9:12] == [" [", "object", " used"]
+    stopped = client.post(URL, json={**body, "stop": "bject u"}).json()["choices"][0]
+    assert stopped["text"] == "ss\ufffd'Fdth\u03a1\ufffd\ufffd [o" and stopped["finish_reason"] == "stop"
+    expected = {k: v[:11] for k, v in full["logprobs"].items()}  # up to "object", which the stop cuts
+    assert stopped["logprobs"] == expected
+    resp = client.post(URL, json={**body, "stop": "bject u", "stream": True})
+    chunks = [json.loads(c)["choices"][0] for c in parse_sse(resp.text) if c != "[DONE]"]
+    assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == expected["tokens"]
+
+
 def test_stream_equals_non_stream(client):
     req = {"prompt": "import re", "max_tokens": 8, "temperature": 0, "echo": True, "logprobs": 0}
     whole = client.post(URL, json=req).json()["choices"][0]

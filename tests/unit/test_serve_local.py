@@ -401,6 +401,43 @@ def test_logprobs_equal_the_model_distribution(calc):
             ids.append(best)
 
 
+def test_logprobs_end_where_a_stop_string_ends_the_content(real_engine):
+    """logprobs cover the content a stop string leaves and nothing past it, streamed or not: a token cut by
+    the stop string keeps its entry (its first character is content); the stop string's other tokens and the
+    tokens held back as its possible start are not sent (they were, after the content's last token)."""
+    client = TestClient(create_app(LocalClient(real_engine)))
+    body = {"messages": [{"role": "user", "content": "Tell me about json."}], "temperature": 0,
+            "max_tokens": 24, "logprobs": True}  # fmt: skip
+    full = client.post(V1, json=body).json()["choices"][0]
+    assert full["message"]["content"].startswith("place$\ufffd iAcul}")
+    tokens = [e["token"] for e in full["logprobs"]["content"]]
+    assert tokens[:7] == ["place", "$", "\ufffd", " i", "A", "cul", "}"]
+    stopped = client.post(V1, json={**body, "stop": "ul}"}).json()["choices"][0]
+    assert stopped["message"]["content"] == "place$\ufffd iAc" and stopped["finish_reason"] == "stop"
+    assert stopped["logprobs"]["content"] == full["logprobs"]["content"][:6]  # "cul" is cut: kept
+    resp = client.post(V1, json={**body, "stop": "ul}", "stream": True})
+    streamed = [e for c in parse_sse(resp.text) if c != "[DONE]" for ch in json.loads(c)["choices"]
+                if ch["logprobs"] for e in ch["logprobs"]["content"]]  # fmt: skip
+    assert streamed == full["logprobs"]["content"][:6]
+    at_start = client.post(V1, json={**body, "stop": "place"}).json()["choices"][0]
+    assert at_start["message"]["content"] == "" and at_start["logprobs"]["content"] == []
+
+
+def test_logprobs_of_a_calculator_turn_cover_its_content(calc):
+    """Around a call the server ran (whose tokens have no entry), the text tokens' entries spell the content,
+    streamed or not, and end where a stop string after the call ends it."""
+    client = calc[0]
+    body = {"messages": [{"role": "user", "content": Q1}], "temperature": 0, "logprobs": True}
+    for extra, content in (({}, "Let me compute it. #### 564"), ({"stop": "56"}, "Let me compute it. #### ")):
+        reply = client.post(V1, json={**body, **extra}).json()["choices"][0]
+        assert reply["message"]["content"] == content
+        assert "".join(e["token"] for e in reply["logprobs"]["content"]) == content
+        resp = client.post(V1, json={**body, **extra, "stream": True})
+        streamed = [e for c in parse_sse(resp.text) if c != "[DONE]" for ch in json.loads(c)["choices"]
+                    if ch["logprobs"] for e in ch["logprobs"]["content"]]  # fmt: skip
+        assert streamed == reply["logprobs"]["content"]
+
+
 def test_an_engine_process_that_died_under_a_submit_is_a_503():
     """EngineProcess.submit raises RuntimeError while a new child loads, and the pipe's BrokenPipeError when
     the child died a moment before: both are "retry later" (503 + Retry-After), never a 500."""

@@ -20,7 +20,7 @@ from support.serve_helpers import HELLO, FakeEngine, write_tiny_checkpoint
 
 from raychat.checkpoint_manager import snapshot_checkpoint
 from raychat.serve import api
-from raychat.serve.engine_adapter import MIN_LOGPROB, sampling_params, text_logprobs
+from raychat.serve.engine_adapter import MIN_LOGPROB, LogprobGate, sampling_params, text_logprobs
 from raychat.serve.ingress import LocalClient, create_app
 from raychat.serve.server import ChatServer, committed_at
 from raychat.serve.sse import parse_sse
@@ -325,8 +325,8 @@ def test_logprobs_reach_the_choice_and_the_chunks():
 
 
 def test_engine_logprobs_become_openai_entries_for_text_tokens_only():
-    """The adapter over the engine's per-token logprobs (raychat.serve.engine_adapter): text tokens only,
-    token text and raw bytes, -inf as OpenAI's -9999.0."""
+    """The adapter over the engine's per-token logprobs (raychat.serve.engine_adapter): text tokens only (None
+    for the others), token text and raw bytes, -inf as OpenAI's -9999.0."""
     import math
     from types import SimpleNamespace
 
@@ -343,9 +343,22 @@ def test_engine_logprobs_become_openai_entries_for_text_tokens_only():
     assert out == [
         {"token": "H", "bytes": [72], "logprob": -0.5,
          "top_logprobs": [{"token": "H", "bytes": [72], "logprob": -0.5}, {"token": "h", "bytes": [104], "logprob": MIN_LOGPROB}]},
+        None,
         {"token": "\ufffd", "bytes": [0xE2], "logprob": -2.0, "top_logprobs": [{"token": "\ufffd", "bytes": [0xE2], "logprob": -2.0}]},
     ]  # fmt: skip
     assert text_logprobs(tok, SimpleNamespace(token_ids=[72], logprobs=None), ["text"]) == []
+
+
+def test_logprob_gate_releases_an_entry_with_the_text_its_token_starts():
+    """Characters as the engine releases them: "€" split over 3 byte tokens starts at character 1 with its
+    first byte (which shows nothing yet); the request ends with "b" held back (a stop string): dropped."""
+    from support.engine_fixtures import byte_tokenizer
+
+    gate = LogprobGate(byte_tokenizer())
+    euro = list("€".encode())
+    assert gate.push([ord("a"), euro[0]], ["a", "e0"], "a", final=False) == ["a"]
+    assert gate.push(euro[1:], ["e1", "e2"], "", final=False) == []
+    assert gate.push([ord("b"), ord("c")], ["b", None], "€", final=True) == ["e0", "e1", "e2"]
 
 
 def test_logprobs_request_against_this_engine():

@@ -7,10 +7,13 @@ The engine's logprobs contract as used here:
                                        one, e.g. a forced tool-output token), each with
                                        .logprob: float (ln p of the token under the model's distribution)
                                        .top_logprobs: list of (token_id, logprob), most likely first
+A token's entry reaches the client with the text it starts in (LogprobGate), so a reply's logprobs end where
+its text does: a stop string's tokens, held back with its text, are dropped with it.
 """
 
 from __future__ import annotations
 
+import codecs
 import math
 
 from raychat.chat.turn import TEXT
@@ -70,15 +73,48 @@ def _token(tokenizer, token_id: int, logprob: float) -> dict:
     return {"token": data.decode("utf-8", errors="replace"), "bytes": list(data), "logprob": _finite(logprob)}
 
 
-def text_logprobs(tokenizer, event, kinds: list[str]) -> list[dict]:
-    """OpenAI ChatCompletionTokenLogprob dicts for the text tokens of `event` (kinds from TurnParser.push):
+def text_logprobs(tokenizer, event, kinds: list[str]) -> list[dict | None]:
+    """OpenAI ChatCompletionTokenLogprob dicts for the tokens of `event` (kinds from TurnParser.push), one per
+    token (none when the event has no logprobs), None for a token that is not text or has no logprob:
     {"token", "bytes", "logprob", "top_logprobs": [{"token", "bytes", "logprob"}, ...]}."""
     entries = getattr(event, "logprobs", None) or ()
-    out = []
+    out: list[dict | None] = []
     for token_id, kind, entry in zip(event.token_ids, kinds, entries):
         if kind != TEXT or entry is None:
+            out.append(None)
             continue
         item = _token(tokenizer, token_id, entry.logprob)
         item["top_logprobs"] = [_token(tokenizer, t, lp) for t, lp in entry.top_logprobs]
         out.append(item)
     return out
+
+
+class LogprobGate:
+    """Per-token logprob entries released with the text they start in: an entry waits while the engine holds
+    its token's text back (it may begin a stop string) and is dropped when the request ends without that text
+    (a stop string and all after it), so the entries sent cover the text sent and nothing past it. A token
+    that a stop string cuts keeps its entry (its first characters are text). Positions are characters of the
+    incremental UTF-8 decode of every token, which is what the engine's released text counts
+    (raychat.engine.detokenize: U+FFFD for invalid bytes, markers as their text)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._decoded = self._released = 0
+        self._held: list[tuple[int, dict]] = []  # (character where the token's text starts, its entry)
+
+    def push(self, token_ids, entries, released_text: str, final: bool) -> list[dict]:
+        """Add an event's tokens with their entries (one per token; None: none to send) and the text the engine
+        released with them; returns the entries released now, in token order. final: the request's last
+        event (what is still held is dropped)."""
+        for token_id, entry in zip(token_ids, entries):
+            start = self._decoded
+            data = b"".join(self._tokenizer.iter_tokens([token_id]))
+            self._decoded += len(self._utf8.decode(data, final=False))
+            if entry is not None:
+                self._held.append((start, entry))
+        self._released += len(released_text)
+        n = next((k for k, (start, _) in enumerate(self._held) if start >= self._released), len(self._held))
+        out = [entry for _, entry in self._held[:n]]
+        self._held = [] if final else self._held[n:]
+        return out

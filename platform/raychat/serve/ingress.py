@@ -469,6 +469,9 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
 
     @app.post("/chat/completions", responses={200: {"content": SSE_SCHEMA}, **ERRORS})
     async def chat(body: ChatRequest):
+        meta = await info()
+        if body.model is not None and body.model != meta["model_id"]:
+            return _model_not_found(body.model, meta["model_id"])
         streams, firsts = await _open(engine, engine_requests(body))
         if firsts[0]["type"] == "error":
             return _error_response(firsts[0])
@@ -478,7 +481,10 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
                 kind = ev["type"]
                 if kind == "delta":
                     if ev["text"]:
-                        yield sse_event({"type": "delta", "index": i, "text": ev["text"]})
+                        delta = {"type": "delta", "index": i, "text": ev["text"]}
+                        if body.logprobs:
+                            delta["logprobs"] = ev.get("logprobs") or []
+                        yield sse_event(delta)
                 elif kind == "tool_call":
                     call = {"id": ev["id"], "name": "calculator", "expression": ev["expression"]}
                     yield sse_event({"type": "tool_call", "index": i, **call})

@@ -12,7 +12,8 @@ and yields (the completion read by raychat.chat.turn.TurnParser, so no control-t
   {"type": "delta", "text": str, "tokens": int, "logprobs": [dict] | None}
                                  visible text (may be "": tokens that showed nothing yet, e.g. inside a call);
                                  `tokens` completion tokens since the previous delta (stream_interval);
-                                 logprobs of its text tokens in OpenAI's shape when asked
+                                 logprobs of its text tokens in OpenAI's shape when asked (each with the
+                                 delta its text starts in: none for a stop string's tokens)
   {"type": "tool_call", "id": "call_...", "expression": str}      a closed calculator call
   {"type": "tool_result", "id": "call_...", "output": str}        the calculator's output for that call
   {"type": "done", "finish_reason": "stop"|"length"|"tool_calls", "usage": {prompt_tokens,
@@ -50,7 +51,7 @@ from raychat.engine.process import EngineProcess
 from raychat.engine.scheduler import QueueFullError, prompt_overflow
 from raychat.metrics import ServeMetrics
 from raychat.serve.completion_server import checked_prompt, completion_events
-from raychat.serve.engine_adapter import check_max_tokens, sampling_params, text_logprobs
+from raychat.serve.engine_adapter import LogprobGate, check_max_tokens, sampling_params, text_logprobs
 from raychat.serve.errors import ContextLengthError, ParamError, refusal
 from raychat.serve.in_use import MarkInUse
 from raychat.serve.sse import usage_dict
@@ -374,6 +375,7 @@ class ChatServer:
     async def _events(self, stream, request: dict) -> AsyncIterator[dict]:
         """Engine StreamEvents -> the event dicts of the module doc (text buffered per stream_interval)."""
         parser = TurnParser(self.tokenizer)
+        gate = LogprobGate(self.tokenizer)  # logprobs go with the text they start in
         want_logprobs = bool(request.get("logprobs"))
         python_end = self.tokenizer.special_id(MARKERS["python_end"])
         last = None
@@ -400,7 +402,8 @@ class ChatServer:
             if ev.finished:
                 parts += parser.finish()
             if want_logprobs:
-                logprobs += text_logprobs(self.tokenizer, ev, kinds)
+                entries = text_logprobs(self.tokenizer, ev, kinds)
+                logprobs += gate.push(ev.token_ids, entries, ev.text, ev.finished)
             for kind, value in parts:
                 if kind == "text":
                     text.append(value)

@@ -2,7 +2,9 @@
 an event) and the two event vocabularies the endpoints stream.
 
 raychat's POST /chat/completions (one JSON object per event; `index` is the choice, 0..n-1):
-  {"type": "delta", "index": int, "text": str}         a piece of the visible reply (never empty)
+  {"type": "delta", "index": int, "text": str}         a piece of the visible reply (never empty); with
+                                                        "logprobs": [...] of its tokens when the request set
+                                                        logprobs (OpenAI's ChatCompletionTokenLogprob dicts)
   {"type": "tool_call", "index": int, "id": str, "name": "calculator", "expression": str}
   {"type": "tool_result", "index": int, "id": str, "output": str}      the calculator's output for that call
   {"type": "done", "index": int, "finish_reason": "stop"|"length"|"tool_calls", "usage": USAGE}
