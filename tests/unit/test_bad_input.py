@@ -1159,6 +1159,11 @@ HINT = "(use another --run-name, or the same settings to resume)  (RAYCHAT_DEBUG
         (["--depth", "2", "--seq-len", "32"],
          "--depth, --seq-len: the run's checkpoint {d} was made with 1, 64, this run asks for 2, 32"),
         (["--seed", "5"], "--seed: the run's checkpoint {d} was made with 0, this run asks for 5"),
+        # the packer's settings make the rows of the same documents: the run would go on with other rows
+        (["--overflow", "split"], "--overflow: the run's checkpoint {d} was made with 'crop', this run asks for 'split'"),
+        (["--buffer-size", "8"], "--buffer-size: the run's checkpoint {d} was made with 16, this run asks for 8"),
+        (["--document-masking"],
+         "--document-masking: the run's checkpoint {d} was made with False, this run asks for True"),
     ],
 )  # fmt: skip
 def test_resuming_with_other_settings(flags, want, pretrained, capsys):

@@ -217,6 +217,9 @@ DATA_OPTIONS = {
     "pretrain": ("data_dir", "seed"),
     "sft": ("sft_tasks", "sft_data", "sft_test_size", "seed", "seq_len", "task_data_dir"),
 }
+# What makes a pretraining run's rows of its documents (the packer's buffer, what it does with a tail that fits
+# nowhere) and what the model sees of them: not in the stream's fingerprint, refused as its options are.
+ROW_OPTIONS = {"pretrain": ("document_masking", "overflow", "buffer_size", "min_fragment")}
 
 
 @dataclass(frozen=True)
@@ -267,8 +270,9 @@ def check_resume(
     """Check that the run's newest committed checkpoint, if there is one, is one this run can resume, before
     Ray starts (each worker would fail on it in turn, and the run retry until --max-failures): every file its
     commit marker lists is there with its size, it is of this stage, an SFT run's was made from this
-    --init-from (the same checkpoint, as resolved), its model is plan.model_config and its data state was made
-    on this run's stream (the comparison each worker makes as it resumes:
+    --init-from (the same checkpoint, as resolved), its model is plan.model_config, a pretraining run's rows are
+    packed and masked as this run's (ROW_OPTIONS: --document-masking, --overflow, --buffer-size and, under split,
+    --min-fragment) and its data state was made on this run's stream (the comparison each worker makes as it resumes:
     raychat.data.loader.row_source.resume_cursor, same_stream: for pretraining, the shards' names, layout, seed
     and content, their sha256 from the data manifest; for SFT, the mixture, row length and the sha256 of the
     tasks' files; a checkpoint written before the fingerprint held the content is compared without it);
@@ -278,7 +282,7 @@ def check_resume(
 
     Raises:
         CheckpointError: a file of the checkpoint is missing or of another size (named).
-        ConfigError: another stage, --init-from (SFT), model or stream: one line naming each option that differs, with the
+        ConfigError: another stage, --init-from (SFT), model, packing (pretraining) or stream: one line naming each option that differs, with the
             checkpoint's value and this run's; or the shards of --data-dir that now hold other documents under
             the same names and layout (e.g. `raychat data prepare --seed 1` into the run's data directory),
             or the SFT tasks' files that now hold other content (a re-downloaded smoltalk, another word list);
@@ -300,6 +304,10 @@ def check_resume(
             if v != plan.model_config.get(k)
         ]
         refuse_resume(where, changed, flags)
+    rows_made_by = [
+        o for o in ROW_OPTIONS.get(cfg.run.stage, ()) if o != "min_fragment" or cfg.data.overflow == "split"
+    ]
+    refuse_resume(where, changed_options(meta, cfg, rows_made_by, flags), flags)
     schedule_line = _schedule_change(meta, cfg, plan, where, flags)
     _check_stop_after(cfg.train.horizon.stop_after, meta["step"], plan.num_iterations, where, flags)
     rows = row_source()
