@@ -584,14 +584,16 @@ def _train(
     mark("plan_printed")
     c = cfg.layout
     started = not ray.is_initialized()
-    run = f"{cfg.run.stage} run {cfg.run.run_name!r}"
+    run, stop_after = f"{cfg.run.stage} run {cfg.run.run_name!r}", cfg.train.horizon.stop_after
     try:
         line, capacity = start_or_connect(
             c.num_workers, c.cpus_per_worker, spec.data_cpus, c.use_gpu, flags.option
         )
     except Terminated:  # SIGTERM while Ray started (raychat.sigterm.init_keeping_handler) or was checked
         _stop_own_cluster(started)
-        raise Terminated(interrupted(run, newest_uri(paths.checkpoints))) from None
+        raise Terminated(
+            interrupted(run, paths.checkpoints, plan.num_iterations, stop_after, flags)
+        ) from None
     mark("ray_connected")
     with SigtermAsSigint() as sigterm:  # after ray.init: Ray's native SIGTERM handler aborted the process
         log(line)
@@ -626,7 +628,9 @@ def _train(
         except (SystemExit, Terminated):  # Ray Train's SIGINT handler aborted the run (Ctrl-C or SIGTERM)
             _stop_own_cluster(started)
             stopped = Terminated if sigterm.received else KeyboardInterrupt
-            raise stopped(interrupted(run, newest_uri(paths.checkpoints))) from None
+            raise stopped(
+                interrupted(run, paths.checkpoints, plan.num_iterations, stop_after, flags)
+            ) from None
         except WorkerGroupError as e:  # Ray Train retried --max-failures times (failure_config)
             failed, error = failed_worker(e)
             _stop_own_cluster(started)
@@ -784,9 +788,28 @@ def log_in_full(run: str, full: BaseException | str, log: Callable[[str], None] 
     log(f"{run}: the failure that ended it, in full:\n{text}")
 
 
-def interrupted(run: str, checkpoint: str | None) -> str:
-    """The line of a run (`run`: "pretrain run 'r'") stopped by Ctrl-C before its last step, and what starting it
-    again does (resumes)."""
+def interrupted(
+    run: str,
+    checkpoints: CheckpointManager,
+    num_iterations: int,
+    stop_after: int = -1,
+    flags: Flags = COMMANDS,
+) -> str:
+    """The line of a run (`run`: "pretrain run 'r'") stopped by Ctrl-C or SIGTERM, and what starting it again
+    does: resume from the newest committed checkpoint of `checkpoints`; or, where that checkpoint is at the
+    last step (`num_iterations`), or at the --stop-after step (-1: none) that ended the run, what is left of
+    it (a run trains on for a few steps while Ray Train stops it: a short one can reach its end). The options
+    are named as `flags` does."""
+    newest = checkpoints.newest()
+    checkpoint = checkpoints.storage.uri_of(newest.path) if newest else None
+    if newest and newest.step >= num_iterations:
+        return (
+            f"{run} was stopped after its last step: its checkpoint {checkpoint} is at step {newest.step} of "
+            f"{num_iterations}, so the run is finished (the same command trains nothing)"
+        )
+    if newest and stop_after != -1 and newest.step >= stop_after:
+        done = stopped_early_line(newest.step, num_iterations, stop_after, flags)
+        return f"{run} was stopped after its checkpoint {checkpoint}: {done}"
     return f"{run} stopped before its last step; the same command starts it again: {resumes(checkpoint)}"
 
 
