@@ -1597,6 +1597,17 @@ def test_resuming_sft_with_other_tasks_or_another_stage(root, driver, pretrained
         f"raychat sft: error: --sft-tasks: the run's checkpoint {d} was made with 'calculator:200', this run "
         f"asks for 'calculator:300' {HINT}"
     )
+    # another directory alone resumes (the stream is the same: the calculator reads no file), so it is not
+    # named beside the option that changed the stream (it was: "--sft-tasks, --task-data-dir: ...", where
+    # giving the directory back was no use)
+    driver([*argv, "--task-data-dir", f"{root}/elsewhere"])
+    line = _fails_in_one_line(
+        [*argv, "--sft-tasks", "calculator:300", "--task-data-dir", f"{root}/elsewhere"], capsys
+    )
+    assert line == (
+        f"raychat sft: error: --sft-tasks: the run's checkpoint {d} was made with 'calculator:200', this run "
+        f"asks for 'calculator:300' {HINT}"
+    )
     line = _fails_in_one_line([*argv, "--run-name", "p1"], capsys)
     p1 = pretrained[1]
     assert line == (

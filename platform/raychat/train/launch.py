@@ -217,6 +217,9 @@ DATA_OPTIONS = {
     "pretrain": ("data_dir", "seed"),
     "sft": ("sft_tasks", "sft_data", "sft_test_size", "seed", "seq_len", "task_data_dir"),
 }
+# Where a stream's files are: another one with the same files is the same stream, so one of these is named only
+# when no other option of DATA_OPTIONS differs (it named itself beside the option that changed the stream).
+PLACE_OPTIONS = ("data_dir", "task_data_dir")
 # What makes a pretraining run's rows of its documents (the packer's buffer, what it does with a tail that fits
 # nowhere) and what the model sees of them: not in the stream's fingerprint, refused as its options are.
 ROW_OPTIONS = {"pretrain": ("document_masking", "overflow", "buffer_size", "min_fragment")}
@@ -320,7 +323,9 @@ def check_resume(
         ) from None
     made_on, now = state["rows"].get(rows.fingerprint_key), rows.fingerprint()
     if not same_stream(made_on, now):
-        changed = changed_options(meta, cfg, DATA_OPTIONS.get(cfg.run.stage, ()), flags)
+        options = DATA_OPTIONS.get(cfg.run.stage, ())
+        changed = changed_options(meta, cfg, [o for o in options if o not in PLACE_OPTIONS], flags)
+        changed = changed or changed_options(meta, cfg, options, flags)
         if not changed and made_on is not None:
             _refuse_other_content(cfg, where, made_on, now, flags)
         refuse_resume(where, changed or [("the data", made_on, now)], flags)
