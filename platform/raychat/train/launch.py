@@ -584,7 +584,8 @@ def _train(
     Ray's native handler aborted the driver (exit status -6) with the workers still training; SIGTERM while Ray
     starts (under raychat.sigterm.terminating: raychat.cli) as Terminated of that line too, once ray.init returned
     and the local Ray it started is shut down (it ended in exit status 15 with no line, was lost while the run
-    trained on, or met Ray's native handler). data_lines: as run_training's."""
+    trained on, or met Ray's native handler), and Ctrl-C then as KeyboardInterrupt of that line (a bare
+    "interrupted" before). data_lines: as run_training's."""
     print_plan(cfg, plan, flags.option, data_lines)
     mark("plan_printed")
     c = cfg.layout
@@ -594,11 +595,9 @@ def _train(
         line, capacity = start_or_connect(
             c.num_workers, c.cpus_per_worker, spec.data_cpus, c.use_gpu, flags.option
         )
-    except Terminated:  # SIGTERM while Ray started (raychat.sigterm.init_keeping_handler) or was checked
+    except (Terminated, KeyboardInterrupt) as e:  # SIGTERM, Ctrl-C while Ray started (init_keeping_handler)
         _stop_own_cluster(started)
-        raise Terminated(
-            interrupted(run, paths.checkpoints, plan.num_iterations, stop_after, flags)
-        ) from None
+        raise type(e)(interrupted(run, paths.checkpoints, plan.num_iterations, stop_after, flags)) from None
     mark("ray_connected")
     with SigtermAsSigint() as sigterm:  # after ray.init: Ray's native SIGTERM handler aborted the process
         log(line)
