@@ -121,7 +121,7 @@ def test_an_rl_runs_sigterm_and_ctrl_c_name_the_checkpoint_a_new_start_resumes_f
         # them; this line said "stopped before its last step ... the same command resumes" (which trained
         # nothing, or refused the --stop-after)
         (8, 8, -1, "pretrain run 't' was stopped after its last step: its checkpoint {d} is at step 8 of 8, so "
-         "the run is finished (the same command trains nothing)"),
+         "the run is finished (started again, it has no step left to train)"),
         (4, 8, 4, "pretrain run 't' was stopped after its checkpoint {d}: stopped at step 4 of 8 (--stop-after "
          "4): the run is not finished; the same command without --stop-after (or with a later one) resumes it "
          "to step 8"),

@@ -809,7 +809,7 @@ def interrupted(
     if newest and newest.step >= num_iterations:
         return (
             f"{run} was stopped after its last step: its checkpoint {checkpoint} is at step {newest.step} of "
-            f"{num_iterations}, so the run is finished (the same command trains nothing)"
+            f"{num_iterations}, so the run is finished (started again, it has no step left to train)"
         )
     if newest and stop_after != -1 and newest.step >= stop_after:
         done = stopped_early_line(newest.step, num_iterations, stop_after, flags)
