@@ -1991,6 +1991,22 @@ def test_a_run_resumed_with_other_lrs_says_which_settings_changed(pretrained, ca
     ) in capsys.readouterr().out
 
 
+def test_a_finished_run_started_with_other_settings_says_only_that_it_is_finished(pretrained, driver, capsys):
+    """A run at its last step started with another --matrix-lr or --warmdown-ratio printed "settings changed on
+    resume: --matrix-lr 0.02 -> 0.05 (from step 5 on; ...)" and the lr schedule's line, then that it was finished
+    with nothing to train (measured on the tiny speedrun's base run)."""
+    argv, _ = pretrained  # tiny: 4 steps
+    d = _commit_step(*driver(argv), step=4)
+    capsys.readouterr()
+    assert raychat_main([*argv, "--matrix-lr", "0.05", "--warmdown-ratio", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "changed on resume" not in out
+    assert (
+        f"finished: the run's checkpoint {d} is at step 4, the last of its 4 steps; nothing to train "
+        "(--num-iterations above 4 trains it longer)\n"
+    ) in out
+
+
 def test_resuming_sft_from_another_init_from(root, driver, capsys):
     """Another pretraining checkpoint of the same shape (a newer `latest`, another run): the run once went on
     from its own checkpoint without a word, its result claiming a start it never had."""

@@ -281,7 +281,8 @@ def check_resume(
     tasks' files; a checkpoint written before the fingerprint held the content is compared without it);
     row_source() builds this run's row source (rank 0 of 1); every refusal names the options as `flags` does.
     When this run's lr schedule is not the checkpoint's (another horizon, given or derived, or other ratios),
-    logs one line with the lr multiplier of the resume step under each (_schedule_change).
+    logs one line with the lr multiplier of the resume step under each (_schedule_change), and one naming the
+    other settings_change options, both only where steps are left to train.
 
     Raises:
         CheckpointError: a file of the checkpoint is missing or of another size (named).
@@ -329,6 +330,8 @@ def check_resume(
         if not changed and made_on is not None:
             _refuse_other_content(cfg, where, made_on, now, flags)
         refuse_resume(where, changed or [("the data", made_on, now)], flags)
+    if meta["step"] >= plan.num_iterations:  # finished: no step takes the changes (run_training says so)
+        return
     if schedule_line:
         log(schedule_line)
     settings_line = settings_change(meta, cfg, flags)
