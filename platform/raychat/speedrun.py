@@ -483,8 +483,8 @@ def run_rl_stage(
         with run.lease():  # before connect: a run another driver trains is refused before Ray starts
             try:
                 connect(pretrain_cfg, preset)
-            except Terminated:  # SIGTERM while Ray started (raychat.sigterm.init_keeping_handler)
-                raise Terminated(run.interrupted_line()) from None
+            except (Terminated, KeyboardInterrupt) as e:  # SIGTERM, Ctrl-C while Ray started
+                raise type(e)(run.interrupted_line()) from None
             summary = run.run()
     else:
         summary = run.run()

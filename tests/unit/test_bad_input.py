@@ -1159,6 +1159,11 @@ HINT = "(use another --run-name, or the same settings to resume)  (RAYCHAT_DEBUG
         (["--depth", "2", "--seq-len", "32"],
          "--depth, --seq-len: the run's checkpoint {d} was made with 1, 64, this run asks for 2, 32"),
         (["--seed", "5"], "--seed: the run's checkpoint {d} was made with 0, this run asks for 5"),
+        # the packer's settings make the rows of the same documents: the run would go on with other rows
+        (["--overflow", "split"], "--overflow: the run's checkpoint {d} was made with 'crop', this run asks for 'split'"),
+        (["--buffer-size", "8"], "--buffer-size: the run's checkpoint {d} was made with 16, this run asks for 8"),
+        (["--document-masking"],
+         "--document-masking: the run's checkpoint {d} was made with False, this run asks for True"),
     ],
 )  # fmt: skip
 def test_resuming_with_other_settings(flags, want, pretrained, capsys):
@@ -1231,6 +1236,25 @@ def test_a_second_start_of_a_running_run_is_refused_before_ray_starts(pretrained
         first.wait()
     assert not (root / "p1" / "lease.json").exists()
     driver(argv)  # the run starts (reaches Ray) and releases its lease on the way out
+    assert not (root / "p1" / "lease.json").exists()
+
+
+def test_ctrl_c_while_ray_starts_ends_in_the_runs_line(pretrained, monkeypatch, capsys):
+    """Ctrl-C while the local Ray started (init_keeping_handler raises KeyboardInterrupt once ray.init returned)
+    ended in a bare "raychat pretrain: interrupted", where SIGTERM at the same moment named the checkpoint the
+    same command resumes from (measured: SIGINT to a tiny run's process group 1.5 s after its plan)."""
+    argv, d = pretrained
+
+    def ctrl_c(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "start_or_connect", ctrl_c)
+    root = Path(argv[argv.index("--storage-path") + 1])
+    assert raychat_main([*argv, "--num-iterations", "6"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "raychat pretrain: interrupted: pretrain run 'p1' stopped before its last step; the same command starts "
+        f"it again: it resumes from its newest committed checkpoint {d}"
+    )
     assert not (root / "p1" / "lease.json").exists()
 
 
@@ -1589,6 +1613,17 @@ def test_resuming_sft_with_other_tasks_or_another_stage(root, driver, pretrained
     driver(argv)  # the same settings: resumes
     capsys.readouterr()
     line = _fails_in_one_line([*argv, "--sft-tasks", "calculator:300"], capsys)
+    assert line == (
+        f"raychat sft: error: --sft-tasks: the run's checkpoint {d} was made with 'calculator:200', this run "
+        f"asks for 'calculator:300' {HINT}"
+    )
+    # another directory alone resumes (the stream is the same: the calculator reads no file), so it is not
+    # named beside the option that changed the stream (it was: "--sft-tasks, --task-data-dir: ...", where
+    # giving the directory back was no use)
+    driver([*argv, "--task-data-dir", f"{root}/elsewhere"])
+    line = _fails_in_one_line(
+        [*argv, "--sft-tasks", "calculator:300", "--task-data-dir", f"{root}/elsewhere"], capsys
+    )
     assert line == (
         f"raychat sft: error: --sft-tasks: the run's checkpoint {d} was made with 'calculator:200', this run "
         f"asks for 'calculator:300' {HINT}"
@@ -1955,6 +1990,22 @@ def test_a_run_resumed_with_other_lrs_says_which_settings_changed(pretrained, ca
         "settings changed on resume: --matrix-lr 0.02 -> 0.05, --grad-clip 1 -> 0, --total-batch-size 512 -> 1024, "
         "--fp8 False -> True (from step 3 on; the steps before kept theirs)\n"
     ) in capsys.readouterr().out
+
+
+def test_a_finished_run_started_with_other_settings_says_only_that_it_is_finished(pretrained, driver, capsys):
+    """A run at its last step started with another --matrix-lr or --warmdown-ratio printed "settings changed on
+    resume: --matrix-lr 0.02 -> 0.05 (from step 5 on; ...)" and the lr schedule's line, then that it was finished
+    with nothing to train (measured on the tiny speedrun's base run)."""
+    argv, _ = pretrained  # tiny: 4 steps
+    d = _commit_step(*driver(argv), step=4)
+    capsys.readouterr()
+    assert raychat_main([*argv, "--matrix-lr", "0.05", "--warmdown-ratio", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "changed on resume" not in out
+    assert (
+        f"finished: the run's checkpoint {d} is at step 4, the last of its 4 steps; nothing to train "
+        "(--num-iterations above 4 trains it longer)\n"
+    ) in out
 
 
 def test_resuming_sft_from_another_init_from(root, driver, capsys):

@@ -19,6 +19,7 @@ from raychat.cli import main
 from raychat.rl.loop import RLRun
 from raychat.sigterm import SigtermAsSigint, Terminated
 from raychat.storage import open_storage
+from raychat.train.launch import COMMANDS, interrupted
 
 
 def _sigterm_self() -> None:
@@ -90,7 +91,8 @@ def test_an_rl_runs_sigterm_and_ctrl_c_name_the_checkpoint_a_new_start_resumes_f
     checkpoints = CheckpointManager(open_storage(str(tmp_path / "runs")), "t", 2)
     save(checkpoints, tmp_path / "parts", 3)
     run = RLRun.__new__(RLRun)  # only what the line needs: the run's name and checkpoints
-    run.cfg, run.checkpoints = SimpleNamespace(run=SimpleNamespace(run_name="t")), checkpoints
+    run.cfg = SimpleNamespace(run=SimpleNamespace(run_name="t"), rollout=SimpleNamespace(steps=5))
+    run.checkpoints, run.flags = checkpoints, COMMANDS
     line = (
         "rl run 't' stopped before its last step; the same command starts it again: it resumes from its newest "
         f"committed checkpoint {tmp_path / 'runs' / 't' / 'checkpoint_000003'}"
@@ -108,3 +110,31 @@ def test_an_rl_runs_sigterm_and_ctrl_c_name_the_checkpoint_a_new_start_resumes_f
     with pytest.raises(KeyboardInterrupt) as interrupted:
         run._run_to_a_stop()
     assert str(interrupted.value) == line and type(interrupted.value) is KeyboardInterrupt
+
+
+@pytest.mark.parametrize(
+    "saved, num_iterations, stop_after, said",
+    [
+        (3, 8, -1, "pretrain run 't' stopped before its last step; the same command starts it again: it resumes "
+         "from its newest committed checkpoint {d}"),
+        # Ray Train stops the worker group within seconds: a short run can reach its end (or --stop-after) in
+        # them; this line said "stopped before its last step ... the same command resumes" (which trained
+        # nothing, or refused the --stop-after)
+        (8, 8, -1, "pretrain run 't' was stopped after its last step: its checkpoint {d} is at step 8 of 8, so "
+         "the run is finished (started again, it has no step left to train)"),
+        (4, 8, 4, "pretrain run 't' was stopped after its checkpoint {d}: stopped at step 4 of 8 (--stop-after "
+         "4): the run is not finished; the same command without --stop-after (or with a later one) resumes it "
+         "to step 8"),
+        (3, 8, 4, "pretrain run 't' stopped before its last step; the same command starts it again: it resumes "
+         "from its newest committed checkpoint {d}"),
+    ],
+)  # fmt: skip
+def test_a_stopped_runs_line_says_what_its_newest_checkpoint_leaves(
+    saved, num_iterations, stop_after, said, tmp_path
+):
+    """A run of 8 steps SIGTERMed after step 5 trained on to step 8 while Ray Train stopped it, and its line said
+    it stopped before its last step (measured: --preset tiny, checkpoints every 4 steps)."""
+    checkpoints = CheckpointManager(open_storage(str(tmp_path / "runs")), "t", 2)
+    save(checkpoints, tmp_path / "parts", saved)
+    d = tmp_path / "runs" / "t" / f"checkpoint_{saved:06d}"
+    assert interrupted("pretrain run 't'", checkpoints, num_iterations, stop_after) == said.format(d=d)

@@ -281,8 +281,8 @@ def _run_on_ray(run: RLRun, args, local: bool) -> dict:
                         init_keeping_handler(start_local_cluster, num_cpus=local_cores())
                     else:
                         init_keeping_handler(ray.init, address=args.address)
-            except Terminated:  # SIGTERM while Ray started (under raychat.sigterm.terminating: raychat.cli)
-                raise Terminated(run.interrupted_line()) from None
+            except (Terminated, KeyboardInterrupt) as e:  # SIGTERM (raychat.sigterm.terminating), Ctrl-C
+                raise type(e)(run.interrupted_line()) from None
         return run.run()
     finally:
         if started:

@@ -412,7 +412,7 @@ class RLRun:
     def interrupted_line(self) -> str:
         """The line of this run stopped before its last step (Ctrl-C, SIGTERM): the checkpoint the same command
         resumes from (raychat.train.launch.interrupted)."""
-        return interrupted(self.label, self.newest_uri())
+        return interrupted(self.label, self.checkpoints, self.cfg.rollout.steps, flags=self.flags)
 
     def lease(self) -> RunLease:
         """The run's lease (raychat.lease), held while it is in a `with` block: run() trains under it, taking it

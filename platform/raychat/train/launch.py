@@ -217,6 +217,12 @@ DATA_OPTIONS = {
     "pretrain": ("data_dir", "seed"),
     "sft": ("sft_tasks", "sft_data", "sft_test_size", "seed", "seq_len", "task_data_dir"),
 }
+# Where a stream's files are: another one with the same files is the same stream, so one of these is named only
+# when no other option of DATA_OPTIONS differs (it named itself beside the option that changed the stream).
+PLACE_OPTIONS = ("data_dir", "task_data_dir")
+# What makes a pretraining run's rows of its documents (the packer's buffer, what it does with a tail that fits
+# nowhere) and what the model sees of them: not in the stream's fingerprint, refused as its options are.
+ROW_OPTIONS = {"pretrain": ("document_masking", "overflow", "buffer_size", "min_fragment")}
 
 
 @dataclass(frozen=True)
@@ -267,18 +273,20 @@ def check_resume(
     """Check that the run's newest committed checkpoint, if there is one, is one this run can resume, before
     Ray starts (each worker would fail on it in turn, and the run retry until --max-failures): every file its
     commit marker lists is there with its size, it is of this stage, an SFT run's was made from this
-    --init-from (the same checkpoint, as resolved), its model is plan.model_config and its data state was made
-    on this run's stream (the comparison each worker makes as it resumes:
+    --init-from (the same checkpoint, as resolved), its model is plan.model_config, a pretraining run's rows are
+    packed and masked as this run's (ROW_OPTIONS: --document-masking, --overflow, --buffer-size and, under split,
+    --min-fragment) and its data state was made on this run's stream (the comparison each worker makes as it resumes:
     raychat.data.loader.row_source.resume_cursor, same_stream: for pretraining, the shards' names, layout, seed
     and content, their sha256 from the data manifest; for SFT, the mixture, row length and the sha256 of the
     tasks' files; a checkpoint written before the fingerprint held the content is compared without it);
     row_source() builds this run's row source (rank 0 of 1); every refusal names the options as `flags` does.
     When this run's lr schedule is not the checkpoint's (another horizon, given or derived, or other ratios),
-    logs one line with the lr multiplier of the resume step under each (schedule_change).
+    logs one line with the lr multiplier of the resume step under each (schedule_change), and one naming the
+    other settings_change options, both only where steps are left to train.
 
     Raises:
         CheckpointError: a file of the checkpoint is missing or of another size (named).
-        ConfigError: another stage, --init-from (SFT), model or stream: one line naming each option that differs, with the
+        ConfigError: another stage, --init-from (SFT), model, packing (pretraining) or stream: one line naming each option that differs, with the
             checkpoint's value and this run's; or the shards of --data-dir that now hold other documents under
             the same names and layout (e.g. `raychat data prepare --seed 1` into the run's data directory),
             or the SFT tasks' files that now hold other content (a re-downloaded smoltalk, another word list);
@@ -300,6 +308,10 @@ def check_resume(
             if v != plan.model_config.get(k)
         ]
         refuse_resume(where, changed, flags)
+    rows_made_by = [
+        o for o in ROW_OPTIONS.get(cfg.run.stage, ()) if o != "min_fragment" or cfg.data.overflow == "split"
+    ]
+    refuse_resume(where, changed_options(meta, cfg, rows_made_by, flags), flags)
     schedule_line = schedule_change(meta, cfg, plan, where, flags)
     _check_stop_after(cfg.train.horizon.stop_after, meta["step"], plan.num_iterations, where, flags)
     rows = row_source()
@@ -312,10 +324,14 @@ def check_resume(
         ) from None
     made_on, now = state["rows"].get(rows.fingerprint_key), rows.fingerprint()
     if not same_stream(made_on, now):
-        changed = changed_options(meta, cfg, DATA_OPTIONS.get(cfg.run.stage, ()), flags)
+        options = DATA_OPTIONS.get(cfg.run.stage, ())
+        changed = changed_options(meta, cfg, [o for o in options if o not in PLACE_OPTIONS], flags)
+        changed = changed or changed_options(meta, cfg, options, flags)
         if not changed and made_on is not None:
             _refuse_other_content(cfg, where, made_on, now, flags)
         refuse_resume(where, changed or [("the data", made_on, now)], flags)
+    if meta["step"] >= plan.num_iterations:  # finished: no step takes the changes (run_training says so)
+        return
     if schedule_line:
         log(schedule_line)
     settings_line = settings_change(meta, cfg, flags)
@@ -571,19 +587,20 @@ def _train(
     Ray's native handler aborted the driver (exit status -6) with the workers still training; SIGTERM while Ray
     starts (under raychat.sigterm.terminating: raychat.cli) as Terminated of that line too, once ray.init returned
     and the local Ray it started is shut down (it ended in exit status 15 with no line, was lost while the run
-    trained on, or met Ray's native handler). data_lines: as run_training's."""
+    trained on, or met Ray's native handler), and Ctrl-C then as KeyboardInterrupt of that line (a bare
+    "interrupted" before). data_lines: as run_training's."""
     print_plan(cfg, plan, flags.option, data_lines)
     mark("plan_printed")
     c = cfg.layout
     started = not ray.is_initialized()
-    run = f"{cfg.run.stage} run {cfg.run.run_name!r}"
+    run, stop_after = f"{cfg.run.stage} run {cfg.run.run_name!r}", cfg.train.horizon.stop_after
     try:
         line, capacity = start_or_connect(
             c.num_workers, c.cpus_per_worker, spec.data_cpus, c.use_gpu, flags.option
         )
-    except Terminated:  # SIGTERM while Ray started (raychat.sigterm.init_keeping_handler) or was checked
+    except (Terminated, KeyboardInterrupt) as e:  # SIGTERM, Ctrl-C while Ray started (init_keeping_handler)
         _stop_own_cluster(started)
-        raise Terminated(interrupted(run, newest_uri(paths.checkpoints))) from None
+        raise type(e)(interrupted(run, paths.checkpoints, plan.num_iterations, stop_after, flags)) from None
     mark("ray_connected")
     with SigtermAsSigint() as sigterm:  # after ray.init: Ray's native SIGTERM handler aborted the process
         log(line)
@@ -618,7 +635,9 @@ def _train(
         except (SystemExit, Terminated):  # Ray Train's SIGINT handler aborted the run (Ctrl-C or SIGTERM)
             _stop_own_cluster(started)
             stopped = Terminated if sigterm.received else KeyboardInterrupt
-            raise stopped(interrupted(run, newest_uri(paths.checkpoints))) from None
+            raise stopped(
+                interrupted(run, paths.checkpoints, plan.num_iterations, stop_after, flags)
+            ) from None
         except WorkerGroupError as e:  # Ray Train retried --max-failures times (failure_config)
             failed, error = failed_worker(e)
             _stop_own_cluster(started)
@@ -776,9 +795,28 @@ def log_in_full(run: str, full: BaseException | str, log: Callable[[str], None] 
     log(f"{run}: the failure that ended it, in full:\n{text}")
 
 
-def interrupted(run: str, checkpoint: str | None) -> str:
-    """The line of a run (`run`: "pretrain run 'r'") stopped by Ctrl-C before its last step, and what starting it
-    again does (resumes)."""
+def interrupted(
+    run: str,
+    checkpoints: CheckpointManager,
+    num_iterations: int,
+    stop_after: int = -1,
+    flags: Flags = COMMANDS,
+) -> str:
+    """The line of a run (`run`: "pretrain run 'r'") stopped by Ctrl-C or SIGTERM, and what starting it again
+    does: resume from the newest committed checkpoint of `checkpoints`; or, where that checkpoint is at the
+    last step (`num_iterations`), or at the --stop-after step (-1: none) that ended the run, what is left of
+    it (a run trains on for a few steps while Ray Train stops it: a short one can reach its end). The options
+    are named as `flags` does."""
+    newest = checkpoints.newest()
+    checkpoint = checkpoints.storage.uri_of(newest.path) if newest else None
+    if newest and newest.step >= num_iterations:
+        return (
+            f"{run} was stopped after its last step: its checkpoint {checkpoint} is at step {newest.step} of "
+            f"{num_iterations}, so the run is finished (started again, it has no step left to train)"
+        )
+    if newest and stop_after != -1 and newest.step >= stop_after:
+        done = stopped_early_line(newest.step, num_iterations, stop_after, flags)
+        return f"{run} was stopped after its checkpoint {checkpoint}: {done}"
     return f"{run} stopped before its last step; the same command starts it again: {resumes(checkpoint)}"
 
 
