@@ -79,6 +79,20 @@ def test_jobs_list_prints_oldest_start_first():
     ]
 
 
+def test_jobs_list_keeps_a_job_on_one_line_whatever_its_entrypoint():
+    """A driver's `python -c "<script>"` (listed with its command line) or a `command` job of several lines
+    printed one line of `raychat jobs list` per line of its entrypoint, and a tab in it a fourth field: scripts
+    that split stdout by line and tab read jobs that do not exist. Newlines, tabs and carriage returns are
+    written as \\n, \\t and \\r."""
+    driver = JobDetails(type=JobType.DRIVER, job_id="05000000", status=JobStatus.SUCCEEDED,
+                        entrypoint='python -c "\nimport ray\nray.init()\r\n\tprint(1)\n"', start_time=1)  # fmt: skip
+    lines = submit.job_lines([driver])
+    assert lines == ['05000000\tSUCCEEDED\tpython -c "\\nimport ray\\nray.init()\\r\\n\\tprint(1)\\n"']
+    assert [line.split("\t") for line in "\n".join(lines).split("\n")] == [
+        ["05000000", "SUCCEEDED", 'python -c "\\nimport ray\\nray.init()\\r\\n\\tprint(1)\\n"']
+    ]
+
+
 class LostClient(JobsClient):
     """A job that runs on while the connection to the dashboard is lost as it is followed (a port-forward that
     drops, a head that restarts): the log stream ends as Ray's ends then (`closed`: "ws" for the websocket's

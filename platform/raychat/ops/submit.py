@@ -533,11 +533,18 @@ def cmd_submit(args) -> int:
     return EXIT_CODES.get(status, 1)
 
 
+_ONE_FIELD = str.maketrans({"\n": "\\n", "\t": "\\t", "\r": "\\r"})  # job_lines: one line, 3 fields
+
+
 def job_lines(jobs) -> list[str]:
     """One line a job of the Jobs API's list_jobs (JobDetails): "<submission id or job id>\t<status>\t<entrypoint>",
-    oldest start first (Ray returns them in no stated order), ties by id."""
+    oldest start first (Ray returns them in no stated order), ties by id; the entrypoint's newlines, tabs and
+    carriage returns written as \\n, \\t, \\r (a driver's `python -c "<script>"` is listed with its script)."""
     jobs = sorted(jobs, key=lambda j: (j.start_time or 0, j.submission_id or j.job_id or ""))
-    return [f"{j.submission_id or j.job_id}\t{j.status.value}\t{j.entrypoint}" for j in jobs]
+    return [
+        f"{j.submission_id or j.job_id}\t{j.status.value}\t{(j.entrypoint or '').translate(_ONE_FIELD)}"
+        for j in jobs
+    ]
 
 
 def cmd_jobs(args) -> int:
