@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import requests
 from ray.job_submission import JobDetails, JobStatus, JobType
 
 from raychat.cli import main as raychat_main
@@ -76,3 +77,67 @@ def test_jobs_list_prints_oldest_start_first():
         "a\tSUCCEEDED\trun a",
         "b\tSUCCEEDED\trun b",
     ]
+
+
+def test_jobs_list_keeps_a_job_on_one_line_whatever_its_entrypoint():
+    """A driver's `python -c "<script>"` (listed with its command line) or a `command` job of several lines
+    printed one line of `raychat jobs list` per line of its entrypoint, and a tab in it a fourth field: scripts
+    that split stdout by line and tab read jobs that do not exist. Newlines, tabs and carriage returns are
+    written as \\n, \\t and \\r."""
+    driver = JobDetails(type=JobType.DRIVER, job_id="05000000", status=JobStatus.SUCCEEDED,
+                        entrypoint='python -c "\nimport ray\nray.init()\r\n\tprint(1)\n"', start_time=1)  # fmt: skip
+    lines = submit.job_lines([driver])
+    assert lines == ['05000000\tSUCCEEDED\tpython -c "\\nimport ray\\nray.init()\\r\\n\\tprint(1)\\n"']
+    assert [line.split("\t") for line in "\n".join(lines).split("\n")] == [
+        ["05000000", "SUCCEEDED", 'python -c "\\nimport ray\\nray.init()\\r\\n\\tprint(1)\\n"']
+    ]
+
+
+class LostClient(JobsClient):
+    """A job that runs on while the connection to the dashboard is lost as it is followed (a port-forward that
+    drops, a head that restarts): the log stream ends as Ray's ends then (`closed`: "ws" for the websocket's
+    abnormal closure, "http" for a clean close followed by a status request that finds nothing listening)."""
+
+    def __init__(self, closed: str):
+        super().__init__(set())
+        self.closed = closed
+
+    def submit_job(self, **kwargs):
+        self.jobs.add(kwargs["submission_id"])
+        return super().submit_job(**kwargs)
+
+    def get_address(self):
+        return "http://127.0.0.1:8299"
+
+    async def tail_job_logs(self, job_id):
+        yield "step 1\n"
+        if self.closed == "ws":  # Ray's tail_job_logs on close code 1006
+            raise RuntimeError("WebSocket connection closed unexpectedly with close code 1006")
+
+    def get_job_status(self, job_id):
+        raise requests.exceptions.ConnectionError(
+            "HTTPConnectionPool(host='127.0.0.1', port=8299): Max retries exceeded with url: /api/jobs/j"
+        )
+
+
+@pytest.mark.parametrize("closed", ["ws", "http"])
+def test_a_connection_lost_while_following_is_named_and_exits_4_not_1(monkeypatch, capsys, closed):
+    """`raychat submit` ended in a traceback and exit status 1 (what a FAILED job gets) when the dashboard went
+    away while it followed a job that runs on; both followers now end in one line, exit 4 (unreachable)."""
+    client = LostClient(closed)
+    monkeypatch.setattr(submit, "make_client", lambda address, token_file: client)
+    reason = {
+        "ws": "WebSocket connection closed unexpectedly with close code 1006",
+        "http": "HTTPConnectionPool(host='127.0.0.1', port=8299): Max retries exceeded with url: /api/jobs/j",
+    }[closed]
+    line = (
+        f"lost the connection to the Ray dashboard at http://127.0.0.1:8299 while following job j ({reason}); "
+        "the job goes on without it: `raychat jobs logs --follow j` follows it again, `raychat jobs list` shows "
+        "its status\n"
+    )
+    rc = raychat_main(["submit", "--job-id", "j", "command", "python", "-c", "print(1)"])
+    out, err = capsys.readouterr()
+    assert (rc, out) == (4, "step 1\n")
+    assert err == "submitted j: python -c 'print(1)'\nraychat submit: error: " + line
+    assert raychat_main(["jobs", "logs", "--follow", "j"]) == 4
+    assert capsys.readouterr() == ("step 1\n", "raychat jobs: error: " + line)

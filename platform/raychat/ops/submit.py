@@ -285,7 +285,8 @@ def follow(client, job_id: str, out=None, poll_s: float = 0.5, waits_for: str | 
 
     Raises RuntimeError (job_refusal's 404) for a job the cluster does not have, ValueError for a driver's job
     (no submission id: the Jobs API streams no logs of it): asked first, since the log stream of either fails
-    with aiohttp's WSServerHandshakeError, which says nothing of the job."""
+    with aiohttp's WSServerHandshakeError, which says nothing of the job. ConnectionError (one line, lost_line)
+    when the dashboard stops answering after that: the job runs on without its follower."""
     out, err = out or sys.stdout, err or sys.stderr
     if client.get_job_info(job_id).submission_id is None:
         raise ValueError(_driver_job(job_id))
@@ -318,12 +319,26 @@ def follow(client, job_id: str, out=None, poll_s: float = 0.5, waits_for: str | 
         finally:
             reporter.cancel()
 
-    asyncio.run(_both())
-    while True:
-        status = client.get_job_status(job_id)
-        if status.is_terminal():
-            return status.value
-        time.sleep(poll_s)
+    try:
+        asyncio.run(_both())
+        while True:
+            status = client.get_job_status(job_id)
+            if status.is_terminal():
+                return status.value
+            time.sleep(poll_s)
+    # Ray's log stream raises RuntimeError on an abnormal close; its status request requests' errors (OSError)
+    except (OSError, RuntimeError) as e:
+        raise ConnectionError(lost_line(client.get_address(), job_id, e)) from e
+
+
+def lost_line(address: str, job_id: str, error: BaseException) -> str:
+    """The line of a follower whose dashboard stopped answering (a port-forward that dropped, a head that
+    restarted) while the job it followed runs on."""
+    return (
+        f"lost the connection to the Ray dashboard at {address} while following job {job_id} ({first_line(error)}); "
+        f"the job goes on without it: `raychat jobs logs --follow {job_id}` follows it again, `raychat jobs list` "
+        "shows its status"
+    )
 
 
 def pending_line(job_id: str, waited_s: float, waits_for: str | None = None) -> str:
@@ -505,6 +520,9 @@ def cmd_submit(args) -> int:
             file=sys.stderr,
         )
         return 130
+    except ConnectionError as e:
+        print(f"raychat submit: error: {e}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     print(f"job {job_id} {status}", file=sys.stderr)
     if status == "FAILED" and client.get_job_info(job_id).driver_exit_code == EXIT_COMMAND_NOT_FOUND:
         print(
@@ -515,11 +533,18 @@ def cmd_submit(args) -> int:
     return EXIT_CODES.get(status, 1)
 
 
+_ONE_FIELD = str.maketrans({"\n": "\\n", "\t": "\\t", "\r": "\\r"})  # job_lines: one line, 3 fields
+
+
 def job_lines(jobs) -> list[str]:
     """One line a job of the Jobs API's list_jobs (JobDetails): "<submission id or job id>\t<status>\t<entrypoint>",
-    oldest start first (Ray returns them in no stated order), ties by id."""
+    oldest start first (Ray returns them in no stated order), ties by id; the entrypoint's newlines, tabs and
+    carriage returns written as \\n, \\t, \\r (a driver's `python -c "<script>"` is listed with its script)."""
     jobs = sorted(jobs, key=lambda j: (j.start_time or 0, j.submission_id or j.job_id or ""))
-    return [f"{j.submission_id or j.job_id}\t{j.status.value}\t{j.entrypoint}" for j in jobs]
+    return [
+        f"{j.submission_id or j.job_id}\t{j.status.value}\t{(j.entrypoint or '').translate(_ONE_FIELD)}"
+        for j in jobs
+    ]
 
 
 def cmd_jobs(args) -> int:
