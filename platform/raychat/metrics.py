@@ -25,7 +25,8 @@ Metrics (tags in brackets; units in the name or below):
                             raychat_serve_generated_tokens (counter; tokens/s = rate() of it),
                             raychat_prefix_cache_queries / raychat_prefix_cache_hits (counters, prompt
                             tokens looked up / served from the prefix cache, as vLLM's; hit rate =
-                            rate(hits) / rate(queries))
+                            rate(hits) / rate(queries)); the serving counters exist at 0 from the
+                            replica's start
 
 Recording is a no-op while Ray is not initialized in this process (`ray.is_initialized()` is False), so the
 same trainer or engine code runs in plain unit tests; the Ray metric objects are created once per process, on
@@ -285,11 +286,20 @@ class RLMetrics(_Recorder):
         )
 
 
+SERVE_COUNTERS = (SERVE_TOKENS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS)
+
+
 class ServeMetrics(_Recorder):
-    """Serving metrics of one deployment (tagged deployment=<deployment>); call from the replica."""
+    """Serving metrics of one deployment (tagged deployment=<deployment>); make it in the replica, whose
+    counters (SERVE_COUNTERS) it records at 0 at once, as vLLM's exist from its start: a hit rate of 0 hits
+    over N queries is then 0, not "no data"."""
 
     def __init__(self, deployment: str):
         super().__init__({"deployment": _label("deployment", deployment)})
+        if ray.is_initialized():
+            for name in SERVE_COUNTERS:
+                # Counter.inc refuses 0; _record is the call inc makes after that check
+                _metric(name)._record(0, tags=self.tags)
 
     def observe_ttft(self, seconds: float) -> None:
         """Time from request arrival to the first streamed token, seconds >= 0."""

@@ -64,6 +64,30 @@ def test_bad_values_name_the_field():
         TrainMetrics("r", None)
 
 
+def test_serve_counters_exist_at_zero_from_the_start(monkeypatch):
+    """A replica's counters are recorded at 0 when its ServeMetrics is made, as vLLM's are: hits appeared only
+    at the first prefix-cache hit, so Grafana's hit rate, rate(hits) / rate(queries), had no data, not 0,
+    while every query missed."""
+    monkeypatch.setattr(metrics.ray, "is_initialized", lambda: True)
+    recorded = []
+
+    class Recorded:
+        def __init__(self, name):
+            self.name = name
+
+        def _record(self, value, tags):
+            recorded.append((self.name, value, tags))
+
+    monkeypatch.setattr(metrics, "_metric", Recorded)
+    ServeMetrics("chat")
+    d = {"deployment": "chat"}
+    assert recorded == [
+        ("raychat_serve_generated_tokens", 0, d),
+        ("raychat_prefix_cache_queries", 0, d),
+        ("raychat_prefix_cache_hits", 0, d),
+    ]
+
+
 @pytest.fixture
 def ray_with_metrics_port():
     import ray
@@ -124,6 +148,8 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
     serve.add_tokens(7)
     serve.add_prefix_cache(queries=100, hits=64)
     serve.add_prefix_cache(queries=40, hits=0)  # a miss: hits 0 is skipped (Ray counters need inc > 0)
+    ServeMetrics("idle")  # a replica that has answered nothing yet
+    ServeMetrics("cold").add_prefix_cache(queries=40, hits=0)  # queries, every one a miss
 
     # Ray's exporter prefixes `ray_`; a Counter gains `_total`; a Histogram gives _bucket/_sum/_count.
     want = {
@@ -166,6 +192,11 @@ def test_metrics_reach_the_node_prometheus_endpoint(ray_with_metrics_port):
     assert got[("ray_raychat_serve_generated_tokens_total", d)] == 12
     assert got[("ray_raychat_prefix_cache_queries_total", d)] == 140
     assert got[("ray_raychat_prefix_cache_hits_total", d)] == 64
+    idle, cold = (("deployment", "idle"),), (("deployment", "cold"),)
+    for name in ("serve_generated_tokens", "prefix_cache_queries", "prefix_cache_hits"):
+        assert got[(f"ray_raychat_{name}_total", idle)] == 0
+    assert got[("ray_raychat_prefix_cache_queries_total", cold)] == 40
+    assert got[("ray_raychat_prefix_cache_hits_total", cold)] == 0  # Grafana's hit rate: 0 / rate(40) = 0
     assert got[("ray_raychat_serve_running_requests", d)] == 2
     assert got[("ray_raychat_serve_waiting_requests", d)] == 1
     assert got[("ray_raychat_serve_kv_slots_in_use", d)] == 2
