@@ -464,6 +464,16 @@ def test_sse_framing_and_final_event(client, fake):
     assert fake.closed == 1
 
 
+def test_raychat_stream_refuses_stream_false(client, fake):
+    """POST /chat/completions is the page's stream; it streamed a request that asked for stream: false."""
+    resp = post(client, {"messages": USER, "stream": False})
+    assert_400(resp, "stream", "always streams (leave stream out or send true); POST /v1/chat/completions")
+    assert fake.requests == []
+    for stream in (True, None):
+        resp = post(client, {"messages": USER, "stream": stream})
+        assert resp.headers["content-type"].startswith("text/event-stream")
+
+
 def test_raychat_stream_carries_tool_calls_and_results():
     script = [
         {"type": "delta", "text": "Let me. ", "tokens": 3, "logprobs": None},
@@ -560,7 +570,7 @@ FAILURES = [
 def test_failures_before_the_first_event(engine, status, fragment, caplog):
     client = TestClient(create_app(engine), raise_server_exceptions=False)
     for path in ("/chat/completions", V1):
-        for stream in (False, True):
+        for stream in (None if path == "/chat/completions" else False, True):  # the page's only streams
             resp = post(client, {"messages": USER, "stream": stream}, path=path)
             assert (resp.headers.get("retry-after") == "5") == (status == 503)
             if status != 500:
@@ -608,7 +618,8 @@ def test_failures_after_the_first_event(engine, status, fragment, caplog):
     check(error["error"]["message"])
     raw = [json.loads(e) for e in parse_sse(post(client, {"messages": USER}).text)]
     assert raw[0] == {"type": "delta", "index": 0, "text": "Hel"}
-    assert raw[-1]["type"] == "error"
+    assert set(raw[-1]) == {"type", "index", "message"}  # the shape of the stream's other events
+    assert raw[-1]["type"] == "error" and raw[-1]["index"] == 0
     check(raw[-1]["message"])
     assert engine.closed == len(engine.requests) == 3
 

@@ -3,7 +3,8 @@ production, an in-process ChatServer or a fake in tests).
 
 Endpoints
   POST /chat/completions     SSE (raychat.serve.sse vocabulary): text deltas, tool calls and results, then
-                             a "done" event per choice with finish_reason and usage
+                             a "done" event per choice with finish_reason and usage; always streamed
+                             ("stream": false -> 400 naming stream and /v1/chat/completions)
   POST /v1/chat/completions  OpenAI Chat Completions, stream true or false (raychat.serve.api lists every
                              parameter; docs/openai.md the tool-call shapes)
   POST /v1/completions       OpenAI legacy Completions: raw prompt (text or token ids, batched), echo,
@@ -99,6 +100,10 @@ METRICS_ELSEWHERE = (
 # the only paths answered without the key when one is set ("" is the route prefix itself, e.g. /api)
 OPEN_PATHS = frozenset({"", "/", "/health", "/openapi.json"})
 NO_FINAL_EVENT = "the engine's stream ended without a final event"
+NOT_STREAMED = (
+    "stream: POST /chat/completions always streams (leave stream out or send true); POST "
+    "/v1/chat/completions answers a non-streamed reply"
+)
 ENGINE_DOWN = "the engine process of the replica that answered is down"
 SSE_SCHEMA = {"text/event-stream": {"schema": {"type": "string"}}}
 ERRORS = {status: {"model": ErrorResponse, "description": why} for status, why in ERROR_STATUSES.items()}
@@ -469,6 +474,8 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
 
     @app.post("/chat/completions", responses={200: {"content": SSE_SCHEMA}, **ERRORS})
     async def chat(body: ChatRequest):
+        if body.stream is False:
+            raise ParamError("stream", NOT_STREAMED)
         meta = await info()
         if body.model is not None and body.model != meta["model_id"]:
             return _model_not_found(body.model, meta["model_id"])
@@ -496,7 +503,7 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
                     done = {"finish_reason": ev["finish_reason"], "usage": ev["usage"]}
                     yield sse_event({"type": "done", "index": i, **done})
                 else:
-                    yield sse_event({"type": "error", "message": ev["message"]})
+                    yield sse_event({"type": "error", "index": i, "message": ev["message"]})
 
         return StreamingResponse(frames(), media_type="text/event-stream", headers=SSE_HEADERS)
 

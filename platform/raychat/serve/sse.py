@@ -1,7 +1,7 @@
 """Server-sent events framing (WHATWG HTML "Server-sent events": `data: <line>\\n` per line, a blank line ends
 an event) and the two event vocabularies the endpoints stream.
 
-raychat's POST /chat/completions (one JSON object per event; `index` is the choice, 0..n-1):
+raychat's POST /chat/completions, always streamed (one JSON object per event; `index` is the choice, 0..n-1):
   {"type": "delta", "index": int, "text": str}         a piece of the visible reply (never empty); with
                                                         "logprobs": [...] of its tokens when the request set
                                                         logprobs (OpenAI's ChatCompletionTokenLogprob dicts)
@@ -9,7 +9,7 @@ raychat's POST /chat/completions (one JSON object per event; `index` is the choi
   {"type": "tool_result", "index": int, "id": str, "output": str}      the calculator's output for that call
   {"type": "done", "index": int, "finish_reason": "stop"|"length"|"tool_calls", "usage": USAGE}
                                                         last event of each choice
-  {"type": "error", "message": str}                    last event when generation failed
+  {"type": "error", "index": int, "message": str}      last event when generation failed (of choice index)
   USAGE = {"prompt_tokens", "completion_tokens", "total_tokens", "ttft_s", "cached_tokens"}
                  cached_tokens: prompt tokens whose keys/values came from the engine's prefix cache
 
