@@ -128,6 +128,32 @@ def late_server():
         yield url, client
 
 
+SILENT = "say nothing"
+
+
+class TextDropped(SlowClient):
+    """Drops the text of the reply to SILENT, whose stream still ends with its done event: a reply of no
+    visible characters, as when the model's first token ends its turn."""
+
+    async def generate(self, request):
+        silent = request["messages"][-1]["content"] == SILENT
+        events = super().generate(request)
+        try:
+            async for ev in events:
+                if not (silent and ev["type"] == "delta"):
+                    yield ev
+        finally:
+            await events.aclose()
+
+
+@pytest.fixture(scope="module")
+def empty_reply_server():
+    engine = ChatServer(*tiny_model_and_tokenizer(seed=1), max_slots=1, model_id="tiny")
+    client = TextDropped(engine, delay_s=0.0)
+    for url in serve_page(engine, client):
+        yield url, client
+
+
 @pytest.fixture(scope="module")
 def browser():
     from selenium.webdriver.chrome.options import Options
@@ -315,3 +341,38 @@ def test_a_question_stopped_before_any_answer_leaves_the_page(late_server, brows
     assert questions == ["second question", "fourth question"]
     assert browser.find_elements(By.CSS_SELECTOR, ".msg.error") == []
     assert [m["content"] for m in client.requests[-1]["messages"] if m["role"] == "user"] == questions
+
+
+def test_an_empty_reply_is_a_reply(empty_reply_server, browser):
+    """A reply of no visible characters that ended (done) was dropped as if never answered: the next question
+    replaced its question in the history. It is kept, an assistant message of content "", shown as a muted
+    "(empty reply)"."""
+    from selenium.webdriver.common.by import By
+
+    url, client = empty_reply_server
+    browser.get(url)
+    el = lambda css: browser.find_element(By.CSS_SELECTOR, css)  # noqa: E731
+    el("#max_tokens").clear()
+    el("#max_tokens").send_keys("4")
+    el("#input").send_keys(SILENT)
+    el("#send").click()
+    wait_for(lambda: el("#status").text.endswith("tokens"), what="the empty reply to end")
+    assert [b.text for b in browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")] == ["(empty reply)"]
+    el("#input").send_keys("next question")
+    el("#send").click()
+    wait_for(
+        lambda: (
+            len(browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")) == 2 and el("#send").is_enabled()
+        ),
+        what="the second reply",
+    )
+    assert [b.text for b in browser.find_elements(By.CSS_SELECTOR, ".msg.user")] == [SILENT, "next question"]
+    assert client.requests[-1]["messages"] == [
+        {"role": "user", "content": SILENT},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": ""}],
+        },  # the page's "", as the engine reads it
+        {"role": "user", "content": "next question"},
+    ]
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg.error") == []
