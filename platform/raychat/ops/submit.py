@@ -46,6 +46,7 @@ import sys
 import time
 from pathlib import Path
 
+import requests
 from ray.dashboard.consts import DEFAULT_JOB_START_TIMEOUT_SECONDS, RAY_JOB_START_TIMEOUT_SECONDS_ENV_VAR
 from ray.exceptions import AuthenticationError, RpcError
 from ray.job_submission import JobStatus, JobSubmissionClient
@@ -149,8 +150,8 @@ def make_client(address: str | None = None, token_file: str | None = None):
 
     Raises ConnectionError with one line naming the flag (or the variable the address came from,
     address_source): the dashboard or the GCS cannot be reached, or no
-    GCS answers at a GCS address (--address), or the cluster refuses the token (--token-file or wherever the
-    token came from); ValueError: an address Ray cannot parse, a token file that is not a regular file or is
+    GCS answers at a GCS address (--address), something that is not a Ray dashboard answers HTTP there
+    (_not_a_dashboard), or the cluster refuses the token (--token-file or wherever the token came from); ValueError: an address Ray cannot parse, a token file that is not a regular file or is
     empty; FileNotFoundError: a missing token file."""
     url, named = resolve_address(address), address_source(address)
     # a GCS address (HOST:6379): the client asks the GCS for the dashboard's URL, over Ray's own gRPC client
@@ -163,6 +164,15 @@ def make_client(address: str | None = None, token_file: str | None = None):
             return JobSubmissionClient(url, headers=headers)
     except AuthenticationError as e:
         raise ConnectionError(refused_message(url, source, first_line(e))) from e
+    except (
+        requests.JSONDecodeError,
+        KeyError,
+    ) as e:  # /api/version answered, but not Ray's {"ray_version": ...}
+        raise ConnectionError(_not_a_dashboard(named, url, headers, e)) from e
+    except RuntimeError as e:
+        if not str(e).startswith("Version check returned 404"):
+            raise
+        raise ConnectionError(_not_a_dashboard(named, url, headers, e)) from e
     except RpcError as e:  # a GCS address where something else listens (e.g. the dashboard's port)
         raise ConnectionError(
             f"{named} {url}: no Ray GCS answered there ({first_line(e)}); a GCS address is HOST:6379, the "
@@ -174,6 +184,20 @@ def make_client(address: str | None = None, token_file: str | None = None):
         raise ValueError(
             f"{named} {url}: {first_line(e)}; give the Ray dashboard's address, e.g. http://HEAD:8265"
         ) from e
+
+
+def _not_a_dashboard(named: str, url: str, headers: dict | None, error: BaseException) -> str:
+    """The line for an address where something that is not a Ray dashboard answers HTTP (a node's metrics port,
+    another web server): what its GET /api/version answers (status, first bytes), asked again for this line."""
+    try:
+        reply = requests.get(f"{url}/api/version", headers=headers, timeout=GCS_CONNECT_TIMEOUT_S)
+        answered = f"HTTP {reply.status_code}, {reply.content[:40]!r}"
+    except OSError:  # it stopped answering meanwhile: what Ray's client said of it
+        answered = first_line(error)
+    return (
+        f"{named} {url} is not a Ray dashboard: GET /api/version answered {answered} (a dashboard answers Ray's "
+        "version as JSON); give the Ray dashboard's address, http://<head>:8265"
+    )
 
 
 def entrypoint_for(stage: str, stage_args: list[str], working_dir: Path, python: str = "python") -> str:
