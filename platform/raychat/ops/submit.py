@@ -31,7 +31,8 @@ training driver needs to stop its workers, print its line, delete its lease and 
 with RAY_JOB_STOP_WAIT_TIME_S=30 in its env_vars unless --env sets it (job_env_vars).
 
 Exit codes of `submit` and `jobs logs --follow`: 0 SUCCEEDED, 1 FAILED, 3 STOPPED, 4 cannot reach or
-authenticate to the cluster, 2 bad arguments; with --no-wait, 0 once the job is accepted.
+authenticate to the cluster, 2 bad arguments or a job the cluster does not have (deleted while followed
+included); with --no-wait, 0 once the job is accepted.
 """
 
 from __future__ import annotations
@@ -310,7 +311,8 @@ def follow(client, job_id: str, out=None, poll_s: float = 0.5, waits_for: str | 
     Raises RuntimeError (job_refusal's 404) for a job the cluster does not have, ValueError for a driver's job
     (no submission id: the Jobs API streams no logs of it): asked first, since the log stream of either fails
     with aiohttp's WSServerHandshakeError, which says nothing of the job. ConnectionError (one line, lost_line)
-    when the dashboard stops answering after that: the job runs on without its follower."""
+    when the dashboard stops answering after that: the job runs on without its follower; JobGone (gone_line)
+    when the dashboard answers that the job no longer exists (deleted meanwhile)."""
     out, err = out or sys.stdout, err or sys.stderr
     if client.get_job_info(job_id).submission_id is None:
         raise ValueError(_driver_job(job_id))
@@ -351,8 +353,24 @@ def follow(client, job_id: str, out=None, poll_s: float = 0.5, waits_for: str | 
                 return status.value
             time.sleep(poll_s)
     # Ray's log stream raises RuntimeError on an abnormal close; its status request requests' errors (OSError)
+    # and RuntimeError for the Jobs API's error answers (404: the job was deleted)
     except (OSError, RuntimeError) as e:
+        if _no_such_job(e):
+            raise JobGone(gone_line(client.get_address(), job_id)) from e
         raise ConnectionError(lost_line(client.get_address(), job_id, e)) from e
+
+
+class JobGone(LookupError):
+    """The job followed is no longer on the cluster: the Jobs API answers 404 (gone_line)."""
+
+
+def gone_line(address: str, job_id: str) -> str:
+    """The line of a follower whose job was deleted from the cluster while it followed it."""
+    return (
+        f"job {job_id} is no longer on the cluster at {address}: the Jobs API answers that it does not exist (it "
+        f"was deleted while followed, e.g. `ray job delete {job_id}`, or its head restarted without its job "
+        "history); its status and logs went with it"
+    )
 
 
 def lost_line(address: str, job_id: str, error: BaseException) -> str:
@@ -452,13 +470,19 @@ def job_refusal(e: Exception, job_id: str | None) -> str | None:
     reaching the cluster: no such job (404), a submission id already taken (Ray answers 500 with its
     traceback, whose first line says nothing), or the logs or stop of a driver's job (400). None otherwise."""
     text = str(e)
-    if "status code 404" in text and "does not exist" in text:
+    if _no_such_job(e):
         return f"no job {job_id!r} on this cluster (`raychat jobs list` shows its jobs)"
     if "status code 400" in text and "submission type jobs" in text:  # "Can only get logs of / stop ..."
         return _driver_job(job_id)
     if "already exists" in text and job_id:
         return _taken(job_id)
     return None
+
+
+def _no_such_job(e: Exception) -> bool:
+    """Whether `e` is the Jobs API's answer that a job does not exist (Ray's client: RuntimeError "Request
+    failed with status code 404: Job ... does not exist.")."""
+    return "status code 404" in str(e) and "does not exist" in str(e)
 
 
 def _driver_job(job_id: str | None) -> str:
@@ -547,6 +571,9 @@ def cmd_submit(args) -> int:
     except ConnectionError as e:
         print(f"raychat submit: error: {e}", file=sys.stderr)
         return EXIT_UNREACHABLE
+    except JobGone as e:
+        print(f"raychat submit: error: {e}", file=sys.stderr)
+        return 2
     print(f"job {job_id} {status}", file=sys.stderr)
     if status == "FAILED" and client.get_job_info(job_id).driver_exit_code == EXIT_COMMAND_NOT_FOUND:
         print(
@@ -597,7 +624,7 @@ def cmd_jobs(args) -> int:
             return EXIT_CODES.get(follow(client, args.job_id), 1)
         sys.stdout.write(client.get_job_logs(args.job_id))
         return 0
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, JobGone) as e:
         print(f"raychat jobs: error: {e}", file=sys.stderr)
         return 2
     except _connection_errors() as e:
