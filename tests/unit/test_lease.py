@@ -17,6 +17,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from support.fake_dashboard import RAY_VERSION, FakeDashboard, job_details
@@ -120,17 +121,23 @@ def test_a_live_holder_on_another_host_is_refused_with_its_renewal_age_and_ray_j
         _lease(tmp_path).acquire()
 
 
-def _ended_ms(ago_s: float) -> int:
-    return int((time.time() - ago_s) * 1000)
+def _frozen_clock(monkeypatch) -> float:
+    """The lease module's clock stopped at now (returned): the ages its line gives are not those of a slow test."""
+    now = time.time()
+    clock = SimpleNamespace(
+        time=lambda: now, sleep=time.sleep, strftime=time.strftime, localtime=time.localtime
+    )
+    monkeypatch.setattr(lease_module, "time", clock)
+    return now
 
 
 def test_a_holder_that_outlived_its_failed_ray_job_is_named_with_what_ends_it(tmp_path, monkeypatch):
     """A driver trains on after its Ray job is reported FAILED (its node's raylet died; the driver stayed attached
     to the head): the refusal said "raychat jobs stop <id> ends it", and `jobs stop` answers "already finished".
     The lease renewed after the job ended: the driver lives; it names the process to end."""
-    path = tmp_path / "r" / LEASE_FILE
-    h = _write(path, renewed_at=time.time() - 5, job="raysubmit_abc")
-    with _jobs_api(monkeypatch, job_details("raysubmit_abc", "FAILED", _ended_ms(20))):
+    path, now = tmp_path / "r" / LEASE_FILE, _frozen_clock(monkeypatch)
+    h = _write(path, started_at=now - 60, renewed_at=now - 5, job="raysubmit_abc")
+    with _jobs_api(monkeypatch, job_details("raysubmit_abc", "FAILED", int((now - 20) * 1000))):
         with pytest.raises(LeaseHeld) as e:
             _lease(tmp_path).acquire()
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.started_at))
@@ -145,10 +152,10 @@ def test_a_holder_that_outlived_its_failed_ray_job_is_named_with_what_ends_it(tm
 def test_a_holder_on_this_host_that_outlived_its_ray_job_is_named_so(tmp_path, monkeypatch):
     """On the refusing start's own host a holder's pid is known to run (else the lease is taken over at once):
     the driver outlived its job, however recently the lease was renewed."""
-    me = socket.gethostname()
-    _write(tmp_path / "r" / LEASE_FILE, host=me, pid=os.getpid(), started_at=time.time(),
-           renewed_at=time.time() - 25, job="raysubmit_abc")  # fmt: skip
-    with _jobs_api(monkeypatch, job_details("raysubmit_abc", "STOPPED", _ended_ms(3))):
+    me, now = socket.gethostname(), _frozen_clock(monkeypatch)
+    _write(tmp_path / "r" / LEASE_FILE, host=me, pid=os.getpid(), started_at=now, renewed_at=now - 25,
+           job="raysubmit_abc")  # fmt: skip
+    with _jobs_api(monkeypatch, job_details("raysubmit_abc", "STOPPED", int((now - 3) * 1000))):
         with pytest.raises(LeaseHeld) as e:
             _lease(tmp_path).acquire()
     assert str(e.value).endswith(
@@ -163,8 +170,9 @@ def test_a_holder_on_another_host_whose_job_ended_after_its_last_renewal_is_give
 ):
     """The job ended after the lease's last renewal (40 s ago): its driver may be gone (a node lost) or live on;
     the lease expires 120 s after that renewal, in 80 s."""
-    _write(tmp_path / "r" / LEASE_FILE, renewed_at=time.time() - 40, job="raysubmit_abc")
-    with _jobs_api(monkeypatch, job_details("raysubmit_abc", "FAILED", _ended_ms(10))):
+    now = _frozen_clock(monkeypatch)
+    _write(tmp_path / "r" / LEASE_FILE, started_at=now - 60, renewed_at=now - 40, job="raysubmit_abc")
+    with _jobs_api(monkeypatch, job_details("raysubmit_abc", "FAILED", int((now - 10) * 1000))):
         with pytest.raises(LeaseHeld) as e:
             _lease(tmp_path).acquire()
     assert str(e.value).endswith(
