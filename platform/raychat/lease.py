@@ -115,8 +115,10 @@ def _job_id() -> str | None:
 def _proc_stat(pid: int) -> tuple[str, float] | None:
     """(state, unix time it started) of process `pid` from Linux's /proc (proc(5)); None where it cannot be read."""
     try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        btime = next(int(ln.split()[1]) for ln in open("/proc/stat") if ln.startswith("btime "))
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as stat:
+            btime = next(int(ln.split()[1]) for ln in stat if ln.startswith("btime "))
         return fields[0], btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
