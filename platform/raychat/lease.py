@@ -11,9 +11,10 @@ passed and before Ray starts (a finished run takes none), renews it every RENEW_
 deletes it on every way out it can see (return, exception, SIGINT, SIGTERM). A second start while it is held
 is refused in one line (LeaseHeld) naming what ends the holder: `raychat jobs stop` of its Ray job, or, where
 the Jobs API reports that job ended while its driver holds the lease on (a driver that outlived its job: its
-node's raylet died), the driver's pid and host to kill, or how long until the lease expires (ended_job). A lease is taken over, with one line saying so, when its holder is
-provably dead (on this host, and its pid is gone or now a process started after the lease: a `kill -9` then a
-resume at once) or stale (not renewed for STALE_S: a holder on another host that died, or whose host did).
+node's raylet died), the driver's pid and host to kill, or how long until the lease expires (ended_job). A
+lease is taken over, with one line saying so, when its holder is provably dead (on this host, and its pid is
+gone or now a process started after the lease: a `kill -9` then a resume at once) or stale (not renewed for
+STALE_S: a holder on another host that died, or whose host did).
 
 Local storage (and NFS): the file is created exclusively, as os.link of a complete temporary file (atomic: two
 starts cannot both win, and no reader sees a half-written lease). Object storage has no conditional create in
@@ -155,9 +156,8 @@ def ended_job(job_id: str) -> tuple[str, float | None] | None:
         # take leases too and never import Ray
         from ray.job_submission import JobSubmissionClient
 
-        with contextlib.suppress(
-            Exception
-        ):  # whatever the lookup fails on, the refusal is the one without it
+        # whatever the lookup fails on, the refusal is the one without it
+        with contextlib.suppress(Exception):
             found.append(JobSubmissionClient().get_job_info(job_id))
 
     thread = threading.Thread(target=lookup, name="raychat-lease-job", daemon=True)
@@ -240,9 +240,8 @@ class RunLease:
                     log(f"run lease: taking over {self.uri}: {why}")
                     self._delete_if(data)
                     continue
-            raise LeaseHeld(
-                self.refusal(found)
-            )  # outside the lock: the refusal may ask the Jobs API (ended_job)
+            # outside the lock: the refusal may ask the Jobs API (ended_job)
+            raise LeaseHeld(self.refusal(found))
         else:
             raise LeaseHeld(
                 f"{self.uri}: another start took the run's lease at the same moment ({self._hint()})"

@@ -152,8 +152,9 @@ def make_client(address: str | None = None, token_file: str | None = None):
     Raises ConnectionError with one line naming the flag (or the variable the address came from,
     address_source): the dashboard or the GCS cannot be reached, or no
     GCS answers at a GCS address (--address), something that is not a Ray dashboard answers HTTP there
-    (_not_a_dashboard), or the cluster refuses the token (--token-file or wherever the token came from); ValueError: an address Ray cannot parse, a token file that is not a regular file or is
-    empty; FileNotFoundError: a missing token file."""
+    (_not_a_dashboard), or the cluster refuses the token (--token-file or wherever the token came from);
+    ValueError: an address Ray cannot parse, a token file that is not a regular file or is empty;
+    FileNotFoundError: a missing token file."""
     url, named = resolve_address(address), address_source(address)
     # a GCS address (HOST:6379): the client asks the GCS for the dashboard's URL, over Ray's own gRPC client
     token, source = find_token(token_file) if "://" in url else hand_to_ray(token_file)
@@ -165,10 +166,8 @@ def make_client(address: str | None = None, token_file: str | None = None):
             return JobSubmissionClient(url, headers=headers)
     except AuthenticationError as e:
         raise ConnectionError(refused_message(url, source, first_line(e))) from e
-    except (
-        requests.JSONDecodeError,
-        KeyError,
-    ) as e:  # /api/version answered, but not Ray's {"ray_version": ...}
+    # /api/version answered, but not Ray's {"ray_version": ...}: not a Ray dashboard
+    except (requests.JSONDecodeError, KeyError) as e:
         raise ConnectionError(_not_a_dashboard(named, url, headers, e)) from e
     except RuntimeError as e:
         if not str(e).startswith("Version check returned 404"):
