@@ -9,9 +9,12 @@ The file is JSON: {"host", "pid", "started_at", "renewed_at" (unix seconds), "co
 submission id, or null), "token" (the holder's own random id)}. The driver takes it once the cheap checks have
 passed and before Ray starts (a finished run takes none), renews it every RENEW_S from a daemon thread and
 deletes it on every way out it can see (return, exception, SIGINT, SIGTERM). A second start while it is held
-is refused in one line (LeaseHeld). A lease is taken over, with one line saying so, when its holder is
-provably dead (on this host, and its pid is gone or now a process started after the lease: a `kill -9` then a
-resume at once) or stale (not renewed for STALE_S: a holder on another host that died, or whose host did).
+is refused in one line (LeaseHeld) naming what ends the holder: `raychat jobs stop` of its Ray job, or, where
+the Jobs API reports that job ended while its driver holds the lease on (a driver that outlived its job: its
+node's raylet died), the driver's pid and host to kill, or how long until the lease expires (ended_job). A
+lease is taken over, with one line saying so, when its holder is provably dead (on this host, and its pid is
+gone or now a process started after the lease: a `kill -9` then a resume at once) or stale (not renewed for
+STALE_S: a holder on another host that died, or whose host did).
 
 Local storage (and NFS): the file is created exclusively, as os.link of a complete temporary file (atomic: two
 starts cannot both win, and no reader sees a half-written lease). Object storage has no conditional create in
@@ -66,6 +69,7 @@ SETTLE_S = 2.0
 # A pid whose process started this long after the lease did is another process that got the same pid.
 _PID_REUSE_SLACK_S = 2.0
 _JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor in a job's driver
+JOB_LOOKUP_S = 10.0  # how long a refusal waits for the Jobs API's status of the holder's job (ended_job)
 
 
 class LeaseHeld(ValueError):
@@ -112,8 +116,10 @@ def _job_id() -> str | None:
 def _proc_stat(pid: int) -> tuple[str, float] | None:
     """(state, unix time it started) of process `pid` from Linux's /proc (proc(5)); None where it cannot be read."""
     try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        btime = next(int(ln.split()[1]) for ln in open("/proc/stat") if ln.startswith("btime "))
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as stat:
+            btime = next(int(ln.split()[1]) for ln in stat if ln.startswith("btime "))
         return fields[0], btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
@@ -135,6 +141,32 @@ def pid_alive(pid: int, since: float) -> bool:
         return True
     state, started = stat
     return state not in ("Z", "X") and started <= since + _PID_REUSE_SLACK_S
+
+
+def ended_job(job_id: str) -> tuple[str, float | None] | None:
+    """(status, unix time it ended or None) of Ray job `job_id` once it has ended (SUCCEEDED, FAILED, STOPPED), as
+    the Jobs API of this process's cluster answers: Ray's JobSubmissionClient without an address reads
+    RAY_API_SERVER_ADDRESS, else RAY_ADDRESS (a job's driver: its cluster's GCS, which Ray sets), else finds a
+    local cluster. None while it runs, and when that cannot be told within JOB_LOOKUP_S: no cluster answers, the
+    token is refused, the cluster has no such job (the holder's job ran on another cluster)."""
+    found: list = []
+
+    def lookup():
+        # imported here: Ray's import (~1 s) stays out of `raychat data prepare` and `tokenizer train`, which
+        # take leases too and never import Ray
+        from ray.job_submission import JobSubmissionClient
+
+        # whatever the lookup fails on, the refusal is the one without it
+        with contextlib.suppress(Exception):
+            found.append(JobSubmissionClient().get_job_info(job_id))
+
+    thread = threading.Thread(target=lookup, name="raychat-lease-job", daemon=True)
+    thread.start()
+    thread.join(JOB_LOOKUP_S)  # Ray's client has no timeout of its own (a GCS that does not answer: ~35 s)
+    if not found or not found[0].status.is_terminal():
+        return None
+    end_ms = found[0].end_time
+    return found[0].status.value, end_ms / 1000 if end_ms else None
 
 
 def _ago(seconds: float) -> str:
@@ -204,10 +236,12 @@ class RunLease:
                     continue
                 found = Holder.parse(data)
                 why = self._gone(found)
-                if why is None:
-                    raise LeaseHeld(self.refusal(found))
-                log(f"run lease: taking over {self.uri}: {why}")
-                self._delete_if(data)
+                if why is not None:
+                    log(f"run lease: taking over {self.uri}: {why}")
+                    self._delete_if(data)
+                    continue
+            # outside the lock: the refusal may ask the Jobs API (ended_job)
+            raise LeaseHeld(self.refusal(found))
         else:
             raise LeaseHeld(
                 f"{self.uri}: another start took the run's lease at the same moment ({self._hint()})"
@@ -267,16 +301,41 @@ class RunLease:
         return None
 
     def refusal(self, h: Holder | None) -> str:
-        """The one line refusing a start while `h` holds the lease."""
+        """The one line refusing a start while `h` holds the lease (asks the Jobs API of its Ray job: ended_job)."""
         if h is None:
             return (
                 f"the run is leased: {self.uri} (not a lease raychat wrote) is younger than {STALE_S:g} s "
                 f"({self._hint()})"
             )
+        now = time.time()
+        if h.job and (ended := ended_job(h.job)) is not None:
+            return (
+                f"the run is already running: {self.uri} is held by pid {h.pid} on {h.host}, started "
+                f"{_when(h.started_at)}, renewed {_ago(now - h.renewed_at)} ({h.command}), but its Ray job {h.job} "
+                f"is {ended[0]}{self._since(ended[1])}, so `raychat jobs stop {h.job}` cannot end it: "
+                f"{self._what_ends(h, ended[1])}; or use {self.other_run}"
+            )
         job = f", Ray job {h.job} (raychat jobs stop {h.job} ends it)" if h.job else ""
         return (
             f"the run is already running: {self.uri} is held by pid {h.pid} on {h.host}{job}, started "
-            f"{_when(h.started_at)}, renewed {_ago(time.time() - h.renewed_at)} ({h.command}); {self._hint()}"
+            f"{_when(h.started_at)}, renewed {_ago(now - h.renewed_at)} ({h.command}); {self._hint()}"
+        )
+
+    @staticmethod
+    def _since(ended_at: float | None) -> str:
+        return f" (ended {_ago(time.time() - ended_at)})" if ended_at is not None else ""
+
+    @staticmethod
+    def _what_ends(h: Holder, ended_at: float | None) -> str:
+        """What ends a live holder `h` whose Ray job ended at `ended_at`: on this host its pid runs (_gone), and
+        a renewal after the job's end is proof of life elsewhere; otherwise it may be gone: the wait."""
+        kill = f"`kill {h.pid}` on {h.host} ends it (the driver deletes the lease as it exits)"
+        if h.host == socket.gethostname() or (ended_at is not None and h.renewed_at > ended_at):
+            return f"its driver outlived the job and renews the lease: {kill}"
+        left = max(0, round(h.renewed_at + STALE_S - time.time()))
+        return (
+            f"if its driver is gone, the lease is taken over in {left} s ({STALE_S:g} s after its last renewal); "
+            f"if it runs on, {kill}"
         )
 
     def _hint(self) -> str:

@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 from pathlib import Path
@@ -531,3 +532,39 @@ def test_a_job_that_cannot_start_is_refused_or_reported(token_cluster):
         "rc-hold": "STOPPED",
         "rc-wait": "STOPPED",
     }
+
+
+@pytest.mark.ray
+def test_a_job_drivers_lease_refusal_finds_that_the_holders_job_has_ended(token_cluster, capsys):
+    """What a unit test cannot show: a job's driver asks the Jobs API of its own cluster (Ray's client without an
+    address: the driver's RAY_ADDRESS, its GCS; the nodes' token) for the lease holder's job. The holder here,
+    a lease written as a driver on another node writes it, names a job that has SUCCEEDED and renewed it since:
+    the refusal names the process to kill, not `raychat jobs stop` (tests/unit/test_lease.py has the lines)."""
+    c = token_cluster
+    conn = ["--address", c["url"], "--token-file", str(c["token_file"])]
+    assert raychat_main(["submit", *conn, "--job-id", "rc-lease-done", "command", "true"]) == 0
+    root = c["tmp"] / "lease-root"
+    holder = {"host": "node-x", "pid": 4242, "command": "holder", "job": "rc-lease-done", "token": "0" * 16}
+    code = textwrap.dedent(f"""
+        import json, os, time
+        from raychat.lease import LeaseHeld, RunLease
+        from raychat.storage import open_storage
+        s = open_storage({str(root)!r})
+        os.makedirs(f"{{s.path}}/r", exist_ok=True)
+        now = time.time()
+        lease = {{**{holder!r}, "started_at": now - 60, "renewed_at": now}}
+        open(f"{{s.path}}/r/lease.json", "w").write(json.dumps(lease))
+        try:
+            RunLease(s, s.run_path("r")).acquire()
+        except LeaseHeld as e:
+            print("refused:", e)
+    """)
+    python = str(Path(sys.executable).parent / "python3")  # the Python Ray runs (the head's PATH: a bare one)
+    assert raychat_main(["submit", *conn, "command", python, "-c", code]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("refused: "))
+    assert "but its Ray job rc-lease-done is SUCCEEDED (ended " in line, out
+    assert line.endswith(
+        "so `raychat jobs stop rc-lease-done` cannot end it: its driver outlived the job and renews the lease: "
+        "`kill 4242` on node-x ends it (the driver deletes the lease as it exits); or use another --run-name"
+    ), out

@@ -321,6 +321,8 @@ LAZY = {
     "torch.nn.attention.flex_attention": "imports torch._dynamo (1-3.5 s); only the engine's GPU path uses it",
     "torch.nn.attention.bias": "imports torch._dynamo too; only a later prefill chunk uses it "
     "(bench/results/job_startup.md: every process importing raychat.engine paid for it)",
+    "ray.job_submission": "1.1 s of import (measured); only a lease refusal of a Ray job's holder asks the Jobs "
+    "API (raychat.lease.ended_job), and `raychat data prepare` / `tokenizer train` take leases without Ray",
 }
 
 

@@ -34,6 +34,7 @@ import ray
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
+from support.fake_dashboard import RAY_VERSION, FakeDashboard
 from support.serve_helpers import tiny_model_and_tokenizer, write_tiny_checkpoint
 
 from raychat import checkpoint_manager
@@ -612,6 +613,42 @@ def test_an_unreachable_cluster(monkeypatch, capsys):
     assert rc == 4, err
     assert err.startswith(f"raychat submit: error: --address: cannot reach the Ray dashboard at {url}: "), err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    "reply, answered",
+    [
+        (
+            (200, b"# HELP ray_node_cpu_utilization Total CPU usage\n"),
+            "HTTP 200, b'# HELP ray_node_cpu_utilization Total CP'",
+        ),
+        ((404, b"Not Found"), "HTTP 404, b'Not Found'"),
+        ((200, {"status": "ok"}), 'HTTP 200, b\'{"status": "ok"}\''),
+    ],
+    ids=["metrics-port", "404", "other-json"],
+)
+def test_an_address_that_is_not_a_ray_dashboard(monkeypatch, capsys, reply, answered):
+    """--address at something that answers HTTP but is not a Ray dashboard (a node's metrics port: Prometheus
+    text) said "Expecting value: line 1 column 1 (char 0)", exit 2 (a 404 blamed the Ray version, other JSON a
+    traceback); one line naming --address, what answered and what the address should be, exit 4 as another
+    address that does not answer."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")
+    with FakeDashboard({"/api/version": reply}) as fake:
+        line = (
+            f"--address {fake.url} is not a Ray dashboard: GET /api/version answered {answered} (a dashboard "
+            "answers Ray's version as JSON); give the Ray dashboard's address, http://<head>:8265\n"
+        )
+        assert raychat_main(["jobs", "list", "--address", fake.url]) == 4
+        assert capsys.readouterr().err == f"raychat jobs: error: {line}"
+        assert raychat_main(["submit", "--address", fake.url, "command", "true"]) == 4
+        assert capsys.readouterr().err == f"raychat submit: error: {line}"
+
+
+def test_a_ray_dashboard_is_taken(monkeypatch, capsys):
+    """The same reply as a Ray 2.60 dashboard's /api/version: a client (the check above does not refuse it)."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")
+    with FakeDashboard({"/api/version": (200, RAY_VERSION)}) as fake:
+        assert submit.make_client(fake.url).get_address() == fake.url
 
 
 def test_a_submitted_eval_says_where_its_job_looks_for_task_data(monkeypatch, capsys):

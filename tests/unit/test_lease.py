@@ -17,8 +17,10 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from support.fake_dashboard import RAY_VERSION, FakeDashboard, job_details
 from support.stopped_writer import Held
 
 from raychat import lease as lease_module
@@ -94,11 +96,90 @@ def test_two_starts_at_once_cannot_both_win(tmp_path):
     won[0].release()
 
 
-def test_a_live_holder_on_another_host_is_refused_with_its_renewal_age_and_ray_job(tmp_path):
+@contextlib.contextmanager
+def _jobs_api(monkeypatch, job: dict | None):
+    """The Jobs API of this process's cluster (RAY_API_SERVER_ADDRESS, what Ray's client reads first) answering
+    for job raysubmit_abc with `job` (Ray's JobDetails), or 404 when None."""
+    replies = {"/api/version": (200, RAY_VERSION)}
+    if job is not None:
+        replies["/api/jobs/raysubmit_abc"] = (200, job)
+    with FakeDashboard(replies) as fake:
+        monkeypatch.setenv("RAY_API_SERVER_ADDRESS", fake.url)
+        yield
+
+
+@pytest.mark.parametrize("job", [job_details("raysubmit_abc", "RUNNING"), None], ids=["running", "not-found"])
+def test_a_live_holder_on_another_host_is_refused_with_its_renewal_age_and_ray_job(
+    tmp_path, monkeypatch, job
+):
+    """Its job RUNNING, or not on this process's cluster (the holder ran on another): `raychat jobs stop` ends it."""
     _write(tmp_path / "r" / LEASE_FILE, renewed_at=time.time() - 45, job="raysubmit_abc")
-    with pytest.raises(LeaseHeld, match=r"held by pid 4242 on node-b, Ray job raysubmit_abc \(raychat jobs stop "
-                       r"raysubmit_abc ends it\), started .*, renewed 45 s ago"):  # fmt: skip
+    with _jobs_api(monkeypatch, job), pytest.raises(
+        LeaseHeld, match=r"held by pid 4242 on node-b, Ray job raysubmit_abc \(raychat jobs stop raysubmit_abc "
+        r"ends it\), started .*, renewed 45 s ago"
+    ):  # fmt: skip
         _lease(tmp_path).acquire()
+
+
+def _frozen_clock(monkeypatch) -> float:
+    """The lease module's clock stopped at now (returned): the ages its line gives are not those of a slow test."""
+    now = time.time()
+    clock = SimpleNamespace(
+        time=lambda: now, sleep=time.sleep, strftime=time.strftime, localtime=time.localtime
+    )
+    monkeypatch.setattr(lease_module, "time", clock)
+    return now
+
+
+def test_a_holder_that_outlived_its_failed_ray_job_is_named_with_what_ends_it(tmp_path, monkeypatch):
+    """A driver trains on after its Ray job is reported FAILED (its node's raylet died; the driver stayed attached
+    to the head): the refusal said "raychat jobs stop <id> ends it", and `jobs stop` answers "already finished".
+    The lease renewed after the job ended: the driver lives; it names the process to end."""
+    path, now = tmp_path / "r" / LEASE_FILE, _frozen_clock(monkeypatch)
+    h = _write(path, started_at=now - 60, renewed_at=now - 5, job="raysubmit_abc")
+    with _jobs_api(monkeypatch, job_details("raysubmit_abc", "FAILED", int((now - 20) * 1000))):
+        with pytest.raises(LeaseHeld) as e:
+            _lease(tmp_path).acquire()
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.started_at))
+    assert str(e.value) == (
+        f"the run is already running: {path} is held by pid 4242 on node-b, started {started}, renewed 5 s ago "
+        "(raychat pretrain --run-name r), but its Ray job raysubmit_abc is FAILED (ended 20 s ago), so `raychat "
+        "jobs stop raysubmit_abc` cannot end it: its driver outlived the job and renews the lease: `kill 4242` on "
+        "node-b ends it (the driver deletes the lease as it exits); or use another --run-name"
+    )
+
+
+def test_a_holder_on_this_host_that_outlived_its_ray_job_is_named_so(tmp_path, monkeypatch):
+    """On the refusing start's own host a holder's pid is known to run (else the lease is taken over at once):
+    the driver outlived its job, however recently the lease was renewed."""
+    me, now = socket.gethostname(), _frozen_clock(monkeypatch)
+    _write(tmp_path / "r" / LEASE_FILE, host=me, pid=os.getpid(), started_at=now, renewed_at=now - 25,
+           job="raysubmit_abc")  # fmt: skip
+    with _jobs_api(monkeypatch, job_details("raysubmit_abc", "STOPPED", int((now - 3) * 1000))):
+        with pytest.raises(LeaseHeld) as e:
+            _lease(tmp_path).acquire()
+    assert str(e.value).endswith(
+        f"but its Ray job raysubmit_abc is STOPPED (ended 3 s ago), so `raychat jobs stop raysubmit_abc` cannot "
+        f"end it: its driver outlived the job and renews the lease: `kill {os.getpid()}` on {me} ends it (the "
+        "driver deletes the lease as it exits); or use another --run-name"
+    ), str(e.value)
+
+
+def test_a_holder_on_another_host_whose_job_ended_after_its_last_renewal_is_given_the_wait(
+    tmp_path, monkeypatch
+):
+    """The job ended after the lease's last renewal (40 s ago): its driver may be gone (a node lost) or live on;
+    the lease expires 120 s after that renewal, in 80 s."""
+    now = _frozen_clock(monkeypatch)
+    _write(tmp_path / "r" / LEASE_FILE, started_at=now - 60, renewed_at=now - 40, job="raysubmit_abc")
+    with _jobs_api(monkeypatch, job_details("raysubmit_abc", "FAILED", int((now - 10) * 1000))):
+        with pytest.raises(LeaseHeld) as e:
+            _lease(tmp_path).acquire()
+    assert str(e.value).endswith(
+        "but its Ray job raysubmit_abc is FAILED (ended 10 s ago), so `raychat jobs stop raysubmit_abc` cannot end "
+        "it: if its driver is gone, the lease is taken over in 80 s (120 s after its last renewal); if it runs "
+        "on, `kill 4242` on node-b ends it (the driver deletes the lease as it exits); or use another --run-name"
+    ), str(e.value)
 
 
 def _holder_process(root: Path, then: str) -> subprocess.Popen:

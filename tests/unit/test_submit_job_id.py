@@ -141,3 +141,32 @@ def test_a_connection_lost_while_following_is_named_and_exits_4_not_1(monkeypatc
     assert err == "submitted j: python -c 'print(1)'\nraychat submit: error: " + line
     assert raychat_main(["jobs", "logs", "--follow", "j"]) == 4
     assert capsys.readouterr() == ("step 1\n", "raychat jobs: error: " + line)
+
+
+class GoneClient(LostClient):
+    """A job deleted from the cluster while it is followed (`ray job delete`, or a head restarted without its
+    job history): its log stream ends, then the Jobs API answers its status request with 404."""
+
+    def __init__(self):
+        super().__init__("http")
+
+    def get_job_status(self, job_id):
+        raise RuntimeError(f"Request failed with status code 404: Job {job_id} does not exist.")
+
+
+def test_a_job_deleted_while_it_is_followed_is_reported_gone_not_as_a_lost_connection(monkeypatch, capsys):
+    """The 404 of the deleted job was reported as "lost the connection to the Ray dashboard ...", exit 4,
+    though the dashboard answered; it is its own line, exit 2 as any job id the Jobs API does not find."""
+    client = GoneClient()
+    monkeypatch.setattr(submit, "make_client", lambda address, token_file: client)
+    line = (
+        "job j is no longer on the cluster at http://127.0.0.1:8299: the Jobs API answers that it does not exist "
+        "(it was deleted while followed, e.g. `ray job delete j`, or its head restarted without its job "
+        "history); its status and logs went with it\n"
+    )
+    rc = raychat_main(["submit", "--job-id", "j", "command", "python", "-c", "print(1)"])
+    out, err = capsys.readouterr()
+    assert (rc, out) == (2, "step 1\n")
+    assert err == "submitted j: python -c 'print(1)'\nraychat submit: error: " + line
+    assert raychat_main(["jobs", "logs", "--follow", "j"]) == 2
+    assert capsys.readouterr() == ("step 1\n", "raychat jobs: error: " + line)

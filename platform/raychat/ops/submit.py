@@ -31,7 +31,8 @@ training driver needs to stop its workers, print its line, delete its lease and 
 with RAY_JOB_STOP_WAIT_TIME_S=30 in its env_vars unless --env sets it (job_env_vars).
 
 Exit codes of `submit` and `jobs logs --follow`: 0 SUCCEEDED, 1 FAILED, 3 STOPPED, 4 cannot reach or
-authenticate to the cluster, 2 bad arguments; with --no-wait, 0 once the job is accepted.
+authenticate to the cluster, 2 bad arguments or a job the cluster does not have (deleted while followed
+included); with --no-wait, 0 once the job is accepted.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import sys
 import time
 from pathlib import Path
 
+import requests
 from ray.dashboard.consts import DEFAULT_JOB_START_TIMEOUT_SECONDS, RAY_JOB_START_TIMEOUT_SECONDS_ENV_VAR
 from ray.exceptions import AuthenticationError, RpcError
 from ray.job_submission import JobStatus, JobSubmissionClient
@@ -149,9 +151,10 @@ def make_client(address: str | None = None, token_file: str | None = None):
 
     Raises ConnectionError with one line naming the flag (or the variable the address came from,
     address_source): the dashboard or the GCS cannot be reached, or no
-    GCS answers at a GCS address (--address), or the cluster refuses the token (--token-file or wherever the
-    token came from); ValueError: an address Ray cannot parse, a token file that is not a regular file or is
-    empty; FileNotFoundError: a missing token file."""
+    GCS answers at a GCS address (--address), something that is not a Ray dashboard answers HTTP there
+    (_not_a_dashboard), or the cluster refuses the token (--token-file or wherever the token came from);
+    ValueError: an address Ray cannot parse, a token file that is not a regular file or is empty;
+    FileNotFoundError: a missing token file."""
     url, named = resolve_address(address), address_source(address)
     # a GCS address (HOST:6379): the client asks the GCS for the dashboard's URL, over Ray's own gRPC client
     token, source = find_token(token_file) if "://" in url else hand_to_ray(token_file)
@@ -163,6 +166,13 @@ def make_client(address: str | None = None, token_file: str | None = None):
             return JobSubmissionClient(url, headers=headers)
     except AuthenticationError as e:
         raise ConnectionError(refused_message(url, source, first_line(e))) from e
+    # /api/version answered, but not Ray's {"ray_version": ...}: not a Ray dashboard
+    except (requests.JSONDecodeError, KeyError) as e:
+        raise ConnectionError(_not_a_dashboard(named, url, headers, e)) from e
+    except RuntimeError as e:
+        if not str(e).startswith("Version check returned 404"):
+            raise
+        raise ConnectionError(_not_a_dashboard(named, url, headers, e)) from e
     except RpcError as e:  # a GCS address where something else listens (e.g. the dashboard's port)
         raise ConnectionError(
             f"{named} {url}: no Ray GCS answered there ({first_line(e)}); a GCS address is HOST:6379, the "
@@ -174,6 +184,20 @@ def make_client(address: str | None = None, token_file: str | None = None):
         raise ValueError(
             f"{named} {url}: {first_line(e)}; give the Ray dashboard's address, e.g. http://HEAD:8265"
         ) from e
+
+
+def _not_a_dashboard(named: str, url: str, headers: dict | None, error: BaseException) -> str:
+    """The line for an address where something that is not a Ray dashboard answers HTTP (a node's metrics port,
+    another web server): what its GET /api/version answers (status, first bytes), asked again for this line."""
+    try:
+        reply = requests.get(f"{url}/api/version", headers=headers, timeout=GCS_CONNECT_TIMEOUT_S)
+        answered = f"HTTP {reply.status_code}, {reply.content[:40]!r}"
+    except OSError:  # it stopped answering meanwhile: what Ray's client said of it
+        answered = first_line(error)
+    return (
+        f"{named} {url} is not a Ray dashboard: GET /api/version answered {answered} (a dashboard answers Ray's "
+        "version as JSON); give the Ray dashboard's address, http://<head>:8265"
+    )
 
 
 def entrypoint_for(stage: str, stage_args: list[str], working_dir: Path, python: str = "python") -> str:
@@ -286,7 +310,8 @@ def follow(client, job_id: str, out=None, poll_s: float = 0.5, waits_for: str | 
     Raises RuntimeError (job_refusal's 404) for a job the cluster does not have, ValueError for a driver's job
     (no submission id: the Jobs API streams no logs of it): asked first, since the log stream of either fails
     with aiohttp's WSServerHandshakeError, which says nothing of the job. ConnectionError (one line, lost_line)
-    when the dashboard stops answering after that: the job runs on without its follower."""
+    when the dashboard stops answering after that: the job runs on without its follower; JobGone (gone_line)
+    when the dashboard answers that the job no longer exists (deleted meanwhile)."""
     out, err = out or sys.stdout, err or sys.stderr
     if client.get_job_info(job_id).submission_id is None:
         raise ValueError(_driver_job(job_id))
@@ -327,8 +352,24 @@ def follow(client, job_id: str, out=None, poll_s: float = 0.5, waits_for: str | 
                 return status.value
             time.sleep(poll_s)
     # Ray's log stream raises RuntimeError on an abnormal close; its status request requests' errors (OSError)
+    # and RuntimeError for the Jobs API's error answers (404: the job was deleted)
     except (OSError, RuntimeError) as e:
+        if _no_such_job(e):
+            raise JobGone(gone_line(client.get_address(), job_id)) from e
         raise ConnectionError(lost_line(client.get_address(), job_id, e)) from e
+
+
+class JobGone(LookupError):
+    """The job followed is no longer on the cluster: the Jobs API answers 404 (gone_line)."""
+
+
+def gone_line(address: str, job_id: str) -> str:
+    """The line of a follower whose job was deleted from the cluster while it followed it."""
+    return (
+        f"job {job_id} is no longer on the cluster at {address}: the Jobs API answers that it does not exist (it "
+        f"was deleted while followed, e.g. `ray job delete {job_id}`, or its head restarted without its job "
+        "history); its status and logs went with it"
+    )
 
 
 def lost_line(address: str, job_id: str, error: BaseException) -> str:
@@ -428,13 +469,19 @@ def job_refusal(e: Exception, job_id: str | None) -> str | None:
     reaching the cluster: no such job (404), a submission id already taken (Ray answers 500 with its
     traceback, whose first line says nothing), or the logs or stop of a driver's job (400). None otherwise."""
     text = str(e)
-    if "status code 404" in text and "does not exist" in text:
+    if _no_such_job(e):
         return f"no job {job_id!r} on this cluster (`raychat jobs list` shows its jobs)"
     if "status code 400" in text and "submission type jobs" in text:  # "Can only get logs of / stop ..."
         return _driver_job(job_id)
     if "already exists" in text and job_id:
         return _taken(job_id)
     return None
+
+
+def _no_such_job(e: Exception) -> bool:
+    """Whether `e` is the Jobs API's answer that a job does not exist (Ray's client: RuntimeError "Request
+    failed with status code 404: Job ... does not exist.")."""
+    return "status code 404" in str(e) and "does not exist" in str(e)
 
 
 def _driver_job(job_id: str | None) -> str:
@@ -523,6 +570,9 @@ def cmd_submit(args) -> int:
     except ConnectionError as e:
         print(f"raychat submit: error: {e}", file=sys.stderr)
         return EXIT_UNREACHABLE
+    except JobGone as e:
+        print(f"raychat submit: error: {e}", file=sys.stderr)
+        return 2
     print(f"job {job_id} {status}", file=sys.stderr)
     if status == "FAILED" and client.get_job_info(job_id).driver_exit_code == EXIT_COMMAND_NOT_FOUND:
         print(
@@ -573,7 +623,7 @@ def cmd_jobs(args) -> int:
             return EXIT_CODES.get(follow(client, args.job_id), 1)
         sys.stdout.write(client.get_job_logs(args.job_id))
         return 0
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, JobGone) as e:
         print(f"raychat jobs: error: {e}", file=sys.stderr)
         return 2
     except _connection_errors() as e:
