@@ -110,7 +110,7 @@ from raychat.train.launch import (
     stopped_on_fault,
 )
 from raychat.train.step import NonFiniteError
-from raychat.train.trainer import due
+from raychat.train.trainer import due, resumed_line
 
 MODES = ("sync", "async")  # --mode: on-policy | rollouts up to --max-staleness versions ahead
 STEP_FIX = "see what its process does (py-spy dump: a deadlock, a hung all-reduce, a stuck device or node)"
@@ -323,7 +323,7 @@ class RLRun:
             f"check that its node reads {where} (a hung mount, an endpoint that does not answer)",
         )  # fmt: skip
         self.set_version(int(states[0]["version"]))
-        self.log(f"resumed from {uri} at step {states[0]['step']} (version {self.version})")
+        self.log(resumed_line(uri, int(states[0]["step"]), f"version {self.version}"))
         return int(states[0]["step"])
 
     # ---- one learner step ------------------------------------------------------------------------------
