@@ -8,7 +8,8 @@
 
 Stages whose outputs already exist are skipped (the run is resumable: run the same command again). A stage
 that did its work records its wall time and figures in the run's report state (raychat.report: <out>/stages.json,
-as it finishes); a later invocation that reuses the stage's output reports those, marked reused.
+as it finishes); a later invocation that reuses the stage's output reports those, marked reused (pretraining's
+too when the invocation that committed its final checkpoint was stopped before recording it: begin_stage).
 
 A bad preset is refused before the first stage, not when the stage that reads it starts (after data
 preparation and tokenizer training): check_stages makes every check of a stage's start that needs no earlier
@@ -60,7 +61,15 @@ from raychat.lease import RunLease, output_lease
 from raychat.log import log, plural
 from raychat.metrics_sink import read_jsonl
 from raychat.ray_token import token_for
-from raychat.report import file_id, read_state, run_total, settle_stage, write_report
+from raychat.report import (
+    file_id,
+    mark_start,
+    read_state,
+    recover_record,
+    run_total,
+    settle_stage,
+    write_report,
+)
 from raychat.rl.actors import check_layout
 from raychat.rl.cli import check_generation_length, short_eval_split_warning
 from raychat.rl.loop import RLRun
@@ -92,6 +101,22 @@ def newest_commit(storage_path: str, run_name: str) -> str | None:
     storage = open_storage(storage_path)
     found = committed_checkpoints(storage, storage.run_path(run_name))
     return file_id(Path(found[-1].path) / COMMIT_FILE) if found else None
+
+
+def begin_stage(state: dict, out_dir: Path, stage: str, storage_path: str, run_name: str) -> str | None:
+    """Before a training stage runs: record it (raychat.report.recover_record) when the invocation that last
+    started it was stopped after committing the local run's newest checkpoint but before recording it, from that
+    checkpoint (its commit marker's committed_at, its meta.json's metrics, samples left out), then mark this
+    invocation's start (mark_start). Returns newest_commit (None: no checkpoint yet)."""
+    storage = open_storage(storage_path)
+    found = committed_checkpoints(storage, storage.run_path(run_name))
+    before = file_id(Path(found[-1].path) / COMMIT_FILE) if found else None
+    if found:
+        meta = json.loads((Path(found[-1].path) / "meta.json").read_text())
+        figures = {k: v for k, v in meta.get("metrics", {}).items() if k != "samples"}
+        recover_record(state, out_dir, stage, before, found[-1].commit.get("committed_at"), figures)
+    mark_start(state, out_dir, stage, before, time.time())
+    return before
 
 
 def out_lease(out: str) -> RunLease:
@@ -256,7 +281,7 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
     report["tokenizer"] = settle("tokenizer", t0, figures, file_id(tok_dir / "tokenizer.json"), not reused)
 
     t0 = banner("3/6 pretrain on Ray Train")
-    before = newest_commit(cfg.run.storage_path, cfg.run.run_name)
+    before = begin_stage(state, out_dir, "pretrain", cfg.run.storage_path, cfg.run.run_name)
     with stage_keys(preset, "pretrain"):
         result = pretrain(cfg, flags=speedrun_flags(preset, "pretrain"))
     after = newest_commit(cfg.run.storage_path, cfg.run.run_name)
