@@ -91,6 +91,15 @@ def settle_stage(
     return record["figures"]
 
 
+def restore_state(out_dir: Path, saved: bytes | None) -> None:
+    """Put back out_dir/stages.json as it was: `saved`, its bytes read before (None: there was none)."""
+    path = Path(out_dir) / STATE_FILE
+    if saved is None:
+        path.unlink(missing_ok=True)
+    else:
+        atomic_write(path, lambda p: p.write_bytes(saved))
+
+
 def mark_start(state: dict, out_dir: Path, stage: str, before: str | None, at: float) -> None:
     """Record that this invocation starts `stage` at `at` (time.time()) from the output `before` (file_id of the
     stage's newest output then; None: none): state[stage]["started"], beside the stage's record, written to

@@ -13,7 +13,7 @@ from raychat.cli import main as raychat_main
 from raychat.config import SpeedrunConfig, TrainConfig, from_dict
 from raychat.metrics_sink import read_jsonl
 from raychat.report import STATE_FILE, plot_stage, read_state, reward_band, settle_stage, write_report
-from raychat.speedrun import accuracy_task, begin_stage, newest_commit
+from raychat.speedrun import accuracy_task, newest_commit, stage_started
 
 TOKENIZER = {"vocab_size": 4096, "version": "abc", "train_seconds": 28.5, "val_bytes_per_token": 4.321}
 RL = {"summary": "20 steps, pass@1 on 64 held-out problems 0.125 -> 0.250, learner wait 0.10, 70 s",
@@ -126,9 +126,8 @@ def test_a_speedrun_stopped_after_pretrainings_final_commit_reports_it_on_the_re
     out, root = tmp_path / "out", tmp_path / "checkpoints"
     out.mkdir()
     state = read_state(out)
-    assert (
-        begin_stage(state, out, "pretrain", str(root), "base") is None
-    )  # the first invocation: no checkpoint
+    with stage_started(state, out, "pretrain", str(root), "base") as before:  # the first invocation
+        assert before is None
     started = read_state(out)["pretrain"]["started"]
     figures = PRETRAIN | {"samples": ["once upon"]}
     committed_at = _final_checkpoint(root, 600, figures)
@@ -137,8 +136,8 @@ def test_a_speedrun_stopped_after_pretrainings_final_commit_reports_it_on_the_re
 
     report = {"timings_s": {}}
     state = read_state(out)
-    before = begin_stage(state, out, "pretrain", str(root), "base")  # the rerun
-    assert before == newest_commit(str(root), "base")
+    with stage_started(state, out, "pretrain", str(root), "base") as before:  # the rerun
+        assert before == newest_commit(str(root), "base")
     assert read_state(out)["pretrain"] | {"started": None} == {
         "output": before,
         "wall_s": pytest.approx(412.0),
@@ -150,26 +149,39 @@ def test_a_speedrun_stopped_after_pretrainings_final_commit_reports_it_on_the_re
     assert report["reused"] == ["pretrain"] and report["timings_s"]["pretrain"] == pytest.approx(412.0)
 
     again = read_state(out)  # a third invocation: the record stays, its start (from this output) is not used
-    assert begin_stage(again, out, "pretrain", str(root), "base") == before
+    with stage_started(again, out, "pretrain", str(root), "base") as same:
+        assert same == before
     assert read_state(out)["pretrain"]["wall_s"] == pytest.approx(412.0)
 
 
 def test_a_stage_stopped_before_its_final_commit_counts_only_the_rerun(tmp_path):
     """Started from checkpoint 300 and stopped before committing another: the rerun records nothing for it
-    (the start was from the checkpoint the rerun finds), and a start after the newest commit is not one that
-    made it."""
+    (the start was from the checkpoint the rerun finds), nor for a start after the newest commit; a stage that
+    raises having committed nothing (a refusal) leaves stages.json as it was."""
     out, root = tmp_path / "out", tmp_path / "checkpoints"
     out.mkdir()
     committed_at = _final_checkpoint(root, 300, PRETRAIN)
-    state = read_state(out)
-    begin_stage(state, out, "pretrain", str(root), "base")
-    begin_stage(read_state(out), out, "pretrain", str(root), "base")
+    for _ in range(2):
+        with stage_started(read_state(out), out, "pretrain", str(root), "base"):
+            pass
     assert set(read_state(out)["pretrain"]) == {"started"}
     (out / STATE_FILE).write_text(
         json.dumps({"pretrain": {"started": {"from": None, "at": committed_at + 5}}})
     )
-    begin_stage(read_state(out), out, "pretrain", str(root), "base")
+    with stage_started(read_state(out), out, "pretrain", str(root), "base"):
+        pass
     assert set(read_state(out)["pretrain"]) == {"started"}
+    saved = (out / STATE_FILE).read_bytes()
+    with (
+        pytest.raises(ValueError, match="refused"),
+        stage_started(read_state(out), out, "pretrain", str(root), "base"),
+    ):
+        raise ValueError("refused")
+    assert (out / STATE_FILE).read_bytes() == saved
+    (out / STATE_FILE).unlink()
+    with pytest.raises(ValueError, match="refused"), stage_started({}, out, "pretrain", str(root), "base"):
+        raise ValueError("refused")
+    assert not (out / STATE_FILE).exists()
 
 
 def test_the_accuracy_before_and_after_sft_is_of_the_mixtures_first_graded_task(tmp_path):
