@@ -11,7 +11,9 @@ The run's report state, stages.json in the output directory: {stage: {"output", 
 (atomically) as each stage finishes by the invocation that ran it, so that a resumed speedrun reports a stage it
 reused (its output already made) with the wall time and figures measured when it ran, marked "reused". "output"
 is the identity of what the stage made (file_id: the data manifest, tokenizer.json, the final checkpoint's
-commit marker): a record whose output has since been replaced is not used.
+commit marker): a record whose output has since been replaced is not used. Before pretraining runs, the
+invocation also records its start ({"started": {"from", "at"}}: mark_start), so that the next invocation
+records a final checkpoint committed by one stopped before its record was written (recover_record).
 
 `raychat report RUN_DIR ...` draws the same curves for runs of your own (main): RUN_DIR/curves.png.
 """
@@ -87,6 +89,41 @@ def settle_stage(
         return figures
     report["timings_s"][stage] = record["wall_s"]
     return record["figures"]
+
+
+def restore_state(out_dir: Path, saved: bytes | None) -> None:
+    """Put back out_dir/stages.json as it was: `saved`, its bytes read before (None: there was none)."""
+    path = Path(out_dir) / STATE_FILE
+    if saved is None:
+        path.unlink(missing_ok=True)
+    else:
+        atomic_write(path, lambda p: p.write_bytes(saved))
+
+
+def mark_start(state: dict, out_dir: Path, stage: str, before: str | None, at: float) -> None:
+    """Record that this invocation starts `stage` at `at` (time.time()) from the output `before` (file_id of the
+    stage's newest output then; None: none): state[stage]["started"], beside the stage's record, written to
+    out_dir/stages.json at once, so that an invocation stopped after the stage made its output but before
+    settle_stage recorded it leaves what the next one needs (recover_record). Raises OSError as settle_stage."""
+    state.setdefault(stage, {})["started"] = {"from": before, "at": at}
+    atomic_write_text(Path(out_dir) / STATE_FILE, json.dumps(state, indent=2, default=str))
+
+
+def recover_record(
+    state: dict, out_dir: Path, stage: str, output: str | None, made_at: float | None, figures
+) -> None:
+    """Record `stage` as made by the invocation that last started it (mark_start) when that one was stopped
+    after making `output` (made at `made_at`, time.time(): a checkpoint's committed_at) but before recording it:
+    wall_s from its start to made_at, `figures` as given, written at once. Nothing when state records `output`
+    already, or the start is not one that made it (none, from `output` itself, or after made_at)."""
+    record = state.get(stage) or {}
+    started = record.get("started")
+    if output is None or made_at is None or record.get("output") == output or not started:
+        return
+    if started["from"] == output or started["at"] > made_at:
+        return
+    state[stage] = {"output": output, "wall_s": made_at - started["at"], "figures": figures}
+    atomic_write_text(Path(out_dir) / STATE_FILE, json.dumps(state, indent=2, default=str))
 
 
 def wall_line(t: dict, reused: list[str]) -> str:

@@ -8,7 +8,8 @@
 
 Stages whose outputs already exist are skipped (the run is resumable: run the same command again). A stage
 that did its work records its wall time and figures in the run's report state (raychat.report: <out>/stages.json,
-as it finishes); a later invocation that reuses the stage's output reports those, marked reused.
+as it finishes); a later invocation that reuses the stage's output reports those, marked reused (pretraining's
+too when the invocation that committed its final checkpoint was stopped before recording it: stage_started).
 
 A bad preset is refused before the first stage, not when the stage that reads it starts (after data
 preparation and tokenizer training): check_stages makes every check of a stage's start that needs no earlier
@@ -39,6 +40,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import ray
@@ -60,7 +62,17 @@ from raychat.lease import RunLease, output_lease
 from raychat.log import log, plural
 from raychat.metrics_sink import read_jsonl
 from raychat.ray_token import token_for
-from raychat.report import file_id, read_state, run_total, settle_stage, write_report
+from raychat.report import (
+    STATE_FILE,
+    file_id,
+    mark_start,
+    read_state,
+    recover_record,
+    restore_state,
+    run_total,
+    settle_stage,
+    write_report,
+)
 from raychat.rl.actors import check_layout
 from raychat.rl.cli import check_generation_length, short_eval_split_warning
 from raychat.rl.loop import RLRun
@@ -92,6 +104,33 @@ def newest_commit(storage_path: str, run_name: str) -> str | None:
     storage = open_storage(storage_path)
     found = committed_checkpoints(storage, storage.run_path(run_name))
     return file_id(Path(found[-1].path) / COMMIT_FILE) if found else None
+
+
+@contextlib.contextmanager
+def stage_started(
+    state: dict, out_dir: Path, stage: str, storage_path: str, run_name: str
+) -> Iterator[str | None]:
+    """Around a training stage: first record it (raychat.report.recover_record) when the invocation that last
+    started it was stopped after committing the local run's newest checkpoint but before recording it, from that
+    checkpoint (its commit marker's committed_at, its meta.json's metrics, samples left out), then mark this
+    invocation's start (mark_start); yields newest_commit (None: no checkpoint yet). A stage that raises having
+    committed nothing (a refusal, a Ctrl-C before its first checkpoint) leaves stages.json as it was."""
+    path = Path(out_dir) / STATE_FILE
+    saved = path.read_bytes() if path.exists() else None
+    storage = open_storage(storage_path)
+    found = committed_checkpoints(storage, storage.run_path(run_name))
+    before = file_id(Path(found[-1].path) / COMMIT_FILE) if found else None
+    if found:
+        meta = json.loads((Path(found[-1].path) / "meta.json").read_text())
+        figures = {k: v for k, v in meta.get("metrics", {}).items() if k != "samples"}
+        recover_record(state, out_dir, stage, before, found[-1].commit.get("committed_at"), figures)
+    mark_start(state, out_dir, stage, before, time.time())
+    try:
+        yield before
+    except BaseException:
+        if newest_commit(storage_path, run_name) == before:
+            restore_state(out_dir, saved)
+        raise
 
 
 def out_lease(out: str) -> RunLease:
@@ -256,9 +295,9 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
     report["tokenizer"] = settle("tokenizer", t0, figures, file_id(tok_dir / "tokenizer.json"), not reused)
 
     t0 = banner("3/6 pretrain on Ray Train")
-    before = newest_commit(cfg.run.storage_path, cfg.run.run_name)
-    with stage_keys(preset, "pretrain"):
-        result = pretrain(cfg, flags=speedrun_flags(preset, "pretrain"))
+    with stage_started(state, out_dir, "pretrain", cfg.run.storage_path, cfg.run.run_name) as before:
+        with stage_keys(preset, "pretrain"):
+            result = pretrain(cfg, flags=speedrun_flags(preset, "pretrain"))
     after = newest_commit(cfg.run.storage_path, cfg.run.run_name)
     report["pretrain"] = settle(
         "pretrain", t0, {k: v for k, v in result.metrics.items() if k != "samples"}, after, after != before

@@ -180,7 +180,10 @@ def test_pretraining_on_s3_checkpoints_to_the_bucket_and_resumes_from_it(chain, 
     assert _meta_of(find_checkpoint(f"{storage}/s3-pretrain/latest"))["step"] == 2
     second = submit(stage, "s3-resume", c.dashboard_url, c.token_file, env)
     assert second.returncode == 0, second.output[-4000:]
-    assert f"resumed from s3://{bucket}/runs/s3-pretrain/checkpoint_000002 at step 2" in second.output
+    assert (
+        f"resumed from s3://{bucket}/runs/s3-pretrain/checkpoint_000002 (step 2, written by 2 workers): goes on at "
+        "step 3 on 2 workers"
+    ) in second.output
     assert "step     3/4" in second.output and "step     1/4" not in second.output
     newest = find_checkpoint(f"{storage}/s3-pretrain/latest")
     assert newest == f"s3://{bucket}/runs/s3-pretrain/checkpoint_000004"

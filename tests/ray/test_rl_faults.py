@@ -174,7 +174,9 @@ def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
     # 2 learners: whichever error reaches the driver first, the dead rank's or its DDP peer's own
     assert "ActorDiedError" in logs[restart] or (learners == 2 and "RayTaskError" in logs[restart])
     resumed = [m for m in logs[restart:] if m.startswith("resumed from ")]
-    assert resumed == [f"resumed from {summary['run_dir']}/checkpoint_000002 at step 2 (version 2)"]
+    assert resumed == [
+        f"resumed from {summary['run_dir']}/checkpoint_000002 (step 2, version 2): goes on at step 3"
+    ]
 
     step_3 = [dict(re.findall(r"(\w+)=(\S+)", m)) for m in logs if m.startswith("step=3/4 ")]
     assert len(step_3) == 2  # done, then redone after the restart
@@ -544,7 +546,7 @@ def test_a_learner_hung_in_restore_is_named_within_its_deadline_and_the_run_rest
     )
     assert 3 <= at - run.hung[0] < 13  # the deadline, not the 60 s learner 0 slept
     assert [m for _, m in logs if m.startswith("resumed from ")] == [
-        f"resumed from {ck} at step 2 (version 2)"
+        f"resumed from {ck} (step 2, version 2): goes on at step 3"
     ]
     assert (summary["failures"], summary["start_step"], summary["version"]) == (1, 2, 3)
     assert [(x["step"], x["failures"]) for x in metric_lines(tmp_path / "t")] == [(1, 0), (2, 0), (3, 1)]
@@ -592,7 +594,7 @@ def test_a_rollout_actor_hung_mid_run_is_named_within_its_deadline_and_the_run_r
     )
     assert waited - 0.01 <= at - seen["at"] < waited + 10  # the deadline, not the 60 s the engine slept
     assert [m for _, m in logs if m.startswith("resumed from ")] == [
-        f"resumed from {tmp_path}/t/checkpoint_000001 at step 1 (version 1)"
+        f"resumed from {tmp_path}/t/checkpoint_000001 (step 1, version 1): goes on at step 2"
     ]
     assert (summary["failures"], summary["version"], summary["restarts"]) == (1, 2, 0)
     assert [(x["step"], x["failures"]) for x in metric_lines(tmp_path / "t")] == [(1, 0), (2, 1)]
@@ -634,7 +636,7 @@ def test_a_learner_hung_in_its_step_is_named_within_its_deadline_and_the_run_res
     )
     assert waited - 0.01 <= at - seen["at"] < waited + 10  # the deadline, not the 60 s learner 0 slept
     assert [m for _, m in logs if m.startswith("resumed from ")] == [
-        f"resumed from {tmp_path}/t/checkpoint_000001 at step 1 (version 1)"
+        f"resumed from {tmp_path}/t/checkpoint_000001 (step 1, version 1): goes on at step 2"
     ]
     assert (summary["failures"], summary["version"]) == (1, 2)
     assert [(x["step"], x["failures"]) for x in metric_lines(tmp_path / "t")] == [(1, 0), (2, 1)]

@@ -1510,9 +1510,9 @@ def test_resuming_with_stop_after_at_or_before_the_checkpoint(stop_after, pretra
     """The run resumed into an empty loop (exit 0, no step trained), and --dry-run printed its plan."""
     argv, d = pretrained
     want = (
-        f"raychat pretrain: error: --stop-after {stop_after}: the run resumes from its checkpoint {d} at step 2, so "
-        "it would stop before training a step; allowed: a step in 3..4, or -1 (run to the end)  (RAYCHAT_DEBUG=1 "
-        "shows the traceback)"
+        f"raychat pretrain: error: --stop-after {stop_after}: the run resumes from its checkpoint {d} (step 2) and "
+        "goes on at step 3, so it would stop before training a step; allowed: a step in 3..4, or -1 (run to the "
+        "end)  (RAYCHAT_DEBUG=1 shows the traceback)"
     )
     assert _fails_in_one_line([*argv, "--stop-after", str(stop_after)], capsys) == want
     assert _fails_in_one_line([*argv, "--stop-after", str(stop_after), "--dry-run"], capsys) == want
@@ -1525,7 +1525,7 @@ def test_stop_after_on_a_finished_run(pretrained, driver, capsys):
     d = _commit_step(*driver(argv), step=4)
     capsys.readouterr()
     assert _fails_in_one_line([*argv, "--stop-after", "4"], capsys) == (
-        f"raychat pretrain: error: --stop-after 4: the run resumes from its checkpoint {d} at step 4, so it would "
+        f"raychat pretrain: error: --stop-after 4: the run's checkpoint {d} is at step 4, its last, so it would "
         "stop before training a step; allowed: none, the run has trained all 4 steps (leave --stop-after out)  "
         "(RAYCHAT_DEBUG=1 shows the traceback)"
     )
@@ -1566,7 +1566,7 @@ def test_a_run_of_one_step_counts_one_step(root, pretrained, driver, capsys):
         "(--num-iterations above 1 trains it longer)\n"
     )
     assert _fails_in_one_line([*argv, "--stop-after", "1"], capsys) == (
-        f"raychat pretrain: error: --stop-after 1: the run resumes from its checkpoint {d} at step 1, so it would "
+        f"raychat pretrain: error: --stop-after 1: the run's checkpoint {d} is at step 1, its last, so it would "
         "stop before training a step; allowed: none, the run has trained all 1 step (leave --stop-after out)  "
         "(RAYCHAT_DEBUG=1 shows the traceback)"
     )

@@ -20,6 +20,7 @@ from raychat.rl.loop import RLRun
 from raychat.sigterm import SigtermAsSigint, Terminated
 from raychat.storage import open_storage
 from raychat.train.launch import COMMANDS, interrupted
+from raychat.train.trainer import resumed_line
 
 
 def _sigterm_self() -> None:
@@ -138,3 +139,14 @@ def test_a_stopped_runs_line_says_what_its_newest_checkpoint_leaves(
     save(checkpoints, tmp_path / "parts", saved)
     d = tmp_path / "runs" / "t" / f"checkpoint_{saved:06d}"
     assert interrupted("pretrain run 't'", checkpoints, num_iterations, stop_after) == said.format(d=d)
+
+
+def test_a_resumed_runs_line_names_the_step_it_trains_next():
+    """The worker's and RL's line said "resumed from .../checkpoint_000005 at step 5", the checkpoint's step,
+    where the next step line reads "step 6/8" (steps count from 1)."""
+    assert resumed_line("/r/t/checkpoint_000005", 5, "written by 2 workers", " on 1 worker") == (
+        "resumed from /r/t/checkpoint_000005 (step 5, written by 2 workers): goes on at step 6 on 1 worker"
+    )
+    assert resumed_line("/r/t/checkpoint_000002", 2, "version 2") == (
+        "resumed from /r/t/checkpoint_000002 (step 2, version 2): goes on at step 3"
+    )

@@ -8,12 +8,12 @@ import os
 
 import pytest
 
-from raychat.checkpoint_manager import commit_directory
+from raychat.checkpoint_manager import commit_directory, read_commit
 from raychat.cli import main as raychat_main
 from raychat.config import SpeedrunConfig, TrainConfig, from_dict
 from raychat.metrics_sink import read_jsonl
 from raychat.report import STATE_FILE, plot_stage, read_state, reward_band, settle_stage, write_report
-from raychat.speedrun import accuracy_task, newest_commit
+from raychat.speedrun import accuracy_task, newest_commit, stage_started
 
 TOKENIZER = {"vocab_size": 4096, "version": "abc", "train_seconds": 28.5, "val_bytes_per_token": 4.321}
 RL = {"summary": "20 steps, pass@1 on 64 held-out problems 0.125 -> 0.250, learner wait 0.10, 70 s",
@@ -107,6 +107,81 @@ def test_newest_commit_changes_only_when_a_stage_commits_a_checkpoint(tmp_path):
     assert two is not None and newest_commit(str(tmp_path), "base") == two  # nothing trained: the same
     commit_directory(tmp_path / "base/checkpoint_000004", 4, "pretrain")
     assert newest_commit(str(tmp_path), "base") not in (None, two)
+
+
+def _final_checkpoint(root, step: int, metrics: dict) -> float:
+    """Commit <root>/base/checkpoint_<step> holding meta.json of `metrics`; returns its committed_at."""
+    d = root / f"base/checkpoint_{step:06d}"
+    d.mkdir(parents=True)
+    (d / "meta.json").write_text(json.dumps({"step": step, "metrics": metrics}))
+    commit_directory(d, step, "pretrain")
+    return read_commit(d)["committed_at"]
+
+
+def test_a_speedrun_stopped_after_pretrainings_final_commit_reports_it_on_the_rerun(tmp_path):
+    """A speedrun interrupted after pretraining committed its final checkpoint, before the stage's record was
+    written, was reported by the rerun (which reuses that checkpoint) as "pretrain n/a reused". The stage's start
+    is in stages.json: the rerun records the stage from it and the final checkpoint (its commit time, its
+    metrics), so it reports the wall time up to that commit (412 s) and the checkpoint's figures."""
+    out, root = tmp_path / "out", tmp_path / "checkpoints"
+    out.mkdir()
+    state = read_state(out)
+    with stage_started(state, out, "pretrain", str(root), "base") as before:  # the first invocation
+        assert before is None
+    started = read_state(out)["pretrain"]["started"]
+    figures = PRETRAIN | {"samples": ["once upon"]}
+    committed_at = _final_checkpoint(root, 600, figures)
+    started["at"] = committed_at - 412.0  # the stage started 412 s before its final commit
+    (out / STATE_FILE).write_text(json.dumps({"pretrain": {"started": started}}))  # then Ctrl-C
+
+    report = {"timings_s": {}}
+    state = read_state(out)
+    with stage_started(state, out, "pretrain", str(root), "base") as before:  # the rerun
+        assert before == newest_commit(str(root), "base")
+    assert read_state(out)["pretrain"] | {"started": None} == {
+        "output": before,
+        "wall_s": pytest.approx(412.0),
+        "figures": PRETRAIN,
+        "started": None,
+    }
+    # pretrain() finds the run finished: the same checkpoint, reused
+    assert settle_stage(report, state, out, "pretrain", 0.3, PRETRAIN, before, False) == PRETRAIN
+    assert report["reused"] == ["pretrain"] and report["timings_s"]["pretrain"] == pytest.approx(412.0)
+
+    again = read_state(out)  # a third invocation: the record stays, its start (from this output) is not used
+    with stage_started(again, out, "pretrain", str(root), "base") as same:
+        assert same == before
+    assert read_state(out)["pretrain"]["wall_s"] == pytest.approx(412.0)
+
+
+def test_a_stage_stopped_before_its_final_commit_counts_only_the_rerun(tmp_path):
+    """Started from checkpoint 300 and stopped before committing another: the rerun records nothing for it
+    (the start was from the checkpoint the rerun finds), nor for a start after the newest commit; a stage that
+    raises having committed nothing (a refusal) leaves stages.json as it was."""
+    out, root = tmp_path / "out", tmp_path / "checkpoints"
+    out.mkdir()
+    committed_at = _final_checkpoint(root, 300, PRETRAIN)
+    for _ in range(2):
+        with stage_started(read_state(out), out, "pretrain", str(root), "base"):
+            pass
+    assert set(read_state(out)["pretrain"]) == {"started"}
+    (out / STATE_FILE).write_text(
+        json.dumps({"pretrain": {"started": {"from": None, "at": committed_at + 5}}})
+    )
+    with stage_started(read_state(out), out, "pretrain", str(root), "base"):
+        pass
+    assert set(read_state(out)["pretrain"]) == {"started"}
+    saved = (out / STATE_FILE).read_bytes()
+    with (
+        pytest.raises(ValueError, match="refused"),
+        stage_started(read_state(out), out, "pretrain", str(root), "base"),
+    ):
+        raise ValueError("refused")
+    assert (out / STATE_FILE).read_bytes() == saved
+    (out / STATE_FILE).unlink()
+    with pytest.raises(ValueError, match="refused"), stage_started({}, out, "pretrain", str(root), "base"):
+        raise ValueError("refused")
+    assert not (out / STATE_FILE).exists()
 
 
 def test_the_accuracy_before_and_after_sft_is_of_the_mixtures_first_graded_task(tmp_path):

@@ -37,7 +37,7 @@ Faults: a rollout actor that dies during a rollout or an evaluation is restarted
 re-synced and its prompts re-issued (raychat.rl.dispatcher). Any other lost actor (a learner, one lost during
 weight sync, every rollout actor) stops the whole actor group; it is started again and the run resumes from the
 newest committed checkpoint, redoing the steps after it, up to --max-failures times (`failures` in every
-line and the summary); so does a weight sync that an actor raised in or that loaded other weights (new actors and
+metrics.jsonl line, on the step line once above 0, and in the summary); so does a weight sync that an actor raised in or that loaded other weights (new actors and
 a new publish may succeed), and a hung actor: one whose start or Learner.restore did not return within its
 deadline (raychat.rl.actors.ActorTimeout, the deadline sized from the checkpoint's bytes: read_deadline_s), or
 whose rollout or evaluation chunk did not (sized from the run's longest chunks: rollout_deadline), or whose
@@ -55,8 +55,9 @@ prompts, seeds and samples would raise again; the other learners, waiting for it
 waited for raychat.rl.actors.PEER_GRACE_S only: ActorGroup.learner_results), a checkpoint upload or commit
 the storage refused (full, permission denied), and a task whose reward raised on every sample of a step (or whose checker did on every
 sample of an evaluation). A reward that raises on some samples scores them 0 (an evaluation's checker: counted
-incorrect): counted in `reward_errors` (every line and the summary), one line each step that had any
-(raychat.rl.dispatcher). The placement group is removed on every path out (raychat.rl.actors).
+incorrect): counted in `reward_errors` (this invocation's total so far: in every metrics.jsonl line, on the step's
+stdout line once above 0 as the other fault counters, and in the summary: step_line), one line each step that had
+any (raychat.rl.dispatcher). The placement group is removed on every path out (raychat.rl.actors).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ from raychat.train.launch import (
     stopped_on_fault,
 )
 from raychat.train.step import NonFiniteError
-from raychat.train.trainer import due
+from raychat.train.trainer import due, resumed_line
 
 MODES = ("sync", "async")  # --mode: on-policy | rollouts up to --max-staleness versions ahead
 STEP_FIX = "see what its process does (py-spy dump: a deadlock, a hung all-reduce, a stuck device or node)"
@@ -323,7 +324,7 @@ class RLRun:
             f"check that its node reads {where} (a hung mount, an endpoint that does not answer)",
         )  # fmt: skip
         self.set_version(int(states[0]["version"]))
-        self.log(f"resumed from {uri} at step {states[0]['step']} (version {self.version})")
+        self.log(resumed_line(uri, int(states[0]["step"]), f"version {self.version}"))
         return int(states[0]["step"])
 
     # ---- one learner step ------------------------------------------------------------------------------

@@ -393,9 +393,13 @@ def _check_stop_after(stop_after: int, step: int, num_iterations: int, where: st
         if step < num_iterations
         else f"none, the run has trained all {plural(num_iterations, 'step')} (leave {name} out)"
     )
+    resumes = (
+        f"the run resumes from its checkpoint {where} (step {step}) and goes on at step {step + 1}"
+        if step < num_iterations
+        else f"the run's checkpoint {where} is at step {step}, its last"
+    )
     raise ConfigError(
-        f"{name} {stop_after}: the run resumes from its checkpoint {where} at step {step}, so it would "
-        f"stop before training a step; allowed: {allowed}"
+        f"{name} {stop_after}: {resumes}, so it would stop before training a step; allowed: {allowed}"
     )
 
 

@@ -77,6 +77,14 @@ def due(every: int, done: int, last: int) -> bool:
     return bool(every and done % every == 0) or done == last
 
 
+def resumed_line(checkpoint: str, step: int, detail: str, where: str = "") -> str:
+    """The line of a run resumed from `checkpoint`, at step `step` (its meta's: the steps trained): it names the
+    step trained next, counting from 1 as the step lines do, e.g. "resumed from .../checkpoint_000005 (step 5,
+    written by 2 workers): goes on at step 6 on 1 worker" (detail: "written by 2 workers", where: " on 1
+    worker")."""
+    return f"resumed from {checkpoint} (step {step}, {detail}): goes on at step {step + 1}{where}"
+
+
 class Trainer:
     """Trains `model` on the rows of `row_source` (see the module doc). One instance per Ray Train worker.
 

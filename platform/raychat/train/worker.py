@@ -41,7 +41,7 @@ from raychat.train.optim import build_optimizers, muon_ns_choice
 from raychat.train.plan import Plan
 from raychat.train.startup_trace import mark
 from raychat.train.step import NonFiniteError, autocast_for
-from raychat.train.trainer import Callback, Trainer
+from raychat.train.trainer import Callback, Trainer, resumed_line
 
 
 class ProgressBar(Callback):
@@ -142,10 +142,8 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
         restore_rows(rows, checkpointer.restore(d, rank, optimizers))
         if rank == 0:
             old = meta.get("world_size", world)
-            log(
-                f"resumed from {checkpoints.uri(newest.step)} at step {start_step} on {plural(world, 'worker')} "
-                f"(written by {old})"
-            )
+            uri, written = checkpoints.uri(newest.step), f"written by {plural(old, 'worker')}"
+            log(resumed_line(uri, start_step, written, f" on {plural(world, 'worker')}"))
     train_model = torch.compile(model) if cfg.model.compile else model
     train_model = ray.train.torch.prepare_model(train_model, move_to_device=False)
 
