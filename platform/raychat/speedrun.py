@@ -99,11 +99,17 @@ def banner(title: str):
     return time.perf_counter()
 
 
-def newest_commit(storage_path: str, run_name: str) -> str | None:
-    """file_id of the commit marker of a local run's newest committed checkpoint (None: it has none)."""
+def newest_checkpoint(storage_path: str, run_name: str):
+    """A local run's newest committed checkpoint (raychat.checkpoint_manager.committed_checkpoints'; None: none)."""
     storage = open_storage(storage_path)
     found = committed_checkpoints(storage, storage.run_path(run_name))
-    return file_id(Path(found[-1].path) / COMMIT_FILE) if found else None
+    return found[-1] if found else None
+
+
+def newest_commit(storage_path: str, run_name: str) -> str | None:
+    """file_id of the commit marker of a local run's newest committed checkpoint (None: it has none)."""
+    newest = newest_checkpoint(storage_path, run_name)
+    return file_id(Path(newest.path) / COMMIT_FILE) if newest else None
 
 
 @contextlib.contextmanager
@@ -117,13 +123,12 @@ def stage_started(
     committed nothing (a refusal, a Ctrl-C before its first checkpoint) leaves stages.json as it was."""
     path = Path(out_dir) / STATE_FILE
     saved = path.read_bytes() if path.exists() else None
-    storage = open_storage(storage_path)
-    found = committed_checkpoints(storage, storage.run_path(run_name))
-    before = file_id(Path(found[-1].path) / COMMIT_FILE) if found else None
-    if found:
-        meta = json.loads((Path(found[-1].path) / "meta.json").read_text())
+    newest = newest_checkpoint(storage_path, run_name)
+    before = newest_commit(storage_path, run_name)
+    if newest:
+        meta = json.loads((Path(newest.path) / "meta.json").read_text())
         figures = {k: v for k, v in meta.get("metrics", {}).items() if k != "samples"}
-        recover_record(state, out_dir, stage, before, found[-1].commit.get("committed_at"), figures)
+        recover_record(state, out_dir, stage, before, newest.commit.get("committed_at"), figures)
     mark_start(state, out_dir, stage, before, time.time())
     try:
         yield before
