@@ -166,8 +166,9 @@ def make_client(address: str | None = None, token_file: str | None = None):
             return JobSubmissionClient(url, headers=headers)
     except AuthenticationError as e:
         raise ConnectionError(refused_message(url, source, first_line(e))) from e
-    # /api/version answered, but not Ray's {"ray_version": ...}: not a Ray dashboard
-    except (requests.JSONDecodeError, KeyError) as e:
+    # /api/version answered, but not Ray's {"ray_version": ...}: not a Ray dashboard; HTTPError: an HTTP error
+    # status (500, 405, ...) other than 401 and 403 (AuthenticationError) and 404 (RuntimeError below)
+    except (requests.JSONDecodeError, requests.HTTPError, KeyError) as e:
         raise ConnectionError(_not_a_dashboard(named, url, headers, e)) from e
     except RuntimeError as e:
         if not str(e).startswith("Version check returned 404"):
