@@ -624,14 +624,16 @@ def test_an_unreachable_cluster(monkeypatch, capsys):
         ),
         ((404, b"Not Found"), "HTTP 404, b'Not Found'"),
         ((200, {"status": "ok"}), 'HTTP 200, b\'{"status": "ok"}\''),
+        ((500, b"Internal Server Error"), "HTTP 500, b'Internal Server Error'"),
+        ((405, b"Method Not Allowed"), "HTTP 405, b'Method Not Allowed'"),
     ],
-    ids=["metrics-port", "404", "other-json"],
+    ids=["metrics-port", "404", "other-json", "500", "405"],
 )
 def test_an_address_that_is_not_a_ray_dashboard(monkeypatch, capsys, reply, answered):
     """--address at something that answers HTTP but is not a Ray dashboard (a node's metrics port: Prometheus
     text) said "Expecting value: line 1 column 1 (char 0)", exit 2 (a 404 blamed the Ray version, other JSON a
-    traceback); one line naming --address, what answered and what the address should be, exit 4 as another
-    address that does not answer."""
+    traceback, an HTTP error such as 500 or 405 requests' "500 Server Error: ..."); one line naming --address,
+    what answered and what the address should be, exit 4 as another address that does not answer."""
     monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")
     with FakeDashboard({"/api/version": reply}) as fake:
         line = (

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 from ray.job_submission import JobDetails, JobStatus, JobType
+from support.fake_dashboard import RAY_VERSION, FakeDashboard, job_details
 
 from raychat.cli import main as raychat_main
 from raychat.ops import submit
@@ -170,3 +171,57 @@ def test_a_job_deleted_while_it_is_followed_is_reported_gone_not_as_a_lost_conne
     assert err == "submitted j: python -c 'print(1)'\nraychat submit: error: " + line
     assert raychat_main(["jobs", "logs", "--follow", "j"]) == 2
     assert capsys.readouterr() == ("step 1\n", "raychat jobs: error: " + line)
+
+
+def test_a_job_deleted_before_its_log_stream_opens_is_reported_gone_not_as_a_traceback(monkeypatch, capsys):
+    """Deleted between follow's first check (get_job_info answered) and the opening of its log stream, whose
+    websocket handshake the dashboard answers 404: aiohttp's WSServerHandshakeError ended both followers in a
+    traceback; they end in gone_line, exit 2, as a job deleted while followed. Ray's own Jobs client, against a
+    loopback stub that answers as Ray's dashboard does for a job it no longer has."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")
+    deleted = (404, b"Job j does not exist")
+    replies = {"/api/version": (200, RAY_VERSION), "/api/jobs/j/logs/tail": deleted}
+    with FakeDashboard(replies) as fake:
+        client = submit.make_client(fake.url)
+        checked = client.get_job_info
+
+        def get_job_info_then_deleted(job_id):
+            info = checked(job_id)
+            replies[f"/api/jobs/{job_id}"] = deleted
+            return info
+
+        monkeypatch.setattr(client, "get_job_info", get_job_info_then_deleted)
+        monkeypatch.setattr(client, "submit_job", lambda **kwargs: "j")  # no upload, no POST
+        monkeypatch.setattr(submit, "make_client", lambda address, token_file: client)
+        line = (
+            f"job j is no longer on the cluster at {fake.url}: the Jobs API answers that it does not exist (it was "
+            "deleted while followed, e.g. `ray job delete j`, or its head restarted without its job history); its "
+            "status and logs went with it\n"
+        )
+        for argv, want in [
+            (["submit", "command", "true"], "submitted j: true\nraychat submit: error: " + line),
+            (["jobs", "logs", "--follow", "j"], "raychat jobs: error: " + line),
+        ]:
+            replies["/api/jobs/j"] = (200, job_details("j", "RUNNING"))
+            assert raychat_main(argv) == 2
+            assert capsys.readouterr() == ("", want)
+
+
+def test_a_log_stream_refused_for_a_job_still_there_is_a_lost_connection(monkeypatch, capsys):
+    """The dashboard refuses the websocket of the log stream (a proxy's 502) of a job it still has: not gone, the
+    job runs on without its follower (lost_line, exit 4), where it ended in aiohttp's traceback."""
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "some-token")
+    replies = {
+        "/api/version": (200, RAY_VERSION),
+        "/api/jobs/j": (200, job_details("j", "RUNNING")),
+        "/api/jobs/j/logs/tail": (502, b"Bad Gateway"),
+    }
+    with FakeDashboard(replies) as fake:
+        assert raychat_main(["jobs", "logs", "--follow", "j", "--address", fake.url]) == 4
+        assert capsys.readouterr() == (
+            "",
+            f"raychat jobs: error: lost the connection to the Ray dashboard at {fake.url} while following job j "
+            "(the dashboard refused the job's log stream: 502, message='Invalid response status', "
+            f"url='{fake.url}/api/jobs/j/logs/tail'); the job goes on without it: `raychat jobs logs --follow j` "
+            "follows it again, `raychat jobs list` shows its status\n",
+        )

@@ -47,6 +47,7 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import requests
 from ray.dashboard.consts import DEFAULT_JOB_START_TIMEOUT_SECONDS, RAY_JOB_START_TIMEOUT_SECONDS_ENV_VAR
 from ray.exceptions import AuthenticationError, RpcError
@@ -166,8 +167,9 @@ def make_client(address: str | None = None, token_file: str | None = None):
             return JobSubmissionClient(url, headers=headers)
     except AuthenticationError as e:
         raise ConnectionError(refused_message(url, source, first_line(e))) from e
-    # /api/version answered, but not Ray's {"ray_version": ...}: not a Ray dashboard
-    except (requests.JSONDecodeError, KeyError) as e:
+    # /api/version answered, but not Ray's {"ray_version": ...}: not a Ray dashboard; HTTPError: an HTTP error
+    # status (500, 405, ...) other than 401 and 403 (AuthenticationError) and 404 (RuntimeError below)
+    except (requests.JSONDecodeError, requests.HTTPError, KeyError) as e:
         raise ConnectionError(_not_a_dashboard(named, url, headers, e)) from e
     except RuntimeError as e:
         if not str(e).startswith("Version check returned 404"):
@@ -310,16 +312,23 @@ def follow(client, job_id: str, out=None, poll_s: float = 0.5, waits_for: str | 
     Raises RuntimeError (job_refusal's 404) for a job the cluster does not have, ValueError for a driver's job
     (no submission id: the Jobs API streams no logs of it): asked first, since the log stream of either fails
     with aiohttp's WSServerHandshakeError, which says nothing of the job. ConnectionError (one line, lost_line)
-    when the dashboard stops answering after that: the job runs on without its follower; JobGone (gone_line)
-    when the dashboard answers that the job no longer exists (deleted meanwhile)."""
+    when the dashboard stops answering after that, or refuses the log stream of a job it still has: the job runs
+    on without its follower; JobGone (gone_line) when the dashboard answers that the job no longer exists
+    (deleted meanwhile, before its log stream opened too)."""
     out, err = out or sys.stdout, err or sys.stderr
     if client.get_job_info(job_id).submission_id is None:
         raise ValueError(_driver_job(job_id))
 
     async def _tail():
-        async for chunk in client.tail_job_logs(job_id):
-            out.write(chunk)
-            out.flush()
+        try:
+            async for chunk in client.tail_job_logs(job_id):
+                out.write(chunk)
+                out.flush()
+        # the dashboard refused the log stream's websocket (404: the job deleted since get_job_info; aiohttp keeps
+        # the status, not the body that says why): the Jobs API's 404 of its status request makes it JobGone below
+        except aiohttp.WSServerHandshakeError as e:
+            await asyncio.to_thread(client.get_job_status, job_id)
+            raise RuntimeError(f"the dashboard refused the job's log stream: {first_line(e)}") from e
 
     async def _report_pending():
         t0, next_at = time.monotonic(), PENDING_REPORT_AFTER_S
