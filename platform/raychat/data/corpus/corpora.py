@@ -66,7 +66,8 @@ TEXT_FIELD = "text"  # the .jsonl field and .parquet column read unless --text-f
 # `raychat data prepare` holds a folder's documents whole, as Arrow UTF-8 text (documents.py), to shuffle them.
 # Its peak memory (RSS), measured (README: Data): 152 MB for 2 small files; a .jsonl of English (ASCII) text,
 # 1.2-1.35 x its size on disk more, of Cyrillic text 1.3 x; a zstd .parquet file up to 5.2 x (its text is ~2.2 x
-# its size, and a row group is read whole).
+# its size; a row group is read in batches of PARQUET_BATCH_BYTES: 100 MB of text in one row group of a
+# 35 MB file peaked at 399 MB, 555 MB read whole).
 MEMORY_BASE_BYTES = 150_000_000
 MEMORY_PER_BYTE = 1.4  # of a .txt, .md, .rst or .jsonl file
 MEMORY_PER_PARQUET_BYTE = 5.2
