@@ -304,6 +304,39 @@ def test_text_field_reads_another_jsonl_field_and_parquet_column(tmp_path):
     }
 
 
+def test_parquet_batches_inside_row_groups_keep_the_documents_and_row_group_skip_names(tmp_path, monkeypatch):
+    """Row groups of 5, 5 and 1 rows read 2 rows a batch: the batches are [d0 null] [d2 d3] [blank] | [d5 d6]
+    [\xff d8] [null] | [d10]; the skips keep the row within its row group (rows 4 and 2, 4 follow a batch
+    boundary), and each batch that keeps a document is a chunk of its own (5; a row group a chunk would be 3)."""
+    values = [b"d0", None, b"d2", b"d3", b"  ", b"d5", b"d6", b"\xff", b"d8", None, b"d10"]
+    pq.write_table(
+        pa.table({"text": pa.array(values, pa.binary())}), tmp_path / "b.parquet", row_group_size=5
+    )
+    monkeypatch.setattr(corpora, "batch_rows", lambda group, text_field: 2)
+    corpus = corpora.local_folder(tmp_path)
+    assert corpus.documents.to_pylist() == ["d0", "d2", "d3", "d5", "d6", "d8", "d10"]
+    assert corpus.documents.num_chunks == 5
+    assert dict(corpus.skips.counts) == {"null_text": 2, "empty": 1, "invalid_utf8": 1}
+    assert corpus.skips.examples == {
+        "null_text": ["b.parquet:row_group=0:row=1", "b.parquet:row_group=1:row=4"],
+        "empty": ["b.parquet:row_group=0:row=4"],
+        "invalid_utf8": ["b.parquet:row_group=1:row=2"],
+    }
+
+
+def test_a_parquet_batch_is_about_its_bytes_of_the_text_column(tmp_path):
+    """1,000 rows, an `id` column before `text`: a batch of the text column's uncompressed size is the row
+    group, of half of it 500 rows (499 where the size is odd), of one byte 1 row."""
+    texts = [f"document {i:04d} " * 8 for i in range(1000)]
+    pq.write_table(pa.table({"id": list(range(1000)), "text": texts}), tmp_path / "a.parquet")
+    group = pq.ParquetFile(tmp_path / "a.parquet").metadata.row_group(0)
+    size = group.column(1).total_uncompressed_size
+    assert group.column(0).total_uncompressed_size != size
+    assert corpora.batch_rows(group, "text", size) == 1000
+    assert corpora.batch_rows(group, "text", size // 2) == (500 if size % 2 == 0 else 499)
+    assert corpora.batch_rows(group, "text", 1) == 1
+
+
 def test_a_parquet_file_without_the_text_column_names_its_columns_and_the_flag(tmp_path):
     pq.write_table(pa.table({"id": [1], "content": ["p1"]}), tmp_path / "b.parquet")
     with pytest.raises(DataError) as e:

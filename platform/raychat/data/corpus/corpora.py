@@ -40,7 +40,7 @@ from raychat.data.corpus.shards import (
     DataError,
     open_text_shard,
     prepared_manifest,
-    read_text_column,
+    text_batches,
 )
 from raychat.log import TenthsProgress, duration, plural, size
 
@@ -58,13 +58,16 @@ READ_STEP_BYTES = 1 << 20
 # A parquet row group's values are checked (null, UTF-8, empty) this many rows at a time as Python bytes; the
 # documents kept stay in Arrow.
 PARQUET_SLICE_ROWS = 256
+# A .parquet file's text column is read about this many bytes (uncompressed, the footer's figure) at a time.
+PARQUET_BATCH_BYTES = 8 << 20
 # The `text` column types a local .parquet file may have; binary values are decoded as UTF-8.
 TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
 TEXT_FIELD = "text"  # the .jsonl field and .parquet column read unless --text-field names another
 # `raychat data prepare` holds a folder's documents whole, as Arrow UTF-8 text (documents.py), to shuffle them.
 # Its peak memory (RSS), measured (README: Data): 152 MB for 2 small files; a .jsonl of English (ASCII) text,
 # 1.2-1.35 x its size on disk more, of Cyrillic text 1.3 x; a zstd .parquet file up to 5.2 x (its text is ~2.2 x
-# its size, and a row group is read whole).
+# its size; a row group is read in batches of PARQUET_BATCH_BYTES: 100 MB of text in one row group of a
+# 35 MB file peaked at 399 MB, 555 MB read whole).
 MEMORY_BASE_BYTES = 150_000_000
 MEMORY_PER_BYTE = 1.4  # of a .txt, .md, .rst or .jsonl file
 MEMORY_PER_PARQUET_BYTE = 5.2
@@ -235,9 +238,11 @@ def parquet_documents(
     text_field: str = TEXT_FIELD,
     place: Callable[[int], None] = lambda n_bytes: None,
 ) -> None:
-    """Rows of a parquet file's `text_field` column (default `text`), row group by row group. Before each row
-    group after the first, `place` gets the bytes of the file read so far: the file's size on disk x the share
-    of its row groups' compressed size read (row_group_ends). A file of no rows is an "empty" skip.
+    """Rows of a parquet file's `text_field` column (default `text`), row group by row group, each read in
+    batches of about PARQUET_BATCH_BYTES (batch_rows); a skip is named by its row in its row group
+    ("<name>:row_group=<g>:row=<r>"). Before each row group after the first, `place` gets the bytes of the file
+    read so far: the file's size on disk x the share of its row groups' compressed size read (row_group_ends).
+    A file of no rows is an "empty" skip.
 
     Raises:
         DataError: not a readable parquet file, no such column (its columns listed, and the --text-field
@@ -258,17 +263,37 @@ def parquet_documents(
     for g in range(pf.num_row_groups):
         if g:
             place(ends[g - 1])
-        column = read_text_column(pf, g, name, text_field).cast(pa.large_binary()).combine_chunks()
-        kept = [usable(value, f"{name}:row_group={g}:row={row}", skips) for row, value in rows(column)]
-        documents.extend(
-            column if all(kept) else pc.filter(column, pa.array(kept, pa.bool_()), memory_pool=POOL)
-        )
+        first = 0  # the row group's row that begins the batch
+        for batch in text_batches(pf, g, name, text_field, batch_rows(pf.metadata.row_group(g), text_field)):
+            column = batch.cast(pa.large_binary())
+            kept = [
+                usable(value, f"{name}:row_group={g}:row={row}", skips) for row, value in rows(column, first)
+            ]
+            documents.extend(
+                column if all(kept) else pc.filter(column, pa.array(kept, pa.bool_()), memory_pool=POOL)
+            )
+            first += len(column)
 
 
-def rows(column: pa.Array) -> Iterator[tuple[int, bytes | None]]:
-    """(row, value) of each row of a binary array, read PARQUET_SLICE_ROWS rows at a time as Python bytes."""
+def batch_rows(group: pq.RowGroupMetaData, text_field: str, batch_bytes: int = PARQUET_BATCH_BYTES) -> int:
+    """The rows of a batch of about `batch_bytes` of row group `group`'s `text_field` column: its rows x
+    batch_bytes / its uncompressed size (the footer's), at least 1. E.g. 1,000 rows of 64 MiB, 8 MiB: 125."""
+    size = next(
+        (
+            group.column(c).total_uncompressed_size
+            for c in range(group.num_columns)
+            if group.column(c).path_in_schema == text_field
+        ),
+        0,
+    )
+    return max(1, group.num_rows * batch_bytes // size if size else group.num_rows)
+
+
+def rows(column: pa.Array, first: int = 0) -> Iterator[tuple[int, bytes | None]]:
+    """(row, value) of each row of a binary array, its rows numbered from `first`, read PARQUET_SLICE_ROWS rows
+    at a time as Python bytes."""
     for start in range(0, len(column), PARQUET_SLICE_ROWS):
-        yield from enumerate(column.slice(start, PARQUET_SLICE_ROWS).to_pylist(), start)
+        yield from enumerate(column.slice(start, PARQUET_SLICE_ROWS).to_pylist(), first + start)
 
 
 def usable(value: bytes | None, where: str, skips: Skips) -> bool:

@@ -16,7 +16,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -221,6 +221,20 @@ def read_text_column(
     it cannot be read."""
     try:
         return pf.read_row_group(group, columns=[column]).column(column)
+    except Exception as e:
+        raise DataError(
+            f"{name}: row group {group} of {pf.num_row_groups} cannot be read ({str(e).strip()})"
+        ) from e
+
+
+def text_batches(
+    pf: pq.ParquetFile, group: int, name: str | Path, column: str, batch_rows: int
+) -> Iterator[pa.Array]:
+    """The `column` of row group `group`, `batch_rows` rows at a time (the last batch may hold fewer), each
+    batch read as it is asked for; DataError naming the file (`name`) and the group when it cannot be read."""
+    try:
+        for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[group], columns=[column]):
+            yield batch.column(0)
     except Exception as e:
         raise DataError(
             f"{name}: row group {group} of {pf.num_row_groups} cannot be read ({str(e).strip()})"
