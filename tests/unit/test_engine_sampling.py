@@ -239,7 +239,9 @@ def test_a_top_p_boundary_row_does_not_depend_on_its_neighbours_top_k():
     an ulp from the padded sum; with top_p set to that mass the nucleus flipped next to a top_k=20 row."""
     torch.manual_seed(0)
     k, top_p = 10, None
-    while top_p is None:  # logits whose nucleus mass differs between a width of k and a padded width
+    # logits whose nucleus mass differs between a width of k and a padded width; bounded, as a CPU whose
+    # softmax kernel rounds both widths alike has none (this test hung there: nothing to regress on it)
+    for _ in range(20_000):
         x = (torch.randn(1, k) * 3).sort(descending=True).values
         exact = torch.softmax(x, -1)
         padded = torch.softmax(torch.cat([x, torch.full((1, 54), float("-inf"))], 1), -1)[:, :k]
@@ -247,6 +249,9 @@ def test_a_top_p_boundary_row_does_not_depend_on_its_neighbours_top_k():
         differ = [j for j in range(1, k) if before_exact[j] != before_padded[j]]
         if differ:
             top_p = max(before_exact[differ[0]].item(), before_padded[differ[0]].item())
+            break
+    if top_p is None:
+        pytest.skip("this CPU's softmax rounds k and padded widths alike: no boundary row to test")
     logits = torch.full((1, 100), -20.0)
     logits[0, :k] = x[0]
     other = torch.randn(1, 100, generator=torch.Generator().manual_seed(1))
