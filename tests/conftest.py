@@ -10,13 +10,6 @@ from pathlib import Path
 # driver in this process.
 os.environ["RAY_AUTH_MODE"] = "token"
 
-# libgomp (torch's OpenMP) spins a thread that finished its share of a parallel region before it sleeps.
-# With Ray's processes and two xdist workers sharing 2 cores, those spins take CPU from the other
-# processes: two torch-heavy unit-test files run side by side took 40-49 s with the default policy and
-# 27-34 s with PASSIVE (2026-12-06, 2 cores, no fast bf16). Read when torch loads, so set before any import
-# of it; every process the tests start (Ray nodes and workers, CLI subprocesses) inherits it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from support.cluster import RAY_STARTUP_WAIT  # noqa: E402
 
 # and the start-up wait of every Ray node the tests start, a local ray.init()'s too (support.cluster)
