@@ -77,8 +77,9 @@ test: lint test-deps s3-server
 	$(RUN)/pytest -q -n 2 --durations=15
 
 # Fast tier only (a few minutes): no Ray cluster, no slow tests; 2 pytest-xdist workers (2026-12-03, idle machine:
-# 178 s against 184 s serial; the tier is CPU-bound on the 2 cores). Every fast test is in tests/unit: collecting
-# that folder alone skips importing the Ray tiers' modules (23 s against 30 s of collection per worker).
+# 178 s against 184 s serial; the tier is CPU-bound on the 2 cores). Every fast test is in tests/unit
+# (tests/conftest.py marks all of tests/ray and tests/cluster `ray`): collecting that folder alone skips
+# importing the Ray tiers' modules (23 s against 30 s of collection per worker).
 test-fast: lint s3-server
 	$(RUN)/pytest -q -n 2 -m "not ray and not slow" tests/unit
 
