@@ -164,17 +164,27 @@ def read_commit(directory: str | os.PathLike) -> dict:
 
 def parse_commit(data: bytes, where: str) -> dict:
     """The commit marker `data` of checkpoint `where` as a dict, checked for the fields readers use: an
-    integer "step" and "files" mapping each name to {"size": int, ...}.
+    integer "step" and "files" mapping each name (a relative path inside the checkpoint: describe_files' form)
+    to {"size": int, "sha256": str}.
 
-    Raises CheckpointError naming the checkpoint: not JSON (or not UTF-8), or a field missing or of another
-    type (markers are written whole, so only damage from outside does that)."""
+    Raises CheckpointError naming the checkpoint: not JSON (or not UTF-8), a field missing or of another type,
+    or a file name that is not a path inside the checkpoint (absolute, with a backslash, or an empty, `.` or
+    `..` part: the readers join each name onto the checkpoint's directory, and a snapshot or a fetch writes
+    it). Markers are written whole, so only damage or a hand-made marker from outside does that."""
     try:
         commit = json.loads(data)
         int(commit["step"])
-        if not all(isinstance(f, dict) and type(f["size"]) is int for f in commit["files"].values()):
-            raise TypeError('"files" must map each name to {"size": int, "sha256": str}')
+        for name, f in commit["files"].items():
+            if not (isinstance(f, dict) and type(f.get("size")) is int and isinstance(f.get("sha256"), str)):
+                raise TypeError(f'"files": {name!r} must map to {{"size": int, "sha256": str}}, not {f!r}')
     except (ValueError, TypeError, KeyError, AttributeError) as e:  # JSONDecodeError is a ValueError
         raise CheckpointError(f"checkpoint {where}: {COMMIT_FILE} is unreadable ({e!r})") from None
+    for name in commit["files"]:
+        if name.startswith("/") or "\\" in name or any(part in ("", ".", "..") for part in name.split("/")):
+            raise CheckpointError(
+                f"checkpoint {where}: {COMMIT_FILE} lists {name!r}, not a path inside the checkpoint (a file "
+                "name may not be absolute, hold a backslash, or have an empty, '.' or '..' part)"
+            )
     return commit
 
 
@@ -843,7 +853,10 @@ def _latest_of_runs(storage: Storage, stages: tuple[str, ...] | None, flag: str)
 
 
 def _is_checkpoint_name(path: str) -> bool:
-    return path.rsplit("/", 1)[-1].startswith(CHECKPOINT_PREFIX)
+    """Whether the last part of `path` is a run's checkpoint directory name, checkpoint_<digits> (CHECKPOINT_DIR):
+    a committed copy named otherwise (checkpoint_best, checkpoint_000007.bak) is not one of the run's
+    checkpoints, so neither `latest` nor resuming picks it, and pruning never deletes it."""
+    return CHECKPOINT_DIR.fullmatch(path.rsplit("/", 1)[-1]) is not None
 
 
 def _listing(storage: Storage, path: str) -> str:

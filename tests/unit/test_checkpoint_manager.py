@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -370,6 +371,72 @@ def test_a_damaged_commit_marker_commits_nothing_and_is_named(tmp_path):
     assert sorted(p.name for p in (runs / "run1").iterdir()) == [
         "checkpoint_000002", "checkpoint_000004", "checkpoint_000005", "checkpoint_000007",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name", ["../../../outside.txt", "/etc/hostname", "a/../../b", "./meta.json", "a//b", "", "a\\b"]
+)
+def test_a_commit_marker_listing_a_file_outside_its_checkpoint_commits_nothing(tmp_path, name):
+    """Every reader joins the marker's file names onto the checkpoint's directory, and a snapshot
+    (snapshot_checkpoint, which `raychat serve` makes of a run's checkpoint) hard-links each of them: a marker
+    from a shared volume that listed ../../../outside.txt passed verify, and the snapshot hard-linked that file,
+    outside the storage root, to a path outside it too. Such a marker now commits nothing: named directly it is
+    an error naming the checkpoint and the file; `latest` skips it with a warning; nothing is written."""
+    runs = tmp_path / "runs"
+    manager = CheckpointManager(open_storage(runs), "run", keep=3)
+    save(manager, tmp_path, 1)
+    ck = runs / "run" / "checkpoint_000002"
+    part(ck, {"meta.json": b"{}"})
+    (tmp_path / "outside.txt").write_bytes(b"precious")
+    files = {"meta.json": {"size": 2, "sha256": hashlib.sha256(b"{}").hexdigest()},
+             name: {"size": 8, "sha256": hashlib.sha256(b"precious").hexdigest()}}  # fmt: skip
+    (ck / COMMIT_FILE).write_text(json.dumps({"format": 1, "step": 2, "stage": "pretrain", "files": files}))
+    before = tree(tmp_path)
+    said = f"commit.json lists {name!r}, not a path inside the checkpoint"
+    with pytest.raises(CheckpointError, match=f"^checkpoint {ck}: {re.escape(said)}"):
+        cm.verify(ck)
+    with pytest.raises(CheckpointError, match=f"^checkpoint {ck}: {re.escape(said)}"):
+        snapshot_checkpoint(ck)
+    with pytest.raises(CheckpointError, match=f"^--checkpoint: checkpoint {ck}: {re.escape(said)}"):
+        find_checkpoint(ck)
+    with pytest.warns(UserWarning, match=re.escape(said)):
+        assert find_checkpoint("latest", runs) == str(runs / "run" / "checkpoint_000001")
+    assert tree(tmp_path) == before
+
+
+def test_a_commit_marker_without_a_files_digest_is_named_not_a_key_error(tmp_path):
+    ck = part(tmp_path / "runs" / "run" / "checkpoint_000001", {"meta.json": b"{}"})
+    (ck / COMMIT_FILE).write_text(json.dumps({"step": 1, "files": {"meta.json": {"size": 2}}}))
+    with pytest.raises(
+        CheckpointError, match=rf"^checkpoint {ck}: commit.json is unreadable \(TypeError\(.*meta"
+    ):
+        cm.verify(ck, checksums=True)
+
+
+def test_a_committed_copy_named_otherwise_is_not_one_of_the_runs_checkpoints(tmp_path):
+    """checkpoint_<digits> names a run's checkpoints (is_run_checkpoint, which decides what `raychat serve`
+    snapshots). A copy kept beside them under another name (checkpoint_best, checkpoint_000007.bak) was still
+    counted as one because its name began with checkpoint_: pruning deleted checkpoint_best, served in place,
+    and a copy of the newest step sorted after it, became `newest`, and pruning (keep 1) deleted the real one.
+    Now such a copy is never picked by `latest` or a resume and never pruned; named directly, it loads."""
+    runs = tmp_path / "runs"
+    manager = CheckpointManager(open_storage(runs), "run", keep=1)
+    save(manager, tmp_path, 1)
+    best, bak = runs / "run" / "checkpoint_best", runs / "run" / "checkpoint_000007.bak"
+    shutil.copytree(runs / "run" / "checkpoint_000001", best)
+    assert find_checkpoint(best) == str(best) and not is_run_checkpoint(str(best))
+    save(manager, tmp_path, 7)
+    shutil.copytree(runs / "run" / "checkpoint_000007", bak)
+    assert manager.newest().path == str(runs / "run" / "checkpoint_000007")
+    save(manager, tmp_path, 9)
+    assert sorted(p.name for p in (runs / "run").iterdir()) == [
+        "checkpoint_000007.bak", "checkpoint_000009", "checkpoint_best",
+    ]  # fmt: skip
+    assert (
+        find_checkpoint("latest", runs)
+        == find_checkpoint("run", runs)
+        == str(runs / "run" / "checkpoint_000009")
+    )
 
 
 def test_a_missing_top_level_directory_lists_the_root():
