@@ -9,7 +9,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import json
+import os
+import subprocess
+import sys
 from array import array
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +31,7 @@ from raychat.serve.app import build_app, serve_config
 from raychat.serve.server import ChatServer
 
 GREEDY = dict(temperature=0.0)
+TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +213,53 @@ def test_a_pool_too_small_for_the_traffic_evicts_and_fails_nothing(tok, model):
         assert [t for e in events for t in e.token_ids] == reference_greedy(model, p, 5, stop_ids(tok))
     pc = sched.engine.prefix_cache
     assert pc.num_blocks == 2 and not pc._refs  # never grew past capacity; every hold released
+
+
+# On the CPU, in a process whose address space is capped (RLIMIT_AS) just above what generation needs: the
+# pool's first growth (k and v, 2 x 33.5 MB) cannot be allocated. Prints what the test asserts.
+_CPU_OOM = """
+import json, resource, torch
+from support.engine_fixtures import byte_tokenizer, reference_greedy
+from raychat.engine import ModelRunner
+from raychat.model import GPT, ModelConfig
+torch.set_num_threads(1)
+tok = byte_tokenizer()
+cfg = ModelConfig(vocab_size=tok.vocab_size, n_layer=8, n_embd=64, n_head=8, n_kv_head=8, head_dim=64,
+                  intermediate_size=128, max_seq_len=128)
+torch.manual_seed(0)
+model = GPT(cfg).eval()
+prompt = [tok.bos_id, *range(65, 105)]
+stop = {tok.special_id("<|assistant_end|>"), tok.bos_id}
+want = reference_greedy(model, prompt, 4, stop)
+engine = ModelRunner(model, tok, prefix_cache_tokens=64 * 16)
+off = ModelRunner(model, tok, prefix_cache_tokens=0)
+for _ in range(3):  # generation's own allocations, freed and made again, before the cap
+    assert off.generate_batch([prompt], max_tokens=4, temperature=0.0)[0].completion_tokens == want
+vm = next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmSize"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (16 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    torch.empty(8 << 20)  # 32 MiB: this is what the cap refuses
+    refused = ""
+except RuntimeError as e:
+    refused = str(e)
+got = [engine.generate_batch([prompt], max_tokens=4, temperature=0.0)[0].completion_tokens for _ in range(2)]
+pc = engine.prefix_cache
+print(json.dumps({"refused": refused, "equal": got == [want, want], "max_blocks": pc.max_blocks,
+                  "num_blocks": pc.num_blocks, "hits": pc.hits}))
+"""
+
+
+def test_a_cpu_allocation_failure_while_the_pool_grows_caps_it_and_fails_nothing():
+    """The pool catches an allocation failure while growing and caps itself where it is (the request goes on
+    uncached). It caught torch.OutOfMemoryError only, which is CUDA's: the CPU allocator raises a plain
+    RuntimeError, so on a CPU engine short of memory generate_batch failed. Run for real in a capped process
+    (no mock): both calls give the reference tokens, and the pool stayed empty, capped at 0 blocks."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", _CPU_OOM], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "can't allocate memory" in out["refused"]  # the cap holds: a real CPU allocation failure
+    assert out == {**out, "equal": True, "max_blocks": 0, "num_blocks": 0, "hits": 0}
 
 
 # ---- serving options --------------------------------------------------------------------------------------

@@ -45,6 +45,10 @@ def test_top_p_smallest_set_reaching_mass():
     assert kept(filter_logits(LOGITS, top_k=None, top_p=0.8)) == [0, 1]
     assert kept(filter_logits(LOGITS, top_k=None, top_p=0.81)) == [0, 1, 2]
     assert kept(filter_logits(LOGITS, top_k=None, top_p=0.01)) == [0]  # never empty
+    # a top_p > 0 that rounds to 0 in fp32 (under ~1.4e-45) kept nothing, and the argmax of an all -inf row
+    # drew token 0 at every step: the most likely token stays here too
+    for top_k in (None, 3):
+        assert kept(filter_logits(LOGITS[:, [3, 2, 0, 1]], top_k=top_k, top_p=1e-50)) == [2]
     # unsorted input: same set by id
     perm = torch.tensor([2, 0, 3, 1])
     assert kept(filter_logits(LOGITS[:, perm], top_k=None, top_p=0.8)) == [1, 3]

@@ -58,6 +58,12 @@ def block_digests(tokens: list[int], num_blocks: int, version: int) -> list[byte
     return out
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation that found no memory: torch.OutOfMemoryError on CUDA; on the CPU,
+    whose allocator raises a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory: ...")."""
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
+
+
 class PrefixCache:
     """A pool of cached key/value blocks for one model (see the module docstring).
 
@@ -215,7 +221,9 @@ class PrefixCache:
         try:
             k = torch.empty((L, new, H, BLOCK_TOKENS, D), dtype=self.dtype, device=self.device)
             v = torch.empty_like(k)
-        except torch.OutOfMemoryError:  # memory pressure: keep the pool as it is and evict instead
+        except RuntimeError as e:  # memory pressure: keep the pool as it is and evict instead
+            if not out_of_memory(e):
+                raise
             self.max_blocks = old
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -150,8 +150,11 @@ def _top_k_candidates(logits: torch.Tensor, top_k: list[int]) -> tuple[torch.Ten
 
 def _past_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """probs (n, W) fp32 sorted descending along each row, top_p (n, 1) fp32 (>= 1 = off): (n, W) bool, True
-    past each row's nucleus (a token stays while the mass before it is < top_p, so the first always stays)."""
-    return torch.cumsum(probs, dim=-1) - probs >= top_p
+    past each row's nucleus (a token stays while the mass before it is < top_p, so the first always stays, even
+    where a top_p too small for fp32 rounded to 0)."""
+    past = torch.cumsum(probs, dim=-1) - probs >= top_p
+    past[:, 0] = False
+    return past
 
 
 def _max_is_first_candidate(device: torch.device) -> bool:
