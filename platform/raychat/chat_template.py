@@ -207,7 +207,11 @@ def _parts(message: Mapping, i: int) -> list[tuple[str, str]]:
             raise ValueError(
                 f"message {i} part {j}: 'text' must be a string, got {type(part.get('text')).__name__}"
             )
-        parts.append((part["type"], part["text"]))
+        if part["type"] == "text" and parts and parts[-1][0] == "text":
+            # adjacent text parts are one text, encoded whole: as a one-string tokenizer (HF, vLLM) does
+            parts[-1] = ("text", parts[-1][1] + part["text"])
+        else:
+            parts.append((part["type"], part["text"]))
     return parts
 
 

@@ -118,6 +118,24 @@ def test_supervised_tokens_decode_exactly_to_reply_plus_end(small_tokenizer, use
     assert supervised_ids == [*tok.encode(reply), sid(tok, "assistant_end")]
 
 
+def test_adjacent_text_parts_are_encoded_as_one_text(small_tokenizer):
+    """An assistant message of text parts "The qu" + "ick brown fox" renders as "The quick brown fox" does: one
+    text, encoded whole, as the exported Jinja template's one string is (tests/unit/test_export_hf.py). Encoded
+    part by part, BPE could not merge across the join ("qu" + "ick" against "quick"), so a model trained on
+    it saw a split the tokenizer never makes."""
+    tok = small_tokenizer
+    assert tok.encode("The qu") + tok.encode("ick brown fox") != tok.encode(
+        "The quick brown fox"
+    )  # the split
+    parts = [{"type": "text", "text": "The qu"}, {"type": "text", "text": "ick brown fox"}]
+    for tail in ([], [{"type": "python", "text": "1+1"}]):
+        split, whole = (
+            render_conversation(tok, [u("Hi"), a(parts + tail)]),
+            render_conversation(tok, [u("Hi"), a([{"type": "text", "text": "The quick brown fox"}, *tail])]),
+        )
+        assert (split.ids, split.supervised) == (whole.ids, whole.supervised)
+
+
 def test_tool_calls_are_targets_and_tool_outputs_are_not(small_tokenizer):
     tok = small_tokenizer
     conv = [

@@ -213,10 +213,17 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "1024"},
         {"role": "user", "content": "ok"},
     ],
+    [  # a prompt ending with a tool message: the assistant turn stays open after <|output_end|>
+        {"role": "user", "content": "Use the tool."},
+        {"role": "assistant", "content": [{"type": "python", "text": "2**10"}]},
+        {"role": "tool", "content": "1024"},
+    ],
 ]
 
 
-@pytest.mark.parametrize("conversation", CONVERSATIONS, ids=["one-turn", "system", "python-parts", "tool"])
+@pytest.mark.parametrize(
+    "conversation", CONVERSATIONS, ids=["one-turn", "system", "python-parts", "tool", "tool-ending"]
+)
 def test_jinja_template_matches_raychat(exported, tokenizer, conversation):
     hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
     ours = render_for_completion(tokenizer, conversation)

@@ -142,8 +142,11 @@ CHAT_TEMPLATE_JINJA = (
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{%- endif -%}"
     "{%- endfor -%}"
+    # a prompt ending with a tool message leaves its assistant turn open (render_for_completion)
+    "{%- if not (add_generation_prompt and messages and messages[-1].role == 'tool') -%}"
     "{%- if ns.in_assistant -%}<|assistant_end|>{%- endif -%}"
     "{%- if add_generation_prompt -%}<|assistant_start|>{%- endif -%}"
+    "{%- endif -%}"
 )
 
 
