@@ -34,6 +34,9 @@ def client(fake):
     return TestClient(create_app(fake))
 
 
+JSON = {"content-type": "application/json"}
+
+
 def post(client, body, path="/chat/completions", **kw):
     return client.post(path, json=body, **kw)
 
@@ -243,6 +246,22 @@ WRONG_TYPES = [
 @pytest.mark.parametrize("override,field,fragment", WRONG_TYPES, ids=[w[1] + "-" + str(i) for i, w in enumerate(WRONG_TYPES)])  # fmt: skip
 def test_wrong_types_and_missing_fields(client, override, field, fragment):
     assert_400(post(client, {"messages": USER, **override}), field, fragment)
+
+
+def test_a_body_of_thousands_of_unknown_fields_lists_the_first_20_and_counts_the_rest(client, fake):
+    """Every unknown field got its own "did you mean" search and a line in `details`, on the replica's event
+    loop: 24,000 of them (a 517 KB body, under the 512 KiB limit) took 3.9 s and a 1.4 MB answer, during
+    which no other request or stream of the replica moved. The answer now names the first error as always,
+    lists MAX_DETAILS (20) fields and counts the rest in one line."""
+    extra = {f"x{i}": 0 for i in range(5000)}
+    resp = post(client, {"messages": USER, "temperatur": 0.5, **extra}, path=V1)
+    assert_400(resp, "temperatur", "unknown field; did you mean temperature?")
+    details = resp.json()["error"]["details"]
+    assert details[0] == "temperatur: unknown field; did you mean temperature?"
+    assert details[1].startswith("x0: unknown field (raychat does not support it here; ")
+    assert [d.split(":")[0] for d in details[1:20]] == [f"x{i}" for i in range(19)]
+    assert details[20:] == ["... and 4981 more fields in error"] and fake.requests == []
+    assert post(client, {"messages": USER}, path=V1).status_code == 200  # the next request is served
 
 
 def test_engine_request_from_an_openai_request(client, fake):
@@ -678,6 +697,30 @@ def test_details_as_documented(client):
     error = resp.json()["error"]
     assert error["message"] == "body: invalid JSON at character 14 (Expecting value)"
     assert error["details"] == [error["message"]]
+
+
+def test_a_lone_surrogate_in_a_tool_call_or_a_stop_string_is_refused_by_name(client, fake):
+    """The same refusal where a call's arguments (whose expression the template renders), a server-run call's
+    output, or a stop string (which could never match the text) holds one: each was accepted, and the
+    rendered prompt held U+FFFD. (json.dumps writes a lone surrogate as its \\u escape.)"""
+    bodies = {
+        "messages[1].tool_calls[0].function": (
+            [call("2\ud800", offset=0)],
+            "arguments: the expression has a lone surrogate (U+D800)",
+        ),
+        "messages[1].tool_calls[0].raychat.output": (
+            [call(offset=0, output="\udc00")],
+            "has a lone surrogate (U+DC00)",
+        ),
+    }
+    for field, (calls, said) in bodies.items():
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "tool_calls": calls},
+                   {"role": "user", "content": "ok"}]  # fmt: skip
+        body = json.dumps({"messages": history}).encode()
+        assert_400(client.post(V1, content=body, headers=JSON), field, said)
+    body = json.dumps({"messages": USER, "stop": ["ok", "\ud800"]}).encode()
+    assert_400(client.post(V1, content=body, headers=JSON), "stop", "has a lone surrogate (U+D800)")
+    assert fake.requests == []
 
 
 def test_a_lone_surrogate_in_content_is_refused_by_name(client, fake):

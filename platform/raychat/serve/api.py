@@ -145,7 +145,7 @@ class TextPart(_Strict):
 
 class FunctionCall(_Strict):
     name: StrictStr
-    arguments: StrictStr
+    arguments: Annotated[StrictStr, AfterValidator(unicode_text)]
     parsed_arguments: dict | None = None  # added by openai's stream helpers; derived from arguments
 
 
@@ -154,7 +154,7 @@ class ToolRun(_Strict):
     (characters of content before it) and the calculator's output (absent: the calculator refused it)."""
 
     offset: Annotated[StrictInt, Field(ge=0)]
-    output: StrictStr | None = None
+    output: Annotated[StrictStr | None, AfterValidator(unicode_text)] = None
 
 
 class ToolCall(_Strict):
@@ -210,7 +210,17 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     for s in items:
         if not 1 <= len(s) <= MAX_STOP_CHARS:
             raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
+        unicode_text(s)  # a lone surrogate could never match the text
     return items
+
+
+def unicode_text(text: str | None) -> str | None:
+    """`text` itself, once it is valid Unicode text; raises ValueError with lone_surrogate's reason (what the
+    template renders: a lone surrogate would reach the model as U+FFFD)."""
+    why = lone_surrogate(text) if text is not None else None
+    if why:
+        raise ValueError(why)
+    return text
 
 
 Stop = Annotated[StrictStr | list[StrictStr] | None, AfterValidator(stop_strings)]
@@ -234,7 +244,8 @@ def _nesting(text: str) -> int:
 
 
 def expression_of(function: FunctionCall) -> str:
-    """The calculator expression of a call: arguments must be the JSON object {"expression": str}."""
+    """The calculator expression of a call: arguments must be the JSON object {"expression": str}, the
+    expression valid Unicode text (lone_surrogate)."""
     if function.name != CALCULATOR:
         raise ValueError(f"only the built-in {CALCULATOR!r} function exists here, got {function.name!r}")
     if _nesting(function.arguments) > MAX_ARGUMENTS_NESTING:  # json.loads would recurse that deep
@@ -247,6 +258,8 @@ def expression_of(function: FunctionCall) -> str:
         raise ValueError(f"arguments must be a JSON object, got invalid JSON ({e.msg})") from None
     if not isinstance(args, dict) or set(args) != {"expression"} or not isinstance(args["expression"], str):
         raise ValueError('arguments must be the JSON object {"expression": "<arithmetic>"}')
+    if why := lone_surrogate(args["expression"]):
+        raise ValueError(f"arguments: the expression {why}")
     return args["expression"]
 
 

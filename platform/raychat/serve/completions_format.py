@@ -4,7 +4,9 @@ are openai's own types (the tests validate every object with openai.types.Comple
 
 A choice's `logprobs` (when the request set logprobs) is {"tokens", "token_logprobs", "top_logprobs",
 "text_offset"}: one entry per token of the choice's text (the prompt's tokens first when echo), text_offset
-= characters of the choice's text before the token (the sum of the previous tokens' texts).
+= the sum of the lengths of the previous tokens' strings (vLLM's rule). That is the token's position in the
+choice's text while every token decodes to whole characters; after a character whose UTF-8 bytes span two
+tokens (each token's string then holds U+FFFD, and the text the character once) it is past that position.
 """
 
 from __future__ import annotations

@@ -137,6 +137,10 @@ def _fields_around(model: type[BaseModel], loc: tuple | list) -> list[str]:
     return [name for m in models for name in m.model_fields]
 
 
+# The most fields in error a 400's `details` lists (validation_error_body).
+MAX_DETAILS = 20
+
+
 def unknown_field(name: str, accepted: list[str]) -> str:
     """The reason given for a field the request model does not have: the accepted field it misspells (the
     closest of `accepted` by cli_parser.did_you_mean), else that raychat does not support it and where the
@@ -165,15 +169,21 @@ def validation_error_body(errors: list[dict], model: type[BaseModel] | None = No
     reason" per field in error, in the order pydantic reports them (the first is the message). A field that
     failed every member of a union (a number that is neither float nor int) is listed once, with its first
     reason. An unknown field's reason (unknown_field) suggests the field of `model`, the request's body model
-    (or of the nested model holding it), it misspells."""
+    (or of the nested model holding it), it misspells. At most MAX_DETAILS fields are listed, then one line
+    "... and N more fields in error": a body of thousands of unknown fields gets its answer in milliseconds
+    and does not hold up the replica's other requests (this runs on its event loop)."""
     first = errors[0]
     param = "body" if first.get("type") == "json_invalid" else field_path(first.get("loc", ()))
     body = error_body(f"{param}: {_reason(first, model)}", param)
-    details: dict[str, str] = {}
+    details: dict[str, str | None] = {}
     for e in errors:
         field = "body" if e.get("type") == "json_invalid" else field_path(e.get("loc", ()))
-        details.setdefault(field, _reason(e, model))
-    body["error"]["details"] = [f"{field}: {reason}" for field, reason in details.items()]
+        if field not in details:
+            details[field] = _reason(e, model) if len(details) < MAX_DETAILS else None
+    listed = [f"{field}: {reason}" for field, reason in details.items() if reason is not None]
+    if len(details) > len(listed):
+        listed.append(f"... and {len(details) - len(listed)} more fields in error")
+    body["error"]["details"] = listed
     return body
 
 
