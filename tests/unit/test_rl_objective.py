@@ -75,6 +75,33 @@ def test_gradient_is_zero_at_forced_tool_output_positions():
     assert torch.allclose(g[1], expected, atol=1e-6)
 
 
+def test_a_huge_behavior_logprob_gap_at_a_masked_position_leaves_the_gradient_finite():
+    """Asynchronous rollouts carry the behavior policy's log-prob of every label, prompt and tool-output ones
+    too. At temperature 1e-3 a logit moved by 0.1 at a prompt position puts the learner 100 nats from the
+    behavior there: exp overflowed to inf, and although that position's loss is masked to exactly 0, the
+    backward pass multiplied 0 by inf and every gradient became NaN (the run stopped on a NaN grad norm,
+    advising a lower lr). Now the ratio is 1 where loss_mask is False: the gradient is the one without the gap."""
+    sample = {"tokens": [5, 1, 2, 3], "mask": [0, 0, 1, 1], "advantage": 0.5}  # label 1 is a prompt token
+    b = collate([{**sample, "behavior_logprobs": [0.0] * 3}])
+    torch.manual_seed(0)
+    behavior_logits = torch.randn(1, 3, 8)
+    T = 1e-3
+    b["behavior_logprobs"] = token_logprobs(behavior_logits, b["labels"], T)
+    grads = []
+    for gap in (0.1, 0.0):
+        logits = behavior_logits.clone()
+        logits[0, 0, 1] += gap
+        logits.requires_grad_(True)
+        logp = token_logprobs(logits, b["labels"], T)
+        loss, ratio = per_token_loss(logp, b["advantages"], b["behavior_logprobs"], loss_mask=b["loss_mask"])
+        normalized_loss(loss, b["loss_mask"], "token", 2, 1).backward()
+        grads.append(logits.grad)
+        assert ratio.tolist() == [[1.0, 1.0, 1.0]]  # masked: 1; sampled: learner = behavior there
+        if gap:  # beyond what exp can hold in fp32 (exp(88.7) is fp32's largest)
+            assert abs((logp - b["behavior_logprobs"])[0, 0].item()) > 89
+    assert torch.isfinite(grads[0]).all() and torch.equal(grads[0], grads[1])
+
+
 def test_clipped_ratio():
     # behavior logprob log(0.5), current log(0.8): ratio 1.6 clipped at 1.2 for A > 0; unclipped for A < 0
     logp = torch.log(torch.tensor([[0.8]])).requires_grad_(True)

@@ -139,12 +139,21 @@ def per_token_loss(
     advantages: torch.Tensor,
     behavior_logprobs: torch.Tensor | None = None,
     clip_eps: float = 0.2,
+    loss_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO-clip surrogate per token (module docstring). Returns (loss (B, T), ratio (B, T) detached).
 
-    logprobs (B, T) with grad; advantages (B,); behavior_logprobs (B, T) or None (on-policy, ratio 1).
+    logprobs (B, T) with grad; advantages (B,); behavior_logprobs (B, T) or None (on-policy, ratio 1);
+    loss_mask (B, T) bool or None: where False the ratio is 1 (the behavior log-prob is not used). A prompt or
+    tool-output token's behavior log-prob may be ~100 nats from the learner's at a low temperature: its
+    exp overflowed to inf, and though masked_sums zeroes that position's loss, the backward pass multiplied
+    0 by inf there and every gradient became NaN.
     """
-    old = logprobs.detach() if behavior_logprobs is None else behavior_logprobs
+    old = logprobs.detach()
+    if behavior_logprobs is not None:
+        old = (
+            behavior_logprobs if loss_mask is None else torch.where(loss_mask.bool(), behavior_logprobs, old)
+        )
     ratio = torch.exp(logprobs - old)
     adv = advantages[:, None].to(logprobs.dtype)
     loss = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
@@ -222,8 +231,10 @@ class PolicyGradientLoss:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, num_sequences = totals
         logp = token_logprobs(logits, batch["labels"], self.temperature)
-        loss, ratio = per_token_loss(logp, batch["advantages"], batch.get("behavior_logprobs"), self.clip_eps)
         mask = batch["loss_mask"].bool()
+        loss, ratio = per_token_loss(
+            logp, batch["advantages"], batch.get("behavior_logprobs"), self.clip_eps, loss_mask=mask
+        )
         share = normalized_loss(
             loss, mask, self.normalization, num_tokens, num_sequences, self.constant_length
         )

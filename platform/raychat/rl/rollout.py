@@ -12,7 +12,8 @@ Sample (a dict, what the learner consumes):
     completion_tokens: int tokens after the prompt (sampled + forced); sampled_tokens: mask-1 tokens
     finish_reason: str     "stop" | "length"
     behavior_logprobs: list[float] | None   log pi_behavior of tokens[1:] at the rollout temperature
-                            (asynchronous mode only; one value per label, 0 at prompt positions)
+                            (asynchronous mode only; one value per label; the loss uses those of the
+                            sampled tokens only: objective.per_token_loss)
 """
 
 from __future__ import annotations
