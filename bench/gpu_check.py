@@ -7,7 +7,7 @@ Prepared on a CPU machine; NOT run here (no GPU). Run it with `bash bench/gpu_ch
    optimizers (Muon + AdamW, raychat.train.optim.build_optimizers) on one synthetic, learnable token stream
    (random 64-token phrases repeated): tokens/s of the steps after the first 10 (compile-free warm-up),
    MFU (raychat.model.GPT.flops_per_token x tokens/s / the device's dense bf16 peak of
-   raychat.train.plan.PEAK_FLOPS), the loss at the last step;
+   raychat.train.plan.peak_flops_of), the loss at the last step;
 2. the engine's decode tokens/s (ModelRunner.generate_batch, bf16, greedy, 128-token prompts, 128 new
    tokens; bench/engine_gpu.py's timing) at 1, 8 and 32 rows, from the bf16 model of 1;
 3. vLLM on the HF export of that model (raychat.export.hf) at the same rows, when `vllm` imports (else the
@@ -46,7 +46,7 @@ from raychat.model import GPT, ModelConfig
 from raychat.ports import free_ports
 from raychat.train.fp8 import convert_to_fp8
 from raychat.train.optim import build_optimizers
-from raychat.train.plan import PEAK_FLOPS
+from raychat.train.plan import peak_flops_of
 
 REPO = Path(__file__).resolve().parents[1]
 FULL = dict(depth=12, vocab=65536, seq=1024, rows=16, steps=60, warmup=10, decode_rows=(1, 8, 32), prompt=128,
@@ -96,7 +96,7 @@ def pretrain(c: dict, device: str, fp8: bool, init: dict) -> tuple[dict, GPT]:
         times.append(time.perf_counter() - t)
     tokens_per_s = c["rows"] * c["seq"] * len(times[c["warmup"] :]) / sum(times[c["warmup"] :])
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    peak = peak_flops_of(name)
     flops = model.flops_per_token(c["seq"])
     return {
         "fp8_linears": converted, "tokens_per_s": round(tokens_per_s, 1),

@@ -13,7 +13,7 @@ from raychat.model import GPT, ModelConfig
 from raychat.speedrun import speedrun_flags
 from raychat.train.muon import Muon
 from raychat.train.optim import build_optimizers, lr_multiplier, muon_ns_choice, set_lr
-from raychat.train.plan import make_plan, mfu_line, print_plan
+from raychat.train.plan import make_plan, mfu_line, peak_flops_of, print_plan
 
 LRS = {
     "matrix_lr": 0.02,
@@ -224,12 +224,33 @@ def test_the_plan_says_once_what_mfu_is_measured_against():
     assert mfu_line(cfg()) == CPU_MFU
     assert mfu_line(cfg(peak_flops=2e12)) == "mfu: over --peak-flops 2e12 FLOP/s a device"
     assert mfu_line(cfg(use_gpu=True)) == (
-        "mfu: over the dense bf16 peak of a known GPU (H100, H200, A100, L4, A10G); n/a on another: give "
-        "--peak-flops, the peak FLOP/s of one worker's device, to get it"
+        "mfu: over the dense bf16 peak of a known GPU (H100 PCIe, H100 NVL, H100, H200, A100, L4, A10G); n/a on "
+        "another: give --peak-flops, the peak FLOP/s of one worker's device, to get it"
     )
     assert mfu_line(cfg(), speedrun_flags("tiny", "pretrain").option) == CPU_MFU.replace(
         "--peak-flops", "train.peak_flops"
     )
+
+
+@pytest.mark.parametrize(
+    "name,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA L40S", None),
+        ("NVIDIA L40", None),
+        ("NVIDIA GH200 480GB", None),
+    ],
+)
+def test_a_gpus_peak_is_looked_up_by_its_whole_model_name(name, peak):
+    """MFU's denominator (Trainer.peak_flops, bench/gpu_check.py). Matched as a substring, "L4" gave an L40S the
+    L4's 121 TFLOP/s (its MFU read ~3x too high) and "H100" gave the PCIe card the SXM's 989 (~24% too low);
+    a GPU of no known model gets None (MFU n/a, --peak-flops gives it)."""
+    assert peak_flops_of(name) == peak
 
 
 def test_pretrain_help_shows_the_flags_defaults_and_the_plan_the_presets(tmp_path, capsys):

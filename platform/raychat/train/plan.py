@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,8 +39,20 @@ class ShapesOnly(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-# Dense bf16 peak FLOP/s of one device (for MFU), from the vendors' data sheets: a GPU whose name holds a key.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 70e12}
+# Dense bf16 peak FLOP/s of one device (for MFU), from the vendors' data sheets (half the "with sparsity"
+# figure), looked up by peak_flops_of: the most specific model first.
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
+              "L4": 121e12, "A10G": 70e12}  # fmt: skip
+
+
+def peak_flops_of(device_name: str) -> float | None:
+    """PEAK_FLOPS of the first key that `device_name` (torch.cuda.get_device_name) holds as whole words, e.g.
+    "NVIDIA H100 80GB HBM3" -> the H100 SXM's, "NVIDIA H100 PCIe" -> its own; None for another GPU. A key
+    only matched as a substring: "L4" took "NVIDIA L40S" (3x the L4's peak) and "H100" the PCIe card."""
+    for key, flops in PEAK_FLOPS.items():
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name):
+            return flops
+    return None
 
 
 @dataclass(frozen=True)

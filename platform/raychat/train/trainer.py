@@ -35,7 +35,7 @@ from raychat.masks import make_batch
 from raychat.metrics_sink import MetricsSink
 from raychat.train.checkpointer import Checkpointer, commit_ranks
 from raychat.train.optim import lr_multiplier, set_lr
-from raychat.train.plan import PEAK_FLOPS, Plan
+from raychat.train.plan import Plan, peak_flops_of
 from raychat.train.startup_trace import mark
 from raychat.train.step import NonFiniteError, autocast_for, clear_grads, forward_backward, optimizer_step
 from raychat.train.validators import Validator, validate_all
@@ -219,8 +219,7 @@ class Trainer:
         if self.config.layout.peak_flops > 0:
             return self.config.layout.peak_flops
         if self.device.type == "cuda":
-            name = torch.cuda.get_device_name(self.device)
-            return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+            return peak_flops_of(torch.cuda.get_device_name(self.device))
         return None
 
     # ---- logging and checkpoints -------------------------------------------------------------------
