@@ -216,7 +216,8 @@ def test_a_pool_too_small_for_the_traffic_evicts_and_fails_nothing(tok, model):
 
 
 # On the CPU, in a process whose address space is capped (RLIMIT_AS) just above what generation needs: the
-# pool's first growth (k and v, 2 x 33.5 MB) cannot be allocated. Prints what the test asserts.
+# pool's first growth (k and v, 16 MiB each: 8 layers x 64 blocks x 8 heads x 16 tokens x 64 x 4 B) cannot be
+# allocated. Prints what the test asserts.
 _CPU_OOM = """
 import json, resource, torch
 from support.engine_fixtures import byte_tokenizer, reference_greedy
