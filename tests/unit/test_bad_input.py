@@ -297,7 +297,8 @@ def test_a_total_batch_that_does_not_divide_names_the_flags_as_typed(tmp_path, c
         (["--source", "{tmp}/empty"], "--source {tmp}/empty: no usable documents: it holds no text (documents are "
          ".txt, .md and .rst files, .jsonl lines and .parquet rows)"),
         (["--source", ""], "--source must not be blank, got '' (default: 'debian-docs')"),
-        (["--source", "climbmix", "--num-shards", "7000"], "num_shards must be in [1, 6542] for this source, got 7000"),
+        (["--source", "climbmix", "--num-shards", "7000"], "--num-shards must be in [1, 6542] for --source climbmix (its train "
+         "shards come before its validation shard 6542), got 7000"),
     ],
 )  # fmt: skip
 def test_data_prepare_checks_its_input_before_it_creates_the_root(argv, want, tmp_path, capsys):

@@ -8,6 +8,7 @@ import random
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -18,8 +19,8 @@ from raychat.data.corpus import corpora, shards
 from raychat.data.corpus.corpora import CorpusNotInstalled, python_docs, wordnet_entry, wordnet_glosses
 from raychat.data.corpus.download import HUB_SOURCES
 from raychat.data.corpus.prepare import VALIDATION_MAX_SHARE, prepare, split_line
-from raychat.data.corpus.rst_clean import clean_rst, split_sections
-from raychat.data.corpus.shards import DataError
+from raychat.data.corpus.rst_clean import clean_inline, clean_rst, split_sections
+from raychat.data.corpus.shards import DataError, check_shard_bytes
 
 RST = """\
 .. _tut-intro:
@@ -105,6 +106,19 @@ def test_clean_rst_rules():
     # roles, links, emphasis, literals and substitutions rewritten; targets, index, module, options, tables,
     # comments dropped; literal blocks and code-block bodies kept verbatim (their markup-like text too)
     assert clean_rst(RST) == CLEAN
+
+
+@pytest.mark.parametrize(
+    "rst, text",
+    [
+        (r"Use ``'\n'`` as the separator.", r"Use '\n' as the separator."),  # a literal keeps its backslashes
+        (r"Match ``r'\d+'`` or \*not\* a star\ s.", r"Match r'\d+' or *not* a stars."),  # escapes outside it
+        (r"``*a*`` and *b* and ``|sub|``", r"*a* and b and |sub|"),  # markup in a literal is text
+        ("a \ue0007\ue001 b", "a \ue0007\ue001 b"),  # text that looks like a set-aside literal is kept
+    ],
+)
+def test_clean_inline_keeps_an_inline_literal_as_written(rst, text):
+    assert clean_inline(rst) == text
 
 
 def test_split_sections_at_titles():
@@ -700,3 +714,20 @@ def test_a_folder_of_one_large_text_file_is_told_that_a_file_is_one_document(tmp
         'into a file a document, or into a .jsonl of a {"text": ...} a line\n'
     )
     assert not out.exists()
+
+
+def test_a_shard_over_the_arrow_string_limit_is_refused_before_anything_is_written(tmp_path):
+    gib = 2**30
+    lengths = np.array([gib, gib, 1, gib // 2], dtype=np.int64)  # 2.5 GiB + 1 byte
+    order = np.array([0, 1, 2, 3])
+    check_shard_bytes(lengths, order, [(0, 1), (1, 4)])  # 1 GiB, then 1.5 GiB + 1 byte: both fit
+    with pytest.raises(ValueError) as e:
+        check_shard_bytes(lengths, order, [(0, 3), (3, 4)])  # 2 GiB + 1 byte: one over 2**31 - 1
+    assert str(e.value) == (
+        "shard 0 would hold 2,147,483,649 bytes of text, over the 2,147,483,647 a shard can hold (an Arrow string "
+        "column): cut the corpus into more shards, at least 3 for its 2684.35 MB (--num-shards), or fewer documents "
+        "a shard (--rows-per-shard)"
+    )
+    check_shard_bytes(
+        lengths, np.array([0, 2, 1, 3]), [(0, 2), (2, 4)]
+    )  # the order decides what a shard holds

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import http.server
 import io
+import re
 import threading
 from pathlib import Path
 
@@ -34,7 +36,7 @@ def parquet_bytes(texts: list[str], **columns) -> bytes:
 class Server:
     """Serves `files` (URL path -> bytes). `plan[path]` is a list of behaviours for the next requests of that
     path, used up one per request: "500" (HTTP 500), "truncate" (full Content-Length, half the body, then
-    close), "404"; once the list is empty the file is served normally. While answering a request, it records
+    close), "404", "gzip" (the body gzip-compressed, with Content-Encoding: gzip); once the list is empty the file is served normally. While answering a request, it records
     whether the download's final file already exists (`final_seen`), which must never be True. HEAD requests
     (`heads`) answer a file's size as its Content-Length (`head` "size"), with its sha256 as the hub gives it
     ("sha256": X-Linked-Etag), or as the hub does ("hub": a redirect with X-Linked-Size and X-Linked-Etag to a
@@ -83,6 +85,9 @@ class Server:
                     self.end_headers()
                     return
                 self.send_response(200)
+                if step == "gzip":
+                    body = gzip.compress(body)
+                    self.send_header("Content-Encoding", "gzip")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body[: len(body) // 2] if step == "truncate" else body)
@@ -195,6 +200,39 @@ def test_a_corrupt_or_wrong_body_is_rejected_before_the_rename(tmp_path, no_slee
             download_file(f"{srv.url}/s.parquet", tmp_path / "s.parquet", attempts=2, log=lambda m: None)
     assert len(srv.requests) == 2
     assert visible_files(tmp_path) == []
+
+
+def test_a_gzip_encoded_body_is_saved_decoded(tmp_path, no_sleep):
+    body = parquet_bytes([f"doc {i}" for i in range(50)])
+    with Server({"/s.parquet": body}) as srv:
+        srv.plan["/s.parquet"] = ["gzip"]
+        download_file(f"{srv.url}/s.parquet", tmp_path / "s.parquet", attempts=1, log=lambda m: None)
+    assert len(gzip.compress(body)) != len(body)  # the Content-Length counts the encoded bytes
+    assert (tmp_path / "s.parquet").read_bytes() == body
+
+
+def table_bytes(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, row_group_size=2)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    "table, error",
+    [
+        (pa.table({"text": [1, 2, 3]}), "the `text` column holds int64, not strings"),
+        (pa.table({"text": [{"a": "x"}]}), "the `text` column holds struct<a: string>, not strings"),
+        (pa.table({"text": ["a", "b", "c", None]}), "row 3: `text` is null"),
+    ],
+)
+def test_a_hub_shard_of_other_types_or_with_a_null_fails_prepare_naming_it(table, error, tmp_path, no_sleep):
+    files = {"/shard_00000.parquet": table_bytes(table), "/shard_01822.parquet": parquet_bytes(["v"])}
+    out = tmp_path / "data"
+    with Server(files) as srv:
+        with pytest.raises(DownloadError, match=r"shard_00000\.parquet: .*" + re.escape(error)):
+            prepare("fineweb-edu", out, num_shards=1, url_pattern=f"{srv.url}/shard_{{index:05d}}.parquet",
+                    attempts=1, log=lambda m: None)  # fmt: skip
+    assert not (out / "manifest.json").exists() and not (out / "shard_00000.parquet").exists()
 
 
 def test_download_shards_in_parallel_and_reuse_by_sha256(tmp_path, no_sleep):

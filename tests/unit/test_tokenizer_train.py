@@ -94,15 +94,16 @@ def test_a_null_text_is_one_line_naming_the_shard_and_row_and_nothing_is_written
     assert raychat_main(argv) == 2
     err = capsys.readouterr().err
     assert err == (
-        f"raychat tokenizer train: error: --data-dir: {shard}: row 2: `text` is null: this shard was not written by "
-        "raychat data prepare, which skips a document without text  (RAYCHAT_DEBUG=1 shows the traceback)\n"
+        f"raychat tokenizer train: error: --data-dir: {shard}: row 2: `text` is null: a shard holds one text per "
+        "document and no null (raychat data prepare skips a document without text and refuses a downloaded shard "
+        "with one); prepare this corpus again with raychat data prepare  (RAYCHAT_DEBUG=1 shows the traceback)\n"
     )
     assert not out.exists()
 
 
 def test_a_null_text_fails_train_tokenizer_and_iter_texts(tmp_path):
     data, shard = _data_dir_with_a_null(tmp_path)
-    want = f"{shard}: row 2: `text` is null: this shard was not written by raychat data prepare"
+    want = f"{shard}: row 2: `text` is null: a shard holds one text per document and no null"
     with pytest.raises(DataError, match="^" + want.replace(".", r"\.")):
         train_tokenizer(str(data), str(tmp_path / "tok"), 300)
     assert not (tmp_path / "tok").exists()

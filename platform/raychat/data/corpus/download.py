@@ -89,8 +89,9 @@ def shard_indices(num_train: int, val_index: int) -> list[int]:
 
 
 def fetch(url: str, tmp: str, timeout_s: float) -> int:
-    """Stream url into tmp; returns the byte count. Raises on HTTP errors and on a body shorter than
-    its Content-Length."""
+    """Stream url into tmp, decoded (a server may send it with a Content-Encoding such as gzip); returns the
+    byte count written. Raises on HTTP errors and on a body shorter than its Content-Length (which counts the
+    bytes as sent, before decoding)."""
     with requests.get(url, stream=True, timeout=timeout_s) as r:
         if r.status_code in NOT_RETRIED:
             raise NotRetried(f"{url}: HTTP {r.status_code} {r.reason} (not retried)")
@@ -100,9 +101,12 @@ def fetch(url: str, tmp: str, timeout_s: float) -> int:
             for chunk in r.iter_content(CHUNK_BYTES):
                 f.write(chunk)
                 size += len(chunk)
-        expected = r.headers.get("Content-Length")
-        if expected is not None and size != int(expected):
-            raise OSError(f"truncated body: {size} of {expected} bytes")
+        expected, received = (
+            r.headers.get("Content-Length"),
+            r.raw.tell(),
+        )  # bytes on the wire, encoded or not
+        if expected is not None and received != int(expected):
+            raise OSError(f"truncated body: {received} of {expected} bytes")
     return size
 
 

@@ -370,7 +370,12 @@ def prepare(
                 "--rows-per-shard applies to local sources only: hub shards are kept as downloaded"
             )
         num = DEFAULT_HUB_SHARDS if num_shards is None else num_shards
-        shard_indices(num, HUB_SOURCES[source].val_index)  # fail before touching `out`
+        val_index = HUB_SOURCES[source].val_index
+        if not 1 <= num <= val_index:  # fail before touching `out`
+            raise ValueError(
+                f"--num-shards must be in [1, {val_index}] for --source {source} (its train shards come before "
+                f"its validation shard {val_index}), got {num}"
+            )
         if url_pattern is not None:
             check_url_pattern(url_pattern)
         download_opts = {"attempts": attempts, "backoff_s": backoff_s}

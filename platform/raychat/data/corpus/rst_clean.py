@@ -56,6 +56,7 @@ STRONG = re.compile(r"\*\*(\S(?:.*?\S)?)\*\*", re.S)
 EMPHASIS = re.compile(r"(?<![\w*\\])\*(\S(?:[^*]*?\S)?)\*(?![\w*])")
 INTERPRETED = re.compile(r"`([^`]+)`")
 FOOTNOTE_REF = re.compile(r"\s?\[(?:#\w*|\d+|\*)\]_")
+HELD = re.compile("\ue000(\\d+)\ue001")  # an inline literal set aside by clean_inline
 SUBSTITUTION = re.compile(r"\|([\w][\w .-]*)\|")
 
 Line = tuple[str, bool]  # (text, is_code)
@@ -78,9 +79,17 @@ def role_text(role: str, content: str) -> str:
 
 
 def clean_inline(line: str) -> str:
-    """Inline markup -> visible text (roles, literals, emphasis, links, substitutions, footnote refs)."""
+    """Inline markup -> visible text (roles, literals, emphasis, links, substitutions, footnote refs). A
+    backslash escapes the character after it, except inside an inline literal, whose text is kept as written
+    (``'\\n'`` stays '\\n')."""
+    literals = []
+
+    def hold(m: re.Match) -> str:  # a private-use character no markup pattern matches
+        literals.append(m.group(1))
+        return f"\ue000{len(literals) - 1}\ue001"
+
+    line = INLINE_LITERAL.sub(hold, line)
     line = ROLE.sub(lambda m: role_text(m.group(1), m.group(2)), line)
-    line = INLINE_LITERAL.sub(r"\1", line)
     line = LINK.sub(r"\1", line)
     line = NAMED_REF.sub(r"\1", line)
     line = STRONG.sub(r"\1", line)
@@ -88,7 +97,10 @@ def clean_inline(line: str) -> str:
     line = INTERPRETED.sub(r"\1", line)
     line = FOOTNOTE_REF.sub("", line)
     line = SUBSTITUTION.sub(r"\1", line)
-    return line.replace("\\ ", "").replace("\\*", "*").replace("\\", "")
+    line = line.replace("\\ ", "").replace("\\*", "*").replace("\\", "")
+    return HELD.sub(
+        lambda m: literals[int(m.group(1))] if int(m.group(1)) < len(literals) else m.group(0), line
+    )
 
 
 def take_block(lines: list[str], start: int, indent: int) -> int:

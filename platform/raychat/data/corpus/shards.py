@@ -46,6 +46,7 @@ DOCUMENT_SUFFIXES = (
 # lines of a 278 MB corpus scrolled the cut line away).
 SHARD_LINES_MAX = 10
 WRITE_QUIET_S = 5.0  # writing that ends sooner logs no progress line (TenthsProgress), only its end line
+MAX_SHARD_TEXT_BYTES = 2**31 - 1  # the most text one shard's `text` column (pa.string: int32 offsets) holds
 
 
 class DataError(ValueError):
@@ -106,6 +107,26 @@ def write_shard(texts: list[str] | pa.Array, path: str | Path, row_group_size: i
     )
 
 
+def check_shard_bytes(lengths: np.ndarray, order: np.ndarray, ranges: list[tuple[int, int]]) -> None:
+    """Check that no shard holds more than MAX_SHARD_TEXT_BYTES of text: a shard's `text` is one Arrow string
+    column, whose int32 offsets address at most 2**31 - 1 bytes. `lengths`: int64 UTF-8 bytes a document;
+    `order` and `ranges`: write_shards' (shard i holds documents order[start:end] of ranges[i]).
+
+    Raises:
+        ValueError: the first shard over the limit, its size, and how many shards the corpus needs at least
+            (--num-shards, or fewer documents a shard with --rows-per-shard).
+    """
+    for i, (start, end) in enumerate(ranges):
+        held = int(lengths[order[start:end]].sum())
+        if held > MAX_SHARD_TEXT_BYTES:
+            needed = -(-int(lengths.sum()) // MAX_SHARD_TEXT_BYTES) + 1  # + the validation shard
+            raise ValueError(
+                f"shard {i} would hold {held:,} bytes of text, over the {MAX_SHARD_TEXT_BYTES:,} a shard can "
+                f"hold (an Arrow string column): cut the corpus into more shards, at least {needed:,} for its "
+                f"{size(int(lengths.sum()))} (--num-shards), or fewer documents a shard (--rows-per-shard)"
+            )
+
+
 def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
     """[start, end) ranges that cut n items into `parts` runs whose sizes differ by at most one."""
     base, extra = divmod(n, parts)
@@ -150,7 +171,8 @@ def write_shards(
     Returns:
         one manifest entry per shard: file, split, documents, bytes (UTF-8 text), file_bytes, sha256.
     Raises:
-        ValueError: num_shards < 2 (a train and a validation shard are needed) or more shards than documents.
+        ValueError: num_shards < 2 (a train and a validation shard are needed), more shards than documents, or
+            a shard over MAX_SHARD_TEXT_BYTES (check_shard_bytes), each before a shard is written.
     """
     if num_shards < 2:
         raise ValueError(
@@ -160,14 +182,16 @@ def write_shards(
         raise ValueError(
             f"{plural(len(documents), 'document')} cannot fill {num_shards} shards (one document at least each)"
         )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if isinstance(documents, list):
         documents = pa.chunked_array([pa.array(documents, pa.large_string())], type=pa.large_string())
     order = np.arange(len(documents)) if order is None else order
+    ranges = split_evenly(len(documents), num_shards)
+    check_shard_bytes(pc.binary_length(documents).to_numpy(), order, ranges)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     pace = TenthsProgress(len(documents), WRITE_QUIET_S, clock)
     entries = []
-    for i, (start, end) in enumerate(split_evenly(len(documents), num_shards)):
+    for i, (start, end) in enumerate(ranges):
         path = out / shard_name(i)
         texts = take(documents, order[start:end])
         write_shard(texts, path, row_group_size)
@@ -242,26 +266,40 @@ def text_batches(
 
 
 def inspect_shard(path: str | Path) -> tuple[int, int]:
-    """(documents, UTF-8 text bytes) of a parquet shard, reading every row group of its `text` column.
+    """(documents, UTF-8 text bytes) of a parquet shard, reading every row group of its `text` column: the check
+    a downloaded hub shard passes before it is kept, so what reads shards as text never meets another type or a
+    null.
 
     Raises:
-        DataError: not a readable parquet file, no `text` column, or a row group that cannot be read
-            (the message names the file and the row group).
+        DataError: not a readable parquet file, no `text` column, a column of another type than strings, a null
+            `text` (null_text_message), or a row group that cannot be read (the message names the file and the
+            row group).
     """
     pf = open_text_shard(path)
+    check_text_type(pf, path)
     documents = text_bytes = 0
     for g in range(pf.num_row_groups):
         column = read_text_column(pf, g, path)
+        if column.null_count:
+            raise DataError(null_text_message(path, documents + pc.index(pc.is_null(column), True).as_py()))
         documents += len(column)
         text_bytes += pc.sum(pc.binary_length(column.cast(pa.binary()))).as_py() or 0
     return documents, text_bytes
 
 
+def check_text_type(pf: pq.ParquetFile, path: str | Path) -> None:
+    """DataError naming `path` and the type when the `text` column of `pf` does not hold strings."""
+    kind = pf.schema_arrow.field("text").type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"{path}: the `text` column holds {kind}, not strings")
+
+
 def null_text_message(path: str | Path, row: int) -> str:
     """The error for a null `text` at `row` (counted from 0 over the whole file) of shard `path`."""
     return (
-        f"{path}: row {row}: `text` is null: this shard was not written by raychat data prepare, which skips "
-        "a document without text"
+        f"{path}: row {row}: `text` is null: a shard holds one text per document and no null (raychat data "
+        "prepare skips a document without text and refuses a downloaded shard with one); prepare this corpus "
+        "again with raychat data prepare"
     )
 
 
@@ -275,9 +313,7 @@ def check_text_column(path: str | Path) -> None:
             cannot be read, or a null (null_text_message: the file and the row).
     """
     pf = open_text_shard(path)
-    kind = pf.schema_arrow.field("text").type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise DataError(f"{path}: the `text` column holds {kind}, not strings")
+    check_text_type(pf, path)
     parquet_schema = pf.metadata.schema
     index = next(i for i in range(len(parquet_schema)) if parquet_schema.column(i).path == "text")
     first_row = 0
