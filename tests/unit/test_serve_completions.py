@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from lm_eval.models.openai_completions import LocalCompletionsAPI
 from openai import OpenAI
 from openai.types import Completion
 from support.engine_fixtures import PoisonModel, byte_tokenizer, uniform_two_token_model
@@ -105,6 +106,43 @@ def test_lm_eval_shaped_request(tiny, client):
         assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(direct_logprobs(model, ids), abs=1e-5)
         greedy = lp["top_logprobs"][-1]
         assert lp["token_logprobs"][-1] == pytest.approx(max(greedy.values()))  # temperature 0: the argmax
+
+
+def test_lm_eval_reads_the_continuation_when_the_model_ends_on_bos():
+    """A base model often predicts <|bos|> (a new document) after the continuation: the row ends on it and
+    its text is never sent, but its entry is, as vLLM and OpenAI list the end token. lm_eval's own parser
+    sums token_logprobs[ctxlen:-1]; without the end token's entry it dropped the continuation's last token
+    (-11.9 for -46.8 here)."""
+    model, tokenizer = tiny_model_and_tokenizer(seed=3)
+    context, continuation = tokenizer.encode("import json"), tokenizer.encode(" return self")
+    ids = context + continuation
+    hidden = {}
+    hook = model.model.norm.register_forward_hook(lambda m, i, o: hidden.setdefault("h", o[0, -1].clone()))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+        hook.remove()
+        h = hidden["h"]
+        model.lm_head.weight[tokenizer.bos_id] = 60.0 * h / h.dot(h)  # logit 60 for <|bos|> after `ids`
+    want = sum(direct_logprobs(model, ids)[len(context) - 1 :])
+    engine = ChatServer(model, tokenizer, max_slots=2, model_id="tiny")
+    try:
+        body = {
+            "prompt": [ids],
+            "max_tokens": 1,
+            "echo": True,
+            "logprobs": 1,
+            "temperature": 0,
+            "model": "tiny",
+        }
+        out = TestClient(create_app(LocalClient(engine))).post(URL, json=body).json()
+    finally:
+        engine.shutdown()
+    choice = out["choices"][0]
+    assert (choice["text"], choice["finish_reason"], out["usage"]["completion_tokens"]) == (
+        tokenizer.decode(ids), "stop", 1)  # fmt: skip
+    assert choice["logprobs"]["tokens"][-1] == "<|bos|>" and len(choice["logprobs"]["token_logprobs"]) == 7
+    [(loglikelihood, _)] = LocalCompletionsAPI.parse_logprobs(out, ctxlens=[len(context)])
+    assert loglikelihood == pytest.approx(want, abs=1e-4)
 
 
 def test_greedy_text_equals_generate_batch_and_stop(tiny, client):

@@ -26,6 +26,12 @@ from raychat.engine.detokenize import StreamDecoder
 from raychat.engine.sampling import SamplingParams
 
 
+def end_ids(tokenizer) -> frozenset[int]:
+    """The ids of the tokens that end a row when sampled: <|assistant_end|> and <|bos|> (a base model's end of
+    document)."""
+    return frozenset((tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id))
+
+
 class RowState:
     """State of one generating row.
 
@@ -49,7 +55,7 @@ class RowState:
         self._specials = set(specials.values())
         self.finished = False
         self.finish_reason: str | None = None
-        self._terminal = {tokenizer.special_id("<|assistant_end|>"), tokenizer.bos_id}
+        self._terminal = end_ids(tokenizer)
         self._python_start = tokenizer.special_id("<|python_start|>")
         self._python_end = tokenizer.special_id("<|python_end|>")
         self._forced: deque[int] = deque()

@@ -6,7 +6,9 @@ Events (the vocabulary of raychat.serve.server, plus "prompt"):
         first, only with echo: the prompt's text (a string prompt as sent, token ids decoded) and, with
         logprobs, one ENTRY per prompt token (the first one's logprob and top_logprobs are None)
   {"type": "delta", "text": str, "tokens": int, "logprobs": [ENTRY] | None}     completion tokens (an ENTRY
-        goes with the text its token starts in: none for a stop string's tokens; engine_adapter.LogprobGate)
+        goes with the text its token starts in: none for a stop string's tokens; the end token's, whose text
+        is not sent, when the model ended the completion with <|assistant_end|> or <|bos|>;
+        engine_adapter.LogprobGate)
   {"type": "done", "finish_reason": "stop" | "length", "usage": USAGE}           last event of a success
   {"type": "error", "status": 400 | 429 | 500 | 503 | 504, "message", "param"[, "code"][, "retry_after"]}
         code "context_length_exceeded": a prompt of max_len tokens or more (OpenAI's code, as chat's), or a
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from raychat.engine.row_state import end_ids
 from raychat.engine.scheduler import QueueFullError, prompt_overflow
 from raychat.serve.completions_api import DEFAULT_MAX_TOKENS
 from raychat.serve.engine_adapter import MIN_LOGPROB, LogprobGate, check_max_tokens, sampling_params
@@ -153,7 +156,7 @@ async def completion_events(server, request: dict) -> AsyncIterator[dict]:
             finished = True
             yield {"type": "done", "finish_reason": "length", "usage": usage_dict(len(ids), 0)}
             return
-        gate = LogprobGate(tokenizer)  # logprobs go with the text they start in
+        gate = LogprobGate(tokenizer, end_ids(tokenizer))  # logprobs go with the text they start in
         async for ev in stream:
             server.count_first_token(ev)
             if ev.token_ids:

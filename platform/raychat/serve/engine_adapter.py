@@ -95,10 +95,16 @@ class LogprobGate:
     (a stop string and all after it), so the entries sent cover the text sent and nothing past it. A token
     that a stop string cuts keeps its entry (its first characters are text). Positions are characters of the
     incremental UTF-8 decode of every token, which is what the engine's released text counts
-    (raychat.engine.detokenize: U+FFFD for invalid bytes, markers as their text)."""
+    (raychat.engine.detokenize: U+FFFD for invalid bytes, markers as their text).
 
-    def __init__(self, tokenizer):
+    `end_ids`: token ids that end a row (raychat.engine.row_state.end_ids); a request whose last token is one
+    gets that token's entry too, though its text is never sent, as OpenAI's and vLLM's completions list the end
+    token: lm-evaluation-harness reads a loglikelihood request's answer as the prompt's entries then exactly one
+    generated token's, and without it took the last prompt token's for the generated one."""
+
+    def __init__(self, tokenizer, end_ids: frozenset[int] = frozenset()):
         self._tokenizer = tokenizer
+        self._end_ids = end_ids
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._decoded = self._released = 0
         self._held: list[tuple[int, dict]] = []  # (character where the token's text starts, its entry)
@@ -116,5 +122,8 @@ class LogprobGate:
         self._released += len(released_text)
         n = next((k for k, (start, _) in enumerate(self._held) if start >= self._released), len(self._held))
         out = [entry for _, entry in self._held[:n]]
+        last = entries[-1] if token_ids else None
+        if final and last is not None and token_ids[-1] in self._end_ids and all(e is not last for e in out):
+            out.append(last)
         self._held = [] if final else self._held[n:]
         return out
