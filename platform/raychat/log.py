@@ -26,10 +26,11 @@ def plural(n: int | float, noun: str) -> str:
 
 
 def size(n_bytes: int) -> str:
-    """An amount of data in a line: '8 bytes', '12.3 kB', '56.00 MB' (decimal units, as the report's MB)."""
+    """An amount of data in a line: '8 bytes', '12.3 kB', '56.00 MB' (decimal units, as the report's MB; kB up
+    to what rounds to 999.9 kB: 999,950 bytes is '1.00 MB', never '1000.0 kB')."""
     if n_bytes < 1000:
         return plural(n_bytes, "byte")
-    return f"{n_bytes / 1e3:.1f} kB" if n_bytes < 1_000_000 else f"{n_bytes / 1e6:.2f} MB"
+    return f"{n_bytes / 1e3:.1f} kB" if n_bytes < 999_950 else f"{n_bytes / 1e6:.2f} MB"
 
 
 def duration(seconds: float) -> str:

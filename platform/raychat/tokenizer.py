@@ -13,9 +13,11 @@ Files written by `Tokenizer.save(dir)`:
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -27,6 +29,13 @@ from raychat.atomic import atomic_write_text
 # GPT-4 (cl100k) split pattern with numbers limited to 1-2 digits as in nanochat: small vocabularies
 # waste fewer ids on 3-digit number chunks.
 SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+
+# The split pattern runs in fancy-regex (in rustbpe and in tiktoken), whose backtracking limit a whitespace run
+# of about a million characters exceeds (`\s+(?!\S)` backtracks over the run): both then panic, and the panic
+# is a BaseException no caller catches. A longer run is cut into pieces of this many characters, encoded one
+# after the other; only text with such a run tokenizes differently (at the cuts), and decoding is unchanged.
+WHITESPACE_RUN_MAX = 1 << 16
+LONG_WHITESPACE = re.compile(rf"\s{{{WHITESPACE_RUN_MAX + 1},}}")
 
 BOS = "<|bos|>"
 SPECIAL_TOKENS = (
@@ -68,7 +77,7 @@ class Tokenizer:
         )
         h = hashlib.sha256(pattern.encode())
         for token, rank in sorted(mergeable_ranks.items(), key=lambda kv: kv[1]):
-            h.update(rank.to_bytes(4, "little") + len(token).to_bytes(2, "little") + token)
+            h.update(rank.to_bytes(4, "little") + _length_bytes(len(token)) + token)
         h.update(json.dumps(self.special_tokens, sort_keys=True).encode())
         self.version = h.hexdigest()[:16]
         self.asked_vocab_size = asked_vocab_size
@@ -86,7 +95,8 @@ class Tokenizer:
                 f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + specials), got {vocab_size}"
             )
         trainer = rustbpe.Tokenizer()
-        trainer.train_from_iterator(iter(texts), vocab_size=vocab_size - len(SPECIAL_TOKENS), pattern=pattern)
+        pieces = (piece for text in texts for piece in split_long_whitespace(text))
+        trainer.train_from_iterator(pieces, vocab_size=vocab_size - len(SPECIAL_TOKENS), pattern=pattern)
         ranks = {bytes(token): rank for token, rank in trainer.get_mergeable_ranks()}
         return cls(pattern, ranks, asked_vocab_size=vocab_size)
 
@@ -130,7 +140,9 @@ class Tokenizer:
         """The tokenizer of the bytes of a tokenizer.json (`path` names where they came from in errors).
 
         Raises:
-            ValueError: as load: not JSON, not this format, or other special tokens.
+            ValueError: as load: not JSON, not this format (a field of another type, a rank key not base64, ranks
+                that are not 0..n-1, a pattern tiktoken cannot compile), or other special tokens; each names
+                `path`.
         """
         try:
             payload = json.loads(data.decode())
@@ -147,8 +159,19 @@ class Tokenizer:
                 f"{path}: not a raychat tokenizer: an object with {fields} expected, found {found} (a Hugging "
                 "Face tokenizer.json, as `raychat export` writes, is for transformers and vLLM)"
             )
-        ranks = {base64.b64decode(t): r for t, r in payload["mergeable_ranks"].items()}
-        tok = cls(payload["pattern"], ranks, payload.get("asked_vocab_size"))
+        pattern, encoded = payload["pattern"], payload["mergeable_ranks"]
+        if not isinstance(pattern, str):
+            raise ValueError(f"{path}: `pattern` must be a string, got a JSON {type(pattern).__name__}")
+        if not isinstance(encoded, dict) or not all(type(r) is int for r in encoded.values()):
+            raise ValueError(f"{path}: `mergeable_ranks` must be an object of base64 token bytes -> int rank")
+        try:
+            ranks = {base64.b64decode(t, validate=True): r for t, r in encoded.items()}
+        except binascii.Error as e:
+            raise ValueError(f"{path}: `mergeable_ranks` has a key that is not base64 ({e})") from None
+        try:
+            tok = cls(pattern, ranks, payload.get("asked_vocab_size"))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
         if tok.special_tokens != payload["special_tokens"]:
             raise ValueError(
                 f"{path}: special tokens {payload['special_tokens']} differ from {tok.special_tokens}"
@@ -173,13 +196,28 @@ class Tokenizer:
 
     def encode(self, text: str, prepend_bos: bool = False) -> list[int]:
         """Encode ordinary text; special-token text is encoded as plain text, never as a control token."""
-        ids = self.encoding.encode_ordinary(text)
+        pieces = split_long_whitespace(text)
+        if len(pieces) == 1:
+            ids = self.encoding.encode_ordinary(text)
+        else:
+            ids = [t for piece in pieces for t in self.encoding.encode_ordinary(piece)]
         return [self.bos_id, *ids] if prepend_bos else ids
 
     def encode_batch(
         self, texts: list[str], prepend_bos: bool = False, num_threads: int = 1
     ) -> list[list[int]]:
-        batch = self.encoding.encode_ordinary_batch(texts, num_threads=num_threads)
+        """encode() of each text, `num_threads` tiktoken threads at a time."""
+        split = [split_long_whitespace(text) for text in texts]
+        if all(len(pieces) == 1 for pieces in split):
+            batch = self.encoding.encode_ordinary_batch(texts, num_threads=num_threads)
+        else:
+            flat = self.encoding.encode_ordinary_batch(
+                [p for ps in split for p in ps], num_threads=num_threads
+            )
+            batch, k = [], 0
+            for pieces in split:
+                batch.append([t for ids in flat[k : k + len(pieces)] for t in ids])
+                k += len(pieces)
         if prepend_bos:
             batch = [[self.bos_id, *ids] for ids in batch]
         return batch
@@ -205,3 +243,24 @@ class Tokenizer:
         """The raw bytes of each token (special tokens give their text), for streaming decoders."""
         for i in ids:
             yield self.encoding.decode_single_token_bytes(i)
+
+
+def _length_bytes(n: int) -> bytes:
+    """A token's byte length as Tokenizer.version hashes it: 2 bytes, little-endian; from 0xFFFF bytes (a token
+    BPE merged from a run of one character 64 KiB long) 0xFFFF then 8 bytes, which leaves every version
+    computed before such tokens could be hashed unchanged."""
+    return n.to_bytes(2, "little") if n < 0xFFFF else b"\xff\xff" + n.to_bytes(8, "little")
+
+
+def split_long_whitespace(text: str) -> list[str]:
+    """`text` cut inside every whitespace run longer than WHITESPACE_RUN_MAX characters into pieces that hold at
+    most that many of its characters each ([text] when it has none: the pieces join back to `text`)."""
+    if len(text) <= WHITESPACE_RUN_MAX:
+        return [text]
+    pieces, start = [], 0
+    for run in LONG_WHITESPACE.finditer(text):
+        for cut in range(run.start() + WHITESPACE_RUN_MAX, run.end(), WHITESPACE_RUN_MAX):
+            pieces.append(text[start:cut])
+            start = cut
+    pieces.append(text[start:])
+    return pieces

@@ -4,7 +4,7 @@ import builtins
 
 import pytest
 
-from raychat.log import StepClock, TenthsProgress, duration, log, plural
+from raychat.log import StepClock, TenthsProgress, duration, log, plural, size
 
 
 @pytest.mark.parametrize("rank, printed", [(None, "hello\n"), ("0", "hello\n"), ("1", "")])
@@ -77,3 +77,12 @@ def test_tenths_progress_is_due_at_each_further_tenth_after_its_quiet_seconds():
     due = [pace.due(done) for done in (300, 350, 380, 990, 999)]
     assert due == [None, (6.0, 6.0 * 650 / 350), None, (20.0, 20.0 * 10 / 990), None]
     assert pace.elapsed() == 31.5
+
+
+@pytest.mark.parametrize(
+    "n_bytes, shown",
+    [(999, "999 bytes"), (1000, "1.0 kB"), (999_949, "999.9 kB"), (999_950, "1.00 MB"), (999_999, "1.00 MB"),
+     (56_004_999, "56.00 MB")],
+)  # fmt: skip
+def test_a_size_never_reads_1000_kb(n_bytes, shown):
+    assert size(n_bytes) == shown

@@ -1,8 +1,10 @@
+import hashlib
+import json
 import random
 
 import pytest
 
-from raychat.tokenizer import SPECIAL_TOKENS, Tokenizer
+from raychat.tokenizer import SPECIAL_TOKENS, Tokenizer, split_long_whitespace
 
 _rng = random.Random(0)
 _WORDS = "the quick brown fox jumps over lazy dog caf\u00e9 na\u00efve r\u00e9sum\u00e9 def return add 12345 678".split()
@@ -79,3 +81,50 @@ def test_a_file_of_another_format_is_named_with_what_it_holds(tmp_path, text, fo
 def test_vocab_too_small():
     with pytest.raises(ValueError, match="vocab_size must be >= 265"):
         Tokenizer.train(CORPUS, vocab_size=100)
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        ({"mergeable_ranks": ["AA=="]}, "`mergeable_ranks` must be an object of base64 token bytes -> int rank"),
+        ({"mergeable_ranks": {"AA==": "0"}}, "`mergeable_ranks` must be an object of base64 token bytes -> int rank"),
+        ({"mergeable_ranks": {"!!": 0}}, "`mergeable_ranks` has a key that is not base64 (Only base64 data is allowed)"),
+        ({"pattern": 5}, "`pattern` must be a string, got a JSON int"),
+        ({"pattern": "("}, "Parsing error at position 1: Opening parenthesis without closing parenthesis"),
+    ],
+)  # fmt: skip
+def test_a_field_of_another_type_is_a_value_error_naming_the_file(tok, tmp_path, change, error):
+    """Each was an AttributeError or TypeError from inside the loader, which the CLI does not catch."""
+    payload = json.loads(tok.save(tmp_path).read_text()) | change
+    with pytest.raises(ValueError) as e:
+        Tokenizer.from_json(json.dumps(payload).encode(), "x/tokenizer.json")
+    assert str(e.value) == f"x/tokenizer.json: {error}"
+
+
+def test_a_whitespace_run_of_a_million_characters_encodes_and_trains():
+    """The split pattern's regex panicked (a BaseException) past its backtracking limit on a run of about 1M
+    spaces; a longer run is cut every WHITESPACE_RUN_MAX characters (65,536)."""
+    text = "a" + " " * 1_000_000 + "x b"
+    assert split_long_whitespace(text) == [
+        "a" + " " * 65_536 * (i + 1) if i == 0 else " " * 65_536 for i in range(15)
+    ] + [" " * (1_000_000 - 15 * 65_536) + "x b"]
+    assert split_long_whitespace("a" + " " * 65_536 + "b") == ["a" + " " * 65_536 + "b"]
+    tok = Tokenizer.train(["ab  cd  ef"] * 20 + [text], vocab_size=300)
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.encode_batch(["ab cd", text, "ef"]) == [tok.encode("ab cd"), ids, tok.encode("ef")]
+    assert ids == [t for piece in split_long_whitespace(text) for t in tok.encode(piece)]
+
+
+def test_a_token_of_64_kib_or_more_gets_a_version_and_older_versions_are_unchanged(tok, tmp_path):
+    """BPE merges a run of one letter into ever longer tokens: 2**16 "a"s make one of 65,536 bytes, whose length
+    the version's 2-byte field could not hold (OverflowError: no tokenizer). Tokens below 0xFFFF bytes hash as
+    before: the fixture's version is the one the earlier formula gives."""
+    big = Tokenizer.train(["a" * 2**17, "b c"], vocab_size=300)
+    assert max(len(t) for t in big.mergeable_ranks) == 2**17
+    assert Tokenizer.load(big.save(tmp_path)).version == big.version
+    h = hashlib.sha256(tok.pattern.encode())
+    for token, rank in sorted(tok.mergeable_ranks.items(), key=lambda kv: kv[1]):
+        h.update(rank.to_bytes(4, "little") + len(token).to_bytes(2, "little") + token)
+    h.update(json.dumps(tok.special_tokens, sort_keys=True).encode())
+    assert tok.version == h.hexdigest()[:16]

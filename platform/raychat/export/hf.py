@@ -34,8 +34,10 @@ Tokenizer conversion (tiktoken -> `tokenizers`), after transformers' TikTokenCon
   - special tokens added as special AddedTokens with their raychat ids.
 Chat template (CHAT_TEMPLATE_JINJA) renders the layout of raychat.chat_template as text; the HF tokenizer then
 encodes that text in one piece, whereas raychat encodes every span on its own. The ids are equal whenever
-the tokenizer's split regex already breaks the text at span boundaries, as it does for ordinary messages;
-they can differ when a system message ends in whitespace (it is joined to SYSTEM_SEPARATOR "\n\n").
+the tokenizer's split regex already breaks the text at span boundaries, as it does for ordinary messages (a
+system message and SYSTEM_SEPARATOR "\n\n" are one span, so a system message ending in whitespace agrees);
+they can differ when the user message after a system message starts with a line break, which the regex joins
+to the separator ("\n\n" + "\nHi": raychat's ids for "\n\n" then "\n", HF's one id for "\n\n\n").
 HF tokenizers match special-token text anywhere in their input, whereas raychat encodes special-token text
 inside content as plain text: the template escapes it (MARKER_ESCAPE) and the tokenizer's normalizer undoes
 the escape after special tokens are matched, so the ids are raychat's for any content.
