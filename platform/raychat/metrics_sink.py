@@ -119,7 +119,7 @@ class MetricsSink:
             storage = open_storage(run_dir)
             self.remote = (storage, f"{storage.path}/metrics.jsonl")
             try:
-                self.lines = read_bytes(*self.remote).decode().splitlines(keepends=True)
+                self.lines = read_bytes(*self.remote).decode(errors="replace").splitlines(keepends=True)
             except FileNotFoundError:
                 pass
         self.where = self.path or (f"{self.remote[0].uri}/metrics.jsonl" if self.remote else None)
@@ -145,7 +145,7 @@ class MetricsSink:
             return dropped
         if not self.path or not os.path.exists(self.path):
             return 0
-        with open(self.path) as f:
+        with open(self.path, encoding="utf-8", errors="replace") as f:
             raw = f.readlines()
         lines = [row for row in _parse(raw) if row is not None]
         kept = [line for line in lines if line.get("step", 0) <= step]
@@ -241,16 +241,17 @@ def read_logged(storage: Storage, path: str) -> list[dict]:
     """The lines of the metrics.jsonl at `path` on `storage` (any storage root: a directory, s3://, gs://),
     parsed, a torn one skipped; [] when there is no such file. Raises OSError as raychat.storage.read_bytes."""
     try:
-        text = read_bytes(storage, path).decode()
+        text = read_bytes(storage, path).decode(errors="replace")
     except FileNotFoundError:
         return []
     return [row for row in _parse(text.splitlines()) if row is not None]
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The lines of a metrics.jsonl; a torn last line (a crash while appending) and a line that is no JSON
-    object are skipped."""
-    with open(path) as f:
+    """The lines of a metrics.jsonl; a torn last line (a crash while appending) and a line that is no JSON object
+    are skipped. Bytes that are not UTF-8 (a damaged file: the sink writes ASCII JSON) read as U+FFFD, so they
+    cost their line at most, not the file (a UnicodeDecodeError)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
         return [row for row in _parse(f) if row is not None]
 
 

@@ -36,6 +36,9 @@ def test_jsonl_and_gauges_get_every_step(tmp_path):
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "lo')  # a torn last line (crash while appending) is skipped
     assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
+    with open(tmp_path / "run" / "metrics.jsonl", "ab") as f:
+        f.write(b'\n{"step": 3, "loss": \xe2\x82\n{"step": 4, "loss": 1.0}\n')  # damaged bytes: not UTF-8
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == [*STEPS, {"step": 4, "loss": 1.0}]
     with pytest.raises(ValueError, match=r"--tracker must be one of \['none', 'tensorboard', 'wandb'\]"):
         MetricsSink(tmp_path, tracker="mlflow")
 
@@ -221,6 +224,10 @@ def test_a_line_torn_by_a_crash_goes_on_resume_and_the_next_step_is_logged_whole
     assert MetricsSink(tmp_path / "run").resume_at(3) == 0
     MetricsSink(tmp_path / "run").log({"step": 4, "loss": 1.0})
     assert [(x["step"], x["loss"]) for x in read_jsonl(path)] == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 1.0)]
+    with open(path, "ab") as f:
+        f.write(b'{"step": 5, "loss": \xff}\n')  # a damaged line: a resume read the file as UTF-8 and failed
+    assert MetricsSink(tmp_path / "run").resume_at(4) == 0
+    assert [x["step"] for x in read_jsonl(path)] == [1, 2, 3, 4] and b"\xff" not in path.read_bytes()
 
 
 def test_a_failed_local_write_is_one_warning_and_the_lines_are_written_at_the_next_flush(tmp_path, capsys):
