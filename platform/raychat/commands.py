@@ -29,7 +29,7 @@ from raychat.config.presets import PRESET_HELP
 from raychat.config.schema import owned_choices, owned_literal
 from raychat.config.train import UNUSED_FLAGS, check_batch
 from raychat.ops.jobs import DEFAULT_ADDRESS, STAGES, SUBMIT_CHOICES
-from raychat.ops.k8s import CHECKPOINTS_MOUNT, IMAGE, STORAGE_ROOT
+from raychat.ops.k8s import CHECKPOINTS_MOUNT, ENTRYPOINT_NUM_GPUS, IMAGE, STORAGE_ROOT
 
 # the canaries of raychat.data.replay.inspect_batch.canary_conversations (tests/unit/test_cli.py keeps them equal)
 CANARIES = ("short", "empty", "tool_use", "unicode", "code", "overlong", "overlong_turn")
@@ -749,6 +749,15 @@ def k8s(subparsers) -> None:
         "--ttl", type=int, default=3600, help="seconds to keep the finished RayJob's cluster (default 3600)"
     )
     s.add_argument("--retries", type=int, default=1, help="backoffLimit: retries of a failed job (default 1)")
+    gpus = ", ".join(f"{n:g} for {stage}" for stage, n in ENTRYPOINT_NUM_GPUS.items())
+    s.add_argument(
+        "--num-gpus",
+        type=at_least(0, float),
+        help=f"GPUs reserved for the entrypoint (driver): entrypointNumGpus (default: the base's, {gpus}, else 0)",
+    )
+    s.add_argument(
+        "--num-cpus", type=at_least(0, float), help="CPUs reserved for the entrypoint (driver) (default 0)"
+    )
     s.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
     s.add_argument("--context", help="kubeconfig context")
     s.add_argument("--dry-run", action="store_true", help="print the RayJob YAML instead of creating it")

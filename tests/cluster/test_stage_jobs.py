@@ -92,7 +92,7 @@ def _meta(ckpt: str) -> dict:
 @pytest.mark.slow
 def test_every_stage_succeeds_as_a_ray_job_chained_through_storage(chain):
     assert list(chain.runs) == [
-        "raychat-data:data", "raychat-data:tokenizer", "raychat-pretrain:pretrain", "raychat-sft:sft",
+        "raychat-data:data", "raychat-tokenizer:tokenizer", "raychat-pretrain:pretrain", "raychat-sft:sft",
         "raychat-rl:rl", "raychat-eval:eval", "raychat-export:export",
     ]  # fmt: skip
     for run in chain.runs.values():

@@ -1,9 +1,9 @@
 """The chain of stages as Ray jobs on a real cluster, as the KubeRay manifests run it.
 
 Each RayJob of the cpu-dev overlay (k8s/overlays/cpu-dev rendered by kustomize; the `tiny` preset) in the order
-they chain (raychat.ops.k8s.CHAIN: data + tokenizer, pretrain, sft, rl, eval, export) has an entrypoint of one
-or more `python jobs/<stage>.py ARGS` joined by ` && `. With the PVC mount (/mnt/checkpoints) mapped to a
-local directory, every such command is submitted with `raychat submit <stage> ARGS` (working_dir +
+they chain (raychat.ops.k8s.CHAIN: data, tokenizer, pretrain, sft, rl, eval, export) has an entrypoint of one
+command, `python jobs/<stage>.py ARGS`. With the PVC mount (/mnt/checkpoints) mapped to a local directory,
+every such command is submitted with `raychat submit <stage> ARGS` (working_dir +
 py_modules: the code of this checkout), one Ray job each, in order, each followed to its end; the entrypoint
 that `raychat submit` reports must be that command exactly.
 
@@ -54,8 +54,7 @@ def manifest_commands(mount_dir: Path) -> list[tuple[str, str]]:
     out = []
     for stage in k8s.CHAIN:
         name = f"raychat-{stage}"
-        text = entrypoints[name].replace(k8s.CHECKPOINTS_MOUNT, str(mount_dir))
-        out += [(name, command) for command in text.split(" && ")]
+        out.append((name, entrypoints[name].replace(k8s.CHECKPOINTS_MOUNT, str(mount_dir))))
     return out
 
 

@@ -50,6 +50,35 @@ def test_dashboard_file_is_current_and_covers_every_metric():
     )
 
 
+# Grafana's parse of a Prometheus query variable (grafana/grafana, the Prometheus data source's
+# PrometheusLabelValuesRegex): label_values(<series selector, sent as Prometheus' match[]>, <label>)
+LABEL_VALUES = re.compile(r"^label_values\((?:(.+),\s*)?([a-zA-Z_$][a-zA-Z0-9_]*)\)\s*$")
+
+
+def test_the_run_variable_lists_rl_runs_too():
+    """$run listed the run label of ray_raychat_train_step alone, which an RL run never records (it records
+    raychat_rl_step), so the RL panels, all filtered on $run, showed no RL run."""
+    (var,) = [v for v in grafana.build_dashboard()["templating"]["list"] if v["name"] == "run"]
+    assert (
+        var["definition"]
+        == var["query"]["query"]
+        == ('label_values({__name__=~"ray_raychat_train_step|ray_raychat_rl_step"}, run)')
+    )
+    selector, label = LABEL_VALUES.match(var["definition"]).groups()
+    (pattern,) = re.fullmatch(r'\{__name__=~"([^"]+)"\}', selector).groups()
+    assert label == "run"
+    matched = {n for n in metrics.METRIC_NAMES if re.fullmatch(pattern, f"ray_{n}")}  # PromQL anchors =~
+    assert matched == {metrics.TRAIN_STEP, metrics.RL_STEP} == {"raychat_train_step", "raychat_rl_step"}
+    # the panels $run filters: training's and RL's series, each stage's step among them
+    filtered = {
+        m
+        for p in grafana.build_dashboard()["panels"]
+        for t in p.get("targets", [])
+        for m in re.findall(r"ray_(raychat_[a-z0-9_]+)\{[^}]*\$run", t["expr"])
+    }
+    assert {n.split("_")[1] for n in filtered} == {"train", "rl"}
+
+
 class FakeGrafana(BaseHTTPRequestHandler):
     calls: list = []
     datasources: dict = {}

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shlex
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -223,8 +226,8 @@ def test_cluster_shapes(builds):
     cluster = to_flat(from_dict(TrainConfig, preset_values("cluster", "pretrain")))
     assert (cluster["num_workers"], 8 * cluster["cpus_per_worker"] + 8) == (4 * 8, 48)
     want = {
-        "data": "python jobs/data.py prepare --preset cluster --storage-path /mnt/checkpoints/runs && "
-        "python jobs/tokenizer.py train --preset cluster --storage-path /mnt/checkpoints/runs",
+        "data": "python jobs/data.py prepare --preset cluster --storage-path /mnt/checkpoints/runs",
+        "tokenizer": "python jobs/tokenizer.py train --preset cluster --storage-path /mnt/checkpoints/runs",
         "pretrain": "python jobs/pretrain.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name pretrain",
         "sft": "python jobs/sft.py --preset cluster --storage-path /mnt/checkpoints/runs --run-name sft --init-from latest "
         "--task-data-dir /mnt/checkpoints/task_data",
@@ -248,7 +251,7 @@ def test_cluster_shapes(builds):
             3600,
             1,
         )
-        hours = {"data": 6, "pretrain": 8, "sft": 2, "rl": 3, "eval": 2, "export": 1}[stage]
+        hours = {"data": 6, "tokenizer": 3, "pretrain": 8, "sft": 2, "rl": 3, "eval": 2, "export": 1}[stage]
         assert spec["activeDeadlineSeconds"] == hours * 3600  # a hung job does not hold the GPUs forever
         assert spec["rayClusterSpec"] == rc
     # the RayService serves the RL run's newest checkpoint from the same PVC root
@@ -787,8 +790,8 @@ def chain_on_the_bucket(root: str = S3_ROOT, export_out: str | None = None) -> d
     checkpoint stage's run on `root`, the export to `export_out` when given."""
     out = f" --out {export_out}" if export_out else ""
     return {
-        "data": f"python jobs/data.py prepare --preset cluster --storage-path {PVC_ROOT} && "
-        f"python jobs/tokenizer.py train --preset cluster --storage-path {PVC_ROOT}",
+        "data": f"python jobs/data.py prepare --preset cluster --storage-path {PVC_ROOT}",
+        "tokenizer": f"python jobs/tokenizer.py train --preset cluster --storage-path {PVC_ROOT}",
         "pretrain": f"python jobs/pretrain.py --preset cluster --storage-path {root} --run-name pretrain "
         f"--data-dir {PVC_ROOT}/data --tokenizer-path {PVC_ROOT}/tokenizer",
         "sft": f"python jobs/sft.py --preset cluster --storage-path {root} --run-name sft --init-from latest "
@@ -869,7 +872,7 @@ def test_an_object_storage_overlay_is_its_base_with_the_bucket_and_one_kind_of_c
             else:
                 assert (env_from, account) == (None, "raychat"), (key, where)  # settings.yaml's default
             with_credentials.append((*key, where))
-        if d["kind"] == "RayJob" and d["metadata"]["name"] != "raychat-data":
+        if d["kind"] == "RayJob" and d["metadata"]["name"] not in ("raychat-data", "raychat-tokenizer"):
             stripped["spec"]["entrypoint"] = under[key]["spec"]["entrypoint"]
         if key == ("RayService", "raychat-chat"):
             stripped["spec"]["serveConfigV2"] = under[key]["spec"]["serveConfigV2"]
@@ -1051,7 +1054,7 @@ def test_the_pod_monitor_scrapes_the_metrics_port_of_every_ray_pod(builds):
     # node type, cluster and group of the pod become labels of every series
     assert {(r["sourceLabels"][0], r["targetLabel"]) for r in endpoint["relabelings"]} == {
         ("__meta_kubernetes_pod_label_ray_io_node_type", "ray_node_type"),
-        ("__meta_kubernetes_pod_label_ray_io_cluster", "ray_cluster"),
+        ("__meta_kubernetes_pod_label_ray_io_cluster", "ray_io_cluster"),
         ("__meta_kubernetes_pod_label_ray_io_group", "ray_group"),
     }
     selector = monitor["spec"]["selector"]
@@ -1100,3 +1103,177 @@ def test_k8s_generate_from_a_folder_that_is_not_a_checkout(tmp_path, capsys):
         "(RAYCHAT_DEBUG=1 shows the traceback)\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- what KubeRay does with a RayJob
+
+CHAINING = {"&&", "||", ";", "|"}
+
+
+def kuberay_submitter(entrypoint: str, tmp_path: Path) -> list[list[str]]:
+    """Run the submitter pod's command as KubeRay v1 builds it (K8sJobMode: common/job.go BuildJobSubmitCommand,
+    the entrypoint pasted in unquoted; the controller runs `/bin/bash -c` of the words joined by spaces) with
+    stubs of `ray` and `python` on PATH; returns the argv of every stub call, in order (python's: a command that
+    ran in the submitter pod itself)."""
+    log, stubs = tmp_path / "calls.jsonl", tmp_path / "stubs"
+    stubs.mkdir(exist_ok=True)
+    for tool, code in (("ray", 1), ("python", 0)):  # `ray job status` fails: the job does not exist yet
+        (stubs / tool).write_text(
+            f"#!{sys.executable}\nimport json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv) + '\\n')\n"
+            f"sys.exit({code} if sys.argv[1:3] == ['job', 'status'] else 0)\n"
+        )
+        (stubs / tool).chmod(0o755)
+    address, job = "http://raychat-head-svc:8265", "raychat-job-abcde"
+    env_json = shlex.quote(json.dumps({"working_dir": "/home/ray/raychat"}))
+    words = ["if", "!", "ray", "job", "status", "--address", address, job, ">/dev/null", "2>&1", ";", "then",
+             "ray", "job", "submit", "--address", address, "--no-wait", "--runtime-env-json", env_json,
+             "--submission-id", job, "--", entrypoint, ";", "fi", ";",
+             "ray", "job", "logs", "--address", address, "--follow", job]  # fmt: skip
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}"}
+    subprocess.run(["/bin/bash", "-c", " ".join(words)], env=env, check=True, timeout=60)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    log.unlink()
+    return [[Path(c[0]).name, *c[1:]] for c in calls]
+
+
+def test_every_rayjob_submits_one_command_and_runs_nothing_in_its_submitter(builds, tmp_path):
+    """The data RayJob chained `data.py prepare ... && tokenizer.py train ...`: KubeRay pastes the entrypoint
+    unquoted into its submitter's `bash -c`, so the `&&` ended the submitted command there and the tokenizer
+    ran in the submitter pod (1 CPU, no PVC) and never wrote the tokenizer. Each stage is now a RayJob of one
+    command: raychat-data, then raychat-tokenizer."""
+    for build in BUILDS:
+        rayjobs = [d for d in builds[build] if d["kind"] == "RayJob"]
+        assert sorted(d["metadata"]["name"] for d in rayjobs) == sorted(f"raychat-{s}" for s in k8s.CHAIN)
+        for d in rayjobs:
+            text = d["spec"]["entrypoint"]
+            lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
+            assert CHAINING.isdisjoint(lexer), (build, d["metadata"]["name"], text)
+    stages = {
+        d["metadata"]["name"]: d["spec"]["entrypoint"] for d in builds["k8s/base"] if d["kind"] == "RayJob"
+    }
+    assert (
+        stages["raychat-data"]
+        == "python jobs/data.py prepare --preset cluster --storage-path /mnt/checkpoints/runs"
+    )
+    assert stages["raychat-tokenizer"] == (
+        "python jobs/tokenizer.py train --preset cluster --storage-path /mnt/checkpoints/runs"
+    )
+    assert k8s.CHAIN.index("tokenizer") == k8s.CHAIN.index("data") + 1  # it reads the data prepare wrote
+    for (
+        name,
+        text,
+    ) in stages.items():  # what KubeRay's submitter does with each: one `ray job submit` of it all
+        calls = kuberay_submitter(text, tmp_path)
+        assert [c[:3] for c in calls] == [
+            ["ray", "job", "status"],
+            ["ray", "job", "submit"],
+            ["ray", "job", "logs"],
+        ]
+        assert calls[1][calls[1].index("--") + 1 :] == shlex.split(text), name
+
+
+def the_jobs_argv(entrypoint: str, tmp_path: Path) -> list[str]:
+    """The argv that `python` gets in the Ray job of a RayJob with this entrypoint: KubeRay's submitter (see
+    kuberay_submitter) hands the words to `ray job submit`, whose CLI joins them with subprocess.list2cmdline
+    (ray/dashboard/modules/job/cli.py) for the job's `sh -c` (Ray's job supervisor: shell=True)."""
+    submit = kuberay_submitter(entrypoint, tmp_path)[1]
+    command = subprocess.list2cmdline(submit[submit.index("--") + 1 :])
+    env = {**os.environ, "PATH": f"{tmp_path / 'stubs'}:{os.environ['PATH']}", "HOME": "/home/ray"}
+    subprocess.run(["/bin/sh", "-c", command], env=env, check=True, timeout=60, cwd=tmp_path)
+    log = tmp_path / "calls.jsonl"
+    ((python, *argv),) = [json.loads(line) for line in log.read_text().splitlines()]
+    log.unlink()
+    return argv
+
+
+def test_a_stage_argument_the_jobs_shell_would_interpret_is_refused(tmp_path, capsys):
+    """--run-name 'exp$HOME' reached the job as exp/root: the job's `sh -c` expanded it, since `ray job submit`
+    re-joins the words KubeRay's submitter gave it (list2cmdline: double quotes around a word with a blank,
+    none otherwise)."""
+    with pytest.raises(ValueError) as e:
+        k8s.rayjob("pretrain", ["--run-name", "a$HOME"])
+    assert str(e.value) == (
+        "stage argument 'a$HOME': $ would be interpreted by the RayJob's second shell (the job's `sh -c`, after "
+        "KubeRay's `ray job submit`); a RayJob's stage arguments hold no $ ` \\ \", nor, in one without a space, "
+        "' ; & | < > ( ) * ? [ # or a line break"
+    )
+    unchecked = shlex.join(["python", "jobs/pretrain.py", "--run-name", "a$HOME"])  # what the RayJob held
+    assert the_jobs_argv(unchecked, tmp_path) == ["jobs/pretrain.py", "--run-name", "a/home/ray"]
+    for bad, chars in [("exp`id`", "`"), ("/mnt/a b/$(id -u)", "$"), ("a\\b", "\\"), ('a "b"', '"'),
+                       ("s3://b/r?x=1&y=2", "& ?"), ("x;y", ";"), ("it's", "'"), ("a\nb", "a line break")]:  # fmt: skip
+        with pytest.raises(
+            ValueError, match=rf"^stage argument {re.escape(repr(bad))}: {re.escape(chars)} would"
+        ):
+            k8s.rayjob("pretrain", ["--storage-path", bad])
+    # what is taken reaches the job word for word
+    good = ["--run-name", "exp-1.a_b", "--storage-path", "/mnt/a b/c", "--prompt", "it's 1; 2 & 3 | (4) * ?",
+            "--tasks", "gsm8k:0.5,arc=1+2@x%", "--empty", ""]  # fmt: skip
+    assert the_jobs_argv(k8s.rayjob("pretrain", good)["spec"]["entrypoint"], tmp_path) == [
+        "jobs/pretrain.py",
+        *good,
+    ]
+    # the stage's own parser takes this path (a run name with $ it refuses itself), the RayJob does not
+    argv = ["k8s", "submit", "--dry-run", "--name", "t1", "pretrain", "--storage-path", "/mnt/$USER/runs"]
+    assert raychat_main(argv) == 2
+    assert capsys.readouterr().err.startswith(
+        "raychat k8s submit: error: stage argument '/mnt/$USER/runs': $ would be interpreted by the RayJob's "
+    )
+
+
+def test_k8s_submit_eval_reserves_the_base_manifests_gpu_for_its_driver(capsys, crd_schemas):
+    """`raychat k8s submit eval` gave its driver no GPU (rayjob without num_gpus, no --num-gpus flag): on the
+    base's cluster it landed on the 0-CPU head, where the cluster preset's cuda eval fails. Each stage's driver
+    now reserves what the base's RayJob gives it (eval: 1 GPU); --num-gpus and --num-cpus override."""
+    eval_ = ["eval", "--preset", "cluster", "--checkpoint", "latest", "--task-data-dir", TASK_DATA]
+    runs = {
+        (): {"entrypointNumGpus": 1},
+        ("--num-gpus", "0", "--num-cpus", "2"): {"entrypointNumCpus": 2},
+        ("--num-gpus", "0.5"): {"entrypointNumGpus": 0.5},
+    }
+    for flags, want in runs.items():
+        assert raychat_main(["k8s", "submit", "--dry-run", "--name", "e1", *flags, *eval_]) == 0
+        job = yaml.safe_load(capsys.readouterr().out)
+        validate_object(job, crd_schemas)
+        got = {k: v for k, v in job["spec"].items() if k.startswith("entrypointNum")}
+        assert got == want, flags
+    base = yaml.safe_load((REPO / "k8s" / "base" / "rayjob-eval.yaml").read_text())
+    assert base["spec"]["entrypointNumGpus"] == 1
+    assert (
+        raychat_main(["k8s", "submit", "--dry-run", "--name", "p1", "pretrain", "--preset", "cluster"]) == 0
+    )
+    assert [k for k in yaml.safe_load(capsys.readouterr().out)["spec"] if k.startswith("entrypointNum")] == []
+    with pytest.raises(SystemExit) as e:
+        raychat_main(["k8s", "submit", "--dry-run", "--num-gpus", "-1", *eval_])
+    assert e.value.code == 2
+    assert "error: argument --num-gpus: must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_k8s_submit_takes_only_a_name_kuberay_takes_for_a_rayjob(capsys):
+    """--name took any DNS-1123 label of up to 63 characters; KubeRay's ValidateRayJobMetadata wants a DNS-1035
+    label (a letter first) of at most 47, so the API server created the RayJob ("created" printed) and the
+    operator then refused it."""
+    rule = (
+        "must be a DNS-1035 label of at most 47 characters (KubeRay's RayJob name: a lowercase letter first, then "
+        "lowercase letters, digits and '-', not ending in '-')"
+    )
+    for name in ("r" * 60, "1stjob", "r" * 48):
+        assert raychat_main(["k8s", "submit", "--dry-run", "--name", name, *SFT]) == 2
+        assert capsys.readouterr().err == f"raychat k8s submit: error: --name {rule}; got {name!r}\n"
+    assert raychat_main(["k8s", "submit", "--dry-run", "--name", "r" * 47, *SFT]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["metadata"]["name"] == "r" * 47
+    with pytest.raises(ValueError, match=f"^name {re.escape(rule)}; got '9a'$"):
+        k8s.rayjob("sft", name="9a")
+    # the longest default name: raychat-<stage>-<YYYYmmdd-HHMMSS>-<6 hex>
+    assert len(f"raychat-{max(k8s.STAGES, key=len)}-20261205-213400-abcdef") <= k8s.RAYJOB_NAME_MAX
+
+
+def test_the_pod_monitor_labels_the_cluster_as_rays_dashboards_filter_it():
+    """The PodMonitor wrote ray.io/cluster to ray_cluster, but the Cluster filter of the Ray dashboards that
+    `raychat grafana provision` uploads selects on another label, so their panels were empty on KubeRay."""
+    from ray.dashboard.modules.metrics.dashboards.default_dashboard_panels import default_dashboard_config
+
+    (cluster_filter,) = [f for f in default_dashboard_config.standard_global_filters if '"$Cluster"' in f]
+    label = cluster_filter.split("=~")[0]
+    (endpoint,) = k8s.pod_monitor()["spec"]["podMetricsEndpoints"]
+    targets = {r["sourceLabels"][0]: r["targetLabel"] for r in endpoint["relabelings"]}
+    assert targets["__meta_kubernetes_pod_label_ray_io_cluster"] == label == "ray_io_cluster"

@@ -202,13 +202,15 @@ def build_dashboard() -> dict:
             pid += 1
         y += 8 * ((len(row) + 2) // 3)
 
-    def var(name: str, metric: str, label: str) -> dict:
+    def var(name: str, selector: str, label: str) -> dict:
+        """A variable of the values of `label` on the series of `selector` (Grafana's label_values(selector,
+        label): Prometheus' match[])."""
         return {
             "name": name,
             "type": "query",
             "datasource": _DS,
-            "query": {"query": f"label_values({_prom(metric)}, {label})", "refId": name},
-            "definition": f"label_values({_prom(metric)}, {label})",
+            "query": {"query": f"label_values({selector}, {label})", "refId": name},
+            "definition": f"label_values({selector}, {label})",
             "includeAll": True,
             "multi": True,
             "allValue": ".*",
@@ -228,8 +230,9 @@ def build_dashboard() -> dict:
         "templating": {
             "list": [
                 {"name": "datasource", "type": "datasource", "query": "prometheus", "hide": 0, "current": {}},
-                var("run", m.TRAIN_STEP, "run"),
-                var("deployment", m.SERVE_RUNNING, "deployment"),
+                # a training run records the train step, an RL run the RL step alone
+                var("run", f'{{__name__=~"{_prom(m.TRAIN_STEP)}|{_prom(m.RL_STEP)}"}}', "run"),
+                var("deployment", _prom(m.SERVE_RUNNING), "deployment"),
             ]
         },
         "panels": panels,

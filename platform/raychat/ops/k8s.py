@@ -5,9 +5,11 @@ The files in k8s/base/ and the overlays' kustomization.yaml are the output of `r
 cluster spec, and the RayService's serveConfigV2 is the text of serve/chat.yaml byte for byte (the gpu
 overlay's: that config with each ChatServer replica on a GPU, gpu_serve_config).
 
-The RayJobs are the chain of stages (CHAIN), each a complete command on the PVC's storage root
-(/mnt/checkpoints/runs): data prepare + tokenizer -> pretrain -> sft --init-from latest -> rl --init-from
-latest -> eval -> export, each stage's run named after it; the RayService serves <root>/rl/latest. The
+The RayJobs are the chain of stages (CHAIN), each one command on the PVC's storage root
+(/mnt/checkpoints/runs): data prepare -> tokenizer train -> pretrain -> sft --init-from latest -> rl --init-from
+latest -> eval -> export, each stage's run named after it; the RayService serves <root>/rl/latest. One command a
+RayJob: KubeRay pastes the entrypoint unquoted into its submitter's `bash -c "... ray job submit -- <entrypoint>
+; ..."`, where a `&&` would end the submitted command and run the rest in the submitter pod. The
 base runs the `cluster` preset as it is (its 32 ranks on 4 GPU pods); the cpu-dev overlay the same commands
 with the `tiny` preset (tests/cluster/test_stage_jobs.py runs exactly those on a real cluster). Each RayJob
 ends at its stage's deadline (activeDeadlineSeconds, DEADLINES_S).
@@ -78,8 +80,8 @@ SHM_SIZE = {"head": "4Gi", "gpu": "64Gi"}  # /dev/shm (a memory emptyDir; counts
 # past it KubeRay stops the job and deletes its cluster, so a hung job does not hold 32 GPUs.
 HOUR = 3600
 DEADLINES_S = {
-    "data": 6 * HOUR,  # 490 shards (~46 GB) downloaded, then 2B characters of tokenizer training
-    "tokenizer": 3 * HOUR,
+    "data": 6 * HOUR,  # 490 shards (~46 GB) downloaded
+    "tokenizer": 3 * HOUR,  # 2B characters of tokenizer training
     "pretrain": 8 * HOUR,
     "sft": 2 * HOUR,
     "rl": 3 * HOUR,
@@ -89,6 +91,7 @@ DEADLINES_S = {
 }
 CHAIN = (
     "data",
+    "tokenizer",
     "pretrain",
     "sft",
     "rl",
@@ -102,6 +105,18 @@ SERVE_PORT, DASHBOARD_PORT, METRICS_PORT = 8000, 8265, 8080
 KUBERAY_OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # the operator's pods (Helm chart)
 PROMETHEUS_LABELS = {"app.kubernetes.io/name": "prometheus"}  # the Prometheus Operator's Prometheus pods
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# a RayJob's name: KubeRay's ValidateRayJobMetadata wants a DNS-1035 label (a letter first) of at most 47 characters
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+RAYJOB_NAME_MAX = 47
+# The GPUs a stage's RayJob driver reserves (entrypointNumGpus), the base's and `raychat k8s submit`'s default:
+# the eval driver evaluates on cuda (the cluster and gpu8 presets).
+ENTRYPOINT_NUM_GPUS = {"eval": 1}
+# What a RayJob's second shell would still interpret in a stage argument: KubeRay's submitter runs `ray job submit
+# -- ARGS`, whose CLI joins ARGS with subprocess.list2cmdline (double quotes around an argument with a blank, no
+# quotes otherwise) for the job's `sh -c`
+_SHELL_IN_QUOTES = '$`\\"'
+# (not ~: what it expands to, the home of the job's user, is what raychat makes of an input path's ~ there)
+_SHELL_UNQUOTED = _SHELL_IN_QUOTES + "'\n;&|<>()*?[#"
 
 
 def _volume_bits(shm_size: str) -> tuple[list, list]:
@@ -256,6 +271,17 @@ def check_label(value: str, what: str = "name") -> str:
     return value
 
 
+def check_rayjob_name(value: str, what: str = "name") -> str:
+    """`value` when KubeRay takes it as a RayJob's name (a DNS-1035 label of at most RAYJOB_NAME_MAX characters:
+    the operator refuses any other after the API server accepted it), else ValueError naming `what`."""
+    if not _DNS1035.match(value) or len(value) > RAYJOB_NAME_MAX:
+        raise ValueError(
+            f"{what} must be a DNS-1035 label of at most {RAYJOB_NAME_MAX} characters (KubeRay's RayJob name: "
+            f"a lowercase letter first, then lowercase letters, digits and '-', not ending in '-'); got {value!r}"
+        )
+    return value
+
+
 def _meta(name: str, **labels) -> dict:
     check_label(name)
     return {"name": name, "labels": {**LABELS, **labels}}
@@ -272,8 +298,8 @@ def raycluster(image: str = IMAGE) -> dict:
 
 def chain_commands(
     preset: str, shape: tuple[str, ...] = (), root: str = STORAGE_ROOT, inputs: str | None = None
-) -> dict[str, list]:
-    """{RayJob stage: its commands ([stage, *args] each)}: the chain of CHAIN on one storage root. `shape`
+) -> dict[str, list[str]]:
+    """{RayJob stage: its stage arguments}: the chain of CHAIN on one storage root. `shape`
     (e.g. --num-workers 8) goes to the Ray Train stages, so they fit the RayJob's cluster. `inputs`: the root of
     the data and tokenizer runs when it is not `root` (checkpoints on object storage, whose data and tokenizer
     every node reads as files: a local or NFS root), given to the stages that read them as --data-dir and
@@ -284,31 +310,58 @@ def chain_commands(
     tokenizer = ["--tokenizer-path", f"{inputs}/tokenizer"] if inputs else []
     data_stages = ["--preset", preset, "--storage-path", inputs or root]
     return {
-        "data": [["data", "prepare", *data_stages], ["tokenizer", "train", *data_stages]],
-        "pretrain": [["pretrain", *common, *shape, "--run-name", "pretrain", *data_dir, *tokenizer]],
-        "sft": [
-            ["sft", *common, *shape, "--run-name", "sft", "--init-from", "latest", *tokenizer, *task_data]
-        ],
-        "rl": [["rl", *common, "--run-name", "rl", "--init-from", "latest", *task_data]],
-        "eval": [["eval", *common, "--run-name", "eval", "--checkpoint", "latest", *data_dir, *task_data]],
-        "export": [["export", "--storage-path", root, "--run-name", "hf", "--checkpoint", "latest"]],
+        "data": ["prepare", *data_stages],
+        "tokenizer": ["train", *data_stages],
+        "pretrain": [*common, *shape, "--run-name", "pretrain", *data_dir, *tokenizer],
+        "sft": [*common, *shape, "--run-name", "sft", "--init-from", "latest", *tokenizer, *task_data],
+        "rl": [*common, "--run-name", "rl", "--init-from", "latest", *task_data],
+        "eval": [*common, "--run-name", "eval", "--checkpoint", "latest", *data_dir, *task_data],
+        "export": ["--storage-path", root, "--run-name", "hf", "--checkpoint", "latest"],
     }
 
 
-def base_commands() -> dict[str, list]:
+def base_commands() -> dict[str, list[str]]:
     """The commands of k8s/base: the `cluster` preset as it is (its 32 ranks fill GPU_PODS pods)."""
     return chain_commands("cluster")
 
 
-def cpu_dev_commands() -> dict[str, list]:
+def cpu_dev_commands() -> dict[str, list[str]]:
     """The commands of the cpu-dev overlay: the `tiny` preset (minutes on 2 CPUs)."""
     return chain_commands("tiny")
 
 
-def entrypoint(commands: list[list[str]]) -> str:
-    """`python jobs/<stage>.py ARGS` of each [stage, *args] (what `raychat submit <stage> ARGS` runs), joined
-    by ` && `: each runs once the one before succeeded."""
-    return " && ".join(shlex.join(["python", f"jobs/{stage}.py", *args]) for stage, *args in commands)
+def entrypoint(stage: str, stage_args: list[str]) -> str:
+    """`python jobs/<stage>.py ARGS` (what `raychat submit <stage> ARGS` runs), one command: a RayJob's
+    entrypoint reaches a shell twice (KubeRay's submitter, then the job's), see check_stage_args.
+
+    Raises:
+        ValueError: an argument that the job's shell would interpret (check_stage_args).
+    """
+    check_stage_args(stage_args)
+    return shlex.join(["python", f"jobs/{stage}.py", *stage_args])
+
+
+def check_stage_args(stage_args: list[str]) -> None:
+    """Refuse what a RayJob's second shell would change: KubeRay's submitter (`bash -c`) turns the entrypoint back
+    into words for `ray job submit -- WORDS`, whose CLI joins them with subprocess.list2cmdline for the job's
+    `sh -c`: double quotes around a word with a space or tab (or an empty one), none around any other. So
+    $ ` \\ " are refused in every argument (expanded inside double quotes), and in an argument without a space
+    or tab also ' ; & | < > ( ) * ? [ # and a line break.
+
+    Raises:
+        ValueError: naming the first such argument and its characters.
+    """
+    for arg in stage_args:
+        quoted = not arg or " " in arg or "\t" in arg  # list2cmdline's rule
+        special = _SHELL_IN_QUOTES if quoted else _SHELL_UNQUOTED
+        found = [c for c in special if c in arg]
+        if found:
+            chars = " ".join("a line break" if c == "\n" else c for c in found)
+            raise ValueError(
+                f"stage argument {arg!r}: {chars} would be interpreted by the RayJob's second shell (the job's "
+                "`sh -c`, after KubeRay's `ray job submit`); a RayJob's stage arguments hold no $ ` \\ \", nor, "
+                "in one without a space, ' ; & | < > ( ) * ? [ # or a line break"
+            )
 
 
 def rayjob(
@@ -318,25 +371,27 @@ def rayjob(
     image: str = IMAGE,
     ttl_s: int = 3600,
     backoff_limit: int = 1,
-    commands: list[list[str]] | None = None,
-    num_gpus: float = 0,
+    num_gpus: float | None = None,
+    num_cpus: float = 0,
     deadline_s: int | None = None,
 ) -> dict:
-    """A RayJob running `python jobs/<stage>.py ARGS` (or the chain of `commands`, see entrypoint) in
-    /home/ray/raychat on its own cluster, its driver reserving `num_gpus` and given STAGE_STOP_WAIT_S seconds
-    from a stop's SIGTERM to its SIGKILL (RAY_JOB_STOP_WAIT_TIME_S in its runtime env, as `raychat submit`
-    gives a stage: time to print where it resumes), stopped (its cluster deleted)
-    deadline_s seconds after it starts (default DEADLINES_S[stage]), deleted ttl_s seconds after the job
-    finishes, retried backoff_limit times. Raises ValueError for an unknown stage, an invalid name or a negative
-    ttl_s or backoff_limit."""
+    """A RayJob running `python jobs/<stage>.py ARGS` (see entrypoint) in /home/ray/raychat on its own cluster,
+    its driver reserving `num_gpus` GPUs (default ENTRYPOINT_NUM_GPUS: 1 for eval, else 0) and `num_cpus` CPUs
+    (entrypointNumGpus / entrypointNumCpus, left out when 0) and given STAGE_STOP_WAIT_S seconds from a stop's
+    SIGTERM to its SIGKILL (RAY_JOB_STOP_WAIT_TIME_S in its runtime env, as `raychat submit` gives a stage: time
+    to print where it resumes), stopped (its cluster deleted) deadline_s seconds after it starts (default
+    DEADLINES_S[stage]), deleted ttl_s seconds after the job finishes, retried backoff_limit times. Raises
+    ValueError for an unknown stage, a name KubeRay refuses (check_rayjob_name), a stage argument the job's
+    shell would interpret (check_stage_args) or a negative ttl_s or backoff_limit."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {', '.join(STAGES)}; got {stage!r}")
+    name = check_rayjob_name(name or f"raychat-{stage}")
     if ttl_s < 0 or backoff_limit < 0:  # Kubernetes refuses negative ttlSecondsAfterFinished / backoffLimit
         raise ValueError(
             f"--ttl and --retries must be >= 0 (seconds, retries); got {ttl_s} and {backoff_limit}"
         )
     spec = {
-        "entrypoint": entrypoint(commands or [[stage, *(stage_args or [])]]),
+        "entrypoint": entrypoint(stage, stage_args or []),
         "runtimeEnvYAML": yaml.safe_dump(
             {"working_dir": APP_DIR, "env_vars": {STOP_WAIT_ENV: str(STAGE_STOP_WAIT_S)}}, sort_keys=False
         ),
@@ -346,12 +401,15 @@ def rayjob(
         "activeDeadlineSeconds": deadline_s or DEADLINES_S[stage],
         "backoffLimit": backoff_limit,
     }
+    num_gpus = ENTRYPOINT_NUM_GPUS.get(stage, 0) if num_gpus is None else num_gpus
     if num_gpus:
         spec["entrypointNumGpus"] = num_gpus
+    if num_cpus:
+        spec["entrypointNumCpus"] = num_cpus
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
-        "metadata": _meta(name or f"raychat-{stage}", **{"raychat.io/stage": stage}),
+        "metadata": _meta(name, **{"raychat.io/stage": stage}),
         "spec": {
             **spec,
             "rayClusterSpec": cluster_spec(image),
@@ -446,18 +504,15 @@ HEADER = "# Generated by `raychat k8s generate` from platform/raychat/ops/k8s.py
 
 
 def render_base(repo: Path) -> dict[str, str]:
-    """{file name in k8s/base: text}. Reads repo/serve/chat.yaml. The eval RayJob's driver takes a GPU (the
-    cluster preset evaluates on cuda)."""
+    """{file name in k8s/base: text}. Reads repo/serve/chat.yaml. Each RayJob's driver reserves
+    ENTRYPOINT_NUM_GPUS (the eval's a GPU: the cluster preset evaluates on cuda)."""
     serve_text = (repo / "serve" / "chat.yaml").read_text()
     commands = base_commands()
     files = {
         "networkpolicy.yaml": network_policy(),
         "pvc-checkpoints.yaml": checkpoints_pvc(),
         "raycluster.yaml": raycluster(),
-        **{
-            f"rayjob-{s}.yaml": rayjob(s, commands=commands[s], num_gpus=1 if s == "eval" else 0)
-            for s in CHAIN
-        },
+        **{f"rayjob-{s}.yaml": rayjob(s, commands[s]) for s in CHAIN},
         "rayservice-chat.yaml": rayservice(serve_text),
     }
     out = {name: HEADER + to_yaml(obj) for name, obj in files.items()}
@@ -489,9 +544,9 @@ def render_cpu_dev() -> str:
         {"op": "replace", "path": "/spec/accessModes", "value": ["ReadWriteOnce"]},
     ]
     jobs = []
-    for stage, commands in cpu_dev_commands().items():
-        ops = [{"op": "replace", "path": "/spec/entrypoint", "value": entrypoint(commands)}]
-        if stage == "eval":
+    for stage, stage_args in cpu_dev_commands().items():
+        ops = [{"op": "replace", "path": "/spec/entrypoint", "value": entrypoint(stage, stage_args)}]
+        if stage in ENTRYPOINT_NUM_GPUS:
             ops.append({"op": "remove", "path": "/spec/entrypointNumGpus"})
         target = {"group": "ray.io", "version": "v1", "kind": "RayJob", "name": f"raychat-{stage}"}
         jobs.append({"target": target, "patch": to_yaml(ops).rstrip("\n")})
@@ -706,11 +761,12 @@ def _settings(field: str, targets: list[dict]) -> dict:
 
 def _chain_on_bucket(export_out: str | None = None) -> dict[str, str]:
     """{stage: RayJob entrypoint} of the checkpoint stages on S3_ROOT (chain_commands with the PVC's STORAGE_ROOT
-    as data and tokenizer root; the data stage stays the base's), the export to `export_out` when given."""
+    as data and tokenizer root; the data and tokenizer stages stay the base's), the export to `export_out` when
+    given."""
     commands = chain_commands("cluster", root=S3_ROOT, inputs=STORAGE_ROOT)
     if export_out:
-        commands["export"][0] += ["--out", export_out]
-    return {stage: entrypoint(c) for stage, c in commands.items() if stage != "data"}
+        commands["export"] += ["--out", export_out]
+    return {s: entrypoint(s, args) for s, args in commands.items() if s not in ("data", "tokenizer")}
 
 
 def _entrypoint_patches(entrypoints: dict[str, str]) -> tuple[list[dict], list[dict]]:
@@ -829,11 +885,12 @@ def pod_monitor() -> dict:
     """A PodMonitor (Prometheus Operator, monitoring.coreos.com/v1) scraping port `metrics` (METRICS_PORT, Ray's
     metrics-export-port) of every Ray pod of a raychat cluster: the pods with LABELS and KubeRay's ray.io/cluster
     label (the RayCluster's, each RayJob's and the RayServices'; not the RayJobs' submitter pods), in the
-    PodMonitor's namespace. Relabelled: ray.io/cluster -> ray_cluster, ray.io/node-type (head | worker) ->
+    PodMonitor's namespace. Relabelled: ray.io/cluster -> ray_io_cluster (the label that the Cluster filter of
+    Ray's dashboards, which `raychat grafana provision` uploads, selects on), ray.io/node-type (head | worker) ->
     ray_node_type, ray.io/group -> ray_group."""
     relabel = [
         {"action": "replace", "sourceLabels": [f"__meta_kubernetes_pod_label_ray_io_{k}"], "targetLabel": t}
-        for k, t in (("cluster", "ray_cluster"), ("node_type", "ray_node_type"), ("group", "ray_group"))
+        for k, t in (("cluster", "ray_io_cluster"), ("node_type", "ray_node_type"), ("group", "ray_group"))
     ]
     return {
         "apiVersion": "monitoring.coreos.com/v1",

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from raychat.log import plural
-from raychat.ops.k8s import check_label, rayjob, render_all, to_yaml, write_generated
+from raychat.ops.k8s import check_label, check_rayjob_name, rayjob, render_all, to_yaml, write_generated
 from raychat.ops.submit import repo_root
 
 REQUEST_TIMEOUT_S = (
@@ -105,10 +105,11 @@ def cmd_submit(args) -> int:
     try:
         check_label(args.namespace, "--namespace")
         if args.name:
-            check_label(args.name, "--name")
+            check_rayjob_name(args.name, "--name")
         body = rayjob(
-            args.stage, stage_args, name=name, image=args.image, ttl_s=args.ttl, backoff_limit=args.retries
-        )
+            args.stage, stage_args, name=name, image=args.image, ttl_s=args.ttl, backoff_limit=args.retries,
+            num_gpus=args.num_gpus, num_cpus=args.num_cpus or 0,
+        )  # fmt: skip
     except ValueError as e:
         print(f"raychat k8s submit: error: {e}", file=sys.stderr)
         return 2

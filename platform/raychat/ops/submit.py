@@ -584,9 +584,17 @@ def cmd_submit(args) -> int:
         return 2
     print(f"job {job_id} {status}", file=sys.stderr)
     if status == "FAILED" and client.get_job_info(job_id).driver_exit_code == EXIT_COMMAND_NOT_FOUND:
+        if args.stage == "command":  # its words run as given: --python plays no part
+            word = args.stage_args[0]
+            hint = (
+                f"`command` runs its words as given: {word!r} must be an executable on the PATH of the Ray node "
+                "that ran the job, or its full path there"
+            )
+        else:
+            word = entrypoint.split()[0]
+            hint = "Pass --python with the cluster's Python (the one that runs Ray there), see docs/deployment.md"
         print(
-            f"raychat submit: error: the job's shell found no such command ({entrypoint.split()[0]!r}: exit 127). "
-            "Pass --python with the cluster's Python (the one that runs Ray there), see docs/deployment.md",
+            f"raychat submit: error: the job's shell found no such command ({word!r}: exit 127). {hint}",
             file=sys.stderr,
         )
     return EXIT_CODES.get(status, 1)
