@@ -30,6 +30,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -47,6 +48,9 @@ from raychat.ports import free_ports
 AUTOSCALER_STATUS_KEY = "__autoscaling_status"  # ray._private.ray_constants.DEBUG_AUTOSCALING_STATUS
 WAIT_REPORT_EVERY_S = 10.0  # how often a run that waits for nodes says so
 SCHEDULED_RESOURCES = ("CPU", "GPU")  # what a layout asks for; memory and node:<ip> labels are not planned
+# the GCS key (default namespace) of the launcher config's cap on worker nodes, which Ray's cluster config record
+# has no field for: JSON {"max_workers": N, "head_node_type": NAME} (publish_node_types, read_capacity)
+WORKER_CAP_KEY = "raychat_max_workers"
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,15 @@ class NodeType:
         """Whether one node of this type has room for `bundle` ({resource: amount})."""
         return all(self.resources.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items() if v > 0)
 
+    def fits(self, bundle: dict) -> float:
+        """How many of `bundle` one node of this type holds at once: the least over the resources the bundle
+        needs of floor(node's / bundle's), e.g. {CPU: 48, GPU: 8} holds 5 of {CPU: 9, GPU: 1}; math.inf for a
+        bundle that needs nothing."""
+        return min(
+            (math.floor(self.resources.get(k, 0.0) / v + 1e-9) for k, v in bundle.items() if v > 0),
+            default=math.inf,
+        )
+
     def describe(self) -> str:
         res = ", ".join(f"{k}: {v:g}" for k, v in sorted(self.resources.items()) if k in SCHEDULED_RESOURCES)
         return f"{self.name} {{{res or 'no CPU'}}}"
@@ -70,10 +83,13 @@ class NodeType:
 @dataclass(frozen=True)
 class Capacity:
     """What the cluster can become. source: "node types" (the published node types, the head's included), "autoscaler" (an autoscaler runs, its node types unknown; node_types are
-    the alive nodes) or "alive nodes" (nothing scales)."""
+    the alive nodes) or "alive nodes" (nothing scales). max_workers: the most nodes of every type but
+    head_type there may be together (the launcher config's max_workers; -1 = no such cap)."""
 
     source: str
     node_types: tuple
+    max_workers: int = -1
+    head_type: str = ""
 
     @property
     def known(self) -> bool:
@@ -89,13 +105,29 @@ class Capacity:
 
     def total(self, resource: str) -> float:
         """The most of `resource` the cluster can hold at once (math.inf when a type has no node limit)."""
-        out = 0.0
-        for t in self.node_types:
-            amount = t.resources.get(resource, 0.0)
-            if amount and t.max_count < 0:
-                return math.inf
-            out += amount * max(t.max_count, 0)
+        return self._most(lambda t: t.resources.get(resource, 0.0))
+
+    def fits(self, bundle: dict, per_node: float = math.inf) -> float:
+        """The most of `bundle` the cluster's nodes can hold at once, at most `per_node` on each (NodeType.fits
+        summed over the nodes; math.inf when a type that holds one has no node limit)."""
+        return self._most(lambda t: min(t.fits(bundle), per_node))
+
+    def _most(self, each) -> float:
+        """The most of each(node type) summed over the nodes the cluster can have at once: every type up to its
+        max_count, the worker types together up to max_workers, filled with the types of the most first."""
+        out, room = 0.0, math.inf if self.max_workers < 0 else self.max_workers
+        for t in sorted(self.node_types, key=each, reverse=True):
+            n = math.inf if t.max_count < 0 else t.max_count
+            if t.name != self.head_type and room < math.inf:
+                n = min(n, room)
+                room -= n
+            if n and each(t):
+                out += each(t) * n
         return out
+
+    def _cap_binds(self) -> bool:
+        counts = [t.max_count for t in self.node_types if t.name != self.head_type]
+        return self.max_workers >= 0 and (any(c < 0 for c in counts) or sum(counts) > self.max_workers)
 
     def describe(self) -> str:
         types = ", ".join(
@@ -103,7 +135,15 @@ class Capacity:
         )
         if self.source == "autoscaler":
             return f"an autoscaling cluster (node types not published; alive: {types or 'none'})"
-        return f"{self.source}: {types or 'none'}"
+        cap = f"; at most {plural(self.max_workers, 'worker node')} in all" if self._cap_binds() else ""
+        return f"{self.source}: {types or 'none'}{cap}"
+
+
+def _worker_cap() -> dict:
+    """The published cap on worker nodes ({"max_workers": N, "head_node_type": NAME}; WORKER_CAP_KEY), {} when
+    none was published."""
+    cap = _internal_kv_get(WORKER_CAP_KEY)
+    return json.loads(cap) if cap else {}
 
 
 def _published_node_types() -> list[NodeType]:
@@ -173,7 +213,10 @@ def read_capacity() -> Capacity:
     alive = _alive_nodes()
     published = _published_node_types()
     if published:
-        return Capacity("node types", tuple(published))
+        cap = _worker_cap()
+        return Capacity(
+            "node types", tuple(published), cap.get("max_workers", -1), cap.get("head_node_type", "")
+        )
     if autoscaler_running() and not started_here():
         return Capacity("autoscaler", tuple(alive))
     return Capacity("alive nodes", tuple(alive))
@@ -288,12 +331,14 @@ def local_capacity(cpus: float) -> Capacity:
 
 
 def check_bundles(bundles: list[dict], capacity: Capacity, flags: str) -> None:
-    """Refuse a request no node type can ever hold: one bundle no type has room for, or more of a resource
-    than the whole cluster can hold. Accepts everything on a cluster whose node types are unknown.
+    """Refuse a request no node type can ever hold: one bundle no type has room for, more of a resource than
+    the whole cluster can hold, or more copies of one bundle than its nodes have room for one by one
+    (Capacity.fits: 42 x {CPU: 9, GPU: 1} on 8 nodes of {CPU: 48, GPU: 8} hold at most 5 each, 40 in all).
+    Accepts everything on a cluster whose node types are unknown.
 
     Raises:
         ValueError: one line naming `flags` (the flags that size the bundles), the need and the largest node
-            type.
+            type, or the most the cluster can hold.
     """
     if not capacity.known:
         return
@@ -307,6 +352,14 @@ def check_bundles(bundles: list[dict], capacity: Capacity, flags: str) -> None:
             raise ValueError(
                 f"{flags}: together they need {need:g} {resource}; the cluster can hold at most {have:g} "
                 f"({capacity.describe()})"
+            )
+    alike = Counter(fmt_bundle(b) for b in bundles)
+    for bundle in {fmt_bundle(b): b for b in bundles}.values():
+        need, most = alike[fmt_bundle(bundle)], capacity.fits(bundle)
+        if need > most:
+            raise ValueError(
+                f"{flags}: {need} of them need {fmt_bundle(bundle)} each; the cluster's nodes can hold at most "
+                f"{most:g} of those ({capacity.describe()})"
             )
 
 
@@ -395,7 +448,8 @@ def placement_state() -> str:
 def publish_node_types(config: dict, gcs_address: str) -> autoscaler_pb2.ClusterConfig:
     """Publish the node types of a Ray autoscaling config (the cluster launcher's YAML:
     available_node_types with resources and min_workers / max_workers; cluster max_workers caps worker
-    nodes) as Ray's cluster config record in the GCS, the record read_capacity reads. Returns it.
+    nodes) as Ray's cluster config record in the GCS, the record read_capacity reads, and the cap on all
+    worker nodes together, which that record has no field for, under WORKER_CAP_KEY. Returns the record.
 
     Raises KeyError naming the missing key when the config has no available_node_types."""
     msg = autoscaler_pb2.ClusterConfig()
@@ -410,7 +464,12 @@ def publish_node_types(config: dict, gcs_address: str) -> autoscaler_pb2.Cluster
         g.min_count = 1 if name == head else int(t.get("min_workers", 0))
         most = 1 if name == head else int(t.get("max_workers", cap if cap is not None else -1))
         g.max_count = min(most, cap) if (cap is not None and name != head and most >= 0) else most
-    GcsClient(gcs_address).report_cluster_config(msg.SerializeToString())
+    gcs = GcsClient(gcs_address)
+    gcs.report_cluster_config(msg.SerializeToString())
+    cap_record = {"max_workers": -1 if cap is None else int(cap), "head_node_type": head or ""}
+    gcs.internal_kv_put(
+        WORKER_CAP_KEY.encode(), json.dumps(cap_record).encode(), overwrite=True, namespace=None
+    )
     return msg
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from raychat.config.schema import _close_keys
+
 STAGE_SECTIONS = ("data", "tokenizer", "train", "sft", "rl", "serve", "eval")
 # what a command reads from a preset: its sections, later ones on top
 LAYERS = {"pretrain": ("train",), "sft": ("train", "sft"), "rl": ("rl",), "serve": ("serve",)}
@@ -34,7 +36,8 @@ def read_preset(name_or_path: str) -> dict:
     Raises:
         FileNotFoundError: no such preset or file (the message lists the shipped presets).
         ValueError: the file is not UTF-8 text, not valid YAML (the message names the line; a key given twice
-            in one mapping counts as invalid) or not a mapping of sections that are mappings.
+            in one mapping counts as invalid) or not a mapping of sections that are mappings; a file with a
+            stage section and a key that is none (naming it, a close section name and STAGE_SECTIONS).
     """
     if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
         path = Path(name_or_path)
@@ -64,6 +67,13 @@ def read_preset(name_or_path: str) -> dict:
         raise ValueError(f"--preset: {name_or_path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ValueError(f"preset {name_or_path}: expected a mapping of sections, got {type(data).__name__}")
+    # a file without stage sections is one section (its keys are options); with one, every key is a section
+    unknown = sorted(str(key) for key in data if key not in STAGE_SECTIONS)
+    if unknown and len(unknown) < len(data):
+        raise ValueError(
+            f"--preset {name_or_path}: unknown sections {unknown}{_close_keys(unknown, list(STAGE_SECTIONS))}; "
+            f"allowed: {list(STAGE_SECTIONS)}"
+        )
     for section in STAGE_SECTIONS:
         if data.get(section) is not None and not isinstance(data[section], dict):
             raise ValueError(

@@ -324,17 +324,32 @@ def flatten(cls, values: dict, where: str | None = None, spelled: dict | None = 
     Raises:
         ConfigError: keys that are neither a section of `cls` nor a flat name or alias, as
             "unknown <where> [keys]; allowed: [...]" (where defaults to "<cls> settings"); a section's key
-            whose value is not a mapping.
+            whose value is not a mapping; one option under two of its names (its name and an alias, or two
+            aliases), as "<where>: 'replicas' and 'max_replicas' both set max_replicas; give one".
     """
     names, alias = leaves(cls), aliases(cls)
     sections = {f.name for f in dataclasses.fields(cls) if f.metadata.get("section")}
     out: dict = {}
+    keys: dict = {}  # flat name -> (the key its value was given under, with its section; that key alone)
     unknown = []
+
+    def put(name: str, path: str, key: str, value) -> None:
+        # one spelling twice (a section's key and a flat one, as `{**to_dict(cfg), name: value}`): the later wins
+        if name in keys and keys[name][1] != key:
+            raise ConfigError(
+                f"{where or cls.__name__ + ' settings'}: {keys[name][0]!r} and {path!r} both set {name}; give one"
+            )
+        keys[name], out[name] = (path, key), value
+
     for key, value in (values or {}).items():
         if key in sections and isinstance(value, dict):
-            out.update(flatten(_hints(cls)[key], value, where, spelled))
+            inner: dict = {}
+            for name, v in flatten(_hints(cls)[key], value, where, inner).items():
+                put(name, f"{key}.{inner.get(name, name)}", inner.get(name, name), v)
+            if spelled is not None:
+                spelled.update(inner)
         elif key in names or key in alias:  # before sections: RL's old flat `checkpoint` names a section too
-            out[alias.get(key, key)] = value
+            put(alias.get(key, key), key, key, value)
             if spelled is not None and key in alias:
                 spelled[alias[key]] = key
         elif key in sections:

@@ -28,7 +28,15 @@ from collections import Counter
 import ray
 from ray import serve
 
-from raychat.capacity import check_bundles, local_cluster_running, read_capacity, start_local_cluster
+from raychat.capacity import (
+    Capacity,
+    check_bundles,
+    fmt_bundle,
+    local_cluster_running,
+    read_capacity,
+    start_local_cluster,
+    started_here,
+)
 from raychat.checkpoint import check_model
 from raychat.checkpoint_manager import described, find_checkpoint
 from raychat.config import ConfigError, ServeConfig, from_args, from_dict
@@ -63,39 +71,57 @@ def start(
         proxies on another host:port (the URL would be wrong); OSError naming --port when, on a local
         cluster, host:port has a listener of its own (check_port_free: before Ray starts, unless a `ray start`
         cluster of this machine is joined, whose Serve may hold that port), or Serve cannot bind it;
-        ValueError naming the flags when no node type of a connected cluster can ever hold a replica
-        (replica_bundles; raychat.capacity.check_bundles).
+        ValueError naming the flags when the cluster can never hold the first replicas (check_capacity).
     """
     config = serve_config(config)
     check_checkpoint(config)
     application = build_app(config)
     local = connect(address, host, port, proxy_location, include_dashboard=False)
-    if local:  # a cluster of this machine only never grows: refuse what would wait forever for CPUs
-        replicas, cpus = max(1, config.autoscaling.min_replicas), config.replica.num_cpus
-        need = replicas * cpus + config.ingress_num_cpus
-        have = ray.cluster_resources().get("CPU", 0)
-        gpus_needed, gpus = replicas * config.replica.num_gpus, ray.cluster_resources().get("GPU", 0)
-        if need > have or gpus_needed > gpus:
-            ray.shutdown()
-            if gpus_needed > gpus:
-                raise ValueError(
-                    f"{plural(replicas, 'engine replica')} x --num-gpus {shown(config.replica.num_gpus)} = "
-                    f"{plural(gpus_needed, 'GPU')}, but this "
-                    f"machine's Ray cluster has {gpus:g}; lower --num-gpus (0 = CPU) or --min-replicas"
-                )
+    try:
+        check_capacity(config, read_capacity(), started_here())
+    except ValueError:
+        ray.shutdown()
+        raise
+    return run_app(application, APP_NAME, host, port, proxy_location, local)
+
+
+def check_capacity(config: ServeConfig, capacity: Capacity, one_machine: bool) -> None:
+    """Refuse an app whose first max(1, --min-replicas) engine replicas `capacity` (raychat.capacity.read_capacity)
+    can never hold, which serve.run would wait for forever. one_machine: the cluster is one this process
+    started (raychat.capacity.started_here: this machine, which never grows), checked by its CPUs and GPUs;
+    else raychat.capacity.check_bundles of replica_bundles (what the cluster can become: its node types where
+    known). On either, with --max-replicas-per-node, the replicas must fit that many a node.
+
+    Raises:
+        ValueError: one line naming the flags that ask for too much.
+    """
+    r, replicas = config.replica, max(1, config.autoscaling.min_replicas)
+    cpus, gpus = r.num_cpus, r.num_gpus
+    if one_machine:
+        need, have = replicas * cpus + config.ingress_num_cpus, capacity.total("CPU")
+        if replicas * gpus > capacity.total("GPU"):
+            raise ValueError(
+                f"{plural(replicas, 'engine replica')} x --num-gpus {shown(gpus)} = "
+                f"{plural(replicas * gpus, 'GPU')}, but this machine's Ray cluster has {capacity.total('GPU'):g}; "
+                "lower --num-gpus (0 = CPU) or --min-replicas"
+            )
+        if need > have:
             raise ValueError(
                 f"{plural(replicas, 'engine replica')} x --num-cpus {shown(cpus)} + the ingress' "
                 f"{plural(config.ingress_num_cpus, 'CPU')} = {plural(need, 'CPU')}, but this machine's Ray cluster "
-                f"has {have:g}; "
-                "lower --min-replicas or --num-cpus"
+                f"has {have:g}; lower --min-replicas or --num-cpus"
             )
     else:  # a connected cluster: planned against what it can become (its node types), not what is alive
-        try:
-            check_bundles(replica_bundles(config), read_capacity(), "--num-cpus, --num-gpus, --min-replicas")
-        except ValueError:
-            ray.shutdown()
-            raise
-    return run_app(application, APP_NAME, host, port, proxy_location, local)
+        check_bundles(replica_bundles(config), capacity, "--num-cpus, --num-gpus, --min-replicas")
+    per_node = r.max_replicas_per_node
+    replica = replica_bundles(config)[0]
+    if per_node and capacity.known and replicas > (most := capacity.fits(replica, per_node)):
+        raise ValueError(
+            f"--min-replicas {config.autoscaling.min_replicas} with --max-replicas-per-node {per_node}: "
+            f"{plural(replicas, 'engine replica')} of {fmt_bundle(replica)}, at most {per_node} a node; the "
+            f"cluster's nodes can hold at most {most:g} that way ({capacity.describe()}); lower --min-replicas or "
+            "raise --max-replicas-per-node"
+        )
 
 
 def connect(address: str | None, host: str, port: int, proxy_location: str, **init) -> bool:

@@ -26,6 +26,7 @@ raychat sets there.
 from __future__ import annotations
 
 from raychat.config import ConfigError, ServeConfig, from_dict
+from raychat.config.schema import aliases
 
 SERVER_DEPLOYMENT = "ChatServer"
 INGRESS_DEPLOYMENT = "ChatIngress"
@@ -112,7 +113,8 @@ def deployment_args(deployments: list[dict] | None) -> dict:
         if "ray_actor_options" in entry:
             actor = entry["ray_actor_options"] or {}
             _complete(f"{where}.ray_actor_options", actor, REQUIRED_ACTOR[name], ACTOR[name])
-            args |= {ACTOR[name][k]: v for k, v in actor.items()}
+            # every key counts as set: Serve runs a key left out at its default (num_gpus 0), whatever args say
+            args |= {key: actor.get(k, 0) for k, key in ACTOR[name].items()}
         if "autoscaling_config" in entry:
             auto = dict(entry["autoscaling_config"] or {})
             auto.pop("initial_replicas", None)
@@ -136,11 +138,13 @@ def read_serve_app(app: dict) -> ServeConfig:
     each value where the file puts it.
 
     Raises:
-        ValueError (ConfigError): see deployment_args; an option set both in args and in deployments:, or an
-            invalid value (raychat.config.from_dict).
+        ValueError (ConfigError): see deployment_args; an option set both in args (under its name or an alias)
+            and in deployments: (a ray_actor_options there sets each of its keys, one left out to Serve's
+            default), or an invalid value (raychat.config.from_dict).
     """
     args, options = dict(app.get("args") or {}), deployment_args(app.get("deployments"))
-    twice = sorted(set(args) & set(options))
+    alias = aliases(ServeConfig)
+    twice = sorted({alias.get(k, k) for k in args} & set(options))
     if twice:
         raise ConfigError(f"{twice} set both in args and in deployments: (one place each)")
     return from_dict(ServeConfig, args | options, where="build_app args and deployments")

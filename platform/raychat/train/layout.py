@@ -98,10 +98,14 @@ def check_cpu_layout(
             else ""
         )
         most = (cluster_cpus - data) / num_workers
+        fix = (
+            f"lower {option('cpus_per_worker')} to at most {most:g} or {option('num_workers')}"
+            if most > 0
+            else f"it needs more than the {plural(data, 'CPU')} Ray Data reserves (a larger node, or more nodes)"
+        )
         raise ValueError(
-            f"{layout}{why} needs {plural(needed, 'CPU')}; the cluster has {cluster_cpus:g}: lower "
-            f"{option('cpus_per_worker')} to at most {most:g} or {option('num_workers')}, or the data tasks would "
-            "never be scheduled and the run would wait forever"
+            f"{layout}{why} needs {plural(needed, 'CPU')}; the cluster has {cluster_cpus:g}: {fix}, or the data "
+            "tasks would never be scheduled and the run would wait forever"
         )
     threads = max(1, round(cpus_per_worker))
     return (

@@ -203,11 +203,14 @@ def print_plan(cfg: TrainConfig, p: Plan, option=flag_name, data_lines: Sequence
         f"{plural(p.grad_accum, 'accumulation step')}"
     )
     if p.auto_batch_size:
-        w, rows, seq = cfg.layout.num_workers, cfg.train.batch.device_batch_size, cfg.model.seq_len
+        (fewest, most), rows = cfg.layout.worker_range, cfg.train.batch.device_batch_size
+        seq = cfg.model.seq_len
+        w = math.lcm(*range(fewest, most + 1))  # an elastic run's batch divides on each of its world sizes
+        workers = plural(w, "worker") if fewest == most else f"{w} (the lcm of {fewest}..{most} workers)"
         change = "kept" if p.auto_batch_size == p.total_batch_size else f"rounded to {p.total_batch_size:,}"
         print(
             f"  (automatic: power law {p.auto_batch_size:,} tokens, {change}: the nearest multiple of "
-            f"{plural(w, 'worker')} x {plural(rows, 'row')} x {plural(seq, 'token')} = {w * rows * seq:,})"
+            f"{workers} x {plural(rows, 'row')} x {plural(seq, 'token')} = {w * rows * seq:,})"
         )
     print(
         f"horizon ({p.horizon}): {plural(p.num_iterations, 'step')}, {p.tokens:,} tokens, "
