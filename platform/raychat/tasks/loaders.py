@@ -426,8 +426,8 @@ def _unnested(record: dict) -> dict:
 
 def mmlu_error(record: dict) -> str | None:
     """Why an MMLU record (nested or not: _unnested) is bad (a missing column, choices that are not a list of
-    1..10 strings (one per letter of LETTERS), or an answer that is not the index of one of its choices), or
-    None."""
+    1..10 strings (one per letter of LETTERS), or an answer that is not the index of one of its choices: an
+    int, as cais/mmlu stores it; a bool, a float or a string is refused), or None."""
     row = _unnested(record)
     missing = [c for c in MMLU_COLUMNS if c not in row]
     if missing:
@@ -437,18 +437,10 @@ def mmlu_error(record: dict) -> str | None:
         isinstance(c, str) for c in choices
     ):
         return f"choices {str(choices)[:60]} are not a list of 1..{len(LETTERS)} strings"
-    n = len(choices)
-    if 0 <= _choice(row["answer"]) < n:
+    n, answer = len(choices), row["answer"]
+    if isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < n:
         return None
-    return f"answer {row['answer']!r} is not the index of one of the {n} choices (0..{n - 1})"
-
-
-def _choice(answer) -> int:
-    """An MMLU answer as a choice's index (-1: not a number)."""
-    try:
-        return int(answer)
-    except (TypeError, ValueError):
-        return -1
+    return f"answer {answer!r} is not the index of one of the {n} choices (0..{n - 1})"
 
 
 class MultipleChoice(Task):
@@ -496,7 +488,7 @@ class MultipleChoice(Task):
         if self.format == "mmlu":
             choices = list(row["choices"])
             letters = list(LETTERS[: len(choices)])
-            answer = letters[_choice(row["answer"])]
+            answer = letters[row["answer"]]
         else:
             choices, letters = list(row["choices"]["text"]), list(row["choices"]["label"])
             answer = row["answerKey"]

@@ -3,15 +3,24 @@
 The child (run_python) is a fresh interpreter (`-I -S -B`: no environment variables, no site-packages, no
 .pyc writes) in a new session, its working directory and $HOME/$TMPDIR a new private temporary directory,
 with an environment of PATH and LANG only. Before the program runs, the child itself, in this order:
-  1. network: enters a new network namespace (unshare(CLONE_NEWNET) as root, with CLONE_NEWUSER otherwise),
-     which has no interface but a loopback that is down; where the kernel refuses, the audit hook of step 4
-     is the only network block (SandboxResult.isolation says which held).
+  1. namespaces: enters a new network namespace and a new PID namespace (unshare(CLONE_NEWNET | CLONE_NEWPID) as
+     root, with CLONE_NEWUSER otherwise). The network one has no interface but a loopback that is down. The
+     program runs as the PID namespace's init, in a child the runner forks (with PR_SET_PDEATHSIG = SIGKILL), so
+     every process it starts, one that left the process group with setsid() included, dies with it. Where the
+     kernel refuses both, a network namespace alone is tried; without it, the audit hook of step 4 is the only
+     network block (SandboxResult.isolation says which held).
   2. user: running as root with an interpreter every user can run, becomes `nobody` (uid/gid 65534), so the
      process limit binds (root is exempt from RLIMIT_NPROC) and file permissions keep it out of others' files.
   3. limits (setrlimit): RLIMIT_CPU = cpu_s, RLIMIT_AS = memory_bytes, RLIMIT_NPROC = max_processes (the
      processes of its user), RLIMIT_FSIZE = max_file_bytes, RLIMIT_CORE = 0.
-  4. an audit hook (PEP 578, sys.addaudithook): refuses sockets, exec/spawn/system/Popen, ctypes, and opening
-     for writing, creating, removing or renaming any path outside the sandbox directory.
+  4. an audit hook (PEP 578, sys.addaudithook): refuses sockets, exec/spawn/system/Popen, os.fork/forkpty
+     (HumanEval programs start no process; OpenAI's human-eval disables fork too), ctypes, gc.get_objects and
+     its kin, and opening for writing, creating, removing, renaming or changing any path outside the sandbox
+     directory (symbolic links followed, a dir_fd or an fd resolved through /proc/self/fd; a path-like object
+     that is not str or bytes, and os.open of a relative path for writing, whose dir_fd the event omits, are
+     refused). It reads nothing the program can rebind (its constants and functions are bound in its closure).
+     An audit hook is no complete sandbox (PEP 578): _posixsubprocess.fork_exec, for one, is not audited; the
+     namespaces, the user and the limits are what hold then.
 The parent waits at most wall_s; then, and whenever the child ends, it kills the child's whole process group
 (a fork bomb's leftovers included). stdout/stderr go to files bounded by RLIMIT_FSIZE, never to pipes.
 Outcome: passed = exit status 0 within the limits; anything else (an exception, a limit, a kill) fails.
@@ -37,15 +46,20 @@ from pathlib import Path
 NOBODY = 65534
 OUTPUT_TAIL = 2000  # characters of stdout/stderr kept in SandboxResult
 
-# The child's preamble (run with -c): isolation, user, limits, audit hook, then the program file.
+# The child's preamble (run with -c): isolation, user, limits, audit hook, then the program file. The program
+# shares this interpreter and reaches this module as sys.modules["__main__"], and may rebind any module global or
+# builtin: make_hook binds everything the hook reads (frozen constants, os's C functions, the builtins) in its
+# closure, and its name is deleted before the program runs.
 RUNNER = r"""
-import ctypes, json, os, resource, sys
+import ctypes, json, os, resource, signal, sys
 cfg = json.loads(sys.argv[1])
 isolation = []
 libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
-flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWNET | CLONE_NEWUSER
-if libc.unshare(flags) == 0:
+CLONE_NEWNET, CLONE_NEWPID, CLONE_NEWUSER = 0x40000000, 0x20000000, 0x10000000
+user_ns = 0 if os.geteuid() == 0 else CLONE_NEWUSER
+if libc.unshare(CLONE_NEWNET | CLONE_NEWPID | user_ns) == 0:
+    isolation += ["netns", "pidns"]
+elif libc.unshare(CLONE_NEWNET | user_ns) == 0:
     isolation.append("netns")
 if cfg["drop_user"] and os.geteuid() == 0:
     os.setgroups([])
@@ -58,37 +72,99 @@ for name, value in (("RLIMIT_CPU", cfg["cpu_s"]), ("RLIMIT_AS", cfg["memory_byte
     resource.setrlimit(getattr(resource, name), (value, value))
 sys.stderr.write("sandbox isolation: " + ",".join(isolation or ["hook-only"]) + "\n")
 sys.stderr.flush()
-ROOT = os.path.realpath(os.getcwd())
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-PATH_EVENTS = {"os.remove", "os.rename", "os.replace", "os.rmdir", "os.mkdir", "os.symlink", "os.link",
-               "os.truncate", "os.chmod", "os.chown", "os.utime", "shutil.rmtree", "shutil.move",
-               "shutil.copyfile", "shutil.copytree", "os.chdir", "os.chroot"}
-BLOCKED = ("socket.", "subprocess.", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.startfile",
-           "ctypes.", "pty.", "os.kill", "os.killpg", "signal.pthread_kill", "winreg.", "webbrowser.")
-def inside(path):
-    if isinstance(path, int):
-        return True
-    try:
-        real = os.path.realpath(os.fsdecode(path))
-    except (TypeError, ValueError):
-        return False
-    return real == ROOT or real.startswith(ROOT + os.sep)
-def hook(event, args):
-    if event.startswith(BLOCKED):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "open":
-        path, mode, flags = (list(args) + [None, None, None])[:3]
-        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-            isinstance(flags, int) and flags & WRITE_FLAGS)
-        if writing and not inside(path):
-            raise PermissionError(f"sandbox: writing {path!r} outside the sandbox directory")
-    elif event in PATH_EVENTS:
-        for a in args:
-            if isinstance(a, (str, bytes, os.PathLike)) and not inside(a):
-                raise PermissionError(f"sandbox: {event} on {a!r} outside the sandbox directory")
-sys.addaudithook(hook)
+if "pidns" in isolation:  # the program runs as the namespace's init: the kernel kills what it started with it
+    pid = os.fork()
+    if pid:
+        status = os.waitpid(pid, 0)[1]
+        if os.WIFSIGNALED(status):
+            if os.WTERMSIG(status) != signal.SIGKILL:
+                signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+            os.kill(os.getpid(), os.WTERMSIG(status))
+        os._exit(os.waitstatus_to_exitcode(status))
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killing this runner's group (wall_s) kills the init
+def make_hook(root, lstat=os.lstat, readlink=os.readlink, getcwd=os.getcwd, isinstance=isinstance, len=len,
+              range=range, str=str, bytes=bytes, int=int, OSError=OSError, PermissionError=PermissionError):
+    inside_root = root + os.sep
+    WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+    BLOCKED = ("socket.", "subprocess.", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.startfile",
+               "os.fork", "ctypes.", "pty.", "os.kill", "os.killpg", "signal.pthread_kill", "winreg.",
+               "webbrowser.", "gc.get_")
+    PATH_EVENTS = frozenset({"os.remove", "os.rename", "os.replace", "os.rmdir", "os.mkdir", "os.symlink",
+                             "os.link", "os.truncate", "os.chmod", "os.chown", "os.utime", "os.setxattr",
+                             "os.removexattr", "shutil.rmtree", "shutil.move", "shutil.copyfile",
+                             "shutil.copytree", "os.chdir", "os.chroot"})
+    TWO_PATHS = frozenset({"os.rename", "os.replace", "os.link", "os.symlink", "shutil.move", "shutil.copyfile",
+                           "shutil.copytree"})
+    LAST_IS_DIR_FD = frozenset({"os.remove", "os.rmdir", "os.mkdir", "os.symlink", "os.chmod", "os.chown",
+                                "os.utime", "shutil.rmtree"})
+    TWO_DIR_FDS = frozenset({"os.rename", "os.replace", "os.link"})  # (src, dst, src_dir_fd, dst_dir_fd)
+    def resolve(path, base):  # absolute, every symlink followed as the kernel does (os.path.realpath's rule)
+        parts = str.split(path, "/")
+        if not str.startswith(path, "/"):
+            parts = str.split(base, "/") + parts
+        parts.reverse()
+        done, hops = "", 0
+        while parts:
+            name = parts.pop()
+            if name == "" or name == ".":
+                continue
+            if name == "..":
+                done = done[: str.rfind(done, "/")] if done else ""
+                continue
+            candidate = done + "/" + name
+            try:
+                link = lstat(candidate).st_mode & 0o170000 == 0o120000
+            except OSError:
+                link = False
+            if not link:
+                done = candidate
+                continue
+            hops += 1
+            if hops > 40:
+                raise PermissionError(f"sandbox: too many symbolic links in {path!r}")
+            target = str.split(readlink(candidate), "/")
+            if target[0] == "":
+                done = ""
+            target.reverse()
+            parts += target
+        return done or "/"
+    def inside(path, dir_fd):  # a path (str or bytes; an int: the file an fd is open on)
+        if isinstance(path, int):
+            path, dir_fd = readlink("/proc/self/fd/" + int.__repr__(path)), -1
+        elif isinstance(path, bytes):
+            path = bytes.decode(path, "utf-8", "surrogateescape")
+        elif not isinstance(path, str):
+            return False  # a path-like object's __fspath__ could name another file when the call runs
+        if dir_fd is None or dir_fd == -1 or dir_fd == -100:  # none given, or AT_FDCWD
+            base = getcwd()
+        else:
+            base = readlink("/proc/self/fd/" + int.__repr__(dir_fd))
+        real = resolve(path, base)
+        return real == root or str.startswith(real, inside_root)
+    def hook(event, args):
+        if str.startswith(event, BLOCKED):
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "open":
+            path, mode, flags = (args + (None, None, None))[:3]
+            writing = (isinstance(mode, str) and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)) or (
+                isinstance(flags, int) and flags & WRITE_FLAGS)
+            if not writing or isinstance(path, int):
+                return
+            if mode is None and not (isinstance(path, str) and str.startswith(path, "/")):
+                raise PermissionError(f"sandbox: os.open of {path!r} for writing needs a str absolute path")
+            if not inside(path, -1):
+                raise PermissionError(f"sandbox: writing {path!r} outside the sandbox directory")
+        elif event in PATH_EVENTS:
+            for i in range(2 if event in TWO_PATHS else 1):
+                if i >= len(args):
+                    break
+                dir_fd = args[-1] if event in LAST_IS_DIR_FD else args[i + 2] if event in TWO_DIR_FDS else -1
+                if not inside(args[i], dir_fd):
+                    raise PermissionError(f"sandbox: {event} on {args[i]!r} outside the sandbox directory")
+    return hook
+sys.addaudithook(make_hook(os.path.realpath(os.getcwd())))
 source = open("program.py", encoding="utf-8").read()
-del ctypes, libc
+del make_hook, ctypes, libc
 sys.argv = ["program.py"]
 exec(compile(source, "program.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
@@ -116,7 +192,8 @@ class SandboxLimits:
 class SandboxResult:
     """passed: exit status 0 within the limits; status: "passed", "failed" (exit status != 0), "killed"
     (a signal: the CPU or file-size limit, or memory) or "timeout" (wall_s); returncode: the child's (negative:
-    the signal), None on timeout; isolation: what held ("netns", "nobody", or "hook-only")."""
+    the signal), None on timeout; isolation: what held, comma-separated ("netns", "pidns", "nobody"), or
+    "hook-only"."""
 
     passed: bool
     status: str
