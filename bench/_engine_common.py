@@ -27,14 +27,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
-    """256 byte tokens plus printable two-byte tokens up to vocab_size (specials included)."""
+    """256 byte tokens plus printable two-byte, then three-byte tokens up to vocab_size (specials included):
+    exactly vocab_size ids up to 866,665 (95**3 + 95**2 + 256 + the 9 specials). Raises ValueError beyond, or
+    below 256 + the specials."""
     ranks = {bytes([i]): i for i in range(256)}
     printable = [bytes([c]) for c in range(32, 127)]
-    for a, b in itertools.product(printable, printable):
+    pieces = itertools.chain(itertools.product(printable, repeat=2), itertools.product(printable, repeat=3))
+    for piece in pieces:
         if len(ranks) >= vocab_size - len(SPECIAL_TOKENS):
             break
-        ranks[a + b] = len(ranks)
-    return Tokenizer(SPLIT_PATTERN, ranks)
+        ranks[b"".join(piece)] = len(ranks)
+    tok = Tokenizer(SPLIT_PATTERN, ranks)
+    if tok.vocab_size != vocab_size:
+        raise ValueError(
+            f"vocab_size must be in [{256 + len(SPECIAL_TOKENS)}, {tok.vocab_size}], got {vocab_size}"
+        )
+    return tok
 
 
 def random_model(tok: Tokenizer, depth: int, max_seq_len: int, device: str = "cpu") -> GPT:

@@ -16,7 +16,7 @@ Prepared on a CPU machine; NOT run here (no GPU). Run it with `bash bench/gpu_ch
    through the official openai client: how many ended with finish_reason stop/length, the wall time, TTFT.
 
     bash bench/gpu_check.sh                  # the check (CUDA)
-    bash bench/gpu_check.sh --dry-run        # every code path on a CPU at tiny sizes (tests/unit/test_gpu_check.py)
+    bash bench/gpu_check.sh --dry-run        # every code path on a CPU at tiny sizes (tests/ray/test_gpu_check.py)
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from _common import machine
+
 
 def session_pids(sid: int) -> list[int]:
     pids = []
@@ -75,6 +77,7 @@ def main() -> int:
         out = Path(a.out)
         if not out.exists():
             out.write_text(
+                f"Machine: {machine()}.\n\n"
                 "| command | wall | peak PSS (sum) | peak RSS (sum) | processes | result |\n|---|---|---|---|---|---|\n"
             )
         with out.open("a") as f:

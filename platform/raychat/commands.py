@@ -25,7 +25,7 @@ from raychat.config import (
 )
 from raychat.config.data import PrepareConfig, TokenizerConfig
 from raychat.config.eval import CHATCORE, CHECKPOINTS_ROOT
-from raychat.config.presets import PRESET_HELP
+from raychat.config.presets import SPEEDRUN_PRESET_HELP
 from raychat.config.schema import owned_choices, owned_literal
 from raychat.config.train import UNUSED_FLAGS, check_batch
 from raychat.ops.jobs import DEFAULT_ADDRESS, STAGES, SUBMIT_CHOICES
@@ -99,7 +99,7 @@ def speedrun(subparsers) -> None:
         "RAY_ADDRESS. Stages whose outputs exist are reused; the pretraining run resumes from its last "
         "checkpoint. Writes <out>/report.md.",
     )
-    parser.add_argument("--preset", default="cpu", help=f"{PRESET_HELP} (default: cpu)")
+    parser.add_argument("--preset", default="cpu", help=f"{SPEEDRUN_PRESET_HELP} (default: cpu)")
     parser.add_argument(
         "--out",
         default="runs",

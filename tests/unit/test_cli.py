@@ -790,3 +790,18 @@ def test_a_submitted_stages_abbreviated_flag_is_refused_before_submission(submit
         f"{prog}: error: stage pretrain: unrecognized arguments: --num-it 3 (`raychat pretrain --help` lists "
         "its flags)\n"
     )
+
+
+def test_speedrun_help_offers_no_preset_none_which_it_refuses(capsys):
+    """`raychat speedrun --help` offered "'none' = no preset", which speedrun refuses (every stage needs one)."""
+    with pytest.raises(SystemExit):
+        main(["speedrun", "--help"])
+    assert "'none'" not in capsys.readouterr().out
+    assert main(["speedrun", "--preset", "none"]) == 2
+    assert (
+        "--preset: no preset 'none'; known presets: ['cluster', 'cpu', 'gpu8', 'tiny']"
+        in capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    assert "'none' = no preset" in capsys.readouterr().out

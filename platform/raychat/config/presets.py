@@ -22,7 +22,8 @@ from raychat.config.schema import _close_keys
 STAGE_SECTIONS = ("data", "tokenizer", "train", "sft", "rl", "serve", "eval")
 # what a command reads from a preset: its sections, later ones on top
 LAYERS = {"pretrain": ("train",), "sft": ("train", "sft"), "rl": ("rl",), "serve": ("serve",)}
-PRESET_HELP = "preset name (tiny, cpu, gpu8, cluster: raychat/presets/) or a YAML path; 'none' = no preset"
+SPEEDRUN_PRESET_HELP = "preset name (tiny, cpu, gpu8, cluster: raychat/presets/) or a YAML path"
+PRESET_HELP = f"{SPEEDRUN_PRESET_HELP}; 'none' = no preset"  # the stage commands'; a speedrun needs one
 
 
 def preset_names() -> list[str]:
