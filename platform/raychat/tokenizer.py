@@ -35,7 +35,8 @@ SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| 
 # is a BaseException no caller catches. A longer run is cut into pieces of this many characters, encoded one
 # after the other; only text with such a run tokenizes differently (at the cuts), and decoding is unchanged.
 WHITESPACE_RUN_MAX = 1 << 16
-LONG_WHITESPACE = re.compile(rf"\s{{{WHITESPACE_RUN_MAX + 1},}}")
+# from a run's first character only: tried inside a shorter run, the search took time quadratic in its length
+LONG_WHITESPACE = re.compile(rf"(?<!\s)\s{{{WHITESPACE_RUN_MAX + 1},}}")
 
 BOS = "<|bos|>"
 SPECIAL_TOKENS = (
@@ -168,8 +169,11 @@ class Tokenizer:
             ranks = {base64.b64decode(t, validate=True): r for t, r in encoded.items()}
         except binascii.Error as e:
             raise ValueError(f"{path}: `mergeable_ranks` has a key that is not base64 ({e})") from None
+        asked = payload.get("asked_vocab_size")
+        if asked is not None and type(asked) is not int:
+            raise ValueError(f"{path}: `asked_vocab_size` must be an int, got a JSON {type(asked).__name__}")
         try:
-            tok = cls(pattern, ranks, payload.get("asked_vocab_size"))
+            tok = cls(pattern, ranks, asked)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         if tok.special_tokens != payload["special_tokens"]:
@@ -247,8 +251,8 @@ class Tokenizer:
 
 def _length_bytes(n: int) -> bytes:
     """A token's byte length as Tokenizer.version hashes it: 2 bytes, little-endian; from 0xFFFF bytes (a token
-    BPE merged from a run of one character 64 KiB long) 0xFFFF then 8 bytes, which leaves every version
-    computed before such tokens could be hashed unchanged."""
+    BPE merged from a run of one character 64 KiB long) 0xFFFF then 8 bytes, which leaves the version of every
+    tokenizer whose tokens are shorter than 0xFFFF bytes unchanged."""
     return n.to_bytes(2, "little") if n < 0xFFFF else b"\xff\xff" + n.to_bytes(8, "little")
 
 

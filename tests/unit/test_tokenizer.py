@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from raychat.tokenizer import SPECIAL_TOKENS, Tokenizer, split_long_whitespace
+from raychat.tokenizer import LONG_WHITESPACE, SPECIAL_TOKENS, Tokenizer, split_long_whitespace
 
 _rng = random.Random(0)
 _WORDS = "the quick brown fox jumps over lazy dog caf\u00e9 na\u00efve r\u00e9sum\u00e9 def return add 12345 678".split()
@@ -91,6 +91,7 @@ def test_vocab_too_small():
         ({"mergeable_ranks": {"!!": 0}}, "`mergeable_ranks` has a key that is not base64 (Only base64 data is allowed)"),
         ({"pattern": 5}, "`pattern` must be a string, got a JSON int"),
         ({"pattern": "("}, "Parsing error at position 1: Opening parenthesis without closing parenthesis"),
+        ({"asked_vocab_size": "abc"}, "`asked_vocab_size` must be an int, got a JSON str"),
     ],
 )  # fmt: skip
 def test_a_field_of_another_type_is_a_value_error_naming_the_file(tok, tmp_path, change, error):
@@ -128,3 +129,12 @@ def test_a_token_of_64_kib_or_more_gets_a_version_and_older_versions_are_unchang
         h.update(rank.to_bytes(4, "little") + len(token).to_bytes(2, "little") + token)
     h.update(json.dumps(tok.special_tokens, sort_keys=True).encode())
     assert tok.version == h.hexdigest()[:16]
+
+
+def test_finding_long_whitespace_runs_is_linear_in_the_runs_below_the_limit():
+    """Searched from every position inside a run, `\\s{65537,}` was quadratic: 40,000 spaces then 70,000 letters took
+    6.5 s. Checked by what it matches, not timed: the pattern refuses every position inside a run at once."""
+    assert LONG_WHITESPACE.search(" " * 40_000 + "a" * 70_000) is None
+    assert LONG_WHITESPACE.match(" " * 70_000, pos=1) is None  # not from inside a run
+    assert LONG_WHITESPACE.match(" " * 70_000, pos=0).end() == 70_000
+    assert LONG_WHITESPACE.search("ab" + " " * 65_537 + "c").span() == (2, 65_539)

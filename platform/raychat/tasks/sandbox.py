@@ -5,10 +5,13 @@ The child (run_python) is a fresh interpreter (`-I -S -B`: no environment variab
 with an environment of PATH and LANG only. Before the program runs, the child itself, in this order:
   1. namespaces: enters a new network namespace and a new PID namespace (unshare(CLONE_NEWNET | CLONE_NEWPID) as
      root, with CLONE_NEWUSER otherwise). The network one has no interface but a loopback that is down. The
-     program runs as the PID namespace's init, in a child the runner forks (with PR_SET_PDEATHSIG = SIGKILL), so
-     every process it starts, one that left the process group with setsid() included, dies with it. Where the
-     kernel refuses both, a network namespace alone is tried; without it, the audit hook of step 4 is the only
-     network block (SandboxResult.isolation says which held).
+     program runs as the PID namespace's init, in a child the runner forks before steps 2 and 3 (so that fork
+     does not count against `nobody`'s processes; PR_SET_PDEATHSIG = SIGKILL once it is `nobody`), so every
+     process it starts, one that left the process group with setsid() included, dies with it. As an init it
+     is not ended by a signal it has no handler for, except SIGKILL: the CPU limit still kills it (SIGKILL at
+     the hard limit), while a write past the file-size limit fails with OSError (EFBIG) instead of SIGXFSZ.
+     Where the kernel refuses both, a network namespace alone is tried; without it, the audit hook of step 4
+     is the only network block (SandboxResult.isolation says which held).
   2. user: running as root with an interpreter every user can run, becomes `nobody` (uid/gid 65534), so the
      process limit binds (root is exempt from RLIMIT_NPROC) and file permissions keep it out of others' files.
   3. limits (setrlimit): RLIMIT_CPU = cpu_s, RLIMIT_AS = memory_bytes, RLIMIT_NPROC = max_processes (the
@@ -61,6 +64,15 @@ if libc.unshare(CLONE_NEWNET | CLONE_NEWPID | user_ns) == 0:
     isolation += ["netns", "pidns"]
 elif libc.unshare(CLONE_NEWNET | user_ns) == 0:
     isolation.append("netns")
+if "pidns" in isolation:  # the program runs as the namespace's init: the kernel kills what it started with it
+    pid = os.fork()  # before the user and RLIMIT_NPROC change: as nobody, this fork counts its processes
+    if pid:
+        status = os.waitpid(pid, 0)[1]
+        if os.WIFSIGNALED(status):
+            if os.WTERMSIG(status) != signal.SIGKILL:
+                signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+            os.kill(os.getpid(), os.WTERMSIG(status))
+        os._exit(os.waitstatus_to_exitcode(status))
 if cfg["drop_user"] and os.geteuid() == 0:
     os.setgroups([])
     os.setgid(cfg["uid"])
@@ -72,16 +84,8 @@ for name, value in (("RLIMIT_CPU", cfg["cpu_s"]), ("RLIMIT_AS", cfg["memory_byte
     resource.setrlimit(getattr(resource, name), (value, value))
 sys.stderr.write("sandbox isolation: " + ",".join(isolation or ["hook-only"]) + "\n")
 sys.stderr.flush()
-if "pidns" in isolation:  # the program runs as the namespace's init: the kernel kills what it started with it
-    pid = os.fork()
-    if pid:
-        status = os.waitpid(pid, 0)[1]
-        if os.WIFSIGNALED(status):
-            if os.WTERMSIG(status) != signal.SIGKILL:
-                signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-            os.kill(os.getpid(), os.WTERMSIG(status))
-        os._exit(os.waitstatus_to_exitcode(status))
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killing this runner's group (wall_s) kills the init
+if "pidns" in isolation:  # PR_SET_PDEATHSIG after setuid, which clears it: killing the runner kills the init
+    libc.prctl(1, signal.SIGKILL)
 def make_hook(root, lstat=os.lstat, readlink=os.readlink, getcwd=os.getcwd, isinstance=isinstance, len=len,
               range=range, str=str, bytes=bytes, int=int, OSError=OSError, PermissionError=PermissionError):
     inside_root = root + os.sep
@@ -135,7 +139,7 @@ def make_hook(root, lstat=os.lstat, readlink=os.readlink, getcwd=os.getcwd, isin
             path = bytes.decode(path, "utf-8", "surrogateescape")
         elif not isinstance(path, str):
             return False  # a path-like object's __fspath__ could name another file when the call runs
-        if dir_fd is None or dir_fd == -1 or dir_fd == -100:  # none given, or AT_FDCWD
+        if not isinstance(dir_fd, int) or dir_fd == -1 or dir_fd == -100:  # none given, or AT_FDCWD
             base = getcwd()
         else:
             base = readlink("/proc/self/fd/" + int.__repr__(dir_fd))
@@ -158,7 +162,8 @@ def make_hook(root, lstat=os.lstat, readlink=os.readlink, getcwd=os.getcwd, isin
             for i in range(2 if event in TWO_PATHS else 1):
                 if i >= len(args):
                     break
-                dir_fd = args[-1] if event in LAST_IS_DIR_FD else args[i + 2] if event in TWO_DIR_FDS else -1
+                last = args[-1] if len(args) > 1 else None  # shutil.rmtree's event has no dir_fd before 3.11
+                dir_fd = last if event in LAST_IS_DIR_FD else args[i + 2] if event in TWO_DIR_FDS else -1
                 if not inside(args[i], dir_fd):
                     raise PermissionError(f"sandbox: {event} on {args[i]!r} outside the sandbox directory")
     return hook
@@ -190,8 +195,9 @@ class SandboxLimits:
 
 @dataclass(frozen=True)
 class SandboxResult:
-    """passed: exit status 0 within the limits; status: "passed", "failed" (exit status != 0), "killed"
-    (a signal: the CPU or file-size limit, or memory) or "timeout" (wall_s); returncode: the child's (negative:
+    """passed: exit status 0 within the limits; status: "passed", "failed" (exit status != 0: an exception, the
+    file-size limit in a PID namespace), "killed" (a signal: the CPU limit, memory, the file-size limit without
+    a PID namespace) or "timeout" (wall_s); returncode: the child's (negative:
     the signal), None on timeout; isolation: what held, comma-separated ("netns", "pidns", "nobody"), or
     "hook-only"."""
 
