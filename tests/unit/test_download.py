@@ -229,9 +229,12 @@ def test_a_hub_shard_of_other_types_or_with_a_null_fails_prepare_naming_it(table
     files = {"/shard_00000.parquet": table_bytes(table), "/shard_01822.parquet": parquet_bytes(["v"])}
     out = tmp_path / "data"
     with Server(files) as srv:
-        with pytest.raises(DownloadError, match=r"shard_00000\.parquet: .*" + re.escape(error)):
+        with pytest.raises(
+            DownloadError, match=r"shard_00000\.parquet: .*" + re.escape(error) + ".* \\(not retried\\)"
+        ):
             prepare("fineweb-edu", out, num_shards=1, url_pattern=f"{srv.url}/shard_{{index:05d}}.parquet",
-                    attempts=1, log=lambda m: None)  # fmt: skip
+                    attempts=3, log=lambda m: None)  # fmt: skip
+    assert srv.requests.count("/shard_00000.parquet") == 1  # the same bytes again would be refused again
     assert not (out / "manifest.json").exists() and not (out / "shard_00000.parquet").exists()
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import requests
 
 from raychat.atomic import fresh_file
-from raychat.data.corpus.shards import DataError, inspect_shard, sha256_file, shard_name
+from raychat.data.corpus.shards import DataError, TextColumnError, inspect_shard, sha256_file, shard_name
 from raychat.log import log, plural
 
 ATTEMPTS = 5
@@ -74,7 +74,8 @@ class DownloadError(RuntimeError):
 
 
 class NotRetried(DownloadError):
-    """The server refused the URL in a way that retrying cannot fix (HTTP 4xx other than 429)."""
+    """The server refused the URL in a way that retrying cannot fix (HTTP 4xx other than 429), or sent a shard
+    whose `text` column is not one string a document (shards.TextColumnError)."""
 
 
 def shard_indices(num_train: int, val_index: int) -> list[int]:
@@ -125,7 +126,8 @@ def download_file(
         attempts: tries in all (>= 1); backoff_s: wait after the first failure, doubled after each further one.
         verify: called on the complete temporary file; raising DataError/OSError rejects it (and retries).
     Raises:
-        DownloadError: every attempt failed, or the server answered 400/401/403/404/410 (no retry).
+        DownloadError: every attempt failed, or the server answered 400/401/403/404/410 or sent a shard whose
+            `text` is not strings or holds a null (NotRetried: no retry).
     """
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
@@ -141,6 +143,8 @@ def download_file(
             return dest
         except NotRetried:
             raise
+        except TextColumnError as e:  # the server's file itself: a retry fetches the same
+            raise NotRetried(f"{url}: {e} (not retried)") from None
         except (requests.RequestException, OSError, DataError) as e:
             last = e
             if attempt < attempts:

@@ -53,6 +53,11 @@ class DataError(ValueError):
     """Input that cannot become documents; the message names the file (and, for parquet, the row group)."""
 
 
+class TextColumnError(DataError):
+    """A shard that reads but whose `text` column is not one string a document (another type, a null): the same
+    bytes fetched again would be refused again."""
+
+
 def shard_name(index: int) -> str:
     """File name of shard `index` (FineWeb-Edu layout): shard_00042.parquet."""
     return f"shard_{index:05d}.parquet"
@@ -281,7 +286,9 @@ def inspect_shard(path: str | Path) -> tuple[int, int]:
     for g in range(pf.num_row_groups):
         column = read_text_column(pf, g, path)
         if column.null_count:
-            raise DataError(null_text_message(path, documents + pc.index(pc.is_null(column), True).as_py()))
+            raise TextColumnError(
+                null_text_message(path, documents + pc.index(pc.is_null(column), True).as_py())
+            )
         documents += len(column)
         text_bytes += pc.sum(pc.binary_length(column.cast(pa.binary()))).as_py() or 0
     return documents, text_bytes
@@ -291,7 +298,7 @@ def check_text_type(pf: pq.ParquetFile, path: str | Path) -> None:
     """DataError naming `path` and the type when the `text` column of `pf` does not hold strings."""
     kind = pf.schema_arrow.field("text").type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise DataError(f"{path}: the `text` column holds {kind}, not strings")
+        raise TextColumnError(f"{path}: the `text` column holds {kind}, not strings")
 
 
 def null_text_message(path: str | Path, row: int) -> str:
@@ -324,7 +331,7 @@ def check_text_column(path: str | Path) -> None:
             column = read_text_column(pf, g, path)
             if column.null_count:
                 row = pc.index(pc.is_null(column), True).as_py()
-                raise DataError(null_text_message(path, first_row + row))
+                raise TextColumnError(null_text_message(path, first_row + row))
         first_row += group.num_rows
 
 
