@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from raychat.config.schema import _close_keys
+from raychat.config.schema import close_keys
 
 STAGE_SECTIONS = ("data", "tokenizer", "train", "sft", "rl", "serve", "eval")
 # what a command reads from a preset: its sections, later ones on top
@@ -72,7 +72,7 @@ def read_preset(name_or_path: str) -> dict:
     unknown = sorted(str(key) for key in data if key not in STAGE_SECTIONS)
     if unknown and len(unknown) < len(data):
         raise ValueError(
-            f"--preset {name_or_path}: unknown sections {unknown}{_close_keys(unknown, list(STAGE_SECTIONS))}; "
+            f"--preset {name_or_path}: unknown sections {unknown}{close_keys(unknown, list(STAGE_SECTIONS))}; "
             f"allowed: {list(STAGE_SECTIONS)}"
         )
     for section in STAGE_SECTIONS:

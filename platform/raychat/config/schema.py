@@ -362,13 +362,13 @@ def flatten(cls, values: dict, where: str | None = None, spelled: dict | None = 
     if unknown:
         allowed = sorted(set(names) | set(alias) | sections)
         raise ConfigError(
-            f"unknown {where or cls.__name__ + ' settings'} {sorted(unknown)}{_close_keys(sorted(unknown), allowed)}; "
+            f"unknown {where or cls.__name__ + ' settings'} {sorted(unknown)}{close_keys(sorted(unknown), allowed)}; "
             f"allowed: {allowed}"
         )
     return out
 
 
-def _close_keys(unknown: list[str], allowed: list[str]) -> str:
+def close_keys(unknown: list[str], allowed: list[str]) -> str:
     """' (did you mean depth?)' for the keys of `unknown` close to one of `allowed` (raychat.cli_parser's
     did_you_mean, as the command line's flags: `deph`, `num_iters`, `grad_clip_norm`); '' when none is."""
     close = [(key, did_you_mean(key, allowed)) for key in unknown]
