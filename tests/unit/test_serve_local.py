@@ -250,6 +250,61 @@ def test_disconnect_mid_stream_frees_the_row(real_engine, monkeypatch):
         thread.join(10)
 
 
+async def _leave_during_send(app, path: str, body: dict, leave_after: int, engine: ChatServer) -> bool:
+    """Drive `app` as an ASGI server does for a client that stops reading: the disconnect arrives while the
+    server is still sending frame `leave_after` (its send waits on the client), so the cancellation lands in
+    send, not in the frames generator. Returns whether `engine` is idle within 1 s of the app returning (on
+    the same event loop: asyncio.run's end would close a suspended generator itself)."""
+    data, left, frames = json.dumps(body).encode(), asyncio.Event(), []
+    requests_left = [{"type": "http.request", "body": data, "more_body": False}]
+
+    async def receive():
+        if requests_left:
+            return requests_left.pop()
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            frames.append(message["body"])
+            if len(frames) == leave_after:
+                left.set()
+                await asyncio.sleep(5)  # the write the client never finishes reading
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "path": path,
+             "raw_path": path.encode(), "root_path": "", "scheme": "http", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "client": ("c", 1), "server": ("s", 80)}  # fmt: skip
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    assert len(frames) == leave_after
+    return await engine.wait_idle(1.0)
+
+
+@pytest.mark.parametrize(
+    "path,leave_after", [(V1, 1), (V1, 3), ("/chat/completions", 2), ("/v1/completions", 2)]
+)
+def test_client_leaving_during_a_send_cancels_its_request(tiny, path, leave_after):
+    """Starlette never closes a response's body iterator: a client that left while a frame was being sent
+    (the first, the role chunk, before the engine events are read, or a later one) left the frames generator
+    suspended and the engine request decoding to max_tokens (250 tokens at ~10 ms each: 2.5 s more on its
+    row, counted completed). Now the request is cancelled at once: the engine is idle within 1 s, cancelled
+    +1, completed +0."""
+    model, tokenizer = tiny
+    hook = model.register_forward_hook(lambda *_: time.sleep(0.01))
+    engine = ChatServer(model, tokenizer, max_slots=1, model_id="tiny")
+    try:
+        app = create_app(LocalClient(engine))
+        sampling = {"max_tokens": 250, "temperature": 0, "stream": True}
+        body = (
+            {"prompt": [1, 2, 3], **sampling} if path == "/v1/completions" else {"messages": USER, **sampling}
+        )
+        assert asyncio.run(_leave_during_send(app, path, body, leave_after, engine)), engine.stats()
+        stats = engine.stats()
+        assert (stats["cancelled"], stats["completed"], stats["in_flight"]) == (1, 0, 0)
+    finally:
+        hook.remove()
+        engine.shutdown()
+
+
 # ---- the calculator model: structured tool calls and the multi-turn round trip ----------------------------
 @pytest.fixture(scope="module")
 def calc(tool_checkpoint):

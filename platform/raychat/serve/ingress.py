@@ -57,8 +57,10 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from pathlib import Path
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -284,6 +286,26 @@ async def _open(engine, requests: list[dict]) -> tuple[list, list[dict]]:
     return streams, firsts
 
 
+class EventStream(StreamingResponse):
+    """The SSE response of a streamed request: closes its frames generator and then the engine `streams`
+    however the response ends. Starlette never closes a body iterator, and a client that leaves while a frame
+    is being sent cancels the send, not the generator, which would stay suspended at its yield with the engine
+    requests running to max_tokens; a generator never started has no finally at all. The closing is shielded
+    from the cancellation that ended the response."""
+
+    def __init__(self, frames: AsyncIterator[bytes], streams: list):
+        super().__init__(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await _close(self.streams)
+
+
 async def _close(streams: list) -> None:
     for s in streams:
         try:
@@ -295,10 +317,11 @@ async def _close(streams: list) -> None:
 async def _collect(streams, firsts, states):
     """Feed every event of a non-streamed request to its choice's state (states[i].add); the error response
     of the first error event (the request fails whole), else None."""
-    async for i, ev in _events(streams, firsts):
-        if ev["type"] == "error":
-            return _error_response(ev)
-        states[i].add(ev)
+    async with aclosing(_events(streams, firsts)) as events:
+        async for i, ev in events:
+            if ev["type"] == "error":
+                return _error_response(ev)
+            states[i].add(ev)
     return None
 
 
@@ -314,15 +337,16 @@ async def _chunk_frames(streams, firsts, states, chunks, usage, opening=()) -> A
     for chunk in opening:
         yield sse_event(chunk)
     failed = False
-    async for i, ev in _events(streams, firsts):
-        if ev["type"] == "error":
-            failed = True
-            yield _stream_error(ev)
-            break
-        for piece, logprobs in states[i].add(ev):
-            yield sse_event(chunks.delta(i, piece, logprobs))
-        if ev["type"] == "done":
-            yield sse_event(chunks.finish(i, ev["finish_reason"]))
+    async with aclosing(_events(streams, firsts)) as events:
+        async for i, ev in events:
+            if ev["type"] == "error":
+                failed = True
+                yield _stream_error(ev)
+                break
+            for piece, logprobs in states[i].add(ev):
+                yield sse_event(chunks.delta(i, piece, logprobs))
+            if ev["type"] == "done":
+                yield sse_event(chunks.finish(i, ev["finish_reason"]))
     if chunks.include_usage and not failed:
         yield sse_event(chunks.usage(usage(states)))
     yield sse_event("[DONE]")
@@ -484,28 +508,29 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
             return _error_response(firsts[0])
 
         async def frames():
-            async for i, ev in _events(streams, firsts):
-                kind = ev["type"]
-                if kind == "delta":
-                    if ev["text"]:
-                        delta = {"type": "delta", "index": i, "text": ev["text"]}
-                        if body.logprobs:
-                            delta["logprobs"] = ev.get("logprobs") or []
-                        yield sse_event(delta)
-                elif kind == "tool_call":
-                    call = {"id": ev["id"], "name": "calculator", "expression": ev["expression"]}
-                    yield sse_event({"type": "tool_call", "index": i, **call})
-                elif kind == "tool_result":
-                    yield sse_event(
-                        {"type": "tool_result", "index": i, "id": ev["id"], "output": ev["output"]}
-                    )
-                elif kind == "done":
-                    done = {"finish_reason": ev["finish_reason"], "usage": ev["usage"]}
-                    yield sse_event({"type": "done", "index": i, **done})
-                else:
-                    yield sse_event({"type": "error", "index": i, "message": ev["message"]})
+            async with aclosing(_events(streams, firsts)) as events:
+                async for i, ev in events:
+                    kind = ev["type"]
+                    if kind == "delta":
+                        if ev["text"]:
+                            delta = {"type": "delta", "index": i, "text": ev["text"]}
+                            if body.logprobs:
+                                delta["logprobs"] = ev.get("logprobs") or []
+                            yield sse_event(delta)
+                    elif kind == "tool_call":
+                        call = {"id": ev["id"], "name": "calculator", "expression": ev["expression"]}
+                        yield sse_event({"type": "tool_call", "index": i, **call})
+                    elif kind == "tool_result":
+                        yield sse_event(
+                            {"type": "tool_result", "index": i, "id": ev["id"], "output": ev["output"]}
+                        )
+                    elif kind == "done":
+                        done = {"finish_reason": ev["finish_reason"], "usage": ev["usage"]}
+                        yield sse_event({"type": "done", "index": i, **done})
+                    else:
+                        yield sse_event({"type": "error", "index": i, "message": ev["message"]})
 
-        return StreamingResponse(frames(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStream(frames(), streams)
 
     @app.post(
         "/v1/chat/completions",
@@ -528,7 +553,7 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
         chunks = Chunks(cid, model, _include_usage(body))
         roles = [chunks.role(i) for i in range(len(states))]
         frames = _chunk_frames(streams, firsts, states, chunks, total_usage, roles)
-        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStream(frames, streams)
 
     @app.post(
         "/v1/completions",
@@ -551,7 +576,7 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = MAX_BOD
 
         chunks = CompletionChunks(cid, model, _include_usage(body))
         frames = _chunk_frames(streams, firsts, states, chunks, completion_usage)
-        return StreamingResponse(frames, media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStream(frames, streams)
 
     return app
 
