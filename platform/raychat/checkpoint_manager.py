@@ -371,12 +371,16 @@ class CheckpointManager:
         return done[-1] if done else None
 
     def prepare(self, step: int) -> None:
-        """Delete what an earlier attempt left at checkpoint `step` (its commit marker first, so no reader
-        takes the directory for whole while it goes)."""
-        marker_path = self.storage.inside(f"{self.path(step)}/{COMMIT_FILE}")
+        """Delete what an earlier attempt left at checkpoint `step` (see _delete)."""
+        self._delete(self.path(step))
+
+    def _delete(self, path: str) -> None:
+        """Delete the checkpoint dir at `path` (on storage.fs), its commit marker first: a delete that
+        stops halfway leaves a directory no reader takes for whole."""
+        marker_path = self.storage.inside(f"{path}/{COMMIT_FILE}")
         if self.storage.fs.get_file_info(marker_path).type == pafs.FileType.File:
             self.storage.fs.delete_file(marker_path)
-        delete_dir(self.storage, self.path(step))
+        delete_dir(self.storage, path)
 
     def upload(self, directory: str | os.PathLike, step: int) -> dict[str, dict]:
         """Copy the files of the local `directory` (one rank's part) into checkpoint `step`; returns their
@@ -415,7 +419,8 @@ class CheckpointManager:
 
     def prune(self) -> list[str]:
         """Delete committed checkpoints beyond the newest `keep` and the uncommitted checkpoint_<step> dirs older
-        than the newest committed one (directories of other names are never touched); returns their paths."""
+        than the newest committed one (directories of other names are never touched; each commit marker goes
+        first, see _delete); returns their paths."""
         done = self.committed()
         if not done:
             return []
@@ -426,7 +431,7 @@ class CheckpointManager:
             if m and path not in kept and int(m[1]) < done[-1].step:
                 dropped.append(path)
         for path in dropped:
-            delete_dir(self.storage, path)
+            self._delete(path)
         return dropped
 
 

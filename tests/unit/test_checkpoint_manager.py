@@ -107,6 +107,28 @@ def test_a_pruned_checkpoint_is_gone_and_an_unreadable_reference_is_not_said_to_
     assert not checkpoint_gone("ftp://host/run/checkpoint_000001")  # no storage to ask: nothing is known
 
 
+def test_a_prune_stopped_halfway_leaves_no_checkpoint_that_looks_committed(tmp_path, monkeypatch):
+    """Pruning deleted a committed checkpoint's directory with its commit marker still in it: a delete that
+    stopped halfway (a crash, an object store's partial delete) left files missing under a marker that says
+    the checkpoint is whole. The marker now goes first."""
+    manager = CheckpointManager(open_storage(tmp_path / "runs"), "run", keep=1)
+    first = Path(save(manager, tmp_path, 1))
+    manager.keep = 0  # the next save prunes nothing
+    save(manager, tmp_path, 2)
+
+    def stops_halfway(storage, path):
+        raise OSError(f"{path}: connection reset")
+
+    monkeypatch.setattr(cm, "delete_dir", stops_halfway)
+    manager.keep = 1
+    with pytest.raises(OSError, match="connection reset"):
+        manager.prune()
+    assert [c.step for c in manager.committed()] == [2]
+    assert not (first / COMMIT_FILE).exists() and (first / "model.safetensors").exists()
+    monkeypatch.undo()
+    assert manager.prune() == [str(first)] and not first.exists()
+
+
 def test_a_snapshot_of_a_runs_checkpoint_outlives_its_pruning_and_is_reused(tmp_path):
     manager = CheckpointManager(open_storage(tmp_path / "runs"), "run", keep=1)
     first = save(manager, tmp_path, 1)
