@@ -80,6 +80,53 @@ def test_verify_names_what_differs(sft_run, small_tokenizer, tmp_path):
     assert problems and problems[0].startswith("tokenizer_version")
 
 
+def test_sft_step_rebuilds_from_the_run_task_data_dir_from_any_directory(
+    tmp_path, small_tokenizer, monkeypatch, capsys
+):
+    """An SFT run with a hub task read its files from --task-data-dir (absolute in the run's config): its steps
+    rebuild from there wherever inspect-batch runs. Was a FileNotFoundError naming <cwd>/runs/task_data."""
+    tasks = tmp_path / "tasks"
+    (tasks / "smol-smoltalk" / "data").mkdir(parents=True)
+    conversations = [
+        {
+            "messages": [
+                {"role": "user", "content": f"hello {i}"},
+                {"role": "assistant", "content": f"fine {i}"},
+            ]
+        }
+        for i in range(20)
+    ]
+    (tasks / "smol-smoltalk" / "data" / "train-0.jsonl").write_text(
+        "".join(json.dumps(c) + "\n" for c in conversations)
+    )
+    small_tokenizer.save(tmp_path / "tok")
+    cfg = from_dict(
+        TrainConfig,
+        {"stage": "sft", "seed": SEED, "sft_tasks": "smoltalk", "task_data_dir": str(tasks), "seq_len": 63,
+         "document_masking": True, "tokenizer_path": str(tmp_path / "tok")},
+    )  # fmt: skip
+    rows = SFTRows(mixture_tasks("smoltalk", "train", SEED, str(tasks)), SEED, small_tokenizer, 64)
+    batch = rows.next_batch(2)
+    meta = replay_meta(cfg, small_tokenizer.version, small_tokenizer.bos_id, rows.fingerprint())
+    write_records(
+        str(tmp_path / "run"), 0, step_records(1, 0, 1, [batch], small_tokenizer.bos_id, True), meta
+    )
+    elsewhere = tmp_path / "elsewhere"  # no runs/task_data here, and no $RAYCHAT_TASK_DATA
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delenv("RAYCHAT_TASK_DATA", raising=False)
+    records, meta = read_step(str(tmp_path / "run"), 1)
+    rebuilt, problems = verify_step(records, meta)
+    assert problems == [] and meta["task_data_dir"] == str(tasks)
+    np.testing.assert_array_equal(rebuilt["input_ids"], batch["input_ids"])
+    assert main(["inspect-batch", "--run", str(tmp_path / "run"), "--step", "1"]) == 0
+    assert "rebuilt 2 rows from the data: input_ids, labels, loss_mask" in capsys.readouterr().out
+    # records written before task_data_dir was recorded: $RAYCHAT_TASK_DATA, else runs/task_data, as before
+    old = {k: v for k, v in meta.items() if k != "task_data_dir"}
+    monkeypatch.setenv("RAYCHAT_TASK_DATA", str(tasks))
+    assert verify_step(records, old)[1] == []
+
+
 def test_read_step_errors_and_pruning(sft_run):
     run, _ = sft_run
     with pytest.raises(FileNotFoundError, match=r"step 9 .*\(steps: \[\(1, 3\)\]\)$"):

@@ -69,10 +69,16 @@ def rebuild_pretrain(records: Sequence[Mapping], meta: Mapping, data_dir: str, t
 
 def rebuild_sft(records: Sequence[Mapping], meta: Mapping, tokenizer: Tokenizer) -> dict:
     """{"input_ids", "supervised", "segment_ids": (n, row_len) int32} of the records' rows (as SamplePacker
-    assembles them: padding = bos_id in a segment of its own, not supervised). Raises ReplayError."""
+    assembles them: padding = bos_id in a segment of its own, not supervised). The hub tasks' files are read
+    from the record's task_data_dir (records without it: $RAYCHAT_TASK_DATA, else runs/task_data).
+
+    Raises:
+        ReplayError: the data no longer gives what the record says.
+        FileNotFoundError: a hub task of the record has no train files in that directory (as make_task).
+    """
     own = {"sft_data": meta.get("sft_data", ""), "sft_test_size": meta.get("sft_test_size", 0.0)}
     source = SFTRows(
-        mixture_tasks(meta["sft_tasks"], "train", meta["seed"], **own),
+        mixture_tasks(meta["sft_tasks"], "train", meta["seed"], meta.get("task_data_dir"), **own),
         meta["seed"],
         tokenizer,
         meta["row_len"],

@@ -20,7 +20,9 @@ One parquet row per packed row:
   document masking): hashes of the row's raychat.masks.make_batch tensors.
 File metadata (key "raychat", JSON, `replay_meta`): stage, seed, template_version, tokenizer_version, bos_id,
 row_len, document_masking, data_dir, tokenizer_path, data (the row source's fingerprint: shards or mixture)
-and, for pretraining, overflow and min_fragment; for SFT, sft_tasks, sft_data and sft_test_size.
+and, for pretraining, overflow and min_fragment; for SFT, sft_tasks, task_data_dir (the hub tasks' files,
+absolute as `raychat sft` resolved it; records written before it was recorded lack it), sft_data and
+sft_test_size.
 
 Hash of a tensor = sha256 over "<name>|<shape>|" followed by its values as little-endian int64 bytes
 (bool -> 0/1), so it does not depend on the device or the in-memory dtype.
@@ -108,7 +110,10 @@ def replay_meta(cfg: TrainConfig, tokenizer_version: str, bos_id: int, data: dic
         "data": data,
     }  # fmt: skip
     if cfg.run.stage == "sft":
-        return {**meta, "sft_tasks": d.sft_tasks, "sft_data": d.sft_data, "sft_test_size": d.sft_test_size}
+        return {
+            **meta, "sft_tasks": d.sft_tasks, "task_data_dir": d.task_data_dir, "sft_data": d.sft_data,
+            "sft_test_size": d.sft_test_size,
+        }  # fmt: skip
     return {**meta, "overflow": d.overflow, "min_fragment": d.min_fragment}
 
 
