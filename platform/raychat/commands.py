@@ -68,7 +68,8 @@ segments: pretraining `shard:row_group:row[doc_offset:+length]@row_offset decisi
 `shard_00000.parquet:0:357[0:+65]@0 crop(325)`, SFT `sample_id+length@row_offset`. Exit status 1
 when anything differs. --row R then prints row R of the listing token by token (pos, id, text, seg, position,
 label; label "-" where loss_mask is False; seg "-" without document masking): the tensors the trainer built for
-it. --data-dir / --tokenizer point at the data if it moved since the run; a shard of the step that is not there (moved, or the wrong --data-dir) is an error naming --data-dir (exit 2).
+it. --data-dir / --tokenizer point at the data if it moved since the run (an SFT run's --data-dir: its
+--task-data-dir); a shard of the step that is not there (moved, or the wrong --data-dir) is an error naming --data-dir (exit 2).
 
 Without --run, the canaries (or, with --sft-data, your own conversations: the first --examples of them,
 each headed by its file and line, rendered, truncated to --row-len and padded to a row as SFT trains on them):
@@ -599,7 +600,11 @@ def inspect_batch(subparsers) -> None:
         help="with --run and --step: also print that row of the step (0-based, in the listing's order) token "
         "by token: input_ids, labels, loss_mask, segment_ids, position_ids; not given: the listing only",
     )
-    p.add_argument("--data-dir", default=None, help="with --run: the shards, if not where the run read them")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="with --run: the shards (an SFT run: its hub task files, --task-data-dir), if not where the run read them",
+    )
     p.add_argument(
         "--tokenizer", default="", help="tokenizer.json or its directory (canaries: default trains a small one; "
         "--run: default the run's)",

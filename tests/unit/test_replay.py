@@ -84,7 +84,8 @@ def test_sft_step_rebuilds_from_the_run_task_data_dir_from_any_directory(
     tmp_path, small_tokenizer, monkeypatch, capsys
 ):
     """An SFT run with a hub task read its files from --task-data-dir (absolute in the run's config): its steps
-    rebuild from there wherever inspect-batch runs. Was a FileNotFoundError naming <cwd>/runs/task_data."""
+    rebuild from there wherever inspect-batch runs (was a FileNotFoundError naming <cwd>/runs/task_data), and
+    from --data-dir once they moved."""
     tasks = tmp_path / "tasks"
     (tasks / "smol-smoltalk" / "data").mkdir(parents=True)
     conversations = [
@@ -125,6 +126,15 @@ def test_sft_step_rebuilds_from_the_run_task_data_dir_from_any_directory(
     old = {k: v for k, v in meta.items() if k != "task_data_dir"}
     monkeypatch.setenv("RAYCHAT_TASK_DATA", str(tasks))
     assert verify_step(records, old)[1] == []
+    # the task files moved since the run: --data-dir names where they are now
+    monkeypatch.delenv("RAYCHAT_TASK_DATA")
+    moved = tasks.rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert main(["inspect-batch", "--run", str(tmp_path / "run"), "--step", "1"]) == 2
+    assert f"{tasks}/smol-smoltalk/data/train-*.parquet" in capsys.readouterr().err
+    assert (
+        main(["inspect-batch", "--run", str(tmp_path / "run"), "--step", "1", "--data-dir", str(moved)]) == 0
+    )
 
 
 def test_read_step_errors_and_pruning(sft_run):

@@ -67,10 +67,13 @@ def rebuild_pretrain(records: Sequence[Mapping], meta: Mapping, data_dir: str, t
     return {"input_ids": rows}
 
 
-def rebuild_sft(records: Sequence[Mapping], meta: Mapping, tokenizer: Tokenizer) -> dict:
+def rebuild_sft(
+    records: Sequence[Mapping], meta: Mapping, tokenizer: Tokenizer, task_data_dir: str | None = None
+) -> dict:
     """{"input_ids", "supervised", "segment_ids": (n, row_len) int32} of the records' rows (as SamplePacker
     assembles them: padding = bos_id in a segment of its own, not supervised). The hub tasks' files are read
-    from the record's task_data_dir (records without it: $RAYCHAT_TASK_DATA, else runs/task_data).
+    from `task_data_dir`, else the record's task_data_dir (records without it: $RAYCHAT_TASK_DATA, else
+    runs/task_data).
 
     Raises:
         ReplayError: the data no longer gives what the record says.
@@ -78,7 +81,9 @@ def rebuild_sft(records: Sequence[Mapping], meta: Mapping, tokenizer: Tokenizer)
     """
     own = {"sft_data": meta.get("sft_data", ""), "sft_test_size": meta.get("sft_test_size", 0.0)}
     source = SFTRows(
-        mixture_tasks(meta["sft_tasks"], "train", meta["seed"], meta.get("task_data_dir"), **own),
+        mixture_tasks(
+            meta["sft_tasks"], "train", meta["seed"], task_data_dir or meta.get("task_data_dir"), **own
+        ),
         meta["seed"],
         tokenizer,
         meta["row_len"],
@@ -123,7 +128,8 @@ def verify_step(
     """Rebuild the rows of `records` (one step, raychat.data.replay.records.read_step) and compare their hashes.
 
     Args:
-        data_dir, tokenizer_path: where the data is now (default: where the run read it, from meta).
+        data_dir, tokenizer_path: where the data is now (default: where the run read it, from meta); an SFT
+            run's data_dir is its hub task files' directory (its --task-data-dir).
     Returns:
         (rows, problems): the rebuilt rows and every mismatch found (empty = the batch is identical).
     """
@@ -136,7 +142,7 @@ def verify_step(
         problems.append(f"template_version {TEMPLATE_VERSION} != recorded {meta['template_version']}")
     try:
         if meta["stage"] == "sft":
-            rows = rebuild_sft(records, meta, tokenizer)
+            rows = rebuild_sft(records, meta, tokenizer, data_dir)
         else:
             rows = rebuild_pretrain(records, meta, data_dir or meta["data_dir"], tokenizer_path)
     except ReplayError as e:
