@@ -2,7 +2,8 @@
 across conversation turns (chunked prefill, aligned or not), a system prompt shared by concurrent requests,
 calculator turns and generate_batch; hits are the block-aligned counts worked out by hand; entries from other
 weights are never reused; a pool too small for the traffic evicts (least recently used, the deepest block
-first; held blocks never) and fails nothing; the serving options reach the engine."""
+first; held blocks never) and fails nothing; a copy into or out of the pool that raises (out of memory) caches
+and holds nothing and fails nothing; the serving options reach the engine."""
 
 from __future__ import annotations
 
@@ -122,10 +123,124 @@ def test_a_new_weight_version_drops_every_entry_and_voids_old_holds():
     assert len(pc._lru) == 0
 
 
-@pytest.mark.parametrize("bad", [8, -1, "big", 2.5])
-def test_bad_capacity_is_a_one_line_error(tok, model, bad):
-    with pytest.raises(ValueError, match=r"prefix_cache_tokens must be an int >= 16 \(one block\) or 0"):
+@pytest.mark.parametrize("bad", [8, -1, "big", 2.5, "AUTO"])
+def test_bad_capacity_is_a_one_line_error_naming_every_allowed_value(tok, model, bad):
+    with pytest.raises(ValueError) as e:
         ModelRunner(model, tok, prefix_cache_tokens=bad)
+    assert (
+        str(e.value)
+        == f"prefix_cache_tokens must be 'auto', an int >= 16 (one block) or 0 (off), got {bad!r}"
+    )
+
+
+# ---- a copy that raises (an out-of-memory error for its temporary on a GPU) --------------------------------
+OOM = "CUDA out of memory (simulated)"
+
+
+def fail_once(monkeypatch, which):
+    """Make the next torch.Tensor.index_select call for which(tensor, dim) True raise torch.OutOfMemoryError;
+    returns the list of calls that raised."""
+    index_select, raised = torch.Tensor.index_select, []
+
+    def flaky(self, dim, index):
+        if not raised and which(self, dim):
+            raised.append(dim)
+            raise torch.OutOfMemoryError(OOM)
+        return index_select(self, dim, index)
+
+    monkeypatch.setattr(torch.Tensor, "index_select", flaky)
+    return raised
+
+
+def insert_copy(t, dim):
+    return dim == 2  # insert's read of the row (load reads the pool along dim 1)
+
+
+def test_an_insert_whose_copy_raises_caches_and_holds_nothing_new(monkeypatch):
+    cache = _filled_cache(rows=1)
+    cache.lengths[0] = 64
+    pc = PrefixCache(2, 1, 2, capacity_tokens=4 * BLOCK_TOKENS)  # 4 blocks, free list [3, 2, 1, 0]
+    pc.sync(1)
+    a, b = list(range(40)), list(range(60))  # 2 blocks; the same 2 and a third
+    pc.release(pc.insert(cache, 0, a, pc.digests(a), 0), pc.epoch)  # blocks 0, 1
+    raised = fail_once(monkeypatch, insert_copy)
+    with pytest.raises(torch.OutOfMemoryError, match=r"^CUDA out of memory \(simulated\)$"):
+        pc.insert(cache, 0, b, pc.digests(b), 0)  # holds 0 and 1, takes block 2 for the third
+    assert raised == [2]
+    # the third block is free again and not in the index; 0 and 1 stay cached, unheld, 1 first in line
+    assert (pc.num_cached, pc._refs, pc._free, list(pc._lru)) == (2, {}, [3, 2], [1, 0])
+    assert pc.match(b, pc.digests(b)) == [0, 1]
+    held = pc.insert(cache, 0, b, pc.digests(b), 0)
+    assert held == [0, 1, 2] and pc.num_cached == 3 and pc._refs == {0: 1, 1: 1, 2: 1}
+
+
+PROMPT = "a prefix that fails to cache, then is asked again"  # 49 tokens + BOS: 3 reusable blocks, 48 tokens
+OTHER = "another prompt of fifty tokens, asked two times!!"  # the same length
+
+
+def test_a_scheduler_insert_that_raises_costs_the_caching_never_the_output(tok, model, monkeypatch):
+    """The index named blocks whose copy had raised (never written) and held them forever: the next request
+    with the prompt loaded 48 tokens of garbage keys/values and answered other tokens, with no error."""
+    sched = Scheduler(ModelRunner(model, tok, prefix_cache_tokens=256), max_slots=2)
+    pc = sched.engine.prefix_cache
+    prompt = [tok.bos_id, *tok.encode(PROMPT)]
+    want = reference_greedy(model, prompt, 8, stop_ids(tok))
+    raised = fail_once(monkeypatch, insert_copy)
+    tokens, usage = run(sched, prompt, 8)
+    monkeypatch.undo()
+    assert raised == [2] and str(sched.last_error) == OOM
+    assert (tokens, usage.cached_tokens) == (want, 0)
+    assert (pc.num_cached, pc._refs, len(pc._free)) == (0, {}, pc.num_blocks)
+    tokens, usage = run(sched, prompt, 8)  # computed, and cached this time
+    assert (tokens, usage.cached_tokens) == (want, 0)
+    tokens, usage = run(sched, prompt, 8)
+    assert (tokens, usage.cached_tokens, pc._refs) == (want, 48, {})
+
+
+def test_a_scheduler_load_that_raises_leaves_no_hold(tok, model, monkeypatch):
+    """The blocks were acquired before the copy and never released when it raised: held forever, a pool of
+    3 blocks could cache nothing again."""
+    sched = Scheduler(ModelRunner(model, tok, prefix_cache_tokens=3 * BLOCK_TOKENS), max_slots=1)
+    pc = sched.engine.prefix_cache
+    prompt, other = ([tok.bos_id, *tok.encode(t)] for t in (PROMPT, OTHER))
+    want = reference_greedy(model, prompt, 2, stop_ids(tok))
+    assert run(sched, prompt, 2)[0] == want and (pc.num_cached, pc._refs) == (3, {})
+    raised = fail_once(monkeypatch, lambda t, dim: t is pc.k)  # load's gather from the pool
+    tokens, usage = run(sched, prompt, 2)
+    monkeypatch.undo()
+    assert raised == [1] and str(sched.last_error) == OOM
+    assert (tokens, usage.cached_tokens, pc._refs, pc.num_cached) == (want, 0, {}, 3)
+    run(sched, other, 2)  # evicts the 3 blocks for its own
+    assert run(sched, other, 2)[1].cached_tokens == 48 and pc._refs == {}
+
+
+def test_generate_batch_goes_on_without_the_cache_when_a_copy_raises(tok, model, monkeypatch, caplog):
+    """generate_batch did not catch a cache failure: the call raised (a request failed because of the cache),
+    and the blocks it had put in the index unwritten fed the next call."""
+    engine = ModelRunner(model, tok, prefix_cache_tokens=256)
+    pc = engine.prefix_cache
+    prompt = [tok.bos_id, *tok.encode(PROMPT)]
+    want = reference_greedy(model, prompt, 8, stop_ids(tok))
+
+    def call():
+        return engine.generate_batch([prompt], max_tokens=8, **GREEDY)[0].completion_tokens
+
+    raised = fail_once(monkeypatch, insert_copy)
+    with caplog.at_level("WARNING", logger="raychat.engine.runner"):
+        assert call() == want
+    monkeypatch.undo()
+    assert raised == [2] and (pc.num_cached, pc._refs, pc.hits) == (0, {}, 0)
+    assert call() == want and pc.hits == 0  # nothing to reuse; cached now
+    raised = fail_once(monkeypatch, lambda t, dim: t is pc.k)
+    with caplog.at_level("WARNING", logger="raychat.engine.runner"):
+        assert call() == want
+    monkeypatch.undo()
+    assert raised == [1] and (pc.num_cached, pc._refs, pc.hits) == (3, {}, 0)
+    assert call() == want and pc.hits == 48
+    assert [(r.getMessage(), str(r.exc_info[1])) for r in caplog.records] == [
+        ("prefix cache: caching prompt 0's blocks failed", OOM),
+        ("prefix cache: loading prompt 0's blocks failed; computing them", OOM),
+    ]
 
 
 # ---- exactness in the engine ------------------------------------------------------------------------------

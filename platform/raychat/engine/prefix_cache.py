@@ -72,7 +72,8 @@ class PrefixCache:
         capacity_tokens: most tokens the pool holds (rounded down to whole blocks); >= BLOCK_TOKENS.
         dtype, device: the slot cache's (blocks are copied to and from it as they are).
     Raises:
-        ValueError: capacity_tokens < BLOCK_TOKENS.
+        ValueError: capacity_tokens not an int >= BLOCK_TOKENS (named as ModelRunner's prefix_cache_tokens,
+            which is how it reaches here).
     """
 
     def __init__(
@@ -86,7 +87,7 @@ class PrefixCache:
     ):
         if not isinstance(capacity_tokens, int) or capacity_tokens < BLOCK_TOKENS:
             raise ValueError(
-                f"prefix_cache_tokens must be an int >= {BLOCK_TOKENS} (one block) or 0 (off), got "
+                f"prefix_cache_tokens must be 'auto', an int >= {BLOCK_TOKENS} (one block) or 0 (off), got "
                 f"{capacity_tokens!r}"
             )
         self.shape = (n_layer, n_kv_head, head_dim)
@@ -159,7 +160,14 @@ class PrefixCache:
     @torch.inference_mode()
     def load(self, cache, row: int, ids: list[int], start: int) -> int:
         """Copy blocks `ids` into `cache` row `row` at slots start*BLOCK_TOKENS.. (the row must hold exactly
-        that many tokens) and advance its length. Returns the tokens copied."""
+        that many tokens) and advance its length. Returns the tokens copied. Holds nothing (the caller
+        acquires `ids` once this returns).
+
+        Raises:
+            ValueError: the row does not hold start * BLOCK_TOKENS tokens.
+            whatever the copy raises (e.g. torch.OutOfMemoryError for its temporary): the row's length is
+            then unchanged.
+        """
         if not ids:
             return 0
         n, pos = len(ids), start * BLOCK_TOKENS
@@ -179,27 +187,41 @@ class PrefixCache:
         """Cache blocks start.. of `digests` (full blocks of `tokens`, whose keys/values are in `cache` row
         `row` at their positions) that are not cached yet, and hold blocks start.. (cached before or now) up
         to the first one that could not be cached (every block held, or no memory). Returns the held ids
-        (the caller releases them)."""
+        (the caller releases them).
+
+        Raises:
+            whatever the copy into the pool raises (e.g. torch.OutOfMemoryError for its temporary): nothing
+            of this call is then cached or held, and the blocks it took are free again.
+        """
         ids, new = [], []
         for i in range(start, len(digests)):
             b = self._index.get(digests[i])
             if b is None:
-                b = self._allocate()
+                b = self._allocate()  # off the free list and the index: a later block cannot evict it
                 if b is None:
                     break
-                self._index[digests[i]], self._digest[b] = b, digests[i]
-                self._tokens[b] = tuple(tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS])
                 new.append((i, b))
-            self.acquire([b])  # held from here: a later block of this call cannot evict it
+            else:
+                self.acquire([b])  # held from here: a later block of this call cannot evict it
             ids.append(b)
         if new:
             L, H, D = self.shape
-            pos = torch.tensor([i * BLOCK_TOKENS for i, _ in new])[:, None] + torch.arange(BLOCK_TOKENS)
-            pos = pos.reshape(-1).to(cache.k.device)
-            index = torch.tensor([b for _, b in new], device=self.device)
-            for pool, buf in ((self.k, cache.k), (self.v, cache.v)):
-                src = buf[:, row].index_select(2, pos).view(L, H, len(new), BLOCK_TOKENS, D)
-                pool.index_copy_(1, index, src.transpose(1, 2).to(self.device))
+            fresh = [b for _, b in new]
+            try:
+                pos = torch.tensor([i * BLOCK_TOKENS for i, _ in new])[:, None] + torch.arange(BLOCK_TOKENS)
+                pos = pos.reshape(-1).to(cache.k.device)
+                index = torch.tensor(fresh, device=self.device)
+                for pool, buf in ((self.k, cache.k), (self.v, cache.v)):
+                    src = buf[:, row].index_select(2, pos).view(L, H, len(new), BLOCK_TOKENS, D)
+                    pool.index_copy_(1, index, src.transpose(1, 2).to(self.device))
+            except BaseException:
+                self._free.extend(fresh)
+                self.release([b for b in ids if b not in fresh], self.epoch)
+                raise
+            for i, b in new:  # in the index only once their keys/values are in the pool
+                self._index[digests[i]], self._digest[b] = b, digests[i]
+                self._tokens[b] = tuple(tokens[i * BLOCK_TOKENS : (i + 1) * BLOCK_TOKENS])
+            self.acquire(fresh)
         return ids
 
     def _allocate(self) -> int | None:

@@ -22,6 +22,7 @@ prompt's generator in one call per step, in sample order (engine/sampling.py: th
 from __future__ import annotations
 
 import hashlib
+import logging
 import operator
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 KV_DTYPES = ("model", "auto", "float32", "bfloat16", "float16")  # kv_dtype names: "model", "auto", DTYPES
 COMPILED_LEN_MULTIPLE = 256  # generate_batch's cache length is rounded up to this with compile_decode
 PREFIX_CACHE_ROWS = 8  # prefix_cache_tokens="auto": the pool holds at most this many max_seq_len rows
+
+log = logging.getLogger(__name__)
 
 
 def resolve_dtype(dtype, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
@@ -370,7 +373,8 @@ class ModelRunner:
 
     def _prefill_cached(self, cache: KVCache, prompts: list[list[int]]) -> torch.Tensor:
         """_prefill_rows(cache, 0, prompts) with the prefix cache: each prompt's cached blocks are copied
-        into its row first and only the rest is computed; the prompts' full blocks are cached after."""
+        into its row first and only the rest is computed; the prompts' full blocks are cached after. A copy
+        that raises (e.g. torch.OutOfMemoryError) is logged and costs that prompt the cache, never the call."""
         pc = self.prefix_cache
         if pc is None:
             return self._prefill_rows(cache, 0, prompts)
@@ -379,7 +383,13 @@ class ModelRunner:
         done = []
         for i, (p, d) in enumerate(zip(prompts, digests)):
             pc.queries += len(p)
-            done.append(pc.load(cache, i, pc.match(p, d), 0))
+            try:
+                done.append(pc.load(cache, i, pc.match(p, d), 0))
+            except Exception:  # the row's length is unchanged: the whole prompt is computed
+                log.warning(
+                    "prefix cache: loading prompt %d's blocks failed; computing them", i, exc_info=True
+                )
+                done.append(0)
             pc.hits += done[-1]
         logits, i = [], 0
         while i < len(prompts):  # rows with a hit alone (padding to a longer piece could overflow them)
@@ -390,7 +400,10 @@ class ModelRunner:
             i = j
         logits = torch.cat(logits)
         for i, (p, d) in enumerate(zip(prompts, digests)):
-            pc.release(pc.insert(cache, i, p, d, 0), pc.epoch)
+            try:
+                pc.release(pc.insert(cache, i, p, d, 0), pc.epoch)
+            except Exception:  # insert caches and holds nothing when its copy raises
+                log.warning("prefix cache: caching prompt %d's blocks failed", i, exc_info=True)
         return logits
 
     # ---- row-list helpers (any rows; one forward per run of consecutive rows) ----------------------------

@@ -439,8 +439,8 @@ class Scheduler:
             return
         ids = pc.match(req.prompt, req.digests, req.blocks_done)
         if ids:
-            pc.acquire(ids)
             n = pc.load(self.cache, req.slot, ids, req.blocks_done)
+            pc.acquire(ids)  # once copied: a load that raises leaves no hold behind
             req.blocks += ids
             req.blocks_done += len(ids)
             req.prefilled += n
