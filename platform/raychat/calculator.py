@@ -1,7 +1,8 @@
 """Safe arithmetic for the calculator tool: walks Python's syntax tree, never calls eval.
 
 Accepted: integer and decimal literals, + - * / // %, parentheses, unary + and -, and thousands separators
-("1,000" means 1000: a comma between a digit and exactly three digits); and one letter count,
+("1,000" means 1000: a comma between a digit and exactly three digits, in a number's integer part: a comma
+after its decimal point is left, so "1.234,567" is refused); and one letter count,
 `'<word>'.count('<letters>')` with single-quoted literals (the spelling task's call: str.count, an int), as
 nanochat's calculator allows. Everything else (names, other calls, attributes, subscripts, powers,
 comparisons, other strings, tuples, ...) gives None.
@@ -22,6 +23,10 @@ MAX_MAGNITUDE = 10**18
 
 _ALLOWED_CHARS = re.compile(r"[0-9+\-*/%()., \t]*")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_INTEGER_PART = re.compile(r"(?<![\d.,])[\d,]+")  # digits and commas not after a decimal point
+_EXACT_FLOAT_INT = (
+    2**53
+)  # floats below it hold every integer exactly (IEEE 754 binary64's 53-bit significand)
 _LETTER_COUNT = re.compile(r"'([^'\\]*)'\.count\('([^'\\]+)'\)")
 _BINOPS = {
     ast.Add: operator.add,
@@ -74,7 +79,7 @@ def eval_expression(expression: str) -> int | float | None:
             return letter_count.group(1).count(letter_count.group(2))
         if not _ALLOWED_CHARS.fullmatch(expression):
             return None
-        text = _THOUSANDS.sub("", expression).strip()
+        text = _INTEGER_PART.sub(lambda m: _THOUSANDS.sub("", m.group()), expression).strip()
         if not text:
             return None
         return _walk(ast.parse(text, mode="eval"))
@@ -83,10 +88,11 @@ def eval_expression(expression: str) -> int | float | None:
 
 
 def format_value(value: int | float) -> str:
-    """Text injected for a value: ints as digits; floats with up to 12 significant digits."""
+    """Text injected for a value: ints as digits; floats with up to 12 significant digits (a whole float below
+    2**53 as its digits, all of them exact; from 2**53 a float's digits past the 16th are not)."""
     if isinstance(value, int):
         return str(value)
-    if value.is_integer():
+    if value.is_integer() and abs(value) < _EXACT_FLOAT_INT:
         return str(int(value))
     return format(value, ".12g")
 

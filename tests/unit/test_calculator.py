@@ -13,6 +13,10 @@ from raychat.calculator import calculate, eval_expression
         ("12*(3+4)", "84"),
         ("1,000+1", "1001"),
         ("1,234,567 - 1", "1234566"),
+        ("1,000.5*2", "2001"),
+        ("4000000000000000*2.0", "8000000000000000"),  # a whole float below 2**53: every digit exact
+        ("1000000000000000000/3", "3.33333333333e+17"),  # was "333333333333333312": made-up digits
+        ("12345678901234567*1.0", "1.23456789012e+16"),  # was "12345678901234568"
         ("7/2", "3.5"),
         ("84/2", "42"),
         ("1/3", "0.333333333333"),
@@ -46,6 +50,10 @@ def test_allowed(expression, expected):
         "(1).real",
         "[1,2][0]",
         "1,2",  # a tuple, not a thousands separator
+        "1.234,567",  # a comma after the decimal point: was read as 1.234567
+        "3.14,159",
+        "(1.5,100)",  # a tuple: was 1.51
+        "1,000.5,000",
         "1<2",
         "'a'*3",
         "'apple'.count(p)",
