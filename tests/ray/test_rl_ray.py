@@ -144,14 +144,14 @@ def test_an_actor_restarted_after_a_sync_is_resynced_before_it_generates(
     _, *lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]  # step 0
     assert [x["staleness_max"] for x in lines] == [0, 0, 0]  # no sample of older weights trained
     assert lines[2]["num_samples"] == 4 * 2 and lines[2]["prompts"] == sorted(run.dispatcher.prompts_for(2))
-    # one chunk refused (nothing generated, nothing to drop), then re-issued after the re-sync
-    assert (summary["stale_chunks"], summary["dropped_samples"], summary["version"]) == (1, 0, 3)
+    # one chunk refused (nothing generated: its 2 prompts x 2 samples dropped), then re-issued after the re-sync
+    assert (summary["stale_chunks"], summary["dropped_samples"], summary["version"]) == (1, 4, 3)
     assert [x["stale_chunks"] for x in lines] == [0, 0, 1]
 
 
 def test_samples_older_than_the_bound_are_dropped_and_their_prompts_reissued(ray_cluster, checkpoint):
     """A chunk result carrying samples of version 1 where step 3 (sync mode) needs version 3: collect drops
-    both samples, re-syncs actor 0 to version 3 and issues the prompts again (2 prompts x G = 2)."""
+    the chunk (its 2 prompts x G = 2 samples), re-syncs actor 0 to version 3 and issues the prompts again."""
     cfg = tiny_config(checkpoint, "unused", steps=4)
     actors = ActorGroup(cfg, rl_tasks(cfg))
     actors.start()
@@ -173,7 +173,7 @@ def test_samples_older_than_the_bound_are_dropped_and_their_prompts_reissued(ray
         (result,) = dispatcher.collect([chunk])
     finally:
         actors.stop()
-    assert (dispatcher.stale_chunks, dispatcher.dropped_samples) == (1, 2)
+    assert (dispatcher.stale_chunks, dispatcher.dropped_samples) == (1, 4)  # 2 prompts x G = 2, made again
     assert result["version"] == 3 and [(s["prompt_index"], s["version"]) for s in result["samples"]] == [
         (7, 3), (7, 3), (9, 3), (9, 3)
     ]  # fmt: skip

@@ -1,5 +1,6 @@
 """RLConfig: validation messages, YAML round trip, the `raychat rl` flags."""
 
+import json
 import re
 from pathlib import Path
 
@@ -369,3 +370,32 @@ def test_a_flag_of_another_mode_is_refused_naming_the_mode_it_needs(tmp_path):
     check("--normalization", "constant", "--constant-length", "32")
     (tmp_path / "p.yaml").write_text("rl:\n  max_staleness: 2\n  clip_eps: 0.1\n  constant_length: 32\n")
     check("--preset", str(tmp_path / "p.yaml"))
+
+
+def test_more_prompts_a_step_than_the_tasks_train_split_has_are_refused(tmp_path, capsys):
+    """RLConfig compares --prompts-per-step with --task-examples (10000 by default) only: a gsm8k train split of 3
+    problems with the default 8 prompts a step passed --dry-run, and step 0's prompts were [2, 0, 1, 2, 0, 1, 2,
+    0]. Once the split is read, the run is refused naming its size; 3 prompts a step fit it."""
+    data = tmp_path / "task_data" / "gsm8k" / "main"
+    data.mkdir(parents=True)
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text(
+            "".join(
+                json.dumps(
+                    {"question": f"What is {a}+2?", "answer": f"{a}+2=<<{a}+2={a + 2}>>{a + 2}\n#### {a + 2}"}
+                )
+                + "\n"
+                for a in range(3)
+            )
+        )
+    sft = str(write_tiny_checkpoint(tmp_path / "sft" / "checkpoint_000001", stage="sft"))
+    argv = ["rl", "--init-from", sft, "--storage-path", str(tmp_path / "runs"), "--task", "gsm8k",
+            "--task-data-dir", str(tmp_path / "task_data"), "--dry-run"]  # fmt: skip
+    assert RLConfig().rollout.prompts_per_step == 8
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "raychat rl: error: --prompts-per-step 8 exceeds the 3 problems of --task gsm8k's train split: a step's "
+        "prompts would repeat (one prompt in several groups); lower --prompts-per-step to at most 3\n"
+    )
+    assert main([*argv, "--prompts-per-step", "3", "--eval-examples", "3"]) == 0
+    assert "plan: steps 1..50 of 3 prompts x " in capsys.readouterr().out

@@ -131,6 +131,20 @@ def test_checkpoint_round_trip_restores_optimizer(tmp_path, small_tokenizer):
     assert b.weights_hash() == a.weights_hash()
 
 
+def test_a_rank_the_checkpoints_world_lacked_restores_its_version(tmp_path, small_tokenizer):
+    """Resuming with more --learner-workers than the checkpoint was saved by: rank 1 of 2 restores a checkpoint
+    of one learner (it indexed the old world's data states by its own rank: IndexError)."""
+    ckpt = tiny_checkpoint(tmp_path / "ck", small_tokenizer, seed=5)
+    a = Learner(ckpt, rl_config(checkpoint=ckpt))
+    a.step([dict(s) for s in BATCH])
+    checkpoints = CheckpointManager(open_storage(tmp_path), "rl")
+    checkpoints.prepare(1)
+    checkpoints.commit(1, [a.save(checkpoints, step=1)], "rl")
+    b = Learner(ckpt, rl_config(checkpoint=ckpt, learner_workers=2), rank=1, world_size=2)
+    assert b.restore(checkpoints.uri(1)) == {"step": 1, "version": 1} and b.version == 1
+    assert b.weights_hash() == a.weights_hash()
+
+
 def test_learner_runs_fp8_and_compile_like_the_trainer(tmp_path, small_tokenizer):
     """--fp8 and --compile (the trainer's option names, RLConfig.model): the learner's hidden Linear layers become
     torchao Float8Linear (emulated on CPU), its step runs the compiled model through the one forward_backward,

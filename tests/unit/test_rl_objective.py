@@ -102,6 +102,21 @@ def test_a_huge_behavior_logprob_gap_at_a_masked_position_leaves_the_gradient_fi
     assert torch.isfinite(grads[0]).all() and torch.equal(grads[0], grads[1])
 
 
+def test_a_sampled_tokens_ratio_beyond_fp32_is_clipped_without_a_nan_gradient():
+    """A sampled token 95 nats likelier under the learner than under the behavior policy (asynchronous rollouts
+    at a low --temperature): exp overflowed to inf; with A > 0 the clipped branch's value was right, but its
+    backward through exp multiplied 0 by inf and the gradient was NaN (the run stopped blaming the lr)."""
+    eps = RLConfig().objective.clip_eps  # 0.2
+    logp = torch.tensor([[-0.01]], requires_grad=True)
+    mask = torch.tensor([[True]])
+    loss, ratio = per_token_loss(logp, torch.tensor([1.0]), torch.tensor([[-95.0]]), eps, mask)
+    share = normalized_loss(loss, mask, "token", 1, 1)
+    share.backward()
+    assert share.item() == torch.tensor(-(1 + eps)).item()  # -1.2 in float32: the clipped branch
+    assert logp.grad.item() == 0.0  # the clipped branch has none
+    assert ratio.item() == torch.tensor(20.0).exp().item()  # log-ratio 94.99 clamped at MAX_LOG_RATIO 20
+
+
 def test_clipped_ratio():
     # behavior logprob log(0.5), current log(0.8): ratio 1.6 clipped at 1.2 for A > 0; unclipped for A < 0
     logp = torch.log(torch.tensor([[0.8]])).requires_grad_(True)

@@ -10,8 +10,9 @@ Staleness bound: step s trains at policy version s (version = optimizer steps do
 from version >= s - bound, bound = 0 in sync mode (on-policy) and --max-staleness in async mode. Every chunk
 is issued with that min_version: an actor holding older weights (restarted between a weight sync and its
 rollout, so it holds the checkpoint's weights, version 0) generates nothing, and collect drops any sample
-older than the bound, re-syncs the actor and issues the chunk again. `stale_chunks` and `dropped_samples`
-count them.
+older than the bound, re-syncs the actor and issues the chunk again. `stale_chunks` counts such chunks and
+`dropped_samples` their samples (prompts x samples a prompt, each generated again, whether the actor
+generated them or refused to).
 
 A rollout actor that raises (its own error, not its death: a bug, a prompt the engine refuses) is not
 retried: the same prompts and seeds would raise again; collect raises StepFailed naming it (the run stops). A
@@ -242,12 +243,12 @@ class RolloutDispatcher:
                     if progress is not None:
                         progress.add(len(chunk["indices"]))
                     break
-                dropped = len(result.get("samples", ()))
+                dropped = len(chunk["indices"]) * self._samples_per_prompt(chunk)
                 self.stale_chunks += 1
                 self.dropped_samples += dropped
                 self.log(
                     f"rollout actor {chunk['worker']} held version {result['version']} < "
-                    f"{chunk['min_version']} (restarted?): {dropped} samples dropped; "
+                    f"{chunk['min_version']} (restarted?): {plural(dropped, 'sample')} dropped; "
                     f"re-syncing it to version {self.version} and re-issuing its prompts"
                 )
                 self._recover(chunk, attempt)
@@ -280,8 +281,12 @@ class RolloutDispatcher:
 
     def _work(self, chunk: dict) -> tuple[str, int]:
         """(its kind: the split, its completion budget in tokens: prompts x samples x --max-tokens)."""
-        samples = self.eval_samples if chunk["split"] == "test" else self.cfg.rollout.samples_per_prompt
-        return chunk["split"], len(chunk["indices"]) * samples * self.cfg.rollout.max_tokens
+        samples = len(chunk["indices"]) * self._samples_per_prompt(chunk)
+        return chunk["split"], samples * self.cfg.rollout.max_tokens
+
+    def _samples_per_prompt(self, chunk: dict) -> int:
+        """--eval-samples for an evaluation's chunk (split "test"), else --samples-per-prompt."""
+        return self.eval_samples if chunk["split"] == "test" else self.cfg.rollout.samples_per_prompt
 
     def _unqueue(self, chunk: dict) -> None:
         for w, queue in self.queued.items():

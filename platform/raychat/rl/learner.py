@@ -163,11 +163,13 @@ class Learner:
 
     def restore(self, checkpoint: str) -> dict:
         """Load weights, optimizer and RNG state of this rank from a committed RL checkpoint (a local path or
-        URI, fetched when remote); returns the data state."""
+        URI, fetched when remote); returns the data state ({"version", "step"}). The checkpoint's world may
+        have had fewer learners (--learner-workers may change on resume): the data state is the same on every
+        rank, so rank 0's is read, and a rank the old world lacked keeps its own RNG."""
         directory = resolve_checkpoint(checkpoint)
         model, _, _ = load_model(directory, device=self.device)
         self.model.load_state_dict(model.state_dict())
-        state = self.checkpointer.restore(directory, self.rank, self.optimizers)[self.rank]
+        state = self.checkpointer.restore(directory, self.rank, self.optimizers)[0]
         self.version = int(state["version"])
         return state
 

@@ -209,6 +209,23 @@ def rl_tasks(cfg: RLConfig) -> dict:
     }
 
 
+def check_train_split(cfg: RLConfig, tasks: dict, option: Callable[[str], str]) -> None:
+    """Refuse a --prompts-per-step above the problems of `tasks`' train split ({"train", "test": Task}):
+    RLConfig compares it with --task-examples only, and a hub task's split may be smaller (a step's prompts
+    then repeated). `option` names a config field as the command's lines do.
+
+    Raises:
+        ConfigError: naming --prompts-per-step, --task and the split's size.
+    """
+    have, asked = len(tasks["train"]), cfg.rollout.prompts_per_step
+    if asked > have:
+        raise ConfigError(
+            f"{option('prompts_per_step')} {asked} exceeds the {plural(have, 'problem')} of {option('task')} "
+            f"{cfg.task.task}'s train split: a step's prompts would repeat (one prompt in several groups); lower "
+            f"{option('prompts_per_step')} to at most {have}"
+        )
+
+
 def rl_gauges(run_name: str):
     """stats -> the raychat_rl_* Ray gauges (raychat.metrics.RLMetrics)."""
     gauges = RLMetrics(run_name)
@@ -230,7 +247,7 @@ def rl_gauges(run_name: str):
 
 class RLRun:
     """One RL run. `RLRun(cfg).run()` -> summary dict; see the module doc. Constructing it needs no Ray and
-    makes check_resume's check (its errors).
+    makes check_resume's and check_train_split's checks (their errors).
 
     on_submitted(dispatcher, step, chunks): optional hook after a step's rollout chunks are submitted;
     on_evaluating(dispatcher, chunks): optional hook before an evaluation's chunks are issued.
@@ -249,6 +266,7 @@ class RLRun:
         )
         self.run_dir = self.checkpoints.storage.uri_of(self.checkpoints.run_path)
         self.tasks = rl_tasks(cfg)
+        check_train_split(cfg, self.tasks, flags.option)
         self.actors = ActorGroup(cfg, self.tasks, flags.option)
         self.sync = WeightSync(self.actors, cfg.layout.weight_sync, log)
         self.dispatcher = RolloutDispatcher(

@@ -28,6 +28,12 @@ import torch
 import torch.nn.functional as F
 
 NORMALIZATIONS = ("token", "sequence", "constant")  # --normalization: normalized_loss
+# per_token_loss clamps log(r_t) here: a sampled token's learner and behavior log-probs may be ~100 nats apart
+# at a low asynchronous --temperature, whose exp is inf in fp32; A > 0 then picks the clipped branch (value
+# 1 + eps, right) but exp's backward multiplied its 0 by inf: NaN. exp(20) ~ 4.9e8 is far beyond any clip
+# range, so the chosen branch and its value stay those of the unclamped ratio where it is finite; beyond the
+# clamp a token adds no gradient (with A < 0 its loss is -A * exp(20), finite, where it was inf).
+MAX_LOG_RATIO = 20.0
 
 
 def group_advantages(
@@ -147,14 +153,15 @@ def per_token_loss(
     loss_mask (B, T) bool or None: where False the ratio is 1 (the behavior log-prob is not used). A prompt or
     tool-output token's behavior log-prob may be ~100 nats from the learner's at a low temperature: its
     exp overflowed to inf, and though masked_sums zeroes that position's loss, the backward pass multiplied
-    0 by inf there and every gradient became NaN.
+    0 by inf there and every gradient became NaN. A sampled token's log-ratio is clamped at MAX_LOG_RATIO
+    before exp, so a policy that moved that far gives a finite ratio and no gradient through it.
     """
     old = logprobs.detach()
     if behavior_logprobs is not None:
         old = (
             behavior_logprobs if loss_mask is None else torch.where(loss_mask.bool(), behavior_logprobs, old)
         )
-    ratio = torch.exp(logprobs - old)
+    ratio = torch.exp((logprobs - old).clamp(max=MAX_LOG_RATIO))
     adv = advantages[:, None].to(logprobs.dtype)
     loss = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
     return loss, ratio.detach()

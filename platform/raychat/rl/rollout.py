@@ -18,6 +18,7 @@ Sample (a dict, what the learner consumes):
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import time
@@ -239,10 +240,14 @@ class ScoreErrors:
         self.first_prompt: int | None = None
 
     def score(self, fn, conversation: dict, completion: str, prompt_index: int) -> float:
-        """float(fn(conversation, completion)); 0.0 when it raises an Exception (counted, the first kept)."""
+        """float(fn(conversation, completion)); 0.0 when it raises an Exception or returns NaN or +-inf (a
+        ValueError naming the value, which would make its group's advantages NaN): counted, the first kept."""
         self.scored += 1
         try:
-            return float(fn(conversation, completion))
+            value = float(fn(conversation, completion))
+            if not math.isfinite(value):
+                raise ValueError(f"returned {value}, not a finite number")
+            return value
         except Exception as e:
             self.raised += 1
             if self.first is None:
