@@ -105,6 +105,7 @@ def test_child_death_ends_live_streams_and_a_new_child_takes_over(checkpoint):
         os.kill(proc._proc.pid, signal.SIGKILL)
         last = list(stream)[-1]
         assert last.finished and last.finish_reason == "error" and "exited with code -9" in last.error
+        assert (proc.num_active, proc.num_pending, proc.num_free_slots) == (0, 0, 2)
         deadline = time.monotonic() + 60
         while not proc.running and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -215,6 +216,41 @@ def test_queue_bound_while_the_child_is_stopped(checkpoint):
 def long_checkpoint(tmp_path_factory):
     """Rows of 4,096 tokens: a stream that runs to the end of its row lasts seconds on this tiny model."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("long"), max_seq_len=4096)
+
+
+def test_counts_are_the_child_schedulers_during_a_long_prefill_and_a_score(long_checkpoint):
+    """A 1,500-token prompt prefilled 8 tokens a step holds its row for ~190 steps before its first event:
+    (num_active, num_pending, num_free_slots) reads (1, 0, 1) then, as the child's Scheduler has it (before
+    the child reads the submit: (0, 1, 2)). A score() of that prompt takes no row and never waits: (0, 0, 2)
+    throughout, as with the in-process Scheduler. Idle: (0, 0, 2)."""
+    proc = EngineProcess(long_checkpoint, max_slots=2, max_len=1600, prefill_chunk_tokens=8)
+    prompt = [1 + i % 500 for i in range(1500)]
+
+    def counts_until_the_first_event(stream) -> set[tuple[int, int, int]]:
+        seen, deadline = set(), time.monotonic() + 60
+        while time.monotonic() < deadline:
+            counts = (proc.num_active, proc.num_pending, proc.num_free_slots)
+            if stream._pushed:  # counts may be from after the event
+                return seen
+            seen.add(counts)
+            time.sleep(0.005)
+        raise AssertionError(f"no event within 60 s; counts seen {seen}")
+
+    try:
+        stream = proc.submit(prompt, SamplingParams(max_tokens=2, temperature=0.0))
+        seen = counts_until_the_first_event(stream)
+        assert (1, 0, 1) in seen and seen <= {(0, 1, 2), (1, 0, 1)}, seen
+        events = list(stream)
+        assert [len(e.token_ids) for e in events] == [1, 1] and events[-1].finish_reason == "length"
+        assert (proc.num_active, proc.num_pending, proc.num_free_slots) == (0, 0, 2)
+
+        scored = proc.score(prompt, 0)
+        assert counts_until_the_first_event(scored) == {(0, 0, 2)}
+        (event,) = list(scored)
+        assert event.finish_reason == "stop" and len(event.prompt_logprobs) == 1500
+        assert (proc.num_active, proc.num_pending, proc.num_free_slots) == (0, 0, 2)
+    finally:
+        proc.stop()
 
 
 async def health_failure(server: ChatServer, timeout_s: float) -> RuntimeError | None:

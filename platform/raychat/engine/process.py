@@ -11,9 +11,14 @@ pickled tuples):
                     ("submit", request_id, prompt, SamplingParams) | ("score", request_id, prompt,
                     top_logprobs) (Scheduler.score) | ("cancel", request_id) | ("stop",)
   child -> parent   ("ready", {"max_slots", "max_len"}) once the model is loaded, or ("failed", message)
-                    ("events", [StreamEvent, ...]) after every step: every event of every request that
-                    step produced, in one message; ("events", []) after a step that produced none when
-                    BEAT_INTERVAL_S passed since the last message (a heartbeat: long prefill chunks)
+                    ("events", [StreamEvent, ...], num_active) after every step that produced events or
+                    changed the Scheduler's num_active (admission, a request's end): every event of every
+                    request that step produced, in one message, and the rows busy after it; ("events", [],
+                    num_active) after any other step when BEAT_INTERVAL_S passed since the last message (a
+                    heartbeat: long prefill chunks)
+The parent's num_active is the last num_active reported (0 while no child runs); its num_pending is its live
+submit() requests less those, so a request the child has not read yet waits too; score() requests take no
+row and never wait, as with the Scheduler.
 The parent checks prompts itself (same rules and messages as Scheduler.submit), so a bad request still
 raises ValueError at submit(). A request whose computation fails (non-finite logits, an out-of-memory in
 its prefill, ...) ends alone with finish_reason "error" inside the child's Scheduler: the child never exits
@@ -122,9 +127,10 @@ class EngineProcess:
         self._restarting = False
         self.last_error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._started: set[str] = set()  # requests that have a row (received their first event)
+        self._scoring: set[str] = set()  # live score() requests (no row, never waiting for one)
         self._cancelled: set[str] = set()  # live requests whose cancel was sent
-        self._lock = threading.Lock()  # _streams, _started, _cancelled
+        self._active = 0  # the child's Scheduler.num_active, as last reported; 0 while no child runs
+        self._lock = threading.Lock()  # _streams, _scoring, _cancelled, _active
         self._beat = time.monotonic()  # the last message from the child, or when it last became busy
         self._send_lock = threading.Lock()
         self._stopping = False
@@ -204,6 +210,8 @@ class EngineProcess:
             if not self._streams:  # busy from now: the stall clock starts here, not at the last message
                 self._beat = time.monotonic()
             self._streams[request_id] = stream
+            if kind == "score":
+                self._scoring.add(request_id)
         self._send((kind, request_id, ids, payload))
         return stream
 
@@ -252,15 +260,19 @@ class EngineProcess:
 
     @property
     def num_active(self) -> int:
-        return len(self._started)
+        """Rows busy in the child's Scheduler (admitted, prefilling or decoding), as it last reported."""
+        return self._active
 
     @property
     def num_pending(self) -> int:
-        return len(self._streams) - len(self._started)
+        """Live submit() requests without a row: waiting in the child's Scheduler or not yet read by it."""
+        with self._lock:
+            return max(0, len(self._streams) - len(self._scoring) - self._active)
 
     @property
     def num_free_slots(self) -> int:
-        return self.max_slots - self.num_active
+        """max_slots - num_active."""
+        return self.max_slots - self._active
 
     def start(self) -> None:
         """The child steps from the moment it is ready; nothing to start."""
@@ -303,8 +315,9 @@ class EngineProcess:
                 self._restarting = stall is None and not self._stopping and self.restarts < self.max_restarts
                 live = list(self._streams.values())
                 self._streams.clear()
-                self._started.clear()
+                self._scoring.clear()
                 self._cancelled.clear()
+                self._active = 0
                 for stream in live:
                     usage = Usage(0, 0, None, 0.0)
                     stream._push(StreamEvent(stream.request_id, "", [], True, "error", usage, str(error)))
@@ -338,17 +351,17 @@ class EngineProcess:
                     if self.stalled and not self._stopping:
                         return self._kill_stalled()
                     continue
-                _, events = self._conn.recv()
+                _, events, active = self._conn.recv()
                 self._beat = time.monotonic()
                 with self._lock:
+                    self._active = active
                     for ev in events:
                         stream = self._streams.get(ev.request_id)
                         if stream is None:
                             continue
-                        self._started.add(ev.request_id)
                         if ev.finished:
                             del self._streams[ev.request_id]
-                            self._started.discard(ev.request_id)
+                            self._scoring.discard(ev.request_id)
                             self._cancelled.discard(ev.request_id)
                         stream._push(ev)
         except (EOFError, OSError):
@@ -387,7 +400,7 @@ def _child_main(conn: Connection) -> None:
 
 def _serve(conn: Connection, scheduler) -> None:
     streams: dict[str, RequestStream] = {}
-    last_sent = time.monotonic()
+    last_sent, sent_active = time.monotonic(), 0
     while True:
         busy = bool(streams)
         if conn.poll(0 if busy else None):
@@ -402,7 +415,8 @@ def _serve(conn: Connection, scheduler) -> None:
                         streams[request_id] = run(prompt, payload, request_id=request_id)
                     except ValueError as e:  # the parent checked the prompt; end the request, not the child
                         usage = Usage(len(prompt), 0, None, 0.0)
-                        conn.send(("events", [StreamEvent(request_id, "", [], True, "error", usage, str(e))]))
+                        event = StreamEvent(request_id, "", [], True, "error", usage, str(e))
+                        conn.send(("events", [event], scheduler.num_active))
                 else:
                     scheduler.cancel(message[1])
                 if not conn.poll(0):
@@ -416,9 +430,10 @@ def _serve(conn: Connection, scheduler) -> None:
                 events.append(event)
                 if event.finished:
                     del streams[request_id]
-        if events or time.monotonic() - last_sent >= BEAT_INTERVAL_S:  # an empty message is a heartbeat
-            conn.send(("events", events))
-            last_sent = time.monotonic()
+        active = scheduler.num_active
+        if events or active != sent_active or time.monotonic() - last_sent >= BEAT_INTERVAL_S:
+            conn.send(("events", events, active))  # with no events and the same num_active: a heartbeat
+            last_sent, sent_active = time.monotonic(), active
 
 
 if __name__ == "__main__":
