@@ -239,6 +239,10 @@ def test_the_plan_says_once_what_mfu_is_measured_against():
         ("NVIDIA H100 PCIe", 756e12),
         ("NVIDIA H100 NVL", 835e12),
         ("NVIDIA H200", 989e12),
+        (
+            "NVIDIA H200 NVL",
+            835e12,
+        ),  # its own data sheet: 1,671 TFLOP/s bf16 with sparsity; had the SXM's 989
         ("NVIDIA A100-SXM4-80GB", 312e12),
         ("NVIDIA L4", 121e12),
         ("NVIDIA L40S", None),

@@ -41,8 +41,8 @@ class ShapesOnly(torch.overrides.TorchFunctionMode):
 
 # Dense bf16 peak FLOP/s of one device (for MFU), from the vendors' data sheets (half the "with sparsity"
 # figure), looked up by peak_flops_of: the most specific model first.
-PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
-              "L4": 121e12, "A10G": 70e12}  # fmt: skip
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200 NVL": 835e12, "H200": 989e12,
+              "A100": 312e12, "L4": 121e12, "A10G": 70e12}  # fmt: skip
 
 
 def peak_flops_of(device_name: str) -> float | None:

@@ -148,7 +148,7 @@ class Trainer:
                 freeze_gc_heap()  # what the run keeps (model, optimizers, data): never scanned by the GC again
             done = stats["step"]
             if self.due(self.config.train.eval.eval_every, done):
-                stats.update(validate_all(self.validators, self.model, done, self.plan.num_iterations))
+                stats.update(validate_all(self.validators, self.model, done, self.stop))
             if self.rank == 0:
                 self.log_step(stats, clock.tick())
             report = {k: v for k, v in stats.items() if v is not None}
