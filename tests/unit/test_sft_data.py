@@ -322,3 +322,18 @@ def test_the_run_says_how_many_conversations_tokens_and_bytes_sft_data_val_bpb_s
     )
     cfg = from_dict(TrainConfig, {"sft_test_size": 0}, base=cfg)
     assert check_validation_rows(cfg) is None  # nothing held out: no sft-data_val_bpb
+
+
+def test_a_line_that_is_not_utf8_is_that_lines_fault_counted_like_any_bad_record(tmp_path):
+    """One Latin-1 byte (é as 0xe9) in line 2 raised UnicodeDecodeError for the whole file, naming neither the
+    file nor the line, and no other record was checked. Byte 47 of the line: the 46 characters of
+    `{"messages": [{"role": "user", "content": "caf` come before it."""
+    path = tmp_path / "mine.jsonl"
+    line = b'{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "x"}]}\n'
+    path.write_bytes((json.dumps(chat(0)) + "\n").encode() + line + (json.dumps(chat(1)) + "\n").encode())
+    with pytest.raises(ValueError) as e:
+        sft_data_split(str(path), 0.05)
+    assert str(e.value) == (
+        f"--sft-data: {path} line 2: not UTF-8 (byte 0xe9 at byte 47 of the line: invalid continuation byte); "
+        "each line is one JSON object in UTF-8 (1 of 3 records is bad)"
+    )

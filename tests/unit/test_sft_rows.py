@@ -144,10 +144,11 @@ class Said(Task):
 
     def get_example(self, index: int) -> dict:
         return {
+            "id": self._id(index),
             "messages": [
                 {"role": "user", "content": self.texts[index]},
                 {"role": "assistant", "content": "ok"},
-            ]
+            ],
         }
 
 
@@ -167,3 +168,20 @@ def test_a_row_fit_counts_for_none_fits_as_its_conversations_would(small_tokeniz
     kept = Said(["hi"])  # one that fits: none_fits says None, seeded or not, and row_fit has no none_fit
     assert none_fits([kept], tok, row_len, fit.none_fit) is None
     assert row_fit(Said(["word " * 20, "hi"]), tok, row_len).none_fit is None
+
+
+def test_a_rank_draws_on_past_dropped_conversations_until_one_fits(small_tokenizer):
+    """6 conversations, 2 of which fit a row of 33 tokens (none_fits passes): a rank gave up after 7 dropped
+    in a row ("every SFT sample was dropped by truncation") though the next epoch's order, or the other rank's
+    share, held one that fits. Now it draws on, and its rows hold only the 2 short ones; a mixture none of
+    whose conversations fits still raises, once every one of them was drawn and dropped."""
+    tok, long = small_tokenizer, "The quick brown fox jumps over the lazy dog. " * 20
+    tasks = [Said(["hi", "yo", long, long, long, long])]
+    assert row_fit(tasks[0], tok, 33).skipped == 4 and none_fits(tasks, tok, 33) is None
+    for world, rank, seed in [(w, r, s) for w in (1, 2) for r in range(w) for s in range(3)]:
+        batch = SFTRows(tasks, seed, tok, 33, rank, world).next_batch(2)
+        ids = {i for row in batch["replay"] for i in row["sample_id"]}
+        assert batch["input_ids"].shape == (2, 33) and ids and ids <= {"said/0", "said/1"}
+        with pytest.raises(RuntimeError) as e:
+            SFTRows([Said([long] * 3)], seed, tok, 33, rank, world).next_batch(1)
+        assert str(e.value) == "every SFT sample was dropped by truncation: raise --seq-len"

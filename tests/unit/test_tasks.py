@@ -446,3 +446,38 @@ def test_the_names_task_specs_are_checked_against_are_the_registrys():
     assert parse_mixture(" calculator : 5 ,spelling,, calculator") == [
         ("calculator", 5), ("spelling", None), ("calculator", None)
     ]  # fmt: skip
+
+
+def test_hub_task_fields_that_are_no_string_are_refused_as_they_are_read(tmp_path):
+    """A null question (GSM8K, MMLU, ARC) was read, and failed only when rendered, after Ray started ("message
+    0 (user): content must be a string, got NoneType", naming no file); a null ARC choice was rendered as
+    "- None=A"; integer ARC labels and answerKey loaded, and no reply was ever correct (a reply is a str)."""
+    f = tmp_path / "records.jsonl"
+    gsm = [GSM8K_ROW, {**GSM8K_ROW, "question": None}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in gsm))
+    with pytest.raises(ValueError) as e:
+        GSM8K(f)
+    assert str(e.value) == f"{f} line 2: question must be a string, got NoneType (1 of 2 records is bad)"
+
+    mmlu = {"question": "2+2?", "choices": ["3", "4"], "answer": 1}
+    f.write_text(json.dumps(mmlu) + "\n" + json.dumps({"train": {**mmlu, "question": 4}}) + "\n")
+    with pytest.raises(ValueError) as e:
+        MultipleChoice(f, format="mmlu")
+    assert str(e.value) == f"{f} line 2: question must be a string, got int (1 of 2 records is bad)"
+
+    arc = {
+        "question": "Which is red?",
+        "choices": {"text": ["Mars", "Venus"], "label": ["A", "B"]},
+        "answerKey": "A",
+    }
+    for bad, said in [
+        ({"question": None}, "question must be a string, got NoneType"),
+        ({"choices": {"text": ["Mars", None], "label": ["A", "B"]}}, "choices.text[1] must be a string, got NoneType"),
+        ({"choices": {"text": ["Mars", "Venus"], "label": [1, 2]}, "answerKey": 1},
+         "choices.label[0] must be a string, got int"),
+        ({"answerKey": 0}, "answerKey must be a string, got int"),
+    ]:  # fmt: skip
+        f.write_text(json.dumps(arc) + "\n" + json.dumps({**arc, **bad}) + "\n" + json.dumps(arc) + "\n")
+        with pytest.raises(ValueError) as e:
+            MultipleChoice(f, format="arc")
+        assert str(e.value) == f"{f} line 2: {said} (1 of 3 records is bad)"

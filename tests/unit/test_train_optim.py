@@ -224,8 +224,8 @@ def test_the_plan_says_once_what_mfu_is_measured_against():
     assert mfu_line(cfg()) == CPU_MFU
     assert mfu_line(cfg(peak_flops=2e12)) == "mfu: over --peak-flops 2e12 FLOP/s a device"
     assert mfu_line(cfg(use_gpu=True)) == (
-        "mfu: over the dense bf16 peak of a known GPU (H100 PCIe, H100 NVL, H100, H200, A100, L4, A10G); n/a on "
-        "another: give --peak-flops, the peak FLOP/s of one worker's device, to get it"
+        "mfu: over the dense bf16 peak of a known GPU (H100 PCIe, H100 NVL, H100, H200 NVL, H200, A100, L4, A10G); "
+        "n/a on another: give --peak-flops, the peak FLOP/s of one worker's device, to get it"
     )
     assert mfu_line(cfg(), speedrun_flags("tiny", "pretrain").option) == CPU_MFU.replace(
         "--peak-flops", "train.peak_flops"

@@ -16,6 +16,7 @@ means those files. `seed` (optional) puts the rows in a seeded order (numpy PCG6
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -70,8 +71,8 @@ def read_records(path: str | Path | list[Path], columns: list[str], seed: int | 
     `seed`, in a seeded order (numpy PCG64 permutation).
 
     Raises:
-        FileNotFoundError: nothing at path. ValueError: unknown suffix, no record at all, a line that is not a
-            JSON object, or a required column is missing (located_records).
+        FileNotFoundError: nothing at path. ValueError: unknown suffix, no record at all, a line that is not
+            UTF-8 or not a JSON object, or a required column is missing (located_records).
     """
     return located_records(path, columns, seed)[1]
 
@@ -88,10 +89,10 @@ def located_records(
 
     Raises:
         FileNotFoundError: nothing at path. ValueError: unknown suffix, no record at all, or one line naming
-            the file and line/row of the first record that is not a JSON object or lacks a column; with
-            `check`, of the first bad record in file order, whatever its fault (not JSON, not an object, a
-            missing column, check's reason), and how many are bad: "FILE line N: <fault> (K of M records are
-            bad)".
+            the file and line/row of the first record that is not UTF-8, not a JSON object or lacks a column;
+            with `check`, of the first bad record in file order, whatever its fault (not UTF-8, not JSON, not an
+            object, a missing column, check's reason), and how many are bad: "FILE line N: <fault> (K of M
+            records are bad)".
     """
     wheres: list[str] = []
     rows: list[dict] = []
@@ -103,9 +104,8 @@ def located_records(
             wheres.extend(f"{f} row {i}" for i in range(len(table)))
             rows.extend(table)
         elif f.suffix in (".jsonl", ".json"):
-            for n, line in enumerate(
-                f.read_text(encoding="utf-8-sig").splitlines(), 1
-            ):  # a leading BOM dropped
+            # a leading BOM dropped; each line decoded on its own: a line that is no UTF-8 is that line's fault
+            for n, line in enumerate(f.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines(), 1):
                 if line.strip():
                     wheres.append(f"{f} line {n}")
                     record, error = _json_record(line)
@@ -145,10 +145,17 @@ def _fault(record: dict, columns: list[str], check: Callable[[dict], str | None]
     return f"lacks column(s) {missing}; expected {columns}" if missing else check(record)
 
 
-def _json_record(line: str) -> tuple[dict | None, str | None]:
-    """(the line's JSON object, None) or (None, why it is none)."""
+def _json_record(line: bytes) -> tuple[dict | None, str | None]:
+    """(the line's JSON object, None) or (None, why it is none: not UTF-8, not JSON, not an object)."""
     try:
-        record = json.loads(line)
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, (
+            f"not UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line: {e.reason}); each line "
+            "is one JSON object in UTF-8"
+        )
+    try:
+        record = json.loads(text)
     except json.JSONDecodeError as e:
         return None, f"not JSON ({e}); each line is one JSON object"
     if not isinstance(record, dict):
@@ -342,8 +349,16 @@ def _merged_text(parts: list[dict]) -> list[dict]:
     return out
 
 
+def _not_a_string(field: str, value) -> str | None:
+    """Why `value` is no string ("<field> must be a string, got <its type>"), or None: it is one."""
+    return None if isinstance(value, str) else f"{field} must be a string, got {type(value).__name__}"
+
+
 def gsm8k_error(record: dict) -> str | None:
-    """Why a GSM8K record is bad (its answer has no final "#### <number>"), or None."""
+    """Why a GSM8K record is bad (its question is no string, its answer has no final "#### <number>"), or
+    None."""
+    if error := _not_a_string("question", record["question"]):
+        return error
     answer = record["answer"]
     if isinstance(answer, str) and extract_answer(answer) is not None:
         return None
@@ -359,7 +374,8 @@ class GSM8K(Task):
 
         Raises:
             ValueError: one line: the first bad record in file order, its file and line (parquet: row), what is
-                wrong and how many records are bad, e.g. `.../test.jsonl line 4: answer has no final '####
+                wrong (a question that is no string, an answer with no final "#### <number>") and how many
+                records are bad, e.g. `.../test.jsonl line 4: answer has no final '####
                 <number>' (1 of 8 records is bad)`; a line that is not JSON or a missing column alike
                 (located_records with a check); or an empty file.
         """
@@ -392,7 +408,7 @@ def render_multiple_choice(question: str, letters: list[str], choices: list[str]
 
 def _arc_choices_error(choices) -> str | None:
     """What is wrong with an ARC record's `choices` (None: nothing): it must be {"text": [...], "label": [...]},
-    one label per text."""
+    one label per text, every text and label a string ("choices.label[0] must be a string, got int")."""
     expected = 'expected {"text": [...], "label": [...]}'
     if not isinstance(choices, dict):
         return f"choices is a {type(choices).__name__}; {expected}"
@@ -404,13 +420,22 @@ def _arc_choices_error(choices) -> str | None:
     if len(choices["text"]) != len(choices["label"]):
         texts, labels = plural(len(choices["text"]), "text"), plural(len(choices["label"]), "label")
         return f"choices has {texts} and {labels}; one label per text"
+    for k in ("text", "label"):
+        for i, value in enumerate(choices[k]):
+            if error := _not_a_string(f"choices.{k}[{i}]", value):
+                return error
     return None
 
 
 def arc_error(record: dict) -> str | None:
-    """Why an ARC record is bad (its `choices` are not {"text": [...], "label": [...]} with one label per text,
-    or its answerKey is not one of the labels), or None."""
-    error = _arc_choices_error(record["choices"])
+    """Why an ARC record is bad (its question is no string, its `choices` are not {"text": [...], "label":
+    [...]} of strings with one label per text, or its answerKey is no string or not one of the labels), or
+    None."""
+    error = (
+        _not_a_string("question", record["question"])
+        or _arc_choices_error(record["choices"])
+        or _not_a_string("answerKey", record["answerKey"])
+    )
     if error is None and record["answerKey"] not in record["choices"]["label"]:
         return f"answerKey {record['answerKey']!r} not in labels {record['choices']['label']}"
     return error
@@ -425,13 +450,15 @@ def _unnested(record: dict) -> dict:
 
 
 def mmlu_error(record: dict) -> str | None:
-    """Why an MMLU record (nested or not: _unnested) is bad (a missing column, choices that are not a list of
-    1..10 strings (one per letter of LETTERS), or an answer that is not the index of one of its choices: an
-    int, as cais/mmlu stores it; a bool, a float or a string is refused), or None."""
+    """Why an MMLU record (nested or not: _unnested) is bad (a missing column, a question that is no string,
+    choices that are not a list of 1..10 strings (one per letter of LETTERS), or an answer that is not the index
+    of one of its choices: an int, as cais/mmlu stores it; a bool, a float or a string is refused), or None."""
     row = _unnested(record)
     missing = [c for c in MMLU_COLUMNS if c not in row]
     if missing:
         return f"lacks column(s) {missing}; expected {MMLU_COLUMNS}"
+    if error := _not_a_string("question", row["question"]):
+        return error
     choices = row["choices"]
     if not (isinstance(choices, list) and 1 <= len(choices) <= len(LETTERS)) or not all(
         isinstance(c, str) for c in choices
@@ -451,8 +478,9 @@ class MultipleChoice(Task):
     Raises:
         ValueError: an unknown format; or one line: the first bad record in file order, its file and line
             (parquet: row), what is wrong and how many records are bad (located_records with a check): a
-            missing column, ARC `choices` that are not {"text": [...], "label": [...]} with one label per text,
-            an ARC answerKey that is not one of its labels or an MMLU answer that is not the index of a choice,
+            missing column, a question that is no string, ARC `choices` that are not {"text": [...], "label":
+            [...]} of strings with one label per text, an ARC answerKey that is no string or not one of its
+            labels or an MMLU answer that is not the index of a choice,
             e.g. `.../mmlu.parquet row 4: answer 4 is not the index of one of the 4 choices (0..3) (1 of 6
             records is bad)`; or an empty file.
     """

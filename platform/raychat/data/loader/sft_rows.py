@@ -42,6 +42,10 @@ class SFTRows:
     A conversation that truncation drops (its last exchange does not fit in row_len) is skipped, counted in
     the packer's stats, and logged when the count reaches 1, 2, 4, 8, ... ("sft data: 4 conversations skipped so
     far by rank 0 (latest: <file> line <n>: <reason>; ...)", the conversation's "where" if its task gives one).
+    Every epoch has its own order, so every rank draws every conversation of the mixture sooner or later: a rank
+    keeps drawing until one fits, and next_batch raises RuntimeError ("every SFT sample was dropped by
+    truncation: raise <seq_len_flag>") only once it has drawn every conversation of the mixture and each was
+    dropped.
 
     Args:
         tasks, seed: the mixture (TaskMixture(tasks, seed=seed)); the seed also orders every epoch.
@@ -71,6 +75,7 @@ class SFTRows:
         self.cursor = RankCursor(Deal(world_size), rank)
         self.packer = SamplePacker(self._next_item, row_len, pad_id=tokenizer.bos_id, buffer_size=buffer_size)
         self._orders: dict[int, np.ndarray] = {}
+        self._dropped: set[int] = set()  # mixture indices this rank drew and truncation dropped
 
     def locate(self, g: int) -> tuple[int, int]:
         """(epoch, mixture index) of stream item g."""
@@ -87,7 +92,7 @@ class SFTRows:
         )
 
     def _next_item(self) -> PackItem:
-        for _ in range(len(self.mixture) + 1):
+        while len(self._dropped) < len(self.mixture):
             (g, _), = self.cursor.upcoming(1)  # fmt: skip
             self.cursor.take((g, 0))
             stats = self.packer.stats
@@ -95,6 +100,7 @@ class SFTRows:
             item = self.render(g, stats)
             if item is not None:
                 return item
+            self._dropped.add(self.locate(g)[1])
             n = stats.dropped
             if n & (n - 1) == 0:  # a line at 1, 2, 4, 8, ... skipped: every doubling, not every conversation
                 reason = next(r for r, k in stats.drop_reasons.items() if k > before.get(r, 0))
