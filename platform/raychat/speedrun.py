@@ -75,7 +75,7 @@ from raychat.report import (
 )
 from raychat.rl.actors import check_layout
 from raychat.rl.cli import check_generation_length, short_eval_split_warning
-from raychat.rl.loop import RLRun
+from raychat.rl.loop import RLRun, check_train_split, rl_tasks
 from raychat.sigterm import Terminated
 from raychat.storage import check_writable, open_storage
 from raychat.tasks.registry import check_data, check_present_data, graded, held_out, make_task, parse_mixture
@@ -171,7 +171,8 @@ def check_stages(config: SpeedrunConfig, preset: str) -> None:
         ValueError (ConfigError for a setting): one line: a pretraining or SFT total_batch_size that is not a multiple of device_batch_size
             x seq_len x workers (for every worker count of an elastic run: elastic_grad_accum); a model that
             cannot be built (make_plan); an SFT seq_len above pretraining's; an RL max_tokens that leaves no
-            room for a prompt in it (check_rl_max_tokens); a hub task of sft_tasks or RL's task
+            room for a prompt in it (check_rl_max_tokens); an RL prompts_per_step above its task's train split
+            (raychat.rl.loop.check_train_split); a hub task of sft_tasks or RL's task
             whose files are missing under its task_data_dir, or a bad record of them, of the report card's chat
             evals ("report card: <file> line <n>: ...") or of sft_data (raychat.tasks.registry.check_data,
             check_present_data, raychat.tasks.sft_data.sft_data_split); on the local cluster a
@@ -204,6 +205,7 @@ def check_stages(config: SpeedrunConfig, preset: str) -> None:
         rl = config.rl
         with stage_keys(preset, "rl", ValueError):
             check_data([rl.task.task], ("train", "test"), rl.task.task_data_dir, "--task")
+            check_train_split(rl, rl_tasks(rl), _option(preset, "rl"))
             check_rl_max_tokens(rl, cfg, preset)
             if local:
                 check_layout(rl, local_cluster_capacity(), _option(preset, "rl"))

@@ -245,7 +245,7 @@ def test_counts_are_the_child_schedulers_during_a_long_prefill_and_a_score(long_
         assert (proc.num_active, proc.num_pending, proc.num_free_slots) == (0, 0, 2)
 
         scored = proc.score(prompt, 0)
-        assert counts_until_the_first_event(scored) == {(0, 0, 2)}
+        assert counts_until_the_first_event(scored) <= {(0, 0, 2)}  # empty if it ended before a look
         (event,) = list(scored)
         assert event.finish_reason == "stop" and len(event.prompt_logprobs) == 1500
         assert (proc.num_active, proc.num_pending, proc.num_free_slots) == (0, 0, 2)

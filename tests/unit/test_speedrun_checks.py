@@ -181,6 +181,24 @@ def test_a_bad_record_of_a_hub_task_is_refused_before_the_first_stage(tmp_path):
     assert not out.exists() and not ray.is_initialized()
 
 
+def test_more_rl_prompts_a_step_than_the_tasks_train_split_is_refused_before_the_first_stage(tmp_path):
+    """raychat rl refuses it as the run is built; the speedrun checked it only as its RL stage started, after
+    pretraining and SFT had trained."""
+    data, out = tmp_path / "task_data", tmp_path / "out"
+    gsm8k = data / "gsm8k" / "main"
+    gsm8k.mkdir(parents=True)
+    good = json.dumps({"question": "What is 2 + 2?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"}) + "\n"
+    (gsm8k / "train.jsonl").write_text(good)
+    (gsm8k / "test.jsonl").write_text(good)
+    with pytest.raises(ValueError) as e:
+        run_speedrun(_preset(tmp_path, rl={"task": "gsm8k", "task_data_dir": str(data)}), str(out))
+    assert str(e.value) == (
+        "rl.prompts_per_step 2 exceeds the 1 problem of rl.task gsm8k's train split: a step's prompts would "
+        "repeat (one prompt in several groups); lower rl.prompts_per_step to at most 1"
+    )
+    assert not out.exists() and not ray.is_initialized()
+
+
 def test_a_layout_the_local_cluster_cannot_hold_is_refused_before_the_first_stage(tmp_path, monkeypatch):
     """On the local cluster a speedrun starts (no RAY_ADDRESS), SFT's workers and RL's actors were checked as
     their stage started, an hour into a cpu run."""

@@ -31,8 +31,8 @@ NORMALIZATIONS = ("token", "sequence", "constant")  # --normalization: normalize
 # per_token_loss clamps log(r_t) here: a sampled token's learner and behavior log-probs may be ~100 nats apart
 # at a low asynchronous --temperature, whose exp is inf in fp32; A > 0 then picks the clipped branch (value
 # 1 + eps, right) but exp's backward multiplied its 0 by inf: NaN. exp(20) ~ 4.9e8 is far beyond any clip
-# range, so the chosen branch and its value stay those of the unclamped ratio where it is finite; beyond the
-# clamp a token adds no gradient (with A < 0 its loss is -A * exp(20), finite, where it was inf).
+# range: with A > 0 the value is unchanged; beyond the clamp the ratio is capped and the token adds no
+# gradient, whatever the sign of A (with A < 0 its loss is -A * exp(20), finite, where it was up to inf).
 MAX_LOG_RATIO = 20.0
 
 
@@ -154,7 +154,8 @@ def per_token_loss(
     tool-output token's behavior log-prob may be ~100 nats from the learner's at a low temperature: its
     exp overflowed to inf, and though masked_sums zeroes that position's loss, the backward pass multiplied
     0 by inf there and every gradient became NaN. A sampled token's log-ratio is clamped at MAX_LOG_RATIO
-    before exp, so a policy that moved that far gives a finite ratio and no gradient through it.
+    before exp, so a policy that moved that far gives a capped ratio and no gradient through it, whatever
+    the sign of its advantage.
     """
     old = logprobs.detach()
     if behavior_logprobs is not None:
