@@ -337,3 +337,7 @@ def test_a_line_that_is_not_utf8_is_that_lines_fault_counted_like_any_bad_record
         f"--sft-data: {path} line 2: not UTF-8 (byte 0xe9 at byte 47 of the line: invalid continuation byte); "
         "each line is one JSON object in UTF-8 (1 of 3 records is bad)"
     )
+    # a line of only Unicode whitespace (no-break and ideographic spaces) is blank, as a line of ASCII spaces is
+    path.write_bytes((json.dumps(chat(0)) + "\n\u00a0\u3000\n" + json.dumps(chat(1)) + "\n").encode())
+    split = sft_data_split(str(path), 0.5)
+    assert (len(split.train), len(split.test)) == (1, 1)

@@ -104,9 +104,10 @@ def located_records(
             wheres.extend(f"{f} row {i}" for i in range(len(table)))
             rows.extend(table)
         elif f.suffix in (".jsonl", ".json"):
-            # a leading BOM dropped; each line decoded on its own: a line that is no UTF-8 is that line's fault
+            # a leading BOM dropped; each line decoded on its own: a line that is no UTF-8 is that line's fault;
+            # a line of only whitespace (Unicode's too: a no-break space) is blank
             for n, line in enumerate(f.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines(), 1):
-                if line.strip():
+                if line.decode("utf-8", errors="replace").strip():
                     wheres.append(f"{f} line {n}")
                     record, error = _json_record(line)
                     if error and check is None:
