@@ -24,9 +24,8 @@ MAX_MAGNITUDE = 10**18
 _ALLOWED_CHARS = re.compile(r"[0-9+\-*/%()., \t]*")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _INTEGER_PART = re.compile(r"(?<![\d.,])[\d,]+")  # digits and commas not after a decimal point
-_EXACT_FLOAT_INT = (
-    2**53
-)  # floats below it hold every integer exactly (IEEE 754 binary64's 53-bit significand)
+# floats below it hold every integer exactly (IEEE 754 binary64's 53-bit significand)
+_EXACT_FLOAT_INT = 2**53
 _LETTER_COUNT = re.compile(r"'([^'\\]*)'\.count\('([^'\\]+)'\)")
 _BINOPS = {
     ast.Add: operator.add,
