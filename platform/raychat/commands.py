@@ -781,7 +781,9 @@ def grafana(subparsers) -> None:
         "an existing one keeps its URL and settings unless this is given)",
     )
     q.add_argument(
-        "--ray-temp-dir", help="Ray's temp dir holding session_latest (default $RAY_TMPDIR or /tmp/ray)"
+        "--ray-temp-dir",
+        help="Ray's temp dir holding session_latest (default Ray's: $RAY_TMPDIR/ray, else $TMPDIR/ray, else "
+        "/tmp/ray)",
     )
     q.add_argument("--no-ray-dashboards", action="store_true", help="upload only raychat's dashboard")
     q.set_defaults(func="raychat.ops.grafana:cmd_provision")

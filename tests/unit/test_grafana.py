@@ -11,8 +11,10 @@ import os
 import re
 import socket
 import stat
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -289,3 +291,34 @@ def test_the_dashboard_file_is_written_with_a_plain_files_mode(tmp_path):
     path = tmp_path / "raychat.json"
     assert stat.S_IMODE(path.stat().st_mode) == 0o644 and path.read_text() == grafana.dashboard_json()
     assert [p.name for p in tmp_path.iterdir()] == ["raychat.json"]
+
+
+def test_rays_dashboards_are_looked_for_in_rays_own_temp_dir(tmp_path, monkeypatch):
+    """Ray's temp dir is <$RAY_TMPDIR, else $TMPDIR, else /tmp>/ray; provision looked in $RAY_TMPDIR itself
+    (no ray/ below it) and never in $TMPDIR, so it refused a head whose Ray wrote its dashboards there."""
+    dashboards = Path("session_latest", "metrics", "grafana", "dashboards")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "x"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "y"))
+    assert grafana.ray_dashboards_dir() == tmp_path / "x" / "ray" / dashboards
+    monkeypatch.delenv("RAY_TMPDIR")
+    assert grafana.ray_dashboards_dir() == tmp_path / "y" / "ray" / dashboards
+    monkeypatch.delenv("TMPDIR")
+    assert grafana.ray_dashboards_dir() == Path("/tmp/ray") / dashboards
+    assert grafana.ray_dashboards_dir(str(tmp_path / "z")) == tmp_path / "z" / dashboards  # --ray-temp-dir
+
+
+def test_provision_without_the_k8s_extra_says_so_in_one_line(monkeypatch, capsys):
+    """Without grafana-client and niquests (raychat[k8s]: the Dockerfile's image, the wheel) `grafana provision`
+    ended in a ModuleNotFoundError traceback."""
+    for name in list(sys.modules):
+        if name.partition(".")[0] in ("niquests", "grafana_client"):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "niquests", None)
+    monkeypatch.setitem(sys.modules, "grafana_client", None)
+    assert raychat_main(["grafana", "provision", "--url", "http://127.0.0.1:9/", "--no-ray-dashboards"]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"raychat grafana provision: error: provisioning Grafana needs the k8s extra, and this Python "
+        f"({sys.executable}) lacks 'niquests': pip install -c constraints.txt -e \".[k8s]\" in the raychat "
+        "checkout  (RAYCHAT_DEBUG=1 shows the traceback)\n",
+    )

@@ -665,9 +665,16 @@ def test_k8s_submit_without_a_configuration_or_a_server_says_so_in_one_line(tmp_
     argv = ["k8s", "submit", "--kubeconfig", str(tmp_path / "none"), "--name", "rl-1", *RL_ARGS]
     assert raychat_main(argv) == 2
     assert capsys.readouterr().err == (
-        f"raychat k8s submit: error: no Kubernetes configuration: --kubeconfig {tmp_path / 'none'}: no such file; "
-        "in-cluster configuration: Service host/port is not set (not in a pod); pass --kubeconfig FILE (and "
-        "--context NAME)\n"
+        f"raychat k8s submit: error: no Kubernetes configuration: --kubeconfig {tmp_path / 'none'}: no such file "
+        "(the in-cluster configuration of a pod is used only without --kubeconfig, --context and $KUBECONFIG)\n"
+    )
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    assert raychat_main([*argv[:2], *argv[4:]]) == 2
+    assert capsys.readouterr().err == (
+        "raychat k8s submit: error: no Kubernetes configuration: ~/.kube/config: Invalid kube-config file. No "
+        "configuration found; in-cluster configuration: Service host/port is not set (not in a pod); pass "
+        "--kubeconfig FILE (and --context NAME)\n"
     )
     with socket.socket() as s:  # a loopback port that nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -715,6 +722,93 @@ def test_k8s_a_connect_timeout_and_the_default_kubeconfig_read_as_sentences(tmp_
         match=rf"^no Kubernetes configuration: \$KUBECONFIG \({re.escape(str(tmp_path / 'kc'))}\): ",
     ):
         k8s_cli.create_rayjob({}, "ml")
+
+
+@pytest.fixture
+def in_a_pod(tmp_path, monkeypatch):
+    """This process as if in a pod (the in-cluster loader's service-account token and CA, KUBERNETES_SERVICE_HOST
+    and _PORT), with the POST of the RayJob recorded, not sent: returns the list of hosts the RayJobs went to."""
+    from kubernetes import client
+    from kubernetes.config import incluster_config
+
+    (tmp_path / "token").write_text("pod-token")
+    (tmp_path / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(tmp_path / "token"))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(tmp_path / "ca.crt"))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    sent = []
+
+    def record(self, group, version, namespace, plural, body, **kwargs):
+        sent.append(self.api_client.configuration.host)
+        return {"metadata": {"name": body["metadata"]["name"]}}
+
+    monkeypatch.setattr(client.CustomObjectsApi, "create_namespaced_custom_object", record)
+    return sent
+
+
+def test_k8s_submit_in_a_pod_never_trades_a_named_kubeconfig_for_the_pods_cluster(tmp_path, capsys, in_a_pod):
+    """In a pod, a --kubeconfig that does not exist or a --context it does not hold fell back to the pod's
+    in-cluster configuration: the RayJob was created in the pod's own cluster, exit 0. Only without
+    --kubeconfig, --context and $KUBECONFIG is the in-cluster configuration used."""
+    kubeconfig = _write_kubeconfig(tmp_path / "kubeconfig", 6443)
+    submit = ["k8s", "submit", "--name", "rl-1", *RL_ARGS]
+    assert raychat_main([*submit[:2], "--kubeconfig", str(tmp_path / "kubeconfg"), *submit[2:]]) == 2
+    assert capsys.readouterr().err == (
+        f"raychat k8s submit: error: no Kubernetes configuration: --kubeconfig {tmp_path / 'kubeconfg'}: no such "
+        "file (the in-cluster configuration of a pod is used only without --kubeconfig, --context and "
+        "$KUBECONFIG)\n"
+    )
+    assert raychat_main([*submit[:2], "--kubeconfig", str(kubeconfig), "--context", "lop", *submit[2:]]) == 2
+    assert capsys.readouterr().err == (
+        f"raychat k8s submit: error: no Kubernetes configuration: --kubeconfig {kubeconfig}, --context lop: "
+        f"Invalid kube-config file. Expected object with name lop in {kubeconfig}/contexts list (the in-cluster "
+        "configuration of a pod is used only without --kubeconfig, --context and $KUBECONFIG)\n"
+    )
+    assert in_a_pod == []
+    assert raychat_main([*submit[:2], "--kubeconfig", str(kubeconfig), "--context", "loop", *submit[2:]]) == 0
+    assert raychat_main(submit) == 0  # nothing named: the pod's own cluster
+    assert in_a_pod == ["http://127.0.0.1:6443", "https://10.96.0.1:443"]
+
+
+def _without_k8s_extra(monkeypatch, *packages: str) -> None:
+    """Import `packages` as if not installed (ModuleNotFoundError), their imported modules forgotten."""
+    for name in list(sys.modules):
+        if name.partition(".")[0] in packages:
+            monkeypatch.delitem(sys.modules, name)
+    for package in packages:
+        monkeypatch.setitem(sys.modules, package, None)
+
+
+def test_k8s_submit_without_the_k8s_extra_says_so_in_one_line(monkeypatch, capsys):
+    """Without the kubernetes client (raychat[k8s]: the Dockerfile's image, the wheel) `k8s submit` ended in a
+    ModuleNotFoundError traceback; --dry-run needs no client."""
+    _without_k8s_extra(monkeypatch, "kubernetes")
+    assert raychat_main(["k8s", "submit", "--dry-run", "--name", "rl-1", *RL_ARGS]) == 0
+    capsys.readouterr()
+    assert raychat_main(["k8s", "submit", "--name", "rl-1", *RL_ARGS]) == 2
+    assert capsys.readouterr() == (
+        "",
+        f"raychat k8s submit: error: creating the RayJob needs the k8s extra, and this Python ({sys.executable}) "
+        "lacks 'kubernetes': pip install -c constraints.txt -e \".[k8s]\" in the raychat checkout; --dry-run prints "
+        "the RayJob without it  (RAYCHAT_DEBUG=1 shows the traceback)\n",
+    )
+
+
+def test_k8s_generate_outside_a_checkout_names_its_own_flag(tmp_path, monkeypatch, capsys):
+    """From an installed raychat (no checkout above the package) `k8s generate` said "pass --working-dir <repo>",
+    a flag of `raychat submit`; its own is --repo."""
+    from raychat.ops import submit
+
+    installed = tmp_path / "site-packages" / "raychat" / "ops" / "submit.py"
+    monkeypatch.setattr(submit, "__file__", str(installed))
+    assert raychat_main(["k8s", "generate"]) == 2
+    assert capsys.readouterr().err == (
+        f"raychat k8s generate: error: no raychat checkout above {installed}; pass --repo <repo>  "
+        "(RAYCHAT_DEBUG=1 shows the traceback)\n"
+    )
 
 
 # ---------------------------------------------------------------- the vLLM RayService, the PodMonitor

@@ -21,8 +21,11 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from ray._common.utils import get_default_ray_temp_dir
+
 from raychat import metrics as m
 from raychat.atomic import atomic_write_text
+from raychat.ops.jobs import K8S_EXTRA_INSTALL
 
 DASHBOARD_PATH = Path(__file__).with_name("grafana") / "raychat.json"
 DASHBOARD_UID = "raychat"
@@ -250,8 +253,9 @@ def write_dashboard(path: Path = DASHBOARD_PATH) -> None:
 
 
 def ray_dashboards_dir(temp_dir: str | None = None) -> Path:
-    """<temp_dir or $RAY_TMPDIR or /tmp/ray>/session_latest/metrics/grafana/dashboards."""
-    root = Path(temp_dir or os.environ.get("RAY_TMPDIR") or "/tmp/ray")
+    """<temp_dir, else Ray's default temp dir>/session_latest/metrics/grafana/dashboards. Ray's default is
+    Ray's own rule (get_default_ray_temp_dir): <$RAY_TMPDIR, else $TMPDIR, else /tmp>/ray."""
+    root = Path(temp_dir or get_default_ray_temp_dir())
     return root / "session_latest" / "metrics" / "grafana" / "dashboards"
 
 
@@ -353,9 +357,15 @@ def grafana_url(url: str) -> tuple[str, str]:
 
 
 def cmd_provision(args) -> int:
-    import niquests
-    from grafana_client import GrafanaApi
-    from grafana_client.client import GrafanaException
+    try:
+        import niquests
+        from grafana_client import GrafanaApi
+        from grafana_client.client import GrafanaException
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"provisioning Grafana needs the k8s extra, and this Python ({sys.executable}) lacks "
+            f"{e.name.partition('.')[0]!r}: {K8S_EXTRA_INSTALL}"
+        ) from None
 
     url = args.url or os.environ.get("GRAFANA_URL")
     token = args.token or os.environ.get("GRAFANA_TOKEN")

@@ -1,5 +1,5 @@
-"""raychat's Ray jobs: the stages with an entrypoint under jobs/, and the Jobs API's default address (standard
-library only: the `raychat submit` parser reads them without importing Ray)."""
+"""raychat's Ray jobs: the stages with an entrypoint under jobs/, the Jobs API's default address and the k8s
+extra's install line (standard library only: the `raychat submit` parser reads them without importing Ray)."""
 
 STAGES = ("data", "tokenizer", "pretrain", "sft", "rl", "eval", "export", "speedrun")
 # `command` runs the words after it as the entrypoint (any command, e.g. a smoke test of the cluster).
@@ -11,3 +11,6 @@ DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # RayJobs: raychat.ops.k8s.rayjob)
 STOP_WAIT_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
 STAGE_STOP_WAIT_S = 30
+# the optional extra `raychat[k8s]` (kubernetes, grafana-client, niquests) that `k8s submit` (not --dry-run) and
+# `grafana provision` need
+K8S_EXTRA_INSTALL = 'pip install -c constraints.txt -e ".[k8s]" in the raychat checkout'

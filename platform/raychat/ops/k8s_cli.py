@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from raychat.log import plural
+from raychat.ops.jobs import K8S_EXTRA_INSTALL
 from raychat.ops.k8s import check_label, check_rayjob_name, rayjob, render_all, to_yaml, write_generated
 from raychat.ops.submit import repo_root
 
@@ -21,36 +22,43 @@ REQUEST_TIMEOUT_S = (
 
 
 class KubeConfigError(RuntimeError):
-    """Neither a kubeconfig nor the in-cluster configuration could be loaded."""
+    """The kubeconfig that --kubeconfig, --context or $KUBECONFIG names does not load, or, given none of them,
+    neither ~/.kube/config nor the in-cluster configuration does."""
 
 
 def create_rayjob(
     body: dict, namespace: str, kubeconfig: str | None = None, context: str | None = None
 ) -> dict:
-    """POST the RayJob through kubernetes.client.CustomObjectsApi (kubeconfig, else in-cluster config).
+    """POST the RayJob through kubernetes.client.CustomObjectsApi (the kubeconfig; given none of `kubeconfig`,
+    `context` and $KUBECONFIG, ~/.kube/config, else the in-cluster configuration of a pod).
 
-    Raises KubeConfigError when neither configuration loads, kubernetes.client.exceptions.ApiException when the
-    API server refuses the object, urllib3.exceptions.MaxRetryError when it cannot be reached and
-    urllib3.exceptions.TimeoutError when it does not answer within REQUEST_TIMEOUT_S (connect, read seconds)."""
+    Raises KubeConfigError when the configuration does not load (naming --kubeconfig, --context or $KUBECONFIG
+    when one was given: a pod's in-cluster configuration would send the RayJob to another cluster),
+    kubernetes.client.exceptions.ApiException when the API server refuses the object,
+    urllib3.exceptions.MaxRetryError when it cannot be reached and urllib3.exceptions.TimeoutError when it does
+    not answer within REQUEST_TIMEOUT_S (connect, read seconds)."""
     from kubernetes import client, config
 
     try:
         config.load_kube_config(config_file=kubeconfig, context=context)
     except config.ConfigException as kube_error:
+        if kubeconfig:
+            where = f"--kubeconfig {kubeconfig}"
+        elif os.environ.get("KUBECONFIG"):
+            where = f"$KUBECONFIG ({os.environ['KUBECONFIG']})"
+        else:
+            where = "~/.kube/config"
+        if context:
+            where += f", --context {context}"
+        why = "no such file" if kubeconfig and not Path(kubeconfig).exists() else str(kube_error).rstrip(".")
+        if kubeconfig or context or os.environ.get("KUBECONFIG"):
+            raise KubeConfigError(
+                f"no Kubernetes configuration: {where}: {why} (the in-cluster configuration of a pod is used "
+                "only without --kubeconfig, --context and $KUBECONFIG)"
+            ) from None
         try:
             config.load_incluster_config()
         except config.ConfigException as in_cluster_error:
-            if kubeconfig:
-                where = f"--kubeconfig {kubeconfig}"
-            elif os.environ.get("KUBECONFIG"):
-                where = f"$KUBECONFIG ({os.environ['KUBECONFIG']})"
-            else:
-                where = "~/.kube/config"
-            why = (
-                "no such file"
-                if kubeconfig and not Path(kubeconfig).exists()
-                else str(kube_error).rstrip(".")
-            )
             raise KubeConfigError(
                 f"no Kubernetes configuration: {where}: {why}; in-cluster configuration: "
                 f"{str(in_cluster_error).rstrip('.')} (not in a pod); pass --kubeconfig FILE (and --context NAME)"
@@ -79,7 +87,7 @@ def unreachable(e, name: str, namespace: str) -> str:
 
 
 def cmd_generate(args) -> int:
-    repo = Path(args.repo).resolve() if args.repo else repo_root()
+    repo = Path(args.repo).resolve() if args.repo else repo_root("--repo")
     if not (repo / "serve" / "chat.yaml").is_file():
         raise ValueError(
             f"--repo {args.repo or repo}: not a raychat checkout (no serve/chat.yaml to render from)"
@@ -119,7 +127,13 @@ def cmd_submit(args) -> int:
         body["metadata"]["namespace"] = args.namespace
         sys.stdout.write(to_yaml(body))
         return 0
-    from kubernetes.client.exceptions import ApiException
+    try:
+        from kubernetes.client.exceptions import ApiException
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"creating the RayJob needs the k8s extra, and this Python ({sys.executable}) lacks "
+            f"{e.name.partition('.')[0]!r}: {K8S_EXTRA_INSTALL}; --dry-run prints the RayJob without it"
+        ) from None
     from urllib3.exceptions import MaxRetryError, ReadTimeoutError
 
     try:

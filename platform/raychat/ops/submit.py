@@ -90,14 +90,15 @@ START_TIMEOUT = (
 )
 
 
-def repo_root() -> Path:
+def repo_root(flag: str = "--working-dir") -> Path:
     """The raychat checkout this module runs from (the folder holding pyproject.toml and jobs/).
 
-    Raises FileNotFoundError when raychat runs from an installed wheel (no checkout): pass --working-dir."""
+    Raises FileNotFoundError when raychat runs from an installed wheel (no checkout), naming `flag`, the
+    command's flag that gives the checkout instead ("pass --working-dir <repo>")."""
     root = Path(__file__).resolve().parents[3]
     if (root / "pyproject.toml").is_file() and (root / "platform" / "raychat").is_dir():
         return root
-    raise FileNotFoundError(f"no raychat checkout above {__file__}; pass --working-dir <repo>")
+    raise FileNotFoundError(f"no raychat checkout above {__file__}; pass {flag} <repo>")
 
 
 ADDRESS_ENV = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")  # in the order resolve_address reads them
@@ -470,7 +471,19 @@ PENDING_STOP = (
 
 
 def _connection_errors():
-    return (AuthenticationError, ConnectionError, RuntimeError)
+    # requests' ConnectionError (refused, or dropped mid-request: a port-forward that dropped) is an OSError, not
+    # the builtin ConnectionError
+    return (AuthenticationError, ConnectionError, requests.ConnectionError, RuntimeError)
+
+
+def connection_line(error: BaseException, client) -> str:
+    """The line of a Jobs API call of `client` that failed with `error` (one of _connection_errors()): its first
+    line, and for requests' ConnectionError, whose text may name no address ("('Connection aborted.',
+    RemoteDisconnected(...))"), the address of the client's dashboard too (make_client raises the builtin
+    ConnectionError alone: `client` may be None for any other error)."""
+    if isinstance(error, requests.ConnectionError):
+        return f"lost the connection to the Ray dashboard at {client.get_address()}: {first_line(error)}"
+    return first_line(error)
 
 
 def job_refusal(e: Exception, job_id: str | None) -> str | None:
@@ -524,6 +537,7 @@ def check_job_id_free(client, job_id: str | None) -> None:
 
 
 def cmd_submit(args) -> int:
+    client = None
     try:
         working_dir = Path(args.working_dir).resolve() if args.working_dir else repo_root()
         if not working_dir.is_dir():
@@ -545,7 +559,7 @@ def cmd_submit(args) -> int:
         print(f"raychat submit: error: {e}", file=sys.stderr)
         return 2
     except _connection_errors() as e:
-        print(f"raychat submit: error: {first_line(e)}", file=sys.stderr)
+        print(f"raychat submit: error: {connection_line(e, client)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     kwargs = {}
     if args.num_cpus is not None:
@@ -561,7 +575,12 @@ def cmd_submit(args) -> int:
         if why := job_refusal(e, args.job_id):
             print(f"raychat submit: error: {why}", file=sys.stderr)
             return 2
-        print(f"raychat submit: error: the cluster refused the job: {first_line(e)}", file=sys.stderr)
+        # dropped during the upload or the submission itself: the job may have been submitted
+        if isinstance(e, requests.ConnectionError):
+            why = f"{connection_line(e, client)}; `raychat jobs list` shows whether the job was submitted"
+        else:
+            why = f"the cluster refused the job: {first_line(e)}"
+        print(f"raychat submit: error: {why}", file=sys.stderr)
         return EXIT_UNREACHABLE
     print(f"submitted {job_id}: {entrypoint}", file=sys.stderr)
     if args.no_wait:
@@ -615,6 +634,7 @@ def job_lines(jobs) -> list[str]:
 
 
 def cmd_jobs(args) -> int:
+    client = None
     try:
         client = make_client(args.address, args.token_file)
         if args.jobs_command == "list":
@@ -647,5 +667,5 @@ def cmd_jobs(args) -> int:
         if why := job_refusal(e, getattr(args, "job_id", None)):
             print(f"raychat jobs: error: {why}", file=sys.stderr)
             return 2
-        print(f"raychat jobs: error: {first_line(e)}", file=sys.stderr)
+        print(f"raychat jobs: error: {connection_line(e, client)}", file=sys.stderr)
         return EXIT_UNREACHABLE
