@@ -50,7 +50,7 @@ from raychat.checkpoint_manager import COMMIT_FILE, committed_checkpoints
 from raychat.config import ConfigError, RLConfig, SpeedrunConfig, TrainConfig, from_dict, to_dict
 from raychat.config.data import PrepareConfig
 from raychat.config.presets import preset_section
-from raychat.config.schema import leaves
+from raychat.config.schema import flatten, leaves
 from raychat.config.speedrun import StageConfigError
 from raychat.config.train import check_batch
 from raychat.data.corpus.prepare import prepare, prepare_kwargs
@@ -189,8 +189,8 @@ def check_stages(config: SpeedrunConfig, preset: str) -> None:
             )
     if config.sft:
         sft_cfg = config.sft
-        with stage_keys(preset, "sft", ValueError):
-            check_sft_seq_len(sft_cfg, cfg, preset)
+        with stage_keys(preset, "sft", ValueError, config.sft_keys):
+            check_sft_seq_len(sft_cfg, cfg, preset, config.sft_keys)
             check_batch(sft_cfg)
             check_task_files(sft_cfg)
             # the report card's chat evals of the SFT and RL checkpoints: the files here (the rest: "n/a: no data")
@@ -198,9 +198,8 @@ def check_stages(config: SpeedrunConfig, preset: str) -> None:
             if sft_cfg.data.sft_data:  # read once per process: the SFT stage splits what this read
                 sft_data_split(sft_cfg.data.sft_data, sft_cfg.data.sft_test_size)
             if local:
-                check_local_layout(
-                    *_layout(sft_cfg), SFT.data_cpus, sft_cfg.layout.use_gpu, _option(preset, "sft")
-                )
+                option = _option(preset, "sft", config.sft_keys)
+                check_local_layout(*_layout(sft_cfg), SFT.data_cpus, sft_cfg.layout.use_gpu, option)
     if config.sft and config.rl:  # RL runs after SFT only
         rl = config.rl
         with stage_keys(preset, "rl", ValueError):
@@ -215,18 +214,21 @@ def _layout(cfg: TrainConfig) -> tuple[int, float]:
     return cfg.layout.num_workers, cfg.layout.cpus_per_worker
 
 
-def _option(preset: str, stage: str):
-    return speedrun_flags(preset, stage).option
+def _option(preset: str, stage: str, sft_keys: frozenset[str] | None = None):
+    return speedrun_flags(preset, stage, sft_keys).option
 
 
-def check_sft_seq_len(sft_cfg: TrainConfig, pretrain_cfg: TrainConfig, preset: str) -> None:
+def check_sft_seq_len(
+    sft_cfg: TrainConfig, pretrain_cfg: TrainConfig, preset: str, sft_keys: frozenset[str] | None = None
+) -> None:
     """SFT's seq_len is at most pretraining's: the max_seq_len of the pretraining checkpoint SFT starts from
-    (raychat.train.plan.check_seq_len, made before that checkpoint exists, naming the preset's keys).
+    (raychat.train.plan.check_seq_len, made before that checkpoint exists, naming the preset's keys;
+    `sft_keys` as speedrun_flags takes them).
 
     Raises:
         ConfigError: "sft.seq_len 128: the pretraining checkpoint (train.seq_len) has max_seq_len 64 (...);
             allowed: 1..64"."""
-    sft_key, train_key = _option(preset, "sft")("seq_len"), _option(preset, "pretrain")("seq_len")
+    sft_key, train_key = _option(preset, "sft", sft_keys)("seq_len"), _option(preset, "pretrain")("seq_len")
     check_seq_len(
         sft_cfg.model.seq_len, pretrain_cfg.model.seq_len, f"{STARTS_FROM['sft']} ({train_key})", sft_key
     )
@@ -321,12 +323,17 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
     report["timings_s"]["eval"] = time.perf_counter() - t0
 
     final = report["checkpoint"]
+    if not config.sft:
+        log("SFT and RL: not run: the preset's sft section sets no positive num_iterations (RL follows SFT)")
+    elif not config.rl:
+        log("RL: not run: the preset's rl section sets no positive steps")
     if config.sft:
         t0 = banner("5/6 SFT on Ray Train (same loop, packed conversations)")
         run = config.sft.run
         before = newest_commit(run.storage_path, run.run_name)
-        with stage_keys(preset, "sft"):
-            figures, final = run_sft_stage(config.sft, report["checkpoint"], speedrun_flags(preset, "sft"))
+        with stage_keys(preset, "sft", sft_keys=config.sft_keys):
+            flags = speedrun_flags(preset, "sft", config.sft_keys)
+            figures, final = run_sft_stage(config.sft, report["checkpoint"], flags)
         after = newest_commit(run.storage_path, run.run_name)
         record = state.get("sft", {})
         if after != before or record.get("output") != after:  # "before SFT" of this invocation's report
@@ -567,15 +574,18 @@ STARTS_FROM = {"sft": "the pretraining checkpoint", "rl": "the SFT checkpoint"}
 OTHER_OUT = "another --out"  # how the speedrun's refusals say to start another speedrun
 
 
-def speedrun_flags(preset: str, stage: str) -> Flags:
+def speedrun_flags(preset: str, stage: str, sft_keys: frozenset[str] | None = None) -> Flags:
     """How the lines of the speedrun's `stage` (pretrain, sft, rl) name what its user sets
     (raychat.train.launch.Flags): pretraining's num_iterations by --num-iterations, what --out lays out as in
     OUT_OPTIONS, the checkpoint SFT and RL start from as in STARTS_FROM, any other option by the key of `preset`
     that sets it, <section>.<key> ("train.depth", "sft.num_iterations", "rl.steps"; SFT's settings are the train
-    section's with its own section's over them); another run is another --out, and this one resumes with the
-    same --preset; OUT_OPTIONS are laid out (Flags.laid_out)."""
+    section's with its own section's over them: `sft_keys`, the flat names its sft section sets, as
+    SpeedrunConfig.sft_keys holds them, read with the preset once; None: read from `preset`); another run is
+    another --out, and this one resumes with the same --preset; OUT_OPTIONS are laid out (Flags.laid_out)."""
     section = {"pretrain": "train", "rl": "rl"}.get(stage, "sft")
-    own = preset_section(preset, "sft") if stage == "sft" else {}
+    own = sft_keys if stage == "sft" else frozenset()
+    if own is None:
+        own = frozenset(flatten(TrainConfig, preset_section(preset, "sft")))
 
     def option(name: str) -> str:
         if stage == "pretrain" and name == "num_iterations":
@@ -593,11 +603,13 @@ _FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
 _STAGE_CONFIGS = {"pretrain": TrainConfig, "sft": TrainConfig, "rl": RLConfig}
 
 
-def named_by_keys(error: ValueError, preset: str, stage: str) -> ValueError:
+def named_by_keys(
+    error: ValueError, preset: str, stage: str, sft_keys: frozenset[str] | None = None
+) -> ValueError:
     """`error` (a configuration error of the speedrun's `stage`: pretrain, sft, rl) with every --flag of that
-    stage's options in its message named as the speedrun names them (speedrun_flags: the preset's key,
-    "train.min_workers"); `error` itself when it names none."""
-    options, option = leaves(_STAGE_CONFIGS[stage]), speedrun_flags(preset, stage).option
+    stage's options in its message named as the speedrun names them (speedrun_flags, of `sft_keys`: the
+    preset's key, "train.min_workers"); `error` itself when it names none."""
+    options, option = leaves(_STAGE_CONFIGS[stage]), speedrun_flags(preset, stage, sft_keys).option
 
     def named(flag: re.Match) -> str:
         name = flag.group(1).replace("-", "_")
@@ -611,14 +623,17 @@ def named_by_keys(error: ValueError, preset: str, stage: str) -> ValueError:
 
 
 @contextlib.contextmanager
-def stage_keys(preset: str, stage: str, errors: type[ValueError] = ConfigError):
+def stage_keys(
+    preset: str, stage: str, errors: type[ValueError] = ConfigError, sft_keys: frozenset[str] | None = None
+):
     """Within: a ConfigError (a bad setting found while the stage plans or starts: a total batch that does not
     divide, a --seq-len the model cannot hold...), or any of `errors` (check_stages: ValueError, the one-line
-    refusals of task files and layouts), is raised again naming the preset's keys (named_by_keys)."""
+    refusals of task files and layouts), is raised again naming the preset's keys (named_by_keys, of
+    `sft_keys`)."""
     try:
         yield
     except errors as e:
-        named = named_by_keys(e, preset, stage)
+        named = named_by_keys(e, preset, stage, sft_keys)
         if named is e:
             raise
         raise named from e

@@ -15,6 +15,7 @@ import yaml
 
 from raychat.cli import build_parser
 from raychat.config import (
+    SFT_DEFAULTS,
     ChatConfig,
     ConfigError,
     EvalConfig,
@@ -22,6 +23,7 @@ from raychat.config import (
     ServeConfig,
     SpeedrunConfig,
     TrainConfig,
+    VLLMConfig,
     add_flags,
     from_args,
     from_dict,
@@ -30,8 +32,8 @@ from raychat.config import (
     to_dict,
     to_flat,
 )
-from raychat.config.data import TokenizerConfig
-from raychat.config.schema import leaves, shown
+from raychat.config.data import PrepareConfig, TokenizerConfig
+from raychat.config.schema import flag_name, leaves, shown
 from raychat.speedrun import run_speedrun
 from raychat.storage import run_directory
 from raychat.tokenizer import MIN_VOCAB_SIZE
@@ -444,3 +446,111 @@ def test_rl_max_operand_keeps_every_calculator_call_computable():
     with pytest.raises(ConfigError) as e:
         from_dict(RLConfig, {"max_operand": 10**9 + 1})
     assert str(e.value) == "--max-operand must be <= 1000000000, got 1000000001"
+
+
+def test_a_nested_preset_section_chooses_the_inputs_it_nests(tmp_path):
+    """The storage-root rule took a preset section's top-level keys for the options it sets: nested by
+    --help's sections (README), `data: {data_dir: ...}` was replaced by <root>/data, and `run: {storage_path:
+    ...}` pointed no input under its root."""
+    mine = tmp_path / "mine.yaml"
+
+    def inputs(text: str) -> tuple:
+        mine.write_text(text)
+        args = build_parser("pretrain").parse_args(["pretrain", "--preset", str(mine)])
+        cfg = from_args(args, TrainConfig, "pretrain", where="pretrain settings")
+        return cfg.run.storage_path, cfg.data.data_dir, cfg.data.tokenizer_path
+
+    nested_data = "train:\n  storage_path: /mnt/root\n  data:\n    data_dir: /data/mine\n"
+    assert inputs(nested_data) == ("/mnt/root", "/data/mine", "/mnt/root/tokenizer")
+    nested_root = "train:\n  run:\n    storage_path: /mnt/root\n"
+    assert inputs(nested_root) == ("/mnt/root", "/mnt/root/data", "/mnt/root/tokenizer")
+
+
+@pytest.mark.parametrize(
+    "words, cls, section, attr, preset_value",
+    [
+        (["eval", "--preset", "tiny"], EvalConfig, "eval", "max_tokens", 8),
+        (["data", "prepare", "--preset", "tiny"], PrepareConfig, "data", "num_shards", 5),
+    ],
+)
+def test_a_flag_given_none_replaces_the_presets_value(words, cls, section, attr, preset_value):
+    """`--max-tokens none` ("no value") was dropped as not given, so the preset's value stayed."""
+    parse = build_parser(words[0]).parse_args
+    assert getattr(from_args(parse(words), cls, section), attr) == preset_value
+    assert getattr(from_args(parse([*words, flag_name(attr), "none"]), cls, section), attr) is None
+
+
+def test_a_storage_path_of_none_points_no_input_under_a_root(tmp_path):
+    """An eval preset's `storage_path: none` (or `--storage-path none`) ended in an AttributeError traceback."""
+    mine = tmp_path / "eval.yaml"
+    mine.write_text("eval:\n  storage_path: none\n  tasks: calculator:4\n")
+    for extra in ([], ["--storage-path", "none"]):
+        argv = ["eval", "--preset", str(mine), "--checkpoint", "/tmp/x", *extra]
+        cfg = from_args(build_parser("eval").parse_args(argv), EvalConfig, "eval", where="eval settings")
+        assert (cfg.storage_path, cfg.data_dir) == (None, "runs/data")
+
+
+def test_sft_layers_a_nested_sft_section_on_the_train_sections_options(tmp_path):
+    """`raychat sft --preset` put the sft section on the train section with a shallow dict update: an sft
+    `optim: {matrix_lr: 0.01}` dropped the train section's embedding_lr and grad_clip; and an option the sft
+    section nests wins over the train section's flat one, whatever the order of the keys."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(
+        "train:\n  optim:\n    embedding_lr: 0.3\n    grad_clip: 0.5\n  matrix_lr: 0.02\n"
+        "sft:\n  optim:\n    matrix_lr: 0.01\n"
+    )
+    args = build_parser("sft").parse_args(["sft", "--preset", str(mine)])
+    optim = from_args(args, TrainConfig, "sft", base=from_dict(TrainConfig, SFT_DEFAULTS)).optim
+    assert (optim.matrix_lr, optim.embedding_lr, optim.grad_clip) == (0.01, 0.3, 0.5)
+    assert preset_values(str(mine), "sft") == {
+        "optim": {"embedding_lr": 0.3, "grad_clip": 0.5, "matrix_lr": 0.01}
+    }
+    pretrain = from_args(
+        build_parser("pretrain").parse_args(["pretrain", "--preset", str(mine)]), TrainConfig, "pretrain"
+    )
+    assert (pretrain.optim.matrix_lr, pretrain.optim.embedding_lr) == (0.02, 0.3)
+
+
+def test_the_vllm_port_is_a_tcp_port():
+    assert from_dict(VLLMConfig, {"port": 65535, "hf_dir": "/x"}).port == 65535
+    with pytest.raises(ConfigError) as e:
+        from_dict(VLLMConfig, {"port": 70000, "hf_dir": "/x"})
+    assert str(e.value) == "port must be <= 65535, got 70000"
+
+
+def _tiny_with(tmp_path, name: str, **sections) -> str:
+    """The tiny preset with `sections` in place of its own (None: without it), as a file."""
+    tiny = yaml.safe_load((files("raychat") / "presets" / "tiny.yaml").read_text())
+    path = tmp_path / f"{name}.yaml"
+    text = {k: v for k, v in {**tiny, **sections}.items() if v is not None}
+    path.write_text(yaml.safe_dump(text, sort_keys=False))
+    return str(path)
+
+
+def test_the_speedrun_runs_sft_and_rl_as_their_commands_read_the_preset(tmp_path):
+    """Whether SFT and RL ran was read off the raw flat keys: a nested num_iterations or steps skipped them
+    silently, an sft section without num_iterations skipped SFT (`raychat sft` takes the train section's, 4
+    in tiny), and "2" or null ended in a TypeError traceback."""
+    out = str(tmp_path / "out")
+    rl = {"rollout": {"steps": 1, "prompts_per_step": 2, "samples_per_prompt": 2, "max_tokens": 8}}
+    nested = {"train": {"horizon": {"num_iterations": 2}}, "sft_tasks": "calculator:200"}
+    c = SpeedrunConfig.from_preset(_tiny_with(tmp_path, "nested", sft=nested, rl=rl), out)
+    assert (c.sft.train.horizon.num_iterations, c.rl.rollout.steps) == (2, 1)
+    inherit = _tiny_with(tmp_path, "inherit", sft={"sft_tasks": "calculator:200"})
+    c = SpeedrunConfig.from_preset(inherit, out, num_iterations=7)  # --num-iterations: pretraining's alone
+    assert (c.pretrain.train.horizon.num_iterations, c.sft.train.horizon.num_iterations) == (7, 4)
+    quoted = _tiny_with(tmp_path, "quoted", sft={"num_iterations": "2", "sft_tasks": "calculator:200"})
+    assert SpeedrunConfig.from_preset(quoted, out).sft.train.horizon.num_iterations == 2
+    off = _tiny_with(tmp_path, "off", sft={"num_iterations": 0}, rl={"steps": 0})
+    c = SpeedrunConfig.from_preset(off, out)
+    assert (c.sft, c.rl) == (None, None)
+    assert SpeedrunConfig.from_preset(_tiny_with(tmp_path, "none", sft=None), out).sft is None
+    for value, shown_value in ((None, "None"), ("two", "'two'")):
+        bad = _tiny_with(tmp_path, "bad", sft={"num_iterations": value})
+        with pytest.raises(ConfigError) as e:
+            SpeedrunConfig.from_preset(bad, out)
+        assert str(e.value) == f"sft.num_iterations must be an integer, got {shown_value}"
+    bad = _tiny_with(tmp_path, "bad_rl", rl={"rollout": {"steps": "many"}})
+    with pytest.raises(ConfigError) as e:
+        SpeedrunConfig.from_preset(bad, out)
+    assert str(e.value) == "rl.steps must be an integer, got 'many'"

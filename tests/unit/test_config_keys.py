@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raychat.config import ConfigError, ServeConfig, from_dict
+from raychat.cli import build_parser
+from raychat.config import ConfigError, RLConfig, ServeConfig, TrainConfig, from_args, from_dict
 from raychat.config.presets import read_preset
 from raychat.serve.deployments import read_serve_app
 
@@ -62,3 +63,53 @@ def test_num_gpus_in_args_beside_a_ray_actor_options_without_it_is_set_both():
     with pytest.raises(ConfigError) as e:
         read_serve_app(app)
     assert str(e.value) == "['num_gpus'] set both in args and in deployments: (one place each)"
+
+
+def test_a_yaml_merge_key_reads_as_safe_load_reads_it(tmp_path):
+    """`<<: *base` was refused ("could not determine a constructor for the tag ...merge"); the mapping's own
+    keys replace the merged ones (not a key given twice), and an unhashable key is a one-line YAML error, not a
+    TypeError traceback."""
+    merge = tmp_path / "merge.yaml"
+    merge.write_text(
+        "train: &base\n  depth: 2\n  seq_len: 64\nsft:\n  <<: *base\n  seq_len: 32\n  num_iterations: 5\n"
+    )
+    assert read_preset(str(merge)) == {
+        "train": {"depth": 2, "seq_len": 64},
+        "sft": {"depth": 2, "seq_len": 32, "num_iterations": 5},
+    }
+    unhashable = tmp_path / "unhashable.yaml"
+    unhashable.write_text("train:\n  ? [depth]\n  : 2\n")
+    with pytest.raises(ValueError) as e:
+        read_preset(str(unhashable))
+    assert (
+        str(e.value) == f"--preset: {unhashable} is not valid YAML at line 2, column 5: found unhashable key"
+    )
+
+
+@pytest.mark.parametrize(
+    "command, text, layers",
+    [
+        (
+            "rl",
+            "eval:\n  eval_every: 2\n  eval_examples: 8\n",
+            "'rl'",
+        ),  # RLConfig's eval section, or raychat eval's?
+        ("pretrain", "data:\n  data_dir: /data/mine\n", "'train'"),  # TrainConfig's data, or data prepare's?
+        ("sft", "data:\n  buffer_size: 64\n", "'train' or 'sft'"),
+    ],
+)
+def test_a_file_of_only_another_commands_sections_is_refused(tmp_path, command, text, layers):
+    """A file whose keys are all stage sections that are also sections of the command's config was read as a
+    staged preset without the command's section: every option silently ignored."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(text)
+    cls = RLConfig if command == "rl" else TrainConfig
+    args = build_parser(command).parse_args([command, "--preset", str(mine)])
+    with pytest.raises(ConfigError) as e:
+        from_args(args, cls, command, where=f"{command} settings")
+    section = text.split(":")[0]
+    assert str(e.value) == (
+        f"--preset {mine}: no {layers} section; its sections ['{section}'] are other commands' (stage sections: "
+        f"['data', 'tokenizer', 'train', 'sft', 'rl', 'serve', 'eval']): put this command's options under "
+        f"{layers.split()[-1].strip(chr(39))}:"
+    )

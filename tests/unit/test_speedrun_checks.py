@@ -360,3 +360,19 @@ def test_the_speedruns_validation_share_warning_names_its_preset_keys(tmp_path):
     assert validation_warnings(entries)[0].endswith(
         "more shards (--num-shards, or a smaller --rows-per-shard) hold out less"
     )  # raychat data prepare's own
+
+
+def test_the_sft_stage_names_its_keys_as_the_preset_read_once_set_them(tmp_path):
+    """The speedrun read its preset file again as each stage started (speedrun_flags, and stage_keys on a
+    refusal): a preset edited or deleted while pretraining trained failed SFT on a file the run no longer
+    needed. SpeedrunConfig.sft_keys holds what SFT's lines need, the sft section's keys (nested ones too)."""
+    path = tmp_path / "preset.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "sft": {**TINY["sft"], "optim": {"matrix_lr": 0.01}}}))
+    config = SpeedrunConfig.from_preset(str(path), str(tmp_path / "out"))
+    assert config.sft_keys == {"num_iterations", "sft_tasks", "eval_examples", "matrix_lr"}
+    path.unlink()
+    option = speedrun_flags(str(path), "sft", config.sft_keys).option
+    assert (option("matrix_lr"), option("depth")) == ("sft.matrix_lr", "train.depth")
+    with pytest.raises(ConfigError) as e, stage_keys(str(path), "sft", sft_keys=config.sft_keys):
+        raise ConfigError("--matrix-lr must be > 0, got -1")
+    assert str(e.value) == "sft.matrix_lr must be > 0, got -1"

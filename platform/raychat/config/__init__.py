@@ -2,7 +2,7 @@
 of --flags (raychat.config.flags), YAML presets shipped as package data (raychat.config.presets).
 
   PrepareConfig, TokenizerConfig (raychat.config.data)  `raychat data prepare`, `raychat tokenizer train`
-  TrainConfig (raychat.config.train)  pretrain / SFT: run, model, optim, data, cluster, train
+  TrainConfig (raychat.config.train)  pretrain / SFT: run, model, optim, data, layout, train
   RLConfig    (raychat.config.rl)     RL: training's run, optim and checkpoint sections, and RL's own
   SpeedrunConfig (raychat.config.speedrun)  `raychat speedrun`: the stage configs on one output root
   EvalConfig, ExportConfig (raychat.config.eval)  `raychat eval`, `raychat export`

@@ -14,7 +14,7 @@ import argparse
 import dataclasses
 import sys
 
-from raychat.config.presets import PRESET_HELP, preset_values
+from raychat.config.presets import LAYERS, PRESET_HELP, STAGE_SECTIONS, preset_values, read_preset
 from raychat.config.schema import (
     ConfigError,
     _base_type,
@@ -23,6 +23,7 @@ from raychat.config.schema import (
     coerce,
     deprecated,
     flag_name,
+    flatten,
     from_dict,
     leaves,
     shown,
@@ -148,16 +149,27 @@ def _parse(hint, text: str, name: str):
 
 
 def given(args: argparse.Namespace, cls) -> dict:
-    """{flat name: value} of the flags of `cls` that were given on the command line."""
-    return {name: getattr(args, name) for name in leaves(cls) if getattr(args, name, None) is not None}
+    """{flat name: value} of the flags of `cls` that were given on the command line (`--max-tokens none`
+    too: its value None, which replaces the preset's)."""
+    typed = getattr(args, TYPED, {})
+    return {
+        name: getattr(args, name)
+        for name in leaves(cls)
+        if getattr(args, name, None) is not None or name in typed
+    }
 
 
 def chosen(args: argparse.Namespace, cls, section: str) -> set[str]:
-    """The flat names of `cls` that the command line sets: a flag given, or a key of the preset's `section`
-    (--preset, not 'none'); the others hold the config's defaults (or the STORAGE_INPUTS rule's)."""
+    """The flat names of `cls` that the command line sets: a flag given, or an option the preset's `section`
+    sets (--preset, not 'none'; flat or nested: `data: {data_dir: ...}` sets data_dir); the others hold the
+    config's defaults (or the STORAGE_INPUTS rule's).
+
+    Raises:
+        ConfigError: the preset's section holds an unknown key (raychat.config.schema.flatten).
+    """
     name = getattr(args, "preset", None)
     preset = preset_values(name, section) if name and name.strip() and name != "none" else {}
-    return {*preset, *given(args, cls)}
+    return {*flatten(cls, preset), *given(args, cls)}
 
 
 def _as_typed(args: argparse.Namespace, cls, flags: dict) -> dict:
@@ -170,6 +182,26 @@ def _as_typed(args: argparse.Namespace, cls, flags: dict) -> dict:
     return out
 
 
+def _check_sections(name: str, cls, section: str) -> None:
+    """Refuse preset `name` when it has none of the sections `section` reads (LAYERS) and every key it has is
+    a stage section that is also a section of `cls` (`eval:` alone for `raychat rl`, `data:` alone for
+    pretrain): written as options nested by sections, it would be read as other commands' sections and
+    ignored.
+
+    Raises:
+        ConfigError: naming the sections the command reads and those the file has.
+    """
+    data = read_preset(name)
+    own = {f.name for f in dataclasses.fields(cls) if f.metadata.get("section")}
+    if data and set(data) <= own:
+        layers = LAYERS.get(section, (section,))
+        raise ConfigError(
+            f"--preset {name}: no {' or '.join(map(repr, layers))} section; its sections {sorted(data)} are "
+            f"other commands' (stage sections: {list(STAGE_SECTIONS)}): put this command's options under "
+            f"{layers[-1]}:"
+        )
+
+
 def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str | None = None):
     """The config of a command: `base` (default `cls()`), the preset's `section` (when --preset is given and
     not 'none'), then the flags given, checked once merged (a flag may mend a preset's value that is invalid
@@ -177,7 +209,8 @@ def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str
 
     Raises:
         ConfigError: an unknown preset key or a bad value; a flag's is named as --flag, also in a config
-            whose errors otherwise name keys (ServeConfig: a preset's values are named by key).
+            whose errors otherwise name keys (ServeConfig: a preset's values are named by key); a preset of
+            only other commands' sections that are also sections of `cls` (_check_sections).
         FileNotFoundError: no such preset (lists the known ones).
     """
     config = base if base is not None else cls()
@@ -185,11 +218,14 @@ def from_args(args: argparse.Namespace, cls, section: str, base=None, where: str
     if name is not None and not name.strip():
         raise ConfigError(f"--preset must not be blank: {PRESET_HELP}")
     preset = preset_values(name, section) if name and name != "none" else {}
+    if name and name != "none" and not preset:
+        _check_sections(name, cls, section)
     flags = _as_typed(args, cls, given(args, cls))
     config = from_dict(cls, preset, base=config, where=where, flags=flags)
     picked = chosen(args, cls, section)
-    if "storage_path" in picked:
-        root = to_flat(config)["storage_path"].rstrip("/")
+    root = to_flat(config).get("storage_path")
+    if "storage_path" in picked and root is not None:  # `storage_path: none` chooses no root
+        root = root.rstrip("/")
         # a path, not the bare run name: a bare name that exists in the working directory is read from there
         inputs = {
             k: f"{root}/{run}" for k, run in STORAGE_INPUTS.items() if k in leaves(cls) and k not in picked

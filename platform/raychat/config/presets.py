@@ -12,6 +12,7 @@ A file with none of these sections is one section by itself (an RL `--config` fi
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from importlib import resources
 from pathlib import Path
 
@@ -85,12 +86,17 @@ def read_preset(name_or_path: str) -> dict:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently); the
+    keys a merge key (`<<: *base`) brings in are not the mapping's own, which replace them as in safe_load."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader refuses it below: "found unhashable key", naming its line
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark
@@ -108,11 +114,37 @@ def preset_section(name_or_path: str, section: str) -> dict:
 
 
 def preset_values(name_or_path: str, command: str) -> dict:
-    """What `command` (pretrain, sft, rl, serve, or a section name) reads from a preset: its LAYERS merged."""
+    """What `command` (pretrain, sft, rl, serve, or a section name) reads from a preset: its LAYERS, each on
+    top of the one before (_layered: an sft `optim: {matrix_lr: 0.01}` keeps the train section's other optim
+    options)."""
     data = read_preset(name_or_path)
     if not any(s in data for s in STAGE_SECTIONS):
         return dict(data)
     out: dict = {}
     for layer in LAYERS.get(command, (command,)):
-        out.update(data.get(layer) or {})
+        out = _layered(out, data.get(layer) or {})
+    return out
+
+
+def _layered(lower: dict, upper: dict) -> dict:
+    """`upper` on top of `lower`, options by flat name or nested in sections: an option `upper` sets (a key
+    whose value is not a mapping, at any depth: flat names are unique in a config) leaves `lower` wherever
+    `lower` has it, and a section both have is layered key by key."""
+
+    def options(values: dict) -> set:
+        return {k for k, v in values.items() if not isinstance(v, dict)}.union(
+            *(options(v) for v in values.values() if isinstance(v, dict))
+        )
+
+    def without(values: dict, names: set) -> dict:
+        return {
+            k: without(v, names) if isinstance(v, dict) else v
+            for k, v in values.items()
+            if isinstance(v, dict) or k not in names
+        }
+
+    out = without(lower, options(upper))
+    for key, value in upper.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _layered(out[key], value) if both else value
     return out

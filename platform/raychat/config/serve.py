@@ -180,7 +180,7 @@ class VLLMConfig(Section):
     tensor_parallel_size: int = option(1, "GPUs one replica shards the model over", ge=1)
     dtype: str = option("bfloat16", "vLLM weights/activations dtype")
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory vLLM may use, in (0, 1]", gt=0, le=1)
-    port: int = option(8000, "HTTP port of the Serve proxy", ge=1)
+    port: int = option(8000, "HTTP port of the Serve proxy", ge=1, le=65535)
 
     def __post_init__(self):
         super().__post_init__()

@@ -13,7 +13,7 @@ from pathlib import Path
 from raychat.config.data import PrepareConfig, TokenizerConfig
 from raychat.config.presets import preset_section, preset_values
 from raychat.config.rl import RLConfig
-from raychat.config.schema import ConfigError, from_dict, owned_literal
+from raychat.config.schema import ConfigError, coerce, flatten, from_dict, owned_literal
 from raychat.config.train import SFT_DEFAULTS, TrainConfig
 
 DATA = "data"  # the speedrun's prepared data under --out
@@ -41,10 +41,38 @@ def _stage(stage: str, cls, values: dict, **kw):
         raise StageConfigError(str(e), stage) from e
 
 
+def _flat(stage: str, cls, values: dict, where: str) -> dict:
+    """flatten(cls, values, where); its ConfigError as StageConfigError of `stage`."""
+    try:
+        return flatten(cls, values, where)
+    except ConfigError as e:
+        raise StageConfigError(str(e), stage) from e
+
+
+def _length(stage: str, cls, name: str, sections: dict[str, dict]) -> int:
+    """Option `name` (SFT's num_iterations, RL's steps) as the preset's `sections` ({section: its values},
+    flat or nested; a later one on top) set it, 0 when none does.
+
+    Raises:
+        StageConfigError: an unknown key in a section.
+        ConfigError: a value that is not an integer, naming `<section>.<name>` ("sft.num_iterations must be an
+            integer, got None").
+    """
+    value, key = 0, ""
+    for section, values in sections.items():
+        flat = _flat(stage, cls, values, f"{section} settings")
+        if name in flat:
+            value, key = flat[name], f"{section}.{name}"
+    return coerce(int, value, key)
+
+
 @dataclass
 class SpeedrunConfig:
-    """The stages of the speedrun; sft and rl are None when the preset does not run them (its `sft` section
-    sets no positive num_iterations, its `rl` section no positive steps)."""
+    """The stages of the speedrun; sft and rl are None when the preset does not run them: its `sft` section
+    is absent or sets no positive num_iterations (one it does not set is its `train` section's, as for
+    `raychat sft`), its `rl` section sets no positive steps. sft_keys: the flat names the `sft` section sets
+    (the other SFT settings are the `train` section's), read with the preset once: how the speedrun's lines
+    name SFT's options (raychat.speedrun.speedrun_flags)."""
 
     out: str
     data: PrepareConfig
@@ -52,6 +80,7 @@ class SpeedrunConfig:
     pretrain: TrainConfig
     sft: TrainConfig | None
     rl: RLConfig | None
+    sft_keys: frozenset[str] = frozenset()
 
     @classmethod
     def from_preset(cls, preset: str, out: str = "runs", num_iterations: int | None = None) -> SpeedrunConfig:
@@ -61,7 +90,8 @@ class SpeedrunConfig:
 
         Raises:
             ConfigError: an unknown key or a bad value in a section (the message names the section; of the
-                train, sft and rl sections a StageConfigError naming the stage); a blank
+                train, sft and rl sections a StageConfigError naming the stage); an sft num_iterations or rl
+                steps that is not an integer, naming the key (`sft.num_iterations`); a blank
                 `out` (which would put the runs in the current directory), a file, or a URI (s3://, gs://).
         """
         if not out.strip() or (Path(out).exists() and not Path(out).is_dir()):
@@ -82,21 +112,26 @@ class SpeedrunConfig:
             where="tokenizer settings",
         )
         layout = {"data_dir": str(data_dir), "tokenizer_path": str(tok_dir), "storage_path": str(checkpoints)}
-        values = {**preset_values(preset, "pretrain"), **layout, "run_name": "base", "stage": "pretrain"}
+        train_values = preset_values(preset, "pretrain")
+        values = {**train_values, **layout, "run_name": "base", "stage": "pretrain"}
         if num_iterations is not None:
             values["num_iterations"] = num_iterations
         pretrain = _stage("pretrain", TrainConfig, values, where="train settings")
         sft_values, rl_values = preset_section(preset, "sft"), preset_section(preset, "rl")
         env = owned_literal("raychat.tasks.hub_data", "TASK_DATA_ENV")
         task_data = "" if os.environ.get(env) else str(root / TASK_DATA)  # '': the variable names it
+        sft_keys = frozenset(_flat("sft", TrainConfig, sft_values, "sft settings"))
+        layers = {"train": train_values, "sft": sft_values} if sft_values else {}
+        sft_iterations = _length("sft", TrainConfig, "num_iterations", layers)
         sft = None
-        if sft_values.get("num_iterations", 0) > 0:
+        if sft_iterations > 0:
             tasks_dir = pretrain.data.task_data_dir or task_data  # the train section's, else the speedrun's
             sft_values = {"eval_every": 0, "checkpoint_every": 0, "task_data_dir": tasks_dir, **sft_values}
-            sft_values |= SFT_DEFAULTS
+            # its num_iterations as _length found it: the train section's, not --num-iterations' (pretraining's)
+            sft_values |= {**SFT_DEFAULTS, "num_iterations": sft_iterations}
             sft = _stage("sft", TrainConfig, sft_values, base=pretrain, where="sft settings")
         rl = None
-        if rl_values.get("steps", 0) > 0:
+        if _length("rl", RLConfig, "steps", {"rl": rl_values}) > 0:
             rl_values = {
                 "task_data_dir": task_data,
                 **rl_values,
@@ -104,4 +139,4 @@ class SpeedrunConfig:
                 "run_name": "rl",
             }
             rl = _stage("rl", RLConfig, rl_values, where="rl settings")
-        return cls(str(root), data, tokenizer, pretrain, sft, rl)
+        return cls(str(root), data, tokenizer, pretrain, sft, rl, sft_keys)
