@@ -237,21 +237,32 @@ def run_directory(ref: str | os.PathLike, storage: Storage | str | None, flag: s
     """The absolute local path of a data directory: `ref` as a path, or a bare name (no '/', not an existing
     local path) as the run <storage>/<name>.
 
-    Raises ValueError naming `flag` when it lands on object storage: training workers read data directories
-    as files, so they must be on a filesystem every node mounts (local or NFS)."""
+    Raises ValueError naming `flag` when it lands on object storage (check_mounted): training workers read data
+    directories as files, so they must be on a filesystem every node mounts (local or NFS). A root given as a
+    string is opened only for a bare name, and an s3:// or gs:// one not even then."""
     text = str(ref).strip()
     if not text:
         raise ValueError(f"{flag}: empty; give a directory or a run name under --storage-path")
-    if isinstance(storage, str | os.PathLike):
-        storage = open_storage(storage)
-    bare_name = is_bare_name(text)
-    uri = storage.uri_of(storage.run_path(text, flag)) if bare_name and storage is not None else text
+    uri = text
+    if is_bare_name(text) and storage is not None:
+        if isinstance(storage, str | os.PathLike):
+            check_mounted(f"{str(storage).strip().rstrip('/')}/{text}", flag)
+            storage = open_storage(storage)
+        uri = storage.uri_of(storage.run_path(text, flag))
+    check_mounted(uri, flag)
+    return open_storage(uri, flag).path
+
+
+def check_mounted(uri: str | os.PathLike, flag: str) -> None:
+    """Refuse a data directory on object storage (an s3:// or gs:// URI: is_remote) before anything opens it
+    (opening an s3:// root may ask S3 for its bucket's region: seconds, or a network error).
+
+    Raises ValueError naming `flag`: "<flag>: <uri> is on object storage; ... give a local or NFS directory"."""
     if is_remote(uri):
         raise ValueError(
             f"{flag}: {uri} is on object storage; data and the tokenizer are read as files by every "
             "node: give a local or NFS directory"
         )
-    return open_storage(uri, flag).path
 
 
 def output_directory(out: str | None, storage_path: str, run: str) -> tuple[str, str]:
@@ -262,6 +273,7 @@ def output_directory(out: str | None, storage_path: str, run: str) -> tuple[str,
     breaks the rule, or a symbolic link below the root leads out of it (--run-name)."""
     if out:
         return run_directory(out, None, "--out"), "--out"
+    check_mounted(storage_path, "--storage-path")
     storage = open_storage(storage_path)
     path = storage.writable_run_path(run)
     return run_directory(storage.uri_of(path), None, "--storage-path"), "--storage-path"

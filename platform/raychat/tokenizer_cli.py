@@ -16,7 +16,7 @@ from raychat.checkpoint_manager import check_output_target
 from raychat.config import from_args
 from raychat.config.data import TokenizerConfig
 from raychat.data.corpus.shards import DataError, check_text_column, list_shards, null_text_message
-from raychat.lease import LEASE_FILE, output_lease
+from raychat.lease import LEASE_FILE, LOCK_FILE, output_lease
 from raychat.log import log, plural
 from raychat.storage import check_writable, open_storage, output_directory, run_directory
 from raychat.tokenizer import Tokenizer
@@ -149,8 +149,9 @@ def is_raychat_tokenizer(directory: str) -> bool:
 
 def is_earlier_tokenizer(directory: str, names: list[str]) -> bool:
     """Whether a directory holding the files `names` (its leftovers aside) is an earlier tokenizer's: a raychat
-    tokenizer.json, its lease (LEASE_FILE: a live run's, or a killed one's) aside."""
-    names = [n for n in names if n != LEASE_FILE]
+    tokenizer.json, its lease (LEASE_FILE: a live run's, or a killed one's) and the lease's lock file
+    (LOCK_FILE: left by a run killed while it held the lock) aside."""
+    names = [n for n in names if n not in (LEASE_FILE, LOCK_FILE)]
     return not names or (names == ["tokenizer.json"] and is_raychat_tokenizer(directory))
 
 
@@ -165,8 +166,7 @@ def main(args) -> int:
     run's checkpoints, prepared data, other files (--out or --run-name); raychat.lease.LeaseHeld: another
     live run writes the output (train_tokenizer). Nothing is written before."""
     c = from_args(args, TokenizerConfig, "tokenizer", where="tokenizer settings")
-    storage = open_storage(c.storage_path)
-    data_dir = run_directory(c.data_dir, storage, "--data-dir")
+    data_dir = run_directory(c.data_dir, c.storage_path, "--data-dir")
     try:  # a missing or unfinished data directory, or a shard raychat did not write: fails before any work
         train_files, val_file = list_shards(data_dir)
         for shard in [*train_files, val_file]:

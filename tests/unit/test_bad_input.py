@@ -203,6 +203,27 @@ def test_pretraining_data_that_is_not_prepared(data, want, root, capsys):
     assert _snapshot(root) == before and not (root / "p").exists()
 
 
+def test_a_truncated_train_shard_stops_pretraining_before_ray(root, capsys):
+    """A train shard cut short (an interrupted copy of the data directory) passed every check before Ray, and
+    each Train worker failed on it in turn with ArrowInvalid naming no file: the driver reads every listed
+    shard's footer first (pretrain.validation_shard)."""
+    _good_input(root)
+    shard = root / "prepared" / "shard_00000.parquet"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    argv = ["pretrain", "--preset", "tiny", "--storage-path", str(root), "--run-name", "p", "--data-dir",
+            f"{root}/prepared", "--tokenizer-path", f"{root}/tokenizer"]  # fmt: skip
+    before = _snapshot(root)
+    why = (
+        f"--data-dir: {shard}: not a readable parquet file (Parquet magic bytes not found in footer. Either the "
+        "file is corrupted or this is not a parquet file.)"
+    )
+    assert (
+        _fails_in_one_line(argv, capsys)
+        == f"raychat pretrain: error: {why}  (RAYCHAT_DEBUG=1 shows the traceback)"
+    )
+    assert _snapshot(root) == before and not (root / "p").exists()
+
+
 def test_a_folder_of_documents_given_as_data_dir_is_told_to_be_prepared_first(tmp_path, capsys):
     """A user's own folder of texts given to --data-dir was told to run `raychat data prepare --out` that folder,
     which refuses it (not an earlier data directory); it is prepare's --source. Shards of a prepare that did not

@@ -700,6 +700,41 @@ def test_jsonl_lines_skipped_for_want_of_the_field_are_a_warning_when_the_rest_p
     ]
 
 
+def test_blank_jsonl_lines_are_empty_skips_whatever_the_text_field(tmp_path):
+    """A blank .jsonl line (a file ending in "\\n\\n") was read as {"text": ""}: under --text-field content it
+    was a no_text_field skip, and the run ended warning to give the --text-field it had been given."""
+    src = tmp_path / "src"
+    src.mkdir()
+    first, second = (json.dumps({"content": f"document {i}"}) for i in range(2))
+    (src / "a.jsonl").write_text(f"{first}\n\n{second}\n\n")
+    lines = []
+    manifest = prepare(str(src), tmp_path / "out", num_shards=1, text_field="content", log=lines.append)
+    assert manifest["documents"] == 2 and manifest["skipped"] == {"empty": 2}
+    assert manifest["skipped_examples"] == {"empty": ["a.jsonl:line=2", "a.jsonl:line=4"]}
+    assert lines[-2:] == ["skipped 2 documents:", "  empty: 2  (e.g. a.jsonl:line=2, a.jsonl:line=4)"]
+
+
+def test_a_source_folder_under_home_given_with_a_tilde_is_read(tmp_path, monkeypatch):
+    """--source ~/corpus (a preset's `source: ~/corpus`, or --source=~/corpus, which the shell leaves as typed)
+    was refused as "no such directory" while --out, --storage-path and --data-dir expand `~`."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "corpus").mkdir()
+    for i in range(2):
+        (tmp_path / "corpus" / f"{i}.txt").write_text(f"document {i}")
+    manifest = prepare("~/corpus", tmp_path / "out", num_shards=1, log=lambda m: None)
+    assert manifest["source"] == str(tmp_path / "corpus") and manifest["documents"] == 2
+
+
+@pytest.mark.parametrize("kind", [pa.string_view(), pa.binary_view()])
+def test_a_parquet_text_column_of_string_view_is_read(tmp_path, kind):
+    """pyarrow reads a file written from a string_view (or binary_view) column back as one: it was refused as
+    "the `text` column holds string_view, not strings"."""
+    pq.write_table(pa.table({"text": pa.array(["first", "second"], kind)}), tmp_path / "v.parquet")
+    assert pq.ParquetFile(tmp_path / "v.parquet").schema_arrow.field("text").type == kind
+    corpus = corpora.local_folder(tmp_path)
+    assert corpus.documents.to_pylist() == ["first", "second"] and dict(corpus.skips.counts) == {}
+
+
 def test_a_folder_of_one_large_text_file_is_told_that_a_file_is_one_document(tmp_path, capsys):
     """A folder of one 3-line .txt file (a corpus in one file, as users bring it) was refused with `1 document is
     too few for 2 shards (...)` alone, naming neither the flag nor why: a .txt file is one document, whole."""

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from raychat.data.corpus.shards import sha256_file, write_manifest, write_shards
+from raychat.data.corpus.shards import DataError, sha256_file, write_manifest, write_shards
 from raychat.data.loader.cursor import Deal, RankCursor
 from raychat.data.loader.document_order import DocumentOrder, changed_shards
 from raychat.data.loader.row_source import cursor_state, resume_cursor, same_stream
@@ -44,6 +44,20 @@ def test_other_documents_of_the_same_layout_change_the_fingerprint(tmp_path):
     assert after["content"][0] == before["content"][0] and after["content"][1] != before["content"][1]
     assert changed_shards(before, after) == ["shard_00001.parquet"]
     assert not same_stream(before, after)
+
+
+def test_a_training_shard_that_is_not_a_readable_parquet_file_is_named(tmp_path):
+    """A shard cut short (an interrupted copy of the directory) failed in every Train worker with ArrowInvalid
+    naming no file."""
+    files = prepare(tmp_path, TEXTS)
+    shard = tmp_path / "shard_00001.parquet"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(DataError) as e:
+        DocumentOrder.from_files(files, 0)
+    assert str(e.value) == (
+        f"{files[1]}: not a readable parquet file (Parquet magic bytes not found in footer. Either the file is "
+        "corrupted or this is not a parquet file.)"
+    )
 
 
 def test_the_digests_come_from_the_manifest_while_it_lists_the_files_size(tmp_path):

@@ -317,6 +317,51 @@ def test_a_url_pattern_the_downloader_cannot_use_is_refused_before_downloading(
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize(
+    "pattern, why",
+    [
+        (
+            "http://m/shard_{index[0]}.parquet",
+            "--url-pattern: 'http://m/shard_{index[0]}.parquet' is not a str.format pattern with one {index} field "
+            "(TypeError: 'int' object is not subscriptable), e.g. https://host/path/shard_{index:05d}.parquet",
+        ),
+        (
+            "http://m/shard_{index.name}.parquet",
+            "--url-pattern: 'http://m/shard_{index.name}.parquet' is not a str.format pattern with one {index} "
+            "field (AttributeError: 'int' object has no attribute 'name'), e.g. "
+            "https://host/path/shard_{index:05d}.parquet",
+        ),
+        (
+            "http://m/shard_{{index}}.parquet",
+            "--url-pattern must contain an {index} field, e.g. .../shard_{index:05d}.parquet: "
+            "http://m/shard_{{index}}.parquet gives every shard the one URL http://m/shard_{index}.parquet",
+        ),
+    ],
+)
+def test_a_url_pattern_whose_index_field_the_index_does_not_fill_is_refused(pattern, why):
+    """`{index[0]}` raised an uncaught TypeError; an escaped `{{index}}` was accepted, and every shard was then
+    fetched from the one URL."""
+    with pytest.raises(ValueError) as e:
+        download.check_url_pattern(pattern)
+    assert str(e.value) == why
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--rows-per-shard", "7"), ("--seed", "5"), ("--row-group-size", "7")]
+)
+def test_an_option_of_local_sources_is_refused_with_a_hub_source(flag, value, tmp_path, capsys, no_sleep):
+    """--seed and --row-group-size were silently ignored with a hub source (its shards are kept byte for byte),
+    where --rows-per-shard was refused."""
+    # nothing listens there: a run that is not refused fails to download (exit 4)
+    pattern = "http://127.0.0.1:9/shard_{index:05d}.parquet"
+    argv = ["data", "prepare", "--source", "fineweb-edu", "--url-pattern", pattern, flag, value]
+    assert main([*argv, "--out", str(tmp_path / "d")]) == 2
+    assert capsys.readouterr().err == (
+        f"raychat data prepare: error: {flag} applies to local sources only: hub shards are kept as downloaded\n"
+    )
+    assert not (tmp_path / "d").exists()
+
+
 @pytest.mark.parametrize("source", ["folder", "debian-docs"])
 def test_workers_with_a_local_source_is_refused(source, tmp_path, capsys):
     """--workers (parallel downloads) was silently ignored for a local source, which is read in this process."""

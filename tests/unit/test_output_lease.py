@@ -153,6 +153,29 @@ def test_a_killed_prepares_lease_is_taken_over(source, tmp_path, capsys):
     _assert_prepared(out, train_shards=1)
 
 
+def test_a_lock_file_left_by_a_killed_prepare_does_not_block_the_rerun(source, tmp_path):
+    """A prepare killed (SIGKILL) while it held the lease's lock leaves <out>/.lease.json.lock beside its shards
+    (its manifest removed as it started): the rerun refused the directory as holding other files."""
+    out = tmp_path / "out"
+    argv = ["data", "prepare", "--source", str(source), "--out", str(out), "--num-shards", "1"]
+    assert main(argv) == 0
+    (out / "manifest.json").unlink()
+    (out / ".lease.json.lock").write_bytes(b"")
+    assert main(argv) == 0
+    _assert_prepared(out, train_shards=1)
+
+
+def test_a_lock_file_left_by_a_killed_tokenizer_train_does_not_block_the_rerun(tmp_path):
+    """The same of a tokenizer train: its out held tokenizer.json and the lock file, and was refused."""
+    data, out = tmp_path / "data", tmp_path / "tok"
+    write_manifest(data, {"source": "test", "shards": write_shards(DOCS * 4, data, 2, log=lambda *_: None)})
+    argv = ["tokenizer", "train", "--data-dir", str(data), "--out", str(out), "--vocab-size", "280"]
+    assert main(argv) == 0
+    (out / ".lease.json.lock").write_bytes(b"")
+    assert main(argv) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json"]
+
+
 def test_a_second_tokenizer_train_into_a_live_ones_out_is_refused_and_the_first_finishes(tmp_path, capsys):
     """The second (another vocabulary size) would have deleted the first's live tokenizer.json temporary (the first
     then failed at its rename) and saved its own tokenizer there."""

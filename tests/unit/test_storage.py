@@ -425,6 +425,32 @@ def test_options_and_keys_in_a_storage_uri_are_refused_naming_the_flag(s3_server
     assert not (tmp_path / "runs").exists()
 
 
+OBJECT_STORAGE = (
+    "is on object storage; data and the tokenizer are read as files by every node: "
+    "give a local or NFS directory"
+)
+
+
+@pytest.mark.parametrize(
+    "argv, refusal",
+    [
+        (["data", "prepare"], f"raychat data prepare: error: --storage-path: s3://b/runs {OBJECT_STORAGE}"),
+        (
+            ["tokenizer", "train"],
+            f"raychat tokenizer train: error: --data-dir: s3://b/runs/data {OBJECT_STORAGE}  (RAYCHAT_DEBUG=1 "
+            "shows the traceback)",
+        ),
+    ],
+)
+def test_a_data_stage_refuses_an_object_storage_root_without_opening_it(argv, refusal, monkeypatch, capsys):
+    """`--storage-path s3://...` for data prepare and tokenizer train opened the root first, which asked S3 for
+    the bucket's region (10-14 s, then a network error where S3 cannot be reached, and never this refusal)."""
+    for var in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(var, raising=False)
+    assert main([*argv, "--storage-path", "s3://b/runs"]) == 2
+    assert capsys.readouterr().err == refusal + "\n"
+
+
 def test_a_gs_root_gets_raychats_retry_limit_and_no_other(tmp_path):
     """raychat's retry_limit_seconds=60 is added to every gs:// root (the driver's and every worker's open alike);
     one given in the URI would have held on the driver only."""

@@ -30,8 +30,8 @@ class PrepareConfig(Section):
     rows_per_shard: int | None = option(
         None, "local sources: at most this many documents a shard; not given: 1024", ge=1
     )
-    seed: int = option(0, "shuffle seed for local sources", ge=0, le=SEED_MAX)
-    row_group_size: int = option(1024, "rows per parquet row group", ge=1)
+    seed: int = option(0, "local sources: shuffle seed", ge=0, le=SEED_MAX)
+    row_group_size: int = option(1024, "local sources: rows per parquet row group", ge=1)
     url_pattern: str | None = option(
         None,
         "hub sources: a mirror URL with {index}, e.g. http://host/shard_{index:05d}.parquet; not "

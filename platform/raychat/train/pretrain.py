@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from raychat.config import TrainConfig, preset_section
 from raychat.config.flags import TYPED
-from raychat.data.corpus.shards import list_shards, read_manifest
+from raychat.data.corpus.shards import check_text_column, list_shards, read_manifest
 from raychat.data.loader.pipeline import PretrainRows, validation_rows
 from raychat.log import plural
 from raychat.ray_token import token_for
@@ -63,8 +63,9 @@ def pretrain(cfg: TrainConfig, callbacks=(), typed=(), flags: Flags = COMMANDS):
 
     Raises:
         ValueError: (before Ray starts) as run_training, or --data-dir holds no prepared shards (no or a
-            malformed manifest.json, a listed shard missing) or a validation shard too small for one row, or
-            a typed shape flag that is not the --init-from checkpoint's (check_shape_flags).
+            malformed manifest.json, a listed shard missing or not a readable text shard: validation_shard) or
+            a validation shard too small for one row, or a typed shape flag that is not the --init-from
+            checkpoint's (check_shape_flags).
     """
     paths = resolve_paths(cfg, writable=False)
     check_shape_flags(paths.config(cfg), typed)
@@ -78,16 +79,22 @@ def pretrain(cfg: TrainConfig, callbacks=(), typed=(), flags: Flags = COMMANDS):
 
 def validation_shard(data_dir: str) -> str:
     """The validation shard of --data-dir, whose manifest and shards every worker reads first: checked here, in
-    one line, not in each of them.
+    one line, not in each of them (each shard's parquet footer is read; its text only in a row group whose
+    footer records no null count).
 
     Raises:
         ValueError: "--data-dir: <why>": no or a malformed manifest.json (its line names the command that
-            prepares the directory), or a listed shard missing (raychat.data.corpus.shards.list_shards).
+            prepares the directory), or a listed shard missing (raychat.data.corpus.shards.list_shards), or a
+            shard that is not a readable parquet file, has no `text` column of strings, or holds a null text
+            (raychat.data.corpus.shards.check_text_column: naming the shard).
     """
     try:
-        return list_shards(data_dir)[1]
+        train_files, val_file = list_shards(data_dir)
+        for shard in [*train_files, val_file]:
+            check_text_column(shard)
     except (OSError, ValueError) as e:
         raise ValueError(f"--data-dir: {e}") from None
+    return val_file
 
 
 def check_validation_rows(val_file: str, tokenizer: Tokenizer, seq_len: int) -> None:

@@ -60,8 +60,12 @@ READ_STEP_BYTES = 1 << 20
 PARQUET_SLICE_ROWS = 256
 # A .parquet file's text column is read about this many bytes (uncompressed, the footer's figure) at a time.
 PARQUET_BATCH_BYTES = 8 << 20
-# The `text` column types a local .parquet file may have; binary values are decoded as UTF-8.
-TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
+# The `text` column types a local .parquet file may have (a file written from an Arrow string_view column reads
+# back as one); binary values are decoded as UTF-8.
+TEXT_TYPES = (
+    pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view,
+    pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view,
+)  # fmt: skip
 TEXT_FIELD = "text"  # the .jsonl field and .parquet column read unless --text-field names another
 # `raychat data prepare` holds a folder's documents whole, as Arrow UTF-8 text (documents.py), to shuffle them.
 # Its peak memory (RSS), measured (README: Data): 152 MB for 2 small files; a .jsonl of English (ASCII) text,
@@ -345,10 +349,10 @@ def jsonl_documents(
     place: Callable[[int], None] = lambda n_bytes: None,
 ) -> None:
     """The `text_field` (default "text") of each JSON line (a UTF-8 byte order mark before a line, as Windows
-    editors write before the first, is ignored); bad lines are counted skips: invalid_utf8 (a line that is not UTF-8, or a
-    text with a lone surrogate escape such as "\\ud800", which has no UTF-8 encoding), invalid_json,
-    no_text_field, empty (also a file of no lines). Before a line that starts READ_STEP_BYTES or more after the
-    last place told, `place` gets the bytes of the file read so far."""
+    editors write before the first, is ignored); bad lines are counted skips: invalid_utf8 (a line that is not
+    UTF-8, or a text with a lone surrogate escape such as "\\ud800", which has no UTF-8 encoding), invalid_json,
+    no_text_field, empty (a blank line, whatever `text_field` is; also a file of no lines). Before a line that
+    starts READ_STEP_BYTES or more after the last place told, `place` gets the bytes of the file read so far."""
     read = told = 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
@@ -357,8 +361,11 @@ def jsonl_documents(
                 told = read
             read += len(raw)
             where = f"{name}:line={number}"
+            if not raw.strip():
+                skips.add("empty", where)
+                continue
             try:
-                record = json.loads(raw.decode("utf-8-sig")) if raw.strip() else {"text": ""}
+                record = json.loads(raw.decode("utf-8-sig"))
             except UnicodeDecodeError:
                 skips.add("invalid_utf8", where)
                 continue

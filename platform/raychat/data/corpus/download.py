@@ -161,18 +161,20 @@ def check_url_pattern(url_pattern: str, flag: str = "--url-pattern") -> str:
     """`url_pattern` when it is an http(s) URL with an {index} field that str.format can fill (the downloader
     fetches pattern.format(index=i) with requests, which speaks http and https only).
 
-    Raises ValueError naming `flag`: no {index} field, a pattern str.format refuses (an unclosed brace, a field
-    other than index), or another scheme (file://, a local path)."""
+    Raises ValueError naming `flag`: no {index} field that the index fills (none, or an escaped `{{index}}`:
+    shards 0 and 1 would have one URL), a pattern str.format refuses with an int index (an unclosed brace, a
+    field other than index, `{index[0]}`, `{index.name}`), or another scheme (file://, a local path)."""
     try:
-        example = url_pattern.format(index=0)
-    except (ValueError, KeyError, IndexError) as e:
+        example, second = url_pattern.format(index=0), url_pattern.format(index=1)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
         raise ValueError(
             f"{flag}: {url_pattern!r} is not a str.format pattern with one {{index}} field "
             f"({type(e).__name__}: {e}), e.g. https://host/path/shard_{{index:05d}}.parquet"
         ) from None
-    if "{index" not in url_pattern:
+    if example == second:
         raise ValueError(
-            f"{flag} must contain an {{index}} field, e.g. .../shard_{{index:05d}}.parquet: {url_pattern}"
+            f"{flag} must contain an {{index}} field, e.g. .../shard_{{index:05d}}.parquet: {url_pattern} "
+            f"gives every shard the one URL {example}"
         )
     if requests.utils.urlparse(example).scheme not in ("http", "https"):
         raise ValueError(f"{flag}: {url_pattern!r} is not an http(s) URL (shards are downloaded with HTTP)")

@@ -51,7 +51,7 @@ from raychat.data.corpus.shards import (
     write_manifest,
     write_shards,
 )
-from raychat.lease import LEASE_FILE, output_lease
+from raychat.lease import LEASE_FILE, LOCK_FILE, output_lease
 from raychat.log import log, plural, size
 from raychat.storage import check_writable, open_storage, output_directory
 
@@ -72,9 +72,11 @@ VALIDATION_MIN_BYTES = 100_000
 def is_earlier_data(out: Path, entries: list) -> bool:
     """Whether `out`, whose entries (pafs.FileInfo, its leftovers aside: check_output_target) are given, is
     prepare's: it holds a manifest prepare wrote, or only shard files (a run that stopped between removing the
-    old manifest and writing the new one), its lease (LEASE_FILE: a live run's, or a killed one's) aside."""
+    old manifest and writing the new one), its lease (LEASE_FILE: a live run's, or a killed one's) and the
+    lease's lock file (LOCK_FILE: left by a run killed while it held the lock) aside."""
     return prepared_manifest(out) is not None or all(
-        e.type == pafs.FileType.File and (is_shard_name(e.base_name) or e.base_name == LEASE_FILE)
+        e.type == pafs.FileType.File
+        and (is_shard_name(e.base_name) or e.base_name in (LEASE_FILE, LOCK_FILE))
         for e in entries
     )
 
@@ -218,7 +220,7 @@ def load_corpus(
     if source == "debian-docs":
         log("loading the default corpus: Debian python3.11-doc (reST, cleaned) + wordnet-base glosses")
         return corpora.debian_docs()
-    folder = Path(source)
+    folder = Path(source).expanduser()
     if not folder.is_dir():  # before the "loading" line: a mistyped source name is not a folder being read
         what = "a file" if folder.is_file() else "no such directory"
         raise ValueError(
@@ -333,8 +335,9 @@ def prepare(
             download (default 1; the pinned validation shard is added).
         rows_per_shard: local sources only: the most documents a shard holds (default 1024) when num_shards
             is not given.
-        seed: the shuffle seed (local sources).
-        row_group_size: rows per parquet row group (local sources).
+        seed: the shuffle seed (local sources; a hub source refuses one other than the default).
+        row_group_size: rows per parquet row group (local sources; a hub source refuses one other than the
+            default).
         url_pattern: hub sources only: a mirror's URL pattern with an {index} field.
         text_field: a folder source only: the .jsonl field and .parquet column holding each document
             (None: "text"); recorded in the manifest when given.
@@ -365,10 +368,13 @@ def prepare(
             f"--text-field applies to a --source DIR (its .jsonl and .parquet files), not to --source {source}"
         )
     if source in HUB_SOURCES:
-        if rows_per_shard is not None:
-            raise ValueError(
-                "--rows-per-shard applies to local sources only: hub shards are kept as downloaded"
-            )
+        for flag, value, default in (
+            ("--rows-per-shard", rows_per_shard, _DEFAULTS.rows_per_shard),
+            ("--seed", seed, _DEFAULTS.seed),
+            ("--row-group-size", row_group_size, _DEFAULTS.row_group_size),
+        ):
+            if value != default:
+                raise ValueError(f"{flag} applies to local sources only: hub shards are kept as downloaded")
         num = DEFAULT_HUB_SHARDS if num_shards is None else num_shards
         val_index = HUB_SOURCES[source].val_index
         if not 1 <= num <= val_index:  # fail before touching `out`

@@ -359,7 +359,9 @@ def read_manifest(data_dir: str | Path) -> dict:
     Raises:
         FileNotFoundError: no manifest.json (the directory was never prepared, or preparing did not finish; a
             folder of documents is told to be given to `raychat data prepare --source`).
-        ValueError: the manifest lists no shards, or its last shard is not the validation split.
+        ValueError: "<path>: not a manifest `raychat data prepare` wrote: <why>": not JSON, not a JSON object,
+            or "shards" not a list of objects each naming its "file"; or the manifest lists fewer than 2
+            shards, or its last shard is not the validation split.
     """
     path = Path(data_dir) / MANIFEST
     if not path.is_file() and holds_documents(data_dir):
@@ -372,8 +374,19 @@ def read_manifest(data_dir: str | Path) -> dict:
             f"{path} not found: give --data-dir a directory `raychat data prepare` wrote, or run `raychat data "
             f"prepare --out {data_dir}` first"
         )
-    manifest = json.loads(path.read_text())
+    not_ours = f"{path}: not a manifest `raychat data prepare` wrote"
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"{not_ours}: not JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{not_ours}: a JSON {type(manifest).__name__}, not an object")
     shards = manifest.get("shards") or []
+    if not isinstance(shards, list):
+        raise ValueError(f'{not_ours}: "shards" is a {type(shards).__name__}, not a list')
+    for i, entry in enumerate(shards):
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+            raise ValueError(f'{not_ours}: shard {i} is {json.dumps(entry)}, not an object naming its "file"')
     if len(shards) < 2 or shards[-1].get("split") != "val":
         raise ValueError(
             f"{path}: needs >= 2 shards with the last one split='val', got {[s.get('split') for s in shards]}"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow.parquet as pq
 
-from raychat.data.corpus.shards import shard_digests
+from raychat.data.corpus.shards import open_text_shard, shard_digests
 from raychat.data.loader.cursor import epoch_permutation
 
 
@@ -62,10 +62,15 @@ class DocumentOrder:
     @classmethod
     def from_files(cls, files: list[str], seed: int) -> DocumentOrder:
         """Read the row-group sizes from each file's parquet footer (no data pages) and each file's sha256 from
-        the manifest of its directory (computed where none lists it: shard_digests)."""
+        the manifest of its directory (computed where none lists it: shard_digests).
+
+        Raises:
+            raychat.data.corpus.shards.DataError (a ValueError): a file that is not a readable parquet file or
+                has no `text` column (open_text_shard: "<file>: not a readable parquet file (<why>)").
+        """
         sizes = []
         for f in files:
-            meta = pq.ParquetFile(f).metadata
+            meta = open_text_shard(f).metadata
             sizes.append([meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         return cls(files, sizes, seed, shard_digests(files))
 
