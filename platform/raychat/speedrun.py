@@ -324,7 +324,10 @@ def _run_stages(preset: str, config: SpeedrunConfig) -> dict:
 
     final = report["checkpoint"]
     if not config.sft:
-        log("SFT and RL: not run: the preset's sft section sets no positive num_iterations (RL follows SFT)")
+        log(
+            "SFT and RL: not run: the preset sets no positive num_iterations for SFT (its sft section's, else "
+            "its train section's; RL follows SFT)"
+        )
     elif not config.rl:
         log("RL: not run: the preset's rl section sets no positive steps")
     if config.sft:
@@ -585,7 +588,11 @@ def speedrun_flags(preset: str, stage: str, sft_keys: frozenset[str] | None = No
     section = {"pretrain": "train", "rl": "rl"}.get(stage, "sft")
     own = sft_keys if stage == "sft" else frozenset()
     if own is None:
-        own = frozenset(flatten(TrainConfig, preset_section(preset, "sft")))
+        section_values = preset_section(preset, "sft")
+        try:
+            own = frozenset(flatten(TrainConfig, section_values))
+        except ConfigError:  # an unknown key: the error being named says so; name by the keys as written
+            own = frozenset(section_values)
 
     def option(name: str) -> str:
         if stage == "pretrain" and name == "num_iterations":

@@ -90,6 +90,16 @@ def test_batch_and_sequence_arithmetic_is_refused_before_the_first_stage(section
     assert not out.exists() and "===" not in capsys.readouterr().out
 
 
+def test_an_unknown_key_of_the_sft_section_is_named_as_the_sft_sections(tmp_path):
+    """Naming the refusal's flags by the preset's keys read the sft section again and raised its own error
+    there, calling the section TrainConfig's ("unknown TrainConfig settings ['bogus_key']")."""
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError) as e:
+        run_speedrun(_preset(tmp_path, sft={"bogus_key": 1}), str(out))
+    assert str(e.value).startswith("unknown sft settings ['bogus_key']; allowed: ['allow_rewarm', ")
+    assert not out.exists()
+
+
 def test_missing_task_files_of_sft_and_rl_are_refused_before_the_first_stage(tmp_path):
     """SFT's mixture checked its hub tasks' files as SFT started (after pretraining); RL's task had no such
     check in the speedrun at all (its make_task failed as RL started)."""
