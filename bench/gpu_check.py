@@ -200,6 +200,10 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
+    if a.dry_run:
+        # one torch thread: the tiny dry-run steps gain nothing from more, and on a loaded CPU the idle threads'
+        # spin-waits cost 5-20x the CPU time of the steps themselves (the serve replica sets its own)
+        torch.set_num_threads(1)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -9,6 +9,13 @@ from pathlib import Path
 # "token" is what Ray 2.60 picks anyway for a local ray.init(), and what the fixture cluster needs from a
 # driver in this process.
 os.environ["RAY_AUTH_MODE"] = "token"
+# torch's OpenMP threads (libgomp) spin between parallel regions by default; on 2 cores shared by two pytest
+# workers and their Ray clusters a spinning thread takes the core from the work it waits for. PASSIVE makes an
+# idle thread sleep: same threads, same results. Measured (2026-12-07, 2 cores): tests/unit/test_sft_overfit.py
+# + test_train_step.py alone 23.5 s either way; two copies at once (as under pytest -n 2) 76.8 s -> 33.0 s each.
+# Read when libgomp loads, so set here, before anything imports torch; every process the tests start
+# (subprocesses, Ray nodes and their workers) inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from support.cluster import RAY_STARTUP_WAIT  # noqa: E402
 

@@ -34,8 +34,8 @@ ray.cloudpickle.register_pickle_by_value(rl_fixtures)  # BadTask, FullDisk: the 
 
 # evaluations long enough that a kill lands while they run: 8 prompts x 16 samples x up to 24 tokens, 1,536
 # tokens for each of the 2 actors (with 4 samples, under `make test`'s 2 workers, actor 1 once finished its part
-# before the kill reached it)
-EVAL = dict(steps=2, max_tokens=24, eval_examples=8, eval_samples=16, checkpoint_every=100)
+# before the kill reached it); an evaluation after each step (steps 0, 1 and 2): one run kills an actor in two
+EVAL = dict(steps=2, max_tokens=24, eval_examples=8, eval_samples=16, checkpoint_every=100, eval_every=1)
 SLOW = "on slow hardware, raise --deadline-factor (now 1), which multiplies every deadline"
 
 
@@ -91,46 +91,50 @@ def metric_lines(run_dir) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def undisturbed(ray_cluster, checkpoint, tmp_path_factory):
-    """The summary of a run of EVAL with no fault (evaluations at steps 0 and 2)."""
+    """The summary of a run of EVAL with no fault (evaluations at steps 0, 1 and 2)."""
     return RLRun(
         tiny_config(checkpoint, str(tmp_path_factory.mktemp("undisturbed")), **EVAL), log=print
     ).run()
 
 
-@pytest.mark.parametrize("no_restart", [False, True], ids=["restarted", "gone"])
 def test_a_rollout_actor_lost_during_evaluation_is_replaced_and_the_evaluation_rerun(
-    ray_cluster, checkpoint, tmp_path, undisturbed, no_restart
+    ray_cluster, checkpoint, tmp_path, undisturbed
 ):
-    """Rollout actor 1 is killed (ray.kill) right before the final evaluation's chunks are issued, and they
-    are issued once the kill has landed (ray.kill only asks: under load its part once ran before the kill). Its
-    part meets the dead actor (RayActorError) or, restarted by Ray, the checkpoint's weights (version 0 < 2):
-    either way it is re-synced to version 2 and run again, or, gone for good, runs on actor 0. The evaluation
-    covers every held-out prompt with the same seeds and weights: the same pass@k as the undisturbed run."""
-    calls, logs = [], []
+    """Rollout actor 1 is killed (ray.kill) right before an evaluation's chunks are issued, and they are issued
+    once the kill has landed (ray.kill only asks: under load its part once ran before the kill); the two kills
+    share one run. At step 1's evaluation Ray restarts it: its part meets the dead actor (RayActorError) or the
+    checkpoint's weights (version 0 < 1): either way it is re-synced to version 1 and run again. At step 2's
+    (the final) evaluation it is gone for good: its part meets the dead actor and runs on actor 0. Every
+    evaluation covers every held-out prompt with the same seeds and weights: the same pass@k as the undisturbed
+    run."""
+    calls, logs, marks = [], [], []
 
-    def kill_during_final_eval(dispatcher, chunks):
+    def kill_during_evals(dispatcher, chunks):
         calls.append([c["indices"] for c in chunks])
-        if len(calls) == 2:
-            kill_and_wait_rollout(dispatcher.actors.rollouts[1], no_restart)
+        marks.append(len(logs))  # the log lines of evaluation i start at marks[i]
+        if len(calls) > 1:  # step 1's: restarted; step 2's: gone
+            kill_and_wait_rollout(dispatcher.actors.rollouts[1], no_restart=len(calls) == 3)
 
     cfg = tiny_config(checkpoint, str(tmp_path), **EVAL)
     before = live_placement_groups()
-    summary = RLRun(cfg, log=logs.append, on_evaluating=kill_during_final_eval).run()
+    summary = RLRun(cfg, log=logs.append, on_evaluating=kill_during_evals).run()
     print("\n".join(logs))
-    assert calls == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2  # both evaluations, every held-out prompt
+    assert calls == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 3  # every evaluation, every held-out prompt
+    restarted, gone = logs[marks[1] : marks[2]], logs[marks[2] :]
     recovered = [
-        m for m in logs
+        m for m in restarted
         if ("rollout actor 1 died" in m and "re-issuing its evaluation prompts" in m)
-        or ("rollout actor 1 held version 0 < 2" in m and "re-issuing its prompts" in m)
+        or ("rollout actor 1 held version 0 < 1" in m and "re-issuing its prompts" in m)
     ]  # fmt: skip
-    assert recovered, logs
-    if no_restart:
-        assert any("rollout actor 1 died" in m for m in recovered)
-    assert summary["restarts"] + summary["stale_chunks"] >= 1
+    assert recovered, restarted
+    assert any("rollout actor 1 died" in m and "re-issuing its evaluation prompts" in m for m in gone), gone
+    # at least one recovery each: the restarted actor's (a dead actor met or a stale chunk), the gone one's
+    assert summary["restarts"] >= 1 and summary["restarts"] + summary["stale_chunks"] >= 2
     assert summary["failures"] == 0 and summary["version"] == 2
-    assert [e["step"] for e in summary["evals"]] == [0, 2]
+    assert [e["step"] for e in summary["evals"]] == [0, 1, 2]
     assert summary["evals"] == undisturbed["evals"]
-    assert set(summary["evals"][1]) == {"step", *(f"pass@{k}" for k in range(1, 17))}
+    for evaluation in summary["evals"]:
+        assert set(evaluation) == {"step", *(f"pass@{k}" for k in range(1, 17))}
     assert live_placement_groups() == before
 
 
@@ -138,8 +142,8 @@ def test_a_rollout_actor_lost_during_evaluation_is_replaced_and_the_evaluation_r
 def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
     ray_cluster, checkpoint, tmp_path, learners
 ):
-    """4 steps, checkpoints at 2 and 4; the last learner is killed when step 4's rollouts are submitted (step 3
-    done, not checkpointed); with 2 learners the surviving rank may raise its own error (its DDP peer is gone). The run stops every actor, starts them again, resumes from checkpoint_000002 and
+    """4 steps, checkpoints at 2 and 4, one rollout actor (the learners are what is lost); the last learner is
+    killed when step 4's rollouts are submitted (step 3 done, not checkpointed); with 2 learners the surviving rank may raise its own error (its DDP peer is gone). The run stops every actor, starts them again, resumes from checkpoint_000002 and
     redoes steps 3 and 4: the redone step 3 has the same rewards and loss as the first (same state, prompts
     and seeds), one failure is counted and the run completes at version 4. The summary covers the whole
     invocation (its start_step, wall_s and learner_wait_frac were the restarted attempt's alone: start_step 2)."""
@@ -152,7 +156,7 @@ def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
 
     cfg = tiny_config(
         checkpoint, str(tmp_path), steps=4, checkpoint_every=2, max_failures=1, learner_workers=learners,
-        rollout_workers=1 if learners == 2 else 2,
+        rollout_workers=1,
     )  # fmt: skip
     before = live_placement_groups()
     began = time.perf_counter()
@@ -209,13 +213,14 @@ def test_past_max_failures_the_run_gives_up_in_one_line_and_releases_its_placeme
     """The learner is killed (ray.kill, as a kill -9) as step 2's rollouts are submitted, with --max-failures 0.
     `raychat rl` ended in ~50 lines of two chained tracebacks; now RunGaveUp is one line (`raychat` prints it
     last: tests/unit/test_cli.py) naming the actor, the error, the failure count and budget and the checkpoint a
-    new start resumes from, the error logged once in full above it."""
+    new start resumes from, the error logged once in full above it. One rollout actor: the learner is what is
+    lost."""
 
     def kill_learner_at_step_2(dispatcher, step, chunks):
         if step == 1:
             kill_and_wait(dispatcher.actors.learners[0])
 
-    cfg = tiny_config(checkpoint, str(tmp_path), steps=2, max_failures=0)
+    cfg = tiny_config(checkpoint, str(tmp_path), steps=2, max_failures=0, rollout_workers=1)
     before = live_placement_groups()
     logs = []
     run = RLRun(cfg, on_submitted=kill_learner_at_step_2, log=logs.append)
@@ -239,9 +244,9 @@ def test_past_max_failures_the_run_gives_up_in_one_line_and_releases_its_placeme
 def test_a_failed_topology_start_leaves_no_placement_group(ray_cluster, checkpoint, tmp_path, monkeypatch):
     """An actor constructor that raises (a checkpoint directory that does not exist), a placement group no
     node can hold (a GPU on a CPU-only cluster) and actors not started by their deadline: start() raises, and
-    the group is removed every way."""
+    the group is removed every way (the constructors that raise: one learner, one rollout actor)."""
     before = live_placement_groups()
-    cfg = tiny_config(str(tmp_path / "missing"), str(tmp_path))
+    cfg = tiny_config(str(tmp_path / "missing"), str(tmp_path), rollout_workers=1)
     actors = ActorGroup(cfg, rl_tasks(cfg))
     with pytest.raises(RayActorError, match="missing"):
         actors.start()
@@ -320,9 +325,12 @@ def test_a_non_finite_learner_step_ends_the_run_in_one_line(ray_cluster, checkpo
     """The learner's NonFiniteError (a NaN gradient norm at step 2) came out of `raychat rl` as a RayTaskError
     traceback. Now the run ends at once in RunGaveUp's one line (not retried, though --max-failures allows one:
     the same samples would fail again), naming the step, what was not finite, the learning rates to lower and the
-    checkpoint a new start resumes from (step 1's); its placement group is released."""
+    checkpoint a new start resumes from (step 1's); its placement group is released. One rollout actor: the
+    learner's step is what fails."""
     before = live_placement_groups()
-    run = PoisonedRewards(tiny_config(checkpoint, str(tmp_path), max_failures=1), log=print)
+    run = PoisonedRewards(
+        tiny_config(checkpoint, str(tmp_path), max_failures=1, rollout_workers=1), log=print
+    )
     with pytest.raises(RunGaveUp) as e:
         run.run()
     assert str(e.value) == (
@@ -365,10 +373,11 @@ def test_a_reward_raising_on_some_samples_scores_them_0_and_on_every_sample_stop
     """A reward function that raised on one sample ended `raychat rl` in a RayTaskError traceback. Now a sample
     whose reward raises scores 0 and is counted: step 1's first prompt (2 samples of 8) is, in one line and in
     reward_errors; a reward that raises on every sample of a step (step 2's prompts) is broken, not a sample's
-    fault, and ends the run in one line, not retried, the traceback logged in full above it."""
+    fault, and ends the run in one line, not retried, the traceback logged in full above it (one rollout actor:
+    the step's samples are counted over its chunks whatever their number)."""
     before = live_placement_groups()
     logs = []
-    run = RLRun(tiny_config(checkpoint, str(tmp_path), max_failures=1), log=logs.append)
+    run = RLRun(tiny_config(checkpoint, str(tmp_path), max_failures=1, rollout_workers=1), log=logs.append)
     step_1, step_2 = run.dispatcher.prompts_for(0), run.dispatcher.prompts_for(1)
     train = run.tasks["train"]
     run.tasks["train"] = BadTask(train, bad_reward=[step_1[0], *step_2])  # the dict the actors are given
@@ -421,10 +430,11 @@ def test_a_checkpoint_the_storage_refuses_stops_the_run_in_one_line(ray_cluster,
     """Checkpoint 2's files cannot be written (ENOSPC, as on a full disk: FullDisk). The learner's upload error
     came out as a RayTaskError traceback; now one line names the step, the learner, the checkpoint, the error,
     that it was not retried (the storage would refuse it again), the storage root to make room on and the
-    checkpoint a new start resumes from (step 1's, still the newest committed one)."""
+    checkpoint a new start resumes from (step 1's, still the newest committed one). One rollout actor: the
+    learner's upload is what fails."""
     before = live_placement_groups()
     logs = []
-    cfg = tiny_config(checkpoint, str(tmp_path), max_failures=1)
+    cfg = tiny_config(checkpoint, str(tmp_path), max_failures=1, rollout_workers=1)
     run = RLRun(cfg, log=logs.append)
     run.checkpoints = FullDisk(open_storage(str(tmp_path)), "t", cfg.checkpoint.keep_checkpoints, full_step=2)
     with pytest.raises(RunGaveUp) as e:
@@ -467,14 +477,18 @@ def test_a_failed_weight_sync_restarts_the_actor_group(ray_cluster, checkpoint, 
     assert [(x["step"], x["failures"]) for x in metric_lines(tmp_path / "t")] == [(1, 0), (2, 1)]
 
 
-def test_a_learner_that_raises_ends_a_ddp_run_at_once_in_one_line(ray_cluster, checkpoint, tmp_path):
+def test_a_learner_that_raises_ends_a_ddp_run_at_once_in_one_line(
+    ray_cluster, checkpoint, tmp_path, monkeypatch
+):
     """2 learners (DDP over gloo); learner 1 breaks after step 1 (its loss gone: its step 2 raises AttributeError
     before the step's first all-reduce), learner 0 waits in that all-reduce for it (until gloo's timeout, 30
     minutes). The driver took learner 0, which did not answer its 30 s ping, for lost: it restarted the actor
     group and redid the step (a fault that repeats: the run gave up naming the wrong learner, minutes later).
-    Now it waits for the other learners PEER_GRACE_S (10 s) only (a lost learner's call fails within them) and the
+    Now it waits for the other learners PEER_GRACE_S (10 s; 1 s here: none is lost, so learner 0 never answers
+    within it and the grace is waited out in full) only (a lost learner's call fails within them) and the
     run ends in stopped_on_error's one line naming learner 1, not retried (--max-failures 1 allows one: the same
     samples would raise again), well within a minute of the break; learner 0 is killed with the actor group."""
+    monkeypatch.setattr(rl_actors, "PEER_GRACE_S", 1.0)
     logs, broken = [], []
 
     def break_learner_1(dispatcher, step, chunks):
@@ -558,8 +572,8 @@ def test_a_rollout_actor_hung_mid_run_is_named_within_its_deadline_and_the_run_r
 ):
     """Collecting rollouts was a plain ray.get: a rollout actor hung mid-run (a deadlock in its engine) hung the
     run for ever. Now a chunk has a deadline sized from the run's own chunks: ROLLOUT_FACTOR x the longest
-    training chunk so far, at least ROLLOUT_MIN_S (here 20 x step 1's longest chunk, at least 1 s). Rollout actor
-    0's engine hangs from step 2 on (its generate sleeps 60 s, inside RolloutWorker.rollout); within the deadline
+    training chunk so far, at least ROLLOUT_MIN_S (here 20 x step 1's longest chunk, at least 1 s). The one
+    rollout actor, 0, has its engine hang from step 2 on (its generate sleeps 60 s, inside RolloutWorker.rollout); within the deadline
     one line names it, its prompts, the seconds and how they were sized, and the run starts every actor again (the
     hung one killed), resumes from checkpoint 1 and completes."""
     monkeypatch.setattr(rl_actors, "ROLLOUT_MIN_S", 1.0)
@@ -577,7 +591,7 @@ def test_a_rollout_actor_hung_mid_run_is_named_within_its_deadline_and_the_run_r
             )
 
     logs = []
-    run = RLRun(tiny_config(checkpoint, str(tmp_path), max_failures=1), on_submitted=hang_actor_0,
+    run = RLRun(tiny_config(checkpoint, str(tmp_path), max_failures=1, rollout_workers=1), on_submitted=hang_actor_0,
                 log=lambda m: logs.append((time.perf_counter(), m)))  # fmt: skip
     before = live_placement_groups()
     summary = run.run()
@@ -606,12 +620,14 @@ def test_a_learner_hung_in_its_step_is_named_within_its_deadline_and_the_run_res
 ):
     """A learner step was a plain wait: a learner hung in it (a deadlock, a hung all-reduce) hung the run for
     ever. Now it has a deadline sized from the run's own steps, STEP_FACTOR x the longest learner step so far, at
-    least STEP_MIN_S, x --deadline-factor (here 2 x max(3 s, 2 x step 1's)). Learner 0 hangs (hang) as step 2's
-    rollouts are submitted, so its step 2 waits behind a 60 s sleep; within the deadline one line names it, the
-    step, the seconds, how they were sized (the factor too) and how to raise them, and the run starts every actor
-    again (the hung one killed), resumes from checkpoint 1 and completes."""
-    monkeypatch.setattr(rl_actors, "STEP_MIN_S", 3.0)
-    monkeypatch.setattr(rl_actors, "STEP_FACTOR", 2.0)
+    least STEP_MIN_S, x --deadline-factor (here 2 x max(1 s, 1 x step 1's): step 1 is cold, STEP_FIRST_S, and
+    so is step 2 redone after the restart, so only the hung step has this deadline). Learner 0 hangs (hang) as
+    step 2's rollouts are submitted, so its step 2 waits behind a 60 s sleep; within the deadline one line names
+    it, the step, the seconds, how they were sized (the factor too) and how to raise them, and the run starts
+    every actor again (the hung one killed), resumes from checkpoint 1 and completes. One rollout actor: the
+    learner is what hangs."""
+    monkeypatch.setattr(rl_actors, "STEP_MIN_S", 1.0)
+    monkeypatch.setattr(rl_actors, "STEP_FACTOR", 1.0)
     seen = {}
 
     def hang_learner_0(dispatcher, step, chunks):
@@ -620,15 +636,16 @@ def test_a_learner_hung_in_its_step_is_named_within_its_deadline_and_the_run_res
             hang(run.actors.learners[0])
 
     logs = []
-    run = RLRun(tiny_config(checkpoint, str(tmp_path), max_failures=1, deadline_factor=2), on_submitted=hang_learner_0,
+    run = RLRun(tiny_config(checkpoint, str(tmp_path), max_failures=1, deadline_factor=2, rollout_workers=1),
+                on_submitted=hang_learner_0,
                 log=lambda m: logs.append((time.perf_counter(), m)))  # fmt: skip
     summary = run.run()
     print("\n".join(m for _, m in logs))
-    waited = 2.0 * max(3.0, 2.0 * seen["longest"])
+    waited = 2.0 * max(1.0, seen["longest"])
     [(at, line)] = [(t, m) for t, m in logs if "restart 1 of" in m]
     assert line == (
         f"learner 0 hung at step 2 (ActorTimeout: learner 0 did not return Learner.step (the update of step 2) "
-        f"within {waited:.3g} s (--deadline-factor 2 x (at least 3 s, else 2 x the longest learner step so far "
+        f"within {waited:.3g} s (--deadline-factor 2 x (at least 1 s, else 1 x the longest learner step so far "
         f"({seen['longest']:.3g} s))); if it recurs, see what its process does (py-spy dump: a deadlock, a hung "
         "all-reduce, a stuck device or node); on slow hardware, raise --deadline-factor (now 2), which multiplies "
         "every deadline); restart 1 of --max-failures 1: starting every actor again and resuming from the newest "
@@ -642,16 +659,24 @@ def test_a_learner_hung_in_its_step_is_named_within_its_deadline_and_the_run_res
     assert [(x["step"], x["failures"]) for x in metric_lines(tmp_path / "t")] == [(1, 0), (2, 1)]
 
 
-def test_a_chunk_queued_behind_others_on_its_actor_has_their_deadlines_too(
+def test_a_queued_chunk_has_the_deadlines_ahead_of_it_and_lost_learners_are_pinged_at_once(
     ray_cluster, checkpoint, tmp_path, monkeypatch
 ):
-    """An evaluation issued in async mode waits on each actor behind the next steps' rollouts, so its deadline
+    """Two hung-actor checks on one actor group (3 learners, 1 rollout actor), started once.
+
+    An evaluation issued in async mode waits on each actor behind the next steps' rollouts, so its deadline
     adds up theirs and its own: ROLLOUT_FACTOR x the longest chunk of each kind so far (here 4 x (0.25 s + 0.5 s)
     = 3 s; ROLLOUT_MIN_S 0.5 s). The one rollout actor is hung (hang), a step's training chunk then an evaluation
-    are issued to it: the evaluation is named after 3 s, the line saying how they were sized."""
+    are issued to it: the evaluation is named after 3 s, the line saying how they were sized.
+
+    The check for lost learners (a learner's error may be its DDP peer's loss) pinged them one after another,
+    30 s each, and named the first: N hung learners took N x 30 s. Now one ping each, all at once, waited for
+    PING_S in all (here 4 s): of 3 learners, 0 killed and 1, 2 hung, all three are named within 4 s + slack
+    (one after another: 8 s)."""
     monkeypatch.setattr(rl_actors, "ROLLOUT_MIN_S", 0.5)
     monkeypatch.setattr(rl_actors, "ROLLOUT_FACTOR", 4.0)
-    cfg = tiny_config(checkpoint, str(tmp_path), rollout_workers=1)
+    monkeypatch.setattr(rl_actors, "PING_S", 4.0)
+    cfg = tiny_config(checkpoint, str(tmp_path), learner_workers=3, rollout_workers=1)
     actors = ActorGroup(cfg, rl_tasks(cfg))
     actors.start()
     try:
@@ -663,6 +688,13 @@ def test_a_chunk_queued_behind_others_on_its_actor_has_their_deadlines_too(
         with pytest.raises(ActorTimeout) as e:
             dispatcher.evaluate(2)
         took = time.perf_counter() - t0
+
+        kill_and_wait(actors.learners[0])
+        for lr in actors.learners[1:]:
+            hang(lr, 30)
+        t0 = time.perf_counter()
+        lost = actors.lost_learners()
+        pinged = time.perf_counter() - t0
     finally:
         actors.stop()
     assert str(e.value) == (
@@ -673,6 +705,11 @@ def test_a_chunk_queued_behind_others_on_its_actor_has_their_deadlines_too(
     )
     # the 3 s deadline (ray.wait returned 0.1 ms early once), not the 30 s hang; slack for a loaded machine
     assert chunk["split"] == "train" and 2.99 <= took < 15, took
+
+    assert lost == {0: None, 1: "no answer within 4 s", 2: "no answer within 4 s"}
+    assert 3.99 <= pinged < 7.5, pinged  # (ray.wait may return 0.1 ms early: above)
+    assert lost_line(lost) == "learners 0, 1 (no answer within 4 s) and 2 (no answer within 4 s) were lost"
+    assert lost_line({1: None}) == "learner 1 was lost"
 
 
 def test_a_syncs_acks_are_waited_for_together_each_for_its_own_deadline(ray_cluster, tmp_path, monkeypatch):
@@ -708,30 +745,6 @@ def test_a_syncs_acks_are_waited_for_together_each_for_its_own_deadline(ray_clus
         f"(py-spy dump: a hung object store or collective, a stuck device or node); {SLOW}"
     )
     assert 0.99 <= took < 6, took  # (ray.wait may return 0.1 ms early: above)
-
-
-def test_lost_learners_are_pinged_at_once_and_every_one_named(ray_cluster, checkpoint, tmp_path, monkeypatch):
-    """The check for lost learners (a learner's error may be its DDP peer's loss) pinged them one after another,
-    30 s each, and named the first: N hung learners took N x 30 s. Now one ping each, all at once, waited for
-    PING_S in all (here 4 s): of 3 learners, 0 killed and 1, 2 hung, all three are named within 4 s + slack
-    (one after another: 8 s)."""
-    monkeypatch.setattr(rl_actors, "PING_S", 4.0)
-    cfg = tiny_config(checkpoint, str(tmp_path), learner_workers=3, rollout_workers=1)
-    actors = ActorGroup(cfg, rl_tasks(cfg))
-    actors.start()
-    try:
-        kill_and_wait(actors.learners[0])
-        for lr in actors.learners[1:]:
-            hang(lr, 30)
-        t0 = time.perf_counter()
-        lost = actors.lost_learners()
-        took = time.perf_counter() - t0
-    finally:
-        actors.stop()
-    assert lost == {0: None, 1: "no answer within 4 s", 2: "no answer within 4 s"}
-    assert 3.99 <= took < 7.5, took  # (ray.wait may return 0.1 ms early: above)
-    assert lost_line(lost) == "learners 0, 1 (no answer within 4 s) and 2 (no answer within 4 s) were lost"
-    assert lost_line({1: None}) == "learner 1 was lost"
 
 
 def test_a_fixed_wait_is_not_multiplied_nor_offers_the_factor_and_a_multiplied_one_is(ray_cluster):
