@@ -9,8 +9,9 @@ anything outside it.
 Filesystems are pyarrow.fs, the ones Ray Train uses (`Storage.ray_train_storage()` gives its RunConfig
 arguments). S3 takes the standard AWS variables: AWS_ENDPOINT_URL or AWS_ENDPOINT_URL_S3 (an S3-compatible
 server: the scheme of that URL, http or https, is the one used), AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
-(or any other source of the AWS default chain). Without an endpoint, pyarrow's from_uri asks S3 for the
-bucket's region (one request per process that opens the root) whatever AWS_REGION / AWS_DEFAULT_REGION say. GCS takes Google's application default credentials; every GCS URI gets
+(or any other source of the AWS default chain). Without an endpoint, pyarrow's from_uri asks S3 for
+the bucket's region (one request per process that opens the root) whatever AWS_REGION / AWS_DEFAULT_REGION
+say. GCS takes Google's application default credentials; every GCS URI gets
 `retry_limit_seconds=60`, so a missing credential fails within a minute instead of retrying for 15. Every
 process that opens a root (the driver, Train workers, RL actors, serve replicas) reads these variables itself,
 so they must be set on every node. A root's URI holds no options: a query (`?endpoint_override=...`) would be

@@ -373,11 +373,11 @@ def test_a_reward_raising_on_some_samples_scores_them_0_and_on_every_sample_stop
     """A reward function that raised on one sample ended `raychat rl` in a RayTaskError traceback. Now a sample
     whose reward raises scores 0 and is counted: step 1's first prompt (2 samples of 8) is, in one line and in
     reward_errors; a reward that raises on every sample of a step (step 2's prompts) is broken, not a sample's
-    fault, and ends the run in one line, not retried, the traceback logged in full above it (one rollout actor:
-    the step's samples are counted over its chunks whatever their number)."""
+    fault, and ends the run in one line, not retried, the traceback logged in full above it. Two rollout actors:
+    the step's samples and reward errors are counted over both actors' chunks."""
     before = live_placement_groups()
     logs = []
-    run = RLRun(tiny_config(checkpoint, str(tmp_path), max_failures=1, rollout_workers=1), log=logs.append)
+    run = RLRun(tiny_config(checkpoint, str(tmp_path), max_failures=1), log=logs.append)
     step_1, step_2 = run.dispatcher.prompts_for(0), run.dispatcher.prompts_for(1)
     train = run.tasks["train"]
     run.tasks["train"] = BadTask(train, bad_reward=[step_1[0], *step_2])  # the dict the actors are given
@@ -484,9 +484,8 @@ def test_a_learner_that_raises_ends_a_ddp_run_at_once_in_one_line(
     before the step's first all-reduce), learner 0 waits in that all-reduce for it (until gloo's timeout, 30
     minutes). The driver took learner 0, which did not answer its 30 s ping, for lost: it restarted the actor
     group and redid the step (a fault that repeats: the run gave up naming the wrong learner, minutes later).
-    Now it waits for the other learners PEER_GRACE_S (10 s; 1 s here: none is lost, so learner 0 never answers
-    within it and the grace is waited out in full) only (a lost learner's call fails within them) and the
-    run ends in stopped_on_error's one line naming learner 1, not retried (--max-failures 1 allows one: the same
+    Now it waits for the other learners PEER_GRACE_S only (10 s; a lost learner's call fails within them; 1 s
+    here: none is lost, so learner 0 never answers and the grace is waited out in full) and the run ends in stopped_on_error's one line naming learner 1, not retried (--max-failures 1 allows one: the same
     samples would raise again), well within a minute of the break; learner 0 is killed with the actor group."""
     monkeypatch.setattr(rl_actors, "PEER_GRACE_S", 1.0)
     logs, broken = [], []
@@ -620,14 +619,14 @@ def test_a_learner_hung_in_its_step_is_named_within_its_deadline_and_the_run_res
 ):
     """A learner step was a plain wait: a learner hung in it (a deadlock, a hung all-reduce) hung the run for
     ever. Now it has a deadline sized from the run's own steps, STEP_FACTOR x the longest learner step so far, at
-    least STEP_MIN_S, x --deadline-factor (here 2 x max(1 s, 1 x step 1's): step 1 is cold, STEP_FIRST_S, and
+    least STEP_MIN_S, x --deadline-factor (here 2 x max(1 s, 2 x step 1's): step 1 is cold, STEP_FIRST_S, and
     so is step 2 redone after the restart, so only the hung step has this deadline). Learner 0 hangs (hang) as
     step 2's rollouts are submitted, so its step 2 waits behind a 60 s sleep; within the deadline one line names
     it, the step, the seconds, how they were sized (the factor too) and how to raise them, and the run starts
     every actor again (the hung one killed), resumes from checkpoint 1 and completes. One rollout actor: the
     learner is what hangs."""
     monkeypatch.setattr(rl_actors, "STEP_MIN_S", 1.0)
-    monkeypatch.setattr(rl_actors, "STEP_FACTOR", 1.0)
+    monkeypatch.setattr(rl_actors, "STEP_FACTOR", 2.0)
     seen = {}
 
     def hang_learner_0(dispatcher, step, chunks):
@@ -641,11 +640,11 @@ def test_a_learner_hung_in_its_step_is_named_within_its_deadline_and_the_run_res
                 log=lambda m: logs.append((time.perf_counter(), m)))  # fmt: skip
     summary = run.run()
     print("\n".join(m for _, m in logs))
-    waited = 2.0 * max(1.0, seen["longest"])
+    waited = 2.0 * max(1.0, 2.0 * seen["longest"])
     [(at, line)] = [(t, m) for t, m in logs if "restart 1 of" in m]
     assert line == (
         f"learner 0 hung at step 2 (ActorTimeout: learner 0 did not return Learner.step (the update of step 2) "
-        f"within {waited:.3g} s (--deadline-factor 2 x (at least 1 s, else 1 x the longest learner step so far "
+        f"within {waited:.3g} s (--deadline-factor 2 x (at least 1 s, else 2 x the longest learner step so far "
         f"({seen['longest']:.3g} s))); if it recurs, see what its process does (py-spy dump: a deadlock, a hung "
         "all-reduce, a stuck device or node); on slow hardware, raise --deadline-factor (now 2), which multiplies "
         "every deadline); restart 1 of --max-failures 1: starting every actor again and resuming from the newest "

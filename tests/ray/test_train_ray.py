@@ -11,7 +11,6 @@ straight run's, step for step."""
 import json
 import os
 import random
-import shutil
 import sys
 from pathlib import Path
 from unittest import mock
@@ -234,42 +233,20 @@ def test_a_finished_run_leaves_no_data_pipeline_holding_nodes(straight):
     assert json.loads((storage / "data_requesters_left.json").read_text()) == []
 
 
-@pytest.fixture(scope="module")
-def poisoned(ray_cluster, data, tmp_path_factory):
-    """The straight run's config with max_failures 2 and Poison(4, attempts): step 5's (0-based 4) loss turns
-    non-finite on rank 1 and the run gives up, its newest checkpoint step 3's. Returns its storage dir, the
-    RunGaveUp's ExceptionInfo, the attempts file and a copy of its storage dir taken as it gave up. The copy lets
-    test_exact_resume_matches_a_straight_run resume the same checkpoint 3 that
-    test_a_non_finite_step_stops_the_run_... resumes with a lower lr (one poisoned run for both, where a
-    --stop-after 3 run of its own cost the exact-resume test a fit)."""
-    root = tmp_path_factory.mktemp("poisoned")
-    storage, attempts, copy = root / "storage", root / "attempts", root / "copy"
-    with pytest.raises(RunGaveUp) as e:
-        pretrain(tiny_config(data, storage, max_failures=2), callbacks=[Poison(4, str(attempts))])
-    shutil.copytree(storage, copy)
-    return storage, e, attempts, copy
-
-
 @pytest.mark.slow
-def test_exact_resume_matches_a_straight_run(data, straight, poisoned, tmp_path):
-    """The straight run's config resumed from checkpoint 3 of a run that stopped after it (the poisoned run's
-    copy: it trained step 4, logged it and gave up at step 5; its checkpoint 3 is the straight run's, bitwise:
-    test_a_non_finite_step_...) goes on bitwise equal to the straight run on both ranks: losses, their moving
-    average, each rank's data state, the final validation."""
+def test_exact_resume_matches_a_straight_run(data, straight, tmp_path):
     storage, result = straight
     assert result.metrics["step"] == 6
     assert result.metrics["val_bpb"] > 0
 
-    b, starts = poisoned[3], tmp_path / "starts"
-    # the run stopped after step 3's checkpoint (a --stop-after 3 run's result: test_fp8_run_with_ddp_and_resume_...)
-    assert read_meta(Path(find_checkpoint(str(b / "t"))))["step"] == 3
-    resumed = pretrain(tiny_config(data, b), callbacks=[Poison(-1, str(starts))])  # Poison at no step
-    assert starts.read_text().split() == ["3"]  # resumed from checkpoint 3, not started over
-    a, b_losses = losses(storage), losses(b)
-    assert sorted(b_losses) == [1, 2, 3, 4, 5, 6]
-    assert [a[s] for s in range(1, 7)] == [b_losses[s] for s in range(1, 7)]  # bitwise equal on CPU
+    stopped = pretrain(tiny_config(data, tmp_path / "b", stop_after=3))
+    assert stopped.metrics["step"] == 3
+    resumed = pretrain(tiny_config(data, tmp_path / "b"))
+    a, b = losses(storage), losses(tmp_path / "b")
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]
+    assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # bitwise equal on CPU
     # the loss's moving average goes on from the checkpoint's (it restarted at step 4's loss: a step in its curve)
-    assert smooth_losses(b) == smooth_losses(storage)
+    assert smooth_losses(tmp_path / "b") == smooth_losses(storage)
     for rank in (0, 1):  # same documents consumed, same packer buffer
         assert json.dumps(final_state(result, rank), sort_keys=True) == json.dumps(
             final_state(resumed, rank), sort_keys=True
@@ -296,7 +273,7 @@ def test_a_checkpoint_holds_one_optimizer_state_for_both_ranks(straight):
 
 
 def test_a_non_finite_step_stops_the_run_in_one_line_without_a_retry_and_resumes_with_a_lower_lr(
-    data, straight, poisoned
+    data, straight, tmp_path
 ):
     """Step 5's (0-based 4) loss turns non-finite on one rank: no update, Ray Train does not retry though
     max_failures allows it, and the last checkpoint is step 3's, finite and equal to the straight run's step 3.
@@ -305,18 +282,20 @@ def test_a_non_finite_step_stops_the_run_in_one_line_without_a_retry_and_resumes
     and the checkpoint a new start resumes from; its cause is the NonFiniteError. Started again with a lower
     --matrix-lr (no poison this time), the run resumes from step 3 and completes. (A non-finite gradient norm
     raises the same NonFiniteError from optimizer_step, the same step on every rank, since DDP all-reduces the
-    gradients: tests/unit/test_train_step.py.) The poisoned run is the module's `poisoned` fixture."""
-    storage, e, attempts, _ = poisoned
+    gradients: tests/unit/test_train_step.py.)"""
+    attempts = tmp_path / "attempts"
+    with pytest.raises(RunGaveUp) as e:
+        pretrain(tiny_config(data, tmp_path, max_failures=2), callbacks=[Poison(4, str(attempts))])
     assert str(e.value) == (
         "pretrain run 't' stopped at step 5: its loss was nan, so that update was skipped and the run not retried "
         "(the same step would fail again); lower the learning rates (now --matrix-lr 0.02, --embedding-lr 0.2, "
         "--unembedding-lr 0.004, --scalar-lr 0.02) and start it again: it resumes from its newest committed "
-        f"checkpoint {storage}/t/checkpoint_000003"
+        f"checkpoint {tmp_path}/t/checkpoint_000003"
     )
     assert isinstance(e.value.__cause__, NonFiniteError) and e.value.__cause__.step == 5
     assert attempts.read_text().split() == ["0"]  # one attempt: not retried
-    assert sorted(losses(storage)) == [1, 2, 3, 4]
-    last = Path(find_checkpoint(str(storage / "t")))
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
+    last = Path(find_checkpoint(str(tmp_path / "t")))
     assert read_meta(last)["step"] == 3
     weights = load_file(str(last / "model.safetensors"))
     assert all(torch.isfinite(w).all() for w in weights.values())
@@ -327,13 +306,13 @@ def test_a_non_finite_step_stops_the_run_in_one_line_without_a_retry_and_resumes
     expected = load_file(str(straight_3 / "model.safetensors"))
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
     result = pretrain(  # Poison at no step: it records where the attempt starts
-        tiny_config(data, storage, max_failures=2, matrix_lr=0.01), callbacks=[Poison(-1, str(attempts))]
+        tiny_config(data, tmp_path, max_failures=2, matrix_lr=0.01), callbacks=[Poison(-1, str(attempts))]
     )
     assert attempts.read_text().split() == ["0", "3"]
-    assert result.metrics["step"] == 6 and sorted(losses(storage)) == [1, 2, 3, 4, 5, 6]
+    assert result.metrics["step"] == 6 and sorted(losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
     # the lower lr is the one trained with: the optimizer state loaded at the resume put the checkpoint's 0.02
     # back (the warmdown, round(0.4 x 6) = 2 steps, halves the last step's)
-    lines = [json.loads(x) for x in (storage / "t" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     assert [x["lr"] for x in lines] == [0.02, 0.02, 0.02, 0.01, 0.01, 0.005]
 
 
@@ -363,23 +342,16 @@ def test_a_controller_error_ends_the_run_in_one_line(ray_cluster, data, tmp_path
     )
 
 
-def test_killed_worker_restarts_gives_up_past_max_failures_and_resumes_logging_each_step_once_on_object_storage(
-    ray_cluster, data, s3_env, tmp_path, capsys
+def test_killed_worker_restarts_from_checkpoint_gives_up_past_max_failures_and_resumes(
+    ray_cluster, data, tmp_path, capsys
 ):
-    """A run on s3://. The worker dies (os._exit, as a kill -9) as step 5 (0-based 4) begins, twice. Ray Train
-    restarts it from checkpoint 3 once (--max-failures 1); at the second death the run gives up. It ended in ~50
-    lines of two chained tracebacks; now RunGaveUp is one line (`raychat` prints it last: tests/unit/test_cli.py)
-    naming the worker, the error, the failure count and budget and the checkpoint a new start resumes from, and
-    Ray Train's error is logged once in full above it. Started again, the run resumes from that checkpoint and
-    completes, across one more death at step 5 and Ray Train's restart from the bucket's checkpoint 3.
-    (One worker: with two, the dead rank's DDP peer raises its own error, which may reach Ray Train first.)
-
-    A run on s3:// wrote no metrics.jsonl. Rank 0 (the one that logs) dies as in a kill -9 (no close, no
-    finally): each attempt's step 4 line was logged but never stored (object storage cannot append: the sink
-    PUTs the whole file at intervals and before each commit); the restarted rank 0 reads the stored lines 1-3
-    and logs 4-6 anew, so the bucket's metrics.jsonl holds each step once."""
-    bucket, marker = s3_env.make_bucket(), tmp_path / "died"
-    root = f"s3://{bucket}/runs"
+    """The worker dies (os._exit, as a kill -9) as step 5 (0-based 4) begins, twice. Ray Train restarts it from
+    checkpoint 3 once (--max-failures 1); at the second death the run gives up. It ended in ~50 lines of two
+    chained tracebacks; now RunGaveUp is one line (`raychat` prints it last: tests/unit/test_cli.py) naming the
+    worker, the error, the failure count and budget and the checkpoint a new start resumes from, and Ray Train's
+    error is logged once in full above it. Started again, the run resumes from that checkpoint and completes.
+    (One worker: with two, the dead rank's DDP peer raises its own error, which may reach Ray Train first.)"""
+    marker, root = tmp_path / "died", tmp_path / "c"
     cfg = tiny_config(data, root, max_failures=1, num_workers=1)
     with pytest.raises(RunGaveUp) as e:
         pretrain(cfg, callbacks=[FailOnce(4, str(marker), times=2)])
@@ -394,10 +366,23 @@ def test_killed_worker_restarts_gives_up_past_max_failures_and_resumes_logging_e
         "WorkerGroupError: Training failed due to worker errors:\n[Rank 0 Error Snippet]:\n"
     )
     assert "The actor died unexpectedly before finishing this task." in full
-    result = pretrain(cfg, callbacks=[FailOnce(4, str(marker), times=3)])
-    assert marker.read_text().split() == ["4", "4", "4"]  # the resumed run died once more and was restarted
+    result = pretrain(cfg, callbacks=[FailOnce(4, str(marker), times=2)])
     assert result.metrics["step"] == 6
-    assert result.checkpoint == f"{root}/t/checkpoint_000006"
+    assert sorted(losses(root))[-1] == 6
+
+
+def test_a_run_on_object_storage_logs_each_step_once_across_a_worker_restart(
+    ray_cluster, data, s3_env, tmp_path
+):
+    """A run on s3:// wrote no metrics.jsonl. Rank 0, the one that logs, dies at step 5 as in a kill -9 (no
+    close, no finally); Ray Train restarts the group from the bucket's checkpoint 3. Step 4's line was logged but
+    never stored (object storage cannot append: the sink PUTs the whole file at intervals and before each
+    commit); the restarted rank 0 reads the stored lines 1-3 and logs 4-6 anew."""
+    bucket, marker = s3_env.make_bucket(), tmp_path / "died"
+    cfg = tiny_config(data, f"s3://{bucket}/runs", max_failures=1)
+    result = pretrain(cfg, callbacks=[FailOnce(4, str(marker), rank=0)])
+    assert marker.exists() and result.metrics["step"] == 6
+    assert result.checkpoint == f"s3://{bucket}/runs/t/checkpoint_000006"
     with s3_env.filesystem().open_input_stream(f"{bucket}/runs/t/metrics.jsonl") as f:
         lines = [json.loads(line) for line in f.read().decode().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
