@@ -143,10 +143,12 @@ def test_a_lost_learner_resumes_from_the_last_committed_checkpoint(
     ray_cluster, checkpoint, tmp_path, learners
 ):
     """4 steps, checkpoints at 2 and 4, one rollout actor (the learners are what is lost); the last learner is
-    killed when step 4's rollouts are submitted (step 3 done, not checkpointed); with 2 learners the surviving rank may raise its own error (its DDP peer is gone). The run stops every actor, starts them again, resumes from checkpoint_000002 and
-    redoes steps 3 and 4: the redone step 3 has the same rewards and loss as the first (same state, prompts
-    and seeds), one failure is counted and the run completes at version 4. The summary covers the whole
-    invocation (its start_step, wall_s and learner_wait_frac were the restarted attempt's alone: start_step 2)."""
+    killed when step 4's rollouts are submitted (step 3 done, not checkpointed); with 2 learners the surviving
+    rank may raise its own error (its DDP peer is gone). The run stops every actor, starts them again, resumes
+    from checkpoint_000002 and redoes steps 3 and 4: the redone step 3 has the same rewards and loss as the
+    first (same state, prompts and seeds), one failure is counted and the run completes at version 4. The
+    summary covers the whole invocation (its start_step, wall_s and learner_wait_frac were the restarted
+    attempt's alone: start_step 2)."""
     logs, killed = [], []
 
     def kill_learner_at_step_4(dispatcher, step, chunks):
@@ -485,7 +487,8 @@ def test_a_learner_that_raises_ends_a_ddp_run_at_once_in_one_line(
     minutes). The driver took learner 0, which did not answer its 30 s ping, for lost: it restarted the actor
     group and redid the step (a fault that repeats: the run gave up naming the wrong learner, minutes later).
     Now it waits for the other learners PEER_GRACE_S only (10 s; a lost learner's call fails within them; 1 s
-    here: none is lost, so learner 0 never answers and the grace is waited out in full) and the run ends in stopped_on_error's one line naming learner 1, not retried (--max-failures 1 allows one: the same
+    here: none is lost, so learner 0 never answers and the grace is waited out in full) and the run ends in
+    stopped_on_error's one line naming learner 1, not retried (--max-failures 1 allows one: the same
     samples would raise again), well within a minute of the break; learner 0 is killed with the actor group."""
     monkeypatch.setattr(rl_actors, "PEER_GRACE_S", 1.0)
     logs, broken = [], []
@@ -572,9 +575,9 @@ def test_a_rollout_actor_hung_mid_run_is_named_within_its_deadline_and_the_run_r
     """Collecting rollouts was a plain ray.get: a rollout actor hung mid-run (a deadlock in its engine) hung the
     run for ever. Now a chunk has a deadline sized from the run's own chunks: ROLLOUT_FACTOR x the longest
     training chunk so far, at least ROLLOUT_MIN_S (here 20 x step 1's longest chunk, at least 1 s). The one
-    rollout actor, 0, has its engine hang from step 2 on (its generate sleeps 60 s, inside RolloutWorker.rollout); within the deadline
-    one line names it, its prompts, the seconds and how they were sized, and the run starts every actor again (the
-    hung one killed), resumes from checkpoint 1 and completes."""
+    rollout actor, 0, has its engine hang from step 2 on (its generate sleeps 60 s, inside
+    RolloutWorker.rollout); within the deadline one line names it, its prompts, the seconds and how they were
+    sized, and the run starts every actor again (the hung one killed), resumes from checkpoint 1 and completes."""
     monkeypatch.setattr(rl_actors, "ROLLOUT_MIN_S", 1.0)
     monkeypatch.setattr(rl_actors, "ROLLOUT_FACTOR", 20.0)
     seen = {}
