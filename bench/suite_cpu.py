@@ -41,6 +41,7 @@ DAEMONS = {
     "pytest-xdist worker": "exec(eval(sys.stdin",
 }
 FAMILIES = ("Ray daemon", "Ray worker", "pytest", "other")
+COMM_LEN = 15  # the kernel's length of a process name (comm) without its NUL
 
 
 def kind_of(titles: list[str]) -> tuple[str, str]:
@@ -97,12 +98,20 @@ class Sampler:
                 seen.append(cmd)
 
     def by_kind(self) -> tuple[Counter, Counter, Counter]:
+        """(CPU-s by kind, processes by kind, CPU-s by family)."""
         cpu, count, family = Counter(), Counter(), Counter()
         for key, seconds in self.cpu.items():
             name, fam = kind_of(self.titles.get(key) or [""])
             cpu[name] += seconds
             count[name] += 1
             family[fam] += seconds
+        # a process whose command line could not be read is named by its 15-character comm: "ray::RayTrainWo"
+        for short in [k for k in cpu if k.startswith("ray::") and len(k) == COMM_LEN]:
+            full = [k for k in cpu if k != short and k.startswith(short)]
+            if full:
+                into = max(full, key=cpu.__getitem__)
+                cpu[into] += cpu.pop(short)
+                count[into] += count.pop(short)
         return cpu, count, family
 
 

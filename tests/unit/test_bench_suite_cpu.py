@@ -12,7 +12,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
-from suite_cpu import kind_of  # noqa: E402
+from suite_cpu import Sampler, kind_of  # noqa: E402
 
 VENV = "/r/.venv/lib/python3.11/site-packages"
 
@@ -44,6 +44,21 @@ VENV = "/r/.venv/lib/python3.11/site-packages"
 )  # fmt: skip
 def test_kind_of(titles, kind):
     assert kind_of(titles) == kind
+
+
+def test_a_name_cut_to_15_characters_counts_under_its_full_kind():
+    """A Ray worker seen only by its comm ("ray::RayTrainWo", its command line unreadable) is counted as the
+    kind it cuts; a 15-character kind that cuts none stays as it is."""
+    s = Sampler(root=0)
+    for pid, title, cpu in [
+        (1, "ray::RayTrainWorker", 4.0),
+        (2, "ray::RayTrainWo", 1.5),
+        (3, "ray::ReadShards", 2.0),
+    ]:
+        s.cpu[(pid, 0.0)], s.titles[(pid, 0.0)] = cpu, [title]
+    cpu, count, family = s.by_kind()
+    assert cpu == {"ray::RayTrainWorker": 5.5, "ray::ReadShards": 2.0}
+    assert count == {"ray::RayTrainWorker": 2, "ray::ReadShards": 1} and family == {"Ray worker": 7.5}
 
 
 def test_a_run_sums_its_descendants_cpu_and_exits_with_the_commands_status(tmp_path):
