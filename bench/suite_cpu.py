@@ -9,7 +9,8 @@ one it had that is not `ray::IDLE`), a Ray daemon by its program (raylet, gcs_se
 agent, the log monitor, the autoscaler's monitor), a pytest-xdist worker, else the program and its first
 arguments (script paths by their file name). Prints a markdown table (CPU-s, share of what was attributed, processes), then the machine's busy
 CPU-s over the same wall time (what the sampling attributed is a lower bound: a process that lived less than
-one interval is missed), then one JSON line. Exits with the command's exit status. A measurement, not a test.
+one interval is missed), then one JSON line. Exits with the command's exit status (128 + N if signal N ended it, as a shell does). A measurement, not a
+test.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -46,18 +46,19 @@ COMM_LEN = 15  # the kernel's length of a process name (comm) without its NUL
 
 def kind_of(titles: list[str]) -> tuple[str, str]:
     """(kind, family) of a process from the command lines it was seen with, oldest first (Ray workers change
-    their process title as they take work). Family is one of FAMILIES."""
+    their process title as they take work): its last Ray title that is not IDLE, else its last line. Family is
+    one of FAMILIES."""
     ray_titles = [t.split()[0].split(".")[0] for t in titles if t.startswith("ray::")]
     if ray_titles:
         busy = [t for t in ray_titles if t != "ray::IDLE"]
         name = busy[-1] if busy else "ray::IDLE"
         family = "Ray daemon" if name in ("ray::DashboardAgent", "ray::RuntimeEnvAgent") else "Ray worker"
         return name, family
-    joined = " ".join(titles)
+    last = titles[-1]  # a child seen between fork and exec showed its parent's line first
     for name, marker in DAEMONS.items():
-        if marker in joined:
+        if marker in last:
             return name, "pytest" if name == "pytest-xdist worker" else "Ray daemon"
-    argv = titles[0].split()
+    argv = last.split()
     if not argv:
         return "?", "other"
     words = [os.path.basename(argv[0])]
@@ -73,51 +74,71 @@ def kind_of(titles: list[str]) -> tuple[str, str]:
 
 
 class Sampler:
-    """The last CPU seconds and the command lines of every process descending from `root`."""
+    """The last CPU seconds and the command lines of every process descending from `root`. A process is
+    (pid, create_time), so a reused pid is a new process; it descends from root when its parent, created
+    before it, does."""
 
     def __init__(self, root: int):
-        self.included = {root}
+        self.root = root
+        self.included: set[tuple[int, float]] = set()
         self.cpu: dict[tuple[int, float], float] = {}
         self.titles: dict[tuple[int, float], list[str]] = {}
 
     def sample(self) -> None:
-        procs = list(psutil.process_iter(["pid", "ppid", "cmdline", "cpu_times", "create_time", "name"]))
-        for _ in range(2):  # a child listed before its parent is found on the second pass
-            for p in procs:
-                if p.info["ppid"] in self.included:
-                    self.included.add(p.info["pid"])
-        for p in procs:
-            if p.info["pid"] not in self.included or p.info["cpu_times"] is None:
+        procs = [
+            p.info
+            for p in psutil.process_iter(["pid", "ppid", "cmdline", "cpu_times", "create_time", "name"])
+        ]
+        by_pid = {i["pid"]: i for i in procs if i["create_time"] is not None}
+        keys = {pid: (pid, i["create_time"]) for pid, i in by_pid.items()}
+        if self.root in keys:
+            self.included.add(keys[self.root])
+        grew = True
+        while grew:  # until no new generation joins (a child may be listed before its parent)
+            grew = False
+            for pid, i in by_pid.items():
+                parent = by_pid.get(i["ppid"])
+                if keys[pid] in self.included or parent is None or keys[parent["pid"]] not in self.included:
+                    continue
+                if parent["create_time"] <= i["create_time"]:
+                    self.included.add(keys[pid])
+                    grew = True
+        for pid, i in by_pid.items():
+            if keys[pid] not in self.included or i["cpu_times"] is None:
                 continue
-            key = (p.info["pid"], p.info["create_time"])
-            cmd = " ".join(p.info["cmdline"] or [p.info["name"] or ""])[:200]
-            t = p.info["cpu_times"]
-            self.cpu[key] = t.user + t.system
-            seen = self.titles.setdefault(key, [])
+            self.cpu[keys[pid]] = i["cpu_times"].user + i["cpu_times"].system
+            seen = self.titles.setdefault(keys[pid], [])
+            # its name (the 15-character comm) only while no command line was read: an exiting process has none
+            cmd = " ".join(i["cmdline"] or [])[:200] or ("" if seen else i["name"] or "")
             if cmd and cmd not in seen:
                 seen.append(cmd)
 
     def by_kind(self) -> tuple[Counter, Counter, Counter]:
         """(CPU-s by kind, processes by kind, CPU-s by family)."""
-        cpu, count, family = Counter(), Counter(), Counter()
+        cpu, count, family_of = Counter(), Counter(), {}
         for key, seconds in self.cpu.items():
-            name, fam = kind_of(self.titles.get(key) or [""])
+            name, family_of[name] = kind_of(self.titles.get(key) or [""])
             cpu[name] += seconds
             count[name] += 1
-            family[fam] += seconds
-        # a process whose command line could not be read is named by its 15-character comm: "ray::RayTrainWo"
+        # a process whose command line could not be read is named by its 15-character comm: "ray::RayTrainWo";
+        # counted under the one kind it cuts (one that cuts several, or none, stays as it is)
         for short in [k for k in cpu if k.startswith("ray::") and len(k) == COMM_LEN]:
             full = [k for k in cpu if k != short and k.startswith(short)]
-            if full:
-                into = max(full, key=cpu.__getitem__)
-                cpu[into] += cpu.pop(short)
-                count[into] += count.pop(short)
+            if len(full) == 1:
+                cpu[full[0]] += cpu.pop(short)
+                count[full[0]] += count.pop(short)
+        family = Counter()
+        for name, seconds in cpu.items():
+            family[family_of[name]] += seconds
         return cpu, count, family
 
 
 def busy_cpu_s() -> float:
+    """CPU seconds the machine's CPUs spent busy since boot (not idle, waiting on I/O, stolen, or in guests,
+    which user time already counts)."""
     t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+    spare = ("idle", "iowait", "steal", "guest", "guest_nice")
+    return sum(t) - sum(getattr(t, f, 0.0) for f in spare)
 
 
 def main() -> int:
@@ -133,13 +154,12 @@ def main() -> int:
     before, busy0, t0 = uptime(), busy_cpu_s(), time.monotonic()
     proc = subprocess.Popen(command)
     sampler = Sampler(proc.pid)
-    try:
-        while proc.poll() is None:
+    while proc.poll() is None:
+        try:
             sampler.sample()
             time.sleep(args.interval)
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        proc.wait()
+        except KeyboardInterrupt:  # the terminal's Ctrl-C reached the command too: report once it has ended
+            pass
     wall, busy = time.monotonic() - t0, busy_cpu_s() - busy0
     cpu, count, family = sampler.by_kind()
     total = sum(cpu.values()) or 1e-9
@@ -167,7 +187,7 @@ def main() -> int:
         "families": {f: round(family[f], 1) for f in FAMILIES},
         "kinds": {k: round(v, 1) for k, v in cpu.most_common(args.top)},
     }))  # fmt: skip
-    return proc.returncode
+    return 128 - proc.returncode if proc.returncode < 0 else proc.returncode  # killed by a signal: as a shell
 
 
 if __name__ == "__main__":

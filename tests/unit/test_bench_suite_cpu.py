@@ -46,19 +46,32 @@ def test_kind_of(titles, kind):
     assert kind_of(titles) == kind
 
 
-def test_a_name_cut_to_15_characters_counts_under_its_full_kind():
-    """A Ray worker seen only by its comm ("ray::RayTrainWo", its command line unreadable) is counted as the
-    kind it cuts; a 15-character kind that cuts none stays as it is."""
+def test_a_name_cut_to_15_characters_counts_under_the_one_kind_it_cuts():
+    """A Ray process seen only by its comm ("ray::RayTrainWo", its command line unreadable) is counted as the
+    one kind it cuts, in that kind's family; one that cuts two kinds, or none, stays as it is."""
     s = Sampler(root=0)
-    for pid, title, cpu in [
-        (1, "ray::RayTrainWorker", 4.0),
-        (2, "ray::RayTrainWo", 1.5),
-        (3, "ray::ReadShards", 2.0),
-    ]:
+    seen = [
+        ("ray::RayTrainWorker", 4.0), ("ray::RayTrainWo", 1.5), ("ray::DashboardAgent", 1.0),
+        ("ray::DashboardA", 0.5), ("ray::ServeReplica:a:X", 1.0), ("ray::ServeReplica:a:Y", 1.0),
+        ("ray::ServeRepli", 0.25), ("ray::ReadShards", 2.0),
+    ]  # fmt: skip
+    for pid, (title, cpu) in enumerate(seen):
         s.cpu[(pid, 0.0)], s.titles[(pid, 0.0)] = cpu, [title]
     cpu, count, family = s.by_kind()
-    assert cpu == {"ray::RayTrainWorker": 5.5, "ray::ReadShards": 2.0}
-    assert count == {"ray::RayTrainWorker": 2, "ray::ReadShards": 1} and family == {"Ray worker": 7.5}
+    assert cpu == {
+        "ray::RayTrainWorker": 5.5, "ray::DashboardAgent": 1.5, "ray::ServeReplica:a:X": 1.0,
+        "ray::ServeReplica:a:Y": 1.0, "ray::ServeRepli": 0.25, "ray::ReadShards": 2.0,
+    }  # fmt: skip
+    assert count["ray::RayTrainWorker"] == 2 and count["ray::DashboardAgent"] == 2
+    assert family == {"Ray worker": 9.75, "Ray daemon": 1.5}
+
+
+def test_a_child_seen_before_its_exec_is_named_by_its_own_command():
+    xdist = "/r/.venv/bin/python3 -u -c import sys;exec(eval(sys.stdin.readline()))"
+    assert kind_of([xdist, "/r/.venv/bin/python3 -m raychat.cli serve --port 1"]) == (
+        "python3 -m raychat.cli serve",
+        "other",
+    )
 
 
 def test_a_run_sums_its_descendants_cpu_and_exits_with_the_commands_status(tmp_path):
