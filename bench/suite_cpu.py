@@ -7,10 +7,11 @@ under its kind.
 Kinds: a Ray worker by its process title (`ray::RayTrainWorker`, `ray::ServeReplica:app:Deployment`: the last
 one it had that is not `ray::IDLE`), a Ray daemon by its program (raylet, gcs_server, the dashboard and its
 agent, the log monitor, the autoscaler's monitor), a pytest-xdist worker, else the program and its first
-arguments (script paths by their file name). Prints a markdown table (CPU-s, share of what was attributed, processes), then the machine's busy
-CPU-s over the same wall time (what the sampling attributed is a lower bound: a process that lived less than
-one interval is missed), then one JSON line. Exits with the command's exit status (128 + N if signal N ended it, as a shell does). A measurement, not a
-test.
+arguments (script paths by their file name). Prints a markdown table (CPU-s, share of what was attributed,
+processes), then the machine's busy CPU-s over the same wall time, then one JSON line. What was attributed is
+a lower bound: a process's CPU after its last sample (up to one interval of it, all of a process that lived
+less than one) is missed. Exits with the command's exit status (128 + N if signal N ended it, as a shell
+does). A measurement, not a test.
 """
 
 from __future__ import annotations
