@@ -69,6 +69,14 @@ from raychat.train.worker import train_loop_per_worker
 WORKER_GROUP_START_TIMEOUT_ENV = (
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # ray/train/v2/_internal/constants.py
 )
+HEALTH_CHECK_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # ray/train/v2/_internal/constants.py
+# How often Ray Train's controller polls the workers (Ray's default 2 s): it sees a finished run, a report or a
+# failed worker at the next poll. bench/results/run_end.md (2 cores, local Ray): the workers' function returned
+# -> fit() returned took 2.8-3.7 s at 2 s and 0.7-1.3 s at 0.5 s; a 4-step run 39.1 -> 32.4 s. A poll is one
+# small actor call per worker; a worker slower than the interval to answer only misses that poll (Ray Train
+# ends a worker after RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S, 10 min, of missed polls). Set unless the
+# environment sets it.
+HEALTH_CHECK_INTERVAL_S = 0.5
 # An elastic run (--min-workers) places its worker group in attempts of at most this long: after a lost node
 # Ray Train's next attempt asks for the workers the cluster has (Ray's own start timeout is 60 s).
 ELASTIC_ATTEMPT_S = 60.0
@@ -938,7 +946,8 @@ def failure_config(layout) -> FailureConfig:
 
 def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity, flags: Flags = COMMANDS):
     """trainer.fit() with the placement bounded by --schedule-timeout-s (Ray Train's worker group start timeout,
-    RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, which Ray Train passes from this process to its controller) and,
+    RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, which Ray Train passes from this process to its controller), the
+    workers polled every HEALTH_CHECK_INTERVAL_S (unless RAY_TRAIN_HEALTH_CHECK_INTERVAL_S is set) and,
     while the group waits for nodes, a line every few seconds saying what it waits for and for how long.
 
     Raises:
@@ -950,6 +959,7 @@ def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity, flags: Flag
     """
     c = cfg.layout
     os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = f"{placement_attempts(c)[0]:g}"
+    os.environ.setdefault(HEALTH_CHECK_INTERVAL_ENV, f"{HEALTH_CHECK_INTERVAL_S:g}")
     # Ray Data's detached stats actor lives on the node of whoever first runs a dataset and never ends: made
     # here, it is on the driver's node, not on a worker node the autoscaler must be able to remove when idle
     # (tests/cluster/test_autoscaling.py saw a worker node kept forever by it).
@@ -959,7 +969,9 @@ def fit(trainer: TorchTrainer, cfg: TrainConfig, capacity: Capacity, flags: Flag
     reporter = WaitReporter(what, placement_state).start()
     try:
         mark("fit_called")
-        return trainer.fit()
+        result = trainer.fit()
+        mark("fit_returned")
+        return result
     except TrainingFailedError as e:
         text = str(e)
         if "WorkerGroupStartupTimeoutError" in text or "worker group startup timed out" in text:

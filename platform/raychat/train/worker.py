@@ -175,4 +175,5 @@ def train_loop_per_worker(config: dict) -> NonFiniteError | None:
         rows.close()  # its Ray Data pipeline's autoscaling request would hold the nodes for 180 s more
         if metrics is not None:
             metrics.close()
+        mark("worker_fn_end")
     return None
