@@ -17,10 +17,10 @@ os.environ["RAY_AUTH_MODE"] = "token"
 # (subprocesses, Ray nodes and their workers) inherits it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from support.cluster import RAY_STARTUP_WAIT  # noqa: E402
+from support.cluster import RAY_LOG_MONITOR, RAY_STARTUP_WAIT  # noqa: E402
 
-# and the start-up wait of every Ray node the tests start, a local ray.init()'s too (support.cluster)
-os.environ.update({k: os.environ.get(k, v) for k, v in RAY_STARTUP_WAIT.items()})
+# and the start-up wait and log monitor of every Ray node the tests start, a local ray.init()'s too (support.cluster)
+os.environ.update({k: os.environ.get(k, v) for k, v in {**RAY_STARTUP_WAIT, **RAY_LOG_MONITOR}.items()})
 
 import pytest  # noqa: E402
 import ray  # noqa: E402

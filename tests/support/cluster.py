@@ -54,6 +54,12 @@ STARTUP_TIMEOUT = "The current node timed out during startup"
 # own "GCS cannot find the node" message names). Measured: with a worker's raylet stopped for 45 s, `ray
 # start` exits at 30 s by default and comes up at 48 s with 60. Set for every Ray process the tests start.
 RAY_STARTUP_WAIT = {"RAY_raylet_start_wait_time_s": "60"}
+# Ray's log monitor (one a node, log_monitor.py) globs the node's log directory for new files in each 0.1 s loop
+# while it knows fewer than RAY_LOG_MONITOR_MANY_FILES_THRESHOLD (1000) files, else every 0.5 s; at 0 it looks
+# every 0.5 s (a new worker's lines reach the driver within 0.5 s, then as they come). Measured (2026-12-07, a
+# local Ray with 20 idle actors): 0.81 -> 0.46 CPU-s a minute per node; the suite's 41 log monitors took 122
+# CPU-s (bench/results/suite_cpu.md). Set for every Ray process the tests start, as RAY_STARTUP_WAIT.
+RAY_LOG_MONITOR = {"RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"}
 # A node start that still hit STARTUP_TIMEOUT is tried again: at most this many attempts in all.
 START_ATTEMPTS = 3
 # Ray system config through the environment (RAY_<name>), read by every Ray process of the nodes:
