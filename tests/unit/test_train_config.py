@@ -492,9 +492,10 @@ def test_fit_has_ray_trains_controller_poll_the_workers_every_half_second_unless
 ):
     """Ray Train's controller reads RAY_TRAIN_HEALTH_CHECK_INTERVAL_S from the driver's environment when
     trainer.fit() creates it (Ray's default 2 s: a finished run reached the driver 2.8-3.7 s after the
-    workers' function returned, 0.7-1.3 s at 0.5 s; bench/results/run_end.md). fit() sets 0.5 s unless the user set a value; the worker
-    group's start timeout is --schedule-timeout-s (one placement attempt). The Ray calls around trainer.fit()
-    (Ray Data's stats actor, the placement reporter's thread) are stubbed: this checks the environment alone."""
+    workers' function returned, 0.7-1.3 s at 0.5 s; bench/results/run_end.md). fit() sets 0.5 s unless the
+    user set a value; the worker group's start timeout is --schedule-timeout-s (one placement attempt). The Ray
+    calls around trainer.fit() (Ray Data's stats actor, the placement reporter's thread) are stubbed: this
+    checks the environment alone."""
     monkeypatch.delenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", raising=False)
     monkeypatch.delenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", raising=False)
     if preset is not None:

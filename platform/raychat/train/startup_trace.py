@@ -2,7 +2,9 @@
 worker append one line per start-up event to that file, `startup <event> <unix time s> pid=<pid> rank=<RANK>`;
 the first event of a process is preceded by `process_start` (its start time from /proc, Linux; 10 ms ticks).
 Unset (the default): nothing is written. bench/job_startup_cluster.py builds the timeline of a pretraining job
-on the fixture cluster from these lines (its nodes share this machine's file system).
+on the fixture cluster from these lines (its nodes share this machine's file system); bench/run_end.py times a
+run's end from the last two events, `worker_fn_end` (a worker's training function returned) and
+`fit_returned` (the driver's trainer.fit() returned).
 """
 
 from __future__ import annotations
