@@ -74,8 +74,9 @@ format: $(STAMP)
 # 2-core machine: the whole suite in 1139 s (.ci/run on a clean clone: 1246 s with the install), where the Ray
 # tiers alone took 1771 s run one at a time.
 # The bytecode of raychat is compiled first: where PYTHONDONTWRITEBYTECODE=1 (these machines set it) no process
-# writes it, and each of the ~340 processes of the suite that import raychat (Ray Train workers, RL actors, Serve
-# replicas, Ray Data tasks, CLI runs) compiled its ~110 modules again: 0.15 CPU-s a process (measured 2026-12-07).
+# writes it, and each process of the suite that imports raychat (Ray Train workers, RL actors, Serve replicas, Ray
+# Data tasks, CLI runs: about 340, counted from bench/results/suite_cpu.md's kinds) compiled its ~110 modules
+# again: 0.15 CPU-s a process (measured 2026-12-07, `import raychat.train.worker, ...` with and without them).
 test: lint test-deps s3-server
 	$(RUN)/python -m compileall -q platform
 	$(RUN)/pytest -q -n 2 --durations=15

@@ -7,7 +7,7 @@ synthetic corpus, with RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=2 (Ray's default: "befo
 raychat.train.launch.HEALTH_CHECK_INTERVAL_S: "after"), in ABBA order, --repeats times each. From each run's
 start-up trace (RAYCHAT_STARTUP_TRACE, raychat.train.startup_trace), in seconds:
   - end: the last worker's "worker_fn_end" (its training function returned) -> the driver's "fit_returned";
-  - run: process start -> the command's exit (its whole wall time).
+  - run: the command's wall time, from its launch to its exit.
 Prints a markdown table and one JSON line last; the losses of the runs must be equal (same seed).
 """
 
@@ -82,9 +82,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="run_end-"))
     make_corpus(root)
     load_before = uptime()
-    order = [
-        s for _ in range(a.repeats) for s in (("before", "after") if _ % 2 == 0 else ("after", "before"))
-    ]
+    order = [s for r in range(a.repeats) for s in (("before", "after"), ("after", "before"))[r % 2]]
     results: dict[str, list[dict]] = {"before": [], "after": []}
     for i, setting in enumerate(order):
         r = run(root, f"{setting}-{i}", SETTINGS[setting])
